@@ -1,0 +1,45 @@
+#include "balancer/core/load_matrix.h"
+
+#include <cmath>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+
+namespace ubep::balancer {
+
+LoadMatrix::LoadMatrix(int num_layers, int num_experts)
+    : num_layers_(num_layers),
+      num_experts_(num_experts),
+      values_(static_cast<size_t>(num_layers) * num_experts, 0.0),
+      layer_ids_(num_layers) {
+  std::iota(layer_ids_.begin(), layer_ids_.end(), 0);
+}
+
+double LoadMatrix::RowSum(int layer) const {
+  std::span<const double> r = row(layer);
+  return std::accumulate(r.begin(), r.end(), 0.0);
+}
+
+void LoadMatrix::AddScaled(const LoadMatrix& other, double scale) {
+  for (size_t i = 0; i < values_.size(); ++i) values_[i] += scale * other.values_[i];
+}
+
+absl::Status ValidateLoad(const LoadMatrix& load) {
+  if (load.num_layers() <= 0 || load.num_experts() <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("load is empty: ", load.num_layers(),
+                                                   " layers x ", load.num_experts(), " experts"));
+  }
+  for (int l = 0; l < load.num_layers(); ++l) {
+    for (int e = 0; e < load.num_experts(); ++e) {
+      const double v = load.at(l, e);
+      if (!std::isfinite(v) || v < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("load of layer ", load.layer_ids()[l], " expert ", e, " is ", v,
+                         "; loads must be finite and non-negative"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace ubep::balancer

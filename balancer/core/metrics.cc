@@ -1,0 +1,65 @@
+#include "balancer/core/metrics.h"
+
+#include <algorithm>
+#include <numeric>
+
+namespace ubep::balancer {
+
+std::vector<double> RankLoads(const Topology& topology, const LayerPlan& layer,
+                              std::span<const double> expert_load) {
+  std::vector<double> loads(topology.num_ranks, 0.0);
+  for (int p = 0; p < topology.num_slots(); ++p) {
+    loads[topology.RankOfSlot(p)] += expert_load[layer.slot_expert[p]] * layer.slot_share[p];
+  }
+  return loads;
+}
+
+double Balancedness(std::span<const double> rank_loads) {
+  if (rank_loads.empty()) return 1.0;
+  const double total = std::accumulate(rank_loads.begin(), rank_loads.end(), 0.0);
+  if (total <= 0) return 1.0;
+  const double max = *std::max_element(rank_loads.begin(), rank_loads.end());
+  return max * static_cast<double>(rank_loads.size()) / total;
+}
+
+BalanceSummary SummarizeBalance(const Plan& plan, const LoadMatrix& load) {
+  BalanceSummary summary;
+  summary.worst = 0.0;
+  double sum = 0.0;
+  for (int l = 0; l < plan.num_layers(); ++l) {
+    const double b = Balancedness(RankLoads(plan.topology, plan.layers[l], load.row(l)));
+    summary.per_layer.push_back(b);
+    sum += b;
+    summary.worst = std::max(summary.worst, b);
+  }
+  if (plan.num_layers() > 0) summary.mean = sum / plan.num_layers();
+  if (summary.per_layer.empty()) summary.worst = 1.0;
+  return summary;
+}
+
+double CrossNodeShare(const Plan& plan, const LoadMatrix& load) {
+  const Topology& t = plan.topology;
+  double total = 0.0;
+  double local = 0.0;
+  std::vector<double> node_share(static_cast<size_t>(plan.num_experts) * t.num_nodes);
+  for (int l = 0; l < plan.num_layers(); ++l) {
+    std::fill(node_share.begin(), node_share.end(), 0.0);
+    const LayerPlan& layer = plan.layers[l];
+    for (int p = 0; p < t.num_slots(); ++p) {
+      node_share[layer.slot_expert[p] * t.num_nodes + t.NodeOfRank(t.RankOfSlot(p))] +=
+          layer.slot_share[p];
+    }
+    // Each node sources 1/num_nodes of an expert's pairs and keeps up to its replicas' share.
+    const double source_fraction = 1.0 / t.num_nodes;
+    for (int e = 0; e < plan.num_experts; ++e) {
+      const double w = load.at(l, e);
+      total += w;
+      for (int n = 0; n < t.num_nodes; ++n) {
+        local += w * std::min(source_fraction, node_share[e * t.num_nodes + n]);
+      }
+    }
+  }
+  return total > 0 ? (total - local) / total : 0.0;
+}
+
+}  // namespace ubep::balancer

@@ -1,0 +1,64 @@
+// Plan: per MoE layer, the logical expert held by every physical slot and the share of that
+// expert's traffic the slot receives. The data plane splits an expert's (token, k) pairs between
+// its replicas by these shares, so shares need not be equal. Versions only grow.
+// A value type; thread-compatible.
+//
+// Invariants (ValidatePlan): every slot holds an expert in [0, num_experts); every expert has at
+// least one replica; shares are in [0, 1] and an expert's shares sum to 1 within 1e-9.
+#ifndef UBEP_BALANCER_CORE_PLAN_H_
+#define UBEP_BALANCER_CORE_PLAN_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "balancer/core/topology.h"
+
+namespace ubep::balancer {
+
+struct LayerPlan {
+  std::vector<int> slot_expert;    // phy2log: [num_slots].
+  std::vector<double> slot_share;  // [num_slots]: share of slot_expert[p]'s traffic at slot p.
+};
+
+struct Plan {
+  uint64_t version = 0;
+  Topology topology;
+  int num_experts = 0;
+  std::vector<int> layer_ids;  // Model layer index of each entry of `layers`.
+  std::vector<LayerPlan> layers;
+
+  int num_layers() const { return static_cast<int>(layers.size()); }
+};
+
+// Tolerance on the sum of an expert's shares.
+inline constexpr double kShareSumTolerance = 1e-9;
+
+absl::Status ValidatePlan(const Plan& plan);
+
+// EPLB's array form (DeepSeek eplb.py): log2phy lists each expert's physical slots padded
+// with -1 to the largest replica count; shares is aligned with log2phy (0 in padding).
+// Replicas are listed in slot order.
+struct EplbArrays {
+  std::vector<std::vector<int>> phy2log;                // [L][num_slots]
+  std::vector<std::vector<std::vector<int>>> log2phy;   // [L][E][max_replicas]
+  std::vector<std::vector<int>> logcnt;                 // [L][E]
+  std::vector<std::vector<std::vector<double>>> shares; // [L][E][max_replicas]
+};
+
+EplbArrays ToEplbArrays(const Plan& plan);
+
+// Gives every replica of each expert an equal share (EPLB's semantics).
+void SetEqualShares(int num_experts, LayerPlan& layer);
+
+// Slots whose expert differs between two plans of the same shape, in total and per rank
+// (per_rank may be null).
+int64_t ChangedSlots(const Plan& before, const Plan& after, std::vector<int64_t>* per_rank);
+
+// OK when `previous` has the same topology, expert count and layer count as `current`.
+absl::Status CheckSameShape(const Plan& previous, const Topology& topology, int num_experts,
+                            int num_layers);
+
+}  // namespace ubep::balancer
+
+#endif  // UBEP_BALANCER_CORE_PLAN_H_

@@ -1,0 +1,42 @@
+// Planner: one entry point over the placement policies, so the CLI, benchmarks and the control
+// plane pick a policy by name.
+//
+//   PlannerOptions options{.policy = Policy::kUbep, .migration_budget = 2};
+//   absl::StatusOr<Plan> plan = ComputePlan(load, topology, &previous, options);
+//
+// Pure; thread-compatible.
+#ifndef UBEP_BALANCER_CORE_PLANNER_H_
+#define UBEP_BALANCER_CORE_PLANNER_H_
+
+#include <cstdint>
+#include <string_view>
+
+#include "absl/status/statusor.h"
+#include "balancer/core/load_matrix.h"
+#include "balancer/core/plan.h"
+
+namespace ubep::balancer {
+
+enum class Policy {
+  kEplb,        // DeepSeek EPLB: hierarchical when groups divide by nodes, else global.
+  kEplbGlobal,  // DeepSeek EPLB with groups = nodes = 1.
+  kUbep,        // ubep_policy.h.
+};
+
+absl::StatusOr<Policy> ParsePolicy(std::string_view name);
+std::string_view PolicyName(Policy policy);
+
+struct PlannerOptions {
+  Policy policy = Policy::kUbep;
+  uint64_t seed = 0;
+  int migration_budget = -1;  // Per rank per layer; negative = unlimited. ubep only.
+};
+
+// The EPLB policies ignore `previous` apart from the version (they always replan from
+// scratch); `ubep` starts from it. The new plan's version is previous->version + 1, or 1.
+absl::StatusOr<Plan> ComputePlan(const LoadMatrix& load, const Topology& topology,
+                                 const Plan* previous, const PlannerOptions& options);
+
+}  // namespace ubep::balancer
+
+#endif  // UBEP_BALANCER_CORE_PLANNER_H_

@@ -1,0 +1,33 @@
+// Topology: the shape a plan is made for: ranks, the nodes they sit on, physical expert slots
+// per rank per MoE layer, and DeepSeek-style expert groups. Ranks are laid out node-major:
+// rank r sits on node r / (num_ranks / num_nodes). Slot p = r * slots_per_rank + i.
+// A plain value type; thread-compatible.
+#ifndef UBEP_BALANCER_CORE_TOPOLOGY_H_
+#define UBEP_BALANCER_CORE_TOPOLOGY_H_
+
+#include "absl/status/status.h"
+
+namespace ubep::balancer {
+
+struct Topology {
+  int num_ranks = 0;
+  int num_nodes = 1;
+  int slots_per_rank = 0;
+  int num_groups = 1;  // Expert groups; 1 = no grouping.
+
+  int num_slots() const { return num_ranks * slots_per_rank; }
+  int ranks_per_node() const { return num_ranks / num_nodes; }
+  int NodeOfRank(int rank) const { return rank / ranks_per_node(); }
+  int RankOfSlot(int slot) const { return slot / slots_per_rank; }
+
+  friend bool operator==(const Topology&, const Topology&) = default;
+};
+
+// OK when `topology` can hold `num_experts` logical experts: positive counts, ranks divisible
+// by nodes, at least one slot per expert, experts divisible by groups. The message names the
+// field and the problem.
+absl::Status ValidateTopology(const Topology& topology, int num_experts);
+
+}  // namespace ubep::balancer
+
+#endif  // UBEP_BALANCER_CORE_TOPOLOGY_H_

@@ -1,0 +1,50 @@
+// The `ubep` placement policy. Per layer:
+//  1. replica counts: each spare slot goes to the expert with the most load per replica;
+//  2. placement: replicas, heaviest first, each onto the least-loaded rank that has a free slot
+//     and does not hold the expert yet; an expert's extra replicas prefer nodes that hold none
+//     of it (topology-aware: no group is pinned to a node);
+//  3. shares: leveled (share_leveling.h) so that replicated experts absorb the imbalance that
+//     whole replicas leave.
+// Given a previous plan it is migration-aware instead: it keeps the previous placement,
+// re-levels shares for the new load (free: no weights move) and then changes single slots,
+// each one only when it lowers the largest rank load by at least `min_gain`, until the target
+// balancedness is reached or the per-rank budget is spent.
+// Deterministic for a given (load, topology, previous plan, options). Pure; thread-compatible.
+#ifndef UBEP_BALANCER_CORE_UBEP_POLICY_H_
+#define UBEP_BALANCER_CORE_UBEP_POLICY_H_
+
+#include <cstdint>
+#include <span>
+
+#include "absl/status/statusor.h"
+#include "balancer/core/load_matrix.h"
+#include "balancer/core/plan.h"
+
+namespace ubep::balancer {
+
+struct UbepPolicyOptions {
+  uint64_t seed = 0;  // Breaks ties between equally loaded ranks.
+  // Most slots of one rank in one layer that may hold another expert than in the previous
+  // plan (each is one expert-weight copy); negative = unlimited.
+  int migration_budget = -1;
+  // With a previous plan: stop changing slots once a layer's balancedness is at most this.
+  double target_balancedness = 1.002;
+  // With a previous plan: a slot change must lower the layer's largest rank load by at least
+  // this fraction of the mean rank load.
+  double min_gain = 0.002;
+};
+
+absl::StatusOr<Plan> PlanUbep(const LoadMatrix& load, const Topology& topology,
+                              const Plan* previous, const UbepPolicyOptions& options);
+
+// One layer from scratch. Exposed for tests and benchmarks.
+LayerPlan UbepLayerFresh(std::span<const double> expert_load, const Topology& topology,
+                         uint64_t seed);
+
+// One layer starting from `previous`. Exposed for tests and benchmarks.
+LayerPlan UbepLayerIncremental(std::span<const double> expert_load, const Topology& topology,
+                               const LayerPlan& previous, const UbepPolicyOptions& options);
+
+}  // namespace ubep::balancer
+
+#endif  // UBEP_BALANCER_CORE_UBEP_POLICY_H_

@@ -1,0 +1,380 @@
+#include "balancer/formats/json_formats.h"
+
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "nlohmann/json.hpp"
+
+namespace ubep::balancer {
+namespace {
+
+using Json = nlohmann::json;
+
+absl::Status Bad(const std::string& name, const std::string& field, const std::string& problem) {
+  return absl::InvalidArgumentError(absl::StrCat(name, ": ", field, ": ", problem));
+}
+
+absl::StatusOr<Json> ParseJson(const std::string& text, const std::string& name) {
+  Json json = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (json.is_discarded()) {
+    // Re-parse with a sax reporter to learn where it failed, without exceptions.
+    struct Reporter : nlohmann::json_sax<Json> {
+      std::string error;
+      bool null() override { return true; }
+      bool boolean(bool) override { return true; }
+      bool number_integer(number_integer_t) override { return true; }
+      bool number_unsigned(number_unsigned_t) override { return true; }
+      bool number_float(number_float_t, const string_t&) override { return true; }
+      bool string(string_t&) override { return true; }
+      bool binary(binary_t&) override { return true; }
+      bool start_object(std::size_t) override { return true; }
+      bool key(string_t&) override { return true; }
+      bool end_object() override { return true; }
+      bool start_array(std::size_t) override { return true; }
+      bool end_array() override { return true; }
+      bool parse_error(std::size_t position, const std::string&,
+                       const nlohmann::detail::exception& ex) override {
+        error = absl::StrCat("byte ", position, ": ", ex.what());
+        return false;
+      }
+    } reporter;
+    Json::sax_parse(text, &reporter, Json::input_format_t::json, /*strict=*/true);
+    return Bad(name, "(document)", absl::StrCat("malformed JSON at ", reporter.error));
+  }
+  return json;
+}
+
+// Reads a finite, non-negative number.
+absl::StatusOr<double> NonNegative(const Json& v, const std::string& name,
+                                   const std::string& field) {
+  if (!v.is_number()) return Bad(name, field, absl::StrCat("expected a number, got ", v.dump()));
+  const double d = v.get<double>();
+  if (!std::isfinite(d) || d < 0) {
+    return Bad(name, field, absl::StrCat("is ", v.dump(), "; must be finite and non-negative"));
+  }
+  return d;
+}
+
+absl::StatusOr<int> Integer(const Json& v, const std::string& name, const std::string& field,
+                            int64_t min, int64_t max) {
+  if (!v.is_number_integer()) {
+    return Bad(name, field, absl::StrCat("expected an integer, got ", v.dump()));
+  }
+  const int64_t i = v.get<int64_t>();
+  if (i < min || i > max) {
+    return Bad(name, field, absl::StrCat("is ", i, ", outside [", min, ", ", max, "]"));
+  }
+  return static_cast<int>(i);
+}
+
+// A rectangular [rows][cols] array of integers in [min, max]; cols = -1 takes the first row's.
+absl::StatusOr<std::vector<std::vector<int>>> IntMatrix(const Json& v, const std::string& name,
+                                                        const std::string& field, int rows,
+                                                        int cols, int64_t min, int64_t max) {
+  if (!v.is_array()) return Bad(name, field, "expected an array of arrays");
+  if (rows >= 0 && static_cast<int>(v.size()) != rows) {
+    return Bad(name, field, absl::StrCat("has ", v.size(), " rows, expected ", rows));
+  }
+  std::vector<std::vector<int>> out;
+  for (size_t i = 0; i < v.size(); ++i) {
+    const std::string row_field = absl::StrCat(field, "[", i, "]");
+    if (!v[i].is_array()) return Bad(name, row_field, "expected an array");
+    if (cols < 0) cols = static_cast<int>(v[i].size());
+    if (static_cast<int>(v[i].size()) != cols) {
+      return Bad(name, row_field, absl::StrCat("has ", v[i].size(), " entries, expected ", cols));
+    }
+    std::vector<int> row;
+    for (size_t j = 0; j < v[i].size(); ++j) {
+      UBEP_ASSIGN_OR_RETURN(int x, Integer(v[i][j], name, absl::StrCat(row_field, "[", j, "]"),
+                                           min, max));
+      row.push_back(x);
+    }
+    out.push_back(std::move(row));
+  }
+  return out;
+}
+
+absl::StatusOr<Topology> ParseTopology(const Json& v, const std::string& name) {
+  if (!v.is_object()) return Bad(name, "topology", "expected an object");
+  Topology t;
+  const std::pair<const char*, int*> fields[] = {{"ranks", &t.num_ranks},
+                                                 {"nodes", &t.num_nodes},
+                                                 {"slots_per_rank", &t.slots_per_rank},
+                                                 {"groups", &t.num_groups}};
+  for (const auto& [key, out] : fields) {
+    if (!v.contains(key)) {
+      if (std::string(key) == "groups") continue;
+      return Bad(name, absl::StrCat("topology.", key), "missing");
+    }
+    UBEP_ASSIGN_OR_RETURN(*out, Integer(v[key], name, absl::StrCat("topology.", key), 1,
+                                        1 << 20));
+  }
+  return t;
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> ReadTextFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    const int err = errno;
+    std::string message = absl::StrCat(path, ": cannot read: ", std::strerror(err));
+    return err == ENOENT ? absl::NotFoundError(message) : absl::InvalidArgumentError(message);
+  }
+  std::ostringstream buffer;
+  buffer << in.rdbuf();
+  return buffer.str();
+}
+
+absl::Status WriteTextFile(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) {
+      return absl::PermissionDeniedError(
+          absl::StrCat(path, ": cannot write: ", std::strerror(errno)));
+    }
+    out << text;
+    if (!out.flush()) {
+      return absl::InternalError(absl::StrCat(path, ": write failed: ", std::strerror(errno)));
+    }
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    return absl::InternalError(absl::StrCat(path, ": rename failed: ", std::strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<LoadMatrix> ParseSglangLoad(const std::string& text, const std::string& name) {
+  UBEP_ASSIGN_OR_RETURN(Json json, ParseJson(text, name));
+  if (!json.is_object() || !json.contains("logical_count")) {
+    return Bad(name, "logical_count", "missing; expected {\"logical_count\": [[...], ...]}");
+  }
+  const Json& rows = json["logical_count"];
+  if (!rows.is_array() || rows.empty()) {
+    return Bad(name, "logical_count", "expected a non-empty array of per-layer arrays");
+  }
+  std::vector<std::vector<double>> values;
+  std::vector<int> layer_ids;
+  size_t num_experts = 0;
+  for (size_t l = 0; l < rows.size(); ++l) {
+    const std::string field = absl::StrCat("logical_count[", l, "]");
+    if (!rows[l].is_array() || rows[l].empty()) {
+      return Bad(name, field, "expected a non-empty array of per-expert counts");
+    }
+    if (l == 0) num_experts = rows[l].size();
+    if (rows[l].size() != num_experts) {
+      return Bad(name, field,
+                 absl::StrCat("has ", rows[l].size(), " experts, logical_count[0] has ",
+                              num_experts, " (ragged rows)"));
+    }
+    std::vector<double> row;
+    double sum = 0;
+    for (size_t e = 0; e < num_experts; ++e) {
+      UBEP_ASSIGN_OR_RETURN(double v,
+                            NonNegative(rows[l][e], name, absl::StrCat(field, "[", e, "]")));
+      row.push_back(v);
+      sum += v;
+    }
+    if (sum == 0) continue;  // A dense layer.
+    values.push_back(std::move(row));
+    layer_ids.push_back(static_cast<int>(l));
+  }
+  if (values.empty()) {
+    return Bad(name, "logical_count", "every layer sums to zero; no MoE layer to plan");
+  }
+  LoadMatrix load(static_cast<int>(values.size()), static_cast<int>(num_experts));
+  for (int l = 0; l < load.num_layers(); ++l) {
+    std::copy(values[l].begin(), values[l].end(), load.row(l).begin());
+  }
+  load.set_layer_ids(std::move(layer_ids));
+  return load;
+}
+
+absl::StatusOr<LoadMatrix> ReadSglangLoadFile(const std::string& path) {
+  UBEP_ASSIGN_OR_RETURN(std::string text, ReadTextFile(path));
+  return ParseSglangLoad(text, path);
+}
+
+std::string SglangLoadToJson(const LoadMatrix& load) {
+  const int num_model_layers = load.layer_ids().empty() ? 0 : load.layer_ids().back() + 1;
+  Json rows = Json::array();
+  for (int i = 0, l = 0; i < num_model_layers; ++i) {
+    Json row = Json::array();
+    const bool moe = l < load.num_layers() && load.layer_ids()[l] == i;
+    for (int e = 0; e < load.num_experts(); ++e) row.push_back(moe ? load.at(l, e) : 0.0);
+    if (moe) ++l;
+    rows.push_back(std::move(row));
+  }
+  return Json{{"logical_count", std::move(rows)}}.dump();
+}
+
+absl::StatusOr<Plan> ParsePlanJson(const std::string& text, const std::string& name,
+                                   const std::optional<Topology>& topology_override) {
+  UBEP_ASSIGN_OR_RETURN(Json json, ParseJson(text, name));
+  if (!json.is_object()) return Bad(name, "(document)", "expected a JSON object");
+  Plan plan;
+  if (json.contains("topology")) {
+    UBEP_ASSIGN_OR_RETURN(plan.topology, ParseTopology(json["topology"], name));
+    if (topology_override.has_value() &&
+        (topology_override->num_ranks != plan.topology.num_ranks ||
+         topology_override->slots_per_rank != plan.topology.slots_per_rank)) {
+      return Bad(name, "topology", "disagrees with the ranks given on the command line");
+    }
+  } else if (topology_override.has_value()) {
+    plan.topology = *topology_override;
+  } else {
+    return Bad(name, "topology", "missing; pass --ranks (and --nodes) for a plain EPLB plan");
+  }
+  if (json.contains("version")) {
+    if (!json["version"].is_number_unsigned()) {
+      return Bad(name, "version", "expected a non-negative integer");
+    }
+    plan.version = json["version"].get<uint64_t>();
+  }
+  if (!json.contains("phy2log")) return Bad(name, "phy2log", "missing");
+  const Topology& t = plan.topology;
+  if (!json["phy2log"].is_array() || json["phy2log"].empty()) {
+    return Bad(name, "phy2log", "expected a non-empty array of per-layer arrays");
+  }
+  UBEP_ASSIGN_OR_RETURN(
+      std::vector<std::vector<int>> phy2log,
+      IntMatrix(json["phy2log"], name, "phy2log", -1, -1, 0, (1 << 20) - 1));
+  const int num_layers = static_cast<int>(phy2log.size());
+  if (static_cast<int>(phy2log[0].size()) != t.num_slots()) {
+    return Bad(name, "phy2log[0]",
+               absl::StrCat("has ", phy2log[0].size(), " slots, topology has ", t.num_ranks,
+                            " ranks x ", t.slots_per_rank, " = ", t.num_slots()));
+  }
+  int num_experts = 0;
+  for (const auto& row : phy2log) {
+    for (int e : row) num_experts = std::max(num_experts, e + 1);
+  }
+  if (json.contains("num_experts")) {
+    UBEP_ASSIGN_OR_RETURN(int declared, Integer(json["num_experts"], name, "num_experts",
+                                                num_experts, 1 << 20));
+    num_experts = declared;
+  } else if (json.contains("logcnt") && json["logcnt"].is_array() && !json["logcnt"].empty() &&
+             json["logcnt"][0].is_array()) {
+    num_experts = std::max(num_experts, static_cast<int>(json["logcnt"][0].size()));
+  }
+  plan.num_experts = num_experts;
+  for (int l = 0; l < num_layers; ++l) {
+    LayerPlan layer;
+    layer.slot_expert = phy2log[l];
+    SetEqualShares(num_experts, layer);
+    plan.layers.push_back(std::move(layer));
+  }
+  const EplbArrays derived = ToEplbArrays(plan);
+  if (json.contains("logcnt")) {
+    UBEP_ASSIGN_OR_RETURN(auto logcnt, IntMatrix(json["logcnt"], name, "logcnt", num_layers,
+                                                 num_experts, 0, t.num_slots()));
+    for (int l = 0; l < num_layers; ++l) {
+      for (int e = 0; e < num_experts; ++e) {
+        if (logcnt[l][e] != derived.logcnt[l][e]) {
+          return Bad(name, absl::StrCat("logcnt[", l, "][", e, "]"),
+                     absl::StrCat("is ", logcnt[l][e], " but phy2log holds ",
+                                  derived.logcnt[l][e], " replicas of expert ", e));
+        }
+      }
+    }
+  }
+  if (json.contains("log2phy")) {
+    const Json& v = json["log2phy"];
+    if (!v.is_array() || static_cast<int>(v.size()) != num_layers) {
+      return Bad(name, "log2phy", absl::StrCat("expected ", num_layers, " layers"));
+    }
+    for (int l = 0; l < num_layers; ++l) {
+      UBEP_ASSIGN_OR_RETURN(auto rows, IntMatrix(v[l], name, absl::StrCat("log2phy[", l, "]"),
+                                                 num_experts, -1, -1, t.num_slots() - 1));
+      for (int e = 0; e < num_experts; ++e) {
+        std::vector<int> listed;
+        for (int p : rows[e]) {
+          if (p >= 0) listed.push_back(p);
+        }
+        std::vector<int> expected;
+        for (int p : derived.log2phy[l][e]) {
+          if (p >= 0) expected.push_back(p);
+        }
+        std::sort(listed.begin(), listed.end());
+        if (listed != expected) {
+          return Bad(name, absl::StrCat("log2phy[", l, "][", e, "]"),
+                     "does not list the slots phy2log assigns to this expert");
+        }
+      }
+    }
+  }
+  if (json.contains("shares")) {
+    // Aligned with log2phy as this project writes it: replicas in slot order.
+    const Json& v = json["shares"];
+    if (!v.is_array() || static_cast<int>(v.size()) != num_layers) {
+      return Bad(name, "shares", absl::StrCat("expected ", num_layers, " layers"));
+    }
+    for (int l = 0; l < num_layers; ++l) {
+      const std::string field = absl::StrCat("shares[", l, "]");
+      if (!v[l].is_array() || static_cast<int>(v[l].size()) != num_experts) {
+        return Bad(name, field, absl::StrCat("expected ", num_experts, " experts"));
+      }
+      for (int e = 0; e < num_experts; ++e) {
+        const Json& row = v[l][e];
+        const int count = derived.logcnt[l][e];
+        if (!row.is_array() || static_cast<int>(row.size()) < count) {
+          return Bad(name, absl::StrCat(field, "[", e, "]"),
+                     absl::StrCat("expected at least ", count, " shares"));
+        }
+        for (int j = 0; j < count; ++j) {
+          UBEP_ASSIGN_OR_RETURN(
+              double s, NonNegative(row[j], name, absl::StrCat(field, "[", e, "][", j, "]")));
+          plan.layers[l].slot_share[derived.log2phy[l][e][j]] = s;
+        }
+      }
+    }
+  }
+  if (json.contains("layer_ids")) {
+    const Json& v = json["layer_ids"];
+    if (!v.is_array() || static_cast<int>(v.size()) != num_layers) {
+      return Bad(name, "layer_ids", absl::StrCat("expected ", num_layers, " entries"));
+    }
+    for (int l = 0; l < num_layers; ++l) {
+      UBEP_ASSIGN_OR_RETURN(int id, Integer(v[l], name, absl::StrCat("layer_ids[", l, "]"), 0,
+                                            1 << 20));
+      plan.layer_ids.push_back(id);
+    }
+  } else {
+    for (int l = 0; l < num_layers; ++l) plan.layer_ids.push_back(l);
+  }
+  if (absl::Status s = ValidatePlan(plan); !s.ok()) {
+    return Bad(name, "plan", std::string(s.message()));
+  }
+  return plan;
+}
+
+absl::StatusOr<Plan> ReadPlanFile(const std::string& path,
+                                  const std::optional<Topology>& topology_override) {
+  UBEP_ASSIGN_OR_RETURN(std::string text, ReadTextFile(path));
+  return ParsePlanJson(text, path, topology_override);
+}
+
+std::string PlanToJson(const Plan& plan) {
+  const EplbArrays arrays = ToEplbArrays(plan);
+  Json json;
+  json["version"] = plan.version;
+  json["topology"] = {{"ranks", plan.topology.num_ranks},
+                      {"nodes", plan.topology.num_nodes},
+                      {"slots_per_rank", plan.topology.slots_per_rank},
+                      {"groups", plan.topology.num_groups}};
+  json["num_experts"] = plan.num_experts;
+  json["layer_ids"] = plan.layer_ids;
+  json["phy2log"] = arrays.phy2log;
+  json["log2phy"] = arrays.log2phy;
+  json["logcnt"] = arrays.logcnt;
+  json["shares"] = arrays.shares;
+  return json.dump();
+}
+
+}  // namespace ubep::balancer

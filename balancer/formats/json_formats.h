@@ -1,0 +1,39 @@
+// JSON formats that meet other tools (docs/formats.md):
+// - load: SGLang's expert-distribution file {"logical_count": [[...] x layers]}; rows summing
+//   to zero are dense layers and are skipped (their model layer index is kept in layer_ids);
+// - plan: EPLB's arrays (phy2log, log2phy padded with -1, logcnt) plus shares aligned with
+//   log2phy, version, layer_ids and the topology.
+// Every error is InvalidArgument (NotFound for a missing file) with one line naming the file,
+// the field and the problem. Thread-compatible.
+#ifndef UBEP_BALANCER_FORMATS_JSON_FORMATS_H_
+#define UBEP_BALANCER_FORMATS_JSON_FORMATS_H_
+
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "balancer/core/load_matrix.h"
+#include "balancer/core/plan.h"
+
+namespace ubep::balancer {
+
+absl::StatusOr<LoadMatrix> ParseSglangLoad(const std::string& text, const std::string& name);
+absl::StatusOr<LoadMatrix> ReadSglangLoadFile(const std::string& path);
+
+std::string SglangLoadToJson(const LoadMatrix& load);
+
+// `topology_override` fills in the topology of a plan file that has none (a plain EPLB
+// output) and must agree with one that has.
+absl::StatusOr<Plan> ParsePlanJson(const std::string& text, const std::string& name,
+                                   const std::optional<Topology>& topology_override = {});
+absl::StatusOr<Plan> ReadPlanFile(const std::string& path,
+                                  const std::optional<Topology>& topology_override = {});
+
+std::string PlanToJson(const Plan& plan);
+
+absl::StatusOr<std::string> ReadTextFile(const std::string& path);
+absl::Status WriteTextFile(const std::string& path, const std::string& text);
+
+}  // namespace ubep::balancer
+
+#endif  // UBEP_BALANCER_FORMATS_JSON_FORMATS_H_

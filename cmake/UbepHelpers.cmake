@@ -1,0 +1,43 @@
+# ubep_library(NAME SRCS ... [HDRS ...] DEPS ...): a static library rooted at the source tree,
+#   so includes read "common/status.h", "balancer/core/plan.h".
+# ubep_executable(NAME SRCS ... DEPS ...)
+# ubep_test(NAME SRCS ... DEPS ... [LABELS ...]): a GoogleTest binary registered with ctest.
+set(UBEP_WARNINGS -Wall -Wextra -Wno-unused-parameter -Wno-sign-compare)
+
+function(ubep_library name)
+  cmake_parse_arguments(ARG "" "" "SRCS;HDRS;DEPS" ${ARGN})
+  add_library(${name} STATIC ${ARG_SRCS} ${ARG_HDRS})
+  target_include_directories(${name} PUBLIC ${PROJECT_SOURCE_DIR} ${PROJECT_BINARY_DIR})
+  target_compile_options(${name} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${UBEP_WARNINGS}>)
+  target_link_libraries(${name} PUBLIC ${ARG_DEPS})
+endfunction()
+
+function(ubep_executable name)
+  cmake_parse_arguments(ARG "" "OUTPUT_NAME" "SRCS;DEPS" ${ARGN})
+  add_executable(${name} ${ARG_SRCS})
+  target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR} ${PROJECT_BINARY_DIR})
+  target_compile_options(${name} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${UBEP_WARNINGS}>)
+  target_link_libraries(${name} PRIVATE ${ARG_DEPS})
+  if(ARG_OUTPUT_NAME)
+    set_target_properties(${name} PROPERTIES OUTPUT_NAME ${ARG_OUTPUT_NAME})
+  endif()
+  set_target_properties(${name} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${PROJECT_BINARY_DIR}/bin)
+endfunction()
+
+function(ubep_test name)
+  cmake_parse_arguments(ARG "" "TIMEOUT" "SRCS;DEPS;LABELS" ${ARGN})
+  add_executable(${name} ${ARG_SRCS})
+  target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR} ${PROJECT_BINARY_DIR})
+  target_compile_options(${name} PRIVATE ${UBEP_WARNINGS})
+  target_link_libraries(${name} PRIVATE ${ARG_DEPS} GTest::gtest GTest::gmock GTest::gtest_main)
+  target_compile_definitions(${name} PRIVATE
+    UBEP_SOURCE_DIR="${PROJECT_SOURCE_DIR}" UBEP_BINARY_DIR="${PROJECT_BINARY_DIR}")
+  add_test(NAME ${name} COMMAND ${name})
+  if(NOT ARG_TIMEOUT)
+    set(ARG_TIMEOUT 300)
+  endif()
+  set_tests_properties(${name} PROPERTIES TIMEOUT ${ARG_TIMEOUT})
+  if(ARG_LABELS)
+    set_tests_properties(${name} PROPERTIES LABELS "${ARG_LABELS}")
+  endif()
+endfunction()

@@ -1,0 +1,13 @@
+// ubep-balance: offline expert placement (see balance_cli.h).
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "common/clock.h"
+#include "tools/ubep_balance/balance_cli.h"
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  ubep::SystemClock clock;
+  return ubep::balancer::RunBalanceCli(args, std::cout, std::cerr, clock);
+}

@@ -1,0 +1,64 @@
+#include "tools/ubep_balance/replay.h"
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "balancer/core/metrics.h"
+#include "common/status_macros.h"
+
+namespace ubep::balancer {
+namespace {
+
+double Percentile(std::vector<double> values, double q) {
+  if (values.empty()) return 0;
+  std::sort(values.begin(), values.end());
+  const size_t index = static_cast<size_t>(std::ceil(q * values.size())) - 1;
+  return values[std::min(index, values.size() - 1)];
+}
+
+}  // namespace
+
+absl::StatusOr<ReplayResult> Replay(const std::vector<LoadMatrix>& step_loads,
+                                    const Topology& topology, const PlannerOptions& planner,
+                                    const ReplayOptions& options, ClockInterface& clock) {
+  if (options.window <= 0 || options.rebalance_every <= 0 ||
+      options.steps <= options.window) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "replay: need window > 0, rebalance-every > 0 and steps > window; got window ",
+        options.window, ", rebalance-every ", options.rebalance_every, ", steps ",
+        options.steps));
+  }
+  if (static_cast<int>(step_loads.size()) < options.steps) {
+    return absl::InvalidArgumentError("replay: fewer step loads than steps");
+  }
+  ReplayResult result;
+  std::optional<Plan> current;
+  std::vector<double> plan_ms;
+  for (int step = options.window; step < options.steps; ++step) {
+    if ((step - options.window) % options.rebalance_every == 0) {
+      LoadMatrix window(step_loads[0].num_layers(), step_loads[0].num_experts());
+      window.set_layer_ids(step_loads[0].layer_ids());
+      for (int s = step - options.window; s < step; ++s) window.AddScaled(step_loads[s], 1.0);
+      const int64_t start = clock.NowNanos();
+      UBEP_ASSIGN_OR_RETURN(Plan next, ComputePlan(window, topology,
+                                                   current ? &*current : nullptr, planner));
+      plan_ms.push_back(static_cast<double>(clock.NowNanos() - start) / 1e6);
+      if (current) result.migrated_slots_total += ChangedSlots(*current, next, nullptr);
+      current = std::move(next);
+      ++result.plans;
+    }
+    result.step_imbalance.push_back(SummarizeBalance(*current, step_loads[step]).mean);
+  }
+  result.scored_steps = static_cast<int>(result.step_imbalance.size());
+  double sum = 0;
+  for (double b : result.step_imbalance) sum += b;
+  result.imbalance_mean = sum / result.scored_steps;
+  result.imbalance_p99 = Percentile(result.step_imbalance, 0.99);
+  result.plan_ms_p50 = Percentile(plan_ms, 0.5);
+  result.plan_ms_max = *std::max_element(plan_ms.begin(), plan_ms.end());
+  return result;
+}
+
+}  // namespace ubep::balancer
