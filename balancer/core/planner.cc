@@ -39,7 +39,8 @@ absl::StatusOr<Plan> ComputePlan(const LoadMatrix& load, const Topology& topolog
     case Policy::kUbep:
       plan = PlanUbep(load, topology, previous,
                       UbepPolicyOptions{.seed = options.seed,
-                                        .migration_budget = options.migration_budget});
+                                        .migration_budget = options.migration_budget,
+                                        .balance_slack = options.balance_slack});
       break;
   }
   if (plan.ok()) plan->version = previous != nullptr ? previous->version + 1 : 1;

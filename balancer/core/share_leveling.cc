@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 
 #include "balancer/core/metrics.h"
@@ -17,12 +18,14 @@ struct Block {
   std::vector<std::vector<int>> slots;  // Slots of the expert on each of those ranks.
 };
 
-std::vector<Block> MultiReplicaBlocks(const Topology& t, const LayerPlan& layer, int num_experts) {
+std::vector<Block> MultiReplicaBlocks(const Topology& t, const LayerPlan& layer,
+                                      std::span<const double> w) {
+  const int num_experts = static_cast<int>(w.size());
   std::vector<std::vector<int>> slots_of(num_experts);
   for (int p = 0; p < t.num_slots(); ++p) slots_of[layer.slot_expert[p]].push_back(p);
   std::vector<Block> blocks;
   for (int e = 0; e < num_experts; ++e) {
-    if (slots_of[e].size() < 2) continue;
+    if (slots_of[e].size() < 2 || w[e] <= 0) continue;
     Block b{e, {}, {}};
     for (int p : slots_of[e]) {
       const int r = t.RankOfSlot(p);
@@ -37,83 +40,243 @@ std::vector<Block> MultiReplicaBlocks(const Topology& t, const LayerPlan& layer,
   return blocks;
 }
 
-// Water level lambda with sum_j max(0, lambda - base_j) = amount; `sorted` ascending.
-double WaterLevel(std::span<const double> sorted, double amount) {
-  double prefix = 0.0;
-  const size_t n = sorted.size();
-  for (size_t k = 1; k <= n; ++k) {
-    prefix += sorted[k - 1];
-    const double level = (amount + prefix) / static_cast<double>(k);
-    if (k == n || level <= sorted[k]) return level;
+// Dinic's max flow on a small graph with double capacities.
+class MaxFlow {
+ public:
+  explicit MaxFlow(int num_nodes)
+      : head_(num_nodes, -1), level_(num_nodes), next_(num_nodes), queue_(num_nodes) {}
+
+  int AddEdge(int from, int to, double capacity) {
+    edges_.push_back({to, head_[from], capacity});
+    head_[from] = static_cast<int>(edges_.size()) - 1;
+    edges_.push_back({from, head_[to], 0.0});
+    head_[to] = static_cast<int>(edges_.size()) - 1;
+    return static_cast<int>(edges_.size()) - 2;
   }
-  return sorted.back();
+  void SetCapacity(int edge, double capacity) {
+    edges_[edge].capacity = capacity;
+    edges_[edge ^ 1].capacity = 0.0;
+  }
+  // Restores every edge to its capacity as added (or last set), with no flow.
+  void Reset() {
+    for (size_t e = 0; e < edges_.size(); e += 2) {
+      edges_[e].capacity += edges_[e + 1].capacity;
+      edges_[e + 1].capacity = 0.0;
+    }
+  }
+  double Flow(int edge) const { return edges_[edge ^ 1].capacity; }
+
+  double Run(int source, int sink, double epsilon) {
+    epsilon_ = epsilon;
+    double total = 0;
+    while (Bfs(source, sink)) {
+      next_ = head_;
+      while (double pushed = Dfs(source, sink, std::numeric_limits<double>::infinity())) {
+        total += pushed;
+      }
+    }
+    return total;
+  }
+  // After Run: whether `node` is reachable from the source in the residual graph.
+  bool Reachable(int node) const { return level_[node] >= 0; }
+
+ private:
+  struct Edge {
+    int to;
+    int next;
+    double capacity;
+  };
+
+  bool Bfs(int source, int sink) {
+    std::fill(level_.begin(), level_.end(), -1);
+    size_t tail = 0;
+    queue_[tail++] = source;
+    level_[source] = 0;
+    for (size_t i = 0; i < tail; ++i) {
+      for (int e = head_[queue_[i]]; e >= 0; e = edges_[e].next) {
+        if (edges_[e].capacity > epsilon_ && level_[edges_[e].to] < 0) {
+          level_[edges_[e].to] = level_[queue_[i]] + 1;
+          queue_[tail++] = edges_[e].to;
+        }
+      }
+    }
+    return level_[sink] >= 0;
+  }
+
+  double Dfs(int node, int sink, double limit) {
+    if (node == sink) return limit;
+    for (int& e = next_[node]; e >= 0; e = edges_[e].next) {
+      Edge& edge = edges_[e];
+      if (edge.capacity <= epsilon_ || level_[edge.to] != level_[node] + 1) continue;
+      const double pushed = Dfs(edge.to, sink, std::min(limit, edge.capacity));
+      if (pushed > 0) {
+        edge.capacity -= pushed;
+        edges_[e ^ 1].capacity += pushed;
+        return pushed;
+      }
+    }
+    return 0;
+  }
+
+  std::vector<Edge> edges_;
+  std::vector<int> head_;
+  std::vector<int> level_;
+  std::vector<int> next_;
+  std::vector<int> queue_;
+  double epsilon_ = 0;
+};
+
+// Smallest achievable largest rank load, and shares achieving it. Dinkelbach-style: route the
+// replicated experts' load with every rank capped at `level`; when some load is left over, the
+// ranks still reachable from the source form a closed set X (every expert that can reach X
+// has all of its replicas in X), so the optimum is at least load(X) / |X|: raise the level to
+// that and route again. Each round grows X; a handful of rounds is typical.
+void MinMaxShares(const Topology& t, std::span<const double> w, const std::vector<Block>& blocks,
+                  const std::vector<double>& fixed, LayerPlan& layer) {
+  const int num_blocks = static_cast<int>(blocks.size());
+  const int R = t.num_ranks;
+  const int source = 0, sink = 1, first_block = 2, first_rank = 2 + num_blocks;
+  MaxFlow flow(2 + num_blocks + R);
+  double moving = 0;
+  std::vector<std::vector<int>> block_edges(num_blocks);
+  for (int i = 0; i < num_blocks; ++i) {
+    const double load = w[blocks[i].expert];
+    moving += load;
+    flow.AddEdge(source, first_block + i, load);
+    for (int r : blocks[i].ranks) {
+      block_edges[i].push_back(flow.AddEdge(first_block + i, first_rank + r, load));
+    }
+  }
+  std::vector<int> sink_edges(R);
+  for (int r = 0; r < R; ++r) sink_edges[r] = flow.AddEdge(first_rank + r, sink, 0.0);
+  const double total = moving + std::accumulate(fixed.begin(), fixed.end(), 0.0);
+  const double epsilon = 1e-12 * std::max(total, 1.0);
+  double level = std::max(total / R, *std::max_element(fixed.begin(), fixed.end()));
+  for (int round = 0; round < R + 1; ++round) {
+    MaxFlow& fresh = flow;
+    fresh.Reset();
+    for (int r = 0; r < R; ++r) fresh.SetCapacity(sink_edges[r], std::max(0.0, level - fixed[r]));
+    const double routed = fresh.Run(source, sink, epsilon);
+    double closed_load = 0;
+    int closed_ranks = 0;
+    if (routed < moving - 1e-9 * std::max(moving, 1.0)) {
+      for (int i = 0; i < num_blocks; ++i) {
+        if (fresh.Reachable(first_block + i)) closed_load += w[blocks[i].expert];
+      }
+      for (int r = 0; r < R; ++r) {
+        if (fresh.Reachable(first_rank + r)) {
+          closed_load += fixed[r];
+          ++closed_ranks;
+        }
+      }
+    }
+    const double next = closed_ranks > 0 ? closed_load / closed_ranks : level;
+    if (closed_ranks == 0 || next <= level * (1 + 1e-12)) {
+      for (int i = 0; i < num_blocks; ++i) {
+        const double load = w[blocks[i].expert];
+        double sum = 0;
+        for (int e : block_edges[i]) sum += fresh.Flow(e);
+        for (size_t j = 0; j < blocks[i].ranks.size(); ++j) {
+          // Any rounding shortfall is spread in proportion, so shares still sum to 1.
+          const double share = sum > 0 ? fresh.Flow(block_edges[i][j]) / sum
+                                       : 1.0 / blocks[i].ranks.size();
+          (void)load;
+          for (int p : blocks[i].slots[j]) {
+            layer.slot_share[p] = share / static_cast<double>(blocks[i].slots[j].size());
+          }
+        }
+      }
+      return;
+    }
+    level = next;
+  }
 }
 
-void NormalizeStart(int num_experts, LayerPlan& layer) {
-  if (layer.slot_share.size() != layer.slot_expert.size()) {
-    SetEqualShares(num_experts, layer);
-    return;
+// sum_j clamp(target + nu, 0, hi_j) = amount, solved for nu over the sorted breakpoints; the
+// projection of the equal split onto {x : sum x = amount, 0 <= x <= hi}.
+void ProjectEqualSplit(double amount, std::span<const double> hi, std::span<double> x) {
+  const size_t n = hi.size();
+  const double target = amount / static_cast<double>(n);
+  auto total_at = [&](double nu) {
+    double sum = 0;
+    for (size_t j = 0; j < n; ++j) sum += std::clamp(target + nu, 0.0, hi[j]);
+    return sum;
+  };
+  // Breakpoints of the piecewise-linear total: nu = -target and nu = hi_j - target.
+  std::vector<double> points{-target};
+  for (size_t j = 0; j < n; ++j) points.push_back(hi[j] - target);
+  std::sort(points.begin(), points.end());
+  double nu = points.back();
+  for (size_t k = 0; k + 1 < points.size(); ++k) {
+    const double lo_total = total_at(points[k]);
+    const double hi_total = total_at(points[k + 1]);
+    if (hi_total >= amount) {
+      nu = hi_total > lo_total ? points[k] + (amount - lo_total) / (hi_total - lo_total) *
+                                                 (points[k + 1] - points[k])
+                               : points[k + 1];
+      break;
+    }
   }
-  std::vector<double> sum(num_experts, 0.0);
-  for (size_t p = 0; p < layer.slot_expert.size(); ++p) {
-    sum[layer.slot_expert[p]] += std::max(0.0, layer.slot_share[p]);
-  }
-  std::vector<int> count(num_experts, 0);
-  for (int e : layer.slot_expert) ++count[e];
-  for (size_t p = 0; p < layer.slot_expert.size(); ++p) {
-    const int e = layer.slot_expert[p];
-    layer.slot_share[p] =
-        sum[e] > 0 ? std::max(0.0, layer.slot_share[p]) / sum[e] : 1.0 / count[e];
+  for (size_t j = 0; j < n; ++j) x[j] = std::clamp(target + nu, 0.0, hi[j]);
+}
+
+// Moves every replicated expert's split as close to equal as the cap on rank loads allows
+// (block coordinate descent; each step keeps every rank at or under `cap`). Equal splits keep
+// a rank's load a mix of many experts, so the plan holds up when the load drifts.
+void SpreadShares(std::span<const double> w, const std::vector<Block>& blocks, double cap,
+                  std::vector<double>& rank_load, int sweeps, LayerPlan& layer) {
+  std::vector<double> base, hi, x;
+  for (int sweep = 0; sweep < sweeps; ++sweep) {
+    for (const Block& b : blocks) {
+      const double load = w[b.expert];
+      const size_t n = b.ranks.size();
+      base.resize(n);
+      hi.resize(n);
+      x.resize(n);
+      double room = 0;
+      for (size_t j = 0; j < n; ++j) {
+        double share = 0.0;
+        for (int p : b.slots[j]) share += layer.slot_share[p];
+        base[j] = rank_load[b.ranks[j]] - load * share;
+        hi[j] = std::max(0.0, cap - base[j]);
+        room += hi[j];
+      }
+      if (room < load) continue;  // Rounding left no room: keep the current split.
+      ProjectEqualSplit(load, hi, x);
+      double sum = 0;
+      for (size_t j = 0; j < n; ++j) sum += x[j];
+      for (size_t j = 0; j < n; ++j) {
+        const double portion = x[j] * load / sum;
+        rank_load[b.ranks[j]] = base[j] + portion;
+        const double share = portion / load / static_cast<double>(b.slots[j].size());
+        for (int p : b.slots[j]) layer.slot_share[p] = share;
+      }
+    }
   }
 }
 
 }  // namespace
 
-std::vector<double> LevelShares(const Topology& t, std::span<const double> expert_load,
-                                LayerPlan& layer, const LevelingOptions& options) {
-  const int num_experts = static_cast<int>(expert_load.size());
-  NormalizeStart(num_experts, layer);
-  std::vector<double> rank_load = RankLoads(t, layer, expert_load);
-  const std::vector<Block> blocks = MultiReplicaBlocks(t, layer, num_experts);
-  const double total = std::accumulate(rank_load.begin(), rank_load.end(), 0.0);
-  if (blocks.empty() || total <= 0) return rank_load;
-  const double epsilon = options.tolerance * total / t.num_ranks;
-
-  std::vector<double> base;
-  std::vector<double> sorted;
-  std::vector<double> portion;  // Expert's load currently on each of the block's ranks.
-  for (int sweep = 0; sweep < options.max_sweeps; ++sweep) {
-    double moved = 0.0;
-    for (const Block& b : blocks) {
-      const double w = expert_load[b.expert];
-      if (w <= 0) continue;
-      const size_t n = b.ranks.size();
-      base.resize(n);
-      portion.resize(n);
-      for (size_t j = 0; j < n; ++j) {
-        double share = 0.0;
-        for (int p : b.slots[j]) share += layer.slot_share[p];
-        portion[j] = w * share;
-        base[j] = rank_load[b.ranks[j]] - portion[j];
-      }
-      sorted.assign(base.begin(), base.end());
-      std::sort(sorted.begin(), sorted.end());
-      const double level = WaterLevel(sorted, w);
-      for (size_t j = 0; j < n; ++j) {
-        const double next = std::max(0.0, level - base[j]);
-        moved = std::max(moved, std::abs(next - portion[j]));
-        rank_load[b.ranks[j]] = base[j] + next;
-        const double share = next / w / static_cast<double>(b.slots[j].size());
-        for (int p : b.slots[j]) layer.slot_share[p] = share;
-      }
+std::vector<double> LevelShares(const Topology& t, std::span<const double> w, LayerPlan& layer,
+                                const LevelingOptions& options) {
+  const std::vector<Block> blocks = MultiReplicaBlocks(t, layer, w);
+  SetEqualShares(static_cast<int>(w.size()), layer);
+  if (blocks.empty()) return RankLoads(t, layer, w);
+  std::vector<double> fixed(t.num_ranks, 0.0);
+  {
+    std::vector<uint8_t> moving(w.size(), 0);
+    for (const Block& b : blocks) moving[b.expert] = 1;
+    for (int p = 0; p < t.num_slots(); ++p) {
+      const int e = layer.slot_expert[p];
+      if (!moving[e]) fixed[t.RankOfSlot(p)] += w[e] * layer.slot_share[p];
     }
-    if (moved <= epsilon) break;
   }
-  // Renormalize so every expert's shares sum to 1 up to rounding.
-  std::vector<double> sum(num_experts, 0.0);
-  for (size_t p = 0; p < layer.slot_expert.size(); ++p) sum[layer.slot_expert[p]] += layer.slot_share[p];
-  for (size_t p = 0; p < layer.slot_expert.size(); ++p) layer.slot_share[p] /= sum[layer.slot_expert[p]];
-  return RankLoads(t, layer, expert_load);
+  MinMaxShares(t, w, blocks, fixed, layer);
+  std::vector<double> rank_load = RankLoads(t, layer, w);
+  const double cap = *std::max_element(rank_load.begin(), rank_load.end()) *
+                     (1 + options.balance_slack);
+  SpreadShares(w, blocks, cap, rank_load, options.spread_sweeps, layer);
+  return RankLoads(t, layer, w);
 }
 
 }  // namespace ubep::balancer

@@ -44,192 +44,132 @@ std::vector<int> ReplicaCounts(std::span<const double> w, int num_slots, int num
 
 double MaxOf(const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); }
 
-// Greedy LPT placement of replicas (the fallback when FillPlacement cannot keep every rank
-// within its slots): replica counts by ReplicaCounts, then replicas heaviest first onto the
-// least-loaded rank with a free slot that does not hold the expert yet; an expert's extra
-// replicas prefer nodes that hold none of it.
-LayerPlan LptPlacement(std::span<const double> w, const Topology& t, uint64_t seed) {
+// Pairwise exchange of single-replica experts between the most and the least loaded rank
+// (loads at equal shares), while an exchange narrows the gap between the two. LPT under a slot
+// limit leaves its last, forced placements uneven; this evens them out so share leveling only
+// has small residues to move along the chain.
+void SwapSingles(std::span<const double> w, const Topology& t, const std::vector<int>& count,
+                 std::vector<double>& rank_load, LayerPlan& layer) {
+  const int S = t.slots_per_rank;
+  for (int round = 0; round < 4 * t.num_ranks; ++round) {
+    const auto [lo, hi] = std::minmax_element(rank_load.begin(), rank_load.end());
+    const int r_lo = static_cast<int>(lo - rank_load.begin());
+    const int r_hi = static_cast<int>(hi - rank_load.begin());
+    const double gap = *hi - *lo;
+    if (gap <= 0) return;
+    // Moving d = w[a] - w[b] from r_hi to r_lo leaves the pair's gap at |gap - 2d|.
+    int best_p = -1, best_q = -1;
+    double best_gap = gap * (1 - 1e-9);
+    for (int p = r_hi * S; p < (r_hi + 1) * S; ++p) {
+      const int a = layer.slot_expert[p];
+      if (count[a] != 1) continue;
+      for (int q = r_lo * S; q < (r_lo + 1) * S; ++q) {
+        const int b = layer.slot_expert[q];
+        if (count[b] != 1) continue;
+        const double d = w[a] - w[b];
+        if (d <= 0) continue;
+        const double new_gap = std::abs(gap - 2 * d);
+        if (new_gap < best_gap) {
+          best_gap = new_gap;
+          best_p = p;
+          best_q = q;
+        }
+      }
+    }
+    if (best_p < 0) return;
+    const double d = w[layer.slot_expert[best_p]] - w[layer.slot_expert[best_q]];
+    std::swap(layer.slot_expert[best_p], layer.slot_expert[best_q]);
+    rank_load[r_hi] -= d;
+    rank_load[r_lo] += d;
+  }
+}
+
+// Chain placement. Replica counts come from ReplicaCounts (the heaviest experts get the
+// spare slots, so no replica carries much more than a rank's fair share: a rank's load stays a
+// mix of experts and moves little when one expert's load drifts). The replicated experts are
+// then laid along a chain of ranks, each one covering consecutive chain ranks and sharing its
+// first rank with the previous expert's last, so that with R - 1 spare slots the chain links
+// every rank: share leveling can then move load between any two ranks. Single-replica experts
+// fill the remaining slots heaviest first onto the least-loaded rank (LPT). Consecutive chain
+// ranks sit on different nodes, so a replicated expert spreads across nodes.
+LayerPlan ChainPlacement(std::span<const double> w, const Topology& t, uint64_t seed) {
   const int num_experts = static_cast<int>(w.size());
   const int R = t.num_ranks, S = t.slots_per_rank, N = t.num_nodes;
   const std::vector<int> count = ReplicaCounts(w, t.num_slots(), R);
-
-  struct Replica {
-    double load;
-    int expert;
-  };
-  std::vector<Replica> replicas;
-  replicas.reserve(t.num_slots());
-  for (int e = 0; e < num_experts; ++e) {
-    for (int i = 0; i < count[e]; ++i) replicas.push_back({w[e] / count[e], e});
-  }
-  std::stable_sort(replicas.begin(), replicas.end(),
-                   [](const Replica& a, const Replica& b) { return a.load > b.load; });
+  std::vector<int> chain_rank(R);
+  for (int k = 0; k < R; ++k) chain_rank[k] = (k % N) * t.ranks_per_node() + k / N;
 
   std::vector<uint64_t> tiebreak(R);
   for (int r = 0; r < R; ++r) tiebreak[r] = SplitMix64(seed * 0x100000001b3ULL + r);
   std::vector<double> rank_load(R, 0.0);
   std::vector<int> used(R, 0);
   std::vector<uint8_t> holds(static_cast<size_t>(R) * num_experts, 0);
-  std::vector<int> node_count(static_cast<size_t>(N) * num_experts, 0);
-
   LayerPlan layer;
   layer.slot_expert.assign(t.num_slots(), -1);
-  for (const Replica& rep : replicas) {
-    const int e = rep.expert;
-    const bool spread = count[e] > 1;
+  auto place = [&](int r, int e, double load) {
+    layer.slot_expert[r * S + used[r]++] = e;
+    rank_load[r] += load;
+    holds[r * num_experts + e] = 1;
+  };
+  // Picks the least-loaded rank with a free slot, preferring ranks without `e`.
+  auto least_loaded = [&](int e) {
     int best = -1;
-    std::tuple<int, double, uint64_t> best_key;
     for (int allow_duplicate = 0; allow_duplicate < 2 && best < 0; ++allow_duplicate) {
       for (int r = 0; r < R; ++r) {
         if (used[r] == S || (!allow_duplicate && holds[r * num_experts + e])) continue;
-        const std::tuple<int, double, uint64_t> key{
-            spread ? node_count[t.NodeOfRank(r) * num_experts + e] : 0, rank_load[r],
-            tiebreak[r]};
-        if (best < 0 || key < best_key) {
+        if (best < 0 || std::tie(rank_load[r], tiebreak[r]) <
+                            std::tie(rank_load[best], tiebreak[best])) {
           best = r;
-          best_key = key;
         }
       }
     }
-    layer.slot_expert[best * S + used[best]] = e;
-    ++used[best];
-    rank_load[best] += rep.load;
-    holds[best * num_experts + e] = 1;
-    ++node_count[t.NodeOfRank(best) * num_experts + e];
+    return best;
+  };
+
+  std::vector<int> order(num_experts);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return w[a] > w[b]; });
+  int position = 0;  // Chain rank where the next replicated expert starts.
+  for (int e : order) {
+    if (count[e] < 2) continue;
+    const double load = w[e] / count[e];
+    int k = position;
+    for (int i = 0; i < count[e]; ++i) {
+      // Next chain rank (wrapping) with a free slot and without e; LPT if none is left.
+      int r = -1;
+      for (int tries = 0; tries < R && r < 0; ++tries, ++k) {
+        const int candidate = chain_rank[k % R];
+        if (used[candidate] < S && !holds[candidate * num_experts + e]) r = candidate;
+      }
+      if (r < 0) r = least_loaded(e);
+      place(r, e, load);
+    }
+    position = (k - 1) % R;  // The last rank of this expert opens the next one.
   }
+  // Single-replica experts, heaviest first, onto the least-loaded rank with a free slot.
+  using RankKey = std::tuple<double, uint64_t, int>;  // (load, tiebreak, rank)
+  std::priority_queue<RankKey, std::vector<RankKey>, std::greater<>> open;
+  for (int r = 0; r < R; ++r) {
+    if (used[r] < S) open.emplace(rank_load[r], tiebreak[r], r);
+  }
+  for (int e : order) {
+    if (count[e] >= 2) continue;
+    const int r = std::get<2>(open.top());
+    open.pop();
+    place(r, e, w[e]);
+    if (used[r] < S) open.emplace(rank_load[r], tiebreak[r], r);
+  }
+  SwapSingles(w, t, count, rank_load, layer);
   SetEqualShares(num_experts, layer);
   return layer;
 }
 
-// Fill placement: every rank is filled to exactly the mean load C = W / R with at most S
-// pieces, in the spirit of McNaughton's wrap-around rule with a slot budget. Experts sorted by
-// load; each rank takes as many of the lightest experts as still leave room (in slots and
-// load) to top it up to C with pieces of the heaviest remaining ones; a heavy expert that does
-// not fit is split, and its rest opens the next rank. Each rank opens at most one split, so
-// pieces <= E + R - 1. Consecutive fill ranks map to different nodes, so a split expert's
-// replicas spread across nodes. Shares are exact (piece / expert load). Returns false when the
-// slots cannot hold the pieces (fewer than R - 1 spare slots, or the last rank overflows).
-bool FillPlacement(std::span<const double> w, const Topology& t, LayerPlan& layer) {
-  const int num_experts = static_cast<int>(w.size());
-  const int R = t.num_ranks, S = t.slots_per_rank, N = t.num_nodes;
-  const double total = std::accumulate(w.begin(), w.end(), 0.0);
-  if (total <= 0) return false;
-  const double C = total / R;
-  const double eps = 1e-12 * total;
-
-  std::vector<int> order(num_experts);  // Ascending load; ties by id.
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return w[a] < w[b]; });
-
-  struct Piece {
-    int expert;
-    double load;
-  };
-  std::vector<std::vector<Piece>> ranks(R);
-  int front = 0;                  // Next light expert (whole).
-  int back = num_experts - 1;     // Heaviest expert with load left.
-  double back_left = w[order[back]];
-  for (int k = 0; k < R && front <= back; ++k) {
-    std::vector<Piece>& pieces = ranks[k];
-    if (k == R - 1) {  // The last rank takes the rest.
-      for (int i = front; i < back; ++i) pieces.push_back({order[i], w[order[i]]});
-      pieces.push_back({order[back], back_left});
-      front = back + 1;
-      break;
-    }
-    // Largest a: a lightest experts plus the heavy pieces that top the rank up to C fit in S.
-    int best_a = 0;
-    double lights = 0;
-    for (int a = 0; a <= S - 1; ++a) {
-      if (a > 0) {
-        if (front + a - 1 >= back) break;
-        lights += w[order[front + a - 1]];
-      }
-      if (lights > C + eps) break;
-      double need = C - lights;
-      int heavy_pieces = 0;
-      int j = back;
-      double left = back_left;
-      while (need > eps && j >= front + a) {
-        const double take = std::min(left, need);
-        need -= take;
-        ++heavy_pieces;
-        if (take < left) break;
-        if (--j >= front + a) left = w[order[j]];
-      }
-      if (a + heavy_pieces <= S) best_a = a;
-    }
-    double load = 0;
-    for (int a = 0; a < best_a; ++a, ++front) {
-      pieces.push_back({order[front], w[order[front]]});
-      load += w[order[front]];
-    }
-    while (static_cast<int>(pieces.size()) < S && C - load > eps && back >= front) {
-      const double take = std::min(back_left, C - load);
-      pieces.push_back({order[back], take});
-      load += take;
-      back_left -= take;
-      if (back_left <= eps) {
-        if (back_left > 0) pieces.back().load += back_left;  // Rounding dust stays together.
-        if (--back >= front) back_left = w[order[back]];
-      }
-    }
-  }
-  if (front <= back) return false;  // Items left over: the ranks ran out of slots.
-  for (const auto& pieces : ranks) {
-    if (static_cast<int>(pieces.size()) > S) return false;
-  }
-
-  // Fill rank k -> physical rank striding across nodes.
-  const int per_node = t.ranks_per_node();
-  layer.slot_expert.assign(t.num_slots(), -1);
-  layer.slot_share.assign(t.num_slots(), 0.0);
-  std::vector<uint8_t> holds(static_cast<size_t>(R) * num_experts, 0);
-  std::vector<int> count(num_experts, 0);
-  std::vector<int> used(R, 0);
-  for (int k = 0; k < R; ++k) {
-    const int r = (k % N) * per_node + k / N;
-    for (const Piece& piece : ranks[k]) {
-      const int p = r * S + used[r]++;
-      layer.slot_expert[p] = piece.expert;
-      layer.slot_share[p] = w[piece.expert] > 0 ? piece.load / w[piece.expert] : 1.0;
-      holds[r * num_experts + piece.expert] = 1;
-      ++count[piece.expert];
-    }
-  }
-  // Spare slots hold standby replicas of the experts with the most load per replica, at share
-  // 0: free headroom for re-leveling when the load drifts, no weight moves needed then.
-  using Entry = std::pair<double, int>;
-  std::priority_queue<Entry> heap;
-  for (int e = 0; e < num_experts; ++e) heap.emplace(w[e] / count[e], -e);
-  for (int r = 0; r < R; ++r) {
-    std::vector<Entry> skipped;
-    while (used[r] < S && !heap.empty()) {
-      const auto [value, neg_e] = heap.top();
-      heap.pop();
-      const int e = -neg_e;
-      if (holds[r * num_experts + e]) {
-        skipped.emplace_back(value, neg_e);
-        continue;
-      }
-      const int p = r * S + used[r]++;
-      layer.slot_expert[p] = e;
-      layer.slot_share[p] = 0.0;
-      holds[r * num_experts + e] = 1;
-      heap.emplace(w[e] / ++count[e], neg_e);
-    }
-    for (const Entry& entry : skipped) heap.push(entry);
-    if (used[r] < S) return false;  // More slots than experts on one rank: use LPT.
-  }
-  return true;
-}
-
 }  // namespace
 
-LayerPlan UbepLayerFresh(std::span<const double> w, const Topology& t, uint64_t seed) {
-  LayerPlan layer;
-  if (!FillPlacement(w, t, layer)) layer = LptPlacement(w, t, seed);
-  LevelShares(t, w, layer);
+LayerPlan UbepLayerFresh(std::span<const double> w, const Topology& t,
+                         const UbepPolicyOptions& options) {
+  LayerPlan layer = ChainPlacement(w, t, options.seed);
+  LevelShares(t, w, layer, {.balance_slack = options.balance_slack});
   return layer;
 }
 
@@ -309,6 +249,9 @@ LayerPlan UbepLayerIncremental(std::span<const double> w, const Topology& t,
     }
     if (!accepted) break;
   }
+  if (options.balance_slack > 0) {
+    LevelShares(t, w, current, {.balance_slack = options.balance_slack});
+  }
   return current;
 }
 
@@ -327,11 +270,13 @@ absl::StatusOr<Plan> PlanUbep(const LoadMatrix& load, const Topology& topology,
   plan.layer_ids = load.layer_ids();
   plan.version = previous != nullptr ? previous->version + 1 : 1;
   plan.layers.reserve(load.num_layers());
+  UbepPolicyOptions layer_options = options;
   for (int l = 0; l < load.num_layers(); ++l) {
+    layer_options.seed = options.seed + static_cast<uint64_t>(l);
     plan.layers.push_back(
         previous != nullptr
             ? UbepLayerIncremental(load.row(l), topology, previous->layers[l], options)
-            : UbepLayerFresh(load.row(l), topology, options.seed + static_cast<uint64_t>(l)));
+            : UbepLayerFresh(load.row(l), topology, layer_options));
   }
   return plan;
 }

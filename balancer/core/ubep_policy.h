@@ -32,6 +32,10 @@ struct UbepPolicyOptions {
   // With a previous plan: a slot change must lower the layer's largest rank load by at least
   // this fraction of the mean rank load.
   double min_gain = 0.002;
+  // Shares may leave a layer's largest rank load this fraction above the optimum for the
+  // planning load, in exchange for splits closer to equal (share_leveling.h): such plans hold
+  // up better on the steps that follow, whose load has drifted.
+  double balance_slack = 0.003;
 };
 
 absl::StatusOr<Plan> PlanUbep(const LoadMatrix& load, const Topology& topology,
@@ -39,7 +43,7 @@ absl::StatusOr<Plan> PlanUbep(const LoadMatrix& load, const Topology& topology,
 
 // One layer from scratch. Exposed for tests and benchmarks.
 LayerPlan UbepLayerFresh(std::span<const double> expert_load, const Topology& topology,
-                         uint64_t seed);
+                         const UbepPolicyOptions& options);
 
 // One layer starting from `previous`. Exposed for tests and benchmarks.
 LayerPlan UbepLayerIncremental(std::span<const double> expert_load, const Topology& topology,

@@ -1,6 +1,7 @@
 #include "tools/ubep_balance/balance_cli.h"
 
 #include <charconv>
+#include <cstdlib>
 #include <map>
 #include <optional>
 #include <set>
@@ -122,6 +123,16 @@ absl::StatusOr<PlannerOptions> PlannerFromFlags(const Flags& flags, const std::s
   options.seed = static_cast<uint64_t>(seed);
   UBEP_ASSIGN_OR_RETURN(options.migration_budget,
                         flags.Int("migration-budget", -1, kMaxCount, -1));
+  if (flags.Has("balance-slack")) {
+    UBEP_ASSIGN_OR_RETURN(std::string text, flags.String("balance-slack"));
+    char* end = nullptr;
+    options.balance_slack = std::strtod(text.c_str(), &end);
+    if (end != text.c_str() + text.size() || !(options.balance_slack >= 0) ||
+        options.balance_slack > 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--balance-slack: '", text, "' is not a number in [0, 1]"));
+    }
+  }
   return options;
 }
 
@@ -313,7 +324,7 @@ int RunBalanceCli(const std::vector<std::string>& args, std::ostream& out, std::
   };
   absl::StatusOr<Flags> flags;
   if (command == "plan") {
-    known = {"load", "out", "policy", "previous", "migration-budget", "seed"};
+    known = {"load", "out", "policy", "previous", "migration-budget", "seed", "balance-slack"};
     known.insert(topology_flags.begin(), topology_flags.end());
     flags = parse(known, {});
     status = flags.ok() ? RunPlan(*flags, out, clock) : flags.status();
@@ -322,7 +333,7 @@ int RunBalanceCli(const std::vector<std::string>& args, std::ostream& out, std::
     status = flags.ok() ? RunEval(*flags, out) : flags.status();
   } else if (command == "replay") {
     known = {"load",   "policy", "baseline", "steps",          "rebalance-every",
-             "window", "seed",   "migration-budget", "pairs-per-step"};
+             "window", "seed",   "migration-budget", "pairs-per-step", "balance-slack"};
     known.insert(topology_flags.begin(), topology_flags.end());
     flags = parse(known, {"load"});
     status = flags.ok() ? RunReplay(*flags, out, clock) : flags.status();

@@ -1,0 +1,104 @@
+// ubep-bench-balancer: plan quality and planning time of ubep against DeepSeek's EPLB
+// (hierarchical and global) on the same real traces, side by side in one run. Prints one JSON
+// object: per (trace, topology, policy) balancedness mean/worst, cross-node share and planning
+// milliseconds (median of --repeats single-threaded runs), plus ubep/eplb-global ratios.
+//
+//   ubep-bench-balancer [--traces DIR] [--repeats N]
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "balancer/core/metrics.h"
+#include "balancer/core/planner.h"
+#include "balancer/formats/json_formats.h"
+#include "nlohmann/json.hpp"
+
+namespace {
+
+using ubep::balancer::LoadMatrix;
+using ubep::balancer::Plan;
+using ubep::balancer::Policy;
+using ubep::balancer::Topology;
+
+struct Setup {
+  const char* name;
+  Topology topology;
+};
+
+double MedianMs(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string traces = UBEP_SOURCE_DIR "/data/traces/deepseek-v3";
+  int repeats = 5;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i];
+    if (flag == "--traces") traces = argv[i + 1];
+    else if (flag == "--repeats") repeats = std::max(1, std::atoi(argv[i + 1]));
+    else {
+      std::cerr << "usage: ubep-bench-balancer [--traces DIR] [--repeats N]\n";
+      return 2;
+    }
+  }
+  std::vector<std::string> files;
+  for (const auto& entry : std::filesystem::directory_iterator(traces)) {
+    if (entry.path().extension() == ".json") files.push_back(entry.path().string());
+  }
+  std::sort(files.begin(), files.end());
+  const Setup setups[] = {
+      {"EP32 (4 nodes x 8, 288 slots, 8 groups)", {32, 4, 9, 8}},
+      {"EP64 (8 nodes x 8, 320 slots, 8 groups)", {64, 8, 5, 8}},
+  };
+  const Policy policies[] = {Policy::kEplb, Policy::kEplbGlobal, Policy::kUbep};
+  nlohmann::json results = nlohmann::json::array();
+  for (const std::string& file : files) {
+    absl::StatusOr<LoadMatrix> load = ubep::balancer::ReadSglangLoadFile(file);
+    if (!load.ok()) {
+      std::cerr << load.status().message() << "\n";
+      return 2;
+    }
+    for (const Setup& setup : setups) {
+      nlohmann::json row = {{"trace", std::filesystem::path(file).filename().string()},
+                            {"topology", setup.name}};
+      for (Policy policy : policies) {
+        std::vector<double> ms;
+        absl::StatusOr<Plan> plan;
+        for (int r = 0; r < repeats; ++r) {
+          const auto start = std::chrono::steady_clock::now();
+          plan = ubep::balancer::ComputePlan(*load, setup.topology, nullptr, {.policy = policy});
+          ms.push_back(std::chrono::duration<double, std::milli>(
+                           std::chrono::steady_clock::now() - start)
+                           .count());
+        }
+        if (!plan.ok()) {
+          std::cerr << plan.status().message() << "\n";
+          return 1;
+        }
+        const auto summary = ubep::balancer::SummarizeBalance(*plan, *load);
+        row[std::string(ubep::balancer::PolicyName(policy))] = {
+            {"balancedness_mean", summary.mean},
+            {"balancedness_worst", summary.worst},
+            {"cross_node_share", ubep::balancer::CrossNodeShare(*plan, *load)},
+            {"plan_ms", MedianMs(ms)}};
+      }
+      const auto& ours = row["ubep"];
+      const auto& theirs = row["eplb-global"];
+      row["ubep_vs_eplb_global"] = {
+          {"balancedness_mean_ratio", ours["balancedness_mean"].get<double>() /
+                                          theirs["balancedness_mean"].get<double>()},
+          {"plan_ms_ratio", ours["plan_ms"].get<double>() / theirs["plan_ms"].get<double>()}};
+      results.push_back(row);
+    }
+  }
+  std::cout << nlohmann::json{{"bench", "balancer"}, {"repeats", repeats}, {"results", results}}
+                   .dump(1)
+            << "\n";
+  return 0;
+}
