@@ -23,7 +23,15 @@ void FakeClock::SleepFor(absl::Duration duration) {
   auto reached = [this, deadline]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     return now_nanos_ >= deadline;
   };
+  ++sleepers_;
   mu_.Await(absl::Condition(&reached));
+  --sleepers_;
+}
+
+void FakeClock::AwaitSleepers(int count) {
+  absl::MutexLock lock(&mu_);
+  auto enough = [this, count]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return sleepers_ >= count; };
+  mu_.Await(absl::Condition(&enough));
 }
 
 void FakeClock::Advance(absl::Duration duration) {

@@ -45,10 +45,14 @@ class FakeClock final : public ClockInterface {
 
   void Advance(absl::Duration duration);
   void SetNanos(int64_t now_nanos);
+  // Blocks until at least `count` threads are inside SleepFor, so a test advances time only
+  // once the sleepers it means to wake have computed their deadlines.
+  void AwaitSleepers(int count);
 
  private:
   mutable absl::Mutex mu_;
   int64_t now_nanos_ ABSL_GUARDED_BY(mu_);
+  int sleepers_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace ubep

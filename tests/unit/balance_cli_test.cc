@@ -1,0 +1,195 @@
+#include "tools/ubep_balance/balance_cli.h"
+
+#include <cstdio>
+#include <sstream>
+
+#include "balancer/formats/json_formats.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/unit/test_util.h"
+
+namespace ubep::balancer {
+namespace {
+
+using Json = nlohmann::json;
+
+struct Result {
+  int code;
+  std::string out;
+  std::string err;
+};
+
+Result RunCli(std::vector<std::string> args) {
+  std::ostringstream out, err;
+  FakeClock clock;
+  const int code = RunBalanceCli(args, out, err, clock);
+  return {code, out.str(), err.str()};
+}
+
+const std::string kTrace = test::TracePath("decode_in1800out100.json");
+
+TEST(BalanceCliTest, PlanWritesAnEplbCompatiblePlanThatEvalScores) {
+  test::TempDir dir;
+  const std::string plan_path = dir.path() + "/plan.json";
+  Result plan = RunCli({"plan", "--load", kTrace, "--ranks", "32", "--nodes", "4",
+                     "--slots-per-rank", "9", "--policy", "ubep", "--seed", "3", "--out",
+                     plan_path});
+  ASSERT_EQ(plan.code, 0) << plan.err;
+  const Json summary = Json::parse(plan.out);
+  EXPECT_EQ(summary["policy"], "ubep");
+  EXPECT_EQ(summary["version"], 1);
+  EXPECT_EQ(summary["layers"], 58);
+  EXPECT_LE(summary["balancedness_mean"].get<double>(), 1.01);
+
+  Result eval = RunCli({"eval", "--plan", plan_path, "--load", kTrace});
+  ASSERT_EQ(eval.code, 0) << eval.err;
+  const Json scored = Json::parse(eval.out);
+  EXPECT_EQ(scored["layers"], 58);
+  EXPECT_EQ(scored["slots"], 288);
+  EXPECT_DOUBLE_EQ(scored["balancedness_mean"].get<double>(),
+                   summary["balancedness_mean"].get<double>());
+  EXPECT_DOUBLE_EQ(scored["balancedness_worst"].get<double>(),
+                   summary["balancedness_worst"].get<double>());
+
+  const Json file = Json::parse(*ReadTextFile(plan_path));
+  EXPECT_EQ(file["phy2log"].size(), 58u);
+  EXPECT_EQ(file["phy2log"][0].size(), 288u);
+  EXPECT_EQ(file["logcnt"][0].size(), 256u);
+  EXPECT_EQ(file["topology"]["ranks"], 32);
+}
+
+TEST(BalanceCliTest, PreviousPlanAndBudgetAreHonoured) {
+  test::TempDir dir;
+  const std::string first = dir.path() + "/v1.json", second = dir.path() + "/v2.json";
+  const std::vector<std::string> topology = {"--ranks", "16", "--nodes", "2",
+                                             "--slots-per-rank", "17"};
+  std::vector<std::string> args = {"plan", "--load", kTrace, "--out", first};
+  args.insert(args.end(), topology.begin(), topology.end());
+  ASSERT_EQ(RunCli(args).code, 0);
+  args = {"plan",           "--load",      test::TracePath("prefill_in512.json"),
+          "--previous",     first,         "--migration-budget",
+          "1",              "--out",       second};
+  args.insert(args.end(), topology.begin(), topology.end());
+  Result r = RunCli(args);
+  ASSERT_EQ(r.code, 0) << r.err;
+  const Json summary = Json::parse(r.out);
+  EXPECT_EQ(summary["version"], 2);
+  // At most one slot per rank per layer: 16 ranks x 58 layers.
+  EXPECT_LE(summary["changed_slots"].get<int>(), 16 * 58);
+}
+
+TEST(BalanceCliTest, EvalTakesAPlainEplbPlanWithRanksFromTheCommandLine) {
+  test::TempDir dir;
+  const std::string load = dir.Write("load.json", R"({"logical_count": [[0,0],[3,1]]})");
+  const std::string plan = dir.Write("plan.json", R"({"phy2log": [[0,1,0,1]]})");
+  Result r = RunCli({"eval", "--plan", plan, "--load", load, "--ranks", "2"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const Json scored = Json::parse(r.out);
+  // Each rank holds half of each expert: perfectly balanced.
+  EXPECT_DOUBLE_EQ(scored["balancedness_mean"].get<double>(), 1.0);
+  EXPECT_EQ(scored["ranks"], 2);
+}
+
+TEST(BalanceCliTest, ReplayComparesWithABaselineOnTheSameLoads) {
+  Result r = RunCli({"replay", "--load", kTrace, test::TracePath("prefill_in512.json"),
+                  "--ranks", "8", "--nodes", "2", "--slots-per-rank", "36", "--policy", "ubep",
+                  "--baseline", "eplb-global", "--steps", "40", "--rebalance-every", "10",
+                  "--window", "10", "--seed", "1", "--migration-budget", "2"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const Json result = Json::parse(r.out);
+  for (const char* key : {"imbalance_mean", "imbalance_p99", "migrated_slots_total",
+                          "plan_ms_p50", "plan_ms_max"}) {
+    EXPECT_TRUE(result.contains(key)) << key;
+    EXPECT_TRUE(result["baseline"].contains(key)) << key;
+  }
+  EXPECT_EQ(result["plans"], 3);
+  EXPECT_EQ(result["scored_steps"], 30);
+  EXPECT_EQ(result["baseline"]["policy"], "eplb-global");
+  EXPECT_NE(result["time_axis"].get<std::string>().find("synthetic"), std::string::npos);
+  // ubep keeps placements: far fewer weight moves than replanning from scratch.
+  EXPECT_LT(result["migrated_slots_total"].get<int>(),
+            result["baseline"]["migrated_slots_total"].get<int>() / 4);
+}
+
+struct BadRun {
+  std::vector<std::string> args;
+  std::string error;
+  friend void PrintTo(const BadRun& r, std::ostream* os) { *os << r.error; }
+};
+
+class BadRunTest : public ::testing::TestWithParam<BadRun> {};
+
+TEST_P(BadRunTest, ExitsTwoWithOneLineNamingTheProblem) {
+  Result r = RunCli(GetParam().args);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, GetParam().error + "\n");
+  EXPECT_EQ(r.out, "");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Inputs, BadRunTest,
+    ::testing::Values(
+        BadRun{{"plan", "--load", "/nonexistent.json", "--ranks", "8", "--slots-per-rank", "32",
+                "--out", "/tmp/x.json"},
+               "ubep-balance plan: /nonexistent.json: cannot read: No such file or directory"},
+        BadRun{{"plan", "--load", kTrace, "--ranks", "8", "--slots-per-rank", "31", "--out",
+                "/tmp/x.json"},
+               "ubep-balance plan: " + kTrace +
+                   ": slots (8 ranks x 31 = 248) are fewer than the 256 logical experts; "
+                   "every expert needs a slot"},
+        BadRun{{"plan", "--load", kTrace, "--ranks", "8", "--nodes", "3", "--slots-per-rank",
+                "32", "--out", "/tmp/x.json"},
+               "ubep-balance plan: " + kTrace + ": ranks (8) must be divisible by nodes (3)"},
+        BadRun{{"plan", "--load", kTrace, "--ranks", "8", "--slots-per-rank", "32", "--groups",
+                "3", "--out", "/tmp/x.json"},
+               "ubep-balance plan: " + kTrace + ": experts (256) must be divisible by groups (3)"},
+        BadRun{{"plan", "--load", kTrace, "--ranks", "eight", "--slots-per-rank", "32", "--out",
+                "/tmp/x.json"},
+               "ubep-balance plan: --ranks: 'eight' is not an integer"},
+        BadRun{{"plan", "--load", kTrace, "--ranks", "8", "--slots-per-rank", "32",
+                "--policy", "magic", "--out", "/tmp/x.json"},
+               "ubep-balance plan: unknown policy 'magic'; expected eplb, eplb-global or ubep"},
+        BadRun{{"plan", "--load", kTrace, "--ranks", "8", "--slots-per-rank", "32",
+                "--frobnicate", "1"},
+               "ubep-balance plan: unknown flag --frobnicate"},
+        BadRun{{"plan", "--ranks", "8"}, "ubep-balance plan: missing --load"},
+        BadRun{{"transmogrify"},
+               "ubep-balance: unknown command 'transmogrify'; usage: ubep-balance "
+               "plan|eval|replay [flags]; see docs/ubep-balance.md"},
+        BadRun{{"replay", "--load", kTrace, "--ranks", "8", "--slots-per-rank", "32",
+                "--policy", "ubep", "--steps", "10", "--rebalance-every", "5", "--window",
+                "10"},
+               "ubep-balance replay: replay: need window > 0, rebalance-every > 0 and steps > "
+               "window; got window 10, rebalance-every 5, steps 10"}));
+
+TEST(BalanceCliTest, PreviousPlanOfAnotherShapeIsRejected) {
+  test::TempDir dir;
+  const std::string first = dir.path() + "/v1.json";
+  ASSERT_EQ(RunCli({"plan", "--load", kTrace, "--ranks", "16", "--slots-per-rank", "17", "--out",
+                 first})
+                .code,
+            0);
+  Result r = RunCli({"plan", "--load", kTrace, "--ranks", "8", "--slots-per-rank", "34",
+                  "--previous", first, "--out", dir.path() + "/v2.json"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, "ubep-balance plan: " + first +
+                       ": previous plan is for 16 ranks x 17 slots on 1 nodes, not 8 x 34 on "
+                       "1\n");
+}
+
+TEST(BalanceCliTest, TheBinaryExitsTwoOnBadInput) {
+  test::TempDir dir;
+  const std::string bad = dir.Write("bad.json", R"({"logical_count": [[1,2],[3]]})");
+  const std::string command = std::string(UBEP_BINARY_DIR) + "/bin/ubep-balance plan --load " +
+                              bad + " --ranks 2 --slots-per-rank 1 --out " + dir.path() +
+                              "/p.json 2>" + dir.path() + "/err.txt";
+  const int status = std::system(command.c_str());
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 2);
+  EXPECT_EQ(*ReadTextFile(dir.path() + "/err.txt"),
+            "ubep-balance plan: " + bad +
+                ": logical_count[1]: has 1 experts, logical_count[0] has 2 (ragged rows)\n");
+}
+
+}  // namespace
+}  // namespace ubep::balancer

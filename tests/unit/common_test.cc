@@ -1,0 +1,74 @@
+#include <thread>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/clock.h"
+#include "common/status_macros.h"
+#include "gtest/gtest.h"
+
+namespace ubep {
+namespace {
+
+absl::StatusOr<int> Half(int x) {
+  if (x % 2 != 0) return absl::InvalidArgumentError("odd");
+  return x / 2;
+}
+
+absl::StatusOr<int> Quarter(int x) {
+  UBEP_ASSIGN_OR_RETURN(int half, Half(x));
+  UBEP_ASSIGN_OR_RETURN(int quarter, Half(half));
+  return quarter;
+}
+
+absl::Status CheckQuarter(int x) {
+  UBEP_RETURN_IF_ERROR(Quarter(x));
+  UBEP_RETURN_IF_ERROR(absl::OkStatus());
+  return absl::OkStatus();
+}
+
+TEST(StatusMacrosTest, AssignOrReturnPassesValuesAndErrors) {
+  EXPECT_EQ(*Quarter(12), 3);
+  EXPECT_EQ(Quarter(6).status(), absl::InvalidArgumentError("odd"));
+  EXPECT_EQ(Quarter(7).status(), absl::InvalidArgumentError("odd"));
+}
+
+TEST(StatusMacrosTest, ReturnIfErrorAcceptsStatusAndStatusOr) {
+  EXPECT_TRUE(CheckQuarter(8).ok());
+  EXPECT_EQ(CheckQuarter(10), absl::InvalidArgumentError("odd"));
+}
+
+TEST(FakeClockTest, AdvancesOnlyWhenTold) {
+  FakeClock clock(100);
+  EXPECT_EQ(clock.NowNanos(), 100);
+  clock.Advance(absl::Nanoseconds(50));
+  EXPECT_EQ(clock.NowNanos(), 150);
+  clock.SetNanos(7);
+  EXPECT_EQ(clock.NowNanos(), 7);
+}
+
+TEST(FakeClockTest, SleepReturnsOnceAnotherThreadAdvancesPastTheDeadline) {
+  FakeClock clock(0);
+  std::atomic<bool> woke{false};
+  std::thread sleeper([&] {
+    clock.SleepFor(absl::Seconds(2));
+    woke = true;
+  });
+  clock.AwaitSleepers(1);
+  clock.Advance(absl::Seconds(1));
+  absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_FALSE(woke.load());
+  clock.Advance(absl::Seconds(1));
+  sleeper.join();
+  EXPECT_TRUE(woke.load());
+  EXPECT_EQ(clock.NowNanos(), 2'000'000'000);
+}
+
+TEST(SystemClockTest, IsMonotonic) {
+  SystemClock clock;
+  const int64_t a = clock.NowNanos();
+  clock.SleepFor(absl::Milliseconds(1));
+  EXPECT_GE(clock.NowNanos() - a, 1'000'000);
+}
+
+}  // namespace
+}  // namespace ubep

@@ -1,0 +1,83 @@
+#include "balancer/core/eplb_policy.h"
+
+#include "balancer/core/metrics.h"
+#include "balancer/core/planner.h"
+#include "gtest/gtest.h"
+
+namespace ubep::balancer {
+namespace {
+
+// The example of DeepSeek's EPLB README: 2 layers x 12 experts, 16 slots, 4 groups, 2 nodes,
+// 8 GPUs.
+LoadMatrix ReadmeWeights() {
+  const double weights[2][12] = {{90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86},
+                                 {20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27}};
+  LoadMatrix load(2, 12);
+  for (int l = 0; l < 2; ++l) {
+    for (int e = 0; e < 12; ++e) load.at(l, e) = weights[l][e];
+  }
+  return load;
+}
+
+TEST(EplbPolicyTest, HierarchicalMatchesTheReadmeExampleExactly) {
+  absl::StatusOr<Plan> plan = PlanEplb(ReadmeWeights(), Topology{8, 2, 2, 4}, true);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->layers[0].slot_expert,
+            (std::vector<int>{5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1}));
+  EXPECT_EQ(plan->layers[1].slot_expert,
+            (std::vector<int>{7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1}));
+}
+
+TEST(EplbPolicyTest, SharesAreEqualPerReplicaAndLogcntMatches) {
+  absl::StatusOr<Plan> plan = PlanEplb(ReadmeWeights(), Topology{8, 2, 2, 4}, true);
+  ASSERT_TRUE(plan.ok());
+  ASSERT_TRUE(ValidatePlan(*plan).ok());
+  const EplbArrays arrays = ToEplbArrays(*plan);
+  // Layer 0: experts 1, 4, 5 and 10 have two replicas (slots 13/15, 5/7, 0/2, 8/10).
+  EXPECT_EQ(arrays.logcnt[0], (std::vector<int>{1, 2, 1, 1, 2, 2, 1, 1, 1, 1, 2, 1}));
+  EXPECT_EQ(arrays.log2phy[0][5], (std::vector<int>{0, 2}));
+  EXPECT_EQ(arrays.log2phy[0][0], (std::vector<int>{12, -1}));
+  EXPECT_DOUBLE_EQ(plan->layers[0].slot_share[0], 0.5);
+  EXPECT_DOUBLE_EQ(plan->layers[0].slot_share[12], 1.0);
+}
+
+TEST(EplbPolicyTest, FallsBackToGlobalWhenGroupsDoNotDivideByNodes) {
+  // 3 groups on 2 nodes: rebalance_experts uses the global policy, as eplb-global does.
+  LoadMatrix load(1, 12);
+  for (int e = 0; e < 12; ++e) load.at(0, e) = 10 + 7 * e;
+  absl::StatusOr<Plan> hierarchical = PlanEplb(load, Topology{8, 2, 2, 3}, true);
+  absl::StatusOr<Plan> global = PlanEplb(load, Topology{8, 2, 2, 3}, false);
+  ASSERT_TRUE(hierarchical.ok() && global.ok());
+  EXPECT_EQ(hierarchical->layers[0].slot_expert, global->layers[0].slot_expert);
+}
+
+TEST(EplbPolicyTest, GlobalReplicatesTheHeaviestExpert) {
+  LoadMatrix load(1, 4);
+  load.at(0, 0) = 100;
+  load.at(0, 1) = 10;
+  load.at(0, 2) = 10;
+  load.at(0, 3) = 10;
+  absl::StatusOr<Plan> plan = PlanEplb(load, Topology{2, 1, 3, 1}, false);
+  ASSERT_TRUE(plan.ok());
+  const EplbArrays arrays = ToEplbArrays(*plan);
+  EXPECT_EQ(arrays.logcnt[0], (std::vector<int>{3, 1, 1, 1}));
+}
+
+TEST(EplbPolicyTest, RejectsTooFewSlots) {
+  LoadMatrix load(1, 12);
+  absl::StatusOr<Plan> plan = PlanEplb(load, Topology{4, 1, 2, 1}, false);
+  EXPECT_EQ(plan.status(),
+            absl::InvalidArgumentError("slots (4 ranks x 2 = 8) are fewer than the 12 logical "
+                                       "experts; every expert needs a slot"));
+}
+
+TEST(EplbPolicyTest, PlannerNamesPolicies) {
+  EXPECT_EQ(*ParsePolicy("eplb-global"), Policy::kEplbGlobal);
+  EXPECT_EQ(PolicyName(Policy::kUbep), "ubep");
+  EXPECT_EQ(ParsePolicy("random").status(),
+            absl::InvalidArgumentError(
+                "unknown policy 'random'; expected eplb, eplb-global or ubep"));
+}
+
+}  // namespace
+}  // namespace ubep::balancer

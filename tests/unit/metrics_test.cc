@@ -1,0 +1,89 @@
+#include "balancer/core/metrics.h"
+
+#include "gtest/gtest.h"
+
+namespace ubep::balancer {
+namespace {
+
+Plan TwoNodePlan() {
+  // 4 ranks on 2 nodes, 2 slots each; expert 0 on ranks 0 (node 0) and 2 (node 1).
+  Plan plan;
+  plan.topology = Topology{4, 2, 2, 1};
+  plan.num_experts = 7;
+  plan.layer_ids = {0};
+  plan.layers.push_back({{0, 1, 2, 3, 0, 4, 5, 6}, {0.25, 1, 1, 1, 0.75, 1, 1, 1}});
+  return plan;
+}
+
+TEST(MetricsTest, RankLoadsUseShares) {
+  const Plan plan = TwoNodePlan();
+  const std::vector<double> w = {8, 1, 2, 3, 4, 5, 6};
+  EXPECT_EQ(RankLoads(plan.topology, plan.layers[0], w), (std::vector<double>{3, 5, 10, 11}));
+}
+
+TEST(MetricsTest, BalancednessIsMaxOverMean) {
+  EXPECT_DOUBLE_EQ(Balancedness(std::vector<double>{3, 5, 10, 11}), 11.0 / 7.25);
+  EXPECT_DOUBLE_EQ(Balancedness(std::vector<double>{0, 0}), 1.0);
+  EXPECT_DOUBLE_EQ(Balancedness(std::vector<double>{}), 1.0);
+}
+
+TEST(MetricsTest, SummaryReportsMeanAndWorstLayer) {
+  Plan plan = TwoNodePlan();
+  plan.layers.push_back(plan.layers[0]);
+  plan.layer_ids.push_back(1);
+  LoadMatrix load(2, 7);
+  const double w0[] = {8, 1, 2, 3, 4, 5, 6};
+  for (int e = 0; e < 7; ++e) {
+    load.at(0, e) = w0[e];
+    load.at(1, e) = 1;  // Ranks get 1.25, 2, 1.75, 2: max 2 over mean 1.75.
+  }
+  const BalanceSummary summary = SummarizeBalance(plan, load);
+  ASSERT_EQ(summary.per_layer.size(), 2u);
+  EXPECT_DOUBLE_EQ(summary.per_layer[0], 11.0 / 7.25);
+  EXPECT_DOUBLE_EQ(summary.per_layer[1], 2 / 1.75);
+  EXPECT_DOUBLE_EQ(summary.worst, 11.0 / 7.25);
+  EXPECT_DOUBLE_EQ(summary.mean, (11.0 / 7.25 + 2 / 1.75) / 2);
+}
+
+TEST(MetricsTest, CrossNodeShareCountsLocalFirstRouting) {
+  const Plan plan = TwoNodePlan();
+  LoadMatrix load(1, 7);
+  // Only expert 0 has load: node 0 holds share 0.25, node 1 holds 0.75. Each node sources
+  // half: node 0 keeps 0.25, node 1 keeps 0.5, so 0.25 of the traffic crosses.
+  load.at(0, 0) = 100;
+  EXPECT_DOUBLE_EQ(CrossNodeShare(plan, load), 0.25);
+  // Only expert 1 (node 0 alone): half of its sources are on node 1.
+  load.at(0, 0) = 0;
+  load.at(0, 1) = 10;
+  EXPECT_DOUBLE_EQ(CrossNodeShare(plan, load), 0.5);
+}
+
+TEST(MetricsTest, ChangedSlotsPerRank) {
+  const Plan before = TwoNodePlan();
+  Plan after = before;
+  after.layers[0].slot_expert[1] = 6;
+  after.layers[0].slot_expert[7] = 1;
+  std::vector<int64_t> per_rank;
+  EXPECT_EQ(ChangedSlots(before, after, &per_rank), 2);
+  EXPECT_EQ(per_rank, (std::vector<int64_t>{1, 0, 0, 1}));
+}
+
+TEST(MetricsTest, ValidatePlanNamesTheProblem) {
+  Plan plan = TwoNodePlan();
+  plan.layers[0].slot_share[4] = 0.5;
+  EXPECT_EQ(ValidatePlan(plan),
+            absl::InvalidArgumentError("layer 0 expert 0 shares sum to 0.75, not 1"));
+  plan = TwoNodePlan();
+  plan.layers[0].slot_expert[3] = 9;
+  EXPECT_EQ(ValidatePlan(plan),
+            absl::InvalidArgumentError("layer 0 slot 3 holds expert 9, outside [0, 7)"));
+  plan = TwoNodePlan();
+  plan.layers[0].slot_expert[3] = 1;
+  plan.layers[0].slot_share[1] = 0.5;
+  plan.layers[0].slot_share[3] = 0.5;
+  EXPECT_EQ(ValidatePlan(plan), absl::InvalidArgumentError(
+                                    "layer 0 expert 3 has no replica (or only zero shares)"));
+}
+
+}  // namespace
+}  // namespace ubep::balancer

@@ -1,0 +1,82 @@
+#include "balancer/core/scenario.h"
+
+#include <numeric>
+
+#include "gtest/gtest.h"
+
+namespace ubep::balancer {
+namespace {
+
+std::vector<LoadMatrix> TwoSources() {
+  LoadMatrix hot_first(2, 4), hot_last(2, 4);
+  for (int l = 0; l < 2; ++l) {
+    for (int e = 0; e < 4; ++e) {
+      hot_first.at(l, e) = e == 0 ? 70 : 10;
+      hot_last.at(l, e) = e == 3 ? 700 : 100;
+    }
+  }
+  return {hot_first, hot_last};
+}
+
+TEST(ScenarioTest, MixRotatesThroughSourcesAndSumsToOne) {
+  absl::StatusOr<Scenario> s = Scenario::Create(
+      TwoSources(), {.seed = 3, .period_steps = 100, .burst_probability = 0});
+  ASSERT_TRUE(s.ok()) << s.status();
+  // Source k peaks at step k * period / K.
+  EXPECT_NEAR(s->MixWeights(0)[0], 1.0, 1e-12);
+  EXPECT_NEAR(s->MixWeights(50)[1], 1.0, 1e-12);
+  EXPECT_NEAR(s->MixWeights(25)[0], 0.5, 1e-12);
+  for (int step : {0, 13, 77}) {
+    const std::vector<double> w = s->MixWeights(step);
+    EXPECT_NEAR(std::accumulate(w.begin(), w.end(), 0.0), 1.0, 1e-12);
+  }
+}
+
+TEST(ScenarioTest, StepsAreSeededMultinomialDraws) {
+  const ScenarioOptions options{.seed = 9, .pairs_per_step = 10000};
+  absl::StatusOr<Scenario> a = Scenario::Create(TwoSources(), options);
+  absl::StatusOr<Scenario> b = Scenario::Create(TwoSources(), options);
+  ASSERT_TRUE(a.ok() && b.ok());
+  const LoadMatrix x = a->Step(42), y = b->Step(42), z = a->Step(43);
+  bool differs = false;
+  for (int l = 0; l < 2; ++l) {
+    EXPECT_DOUBLE_EQ(x.RowSum(l), 10000.0);
+    for (int e = 0; e < 4; ++e) {
+      EXPECT_EQ(x.at(l, e), y.at(l, e));
+      differs |= x.at(l, e) != z.at(l, e);
+    }
+  }
+  EXPECT_TRUE(differs);
+  // At step 0 the mix is all source 0: expert 0 draws about 70% of the pairs.
+  const LoadMatrix first = a->Step(0);
+  const double expected = a->ExpectedStep(0).at(0, 0);
+  EXPECT_NEAR(expected, 7000.0, 1e-6);
+  EXPECT_NEAR(first.at(0, 0), expected, 5 * std::sqrt(10000 * 0.7 * 0.3));
+}
+
+TEST(ScenarioTest, BurstsMakeOneSourceDominate) {
+  absl::StatusOr<Scenario> s = Scenario::Create(
+      TwoSources(), {.seed = 5, .burst_probability = 1.0, .burst_steps = 10, .max_steps = 30});
+  ASSERT_TRUE(s.ok());
+  for (int step = 0; step < 30; ++step) {
+    const std::vector<double> w = s->MixWeights(step);
+    EXPECT_GE(std::max(w[0], w[1]), 0.8) << "step " << step;
+  }
+}
+
+TEST(ScenarioTest, RejectsSourcesOfDifferentShapes) {
+  std::vector<LoadMatrix> sources = TwoSources();
+  sources.push_back(LoadMatrix(3, 4));
+  EXPECT_EQ(Scenario::Create(sources, {}).status(),
+            absl::InvalidArgumentError(
+                "scenario source 2 is 3 layers x 4 experts; source 0 is 2 x 4"));
+  EXPECT_EQ(Scenario::Create({}, {}).status(),
+            absl::InvalidArgumentError("scenario needs at least one source"));
+  LoadMatrix empty_layer(2, 4);
+  empty_layer.at(0, 1) = 1;
+  EXPECT_EQ(Scenario::Create({empty_layer}, {}).status(),
+            absl::InvalidArgumentError("scenario source 0 layer 1 has no load"));
+}
+
+}  // namespace
+}  // namespace ubep::balancer
