@@ -3,9 +3,12 @@
 // object: per (trace, topology, policy) balancedness mean/worst, cross-node share and planning
 // milliseconds (median of --repeats single-threaded runs), plus ubep/eplb-global ratios.
 //
-//   ubep-bench-balancer [--traces DIR] [--repeats N]
+//   ubep-bench-balancer [--traces DIR] [--repeats N] [--table]
+//
+// --table prints a Markdown table instead of JSON.
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <iostream>
 #include <string>
@@ -33,17 +36,41 @@ double MedianMs(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+void PrintTable(const nlohmann::json& results) {
+  std::printf("| trace | topology | eplb mean/worst | eplb-global mean/worst | ubep mean/worst | "
+              "ubep ms | eplb-global ms |\n|---|---|---|---|---|---|---|\n");
+  for (const auto& row : results) {
+    auto cell = [&](const char* policy) {
+      char buffer[64];
+      std::snprintf(buffer, sizeof(buffer), "%.4f / %.4f",
+                    row[policy]["balancedness_mean"].get<double>(),
+                    row[policy]["balancedness_worst"].get<double>());
+      return std::string(buffer);
+    };
+    std::printf("| %s | %s | %s | %s | %s | %.1f | %.1f |\n",
+                row["trace"].get<std::string>().c_str(),
+                row["topology"].get<std::string>().substr(0, 4).c_str(), cell("eplb").c_str(),
+                cell("eplb-global").c_str(), cell("ubep").c_str(),
+                row["ubep"]["plan_ms"].get<double>(), row["eplb-global"]["plan_ms"].get<double>());
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string traces = UBEP_SOURCE_DIR "/data/traces/deepseek-v3";
   int repeats = 5;
-  for (int i = 1; i + 1 < argc; i += 2) {
+  bool table = false;
+  for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
-    if (flag == "--traces") traces = argv[i + 1];
-    else if (flag == "--repeats") repeats = std::max(1, std::atoi(argv[i + 1]));
-    else {
-      std::cerr << "usage: ubep-bench-balancer [--traces DIR] [--repeats N]\n";
+    if (flag == "--table") {
+      table = true;
+    } else if (flag == "--traces" && i + 1 < argc) {
+      traces = argv[++i];
+    } else if (flag == "--repeats" && i + 1 < argc) {
+      repeats = std::max(1, std::atoi(argv[++i]));
+    } else {
+      std::cerr << "usage: ubep-bench-balancer [--traces DIR] [--repeats N] [--table]\n";
       return 2;
     }
   }
@@ -97,8 +124,12 @@ int main(int argc, char** argv) {
       results.push_back(row);
     }
   }
-  std::cout << nlohmann::json{{"bench", "balancer"}, {"repeats", repeats}, {"results", results}}
-                   .dump(1)
-            << "\n";
+  if (table) {
+    PrintTable(results);
+  } else {
+    std::cout << nlohmann::json{{"bench", "balancer"}, {"repeats", repeats}, {"results", results}}
+                     .dump(1)
+              << "\n";
+  }
   return 0;
 }

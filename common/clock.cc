@@ -1,5 +1,7 @@
 #include "common/clock.h"
 
+#include "absl/time/clock.h"
+
 #include <time.h>
 
 namespace ubep {
@@ -13,34 +15,30 @@ int64_t SystemClock::NowNanos() const {
 void SystemClock::SleepFor(absl::Duration duration) { absl::SleepFor(duration); }
 
 int64_t FakeClock::NowNanos() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return now_nanos_;
 }
 
 void FakeClock::SleepFor(absl::Duration duration) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   const int64_t deadline = now_nanos_ + absl::ToInt64Nanoseconds(duration);
-  auto reached = [this, deadline]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-    return now_nanos_ >= deadline;
-  };
   ++sleepers_;
-  mu_.Await(absl::Condition(&reached));
+  mu_.Await([this, deadline]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return now_nanos_ >= deadline; });
   --sleepers_;
 }
 
 void FakeClock::AwaitSleepers(int count) {
-  absl::MutexLock lock(&mu_);
-  auto enough = [this, count]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return sleepers_ >= count; };
-  mu_.Await(absl::Condition(&enough));
+  MutexLock lock(&mu_);
+  mu_.Await([this, count]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return sleepers_ >= count; });
 }
 
 void FakeClock::Advance(absl::Duration duration) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   now_nanos_ += absl::ToInt64Nanoseconds(duration);
 }
 
 void FakeClock::SetNanos(int64_t now_nanos) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   now_nanos_ = now_nanos;
 }
 

@@ -11,8 +11,8 @@
 #include <cstdint>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/mutex.h"
 
 namespace ubep {
 
@@ -50,7 +50,7 @@ class FakeClock final : public ClockInterface {
   void AwaitSleepers(int count);
 
  private:
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   int64_t now_nanos_ ABSL_GUARDED_BY(mu_);
   int sleepers_ ABSL_GUARDED_BY(mu_) = 0;
 };

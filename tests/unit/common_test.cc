@@ -3,6 +3,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/clock.h"
+#include "common/mutex.h"
 #include "common/status_macros.h"
 #include "gtest/gtest.h"
 
@@ -61,6 +62,32 @@ TEST(FakeClockTest, SleepReturnsOnceAnotherThreadAdvancesPastTheDeadline) {
   sleeper.join();
   EXPECT_TRUE(woke.load());
   EXPECT_EQ(clock.NowNanos(), 2'000'000'000);
+}
+
+TEST(MutexTest, AwaitSeesChangesMadeByAnotherThread) {
+  Mutex mu;
+  int stage = 0;  // Guarded by mu.
+  std::thread other([&] {
+    MutexLock lock(&mu);
+    stage = 1;
+    mu.Await([&] { return stage == 2; });
+    stage = 3;
+  });
+  {
+    MutexLock lock(&mu);
+    mu.Await([&] { return stage == 1; });
+    stage = 2;
+    mu.Await([&] { return stage == 3; });
+  }
+  other.join();
+  EXPECT_EQ(stage, 3);
+}
+
+TEST(MutexTest, AwaitWithTimeoutGivesUp) {
+  Mutex mu;
+  MutexLock lock(&mu);
+  EXPECT_FALSE(mu.AwaitWithTimeout([] { return false; }, absl::Milliseconds(5)));
+  EXPECT_TRUE(mu.AwaitWithTimeout([] { return true; }, absl::Milliseconds(5)));
 }
 
 TEST(SystemClockTest, IsMonotonic) {

@@ -1,0 +1,182 @@
+#include "balancer/formats/proto_convert.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace ubep::balancer {
+
+v1::Topology ToProto(const Topology& t) {
+  v1::Topology proto;
+  proto.set_num_ranks(t.num_ranks);
+  proto.set_num_nodes(t.num_nodes);
+  proto.set_slots_per_rank(t.slots_per_rank);
+  proto.set_num_groups(t.num_groups);
+  for (int r = 0; r < t.num_ranks; ++r) {
+    v1::Rank* rank = proto.add_ranks();
+    rank->set_rank(r);
+    rank->set_node(t.NodeOfRank(r));
+    rank->set_domain(t.NodeOfRank(r));
+    rank->set_device(r % t.ranks_per_node());
+  }
+  return proto;
+}
+
+absl::StatusOr<Topology> FromProto(const v1::Topology& proto) {
+  constexpr uint32_t kMax = 1 << 20;
+  if (proto.num_ranks() > kMax || proto.num_nodes() > kMax || proto.slots_per_rank() > kMax ||
+      proto.num_groups() > kMax) {
+    return absl::InvalidArgumentError("topology: a count is larger than 2^20");
+  }
+  Topology t{static_cast<int>(proto.num_ranks()), static_cast<int>(proto.num_nodes()),
+             static_cast<int>(proto.slots_per_rank()),
+             proto.num_groups() == 0 ? 1 : static_cast<int>(proto.num_groups())};
+  if (t.num_nodes <= 0 || t.num_ranks <= 0 || t.num_ranks % t.num_nodes != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("topology: ", t.num_ranks,
+                                                   " ranks do not divide over ", t.num_nodes,
+                                                   " nodes"));
+  }
+  // Ranks are node-major in this version: rank r sits on node r / ranks_per_node.
+  for (const v1::Rank& rank : proto.ranks()) {
+    if (rank.rank() >= proto.num_ranks()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("topology.ranks: rank ", rank.rank(), " is outside [0, ",
+                       proto.num_ranks(), ")"));
+    }
+    if (static_cast<int>(rank.node()) != t.NodeOfRank(static_cast<int>(rank.rank()))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "topology.ranks: rank ", rank.rank(), " is on node ", rank.node(), "; ranks must be "
+          "numbered node-major (rank r on node r / ", t.ranks_per_node(), ")"));
+    }
+  }
+  return t;
+}
+
+v1::Plan ToProto(const Plan& plan) {
+  v1::Plan proto;
+  proto.set_version(plan.version);
+  *proto.mutable_topology() = ToProto(plan.topology);
+  proto.set_num_experts(plan.num_experts);
+  for (int id : plan.layer_ids) proto.add_layer_ids(id);
+  for (const LayerPlan& layer : plan.layers) {
+    v1::LayerPlan* out = proto.add_layers();
+    std::vector<v1::ExpertPlacement*> experts;
+    for (int e = 0; e < plan.num_experts; ++e) experts.push_back(out->add_experts());
+    for (size_t p = 0; p < layer.slot_expert.size(); ++p) {
+      out->add_slot_expert(layer.slot_expert[p]);
+      v1::Replica* replica = experts[layer.slot_expert[p]]->add_replicas();
+      replica->set_slot(static_cast<uint32_t>(p));
+      replica->set_share(layer.slot_share[p]);
+    }
+  }
+  return proto;
+}
+
+absl::StatusOr<Plan> FromProto(const v1::Plan& proto) {
+  Plan plan;
+  plan.version = proto.version();
+  UBEP_ASSIGN_OR_RETURN(plan.topology, FromProto(proto.topology()));
+  if (proto.num_experts() == 0 || proto.num_experts() > (1u << 20)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("plan: num_experts ", proto.num_experts(), " is outside [1, 2^20]"));
+  }
+  plan.num_experts = static_cast<int>(proto.num_experts());
+  if (proto.layer_ids_size() != proto.layers_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("plan: ", proto.layers_size(),
+                                                   " layers but ", proto.layer_ids_size(),
+                                                   " layer ids"));
+  }
+  const int num_slots = plan.topology.num_slots();
+  for (int l = 0; l < proto.layers_size(); ++l) {
+    const v1::LayerPlan& in = proto.layers(l);
+    plan.layer_ids.push_back(static_cast<int>(proto.layer_ids(l)));
+    if (in.slot_expert_size() != num_slots || in.experts_size() != plan.num_experts) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "plan.layers[", l, "]: ", in.slot_expert_size(), " slots and ", in.experts_size(),
+          " experts; expected ", num_slots, " and ", plan.num_experts));
+    }
+    LayerPlan layer;
+    layer.slot_expert.assign(in.slot_expert().begin(), in.slot_expert().end());
+    layer.slot_share.assign(num_slots, -1.0);
+    for (int e = 0; e < plan.num_experts; ++e) {
+      for (const v1::Replica& replica : in.experts(e).replicas()) {
+        if (replica.slot() >= static_cast<uint32_t>(num_slots) ||
+            layer.slot_expert[replica.slot()] != e) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("plan.layers[", l, "].experts[", e, "]: replica slot ",
+                           replica.slot(), " does not hold expert ", e));
+        }
+        layer.slot_share[replica.slot()] = replica.share();
+      }
+    }
+    for (int p = 0; p < num_slots; ++p) {
+      if (layer.slot_share[p] < 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "plan.layers[", l, "]: slot ", p, " is missing from its expert's replicas"));
+      }
+    }
+    plan.layers.push_back(std::move(layer));
+  }
+  if (absl::Status s = ValidatePlan(plan); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("plan: ", s.message()));
+  }
+  return plan;
+}
+
+absl::StatusOr<LoadMatrix> LoadFromProto(const v1::LoadReport& report, const Plan* plan) {
+  const int num_experts = static_cast<int>(report.num_experts());
+  if (num_experts <= 0 || report.layers_size() == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("load report from '", report.reporter(), "' is empty: ",
+                     report.layers_size(), " layers x ", num_experts, " experts"));
+  }
+  if (report.first_step() > report.last_step()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("load report from '", report.reporter(), "': first_step ",
+                     report.first_step(), " is after last_step ", report.last_step()));
+  }
+  LoadMatrix load(report.layers_size(), num_experts);
+  std::vector<int> ids;
+  for (int i = 0; i < report.layers_size(); ++i) {
+    const v1::LayerLoad& layer = report.layers(i);
+    ids.push_back(static_cast<int>(layer.layer()));
+    const std::string field = absl::StrCat("load report from '", report.reporter(), "' layers[",
+                                           i, "]");
+    if (layer.logical_size() > 0 && layer.slot_size() > 0) {
+      return absl::InvalidArgumentError(field + ": has both logical and slot counts");
+    }
+    if (layer.logical_size() > 0) {
+      if (layer.logical_size() != num_experts) {
+        return absl::InvalidArgumentError(absl::StrCat(field, ": ", layer.logical_size(),
+                                                       " logical counts, expected ",
+                                                       num_experts));
+      }
+      for (int e = 0; e < num_experts; ++e) load.at(i, e) = static_cast<double>(layer.logical(e));
+      continue;
+    }
+    if (plan == nullptr || plan->num_experts != num_experts) {
+      return absl::InvalidArgumentError(field + ": slot counts need the plan that was in force");
+    }
+    const int plan_layer = static_cast<int>(
+        std::find(plan->layer_ids.begin(), plan->layer_ids.end(), static_cast<int>(layer.layer())) -
+        plan->layer_ids.begin());
+    if (plan_layer == plan->num_layers()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": layer ", layer.layer(), " is not in plan v", plan->version));
+    }
+    const LayerPlan& placed = plan->layers[plan_layer];
+    if (layer.slot_size() != static_cast<int>(placed.slot_expert.size())) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": ", layer.slot_size(),
+                                                     " slot counts, plan has ",
+                                                     placed.slot_expert.size(), " slots"));
+    }
+    for (int p = 0; p < layer.slot_size(); ++p) {
+      load.at(i, placed.slot_expert[p]) += static_cast<double>(layer.slot(p));
+    }
+  }
+  load.set_layer_ids(std::move(ids));
+  return load;
+}
+
+}  // namespace ubep::balancer

@@ -1,0 +1,29 @@
+// Conversion between the shared protos (proto/ubep/v1) and balancer domain types, used at the
+// edges (RPC servers, clients). Conversions from protos validate, since protos arrive from
+// other processes: every error is InvalidArgument naming the field. Thread-compatible.
+#ifndef UBEP_BALANCER_FORMATS_PROTO_CONVERT_H_
+#define UBEP_BALANCER_FORMATS_PROTO_CONVERT_H_
+
+#include "absl/status/statusor.h"
+#include "balancer/core/load_matrix.h"
+#include "balancer/core/plan.h"
+#include "ubep/v1/load.pb.h"
+#include "ubep/v1/plan.pb.h"
+#include "ubep/v1/topology.pb.h"
+
+namespace ubep::balancer {
+
+v1::Topology ToProto(const Topology& topology);
+absl::StatusOr<Topology> FromProto(const v1::Topology& proto);
+
+v1::Plan ToProto(const Plan& plan);
+absl::StatusOr<Plan> FromProto(const v1::Plan& proto);
+
+// Per-logical-expert counts of a report as a load matrix with one row per reported layer
+// (layer ids from the report). Slot-level layers are folded onto logical experts with `plan`,
+// which must be the plan that was in force (null when the report has no slot-level layers).
+absl::StatusOr<LoadMatrix> LoadFromProto(const v1::LoadReport& report, const Plan* plan);
+
+}  // namespace ubep::balancer
+
+#endif  // UBEP_BALANCER_FORMATS_PROTO_CONVERT_H_

@@ -1,0 +1,73 @@
+#include "balancer/formats/proto_convert.h"
+
+#include "balancer/core/planner.h"
+#include "gtest/gtest.h"
+
+namespace ubep::balancer {
+namespace {
+
+Plan SmallPlan() {
+  LoadMatrix load(2, 6);
+  for (int e = 0; e < 6; ++e) {
+    load.at(0, e) = 1 + e * e;
+    load.at(1, e) = 30 - e;
+  }
+  load.set_layer_ids({3, 4});
+  return *ComputePlan(load, Topology{4, 2, 2, 1}, nullptr, {.policy = Policy::kUbep});
+}
+
+TEST(ProtoConvertTest, PlanRoundTrips) {
+  const Plan plan = SmallPlan();
+  const v1::Plan proto = ToProto(plan);
+  EXPECT_EQ(proto.topology().ranks_size(), 4);
+  EXPECT_EQ(proto.topology().ranks(3).node(), 1u);
+  absl::StatusOr<Plan> back = FromProto(proto);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->topology, plan.topology);
+  EXPECT_EQ(back->layer_ids, plan.layer_ids);
+  for (int l = 0; l < 2; ++l) {
+    EXPECT_EQ(back->layers[l].slot_expert, plan.layers[l].slot_expert);
+    EXPECT_EQ(back->layers[l].slot_share, plan.layers[l].slot_share);
+  }
+}
+
+TEST(ProtoConvertTest, RejectsInconsistentPlans) {
+  v1::Plan proto = ToProto(SmallPlan());
+  proto.mutable_layers(1)->mutable_experts(0)->mutable_replicas(0)->set_slot(99);
+  EXPECT_EQ(FromProto(proto).status(),
+            absl::InvalidArgumentError(
+                "plan.layers[1].experts[0]: replica slot 99 does not hold expert 0"));
+  proto = ToProto(SmallPlan());
+  proto.mutable_topology()->mutable_ranks(2)->set_node(0);
+  EXPECT_EQ(FromProto(proto).status(),
+            absl::InvalidArgumentError("topology.ranks: rank 2 is on node 0; ranks must be "
+                                       "numbered node-major (rank r on node r / 2)"));
+}
+
+TEST(ProtoConvertTest, FoldsSlotCountsOntoLogicalExperts) {
+  const Plan plan = SmallPlan();
+  v1::LoadReport report;
+  report.set_reporter("node-0");
+  report.set_num_experts(6);
+  v1::LayerLoad* layer = report.add_layers();
+  layer->set_layer(4);
+  for (int p = 0; p < 8; ++p) layer->add_slot(10 + p);
+  absl::StatusOr<LoadMatrix> load = LoadFromProto(report, &plan);
+  ASSERT_TRUE(load.ok()) << load.status();
+  EXPECT_EQ(load->layer_ids(), (std::vector<int>{4}));
+  std::vector<double> expected(6, 0.0);
+  for (int p = 0; p < 8; ++p) expected[plan.layers[1].slot_expert[p]] += 10 + p;
+  for (int e = 0; e < 6; ++e) EXPECT_EQ(load->at(0, e), expected[e]);
+
+  layer->set_layer(7);
+  EXPECT_EQ(LoadFromProto(report, &plan).status(),
+            absl::InvalidArgumentError(
+                "load report from 'node-0' layers[0]: layer 7 is not in plan v1"));
+  layer->add_logical(1);
+  EXPECT_EQ(LoadFromProto(report, &plan).status(),
+            absl::InvalidArgumentError(
+                "load report from 'node-0' layers[0]: has both logical and slot counts"));
+}
+
+}  // namespace
+}  // namespace ubep::balancer
