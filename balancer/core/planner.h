@@ -30,7 +30,7 @@ struct PlannerOptions {
   Policy policy = Policy::kUbep;
   uint64_t seed = 0;
   int migration_budget = -1;  // Per rank per layer; negative = unlimited. ubep only.
-  double balance_slack = 0.003;  // ubep only; see UbepPolicyOptions.
+  double balance_slack = -1;  // ubep only; negative = from the counts. See UbepPolicyOptions.
 };
 
 // The EPLB policies ignore `previous` apart from the version (they always replan from

@@ -194,7 +194,8 @@ void MinMaxShares(const Topology& t, std::span<const double> w, const std::vecto
 
 // sum_j clamp(target + nu, 0, hi_j) = amount, solved for nu over the sorted breakpoints; the
 // projection of the equal split onto {x : sum x = amount, 0 <= x <= hi}.
-void ProjectEqualSplit(double amount, std::span<const double> hi, std::span<double> x) {
+void ProjectEqualSplit(double amount, std::span<const double> hi, std::span<double> x,
+                       std::vector<double>& points) {
   const size_t n = hi.size();
   const double target = amount / static_cast<double>(n);
   auto total_at = [&](double nu) {
@@ -203,7 +204,7 @@ void ProjectEqualSplit(double amount, std::span<const double> hi, std::span<doub
     return sum;
   };
   // Breakpoints of the piecewise-linear total: nu = -target and nu = hi_j - target.
-  std::vector<double> points{-target};
+  points.assign(1, -target);
   for (size_t j = 0; j < n; ++j) points.push_back(hi[j] - target);
   std::sort(points.begin(), points.end());
   double nu = points.back();
@@ -225,7 +226,7 @@ void ProjectEqualSplit(double amount, std::span<const double> hi, std::span<doub
 // a rank's load a mix of many experts, so the plan holds up when the load drifts.
 void SpreadShares(std::span<const double> w, const std::vector<Block>& blocks, double cap,
                   std::vector<double>& rank_load, int sweeps, LayerPlan& layer) {
-  std::vector<double> base, hi, x;
+  std::vector<double> base, hi, x, points;
   for (int sweep = 0; sweep < sweeps; ++sweep) {
     for (const Block& b : blocks) {
       const double load = w[b.expert];
@@ -242,7 +243,7 @@ void SpreadShares(std::span<const double> w, const std::vector<Block>& blocks, d
         room += hi[j];
       }
       if (room < load) continue;  // Rounding left no room: keep the current split.
-      ProjectEqualSplit(load, hi, x);
+      ProjectEqualSplit(load, hi, x, points);
       double sum = 0;
       for (size_t j = 0; j < n; ++j) sum += x[j];
       for (size_t j = 0; j < n; ++j) {

@@ -1,7 +1,9 @@
 #include "balancer/core/ubep_policy.h"
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
+#include <cstdlib>
 #include <queue>
 #include <tuple>
 #include <utility>
@@ -40,6 +42,15 @@ std::vector<int> ReplicaCounts(std::span<const double> w, int num_slots, int num
     heap.emplace(w[e] / count[e], -e);
   }
   return count;
+}
+
+constexpr double kMaxAutoSlack = 0.05;
+
+// Sum over ranks of the squared load above the mean.
+double Excess(const std::vector<double>& rank_load, double mean) {
+  double sum = 0;
+  for (double l : rank_load) sum += l > mean ? (l - mean) * (l - mean) : 0.0;
+  return sum;
 }
 
 double MaxOf(const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); }
@@ -173,6 +184,55 @@ LayerPlan UbepLayerFresh(std::span<const double> w, const Topology& t,
   return layer;
 }
 
+// Replica refresh: when the load has drifted, the experts that are hot now may have too few
+// replicas and formerly hot ones too many. Moves one slot at a time from an expert above its
+// fresh replica count (ReplicaCounts of the new load) to the expert with the most load per
+// replica below its count, while that lowers the largest load per replica of the two by more
+// than `margin`. The slot given up is the over-replicated expert's least-used one on a rank
+// that does not hold the receiver, within the rank's budget. Returns whether anything moved.
+bool RefreshReplicas(std::span<const double> w, const Topology& t, const LayerPlan& previous,
+                     int budget, double margin, std::vector<int>& count,
+                     std::vector<int>& changed, LayerPlan& current) {
+  const int num_experts = static_cast<int>(w.size());
+  const int S = t.slots_per_rank;
+  const std::vector<int> target = ReplicaCounts(w, t.num_slots(), t.num_ranks);
+  bool moved = false;
+  for (int move = 0; move < t.num_slots(); ++move) {
+    int u = -1;  // Under-replicated, most load per replica.
+    for (int e = 0; e < num_experts; ++e) {
+      if (count[e] < target[e] && (u < 0 || w[e] / count[e] > w[u] / count[u])) u = e;
+    }
+    if (u < 0) return moved;
+    const double hot = w[u] / count[u];
+    int q = -1;  // Slot to give up.
+    for (int p = 0; p < t.num_slots(); ++p) {
+      const int o = current.slot_expert[p];
+      if (count[o] <= target[o] || count[o] < 2) continue;
+      if (std::max(w[o] / (count[o] - 1), w[u] / (count[u] + 1)) * (1 + margin) >= hot) continue;
+      const int r = t.RankOfSlot(p);
+      bool holds_u = false;
+      for (int i = r * S; i < (r + 1) * S; ++i) holds_u |= current.slot_expert[i] == u;
+      if (holds_u) continue;
+      const int after = changed[r] + (previous.slot_expert[p] != u) - (previous.slot_expert[p] != o);
+      if (after > budget) continue;
+      if (q < 0 || w[o] * current.slot_share[p] <
+                       w[current.slot_expert[q]] * current.slot_share[q]) {
+        q = p;
+      }
+    }
+    if (q < 0) return moved;
+    const int o = current.slot_expert[q];
+    const int r = t.RankOfSlot(q);
+    changed[r] += (previous.slot_expert[q] != u) - (previous.slot_expert[q] != o);
+    --count[o];
+    ++count[u];
+    current.slot_expert[q] = u;
+    current.slot_share[q] = 0.0;
+    moved = true;
+  }
+  return moved;
+}
+
 LayerPlan UbepLayerIncremental(std::span<const double> w, const Topology& t,
                                const LayerPlan& previous, const UbepPolicyOptions& options) {
   const int num_experts = static_cast<int>(w.size());
@@ -187,13 +247,19 @@ LayerPlan UbepLayerIncremental(std::span<const double> w, const Topology& t,
   for (int e : current.slot_expert) ++count[e];
   std::vector<int> changed(R, 0);
   const int budget = options.migration_budget < 0 ? S : options.migration_budget;
+  if (RefreshReplicas(w, t, previous, budget, options.refresh_margin, count, changed, current)) {
+    rank_load = LevelShares(t, w, current);
+  }
   constexpr int kExpertCandidates = 4;
   constexpr int kRankCandidates = 4;
 
   std::vector<int> ranks_by_load(R);
-  for (int move = 0; move < t.num_slots(); ++move) {
+  constexpr int kMaxTrials = 96;  // Each trial re-levels the layer.
+  int trials = 0;
+  for (int move = 0; move < t.num_slots() && trials <= kMaxTrials; ++move) {
     const double max_load = MaxOf(rank_load);
     if (max_load / mean <= options.target_balancedness) break;
+    const double excess = Excess(rank_load, mean);
     // The hottest experts on the ranks at the top level (leveling makes whole groups of ranks
     // share the top load).
     std::vector<int> hot;
@@ -237,7 +303,13 @@ LayerPlan UbepLayerIncremental(std::span<const double> w, const Topology& t,
         trial.slot_expert[q] = e;
         trial.slot_share[q] = 0.0;
         std::vector<double> trial_load = LevelShares(t, w, trial);
-        if (MaxOf(trial_load) > max_load - options.min_gain * mean) continue;
+        if (++trials > kMaxTrials) break;
+        // Leveling spreads a gain over every rank at the top level, so the maximum alone can
+        // barely move; the excess above the mean, squared, shows progress it cannot.
+        if (MaxOf(trial_load) > max_load + 1e-12 * mean ||
+            Excess(trial_load, mean) > excess * (1 - options.min_gain)) {
+          continue;
+        }
         changed[u] += (previous.slot_expert[q] != e) - (previous.slot_expert[q] != f);
         --count[f];
         ++count[e];
@@ -255,6 +327,101 @@ LayerPlan UbepLayerIncremental(std::span<const double> w, const Topology& t,
   return current;
 }
 
+// Renumbers the ranks of `fresh` (whole slot blocks move) to keep as many of each rank's
+// experts where `previous` had them, greedily by overlap, then orders each rank's slots so
+// that an expert kept on its rank keeps its slot. Rank loads and shares move with the slots.
+void AlignToPrevious(const Topology& t, const LayerPlan& previous, LayerPlan& fresh) {
+  const int R = t.num_ranks, S = t.slots_per_rank;
+  int num_experts = 0;
+  for (int e : previous.slot_expert) num_experts = std::max(num_experts, e + 1);
+  for (int e : fresh.slot_expert) num_experts = std::max(num_experts, e + 1);
+  std::vector<std::vector<int>> old_ranks_of(num_experts);
+  for (int p = 0; p < t.num_slots(); ++p) {
+    old_ranks_of[previous.slot_expert[p]].push_back(t.RankOfSlot(p));
+  }
+  // overlap[i * R + j]: experts of fresh rank i that old rank j held.
+  std::vector<int> overlap(static_cast<size_t>(R) * R, 0);
+  for (int p = 0; p < t.num_slots(); ++p) {
+    for (int j : old_ranks_of[fresh.slot_expert[p]]) ++overlap[t.RankOfSlot(p) * R + j];
+  }
+  std::vector<std::tuple<int, int, int>> pairs;  // (-overlap, new rank, old rank)
+  for (int i = 0; i < R; ++i) {
+    for (int j = 0; j < R; ++j) {
+      if (overlap[i * R + j] > 0) pairs.emplace_back(-overlap[i * R + j], i, j);
+    }
+  }
+  std::sort(pairs.begin(), pairs.end());
+  std::vector<int> target(R, -1), taken(R, 0);
+  for (const auto& [neg, i, j] : pairs) {
+    if (target[i] < 0 && !taken[j]) {
+      target[i] = j;
+      taken[j] = 1;
+    }
+  }
+  for (int i = 0, j = 0; i < R; ++i) {
+    if (target[i] >= 0) continue;
+    while (taken[j]) ++j;
+    target[i] = j;
+    taken[j] = 1;
+  }
+  LayerPlan aligned{std::vector<int>(t.num_slots(), -1), std::vector<double>(t.num_slots(), 0)};
+  for (int i = 0; i < R; ++i) {
+    const int j = target[i];
+    std::vector<uint8_t> placed(S, 0);
+    // First the experts the old rank held, in their old slots.
+    for (int a = 0; a < S; ++a) {
+      const int e = fresh.slot_expert[i * S + a];
+      for (int b = 0; b < S; ++b) {
+        if (aligned.slot_expert[j * S + b] < 0 && previous.slot_expert[j * S + b] == e) {
+          aligned.slot_expert[j * S + b] = e;
+          aligned.slot_share[j * S + b] = fresh.slot_share[i * S + a];
+          placed[a] = 1;
+          break;
+        }
+      }
+    }
+    for (int a = 0, b = 0; a < S; ++a) {
+      if (placed[a]) continue;
+      while (aligned.slot_expert[j * S + b] >= 0) ++b;
+      aligned.slot_expert[j * S + b] = fresh.slot_expert[i * S + a];
+      aligned.slot_share[j * S + b] = fresh.slot_share[i * S + a];
+    }
+  }
+  fresh = std::move(aligned);
+}
+
+// After AlignToPrevious: single-replica experts that LPT put elsewhere only because loads
+// shifted a little go back to their old slots, by swapping two single-replica experts whose
+// loads differ by at most `tolerance` of the mean rank load (each swap restores at least one
+// slot; leveling absorbs the small difference afterwards).
+void RestoreSingles(std::span<const double> w, const Topology& t, const LayerPlan& previous,
+                    double tolerance, LayerPlan& fresh) {
+  const int num_experts = static_cast<int>(w.size());
+  std::vector<int> count(num_experts, 0), slot_of(num_experts, -1);
+  for (int p = 0; p < t.num_slots(); ++p) {
+    ++count[fresh.slot_expert[p]];
+    slot_of[fresh.slot_expert[p]] = p;
+  }
+  const double limit = tolerance * std::accumulate(w.begin(), w.end(), 0.0) / t.num_ranks;
+  for (int p = 0; p < t.num_slots(); ++p) {
+    const int a = fresh.slot_expert[p], b = previous.slot_expert[p];
+    if (a == b || count[a] != 1 || b >= num_experts || count[b] != 1) continue;
+    const int q = slot_of[b];
+    if (std::abs(w[a] - w[b]) > limit) continue;
+    std::swap(fresh.slot_expert[p], fresh.slot_expert[q]);
+    std::swap(fresh.slot_share[p], fresh.slot_share[q]);
+    slot_of[a] = q;
+    slot_of[b] = p;
+  }
+}
+
+// Balancedness of a layer if every replica got an equal share: how much the plan leans on
+// tuned shares, which is what goes stale when the load drifts.
+double EqualShareBalancedness(std::span<const double> w, const Topology& t, LayerPlan layer) {
+  SetEqualShares(static_cast<int>(w.size()), layer);
+  return Balancedness(RankLoads(t, layer, w));
+}
+
 absl::StatusOr<Plan> PlanUbep(const LoadMatrix& load, const Topology& topology,
                               const Plan* previous, const UbepPolicyOptions& options) {
   UBEP_RETURN_IF_ERROR(ValidateLoad(load));
@@ -270,13 +437,61 @@ absl::StatusOr<Plan> PlanUbep(const LoadMatrix& load, const Topology& topology,
   plan.layer_ids = load.layer_ids();
   plan.version = previous != nullptr ? previous->version + 1 : 1;
   plan.layers.reserve(load.num_layers());
-  UbepPolicyOptions layer_options = options;
+  std::vector<UbepPolicyOptions> layer_options(load.num_layers(), options);
   for (int l = 0; l < load.num_layers(); ++l) {
-    layer_options.seed = options.seed + static_cast<uint64_t>(l);
+    layer_options[l].seed = options.seed + static_cast<uint64_t>(l);
+    if (options.balance_slack < 0) {
+      // Counts are Poisson-like: a rank's measured load is uncertain by about sqrt(load).
+      // Leveling tighter than a few of those is fitting noise, so that much is given to
+      // splits closer to equal instead.
+      const double mean_rank_load = load.RowSum(l) / topology.num_ranks;
+      layer_options[l].balance_slack =
+          mean_rank_load > 0
+              ? std::min(kMaxAutoSlack, options.noise_z / std::sqrt(mean_rank_load))
+              : 0.0;
+    }
+  }
+  if (previous == nullptr) {
+    for (int l = 0; l < load.num_layers(); ++l) {
+      plan.layers.push_back(UbepLayerFresh(load.row(l), topology, layer_options[l]));
+    }
+    return plan;
+  }
+  // Keep each layer's placement (within the per-rank budget), then, without a per-rank
+  // budget, replan from scratch the layers whose kept placement leans hardest on tuned shares,
+  // as long as the slots that change stay within max_moved_fraction of all slots.
+  std::vector<LayerPlan> fresh(load.num_layers());
+  std::vector<std::pair<double, int>> gains;  // (equal-share balancedness gained, layer)
+  for (int l = 0; l < load.num_layers(); ++l) {
     plan.layers.push_back(
-        previous != nullptr
-            ? UbepLayerIncremental(load.row(l), topology, previous->layers[l], options)
-            : UbepLayerFresh(load.row(l), topology, layer_options));
+        UbepLayerIncremental(load.row(l), topology, previous->layers[l], layer_options[l]));
+    if (options.migration_budget >= 0) continue;
+    fresh[l] = UbepLayerFresh(load.row(l), topology, layer_options[l]);
+    AlignToPrevious(topology, previous->layers[l], fresh[l]);
+    RestoreSingles(load.row(l), topology, previous->layers[l], options.restore_tolerance,
+                   fresh[l]);
+    LevelShares(topology, load.row(l), fresh[l],
+                {.balance_slack = layer_options[l].balance_slack});
+    const double gain = EqualShareBalancedness(load.row(l), topology, plan.layers[l]) -
+                        EqualShareBalancedness(load.row(l), topology, fresh[l]);
+    if (gain > options.fresh_gain) gains.emplace_back(gain, l);
+  }
+  std::sort(gains.begin(), gains.end(), std::greater<>());
+  auto moved = [&](int l, const LayerPlan& layer) {
+    int64_t n = 0;
+    for (int p = 0; p < topology.num_slots(); ++p) {
+      n += layer.slot_expert[p] != previous->layers[l].slot_expert[p];
+    }
+    return n;
+  };
+  int64_t moved_total = 0;
+  for (int l = 0; l < load.num_layers(); ++l) moved_total += moved(l, plan.layers[l]);
+  const double cap = options.max_moved_fraction * topology.num_slots() * load.num_layers();
+  for (const auto& [gain, l] : gains) {
+    const int64_t extra = moved(l, fresh[l]) - moved(l, plan.layers[l]);
+    if (moved_total + extra > cap) continue;
+    moved_total += extra;
+    plan.layers[l] = std::move(fresh[l]);
   }
   return plan;
 }

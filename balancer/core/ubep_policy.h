@@ -7,8 +7,9 @@
 //     whole replicas leave.
 // Given a previous plan it is migration-aware instead: it keeps the previous placement,
 // re-levels shares for the new load (free: no weights move) and then changes single slots,
-// each one only when it lowers the largest rank load by at least `min_gain`, until the target
-// balancedness is reached or the per-rank budget is spent.
+// each one only when it lowers the squared excess over the mean by `min_gain`, until the target
+// balancedness is reached or the per-rank budget is spent. Before that, replica counts are
+// refreshed where the load has drifted far from them (RefreshReplicas).
 // Deterministic for a given (load, topology, previous plan, options). Pure; thread-compatible.
 #ifndef UBEP_BALANCER_CORE_UBEP_POLICY_H_
 #define UBEP_BALANCER_CORE_UBEP_POLICY_H_
@@ -29,13 +30,29 @@ struct UbepPolicyOptions {
   int migration_budget = -1;
   // With a previous plan: stop changing slots once a layer's balancedness is at most this.
   double target_balancedness = 1.002;
-  // With a previous plan: a slot change must lower the layer's largest rank load by at least
-  // this fraction of the mean rank load.
-  double min_gain = 0.002;
+  // With a previous plan: a slot change must not raise the layer's largest rank load and must
+  // lower the sum of squared rank loads above the mean by at least this fraction.
+  double min_gain = 0.01;
+  // With a previous plan: an expert's replica count is refreshed toward the count the new
+  // load would give it when that lowers the load per replica by more than this fraction.
+  double refresh_margin = 1000;
   // Shares may leave a layer's largest rank load this fraction above the optimum for the
-  // planning load, in exchange for splits closer to equal (share_leveling.h): such plans hold
-  // up better on the steps that follow, whose load has drifted.
-  double balance_slack = 0.003;
+  // planning load, in exchange for splits closer to equal (share_leveling.h), which hold up
+  // better on the steps that follow. Negative: derived from the counts, noise_z / sqrt(mean
+  // rank load) (at most 5%), since loads are counts of routed pairs whose noise is about the
+  // square root of the count; leveling below that fits noise.
+  double balance_slack = -1;
+  double noise_z = 2.0;
+  // With a previous plan and no per-rank budget: a layer is replanned from scratch (then
+  // renumbered to keep what it can in place) when its kept placement leans on tuned shares so
+  // much that its balancedness under equal shares is worse than the fresh plan's by more than
+  // fresh_gain; largest gains first, while the slots that change in one replan stay within
+  // max_moved_fraction of all slots.
+  double fresh_gain = 0.02;
+  double max_moved_fraction = 0.2;
+  // Fresh replans swap single-replica experts back to their old slots when their loads differ
+  // by at most this fraction of the mean rank load (RestoreSingles).
+  double restore_tolerance = 0.005;
 };
 
 absl::StatusOr<Plan> PlanUbep(const LoadMatrix& load, const Topology& topology,

@@ -121,6 +121,28 @@ TEST(UbepPolicyTest, PerLayerBudgetIsRespectedLayerByLayer) {
   EXPECT_GT(changed, 0);
 }
 
+TEST(UbepPolicyTest, UnbudgetedReplanMovesAtMostTheMovedFraction) {
+  absl::StatusOr<LoadMatrix> decode = ReadSglangLoadFile(test::TracePath("decode_in1000out1000.json"));
+  absl::StatusOr<LoadMatrix> prefill = ReadSglangLoadFile(test::TracePath("prefill_in512.json"));
+  ASSERT_TRUE(decode.ok() && prefill.ok());
+  const Topology t{32, 4, 9, 1};
+  absl::StatusOr<Plan> plan = PlanUbep(*decode, t, nullptr, {});
+  ASSERT_TRUE(plan.ok());
+  // A switch from decode to prefill load: some layers are replanned from scratch.
+  const UbepPolicyOptions options{.max_moved_fraction = 0.1};
+  absl::StatusOr<Plan> next = PlanUbep(*prefill, t, &*plan, options);
+  ASSERT_TRUE(next.ok());
+  ExpectValidPlan(*next, *prefill);
+  const int64_t changed = ChangedSlots(*plan, *next, nullptr);
+  EXPECT_GT(changed, 0);
+  EXPECT_LE(changed, static_cast<int64_t>(0.1 * t.num_slots() * prefill->num_layers()));
+  // Better than keeping the old plan as it was, far from EPLB without balancing (above 1.1).
+  const double kept = SummarizeBalance(*plan, *prefill).mean;
+  const double replanned = SummarizeBalance(*next, *prefill).mean;
+  EXPECT_LT(replanned, kept);
+  EXPECT_LE(replanned, 1.06);
+}
+
 TEST(UbepPolicyTest, ReplanningTheSameLoadMovesNothing) {
   absl::StatusOr<LoadMatrix> load = ReadSglangLoadFile(test::TracePath("decode_in1000out1000.json"));
   ASSERT_TRUE(load.ok());

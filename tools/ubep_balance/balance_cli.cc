@@ -262,12 +262,15 @@ absl::Status RunReplay(const Flags& flags, std::ostream& out, ClockInterface& cl
   UBEP_ASSIGN_OR_RETURN(replay.steps, flags.Int("steps", 2, 100000));
   UBEP_ASSIGN_OR_RETURN(replay.rebalance_every, flags.Int("rebalance-every", 1, 100000));
   UBEP_ASSIGN_OR_RETURN(replay.window, flags.Int("window", 1, 100000));
-  ScenarioOptions scenario_options;
-  scenario_options.seed = planner.seed;
-  scenario_options.max_steps = replay.steps;
-  UBEP_ASSIGN_OR_RETURN(scenario_options.pairs_per_step,
+  UBEP_ASSIGN_OR_RETURN(int64_t pairs_per_step,
                         flags.Int("pairs-per-step", 1, int64_t{1} << 40,
-                                  scenario_options.pairs_per_step));
+                                  ScenarioOptions{}.pairs_per_step));
+  UBEP_ASSIGN_OR_RETURN(int seeds, flags.Int("seeds", 1, 1000, 1));
+  std::optional<PlannerOptions> baseline;
+  if (flags.Has("baseline")) {
+    UBEP_ASSIGN_OR_RETURN(baseline, PlannerFromFlags(flags, "baseline"));
+    baseline->migration_budget = -1;
+  }
 
   std::vector<LoadMatrix> sources;
   for (const std::string& path : load_paths) {
@@ -282,21 +285,32 @@ absl::Status RunReplay(const Flags& flags, std::ostream& out, ClockInterface& cl
     UBEP_RETURN_IF_ERROR(CheckTopologyFits(topology, path, load));
     sources.push_back(std::move(load));
   }
-  UBEP_ASSIGN_OR_RETURN(Scenario scenario, Scenario::Create(std::move(sources), scenario_options));
-  std::vector<LoadMatrix> step_loads;
-  step_loads.reserve(replay.steps);
-  for (int s = 0; s < replay.steps; ++s) step_loads.push_back(scenario.Step(s));
-
-  UBEP_ASSIGN_OR_RETURN(ReplayResult ours, Replay(step_loads, topology, planner, replay, clock));
+  // Each seed is one scenario (its own bursts and sampling); every policy replays the same
+  // sampled loads of every seed.
+  ReplayResult ours, theirs;
+  for (int i = 0; i < seeds; ++i) {
+    ScenarioOptions scenario_options{.seed = planner.seed + static_cast<uint64_t>(i),
+                                     .pairs_per_step = pairs_per_step,
+                                     .max_steps = replay.steps};
+    UBEP_ASSIGN_OR_RETURN(Scenario scenario, Scenario::Create(sources, scenario_options));
+    std::vector<LoadMatrix> step_loads;
+    step_loads.reserve(replay.steps);
+    for (int s = 0; s < replay.steps; ++s) step_loads.push_back(scenario.Step(s));
+    UBEP_ASSIGN_OR_RETURN(ReplayResult run, Replay(step_loads, topology, planner, replay, clock));
+    ours.Merge(run);
+    if (baseline) {
+      UBEP_ASSIGN_OR_RETURN(ReplayResult base,
+                            Replay(step_loads, topology, *baseline, replay, clock));
+      theirs.Merge(base);
+    }
+  }
   Json result = ReplayJson(ours, planner.policy);
   result["time_axis"] = "synthetic (real DeepSeek-V3 distributions, drifting mix; seeded)";
   result["seed"] = planner.seed;
+  result["seeds"] = seeds;
   result["sources"] = load_paths;
-  if (flags.Has("baseline")) {
-    UBEP_ASSIGN_OR_RETURN(PlannerOptions baseline, PlannerFromFlags(flags, "baseline"));
-    UBEP_ASSIGN_OR_RETURN(ReplayResult theirs,
-                          Replay(step_loads, topology, baseline, replay, clock));
-    result["baseline"] = ReplayJson(theirs, baseline.policy);
+  if (baseline) {
+    result["baseline"] = ReplayJson(theirs, baseline->policy);
     result["imbalance_mean_ratio"] = ours.imbalance_mean / theirs.imbalance_mean;
     result["migrated_slots_ratio"] =
         theirs.migrated_slots_total > 0
@@ -333,7 +347,8 @@ int RunBalanceCli(const std::vector<std::string>& args, std::ostream& out, std::
     status = flags.ok() ? RunEval(*flags, out) : flags.status();
   } else if (command == "replay") {
     known = {"load",   "policy", "baseline", "steps",          "rebalance-every",
-             "window", "seed",   "migration-budget", "pairs-per-step", "balance-slack"};
+             "window", "seed",   "migration-budget", "pairs-per-step", "balance-slack",
+             "seeds"};
     known.insert(topology_flags.begin(), topology_flags.end());
     flags = parse(known, {"load"});
     status = flags.ok() ? RunReplay(*flags, out, clock) : flags.status();

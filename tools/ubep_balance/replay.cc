@@ -18,7 +18,26 @@ double Percentile(std::vector<double> values, double q) {
   return values[std::min(index, values.size() - 1)];
 }
 
+void Summarize(ReplayResult& r) {
+  r.scored_steps = static_cast<int>(r.step_imbalance.size());
+  r.plans = static_cast<int>(r.plan_ms.size());
+  double sum = 0;
+  for (double b : r.step_imbalance) sum += b;
+  r.imbalance_mean = r.scored_steps > 0 ? sum / r.scored_steps : 0;
+  r.imbalance_p99 = Percentile(r.step_imbalance, 0.99);
+  r.plan_ms_p50 = Percentile(r.plan_ms, 0.5);
+  r.plan_ms_max = r.plan_ms.empty() ? 0 : *std::max_element(r.plan_ms.begin(), r.plan_ms.end());
+}
+
 }  // namespace
+
+void ReplayResult::Merge(const ReplayResult& other) {
+  step_imbalance.insert(step_imbalance.end(), other.step_imbalance.begin(),
+                        other.step_imbalance.end());
+  plan_ms.insert(plan_ms.end(), other.plan_ms.begin(), other.plan_ms.end());
+  migrated_slots_total += other.migrated_slots_total;
+  Summarize(*this);
+}
 
 absl::StatusOr<ReplayResult> Replay(const std::vector<LoadMatrix>& step_loads,
                                     const Topology& topology, const PlannerOptions& planner,
@@ -35,7 +54,6 @@ absl::StatusOr<ReplayResult> Replay(const std::vector<LoadMatrix>& step_loads,
   }
   ReplayResult result;
   std::optional<Plan> current;
-  std::vector<double> plan_ms;
   for (int step = options.window; step < options.steps; ++step) {
     if ((step - options.window) % options.rebalance_every == 0) {
       LoadMatrix window(step_loads[0].num_layers(), step_loads[0].num_experts());
@@ -44,20 +62,13 @@ absl::StatusOr<ReplayResult> Replay(const std::vector<LoadMatrix>& step_loads,
       const int64_t start = clock.NowNanos();
       UBEP_ASSIGN_OR_RETURN(Plan next, ComputePlan(window, topology,
                                                    current ? &*current : nullptr, planner));
-      plan_ms.push_back(static_cast<double>(clock.NowNanos() - start) / 1e6);
+      result.plan_ms.push_back(static_cast<double>(clock.NowNanos() - start) / 1e6);
       if (current) result.migrated_slots_total += ChangedSlots(*current, next, nullptr);
       current = std::move(next);
-      ++result.plans;
     }
     result.step_imbalance.push_back(SummarizeBalance(*current, step_loads[step]).mean);
   }
-  result.scored_steps = static_cast<int>(result.step_imbalance.size());
-  double sum = 0;
-  for (double b : result.step_imbalance) sum += b;
-  result.imbalance_mean = sum / result.scored_steps;
-  result.imbalance_p99 = Percentile(result.step_imbalance, 0.99);
-  result.plan_ms_p50 = Percentile(plan_ms, 0.5);
-  result.plan_ms_max = *std::max_element(plan_ms.begin(), plan_ms.end());
+  Summarize(result);
   return result;
 }
 

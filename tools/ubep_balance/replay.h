@@ -32,6 +32,11 @@ struct ReplayResult {
   int plans = 0;
   int scored_steps = 0;
   std::vector<double> step_imbalance;  // Per scored step.
+  std::vector<double> plan_ms;         // Per plan.
+
+  // Folds another run (another scenario seed) into this one: statistics over all scored
+  // steps and plans of both, migrations summed.
+  void Merge(const ReplayResult& other);
 };
 
 // The policies replay the same sampled loads, so results are comparable side by side.
