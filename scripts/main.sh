@@ -14,7 +14,7 @@ for topology in "32 4 9" "64 8 5"; do
   echo "   (real DeepSeek-V3 distributions, drifting mix; the time axis is synthetic)"
   build/bin/ubep-balance replay --load "${traces[@]}" --ranks "$ranks" --nodes "$nodes" \
     --slots-per-rank "$slots" --policy ubep --baseline eplb-global --steps 600 \
-    --rebalance-every 50 --window 50 --seed 1 --migration-budget 2
+    --rebalance-every 50 --window 50 --seed 1 --seeds 3
 done
 
 echo "== One-shot plans on every trace (balancedness = max/mean rank load; 1 is perfect)"

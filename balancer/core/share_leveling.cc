@@ -192,33 +192,26 @@ void MinMaxShares(const Topology& t, std::span<const double> w, const std::vecto
   }
 }
 
-// sum_j clamp(target + nu, 0, hi_j) = amount, solved for nu over the sorted breakpoints; the
-// projection of the equal split onto {x : sum x = amount, 0 <= x <= hi}.
+// The projection of the equal split onto {x : sum x = amount, 0 <= x <= hi}: x_j = min(y, hi_j)
+// with y the level at which the capped sum reaches `amount` (needs sum hi >= amount). O(n log n)
+// over the caps in ascending order; `order` is scratch space.
 void ProjectEqualSplit(double amount, std::span<const double> hi, std::span<double> x,
-                       std::vector<double>& points) {
+                       std::vector<int>& order) {
   const size_t n = hi.size();
-  const double target = amount / static_cast<double>(n);
-  auto total_at = [&](double nu) {
-    double sum = 0;
-    for (size_t j = 0; j < n; ++j) sum += std::clamp(target + nu, 0.0, hi[j]);
-    return sum;
-  };
-  // Breakpoints of the piecewise-linear total: nu = -target and nu = hi_j - target.
-  points.assign(1, -target);
-  for (size_t j = 0; j < n; ++j) points.push_back(hi[j] - target);
-  std::sort(points.begin(), points.end());
-  double nu = points.back();
-  for (size_t k = 0; k + 1 < points.size(); ++k) {
-    const double lo_total = total_at(points[k]);
-    const double hi_total = total_at(points[k + 1]);
-    if (hi_total >= amount) {
-      nu = hi_total > lo_total ? points[k] + (amount - lo_total) / (hi_total - lo_total) *
-                                                 (points[k + 1] - points[k])
-                               : points[k + 1];
+  order.resize(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](int a, int b) { return hi[a] < hi[b]; });
+  double below = 0;  // Sum of the caps under the level.
+  double level = hi[order[n - 1]];
+  for (size_t k = 0; k < n; ++k) {
+    const double y = (amount - below) / static_cast<double>(n - k);
+    if (y <= hi[order[k]]) {
+      level = y;
       break;
     }
+    below += hi[order[k]];
   }
-  for (size_t j = 0; j < n; ++j) x[j] = std::clamp(target + nu, 0.0, hi[j]);
+  for (size_t j = 0; j < n; ++j) x[j] = std::min(level, hi[j]);
 }
 
 // Moves every replicated expert's split as close to equal as the cap on rank loads allows
@@ -226,7 +219,8 @@ void ProjectEqualSplit(double amount, std::span<const double> hi, std::span<doub
 // a rank's load a mix of many experts, so the plan holds up when the load drifts.
 void SpreadShares(std::span<const double> w, const std::vector<Block>& blocks, double cap,
                   std::vector<double>& rank_load, int sweeps, LayerPlan& layer) {
-  std::vector<double> base, hi, x, points;
+  std::vector<double> base, hi, x;
+  std::vector<int> order;
   for (int sweep = 0; sweep < sweeps; ++sweep) {
     for (const Block& b : blocks) {
       const double load = w[b.expert];
@@ -243,7 +237,7 @@ void SpreadShares(std::span<const double> w, const std::vector<Block>& blocks, d
         room += hi[j];
       }
       if (room < load) continue;  // Rounding left no room: keep the current split.
-      ProjectEqualSplit(load, hi, x, points);
+      ProjectEqualSplit(load, hi, x, order);
       double sum = 0;
       for (size_t j = 0; j < n; ++j) sum += x[j];
       for (size_t j = 0; j < n; ++j) {
