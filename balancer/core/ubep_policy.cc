@@ -184,55 +184,6 @@ LayerPlan UbepLayerFresh(std::span<const double> w, const Topology& t,
   return layer;
 }
 
-// Replica refresh: when the load has drifted, the experts that are hot now may have too few
-// replicas and formerly hot ones too many. Moves one slot at a time from an expert above its
-// fresh replica count (ReplicaCounts of the new load) to the expert with the most load per
-// replica below its count, while that lowers the largest load per replica of the two by more
-// than `margin`. The slot given up is the over-replicated expert's least-used one on a rank
-// that does not hold the receiver, within the rank's budget. Returns whether anything moved.
-bool RefreshReplicas(std::span<const double> w, const Topology& t, const LayerPlan& previous,
-                     int budget, double margin, std::vector<int>& count,
-                     std::vector<int>& changed, LayerPlan& current) {
-  const int num_experts = static_cast<int>(w.size());
-  const int S = t.slots_per_rank;
-  const std::vector<int> target = ReplicaCounts(w, t.num_slots(), t.num_ranks);
-  bool moved = false;
-  for (int move = 0; move < t.num_slots(); ++move) {
-    int u = -1;  // Under-replicated, most load per replica.
-    for (int e = 0; e < num_experts; ++e) {
-      if (count[e] < target[e] && (u < 0 || w[e] / count[e] > w[u] / count[u])) u = e;
-    }
-    if (u < 0) return moved;
-    const double hot = w[u] / count[u];
-    int q = -1;  // Slot to give up.
-    for (int p = 0; p < t.num_slots(); ++p) {
-      const int o = current.slot_expert[p];
-      if (count[o] <= target[o] || count[o] < 2) continue;
-      if (std::max(w[o] / (count[o] - 1), w[u] / (count[u] + 1)) * (1 + margin) >= hot) continue;
-      const int r = t.RankOfSlot(p);
-      bool holds_u = false;
-      for (int i = r * S; i < (r + 1) * S; ++i) holds_u |= current.slot_expert[i] == u;
-      if (holds_u) continue;
-      const int after = changed[r] + (previous.slot_expert[p] != u) - (previous.slot_expert[p] != o);
-      if (after > budget) continue;
-      if (q < 0 || w[o] * current.slot_share[p] <
-                       w[current.slot_expert[q]] * current.slot_share[q]) {
-        q = p;
-      }
-    }
-    if (q < 0) return moved;
-    const int o = current.slot_expert[q];
-    const int r = t.RankOfSlot(q);
-    changed[r] += (previous.slot_expert[q] != u) - (previous.slot_expert[q] != o);
-    --count[o];
-    ++count[u];
-    current.slot_expert[q] = u;
-    current.slot_share[q] = 0.0;
-    moved = true;
-  }
-  return moved;
-}
-
 LayerPlan UbepLayerIncremental(std::span<const double> w, const Topology& t,
                                const LayerPlan& previous, const UbepPolicyOptions& options) {
   const int num_experts = static_cast<int>(w.size());
@@ -247,9 +198,6 @@ LayerPlan UbepLayerIncremental(std::span<const double> w, const Topology& t,
   for (int e : current.slot_expert) ++count[e];
   std::vector<int> changed(R, 0);
   const int budget = options.migration_budget < 0 ? S : options.migration_budget;
-  if (RefreshReplicas(w, t, previous, budget, options.refresh_margin, count, changed, current)) {
-    rank_load = LevelShares(t, w, current);
-  }
   constexpr int kExpertCandidates = 4;
   constexpr int kRankCandidates = 4;
 

@@ -1,15 +1,15 @@
-// The `ubep` placement policy. Per layer:
+// The `ubep` placement policy (docs/balancer.md). Per layer:
 //  1. replica counts: each spare slot goes to the expert with the most load per replica;
-//  2. placement: replicas, heaviest first, each onto the least-loaded rank that has a free slot
-//     and does not hold the expert yet; an expert's extra replicas prefer nodes that hold none
-//     of it (topology-aware: no group is pinned to a node);
-//  3. shares: leveled (share_leveling.h) so that replicated experts absorb the imbalance that
-//     whole replicas leave.
+//  2. chain placement: replicated experts laid along a chain of ranks that links every rank,
+//     consecutive chain ranks on different nodes (no group is pinned to a node); single-replica
+//     experts by LPT, then evened out by pairwise exchanges;
+//  3. shares: the exact min-max leveling for that placement, then splits moved toward equal
+//     within a slack derived from the counts' sampling noise (share_leveling.h).
 // Given a previous plan it is migration-aware instead: it keeps the previous placement,
 // re-levels shares for the new load (free: no weights move) and then changes single slots,
 // each one only when it lowers the squared excess over the mean by `min_gain`, until the target
-// balancedness is reached or the per-rank budget is spent. Before that, replica counts are
-// refreshed where the load has drifted far from them (RefreshReplicas).
+// balancedness is reached or the per-rank budget is spent. Without a budget, the layers whose
+// kept placement has gone stale are replanned from scratch, within a cap on moved slots.
 // Deterministic for a given (load, topology, previous plan, options). Pure; thread-compatible.
 #ifndef UBEP_BALANCER_CORE_UBEP_POLICY_H_
 #define UBEP_BALANCER_CORE_UBEP_POLICY_H_
@@ -33,9 +33,6 @@ struct UbepPolicyOptions {
   // With a previous plan: a slot change must not raise the layer's largest rank load and must
   // lower the sum of squared rank loads above the mean by at least this fraction.
   double min_gain = 0.01;
-  // With a previous plan: an expert's replica count is refreshed toward the count the new
-  // load would give it when that lowers the load per replica by more than this fraction.
-  double refresh_margin = 1000;
   // Shares may leave a layer's largest rank load this fraction above the optimum for the
   // planning load, in exchange for splits closer to equal (share_leveling.h), which hold up
   // better on the steps that follow. Negative: derived from the counts, noise_z / sqrt(mean
