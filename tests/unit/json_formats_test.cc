@@ -70,18 +70,8 @@ TEST(ReadFileTest, MissingFileIsNotFound) {
             absl::NotFoundError("/nonexistent/x.json: cannot read: No such file or directory"));
 }
 
-Plan SmallPlan() {
-  LoadMatrix load(2, 6);
-  for (int e = 0; e < 6; ++e) {
-    load.at(0, e) = 1 + e * e;
-    load.at(1, e) = 30 - e;
-  }
-  load.set_layer_ids({3, 4});
-  return *ComputePlan(load, Topology{4, 2, 2, 1}, nullptr, {.policy = Policy::kUbep});
-}
-
 TEST(PlanJsonTest, RoundTripsEveryField) {
-  const Plan plan = SmallPlan();
+  const Plan plan = test::SmallPlan();
   absl::StatusOr<Plan> back = ParsePlanJson(PlanToJson(plan), "p.json");
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(back->version, plan.version);

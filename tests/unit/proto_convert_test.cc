@@ -2,22 +2,13 @@
 
 #include "balancer/core/planner.h"
 #include "gtest/gtest.h"
+#include "tests/unit/test_util.h"
 
 namespace ubep::balancer {
 namespace {
 
-Plan SmallPlan() {
-  LoadMatrix load(2, 6);
-  for (int e = 0; e < 6; ++e) {
-    load.at(0, e) = 1 + e * e;
-    load.at(1, e) = 30 - e;
-  }
-  load.set_layer_ids({3, 4});
-  return *ComputePlan(load, Topology{4, 2, 2, 1}, nullptr, {.policy = Policy::kUbep});
-}
-
 TEST(ProtoConvertTest, PlanRoundTrips) {
-  const Plan plan = SmallPlan();
+  const Plan plan = test::SmallPlan();
   const v1::Plan proto = ToProto(plan);
   EXPECT_EQ(proto.topology().ranks_size(), 4);
   EXPECT_EQ(proto.topology().ranks(3).node(), 1u);
@@ -32,12 +23,12 @@ TEST(ProtoConvertTest, PlanRoundTrips) {
 }
 
 TEST(ProtoConvertTest, RejectsInconsistentPlans) {
-  v1::Plan proto = ToProto(SmallPlan());
+  v1::Plan proto = ToProto(test::SmallPlan());
   proto.mutable_layers(1)->mutable_experts(0)->mutable_replicas(0)->set_slot(99);
   EXPECT_EQ(FromProto(proto).status(),
             absl::InvalidArgumentError(
                 "plan.layers[1].experts[0]: replica slot 99 does not hold expert 0"));
-  proto = ToProto(SmallPlan());
+  proto = ToProto(test::SmallPlan());
   proto.mutable_topology()->mutable_ranks(2)->set_node(0);
   EXPECT_EQ(FromProto(proto).status(),
             absl::InvalidArgumentError("topology.ranks: rank 2 is on node 0; ranks must be "
@@ -45,7 +36,7 @@ TEST(ProtoConvertTest, RejectsInconsistentPlans) {
 }
 
 TEST(ProtoConvertTest, FoldsSlotCountsOntoLogicalExperts) {
-  const Plan plan = SmallPlan();
+  const Plan plan = test::SmallPlan();
   v1::LoadReport report;
   report.set_reporter("node-0");
   report.set_num_experts(6);

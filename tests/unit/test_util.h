@@ -7,6 +7,7 @@
 #include <fstream>
 #include <string>
 
+#include "balancer/core/planner.h"
 #include "gtest/gtest.h"
 
 namespace ubep::test {
@@ -36,6 +37,18 @@ class TempDir {
 
 inline std::string TracePath(const std::string& name) {
   return std::string(UBEP_SOURCE_DIR) + "/data/traces/deepseek-v3/" + name;
+}
+
+// A valid ubep plan of 2 layers (model layers 3 and 4) x 6 experts on 4 ranks x 2 slots.
+inline balancer::Plan SmallPlan() {
+  balancer::LoadMatrix load(2, 6);
+  for (int e = 0; e < 6; ++e) {
+    load.at(0, e) = 1 + e * e;
+    load.at(1, e) = 30 - e;
+  }
+  load.set_layer_ids({3, 4});
+  return *balancer::ComputePlan(load, balancer::Topology{4, 2, 2, 1}, nullptr,
+                                {.policy = balancer::Policy::kUbep});
 }
 
 }  // namespace ubep::test
