@@ -3,6 +3,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/clock.h"
+#include "common/logging.h"
 #include "common/mutex.h"
 #include "common/status_macros.h"
 #include "gtest/gtest.h"
@@ -88,6 +89,21 @@ TEST(MutexTest, AwaitWithTimeoutGivesUp) {
   MutexLock lock(&mu);
   EXPECT_FALSE(mu.AwaitWithTimeout([] { return false; }, absl::Milliseconds(5)));
   EXPECT_TRUE(mu.AwaitWithTimeout([] { return true; }, absl::Milliseconds(5)));
+}
+
+TEST(LoggingDeathTest, CheckFailureNamesTheConditionAndAborts) {
+  const int slots = 0;
+  EXPECT_DEATH(UBEP_CHECK(slots > 0) << "topology was validated",
+               "common_test.cc:[0-9]+\\] Check failed: slots > 0 topology was validated");
+}
+
+TEST(LoggingTest, LogLineCarriesSeverityFileAndMessage) {
+  ::testing::internal::CaptureStderr();
+  UBEP_LOG(WARNING) << "rank " << 3 << " is slow";
+  const std::string line = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(line.front(), 'W');
+  EXPECT_NE(line.find("common_test.cc:"), std::string::npos);
+  EXPECT_EQ(line.substr(line.size() - 17), "] rank 3 is slow\n");
 }
 
 TEST(SystemClockTest, IsMonotonic) {
