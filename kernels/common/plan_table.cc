@@ -1,0 +1,112 @@
+#include "kernels/common/plan_table.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace ubep::kernels {
+
+absl::StatusOr<std::vector<std::byte>> BuildPlanTable(uint64_t version, uint32_t num_experts,
+                                                      std::span<const LayerRouting> layers) {
+  if (layers.empty() || num_experts == 0) {
+    return absl::InvalidArgumentError("plan table: no layers or no experts");
+  }
+  const size_t num_slots = layers[0].slot_expert.size();
+  uint32_t max_replicas = 1;
+  std::vector<std::vector<std::pair<uint32_t, double>>> replicas(num_experts);
+  std::vector<uint32_t> counts(num_experts);
+  for (size_t l = 0; l < layers.size(); ++l) {
+    if (layers[l].slot_expert.size() != num_slots || layers[l].slot_share.size() != num_slots) {
+      return absl::InvalidArgumentError(absl::StrCat("plan table: layer ", l, " has ",
+                                                     layers[l].slot_expert.size(),
+                                                     " slots, layer 0 has ", num_slots));
+    }
+    std::fill(counts.begin(), counts.end(), 0);
+    for (size_t p = 0; p < num_slots; ++p) {
+      const int e = layers[l].slot_expert[p];
+      if (e < 0 || static_cast<uint32_t>(e) >= num_experts) {
+        return absl::InvalidArgumentError(absl::StrCat("plan table: layer ", l, " slot ", p,
+                                                       " holds expert ", e, ", outside [0, ",
+                                                       num_experts, ")"));
+      }
+      max_replicas = std::max(max_replicas, ++counts[e]);
+    }
+  }
+  std::vector<std::byte> bytes(PlanTableBytes(layers.size(), num_experts, max_replicas));
+  PlanTableHeader header{kPlanTableMagic, static_cast<uint32_t>(layers.size()), num_experts,
+                         static_cast<uint32_t>(num_slots), max_replicas, 0, version};
+  std::memcpy(bytes.data(), &header, sizeof(header));
+  auto* table = reinterpret_cast<PlanTableHeader*>(bytes.data());
+  for (size_t l = 0; l < layers.size(); ++l) {
+    for (auto& r : replicas) r.clear();
+    for (size_t p = 0; p < num_slots; ++p) {
+      replicas[layers[l].slot_expert[p]].emplace_back(p, layers[l].slot_share[p]);
+    }
+    for (uint32_t e = 0; e < num_experts; ++e) {
+      auto* route = const_cast<ExpertRoute*>(FindRoute(table, l, e));
+      if (replicas[e].empty()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("plan table: layer ", l, " expert ", e, " has no replica"));
+      }
+      double sum = 0;
+      for (const auto& [slot, share] : replicas[e]) {
+        if (!(share >= 0)) {
+          return absl::InvalidArgumentError(absl::StrCat("plan table: layer ", l, " slot ", slot,
+                                                         " has share ", share));
+        }
+        sum += share;
+      }
+      if (std::abs(sum - 1.0) > 1e-6) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "plan table: layer ", l, " expert ", e, " shares sum to ", sum, ", not 1"));
+      }
+      route->count = static_cast<uint32_t>(replicas[e].size());
+      auto* out = const_cast<ReplicaRoute*>(Replicas(route));
+      double cumulative = 0;
+      for (size_t j = 0; j < replicas[e].size(); ++j) {
+        cumulative += replicas[e][j].second / sum;
+        const double bound = std::min(4294967295.0, std::floor(cumulative * 4294967296.0));
+        out[j] = {replicas[e][j].first, j + 1 == replicas[e].size()
+                                            ? 0xFFFFFFFFu
+                                            : static_cast<uint32_t>(bound)};
+      }
+    }
+  }
+  return bytes;
+}
+
+absl::Status ValidatePlanTable(std::span<const std::byte> bytes) {
+  if (bytes.size() < sizeof(PlanTableHeader)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("plan table: ", bytes.size(), " bytes, smaller than its header"));
+  }
+  const auto* table = reinterpret_cast<const PlanTableHeader*>(bytes.data());
+  if (table->magic != kPlanTableMagic) {
+    return absl::InvalidArgumentError("plan table: bad magic (not a plan table)");
+  }
+  if (table->max_replicas == 0 ||
+      PlanTableBytes(table->num_layers, table->num_experts, table->max_replicas) !=
+          bytes.size()) {
+    return absl::InvalidArgumentError("plan table: sizes in the header disagree with its length");
+  }
+  for (uint32_t l = 0; l < table->num_layers; ++l) {
+    for (uint32_t e = 0; e < table->num_experts; ++e) {
+      const ExpertRoute* route = FindRoute(table, l, e);
+      if (route->count == 0 || route->count > table->max_replicas) {
+        return absl::InvalidArgumentError(absl::StrCat("plan table: layer ", l, " expert ", e,
+                                                       " has ", route->count, " replicas"));
+      }
+      for (uint32_t j = 0; j < route->count; ++j) {
+        if (Replicas(route)[j].slot >= table->num_slots) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("plan table: layer ", l, " expert ", e, " routes to slot ",
+                           Replicas(route)[j].slot, " of ", table->num_slots));
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace ubep::kernels

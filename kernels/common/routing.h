@@ -1,0 +1,61 @@
+// Routing decisions shared by both backends: which replica serves a (source rank, token, k)
+// pair, and the byte layout of a dispatch record. Every function here is deterministic, so the
+// host backend and the CUDA kernels place every byte the same way.
+#ifndef UBEP_KERNELS_COMMON_ROUTING_H_
+#define UBEP_KERNELS_COMMON_ROUTING_H_
+
+#include <cstdint>
+
+#include "kernels/common/host_device.h"
+#include "kernels/common/plan_table.h"
+
+namespace ubep::kernels {
+
+// A 32-bit hash of the pair's identity (murmur3 finalizer over the four words), uniform enough
+// that a replica with share s receives s of its expert's pairs up to sampling noise.
+UBEP_HD inline uint32_t RouteHash(uint32_t src_rank, uint32_t token, uint32_t k,
+                                  uint32_t expert) {
+  uint32_t h = 0x9747b28cu;
+  const uint32_t words[4] = {src_rank, token, k, expert};
+  for (uint32_t w : words) {
+    w *= 0xcc9e2d51u;
+    w = (w << 15) | (w >> 17);
+    w *= 0x1b873593u;
+    h ^= w;
+    h = (h << 13) | (h >> 19);
+    h = h * 5 + 0xe6546b64u;
+  }
+  h ^= 16;
+  h ^= h >> 16;
+  h *= 0x85ebca6bu;
+  h ^= h >> 13;
+  h *= 0xc2b2ae35u;
+  h ^= h >> 16;
+  return h;
+}
+
+// The physical slot p = rank * slots_per_rank + i that receives pair (t, k) of expert e.
+UBEP_HD inline uint32_t RouteSlot(const PlanTableHeader* plan, uint32_t layer, uint32_t src_rank,
+                                  uint32_t token, uint32_t k, uint32_t expert) {
+  return ChooseSlot(FindRoute(plan, layer, expert), RouteHash(src_rank, token, k, expert));
+}
+
+// One token's record in a destination's dispatch landing: which source token it is and, for
+// each of its pairs that this destination serves (in k order), the local slot and weight.
+// Fixed size for a given top-k: 8 + 8 * top_k bytes.
+struct RecordHeader {
+  int32_t token;
+  int32_t num_entries;
+};
+struct RecordEntry {
+  int32_t local_slot;
+  float weight;
+};
+
+UBEP_HD inline uint32_t RecordBytes(uint32_t top_k) {
+  return sizeof(RecordHeader) + sizeof(RecordEntry) * top_k;
+}
+
+}  // namespace ubep::kernels
+
+#endif  // UBEP_KERNELS_COMMON_ROUTING_H_

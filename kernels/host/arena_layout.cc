@@ -1,0 +1,60 @@
+#include "kernels/host/arena_layout.h"
+
+#include "absl/strings/str_cat.h"
+#include "kernels/common/routing.h"
+
+namespace ubep::kernels {
+namespace {
+
+constexpr size_t kLine = 64;
+
+size_t AlignUp(size_t n) { return (n + kLine - 1) / kLine * kLine; }
+
+}  // namespace
+
+absl::Status ValidateConfig(const EpConfig& c) {
+  if (c.num_ranks <= 0 || c.max_tokens <= 0 || c.hidden <= 0 || c.top_k <= 0 ||
+      c.num_experts <= 0 || c.slots_per_rank <= 0 || c.num_layers <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ep config: every size must be positive (ranks ", c.num_ranks, ", max_tokens ",
+        c.max_tokens, ", hidden ", c.hidden, ", top_k ", c.top_k, ", experts ", c.num_experts,
+        ", slots per rank ", c.slots_per_rank, ", layers ", c.num_layers, ")"));
+  }
+  if (c.top_k > kMaxTopK) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ep config: top_k ", c.top_k, " exceeds ", kMaxTopK));
+  }
+  if (static_cast<int64_t>(c.num_ranks) * c.slots_per_rank < c.num_experts) {
+    return absl::InvalidArgumentError(absl::StrCat("ep config: ", c.num_ranks, " ranks x ",
+                                                   c.slots_per_rank, " slots cannot hold ",
+                                                   c.num_experts, " experts"));
+  }
+  if (c.timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("ep config: timeout must be positive");
+  }
+  return absl::OkStatus();
+}
+
+ArenaLayout::ArenaLayout(const EpConfig& c) {
+  const size_t R = c.num_ranks, T = c.max_tokens;
+  record_bytes = RecordBytes(c.top_k);
+  row_bytes = c.hidden * DTypeBytes(c.dtype);
+  size_t offset = kLine;  // Header.
+  auto carve = [&](size_t bytes) {
+    const size_t at = offset;
+    offset = AlignUp(offset + bytes);
+    return at;
+  };
+  dispatch_flag = carve(R * kLine);
+  combine_flag = carve(R * kLine);
+  count_flag = carve(R * kLine);
+  barrier_flag = carve(R * kLine);
+  counts = carve(R * sizeof(uint32_t));
+  load_counters = carve(static_cast<size_t>(c.num_layers) * c.slots_per_rank * sizeof(uint64_t));
+  records = carve(R * T * record_bytes);
+  rows = carve(R * T * row_bytes);
+  partials = carve(R * T * c.hidden * sizeof(float));
+  total_bytes = offset;
+}
+
+}  // namespace ubep::kernels

@@ -1,0 +1,68 @@
+// The host backend's per-rank arena: configuration and byte layout.
+//
+// Each rank owns one arena; peers store into it. Offsets from the arena base, every region
+// 64-byte aligned (R ranks, T = max_tokens, K = top_k, H = hidden, S = slots_per_rank,
+// L = num_layers, B = bytes of one row of config.dtype):
+//
+//   header          64 B       magic, rank, config echo (checked when a peer attaches)
+//   dispatch_flag   R x 64 B   [s]: epoch of the last dispatch whose data source s stored here
+//   combine_flag    R x 64 B   [d]: epoch of the last combine whose partials rank d stored here
+//   count_flag      R x 64 B   [s]: epoch of source s's count for the BSP count exchange
+//   barrier_flag    R x 64 B   [s]: last barrier epoch rank s reached
+//   counts          R x 4 B    [s]: records source s stored in the current dispatch
+//   load_counters   L x S x 8  [l][i]: routed pairs received, monotonic (owner only writes)
+//   records         R x T x (8 + 8K)   [s][j]: record j from source s (routing.h)
+//   rows            R x T x B          [s][j]: hidden row of record j from source s
+//   partials        R x T x H x 4      [d][j]: fp32 partial sum rank d computed for this
+//                                      rank's j-th token sent to d
+//
+// Senders own the slots [s][*] of every peer's arena, receivers only read them: no two ranks
+// write the same byte. One flag per cache line, so polling does not false-share.
+#ifndef UBEP_KERNELS_HOST_ARENA_LAYOUT_H_
+#define UBEP_KERNELS_HOST_ARENA_LAYOUT_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+
+namespace ubep::kernels {
+
+enum class DType : uint32_t { kFloat32 = 0, kBFloat16 = 1 };
+
+inline size_t DTypeBytes(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+
+// kBsp: count exchange, barrier, send, barrier. kUbep: point-to-point epoch flags (host_ep.h).
+enum class Protocol { kBsp, kUbep };
+
+struct EpConfig {
+  int num_ranks = 0;
+  int max_tokens = 0;       // Per rank per call.
+  int hidden = 0;
+  int top_k = 0;            // At most kMaxTopK.
+  int num_experts = 0;
+  int slots_per_rank = 0;
+  int num_layers = 1;
+  DType dtype = DType::kFloat32;
+  Protocol protocol{};
+  absl::Duration timeout = absl::Seconds(10);
+};
+
+inline constexpr int kMaxTopK = 32;
+
+// OK when every size is positive, top_k <= kMaxTopK and slots cover the experts.
+absl::Status ValidateConfig(const EpConfig& config);
+
+struct ArenaLayout {
+  size_t dispatch_flag, combine_flag, count_flag, barrier_flag, counts, load_counters, records,
+      rows, partials, total_bytes;
+  size_t record_bytes, row_bytes;
+
+  explicit ArenaLayout(const EpConfig& config);
+  ArenaLayout() = default;
+};
+
+}  // namespace ubep::kernels
+
+#endif  // UBEP_KERNELS_HOST_ARENA_LAYOUT_H_

@@ -1,0 +1,483 @@
+#include "kernels/host/host_ep.h"
+
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "kernels/common/routing.h"
+#include "kernels/host/signal.h"
+
+namespace ubep::kernels {
+namespace {
+
+constexpr uint32_t kArenaMagic = 0x41504555;  // "UEPA"
+constexpr size_t kLine = 64;
+
+struct ArenaHeader {
+  uint32_t magic, num_ranks, max_tokens, hidden, top_k, num_experts, slots_per_rank, num_layers,
+      dtype;
+};
+
+float Bf16ToFloat(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+uint16_t FloatToBf16(float f) {  // Round to nearest even; NaN stays NaN.
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+float LoadElement(const std::byte* row, int i, DType dtype) {
+  if (dtype == DType::kFloat32) {
+    float f;
+    std::memcpy(&f, row + 4 * i, 4);
+    return f;
+  }
+  uint16_t v;
+  std::memcpy(&v, row + 2 * i, 2);
+  return Bf16ToFloat(v);
+}
+
+void StoreElement(std::byte* row, int i, float f, DType dtype) {
+  if (dtype == DType::kFloat32) {
+    std::memcpy(row + 4 * i, &f, 4);
+  } else {
+    const uint16_t v = FloatToBf16(f);
+    std::memcpy(row + 2 * i, &v, 2);
+  }
+}
+
+}  // namespace
+
+// The sender role: one persistent thread that runs a job while the calling thread receives.
+class HostEp::Sender {
+ public:
+  Sender() : thread_([this] { Loop(); }) {}
+  ~Sender() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+  void Start(std::function<void()> job) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      job_ = std::move(job);
+      done_ = false;
+    }
+    cv_.notify_all();
+  }
+
+  void Join() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return done_; });
+  }
+
+ private:
+  void Loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      cv_.wait(lock, [this] { return stop_ || job_ != nullptr; });
+      if (stop_) return;
+      std::function<void()> job = std::move(job_);
+      job_ = nullptr;
+      lock.unlock();
+      job();
+      lock.lock();
+      done_ = true;
+      cv_.notify_all();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::function<void()> job_;
+  bool done_ = true;
+  bool stop_ = false;
+  std::thread thread_;  // Last: starts after the members it uses.
+};
+
+absl::StatusOr<std::unique_ptr<HostEp>> HostEp::Create(const EpConfig& config, int rank,
+                                                       std::vector<std::byte*> arenas) {
+  UBEP_RETURN_IF_ERROR(ValidateConfig(config));
+  if (rank < 0 || rank >= config.num_ranks) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", rank, " is outside [0, ", config.num_ranks, ")"));
+  }
+  if (static_cast<int>(arenas.size()) != config.num_ranks) {
+    return absl::InvalidArgumentError(absl::StrCat("got ", arenas.size(), " arenas for ",
+                                                   config.num_ranks, " ranks"));
+  }
+  const ArenaHeader expected{kArenaMagic,
+                             static_cast<uint32_t>(config.num_ranks),
+                             static_cast<uint32_t>(config.max_tokens),
+                             static_cast<uint32_t>(config.hidden),
+                             static_cast<uint32_t>(config.top_k),
+                             static_cast<uint32_t>(config.num_experts),
+                             static_cast<uint32_t>(config.slots_per_rank),
+                             static_cast<uint32_t>(config.num_layers),
+                             static_cast<uint32_t>(config.dtype)};
+  auto* header = reinterpret_cast<ArenaHeader*>(arenas[rank]);
+  if (header->magic == 0) {
+    *header = expected;
+  } else if (std::memcmp(header, &expected, sizeof(expected)) != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", rank, ": the arena was laid out for another configuration (ranks ",
+        header->num_ranks, ", max_tokens ", header->max_tokens, ", hidden ", header->hidden,
+        ", top_k ", header->top_k, ", experts ", header->num_experts, ")"));
+  }
+  return std::unique_ptr<HostEp>(new HostEp(config, rank, std::move(arenas)));
+}
+
+HostEp::HostEp(const EpConfig& config, int rank, std::vector<std::byte*> arenas)
+    : config_(config),
+      layout_(config),
+      rank_(rank),
+      arenas_(std::move(arenas)),
+      send_tokens_(config.num_ranks),
+      send_entries_(config.num_ranks),
+      send_counts_(config.num_ranks) {
+  // Resume the epochs this arena has seen, so a restarted rank continues its peers' count.
+  auto* own = arenas_[rank_];
+  dispatch_epoch_ = LoadAcquire(reinterpret_cast<uint32_t*>(own + layout_.dispatch_flag +
+                                                            rank_ * kLine));
+  combine_epoch_ = LoadAcquire(reinterpret_cast<uint32_t*>(own + layout_.combine_flag +
+                                                           rank_ * kLine));
+  barrier_epoch_ = LoadAcquire(reinterpret_cast<uint32_t*>(own + layout_.barrier_flag +
+                                                           rank_ * kLine));
+  if (config.protocol == Protocol::kUbep) sender_ = std::make_unique<Sender>();
+}
+
+HostEp::~HostEp() = default;
+
+namespace {
+
+uint32_t* FlagAt(std::byte* arena, size_t region, int index) {
+  return reinterpret_cast<uint32_t*>(arena + region + index * kLine);
+}
+
+}  // namespace
+
+absl::Status HostEp::Validate(const DispatchInput& in) const {
+  if (combine_epoch_ != dispatch_epoch_) {
+    return absl::FailedPreconditionError(
+        "dispatch called twice without a combine in between: the combine of one call frees "
+        "the peers' receive buffers for the next");
+  }
+  if (in.hidden != config_.hidden) {
+    return absl::InvalidArgumentError(absl::StrCat("hidden size ", in.hidden,
+                                                   " does not match the configured ",
+                                                   config_.hidden));
+  }
+  if (in.num_tokens < 0 || in.num_tokens > config_.max_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(in.num_tokens, " tokens exceed max_tokens ",
+                                                   config_.max_tokens,
+                                                   " of this rank's buffers"));
+  }
+  if (in.layer < 0 || in.layer >= config_.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", in.layer, " is outside [0, ", config_.num_layers, ")"));
+  }
+  if (in.plan == nullptr || in.plan->num_experts != static_cast<uint32_t>(config_.num_experts) ||
+      in.plan->num_slots !=
+          static_cast<uint32_t>(config_.num_ranks * config_.slots_per_rank) ||
+      static_cast<uint32_t>(in.layer) >= in.plan->num_layers) {
+    return absl::InvalidArgumentError(
+        in.plan == nullptr
+            ? std::string("no plan table")
+            : absl::StrCat("plan table is for ", in.plan->num_layers, " layers x ",
+                           in.plan->num_experts, " experts x ", in.plan->num_slots,
+                           " slots; this group has ", config_.num_experts, " experts and ",
+                           config_.num_ranks * config_.slots_per_rank, " slots"));
+  }
+  if (in.num_tokens > 0 && (in.x == nullptr || in.topk_idx == nullptr ||
+                            in.topk_weights == nullptr)) {
+    return absl::InvalidArgumentError("x, topk_idx and topk_weights must be non-null");
+  }
+  for (int t = 0; t < in.num_tokens; ++t) {
+    for (int k = 0; k < config_.top_k; ++k) {
+      const int32_t e = in.topk_idx[t * config_.top_k + k];
+      if (e < -1 || e >= config_.num_experts) {
+        return absl::InvalidArgumentError(absl::StrCat("topk_idx[", t, "][", k, "] = ", e,
+                                                       " is outside [-1, ", config_.num_experts,
+                                                       ")"));
+      }
+      const float w = in.topk_weights[t * config_.top_k + k];
+      if (e >= 0 && !std::isfinite(w)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("topk_weights[", t, "][", k, "] = ", w, " is not finite"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+void HostEp::BuildSendLists(const DispatchInput& in) {
+  const int K = config_.top_k, S = config_.slots_per_rank;
+  for (int d = 0; d < config_.num_ranks; ++d) {
+    send_tokens_[d].clear();
+    send_entries_[d].clear();
+    send_counts_[d].clear();
+  }
+  for (int t = 0; t < in.num_tokens; ++t) {
+    for (int k = 0; k < K; ++k) {
+      const int32_t e = in.topk_idx[t * K + k];
+      if (e < 0) continue;
+      const uint32_t p = RouteSlot(in.plan, in.layer, rank_, t, k, e);
+      const int d = static_cast<int>(p) / S;
+      // De-duplication: one record (and one row on the bus) per (token, destination).
+      if (send_tokens_[d].empty() || send_tokens_[d].back() != t) {
+        send_tokens_[d].push_back(t);
+        send_counts_[d].push_back(0);
+        send_entries_[d].resize(send_entries_[d].size() + K);
+      }
+      const size_t base = (send_tokens_[d].size() - 1) * K;
+      send_entries_[d][base + send_counts_[d].back()++] = {static_cast<int32_t>(p % S),
+                                                           in.topk_weights[t * K + k]};
+    }
+  }
+}
+
+void HostEp::SendTo(int d, const DispatchInput& in, uint32_t epoch) {
+  std::byte* arena = arenas_[d];
+  const int K = config_.top_k;
+  const size_t T = config_.max_tokens;
+  const auto* x = static_cast<const std::byte*>(in.x);
+  const size_t n = send_tokens_[d].size();
+  std::byte* records = arena + layout_.records + rank_ * T * layout_.record_bytes;
+  std::byte* rows = arena + layout_.rows + rank_ * T * layout_.row_bytes;
+  for (size_t j = 0; j < n; ++j) {
+    const int32_t t = send_tokens_[d][j];
+    const RecordHeader header{t, send_counts_[d][j]};
+    std::byte* record = records + j * layout_.record_bytes;
+    std::memcpy(record, &header, sizeof(header));
+    std::memcpy(record + sizeof(header), &send_entries_[d][j * K],
+                sizeof(RecordEntry) * header.num_entries);
+    std::memcpy(rows + j * layout_.row_bytes, x + t * layout_.row_bytes, layout_.row_bytes);
+  }
+  reinterpret_cast<uint32_t*>(arena + layout_.counts)[rank_] = static_cast<uint32_t>(n);
+  if (config_.protocol == Protocol::kUbep) {
+    Signal(FlagAt(arena, layout_.dispatch_flag, rank_), epoch);
+  }
+}
+
+absl::Status HostEp::Wait(const uint32_t* word, uint32_t epoch, int peer, const char* what,
+                          absl::Time deadline) const {
+  absl::Status s = WaitEpoch(word, epoch, deadline);
+  if (s.ok()) return s;
+  return absl::DeadlineExceededError(absl::StrCat(
+      "rank ", rank_, ": timed out after ", absl::FormatDuration(config_.timeout),
+      " waiting for rank ", peer, " (", what, ", call ", epoch, "); is rank ", peer, " alive?"));
+}
+
+absl::Status HostEp::Barrier(absl::Time deadline) {
+  const uint32_t b = ++barrier_epoch_;
+  for (int s = 0; s < config_.num_ranks; ++s) {
+    Signal(FlagAt(arenas_[s], layout_.barrier_flag, rank_), b);
+  }
+  for (int s = 0; s < config_.num_ranks; ++s) {
+    UBEP_RETURN_IF_ERROR(
+        Wait(FlagAt(arenas_[rank_], layout_.barrier_flag, s), b, s, "barrier", deadline));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status HostEp::Dispatch(const DispatchInput& in, DispatchOutput& out) {
+  UBEP_RETURN_IF_ERROR(Validate(in));
+  const absl::Time deadline = absl::Now() + config_.timeout;
+  const uint32_t epoch = ++dispatch_epoch_;
+  const int R = config_.num_ranks;
+  BuildSendLists(in);
+  std::byte* own = arenas_[rank_];
+  if (config_.protocol == Protocol::kBsp) {
+    for (int d = 0; d < R; ++d) {
+      reinterpret_cast<uint32_t*>(arenas_[d] + layout_.counts)[rank_] =
+          static_cast<uint32_t>(send_tokens_[d].size());
+      Signal(FlagAt(arenas_[d], layout_.count_flag, rank_), epoch);
+    }
+    for (int s = 0; s < R; ++s) {
+      UBEP_RETURN_IF_ERROR(
+          Wait(FlagAt(own, layout_.count_flag, s), epoch, s, "count exchange", deadline));
+    }
+    UBEP_RETURN_IF_ERROR(Barrier(deadline));
+    for (int d = 0; d < R; ++d) SendTo(d, in, epoch);
+    UBEP_RETURN_IF_ERROR(Barrier(deadline));
+  } else {
+    // Sender role: destinations staggered from this rank, so that ranks do not all store into
+    // the same peer at once. Receiver role (this thread): whichever source is ready.
+    sender_->Start([this, &in, epoch, R] {
+      for (int i = 1; i <= R; ++i) SendTo((rank_ + i) % R, in, epoch);
+    });
+    std::vector<int> pending(R);
+    for (int s = 0; s < R; ++s) pending[s] = s;
+    absl::Status status;
+    while (!pending.empty() && status.ok()) {
+      size_t before = pending.size();
+      std::erase_if(pending, [&](int s) {
+        return EpochReached(LoadAcquire(FlagAt(own, layout_.dispatch_flag, s)), epoch);
+      });
+      if (pending.size() == before) {
+        // Sleep on the first missing source until it arrives (or a slice passes).
+        status = Wait(FlagAt(own, layout_.dispatch_flag, pending.front()), epoch,
+                      pending.front(), "dispatch data",
+                      std::min(deadline, absl::Now() + absl::Milliseconds(1)));
+        if (!status.ok() && absl::Now() < deadline) status = absl::OkStatus();
+      }
+    }
+    sender_->Join();
+    UBEP_RETURN_IF_ERROR(status);
+  }
+  Assemble(in.layer, out);
+  out.handle.num_tokens = in.num_tokens;
+  return absl::OkStatus();
+}
+
+void HostEp::Assemble(int layer, DispatchOutput& out) {
+  const int R = config_.num_ranks, S = config_.slots_per_rank;
+  const size_t T = config_.max_tokens;
+  std::byte* own = arenas_[rank_];
+  const auto* counts = reinterpret_cast<const uint32_t*>(own + layout_.counts);
+  // Per slot, per source: (record, entry) in record order. Sources in rank order, so the
+  // layout does not depend on arrival order.
+  std::vector<std::vector<std::pair<int32_t, int32_t>>> by_slot(static_cast<size_t>(S) * R);
+  out.handle.records_from.assign(R, 0);
+  for (int s = 0; s < R; ++s) {
+    const uint32_t n = counts[s];
+    out.handle.records_from[s] = static_cast<int32_t>(n);
+    const std::byte* records = own + layout_.records + s * T * layout_.record_bytes;
+    for (uint32_t j = 0; j < n; ++j) {
+      RecordHeader header;
+      std::memcpy(&header, records + j * layout_.record_bytes, sizeof(header));
+      for (int32_t q = 0; q < header.num_entries; ++q) {
+        RecordEntry entry;
+        std::memcpy(&entry, records + j * layout_.record_bytes + sizeof(header) +
+                                q * sizeof(RecordEntry),
+                    sizeof(entry));
+        by_slot[static_cast<size_t>(entry.local_slot) * R + s].emplace_back(j, q);
+      }
+    }
+  }
+  out.slot_offsets.assign(S + 1, 0);
+  for (int i = 0; i < S; ++i) {
+    size_t rows = 0;
+    for (int s = 0; s < R; ++s) rows += by_slot[static_cast<size_t>(i) * R + s].size();
+    out.slot_offsets[i + 1] = out.slot_offsets[i] + static_cast<int32_t>(rows);
+    std::atomic_ref<uint64_t>(
+        reinterpret_cast<uint64_t*>(own + layout_.load_counters)[layer * S + i])
+        .fetch_add(rows, std::memory_order_relaxed);
+  }
+  const int num_rows = out.slot_offsets[S];
+  out.recv_x.resize(static_cast<size_t>(num_rows) * layout_.row_bytes);
+  out.src_rank.resize(num_rows);
+  out.src_token.resize(num_rows);
+  out.weight.resize(num_rows);
+  out.handle.row_source.resize(num_rows);
+  out.handle.row_record.resize(num_rows);
+  int row = 0;
+  for (int i = 0; i < S; ++i) {
+    for (int s = 0; s < R; ++s) {
+      const std::byte* records = own + layout_.records + s * T * layout_.record_bytes;
+      const std::byte* rows = own + layout_.rows + s * T * layout_.row_bytes;
+      for (const auto& [j, q] : by_slot[static_cast<size_t>(i) * R + s]) {
+        RecordHeader header;
+        RecordEntry entry;
+        std::memcpy(&header, records + j * layout_.record_bytes, sizeof(header));
+        std::memcpy(&entry, records + j * layout_.record_bytes + sizeof(header) +
+                                q * sizeof(RecordEntry),
+                    sizeof(entry));
+        std::memcpy(out.recv_x.data() + static_cast<size_t>(row) * layout_.row_bytes,
+                    rows + j * layout_.row_bytes, layout_.row_bytes);
+        out.src_rank[row] = s;
+        out.src_token[row] = header.token;
+        out.weight[row] = entry.weight;
+        out.handle.row_source[row] = s;
+        out.handle.row_record[row] = j;
+        ++row;
+      }
+    }
+  }
+  out.handle.sent_tokens = send_tokens_;
+}
+
+absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr, void* out_ptr) {
+  if (combine_epoch_ + 1 != dispatch_epoch_) {
+    return absl::FailedPreconditionError("combine without a dispatch before it");
+  }
+  const int R = config_.num_ranks, H = config_.hidden;
+  const size_t T = config_.max_tokens;
+  const DispatchOutput::Handle& handle = dispatched.handle;
+  if (static_cast<int>(handle.row_source.size()) != dispatched.num_rows() ||
+      static_cast<int>(handle.records_from.size()) != R) {
+    return absl::InvalidArgumentError("combine: the dispatch output is not from this group");
+  }
+  const absl::Time deadline = absl::Now() + config_.timeout;
+  const uint32_t epoch = ++combine_epoch_;
+  const auto* y = static_cast<const std::byte*>(y_ptr);
+  // Expert side: one fp32 partial per (source, record), rows in slot order.
+  std::vector<std::vector<float>> partials(R);
+  for (int s = 0; s < R; ++s) partials[s].assign(static_cast<size_t>(handle.records_from[s]) * H, 0.0f);
+  for (int row = 0; row < dispatched.num_rows(); ++row) {
+    float* partial = partials[handle.row_source[row]].data() +
+                     static_cast<size_t>(handle.row_record[row]) * H;
+    const float w = dispatched.weight[row];
+    const std::byte* y_row = y + static_cast<size_t>(row) * layout_.row_bytes;
+    for (int h = 0; h < H; ++h) partial[h] += w * LoadElement(y_row, h, config_.dtype);
+  }
+  for (int s = 0; s < R; ++s) {
+    std::byte* dest = arenas_[s] + layout_.partials + rank_ * T * H * sizeof(float);
+    std::memcpy(dest, partials[s].data(), partials[s].size() * sizeof(float));
+    if (config_.protocol == Protocol::kUbep) {
+      Signal(FlagAt(arenas_[s], layout_.combine_flag, rank_), epoch);
+    }
+  }
+  if (config_.protocol == Protocol::kBsp) UBEP_RETURN_IF_ERROR(Barrier(deadline));
+  // Token side: sum the destinations' partials in rank order (the same order for every
+  // protocol, so results are identical bit for bit).
+  std::vector<float> acc(static_cast<size_t>(handle.num_tokens) * H, 0.0f);
+  std::byte* own = arenas_[rank_];
+  for (int d = 0; d < R; ++d) {
+    if (config_.protocol == Protocol::kUbep) {
+      UBEP_RETURN_IF_ERROR(Wait(FlagAt(own, layout_.combine_flag, d), epoch, d,
+                                "combine partials", deadline));
+    }
+    const auto* from = reinterpret_cast<const float*>(own + layout_.partials +
+                                                      d * T * H * sizeof(float));
+    const std::vector<int32_t>& tokens = handle.sent_tokens[d];
+    for (size_t j = 0; j < tokens.size(); ++j) {
+      float* into = acc.data() + static_cast<size_t>(tokens[j]) * H;
+      for (int h = 0; h < H; ++h) into[h] += from[j * H + h];
+    }
+  }
+  auto* out = static_cast<std::byte*>(out_ptr);
+  for (int t = 0; t < handle.num_tokens; ++t) {
+    for (int h = 0; h < H; ++h) {
+      StoreElement(out + static_cast<size_t>(t) * layout_.row_bytes, h,
+                   acc[static_cast<size_t>(t) * H + h], config_.dtype);
+    }
+  }
+  return absl::OkStatus();
+}
+
+uint64_t HostEp::LoadCounter(int layer, int local_slot) const {
+  const auto* counters =
+      reinterpret_cast<const uint64_t*>(arenas_[rank_] + layout_.load_counters);
+  return std::atomic_ref<const uint64_t>(counters[layer * config_.slots_per_rank + local_slot])
+      .load(std::memory_order_relaxed);
+}
+
+}  // namespace ubep::kernels

@@ -1,0 +1,122 @@
+// HostEp: dispatch and combine for one rank on the host backend. Ranks are threads or
+// processes of one machine that map each other's arenas (SharedArena); every byte a rank
+// receives is stored into its arena by the sending rank, with no copy through a third party.
+//
+//   HostEp ep = *HostEp::Create(config, rank, arena_pointers);   // every rank, same config
+//   DispatchOutput out;
+//   UBEP_RETURN_IF_ERROR(ep.Dispatch({x, topk_idx, topk_w, num_tokens, hidden, layer, plan},
+//                                    out));
+//   ... experts compute y for out.recv_x (rows grouped by local slot) ...
+//   UBEP_RETURN_IF_ERROR(ep.Combine(out, y, combined));
+//
+// Protocols (EpConfig::protocol), identical bytes out:
+//  - kBsp: count exchange, barrier, send, barrier (the phase-by-phase baseline);
+//  - kUbep: a sender thread stores each destination's records and rows and then raises that
+//    destination's epoch-tagged flag, while the calling thread receives whichever sources
+//    are ready; no global barrier and no clearing between calls.
+// Every wait has EpConfig::timeout; a peer that does not arrive becomes a DeadlineExceeded
+// error naming it. Bad input is rejected before any byte moves.
+// Thread-compatible: one HostEp per rank, called by one thread at a time; all ranks call
+// Dispatch and Combine in the same order (dispatch is collective).
+#ifndef UBEP_KERNELS_HOST_HOST_EP_H_
+#define UBEP_KERNELS_HOST_HOST_EP_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "kernels/common/plan_table.h"
+#include "kernels/common/routing.h"
+#include "kernels/host/arena_layout.h"
+
+namespace ubep::kernels {
+
+struct DispatchInput {
+  const void* x = nullptr;             // [num_tokens, hidden] of config.dtype.
+  const int32_t* topk_idx = nullptr;   // [num_tokens, top_k]: logical expert, or -1 (masked).
+  const float* topk_weights = nullptr; // [num_tokens, top_k].
+  int num_tokens = 0;
+  int hidden = 0;                      // Must equal config.hidden.
+  int layer = 0;
+  const PlanTableHeader* plan = nullptr;  // Validated table (ValidatePlanTable).
+};
+
+// What one rank received, rows grouped by local slot (slot i's rows are
+// [slot_offsets[i], slot_offsets[i + 1])), in (source rank, source token, k) order.
+struct DispatchOutput {
+  std::vector<std::byte> recv_x;       // [num_rows, hidden] of config.dtype.
+  std::vector<int32_t> slot_offsets;   // [slots_per_rank + 1].
+  std::vector<int32_t> src_rank;       // [num_rows]
+  std::vector<int32_t> src_token;      // [num_rows]
+  std::vector<float> weight;           // [num_rows]
+  int num_rows() const { return static_cast<int>(src_rank.size()); }
+
+  // Combine needs these; filled by Dispatch.
+  struct Handle {
+    int num_tokens = 0;
+    std::vector<std::vector<int32_t>> sent_tokens;  // Per destination, in record order.
+    std::vector<int32_t> row_source;                // Per row: source rank.
+    std::vector<int32_t> row_record;                // Per row: record index at that source.
+    std::vector<int32_t> records_from;              // Per source: records received.
+  } handle;
+};
+
+class HostEp {
+ public:
+  // `arenas[r]` is rank r's arena of ArenaLayout(config).total_bytes, mapped in this process;
+  // this rank's own arena must be zero-filled or left by an earlier HostEp of the same config.
+  static absl::StatusOr<std::unique_ptr<HostEp>> Create(const EpConfig& config, int rank,
+                                                        std::vector<std::byte*> arenas);
+  ~HostEp();
+  HostEp(const HostEp&) = delete;
+  HostEp& operator=(const HostEp&) = delete;
+
+  absl::Status Dispatch(const DispatchInput& input, DispatchOutput& output);
+
+  // out[t] = sum over k of w[t, k] * y(t, k), for this rank's tokens of the last dispatch.
+  // `y` is [output.num_rows(), hidden] of config.dtype; `out` is [num_tokens, hidden] of
+  // config.dtype. Accumulates in fp32, over destinations in rank order.
+  absl::Status Combine(const DispatchOutput& dispatched, const void* y, void* out);
+
+  // Routed (token, k) pairs this rank received per (layer, local slot) since the arena was
+  // created; monotonic.
+  uint64_t LoadCounter(int layer, int local_slot) const;
+
+  const EpConfig& config() const { return config_; }
+  int rank() const { return rank_; }
+
+ private:
+  class Sender;
+  HostEp(const EpConfig& config, int rank, std::vector<std::byte*> arenas);
+
+  absl::Status Validate(const DispatchInput& input) const;
+  // Routes this rank's pairs: per destination, the tokens it receives and their records.
+  void BuildSendLists(const DispatchInput& input);
+  void SendTo(int dest, const DispatchInput& input, uint32_t epoch);
+  absl::Status Wait(const uint32_t* word, uint32_t epoch, int peer, const char* what,
+                    absl::Time deadline) const;
+  absl::Status Barrier(absl::Time deadline);
+  // Lays out what every source stored here, sources in rank order; bumps the load counters.
+  void Assemble(int layer, DispatchOutput& output);
+
+  EpConfig config_;
+  ArenaLayout layout_;
+  int rank_;
+  std::vector<std::byte*> arenas_;
+  uint32_t dispatch_epoch_ = 0;
+  uint32_t combine_epoch_ = 0;
+  uint32_t barrier_epoch_ = 0;
+  // Per destination: tokens (ascending) and their records, rebuilt by each dispatch.
+  std::vector<std::vector<int32_t>> send_tokens_;
+  std::vector<std::vector<RecordEntry>> send_entries_;  // top_k entries per token, padded.
+  std::vector<std::vector<int32_t>> send_counts_;       // Entries used per token.
+  std::unique_ptr<Sender> sender_;
+};
+
+}  // namespace ubep::kernels
+
+#endif  // UBEP_KERNELS_HOST_HOST_EP_H_

@@ -1,0 +1,373 @@
+// Conformance of the host data plane, ranks as threads over real shared memory (memfd).
+// Payloads are self-checking: element h of token t on rank r is Payload(r, t, h), so every
+// received row proves where it came from.
+#include "kernels/host/host_ep.h"
+
+#include <cmath>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "kernels/common/routing.h"
+#include "kernels/host/shared_arena.h"
+
+namespace ubep::kernels {
+namespace {
+
+float Payload(int rank, int token, int h) {
+  return static_cast<float>(rank * 4096 + token) + static_cast<float>(h % 64) / 64.0f;
+}
+
+struct RankInput {
+  std::vector<float> x;
+  std::vector<int32_t> topk_idx;
+  std::vector<float> topk_w;
+  int num_tokens = 0;
+};
+
+// Per-layer routing tables as vectors (the balancer's form).
+struct TestPlan {
+  std::vector<std::vector<int>> slot_expert;
+  std::vector<std::vector<double>> slot_share;
+  std::vector<std::byte> table;
+
+  static TestPlan RoundRobin(int num_slots, int num_experts, int num_layers) {
+    TestPlan plan;
+    for (int l = 0; l < num_layers; ++l) {
+      std::vector<int> experts(num_slots);
+      std::vector<int> count(num_experts, 0);
+      for (int p = 0; p < num_slots; ++p) ++count[experts[p] = (p + l) % num_experts];
+      std::vector<double> shares(num_slots);
+      for (int p = 0; p < num_slots; ++p) shares[p] = 1.0 / count[experts[p]];
+      plan.slot_expert.push_back(experts);
+      plan.slot_share.push_back(shares);
+    }
+    plan.Build(num_experts);
+    return plan;
+  }
+
+  void Build(int num_experts, uint64_t version = 1) {
+    std::vector<LayerRouting> layers;
+    for (size_t l = 0; l < slot_expert.size(); ++l) layers.push_back({slot_expert[l], slot_share[l]});
+    absl::StatusOr<std::vector<std::byte>> built = BuildPlanTable(version, num_experts, layers);
+    EXPECT_TRUE(built.ok()) << built.status();
+    table = *built;
+  }
+  const PlanTableHeader* header() const {
+    return reinterpret_cast<const PlanTableHeader*>(table.data());
+  }
+};
+
+class Group {
+ public:
+  explicit Group(EpConfig config) : config_(config) {
+    const ArenaLayout layout(config);
+    std::vector<std::byte*> pointers;
+    for (int r = 0; r < config.num_ranks; ++r) {
+      arenas_.push_back(*SharedArena::Create(absl::StrCat("ubep-test-", r), layout.total_bytes));
+      pointers.push_back(arenas_.back().data());
+    }
+    for (int r = 0; r < config.num_ranks; ++r) {
+      absl::StatusOr<std::unique_ptr<HostEp>> ep = HostEp::Create(config, r, pointers);
+      EXPECT_TRUE(ep.ok()) << ep.status();
+      eps_.push_back(std::move(*ep));
+    }
+  }
+
+  // Runs fn(rank) on one thread per rank.
+  template <typename Fn>
+  void RunAll(Fn fn) {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < config_.num_ranks; ++r) threads.emplace_back([&, r] { fn(r); });
+    for (auto& t : threads) t.join();
+  }
+
+  HostEp& ep(int r) { return *eps_[r]; }
+  const EpConfig& config() const { return config_; }
+
+ private:
+  EpConfig config_;
+  std::vector<SharedArena> arenas_;
+  std::vector<std::unique_ptr<HostEp>> eps_;
+};
+
+EpConfig SmallConfig(Protocol protocol) {
+  return EpConfig{.num_ranks = 4,
+                  .max_tokens = 48,
+                  .hidden = 72,
+                  .top_k = 4,
+                  .num_experts = 16,
+                  .slots_per_rank = 5,
+                  .num_layers = 2,
+                  .dtype = DType::kFloat32,
+                  .protocol = protocol,
+                  .timeout = absl::Seconds(20)};
+}
+
+RankInput MakeInput(const EpConfig& c, int rank, int num_tokens, uint64_t seed,
+                    int only_expert = -1) {
+  RankInput in;
+  in.num_tokens = num_tokens;
+  std::mt19937_64 rng(seed * 1000 + rank);
+  std::uniform_real_distribution<float> weight(0.05f, 1.0f);
+  std::bernoulli_distribution masked(0.1);
+  for (int t = 0; t < num_tokens; ++t) {
+    for (int h = 0; h < c.hidden; ++h) in.x.push_back(Payload(rank, t, h));
+    std::vector<int> experts(c.num_experts);
+    std::iota(experts.begin(), experts.end(), 0);
+    std::shuffle(experts.begin(), experts.end(), rng);
+    for (int k = 0; k < c.top_k; ++k) {
+      int e = only_expert >= 0 ? (k == 0 ? only_expert : -1) : experts[k];
+      if (only_expert < 0 && masked(rng)) e = -1;
+      in.topk_idx.push_back(e);
+      in.topk_w.push_back(weight(rng));
+    }
+  }
+  return in;
+}
+
+struct Expected {
+  // Per destination rank, per local slot: (source rank, token, weight) in contract order.
+  std::vector<std::vector<std::vector<std::tuple<int, int, float>>>> rows;
+};
+
+Expected Route(const EpConfig& c, const std::vector<RankInput>& inputs, const TestPlan& plan,
+               int layer) {
+  Expected expected;
+  expected.rows.assign(c.num_ranks, std::vector<std::vector<std::tuple<int, int, float>>>(
+                                        c.slots_per_rank));
+  for (int s = 0; s < c.num_ranks; ++s) {
+    for (int t = 0; t < inputs[s].num_tokens; ++t) {
+      for (int k = 0; k < c.top_k; ++k) {
+        const int e = inputs[s].topk_idx[t * c.top_k + k];
+        if (e < 0) continue;
+        const uint32_t p = RouteSlot(plan.header(), layer, s, t, k, e);
+        expected.rows[p / c.slots_per_rank][p % c.slots_per_rank].emplace_back(
+            s, t, inputs[s].topk_w[t * c.top_k + k]);
+      }
+    }
+  }
+  return expected;
+}
+
+// Dispatches, checks every received row, then combines with y = x * (1 + expert / 64) and
+// checks against a float64 reference. Returns each rank's (recv_x bytes, combined bytes).
+std::vector<std::pair<std::vector<std::byte>, std::vector<float>>> RunStep(
+    Group& group, const std::vector<RankInput>& inputs, const TestPlan& plan, int layer) {
+  const EpConfig& c = group.config();
+  const Expected expected = Route(c, inputs, plan, layer);
+  std::vector<std::pair<std::vector<std::byte>, std::vector<float>>> results(c.num_ranks);
+  group.RunAll([&](int r) {
+    DispatchOutput out;
+    const RankInput& in = inputs[r];
+    absl::Status s = group.ep(r).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(),
+                                           in.num_tokens, c.hidden, layer, plan.header()},
+                                          out);
+    ASSERT_TRUE(s.ok()) << s;
+    int row = 0;
+    for (int i = 0; i < c.slots_per_rank; ++i) {
+      const auto& want = expected.rows[r][i];
+      ASSERT_EQ(out.slot_offsets[i + 1] - out.slot_offsets[i], static_cast<int>(want.size()))
+          << "rank " << r << " slot " << i;
+      for (const auto& [src, token, w] : want) {
+        EXPECT_EQ(out.src_rank[row], src);
+        EXPECT_EQ(out.src_token[row], token);
+        EXPECT_EQ(out.weight[row], w);
+        const auto* x = reinterpret_cast<const float*>(out.recv_x.data()) + row * c.hidden;
+        for (int h = 0; h < c.hidden; ++h) {
+          ASSERT_EQ(x[h], Payload(src, token, h)) << "rank " << r << " row " << row;
+        }
+        ++row;
+      }
+    }
+    // Expert outputs: y = x * (1 + e / 64), e the slot's expert.
+    std::vector<float> y(out.recv_x.size() / sizeof(float));
+    const auto* x = reinterpret_cast<const float*>(out.recv_x.data());
+    for (int i = 0; i < c.slots_per_rank; ++i) {
+      const int e = plan.slot_expert[layer][r * c.slots_per_rank + i];
+      for (int q = out.slot_offsets[i] * c.hidden; q < out.slot_offsets[i + 1] * c.hidden; ++q) {
+        y[q] = x[q] * (1.0f + e / 64.0f);
+      }
+    }
+    std::vector<float> combined(static_cast<size_t>(in.num_tokens) * c.hidden, -1.0f);
+    s = group.ep(r).Combine(out, y.data(), combined.data());
+    ASSERT_TRUE(s.ok()) << s;
+    for (int t = 0; t < in.num_tokens; ++t) {
+      for (int h = 0; h < c.hidden; ++h) {
+        double ref = 0;
+        for (int k = 0; k < c.top_k; ++k) {
+          const int e = in.topk_idx[t * c.top_k + k];
+          if (e >= 0) ref += double{in.topk_w[t * c.top_k + k]} * Payload(r, t, h) * (1 + e / 64.0);
+        }
+        const double got = combined[static_cast<size_t>(t) * c.hidden + h];
+        ASSERT_LE(std::abs(got - ref), 1e-6 * std::max(1.0, std::abs(ref)))
+            << "rank " << r << " token " << t << " h " << h;
+      }
+    }
+    results[r] = {out.recv_x, combined};
+  });
+  return results;
+}
+
+class HostEpTest : public ::testing::TestWithParam<Protocol> {};
+
+TEST_P(HostEpTest, EveryRowArrivesOnceAndCombineMatchesTheReference) {
+  Group group(SmallConfig(GetParam()));
+  const EpConfig& c = group.config();
+  const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  for (int step = 0; step < 3; ++step) {
+    std::vector<RankInput> inputs;
+    for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 40 + r, step));
+    RunStep(group, inputs, plan, step % 2);
+  }
+}
+
+TEST_P(HostEpTest, ZeroTokensAndWorstSkew) {
+  Group group(SmallConfig(GetParam()));
+  const EpConfig& c = group.config();
+  const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < c.num_ranks; ++r) {
+    // Rank 1 sends nothing; everyone else sends every token to expert 3 only.
+    inputs.push_back(MakeInput(c, r, r == 1 ? 0 : c.max_tokens, 7, /*only_expert=*/3));
+  }
+  RunStep(group, inputs, plan, 0);
+}
+
+TEST_P(HostEpTest, ManyReplicasSplitByShareAndPlansChangeBetweenCalls) {
+  Group group(SmallConfig(GetParam()));
+  const EpConfig& c = group.config();
+  TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  // Layer 0: expert 3 gets four replicas, one on each rank, shares 0.4/0.3/0.2/0.1; expert 2
+  // two replicas; every expert keeps at least one.
+  plan.slot_expert[0] = {0, 1, 2, 3, 4, 5, 6, 7, 3, 9, 10, 11, 12, 3, 14, 15, 8, 13, 3, 2};
+  const int replica_slots[] = {3, 8, 13, 18};
+  const double shares[] = {0.4, 0.3, 0.2, 0.1};
+  plan.slot_share[0].assign(20, 1.0);
+  plan.slot_share[0][2] = plan.slot_share[0][19] = 0.5;
+  for (int j = 0; j < 4; ++j) plan.slot_share[0][replica_slots[j]] = shares[j];
+  plan.Build(c.num_experts, 2);
+
+  std::vector<uint64_t> before(4);
+  for (int j = 0; j < 4; ++j) {
+    before[j] = group.ep(replica_slots[j] / c.slots_per_rank).LoadCounter(0, replica_slots[j] % c.slots_per_rank);
+  }
+  int pairs = 0;
+  for (int step = 0; step < 4; ++step) {
+    std::vector<RankInput> inputs;
+    for (int r = 0; r < c.num_ranks; ++r) {
+      inputs.push_back(MakeInput(c, r, c.max_tokens, 100 + step, /*only_expert=*/3));
+      pairs += c.max_tokens;
+    }
+    RunStep(group, inputs, plan, 0);
+  }
+  // Each replica's received pairs (from the load counters) match its share within 5 standard
+  // deviations of a binomial draw.
+  for (int j = 0; j < 4; ++j) {
+    const uint64_t got = group.ep(replica_slots[j] / c.slots_per_rank)
+                             .LoadCounter(0, replica_slots[j] % c.slots_per_rank) -
+                         before[j];
+    const double mean = pairs * shares[j];
+    EXPECT_NEAR(static_cast<double>(got), mean, 5 * std::sqrt(mean * (1 - shares[j])))
+        << "replica " << j;
+  }
+  // A different plan on the next call: the same checks hold.
+  const TestPlan other = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 20, 9));
+  RunStep(group, inputs, other, 1);
+}
+
+INSTANTIATE_TEST_SUITE_P(Protocols, HostEpTest,
+                         ::testing::Values(Protocol::kBsp, Protocol::kUbep),
+                         [](const auto& info) {
+                           return info.param == Protocol::kBsp ? "bsp" : "ubep";
+                         });
+
+TEST(HostEpProtocolTest, BspAndUbepGiveIdenticalBytes) {
+  Group bsp(SmallConfig(Protocol::kBsp));
+  Group ubep(SmallConfig(Protocol::kUbep));
+  const EpConfig& c = bsp.config();
+  const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 33 + 3 * r, 5));
+  const auto a = RunStep(bsp, inputs, plan, 1);
+  const auto b = RunStep(ubep, inputs, plan, 1);
+  for (int r = 0; r < c.num_ranks; ++r) {
+    EXPECT_EQ(a[r].first, b[r].first) << "recv_x of rank " << r;
+    EXPECT_EQ(0, std::memcmp(a[r].second.data(), b[r].second.data(),
+                             a[r].second.size() * sizeof(float)))
+        << "combined output of rank " << r;
+  }
+}
+
+TEST(HostEpErrorTest, BadInputIsRejectedBeforeAnyByteMoves) {
+  Group group(SmallConfig(Protocol::kUbep));
+  const EpConfig& c = group.config();
+  const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  RankInput in = MakeInput(c, 0, 8, 1);
+  DispatchOutput out;
+  in.topk_idx[2 * c.top_k + 1] = 16;
+  EXPECT_EQ(group.ep(0).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8,
+                                  c.hidden, 0, plan.header()},
+                                 out),
+            absl::InvalidArgumentError("topk_idx[2][1] = 16 is outside [-1, 16)"));
+  in.topk_idx[2 * c.top_k + 1] = -1;
+  EXPECT_EQ(group.ep(0).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(), 49,
+                                  c.hidden, 0, plan.header()},
+                                 out),
+            absl::InvalidArgumentError("49 tokens exceed max_tokens 48 of this rank's buffers"));
+  EXPECT_EQ(group.ep(0).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8, 64, 0,
+                                  plan.header()},
+                                 out),
+            absl::InvalidArgumentError("hidden size 64 does not match the configured 72"));
+  // Nothing moved: the group still runs a clean step afterwards.
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 8, 2));
+  RunStep(group, inputs, plan, 0);
+}
+
+TEST(HostEpErrorTest, AMissingPeerTimesOutWithItsName) {
+  EpConfig config = SmallConfig(Protocol::kUbep);
+  config.timeout = absl::Milliseconds(300);
+  Group group(config);
+  const TestPlan plan = TestPlan::RoundRobin(config.num_ranks * config.slots_per_rank,
+                                             config.num_experts, 2);
+  std::vector<absl::Status> status(config.num_ranks);
+  group.RunAll([&](int r) {
+    if (r == 2) return;  // Rank 2 never shows up.
+    RankInput in = MakeInput(config, r, 8, 3);
+    DispatchOutput out;
+    status[r] = group.ep(r).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8,
+                                      config.hidden, 0, plan.header()},
+                                     out);
+  });
+  for (int r : {0, 1, 3}) {
+    EXPECT_EQ(status[r],
+              absl::DeadlineExceededError(absl::StrCat(
+                  "rank ", r, ": timed out after 300ms waiting for rank 2 (dispatch data, call "
+                  "1); is rank 2 alive?")));
+  }
+}
+
+TEST(HostEpErrorTest, DispatchTwiceWithoutCombineIsRefused) {
+  Group group(SmallConfig(Protocol::kBsp));
+  const EpConfig& c = group.config();
+  const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  std::vector<absl::Status> second(c.num_ranks);
+  group.RunAll([&](int r) {
+    RankInput in = MakeInput(c, r, 4, 3);
+    DispatchOutput out;
+    const DispatchInput args{in.x.data(), in.topk_idx.data(), in.topk_w.data(), 4,
+                             c.hidden,    0,                 plan.header()};
+    ASSERT_TRUE(group.ep(r).Dispatch(args, out).ok());
+    second[r] = group.ep(r).Dispatch(args, out);
+  });
+  for (const absl::Status& s : second) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  }
+}
+
+}  // namespace
+}  // namespace ubep::kernels

