@@ -4,6 +4,7 @@
 #include "kernels/host/host_ep.h"
 
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <thread>
 
@@ -300,6 +301,84 @@ TEST(HostEpProtocolTest, BspAndUbepGiveIdenticalBytes) {
                              a[r].second.size() * sizeof(float)))
         << "combined output of rank " << r;
   }
+}
+
+uint16_t ToBf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+float FromBf16(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// DeepEP's calc_diff: 1 - 2 sum(x y) / sum(x^2 + y^2), in float64.
+double CalcDiff(const std::vector<double>& x, const std::vector<double>& y) {
+  double xy = 0, sq = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    xy += x[i] * y[i];
+    sq += x[i] * x[i] + y[i] * y[i];
+  }
+  return 1 - 2 * xy / sq;
+}
+
+TEST_P(HostEpTest, Bf16ActivationsWithFp32Accumulation) {
+  EpConfig config = SmallConfig(GetParam());
+  config.dtype = DType::kBFloat16;
+  Group group(config);
+  const EpConfig& c = group.config();
+  const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  std::vector<double> diffs(c.num_ranks);
+  group.RunAll([&](int r) {
+    std::mt19937 rng(r);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    RankInput in = MakeInput(c, r, c.max_tokens, 11);
+    std::vector<uint16_t> x(in.x.size());
+    for (auto& v : x) v = ToBf16(normal(rng));
+    DispatchOutput out;
+    absl::Status s = group.ep(r).Dispatch({x.data(), in.topk_idx.data(), in.topk_w.data(),
+                                           in.num_tokens, c.hidden, 0, plan.header()},
+                                          out);
+    ASSERT_TRUE(s.ok()) << s;
+    const auto* rx = reinterpret_cast<const uint16_t*>(out.recv_x.data());
+    for (int row = 0; row < out.num_rows(); ++row) {
+      if (out.src_rank[row] == r) {  // Rows from this rank are bit-exact copies.
+        ASSERT_EQ(0, std::memcmp(rx + row * c.hidden, x.data() + out.src_token[row] * c.hidden,
+                                 c.hidden * 2));
+      }
+    }
+    std::vector<uint16_t> y(out.recv_x.size() / 2);
+    for (int i = 0; i < c.slots_per_rank; ++i) {
+      const int e = plan.slot_expert[0][r * c.slots_per_rank + i];
+      for (int q = out.slot_offsets[i] * c.hidden; q < out.slot_offsets[i + 1] * c.hidden; ++q) {
+        y[q] = ToBf16(FromBf16(rx[q]) * (1.0f + e / 64.0f));
+      }
+    }
+    std::vector<uint16_t> combined(x.size());
+    ASSERT_TRUE(group.ep(r).Combine(out, y.data(), combined.data()).ok());
+    std::vector<double> got, ref;
+    for (int t = 0; t < in.num_tokens; ++t) {
+      for (int h = 0; h < c.hidden; ++h) {
+        double sum = 0;
+        for (int k = 0; k < c.top_k; ++k) {
+          const int e = in.topk_idx[t * c.top_k + k];
+          if (e >= 0) {
+            sum += double{in.topk_w[t * c.top_k + k]} * FromBf16(x[t * c.hidden + h]) *
+                   (1 + e / 64.0);
+          }
+        }
+        ref.push_back(sum);
+        got.push_back(FromBf16(combined[t * c.hidden + h]));
+      }
+    }
+    diffs[r] = CalcDiff(got, ref);
+  });
+  for (int r = 0; r < c.num_ranks; ++r) EXPECT_LT(diffs[r], 5e-6) << "rank " << r;
 }
 
 TEST(HostEpErrorTest, BadInputIsRejectedBeforeAnyByteMoves) {
