@@ -440,7 +440,9 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
   }
   for (int s = 0; s < R; ++s) {
     std::byte* dest = arenas_[s] + layout_.partials + rank_ * T * H * sizeof(float);
-    std::memcpy(dest, partials[s].data(), partials[s].size() * sizeof(float));
+    if (!partials[s].empty()) {
+      std::memcpy(dest, partials[s].data(), partials[s].size() * sizeof(float));
+    }
     if (config_.protocol == Protocol::kUbep) {
       Signal(FlagAt(arenas_[s], layout_.combine_flag, rank_), epoch);
     }
