@@ -47,6 +47,9 @@ struct EpConfig {
   DType dtype = DType::kFloat32;
   Protocol protocol{};
   absl::Duration timeout = absl::Seconds(10);
+  // kUbep: run the sender role on its own thread while the caller receives. Worth it only
+  // with a core to spare for every rank's second thread; kAuto decides from the core count.
+  enum class SenderThread { kAuto, kOn, kOff } sender_thread = SenderThread::kAuto;
 };
 
 inline constexpr int kMaxTopK = 32;

@@ -39,24 +39,32 @@ uint16_t FloatToBf16(float f) {  // Round to nearest even; NaN stays NaN.
   return static_cast<uint16_t>(bits >> 16);
 }
 
-float LoadElement(const std::byte* row, int i, DType dtype) {
+// sum[h] (+)= w * row[h] for a row of `dtype`.
+void Axpy(float w, const std::byte* row, DType dtype, int hidden, bool first, float* sum) {
   if (dtype == DType::kFloat32) {
-    float f;
-    std::memcpy(&f, row + 4 * i, 4);
-    return f;
+    const auto* y = reinterpret_cast<const float*>(row);
+    if (first) {
+      for (int h = 0; h < hidden; ++h) sum[h] = w * y[h];
+    } else {
+      for (int h = 0; h < hidden; ++h) sum[h] += w * y[h];
+    }
+    return;
   }
-  uint16_t v;
-  std::memcpy(&v, row + 2 * i, 2);
-  return Bf16ToFloat(v);
+  const auto* y = reinterpret_cast<const uint16_t*>(row);
+  if (first) {
+    for (int h = 0; h < hidden; ++h) sum[h] = w * Bf16ToFloat(y[h]);
+  } else {
+    for (int h = 0; h < hidden; ++h) sum[h] += w * Bf16ToFloat(y[h]);
+  }
 }
 
-void StoreElement(std::byte* row, int i, float f, DType dtype) {
+void StoreRow(const float* sum, int hidden, DType dtype, std::byte* row) {
   if (dtype == DType::kFloat32) {
-    std::memcpy(row + 4 * i, &f, 4);
-  } else {
-    const uint16_t v = FloatToBf16(f);
-    std::memcpy(row + 2 * i, &v, 2);
+    std::memcpy(row, sum, sizeof(float) * hidden);
+    return;
   }
+  auto* out = reinterpret_cast<uint16_t*>(row);
+  for (int h = 0; h < hidden; ++h) out[h] = FloatToBf16(sum[h]);
 }
 
 }  // namespace
@@ -160,7 +168,13 @@ HostEp::HostEp(const EpConfig& config, int rank, std::vector<std::byte*> arenas)
                                                            rank_ * kLine));
   barrier_epoch_ = LoadAcquire(reinterpret_cast<uint32_t*>(own + layout_.barrier_flag +
                                                            rank_ * kLine));
-  if (config.protocol == Protocol::kUbep) sender_ = std::make_unique<Sender>();
+  const bool spare_cores =
+      std::thread::hardware_concurrency() >= 2u * static_cast<unsigned>(config.num_ranks);
+  if (config.protocol == Protocol::kUbep &&
+      (config.sender_thread == EpConfig::SenderThread::kOn ||
+       (config.sender_thread == EpConfig::SenderThread::kAuto && spare_cores))) {
+    sender_ = std::make_unique<Sender>();
+  }
 }
 
 HostEp::~HostEp() = default;
@@ -320,9 +334,14 @@ absl::Status HostEp::Dispatch(const DispatchInput& in, DispatchOutput& out) {
   } else {
     // Sender role: destinations staggered from this rank, so that ranks do not all store into
     // the same peer at once. Receiver role (this thread): whichever source is ready.
-    sender_->Start([this, &in, epoch, R] {
+    auto send_all = [this, &in, epoch, R] {
       for (int i = 1; i <= R; ++i) SendTo((rank_ + i) % R, in, epoch);
-    });
+    };
+    if (sender_ != nullptr) {
+      sender_->Start(send_all);
+    } else {
+      send_all();  // No core to spare: send first, then receive.
+    }
     std::vector<int> pending(R);
     for (int s = 0; s < R; ++s) pending[s] = s;
     absl::Status status;
@@ -339,11 +358,25 @@ absl::Status HostEp::Dispatch(const DispatchInput& in, DispatchOutput& out) {
         if (!status.ok() && absl::Now() < deadline) status = absl::OkStatus();
       }
     }
-    sender_->Join();
+    if (sender_ != nullptr) sender_->Join();
     UBEP_RETURN_IF_ERROR(status);
   }
   Assemble(in.layer, out);
-  out.handle.num_tokens = in.num_tokens;
+  // Each token's (destination, record) pairs, destinations ascending, for the combine.
+  DispatchOutput::Handle& handle = out.handle;
+  handle.num_tokens = in.num_tokens;
+  handle.token_begin.assign(in.num_tokens + 1, 0);
+  for (int d = 0; d < R; ++d) {
+    for (int32_t t : send_tokens_[d]) ++handle.token_begin[t + 1];
+  }
+  for (int t = 0; t < in.num_tokens; ++t) handle.token_begin[t + 1] += handle.token_begin[t];
+  handle.token_routes.resize(handle.token_begin[in.num_tokens]);
+  std::vector<int32_t> next(handle.token_begin.begin(), handle.token_begin.end() - 1);
+  for (int d = 0; d < R; ++d) {
+    for (size_t j = 0; j < send_tokens_[d].size(); ++j) {
+      handle.token_routes[next[send_tokens_[d][j]]++] = {d, static_cast<int32_t>(j)};
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -352,66 +385,68 @@ void HostEp::Assemble(int layer, DispatchOutput& out) {
   const size_t T = config_.max_tokens;
   std::byte* own = arenas_[rank_];
   const auto* counts = reinterpret_cast<const uint32_t*>(own + layout_.counts);
-  // Per slot, per source: (record, entry) in record order. Sources in rank order, so the
-  // layout does not depend on arrival order.
-  std::vector<std::vector<std::pair<int32_t, int32_t>>> by_slot(static_cast<size_t>(S) * R);
-  out.handle.records_from.assign(R, 0);
-  for (int s = 0; s < R; ++s) {
-    const uint32_t n = counts[s];
-    out.handle.records_from[s] = static_cast<int32_t>(n);
-    const std::byte* records = own + layout_.records + s * T * layout_.record_bytes;
-    for (uint32_t j = 0; j < n; ++j) {
-      RecordHeader header;
-      std::memcpy(&header, records + j * layout_.record_bytes, sizeof(header));
-      for (int32_t q = 0; q < header.num_entries; ++q) {
-        RecordEntry entry;
-        std::memcpy(&entry, records + j * layout_.record_bytes + sizeof(header) +
-                                q * sizeof(RecordEntry),
-                    sizeof(entry));
-        by_slot[static_cast<size_t>(entry.local_slot) * R + s].emplace_back(j, q);
-      }
-    }
-  }
+  auto header_at = [&](int s, uint32_t j) {
+    RecordHeader header;
+    std::memcpy(&header, own + layout_.records + (s * T + j) * layout_.record_bytes,
+                sizeof(header));
+    return header;
+  };
+  auto entry_at = [&](int s, uint32_t j, int q) {
+    RecordEntry entry;
+    std::memcpy(&entry,
+                own + layout_.records + (s * T + j) * layout_.record_bytes +
+                    sizeof(RecordHeader) + q * sizeof(RecordEntry),
+                sizeof(entry));
+    return entry;
+  };
+  // Counting sort by local slot; sources in rank order, records and entries in order, so the
+  // layout does not depend on the order in which sources arrived.
+  DispatchOutput::Handle& handle = out.handle;
+  handle.records_from.assign(R, 0);
+  handle.record_begin.resize(R);
   out.slot_offsets.assign(S + 1, 0);
+  int32_t entries = 0;
+  for (int s = 0; s < R; ++s) {
+    handle.records_from[s] = static_cast<int32_t>(counts[s]);
+    handle.record_begin[s].resize(counts[s] + 1);
+    for (uint32_t j = 0; j < counts[s]; ++j) {
+      const RecordHeader header = header_at(s, j);
+      handle.record_begin[s][j] = entries;
+      entries += header.num_entries;
+      for (int q = 0; q < header.num_entries; ++q) ++out.slot_offsets[entry_at(s, j, q).local_slot + 1];
+    }
+    handle.record_begin[s][counts[s]] = entries;
+  }
+  auto* counters = reinterpret_cast<uint64_t*>(own + layout_.load_counters) + layer * S;
   for (int i = 0; i < S; ++i) {
-    size_t rows = 0;
-    for (int s = 0; s < R; ++s) rows += by_slot[static_cast<size_t>(i) * R + s].size();
-    out.slot_offsets[i + 1] = out.slot_offsets[i] + static_cast<int32_t>(rows);
-    std::atomic_ref<uint64_t>(
-        reinterpret_cast<uint64_t*>(own + layout_.load_counters)[layer * S + i])
-        .fetch_add(rows, std::memory_order_relaxed);
+    std::atomic_ref<uint64_t>(counters[i]).fetch_add(out.slot_offsets[i + 1],
+                                                     std::memory_order_relaxed);
+    out.slot_offsets[i + 1] += out.slot_offsets[i];
   }
   const int num_rows = out.slot_offsets[S];
   out.recv_x.resize(static_cast<size_t>(num_rows) * layout_.row_bytes);
   out.src_rank.resize(num_rows);
   out.src_token.resize(num_rows);
   out.weight.resize(num_rows);
-  out.handle.row_source.resize(num_rows);
-  out.handle.row_record.resize(num_rows);
-  int row = 0;
-  for (int i = 0; i < S; ++i) {
-    for (int s = 0; s < R; ++s) {
-      const std::byte* records = own + layout_.records + s * T * layout_.record_bytes;
-      const std::byte* rows = own + layout_.rows + s * T * layout_.row_bytes;
-      for (const auto& [j, q] : by_slot[static_cast<size_t>(i) * R + s]) {
-        RecordHeader header;
-        RecordEntry entry;
-        std::memcpy(&header, records + j * layout_.record_bytes, sizeof(header));
-        std::memcpy(&entry, records + j * layout_.record_bytes + sizeof(header) +
-                                q * sizeof(RecordEntry),
-                    sizeof(entry));
+  handle.record_rows.resize(entries);
+  cursor_.assign(out.slot_offsets.begin(), out.slot_offsets.end() - 1);
+  for (int s = 0; s < R; ++s) {
+    const std::byte* rows = own + layout_.rows + s * T * layout_.row_bytes;
+    for (uint32_t j = 0; j < counts[s]; ++j) {
+      const RecordHeader header = header_at(s, j);
+      for (int q = 0; q < header.num_entries; ++q) {
+        const RecordEntry entry = entry_at(s, j, q);
+        const int32_t row = cursor_[entry.local_slot]++;
         std::memcpy(out.recv_x.data() + static_cast<size_t>(row) * layout_.row_bytes,
                     rows + j * layout_.row_bytes, layout_.row_bytes);
         out.src_rank[row] = s;
         out.src_token[row] = header.token;
         out.weight[row] = entry.weight;
-        out.handle.row_source[row] = s;
-        out.handle.row_record[row] = j;
-        ++row;
+        handle.record_rows[handle.record_begin[s][j] + q] = row;
       }
     }
   }
-  out.handle.sent_tokens = send_tokens_;
+  handle.sent_tokens = send_tokens_;
 }
 
 absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr, void* out_ptr) {
@@ -421,56 +456,55 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
   const int R = config_.num_ranks, H = config_.hidden;
   const size_t T = config_.max_tokens;
   const DispatchOutput::Handle& handle = dispatched.handle;
-  if (static_cast<int>(handle.row_source.size()) != dispatched.num_rows() ||
-      static_cast<int>(handle.records_from.size()) != R) {
+  if (static_cast<int>(handle.record_begin.size()) != R ||
+      static_cast<int>(handle.records_from.size()) != R ||
+      static_cast<int>(handle.token_begin.size()) != handle.num_tokens + 1) {
     return absl::InvalidArgumentError("combine: the dispatch output is not from this group");
   }
   const absl::Time deadline = absl::Now() + config_.timeout;
   const uint32_t epoch = ++combine_epoch_;
   const auto* y = static_cast<const std::byte*>(y_ptr);
-  // Expert side: one fp32 partial per (source, record), rows in slot order.
-  std::vector<std::vector<float>> partials(R);
-  for (int s = 0; s < R; ++s) partials[s].assign(static_cast<size_t>(handle.records_from[s]) * H, 0.0f);
-  for (int row = 0; row < dispatched.num_rows(); ++row) {
-    float* partial = partials[handle.row_source[row]].data() +
-                     static_cast<size_t>(handle.row_record[row]) * H;
-    const float w = dispatched.weight[row];
-    const std::byte* y_row = y + static_cast<size_t>(row) * layout_.row_bytes;
-    for (int h = 0; h < H; ++h) partial[h] += w * LoadElement(y_row, h, config_.dtype);
-  }
-  for (int s = 0; s < R; ++s) {
-    std::byte* dest = arenas_[s] + layout_.partials + rank_ * T * H * sizeof(float);
-    if (!partials[s].empty()) {
-      std::memcpy(dest, partials[s].data(), partials[s].size() * sizeof(float));
+  scratch_.resize(H);
+  float* sum = scratch_.data();
+  // Expert side: one fp32 partial per (source, record), the record's rows in slot order,
+  // stored once into the source's arena.
+  for (int i = 1; i <= R; ++i) {
+    const int s = (rank_ + i) % R;
+    auto* partials = reinterpret_cast<float*>(arenas_[s] + layout_.partials) + rank_ * T * H;
+    const std::vector<int32_t>& begin = handle.record_begin[s];
+    for (int32_t j = 0; j < handle.records_from[s]; ++j) {
+      for (int32_t q = begin[j]; q < begin[j + 1]; ++q) {
+        const int32_t row = handle.record_rows[q];
+        Axpy(dispatched.weight[row], y + static_cast<size_t>(row) * layout_.row_bytes,
+             config_.dtype, H, q == begin[j], sum);
+      }
+      std::memcpy(partials + static_cast<size_t>(j) * H, sum, sizeof(float) * H);
     }
     if (config_.protocol == Protocol::kUbep) {
       Signal(FlagAt(arenas_[s], layout_.combine_flag, rank_), epoch);
     }
   }
-  if (config_.protocol == Protocol::kBsp) UBEP_RETURN_IF_ERROR(Barrier(deadline));
-  // Token side: sum the destinations' partials in rank order (the same order for every
-  // protocol, so results are identical bit for bit).
-  std::vector<float> acc(static_cast<size_t>(handle.num_tokens) * H, 0.0f);
   std::byte* own = arenas_[rank_];
-  for (int d = 0; d < R; ++d) {
-    if (config_.protocol == Protocol::kUbep) {
+  if (config_.protocol == Protocol::kBsp) {
+    UBEP_RETURN_IF_ERROR(Barrier(deadline));
+  } else {
+    for (int d = 0; d < R; ++d) {
       UBEP_RETURN_IF_ERROR(Wait(FlagAt(own, layout_.combine_flag, d), epoch, d,
                                 "combine partials", deadline));
     }
-    const auto* from = reinterpret_cast<const float*>(own + layout_.partials +
-                                                      d * T * H * sizeof(float));
-    const std::vector<int32_t>& tokens = handle.sent_tokens[d];
-    for (size_t j = 0; j < tokens.size(); ++j) {
-      float* into = acc.data() + static_cast<size_t>(tokens[j]) * H;
-      for (int h = 0; h < H; ++h) into[h] += from[j * H + h];
-    }
   }
+  // Token side: out[t] = sum of its partials, destinations in rank order (the same order for
+  // every protocol, so results are identical bit for bit).
+  const auto* partials = reinterpret_cast<const float*>(own + layout_.partials);
   auto* out = static_cast<std::byte*>(out_ptr);
   for (int t = 0; t < handle.num_tokens; ++t) {
-    for (int h = 0; h < H; ++h) {
-      StoreElement(out + static_cast<size_t>(t) * layout_.row_bytes, h,
-                   acc[static_cast<size_t>(t) * H + h], config_.dtype);
+    std::fill(sum, sum + H, 0.0f);
+    for (int32_t q = handle.token_begin[t]; q < handle.token_begin[t + 1]; ++q) {
+      const auto [d, j] = handle.token_routes[q];
+      const float* partial = partials + (d * T + j) * H;
+      for (int h = 0; h < H; ++h) sum[h] += partial[h];
     }
+    StoreRow(sum, H, config_.dtype, out + static_cast<size_t>(t) * layout_.row_bytes);
   }
   return absl::OkStatus();
 }

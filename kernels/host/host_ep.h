@@ -59,9 +59,14 @@ struct DispatchOutput {
   struct Handle {
     int num_tokens = 0;
     std::vector<std::vector<int32_t>> sent_tokens;  // Per destination, in record order.
-    std::vector<int32_t> row_source;                // Per row: source rank.
-    std::vector<int32_t> row_record;                // Per row: record index at that source.
     std::vector<int32_t> records_from;              // Per source: records received.
+    // Rows of record j from source s: record_rows[record_begin[s][j] .. record_begin[s][j+1]).
+    std::vector<std::vector<int32_t>> record_begin;
+    std::vector<int32_t> record_rows;
+    // Per token of this rank: (destination, record index there), destinations ascending, in
+    // token_routes[token_begin[t] .. token_begin[t + 1]).
+    std::vector<int32_t> token_begin;
+    std::vector<std::pair<int32_t, int32_t>> token_routes;
   } handle;
 };
 
@@ -114,6 +119,8 @@ class HostEp {
   std::vector<std::vector<int32_t>> send_tokens_;
   std::vector<std::vector<RecordEntry>> send_entries_;  // top_k entries per token, padded.
   std::vector<std::vector<int32_t>> send_counts_;       // Entries used per token.
+  std::vector<float> scratch_;    // One fp32 row for combine sums.
+  std::vector<int32_t> cursor_;   // Next row of each local slot while assembling.
   std::unique_ptr<Sender> sender_;
 };
 

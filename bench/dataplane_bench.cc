@@ -1,0 +1,282 @@
+// ubep-bench-dataplane: dispatch + combine latency of the host backend, ubep against the
+// phase-by-phase bsp baseline on the same bytes in the same run, next to a single-core memcpy
+// of the bytes moved. Ranks are processes sharing memfd arenas, as in production.
+//
+//   ubep-bench-dataplane [--json] [--iters N] [--cases decode|prefill|all] [--ranks 4,8]
+//                        [--hidden 7168,2048]
+//
+// One iteration is one dispatch followed by one combine on every rank; its latency is the
+// slowest rank's. Reported per case and method: p50_us, p99_us over N iterations after warm-up,
+// bytes_moved (rows stored into peers' arenas by dispatch plus partial rows stored back by
+// combine, all ranks).
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "balancer/formats/json_formats.h"
+#include "kernels/common/routing.h"
+#include "kernels/host/host_ep.h"
+#include "kernels/host/shared_arena.h"
+#include "nlohmann/json.hpp"
+
+namespace ubep::kernels {
+namespace {
+
+constexpr int kMaxRanks = 16;
+constexpr int kMaxIters = 1000;
+constexpr int kWarmup = 5;
+
+struct Case {
+  std::string name;  // decode / prefill
+  int ranks, tokens, hidden;
+  std::string routing;  // uniform / skewed
+};
+
+struct Board {
+  std::atomic<int> ready;
+  std::atomic<int> go;
+  double us[kMaxIters][kMaxRanks];
+  uint64_t bytes[kMaxRanks];
+  int failed;
+  char error[256];
+};
+
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Expert choice per token: uniform, or drawn from a real DeepSeek-V3 layer (the most skewed
+// MoE layer of prefill_in1024.json), top_k distinct experts.
+std::vector<int32_t> Route(const Case& c, int rank, int top_k, int num_experts,
+                           const std::vector<double>& skew) {
+  std::mt19937_64 rng(1234 + rank);
+  std::vector<int32_t> idx;
+  std::discrete_distribution<int> skewed(skew.begin(), skew.end());
+  std::uniform_int_distribution<int> uniform(0, num_experts - 1);
+  for (int t = 0; t < c.tokens; ++t) {
+    std::vector<int> chosen;
+    while (static_cast<int>(chosen.size()) < top_k) {
+      const int e = c.routing == "skewed" ? skewed(rng) : uniform(rng);
+      if (std::find(chosen.begin(), chosen.end(), e) == chosen.end()) chosen.push_back(e);
+    }
+    idx.insert(idx.end(), chosen.begin(), chosen.end());
+  }
+  return idx;
+}
+
+int RankMain(const Case& c, const EpConfig& config, int rank, std::vector<std::byte*> arenas,
+             const std::vector<std::byte>& plan, const std::vector<double>& skew, int iters,
+             Board* board) {
+  absl::StatusOr<std::unique_ptr<HostEp>> ep = HostEp::Create(config, rank, arenas);
+  if (!ep.ok()) return 3;
+  const int K = config.top_k;
+  std::vector<uint16_t> x(static_cast<size_t>(c.tokens) * c.hidden, 0x3f80);  // bf16 1.0
+  std::vector<uint16_t> out(x.size());
+  const std::vector<int32_t> idx = Route(c, rank, K, config.num_experts, skew);
+  const std::vector<float> w(idx.size(), 1.0f / K);
+  const auto* table = reinterpret_cast<const PlanTableHeader*>(plan.data());
+  DispatchOutput dispatched;
+  board->ready.fetch_add(1);
+  while (board->go.load() == 0) usleep(100);
+  for (int i = 0; i < kWarmup + iters; ++i) {
+    const int64_t start = NowNs();
+    absl::Status s = (*ep)->Dispatch(
+        {x.data(), idx.data(), w.data(), c.tokens, c.hidden, 0, table}, dispatched);
+    if (s.ok()) s = (*ep)->Combine(dispatched, dispatched.recv_x.data(), out.data());
+    if (!s.ok()) {
+      board->failed = 1;
+      std::snprintf(board->error, sizeof(board->error), "%s", std::string(s.message()).c_str());
+      return 3;
+    }
+    if (i >= kWarmup) board->us[i - kWarmup][rank] = (NowNs() - start) / 1e3;
+  }
+  // Rows this rank stored into peers (dispatch) plus partial rows it stored back (combine).
+  uint64_t rows_sent = 0;
+  for (const auto& tokens : dispatched.handle.sent_tokens) rows_sent += tokens.size();
+  uint64_t records = 0;
+  for (int32_t n : dispatched.handle.records_from) records += n;
+  board->bytes[rank] = rows_sent * c.hidden * 2 + records * c.hidden * 4;
+  return 0;
+}
+
+struct Result {
+  double p50_us = 0, p99_us = 0;
+  uint64_t bytes = 0;
+  std::string error;
+};
+
+double Percentile(std::vector<double> v, double q) {
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(q * v.size()))];
+}
+
+Result RunHost(const Case& c, Protocol protocol, const std::vector<double>& skew, int iters) {
+  EpConfig config{.num_ranks = c.ranks,
+                  .max_tokens = c.tokens,
+                  .hidden = c.hidden,
+                  .top_k = 8,
+                  .num_experts = 256,
+                  .slots_per_rank = 256 / c.ranks,
+                  .num_layers = 1,
+                  .dtype = DType::kBFloat16,
+                  .protocol = protocol,
+                  .timeout = absl::Seconds(60)};
+  std::vector<int> experts(256);
+  std::vector<double> shares(256, 1.0);
+  for (int p = 0; p < 256; ++p) experts[p] = p;
+  const LayerRouting layer{experts, shares};
+  const std::vector<std::byte> plan = *BuildPlanTable(1, 256, {&layer, 1});
+  SharedArena board_arena = *SharedArena::Create("bench-board", sizeof(Board));
+  auto* board = new (board_arena.data()) Board{};
+  std::vector<SharedArena> arenas;
+  std::vector<std::byte*> pointers;
+  for (int r = 0; r < c.ranks; ++r) {
+    absl::StatusOr<SharedArena> arena =
+        SharedArena::Create(absl::StrCat("bench-rank-", r), ArenaLayout(config).total_bytes);
+    if (!arena.ok()) return {.error = std::string(arena.status().message())};
+    arenas.push_back(std::move(*arena));
+    pointers.push_back(arenas.back().data());
+  }
+  std::vector<pid_t> pids;
+  for (int r = 0; r < c.ranks; ++r) {
+    const pid_t pid = fork();
+    if (pid == 0) _exit(RankMain(c, config, r, pointers, plan, skew, iters, board));
+    pids.push_back(pid);
+  }
+  while (board->ready.load() < c.ranks) usleep(1000);
+  board->go.store(1);
+  for (pid_t pid : pids) waitpid(pid, nullptr, 0);
+  Result result;
+  if (board->failed) {
+    result.error = board->error;
+    return result;
+  }
+  std::vector<double> latency;
+  for (int i = 0; i < iters; ++i) {
+    latency.push_back(*std::max_element(board->us[i], board->us[i] + c.ranks));
+  }
+  result.p50_us = Percentile(latency, 0.5);
+  result.p99_us = Percentile(latency, 0.99);
+  for (int r = 0; r < c.ranks; ++r) result.bytes += board->bytes[r];
+  return result;
+}
+
+// One core copying the bytes one rank moves (the largest share), cold buffers.
+Result RunMemcpy(uint64_t bytes, int iters) {
+  const size_t n = std::max<uint64_t>(bytes, 64);
+  std::vector<char> from(n, 1), to(n, 0);
+  std::vector<double> us;
+  for (int i = 0; i < kWarmup + iters; ++i) {
+    const int64_t start = NowNs();
+    std::memcpy(to.data(), from.data(), n);
+    if (i >= kWarmup) us.push_back((NowNs() - start) / 1e3);
+    from[i % n] = static_cast<char>(i);
+  }
+  return {Percentile(us, 0.5), Percentile(us, 0.99), bytes, ""};
+}
+
+}  // namespace
+}  // namespace ubep::kernels
+
+int main(int argc, char** argv) {
+  using namespace ubep::kernels;
+  bool json = false;
+  int iters = 50;
+  std::string which = "all";
+  std::vector<int> rank_counts = {4, 8};
+  std::vector<int> hiddens = {7168, 2048};
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "--json") {
+      json = true;
+    } else if (flag == "--iters" && i + 1 < argc) {
+      iters = std::clamp(std::atoi(argv[++i]), 1, kMaxIters);
+    } else if (flag == "--cases" && i + 1 < argc) {
+      which = argv[++i];
+    } else if (flag == "--ranks" && i + 1 < argc) {
+      rank_counts.clear();
+      for (absl::string_view part : absl::StrSplit(argv[++i], ',')) {
+        rank_counts.push_back(std::clamp(std::atoi(std::string(part).c_str()), 1, kMaxRanks));
+      }
+    } else if (flag == "--hidden" && i + 1 < argc) {
+      hiddens.clear();
+      for (absl::string_view part : absl::StrSplit(argv[++i], ',')) {
+        hiddens.push_back(std::max(8, std::atoi(std::string(part).c_str())));
+      }
+    } else {
+      std::cerr << "usage: ubep-bench-dataplane [--json] [--iters N] "
+                   "[--cases decode|prefill|all] [--ranks 4,8] [--hidden 7168,2048]\n";
+      return 2;
+    }
+  }
+  // The skewed routing: the most skewed MoE layer of a real DeepSeek-V3 prefill trace.
+  absl::StatusOr<ubep::balancer::LoadMatrix> trace = ubep::balancer::ReadSglangLoadFile(
+      UBEP_SOURCE_DIR "/data/traces/deepseek-v3/prefill_in1024.json");
+  if (!trace.ok()) {
+    std::cerr << trace.status().message() << "\n";
+    return 2;
+  }
+  std::vector<double> skew;
+  double worst = 0;
+  for (int l = 0; l < trace->num_layers(); ++l) {
+    const auto row = trace->row(l);
+    const double ratio =
+        *std::max_element(row.begin(), row.end()) * row.size() / trace->RowSum(l);
+    if (ratio > worst) {
+      worst = ratio;
+      skew.assign(row.begin(), row.end());
+    }
+  }
+  std::vector<Case> cases;
+  for (const char* name : {"decode", "prefill"}) {
+    if (which != "all" && which != name) continue;
+    for (int ranks : rank_counts) {
+      for (int hidden : hiddens) {
+        for (const char* routing : {"uniform", "skewed"}) {
+          cases.push_back({name, ranks, std::string(name) == "decode" ? 128 : 4096, hidden,
+                           routing});
+        }
+      }
+    }
+  }
+  nlohmann::json out = nlohmann::json::array();
+  for (const Case& c : cases) {
+    const Result ubep = RunHost(c, Protocol::kUbep, skew, iters);
+    const Result bsp = RunHost(c, Protocol::kBsp, skew, iters);
+    const Result copy = RunMemcpy(ubep.bytes / std::max(1, c.ranks), iters);
+    for (const auto& [method, r] : {std::pair<const char*, const Result&>{"ubep", ubep},
+                                    {"bsp", bsp},
+                                    {"memcpy", copy}}) {
+      nlohmann::json row = {{"method", method},     {"case", c.name},
+                            {"ranks", c.ranks},     {"tokens", c.tokens},
+                            {"hidden", c.hidden},   {"routing", c.routing},
+                            {"p50_us", r.p50_us},   {"p99_us", r.p99_us},
+                            {"bytes_moved", r.bytes}, {"iters", iters}};
+      if (!r.error.empty()) row["error"] = r.error;
+      out.push_back(row);
+    }
+    if (!json) {
+      std::printf("%-7s R=%d H=%-5d %-7s  ubep p50 %9.1f us  bsp p50 %9.1f us  ratio %.2f  "
+                  "memcpy(1 rank's bytes) %8.1f us  %s\n",
+                  c.name.c_str(), c.ranks, c.hidden, c.routing.c_str(), ubep.p50_us, bsp.p50_us,
+                  bsp.p50_us > 0 ? ubep.p50_us / bsp.p50_us : 0.0, copy.p50_us,
+                  (ubep.error + bsp.error).c_str());
+      std::fflush(stdout);
+    }
+  }
+  if (json) std::cout << out.dump(1) << "\n";
+  return 0;
+}
