@@ -53,7 +53,7 @@ ArenaLayout::ArenaLayout(const EpConfig& c) {
   load_counters = carve(static_cast<size_t>(c.num_layers) * c.slots_per_rank * sizeof(uint64_t));
   records = carve(R * T * record_bytes);
   rows = carve(R * T * row_bytes);
-  partials = carve(R * T * c.hidden * sizeof(float));
+  partials = carve(R * T * row_bytes);
   total_bytes = offset;
 }
 

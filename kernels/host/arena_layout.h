@@ -13,8 +13,8 @@
 //   load_counters   L x S x 8  [l][i]: routed pairs received, monotonic (owner only writes)
 //   records         R x T x (8 + 8K)   [s][j]: record j from source s (routing.h)
 //   rows            R x T x B          [s][j]: hidden row of record j from source s
-//   partials        R x T x H x 4      [d][j]: fp32 partial sum rank d computed for this
-//                                      rank's j-th token sent to d
+//   partials        R x T x B          [d][j]: partial sum rank d computed for this rank's
+//                                      j-th token sent to d (fp32 sum, stored in dtype)
 //
 // Senders own the slots [s][*] of every peer's arena, receivers only read them: no two ranks
 // write the same byte. One flag per cache line, so polling does not false-share.

@@ -466,11 +466,11 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
   const auto* y = static_cast<const std::byte*>(y_ptr);
   scratch_.resize(H);
   float* sum = scratch_.data();
-  // Expert side: one fp32 partial per (source, record), the record's rows in slot order,
-  // stored once into the source's arena.
+  // Expert side: one partial per (source, record), summed in fp32 over the record's rows in
+  // k order and stored once, in the activation dtype, into the source's arena.
   for (int i = 1; i <= R; ++i) {
     const int s = (rank_ + i) % R;
-    auto* partials = reinterpret_cast<float*>(arenas_[s] + layout_.partials) + rank_ * T * H;
+    std::byte* partials = arenas_[s] + layout_.partials + rank_ * T * layout_.row_bytes;
     const std::vector<int32_t>& begin = handle.record_begin[s];
     for (int32_t j = 0; j < handle.records_from[s]; ++j) {
       for (int32_t q = begin[j]; q < begin[j + 1]; ++q) {
@@ -478,7 +478,7 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
         Axpy(dispatched.weight[row], y + static_cast<size_t>(row) * layout_.row_bytes,
              config_.dtype, H, q == begin[j], sum);
       }
-      std::memcpy(partials + static_cast<size_t>(j) * H, sum, sizeof(float) * H);
+      StoreRow(sum, H, config_.dtype, partials + static_cast<size_t>(j) * layout_.row_bytes);
     }
     if (config_.protocol == Protocol::kUbep) {
       Signal(FlagAt(arenas_[s], layout_.combine_flag, rank_), epoch);
@@ -495,14 +495,14 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
   }
   // Token side: out[t] = sum of its partials, destinations in rank order (the same order for
   // every protocol, so results are identical bit for bit).
-  const auto* partials = reinterpret_cast<const float*>(own + layout_.partials);
+  const std::byte* partials = own + layout_.partials;
   auto* out = static_cast<std::byte*>(out_ptr);
   for (int t = 0; t < handle.num_tokens; ++t) {
-    std::fill(sum, sum + H, 0.0f);
+    if (handle.token_begin[t] == handle.token_begin[t + 1]) std::fill(sum, sum + H, 0.0f);
     for (int32_t q = handle.token_begin[t]; q < handle.token_begin[t + 1]; ++q) {
       const auto [d, j] = handle.token_routes[q];
-      const float* partial = partials + (d * T + j) * H;
-      for (int h = 0; h < H; ++h) sum[h] += partial[h];
+      Axpy(1.0f, partials + (d * T + j) * layout_.row_bytes, config_.dtype, H,
+           q == handle.token_begin[t], sum);
     }
     StoreRow(sum, H, config_.dtype, out + static_cast<size_t>(t) * layout_.row_bytes);
   }

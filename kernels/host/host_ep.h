@@ -84,7 +84,8 @@ class HostEp {
 
   // out[t] = sum over k of w[t, k] * y(t, k), for this rank's tokens of the last dispatch.
   // `y` is [output.num_rows(), hidden] of config.dtype; `out` is [num_tokens, hidden] of
-  // config.dtype. Accumulates in fp32, over destinations in rank order.
+  // config.dtype. Sums in fp32: each destination's rows of a token, then (rounded to the
+  // dtype once) the destinations' partials in rank order.
   absl::Status Combine(const DispatchOutput& dispatched, const void* y, void* out);
 
   // Routed (token, k) pairs this rank received per (layer, local slot) since the arena was
