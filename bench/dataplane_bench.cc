@@ -1,6 +1,7 @@
 // ubep-bench-dataplane: dispatch + combine latency of the host backend, ubep against the
-// phase-by-phase bsp baseline on the same bytes in the same run, next to a single-core memcpy
-// of the bytes moved. Ranks are processes sharing memfd arenas, as in production.
+// phase-by-phase bsp baseline and MPI_Alltoallv (Debian's OpenMPI, ubep-bench-mpi under
+// mpirun) on the same bytes in the same run, next to a single-core memcpy of the bytes one
+// rank moves. Ranks are processes sharing memfd arenas, as in production.
 //
 //   ubep-bench-dataplane [--json] [--iters N] [--cases decode|prefill|all] [--ranks 4,8]
 //                        [--hidden 7168,2048]
@@ -24,7 +25,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "balancer/formats/json_formats.h"
+#include "bench/dataplane_inputs.h"
 #include "kernels/common/routing.h"
 #include "kernels/host/host_ep.h"
 #include "kernels/host/shared_arena.h"
@@ -33,15 +34,11 @@
 namespace ubep::kernels {
 namespace {
 
+using bench::Case;
+
 constexpr int kMaxRanks = 16;
 constexpr int kMaxIters = 1000;
 constexpr int kWarmup = 5;
-
-struct Case {
-  std::string name;  // decode / prefill
-  int ranks, tokens, hidden;
-  std::string routing;  // uniform / skewed
-};
 
 struct Board {
   std::atomic<int> ready;
@@ -58,25 +55,6 @@ int64_t NowNs() {
       .count();
 }
 
-// Expert choice per token: uniform, or drawn from a real DeepSeek-V3 layer (the most skewed
-// MoE layer of prefill_in1024.json), top_k distinct experts.
-std::vector<int32_t> Route(const Case& c, int rank, int top_k, int num_experts,
-                           const std::vector<double>& skew) {
-  std::mt19937_64 rng(1234 + rank);
-  std::vector<int32_t> idx;
-  std::discrete_distribution<int> skewed(skew.begin(), skew.end());
-  std::uniform_int_distribution<int> uniform(0, num_experts - 1);
-  for (int t = 0; t < c.tokens; ++t) {
-    std::vector<int> chosen;
-    while (static_cast<int>(chosen.size()) < top_k) {
-      const int e = c.routing == "skewed" ? skewed(rng) : uniform(rng);
-      if (std::find(chosen.begin(), chosen.end(), e) == chosen.end()) chosen.push_back(e);
-    }
-    idx.insert(idx.end(), chosen.begin(), chosen.end());
-  }
-  return idx;
-}
-
 int RankMain(const Case& c, const EpConfig& config, int rank, std::vector<std::byte*> arenas,
              const std::vector<std::byte>& plan, const std::vector<double>& skew, int iters,
              Board* board) {
@@ -85,7 +63,7 @@ int RankMain(const Case& c, const EpConfig& config, int rank, std::vector<std::b
   const int K = config.top_k;
   std::vector<uint16_t> x(static_cast<size_t>(c.tokens) * c.hidden, 0x3f80);  // bf16 1.0
   std::vector<uint16_t> out(x.size());
-  const std::vector<int32_t> idx = Route(c, rank, K, config.num_experts, skew);
+  const std::vector<int32_t> idx = bench::RouteTokens(c, rank, skew);
   const std::vector<float> w(idx.size(), 1.0f / K);
   const auto* table = reinterpret_cast<const PlanTableHeader*>(plan.data());
   DispatchOutput dispatched;
@@ -134,11 +112,7 @@ Result RunHost(const Case& c, Protocol protocol, const std::vector<double>& skew
                   .dtype = DType::kBFloat16,
                   .protocol = protocol,
                   .timeout = absl::Seconds(60)};
-  std::vector<int> experts(256);
-  std::vector<double> shares(256, 1.0);
-  for (int p = 0; p < 256; ++p) experts[p] = p;
-  const LayerRouting layer{experts, shares};
-  const std::vector<std::byte> plan = *BuildPlanTable(1, 256, {&layer, 1});
+  const std::vector<std::byte> plan = bench::ExpertParallelPlan();
   SharedArena board_arena = *SharedArena::Create("bench-board", sizeof(Board));
   auto* board = new (board_arena.data()) Board{};
   std::vector<SharedArena> arenas;
@@ -172,6 +146,33 @@ Result RunHost(const Case& c, Protocol protocol, const std::vector<double>& skew
   result.p99_us = Percentile(latency, 0.99);
   for (int r = 0; r < c.ranks; ++r) result.bytes += board->bytes[r];
   return result;
+}
+
+// The MPI_Alltoallv baseline: ubep-bench-mpi under mpirun, on the same routing and bytes.
+Result RunMpi(const Case& c, int iters) {
+#ifdef UBEP_MPIRUN
+  const std::string command = absl::StrCat(
+      UBEP_MPIRUN, " --allow-run-as-root --oversubscribe --bind-to none -np ", c.ranks, " ",
+      UBEP_BENCH_MPI, " --tokens ", c.tokens, " --hidden ", c.hidden, " --routing ", c.routing,
+      " --iters ", iters, " 2>&1");
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return {.error = "cannot start mpirun"};
+  std::string output;
+  char buffer[4096];
+  while (std::fgets(buffer, sizeof(buffer), pipe) != nullptr) output += buffer;
+  const int status = pclose(pipe);
+  const size_t brace = output.rfind('{');
+  nlohmann::json parsed = brace == std::string::npos
+                              ? nlohmann::json()
+                              : nlohmann::json::parse(output.substr(brace), nullptr, false);
+  if (status != 0 || !parsed.is_object()) {
+    return {.error = absl::StrCat("mpirun failed: ", output.substr(0, 200))};
+  }
+  return {parsed["p50_us"].get<double>(), parsed["p99_us"].get<double>(),
+          parsed["bytes_moved"].get<uint64_t>(), ""};
+#else
+  return {.error = "built without MPI"};
+#endif
 }
 
 // One core copying the bytes one rank moves (the largest share), cold buffers.
@@ -222,23 +223,10 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  // The skewed routing: the most skewed MoE layer of a real DeepSeek-V3 prefill trace.
-  absl::StatusOr<ubep::balancer::LoadMatrix> trace = ubep::balancer::ReadSglangLoadFile(
-      UBEP_SOURCE_DIR "/data/traces/deepseek-v3/prefill_in1024.json");
-  if (!trace.ok()) {
-    std::cerr << trace.status().message() << "\n";
+  absl::StatusOr<std::vector<double>> skew = ubep::bench::SkewedDistribution(UBEP_SOURCE_DIR);
+  if (!skew.ok()) {
+    std::cerr << skew.status().message() << "\n";
     return 2;
-  }
-  std::vector<double> skew;
-  double worst = 0;
-  for (int l = 0; l < trace->num_layers(); ++l) {
-    const auto row = trace->row(l);
-    const double ratio =
-        *std::max_element(row.begin(), row.end()) * row.size() / trace->RowSum(l);
-    if (ratio > worst) {
-      worst = ratio;
-      skew.assign(row.begin(), row.end());
-    }
   }
   std::vector<Case> cases;
   for (const char* name : {"decode", "prefill"}) {
@@ -254,11 +242,13 @@ int main(int argc, char** argv) {
   }
   nlohmann::json out = nlohmann::json::array();
   for (const Case& c : cases) {
-    const Result ubep = RunHost(c, Protocol::kUbep, skew, iters);
-    const Result bsp = RunHost(c, Protocol::kBsp, skew, iters);
+    const Result ubep = RunHost(c, Protocol::kUbep, *skew, iters);
+    const Result bsp = RunHost(c, Protocol::kBsp, *skew, iters);
+    const Result mpi = RunMpi(c, iters);
     const Result copy = RunMemcpy(ubep.bytes / std::max(1, c.ranks), iters);
     for (const auto& [method, r] : {std::pair<const char*, const Result&>{"ubep", ubep},
                                     {"bsp", bsp},
+                                    {"mpi_alltoallv", mpi},
                                     {"memcpy", copy}}) {
       nlohmann::json row = {{"method", method},     {"case", c.name},
                             {"ranks", c.ranks},     {"tokens", c.tokens},
@@ -269,11 +259,12 @@ int main(int argc, char** argv) {
       out.push_back(row);
     }
     if (!json) {
-      std::printf("%-7s R=%d H=%-5d %-7s  ubep p50 %9.1f us  bsp p50 %9.1f us  ratio %.2f  "
-                  "memcpy(1 rank's bytes) %8.1f us  %s\n",
+      std::printf("%-7s R=%d H=%-5d %-7s  ubep %9.1f us  bsp %9.1f us (ubep/bsp %.2f)  "
+                  "mpi %9.1f us (mpi/ubep %.2f)  memcpy of a rank's bytes %8.1f us  %s\n",
                   c.name.c_str(), c.ranks, c.hidden, c.routing.c_str(), ubep.p50_us, bsp.p50_us,
-                  bsp.p50_us > 0 ? ubep.p50_us / bsp.p50_us : 0.0, copy.p50_us,
-                  (ubep.error + bsp.error).c_str());
+                  bsp.p50_us > 0 ? ubep.p50_us / bsp.p50_us : 0.0, mpi.p50_us,
+                  ubep.p50_us > 0 ? mpi.p50_us / ubep.p50_us : 0.0, copy.p50_us,
+                  (ubep.error + bsp.error + mpi.error).c_str());
       std::fflush(stdout);
     }
   }

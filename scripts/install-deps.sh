@@ -11,6 +11,7 @@ packages=(
   libabsl-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev
+  openmpi-bin libopenmpi-dev
 )
 
 missing=()

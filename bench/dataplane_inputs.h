@@ -1,0 +1,75 @@
+// Inputs shared by the data-plane benchmarks, so every method moves the same bytes: the
+// cases, the routing of each rank's tokens (uniform, or drawn from the most skewed MoE layer of
+// a real DeepSeek-V3 prefill trace) and the expert-parallel plan (256 experts, one slot each).
+#ifndef UBEP_BENCH_DATAPLANE_INPUTS_H_
+#define UBEP_BENCH_DATAPLANE_INPUTS_H_
+
+#include <algorithm>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "balancer/formats/json_formats.h"
+#include "kernels/common/plan_table.h"
+
+namespace ubep::bench {
+
+inline constexpr int kTopK = 8;
+inline constexpr int kExperts = 256;
+
+struct Case {
+  std::string name;  // decode / prefill
+  int ranks, tokens, hidden;
+  std::string routing;  // uniform / skewed
+};
+
+// top-k distinct experts per token.
+inline std::vector<int32_t> RouteTokens(const Case& c, int rank, const std::vector<double>& skew) {
+  std::mt19937_64 rng(1234 + rank);
+  std::vector<int32_t> idx;
+  std::discrete_distribution<int> skewed(skew.begin(), skew.end());
+  std::uniform_int_distribution<int> uniform(0, kExperts - 1);
+  for (int t = 0; t < c.tokens; ++t) {
+    std::vector<int> chosen;
+    while (static_cast<int>(chosen.size()) < kTopK) {
+      const int e = c.routing == "skewed" ? skewed(rng) : uniform(rng);
+      if (std::find(chosen.begin(), chosen.end(), e) == chosen.end()) chosen.push_back(e);
+    }
+    idx.insert(idx.end(), chosen.begin(), chosen.end());
+  }
+  return idx;
+}
+
+// Expert e in slot e: plain expert parallelism, 256 / ranks slots per rank.
+inline std::vector<std::byte> ExpertParallelPlan() {
+  std::vector<int> experts(kExperts);
+  std::vector<double> shares(kExperts, 1.0);
+  for (int p = 0; p < kExperts; ++p) experts[p] = p;
+  const kernels::LayerRouting layer{experts, shares};
+  return *kernels::BuildPlanTable(1, kExperts, {&layer, 1});
+}
+
+// The per-expert distribution of the most skewed MoE layer of prefill_in1024.json.
+inline absl::StatusOr<std::vector<double>> SkewedDistribution(const std::string& source_dir) {
+  absl::StatusOr<balancer::LoadMatrix> trace = balancer::ReadSglangLoadFile(
+      source_dir + "/data/traces/deepseek-v3/prefill_in1024.json");
+  if (!trace.ok()) return trace.status();
+  std::vector<double> skew;
+  double worst = 0;
+  for (int l = 0; l < trace->num_layers(); ++l) {
+    const auto row = trace->row(l);
+    const double ratio =
+        *std::max_element(row.begin(), row.end()) * row.size() / trace->RowSum(l);
+    if (ratio > worst) {
+      worst = ratio;
+      skew.assign(row.begin(), row.end());
+    }
+  }
+  return skew;
+}
+
+}  // namespace ubep::bench
+
+#endif  // UBEP_BENCH_DATAPLANE_INPUTS_H_

@@ -1,0 +1,190 @@
+// ubep-bench-mpi: the MPI baseline of ubep-bench-dataplane. Run under mpirun, one process per
+// rank; moves the same bytes as the host backend (same routing, same plan, bf16 rows): count
+// exchange (MPI_Alltoall), rows and records with MPI_Alltoallv, the same per-slot grouping on
+// the receiver, partial sums back with MPI_Alltoallv and the same fp32 reduction at the source.
+// Rank 0 prints one JSON line: p50_us, p99_us (the slowest rank per iteration), bytes_moved.
+//
+//   mpirun -np R ubep-bench-mpi --tokens T --hidden H --routing uniform|skewed --iters N
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "bench/dataplane_inputs.h"
+#include "kernels/common/routing.h"
+
+namespace {
+
+using ubep::bench::kTopK;
+
+float Bf16ToFloat(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t FloatToBf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+double Percentile(std::vector<double> v, double q) {
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(q * v.size()))];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  int rank = 0, R = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &R);
+  ubep::bench::Case c{"mpi", R, 128, 7168, "uniform"};
+  int iters = 50;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i];
+    if (flag == "--tokens") c.tokens = std::atoi(argv[i + 1]);
+    if (flag == "--hidden") c.hidden = std::atoi(argv[i + 1]);
+    if (flag == "--routing") c.routing = argv[i + 1];
+    if (flag == "--iters") iters = std::atoi(argv[i + 1]);
+  }
+  const int H = c.hidden, T = c.tokens, S = ubep::bench::kExperts / R;
+  const std::vector<double> skew = *ubep::bench::SkewedDistribution(UBEP_SOURCE_DIR);
+  const std::vector<int32_t> idx = ubep::bench::RouteTokens(c, rank, skew);
+  const std::vector<std::byte> table = ubep::bench::ExpertParallelPlan();
+  const auto* plan = reinterpret_cast<const ubep::kernels::PlanTableHeader*>(table.data());
+  const std::vector<uint16_t> x(static_cast<size_t>(T) * H, 0x3f80);
+  const float weight = 1.0f / kTopK;
+  std::vector<uint16_t> out(x.size());
+
+  constexpr int kWarmup = 5;
+  std::vector<double> us;
+  uint64_t bytes = 0;
+  std::vector<std::vector<int32_t>> tokens(R), entries(R);  // entries: slot per pair, -1 ends
+  // Buffers live across iterations (as the host backend's arenas do): no page faults timed.
+  std::vector<uint16_t> send_x, recv_x, grouped, partial, back;
+  std::vector<int32_t> send_e, recv_e;
+  std::vector<int> row_of;
+  std::vector<float> acc, sum(H);
+  for (int it = 0; it < kWarmup + iters; ++it) {
+    MPI_Barrier(MPI_COMM_WORLD);
+    const auto start = std::chrono::steady_clock::now();
+    // Route and de-duplicate: one row per (token, destination); records carry K slots.
+    for (int d = 0; d < R; ++d) {
+      tokens[d].clear();
+      entries[d].clear();
+    }
+    for (int t = 0; t < T; ++t) {
+      for (int k = 0; k < kTopK; ++k) {
+        const int e = idx[t * kTopK + k];
+        const uint32_t p = ubep::kernels::RouteSlot(plan, 0, rank, t, k, e);
+        const int d = p / S;
+        if (tokens[d].empty() || tokens[d].back() != t) {
+          tokens[d].push_back(t);
+          entries[d].resize(entries[d].size() + kTopK, -1);
+        }
+        auto it_slot = entries[d].end() - kTopK;
+        while (*it_slot != -1) ++it_slot;
+        *it_slot = static_cast<int32_t>(p % S);
+      }
+    }
+    std::vector<int> send_n(R), recv_n(R);
+    for (int d = 0; d < R; ++d) send_n[d] = static_cast<int>(tokens[d].size());
+    MPI_Alltoall(send_n.data(), 1, MPI_INT, recv_n.data(), 1, MPI_INT, MPI_COMM_WORLD);
+    std::vector<int> sc(R), sd(R), rc(R), rd(R), ec(R), ed(R), erc(R), erd(R);
+    int send_rows = 0, recv_rows = 0;
+    for (int d = 0; d < R; ++d) {
+      sc[d] = send_n[d] * H;
+      sd[d] = send_rows * H;
+      ec[d] = send_n[d] * kTopK;
+      ed[d] = send_rows * kTopK;
+      send_rows += send_n[d];
+      rc[d] = recv_n[d] * H;
+      rd[d] = recv_rows * H;
+      erc[d] = recv_n[d] * kTopK;
+      erd[d] = recv_rows * kTopK;
+      recv_rows += recv_n[d];
+    }
+    send_x.resize(static_cast<size_t>(send_rows) * H);
+    send_e.resize(static_cast<size_t>(send_rows) * kTopK);
+    for (int d = 0, row = 0; d < R; ++d) {
+      for (size_t j = 0; j < tokens[d].size(); ++j, ++row) {
+        std::memcpy(&send_x[static_cast<size_t>(row) * H], &x[tokens[d][j] * H], H * 2);
+        std::memcpy(&send_e[static_cast<size_t>(row) * kTopK], &entries[d][j * kTopK],
+                    kTopK * 4);
+      }
+    }
+    recv_x.resize(static_cast<size_t>(recv_rows) * H);
+    recv_e.resize(static_cast<size_t>(recv_rows) * kTopK);
+    MPI_Alltoallv(send_x.data(), sc.data(), sd.data(), MPI_UINT16_T, recv_x.data(), rc.data(),
+                  rd.data(), MPI_UINT16_T, MPI_COMM_WORLD);
+    MPI_Alltoallv(send_e.data(), ec.data(), ed.data(), MPI_INT32_T, recv_e.data(), erc.data(),
+                  erd.data(), MPI_INT32_T, MPI_COMM_WORLD);
+    // Group by local slot (what the experts need), as the host backend does.
+    std::vector<int> offsets(S + 1, 0);
+    for (int32_t s : recv_e) {
+      if (s >= 0) ++offsets[s + 1];
+    }
+    for (int i = 0; i < S; ++i) offsets[i + 1] += offsets[i];
+    std::vector<int> cursor(offsets.begin(), offsets.end() - 1);
+    grouped.resize(static_cast<size_t>(offsets[S]) * H);
+    row_of.assign(recv_e.size(), -1);
+    for (int r = 0; r < recv_rows; ++r) {
+      for (int q = 0; q < kTopK; ++q) {
+        const int32_t s = recv_e[r * kTopK + q];
+        if (s < 0) continue;
+        const int row = cursor[s]++;
+        row_of[r * kTopK + q] = row;
+        std::memcpy(&grouped[static_cast<size_t>(row) * H], &recv_x[static_cast<size_t>(r) * H],
+                    H * 2);
+      }
+    }
+    // Combine: y = grouped rows; one bf16 partial per received record, back to its source.
+    partial.resize(static_cast<size_t>(recv_rows) * H);
+    for (int r = 0; r < recv_rows; ++r) {
+      std::fill(sum.begin(), sum.end(), 0.0f);
+      for (int q = 0; q < kTopK; ++q) {
+        const int row = row_of[r * kTopK + q];
+        if (row < 0) continue;
+        for (int h = 0; h < H; ++h) {
+          sum[h] += weight * Bf16ToFloat(grouped[static_cast<size_t>(row) * H + h]);
+        }
+      }
+      for (int h = 0; h < H; ++h) partial[static_cast<size_t>(r) * H + h] = FloatToBf16(sum[h]);
+    }
+    back.resize(static_cast<size_t>(send_rows) * H);
+    MPI_Alltoallv(partial.data(), rc.data(), rd.data(), MPI_UINT16_T, back.data(), sc.data(),
+                  sd.data(), MPI_UINT16_T, MPI_COMM_WORLD);
+    acc.assign(static_cast<size_t>(T) * H, 0.0f);
+    for (int d = 0, row = 0; d < R; ++d) {
+      for (size_t j = 0; j < tokens[d].size(); ++j, ++row) {
+        float* into = &acc[static_cast<size_t>(tokens[d][j]) * H];
+        for (int h = 0; h < H; ++h) into[h] += Bf16ToFloat(back[static_cast<size_t>(row) * H + h]);
+      }
+    }
+    for (size_t i = 0; i < acc.size(); ++i) out[i] = FloatToBf16(acc[i]);
+    const double elapsed =
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start)
+            .count();
+    double slowest = 0;
+    MPI_Reduce(&elapsed, &slowest, 1, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
+    if (it >= kWarmup) us.push_back(slowest);
+    bytes = static_cast<uint64_t>(send_rows) * H * 2 + static_cast<uint64_t>(recv_rows) * H * 2;
+  }
+  uint64_t total = 0;
+  MPI_Reduce(&bytes, &total, 1, MPI_UINT64_T, MPI_SUM, 0, MPI_COMM_WORLD);
+  if (rank == 0) {
+    std::printf("{\"p50_us\": %.3f, \"p99_us\": %.3f, \"bytes_moved\": %llu}\n",
+                Percentile(us, 0.5), Percentile(us, 0.99), static_cast<unsigned long long>(total));
+  }
+  MPI_Finalize();
+  return 0;
+}
