@@ -20,9 +20,12 @@ if(UBEP_ENABLE_CUDA)
   if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
     set(CMAKE_CUDA_ARCHITECTURES 90 100)
   endif()
-  # CMake 3.25 does not know nvcc 13's C++20 dialect flag; pass it directly.
+  # CMake 3.25 does not know nvcc 13's C++20 dialect flag; pass it directly, and tell CMake
+  # so that targets whose dependencies require cuda_std_20 still generate.
   string(APPEND CMAKE_CUDA_FLAGS " -std=c++20")
   enable_language(CUDA)
+  set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "")
+  set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "")
   find_package(CUDAToolkit REQUIRED)
   message(STATUS "UBEP: CUDA backend ON (nvcc ${CMAKE_CUDA_COMPILER_VERSION}, archs ${CMAKE_CUDA_ARCHITECTURES})")
 else()

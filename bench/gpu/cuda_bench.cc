@@ -1,0 +1,185 @@
+// ubep-bench-cuda: dispatch and combine on the CUDA backend, ranks as processes sharing one
+// GPU (CUDA IPC), next to a device-to-device copy of the same bytes measured in the same run.
+// Prints a JSON array: per (ranks, tokens, hidden): p50_us/p99_us of dispatch+combine (slowest
+// rank), bytes_moved, GB/s, and the D2D copy's GB/s.
+//
+//   ubep-bench-cuda [--ranks 2,4,8] [--tokens 128] [--hidden 7168] [--iters 50]
+#include <cuda_runtime.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "bench/dataplane_inputs.h"
+#include "kernels/cuda/cuda_ep.h"
+#include "kernels/host/shared_arena.h"
+#include "nlohmann/json.hpp"
+
+namespace ubep::kernels {
+namespace {
+
+constexpr int kMaxRanks = 8, kMaxIters = 1000, kWarmup = 5;
+
+struct Board {
+  std::atomic<int> ready, go, done;
+  std::byte handles[kMaxRanks][64];
+  double us[kMaxIters][kMaxRanks];
+  uint64_t bytes[kMaxRanks];
+  double copy_gbps;
+  int failed;
+  char error[256];
+};
+
+int RankMain(const bench::Case& c, int rank, int iters, const std::vector<double>& skew,
+             Board* board) {
+  auto fail = [&](const std::string& m) {
+    board->failed = 1;
+    std::snprintf(board->error, sizeof(board->error), "rank %d: %s", rank, m.c_str());
+    board->ready.fetch_add(1);
+    board->done.fetch_add(1);
+    return 3;
+  };
+  cudaSetDevice(0);
+  const EpConfig config{.num_ranks = c.ranks, .max_tokens = c.tokens, .hidden = c.hidden,
+                        .top_k = bench::kTopK, .num_experts = bench::kExperts,
+                        .slots_per_rank = bench::kExperts / c.ranks, .num_layers = 1,
+                        .dtype = DType::kBFloat16, .protocol = Protocol::kUbep,
+                        .timeout = absl::Seconds(30)};
+  auto arena = DeviceArena::Create(ArenaLayout(config).total_bytes);
+  if (!arena.ok()) return fail(std::string(arena.status().message()));
+  if (!(*arena)->IpcHandle(board->handles[rank]).ok()) return fail("ipc handle");
+  board->ready.fetch_add(1);
+  while (board->ready.load() < c.ranks) usleep(100);
+  std::vector<std::unique_ptr<DeviceArena>> peers;
+  std::vector<std::byte*> pointers(c.ranks);
+  for (int s = 0; s < c.ranks; ++s) {
+    if (s == rank) {
+      pointers[s] = (*arena)->data();
+      continue;
+    }
+    auto peer = DeviceArena::OpenPeer(board->handles[s]);
+    if (!peer.ok()) return fail(std::string(peer.status().message()));
+    pointers[s] = (*peer)->data();
+    peers.push_back(std::move(*peer));
+  }
+  auto ep = CudaEp::Create(config, rank, pointers);
+  if (!ep.ok()) return fail(std::string(ep.status().message()));
+  const std::vector<int32_t> idx = bench::RouteTokens(c, rank, skew);
+  const std::vector<float> w(idx.size(), 1.0f / bench::kTopK);
+  const std::vector<std::byte> plan = bench::ExpertParallelPlan();
+  void *d_x, *d_idx, *d_w, *d_plan, *d_out;
+  cudaMalloc(&d_x, static_cast<size_t>(c.tokens) * c.hidden * 2);
+  cudaMemset(d_x, 0x3f, static_cast<size_t>(c.tokens) * c.hidden * 2);
+  cudaMalloc(&d_out, static_cast<size_t>(c.tokens) * c.hidden * 2);
+  cudaMalloc(&d_idx, idx.size() * 4);
+  cudaMemcpy(d_idx, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice);
+  cudaMalloc(&d_w, w.size() * 4);
+  cudaMemcpy(d_w, w.data(), w.size() * 4, cudaMemcpyHostToDevice);
+  cudaMalloc(&d_plan, plan.size());
+  cudaMemcpy(d_plan, plan.data(), plan.size(), cudaMemcpyHostToDevice);
+  const auto* host_plan = reinterpret_cast<const PlanTableHeader*>(plan.data());
+  while (board->go.load() == 0) usleep(100);
+  CudaDispatchOutput out;
+  for (int i = 0; i < kWarmup + iters; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    absl::Status s = (*ep)->Dispatch({d_x, static_cast<int32_t*>(d_idx), static_cast<float*>(d_w),
+                                      c.tokens, 0, static_cast<PlanTableHeader*>(d_plan),
+                                      host_plan},
+                                     out);
+    if (s.ok()) s = (*ep)->Combine(out.recv_x, d_out);
+    if (!s.ok()) return fail(std::string(s.message()));
+    if (i >= kWarmup) {
+      board->us[i - kWarmup][rank] =
+          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start)
+              .count();
+    }
+  }
+  // Rows out (deduplicated per destination) and partial rows back, bf16.
+  board->bytes[rank] = static_cast<uint64_t>(out.num_rows) * c.hidden * 2 * 2;
+  if (rank == 0) {
+    // Reference: a device-to-device copy of this rank's bytes.
+    const size_t n = std::max<uint64_t>(board->bytes[0], 1 << 20);
+    void *a, *b;
+    cudaMalloc(&a, n);
+    cudaMalloc(&b, n);
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    cudaEventRecord(e0);
+    for (int i = 0; i < 20; ++i) cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice);
+    cudaEventRecord(e1);
+    cudaEventSynchronize(e1);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, e0, e1);
+    board->copy_gbps = 20.0 * n / (ms * 1e6);
+  }
+  board->done.fetch_add(1);
+  while (board->done.load() < c.ranks) usleep(100);
+  return 0;
+}
+
+}  // namespace
+}  // namespace ubep::kernels
+
+int main(int argc, char** argv) {
+  using namespace ubep::kernels;
+  std::vector<int> ranks = {2, 4, 8};
+  int tokens = 128, hidden = 7168, iters = 50;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i];
+    if (flag == "--ranks") {
+      ranks.clear();
+      for (absl::string_view p : absl::StrSplit(argv[i + 1], ',')) {
+        ranks.push_back(std::clamp(std::atoi(std::string(p).c_str()), 1, kMaxRanks));
+      }
+    } else if (flag == "--tokens") {
+      tokens = std::atoi(argv[i + 1]);
+    } else if (flag == "--hidden") {
+      hidden = std::atoi(argv[i + 1]);
+    } else if (flag == "--iters") {
+      iters = std::clamp(std::atoi(argv[i + 1]), 1, kMaxIters);
+    }
+  }
+  const std::vector<double> skew = *ubep::bench::SkewedDistribution(UBEP_SOURCE_DIR);
+  nlohmann::json results = nlohmann::json::array();
+  for (int r : ranks) {
+    const ubep::bench::Case c{"cuda", r, tokens, hidden, "uniform"};
+    SharedArena board_arena = *SharedArena::Create("cuda-bench", sizeof(Board));
+    auto* board = new (board_arena.data()) Board{};
+    std::vector<pid_t> pids;
+    for (int rank = 0; rank < r; ++rank) {
+      const pid_t pid = fork();
+      if (pid == 0) _exit(RankMain(c, rank, iters, skew, board));
+      pids.push_back(pid);
+    }
+    while (board->ready.load() < r) usleep(1000);
+    board->go.store(1);
+    for (pid_t pid : pids) waitpid(pid, nullptr, 0);
+    nlohmann::json row = {{"method", "ubep_cuda"}, {"ranks", r}, {"tokens", tokens},
+                          {"hidden", hidden}, {"routing", "uniform"}};
+    if (board->failed) {
+      row["error"] = board->error;
+    } else {
+      std::vector<double> lat;
+      for (int i = 0; i < iters; ++i) lat.push_back(*std::max_element(board->us[i], board->us[i] + r));
+      std::sort(lat.begin(), lat.end());
+      uint64_t bytes = 0;
+      for (int i = 0; i < r; ++i) bytes += board->bytes[i];
+      row["p50_us"] = lat[lat.size() / 2];
+      row["p99_us"] = lat[std::min(lat.size() - 1, lat.size() * 99 / 100)];
+      row["bytes_moved"] = bytes;
+      row["gbps"] = bytes / (lat[lat.size() / 2] * 1e3);
+      row["d2d_copy_gbps"] = board->copy_gbps;
+    }
+    results.push_back(row);
+  }
+  std::printf("%s\n", results.dump(1).c_str());
+  return 0;
+}

@@ -1,0 +1,514 @@
+#include "kernels/cuda/cuda_ep.h"
+
+#include <cuda_runtime.h>
+
+#include <cub/block/block_scan.cuh>
+#include <cuda/atomic>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/common/routing.h"
+
+namespace ubep::kernels {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr size_t kLine = 64;
+
+#define UBEP_CUDA_RETURN_IF_ERROR(expr)                                                  \
+  do {                                                                                   \
+    cudaError_t ubep_cuda_error_ = (expr);                                               \
+    if (ubep_cuda_error_ != cudaSuccess) {                                               \
+      return absl::InternalError(absl::StrCat(__FILE__, ":", __LINE__, ": " #expr ": ",  \
+                                              cudaGetErrorString(ubep_cuda_error_)));    \
+    }                                                                                    \
+  } while (0)
+
+// Everything a kernel needs, passed by value.
+struct Params {
+  int rank, num_ranks, max_tokens, hidden, top_k, slots_per_rank, num_tokens, layer;
+  size_t record_bytes, row_bytes;
+  size_t off_dispatch_flag, off_combine_flag, off_counts, off_load_counters, off_records,
+      off_rows, off_partials;
+  std::byte* const* arenas;  // Device array of num_ranks arena pointers.
+  const PlanTableHeader* plan;
+  const uint16_t* x;
+  const int32_t* topk_idx;
+  const float* topk_weights;
+  uint32_t epoch;
+  uint64_t timeout_ns;
+  // Scratch (device).
+  int32_t* token_route;   // [max_tokens x R]: record index of token t at destination d, or -1.
+  int32_t* pair_counts;   // [R x S]: entries from source s for local slot i.
+  int32_t* pair_offsets;  // [R x S]: first row of (s, i).
+  int32_t* record_begin;  // [R x (max_tokens + 1)]: first entry of each record.
+  int32_t* entry_row;     // [R x max_tokens x K]: row of each entry, by record_begin.
+  int32_t* slot_offsets;  // [S + 1]
+  uint32_t* status;       // [1]: 0, or 1 + the peer that timed out.
+  uint16_t* recv_x;
+  int32_t* src_rank;
+  int32_t* src_token;
+  float* weight;
+};
+
+__device__ uint64_t GlobalTimerNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ void ReleaseFlag(uint32_t* flag, uint32_t epoch) {
+  cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(*flag).store(epoch,
+                                                                     cuda::memory_order_release);
+}
+
+__device__ bool FlagReached(uint32_t* flag, uint32_t epoch) {
+  const uint32_t v = cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(*flag).load(
+      cuda::memory_order_acquire);
+  return static_cast<int32_t>(v - epoch) >= 0;
+}
+
+__device__ float Bf16ToFloat(uint16_t v) { return __uint_as_float(static_cast<uint32_t>(v) << 16); }
+
+__device__ uint16_t FloatToBf16(float f) {
+  uint32_t bits = __float_as_uint(f);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// Copies `bytes` (a multiple of 16) with the block's threads.
+__device__ void BlockCopy(const std::byte* from, std::byte* to, size_t bytes, int index,
+                          int count) {
+  const auto* src = reinterpret_cast<const uint4*>(from);
+  auto* dst = reinterpret_cast<uint4*>(to);
+  for (size_t i = index; i < bytes / 16; i += count) dst[i] = src[i];
+}
+
+// Sender role: block b stores every record and row for destination (rank + 1 + b) % R, in
+// token order, then raises the destination's flag for this rank.
+__global__ void SendKernel(Params p) {
+  using Scan = cub::BlockScan<int, kThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ int chunk_tokens[kThreads];
+  __shared__ int base;
+  const int d = (p.rank + 1 + blockIdx.x) % p.num_ranks;
+  const int S = p.slots_per_rank;
+  std::byte* arena = p.arenas[d];
+  std::byte* records = arena + p.off_records + p.rank * p.max_tokens * p.record_bytes;
+  std::byte* rows = arena + p.off_rows + p.rank * p.max_tokens * p.row_bytes;
+  if (threadIdx.x == 0) base = 0;
+  __syncthreads();
+  for (int chunk = 0; chunk < p.num_tokens; chunk += kThreads) {
+    const int t = chunk + threadIdx.x;
+    RecordEntry entries[kMaxTopK];
+    int n = 0;
+    if (t < p.num_tokens) {
+      for (int k = 0; k < p.top_k; ++k) {
+        const int32_t e = p.topk_idx[t * p.top_k + k];
+        if (e < 0) continue;
+        const uint32_t slot = RouteSlot(p.plan, p.layer, p.rank, t, k, e);
+        if (static_cast<int>(slot) / S == d) {
+          entries[n++] = {static_cast<int32_t>(slot % S), p.topk_weights[t * p.top_k + k]};
+        }
+      }
+    }
+    int position = 0, total = 0;
+    Scan(scan_storage).ExclusiveSum(n > 0 ? 1 : 0, position, total);
+    const int j = base + position;
+    if (n > 0) {
+      std::byte* record = records + static_cast<size_t>(j) * p.record_bytes;
+      const RecordHeader header{t, n};
+      memcpy(record, &header, sizeof(header));
+      memcpy(record + sizeof(header), entries, sizeof(RecordEntry) * n);
+      chunk_tokens[position] = t;
+    }
+    if (t < p.num_tokens) p.token_route[t * p.num_ranks + d] = n > 0 ? j : -1;
+    __syncthreads();
+    for (int m = 0; m < total; ++m) {
+      BlockCopy(reinterpret_cast<const std::byte*>(p.x) + chunk_tokens[m] * p.row_bytes,
+                rows + static_cast<size_t>(base + m) * p.row_bytes, p.row_bytes, threadIdx.x,
+                blockDim.x);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) base += total;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    reinterpret_cast<uint32_t*>(arena + p.off_counts)[p.rank] = base;
+    // Every thread's stores precede the barrier above; the system fence makes them visible
+    // to the peer before the flag (NCCL/DeepEP's publish pattern).
+    __threadfence_system();
+    ReleaseFlag(reinterpret_cast<uint32_t*>(arena + p.off_dispatch_flag + p.rank * kLine),
+                p.epoch);
+  }
+}
+
+// Waits for flag[s] (s < R) of region `offset` in this rank's arena to reach the epoch; on
+// timeout records 1 + s in status.
+__global__ void WaitKernel(Params p, size_t offset) {
+  std::byte* own = p.arenas[p.rank];
+  const uint64_t deadline = GlobalTimerNs() + p.timeout_ns;
+  for (int s = threadIdx.x; s < p.num_ranks; s += blockDim.x) {
+    auto* flag = reinterpret_cast<uint32_t*>(own + offset + s * kLine);
+    while (!FlagReached(flag, p.epoch)) {
+      if (GlobalTimerNs() > deadline) {
+        atomicCAS(p.status, 0u, 1u + s);
+        return;
+      }
+      __nanosleep(256);
+    }
+  }
+}
+
+// Per source (block): entries per local slot, and where each record's entries start.
+__global__ void CountKernel(Params p) {
+  using Scan = cub::BlockScan<int, kThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ int base;
+  const int s = blockIdx.x, S = p.slots_per_rank;
+  if (*p.status != 0) return;
+  std::byte* own = p.arenas[p.rank];
+  const int n = reinterpret_cast<const uint32_t*>(own + p.off_counts)[s];
+  const std::byte* records = own + p.off_records + s * p.max_tokens * p.record_bytes;
+  int32_t* counts = p.pair_counts + s * S;
+  int32_t* begin = p.record_begin + s * (p.max_tokens + 1);
+  for (int i = threadIdx.x; i < S; i += blockDim.x) counts[i] = 0;
+  if (threadIdx.x == 0) base = 0;
+  __syncthreads();
+  for (int chunk = 0; chunk < n; chunk += kThreads) {
+    const int j = chunk + threadIdx.x;
+    RecordHeader header{0, 0};
+    if (j < n) memcpy(&header, records + static_cast<size_t>(j) * p.record_bytes, sizeof(header));
+    int position = 0, total = 0;
+    Scan(scan_storage).ExclusiveSum(header.num_entries, position, total);
+    if (j < n) {
+      begin[j] = base + position;
+      for (int q = 0; q < header.num_entries; ++q) {
+        RecordEntry entry;
+        memcpy(&entry, records + j * p.record_bytes + sizeof(header) + q * sizeof(entry),
+               sizeof(entry));
+        atomicAdd(&counts[entry.local_slot], 1);
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) base += total;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) begin[n] = base;
+}
+
+// Row offsets in (slot, source) order; bumps the load counters. One thread: S x R is small.
+__global__ void ScanKernel(Params p) {
+  if (*p.status != 0) return;
+  const int S = p.slots_per_rank;
+  auto* counters = reinterpret_cast<unsigned long long*>(p.arenas[p.rank] + p.off_load_counters) +
+                   p.layer * S;
+  int row = 0;
+  for (int i = 0; i < S; ++i) {
+    p.slot_offsets[i] = row;
+    for (int s = 0; s < p.num_ranks; ++s) {
+      p.pair_offsets[s * S + i] = row;
+      row += p.pair_counts[s * S + i];
+    }
+    counters[i] += row - p.slot_offsets[i];
+  }
+  p.slot_offsets[S] = row;
+}
+
+// Per source (block): warp 0 gives every entry its row in record order (a record's entries
+// have distinct slots, so lanes never share a cursor); then the block copies the rows.
+__global__ void PlaceKernel(Params p) {
+  extern __shared__ int cursor[];
+  const int s = blockIdx.x, S = p.slots_per_rank;
+  if (*p.status != 0) return;
+  std::byte* own = p.arenas[p.rank];
+  const int n = reinterpret_cast<const uint32_t*>(own + p.off_counts)[s];
+  const std::byte* records = own + p.off_records + s * p.max_tokens * p.record_bytes;
+  const std::byte* rows = own + p.off_rows + s * p.max_tokens * p.row_bytes;
+  const int32_t* begin = p.record_begin + s * (p.max_tokens + 1);
+  int32_t* entry_row = p.entry_row + s * p.max_tokens * p.top_k;
+  for (int i = threadIdx.x; i < S; i += blockDim.x) cursor[i] = p.pair_offsets[s * S + i];
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    for (int j = 0; j < n; ++j) {
+      RecordHeader header;
+      memcpy(&header, records + static_cast<size_t>(j) * p.record_bytes, sizeof(header));
+      const int q = threadIdx.x;
+      if (q < header.num_entries) {
+        RecordEntry entry;
+        memcpy(&entry, records + j * p.record_bytes + sizeof(header) + q * sizeof(entry),
+               sizeof(entry));
+        const int row = cursor[entry.local_slot]++;
+        entry_row[begin[j] + q] = row;
+        p.src_rank[row] = s;
+        p.src_token[row] = header.token;
+        p.weight[row] = entry.weight;
+      }
+      __syncwarp();
+    }
+  }
+  __syncthreads();
+  for (int j = 0; j < n; ++j) {
+    for (int e = begin[j]; e < begin[j + 1]; ++e) {
+      BlockCopy(rows + static_cast<size_t>(j) * p.row_bytes,
+                reinterpret_cast<std::byte*>(p.recv_x) + static_cast<size_t>(entry_row[e]) *
+                                                             p.row_bytes,
+                p.row_bytes, threadIdx.x, blockDim.x);
+    }
+  }
+}
+
+// Expert side of combine: block b sums, for source (rank + 1 + b) % R, each record's rows
+// (entries in k order) in fp32 and stores the bf16 partial into the source's arena.
+__global__ void PartialKernel(Params p, const uint16_t* y) {
+  const int s = (p.rank + 1 + blockIdx.x) % p.num_ranks;
+  std::byte* own = p.arenas[p.rank];
+  const int n = reinterpret_cast<const uint32_t*>(own + p.off_counts)[s];
+  const int32_t* begin = p.record_begin + s * (p.max_tokens + 1);
+  const int32_t* entry_row = p.entry_row + s * p.max_tokens * p.top_k;
+  std::byte* arena = p.arenas[s];
+  auto* partials = reinterpret_cast<uint16_t*>(arena + p.off_partials +
+                                               p.rank * p.max_tokens * p.row_bytes);
+  for (int j = 0; j < n; ++j) {
+    for (int h = threadIdx.x; h < p.hidden; h += blockDim.x) {
+      float sum = 0.0f;
+      for (int e = begin[j]; e < begin[j + 1]; ++e) {
+        const int row = entry_row[e];
+        const float term = __fmul_rn(p.weight[row], Bf16ToFloat(y[static_cast<size_t>(row) * p.hidden + h]));
+        sum = e == begin[j] ? term : __fadd_rn(sum, term);
+      }
+      partials[static_cast<size_t>(j) * p.hidden + h] = FloatToBf16(sum);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    ReleaseFlag(reinterpret_cast<uint32_t*>(arena + p.off_combine_flag + p.rank * kLine),
+                p.epoch);
+  }
+}
+
+// Token side of combine: block t sums its partials over destinations in rank order.
+__global__ void TokenKernel(Params p, uint16_t* out) {
+  if (*p.status != 0) return;
+  const int t = blockIdx.x;
+  const auto* partials = reinterpret_cast<const uint16_t*>(p.arenas[p.rank] + p.off_partials);
+  for (int h = threadIdx.x; h < p.hidden; h += blockDim.x) {
+    float sum = 0.0f;
+    bool first = true;
+    for (int d = 0; d < p.num_ranks; ++d) {
+      const int j = p.token_route[t * p.num_ranks + d];
+      if (j < 0) continue;
+      const float v = Bf16ToFloat(partials[(static_cast<size_t>(d) * p.max_tokens + j) * p.hidden + h]);
+      sum = first ? v : __fadd_rn(sum, v);
+      first = false;
+    }
+    out[static_cast<size_t>(t) * p.hidden + h] = FloatToBf16(sum);
+  }
+}
+
+}  // namespace
+
+bool CudaDeviceAvailable() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+absl::StatusOr<std::unique_ptr<DeviceArena>> DeviceArena::Create(size_t bytes) {
+  void* data = nullptr;
+  UBEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&data, bytes));
+  UBEP_CUDA_RETURN_IF_ERROR(cudaMemset(data, 0, bytes));
+  UBEP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  return std::unique_ptr<DeviceArena>(new DeviceArena(static_cast<std::byte*>(data), true));
+}
+
+absl::StatusOr<std::unique_ptr<DeviceArena>> DeviceArena::OpenPeer(
+    const std::byte (&handle)[64]) {
+  cudaIpcMemHandle_t ipc;
+  static_assert(sizeof(ipc) == 64);
+  memcpy(&ipc, handle, sizeof(ipc));
+  void* data = nullptr;
+  UBEP_CUDA_RETURN_IF_ERROR(cudaIpcOpenMemHandle(&data, ipc, cudaIpcMemLazyEnablePeerAccess));
+  return std::unique_ptr<DeviceArena>(new DeviceArena(static_cast<std::byte*>(data), false));
+}
+
+DeviceArena::~DeviceArena() {
+  if (owned_) {
+    cudaFree(data_);
+  } else {
+    cudaIpcCloseMemHandle(data_);
+  }
+}
+
+absl::Status DeviceArena::IpcHandle(std::byte (&handle)[64]) const {
+  cudaIpcMemHandle_t ipc;
+  UBEP_CUDA_RETURN_IF_ERROR(cudaIpcGetMemHandle(&ipc, data_));
+  memcpy(handle, &ipc, sizeof(ipc));
+  return absl::OkStatus();
+}
+
+struct CudaEp::Scratch {
+  Params params{};
+  std::byte** arenas = nullptr;
+  void* block = nullptr;  // One allocation for every scratch array.
+  cudaStream_t stream = nullptr;
+};
+
+CudaEp::CudaEp(const EpConfig& config, int rank)
+    : config_(config), layout_(config), rank_(rank), scratch_(std::make_unique<Scratch>()) {}
+
+CudaEp::~CudaEp() {
+  if (scratch_->block != nullptr) cudaFree(scratch_->block);
+  if (scratch_->arenas != nullptr) cudaFree(scratch_->arenas);
+  if (scratch_->stream != nullptr) cudaStreamDestroy(scratch_->stream);
+}
+
+absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, int rank,
+                                                       std::vector<std::byte*> arenas) {
+  if (absl::Status s = ValidateConfig(config); !s.ok()) return s;
+  if (config.dtype != DType::kBFloat16) {
+    return absl::InvalidArgumentError("cuda backend: activations must be bf16");
+  }
+  if (config.hidden % 8 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda backend: hidden ", config.hidden, " is not a multiple of 8"));
+  }
+  if (static_cast<int>(arenas.size()) != config.num_ranks || rank < 0 ||
+      rank >= config.num_ranks) {
+    return absl::InvalidArgumentError("cuda backend: one arena per rank, and a rank in range");
+  }
+  std::unique_ptr<CudaEp> ep(new CudaEp(config, rank));
+  Scratch& s = *ep->scratch_;
+  UBEP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
+  UBEP_CUDA_RETURN_IF_ERROR(
+      cudaMalloc(reinterpret_cast<void**>(&s.arenas), sizeof(std::byte*) * arenas.size()));
+  UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(s.arenas, arenas.data(),
+                                       sizeof(std::byte*) * arenas.size(),
+                                       cudaMemcpyHostToDevice));
+  const size_t R = config.num_ranks, T = config.max_tokens, K = config.top_k,
+               S = config.slots_per_rank, H = config.hidden;
+  const size_t max_rows = R * T * K;
+  const size_t ints = T * R + R * S + R * S + R * (T + 1) + R * T * K + (S + 1) + 1 +
+                      max_rows * 2;
+  const size_t bytes = ints * sizeof(int32_t) + max_rows * sizeof(float) + max_rows * H * 2;
+  UBEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&s.block, bytes));
+  UBEP_CUDA_RETURN_IF_ERROR(cudaMemset(s.block, 0, bytes));
+  auto* next = static_cast<int32_t*>(s.block);
+  auto take = [&](size_t n) {
+    int32_t* at = next;
+    next += n;
+    return at;
+  };
+  Params& p = s.params;
+  p.token_route = take(T * R);
+  p.pair_counts = take(R * S);
+  p.pair_offsets = take(R * S);
+  p.record_begin = take(R * (T + 1));
+  p.entry_row = take(R * T * K);
+  p.slot_offsets = take(S + 1);
+  p.status = reinterpret_cast<uint32_t*>(take(1));
+  p.src_rank = take(max_rows);
+  p.src_token = take(max_rows);
+  p.weight = reinterpret_cast<float*>(take(max_rows));
+  p.recv_x = reinterpret_cast<uint16_t*>(next);
+  p.rank = rank;
+  p.num_ranks = config.num_ranks;
+  p.max_tokens = config.max_tokens;
+  p.hidden = config.hidden;
+  p.top_k = config.top_k;
+  p.slots_per_rank = config.slots_per_rank;
+  const ArenaLayout& l = ep->layout_;
+  p.record_bytes = l.record_bytes;
+  p.row_bytes = l.row_bytes;
+  p.off_dispatch_flag = l.dispatch_flag;
+  p.off_combine_flag = l.combine_flag;
+  p.off_counts = l.counts;
+  p.off_load_counters = l.load_counters;
+  p.off_records = l.records;
+  p.off_rows = l.rows;
+  p.off_partials = l.partials;
+  p.arenas = s.arenas;
+  p.timeout_ns = static_cast<uint64_t>(absl::ToInt64Nanoseconds(config.timeout));
+  return ep;
+}
+
+absl::Status CudaEp::CheckStatus(const char* what) {
+  Scratch& s = *scratch_;
+  UBEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s.stream));
+  uint32_t status = 0;
+  UBEP_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(&status, s.params.status, sizeof(status), cudaMemcpyDeviceToHost));
+  if (status == 0) return absl::OkStatus();
+  const int peer = static_cast<int>(status) - 1;
+  return absl::DeadlineExceededError(absl::StrCat(
+      "rank ", rank_, ": timed out after ", absl::FormatDuration(config_.timeout),
+      " waiting for rank ", peer, " (", what, "); is rank ", peer, " alive?"));
+}
+
+absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& out) {
+  if (combine_epoch_ != dispatch_epoch_) {
+    return absl::FailedPreconditionError("dispatch called twice without a combine in between");
+  }
+  if (in.num_tokens < 0 || in.num_tokens > config_.max_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(in.num_tokens, " tokens exceed max_tokens ",
+                                                   config_.max_tokens,
+                                                   " of this rank's buffers"));
+  }
+  if (in.plan == nullptr || in.host_plan == nullptr ||
+      in.host_plan->num_experts != static_cast<uint32_t>(config_.num_experts) ||
+      in.host_plan->num_slots !=
+          static_cast<uint32_t>(config_.num_ranks * config_.slots_per_rank) ||
+      in.layer < 0 || static_cast<uint32_t>(in.layer) >= in.host_plan->num_layers) {
+    return absl::InvalidArgumentError("cuda backend: plan table does not fit this group");
+  }
+  Scratch& s = *scratch_;
+  Params p = s.params;
+  p.num_tokens = in.num_tokens;
+  p.layer = in.layer;
+  p.plan = in.plan;
+  p.x = static_cast<const uint16_t*>(in.x);
+  p.topk_idx = in.topk_idx;
+  p.topk_weights = in.topk_weights;
+  p.epoch = ++dispatch_epoch_;
+  last_tokens_ = in.num_tokens;
+  UBEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.status, 0, sizeof(uint32_t), s.stream));
+  SendKernel<<<config_.num_ranks, kThreads, 0, s.stream>>>(p);
+  WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_dispatch_flag);
+  CountKernel<<<config_.num_ranks, kThreads, 0, s.stream>>>(p);
+  ScanKernel<<<1, 1, 0, s.stream>>>(p);
+  PlaceKernel<<<config_.num_ranks, kThreads, sizeof(int) * config_.slots_per_rank, s.stream>>>(p);
+  UBEP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  if (absl::Status st = CheckStatus("dispatch data"); !st.ok()) return st;
+  out.slot_offsets.resize(config_.slots_per_rank + 1);
+  UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(out.slot_offsets.data(), p.slot_offsets,
+                                       sizeof(int32_t) * out.slot_offsets.size(),
+                                       cudaMemcpyDeviceToHost));
+  out.num_rows = out.slot_offsets.back();
+  out.recv_x = p.recv_x;
+  out.src_rank = p.src_rank;
+  out.src_token = p.src_token;
+  out.weight = p.weight;
+  s.params.epoch = p.epoch;
+  s.params.num_tokens = p.num_tokens;
+  s.params.layer = p.layer;
+  return absl::OkStatus();
+}
+
+absl::Status CudaEp::Combine(const void* y, void* out) {
+  if (combine_epoch_ + 1 != dispatch_epoch_) {
+    return absl::FailedPreconditionError("combine without a dispatch before it");
+  }
+  Scratch& s = *scratch_;
+  Params p = s.params;
+  p.epoch = ++combine_epoch_;
+  UBEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.status, 0, sizeof(uint32_t), s.stream));
+  PartialKernel<<<config_.num_ranks, kThreads, 0, s.stream>>>(p, static_cast<const uint16_t*>(y));
+  WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_combine_flag);
+  if (last_tokens_ > 0) {
+    TokenKernel<<<last_tokens_, kThreads, 0, s.stream>>>(p, static_cast<uint16_t*>(out));
+  }
+  UBEP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return CheckStatus("combine partials");
+}
+
+}  // namespace ubep::kernels

@@ -1,0 +1,99 @@
+// CudaEp: dispatch and combine for one rank on the CUDA backend, same contract and the same
+// byte layout as the host backend (kernels/host/arena_layout.h, kernels/common/routing.h):
+// the arena of each rank lives in device memory and peers store into it directly (CUDA IPC
+// within a node; peer access between GPUs of one NVLink domain). Protocol: ubep (per-source
+// epoch-tagged flags, no barrier). bf16 activations, fp32 weights and sums.
+//
+// Kernels per Dispatch: one send block per destination (hop-ordered, starting after this
+// rank), a wait for every source's flag (with a timeout that reports the missing peer), a
+// count, a scan and a placement kernel that lay rows out by local slot exactly as the host
+// backend does. Combine: one block per source stores its partial sums and raises its flag;
+// after a wait, one block per token sums partials in destination order. Compiled without
+// fused multiply-add so that the sums match the host backend bit for bit.
+//
+// The API takes raw device pointers, sizes and a stream; it synchronizes the stream at the
+// end of each call (v1: the host reads the row count to size outputs).
+// Thread-compatible: one CudaEp per rank and process.
+#ifndef UBEP_KERNELS_CUDA_CUDA_EP_H_
+#define UBEP_KERNELS_CUDA_CUDA_EP_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/common/plan_table.h"
+#include "kernels/host/arena_layout.h"
+
+namespace ubep::kernels {
+
+// Whether a CUDA device is usable here (false without a driver or GPU).
+bool CudaDeviceAvailable();
+
+// Device memory of one rank's arena, shareable with other processes by an IPC handle.
+class DeviceArena {
+ public:
+  static absl::StatusOr<std::unique_ptr<DeviceArena>> Create(size_t bytes);
+  // Maps a peer's arena from its 64-byte IPC handle.
+  static absl::StatusOr<std::unique_ptr<DeviceArena>> OpenPeer(const std::byte (&handle)[64]);
+  ~DeviceArena();
+
+  std::byte* data() const { return data_; }
+  absl::Status IpcHandle(std::byte (&handle)[64]) const;
+
+ private:
+  DeviceArena(std::byte* data, bool owned) : data_(data), owned_(owned) {}
+  std::byte* data_;
+  bool owned_;
+};
+
+struct CudaDispatchInput {
+  const void* x = nullptr;               // Device [num_tokens, hidden] bf16.
+  const int32_t* topk_idx = nullptr;     // Device [num_tokens, top_k].
+  const float* topk_weights = nullptr;   // Device [num_tokens, top_k].
+  int num_tokens = 0;
+  int layer = 0;
+  const PlanTableHeader* plan = nullptr;  // Device copy of a validated table.
+  const PlanTableHeader* host_plan = nullptr;  // The same table on the host, for checks.
+};
+
+// Device outputs owned by the CudaEp, valid until the next Dispatch.
+struct CudaDispatchOutput {
+  const void* recv_x = nullptr;          // [num_rows, hidden] bf16, grouped by local slot.
+  const int32_t* src_rank = nullptr;     // [num_rows]
+  const int32_t* src_token = nullptr;    // [num_rows]
+  const float* weight = nullptr;         // [num_rows]
+  std::vector<int32_t> slot_offsets;     // Host copy, [slots_per_rank + 1].
+  int num_rows = 0;
+};
+
+class CudaEp {
+ public:
+  // `arenas[r]`: rank r's arena, mapped in this process (own one zero-filled at creation).
+  static absl::StatusOr<std::unique_ptr<CudaEp>> Create(const EpConfig& config, int rank,
+                                                        std::vector<std::byte*> arenas);
+  ~CudaEp();
+
+  absl::Status Dispatch(const CudaDispatchInput& input, CudaDispatchOutput& output);
+  // y: device [num_rows, hidden] bf16 in the dispatch's row order; out: device [num_tokens,
+  // hidden] bf16.
+  absl::Status Combine(const void* y, void* out);
+
+ private:
+  struct Scratch;
+  CudaEp(const EpConfig& config, int rank);
+  absl::Status CheckStatus(const char* what);
+
+  EpConfig config_;
+  ArenaLayout layout_;
+  int rank_;
+  uint32_t dispatch_epoch_ = 0;
+  uint32_t combine_epoch_ = 0;
+  int last_tokens_ = 0;
+  std::unique_ptr<Scratch> scratch_;
+};
+
+}  // namespace ubep::kernels
+
+#endif  // UBEP_KERNELS_CUDA_CUDA_EP_H_

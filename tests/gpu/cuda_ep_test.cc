@@ -1,0 +1,238 @@
+// The CUDA backend against the host backend: ranks as processes sharing one GPU (CUDA IPC),
+// every output compared byte for byte with what the host backend produced for the same input.
+// Label gpu; skips cleanly where no CUDA device is present.
+#include <cuda_runtime.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "kernels/cuda/cuda_ep.h"
+#include "tests/unit/dataplane_fixtures.h"
+
+namespace ubep::kernels {
+namespace {
+
+constexpr int kMaxRanks = 8;
+
+struct Board {
+  std::atomic<int> ready, done;
+  std::byte handles[kMaxRanks][64];
+  char error[kMaxRanks][256];
+};
+
+struct RankResult {
+  std::vector<int32_t> slot_offsets, src_rank, src_token;
+  std::vector<float> weight;
+  std::vector<uint16_t> recv_x, y, combined;
+};
+
+// Device checks run in a child: CUDA must not be initialized before the fork.
+bool DeviceInChild() {
+  const pid_t pid = fork();
+  if (pid == 0) _exit(CudaDeviceAvailable() ? 0 : 1);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+EpConfig GpuConfig(int ranks) {
+  EpConfig c = SmallConfig(Protocol::kUbep);
+  c.num_ranks = ranks;
+  c.slots_per_rank = 16 / ranks + 1;
+  c.dtype = DType::kBFloat16;
+  c.timeout = absl::Seconds(20);
+  return c;
+}
+
+std::vector<uint16_t> Bf16Input(const RankInput& in) {
+  std::vector<uint16_t> x(in.x.size());
+  for (size_t i = 0; i < x.size(); ++i) x[i] = ToBf16(in.x[i]);
+  return x;
+}
+
+// y = x * (1 + e / 64) for rows grouped by slot, in bf16.
+std::vector<uint16_t> ExpertOutputs(const EpConfig& c, const TestPlan& plan, int rank,
+                                    const std::vector<int32_t>& slot_offsets,
+                                    const std::vector<uint16_t>& recv_x) {
+  std::vector<uint16_t> y(recv_x.size());
+  for (int i = 0; i < c.slots_per_rank; ++i) {
+    const int e = plan.slot_expert[0][rank * c.slots_per_rank + i];
+    for (int q = slot_offsets[i] * c.hidden; q < slot_offsets[i + 1] * c.hidden; ++q) {
+      y[q] = ToBf16(FromBf16(recv_x[q]) * (1.0f + e / 64.0f));
+    }
+  }
+  return y;
+}
+
+std::vector<RankResult> HostReference(const EpConfig& c, const TestPlan& plan,
+                                      const std::vector<RankInput>& inputs) {
+  EpConfig host_config = c;
+  host_config.protocol = Protocol::kBsp;
+  Group group(host_config);
+  std::vector<RankResult> results(c.num_ranks);
+  group.RunAll([&](int r) {
+    const std::vector<uint16_t> x = Bf16Input(inputs[r]);
+    DispatchOutput out;
+    ASSERT_TRUE(group.ep(r).Dispatch({x.data(), inputs[r].topk_idx.data(),
+                                      inputs[r].topk_w.data(), inputs[r].num_tokens, c.hidden,
+                                      0, plan.header()},
+                                     out)
+                    .ok());
+    RankResult& res = results[r];
+    res.slot_offsets = out.slot_offsets;
+    res.src_rank = out.src_rank;
+    res.src_token = out.src_token;
+    res.weight = out.weight;
+    res.recv_x.resize(out.recv_x.size() / 2);
+    std::memcpy(res.recv_x.data(), out.recv_x.data(), out.recv_x.size());
+    res.y = ExpertOutputs(c, plan, r, res.slot_offsets, res.recv_x);
+    res.combined.resize(x.size());
+    ASSERT_TRUE(group.ep(r).Combine(out, res.y.data(), res.combined.data()).ok());
+  });
+  return results;
+}
+
+template <typename T>
+T* Upload(const std::vector<T>& v) {
+  T* d = nullptr;
+  cudaMalloc(&d, std::max<size_t>(1, v.size()) * sizeof(T));
+  cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice);
+  return d;
+}
+
+template <typename T>
+std::vector<T> Download(const T* d, size_t n) {
+  std::vector<T> v(n);
+  cudaMemcpy(v.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost);
+  return v;
+}
+
+// One rank process: returns "" or what went wrong. `skip_dispatch` plays a dead rank.
+std::string RunRank(const EpConfig& c, int rank, const TestPlan& plan, const RankInput& in,
+                    const RankResult* expected, Board* board, bool skip_dispatch,
+                    absl::Status* status_out) {
+  cudaSetDevice(0);
+  absl::StatusOr<std::unique_ptr<DeviceArena>> arena =
+      DeviceArena::Create(ArenaLayout(c).total_bytes);
+  if (!arena.ok()) return std::string(arena.status().message());
+  if (absl::Status s = (*arena)->IpcHandle(board->handles[rank]); !s.ok()) {
+    return std::string(s.message());
+  }
+  board->ready.fetch_add(1);
+  const absl::Time until = absl::Now() + absl::Seconds(30);
+  while (board->ready.load() < c.num_ranks && absl::Now() < until) absl::SleepFor(absl::Milliseconds(1));
+  std::vector<std::unique_ptr<DeviceArena>> peers;
+  std::vector<std::byte*> pointers(c.num_ranks);
+  for (int s = 0; s < c.num_ranks; ++s) {
+    if (s == rank) {
+      pointers[s] = (*arena)->data();
+      continue;
+    }
+    absl::StatusOr<std::unique_ptr<DeviceArena>> peer = DeviceArena::OpenPeer(board->handles[s]);
+    if (!peer.ok()) return std::string(peer.status().message());
+    pointers[s] = (*peer)->data();
+    peers.push_back(std::move(*peer));
+  }
+  auto finish = [&](std::string message) {
+    board->done.fetch_add(1);
+    const absl::Time end = absl::Now() + absl::Seconds(30);
+    while (board->done.load() < c.num_ranks && absl::Now() < end) absl::SleepFor(absl::Milliseconds(1));
+    return message;
+  };
+  if (skip_dispatch) return finish("");
+  absl::StatusOr<std::unique_ptr<CudaEp>> ep = CudaEp::Create(c, rank, pointers);
+  if (!ep.ok()) return finish(std::string(ep.status().message()));
+  const std::vector<uint16_t> x = Bf16Input(in);
+  uint16_t* d_x = Upload(x);
+  int32_t* d_idx = Upload(in.topk_idx);
+  float* d_w = Upload(in.topk_w);
+  std::byte* d_plan = Upload(plan.table);
+  CudaDispatchOutput out;
+  absl::Status s = (*ep)->Dispatch({d_x, d_idx, d_w, in.num_tokens, 0,
+                                    reinterpret_cast<const PlanTableHeader*>(d_plan),
+                                    plan.header()},
+                                   out);
+  if (status_out != nullptr) *status_out = s;
+  if (!s.ok()) return finish(std::string(s.message()));
+  if (expected == nullptr) return finish("");
+  if (out.slot_offsets != expected->slot_offsets) return finish("slot offsets differ");
+  const size_t rows = out.num_rows;
+  if (Download(out.src_rank, rows) != expected->src_rank) return finish("src_rank differs");
+  if (Download(out.src_token, rows) != expected->src_token) return finish("src_token differs");
+  if (Download(out.weight, rows) != expected->weight) return finish("weights differ");
+  const std::vector<uint16_t> recv_x =
+      Download(static_cast<const uint16_t*>(out.recv_x), rows * c.hidden);
+  if (recv_x != expected->recv_x) return finish("recv_x differs");
+  uint16_t* d_y = Upload(expected->y);
+  uint16_t* d_out = Upload(std::vector<uint16_t>(x.size(), 0));
+  s = (*ep)->Combine(d_y, d_out);
+  if (!s.ok()) return finish(std::string(s.message()));
+  if (Download(d_out, x.size()) != expected->combined) return finish("combined output differs");
+  return finish("");
+}
+
+struct RunOutcome {
+  std::vector<std::string> errors;
+};
+
+RunOutcome RunGroup(const EpConfig& c, const TestPlan& plan, const std::vector<RankInput>& inputs,
+                    const std::vector<RankResult>* expected, int dead_rank) {
+  SharedArena board_arena = *SharedArena::Create("gpu-board", sizeof(Board));
+  auto* board = new (board_arena.data()) Board{};
+  std::vector<pid_t> pids;
+  for (int r = 0; r < c.num_ranks; ++r) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      const std::string error =
+          RunRank(c, r, plan, inputs[r], expected ? &(*expected)[r] : nullptr, board,
+                  r == dead_rank, nullptr);
+      std::snprintf(board->error[r], sizeof(board->error[r]), "%s", error.c_str());
+      _exit(error.empty() ? 0 : 3);
+    }
+    pids.push_back(pid);
+  }
+  for (pid_t pid : pids) waitpid(pid, nullptr, 0);
+  RunOutcome outcome;
+  for (int r = 0; r < c.num_ranks; ++r) outcome.errors.push_back(board->error[r]);
+  return outcome;
+}
+
+class CudaEpTest : public ::testing::TestWithParam<int> {
+ protected:
+  void SetUp() override {
+    if (!DeviceInChild()) GTEST_SKIP() << "no CUDA device here";
+  }
+};
+
+TEST_P(CudaEpTest, MatchesTheHostBackendByteForByte) {
+  const EpConfig c = GpuConfig(GetParam());
+  const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 40 + r, 3));
+  const std::vector<RankResult> expected = HostReference(c, plan, inputs);
+  const RunOutcome outcome = RunGroup(c, plan, inputs, &expected, -1);
+  for (int r = 0; r < c.num_ranks; ++r) EXPECT_EQ(outcome.errors[r], "") << "rank " << r;
+}
+
+TEST_P(CudaEpTest, AMissingPeerTimesOutWithItsName) {
+  EpConfig c = GpuConfig(GetParam());
+  c.timeout = absl::Milliseconds(500);
+  const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 8, 4));
+  const RunOutcome outcome = RunGroup(c, plan, inputs, nullptr, /*dead_rank=*/1);
+  for (int r = 0; r < c.num_ranks; ++r) {
+    if (r == 1) continue;
+    EXPECT_EQ(outcome.errors[r],
+              absl::StrCat("rank ", r, ": timed out after 500ms waiting for rank 1 (dispatch "
+                           "data); is rank 1 alive?"));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, CudaEpTest, ::testing::Values(2, 4));
+
+}  // namespace
+}  // namespace ubep::kernels
