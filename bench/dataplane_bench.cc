@@ -86,7 +86,7 @@ int RankMain(const Case& c, const EpConfig& config, int rank, std::vector<std::b
   for (const auto& tokens : dispatched.handle.sent_tokens) rows_sent += tokens.size();
   uint64_t records = 0;
   for (int32_t n : dispatched.handle.records_from) records += n;
-  board->bytes[rank] = rows_sent * c.hidden * 2 + records * c.hidden * 4;
+  board->bytes[rank] = rows_sent * c.hidden * 2 + records * c.hidden * 2;  // bf16 both ways.
   return 0;
 }
 

@@ -18,6 +18,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "bench/dataplane_inputs.h"
+#include "kernels/common/routing.h"
 #include "kernels/cuda/cuda_ep.h"
 #include "kernels/host/shared_arena.h"
 #include "nlohmann/json.hpp"
@@ -39,11 +40,15 @@ struct Board {
 
 int RankMain(const bench::Case& c, int rank, int iters, const std::vector<double>& skew,
              Board* board) {
+  bool posted_ready = false;
   auto fail = [&](const std::string& m) {
     board->failed = 1;
     std::snprintf(board->error, sizeof(board->error), "rank %d: %s", rank, m.c_str());
-    board->ready.fetch_add(1);
+    if (!posted_ready) board->ready.fetch_add(1);
+    // Keep this rank's arena alive until every peer is done with it.
     board->done.fetch_add(1);
+    const absl::Time until = absl::Now() + absl::Seconds(60);
+    while (board->done.load() < c.ranks && absl::Now() < until) usleep(100);
     return 3;
   };
   cudaSetDevice(0);
@@ -56,6 +61,7 @@ int RankMain(const bench::Case& c, int rank, int iters, const std::vector<double
   if (!arena.ok()) return fail(std::string(arena.status().message()));
   if (!(*arena)->IpcHandle(board->handles[rank]).ok()) return fail("ipc handle");
   board->ready.fetch_add(1);
+  posted_ready = true;
   while (board->ready.load() < c.ranks) usleep(100);
   std::vector<std::unique_ptr<DeviceArena>> peers;
   std::vector<std::byte*> pointers(c.ranks);
@@ -85,6 +91,18 @@ int RankMain(const bench::Case& c, int rank, int iters, const std::vector<double
   cudaMalloc(&d_plan, plan.size());
   cudaMemcpy(d_plan, plan.data(), plan.size(), cudaMemcpyHostToDevice);
   const auto* host_plan = reinterpret_cast<const PlanTableHeader*>(plan.data());
+  // Bytes that cross: one row per (token, destination), out and back, bf16.
+  uint64_t records = 0;
+  for (int t = 0; t < c.tokens; ++t) {
+    std::vector<int> dests;
+    for (int k = 0; k < bench::kTopK; ++k) {
+      const int d = RouteSlot(host_plan, 0, rank, t, k, idx[t * bench::kTopK + k]) /
+                    (bench::kExperts / c.ranks);
+      if (std::find(dests.begin(), dests.end(), d) == dests.end()) dests.push_back(d);
+    }
+    records += dests.size();
+  }
+  cudaDeviceSynchronize();
   while (board->go.load() == 0) usleep(100);
   CudaDispatchOutput out;
   for (int i = 0; i < kWarmup + iters; ++i) {
@@ -101,8 +119,7 @@ int RankMain(const bench::Case& c, int rank, int iters, const std::vector<double
               .count();
     }
   }
-  // Rows out (deduplicated per destination) and partial rows back, bf16.
-  board->bytes[rank] = static_cast<uint64_t>(out.num_rows) * c.hidden * 2 * 2;
+  board->bytes[rank] = records * c.hidden * 2 * 2;
   if (rank == 0) {
     // Reference: a device-to-device copy of this rank's bytes.
     const size_t n = std::max<uint64_t>(board->bytes[0], 1 << 20);
@@ -150,6 +167,10 @@ int main(int argc, char** argv) {
   const std::vector<double> skew = *ubep::bench::SkewedDistribution(UBEP_SOURCE_DIR);
   nlohmann::json results = nlohmann::json::array();
   for (int r : ranks) {
+    if (ubep::bench::kExperts % r != 0) {
+      std::fprintf(stderr, "ranks %d: 256 experts do not divide evenly; skipped\n", r);
+      continue;
+    }
     const ubep::bench::Case c{"cuda", r, tokens, hidden, "uniform"};
     SharedArena board_arena = *SharedArena::Create("cuda-bench", sizeof(Board));
     auto* board = new (board_arena.data()) Board{};
@@ -159,7 +180,8 @@ int main(int argc, char** argv) {
       if (pid == 0) _exit(RankMain(c, rank, iters, skew, board));
       pids.push_back(pid);
     }
-    while (board->ready.load() < r) usleep(1000);
+    const absl::Time until = absl::Now() + absl::Seconds(120);
+    while (board->ready.load() < r && absl::Now() < until) usleep(1000);
     board->go.store(1);
     for (pid_t pid : pids) waitpid(pid, nullptr, 0);
     nlohmann::json row = {{"method", "ubep_cuda"}, {"ranks", r}, {"tokens", tokens},

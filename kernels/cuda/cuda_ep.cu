@@ -12,6 +12,7 @@ namespace ubep::kernels {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr uint32_t kBadInput = 0x80000000u;
 constexpr size_t kLine = 64;
 
 #define UBEP_CUDA_RETURN_IF_ERROR(expr)                                                  \
@@ -25,7 +26,7 @@ constexpr size_t kLine = 64;
 
 // Everything a kernel needs, passed by value.
 struct Params {
-  int rank, num_ranks, max_tokens, hidden, top_k, slots_per_rank, num_tokens, layer;
+  int rank, num_ranks, max_tokens, hidden, top_k, slots_per_rank, num_experts, num_tokens, layer;
   size_t record_bytes, row_bytes;
   size_t off_dispatch_flag, off_combine_flag, off_counts, off_load_counters, off_records,
       off_rows, off_partials;
@@ -43,7 +44,8 @@ struct Params {
   int32_t* record_begin;  // [R x (max_tokens + 1)]: first entry of each record.
   int32_t* entry_row;     // [R x max_tokens x K]: row of each entry, by record_begin.
   int32_t* slot_offsets;  // [S + 1]
-  uint32_t* status;       // [1]: 0, or 1 + the peer that timed out.
+  uint32_t* status;       // [2]: 0, 1 + the peer that timed out, or kBadInput | (t * K + k)
+                          // with the bad expert id in [1].
   uint16_t* recv_x;
   int32_t* src_rank;
   int32_t* src_token;
@@ -105,6 +107,13 @@ __global__ void SendKernel(Params p) {
     if (t < p.num_tokens) {
       for (int k = 0; k < p.top_k; ++k) {
         const int32_t e = p.topk_idx[t * p.top_k + k];
+        if (e < -1 || e >= p.num_experts) {
+          // Flagged and skipped: no read outside the plan table, no write outside a region.
+          if (atomicCAS(p.status, 0u, kBadInput | static_cast<uint32_t>(t * p.top_k + k)) == 0) {
+            p.status[1] = static_cast<uint32_t>(e);
+          }
+          continue;
+        }
         if (e < 0) continue;
         const uint32_t slot = RouteSlot(p.plan, p.layer, p.rank, t, k, e);
         if (static_cast<int>(slot) / S == d) {
@@ -215,8 +224,8 @@ __global__ void ScanKernel(Params p) {
   p.slot_offsets[S] = row;
 }
 
-// Per source (block): warp 0 gives every entry its row in record order (a record's entries
-// have distinct slots, so lanes never share a cursor); then the block copies the rows.
+// Per source (block): thread 0 gives every entry its row in record order; then the block
+// copies the rows.
 __global__ void PlaceKernel(Params p) {
   extern __shared__ int cursor[];
   const int s = blockIdx.x, S = p.slots_per_rank;
@@ -229,12 +238,13 @@ __global__ void PlaceKernel(Params p) {
   int32_t* entry_row = p.entry_row + s * p.max_tokens * p.top_k;
   for (int i = threadIdx.x; i < S; i += blockDim.x) cursor[i] = p.pair_offsets[s * S + i];
   __syncthreads();
-  if (threadIdx.x < 32) {
+  if (threadIdx.x == 0) {
+    // Records in order, entries in k order; serial, so that repeated slots in one record
+    // (a top-k that repeats an expert) take consecutive rows as on the host.
     for (int j = 0; j < n; ++j) {
       RecordHeader header;
       memcpy(&header, records + static_cast<size_t>(j) * p.record_bytes, sizeof(header));
-      const int q = threadIdx.x;
-      if (q < header.num_entries) {
+      for (int q = 0; q < header.num_entries; ++q) {
         RecordEntry entry;
         memcpy(&entry, records + j * p.record_bytes + sizeof(header) + q * sizeof(entry),
                sizeof(entry));
@@ -244,7 +254,6 @@ __global__ void PlaceKernel(Params p) {
         p.src_token[row] = header.token;
         p.weight[row] = entry.weight;
       }
-      __syncwarp();
     }
   }
   __syncthreads();
@@ -379,7 +388,8 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   }
   std::unique_ptr<CudaEp> ep(new CudaEp(config, rank));
   Scratch& s = *ep->scratch_;
-  UBEP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
+  // A blocking stream: ordered after the caller's uploads on the legacy default stream.
+  UBEP_CUDA_RETURN_IF_ERROR(cudaStreamCreate(&s.stream));
   UBEP_CUDA_RETURN_IF_ERROR(
       cudaMalloc(reinterpret_cast<void**>(&s.arenas), sizeof(std::byte*) * arenas.size()));
   UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(s.arenas, arenas.data(),
@@ -388,9 +398,12 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   const size_t R = config.num_ranks, T = config.max_tokens, K = config.top_k,
                S = config.slots_per_rank, H = config.hidden;
   const size_t max_rows = R * T * K;
-  const size_t ints = T * R + R * S + R * S + R * (T + 1) + R * T * K + (S + 1) + 1 +
+  const size_t ints = T * R + R * S + R * S + R * (T + 1) + R * T * K + (S + 1) + 2 +
                       max_rows * 2;
-  const size_t bytes = ints * sizeof(int32_t) + max_rows * sizeof(float) + max_rows * H * 2;
+  // recv_x is copied 16 bytes at a time: start it on a 256-byte boundary.
+  const size_t head = ints * sizeof(int32_t) + max_rows * sizeof(float);
+  const size_t recv_offset = (head + 255) / 256 * 256;
+  const size_t bytes = recv_offset + max_rows * H * 2;
   UBEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&s.block, bytes));
   UBEP_CUDA_RETURN_IF_ERROR(cudaMemset(s.block, 0, bytes));
   auto* next = static_cast<int32_t*>(s.block);
@@ -406,11 +419,11 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   p.record_begin = take(R * (T + 1));
   p.entry_row = take(R * T * K);
   p.slot_offsets = take(S + 1);
-  p.status = reinterpret_cast<uint32_t*>(take(1));
+  p.status = reinterpret_cast<uint32_t*>(take(2));
   p.src_rank = take(max_rows);
   p.src_token = take(max_rows);
   p.weight = reinterpret_cast<float*>(take(max_rows));
-  p.recv_x = reinterpret_cast<uint16_t*>(next);
+  p.recv_x = reinterpret_cast<uint16_t*>(static_cast<std::byte*>(s.block) + recv_offset);
   p.rank = rank;
   p.num_ranks = config.num_ranks;
   p.max_tokens = config.max_tokens;
@@ -429,6 +442,16 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   p.off_partials = l.partials;
   p.arenas = s.arenas;
   p.timeout_ns = static_cast<uint64_t>(absl::ToInt64Nanoseconds(config.timeout));
+  p.num_experts = config.num_experts;
+  // Resume the epochs this arena has seen (a restarted rank continues its peers' count).
+  uint32_t flags[2] = {0, 0};
+  UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&flags[0], arenas[rank] + l.dispatch_flag + rank * kLine,
+                                       sizeof(uint32_t), cudaMemcpyDeviceToHost));
+  UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&flags[1], arenas[rank] + l.combine_flag + rank * kLine,
+                                       sizeof(uint32_t), cudaMemcpyDeviceToHost));
+  ep->dispatch_epoch_ = flags[0];
+  ep->combine_epoch_ = flags[1];
+  UBEP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
   return ep;
 }
 
@@ -439,6 +462,15 @@ absl::Status CudaEp::CheckStatus(const char* what) {
   UBEP_CUDA_RETURN_IF_ERROR(
       cudaMemcpy(&status, s.params.status, sizeof(status), cudaMemcpyDeviceToHost));
   if (status == 0) return absl::OkStatus();
+  if (status & kBadInput) {
+    int32_t expert = 0;
+    UBEP_CUDA_RETURN_IF_ERROR(
+        cudaMemcpy(&expert, s.params.status + 1, sizeof(expert), cudaMemcpyDeviceToHost));
+    const uint32_t pair = status & ~kBadInput;
+    return absl::InvalidArgumentError(absl::StrCat(
+        "topk_idx[", pair / config_.top_k, "][", pair % config_.top_k, "] = ", expert,
+        " is outside [-1, ", config_.num_experts, ")"));
+  }
   const int peer = static_cast<int>(status) - 1;
   return absl::DeadlineExceededError(absl::StrCat(
       "rank ", rank_, ": timed out after ", absl::FormatDuration(config_.timeout),
@@ -458,8 +490,12 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
       in.host_plan->num_experts != static_cast<uint32_t>(config_.num_experts) ||
       in.host_plan->num_slots !=
           static_cast<uint32_t>(config_.num_ranks * config_.slots_per_rank) ||
-      in.layer < 0 || static_cast<uint32_t>(in.layer) >= in.host_plan->num_layers) {
+      in.layer < 0 || in.layer >= config_.num_layers ||
+      static_cast<uint32_t>(in.layer) >= in.host_plan->num_layers) {
     return absl::InvalidArgumentError("cuda backend: plan table does not fit this group");
+  }
+  if (reinterpret_cast<uintptr_t>(in.x) % 16 != 0) {
+    return absl::InvalidArgumentError("cuda backend: x must be 16-byte aligned");
   }
   Scratch& s = *scratch_;
   Params p = s.params;
@@ -471,7 +507,7 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
   p.topk_weights = in.topk_weights;
   p.epoch = ++dispatch_epoch_;
   last_tokens_ = in.num_tokens;
-  UBEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.status, 0, sizeof(uint32_t), s.stream));
+  UBEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.status, 0, 2 * sizeof(uint32_t), s.stream));
   SendKernel<<<config_.num_ranks, kThreads, 0, s.stream>>>(p);
   WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_dispatch_flag);
   CountKernel<<<config_.num_ranks, kThreads, 0, s.stream>>>(p);

@@ -11,8 +11,10 @@
 // after a wait, one block per token sums partials in destination order. Compiled without
 // fused multiply-add so that the sums match the host backend bit for bit.
 //
-// The API takes raw device pointers, sizes and a stream; it synchronizes the stream at the
-// end of each call (v1: the host reads the row count to size outputs).
+// The API takes raw device pointers and sizes and runs on its own blocking stream, which it
+// synchronizes at the end of each call (v1: the host reads the row count to size outputs).
+// Bad expert ids are flagged on the device (InvalidArgument) and never read or write out of
+// bounds.
 // Thread-compatible: one CudaEp per rank and process.
 #ifndef UBEP_KERNELS_CUDA_CUDA_EP_H_
 #define UBEP_KERNELS_CUDA_CUDA_EP_H_

@@ -7,6 +7,7 @@
 
 #include <atomic>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "kernels/cuda/cuda_ep.h"
@@ -18,7 +19,7 @@ namespace {
 constexpr int kMaxRanks = 8;
 
 struct Board {
-  std::atomic<int> ready, done;
+  std::atomic<int> ready, armed, done;
   std::byte handles[kMaxRanks][64];
   char error[kMaxRanks][256];
 };
@@ -142,7 +143,6 @@ std::string RunRank(const EpConfig& c, int rank, const TestPlan& plan, const Ran
     while (board->done.load() < c.num_ranks && absl::Now() < end) absl::SleepFor(absl::Milliseconds(1));
     return message;
   };
-  if (skip_dispatch) return finish("");
   absl::StatusOr<std::unique_ptr<CudaEp>> ep = CudaEp::Create(c, rank, pointers);
   if (!ep.ok()) return finish(std::string(ep.status().message()));
   const std::vector<uint16_t> x = Bf16Input(in);
@@ -150,6 +150,14 @@ std::string RunRank(const EpConfig& c, int rank, const TestPlan& plan, const Ran
   int32_t* d_idx = Upload(in.topk_idx);
   float* d_w = Upload(in.topk_w);
   std::byte* d_plan = Upload(plan.table);
+  cudaDeviceSynchronize();
+  // Every rank is set up before anyone's timeout starts, so only the dead rank can be late.
+  board->armed.fetch_add(1);
+  const absl::Time armed_until = absl::Now() + absl::Seconds(30);
+  while (board->armed.load() < c.num_ranks && absl::Now() < armed_until) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  if (skip_dispatch) return finish("");
   CudaDispatchOutput out;
   absl::Status s = (*ep)->Dispatch({d_x, d_idx, d_w, in.num_tokens, 0,
                                     reinterpret_cast<const PlanTableHeader*>(d_plan),
@@ -194,9 +202,16 @@ RunOutcome RunGroup(const EpConfig& c, const TestPlan& plan, const std::vector<R
     }
     pids.push_back(pid);
   }
-  for (pid_t pid : pids) waitpid(pid, nullptr, 0);
   RunOutcome outcome;
-  for (int r = 0; r < c.num_ranks; ++r) outcome.errors.push_back(board->error[r]);
+  for (int r = 0; r < c.num_ranks; ++r) {
+    int status = 0;
+    waitpid(pids[r], &status, 0);
+    std::string error = board->error[r];
+    if (error.empty() && !(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
+      error = absl::StrCat("rank exited abnormally (wait status ", status, ")");
+    }
+    outcome.errors.push_back(error);
+  }
   return outcome;
 }
 
