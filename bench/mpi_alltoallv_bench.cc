@@ -15,25 +15,14 @@
 #include <vector>
 
 #include "bench/dataplane_inputs.h"
+#include "kernels/common/bf16.h"
 #include "kernels/common/routing.h"
 
 namespace {
 
 using ubep::bench::kTopK;
-
-float Bf16ToFloat(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-uint16_t FloatToBf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
+using ubep::kernels::Bf16ToFloat;
+using ubep::kernels::FloatToBf16;
 
 double Percentile(std::vector<double> v, double q) {
   std::sort(v.begin(), v.end());

@@ -6,6 +6,7 @@
 #include <cuda/atomic>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/common/bf16.h"
 #include "kernels/common/routing.h"
 
 namespace ubep::kernels {
@@ -67,15 +68,6 @@ __device__ bool FlagReached(uint32_t* flag, uint32_t epoch) {
   const uint32_t v = cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(*flag).load(
       cuda::memory_order_acquire);
   return static_cast<int32_t>(v - epoch) >= 0;
-}
-
-__device__ float Bf16ToFloat(uint16_t v) { return __uint_as_float(static_cast<uint32_t>(v) << 16); }
-
-__device__ uint16_t FloatToBf16(float f) {
-  uint32_t bits = __float_as_uint(f);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
 }
 
 // Copies `bytes` (a multiple of 16) with the block's threads.

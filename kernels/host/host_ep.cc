@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kernels/common/bf16.h"
 #include "kernels/common/routing.h"
 #include "kernels/host/signal.h"
 
@@ -23,21 +24,6 @@ struct ArenaHeader {
   uint32_t magic, num_ranks, max_tokens, hidden, top_k, num_experts, slots_per_rank, num_layers,
       dtype;
 };
-
-float Bf16ToFloat(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-uint16_t FloatToBf16(float f) {  // Round to nearest even; NaN stays NaN.
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
 
 // sum[h] (+)= w * row[h] for a row of `dtype`.
 void Axpy(float w, const std::byte* row, DType dtype, int hidden, bool first, float* sum) {

@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "kernels/common/bf16.h"
 #include "kernels/common/plan_table.h"
 #include "kernels/host/host_ep.h"
 #include "kernels/host/shared_arena.h"
@@ -133,19 +134,8 @@ inline RankInput MakeInput(const EpConfig& c, int rank, int num_tokens, uint64_t
   return in;
 }
 
-inline uint16_t ToBf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-inline float FromBf16(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
+inline uint16_t ToBf16(float f) { return FloatToBf16(f); }
+inline float FromBf16(uint16_t v) { return Bf16ToFloat(v); }
 
 }  // namespace ubep::kernels
 
