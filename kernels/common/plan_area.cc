@@ -1,0 +1,129 @@
+#include "kernels/common/plan_area.h"
+
+#include <atomic>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace ubep::kernels {
+namespace {
+
+uint64_t LoadVersion(PlanSlotHeader* slot) {
+  return std::atomic_ref<uint64_t>(slot->version).load(std::memory_order_acquire);
+}
+
+uint32_t LoadState(PlanSlotHeader* slot) {
+  return std::atomic_ref<uint32_t>(slot->state).load(std::memory_order_acquire);
+}
+
+void StoreState(PlanSlotHeader* slot, uint32_t state) {
+  std::atomic_ref<uint32_t>(slot->state).store(state, std::memory_order_release);
+}
+
+int FindVersion(void* area, uint64_t version) {
+  for (int i = 0; i < 2; ++i) {
+    if (LoadVersion(PlanSlot(area, i)) == version && LoadState(PlanSlot(area, i)) != kEmpty) {
+      return i;
+    }
+  }
+  return -1;
+}
+
+}  // namespace
+
+void InitPlanArea(void* area, size_t capacity_bytes) {
+  std::memset(area, 0, sizeof(PlanAreaHeader) + 2 * sizeof(PlanSlotHeader));
+  auto* header = static_cast<PlanAreaHeader*>(area);
+  header->capacity_bytes = capacity_bytes;
+  std::atomic_ref<uint32_t>(header->magic).store(kPlanAreaMagic, std::memory_order_release);
+}
+
+const PlanTableHeader* SelectPlan(void* area, uint64_t step, uint64_t* version) {
+  int best = -1;
+  uint64_t best_version = 0;
+  for (int i = 0; i < 2; ++i) {
+    PlanSlotHeader* slot = PlanSlot(area, i);
+    // State is published after the version and the table, so committed implies both visible.
+    if (LoadState(slot) != kCommitted) continue;
+    const uint64_t v = LoadVersion(slot);
+    const uint64_t effective =
+        std::atomic_ref<uint64_t>(slot->effective_step).load(std::memory_order_relaxed);
+    if (effective <= step && (best < 0 || v > best_version)) {
+      best = i;
+      best_version = v;
+    }
+  }
+  if (best < 0) return nullptr;
+  if (version != nullptr) *version = best_version;
+  return PlanBuffer(area, best);
+}
+
+absl::Status PreparePlan(void* area, std::span<const std::byte> table, uint64_t version,
+                         uint64_t effective_step) {
+  const auto* header = static_cast<const PlanAreaHeader*>(area);
+  if (table.size() > header->capacity_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("plan v", version, " needs ", table.size(),
+                                                   " bytes; the plan area holds ",
+                                                   header->capacity_bytes));
+  }
+  if (absl::Status s = ValidatePlanTable(table); !s.ok()) return s;
+  int older = 0;
+  uint64_t newest_committed = 0;
+  int newest_committed_slot = -1;
+  for (int i = 0; i < 2; ++i) {
+    PlanSlotHeader* slot = PlanSlot(area, i);
+    const uint32_t state = LoadState(slot);
+    const uint64_t v = LoadVersion(slot);
+    if (state != kEmpty && v >= version) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "plan v", version, " is not newer than v", v, " already in the plan area"));
+    }
+    if (state == kCommitted && (newest_committed_slot < 0 || v > newest_committed)) {
+      newest_committed = v;
+      newest_committed_slot = i;
+    }
+  }
+  // Overwrite the slot that is not the newest committed plan; never a pending prepare.
+  if (newest_committed_slot >= 0) {
+    older = 1 - newest_committed_slot;
+  } else {
+    older = LoadVersion(PlanSlot(area, 0)) <= LoadVersion(PlanSlot(area, 1)) ? 0 : 1;
+  }
+  if (LoadState(PlanSlot(area, older)) == kPrepared) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("plan v", version, " cannot be prepared while v",
+                     LoadVersion(PlanSlot(area, older)), " awaits its commit or abort"));
+  }
+  PlanSlotHeader* slot = PlanSlot(area, older);
+  StoreState(slot, kEmpty);  // Readers skip it from here on.
+  std::memcpy(const_cast<PlanTableHeader*>(PlanBuffer(area, older)), table.data(), table.size());
+  // Header words readers may load concurrently are atomics (readers skip this slot anyway:
+  // its state is kEmpty until the version and step are in place).
+  std::atomic_ref<uint64_t>(slot->table_bytes).store(table.size(), std::memory_order_relaxed);
+  std::atomic_ref<uint64_t>(slot->effective_step).store(effective_step, std::memory_order_relaxed);
+  std::atomic_ref<uint64_t>(slot->version).store(version, std::memory_order_release);
+  StoreState(slot, kPrepared);
+  return absl::OkStatus();
+}
+
+absl::Status CommitPlan(void* area, uint64_t version) {
+  const int i = FindVersion(area, version);
+  if (i < 0 || LoadState(PlanSlot(area, i)) == kAborted) {
+    return absl::NotFoundError(absl::StrCat("plan v", version, " is not prepared here"));
+  }
+  StoreState(PlanSlot(area, i), kCommitted);
+  return absl::OkStatus();
+}
+
+absl::Status AbortPlan(void* area, uint64_t version) {
+  const int i = FindVersion(area, version);
+  if (i < 0) return absl::NotFoundError(absl::StrCat("plan v", version, " is not prepared here"));
+  if (LoadState(PlanSlot(area, i)) == kCommitted) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("plan v", version, " is committed; a committed plan is never aborted"));
+  }
+  StoreState(PlanSlot(area, i), kAborted);
+  return absl::OkStatus();
+}
+
+}  // namespace ubep::kernels

@@ -1,0 +1,89 @@
+// PlanArea: the double-buffered, versioned home of plan tables in an arena, shared by the
+// daemon that writes plans and the kernels that read them.
+//
+// Byte layout (from the area's base, 64-byte aligned parts):
+//   PlanAreaHeader (64 B): magic, buffer capacity in bytes
+//   PlanSlotHeader[2] (64 B each): table bytes, effective step, state, version
+//   buffer 0, buffer 1 (capacity bytes each): a plan table (plan_table.h)
+//
+// Commit protocol (ARCHITECTURE section 5) on one area:
+//   Prepare(v, S): the table goes into the slot holding the older version, stamped with
+//     version v and effective step S, state kPrepared; the version word is stored last, with
+//     release, so a reader that sees v sees its table.
+//   Commit(v): state kCommitted (release).  Abort(v): state kAborted.
+// A reader at step s uses the committed slot with the highest version whose effective step
+// is <= s (SelectPlan). Versions only grow. The writer never touches the slot a reader may
+// be using as long as the daemon prepares v + 1 only after every rank reported a step at or
+// past v's effective step (then the older slot is out of use); Prepare checks what it can:
+// it overwrites the slot that is not the newest committed plan, and never a pending prepare.
+// Thread-compatible writer; readers (SelectPlan) are lock-free and may run concurrently.
+#ifndef UBEP_KERNELS_COMMON_PLAN_AREA_H_
+#define UBEP_KERNELS_COMMON_PLAN_AREA_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "absl/status/status.h"
+#include "kernels/common/host_device.h"
+#include "kernels/common/plan_table.h"
+
+namespace ubep::kernels {
+
+inline constexpr uint32_t kPlanAreaMagic = 0x41504255;  // "UBPA"
+
+enum PlanState : uint32_t { kEmpty = 0, kPrepared = 1, kCommitted = 2, kAborted = 3 };
+
+struct PlanAreaHeader {
+  uint32_t magic;
+  uint32_t reserved;
+  uint64_t capacity_bytes;  // Of each buffer.
+  unsigned char pad[48];
+};
+static_assert(sizeof(PlanAreaHeader) == 64);
+
+struct PlanSlotHeader {
+  uint64_t table_bytes;
+  uint64_t effective_step;
+  uint32_t state;    // PlanState.
+  uint32_t reserved;
+  uint64_t version;  // Written last when preparing.
+  unsigned char pad[32];
+};
+static_assert(sizeof(PlanSlotHeader) == 64);
+
+UBEP_HD inline size_t PlanAreaBytes(size_t capacity_bytes) {
+  return sizeof(PlanAreaHeader) + 2 * sizeof(PlanSlotHeader) + 2 * capacity_bytes;
+}
+
+UBEP_HD inline PlanSlotHeader* PlanSlot(void* area, int index) {
+  return reinterpret_cast<PlanSlotHeader*>(static_cast<unsigned char*>(area) +
+                                           sizeof(PlanAreaHeader)) +
+         index;
+}
+
+UBEP_HD inline const PlanTableHeader* PlanBuffer(const void* area, int index) {
+  const auto* header = static_cast<const PlanAreaHeader*>(area);
+  return reinterpret_cast<const PlanTableHeader*>(
+      static_cast<const unsigned char*>(area) + sizeof(PlanAreaHeader) +
+      2 * sizeof(PlanSlotHeader) + index * header->capacity_bytes);
+}
+
+// Formats an area of PlanAreaBytes(capacity_bytes) bytes: both slots empty.
+void InitPlanArea(void* area, size_t capacity_bytes);
+
+// The table in force at `step`: the committed slot with the highest version whose effective
+// step is <= step; null when none is. `version` (optional) receives its version.
+const PlanTableHeader* SelectPlan(void* area, uint64_t step, uint64_t* version = nullptr);
+
+// Writer side. Errors: FailedPrecondition (version not above every prepared or committed one,
+// or another version awaits its commit or abort), InvalidArgument (table larger than the
+// capacity, or not a valid plan table), NotFound (Commit/Abort of a version not prepared).
+absl::Status PreparePlan(void* area, std::span<const std::byte> table, uint64_t version,
+                         uint64_t effective_step);
+absl::Status CommitPlan(void* area, uint64_t version);
+absl::Status AbortPlan(void* area, uint64_t version);
+
+}  // namespace ubep::kernels
+
+#endif  // UBEP_KERNELS_COMMON_PLAN_AREA_H_

@@ -1,0 +1,128 @@
+#include "kernels/common/plan_area.h"
+
+#include <algorithm>
+#include <atomic>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace ubep::kernels {
+namespace {
+
+// A valid table whose every slot holds expert (version % 2) pattern, so a reader can tell a
+// table from its version: slot p holds expert (p + version) % 4.
+std::vector<std::byte> Table(uint64_t version) {
+  std::vector<int> experts(8);
+  std::vector<double> shares(8, 0.5);
+  for (int p = 0; p < 8; ++p) experts[p] = static_cast<int>((p + version) % 4);
+  const LayerRouting layer{experts, shares};
+  return *BuildPlanTable(version, 4, {&layer, 1});
+}
+
+class PlanAreaTest : public ::testing::Test {
+ protected:
+  PlanAreaTest() : bytes_(PlanAreaBytes(4096)) { InitPlanArea(bytes_.data(), 4096); }
+  void* area() { return bytes_.data(); }
+  std::vector<std::byte> bytes_;
+};
+
+TEST_F(PlanAreaTest, PlansTakeEffectAtTheirStepOnceCommitted) {
+  EXPECT_EQ(SelectPlan(area(), 100), nullptr);
+  ASSERT_TRUE(PreparePlan(area(), Table(1), 1, 0).ok());
+  EXPECT_EQ(SelectPlan(area(), 100), nullptr);  // Prepared is not in force.
+  ASSERT_TRUE(CommitPlan(area(), 1).ok());
+  uint64_t version = 0;
+  ASSERT_NE(SelectPlan(area(), 0, &version), nullptr);
+  EXPECT_EQ(version, 1u);
+
+  ASSERT_TRUE(PreparePlan(area(), Table(2), 2, 10).ok());
+  ASSERT_TRUE(CommitPlan(area(), 2).ok());
+  SelectPlan(area(), 9, &version);
+  EXPECT_EQ(version, 1u);  // Before the effective step, the old plan.
+  const PlanTableHeader* table = SelectPlan(area(), 10, &version);
+  EXPECT_EQ(version, 2u);
+  EXPECT_EQ(table->version, 2u);
+
+  // v3 overwrites v1's slot; v2 stays in force until step 20.
+  ASSERT_TRUE(PreparePlan(area(), Table(3), 3, 20).ok());
+  SelectPlan(area(), 25, &version);
+  EXPECT_EQ(version, 2u);
+  ASSERT_TRUE(AbortPlan(area(), 3).ok());
+  SelectPlan(area(), 25, &version);
+  EXPECT_EQ(version, 2u);
+  // After an abort the next version takes the aborted slot.
+  ASSERT_TRUE(PreparePlan(area(), Table(4), 4, 30).ok());
+  ASSERT_TRUE(CommitPlan(area(), 4).ok());
+  SelectPlan(area(), 30, &version);
+  EXPECT_EQ(version, 4u);
+}
+
+TEST_F(PlanAreaTest, RefusesWhatWouldBreakTheProtocol) {
+  ASSERT_TRUE(PreparePlan(area(), Table(5), 5, 0).ok());
+  ASSERT_TRUE(CommitPlan(area(), 5).ok());
+  EXPECT_EQ(PreparePlan(area(), Table(5), 5, 1),
+            absl::FailedPreconditionError("plan v5 is not newer than v5 already in the plan area"));
+  ASSERT_TRUE(PreparePlan(area(), Table(6), 6, 10).ok());
+  EXPECT_EQ(PreparePlan(area(), Table(7), 7, 20),
+            absl::FailedPreconditionError(
+                "plan v7 cannot be prepared while v6 awaits its commit or abort"));
+  EXPECT_EQ(CommitPlan(area(), 9), absl::NotFoundError("plan v9 is not prepared here"));
+  ASSERT_TRUE(CommitPlan(area(), 6).ok());
+  EXPECT_EQ(AbortPlan(area(), 6),
+            absl::FailedPreconditionError(
+                "plan v6 is committed; a committed plan is never aborted"));
+  std::vector<std::byte> big(5000);
+  EXPECT_EQ(PreparePlan(area(), big, 8, 0),
+            absl::InvalidArgumentError("plan v8 needs 5000 bytes; the plan area holds 4096"));
+}
+
+TEST_F(PlanAreaTest, ReadersNeverSeeATornTable) {
+  // Each reader (a rank) walks its own steps and reports each finished one; the writer (the
+  // control plane) prepares the next plan with an effective step ahead of every rank, and
+  // prepares the one after only once every rank has finished that step.
+  ASSERT_TRUE(PreparePlan(area(), Table(1), 1, 0).ok());
+  ASSERT_TRUE(CommitPlan(area(), 1).ok());
+  constexpr int kReaders = 2;
+  std::atomic<uint64_t> started[kReaders] = {}, finished[kReaders] = {};
+  std::atomic<bool> stop{false};
+  std::atomic<int> torn{0};
+  std::vector<std::thread> readers;
+  for (int r = 0; r < kReaders; ++r) {
+    readers.emplace_back([&, r] {
+      for (uint64_t step = 0; !stop.load(); ++step) {
+        started[r] = step;
+        uint64_t version = 0;
+        const PlanTableHeader* table = SelectPlan(area(), step, &version);
+        if (table == nullptr || table->version != version) {
+          ++torn;
+        } else {
+          for (uint32_t p = 0; p < 8; ++p) {
+            const ExpertRoute* route = FindRoute(table, 0, (p + version) % 4);
+            bool found = false;
+            for (uint32_t j = 0; j < route->count; ++j) found |= Replicas(route)[j].slot == p;
+            if (!found) ++torn;
+          }
+        }
+        finished[r] = step;
+        if (step % 64 == 0) std::this_thread::yield();  // 2 cores, 3 threads: let the writer in.
+      }
+    });
+  }
+  for (uint64_t v = 2; v < 40; ++v) {
+    uint64_t ahead = 0;
+    for (auto& s : started) ahead = std::max(ahead, s.load());
+    const uint64_t effective = ahead + 50;
+    ASSERT_TRUE(PreparePlan(area(), Table(v), v, effective).ok());
+    ASSERT_TRUE(CommitPlan(area(), v).ok());
+    for (auto& f : finished) {
+      while (f.load() < effective) std::this_thread::yield();
+    }
+  }
+  stop = true;
+  for (auto& t : readers) t.join();
+  EXPECT_EQ(torn.load(), 0);
+}
+
+}  // namespace
+}  // namespace ubep::kernels
