@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/common/bf16.h"
+#include "kernels/common/plan_area.h"
 #include "kernels/common/routing.h"
 #include "kernels/host/signal.h"
 
@@ -297,7 +298,14 @@ absl::Status HostEp::Barrier(absl::Time deadline) {
   return absl::OkStatus();
 }
 
-absl::Status HostEp::Dispatch(const DispatchInput& in, DispatchOutput& out) {
+absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
+  if (in.plan_area != nullptr) {
+    in.plan = SelectPlan(in.plan_area, in.step);
+    if (in.plan == nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("rank ", rank_, ": no committed plan is in force at step ", in.step));
+    }
+  }
   UBEP_RETURN_IF_ERROR(Validate(in));
   const absl::Time deadline = absl::Now() + config_.timeout;
   const uint32_t epoch = ++dispatch_epoch_;
@@ -348,6 +356,7 @@ absl::Status HostEp::Dispatch(const DispatchInput& in, DispatchOutput& out) {
     UBEP_RETURN_IF_ERROR(status);
   }
   Assemble(in.layer, out);
+  out.plan_version = in.plan->version;
   // Each token's (destination, record) pairs, destinations ascending, for the combine.
   DispatchOutput::Handle& handle = out.handle;
   handle.num_tokens = in.num_tokens;

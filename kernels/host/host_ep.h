@@ -42,12 +42,15 @@ struct DispatchInput {
   int num_tokens = 0;
   int hidden = 0;                      // Must equal config.hidden.
   int layer = 0;
-  const PlanTableHeader* plan = nullptr;  // Validated table (ValidatePlanTable).
+  const PlanTableHeader* plan = nullptr;  // Validated table (ValidatePlanTable), or:
+  void* plan_area = nullptr;  // A PlanArea (plan_area.h): the plan in force at `step` is used.
+  uint64_t step = 0;
 };
 
 // What one rank received, rows grouped by local slot (slot i's rows are
 // [slot_offsets[i], slot_offsets[i + 1])), in (source rank, source token, k) order.
 struct DispatchOutput {
+  uint64_t plan_version = 0;           // Version of the plan table that routed this call.
   std::vector<std::byte> recv_x;       // [num_rows, hidden] of config.dtype.
   std::vector<int32_t> slot_offsets;   // [slots_per_rank + 1].
   std::vector<int32_t> src_rank;       // [num_rows]
@@ -80,7 +83,7 @@ class HostEp {
   HostEp(const HostEp&) = delete;
   HostEp& operator=(const HostEp&) = delete;
 
-  absl::Status Dispatch(const DispatchInput& input, DispatchOutput& output);
+  absl::Status Dispatch(DispatchInput input, DispatchOutput& output);
 
   // out[t] = sum over k of w[t, k] * y(t, k), for this rank's tokens of the last dispatch.
   // `y` is [output.num_rows(), hidden] of config.dtype; `out` is [num_tokens, hidden] of

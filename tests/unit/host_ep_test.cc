@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "kernels/common/plan_area.h"
 #include "kernels/common/routing.h"
 #include "kernels/host/shared_arena.h"
 #include "tests/unit/dataplane_fixtures.h"
@@ -175,6 +176,49 @@ INSTANTIATE_TEST_SUITE_P(Protocols, HostEpTest,
                            return info.param == Protocol::kBsp ? "bsp" : "ubep";
                          });
 
+TEST_P(HostEpTest, EveryRankUsesThePlanInForceAtItsStep) {
+  Group group(SmallConfig(GetParam()));
+  const EpConfig& c = group.config();
+  const int slots = c.num_ranks * c.slots_per_rank;
+  TestPlan first = TestPlan::RoundRobin(slots, c.num_experts, 2);
+  first.Build(c.num_experts, 1);
+  TestPlan second = TestPlan::RoundRobin(slots, c.num_experts, 2);
+  for (int p = 0; p < slots; ++p) second.slot_expert[0][p] = (p + 5) % c.num_experts;
+  std::vector<int> count(c.num_experts, 0);
+  for (int e : second.slot_expert[0]) ++count[e];
+  for (int p = 0; p < slots; ++p) second.slot_share[0][p] = 1.0 / count[second.slot_expert[0][p]];
+  second.Build(c.num_experts, 2);
+  // One plan area that every rank maps, as the daemon's arena provides it.
+  SharedArena area_arena = *SharedArena::Create("plan-area", PlanAreaBytes(4096));
+  void* area = area_arena.data();
+  InitPlanArea(area, 4096);
+  ASSERT_TRUE(PreparePlan(area, first.table, 1, 0).ok());
+  ASSERT_TRUE(CommitPlan(area, 1).ok());
+  ASSERT_TRUE(PreparePlan(area, second.table, 2, 3).ok());
+  ASSERT_TRUE(CommitPlan(area, 2).ok());
+  for (uint64_t step = 0; step < 6; ++step) {
+    std::vector<RankInput> inputs;
+    for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 24, step));
+    const TestPlan& in_force = step < 3 ? first : second;
+    const Expected expected = Route(c, inputs, in_force, 0);
+    group.RunAll([&](int r) {
+      DispatchInput args{inputs[r].x.data(), inputs[r].topk_idx.data(),
+                         inputs[r].topk_w.data(), inputs[r].num_tokens, c.hidden, 0};
+      args.plan_area = area;
+      args.step = step;
+      DispatchOutput out;
+      ASSERT_TRUE(group.ep(r).Dispatch(args, out).ok());
+      EXPECT_EQ(out.plan_version, step < 3 ? 1u : 2u) << "rank " << r << " step " << step;
+      for (int i = 0; i < c.slots_per_rank; ++i) {
+        EXPECT_EQ(out.slot_offsets[i + 1] - out.slot_offsets[i],
+                  static_cast<int>(expected.rows[r][i].size()));
+      }
+      std::vector<float> combined(inputs[r].x.size());
+      ASSERT_TRUE(group.ep(r).Combine(out, out.recv_x.data(), combined.data()).ok());
+    });
+  }
+}
+
 TEST(HostEpProtocolTest, BspAndUbepGiveIdenticalBytes) {
   Group bsp(SmallConfig(Protocol::kBsp));
   Group ubep(SmallConfig(Protocol::kUbep));
@@ -303,6 +347,20 @@ TEST(HostEpErrorTest, AMissingPeerTimesOutWithItsName) {
                   "rank ", r, ": timed out after 300ms waiting for rank 2 (dispatch data, call "
                   "1); is rank 2 alive?")));
   }
+}
+
+TEST(HostEpErrorTest, NoPlanInForceIsAClearError) {
+  Group group(SmallConfig(Protocol::kBsp));
+  const EpConfig& c = group.config();
+  std::vector<std::byte> area(PlanAreaBytes(1024));
+  InitPlanArea(area.data(), 1024);
+  RankInput in = MakeInput(c, 0, 4, 1);
+  DispatchInput args{in.x.data(), in.topk_idx.data(), in.topk_w.data(), 4, c.hidden, 0};
+  args.plan_area = area.data();
+  args.step = 7;
+  DispatchOutput out;
+  EXPECT_EQ(group.ep(0).Dispatch(args, out),
+            absl::FailedPreconditionError("rank 0: no committed plan is in force at step 7"));
 }
 
 TEST(HostEpErrorTest, DispatchTwiceWithoutCombineIsRefused) {
