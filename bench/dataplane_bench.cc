@@ -68,7 +68,8 @@ int RankMain(const Case& c, const EpConfig& config, int rank, std::vector<std::b
   const auto* table = reinterpret_cast<const PlanTableHeader*>(plan.data());
   DispatchOutput dispatched;
   board->ready.fetch_add(1);
-  while (board->go.load() == 0) usleep(100);
+  const int64_t give_up = NowNs() + int64_t{120} * 1'000'000'000;
+  while (board->go.load() == 0 && NowNs() < give_up) usleep(100);
   for (int i = 0; i < kWarmup + iters; ++i) {
     const int64_t start = NowNs();
     absl::Status s = (*ep)->Dispatch(
@@ -130,7 +131,8 @@ Result RunHost(const Case& c, Protocol protocol, const std::vector<double>& skew
     if (pid == 0) _exit(RankMain(c, config, r, pointers, plan, skew, iters, board));
     pids.push_back(pid);
   }
-  while (board->ready.load() < c.ranks) usleep(1000);
+  const int64_t give_up = NowNs() + int64_t{120} * 1'000'000'000;
+  while (board->ready.load() < c.ranks && NowNs() < give_up) usleep(1000);
   board->go.store(1);
   for (pid_t pid : pids) waitpid(pid, nullptr, 0);
   Result result;
