@@ -49,6 +49,7 @@ ArenaLayout::ArenaLayout(const EpConfig& c) {
   combine_flag = carve(R * kLine);
   count_flag = carve(R * kLine);
   barrier_flag = carve(R * kLine);
+  abort = carve(kLine);
   counts = carve(R * sizeof(uint32_t));
   load_counters = carve(static_cast<size_t>(c.num_layers) * c.slots_per_rank * sizeof(uint64_t));
   records = carve(R * T * record_bytes);

@@ -9,6 +9,9 @@
 //   combine_flag    R x 64 B   [d]: epoch of the last combine whose partials rank d stored here
 //   count_flag      R x 64 B   [s]: epoch of source s's count for the BSP count exchange
 //   barrier_flag    R x 64 B   [s]: last barrier epoch rank s reached
+//   abort           64 B       1 + the rank the group gave up on (0 while healthy); set by
+//                              the first rank whose wait timed out, so that every rank
+//                              reports the dead peer rather than a survivor stuck behind it
 //   counts          R x 4 B    [s]: records source s stored in the current dispatch
 //   load_counters   L x S x 8  [l][i]: routed pairs received, monotonic (owner only writes)
 //   records         R x T x (8 + 8K)   [s][j]: record j from source s (routing.h)
@@ -58,7 +61,8 @@ inline constexpr int kMaxTopK = 32;
 absl::Status ValidateConfig(const EpConfig& config);
 
 struct ArenaLayout {
-  size_t dispatch_flag, combine_flag, count_flag, barrier_flag, counts, load_counters, records,
+  size_t dispatch_flag, combine_flag, count_flag, barrier_flag, abort, counts, load_counters,
+      records,
       rows, partials, total_bytes;
   size_t record_bytes, row_bytes;
 

@@ -279,11 +279,32 @@ void HostEp::SendTo(int d, const DispatchInput& in, uint32_t epoch) {
 
 absl::Status HostEp::Wait(const uint32_t* word, uint32_t epoch, int peer, const char* what,
                           absl::Time deadline) const {
-  absl::Status s = WaitEpoch(word, epoch, deadline);
-  if (s.ok()) return s;
+  absl::Status s = WaitEpoch(word, epoch, deadline, AbortWord());
+  return s.ok() ? s : GiveUp(peer, what, epoch);
+}
+
+uint32_t* HostEp::AbortWord() const {
+  return reinterpret_cast<uint32_t*>(arenas_[rank_] + layout_.abort);
+}
+
+absl::Status HostEp::GiveUp(int peer, const char* what, uint32_t epoch) const {
+  uint32_t dead = LoadAcquire(AbortWord());
+  if (dead == 0) {
+    // This rank gives up first: tell every rank which peer it gave up on, so that ranks
+    // stuck behind a survivor report the dead peer, not the survivor.
+    dead = 1 + static_cast<uint32_t>(peer);
+    for (std::byte* arena : arenas_) {
+      uint32_t expected = 0;
+      std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(arena + layout_.abort))
+          .compare_exchange_strong(expected, dead, std::memory_order_acq_rel);
+    }
+  }
+  const int dead_rank = static_cast<int>(dead) - 1;
   return absl::DeadlineExceededError(absl::StrCat(
       "rank ", rank_, ": timed out after ", absl::FormatDuration(config_.timeout),
-      " waiting for rank ", peer, " (", what, ", call ", epoch, "); is rank ", peer, " alive?"));
+      " waiting for rank ", dead_rank, " (", what, ", call ", epoch,
+      dead_rank == peer ? "" : absl::StrCat(", waiting on rank ", peer, " which gave up"),
+      "); is rank ", dead_rank, " alive?"));
 }
 
 absl::Status HostEp::Barrier(absl::Time deadline) {
@@ -345,11 +366,13 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
         return EpochReached(LoadAcquire(FlagAt(own, layout_.dispatch_flag, s)), epoch);
       });
       if (pending.size() == before) {
-        // Sleep on the first missing source until it arrives (or a slice passes).
-        status = Wait(FlagAt(own, layout_.dispatch_flag, pending.front()), epoch,
-                      pending.front(), "dispatch data",
-                      std::min(deadline, absl::Now() + absl::Milliseconds(1)));
-        if (!status.ok() && absl::Now() < deadline) status = absl::OkStatus();
+        // Sleep on the first missing source until it arrives, or a slice passes.
+        const absl::Status slice =
+            WaitEpoch(FlagAt(own, layout_.dispatch_flag, pending.front()), epoch,
+                      std::min(deadline, absl::Now() + absl::Milliseconds(1)), AbortWord());
+        if (!slice.ok() && (absl::IsAborted(slice) || absl::Now() >= deadline)) {
+          status = GiveUp(pending.front(), "dispatch data", epoch);
+        }
       }
     }
     if (sender_ != nullptr) sender_->Join();

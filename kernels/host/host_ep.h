@@ -108,6 +108,10 @@ class HostEp {
   void SendTo(int dest, const DispatchInput& input, uint32_t epoch);
   absl::Status Wait(const uint32_t* word, uint32_t epoch, int peer, const char* what,
                     absl::Time deadline) const;
+  // The error for a wait on `peer` that ended: names the rank the group gave up on (setting
+  // every arena's abort word if this rank is the first to give up).
+  absl::Status GiveUp(int peer, const char* what, uint32_t epoch) const;
+  uint32_t* AbortWord() const;
   absl::Status Barrier(absl::Time deadline);
   // Lays out what every source stored here, sources in rank order; bumps the load counters.
   void Assemble(int layer, DispatchOutput& output);

@@ -22,13 +22,17 @@ void Signal(uint32_t* word, uint32_t epoch) {
   syscall(SYS_futex, word, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
 }
 
-absl::Status WaitEpoch(const uint32_t* word, uint32_t epoch, absl::Time deadline) {
+absl::Status WaitEpoch(const uint32_t* word, uint32_t epoch, absl::Time deadline,
+                       const uint32_t* abort_word) {
   for (int i = 0; i < kSpins; ++i) {
     if (EpochReached(LoadAcquire(word), epoch)) return absl::OkStatus();
   }
   while (true) {
     const uint32_t seen = LoadAcquire(word);
     if (EpochReached(seen, epoch)) return absl::OkStatus();
+    if (abort_word != nullptr && LoadAcquire(abort_word) != 0) {
+      return absl::AbortedError("the group gave up");
+    }
     const absl::Duration left = deadline - absl::Now();
     if (left <= absl::ZeroDuration()) {
       return absl::DeadlineExceededError("timed out");

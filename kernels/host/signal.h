@@ -24,8 +24,10 @@ inline uint32_t LoadAcquire(const uint32_t* word) {
 
 void Signal(uint32_t* word, uint32_t epoch);
 
-// OK once *word has reached `epoch`; DeadlineExceeded at `deadline`.
-absl::Status WaitEpoch(const uint32_t* word, uint32_t epoch, absl::Time deadline);
+// OK once *word has reached `epoch`; DeadlineExceeded at `deadline`; Aborted as soon as
+// `abort_word` (optional) is non-zero (checked at least every 50 ms).
+absl::Status WaitEpoch(const uint32_t* word, uint32_t epoch, absl::Time deadline,
+                       const uint32_t* abort_word = nullptr);
 
 }  // namespace ubep::kernels
 
