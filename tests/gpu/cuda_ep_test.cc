@@ -165,7 +165,7 @@ std::string RunRank(const EpConfig& c, int rank, const TestPlan& plan, const Ran
                                    out);
   if (status_out != nullptr) *status_out = s;
   if (!s.ok()) return finish(std::string(s.message()));
-  if (expected == nullptr) return finish("");
+  if (expected == nullptr) return finish("");  // Dispatch only.
   if (out.slot_offsets != expected->slot_offsets) return finish("slot offsets differ");
   const size_t rows = out.num_rows;
   if (Download(out.src_rank, rows) != expected->src_rank) return finish("src_rank differs");
@@ -245,6 +245,17 @@ TEST_P(CudaEpTest, AMissingPeerTimesOutWithItsName) {
               absl::StrCat("rank ", r, ": timed out after 500ms waiting for rank 1 (dispatch "
                            "data); is rank 1 alive?"));
   }
+}
+
+TEST_P(CudaEpTest, AnExpertIdOutOfRangeIsFlaggedWithoutStrayWrites) {
+  const EpConfig c = GpuConfig(GetParam());
+  const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 8, 5));
+  inputs[0].topk_idx[2 * c.top_k + 1] = 99;
+  const RunOutcome outcome = RunGroup(c, plan, inputs, nullptr, /*dead_rank=*/-1);
+  EXPECT_EQ(outcome.errors[0], "topk_idx[2][1] = 99 is outside [-1, 16)");
+  for (int r = 1; r < c.num_ranks; ++r) EXPECT_EQ(outcome.errors[r], "") << "rank " << r;
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, CudaEpTest, ::testing::Values(2, 4));
