@@ -202,7 +202,7 @@ LayerPlan UbepLayerIncremental(std::span<const double> w, const Topology& t,
   constexpr int kRankCandidates = 4;
 
   std::vector<int> ranks_by_load(R);
-  constexpr int kMaxTrials = 16;  // Each trial re-levels the layer.
+  constexpr int kMaxTrials = 96;  // Each trial re-levels the layer.
   int trials = 0;
   for (int move = 0; move < t.num_slots() && trials <= kMaxTrials; ++move) {
     const double max_load = MaxOf(rank_load);
