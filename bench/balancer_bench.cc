@@ -17,6 +17,7 @@
 #include "balancer/core/metrics.h"
 #include "balancer/core/planner.h"
 #include "balancer/formats/json_formats.h"
+#include "common/percentile.h"
 #include "nlohmann/json.hpp"
 
 namespace {
@@ -31,10 +32,6 @@ struct Setup {
   Topology topology;
 };
 
-double MedianMs(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 void PrintTable(const nlohmann::json& results) {
   std::printf("| trace | topology | eplb mean/worst | eplb-global mean/worst | ubep mean/worst | "
@@ -113,7 +110,7 @@ int main(int argc, char** argv) {
             {"balancedness_mean", summary.mean},
             {"balancedness_worst", summary.worst},
             {"cross_node_share", ubep::balancer::CrossNodeShare(*plan, *load)},
-            {"plan_ms", MedianMs(ms)}};
+            {"plan_ms", ubep::Percentile(ms, 0.5)}};
       }
       const auto& ours = row["ubep"];
       const auto& theirs = row["eplb-global"];

@@ -26,6 +26,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "bench/dataplane_inputs.h"
+#include "common/percentile.h"
 #include "kernels/common/routing.h"
 #include "kernels/host/host_ep.h"
 #include "kernels/host/shared_arena.h"
@@ -97,10 +98,6 @@ struct Result {
   std::string error;
 };
 
-double Percentile(std::vector<double> v, double q) {
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(q * v.size()))];
-}
 
 Result RunHost(const Case& c, Protocol protocol, const std::vector<double>& skew, int iters) {
   EpConfig config{.num_ranks = c.ranks,
@@ -144,8 +141,8 @@ Result RunHost(const Case& c, Protocol protocol, const std::vector<double>& skew
   for (int i = 0; i < iters; ++i) {
     latency.push_back(*std::max_element(board->us[i], board->us[i] + c.ranks));
   }
-  result.p50_us = Percentile(latency, 0.5);
-  result.p99_us = Percentile(latency, 0.99);
+  result.p50_us = ubep::Percentile(latency, 0.5);
+  result.p99_us = ubep::Percentile(latency, 0.99);
   for (int r = 0; r < c.ranks; ++r) result.bytes += board->bytes[r];
   return result;
 }
@@ -188,7 +185,7 @@ Result RunMemcpy(uint64_t bytes, int iters) {
     if (i >= kWarmup) us.push_back((NowNs() - start) / 1e3);
     from[i % n] = static_cast<char>(i);
   }
-  return {Percentile(us, 0.5), Percentile(us, 0.99), bytes, ""};
+  return {ubep::Percentile(us, 0.5), ubep::Percentile(us, 0.99), bytes, ""};
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "bench/dataplane_inputs.h"
+#include "common/percentile.h"
 #include "kernels/common/bf16.h"
 #include "kernels/common/routing.h"
 
@@ -24,10 +25,6 @@ using ubep::bench::kTopK;
 using ubep::kernels::Bf16ToFloat;
 using ubep::kernels::FloatToBf16;
 
-double Percentile(std::vector<double> v, double q) {
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(q * v.size()))];
-}
 
 }  // namespace
 
@@ -172,7 +169,7 @@ int main(int argc, char** argv) {
   MPI_Reduce(&bytes, &total, 1, MPI_UINT64_T, MPI_SUM, 0, MPI_COMM_WORLD);
   if (rank == 0) {
     std::printf("{\"p50_us\": %.3f, \"p99_us\": %.3f, \"bytes_moved\": %llu}\n",
-                Percentile(us, 0.5), Percentile(us, 0.99), static_cast<unsigned long long>(total));
+                ubep::Percentile(us, 0.5), ubep::Percentile(us, 0.99), static_cast<unsigned long long>(total));
   }
   MPI_Finalize();
   return 0;

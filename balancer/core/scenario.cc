@@ -5,6 +5,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "common/hash.h"
 #include "common/status_macros.h"
 
 namespace ubep::balancer {
@@ -12,11 +13,11 @@ namespace {
 
 constexpr double kBurstWeight = 0.8;
 
+// Seeds from (seed, stream): SplitMix64's finalizer over a mix of the two (the subtraction
+// cancels SplitMix64's own increment).
 uint64_t Mix(uint64_t a, uint64_t b) {
-  uint64_t x = a * 0x9e3779b97f4a7c15ULL ^ (b + 0x632be59bd9b4e019ULL);
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
+  return SplitMix64((a * 0x9e3779b97f4a7c15ULL ^ (b + 0x632be59bd9b4e019ULL)) -
+                    0x9e3779b97f4a7c15ULL);
 }
 
 }  // namespace

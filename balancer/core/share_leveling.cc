@@ -173,14 +173,12 @@ void MinMaxShares(const Topology& t, std::span<const double> w, const std::vecto
     const double next = closed_ranks > 0 ? closed_load / closed_ranks : level;
     if (closed_ranks == 0 || next <= level * (1 + 1e-12)) {
       for (int i = 0; i < num_blocks; ++i) {
-        const double load = w[blocks[i].expert];
         double sum = 0;
         for (int e : block_edges[i]) sum += fresh.Flow(e);
         for (size_t j = 0; j < blocks[i].ranks.size(); ++j) {
           // Any rounding shortfall is spread in proportion, so shares still sum to 1.
           const double share = sum > 0 ? fresh.Flow(block_edges[i][j]) / sum
                                        : 1.0 / blocks[i].ranks.size();
-          (void)load;
           for (int p : blocks[i].slots[j]) {
             layer.slot_share[p] = share / static_cast<double>(blocks[i].slots[j].size());
           }

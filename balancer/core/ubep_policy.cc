@@ -11,17 +11,12 @@
 
 #include "balancer/core/metrics.h"
 #include "balancer/core/share_leveling.h"
+#include "common/hash.h"
 #include "common/status_macros.h"
 
 namespace ubep::balancer {
 namespace {
 
-uint64_t SplitMix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
 
 // Replica count per expert: one each, then every spare slot to the expert with the largest
 // load per replica (lowest id on ties). An expert gets at most one replica per rank unless the

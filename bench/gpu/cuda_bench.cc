@@ -18,6 +18,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "bench/dataplane_inputs.h"
+#include "common/percentile.h"
 #include "kernels/common/routing.h"
 #include "kernels/cuda/cuda_ep.h"
 #include "kernels/host/shared_arena.h"
@@ -191,13 +192,13 @@ int main(int argc, char** argv) {
     } else {
       std::vector<double> lat;
       for (int i = 0; i < iters; ++i) lat.push_back(*std::max_element(board->us[i], board->us[i] + r));
-      std::sort(lat.begin(), lat.end());
       uint64_t bytes = 0;
       for (int i = 0; i < r; ++i) bytes += board->bytes[i];
-      row["p50_us"] = lat[lat.size() / 2];
-      row["p99_us"] = lat[std::min(lat.size() - 1, lat.size() * 99 / 100)];
+      const double p50 = ubep::Percentile(lat, 0.5);
+      row["p50_us"] = p50;
+      row["p99_us"] = ubep::Percentile(lat, 0.99);
       row["bytes_moved"] = bytes;
-      row["gbps"] = bytes / (lat[lat.size() / 2] * 1e3);
+      row["gbps"] = bytes / (p50 * 1e3);
       row["d2d_copy_gbps"] = board->copy_gbps;
     }
     results.push_back(row);

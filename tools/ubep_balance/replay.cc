@@ -6,17 +6,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "balancer/core/metrics.h"
+#include "common/percentile.h"
 #include "common/status_macros.h"
 
 namespace ubep::balancer {
 namespace {
-
-double Percentile(std::vector<double> values, double q) {
-  if (values.empty()) return 0;
-  std::sort(values.begin(), values.end());
-  const size_t index = static_cast<size_t>(std::ceil(q * values.size())) - 1;
-  return values[std::min(index, values.size() - 1)];
-}
 
 void Summarize(ReplayResult& r) {
   r.scored_steps = static_cast<int>(r.step_imbalance.size());
