@@ -219,18 +219,6 @@ absl::StatusOr<Plan> ParsePlanJson(const std::string& text, const std::string& n
   UBEP_ASSIGN_OR_RETURN(Json json, ParseJson(text, name));
   if (!json.is_object()) return Bad(name, "(document)", "expected a JSON object");
   Plan plan;
-  if (json.contains("topology")) {
-    UBEP_ASSIGN_OR_RETURN(plan.topology, ParseTopology(json["topology"], name));
-    if (topology_override.has_value() &&
-        (topology_override->num_ranks != plan.topology.num_ranks ||
-         topology_override->slots_per_rank != plan.topology.slots_per_rank)) {
-      return Bad(name, "topology", "disagrees with the ranks given on the command line");
-    }
-  } else if (topology_override.has_value()) {
-    plan.topology = *topology_override;
-  } else {
-    return Bad(name, "topology", "missing; pass --ranks (and --nodes) for a plain EPLB plan");
-  }
   if (json.contains("version")) {
     if (!json["version"].is_number_unsigned()) {
       return Bad(name, "version", "expected a non-negative integer");
@@ -238,13 +226,34 @@ absl::StatusOr<Plan> ParsePlanJson(const std::string& text, const std::string& n
     plan.version = json["version"].get<uint64_t>();
   }
   if (!json.contains("phy2log")) return Bad(name, "phy2log", "missing");
-  const Topology& t = plan.topology;
   if (!json["phy2log"].is_array() || json["phy2log"].empty()) {
     return Bad(name, "phy2log", "expected a non-empty array of per-layer arrays");
   }
   UBEP_ASSIGN_OR_RETURN(
       std::vector<std::vector<int>> phy2log,
       IntMatrix(json["phy2log"], name, "phy2log", -1, -1, 0, (1 << 20) - 1));
+  const int width = static_cast<int>(phy2log[0].size());
+  if (json.contains("topology")) {
+    UBEP_ASSIGN_OR_RETURN(plan.topology, ParseTopology(json["topology"], name));
+    if (topology_override.has_value() &&
+        (topology_override->num_ranks != plan.topology.num_ranks ||
+         (topology_override->slots_per_rank != 0 &&
+          topology_override->slots_per_rank != plan.topology.slots_per_rank))) {
+      return Bad(name, "topology", "disagrees with the ranks given on the command line");
+    }
+  } else if (topology_override.has_value()) {
+    plan.topology = *topology_override;
+    if (plan.topology.slots_per_rank == 0) {  // A plain EPLB plan: from phy2log's width.
+      if (plan.topology.num_ranks <= 0 || width % plan.topology.num_ranks != 0) {
+        return Bad(name, "phy2log[0]", absl::StrCat(width, " slots do not divide by ",
+                                                    plan.topology.num_ranks, " ranks"));
+      }
+      plan.topology.slots_per_rank = width / plan.topology.num_ranks;
+    }
+  } else {
+    return Bad(name, "topology", "missing; pass --ranks (and --nodes) for a plain EPLB plan");
+  }
+  const Topology& t = plan.topology;
   const int num_layers = static_cast<int>(phy2log.size());
   if (static_cast<int>(phy2log[0].size()) != t.num_slots()) {
     return Bad(name, "phy2log[0]",

@@ -23,7 +23,8 @@ absl::StatusOr<LoadMatrix> ReadSglangLoadFile(const std::string& path);
 std::string SglangLoadToJson(const LoadMatrix& load);
 
 // `topology_override` fills in the topology of a plan file that has none (a plain EPLB
-// output) and must agree with one that has.
+// output) and must agree with one that has; its slots_per_rank may be 0, meaning "from
+// phy2log's width".
 absl::StatusOr<Plan> ParsePlanJson(const std::string& text, const std::string& name,
                                    const std::optional<Topology>& topology_override = {});
 absl::StatusOr<Plan> ReadPlanFile(const std::string& path,

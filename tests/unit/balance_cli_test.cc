@@ -88,6 +88,9 @@ TEST(BalanceCliTest, EvalTakesAPlainEplbPlanWithRanksFromTheCommandLine) {
   // Each rank holds half of each expert: perfectly balanced.
   EXPECT_DOUBLE_EQ(scored["balancedness_mean"].get<double>(), 1.0);
   EXPECT_EQ(scored["ranks"], 2);
+  Result bad = RunCli({"eval", "--plan", plan, "--load", load, "--ranks", "3"});
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_EQ(bad.err, "ubep-balance eval: " + plan + ": phy2log[0]: 4 slots do not divide by 3 ranks\n");
 }
 
 TEST(BalanceCliTest, ReplayComparesWithABaselineOnTheSameLoads) {

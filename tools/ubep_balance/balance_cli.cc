@@ -195,25 +195,10 @@ absl::Status RunEval(const Flags& flags, std::ostream& out) {
     Topology t;
     UBEP_ASSIGN_OR_RETURN(t.num_ranks, flags.Int("ranks", 1, kMaxCount));
     UBEP_ASSIGN_OR_RETURN(t.num_nodes, flags.Int("nodes", 1, kMaxCount, 1));
-    t.slots_per_rank = 0;  // Taken from the plan's phy2log below.
+    t.slots_per_rank = 0;  // From the plan's phy2log (ParsePlanJson).
     override_topology = t;
   }
-  UBEP_ASSIGN_OR_RETURN(std::string plan_text, ReadTextFile(plan_path));
-  if (override_topology) {
-    // A plain EPLB plan: slots per rank follow from phy2log's width.
-    Json json = Json::parse(plan_text, nullptr, false);
-    if (!json.is_discarded() && json.contains("phy2log") && json["phy2log"].is_array() &&
-        !json["phy2log"].empty() && json["phy2log"][0].is_array()) {
-      const int width = static_cast<int>(json["phy2log"][0].size());
-      if (width % override_topology->num_ranks != 0) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            plan_path, ": phy2log[0]: ", width, " slots do not divide by ",
-            override_topology->num_ranks, " ranks"));
-      }
-      override_topology->slots_per_rank = width / override_topology->num_ranks;
-    }
-  }
-  UBEP_ASSIGN_OR_RETURN(Plan plan, ParsePlanJson(plan_text, plan_path, override_topology));
+  UBEP_ASSIGN_OR_RETURN(Plan plan, ReadPlanFile(plan_path, override_topology));
   UBEP_ASSIGN_OR_RETURN(LoadMatrix load, ReadSglangLoadFile(load_path));
   if (plan.num_experts > load.num_experts()) {
     return absl::InvalidArgumentError(absl::StrCat(plan_path, ": plan: places experts up to ",
