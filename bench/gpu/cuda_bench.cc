@@ -63,7 +63,8 @@ int RankMain(const bench::Case& c, int rank, int iters, const std::vector<double
   if (!(*arena)->IpcHandle(board->handles[rank]).ok()) return fail("ipc handle");
   board->ready.fetch_add(1);
   posted_ready = true;
-  while (board->ready.load() < c.ranks) usleep(100);
+  const absl::Time give_up = absl::Now() + absl::Seconds(120);
+  while (board->ready.load() < c.ranks && absl::Now() < give_up) usleep(100);
   std::vector<std::unique_ptr<DeviceArena>> peers;
   std::vector<std::byte*> pointers(c.ranks);
   for (int s = 0; s < c.ranks; ++s) {
@@ -104,7 +105,7 @@ int RankMain(const bench::Case& c, int rank, int iters, const std::vector<double
     records += dests.size();
   }
   cudaDeviceSynchronize();
-  while (board->go.load() == 0) usleep(100);
+  while (board->go.load() == 0 && absl::Now() < give_up) usleep(100);
   CudaDispatchOutput out;
   for (int i = 0; i < kWarmup + iters; ++i) {
     const auto start = std::chrono::steady_clock::now();
@@ -139,7 +140,8 @@ int RankMain(const bench::Case& c, int rank, int iters, const std::vector<double
     board->copy_gbps = 20.0 * n / (ms * 1e6);
   }
   board->done.fetch_add(1);
-  while (board->done.load() < c.ranks) usleep(100);
+  const absl::Time end = absl::Now() + absl::Seconds(120);
+  while (board->done.load() < c.ranks && absl::Now() < end) usleep(100);
   return 0;
 }
 

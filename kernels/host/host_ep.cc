@@ -271,8 +271,8 @@ void HostEp::SendTo(int d, const DispatchInput& in, uint32_t epoch) {
                 sizeof(RecordEntry) * header.num_entries);
     std::memcpy(rows + j * layout_.row_bytes, x + t * layout_.row_bytes, layout_.row_bytes);
   }
-  reinterpret_cast<uint32_t*>(arena + layout_.counts)[rank_] = static_cast<uint32_t>(n);
-  if (config_.protocol == Protocol::kUbep) {
+  if (config_.protocol == Protocol::kUbep) {  // bsp published its count in the exchange.
+    reinterpret_cast<uint32_t*>(arena + layout_.counts)[rank_] = static_cast<uint32_t>(n);
     Signal(FlagAt(arena, layout_.dispatch_flag, rank_), epoch);
   }
 }
