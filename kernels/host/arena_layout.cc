@@ -1,5 +1,7 @@
 #include "kernels/host/arena_layout.h"
 
+#include <cstring>
+
 #include "absl/strings/str_cat.h"
 #include "kernels/common/routing.h"
 
@@ -56,6 +58,12 @@ ArenaLayout::ArenaLayout(const EpConfig& c) {
   rows = carve(R * T * row_bytes);
   partials = carve(R * T * row_bytes);
   total_bytes = offset;
+}
+
+void ResetSignals(std::byte* arena, const ArenaLayout& layout) {
+  // The signal regions, the abort word and the counts are contiguous, from dispatch_flag to
+  // load_counters.
+  std::memset(arena + layout.dispatch_flag, 0, layout.load_counters - layout.dispatch_flag);
 }
 
 }  // namespace ubep::kernels

@@ -9,9 +9,10 @@
 //   combine_flag    R x 64 B   [d]: epoch of the last combine whose partials rank d stored here
 //   count_flag      R x 64 B   [s]: epoch of source s's count for the BSP count exchange
 //   barrier_flag    R x 64 B   [s]: last barrier epoch rank s reached
-//   abort           64 B       1 + the rank the group gave up on (0 while healthy); set by
-//                              the first rank whose wait timed out, so that every rank
-//                              reports the dead peer rather than a survivor stuck behind it
+//   abort           64 B       0 while healthy, else why the group stopped (AbortCode): set
+//                              by the first rank whose wait timed out, so that every rank
+//                              reports the dead peer rather than a survivor stuck behind it,
+//                              or by the daemon (a rank left, or the daemon is draining)
 //   counts          R x 4 B    [s]: records source s stored in the current dispatch
 //   load_counters   L x S x 8  [l][i]: routed pairs received, monotonic (owner only writes)
 //   records         R x T x (8 + 8K)   [s][j]: record j from source s (routing.h)
@@ -60,6 +61,12 @@ inline constexpr int kMaxTopK = 32;
 // OK when every size is positive, top_k <= kMaxTopK and slots cover the experts.
 absl::Status ValidateConfig(const EpConfig& config);
 
+// Values of the abort word. Every wait checks it (signal.h) and fails with an error naming
+// the rank or the reason; only a reset of the whole group (ResetSignals) clears it.
+inline constexpr uint32_t kAbortTimedOutBase = 1;         // + rank a wait timed out on.
+inline constexpr uint32_t kAbortRankGone = 0x80000000u;   // | rank that left (daemon).
+inline constexpr uint32_t kAbortDraining = 0xFFFFFFFFu;   // The daemon is shutting down.
+
 struct ArenaLayout {
   size_t dispatch_flag, combine_flag, count_flag, barrier_flag, abort, counts, load_counters,
       records,
@@ -69,6 +76,11 @@ struct ArenaLayout {
   explicit ArenaLayout(const EpConfig& config);
   ArenaLayout() = default;
 };
+
+// Zeroes the signal words, the abort word and the per-source counts of an arena, keeping its
+// header, load counters and data: a group that re-forms (every rank parked, none inside a
+// dispatch or combine) starts its epochs from zero. Not safe while any rank is in a call.
+void ResetSignals(std::byte* arena, const ArenaLayout& layout);
 
 }  // namespace ubep::kernels
 

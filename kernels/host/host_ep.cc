@@ -288,18 +288,29 @@ uint32_t* HostEp::AbortWord() const {
 }
 
 absl::Status HostEp::GiveUp(int peer, const char* what, uint32_t epoch) const {
-  uint32_t dead = LoadAcquire(AbortWord());
-  if (dead == 0) {
+  uint32_t code = LoadAcquire(AbortWord());
+  if (code == kAbortDraining) {
+    return absl::UnavailableError(absl::StrCat("rank ", rank_, ": ubepd is draining; ", what,
+                                               " of call ", epoch,
+                                               " abandoned; attach again when it is back"));
+  }
+  if (code != 0 && (code & kAbortRankGone) != 0) {
+    const int gone = static_cast<int>(code & ~kAbortRankGone);
+    return absl::UnavailableError(absl::StrCat(
+        "rank ", rank_, ": rank ", gone, " left the group (ubepd saw its client disconnect) ",
+        "during ", what, " of call ", epoch, "; join again once rank ", gone, " is back"));
+  }
+  if (code == 0) {
     // This rank gives up first: tell every rank which peer it gave up on, so that ranks
     // stuck behind a survivor report the dead peer, not the survivor.
-    dead = 1 + static_cast<uint32_t>(peer);
+    code = kAbortTimedOutBase + static_cast<uint32_t>(peer);
     for (std::byte* arena : arenas_) {
       uint32_t expected = 0;
       std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(arena + layout_.abort))
-          .compare_exchange_strong(expected, dead, std::memory_order_acq_rel);
+          .compare_exchange_strong(expected, code, std::memory_order_acq_rel);
     }
   }
-  const int dead_rank = static_cast<int>(dead) - 1;
+  const int dead_rank = static_cast<int>(code - kAbortTimedOutBase);
   return absl::DeadlineExceededError(absl::StrCat(
       "rank ", rank_, ": timed out after ", absl::FormatDuration(config_.timeout),
       " waiting for rank ", dead_rank, " (", what, ", call ", epoch,

@@ -1,0 +1,108 @@
+// The C ABI (ubep/ubep_c.h) over the C++ API.
+#include <memory>
+#include <string>
+
+#include "ubep/ubep.h"
+#include "ubep/ubep_c.h"
+
+struct ubep_rank {
+  std::unique_ptr<ubep::Rank> rank;
+};
+struct ubep_dispatched {
+  ubep::Dispatched dispatched;
+};
+
+namespace {
+
+thread_local std::string last_error;
+
+int Fail(const absl::Status& status) {
+  last_error = std::string(status.message());
+  return static_cast<int>(status.code());
+}
+
+int Check(const absl::Status& status) { return status.ok() ? 0 : Fail(status); }
+
+}  // namespace
+
+extern "C" {
+
+const char* ubep_last_error(void) { return last_error.c_str(); }
+
+int ubep_attach(const char* socket_path, int32_t rank, int32_t world_size, int32_t device,
+                const ubep_model_shape* shape, ubep_rank** out) {
+  if (socket_path == nullptr || shape == nullptr || out == nullptr) {
+    return Fail(absl::InvalidArgumentError("ubep_attach: null argument"));
+  }
+  ubep::ClientOptions options;
+  options.socket_path = socket_path;
+  ubep::ModelShape s;
+  s.num_layers = shape->num_layers;
+  s.num_experts = shape->num_experts;
+  s.hidden = shape->hidden;
+  s.top_k = shape->top_k;
+  s.max_tokens = shape->max_tokens;
+  s.slots_per_rank = shape->slots_per_rank;
+  s.bytes_per_expert = shape->bytes_per_expert;
+  s.dtype = shape->dtype == UBEP_DTYPE_BFLOAT16 ? ubep::DType::kBFloat16 : ubep::DType::kFloat32;
+  absl::StatusOr<std::unique_ptr<ubep::Rank>> r =
+      ubep::Rank::Attach(options, rank, world_size, device, s);
+  if (!r.ok()) return Fail(r.status());
+  *out = new ubep_rank{*std::move(r)};
+  return 0;
+}
+
+int ubep_detach(ubep_rank* rank) {
+  if (rank == nullptr) return 0;
+  const absl::Status s = rank->rank->Detach();
+  delete rank;
+  return Check(s);
+}
+
+uint64_t ubep_resume_step(const ubep_rank* rank) { return rank->rank->resume_step(); }
+
+int ubep_begin_step(ubep_rank* rank, uint64_t step) { return Check(rank->rank->BeginStep(step)); }
+
+int ubep_rejoin(ubep_rank* rank, int64_t next_step, uint64_t* resume_step) {
+  absl::StatusOr<uint64_t> r = rank->rank->Rejoin(
+      next_step < 0 ? std::nullopt : std::optional<uint64_t>(static_cast<uint64_t>(next_step)));
+  if (!r.ok()) return Fail(r.status());
+  if (resume_step != nullptr) *resume_step = *r;
+  return 0;
+}
+
+ubep_dispatched* ubep_dispatched_new(void) { return new ubep_dispatched; }
+void ubep_dispatched_free(ubep_dispatched* dispatched) { delete dispatched; }
+
+int ubep_dispatch(ubep_rank* rank, int32_t layer, const void* x, const int32_t* topk_idx,
+                  const float* topk_weights, int32_t num_tokens, ubep_dispatched* out) {
+  if (out == nullptr) return Fail(absl::InvalidArgumentError("ubep_dispatch: null output"));
+  return Check(rank->rank->Dispatch(layer, x, topk_idx, topk_weights, num_tokens, out->dispatched));
+}
+
+void ubep_dispatched_view(const ubep_dispatched* d, int32_t* num_rows, const void** rows,
+                          const int32_t** slot_offsets, const int32_t** src_rank,
+                          const int32_t** src_token, const float** weights) {
+  if (num_rows != nullptr) *num_rows = d->dispatched.num_rows();
+  if (rows != nullptr) *rows = d->dispatched.rows();
+  if (slot_offsets != nullptr) *slot_offsets = d->dispatched.slot_offsets().data();
+  if (src_rank != nullptr) *src_rank = d->dispatched.src_rank().data();
+  if (src_token != nullptr) *src_token = d->dispatched.src_token().data();
+  if (weights != nullptr) *weights = d->dispatched.weights().data();
+}
+
+int ubep_combine(ubep_rank* rank, const ubep_dispatched* dispatched, const void* expert_out,
+                 void* out) {
+  return Check(rank->rank->Combine(dispatched->dispatched, expert_out, out));
+}
+
+int ubep_expert_weights(ubep_rank* rank, int32_t layer, int32_t local_slot, void** data,
+                        uint64_t* bytes) {
+  absl::StatusOr<std::span<std::byte>> w = rank->rank->ExpertWeights(layer, local_slot);
+  if (!w.ok()) return Fail(w.status());
+  if (data != nullptr) *data = w->data();
+  if (bytes != nullptr) *bytes = w->size();
+  return 0;
+}
+
+}  // extern "C"

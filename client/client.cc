@@ -1,0 +1,456 @@
+// libubep's implementation: the proto API to ubepd, fd passing, and the host data plane over
+// the mapped arenas. Never includes daemon/ code.
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "common/unix_socket.h"
+#include "grpcpp/grpcpp.h"
+#include "kernels/common/plan_area.h"
+#include "kernels/host/host_ep.h"
+#include "kernels/host/rank_arena.h"
+#include "kernels/host/shared_arena.h"
+#include "kernels/host/signal.h"
+#include "ubep/ubep.h"
+#include "ubep/v1/daemon.grpc.pb.h"
+
+namespace ubep {
+namespace internal {
+
+struct DispatchedState {
+  kernels::DispatchOutput output;
+  int layer = -1;
+};
+
+struct RankState {
+  ClientOptions options;
+  int rank = 0;
+  int world_size = 0;
+  ModelShape shape;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::Daemon::Stub> stub;
+  std::string token;
+  UniqueFd fd_connection;  // Open while attached: ubepd notices its closing.
+  std::vector<kernels::SharedArena> arenas;
+  kernels::RankArenaLayout layout;
+  kernels::EpConfig config;
+  std::unique_ptr<kernels::HostEp> ep;
+  uint64_t generation = 0;
+  uint64_t resume_step = 0;
+  uint64_t step = 0;
+  bool step_begun = false;
+  absl::Status stopped;    // Set by a data-plane error: the group must re-form.
+  absl::Time next_report = absl::InfinitePast();
+  uint64_t last_plan_version = 0;
+  bool attached = false;
+
+  std::byte* own() const { return arenas[rank].data(); }
+  kernels::RankControl* control() const { return kernels::ControlOf(own(), layout); }
+};
+
+}  // namespace internal
+namespace {
+
+using internal::RankState;
+
+absl::Status FromGrpc(const grpc::Status& status, const std::string& what) {
+  if (status.ok()) return absl::OkStatus();
+  std::string message = status.error_message();
+  if (status.error_code() == grpc::StatusCode::UNAVAILABLE &&
+      message.find("draining") == std::string::npos) {
+    message = absl::StrCat("ubepd is not reachable (", message, "); is it running?");
+  }
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                      absl::StrCat(what, ": ", message));
+}
+
+void SetDeadline(grpc::ClientContext& context, absl::Duration timeout) {
+  context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+}
+
+void Bump(uint64_t& word, uint64_t by = 1) {
+  std::atomic_ref<uint64_t>(word).fetch_add(by, std::memory_order_relaxed);
+}
+
+void Observe(kernels::LatencyHistogram& h, absl::Duration d) {
+  Bump(h.bucket[kernels::LatencyBucket(absl::ToDoubleSeconds(d))]);
+  Bump(h.sum_ns, static_cast<uint64_t>(absl::ToInt64Nanoseconds(d)));
+  Bump(h.count);
+}
+
+// Why the group is not ready, from this rank's control block and abort word.
+absl::Status GroupStopped(const RankState& s) {
+  const kernels::ArenaLayout ep(s.config);
+  const uint32_t code = kernels::LoadAcquire(
+      reinterpret_cast<const uint32_t*>(s.own() + s.layout.ep + ep.abort));
+  const uint32_t state =
+      std::atomic_ref<uint32_t>(s.control()->group_state).load(std::memory_order_acquire);
+  if (state == kernels::kGroupDraining || code == kernels::kAbortDraining) {
+    return absl::UnavailableError(absl::StrCat(
+        "rank ", s.rank, ": ubepd is draining (shutting down); attach again when it is back"));
+  }
+  if (code != 0 && (code & kernels::kAbortRankGone) != 0) {
+    const uint32_t gone = code & ~kernels::kAbortRankGone;
+    return absl::UnavailableError(absl::StrCat("rank ", s.rank, ": rank ", gone,
+                                               " left the group; call Rejoin to continue once "
+                                               "rank ", gone, " is back"));
+  }
+  if (code != 0) {
+    return absl::UnavailableError(absl::StrCat(
+        "rank ", s.rank, ": the group stopped after a wait on rank ",
+        code - kernels::kAbortTimedOutBase, " timed out; call Rejoin"));
+  }
+  return absl::UnavailableError(
+      absl::StrCat("rank ", s.rank, ": the group has re-formed or is forming without this "
+                                    "rank; call Rejoin"));
+}
+
+bool GroupReady(const RankState& s) {
+  const kernels::RankControl* c = s.control();
+  return std::atomic_ref<const uint32_t>(c->group_state).load(std::memory_order_acquire) ==
+             kernels::kGroupReady &&
+         std::atomic_ref<const uint64_t>(c->generation).load(std::memory_order_acquire) ==
+             s.generation;
+}
+
+// Counts an error in the control block (the daemon exports it) and returns it.
+absl::Status Record(RankState& s, absl::Status status) {
+  if (!status.ok() && !s.arenas.empty()) {
+    Bump(s.control()->errors[static_cast<int>(status.code()) % 17]);
+    if (absl::IsDeadlineExceeded(status)) Bump(s.control()->wait_timeouts);
+  }
+  return status;
+}
+
+absl::Status JoinGroup(RankState& s, std::optional<uint64_t> next_step) {
+  v1::JoinRequest request;
+  request.set_rank(static_cast<uint32_t>(s.rank));
+  request.set_token(s.token);
+  if (next_step.has_value()) request.set_next_step(*next_step);
+  v1::JoinResponse response;
+  grpc::ClientContext context;
+  SetDeadline(context, s.options.join_timeout);
+  UBEP_RETURN_IF_ERROR(FromGrpc(s.stub->Join(&context, request, &response),
+                                absl::StrCat("rank ", s.rank, ": join")));
+  s.ep.reset();
+  std::vector<std::byte*> eps;
+  for (const kernels::SharedArena& a : s.arenas) eps.push_back(a.data() + s.layout.ep);
+  UBEP_ASSIGN_OR_RETURN(s.ep, kernels::HostEp::Create(s.config, s.rank, std::move(eps)));
+  s.generation = response.generation();
+  s.resume_step = response.resume_step();
+  s.stopped = absl::OkStatus();
+  s.step_begun = false;
+  return absl::OkStatus();
+}
+
+absl::Status TakeArenas(RankState& s, const v1::AttachResponse& response) {
+  UBEP_ASSIGN_OR_RETURN(s.fd_connection, ConnectUnix(response.fd_socket()));
+  UBEP_RETURN_IF_ERROR(SendMessage(s.fd_connection.get(), response.token(), {}));
+  UBEP_ASSIGN_OR_RETURN(ReceivedMessage reply,
+                        ReceiveMessage(s.fd_connection.get(), 4096, s.options.rpc_timeout));
+  if (reply.bytes != "OK") {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", s.rank, ": ubepd refused the arenas: ",
+        reply.bytes.size() > 4 ? reply.bytes.substr(4) : std::string("connection closed")));
+  }
+  if (reply.fds.size() != static_cast<size_t>(response.arena_ranks_size())) {
+    return absl::DataLossError(absl::StrCat("rank ", s.rank, ": expected ",
+                                            response.arena_ranks_size(), " arena fds, got ",
+                                            reply.fds.size()));
+  }
+  for (const UniqueFd& fd : reply.fds) {
+    UBEP_ASSIGN_OR_RETURN(kernels::SharedArena arena, kernels::SharedArena::Map(fd.get()));
+    if (arena.size() < s.layout.total_bytes) {
+      return absl::DataLossError(absl::StrCat("rank ", s.rank, ": an arena has ", arena.size(),
+                                              " bytes; the layout needs ", s.layout.total_bytes));
+    }
+    s.arenas.push_back(std::move(arena));
+  }
+  for (int r = 0; r < s.world_size; ++r) {
+    const kernels::RankControl* c = kernels::ControlOf(s.arenas[r].data(), s.layout);
+    if (c->magic != kernels::kRankControlMagic || c->version != kernels::kRankArenaVersion ||
+        c->rank != static_cast<uint32_t>(r)) {
+      return absl::DataLossError(absl::StrCat("rank ", s.rank, ": arena ", r,
+                                              " is not a version ", kernels::kRankArenaVersion,
+                                              " arena of rank ", r));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::AttachResponse> AttachRpc(RankState& s, int device) {
+  v1::AttachRequest request;
+  request.set_rank(static_cast<uint32_t>(s.rank));
+  request.set_world_size(static_cast<uint32_t>(s.world_size));
+  request.set_device(static_cast<uint32_t>(device));
+  request.set_pid(static_cast<uint32_t>(getpid()));
+  v1::ModelShape* shape = request.mutable_shape();
+  const ModelShape& m = s.shape;
+  shape->set_num_layers(static_cast<uint32_t>(m.num_layers));
+  shape->set_num_experts(static_cast<uint32_t>(m.num_experts));
+  shape->set_hidden(static_cast<uint32_t>(m.hidden));
+  shape->set_top_k(static_cast<uint32_t>(m.top_k));
+  shape->set_max_tokens(static_cast<uint32_t>(m.max_tokens));
+  shape->set_slots_per_rank(static_cast<uint32_t>(m.slots_per_rank));
+  shape->set_bytes_per_expert(m.bytes_per_expert);
+  shape->set_dtype(m.dtype == DType::kBFloat16 ? v1::DTYPE_BFLOAT16 : v1::DTYPE_FLOAT32);
+  v1::AttachResponse response;
+  grpc::ClientContext context;
+  SetDeadline(context, s.options.rpc_timeout);
+  UBEP_RETURN_IF_ERROR(FromGrpc(s.stub->Attach(&context, request, &response),
+                                absl::StrCat("rank ", s.rank, ": attach")));
+  return response;
+}
+
+}  // namespace
+
+Dispatched::Dispatched() : state_(std::make_unique<internal::DispatchedState>()) {}
+Dispatched::~Dispatched() = default;
+Dispatched::Dispatched(Dispatched&&) noexcept = default;
+Dispatched& Dispatched::operator=(Dispatched&&) noexcept = default;
+int Dispatched::num_rows() const { return state_->output.num_rows(); }
+const std::byte* Dispatched::rows() const { return state_->output.recv_x.data(); }
+std::span<const int32_t> Dispatched::slot_offsets() const { return state_->output.slot_offsets; }
+std::span<const int32_t> Dispatched::src_rank() const { return state_->output.src_rank; }
+std::span<const int32_t> Dispatched::src_token() const { return state_->output.src_token; }
+std::span<const float> Dispatched::weights() const { return state_->output.weight; }
+uint64_t Dispatched::plan_version() const { return state_->output.plan_version; }
+int Dispatched::layer() const { return state_->layer; }
+
+Rank::Rank(std::unique_ptr<internal::RankState> state) : state_(std::move(state)) {}
+
+Rank::~Rank() {
+  if (state_ != nullptr && state_->attached) {
+    absl::Status s = Detach();
+    if (!s.ok()) UBEP_LOG(WARNING) << s;
+  }
+}
+
+absl::StatusOr<std::unique_ptr<Rank>> Rank::Attach(const ClientOptions& options, int rank,
+                                                   int world_size, int device,
+                                                   const ModelShape& shape,
+                                                   std::optional<uint64_t> next_step) {
+  if (rank < 0 || world_size <= 0 || rank >= world_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", rank, " is outside [0, world_size ", world_size, ")"));
+  }
+  auto s = std::make_unique<RankState>();
+  s->options = options;
+  s->rank = rank;
+  s->world_size = world_size;
+  s->shape = shape;
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 200);
+  s->channel = grpc::CreateCustomChannel("unix:" + options.socket_path,
+                                         grpc::InsecureChannelCredentials(), args);
+  s->stub = v1::Daemon::NewStub(s->channel);
+  UBEP_ASSIGN_OR_RETURN(v1::AttachResponse response, AttachRpc(*s, device));
+  s->token = response.token();
+  const v1::ArenaLayout& l = response.layout();
+  s->layout.total_bytes = l.total_bytes();
+  s->layout.control = l.control_offset();
+  s->layout.ep = l.ep_offset();
+  s->layout.ep_bytes = l.ep_bytes();
+  s->layout.plan = l.plan_offset();
+  s->layout.plan_capacity = l.plan_capacity();
+  s->layout.slot_map = l.slot_map_offset();
+  s->layout.weights = l.weights_offset();
+  s->layout.weight_stride = l.weight_stride();
+  s->layout.buffers_per_layer = l.buffers_per_layer();
+  kernels::EpConfig& c = s->config;
+  c.num_ranks = world_size;
+  c.max_tokens = shape.max_tokens;
+  c.hidden = shape.hidden;
+  c.top_k = shape.top_k;
+  c.num_experts = shape.num_experts;
+  c.slots_per_rank = shape.slots_per_rank;
+  c.num_layers = shape.num_layers;
+  c.dtype = shape.dtype == DType::kBFloat16 ? kernels::DType::kBFloat16 : kernels::DType::kFloat32;
+  c.protocol = response.protocol() == "bsp" ? kernels::Protocol::kBsp : kernels::Protocol::kUbep;
+  c.timeout = absl::Milliseconds(response.wait_timeout_ms());
+  if (kernels::ArenaLayout(c).total_bytes != s->layout.ep_bytes) {
+    return absl::DataLossError(absl::StrCat(
+        "rank ", rank, ": ubepd's data-plane layout (", s->layout.ep_bytes,
+        " bytes) differs from this library's (", kernels::ArenaLayout(c).total_bytes,
+        "); ubepd and libubep versions differ"));
+  }
+  s->attached = true;
+  std::unique_ptr<Rank> handle(new Rank(std::move(s)));  // Detaches on any error below.
+  RankState& st = *handle->state_;
+  UBEP_RETURN_IF_ERROR(TakeArenas(st, response));
+  UBEP_RETURN_IF_ERROR(JoinGroup(st, next_step));
+  return handle;
+}
+
+uint64_t Rank::resume_step() const { return state_->resume_step; }
+int Rank::rank() const { return state_->rank; }
+int Rank::world_size() const { return state_->world_size; }
+const ModelShape& Rank::shape() const { return state_->shape; }
+
+absl::Status Rank::BeginStep(uint64_t step) {
+  RankState& s = *state_;
+  if (!s.attached) return absl::FailedPreconditionError("rank is detached");
+  if (!s.stopped.ok()) return s.stopped;
+  if (!GroupReady(s)) return Record(s, s.stopped = GroupStopped(s));
+  std::atomic_ref<uint64_t>(s.control()->step).store(step, std::memory_order_relaxed);
+  Bump(s.control()->steps);
+  s.step = step;
+  s.step_begun = true;
+  const absl::Time now = absl::Now();
+  if (now >= s.next_report) {
+    s.next_report = now + s.options.report_interval;
+    v1::ReportStepRequest request;
+    request.set_rank(static_cast<uint32_t>(s.rank));
+    request.set_token(s.token);
+    request.set_step(step);
+    v1::ReportStepResponse response;
+    grpc::ClientContext context;
+    SetDeadline(context, absl::Milliseconds(500));
+    // The data plane does not depend on the report: a failure is logged, not returned.
+    const grpc::Status status = s.stub->ReportStep(&context, request, &response);
+    if (!status.ok()) {
+      UBEP_LOG(WARNING) << "rank " << s.rank << ": step report failed: " << status.error_message();
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
+                            const float* topk_weights, int num_tokens, Dispatched& out) {
+  RankState& s = *state_;
+  if (!s.stopped.ok()) return s.stopped;
+  if (!s.step_begun) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("rank ", s.rank, ": call BeginStep before Dispatch"));
+  }
+  const absl::Time start = absl::Now();
+  kernels::DispatchInput in;
+  in.x = x;
+  in.topk_idx = topk_idx;
+  in.topk_weights = topk_weights;
+  in.num_tokens = num_tokens;
+  in.hidden = s.shape.hidden;
+  in.layer = layer;
+  in.plan_area = s.own() + s.layout.plan;
+  in.step = s.step;
+  absl::Status status = s.ep->Dispatch(in, out.state_->output);
+  if (!status.ok()) {
+    if (absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status)) s.stopped = status;
+    return Record(s, status);
+  }
+  out.state_->layer = layer;
+  s.last_plan_version = out.state_->output.plan_version;
+  kernels::RankControl* c = s.control();
+  Bump(c->dispatch_calls);
+  Bump(c->dispatched_tokens, static_cast<uint64_t>(num_tokens));
+  Observe(c->dispatch_latency, absl::Now() - start);
+  return absl::OkStatus();
+}
+
+absl::Status Rank::Combine(const Dispatched& dispatched, const void* expert_out, void* out) {
+  RankState& s = *state_;
+  if (!s.stopped.ok()) return s.stopped;
+  const absl::Time start = absl::Now();
+  absl::Status status = s.ep->Combine(dispatched.state_->output, expert_out, out);
+  if (!status.ok()) {
+    if (absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status)) s.stopped = status;
+    return Record(s, status);
+  }
+  Bump(s.control()->combine_calls);
+  Observe(s.control()->combine_latency, absl::Now() - start);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> Rank::Rejoin(std::optional<uint64_t> next_step) {
+  RankState& s = *state_;
+  if (!s.attached) return absl::FailedPreconditionError("rank is detached");
+  UBEP_RETURN_IF_ERROR(Record(s, JoinGroup(s, next_step)));
+  return s.resume_step;
+}
+
+absl::StatusOr<std::span<std::byte>> Rank::ExpertWeights(int layer, int local_slot) {
+  RankState& s = *state_;
+  if (layer < 0 || layer >= s.shape.num_layers || local_slot < 0 ||
+      local_slot >= s.shape.slots_per_rank) {
+    return absl::InvalidArgumentError(absl::StrCat("(layer ", layer, ", slot ", local_slot,
+                                                   ") is outside the shape"));
+  }
+  if (s.shape.bytes_per_expert == 0) {
+    return absl::FailedPreconditionError("the shape has bytes_per_expert 0: no weight buffers");
+  }
+  void* area = s.own() + s.layout.plan;
+  const kernels::PlanTableHeader* table = kernels::SelectPlan(area, s.step);
+  if (table == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat("no plan is in force at step ", s.step));
+  }
+  const int buffer = table == kernels::PlanBuffer(area, 0) ? 0 : 1;
+  const uint32_t index =
+      kernels::SlotMap(s.own(), s.layout, s.config, buffer)[layer * s.shape.slots_per_rank + local_slot];
+  return std::span<std::byte>(kernels::WeightBuffer(s.own(), s.layout, layer, index),
+                              s.shape.bytes_per_expert);
+}
+
+absl::StatusOr<int> Rank::SlotExpert(int layer, int local_slot) const {
+  const RankState& s = *state_;
+  if (layer < 0 || layer >= s.shape.num_layers || local_slot < 0 ||
+      local_slot >= s.shape.slots_per_rank) {
+    return absl::InvalidArgumentError(absl::StrCat("(layer ", layer, ", slot ", local_slot,
+                                                   ") is outside the shape"));
+  }
+  const kernels::PlanTableHeader* table = kernels::SelectPlan(s.own() + s.layout.plan, s.step);
+  if (table == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat("no plan is in force at step ", s.step));
+  }
+  const uint32_t slot = static_cast<uint32_t>(s.rank * s.shape.slots_per_rank + local_slot);
+  for (uint32_t e = 0; e < table->num_experts; ++e) {
+    const kernels::ExpertRoute* route = kernels::FindRoute(table, layer, e);
+    for (uint32_t j = 0; j < route->count; ++j) {
+      if (kernels::Replicas(route)[j].slot == slot) return static_cast<int>(e);
+    }
+  }
+  return absl::NotFoundError(absl::StrCat("slot ", local_slot, " of layer ", layer,
+                                          " holds no expert in the plan in force"));
+}
+
+RankStats Rank::stats() const {
+  const RankState& s = *state_;
+  RankStats out;
+  out.generation = s.generation;
+  out.step = s.step;
+  out.plan_version = s.last_plan_version;
+  if (s.arenas.empty()) return out;
+  const kernels::RankControl* c = s.control();
+  auto load = [](const uint64_t& w) {
+    return std::atomic_ref<const uint64_t>(w).load(std::memory_order_relaxed);
+  };
+  out.dispatched_tokens = load(c->dispatched_tokens);
+  out.dispatch_calls = load(c->dispatch_calls);
+  out.combine_calls = load(c->combine_calls);
+  out.wait_timeouts = load(c->wait_timeouts);
+  for (const uint64_t& e : c->errors) out.errors += load(e);
+  return out;
+}
+
+absl::Status Rank::Detach() {
+  RankState& s = *state_;
+  if (!s.attached) return absl::OkStatus();
+  s.attached = false;
+  s.ep.reset();
+  v1::DetachRequest request;
+  request.set_rank(static_cast<uint32_t>(s.rank));
+  request.set_token(s.token);
+  v1::DetachResponse response;
+  grpc::ClientContext context;
+  SetDeadline(context, s.options.rpc_timeout);
+  const grpc::Status status = s.stub->Detach(&context, request, &response);
+  s.fd_connection.reset();
+  s.arenas.clear();
+  return FromGrpc(status, absl::StrCat("rank ", s.rank, ": detach"));
+}
+
+}  // namespace ubep

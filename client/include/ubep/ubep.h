@@ -1,0 +1,156 @@
+// libubep: what a serving process links to run expert-parallel dispatch and combine through
+// the node's ubepd. One Rank per serving process (one per GPU, or per host device).
+//
+//   ubep::ModelShape shape{.num_layers = 58, .num_experts = 256, .hidden = 7168, .top_k = 8,
+//                          .max_tokens = 128, .slots_per_rank = 9};
+//   auto rank = ubep::Rank::Attach({.socket_path = "/run/ubep/ubepd.sock"}, my_rank, world,
+//                                  /*device=*/0, shape);     // waits for the whole group
+//   for (uint64_t step = (*rank)->resume_step(); ...; ++step) {
+//     UBEP_RETURN_IF_ERROR((*rank)->BeginStep(step));
+//     for each MoE layer l:
+//       ubep::Dispatched d;
+//       UBEP_RETURN_IF_ERROR((*rank)->Dispatch(l, x, topk_idx, topk_w, num_tokens, d));
+//       ... each local slot i runs its expert on rows [slot_offsets[i], slot_offsets[i+1]) ...
+//       UBEP_RETURN_IF_ERROR((*rank)->Combine(d, expert_out, out));
+//   }
+//
+// Errors are absl::Status with messages that name the rank and what to do:
+//  - Unavailable: the group stopped (a rank left, or ubepd is draining). Call Rejoin (it waits
+//    for the group to re-form and says at which step to continue) or, when ubepd is draining,
+//    Attach again once it is back.
+//  - DeadlineExceeded: a peer did not arrive within the wait timeout; the message names it.
+//  - InvalidArgument: bad input (expert id out of range, too many tokens), before any byte moved.
+// The hot path makes no RPC: dispatch and combine store into the peers' arenas directly.
+// Thread-compatible: one thread drives a Rank.
+#ifndef UBEP_CLIENT_INCLUDE_UBEP_UBEP_H_
+#define UBEP_CLIENT_INCLUDE_UBEP_UBEP_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace ubep {
+
+enum class DType { kFloat32 = 0, kBFloat16 = 1 };
+
+struct ModelShape {
+  int num_layers = 0;           // MoE layers.
+  int num_experts = 0;          // Logical experts per layer.
+  int hidden = 0;
+  int top_k = 0;                // At most 32.
+  int max_tokens = 0;           // Per rank per dispatch.
+  int slots_per_rank = 0;       // Physical expert slots per rank per layer.
+  size_t bytes_per_expert = 0;  // Weights of one expert kept in the arena; 0 = none.
+  DType dtype = DType::kFloat32;
+};
+
+struct ClientOptions {
+  std::string socket_path = "/run/ubep/ubepd.sock";
+  absl::Duration rpc_timeout = absl::Seconds(10);   // Attach, Detach, ReportStep.
+  absl::Duration join_timeout = absl::Seconds(60);  // Waiting for the rest of the group.
+  absl::Duration report_interval = absl::Seconds(1);
+};
+
+struct RankStats {
+  uint64_t generation = 0;       // Of the group this rank joined last.
+  uint64_t step = 0;
+  uint64_t dispatched_tokens = 0;
+  uint64_t dispatch_calls = 0;
+  uint64_t combine_calls = 0;
+  uint64_t wait_timeouts = 0;
+  uint64_t errors = 0;
+  uint64_t plan_version = 0;     // Of the last dispatch.
+};
+
+namespace internal {
+struct DispatchedState;
+struct RankState;
+}  // namespace internal
+
+// What one rank received from a dispatch: rows grouped by local slot (slot i's rows are
+// [slot_offsets()[i], slot_offsets()[i + 1])), with each row's source rank, source token and
+// routing weight. Reusable across calls (buffers are kept).
+class Dispatched {
+ public:
+  Dispatched();
+  ~Dispatched();
+  Dispatched(Dispatched&&) noexcept;
+  Dispatched& operator=(Dispatched&&) noexcept;
+
+  int num_rows() const;
+  const std::byte* rows() const;                  // [num_rows, hidden] of the shape's dtype.
+  std::span<const int32_t> slot_offsets() const;  // [slots_per_rank + 1]
+  std::span<const int32_t> src_rank() const;
+  std::span<const int32_t> src_token() const;
+  std::span<const float> weights() const;
+  uint64_t plan_version() const;                  // Plan that routed this dispatch.
+  int layer() const;
+
+ private:
+  friend class Rank;
+  std::unique_ptr<internal::DispatchedState> state_;
+};
+
+class Rank {
+ public:
+  // Connects to ubepd, attaches `rank` of a group of `world_size` ranks, maps the arenas and
+  // waits until every rank of the group has attached (Join). `next_step`: the step this
+  // process runs next when it knows it (re-attaching after a daemon restart); the group
+  // resumes at the least one given. Errors: FailedPrecondition when
+  // the shape conflicts with the group (the field is named), AlreadyExists when another
+  // process holds the rank, Unavailable when ubepd is not there or draining.
+  static absl::StatusOr<std::unique_ptr<Rank>> Attach(const ClientOptions& options, int rank,
+                                                      int world_size, int device,
+                                                      const ModelShape& shape,
+                                                      std::optional<uint64_t> next_step = {});
+  ~Rank();  // Detaches (errors are logged).
+  Rank(const Rank&) = delete;
+  Rank& operator=(const Rank&) = delete;
+
+  // The step every rank continues at, from the last Attach or Rejoin.
+  uint64_t resume_step() const;
+
+  // Begins `step` (ranks run the same steps in order): the plan in force at `step` routes this
+  // step's dispatches. Unavailable when the group has stopped.
+  absl::Status BeginStep(uint64_t step);
+
+  // Sends this rank's tokens to the experts' ranks and receives the rows routed here.
+  // x: [num_tokens, hidden] of the dtype; topk_idx: [num_tokens, top_k] logical experts or -1;
+  // topk_weights: [num_tokens, top_k].
+  absl::Status Dispatch(int layer, const void* x, const int32_t* topk_idx,
+                        const float* topk_weights, int num_tokens, Dispatched& out);
+  // out[t] = sum over k of topk_weights[t, k] * expert output of (t, k). `expert_out` is
+  // [dispatched.num_rows(), hidden], aligned with dispatched.rows(); `out` [num_tokens, hidden].
+  absl::Status Combine(const Dispatched& dispatched, const void* expert_out, void* out);
+
+  // After an error that stopped the group: waits until every rank is back and the group has
+  // re-formed; returns the step to continue at (the least `next_step` any rank gave).
+  absl::StatusOr<uint64_t> Rejoin(std::optional<uint64_t> next_step);
+
+  // This rank's weight buffer for (layer, local slot) under the plan of the current step, and
+  // the logical expert that slot holds.
+  absl::StatusOr<std::span<std::byte>> ExpertWeights(int layer, int local_slot);
+  absl::StatusOr<int> SlotExpert(int layer, int local_slot) const;
+
+  RankStats stats() const;
+  int rank() const;
+  int world_size() const;
+  const ModelShape& shape() const;
+
+  // Leaves the group (the other ranks' waits fail with an error naming this rank).
+  absl::Status Detach();
+
+ private:
+  explicit Rank(std::unique_ptr<internal::RankState> state);
+  std::unique_ptr<internal::RankState> state_;
+};
+
+}  // namespace ubep
+
+#endif  // UBEP_CLIENT_INCLUDE_UBEP_UBEP_H_

@@ -1,0 +1,65 @@
+/* libubep's C ABI, for FFI from Python (ctypes/cffi), Rust and others. Mirrors ubep/ubep.h.
+ *
+ * Every function returning int returns 0 on success, else the error's gRPC/absl status code
+ * (3 = INVALID_ARGUMENT, 4 = DEADLINE_EXCEEDED, 9 = FAILED_PRECONDITION, 14 = UNAVAILABLE,
+ * ...); ubep_last_error() then gives the message (per thread, valid until the next call).
+ * Handles are not thread-safe: one thread drives a rank.
+ */
+#ifndef UBEP_CLIENT_INCLUDE_UBEP_UBEP_C_H_
+#define UBEP_CLIENT_INCLUDE_UBEP_UBEP_C_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct ubep_rank ubep_rank;
+typedef struct ubep_dispatched ubep_dispatched;
+
+enum { UBEP_DTYPE_FLOAT32 = 0, UBEP_DTYPE_BFLOAT16 = 1 };
+
+typedef struct {
+  int32_t num_layers;
+  int32_t num_experts;
+  int32_t hidden;
+  int32_t top_k;
+  int32_t max_tokens;
+  int32_t slots_per_rank;
+  uint64_t bytes_per_expert;
+  int32_t dtype; /* UBEP_DTYPE_* */
+} ubep_model_shape;
+
+const char* ubep_last_error(void);
+
+/* Attaches `rank` and waits for the group; *out owns the rank until ubep_detach. */
+int ubep_attach(const char* socket_path, int32_t rank, int32_t world_size, int32_t device,
+                const ubep_model_shape* shape, ubep_rank** out);
+/* Detaches and frees the rank (also on error). */
+int ubep_detach(ubep_rank* rank);
+uint64_t ubep_resume_step(const ubep_rank* rank);
+int ubep_begin_step(ubep_rank* rank, uint64_t step);
+/* next_step < 0: unknown. */
+int ubep_rejoin(ubep_rank* rank, int64_t next_step, uint64_t* resume_step);
+
+ubep_dispatched* ubep_dispatched_new(void);
+void ubep_dispatched_free(ubep_dispatched* dispatched);
+int ubep_dispatch(ubep_rank* rank, int32_t layer, const void* x, const int32_t* topk_idx,
+                  const float* topk_weights, int32_t num_tokens, ubep_dispatched* out);
+/* Views into `dispatched`, valid until its next dispatch; any pointer may be NULL. */
+void ubep_dispatched_view(const ubep_dispatched* dispatched, int32_t* num_rows,
+                          const void** rows, const int32_t** slot_offsets,
+                          const int32_t** src_rank, const int32_t** src_token,
+                          const float** weights);
+int ubep_combine(ubep_rank* rank, const ubep_dispatched* dispatched, const void* expert_out,
+                 void* out);
+
+int ubep_expert_weights(ubep_rank* rank, int32_t layer, int32_t local_slot, void** data,
+                        uint64_t* bytes);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* UBEP_CLIENT_INCLUDE_UBEP_UBEP_C_H_ */

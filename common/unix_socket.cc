@@ -1,0 +1,158 @@
+#include "common/unix_socket.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace ubep {
+namespace {
+
+constexpr size_t kMaxFds = 1024;
+
+absl::Status Errno(const std::string& what) {
+  const int e = errno;
+  return absl::ErrnoToStatus(e, what);
+}
+
+absl::StatusOr<sockaddr_un> Address(const std::string& path) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat("unix socket path \"", path, "\" must have 1 to ",
+                                                   sizeof(addr.sun_path) - 1, " characters"));
+  }
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  return addr;
+}
+
+}  // namespace
+
+UniqueFd& UniqueFd::operator=(UniqueFd&& other) noexcept {
+  if (this != &other) reset(other.release());
+  return *this;
+}
+
+int UniqueFd::release() {
+  const int fd = fd_;
+  fd_ = -1;
+  return fd;
+}
+
+void UniqueFd::reset(int fd) {
+  if (fd_ >= 0) close(fd_);
+  fd_ = fd;
+}
+
+absl::StatusOr<UniqueFd> ListenUnix(const std::string& path, mode_t mode) {
+  absl::StatusOr<sockaddr_un> addr = Address(path);
+  if (!addr.ok()) return addr.status();
+  UniqueFd fd(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) return Errno("socket");
+  unlink(path.c_str());
+  if (bind(fd.get(), reinterpret_cast<const sockaddr*>(&*addr), sizeof(*addr)) != 0) {
+    return Errno(absl::StrCat("bind ", path));
+  }
+  if (chmod(path.c_str(), mode) != 0) return Errno(absl::StrCat("chmod ", path));
+  if (listen(fd.get(), 128) != 0) return Errno(absl::StrCat("listen ", path));
+  return fd;
+}
+
+absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path) {
+  absl::StatusOr<sockaddr_un> addr = Address(path);
+  if (!addr.ok()) return addr.status();
+  UniqueFd fd(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) return Errno("socket");
+  if (connect(fd.get(), reinterpret_cast<const sockaddr*>(&*addr), sizeof(*addr)) != 0) {
+    return Errno(absl::StrCat("connect ", path));
+  }
+  return fd;
+}
+
+absl::Status SendMessage(int socket, std::string_view bytes, std::span<const int> fds) {
+  if (fds.size() > kMaxFds) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot pass ", fds.size(), " fds (max ", kMaxFds, ")"));
+  }
+  iovec iov{const_cast<char*>(bytes.data()), bytes.size()};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  std::vector<char> control(fds.empty() ? 0 : CMSG_SPACE(sizeof(int) * fds.size()));
+  if (!fds.empty()) {
+    msg.msg_control = control.data();
+    msg.msg_controllen = control.size();
+    cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
+    cmsg->cmsg_level = SOL_SOCKET;
+    cmsg->cmsg_type = SCM_RIGHTS;
+    cmsg->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+    std::memcpy(CMSG_DATA(cmsg), fds.data(), sizeof(int) * fds.size());
+  }
+  while (true) {
+    const ssize_t n = sendmsg(socket, &msg, MSG_NOSIGNAL);
+    if (n >= 0) {
+      if (static_cast<size_t>(n) != bytes.size()) return absl::DataLossError("short send");
+      return absl::OkStatus();
+    }
+    if (errno != EINTR) return Errno("sendmsg");
+  }
+}
+
+absl::StatusOr<ReceivedMessage> ReceiveMessage(int socket, size_t max_bytes,
+                                               absl::Duration timeout) {
+  pollfd p{socket, POLLIN, 0};
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    const int64_t left_ms = absl::ToInt64Milliseconds(deadline - absl::Now());
+    const int r = poll(&p, 1, static_cast<int>(std::max<int64_t>(left_ms, 0)));
+    if (r > 0) break;
+    if (r == 0) {
+      return absl::DeadlineExceededError(absl::StrCat("no message within ", absl::FormatDuration(timeout)));
+    }
+    if (errno != EINTR) return Errno("poll");
+  }
+  ReceivedMessage out;
+  out.bytes.resize(max_bytes);
+  iovec iov{out.bytes.data(), max_bytes};
+  std::vector<char> control(CMSG_SPACE(sizeof(int) * kMaxFds));
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control.data();
+  msg.msg_controllen = control.size();
+  ssize_t n;
+  do {
+    n = recvmsg(socket, &msg, MSG_CMSG_CLOEXEC);
+  } while (n < 0 && errno == EINTR);
+  if (n < 0) return Errno("recvmsg");
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+      const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (size_t i = 0; i < count; ++i) {
+        int fd;
+        std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+        out.fds.emplace_back(fd);
+      }
+    }
+  }
+  if ((msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0) {
+    return absl::DataLossError(absl::StrCat("message over ", max_bytes, " bytes or ", kMaxFds, " fds"));
+  }
+  out.bytes.resize(static_cast<size_t>(n));
+  out.closed = n == 0 && out.fds.empty();
+  return out;
+}
+
+absl::StatusOr<pid_t> PeerPid(int socket) {
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  if (getsockopt(socket, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return Errno("SO_PEERCRED");
+  return cred.pid;
+}
+
+}  // namespace ubep

@@ -1,0 +1,71 @@
+// Unix-domain sockets with file-descriptor passing (SCM_RIGHTS), for handing shared-memory
+// arenas from ubepd to the serving processes of its node. SOCK_SEQPACKET: messages keep their
+// boundaries and a closed peer reads as end of file, which is how the daemon notices a
+// client that died.
+//
+//   UniqueFd listener = *ListenUnix("/run/ubep/ubepd.sock.fds", 0660);
+//   UniqueFd conn = *ConnectUnix("/run/ubep/ubepd.sock.fds");
+//   UBEP_RETURN_IF_ERROR(SendMessage(conn.get(), bytes, fds));
+//   ReceivedMessage m = *ReceiveMessage(conn.get(), 4096, absl::Seconds(5));
+//
+// Thread-compatible; the functions are thread-safe on distinct sockets.
+#ifndef UBEP_COMMON_UNIX_SOCKET_H_
+#define UBEP_COMMON_UNIX_SOCKET_H_
+
+#include <sys/types.h>
+
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace ubep {
+
+// Owns a file descriptor; closes it on destruction. Move-only.
+class UniqueFd {
+ public:
+  UniqueFd() = default;
+  explicit UniqueFd(int fd) : fd_(fd) {}
+  UniqueFd(UniqueFd&& other) noexcept : fd_(other.release()) {}
+  UniqueFd& operator=(UniqueFd&& other) noexcept;
+  UniqueFd(const UniqueFd&) = delete;
+  UniqueFd& operator=(const UniqueFd&) = delete;
+  ~UniqueFd() { reset(); }
+
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  int release();
+  void reset(int fd = -1);
+
+ private:
+  int fd_ = -1;
+};
+
+// Binds and listens on `path` (an existing socket file there is replaced), then sets the
+// file's mode (e.g. 0660) so that only the owner and group may connect.
+absl::StatusOr<UniqueFd> ListenUnix(const std::string& path, mode_t mode);
+absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path);
+
+// Sends one message carrying `bytes` and `fds` (duplicated into the receiver).
+absl::Status SendMessage(int socket, std::string_view bytes, std::span<const int> fds);
+
+struct ReceivedMessage {
+  std::string bytes;          // Empty with `closed` when the peer closed the connection.
+  std::vector<UniqueFd> fds;
+  bool closed = false;
+};
+
+// Receives one message of at most `max_bytes`, waiting at most `timeout`
+// (DeadlineExceeded). A message cut short, or carrying more than 1024 fds, is DataLoss.
+absl::StatusOr<ReceivedMessage> ReceiveMessage(int socket, size_t max_bytes,
+                                               absl::Duration timeout);
+
+// The pid of the process at the other end of a connected Unix socket (SO_PEERCRED).
+absl::StatusOr<pid_t> PeerPid(int socket);
+
+}  // namespace ubep
+
+#endif  // UBEP_COMMON_UNIX_SOCKET_H_

@@ -1,0 +1,141 @@
+#include "daemon/daemon.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "daemon/fd_server.h"
+#include "daemon/metrics.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "prometheus/exposer.h"
+#include "prometheus/registry.h"
+#include "ubep/v1/daemon.grpc.pb.h"
+
+namespace ubep::daemon {
+
+grpc::Status ToGrpc(const absl::Status& status) {
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+class DaemonService final : public v1::Daemon::Service {
+ public:
+  DaemonService(Node* node, DaemonMetrics* metrics) : node_(node), metrics_(metrics) {}
+
+  grpc::Status Attach(grpc::ServerContext*, const v1::AttachRequest* request,
+                      v1::AttachResponse* response) override {
+    return Answer(node_->Attach(*request), response);
+  }
+  grpc::Status Join(grpc::ServerContext* context, const v1::JoinRequest* request,
+                    v1::JoinResponse* response) override {
+    const absl::Time deadline = absl::FromChrono(context->deadline());
+    return Answer(node_->Join(*request, deadline), response);
+  }
+  grpc::Status Detach(grpc::ServerContext*, const v1::DetachRequest* request,
+                      v1::DetachResponse*) override {
+    return Count(node_->Detach(*request));
+  }
+  grpc::Status GetPlan(grpc::ServerContext*, const v1::GetPlanRequest*,
+                       v1::GetPlanResponse* response) override {
+    return Answer(node_->GetPlan(), response);
+  }
+  grpc::Status ReportStep(grpc::ServerContext*, const v1::ReportStepRequest* request,
+                          v1::ReportStepResponse* response) override {
+    return Answer(node_->ReportStep(*request), response);
+  }
+
+ private:
+  grpc::Status Count(const absl::Status& status) {
+    if (!status.ok()) metrics_->CountRpcError(status.code());
+    return ToGrpc(status);
+  }
+  template <typename T>
+  grpc::Status Answer(absl::StatusOr<T> result, T* response) {
+    if (!result.ok()) return Count(result.status());
+    *response = *std::move(result);
+    return grpc::Status::OK;
+  }
+
+  Node* node_;
+  DaemonMetrics* metrics_;
+};
+
+Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {}
+
+Daemon::~Daemon() {
+  if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now());
+  server_.reset();
+  exposer_.reset();
+  fd_server_.reset();
+  metrics_.reset();
+  if (!options_.socket_path.empty()) unlink(options_.socket_path.c_str());
+}
+
+absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
+  if (options.backend != "host") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--backend ", options.backend, ": this ubepd serves the host backend only (the cuda "
+        "backend's arenas need a GPU node; see docs/daemon.md)"));
+  }
+  if (options.socket_path.empty()) return absl::InvalidArgumentError("--socket is required");
+  options.node.fd_socket_path = options.socket_path + ".fds";
+  std::unique_ptr<Daemon> d(new Daemon(options));
+  d->node_ = std::make_unique<Node>(options.node);
+  d->metrics_ = std::make_shared<DaemonMetrics>(d->node_.get(), options.harvest_interval);
+  d->service_ = std::make_unique<DaemonService>(d->node_.get(), d->metrics_.get());
+  absl::StatusOr<std::unique_ptr<FdServer>> fd_server =
+      FdServer::Start(options.node.fd_socket_path, options.socket_mode, d->node_.get());
+  if (!fd_server.ok()) return fd_server.status();
+  d->fd_server_ = *std::move(fd_server);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  unlink(options.socket_path.c_str());
+  builder.AddListeningPort("unix:" + options.socket_path, grpc::InsecureServerCredentials());
+  if (!options.listen.empty()) {
+    builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &d->listen_port_);
+  }
+  builder.SetMaxReceiveMessageSize(options.max_message_bytes);
+  builder.RegisterService(d->service_.get());
+  d->server_ = builder.BuildAndStart();
+  if (d->server_ == nullptr || (!options.listen.empty() && d->listen_port_ == 0)) {
+    return absl::UnavailableError(absl::StrCat("cannot serve gRPC on unix:", options.socket_path,
+                                               options.listen.empty() ? "" : " and ",
+                                               options.listen));
+  }
+  if (chmod(options.socket_path.c_str(), options.socket_mode) != 0) {
+    return absl::ErrnoToStatus(errno, absl::StrCat("chmod ", options.socket_path));
+  }
+  d->server_->GetHealthCheckService()->SetServingStatus(true);
+
+  if (!options.metrics.empty()) {
+    try {
+      d->exposer_ = std::make_unique<prometheus::Exposer>(options.metrics);
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(absl::StrCat("--metrics ", options.metrics, ": ", e.what()));
+    }
+    d->exposer_->RegisterCollectable(d->metrics_);
+    d->metrics_port_ = d->exposer_->GetListeningPorts().front();
+  }
+  UBEP_LOG(INFO) << "ubepd serving: unix:" << options.socket_path
+                 << (options.listen.empty() ? "" : absl::StrCat(", ", options.listen, " (port ",
+                                                                d->listen_port_, ")"))
+                 << (options.metrics.empty()
+                         ? ""
+                         : absl::StrCat(", metrics port ", d->metrics_port_));
+  return d;
+}
+
+bool Daemon::Drain(absl::Duration timeout) {
+  server_->GetHealthCheckService()->SetServingStatus(false);
+  node_->Drain();
+  const bool all = node_->AwaitDetached(timeout);
+  UBEP_LOG(INFO) << (all ? "drained: every client detached"
+                         : "drain timed out with clients still attached");
+  return all;
+}
+
+}  // namespace ubep::daemon

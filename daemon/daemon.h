@@ -1,0 +1,74 @@
+// Daemon: ubepd assembled: the Node, its fd socket, the gRPC servers (Unix socket for the
+// node's serving processes, TCP for peers and the balancer; grpc.health.v1 and server
+// reflection on both) and the Prometheus exposition.
+//
+//   Daemon daemon = *Daemon::Start(options);
+//   ... SIGTERM ...
+//   daemon->Drain(absl::Seconds(10));   // NOT_SERVING, clients told, bounded wait
+//
+// Thread-safe.
+#ifndef UBEP_DAEMON_DAEMON_H_
+#define UBEP_DAEMON_DAEMON_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "daemon/node.h"
+
+namespace grpc {
+class Server;
+}
+namespace prometheus {
+class Exposer;
+}
+
+namespace ubep::daemon {
+
+class DaemonMetrics;
+class DaemonService;
+class FdServer;
+
+struct DaemonOptions {
+  std::string backend = "host";          // "host"; "cuda" where built with CUDA.
+  std::string socket_path;               // gRPC for local clients; fd socket at PATH.fds.
+  mode_t socket_mode = 0660;
+  std::string listen;                    // HOST:PORT for peers and the balancer; "" = none.
+  std::string metrics;                   // HOST:PORT of the Prometheus exposition; "" = none.
+  absl::Duration harvest_interval = absl::Seconds(1);
+  int max_message_bytes = 1 << 20;       // Larger requests are refused by gRPC.
+  NodeOptions node;                      // fd_socket_path is filled in from socket_path.
+};
+
+class Daemon {
+ public:
+  static absl::StatusOr<std::unique_ptr<Daemon>> Start(DaemonOptions options);
+  ~Daemon();
+
+  // Health NOT_SERVING, no new attaches, every client's waits fail with "draining"; then waits
+  // up to `timeout` for the clients to detach. Returns whether all did.
+  bool Drain(absl::Duration timeout);
+
+  // Ports actually bound (useful with port 0); 0 when not listening.
+  int listen_port() const { return listen_port_; }
+  int metrics_port() const { return metrics_port_; }
+  Node& node() { return *node_; }
+
+ private:
+  explicit Daemon(DaemonOptions options);
+
+  DaemonOptions options_;
+  std::unique_ptr<Node> node_;
+  std::shared_ptr<DaemonMetrics> metrics_;  // The exposer holds a weak_ptr.
+  std::unique_ptr<DaemonService> service_;
+  std::unique_ptr<FdServer> fd_server_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  int listen_port_ = 0;
+  int metrics_port_ = 0;
+};
+
+}  // namespace ubep::daemon
+
+#endif  // UBEP_DAEMON_DAEMON_H_

@@ -1,0 +1,104 @@
+// ubepd: the UBEP node daemon. Flags are parsed here into DaemonOptions; an operator may keep
+// them in a file and pass --flagfile=FILE (one --flag=value per line).
+#include <signal.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "daemon/daemon.h"
+
+ABSL_FLAG(std::string, backend, "host", "Arena backend: host (memfd shared memory) or cuda.");
+ABSL_FLAG(std::string, socket, "/run/ubep/ubepd.sock",
+          "Unix socket for the node's serving processes (the fd socket is PATH.fds).");
+ABSL_FLAG(std::string, socket_mode, "0660", "File mode of the Unix sockets (octal).");
+ABSL_FLAG(std::string, listen, "", "HOST:PORT for gRPC from peers and the balancer; empty = off.");
+ABSL_FLAG(std::string, metrics, "127.0.0.1:9464",
+          "HOST:PORT of the Prometheus exposition (/metrics); empty = off.");
+ABSL_FLAG(std::string, plan, "",
+          "Static plan (EPLB or ubep-balance plan JSON); empty = round-robin placement.");
+ABSL_FLAG(std::string, protocol, "ubep", "Data-plane protocol: ubep or bsp.");
+ABSL_FLAG(absl::Duration, wait_timeout, absl::Seconds(10),
+          "Every data-plane wait gives up after this and names the peer it waited for.");
+ABSL_FLAG(absl::Duration, join_timeout, absl::Seconds(60),
+          "Longest a rank waits in Join for the rest of its group.");
+ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(10),
+          "On SIGTERM, how long to wait for clients to detach before exiting.");
+ABSL_FLAG(absl::Duration, harvest_interval, absl::Seconds(1),
+          "How often the load counters are read.");
+ABSL_FLAG(int, free_buffers, 2, "Expert weight buffers per layer beyond the slots (migration).");
+ABSL_FLAG(uint64_t, max_arena_bytes, uint64_t{16} << 30, "Largest arena per rank, in bytes.");
+ABSL_FLAG(std::string, ready_file, "",
+          "When set, written once serving: JSON with the bound ports (for scripts and tests).");
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "ubepd: the UBEP node daemon. Owns the arenas of its node's ranks and serves them to "
+      "serving processes (libubep).\nUsage: ubepd --socket PATH [--listen HOST:PORT] "
+      "[--metrics HOST:PORT] [--plan FILE] [--backend host|cuda]");
+  absl::ParseCommandLine(argc, argv);
+
+  ubep::daemon::DaemonOptions options;
+  options.backend = absl::GetFlag(FLAGS_backend);
+  options.socket_path = absl::GetFlag(FLAGS_socket);
+  options.listen = absl::GetFlag(FLAGS_listen);
+  options.metrics = absl::GetFlag(FLAGS_metrics);
+  options.harvest_interval = absl::GetFlag(FLAGS_harvest_interval);
+  const std::string mode = absl::GetFlag(FLAGS_socket_mode);
+  char* end = nullptr;
+  options.socket_mode = static_cast<mode_t>(std::strtoul(mode.c_str(), &end, 8));
+  if (mode.empty() || *end != '\0' || options.socket_mode > 0777) {
+    std::cerr << "ubepd: --socket_mode " << mode << " is not an octal file mode\n";
+    return 2;
+  }
+  const std::string protocol = absl::GetFlag(FLAGS_protocol);
+  if (protocol != "ubep" && protocol != "bsp") {
+    std::cerr << "ubepd: --protocol " << protocol << ": expected ubep or bsp\n";
+    return 2;
+  }
+  options.node.protocol =
+      protocol == "bsp" ? ubep::kernels::Protocol::kBsp : ubep::kernels::Protocol::kUbep;
+  options.node.wait_timeout = absl::GetFlag(FLAGS_wait_timeout);
+  options.node.join_timeout = absl::GetFlag(FLAGS_join_timeout);
+  options.node.free_buffers = absl::GetFlag(FLAGS_free_buffers);
+  options.node.max_arena_bytes = absl::GetFlag(FLAGS_max_arena_bytes);
+  options.node.plan_path = absl::GetFlag(FLAGS_plan);
+  if (options.node.free_buffers < 0) {
+    std::cerr << "ubepd: --free_buffers must be >= 0\n";
+    return 2;
+  }
+
+  // Signals go to this thread only (sigwait below), never to a server thread.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  absl::StatusOr<std::unique_ptr<ubep::daemon::Daemon>> daemon =
+      ubep::daemon::Daemon::Start(options);
+  if (!daemon.ok()) {
+    std::cerr << "ubepd: " << daemon.status().message() << "\n";
+    return 1;
+  }
+  const std::string ready_file = absl::GetFlag(FLAGS_ready_file);
+  if (!ready_file.empty()) {
+    const std::string tmp = ready_file + ".tmp";
+    std::ofstream(tmp) << "{\"pid\": " << getpid() << ", \"socket\": \"" << options.socket_path
+                       << "\", \"listen_port\": " << (*daemon)->listen_port()
+                       << ", \"metrics_port\": " << (*daemon)->metrics_port() << "}\n";
+    std::rename(tmp.c_str(), ready_file.c_str());
+  }
+  int received = 0;
+  sigwait(&signals, &received);
+  const bool clean = (*daemon)->Drain(absl::GetFlag(FLAGS_drain_timeout));
+  daemon->reset();
+  return clean ? 0 : 3;
+}

@@ -1,0 +1,240 @@
+#include "daemon/metrics.h"
+
+#include <algorithm>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/host/rank_arena.h"
+
+namespace ubep::daemon {
+namespace {
+
+using prometheus::ClientMetric;
+using prometheus::MetricFamily;
+using prometheus::MetricType;
+
+uint64_t Load(const uint64_t& word) {
+  return std::atomic_ref<const uint64_t>(word).load(std::memory_order_relaxed);
+}
+
+MetricFamily Family(const char* name, const char* help, MetricType type) {
+  MetricFamily f;
+  f.name = name;
+  f.help = help;
+  f.type = type;
+  return f;
+}
+
+ClientMetric GaugeValue(double value, std::vector<ClientMetric::Label> labels = {}) {
+  ClientMetric m;
+  m.label = std::move(labels);
+  m.gauge.value = value;
+  return m;
+}
+
+ClientMetric CounterValue(double value, std::vector<ClientMetric::Label> labels = {}) {
+  ClientMetric m;
+  m.label = std::move(labels);
+  m.counter.value = value;
+  return m;
+}
+
+ClientMetric HistogramValue(const kernels::LatencyHistogram& h,
+                            std::vector<ClientMetric::Label> labels) {
+  ClientMetric m;
+  m.label = std::move(labels);
+  uint64_t cumulative = 0;
+  double bound = kernels::kLatencyBucketBase;
+  for (int b = 0; b < kernels::kLatencyBuckets; ++b) {
+    cumulative += Load(h.bucket[b]);
+    m.histogram.bucket.push_back({cumulative, bound});
+    bound *= kernels::kLatencyBucketFactor;
+  }
+  cumulative += Load(h.bucket[kernels::kLatencyBuckets]);
+  m.histogram.bucket.push_back({cumulative, std::numeric_limits<double>::infinity()});
+  m.histogram.sample_count = cumulative;
+  m.histogram.sample_sum = static_cast<double>(Load(h.sum_ns)) * 1e-9;
+  return m;
+}
+
+const char* CodeName(int code) {
+  static const char* const kNames[] = {
+      "OK",        "CANCELLED",          "UNKNOWN",           "INVALID_ARGUMENT",
+      "DEADLINE_EXCEEDED", "NOT_FOUND",  "ALREADY_EXISTS",    "PERMISSION_DENIED",
+      "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
+      "UNIMPLEMENTED", "INTERNAL",       "UNAVAILABLE",       "DATA_LOSS",
+      "UNAUTHENTICATED"};
+  return kNames[code];
+}
+
+}  // namespace
+
+DaemonMetrics::DaemonMetrics(const Node* node, absl::Duration interval)
+    : node_(node), interval_(interval), thread_([this] { Loop(); }) {}
+
+DaemonMetrics::~DaemonMetrics() {
+  {
+    MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  thread_.join();
+}
+
+void DaemonMetrics::CountRpcError(absl::StatusCode code) {
+  const int c = static_cast<int>(code);
+  if (c > 0 && c < 17) rpc_errors_[c].fetch_add(1, std::memory_order_relaxed);
+}
+
+void DaemonMetrics::Loop() {
+  MutexLock lock(&mu_);
+  while (!stop_) {
+    if (mu_.AwaitWithTimeout([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; },
+                             interval_)) {
+      break;
+    }
+    mu_.Unlock();
+    Harvest();
+    mu_.Lock();
+  }
+}
+
+void DaemonMetrics::Harvest() {
+  std::vector<std::vector<uint64_t>> rank_load;  // [layer][rank]
+  node_->ForEachArena([&](int rank, std::byte* base, const kernels::RankArenaLayout& layout,
+                          const kernels::EpConfig& config) {
+    const kernels::ArenaLayout ep(config);
+    const auto* counters = reinterpret_cast<const uint64_t*>(base + layout.ep + ep.load_counters);
+    if (rank_load.empty()) {
+      rank_load.assign(config.num_layers, std::vector<uint64_t>(config.num_ranks, 0));
+    }
+    for (int l = 0; l < config.num_layers; ++l) {
+      for (int i = 0; i < config.slots_per_rank; ++i) {
+        rank_load[l][rank] += Load(counters[l * config.slots_per_rank + i]);
+      }
+    }
+  });
+  MutexLock lock(&mu_);
+  Harvested& h = harvested_;
+  if (rank_load.size() != h.last_rank_load.size() ||
+      (!rank_load.empty() && rank_load[0].size() != h.last_rank_load[0].size())) {
+    h = Harvested{};  // A new group: start over.
+    h.last_rank_load.assign(rank_load.size(),
+                            std::vector<uint64_t>(rank_load.empty() ? 0 : rank_load[0].size(), 0));
+    h.imbalance.assign(rank_load.size(), 1.0);
+  }
+  h.received.assign(rank_load.size(), 0);
+  for (size_t l = 0; l < rank_load.size(); ++l) {
+    uint64_t total = 0, top = 0;
+    for (size_t r = 0; r < rank_load[l].size(); ++r) {
+      const uint64_t delta = rank_load[l][r] - std::min(rank_load[l][r], h.last_rank_load[l][r]);
+      total += delta;
+      top = std::max(top, delta);
+      h.received[l] += rank_load[l][r];
+    }
+    if (total > 0) {
+      h.imbalance[l] = static_cast<double>(top) * rank_load[l].size() / static_cast<double>(total);
+    }
+    h.last_rank_load[l] = rank_load[l];
+  }
+}
+
+std::vector<MetricFamily> DaemonMetrics::Collect() const {
+  const NodeSnapshot node = node_->Snapshot();
+  std::vector<MetricFamily> out;
+  auto rank_label = [](int r) { return std::vector<ClientMetric::Label>{{"rank", std::to_string(r)}}; };
+
+  MetricFamily attached = Family("ubep_daemon_attached_clients",
+                                 "Serving processes attached to this daemon.", MetricType::Gauge);
+  attached.metric.push_back(GaugeValue(node.attached));
+  out.push_back(std::move(attached));
+
+  MetricFamily bytes = Family("ubep_daemon_arena_bytes", "Bytes of shared memory in the arenas.",
+                              MetricType::Gauge);
+  bytes.metric.push_back(GaugeValue(static_cast<double>(node.arena_bytes)));
+  out.push_back(std::move(bytes));
+
+  MetricFamily version = Family("ubep_daemon_plan_version", "Version of the plan in force.",
+                                MetricType::Gauge);
+  version.metric.push_back(GaugeValue(static_cast<double>(node.plan_version)));
+  out.push_back(std::move(version));
+
+  MetricFamily generation = Family("ubep_daemon_group_generation",
+                                   "Times the EP group has formed (it re-forms after a rank "
+                                   "leaves and comes back).", MetricType::Gauge);
+  generation.metric.push_back(GaugeValue(static_cast<double>(node.generation)));
+  out.push_back(std::move(generation));
+
+  MetricFamily draining = Family("ubep_daemon_draining", "1 while the daemon is shutting down.",
+                                 MetricType::Gauge);
+  draining.metric.push_back(GaugeValue(node.draining ? 1 : 0));
+  out.push_back(std::move(draining));
+
+  MetricFamily up = Family("ubep_daemon_rank_up", "1 when the rank's client is attached.",
+                           MetricType::Gauge);
+  for (size_t r = 0; r < node.rank_up.size(); ++r) {
+    up.metric.push_back(GaugeValue(node.rank_up[r] ? 1 : 0, rank_label(static_cast<int>(r))));
+  }
+  out.push_back(std::move(up));
+
+  MetricFamily step = Family("ubep_daemon_step", "Last step each rank began.", MetricType::Gauge);
+  MetricFamily dispatched = Family("ubep_daemon_dispatched_tokens_total",
+                                   "Tokens each rank gave to dispatch.", MetricType::Counter);
+  MetricFamily timeouts = Family("ubep_daemon_wait_timeouts_total",
+                                 "Data-plane waits that gave up, per rank.", MetricType::Counter);
+  MetricFamily dispatch_latency = Family("ubep_daemon_dispatch_seconds",
+                                         "Dispatch call latency per rank.", MetricType::Histogram);
+  MetricFamily combine_latency = Family("ubep_daemon_combine_seconds",
+                                        "Combine call latency per rank.", MetricType::Histogram);
+  std::array<uint64_t, 17> client_errors{};
+  node_->ForEachArena([&](int rank, std::byte* base, const kernels::RankArenaLayout& layout,
+                          const kernels::EpConfig&) {
+    const kernels::RankControl* c = kernels::ControlOf(base, layout);
+    step.metric.push_back(GaugeValue(static_cast<double>(Load(c->step)), rank_label(rank)));
+    dispatched.metric.push_back(
+        CounterValue(static_cast<double>(Load(c->dispatched_tokens)), rank_label(rank)));
+    timeouts.metric.push_back(
+        CounterValue(static_cast<double>(Load(c->wait_timeouts)), rank_label(rank)));
+    dispatch_latency.metric.push_back(HistogramValue(c->dispatch_latency, rank_label(rank)));
+    combine_latency.metric.push_back(HistogramValue(c->combine_latency, rank_label(rank)));
+    for (int code = 1; code < 17; ++code) client_errors[code] += Load(c->errors[code]);
+  });
+  out.push_back(std::move(step));
+  out.push_back(std::move(dispatched));
+  out.push_back(std::move(timeouts));
+  out.push_back(std::move(dispatch_latency));
+  out.push_back(std::move(combine_latency));
+
+  MetricFamily errors = Family("ubep_daemon_errors_total",
+                               "Errors by gRPC code: returned by the daemon's RPCs (source=rpc) "
+                               "and by the clients' data-plane calls (source=client).",
+                               MetricType::Counter);
+  for (int code = 1; code < 17; ++code) {
+    errors.metric.push_back(CounterValue(
+        static_cast<double>(rpc_errors_[code].load(std::memory_order_relaxed)),
+        {{"code", CodeName(code)}, {"source", "rpc"}}));
+    errors.metric.push_back(CounterValue(static_cast<double>(client_errors[code]),
+                                         {{"code", CodeName(code)}, {"source", "client"}}));
+  }
+  out.push_back(std::move(errors));
+
+  MetricFamily received = Family("ubep_daemon_received_tokens_total",
+                                 "Routed (token, k) pairs received by this node's ranks, per "
+                                 "MoE layer.", MetricType::Counter);
+  MetricFamily imbalance = Family("ubep_daemon_imbalance_ratio",
+                                  "Per MoE layer: the busiest rank's received pairs over the "
+                                  "mean, over the last harvest interval (1 = balanced).",
+                                  MetricType::Gauge);
+  {
+    MutexLock lock(&mu_);
+    for (size_t l = 0; l < harvested_.received.size(); ++l) {
+      const std::vector<ClientMetric::Label> layer{{"layer", std::to_string(l)}};
+      received.metric.push_back(CounterValue(static_cast<double>(harvested_.received[l]), layer));
+      imbalance.metric.push_back(GaugeValue(harvested_.imbalance[l], layer));
+    }
+  }
+  out.push_back(std::move(received));
+  out.push_back(std::move(imbalance));
+  return out;
+}
+
+}  // namespace ubep::daemon

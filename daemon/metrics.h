@@ -1,0 +1,55 @@
+// DaemonMetrics: ubepd's Prometheus exposition (names ubep_daemon_*). A harvester thread reads
+// the arenas' load counters about once a second and keeps per-layer received pairs and the
+// imbalance of the last interval; everything else is read at scrape time from the Node and
+// from the counters each rank's client keeps in its arena (RankControl).
+// Thread-safe.
+#ifndef UBEP_DAEMON_METRICS_H_
+#define UBEP_DAEMON_METRICS_H_
+
+#include <array>
+#include <atomic>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "common/mutex.h"
+#include "daemon/node.h"
+#include "prometheus/collectable.h"
+#include "prometheus/metric_family.h"
+
+namespace ubep::daemon {
+
+class DaemonMetrics : public prometheus::Collectable {
+ public:
+  // Starts harvesting every `interval`.
+  DaemonMetrics(const Node* node, absl::Duration interval);
+  ~DaemonMetrics() override;
+
+  // Errors the daemon's RPCs returned, by code.
+  void CountRpcError(absl::StatusCode code);
+  // Harvests now (the thread does it every interval; tests call it directly).
+  void Harvest();
+
+  std::vector<prometheus::MetricFamily> Collect() const override;
+
+ private:
+  struct Harvested {
+    std::vector<uint64_t> received;        // Per layer: pairs received, all ranks.
+    std::vector<double> imbalance;         // Per layer: max/mean rank load, last interval.
+    std::vector<std::vector<uint64_t>> last_rank_load;  // [layer][rank] at the last harvest.
+  };
+  void Loop();
+
+  const Node* node_;
+  const absl::Duration interval_;
+  std::array<std::atomic<uint64_t>, 17> rpc_errors_{};
+  mutable Mutex mu_;
+  Harvested harvested_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
+}  // namespace ubep::daemon
+
+#endif  // UBEP_DAEMON_METRICS_H_

@@ -1,0 +1,463 @@
+#include "daemon/node.h"
+
+#include <sys/random.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "balancer/formats/json_formats.h"
+#include "balancer/formats/proto_convert.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "kernels/common/plan_area.h"
+#include "kernels/common/plan_table.h"
+
+namespace ubep::daemon {
+namespace {
+
+constexpr uint32_t kMaxWorld = 1024;
+constexpr uint32_t kMaxExperts = 1024;
+constexpr uint32_t kMaxTokens = 1u << 20;
+constexpr uint32_t kMaxHidden = 1u << 16;
+
+std::string NewToken() {
+  unsigned char bytes[16];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (n > 0) got += static_cast<size_t>(n);
+  }
+  return absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
+}
+
+uint32_t* AbortWordOf(std::byte* base, const kernels::RankArenaLayout& layout,
+                      const kernels::EpConfig& config) {
+  return reinterpret_cast<uint32_t*>(base + layout.ep + kernels::ArenaLayout(config).abort);
+}
+
+// Field-by-field comparison of two shapes: the first mismatch, named.
+absl::Status CompareShapes(const v1::AttachRequest& group, const v1::AttachRequest& request) {
+  const v1::ModelShape& g = group.shape();
+  const v1::ModelShape& r = request.shape();
+  const std::pair<const char*, std::pair<uint64_t, uint64_t>> fields[] = {
+      {"world_size", {group.world_size(), request.world_size()}},
+      {"num_layers", {g.num_layers(), r.num_layers()}},
+      {"num_experts", {g.num_experts(), r.num_experts()}},
+      {"hidden", {g.hidden(), r.hidden()}},
+      {"top_k", {g.top_k(), r.top_k()}},
+      {"max_tokens", {g.max_tokens(), r.max_tokens()}},
+      {"slots_per_rank", {g.slots_per_rank(), r.slots_per_rank()}},
+      {"bytes_per_expert", {g.bytes_per_expert(), r.bytes_per_expert()}},
+      {"dtype", {static_cast<uint64_t>(g.dtype()), static_cast<uint64_t>(r.dtype())}},
+  };
+  for (const auto& [name, values] : fields) {
+    if (values.first != values.second) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("shape conflicts with the attached group: ", name, " is ", values.second,
+                       ", the group has ", values.first));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateRequest(const v1::AttachRequest& q) {
+  const v1::ModelShape& s = q.shape();
+  auto bad = [](auto&&... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };
+  if (q.world_size() == 0 || q.world_size() > kMaxWorld) {
+    return bad("world_size ", q.world_size(), " is outside [1, ", kMaxWorld, "]");
+  }
+  if (q.rank() >= q.world_size()) {
+    return bad("rank ", q.rank(), " is outside [0, ", q.world_size(), ")");
+  }
+  const std::pair<const char*, uint64_t> positive[] = {
+      {"num_layers", s.num_layers()}, {"num_experts", s.num_experts()}, {"hidden", s.hidden()},
+      {"top_k", s.top_k()},           {"max_tokens", s.max_tokens()},
+      {"slots_per_rank", s.slots_per_rank()}};
+  for (const auto& [name, value] : positive) {
+    if (value == 0) return bad("shape.", name, " must be positive");
+  }
+  if (s.top_k() > static_cast<uint32_t>(kernels::kMaxTopK)) {
+    return bad("shape.top_k ", s.top_k(), " exceeds ", kernels::kMaxTopK);
+  }
+  if (s.top_k() > s.num_experts()) {
+    return bad("shape.top_k ", s.top_k(), " exceeds num_experts ", s.num_experts());
+  }
+  if (s.num_experts() > kMaxExperts) {
+    return bad("shape.num_experts ", s.num_experts(), " exceeds ", kMaxExperts);
+  }
+  if (s.max_tokens() > kMaxTokens) return bad("shape.max_tokens ", s.max_tokens(), " exceeds ", kMaxTokens);
+  if (s.hidden() > kMaxHidden) return bad("shape.hidden ", s.hidden(), " exceeds ", kMaxHidden);
+  if (static_cast<uint64_t>(s.slots_per_rank()) * q.world_size() < s.num_experts()) {
+    return bad("shape.slots_per_rank ", s.slots_per_rank(), " x world_size ", q.world_size(),
+               " cannot hold ", s.num_experts(), " experts");
+  }
+  if (s.slots_per_rank() > 4096) return bad("shape.slots_per_rank ", s.slots_per_rank(), " exceeds 4096");
+  if (!v1::DType_IsValid(s.dtype())) return bad("shape.dtype ", s.dtype(), " is not a DType");
+  return absl::OkStatus();
+}
+
+balancer::Plan RoundRobinPlan(const balancer::Topology& topology, int num_experts, int num_layers) {
+  balancer::Plan plan;
+  plan.version = 1;
+  plan.topology = topology;
+  plan.num_experts = num_experts;
+  for (int l = 0; l < num_layers; ++l) {
+    balancer::LayerPlan layer;
+    layer.slot_expert.resize(topology.num_slots());
+    for (int p = 0; p < topology.num_slots(); ++p) layer.slot_expert[p] = p % num_experts;
+    balancer::SetEqualShares(num_experts, layer);
+    plan.layer_ids.push_back(l);
+    plan.layers.push_back(std::move(layer));
+  }
+  return plan;
+}
+
+}  // namespace
+
+Node::Node(NodeOptions options) : options_(std::move(options)) {}
+
+Node::~Node() = default;
+
+absl::Status Node::CreateGroup(const v1::AttachRequest& q) {
+  const v1::ModelShape& s = q.shape();
+  kernels::EpConfig config;
+  config.num_ranks = static_cast<int>(q.world_size());
+  config.max_tokens = static_cast<int>(s.max_tokens());
+  config.hidden = static_cast<int>(s.hidden());
+  config.top_k = static_cast<int>(s.top_k());
+  config.num_experts = static_cast<int>(s.num_experts());
+  config.slots_per_rank = static_cast<int>(s.slots_per_rank());
+  config.num_layers = static_cast<int>(s.num_layers());
+  config.dtype = s.dtype() == v1::DTYPE_BFLOAT16 ? kernels::DType::kBFloat16
+                                                 : kernels::DType::kFloat32;
+  config.protocol = options_.protocol;
+  config.timeout = options_.wait_timeout;
+  UBEP_RETURN_IF_ERROR(kernels::ValidateConfig(config));
+  const kernels::RankArenaLayout layout =
+      kernels::RankArenaLayout::Compute(config, s.bytes_per_expert(), options_.free_buffers);
+  if (layout.total_bytes > options_.max_arena_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "this shape needs an arena of ", layout.total_bytes, " bytes per rank, over the ",
+        options_.max_arena_bytes, " bytes ubepd allows (--max-arena-bytes)"));
+  }
+
+  balancer::Topology topology;
+  topology.num_ranks = config.num_ranks;
+  topology.num_nodes = 1;
+  topology.slots_per_rank = config.slots_per_rank;
+  balancer::Plan plan;
+  if (options_.plan_path.empty()) {
+    plan = RoundRobinPlan(topology, config.num_experts, config.num_layers);
+  } else {
+    absl::StatusOr<balancer::Plan> loaded = balancer::ReadPlanFile(options_.plan_path, topology);
+    if (!loaded.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the static plan does not fit this group: ", loaded.status().message()));
+    }
+    plan = *std::move(loaded);
+    if (plan.num_experts != config.num_experts || plan.num_layers() != config.num_layers) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the static plan ", options_.plan_path, " has ", plan.num_layers(), " layers x ",
+          plan.num_experts, " experts; the model has ", config.num_layers, " x ",
+          config.num_experts));
+    }
+    if (plan.version == 0) plan.version = 1;
+  }
+  std::vector<kernels::LayerRouting> routing;
+  for (const balancer::LayerPlan& layer : plan.layers) {
+    routing.push_back({layer.slot_expert, layer.slot_share});
+  }
+  UBEP_ASSIGN_OR_RETURN(std::vector<std::byte> table,
+                        kernels::BuildPlanTable(plan.version, config.num_experts, routing));
+
+  std::vector<kernels::SharedArena> arenas;
+  for (int r = 0; r < config.num_ranks; ++r) {
+    UBEP_ASSIGN_OR_RETURN(kernels::SharedArena arena,
+                          kernels::SharedArena::Create(absl::StrCat("ubep-rank-", r),
+                                                       layout.total_bytes));
+    kernels::FormatRankArena(arena.data(), layout, config, r);
+    void* area = arena.data() + layout.plan;
+    UBEP_RETURN_IF_ERROR(kernels::PreparePlan(area, table, plan.version, 0));
+    UBEP_RETURN_IF_ERROR(kernels::CommitPlan(area, plan.version));
+    arenas.push_back(std::move(arena));
+  }
+  arenas_ = std::move(arenas);
+  config_ = config;
+  layout_ = layout;
+  plan_ = std::move(plan);
+  group_request_ = q;
+  ranks_.assign(config.num_ranks, RankEntry{});
+  group_ready_ = false;
+  has_group_ = true;
+  UBEP_LOG(INFO) << "group created: " << config.num_ranks << " ranks, " << config.num_layers
+                 << " layers x " << config.num_experts << " experts, hidden " << config.hidden
+                 << ", arena " << layout.total_bytes << " bytes per rank, plan v" << plan_.version
+                 << (options_.plan_path.empty() ? " (round-robin)" : " from " + options_.plan_path);
+  return absl::OkStatus();
+}
+
+int Node::AttachedLocked() const {
+  return static_cast<int>(std::count_if(ranks_.begin(), ranks_.end(), [](const RankEntry& e) {
+    return e.state != RankState::kFree;
+  }));
+}
+
+absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request) {
+  UBEP_RETURN_IF_ERROR(ValidateRequest(request));
+  MutexLock lock(&mu_);
+  if (draining_) {
+    return absl::UnavailableError("ubepd is draining (shutting down); attach again when it is back");
+  }
+  const absl::Time now = absl::Now();
+  for (RankEntry& e : ranks_) {
+    if (e.state == RankState::kAttached && now > e.ticket_deadline) e = RankEntry{};
+  }
+  if (has_group_ && AttachedLocked() > 0) {
+    UBEP_RETURN_IF_ERROR(CompareShapes(group_request_, request));
+  } else if (!has_group_ || !CompareShapes(group_request_, request).ok()) {
+    UBEP_RETURN_IF_ERROR(CreateGroup(request));
+  }
+  RankEntry& entry = ranks_[request.rank()];
+  if (entry.state != RankState::kFree) {
+    return absl::AlreadyExistsError(absl::StrCat("rank ", request.rank(),
+                                                 " is already attached (pid ", entry.pid,
+                                                 "); detach it or stop that process first"));
+  }
+  entry = RankEntry{};
+  entry.state = RankState::kAttached;
+  entry.token = NewToken();
+  entry.pid = request.pid();
+  entry.ticket_deadline = now + options_.ticket_timeout;
+
+  v1::AttachResponse response;
+  response.set_token(entry.token);
+  response.set_fd_socket(options_.fd_socket_path);
+  response.set_backend("host");
+  response.set_protocol(config_.protocol == kernels::Protocol::kBsp ? "bsp" : "ubep");
+  response.set_wait_timeout_ms(absl::ToInt64Milliseconds(config_.timeout));
+  v1::ArenaLayout* l = response.mutable_layout();
+  l->set_total_bytes(layout_.total_bytes);
+  l->set_control_offset(layout_.control);
+  l->set_ep_offset(layout_.ep);
+  l->set_ep_bytes(layout_.ep_bytes);
+  l->set_plan_offset(layout_.plan);
+  l->set_plan_capacity(layout_.plan_capacity);
+  l->set_slot_map_offset(layout_.slot_map);
+  l->set_weights_offset(layout_.weights);
+  l->set_weight_stride(layout_.weight_stride);
+  l->set_buffers_per_layer(layout_.buffers_per_layer);
+  for (int r = 0; r < config_.num_ranks; ++r) response.add_arena_ranks(r);
+  UBEP_LOG(INFO) << "rank " << request.rank() << " attached (pid " << request.pid() << ")";
+  return response;
+}
+
+absl::StatusOr<std::vector<int>> Node::ClaimArenas(const std::string& token, int64_t connection) {
+  MutexLock lock(&mu_);
+  for (RankEntry& e : ranks_) {
+    if (e.state != RankState::kAttached || e.token != token) continue;
+    if (absl::Now() > e.ticket_deadline) {
+      e = RankEntry{};
+      return absl::DeadlineExceededError("attach token expired; attach again");
+    }
+    e.state = RankState::kConnected;
+    e.connection = connection;
+    std::vector<int> fds;
+    for (const kernels::SharedArena& arena : arenas_) fds.push_back(arena.fd());
+    return fds;
+  }
+  return absl::NotFoundError("unknown or already used attach token; attach again");
+}
+
+absl::Status Node::CheckToken(uint32_t rank, const std::string& token, bool need_connected) const {
+  if (!has_group_ || rank >= ranks_.size()) {
+    return absl::FailedPreconditionError(absl::StrCat("rank ", rank, " is not attached"));
+  }
+  const RankEntry& e = ranks_[rank];
+  if (e.state == RankState::kFree || e.token != token) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("rank ", rank, " is not attached with this token; attach again"));
+  }
+  if (need_connected && e.state != RankState::kConnected) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", rank, " has not taken its arenas from the fd socket ", options_.fd_socket_path));
+  }
+  return absl::OkStatus();
+}
+
+void Node::SetGroupState(uint32_t state) {
+  for (kernels::SharedArena& arena : arenas_) {
+    std::atomic_ref<uint32_t>(kernels::ControlOf(arena.data(), layout_)->group_state)
+        .store(state, std::memory_order_release);
+  }
+}
+
+void Node::BreakGroup(int rank) {
+  if (!group_ready_) return;
+  group_ready_ = false;
+  SetGroupState(kernels::kGroupBroken);
+  for (kernels::SharedArena& arena : arenas_) {
+    uint32_t expected = 0;
+    std::atomic_ref<uint32_t>(*AbortWordOf(arena.data(), layout_, config_))
+        .compare_exchange_strong(expected, kernels::kAbortRankGone | static_cast<uint32_t>(rank),
+                                 std::memory_order_acq_rel);
+  }
+}
+
+void Node::FormGroup() {
+  ++generation_;
+  std::optional<uint64_t> resume;
+  for (RankEntry& e : ranks_) {
+    if (e.next_step.has_value()) resume = std::min(resume.value_or(*e.next_step), *e.next_step);
+    e.joining = false;
+    e.next_step.reset();
+  }
+  resume_step_ = resume.value_or(0);
+  const kernels::ArenaLayout ep_layout(config_);
+  for (kernels::SharedArena& arena : arenas_) {
+    kernels::ResetSignals(arena.data() + layout_.ep, ep_layout);
+    kernels::RankControl* control = kernels::ControlOf(arena.data(), layout_);
+    std::atomic_ref<uint64_t>(control->generation).store(generation_, std::memory_order_release);
+  }
+  SetGroupState(kernels::kGroupReady);
+  group_ready_ = true;
+  UBEP_LOG(INFO) << "group formed: generation " << generation_ << ", " << ranks_.size()
+                 << " ranks, resuming at step " << resume_step_;
+}
+
+absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl::Time deadline) {
+  MutexLock lock(&mu_);
+  if (draining_) return absl::UnavailableError("ubepd is draining (shutting down)");
+  UBEP_RETURN_IF_ERROR(CheckToken(request.rank(), request.token(), /*need_connected=*/true));
+  const uint32_t rank = request.rank();
+  const std::string token = request.token();
+  RankEntry& entry = ranks_[rank];
+  entry.joining = true;
+  if (request.has_next_step()) entry.next_step = request.next_step();
+  const uint64_t start = generation_;
+  if (group_ready_) {
+    // A rank joining a running group means it stopped (an error, or a restart): stop the rest.
+    BreakGroup(static_cast<int>(rank));
+  }
+  if (std::all_of(ranks_.begin(), ranks_.end(), [](const RankEntry& e) {
+        return e.state == RankState::kConnected && e.joining;
+      })) {
+    FormGroup();
+  } else {
+    SetGroupState(kernels::kGroupForming);
+  }
+  deadline = std::min(deadline, absl::Now() + options_.join_timeout);
+  auto still_mine = [&] {
+    return ranks_[rank].state == RankState::kConnected && ranks_[rank].token == token;
+  };
+  const bool done = mu_.AwaitWithTimeout(
+      [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return generation_ != start || draining_ || !still_mine();
+      },
+      deadline - absl::Now());
+  if (generation_ != start) {
+    v1::JoinResponse response;
+    response.set_generation(generation_);
+    response.set_resume_step(resume_step_);
+    return response;
+  }
+  if (still_mine()) ranks_[rank].joining = false;
+  if (draining_) return absl::UnavailableError("ubepd is draining (shutting down)");
+  if (!still_mine()) {
+    return absl::FailedPreconditionError(absl::StrCat("rank ", rank, " detached while joining"));
+  }
+  (void)done;
+  std::vector<std::string> missing;
+  for (size_t r = 0; r < ranks_.size(); ++r) {
+    const RankEntry& e = ranks_[r];
+    if (e.state == RankState::kConnected && e.joining) continue;
+    missing.push_back(absl::StrCat(r, e.state == RankState::kFree ? " (not attached)" : ""));
+  }
+  return absl::DeadlineExceededError(absl::StrCat(
+      "the group of ", ranks_.size(), " ranks did not form in time; waiting for rank",
+      missing.size() == 1 ? " " : "s ", absl::StrJoin(missing, ", ")));
+}
+
+absl::Status Node::Detach(const v1::DetachRequest& request) {
+  MutexLock lock(&mu_);
+  UBEP_RETURN_IF_ERROR(CheckToken(request.rank(), request.token(), /*need_connected=*/false));
+  ranks_[request.rank()] = RankEntry{};
+  BreakGroup(static_cast<int>(request.rank()));
+  UBEP_LOG(INFO) << "rank " << request.rank() << " detached";
+  return absl::OkStatus();
+}
+
+void Node::ConnectionClosed(int64_t connection) {
+  MutexLock lock(&mu_);
+  for (size_t r = 0; r < ranks_.size(); ++r) {
+    RankEntry& e = ranks_[r];
+    if (e.state != RankState::kConnected || e.connection != connection) continue;
+    UBEP_LOG(WARNING) << "rank " << r << " (pid " << e.pid
+                      << ") disconnected without detaching: marking it gone";
+    e = RankEntry{};
+    BreakGroup(static_cast<int>(r));
+  }
+}
+
+absl::StatusOr<v1::GetPlanResponse> Node::GetPlan() const {
+  MutexLock lock(&mu_);
+  if (!has_group_) {
+    return absl::FailedPreconditionError("no plan yet: it is made when the first rank attaches");
+  }
+  v1::GetPlanResponse response;
+  *response.mutable_plan() = balancer::ToProto(plan_);
+  response.set_effective_step(0);
+  return response;
+}
+
+absl::StatusOr<v1::ReportStepResponse> Node::ReportStep(const v1::ReportStepRequest& request) {
+  MutexLock lock(&mu_);
+  UBEP_RETURN_IF_ERROR(CheckToken(request.rank(), request.token(), /*need_connected=*/false));
+  ranks_[request.rank()].step = request.step();
+  v1::ReportStepResponse response;
+  response.set_plan_version(plan_.version);
+  response.set_draining(draining_);
+  return response;
+}
+
+void Node::Drain() {
+  MutexLock lock(&mu_);
+  if (draining_) return;
+  draining_ = true;
+  group_ready_ = false;
+  SetGroupState(kernels::kGroupDraining);
+  for (kernels::SharedArena& arena : arenas_) {
+    std::atomic_ref<uint32_t>(*AbortWordOf(arena.data(), layout_, config_))
+        .store(kernels::kAbortDraining, std::memory_order_release);
+  }
+  UBEP_LOG(INFO) << "draining: " << AttachedLocked() << " ranks attached";
+}
+
+bool Node::AwaitDetached(absl::Duration timeout) {
+  MutexLock lock(&mu_);
+  return mu_.AwaitWithTimeout([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return AttachedLocked() == 0; },
+                              timeout);
+}
+
+NodeSnapshot Node::Snapshot() const {
+  MutexLock lock(&mu_);
+  NodeSnapshot s;
+  s.has_group = has_group_;
+  s.draining = draining_;
+  s.generation = generation_;
+  if (!has_group_) return s;
+  s.world_size = config_.num_ranks;
+  s.attached = AttachedLocked();
+  s.arena_bytes = static_cast<uint64_t>(layout_.total_bytes) * arenas_.size();
+  s.plan_version = plan_.version;
+  s.num_layers = config_.num_layers;
+  s.slots_per_rank = config_.slots_per_rank;
+  for (const RankEntry& e : ranks_) s.rank_up.push_back(e.state == RankState::kConnected);
+  return s;
+}
+
+}  // namespace ubep::daemon

@@ -1,0 +1,72 @@
+#include "kernels/host/rank_arena.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "kernels/common/plan_area.h"
+#include "kernels/common/plan_table.h"
+
+namespace ubep::kernels {
+namespace {
+
+constexpr size_t kPage = 4096;
+
+size_t AlignUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+}  // namespace
+
+int LatencyBucket(double seconds) {
+  double bound = kLatencyBucketBase;
+  for (int b = 0; b < kLatencyBuckets; ++b) {
+    if (seconds <= bound) return b;
+    bound *= kLatencyBucketFactor;
+  }
+  return kLatencyBuckets;
+}
+
+size_t MaxPlanTableBytes(const EpConfig& config) {
+  const uint32_t slots = static_cast<uint32_t>(config.num_ranks * config.slots_per_rank);
+  const uint32_t max_replicas = slots - static_cast<uint32_t>(config.num_experts) + 1;
+  return PlanTableBytes(config.num_layers, config.num_experts, max_replicas);
+}
+
+RankArenaLayout RankArenaLayout::Compute(const EpConfig& config, size_t bytes_per_expert,
+                                         int free_buffers) {
+  RankArenaLayout l;
+  size_t offset = 0;
+  auto carve = [&](size_t bytes) {
+    const size_t at = offset;
+    offset = AlignUp(offset + bytes, kPage);
+    return at;
+  };
+  l.control = carve(sizeof(RankControl));
+  l.ep_bytes = ArenaLayout(config).total_bytes;
+  l.ep = carve(l.ep_bytes);
+  l.plan_capacity = AlignUp(MaxPlanTableBytes(config), 64);
+  l.plan = carve(PlanAreaBytes(l.plan_capacity));
+  l.slot_map =
+      carve(2 * sizeof(uint32_t) * static_cast<size_t>(config.num_layers) * config.slots_per_rank);
+  l.buffers_per_layer = static_cast<uint32_t>(config.slots_per_rank + std::max(free_buffers, 0));
+  l.weight_stride = AlignUp(bytes_per_expert, 64);
+  l.weights = carve(static_cast<size_t>(config.num_layers) * l.buffers_per_layer * l.weight_stride);
+  l.total_bytes = offset;
+  return l;
+}
+
+void FormatRankArena(std::byte* base, const RankArenaLayout& layout, const EpConfig& config,
+                     int rank) {
+  RankControl* control = ControlOf(base, layout);
+  control->magic = kRankControlMagic;
+  control->version = kRankArenaVersion;
+  control->rank = static_cast<uint32_t>(rank);
+  control->world_size = static_cast<uint32_t>(config.num_ranks);
+  InitPlanArea(base + layout.plan, layout.plan_capacity);
+  for (int b = 0; b < 2; ++b) {
+    uint32_t* map = SlotMap(base, layout, config, b);
+    for (int l = 0; l < config.num_layers; ++l) {
+      for (int i = 0; i < config.slots_per_rank; ++i) map[l * config.slots_per_rank + i] = i;
+    }
+  }
+}
+
+}  // namespace ubep::kernels

@@ -1,0 +1,117 @@
+// RankArena: everything of one rank that lives in shared memory, as ubepd lays it out and a
+// serving process (libubep) maps it. Offsets from the arena's base, each part 4096-aligned:
+//
+//   control    4096 B    RankControl: the group's state (daemon writes) and the rank's
+//                        counters and latency histograms (its client writes)
+//   ep         ArenaLayout(config).total_bytes: signals, counts, load counters, token rows
+//   plan       PlanAreaBytes(plan_capacity): double-buffered, versioned plan tables
+//   slot_map   2 x L x S x u32: per plan buffer, the weight buffer of each (layer, local slot)
+//   weights    L x (S + F) x weight_stride: expert weights; F free buffers per layer take
+//              the experts a new plan brings, so no weights are overwritten while the old
+//              plan may still read them
+//
+// The daemon sends these offsets to clients (ubep.v1.ArenaLayout); both sides compute them
+// here. Words shared between processes are accessed through std::atomic_ref.
+#ifndef UBEP_KERNELS_HOST_RANK_ARENA_H_
+#define UBEP_KERNELS_HOST_RANK_ARENA_H_
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "kernels/host/arena_layout.h"
+
+namespace ubep::kernels {
+
+inline constexpr uint32_t kRankControlMagic = 0x43524255;  // "UBRC"
+inline constexpr uint32_t kRankArenaVersion = 1;
+
+// RankControl::group_state.
+enum GroupState : uint32_t {
+  kGroupForming = 0,   // Waiting for every rank to join.
+  kGroupReady = 1,     // Dispatch and combine may run.
+  kGroupBroken = 2,    // A rank left; the survivors must join again.
+  kGroupDraining = 3,  // The daemon is shutting down; detach.
+};
+
+// Latency histogram buckets (upper bounds, seconds): 10 us to ~5 s, x2.5 apart, plus +Inf.
+inline constexpr int kLatencyBuckets = 16;
+inline constexpr double kLatencyBucketBase = 10e-6;
+inline constexpr double kLatencyBucketFactor = 2.5;
+
+struct LatencyHistogram {
+  uint64_t bucket[kLatencyBuckets + 1];  // Non-cumulative; the last is +Inf.
+  uint64_t count;
+  uint64_t sum_ns;
+};
+
+// Index of the bucket for a duration.
+int LatencyBucket(double seconds);
+
+struct alignas(64) RankControl {
+  // Line 0: identity and the group, written by the daemon.
+  uint32_t magic;
+  uint32_t version;
+  uint32_t rank;
+  uint32_t world_size;
+  uint64_t generation;    // Bumped each time the group forms.
+  uint32_t group_state;   // GroupState.
+  uint32_t reserved;
+  unsigned char pad0[32];
+  // From line 1: written only by the rank's client; monotonic counters.
+  uint64_t step;                // Last step begun.
+  uint64_t steps;               // Steps begun.
+  uint64_t dispatched_tokens;   // Tokens given to dispatch.
+  uint64_t dispatch_calls;
+  uint64_t combine_calls;
+  uint64_t wait_timeouts;       // Data-plane waits that gave up.
+  uint64_t errors[17];          // Errors returned to the caller, by absl::StatusCode.
+  LatencyHistogram dispatch_latency;
+  LatencyHistogram combine_latency;
+};
+static_assert(sizeof(RankControl) <= 4096);
+
+struct RankArenaLayout {
+  size_t control = 0;
+  size_t ep = 0, ep_bytes = 0;
+  size_t plan = 0, plan_capacity = 0;
+  size_t slot_map = 0;
+  size_t weights = 0, weight_stride = 0;
+  uint32_t buffers_per_layer = 0;
+  size_t total_bytes = 0;
+
+  // `bytes_per_expert` may be 0 (no weights); `free_buffers` per layer for migration.
+  static RankArenaLayout Compute(const EpConfig& config, size_t bytes_per_expert,
+                                 int free_buffers);
+};
+
+// The largest plan table for a config: an expert can have at most
+// num_slots - num_experts + 1 replicas.
+size_t MaxPlanTableBytes(const EpConfig& config);
+
+// Formats a zero-filled arena: control identity, an empty plan area, slot map identity
+// (slot i -> buffer i under both plan buffers).
+void FormatRankArena(std::byte* base, const RankArenaLayout& layout, const EpConfig& config,
+                     int rank);
+
+inline RankControl* ControlOf(std::byte* base, const RankArenaLayout& layout) {
+  return reinterpret_cast<RankControl*>(base + layout.control);
+}
+
+// slot_map[plan_buffer][layer][local_slot].
+inline uint32_t* SlotMap(std::byte* base, const RankArenaLayout& layout, const EpConfig& config,
+                         int plan_buffer) {
+  return reinterpret_cast<uint32_t*>(base + layout.slot_map) +
+         static_cast<size_t>(plan_buffer) * config.num_layers * config.slots_per_rank;
+}
+
+inline std::byte* WeightBuffer(std::byte* base, const RankArenaLayout& layout, int layer,
+                               uint32_t buffer) {
+  return base + layout.weights +
+         (static_cast<size_t>(layer) * layout.buffers_per_layer + buffer) * layout.weight_stride;
+}
+
+}  // namespace ubep::kernels
+
+#endif  // UBEP_KERNELS_HOST_RANK_ARENA_H_
