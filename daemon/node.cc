@@ -143,7 +143,7 @@ absl::Status Node::CreateGroup(const v1::AttachRequest& q) {
   if (layout.total_bytes > options_.max_arena_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "this shape needs an arena of ", layout.total_bytes, " bytes per rank, over the ",
-        options_.max_arena_bytes, " bytes ubepd allows (--max-arena-bytes)"));
+        options_.max_arena_bytes, " bytes ubepd allows (--max_arena_bytes)"));
   }
 
   balancer::Topology topology;
@@ -365,8 +365,10 @@ absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl
     response.set_resume_step(resume_step_);
     return response;
   }
-  if (still_mine()) ranks_[rank].joining = false;
-  if (draining_) return absl::UnavailableError("ubepd is draining (shutting down)");
+  if (draining_) {
+    if (still_mine()) ranks_[rank].joining = false;
+    return absl::UnavailableError("ubepd is draining (shutting down)");
+  }
   if (!still_mine()) {
     return absl::FailedPreconditionError(absl::StrCat("rank ", rank, " detached while joining"));
   }
@@ -377,6 +379,7 @@ absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl
     if (e.state == RankState::kConnected && e.joining) continue;
     missing.push_back(absl::StrCat(r, e.state == RankState::kFree ? " (not attached)" : ""));
   }
+  ranks_[rank].joining = false;
   return absl::DeadlineExceededError(absl::StrCat(
       "the group of ", ranks_.size(), " ranks did not form in time; waiting for rank",
       missing.size() == 1 ? " " : "s ", absl::StrJoin(missing, ", ")));

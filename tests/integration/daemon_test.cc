@@ -1,0 +1,441 @@
+// ubepd and libubep end to end: a real daemon process, real client processes (the example
+// MoE serving program), real shared memory, fd passing and gRPC on a Unix socket.
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+
+#include <filesystem>
+#include <memory>
+#include <regex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "common/unix_socket.h"
+#include "gmock/gmock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/integration/process.h"
+#include "tests/unit/test_util.h"
+#include "ubep/v1/daemon.grpc.pb.h"
+
+namespace ubep {
+namespace {
+
+using ::testing::HasSubstr;
+using test::BinaryPath;
+using test::Process;
+using test::ReadFile;
+using test::WaitFor;
+
+constexpr int kWorld = 4;
+constexpr int kSteps = 100;
+
+// Plain HTTP/1.0 GET on loopback; the body, or "" on failure.
+std::string HttpGet(int port, const std::string& path) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string response;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+    const std::string request = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\n\r\n";
+    if (write(fd, request.data(), request.size()) == static_cast<ssize_t>(request.size())) {
+      char buffer[8192];
+      ssize_t n;
+      while ((n = read(fd, buffer, sizeof(buffer))) > 0) response.append(buffer, n);
+    }
+  }
+  close(fd);
+  const size_t body = response.find("\r\n\r\n");
+  return body == std::string::npos ? "" : response.substr(body + 4);
+}
+
+// The value of one sample line "name{labels} value" in an exposition; -1 when absent.
+double Sample(const std::string& exposition, const std::string& series) {
+  for (const absl::string_view line : absl::StrSplit(exposition, '\n')) {
+    if (absl::StartsWith(line, series + " ")) {
+      return std::stod(std::string(line.substr(series.size() + 1)));
+    }
+  }
+  return -1;
+}
+
+struct StepLines {
+  std::set<uint64_t> ok_steps;
+  int mismatches = 0;
+  std::set<uint64_t> generations;
+};
+
+StepLines ParseSteps(const std::string& log) {
+  static const std::regex kStep(
+      R"(^step (\d+) generation (\d+) plan (\d+) max_rel_err (\S+) (ok|MISMATCH)$)");
+  StepLines out;
+  for (const absl::string_view line : absl::StrSplit(log, '\n')) {
+    const std::string s(line);
+    std::smatch sm;
+    if (!std::regex_match(s, sm, kStep)) continue;
+    if (sm[5] == "ok") {
+      out.ok_steps.insert(std::stoull(sm[1]));
+    } else {
+      ++out.mismatches;
+    }
+    out.generations.insert(std::stoull(sm[2]));
+  }
+  return out;
+}
+
+std::set<uint64_t> AllSteps() {
+  std::set<uint64_t> all;
+  for (uint64_t s = 0; s < kSteps; ++s) all.insert(s);
+  return all;
+}
+
+class DaemonTest : public ::testing::Test {
+ protected:
+  std::string socket_path() const { return dir_.path() + "/ubepd.sock"; }
+  std::string client_log(int rank) const { return dir_.path() + "/client-" + std::to_string(rank) + ".log"; }
+
+  std::unique_ptr<Process> StartDaemon(std::vector<std::string> extra = {}) {
+    const std::string ready = dir_.path() + "/ready.json";
+    std::filesystem::remove(ready);
+    std::vector<std::string> argv = {BinaryPath("ubepd"),
+                                     "--socket=" + socket_path(),
+                                     "--metrics=127.0.0.1:0",
+                                     "--ready_file=" + ready,
+                                     "--harvest_interval=50ms",
+                                     "--wait_timeout=60s"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    auto daemon = std::make_unique<Process>(argv, dir_.path() + "/ubepd.log");
+    EXPECT_TRUE(WaitFor([&] { return std::filesystem::exists(ready); }, absl::Seconds(30)))
+        << ReadFile(dir_.path() + "/ubepd.log");
+    metrics_port_ = nlohmann::json::parse(ReadFile(ready))["metrics_port"].get<int>();
+    return daemon;
+  }
+
+  std::unique_ptr<Process> StartClient(int rank, std::vector<std::string> extra = {}) {
+    std::vector<std::string> argv = {
+        BinaryPath("ubep-moe-example"),
+        "--socket=" + socket_path(),
+        absl::StrCat("--rank=", rank),
+        absl::StrCat("--world=", kWorld),
+        absl::StrCat("--steps=", kSteps),
+        "--log=" + client_log(rank),
+        "--traces=" + test::TracePath("decode_in1000out1000.json") + "," +
+            test::TracePath("prefill_in1024.json")};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return std::make_unique<Process>(argv, dir_.path() + "/client-" + std::to_string(rank) + ".out");
+  }
+
+  std::string Metrics() const { return HttpGet(metrics_port_, "/metrics"); }
+
+  std::unique_ptr<v1::Daemon::Stub> Stub() const {
+    return v1::Daemon::NewStub(
+        grpc::CreateChannel("unix:" + socket_path(), grpc::InsecureChannelCredentials()));
+  }
+
+  static v1::AttachRequest Request(uint32_t rank, uint32_t world) {
+    v1::AttachRequest q;
+    q.set_rank(rank);
+    q.set_world_size(world);
+    q.set_pid(getpid());
+    v1::ModelShape* s = q.mutable_shape();
+    s->set_num_layers(2);
+    s->set_num_experts(8);
+    s->set_hidden(32);
+    s->set_top_k(2);
+    s->set_max_tokens(16);
+    s->set_slots_per_rank(4);
+    s->set_bytes_per_expert(1024);
+    return q;
+  }
+
+  grpc::Status Attach(const v1::AttachRequest& q, v1::AttachResponse* response = nullptr) {
+    v1::AttachResponse ignored;
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    return Stub()->Attach(&context, q, response != nullptr ? response : &ignored);
+  }
+
+  grpc::health::v1::HealthCheckResponse::ServingStatus Health() const {
+    auto stub = grpc::health::v1::Health::NewStub(
+        grpc::CreateChannel("unix:" + socket_path(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    grpc::health::v1::HealthCheckRequest request;
+    grpc::health::v1::HealthCheckResponse response;
+    const grpc::Status status = stub->Check(&context, request, &response);
+    return status.ok() ? response.status() : grpc::health::v1::HealthCheckResponse::UNKNOWN;
+  }
+
+  void ExpectAllStepsCorrect(int rank) {
+    const std::string log = ReadFile(client_log(rank));
+    const StepLines steps = ParseSteps(log);
+    EXPECT_EQ(steps.mismatches, 0) << log;
+    EXPECT_EQ(steps.ok_steps, AllSteps()) << log;
+    EXPECT_THAT(log, HasSubstr("done steps 100 failed 0")) << log;
+  }
+
+  test::TempDir dir_;
+  int metrics_port_ = 0;
+};
+
+TEST_F(DaemonTest, FourClientsRunHundredStepsMatchingTheFloat64Reference) {
+  auto daemon = StartDaemon();
+  EXPECT_EQ(Health(), grpc::health::v1::HealthCheckResponse::SERVING);
+  std::vector<std::unique_ptr<Process>> clients;
+  for (int r = 0; r < kWorld; ++r) clients.push_back(StartClient(r));
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(clients[r]->Wait(absl::Seconds(120)), 0) << ReadFile(client_log(r));
+    ExpectAllStepsCorrect(r);
+    EXPECT_EQ(ParseSteps(ReadFile(client_log(r))).generations, std::set<uint64_t>{1});
+  }
+  // The load counters: every rank routes 32 tokens x top-8 per layer per step, all received.
+  std::string metrics;
+  ASSERT_TRUE(WaitFor([&] {
+    metrics = Metrics();
+    return Sample(metrics, "ubep_daemon_received_tokens_total{layer=\"3\"}") == 4 * 32 * 8 * kSteps;
+  }, absl::Seconds(20))) << metrics;
+  for (int l = 0; l < 4; ++l) {
+    EXPECT_EQ(Sample(metrics, absl::StrCat("ubep_daemon_received_tokens_total{layer=\"", l, "\"}")),
+              4 * 32 * 8 * kSteps);
+  }
+  for (int r = 0; r < kWorld; ++r) {
+    const std::string rank = absl::StrCat("{rank=\"", r, "\"}");
+    EXPECT_EQ(Sample(metrics, "ubep_daemon_dispatched_tokens_total" + rank), 32 * 4 * kSteps);
+    EXPECT_EQ(Sample(metrics, "ubep_daemon_dispatch_seconds_count" + rank), 4 * kSteps);
+    EXPECT_EQ(Sample(metrics, "ubep_daemon_step" + rank), kSteps - 1);
+    EXPECT_EQ(Sample(metrics, "ubep_daemon_rank_up" + rank), 0);  // All detached.
+  }
+  EXPECT_EQ(Sample(metrics, "ubep_daemon_plan_version"), 1);
+  EXPECT_EQ(Sample(metrics, "ubep_daemon_group_generation"), 1);
+  EXPECT_GE(Sample(metrics, "ubep_daemon_imbalance_ratio{layer=\"0\"}"), 1.0);
+
+  // The exposition passes promtool's lint.
+  const std::string file = dir_.Write("metrics.txt", metrics);
+  // promtool reads the exposition from stdin.
+  Process lint({"/bin/sh", "-c", "/usr/bin/promtool check metrics < " + file},
+               dir_.path() + "/lint.out");
+  EXPECT_EQ(lint.Wait(absl::Seconds(30)), 0) << ReadFile(dir_.path() + "/lint.out");
+  EXPECT_EQ(ReadFile(dir_.path() + "/lint.out"), "");
+
+  daemon->Signal(SIGTERM);
+  EXPECT_EQ(daemon->Wait(absl::Seconds(30)), 0);
+}
+
+TEST_F(DaemonTest, KilledClientIsMarkedGoneAndTheRestartedClientRejoins) {
+  auto daemon = StartDaemon();
+  std::vector<std::unique_ptr<Process>> clients;
+  for (int r = 0; r < kWorld; ++r) clients.push_back(StartClient(r, {"--step_delay=20ms"}));
+  ASSERT_TRUE(WaitFor([&] { return ParseSteps(ReadFile(client_log(2))).ok_steps.count(30) > 0; },
+                      absl::Seconds(60)));
+  clients[2]->Signal(SIGKILL);
+  EXPECT_EQ(clients[2]->Wait(absl::Seconds(10)), 128 + SIGKILL);
+
+  // The daemon saw the fd connection close: every survivor gets an error naming rank 2 (the
+  // daemon's notice, not a wait timeout: --wait_timeout is 60 s), and nobody hangs.
+  for (int r : {0, 1, 3}) {
+    EXPECT_TRUE(WaitFor([&] { return ReadFile(client_log(r)).find("rank 2 left the group") !=
+                                      std::string::npos; },
+                        absl::Seconds(30)))
+        << ReadFile(client_log(r));
+    EXPECT_THAT(ReadFile(client_log(r)), ::testing::Not(HasSubstr("timed out")));
+  }
+  std::string metrics;
+  EXPECT_TRUE(WaitFor([&] {
+    metrics = Metrics();
+    return Sample(metrics, "ubep_daemon_rank_up{rank=\"2\"}") == 0 &&
+           Sample(metrics, "ubep_daemon_rank_up{rank=\"0\"}") == 1;
+  }, absl::Seconds(10))) << metrics;
+
+  clients[2] = StartClient(2, {"--step_delay=20ms"});
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(clients[r]->Wait(absl::Seconds(120)), 0) << ReadFile(client_log(r));
+    ExpectAllStepsCorrect(r);
+    // The group formed twice: before the kill and after rank 2 came back.
+    EXPECT_EQ(ParseSteps(ReadFile(client_log(r))).generations, (std::set<uint64_t>{1, 2}))
+        << ReadFile(client_log(r));
+  }
+}
+
+TEST_F(DaemonTest, SigtermDrainsClientsSeeACleanErrorAndReattachToTheRestartedDaemon) {
+  auto daemon = StartDaemon({"--drain_timeout=30s"});
+  std::vector<std::unique_ptr<Process>> clients;
+  for (int r = 0; r < kWorld; ++r) clients.push_back(StartClient(r, {"--step_delay=20ms"}));
+  ASSERT_TRUE(WaitFor([&] { return ParseSteps(ReadFile(client_log(0))).ok_steps.count(20) > 0; },
+                      absl::Seconds(60)));
+  daemon->Signal(SIGTERM);
+  // Every client detached within the drain timeout: exit code 0.
+  EXPECT_EQ(daemon->Wait(absl::Seconds(60)), 0) << ReadFile(dir_.path() + "/ubepd.log");
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_THAT(ReadFile(client_log(r)), HasSubstr("ubepd is draining")) << ReadFile(client_log(r));
+  }
+  daemon = StartDaemon();
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(clients[r]->Wait(absl::Seconds(120)), 0) << ReadFile(client_log(r));
+    ExpectAllStepsCorrect(r);
+  }
+}
+
+TEST_F(DaemonTest, HealthIsNotServingWhileDrainingAndAttachIsRefused) {
+  auto daemon = StartDaemon({"--drain_timeout=30s"});
+  EXPECT_EQ(Health(), grpc::health::v1::HealthCheckResponse::SERVING);
+  // Rank 0 of a 2-rank group attaches and takes its arenas: the drain waits for it.
+  v1::AttachResponse attached;
+  ASSERT_TRUE(Attach(Request(0, 2), &attached).ok());
+  absl::StatusOr<UniqueFd> fds = ConnectUnix(attached.fd_socket());
+  ASSERT_TRUE(fds.ok());
+  ASSERT_TRUE(SendMessage(fds->get(), attached.token(), {}).ok());
+  absl::StatusOr<ReceivedMessage> arenas = ReceiveMessage(fds->get(), 4096, absl::Seconds(10));
+  ASSERT_TRUE(arenas.ok());
+  EXPECT_EQ(arenas->bytes, "OK");
+  EXPECT_EQ(arenas->fds.size(), 2u);
+
+  daemon->Signal(SIGTERM);
+  EXPECT_TRUE(WaitFor([&] { return Health() == grpc::health::v1::HealthCheckResponse::NOT_SERVING; },
+                      absl::Seconds(10)));
+  const grpc::Status refused = Attach(Request(1, 2));
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(refused.error_message(),
+            "ubepd is draining (shutting down); attach again when it is back");
+  EXPECT_TRUE(daemon->running());
+
+  v1::DetachRequest detach;
+  detach.set_rank(0);
+  detach.set_token(attached.token());
+  v1::DetachResponse detached;
+  grpc::ClientContext context;
+  EXPECT_TRUE(Stub()->Detach(&context, detach, &detached).ok());
+  EXPECT_EQ(daemon->Wait(absl::Seconds(30)), 0);
+}
+
+TEST_F(DaemonTest, ConflictingShapeIsFailedPreconditionNamingTheField) {
+  auto daemon = StartDaemon();
+  ASSERT_TRUE(Attach(Request(0, 2)).ok());
+  v1::AttachRequest other = Request(1, 2);
+  other.mutable_shape()->set_hidden(64);
+  const grpc::Status status = Attach(other);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(status.error_message(),
+            "shape conflicts with the attached group: hidden is 64, the group has 32");
+  const grpc::Status world = Attach(Request(1, 3));
+  EXPECT_EQ(world.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(world.error_message(),
+            "shape conflicts with the attached group: world_size is 3, the group has 2");
+  const grpc::Status twice = Attach(Request(0, 2));
+  EXPECT_EQ(twice.error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_EQ(twice.error_message(), absl::StrCat("rank 0 is already attached (pid ", getpid(),
+                                                "); detach it or stop that process first"));
+}
+
+TEST_F(DaemonTest, MalformedAndOversizedRequestsAreRefusedAndTheDaemonKeepsServing) {
+  auto daemon = StartDaemon({"--max_arena_bytes=1000000"});
+  struct Case {
+    std::function<void(v1::AttachRequest&)> mutate;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {[](v1::AttachRequest& q) { q.set_rank(5); }, "rank 5 is outside [0, 2)"},
+      {[](v1::AttachRequest& q) { q.set_world_size(0); }, "world_size 0 is outside [1, 1024]"},
+      {[](v1::AttachRequest& q) { q.mutable_shape()->set_top_k(33); },
+       "shape.top_k 33 exceeds 32"},
+      {[](v1::AttachRequest& q) { q.mutable_shape()->set_hidden(0); },
+       "shape.hidden must be positive"},
+      {[](v1::AttachRequest& q) { q.mutable_shape()->set_num_experts(9); },
+       "shape.slots_per_rank 4 x world_size 2 cannot hold 9 experts"},
+      {[](v1::AttachRequest& q) { q.mutable_shape()->set_max_tokens(2000000); },
+       "shape.max_tokens 2000000 exceeds 1048576"},
+      {[](v1::AttachRequest& q) { q.mutable_shape()->set_dtype(static_cast<v1::DType>(7)); },
+       "shape.dtype 7 is not a DType"},
+      {[](v1::AttachRequest& q) { q.mutable_shape()->set_max_tokens(4096); },
+       "this shape needs an arena of 2322432 bytes per rank, over the 1000000 bytes ubepd "
+       "allows (--max_arena_bytes)"},
+  };
+  for (const Case& c : cases) {
+    v1::AttachRequest q = Request(0, 2);
+    c.mutate(q);
+    const grpc::Status status = Attach(q);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.message;
+    EXPECT_EQ(status.error_message(), c.message);
+  }
+  // A request over the message size limit (1 MiB) is refused by gRPC before it is parsed.
+  v1::AttachRequest huge = Request(0, 2);
+  huge.GetReflection()->MutableUnknownFields(&huge)->AddLengthDelimited(1000, std::string(2 << 20, 'x'));
+  EXPECT_EQ(Attach(huge).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  // Bytes that are not an AttachRequest at all.
+  grpc::GenericStub generic(grpc::CreateChannel("unix:" + socket_path(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  const std::string garbage = "\xff\xff\xff\xff\x0f";
+  grpc::Slice slice(garbage);
+  grpc::ByteBuffer request(&slice, 1), response;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  grpc::Status garbage_status;
+  generic.UnaryCall(&context, "/ubep.v1.Daemon/Attach", grpc::StubOptions(), &request, &response,
+                    [&](grpc::Status s) {
+                      std::lock_guard<std::mutex> lock(mu);
+                      garbage_status = s;
+                      done = true;
+                      cv.notify_all();
+                    });
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return done; });
+  }
+  EXPECT_FALSE(garbage_status.ok());
+  // Still serving: a valid attach succeeds and the errors were counted.
+  EXPECT_TRUE(Attach(Request(0, 2)).ok());
+  EXPECT_EQ(Health(), grpc::health::v1::HealthCheckResponse::SERVING);
+  EXPECT_EQ(Sample(Metrics(), "ubep_daemon_errors_total{code=\"INVALID_ARGUMENT\",source=\"rpc\"}"),
+            static_cast<double>(cases.size()));
+}
+
+TEST_F(DaemonTest, SocketsAreGroupOnlyAndOthersCannotConnect) {
+  auto daemon = StartDaemon();
+  for (const std::string& path : {socket_path(), socket_path() + ".fds"}) {
+    struct stat st {};
+    ASSERT_EQ(stat(path.c_str(), &st), 0) << path;
+    EXPECT_TRUE(S_ISSOCK(st.st_mode)) << path;
+    EXPECT_EQ(st.st_mode & 0777, 0660u) << path;
+  }
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to try connecting as another user";
+  // A process of another user and group (nobody) is refused by the kernel.
+  for (const std::string& path : {socket_path(), socket_path() + ".fds"}) {
+    const pid_t child = fork();
+    if (child == 0) {
+      if (setgid(65534) != 0 || setuid(65534) != 0) _exit(10);
+      const int fd = socket(AF_UNIX, path == socket_path() ? SOCK_STREAM : SOCK_SEQPACKET, 0);
+      sockaddr_un addr{};
+      addr.sun_family = AF_UNIX;
+      std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+      const int r = connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+      _exit(r == 0 ? 0 : (errno == EACCES ? 13 : 11));
+    }
+    int status = 0;
+    waitpid(child, &status, 0);
+    ASSERT_TRUE(WIFEXITED(status));
+    EXPECT_EQ(WEXITSTATUS(status), 13) << path << ": expected EACCES";
+  }
+}
+
+TEST_F(DaemonTest, CAbiClientDispatchesAndCombines) {
+  auto daemon = StartDaemon();
+  Process c({BinaryPath("ubep-c-example"), socket_path()}, dir_.path() + "/c.out");
+  EXPECT_EQ(c.Wait(absl::Seconds(60)), 0) << ReadFile(dir_.path() + "/c.out");
+  EXPECT_EQ(ReadFile(dir_.path() + "/c.out"),
+            "bad expert: code 3: topk_idx[2][1] = 7 is outside [-1, 4)\nc api ok: 8 rows\n");
+}
+
+}  // namespace
+}  // namespace ubep

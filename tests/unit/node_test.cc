@@ -1,0 +1,173 @@
+// Node: ubepd's group state machine, in process (the integration tests run it as a daemon).
+#include "daemon/node.h"
+
+#include <atomic>
+#include <thread>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/host/rank_arena.h"
+#include "kernels/host/shared_arena.h"
+
+namespace ubep::daemon {
+namespace {
+
+v1::AttachRequest Request(uint32_t rank, uint32_t world) {
+  v1::AttachRequest q;
+  q.set_rank(rank);
+  q.set_world_size(world);
+  q.set_pid(100 + rank);
+  v1::ModelShape* s = q.mutable_shape();
+  s->set_num_layers(2);
+  s->set_num_experts(8);
+  s->set_hidden(16);
+  s->set_top_k(2);
+  s->set_max_tokens(8);
+  s->set_slots_per_rank(4);
+  s->set_bytes_per_expert(256);
+  return q;
+}
+
+struct Attached {
+  std::string token;
+  std::vector<kernels::SharedArena> arenas;
+  kernels::RankArenaLayout layout;
+};
+
+Attached AttachAndClaim(Node& node, uint32_t rank, uint32_t world, int64_t connection) {
+  absl::StatusOr<v1::AttachResponse> response = node.Attach(Request(rank, world));
+  EXPECT_TRUE(response.ok()) << response.status();
+  Attached a;
+  a.token = response->token();
+  a.layout.total_bytes = response->layout().total_bytes();
+  a.layout.control = response->layout().control_offset();
+  a.layout.ep = response->layout().ep_offset();
+  absl::StatusOr<std::vector<int>> fds = node.ClaimArenas(a.token, connection);
+  EXPECT_TRUE(fds.ok()) << fds.status();
+  for (int fd : *fds) a.arenas.push_back(*kernels::SharedArena::Map(fd));
+  return a;
+}
+
+v1::JoinRequest JoinOf(uint32_t rank, const std::string& token) {
+  v1::JoinRequest q;
+  q.set_rank(rank);
+  q.set_token(token);
+  return q;
+}
+
+kernels::EpConfig ConfigOf(uint32_t world) {
+  kernels::EpConfig c;
+  c.num_ranks = static_cast<int>(world);
+  c.max_tokens = 8;
+  c.hidden = 16;
+  c.top_k = 2;
+  c.num_experts = 8;
+  c.slots_per_rank = 4;
+  c.num_layers = 2;
+  return c;
+}
+
+uint32_t AbortWord(const Attached& a, int rank, uint32_t world) {
+  const size_t offset = a.layout.ep + kernels::ArenaLayout(ConfigOf(world)).abort;
+  return std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(a.arenas[rank].data() + offset))
+      .load();
+}
+
+TEST(NodeTest, GroupFormsWhenEveryRankJoinsAndTakesTheLeastNextStep) {
+  Node node({.fd_socket_path = "/unused"});
+  Attached a0 = AttachAndClaim(node, 0, 2, 1);
+  Attached a1 = AttachAndClaim(node, 1, 2, 2);
+  absl::StatusOr<v1::JoinResponse> j0;
+  std::thread t([&] {
+    v1::JoinRequest q = JoinOf(0, a0.token);
+    q.set_next_step(7);
+    j0 = node.Join(q, absl::Now() + absl::Seconds(30));
+  });
+  v1::JoinRequest q1 = JoinOf(1, a1.token);
+  q1.set_next_step(5);
+  absl::StatusOr<v1::JoinResponse> j1 = node.Join(q1, absl::Now() + absl::Seconds(30));
+  t.join();
+  ASSERT_TRUE(j0.ok()) << j0.status();
+  ASSERT_TRUE(j1.ok()) << j1.status();
+  EXPECT_EQ(j0->generation(), 1u);
+  EXPECT_EQ(j1->generation(), 1u);
+  EXPECT_EQ(j0->resume_step(), 5u);
+  EXPECT_EQ(j1->resume_step(), 5u);
+  const kernels::RankControl* c = kernels::ControlOf(a0.arenas[1].data(), a0.layout);
+  EXPECT_EQ(c->group_state, kernels::kGroupReady);
+  EXPECT_EQ(c->generation, 1u);
+  EXPECT_EQ(c->rank, 1u);
+}
+
+TEST(NodeTest, ClosedConnectionBreaksTheGroupNamingTheRankInEveryArena) {
+  Node node({.fd_socket_path = "/unused"});
+  Attached a0 = AttachAndClaim(node, 0, 2, 10);
+  Attached a1 = AttachAndClaim(node, 1, 2, 11);
+  std::thread t([&] { ASSERT_TRUE(node.Join(JoinOf(0, a0.token), absl::Now() + absl::Seconds(30)).ok()); });
+  ASSERT_TRUE(node.Join(JoinOf(1, a1.token), absl::Now() + absl::Seconds(30)).ok());
+  t.join();
+  node.ConnectionClosed(11);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(AbortWord(a0, r, 2), kernels::kAbortRankGone | 1u);
+    EXPECT_EQ(kernels::ControlOf(a0.arenas[r].data(), a0.layout)->group_state, kernels::kGroupBroken);
+  }
+  EXPECT_EQ(node.Snapshot().rank_up, (std::vector<bool>{true, false}));
+  // The survivor's join waits for rank 1, which is not attached.
+  absl::StatusOr<v1::JoinResponse> alone =
+      node.Join(JoinOf(0, a0.token), absl::Now() + absl::Milliseconds(100));
+  EXPECT_EQ(alone.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(std::string(alone.status().message()),
+            "the group of 2 ranks did not form in time; waiting for rank 1 (not attached)");
+  // Rank 1 comes back to the same arenas; the group re-forms with the signals reset.
+  Attached again = AttachAndClaim(node, 1, 2, 12);
+  std::thread t2([&] { ASSERT_TRUE(node.Join(JoinOf(0, a0.token), absl::Now() + absl::Seconds(30)).ok()); });
+  absl::StatusOr<v1::JoinResponse> j = node.Join(JoinOf(1, again.token), absl::Now() + absl::Seconds(30));
+  t2.join();
+  ASSERT_TRUE(j.ok());
+  EXPECT_EQ(j->generation(), 2u);
+  EXPECT_EQ(AbortWord(a0, 0, 2), 0u);
+  EXPECT_EQ(AbortWord(a0, 1, 2), 0u);
+}
+
+TEST(NodeTest, TokensAreSingleUseAndRequiredEverywhere) {
+  Node node({.fd_socket_path = "/unused"});
+  Attached a0 = AttachAndClaim(node, 0, 2, 1);
+  EXPECT_EQ(std::string(node.ClaimArenas(a0.token, 2).status().message()),
+            "unknown or already used attach token; attach again");
+  absl::StatusOr<v1::JoinResponse> wrong = node.Join(JoinOf(0, "nope"), absl::Now());
+  EXPECT_EQ(wrong.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(std::string(wrong.status().message()), "rank 0 is not attached with this token; attach again");
+  // Rank 1 attached but never took its arenas: it cannot join yet.
+  absl::StatusOr<v1::AttachResponse> r1 = node.Attach(Request(1, 2));
+  ASSERT_TRUE(r1.ok());
+  absl::StatusOr<v1::JoinResponse> early = node.Join(JoinOf(1, r1->token()), absl::Now());
+  EXPECT_EQ(std::string(early.status().message()),
+            "rank 1 has not taken its arenas from the fd socket /unused");
+}
+
+TEST(NodeTest, DrainFailsJoinsAndAttachesAndStopsEveryWait) {
+  Node node({.fd_socket_path = "/unused"});
+  Attached a0 = AttachAndClaim(node, 0, 2, 1);
+  absl::StatusOr<v1::JoinResponse> joined;
+  std::thread t([&] { joined = node.Join(JoinOf(0, a0.token), absl::Now() + absl::Seconds(30)); });
+  // Let the join start waiting, then drain: it returns at once.
+  while (kernels::ControlOf(a0.arenas[0].data(), a0.layout)->group_state != kernels::kGroupForming ||
+         !node.Snapshot().has_group) {
+    std::this_thread::yield();
+  }
+  node.Drain();
+  t.join();
+  EXPECT_EQ(joined.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(AbortWord(a0, 0, 2), kernels::kAbortDraining);
+  EXPECT_EQ(std::string(node.Attach(Request(1, 2)).status().message()),
+            "ubepd is draining (shutting down); attach again when it is back");
+  EXPECT_FALSE(node.AwaitDetached(absl::Milliseconds(10)));
+  v1::DetachRequest d;
+  d.set_rank(0);
+  d.set_token(a0.token);
+  EXPECT_TRUE(node.Detach(d).ok());
+  EXPECT_TRUE(node.AwaitDetached(absl::Milliseconds(10)));
+}
+
+}  // namespace
+}  // namespace ubep::daemon
