@@ -459,7 +459,10 @@ NodeSnapshot Node::Snapshot() const {
   s.plan_version = plan_.version;
   s.num_layers = config_.num_layers;
   s.slots_per_rank = config_.slots_per_rank;
-  for (const RankEntry& e : ranks_) s.rank_up.push_back(e.state == RankState::kConnected);
+  for (const RankEntry& e : ranks_) {
+    s.rank_up.push_back(e.state == RankState::kConnected);
+    s.joining += e.joining ? 1 : 0;
+  }
   return s;
 }
 

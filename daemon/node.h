@@ -47,6 +47,7 @@ struct NodeSnapshot {
   bool has_group = false;
   int world_size = 0;
   int attached = 0;             // Ranks whose client holds its arenas.
+  int joining = 0;              // Ranks waiting in Join for the group to form.
   uint64_t arena_bytes = 0;     // All arenas.
   uint64_t generation = 0;
   uint64_t plan_version = 0;
