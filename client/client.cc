@@ -19,11 +19,23 @@
 #include "ubep/ubep.h"
 #include "ubep/v1/daemon.grpc.pb.h"
 
+#ifdef UBEP_CLIENT_CUDA
+#include <cuda_runtime_api.h>
+
+#include "kernels/cuda/cuda_ep.h"
+#include "kernels/cuda/vmm_arena.h"
+#endif
+
 namespace ubep {
 namespace internal {
 
 struct DispatchedState {
-  kernels::DispatchOutput output;
+  kernels::DispatchOutput output;  // Host backend.
+#ifdef UBEP_CLIENT_CUDA
+  kernels::CudaDispatchOutput cuda;  // CUDA backend: device pointers.
+#endif
+  bool on_device = false;
+  uint64_t plan_version = 0;
   int layer = -1;
 };
 
@@ -40,6 +52,18 @@ struct RankState {
   kernels::RankArenaLayout layout;
   kernels::EpConfig config;
   std::unique_ptr<kernels::HostEp> ep;
+  bool on_device = false;   // CUDA backend: data plane and weights in device arenas.
+  int device = 0;
+#ifdef UBEP_CLIENT_CUDA
+  std::vector<std::unique_ptr<kernels::VmmArena>> device_arenas;
+  std::unique_ptr<kernels::CudaEp> cuda_ep;
+  void* device_plan = nullptr;       // The plan table in force, uploaded.
+  uint64_t device_plan_version = 0;
+  ~RankState() {
+    cuda_ep.reset();
+    if (device_plan != nullptr) cudaFree(device_plan);
+  }
+#endif
   uint64_t generation = 0;
   uint64_t resume_step = 0;
   uint64_t step = 0;
@@ -138,9 +162,19 @@ absl::Status JoinGroup(RankState& s, std::optional<uint64_t> next_step) {
   UBEP_RETURN_IF_ERROR(FromGrpc(s.stub->Join(&context, request, &response),
                                 absl::StrCat("rank ", s.rank, ": join")));
   s.ep.reset();
-  std::vector<std::byte*> eps;
-  for (const kernels::SharedArena& a : s.arenas) eps.push_back(a.data() + s.layout.ep);
-  UBEP_ASSIGN_OR_RETURN(s.ep, kernels::HostEp::Create(s.config, s.rank, std::move(eps)));
+  if (s.on_device) {
+#ifdef UBEP_CLIENT_CUDA
+    s.cuda_ep.reset();
+    std::vector<std::byte*> eps;
+    for (const auto& a : s.device_arenas) eps.push_back(a->data());
+    UBEP_ASSIGN_OR_RETURN(s.cuda_ep, kernels::CudaEp::Create(s.config, s.rank, std::move(eps)));
+    s.device_plan_version = 0;
+#endif
+  } else {
+    std::vector<std::byte*> eps;
+    for (const kernels::SharedArena& a : s.arenas) eps.push_back(a.data() + s.layout.ep);
+    UBEP_ASSIGN_OR_RETURN(s.ep, kernels::HostEp::Create(s.config, s.rank, std::move(eps)));
+  }
   s.generation = response.generation();
   s.resume_step = response.resume_step();
   s.stopped = absl::OkStatus();
@@ -158,12 +192,28 @@ absl::Status TakeArenas(RankState& s, const v1::AttachResponse& response) {
         "rank ", s.rank, ": ubepd refused the arenas: ",
         reply.bytes.size() > 4 ? reply.bytes.substr(4) : std::string("connection closed")));
   }
-  if (reply.fds.size() != static_cast<size_t>(response.arena_ranks_size())) {
-    return absl::DataLossError(absl::StrCat("rank ", s.rank, ": expected ",
-                                            response.arena_ranks_size(), " arena fds, got ",
-                                            reply.fds.size()));
+  const size_t host_fds = static_cast<size_t>(response.arena_ranks_size());
+  const size_t expected = host_fds * (s.on_device ? 2 : 1);
+  if (reply.fds.size() != expected) {
+    return absl::DataLossError(absl::StrCat("rank ", s.rank, ": expected ", expected,
+                                            " arena fds, got ", reply.fds.size()));
   }
-  for (const UniqueFd& fd : reply.fds) {
+  if (s.on_device) {
+#ifdef UBEP_CLIENT_CUDA
+    for (size_t i = host_fds; i < expected; ++i) {
+      UBEP_ASSIGN_OR_RETURN(std::unique_ptr<kernels::VmmArena> arena,
+                            kernels::VmmArena::ImportFd(s.device, reply.fds[i].get(),
+                                                        s.layout.device_bytes));
+      s.device_arenas.push_back(std::move(arena));
+    }
+    if (cudaMalloc(&s.device_plan, s.layout.plan_capacity) != cudaSuccess) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("rank ", s.rank, ": no device memory for the plan table"));
+    }
+#endif
+  }
+  for (size_t i = 0; i < host_fds; ++i) {
+    const UniqueFd& fd = reply.fds[i];
     UBEP_ASSIGN_OR_RETURN(kernels::SharedArena arena, kernels::SharedArena::Map(fd.get()));
     if (arena.size() < s.layout.total_bytes) {
       return absl::DataLossError(absl::StrCat("rank ", s.rank, ": an arena has ", arena.size(),
@@ -213,13 +263,36 @@ Dispatched::Dispatched() : state_(std::make_unique<internal::DispatchedState>())
 Dispatched::~Dispatched() = default;
 Dispatched::Dispatched(Dispatched&&) noexcept = default;
 Dispatched& Dispatched::operator=(Dispatched&&) noexcept = default;
-int Dispatched::num_rows() const { return state_->output.num_rows(); }
-const std::byte* Dispatched::rows() const { return state_->output.recv_x.data(); }
-std::span<const int32_t> Dispatched::slot_offsets() const { return state_->output.slot_offsets; }
-std::span<const int32_t> Dispatched::src_rank() const { return state_->output.src_rank; }
-std::span<const int32_t> Dispatched::src_token() const { return state_->output.src_token; }
-std::span<const float> Dispatched::weights() const { return state_->output.weight; }
-uint64_t Dispatched::plan_version() const { return state_->output.plan_version; }
+#ifdef UBEP_CLIENT_CUDA
+#define UBEP_ON_DEVICE(host, device) (state_->on_device ? (device) : (host))
+#else
+#define UBEP_ON_DEVICE(host, device) (host)
+#endif
+int Dispatched::num_rows() const {
+  return UBEP_ON_DEVICE(state_->output.num_rows(), state_->cuda.num_rows);
+}
+const std::byte* Dispatched::rows() const {
+  return UBEP_ON_DEVICE(state_->output.recv_x.data(),
+                        static_cast<const std::byte*>(state_->cuda.recv_x));
+}
+std::span<const int32_t> Dispatched::slot_offsets() const {
+  return UBEP_ON_DEVICE(std::span<const int32_t>(state_->output.slot_offsets),
+                        std::span<const int32_t>(state_->cuda.slot_offsets));
+}
+std::span<const int32_t> Dispatched::src_rank() const {
+  return UBEP_ON_DEVICE(std::span<const int32_t>(state_->output.src_rank),
+                        std::span<const int32_t>(state_->cuda.src_rank, state_->cuda.num_rows));
+}
+std::span<const int32_t> Dispatched::src_token() const {
+  return UBEP_ON_DEVICE(std::span<const int32_t>(state_->output.src_token),
+                        std::span<const int32_t>(state_->cuda.src_token, state_->cuda.num_rows));
+}
+std::span<const float> Dispatched::weights() const {
+  return UBEP_ON_DEVICE(std::span<const float>(state_->output.weight),
+                        std::span<const float>(state_->cuda.weight, state_->cuda.num_rows));
+}
+#undef UBEP_ON_DEVICE
+uint64_t Dispatched::plan_version() const { return state_->plan_version; }
 int Dispatched::layer() const { return state_->layer; }
 
 Rank::Rank(std::unique_ptr<internal::RankState> state) : state_(std::move(state)) {}
@@ -251,6 +324,16 @@ absl::StatusOr<std::unique_ptr<Rank>> Rank::Attach(const ClientOptions& options,
   s->stub = v1::Daemon::NewStub(s->channel);
   UBEP_ASSIGN_OR_RETURN(v1::AttachResponse response, AttachRpc(*s, device));
   s->token = response.token();
+  s->on_device = response.backend() == "cuda";
+  s->device = static_cast<int>(response.device());
+#ifndef UBEP_CLIENT_CUDA
+  if (s->on_device) {
+    std::unique_ptr<Rank> detach(new Rank(std::move(s)));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", rank, ": ubepd serves the cuda backend, and this libubep was built without "
+        "CUDA"));
+  }
+#endif
   const v1::ArenaLayout& l = response.layout();
   s->layout.total_bytes = l.total_bytes();
   s->layout.control = l.control_offset();
@@ -262,6 +345,9 @@ absl::StatusOr<std::unique_ptr<Rank>> Rank::Attach(const ClientOptions& options,
   s->layout.weights = l.weights_offset();
   s->layout.weight_stride = l.weight_stride();
   s->layout.buffers_per_layer = l.buffers_per_layer();
+  s->layout.on_device = s->on_device;
+  s->layout.device_bytes = l.device_bytes();
+  s->layout.device_weights = l.device_weights_offset();
   kernels::EpConfig& c = s->config;
   c.num_ranks = world_size;
   c.max_tokens = shape.max_tokens;
@@ -329,22 +415,56 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
         absl::StrCat("rank ", s.rank, ": call BeginStep before Dispatch"));
   }
   const absl::Time start = absl::Now();
-  kernels::DispatchInput in;
-  in.x = x;
-  in.topk_idx = topk_idx;
-  in.topk_weights = topk_weights;
-  in.num_tokens = num_tokens;
-  in.hidden = s.shape.hidden;
-  in.layer = layer;
-  in.plan_area = s.own() + s.layout.plan;
-  in.step = s.step;
-  absl::Status status = s.ep->Dispatch(in, out.state_->output);
+  absl::Status status;
+  if (s.on_device) {
+#ifdef UBEP_CLIENT_CUDA
+    uint64_t version = 0;
+    const kernels::PlanTableHeader* table =
+        kernels::SelectPlan(s.own() + s.layout.plan, s.step, &version);
+    if (table == nullptr) {
+      return Record(s, absl::FailedPreconditionError(absl::StrCat(
+                           "rank ", s.rank, ": no committed plan is in force at step ", s.step)));
+    }
+    if (version != s.device_plan_version) {
+      const size_t bytes = kernels::PlanTableBytes(table->num_layers, table->num_experts,
+                                                   table->max_replicas);
+      if (cudaMemcpy(s.device_plan, table, bytes, cudaMemcpyHostToDevice) != cudaSuccess) {
+        return Record(s, absl::InternalError("uploading the plan table failed"));
+      }
+      s.device_plan_version = version;
+    }
+    kernels::CudaDispatchInput in;
+    in.x = x;
+    in.topk_idx = topk_idx;
+    in.topk_weights = topk_weights;
+    in.num_tokens = num_tokens;
+    in.layer = layer;
+    in.plan = static_cast<const kernels::PlanTableHeader*>(s.device_plan);
+    in.host_plan = table;
+    status = s.cuda_ep->Dispatch(in, out.state_->cuda);
+    out.state_->on_device = true;
+    out.state_->plan_version = version;
+#endif
+  } else {
+    kernels::DispatchInput in;
+    in.x = x;
+    in.topk_idx = topk_idx;
+    in.topk_weights = topk_weights;
+    in.num_tokens = num_tokens;
+    in.hidden = s.shape.hidden;
+    in.layer = layer;
+    in.plan_area = s.own() + s.layout.plan;
+    in.step = s.step;
+    status = s.ep->Dispatch(in, out.state_->output);
+    out.state_->on_device = false;
+    out.state_->plan_version = out.state_->output.plan_version;
+  }
   if (!status.ok()) {
     if (absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status)) s.stopped = status;
     return Record(s, status);
   }
   out.state_->layer = layer;
-  s.last_plan_version = out.state_->output.plan_version;
+  s.last_plan_version = out.state_->plan_version;
   kernels::RankControl* c = s.control();
   Bump(c->dispatch_calls);
   Bump(c->dispatched_tokens, static_cast<uint64_t>(num_tokens));
@@ -356,7 +476,14 @@ absl::Status Rank::Combine(const Dispatched& dispatched, const void* expert_out,
   RankState& s = *state_;
   if (!s.stopped.ok()) return s.stopped;
   const absl::Time start = absl::Now();
-  absl::Status status = s.ep->Combine(dispatched.state_->output, expert_out, out);
+  absl::Status status;
+  if (s.on_device) {
+#ifdef UBEP_CLIENT_CUDA
+    status = s.cuda_ep->Combine(expert_out, out);
+#endif
+  } else {
+    status = s.ep->Combine(dispatched.state_->output, expert_out, out);
+  }
   if (!status.ok()) {
     if (absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status)) s.stopped = status;
     return Record(s, status);
@@ -391,7 +518,11 @@ absl::StatusOr<std::span<std::byte>> Rank::ExpertWeights(int layer, int local_sl
   const int buffer = table == kernels::PlanBuffer(area, 0) ? 0 : 1;
   const uint32_t index =
       kernels::SlotMap(s.own(), s.layout, s.config, buffer)[layer * s.shape.slots_per_rank + local_slot];
-  return std::span<std::byte>(kernels::WeightBuffer(s.own(), s.layout, layer, index),
+  std::byte* base = s.own();
+#ifdef UBEP_CLIENT_CUDA
+  if (s.on_device) base = s.device_arenas[s.rank]->data();
+#endif
+  return std::span<std::byte>(kernels::WeightBuffer(base, s.layout, layer, index),
                               s.shape.bytes_per_expert);
 }
 
@@ -441,6 +572,10 @@ absl::Status Rank::Detach() {
   if (!s.attached) return absl::OkStatus();
   s.attached = false;
   s.ep.reset();
+#ifdef UBEP_CLIENT_CUDA
+  s.cuda_ep.reset();
+  s.device_arenas.clear();
+#endif
   v1::DetachRequest request;
   request.set_rank(static_cast<uint32_t>(s.rank));
   request.set_token(s.token);

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "daemon/device_memory.h"
 #include "daemon/fd_server.h"
 #include "daemon/metrics.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -74,11 +75,15 @@ Daemon::~Daemon() {
 }
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
-  if (options.backend != "host") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--backend ", options.backend, ": this ubepd serves the host backend only (the cuda "
-        "backend's arenas need a GPU node; see docs/daemon.md)"));
+  if (options.backend != "host" && options.backend != "cuda") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--backend ", options.backend, ": expected host or cuda"));
   }
+  if (options.backend == "cuda" && DeviceCount() == 0) {
+    return absl::FailedPreconditionError(
+        "--backend cuda: no CUDA device is visible to ubepd (or it was built without CUDA)");
+  }
+  options.node.backend = options.backend;
   if (options.socket_path.empty()) return absl::InvalidArgumentError("--socket is required");
   options.node.fd_socket_path = options.socket_path + ".fds";
   std::unique_ptr<Daemon> d(new Daemon(options));

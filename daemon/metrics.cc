@@ -99,20 +99,9 @@ void DaemonMetrics::Loop() {
 }
 
 void DaemonMetrics::Harvest() {
-  std::vector<std::vector<uint64_t>> rank_load;  // [layer][rank]
-  node_->ForEachArena([&](int rank, std::byte* base, const kernels::RankArenaLayout& layout,
-                          const kernels::EpConfig& config) {
-    const kernels::ArenaLayout ep(config);
-    const auto* counters = reinterpret_cast<const uint64_t*>(base + layout.ep + ep.load_counters);
-    if (rank_load.empty()) {
-      rank_load.assign(config.num_layers, std::vector<uint64_t>(config.num_ranks, 0));
-    }
-    for (int l = 0; l < config.num_layers; ++l) {
-      for (int i = 0; i < config.slots_per_rank; ++i) {
-        rank_load[l][rank] += Load(counters[l * config.slots_per_rank + i]);
-      }
-    }
-  });
+  absl::StatusOr<std::vector<std::vector<uint64_t>>> loads = node_->ReadLoads();
+  if (!loads.ok()) return;  // Logged by the node; the next harvest tries again.
+  const std::vector<std::vector<uint64_t>>& rank_load = *loads;  // [layer][rank]
   MutexLock lock(&mu_);
   Harvested& h = harvested_;
   if (rank_load.size() != h.last_rank_load.size() ||

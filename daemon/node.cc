@@ -35,11 +35,6 @@ std::string NewToken() {
       absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
 }
 
-uint32_t* AbortWordOf(std::byte* base, const kernels::RankArenaLayout& layout,
-                      const kernels::EpConfig& config) {
-  return reinterpret_cast<uint32_t*>(base + layout.ep + kernels::ArenaLayout(config).abort);
-}
-
 // Field-by-field comparison of two shapes: the first mismatch, named.
 absl::Status CompareShapes(const v1::AttachRequest& group, const v1::AttachRequest& request) {
   const v1::ModelShape& g = group.shape();
@@ -138,11 +133,19 @@ absl::Status Node::CreateGroup(const v1::AttachRequest& q) {
   config.protocol = options_.protocol;
   config.timeout = options_.wait_timeout;
   UBEP_RETURN_IF_ERROR(kernels::ValidateConfig(config));
-  const kernels::RankArenaLayout layout =
-      kernels::RankArenaLayout::Compute(config, s.bytes_per_expert(), options_.free_buffers);
-  if (layout.total_bytes > options_.max_arena_bytes) {
+  const bool cuda = options_.backend == "cuda";
+  if (cuda && (config.dtype != kernels::DType::kBFloat16 || config.hidden % 8 != 0)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "this shape needs an arena of ", layout.total_bytes, " bytes per rank, over the ",
+        "the cuda backend needs shape.dtype DTYPE_BFLOAT16 and shape.hidden a multiple of 8 "
+        "(got ", s.dtype() == v1::DTYPE_BFLOAT16 ? "DTYPE_BFLOAT16" : "DTYPE_FLOAT32",
+        ", hidden ", s.hidden(), ")"));
+  }
+  const kernels::RankArenaLayout layout = kernels::RankArenaLayout::Compute(
+      config, s.bytes_per_expert(), options_.free_buffers, cuda);
+  if (layout.total_bytes + layout.device_bytes > options_.max_arena_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "this shape needs an arena of ", layout.total_bytes + layout.device_bytes,
+        " bytes per rank, over the ",
         options_.max_arena_bytes, " bytes ubepd allows (--max_arena_bytes)"));
   }
 
@@ -175,6 +178,18 @@ absl::Status Node::CreateGroup(const v1::AttachRequest& q) {
   UBEP_ASSIGN_OR_RETURN(std::vector<std::byte> table,
                         kernels::BuildPlanTable(plan.version, config.num_experts, routing));
 
+  std::vector<std::unique_ptr<DeviceMemory>> device_arenas;
+  if (cuda) {
+    const int devices = DeviceCount();
+    if (devices == 0) {
+      return absl::FailedPreconditionError("--backend cuda: no CUDA device is visible to ubepd");
+    }
+    for (int r = 0; r < config.num_ranks; ++r) {
+      UBEP_ASSIGN_OR_RETURN(std::unique_ptr<DeviceMemory> memory,
+                            CreateDeviceMemory(r % devices, layout.device_bytes));
+      device_arenas.push_back(std::move(memory));
+    }
+  }
   std::vector<kernels::SharedArena> arenas;
   for (int r = 0; r < config.num_ranks; ++r) {
     UBEP_ASSIGN_OR_RETURN(kernels::SharedArena arena,
@@ -187,6 +202,7 @@ absl::Status Node::CreateGroup(const v1::AttachRequest& q) {
     arenas.push_back(std::move(arena));
   }
   arenas_ = std::move(arenas);
+  device_arenas_ = std::move(device_arenas);
   config_ = config;
   layout_ = layout;
   plan_ = std::move(plan);
@@ -194,9 +210,11 @@ absl::Status Node::CreateGroup(const v1::AttachRequest& q) {
   ranks_.assign(config.num_ranks, RankEntry{});
   group_ready_ = false;
   has_group_ = true;
-  UBEP_LOG(INFO) << "group created: " << config.num_ranks << " ranks, " << config.num_layers
+  UBEP_LOG(INFO) << "group created (" << options_.backend << "): " << config.num_ranks
+                 << " ranks, " << config.num_layers
                  << " layers x " << config.num_experts << " experts, hidden " << config.hidden
-                 << ", arena " << layout.total_bytes << " bytes per rank, plan v" << plan_.version
+                 << ", arena " << layout.total_bytes + layout.device_bytes
+                 << " bytes per rank, plan v" << plan_.version
                  << (options_.plan_path.empty() ? " (round-robin)" : " from " + options_.plan_path);
   return absl::OkStatus();
 }
@@ -222,6 +240,13 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
   } else if (!has_group_ || !CompareShapes(group_request_, request).ok()) {
     UBEP_RETURN_IF_ERROR(CreateGroup(request));
   }
+  const int device = on_device() ? device_arenas_[request.rank()]->device()
+                                  : static_cast<int>(request.device());
+  if (on_device() && static_cast<int>(request.device()) != device) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", request.rank(), " runs on device ", device, " of this node (rank r uses device r "
+        "modulo the visible devices); the request says device ", request.device()));
+  }
   RankEntry& entry = ranks_[request.rank()];
   if (entry.state != RankState::kFree) {
     return absl::AlreadyExistsError(absl::StrCat("rank ", request.rank(),
@@ -237,7 +262,8 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
   v1::AttachResponse response;
   response.set_token(entry.token);
   response.set_fd_socket(options_.fd_socket_path);
-  response.set_backend("host");
+  response.set_backend(on_device() ? "cuda" : "host");
+  response.set_device(static_cast<uint32_t>(device));
   response.set_protocol(config_.protocol == kernels::Protocol::kBsp ? "bsp" : "ubep");
   response.set_wait_timeout_ms(absl::ToInt64Milliseconds(config_.timeout));
   v1::ArenaLayout* l = response.mutable_layout();
@@ -251,6 +277,8 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
   l->set_weights_offset(layout_.weights);
   l->set_weight_stride(layout_.weight_stride);
   l->set_buffers_per_layer(layout_.buffers_per_layer);
+  l->set_device_bytes(layout_.device_bytes);
+  l->set_device_weights_offset(layout_.device_weights);
   for (int r = 0; r < config_.num_ranks; ++r) response.add_arena_ranks(r);
   UBEP_LOG(INFO) << "rank " << request.rank() << " attached (pid " << request.pid() << ")";
   return response;
@@ -268,6 +296,7 @@ absl::StatusOr<std::vector<int>> Node::ClaimArenas(const std::string& token, int
     e.connection = connection;
     std::vector<int> fds;
     for (const kernels::SharedArena& arena : arenas_) fds.push_back(arena.fd());
+    for (const auto& memory : device_arenas_) fds.push_back(memory->fd());
     return fds;
   }
   return absl::NotFoundError("unknown or already used attach token; attach again");
@@ -296,15 +325,45 @@ void Node::SetGroupState(uint32_t state) {
   }
 }
 
+uint32_t Node::AbortCode(int r) const {
+  const size_t offset = kernels::ArenaLayout(config_).abort;
+  uint32_t code = 0;
+  if (on_device()) {
+    if (absl::Status s = device_arenas_[r]->Read(offset, &code, sizeof(code)); !s.ok()) {
+      UBEP_LOG(ERROR) << "rank " << r << ": " << s;
+    }
+    return code;
+  }
+  return std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(arenas_[r].data() + layout_.ep + offset))
+      .load(std::memory_order_acquire);
+}
+
+void Node::SetAbortCode(int r, uint32_t code, bool only_if_clear) {
+  const size_t offset = kernels::ArenaLayout(config_).abort;
+  if (on_device()) {
+    // Device kernels never write the abort word: read-then-write does not race with them.
+    if (only_if_clear && AbortCode(r) != 0) return;
+    if (absl::Status s = device_arenas_[r]->Write(offset, &code, sizeof(code)); !s.ok()) {
+      UBEP_LOG(ERROR) << "rank " << r << ": " << s;
+    }
+    return;
+  }
+  std::atomic_ref<uint32_t> word(*reinterpret_cast<uint32_t*>(arenas_[r].data() + layout_.ep + offset));
+  if (only_if_clear) {
+    uint32_t expected = 0;
+    word.compare_exchange_strong(expected, code, std::memory_order_acq_rel);
+  } else {
+    word.store(code, std::memory_order_release);
+  }
+}
+
 void Node::BreakGroup(int rank) {
   if (!group_ready_) return;
   group_ready_ = false;
   SetGroupState(kernels::kGroupBroken);
-  for (kernels::SharedArena& arena : arenas_) {
-    uint32_t expected = 0;
-    std::atomic_ref<uint32_t>(*AbortWordOf(arena.data(), layout_, config_))
-        .compare_exchange_strong(expected, kernels::kAbortRankGone | static_cast<uint32_t>(rank),
-                                 std::memory_order_acq_rel);
+  for (size_t r = 0; r < arenas_.size(); ++r) {
+    SetAbortCode(static_cast<int>(r), kernels::kAbortRankGone | static_cast<uint32_t>(rank),
+                 /*only_if_clear=*/true);
   }
 }
 
@@ -318,8 +377,18 @@ void Node::FormGroup() {
   }
   resume_step_ = resume.value_or(0);
   const kernels::ArenaLayout ep_layout(config_);
-  for (kernels::SharedArena& arena : arenas_) {
-    kernels::ResetSignals(arena.data() + layout_.ep, ep_layout);
+  for (size_t r = 0; r < arenas_.size(); ++r) {
+    kernels::SharedArena& arena = arenas_[r];
+    if (on_device()) {
+      // The same bytes ResetSignals clears, in device memory.
+      if (absl::Status s = device_arenas_[r]->Zero(ep_layout.dispatch_flag,
+                                                   ep_layout.load_counters - ep_layout.dispatch_flag);
+          !s.ok()) {
+        UBEP_LOG(ERROR) << "rank " << r << ": " << s;
+      }
+    } else {
+      kernels::ResetSignals(arena.data() + layout_.ep, ep_layout);
+    }
     kernels::RankControl* control = kernels::ControlOf(arena.data(), layout_);
     std::atomic_ref<uint64_t>(control->generation).store(generation_, std::memory_order_release);
   }
@@ -433,9 +502,8 @@ void Node::Drain() {
   draining_ = true;
   group_ready_ = false;
   SetGroupState(kernels::kGroupDraining);
-  for (kernels::SharedArena& arena : arenas_) {
-    std::atomic_ref<uint32_t>(*AbortWordOf(arena.data(), layout_, config_))
-        .store(kernels::kAbortDraining, std::memory_order_release);
+  for (size_t r = 0; r < arenas_.size(); ++r) {
+    SetAbortCode(static_cast<int>(r), kernels::kAbortDraining, /*only_if_clear=*/false);
   }
   UBEP_LOG(INFO) << "draining: " << AttachedLocked() << " ranks attached";
 }
@@ -444,6 +512,32 @@ bool Node::AwaitDetached(absl::Duration timeout) {
   MutexLock lock(&mu_);
   return mu_.AwaitWithTimeout([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return AttachedLocked() == 0; },
                               timeout);
+}
+
+absl::StatusOr<std::vector<std::vector<uint64_t>>> Node::ReadLoads() const {
+  MutexLock lock(&mu_);
+  std::vector<std::vector<uint64_t>> loads;
+  if (!has_group_) return loads;
+  const int L = config_.num_layers, S = config_.slots_per_rank;
+  loads.assign(L, std::vector<uint64_t>(config_.num_ranks, 0));
+  const size_t offset = kernels::ArenaLayout(config_).load_counters;
+  std::vector<uint64_t> counters(static_cast<size_t>(L) * S);
+  for (int r = 0; r < config_.num_ranks; ++r) {
+    if (on_device()) {
+      UBEP_RETURN_IF_ERROR(
+          device_arenas_[r]->Read(offset, counters.data(), counters.size() * sizeof(uint64_t)));
+    } else {
+      const auto* words = reinterpret_cast<uint64_t*>(arenas_[r].data() + layout_.ep + offset);
+      for (size_t i = 0; i < counters.size(); ++i) {
+        counters[i] = std::atomic_ref<uint64_t>(const_cast<uint64_t&>(words[i]))
+                          .load(std::memory_order_relaxed);
+      }
+    }
+    for (int l = 0; l < L; ++l) {
+      for (int i = 0; i < S; ++i) loads[l][r] += counters[l * S + i];
+    }
+  }
+  return loads;
 }
 
 NodeSnapshot Node::Snapshot() const {
@@ -455,7 +549,7 @@ NodeSnapshot Node::Snapshot() const {
   if (!has_group_) return s;
   s.world_size = config_.num_ranks;
   s.attached = AttachedLocked();
-  s.arena_bytes = static_cast<uint64_t>(layout_.total_bytes) * arenas_.size();
+  s.arena_bytes = static_cast<uint64_t>(layout_.total_bytes + layout_.device_bytes) * arenas_.size();
   s.plan_version = plan_.version;
   s.num_layers = config_.num_layers;
   s.slots_per_rank = config_.slots_per_rank;

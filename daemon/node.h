@@ -24,6 +24,7 @@
 #include "absl/time/time.h"
 #include "balancer/core/plan.h"
 #include "common/mutex.h"
+#include "daemon/device_memory.h"
 #include "kernels/host/arena_layout.h"
 #include "kernels/host/rank_arena.h"
 #include "kernels/host/shared_arena.h"
@@ -32,6 +33,7 @@
 namespace ubep::daemon {
 
 struct NodeOptions {
+  std::string backend = "host";               // "host" (memfd) or "cuda" (VMM device arenas).
   std::string fd_socket_path;                 // Told to clients in AttachResponse.
   kernels::Protocol protocol = kernels::Protocol::kUbep;
   absl::Duration wait_timeout = absl::Seconds(10);   // Data-plane waits.
@@ -80,6 +82,9 @@ class Node {
   bool AwaitDetached(absl::Duration timeout);
 
   NodeSnapshot Snapshot() const;
+  // Received pairs per [layer][rank] (the load counters summed over each rank's slots);
+  // empty without a group.
+  absl::StatusOr<std::vector<std::vector<uint64_t>>> ReadLoads() const;
   // Calls fn(rank, arena base, layout, config) for each arena, under the lock (the harvester
   // reads counters; arenas never move while the group exists).
   template <typename Fn>
@@ -107,6 +112,10 @@ class Node {
   void FormGroup() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SetGroupState(uint32_t state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int AttachedLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool on_device() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !device_arenas_.empty(); }
+  // The abort word of rank r's arena (host or device): read, and write.
+  uint32_t AbortCode(int r) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SetAbortCode(int r, uint32_t code, bool only_if_clear) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const NodeOptions options_;
   mutable Mutex mu_;
@@ -116,6 +125,7 @@ class Node {
   kernels::EpConfig config_ ABSL_GUARDED_BY(mu_);
   kernels::RankArenaLayout layout_ ABSL_GUARDED_BY(mu_);
   std::vector<kernels::SharedArena> arenas_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<DeviceMemory>> device_arenas_ ABSL_GUARDED_BY(mu_);  // CUDA.
   std::vector<RankEntry> ranks_ ABSL_GUARDED_BY(mu_);
   balancer::Plan plan_ ABSL_GUARDED_BY(mu_);
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;

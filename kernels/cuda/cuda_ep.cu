@@ -14,6 +14,8 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr uint32_t kBadInput = 0x80000000u;
+// The abort word (arena_layout.h) was set while waiting; status[1] holds its value.
+constexpr uint32_t kAbortSeen = 0x40000000u;
 constexpr size_t kLine = 64;
 
 #define UBEP_CUDA_RETURN_IF_ERROR(expr)                                                  \
@@ -29,6 +31,7 @@ constexpr size_t kLine = 64;
 struct Params {
   int rank, num_ranks, max_tokens, hidden, top_k, slots_per_rank, num_experts, num_tokens, layer;
   size_t record_bytes, row_bytes;
+  size_t off_abort;
   size_t off_dispatch_flag, off_combine_flag, off_counts, off_load_counters, off_records,
       off_rows, off_partials;
   std::byte* const* arenas;  // Device array of num_ranks arena pointers.
@@ -45,7 +48,8 @@ struct Params {
   int32_t* record_begin;  // [R x (max_tokens + 1)]: first entry of each record.
   int32_t* entry_row;     // [R x max_tokens x K]: row of each entry, by record_begin.
   int32_t* slot_offsets;  // [S + 1]
-  uint32_t* status;       // [2]: 0, 1 + the peer that timed out, or kBadInput | (t * K + k)
+  uint32_t* status;       // [2]: 0, 1 + the peer that timed out, kAbortSeen with the abort
+                          // word in [1], or kBadInput | (t * K + k)
                           // with the bad expert id in [1].
   uint16_t* recv_x;
   int32_t* src_rank;
@@ -151,9 +155,17 @@ __global__ void WaitKernel(Params p, size_t offset) {
   const uint64_t deadline = GlobalTimerNs() + p.timeout_ns;
   for (int s = threadIdx.x; s < p.num_ranks; s += blockDim.x) {
     auto* flag = reinterpret_cast<uint32_t*>(own + offset + s * kLine);
+    auto* abort_word = reinterpret_cast<uint32_t*>(own + p.off_abort);
     while (!FlagReached(flag, p.epoch)) {
       if (GlobalTimerNs() > deadline) {
         atomicCAS(p.status, 0u, 1u + s);
+        return;
+      }
+      // The daemon stops every wait of a group whose rank left, or that is draining.
+      const uint32_t code = cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(*abort_word)
+                                .load(cuda::memory_order_relaxed);
+      if (code != 0) {
+        if (atomicCAS(p.status, 0u, kAbortSeen) == 0) p.status[1] = code;
         return;
       }
       __nanosleep(256);
@@ -425,6 +437,7 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   const ArenaLayout& l = ep->layout_;
   p.record_bytes = l.record_bytes;
   p.row_bytes = l.row_bytes;
+  p.off_abort = l.abort;
   p.off_dispatch_flag = l.dispatch_flag;
   p.off_combine_flag = l.combine_flag;
   p.off_counts = l.counts;
@@ -462,6 +475,16 @@ absl::Status CudaEp::CheckStatus(const char* what) {
     return absl::InvalidArgumentError(absl::StrCat(
         "topk_idx[", pair / config_.top_k, "][", pair % config_.top_k, "] = ", expert,
         " is outside [-1, ", config_.num_experts, ")"));
+  }
+  if (status == kAbortSeen) {
+    uint32_t code = 0;
+    UBEP_CUDA_RETURN_IF_ERROR(
+        cudaMemcpy(&code, s.params.status + 1, sizeof(code), cudaMemcpyDeviceToHost));
+    if (absl::Status daemon = DaemonAbortStatus(code, rank_, what, 0); !daemon.ok()) return daemon;
+    const int peer = static_cast<int>(code - kAbortTimedOutBase);
+    return absl::DeadlineExceededError(absl::StrCat("rank ", rank_, ": rank ", peer,
+                                                    " timed out for another rank (", what,
+                                                    "); is rank ", peer, " alive?"));
   }
   const int peer = static_cast<int>(status) - 1;
   return absl::DeadlineExceededError(absl::StrCat(

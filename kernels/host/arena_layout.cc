@@ -60,6 +60,21 @@ ArenaLayout::ArenaLayout(const EpConfig& c) {
   total_bytes = offset;
 }
 
+absl::Status DaemonAbortStatus(uint32_t code, int rank, const char* what, uint32_t call) {
+  if (code == kAbortDraining) {
+    return absl::UnavailableError(absl::StrCat("rank ", rank, ": ubepd is draining; ", what,
+                                               " of call ", call,
+                                               " abandoned; attach again when it is back"));
+  }
+  if (code != 0 && (code & kAbortRankGone) != 0) {
+    const uint32_t gone = code & ~kAbortRankGone;
+    return absl::UnavailableError(absl::StrCat(
+        "rank ", rank, ": rank ", gone, " left the group (ubepd saw its client disconnect) ",
+        "during ", what, " of call ", call, "; join again once rank ", gone, " is back"));
+  }
+  return absl::OkStatus();
+}
+
 void ResetSignals(std::byte* arena, const ArenaLayout& layout) {
   // The signal regions, the abort word and the counts are contiguous, from dispatch_flag to
   // load_counters.

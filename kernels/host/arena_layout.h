@@ -67,6 +67,11 @@ inline constexpr uint32_t kAbortTimedOutBase = 1;         // + rank a wait timed
 inline constexpr uint32_t kAbortRankGone = 0x80000000u;   // | rank that left (daemon).
 inline constexpr uint32_t kAbortDraining = 0xFFFFFFFFu;   // The daemon is shutting down.
 
+// The error for a wait of `rank` that found the abort word set to a daemon's code (rank gone
+// or draining); OK for 0 or a peer's timeout code (the caller reports timeouts itself).
+// `what` names the phase, `call` the epoch.
+absl::Status DaemonAbortStatus(uint32_t code, int rank, const char* what, uint32_t call);
+
 struct ArenaLayout {
   size_t dispatch_flag, combine_flag, count_flag, barrier_flag, abort, counts, load_counters,
       records,

@@ -289,17 +289,7 @@ uint32_t* HostEp::AbortWord() const {
 
 absl::Status HostEp::GiveUp(int peer, const char* what, uint32_t epoch) const {
   uint32_t code = LoadAcquire(AbortWord());
-  if (code == kAbortDraining) {
-    return absl::UnavailableError(absl::StrCat("rank ", rank_, ": ubepd is draining; ", what,
-                                               " of call ", epoch,
-                                               " abandoned; attach again when it is back"));
-  }
-  if (code != 0 && (code & kAbortRankGone) != 0) {
-    const int gone = static_cast<int>(code & ~kAbortRankGone);
-    return absl::UnavailableError(absl::StrCat(
-        "rank ", rank_, ": rank ", gone, " left the group (ubepd saw its client disconnect) ",
-        "during ", what, " of call ", epoch, "; join again once rank ", gone, " is back"));
-  }
+  UBEP_RETURN_IF_ERROR(DaemonAbortStatus(code, rank_, what, epoch));
   if (code == 0) {
     // This rank gives up first: tell every rank which peer it gave up on, so that ranks
     // stuck behind a survivor report the dead peer, not the survivor.

@@ -10,6 +10,7 @@ namespace ubep::kernels {
 namespace {
 
 constexpr size_t kPage = 4096;
+constexpr size_t kDeviceAlignment = size_t{2} << 20;  // VMM granularity on current GPUs.
 
 size_t AlignUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
@@ -31,25 +32,32 @@ size_t MaxPlanTableBytes(const EpConfig& config) {
 }
 
 RankArenaLayout RankArenaLayout::Compute(const EpConfig& config, size_t bytes_per_expert,
-                                         int free_buffers) {
+                                         int free_buffers, bool on_device) {
   RankArenaLayout l;
+  l.on_device = on_device;
   size_t offset = 0;
   auto carve = [&](size_t bytes) {
     const size_t at = offset;
     offset = AlignUp(offset + bytes, kPage);
     return at;
   };
-  l.control = carve(sizeof(RankControl));
+  l.buffers_per_layer = static_cast<uint32_t>(config.slots_per_rank + std::max(free_buffers, 0));
+  l.weight_stride = AlignUp(bytes_per_expert, 64);
+  const size_t weight_bytes =
+      static_cast<size_t>(config.num_layers) * l.buffers_per_layer * l.weight_stride;
   l.ep_bytes = ArenaLayout(config).total_bytes;
-  l.ep = carve(l.ep_bytes);
+  l.control = carve(sizeof(RankControl));
+  if (!on_device) l.ep = carve(l.ep_bytes);
   l.plan_capacity = AlignUp(MaxPlanTableBytes(config), 64);
   l.plan = carve(PlanAreaBytes(l.plan_capacity));
   l.slot_map =
       carve(2 * sizeof(uint32_t) * static_cast<size_t>(config.num_layers) * config.slots_per_rank);
-  l.buffers_per_layer = static_cast<uint32_t>(config.slots_per_rank + std::max(free_buffers, 0));
-  l.weight_stride = AlignUp(bytes_per_expert, 64);
-  l.weights = carve(static_cast<size_t>(config.num_layers) * l.buffers_per_layer * l.weight_stride);
+  if (!on_device) l.weights = carve(weight_bytes);
   l.total_bytes = offset;
+  if (on_device) {
+    l.device_weights = AlignUp(l.ep_bytes, kDeviceAlignment);
+    l.device_bytes = l.device_weights + weight_bytes;
+  }
   return l;
 }
 

@@ -10,6 +10,10 @@
 //              the experts a new plan brings, so no weights are overwritten while the old
 //              plan may still read them
 //
+// On the CUDA backend ep and weights live in a second, device arena (VMM memory exported as
+// an fd), at device_ep = 0 and device_weights; the host arena keeps control, plan and
+// slot_map (ep_bytes is still the data-plane region's size, ep and weights are 0 there).
+//
 // The daemon sends these offsets to clients (ubep.v1.ArenaLayout); both sides compute them
 // here. Words shared between processes are accessed through std::atomic_ref.
 #ifndef UBEP_KERNELS_HOST_RANK_ARENA_H_
@@ -80,10 +84,15 @@ struct RankArenaLayout {
   size_t weights = 0, weight_stride = 0;
   uint32_t buffers_per_layer = 0;
   size_t total_bytes = 0;
+  // CUDA backend: the device arena (0 bytes on the host backend).
+  bool on_device = false;
+  size_t device_weights = 0;
+  size_t device_bytes = 0;
 
-  // `bytes_per_expert` may be 0 (no weights); `free_buffers` per layer for migration.
+  // `bytes_per_expert` may be 0 (no weights); `free_buffers` per layer for migration;
+  // `on_device`: data plane and weights in a device arena (CUDA backend).
   static RankArenaLayout Compute(const EpConfig& config, size_t bytes_per_expert,
-                                 int free_buffers);
+                                 int free_buffers, bool on_device = false);
 };
 
 // The largest plan table for a config: an expert can have at most
@@ -106,9 +115,10 @@ inline uint32_t* SlotMap(std::byte* base, const RankArenaLayout& layout, const E
          static_cast<size_t>(plan_buffer) * config.num_layers * config.slots_per_rank;
 }
 
+// `base`: the host arena, or on the CUDA backend the device arena.
 inline std::byte* WeightBuffer(std::byte* base, const RankArenaLayout& layout, int layer,
                                uint32_t buffer) {
-  return base + layout.weights +
+  return base + (layout.on_device ? layout.device_weights : layout.weights) +
          (static_cast<size_t>(layer) * layout.buffers_per_layer + buffer) * layout.weight_stride;
 }
 

@@ -1,0 +1,68 @@
+// DeviceMemory on VMM arenas (kernels/cuda/vmm_arena.h).
+#include <cuda_runtime_api.h>
+#include <unistd.h>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/device_memory.h"
+#include "kernels/cuda/vmm_arena.h"
+
+namespace ubep::daemon {
+namespace {
+
+absl::Status Check(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
+}
+
+class VmmDeviceMemory : public DeviceMemory {
+ public:
+  VmmDeviceMemory(int device, std::unique_ptr<kernels::VmmArena> arena, int fd)
+      : device_(device), arena_(std::move(arena)), fd_(fd) {}
+  ~VmmDeviceMemory() override {
+    if (fd_ >= 0) close(fd_);
+  }
+  int device() const override { return device_; }
+  size_t size() const override { return arena_->size(); }
+  int fd() const override { return fd_; }
+  absl::Status Read(size_t offset, void* out, size_t bytes) const override {
+    cudaSetDevice(device_);
+    return Check(cudaMemcpy(out, arena_->data() + offset, bytes, cudaMemcpyDeviceToHost),
+                 "reading device arena");
+  }
+  absl::Status Write(size_t offset, const void* in, size_t bytes) override {
+    cudaSetDevice(device_);
+    return Check(cudaMemcpy(arena_->data() + offset, in, bytes, cudaMemcpyHostToDevice),
+                 "writing device arena");
+  }
+  absl::Status Zero(size_t offset, size_t bytes) override {
+    cudaSetDevice(device_);
+    if (absl::Status s = Check(cudaMemset(arena_->data() + offset, 0, bytes), "clearing device arena");
+        !s.ok()) {
+      return s;
+    }
+    return Check(cudaDeviceSynchronize(), "clearing device arena");
+  }
+
+ private:
+  int device_;
+  std::unique_ptr<kernels::VmmArena> arena_;
+  int fd_;
+};
+
+}  // namespace
+
+int DeviceCount() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+}
+
+absl::StatusOr<std::unique_ptr<DeviceMemory>> CreateDeviceMemory(int device, size_t bytes) {
+  absl::StatusOr<std::unique_ptr<kernels::VmmArena>> arena =
+      kernels::VmmArena::Create(device, bytes, kernels::VmmArena::Sharing::kPosixFd);
+  if (!arena.ok()) return arena.status();
+  absl::StatusOr<int> fd = (*arena)->ExportFd();
+  if (!fd.ok()) return fd.status();
+  return std::unique_ptr<DeviceMemory>(new VmmDeviceMemory(device, *std::move(arena), *fd));
+}
+
+}  // namespace ubep::daemon
