@@ -7,18 +7,19 @@
 //    directly on arenas this process made, same config, same tokens, same plan. Blocks of 10
 //    steps alternate between the two so both see the same machine; p50/p99 of rank 0's step.
 //
-//   ubep-bench-daemon [--json] [--iters N] [--ranks 4] [--ubepd PATH]
+//   ubep-bench-daemon [--json] [--iters N] [--ranks 2,4] [--ubepd PATH]
 // Prints a table, or with --json one object:
 //   {"attach_ms_p50", "attach_ms_p99", "cases": [{"ranks", "tokens", "hidden", "routing",
 //     "libubep_p50_us", "libubep_p99_us", "direct_p50_us", "direct_p99_us",
-//     "overhead_ratio"}]}     overhead_ratio = libubep p50 / direct p50
+//     "overhead_ratio"}], "overhead_ratio_geomean"}
+//   overhead_ratio = libubep p50 / direct p50; the geometric mean pools the cases.
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <barrier>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
@@ -27,7 +28,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "bench/dataplane_inputs.h"
 #include "common/percentile.h"
@@ -218,9 +221,14 @@ absl::StatusOr<nlohmann::json> RunCase(const Case& c, const std::string& socket,
   if (absl::Status s = RunBlock(c.ranks, kBlock, via_client, nullptr); !s.ok()) return s;
   if (absl::Status s = RunBlock(c.ranks, kBlock, direct, nullptr); !s.ok()) return s;
   std::vector<double> client_us, direct_us;
-  for (int done = 0; done < iters; done += kBlock) {
-    if (absl::Status s = RunBlock(c.ranks, kBlock, via_client, &client_us); !s.ok()) return s;
-    if (absl::Status s = RunBlock(c.ranks, kBlock, direct, &direct_us); !s.ok()) return s;
+  // A B B A ...: neither way always runs first.
+  for (int round = 0; round * kBlock < iters; ++round) {
+    for (int half = 0; half < 2; ++half) {
+      const bool client_turn = (round + half) % 2 == 0;
+      absl::Status s = client_turn ? RunBlock(c.ranks, kBlock, via_client, &client_us)
+                                   : RunBlock(c.ranks, kBlock, direct, &direct_us);
+      if (!s.ok()) return s;
+    }
   }
   for (auto& rank : ranks) {
     if (absl::Status s = rank->Detach(); !s.ok()) return s;
@@ -268,7 +276,7 @@ int main(int argc, char** argv) {
   using namespace ubep::bench;
   bool json = false;
   int iters = 100;
-  std::vector<int> rank_counts = {4};
+  std::vector<int> rank_counts = {2, 4};
   std::string ubepd = UBEP_UBEPD;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
@@ -277,11 +285,19 @@ int main(int argc, char** argv) {
     } else if (flag == "--iters" && i + 1 < argc) {
       iters = std::max(kBlock, std::atoi(argv[++i]));
     } else if (flag == "--ranks" && i + 1 < argc) {
-      rank_counts = {std::atoi(argv[++i])};
+      rank_counts.clear();
+      for (absl::string_view r : absl::StrSplit(argv[++i], ',')) {
+        int n = 0;
+        if (!absl::SimpleAtoi(r, &n) || n < 1 || kExperts % n != 0) {
+          std::cerr << "ubep-bench-daemon: --ranks takes divisors of 256, comma-separated\n";
+          return 2;
+        }
+        rank_counts.push_back(n);
+      }
     } else if (flag == "--ubepd" && i + 1 < argc) {
       ubepd = argv[++i];
     } else {
-      std::cerr << "usage: ubep-bench-daemon [--json] [--iters N] [--ranks R] [--ubepd PATH]\n";
+      std::cerr << "usage: ubep-bench-daemon [--json] [--iters N] [--ranks 2,4] [--ubepd PATH]\n";
       return 2;
     }
   }
@@ -321,6 +337,9 @@ int main(int argc, char** argv) {
     }
   }
   std::filesystem::remove_all(dir);
+  double log_sum = 0;
+  for (const auto& row : result["cases"]) log_sum += std::log(row["overhead_ratio"].get<double>());
+  result["overhead_ratio_geomean"] = std::exp(log_sum / static_cast<double>(result["cases"].size()));
   if (json) {
     std::cout << result.dump(1) << "\n";
     return 0;
@@ -339,5 +358,7 @@ int main(int argc, char** argv) {
                                  row["direct_p99_us"].get<double>(),
                                  row["overhead_ratio"].get<double>());
   }
+  std::cout << absl::StrFormat("overhead, geometric mean over the cases: %.3f\n",
+                               result["overhead_ratio_geomean"].get<double>());
   return 0;
 }
