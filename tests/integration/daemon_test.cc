@@ -118,7 +118,9 @@ class DaemonTest : public ::testing::Test {
     auto daemon = std::make_unique<Process>(argv, dir_.path() + "/ubepd.log");
     EXPECT_TRUE(WaitFor([&] { return std::filesystem::exists(ready); }, absl::Seconds(30)))
         << ReadFile(dir_.path() + "/ubepd.log");
-    metrics_port_ = nlohmann::json::parse(ReadFile(ready))["metrics_port"].get<int>();
+    const nlohmann::json ports = nlohmann::json::parse(ReadFile(ready));
+    metrics_port_ = ports["metrics_port"].get<int>();
+    listen_port_ = ports["listen_port"].get<int>();
     return daemon;
   }
 
@@ -187,6 +189,7 @@ class DaemonTest : public ::testing::Test {
 
   test::TempDir dir_;
   int metrics_port_ = 0;
+  int listen_port_ = 0;
 };
 
 TEST_F(DaemonTest, FourClientsRunHundredStepsMatchingTheFloat64Reference) {
@@ -230,6 +233,57 @@ TEST_F(DaemonTest, FourClientsRunHundredStepsMatchingTheFloat64Reference) {
 
   daemon->Signal(SIGTERM);
   EXPECT_EQ(daemon->Wait(absl::Seconds(30)), 0);
+}
+
+// A plain EPLB plan file (no topology, no shares): 4 ranks x 65 slots, the last slot of each
+// rank a second replica of some expert. Outputs must not depend on the plan.
+TEST_F(DaemonTest, StaticPlanFromAnEplbFileRoutesWithReplicasAndIsServedOverTcp) {
+  nlohmann::json phy2log = nlohmann::json::array();
+  for (int l = 0; l < 4; ++l) {
+    nlohmann::json row = nlohmann::json::array();
+    for (int r = 0; r < kWorld; ++r) {
+      for (int i = 0; i < 64; ++i) row.push_back(r * 64 + i);
+      row.push_back((l * 31 + r * 64 + 5) % 256);
+    }
+    phy2log.push_back(row);
+  }
+  const std::string plan = dir_.Write(
+      "plan.json", nlohmann::json{{"version", 7}, {"num_experts", 256}, {"phy2log", phy2log}}.dump());
+  auto daemon = StartDaemon({"--plan=" + plan, "--listen=127.0.0.1:0"});
+  std::vector<std::unique_ptr<Process>> clients;
+  for (int r = 0; r < kWorld; ++r) clients.push_back(StartClient(r, {"--slots_per_rank=65"}));
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(clients[r]->Wait(absl::Seconds(120)), 0) << ReadFile(client_log(r));
+    ExpectAllStepsCorrect(r);
+    EXPECT_THAT(ReadFile(client_log(r)), HasSubstr("step 0 generation 1 plan 7 "));
+  }
+  ASSERT_GT(listen_port_, 0);
+  auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", listen_port_),
+                                     grpc::InsecureChannelCredentials());
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  v1::GetPlanResponse got;
+  ASSERT_TRUE(v1::Daemon::NewStub(channel)->GetPlan(&context, v1::GetPlanRequest(), &got).ok());
+  EXPECT_EQ(got.plan().version(), 7u);
+  ASSERT_EQ(got.plan().layers_size(), 4);
+  EXPECT_EQ(got.plan().layers(2).slot_expert_size(), 260);
+  EXPECT_EQ(got.plan().layers(2).slot_expert(64), (2 * 31 + 5) % 256);
+  grpc::ClientContext health_context;
+  grpc::health::v1::HealthCheckResponse health;
+  ASSERT_TRUE(grpc::health::v1::Health::NewStub(channel)
+                  ->Check(&health_context, grpc::health::v1::HealthCheckRequest(), &health)
+                  .ok());
+  EXPECT_EQ(health.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+}
+
+TEST_F(DaemonTest, PlanThatDoesNotFitTheModelIsRefusedNamingBothShapes) {
+  const std::string plan = dir_.Write(
+      "plan.json", R"({"version": 2, "num_experts": 8, "phy2log": [[0,1,2,3,4,5,6,7]]})");
+  auto daemon = StartDaemon({"--plan=" + plan});
+  const grpc::Status status = Attach(Request(0, 2));
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(status.error_message(),
+            "the static plan " + plan + " has 1 layers x 8 experts; the model has 2 x 8");
 }
 
 TEST_F(DaemonTest, KilledClientIsMarkedGoneAndTheRestartedClientRejoins) {
