@@ -22,6 +22,10 @@ class DeviceMemory {
   virtual absl::Status Read(size_t offset, void* out, size_t bytes) const = 0;
   virtual absl::Status Write(size_t offset, const void* in, size_t bytes) = 0;
   virtual absl::Status Zero(size_t offset, size_t bytes) = 0;
+  // Device to device, possibly across the domain's GPUs (peer copy).
+  virtual absl::Status CopyFrom(const DeviceMemory& source, size_t source_offset, size_t offset,
+                                size_t bytes) = 0;
+  virtual void* data() const = 0;  // Device address of the arena in this process.
 };
 
 // Devices visible to this process (0 without CUDA or a driver).

@@ -42,6 +42,15 @@ class VmmDeviceMemory : public DeviceMemory {
     }
     return Check(cudaDeviceSynchronize(), "clearing device arena");
   }
+  absl::Status CopyFrom(const DeviceMemory& source, size_t source_offset, size_t offset,
+                        size_t bytes) override {
+    cudaSetDevice(device_);
+    return Check(cudaMemcpyPeer(arena_->data() + offset, device_,
+                                static_cast<const std::byte*>(source.data()) + source_offset,
+                                source.device(), bytes),
+                 "copying expert weights");
+  }
+  void* data() const override { return arena_->data(); }
 
  private:
   int device_;

@@ -482,7 +482,7 @@ absl::StatusOr<v1::GetPlanResponse> Node::GetPlan() const {
   }
   v1::GetPlanResponse response;
   *response.mutable_plan() = balancer::ToProto(plan_);
-  response.set_effective_step(0);
+  response.set_effective_step(plan_effective_step_);
   return response;
 }
 
@@ -494,6 +494,260 @@ absl::StatusOr<v1::ReportStepResponse> Node::ReportStep(const v1::ReportStepRequ
   response.set_plan_version(plan_.version);
   response.set_draining(draining_);
   return response;
+}
+
+uint64_t Node::MaxStepLocked() const {
+  uint64_t step = 0;
+  for (const kernels::SharedArena& arena : arenas_) {
+    step = std::max(step, std::atomic_ref<uint64_t>(kernels::ControlOf(arena.data(), layout_)->step)
+                              .load(std::memory_order_relaxed));
+  }
+  return step;
+}
+
+uint64_t Node::MaxStep() const {
+  MutexLock lock(&mu_);
+  return MaxStepLocked();
+}
+
+std::optional<v1::AttachRequest> Node::GroupShape() const {
+  MutexLock lock(&mu_);
+  if (!has_group_) return std::nullopt;
+  return group_request_;
+}
+
+int Node::PlanBufferOf(uint64_t version) const {
+  if (arenas_.empty()) return -1;
+  void* area = arenas_[0].data() + layout_.plan;
+  for (int b = 0; b < 2; ++b) {
+    const kernels::PlanSlotHeader* slot = kernels::PlanSlot(area, b);
+    if (std::atomic_ref<const uint64_t>(slot->version).load(std::memory_order_acquire) == version &&
+        slot->state != kernels::kEmpty) {
+      return b;
+    }
+  }
+  return -1;
+}
+
+absl::Status Node::CopyWeights(int from_rank, uint32_t from_buffer, int to_rank,
+                               uint32_t to_buffer, int layer) {
+  const size_t bytes = group_request_.shape().bytes_per_expert();
+  if (bytes == 0) return absl::OkStatus();
+  if (on_device()) {
+    const auto offset = [&](uint32_t buffer) {
+      return layout_.device_weights +
+             (static_cast<size_t>(layer) * layout_.buffers_per_layer + buffer) * layout_.weight_stride;
+    };
+    return device_arenas_[to_rank]->CopyFrom(*device_arenas_[from_rank], offset(from_buffer),
+                                             offset(to_buffer), bytes);
+  }
+  std::memcpy(kernels::WeightBuffer(arenas_[to_rank].data(), layout_, layer, to_buffer),
+              kernels::WeightBuffer(arenas_[from_rank].data(), layout_, layer, from_buffer), bytes);
+  return absl::OkStatus();
+}
+
+v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective_step) {
+  MutexLock lock(&mu_);
+  v1::PrepareResponse response;
+  auto fail = [&](std::string reason) {
+    UBEP_LOG(WARNING) << "prepare of plan v" << plan.version << " failed: " << reason;
+    response.set_prepared(false);
+    response.set_reason(std::move(reason));
+    return response;
+  };
+  if (!has_group_) return fail("no group is attached to this daemon");
+  if (draining_) return fail("ubepd is draining");
+  const int R = config_.num_ranks, S = config_.slots_per_rank, L = config_.num_layers;
+  if (plan.topology.num_ranks != R || plan.topology.slots_per_rank != S ||
+      plan.num_experts != config_.num_experts || plan.num_layers() != L) {
+    return fail(absl::StrCat("plan shape ", plan.topology.num_ranks, " ranks x ",
+                             plan.topology.slots_per_rank, " slots, ", plan.num_layers(),
+                             " layers x ", plan.num_experts, " experts does not match the group's ",
+                             R, " x ", S, ", ", L, " x ", config_.num_experts));
+  }
+  if (absl::Status valid = balancer::ValidatePlan(plan); !valid.ok()) {
+    return fail(std::string(valid.message()));
+  }
+  if (pending_.has_value()) {
+    if (pending_->version == plan.version && pending_effective_step_ == effective_step) {
+      response.set_prepared(true);  // A retried Prepare: already staged.
+      return response;
+    }
+    return fail(absl::StrCat("plan v", pending_->version, " is prepared and undecided"));
+  }
+  if (plan.version <= plan_.version) {
+    return fail(absl::StrCat("version ", plan.version, " is not above the committed v",
+                             plan_.version));
+  }
+  for (int r = 0; r < R; ++r) {
+    const uint64_t step = std::atomic_ref<uint64_t>(kernels::ControlOf(arenas_[r].data(), layout_)->step)
+                              .load(std::memory_order_relaxed);
+    if (step >= effective_step) {
+      return fail(absl::StrCat("effective step ", effective_step, " is not ahead of rank ", r,
+                               "'s step ", step));
+    }
+    if (ranks_[r].state == RankState::kConnected && step < plan_effective_step_ &&
+        plan_effective_step_ > 0) {
+      return fail(absl::StrCat("plan v", plan_.version, " is not in force on rank ", r,
+                               " yet (step ", step, " < ", plan_effective_step_, ")"));
+    }
+  }
+  const int current = PlanBufferOf(plan_.version);
+  if (current < 0) return fail(absl::StrCat("plan v", plan_.version, " is not in the plan area"));
+  const int next = 1 - current;
+  // New slot -> weight buffer maps: unchanged slots keep their buffer; a slot whose expert
+  // changes takes a buffer the plan in force does not use, and gets the expert's weights
+  // from a slot that holds it now (same rank first).
+  std::vector<std::vector<uint32_t>> maps(R);
+  uint32_t copied_slots = 0;
+  uint64_t copied_bytes = 0;
+  for (int r = 0; r < R; ++r) {
+    const uint32_t* cur = kernels::SlotMap(arenas_[r].data(), layout_, config_, current);
+    maps[r].assign(cur, cur + static_cast<size_t>(L) * S);
+  }
+  for (int l = 0; l < L; ++l) {
+    const std::vector<int>& old_experts = plan_.layers[l].slot_expert;
+    const std::vector<int>& new_experts = plan.layers[l].slot_expert;
+    for (int r = 0; r < R; ++r) {
+      const uint32_t* cur = kernels::SlotMap(arenas_[r].data(), layout_, config_, current);
+      std::vector<bool> used(layout_.buffers_per_layer, false);
+      for (int i = 0; i < S; ++i) used[cur[l * S + i]] = true;
+      std::vector<uint32_t> free;
+      for (uint32_t b = 0; b < layout_.buffers_per_layer; ++b) {
+        if (!used[b]) free.push_back(b);
+      }
+      int changed = 0;
+      for (int i = 0; i < S; ++i) changed += old_experts[r * S + i] != new_experts[r * S + i];
+      if (changed > static_cast<int>(free.size())) {
+        return fail(absl::StrCat("rank ", r, " layer ", l, ": ", changed,
+                                 " slots change but only ", free.size(),
+                                 " weight buffers are free (--free_buffers ",
+                                 options_.free_buffers, ")"));
+      }
+      for (int i = 0; i < S; ++i) {
+        const int expert = new_experts[r * S + i];
+        if (old_experts[r * S + i] == expert) continue;
+        // A holder of `expert` under the plan in force: this rank first, then the others.
+        int holder = -1;
+        for (int step = 0; step < R && holder < 0; ++step) {
+          const int q = (r + step) % R;
+          for (int j = 0; j < S; ++j) {
+            if (old_experts[q * S + j] == expert) {
+              holder = q * S + j;
+              break;
+            }
+          }
+        }
+        if (holder < 0) return fail(absl::StrCat("layer ", l, ": expert ", expert, " has no holder"));
+        const uint32_t buffer = free.back();
+        free.pop_back();
+        const int hr = holder / S, hj = holder % S;
+        const uint32_t source = kernels::SlotMap(arenas_[hr].data(), layout_, config_, current)[l * S + hj];
+        if (absl::Status s = CopyWeights(hr, source, r, buffer, l); !s.ok()) {
+          return fail(std::string(s.message()));
+        }
+        maps[r][l * S + i] = buffer;
+        ++copied_slots;
+        copied_bytes += group_request_.shape().bytes_per_expert();
+      }
+    }
+  }
+  std::vector<kernels::LayerRouting> routing;
+  for (const balancer::LayerPlan& layer : plan.layers) {
+    routing.push_back({layer.slot_expert, layer.slot_share});
+  }
+  absl::StatusOr<std::vector<std::byte>> table =
+      kernels::BuildPlanTable(plan.version, config_.num_experts, routing);
+  if (!table.ok()) return fail(std::string(table.status().message()));
+  for (int r = 0; r < R; ++r) {
+    uint32_t* map = kernels::SlotMap(arenas_[r].data(), layout_, config_, next);
+    std::copy(maps[r].begin(), maps[r].end(), map);
+    // The map is in place before the table's version word is published (PreparePlan stores
+    // it last, with release).
+    if (absl::Status s = kernels::PreparePlan(arenas_[r].data() + layout_.plan, *table,
+                                              plan.version, effective_step);
+        !s.ok()) {
+      for (int q = 0; q < r; ++q) (void)kernels::AbortPlan(arenas_[q].data() + layout_.plan, plan.version);
+      return fail(std::string(s.message()));
+    }
+  }
+  pending_ = plan;
+  pending_effective_step_ = effective_step;
+  response.set_prepared(true);
+  response.set_copied_slots(copied_slots);
+  response.set_copied_bytes(copied_bytes);
+  UBEP_LOG(INFO) << "prepared plan v" << plan.version << " for step " << effective_step << ": "
+                 << copied_slots << " slots staged (" << copied_bytes << " bytes)";
+  return response;
+}
+
+absl::Status Node::Commit(uint64_t version) {
+  MutexLock lock(&mu_);
+  if (version == plan_.version) return absl::OkStatus();  // Already committed.
+  if (!pending_.has_value() || pending_->version != version) {
+    return absl::NotFoundError(absl::StrCat("plan v", version, " is not prepared here"));
+  }
+  for (kernels::SharedArena& arena : arenas_) {
+    UBEP_RETURN_IF_ERROR(kernels::CommitPlan(arena.data() + layout_.plan, version));
+  }
+  plan_ = *std::move(pending_);
+  plan_effective_step_ = pending_effective_step_;
+  pending_.reset();
+  UBEP_LOG(INFO) << "committed plan v" << version << " (effective at step "
+                 << plan_effective_step_ << ")";
+  return absl::OkStatus();
+}
+
+absl::Status Node::Abort(uint64_t version) {
+  MutexLock lock(&mu_);
+  if (!pending_.has_value() || pending_->version != version) return absl::OkStatus();
+  for (kernels::SharedArena& arena : arenas_) {
+    UBEP_RETURN_IF_ERROR(kernels::AbortPlan(arena.data() + layout_.plan, version));
+  }
+  pending_.reset();
+  UBEP_LOG(INFO) << "aborted plan v" << version;
+  return absl::OkStatus();
+}
+
+v1::DaemonState Node::State() const {
+  MutexLock lock(&mu_);
+  v1::DaemonState state;
+  for (size_t r = 0; r < ranks_.size(); ++r) state.add_ranks(static_cast<uint32_t>(r));
+  if (!has_group_) return state;
+  state.set_committed_version(plan_.version);
+  if (pending_.has_value()) {
+    state.set_pending_version(pending_->version);
+    state.set_pending_effective_step(pending_effective_step_);
+  }
+  state.set_max_step(MaxStepLocked());
+  *state.mutable_committed_plan() = balancer::ToProto(plan_);
+  return state;
+}
+
+absl::StatusOr<std::vector<std::vector<uint64_t>>> Node::ReadSlotLoads() const {
+  MutexLock lock(&mu_);
+  std::vector<std::vector<uint64_t>> loads;
+  if (!has_group_) return loads;
+  const int L = config_.num_layers, S = config_.slots_per_rank, R = config_.num_ranks;
+  loads.assign(L, std::vector<uint64_t>(static_cast<size_t>(R) * S, 0));
+  const size_t offset = kernels::ArenaLayout(config_).load_counters;
+  std::vector<uint64_t> counters(static_cast<size_t>(L) * S);
+  for (int r = 0; r < R; ++r) {
+    if (on_device()) {
+      UBEP_RETURN_IF_ERROR(
+          device_arenas_[r]->Read(offset, counters.data(), counters.size() * sizeof(uint64_t)));
+    } else {
+      const auto* words = reinterpret_cast<uint64_t*>(arenas_[r].data() + layout_.ep + offset);
+      for (size_t i = 0; i < counters.size(); ++i) {
+        counters[i] = std::atomic_ref<uint64_t>(const_cast<uint64_t&>(words[i]))
+                          .load(std::memory_order_relaxed);
+      }
+    }
+    for (int l = 0; l < L; ++l) {
+      for (int i = 0; i < S; ++i) loads[l][r * S + i] = counters[l * S + i];
+    }
+  }
+  return loads;
 }
 
 void Node::Drain() {
@@ -515,27 +769,14 @@ bool Node::AwaitDetached(absl::Duration timeout) {
 }
 
 absl::StatusOr<std::vector<std::vector<uint64_t>>> Node::ReadLoads() const {
-  MutexLock lock(&mu_);
-  std::vector<std::vector<uint64_t>> loads;
-  if (!has_group_) return loads;
-  const int L = config_.num_layers, S = config_.slots_per_rank;
-  loads.assign(L, std::vector<uint64_t>(config_.num_ranks, 0));
-  const size_t offset = kernels::ArenaLayout(config_).load_counters;
-  std::vector<uint64_t> counters(static_cast<size_t>(L) * S);
-  for (int r = 0; r < config_.num_ranks; ++r) {
-    if (on_device()) {
-      UBEP_RETURN_IF_ERROR(
-          device_arenas_[r]->Read(offset, counters.data(), counters.size() * sizeof(uint64_t)));
-    } else {
-      const auto* words = reinterpret_cast<uint64_t*>(arenas_[r].data() + layout_.ep + offset);
-      for (size_t i = 0; i < counters.size(); ++i) {
-        counters[i] = std::atomic_ref<uint64_t>(const_cast<uint64_t&>(words[i]))
-                          .load(std::memory_order_relaxed);
-      }
+  UBEP_ASSIGN_OR_RETURN(std::vector<std::vector<uint64_t>> slots, ReadSlotLoads());
+  const NodeSnapshot group = Snapshot();
+  std::vector<std::vector<uint64_t>> loads(slots.size(), std::vector<uint64_t>(group.world_size, 0));
+  for (size_t l = 0; l < slots.size(); ++l) {
+    if (slots[l].size() != static_cast<size_t>(group.world_size) * group.slots_per_rank) {
+      return absl::AbortedError("the group changed while reading its counters");
     }
-    for (int l = 0; l < L; ++l) {
-      for (int i = 0; i < S; ++i) loads[l][r] += counters[l * S + i];
-    }
+    for (size_t p = 0; p < slots[l].size(); ++p) loads[l][p / group.slots_per_rank] += slots[l][p];
   }
   return loads;
 }

@@ -28,6 +28,7 @@
 #include "kernels/host/arena_layout.h"
 #include "kernels/host/rank_arena.h"
 #include "kernels/host/shared_arena.h"
+#include "ubep/v1/control.pb.h"
 #include "ubep/v1/daemon.pb.h"
 
 namespace ubep::daemon {
@@ -76,6 +77,22 @@ class Node {
   // The fd connection `connection` closed: if it still holds a rank, that rank is gone.
   void ConnectionClosed(int64_t connection);
 
+  // The two-phase plan commit, daemon side (ARCHITECTURE section 5). Prepare stages the
+  // weights of experts new to a slot into free weight buffers (copied from a slot of this
+  // node that holds the expert under the plan in force, the same rank first), writes the
+  // slot -> buffer map and the plan table into the inactive buffers, and answers Prepared
+  // (or Failed with the reason). Commit and Abort decide; both are idempotent.
+  v1::PrepareResponse Prepare(const balancer::Plan& plan, uint64_t effective_step);
+  absl::Status Commit(uint64_t version);
+  absl::Status Abort(uint64_t version);
+  v1::DaemonState State() const;
+  // Received pairs per [layer][global slot] since the group was created (all hosted ranks).
+  absl::StatusOr<std::vector<std::vector<uint64_t>>> ReadSlotLoads() const;
+  // Highest step any rank has begun; the group's shape (nullopt without a group).
+  uint64_t MaxStep() const;
+  std::optional<v1::AttachRequest> GroupShape() const;
+  int free_buffers() const { return options_.free_buffers; }
+
   // Stops new attaches and joins and fails every data-plane wait with "draining".
   void Drain();
   // Waits until no rank is attached, at most `timeout`; returns whether none is.
@@ -112,6 +129,11 @@ class Node {
   void FormGroup() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SetGroupState(uint32_t state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int AttachedLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  uint64_t MaxStepLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Index (0 or 1) of the plan buffer holding `version` in rank 0's plan area; -1 if none.
+  int PlanBufferOf(uint64_t version) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CopyWeights(int from_rank, uint32_t from_buffer, int to_rank, uint32_t to_buffer,
+                           int layer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool on_device() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !device_arenas_.empty(); }
   // The abort word of rank r's arena (host or device): read, and write.
   uint32_t AbortCode(int r) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -127,7 +149,10 @@ class Node {
   std::vector<kernels::SharedArena> arenas_ ABSL_GUARDED_BY(mu_);
   std::vector<std::unique_ptr<DeviceMemory>> device_arenas_ ABSL_GUARDED_BY(mu_);  // CUDA.
   std::vector<RankEntry> ranks_ ABSL_GUARDED_BY(mu_);
-  balancer::Plan plan_ ABSL_GUARDED_BY(mu_);
+  balancer::Plan plan_ ABSL_GUARDED_BY(mu_);               // Newest committed.
+  uint64_t plan_effective_step_ ABSL_GUARDED_BY(mu_) = 0;
+  std::optional<balancer::Plan> pending_ ABSL_GUARDED_BY(mu_);  // Prepared, undecided.
+  uint64_t pending_effective_step_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t resume_step_ ABSL_GUARDED_BY(mu_) = 0;
   bool group_ready_ ABSL_GUARDED_BY(mu_) = false;

@@ -4,13 +4,24 @@
 #include <atomic>
 #include <thread>
 
+#include <cstring>
+
+#include "balancer/core/plan.h"
 #include "gmock/gmock.h"
+#include "kernels/common/plan_area.h"
 #include "gtest/gtest.h"
 #include "kernels/host/rank_arena.h"
 #include "kernels/host/shared_arena.h"
 
 namespace ubep::daemon {
 namespace {
+
+NodeOptions Options(int free_buffers = 2) {
+  NodeOptions o;
+  o.fd_socket_path = "/unused";
+  o.free_buffers = free_buffers;
+  return o;
+}
 
 v1::AttachRequest Request(uint32_t rank, uint32_t world) {
   v1::AttachRequest q;
@@ -42,6 +53,12 @@ Attached AttachAndClaim(Node& node, uint32_t rank, uint32_t world, int64_t conne
   a.layout.total_bytes = response->layout().total_bytes();
   a.layout.control = response->layout().control_offset();
   a.layout.ep = response->layout().ep_offset();
+  a.layout.plan = response->layout().plan_offset();
+  a.layout.plan_capacity = response->layout().plan_capacity();
+  a.layout.slot_map = response->layout().slot_map_offset();
+  a.layout.weights = response->layout().weights_offset();
+  a.layout.weight_stride = response->layout().weight_stride();
+  a.layout.buffers_per_layer = response->layout().buffers_per_layer();
   absl::StatusOr<std::vector<int>> fds = node.ClaimArenas(a.token, connection);
   EXPECT_TRUE(fds.ok()) << fds.status();
   for (int fd : *fds) a.arenas.push_back(*kernels::SharedArena::Map(fd));
@@ -74,7 +91,7 @@ uint32_t AbortWord(const Attached& a, int rank, uint32_t world) {
 }
 
 TEST(NodeTest, GroupFormsWhenEveryRankJoinsAndTakesTheLeastNextStep) {
-  Node node({.fd_socket_path = "/unused"});
+  Node node(Options());
   Attached a0 = AttachAndClaim(node, 0, 2, 1);
   Attached a1 = AttachAndClaim(node, 1, 2, 2);
   absl::StatusOr<v1::JoinResponse> j0;
@@ -100,7 +117,7 @@ TEST(NodeTest, GroupFormsWhenEveryRankJoinsAndTakesTheLeastNextStep) {
 }
 
 TEST(NodeTest, ClosedConnectionBreaksTheGroupNamingTheRankInEveryArena) {
-  Node node({.fd_socket_path = "/unused"});
+  Node node(Options());
   Attached a0 = AttachAndClaim(node, 0, 2, 10);
   Attached a1 = AttachAndClaim(node, 1, 2, 11);
   std::thread t([&] { ASSERT_TRUE(node.Join(JoinOf(0, a0.token), absl::Now() + absl::Seconds(30)).ok()); });
@@ -130,7 +147,7 @@ TEST(NodeTest, ClosedConnectionBreaksTheGroupNamingTheRankInEveryArena) {
 }
 
 TEST(NodeTest, TokensAreSingleUseAndRequiredEverywhere) {
-  Node node({.fd_socket_path = "/unused"});
+  Node node(Options());
   Attached a0 = AttachAndClaim(node, 0, 2, 1);
   EXPECT_EQ(std::string(node.ClaimArenas(a0.token, 2).status().message()),
             "unknown or already used attach token; attach again");
@@ -146,7 +163,7 @@ TEST(NodeTest, TokensAreSingleUseAndRequiredEverywhere) {
 }
 
 TEST(NodeTest, DrainFailsJoinsAndAttachesAndStopsEveryWait) {
-  Node node({.fd_socket_path = "/unused"});
+  Node node(Options());
   Attached a0 = AttachAndClaim(node, 0, 2, 1);
   absl::StatusOr<v1::JoinResponse> joined;
   std::thread t([&] { joined = node.Join(JoinOf(0, a0.token), absl::Now() + absl::Seconds(30)); });
@@ -166,6 +183,89 @@ TEST(NodeTest, DrainFailsJoinsAndAttachesAndStopsEveryWait) {
   d.set_token(a0.token);
   EXPECT_TRUE(node.Detach(d).ok());
   EXPECT_TRUE(node.AwaitDetached(absl::Milliseconds(10)));
+}
+
+// Rank 0's slot 0 (expert 0) becomes expert 5 and rank 1's slot 1 (expert 5) becomes expert 0:
+// both need weights from the other rank.
+balancer::Plan SwappedPlan(const Node& node) {
+  balancer::Plan plan;
+  plan.version = 2;
+  plan.topology = {2, 1, 4, 1};
+  plan.num_experts = 8;
+  for (int l = 0; l < 2; ++l) {
+    balancer::LayerPlan layer;
+    layer.slot_expert = {5, 1, 2, 3, 4, 0, 6, 7};
+    balancer::SetEqualShares(8, layer);
+    plan.layer_ids.push_back(l);
+    plan.layers.push_back(layer);
+  }
+  return plan;
+}
+
+TEST(NodeTest, PrepareStagesWeightsInFreeBuffersAndCommitSwitchesAtTheEffectiveStep) {
+  Node node(Options());
+  Attached a = AttachAndClaim(node, 0, 2, 1);
+  const kernels::EpConfig config = ConfigOf(2);
+  // The clients' weights: every byte of (rank r, layer l, buffer i) is the expert it holds + 16 l.
+  for (int r = 0; r < 2; ++r) {
+    for (int l = 0; l < 2; ++l) {
+      for (uint32_t i = 0; i < 4; ++i) {
+        std::memset(kernels::WeightBuffer(a.arenas[r].data(), a.layout, l, i), r * 4 + i + 16 * l, 256);
+      }
+    }
+  }
+  const v1::PrepareResponse prepared = node.Prepare(SwappedPlan(node), 10);
+  ASSERT_TRUE(prepared.prepared()) << prepared.reason();
+  EXPECT_EQ(prepared.copied_slots(), 4u);  // 2 slots x 2 layers.
+  EXPECT_EQ(prepared.copied_bytes(), 4u * 256);
+  EXPECT_EQ(node.State().pending_version(), 2u);
+  // Undecided: every step still uses v1.
+  uint64_t version = 0;
+  void* area = a.arenas[0].data() + a.layout.plan;
+  ASSERT_NE(kernels::SelectPlan(area, 50, &version), nullptr);
+  EXPECT_EQ(version, 1u);
+  ASSERT_TRUE(node.Commit(2).ok());
+  ASSERT_TRUE(node.Commit(2).ok());  // Idempotent.
+  kernels::SelectPlan(area, 9, &version);
+  EXPECT_EQ(version, 1u);
+  const kernels::PlanTableHeader* table = kernels::SelectPlan(area, 10, &version);
+  EXPECT_EQ(version, 2u);
+  const int buffer = table == kernels::PlanBuffer(area, 0) ? 0 : 1;
+  for (int l = 0; l < 2; ++l) {
+    // Rank 0 slot 0 now reads expert 5's weights (rank 1's buffer 1), in a free buffer.
+    const uint32_t b0 = kernels::SlotMap(a.arenas[0].data(), a.layout, config, buffer)[l * 4 + 0];
+    EXPECT_GE(b0, 4u);
+    EXPECT_EQ(static_cast<int>(*kernels::WeightBuffer(a.arenas[0].data(), a.layout, l, b0)), 5 + 16 * l);
+    const uint32_t b1 = kernels::SlotMap(a.arenas[1].data(), a.layout, config, buffer)[l * 4 + 1];
+    EXPECT_GE(b1, 4u);
+    EXPECT_EQ(static_cast<int>(*kernels::WeightBuffer(a.arenas[1].data(), a.layout, l, b1)), 0 + 16 * l);
+    // Unchanged slots keep their buffers.
+    EXPECT_EQ(kernels::SlotMap(a.arenas[0].data(), a.layout, config, buffer)[l * 4 + 2], 2u);
+  }
+  EXPECT_EQ(node.State().committed_version(), 2u);
+  EXPECT_EQ(node.State().pending_version(), 0u);
+}
+
+TEST(NodeTest, PrepareFailsWithoutFreeBuffersAndChangesNothing) {
+  Node node(Options(/*free_buffers=*/0));
+  Attached a = AttachAndClaim(node, 0, 2, 1);
+  const v1::PrepareResponse prepared = node.Prepare(SwappedPlan(node), 10);
+  EXPECT_FALSE(prepared.prepared());
+  EXPECT_EQ(prepared.reason(),
+            "rank 0 layer 0: 1 slots change but only 0 weight buffers are free (--free_buffers 0)");
+  EXPECT_EQ(node.State().pending_version(), 0u);
+  EXPECT_EQ(node.State().committed_version(), 1u);
+  EXPECT_EQ(std::string(node.Commit(2).message()), "plan v2 is not prepared here");
+  EXPECT_TRUE(node.Abort(2).ok());
+}
+
+TEST(NodeTest, PrepareRefusesAnEffectiveStepARankHasReached) {
+  Node node(Options());
+  Attached a = AttachAndClaim(node, 0, 2, 1);
+  std::atomic_ref<uint64_t>(kernels::ControlOf(a.arenas[1].data(), a.layout)->step).store(12);
+  const v1::PrepareResponse prepared = node.Prepare(SwappedPlan(node), 12);
+  EXPECT_FALSE(prepared.prepared());
+  EXPECT_EQ(prepared.reason(), "effective step 12 is not ahead of rank 1's step 12");
 }
 
 }  // namespace
