@@ -177,6 +177,7 @@ absl::Status JoinGroup(RankState& s, std::optional<uint64_t> next_step) {
   }
   s.generation = response.generation();
   s.resume_step = response.resume_step();
+  s.step = s.resume_step;  // Plan lookups before the first BeginStep use the resume step.
   s.stopped = absl::OkStatus();
   s.step_begun = false;
   return absl::OkStatus();
@@ -385,6 +386,26 @@ absl::Status Rank::BeginStep(uint64_t step) {
   if (!GroupReady(s)) return Record(s, s.stopped = GroupStopped(s));
   std::atomic_ref<uint64_t>(s.control()->step).store(step, std::memory_order_relaxed);
   Bump(s.control()->steps);
+  // Every rank switches plans at the same step: wait for the decision on one prepared for it.
+  void* area = s.own() + s.layout.plan;
+  uint64_t undecided = 0;
+  if (kernels::UndecidedAt(area, step, &undecided)) {
+    const absl::Time start = absl::Now();
+    Bump(s.control()->decision_waits);
+    while (kernels::UndecidedAt(area, step) && absl::Now() - start < s.options.decision_timeout) {
+      if (!GroupReady(s)) break;
+      absl::SleepFor(absl::Microseconds(200));
+    }
+    Bump(s.control()->decision_wait_ns,
+         static_cast<uint64_t>(absl::ToInt64Nanoseconds(absl::Now() - start)));
+    if (kernels::UndecidedAt(area, step)) {
+      return Record(s, absl::UnavailableError(absl::StrCat(
+                           "rank ", s.rank, ": plan v", undecided, " is prepared for step ", step,
+                           " and still undecided after ",
+                           absl::FormatDuration(s.options.decision_timeout),
+                           "; is ubep-balancer alive?")));
+    }
+  }
   s.step = step;
   s.step_begun = true;
   const absl::Time now = absl::Now();

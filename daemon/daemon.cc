@@ -5,6 +5,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "balancer/formats/proto_convert.h"
+#include "daemon/balancer_link.h"
 #include "daemon/device_memory.h"
 #include "daemon/fd_server.h"
 #include "daemon/metrics.h"
@@ -13,6 +15,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "prometheus/exposer.h"
 #include "prometheus/registry.h"
+#include "ubep/v1/control.grpc.pb.h"
 #include "ubep/v1/daemon.grpc.pb.h"
 
 namespace ubep::daemon {
@@ -63,9 +66,42 @@ class DaemonService final : public v1::Daemon::Service {
   DaemonMetrics* metrics_;
 };
 
+// The daemon side of the two-phase plan commit, for ubep-balancer.
+class DaemonControlService final : public v1::DaemonControl::Service {
+ public:
+  DaemonControlService(Node* node, std::string name) : node_(node), name_(std::move(name)) {}
+
+  grpc::Status Prepare(grpc::ServerContext*, const v1::PrepareRequest* request,
+                       v1::PrepareResponse* response) override {
+    absl::StatusOr<balancer::Plan> plan = balancer::FromProto(request->plan());
+    if (!plan.ok()) return ToGrpc(plan.status());
+    *response = node_->Prepare(*plan, request->effective_step());
+    return grpc::Status::OK;
+  }
+  grpc::Status Commit(grpc::ServerContext*, const v1::CommitRequest* request,
+                      v1::CommitResponse*) override {
+    return ToGrpc(node_->Commit(request->version()));
+  }
+  grpc::Status Abort(grpc::ServerContext*, const v1::AbortRequest* request,
+                     v1::AbortResponse*) override {
+    return ToGrpc(node_->Abort(request->version()));
+  }
+  grpc::Status GetState(grpc::ServerContext*, const v1::GetStateRequest*,
+                        v1::DaemonState* response) override {
+    *response = node_->State();
+    response->set_node(name_);
+    return grpc::Status::OK;
+  }
+
+ private:
+  Node* node_;
+  std::string name_;
+};
+
 Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {}
 
 Daemon::~Daemon() {
+  link_.reset();
   if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now());
   server_.reset();
   exposer_.reset();
@@ -105,6 +141,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   }
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.RegisterService(d->service_.get());
+  if (options.node_name.empty()) {
+    char host[256] = {};
+    gethostname(host, sizeof(host) - 1);
+    options.node_name = host;
+  }
+  d->control_ = std::make_unique<DaemonControlService>(d->node_.get(), options.node_name);
+  builder.RegisterService(d->control_.get());
   d->server_ = builder.BuildAndStart();
   if (d->server_ == nullptr || (!options.listen.empty() && d->listen_port_ == 0)) {
     return absl::UnavailableError(absl::StrCat("cannot serve gRPC on unix:", options.socket_path,
@@ -124,6 +167,28 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
     }
     d->exposer_->RegisterCollectable(d->metrics_);
     d->metrics_port_ = d->exposer_->GetListeningPorts().front();
+  }
+  if (!options.balancer.empty()) {
+    if (options.advertise.empty()) {
+      if (options.listen.empty()) {
+        return absl::InvalidArgumentError("--balancer needs --listen (or --advertise): the "
+                                          "balancer calls this daemon back");
+      }
+      std::string host = options.listen.substr(0, options.listen.rfind(':'));
+      if (host == "0.0.0.0" || host == "[::]" || host.empty()) {
+        char name[256] = {};
+        gethostname(name, sizeof(name) - 1);
+        host = name;
+      }
+      options.advertise = absl::StrCat(host, ":", d->listen_port_);
+    }
+    BalancerLinkOptions link;
+    link.balancer = options.balancer;
+    link.node = options.node_name;
+    link.address = options.advertise;
+    link.domain = options.domain;
+    link.report_interval = options.report_interval;
+    d->link_ = std::make_unique<BalancerLink>(link, d->node_.get());
   }
   UBEP_LOG(INFO) << "ubepd serving: unix:" << options.socket_path
                  << (options.listen.empty() ? "" : absl::StrCat(", ", options.listen, " (port ",

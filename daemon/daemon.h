@@ -26,6 +26,8 @@ class Exposer;
 
 namespace ubep::daemon {
 
+class BalancerLink;
+class DaemonControlService;
 class DaemonMetrics;
 class DaemonService;
 class FdServer;
@@ -39,6 +41,13 @@ struct DaemonOptions {
   absl::Duration harvest_interval = absl::Seconds(1);
   int max_message_bytes = 1 << 20;       // Larger requests are refused by gRPC.
   NodeOptions node;                      // fd_socket_path is filled in from socket_path.
+  // Control plane: ubep-balancer's HOST:PORT ("" = standalone), this node's name, and the
+  // address the balancer reaches this daemon's DaemonControl at ("" = from --listen).
+  std::string balancer;
+  std::string node_name;
+  std::string advertise;
+  uint32_t domain = 0;
+  absl::Duration report_interval = absl::Seconds(1);
 };
 
 class Daemon {
@@ -62,6 +71,8 @@ class Daemon {
   std::unique_ptr<Node> node_;
   std::shared_ptr<DaemonMetrics> metrics_;  // The exposer holds a weak_ptr.
   std::unique_ptr<DaemonService> service_;
+  std::unique_ptr<DaemonControlService> control_;
+  std::unique_ptr<BalancerLink> link_;
   std::unique_ptr<FdServer> fd_server_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<prometheus::Exposer> exposer_;

@@ -34,6 +34,13 @@ ABSL_FLAG(absl::Duration, harvest_interval, absl::Seconds(1),
           "How often the load counters are read.");
 ABSL_FLAG(int, free_buffers, 2, "Expert weight buffers per layer beyond the slots (migration).");
 ABSL_FLAG(uint64_t, max_arena_bytes, uint64_t{16} << 30, "Largest arena per rank, in bytes.");
+ABSL_FLAG(std::string, balancer, "", "HOST:PORT of ubep-balancer; empty = standalone (static plan).");
+ABSL_FLAG(std::string, node, "", "This node's name for the balancer; empty = the hostname.");
+ABSL_FLAG(std::string, advertise, "",
+          "HOST:PORT the balancer reaches this daemon at; empty = --listen's host and port.");
+ABSL_FLAG(uint32_t, domain, 0, "Load/store domain of this node's ranks.");
+ABSL_FLAG(absl::Duration, report_interval, absl::Seconds(1),
+          "How often load is reported to the balancer (the balancer may ask otherwise).");
 ABSL_FLAG(std::string, ready_file, "",
           "When set, written once serving: JSON with the bound ports (for scripts and tests).");
 
@@ -50,6 +57,11 @@ int main(int argc, char** argv) {
   options.listen = absl::GetFlag(FLAGS_listen);
   options.metrics = absl::GetFlag(FLAGS_metrics);
   options.harvest_interval = absl::GetFlag(FLAGS_harvest_interval);
+  options.balancer = absl::GetFlag(FLAGS_balancer);
+  options.node_name = absl::GetFlag(FLAGS_node);
+  options.advertise = absl::GetFlag(FLAGS_advertise);
+  options.domain = absl::GetFlag(FLAGS_domain);
+  options.report_interval = absl::GetFlag(FLAGS_report_interval);
   const std::string mode = absl::GetFlag(FLAGS_socket_mode);
   char* end = nullptr;
   options.socket_mode = static_cast<mode_t>(std::strtoul(mode.c_str(), &end, 8));

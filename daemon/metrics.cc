@@ -174,6 +174,12 @@ std::vector<MetricFamily> DaemonMetrics::Collect() const {
                                          "Dispatch call latency per rank.", MetricType::Histogram);
   MetricFamily combine_latency = Family("ubep_daemon_combine_seconds",
                                         "Combine call latency per rank.", MetricType::Histogram);
+  MetricFamily decision_waits = Family("ubep_daemon_effective_step_waits_total",
+                                       "Steps a rank began waiting at a new plan's effective "
+                                       "step for the commit decision.", MetricType::Counter);
+  MetricFamily decision_seconds = Family("ubep_daemon_effective_step_wait_seconds_total",
+                                         "Time ranks waited for commit decisions.",
+                                         MetricType::Counter);
   std::array<uint64_t, 17> client_errors{};
   node_->ForEachArena([&](int rank, std::byte* base, const kernels::RankArenaLayout& layout,
                           const kernels::EpConfig&) {
@@ -186,7 +192,13 @@ std::vector<MetricFamily> DaemonMetrics::Collect() const {
     dispatch_latency.metric.push_back(HistogramValue(c->dispatch_latency, rank_label(rank)));
     combine_latency.metric.push_back(HistogramValue(c->combine_latency, rank_label(rank)));
     for (int code = 1; code < 17; ++code) client_errors[code] += Load(c->errors[code]);
+    decision_waits.metric.push_back(
+        CounterValue(static_cast<double>(Load(c->decision_waits)), rank_label(rank)));
+    decision_seconds.metric.push_back(
+        CounterValue(static_cast<double>(Load(c->decision_wait_ns)) * 1e-9, rank_label(rank)));
   });
+  out.push_back(std::move(decision_waits));
+  out.push_back(std::move(decision_seconds));
   out.push_back(std::move(step));
   out.push_back(std::move(dispatched));
   out.push_back(std::move(timeouts));

@@ -126,4 +126,17 @@ absl::Status AbortPlan(void* area, uint64_t version) {
   return absl::OkStatus();
 }
 
+bool UndecidedAt(void* area, uint64_t step, uint64_t* version) {
+  for (int i = 0; i < 2; ++i) {
+    PlanSlotHeader* slot = PlanSlot(area, i);
+    const uint64_t v = std::atomic_ref<uint64_t>(slot->version).load(std::memory_order_acquire);
+    const uint32_t state = std::atomic_ref<uint32_t>(slot->state).load(std::memory_order_acquire);
+    if (v != 0 && state == kPrepared && slot->effective_step <= step) {
+      if (version != nullptr) *version = v;
+      return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace ubep::kernels

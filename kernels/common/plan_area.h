@@ -76,6 +76,11 @@ void InitPlanArea(void* area, size_t capacity_bytes);
 // step is <= step; null when none is. `version` (optional) receives its version.
 const PlanTableHeader* SelectPlan(void* area, uint64_t step, uint64_t* version = nullptr);
 
+// Whether a prepared, undecided plan (state kPrepared) would be in force at `step`: a rank
+// reaching its effective step must wait for the decision (ARCHITECTURE section 5). `version`
+// (optional) receives its version.
+bool UndecidedAt(void* area, uint64_t step, uint64_t* version = nullptr);
+
 // Writer side. Errors: FailedPrecondition (version not above every prepared or committed one,
 // or another version awaits its commit or abort), InvalidArgument (table larger than the
 // capacity, or not a valid plan table), NotFound (Commit/Abort of a version not prepared).

@@ -71,6 +71,8 @@ struct alignas(64) RankControl {
   uint64_t combine_calls;
   uint64_t wait_timeouts;       // Data-plane waits that gave up.
   uint64_t errors[17];          // Errors returned to the caller, by absl::StatusCode.
+  uint64_t decision_waits;      // Steps that began waiting for an undecided plan.
+  uint64_t decision_wait_ns;    // Time spent so.
   LatencyHistogram dispatch_latency;
   LatencyHistogram combine_latency;
 };

@@ -55,6 +55,9 @@ struct ClientOptions {
   absl::Duration rpc_timeout = absl::Seconds(10);   // Attach, Detach, ReportStep.
   absl::Duration join_timeout = absl::Seconds(60);  // Waiting for the rest of the group.
   absl::Duration report_interval = absl::Seconds(1);
+  // A rank reaching the effective step of a prepared plan whose commit or abort has not
+  // arrived waits at most this long in BeginStep (then Unavailable).
+  absl::Duration decision_timeout = absl::Seconds(30);
 };
 
 struct RankStats {
@@ -117,7 +120,9 @@ class Rank {
   uint64_t resume_step() const;
 
   // Begins `step` (ranks run the same steps in order): the plan in force at `step` routes this
-  // step's dispatches. Unavailable when the group has stopped.
+  // step's dispatches. When a new plan is prepared for `step` or earlier and not yet
+  // decided, waits for the decision (ClientOptions::decision_timeout). Unavailable when the
+  // group has stopped.
   absl::Status BeginStep(uint64_t step);
 
   // Sends this rank's tokens to the experts' ranks and receives the rows routed here.

@@ -1,0 +1,583 @@
+#include "balancer/server/balancer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "balancer/core/metrics.h"
+#include "balancer/formats/proto_convert.h"
+#include "common/logging.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+
+namespace ubep::balancer {
+namespace {
+
+void SetDeadline(grpc::ClientContext& context, absl::Duration timeout) {
+  context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+}
+
+std::vector<double> Buckets(double first, double factor, int count) {
+  std::vector<double> b;
+  for (int i = 0; i < count; ++i, first *= factor) b.push_back(first);
+  return b;
+}
+
+bool SamePlacement(const Plan& a, const Plan& b) {
+  if (a.num_layers() != b.num_layers()) return false;
+  for (int l = 0; l < a.num_layers(); ++l) {
+    if (a.layers[l].slot_expert != b.layers[l].slot_expert) return false;
+    for (size_t p = 0; p < a.layers[l].slot_share.size(); ++p) {
+      if (std::abs(a.layers[l].slot_share[p] - b.layers[l].slot_share[p]) > 1e-9) return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+Balancer::Balancer(BalancerOptions options, std::shared_ptr<prometheus::Registry> registry)
+    : options_(std::move(options)), registry_(std::move(registry)) {
+  using prometheus::BuildCounter;
+  using prometheus::BuildGauge;
+  using prometheus::BuildHistogram;
+  prometheus::Registry& r = *registry_;
+  plan_version_ = &BuildGauge().Name("ubep_balancer_plan_version")
+                       .Help("Version of the newest committed plan.").Register(r).Add({});
+  plans_committed_ = &BuildCounter().Name("ubep_balancer_plans_committed_total")
+                          .Help("Plans committed on every daemon.").Register(r).Add({});
+  plans_aborted_ = &BuildCounter().Name("ubep_balancer_plans_aborted_total")
+                        .Help("Plans aborted (a daemon failed to prepare, or a prepare was orphaned).")
+                        .Register(r).Add({});
+  plan_seconds_ = &BuildHistogram().Name("ubep_balancer_plan_compute_seconds")
+                       .Help("Time to compute a plan.").Register(r)
+                       .Add({}, prometheus::Histogram::BucketBoundaries(Buckets(0.001, 2, 14)));
+  commit_seconds_ = &BuildHistogram().Name("ubep_balancer_commit_seconds")
+                         .Help("Prepare sent to all daemons committed (weight copies included).")
+                         .Register(r)
+                         .Add({}, prometheus::Histogram::BucketBoundaries(Buckets(0.001, 2, 14)));
+  migrated_slots_ = &BuildCounter().Name("ubep_balancer_migrated_slots_total")
+                         .Help("Slots whose expert changed in committed plans.").Register(r).Add({});
+  migrated_bytes_ = &BuildCounter().Name("ubep_balancer_migrated_bytes_total")
+                         .Help("Expert weight bytes the daemons staged for committed plans.")
+                         .Register(r).Add({});
+  imbalance_ = &BuildGauge().Name("ubep_balancer_imbalance_ratio")
+                    .Help("Per MoE layer, busiest rank over mean: measured from the daemons' "
+                          "counters over the last interval (when=measured), and predicted on "
+                          "the load window before and after the last plan change.")
+                    .Register(r);
+  registered_daemons_ = &BuildGauge().Name("ubep_balancer_registered_daemons")
+                             .Help("Daemons registered.").Register(r).Add({});
+  registered_ranks_ = &BuildGauge().Name("ubep_balancer_registered_ranks")
+                           .Help("Ranks of the registered daemons.").Register(r).Add({});
+  healthy_daemons_ = &BuildGauge().Name("ubep_balancer_healthy_daemons")
+                          .Help("Registered daemons passing their health checks.").Register(r).Add({});
+  reports_ = &BuildCounter().Name("ubep_balancer_reports_total")
+                  .Help("Load reports accepted.").Register(r).Add({});
+  rejected_ = &BuildCounter().Name("ubep_balancer_rejected_reports_total")
+                   .Help("Load reports rejected, by reason.").Register(r);
+  stale_reports_ = &BuildCounter().Name("ubep_balancer_stale_reports_total")
+                        .Help("Load reports counted under a plan that is no longer in force.")
+                        .Register(r).Add({});
+}
+
+Balancer::~Balancer() {
+  {
+    MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+void Balancer::Start() {
+  thread_ = std::thread([this] { Loop(); });
+}
+
+void Balancer::Loop() {
+  MutexLock lock(&mu_);
+  while (!stop_) {
+    if (mu_.AwaitWithTimeout([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; },
+                             options_.interval)) {
+      break;
+    }
+    mu_.Unlock();
+    Tick();
+    mu_.Lock();
+  }
+}
+
+grpc::Status Balancer::Reject(const char* reason, grpc::StatusCode code, std::string message) {
+  rejected_->Add({{"reason", reason}}).Increment();
+  return grpc::Status(code, std::move(message));
+}
+
+grpc::Status Balancer::Register(grpc::ServerContext*, const v1::RegisterRequest* request,
+                                v1::RegisterResponse* response) {
+  if (request->node().empty() || request->address().empty()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "node and address are required");
+  }
+  MutexLock lock(&mu_);
+  const v1::ModelShape& s = request->shape();
+  if (s.num_layers() > 0) {
+    Shape shape{static_cast<int>(request->world_size()), static_cast<int>(s.num_layers()),
+                static_cast<int>(s.num_experts()), static_cast<int>(s.slots_per_rank()), 0};
+    for (uint32_t r : request->ranks()) {
+      if (r >= request->world_size()) {
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                            absl::StrCat("rank ", r, " is outside [0, ", request->world_size(), ")"));
+      }
+    }
+    if (shape_.has_value() && (shape_->world != shape.world || shape_->layers != shape.layers ||
+                               shape_->experts != shape.experts || shape_->slots != shape.slots)) {
+      return grpc::Status(
+          grpc::StatusCode::FAILED_PRECONDITION,
+          absl::StrCat("node ", request->node(), " serves ", shape.world, " ranks x ", shape.slots,
+                       " slots, ", shape.layers, " layers x ", shape.experts,
+                       " experts; the cluster has ", shape_->world, " x ", shape_->slots, ", ",
+                       shape_->layers, " x ", shape_->experts));
+    }
+    if (!shape_.has_value()) {
+      shape_ = shape;
+      window_ = std::make_unique<LoadWindow>(shape.layers, shape.experts, options_.window_intervals,
+                                             options_.ewma_alpha);
+      interval_rank_load_.assign(shape.layers, std::vector<double>(shape.world, 0));
+    }
+  }
+  Daemon& d = daemons_[request->node()];
+  if (d.info.address() != request->address() || d.control == nullptr) {
+    d.channel = grpc::CreateChannel(request->address(), grpc::InsecureChannelCredentials());
+    d.control = v1::DaemonControl::NewStub(d.channel);
+  }
+  d.info = *request;
+  d.needs_state = true;
+  d.healthy = true;
+  d.failures = 0;
+  d.last_seq = 0;
+  UBEP_LOG(INFO) << "registered node " << request->node() << " at " << request->address() << " ("
+                 << request->ranks_size() << " ranks)";
+  response->set_report_interval_ms(absl::ToInt64Milliseconds(options_.report_interval));
+  return grpc::Status::OK;
+}
+
+grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequest* request,
+                                  v1::ReportLoadResponse*) {
+  MutexLock lock(&mu_);
+  auto it = daemons_.find(request->node());
+  if (it == daemons_.end()) {
+    return Reject("unknown_node", grpc::StatusCode::NOT_FOUND,
+                  absl::StrCat("node \"", request->node(), "\" is not registered; register first"));
+  }
+  Daemon& d = it->second;
+  if (request->seq() <= d.last_seq) {
+    return Reject("out_of_order", grpc::StatusCode::INVALID_ARGUMENT,
+                  absl::StrCat("report seq ", request->seq(), " of node ", request->node(),
+                               " is not after ", d.last_seq, " (duplicate or reordered)"));
+  }
+  d.last_seq = request->seq();
+  d.prev_step = d.max_step;
+  d.prev_step_time = d.step_time;
+  d.max_step = std::max(d.max_step, request->max_step());
+  d.step_time = absl::Now();
+  d.last_report = d.step_time;
+  if (!shape_.has_value() || !plan_.has_value()) {
+    return Reject("no_plan", grpc::StatusCode::FAILED_PRECONDITION,
+                  "the balancer has not learned the cluster's plan yet");
+  }
+  const v1::LoadReport& load = request->load();
+  for (int i = 0; i < load.layers_size(); ++i) {
+    for (int p = 0; p < load.layers(i).slot_size(); ++p) {
+      if (load.layers(i).slot(p) > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+        return Reject("negative", grpc::StatusCode::INVALID_ARGUMENT,
+                      absl::StrCat("load.layers[", i, "].slot[", p, "]: count ",
+                                   static_cast<int64_t>(load.layers(i).slot(p)),
+                                   " is negative"));
+      }
+    }
+  }
+  if (load.plan_version() != plan_->version ||
+      (load.first_step() < plan_effective_step_ && load.last_step() >= plan_effective_step_)) {
+    stale_reports_->Increment();
+    return Reject("stale_plan", grpc::StatusCode::FAILED_PRECONDITION,
+                  absl::StrCat("report counted under plan v", load.plan_version(),
+                               " (steps ", load.first_step(), "-", load.last_step(),
+                               "); plan v", plan_->version, " is in force from step ",
+                               plan_effective_step_));
+  }
+  if (load.layers_size() != shape_->layers) {
+    return Reject("malformed", grpc::StatusCode::INVALID_ARGUMENT,
+                  absl::StrCat("report has ", load.layers_size(), " layers; the model has ",
+                               shape_->layers));
+  }
+  absl::StatusOr<LoadMatrix> logical = LoadFromProto(load, &*plan_);
+  if (!logical.ok()) {
+    return Reject("malformed", grpc::StatusCode::INVALID_ARGUMENT,
+                  std::string(logical.status().message()));
+  }
+  if (logical->num_layers() != shape_->layers || logical->num_experts() != shape_->experts) {
+    return Reject("malformed", grpc::StatusCode::INVALID_ARGUMENT,
+                  absl::StrCat("report has ", logical->num_layers(), " layers x ",
+                               logical->num_experts(), " experts; the model has ", shape_->layers,
+                               " x ", shape_->experts));
+  }
+  window_->Add(*logical);
+  for (int l = 0; l < shape_->layers; ++l) {
+    for (int p = 0; p < load.layers(l).slot_size(); ++p) {
+      interval_rank_load_[l][p / shape_->slots] += static_cast<double>(load.layers(l).slot(p));
+    }
+  }
+  reports_->Increment();
+  return grpc::Status::OK;
+}
+
+void Balancer::RequestRebalance() {
+  MutexLock lock(&mu_);
+  rebalance_requested_ = true;
+}
+
+uint64_t Balancer::EstimateStep() const {
+  double step = 0;
+  const absl::Time now = absl::Now();
+  for (const auto& [name, d] : daemons_) {
+    double estimate = static_cast<double>(d.max_step);
+    if (d.prev_step_time != absl::InfinitePast() && d.step_time > d.prev_step_time &&
+        d.max_step > d.prev_step) {
+      const double rate = static_cast<double>(d.max_step - d.prev_step) /
+                          absl::ToDoubleSeconds(d.step_time - d.prev_step_time);
+      estimate += rate * absl::ToDoubleSeconds(now - d.step_time + options_.effective_margin);
+    }
+    step = std::max(step, estimate);
+  }
+  return static_cast<uint64_t>(std::ceil(step));
+}
+
+void Balancer::CloseInterval() {
+  if (!shape_.has_value()) return;
+  window_->Close();
+  measured_.assign(shape_->layers, 1.0);
+  bool any = false;
+  for (int l = 0; l < shape_->layers; ++l) {
+    measured_[l] = Balancedness(interval_rank_load_[l]);
+    for (double v : interval_rank_load_[l]) any |= v > 0;
+    imbalance_->Add({{"layer", std::to_string(l)}, {"when", "measured"}}).Set(measured_[l]);
+    std::fill(interval_rank_load_[l].begin(), interval_rank_load_[l].end(), 0.0);
+  }
+  if (!any) measured_.clear();
+}
+
+void Balancer::CheckHealth() {
+  std::vector<std::pair<std::string, std::shared_ptr<grpc::Channel>>> targets;
+  {
+    MutexLock lock(&mu_);
+    if (absl::Now() < next_health_) return;
+    next_health_ = absl::Now() + options_.health_interval;
+    for (const auto& [name, d] : daemons_) targets.emplace_back(name, d.channel);
+  }
+  for (const auto& [name, channel] : targets) {
+    auto stub = grpc::health::v1::Health::NewStub(channel);
+    grpc::ClientContext context;
+    SetDeadline(context, std::min(options_.health_interval, options_.rpc_timeout));
+    grpc::health::v1::HealthCheckResponse response;
+    const grpc::Status status = stub->Check(&context, grpc::health::v1::HealthCheckRequest(), &response);
+    const bool ok = status.ok() && response.status() == grpc::health::v1::HealthCheckResponse::SERVING;
+    MutexLock lock(&mu_);
+    auto it = daemons_.find(name);
+    if (it == daemons_.end()) continue;
+    Daemon& d = it->second;
+    d.failures = ok ? 0 : d.failures + 1;
+    const bool healthy = d.failures < options_.health_failures;
+    if (d.healthy && !healthy) {
+      UBEP_LOG(WARNING) << "node " << name << " failed " << d.failures
+                        << " health checks: its ranks are excluded";
+    } else if (!d.healthy && healthy) {
+      UBEP_LOG(INFO) << "node " << name << " is healthy again";
+      d.needs_state = true;
+    }
+    d.healthy = healthy;
+  }
+}
+
+void Balancer::Recover() {
+  // Learn what every (re)registered daemon holds.
+  std::vector<std::pair<std::string, v1::DaemonControl::Stub*>> ask;
+  {
+    MutexLock lock(&mu_);
+    for (auto& [name, d] : daemons_) {
+      if (d.needs_state && d.healthy) ask.emplace_back(name, d.control.get());
+    }
+  }
+  for (const auto& [name, stub] : ask) {
+    grpc::ClientContext context;
+    SetDeadline(context, options_.rpc_timeout);
+    v1::DaemonState state;
+    const grpc::Status status = stub->GetState(&context, v1::GetStateRequest(), &state);
+    MutexLock lock(&mu_);
+    auto it = daemons_.find(name);
+    if (it == daemons_.end() || !status.ok()) continue;
+    Daemon& d = it->second;
+    d.needs_state = false;
+    d.committed = state.committed_version();
+    d.pending = state.pending_version();
+    d.max_step = std::max(d.max_step, state.max_step());
+    highest_version_ = std::max({highest_version_, d.committed, d.pending});
+    if (state.committed_version() > 0 &&
+        (!plan_.has_value() || plan_->version < state.committed_version())) {
+      absl::StatusOr<Plan> plan = FromProto(state.committed_plan());
+      if (plan.ok()) {
+        plan_ = *std::move(plan);
+        plan_version_->Set(static_cast<double>(plan_->version));
+        UBEP_LOG(INFO) << "learned plan v" << plan_->version << " from node " << name;
+      }
+    }
+  }
+  // Resolve undecided prepares: committed anywhere -> commit; else abort after the grace.
+  std::vector<std::pair<v1::DaemonControl::Stub*, std::pair<uint64_t, bool>>> decide;
+  {
+    MutexLock lock(&mu_);
+    uint64_t committed_max = 0;
+    for (const auto& [name, d] : daemons_) committed_max = std::max(committed_max, d.committed);
+    const bool grace_over = absl::Now() - started_ >= options_.recovery_grace;
+    for (auto& [name, d] : daemons_) {
+      if (d.pending == 0 || !d.healthy) continue;
+      if (d.pending <= committed_max) {
+        decide.push_back({d.control.get(), {d.pending, true}});
+      } else if (grace_over) {
+        decide.push_back({d.control.get(), {d.pending, false}});
+      }
+    }
+  }
+  for (const auto& [stub, decision] : decide) {
+    grpc::ClientContext context;
+    SetDeadline(context, options_.rpc_timeout);
+    grpc::Status status;
+    if (decision.second) {
+      v1::CommitRequest request;
+      request.set_version(decision.first);
+      v1::CommitResponse response;
+      status = stub->Commit(&context, request, &response);
+    } else {
+      v1::AbortRequest request;
+      request.set_version(decision.first);
+      v1::AbortResponse response;
+      status = stub->Abort(&context, request, &response);
+      if (status.ok()) plans_aborted_->Increment();
+    }
+    UBEP_LOG(INFO) << "recovery: " << (decision.second ? "committed" : "aborted") << " orphan plan v"
+                   << decision.first << (status.ok() ? "" : " (failed: " + status.error_message() + ")");
+    MutexLock lock(&mu_);
+    for (auto& [name, d] : daemons_) {
+      if (d.control.get() == stub) d.needs_state = true;
+    }
+  }
+}
+
+absl::Status Balancer::Rebalance(const char* why) {
+  Plan previous;
+  LoadMatrix load;
+  Topology topology;
+  int budget = options_.migration_budget;
+  std::vector<std::pair<std::string, v1::DaemonControl::Stub*>> targets;
+  uint64_t effective_step = 0;
+  std::vector<double> before;
+  {
+    MutexLock lock(&mu_);
+    if (!shape_.has_value() || !plan_.has_value()) {
+      return absl::FailedPreconditionError("no plan known yet");
+    }
+    for (const auto& [name, d] : daemons_) {
+      if (!d.healthy) {
+        return absl::UnavailableError(
+            absl::StrCat("node ", name, " is down; re-planning around it is not supported yet"));
+      }
+      if (d.needs_state || d.pending != 0) {
+        return absl::UnavailableError(absl::StrCat("node ", name, " is still being recovered"));
+      }
+      targets.emplace_back(name, d.control.get());
+    }
+    previous = *plan_;
+    load = window_->Current();
+    load.set_layer_ids(previous.layer_ids);
+    topology = previous.topology;
+    if (budget < 0) {
+      // As many changed slots per rank and layer as the daemons have free weight buffers.
+      budget = std::numeric_limits<int>::max();
+      for (const auto& [name, d] : daemons_) {
+        budget = std::min(budget, static_cast<int>(d.info.free_buffers()));
+      }
+    }
+    effective_step = EstimateStep() + static_cast<uint64_t>(options_.min_margin_steps);
+    before = SummarizeBalance(previous, load).per_layer;
+  }
+  const absl::Time plan_start = absl::Now();
+  PlannerOptions planner;
+  planner.policy = options_.policy;
+  planner.migration_budget = budget;
+  absl::StatusOr<Plan> plan = ComputePlan(load, topology, &previous, planner);
+  plan_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - plan_start));
+  if (!plan.ok()) return plan.status();
+  if (SamePlacement(*plan, previous)) return absl::OkStatus();
+  {
+    MutexLock lock(&mu_);
+    plan->version = std::max(highest_version_, previous.version) + 1;
+    highest_version_ = plan->version;
+  }
+  const std::vector<double> after = SummarizeBalance(*plan, load).per_layer;
+  const v1::Plan proto = ToProto(*plan);
+  UBEP_LOG(INFO) << "rebalance (" << why << "): plan v" << plan->version << " at step "
+                 << effective_step << ", predicted imbalance "
+                 << SummarizeBalance(previous, load).mean << " -> "
+                 << SummarizeBalance(*plan, load).mean;
+
+  // Phase 1: Prepare everywhere, in parallel.
+  const absl::Time commit_start = absl::Now();
+  std::vector<v1::PrepareResponse> answers(targets.size());
+  std::vector<grpc::Status> statuses(targets.size());
+  {
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < targets.size(); ++i) {
+      threads.emplace_back([&, i] {
+        grpc::ClientContext context;
+        SetDeadline(context, options_.rpc_timeout);
+        v1::PrepareRequest request;
+        *request.mutable_plan() = proto;
+        request.set_effective_step(effective_step);
+        statuses[i] = targets[i].second->Prepare(&context, request, &answers[i]);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+  }
+  std::vector<std::string> failed;
+  uint64_t copied_bytes = 0;
+  for (size_t i = 0; i < targets.size(); ++i) {
+    if (!statuses[i].ok()) {
+      failed.push_back(absl::StrCat(targets[i].first, ": ", statuses[i].error_message()));
+    } else if (!answers[i].prepared()) {
+      failed.push_back(absl::StrCat(targets[i].first, ": ", answers[i].reason()));
+    }
+    copied_bytes += answers[i].copied_bytes();
+  }
+  if (options_.pause_before_commit > absl::ZeroDuration()) {
+    UBEP_LOG(INFO) << "pausing " << options_.pause_before_commit << " before deciding plan v"
+                   << plan->version;
+    absl::SleepFor(options_.pause_before_commit);
+  }
+  // Phase 2: Commit if every daemon prepared, else Abort everywhere.
+  const bool commit = failed.empty();
+  std::vector<grpc::Status> decided(targets.size());
+  {
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < targets.size(); ++i) {
+      threads.emplace_back([&, i] {
+        grpc::ClientContext context;
+        SetDeadline(context, options_.rpc_timeout);
+        if (commit) {
+          v1::CommitRequest request;
+          request.set_version(plan->version);
+          v1::CommitResponse response;
+          decided[i] = targets[i].second->Commit(&context, request, &response);
+        } else {
+          v1::AbortRequest request;
+          request.set_version(plan->version);
+          v1::AbortResponse response;
+          decided[i] = targets[i].second->Abort(&context, request, &response);
+        }
+      });
+    }
+    for (std::thread& t : threads) t.join();
+  }
+  MutexLock lock(&mu_);
+  for (size_t i = 0; i < targets.size(); ++i) {
+    // A decision that did not arrive is delivered by recovery (GetState, then Commit/Abort).
+    if (!decided[i].ok()) daemons_[targets[i].first].needs_state = true;
+  }
+  if (!commit) {
+    plans_aborted_->Increment();
+    return absl::AbortedError(absl::StrCat("plan v", plan->version, " aborted: ",
+                                           absl::StrJoin(failed, "; ")));
+  }
+  commit_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - commit_start));
+  plans_committed_->Increment();
+  migrated_slots_->Increment(static_cast<double>(ChangedSlots(previous, *plan, nullptr)));
+  migrated_bytes_->Increment(static_cast<double>(copied_bytes));
+  for (size_t l = 0; l < before.size(); ++l) {
+    imbalance_->Add({{"layer", std::to_string(l)}, {"when", "before"}}).Set(before[l]);
+    imbalance_->Add({{"layer", std::to_string(l)}, {"when", "after"}}).Set(after[l]);
+  }
+  plan_ = *std::move(plan);
+  plan_effective_step_ = effective_step;
+  for (auto& [name, d] : daemons_) d.committed = plan_->version;
+  plan_version_->Set(static_cast<double>(plan_->version));
+  last_commit_ = absl::Now();
+  above_threshold_ = 0;
+  UBEP_LOG(INFO) << "committed plan v" << plan_->version << " on " << targets.size() << " nodes";
+  return absl::OkStatus();
+}
+
+void Balancer::Tick() {
+  CheckHealth();
+  Recover();
+  bool rebalance = false;
+  const char* why = "";
+  {
+    MutexLock lock(&mu_);
+    registered_daemons_->Set(static_cast<double>(daemons_.size()));
+    double ranks = 0, healthy = 0;
+    for (const auto& [name, d] : daemons_) {
+      ranks += d.info.ranks_size();
+      healthy += d.healthy ? 1 : 0;
+    }
+    registered_ranks_->Set(ranks);
+    healthy_daemons_->Set(healthy);
+    CloseInterval();
+    if (!shape_.has_value() || !plan_.has_value()) return;
+    if (rebalance_requested_) {
+      rebalance = true;
+      why = "requested";
+      rebalance_requested_ = false;
+    } else if (options_.auto_rebalance && !measured_.empty() &&
+               window_->closed_intervals() >= options_.min_intervals) {
+      double mean = 0;
+      for (double m : measured_) mean += m;
+      mean /= static_cast<double>(measured_.size());
+      above_threshold_ = mean > options_.threshold ? above_threshold_ + 1 : 0;
+      if (above_threshold_ >= options_.trigger_windows) {
+        rebalance = true;
+        why = "imbalance above threshold";
+      }
+    }
+  }
+  if (rebalance) {
+    const absl::Status status = Rebalance(why);
+    if (!status.ok()) UBEP_LOG(WARNING) << "rebalance: " << status;
+    MutexLock lock(&mu_);
+    above_threshold_ = 0;
+  }
+}
+
+BalancerStatus Balancer::Status() const {
+  MutexLock lock(&mu_);
+  BalancerStatus s;
+  for (const auto& [name, d] : daemons_) {
+    BalancerStatus::Node n;
+    n.name = name;
+    n.address = d.info.address();
+    for (uint32_t r : d.info.ranks()) n.ranks.push_back(static_cast<int>(r));
+    n.healthy = d.healthy;
+    n.max_step = d.max_step;
+    n.last_report = d.last_report;
+    s.nodes.push_back(std::move(n));
+  }
+  s.plan_version = plan_.has_value() ? plan_->version : 0;
+  s.measured_imbalance = measured_;
+  s.last_commit = last_commit_;
+  return s;
+}
+
+std::optional<Plan> Balancer::CurrentPlan() const {
+  MutexLock lock(&mu_);
+  return plan_;
+}
+
+}  // namespace ubep::balancer

@@ -1,0 +1,154 @@
+// Balancer: ubep-balancer's state and loops. Daemons register and report per-slot load
+// deltas (the Control service); a loop thread checks their health, recovers the cluster's
+// plan from them, keeps a window of per-expert load, and when the imbalance under the plan in
+// force stays above a threshold (or on demand) plans with balancer/core and runs the
+// two-phase commit with every daemon (ARCHITECTURE section 5).
+//
+// The balancer keeps no state the daemons cannot give back: after a restart it learns the
+// committed plan and any undecided prepare from GetState (a version committed anywhere is
+// committed everywhere; one committed nowhere is aborted after a grace period).
+// Thread-safe.
+#ifndef UBEP_BALANCER_SERVER_BALANCER_H_
+#define UBEP_BALANCER_SERVER_BALANCER_H_
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "balancer/core/plan.h"
+#include "balancer/core/planner.h"
+#include "balancer/server/load_window.h"
+#include "common/mutex.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+#include "ubep/v1/control.grpc.pb.h"
+
+namespace ubep::balancer {
+
+struct BalancerOptions {
+  Policy policy = Policy::kUbep;
+  double threshold = 1.10;          // Mean imbalance over layers that calls for a new plan.
+  int trigger_windows = 3;          // ... for this many intervals in a row.
+  int window_intervals = 10;        // Sliding window length.
+  double ewma_alpha = 0;            // > 0: an EWMA instead of the sliding window.
+  int min_intervals = 2;            // Never plan on less.
+  absl::Duration interval = absl::Seconds(1);         // Loop tick = one window interval.
+  absl::Duration report_interval = absl::Seconds(1);  // Asked of the daemons.
+  absl::Duration health_interval = absl::Seconds(1);
+  int health_failures = 3;          // Consecutive failed checks that mark a daemon down.
+  absl::Duration rpc_timeout = absl::Seconds(5);      // Prepare, Commit, Abort, GetState.
+  absl::Duration effective_margin = absl::Seconds(1); // Effective step = now + this much.
+  int64_t min_margin_steps = 10;
+  int migration_budget = -1;        // Per rank per layer; -1 = the daemons' free buffers.
+  absl::Duration recovery_grace = absl::Seconds(3);   // Before aborting an orphan prepare.
+  absl::Duration pause_before_commit = absl::ZeroDuration();  // Fault injection (tests).
+  bool auto_rebalance = true;
+};
+
+// What ubepctl and the metrics show.
+struct BalancerStatus {
+  struct Node {
+    std::string name, address;
+    std::vector<int> ranks;
+    bool healthy = true;
+    uint64_t max_step = 0;
+    absl::Time last_report = absl::InfinitePast();
+  };
+  std::vector<Node> nodes;
+  uint64_t plan_version = 0;
+  std::vector<double> measured_imbalance;  // Per layer, last closed interval.
+  absl::Time last_commit = absl::InfinitePast();
+};
+
+class Balancer final : public v1::Control::Service {
+ public:
+  Balancer(BalancerOptions options, std::shared_ptr<prometheus::Registry> registry);
+  ~Balancer() override;
+
+  void Start();  // The loop thread.
+
+  grpc::Status Register(grpc::ServerContext* context, const v1::RegisterRequest* request,
+                        v1::RegisterResponse* response) override;
+  grpc::Status ReportLoad(grpc::ServerContext* context, const v1::ReportLoadRequest* request,
+                          v1::ReportLoadResponse* response) override;
+
+  void RequestRebalance();
+  BalancerStatus Status() const;
+  std::optional<Plan> CurrentPlan() const;
+
+  // One loop iteration (the thread calls it every interval; tests may call it directly).
+  void Tick();
+
+ private:
+  struct Daemon {
+    v1::RegisterRequest info;
+    std::unique_ptr<v1::DaemonControl::Stub> control;
+    std::shared_ptr<grpc::Channel> channel;
+    uint64_t last_seq = 0;
+    bool healthy = true;
+    int failures = 0;
+    bool needs_state = true;
+    uint64_t max_step = 0, prev_step = 0;
+    absl::Time step_time = absl::InfinitePast(), prev_step_time = absl::InfinitePast();
+    absl::Time last_report = absl::InfinitePast();
+    uint64_t committed = 0, pending = 0;
+  };
+  struct Shape {
+    int world = 0, layers = 0, experts = 0, slots = 0, free_buffers = 0;
+  };
+
+  grpc::Status Reject(const char* reason, grpc::StatusCode code, std::string message);
+  void Loop();
+  void CheckHealth();
+  void Recover();
+  absl::Status Rebalance(const char* why);
+  uint64_t EstimateStep() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CloseInterval() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const BalancerOptions options_;
+  const absl::Time started_ = absl::Now();
+  mutable Mutex mu_;
+  std::map<std::string, Daemon> daemons_ ABSL_GUARDED_BY(mu_);
+  std::optional<Shape> shape_ ABSL_GUARDED_BY(mu_);
+  std::optional<Plan> plan_ ABSL_GUARDED_BY(mu_);
+  uint64_t plan_effective_step_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t highest_version_ ABSL_GUARDED_BY(mu_) = 0;  // Committed or prepared anywhere.
+  std::unique_ptr<LoadWindow> window_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::vector<double>> interval_rank_load_ ABSL_GUARDED_BY(mu_);  // [layer][rank]
+  std::vector<double> measured_ ABSL_GUARDED_BY(mu_);
+  int above_threshold_ ABSL_GUARDED_BY(mu_) = 0;
+  bool rebalance_requested_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time last_commit_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  absl::Time next_health_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+
+  // Metrics (ubep_balancer_*).
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Gauge* plan_version_;
+  prometheus::Counter* plans_committed_;
+  prometheus::Counter* plans_aborted_;
+  prometheus::Histogram* plan_seconds_;
+  prometheus::Histogram* commit_seconds_;
+  prometheus::Counter* migrated_slots_;
+  prometheus::Counter* migrated_bytes_;
+  prometheus::Family<prometheus::Gauge>* imbalance_;
+  prometheus::Gauge* registered_daemons_;
+  prometheus::Gauge* registered_ranks_;
+  prometheus::Gauge* healthy_daemons_;
+  prometheus::Counter* reports_;
+  prometheus::Family<prometheus::Counter>* rejected_;
+  prometheus::Counter* stale_reports_;
+  std::thread thread_;
+};
+
+}  // namespace ubep::balancer
+
+#endif  // UBEP_BALANCER_SERVER_BALANCER_H_

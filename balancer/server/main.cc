@@ -1,0 +1,122 @@
+// ubep-balancer: the UBEP control plane. Flags are parsed here into BalancerOptions.
+#include <signal.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "balancer/server/balancer.h"
+#include "common/logging.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "prometheus/exposer.h"
+
+ABSL_FLAG(std::string, listen, "0.0.0.0:7070", "HOST:PORT of the Control service (port 0 picks one).");
+ABSL_FLAG(std::string, metrics, "127.0.0.1:9465", "HOST:PORT of /metrics; empty = off.");
+ABSL_FLAG(std::string, policy, "ubep", "Placement policy: ubep, eplb or eplb-global.");
+ABSL_FLAG(double, threshold, 1.10, "Mean per-layer imbalance (max/mean rank load) that calls for a new plan.");
+ABSL_FLAG(int, trigger_windows, 3, "Intervals in a row above the threshold before re-planning.");
+ABSL_FLAG(int, window, 10, "Intervals in the sliding load window.");
+ABSL_FLAG(double, ewma, 0, "When in (0, 1]: an EWMA of the intervals with this weight instead.");
+ABSL_FLAG(absl::Duration, interval, absl::Seconds(1), "Loop tick and window interval.");
+ABSL_FLAG(absl::Duration, report_interval, absl::Seconds(1), "How often daemons report load.");
+ABSL_FLAG(absl::Duration, health_interval, absl::Seconds(1), "Daemon health check period.");
+ABSL_FLAG(int, health_failures, 3, "Failed health checks in a row that mark a daemon down.");
+ABSL_FLAG(absl::Duration, rpc_timeout, absl::Seconds(5), "Deadline of Prepare, Commit, Abort, GetState.");
+ABSL_FLAG(absl::Duration, effective_margin, absl::Seconds(1),
+          "A new plan takes effect this far ahead of the ranks' estimated step.");
+ABSL_FLAG(int64_t, min_margin_steps, 10, "... and at least this many steps ahead.");
+ABSL_FLAG(int, migration_budget, -1,
+          "Changed slots per rank and layer per plan; -1 = the daemons' free weight buffers.");
+ABSL_FLAG(absl::Duration, recovery_grace, absl::Seconds(3),
+          "After a restart, wait this long for daemons before aborting an undecided plan.");
+ABSL_FLAG(bool, auto_rebalance, true, "Re-plan when the imbalance stays above the threshold.");
+ABSL_FLAG(absl::Duration, pause_before_commit, absl::ZeroDuration(),
+          "Fault injection for tests: sleep between Prepare and Commit.");
+ABSL_FLAG(std::string, ready_file, "", "Written once serving: JSON with the bound ports.");
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "ubep-balancer: gathers expert load from every ubepd, re-plans expert placement and "
+      "commits plans at a step boundary.\nUsage: ubep-balancer --listen HOST:PORT [--metrics HOST:PORT]");
+  absl::ParseCommandLine(argc, argv);
+  ubep::balancer::BalancerOptions o;
+  absl::StatusOr<ubep::balancer::Policy> policy = ubep::balancer::ParsePolicy(absl::GetFlag(FLAGS_policy));
+  if (!policy.ok()) {
+    std::cerr << "ubep-balancer: --policy: " << policy.status().message() << "\n";
+    return 2;
+  }
+  o.policy = *policy;
+  o.threshold = absl::GetFlag(FLAGS_threshold);
+  o.trigger_windows = absl::GetFlag(FLAGS_trigger_windows);
+  o.window_intervals = absl::GetFlag(FLAGS_window);
+  o.ewma_alpha = absl::GetFlag(FLAGS_ewma);
+  o.interval = absl::GetFlag(FLAGS_interval);
+  o.report_interval = absl::GetFlag(FLAGS_report_interval);
+  o.health_interval = absl::GetFlag(FLAGS_health_interval);
+  o.health_failures = absl::GetFlag(FLAGS_health_failures);
+  o.rpc_timeout = absl::GetFlag(FLAGS_rpc_timeout);
+  o.effective_margin = absl::GetFlag(FLAGS_effective_margin);
+  o.min_margin_steps = absl::GetFlag(FLAGS_min_margin_steps);
+  o.migration_budget = absl::GetFlag(FLAGS_migration_budget);
+  o.recovery_grace = absl::GetFlag(FLAGS_recovery_grace);
+  o.auto_rebalance = absl::GetFlag(FLAGS_auto_rebalance);
+  o.pause_before_commit = absl::GetFlag(FLAGS_pause_before_commit);
+  if (o.ewma_alpha < 0 || o.ewma_alpha > 1 || o.window_intervals < 1 || o.trigger_windows < 1 ||
+      o.health_failures < 1 || o.threshold < 1) {
+    std::cerr << "ubep-balancer: --ewma in [0, 1], --window, --trigger_windows and "
+                 "--health_failures >= 1, --threshold >= 1\n";
+    return 2;
+  }
+
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  auto registry = std::make_shared<prometheus::Registry>();
+  ubep::balancer::Balancer balancer(o, registry);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  const std::string listen = absl::GetFlag(FLAGS_listen);
+  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(64 << 20);
+  builder.RegisterService(&balancer);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    std::cerr << "ubep-balancer: cannot listen on " << listen << "\n";
+    return 1;
+  }
+  std::unique_ptr<prometheus::Exposer> exposer;
+  int metrics_port = 0;
+  if (const std::string metrics = absl::GetFlag(FLAGS_metrics); !metrics.empty()) {
+    try {
+      exposer = std::make_unique<prometheus::Exposer>(metrics);
+    } catch (const std::exception& e) {
+      std::cerr << "ubep-balancer: --metrics " << metrics << ": " << e.what() << "\n";
+      return 1;
+    }
+    exposer->RegisterCollectable(registry);
+    metrics_port = exposer->GetListeningPorts().front();
+  }
+  balancer.Start();
+  UBEP_LOG(INFO) << "ubep-balancer serving on port " << port << ", metrics port " << metrics_port;
+  if (const std::string ready = absl::GetFlag(FLAGS_ready_file); !ready.empty()) {
+    std::ofstream(ready + ".tmp") << "{\"pid\": " << getpid() << ", \"port\": " << port
+                                  << ", \"metrics_port\": " << metrics_port << "}\n";
+    std::rename((ready + ".tmp").c_str(), ready.c_str());
+  }
+  int received = 0;
+  sigwait(&signals, &received);
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  return 0;
+}

@@ -1,0 +1,105 @@
+#include "daemon/balancer_link.h"
+
+#include "common/logging.h"
+#include "grpcpp/grpcpp.h"
+
+namespace ubep::daemon {
+
+BalancerLink::BalancerLink(BalancerLinkOptions options, Node* node)
+    : options_(std::move(options)),
+      node_(node),
+      stub_(v1::Control::NewStub(
+          grpc::CreateChannel(options_.balancer, grpc::InsecureChannelCredentials()))),
+      interval_(options_.report_interval),
+      thread_([this] { Loop(); }) {}
+
+BalancerLink::~BalancerLink() {
+  {
+    MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  thread_.join();
+}
+
+void BalancerLink::Loop() {
+  MutexLock lock(&mu_);
+  while (!stop_) {
+    if (mu_.AwaitWithTimeout([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; },
+                             interval_)) {
+      break;
+    }
+    mu_.Unlock();
+    const std::optional<v1::AttachRequest> shape = node_->GroupShape();
+    const std::string serialized = shape.has_value() ? shape->SerializeAsString() : "";
+    if (!registered_ || serialized != registered_shape_) registered_ = Register();
+    if (registered_) Report();
+    mu_.Lock();
+  }
+}
+
+bool BalancerLink::Register() {
+  v1::RegisterRequest request;
+  request.set_node(options_.node);
+  request.set_address(options_.address);
+  request.set_domain(options_.domain);
+  request.set_free_buffers(static_cast<uint32_t>(node_->free_buffers()));
+  const std::optional<v1::AttachRequest> shape = node_->GroupShape();
+  if (shape.has_value()) {
+    *request.mutable_shape() = shape->shape();
+    request.set_world_size(shape->world_size());
+    for (uint32_t r = 0; r < shape->world_size(); ++r) request.add_ranks(r);
+  }
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+  v1::RegisterResponse response;
+  const grpc::Status status = stub_->Register(&context, request, &response);
+  if (!status.ok()) {
+    UBEP_LOG(WARNING) << "registering with ubep-balancer at " << options_.balancer
+                      << " failed: " << status.error_message();
+    return false;
+  }
+  registered_shape_ = shape.has_value() ? shape->SerializeAsString() : "";
+  if (response.report_interval_ms() > 0) interval_ = absl::Milliseconds(response.report_interval_ms());
+  last_.clear();
+  UBEP_LOG(INFO) << "registered with ubep-balancer at " << options_.balancer;
+  return true;
+}
+
+void BalancerLink::Report() {
+  absl::StatusOr<std::vector<std::vector<uint64_t>>> loads = node_->ReadSlotLoads();
+  if (!loads.ok() || loads->empty()) return;
+  const uint64_t step = node_->MaxStep();
+  if (last_.size() != loads->size() || last_[0].size() != (*loads)[0].size()) {
+    last_ = *loads;  // A new group: start counting from here.
+    last_step_ = step;
+    return;
+  }
+  const v1::DaemonState state = node_->State();
+  v1::ReportLoadRequest request;
+  request.set_node(options_.node);
+  request.set_seq(++seq_);
+  request.set_max_step(step);
+  v1::LoadReport* load = request.mutable_load();
+  load->set_reporter(options_.node);
+  load->set_first_step(last_step_);
+  load->set_last_step(step);
+  load->set_plan_version(state.committed_version());
+  load->set_num_experts(state.committed_plan().num_experts());
+  for (size_t l = 0; l < loads->size(); ++l) {
+    v1::LayerLoad* layer = load->add_layers();
+    layer->set_layer(static_cast<uint32_t>(l));
+    for (size_t p = 0; p < (*loads)[l].size(); ++p) layer->add_slot((*loads)[l][p] - last_[l][p]);
+  }
+  last_ = *std::move(loads);
+  last_step_ = step;
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+  v1::ReportLoadResponse response;
+  const grpc::Status status = stub_->ReportLoad(&context, request, &response);
+  if (status.error_code() == grpc::StatusCode::NOT_FOUND ||
+      status.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    registered_ = false;  // The balancer restarted or is away: register again.
+  }
+}
+
+}  // namespace ubep::daemon

@@ -1,0 +1,55 @@
+// BalancerLink: ubepd's side of the control plane's reporting. A thread registers the node
+// with ubep-balancer (again whenever the group's shape changes or the balancer forgot it) and
+// every report interval sends the slot counters' deltas of its ranks (ReportLoad).
+// The data plane never waits for it: a balancer that is down only stops the reports.
+// Thread-safe.
+#ifndef UBEP_DAEMON_BALANCER_LINK_H_
+#define UBEP_DAEMON_BALANCER_LINK_H_
+
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "common/mutex.h"
+#include "daemon/node.h"
+#include "ubep/v1/control.grpc.pb.h"
+
+namespace ubep::daemon {
+
+struct BalancerLinkOptions {
+  std::string balancer;   // HOST:PORT of ubep-balancer.
+  std::string node;       // This node's name.
+  std::string address;    // HOST:PORT where this daemon serves DaemonControl.
+  uint32_t domain = 0;
+  absl::Duration report_interval = absl::Seconds(1);
+};
+
+class BalancerLink {
+ public:
+  BalancerLink(BalancerLinkOptions options, Node* node);
+  ~BalancerLink();
+
+ private:
+  void Loop();
+  bool Register();
+  void Report();
+
+  const BalancerLinkOptions options_;
+  Node* node_;
+  std::unique_ptr<v1::Control::Stub> stub_;
+  bool registered_ = false;
+  std::string registered_shape_;          // Serialized shape at the last registration.
+  std::vector<std::vector<uint64_t>> last_;  // Slot counters at the last report.
+  uint64_t last_step_ = 0;
+  uint64_t seq_ = 0;
+  absl::Duration interval_;
+  Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
+}  // namespace ubep::daemon
+
+#endif  // UBEP_DAEMON_BALANCER_LINK_H_
