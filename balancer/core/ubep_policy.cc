@@ -262,6 +262,54 @@ LayerPlan UbepLayerIncremental(std::span<const double> w, const Topology& t,
       }
       if (accepted) break;
     }
+    if (!accepted) {
+      // No replica helps (none is spare, or the hot experts are on every cold rank): exchange
+      // a heavy single-replica expert of a top rank with a lighter one of a cold rank, the
+      // pair whose difference best halves the two ranks' gap.
+      const int u_count = std::min<int>(kRankCandidates, R);
+      for (int h = 0; h < R && !accepted; ++h) {
+        if (rank_load[h] < max_load - 1e-9 * mean) continue;
+        for (int ui = 0; ui < u_count && !accepted; ++ui) {
+          const int u = ranks_by_load[ui];
+          const double gap = rank_load[h] - rank_load[u];
+          if (u == h || gap <= 0) continue;
+          int best_p = -1, best_q = -1;
+          double best_gap = gap * (1 - 1e-9);
+          for (int p = h * S; p < (h + 1) * S; ++p) {
+            const int a = current.slot_expert[p];
+            if (count[a] != 1) continue;
+            for (int q = u * S; q < (u + 1) * S; ++q) {
+              const int b = current.slot_expert[q];
+              if (count[b] != 1 || w[a] <= w[b]) continue;
+              const int new_h = changed[h] + (previous.slot_expert[p] != b) - (previous.slot_expert[p] != a);
+              const int new_u = changed[u] + (previous.slot_expert[q] != a) - (previous.slot_expert[q] != b);
+              if (new_h > budget || new_u > budget) continue;
+              const double left = std::abs(gap - 2 * (w[a] - w[b]));
+              if (left < best_gap) {
+                best_gap = left;
+                best_p = p;
+                best_q = q;
+              }
+            }
+          }
+          if (best_p < 0) continue;
+          LayerPlan trial = current;
+          std::swap(trial.slot_expert[best_p], trial.slot_expert[best_q]);
+          std::vector<double> trial_load = LevelShares(t, w, trial);
+          if (++trials > kMaxTrials) break;
+          if (MaxOf(trial_load) > max_load + 1e-12 * mean ||
+              Excess(trial_load, mean) > excess * (1 - options.min_gain)) {
+            continue;
+          }
+          const int a = current.slot_expert[best_p], b = current.slot_expert[best_q];
+          changed[h] += (previous.slot_expert[best_p] != b) - (previous.slot_expert[best_p] != a);
+          changed[u] += (previous.slot_expert[best_q] != a) - (previous.slot_expert[best_q] != b);
+          current = std::move(trial);
+          rank_load = std::move(trial_load);
+          accepted = true;
+        }
+      }
+    }
     if (!accepted) break;
   }
   if (options.balance_slack > 0) {

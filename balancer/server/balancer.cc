@@ -538,6 +538,10 @@ void Balancer::Tick() {
       rebalance_requested_ = false;
     } else if (options_.auto_rebalance && !measured_.empty() &&
                window_->closed_intervals() >= options_.min_intervals) {
+      // Judge a plan only by what it did: no trigger before every rank is past its step.
+      for (const auto& [name, d] : daemons_) {
+        if (d.max_step < plan_effective_step_) above_threshold_ = -1;
+      }
       double mean = 0;
       for (double m : measured_) mean += m;
       mean /= static_cast<double>(measured_.size());

@@ -1,0 +1,102 @@
+// A local UBEP cluster for the integration tests: ubep-balancer, ubepd and client processes
+// (ubep-moe-example) on loopback, with helpers to read their logs and metrics.
+#ifndef UBEP_TESTS_INTEGRATION_CLUSTER_H_
+#define UBEP_TESTS_INTEGRATION_CLUSTER_H_
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <regex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "nlohmann/json.hpp"
+#include "tests/integration/process.h"
+#include "tests/unit/test_util.h"
+
+namespace ubep::test {
+
+// Plain HTTP/1.0 GET on loopback; the body, or "" on failure.
+inline std::string HttpGet(int port, const std::string& path) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string response;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+    const std::string request = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\n\r\n";
+    if (write(fd, request.data(), request.size()) == static_cast<ssize_t>(request.size())) {
+      char buffer[8192];
+      ssize_t n;
+      while ((n = read(fd, buffer, sizeof(buffer))) > 0) response.append(buffer, n);
+    }
+  }
+  close(fd);
+  const size_t body = response.find("\r\n\r\n");
+  return body == std::string::npos ? "" : response.substr(body + 4);
+}
+
+// The value of one sample line "name{labels} value" in an exposition; -1 when absent.
+inline double Sample(const std::string& exposition, const std::string& series) {
+  for (const absl::string_view line : absl::StrSplit(exposition, '\n')) {
+    if (absl::StartsWith(line, series + " ")) {
+      return std::stod(std::string(line.substr(series.size() + 1)));
+    }
+  }
+  return -1;
+}
+
+// Mean of every sample of `name` whose labels contain `label` (e.g. "when=\"measured\"").
+inline double MeanOf(const std::string& exposition, const std::string& name,
+                     const std::string& label = "") {
+  double sum = 0;
+  int n = 0;
+  for (const absl::string_view line : absl::StrSplit(exposition, '\n')) {
+    if (!absl::StartsWith(line, name + "{") || !absl::StrContains(line, label)) continue;
+    const size_t space = line.rfind(' ');
+    sum += std::stod(std::string(line.substr(space + 1)));
+    ++n;
+  }
+  return n == 0 ? -1 : sum / n;
+}
+
+struct StepLine {
+  uint64_t step, generation, plan;
+  bool ok;
+};
+
+// "step S generation G plan V max_rel_err E ok|MISMATCH" lines of a client log.
+inline std::vector<StepLine> StepLines(const std::string& log) {
+  static const std::regex kStep(
+      R"(^step (\d+) generation (\d+) plan (\d+) max_rel_err (\S+) (ok|MISMATCH)$)");
+  std::vector<StepLine> out;
+  for (const absl::string_view line : absl::StrSplit(log, '\n')) {
+    const std::string s(line);
+    std::smatch m;
+    if (!std::regex_match(s, m, kStep)) continue;
+    out.push_back({std::stoull(m[1]), std::stoull(m[2]), std::stoull(m[3]), m[5] == "ok"});
+  }
+  return out;
+}
+
+// Waits for a --ready_file and returns its JSON.
+inline nlohmann::json ReadyFile(const std::string& path, const std::string& log) {
+  if (!WaitFor([&] { return std::filesystem::exists(path); }, absl::Seconds(30))) {
+    ADD_FAILURE() << "no ready file " << path << "\n" << ReadFile(log);
+    return nlohmann::json::object();
+  }
+  return nlohmann::json::parse(ReadFile(path));
+}
+
+}  // namespace ubep::test
+
+#endif  // UBEP_TESTS_INTEGRATION_CLUSTER_H_
