@@ -14,6 +14,9 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "tests/integration/cluster.h"
+#include "balancer/core/plan.h"
+#include "balancer/formats/proto_convert.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "ubep/v1/control.grpc.pb.h"
 
 namespace ubep {
@@ -149,6 +152,169 @@ TEST_F(BalancerTest, RebalancingLowersTheMeasuredImbalanceAndEveryStepStaysExact
   EXPECT_EQ(test::Sample(m, "ubep_balancer_plans_aborted_total"), 0) << ReadFile(path("balancer.log"));
   EXPECT_GT(test::Sample(m, "ubep_balancer_migrated_slots_total"), 0);
   EXPECT_GT(test::Sample(m, "ubep_balancer_migrated_bytes_total"), 0);
+}
+
+TEST_F(BalancerTest, BalancerKilledBetweenPrepareAndCommitRestartsAndTheClusterStaysConsistent) {
+  constexpr int kSteps = 1000;
+  // The first balancer prepares plan v2 and then sits on its decision; the effective step is
+  // far enough ahead that the restarted balancer decides before any rank gets there.
+  auto balancer = StartBalancer({"--pause_before_commit=60s", "--effective_margin=8s"});
+  auto daemon = StartDaemon({"--free_buffers=16"});
+  std::vector<std::unique_ptr<Process>> clients;
+  for (int r = 0; r < kWorld; ++r) clients.push_back(StartClient(r, kSteps));
+  ASSERT_TRUE(WaitFor([&] { return ReadFile(path("ubepd.log")).find("prepared plan v2") != std::string::npos; },
+                      absl::Seconds(60)))
+      << ReadFile(path("balancer.log"));
+  balancer->Signal(SIGKILL);
+  EXPECT_EQ(balancer->Wait(absl::Seconds(10)), 128 + SIGKILL);
+  balancer = StartBalancer({"--effective_margin=8s"});  // Same port: the daemon finds it again.
+  for (auto& c : clients) EXPECT_EQ(c->Wait(absl::Seconds(180)), 0);
+  const std::map<uint64_t, uint64_t> plans = ExpectConsistentRun(kSteps);
+  for (const auto& [step, version] : plans) ASSERT_NE(version, 2u) << "step " << step << " used the orphan";
+  EXPECT_THAT(ReadFile(path("balancer.log")), HasSubstr("recovery: aborted orphan plan v2"));
+  EXPECT_THAT(ReadFile(path("ubepd.log")), HasSubstr("aborted plan v2"));
+}
+
+TEST_F(BalancerTest, DaemonThatCannotPrepareAbortsThePlanAndNobodySwitches) {
+  constexpr int kSteps = 300;
+  // The balancer may move 4 slots per rank and layer; the daemon has no free weight buffer.
+  auto balancer = StartBalancer({"--migration_budget=4"});
+  auto daemon = StartDaemon({"--free_buffers=0"});
+  std::vector<std::unique_ptr<Process>> clients;
+  for (int r = 0; r < kWorld; ++r) clients.push_back(StartClient(r, kSteps));
+  EXPECT_TRUE(WaitFor([&] {
+    return test::Sample(test::HttpGet(balancer_metrics_, "/metrics"), "ubep_balancer_plans_aborted_total") >= 1;
+  }, absl::Seconds(60))) << ReadFile(path("balancer.log"));
+  for (auto& c : clients) EXPECT_EQ(c->Wait(absl::Seconds(120)), 0);
+  for (const auto& [step, version] : ExpectConsistentRun(kSteps)) ASSERT_EQ(version, 1u) << step;
+  EXPECT_THAT(ReadFile(path("balancer.log")),
+              HasSubstr("weight buffers are free (--free_buffers 0)"));
+  EXPECT_EQ(test::Sample(test::HttpGet(balancer_metrics_, "/metrics"), "ubep_balancer_plan_version"), 1);
+}
+
+// A daemon stand-in with a real gRPC server: it holds plan v1 of 2 ranks x 4 slots,
+// 2 layers x 8 experts, and answers the balancer's health checks and GetState.
+class FakeDaemon final : public v1::DaemonControl::Service {
+ public:
+  FakeDaemon() {
+    balancer::Plan plan;
+    plan.version = 1;
+    plan.topology = {2, 1, 4, 1};
+    plan.num_experts = 8;
+    for (int l = 0; l < 2; ++l) {
+      balancer::LayerPlan layer;
+      layer.slot_expert = {0, 1, 2, 3, 4, 5, 6, 7};
+      balancer::SetEqualShares(8, layer);
+      plan.layer_ids.push_back(l);
+      plan.layers.push_back(layer);
+    }
+    plan_ = balancer::ToProto(plan);
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    builder.RegisterService(this);
+    server_ = builder.BuildAndStart();
+  }
+  ~FakeDaemon() override { server_->Shutdown(); }
+  grpc::Status GetState(grpc::ServerContext*, const v1::GetStateRequest*,
+                        v1::DaemonState* state) override {
+    state->set_node("fake");
+    state->set_committed_version(1);
+    *state->mutable_committed_plan() = plan_;
+    return grpc::Status::OK;
+  }
+  int port() const { return port_; }
+
+ private:
+  v1::Plan plan_;
+  int port_ = 0;
+  std::unique_ptr<grpc::Server> server_;
+};
+
+TEST_F(BalancerTest, MalformedReportsAreRejectedWithTheReasonCountedAndTheBalancerKeepsRunning) {
+  FakeDaemon fake;
+  auto balancer = StartBalancer({"--auto_rebalance=false"});
+  auto stub = v1::Control::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", balancer_port_),
+                                                       grpc::InsecureChannelCredentials()));
+  auto call = [&](auto method, const auto& request, auto* response) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    return ((*stub).*method)(&context, request, response);
+  };
+  v1::RegisterRequest reg;
+  reg.set_node("fake");
+  reg.set_address(absl::StrCat("127.0.0.1:", fake.port()));
+  reg.set_world_size(2);
+  reg.add_ranks(0);
+  reg.add_ranks(1);
+  reg.mutable_shape()->set_num_layers(2);
+  reg.mutable_shape()->set_num_experts(8);
+  reg.mutable_shape()->set_slots_per_rank(4);
+  v1::RegisterResponse registered;
+  ASSERT_TRUE(call(&v1::Control::Stub::Register, reg, &registered).ok());
+
+  uint64_t seq = 0;
+  auto report = [&](std::function<void(v1::ReportLoadRequest&)> mutate) {
+    v1::ReportLoadRequest q;
+    q.set_node("fake");
+    q.set_seq(++seq);
+    q.set_max_step(10);
+    v1::LoadReport* load = q.mutable_load();
+    load->set_reporter("fake");
+    load->set_plan_version(1);
+    load->set_num_experts(8);
+    load->set_first_step(0);
+    load->set_last_step(10);
+    for (int l = 0; l < 2; ++l) {
+      v1::LayerLoad* layer = load->add_layers();
+      layer->set_layer(l);
+      for (int p = 0; p < 8; ++p) layer->add_slot(10 + p);
+    }
+    mutate(q);
+    v1::ReportLoadResponse response;
+    return call(&v1::Control::Stub::ReportLoad, q, &response);
+  };
+  // Until the balancer has read the plan from the daemon, reports cannot be attributed.
+  ASSERT_TRUE(WaitFor([&] { return report([](auto&) {}).ok(); }, absl::Seconds(20)));
+  const uint64_t accepted = seq;  // The last sequence number the balancer took.
+
+  struct Case {
+    std::function<void(v1::ReportLoadRequest&)> mutate;
+    grpc::StatusCode code;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {[](auto& q) { q.set_node("ghost"); }, grpc::StatusCode::NOT_FOUND,
+       "node \"ghost\" is not registered; register first"},
+      {[](auto& q) { q.set_seq(1); }, grpc::StatusCode::INVALID_ARGUMENT,
+       absl::StrCat("report seq 1 of node fake is not after ", accepted,
+                    " (duplicate or reordered)")},
+      {[](auto& q) { q.mutable_load()->add_layers()->set_layer(2); },
+       grpc::StatusCode::INVALID_ARGUMENT, "report has 3 layers; the model has 2"},
+      {[](auto& q) { q.mutable_load()->mutable_layers(0)->set_slot(1, static_cast<uint64_t>(-5)); },
+       grpc::StatusCode::INVALID_ARGUMENT, "load.layers[0].slot[1]: count -5 is negative"},
+      {[](auto& q) { q.mutable_load()->set_plan_version(0); }, grpc::StatusCode::FAILED_PRECONDITION,
+       "report counted under plan v0 (steps 0-10); plan v1 is in force from step 0"},
+  };
+  for (const Case& c : cases) {
+    const grpc::Status status = report(c.mutate);
+    EXPECT_EQ(status.error_code(), c.code) << c.message;
+    EXPECT_EQ(status.error_message(), c.message);
+  }
+  const grpc::Status short_layer = report([](auto& q) { q.mutable_load()->mutable_layers(1)->mutable_slot()->RemoveLast(); });
+  EXPECT_EQ(short_layer.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(short_layer.error_message(),
+            "load report from 'fake' layers[1]: 7 slot counts, plan has 8 slots");
+  // Still serving, and every rejection was counted by its reason.
+  EXPECT_TRUE(report([](auto&) {}).ok());
+  const std::string m = test::HttpGet(balancer_metrics_, "/metrics");
+  EXPECT_EQ(test::Sample(m, "ubep_balancer_rejected_reports_total{reason=\"unknown_node\"}"), 1);
+  EXPECT_EQ(test::Sample(m, "ubep_balancer_rejected_reports_total{reason=\"out_of_order\"}"), 1);
+  EXPECT_EQ(test::Sample(m, "ubep_balancer_rejected_reports_total{reason=\"malformed\"}"), 2);
+  EXPECT_EQ(test::Sample(m, "ubep_balancer_rejected_reports_total{reason=\"negative\"}"), 1);
+  EXPECT_EQ(test::Sample(m, "ubep_balancer_rejected_reports_total{reason=\"stale_plan\"}"), 1);
+  EXPECT_EQ(test::Sample(m, "ubep_balancer_stale_reports_total"), 1);
+  EXPECT_TRUE(balancer->running());
 }
 
 }  // namespace
