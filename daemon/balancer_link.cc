@@ -87,7 +87,10 @@ void BalancerLink::Report() {
   load->set_num_experts(state.committed_plan().num_experts());
   for (size_t l = 0; l < loads->size(); ++l) {
     v1::LayerLoad* layer = load->add_layers();
-    layer->set_layer(static_cast<uint32_t>(l));
+    // Layers are named by the plan's model layer ids (a plan file may number them 3..60).
+    layer->set_layer(static_cast<int>(l) < state.committed_plan().layer_ids_size()
+                         ? state.committed_plan().layer_ids(static_cast<int>(l))
+                         : static_cast<uint32_t>(l));
     for (size_t p = 0; p < (*loads)[l].size(); ++p) layer->add_slot((*loads)[l][p] - last_[l][p]);
   }
   last_ = *std::move(loads);

@@ -166,13 +166,14 @@ absl::StatusOr<LoadMatrix> LoadFromProto(const v1::LoadReport& report, const Pla
           absl::StrCat(field, ": layer ", layer.layer(), " is not in plan v", plan->version));
     }
     const LayerPlan& placed = plan->layers[plan_layer];
-    if (layer.slot_size() != static_cast<int>(placed.slot_expert.size())) {
-      return absl::InvalidArgumentError(absl::StrCat(field, ": ", layer.slot_size(),
-                                                     " slot counts, plan has ",
-                                                     placed.slot_expert.size(), " slots"));
+    const size_t first = layer.first_slot();
+    if (first + layer.slot_size() > placed.slot_expert.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": slot counts for slots [", first, ", ", first + layer.slot_size(),
+          "), plan has ", placed.slot_expert.size(), " slots"));
     }
     for (int p = 0; p < layer.slot_size(); ++p) {
-      load.at(i, placed.slot_expert[p]) += static_cast<double>(layer.slot(p));
+      load.at(i, placed.slot_expert[first + p]) += static_cast<double>(layer.slot(p));
     }
   }
   load.set_layer_ids(std::move(ids));

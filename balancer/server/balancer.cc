@@ -211,6 +211,23 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
                   absl::StrCat("report has ", load.layers_size(), " layers; the model has ",
                                shape_->layers));
   }
+  // A node reports exactly the slots of its ranks (contiguous: ranks are node-major).
+  uint32_t lo = UINT32_MAX, hi = 0;
+  for (uint32_t r : d.info.ranks()) {
+    lo = std::min(lo, r);
+    hi = std::max(hi, r + 1);
+  }
+  const uint64_t first = static_cast<uint64_t>(lo) * shape_->slots;
+  const uint64_t count = static_cast<uint64_t>(hi - lo) * shape_->slots;
+  for (int i = 0; i < load.layers_size(); ++i) {
+    if (load.layers(i).first_slot() != first || static_cast<uint64_t>(load.layers(i).slot_size()) != count) {
+      return Reject("malformed", grpc::StatusCode::INVALID_ARGUMENT,
+                    absl::StrCat("load.layers[", i, "] covers slots [", load.layers(i).first_slot(),
+                                 ", ", load.layers(i).first_slot() + load.layers(i).slot_size(),
+                                 "); node ", request->node(), " hosts slots [", first, ", ",
+                                 first + count, ")"));
+    }
+  }
   absl::StatusOr<LoadMatrix> logical = LoadFromProto(load, &*plan_);
   if (!logical.ok()) {
     return Reject("malformed", grpc::StatusCode::INVALID_ARGUMENT,
@@ -225,7 +242,7 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
   window_->Add(*logical);
   for (int l = 0; l < shape_->layers; ++l) {
     for (int p = 0; p < load.layers(l).slot_size(); ++p) {
-      interval_rank_load_[l][p / shape_->slots] += static_cast<double>(load.layers(l).slot(p));
+      interval_rank_load_[l][(first + p) / shape_->slots] += static_cast<double>(load.layers(l).slot(p));
     }
   }
   reports_->Increment();
@@ -300,6 +317,7 @@ void Balancer::CheckHealth() {
 }
 
 void Balancer::Recover() {
+  std::lock_guard<std::mutex> serial(commit_mu_);
   // Learn what every (re)registered daemon holds.
   std::vector<std::pair<std::string, v1::DaemonControl::Stub*>> ask;
   {
@@ -373,7 +391,9 @@ void Balancer::Recover() {
   }
 }
 
-absl::Status Balancer::Rebalance(const char* why) {
+absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why) {
+  std::lock_guard<std::mutex> serial(commit_mu_);
+  v1::RebalanceResponse result;
   Plan previous;
   LoadMatrix load;
   Topology topology;
@@ -415,9 +435,13 @@ absl::Status Balancer::Rebalance(const char* why) {
   planner.policy = options_.policy;
   planner.migration_budget = budget;
   absl::StatusOr<Plan> plan = ComputePlan(load, topology, &previous, planner);
-  plan_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - plan_start));
+  result.set_plan_seconds(absl::ToDoubleSeconds(absl::Now() - plan_start));
+  plan_seconds_->Observe(result.plan_seconds());
   if (!plan.ok()) return plan.status();
-  if (SamePlacement(*plan, previous)) return absl::OkStatus();
+  if (SamePlacement(*plan, previous)) {
+    result.set_version(previous.version);
+    return result;
+  }
   {
     MutexLock lock(&mu_);
     plan->version = std::max(highest_version_, previous.version) + 1;
@@ -435,14 +459,15 @@ absl::Status Balancer::Rebalance(const char* why) {
   std::vector<v1::PrepareResponse> answers(targets.size());
   std::vector<grpc::Status> statuses(targets.size());
   {
+    // One request, read (serialized) concurrently by every call.
+    v1::PrepareRequest request;
+    *request.mutable_plan() = proto;
+    request.set_effective_step(effective_step);
     std::vector<std::thread> threads;
     for (size_t i = 0; i < targets.size(); ++i) {
       threads.emplace_back([&, i] {
         grpc::ClientContext context;
         SetDeadline(context, options_.rpc_timeout);
-        v1::PrepareRequest request;
-        *request.mutable_plan() = proto;
-        request.set_effective_step(effective_step);
         statuses[i] = targets[i].second->Prepare(&context, request, &answers[i]);
       });
     }
@@ -497,9 +522,13 @@ absl::Status Balancer::Rebalance(const char* why) {
     return absl::AbortedError(absl::StrCat("plan v", plan->version, " aborted: ",
                                            absl::StrJoin(failed, "; ")));
   }
-  commit_seconds_->Observe(absl::ToDoubleSeconds(absl::Now() - commit_start));
+  result.set_commit_seconds(absl::ToDoubleSeconds(absl::Now() - commit_start));
+  commit_seconds_->Observe(result.commit_seconds());
   plans_committed_->Increment();
-  migrated_slots_->Increment(static_cast<double>(ChangedSlots(previous, *plan, nullptr)));
+  result.set_migrated_slots(static_cast<uint64_t>(ChangedSlots(previous, *plan, nullptr)));
+  migrated_slots_->Increment(static_cast<double>(result.migrated_slots()));
+  result.set_version(plan->version);
+  result.set_changed(true);
   migrated_bytes_->Increment(static_cast<double>(copied_bytes));
   for (size_t l = 0; l < before.size(); ++l) {
     imbalance_->Add({{"layer", std::to_string(l)}, {"when", "before"}}).Set(before[l]);
@@ -511,8 +540,21 @@ absl::Status Balancer::Rebalance(const char* why) {
   plan_version_->Set(static_cast<double>(plan_->version));
   last_commit_ = absl::Now();
   above_threshold_ = 0;
-  UBEP_LOG(INFO) << "committed plan v" << plan_->version << " on " << targets.size() << " nodes";
-  return absl::OkStatus();
+  UBEP_LOG(INFO) << "committed plan v" << plan_->version << " on " << targets.size()
+                 << " nodes: plan " << result.plan_seconds() * 1e3 << " ms, prepare+commit "
+                 << result.commit_seconds() * 1e3 << " ms";
+  return result;
+}
+
+grpc::Status Balancer::Rebalance(grpc::ServerContext*, const v1::RebalanceRequest*,
+                                 v1::RebalanceResponse* response) {
+  absl::StatusOr<v1::RebalanceResponse> result = PlanAndCommit("requested");
+  if (!result.ok()) {
+    return grpc::Status(static_cast<grpc::StatusCode>(result.status().code()),
+                        std::string(result.status().message()));
+  }
+  *response = *std::move(result);
+  return grpc::Status::OK;
 }
 
 void Balancer::Tick() {
@@ -553,8 +595,8 @@ void Balancer::Tick() {
     }
   }
   if (rebalance) {
-    const absl::Status status = Rebalance(why);
-    if (!status.ok()) UBEP_LOG(WARNING) << "rebalance: " << status;
+    const absl::StatusOr<v1::RebalanceResponse> result = PlanAndCommit(why);
+    if (!result.ok()) UBEP_LOG(WARNING) << "rebalance: " << result.status();
     MutexLock lock(&mu_);
     above_threshold_ = 0;
   }

@@ -12,6 +12,7 @@
 #define UBEP_BALANCER_SERVER_BALANCER_H_
 
 #include <map>
+#include <mutex>
 #include <memory>
 #include <optional>
 #include <string>
@@ -79,6 +80,8 @@ class Balancer final : public v1::Control::Service {
                         v1::RegisterResponse* response) override;
   grpc::Status ReportLoad(grpc::ServerContext* context, const v1::ReportLoadRequest* request,
                           v1::ReportLoadResponse* response) override;
+  grpc::Status Rebalance(grpc::ServerContext* context, const v1::RebalanceRequest* request,
+                         v1::RebalanceResponse* response) override;
 
   void RequestRebalance();
   BalancerStatus Status() const;
@@ -109,12 +112,14 @@ class Balancer final : public v1::Control::Service {
   void Loop();
   void CheckHealth();
   void Recover();
-  absl::Status Rebalance(const char* why);
+  // Plans and commits; serialized with Recover by commit_mu_.
+  absl::StatusOr<v1::RebalanceResponse> PlanAndCommit(const char* why);
   uint64_t EstimateStep() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CloseInterval() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const BalancerOptions options_;
   const absl::Time started_ = absl::Now();
+  std::mutex commit_mu_;  // One plan change (or recovery) at a time.
   mutable Mutex mu_;
   std::map<std::string, Daemon> daemons_ ABSL_GUARDED_BY(mu_);
   std::optional<Shape> shape_ ABSL_GUARDED_BY(mu_);

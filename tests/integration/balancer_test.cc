@@ -304,7 +304,7 @@ TEST_F(BalancerTest, MalformedReportsAreRejectedWithTheReasonCountedAndTheBalanc
   const grpc::Status short_layer = report([](auto& q) { q.mutable_load()->mutable_layers(1)->mutable_slot()->RemoveLast(); });
   EXPECT_EQ(short_layer.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(short_layer.error_message(),
-            "load report from 'fake' layers[1]: 7 slot counts, plan has 8 slots");
+            "load.layers[1] covers slots [0, 7); node fake hosts slots [0, 8)");
   // Still serving, and every rejection was counted by its reason.
   EXPECT_TRUE(report([](auto&) {}).ok());
   const std::string m = test::HttpGet(balancer_metrics_, "/metrics");

@@ -60,5 +60,26 @@ TEST(ProtoConvertTest, FoldsSlotCountsOntoLogicalExperts) {
                 "load report from 'node-0' layers[0]: has both logical and slot counts"));
 }
 
+TEST(ProtoConvertTest, FoldsANodesOwnSlotRange) {
+  // Node 1 of SmallPlan hosts ranks 2 and 3: slots [4, 8).
+  const Plan plan = test::SmallPlan();
+  v1::LoadReport report;
+  report.set_reporter("node-1");
+  report.set_num_experts(6);
+  v1::LayerLoad* layer = report.add_layers();
+  layer->set_layer(3);
+  layer->set_first_slot(4);
+  for (int p = 4; p < 8; ++p) layer->add_slot(100 + p);
+  absl::StatusOr<LoadMatrix> load = LoadFromProto(report, &plan);
+  ASSERT_TRUE(load.ok()) << load.status();
+  std::vector<double> expected(6, 0.0);
+  for (int p = 4; p < 8; ++p) expected[plan.layers[0].slot_expert[p]] += 100 + p;
+  for (int e = 0; e < 6; ++e) EXPECT_EQ(load->at(0, e), expected[e]);
+  layer->add_slot(1);
+  EXPECT_EQ(LoadFromProto(report, &plan).status(),
+            absl::InvalidArgumentError("load report from 'node-1' layers[0]: slot counts for "
+                                       "slots [4, 9), plan has 8 slots"));
+}
+
 }  // namespace
 }  // namespace ubep::balancer
