@@ -61,6 +61,11 @@ class SimulatedDaemon final : public v1::DaemonControl::Service {
     grpc::ServerBuilder builder;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
     builder.SetMaxReceiveMessageSize(64 << 20);
+    // 48 servers share this process's 2 cores: one poller each, as one daemon per machine
+    // would have the machine to itself.
+    builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::NUM_CQS, 1);
+    builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MIN_POLLERS, 1);
+    builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MAX_POLLERS, 2);
     builder.RegisterService(this);
     server_ = builder.BuildAndStart();
   }
@@ -107,6 +112,11 @@ class SimulatedDaemon final : public v1::DaemonControl::Service {
   int port_ = 0;
   std::unique_ptr<grpc::Server> server_;
 };
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
 
 uint64_t ProcessCpuTicks(pid_t pid) {
   std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
@@ -294,6 +304,9 @@ int Run(const Config& c) {
   kill(pid, SIGTERM);
   int wstatus = 0;
   waitpid(pid, &wstatus, 0);
+  if (std::getenv("UBEP_BENCH_KEEP_LOG") != nullptr) {
+    std::cerr << ReadAll(log);
+  }
   std::filesystem::remove_all(dir);
 
   nlohmann::json out = {{"nodes", c.nodes},

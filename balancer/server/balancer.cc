@@ -11,6 +11,7 @@
 #include "balancer/formats/proto_convert.h"
 #include "common/logging.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 
 namespace ubep::balancer {
@@ -24,6 +25,92 @@ std::vector<double> Buckets(double first, double factor, int count) {
   std::vector<double> b;
   for (int i = 0; i < count; ++i, first *= factor) b.push_back(first);
   return b;
+}
+
+struct CallResult {
+  grpc::Status status;
+  grpc::ByteBuffer response;
+};
+
+// Sends one request, serialized once, to every channel at once from this thread through one
+// completion queue (no thread per daemon); returns each call's status and response bytes.
+std::vector<CallResult> FanOut(const std::vector<std::shared_ptr<grpc::Channel>>& channels,
+                               const std::string& method, const google::protobuf::Message& request,
+                               absl::Duration timeout) {
+  grpc::ByteBuffer payload;
+  bool own = false;
+  std::vector<CallResult> results(channels.size());
+  if (!grpc::SerializationTraits<google::protobuf::Message>::Serialize(request, &payload, &own).ok()) {
+    for (CallResult& r : results) r.status = grpc::Status(grpc::StatusCode::INTERNAL, "serialize");
+    return results;
+  }
+  grpc::CompletionQueue cq;
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
+  std::vector<std::unique_ptr<grpc::GenericStub>> stubs;
+  std::vector<std::unique_ptr<grpc::ClientAsyncResponseReader<grpc::ByteBuffer>>> readers;
+  for (size_t i = 0; i < channels.size(); ++i) {
+    contexts.push_back(std::make_unique<grpc::ClientContext>());
+    SetDeadline(*contexts.back(), timeout);
+    stubs.push_back(std::make_unique<grpc::GenericStub>(channels[i]));
+    readers.push_back(stubs.back()->PrepareUnaryCall(contexts.back().get(), method, payload, &cq));
+    readers.back()->StartCall();
+    readers.back()->Finish(&results[i].response, &results[i].status, reinterpret_cast<void*>(i));
+  }
+  for (size_t done = 0; done < channels.size(); ++done) {
+    void* tag = nullptr;
+    bool ok = false;
+    if (!cq.Next(&tag, &ok)) break;
+  }
+  cq.Shutdown();
+  void* tag = nullptr;
+  bool ok = false;
+  while (cq.Next(&tag, &ok)) {
+  }
+  return results;
+}
+
+template <typename T>
+bool Parse(grpc::ByteBuffer& buffer, T* message) {
+  return grpc::SerializationTraits<T>::Deserialize(&buffer, message).ok();
+}
+
+// ComputePlan over contiguous chunks of layers, one thread per chunk, merged in order.
+absl::StatusOr<Plan> PlanInParallel(const LoadMatrix& load, const Topology& topology,
+                                    const Plan& previous, const PlannerOptions& options,
+                                    int threads) {
+  const int L = load.num_layers();
+  threads = std::clamp(threads, 1, std::max(L, 1));
+  if (threads == 1) return ComputePlan(load, topology, &previous, options);
+  std::vector<absl::StatusOr<Plan>> parts(threads, absl::UnknownError("not run"));
+  std::vector<std::thread> workers;
+  for (int c = 0; c < threads; ++c) {
+    workers.emplace_back([&, c] {
+      const int begin = L * c / threads, end = L * (c + 1) / threads;
+      LoadMatrix chunk(end - begin, load.num_experts());
+      std::vector<int> ids;
+      Plan chunk_previous = previous;
+      chunk_previous.layers.assign(previous.layers.begin() + begin, previous.layers.begin() + end);
+      chunk_previous.layer_ids.assign(previous.layer_ids.begin() + begin,
+                                      previous.layer_ids.begin() + end);
+      for (int l = begin; l < end; ++l) {
+        for (int e = 0; e < load.num_experts(); ++e) chunk.at(l - begin, e) = load.at(l, e);
+        ids.push_back(load.layer_ids()[l]);
+      }
+      chunk.set_layer_ids(std::move(ids));
+      parts[c] = ComputePlan(chunk, topology, &chunk_previous, options);
+    });
+  }
+  for (std::thread& w : workers) w.join();
+  Plan merged = previous;
+  merged.layers.clear();
+  merged.layer_ids.clear();
+  for (absl::StatusOr<Plan>& part : parts) {
+    if (!part.ok()) return part.status();
+    merged.version = part->version;
+    merged.layers.insert(merged.layers.end(), part->layers.begin(), part->layers.end());
+    merged.layer_ids.insert(merged.layer_ids.end(), part->layer_ids.begin(), part->layer_ids.end());
+  }
+  return merged;
 }
 
 bool SamePlacement(const Plan& a, const Plan& b) {
@@ -434,7 +521,10 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why) {
   PlannerOptions planner;
   planner.policy = options_.policy;
   planner.migration_budget = budget;
-  absl::StatusOr<Plan> plan = ComputePlan(load, topology, &previous, planner);
+  const int threads = options_.planner_threads > 0
+                          ? options_.planner_threads
+                          : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  absl::StatusOr<Plan> plan = PlanInParallel(load, topology, previous, planner, threads);
   result.set_plan_seconds(absl::ToDoubleSeconds(absl::Now() - plan_start));
   plan_seconds_->Observe(result.plan_seconds());
   if (!plan.ok()) return plan.status();
@@ -456,23 +546,27 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why) {
 
   // Phase 1: Prepare everywhere, in parallel.
   const absl::Time commit_start = absl::Now();
+  std::vector<std::shared_ptr<grpc::Channel>> channels;
+  {
+    MutexLock lock(&mu_);
+    for (const auto& [name, stub] : targets) channels.push_back(daemons_[name].channel);
+  }
   std::vector<v1::PrepareResponse> answers(targets.size());
   std::vector<grpc::Status> statuses(targets.size());
   {
-    // One request, read (serialized) concurrently by every call.
     v1::PrepareRequest request;
     *request.mutable_plan() = proto;
     request.set_effective_step(effective_step);
-    std::vector<std::thread> threads;
-    for (size_t i = 0; i < targets.size(); ++i) {
-      threads.emplace_back([&, i] {
-        grpc::ClientContext context;
-        SetDeadline(context, options_.rpc_timeout);
-        statuses[i] = targets[i].second->Prepare(&context, request, &answers[i]);
-      });
+    std::vector<CallResult> results =
+        FanOut(channels, "/ubep.v1.DaemonControl/Prepare", request, options_.rpc_timeout);
+    for (size_t i = 0; i < results.size(); ++i) {
+      statuses[i] = results[i].status;
+      if (statuses[i].ok() && !Parse(results[i].response, &answers[i])) {
+        statuses[i] = grpc::Status(grpc::StatusCode::INTERNAL, "unparsable PrepareResponse");
+      }
     }
-    for (std::thread& t : threads) t.join();
   }
+  const absl::Duration prepare_time = absl::Now() - commit_start;
   std::vector<std::string> failed;
   uint64_t copied_bytes = 0;
   for (size_t i = 0; i < targets.size(); ++i) {
@@ -492,25 +586,17 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why) {
   const bool commit = failed.empty();
   std::vector<grpc::Status> decided(targets.size());
   {
-    std::vector<std::thread> threads;
-    for (size_t i = 0; i < targets.size(); ++i) {
-      threads.emplace_back([&, i] {
-        grpc::ClientContext context;
-        SetDeadline(context, options_.rpc_timeout);
-        if (commit) {
-          v1::CommitRequest request;
-          request.set_version(plan->version);
-          v1::CommitResponse response;
-          decided[i] = targets[i].second->Commit(&context, request, &response);
-        } else {
-          v1::AbortRequest request;
-          request.set_version(plan->version);
-          v1::AbortResponse response;
-          decided[i] = targets[i].second->Abort(&context, request, &response);
-        }
-      });
+    std::vector<CallResult> results;
+    if (commit) {
+      v1::CommitRequest request;
+      request.set_version(plan->version);
+      results = FanOut(channels, "/ubep.v1.DaemonControl/Commit", request, options_.rpc_timeout);
+    } else {
+      v1::AbortRequest request;
+      request.set_version(plan->version);
+      results = FanOut(channels, "/ubep.v1.DaemonControl/Abort", request, options_.rpc_timeout);
     }
-    for (std::thread& t : threads) t.join();
+    for (size_t i = 0; i < results.size(); ++i) decided[i] = results[i].status;
   }
   MutexLock lock(&mu_);
   for (size_t i = 0; i < targets.size(); ++i) {
@@ -541,7 +627,9 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why) {
   last_commit_ = absl::Now();
   above_threshold_ = 0;
   UBEP_LOG(INFO) << "committed plan v" << plan_->version << " on " << targets.size()
-                 << " nodes: plan " << result.plan_seconds() * 1e3 << " ms, prepare+commit "
+                 << " nodes (" << proto.ByteSizeLong() << "-byte plan): plan "
+                 << result.plan_seconds() * 1e3 << " ms, prepare "
+                 << absl::ToDoubleMilliseconds(prepare_time) << " ms, prepare+commit "
                  << result.commit_seconds() * 1e3 << " ms";
   return result;
 }

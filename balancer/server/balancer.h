@@ -52,6 +52,9 @@ struct BalancerOptions {
   absl::Duration recovery_grace = absl::Seconds(3);   // Before aborting an orphan prepare.
   absl::Duration pause_before_commit = absl::ZeroDuration();  // Fault injection (tests).
   bool auto_rebalance = true;
+  // Layers are planned independently: this many threads plan contiguous chunks of layers at
+  // once (balancer/core itself stays single-threaded). 0 = the machine's cores.
+  int planner_threads = 0;
 };
 
 // What ubepctl and the metrics show.

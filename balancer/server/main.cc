@@ -39,6 +39,7 @@ ABSL_FLAG(absl::Duration, recovery_grace, absl::Seconds(3),
 ABSL_FLAG(bool, auto_rebalance, true, "Re-plan when the imbalance stays above the threshold.");
 ABSL_FLAG(absl::Duration, pause_before_commit, absl::ZeroDuration(),
           "Fault injection for tests: sleep between Prepare and Commit.");
+ABSL_FLAG(int, planner_threads, 0, "Threads planning chunks of layers at once; 0 = the cores.");
 ABSL_FLAG(std::string, ready_file, "", "Written once serving: JSON with the bound ports.");
 
 int main(int argc, char** argv) {
@@ -68,6 +69,7 @@ int main(int argc, char** argv) {
   o.recovery_grace = absl::GetFlag(FLAGS_recovery_grace);
   o.auto_rebalance = absl::GetFlag(FLAGS_auto_rebalance);
   o.pause_before_commit = absl::GetFlag(FLAGS_pause_before_commit);
+  o.planner_threads = absl::GetFlag(FLAGS_planner_threads);
   if (o.ewma_alpha < 0 || o.ewma_alpha > 1 || o.window_intervals < 1 || o.trigger_windows < 1 ||
       o.health_failures < 1 || o.threshold < 1) {
     std::cerr << "ubep-balancer: --ewma in [0, 1], --window, --trigger_windows and "
