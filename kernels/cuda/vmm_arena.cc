@@ -171,20 +171,24 @@ absl::StatusOr<std::unique_ptr<VmmArena>> VmmArena::Create(int device, size_t by
   return arena;
 }
 
-absl::StatusOr<std::unique_ptr<VmmArena>> VmmArena::ImportFd(int device, int fd, size_t bytes) {
+absl::StatusOr<std::unique_ptr<VmmArena>> VmmArena::Import(int device, size_t bytes,
+                                                           Sharing sharing, void* os_handle) {
   const Driver& d = GetDriver();
   if (!d.status.ok()) return d.status;
   if (cudaSetDevice(device) != cudaSuccess) {
     return absl::FailedPreconditionError(absl::StrCat("no CUDA device ", device));
   }
-  cudaFree(nullptr);
-  absl::StatusOr<size_t> size = RoundUp(device, Sharing::kPosixFd, bytes);
+  cudaFree(nullptr);  // Creates the device's primary context.
+  absl::StatusOr<size_t> size = RoundUp(device, sharing, bytes);
   if (!size.ok()) return size.status();
   std::unique_ptr<VmmArena> arena(new VmmArena);
   arena->size_ = *size;
+  arena->sharing_ = sharing;
   CUmemGenericAllocationHandle handle = 0;
-  if (absl::Status s = Check(d.import_handle(&handle, reinterpret_cast<void*>(static_cast<intptr_t>(fd)),
-                                             CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+  if (absl::Status s = Check(d.import_handle(&handle, os_handle,
+                                             sharing == Sharing::kFabric
+                                                 ? CU_MEM_HANDLE_TYPE_FABRIC
+                                                 : CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
                              "cuMemImportFromShareableHandle");
       !s.ok()) {
     return s;
@@ -194,31 +198,17 @@ absl::StatusOr<std::unique_ptr<VmmArena>> VmmArena::ImportFd(int device, int fd,
   return arena;
 }
 
+absl::StatusOr<std::unique_ptr<VmmArena>> VmmArena::ImportFd(int device, int fd, size_t bytes) {
+  return Import(device, bytes, Sharing::kPosixFd,
+                reinterpret_cast<void*>(static_cast<intptr_t>(fd)));
+}
+
 absl::StatusOr<std::unique_ptr<VmmArena>> VmmArena::ImportFabric(int device,
                                                                  const FabricHandle& fabric,
                                                                  size_t bytes) {
-  const Driver& d = GetDriver();
-  if (!d.status.ok()) return d.status;
-  if (cudaSetDevice(device) != cudaSuccess) {
-    return absl::FailedPreconditionError(absl::StrCat("no CUDA device ", device));
-  }
-  cudaFree(nullptr);
-  absl::StatusOr<size_t> size = RoundUp(device, Sharing::kFabric, bytes);
-  if (!size.ok()) return size.status();
-  std::unique_ptr<VmmArena> arena(new VmmArena);
-  arena->size_ = *size;
-  arena->sharing_ = Sharing::kFabric;
   CUmemFabricHandle h;
   std::memcpy(&h, fabric.data(), sizeof(h));
-  CUmemGenericAllocationHandle handle = 0;
-  if (absl::Status s = Check(d.import_handle(&handle, &h, CU_MEM_HANDLE_TYPE_FABRIC),
-                             "cuMemImportFromShareableHandle");
-      !s.ok()) {
-    return s;
-  }
-  arena->handle_ = handle;
-  if (absl::Status s = arena->MapHere(device, {}); !s.ok()) return s;
-  return arena;
+  return Import(device, bytes, Sharing::kFabric, &h);
 }
 
 VmmArena::~VmmArena() {

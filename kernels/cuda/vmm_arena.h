@@ -54,6 +54,9 @@ class VmmArena {
 
  private:
   VmmArena() = default;
+  // `os_handle`: the fd (as a pointer-sized integer) or a CUmemFabricHandle*.
+  static absl::StatusOr<std::unique_ptr<VmmArena>> Import(int device, size_t bytes,
+                                                          Sharing sharing, void* os_handle);
   absl::Status MapHere(int device, const std::vector<int>& peers);
 
   unsigned long long handle_ = 0;  // CUmemGenericAllocationHandle.

@@ -2,8 +2,6 @@
 // MoE serving program), real shared memory, fd passing and gRPC on a Unix socket.
 #include <sys/socket.h>
 #include <sys/stat.h>
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 
@@ -23,6 +21,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/integration/cluster.h"
 #include "tests/integration/process.h"
 #include "tests/unit/test_util.h"
 #include "ubep/v1/daemon.grpc.pb.h"
@@ -34,41 +33,12 @@ using ::testing::HasSubstr;
 using test::BinaryPath;
 using test::Process;
 using test::ReadFile;
+using test::HttpGet;
+using test::Sample;
 using test::WaitFor;
 
 constexpr int kWorld = 4;
 constexpr int kSteps = 100;
-
-// Plain HTTP/1.0 GET on loopback; the body, or "" on failure.
-std::string HttpGet(int port, const std::string& path) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  std::string response;
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-    const std::string request = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\n\r\n";
-    if (write(fd, request.data(), request.size()) == static_cast<ssize_t>(request.size())) {
-      char buffer[8192];
-      ssize_t n;
-      while ((n = read(fd, buffer, sizeof(buffer))) > 0) response.append(buffer, n);
-    }
-  }
-  close(fd);
-  const size_t body = response.find("\r\n\r\n");
-  return body == std::string::npos ? "" : response.substr(body + 4);
-}
-
-// The value of one sample line "name{labels} value" in an exposition; -1 when absent.
-double Sample(const std::string& exposition, const std::string& series) {
-  for (const absl::string_view line : absl::StrSplit(exposition, '\n')) {
-    if (absl::StartsWith(line, series + " ")) {
-      return std::stod(std::string(line.substr(series.size() + 1)));
-    }
-  }
-  return -1;
-}
 
 struct StepLines {
   std::set<uint64_t> ok_steps;
