@@ -248,8 +248,12 @@ int Run(const Config& c) {
           for (int p = first; p < end; ++p) {
             const int e = static_cast<int>(lp.slot_expert(p));
             double share = 0;
-            for (const v1::Replica& replica : lp.experts(e).replicas()) {
-              if (replica.slot() == static_cast<uint32_t>(p)) share = replica.share();
+            if (lp.slot_share_size() > p) {  // Compact form (what the balancer sends).
+              share = lp.slot_share(p);
+            } else {
+              for (const v1::Replica& replica : lp.experts(e).replicas()) {
+                if (replica.slot() == static_cast<uint32_t>(p)) share = replica.share();
+              }
             }
             const double w = mix * decode->at(l, e) + (1 - mix) * prefill->at(l, e);
             layer->add_slot(static_cast<uint64_t>(w * share / 10.0));

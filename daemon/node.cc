@@ -720,7 +720,7 @@ v1::DaemonState Node::State() const {
     state.set_pending_effective_step(pending_effective_step_);
   }
   state.set_max_step(MaxStepLocked());
-  *state.mutable_committed_plan() = balancer::ToProto(plan_);
+  *state.mutable_committed_plan() = balancer::ToProto(plan_, balancer::PlanEncoding::kCompact);
   return state;
 }
 

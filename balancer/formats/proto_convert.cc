@@ -53,7 +53,7 @@ absl::StatusOr<Topology> FromProto(const v1::Topology& proto) {
   return t;
 }
 
-v1::Plan ToProto(const Plan& plan) {
+v1::Plan ToProto(const Plan& plan, PlanEncoding encoding) {
   v1::Plan proto;
   proto.set_version(plan.version);
   *proto.mutable_topology() = ToProto(plan.topology);
@@ -61,10 +61,15 @@ v1::Plan ToProto(const Plan& plan) {
   for (int id : plan.layer_ids) proto.add_layer_ids(id);
   for (const LayerPlan& layer : plan.layers) {
     v1::LayerPlan* out = proto.add_layers();
+    out->mutable_slot_expert()->Reserve(static_cast<int>(layer.slot_expert.size()));
+    for (int e : layer.slot_expert) out->add_slot_expert(static_cast<uint32_t>(e));
+    if (encoding == PlanEncoding::kCompact) {
+      out->mutable_slot_share()->Add(layer.slot_share.begin(), layer.slot_share.end());
+      continue;
+    }
     std::vector<v1::ExpertPlacement*> experts;
     for (int e = 0; e < plan.num_experts; ++e) experts.push_back(out->add_experts());
     for (size_t p = 0; p < layer.slot_expert.size(); ++p) {
-      out->add_slot_expert(layer.slot_expert[p]);
       v1::Replica* replica = experts[layer.slot_expert[p]]->add_replicas();
       replica->set_slot(static_cast<uint32_t>(p));
       replica->set_share(layer.slot_share[p]);
@@ -91,6 +96,20 @@ absl::StatusOr<Plan> FromProto(const v1::Plan& proto) {
   for (int l = 0; l < proto.layers_size(); ++l) {
     const v1::LayerPlan& in = proto.layers(l);
     plan.layer_ids.push_back(static_cast<int>(proto.layer_ids(l)));
+    if (in.slot_share_size() > 0) {  // Compact form.
+      if (in.slot_expert_size() != num_slots || in.slot_share_size() != num_slots ||
+          in.experts_size() != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "plan.layers[", l, "]: ", in.slot_expert_size(), " slots, ", in.slot_share_size(),
+            " shares and ", in.experts_size(), " experts; the compact form needs ", num_slots,
+            ", ", num_slots, " and 0"));
+      }
+      LayerPlan layer;
+      layer.slot_expert.assign(in.slot_expert().begin(), in.slot_expert().end());
+      layer.slot_share.assign(in.slot_share().begin(), in.slot_share().end());
+      plan.layers.push_back(std::move(layer));
+      continue;
+    }
     if (in.slot_expert_size() != num_slots || in.experts_size() != plan.num_experts) {
       return absl::InvalidArgumentError(absl::StrCat(
           "plan.layers[", l, "]: ", in.slot_expert_size(), " slots and ", in.experts_size(),

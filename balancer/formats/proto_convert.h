@@ -16,7 +16,10 @@ namespace ubep::balancer {
 v1::Topology ToProto(const Topology& topology);
 absl::StatusOr<Topology> FromProto(const v1::Topology& proto);
 
-v1::Plan ToProto(const Plan& plan);
+// kFull lists each expert's replicas; kCompact sends per-slot shares instead (plan.proto).
+enum class PlanEncoding { kFull, kCompact };
+v1::Plan ToProto(const Plan& plan, PlanEncoding encoding = PlanEncoding::kFull);
+// Accepts either form.
 absl::StatusOr<Plan> FromProto(const v1::Plan& proto);
 
 // Per-logical-expert counts of a report as a load matrix with one row per reported layer

@@ -538,7 +538,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why) {
     highest_version_ = plan->version;
   }
   const std::vector<double> after = SummarizeBalance(*plan, load).per_layer;
-  const v1::Plan proto = ToProto(*plan);
+  const v1::Plan proto = ToProto(*plan, PlanEncoding::kCompact);
   UBEP_LOG(INFO) << "rebalance (" << why << "): plan v" << plan->version << " at step "
                  << effective_step << ", predicted imbalance "
                  << SummarizeBalance(previous, load).mean << " -> "

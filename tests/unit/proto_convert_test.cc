@@ -22,6 +22,26 @@ TEST(ProtoConvertTest, PlanRoundTrips) {
   }
 }
 
+TEST(ProtoConvertTest, CompactPlanRoundTripsAndIsChecked) {
+  const Plan plan = test::SmallPlan();
+  v1::Plan proto = ToProto(plan, PlanEncoding::kCompact);
+  EXPECT_EQ(proto.layers(0).experts_size(), 0);
+  EXPECT_EQ(proto.layers(0).slot_share_size(), 8);
+  absl::StatusOr<Plan> back = FromProto(proto);
+  ASSERT_TRUE(back.ok()) << back.status();
+  for (int l = 0; l < 2; ++l) {
+    EXPECT_EQ(back->layers[l].slot_expert, plan.layers[l].slot_expert);
+    EXPECT_EQ(back->layers[l].slot_share, plan.layers[l].slot_share);
+  }
+  proto.mutable_layers(1)->mutable_slot_share()->RemoveLast();
+  EXPECT_EQ(FromProto(proto).status(),
+            absl::InvalidArgumentError("plan.layers[1]: 8 slots, 7 shares and 0 experts; the "
+                                       "compact form needs 8, 8 and 0"));
+  proto = ToProto(plan, PlanEncoding::kCompact);
+  proto.mutable_layers(0)->set_slot_share(0, 0.25);  // The expert's shares no longer sum to 1.
+  EXPECT_EQ(FromProto(proto).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(ProtoConvertTest, RejectsInconsistentPlans) {
   v1::Plan proto = ToProto(test::SmallPlan());
   proto.mutable_layers(1)->mutable_experts(0)->mutable_replicas(0)->set_slot(99);
