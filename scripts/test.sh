@@ -17,7 +17,7 @@ ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 echo "== TSan (label concurrent)"
 UBEP_BUILD_TYPE=Debug scripts/build.sh build-tsan -DUBEP_SANITIZE=thread \
   -DUBEP_ENABLE_CUDA=OFF -DUBEP_BUILD_BENCHMARKS=OFF
-TSAN_OPTIONS=halt_on_error=1 ctest --test-dir build-tsan -j "$jobs" --output-on-failure -L concurrent
+TSAN_OPTIONS="halt_on_error=1 suppressions=$PWD/tests/tsan.supp" ctest --test-dir build-tsan -j "$jobs" --output-on-failure -L concurrent
 
 echo "== Full suite (release build)"
 scripts/build.sh build
