@@ -102,7 +102,8 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {}
 
 Daemon::~Daemon() {
   link_.reset();
-  if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now());
+  // In-flight calls (a client detaching as the drain ends) get a moment to answer.
+  if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   server_.reset();
   exposer_.reset();
   fd_server_.reset();

@@ -338,7 +338,8 @@ TEST_F(DaemonTest, HealthIsNotServingWhileDrainingAndAttachIsRefused) {
   detach.set_token(attached.token());
   v1::DetachResponse detached;
   grpc::ClientContext context;
-  EXPECT_TRUE(Stub()->Detach(&context, detach, &detached).ok());
+  const grpc::Status status = Stub()->Detach(&context, detach, &detached);
+  EXPECT_TRUE(status.ok()) << status.error_message() << "\n" << ReadFile(dir_.path() + "/ubepd.log");
   EXPECT_EQ(daemon->Wait(absl::Seconds(30)), 0);
 }
 
