@@ -10,31 +10,16 @@ BalancerLink::BalancerLink(BalancerLinkOptions options, Node* node)
       node_(node),
       stub_(v1::Control::NewStub(
           grpc::CreateChannel(options_.balancer, grpc::InsecureChannelCredentials()))),
-      interval_(options_.report_interval),
-      thread_([this] { Loop(); }) {}
+      interval_ms_(absl::ToInt64Milliseconds(options_.report_interval)),
+      thread_([this] { return absl::Milliseconds(interval_ms_.load()); }, [this] { Tick(); }) {}
 
-BalancerLink::~BalancerLink() {
-  {
-    MutexLock lock(&mu_);
-    stop_ = true;
-  }
-  thread_.join();
-}
+BalancerLink::~BalancerLink() = default;
 
-void BalancerLink::Loop() {
-  MutexLock lock(&mu_);
-  while (!stop_) {
-    if (mu_.AwaitWithTimeout([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; },
-                             interval_)) {
-      break;
-    }
-    mu_.Unlock();
-    const std::optional<v1::AttachRequest> shape = node_->GroupShape();
-    const std::string serialized = shape.has_value() ? shape->SerializeAsString() : "";
-    if (!registered_ || serialized != registered_shape_) registered_ = Register();
-    if (registered_) Report();
-    mu_.Lock();
-  }
+void BalancerLink::Tick() {
+  const std::optional<v1::AttachRequest> shape = node_->GroupShape();
+  const std::string serialized = shape.has_value() ? shape->SerializeAsString() : "";
+  if (!registered_ || serialized != registered_shape_) registered_ = Register();
+  if (registered_) Report();
 }
 
 bool BalancerLink::Register() {
@@ -59,7 +44,9 @@ bool BalancerLink::Register() {
     return false;
   }
   registered_shape_ = shape.has_value() ? shape->SerializeAsString() : "";
-  if (response.report_interval_ms() > 0) interval_ = absl::Milliseconds(response.report_interval_ms());
+  if (response.report_interval_ms() > 0) {
+    interval_ms_.store(static_cast<int64_t>(response.report_interval_ms()));
+  }
   last_.clear();
   UBEP_LOG(INFO) << "registered with ubep-balancer at " << options_.balancer;
   return true;

@@ -8,11 +8,11 @@
 
 #include <memory>
 #include <string>
-#include <thread>
+#include <atomic>
 #include <vector>
 
 #include "absl/time/time.h"
-#include "common/mutex.h"
+#include "common/periodic.h"
 #include "daemon/node.h"
 #include "ubep/v1/control.grpc.pb.h"
 
@@ -32,7 +32,7 @@ class BalancerLink {
   ~BalancerLink();
 
  private:
-  void Loop();
+  void Tick();
   bool Register();
   void Report();
 
@@ -44,10 +44,8 @@ class BalancerLink {
   std::vector<std::vector<uint64_t>> last_;  // Slot counters at the last report.
   uint64_t last_step_ = 0;
   uint64_t seq_ = 0;
-  absl::Duration interval_;
-  Mutex mu_;
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread thread_;
+  std::atomic<int64_t> interval_ms_;  // The balancer may ask for another interval.
+  PeriodicThread thread_;              // Last: starts after the members it uses.
 };
 
 }  // namespace ubep::daemon

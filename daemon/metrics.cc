@@ -70,32 +70,13 @@ const char* CodeName(int code) {
 }  // namespace
 
 DaemonMetrics::DaemonMetrics(const Node* node, absl::Duration interval)
-    : node_(node), interval_(interval), thread_([this] { Loop(); }) {}
+    : node_(node), interval_(interval), thread_([this] { return interval_; }, [this] { Harvest(); }) {}
 
-DaemonMetrics::~DaemonMetrics() {
-  {
-    MutexLock lock(&mu_);
-    stop_ = true;
-  }
-  thread_.join();
-}
+DaemonMetrics::~DaemonMetrics() = default;
 
 void DaemonMetrics::CountRpcError(absl::StatusCode code) {
   const int c = static_cast<int>(code);
   if (c > 0 && c < 17) rpc_errors_[c].fetch_add(1, std::memory_order_relaxed);
-}
-
-void DaemonMetrics::Loop() {
-  MutexLock lock(&mu_);
-  while (!stop_) {
-    if (mu_.AwaitWithTimeout([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; },
-                             interval_)) {
-      break;
-    }
-    mu_.Unlock();
-    Harvest();
-    mu_.Lock();
-  }
 }
 
 void DaemonMetrics::Harvest() {

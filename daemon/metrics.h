@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "common/mutex.h"
+#include "common/periodic.h"
 #include "daemon/node.h"
 #include "prometheus/collectable.h"
 #include "prometheus/metric_family.h"
@@ -39,15 +40,12 @@ class DaemonMetrics : public prometheus::Collectable {
     std::vector<double> imbalance;         // Per layer: max/mean rank load, last interval.
     std::vector<std::vector<uint64_t>> last_rank_load;  // [layer][rank] at the last harvest.
   };
-  void Loop();
-
   const Node* node_;
   const absl::Duration interval_;
   std::array<std::atomic<uint64_t>, 17> rpc_errors_{};
   mutable Mutex mu_;
   Harvested harvested_ ABSL_GUARDED_BY(mu_);
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread thread_;
+  PeriodicThread thread_;  // Last: starts after the members it uses.
 };
 
 }  // namespace ubep::daemon

@@ -171,29 +171,11 @@ Balancer::Balancer(BalancerOptions options, std::shared_ptr<prometheus::Registry
                         .Register(r).Add({});
 }
 
-Balancer::~Balancer() {
-  {
-    MutexLock lock(&mu_);
-    stop_ = true;
-  }
-  if (thread_.joinable()) thread_.join();
-}
+Balancer::~Balancer() { thread_.reset(); }
 
 void Balancer::Start() {
-  thread_ = std::thread([this] { Loop(); });
-}
-
-void Balancer::Loop() {
-  MutexLock lock(&mu_);
-  while (!stop_) {
-    if (mu_.AwaitWithTimeout([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; },
-                             options_.interval)) {
-      break;
-    }
-    mu_.Unlock();
-    Tick();
-    mu_.Lock();
-  }
+  thread_ = std::make_unique<PeriodicThread>([this] { return options_.interval; },
+                                             [this] { Tick(); });
 }
 
 grpc::Status Balancer::Reject(const char* reason, grpc::StatusCode code, std::string message) {

@@ -25,6 +25,7 @@
 #include "balancer/core/planner.h"
 #include "balancer/server/load_window.h"
 #include "common/mutex.h"
+#include "common/periodic.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
 #include "prometheus/gauge.h"
@@ -112,7 +113,6 @@ class Balancer final : public v1::Control::Service {
   };
 
   grpc::Status Reject(const char* reason, grpc::StatusCode code, std::string message);
-  void Loop();
   void CheckHealth();
   void Recover();
   // Plans and commits; serialized with Recover by commit_mu_.
@@ -136,7 +136,6 @@ class Balancer final : public v1::Control::Service {
   bool rebalance_requested_ ABSL_GUARDED_BY(mu_) = false;
   absl::Time last_commit_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   absl::Time next_health_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
 
   // Metrics (ubep_balancer_*).
   std::shared_ptr<prometheus::Registry> registry_;
@@ -154,7 +153,7 @@ class Balancer final : public v1::Control::Service {
   prometheus::Counter* reports_;
   prometheus::Family<prometheus::Counter>* rejected_;
   prometheus::Counter* stale_reports_;
-  std::thread thread_;
+  std::unique_ptr<PeriodicThread> thread_;  // Started by Start(); stopped first on destruction.
 };
 
 }  // namespace ubep::balancer
