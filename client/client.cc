@@ -84,6 +84,11 @@ using internal::RankState;
 
 absl::Status FromGrpc(const grpc::Status& status, const std::string& what) {
   if (status.ok()) return absl::OkStatus();
+  if (status.error_code() == grpc::StatusCode::CANCELLED) {
+    // This library never cancels its calls: the daemon cancelled it while shutting down.
+    return absl::UnavailableError(absl::StrCat(what, ": ubepd is shutting down (", status.error_message(),
+                                               "); attach again when it is back"));
+  }
   std::string message = status.error_message();
   if (status.error_code() == grpc::StatusCode::UNAVAILABLE &&
       message.find("draining") == std::string::npos) {
