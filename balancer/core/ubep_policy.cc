@@ -453,7 +453,26 @@ absl::StatusOr<Plan> PlanUbep(const LoadMatrix& load, const Topology& topology,
   // as long as the slots that change stay within max_moved_fraction of all slots.
   std::vector<LayerPlan> fresh(load.num_layers());
   std::vector<std::pair<double, int>> gains;  // (equal-share balancedness gained, layer)
+  // A budget of at least a rank's slots cannot bind: a fresh plan is allowed as it is, and
+  // beats a long local search when the kept placement is far off (a first plan from a
+  // round-robin placement).
+  const bool budget_binds =
+      options.migration_budget >= 0 && options.migration_budget < topology.slots_per_rank;
   for (int l = 0; l < load.num_layers(); ++l) {
+    if (options.migration_budget >= 0 && !budget_binds) {
+      LayerPlan candidate = UbepLayerFresh(load.row(l), topology, layer_options[l]);
+      AlignToPrevious(topology, previous->layers[l], candidate);
+      RestoreSingles(load.row(l), topology, previous->layers[l], options.restore_tolerance,
+                     candidate);
+      LevelShares(topology, load.row(l), candidate,
+                  {.balance_slack = layer_options[l].balance_slack});
+      if (EqualShareBalancedness(load.row(l), topology, previous->layers[l]) -
+              EqualShareBalancedness(load.row(l), topology, candidate) >
+          options.fresh_gain) {
+        plan.layers.push_back(std::move(candidate));
+        continue;
+      }
+    }
     plan.layers.push_back(
         UbepLayerIncremental(load.row(l), topology, previous->layers[l], layer_options[l]));
     if (options.migration_budget >= 0) continue;
