@@ -61,7 +61,7 @@ void BalancerLink::Report() {
     last_step_ = step;
     return;
   }
-  const v1::DaemonState state = node_->State();
+  const Node::PlanIdentity plan = node_->CommittedPlanIdentity();
   v1::ReportLoadRequest request;
   request.set_node(options_.node);
   request.set_seq(++seq_);
@@ -70,14 +70,12 @@ void BalancerLink::Report() {
   load->set_reporter(options_.node);
   load->set_first_step(last_step_);
   load->set_last_step(step);
-  load->set_plan_version(state.committed_version());
-  load->set_num_experts(state.committed_plan().num_experts());
+  load->set_plan_version(plan.version);
+  load->set_num_experts(static_cast<uint32_t>(plan.num_experts));
   for (size_t l = 0; l < loads->size(); ++l) {
     v1::LayerLoad* layer = load->add_layers();
     // Layers are named by the plan's model layer ids (a plan file may number them 3..60).
-    layer->set_layer(static_cast<int>(l) < state.committed_plan().layer_ids_size()
-                         ? state.committed_plan().layer_ids(static_cast<int>(l))
-                         : static_cast<uint32_t>(l));
+    layer->set_layer(static_cast<uint32_t>(l < plan.layer_ids.size() ? plan.layer_ids[l] : l));
     for (size_t p = 0; p < (*loads)[l].size(); ++p) layer->add_slot((*loads)[l][p] - last_[l][p]);
   }
   last_ = *std::move(loads);

@@ -112,6 +112,15 @@ balancer::Plan RoundRobinPlan(const balancer::Topology& topology, int num_expert
   return plan;
 }
 
+// The data plane's routing table for a plan (kernels/common/plan_table.h).
+absl::StatusOr<std::vector<std::byte>> PlanTableOf(const balancer::Plan& plan) {
+  std::vector<kernels::LayerRouting> routing;
+  for (const balancer::LayerPlan& layer : plan.layers) {
+    routing.push_back({layer.slot_expert, layer.slot_share});
+  }
+  return kernels::BuildPlanTable(plan.version, static_cast<uint32_t>(plan.num_experts), routing);
+}
+
 }  // namespace
 
 Node::Node(NodeOptions options) : options_(std::move(options)) {}
@@ -171,12 +180,7 @@ absl::Status Node::CreateGroup(const v1::AttachRequest& q) {
     }
     if (plan.version == 0) plan.version = 1;
   }
-  std::vector<kernels::LayerRouting> routing;
-  for (const balancer::LayerPlan& layer : plan.layers) {
-    routing.push_back({layer.slot_expert, layer.slot_share});
-  }
-  UBEP_ASSIGN_OR_RETURN(std::vector<std::byte> table,
-                        kernels::BuildPlanTable(plan.version, config.num_experts, routing));
+  UBEP_ASSIGN_OR_RETURN(std::vector<std::byte> table, PlanTableOf(plan));
 
   std::vector<std::unique_ptr<DeviceMemory>> device_arenas;
   if (cuda) {
@@ -505,6 +509,11 @@ uint64_t Node::MaxStepLocked() const {
   return step;
 }
 
+Node::PlanIdentity Node::CommittedPlanIdentity() const {
+  MutexLock lock(&mu_);
+  return {plan_.version, plan_.num_experts, plan_.layer_ids};
+}
+
 uint64_t Node::MaxStep() const {
   MutexLock lock(&mu_);
   return MaxStepLocked();
@@ -652,12 +661,7 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
       }
     }
   }
-  std::vector<kernels::LayerRouting> routing;
-  for (const balancer::LayerPlan& layer : plan.layers) {
-    routing.push_back({layer.slot_expert, layer.slot_share});
-  }
-  absl::StatusOr<std::vector<std::byte>> table =
-      kernels::BuildPlanTable(plan.version, config_.num_experts, routing);
+  absl::StatusOr<std::vector<std::byte>> table = PlanTableOf(plan);
   if (!table.ok()) return fail(std::string(table.status().message()));
   for (int r = 0; r < R; ++r) {
     uint32_t* map = kernels::SlotMap(arenas_[r].data(), layout_, config_, next);

@@ -88,6 +88,14 @@ class Node {
   v1::DaemonState State() const;
   // Received pairs per [layer][global slot] since the group was created (all hosted ranks).
   absl::StatusOr<std::vector<std::vector<uint64_t>>> ReadSlotLoads() const;
+  // What a load report names of the plan in force: version, experts, model layer ids
+  // (without copying the plan itself).
+  struct PlanIdentity {
+    uint64_t version = 0;
+    int num_experts = 0;
+    std::vector<int> layer_ids;
+  };
+  PlanIdentity CommittedPlanIdentity() const;
   // Highest step any rank has begun; the group's shape (nullopt without a group).
   uint64_t MaxStep() const;
   std::optional<v1::AttachRequest> GroupShape() const;

@@ -192,7 +192,7 @@ grpc::Status Balancer::Register(grpc::ServerContext*, const v1::RegisterRequest*
   const v1::ModelShape& s = request->shape();
   if (s.num_layers() > 0) {
     Shape shape{static_cast<int>(request->world_size()), static_cast<int>(s.num_layers()),
-                static_cast<int>(s.num_experts()), static_cast<int>(s.slots_per_rank()), 0};
+                static_cast<int>(s.num_experts()), static_cast<int>(s.slots_per_rank())};
     for (uint32_t r : request->ranks()) {
       if (r >= request->world_size()) {
         return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
@@ -467,7 +467,8 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why) {
   LoadMatrix load;
   Topology topology;
   int budget = options_.migration_budget;
-  std::vector<std::pair<std::string, v1::DaemonControl::Stub*>> targets;
+  std::vector<std::string> targets;  // Node names, aligned with `channels`.
+  std::vector<std::shared_ptr<grpc::Channel>> channels;
   uint64_t effective_step = 0;
   std::vector<double> before;
   {
@@ -483,7 +484,8 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why) {
       if (d.needs_state || d.pending != 0) {
         return absl::UnavailableError(absl::StrCat("node ", name, " is still being recovered"));
       }
-      targets.emplace_back(name, d.control.get());
+      targets.push_back(name);
+      channels.push_back(d.channel);
     }
     previous = *plan_;
     load = window_->Current();
@@ -528,11 +530,6 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why) {
 
   // Phase 1: Prepare everywhere, in parallel.
   const absl::Time commit_start = absl::Now();
-  std::vector<std::shared_ptr<grpc::Channel>> channels;
-  {
-    MutexLock lock(&mu_);
-    for (const auto& [name, stub] : targets) channels.push_back(daemons_[name].channel);
-  }
   std::vector<v1::PrepareResponse> answers(targets.size());
   std::vector<grpc::Status> statuses(targets.size());
   {
@@ -553,9 +550,9 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why) {
   uint64_t copied_bytes = 0;
   for (size_t i = 0; i < targets.size(); ++i) {
     if (!statuses[i].ok()) {
-      failed.push_back(absl::StrCat(targets[i].first, ": ", statuses[i].error_message()));
+      failed.push_back(absl::StrCat(targets[i], ": ", statuses[i].error_message()));
     } else if (!answers[i].prepared()) {
-      failed.push_back(absl::StrCat(targets[i].first, ": ", answers[i].reason()));
+      failed.push_back(absl::StrCat(targets[i], ": ", answers[i].reason()));
     }
     copied_bytes += answers[i].copied_bytes();
   }
@@ -583,7 +580,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why) {
   MutexLock lock(&mu_);
   for (size_t i = 0; i < targets.size(); ++i) {
     // A decision that did not arrive is delivered by recovery (GetState, then Commit/Abort).
-    if (!decided[i].ok()) daemons_[targets[i].first].needs_state = true;
+    if (!decided[i].ok()) daemons_[targets[i]].needs_state = true;
   }
   if (!commit) {
     plans_aborted_->Increment();

@@ -109,7 +109,7 @@ class Balancer final : public v1::Control::Service {
     uint64_t committed = 0, pending = 0;
   };
   struct Shape {
-    int world = 0, layers = 0, experts = 0, slots = 0, free_buffers = 0;
+    int world = 0, layers = 0, experts = 0, slots = 0;
   };
 
   grpc::Status Reject(const char* reason, grpc::StatusCode code, std::string message);

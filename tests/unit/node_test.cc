@@ -187,7 +187,7 @@ TEST(NodeTest, DrainFailsJoinsAndAttachesAndStopsEveryWait) {
 
 // Rank 0's slot 0 (expert 0) becomes expert 5 and rank 1's slot 1 (expert 5) becomes expert 0:
 // both need weights from the other rank.
-balancer::Plan SwappedPlan(const Node& node) {
+balancer::Plan SwappedPlan() {
   balancer::Plan plan;
   plan.version = 2;
   plan.topology = {2, 1, 4, 1};
@@ -214,7 +214,7 @@ TEST(NodeTest, PrepareStagesWeightsInFreeBuffersAndCommitSwitchesAtTheEffectiveS
       }
     }
   }
-  const v1::PrepareResponse prepared = node.Prepare(SwappedPlan(node), 10);
+  const v1::PrepareResponse prepared = node.Prepare(SwappedPlan(), 10);
   ASSERT_TRUE(prepared.prepared()) << prepared.reason();
   EXPECT_EQ(prepared.copied_slots(), 4u);  // 2 slots x 2 layers.
   EXPECT_EQ(prepared.copied_bytes(), 4u * 256);
@@ -249,7 +249,7 @@ TEST(NodeTest, PrepareStagesWeightsInFreeBuffersAndCommitSwitchesAtTheEffectiveS
 TEST(NodeTest, PrepareFailsWithoutFreeBuffersAndChangesNothing) {
   Node node(Options(/*free_buffers=*/0));
   Attached a = AttachAndClaim(node, 0, 2, 1);
-  const v1::PrepareResponse prepared = node.Prepare(SwappedPlan(node), 10);
+  const v1::PrepareResponse prepared = node.Prepare(SwappedPlan(), 10);
   EXPECT_FALSE(prepared.prepared());
   EXPECT_EQ(prepared.reason(),
             "rank 0 layer 0: 1 slots change but only 0 weight buffers are free (--free_buffers 0)");
@@ -263,7 +263,7 @@ TEST(NodeTest, PrepareRefusesAnEffectiveStepARankHasReached) {
   Node node(Options());
   Attached a = AttachAndClaim(node, 0, 2, 1);
   std::atomic_ref<uint64_t>(kernels::ControlOf(a.arenas[1].data(), a.layout)->step).store(12);
-  const v1::PrepareResponse prepared = node.Prepare(SwappedPlan(node), 12);
+  const v1::PrepareResponse prepared = node.Prepare(SwappedPlan(), 12);
   EXPECT_FALSE(prepared.prepared());
   EXPECT_EQ(prepared.reason(), "effective step 12 is not ahead of rank 1's step 12");
 }
