@@ -1,6 +1,12 @@
 #include "daemon/balancer_link.h"
 
+#include <unistd.h>
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "daemon/fd_server.h"
 #include "grpcpp/grpcpp.h"
 
 namespace ubep::daemon {
@@ -10,8 +16,14 @@ BalancerLink::BalancerLink(BalancerLinkOptions options, Node* node)
       node_(node),
       stub_(v1::Control::NewStub(
           grpc::CreateChannel(options_.balancer, grpc::InsecureChannelCredentials()))),
+      incarnation_(absl::StrCat(getpid(), "-", absl::ToUnixNanos(absl::Now()))),
       interval_ms_(absl::ToInt64Milliseconds(options_.report_interval)),
-      thread_([this] { return absl::Milliseconds(interval_ms_.load()); }, [this] { Tick(); }) {}
+      thread_(
+          [this] {
+            return node_->MissingRanks().empty() ? absl::Milliseconds(interval_ms_.load())
+                                                 : absl::Milliseconds(100);
+          },
+          [this] { Tick(); }) {}
 
 BalancerLink::~BalancerLink() = default;
 
@@ -19,7 +31,48 @@ void BalancerLink::Tick() {
   const std::optional<v1::AttachRequest> shape = node_->GroupShape();
   const std::string serialized = shape.has_value() ? shape->SerializeAsString() : "";
   if (!registered_ || serialized != registered_shape_) registered_ = Register();
-  if (registered_) Report();
+  if (!registered_) return;
+  MapPeers();
+  const absl::Time now = absl::Now();
+  if (now >= next_report_) {
+    next_report_ = now + absl::Milliseconds(interval_ms_.load()) - absl::Milliseconds(50);
+    Report();
+  }
+}
+
+void BalancerLink::MapPeers() {
+  const std::vector<int> missing = node_->MissingRanks();
+  if (missing.empty()) return;
+  v1::GetGroupRequest request;
+  request.set_node(options_.node);
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+  v1::GetGroupResponse group;
+  const grpc::Status status = stub_->GetGroup(&context, request, &group);
+  if (!status.ok()) {
+    if (status.error_code() == grpc::StatusCode::NOT_FOUND) registered_ = false;
+    return;
+  }
+  const std::string key = node_->PeerKey();
+  for (const v1::GroupMember& member : group.members()) {
+    if (member.node() == options_.node || member.arena_socket().empty() || !member.healthy()) continue;
+    const bool needed = std::any_of(member.ranks().begin(), member.ranks().end(), [&](uint32_t r) {
+      return std::find(missing.begin(), missing.end(), static_cast<int>(r)) != missing.end();
+    });
+    if (!needed) continue;
+    absl::StatusOr<std::pair<int, std::vector<UniqueFd>>> arenas =
+        FetchPeerArenas(member.arena_socket(), key, absl::Seconds(2));
+    absl::Status mapped = arenas.status();
+    if (arenas.ok()) {
+      std::vector<int> fds;
+      for (const UniqueFd& fd : arenas->second) fds.push_back(fd.get());
+      mapped = node_->AddPeerArenas(arenas->first, fds);
+    }
+    if (!mapped.ok() && absl::Now() >= next_peer_log_) {
+      next_peer_log_ = absl::Now() + absl::Seconds(5);
+      UBEP_LOG(INFO) << "arenas of node " << member.node() << ": " << mapped.message();
+    }
+  }
 }
 
 bool BalancerLink::Register() {
@@ -28,11 +81,14 @@ bool BalancerLink::Register() {
   request.set_address(options_.address);
   request.set_domain(options_.domain);
   request.set_free_buffers(static_cast<uint32_t>(node_->free_buffers()));
+  request.set_arena_socket(options_.arena_socket);
+  request.set_incarnation(incarnation_);
   const std::optional<v1::AttachRequest> shape = node_->GroupShape();
-  if (shape.has_value()) {
+  const std::optional<std::pair<int, int>> hosted = node_->HostedRanks();
+  if (shape.has_value() && hosted.has_value()) {
     *request.mutable_shape() = shape->shape();
     request.set_world_size(shape->world_size());
-    for (uint32_t r = 0; r < shape->world_size(); ++r) request.add_ranks(r);
+    for (int r = hosted->first; r < hosted->first + hosted->second; ++r) request.add_ranks(r);
   }
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));

@@ -1,6 +1,8 @@
 // BalancerLink: ubepd's side of the control plane's reporting. A thread registers the node
 // with ubep-balancer (again whenever the group's shape changes or the balancer forgot it) and
-// every report interval sends the slot counters' deltas of its ranks (ReportLoad).
+// every report interval sends the slot counters' deltas of its ranks (ReportLoad). When the
+// group has ranks on peer daemons, it asks the balancer who hosts them (GetGroup) and maps
+// their arenas from the peers' fd sockets, polling every 100 ms until all are mapped.
 // The data plane never waits for it: a balancer that is down only stops the reports.
 // Thread-safe.
 #ifndef UBEP_DAEMON_BALANCER_LINK_H_
@@ -23,6 +25,7 @@ struct BalancerLinkOptions {
   std::string node;       // This node's name.
   std::string address;    // HOST:PORT where this daemon serves DaemonControl.
   uint32_t domain = 0;
+  std::string arena_socket;  // This daemon's fd socket, where peers take its arenas.
   absl::Duration report_interval = absl::Seconds(1);
 };
 
@@ -35,6 +38,7 @@ class BalancerLink {
   void Tick();
   bool Register();
   void Report();
+  void MapPeers();
 
   const BalancerLinkOptions options_;
   Node* node_;
@@ -44,6 +48,9 @@ class BalancerLink {
   std::vector<std::vector<uint64_t>> last_;  // Slot counters at the last report.
   uint64_t last_step_ = 0;
   uint64_t seq_ = 0;
+  absl::Time next_report_ = absl::InfinitePast();
+  absl::Time next_peer_log_ = absl::InfinitePast();
+  const std::string incarnation_;
   std::atomic<int64_t> interval_ms_;  // The balancer may ask for another interval.
   PeriodicThread thread_;              // Last: starts after the members it uses.
 };

@@ -28,9 +28,9 @@ class DaemonService final : public v1::Daemon::Service {
  public:
   DaemonService(Node* node, DaemonMetrics* metrics) : node_(node), metrics_(metrics) {}
 
-  grpc::Status Attach(grpc::ServerContext*, const v1::AttachRequest* request,
+  grpc::Status Attach(grpc::ServerContext* context, const v1::AttachRequest* request,
                       v1::AttachResponse* response) override {
-    return Answer(node_->Attach(*request), response);
+    return Answer(node_->Attach(*request, absl::FromChrono(context->deadline())), response);
   }
   grpc::Status Join(grpc::ServerContext* context, const v1::JoinRequest* request,
                     v1::JoinResponse* response) override {
@@ -123,6 +123,14 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   options.node.backend = options.backend;
   if (options.socket_path.empty()) return absl::InvalidArgumentError("--socket is required");
   options.node.fd_socket_path = options.socket_path + ".fds";
+  if (options.node.num_ranks > 0 && options.balancer.empty()) {
+    return absl::InvalidArgumentError(
+        "--ranks needs --balancer: the daemons of the group's other ranks are found through it");
+  }
+  if (options.node.num_ranks > 0 && options.backend == "cuda") {
+    return absl::InvalidArgumentError(
+        "--ranks: the cuda backend serves a whole group from one ubepd");
+  }
   std::unique_ptr<Daemon> d(new Daemon(options));
   d->node_ = std::make_unique<Node>(options.node);
   d->metrics_ = std::make_shared<DaemonMetrics>(d->node_.get(), options.harvest_interval);
@@ -188,6 +196,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
     link.node = options.node_name;
     link.address = options.advertise;
     link.domain = options.domain;
+    link.arena_socket = options.node.fd_socket_path;
+    if (!link.arena_socket.starts_with("/")) {
+      char cwd[4096] = {};
+      if (getcwd(cwd, sizeof(cwd) - 1) != nullptr) link.arena_socket = absl::StrCat(cwd, "/", link.arena_socket);
+    }
     link.report_interval = options.report_interval;
     d->link_ = std::make_unique<BalancerLink>(link, d->node_.get());
   }

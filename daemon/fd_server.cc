@@ -7,14 +7,33 @@
 
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "common/status_macros.h"
 
 namespace ubep::daemon {
 namespace {
 
-constexpr size_t kMaxTokenBytes = 256;
+constexpr size_t kMaxTokenBytes = 1024;  // A token, or a peer request with the group's shape.
 
 }  // namespace
+
+absl::StatusOr<std::pair<int, std::vector<UniqueFd>>> FetchPeerArenas(
+    const std::string& socket_path, const std::string& key, absl::Duration timeout) {
+  UBEP_ASSIGN_OR_RETURN(UniqueFd socket, ConnectUnix(socket_path));
+  UBEP_RETURN_IF_ERROR(SendMessage(socket.get(), absl::StrCat(kPeerRequest, key), {}));
+  UBEP_ASSIGN_OR_RETURN(ReceivedMessage reply, ReceiveMessage(socket.get(), 4096, timeout));
+  int first = 0;
+  if (!absl::StartsWith(reply.bytes, "OK ") ||
+      !absl::SimpleAtoi(absl::string_view(reply.bytes).substr(3), &first)) {
+    return absl::UnavailableError(absl::StrCat(
+        "the daemon at ", socket_path, " did not give its arenas: ",
+        reply.bytes.size() > 4 ? reply.bytes.substr(4) : std::string("connection closed")));
+  }
+  return std::make_pair(first, std::move(reply.fds));
+}
 
 absl::StatusOr<std::unique_ptr<FdServer>> FdServer::Start(const std::string& path, mode_t mode,
                                                           Node* node) {
@@ -44,6 +63,14 @@ bool FdServer::Serve(int64_t id, int fd) {
   absl::StatusOr<ReceivedMessage> message = ReceiveMessage(fd, kMaxTokenBytes, absl::ZeroDuration());
   if (!message.ok() || message->closed) {
     node_->ConnectionClosed(id);
+    return false;
+  }
+  if (absl::StartsWith(message->bytes, kPeerRequest)) {
+    absl::StatusOr<std::pair<int, std::vector<int>>> arenas =
+        node_->ArenasForPeer(message->bytes.substr(sizeof(kPeerRequest) - 1));
+    const std::string reply = arenas.ok() ? absl::StrCat("OK ", arenas->first)
+                                          : absl::StrCat("ERR ", arenas.status().message());
+    (void)SendMessage(fd, reply, arenas.ok() ? arenas->second : std::vector<int>{});
     return false;
   }
   absl::StatusOr<std::vector<int>> fds = node_->ClaimArenas(message->bytes, id);

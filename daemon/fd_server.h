@@ -1,6 +1,9 @@
 // FdServer: the daemon's fd socket. A client connects, sends its attach token, and receives
 // its arenas' file descriptors (SCM_RIGHTS); the connection then stays open while the rank is
 // attached, and its closing (the client exited, or was killed) tells the Node the rank is gone.
+// A peer daemon of the same EP group (same machine) sends kPeerRequest followed by the group's
+// key (Node::PeerKey) and receives "OK <first rank>" with the hosted arenas' fds; that
+// connection then closes.
 // One thread polls the listener and every connection. Thread-safe.
 #ifndef UBEP_DAEMON_FD_SERVER_H_
 #define UBEP_DAEMON_FD_SERVER_H_
@@ -8,6 +11,8 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 #include <thread>
 
 #include "absl/status/statusor.h"
@@ -15,6 +20,12 @@
 #include "daemon/node.h"
 
 namespace ubep::daemon {
+
+inline constexpr char kPeerRequest[] = "PEER ";
+
+// A peer's side: the arenas a daemon at `socket_path` hosts, as (first rank, fds).
+absl::StatusOr<std::pair<int, std::vector<UniqueFd>>> FetchPeerArenas(
+    const std::string& socket_path, const std::string& key, absl::Duration timeout);
 
 class FdServer {
  public:

@@ -6,12 +6,14 @@
 #include <fstream>
 #include <iostream>
 #include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "daemon/daemon.h"
 
 ABSL_FLAG(std::string, backend, "host", "Arena backend: host (memfd shared memory) or cuda.");
@@ -38,6 +40,9 @@ ABSL_FLAG(std::string, balancer, "", "HOST:PORT of ubep-balancer; empty = standa
 ABSL_FLAG(std::string, node, "", "This node's name for the balancer; empty = the hostname.");
 ABSL_FLAG(std::string, advertise, "",
           "HOST:PORT the balancer reaches this daemon at; empty = --listen's host and port.");
+ABSL_FLAG(std::string, ranks, "",
+          "The EP ranks this daemon hosts, FIRST-LAST (e.g. 4-7); empty = every rank of the "
+          "group. The other ranks' daemons (same machine) are found through --balancer.");
 ABSL_FLAG(uint32_t, domain, 0, "Load/store domain of this node's ranks.");
 ABSL_FLAG(absl::Duration, report_interval, absl::Seconds(1),
           "How often load is reported to the balancer (the balancer may ask otherwise).");
@@ -81,6 +86,17 @@ int main(int argc, char** argv) {
   options.node.free_buffers = absl::GetFlag(FLAGS_free_buffers);
   options.node.max_arena_bytes = absl::GetFlag(FLAGS_max_arena_bytes);
   options.node.plan_path = absl::GetFlag(FLAGS_plan);
+  if (const std::string ranks = absl::GetFlag(FLAGS_ranks); !ranks.empty()) {
+    const std::vector<std::string> parts = absl::StrSplit(ranks, '-');
+    int first = 0, last = 0;
+    if (parts.size() > 2 || !absl::SimpleAtoi(parts[0], &first) ||
+        !absl::SimpleAtoi(parts.back(), &last) || first < 0 || last < first) {
+      std::cerr << "ubepd: --ranks \"" << ranks << "\" is not FIRST-LAST (e.g. 4-7)\n";
+      return 2;
+    }
+    options.node.first_rank = first;
+    options.node.num_ranks = last - first + 1;
+  }
   if (options.node.free_buffers < 0) {
     std::cerr << "ubepd: --free_buffers must be >= 0\n";
     return 2;

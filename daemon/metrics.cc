@@ -141,8 +141,8 @@ std::vector<MetricFamily> DaemonMetrics::Collect() const {
 
   MetricFamily up = Family("ubep_daemon_rank_up", "1 when the rank's client is attached.",
                            MetricType::Gauge);
-  for (size_t r = 0; r < node.rank_up.size(); ++r) {
-    up.metric.push_back(GaugeValue(node.rank_up[r] ? 1 : 0, rank_label(static_cast<int>(r))));
+  for (const auto& [rank, is_up] : node.rank_up) {
+    up.metric.push_back(GaugeValue(is_up ? 1 : 0, rank_label(rank)));
   }
   out.push_back(std::move(up));
 

@@ -19,6 +19,13 @@
 namespace ubep::daemon {
 namespace {
 
+uint64_t LoadWord(const uint64_t& word) {
+  return std::atomic_ref<const uint64_t>(word).load(std::memory_order_acquire);
+}
+void StoreWord(uint64_t& word, uint64_t value) {
+  std::atomic_ref<uint64_t>(word).store(value, std::memory_order_release);
+}
+
 constexpr uint32_t kMaxWorld = 1024;
 constexpr uint32_t kMaxExperts = 1024;
 constexpr uint32_t kMaxTokens = 1u << 20;
@@ -142,7 +149,18 @@ absl::Status Node::CreateGroup(const v1::AttachRequest& q) {
   config.protocol = options_.protocol;
   config.timeout = options_.wait_timeout;
   UBEP_RETURN_IF_ERROR(kernels::ValidateConfig(config));
+  const int first = options_.num_ranks > 0 ? options_.first_rank : 0;
+  const int hosted = options_.num_ranks > 0 ? options_.num_ranks : config.num_ranks;
+  if (first + hosted > config.num_ranks) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "this daemon hosts ranks ", first, "-", first + hosted - 1, " (--ranks) but the group has ",
+        config.num_ranks, " ranks"));
+  }
   const bool cuda = options_.backend == "cuda";
+  if (cuda && hosted != config.num_ranks) {
+    return absl::FailedPreconditionError(
+        "the cuda backend serves a whole group from one ubepd (--ranks must be empty)");
+  }
   if (cuda && (config.dtype != kernels::DType::kBFloat16 || config.hidden % 8 != 0)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "the cuda backend needs shape.dtype DTYPE_BFLOAT16 and shape.hidden a multiple of 8 "
@@ -188,14 +206,14 @@ absl::Status Node::CreateGroup(const v1::AttachRequest& q) {
     if (devices == 0) {
       return absl::FailedPreconditionError("--backend cuda: no CUDA device is visible to ubepd");
     }
-    for (int r = 0; r < config.num_ranks; ++r) {
+    for (int r = first; r < first + hosted; ++r) {
       UBEP_ASSIGN_OR_RETURN(std::unique_ptr<DeviceMemory> memory,
                             CreateDeviceMemory(r % devices, layout.device_bytes));
       device_arenas.push_back(std::move(memory));
     }
   }
-  std::vector<kernels::SharedArena> arenas;
-  for (int r = 0; r < config.num_ranks; ++r) {
+  std::vector<kernels::SharedArena> arenas(config.num_ranks);
+  for (int r = first; r < first + hosted; ++r) {
     UBEP_ASSIGN_OR_RETURN(kernels::SharedArena arena,
                           kernels::SharedArena::Create(absl::StrCat("ubep-rank-", r),
                                                        layout.total_bytes));
@@ -203,7 +221,9 @@ absl::Status Node::CreateGroup(const v1::AttachRequest& q) {
     void* area = arena.data() + layout.plan;
     UBEP_RETURN_IF_ERROR(kernels::PreparePlan(area, table, plan.version, 0));
     UBEP_RETURN_IF_ERROR(kernels::CommitPlan(area, plan.version));
-    arenas.push_back(std::move(arena));
+    std::atomic_ref<uint64_t>(kernels::ControlOf(arena.data(), layout)->next_step)
+        .store(kernels::kNoNextStep, std::memory_order_relaxed);
+    arenas[r] = std::move(arena);
   }
   arenas_ = std::move(arenas);
   device_arenas_ = std::move(device_arenas);
@@ -212,10 +232,12 @@ absl::Status Node::CreateGroup(const v1::AttachRequest& q) {
   plan_ = std::move(plan);
   group_request_ = q;
   ranks_.assign(config.num_ranks, RankEntry{});
-  group_ready_ = false;
+  first_ = first;
+  hosted_ = hosted;
   has_group_ = true;
   UBEP_LOG(INFO) << "group created (" << options_.backend << "): " << config.num_ranks
-                 << " ranks, " << config.num_layers
+                 << " ranks (hosting " << first << "-" << first + hosted - 1 << "), "
+                 << config.num_layers
                  << " layers x " << config.num_experts << " experts, hidden " << config.hidden
                  << ", arena " << layout.total_bytes + layout.device_bytes
                  << " bytes per rank, plan v" << plan_.version
@@ -229,7 +251,13 @@ int Node::AttachedLocked() const {
   }));
 }
 
-absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request) {
+bool Node::AllArenasMapped() const {
+  return std::all_of(arenas_.begin(), arenas_.end(),
+                     [](const kernels::SharedArena& a) { return a.valid(); });
+}
+
+absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request,
+                                                absl::Time deadline) {
   UBEP_RETURN_IF_ERROR(ValidateRequest(request));
   MutexLock lock(&mu_);
   if (draining_) {
@@ -243,6 +271,33 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
     UBEP_RETURN_IF_ERROR(CompareShapes(group_request_, request));
   } else if (!has_group_ || !CompareShapes(group_request_, request).ok()) {
     UBEP_RETURN_IF_ERROR(CreateGroup(request));
+  }
+  if (!Hosted(static_cast<int>(request.rank()))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rank ", request.rank(), " is not hosted by this daemon (it hosts ranks ", first_, "-",
+        first_ + hosted_ - 1, "); attach to the daemon of its node"));
+  }
+  if (!AllArenasMapped()) {
+    // The peers' arenas come from their daemons (the balancer link maps them).
+    const absl::Time until = std::min(deadline - absl::Milliseconds(200),
+                                      absl::Now() + options_.join_timeout);
+    mu_.AwaitWithTimeout([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return draining_ || !has_group_ || AllArenasMapped();
+    }, until - absl::Now());
+    if (draining_) {
+      return absl::UnavailableError("ubepd is draining (shutting down); attach again when it is back");
+    }
+    if (!has_group_ || !AllArenasMapped()) {
+      std::vector<int> missing;
+      for (int r = 0; r < static_cast<int>(arenas_.size()); ++r) {
+        if (!arenas_[r].valid()) missing.push_back(r);
+      }
+      return absl::UnavailableError(absl::StrCat(
+          "the arenas of rank", missing.size() == 1 ? " " : "s ", absl::StrJoin(missing, ", "),
+          " are not mapped yet: their daemons have not attached a client or not registered with "
+          "the balancer; attach again"));
+    }
+    UBEP_RETURN_IF_ERROR(CompareShapes(group_request_, request));
   }
   const int device = on_device() ? device_arenas_[request.rank()]->device()
                                   : static_cast<int>(request.device());
@@ -296,6 +351,7 @@ absl::StatusOr<std::vector<int>> Node::ClaimArenas(const std::string& token, int
       e = RankEntry{};
       return absl::DeadlineExceededError("attach token expired; attach again");
     }
+    if (!AllArenasMapped()) return absl::UnavailableError("the group's arenas changed; attach again");
     e.state = RankState::kConnected;
     e.connection = connection;
     std::vector<int> fds;
@@ -324,6 +380,7 @@ absl::Status Node::CheckToken(uint32_t rank, const std::string& token, bool need
 
 void Node::SetGroupState(uint32_t state) {
   for (kernels::SharedArena& arena : arenas_) {
+    if (!arena.valid()) continue;
     std::atomic_ref<uint32_t>(kernels::ControlOf(arena.data(), layout_)->group_state)
         .store(state, std::memory_order_release);
   }
@@ -352,6 +409,7 @@ void Node::SetAbortCode(int r, uint32_t code, bool only_if_clear) {
     }
     return;
   }
+  if (!arenas_[r].valid()) return;
   std::atomic_ref<uint32_t> word(*reinterpret_cast<uint32_t*>(arenas_[r].data() + layout_.ep + offset));
   if (only_if_clear) {
     uint32_t expected = 0;
@@ -362,8 +420,11 @@ void Node::SetAbortCode(int r, uint32_t code, bool only_if_clear) {
 }
 
 void Node::BreakGroup(int rank) {
-  if (!group_ready_) return;
-  group_ready_ = false;
+  // A rank that leaves while joining must not be counted in the next generation.
+  if (arenas_[rank].valid()) StoreWord(Ctl(rank)->join_ticket, 0);
+  const uint32_t state =
+      std::atomic_ref<uint32_t>(Ctl(rank)->group_state).load(std::memory_order_acquire);
+  if (state != kernels::kGroupReady) return;
   SetGroupState(kernels::kGroupBroken);
   for (size_t r = 0; r < arenas_.size(); ++r) {
     SetAbortCode(static_cast<int>(r), kernels::kAbortRankGone | static_cast<uint32_t>(rank),
@@ -371,18 +432,19 @@ void Node::BreakGroup(int rank) {
   }
 }
 
-void Node::FormGroup() {
-  ++generation_;
-  std::optional<uint64_t> resume;
-  for (RankEntry& e : ranks_) {
-    if (e.next_step.has_value()) resume = std::min(resume.value_or(*e.next_step), *e.next_step);
-    e.joining = false;
-    e.next_step.reset();
+void Node::TryFormGroup() {
+  if (!Hosted(0) || !AllArenasMapped()) return;
+  const int R = config_.num_ranks;
+  const uint64_t next = LoadWord(Ctl(0)->generation) + 1;
+  uint64_t resume = kernels::kNoNextStep;
+  for (int r = 0; r < R; ++r) {
+    if (LoadWord(Ctl(r)->join_ticket) != next) return;
+    resume = std::min(resume, LoadWord(Ctl(r)->next_step));
   }
-  resume_step_ = resume.value_or(0);
+  if (resume == kernels::kNoNextStep) resume = 0;
+  // Every rank is in Join: nobody runs the data plane while its words are reset.
   const kernels::ArenaLayout ep_layout(config_);
-  for (size_t r = 0; r < arenas_.size(); ++r) {
-    kernels::SharedArena& arena = arenas_[r];
+  for (int r = 0; r < R; ++r) {
     if (on_device()) {
       // The same bytes ResetSignals clears, in device memory.
       if (absl::Status s = device_arenas_[r]->Zero(ep_layout.dispatch_flag,
@@ -391,68 +453,71 @@ void Node::FormGroup() {
         UBEP_LOG(ERROR) << "rank " << r << ": " << s;
       }
     } else {
-      kernels::ResetSignals(arena.data() + layout_.ep, ep_layout);
+      kernels::ResetSignals(arenas_[r].data() + layout_.ep, ep_layout);
     }
-    kernels::RankControl* control = kernels::ControlOf(arena.data(), layout_);
-    std::atomic_ref<uint64_t>(control->generation).store(generation_, std::memory_order_release);
+    StoreWord(Ctl(r)->resume_step, resume);
   }
   SetGroupState(kernels::kGroupReady);
-  group_ready_ = true;
-  UBEP_LOG(INFO) << "group formed: generation " << generation_ << ", " << ranks_.size()
-                 << " ranks, resuming at step " << resume_step_;
+  // Rank 0's word first: a rank that joins again from now on asks for the generation after.
+  for (int r = 0; r < R; ++r) StoreWord(Ctl(r)->generation, next);
+  UBEP_LOG(INFO) << "group formed: generation " << next << ", " << R << " ranks, resuming at step "
+                 << resume;
 }
 
 absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl::Time deadline) {
   MutexLock lock(&mu_);
   if (draining_) return absl::UnavailableError("ubepd is draining (shutting down)");
   UBEP_RETURN_IF_ERROR(CheckToken(request.rank(), request.token(), /*need_connected=*/true));
-  const uint32_t rank = request.rank();
+  const int rank = static_cast<int>(request.rank());
   const std::string token = request.token();
-  RankEntry& entry = ranks_[rank];
-  entry.joining = true;
-  if (request.has_next_step()) entry.next_step = request.next_step();
-  const uint64_t start = generation_;
-  if (group_ready_) {
-    // A rank joining a running group means it stopped (an error, or a restart): stop the rest.
-    BreakGroup(static_cast<int>(rank));
-  }
-  if (std::all_of(ranks_.begin(), ranks_.end(), [](const RankEntry& e) {
-        return e.state == RankState::kConnected && e.joining;
-      })) {
-    FormGroup();
-  } else {
-    SetGroupState(kernels::kGroupForming);
-  }
+  ranks_[rank].joining = true;
+  // A rank joining a running group means it stopped (an error, or a restart): stop the rest.
+  BreakGroup(rank);
+  kernels::RankControl* own = Ctl(rank);
+  const uint64_t ticket = LoadWord(Ctl(0)->generation) + 1;
+  StoreWord(own->next_step, request.has_next_step() ? request.next_step() : kernels::kNoNextStep);
+  StoreWord(own->join_ticket, ticket);
   deadline = std::min(deadline, absl::Now() + options_.join_timeout);
-  auto still_mine = [&] {
-    return ranks_[rank].state == RankState::kConnected && ranks_[rank].token == token;
+  auto still_mine = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return has_group_ && ranks_[rank].state == RankState::kConnected && ranks_[rank].token == token;
   };
-  const bool done = mu_.AwaitWithTimeout(
-      [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return generation_ != start || draining_ || !still_mine();
-      },
-      deadline - absl::Now());
-  if (generation_ != start) {
-    v1::JoinResponse response;
-    response.set_generation(generation_);
-    response.set_resume_step(resume_step_);
-    return response;
+  // The rendezvous is in shared memory, across daemons: poll it (joins are rare). A join that
+  // gives up withdraws its ticket, so that no later generation counts a rank not joining.
+  auto give_up = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    ranks_[rank].joining = false;
+    StoreWord(own->join_ticket, 0);
+  };
+  while (true) {
+    if (!still_mine()) {
+      return absl::FailedPreconditionError(absl::StrCat("rank ", rank, " detached while joining"));
+    }
+    TryFormGroup();
+    const uint64_t generation = LoadWord(own->generation);
+    if (generation >= ticket) {
+      ranks_[rank].joining = false;
+      v1::JoinResponse response;
+      response.set_generation(generation);
+      response.set_resume_step(LoadWord(own->resume_step));
+      return response;
+    }
+    if (draining_) {
+      give_up();
+      return absl::UnavailableError("ubepd is draining (shutting down)");
+    }
+    const absl::Time now = absl::Now();
+    if (now >= deadline) break;
+    mu_.AwaitWithTimeout([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return draining_ || !still_mine();
+    }, std::min(absl::Milliseconds(1), deadline - now));
   }
-  if (draining_) {
-    if (still_mine()) ranks_[rank].joining = false;
-    return absl::UnavailableError("ubepd is draining (shutting down)");
-  }
-  if (!still_mine()) {
-    return absl::FailedPreconditionError(absl::StrCat("rank ", rank, " detached while joining"));
-  }
-  (void)done;
+  give_up();
   std::vector<std::string> missing;
-  for (size_t r = 0; r < ranks_.size(); ++r) {
-    const RankEntry& e = ranks_[r];
-    if (e.state == RankState::kConnected && e.joining) continue;
-    missing.push_back(absl::StrCat(r, e.state == RankState::kFree ? " (not attached)" : ""));
+  for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) {
+    if (r == rank || LoadWord(Ctl(r)->join_ticket) == ticket) continue;
+    missing.push_back(absl::StrCat(r, !Hosted(r)                             ? " (on a peer daemon)"
+                                      : ranks_[r].state == RankState::kFree ? " (not attached)"
+                                                                            : ""));
   }
-  ranks_[rank].joining = false;
   return absl::DeadlineExceededError(absl::StrCat(
       "the group of ", ranks_.size(), " ranks did not form in time; waiting for rank",
       missing.size() == 1 ? " " : "s ", absl::StrJoin(missing, ", ")));
@@ -502,9 +567,8 @@ absl::StatusOr<v1::ReportStepResponse> Node::ReportStep(const v1::ReportStepRequ
 
 uint64_t Node::MaxStepLocked() const {
   uint64_t step = 0;
-  for (const kernels::SharedArena& arena : arenas_) {
-    step = std::max(step, std::atomic_ref<uint64_t>(kernels::ControlOf(arena.data(), layout_)->step)
-                              .load(std::memory_order_relaxed));
+  for (int r = first_; r < first_ + hosted_; ++r) {
+    step = std::max(step, std::atomic_ref<uint64_t>(Ctl(r)->step).load(std::memory_order_relaxed));
   }
   return step;
 }
@@ -526,8 +590,8 @@ std::optional<v1::AttachRequest> Node::GroupShape() const {
 }
 
 int Node::PlanBufferOf(uint64_t version) const {
-  if (arenas_.empty()) return -1;
-  void* area = arenas_[0].data() + layout_.plan;
+  if (hosted_ == 0) return -1;
+  void* area = arenas_[first_].data() + layout_.plan;
   for (int b = 0; b < 2; ++b) {
     const kernels::PlanSlotHeader* slot = kernels::PlanSlot(area, b);
     if (std::atomic_ref<const uint64_t>(slot->version).load(std::memory_order_acquire) == version &&
@@ -566,6 +630,7 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
   };
   if (!has_group_) return fail("no group is attached to this daemon");
   if (draining_) return fail("ubepd is draining");
+  if (!AllArenasMapped()) return fail("the arenas of the peer daemons' ranks are not mapped yet");
   const int R = config_.num_ranks, S = config_.slots_per_rank, L = config_.num_layers;
   if (plan.topology.num_ranks != R || plan.topology.slots_per_rank != S ||
       plan.num_experts != config_.num_experts || plan.num_layers() != L) {
@@ -595,7 +660,7 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
       return fail(absl::StrCat("effective step ", effective_step, " is not ahead of rank ", r,
                                "'s step ", step));
     }
-    if (ranks_[r].state == RankState::kConnected && step < plan_effective_step_ &&
+    if (Hosted(r) && ranks_[r].state == RankState::kConnected && step < plan_effective_step_ &&
         plan_effective_step_ > 0) {
       return fail(absl::StrCat("plan v", plan_.version, " is not in force on rank ", r,
                                " yet (step ", step, " < ", plan_effective_step_, ")"));
@@ -607,17 +672,19 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
   // New slot -> weight buffer maps: unchanged slots keep their buffer; a slot whose expert
   // changes takes a buffer the plan in force does not use, and gets the expert's weights
   // from a slot that holds it now (same rank first).
+  // Each daemon stages its hosted ranks' slots; a holder may be any rank of the group (the
+  // peers' arenas are mapped: same domain, a copy between arenas).
   std::vector<std::vector<uint32_t>> maps(R);
   uint32_t copied_slots = 0;
   uint64_t copied_bytes = 0;
-  for (int r = 0; r < R; ++r) {
+  for (int r = first_; r < first_ + hosted_; ++r) {
     const uint32_t* cur = kernels::SlotMap(arenas_[r].data(), layout_, config_, current);
     maps[r].assign(cur, cur + static_cast<size_t>(L) * S);
   }
   for (int l = 0; l < L; ++l) {
     const std::vector<int>& old_experts = plan_.layers[l].slot_expert;
     const std::vector<int>& new_experts = plan.layers[l].slot_expert;
-    for (int r = 0; r < R; ++r) {
+    for (int r = first_; r < first_ + hosted_; ++r) {
       const uint32_t* cur = kernels::SlotMap(arenas_[r].data(), layout_, config_, current);
       std::vector<bool> used(layout_.buffers_per_layer, false);
       for (int i = 0; i < S; ++i) used[cur[l * S + i]] = true;
@@ -663,7 +730,7 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
   }
   absl::StatusOr<std::vector<std::byte>> table = PlanTableOf(plan);
   if (!table.ok()) return fail(std::string(table.status().message()));
-  for (int r = 0; r < R; ++r) {
+  for (int r = first_; r < first_ + hosted_; ++r) {
     uint32_t* map = kernels::SlotMap(arenas_[r].data(), layout_, config_, next);
     std::copy(maps[r].begin(), maps[r].end(), map);
     // The map is in place before the table's version word is published (PreparePlan stores
@@ -671,7 +738,9 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
     if (absl::Status s = kernels::PreparePlan(arenas_[r].data() + layout_.plan, *table,
                                               plan.version, effective_step);
         !s.ok()) {
-      for (int q = 0; q < r; ++q) (void)kernels::AbortPlan(arenas_[q].data() + layout_.plan, plan.version);
+      for (int q = first_; q < r; ++q) {
+        (void)kernels::AbortPlan(arenas_[q].data() + layout_.plan, plan.version);
+      }
       return fail(std::string(s.message()));
     }
   }
@@ -691,8 +760,8 @@ absl::Status Node::Commit(uint64_t version) {
   if (!pending_.has_value() || pending_->version != version) {
     return absl::NotFoundError(absl::StrCat("plan v", version, " is not prepared here"));
   }
-  for (kernels::SharedArena& arena : arenas_) {
-    UBEP_RETURN_IF_ERROR(kernels::CommitPlan(arena.data() + layout_.plan, version));
+  for (int r = first_; r < first_ + hosted_; ++r) {
+    UBEP_RETURN_IF_ERROR(kernels::CommitPlan(arenas_[r].data() + layout_.plan, version));
   }
   plan_ = *std::move(pending_);
   plan_effective_step_ = pending_effective_step_;
@@ -705,8 +774,8 @@ absl::Status Node::Commit(uint64_t version) {
 absl::Status Node::Abort(uint64_t version) {
   MutexLock lock(&mu_);
   if (!pending_.has_value() || pending_->version != version) return absl::OkStatus();
-  for (kernels::SharedArena& arena : arenas_) {
-    UBEP_RETURN_IF_ERROR(kernels::AbortPlan(arena.data() + layout_.plan, version));
+  for (int r = first_; r < first_ + hosted_; ++r) {
+    UBEP_RETURN_IF_ERROR(kernels::AbortPlan(arenas_[r].data() + layout_.plan, version));
   }
   pending_.reset();
   UBEP_LOG(INFO) << "aborted plan v" << version;
@@ -716,7 +785,7 @@ absl::Status Node::Abort(uint64_t version) {
 v1::DaemonState Node::State() const {
   MutexLock lock(&mu_);
   v1::DaemonState state;
-  for (size_t r = 0; r < ranks_.size(); ++r) state.add_ranks(static_cast<uint32_t>(r));
+  for (int r = first_; r < first_ + hosted_; ++r) state.add_ranks(static_cast<uint32_t>(r));
   if (!has_group_) return state;
   state.set_committed_version(plan_.version);
   if (pending_.has_value()) {
@@ -736,7 +805,7 @@ absl::StatusOr<std::vector<std::vector<uint64_t>>> Node::ReadSlotLoads() const {
   loads.assign(L, std::vector<uint64_t>(static_cast<size_t>(R) * S, 0));
   const size_t offset = kernels::ArenaLayout(config_).load_counters;
   std::vector<uint64_t> counters(static_cast<size_t>(L) * S);
-  for (int r = 0; r < R; ++r) {
+  for (int r = first_; r < first_ + hosted_; ++r) {
     if (on_device()) {
       UBEP_RETURN_IF_ERROR(
           device_arenas_[r]->Read(offset, counters.data(), counters.size() * sizeof(uint64_t)));
@@ -754,14 +823,95 @@ absl::StatusOr<std::vector<std::vector<uint64_t>>> Node::ReadSlotLoads() const {
   return loads;
 }
 
+std::string Node::PeerKey() const {
+  MutexLock lock(&mu_);
+  if (!has_group_) return "";
+  v1::AttachRequest key;
+  key.set_world_size(group_request_.world_size());
+  *key.mutable_shape() = group_request_.shape();
+  return key.SerializeAsString();
+}
+
+absl::StatusOr<std::pair<int, std::vector<int>>> Node::ArenasForPeer(const std::string& key) const {
+  v1::AttachRequest peer;
+  if (!peer.ParseFromString(key)) return absl::InvalidArgumentError("malformed peer request");
+  MutexLock lock(&mu_);
+  if (draining_) return absl::UnavailableError("ubepd is draining");
+  if (!has_group_) return absl::UnavailableError("no group yet: no client has attached here");
+  UBEP_RETURN_IF_ERROR(CompareShapes(group_request_, peer));
+  std::vector<int> fds;
+  for (int r = first_; r < first_ + hosted_; ++r) fds.push_back(arenas_[r].fd());
+  return std::make_pair(first_, std::move(fds));
+}
+
+std::vector<int> Node::MissingRanks() const {
+  MutexLock lock(&mu_);
+  std::vector<int> missing;
+  for (int r = 0; r < static_cast<int>(arenas_.size()); ++r) {
+    if (!arenas_[r].valid()) missing.push_back(r);
+  }
+  return missing;
+}
+
+absl::Status Node::AddPeerArenas(int first_rank, const std::vector<int>& fds) {
+  MutexLock lock(&mu_);
+  if (!has_group_) return absl::FailedPreconditionError("no group");
+  const int count = static_cast<int>(fds.size());
+  if (first_rank < 0 || first_rank + count > config_.num_ranks) {
+    return absl::InvalidArgumentError(absl::StrCat("peer ranks ", first_rank, "+", count,
+                                                   " are outside the group of ", config_.num_ranks));
+  }
+  std::vector<kernels::SharedArena> mapped;
+  for (int i = 0; i < count; ++i) {
+    const int r = first_rank + i;
+    if (Hosted(r)) {
+      return absl::FailedPreconditionError(absl::StrCat("rank ", r, " is hosted here, not by the peer"));
+    }
+    UBEP_ASSIGN_OR_RETURN(kernels::SharedArena arena, kernels::SharedArena::Map(fds[i]));
+    if (arena.size() != layout_.total_bytes) {
+      return absl::FailedPreconditionError(absl::StrCat("the peer's arena for rank ", r, " has ",
+                                                        arena.size(), " bytes; this group's have ",
+                                                        layout_.total_bytes));
+    }
+    const kernels::RankControl* c = kernels::ControlOf(arena.data(), layout_);
+    if (c->magic != kernels::kRankControlMagic ||
+        c->version != kernels::kRankArenaVersion || static_cast<int>(c->rank) != r ||
+        static_cast<int>(c->world_size) != config_.num_ranks) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the peer's arena for rank ", r, " does not match this group (rank ",
+          c->rank, " of ", c->world_size, ")"));
+    }
+    mapped.push_back(std::move(arena));
+  }
+  for (int i = 0; i < count; ++i) arenas_[first_rank + i] = std::move(mapped[i]);
+  UBEP_LOG(INFO) << "mapped the arenas of ranks " << first_rank << "-" << first_rank + count - 1
+                 << " from a peer daemon";
+  return absl::OkStatus();
+}
+
+std::optional<std::pair<int, int>> Node::HostedRanks() const {
+  MutexLock lock(&mu_);
+  if (!has_group_) return std::nullopt;
+  return std::make_pair(first_, hosted_);
+}
+
 void Node::Drain() {
   MutexLock lock(&mu_);
   if (draining_) return;
   draining_ = true;
-  group_ready_ = false;
-  SetGroupState(kernels::kGroupDraining);
-  for (size_t r = 0; r < arenas_.size(); ++r) {
-    SetAbortCode(static_cast<int>(r), kernels::kAbortDraining, /*only_if_clear=*/false);
+  if (has_group_) {
+    // The hosted ranks detach; the peers' ranks see them gone.
+    for (int r = 0; r < static_cast<int>(arenas_.size()); ++r) {
+      if (!arenas_[r].valid()) continue;
+      const bool hosted = Hosted(r);
+      if (hosted) StoreWord(Ctl(r)->join_ticket, 0);
+      std::atomic_ref<uint32_t>(Ctl(r)->group_state)
+          .store(hosted ? kernels::kGroupDraining : kernels::kGroupBroken,
+                 std::memory_order_release);
+      SetAbortCode(r, hosted ? kernels::kAbortDraining
+                             : kernels::kAbortRankGone | static_cast<uint32_t>(first_),
+                   /*only_if_clear=*/!hosted);
+    }
   }
   UBEP_LOG(INFO) << "draining: " << AttachedLocked() << " ranks attached";
 }
@@ -790,17 +940,17 @@ NodeSnapshot Node::Snapshot() const {
   NodeSnapshot s;
   s.has_group = has_group_;
   s.draining = draining_;
-  s.generation = generation_;
   if (!has_group_) return s;
+  s.generation = LoadWord(Ctl(first_)->generation);
   s.world_size = config_.num_ranks;
   s.attached = AttachedLocked();
-  s.arena_bytes = static_cast<uint64_t>(layout_.total_bytes + layout_.device_bytes) * arenas_.size();
+  s.arena_bytes = static_cast<uint64_t>(layout_.total_bytes + layout_.device_bytes) * hosted_;
   s.plan_version = plan_.version;
   s.num_layers = config_.num_layers;
   s.slots_per_rank = config_.slots_per_rank;
-  for (const RankEntry& e : ranks_) {
-    s.rank_up.push_back(e.state == RankState::kConnected);
-    s.joining += e.joining ? 1 : 0;
+  for (int r = first_; r < first_ + hosted_; ++r) {
+    s.rank_up.emplace_back(r, ranks_[r].state == RankState::kConnected);
+    s.joining += ranks_[r].joining ? 1 : 0;
   }
   return s;
 }

@@ -1,10 +1,17 @@
 // Node: the state ubepd keeps for its node: the EP group its serving processes form, one
 // arena per rank, the plan in force, and which rank is attached by whom.
 //
+// A daemon hosts all ranks of its group (the default) or a contiguous range of them
+// (NodeOptions::first_rank, num_ranks): the group's other ranks are hosted by peer daemons on
+// the same machine, whose arenas this daemon maps (AddPeerArenas, from the peers' fd
+// sockets; the balancer says who they are). Clients get every arena of the group from their
+// own daemon.
+//
 // A rank's life: Attach (shape checked against the group; the first attach creates the group
-// and its arenas) -> the client takes its arenas' fds from the fd socket with the attach token
+// and its hosted arenas; Attach returns once the peers' arenas are mapped too) -> the client takes its arenas' fds from the fd socket with the attach token
 // (ClaimArenas; the connection stays open) -> Join (waits until every rank of the group has
-// joined; then the group forms: signal words reset, generation + 1) -> dispatch and combine
+// joined, on any daemon; then the daemon of rank 0 forms the group: signal words reset,
+// generation + 1; the rendezvous runs through words in every rank's RankControl) -> dispatch and combine
 // through the mapped arenas, with no daemon involvement -> Detach, or the client dies and its
 // fd connection closes (ConnectionClosed). A rank leaving a formed group breaks it: every
 // arena's abort word names the rank, so every wait of the survivors fails at once with an
@@ -43,6 +50,9 @@ struct NodeOptions {
   int free_buffers = 2;                       // Weight buffers per layer beyond the slots.
   uint64_t max_arena_bytes = uint64_t{16} << 30;  // Per rank.
   std::string plan_path;                      // Static plan JSON; empty = round-robin.
+  // Hosted ranks: [first_rank, first_rank + num_ranks); num_ranks 0 = every rank of the group.
+  int first_rank = 0;
+  int num_ranks = 0;
 };
 
 // What the metrics need, copied under the lock.
@@ -56,7 +66,7 @@ struct NodeSnapshot {
   uint64_t plan_version = 0;
   bool draining = false;
   int num_layers = 0, slots_per_rank = 0;
-  std::vector<bool> rank_up;    // Per rank: attached and connected.
+  std::vector<std::pair<int, bool>> rank_up;  // Per hosted rank: attached and connected.
 };
 
 class Node {
@@ -66,7 +76,9 @@ class Node {
   Node(const Node&) = delete;
   Node& operator=(const Node&) = delete;
 
-  absl::StatusOr<v1::AttachResponse> Attach(const v1::AttachRequest& request);
+  // Waits (until `deadline`, at most the join timeout) for the peers' arenas to be mapped.
+  absl::StatusOr<v1::AttachResponse> Attach(const v1::AttachRequest& request,
+                                            absl::Time deadline = absl::InfiniteFuture());
   // For the fd socket: the arenas' fds (in AttachResponse.arena_ranks order) for a valid,
   // unclaimed token; marks the rank connected. `connection` identifies the fd connection.
   absl::StatusOr<std::vector<int>> ClaimArenas(const std::string& token, int64_t connection);
@@ -101,6 +113,17 @@ class Node {
   std::optional<v1::AttachRequest> GroupShape() const;
   int free_buffers() const { return options_.free_buffers; }
 
+  // Peer daemons. PeerKey: what a peer must match (world size and model shape, serialized;
+  // empty without a group). ArenasForPeer: the first hosted rank and the hosted arenas' fds,
+  // for a peer whose key matches. MissingRanks: the ranks whose arenas are not mapped yet.
+  // AddPeerArenas: maps a peer's arenas (checked: size and control block).
+  std::string PeerKey() const;
+  absl::StatusOr<std::pair<int, std::vector<int>>> ArenasForPeer(const std::string& key) const;
+  std::vector<int> MissingRanks() const;
+  absl::Status AddPeerArenas(int first_rank, const std::vector<int>& fds);
+  // [first, first + count) of the group's hosted ranks (nullopt without a group).
+  std::optional<std::pair<int, int>> HostedRanks() const;
+
   // Stops new attaches and joins and fails every data-plane wait with "draining".
   void Drain();
   // Waits until no rank is attached, at most `timeout`; returns whether none is.
@@ -110,7 +133,7 @@ class Node {
   // Received pairs per [layer][rank] (the load counters summed over each rank's slots);
   // empty without a group.
   absl::StatusOr<std::vector<std::vector<uint64_t>>> ReadLoads() const;
-  // Calls fn(rank, arena base, layout, config) for each arena, under the lock (the harvester
+  // Calls fn(rank, arena base, layout, config) for each hosted arena, under the lock (the harvester
   // reads counters; arenas never move while the group exists).
   template <typename Fn>
   void ForEachArena(Fn fn) const;
@@ -124,7 +147,6 @@ class Node {
     absl::Time ticket_deadline;
     int64_t connection = -1;
     bool joining = false;
-    std::optional<uint64_t> next_step;
     uint64_t step = 0;
   };
 
@@ -134,7 +156,15 @@ class Node {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A rank left a group that may be running: stop every wait, naming it.
   void BreakGroup(int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void FormGroup() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The daemon of rank 0: forms the next generation if every rank's ticket asks for it.
+  void TryFormGroup() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool Hosted(int r) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return r >= first_ && r < first_ + hosted_;
+  }
+  bool AllArenasMapped() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  kernels::RankControl* Ctl(int r) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return kernels::ControlOf(arenas_[r].data(), layout_);
+  }
   void SetGroupState(uint32_t state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int AttachedLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t MaxStepLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -154,24 +184,21 @@ class Node {
   v1::AttachRequest group_request_ ABSL_GUARDED_BY(mu_);  // Shape and world of the group.
   kernels::EpConfig config_ ABSL_GUARDED_BY(mu_);
   kernels::RankArenaLayout layout_ ABSL_GUARDED_BY(mu_);
-  std::vector<kernels::SharedArena> arenas_ ABSL_GUARDED_BY(mu_);
+  std::vector<kernels::SharedArena> arenas_ ABSL_GUARDED_BY(mu_);  // Every rank; peers' once mapped.
+  int first_ ABSL_GUARDED_BY(mu_) = 0;   // Hosted ranks.
+  int hosted_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<std::unique_ptr<DeviceMemory>> device_arenas_ ABSL_GUARDED_BY(mu_);  // CUDA.
   std::vector<RankEntry> ranks_ ABSL_GUARDED_BY(mu_);
   balancer::Plan plan_ ABSL_GUARDED_BY(mu_);               // Newest committed.
   uint64_t plan_effective_step_ ABSL_GUARDED_BY(mu_) = 0;
   std::optional<balancer::Plan> pending_ ABSL_GUARDED_BY(mu_);  // Prepared, undecided.
   uint64_t pending_effective_step_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t resume_step_ ABSL_GUARDED_BY(mu_) = 0;
-  bool group_ready_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 template <typename Fn>
 void Node::ForEachArena(Fn fn) const {
   MutexLock lock(&mu_);
-  for (size_t r = 0; r < arenas_.size(); ++r) {
-    fn(static_cast<int>(r), arenas_[r].data(), layout_, config_);
-  }
+  for (int r = first_; r < first_ + hosted_; ++r) fn(r, arenas_[r].data(), layout_, config_);
 }
 
 }  // namespace ubep::daemon

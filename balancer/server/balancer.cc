@@ -215,6 +215,16 @@ grpc::Status Balancer::Register(grpc::ServerContext*, const v1::RegisterRequest*
       interval_rank_load_.assign(shape.layers, std::vector<double>(shape.world, 0));
     }
   }
+  for (const auto& [name, other] : daemons_) {
+    if (name == request->node() || !other.healthy) continue;
+    for (uint32_t r : request->ranks()) {
+      if (std::find(other.info.ranks().begin(), other.info.ranks().end(), r) != other.info.ranks().end()) {
+        return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
+                            absl::StrCat("rank ", r, " of node ", request->node(),
+                                         " is already served by node ", name));
+      }
+    }
+  }
   Daemon& d = daemons_[request->node()];
   if (d.info.address() != request->address() || d.control == nullptr) {
     d.channel = grpc::CreateChannel(request->address(), grpc::InsecureChannelCredentials());
@@ -228,6 +238,26 @@ grpc::Status Balancer::Register(grpc::ServerContext*, const v1::RegisterRequest*
   UBEP_LOG(INFO) << "registered node " << request->node() << " at " << request->address() << " ("
                  << request->ranks_size() << " ranks)";
   response->set_report_interval_ms(absl::ToInt64Milliseconds(options_.report_interval));
+  return grpc::Status::OK;
+}
+
+grpc::Status Balancer::GetGroup(grpc::ServerContext*, const v1::GetGroupRequest* request,
+                                v1::GetGroupResponse* response) {
+  MutexLock lock(&mu_);
+  if (daemons_.find(request->node()) == daemons_.end()) {
+    return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                        absl::StrCat("node \"", request->node(), "\" is not registered; register first"));
+  }
+  if (shape_.has_value()) response->set_world_size(static_cast<uint32_t>(shape_->world));
+  for (const auto& [name, d] : daemons_) {
+    v1::GroupMember* member = response->add_members();
+    member->set_node(name);
+    *member->mutable_ranks() = d.info.ranks();
+    member->set_domain(d.info.domain());
+    member->set_arena_socket(d.info.arena_socket());
+    member->set_incarnation(d.info.incarnation());
+    member->set_healthy(d.healthy);
+  }
   return grpc::Status::OK;
 }
 

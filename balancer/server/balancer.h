@@ -82,6 +82,8 @@ class Balancer final : public v1::Control::Service {
 
   grpc::Status Register(grpc::ServerContext* context, const v1::RegisterRequest* request,
                         v1::RegisterResponse* response) override;
+  grpc::Status GetGroup(grpc::ServerContext* context, const v1::GetGroupRequest* request,
+                        v1::GetGroupResponse* response) override;
   grpc::Status ReportLoad(grpc::ServerContext* context, const v1::ReportLoadRequest* request,
                           v1::ReportLoadResponse* response) override;
   grpc::Status Rebalance(grpc::ServerContext* context, const v1::RebalanceRequest* request,

@@ -29,7 +29,8 @@
 namespace ubep::kernels {
 
 inline constexpr uint32_t kRankControlMagic = 0x43524255;  // "UBRC"
-inline constexpr uint32_t kRankArenaVersion = 1;
+inline constexpr uint32_t kRankArenaVersion = 2;
+inline constexpr uint64_t kNoNextStep = ~uint64_t{0};
 
 // RankControl::group_state.
 enum GroupState : uint32_t {
@@ -62,7 +63,14 @@ struct alignas(64) RankControl {
   uint64_t generation;    // Bumped each time the group forms.
   uint32_t group_state;   // GroupState.
   uint32_t reserved;
-  unsigned char pad0[32];
+  // Group formation, between the daemons of a group (every daemon maps every arena): the
+  // rank's daemon writes next_step, then join_ticket = (rank 0's generation) + 1 when the
+  // rank joins; the daemon of rank 0 forms generation g + 1 once every rank's ticket is
+  // g + 1, writing resume_step (the least next_step) before the generation words.
+  uint64_t join_ticket;
+  uint64_t next_step;     // kNoNextStep: the rank did not say.
+  uint64_t resume_step;
+  uint64_t reserved2;
   // From line 1: written only by the rank's client; monotonic counters.
   uint64_t step;                // Last step begun.
   uint64_t steps;               // Steps begun.
@@ -77,6 +85,7 @@ struct alignas(64) RankControl {
   LatencyHistogram combine_latency;
 };
 static_assert(sizeof(RankControl) <= 4096);
+static_assert(offsetof(RankControl, step) == 64, "daemon-written words fill line 0");
 
 struct RankArenaLayout {
   size_t control = 0;

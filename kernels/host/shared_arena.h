@@ -19,6 +19,8 @@ class SharedArena {
   // Maps an arena from its fd (duplicated; the caller keeps its own).
   static absl::StatusOr<SharedArena> Map(int fd);
 
+  SharedArena() = default;  // Empty: no mapping (valid() is false).
+
   SharedArena(SharedArena&& other) noexcept;
   SharedArena& operator=(SharedArena&& other) noexcept;
   SharedArena(const SharedArena&) = delete;
@@ -28,6 +30,7 @@ class SharedArena {
   std::byte* data() const { return data_; }
   size_t size() const { return size_; }
   int fd() const { return fd_; }
+  bool valid() const { return data_ != nullptr; }
 
  private:
   SharedArena(int fd, std::byte* data, size_t size) : fd_(fd), data_(data), size_(size) {}

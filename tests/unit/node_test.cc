@@ -128,7 +128,7 @@ TEST(NodeTest, ClosedConnectionBreaksTheGroupNamingTheRankInEveryArena) {
     EXPECT_EQ(AbortWord(a0, r, 2), kernels::kAbortRankGone | 1u);
     EXPECT_EQ(kernels::ControlOf(a0.arenas[r].data(), a0.layout)->group_state, kernels::kGroupBroken);
   }
-  EXPECT_EQ(node.Snapshot().rank_up, (std::vector<bool>{true, false}));
+  EXPECT_EQ(node.Snapshot().rank_up, (std::vector<std::pair<int, bool>>{{0, true}, {1, false}}));
   // The survivor's join waits for rank 1, which is not attached.
   absl::StatusOr<v1::JoinResponse> alone =
       node.Join(JoinOf(0, a0.token), absl::Now() + absl::Milliseconds(100));
