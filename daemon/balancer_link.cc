@@ -118,6 +118,13 @@ void BalancerLink::Report() {
     return;
   }
   const Node::PlanIdentity plan = node_->CommittedPlanIdentity();
+  const std::optional<std::pair<int, int>> hosted = node_->HostedRanks();
+  const std::optional<v1::AttachRequest> shape = node_->GroupShape();
+  if (!hosted.has_value() || !shape.has_value()) return;
+  // This daemon's ranks' slots only (ranks are contiguous, slots rank-major).
+  const size_t slots_per_rank = shape->shape().slots_per_rank();
+  const size_t first_slot = static_cast<size_t>(hosted->first) * slots_per_rank;
+  const size_t end_slot = first_slot + static_cast<size_t>(hosted->second) * slots_per_rank;
   v1::ReportLoadRequest request;
   request.set_node(options_.node);
   request.set_seq(++seq_);
@@ -132,7 +139,8 @@ void BalancerLink::Report() {
     v1::LayerLoad* layer = load->add_layers();
     // Layers are named by the plan's model layer ids (a plan file may number them 3..60).
     layer->set_layer(static_cast<uint32_t>(l < plan.layer_ids.size() ? plan.layer_ids[l] : l));
-    for (size_t p = 0; p < (*loads)[l].size(); ++p) layer->add_slot((*loads)[l][p] - last_[l][p]);
+    layer->set_first_slot(first_slot);
+    for (size_t p = first_slot; p < end_slot; ++p) layer->add_slot((*loads)[l][p] - last_[l][p]);
   }
   last_ = *std::move(loads);
   last_step_ = step;

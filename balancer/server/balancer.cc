@@ -212,7 +212,6 @@ grpc::Status Balancer::Register(grpc::ServerContext*, const v1::RegisterRequest*
       shape_ = shape;
       window_ = std::make_unique<LoadWindow>(shape.layers, shape.experts, options_.window_intervals,
                                              options_.ewma_alpha);
-      interval_rank_load_.assign(shape.layers, std::vector<double>(shape.world, 0));
     }
   }
   for (const auto& [name, other] : daemons_) {
@@ -231,6 +230,13 @@ grpc::Status Balancer::Register(grpc::ServerContext*, const v1::RegisterRequest*
     d.control = v1::DaemonControl::NewStub(d.channel);
   }
   d.info = *request;
+  d.interval_load = LoadMatrix();
+  d.interval_rank.clear();
+  d.interval_steps = 0;
+  d.has_rate = false;
+  d.first_rank = request->ranks().empty()
+                     ? 0
+                     : static_cast<int>(*std::min_element(request->ranks().begin(), request->ranks().end()));
   d.needs_state = true;
   d.healthy = true;
   d.failures = 0;
@@ -338,12 +344,17 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
                                logical->num_experts(), " experts; the model has ", shape_->layers,
                                " x ", shape_->experts));
   }
-  window_->Add(*logical);
+  if (d.interval_load.num_layers() != shape_->layers) {
+    d.interval_load = LoadMatrix(shape_->layers, shape_->experts);
+    d.interval_rank.assign(shape_->layers, std::vector<double>(hi - lo, 0.0));
+  }
+  d.interval_load.AddScaled(*logical, 1.0);
   for (int l = 0; l < shape_->layers; ++l) {
     for (int p = 0; p < load.layers(l).slot_size(); ++p) {
-      interval_rank_load_[l][(first + p) / shape_->slots] += static_cast<double>(load.layers(l).slot(p));
+      d.interval_rank[l][p / shape_->slots] += static_cast<double>(load.layers(l).slot(p));
     }
   }
+  if (load.last_step() > load.first_step()) d.interval_steps += load.last_step() - load.first_step();
   reports_->Increment();
   return grpc::Status::OK;
 }
@@ -371,16 +382,57 @@ uint64_t Balancer::EstimateStep() const {
 
 void Balancer::CloseInterval() {
   if (!shape_.has_value()) return;
-  window_->Close();
-  measured_.assign(shape_->layers, 1.0);
-  bool any = false;
-  for (int l = 0; l < shape_->layers; ++l) {
-    measured_[l] = Balancedness(interval_rank_load_[l]);
-    for (double v : interval_rank_load_[l]) any |= v > 0;
-    imbalance_->Add({{"layer", std::to_string(l)}, {"when", "measured"}}).Set(measured_[l]);
-    std::fill(interval_rank_load_[l].begin(), interval_rank_load_[l].end(), 0.0);
+  const int L = shape_->layers;
+  // Per node: this interval's counts per step (or, without a report, its last rates).
+  LoadMatrix total(L, shape_->experts);
+  std::vector<std::vector<double>> rank_rate(L, std::vector<double>(shape_->world, 0.0));
+  double steps = 0;
+  int reporting = 0;
+  bool all_known = true;
+  for (auto& [name, d] : daemons_) {
+    if (!d.healthy || d.info.ranks().empty()) continue;
+    if (d.interval_steps > 0) {
+      const double per_step = 1.0 / static_cast<double>(d.interval_steps);
+      d.rate = LoadMatrix(L, shape_->experts);
+      d.rate.AddScaled(d.interval_load, per_step);
+      d.rank_rate = d.interval_rank;
+      for (auto& layer : d.rank_rate) {
+        for (double& v : layer) v *= per_step;
+      }
+      d.has_rate = true;
+      steps += static_cast<double>(d.interval_steps);
+      ++reporting;
+    }
+    d.interval_steps = 0;
+    if (d.interval_load.num_layers() == L) {
+      d.interval_load = LoadMatrix(L, shape_->experts);
+      for (auto& layer : d.interval_rank) std::fill(layer.begin(), layer.end(), 0.0);
+    }
+    if (!d.has_rate) {
+      all_known = false;
+      continue;
+    }
+    total.AddScaled(d.rate, 1.0);
+    for (int l = 0; l < L; ++l) {
+      for (size_t i = 0; i < d.rank_rate[l].size(); ++i) rank_rate[l][d.first_rank + i] = d.rank_rate[l][i];
+    }
   }
-  if (!any) measured_.clear();
+  if (reporting > 0) {
+    // Back to counts (the policy's noise model reads counts): the mean steps of an interval.
+    LoadMatrix counts(L, shape_->experts);
+    counts.AddScaled(total, steps / reporting);
+    window_->Add(counts);
+  }
+  window_->Close();
+  if (reporting == 0 || !all_known) {
+    measured_.clear();  // Nothing new, or not every node yet: the gauges keep the last value.
+    return;
+  }
+  measured_.assign(L, 1.0);
+  for (int l = 0; l < L; ++l) {
+    measured_[l] = Balancedness(rank_rate[l]);
+    imbalance_->Add({{"layer", std::to_string(l)}, {"when", "measured"}}).Set(measured_[l]);
+  }
 }
 
 void Balancer::CheckHealth() {

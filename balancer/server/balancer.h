@@ -109,6 +109,17 @@ class Balancer final : public v1::Control::Service {
     absl::Time step_time = absl::InfinitePast(), prev_step_time = absl::InfinitePast();
     absl::Time last_report = absl::InfinitePast();
     uint64_t committed = 0, pending = 0;
+    // The interval being collected: logical-expert counts, per-rank counts (of its ranks,
+    // from first_rank) and the steps they cover. At the interval's close they become the
+    // node's per-step rates; a node with no report in an interval keeps its last rates, so
+    // that reports arriving out of phase with the intervals weigh no node twice.
+    LoadMatrix interval_load;
+    std::vector<std::vector<double>> interval_rank;  // [layer][rank - first_rank]
+    uint64_t interval_steps = 0;
+    LoadMatrix rate;
+    std::vector<std::vector<double>> rank_rate;
+    bool has_rate = false;
+    int first_rank = 0;
   };
   struct Shape {
     int world = 0, layers = 0, experts = 0, slots = 0;
@@ -132,7 +143,6 @@ class Balancer final : public v1::Control::Service {
   uint64_t plan_effective_step_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t highest_version_ ABSL_GUARDED_BY(mu_) = 0;  // Committed or prepared anywhere.
   std::unique_ptr<LoadWindow> window_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::vector<double>> interval_rank_load_ ABSL_GUARDED_BY(mu_);  // [layer][rank]
   std::vector<double> measured_ ABSL_GUARDED_BY(mu_);
   int above_threshold_ ABSL_GUARDED_BY(mu_) = 0;
   bool rebalance_requested_ ABSL_GUARDED_BY(mu_) = false;

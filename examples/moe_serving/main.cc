@@ -44,6 +44,7 @@ ABSL_FLAG(int, slots_per_rank, 0, "Expert slots per rank per layer; 0 = experts 
 ABSL_FLAG(uint64_t, seed, 1, "Seed of inputs, router and weights.");
 ABSL_FLAG(std::string, traces, "",
           "Comma-separated SGLang expert-distribution files the router draws from; empty = Zipf.");
+ABSL_FLAG(double, drift_period, 200, "Steps per full rotation of the traces' mix (the drift).");
 ABSL_FLAG(std::string, log, "", "Also append the log here, one flushed line at a time.");
 ABSL_FLAG(double, tolerance, 1e-6, "Largest norm-wise relative error a step may have.");
 ABSL_FLAG(absl::Duration, step_delay, absl::ZeroDuration(), "Sleep after each step.");
@@ -128,6 +129,7 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   ubep::example::MoeModelOptions mo;
   mo.seed = absl::GetFlag(FLAGS_seed);
+  mo.drift_period_steps = absl::GetFlag(FLAGS_drift_period);
   mo.num_layers = absl::GetFlag(FLAGS_layers);
   mo.num_experts = absl::GetFlag(FLAGS_experts);
   mo.hidden = absl::GetFlag(FLAGS_hidden);

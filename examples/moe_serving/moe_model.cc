@@ -45,7 +45,7 @@ absl::StatusOr<MoeModel> MoeModel::Create(const MoeModelOptions& o) {
     }
     balancer::ScenarioOptions so;
     so.seed = o.seed;
-    so.period_steps = 200;
+    so.period_steps = o.drift_period_steps;
     so.burst_probability = 0;
     absl::StatusOr<balancer::Scenario> s = balancer::Scenario::Create(std::move(sources), so);
     if (!s.ok()) return s.status();

@@ -31,6 +31,7 @@ struct MoeModelOptions {
   // SGLang expert-distribution files the router draws from (a drifting mix, balancer/core
   // scenario.h); empty = a fixed Zipf(1) popularity, shuffled per layer.
   std::vector<std::string> traces;
+  double drift_period_steps = 200;  // Steps per full rotation of the traces' mix.
 };
 
 class MoeModel {

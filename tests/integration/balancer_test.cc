@@ -27,8 +27,6 @@ using test::Process;
 using test::ReadFile;
 using test::WaitFor;
 
-constexpr int kWorld = 4;
-
 class BalancerTest : public ::testing::Test {
  protected:
   std::string path(const std::string& name) const { return dir_.path() + "/" + name; }
@@ -57,28 +55,34 @@ class BalancerTest : public ::testing::Test {
     return p;
   }
 
-  std::unique_ptr<Process> StartDaemon(std::vector<std::string> extra = {}) {
+  // A daemon acting as node `node`: socket NODE.sock, log NODE.log.
+  std::unique_ptr<Process> StartDaemon(std::vector<std::string> extra = {},
+                                       const std::string& node = "node-a") {
     std::vector<std::string> argv = {test::BinaryPath("ubepd"),
-                                     "--socket=" + path("ubepd.sock"),
+                                     "--socket=" + path(node + ".sock"),
                                      "--listen=127.0.0.1:0",
                                      "--metrics=127.0.0.1:0",
-                                     "--ready_file=" + path("ubepd.ready"),
+                                     "--ready_file=" + path(node + ".ready"),
                                      absl::StrCat("--balancer=127.0.0.1:", balancer_port_),
-                                     "--node=node-a",
+                                     "--node=" + node,
                                      "--harvest_interval=100ms",
                                      "--wait_timeout=60s"};
     argv.insert(argv.end(), extra.begin(), extra.end());
-    auto p = std::make_unique<Process>(argv, path("ubepd.log"));
-    daemon_metrics_ = test::ReadyFile(path("ubepd.ready"), path("ubepd.log")).value("metrics_port", 0);
+    auto p = std::make_unique<Process>(argv, path(node + ".log"));
+    daemon_metrics_ = test::ReadyFile(path(node + ".ready"), path(node + ".log")).value("metrics_port", 0);
     return p;
   }
 
-  std::unique_ptr<Process> StartClient(int rank, int steps) {
+  std::unique_ptr<Process> StartClient(int rank, int steps, const std::string& node = "node-a",
+                                       int slots_per_rank = 72, int tokens = 32,
+                                       int drift_period = 200) {
     return std::make_unique<Process>(
         std::vector<std::string>{
-            test::BinaryPath("ubep-moe-example"), "--socket=" + path("ubepd.sock"),
-            absl::StrCat("--rank=", rank), absl::StrCat("--world=", kWorld),
-            absl::StrCat("--steps=", steps), "--slots_per_rank=72", "--step_delay=5ms",
+            test::BinaryPath("ubep-moe-example"), "--socket=" + path(node + ".sock"),
+            absl::StrCat("--rank=", rank), absl::StrCat("--world=", world_),
+            absl::StrCat("--steps=", steps), absl::StrCat("--slots_per_rank=", slots_per_rank),
+            absl::StrCat("--tokens=", tokens), absl::StrCat("--drift_period=", drift_period),
+            "--step_delay=5ms",
             "--log=" + ClientLog(rank),
             "--traces=" + test::TracePath("decode_in1000out1000.json") + "," +
                 test::TracePath("prefill_in1024.json")},
@@ -91,7 +95,7 @@ class BalancerTest : public ::testing::Test {
   // versions never went down. Returns the plan version of each step.
   std::map<uint64_t, uint64_t> ExpectConsistentRun(int steps) {
     std::map<uint64_t, uint64_t> plan_of_step;
-    for (int r = 0; r < kWorld; ++r) {
+    for (int r = 0; r < world_; ++r) {
       const std::string log = ReadFile(ClientLog(r));
       EXPECT_THAT(log, HasSubstr(absl::StrCat("done steps ", steps, " failed 0"))) << log;
       uint64_t last_version = 0, last_step = 0;
@@ -114,6 +118,7 @@ class BalancerTest : public ::testing::Test {
 
   test::TempDir dir_;
   int balancer_port_ = 0, balancer_metrics_ = 0, daemon_metrics_ = 0;
+  int world_ = 4;
 };
 
 TEST_F(BalancerTest, RebalancingLowersTheMeasuredImbalanceAndEveryStepStaysExact) {
@@ -121,7 +126,7 @@ TEST_F(BalancerTest, RebalancingLowersTheMeasuredImbalanceAndEveryStepStaysExact
   auto balancer = StartBalancer();
   auto daemon = StartDaemon({"--free_buffers=16"});
   std::vector<std::unique_ptr<Process>> clients;
-  for (int r = 0; r < kWorld; ++r) clients.push_back(StartClient(r, kSteps));
+  for (int r = 0; r < world_; ++r) clients.push_back(StartClient(r, kSteps));
   // Sample the balancer's view while serving: (plan version, measured imbalance).
   std::vector<std::pair<double, double>> samples;
   while (clients[0]->running() && !clients[0]->Wait(absl::Milliseconds(100)).has_value()) {
@@ -154,6 +159,73 @@ TEST_F(BalancerTest, RebalancingLowersTheMeasuredImbalanceAndEveryStepStaysExact
   EXPECT_GT(test::Sample(m, "ubep_balancer_migrated_bytes_total"), 0);
 }
 
+// Two daemons acting as two nodes (ranks 0-3 and 4-7) form one EP group of 8 ranks: each
+// maps the other's arenas, the group forms across them, and plans are committed on both.
+// 32 slots per rank hold the 256 experts once: round-robin puts the traces' hot experts
+// together (imbalance above 2); 128 tokens per rank keep the counters' noise small.
+TEST_F(BalancerTest, TwoDaemonsServeOneGroupOfEightRanksAndRebalancingBringsTheImbalanceUnder1_1) {
+  constexpr int kSteps = 500;
+  world_ = 8;
+  // One-second intervals (the default): each holds enough steps that a rank's count is not
+  // skewed by the step it was read at.
+  auto balancer = StartBalancer({"--interval=1s", "--report_interval=1s"});
+  auto node_a = StartDaemon({"--ranks=0-3", "--free_buffers=32"}, "node-a");
+  auto node_b = StartDaemon({"--ranks=4-7", "--free_buffers=32"}, "node-b");
+  std::vector<std::unique_ptr<Process>> clients;
+  for (int r = 0; r < world_; ++r) {
+    clients.push_back(StartClient(r, kSteps, r < 4 ? "node-a" : "node-b", /*slots_per_rank=*/32,
+                                  /*tokens=*/128, /*drift_period=*/4000));
+  }
+  // (seconds since the first plan change, plan version, measured imbalance).
+  struct Sample {
+    double since_change;
+    double version, measured;
+  };
+  std::vector<Sample> samples;
+  absl::Time changed = absl::InfiniteFuture();
+  while (clients[0]->running() && !clients[0]->Wait(absl::Milliseconds(100)).has_value()) {
+    const std::string m = test::HttpGet(balancer_metrics_, "/metrics");
+    const double version = test::Sample(m, "ubep_balancer_plan_version");
+    const double measured = test::MeanOf(m, "ubep_balancer_imbalance_ratio", "when=\"measured\"");
+    if (version >= 2 && changed == absl::InfiniteFuture()) changed = absl::Now();
+    if (version > 0 && measured > 0) {
+      samples.push_back({absl::ToDoubleSeconds(absl::Now() - changed), version, measured});
+    }
+  }
+  for (auto& c : clients) EXPECT_EQ(c->Wait(absl::Seconds(180)), 0);
+  const std::map<uint64_t, uint64_t> plans = ExpectConsistentRun(kSteps);
+  ASSERT_FALSE(plans.empty());
+  EXPECT_EQ(plans.begin()->second, 1u);
+  EXPECT_GE(plans.rbegin()->second, 2u) << ReadFile(path("balancer.log"));
+  // Before: under plan v1. After: from 2 s after the first commit (the plan is in force at
+  // its effective step, about 1 s later; the window then fills with its counts).
+  std::vector<double> before, after;
+  for (const Sample& s : samples) {
+    if (s.version == 1) before.push_back(s.measured);
+    if (s.since_change >= 2) after.push_back(s.measured);
+  }
+  ASSERT_FALSE(before.empty());
+  ASSERT_GE(after.size(), 5u);
+  const double before_max = *std::max_element(before.begin(), before.end());
+  std::sort(after.begin(), after.end());
+  const double after_median = after[after.size() / 2];
+  std::cout << "measured imbalance, 8 ranks on 2 daemons: under plan v1 up to " << before_max
+            << "; after the first rebalance median " << after_median << " over " << after.size()
+            << " samples (plans up to v" << samples.back().version << ")\n";
+  EXPECT_GT(before_max, 2.0);
+  EXPECT_LT(after_median, 1.1);
+  // Both daemons committed the plans, each mapped the other's arenas, and rank 0's daemon
+  // formed the group.
+  for (const std::string node : {"node-a", "node-b"}) {
+    const std::string log = ReadFile(path(node + ".log"));
+    EXPECT_THAT(log, HasSubstr("committed plan v2")) << node;
+    EXPECT_THAT(log, HasSubstr("mapped the arenas of ranks " +
+                               std::string(node == "node-a" ? "4-7" : "0-3")))
+        << node;
+  }
+  EXPECT_THAT(ReadFile(path("node-a.log")), HasSubstr("group formed: generation 1, 8 ranks"));
+}
+
 TEST_F(BalancerTest, BalancerKilledBetweenPrepareAndCommitRestartsAndTheClusterStaysConsistent) {
   constexpr int kSteps = 1000;
   // The first balancer prepares plan v2 and then sits on its decision; the effective step is
@@ -161,8 +233,8 @@ TEST_F(BalancerTest, BalancerKilledBetweenPrepareAndCommitRestartsAndTheClusterS
   auto balancer = StartBalancer({"--pause_before_commit=60s", "--effective_margin=8s"});
   auto daemon = StartDaemon({"--free_buffers=16"});
   std::vector<std::unique_ptr<Process>> clients;
-  for (int r = 0; r < kWorld; ++r) clients.push_back(StartClient(r, kSteps));
-  ASSERT_TRUE(WaitFor([&] { return ReadFile(path("ubepd.log")).find("prepared plan v2") != std::string::npos; },
+  for (int r = 0; r < world_; ++r) clients.push_back(StartClient(r, kSteps));
+  ASSERT_TRUE(WaitFor([&] { return ReadFile(path("node-a.log")).find("prepared plan v2") != std::string::npos; },
                       absl::Seconds(60)))
       << ReadFile(path("balancer.log"));
   balancer->Signal(SIGKILL);
@@ -172,7 +244,7 @@ TEST_F(BalancerTest, BalancerKilledBetweenPrepareAndCommitRestartsAndTheClusterS
   const std::map<uint64_t, uint64_t> plans = ExpectConsistentRun(kSteps);
   for (const auto& [step, version] : plans) ASSERT_NE(version, 2u) << "step " << step << " used the orphan";
   EXPECT_THAT(ReadFile(path("balancer.log")), HasSubstr("recovery: aborted orphan plan v2"));
-  EXPECT_THAT(ReadFile(path("ubepd.log")), HasSubstr("aborted plan v2"));
+  EXPECT_THAT(ReadFile(path("node-a.log")), HasSubstr("aborted plan v2"));
 }
 
 TEST_F(BalancerTest, DaemonThatCannotPrepareAbortsThePlanAndNobodySwitches) {
@@ -181,7 +253,7 @@ TEST_F(BalancerTest, DaemonThatCannotPrepareAbortsThePlanAndNobodySwitches) {
   auto balancer = StartBalancer({"--migration_budget=4"});
   auto daemon = StartDaemon({"--free_buffers=0"});
   std::vector<std::unique_ptr<Process>> clients;
-  for (int r = 0; r < kWorld; ++r) clients.push_back(StartClient(r, kSteps));
+  for (int r = 0; r < world_; ++r) clients.push_back(StartClient(r, kSteps));
   EXPECT_TRUE(WaitFor([&] {
     return test::Sample(test::HttpGet(balancer_metrics_, "/metrics"), "ubep_balancer_plans_aborted_total") >= 1;
   }, absl::Seconds(60))) << ReadFile(path("balancer.log"));
