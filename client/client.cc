@@ -384,6 +384,15 @@ int Rank::rank() const { return state_->rank; }
 int Rank::world_size() const { return state_->world_size; }
 const ModelShape& Rank::shape() const { return state_->shape; }
 
+bool Rank::excluded() const {
+  const RankState& s = *state_;
+  if (!s.attached) return false;
+  uint64_t version = 0;
+  const kernels::PlanTableHeader* table =
+      kernels::SelectPlan(s.own() + s.layout.plan, ~uint64_t{0}, &version);
+  return table != nullptr && kernels::RankExcluded(table, static_cast<uint32_t>(s.rank));
+}
+
 absl::Status Rank::BeginStep(uint64_t step) {
   RankState& s = *state_;
   if (!s.attached) return absl::FailedPreconditionError("rank is detached");
@@ -409,6 +418,15 @@ absl::Status Rank::BeginStep(uint64_t step) {
                            " and still undecided after ",
                            absl::FormatDuration(s.options.decision_timeout),
                            "; is ubep-balancer alive?")));
+    }
+  }
+  if (uint64_t version = 0;
+      const kernels::PlanTableHeader* table = kernels::SelectPlan(area, step, &version)) {
+    if (kernels::RankExcluded(table, static_cast<uint32_t>(s.rank))) {
+      return Record(s, absl::UnavailableError(absl::StrCat(
+                           "rank ", s.rank, " is excluded from the EP group by plan v", version,
+                           " (its node failed or was drained); Rejoin waits for a plan that "
+                           "includes it")));
     }
   }
   s.step = step;
@@ -452,8 +470,7 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
                            "rank ", s.rank, ": no committed plan is in force at step ", s.step)));
     }
     if (version != s.device_plan_version) {
-      const size_t bytes = kernels::PlanTableBytes(table->num_layers, table->num_experts,
-                                                   table->max_replicas);
+      const size_t bytes = kernels::PlanTableBytes(table);
       if (cudaMemcpy(s.device_plan, table, bytes, cudaMemcpyHostToDevice) != cudaSuccess) {
         return Record(s, absl::InternalError("uploading the plan table failed"));
       }

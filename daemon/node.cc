@@ -125,7 +125,21 @@ absl::StatusOr<std::vector<std::byte>> PlanTableOf(const balancer::Plan& plan) {
   for (const balancer::LayerPlan& layer : plan.layers) {
     routing.push_back({layer.slot_expert, layer.slot_share});
   }
-  return kernels::BuildPlanTable(plan.version, static_cast<uint32_t>(plan.num_experts), routing);
+  return kernels::BuildPlanTable(plan.version, static_cast<uint32_t>(plan.num_experts), routing,
+                                 static_cast<uint32_t>(plan.topology.num_ranks), plan.excluded_ranks);
+}
+
+// Whether the plan area at `area` holds `version`, committed.
+bool CommittedIn(void* area, uint64_t version) {
+  for (int b = 0; b < 2; ++b) {
+    const kernels::PlanSlotHeader* slot = kernels::PlanSlot(area, b);
+    if (LoadWord(slot->version) == version &&
+        std::atomic_ref<const uint32_t>(slot->state).load(std::memory_order_acquire) ==
+            kernels::kCommitted) {
+      return true;
+    }
+  }
+  return false;
 }
 
 }  // namespace
@@ -432,19 +446,54 @@ void Node::BreakGroup(int rank) {
   }
 }
 
+int Node::LowestActive() const {
+  for (int r = 0; r < config_.num_ranks; ++r) {
+    if (!plan_.excluded(r)) return r;
+  }
+  return 0;
+}
+
+uint64_t Node::GroupGeneration() const {
+  uint64_t generation = 0;
+  for (const kernels::SharedArena& arena : arenas_) {
+    if (arena.valid()) {
+      generation = std::max(generation, LoadWord(kernels::ControlOf(arena.data(), layout_)->generation));
+    }
+  }
+  return generation;
+}
+
+uint64_t Node::EffectiveStepOf(uint64_t version) const {
+  if (hosted_ == 0) return 0;
+  void* area = arenas_[first_].data() + layout_.plan;
+  for (int b = 0; b < 2; ++b) {
+    const kernels::PlanSlotHeader* slot = kernels::PlanSlot(area, b);
+    if (LoadWord(slot->version) == version) return LoadWord(slot->effective_step);
+  }
+  return 0;
+}
+
 void Node::TryFormGroup() {
-  if (!Hosted(0) || !AllArenasMapped()) return;
+  const int lead = LowestActive();
+  if (!Hosted(lead) || !AllArenasMapped()) return;
   const int R = config_.num_ranks;
-  const uint64_t next = LoadWord(Ctl(0)->generation) + 1;
+  const uint64_t next = GroupGeneration() + 1;
   uint64_t resume = kernels::kNoNextStep;
   for (int r = 0; r < R; ++r) {
+    if (plan_.excluded(r)) continue;
     if (LoadWord(Ctl(r)->join_ticket) != next) return;
     resume = std::min(resume, LoadWord(Ctl(r)->next_step));
   }
+  // Every member runs the plan this daemon has committed: its peers must have committed it too.
+  for (int r = 0; r < R; ++r) {
+    if (!plan_.excluded(r) && !CommittedIn(arenas_[r].data() + layout_.plan, plan_.version)) return;
+  }
   if (resume == kernels::kNoNextStep) resume = 0;
-  // Every rank is in Join: nobody runs the data plane while its words are reset.
+  // Every member is in Join: nobody runs the data plane while its words are reset, and the
+  // plan in force may start at the resume step (a plan that changed the membership does).
   const kernels::ArenaLayout ep_layout(config_);
   for (int r = 0; r < R; ++r) {
+    if (plan_.excluded(r)) continue;
     if (on_device()) {
       // The same bytes ResetSignals clears, in device memory.
       if (absl::Status s = device_arenas_[r]->Zero(ep_layout.dispatch_flag,
@@ -455,13 +504,23 @@ void Node::TryFormGroup() {
     } else {
       kernels::ResetSignals(arenas_[r].data() + layout_.ep, ep_layout);
     }
+    (void)kernels::RetargetPlan(arenas_[r].data() + layout_.plan, plan_.version, resume);
     StoreWord(Ctl(r)->resume_step, resume);
+    std::atomic_ref<uint32_t>(Ctl(r)->group_state).store(kernels::kGroupReady, std::memory_order_release);
   }
-  SetGroupState(kernels::kGroupReady);
-  // Rank 0's word first: a rank that joins again from now on asks for the generation after.
-  for (int r = 0; r < R; ++r) StoreWord(Ctl(r)->generation, next);
-  UBEP_LOG(INFO) << "group formed: generation " << next << ", " << R << " ranks, resuming at step "
-                 << resume;
+  plan_effective_step_ = std::min(plan_effective_step_, resume);
+  // The lowest member's word first: a rank that joins again from now on asks for the
+  // generation after.
+  StoreWord(Ctl(lead)->generation, next);
+  for (int r = 0; r < R; ++r) {
+    if (!plan_.excluded(r)) StoreWord(Ctl(r)->generation, next);
+  }
+  UBEP_LOG(INFO) << "group formed: generation " << next << ", " << R - plan_.excluded_ranks.size()
+                 << " ranks"
+                 << (plan_.excluded_ranks.empty()
+                         ? ""
+                         : absl::StrCat(" (excluded: ", absl::StrJoin(plan_.excluded_ranks, ", "), ")"))
+                 << ", resuming at step " << resume;
 }
 
 absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl::Time deadline) {
@@ -471,10 +530,11 @@ absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl
   const int rank = static_cast<int>(request.rank());
   const std::string token = request.token();
   ranks_[rank].joining = true;
-  // A rank joining a running group means it stopped (an error, or a restart): stop the rest.
-  BreakGroup(rank);
+  // A member joining a running group means it stopped (an error, or a restart): stop the
+  // rest. A rank the plan excludes is not in the group: it waits for a plan that includes it.
+  if (!plan_.excluded(rank)) BreakGroup(rank);
   kernels::RankControl* own = Ctl(rank);
-  const uint64_t ticket = LoadWord(Ctl(0)->generation) + 1;
+  uint64_t ticket = GroupGeneration() + 1;
   StoreWord(own->next_step, request.has_next_step() ? request.next_step() : kernels::kNoNextStep);
   StoreWord(own->join_ticket, ticket);
   deadline = std::min(deadline, absl::Now() + options_.join_timeout);
@@ -493,7 +553,7 @@ absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl
     }
     TryFormGroup();
     const uint64_t generation = LoadWord(own->generation);
-    if (generation >= ticket) {
+    if (generation >= ticket && !plan_.excluded(rank)) {
       ranks_[rank].joining = false;
       v1::JoinResponse response;
       response.set_generation(generation);
@@ -504,6 +564,11 @@ absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl
       give_up();
       return absl::UnavailableError("ubepd is draining (shutting down)");
     }
+    if (plan_.excluded(rank) && GroupGeneration() >= ticket) {
+      // The group formed without this rank: ask for the generation after.
+      ticket = GroupGeneration() + 1;
+      StoreWord(own->join_ticket, ticket);
+    }
     const absl::Time now = absl::Now();
     if (now >= deadline) break;
     mu_.AwaitWithTimeout([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -511,9 +576,14 @@ absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl
     }, std::min(absl::Milliseconds(1), deadline - now));
   }
   give_up();
+  if (plan_.excluded(rank)) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "rank ", rank, " is excluded from the EP group by plan v", plan_.version,
+        " (its node failed or was drained); join again to wait for a plan that includes it"));
+  }
   std::vector<std::string> missing;
   for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) {
-    if (r == rank || LoadWord(Ctl(r)->join_ticket) == ticket) continue;
+    if (r == rank || plan_.excluded(r) || LoadWord(Ctl(r)->join_ticket) == ticket) continue;
     missing.push_back(absl::StrCat(r, !Hosted(r)                             ? " (on a peer daemon)"
                                       : ranks_[r].state == RankState::kFree ? " (not attached)"
                                                                             : ""));
@@ -551,7 +621,7 @@ absl::StatusOr<v1::GetPlanResponse> Node::GetPlan() const {
   }
   v1::GetPlanResponse response;
   *response.mutable_plan() = balancer::ToProto(plan_);
-  response.set_effective_step(plan_effective_step_);
+  response.set_effective_step(EffectiveStepOf(plan_.version));
   return response;
 }
 
@@ -656,14 +726,16 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
   for (int r = 0; r < R; ++r) {
     const uint64_t step = std::atomic_ref<uint64_t>(kernels::ControlOf(arenas_[r].data(), layout_)->step)
                               .load(std::memory_order_relaxed);
+    if (plan.excluded(r)) continue;
     if (step >= effective_step) {
       return fail(absl::StrCat("effective step ", effective_step, " is not ahead of rank ", r,
                                "'s step ", step));
     }
-    if (Hosted(r) && ranks_[r].state == RankState::kConnected && step < plan_effective_step_ &&
-        plan_effective_step_ > 0) {
+    const uint64_t in_force = EffectiveStepOf(plan_.version);
+    if (Hosted(r) && !plan_.excluded(r) && ranks_[r].state == RankState::kConnected &&
+        step < in_force && in_force > 0) {
       return fail(absl::StrCat("plan v", plan_.version, " is not in force on rank ", r,
-                               " yet (step ", step, " < ", plan_effective_step_, ")"));
+                               " yet (step ", step, " < ", in_force, ")"));
     }
   }
   const int current = PlanBufferOf(plan_.version);
@@ -763,9 +835,22 @@ absl::Status Node::Commit(uint64_t version) {
   for (int r = first_; r < first_ + hosted_; ++r) {
     UBEP_RETURN_IF_ERROR(kernels::CommitPlan(arenas_[r].data() + layout_.plan, version));
   }
+  const bool membership = pending_->excluded_ranks != plan_.excluded_ranks;
   plan_ = *std::move(pending_);
   plan_effective_step_ = pending_effective_step_;
   pending_.reset();
+  if (membership) {
+    // Ranks leave or join: stop every wait of the running group (and of clients of excluded
+    // ranks); the members join again and the group forms under this plan, from the least step
+    // they resume at.
+    SetGroupState(kernels::kGroupBroken);
+    for (int r = 0; r < static_cast<int>(arenas_.size()); ++r) {
+      SetAbortCode(r, kernels::kAbortMembership, /*only_if_clear=*/true);
+    }
+    UBEP_LOG(INFO) << "plan v" << version << " changes the group's members (excluded: "
+                   << (plan_.excluded_ranks.empty() ? "none" : absl::StrJoin(plan_.excluded_ranks, ", "))
+                   << "): the group forms again";
+  }
   UBEP_LOG(INFO) << "committed plan v" << version << " (effective at step "
                  << plan_effective_step_ << ")";
   return absl::OkStatus();
@@ -900,10 +985,14 @@ void Node::Drain() {
   if (draining_) return;
   draining_ = true;
   if (has_group_) {
-    // The hosted ranks detach; the peers' ranks see them gone.
+    // The hosted ranks detach; the peers' ranks see them gone (unless the plan excludes them
+    // already: then the peers run on undisturbed).
+    bool member = false;
+    for (int q = first_; q < first_ + hosted_; ++q) member |= !plan_.excluded(q);
     for (int r = 0; r < static_cast<int>(arenas_.size()); ++r) {
       if (!arenas_[r].valid()) continue;
       const bool hosted = Hosted(r);
+      if (!hosted && !member) continue;
       if (hosted) StoreWord(Ctl(r)->join_ticket, 0);
       std::atomic_ref<uint32_t>(Ctl(r)->group_state)
           .store(hosted ? kernels::kGroupDraining : kernels::kGroupBroken,

@@ -162,6 +162,12 @@ class Node {
     return r >= first_ && r < first_ + hosted_;
   }
   bool AllArenasMapped() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Under the newest committed plan: the lowest rank in the group (its daemon forms it).
+  int LowestActive() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The newest generation any arena shows (excluded ranks' arenas lag).
+  uint64_t GroupGeneration() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A plan's effective step as the plan area has it (formation may move it earlier).
+  uint64_t EffectiveStepOf(uint64_t version) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   kernels::RankControl* Ctl(int r) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return kernels::ControlOf(arenas_[r].data(), layout_);
   }

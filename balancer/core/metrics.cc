@@ -27,7 +27,12 @@ BalanceSummary SummarizeBalance(const Plan& plan, const LoadMatrix& load) {
   summary.worst = 0.0;
   double sum = 0.0;
   for (int l = 0; l < plan.num_layers(); ++l) {
-    const double b = Balancedness(RankLoads(plan.topology, plan.layers[l], load.row(l)));
+    std::vector<double> loads = RankLoads(plan.topology, plan.layers[l], load.row(l));
+    // Ranks out of the group carry nothing and do not count.
+    for (auto r = plan.excluded_ranks.rbegin(); r != plan.excluded_ranks.rend(); ++r) {
+      if (*r < static_cast<int>(loads.size())) loads.erase(loads.begin() + *r);
+    }
+    const double b = Balancedness(loads);
     summary.per_layer.push_back(b);
     sum += b;
     summary.worst = std::max(summary.worst, b);

@@ -16,6 +16,16 @@ absl::Status ValidatePlan(const Plan& plan) {
                                                    " layer ids"));
   }
   const int num_slots = t.num_slots();
+  for (size_t i = 0; i < plan.excluded_ranks.size(); ++i) {
+    const int r = plan.excluded_ranks[i];
+    if (r < 0 || r >= t.num_ranks || (i > 0 && r <= plan.excluded_ranks[i - 1])) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "excluded rank ", r, " is out of range [0, ", t.num_ranks, ") or out of order"));
+    }
+  }
+  if (static_cast<int>(plan.excluded_ranks.size()) >= t.num_ranks && t.num_ranks > 0) {
+    return absl::InvalidArgumentError("every rank is excluded");
+  }
   std::vector<double> share_sum(plan.num_experts);
   for (int l = 0; l < plan.num_layers(); ++l) {
     const LayerPlan& layer = plan.layers[l];
@@ -37,6 +47,11 @@ absl::Status ValidatePlan(const Plan& plan) {
         return absl::InvalidArgumentError(
             absl::StrCat("layer ", l, " slot ", p, " has share ", s, ", outside [0, 1]"));
       }
+      if (s > 0 && plan.excluded(p / t.slots_per_rank)) {
+        return absl::InvalidArgumentError(absl::StrCat("layer ", l, " slot ", p, " has share ", s,
+                                                       " but rank ", p / t.slots_per_rank,
+                                                       " is excluded"));
+      }
       share_sum[e] += s;
     }
     for (int e = 0; e < plan.num_experts; ++e) {
@@ -50,6 +65,10 @@ absl::Status ValidatePlan(const Plan& plan) {
     }
   }
   return absl::OkStatus();
+}
+
+bool Plan::excluded(int rank) const {
+  return std::binary_search(excluded_ranks.begin(), excluded_ranks.end(), rank);
 }
 
 EplbArrays ToEplbArrays(const Plan& plan) {

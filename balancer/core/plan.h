@@ -4,7 +4,8 @@
 // A value type; thread-compatible.
 //
 // Invariants (ValidatePlan): every slot holds an expert in [0, num_experts); every expert has at
-// least one replica; shares are in [0, 1] and an expert's shares sum to 1 within 1e-9.
+// least one replica; shares are in [0, 1] and an expert's shares sum to 1 within 1e-9;
+// excluded ranks are ascending, in range, not all ranks, and their slots have share 0.
 #ifndef UBEP_BALANCER_CORE_PLAN_H_
 #define UBEP_BALANCER_CORE_PLAN_H_
 
@@ -27,7 +28,10 @@ struct Plan {
   int num_experts = 0;
   std::vector<int> layer_ids;  // Model layer index of each entry of `layers`.
   std::vector<LayerPlan> layers;
+  // Ranks out of the group (node failed or drained), ascending: their slots have share 0.
+  std::vector<int> excluded_ranks;
 
+  bool excluded(int rank) const;
   int num_layers() const { return static_cast<int>(layers.size()); }
 };
 

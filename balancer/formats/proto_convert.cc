@@ -59,6 +59,7 @@ v1::Plan ToProto(const Plan& plan, PlanEncoding encoding) {
   *proto.mutable_topology() = ToProto(plan.topology);
   proto.set_num_experts(plan.num_experts);
   for (int id : plan.layer_ids) proto.add_layer_ids(id);
+  for (int r : plan.excluded_ranks) proto.add_excluded_ranks(static_cast<uint32_t>(r));
   for (const LayerPlan& layer : plan.layers) {
     v1::LayerPlan* out = proto.add_layers();
     out->mutable_slot_expert()->Reserve(static_cast<int>(layer.slot_expert.size()));
@@ -82,6 +83,7 @@ absl::StatusOr<Plan> FromProto(const v1::Plan& proto) {
   Plan plan;
   plan.version = proto.version();
   UBEP_ASSIGN_OR_RETURN(plan.topology, FromProto(proto.topology()));
+  for (uint32_t r : proto.excluded_ranks()) plan.excluded_ranks.push_back(static_cast<int>(r));
   if (proto.num_experts() == 0 || proto.num_experts() > (1u << 20)) {
     return absl::InvalidArgumentError(
         absl::StrCat("plan: num_experts ", proto.num_experts(), " is outside [1, 2^20]"));

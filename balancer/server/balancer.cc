@@ -114,7 +114,7 @@ absl::StatusOr<Plan> PlanInParallel(const LoadMatrix& load, const Topology& topo
 }
 
 bool SamePlacement(const Plan& a, const Plan& b) {
-  if (a.num_layers() != b.num_layers()) return false;
+  if (a.num_layers() != b.num_layers() || a.excluded_ranks != b.excluded_ranks) return false;
   for (int l = 0; l < a.num_layers(); ++l) {
     if (a.layers[l].slot_expert != b.layers[l].slot_expert) return false;
     for (size_t p = 0; p < a.layers[l].slot_share.size(); ++p) {
@@ -122,6 +122,69 @@ bool SamePlacement(const Plan& a, const Plan& b) {
     }
   }
   return true;
+}
+
+// A plan for the ranks not in `excluded`, planned on them alone and spread back over the full
+// topology: excluded ranks keep their experts at share 0 (nothing to copy; they are not sent
+// tokens). When the members change, the previous placement may lack experts (their only
+// replicas were on a lost node): the members are planned afresh, with no migration budget.
+absl::StatusOr<Plan> PlanForMembers(const LoadMatrix& load, const Plan& previous,
+                                    const std::vector<int>& excluded, PlannerOptions planner,
+                                    int threads) {
+  const Topology& full = previous.topology;
+  const int S = full.slots_per_rank;
+  std::vector<int> members;
+  for (int r = 0; r < full.num_ranks; ++r) {
+    if (!std::binary_search(excluded.begin(), excluded.end(), r)) members.push_back(r);
+  }
+  if (members.empty()) return absl::FailedPreconditionError("every rank is excluded");
+  Topology sub = full;
+  sub.num_ranks = static_cast<int>(members.size());
+  sub.num_nodes = 1;
+  sub.num_groups = 1;
+  if (static_cast<int64_t>(sub.num_slots()) < previous.num_experts) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the ", members.size(), " ranks left hold ", sub.num_slots(), " slots, fewer than the ",
+        previous.num_experts, " experts"));
+  }
+  Plan sub_previous = previous;
+  sub_previous.topology = sub;
+  sub_previous.excluded_ranks.clear();
+  for (LayerPlan& layer : sub_previous.layers) {
+    LayerPlan kept;
+    for (int r : members) {
+      for (int i = 0; i < S; ++i) {
+        kept.slot_expert.push_back(layer.slot_expert[r * S + i]);
+        kept.slot_share.push_back(layer.slot_share[r * S + i]);
+      }
+    }
+    layer = std::move(kept);
+  }
+  if (excluded != previous.excluded_ranks || !ValidatePlan(sub_previous).ok()) {
+    planner.migration_budget = -1;
+    for (LayerPlan& layer : sub_previous.layers) {
+      for (int p = 0; p < sub.num_slots(); ++p) layer.slot_expert[p] = p % previous.num_experts;
+      SetEqualShares(previous.num_experts, layer);
+    }
+  }
+  absl::StatusOr<Plan> sub_plan = PlanInParallel(load, sub, sub_previous, planner, threads);
+  if (!sub_plan.ok()) return sub_plan.status();
+  Plan plan = previous;
+  plan.excluded_ranks = excluded;
+  for (int l = 0; l < plan.num_layers(); ++l) {
+    LayerPlan& layer = plan.layers[l];
+    for (int r : excluded) {
+      for (int i = 0; i < S; ++i) layer.slot_share[r * S + i] = 0;
+    }
+    for (size_t m = 0; m < members.size(); ++m) {
+      for (int i = 0; i < S; ++i) {
+        layer.slot_expert[members[m] * S + i] = sub_plan->layers[l].slot_expert[m * S + i];
+        layer.slot_share[members[m] * S + i] = sub_plan->layers[l].slot_share[m * S + i];
+      }
+    }
+  }
+  if (absl::Status valid = ValidatePlan(plan); !valid.ok()) return valid;
+  return plan;
 }
 
 }  // namespace
@@ -408,8 +471,10 @@ void Balancer::CloseInterval() {
       d.interval_load = LoadMatrix(L, shape_->experts);
       for (auto& layer : d.interval_rank) std::fill(layer.begin(), layer.end(), 0.0);
     }
+    bool member = false;
+    for (uint32_t r : d.info.ranks()) member |= plan_.has_value() && !plan_->excluded(static_cast<int>(r));
     if (!d.has_rate) {
-      all_known = false;
+      all_known &= !member;
       continue;
     }
     total.AddScaled(d.rate, 1.0);
@@ -430,7 +495,11 @@ void Balancer::CloseInterval() {
   }
   measured_.assign(L, 1.0);
   for (int l = 0; l < L; ++l) {
-    measured_[l] = Balancedness(rank_rate[l]);
+    std::vector<double> members;  // Excluded ranks carry nothing and do not count.
+    for (int r = 0; r < shape_->world; ++r) {
+      if (!plan_.has_value() || !plan_->excluded(r)) members.push_back(rank_rate[l][r]);
+    }
+    measured_[l] = Balancedness(members);
     imbalance_->Add({{"layer", std::to_string(l)}, {"when", "measured"}}).Set(measured_[l]);
   }
 }
@@ -496,6 +565,12 @@ void Balancer::Recover() {
       absl::StatusOr<Plan> plan = FromProto(state.committed_plan());
       if (plan.ok()) {
         plan_ = *std::move(plan);
+        // A node whose every rank the plan excludes while it is healthy was drained.
+        for (const auto& [other, od] : daemons_) {
+          bool all = od.info.ranks_size() > 0;
+          for (uint32_t r : od.info.ranks()) all &= plan_->excluded(static_cast<int>(r));
+          if (all && od.healthy) drained_.insert(other);
+        }
         plan_version_->Set(static_cast<double>(plan_->version));
         UBEP_LOG(INFO) << "learned plan v" << plan_->version << " from node " << name;
       }
@@ -553,16 +628,16 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why) {
   std::vector<std::shared_ptr<grpc::Channel>> channels;
   uint64_t effective_step = 0;
   std::vector<double> before;
+  std::vector<int> excluded;
   {
     MutexLock lock(&mu_);
     if (!shape_.has_value() || !plan_.has_value()) {
       return absl::FailedPreconditionError("no plan known yet");
     }
+    excluded = DesiredExcluded();
+    // Daemons failing their health checks get no plan: their ranks are excluded.
     for (const auto& [name, d] : daemons_) {
-      if (!d.healthy) {
-        return absl::UnavailableError(
-            absl::StrCat("node ", name, " is down; re-planning around it is not supported yet"));
-      }
+      if (!d.healthy) continue;
       if (d.needs_state || d.pending != 0) {
         return absl::UnavailableError(absl::StrCat("node ", name, " is still being recovered"));
       }
@@ -577,7 +652,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why) {
       // As many changed slots per rank and layer as the daemons have free weight buffers.
       budget = std::numeric_limits<int>::max();
       for (const auto& [name, d] : daemons_) {
-        budget = std::min(budget, static_cast<int>(d.info.free_buffers()));
+        if (d.healthy) budget = std::min(budget, static_cast<int>(d.info.free_buffers()));
       }
     }
     effective_step = EstimateStep() + static_cast<uint64_t>(options_.min_margin_steps);
@@ -590,7 +665,10 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why) {
   const int threads = options_.planner_threads > 0
                           ? options_.planner_threads
                           : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  absl::StatusOr<Plan> plan = PlanInParallel(load, topology, previous, planner, threads);
+  absl::StatusOr<Plan> plan =
+      excluded.empty() && previous.excluded_ranks.empty()
+          ? PlanInParallel(load, topology, previous, planner, threads)
+          : PlanForMembers(load, previous, excluded, planner, threads);
   result.set_plan_seconds(absl::ToDoubleSeconds(absl::Now() - plan_start));
   plan_seconds_->Observe(result.plan_seconds());
   if (!plan.ok()) return plan.status();
@@ -666,6 +744,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why) {
   }
   if (!commit) {
     plans_aborted_->Increment();
+    ++aborted_count_;
     return absl::AbortedError(absl::StrCat("plan v", plan->version, " aborted: ",
                                            absl::StrJoin(failed, "; ")));
   }
@@ -683,7 +762,8 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why) {
   }
   plan_ = *std::move(plan);
   plan_effective_step_ = effective_step;
-  for (auto& [name, d] : daemons_) d.committed = plan_->version;
+  ++committed_count_;
+  for (const std::string& name : targets) daemons_[name].committed = plan_->version;
   plan_version_->Set(static_cast<double>(plan_->version));
   last_commit_ = absl::Now();
   above_threshold_ = 0;
@@ -693,6 +773,98 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why) {
                  << absl::ToDoubleMilliseconds(prepare_time) << " ms, prepare+commit "
                  << result.commit_seconds() * 1e3 << " ms";
   return result;
+}
+
+std::vector<int> Balancer::DesiredExcluded() const {
+  std::vector<int> excluded;
+  for (const auto& [name, d] : daemons_) {
+    if (d.healthy && !drained_.contains(name)) continue;
+    for (uint32_t r : d.info.ranks()) excluded.push_back(static_cast<int>(r));
+  }
+  std::sort(excluded.begin(), excluded.end());
+  excluded.erase(std::unique(excluded.begin(), excluded.end()), excluded.end());
+  return excluded;
+}
+
+grpc::Status Balancer::SetDrained(const std::string& node, bool drained,
+                                  v1::RebalanceResponse* response) {
+  {
+    MutexLock lock(&mu_);
+    if (!daemons_.contains(node)) {
+      return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                          absl::StrCat("node \"", node, "\" is not registered"));
+    }
+    if (drained) {
+      drained_.insert(node);
+      if (shape_.has_value() && static_cast<int>(DesiredExcluded().size()) >= shape_->world) {
+        drained_.erase(node);
+        return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                            absl::StrCat("draining node ", node, " would leave no rank serving"));
+      }
+    } else {
+      drained_.erase(node);
+    }
+  }
+  UBEP_LOG(INFO) << (drained ? "draining" : "undraining") << " node " << node;
+  absl::StatusOr<v1::RebalanceResponse> result =
+      PlanAndCommit(drained ? "node drained" : "node undrained");
+  if (!result.ok()) {
+    return grpc::Status(static_cast<grpc::StatusCode>(result.status().code()),
+                        std::string(result.status().message()));
+  }
+  *response = *std::move(result);
+  return grpc::Status::OK;
+}
+
+grpc::Status Balancer::Drain(grpc::ServerContext*, const v1::DrainRequest* request,
+                             v1::RebalanceResponse* response) {
+  return SetDrained(request->node(), true, response);
+}
+
+grpc::Status Balancer::Undrain(grpc::ServerContext*, const v1::DrainRequest* request,
+                               v1::RebalanceResponse* response) {
+  return SetDrained(request->node(), false, response);
+}
+
+grpc::Status Balancer::GetStatus(grpc::ServerContext*, const v1::GetStatusRequest*,
+                                 v1::ClusterStatus* response) {
+  MutexLock lock(&mu_);
+  const absl::Time now = absl::Now();
+  if (shape_.has_value()) response->set_world_size(static_cast<uint32_t>(shape_->world));
+  for (const auto& [name, d] : daemons_) {
+    v1::NodeStatus* n = response->add_nodes();
+    n->set_node(name);
+    n->set_address(d.info.address());
+    *n->mutable_ranks() = d.info.ranks();
+    n->set_domain(d.info.domain());
+    n->set_healthy(d.healthy);
+    n->set_drained(drained_.contains(name));
+    n->set_max_step(d.max_step);
+    n->set_seconds_since_report(d.last_report == absl::InfinitePast()
+                                    ? -1
+                                    : absl::ToDoubleSeconds(now - d.last_report));
+  }
+  if (plan_.has_value()) {
+    response->set_plan_version(plan_->version);
+    for (int r : plan_->excluded_ranks) response->add_excluded_ranks(static_cast<uint32_t>(r));
+  }
+  for (double m : measured_) response->add_imbalance(m);
+  response->set_seconds_since_commit(
+      last_commit_ == absl::InfinitePast() ? -1 : absl::ToDoubleSeconds(now - last_commit_));
+  response->set_plans_committed(committed_count_);
+  response->set_plans_aborted(aborted_count_);
+  return grpc::Status::OK;
+}
+
+grpc::Status Balancer::GetClusterPlan(grpc::ServerContext*, const v1::GetClusterPlanRequest*,
+                                      v1::Plan* response) {
+  MutexLock lock(&mu_);
+  if (!plan_.has_value()) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        "no plan yet: no daemon with an attached group has registered");
+  }
+  *response = ToProto(*plan_);
+  return grpc::Status::OK;
 }
 
 grpc::Status Balancer::Rebalance(grpc::ServerContext*, const v1::RebalanceRequest*,
@@ -723,7 +895,11 @@ void Balancer::Tick() {
     healthy_daemons_->Set(healthy);
     CloseInterval();
     if (!shape_.has_value() || !plan_.has_value()) return;
-    if (rebalance_requested_) {
+    if (DesiredExcluded() != plan_->excluded_ranks) {
+      // A node failed, came back, or was drained or undrained: plan for the ranks left.
+      rebalance = true;
+      why = "membership changed";
+    } else if (rebalance_requested_) {
       rebalance = true;
       why = "requested";
       rebalance_requested_ = false;
@@ -731,7 +907,9 @@ void Balancer::Tick() {
                window_->closed_intervals() >= options_.min_intervals) {
       // Judge a plan only by what it did: no trigger before every rank is past its step.
       for (const auto& [name, d] : daemons_) {
-        if (d.max_step < plan_effective_step_) above_threshold_ = -1;
+        if (d.healthy && !drained_.contains(name) && d.max_step < plan_effective_step_) {
+          above_threshold_ = -1;
+        }
       }
       double mean = 0;
       for (double m : measured_) mean += m;

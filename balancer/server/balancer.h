@@ -15,6 +15,7 @@
 #include <mutex>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -88,6 +89,14 @@ class Balancer final : public v1::Control::Service {
                           v1::ReportLoadResponse* response) override;
   grpc::Status Rebalance(grpc::ServerContext* context, const v1::RebalanceRequest* request,
                          v1::RebalanceResponse* response) override;
+  grpc::Status GetStatus(grpc::ServerContext* context, const v1::GetStatusRequest* request,
+                         v1::ClusterStatus* response) override;
+  grpc::Status GetClusterPlan(grpc::ServerContext* context,
+                              const v1::GetClusterPlanRequest* request, v1::Plan* response) override;
+  grpc::Status Drain(grpc::ServerContext* context, const v1::DrainRequest* request,
+                     v1::RebalanceResponse* response) override;
+  grpc::Status Undrain(grpc::ServerContext* context, const v1::DrainRequest* request,
+                       v1::RebalanceResponse* response) override;
 
   void RequestRebalance();
   BalancerStatus Status() const;
@@ -131,6 +140,9 @@ class Balancer final : public v1::Control::Service {
   // Plans and commits; serialized with Recover by commit_mu_.
   absl::StatusOr<v1::RebalanceResponse> PlanAndCommit(const char* why);
   uint64_t EstimateStep() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ranks out of the group: those of daemons failing their health checks or drained.
+  std::vector<int> DesiredExcluded() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  grpc::Status SetDrained(const std::string& node, bool drained, v1::RebalanceResponse* response);
   void CloseInterval() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const BalancerOptions options_;
@@ -146,6 +158,8 @@ class Balancer final : public v1::Control::Service {
   std::vector<double> measured_ ABSL_GUARDED_BY(mu_);
   int above_threshold_ ABSL_GUARDED_BY(mu_) = 0;
   bool rebalance_requested_ ABSL_GUARDED_BY(mu_) = false;
+  std::set<std::string> drained_ ABSL_GUARDED_BY(mu_);
+  uint64_t committed_count_ ABSL_GUARDED_BY(mu_) = 0, aborted_count_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Time last_commit_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   absl::Time next_health_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
 

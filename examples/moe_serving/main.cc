@@ -222,6 +222,12 @@ int main(int argc, char** argv) {
       continue;
     }
     absl::StatusOr<uint64_t> resume = (*rank)->Rejoin(step);
+    if (!resume.ok() && (*rank)->excluded()) {
+      // Out of the group (node failed or drained): serve nothing until a plan includes it.
+      log.Line(absl::StrCat("excluded at step ", step, "; waiting for a plan that includes rank ",
+                            rank_id));
+      while (!resume.ok() && (*rank)->excluded()) resume = (*rank)->Rejoin(step);
+    }
     if (!resume.ok()) {
       log.Line(absl::StrCat("error rejoin: ", resume.status().message()));
       return 3;

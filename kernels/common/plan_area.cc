@@ -139,4 +139,20 @@ bool UndecidedAt(void* area, uint64_t step, uint64_t* version) {
   return false;
 }
 
+absl::Status RetargetPlan(void* area, uint64_t version, uint64_t step) {
+  for (int b = 0; b < 2; ++b) {
+    PlanSlotHeader* slot = PlanSlot(area, b);
+    if (std::atomic_ref<uint64_t>(slot->version).load(std::memory_order_acquire) != version ||
+        std::atomic_ref<uint32_t>(slot->state).load(std::memory_order_acquire) != kCommitted) {
+      continue;
+    }
+    std::atomic_ref<uint64_t> effective(slot->effective_step);
+    if (effective.load(std::memory_order_relaxed) > step) {
+      effective.store(step, std::memory_order_release);
+    }
+    return absl::OkStatus();
+  }
+  return absl::NotFoundError(absl::StrCat("plan v", version, " is not committed in this area"));
+}
+
 }  // namespace ubep::kernels

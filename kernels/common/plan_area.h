@@ -87,6 +87,9 @@ bool UndecidedAt(void* area, uint64_t step, uint64_t* version = nullptr);
 absl::Status PreparePlan(void* area, std::span<const std::byte> table, uint64_t version,
                          uint64_t effective_step);
 absl::Status CommitPlan(void* area, uint64_t version);
+// Moves a committed plan's effective step earlier to `step` (no-op when it is not later).
+// Only while no reader runs: the daemon does it when a group forms, every rank in Join.
+absl::Status RetargetPlan(void* area, uint64_t version, uint64_t step);
 absl::Status AbortPlan(void* area, uint64_t version);
 
 }  // namespace ubep::kernels

@@ -8,7 +8,9 @@
 namespace ubep::kernels {
 
 absl::StatusOr<std::vector<std::byte>> BuildPlanTable(uint64_t version, uint32_t num_experts,
-                                                      std::span<const LayerRouting> layers) {
+                                                      std::span<const LayerRouting> layers,
+                                                      uint32_t num_ranks,
+                                                      std::span<const int> excluded) {
   if (layers.empty() || num_experts == 0) {
     return absl::InvalidArgumentError("plan table: no layers or no experts");
   }
@@ -30,18 +32,33 @@ absl::StatusOr<std::vector<std::byte>> BuildPlanTable(uint64_t version, uint32_t
                                                        " holds expert ", e, ", outside [0, ",
                                                        num_experts, ")"));
       }
-      max_replicas = std::max(max_replicas, ++counts[e]);
+      if (layers[l].slot_share[p] > 0) max_replicas = std::max(max_replicas, ++counts[e]);
     }
   }
-  std::vector<std::byte> bytes(PlanTableBytes(layers.size(), num_experts, max_replicas));
+  std::vector<std::byte> bytes(
+      PlanTableBytes(layers.size(), num_experts, max_replicas, num_ranks));
   PlanTableHeader header{kPlanTableMagic, static_cast<uint32_t>(layers.size()), num_experts,
-                         static_cast<uint32_t>(num_slots), max_replicas, 0, version};
+                         static_cast<uint32_t>(num_slots), max_replicas, num_ranks, version};
   std::memcpy(bytes.data(), &header, sizeof(header));
+  auto* mask = reinterpret_cast<uint32_t*>(
+      bytes.data() + PlanRoutesEnd(layers.size(), num_experts, max_replicas));
+  for (int r : excluded) {
+    if (r < 0 || static_cast<uint32_t>(r) >= num_ranks) {
+      return absl::InvalidArgumentError(absl::StrCat("plan table: excluded rank ", r,
+                                                     " is outside [0, ", num_ranks, ")"));
+    }
+    mask[r / 32] |= 1u << (r % 32);
+  }
   auto* table = reinterpret_cast<PlanTableHeader*>(bytes.data());
   for (size_t l = 0; l < layers.size(); ++l) {
     for (auto& r : replicas) r.clear();
     for (size_t p = 0; p < num_slots; ++p) {
-      replicas[layers[l].slot_expert[p]].emplace_back(p, layers[l].slot_share[p]);
+      const double share = layers[l].slot_share[p];
+      if (!(share >= 0)) {
+        return absl::InvalidArgumentError(absl::StrCat("plan table: layer ", l, " slot ", p,
+                                                       " has share ", share));
+      }
+      if (share > 0) replicas[layers[l].slot_expert[p]].emplace_back(p, share);
     }
     for (uint32_t e = 0; e < num_experts; ++e) {
       auto* route = const_cast<ExpertRoute*>(FindRoute(table, l, e));
@@ -50,13 +67,7 @@ absl::StatusOr<std::vector<std::byte>> BuildPlanTable(uint64_t version, uint32_t
             absl::StrCat("plan table: layer ", l, " expert ", e, " has no replica"));
       }
       double sum = 0;
-      for (const auto& [slot, share] : replicas[e]) {
-        if (!(share >= 0)) {
-          return absl::InvalidArgumentError(absl::StrCat("plan table: layer ", l, " slot ", slot,
-                                                         " has share ", share));
-        }
-        sum += share;
-      }
+      for (const auto& [slot, share] : replicas[e]) sum += share;
       if (std::abs(sum - 1.0) > 1e-6) {
         return absl::InvalidArgumentError(absl::StrCat(
             "plan table: layer ", l, " expert ", e, " shares sum to ", sum, ", not 1"));
@@ -85,9 +96,7 @@ absl::Status ValidatePlanTable(std::span<const std::byte> bytes) {
   if (table->magic != kPlanTableMagic) {
     return absl::InvalidArgumentError("plan table: bad magic (not a plan table)");
   }
-  if (table->max_replicas == 0 ||
-      PlanTableBytes(table->num_layers, table->num_experts, table->max_replicas) !=
-          bytes.size()) {
+  if (table->max_replicas == 0 || PlanTableBytes(table) != bytes.size()) {
     return absl::InvalidArgumentError("plan table: sizes in the header disagree with its length");
   }
   for (uint32_t l = 0; l < table->num_layers; ++l) {

@@ -148,12 +148,20 @@ __global__ void SendKernel(Params p) {
   }
 }
 
-// Waits for flag[s] (s < R) of region `offset` in this rank's arena to reach the epoch; on
-// timeout records 1 + s in status.
+// Records received from source s: none from a rank the plan excludes (its count word is
+// stale).
+__device__ int SourceCount(const Params& p, const std::byte* own, int s) {
+  if (RankExcluded(p.plan, static_cast<uint32_t>(s))) return 0;
+  return static_cast<int>(reinterpret_cast<const uint32_t*>(own + p.off_counts)[s]);
+}
+
+// Waits for flag[s] (s < R, not excluded by the plan) of region `offset` in this rank's arena
+// to reach the epoch; on timeout records 1 + s in status.
 __global__ void WaitKernel(Params p, size_t offset) {
   std::byte* own = p.arenas[p.rank];
   const uint64_t deadline = GlobalTimerNs() + p.timeout_ns;
   for (int s = threadIdx.x; s < p.num_ranks; s += blockDim.x) {
+    if (RankExcluded(p.plan, static_cast<uint32_t>(s))) continue;
     auto* flag = reinterpret_cast<uint32_t*>(own + offset + s * kLine);
     auto* abort_word = reinterpret_cast<uint32_t*>(own + p.off_abort);
     while (!FlagReached(flag, p.epoch)) {
@@ -181,7 +189,7 @@ __global__ void CountKernel(Params p) {
   const int s = blockIdx.x, S = p.slots_per_rank;
   if (*p.status != 0) return;
   std::byte* own = p.arenas[p.rank];
-  const int n = reinterpret_cast<const uint32_t*>(own + p.off_counts)[s];
+  const int n = SourceCount(p, own, s);
   const std::byte* records = own + p.off_records + s * p.max_tokens * p.record_bytes;
   int32_t* counts = p.pair_counts + s * S;
   int32_t* begin = p.record_begin + s * (p.max_tokens + 1);
@@ -235,7 +243,7 @@ __global__ void PlaceKernel(Params p) {
   const int s = blockIdx.x, S = p.slots_per_rank;
   if (*p.status != 0) return;
   std::byte* own = p.arenas[p.rank];
-  const int n = reinterpret_cast<const uint32_t*>(own + p.off_counts)[s];
+  const int n = SourceCount(p, own, s);
   const std::byte* records = own + p.off_records + s * p.max_tokens * p.record_bytes;
   const std::byte* rows = own + p.off_rows + s * p.max_tokens * p.row_bytes;
   const int32_t* begin = p.record_begin + s * (p.max_tokens + 1);
@@ -276,7 +284,7 @@ __global__ void PlaceKernel(Params p) {
 __global__ void PartialKernel(Params p, const uint16_t* y) {
   const int s = (p.rank + 1 + blockIdx.x) % p.num_ranks;
   std::byte* own = p.arenas[p.rank];
-  const int n = reinterpret_cast<const uint32_t*>(own + p.off_counts)[s];
+  const int n = SourceCount(p, own, s);
   const int32_t* begin = p.record_begin + s * (p.max_tokens + 1);
   const int32_t* entry_row = p.entry_row + s * p.max_tokens * p.top_k;
   std::byte* arena = p.arenas[s];
@@ -509,6 +517,10 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
       static_cast<uint32_t>(in.layer) >= in.host_plan->num_layers) {
     return absl::InvalidArgumentError("cuda backend: plan table does not fit this group");
   }
+  if (RankExcluded(in.host_plan, static_cast<uint32_t>(rank_))) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", rank_, " is excluded from the EP group by plan v", in.host_plan->version));
+  }
   if (reinterpret_cast<uintptr_t>(in.x) % 16 != 0) {
     return absl::InvalidArgumentError("cuda backend: x must be 16-byte aligned");
   }
@@ -542,6 +554,7 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
   s.params.epoch = p.epoch;
   s.params.num_tokens = p.num_tokens;
   s.params.layer = p.layer;
+  s.params.plan = p.plan;  // Combine waits for the same ranks as its dispatch.
   return absl::OkStatus();
 }
 

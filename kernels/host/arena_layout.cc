@@ -66,6 +66,11 @@ absl::Status DaemonAbortStatus(uint32_t code, int rank, const char* what, uint32
                                                " of call ", call,
                                                " abandoned; attach again when it is back"));
   }
+  if (code == kAbortMembership) {
+    return absl::UnavailableError(absl::StrCat(
+        "rank ", rank, ": the group's membership changed (a committed plan excludes or includes "
+        "ranks) during ", what, " of call ", call, "; join again"));
+  }
   if (code != 0 && (code & kAbortRankGone) != 0) {
     const uint32_t gone = code & ~kAbortRankGone;
     return absl::UnavailableError(absl::StrCat(

@@ -66,6 +66,7 @@ absl::Status ValidateConfig(const EpConfig& config);
 inline constexpr uint32_t kAbortTimedOutBase = 1;         // + rank a wait timed out on.
 inline constexpr uint32_t kAbortRankGone = 0x80000000u;   // | rank that left (daemon).
 inline constexpr uint32_t kAbortDraining = 0xFFFFFFFFu;   // The daemon is shutting down.
+inline constexpr uint32_t kAbortMembership = 0xFFFFFFFEu; // A plan excluded or included ranks.
 
 // The error for a wait of `rank` that found the abort word set to a daemon's code (rank gone
 // or draining); OK for 0 or a peer's timeout code (the caller reports timeouts itself).

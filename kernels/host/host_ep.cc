@@ -311,9 +311,10 @@ absl::Status HostEp::GiveUp(int peer, const char* what, uint32_t epoch) const {
 absl::Status HostEp::Barrier(absl::Time deadline) {
   const uint32_t b = ++barrier_epoch_;
   for (int s = 0; s < config_.num_ranks; ++s) {
-    Signal(FlagAt(arenas_[s], layout_.barrier_flag, rank_), b);
+    if (active_[s]) Signal(FlagAt(arenas_[s], layout_.barrier_flag, rank_), b);
   }
   for (int s = 0; s < config_.num_ranks; ++s) {
+    if (!active_[s]) continue;
     UBEP_RETURN_IF_ERROR(
         Wait(FlagAt(arenas_[rank_], layout_.barrier_flag, s), b, s, "barrier", deadline));
   }
@@ -329,37 +330,51 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
     }
   }
   UBEP_RETURN_IF_ERROR(Validate(in));
+  const int R = config_.num_ranks;
+  active_.resize(R);
+  for (int r = 0; r < R; ++r) active_[r] = !RankExcluded(in.plan, static_cast<uint32_t>(r));
+  if (!active_[rank_]) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", rank_, " is excluded from the EP group by plan v", in.plan->version));
+  }
   const absl::Time deadline = absl::Now() + config_.timeout;
   const uint32_t epoch = ++dispatch_epoch_;
-  const int R = config_.num_ranks;
   BuildSendLists(in);
   std::byte* own = arenas_[rank_];
   if (config_.protocol == Protocol::kBsp) {
     for (int d = 0; d < R; ++d) {
+      if (!active_[d]) continue;
       reinterpret_cast<uint32_t*>(arenas_[d] + layout_.counts)[rank_] =
           static_cast<uint32_t>(send_tokens_[d].size());
       Signal(FlagAt(arenas_[d], layout_.count_flag, rank_), epoch);
     }
     for (int s = 0; s < R; ++s) {
+      if (!active_[s]) continue;
       UBEP_RETURN_IF_ERROR(
           Wait(FlagAt(own, layout_.count_flag, s), epoch, s, "count exchange", deadline));
     }
     UBEP_RETURN_IF_ERROR(Barrier(deadline));
-    for (int d = 0; d < R; ++d) SendTo(d, in, epoch);
+    for (int d = 0; d < R; ++d) {
+      if (active_[d]) SendTo(d, in, epoch);
+    }
     UBEP_RETURN_IF_ERROR(Barrier(deadline));
   } else {
     // Sender role: destinations staggered from this rank, so that ranks do not all store into
     // the same peer at once. Receiver role (this thread): whichever source is ready.
     auto send_all = [this, &in, epoch, R] {
-      for (int i = 1; i <= R; ++i) SendTo((rank_ + i) % R, in, epoch);
+      for (int i = 1; i <= R; ++i) {
+        if (active_[(rank_ + i) % R]) SendTo((rank_ + i) % R, in, epoch);
+      }
     };
     if (sender_ != nullptr) {
       sender_->Start(send_all);
     } else {
       send_all();  // No core to spare: send first, then receive.
     }
-    std::vector<int> pending(R);
-    for (int s = 0; s < R; ++s) pending[s] = s;
+    std::vector<int> pending;
+    for (int s = 0; s < R; ++s) {
+      if (active_[s]) pending.push_back(s);
+    }
     absl::Status status;
     while (!pending.empty() && status.ok()) {
       size_t before = pending.size();
@@ -384,6 +399,7 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
   // Each token's (destination, record) pairs, destinations ascending, for the combine.
   DispatchOutput::Handle& handle = out.handle;
   handle.num_tokens = in.num_tokens;
+  handle.active = active_;
   handle.token_begin.assign(in.num_tokens + 1, 0);
   for (int d = 0; d < R; ++d) {
     for (int32_t t : send_tokens_[d]) ++handle.token_begin[t + 1];
@@ -426,15 +442,16 @@ void HostEp::Assemble(int layer, DispatchOutput& out) {
   out.slot_offsets.assign(S + 1, 0);
   int32_t entries = 0;
   for (int s = 0; s < R; ++s) {
-    handle.records_from[s] = static_cast<int32_t>(counts[s]);
-    handle.record_begin[s].resize(counts[s] + 1);
-    for (uint32_t j = 0; j < counts[s]; ++j) {
+    const uint32_t from_s = active_[s] ? counts[s] : 0;  // An excluded rank sent nothing.
+    handle.records_from[s] = static_cast<int32_t>(from_s);
+    handle.record_begin[s].resize(from_s + 1);
+    for (uint32_t j = 0; j < from_s; ++j) {
       const RecordHeader header = header_at(s, j);
       handle.record_begin[s][j] = entries;
       entries += header.num_entries;
       for (int q = 0; q < header.num_entries; ++q) ++out.slot_offsets[entry_at(s, j, q).local_slot + 1];
     }
-    handle.record_begin[s][counts[s]] = entries;
+    handle.record_begin[s][from_s] = entries;
   }
   auto* counters = reinterpret_cast<uint64_t*>(own + layout_.load_counters) + layer * S;
   for (int i = 0; i < S; ++i) {
@@ -451,7 +468,7 @@ void HostEp::Assemble(int layer, DispatchOutput& out) {
   cursor_.assign(out.slot_offsets.begin(), out.slot_offsets.end() - 1);
   for (int s = 0; s < R; ++s) {
     const std::byte* rows = own + layout_.rows + s * T * layout_.row_bytes;
-    for (uint32_t j = 0; j < counts[s]; ++j) {
+    for (int32_t j = 0; j < handle.records_from[s]; ++j) {
       const RecordHeader header = header_at(s, j);
       for (int q = 0; q < header.num_entries; ++q) {
         const RecordEntry entry = entry_at(s, j, q);
@@ -477,9 +494,11 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
   const DispatchOutput::Handle& handle = dispatched.handle;
   if (static_cast<int>(handle.record_begin.size()) != R ||
       static_cast<int>(handle.records_from.size()) != R ||
-      static_cast<int>(handle.token_begin.size()) != handle.num_tokens + 1) {
+      static_cast<int>(handle.token_begin.size()) != handle.num_tokens + 1 ||
+      static_cast<int>(handle.active.size()) != R) {
     return absl::InvalidArgumentError("combine: the dispatch output is not from this group");
   }
+  active_ = handle.active;
   const absl::Time deadline = absl::Now() + config_.timeout;
   const uint32_t epoch = ++combine_epoch_;
   const auto* y = static_cast<const std::byte*>(y_ptr);
@@ -489,6 +508,7 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
   // k order and stored once, in the activation dtype, into the source's arena.
   for (int i = 1; i <= R; ++i) {
     const int s = (rank_ + i) % R;
+    if (!active_[s]) continue;
     std::byte* partials = arenas_[s] + layout_.partials + rank_ * T * layout_.row_bytes;
     const std::vector<int32_t>& begin = handle.record_begin[s];
     for (int32_t j = 0; j < handle.records_from[s]; ++j) {
@@ -508,6 +528,7 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
     UBEP_RETURN_IF_ERROR(Barrier(deadline));
   } else {
     for (int d = 0; d < R; ++d) {
+      if (!active_[d]) continue;
       UBEP_RETURN_IF_ERROR(Wait(FlagAt(own, layout_.combine_flag, d), epoch, d,
                                 "combine partials", deadline));
     }

@@ -70,6 +70,7 @@ struct DispatchOutput {
     // token_routes[token_begin[t] .. token_begin[t + 1]).
     std::vector<int32_t> token_begin;
     std::vector<std::pair<int32_t, int32_t>> token_routes;
+    std::vector<char> active;  // Per rank: in the group under the dispatch's plan.
   } handle;
 };
 
@@ -129,6 +130,9 @@ class HostEp {
   std::vector<std::vector<int32_t>> send_counts_;       // Entries used per token.
   std::vector<float> scratch_;    // One fp32 row for combine sums.
   std::vector<int32_t> cursor_;   // Next row of each local slot while assembling.
+  // Per rank: in the group under the plan of the call in flight (excluded ranks are neither
+  // sent to nor waited for).
+  std::vector<char> active_;
   std::unique_ptr<Sender> sender_;
 };
 

@@ -28,7 +28,8 @@ int LatencyBucket(double seconds) {
 size_t MaxPlanTableBytes(const EpConfig& config) {
   const uint32_t slots = static_cast<uint32_t>(config.num_ranks * config.slots_per_rank);
   const uint32_t max_replicas = slots - static_cast<uint32_t>(config.num_experts) + 1;
-  return PlanTableBytes(config.num_layers, config.num_experts, max_replicas);
+  return PlanTableBytes(config.num_layers, config.num_experts, max_replicas,
+                        static_cast<uint32_t>(config.num_ranks));
 }
 
 RankArenaLayout RankArenaLayout::Compute(const EpConfig& config, size_t bytes_per_expert,

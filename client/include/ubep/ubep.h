@@ -19,6 +19,7 @@
 //    for the group to re-form and says at which step to continue) or, when ubepd is draining,
 //    Attach again once it is back.
 //  - DeadlineExceeded: a peer did not arrive within the wait timeout; the message names it.
+//    Rejoin of a rank the plan excludes (excluded()) ends so too: call it again to keep waiting.
 //  - InvalidArgument: bad input (expert id out of range, too many tokens), before any byte moved.
 // The hot path makes no RPC: dispatch and combine store into the peers' arenas directly.
 // Thread-compatible: one thread drives a Rank.
@@ -137,6 +138,11 @@ class Rank {
   // After an error that stopped the group: waits until every rank is back and the group has
   // re-formed; returns the step to continue at (the least `next_step` any rank gave).
   absl::StatusOr<uint64_t> Rejoin(std::optional<uint64_t> next_step);
+
+  // Whether the newest committed plan leaves this rank out of the EP group (its node failed or
+  // an operator drained it). Such a rank serves no tokens; Rejoin waits (at most the join
+  // timeout at a time) until a plan includes it again.
+  bool excluded() const;
 
   // This rank's weight buffer for (layer, local slot) under the plan of the current step, and
   // the logical expert that slot holds.
