@@ -168,7 +168,10 @@ TEST_F(BalancerTest, TwoDaemonsServeOneGroupOfEightRanksAndRebalancingBringsTheI
   world_ = 8;
   // One-second intervals (the default): each holds enough steps that a rank's count is not
   // skewed by the step it was read at.
-  auto balancer = StartBalancer({"--interval=1s", "--report_interval=1s"});
+  // A longer window and a threshold of 1.1: after the first plan the balancer does not chase
+  // the counters' noise.
+  auto balancer = StartBalancer({"--interval=1s", "--report_interval=1s", "--window=8",
+                                 "--threshold=1.1"});
   auto node_a = StartDaemon({"--ranks=0-3", "--free_buffers=32"}, "node-a");
   auto node_b = StartDaemon({"--ranks=4-7", "--free_buffers=32"}, "node-b");
   std::vector<std::unique_ptr<Process>> clients;
@@ -224,6 +227,64 @@ TEST_F(BalancerTest, TwoDaemonsServeOneGroupOfEightRanksAndRebalancingBringsTheI
         << node;
   }
   EXPECT_THAT(ReadFile(path("node-a.log")), HasSubstr("group formed: generation 1, 8 ranks"));
+}
+
+// kill -9 of one of two daemons (a node lost): the balancer sees its health checks fail,
+// commits a plan for the survivors (ranks 0-3 hold every expert; the lost node's ranks are
+// excluded), the group forms again without them and the survivors keep serving, exactly.
+TEST_F(BalancerTest, ADaemonKilledHasItsRanksExcludedAndTheSurvivorsKeepServingExactly) {
+  constexpr int kSteps = 300;
+  world_ = 8;
+  auto balancer = StartBalancer({"--auto_rebalance=false", "--health_failures=2"});
+  // Every survivor slot may take a new expert: as many free buffers as slots.
+  auto node_a = StartDaemon({"--ranks=0-3", "--free_buffers=72"}, "node-a");
+  auto node_b = StartDaemon({"--ranks=4-7", "--free_buffers=72"}, "node-b");
+  std::vector<std::unique_ptr<Process>> clients;
+  for (int r = 0; r < world_; ++r) clients.push_back(StartClient(r, kSteps, r < 4 ? "node-a" : "node-b"));
+  ASSERT_TRUE(WaitFor([&] { return test::StepLines(ReadFile(ClientLog(0))).size() >= 60; },
+                      absl::Seconds(60)))
+      << ReadFile(ClientLog(0));
+  node_b->Signal(SIGKILL);
+  EXPECT_EQ(node_b->Wait(absl::Seconds(10)), 128 + SIGKILL);
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(clients[r]->Wait(absl::Seconds(120)), 0) << ReadFile(ClientLog(r));
+  // The lost node's clients were stopped by the membership change and could not rejoin.
+  for (int r = 4; r < 8; ++r) EXPECT_EQ(clients[r]->Wait(absl::Seconds(60)), 3) << ReadFile(ClientLog(r));
+  // Survivors: every step exact; where a step ran twice (stopped mid-step, run again after
+  // the group re-formed) the last run counts; all survivors agree on each step's plan.
+  std::map<uint64_t, uint64_t> plan_of_step;
+  for (int r = 0; r < 4; ++r) {
+    const std::string log = ReadFile(ClientLog(r));
+    EXPECT_THAT(log, HasSubstr(absl::StrCat("done steps ", kSteps, " failed 0"))) << log;
+    std::map<uint64_t, uint64_t> last;
+    for (const test::StepLine& line : test::StepLines(log)) {
+      EXPECT_TRUE(line.ok) << "rank " << r << " step " << line.step;
+      last[line.step] = line.plan;
+    }
+    EXPECT_EQ(last.size(), static_cast<size_t>(kSteps)) << "rank " << r;
+    for (const auto& [step, plan] : last) {
+      auto [it, inserted] = plan_of_step.emplace(step, plan);
+      EXPECT_EQ(it->second, plan) << "rank " << r << " disagrees at step " << step;
+    }
+  }
+  ASSERT_FALSE(plan_of_step.empty());
+  EXPECT_EQ(plan_of_step.begin()->second, 1u);
+  EXPECT_EQ(plan_of_step.rbegin()->second, 2u) << ReadFile(path("balancer.log"));
+  EXPECT_THAT(ReadFile(path("balancer.log")), HasSubstr("rebalance (membership changed): plan v2"));
+  const std::string a_log = ReadFile(path("node-a.log"));
+  EXPECT_THAT(a_log, HasSubstr("plan v2 changes the group's members (excluded: 4, 5, 6, 7)"));
+  EXPECT_THAT(a_log, HasSubstr("group formed: generation 2, 4 ranks (excluded: 4, 5, 6, 7)"));
+  v1::ClusterStatus status;
+  {
+    auto stub = v1::Control::NewStub(grpc::CreateChannel(
+        absl::StrCat("127.0.0.1:", balancer_port_), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext context;
+    ASSERT_TRUE(stub->GetStatus(&context, v1::GetStatusRequest(), &status).ok());
+  }
+  EXPECT_EQ(status.plan_version(), 2u);
+  EXPECT_THAT(status.excluded_ranks(), ::testing::ElementsAre(4, 5, 6, 7));
+  ASSERT_EQ(status.nodes_size(), 2);
+  EXPECT_TRUE(status.nodes(0).healthy());
+  EXPECT_FALSE(status.nodes(1).healthy());
 }
 
 TEST_F(BalancerTest, BalancerKilledBetweenPrepareAndCommitRestartsAndTheClusterStaysConsistent) {
