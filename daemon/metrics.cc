@@ -216,6 +216,22 @@ std::vector<MetricFamily> DaemonMetrics::Collect() const {
   }
   out.push_back(std::move(received));
   out.push_back(std::move(imbalance));
+
+  MetricFamily rank_received = Family("ubep_daemon_rank_received_total",
+                                      "Routed (token, k) pairs received per hosted rank and MoE "
+                                      "layer (the load counters summed over the rank's slots).",
+                                      MetricType::Counter);
+  if (absl::StatusOr<std::vector<std::vector<uint64_t>>> loads = node_->ReadLoads(); loads.ok()) {
+    for (size_t l = 0; l < loads->size(); ++l) {
+      for (const auto& [rank, is_up] : node.rank_up) {
+        if (rank >= static_cast<int>((*loads)[l].size())) continue;
+        rank_received.metric.push_back(CounterValue(
+            static_cast<double>((*loads)[l][rank]),
+            {{"rank", std::to_string(rank)}, {"layer", std::to_string(l)}}));
+      }
+    }
+  }
+  out.push_back(std::move(rank_received));
   return out;
 }
 

@@ -226,7 +226,8 @@ int main(int argc, char** argv) {
       // Out of the group (node failed or drained): serve nothing until a plan includes it.
       log.Line(absl::StrCat("excluded at step ", step, "; waiting for a plan that includes rank ",
                             rank_id));
-      while (!resume.ok() && (*rank)->excluded()) resume = (*rank)->Rejoin(step);
+      // Its step does not hold the group back when it is taken in again: no next step.
+      while (!resume.ok() && (*rank)->excluded()) resume = (*rank)->Rejoin(std::nullopt);
     }
     if (!resume.ok()) {
       log.Line(absl::StrCat("error rejoin: ", resume.status().message()));

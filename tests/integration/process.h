@@ -17,8 +17,7 @@
 
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-
-extern char** environ;
+#include "common/process.h"
 
 namespace ubep::test {
 
@@ -44,58 +43,7 @@ bool WaitFor(Predicate ready, absl::Duration timeout) {
   return true;
 }
 
-class Process {
- public:
-  // Starts argv[0] with stdout and stderr appended to `output` (when not empty).
-  explicit Process(std::vector<std::string> argv, const std::string& output = "") {
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    if (!output.empty()) {
-      posix_spawn_file_actions_addopen(&actions, 1, output.c_str(),
-                                       O_WRONLY | O_CREAT | O_APPEND, 0644);
-      posix_spawn_file_actions_adddup2(&actions, 1, 2);
-    }
-    std::vector<char*> args;
-    for (std::string& a : argv) args.push_back(a.data());
-    args.push_back(nullptr);
-    if (posix_spawn(&pid_, args[0], &actions, nullptr, args.data(), environ) != 0) pid_ = -1;
-    posix_spawn_file_actions_destroy(&actions);
-  }
-  ~Process() {
-    if (running()) {
-      kill(pid_, SIGKILL);
-      Wait(absl::Seconds(10));
-    }
-  }
-  Process(const Process&) = delete;
-  Process& operator=(const Process&) = delete;
-
-  pid_t pid() const { return pid_; }
-  bool running() const { return pid_ > 0 && !status_.has_value(); }
-  void Signal(int sig) const {
-    if (running()) kill(pid_, sig);
-  }
-
-  // The exit code (128 + signal when killed by one), or nullopt at the timeout.
-  std::optional<int> Wait(absl::Duration timeout) {
-    if (status_.has_value() || pid_ <= 0) return status_;
-    const absl::Time deadline = absl::Now() + timeout;
-    while (true) {
-      int raw = 0;
-      const pid_t r = waitpid(pid_, &raw, WNOHANG);
-      if (r == pid_) {
-        status_ = WIFEXITED(raw) ? WEXITSTATUS(raw) : 128 + WTERMSIG(raw);
-        return status_;
-      }
-      if (absl::Now() > deadline) return std::nullopt;
-      absl::SleepFor(absl::Milliseconds(5));
-    }
-  }
-
- private:
-  pid_t pid_ = -1;
-  std::optional<int> status_;
-};
+using ::ubep::Process;
 
 }  // namespace ubep::test
 

@@ -1,0 +1,578 @@
+// ubep-local: the main job on one machine, on the host backend, no GPU needed. It starts
+// ubep-balancer, K ubepd daemons acting as nodes (each hosting a contiguous range of ranks)
+// and R serving processes running the example MoE stack (ubep-moe-example) on a drifting mix
+// of the bundled DeepSeek-V3 expert-load traces; shows a live progress line; and writes a
+// report (report.json, report.md, report.png) when the run ends or on Ctrl-C.
+//
+//   ubep-local [--ranks R] [--daemons K] [--steps N] [--policy ubep|eplb|none] [--report DIR]
+//
+// Every process it starts is stopped on exit (SIGTERM, then SIGKILL after 10 s); arenas are
+// memfd shared memory, so nothing is left in /dev/shm; the working directory (sockets and
+// logs) is removed unless --keep_workdir.
+#include <signal.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "balancer/core/metrics.h"
+#include "common/http_get.h"
+#include "common/process.h"
+#include "nlohmann/json.hpp"
+
+ABSL_FLAG(int, ranks, 8, "Serving ranks (processes) in the EP group.");
+ABSL_FLAG(int, daemons, 2, "ubepd daemons acting as nodes; ranks are split evenly between them.");
+ABSL_FLAG(int, steps, 600, "Steps each rank runs.");
+ABSL_FLAG(std::string, policy, "ubep", "Placement policy: ubep, eplb, or none (no rebalancing).");
+ABSL_FLAG(std::string, report, "ubep-local-report", "Directory for report.json, .md and .png.");
+ABSL_FLAG(std::string, traces, "",
+          "Comma-separated SGLang expert-distribution files the router draws from; empty = the "
+          "bundled DeepSeek-V3 decode and prefill traces.");
+ABSL_FLAG(double, drift_period, 2000, "Steps per full rotation of the traces' mix.");
+ABSL_FLAG(int, experts, 256, "Logical experts per MoE layer.");
+ABSL_FLAG(int, layers, 4, "MoE layers.");
+ABSL_FLAG(int, hidden, 32, "Hidden size.");
+ABSL_FLAG(int, tokens, 128, "Tokens per rank per step.");
+ABSL_FLAG(int, slots_per_rank, 0, "Expert slots per rank; 0 = experts / ranks (no spare slot).");
+ABSL_FLAG(absl::Duration, step_delay, absl::Milliseconds(5), "Pause after each step.");
+ABSL_FLAG(absl::Duration, interval, absl::Seconds(1), "The balancer's load interval.");
+ABSL_FLAG(std::string, listen, "127.0.0.1:7070",
+          "The balancer's Control address (ubepctl's default); port 0 picks one.");
+ABSL_FLAG(int, metrics_port, 9465,
+          "The balancer's /metrics port on 127.0.0.1; daemon i serves at metrics_port + 1 + i; "
+          "0 = any free ports (see DIR/cluster.json and DIR/prometheus-targets.json).");
+ABSL_FLAG(bool, keep_workdir, false, "Keep the working directory (sockets and logs).");
+
+namespace {
+
+std::atomic<bool> interrupted{false};
+
+void OnSignal(int) { interrupted.store(true); }
+
+std::string SelfDir() {
+  std::error_code error;
+  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", error);
+  return error ? "." : self.parent_path().string();
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// A --ready_file's JSON, once it exists (at most 30 s).
+std::optional<nlohmann::json> AwaitReady(const std::string& path, const ubep::Process& process) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (absl::Now() < deadline && !interrupted.load()) {
+    if (std::filesystem::exists(path)) {
+      try {
+        return nlohmann::json::parse(ReadFile(path));
+      } catch (const std::exception&) {
+        // Half written: read again.
+      }
+    }
+    if (!process.running()) return std::nullopt;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return std::nullopt;
+}
+
+// One sample of a Prometheus text exposition.
+struct Series {
+  std::string name;
+  std::map<std::string, std::string> labels;
+  double value;
+};
+
+std::vector<Series> ParseExposition(const std::string& text) {
+  static const std::regex kLine(R"(^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})? (\S+)$)");
+  static const std::regex kLabel(R"re(([a-zA-Z_][a-zA-Z0-9_]*)="([^"]*)")re");
+  std::vector<Series> out;
+  for (const absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (line.empty() || line[0] == '#') continue;
+    const std::string s(line);
+    std::smatch m;
+    if (!std::regex_match(s, m, kLine)) continue;
+    Series series{m[1], {}, 0};
+    if (!absl::SimpleAtod(std::string(m[4]), &series.value)) continue;
+    const std::string labels = m[3];
+    for (auto it = std::sregex_iterator(labels.begin(), labels.end(), kLabel);
+         it != std::sregex_iterator(); ++it) {
+      series.labels[(*it)[1]] = (*it)[2];
+    }
+    out.push_back(std::move(series));
+  }
+  return out;
+}
+
+double Sum(const std::vector<Series>& all, const std::string& name,
+           const std::map<std::string, std::string>& match = {}) {
+  double sum = 0;
+  for (const Series& s : all) {
+    if (s.name != name) continue;
+    bool ok = true;
+    for (const auto& [k, v] : match) ok &= s.labels.count(k) && s.labels.at(k) == v;
+    if (ok) sum += s.value;
+  }
+  return sum;
+}
+
+double Mean(const std::vector<Series>& all, const std::string& name,
+            const std::map<std::string, std::string>& match) {
+  double sum = 0;
+  int n = 0;
+  for (const Series& s : all) {
+    if (s.name != name) continue;
+    bool ok = true;
+    for (const auto& [k, v] : match) ok &= s.labels.count(k) && s.labels.at(k) == v;
+    if (ok) {
+      sum += s.value;
+      ++n;
+    }
+  }
+  return n == 0 ? std::nan("") : sum / n;
+}
+
+// The median of a Prometheus histogram summed over every series of `name` (cumulative
+// buckets by le), interpolated inside the bucket; NaN without observations.
+double HistogramMedian(const std::vector<Series>& all, const std::string& name) {
+  std::map<double, double> buckets;
+  for (const Series& s : all) {
+    if (s.name != name + "_bucket" || !s.labels.count("le")) continue;
+    const std::string le = s.labels.at("le");
+    const double bound = le == "+Inf" ? INFINITY : std::stod(le);
+    buckets[bound] += s.value;
+  }
+  if (buckets.empty() || buckets.rbegin()->second <= 0) return std::nan("");
+  const double half = buckets.rbegin()->second / 2;
+  double lower = 0, below = 0;
+  for (const auto& [bound, count] : buckets) {
+    if (count >= half) {
+      if (std::isinf(bound)) return lower;
+      return lower + (bound - lower) * (half - below) / std::max(count - below, 1e-9);
+    }
+    lower = bound;
+    below = count;
+  }
+  return lower;
+}
+
+struct Node {
+  std::string name;
+  int first_rank = 0, num_ranks = 0;
+  int metrics_port = 0;
+  std::unique_ptr<ubep::Process> process;
+};
+
+struct Sample {
+  double seconds;
+  uint64_t step;
+  double version, measured;
+};
+
+// Balancedness (max / mean) per layer of per-rank counts; the mean over layers.
+double MeanImbalance(const std::vector<std::vector<double>>& counts, std::vector<double>* per_layer) {
+  double sum = 0;
+  for (const std::vector<double>& layer : counts) {
+    const double b = ubep::balancer::Balancedness(layer);
+    if (per_layer != nullptr) per_layer->push_back(b);
+    sum += b;
+  }
+  return counts.empty() ? std::nan("") : sum / counts.size();
+}
+
+std::vector<std::vector<double>> Minus(const std::vector<std::vector<double>>& a,
+                                       const std::vector<std::vector<double>>& b) {
+  std::vector<std::vector<double>> out = a;
+  for (size_t l = 0; l < out.size() && l < b.size(); ++l) {
+    for (size_t r = 0; r < out[l].size() && r < b[l].size(); ++r) out[l][r] -= b[l][r];
+  }
+  return out;
+}
+
+nlohmann::json JsonNumber(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(); }
+
+// Per-rank loads over the mean, [layer][rank], for the heatmap.
+void WriteHeat(const std::string& path, const std::vector<std::vector<double>>& counts) {
+  std::ofstream out(path);
+  for (const std::vector<double>& layer : counts) {
+    double mean = 0;
+    for (double v : layer) mean += v;
+    mean /= std::max<size_t>(layer.size(), 1);
+    std::vector<std::string> row;
+    for (double v : layer) row.push_back(absl::StrFormat("%.4f", mean > 0 ? v / mean : 0));
+    out << absl::StrJoin(row, " ") << "\n";
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "ubep-local [--ranks R] [--daemons K] [--steps N] [--policy ubep|eplb|none] [--report DIR]: "
+      "a local UBEP cluster on the host backend, with a report");
+  absl::ParseCommandLine(argc, argv);
+  const int R = absl::GetFlag(FLAGS_ranks), K = absl::GetFlag(FLAGS_daemons);
+  const int steps = absl::GetFlag(FLAGS_steps);
+  const std::string policy = absl::GetFlag(FLAGS_policy);
+  const int experts = absl::GetFlag(FLAGS_experts);
+  int slots = absl::GetFlag(FLAGS_slots_per_rank);
+  if (slots == 0) slots = (experts + R - 1) / R;
+  if (R < 1 || K < 1 || K > R || steps < 1 || (policy != "ubep" && policy != "eplb" && policy != "none")) {
+    std::cerr << "ubep-local: need 1 <= --daemons <= --ranks, --steps >= 1 and --policy ubep, eplb "
+                 "or none\n";
+    return 2;
+  }
+  const std::string bin = SelfDir();
+  std::string traces = absl::GetFlag(FLAGS_traces);
+  if (traces.empty()) {
+    const std::string dir = std::string(UBEP_DATA_DIR) + "/traces/deepseek-v3/";
+    traces = dir + "decode_in1000out1000.json," + dir + "prefill_in1024.json";
+  }
+  const std::string report_dir = absl::GetFlag(FLAGS_report);
+  std::filesystem::create_directories(report_dir);
+  char workdir_template[] = "/tmp/ubep-local.XXXXXX";
+  const std::string workdir = mkdtemp(workdir_template);
+  signal(SIGINT, OnSignal);
+  signal(SIGTERM, OnSignal);
+  const int metrics_base = absl::GetFlag(FLAGS_metrics_port);
+  auto metrics_address = [&](int offset) {
+    return absl::StrCat("127.0.0.1:", metrics_base == 0 ? 0 : metrics_base + offset);
+  };
+  auto path = [&](const std::string& name) { return workdir + "/" + name; };
+
+  // The balancer.
+  std::vector<std::string> balancer_argv = {
+      bin + "/ubep-balancer", "--listen=" + absl::GetFlag(FLAGS_listen),
+      "--metrics=" + metrics_address(0), "--ready_file=" + path("balancer.ready"),
+      "--interval=" + absl::FormatDuration(absl::GetFlag(FLAGS_interval)),
+      "--report_interval=" + absl::FormatDuration(absl::GetFlag(FLAGS_interval)),
+      "--health_interval=500ms", "--window=8", "--trigger_windows=2", "--threshold=1.1",
+      "--policy=" + (policy == "none" ? std::string("ubep") : policy),
+      absl::StrCat("--auto_rebalance=", policy == "none" ? "false" : "true")};
+  auto balancer = std::make_unique<ubep::Process>(balancer_argv, path("balancer.log"));
+  std::vector<Node> nodes(K);
+  std::vector<std::unique_ptr<ubep::Process>> clients;
+  int exit_code = 0;
+  auto stop_all = [&] {
+    for (auto& c : clients) c->Signal(SIGTERM);
+    for (Node& n : nodes) {
+      if (n.process) n.process->Signal(SIGTERM);
+    }
+    balancer->Signal(SIGTERM);
+    for (auto& c : clients) {
+      if (!c->Wait(absl::Seconds(10)).has_value()) c->Signal(SIGKILL);
+    }
+    for (Node& n : nodes) {
+      if (n.process && !n.process->Wait(absl::Seconds(10)).has_value()) n.process->Signal(SIGKILL);
+    }
+    if (!balancer->Wait(absl::Seconds(10)).has_value()) balancer->Signal(SIGKILL);
+  };
+  auto fail = [&](const std::string& what, const std::string& log) {
+    std::cerr << "ubep-local: " << what << "\n" << ReadFile(log) << "\n";
+    stop_all();
+    std::cerr << "logs kept in " << workdir << "\n";
+    return 1;
+  };
+  const std::optional<nlohmann::json> balancer_ready = AwaitReady(path("balancer.ready"), *balancer);
+  if (!balancer_ready.has_value()) return fail("ubep-balancer did not start", path("balancer.log"));
+  const int balancer_port = balancer_ready->value("port", 0);
+  const int balancer_metrics = balancer_ready->value("metrics_port", 0);
+
+  // The daemons, then the serving ranks.
+  for (int i = 0; i < K; ++i) {
+    Node& n = nodes[i];
+    n.name = absl::StrCat("node-", i);
+    n.first_rank = R * i / K;
+    n.num_ranks = R * (i + 1) / K - n.first_rank;
+    n.process = std::make_unique<ubep::Process>(
+        std::vector<std::string>{
+            bin + "/ubepd", "--socket=" + path(n.name + ".sock"), "--listen=127.0.0.1:0",
+            "--metrics=" + metrics_address(1 + i), "--ready_file=" + path(n.name + ".ready"),
+            absl::StrCat("--balancer=127.0.0.1:", balancer_port), "--node=" + n.name,
+            absl::StrCat("--ranks=", n.first_rank, "-", n.first_rank + n.num_ranks - 1),
+            absl::StrCat("--free_buffers=", slots), "--harvest_interval=500ms",
+            "--wait_timeout=30s"},
+        path(n.name + ".log"));
+  }
+  for (Node& n : nodes) {
+    const std::optional<nlohmann::json> ready = AwaitReady(path(n.name + ".ready"), *n.process);
+    if (!ready.has_value()) return fail(n.name + "'s ubepd did not start", path(n.name + ".log"));
+    n.metrics_port = ready->value("metrics_port", 0);
+  }
+  {
+    nlohmann::json cluster = {{"balancer", absl::StrCat("127.0.0.1:", balancer_port)},
+                              {"balancer_metrics_port", balancer_metrics},
+                              {"workdir", workdir}};
+    nlohmann::json targets = nlohmann::json::array();
+    targets.push_back({{"targets", {absl::StrCat("127.0.0.1:", balancer_metrics)}},
+                       {"labels", {{"job", "ubep-balancer"}}}});
+    for (const Node& n : nodes) {
+      cluster["daemons"].push_back({{"node", n.name},
+                                    {"metrics_port", n.metrics_port},
+                                    {"ranks", {n.first_rank, n.first_rank + n.num_ranks - 1}}});
+      targets.push_back({{"targets", {absl::StrCat("127.0.0.1:", n.metrics_port)}},
+                         {"labels", {{"job", "ubepd"}, {"node", n.name}}}});
+    }
+    std::ofstream(report_dir + "/cluster.json") << cluster.dump(2) << "\n";
+    std::ofstream(report_dir + "/prometheus-targets.json") << targets.dump(2) << "\n";
+  }
+  for (int r = 0; r < R; ++r) {
+    const Node& n = nodes[std::min(K - 1, r * K / R)];
+    const Node& host = (r >= n.first_rank && r < n.first_rank + n.num_ranks)
+                           ? n
+                           : *std::find_if(nodes.begin(), nodes.end(), [&](const Node& m) {
+                               return r >= m.first_rank && r < m.first_rank + m.num_ranks;
+                             });
+    clients.push_back(std::make_unique<ubep::Process>(
+        std::vector<std::string>{
+            bin + "/ubep-moe-example", "--socket=" + path(host.name + ".sock"),
+            absl::StrCat("--rank=", r), absl::StrCat("--world=", R),
+            absl::StrCat("--steps=", steps), absl::StrCat("--layers=", absl::GetFlag(FLAGS_layers)),
+            absl::StrCat("--experts=", experts), absl::StrCat("--hidden=", absl::GetFlag(FLAGS_hidden)),
+            absl::StrCat("--tokens=", absl::GetFlag(FLAGS_tokens)),
+            absl::StrCat("--slots_per_rank=", slots),
+            "--step_delay=" + absl::FormatDuration(absl::GetFlag(FLAGS_step_delay)),
+            absl::StrCat("--drift_period=", absl::GetFlag(FLAGS_drift_period)),
+            "--traces=" + traces, "--log=" + path(absl::StrCat("client-", r, ".log"))},
+        path(absl::StrCat("client-", r, ".out"))));
+  }
+  std::cout << "ubep-local: " << R << " ranks on " << K << " daemons, " << steps
+            << " steps, policy " << policy << "\n"
+            << "  ubep-balancer: 127.0.0.1:" << balancer_port << " (ubepctl --balancer=127.0.0.1:"
+            << balancer_port << "), metrics http://127.0.0.1:" << balancer_metrics << "/metrics\n";
+  for (const Node& n : nodes) {
+    std::cout << "  " << n.name << " ranks " << n.first_rank << "-" << n.first_rank + n.num_ranks - 1
+              << ": metrics http://127.0.0.1:" << n.metrics_port << "/metrics\n";
+  }
+  std::cout << "  logs in " << workdir << "; Ctrl-C stops everything\n" << std::flush;
+
+  // Watch: counters, the plan, progress.
+  const bool tty = isatty(STDOUT_FILENO);
+  const absl::Time start = absl::Now();
+  const int layers = absl::GetFlag(FLAGS_layers);
+  std::vector<std::vector<double>> counts(layers, std::vector<double>(R, 0));
+  std::optional<std::vector<std::vector<double>>> before_end, after_start;
+  std::optional<double> first_commit;
+  std::vector<Sample> samples;
+  double version = 1, migrated = 0, committed = 0, last_before = NAN, last_after = NAN;
+  double dispatch_p50 = NAN, combine_p50 = NAN;
+  std::vector<uint64_t> last_step(R, 0);
+  absl::Time next_print = absl::InfinitePast();
+  static const std::regex kStep(R"(^step (\d+) )");
+  while (!interrupted.load()) {
+    bool all_done = true;
+    for (auto& c : clients) all_done &= !c->running() || c->Wait(absl::ZeroDuration()).has_value();
+    const double t = absl::ToDoubleSeconds(absl::Now() - start);
+    // Counters and latencies from the daemons; the plan from the balancer.
+    std::vector<Series> daemon_series;
+    for (const Node& n : nodes) {
+      std::vector<Series> s = ParseExposition(ubep::HttpGet(n.metrics_port, "/metrics"));
+      daemon_series.insert(daemon_series.end(), s.begin(), s.end());
+    }
+    for (const Series& s : daemon_series) {
+      if (s.name != "ubep_daemon_rank_received_total") continue;
+      const int l = std::stoi(s.labels.at("layer")), r = std::stoi(s.labels.at("rank"));
+      if (l < layers && r < R) counts[l][r] = s.value;
+    }
+    dispatch_p50 = HistogramMedian(daemon_series, "ubep_daemon_dispatch_seconds");
+    combine_p50 = HistogramMedian(daemon_series, "ubep_daemon_combine_seconds");
+    const std::vector<Series> b = ParseExposition(ubep::HttpGet(balancer_metrics, "/metrics"));
+    if (!b.empty()) {
+      version = Sum(b, "ubep_balancer_plan_version");
+      migrated = Sum(b, "ubep_balancer_migrated_slots_total");
+      committed = Sum(b, "ubep_balancer_plans_committed_total");
+      last_before = Mean(b, "ubep_balancer_imbalance_ratio", {{"when", "before"}});
+      last_after = Mean(b, "ubep_balancer_imbalance_ratio", {{"when", "after"}});
+    }
+    const double measured = Mean(b, "ubep_balancer_imbalance_ratio", {{"when", "measured"}});
+    for (int r = 0; r < R; ++r) {
+      const std::string log = ReadFile(path(absl::StrCat("client-", r, ".log")));
+      const size_t from = log.rfind("\nstep ");
+      std::smatch m;
+      const std::string tail = from == std::string::npos ? log : log.substr(from + 1);
+      if (std::regex_search(tail, m, kStep)) last_step[r] = std::stoull(m[1]) + 1;
+    }
+    const uint64_t step = *std::min_element(last_step.begin(), last_step.end());
+    samples.push_back({t, step, version, measured});
+    // Before: the counts under plan v1 (to the first commit; for --policy none the first
+    // third of the run). After: from a few intervals past the first commit (the plan is in
+    // force and the counters show it), or the last third.
+    const double settle = 3 * absl::ToDoubleSeconds(absl::GetFlag(FLAGS_interval));
+    if (policy == "none") {
+      if (!before_end && step * 3 >= static_cast<uint64_t>(steps)) before_end = counts;
+      if (!after_start && step * 3 >= 2 * static_cast<uint64_t>(steps)) after_start = counts;
+    } else {
+      if (!first_commit && version > 1) {
+        first_commit = t;
+        before_end = counts;
+      }
+      if (first_commit && !after_start && t >= *first_commit + settle) after_start = counts;
+    }
+    if (absl::Now() >= next_print || all_done) {
+      next_print = absl::Now() + (tty ? absl::Milliseconds(500) : absl::Seconds(5));
+      const std::string line = absl::StrFormat(
+          "step %d/%d  plan v%.0f  imbalance %s (last rebalance %s -> %s)  migrated %.0f slots  "
+          "dispatch+combine p50 %s",
+          step, steps, version, std::isfinite(measured) ? absl::StrFormat("%.3f", measured) : "-",
+          std::isfinite(last_before) ? absl::StrFormat("%.3f", last_before) : "-",
+          std::isfinite(last_after) ? absl::StrFormat("%.3f", last_after) : "-", migrated,
+          std::isfinite(dispatch_p50) && std::isfinite(combine_p50)
+              ? absl::StrFormat("%.0f us", (dispatch_p50 + combine_p50) * 1e6)
+              : "-");
+      if (tty) {
+        std::cout << "\r" << line << "\033[K" << std::flush;
+      } else {
+        std::cout << line << "\n" << std::flush;
+      }
+    }
+    if (all_done) break;
+    absl::SleepFor(absl::Milliseconds(500));
+  }
+  if (tty) std::cout << "\n";
+  if (interrupted.load()) std::cout << "ubep-local: interrupted; stopping everything\n";
+  stop_all();
+
+  // Correctness: every rank ran every step, each equal to its float64 reference.
+  bool correct = !interrupted.load();
+  std::vector<std::string> problems;
+  for (int r = 0; r < R; ++r) {
+    const std::string log = ReadFile(path(absl::StrCat("client-", r, ".log")));
+    const std::optional<int> code = clients[r]->Wait(absl::ZeroDuration());
+    if (code != 0 || !absl::StrContains(log, absl::StrCat("done steps ", steps, " failed 0")) ||
+        absl::StrContains(log, "MISMATCH")) {
+      correct = false;
+      problems.push_back(absl::StrCat("rank ", r, " exit ", code.value_or(-1)));
+    }
+  }
+  const double duration = absl::ToDoubleSeconds(absl::Now() - start);
+  std::vector<double> before_layers, after_layers;
+  const double imbalance_before =
+      before_end ? MeanImbalance(*before_end, &before_layers) : std::nan("");
+  const std::vector<std::vector<double>> after_counts =
+      after_start ? Minus(counts, *after_start) : std::vector<std::vector<double>>{};
+  const double imbalance_after =
+      after_start ? MeanImbalance(after_counts, &after_layers) : std::nan("");
+
+  nlohmann::json report = {
+      {"ranks", R},
+      {"daemons", K},
+      {"steps", steps},
+      {"policy", policy},
+      {"imbalance_before", JsonNumber(imbalance_before)},
+      {"imbalance_after", JsonNumber(imbalance_after)},
+      {"imbalance_before_per_layer", before_layers},
+      {"imbalance_after_per_layer", after_layers},
+      {"rebalances", committed},
+      {"migrated_slots", migrated},
+      {"plan_version", version},
+      {"correct", correct},
+      {"interrupted", interrupted.load()},
+      {"dispatch_p50_us", JsonNumber(dispatch_p50 * 1e6)},
+      {"combine_p50_us", JsonNumber(combine_p50 * 1e6)},
+      {"duration_seconds", duration},
+  };
+  nlohmann::json series = nlohmann::json::array();
+  for (const Sample& s : samples) {
+    series.push_back({{"seconds", s.seconds}, {"step", s.step}, {"plan_version", s.version},
+                      {"imbalance", JsonNumber(s.measured)}});
+  }
+  report["samples"] = series;
+  if (!problems.empty()) report["problems"] = problems;
+  std::ofstream(report_dir + "/report.json") << report.dump(2) << "\n";
+
+  auto fmt = [](double v) { return std::isfinite(v) ? absl::StrFormat("%.3f", v) : std::string("-"); };
+  std::ofstream md(report_dir + "/report.md");
+  md << "# ubep-local report\n\n"
+     << R << " ranks on " << K << " daemons (host backend), " << steps << " steps, policy `"
+     << policy << "`, " << absl::StrFormat("%.1f", duration) << " s.\n\n"
+     << "| what | value |\n|---|---|\n"
+     << "| imbalance before (max/mean rank load, mean over layers, from the daemons' counters) | "
+     << fmt(imbalance_before) << " |\n"
+     << "| imbalance after | " << fmt(imbalance_after) << " |\n"
+     << "| rebalances committed | " << committed << " |\n"
+     << "| slots migrated | " << migrated << " |\n"
+     << "| dispatch p50 / combine p50 (per layer call, from the daemons' histograms) | "
+     << absl::StrFormat("%.0f us / %.0f us", dispatch_p50 * 1e6, combine_p50 * 1e6) << " |\n"
+     << "| every step equal to its float64 reference | " << (correct ? "yes" : "NO") << " |\n\n"
+     << "Before: " << (policy == "none" ? "the first third of the run" : "under plan v1, up to the first commit")
+     << ". After: " << (policy == "none" ? "the last third" : "from three intervals after the first commit to the end")
+     << ".\n\n![per-rank load and imbalance](report.png)\n";
+  md.close();
+
+  // The picture: per-rank load over the mean before and after, and imbalance over time.
+  if (before_end && after_start) {
+    WriteHeat(path("heat_before.dat"), *before_end);
+    WriteHeat(path("heat_after.dat"), after_counts);
+    {
+      std::ofstream ts(path("imbalance.dat"));
+      for (const Sample& s : samples) {
+        if (std::isfinite(s.measured)) ts << s.seconds << " " << s.measured << " " << s.version << "\n";
+      }
+    }
+    std::ofstream gp(path("report.gp"));
+    gp << "set terminal png size 1400,500 font ',10'\n"
+       << "set output '" << report_dir << "/report.png'\n"
+       << "set multiplot layout 1,3 title 'ubep-local: " << R << " ranks, " << K << " daemons, policy "
+       << policy << "'\n"
+       << "set palette defined (0 'white', 1 'orange', 2 'red', 3 'dark-red')\n"
+       << "set cbrange [0:3]\nset xlabel 'rank'\nset ylabel 'MoE layer'\n"
+       << "set xtics 1\nset ytics 1\nset xrange [-0.5:" << R - 0.5 << "]\nset yrange [-0.5:"
+       << layers - 0.5 << "]\n"
+       << "set title 'load / mean, before (imbalance " << fmt(imbalance_before) << ")'\n"
+       << "plot '" << path("heat_before.dat") << "' matrix with image notitle\n"
+       << "set title 'load / mean, after (imbalance " << fmt(imbalance_after) << ")'\n"
+       << "plot '" << path("heat_after.dat") << "' matrix with image notitle\n"
+       << "unset cbrange\nset xtics autofreq\nset ytics autofreq\nset xrange [*:*]\n"
+       << "set xlabel 'seconds'\nset ylabel 'imbalance (max/mean)'\n"
+       << "set title 'measured imbalance over time'\nset yrange [1:*]\n"
+       << "plot '" << path("imbalance.dat") << "' using 1:2 with lines lw 2 title 'imbalance'\n"
+       << "unset multiplot\n";
+    gp.close();
+    if (std::system(("gnuplot " + path("report.gp") + " 2>" + path("gnuplot.log")).c_str()) != 0) {
+      std::cerr << "ubep-local: gnuplot failed (is gnuplot installed?): "
+                << ReadFile(path("gnuplot.log")) << "\n";
+    }
+  }
+  std::cout << absl::StrFormat(
+      "ubep-local: imbalance %s -> %s, %.0f rebalances, %.0f slots migrated, dispatch+combine "
+      "p50 %s us, %s\n  report: %s/report.md, report.json, report.png\n",
+      fmt(imbalance_before), fmt(imbalance_after), committed, migrated,
+      std::isfinite(dispatch_p50 + combine_p50)
+          ? absl::StrFormat("%.0f", (dispatch_p50 + combine_p50) * 1e6)
+          : std::string("-"), correct ? "every step correct" : "NOT CORRECT",
+      report_dir);
+  if (!correct && !interrupted.load()) {
+    exit_code = 1;
+    std::cerr << "ubep-local: " << absl::StrJoin(problems, "; ") << "; logs kept in " << workdir << "\n";
+  } else if (!absl::GetFlag(FLAGS_keep_workdir)) {
+    std::filesystem::remove_all(workdir);
+  }
+  return interrupted.load() ? 130 : exit_code;
+}

@@ -1,0 +1,273 @@
+// ubepctl: the operator's command for a UBEP cluster. It talks gRPC to ubep-balancer:
+//
+//   ubepctl [--balancer=HOST:PORT] [--json] status
+//   ubepctl plan show
+//   ubepctl plan export --format=eplb|sglang [--out=FILE]
+//   ubepctl rebalance
+//   ubepctl drain NODE | undrain NODE
+//
+// Tables for people by default, --json for scripts. Exit codes: 0 done, 1 the balancer said
+// no or could not be reached (the message says which), 2 usage.
+#include <algorithm>
+#include <cstdio>
+#include <iostream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "balancer/formats/json_formats.h"
+#include "balancer/formats/proto_convert.h"
+#include "google/protobuf/util/json_util.h"
+#include "grpcpp/grpcpp.h"
+#include "nlohmann/json.hpp"
+#include "ubep/v1/control.grpc.pb.h"
+
+ABSL_FLAG(std::string, balancer, "localhost:7070", "HOST:PORT of ubep-balancer.");
+ABSL_FLAG(bool, json, false, "Print JSON instead of tables.");
+ABSL_FLAG(std::string, format, "eplb", "plan export: eplb or sglang.");
+ABSL_FLAG(std::string, out, "", "plan export: write here instead of stdout.");
+ABSL_FLAG(absl::Duration, timeout, absl::Seconds(30), "Deadline of each call.");
+
+namespace {
+
+constexpr char kUsage[] =
+    "usage: ubepctl [--balancer=HOST:PORT] [--json] "
+    "status | plan show | plan export --format=eplb|sglang [--out=FILE] | rebalance | "
+    "drain NODE | undrain NODE";
+
+using ubep::v1::Control;
+
+int Usage(const std::string& problem) {
+  std::cerr << "ubepctl: " << problem << "\n" << kUsage << "\n";
+  return 2;
+}
+
+// One line for a failed call: unreachable is said as such.
+int Failed(const std::string& what, const grpc::Status& status) {
+  if (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+      status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+    std::cerr << "ubepctl: cannot reach ubep-balancer at " << absl::GetFlag(FLAGS_balancer)
+              << ": " << status.error_message() << "\n";
+  } else {
+    std::cerr << "ubepctl: " << what << ": " << status.error_message() << "\n";
+  }
+  return 1;
+}
+
+std::string ToJson(const google::protobuf::Message& message) {
+  std::string out;
+  google::protobuf::util::JsonPrintOptions options;
+  options.add_whitespace = true;
+  options.always_print_primitive_fields = true;
+  options.preserve_proto_field_names = true;
+  (void)google::protobuf::util::MessageToJsonString(message, &out, options);
+  return out;
+}
+
+// "0-3" for contiguous ranks, else "0, 2, 5".
+std::string Ranks(const google::protobuf::RepeatedField<uint32_t>& ranks) {
+  if (ranks.empty()) return "-";
+  std::vector<uint32_t> r(ranks.begin(), ranks.end());
+  std::sort(r.begin(), r.end());
+  if (r.back() - r.front() + 1 == r.size() && r.size() > 1) {
+    return absl::StrCat(r.front(), "-", r.back());
+  }
+  return absl::StrJoin(r, ",");
+}
+
+void PrintTable(const std::vector<std::vector<std::string>>& rows) {
+  std::vector<size_t> width;
+  for (const auto& row : rows) {
+    width.resize(std::max(width.size(), row.size()));
+    for (size_t c = 0; c < row.size(); ++c) width[c] = std::max(width[c], row[c].size());
+  }
+  for (const auto& row : rows) {
+    std::string line;
+    for (size_t c = 0; c < row.size(); ++c) {
+      line += row[c];
+      if (c + 1 < row.size()) line += std::string(width[c] - row[c].size() + 2, ' ');
+    }
+    std::cout << line << "\n";
+  }
+}
+
+std::string Ago(double seconds) {
+  if (seconds < 0) return "never";
+  return absl::StrFormat("%.1fs ago", seconds);
+}
+
+int Status(Control::Stub& stub) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::GetFlag(FLAGS_timeout)));
+  ubep::v1::ClusterStatus status;
+  const grpc::Status s = stub.GetStatus(&context, ubep::v1::GetStatusRequest(), &status);
+  if (!s.ok()) return Failed("status", s);
+  if (absl::GetFlag(FLAGS_json)) {
+    std::cout << ToJson(status) << "\n";
+    return 0;
+  }
+  std::vector<std::vector<std::string>> rows = {
+      {"NODE", "ADDRESS", "RANKS", "HEALTH", "STATE", "STEP", "LAST REPORT"}};
+  for (const ubep::v1::NodeStatus& n : status.nodes()) {
+    rows.push_back({n.node(), n.address(), Ranks(n.ranks()), n.healthy() ? "healthy" : "DOWN",
+                    n.drained() ? "drained" : (n.healthy() ? "serving" : "excluded"),
+                    std::to_string(n.max_step()), Ago(n.seconds_since_report())});
+  }
+  PrintTable(rows);
+  std::cout << "\nplan v" << status.plan_version() << " over " << status.world_size()
+            << " ranks; excluded: "
+            << (status.excluded_ranks().empty() ? "none" : Ranks(status.excluded_ranks()))
+            << "; last commit " << Ago(status.seconds_since_commit()) << " ("
+            << status.plans_committed() << " committed, " << status.plans_aborted()
+            << " aborted since the balancer started)\n";
+  if (status.imbalance().empty()) {
+    std::cout << "imbalance: not measured yet\n";
+  } else {
+    double mean = 0, worst = 0;
+    std::vector<std::string> layers;
+    for (int l = 0; l < status.imbalance_size(); ++l) {
+      mean += status.imbalance(l);
+      worst = std::max(worst, status.imbalance(l));
+      layers.push_back(absl::StrFormat("%d:%.3f", l, status.imbalance(l)));
+    }
+    std::cout << absl::StrFormat("imbalance (max/mean rank load): mean %.3f, worst %.3f\n",
+                                 mean / status.imbalance_size(), worst)
+              << "per layer: " << absl::StrJoin(layers, " ") << "\n";
+  }
+  return 0;
+}
+
+absl::StatusOr<ubep::balancer::Plan> FetchPlan(Control::Stub& stub, grpc::Status* status) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::GetFlag(FLAGS_timeout)));
+  ubep::v1::Plan proto;
+  *status = stub.GetClusterPlan(&context, ubep::v1::GetClusterPlanRequest(), &proto);
+  if (!status->ok()) return absl::UnavailableError(status->error_message());
+  return ubep::balancer::FromProto(proto);
+}
+
+int PlanShow(Control::Stub& stub) {
+  grpc::Status status;
+  absl::StatusOr<ubep::balancer::Plan> plan = FetchPlan(stub, &status);
+  if (!status.ok()) return Failed("plan show", status);
+  if (!plan.ok()) return Failed("plan show", grpc::Status(grpc::StatusCode::INTERNAL,
+                                                          std::string(plan.status().message())));
+  if (absl::GetFlag(FLAGS_json)) {
+    std::cout << ToJson(ubep::balancer::ToProto(*plan)) << "\n";
+    return 0;
+  }
+  const ubep::balancer::Topology& t = plan->topology;
+  std::cout << "plan v" << plan->version << ": " << plan->num_layers() << " layers x "
+            << plan->num_experts << " experts on " << t.num_ranks << " ranks x "
+            << t.slots_per_rank << " slots; excluded ranks: "
+            << (plan->excluded_ranks.empty() ? "none" : absl::StrJoin(plan->excluded_ranks, ","))
+            << "\n\n";
+  std::vector<std::vector<std::string>> rows = {
+      {"LAYER", "MODEL LAYER", "REPLICATED EXPERTS", "MOST REPLICAS", "HOTTEST SLOT SHARE"}};
+  for (int l = 0; l < plan->num_layers(); ++l) {
+    std::map<int, int> replicas;
+    double top_share = 0;
+    for (int p = 0; p < t.num_slots(); ++p) {
+      if (plan->layers[l].slot_share[p] > 0) ++replicas[plan->layers[l].slot_expert[p]];
+      top_share = std::max(top_share, plan->layers[l].slot_share[p]);
+    }
+    int replicated = 0, most = 0;
+    for (const auto& [expert, n] : replicas) {
+      replicated += n > 1;
+      most = std::max(most, n);
+    }
+    rows.push_back({std::to_string(l), std::to_string(plan->layer_ids[l]),
+                    std::to_string(replicated), std::to_string(most),
+                    absl::StrFormat("%.3f", top_share)});
+  }
+  PrintTable(rows);
+  return 0;
+}
+
+int PlanExport(Control::Stub& stub) {
+  const std::string format = absl::GetFlag(FLAGS_format);
+  if (format != "eplb" && format != "sglang") {
+    return Usage(absl::StrCat("--format ", format, ": expected eplb or sglang"));
+  }
+  grpc::Status status;
+  absl::StatusOr<ubep::balancer::Plan> plan = FetchPlan(stub, &status);
+  if (!status.ok()) return Failed("plan export", status);
+  if (!plan.ok()) return Failed("plan export", grpc::Status(grpc::StatusCode::INTERNAL,
+                                                            std::string(plan.status().message())));
+  std::string text;
+  if (format == "eplb") {
+    text = ubep::balancer::PlanToJson(*plan);
+  } else {
+    // SGLang's expert location (--init-expert-location): the physical -> logical map per layer.
+    nlohmann::json map = nlohmann::json::array();
+    for (const ubep::balancer::LayerPlan& layer : plan->layers) map.push_back(layer.slot_expert);
+    text = nlohmann::json{{"physical_to_logical_map", map}}.dump() + "\n";
+  }
+  const std::string out = absl::GetFlag(FLAGS_out);
+  if (out.empty()) {
+    std::cout << text;
+    return 0;
+  }
+  if (absl::Status s = ubep::balancer::WriteTextFile(out, text); !s.ok()) {
+    std::cerr << "ubepctl: plan export: " << s.message() << "\n";
+    return 1;
+  }
+  std::cerr << "plan v" << plan->version << " written to " << out << " (" << format << ")\n";
+  return 0;
+}
+
+int PrintRebalance(const std::string& what, const ubep::v1::RebalanceResponse& r) {
+  if (absl::GetFlag(FLAGS_json)) {
+    std::cout << ToJson(r) << "\n";
+    return 0;
+  }
+  if (!r.changed()) {
+    std::cout << what << ": plan v" << r.version() << " stays (the new plan would be the same)\n";
+  } else {
+    std::cout << absl::StrFormat(
+        "%s: plan v%d committed: %d slots migrated, planned in %.1f ms, committed in %.1f ms\n",
+        what, r.version(), r.migrated_slots(), r.plan_seconds() * 1e3, r.commit_seconds() * 1e3);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(kUsage);
+  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  std::vector<std::string> words(args.begin() + 1, args.end());
+  if (words.empty()) return Usage("no command");
+  auto stub = Control::NewStub(
+      grpc::CreateChannel(absl::GetFlag(FLAGS_balancer), grpc::InsecureChannelCredentials()));
+  const std::string& command = words[0];
+  if (command == "status" && words.size() == 1) return Status(*stub);
+  if (command == "plan" && words.size() == 2 && words[1] == "show") return PlanShow(*stub);
+  if (command == "plan" && words.size() == 2 && words[1] == "export") return PlanExport(*stub);
+  if (command == "rebalance" && words.size() == 1) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::GetFlag(FLAGS_timeout)));
+    ubep::v1::RebalanceResponse response;
+    const grpc::Status s = stub->Rebalance(&context, ubep::v1::RebalanceRequest(), &response);
+    if (!s.ok()) return Failed("rebalance", s);
+    return PrintRebalance("rebalance", response);
+  }
+  if ((command == "drain" || command == "undrain") && words.size() == 2) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::GetFlag(FLAGS_timeout)));
+    ubep::v1::DrainRequest request;
+    request.set_node(words[1]);
+    ubep::v1::RebalanceResponse response;
+    const grpc::Status s = command == "drain" ? stub->Drain(&context, request, &response)
+                                              : stub->Undrain(&context, request, &response);
+    if (!s.ok()) return Failed(absl::StrCat(command, " ", words[1]), s);
+    return PrintRebalance(absl::StrCat(command, " ", words[1]), response);
+  }
+  return Usage(absl::StrCat("unknown command \"", absl::StrJoin(words, " "), "\""));
+}
