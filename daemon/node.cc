@@ -476,6 +476,8 @@ uint64_t Node::EffectiveStepOf(uint64_t version) const {
 void Node::TryFormGroup() {
   const int lead = LowestActive();
   if (!Hosted(lead) || !AllArenasMapped()) return;
+  // A change of members is being prepared or decided: the group forms under the decision.
+  if (membership_pending_) return;
   const int R = config_.num_ranks;
   const uint64_t next = GroupGeneration() + 1;
   uint64_t resume = kernels::kNoNextStep;
@@ -692,8 +694,9 @@ absl::Status Node::CopyWeights(int from_rank, uint32_t from_buffer, int to_rank,
 v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective_step) {
   MutexLock lock(&mu_);
   v1::PrepareResponse response;
-  auto fail = [&](std::string reason) {
+  auto fail = [&](std::string reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     UBEP_LOG(WARNING) << "prepare of plan v" << plan.version << " failed: " << reason;
+    membership_pending_ = pending_.has_value() && pending_->excluded_ranks != plan_.excluded_ranks;
     response.set_prepared(false);
     response.set_reason(std::move(reason));
     return response;
@@ -723,16 +726,39 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
     return fail(absl::StrCat("version ", plan.version, " is not above the committed v",
                              plan_.version));
   }
+  const bool membership = plan.excluded_ranks != plan_.excluded_ranks;
+  if (membership) {
+    // Ranks leave or join: stop the group now, so that no hosted rank reads a plan buffer
+    // while this plan overwrites one. Its members join again; the group forms once the plan
+    // is decided (TryFormGroup waits for it), under the plan then committed.
+    membership_pending_ = true;
+    SetGroupState(kernels::kGroupBroken);
+    for (int r = 0; r < R; ++r) SetAbortCode(r, kernels::kAbortMembership, /*only_if_clear=*/true);
+    const absl::Duration wait = std::min(options_.wait_timeout, absl::Seconds(3));
+    const bool stopped = mu_.AwaitWithTimeout([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      for (int r = first_; r < first_ + hosted_; ++r) {
+        if (ranks_[r].state == RankState::kConnected && !ranks_[r].joining) return false;
+      }
+      return true;
+    }, wait);
+    if (!stopped || draining_ || !has_group_) {
+      return fail(absl::StrCat("the hosted ranks did not stop within ", absl::FormatDuration(wait),
+                               " for the change of members"));
+    }
+  }
   for (int r = 0; r < R; ++r) {
     const uint64_t step = std::atomic_ref<uint64_t>(kernels::ControlOf(arenas_[r].data(), layout_)->step)
                               .load(std::memory_order_relaxed);
     if (plan.excluded(r)) continue;
-    if (step >= effective_step) {
+    // (A change of members stops the group, and the plan is in force from the step it resumes
+    // at, whatever its effective step.)
+    if (!membership && step >= effective_step) {
       return fail(absl::StrCat("effective step ", effective_step, " is not ahead of rank ", r,
                                "'s step ", step));
     }
     const uint64_t in_force = EffectiveStepOf(plan_.version);
-    if (Hosted(r) && !plan_.excluded(r) && ranks_[r].state == RankState::kConnected &&
+    // (Not for a change of members: the group is stopped, and forms again under the new plan.)
+    if (!membership && Hosted(r) && !plan_.excluded(r) && ranks_[r].state == RankState::kConnected &&
         step < in_force && in_force > 0) {
       return fail(absl::StrCat("plan v", plan_.version, " is not in force on rank ", r,
                                " yet (step ", step, " < ", in_force, ")"));
@@ -839,6 +865,7 @@ absl::Status Node::Commit(uint64_t version) {
   plan_ = *std::move(pending_);
   plan_effective_step_ = pending_effective_step_;
   pending_.reset();
+  membership_pending_ = false;
   if (membership) {
     // Ranks leave or join: stop every wait of the running group (and of clients of excluded
     // ranks); the members join again and the group forms under this plan, from the least step
@@ -863,6 +890,7 @@ absl::Status Node::Abort(uint64_t version) {
     UBEP_RETURN_IF_ERROR(kernels::AbortPlan(arenas_[r].data() + layout_.plan, version));
   }
   pending_.reset();
+  membership_pending_ = false;
   UBEP_LOG(INFO) << "aborted plan v" << version;
   return absl::OkStatus();
 }

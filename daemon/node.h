@@ -199,6 +199,8 @@ class Node {
   uint64_t plan_effective_step_ ABSL_GUARDED_BY(mu_) = 0;
   std::optional<balancer::Plan> pending_ ABSL_GUARDED_BY(mu_);  // Prepared, undecided.
   uint64_t pending_effective_step_ ABSL_GUARDED_BY(mu_) = 0;
+  // A plan changing the members is being prepared, or prepared and undecided.
+  bool membership_pending_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 template <typename Fn>

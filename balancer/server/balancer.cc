@@ -658,6 +658,25 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why) {
     effective_step = EstimateStep() + static_cast<uint64_t>(options_.min_margin_steps);
     before = SummarizeBalance(previous, load).per_layer;
   }
+  if (excluded == previous.excluded_ranks) {
+    // The daemons refuse a plan while the one in force is not in force on every rank yet (its
+    // predecessor's buffer may still be read): wait for that, bounded. A change of members
+    // does not wait; the daemons stop the group for it.
+    const absl::Time until = absl::Now() + options_.rpc_timeout * 2;
+    while (absl::Now() < until) {
+      {
+        MutexLock lock(&mu_);
+        bool in_force = true;
+        for (const auto& [name, d] : daemons_) {
+          if (d.healthy && !drained_.contains(name) && d.max_step < plan_effective_step_) in_force = false;
+        }
+        if (in_force) break;
+      }
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    MutexLock lock(&mu_);
+    effective_step = EstimateStep() + static_cast<uint64_t>(options_.min_margin_steps);
+  }
   const absl::Time plan_start = absl::Now();
   PlannerOptions planner;
   planner.policy = options_.policy;
@@ -760,8 +779,11 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why) {
     imbalance_->Add({{"layer", std::to_string(l)}, {"when", "before"}}).Set(before[l]);
     imbalance_->Add({{"layer", std::to_string(l)}, {"when", "after"}}).Set(after[l]);
   }
+  const bool membership = plan->excluded_ranks != previous.excluded_ranks;
   plan_ = *std::move(plan);
-  plan_effective_step_ = effective_step;
+  // A change of members is in force from the step the group resumes at (the daemons move
+  // its effective step there), which is not later than the estimate.
+  plan_effective_step_ = membership ? 0 : effective_step;
   ++committed_count_;
   for (const std::string& name : targets) daemons_[name].committed = plan_->version;
   plan_version_->Set(static_cast<double>(plan_->version));

@@ -1,0 +1,238 @@
+// The main job and the operator's tools end to end: ubep-local (balancer, 2 daemons, 8 serving
+// ranks on the host backend) runs a scenario from the bundled traces while a real Prometheus
+// server (Debian's package) scrapes the daemons and the balancer, every query of the Grafana
+// dashboard returns data from it, and ubepctl reads status, exports the plan (which
+// ubep-balance eval accepts), drains and undrains a node. Label: integration;ops.
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/integration/cluster.h"
+
+namespace ubep {
+namespace {
+
+using ::testing::HasSubstr;
+using test::Process;
+using test::ReadFile;
+using test::WaitFor;
+
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+std::string UrlEncode(const std::string& s) {
+  std::string out;
+  for (unsigned char c : s) {
+    if (std::isalnum(c) || c == '-' || c == '_' || c == '.' || c == '~') {
+      out += static_cast<char>(c);
+    } else {
+      out += absl::StrFormat("%%%02X", c);
+    }
+  }
+  return out;
+}
+
+class LocalTest : public ::testing::Test {
+ protected:
+  std::string path(const std::string& name) const { return dir_.path() + "/" + name; }
+
+  // Runs a command to completion (at most 60 s); its exit code, output in `output`.
+  int Run(std::vector<std::string> argv, std::string* output) {
+    const std::string out = path(absl::StrCat("cmd-", ++commands_, ".out"));
+    Process p(std::move(argv), out);
+    const std::optional<int> code = p.Wait(absl::Seconds(60));
+    *output = ReadFile(out);
+    return code.value_or(-1);
+  }
+
+  std::string Ctl(const std::vector<std::string>& args, int* code) {
+    std::vector<std::string> argv = {test::BinaryPath("ubepctl"), "--balancer=" + balancer_};
+    argv.insert(argv.end(), args.begin(), args.end());
+    std::string output;
+    *code = Run(argv, &output);
+    return output;
+  }
+
+  nlohmann::json Status() {
+    int code = 0;
+    const std::string out = Ctl({"--json", "status"}, &code);
+    EXPECT_EQ(code, 0) << out;
+    try {
+      return nlohmann::json::parse(out);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "status --json is not JSON: " << out;
+      return nlohmann::json::object();
+    }
+  }
+
+  test::TempDir dir_;
+  std::string balancer_;
+  int commands_ = 0;
+};
+
+TEST_F(LocalTest, UbepLocalServedWhilePrometheusScrapesAndUbepctlOperates) {
+  const std::string report = path("report");
+  auto local = std::make_unique<Process>(
+      std::vector<std::string>{test::BinaryPath("ubep-local"), "--ranks=8", "--daemons=2",
+                               "--steps=900", "--policy=ubep", "--report=" + report,
+                               // 64 slots: the 4 ranks left after a drain hold every expert.
+                               "--slots_per_rank=64",
+                               "--listen=127.0.0.1:0", "--metrics_port=0"},
+      path("local.out"));
+  ASSERT_TRUE(WaitFor([&] { return std::filesystem::exists(report + "/prometheus-targets.json"); },
+                      absl::Seconds(60)))
+      << ReadFile(path("local.out"));
+  const nlohmann::json cluster = nlohmann::json::parse(ReadFile(report + "/cluster.json"));
+  balancer_ = cluster["balancer"];
+
+  // A real Prometheus scraping every second, targets from ubep-local's file.
+  const int prom_port = FreePort();
+  {
+    std::ofstream config(path("prometheus.yml"));
+    config << "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+           << "rule_files:\n  - " << UBEP_SOURCE_DIR << "/deploy/prometheus/ubep-alerts.yaml\n"
+           << "scrape_configs:\n  - job_name: ubep\n    file_sd_configs:\n      - files: ['"
+           << report << "/prometheus-targets.json']\n        refresh_interval: 1s\n";
+  }
+  Process prometheus({"/usr/bin/prometheus", "--config.file=" + path("prometheus.yml"),
+                      "--storage.tsdb.path=" + path("prometheus-data"),
+                      absl::StrCat("--web.listen-address=127.0.0.1:", prom_port)},
+                     path("prometheus.log"));
+
+  // ubepctl: unreachable balancer first.
+  {
+    std::string out;
+    const int code = Run({test::BinaryPath("ubepctl"), "--balancer=127.0.0.1:1", "--timeout=2s",
+                          "status"},
+                         &out);
+    EXPECT_EQ(code, 1);
+    EXPECT_THAT(out, HasSubstr("ubepctl: cannot reach ubep-balancer at 127.0.0.1:1: "));
+  }
+  // Both nodes registered with their ranks; then the first rebalance.
+  ASSERT_TRUE(WaitFor([&] {
+    const nlohmann::json s = Status();
+    return s.contains("nodes") && s["nodes"].size() == 2 && s["world_size"] == 8;
+  }, absl::Seconds(60))) << ReadFile(path("local.out"));
+  ASSERT_TRUE(WaitFor([&] { return Status().value("plan_version", "0") != "0" &&
+                                   Status().value("plan_version", "0") != "1"; },
+                      absl::Seconds(90)))
+      << ReadFile(path("local.out"));
+  nlohmann::json s = Status();
+  EXPECT_EQ(s["nodes"][0]["node"], "node-0");
+  EXPECT_EQ(s["nodes"][0]["ranks"], nlohmann::json({0, 1, 2, 3}));
+  EXPECT_EQ(s["nodes"][1]["ranks"], nlohmann::json({4, 5, 6, 7}));
+  EXPECT_TRUE(s["nodes"][1]["healthy"].get<bool>());
+  int code = 0;
+  const std::string table = Ctl({"status"}, &code);
+  EXPECT_EQ(code, 0);
+  EXPECT_THAT(table, HasSubstr("node-1"));
+  EXPECT_THAT(table, HasSubstr("4-7"));
+  EXPECT_THAT(table, HasSubstr("excluded: none"));
+
+  // The exported EPLB-format plan is accepted by ubep-balance eval; SGLang's form has the map.
+  const std::string exported = path("plan.json");
+  EXPECT_EQ(code = 0, 0);
+  std::string out = Ctl({"plan", "export", "--format=eplb", "--out=" + exported}, &code);
+  ASSERT_EQ(code, 0) << out;
+  {
+    // The model's 4 MoE layers are the trace's first 4: the load file for eval has those.
+    const nlohmann::json trace =
+        nlohmann::json::parse(ReadFile(test::TracePath("decode_in1000out1000.json")));
+    nlohmann::json rows = nlohmann::json::array();
+    for (const auto& row : trace["logical_count"]) {
+      double sum = 0;
+      for (const auto& v : row) sum += v.get<double>();
+      if (sum > 0 && rows.size() < 4) rows.push_back(row);
+    }
+    std::ofstream(path("load4.json")) << nlohmann::json{{"logical_count", rows}}.dump();
+  }
+  EXPECT_EQ(Run({test::BinaryPath("ubep-balance"), "eval", "--plan", exported, "--load",
+                 path("load4.json")},
+                &out),
+            0)
+      << out;
+  EXPECT_THAT(out, HasSubstr("balancedness"));
+  out = Ctl({"plan", "export", "--format=sglang"}, &code);
+  ASSERT_EQ(code, 0);
+  const nlohmann::json sglang = nlohmann::json::parse(out);
+  ASSERT_EQ(sglang["physical_to_logical_map"].size(), 4u);
+  EXPECT_EQ(sglang["physical_to_logical_map"][0].size(), 8u * 64u);
+  out = Ctl({"plan", "export", "--format=csv"}, &code);
+  EXPECT_EQ(code, 2);
+  EXPECT_THAT(out, HasSubstr("ubepctl: --format csv: expected eplb or sglang"));
+
+  // Drain node-1: its ranks leave the group; undrain: they come back.
+  out = Ctl({"drain", "node-1"}, &code);
+  ASSERT_EQ(code, 0) << out;
+  EXPECT_THAT(out, HasSubstr("drain node-1: plan v"));
+  s = Status();
+  EXPECT_EQ(s["excluded_ranks"], nlohmann::json({4, 5, 6, 7}));
+  EXPECT_TRUE(s["nodes"][1]["drained"].get<bool>());
+  out = Ctl({"--json", "plan", "show"}, &code);
+  EXPECT_EQ(nlohmann::json::parse(out)["excluded_ranks"], nlohmann::json({4, 5, 6, 7}));
+  out = Ctl({"drain", "node-9"}, &code);
+  EXPECT_EQ(code, 1);
+  EXPECT_THAT(out, HasSubstr("ubepctl: drain node-9: node \"node-9\" is not registered"));
+  out = Ctl({"undrain", "node-1"}, &code);
+  ASSERT_EQ(code, 0) << out;
+  s = Status();
+  EXPECT_FALSE(s.contains("excluded_ranks") && !s["excluded_ranks"].empty()) << s.dump();
+  EXPECT_FALSE(s["nodes"][1]["drained"].get<bool>());
+  out = Ctl({"rebalance"}, &code);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_THAT(out, HasSubstr("rebalance: plan v"));
+
+  // Every query of the dashboard returns data from the real Prometheus.
+  const nlohmann::json dashboard =
+      nlohmann::json::parse(ReadFile(std::string(UBEP_SOURCE_DIR) + "/deploy/grafana/ubep-dashboard.json"));
+  std::vector<std::string> exprs;
+  for (const auto& panel : dashboard["panels"]) {
+    for (const auto& target : panel["targets"]) exprs.push_back(target["expr"]);
+  }
+  ASSERT_GE(exprs.size(), 12u);
+  for (const std::string& expr : exprs) {
+    std::string body;
+    EXPECT_TRUE(WaitFor([&] {
+      body = HttpGet(prom_port, "/api/v1/query?query=" + UrlEncode(expr));
+      if (body.empty()) return false;
+      const nlohmann::json r = nlohmann::json::parse(body, nullptr, false);
+      return !r.is_discarded() && r.value("status", "") == "success" &&
+             !r["data"]["result"].empty();
+    }, absl::Seconds(60)))
+        << expr << " -> " << body;
+  }
+
+  // The run ends on its own; the report shows the rebalance and every step correct.
+  ASSERT_EQ(local->Wait(absl::Seconds(300)), 0) << ReadFile(path("local.out"));
+  const nlohmann::json r = nlohmann::json::parse(ReadFile(report + "/report.json"));
+  EXPECT_TRUE(r["correct"].get<bool>()) << r.dump(2);
+  EXPECT_EQ(r["steps"], 900);
+  EXPECT_GE(r["rebalances"].get<double>(), 3);  // The first, the drain, the undrain.
+  EXPECT_GT(r["imbalance_before"].get<double>(), 1.5);
+  EXPECT_LT(r["imbalance_after"].get<double>(), r["imbalance_before"].get<double>());
+  EXPECT_GT(r["migrated_slots"].get<double>(), 0);
+  EXPECT_TRUE(std::filesystem::exists(report + "/report.png"));
+  EXPECT_THAT(ReadFile(report + "/report.md"), HasSubstr("| every step equal to its float64 reference | yes |"));
+}
+
+}  // namespace
+}  // namespace ubep
