@@ -13,7 +13,12 @@ packages=(
   nlohmann-json3-dev
   openmpi-bin libopenmpi-dev
   prometheus
+  gnuplot-nox
 )
+# Tools the ops tests use, from Debian unless the machine has them already: kubectl (for
+# `kubectl kustomize`), Node.js and npm (the manifests' schema check).
+command -v kubectl >/dev/null || packages+=(kubernetes-client)
+command -v npm >/dev/null || packages+=(nodejs npm)
 
 missing=()
 for p in "${packages[@]}"; do

@@ -109,7 +109,7 @@ TEST_F(LocalTest, UbepLocalServedWhilePrometheusScrapesAndUbepctlOperates) {
   {
     std::ofstream config(path("prometheus.yml"));
     config << "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-           << "rule_files:\n  - " << UBEP_SOURCE_DIR << "/deploy/prometheus/ubep-alerts.yaml\n"
+
            << "scrape_configs:\n  - job_name: ubep\n    file_sd_configs:\n      - files: ['"
            << report << "/prometheus-targets.json']\n        refresh_interval: 1s\n";
   }

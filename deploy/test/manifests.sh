@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The Kubernetes manifests: kubectl kustomize renders the base and the example overlay, and
+# every rendered object validates offline against the Kubernetes and prometheus-operator
+# schemas (validate.cjs). Then the check is shown to fail where it must: an unknown field, a
+# wrong type and a missing required field are each rejected with tsc's message.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+cd "$here"
+if [ ! -d node_modules ] || [ package-lock.json -nt node_modules ]; then
+  npm ci --no-audit --no-fund --loglevel=error
+fi
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+for k in base overlays/example; do
+  kubectl kustomize "../k8s/$k" > "$work/$(basename "$k").yaml" 2> "$work/kustomize.err" || {
+    cat "$work/kustomize.err"; exit 1; }
+  grep -q '^kind: DaemonSet' "$work/$(basename "$k").yaml"
+done
+node validate.cjs "$work/base.yaml" "$work/example.yaml"
+
+# Negative cases, made from the rendered overlay.
+mutate() {  # mutate NAME JS-STATEMENT-ON-THE-DAEMONSET
+  node -e '
+    const fs = require("fs"), YAML = require("yaml");
+    const docs = YAML.parseAllDocuments(fs.readFileSync(process.argv[1], "utf8")).map((d) => d.toJS());
+    const ds = docs.find((d) => d && d.kind === "DaemonSet");
+    const c = ds.spec.template.spec.containers[0];
+    eval(process.argv[2]);
+    fs.writeFileSync(process.argv[3], docs.map((d) => YAML.stringify(d)).join("---\n"));
+  ' "$work/example.yaml" "$2" "$work/$1.yaml"
+}
+expect_rejected() {  # expect_rejected NAME MESSAGE
+  if node validate.cjs "$work/$1.yaml" > "$work/$1.out" 2>&1; then
+    echo "manifests: the $1 case was not rejected"; exit 1
+  fi
+  grep -q "$2" "$work/$1.out" || { echo "manifests: the $1 case failed without \"$2\":"; cat "$work/$1.out"; exit 1; }
+  echo "manifests: $1 rejected as expected"
+}
+mutate unknown-field 'c.securityContext.privilegedd = true;'
+expect_rejected unknown-field "'\"privilegedd\"' does not exist in type 'ISecurityContext'"
+mutate wrong-type 'c.ports[0].containerPort = "seven-thousand";'
+expect_rejected wrong-type "Type 'string' is not assignable to type 'number'"
+mutate missing-field 'delete ds.spec.selector;'
+expect_rejected missing-field "Property '\"selector\"' is missing"
+echo "manifests: OK"
