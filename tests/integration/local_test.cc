@@ -6,6 +6,9 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 
+#include <signal.h>
+
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -232,6 +235,47 @@ TEST_F(LocalTest, UbepLocalServedWhilePrometheusScrapesAndUbepctlOperates) {
   EXPECT_GT(r["migrated_slots"].get<double>(), 0);
   EXPECT_TRUE(std::filesystem::exists(report + "/report.png"));
   EXPECT_THAT(ReadFile(report + "/report.md"), HasSubstr("| every step equal to its float64 reference | yes |"));
+}
+
+// Ctrl-C: every process ubep-local started stops, nothing is left in /dev/shm, the working
+// directory is gone, and the report says the run was interrupted.
+TEST_F(LocalTest, InterruptStopsEveryProcessAndLeavesNothingBehind) {
+  auto shm = [] {
+    std::vector<std::string> names;
+    for (const auto& e : std::filesystem::directory_iterator("/dev/shm")) names.push_back(e.path());
+    std::sort(names.begin(), names.end());
+    return names;
+  };
+  const std::vector<std::string> shm_before = shm();
+  const std::string report = path("report");
+  Process local({test::BinaryPath("ubep-local"), "--ranks=4", "--daemons=2", "--steps=1000000",
+                 "--report=" + report, "--listen=127.0.0.1:0", "--metrics_port=0"},
+                path("local.out"));
+  ASSERT_TRUE(WaitFor([&] { return std::filesystem::exists(report + "/cluster.json"); },
+                      absl::Seconds(60)))
+      << ReadFile(path("local.out"));
+  const std::string workdir = nlohmann::json::parse(ReadFile(report + "/cluster.json"))["workdir"];
+  // Children are found by the working directory in their command lines.
+  auto children = [&] {
+    int n = 0;
+    for (const auto& e : std::filesystem::directory_iterator("/proc")) {
+      const std::string cmdline = ReadFile(e.path().string() + "/cmdline");
+      if (cmdline.find(workdir) != std::string::npos) ++n;
+    }
+    return n;
+  };
+  ASSERT_TRUE(WaitFor([&] { return ReadFile(path("local.out")).find("step ") != std::string::npos; },
+                      absl::Seconds(60)));
+  EXPECT_EQ(children(), 1 + 2 + 4);  // The balancer, 2 daemons, 4 ranks.
+  local.Signal(SIGINT);
+  EXPECT_EQ(local.Wait(absl::Seconds(60)), 130) << ReadFile(path("local.out"));
+  EXPECT_EQ(children(), 0);
+  EXPECT_FALSE(std::filesystem::exists(workdir));
+  EXPECT_EQ(shm(), shm_before);
+  EXPECT_THAT(ReadFile(path("local.out")), HasSubstr("ubep-local: interrupted; stopping everything"));
+  const nlohmann::json r = nlohmann::json::parse(ReadFile(report + "/report.json"));
+  EXPECT_TRUE(r["interrupted"].get<bool>());
+  EXPECT_FALSE(r["correct"].get<bool>());
 }
 
 }  // namespace
