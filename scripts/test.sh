@@ -12,7 +12,7 @@ echo "== ASan + UBSan"
 UBEP_BUILD_TYPE=Debug scripts/build.sh build-asan -DUBEP_SANITIZE=address \
   -DUBEP_ENABLE_CUDA=OFF -DUBEP_BUILD_BENCHMARKS=OFF
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-  ctest --test-dir build-asan -j "$jobs" --output-on-failure -LE gpu
+  ctest --test-dir build-asan -j "$jobs" --output-on-failure -LE "gpu|ops"
 
 echo "== TSan (label concurrent)"
 UBEP_BUILD_TYPE=Debug scripts/build.sh build-tsan -DUBEP_SANITIZE=thread \
