@@ -164,6 +164,13 @@ TEST_F(BalancerTest, RebalancingLowersTheMeasuredImbalanceAndEveryStepStaysExact
 // 32 slots per rank hold the 256 experts once: round-robin puts the traces' hot experts
 // together (imbalance above 2); 128 tokens per rank keep the counters' noise small.
 TEST_F(BalancerTest, TwoDaemonsServeOneGroupOfEightRanksAndRebalancingBringsTheImbalanceUnder1_1) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  // Measured imbalance needs many steps per interval: a rank's count is read mid-step, so
+  // with the 2 steps per second of a sanitized debug build each interval's figure is off by
+  // up to half a step's load. The two-daemon group itself runs under the sanitizers in
+  // ADaemonKilledHasItsRanksExcludedAndTheSurvivorsKeepServingExactly.
+  GTEST_SKIP() << "imbalance figures are measured in the release build";
+#endif
   constexpr int kSteps = 500;
   world_ = 8;
   // One-second intervals (the default): each holds enough steps that a rank's count is not
