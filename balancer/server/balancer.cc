@@ -287,6 +287,20 @@ grpc::Status Balancer::Register(grpc::ServerContext*, const v1::RegisterRequest*
       }
     }
   }
+  // A daemon of a group spread over several nodes that comes back as a new process has new
+  // arenas, and its peers still map the old ones (re-mapping a restarted peer is not built):
+  // taking its ranks back would stall the group. They stay excluded, as if drained, until
+  // the operator undrains the node once every daemon of the group has restarted.
+  if (auto it = daemons_.find(request->node());
+      it != daemons_.end() && !it->second.info.incarnation().empty() &&
+      it->second.info.incarnation() != request->incarnation() &&
+      it->second.info.ranks_size() > 0 && shape_.has_value() &&
+      it->second.info.ranks_size() < shape_->world &&
+      !drained_.contains(request->node())) {
+    drained_.insert(request->node());
+    UBEP_LOG(WARNING) << "node " << request->node() << " restarted (a new ubepd process): its ranks "
+                      << "stay excluded until it is undrained (its peers map its old arenas)";
+  }
   Daemon& d = daemons_[request->node()];
   if (d.info.address() != request->address() || d.control == nullptr) {
     d.channel = grpc::CreateChannel(request->address(), grpc::InsecureChannelCredentials());
@@ -799,9 +813,20 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why) {
 
 std::vector<int> Balancer::DesiredExcluded() const {
   std::vector<int> excluded;
+  std::set<int> served;  // By healthy daemons not drained.
   for (const auto& [name, d] : daemons_) {
-    if (d.healthy && !drained_.contains(name)) continue;
-    for (uint32_t r : d.info.ranks()) excluded.push_back(static_cast<int>(r));
+    const bool serving = d.healthy && !drained_.contains(name);
+    for (uint32_t r : d.info.ranks()) {
+      if (serving) served.insert(static_cast<int>(r));
+      if (!serving) excluded.push_back(static_cast<int>(r));
+    }
+  }
+  // An excluded rank comes back only with a daemon serving it (not one that registered
+  // without a group yet).
+  if (plan_.has_value()) {
+    for (int r : plan_->excluded_ranks) {
+      if (!served.contains(r)) excluded.push_back(r);
+    }
   }
   std::sort(excluded.begin(), excluded.end());
   excluded.erase(std::unique(excluded.begin(), excluded.end()), excluded.end());

@@ -58,6 +58,7 @@ class BalancerTest : public ::testing::Test {
   // A daemon acting as node `node`: socket NODE.sock, log NODE.log.
   std::unique_ptr<Process> StartDaemon(std::vector<std::string> extra = {},
                                        const std::string& node = "node-a") {
+    std::filesystem::remove(path(node + ".ready"));
     std::vector<std::string> argv = {test::BinaryPath("ubepd"),
                                      "--socket=" + path(node + ".sock"),
                                      "--listen=127.0.0.1:0",
@@ -292,6 +293,26 @@ TEST_F(BalancerTest, ADaemonKilledHasItsRanksExcludedAndTheSurvivorsKeepServingE
   ASSERT_EQ(status.nodes_size(), 2);
   EXPECT_TRUE(status.nodes(0).healthy());
   EXPECT_FALSE(status.nodes(1).healthy());
+
+  // The lost node's daemon comes back as a new process: healthy, but its ranks stay excluded
+  // (drained) and the plan does not change, so the survivors are not stalled.
+  node_b = StartDaemon({"--ranks=4-7", "--free_buffers=72"}, "node-b");
+  auto stub = v1::Control::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", balancer_port_), grpc::InsecureChannelCredentials()));
+  auto client_b = StartClient(4, kSteps, "node-b");  // Its group needs a client to exist.
+  ASSERT_TRUE(WaitFor([&] {
+    grpc::ClientContext context;
+    v1::ClusterStatus s;
+    return stub->GetStatus(&context, v1::GetStatusRequest(), &s).ok() && s.nodes_size() == 2 &&
+           s.nodes(1).healthy() && s.nodes(1).drained();
+  }, absl::Seconds(30))) << ReadFile(path("balancer.log"));
+  absl::SleepFor(absl::Seconds(2));  // Ticks in which a wrong re-inclusion would happen.
+  grpc::ClientContext context;
+  ASSERT_TRUE(stub->GetStatus(&context, v1::GetStatusRequest(), &status).ok());
+  EXPECT_EQ(status.plan_version(), 2u);
+  EXPECT_THAT(status.excluded_ranks(), ::testing::ElementsAre(4, 5, 6, 7));
+  EXPECT_THAT(ReadFile(path("balancer.log")),
+              HasSubstr("node node-b restarted (a new ubepd process): its ranks stay excluded"));
 }
 
 TEST_F(BalancerTest, BalancerKilledBetweenPrepareAndCommitRestartsAndTheClusterStaysConsistent) {
