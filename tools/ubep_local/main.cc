@@ -86,6 +86,18 @@ std::string ReadFile(const std::string& path) {
   return s.str();
 }
 
+// The last `bytes` of a file (a client's log grows by a line a step; the progress line needs
+// only its last step).
+std::string ReadTail(const std::string& path, std::streamoff bytes) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in) return "";
+  const std::streamoff size = in.tellg();
+  in.seekg(std::max<std::streamoff>(0, size - bytes));
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
 // A --ready_file's JSON, once it exists (at most 30 s).
 std::optional<nlohmann::json> AwaitReady(const std::string& path, const ubep::Process& process) {
   const absl::Time deadline = absl::Now() + absl::Seconds(30);
@@ -413,7 +425,7 @@ int main(int argc, char** argv) {
     }
     const double measured = Mean(b, "ubep_balancer_imbalance_ratio", {{"when", "measured"}});
     for (int r = 0; r < R; ++r) {
-      const std::string log = ReadFile(path(absl::StrCat("client-", r, ".log")));
+      const std::string log = ReadTail(path(absl::StrCat("client-", r, ".log")), 4096);
       const size_t from = log.rfind("\nstep ");
       std::smatch m;
       const std::string tail = from == std::string::npos ? log : log.substr(from + 1);
