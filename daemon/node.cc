@@ -510,7 +510,6 @@ void Node::TryFormGroup() {
     StoreWord(Ctl(r)->resume_step, resume);
     std::atomic_ref<uint32_t>(Ctl(r)->group_state).store(kernels::kGroupReady, std::memory_order_release);
   }
-  plan_effective_step_ = std::min(plan_effective_step_, resume);
   // The lowest member's word first: a rank that joins again from now on asks for the
   // generation after.
   StoreWord(Ctl(lead)->generation, next);
@@ -863,7 +862,6 @@ absl::Status Node::Commit(uint64_t version) {
   }
   const bool membership = pending_->excluded_ranks != plan_.excluded_ranks;
   plan_ = *std::move(pending_);
-  plan_effective_step_ = pending_effective_step_;
   pending_.reset();
   membership_pending_ = false;
   if (membership) {
@@ -879,7 +877,7 @@ absl::Status Node::Commit(uint64_t version) {
                    << "): the group forms again";
   }
   UBEP_LOG(INFO) << "committed plan v" << version << " (effective at step "
-                 << plan_effective_step_ << ")";
+                 << pending_effective_step_ << ")";
   return absl::OkStatus();
 }
 

@@ -196,7 +196,6 @@ class Node {
   std::vector<std::unique_ptr<DeviceMemory>> device_arenas_ ABSL_GUARDED_BY(mu_);  // CUDA.
   std::vector<RankEntry> ranks_ ABSL_GUARDED_BY(mu_);
   balancer::Plan plan_ ABSL_GUARDED_BY(mu_);               // Newest committed.
-  uint64_t plan_effective_step_ ABSL_GUARDED_BY(mu_) = 0;
   std::optional<balancer::Plan> pending_ ABSL_GUARDED_BY(mu_);  // Prepared, undecided.
   uint64_t pending_effective_step_ ABSL_GUARDED_BY(mu_) = 0;
   // A plan changing the members is being prepared, or prepared and undecided.

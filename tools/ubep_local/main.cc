@@ -143,32 +143,34 @@ std::vector<Series> ParseExposition(const std::string& text) {
   return out;
 }
 
-double Sum(const std::vector<Series>& all, const std::string& name,
-           const std::map<std::string, std::string>& match = {}) {
-  double sum = 0;
+// The values of every series of `name` whose labels include `match`.
+std::vector<double> Values(const std::vector<Series>& all, const std::string& name,
+                           const std::map<std::string, std::string>& match = {}) {
+  std::vector<double> values;
   for (const Series& s : all) {
     if (s.name != name) continue;
     bool ok = true;
-    for (const auto& [k, v] : match) ok &= s.labels.count(k) && s.labels.at(k) == v;
-    if (ok) sum += s.value;
+    for (const auto& [k, v] : match) {
+      const auto it = s.labels.find(k);
+      ok &= it != s.labels.end() && it->second == v;
+    }
+    if (ok) values.push_back(s.value);
   }
+  return values;
+}
+
+double Sum(const std::vector<Series>& all, const std::string& name) {
+  double sum = 0;
+  for (double v : Values(all, name)) sum += v;
   return sum;
 }
 
 double Mean(const std::vector<Series>& all, const std::string& name,
             const std::map<std::string, std::string>& match) {
+  const std::vector<double> values = Values(all, name, match);
   double sum = 0;
-  int n = 0;
-  for (const Series& s : all) {
-    if (s.name != name) continue;
-    bool ok = true;
-    for (const auto& [k, v] : match) ok &= s.labels.count(k) && s.labels.at(k) == v;
-    if (ok) {
-      sum += s.value;
-      ++n;
-    }
-  }
-  return n == 0 ? std::nan("") : sum / n;
+  for (double v : values) sum += v;
+  return values.empty() ? std::nan("") : sum / values.size();
 }
 
 // The median of a Prometheus histogram summed over every series of `name` (cumulative
@@ -176,9 +178,12 @@ double Mean(const std::vector<Series>& all, const std::string& name,
 double HistogramMedian(const std::vector<Series>& all, const std::string& name) {
   std::map<double, double> buckets;
   for (const Series& s : all) {
-    if (s.name != name + "_bucket" || !s.labels.count("le")) continue;
-    const std::string le = s.labels.at("le");
-    const double bound = le == "+Inf" ? INFINITY : std::stod(le);
+    const auto le = s.labels.find("le");
+    double bound = INFINITY;
+    if (s.name != name + "_bucket" || le == s.labels.end() ||
+        (le->second != "+Inf" && !absl::SimpleAtod(le->second, &bound))) {
+      continue;
+    }
     buckets[bound] += s.value;
   }
   if (buckets.empty() || buckets.rbegin()->second <= 0) return std::nan("");
@@ -410,8 +415,13 @@ int main(int argc, char** argv) {
     }
     for (const Series& s : daemon_series) {
       if (s.name != "ubep_daemon_rank_received_total") continue;
-      const int l = std::stoi(s.labels.at("layer")), r = std::stoi(s.labels.at("rank"));
-      if (l < layers && r < R) counts[l][r] = s.value;
+      const auto layer = s.labels.find("layer"), rank = s.labels.find("rank");
+      int l = -1, r = -1;
+      if (layer == s.labels.end() || rank == s.labels.end() ||
+          !absl::SimpleAtoi(layer->second, &l) || !absl::SimpleAtoi(rank->second, &r)) {
+        continue;  // Not the series ubepd writes: ignored, not trusted.
+      }
+      if (l >= 0 && l < layers && r >= 0 && r < R) counts[l][r] = s.value;
     }
     dispatch_p50 = HistogramMedian(daemon_series, "ubep_daemon_dispatch_seconds");
     combine_p50 = HistogramMedian(daemon_series, "ubep_daemon_combine_seconds");
