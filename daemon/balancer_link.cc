@@ -103,16 +103,16 @@ bool BalancerLink::Register() {
   if (response.report_interval_ms() > 0) {
     interval_ms_.store(static_cast<int64_t>(response.report_interval_ms()));
   }
-  last_.clear();
+  last_ = {};
   UBEP_LOG(INFO) << "registered with ubep-balancer at " << options_.balancer;
   return true;
 }
 
 void BalancerLink::Report() {
-  absl::StatusOr<std::vector<std::vector<uint64_t>>> loads = node_->ReadSlotLoads();
-  if (!loads.ok() || loads->empty()) return;
+  absl::StatusOr<Node::SlotLoads> loads = node_->ReadSlotLoads();
+  if (!loads.ok() || loads->slots.empty()) return;
   const uint64_t step = node_->MaxStep();
-  if (last_.size() != loads->size() || last_[0].size() != (*loads)[0].size()) {
+  if (last_.slots.size() != loads->slots.size() || last_.slots[0].size() != loads->slots[0].size()) {
     last_ = *loads;  // A new group: start counting from here.
     last_step_ = step;
     return;
@@ -123,8 +123,8 @@ void BalancerLink::Report() {
   if (!hosted.has_value() || !shape.has_value()) return;
   // This daemon's ranks' slots only (ranks are contiguous, slots rank-major).
   const size_t slots_per_rank = shape->shape().slots_per_rank();
-  const size_t first_slot = static_cast<size_t>(hosted->first) * slots_per_rank;
-  const size_t end_slot = first_slot + static_cast<size_t>(hosted->second) * slots_per_rank;
+  const size_t first_rank = static_cast<size_t>(hosted->first);
+  const size_t end_rank = first_rank + static_cast<size_t>(hosted->second);
   v1::ReportLoadRequest request;
   request.set_node(options_.node);
   request.set_seq(++seq_);
@@ -135,12 +135,17 @@ void BalancerLink::Report() {
   load->set_last_step(step);
   load->set_plan_version(plan.version);
   load->set_num_experts(static_cast<uint32_t>(plan.num_experts));
-  for (size_t l = 0; l < loads->size(); ++l) {
+  for (size_t l = 0; l < loads->slots.size(); ++l) {
     v1::LayerLoad* layer = load->add_layers();
     // Layers are named by the plan's model layer ids (a plan file may number them 3..60).
     layer->set_layer(static_cast<uint32_t>(l < plan.layer_ids.size() ? plan.layer_ids[l] : l));
-    layer->set_first_slot(first_slot);
-    for (size_t p = first_slot; p < end_slot; ++p) layer->add_slot((*loads)[l][p] - last_[l][p]);
+    layer->set_first_slot(first_rank * slots_per_rank);
+    for (size_t p = first_rank * slots_per_rank; p < end_rank * slots_per_rank; ++p) {
+      layer->add_slot(loads->slots[l][p] - last_.slots[l][p]);
+    }
+    for (size_t r = first_rank; r < end_rank; ++r) {
+      layer->add_dispatches(loads->dispatches[l][r] - last_.dispatches[l][r]);
+    }
   }
   last_ = *std::move(loads);
   last_step_ = step;

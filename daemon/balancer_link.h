@@ -45,7 +45,7 @@ class BalancerLink {
   std::unique_ptr<v1::Control::Stub> stub_;
   bool registered_ = false;
   std::string registered_shape_;          // Serialized shape at the last registration.
-  std::vector<std::vector<uint64_t>> last_;  // Slot counters at the last report.
+  Node::SlotLoads last_;                      // Counters at the last report.
   uint64_t last_step_ = 0;
   uint64_t seq_ = 0;
   absl::Time next_report_ = absl::InfinitePast();

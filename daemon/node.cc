@@ -908,27 +908,47 @@ v1::DaemonState Node::State() const {
   return state;
 }
 
-absl::StatusOr<std::vector<std::vector<uint64_t>>> Node::ReadSlotLoads() const {
+absl::StatusOr<Node::SlotLoads> Node::ReadSlotLoads() const {
   MutexLock lock(&mu_);
-  std::vector<std::vector<uint64_t>> loads;
+  SlotLoads loads;
   if (!has_group_) return loads;
   const int L = config_.num_layers, S = config_.slots_per_rank, R = config_.num_ranks;
-  loads.assign(L, std::vector<uint64_t>(static_cast<size_t>(R) * S, 0));
-  const size_t offset = kernels::ArenaLayout(config_).load_counters;
+  loads.slots.assign(L, std::vector<uint64_t>(static_cast<size_t>(R) * S, 0));
+  loads.dispatches.assign(L, std::vector<uint64_t>(R, 0));
+  const kernels::ArenaLayout ep(config_);
   std::vector<uint64_t> counters(static_cast<size_t>(L) * S);
+  std::vector<uint64_t> dispatches(L);
   for (int r = first_; r < first_ + hosted_; ++r) {
     if (on_device()) {
-      UBEP_RETURN_IF_ERROR(
-          device_arenas_[r]->Read(offset, counters.data(), counters.size() * sizeof(uint64_t)));
+      // The device arena is read by copies: the sequence words before and after the
+      // counters; a layer whose words moved or were odd (a scan kernel inside) is read again.
+      std::vector<uint64_t> before(L), after(L);
+      const absl::Time deadline = absl::Now() + absl::Milliseconds(100);
+      for (;;) {
+        UBEP_RETURN_IF_ERROR(device_arenas_[r]->Read(ep.load_seq, before.data(), L * sizeof(uint64_t)));
+        UBEP_RETURN_IF_ERROR(device_arenas_[r]->Read(ep.load_counters, counters.data(),
+                                                     counters.size() * sizeof(uint64_t)));
+        UBEP_RETURN_IF_ERROR(device_arenas_[r]->Read(ep.load_seq, after.data(), L * sizeof(uint64_t)));
+        bool still = true;
+        for (int l = 0; l < L; ++l) still &= before[l] == after[l] && before[l] % 2 == 0;
+        if (still) break;
+        if (absl::Now() > deadline) {
+          return absl::DeadlineExceededError(
+              absl::StrCat("rank ", r, ": load counters kept changing for 100ms"));
+        }
+      }
+      for (int l = 0; l < L; ++l) dispatches[l] = before[l] / 2;
     } else {
-      const auto* words = reinterpret_cast<uint64_t*>(arenas_[r].data() + layout_.ep + offset);
-      for (size_t i = 0; i < counters.size(); ++i) {
-        counters[i] = std::atomic_ref<uint64_t>(const_cast<uint64_t&>(words[i]))
-                          .load(std::memory_order_relaxed);
+      const std::byte* arena = arenas_[r].data() + layout_.ep;
+      for (int l = 0; l < L; ++l) {
+        absl::StatusOr<uint64_t> n = kernels::ReadLayerLoad(arena, ep, S, l, counters.data() + l * S);
+        if (!n.ok()) return absl::Status(n.status().code(), absl::StrCat("rank ", r, ": ", n.status().message()));
+        dispatches[l] = *n;
       }
     }
     for (int l = 0; l < L; ++l) {
-      for (int i = 0; i < S; ++i) loads[l][r * S + i] = counters[l * S + i];
+      for (int i = 0; i < S; ++i) loads.slots[l][r * S + i] = counters[l * S + i];
+      loads.dispatches[l][r] = dispatches[l];
     }
   }
   return loads;
@@ -1038,7 +1058,8 @@ bool Node::AwaitDetached(absl::Duration timeout) {
 }
 
 absl::StatusOr<std::vector<std::vector<uint64_t>>> Node::ReadLoads() const {
-  UBEP_ASSIGN_OR_RETURN(std::vector<std::vector<uint64_t>> slots, ReadSlotLoads());
+  UBEP_ASSIGN_OR_RETURN(SlotLoads read, ReadSlotLoads());
+  const std::vector<std::vector<uint64_t>>& slots = read.slots;
   const NodeSnapshot group = Snapshot();
   std::vector<std::vector<uint64_t>> loads(slots.size(), std::vector<uint64_t>(group.world_size, 0));
   for (size_t l = 0; l < slots.size(); ++l) {

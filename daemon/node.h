@@ -98,8 +98,14 @@ class Node {
   absl::Status Commit(uint64_t version);
   absl::Status Abort(uint64_t version);
   v1::DaemonState State() const;
-  // Received pairs per [layer][global slot] since the group was created (all hosted ranks).
-  absl::StatusOr<std::vector<std::vector<uint64_t>>> ReadSlotLoads() const;
+  // The hosted ranks' load counters since the group was created, each layer's taken with
+  // the dispatches it counts (the arena's load seqlock), so that a rate per dispatch is exact
+  // whatever step a rank was in when read. Other ranks' entries are 0.
+  struct SlotLoads {
+    std::vector<std::vector<uint64_t>> slots;       // [layer][global slot]: received pairs.
+    std::vector<std::vector<uint64_t>> dispatches;  // [layer][rank]: dispatches counted.
+  };
+  absl::StatusOr<SlotLoads> ReadSlotLoads() const;
   // What a load report names of the plan in force: version, experts, model layer ids
   // (without copying the plan itself).
   struct PlanIdentity {

@@ -158,6 +158,7 @@ absl::StatusOr<LoadMatrix> LoadFromProto(const v1::LoadReport& report, const Pla
                      report.first_step(), " is after last_step ", report.last_step()));
   }
   LoadMatrix load(report.layers_size(), num_experts);
+  const std::optional<double> mean = MeanDispatches(report);
   std::vector<int> ids;
   for (int i = 0; i < report.layers_size(); ++i) {
     const v1::LayerLoad& layer = report.layers(i);
@@ -193,12 +194,46 @@ absl::StatusOr<LoadMatrix> LoadFromProto(const v1::LoadReport& report, const Pla
           field, ": slot counts for slots [", first, ", ", first + layer.slot_size(),
           "), plan has ", placed.slot_expert.size(), " slots"));
     }
+    if (layer.dispatches_size() == 0) {
+      for (int p = 0; p < layer.slot_size(); ++p) {
+        load.at(i, placed.slot_expert[first + p]) += static_cast<double>(layer.slot(p));
+      }
+      continue;
+    }
+    if (layer.slot_size() % layer.dispatches_size() != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": ", layer.slot_size(),
+                                                     " slot counts are not whole ranks of ",
+                                                     layer.dispatches_size(), " dispatch counts"));
+    }
+    if (!mean.has_value()) {
+      return absl::InvalidArgumentError(field + ": has dispatch counts, but not every layer has");
+    }
+    const int per_rank = layer.slot_size() / layer.dispatches_size();
     for (int p = 0; p < layer.slot_size(); ++p) {
-      load.at(i, placed.slot_expert[first + p]) += static_cast<double>(layer.slot(p));
+      const uint64_t dispatches = layer.dispatches(p / per_rank);
+      if (dispatches == 0) {
+        if (layer.slot(p) == 0) continue;
+        return absl::InvalidArgumentError(absl::StrCat(field, ": slot ", first + p, " counts ",
+                                                       layer.slot(p), " pairs over 0 dispatches"));
+      }
+      load.at(i, placed.slot_expert[first + p]) +=
+          static_cast<double>(layer.slot(p)) * *mean / static_cast<double>(dispatches);
     }
   }
   load.set_layer_ids(std::move(ids));
   return load;
+}
+
+std::optional<double> MeanDispatches(const v1::LoadReport& report) {
+  double sum = 0;
+  size_t n = 0;
+  for (const v1::LayerLoad& layer : report.layers()) {
+    if (layer.slot_size() == 0 || layer.dispatches_size() == 0) return std::nullopt;
+    for (uint64_t d : layer.dispatches()) sum += static_cast<double>(d);
+    n += static_cast<size_t>(layer.dispatches_size());
+  }
+  if (n == 0) return std::nullopt;
+  return sum / static_cast<double>(n);
 }
 
 }  // namespace ubep::balancer

@@ -4,6 +4,8 @@
 #ifndef UBEP_BALANCER_FORMATS_PROTO_CONVERT_H_
 #define UBEP_BALANCER_FORMATS_PROTO_CONVERT_H_
 
+#include <optional>
+
 #include "absl/status/statusor.h"
 #include "balancer/core/load_matrix.h"
 #include "balancer/core/plan.h"
@@ -25,7 +27,15 @@ absl::StatusOr<Plan> FromProto(const v1::Plan& proto);
 // Per-logical-expert counts of a report as a load matrix with one row per reported layer
 // (layer ids from the report). Slot-level layers are folded onto logical experts with `plan`,
 // which must be the plan that was in force (null when the report has no slot-level layers).
+// Where slot-level layers carry `dispatches` (per rank), each slot's count is scaled to the
+// report's mean dispatches (MeanDispatches): count x mean / its rank's dispatches, so that a
+// rank read one layer ahead of another weighs the same.
 absl::StatusOr<LoadMatrix> LoadFromProto(const v1::LoadReport& report, const Plan* plan);
+
+// The mean, over layers and ranks, of a report's per-rank dispatches: the steps its counts
+// cover once scaled by LoadFromProto. nullopt unless every layer has slot counts and
+// dispatches.
+std::optional<double> MeanDispatches(const v1::LoadReport& report);
 
 }  // namespace ubep::balancer
 

@@ -309,6 +309,7 @@ grpc::Status Balancer::Register(grpc::ServerContext*, const v1::RegisterRequest*
   d.info = *request;
   d.interval_load = LoadMatrix();
   d.interval_rank.clear();
+  d.interval_rank_dispatches.clear();
   d.interval_steps = 0;
   d.has_rate = false;
   d.first_rank = request->ranks().empty()
@@ -409,6 +410,12 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
                                  "); node ", request->node(), " hosts slots [", first, ", ",
                                  first + count, ")"));
     }
+    const int dispatches = load.layers(i).dispatches_size();
+    if (dispatches != 0 && dispatches != static_cast<int>(hi - lo)) {
+      return Reject("malformed", grpc::StatusCode::INVALID_ARGUMENT,
+                    absl::StrCat("load.layers[", i, "] has dispatch counts for ", dispatches,
+                                 " ranks; node ", request->node(), " hosts ", hi - lo));
+    }
   }
   absl::StatusOr<LoadMatrix> logical = LoadFromProto(load, &*plan_);
   if (!logical.ok()) {
@@ -421,17 +428,34 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
                                logical->num_experts(), " experts; the model has ", shape_->layers,
                                " x ", shape_->experts));
   }
+  const std::optional<double> dispatches = MeanDispatches(load);
   if (d.interval_load.num_layers() != shape_->layers) {
     d.interval_load = LoadMatrix(shape_->layers, shape_->experts);
     d.interval_rank.assign(shape_->layers, std::vector<double>(hi - lo, 0.0));
+    d.interval_rank_dispatches.clear();
+  }
+  // Reports with and without dispatch counts (a daemon upgraded in place) are not mixed in
+  // one interval: the dispatches are kept only while every report has them.
+  if (dispatches.has_value() && d.interval_rank_dispatches.empty() && d.interval_steps == 0) {
+    d.interval_rank_dispatches.assign(shape_->layers, std::vector<double>(hi - lo, 0.0));
+  } else if (!dispatches.has_value()) {
+    d.interval_rank_dispatches.clear();
   }
   d.interval_load.AddScaled(*logical, 1.0);
   for (int l = 0; l < shape_->layers; ++l) {
     for (int p = 0; p < load.layers(l).slot_size(); ++p) {
       d.interval_rank[l][p / shape_->slots] += static_cast<double>(load.layers(l).slot(p));
     }
+    if (d.interval_rank_dispatches.empty()) continue;
+    for (int r = 0; r < load.layers(l).dispatches_size(); ++r) {
+      d.interval_rank_dispatches[l][r] += static_cast<double>(load.layers(l).dispatches(r));
+    }
   }
-  if (load.last_step() > load.first_step()) d.interval_steps += load.last_step() - load.first_step();
+  if (dispatches.has_value()) {
+    d.interval_steps += *dispatches;
+  } else if (load.last_step() > load.first_step()) {
+    d.interval_steps += static_cast<double>(load.last_step() - load.first_step());
+  }
   reports_->Increment();
   return grpc::Status::OK;
 }
@@ -469,18 +493,24 @@ void Balancer::CloseInterval() {
   for (auto& [name, d] : daemons_) {
     if (!d.healthy || d.info.ranks().empty()) continue;
     if (d.interval_steps > 0) {
-      const double per_step = 1.0 / static_cast<double>(d.interval_steps);
+      const double per_step = 1.0 / d.interval_steps;
       d.rate = LoadMatrix(L, shape_->experts);
       d.rate.AddScaled(d.interval_load, per_step);
       d.rank_rate = d.interval_rank;
-      for (auto& layer : d.rank_rate) {
-        for (double& v : layer) v *= per_step;
+      for (size_t l = 0; l < d.rank_rate.size(); ++l) {
+        for (size_t i = 0; i < d.rank_rate[l].size(); ++i) {
+          // Per dispatch where counted (exact), else per step of the node.
+          const double n = d.interval_rank_dispatches.empty() ? d.interval_steps
+                                                              : d.interval_rank_dispatches[l][i];
+          d.rank_rate[l][i] = n > 0 ? d.rank_rate[l][i] / n : 0.0;
+        }
       }
       d.has_rate = true;
-      steps += static_cast<double>(d.interval_steps);
+      steps += d.interval_steps;
       ++reporting;
     }
     d.interval_steps = 0;
+    d.interval_rank_dispatches.clear();
     if (d.interval_load.num_layers() == L) {
       d.interval_load = LoadMatrix(L, shape_->experts);
       for (auto& layer : d.interval_rank) std::fill(layer.begin(), layer.end(), 0.0);

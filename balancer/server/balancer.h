@@ -119,12 +119,14 @@ class Balancer final : public v1::Control::Service {
     absl::Time last_report = absl::InfinitePast();
     uint64_t committed = 0, pending = 0;
     // The interval being collected: logical-expert counts, per-rank counts (of its ranks,
-    // from first_rank) and the steps they cover. At the interval's close they become the
-    // node's per-step rates; a node with no report in an interval keeps its last rates, so
-    // that reports arriving out of phase with the intervals weigh no node twice.
+    // from first_rank) and the steps they cover; where the reports say, the dispatches each
+    // rank's counts cover. At the interval's close they become the node's per-step rates; a
+    // node with no report in an interval keeps its last rates, so that reports arriving out
+    // of phase with the intervals weigh no node twice.
     LoadMatrix interval_load;
-    std::vector<std::vector<double>> interval_rank;  // [layer][rank - first_rank]
-    uint64_t interval_steps = 0;
+    std::vector<std::vector<double>> interval_rank;             // [layer][rank - first_rank]
+    std::vector<std::vector<double>> interval_rank_dispatches;  // Same; empty: not reported.
+    double interval_steps = 0;
     LoadMatrix rate;
     std::vector<std::vector<double>> rank_rate;
     bool has_rate = false;

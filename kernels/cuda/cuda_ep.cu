@@ -32,7 +32,7 @@ struct Params {
   int rank, num_ranks, max_tokens, hidden, top_k, slots_per_rank, num_experts, num_tokens, layer;
   size_t record_bytes, row_bytes;
   size_t off_abort;
-  size_t off_dispatch_flag, off_combine_flag, off_counts, off_load_counters, off_records,
+  size_t off_dispatch_flag, off_combine_flag, off_counts, off_load_counters, off_load_seq, off_records,
       off_rows, off_partials;
   std::byte* const* arenas;  // Device array of num_ranks arena pointers.
   const PlanTableHeader* plan;
@@ -224,6 +224,11 @@ __global__ void ScanKernel(Params p) {
   const int S = p.slots_per_rank;
   auto* counters = reinterpret_cast<unsigned long long*>(p.arenas[p.rank] + p.off_load_counters) +
                    p.layer * S;
+  // The load seqlock (arena_layout.h): odd while the counters move; the daemon reads the
+  // arena from the host.
+  auto* seq = reinterpret_cast<unsigned long long*>(p.arenas[p.rank] + p.off_load_seq) + p.layer;
+  atomicAdd(seq, 1ull);
+  __threadfence_system();
   int row = 0;
   for (int i = 0; i < S; ++i) {
     p.slot_offsets[i] = row;
@@ -234,6 +239,8 @@ __global__ void ScanKernel(Params p) {
     counters[i] += row - p.slot_offsets[i];
   }
   p.slot_offsets[S] = row;
+  __threadfence_system();
+  atomicAdd(seq, 1ull);
 }
 
 // Per source (block): thread 0 gives every entry its row in record order; then the block
@@ -450,6 +457,7 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   p.off_combine_flag = l.combine_flag;
   p.off_counts = l.counts;
   p.off_load_counters = l.load_counters;
+  p.off_load_seq = l.load_seq;
   p.off_records = l.records;
   p.off_rows = l.rows;
   p.off_partials = l.partials;

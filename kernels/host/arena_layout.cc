@@ -1,6 +1,8 @@
 #include "kernels/host/arena_layout.h"
 
+#include <atomic>
 #include <cstring>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/common/routing.h"
@@ -54,6 +56,7 @@ ArenaLayout::ArenaLayout(const EpConfig& c) {
   abort = carve(kLine);
   counts = carve(R * sizeof(uint32_t));
   load_counters = carve(static_cast<size_t>(c.num_layers) * c.slots_per_rank * sizeof(uint64_t));
+  load_seq = carve(static_cast<size_t>(c.num_layers) * sizeof(uint64_t));
   records = carve(R * T * record_bytes);
   rows = carve(R * T * row_bytes);
   partials = carve(R * T * row_bytes);
@@ -84,6 +87,51 @@ void ResetSignals(std::byte* arena, const ArenaLayout& layout) {
   // The signal regions, the abort word and the counts are contiguous, from dispatch_flag to
   // load_counters.
   std::memset(arena + layout.dispatch_flag, 0, layout.load_counters - layout.dispatch_flag);
+}
+
+void AddLayerLoad(std::byte* arena, const ArenaLayout& layout, int slots_per_rank, int layer,
+                  const int32_t* added) {
+  auto* seq_word = reinterpret_cast<uint64_t*>(arena + layout.load_seq) + layer;
+  auto* counters = reinterpret_cast<uint64_t*>(arena + layout.load_counters) +
+                   static_cast<size_t>(layer) * slots_per_rank;
+  std::atomic_ref<uint64_t> seq(*seq_word);
+  const uint64_t before = seq.load(std::memory_order_relaxed);  // Even: only the owner writes.
+  seq.store(before + 1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);  // Odd before any counter moves.
+  for (int i = 0; i < slots_per_rank; ++i) {
+    std::atomic_ref<uint64_t>(counters[i]).fetch_add(static_cast<uint64_t>(added[i]),
+                                                     std::memory_order_relaxed);
+  }
+  seq.store(before + 2, std::memory_order_release);
+}
+
+absl::StatusOr<uint64_t> ReadLayerLoad(const std::byte* arena, const ArenaLayout& layout,
+                                       int slots_per_rank, int layer, uint64_t* out,
+                                       absl::Duration timeout) {
+  auto* seq_word = const_cast<uint64_t*>(reinterpret_cast<const uint64_t*>(arena + layout.load_seq) + layer);
+  auto* counters = const_cast<uint64_t*>(reinterpret_cast<const uint64_t*>(arena + layout.load_counters) +
+                                         static_cast<size_t>(layer) * slots_per_rank);
+  std::atomic_ref<uint64_t> seq(*seq_word);
+  const absl::Time deadline = absl::Now() + timeout;
+  for (int attempt = 0;; ++attempt) {
+    const uint64_t before = seq.load(std::memory_order_acquire);
+    if (before % 2 == 0) {
+      for (int i = 0; i < slots_per_rank; ++i) {
+        out[i] = std::atomic_ref<uint64_t>(counters[i]).load(std::memory_order_relaxed);
+      }
+      std::atomic_thread_fence(std::memory_order_acquire);  // The counters before the check.
+      if (seq.load(std::memory_order_relaxed) == before) return before / 2;
+    }
+    // The owner adds S numbers: a few tries see it done; past that, check the clock.
+    if (attempt >= 64) {
+      if (absl::Now() > deadline) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "load counters of layer ", layer, " kept changing for ", absl::FormatDuration(timeout),
+            " (sequence ", seq.load(std::memory_order_relaxed), "): their owner stopped mid-update"));
+      }
+      std::this_thread::yield();
+    }
+  }
 }
 
 }  // namespace ubep::kernels

@@ -15,6 +15,9 @@
 //                              or by the daemon (a rank left, or the daemon is draining)
 //   counts          R x 4 B    [s]: records source s stored in the current dispatch
 //   load_counters   L x S x 8  [l][i]: routed pairs received, monotonic (owner only writes)
+//   load_seq        L x 8      [l]: 2 x the dispatches of layer l counted in load_counters;
+//                              odd while the owner adds one (a seqlock: a reader takes a
+//                              layer's counters and the dispatches they cover together)
 //   records         R x T x (8 + 8K)   [s][j]: record j from source s (routing.h)
 //   rows            R x T x B          [s][j]: hidden row of record j from source s
 //   partials        R x T x B          [d][j]: partial sum rank d computed for this rank's
@@ -29,6 +32,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
 namespace ubep::kernels {
@@ -75,8 +79,7 @@ absl::Status DaemonAbortStatus(uint32_t code, int rank, const char* what, uint32
 
 struct ArenaLayout {
   size_t dispatch_flag, combine_flag, count_flag, barrier_flag, abort, counts, load_counters,
-      records,
-      rows, partials, total_bytes;
+      load_seq, records, rows, partials, total_bytes;
   size_t record_bytes, row_bytes;
 
   explicit ArenaLayout(const EpConfig& config);
@@ -87,6 +90,19 @@ struct ArenaLayout {
 // header, load counters and data: a group that re-forms (every rank parked, none inside a
 // dispatch or combine) starts its epochs from zero. Not safe while any rank is in a call.
 void ResetSignals(std::byte* arena, const ArenaLayout& layout);
+
+// The owner's side of the load seqlock: adds one dispatch's received pairs per local slot
+// (`added`, S values) to layer `layer`'s counters.
+void AddLayerLoad(std::byte* arena, const ArenaLayout& layout, int slots_per_rank, int layer,
+                  const int32_t* added);
+
+// A reader's side (any process mapping the arena): copies layer `layer`'s S counters into
+// `out` and returns the number of dispatches they count, consistent with each other.
+// Retries while the owner is adding; DeadlineExceeded if it never sees the layer still for
+// `timeout` (an owner stopped inside AddLayerLoad).
+absl::StatusOr<uint64_t> ReadLayerLoad(const std::byte* arena, const ArenaLayout& layout,
+                                       int slots_per_rank, int layer, uint64_t* out,
+                                       absl::Duration timeout = absl::Milliseconds(100));
 
 }  // namespace ubep::kernels
 

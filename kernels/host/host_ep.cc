@@ -453,12 +453,8 @@ void HostEp::Assemble(int layer, DispatchOutput& out) {
     }
     handle.record_begin[s][from_s] = entries;
   }
-  auto* counters = reinterpret_cast<uint64_t*>(own + layout_.load_counters) + layer * S;
-  for (int i = 0; i < S; ++i) {
-    std::atomic_ref<uint64_t>(counters[i]).fetch_add(out.slot_offsets[i + 1],
-                                                     std::memory_order_relaxed);
-    out.slot_offsets[i + 1] += out.slot_offsets[i];
-  }
+  AddLayerLoad(own, layout_, S, layer, out.slot_offsets.data() + 1);
+  for (int i = 0; i < S; ++i) out.slot_offsets[i + 1] += out.slot_offsets[i];
   const int num_rows = out.slot_offsets[S];
   out.recv_x.resize(static_cast<size_t>(num_rows) * layout_.row_bytes);
   out.src_rank.resize(num_rows);

@@ -29,7 +29,7 @@
 namespace ubep::kernels {
 
 inline constexpr uint32_t kRankControlMagic = 0x43524255;  // "UBRC"
-inline constexpr uint32_t kRankArenaVersion = 2;
+inline constexpr uint32_t kRankArenaVersion = 3;
 inline constexpr uint64_t kNoNextStep = ~uint64_t{0};
 
 // RankControl::group_state.

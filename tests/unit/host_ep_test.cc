@@ -381,5 +381,40 @@ TEST(HostEpErrorTest, DispatchTwiceWithoutCombineIsRefused) {
   }
 }
 
+// The load seqlock: a reader racing the owner always sees counters that are exactly the
+// dispatches it is told they cover (each dispatch adds i + 1 to slot i).
+TEST(LoadCountersTest, AReaderSeesCountersWithExactlyTheDispatchesTheyCover) {
+  const EpConfig c = SmallConfig(Protocol::kUbep);
+  const ArenaLayout layout(c);
+  std::vector<uint64_t> words(layout.total_bytes / sizeof(uint64_t) + 1, 0);
+  auto* arena = reinterpret_cast<std::byte*>(words.data());
+  const int S = c.slots_per_rank, layer = c.num_layers - 1;
+  std::vector<int32_t> added(S);
+  for (int i = 0; i < S; ++i) added[i] = i + 1;
+  constexpr uint64_t kDispatches = 20000;
+  std::thread owner([&] {
+    for (uint64_t n = 0; n < kDispatches; ++n) AddLayerLoad(arena, layout, S, layer, added.data());
+  });
+  std::vector<uint64_t> counters(S);
+  uint64_t last = 0;
+  int reads = 0;
+  while (last < kDispatches) {
+    absl::StatusOr<uint64_t> n = ReadLayerLoad(arena, layout, S, layer, counters.data(), absl::Seconds(10));
+    ASSERT_TRUE(n.ok()) << n.status();
+    ASSERT_GE(*n, last);
+    for (int i = 0; i < S; ++i) ASSERT_EQ(counters[i], *n * (i + 1)) << "slot " << i << " after " << *n;
+    last = *n;
+    ++reads;
+  }
+  owner.join();
+  EXPECT_GT(reads, 0);
+  // An owner stopped half-way (odd sequence): the reader gives up with the reason.
+  reinterpret_cast<uint64_t*>(arena + layout.load_seq)[layer] += 1;
+  EXPECT_EQ(ReadLayerLoad(arena, layout, S, layer, counters.data(), absl::Milliseconds(5)).status(),
+            absl::DeadlineExceededError(absl::StrCat(
+                "load counters of layer ", layer, " kept changing for 5ms (sequence ",
+                2 * kDispatches + 1, "): their owner stopped mid-update")));
+}
+
 }  // namespace
 }  // namespace ubep::kernels

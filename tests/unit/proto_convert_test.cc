@@ -101,5 +101,38 @@ TEST(ProtoConvertTest, FoldsANodesOwnSlotRange) {
                                        "slots [4, 9), plan has 8 slots"));
 }
 
+// Rank 2 was read one dispatch further than rank 3: its counts are scaled to the mean (3),
+// so that both weigh per dispatch. SmallPlan has 2 slots per rank.
+TEST(ProtoConvertTest, ScalesEachRanksCountsToTheMeanDispatches) {
+  const Plan plan = test::SmallPlan();
+  v1::LoadReport report;
+  report.set_reporter("node-1");
+  report.set_num_experts(6);
+  v1::LayerLoad* layer = report.add_layers();
+  layer->set_layer(3);
+  layer->set_first_slot(4);
+  for (uint64_t count : {40, 80, 20, 60}) layer->add_slot(count);  // Slots 4, 5 | 6, 7.
+  layer->add_dispatches(4);  // Rank 2: 10 and 20 pairs per dispatch.
+  layer->add_dispatches(2);  // Rank 3: 10 and 30.
+  EXPECT_EQ(MeanDispatches(report), 3.0);
+  absl::StatusOr<LoadMatrix> load = LoadFromProto(report, &plan);
+  ASSERT_TRUE(load.ok()) << load.status();
+  std::vector<double> expected(6, 0.0);
+  const double per_dispatch[] = {10, 20, 10, 30};
+  for (int p = 4; p < 8; ++p) expected[plan.layers[0].slot_expert[p]] += 3 * per_dispatch[p - 4];
+  for (int e = 0; e < 6; ++e) EXPECT_EQ(load->at(0, e), expected[e]) << "expert " << e;
+
+  layer->set_dispatches(1, 0);
+  EXPECT_EQ(LoadFromProto(report, &plan).status(),
+            absl::InvalidArgumentError(
+                "load report from 'node-1' layers[0]: slot 6 counts 20 pairs over 0 dispatches"));
+  layer->add_dispatches(1);
+  EXPECT_EQ(LoadFromProto(report, &plan).status(),
+            absl::InvalidArgumentError("load report from 'node-1' layers[0]: 4 slot counts are "
+                                       "not whole ranks of 3 dispatch counts"));
+  layer->clear_dispatches();
+  EXPECT_EQ(MeanDispatches(report), std::nullopt);
+}
+
 }  // namespace
 }  // namespace ubep::balancer
