@@ -6,6 +6,8 @@
 #include <cstring>
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
@@ -49,6 +51,7 @@ struct RankState {
   std::string token;
   UniqueFd fd_connection;  // Open while attached: ubepd notices its closing.
   std::vector<kernels::SharedArena> arenas;
+  uint64_t arena_epoch = 0;  // Of the daemon, when the arenas were taken.
   kernels::RankArenaLayout layout;
   kernels::EpConfig config;
   std::unique_ptr<kernels::HostEp> ep;
@@ -156,6 +159,8 @@ absl::Status Record(RankState& s, absl::Status status) {
   return status;
 }
 
+absl::Status RefreshArenas(RankState& s, uint64_t epoch);
+
 absl::Status JoinGroup(RankState& s, std::optional<uint64_t> next_step) {
   v1::JoinRequest request;
   request.set_rank(static_cast<uint32_t>(s.rank));
@@ -166,6 +171,9 @@ absl::Status JoinGroup(RankState& s, std::optional<uint64_t> next_step) {
   SetDeadline(context, s.options.join_timeout);
   UBEP_RETURN_IF_ERROR(FromGrpc(s.stub->Join(&context, request, &response),
                                 absl::StrCat("rank ", s.rank, ": join")));
+  if (response.arena_epoch() != 0 && response.arena_epoch() != s.arena_epoch) {
+    UBEP_RETURN_IF_ERROR(RefreshArenas(s, response.arena_epoch()));
+  }
   s.ep.reset();
   if (s.on_device) {
 #ifdef UBEP_CLIENT_CUDA
@@ -186,6 +194,33 @@ absl::Status JoinGroup(RankState& s, std::optional<uint64_t> next_step) {
   s.stopped = absl::OkStatus();
   s.step_begun = false;
   return absl::OkStatus();
+}
+
+// Maps the first `count` fds as host arenas and checks each is the arena of its rank.
+absl::StatusOr<std::vector<kernels::SharedArena>> MapArenas(const RankState& s,
+                                                            const std::vector<UniqueFd>& fds,
+                                                            size_t count) {
+  if (fds.size() < count || count != static_cast<size_t>(s.world_size)) {
+    return absl::DataLossError(absl::StrCat("rank ", s.rank, ": expected ", s.world_size,
+                                            " arena fds, got ", fds.size()));
+  }
+  std::vector<kernels::SharedArena> arenas;
+  for (size_t i = 0; i < count; ++i) {
+    UBEP_ASSIGN_OR_RETURN(kernels::SharedArena arena, kernels::SharedArena::Map(fds[i].get()));
+    if (arena.size() < s.layout.total_bytes) {
+      return absl::DataLossError(absl::StrCat("rank ", s.rank, ": an arena has ", arena.size(),
+                                              " bytes; the layout needs ", s.layout.total_bytes));
+    }
+    const kernels::RankControl* c = kernels::ControlOf(arena.data(), s.layout);
+    if (c->magic != kernels::kRankControlMagic || c->version != kernels::kRankArenaVersion ||
+        c->rank != static_cast<uint32_t>(i)) {
+      return absl::DataLossError(absl::StrCat("rank ", s.rank, ": arena ", i,
+                                              " is not a version ", kernels::kRankArenaVersion,
+                                              " arena of rank ", i));
+    }
+    arenas.push_back(std::move(arena));
+  }
+  return arenas;
 }
 
 absl::Status TakeArenas(RankState& s, const v1::AttachResponse& response) {
@@ -218,24 +253,32 @@ absl::Status TakeArenas(RankState& s, const v1::AttachResponse& response) {
     }
 #endif
   }
-  for (size_t i = 0; i < host_fds; ++i) {
-    const UniqueFd& fd = reply.fds[i];
-    UBEP_ASSIGN_OR_RETURN(kernels::SharedArena arena, kernels::SharedArena::Map(fd.get()));
-    if (arena.size() < s.layout.total_bytes) {
-      return absl::DataLossError(absl::StrCat("rank ", s.rank, ": an arena has ", arena.size(),
-                                              " bytes; the layout needs ", s.layout.total_bytes));
-    }
-    s.arenas.push_back(std::move(arena));
+  UBEP_ASSIGN_OR_RETURN(s.arenas, MapArenas(s, reply.fds, host_fds));
+  s.arena_epoch = response.arena_epoch();
+  return absl::OkStatus();
+}
+
+// A peer daemon restarted and this rank's daemon mapped its new arenas: take every arena
+// again (the host backend's; the CUDA backend has no peer daemons).
+absl::Status RefreshArenas(RankState& s, uint64_t epoch) {
+  if (s.on_device) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", s.rank, ": the arenas changed (epoch ", epoch, "), which the CUDA backend does not do"));
   }
-  for (int r = 0; r < s.world_size; ++r) {
-    const kernels::RankControl* c = kernels::ControlOf(s.arenas[r].data(), s.layout);
-    if (c->magic != kernels::kRankControlMagic || c->version != kernels::kRankArenaVersion ||
-        c->rank != static_cast<uint32_t>(r)) {
-      return absl::DataLossError(absl::StrCat("rank ", s.rank, ": arena ", r,
-                                              " is not a version ", kernels::kRankArenaVersion,
-                                              " arena of rank ", r));
-    }
+  UBEP_RETURN_IF_ERROR(SendMessage(s.fd_connection.get(), kArenaRefreshRequest, {}));
+  UBEP_ASSIGN_OR_RETURN(ReceivedMessage reply,
+                        ReceiveMessage(s.fd_connection.get(), 4096, s.options.rpc_timeout));
+  uint64_t got = 0;
+  if (!absl::StartsWith(reply.bytes, "OK ") || !absl::SimpleAtoi(reply.bytes.substr(3), &got)) {
+    return absl::UnavailableError(absl::StrCat(
+        "rank ", s.rank, ": ubepd did not give the new arenas: ",
+        reply.bytes.size() > 4 ? reply.bytes.substr(4) : std::string("connection closed")));
   }
+  UBEP_ASSIGN_OR_RETURN(std::vector<kernels::SharedArena> arenas,
+                        MapArenas(s, reply.fds, static_cast<size_t>(s.world_size)));
+  s.ep.reset();  // It points into the old mappings.
+  s.arenas = std::move(arenas);
+  s.arena_epoch = got;
   return absl::OkStatus();
 }
 

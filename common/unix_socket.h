@@ -63,6 +63,11 @@ struct ReceivedMessage {
 absl::StatusOr<ReceivedMessage> ReceiveMessage(int socket, size_t max_bytes,
                                                absl::Duration timeout);
 
+// ubepd's fd socket: a client that holds a rank sends this on its open connection to take
+// every arena again after a peer daemon restarted; the reply is "OK <arena epoch>" with the
+// fds, or "ERR <reason>".
+inline constexpr char kArenaRefreshRequest[] = "REFRESH";
+
 // The pid of the process at the other end of a connected Unix socket (SO_PEERCRED).
 absl::StatusOr<pid_t> PeerPid(int socket);
 

@@ -41,8 +41,7 @@ void BalancerLink::Tick() {
 }
 
 void BalancerLink::MapPeers() {
-  const std::vector<int> missing = node_->MissingRanks();
-  if (missing.empty()) return;
+  if (!node_->HostedRanks().has_value()) return;
   v1::GetGroupRequest request;
   request.set_node(options_.node);
   grpc::ClientContext context;
@@ -55,18 +54,23 @@ void BalancerLink::MapPeers() {
   }
   const std::string key = node_->PeerKey();
   for (const v1::GroupMember& member : group.members()) {
-    if (member.node() == options_.node || member.arena_socket().empty() || !member.healthy()) continue;
-    const bool needed = std::any_of(member.ranks().begin(), member.ranks().end(), [&](uint32_t r) {
-      return std::find(missing.begin(), missing.end(), static_cast<int>(r)) != missing.end();
-    });
-    if (!needed) continue;
+    if (member.node() == options_.node || member.arena_socket().empty() || !member.healthy() ||
+        member.ranks().empty()) {
+      continue;
+    }
+    // A member's ranks are contiguous (node-major numbering).
+    const auto [lo, hi] = std::minmax_element(member.ranks().begin(), member.ranks().end());
+    if (!node_->PeerArenasWanted(static_cast<int>(*lo), static_cast<int>(*hi - *lo + 1),
+                                 member.incarnation())) {
+      continue;
+    }
     absl::StatusOr<std::pair<int, std::vector<UniqueFd>>> arenas =
         FetchPeerArenas(member.arena_socket(), key, absl::Seconds(2));
     absl::Status mapped = arenas.status();
     if (arenas.ok()) {
       std::vector<int> fds;
       for (const UniqueFd& fd : arenas->second) fds.push_back(fd.get());
-      mapped = node_->AddPeerArenas(arenas->first, fds);
+      mapped = node_->AddPeerArenas(arenas->first, fds, member.incarnation());
     }
     if (!mapped.ok() && absl::Now() >= next_peer_log_) {
       next_peer_log_ = absl::Now() + absl::Seconds(5);

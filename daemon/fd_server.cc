@@ -73,6 +73,17 @@ bool FdServer::Serve(int64_t id, int fd) {
     (void)SendMessage(fd, reply, arenas.ok() ? arenas->second : std::vector<int>{});
     return false;
   }
+  if (message->bytes == kArenaRefreshRequest) {
+    absl::StatusOr<std::pair<uint64_t, std::vector<int>>> arenas = node_->RefreshArenas(id);
+    const std::string reply = arenas.ok() ? absl::StrCat("OK ", arenas->first)
+                                          : absl::StrCat("ERR ", arenas.status().message());
+    if (absl::Status sent = SendMessage(fd, reply, arenas.ok() ? arenas->second : std::vector<int>{});
+        !sent.ok()) {
+      node_->ConnectionClosed(id);
+      return false;
+    }
+    return true;  // The connection still holds its rank.
+  }
   absl::StatusOr<std::vector<int>> fds = node_->ClaimArenas(message->bytes, id);
   if (!fds.ok()) {
     // One message: a status line the client turns into its error.

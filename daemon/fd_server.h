@@ -3,7 +3,7 @@
 // attached, and its closing (the client exited, or was killed) tells the Node the rank is gone.
 // A peer daemon of the same EP group (same machine) sends kPeerRequest followed by the group's
 // key (Node::PeerKey) and receives "OK <first rank>" with the hosted arenas' fds; that
-// connection then closes.
+// connection then closes. A client may send kRefreshRequest on its open connection.
 // One thread polls the listener and every connection. Thread-safe.
 #ifndef UBEP_DAEMON_FD_SERVER_H_
 #define UBEP_DAEMON_FD_SERVER_H_
@@ -22,6 +22,7 @@
 namespace ubep::daemon {
 
 inline constexpr char kPeerRequest[] = "PEER ";
+
 
 // A peer's side: the arenas a daemon at `socket_path` hosts, as (first rank, fds).
 absl::StatusOr<std::pair<int, std::vector<UniqueFd>>> FetchPeerArenas(

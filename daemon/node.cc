@@ -246,6 +246,9 @@ absl::Status Node::CreateGroup(const v1::AttachRequest& q) {
   plan_ = std::move(plan);
   group_request_ = q;
   ranks_.assign(config.num_ranks, RankEntry{});
+  incarnation_.assign(config.num_ranks, "");
+  stale_.assign(config.num_ranks, false);
+  ++arena_epoch_;
   first_ = first;
   hosted_ = hosted;
   has_group_ = true;
@@ -353,6 +356,7 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
   l->set_device_bytes(layout_.device_bytes);
   l->set_device_weights_offset(layout_.device_weights);
   for (int r = 0; r < config_.num_ranks; ++r) response.add_arena_ranks(r);
+  response.set_arena_epoch(arena_epoch_);
   UBEP_LOG(INFO) << "rank " << request.rank() << " attached (pid " << request.pid() << ")";
   return response;
 }
@@ -478,6 +482,8 @@ void Node::TryFormGroup() {
   if (!Hosted(lead) || !AllArenasMapped()) return;
   // A change of members is being prepared or decided: the group forms under the decision.
   if (membership_pending_) return;
+  // A member whose daemon restarted: its mapped arenas are the dead process's.
+  if (!StaleMembers(plan_).empty()) return;
   const int R = config_.num_ranks;
   const uint64_t next = GroupGeneration() + 1;
   uint64_t resume = kernels::kNoNextStep;
@@ -559,6 +565,7 @@ absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl
       v1::JoinResponse response;
       response.set_generation(generation);
       response.set_resume_step(LoadWord(own->resume_step));
+      response.set_arena_epoch(arena_epoch_);
       return response;
     }
     if (draining_) {
@@ -660,9 +667,10 @@ std::optional<v1::AttachRequest> Node::GroupShape() const {
   return group_request_;
 }
 
-int Node::PlanBufferOf(uint64_t version) const {
+int Node::PlanBufferOf(uint64_t version, int rank) const {
   if (hosted_ == 0) return -1;
-  void* area = arenas_[first_].data() + layout_.plan;
+  if (rank < 0) rank = first_;
+  void* area = arenas_[rank].data() + layout_.plan;
   for (int b = 0; b < 2; ++b) {
     const kernels::PlanSlotHeader* slot = kernels::PlanSlot(area, b);
     if (std::atomic_ref<const uint64_t>(slot->version).load(std::memory_order_acquire) == version &&
@@ -703,6 +711,10 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
   if (!has_group_) return fail("no group is attached to this daemon");
   if (draining_) return fail("ubepd is draining");
   if (!AllArenasMapped()) return fail("the arenas of the peer daemons' ranks are not mapped yet");
+  if (const std::string stale = StaleMembers(plan); !stale.empty()) {
+    return fail(absl::StrCat("the daemon of rank", stale, " restarted and its new arenas are not "
+                             "mapped here yet (they are, once a committed plan excludes them)"));
+  }
   const int R = config_.num_ranks, S = config_.slots_per_rank, L = config_.num_layers;
   if (plan.topology.num_ranks != R || plan.topology.slots_per_rank != S ||
       plan.num_experts != config_.num_experts || plan.num_layers() != L) {
@@ -732,7 +744,9 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
     // is decided (TryFormGroup waits for it), under the plan then committed.
     membership_pending_ = true;
     SetGroupState(kernels::kGroupBroken);
-    for (int r = 0; r < R; ++r) SetAbortCode(r, kernels::kAbortMembership, /*only_if_clear=*/true);
+    for (int r = 0; r < R; ++r) {
+      if (MembershipStops(plan, r)) SetAbortCode(r, kernels::kAbortMembership, /*only_if_clear=*/true);
+    }
     const absl::Duration wait = std::min(options_.wait_timeout, absl::Seconds(3));
     const bool stopped = mu_.AwaitWithTimeout([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       for (int r = first_; r < first_ + hosted_; ++r) {
@@ -763,26 +777,39 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
                                " yet (step ", step, " < ", in_force, ")"));
     }
   }
-  const int current = PlanBufferOf(plan_.version);
-  if (current < 0) return fail(absl::StrCat("plan v", plan_.version, " is not in the plan area"));
-  const int next = 1 - current;
+  // Per rank, the plan buffer holding the plan in force in its own arena (a daemon that
+  // caught up on the cluster's plan may have another parity than its peers).
+  std::vector<int> current(R, -1);
+  for (int r = 0; r < R; ++r) {
+    if (!Hosted(r) && plan_.excluded(r)) continue;  // Never a holder: see below.
+    current[r] = PlanBufferOf(plan_.version, r);
+    if (current[r] < 0) {
+      return fail(absl::StrCat("plan v", plan_.version, " is not in the plan area of rank ", r));
+    }
+  }
   // New slot -> weight buffer maps: unchanged slots keep their buffer; a slot whose expert
   // changes takes a buffer the plan in force does not use, and gets the expert's weights
   // from a slot that holds it now (same rank first).
   // Each daemon stages its hosted ranks' slots; a holder may be any rank of the group (the
-  // peers' arenas are mapped: same domain, a copy between arenas).
+  // peers' arenas are mapped: same domain, a copy between arenas) that the plan in force
+  // does not exclude: an excluded rank's weights are not kept to its plan (its daemon may
+  // have died, or restarted with empty arenas), so it is never a holder. A rank the new plan
+  // excludes is not staged; a rank it includes again is staged whole, in place: the plan in
+  // force sends it nothing, so no reader sees its buffers change.
   std::vector<std::vector<uint32_t>> maps(R);
   uint32_t copied_slots = 0;
   uint64_t copied_bytes = 0;
   for (int r = first_; r < first_ + hosted_; ++r) {
-    const uint32_t* cur = kernels::SlotMap(arenas_[r].data(), layout_, config_, current);
+    const uint32_t* cur = kernels::SlotMap(arenas_[r].data(), layout_, config_, current[r]);
     maps[r].assign(cur, cur + static_cast<size_t>(L) * S);
   }
   for (int l = 0; l < L; ++l) {
     const std::vector<int>& old_experts = plan_.layers[l].slot_expert;
     const std::vector<int>& new_experts = plan.layers[l].slot_expert;
     for (int r = first_; r < first_ + hosted_; ++r) {
-      const uint32_t* cur = kernels::SlotMap(arenas_[r].data(), layout_, config_, current);
+      if (plan.excluded(r)) continue;
+      const bool returning = plan_.excluded(r);
+      const uint32_t* cur = kernels::SlotMap(arenas_[r].data(), layout_, config_, current[r]);
       std::vector<bool> used(layout_.buffers_per_layer, false);
       for (int i = 0; i < S; ++i) used[cur[l * S + i]] = true;
       std::vector<uint32_t> free;
@@ -791,7 +818,7 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
       }
       int changed = 0;
       for (int i = 0; i < S; ++i) changed += old_experts[r * S + i] != new_experts[r * S + i];
-      if (changed > static_cast<int>(free.size())) {
+      if (!returning && changed > static_cast<int>(free.size())) {
         return fail(absl::StrCat("rank ", r, " layer ", l, ": ", changed,
                                  " slots change but only ", free.size(),
                                  " weight buffers are free (--free_buffers ",
@@ -799,11 +826,12 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
       }
       for (int i = 0; i < S; ++i) {
         const int expert = new_experts[r * S + i];
-        if (old_experts[r * S + i] == expert) continue;
+        if (!returning && old_experts[r * S + i] == expert) continue;
         // A holder of `expert` under the plan in force: this rank first, then the others.
         int holder = -1;
         for (int step = 0; step < R && holder < 0; ++step) {
           const int q = (r + step) % R;
+          if (plan_.excluded(q)) continue;
           for (int j = 0; j < S; ++j) {
             if (old_experts[q * S + j] == expert) {
               holder = q * S + j;
@@ -812,10 +840,13 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
           }
         }
         if (holder < 0) return fail(absl::StrCat("layer ", l, ": expert ", expert, " has no holder"));
-        const uint32_t buffer = free.back();
-        free.pop_back();
+        uint32_t buffer = cur[l * S + i];
+        if (!returning) {
+          buffer = free.back();
+          free.pop_back();
+        }
         const int hr = holder / S, hj = holder % S;
-        const uint32_t source = kernels::SlotMap(arenas_[hr].data(), layout_, config_, current)[l * S + hj];
+        const uint32_t source = kernels::SlotMap(arenas_[hr].data(), layout_, config_, current[hr])[l * S + hj];
         if (absl::Status s = CopyWeights(hr, source, r, buffer, l); !s.ok()) {
           return fail(std::string(s.message()));
         }
@@ -828,7 +859,7 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
   absl::StatusOr<std::vector<std::byte>> table = PlanTableOf(plan);
   if (!table.ok()) return fail(std::string(table.status().message()));
   for (int r = first_; r < first_ + hosted_; ++r) {
-    uint32_t* map = kernels::SlotMap(arenas_[r].data(), layout_, config_, next);
+    uint32_t* map = kernels::SlotMap(arenas_[r].data(), layout_, config_, 1 - current[r]);
     std::copy(maps[r].begin(), maps[r].end(), map);
     // The map is in place before the table's version word is published (PreparePlan stores
     // it last, with release).
@@ -861,6 +892,8 @@ absl::Status Node::Commit(uint64_t version) {
     UBEP_RETURN_IF_ERROR(kernels::CommitPlan(arenas_[r].data() + layout_.plan, version));
   }
   const bool membership = pending_->excluded_ranks != plan_.excluded_ranks;
+  std::vector<bool> stops(arenas_.size());
+  for (size_t r = 0; r < stops.size(); ++r) stops[r] = MembershipStops(*pending_, static_cast<int>(r));
   plan_ = *std::move(pending_);
   pending_.reset();
   membership_pending_ = false;
@@ -870,7 +903,7 @@ absl::Status Node::Commit(uint64_t version) {
     // they resume at.
     SetGroupState(kernels::kGroupBroken);
     for (int r = 0; r < static_cast<int>(arenas_.size()); ++r) {
-      SetAbortCode(r, kernels::kAbortMembership, /*only_if_clear=*/true);
+      if (stops[r]) SetAbortCode(r, kernels::kAbortMembership, /*only_if_clear=*/true);
     }
     UBEP_LOG(INFO) << "plan v" << version << " changes the group's members (excluded: "
                    << (plan_.excluded_ranks.empty() ? "none" : absl::StrJoin(plan_.excluded_ranks, ", "))
@@ -984,13 +1017,72 @@ std::vector<int> Node::MissingRanks() const {
   return missing;
 }
 
-absl::Status Node::AddPeerArenas(int first_rank, const std::vector<int>& fds) {
+std::string Node::StaleMembers(const balancer::Plan& plan) const {
+  std::vector<int> stale;
+  for (int r = 0; r < static_cast<int>(stale_.size()); ++r) {
+    if (stale_[r] && !plan.excluded(r)) stale.push_back(r);
+  }
+  if (stale.empty()) return "";
+  return absl::StrCat(stale.size() == 1 ? " " : "s ", absl::StrJoin(stale, ", "));
+}
+
+bool Node::PeerArenasWanted(int first_rank, int count, const std::string& incarnation) {
+  MutexLock lock(&mu_);
+  if (!has_group_ || first_rank < 0 || count <= 0 || first_rank + count > config_.num_ranks) return false;
+  bool wanted = false;
+  for (int r = first_rank; r < first_rank + count; ++r) {
+    if (Hosted(r)) return false;
+    if (!arenas_[r].valid()) {
+      wanted = true;
+    } else if (!incarnation.empty() && !incarnation_[r].empty() && incarnation_[r] != incarnation) {
+      if (!stale_[r]) {
+        UBEP_LOG(WARNING) << "the daemon of rank " << r << " restarted (was " << incarnation_[r]
+                          << ", now " << incarnation << "): its old arenas are stale";
+      }
+      stale_[r] = true;
+      wanted = true;
+    }
+  }
+  return wanted;
+}
+
+absl::StatusOr<std::pair<uint64_t, std::vector<int>>> Node::RefreshArenas(int64_t connection) const {
+  MutexLock lock(&mu_);
+  for (const RankEntry& e : ranks_) {
+    if (e.state != RankState::kConnected || e.connection != connection) continue;
+    if (!AllArenasMapped()) return absl::UnavailableError("the group's arenas are not all mapped");
+    std::vector<int> fds;
+    for (const kernels::SharedArena& arena : arenas_) fds.push_back(arena.fd());
+    for (const auto& memory : device_arenas_) fds.push_back(memory->fd());
+    return std::make_pair(arena_epoch_, std::move(fds));
+  }
+  return absl::FailedPreconditionError("this connection holds no rank");
+}
+
+absl::Status Node::AddPeerArenas(int first_rank, const std::vector<int>& fds,
+                                 const std::string& incarnation) {
   MutexLock lock(&mu_);
   if (!has_group_) return absl::FailedPreconditionError("no group");
   const int count = static_cast<int>(fds.size());
   if (first_rank < 0 || first_rank + count > config_.num_ranks) {
     return absl::InvalidArgumentError(absl::StrCat("peer ranks ", first_rank, "+", count,
                                                    " are outside the group of ", config_.num_ranks));
+  }
+  bool replacing = false;
+  for (int r = first_rank; r < first_rank + count; ++r) replacing |= arenas_[r].valid();
+  if (replacing) {
+    // The ranks' daemon restarted. Its old arenas are still read by this daemon and by the
+    // clients while the ranks are members; new ones may take their place only while no plan
+    // that could be in force routes anything to them or forms a group with them.
+    for (int r = first_rank; r < first_rank + count; ++r) {
+      if (!plan_.excluded(r) || (pending_.has_value() && !pending_->excluded(r)) || membership_pending_) {
+        if (!incarnation.empty() && incarnation != incarnation_[r]) stale_[r] = true;
+        return absl::FailedPreconditionError(absl::StrCat(
+            "rank ", r, " is a member under plan v",
+            pending_.has_value() ? pending_->version : plan_.version,
+            ": its daemon's new arenas are mapped once a committed plan excludes it"));
+      }
+    }
   }
   std::vector<kernels::SharedArena> mapped;
   for (int i = 0; i < count; ++i) {
@@ -1014,9 +1106,20 @@ absl::Status Node::AddPeerArenas(int first_rank, const std::vector<int>& fds) {
     }
     mapped.push_back(std::move(arena));
   }
-  for (int i = 0; i < count; ++i) arenas_[first_rank + i] = std::move(mapped[i]);
-  UBEP_LOG(INFO) << "mapped the arenas of ranks " << first_rank << "-" << first_rank + count - 1
-                 << " from a peer daemon";
+  for (int i = 0; i < count; ++i) {
+    arenas_[first_rank + i] = std::move(mapped[i]);
+    incarnation_[first_rank + i] = incarnation;
+    stale_[first_rank + i] = false;
+  }
+  if (replacing) {
+    // Clients take the new arenas when they next join (JoinResponse.arena_epoch).
+    ++arena_epoch_;
+    UBEP_LOG(INFO) << "re-mapped the arenas of ranks " << first_rank << "-" << first_rank + count - 1
+                   << " (their daemon restarted; arena epoch " << arena_epoch_ << ")";
+  } else {
+    UBEP_LOG(INFO) << "mapped the arenas of ranks " << first_rank << "-" << first_rank + count - 1
+                   << " from a peer daemon";
+  }
   return absl::OkStatus();
 }
 

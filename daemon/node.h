@@ -126,7 +126,20 @@ class Node {
   std::string PeerKey() const;
   absl::StatusOr<std::pair<int, std::vector<int>>> ArenasForPeer(const std::string& key) const;
   std::vector<int> MissingRanks() const;
-  absl::Status AddPeerArenas(int first_rank, const std::vector<int>& fds);
+  // Maps a peer's arenas for its ranks [first_rank, first_rank + fds.size()), made by the
+  // daemon process `incarnation`. Arenas of another incarnation already mapped there (the
+  // peer restarted) are replaced only while the committed plan excludes those ranks and no
+  // undecided plan includes them; else FailedPrecondition, and they stay stale: no plan that
+  // includes them is prepared and no group forms with them. Replacing bumps the arena epoch.
+  absl::Status AddPeerArenas(int first_rank, const std::vector<int>& fds,
+                             const std::string& incarnation = "");
+  // Whether the arenas of a peer's ranks [first_rank, first_rank + count) made by
+  // `incarnation` are to be fetched: some are not mapped, or another incarnation's are (those
+  // are marked stale until replaced).
+  bool PeerArenasWanted(int first_rank, int count, const std::string& incarnation);
+  // A claimed connection's refresh (JoinResponse.arena_epoch): the arena epoch and every
+  // rank's arena fds, as ClaimArenas gives them.
+  absl::StatusOr<std::pair<uint64_t, std::vector<int>>> RefreshArenas(int64_t connection) const;
   // [first, first + count) of the group's hosted ranks (nullopt without a group).
   std::optional<std::pair<int, int>> HostedRanks() const;
 
@@ -180,8 +193,15 @@ class Node {
   void SetGroupState(uint32_t state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int AttachedLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t MaxStepLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Index (0 or 1) of the plan buffer holding `version` in rank 0's plan area; -1 if none.
-  int PlanBufferOf(uint64_t version) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Index (0 or 1) of the plan buffer holding `version` in rank `rank`'s plan area (the
+  // first hosted rank's for -1); -1 if none.
+  int PlanBufferOf(uint64_t version, int rank = -1) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether a change of members to `next` stops rank r's waits: this daemon stops its own
+  // ranks and those whose membership changes; the other members' daemons stop theirs (each
+  // gets the plan), and a daemon catching up on the cluster's plan stops no running peer.
+  bool MembershipStops(const balancer::Plan& next, int r) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return Hosted(r) || next.excluded(r) != plan_.excluded(r);
+  }
   absl::Status CopyWeights(int from_rank, uint32_t from_buffer, int to_rank, uint32_t to_buffer,
                            int layer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool on_device() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !device_arenas_.empty(); }
@@ -206,6 +226,13 @@ class Node {
   uint64_t pending_effective_step_ ABSL_GUARDED_BY(mu_) = 0;
   // A plan changing the members is being prepared, or prepared and undecided.
   bool membership_pending_ ABSL_GUARDED_BY(mu_) = false;
+  // Per rank: the peer daemon process whose arenas are mapped (empty for hosted ranks), and
+  // whether its daemon has restarted since (stale: the mapped arenas are the dead process's).
+  std::vector<std::string> incarnation_ ABSL_GUARDED_BY(mu_);
+  std::vector<bool> stale_ ABSL_GUARDED_BY(mu_);
+  uint64_t arena_epoch_ ABSL_GUARDED_BY(mu_) = 1;
+  // The stale ranks `plan` includes, for error messages (empty: none).
+  std::string StaleMembers(const balancer::Plan& plan) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 };
 
 template <typename Fn>

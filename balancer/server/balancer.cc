@@ -287,10 +287,11 @@ grpc::Status Balancer::Register(grpc::ServerContext*, const v1::RegisterRequest*
       }
     }
   }
-  // A daemon of a group spread over several nodes that comes back as a new process has new
-  // arenas, and its peers still map the old ones (re-mapping a restarted peer is not built):
-  // taking its ranks back would stall the group. They stay excluded, as if drained, until
-  // the operator undrains the node once every daemon of the group has restarted.
+  // A daemon of a group spread over several nodes that comes back as a new process has new,
+  // empty arenas (its clients attach again and load their weights). Its ranks stay excluded,
+  // as if drained, until the operator undrains the node; meanwhile its peers map its new
+  // arenas (they may while the plan excludes those ranks) and it catches up on the cluster's
+  // plan (CatchUp), so that the plan taking its ranks back stages their weights correctly.
   if (auto it = daemons_.find(request->node());
       it != daemons_.end() && !it->second.info.incarnation().empty() &&
       it->second.info.incarnation() != request->incarnation() &&
@@ -299,7 +300,7 @@ grpc::Status Balancer::Register(grpc::ServerContext*, const v1::RegisterRequest*
       !drained_.contains(request->node())) {
     drained_.insert(request->node());
     UBEP_LOG(WARNING) << "node " << request->node() << " restarted (a new ubepd process): its ranks "
-                      << "stay excluded until it is undrained (its peers map its old arenas)";
+                      << "stay excluded until it is undrained";
   }
   Daemon& d = daemons_[request->node()];
   if (d.info.address() != request->address() || d.control == nullptr) {
@@ -658,6 +659,62 @@ void Balancer::Recover() {
     for (auto& [name, d] : daemons_) {
       if (d.control.get() == stub) d.needs_state = true;
     }
+  }
+  CatchUp();
+}
+
+void Balancer::CatchUp() {
+  // A daemon that restarted has a fresh group under its own first plan, while the cluster's
+  // plan excludes its ranks (it is drained). It gets the cluster's plan, so that when a later
+  // plan takes its ranks back it stages their weights from the slots that really hold each
+  // expert. (A daemon with a member rank behind the plan is not caught up this way: the
+  // next plan's commit decides for it.)
+  std::vector<std::pair<std::string, v1::DaemonControl::Stub*>> behind;
+  v1::PrepareRequest request;
+  {
+    MutexLock lock(&mu_);
+    if (!plan_.has_value()) return;
+    for (auto& [name, d] : daemons_) {
+      if (!d.healthy || d.needs_state || d.pending != 0 || d.committed == 0 ||
+          d.committed >= plan_->version || d.info.ranks().empty()) {
+        continue;
+      }
+      bool all_excluded = true;
+      for (uint32_t r : d.info.ranks()) all_excluded &= plan_->excluded(static_cast<int>(r));
+      if (all_excluded) behind.emplace_back(name, d.control.get());
+    }
+    if (behind.empty()) return;
+    *request.mutable_plan() = ToProto(*plan_, PlanEncoding::kCompact);
+    request.set_effective_step(EstimateStep() + options_.min_margin_steps);
+  }
+  for (const auto& [name, stub] : behind) {
+    std::string outcome;
+    v1::PrepareResponse prepared;
+    {
+      grpc::ClientContext context;
+      SetDeadline(context, options_.rpc_timeout);
+      const grpc::Status status = stub->Prepare(&context, request, &prepared);
+      if (!status.ok()) outcome = status.error_message();
+      if (status.ok() && !prepared.prepared()) outcome = prepared.reason();
+    }
+    if (outcome.empty()) {
+      grpc::ClientContext context;
+      SetDeadline(context, options_.rpc_timeout);
+      v1::CommitRequest commit;
+      commit.set_version(request.plan().version());
+      v1::CommitResponse response;
+      if (const grpc::Status status = stub->Commit(&context, commit, &response); !status.ok()) {
+        outcome = status.error_message();
+      }
+    }
+    if (outcome.empty()) {
+      UBEP_LOG(INFO) << "node " << name << " caught up on plan v" << request.plan().version();
+    } else {
+      UBEP_LOG(INFO) << "node " << name << " did not take plan v" << request.plan().version()
+                     << " yet: " << outcome;
+    }
+    MutexLock lock(&mu_);
+    if (auto it = daemons_.find(name); it != daemons_.end()) it->second.needs_state = true;
   }
 }
 

@@ -139,6 +139,8 @@ class Balancer final : public v1::Control::Service {
   grpc::Status Reject(const char* reason, grpc::StatusCode code, std::string message);
   void CheckHealth();
   void Recover();
+  // Gives the cluster's plan to drained daemons behind it (Recover calls it).
+  void CatchUp();
   // Plans and commits; serialized with Recover by commit_mu_.
   absl::StatusOr<v1::RebalanceResponse> PlanAndCommit(const char* why);
   uint64_t EstimateStep() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

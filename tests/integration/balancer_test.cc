@@ -293,26 +293,115 @@ TEST_F(BalancerTest, ADaemonKilledHasItsRanksExcludedAndTheSurvivorsKeepServingE
   ASSERT_EQ(status.nodes_size(), 2);
   EXPECT_TRUE(status.nodes(0).healthy());
   EXPECT_FALSE(status.nodes(1).healthy());
+}
 
-  // The lost node's daemon comes back as a new process: healthy, but its ranks stay excluded
-  // (drained) and the plan does not change, so the survivors are not stalled.
+// The lost node's daemon comes back as a new process, with new and empty arenas: it stays
+// drained (the plan keeps its ranks excluded, the survivors are not stalled), its peer maps
+// the new arenas, and it catches up on the cluster's plan. Undrained, a plan takes its ranks
+// back: their weights are staged from the survivors' slots, every client takes the new
+// arenas, the group forms with 8 ranks again and every step of every rank stays exact.
+TEST_F(BalancerTest, ARestartedDaemonIsUndrainedAndItsRanksServeExactlyAgain) {
+  constexpr int kSteps = 1000000;  // Until the test stops them.
+  world_ = 8;
+  auto balancer = StartBalancer({"--auto_rebalance=false", "--health_failures=2"});
+  auto node_a = StartDaemon({"--ranks=0-3", "--free_buffers=72"}, "node-a");
+  auto node_b = StartDaemon({"--ranks=4-7", "--free_buffers=72"}, "node-b");
+  std::vector<std::unique_ptr<Process>> clients;
+  for (int r = 0; r < world_; ++r) clients.push_back(StartClient(r, kSteps, r < 4 ? "node-a" : "node-b"));
+  auto steps_under = [&](int r, uint64_t plan) {
+    int n = 0;
+    for (const test::StepLine& line : test::StepLines(ReadFile(ClientLog(r)))) n += line.plan == plan;
+    return n;
+  };
+  auto logs = [&] {
+    std::string all = ReadFile(path("balancer.log")) + ReadFile(path("node-a.log")) + ReadFile(path("node-b.log"));
+    for (int r = 0; r < world_; ++r) all += ReadFile(ClientLog(r));
+    return all;
+  };
+  ASSERT_TRUE(WaitFor([&] { return steps_under(0, 1) >= 30; }, absl::Seconds(60))) << logs();
+  node_b->Signal(SIGKILL);
+  EXPECT_EQ(node_b->Wait(absl::Seconds(10)), 128 + SIGKILL);
+  for (int r = 4; r < 8; ++r) EXPECT_EQ(clients[r]->Wait(absl::Seconds(60)), 3) << ReadFile(ClientLog(r));
+  ASSERT_TRUE(WaitFor([&] {
+    for (int r = 0; r < 4; ++r) {
+      if (steps_under(r, 2) < 20) return false;
+    }
+    return true;
+  }, absl::Seconds(60))) << logs();
+
   node_b = StartDaemon({"--ranks=4-7", "--free_buffers=72"}, "node-b");
+  for (int r = 4; r < 8; ++r) clients[r] = StartClient(r, kSteps, "node-b");
   auto stub = v1::Control::NewStub(grpc::CreateChannel(
       absl::StrCat("127.0.0.1:", balancer_port_), grpc::InsecureChannelCredentials()));
-  auto client_b = StartClient(4, kSteps, "node-b");  // Its group needs a client to exist.
-  ASSERT_TRUE(WaitFor([&] {
+  auto cluster = [&] {
     grpc::ClientContext context;
     v1::ClusterStatus s;
-    return stub->GetStatus(&context, v1::GetStatusRequest(), &s).ok() && s.nodes_size() == 2 &&
-           s.nodes(1).healthy() && s.nodes(1).drained();
-  }, absl::Seconds(30))) << ReadFile(path("balancer.log"));
-  absl::SleepFor(absl::Seconds(2));  // Ticks in which a wrong re-inclusion would happen.
-  grpc::ClientContext context;
-  ASSERT_TRUE(stub->GetStatus(&context, v1::GetStatusRequest(), &status).ok());
-  EXPECT_EQ(status.plan_version(), 2u);
-  EXPECT_THAT(status.excluded_ranks(), ::testing::ElementsAre(4, 5, 6, 7));
+    EXPECT_TRUE(stub->GetStatus(&context, v1::GetStatusRequest(), &s).ok());
+    return s;
+  };
+  ASSERT_TRUE(WaitFor([&] {
+    const v1::ClusterStatus s = cluster();
+    return s.nodes_size() == 2 && s.nodes(1).healthy() && s.nodes(1).drained();
+  }, absl::Seconds(30))) << logs();
+  ASSERT_TRUE(WaitFor([&] {
+    return ReadFile(path("node-a.log")).find("re-mapped the arenas of ranks 4-7") != std::string::npos &&
+           ReadFile(path("balancer.log")).find("node node-b caught up on plan v2") != std::string::npos;
+  }, absl::Seconds(30))) << logs();
   EXPECT_THAT(ReadFile(path("balancer.log")),
               HasSubstr("node node-b restarted (a new ubepd process): its ranks stay excluded"));
+  absl::SleepFor(absl::Seconds(1));  // Ticks in which a wrong re-inclusion would happen.
+  v1::ClusterStatus status = cluster();
+  EXPECT_EQ(status.plan_version(), 2u);
+  EXPECT_THAT(status.excluded_ranks(), ::testing::ElementsAre(4, 5, 6, 7));
+  for (int r = 4; r < 8; ++r) EXPECT_EQ(steps_under(r, 2), 0) << "rank " << r << " ran while excluded";
+
+  {
+    grpc::ClientContext context;
+    v1::DrainRequest request;
+    request.set_node("node-b");
+    v1::RebalanceResponse response;
+    const grpc::Status undrained = stub->Undrain(&context, request, &response);
+    ASSERT_TRUE(undrained.ok()) << undrained.error_message() << "\n" << logs();
+  }
+  ASSERT_TRUE(WaitFor([&] {
+    for (int r = 0; r < 8; ++r) {
+      if (steps_under(r, 3) < 20) return false;
+    }
+    return true;
+  }, absl::Seconds(120))) << logs();
+  for (auto& c : clients) c->Signal(SIGKILL);
+  for (auto& c : clients) c->Wait(absl::Seconds(10));
+  status = cluster();
+  EXPECT_EQ(status.plan_version(), 3u);
+  EXPECT_THAT(status.excluded_ranks(), ::testing::IsEmpty());
+
+  // Every step of every rank exact; where a step ran twice (stopped mid-step, run again after
+  // the group re-formed) the last run counts; all ranks agree on each step's plan, and
+  // versions only grow.
+  std::map<uint64_t, uint64_t> plan_of_step;
+  for (int r = 0; r < world_; ++r) {
+    std::map<uint64_t, uint64_t> last;
+    for (const test::StepLine& line : test::StepLines(ReadFile(ClientLog(r)))) {
+      EXPECT_TRUE(line.ok) << "rank " << r << " step " << line.step;
+      last[line.step] = line.plan;
+    }
+    uint64_t version = 0;
+    for (const auto& [step, plan] : last) {
+      EXPECT_GE(plan, version) << "rank " << r << " step " << step;
+      version = plan;
+      auto [it, inserted] = plan_of_step.emplace(step, plan);
+      EXPECT_EQ(it->second, plan) << "rank " << r << " disagrees at step " << step;
+    }
+  }
+  const std::string a_log = ReadFile(path("node-a.log"));
+  EXPECT_THAT(a_log, HasSubstr("plan v3 changes the group's members (excluded: none)"));
+  // The returning ranks were staged whole: 4 ranks x 72 slots x 4 layers, from ranks 0-3.
+  EXPECT_THAT(ReadFile(path("node-b.log")),
+              ::testing::ContainsRegex("prepared plan v3 for step [0-9]+: 1152 slots staged"));
+  // After the 4-rank generations, one of all 8 ranks (the arenas of ranks 4-7 re-mapped).
+  const size_t remapped = a_log.find("re-mapped the arenas of ranks 4-7");
+  ASSERT_NE(remapped, std::string::npos);
+  EXPECT_THAT(a_log.substr(remapped), ::testing::ContainsRegex("group formed: generation [0-9]+, 8 ranks, resuming"));
 }
 
 TEST_F(BalancerTest, BalancerKilledBetweenPrepareAndCommitRestartsAndTheClusterStaysConsistent) {

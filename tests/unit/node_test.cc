@@ -1,7 +1,9 @@
 // Node: ubepd's group state machine, in process (the integration tests run it as a daemon).
 #include "daemon/node.h"
 
+#include <algorithm>
 #include <atomic>
+#include <functional>
 #include <thread>
 
 #include <cstring>
@@ -45,8 +47,7 @@ struct Attached {
   kernels::RankArenaLayout layout;
 };
 
-Attached AttachAndClaim(Node& node, uint32_t rank, uint32_t world, int64_t connection) {
-  absl::StatusOr<v1::AttachResponse> response = node.Attach(Request(rank, world));
+Attached Claim(Node& node, const absl::StatusOr<v1::AttachResponse>& response, int64_t connection) {
   EXPECT_TRUE(response.ok()) << response.status();
   Attached a;
   a.token = response->token();
@@ -63,6 +64,10 @@ Attached AttachAndClaim(Node& node, uint32_t rank, uint32_t world, int64_t conne
   EXPECT_TRUE(fds.ok()) << fds.status();
   for (int fd : *fds) a.arenas.push_back(*kernels::SharedArena::Map(fd));
   return a;
+}
+
+Attached AttachAndClaim(Node& node, uint32_t rank, uint32_t world, int64_t connection) {
+  return Claim(node, node.Attach(Request(rank, world)), connection);
 }
 
 v1::JoinRequest JoinOf(uint32_t rank, const std::string& token) {
@@ -266,6 +271,117 @@ TEST(NodeTest, PrepareRefusesAnEffectiveStepARankHasReached) {
   const v1::PrepareResponse prepared = node.Prepare(SwappedPlan(), 12);
   EXPECT_FALSE(prepared.prepared());
   EXPECT_EQ(prepared.reason(), "effective step 12 is not ahead of rank 1's step 12");
+}
+
+// A group of 4 ranks over two daemons in one process: ranks 0-1 on `first` 0, 2-3 on 2.
+NodeOptions Hosting(int first) {
+  NodeOptions o = Options();
+  o.first_rank = first;
+  o.num_ranks = 2;
+  return o;
+}
+
+// Maps `from`'s arenas into `into` as the balancer link does, naming `from`'s incarnation.
+absl::Status MapPeer(Node& into, const Node& from, const std::string& incarnation) {
+  absl::StatusOr<std::pair<int, std::vector<int>>> arenas = from.ArenasForPeer(into.PeerKey());
+  if (!arenas.ok()) return arenas.status();
+  return into.AddPeerArenas(arenas->first, arenas->second, incarnation);
+}
+
+// Attach of `rank` to `node`, which waits for the peers' arenas; `map` maps them meanwhile.
+absl::StatusOr<v1::AttachResponse> AttachMapping(Node& node, uint32_t rank,
+                                                 const std::function<void()>& map) {
+  absl::StatusOr<v1::AttachResponse> response;
+  std::thread t([&] { response = node.Attach(Request(rank, 4), absl::Now() + absl::Seconds(30)); });
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (node.PeerKey().empty() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+  map();
+  t.join();
+  return response;
+}
+
+// Slot p holds expert p % 8 (every expert on ranks 0-1 and again on 2-3); `excluded` ranks'
+// slots have share 0.
+balancer::Plan FourRankPlan(uint64_t version, std::vector<int> excluded) {
+  balancer::Plan plan;
+  plan.version = version;
+  plan.topology = {4, 2, 4, 1};
+  plan.num_experts = 8;
+  plan.excluded_ranks = excluded;
+  for (int l = 0; l < 2; ++l) {
+    balancer::LayerPlan layer;
+    for (int p = 0; p < 16; ++p) layer.slot_expert.push_back(p % 8);
+    for (int p = 0; p < 16; ++p) {
+      const bool out = std::find(excluded.begin(), excluded.end(), p / 4) != excluded.end();
+      layer.slot_share.push_back(out ? 0.0 : excluded.empty() ? 0.5 : 1.0);
+    }
+    plan.layer_ids.push_back(l);
+    plan.layers.push_back(layer);
+  }
+  return plan;
+}
+
+// A peer daemon restarts (new process, new arenas): its old arenas stay mapped, stale, while
+// a plan that may be in force includes its ranks; no plan including them is prepared. Once a
+// committed plan excludes them the new arenas replace the old, the arena epoch moves, and a
+// client refreshing gets the new ones.
+TEST(NodeTest, APeersNewArenasReplaceTheStaleOnesOnlyWhileItsRanksAreExcluded) {
+  Node a(Hosting(0));
+  auto b = std::make_unique<Node>(Hosting(2));
+  absl::StatusOr<v1::AttachResponse> r2;
+  std::thread tb([&] { r2 = b->Attach(Request(2, 4), absl::Now() + absl::Seconds(30)); });
+  const absl::StatusOr<v1::AttachResponse> r0 = AttachMapping(a, 0, [&] {
+    while (b->PeerKey().empty()) absl::SleepFor(absl::Milliseconds(1));
+    EXPECT_TRUE(MapPeer(a, *b, "b-1").ok());
+    EXPECT_TRUE(MapPeer(*b, a, "a-1").ok());
+  });
+  tb.join();
+  Attached x0 = Claim(a, r0, 1);
+  Attached x2 = Claim(*b, r2, 2);
+  EXPECT_FALSE(a.PeerArenasWanted(2, 2, "b-1"));
+
+  b = std::make_unique<Node>(Hosting(2));  // The daemon of ranks 2-3 restarts.
+  Attached y2 = Claim(*b, AttachMapping(*b, 2, [&] { EXPECT_TRUE(MapPeer(*b, a, "a-1").ok()); }), 3);
+  std::memset(kernels::WeightBuffer(y2.arenas[2].data(), y2.layout, 0, 0), 0x5a, 256);
+  EXPECT_TRUE(a.PeerArenasWanted(2, 2, "b-2"));
+  EXPECT_EQ(MapPeer(a, *b, "b-2"),
+            absl::FailedPreconditionError("rank 2 is a member under plan v1: its daemon's new "
+                                          "arenas are mapped once a committed plan excludes it"));
+  v1::PrepareResponse prepared = a.Prepare(FourRankPlan(2, {}), 10);
+  EXPECT_FALSE(prepared.prepared());
+  EXPECT_EQ(prepared.reason(), "the daemon of ranks 2, 3 restarted and its new arenas are not "
+                               "mapped here yet (they are, once a committed plan excludes them)");
+
+  // A change of members stops the hosted ranks first: rank 0 waits in Join (rank 1 never
+  // attaches, so the group does not form).
+  absl::StatusOr<v1::JoinResponse> joined;
+  std::thread join([&] { joined = a.Join(JoinOf(0, x0.token), absl::Now() + absl::Seconds(30)); });
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (a.Snapshot().joining == 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(1));
+  prepared = a.Prepare(FourRankPlan(2, {2, 3}), 10);
+  ASSERT_TRUE(prepared.prepared()) << prepared.reason();
+  EXPECT_EQ(prepared.copied_slots(), 0u);  // Ranks 0-1 keep their experts; 2-3 are not staged.
+  ASSERT_TRUE(a.Commit(2).ok());
+  ASSERT_TRUE(MapPeer(a, *b, "b-2").ok());
+  EXPECT_FALSE(a.PeerArenasWanted(2, 2, "b-2"));
+  absl::StatusOr<std::pair<uint64_t, std::vector<int>>> refreshed = a.RefreshArenas(1);
+  ASSERT_TRUE(refreshed.ok()) << refreshed.status();
+  EXPECT_EQ(refreshed->first, r0->arena_epoch() + 1);
+  ASSERT_EQ(refreshed->second.size(), 4u);
+  absl::StatusOr<kernels::SharedArena> rank2 = kernels::SharedArena::Map(refreshed->second[2]);
+  ASSERT_TRUE(rank2.ok()) << rank2.status();
+  EXPECT_EQ(static_cast<int>(*kernels::WeightBuffer(rank2->data(), x0.layout, 0, 0)), 0x5a);
+  EXPECT_EQ(a.RefreshArenas(7).status(), absl::FailedPreconditionError("this connection holds no rank"));
+  // A plan taking ranks 2-3 back is prepared now (their staging is their own daemon's).
+  prepared = a.Prepare(FourRankPlan(3, {}), 10);
+  EXPECT_TRUE(prepared.prepared()) << prepared.reason();
+  v1::DetachRequest detach;
+  detach.set_rank(0);
+  detach.set_token(x0.token);
+  EXPECT_TRUE(a.Detach(detach).ok());
+  join.join();
+  EXPECT_EQ(joined.status(), absl::FailedPreconditionError("rank 0 detached while joining"));
+  (void)x2;
 }
 
 }  // namespace
