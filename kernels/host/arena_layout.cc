@@ -97,10 +97,11 @@ void AddLayerLoad(std::byte* arena, const ArenaLayout& layout, int slots_per_ran
   std::atomic_ref<uint64_t> seq(*seq_word);
   const uint64_t before = seq.load(std::memory_order_relaxed);  // Even: only the owner writes.
   seq.store(before + 1, std::memory_order_relaxed);
-  std::atomic_thread_fence(std::memory_order_release);  // Odd before any counter moves.
+  // Release on each counter (no fence): a reader that sees a new count sees the odd word too.
   for (int i = 0; i < slots_per_rank; ++i) {
-    std::atomic_ref<uint64_t>(counters[i]).fetch_add(static_cast<uint64_t>(added[i]),
-                                                     std::memory_order_relaxed);
+    std::atomic_ref<uint64_t> counter(counters[i]);
+    counter.store(counter.load(std::memory_order_relaxed) + static_cast<uint64_t>(added[i]),
+                  std::memory_order_release);
   }
   seq.store(before + 2, std::memory_order_release);
 }
@@ -116,10 +117,10 @@ absl::StatusOr<uint64_t> ReadLayerLoad(const std::byte* arena, const ArenaLayout
   for (int attempt = 0;; ++attempt) {
     const uint64_t before = seq.load(std::memory_order_acquire);
     if (before % 2 == 0) {
+      // Acquire loads: the check below cannot move above them (no fence needed).
       for (int i = 0; i < slots_per_rank; ++i) {
-        out[i] = std::atomic_ref<uint64_t>(counters[i]).load(std::memory_order_relaxed);
+        out[i] = std::atomic_ref<uint64_t>(counters[i]).load(std::memory_order_acquire);
       }
-      std::atomic_thread_fence(std::memory_order_acquire);  // The counters before the check.
       if (seq.load(std::memory_order_relaxed) == before) return before / 2;
     }
     // The owner adds S numbers: a few tries see it done; past that, check the clock.
