@@ -307,6 +307,12 @@ grpc::Status Balancer::Register(grpc::ServerContext*, const v1::RegisterRequest*
     d.channel = grpc::CreateChannel(request->address(), grpc::InsecureChannelCredentials());
     d.control = v1::DaemonControl::NewStub(d.channel);
   }
+  if (d.info.incarnation() != request->incarnation()) {
+    // A new process: its ranks count steps from where its clients resume, not from the old
+    // process's steps.
+    d.max_step = d.prev_step = 0;
+    d.step_time = d.prev_step_time = absl::InfinitePast();
+  }
   d.info = *request;
   d.interval_load = LoadMatrix();
   d.interval_rank.clear();
@@ -664,16 +670,21 @@ void Balancer::Recover() {
 }
 
 void Balancer::CatchUp() {
-  // A daemon that restarted has a fresh group under its own first plan, while the cluster's
-  // plan excludes its ranks (it is drained). It gets the cluster's plan, so that when a later
-  // plan takes its ranks back it stages their weights from the slots that really hold each
-  // expert. (A daemon with a member rank behind the plan is not caught up this way: the
-  // next plan's commit decides for it.)
+  // A daemon that restarted has a fresh group under its own first plan, behind the cluster's.
+  // - In a group over several daemons, the cluster's plan excludes its ranks (it is drained):
+  //   it gets that plan, so that when a later plan takes its ranks back it stages their
+  //   weights from the slots that really hold each expert; it stops no peer.
+  // - A daemon hosting the whole group: its ranks switch to the cluster's plan at a step
+  //   ahead of theirs, as with any plan (no peer to agree with), and its reports count again
+  //   (they are stale until then).
+  // (A daemon with member ranks in a group over several daemons is not caught up alone: the
+  // switch needs every daemon of the group; the next plan's commit decides for it.)
   std::vector<std::pair<std::string, v1::DaemonControl::Stub*>> behind;
   v1::PrepareRequest request;
+  bool whole_group = false;
   {
     MutexLock lock(&mu_);
-    if (!plan_.has_value()) return;
+    if (!plan_.has_value() || !shape_.has_value()) return;
     for (auto& [name, d] : daemons_) {
       if (!d.healthy || d.needs_state || d.pending != 0 || d.committed == 0 ||
           d.committed >= plan_->version || d.info.ranks().empty()) {
@@ -681,7 +692,9 @@ void Balancer::CatchUp() {
       }
       bool all_excluded = true;
       for (uint32_t r : d.info.ranks()) all_excluded &= plan_->excluded(static_cast<int>(r));
-      if (all_excluded) behind.emplace_back(name, d.control.get());
+      const bool whole = d.info.ranks_size() == shape_->world;
+      if (all_excluded || whole) behind.emplace_back(name, d.control.get());
+      whole_group |= whole;
     }
     if (behind.empty()) return;
     *request.mutable_plan() = ToProto(*plan_, PlanEncoding::kCompact);
@@ -708,7 +721,12 @@ void Balancer::CatchUp() {
       }
     }
     if (outcome.empty()) {
-      UBEP_LOG(INFO) << "node " << name << " caught up on plan v" << request.plan().version();
+      UBEP_LOG(INFO) << "node " << name << " caught up on plan v" << request.plan().version()
+                     << " (effective at step " << request.effective_step() << ")";
+      if (whole_group) {
+        MutexLock lock(&mu_);
+        plan_effective_step_ = request.effective_step();
+      }
     } else {
       UBEP_LOG(INFO) << "node " << name << " did not take plan v" << request.plan().version()
                      << " yet: " << outcome;

@@ -404,6 +404,83 @@ TEST_F(BalancerTest, ARestartedDaemonIsUndrainedAndItsRanksServeExactlyAgain) {
   EXPECT_THAT(a_log.substr(remapped), ::testing::ContainsRegex("group formed: generation [0-9]+, 8 ranks, resuming"));
 }
 
+// A node hosting the whole group restarts (a crash, an upgrade): its new group starts under
+// its own first plan while the cluster's is newer. The balancer brings it to the cluster's
+// plan at a step ahead of its ranks, and its reports, stale until then, count again.
+TEST_F(BalancerTest, ARestartedDaemonCatchesUpOnTheClustersPlanAndItsReportsCountAgain) {
+  constexpr int kSteps = 1000000;  // Until the test stops them.
+  auto balancer = StartBalancer({"--auto_rebalance=false"});
+  auto daemon = StartDaemon({"--free_buffers=16"});
+  std::vector<std::unique_ptr<Process>> clients;
+  for (int r = 0; r < world_; ++r) clients.push_back(StartClient(r, kSteps));
+  auto steps_under = [&](int r, uint64_t plan) {
+    int n = 0;
+    for (const test::StepLine& line : test::StepLines(ReadFile(ClientLog(r)))) n += line.plan == plan;
+    return n;
+  };
+  auto logs = [&] {
+    std::string all = ReadFile(path("balancer.log")) + ReadFile(path("node-a.log"));
+    for (int r = 0; r < world_; ++r) all += ReadFile(ClientLog(r));
+    return all;
+  };
+  ASSERT_TRUE(WaitFor([&] { return steps_under(0, 1) >= 20; }, absl::Seconds(60))) << logs();
+  auto stub = v1::Control::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", balancer_port_), grpc::InsecureChannelCredentials()));
+  // A rebalance on demand, once the balancer has load statistics (before, it refuses or
+  // keeps the placement).
+  v1::RebalanceResponse rebalanced;
+  grpc::Status status;
+  ASSERT_TRUE(WaitFor([&] {
+    grpc::ClientContext context;
+    status = stub->Rebalance(&context, v1::RebalanceRequest(), &rebalanced);
+    return status.ok() && rebalanced.version() >= 2;
+  }, absl::Seconds(30))) << status.error_message() << "\n" << logs();
+  ASSERT_EQ(rebalanced.version(), 2u) << logs();
+  std::vector<int> before(world_);
+  ASSERT_TRUE(WaitFor([&] {
+    for (int r = 0; r < world_; ++r) {
+      if (steps_under(r, 2) < 20) return false;
+    }
+    return true;
+  }, absl::Seconds(60))) << logs();
+  // The node restarts: its daemon and serving processes. (Serving processes would outlive
+  // the daemon: the data plane does not need it.)
+  daemon->Signal(SIGKILL);
+  EXPECT_EQ(daemon->Wait(absl::Seconds(10)), 128 + SIGKILL);
+  for (int r = 0; r < world_; ++r) {
+    clients[r]->Signal(SIGKILL);
+    EXPECT_EQ(clients[r]->Wait(absl::Seconds(10)), 128 + SIGKILL);
+    before[r] = steps_under(r, 2);
+  }
+
+  daemon = StartDaemon({"--free_buffers=16"});
+  for (int r = 0; r < world_; ++r) clients[r] = StartClient(r, kSteps);
+  ASSERT_TRUE(WaitFor([&] {
+    return ReadFile(path("balancer.log")).find("node node-a caught up on plan v2") != std::string::npos;
+  }, absl::Seconds(60))) << logs();
+  ASSERT_TRUE(WaitFor([&] {
+    for (int r = 0; r < world_; ++r) {
+      if (steps_under(r, 2) < before[r] + 20) return false;
+    }
+    return true;
+  }, absl::Seconds(60))) << logs();
+  // Reports under plan v2 are taken again: the stale count stops, the accepted count grows.
+  const std::string m1 = test::HttpGet(balancer_metrics_, "/metrics");
+  absl::SleepFor(absl::Milliseconds(1500));  // Five report intervals.
+  const std::string m2 = test::HttpGet(balancer_metrics_, "/metrics");
+  EXPECT_EQ(test::Sample(m2, "ubep_balancer_stale_reports_total"),
+            test::Sample(m1, "ubep_balancer_stale_reports_total"));
+  EXPECT_GT(test::Sample(m2, "ubep_balancer_reports_total"), test::Sample(m1, "ubep_balancer_reports_total"));
+  for (auto& c : clients) c->Signal(SIGKILL);
+  for (auto& c : clients) c->Wait(absl::Seconds(10));
+  for (int r = 0; r < world_; ++r) {
+    for (const test::StepLine& line : test::StepLines(ReadFile(ClientLog(r)))) {
+      EXPECT_TRUE(line.ok) << "rank " << r << " step " << line.step;
+    }
+  }
+  EXPECT_THAT(ReadFile(path("node-a.log")), ::testing::ContainsRegex("committed plan v2 \\(effective at step [0-9]+\\)"));
+}
+
 TEST_F(BalancerTest, BalancerKilledBetweenPrepareAndCommitRestartsAndTheClusterStaysConsistent) {
   constexpr int kSteps = 1000;
   // The first balancer prepares plan v2 and then sits on its decision; the effective step is
