@@ -287,6 +287,11 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
   if (has_group_ && AttachedLocked() > 0) {
     UBEP_RETURN_IF_ERROR(CompareShapes(group_request_, request));
   } else if (!has_group_ || !CompareShapes(group_request_, request).ok()) {
+    if (staging_) {
+      return absl::UnavailableError(absl::StrCat("the weights of plan v", staging_version_,
+                                                 " are being staged into this group's arenas; "
+                                                 "attach again"));
+    }
     UBEP_RETURN_IF_ERROR(CreateGroup(request));
   }
   if (!Hosted(static_cast<int>(request.rank()))) {
@@ -681,20 +686,20 @@ int Node::PlanBufferOf(uint64_t version, int rank) const {
   return -1;
 }
 
-absl::Status Node::CopyWeights(int from_rank, uint32_t from_buffer, int to_rank,
-                               uint32_t to_buffer, int layer) {
+absl::Status Node::CopyWeights(const WeightCopy& c) const {
   const size_t bytes = group_request_.shape().bytes_per_expert();
   if (bytes == 0) return absl::OkStatus();
-  if (on_device()) {
+  if (!device_arenas_.empty()) {
     const auto offset = [&](uint32_t buffer) {
       return layout_.device_weights +
-             (static_cast<size_t>(layer) * layout_.buffers_per_layer + buffer) * layout_.weight_stride;
+             (static_cast<size_t>(c.layer) * layout_.buffers_per_layer + buffer) * layout_.weight_stride;
     };
-    return device_arenas_[to_rank]->CopyFrom(*device_arenas_[from_rank], offset(from_buffer),
-                                             offset(to_buffer), bytes);
+    return device_arenas_[c.to_rank]->CopyFrom(*device_arenas_[c.from_rank], offset(c.from_buffer),
+                                               offset(c.to_buffer), bytes);
   }
-  std::memcpy(kernels::WeightBuffer(arenas_[to_rank].data(), layout_, layer, to_buffer),
-              kernels::WeightBuffer(arenas_[from_rank].data(), layout_, layer, from_buffer), bytes);
+  std::memcpy(kernels::WeightBuffer(arenas_[c.to_rank].data(), layout_, c.layer, c.to_buffer),
+              kernels::WeightBuffer(arenas_[c.from_rank].data(), layout_, c.layer, c.from_buffer),
+              bytes);
   return absl::OkStatus();
 }
 
@@ -710,6 +715,7 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
   };
   if (!has_group_) return fail("no group is attached to this daemon");
   if (draining_) return fail("ubepd is draining");
+  if (staging_) return fail(absl::StrCat("the weights of plan v", staging_version_, " are being staged"));
   if (!AllArenasMapped()) return fail("the arenas of the peer daemons' ranks are not mapped yet");
   if (const std::string stale = StaleMembers(plan); !stale.empty()) {
     return fail(absl::StrCat("the daemon of rank", stale, " restarted and its new arenas are not "
@@ -797,6 +803,7 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
   // excludes is not staged; a rank it includes again is staged whole, in place: the plan in
   // force sends it nothing, so no reader sees its buffers change.
   std::vector<std::vector<uint32_t>> maps(R);
+  std::vector<WeightCopy> copies;
   uint32_t copied_slots = 0;
   uint64_t copied_bytes = 0;
   for (int r = first_; r < first_ + hosted_; ++r) {
@@ -847,14 +854,33 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
         }
         const int hr = holder / S, hj = holder % S;
         const uint32_t source = kernels::SlotMap(arenas_[hr].data(), layout_, config_, current[hr])[l * S + hj];
-        if (absl::Status s = CopyWeights(hr, source, r, buffer, l); !s.ok()) {
-          return fail(std::string(s.message()));
-        }
+        copies.push_back({hr, source, r, buffer, l});
         maps[r][l * S + i] = buffer;
         ++copied_slots;
         copied_bytes += group_request_.shape().bytes_per_expert();
       }
     }
+  }
+  // The copies run without the lock (they may take seconds on the host backend): joins,
+  // step reports and metrics go on meanwhile. Nothing they touch moves: sources are buffers
+  // the plan in force reads, destinations buffers it does not; staging_ keeps the arenas
+  // mapped (no new group, no peer's arenas replaced) and any other Prepare out.
+  if (!copies.empty()) {
+    staging_ = true;
+    staging_version_ = plan.version;
+    staging_aborted_ = false;
+    mu_.Unlock();
+    absl::Status copied = absl::OkStatus();
+    for (const WeightCopy& c : copies) {
+      copied = CopyWeights(c);
+      if (!copied.ok()) break;
+    }
+    if (options_.staging_hook) options_.staging_hook();
+    mu_.Lock();
+    staging_ = false;
+    if (!copied.ok()) return fail(std::string(copied.message()));
+    if (staging_aborted_) return fail(absl::StrCat("plan v", plan.version, " was aborted while its weights were staged"));
+    if (draining_) return fail("ubepd is draining");
   }
   absl::StatusOr<std::vector<std::byte>> table = PlanTableOf(plan);
   if (!table.ok()) return fail(std::string(table.status().message()));
@@ -916,6 +942,7 @@ absl::Status Node::Commit(uint64_t version) {
 
 absl::Status Node::Abort(uint64_t version) {
   MutexLock lock(&mu_);
+  if (staging_ && staging_version_ == version) staging_aborted_ = true;  // Prepare fails.
   if (!pending_.has_value() || pending_->version != version) return absl::OkStatus();
   for (int r = first_; r < first_ + hosted_; ++r) {
     UBEP_RETURN_IF_ERROR(kernels::AbortPlan(arenas_[r].data() + layout_.plan, version));
@@ -1070,6 +1097,10 @@ absl::Status Node::AddPeerArenas(int first_rank, const std::vector<int>& fds,
   }
   bool replacing = false;
   for (int r = first_rank; r < first_rank + count; ++r) replacing |= arenas_[r].valid();
+  if (replacing && staging_) {
+    return absl::UnavailableError(absl::StrCat("the weights of plan v", staging_version_,
+                                               " are being staged; the arenas stay until then"));
+  }
   if (replacing) {
     // The ranks' daemon restarted. Its old arenas are still read by this daemon and by the
     // clients while the ranks are members; new ones may take their place only while no plan

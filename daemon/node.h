@@ -23,6 +23,7 @@
 #define UBEP_DAEMON_NODE_H_
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -53,6 +54,8 @@ struct NodeOptions {
   // Hosted ranks: [first_rank, first_rank + num_ranks); num_ranks 0 = every rank of the group.
   int first_rank = 0;
   int num_ranks = 0;
+  // Tests only: called by Prepare after its weight copies, before it takes the lock again.
+  std::function<void()> staging_hook;
 };
 
 // What the metrics need, copied under the lock.
@@ -202,8 +205,17 @@ class Node {
   bool MembershipStops(const balancer::Plan& next, int r) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return Hosted(r) || next.excluded(r) != plan_.excluded(r);
   }
-  absl::Status CopyWeights(int from_rank, uint32_t from_buffer, int to_rank, uint32_t to_buffer,
-                           int layer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One expert's weights from a holder's buffer to a new slot's buffer, in one layer.
+  struct WeightCopy {
+    int from_rank;
+    uint32_t from_buffer;
+    int to_rank;
+    uint32_t to_buffer;
+    int layer;
+  };
+  // Runs without mu_ while staging_ is set: staging_ keeps the arenas, layout and shape it
+  // reads in place (no new group, no replaced peer arenas).
+  absl::Status CopyWeights(const WeightCopy& copy) const ABSL_NO_THREAD_SAFETY_ANALYSIS;
   bool on_device() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !device_arenas_.empty(); }
   // The abort word of rank r's arena (host or device): read, and write.
   uint32_t AbortCode(int r) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -226,6 +238,11 @@ class Node {
   uint64_t pending_effective_step_ ABSL_GUARDED_BY(mu_) = 0;
   // A plan changing the members is being prepared, or prepared and undecided.
   bool membership_pending_ ABSL_GUARDED_BY(mu_) = false;
+  // Prepare is copying weights without the lock: which plan, and whether it was aborted
+  // meanwhile.
+  bool staging_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t staging_version_ ABSL_GUARDED_BY(mu_) = 0;
+  bool staging_aborted_ ABSL_GUARDED_BY(mu_) = false;
   // Per rank: the peer daemon process whose arenas are mapped (empty for hosted ranks), and
   // whether its daemon has restarted since (stale: the mapped arenas are the dead process's).
   std::vector<std::string> incarnation_ ABSL_GUARDED_BY(mu_);

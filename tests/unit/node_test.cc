@@ -384,5 +384,44 @@ TEST(NodeTest, APeersNewArenasReplaceTheStaleOnesOnlyWhileItsRanksAreExcluded) {
   (void)x2;
 }
 
+// Weights are copied without the node's lock: a rank's step report is served meanwhile, and
+// an Abort of the plan being staged makes the Prepare fail (nothing is left prepared).
+TEST(NodeTest, StagingRunsWithoutTheLockAndAnAbortMeanwhileFailsThePrepare) {
+  std::atomic<bool> in_hook = false;
+  bool abort_in_hook = true;
+  absl::Status report_status = absl::UnknownError("not called");
+  Node* node_ptr = nullptr;
+  std::string token;
+  NodeOptions options = Options();
+  options.staging_hook = [&] {
+    in_hook = true;
+    v1::ReportStepRequest report;
+    report.set_rank(0);
+    report.set_token(token);
+    report.set_step(3);
+    report_status = node_ptr->ReportStep(report).status();  // Would deadlock under the lock.
+    if (abort_in_hook) {
+      EXPECT_TRUE(node_ptr->Abort(2).ok());
+    }
+  };
+  Node node(options);
+  node_ptr = &node;
+  Attached a = AttachAndClaim(node, 0, 2, 1);
+  token = a.token;
+  const v1::PrepareResponse prepared = node.Prepare(SwappedPlan(), 10);
+  EXPECT_TRUE(in_hook);
+  EXPECT_TRUE(report_status.ok()) << report_status;
+  EXPECT_FALSE(prepared.prepared());
+  EXPECT_EQ(prepared.reason(), "plan v2 was aborted while its weights were staged");
+  EXPECT_EQ(node.State().pending_version(), 0u);
+  EXPECT_EQ(node.State().committed_version(), 1u);
+  // The next Prepare of the same plan stages again and succeeds.
+  abort_in_hook = false;
+  const v1::PrepareResponse again = node.Prepare(SwappedPlan(), 10);
+  EXPECT_TRUE(again.prepared()) << again.reason();
+  EXPECT_EQ(again.copied_slots(), 4u);
+  EXPECT_EQ(node.State().pending_version(), 2u);
+}
+
 }  // namespace
 }  // namespace ubep::daemon
