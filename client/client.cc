@@ -1,5 +1,7 @@
 // libubep's implementation: the proto API to ubepd, fd passing, and the host data plane over
 // the mapped arenas. Never includes daemon/ code.
+#include <poll.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -75,6 +77,7 @@ struct RankState {
   absl::Time next_report = absl::InfinitePast();
   uint64_t last_plan_version = 0;
   bool attached = false;
+  bool daemon_exited = false;  // Its fd connection closed.
 
   std::byte* own() const { return arenas[rank].data(); }
   kernels::RankControl* control() const { return kernels::ControlOf(own(), layout); }
@@ -148,6 +151,18 @@ bool GroupReady(const RankState& s) {
              kernels::kGroupReady &&
          std::atomic_ref<const uint64_t>(c->generation).load(std::memory_order_acquire) ==
              s.generation;
+}
+
+// Whether ubepd closed this rank's fd connection: it exited (a crash, or killed). Polled at
+// each step (one syscall): the data plane does not need the daemon, but nothing would
+// collect this rank's statistics or apply plans any more.
+bool DaemonExited(const RankState& s) {
+  if (!s.fd_connection.valid()) return false;
+  pollfd p{s.fd_connection.get(), POLLIN | POLLRDHUP, 0};
+  if (poll(&p, 1, 0) <= 0) return false;
+  if ((p.revents & (POLLHUP | POLLRDHUP | POLLERR)) != 0) return true;
+  char byte;
+  return recv(s.fd_connection.get(), &byte, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
 }
 
 // Counts an error in the control block (the daemon exports it) and returns it.
@@ -427,6 +442,18 @@ int Rank::rank() const { return state_->rank; }
 int Rank::world_size() const { return state_->world_size; }
 const ModelShape& Rank::shape() const { return state_->shape; }
 
+bool Rank::must_attach_again() const {
+  const RankState& s = *state_;
+  if (!s.attached) return false;
+  if (s.daemon_exited) return true;
+  const kernels::ArenaLayout ep(s.config);
+  const uint32_t code = kernels::LoadAcquire(
+      reinterpret_cast<const uint32_t*>(s.own() + s.layout.ep + ep.abort));
+  return code == kernels::kAbortDraining ||
+         std::atomic_ref<uint32_t>(s.control()->group_state).load(std::memory_order_acquire) ==
+             kernels::kGroupDraining;
+}
+
 bool Rank::excluded() const {
   const RankState& s = *state_;
   if (!s.attached) return false;
@@ -440,6 +467,21 @@ absl::Status Rank::BeginStep(uint64_t step) {
   RankState& s = *state_;
   if (!s.attached) return absl::FailedPreconditionError("rank is detached");
   if (!s.stopped.ok()) return s.stopped;
+  if (DaemonExited(s)) {
+    // Stop the group as a draining daemon would: every rank's waits end with "draining",
+    // and each attaches again, to the daemon that takes over (host arenas: the CUDA
+    // backend's abort words are in device memory, where the peers' waits time out instead).
+    s.daemon_exited = true;
+    if (!s.on_device) {
+      const kernels::ArenaLayout ep(s.config);
+      for (kernels::SharedArena& arena : s.arenas) {
+        kernels::RaiseAbort(arena.data() + s.layout.ep, ep, kernels::kAbortDraining);
+      }
+    }
+    return Record(s, s.stopped = absl::UnavailableError(absl::StrCat(
+                         "rank ", s.rank, ": ubepd exited (it closed this rank's fd connection); "
+                         "detach, and attach again when it is back")));
+  }
   if (!GroupReady(s)) return Record(s, s.stopped = GroupStopped(s));
   std::atomic_ref<uint64_t>(s.control()->step).store(step, std::memory_order_relaxed);
   Bump(s.control()->steps);

@@ -131,6 +131,29 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
     return absl::InvalidArgumentError(
         "--ranks: the cuda backend serves a whole group from one ubepd");
   }
+  if (!options.balancer.empty() && options.node.plan_path.empty()) {
+    // A group starts under the cluster's plan when the balancer has one (a restarted node).
+    std::shared_ptr<v1::Control::Stub> stub = v1::Control::NewStub(
+        grpc::CreateChannel(options.balancer, grpc::InsecureChannelCredentials()));
+    options.node.cluster_plan = [stub]() -> std::optional<balancer::Plan> {
+      grpc::ClientContext context;
+      context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+      v1::Plan proto;
+      const grpc::Status status = stub->GetClusterPlan(&context, v1::GetClusterPlanRequest(), &proto);
+      if (!status.ok()) {
+        if (status.error_code() != grpc::StatusCode::FAILED_PRECONDITION) {
+          UBEP_LOG(WARNING) << "the cluster's plan: " << status.error_message();
+        }
+        return std::nullopt;
+      }
+      absl::StatusOr<balancer::Plan> plan = balancer::FromProto(proto);
+      if (!plan.ok()) {
+        UBEP_LOG(WARNING) << "the cluster's plan: " << plan.status();
+        return std::nullopt;
+      }
+      return *std::move(plan);
+    };
+  }
   std::unique_ptr<Daemon> d(new Daemon(options));
   d->node_ = std::make_unique<Node>(options.node);
   d->metrics_ = std::make_shared<DaemonMetrics>(d->node_.get(), options.harvest_interval);

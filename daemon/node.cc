@@ -148,7 +148,8 @@ Node::Node(NodeOptions options) : options_(std::move(options)) {}
 
 Node::~Node() = default;
 
-absl::Status Node::CreateGroup(const v1::AttachRequest& q) {
+absl::Status Node::CreateGroup(const v1::AttachRequest& q,
+                               const std::optional<balancer::Plan>& cluster_plan) {
   const v1::ModelShape& s = q.shape();
   kernels::EpConfig config;
   config.num_ranks = static_cast<int>(q.world_size());
@@ -195,9 +196,26 @@ absl::Status Node::CreateGroup(const v1::AttachRequest& q) {
   topology.num_nodes = 1;
   topology.slots_per_rank = config.slots_per_rank;
   balancer::Plan plan;
+  std::string origin = " (round-robin)";
   if (options_.plan_path.empty()) {
     plan = RoundRobinPlan(topology, config.num_experts, config.num_layers);
+    if (cluster_plan.has_value()) {
+      const balancer::Plan& c = *cluster_plan;
+      if (c.topology.num_ranks == config.num_ranks &&
+          c.topology.slots_per_rank == config.slots_per_rank &&
+          c.num_experts == config.num_experts && c.num_layers() == config.num_layers &&
+          balancer::ValidatePlan(c).ok()) {
+        plan = c;
+        origin = " (the cluster's, from ubep-balancer)";
+      } else {
+        UBEP_LOG(WARNING) << "the cluster's plan v" << c.version << " does not fit this group ("
+                          << c.topology.num_ranks << " ranks x " << c.topology.slots_per_rank
+                          << " slots, " << c.num_layers() << " layers x " << c.num_experts
+                          << " experts): starting round-robin";
+      }
+    }
   } else {
+    origin = " from " + options_.plan_path;
     absl::StatusOr<balancer::Plan> loaded = balancer::ReadPlanFile(options_.plan_path, topology);
     if (!loaded.ok()) {
       return absl::FailedPreconditionError(
@@ -257,8 +275,7 @@ absl::Status Node::CreateGroup(const v1::AttachRequest& q) {
                  << config.num_layers
                  << " layers x " << config.num_experts << " experts, hidden " << config.hidden
                  << ", arena " << layout.total_bytes + layout.device_bytes
-                 << " bytes per rank, plan v" << plan_.version
-                 << (options_.plan_path.empty() ? " (round-robin)" : " from " + options_.plan_path);
+                 << " bytes per rank, plan v" << plan_.version << origin;
   return absl::OkStatus();
 }
 
@@ -276,6 +293,17 @@ bool Node::AllArenasMapped() const {
 absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request,
                                                 absl::Time deadline) {
   UBEP_RETURN_IF_ERROR(ValidateRequest(request));
+  // A new group starts under the cluster's plan: ask for it before taking the lock (it is an
+  // RPC); only when this attach may create the group.
+  std::optional<balancer::Plan> cluster_plan;
+  if (options_.cluster_plan && options_.plan_path.empty()) {
+    bool creating;
+    {
+      MutexLock lock(&mu_);
+      creating = !has_group_ || AttachedLocked() == 0;
+    }
+    if (creating) cluster_plan = options_.cluster_plan();
+  }
   MutexLock lock(&mu_);
   if (draining_) {
     return absl::UnavailableError("ubepd is draining (shutting down); attach again when it is back");
@@ -292,7 +320,7 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
                                                  " are being staged into this group's arenas; "
                                                  "attach again"));
     }
-    UBEP_RETURN_IF_ERROR(CreateGroup(request));
+    UBEP_RETURN_IF_ERROR(CreateGroup(request, cluster_plan));
   }
   if (!Hosted(static_cast<int>(request.rank()))) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -547,7 +575,10 @@ absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl
   if (!plan_.excluded(rank)) BreakGroup(rank);
   kernels::RankControl* own = Ctl(rank);
   uint64_t ticket = GroupGeneration() + 1;
-  StoreWord(own->next_step, request.has_next_step() ? request.next_step() : kernels::kNoNextStep);
+  // An excluded rank's step is stale (it was out of the group): it does not hold the group
+  // back when a plan takes it in again.
+  StoreWord(own->next_step, request.has_next_step() && !plan_.excluded(rank) ? request.next_step()
+                                                                             : kernels::kNoNextStep);
   StoreWord(own->join_ticket, ticket);
   deadline = std::min(deadline, absl::Now() + options_.join_timeout);
   auto still_mine = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {

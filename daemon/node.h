@@ -56,6 +56,10 @@ struct NodeOptions {
   int num_ranks = 0;
   // Tests only: called by Prepare after its weight copies, before it takes the lock again.
   std::function<void()> staging_hook;
+  // Without plan_path: the cluster's plan in force, if there is one (ubepd asks the balancer,
+  // bounded). A new group starts under it when its shape fits, so that a restarted daemon
+  // serves the plan its node left, and versions only grow; else round-robin v1.
+  std::function<std::optional<balancer::Plan>()> cluster_plan;
 };
 
 // What the metrics need, copied under the lock.
@@ -173,7 +177,9 @@ class Node {
   };
 
   absl::Status CheckShape(const v1::AttachRequest& request) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status CreateGroup(const v1::AttachRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CreateGroup(const v1::AttachRequest& request,
+                           const std::optional<balancer::Plan>& cluster_plan)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckToken(uint32_t rank, const std::string& token, bool need_connected) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A rank left a group that may be running: stop every wait, naming it.

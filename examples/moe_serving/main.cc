@@ -208,8 +208,8 @@ int main(int argc, char** argv) {
     }
     log.Line(absl::StrCat("error step ", step, ": ", status.message()));
     if (!absl::IsUnavailable(status) && !absl::IsDeadlineExceeded(status)) return 3;
-    if (status.message().find("draining") != std::string::npos) {
-      // ubepd is going away: detach now, attach to the next one.
+    if ((*rank)->must_attach_again()) {
+      // ubepd is going away or gone: detach now, attach to the next one.
       (void)(*rank)->Detach();
       rank->reset();
       // The new group resumes at the least step any rank asks for.

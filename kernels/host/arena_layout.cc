@@ -83,6 +83,12 @@ absl::Status DaemonAbortStatus(uint32_t code, int rank, const char* what, uint32
   return absl::OkStatus();
 }
 
+void RaiseAbort(std::byte* arena, const ArenaLayout& layout, uint32_t code) {
+  uint32_t expected = 0;
+  std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(arena + layout.abort))
+      .compare_exchange_strong(expected, code, std::memory_order_acq_rel);
+}
+
 void ResetSignals(std::byte* arena, const ArenaLayout& layout) {
   // The signal regions, the abort word and the counts are contiguous, from dispatch_flag to
   // load_counters.

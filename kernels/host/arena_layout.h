@@ -86,6 +86,9 @@ struct ArenaLayout {
   ArenaLayout() = default;
 };
 
+// Sets an arena's abort word to `code` unless it is already set (the first reason wins).
+void RaiseAbort(std::byte* arena, const ArenaLayout& layout, uint32_t code);
+
 // Zeroes the signal words, the abort word and the per-source counts of an arena, keeping its
 // header, load counters and data: a group that re-forms (every rank parked, none inside a
 // dispatch or combine) starts its epochs from zero. Not safe while any rank is in a call.

@@ -294,11 +294,7 @@ absl::Status HostEp::GiveUp(int peer, const char* what, uint32_t epoch) const {
     // This rank gives up first: tell every rank which peer it gave up on, so that ranks
     // stuck behind a survivor report the dead peer, not the survivor.
     code = kAbortTimedOutBase + static_cast<uint32_t>(peer);
-    for (std::byte* arena : arenas_) {
-      uint32_t expected = 0;
-      std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(arena + layout_.abort))
-          .compare_exchange_strong(expected, code, std::memory_order_acq_rel);
-    }
+    for (std::byte* arena : arenas_) RaiseAbort(arena, layout_, code);
   }
   const int dead_rank = static_cast<int>(code - kAbortTimedOutBase);
   return absl::DeadlineExceededError(absl::StrCat(

@@ -76,9 +76,9 @@ class BalancerTest : public ::testing::Test {
 
   std::unique_ptr<Process> StartClient(int rank, int steps, const std::string& node = "node-a",
                                        int slots_per_rank = 72, int tokens = 32,
-                                       int drift_period = 200) {
-    return std::make_unique<Process>(
-        std::vector<std::string>{
+                                       int drift_period = 200,
+                                       std::vector<std::string> extra = {}) {
+    std::vector<std::string> argv{
             test::BinaryPath("ubep-moe-example"), "--socket=" + path(node + ".sock"),
             absl::StrCat("--rank=", rank), absl::StrCat("--world=", world_),
             absl::StrCat("--steps=", steps), absl::StrCat("--slots_per_rank=", slots_per_rank),
@@ -86,8 +86,9 @@ class BalancerTest : public ::testing::Test {
             "--step_delay=5ms",
             "--log=" + ClientLog(rank),
             "--traces=" + test::TracePath("decode_in1000out1000.json") + "," +
-                test::TracePath("prefill_in1024.json")},
-        path(absl::StrCat("client-", rank, ".out")));
+                test::TracePath("prefill_in1024.json")};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return std::make_unique<Process>(argv, path(absl::StrCat("client-", rank, ".out")));
   }
 
   std::string ClientLog(int rank) const { return path(absl::StrCat("client-", rank, ".log")); }
@@ -248,15 +249,22 @@ TEST_F(BalancerTest, ADaemonKilledHasItsRanksExcludedAndTheSurvivorsKeepServingE
   auto node_a = StartDaemon({"--ranks=0-3", "--free_buffers=72"}, "node-a");
   auto node_b = StartDaemon({"--ranks=4-7", "--free_buffers=72"}, "node-b");
   std::vector<std::unique_ptr<Process>> clients;
-  for (int r = 0; r < world_; ++r) clients.push_back(StartClient(r, kSteps, r < 4 ? "node-a" : "node-b"));
+  for (int r = 0; r < world_; ++r) {
+    // The lost node's clients try to attach again for 2 s, then give up.
+    clients.push_back(r < 4 ? StartClient(r, kSteps, "node-a")
+                            : StartClient(r, kSteps, "node-b", 72, 32, 200, {"--reattach_timeout=2s"}));
+  }
   ASSERT_TRUE(WaitFor([&] { return test::StepLines(ReadFile(ClientLog(0))).size() >= 60; },
                       absl::Seconds(60)))
       << ReadFile(ClientLog(0));
   node_b->Signal(SIGKILL);
   EXPECT_EQ(node_b->Wait(absl::Seconds(10)), 128 + SIGKILL);
   for (int r = 0; r < 4; ++r) EXPECT_EQ(clients[r]->Wait(absl::Seconds(120)), 0) << ReadFile(ClientLog(r));
-  // The lost node's clients were stopped by the membership change and could not rejoin.
-  for (int r = 4; r < 8; ++r) EXPECT_EQ(clients[r]->Wait(absl::Seconds(60)), 3) << ReadFile(ClientLog(r));
+  // The lost node's clients saw their daemon exit and found none to attach to again.
+  for (int r = 4; r < 8; ++r) {
+    EXPECT_EQ(clients[r]->Wait(absl::Seconds(60)), 3) << ReadFile(ClientLog(r));
+    EXPECT_THAT(ReadFile(ClientLog(r)), HasSubstr("error attach: "));
+  }
   // Survivors: every step exact; where a step ran twice (stopped mid-step, run again after
   // the group re-formed) the last run counts; all survivors agree on each step's plan.
   std::map<uint64_t, uint64_t> plan_of_step;
@@ -295,9 +303,10 @@ TEST_F(BalancerTest, ADaemonKilledHasItsRanksExcludedAndTheSurvivorsKeepServingE
   EXPECT_FALSE(status.nodes(1).healthy());
 }
 
-// The lost node's daemon comes back as a new process, with new and empty arenas: it stays
-// drained (the plan keeps its ranks excluded, the survivors are not stalled), its peer maps
-// the new arenas, and it catches up on the cluster's plan. Undrained, a plan takes its ranks
+// The lost node's daemon comes back as a new process, with new and empty arenas, and the
+// node's serving processes, which outlived it, attach to it again. It stays
+// drained (the plan keeps its ranks excluded, the survivors are not stalled), its group
+// starts under the cluster's plan, and its peer maps the new arenas. Undrained, a plan takes its ranks
 // back: their weights are staged from the survivors' slots, every client takes the new
 // arenas, the group forms with 8 ranks again and every step of every rank stays exact.
 TEST_F(BalancerTest, ARestartedDaemonIsUndrainedAndItsRanksServeExactlyAgain) {
@@ -321,7 +330,6 @@ TEST_F(BalancerTest, ARestartedDaemonIsUndrainedAndItsRanksServeExactlyAgain) {
   ASSERT_TRUE(WaitFor([&] { return steps_under(0, 1) >= 30; }, absl::Seconds(60))) << logs();
   node_b->Signal(SIGKILL);
   EXPECT_EQ(node_b->Wait(absl::Seconds(10)), 128 + SIGKILL);
-  for (int r = 4; r < 8; ++r) EXPECT_EQ(clients[r]->Wait(absl::Seconds(60)), 3) << ReadFile(ClientLog(r));
   ASSERT_TRUE(WaitFor([&] {
     for (int r = 0; r < 4; ++r) {
       if (steps_under(r, 2) < 20) return false;
@@ -329,8 +337,10 @@ TEST_F(BalancerTest, ARestartedDaemonIsUndrainedAndItsRanksServeExactlyAgain) {
     return true;
   }, absl::Seconds(60))) << logs();
 
+  // The daemon comes back; the node's serving processes, which waited for it (the example
+  // tries for --reattach_timeout, 60 s), attach to it again.
   node_b = StartDaemon({"--ranks=4-7", "--free_buffers=72"}, "node-b");
-  for (int r = 4; r < 8; ++r) clients[r] = StartClient(r, kSteps, "node-b");
+  for (int r = 4; r < 8; ++r) EXPECT_TRUE(clients[r]->running()) << ReadFile(ClientLog(r));
   auto stub = v1::Control::NewStub(grpc::CreateChannel(
       absl::StrCat("127.0.0.1:", balancer_port_), grpc::InsecureChannelCredentials()));
   auto cluster = [&] {
@@ -344,9 +354,11 @@ TEST_F(BalancerTest, ARestartedDaemonIsUndrainedAndItsRanksServeExactlyAgain) {
     return s.nodes_size() == 2 && s.nodes(1).healthy() && s.nodes(1).drained();
   }, absl::Seconds(30))) << logs();
   ASSERT_TRUE(WaitFor([&] {
-    return ReadFile(path("node-a.log")).find("re-mapped the arenas of ranks 4-7") != std::string::npos &&
-           ReadFile(path("balancer.log")).find("node node-b caught up on plan v2") != std::string::npos;
+    return ReadFile(path("node-a.log")).find("re-mapped the arenas of ranks 4-7") != std::string::npos;
   }, absl::Seconds(30))) << logs();
+  // The new daemon's group started under the cluster's plan (its ranks excluded), not v1.
+  EXPECT_THAT(ReadFile(path("node-b.log")),
+              ::testing::ContainsRegex("\\(hosting 4-7\\), .* plan v2 \\(the cluster's, from ubep-balancer\\)"));
   EXPECT_THAT(ReadFile(path("balancer.log")),
               HasSubstr("node node-b restarted (a new ubepd process): its ranks stay excluded"));
   absl::SleepFor(absl::Seconds(1));  // Ticks in which a wrong re-inclusion would happen.
@@ -404,18 +416,22 @@ TEST_F(BalancerTest, ARestartedDaemonIsUndrainedAndItsRanksServeExactlyAgain) {
   EXPECT_THAT(a_log.substr(remapped), ::testing::ContainsRegex("group formed: generation [0-9]+, 8 ranks, resuming"));
 }
 
-// A node hosting the whole group restarts (a crash, an upgrade): its new group starts under
-// its own first plan while the cluster's is newer. The balancer brings it to the cluster's
-// plan at a step ahead of its ranks, and its reports, stale until then, count again.
-TEST_F(BalancerTest, ARestartedDaemonCatchesUpOnTheClustersPlanAndItsReportsCountAgain) {
+// ubepd hosting the whole group crashes and restarts; the serving processes outlive it (the
+// data plane does not need it), notice that it exited, stop the group and attach again. The
+// new daemon asks the balancer for the cluster's plan to start under; here the balancer is
+// paused meanwhile, so the group starts under round-robin v1, and once the balancer is back
+// it brings the daemon to the cluster's plan (CatchUp) at a step ahead of the ranks; the
+// daemon's reports, stale until then, count again. Every step stays exact.
+TEST_F(BalancerTest, ServingOutlivesADaemonRestartAndTheDaemonCatchesUpOnTheClustersPlan) {
   constexpr int kSteps = 1000000;  // Until the test stops them.
   auto balancer = StartBalancer({"--auto_rebalance=false"});
   auto daemon = StartDaemon({"--free_buffers=16"});
   std::vector<std::unique_ptr<Process>> clients;
   for (int r = 0; r < world_; ++r) clients.push_back(StartClient(r, kSteps));
+  auto lines = [&](int r) { return test::StepLines(ReadFile(ClientLog(r))); };
   auto steps_under = [&](int r, uint64_t plan) {
     int n = 0;
-    for (const test::StepLine& line : test::StepLines(ReadFile(ClientLog(r)))) n += line.plan == plan;
+    for (const test::StepLine& line : lines(r)) n += line.plan == plan;
     return n;
   };
   auto logs = [&] {
@@ -436,31 +452,35 @@ TEST_F(BalancerTest, ARestartedDaemonCatchesUpOnTheClustersPlanAndItsReportsCoun
     return status.ok() && rebalanced.version() >= 2;
   }, absl::Seconds(30))) << status.error_message() << "\n" << logs();
   ASSERT_EQ(rebalanced.version(), 2u) << logs();
-  std::vector<int> before(world_);
   ASSERT_TRUE(WaitFor([&] {
     for (int r = 0; r < world_; ++r) {
       if (steps_under(r, 2) < 20) return false;
     }
     return true;
   }, absl::Seconds(60))) << logs();
-  // The node restarts: its daemon and serving processes. (Serving processes would outlive
-  // the daemon: the data plane does not need it.)
+
+  balancer->Signal(SIGSTOP);
   daemon->Signal(SIGKILL);
   EXPECT_EQ(daemon->Wait(absl::Seconds(10)), 128 + SIGKILL);
-  for (int r = 0; r < world_; ++r) {
-    clients[r]->Signal(SIGKILL);
-    EXPECT_EQ(clients[r]->Wait(absl::Seconds(10)), 128 + SIGKILL);
-    before[r] = steps_under(r, 2);
-  }
-
+  std::vector<size_t> before(world_);
+  for (int r = 0; r < world_; ++r) before[r] = lines(r).size();
   daemon = StartDaemon({"--free_buffers=16"});
-  for (int r = 0; r < world_; ++r) clients[r] = StartClient(r, kSteps);
+  // The clients attach again and serve under the new daemon's first plan.
+  ASSERT_TRUE(WaitFor([&] {
+    for (int r = 0; r < world_; ++r) {
+      const std::vector<test::StepLine> l = lines(r);
+      if (l.size() < before[r] + 20 || l.back().plan != 1) return false;
+    }
+    return true;
+  }, absl::Seconds(90))) << logs();
+  balancer->Signal(SIGCONT);
   ASSERT_TRUE(WaitFor([&] {
     return ReadFile(path("balancer.log")).find("node node-a caught up on plan v2") != std::string::npos;
   }, absl::Seconds(60))) << logs();
   ASSERT_TRUE(WaitFor([&] {
     for (int r = 0; r < world_; ++r) {
-      if (steps_under(r, 2) < before[r] + 20) return false;
+      const std::vector<test::StepLine> l = lines(r);
+      if (l.back().plan != 2 || steps_under(r, 2) < 40) return false;
     }
     return true;
   }, absl::Seconds(60))) << logs();
@@ -473,12 +493,31 @@ TEST_F(BalancerTest, ARestartedDaemonCatchesUpOnTheClustersPlanAndItsReportsCoun
   EXPECT_GT(test::Sample(m2, "ubep_balancer_reports_total"), test::Sample(m1, "ubep_balancer_reports_total"));
   for (auto& c : clients) c->Signal(SIGKILL);
   for (auto& c : clients) c->Wait(absl::Seconds(10));
+
+  // Every step exact; the clients' steps go on across the restart (where a step ran twice,
+  // the last run counts) and all ranks agree on each step's plan.
+  // The first rank to notice the exit stopped the others ("draining" in their waits).
+  std::map<uint64_t, uint64_t> plan_of_step;
+  int noticed = 0;
   for (int r = 0; r < world_; ++r) {
-    for (const test::StepLine& line : test::StepLines(ReadFile(ClientLog(r)))) {
+    const std::string log = ReadFile(ClientLog(r));
+    noticed += log.find("ubepd exited (it closed this rank's fd connection)") != std::string::npos;
+    EXPECT_THAT(log, ::testing::ContainsRegex("error step [0-9]+: rank [0-9]+: ubepd (exited|is draining)"));
+    std::map<uint64_t, uint64_t> last;
+    for (const test::StepLine& line : test::StepLines(log)) {
       EXPECT_TRUE(line.ok) << "rank " << r << " step " << line.step;
+      last[line.step] = line.plan;
+    }
+    EXPECT_EQ(last.size(), last.rbegin()->first + 1) << "rank " << r << " skipped steps";
+    for (const auto& [step, plan] : last) {
+      auto [it, inserted] = plan_of_step.emplace(step, plan);
+      EXPECT_EQ(it->second, plan) << "rank " << r << " disagrees at step " << step;
     }
   }
-  EXPECT_THAT(ReadFile(path("node-a.log")), ::testing::ContainsRegex("committed plan v2 \\(effective at step [0-9]+\\)"));
+  EXPECT_GE(noticed, 1);
+  const std::string a_log = ReadFile(path("node-a.log"));
+  EXPECT_THAT(a_log, HasSubstr("plan v1 (round-robin)"));
+  EXPECT_THAT(a_log, ::testing::ContainsRegex("committed plan v2 \\(effective at step [0-9]+\\)"));
 }
 
 TEST_F(BalancerTest, BalancerKilledBetweenPrepareAndCommitRestartsAndTheClusterStaysConsistent) {
