@@ -80,16 +80,23 @@ TEST(ProtoConvertTest, FoldsSlotCountsOntoLogicalExperts) {
                 "load report from 'node-0' layers[0]: has both logical and slot counts"));
 }
 
-TEST(ProtoConvertTest, FoldsANodesOwnSlotRange) {
-  // Node 1 of SmallPlan hosts ranks 2 and 3: slots [4, 8).
-  const Plan plan = test::SmallPlan();
+// A report of node 1 of SmallPlan, which hosts ranks 2 and 3 (slots [4, 8)), for layer 3
+// with these slot counts.
+v1::LoadReport NodeOneReport(std::initializer_list<uint64_t> counts) {
   v1::LoadReport report;
   report.set_reporter("node-1");
   report.set_num_experts(6);
   v1::LayerLoad* layer = report.add_layers();
   layer->set_layer(3);
   layer->set_first_slot(4);
-  for (int p = 4; p < 8; ++p) layer->add_slot(100 + p);
+  for (uint64_t count : counts) layer->add_slot(count);
+  return report;
+}
+
+TEST(ProtoConvertTest, FoldsANodesOwnSlotRange) {
+  const Plan plan = test::SmallPlan();
+  v1::LoadReport report = NodeOneReport({104, 105, 106, 107});
+  v1::LayerLoad* layer = report.mutable_layers(0);
   absl::StatusOr<LoadMatrix> load = LoadFromProto(report, &plan);
   ASSERT_TRUE(load.ok()) << load.status();
   std::vector<double> expected(6, 0.0);
@@ -105,13 +112,8 @@ TEST(ProtoConvertTest, FoldsANodesOwnSlotRange) {
 // so that both weigh per dispatch. SmallPlan has 2 slots per rank.
 TEST(ProtoConvertTest, ScalesEachRanksCountsToTheMeanDispatches) {
   const Plan plan = test::SmallPlan();
-  v1::LoadReport report;
-  report.set_reporter("node-1");
-  report.set_num_experts(6);
-  v1::LayerLoad* layer = report.add_layers();
-  layer->set_layer(3);
-  layer->set_first_slot(4);
-  for (uint64_t count : {40, 80, 20, 60}) layer->add_slot(count);  // Slots 4, 5 | 6, 7.
+  v1::LoadReport report = NodeOneReport({40, 80, 20, 60});  // Slots 4, 5 | 6, 7.
+  v1::LayerLoad* layer = report.mutable_layers(0);
   layer->add_dispatches(4);  // Rank 2: 10 and 20 pairs per dispatch.
   layer->add_dispatches(2);  // Rank 3: 10 and 30.
   EXPECT_EQ(MeanDispatches(report), 3.0);
