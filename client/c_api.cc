@@ -63,6 +63,12 @@ uint64_t ubep_resume_step(const ubep_rank* rank) { return rank->rank->resume_ste
 
 int ubep_begin_step(ubep_rank* rank, uint64_t step) { return Check(rank->rank->BeginStep(step)); }
 
+int ubep_excluded(const ubep_rank* rank) { return rank->rank->excluded() ? 1 : 0; }
+
+int ubep_must_attach_again(const ubep_rank* rank) {
+  return rank->rank->must_attach_again() ? 1 : 0;
+}
+
 int ubep_rejoin(ubep_rank* rank, int64_t next_step, uint64_t* resume_step) {
   absl::StatusOr<uint64_t> r = rank->rank->Rejoin(
       next_step < 0 ? std::nullopt : std::optional<uint64_t>(static_cast<uint64_t>(next_step)));

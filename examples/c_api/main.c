@@ -26,6 +26,11 @@ int main(int argc, char** argv) {
     fprintf(stderr, "begin_step: %s\n", ubep_last_error());
     return 1;
   }
+  if (ubep_excluded(rank) != 0 || ubep_must_attach_again(rank) != 0) {
+    fprintf(stderr, "a rank of a healthy group reads as excluded (%d) or cut off (%d)\n",
+            ubep_excluded(rank), ubep_must_attach_again(rank));
+    return 1;
+  }
   float x[kTokens][kHidden];
   int32_t idx[kTokens][kTopK];
   float w[kTokens][kTopK];

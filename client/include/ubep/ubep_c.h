@@ -42,6 +42,10 @@ uint64_t ubep_resume_step(const ubep_rank* rank);
 int ubep_begin_step(ubep_rank* rank, uint64_t step);
 /* next_step < 0: unknown. */
 int ubep_rejoin(ubep_rank* rank, int64_t next_step, uint64_t* resume_step);
+/* 1 when the newest committed plan leaves the rank out of the group (Rank::excluded). */
+int ubep_excluded(const ubep_rank* rank);
+/* 1 when its ubepd is draining or exited: detach, and attach again (Rank::must_attach_again). */
+int ubep_must_attach_again(const ubep_rank* rank);
 
 ubep_dispatched* ubep_dispatched_new(void);
 void ubep_dispatched_free(ubep_dispatched* dispatched);
