@@ -447,8 +447,19 @@ bool Rank::must_attach_again() const {
   if (!s.attached) return false;
   if (s.daemon_exited) return true;
   const kernels::ArenaLayout ep(s.config);
-  const uint32_t code = kernels::LoadAcquire(
-      reinterpret_cast<const uint32_t*>(s.own() + s.layout.ep + ep.abort));
+  uint32_t code = 0;
+#ifdef UBEP_CLIENT_CUDA
+  if (s.on_device) {
+    // The abort word is in the rank's device arena (the data plane is at its offset 0).
+    if (static_cast<size_t>(s.rank) < s.device_arenas.size()) {
+      (void)cudaMemcpy(&code, s.device_arenas[s.rank]->data() + ep.abort, sizeof(code),
+                       cudaMemcpyDeviceToHost);
+    }
+  } else
+#endif
+  {
+    code = kernels::LoadAcquire(reinterpret_cast<const uint32_t*>(s.own() + s.layout.ep + ep.abort));
+  }
   return code == kernels::kAbortDraining ||
          std::atomic_ref<uint32_t>(s.control()->group_state).load(std::memory_order_acquire) ==
              kernels::kGroupDraining;
@@ -469,15 +480,28 @@ absl::Status Rank::BeginStep(uint64_t step) {
   if (!s.stopped.ok()) return s.stopped;
   if (DaemonExited(s)) {
     // Stop the group as a draining daemon would: every rank's waits end with "draining",
-    // and each attaches again, to the daemon that takes over (host arenas: the CUDA
-    // backend's abort words are in device memory, where the peers' waits time out instead).
+    // and each attaches again, to the daemon that takes over.
     s.daemon_exited = true;
+    const kernels::ArenaLayout ep(s.config);
     if (!s.on_device) {
-      const kernels::ArenaLayout ep(s.config);
       for (kernels::SharedArena& arena : s.arenas) {
         kernels::RaiseAbort(arena.data() + s.layout.ep, ep, kernels::kAbortDraining);
       }
     }
+#ifdef UBEP_CLIENT_CUDA
+    if (s.on_device) {
+      // The data plane is at offset 0 of each device arena; a set abort word is kept.
+      for (const auto& arena : s.device_arenas) {
+        uint32_t code = 0;
+        if (cudaMemcpy(&code, arena->data() + ep.abort, sizeof(code), cudaMemcpyDeviceToHost) ==
+                cudaSuccess &&
+            code == 0) {
+          code = kernels::kAbortDraining;
+          (void)cudaMemcpy(arena->data() + ep.abort, &code, sizeof(code), cudaMemcpyHostToDevice);
+        }
+      }
+    }
+#endif
     return Record(s, s.stopped = absl::UnavailableError(absl::StrCat(
                          "rank ", s.rank, ": ubepd exited (it closed this rank's fd connection); "
                          "detach, and attach again when it is back")));
