@@ -153,9 +153,9 @@ bool GroupReady(const RankState& s) {
              s.generation;
 }
 
-// Whether ubepd closed this rank's fd connection: it exited (a crash, or killed). Polled at
-// each step (one syscall): the data plane does not need the daemon, but nothing would
-// collect this rank's statistics or apply plans any more.
+// Whether ubepd closed this rank's fd connection: it exited (a crash, or killed). Polled
+// when a step report is due (one syscall): the data plane does not need the daemon, but
+// nothing would collect this rank's statistics or apply plans any more.
 bool DaemonExited(const RankState& s) {
   if (!s.fd_connection.valid()) return false;
   pollfd p{s.fd_connection.get(), POLLIN | POLLRDHUP, 0};
@@ -478,7 +478,9 @@ absl::Status Rank::BeginStep(uint64_t step) {
   RankState& s = *state_;
   if (!s.attached) return absl::FailedPreconditionError("rank is detached");
   if (!s.stopped.ok()) return s.stopped;
-  if (DaemonExited(s)) {
+  // At the step reports' pace (not every step): whether ubepd is still there.
+  const absl::Time now = absl::Now();
+  if (now >= s.next_report && DaemonExited(s)) {
     // Stop the group as a draining daemon would: every rank's waits end with "draining",
     // and each attaches again, to the daemon that takes over.
     s.daemon_exited = true;
@@ -540,7 +542,6 @@ absl::Status Rank::BeginStep(uint64_t step) {
   }
   s.step = step;
   s.step_begun = true;
-  const absl::Time now = absl::Now();
   if (now >= s.next_report) {
     s.next_report = now + s.options.report_interval;
     v1::ReportStepRequest request;
