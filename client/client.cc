@@ -445,7 +445,9 @@ const ModelShape& Rank::shape() const { return state_->shape; }
 bool Rank::must_attach_again() const {
   const RankState& s = *state_;
   if (!s.attached) return false;
-  if (s.daemon_exited) return true;
+  // Asked after an error: look at the connection now (BeginStep looks only when a step
+  // report is due, and another reason may have stopped the group first).
+  if (s.daemon_exited || DaemonExited(s)) return true;
   const kernels::ArenaLayout ep(s.config);
   uint32_t code = 0;
 #ifdef UBEP_CLIENT_CUDA
