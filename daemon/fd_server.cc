@@ -82,7 +82,8 @@ bool FdServer::Serve(int64_t id, int fd) {
       node_->ConnectionClosed(id);
       return false;
     }
-    return true;  // The connection still holds its rank.
+    // The connection still holds its rank; one that holds none has nothing to keep open.
+    return !absl::IsFailedPrecondition(arenas.status());
   }
   absl::StatusOr<std::vector<int>> fds = node_->ClaimArenas(message->bytes, id);
   if (!fds.ok()) {

@@ -300,7 +300,8 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
     bool creating;
     {
       MutexLock lock(&mu_);
-      creating = !has_group_ || AttachedLocked() == 0;
+      creating = !has_group_ ||
+                 (AttachedLocked() == 0 && !CompareShapes(group_request_, request).ok());
     }
     if (creating) cluster_plan = options_.cluster_plan();
   }
@@ -1012,7 +1013,7 @@ absl::StatusOr<Node::SlotLoads> Node::ReadSlotLoads() const {
   for (int r = first_; r < first_ + hosted_; ++r) {
     if (on_device()) {
       // The device arena is read by copies: the sequence words before and after the
-      // counters; a layer whose words moved or were odd (a scan kernel inside) is read again.
+      // counters; if any layer's word moved or was odd (a scan kernel inside), all again.
       std::vector<uint64_t> before(L), after(L);
       const absl::Time deadline = absl::Now() + absl::Milliseconds(100);
       for (;;) {
@@ -1088,18 +1089,21 @@ bool Node::PeerArenasWanted(int first_rank, int count, const std::string& incarn
   MutexLock lock(&mu_);
   if (!has_group_ || first_rank < 0 || count <= 0 || first_rank + count > config_.num_ranks) return false;
   bool wanted = false;
+  std::string was;  // The dead process, when this call found the ranks' daemon restarted.
   for (int r = first_rank; r < first_rank + count; ++r) {
     if (Hosted(r)) return false;
     if (!arenas_[r].valid()) {
       wanted = true;
     } else if (!incarnation.empty() && !incarnation_[r].empty() && incarnation_[r] != incarnation) {
-      if (!stale_[r]) {
-        UBEP_LOG(WARNING) << "the daemon of rank " << r << " restarted (was " << incarnation_[r]
-                          << ", now " << incarnation << "): its old arenas are stale";
-      }
+      if (!stale_[r]) was = incarnation_[r];
       stale_[r] = true;
       wanted = true;
     }
+  }
+  if (!was.empty()) {
+    UBEP_LOG(WARNING) << "the daemon of ranks " << first_rank << "-" << first_rank + count - 1
+                      << " restarted (was " << was << ", now " << incarnation
+                      << "): its old arenas are stale";
   }
   return wanted;
 }

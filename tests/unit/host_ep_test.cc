@@ -397,17 +397,14 @@ TEST(LoadCountersTest, AReaderSeesCountersWithExactlyTheDispatchesTheyCover) {
   });
   std::vector<uint64_t> counters(S);
   uint64_t last = 0;
-  int reads = 0;
   while (last < kDispatches) {
     absl::StatusOr<uint64_t> n = ReadLayerLoad(arena, layout, S, layer, counters.data(), absl::Seconds(10));
     ASSERT_TRUE(n.ok()) << n.status();
     ASSERT_GE(*n, last);
     for (int i = 0; i < S; ++i) ASSERT_EQ(counters[i], *n * (i + 1)) << "slot " << i << " after " << *n;
     last = *n;
-    ++reads;
   }
   owner.join();
-  EXPECT_GT(reads, 0);
   // An owner stopped half-way (odd sequence): the reader gives up with the reason.
   reinterpret_cast<uint64_t*>(arena + layout.load_seq)[layer] += 1;
   EXPECT_EQ(ReadLayerLoad(arena, layout, S, layer, counters.data(), absl::Milliseconds(5)).status(),

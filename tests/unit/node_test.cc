@@ -331,7 +331,8 @@ TEST(NodeTest, APeersNewArenasReplaceTheStaleOnesOnlyWhileItsRanksAreExcluded) {
   absl::StatusOr<v1::AttachResponse> r2;
   std::thread tb([&] { r2 = b->Attach(Request(2, 4), absl::Now() + absl::Seconds(30)); });
   const absl::StatusOr<v1::AttachResponse> r0 = AttachMapping(a, 0, [&] {
-    while (b->PeerKey().empty()) absl::SleepFor(absl::Milliseconds(1));
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (b->PeerKey().empty() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
     EXPECT_TRUE(MapPeer(a, *b, "b-1").ok());
     EXPECT_TRUE(MapPeer(*b, a, "a-1").ok());
   });
