@@ -511,9 +511,10 @@ int main(int argc, char** argv) {
       {"imbalance_after", JsonNumber(imbalance_after)},
       {"imbalance_before_per_layer", before_layers},
       {"imbalance_after_per_layer", after_layers},
-      {"rebalances", committed},
-      {"migrated_slots", migrated},
-      {"plan_version", version},
+      // Counters read from the exposition as doubles; they are counts.
+      {"rebalances", std::llround(committed)},
+      {"migrated_slots", std::llround(migrated)},
+      {"plan_version", std::llround(version)},
       {"correct", correct},
       {"interrupted", interrupted.load()},
       {"dispatch_p50_us", JsonNumber(dispatch_p50 * 1e6)},
@@ -522,7 +523,7 @@ int main(int argc, char** argv) {
   };
   nlohmann::json series = nlohmann::json::array();
   for (const Sample& s : samples) {
-    series.push_back({{"seconds", s.seconds}, {"step", s.step}, {"plan_version", s.version},
+    series.push_back({{"seconds", s.seconds}, {"step", s.step}, {"plan_version", std::llround(s.version)},
                       {"imbalance", JsonNumber(s.measured)}});
   }
   report["samples"] = series;
