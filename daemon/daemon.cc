@@ -3,6 +3,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstring>
+
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "balancer/formats/proto_convert.h"
@@ -66,7 +69,74 @@ class DaemonService final : public v1::Daemon::Service {
   DaemonMetrics* metrics_;
 };
 
-// The daemon side of the two-phase plan commit, for ubep-balancer.
+namespace {
+
+// Where Prepare reads the weights of holders in other domains: their daemons' ReadWeights,
+// from the group's daemons the balancer lists in the request. Called by one thread (the
+// Prepare's), so the stubs need no lock.
+Node::RemoteWeights RemoteWeightsOf(const v1::PrepareRequest& request, int world,
+                                    absl::Duration timeout) {
+  Node::RemoteWeights remote;
+  if (request.daemons().empty() || world <= 0) return remote;
+  constexpr uint32_t kNoDomain = ~uint32_t{0};  // A rank no healthy daemon hosts.
+  remote.rank_domain.assign(world, kNoDomain);
+  struct Host {
+    std::string node, address;
+  };
+  auto hosts = std::make_shared<std::vector<Host>>(world);
+  for (const v1::PeerDaemon& d : request.daemons()) {
+    for (uint32_t r : d.ranks()) {
+      if (r >= static_cast<uint32_t>(world)) continue;
+      remote.rank_domain[r] = d.domain();
+      (*hosts)[r] = {d.node(), d.address()};
+    }
+  }
+  auto stubs = std::make_shared<absl::flat_hash_map<std::string, std::unique_ptr<v1::DaemonControl::Stub>>>();
+  remote.fetch = [hosts, stubs, timeout](int rank, uint64_t version, int layer, int slot, std::byte* out,
+                                         size_t bytes) -> absl::Status {
+    const Host& host = (*hosts)[rank];
+    if (host.address.empty()) {
+      return absl::UnavailableError(absl::StrCat("no healthy daemon of the group hosts rank ", rank));
+    }
+    std::unique_ptr<v1::DaemonControl::Stub>& stub = (*stubs)[host.address];
+    if (stub == nullptr) {
+      grpc::ChannelArguments args;
+      args.SetMaxReceiveMessageSize(static_cast<int>(2 * Node::kMaxReadWeightsBytes));
+      stub = v1::DaemonControl::NewStub(
+          grpc::CreateCustomChannel(host.address, grpc::InsecureChannelCredentials(), args));
+    }
+    for (size_t offset = 0; offset < bytes;) {
+      const size_t length = std::min<size_t>(Node::kMaxReadWeightsBytes, bytes - offset);
+      v1::ReadWeightsRequest read;
+      read.set_plan_version(version);
+      read.set_layer(static_cast<uint32_t>(layer));
+      read.set_slot(static_cast<uint32_t>(slot));
+      read.set_offset(offset);
+      read.set_length(length);
+      grpc::ClientContext context;
+      context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+      v1::ReadWeightsResponse response;
+      const grpc::Status status = stub->ReadWeights(&context, read, &response);
+      if (!status.ok()) {
+        return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                            absl::StrCat("node ", host.node, " (", host.address, "): ", status.error_message()));
+      }
+      if (response.bytes_per_expert() != bytes || response.data().size() != length) {
+        return absl::DataLossError(absl::StrCat(
+            "node ", host.node, " (", host.address, ") sent ", response.data().size(), " of ",
+            length, " bytes of a ", response.bytes_per_expert(), "-byte expert; this group's experts have ", bytes));
+      }
+      std::memcpy(out + offset, response.data().data(), length);
+      offset += length;
+    }
+    return absl::OkStatus();
+  };
+  return remote;
+}
+
+}  // namespace
+
+// The daemon side of the two-phase plan commit, for ubep-balancer and peer daemons.
 class DaemonControlService final : public v1::DaemonControl::Service {
  public:
   DaemonControlService(Node* node, std::string name) : node_(node), name_(std::move(name)) {}
@@ -75,7 +145,18 @@ class DaemonControlService final : public v1::DaemonControl::Service {
                        v1::PrepareResponse* response) override {
     absl::StatusOr<balancer::Plan> plan = balancer::FromProto(request->plan());
     if (!plan.ok()) return ToGrpc(plan.status());
-    *response = node_->Prepare(*plan, request->effective_step());
+    const std::optional<v1::AttachRequest> shape = node_->GroupShape();
+    *response = node_->Prepare(
+        *plan, request->effective_step(),
+        RemoteWeightsOf(*request, shape.has_value() ? static_cast<int>(shape->world_size()) : 0,
+                        absl::Seconds(10)));
+    return grpc::Status::OK;
+  }
+  grpc::Status ReadWeights(grpc::ServerContext*, const v1::ReadWeightsRequest* request,
+                           v1::ReadWeightsResponse* response) override {
+    absl::StatusOr<v1::ReadWeightsResponse> read = node_->ReadWeights(*request);
+    if (!read.ok()) return ToGrpc(read.status());
+    *response = *std::move(read);
     return grpc::Status::OK;
   }
   grpc::Status Commit(grpc::ServerContext*, const v1::CommitRequest* request,
@@ -121,6 +202,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
         "--backend cuda: no CUDA device is visible to ubepd (or it was built without CUDA)");
   }
   options.node.backend = options.backend;
+  options.node.domain = options.domain;
   if (options.socket_path.empty()) return absl::InvalidArgumentError("--socket is required");
   options.node.fd_socket_path = options.socket_path + ".fds";
   if (options.node.num_ranks > 0 && options.balancer.empty()) {

@@ -718,16 +718,18 @@ int Node::PlanBufferOf(uint64_t version, int rank) const {
   return -1;
 }
 
+size_t Node::DeviceWeightOffset(int layer, uint32_t buffer) const {
+  return layout_.device_weights +
+         (static_cast<size_t>(layer) * layout_.buffers_per_layer + buffer) * layout_.weight_stride;
+}
+
 absl::Status Node::CopyWeights(const WeightCopy& c) const {
   const size_t bytes = group_request_.shape().bytes_per_expert();
   if (bytes == 0) return absl::OkStatus();
   if (!device_arenas_.empty()) {
-    const auto offset = [&](uint32_t buffer) {
-      return layout_.device_weights +
-             (static_cast<size_t>(c.layer) * layout_.buffers_per_layer + buffer) * layout_.weight_stride;
-    };
-    return device_arenas_[c.to_rank]->CopyFrom(*device_arenas_[c.from_rank], offset(c.from_buffer),
-                                               offset(c.to_buffer), bytes);
+    return device_arenas_[c.to_rank]->CopyFrom(*device_arenas_[c.from_rank],
+                                               DeviceWeightOffset(c.layer, c.from_buffer),
+                                               DeviceWeightOffset(c.layer, c.to_buffer), bytes);
   }
   std::memcpy(kernels::WeightBuffer(arenas_[c.to_rank].data(), layout_, c.layer, c.to_buffer),
               kernels::WeightBuffer(arenas_[c.from_rank].data(), layout_, c.layer, c.from_buffer),
@@ -735,7 +737,83 @@ absl::Status Node::CopyWeights(const WeightCopy& c) const {
   return absl::OkStatus();
 }
 
-v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective_step) {
+absl::Status Node::FetchWeights(const WeightCopy& c, uint64_t version,
+                                const RemoteWeights& remote) const {
+  const size_t bytes = group_request_.shape().bytes_per_expert();
+  if (bytes == 0) return absl::OkStatus();
+  if (!remote.fetch) {
+    return absl::FailedPreconditionError("no way to read weights from another domain");
+  }
+  if (device_arenas_.empty()) {
+    return remote.fetch(c.from_rank, version, c.layer, static_cast<int>(c.from_buffer),
+                        kernels::WeightBuffer(arenas_[c.to_rank].data(), layout_, c.layer, c.to_buffer),
+                        bytes);
+  }
+  // Device arenas: through host memory.
+  std::vector<std::byte> staged(bytes);
+  UBEP_RETURN_IF_ERROR(remote.fetch(c.from_rank, version, c.layer, static_cast<int>(c.from_buffer),
+                                    staged.data(), bytes));
+  return device_arenas_[c.to_rank]->Write(DeviceWeightOffset(c.layer, c.to_buffer), staged.data(), bytes);
+}
+
+absl::StatusOr<v1::ReadWeightsResponse> Node::ReadWeights(const v1::ReadWeightsRequest& request) const {
+  MutexLock lock(&mu_);
+  if (!has_group_) return absl::FailedPreconditionError("no group is attached to this daemon");
+  const int L = config_.num_layers, S = config_.slots_per_rank, R = config_.num_ranks;
+  if (request.layer() >= static_cast<uint32_t>(L)) {
+    return absl::InvalidArgumentError(absl::StrCat("layer ", request.layer(), " is outside [0, ", L, ")"));
+  }
+  if (request.slot() >= static_cast<uint32_t>(R * S)) {
+    return absl::InvalidArgumentError(absl::StrCat("slot ", request.slot(), " is outside [0, ", R * S, ")"));
+  }
+  const int r = static_cast<int>(request.slot()) / S;
+  if (!Hosted(r)) {
+    return absl::InvalidArgumentError(absl::StrCat("slot ", request.slot(), " is on rank ", r,
+                                                   ", which this daemon does not host (ranks ",
+                                                   first_, "-", first_ + hosted_ - 1, ")"));
+  }
+  if (request.plan_version() != plan_.version) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "this daemon is on plan v", plan_.version, ", not v", request.plan_version()));
+  }
+  if (plan_.excluded(r)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", r, " is excluded under plan v", plan_.version, ": its weights are not kept"));
+  }
+  const uint64_t bytes = group_request_.shape().bytes_per_expert();
+  if (request.offset() > bytes) {
+    return absl::OutOfRangeError(absl::StrCat("offset ", request.offset(), " is past the expert's ",
+                                              bytes, " bytes"));
+  }
+  uint64_t length = request.length() == 0 ? kMaxReadWeightsBytes : request.length();
+  if (length > kMaxReadWeightsBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("length ", length, " is over the ",
+                                                   kMaxReadWeightsBytes, " bytes of one read"));
+  }
+  length = std::min(length, bytes - request.offset());
+  const int current = PlanBufferOf(plan_.version, r);
+  if (current < 0) return absl::InternalError(absl::StrCat("plan v", plan_.version, " is not in the plan area of rank ", r));
+  // The plan in force maps this buffer, so no staging writes it while we read.
+  const uint32_t buffer =
+      kernels::SlotMap(arenas_[r].data(), layout_, config_, current)[request.layer() * S + request.slot() % S];
+  v1::ReadWeightsResponse response;
+  response.set_bytes_per_expert(bytes);
+  std::string* data = response.mutable_data();
+  data->resize(length);
+  if (on_device()) {
+    UBEP_RETURN_IF_ERROR(device_arenas_[r]->Read(
+        DeviceWeightOffset(static_cast<int>(request.layer()), buffer) + request.offset(), data->data(), length));
+  } else {
+    std::memcpy(data->data(),
+                kernels::WeightBuffer(arenas_[r].data(), layout_, static_cast<int>(request.layer()), buffer) +
+                    request.offset(),
+                length);
+  }
+  return response;
+}
+
+v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective_step,
+                                 const RemoteWeights& remote) {
   MutexLock lock(&mu_);
   v1::PrepareResponse response;
   auto fail = [&](std::string reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -834,10 +912,23 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
   // have died, or restarted with empty arenas), so it is never a holder. A rank the new plan
   // excludes is not staged; a rank it includes again is staged whole, in place: the plan in
   // force sends it nothing, so no reader sees its buffers change.
+  // Holders in another domain are read through their daemon (remote.fetch).
+  if (!remote.rank_domain.empty() && static_cast<int>(remote.rank_domain.size()) != R) {
+    return fail(absl::StrCat("the domains of ", remote.rank_domain.size(), " ranks were given for a group of ", R));
+  }
+  const auto domain_of = [&](int q) {
+    return remote.rank_domain.empty() ? options_.domain : remote.rank_domain[q];
+  };
+  for (int r = first_; r < first_ + hosted_; ++r) {
+    if (domain_of(r) != options_.domain) {
+      return fail(absl::StrCat("rank ", r, " is in domain ", domain_of(r), " for the balancer but this daemon's is ",
+                               options_.domain));
+    }
+  }
   std::vector<std::vector<uint32_t>> maps(R);
   std::vector<WeightCopy> copies;
-  uint32_t copied_slots = 0;
-  uint64_t copied_bytes = 0;
+  uint32_t copied_slots = 0, remote_slots = 0;
+  uint64_t copied_bytes = 0, remote_bytes = 0;
   for (int r = first_; r < first_ + hosted_; ++r) {
     const uint32_t* cur = kernels::SlotMap(arenas_[r].data(), layout_, config_, current[r]);
     maps[r].assign(cur, cur + static_cast<size_t>(L) * S);
@@ -866,14 +957,17 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
       for (int i = 0; i < S; ++i) {
         const int expert = new_experts[r * S + i];
         if (!returning && old_experts[r * S + i] == expert) continue;
-        // A holder of `expert` under the plan in force: this rank first, then the others.
-        int holder = -1;
-        for (int step = 0; step < R && holder < 0; ++step) {
+        // The nearest holder of `expert` under the plan in force: this rank, then the ranks
+        // of its domain, then the others (ranks after r first, so holders share the load).
+        int holder = -1, holder_distance = 3;
+        for (int step = 0; step < R && holder_distance > 0; ++step) {
           const int q = (r + step) % R;
-          if (plan_.excluded(q)) continue;
+          const int distance = q == r ? 0 : domain_of(q) == domain_of(r) ? 1 : 2;
+          if (plan_.excluded(q) || distance >= holder_distance) continue;
           for (int j = 0; j < S; ++j) {
             if (old_experts[q * S + j] == expert) {
               holder = q * S + j;
+              holder_distance = distance;
               break;
             }
           }
@@ -885,8 +979,14 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
           free.pop_back();
         }
         const int hr = holder / S, hj = holder % S;
-        const uint32_t source = kernels::SlotMap(arenas_[hr].data(), layout_, config_, current[hr])[l * S + hj];
-        copies.push_back({hr, source, r, buffer, l});
+        if (holder_distance == 2) {
+          copies.push_back({hr, static_cast<uint32_t>(holder), r, buffer, l, /*remote=*/true});
+          ++remote_slots;
+          remote_bytes += group_request_.shape().bytes_per_expert();
+        } else {
+          const uint32_t source = kernels::SlotMap(arenas_[hr].data(), layout_, config_, current[hr])[l * S + hj];
+          copies.push_back({hr, source, r, buffer, l});
+        }
         maps[r][l * S + i] = buffer;
         ++copied_slots;
         copied_bytes += group_request_.shape().bytes_per_expert();
@@ -901,11 +1001,23 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
     staging_ = true;
     staging_version_ = plan.version;
     staging_aborted_ = false;
+    const uint64_t in_force = plan_.version;
     mu_.Unlock();
     absl::Status copied = absl::OkStatus();
     for (const WeightCopy& c : copies) {
-      copied = CopyWeights(c);
-      if (!copied.ok()) break;
+      copied = c.remote ? FetchWeights(c, in_force, remote) : CopyWeights(c);
+      if (!copied.ok()) {
+        copied = absl::Status(copied.code(), absl::StrCat(
+            "layer ", c.layer, ": staging rank ", c.to_rank, "'s weights from rank ", c.from_rank,
+            c.remote ? absl::StrCat(" (domain ", domain_of(c.from_rank), ")") : "", ": ",
+            copied.message()));
+        break;
+      }
+      // An Abort meanwhile: the rest need not be copied (reads from other domains are slow).
+      mu_.Lock();
+      const bool aborted = staging_aborted_;
+      mu_.Unlock();
+      if (aborted) break;
     }
     if (options_.staging_hook) options_.staging_hook();
     mu_.Lock();
@@ -935,8 +1047,11 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
   response.set_prepared(true);
   response.set_copied_slots(copied_slots);
   response.set_copied_bytes(copied_bytes);
+  response.set_remote_slots(remote_slots);
+  response.set_remote_bytes(remote_bytes);
   UBEP_LOG(INFO) << "prepared plan v" << plan.version << " for step " << effective_step << ": "
-                 << copied_slots << " slots staged (" << copied_bytes << " bytes)";
+                 << copied_slots << " slots staged (" << copied_bytes << " bytes), "
+                 << remote_slots << " of them from other domains (" << remote_bytes << " bytes)";
   return response;
 }
 

@@ -54,6 +54,7 @@ struct NodeOptions {
   // Hosted ranks: [first_rank, first_rank + num_ranks); num_ranks 0 = every rank of the group.
   int first_rank = 0;
   int num_ranks = 0;
+  uint32_t domain = 0;                        // Load/store domain of the hosted ranks.
   // Tests only: called by Prepare after its weight copies, before it takes the lock again.
   std::function<void()> staging_hook;
   // Without plan_path: the cluster's plan in force, if there is one (ubepd asks the balancer,
@@ -101,7 +102,27 @@ class Node {
   // node that holds the expert under the plan in force, the same rank first), writes the
   // slot -> buffer map and the plan table into the inactive buffers, and answers Prepared
   // (or Failed with the reason). Commit and Abort decide; both are idempotent.
-  v1::PrepareResponse Prepare(const balancer::Plan& plan, uint64_t effective_step);
+  //
+  // Holders are taken nearest first: the same rank, a rank of this daemon's domain (a copy
+  // between mapped arenas), else a rank of another domain, whose weights `remote.fetch`
+  // reads from its daemon (ReadWeights). Without remote.rank_domain every rank is in this
+  // daemon's domain.
+  struct RemoteWeights {
+    std::vector<uint32_t> rank_domain;  // Per rank of the group, or empty.
+    // Copies the weights that global slot `slot` of layer index `layer` maps to on rank
+    // `rank` (another domain's), under committed plan `version`, into out[0, bytes).
+    std::function<absl::Status(int rank, uint64_t version, int layer, int slot, std::byte* out,
+                               size_t bytes)>
+        fetch;
+  };
+  v1::PrepareResponse Prepare(const balancer::Plan& plan, uint64_t effective_step,
+                              const RemoteWeights& remote = {});
+  // A holder's side of a remote copy: `length` bytes (0: to the end; at most
+  // kMaxReadWeightsBytes) from `offset` of the weights that global slot `slot` of layer
+  // index `layer` maps to under the committed plan, which must be `version`. The slot's rank
+  // must be hosted here and included in that plan.
+  static constexpr uint64_t kMaxReadWeightsBytes = uint64_t{1} << 20;
+  absl::StatusOr<v1::ReadWeightsResponse> ReadWeights(const v1::ReadWeightsRequest& request) const;
   absl::Status Commit(uint64_t version);
   absl::Status Abort(uint64_t version);
   v1::DaemonState State() const;
@@ -214,14 +235,19 @@ class Node {
   // One expert's weights from a holder's buffer to a new slot's buffer, in one layer.
   struct WeightCopy {
     int from_rank;
-    uint32_t from_buffer;
+    uint32_t from_buffer;  // Remote: the holder's global slot instead.
     int to_rank;
     uint32_t to_buffer;
     int layer;
+    bool remote = false;   // The holder is in another domain: read through its daemon.
   };
   // Runs without mu_ while staging_ is set: staging_ keeps the arenas, layout and shape it
   // reads in place (no new group, no replaced peer arenas).
   absl::Status CopyWeights(const WeightCopy& copy) const ABSL_NO_THREAD_SAFETY_ANALYSIS;
+  // Where a layer's weight buffer starts in a device arena.
+  size_t DeviceWeightOffset(int layer, uint32_t buffer) const ABSL_NO_THREAD_SAFETY_ANALYSIS;
+  absl::Status FetchWeights(const WeightCopy& copy, uint64_t version, const RemoteWeights& remote)
+      const ABSL_NO_THREAD_SAFETY_ANALYSIS;
   bool on_device() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !device_arenas_.empty(); }
   // The abort word of rank r's arena (host or device): read, and write.
   uint32_t AbortCode(int r) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -214,6 +214,10 @@ Balancer::Balancer(BalancerOptions options, std::shared_ptr<prometheus::Registry
   migrated_bytes_ = &BuildCounter().Name("ubep_balancer_migrated_bytes_total")
                          .Help("Expert weight bytes the daemons staged for committed plans.")
                          .Register(r).Add({});
+  cross_domain_bytes_ = &BuildCounter().Name("ubep_balancer_migrated_cross_domain_bytes_total")
+                             .Help("Of the migrated bytes: read from daemons of another load/store "
+                                   "domain (the rest were copies between mapped arenas).")
+                             .Register(r).Add({});
   imbalance_ = &BuildGauge().Name("ubep_balancer_imbalance_ratio")
                     .Help("Per MoE layer, busiest rank over mean: measured from the daemons' "
                           "counters over the last interval (when=measured), and predicted on "
@@ -669,6 +673,17 @@ void Balancer::Recover() {
   CatchUp();
 }
 
+void Balancer::AddGroupDaemons(v1::PrepareRequest& request) const {
+  for (const auto& [name, d] : daemons_) {
+    if (!d.healthy || d.info.ranks().empty()) continue;
+    v1::PeerDaemon* peer = request.add_daemons();
+    peer->set_node(name);
+    peer->set_address(d.info.address());
+    *peer->mutable_ranks() = d.info.ranks();
+    peer->set_domain(d.info.domain());
+  }
+}
+
 void Balancer::CatchUp() {
   // A daemon that restarted has a fresh group under its own first plan, behind the cluster's.
   // - In a group over several daemons, the cluster's plan excludes its ranks (it is drained):
@@ -699,6 +714,7 @@ void Balancer::CatchUp() {
     if (behind.empty()) return;
     *request.mutable_plan() = ToProto(*plan_, PlanEncoding::kCompact);
     request.set_effective_step(EstimateStep() + options_.min_margin_steps);
+    AddGroupDaemons(request);
   }
   for (const auto& [name, stub] : behind) {
     std::string outcome;
@@ -745,6 +761,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why) {
   int budget = options_.migration_budget;
   std::vector<std::string> targets;  // Node names, aligned with `channels`.
   std::vector<std::shared_ptr<grpc::Channel>> channels;
+  v1::PrepareRequest request;        // The plan and effective step are set below.
   uint64_t effective_step = 0;
   std::vector<double> before;
   std::vector<int> excluded;
@@ -763,6 +780,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why) {
       targets.push_back(name);
       channels.push_back(d.channel);
     }
+    AddGroupDaemons(request);
     previous = *plan_;
     load = window_->Current();
     load.set_layer_ids(previous.layer_ids);
@@ -831,7 +849,6 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why) {
   std::vector<v1::PrepareResponse> answers(targets.size());
   std::vector<grpc::Status> statuses(targets.size());
   {
-    v1::PrepareRequest request;
     *request.mutable_plan() = proto;
     request.set_effective_step(effective_step);
     std::vector<CallResult> results =
@@ -845,7 +862,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why) {
   }
   const absl::Duration prepare_time = absl::Now() - commit_start;
   std::vector<std::string> failed;
-  uint64_t copied_bytes = 0;
+  uint64_t copied_bytes = 0, remote_bytes = 0;
   for (size_t i = 0; i < targets.size(); ++i) {
     if (!statuses[i].ok()) {
       failed.push_back(absl::StrCat(targets[i], ": ", statuses[i].error_message()));
@@ -853,6 +870,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why) {
       failed.push_back(absl::StrCat(targets[i], ": ", answers[i].reason()));
     }
     copied_bytes += answers[i].copied_bytes();
+    remote_bytes += answers[i].remote_bytes();
   }
   if (options_.pause_before_commit > absl::ZeroDuration()) {
     UBEP_LOG(INFO) << "pausing " << options_.pause_before_commit << " before deciding plan v"
@@ -894,6 +912,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why) {
   result.set_version(plan->version);
   result.set_changed(true);
   migrated_bytes_->Increment(static_cast<double>(copied_bytes));
+  cross_domain_bytes_->Increment(static_cast<double>(remote_bytes));
   for (size_t l = 0; l < before.size(); ++l) {
     imbalance_->Add({{"layer", std::to_string(l)}, {"when", "before"}}).Set(before[l]);
     imbalance_->Add({{"layer", std::to_string(l)}, {"when", "after"}}).Set(after[l]);

@@ -137,6 +137,9 @@ class Balancer final : public v1::Control::Service {
   };
 
   grpc::Status Reject(const char* reason, grpc::StatusCode code, std::string message);
+  // The healthy daemons that host ranks, with their domains and addresses: where a daemon
+  // staging a plan reads the weights of holders in other domains.
+  void AddGroupDaemons(v1::PrepareRequest& request) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CheckHealth();
   void Recover();
   // Gives the cluster's plan to drained daemons behind it (Recover calls it).
@@ -176,6 +179,7 @@ class Balancer final : public v1::Control::Service {
   prometheus::Histogram* commit_seconds_;
   prometheus::Counter* migrated_slots_;
   prometheus::Counter* migrated_bytes_;
+  prometheus::Counter* cross_domain_bytes_;
   prometheus::Family<prometheus::Gauge>* imbalance_;
   prometheus::Gauge* registered_daemons_;
   prometheus::Gauge* registered_ranks_;

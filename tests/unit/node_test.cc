@@ -424,5 +424,158 @@ TEST(NodeTest, StagingRunsWithoutTheLockAndAnAbortMeanwhileFailsThePrepare) {
   EXPECT_EQ(node.State().pending_version(), 2u);
 }
 
+// A plan over 4 ranks whose slots hold, per rank, `experts[r]` (4 each); equal shares.
+balancer::Plan PlacedPlan(uint64_t version, const std::vector<std::vector<int>>& experts) {
+  balancer::Plan plan;
+  plan.version = version;
+  plan.topology = {4, 2, 4, 1};
+  plan.num_experts = 8;
+  for (int l = 0; l < 2; ++l) {
+    balancer::LayerPlan layer;
+    for (const std::vector<int>& e : experts) layer.slot_expert.insert(layer.slot_expert.end(), e.begin(), e.end());
+    balancer::SetEqualShares(8, layer);
+    plan.layer_ids.push_back(l);
+    plan.layers.push_back(layer);
+  }
+  return plan;
+}
+
+// Two daemons in two load/store domains (ranks 0-1 in domain 0, 2-3 in domain 1): a slot's new
+// expert comes from the nearest holder; a holder only in the other domain is read through its
+// daemon (ReadWeights), which serves exactly the buffer its committed plan maps.
+TEST(NodeTest, WeightsOfHoldersInAnotherDomainAreReadThroughTheirDaemon) {
+  NodeOptions oa = Hosting(0), ob = Hosting(2);
+  oa.free_buffers = ob.free_buffers = 4;
+  ob.domain = 1;
+  Node a(oa), b(ob);
+  absl::StatusOr<v1::AttachResponse> r2;
+  std::thread tb([&] { r2 = b.Attach(Request(2, 4), absl::Now() + absl::Seconds(30)); });
+  const absl::StatusOr<v1::AttachResponse> r0 = AttachMapping(a, 0, [&] {
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (b.PeerKey().empty() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+    EXPECT_TRUE(MapPeer(a, b, "b-1").ok());
+    EXPECT_TRUE(MapPeer(b, a, "a-1").ok());
+  });
+  tb.join();
+  Attached x0 = Claim(a, r0, 1);
+  Attached x2 = Claim(b, r2, 2);
+  const kernels::EpConfig config = ConfigOf(4);
+  // Every byte of (rank r, layer l, buffer i) is 16 r + 4 l + i: which buffer a copy came from.
+  for (int r = 0; r < 4; ++r) {
+    for (int l = 0; l < 2; ++l) {
+      for (uint32_t i = 0; i < 8; ++i) std::memset(kernels::WeightBuffer(x0.arenas[r].data(), x0.layout, l, i), 16 * r + 4 * l + i, 256);
+    }
+  }
+  Node::RemoteWeights remote;
+  remote.rank_domain = {0, 0, 1, 1};
+  std::vector<std::string> reads;
+  auto read_from = [&](Node& holder) {
+    return [&reads, &holder](int rank, uint64_t version, int layer, int slot, std::byte* out, size_t bytes) {
+      for (size_t offset = 0; offset < bytes; offset += 100) {  // In chunks, as ubepd does.
+        v1::ReadWeightsRequest q;
+        q.set_plan_version(version);
+        q.set_layer(static_cast<uint32_t>(layer));
+        q.set_slot(static_cast<uint32_t>(slot));
+        q.set_offset(offset);
+        q.set_length(std::min<size_t>(100, bytes - offset));
+        absl::StatusOr<v1::ReadWeightsResponse> read = holder.ReadWeights(q);
+        if (!read.ok()) return read.status();
+        std::memcpy(out + offset, read->data().data(), read->data().size());
+      }
+      reads.push_back(absl::StrCat("rank ", rank, " layer ", layer, " slot ", slot));
+      return absl::OkStatus();
+    };
+  };
+  // v2: experts 0-3 on ranks 0-1, 4-7 on ranks 2-3 (from v1's p % 8: copies within each domain).
+  const balancer::Plan v2 = PlacedPlan(2, {{0, 1, 2, 3}, {0, 1, 2, 3}, {4, 5, 6, 7}, {4, 5, 6, 7}});
+  remote.fetch = read_from(b);
+  v1::PrepareResponse prepared = a.Prepare(v2, 10, remote);
+  ASSERT_TRUE(prepared.prepared()) << prepared.reason();
+  EXPECT_EQ(prepared.copied_slots(), 8u);  // Rank 1's 4 slots x 2 layers, from rank 0.
+  EXPECT_EQ(prepared.remote_slots(), 0u);
+  remote.fetch = read_from(a);
+  prepared = b.Prepare(v2, 10, remote);
+  ASSERT_TRUE(prepared.prepared()) << prepared.reason();
+  EXPECT_EQ(prepared.remote_slots(), 0u);
+  EXPECT_TRUE(reads.empty());
+  ASSERT_TRUE(a.Commit(2).ok());
+  ASSERT_TRUE(b.Commit(2).ok());
+  for (int r : {0, 2}) std::atomic_ref<uint64_t>(kernels::ControlOf(x0.arenas[r].data(), x0.layout)->step).store(10);
+
+  // v3: rank 0's slot 0 takes expert 4 (held only in domain 1), rank 2's slot 0 expert 0
+  // (only in domain 0), rank 3's slot 3 expert 4 (rank 2 holds it: same domain).
+  const balancer::Plan v3 = PlacedPlan(3, {{4, 1, 2, 3}, {0, 1, 2, 3}, {0, 5, 6, 7}, {4, 5, 6, 4}});
+  v1::ReadWeightsRequest stale;
+  stale.set_plan_version(3);
+  stale.set_slot(8);
+  EXPECT_EQ(b.ReadWeights(stale).status(), absl::FailedPreconditionError("this daemon is on plan v2, not v3"));
+  stale.set_plan_version(2);
+  stale.set_slot(4);
+  EXPECT_EQ(b.ReadWeights(stale).status(),
+            absl::InvalidArgumentError("slot 4 is on rank 1, which this daemon does not host (ranks 2-3)"));
+  stale.set_slot(16);
+  EXPECT_EQ(b.ReadWeights(stale).status(), absl::InvalidArgumentError("slot 16 is outside [0, 16)"));
+  stale.set_slot(8);
+  stale.set_layer(2);
+  EXPECT_EQ(b.ReadWeights(stale).status(), absl::InvalidArgumentError("layer 2 is outside [0, 2)"));
+  stale.set_layer(0);
+  stale.set_offset(257);
+  EXPECT_EQ(b.ReadWeights(stale).status(), absl::OutOfRangeError("offset 257 is past the expert's 256 bytes"));
+
+  // A holder daemon that cannot be read fails the Prepare, naming the copy.
+  remote.fetch = [](int, uint64_t, int, int, std::byte*, size_t) {
+    return absl::UnavailableError("node-a (127.0.0.1:1): connection refused");
+  };
+  prepared = b.Prepare(v3, 20, remote);
+  EXPECT_FALSE(prepared.prepared());
+  EXPECT_EQ(prepared.reason(), "layer 0: staging rank 2's weights from rank 0 (domain 0): "
+                               "node-a (127.0.0.1:1): connection refused");
+  EXPECT_EQ(b.State().pending_version(), 0u);
+
+  remote.fetch = read_from(b);
+  prepared = a.Prepare(v3, 20, remote);
+  ASSERT_TRUE(prepared.prepared()) << prepared.reason();
+  EXPECT_EQ(prepared.copied_slots(), 2u);
+  EXPECT_EQ(prepared.remote_slots(), 2u);
+  EXPECT_EQ(prepared.remote_bytes(), 2u * 256);
+  remote.fetch = read_from(a);
+  prepared = b.Prepare(v3, 20, remote);
+  ASSERT_TRUE(prepared.prepared()) << prepared.reason();
+  EXPECT_EQ(prepared.copied_slots(), 4u);  // Rank 2 slot 0 (remote), rank 3 slot 3 (local).
+  EXPECT_EQ(prepared.remote_slots(), 2u);
+  // Rank 0 reads expert 4 from rank 2's slot 8 (its first holder after rank 1); rank 2 reads
+  // expert 0 from rank 0's slot 0.
+  EXPECT_THAT(reads, ::testing::ElementsAre("rank 2 layer 0 slot 8", "rank 2 layer 1 slot 8",
+                                            "rank 0 layer 0 slot 0", "rank 0 layer 1 slot 0"));
+  ASSERT_TRUE(a.Commit(3).ok());
+  ASSERT_TRUE(b.Commit(3).ok());
+  void* area = x0.arenas[0].data() + x0.layout.plan;
+  uint64_t version = 0;
+  const kernels::PlanTableHeader* table = kernels::SelectPlan(area, 20, &version);
+  ASSERT_EQ(version, 3u);
+  const int in_force = table == kernels::PlanBuffer(area, 0) ? 0 : 1;
+  // What the copies brought: the bytes of the buffer each holder's slot mapped under v2.
+  const auto buffer_of = [&](int r, int l, int i, int plan_buffer) {
+    return kernels::SlotMap(x0.arenas[r].data(), x0.layout, config, plan_buffer)[l * 4 + i];
+  };
+  const auto bytes_of = [&](int r, int l, uint32_t buffer) {
+    const std::byte* w = kernels::WeightBuffer(x0.arenas[r].data(), x0.layout, l, buffer);
+    return std::vector<std::byte>(w, w + 256);
+  };
+  for (int l = 0; l < 2; ++l) {
+    // Rank 2's slot 0 under v2 held expert 4 as staged from rank 3's buffer 0 (16 * 3 + 4 l).
+    const std::vector<std::byte> expert4 = bytes_of(2, l, buffer_of(2, l, 0, 1 - in_force));
+    EXPECT_EQ(static_cast<int>(expert4[0]), 16 * 3 + 4 * l);
+    EXPECT_EQ(bytes_of(0, l, buffer_of(0, l, 0, in_force)), expert4);
+    // Rank 0's slot 0 under v2 held expert 0 in its own buffer 0 (4 l).
+    const std::vector<std::byte> expert0 = bytes_of(0, l, buffer_of(0, l, 0, 1 - in_force));
+    EXPECT_EQ(static_cast<int>(expert0[255]), 4 * l);
+    EXPECT_EQ(bytes_of(2, l, buffer_of(2, l, 0, in_force)), expert0);
+    // Rank 3's slot 3 took expert 4 from rank 2 (same domain), a copy between arenas.
+    EXPECT_EQ(bytes_of(3, l, buffer_of(3, l, 3, in_force)), expert4);
+  }
+  (void)x2;
+}
+
 }  // namespace
 }  // namespace ubep::daemon
