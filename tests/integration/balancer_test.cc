@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <map>
+#include <regex>
 #include <memory>
 #include <string>
 #include <vector>
@@ -181,8 +182,12 @@ TEST_F(BalancerTest, TwoDaemonsServeOneGroupOfEightRanksAndRebalancingBringsTheI
   // the counters' noise.
   auto balancer = StartBalancer({"--interval=1s", "--report_interval=1s", "--window=8",
                                  "--threshold=1.1"});
-  auto node_a = StartDaemon({"--ranks=0-3", "--free_buffers=32"}, "node-a");
-  auto node_b = StartDaemon({"--ranks=4-7", "--free_buffers=32"}, "node-b");
+  // The two nodes are in two load/store domains: an expert new to a slot whose holders are
+  // all in the other domain is read through the holder's daemon (ReadWeights over TCP), not
+  // copied between arenas. (On one machine the host backend's data plane still maps every
+  // arena; the domain decides how weights travel.)
+  auto node_a = StartDaemon({"--ranks=0-3", "--free_buffers=32", "--domain=0"}, "node-a");
+  auto node_b = StartDaemon({"--ranks=4-7", "--free_buffers=32", "--domain=1"}, "node-b");
   std::vector<std::unique_ptr<Process>> clients;
   for (int r = 0; r < world_; ++r) {
     clients.push_back(StartClient(r, kSteps, r < 4 ? "node-a" : "node-b", /*slots_per_rank=*/32,
@@ -236,6 +241,25 @@ TEST_F(BalancerTest, TwoDaemonsServeOneGroupOfEightRanksAndRebalancingBringsTheI
         << node;
   }
   EXPECT_THAT(ReadFile(path("node-a.log")), HasSubstr("group formed: generation 1, 8 ranks"));
+  // Round-robin holds each expert once, so the first plan's new slots on one node mostly take
+  // experts held only on the other: read from the other domain's daemon. Every step above was
+  // exact, so every byte read arrived right.
+  uint64_t remote_total = 0;
+  for (const std::string node : {"node-a", "node-b"}) {
+    const std::string log = ReadFile(path(node + ".log"));
+    const std::regex staged(R"(prepared plan v2 for step \d+: (\d+) slots staged \((\d+) bytes\), (\d+) of them from other domains \((\d+) bytes\))");
+    std::smatch match;
+    ASSERT_TRUE(std::regex_search(log, match, staged)) << node << "\n" << log;
+    const uint64_t slots = std::stoull(match[1]), remote = std::stoull(match[3]);
+    EXPECT_GT(remote, 0u) << node;
+    EXPECT_LT(remote, slots) << node;  // Some holders are in the node's own domain.
+    EXPECT_EQ(std::stoull(match[4]) * slots, std::stoull(match[2]) * remote) << node;
+    remote_total += std::stoull(match[4]);
+    std::cout << node << " staged plan v2: " << slots << " slots, " << remote
+              << " of them read from the other domain's daemon (" << match[4] << " bytes)\n";
+  }
+  const std::string m = test::HttpGet(balancer_metrics_, "/metrics");
+  EXPECT_GE(test::Sample(m, "ubep_balancer_migrated_cross_domain_bytes_total"), static_cast<double>(remote_total));
 }
 
 // kill -9 of one of two daemons (a node lost): the balancer sees its health checks fail,
