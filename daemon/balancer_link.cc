@@ -84,6 +84,7 @@ bool BalancerLink::Register() {
   request.set_node(options_.node);
   request.set_address(options_.address);
   request.set_domain(options_.domain);
+  request.set_backend(options_.backend);
   request.set_free_buffers(static_cast<uint32_t>(node_->free_buffers()));
   request.set_arena_socket(options_.arena_socket);
   request.set_incarnation(incarnation_);

@@ -25,6 +25,7 @@ struct BalancerLinkOptions {
   std::string node;       // This node's name.
   std::string address;    // HOST:PORT where this daemon serves DaemonControl.
   uint32_t domain = 0;
+  std::string backend = "host";
   std::string arena_socket;  // This daemon's fd socket, where peers take its arenas.
   absl::Duration report_interval = absl::Seconds(1);
 };

@@ -13,6 +13,7 @@
 #include "daemon/device_memory.h"
 #include "daemon/fd_server.h"
 #include "daemon/metrics.h"
+#include "daemon/weight_link.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -74,10 +75,23 @@ namespace {
 // Where Prepare reads the weights of holders in other domains: their daemons' ReadWeights,
 // from the group's daemons the balancer lists in the request. Called by one thread (the
 // Prepare's), so the stubs need no lock.
-Node::RemoteWeights RemoteWeightsOf(const v1::PrepareRequest& request, int world,
-                                    absl::Duration timeout) {
+Node::RemoteWeights RemoteWeightsOf(const v1::PrepareRequest& request, const std::string& self,
+                                    int world, absl::Time deadline) {
   Node::RemoteWeights remote;
   if (request.daemons().empty() || world <= 0) return remote;
+  if (!request.nccl_unique_id().empty()) {
+    // The link's ranks are the daemons' places in the list.
+    remote.nccl_id = request.nccl_unique_id();
+    remote.link_size = request.daemons_size();
+    remote.rank_link.assign(world, -1);
+    for (int i = 0; i < request.daemons_size(); ++i) {
+      const v1::PeerDaemon& d = request.daemons(i);
+      if (d.node() == self) remote.link_rank = i;
+      for (uint32_t r : d.ranks()) {
+        if (r < static_cast<uint32_t>(world)) remote.rank_link[r] = i;
+      }
+    }
+  }
   constexpr uint32_t kNoDomain = ~uint32_t{0};  // A rank no healthy daemon hosts.
   remote.rank_domain.assign(world, kNoDomain);
   struct Host {
@@ -92,7 +106,10 @@ Node::RemoteWeights RemoteWeightsOf(const v1::PrepareRequest& request, int world
     }
   }
   auto stubs = std::make_shared<absl::flat_hash_map<std::string, std::unique_ptr<v1::DaemonControl::Stub>>>();
-  remote.fetch = [hosts, stubs, timeout](int rank, uint64_t version, int layer, int slot, std::byte* out,
+  // The balancer's deadline for the Prepare bounds every wait (with a moment to answer).
+  deadline -= absl::Milliseconds(200);
+  remote.link_timeout = std::max(absl::ZeroDuration(), deadline - absl::Now());
+  remote.fetch = [hosts, stubs, deadline](int rank, uint64_t version, int layer, int slot, std::byte* out,
                                          size_t bytes) -> absl::Status {
     const Host& host = (*hosts)[rank];
     if (host.address.empty()) {
@@ -114,7 +131,7 @@ Node::RemoteWeights RemoteWeightsOf(const v1::PrepareRequest& request, int world
       read.set_offset(offset);
       read.set_length(length);
       grpc::ClientContext context;
-      context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+      context.set_deadline(absl::ToChronoTime(deadline));
       v1::ReadWeightsResponse response;
       const grpc::Status status = stub->ReadWeights(&context, read, &response);
       if (!status.ok()) {
@@ -139,17 +156,29 @@ Node::RemoteWeights RemoteWeightsOf(const v1::PrepareRequest& request, int world
 // The daemon side of the two-phase plan commit, for ubep-balancer and peer daemons.
 class DaemonControlService final : public v1::DaemonControl::Service {
  public:
-  DaemonControlService(Node* node, std::string name) : node_(node), name_(std::move(name)) {}
+  DaemonControlService(Node* node, std::string name, std::string backend)
+      : node_(node), name_(std::move(name)), backend_(std::move(backend)) {}
 
-  grpc::Status Prepare(grpc::ServerContext*, const v1::PrepareRequest* request,
+  grpc::Status Prepare(grpc::ServerContext* context, const v1::PrepareRequest* request,
                        v1::PrepareResponse* response) override {
     absl::StatusOr<balancer::Plan> plan = balancer::FromProto(request->plan());
     if (!plan.ok()) return ToGrpc(plan.status());
     const std::optional<v1::AttachRequest> shape = node_->GroupShape();
     *response = node_->Prepare(
         *plan, request->effective_step(),
-        RemoteWeightsOf(*request, shape.has_value() ? static_cast<int>(shape->world_size()) : 0,
-                        absl::Seconds(10)));
+        RemoteWeightsOf(*request, name_, shape.has_value() ? static_cast<int>(shape->world_size()) : 0,
+                        std::min(absl::Now() + absl::Minutes(5), absl::FromChrono(context->deadline()))));
+    return grpc::Status::OK;
+  }
+  grpc::Status CreateLink(grpc::ServerContext*, const v1::CreateLinkRequest*,
+                          v1::CreateLinkResponse* response) override {
+    if (backend_ != "cuda") {
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          "the host backend copies weights without NCCL links");
+    }
+    absl::StatusOr<std::string> id = NewWeightLinkId();
+    if (!id.ok()) return ToGrpc(id.status());
+    response->set_nccl_unique_id(*std::move(id));
     return grpc::Status::OK;
   }
   grpc::Status ReadWeights(grpc::ServerContext*, const v1::ReadWeightsRequest* request,
@@ -177,6 +206,7 @@ class DaemonControlService final : public v1::DaemonControl::Service {
  private:
   Node* node_;
   std::string name_;
+  std::string backend_;
 };
 
 Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {}
@@ -260,7 +290,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
     gethostname(host, sizeof(host) - 1);
     options.node_name = host;
   }
-  d->control_ = std::make_unique<DaemonControlService>(d->node_.get(), options.node_name);
+  d->control_ = std::make_unique<DaemonControlService>(d->node_.get(), options.node_name, options.backend);
   builder.RegisterService(d->control_.get());
   d->server_ = builder.BuildAndStart();
   if (d->server_ == nullptr || (!options.listen.empty() && d->listen_port_ == 0)) {
@@ -301,6 +331,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
     link.node = options.node_name;
     link.address = options.advertise;
     link.domain = options.domain;
+    link.backend = options.backend;
     link.arena_socket = options.node.fd_socket_path;
     if (!link.arena_socket.starts_with("/")) {
       char cwd[4096] = {};

@@ -13,6 +13,7 @@
 #include "balancer/formats/proto_convert.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "daemon/weight_link.h"
 #include "kernels/common/plan_area.h"
 #include "kernels/common/plan_table.h"
 
@@ -812,6 +813,45 @@ absl::StatusOr<v1::ReadWeightsResponse> Node::ReadWeights(const v1::ReadWeightsR
   return response;
 }
 
+absl::StatusOr<std::vector<Node::SlotCopy>> Node::SlotCopies(
+    const balancer::Plan& in_force, const balancer::Plan& next,
+    const std::function<uint32_t(int)>& domain_of) {
+  const int R = next.topology.num_ranks, S = next.topology.slots_per_rank;
+  std::vector<SlotCopy> copies;
+  for (size_t l = 0; l < next.layers.size(); ++l) {
+    const std::vector<int>& old_experts = in_force.layers[l].slot_expert;
+    const std::vector<int>& new_experts = next.layers[l].slot_expert;
+    for (int r = 0; r < R; ++r) {
+      if (next.excluded(r)) continue;
+      const bool returning = in_force.excluded(r);
+      for (int i = 0; i < S; ++i) {
+        const int expert = new_experts[r * S + i];
+        if (!returning && old_experts[r * S + i] == expert) continue;
+        // The nearest holder of `expert` under the plan in force: this rank, then the ranks
+        // of its domain, then the others (ranks after r first, so holders share the load).
+        int holder = -1, holder_distance = 3;
+        for (int step = 0; step < R && holder_distance > 0; ++step) {
+          const int q = (r + step) % R;
+          const int distance = q == r ? 0 : domain_of(q) == domain_of(r) ? 1 : 2;
+          if (in_force.excluded(q) || distance >= holder_distance) continue;
+          for (int j = 0; j < S; ++j) {
+            if (old_experts[q * S + j] == expert) {
+              holder = q * S + j;
+              holder_distance = distance;
+              break;
+            }
+          }
+        }
+        if (holder < 0) {
+          return absl::FailedPreconditionError(absl::StrCat("layer ", l, ": expert ", expert, " has no holder"));
+        }
+        copies.push_back({static_cast<int>(l), r, i, holder, holder_distance});
+      }
+    }
+  }
+  return copies;
+}
+
 v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective_step,
                                  const RemoteWeights& remote) {
   MutexLock lock(&mu_);
@@ -925,18 +965,27 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
                                options_.domain));
     }
   }
+  // The group's staging, as every daemon computes it: which slots get which holder's expert.
+  absl::StatusOr<std::vector<SlotCopy>> schedule = SlotCopies(plan_, plan, domain_of);
+  if (!schedule.ok()) return fail(std::string(schedule.status().message()));
+  const bool over_link = on_device() && !remote.nccl_id.empty();
   std::vector<std::vector<uint32_t>> maps(R);
   std::vector<WeightCopy> copies;
+  std::vector<uint32_t> buffer_of(schedule->size(), 0);  // Hosted copies' new buffers.
   uint32_t copied_slots = 0, remote_slots = 0;
   uint64_t copied_bytes = 0, remote_bytes = 0;
+  const uint64_t bytes_per_expert = group_request_.shape().bytes_per_expert();
   for (int r = first_; r < first_ + hosted_; ++r) {
     const uint32_t* cur = kernels::SlotMap(arenas_[r].data(), layout_, config_, current[r]);
     maps[r].assign(cur, cur + static_cast<size_t>(L) * S);
   }
+  // The schedule is in (layer, rank, slot) order: each hosted (layer, rank)'s copies in turn.
+  size_t k = 0;
   for (int l = 0; l < L; ++l) {
-    const std::vector<int>& old_experts = plan_.layers[l].slot_expert;
-    const std::vector<int>& new_experts = plan.layers[l].slot_expert;
     for (int r = first_; r < first_ + hosted_; ++r) {
+      while (k < schedule->size() && std::make_pair((*schedule)[k].layer, (*schedule)[k].rank) < std::make_pair(l, r)) ++k;
+      size_t end = k;
+      while (end < schedule->size() && (*schedule)[end].layer == l && (*schedule)[end].rank == r) ++end;
       if (plan.excluded(r)) continue;
       const bool returning = plan_.excluded(r);
       const uint32_t* cur = kernels::SlotMap(arenas_[r].data(), layout_, config_, current[r]);
@@ -946,58 +995,72 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
       for (uint32_t b = 0; b < layout_.buffers_per_layer; ++b) {
         if (!used[b]) free.push_back(b);
       }
-      int changed = 0;
-      for (int i = 0; i < S; ++i) changed += old_experts[r * S + i] != new_experts[r * S + i];
-      if (!returning && changed > static_cast<int>(free.size())) {
+      const size_t changed = end - k;
+      if (!returning && changed > free.size()) {
         return fail(absl::StrCat("rank ", r, " layer ", l, ": ", changed,
                                  " slots change but only ", free.size(),
                                  " weight buffers are free (--free_buffers ",
                                  options_.free_buffers, ")"));
       }
-      for (int i = 0; i < S; ++i) {
-        const int expert = new_experts[r * S + i];
-        if (!returning && old_experts[r * S + i] == expert) continue;
-        // The nearest holder of `expert` under the plan in force: this rank, then the ranks
-        // of its domain, then the others (ranks after r first, so holders share the load).
-        int holder = -1, holder_distance = 3;
-        for (int step = 0; step < R && holder_distance > 0; ++step) {
-          const int q = (r + step) % R;
-          const int distance = q == r ? 0 : domain_of(q) == domain_of(r) ? 1 : 2;
-          if (plan_.excluded(q) || distance >= holder_distance) continue;
-          for (int j = 0; j < S; ++j) {
-            if (old_experts[q * S + j] == expert) {
-              holder = q * S + j;
-              holder_distance = distance;
-              break;
-            }
-          }
-        }
-        if (holder < 0) return fail(absl::StrCat("layer ", l, ": expert ", expert, " has no holder"));
-        uint32_t buffer = cur[l * S + i];
+      for (; k < end; ++k) {
+        const SlotCopy& c = (*schedule)[k];
+        uint32_t buffer = cur[l * S + c.slot];
         if (!returning) {
           buffer = free.back();
           free.pop_back();
         }
-        const int hr = holder / S, hj = holder % S;
-        if (holder_distance == 2) {
-          copies.push_back({hr, static_cast<uint32_t>(holder), r, buffer, l, /*remote=*/true});
+        buffer_of[k] = buffer;
+        const int hr = c.holder / S, hj = c.holder % S;
+        if (c.distance == 2) {
+          copies.push_back({hr, static_cast<uint32_t>(c.holder), r, buffer, l, /*remote=*/true});
           ++remote_slots;
-          remote_bytes += group_request_.shape().bytes_per_expert();
+          remote_bytes += bytes_per_expert;
         } else {
           const uint32_t source = kernels::SlotMap(arenas_[hr].data(), layout_, config_, current[hr])[l * S + hj];
           copies.push_back({hr, source, r, buffer, l});
         }
-        maps[r][l * S + i] = buffer;
+        maps[r][l * S + c.slot] = buffer;
         ++copied_slots;
-        copied_bytes += group_request_.shape().bytes_per_expert();
+        copied_bytes += bytes_per_expert;
+      }
+    }
+  }
+  // Over an NCCL link (CUDA backend), the copies between domains run in the schedule's
+  // order, in batches of the same schedule positions on every daemon: each daemon receives
+  // its ranks' copies and sends its ranks' holders' weights.
+  std::vector<std::vector<WeightLink::Transfer>> batches;
+  int link_device = -1;
+  if (over_link) {
+    if (static_cast<int>(remote.rank_link.size()) != R || remote.link_rank < 0 ||
+        remote.link_rank >= remote.link_size) {
+      return fail(absl::StrCat("the NCCL link names rank ", remote.link_rank, " of ", remote.link_size,
+                               " and the daemons of ", remote.rank_link.size(), " ranks, for a group of ", R));
+    }
+    link_device = device_arenas_[first_]->device();
+    const size_t per_batch = std::max<size_t>(1, kLinkBatchBytes / std::max<uint64_t>(1, bytes_per_expert));
+    size_t position = 0;
+    for (size_t i = 0; i < schedule->size(); ++i) {
+      const SlotCopy& c = (*schedule)[i];
+      if (c.distance != 2) continue;
+      if (position++ % per_batch == 0) batches.emplace_back();
+      const int hr = c.holder / S;
+      if (Hosted(c.rank) && !plan.excluded(c.rank)) {
+        batches.back().push_back({remote.rank_link[hr], /*send=*/false, device_arenas_[c.rank].get(),
+                                  DeviceWeightOffset(c.layer, buffer_of[i]), bytes_per_expert});
+      } else if (Hosted(hr)) {
+        const uint32_t source =
+            kernels::SlotMap(arenas_[hr].data(), layout_, config_, current[hr])[c.layer * S + c.holder % S];
+        batches.back().push_back({remote.rank_link[c.rank], /*send=*/true, device_arenas_[hr].get(),
+                                  DeviceWeightOffset(c.layer, source), bytes_per_expert});
       }
     }
   }
   // The copies run without the lock (they may take seconds on the host backend): joins,
   // step reports and metrics go on meanwhile. Nothing they touch moves: sources are buffers
   // the plan in force reads, destinations buffers it does not; staging_ keeps the arenas
-  // mapped (no new group, no peer's arenas replaced) and any other Prepare out.
-  if (!copies.empty()) {
+  // mapped (no new group, no peer's arenas replaced) and any other Prepare out. A daemon on a
+  // link joins it even with nothing to copy: joining is collective.
+  if (!copies.empty() || over_link) {
     staging_ = true;
     staging_version_ = plan.version;
     staging_aborted_ = false;
@@ -1005,6 +1068,7 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
     mu_.Unlock();
     absl::Status copied = absl::OkStatus();
     for (const WeightCopy& c : copies) {
+      if (c.remote && over_link) continue;
       copied = c.remote ? FetchWeights(c, in_force, remote) : CopyWeights(c);
       if (!copied.ok()) {
         copied = absl::Status(copied.code(), absl::StrCat(
@@ -1018,6 +1082,18 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
       const bool aborted = staging_aborted_;
       mu_.Unlock();
       if (aborted) break;
+    }
+    if (copied.ok() && over_link) {
+      const absl::Time deadline = absl::Now() + remote.link_timeout;
+      absl::StatusOr<std::unique_ptr<WeightLink>> link = ConnectWeightLink(
+          remote.nccl_id, remote.link_size, remote.link_rank, link_device, deadline);
+      copied = link.status();
+      for (size_t b = 0; b < batches.size() && copied.ok(); ++b) {
+        copied = (*link)->Exchange(batches[b], deadline);
+      }
+      if (!copied.ok()) {
+        copied = absl::Status(copied.code(), absl::StrCat("staging over the NCCL link: ", copied.message()));
+      }
     }
     if (options_.staging_hook) options_.staging_hook();
     mu_.Lock();

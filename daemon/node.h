@@ -109,6 +109,14 @@ class Node {
   // daemon's domain.
   struct RemoteWeights {
     std::vector<uint32_t> rank_domain;  // Per rank of the group, or empty.
+    // CUDA backend: the NCCL link (WeightLink) this staging joins, where the balancer made
+    // one: its unique id, this daemon's rank in it, its size, and per rank of the group the
+    // link rank of the rank's daemon (-1: none). Copies between domains then go over it, in
+    // the order of the group's schedule (SlotCopies), instead of through `fetch`.
+    std::string nccl_id;
+    int link_rank = -1, link_size = 0;
+    std::vector<int> rank_link;
+    absl::Duration link_timeout = absl::Seconds(30);
     // Copies the weights that global slot `slot` of layer index `layer` maps to on rank
     // `rank` (another domain's), under committed plan `version`, into out[0, bytes).
     std::function<absl::Status(int rank, uint64_t version, int layer, int slot, std::byte* out,
@@ -116,7 +124,23 @@ class Node {
         fetch;
   };
   v1::PrepareResponse Prepare(const balancer::Plan& plan, uint64_t effective_step,
-                              const RemoteWeights& remote = {});
+                              const RemoteWeights& remote);
+  v1::PrepareResponse Prepare(const balancer::Plan& plan, uint64_t effective_step) {
+    return Prepare(plan, effective_step, RemoteWeights());
+  }
+  // The group's staging of `next` over the plan `in_force`, as every daemon computes it: per
+  // slot of a rank `next` includes that gets an expert it does not hold (every slot of a rank
+  // it takes back), the nearest holder. In (layer, rank, slot) order.
+  struct SlotCopy {
+    int layer, rank, slot;  // The slot (local index) that gets the expert.
+    int holder;             // Global slot holding it under `in_force`.
+    int distance;           // 0: the same rank, 1: the same domain, 2: another domain.
+  };
+  static absl::StatusOr<std::vector<SlotCopy>> SlotCopies(
+      const balancer::Plan& in_force, const balancer::Plan& next,
+      const std::function<uint32_t(int)>& domain_of);
+  // The NCCL link's copies run in batches of this many bytes of weights.
+  static constexpr uint64_t kLinkBatchBytes = uint64_t{256} << 20;
   // A holder's side of a remote copy: `length` bytes (0: to the end; at most
   // kMaxReadWeightsBytes) from `offset` of the weights that global slot `slot` of layer
   // index `layer` maps to under the committed plan, which must be `version`. The slot's rank

@@ -684,6 +684,17 @@ void Balancer::AddGroupDaemons(v1::PrepareRequest& request) const {
   }
 }
 
+std::shared_ptr<grpc::Channel> Balancer::LinkRoot(const v1::PrepareRequest& request) const {
+  if (request.daemons_size() < 2) return nullptr;
+  bool domains = false;
+  for (const v1::PeerDaemon& peer : request.daemons()) {
+    auto it = daemons_.find(peer.node());
+    if (it == daemons_.end() || it->second.info.backend() != "cuda") return nullptr;
+    domains |= peer.domain() != request.daemons(0).domain();
+  }
+  return domains ? daemons_.at(request.daemons(0).node()).channel : nullptr;
+}
+
 void Balancer::CatchUp() {
   // A daemon that restarted has a fresh group under its own first plan, behind the cluster's.
   // - In a group over several daemons, the cluster's plan excludes its ranks (it is drained):
@@ -762,6 +773,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why) {
   std::vector<std::string> targets;  // Node names, aligned with `channels`.
   std::vector<std::shared_ptr<grpc::Channel>> channels;
   v1::PrepareRequest request;        // The plan and effective step are set below.
+  std::shared_ptr<grpc::Channel> link_root;  // Makes the NCCL link of a group over domains.
   uint64_t effective_step = 0;
   std::vector<double> before;
   std::vector<int> excluded;
@@ -781,6 +793,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why) {
       channels.push_back(d.channel);
     }
     AddGroupDaemons(request);
+    link_root = LinkRoot(request);
     previous = *plan_;
     load = window_->Current();
     load.set_layer_ids(previous.layer_ids);
@@ -848,6 +861,23 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why) {
   const absl::Time commit_start = absl::Now();
   std::vector<v1::PrepareResponse> answers(targets.size());
   std::vector<grpc::Status> statuses(targets.size());
+  if (link_root != nullptr) {
+    // CUDA daemons in several domains copy weights between domains over NCCL: the first
+    // daemon makes the communicator's unique id and every Prepare carries it. Without one
+    // they read those weights with ReadWeights.
+    grpc::ClientContext context;
+    SetDeadline(context, options_.rpc_timeout);
+    v1::CreateLinkResponse link;
+    const grpc::Status status =
+        v1::DaemonControl::NewStub(link_root)->CreateLink(&context, v1::CreateLinkRequest(), &link);
+    if (status.ok()) {
+      request.set_nccl_unique_id(link.nccl_unique_id());
+    } else {
+      UBEP_LOG(WARNING) << "no NCCL link for plan v" << plan->version << " (node "
+                        << request.daemons(0).node() << ": " << status.error_message()
+                        << "): weights of other domains are read with ReadWeights";
+    }
+  }
   {
     *request.mutable_plan() = proto;
     request.set_effective_step(effective_step);

@@ -140,6 +140,10 @@ class Balancer final : public v1::Control::Service {
   // The healthy daemons that host ranks, with their domains and addresses: where a daemon
   // staging a plan reads the weights of holders in other domains.
   void AddGroupDaemons(v1::PrepareRequest& request) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // For a request listing CUDA daemons of several domains: the channel of the first, which
+  // makes the plan's NCCL link (CreateLink); else null.
+  std::shared_ptr<grpc::Channel> LinkRoot(const v1::PrepareRequest& request) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CheckHealth();
   void Recover();
   // Gives the cluster's plan to drained daemons behind it (Recover calls it).

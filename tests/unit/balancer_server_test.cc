@@ -2,9 +2,12 @@
 // many threads while the loop ticks (run under TSan: label concurrent). The end-to-end
 // behaviour with real daemons is tests/integration/balancer_test.cc.
 #include <atomic>
+#include <mutex>
 #include <thread>
 
 #include "balancer/core/plan.h"
+#include "balancer/formats/proto_convert.h"
+#include "grpcpp/grpcpp.h"
 #include "balancer/server/balancer.h"
 #include "balancer/server/load_window.h"
 #include "gtest/gtest.h"
@@ -123,6 +126,178 @@ TEST(BalancerServerTest, ShapeConflictsAreRefusedNamingBothShapes) {
   other = Registration("b", 2);
   other.set_ranks(1, 9);
   EXPECT_EQ(balancer.Register(nullptr, &other, &response).error_message(), "rank 9 is outside [0, 4)");
+}
+
+// A daemon's DaemonControl, in process on loopback: it serves `plan` as committed, prepares
+// and commits whatever it is sent, and records the Prepare requests and CreateLink calls.
+class FakeDaemon final : public v1::DaemonControl::Service {
+ public:
+  FakeDaemon(std::string name, const v1::Plan& plan, bool link_fails = false)
+      : name_(std::move(name)), committed_(plan), link_fails_(link_fails) {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    builder.RegisterService(this);
+    server_ = builder.BuildAndStart();
+  }
+  ~FakeDaemon() override { server_->Shutdown(std::chrono::system_clock::now()); }
+
+  grpc::Status Prepare(grpc::ServerContext*, const v1::PrepareRequest* request,
+                       v1::PrepareResponse* response) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    prepares_.push_back(*request);
+    response->set_prepared(true);
+    return grpc::Status::OK;
+  }
+  grpc::Status Commit(grpc::ServerContext*, const v1::CommitRequest* request, v1::CommitResponse*) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const v1::PrepareRequest& p : prepares_) {
+      if (p.plan().version() == request->version()) committed_ = p.plan();
+    }
+    return grpc::Status::OK;
+  }
+  grpc::Status Abort(grpc::ServerContext*, const v1::AbortRequest*, v1::AbortResponse*) override {
+    return grpc::Status::OK;
+  }
+  grpc::Status GetState(grpc::ServerContext*, const v1::GetStateRequest*, v1::DaemonState* state) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    state->set_node(name_);
+    state->set_committed_version(committed_.version());
+    *state->mutable_committed_plan() = committed_;
+    return grpc::Status::OK;
+  }
+  grpc::Status CreateLink(grpc::ServerContext*, const v1::CreateLinkRequest*,
+                          v1::CreateLinkResponse* response) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++links_;
+    if (link_fails_) return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "ubepd was built without NCCL");
+    response->set_nccl_unique_id("unique id " + std::to_string(links_) + " of " + name_);
+    return grpc::Status::OK;
+  }
+
+  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  std::vector<v1::PrepareRequest> prepares() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return prepares_;
+  }
+  int links() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return links_;
+  }
+
+ private:
+  std::string name_;
+  std::mutex mu_;
+  v1::Plan committed_;
+  std::vector<v1::PrepareRequest> prepares_;
+  int links_ = 0;
+  bool link_fails_;
+  int port_ = 0;
+  std::unique_ptr<grpc::Server> server_;
+};
+
+// 4 ranks x 4 slots, 2 layers x 6 experts, slot p holding expert p % 6: v1.
+v1::Plan FirstPlan() {
+  Plan plan;
+  plan.version = 1;
+  plan.topology = {4, 2, 4, 1};
+  plan.num_experts = 6;
+  for (int l = 0; l < 2; ++l) {
+    LayerPlan layer;
+    for (int p = 0; p < 16; ++p) layer.slot_expert.push_back(p % 6);
+    SetEqualShares(6, layer);
+    plan.layer_ids.push_back(l);
+    plan.layers.push_back(layer);
+  }
+  return ToProto(plan, PlanEncoding::kFull);
+}
+
+v1::RegisterRequest DaemonRegistration(const FakeDaemon& d, const std::string& node, uint32_t first_rank,
+                                       uint32_t domain, const std::string& backend) {
+  v1::RegisterRequest q;
+  q.set_node(node);
+  q.set_address(d.address());
+  q.set_world_size(4);
+  q.add_ranks(first_rank);
+  q.add_ranks(first_rank + 1);
+  q.set_domain(domain);
+  q.set_backend(backend);
+  q.mutable_shape()->set_num_layers(2);
+  q.mutable_shape()->set_num_experts(6);
+  q.mutable_shape()->set_slots_per_rank(4);
+  q.set_free_buffers(4);
+  return q;
+}
+
+// Drains node b (a change of members, so a new plan whatever the load) with daemons a and b
+// registered as given; returns the Prepare requests a and b got.
+std::pair<v1::PrepareRequest, v1::PrepareRequest> PrepareOnDrain(FakeDaemon& a, FakeDaemon& b,
+                                                                 uint32_t domain_b, const std::string& backend) {
+  BalancerOptions options;
+  options.health_failures = 1000;
+  Balancer balancer(options, std::make_shared<prometheus::Registry>());
+  v1::RegisterResponse registered;
+  v1::RegisterRequest ra = DaemonRegistration(a, "node-a", 0, 0, backend);
+  v1::RegisterRequest rb = DaemonRegistration(b, "node-b", 2, domain_b, backend);
+  EXPECT_TRUE(balancer.Register(nullptr, &ra, &registered).ok());
+  EXPECT_TRUE(balancer.Register(nullptr, &rb, &registered).ok());
+  balancer.Tick();  // Learns v1 from the daemons.
+  v1::DrainRequest drain;
+  drain.set_node("node-b");
+  v1::RebalanceResponse drained;
+  const grpc::Status status = balancer.Drain(nullptr, &drain, &drained);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(drained.version(), 2u);
+  EXPECT_EQ(a.prepares().size(), 1u);
+  EXPECT_EQ(b.prepares().size(), 1u);
+  if (a.prepares().empty() || b.prepares().empty()) return {};
+  return {a.prepares()[0], b.prepares()[0]};
+}
+
+// Every Prepare lists the group's daemons with their ranks and domains (where weights of other
+// domains come from); CUDA daemons over several domains also get one NCCL unique id, made by
+// the first daemon (CreateLink) and relayed to all.
+TEST(BalancerServerTest, APrepareOverSeveralCudaDomainsCarriesTheFirstDaemonsNcclUniqueId) {
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+  const auto [pa, pb] = PrepareOnDrain(a, b, /*domain_b=*/1, "cuda");
+  EXPECT_EQ(a.links(), 1);
+  EXPECT_EQ(b.links(), 0);
+  EXPECT_EQ(pa.nccl_unique_id(), "unique id 1 of node-a");
+  EXPECT_EQ(pb.nccl_unique_id(), "unique id 1 of node-a");
+  ASSERT_EQ(pa.daemons_size(), 2);
+  EXPECT_EQ(pa.daemons(0).node(), "node-a");
+  EXPECT_EQ(pa.daemons(0).address(), a.address());
+  EXPECT_EQ(pa.daemons(0).domain(), 0u);
+  EXPECT_EQ(pa.daemons(1).node(), "node-b");
+  EXPECT_EQ(pa.daemons(1).domain(), 1u);
+  EXPECT_EQ(std::vector<uint32_t>(pa.daemons(1).ranks().begin(), pa.daemons(1).ranks().end()),
+            (std::vector<uint32_t>{2, 3}));
+  EXPECT_EQ(pb.daemons_size(), 2);
+}
+
+TEST(BalancerServerTest, NoNcclLinkForOneDomainTheHostBackendOrARootThatCannotMakeOne) {
+  {
+    FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+    const auto [pa, pb] = PrepareOnDrain(a, b, /*domain_b=*/0, "cuda");  // One domain.
+    EXPECT_EQ(a.links(), 0);
+    EXPECT_EQ(pa.nccl_unique_id(), "");
+    EXPECT_EQ(pa.daemons_size(), 2);
+  }
+  {
+    FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+    const auto [pa, pb] = PrepareOnDrain(a, b, /*domain_b=*/1, "host");
+    EXPECT_EQ(a.links(), 0);
+    EXPECT_EQ(pb.nccl_unique_id(), "");
+    EXPECT_EQ(pb.daemons(1).domain(), 1u);
+  }
+  {
+    // The root cannot make a link: the plan is still prepared and committed, without one
+    // (the daemons read other domains' weights with ReadWeights).
+    FakeDaemon a("node-a", FirstPlan(), /*link_fails=*/true), b("node-b", FirstPlan());
+    const auto [pa, pb] = PrepareOnDrain(a, b, /*domain_b=*/1, "cuda");
+    EXPECT_EQ(a.links(), 1);
+    EXPECT_EQ(pa.nccl_unique_id(), "");
+    EXPECT_EQ(pb.nccl_unique_id(), "");
+  }
 }
 
 }  // namespace

@@ -577,5 +577,43 @@ TEST(NodeTest, WeightsOfHoldersInAnotherDomainAreReadThroughTheirDaemon) {
   (void)x2;
 }
 
+// The group's staging schedule, which every daemon computes alike (the NCCL link's sends and
+// receives are matched by it): nearest holder first, in (layer, rank, slot) order; a rank
+// taken back is staged whole; excluded ranks are neither staged nor holders.
+TEST(NodeTest, SlotCopiesTakeTheNearestHolderInOneOrderForEveryDaemon) {
+  const balancer::Plan v2 = PlacedPlan(2, {{0, 1, 2, 3}, {0, 1, 2, 3}, {4, 5, 6, 7}, {4, 5, 6, 7}});
+  const balancer::Plan v3 = PlacedPlan(3, {{4, 1, 2, 3}, {0, 1, 2, 3}, {0, 5, 6, 7}, {4, 5, 6, 4}});
+  const auto domain = [](int r) { return static_cast<uint32_t>(r / 2); };
+  absl::StatusOr<std::vector<Node::SlotCopy>> copies = Node::SlotCopies(v2, v3, domain);
+  ASSERT_TRUE(copies.ok()) << copies.status();
+  std::vector<std::string> got;
+  for (const Node::SlotCopy& c : *copies) {
+    got.push_back(absl::StrCat(c.layer, ":", c.rank, ".", c.slot, "<-", c.holder, "@", c.distance));
+  }
+  EXPECT_THAT(got, ::testing::ElementsAre("0:0.0<-8@2", "0:2.0<-0@2", "0:3.3<-12@0",
+                                          "1:0.0<-8@2", "1:2.0<-0@2", "1:3.3<-12@0"));
+  // One domain: rank 2's expert 0 now comes from rank 0 at distance 1.
+  copies = Node::SlotCopies(v2, v3, [](int) { return 0u; });
+  ASSERT_TRUE(copies.ok());
+  EXPECT_EQ((*copies)[1].holder, 0);
+  EXPECT_EQ((*copies)[1].distance, 1);
+  // Rank 1 excluded under v2 and taken back by v3: all its slots; rank 3 excluded by v3.
+  balancer::Plan v2x = v2, v3x = v3;
+  v2x.excluded_ranks = {1};
+  v3x.excluded_ranks = {3};
+  copies = Node::SlotCopies(v2x, v3x, domain);
+  ASSERT_TRUE(copies.ok());
+  got.clear();
+  for (const Node::SlotCopy& c : *copies) {
+    if (c.layer == 0) got.push_back(absl::StrCat(c.rank, ".", c.slot, "<-", c.holder, "@", c.distance));
+  }
+  EXPECT_THAT(got, ::testing::ElementsAre("0.0<-8@2", "1.0<-0@1", "1.1<-1@1", "1.2<-2@1", "1.3<-3@1",
+                                          "2.0<-0@2"));
+  // An expert no included rank holds.
+  v2x.excluded_ranks = {2, 3};
+  EXPECT_EQ(Node::SlotCopies(v2x, v3, domain).status(),
+            absl::FailedPreconditionError("layer 0: expert 4 has no holder"));
+}
+
 }  // namespace
 }  // namespace ubep::daemon
