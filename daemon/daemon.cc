@@ -239,10 +239,6 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
     return absl::InvalidArgumentError(
         "--ranks needs --balancer: the daemons of the group's other ranks are found through it");
   }
-  if (options.node.num_ranks > 0 && options.backend == "cuda") {
-    return absl::InvalidArgumentError(
-        "--ranks: the cuda backend serves a whole group from one ubepd");
-  }
   if (!options.balancer.empty() && options.node.plan_path.empty()) {
     // A group starts under the cluster's plan when the balancer has one (a restarted node).
     std::shared_ptr<v1::Control::Stub> stub = v1::Control::NewStub(

@@ -33,6 +33,10 @@ int DeviceCount();
 
 absl::StatusOr<std::unique_ptr<DeviceMemory>> CreateDeviceMemory(int device, size_t bytes);
 
+// A peer daemon's arena of `bytes` on this machine, from the fd it exported (the caller keeps
+// `fd`; the memory keeps a duplicate, passed on to clients), mapped here for `device`.
+absl::StatusOr<std::unique_ptr<DeviceMemory>> ImportDeviceMemory(int device, int fd, size_t bytes);
+
 }  // namespace ubep::daemon
 
 #endif  // UBEP_DAEMON_DEVICE_MEMORY_H_

@@ -1,6 +1,9 @@
 // DeviceMemory on VMM arenas (kernels/cuda/vmm_arena.h).
 #include <cuda_runtime_api.h>
+#include <fcntl.h>
 #include <unistd.h>
+
+#include <cerrno>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/device_memory.h"
@@ -72,6 +75,14 @@ absl::StatusOr<std::unique_ptr<DeviceMemory>> CreateDeviceMemory(int device, siz
   absl::StatusOr<int> fd = (*arena)->ExportFd();
   if (!fd.ok()) return fd.status();
   return std::unique_ptr<DeviceMemory>(new VmmDeviceMemory(device, *std::move(arena), *fd));
+}
+
+absl::StatusOr<std::unique_ptr<DeviceMemory>> ImportDeviceMemory(int device, int fd, size_t bytes) {
+  absl::StatusOr<std::unique_ptr<kernels::VmmArena>> arena = kernels::VmmArena::ImportFd(device, fd, bytes);
+  if (!arena.ok()) return arena.status();
+  const int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (own < 0) return absl::ErrnoToStatus(errno, "duplicating a peer's arena fd");
+  return std::unique_ptr<DeviceMemory>(new VmmDeviceMemory(device, *std::move(arena), own));
 }
 
 }  // namespace ubep::daemon

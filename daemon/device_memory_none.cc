@@ -10,4 +10,9 @@ absl::StatusOr<std::unique_ptr<DeviceMemory>> CreateDeviceMemory(int, size_t) {
       "this ubepd was built without CUDA (UBEP_ENABLE_CUDA=OFF): --backend cuda is unavailable");
 }
 
+absl::StatusOr<std::unique_ptr<DeviceMemory>> ImportDeviceMemory(int, int, size_t) {
+  return absl::FailedPreconditionError(
+      "this ubepd was built without CUDA (UBEP_ENABLE_CUDA=OFF): --backend cuda is unavailable");
+}
+
 }  // namespace ubep::daemon

@@ -239,10 +239,11 @@ absl::Status Node::CreateGroup(const v1::AttachRequest& q,
     if (devices == 0) {
       return absl::FailedPreconditionError("--backend cuda: no CUDA device is visible to ubepd");
     }
+    // Per rank of the group: the hosted ranks' now, the peers' once imported (AddPeerArenas).
+    // Rank r's device is r modulo the devices, the same on every daemon of the machine.
+    device_arenas.resize(config.num_ranks);
     for (int r = first; r < first + hosted; ++r) {
-      UBEP_ASSIGN_OR_RETURN(std::unique_ptr<DeviceMemory> memory,
-                            CreateDeviceMemory(r % devices, layout.device_bytes));
-      device_arenas.push_back(std::move(memory));
+      UBEP_ASSIGN_OR_RETURN(device_arenas[r], CreateDeviceMemory(r % devices, layout.device_bytes));
     }
   }
   std::vector<kernels::SharedArena> arenas(config.num_ranks);
@@ -288,7 +289,9 @@ int Node::AttachedLocked() const {
 
 bool Node::AllArenasMapped() const {
   return std::all_of(arenas_.begin(), arenas_.end(),
-                     [](const kernels::SharedArena& a) { return a.valid(); });
+                     [](const kernels::SharedArena& a) { return a.valid(); }) &&
+         std::all_of(device_arenas_.begin(), device_arenas_.end(),
+                     [](const std::unique_ptr<DeviceMemory>& m) { return m != nullptr; });
 }
 
 absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request,
@@ -1243,18 +1246,30 @@ std::string Node::PeerKey() const {
   v1::AttachRequest key;
   key.set_world_size(group_request_.world_size());
   *key.mutable_shape() = group_request_.shape();
-  return key.SerializeAsString();
+  return absl::StrCat(options_.backend, ":", key.SerializeAsString());
 }
 
 absl::StatusOr<std::pair<int, std::vector<int>>> Node::ArenasForPeer(const std::string& key) const {
+  // "BACKEND:" and the group's shape (PeerKey).
+  const size_t colon = key.find(':');
   v1::AttachRequest peer;
-  if (!peer.ParseFromString(key)) return absl::InvalidArgumentError("malformed peer request");
+  if (colon == std::string::npos || !peer.ParseFromString(key.substr(colon + 1))) {
+    return absl::InvalidArgumentError("malformed peer request");
+  }
+  if (key.substr(0, colon) != options_.backend) {
+    return absl::FailedPreconditionError(absl::StrCat("the peer daemon runs the ", key.substr(0, colon),
+                                                      " backend, this one ", options_.backend));
+  }
   MutexLock lock(&mu_);
   if (draining_) return absl::UnavailableError("ubepd is draining");
   if (!has_group_) return absl::UnavailableError("no group yet: no client has attached here");
   UBEP_RETURN_IF_ERROR(CompareShapes(group_request_, peer));
+  // The hosted ranks' host arenas, then (CUDA backend) their device arenas.
   std::vector<int> fds;
   for (int r = first_; r < first_ + hosted_; ++r) fds.push_back(arenas_[r].fd());
+  if (on_device()) {
+    for (int r = first_; r < first_ + hosted_; ++r) fds.push_back(device_arenas_[r]->fd());
+  }
   return std::make_pair(first_, std::move(fds));
 }
 
@@ -1316,7 +1331,12 @@ absl::Status Node::AddPeerArenas(int first_rank, const std::vector<int>& fds,
                                  const std::string& incarnation) {
   MutexLock lock(&mu_);
   if (!has_group_) return absl::FailedPreconditionError("no group");
-  const int count = static_cast<int>(fds.size());
+  // CUDA backend: the ranks' host arenas, then their device arenas.
+  if (on_device() && fds.size() % 2 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("a peer on the cuda backend sent ", fds.size(),
+                                                   " fds: expected a host and a device arena per rank"));
+  }
+  const int count = static_cast<int>(on_device() ? fds.size() / 2 : fds.size());
   if (first_rank < 0 || first_rank + count > config_.num_ranks) {
     return absl::InvalidArgumentError(absl::StrCat("peer ranks ", first_rank, "+", count,
                                                    " are outside the group of ", config_.num_ranks));
@@ -1363,8 +1383,19 @@ absl::Status Node::AddPeerArenas(int first_rank, const std::vector<int>& fds,
     }
     mapped.push_back(std::move(arena));
   }
+  std::vector<std::unique_ptr<DeviceMemory>> imported;
+  if (on_device()) {
+    const int devices = DeviceCount();
+    for (int i = 0; i < count; ++i) {
+      const int r = first_rank + i;
+      UBEP_ASSIGN_OR_RETURN(std::unique_ptr<DeviceMemory> memory,
+                            ImportDeviceMemory(r % std::max(devices, 1), fds[count + i], layout_.device_bytes));
+      imported.push_back(std::move(memory));
+    }
+  }
   for (int i = 0; i < count; ++i) {
     arenas_[first_rank + i] = std::move(mapped[i]);
+    if (on_device()) device_arenas_[first_rank + i] = std::move(imported[i]);
     incarnation_[first_rank + i] = incarnation;
     stale_[first_rank + i] = false;
   }

@@ -763,7 +763,7 @@ void Balancer::CatchUp() {
   }
 }
 
-absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why) {
+absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why, bool members_only) {
   std::lock_guard<std::mutex> serial(commit_mu_);
   v1::RebalanceResponse result;
   Plan previous;
@@ -783,6 +783,10 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why) {
       return absl::FailedPreconditionError("no plan known yet");
     }
     excluded = DesiredExcluded();
+    if (members_only && excluded == plan_->excluded_ranks) {
+      result.set_version(plan_->version);
+      return result;
+    }
     // Daemons failing their health checks get no plan: their ranks are excluded.
     for (const auto& [name, d] : daemons_) {
       if (!d.healthy) continue;
@@ -1008,7 +1012,7 @@ grpc::Status Balancer::SetDrained(const std::string& node, bool drained,
   }
   UBEP_LOG(INFO) << (drained ? "draining" : "undraining") << " node " << node;
   absl::StatusOr<v1::RebalanceResponse> result =
-      PlanAndCommit(drained ? "node drained" : "node undrained");
+      PlanAndCommit(drained ? "node drained" : "node undrained", /*members_only=*/true);
   if (!result.ok()) {
     return grpc::Status(static_cast<grpc::StatusCode>(result.status().code()),
                         std::string(result.status().message()));
@@ -1123,7 +1127,8 @@ void Balancer::Tick() {
     }
   }
   if (rebalance) {
-    const absl::StatusOr<v1::RebalanceResponse> result = PlanAndCommit(why);
+    const absl::StatusOr<v1::RebalanceResponse> result =
+        PlanAndCommit(why, /*members_only=*/std::string_view(why) == "membership changed");
     if (!result.ok()) UBEP_LOG(WARNING) << "rebalance: " << result.status();
     MutexLock lock(&mu_);
     above_threshold_ = 0;

@@ -149,7 +149,10 @@ class Balancer final : public v1::Control::Service {
   // Gives the cluster's plan to drained daemons behind it (Recover calls it).
   void CatchUp();
   // Plans and commits; serialized with Recover by commit_mu_.
-  absl::StatusOr<v1::RebalanceResponse> PlanAndCommit(const char* why);
+  // `members_only`: for a change of members (a drain, an undrain, a node lost or back); when
+  // the plan in force already has the members wanted (another caller committed it first),
+  // nothing is planned and the answer names that plan.
+  absl::StatusOr<v1::RebalanceResponse> PlanAndCommit(const char* why, bool members_only = false);
   uint64_t EstimateStep() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ranks out of the group: those of daemons failing their health checks or drained.
   std::vector<int> DesiredExcluded() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

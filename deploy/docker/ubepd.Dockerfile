@@ -1,13 +1,13 @@
 # ubepd with the CUDA backend. Build from the repository root:
 #   docker build -f deploy/docker/ubepd.Dockerfile -t ghcr.io/ubep/ubepd:0.1.0 .
 # Stage 1 builds on Debian 12 with the project's own dependency script and NVIDIA's CUDA 13
-# toolkit for Debian 12; stage 2 is Debian 12 slim with the shared libraries ubepd links
+# toolkit and NCCL for Debian 12; stage 2 is Debian 12 slim with the shared libraries ubepd links
 # (the CUDA driver comes from the node, through the NVIDIA container runtime).
 FROM debian:bookworm AS build
 RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends ca-certificates wget \
  && wget -q https://developer.download.nvidia.com/compute/cuda/repos/debian12/x86_64/cuda-keyring_1.1-1_all.deb \
  && dpkg -i cuda-keyring_1.1-1_all.deb && rm cuda-keyring_1.1-1_all.deb \
- && apt-get update -qq && apt-get install -y -qq --no-install-recommends cuda-toolkit-13-0 \
+ && apt-get update -qq && apt-get install -y -qq --no-install-recommends cuda-toolkit-13-0 libnccl2 libnccl-dev \
  && rm -rf /var/lib/apt/lists/*
 ENV PATH=/usr/local/cuda/bin:$PATH
 WORKDIR /src
@@ -24,6 +24,8 @@ RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends \
  && rm -rf /var/lib/apt/lists/*
 COPY --from=build /build/bin/ubepd /usr/local/bin/ubepd
 COPY --from=build /usr/local/cuda/lib64/libcudart.so.13* /usr/local/lib/
+# NCCL: the links that copy expert weights between load/store domains.
+COPY --from=build /usr/lib/x86_64-linux-gnu/libnccl.so.2* /usr/local/lib/
 RUN ldconfig
 USER 65532:65532
 ENTRYPOINT ["/usr/local/bin/ubepd"]

@@ -14,6 +14,7 @@
 #include "kernels/cuda/cuda_ep.h"
 #include "kernels/host/host_ep.h"
 #include "kernels/host/shared_arena.h"
+#include "tests/integration/cluster.h"
 #include "tests/integration/process.h"
 #include "tests/unit/test_util.h"
 #include "ubep/ubep.h"
@@ -52,17 +53,46 @@ struct Result {
   std::vector<uint16_t> rows, combined;
 };
 
-TEST(DaemonCudaTest, LibubepOnCudaArenasMatchesTheHostBackendByteForByte) {
+// One ubepd hosting both ranks, or (two_daemons) a balancer and two ubepd hosting one rank
+// each: each daemon imports the other's device arenas (VMM fds over its fd socket) and the
+// group forms across them.
+void RunAndCompare(bool two_daemons) {
   if (!kernels::CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device";
   int devices = 0;
   ASSERT_EQ(cudaGetDeviceCount(&devices), cudaSuccess);
   test::TempDir dir;
-  const std::string socket = dir.path() + "/ubepd.sock", ready = dir.path() + "/ready.json";
-  test::Process daemon({test::BinaryPath("ubepd"), "--backend=cuda", "--socket=" + socket,
-                        "--metrics=", "--ready_file=" + ready, "--wait_timeout=20s"},
-                       dir.path() + "/ubepd.log");
-  ASSERT_TRUE(test::WaitFor([&] { return std::filesystem::exists(ready); }, absl::Seconds(60)))
-      << test::ReadFile(dir.path() + "/ubepd.log");
+  const auto wait_ready = [&](const std::string& name) {
+    return test::ReadyFile(dir.path() + "/" + name + ".ready", dir.path() + "/" + name + ".log");
+  };
+  std::vector<std::unique_ptr<test::Process>> processes;
+  std::vector<std::string> sockets;
+  if (!two_daemons) {
+    sockets.assign(kRanks, dir.path() + "/ubepd.sock");
+    processes.push_back(std::make_unique<test::Process>(
+        std::vector<std::string>{test::BinaryPath("ubepd"), "--backend=cuda", "--socket=" + sockets[0],
+                                 "--metrics=", "--ready_file=" + dir.path() + "/ubepd.ready",
+                                 "--wait_timeout=20s"},
+        dir.path() + "/ubepd.log"));
+    wait_ready("ubepd");
+  } else {
+    processes.push_back(std::make_unique<test::Process>(
+        std::vector<std::string>{test::BinaryPath("ubep-balancer"), "--listen=127.0.0.1:0", "--metrics=",
+                                 "--ready_file=" + dir.path() + "/balancer.ready", "--auto_rebalance=false"},
+        dir.path() + "/balancer.log"));
+    const int port = wait_ready("balancer").value("port", 0);
+    for (int r = 0; r < kRanks; ++r) {
+      const std::string node = absl::StrCat("node-", r);
+      sockets.push_back(dir.path() + "/" + node + ".sock");
+      processes.push_back(std::make_unique<test::Process>(
+          std::vector<std::string>{test::BinaryPath("ubepd"), "--backend=cuda", "--socket=" + sockets[r],
+                                   "--metrics=", "--ready_file=" + dir.path() + "/" + node + ".ready",
+                                   "--wait_timeout=20s", "--listen=127.0.0.1:0",
+                                   absl::StrCat("--balancer=127.0.0.1:", port), "--node=" + node,
+                                   absl::StrCat("--ranks=", r, "-", r)},
+          dir.path() + "/" + node + ".log"));
+      wait_ready(node);
+    }
+  }
 
   ModelShape shape;
   shape.num_layers = 1;
@@ -82,7 +112,7 @@ TEST(DaemonCudaTest, LibubepOnCudaArenasMatchesTheHostBackendByteForByte) {
   for (int r = 0; r < kRanks; ++r) {
     threads.emplace_back([&, r] {
       ClientOptions options;
-      options.socket_path = socket;
+      options.socket_path = sockets[r];
       absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(options, r, kRanks, r % devices, shape);
       if (!rank.ok()) {
         errors[r] = std::string(rank.status().message());
@@ -173,9 +203,15 @@ TEST(DaemonCudaTest, LibubepOnCudaArenasMatchesTheHostBackendByteForByte) {
     EXPECT_EQ(gpu[r].rows, host[r].rows) << "rank " << r;
     EXPECT_EQ(gpu[r].combined, host[r].combined) << "rank " << r;
   }
-  daemon.Signal(SIGTERM);
-  EXPECT_EQ(daemon.Wait(absl::Seconds(30)), 0);
+  for (auto it = processes.rbegin(); it != processes.rend(); ++it) {
+    (*it)->Signal(SIGTERM);
+    EXPECT_EQ((*it)->Wait(absl::Seconds(30)), 0);
+  }
 }
+
+TEST(DaemonCudaTest, LibubepOnCudaArenasMatchesTheHostBackendByteForByte) { RunAndCompare(false); }
+
+TEST(DaemonCudaTest, AGroupOverTwoDaemonsOnCudaMatchesTheHostBackendByteForByte) { RunAndCompare(true); }
 
 }  // namespace
 }  // namespace ubep

@@ -574,6 +574,14 @@ TEST(NodeTest, WeightsOfHoldersInAnotherDomainAreReadThroughTheirDaemon) {
     // Rank 3's slot 3 took expert 4 from rank 2 (same domain), a copy between arenas.
     EXPECT_EQ(bytes_of(3, l, buffer_of(3, l, 3, in_force)), expert4);
   }
+  // A peer asking for arenas names its backend: a host daemon gives none to a cuda one (whose
+  // arenas come with device arenas), and a request without one is malformed.
+  const std::string key = a.PeerKey();
+  ASSERT_TRUE(key.starts_with("host:"));
+  EXPECT_EQ(b.ArenasForPeer("cuda:" + key.substr(5)).status(),
+            absl::FailedPreconditionError("the peer daemon runs the cuda backend, this one host"));
+  EXPECT_EQ(b.ArenasForPeer("no backend named").status(), absl::InvalidArgumentError("malformed peer request"));
+  EXPECT_TRUE(b.ArenasForPeer(key).ok());
   (void)x2;
 }
 

@@ -228,7 +228,9 @@ int PrintRebalance(const std::string& what, const ubep::v1::RebalanceResponse& r
     return 0;
   }
   if (!r.changed()) {
-    std::cout << what << ": plan v" << r.version() << " stays (the new plan would be the same)\n";
+    // The placement would not change, or the members asked for are already those of the
+    // plan in force.
+    std::cout << what << ": plan v" << r.version() << " is in force; nothing new to commit\n";
   } else {
     std::cout << absl::StrFormat(
         "%s: plan v%d committed: %d slots migrated, planned in %.1f ms, committed in %.1f ms\n",
