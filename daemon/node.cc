@@ -1045,15 +1045,22 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
     for (size_t i = 0; i < schedule->size(); ++i) {
       const SlotCopy& c = (*schedule)[i];
       if (c.distance != 2) continue;
+      // Every cross-domain copy counts, so that batches hold the same positions everywhere.
       if (position++ % per_batch == 0) batches.emplace_back();
       const int hr = c.holder / S;
-      if (Hosted(c.rank) && !plan.excluded(c.rank)) {
-        batches.back().push_back({remote.rank_link[hr], /*send=*/false, device_arenas_[c.rank].get(),
+      if (!Hosted(c.rank) && !Hosted(hr)) continue;  // Between two other daemons.
+      const int other = Hosted(c.rank) ? hr : c.rank;
+      const int peer = remote.rank_link[other];
+      if (peer < 0) {
+        return fail(absl::StrCat("layer ", c.layer, ": rank ", other, " is on no daemon of the NCCL link"));
+      }
+      if (Hosted(c.rank)) {
+        batches.back().push_back({peer, /*send=*/false, device_arenas_[c.rank].get(),
                                   DeviceWeightOffset(c.layer, buffer_of[i]), bytes_per_expert});
-      } else if (Hosted(hr)) {
+      } else {
         const uint32_t source =
             kernels::SlotMap(arenas_[hr].data(), layout_, config_, current[hr])[c.layer * S + c.holder % S];
-        batches.back().push_back({remote.rank_link[c.rank], /*send=*/true, device_arenas_[hr].get(),
+        batches.back().push_back({peer, /*send=*/true, device_arenas_[hr].get(),
                                   DeviceWeightOffset(c.layer, source), bytes_per_expert});
       }
     }

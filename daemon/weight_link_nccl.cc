@@ -47,8 +47,8 @@ class NcclWeightLink final : public WeightLink {
       : WeightLink(rank, size), device_(device), comm_(comm), stream_(stream) {}
   ~NcclWeightLink() override {
     cudaSetDevice(device_);
-    // Every exchange has completed or timed out; nothing is left to flush.
-    ncclCommAbort(comm_);
+    // Every exchange has completed or timed out (and aborted it); nothing is left to flush.
+    if (comm_ != nullptr) ncclCommAbort(comm_);
     cudaStreamDestroy(stream_);
   }
 
