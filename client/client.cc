@@ -274,12 +274,8 @@ absl::Status TakeArenas(RankState& s, const v1::AttachResponse& response) {
 }
 
 // A peer daemon restarted and this rank's daemon mapped its new arenas: take every arena
-// again (the host backend's; the CUDA backend has no peer daemons).
+// again (on the CUDA backend the device arenas' fds follow the host arenas').
 absl::Status RefreshArenas(RankState& s, uint64_t epoch) {
-  if (s.on_device) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "rank ", s.rank, ": the arenas changed (epoch ", epoch, "), which the CUDA backend does not do"));
-  }
   UBEP_RETURN_IF_ERROR(SendMessage(s.fd_connection.get(), kArenaRefreshRequest, {}));
   UBEP_ASSIGN_OR_RETURN(ReceivedMessage reply,
                         ReceiveMessage(s.fd_connection.get(), 4096, s.options.rpc_timeout));
@@ -289,8 +285,27 @@ absl::Status RefreshArenas(RankState& s, uint64_t epoch) {
         "rank ", s.rank, ": ubepd did not give the new arenas: ",
         reply.bytes.size() > 4 ? reply.bytes.substr(4) : std::string("connection closed")));
   }
-  UBEP_ASSIGN_OR_RETURN(std::vector<kernels::SharedArena> arenas,
-                        MapArenas(s, reply.fds, static_cast<size_t>(s.world_size)));
+  const size_t world = static_cast<size_t>(s.world_size);
+  if (reply.fds.size() != world * (s.on_device ? 2 : 1)) {
+    return absl::DataLossError(absl::StrCat("rank ", s.rank, ": expected ", world * (s.on_device ? 2 : 1),
+                                            " arena fds in the refresh, got ", reply.fds.size()));
+  }
+  UBEP_ASSIGN_OR_RETURN(std::vector<kernels::SharedArena> arenas, MapArenas(s, reply.fds, world));
+  if (s.on_device) {
+#ifdef UBEP_CLIENT_CUDA
+    std::vector<std::unique_ptr<kernels::VmmArena>> device_arenas;
+    for (size_t i = world; i < 2 * world; ++i) {
+      UBEP_ASSIGN_OR_RETURN(std::unique_ptr<kernels::VmmArena> arena,
+                            kernels::VmmArena::ImportFd(s.device, reply.fds[i].get(), s.layout.device_bytes));
+      device_arenas.push_back(std::move(arena));
+    }
+    s.cuda_ep.reset();  // It points into the old mappings.
+    s.device_arenas = std::move(device_arenas);
+    s.device_plan_version = 0;
+#else
+    return absl::FailedPreconditionError(absl::StrCat("rank ", s.rank, ": libubep was built without CUDA"));
+#endif
+  }
   s.ep.reset();  // It points into the old mappings.
   s.arenas = std::move(arenas);
   s.arena_epoch = got;

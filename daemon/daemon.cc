@@ -82,6 +82,7 @@ Node::RemoteWeights RemoteWeightsOf(const v1::PrepareRequest& request, const std
   if (!request.nccl_unique_id().empty()) {
     // The link's ranks are the daemons' places in the list.
     remote.nccl_id = request.nccl_unique_id();
+    remote.base_version = request.base_version();
     remote.link_size = request.daemons_size();
     remote.rank_link.assign(world, -1);
     for (int i = 0; i < request.daemons_size(); ++i) {
@@ -108,7 +109,7 @@ Node::RemoteWeights RemoteWeightsOf(const v1::PrepareRequest& request, const std
   auto stubs = std::make_shared<absl::flat_hash_map<std::string, std::unique_ptr<v1::DaemonControl::Stub>>>();
   // The balancer's deadline for the Prepare bounds every wait (with a moment to answer).
   deadline -= absl::Milliseconds(200);
-  remote.link_timeout = std::max(absl::ZeroDuration(), deadline - absl::Now());
+  remote.deadline = deadline;
   remote.fetch = [hosts, stubs, deadline](int rank, uint64_t version, int layer, int slot, std::byte* out,
                                          size_t bytes) -> absl::Status {
     const Host& host = (*hosts)[rank];

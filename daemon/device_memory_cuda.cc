@@ -34,8 +34,14 @@ class VmmDeviceMemory : public DeviceMemory {
   }
   absl::Status Write(size_t offset, const void* in, size_t bytes) override {
     cudaSetDevice(device_);
-    return Check(cudaMemcpy(arena_->data() + offset, in, bytes, cudaMemcpyHostToDevice),
-                 "writing device arena");
+    if (absl::Status s = Check(cudaMemcpy(arena_->data() + offset, in, bytes, cudaMemcpyHostToDevice),
+                               "writing device arena");
+        !s.ok()) {
+      return s;
+    }
+    // cudaMemcpy from pageable memory may return before the DMA lands: wait, so that what
+    // the daemon publishes next (a plan table, an abort word) never precedes it.
+    return Check(cudaDeviceSynchronize(), "writing device arena");
   }
   absl::Status Zero(size_t offset, size_t bytes) override {
     cudaSetDevice(device_);
@@ -48,10 +54,16 @@ class VmmDeviceMemory : public DeviceMemory {
   absl::Status CopyFrom(const DeviceMemory& source, size_t source_offset, size_t offset,
                         size_t bytes) override {
     cudaSetDevice(device_);
-    return Check(cudaMemcpyPeer(arena_->data() + offset, device_,
-                                static_cast<const std::byte*>(source.data()) + source_offset,
-                                source.device(), bytes),
-                 "copying expert weights");
+    if (absl::Status s = Check(cudaMemcpyPeer(arena_->data() + offset, device_,
+                                              static_cast<const std::byte*>(source.data()) + source_offset,
+                                              source.device(), bytes),
+                               "copying expert weights");
+        !s.ok()) {
+      return s;
+    }
+    // cudaMemcpyPeer is asynchronous with respect to the host: the copy must have landed
+    // before Prepare publishes the plan table that makes ranks read it.
+    return Check(cudaDeviceSynchronize(), "copying expert weights");
   }
   void* data() const override { return arena_->data(); }
 

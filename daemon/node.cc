@@ -173,10 +173,6 @@ absl::Status Node::CreateGroup(const v1::AttachRequest& q,
         config.num_ranks, " ranks"));
   }
   const bool cuda = options_.backend == "cuda";
-  if (cuda && hosted != config.num_ranks) {
-    return absl::FailedPreconditionError(
-        "the cuda backend serves a whole group from one ubepd (--ranks must be empty)");
-  }
   if (cuda && (config.dtype != kernels::DType::kBFloat16 || config.hidden % 8 != 0)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "the cuda backend needs shape.dtype DTYPE_BFLOAT16 and shape.hidden a multiple of 8 "
@@ -446,6 +442,7 @@ uint32_t Node::AbortCode(int r) const {
   const size_t offset = kernels::ArenaLayout(config_).abort;
   uint32_t code = 0;
   if (on_device()) {
+    if (device_arenas_[r] == nullptr) return code;  // A peer's, not imported yet.
     if (absl::Status s = device_arenas_[r]->Read(offset, &code, sizeof(code)); !s.ok()) {
       UBEP_LOG(ERROR) << "rank " << r << ": " << s;
     }
@@ -458,6 +455,7 @@ uint32_t Node::AbortCode(int r) const {
 void Node::SetAbortCode(int r, uint32_t code, bool only_if_clear) {
   const size_t offset = kernels::ArenaLayout(config_).abort;
   if (on_device()) {
+    if (device_arenas_[r] == nullptr) return;  // A peer's, not imported yet.
     // Device kernels never write the abort word: read-then-write does not race with them.
     if (only_if_clear && AbortCode(r) != 0) return;
     if (absl::Status s = device_arenas_[r]->Write(offset, &code, sizeof(code)); !s.ok()) {
@@ -1039,7 +1037,13 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
       return fail(absl::StrCat("the NCCL link names rank ", remote.link_rank, " of ", remote.link_size,
                                " and the daemons of ", remote.rank_link.size(), " ranks, for a group of ", R));
     }
-    link_device = device_arenas_[first_]->device();
+    if (remote.base_version != plan_.version) {
+      // Every daemon walks one schedule, computed over the plan in force: it must be the same.
+      return fail(absl::StrCat("the NCCL link's copies are scheduled over plan v", remote.base_version,
+                               " but this daemon is on plan v", plan_.version));
+    }
+    // One GPU per daemon of the link: daemons sharing a machine take different ones.
+    link_device = remote.link_rank % std::max(1, DeviceCount());
     const size_t per_batch = std::max<size_t>(1, kLinkBatchBytes / std::max<uint64_t>(1, bytes_per_expert));
     size_t position = 0;
     for (size_t i = 0; i < schedule->size(); ++i) {
@@ -1094,7 +1098,7 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
       if (aborted) break;
     }
     if (copied.ok() && over_link) {
-      const absl::Time deadline = absl::Now() + remote.link_timeout;
+      const absl::Time deadline = remote.deadline;
       absl::StatusOr<std::unique_ptr<WeightLink>> link = ConnectWeightLink(
           remote.nccl_id, remote.link_size, remote.link_rank, link_device, deadline);
       copied = link.status();

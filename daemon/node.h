@@ -116,7 +116,9 @@ class Node {
     std::string nccl_id;
     int link_rank = -1, link_size = 0;
     std::vector<int> rank_link;
-    absl::Duration link_timeout = absl::Seconds(30);
+    uint64_t base_version = 0;  // The plan in force the schedule is computed over.
+    // Bounds the link's waits (the balancer's deadline for the Prepare, less a moment).
+    absl::Time deadline = absl::InfiniteFuture();
     // Copies the weights that global slot `slot` of layer index `layer` maps to on rank
     // `rank` (another domain's), under committed plan `version`, into out[0, bytes).
     std::function<absl::Status(int rank, uint64_t version, int layer, int slot, std::byte* out,

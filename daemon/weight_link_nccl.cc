@@ -47,8 +47,16 @@ class NcclWeightLink final : public WeightLink {
       : WeightLink(rank, size), device_(device), comm_(comm), stream_(stream) {}
   ~NcclWeightLink() override {
     cudaSetDevice(device_);
-    // Every exchange has completed or timed out (and aborted it); nothing is left to flush.
-    if (comm_ != nullptr) ncclCommAbort(comm_);
+    if (comm_ != nullptr) {
+      // A send complete here may still be on its way to the peer: flush (bounded), then free.
+      const ncclResult_t finalized = ncclCommFinalize(comm_);
+      if ((finalized == ncclSuccess || finalized == ncclInProgress) &&
+          AwaitComm(comm_, absl::Now() + absl::Seconds(10), "closing the NCCL link").ok()) {
+        ncclCommDestroy(comm_);
+      } else {
+        ncclCommAbort(comm_);
+      }
+    }
     cudaStreamDestroy(stream_);
   }
 
@@ -112,15 +120,31 @@ class NcclWeightLink final : public WeightLink {
       ncclCommAbort(comm_);
       comm_ = nullptr;
       broken_ = true;
+      release();
       return absl::Status(status.code(), absl::StrCat(status.message(), " (", transfers.size(),
                                                       " transfers with the group's daemons)"));
     }
+    // Received weights staged on the link's device go to their arenas; done before returning
+    // (the plan table that makes them read is written after).
+    bool placing = false;
     for (size_t i = 0; i < transfers.size() && status.ok(); ++i) {
       const Transfer& t = transfers[i];
       if (staged[i] == nullptr || t.send) continue;
-      status = CudaCheck(cudaMemcpyPeer(static_cast<std::byte*>(t.memory->data()) + t.offset,
-                                        t.memory->device(), staged[i], device_, t.bytes),
+      placing = true;
+      status = CudaCheck(cudaMemcpyPeerAsync(static_cast<std::byte*>(t.memory->data()) + t.offset,
+                                             t.memory->device(), staged[i], device_, t.bytes, stream_),
                          "placing received expert weights");
+    }
+    while (status.ok() && placing) {
+      const cudaError_t done = cudaStreamQuery(stream_);
+      if (done == cudaSuccess) break;
+      if (done != cudaErrorNotReady) {
+        status = CudaCheck(done, "placing received expert weights");
+      } else if (absl::Now() >= deadline) {
+        status = absl::DeadlineExceededError("placing received expert weights: timed out");
+      } else {
+        absl::SleepFor(kPoll);
+      }
     }
     release();
     return status;

@@ -885,6 +885,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why, b
   {
     *request.mutable_plan() = proto;
     request.set_effective_step(effective_step);
+    request.set_base_version(previous.version);
     std::vector<CallResult> results =
         FanOut(channels, "/ubep.v1.DaemonControl/Prepare", request, options_.rpc_timeout);
     for (size_t i = 0; i < results.size(); ++i) {

@@ -263,6 +263,7 @@ TEST(BalancerServerTest, APrepareOverSeveralCudaDomainsCarriesTheFirstDaemonsNcc
   EXPECT_EQ(b.links(), 0);
   EXPECT_EQ(pa.nccl_unique_id(), "unique id 1 of node-a");
   EXPECT_EQ(pb.nccl_unique_id(), "unique id 1 of node-a");
+  EXPECT_EQ(pa.base_version(), 1u);  // Every daemon's copy schedule is computed over v1.
   ASSERT_EQ(pa.daemons_size(), 2);
   EXPECT_EQ(pa.daemons(0).node(), "node-a");
   EXPECT_EQ(pa.daemons(0).address(), a.address());
