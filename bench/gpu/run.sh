@@ -10,7 +10,10 @@ mkdir -p "$out"
 nvidia-smi -L || true
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DUBEP_ENABLE_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES=90 -DUBEP_BUILD_TESTS=ON >/dev/null
-cmake --build build-gpu -j "$(nproc)" --target cuda_ep_test host_ep_test ubep_bench_cuda
+# The GPU tests, and the daemons the ubepd test starts (one ubepd, and a group over two
+# ubepd with ubep-balancer).
+cmake --build build-gpu -j "$(nproc)" --target cuda_ep_test daemon_cuda_test host_ep_test \
+  ubepd ubep_balancer ubep_bench_cuda
 set +e
 ctest --test-dir build-gpu -L gpu --output-on-failure 2>&1 | tee "$out/gpu_tests.log"
 tests=$?
