@@ -853,6 +853,29 @@ absl::StatusOr<std::vector<Node::SlotCopy>> Node::SlotCopies(
   return copies;
 }
 
+absl::StatusOr<std::vector<Node::LinkOp>> Node::LinkOps(const std::vector<SlotCopy>& schedule, int first,
+                                                       int hosted, const std::vector<int>& rank_link,
+                                                       int slots_per_rank, size_t per_batch) {
+  const auto hosted_here = [&](int r) { return r >= first && r < first + hosted; };
+  std::vector<LinkOp> ops;
+  size_t position = 0;  // Every cross-domain copy counts: batches hold the same positions everywhere.
+  for (size_t i = 0; i < schedule.size(); ++i) {
+    const SlotCopy& c = schedule[i];
+    if (c.distance != 2) continue;
+    const int batch = static_cast<int>(position++ / per_batch);
+    const int holder_rank = c.holder / slots_per_rank;
+    if (!hosted_here(c.rank) && !hosted_here(holder_rank)) continue;  // Between two other daemons.
+    const int other = hosted_here(c.rank) ? holder_rank : c.rank;
+    const int peer = other < static_cast<int>(rank_link.size()) ? rank_link[other] : -1;
+    if (peer < 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("layer ", c.layer, ": rank ", other, " is on no daemon of the NCCL link"));
+    }
+    ops.push_back({batch, peer, /*send=*/!hosted_here(c.rank), static_cast<int>(i)});
+  }
+  return ops;
+}
+
 v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective_step,
                                  const RemoteWeights& remote) {
   MutexLock lock(&mu_);
@@ -1045,27 +1068,20 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
     // One GPU per daemon of the link: daemons sharing a machine take different ones.
     link_device = remote.link_rank % std::max(1, DeviceCount());
     const size_t per_batch = std::max<size_t>(1, kLinkBatchBytes / std::max<uint64_t>(1, bytes_per_expert));
-    size_t position = 0;
-    for (size_t i = 0; i < schedule->size(); ++i) {
-      const SlotCopy& c = (*schedule)[i];
-      if (c.distance != 2) continue;
-      // Every cross-domain copy counts, so that batches hold the same positions everywhere.
-      if (position++ % per_batch == 0) batches.emplace_back();
-      const int hr = c.holder / S;
-      if (!Hosted(c.rank) && !Hosted(hr)) continue;  // Between two other daemons.
-      const int other = Hosted(c.rank) ? hr : c.rank;
-      const int peer = remote.rank_link[other];
-      if (peer < 0) {
-        return fail(absl::StrCat("layer ", c.layer, ": rank ", other, " is on no daemon of the NCCL link"));
-      }
-      if (Hosted(c.rank)) {
-        batches.back().push_back({peer, /*send=*/false, device_arenas_[c.rank].get(),
-                                  DeviceWeightOffset(c.layer, buffer_of[i]), bytes_per_expert});
-      } else {
+    absl::StatusOr<std::vector<LinkOp>> ops = LinkOps(*schedule, first_, hosted_, remote.rank_link, S, per_batch);
+    if (!ops.ok()) return fail(std::string(ops.status().message()));
+    for (const LinkOp& op : *ops) {
+      const SlotCopy& c = (*schedule)[op.copy];
+      batches.resize(std::max<size_t>(batches.size(), op.batch + 1));
+      if (op.send) {
+        const int hr = c.holder / S;
         const uint32_t source =
             kernels::SlotMap(arenas_[hr].data(), layout_, config_, current[hr])[c.layer * S + c.holder % S];
-        batches.back().push_back({peer, /*send=*/true, device_arenas_[hr].get(),
-                                  DeviceWeightOffset(c.layer, source), bytes_per_expert});
+        batches[op.batch].push_back({op.peer, /*send=*/true, device_arenas_[hr].get(),
+                                     DeviceWeightOffset(c.layer, source), bytes_per_expert});
+      } else {
+        batches[op.batch].push_back({op.peer, /*send=*/false, device_arenas_[c.rank].get(),
+                                     DeviceWeightOffset(c.layer, buffer_of[op.copy]), bytes_per_expert});
       }
     }
   }

@@ -143,6 +143,20 @@ class Node {
       const std::function<uint32_t(int)>& domain_of);
   // The NCCL link's copies run in batches of this many bytes of weights.
   static constexpr uint64_t kLinkBatchBytes = uint64_t{256} << 20;
+  // A daemon's share of the schedule's cross-domain copies over the link (hosting ranks
+  // [first, first + hosted)), in schedule order: receive a copy into a hosted rank, or send a
+  // hosted holder's weights; `per_batch` copies of the schedule per batch, counted alike on
+  // every daemon, so that each pair of daemons issues matching sends and receives in the same
+  // order and batches. rank_link: per rank, the link rank of its daemon.
+  struct LinkOp {
+    int batch;
+    int peer;   // Link rank of the other daemon.
+    bool send;
+    int copy;   // Index in the schedule.
+  };
+  static absl::StatusOr<std::vector<LinkOp>> LinkOps(const std::vector<SlotCopy>& schedule, int first,
+                                                     int hosted, const std::vector<int>& rank_link,
+                                                     int slots_per_rank, size_t per_batch);
   // A holder's side of a remote copy: `length` bytes (0: to the end; at most
   // kMaxReadWeightsBytes) from `offset` of the weights that global slot `slot` of layer
   // index `layer` maps to under the committed plan, which must be `version`. The slot's rank

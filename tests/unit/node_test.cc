@@ -623,5 +623,50 @@ TEST(NodeTest, SlotCopiesTakeTheNearestHolderInOneOrderForEveryDaemon) {
             absl::FailedPreconditionError("layer 0: expert 4 has no holder"));
 }
 
+// Over an NCCL link each daemon issues its share of the schedule: every pair of daemons gets
+// matching sends and receives in the same order and in the same batches, whatever the other
+// daemons' copies between them.
+TEST(NodeTest, LinkOpsPairEverySendWithItsReceiveInOrderAndBatch) {
+  const balancer::Plan v2 = PlacedPlan(2, {{0, 1, 2, 3}, {0, 1, 2, 3}, {4, 5, 6, 7}, {4, 5, 6, 7}});
+  const balancer::Plan v3 = PlacedPlan(3, {{4, 1, 2, 3}, {0, 1, 2, 3}, {0, 5, 6, 7}, {4, 5, 6, 4}});
+  // Three daemons: ranks 0 (link rank 0), 1 (2) and 2-3 (1), each its own domain.
+  const std::vector<int> rank_link = {0, 2, 1, 1};
+  const std::vector<uint32_t> domains = {0, 2, 1, 1};
+  const std::vector<Node::SlotCopy> schedule =
+      *Node::SlotCopies(v2, v3, [&](int r) { return domains[r]; });
+  const std::vector<std::pair<int, int>> hosting = {{0, 1}, {2, 2}, {1, 1}};  // By link rank.
+  std::vector<std::vector<Node::LinkOp>> ops;
+  for (const auto& [first, hosted] : hosting) {
+    absl::StatusOr<std::vector<Node::LinkOp>> got = Node::LinkOps(schedule, first, hosted, rank_link, 4, 3);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ops.push_back(*got);
+  }
+  const auto describe = [](const std::vector<Node::LinkOp>& list) {
+    std::vector<std::string> out;
+    for (const Node::LinkOp& op : list) {
+      out.push_back(absl::StrCat(op.send ? "send " : "recv ", op.copy, " peer ", op.peer, " batch ", op.batch));
+    }
+    return out;
+  };
+  // Schedule: [0] 0:0.0<-8, [1] 0:2.0<-0, [2] 0:3.3<-12 (same rank), [3] 1:0.0<-8, [4] 1:2.0<-0,
+  // [5] 1:3.3<-12; four cross-domain copies, three per batch.
+  EXPECT_THAT(describe(ops[0]), ::testing::ElementsAre("recv 0 peer 1 batch 0", "send 1 peer 1 batch 0",
+                                                       "recv 3 peer 1 batch 0", "send 4 peer 1 batch 1"));
+  EXPECT_THAT(describe(ops[1]), ::testing::ElementsAre("send 0 peer 0 batch 0", "recv 1 peer 0 batch 0",
+                                                       "send 3 peer 0 batch 0", "recv 4 peer 0 batch 1"));
+  EXPECT_THAT(describe(ops[2]), ::testing::IsEmpty());  // Rank 1's slots keep their experts.
+  // Generally: what A sends B, in order and batch, is what B receives from A.
+  for (int a = 0; a < 3; ++a) {
+    for (int b = 0; b < 3; ++b) {
+      std::vector<std::pair<int, int>> sent, received;
+      for (const Node::LinkOp& op : ops[a]) if (op.send && op.peer == b) sent.push_back({op.copy, op.batch});
+      for (const Node::LinkOp& op : ops[b]) if (!op.send && op.peer == a) received.push_back({op.copy, op.batch});
+      EXPECT_EQ(sent, received) << a << " -> " << b;
+    }
+  }
+  EXPECT_EQ(Node::LinkOps(schedule, 0, 1, {0, 2, -1, 1}, 4, 3).status(),
+            absl::FailedPreconditionError("layer 0: rank 2 is on no daemon of the NCCL link"));
+}
+
 }  // namespace
 }  // namespace ubep::daemon
