@@ -41,6 +41,17 @@ absl::Status AwaitComm(ncclComm_t comm, absl::Time deadline, const std::string& 
   }
 }
 
+// Waits until the stream's work is done, or the deadline.
+absl::Status AwaitStream(cudaStream_t stream, absl::Time deadline, const char* what) {
+  while (true) {
+    const cudaError_t done = cudaStreamQuery(stream);
+    if (done == cudaSuccess) return absl::OkStatus();
+    if (done != cudaErrorNotReady) return CudaCheck(done, what);
+    if (absl::Now() >= deadline) return absl::DeadlineExceededError(absl::StrCat(what, ": timed out"));
+    absl::SleepFor(kPoll);
+  }
+}
+
 class NcclWeightLink final : public WeightLink {
  public:
   NcclWeightLink(int rank, int size, int device, ncclComm_t comm, cudaStream_t stream)
@@ -104,17 +115,7 @@ class NcclWeightLink final : public WeightLink {
       status = absl::InternalError(absl::StrCat("NCCL weight copies: ", NcclError(result, comm_)));
     }
     if (status.ok()) status = AwaitComm(comm_, deadline, "NCCL weight copies");
-    while (status.ok()) {
-      const cudaError_t done = cudaStreamQuery(stream_);
-      if (done == cudaSuccess) break;
-      if (done != cudaErrorNotReady) {
-        status = CudaCheck(done, "NCCL weight copies");
-      } else if (absl::Now() >= deadline) {
-        status = absl::DeadlineExceededError("NCCL weight copies: timed out");
-      } else {
-        absl::SleepFor(kPoll);
-      }
-    }
+    if (status.ok()) status = AwaitStream(stream_, deadline, "NCCL weight copies");
     if (!status.ok()) {
       // A peer died or never joined: abort so that nothing waits on it any longer.
       ncclCommAbort(comm_);
@@ -135,17 +136,7 @@ class NcclWeightLink final : public WeightLink {
                                              t.memory->device(), staged[i], device_, t.bytes, stream_),
                          "placing received expert weights");
     }
-    while (status.ok() && placing) {
-      const cudaError_t done = cudaStreamQuery(stream_);
-      if (done == cudaSuccess) break;
-      if (done != cudaErrorNotReady) {
-        status = CudaCheck(done, "placing received expert weights");
-      } else if (absl::Now() >= deadline) {
-        status = absl::DeadlineExceededError("placing received expert weights: timed out");
-      } else {
-        absl::SleepFor(kPoll);
-      }
-    }
+    if (status.ok() && placing) status = AwaitStream(stream_, deadline, "placing received expert weights");
     release();
     return status;
   }
