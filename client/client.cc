@@ -174,7 +174,7 @@ absl::Status Record(RankState& s, absl::Status status) {
   return status;
 }
 
-absl::Status RefreshArenas(RankState& s, uint64_t epoch);
+absl::Status RefreshArenas(RankState& s);
 
 absl::Status JoinGroup(RankState& s, std::optional<uint64_t> next_step) {
   v1::JoinRequest request;
@@ -187,7 +187,7 @@ absl::Status JoinGroup(RankState& s, std::optional<uint64_t> next_step) {
   UBEP_RETURN_IF_ERROR(FromGrpc(s.stub->Join(&context, request, &response),
                                 absl::StrCat("rank ", s.rank, ": join")));
   if (response.arena_epoch() != 0 && response.arena_epoch() != s.arena_epoch) {
-    UBEP_RETURN_IF_ERROR(RefreshArenas(s, response.arena_epoch()));
+    UBEP_RETURN_IF_ERROR(RefreshArenas(s));
   }
   s.ep.reset();
   if (s.on_device) {
@@ -275,7 +275,7 @@ absl::Status TakeArenas(RankState& s, const v1::AttachResponse& response) {
 
 // A peer daemon restarted and this rank's daemon mapped its new arenas: take every arena
 // again (on the CUDA backend the device arenas' fds follow the host arenas').
-absl::Status RefreshArenas(RankState& s, uint64_t epoch) {
+absl::Status RefreshArenas(RankState& s) {
   UBEP_RETURN_IF_ERROR(SendMessage(s.fd_connection.get(), kArenaRefreshRequest, {}));
   UBEP_ASSIGN_OR_RETURN(ReceivedMessage reply,
                         ReceiveMessage(s.fd_connection.get(), 4096, s.options.rpc_timeout));

@@ -79,32 +79,27 @@ Node::RemoteWeights RemoteWeightsOf(const v1::PrepareRequest& request, const std
                                     int world, absl::Time deadline) {
   Node::RemoteWeights remote;
   if (request.daemons().empty() || world <= 0) return remote;
-  if (!request.nccl_unique_id().empty()) {
-    // The link's ranks are the daemons' places in the list.
-    remote.nccl_id = request.nccl_unique_id();
-    remote.base_version = request.base_version();
-    remote.link_size = request.daemons_size();
-    remote.rank_link.assign(world, -1);
-    for (int i = 0; i < request.daemons_size(); ++i) {
-      const v1::PeerDaemon& d = request.daemons(i);
-      if (d.node() == self) remote.link_rank = i;
-      for (uint32_t r : d.ranks()) {
-        if (r < static_cast<uint32_t>(world)) remote.rank_link[r] = i;
-      }
-    }
-  }
   constexpr uint32_t kNoDomain = ~uint32_t{0};  // A rank no healthy daemon hosts.
   remote.rank_domain.assign(world, kNoDomain);
+  remote.rank_link.assign(world, -1);
   struct Host {
     std::string node, address;
   };
   auto hosts = std::make_shared<std::vector<Host>>(world);
-  for (const v1::PeerDaemon& d : request.daemons()) {
+  for (int i = 0; i < request.daemons_size(); ++i) {
+    const v1::PeerDaemon& d = request.daemons(i);
+    if (d.node() == self) remote.link_rank = i;  // Link ranks are places in the list.
     for (uint32_t r : d.ranks()) {
       if (r >= static_cast<uint32_t>(world)) continue;
       remote.rank_domain[r] = d.domain();
+      remote.rank_link[r] = i;
       (*hosts)[r] = {d.node(), d.address()};
     }
+  }
+  if (!request.nccl_unique_id().empty()) {
+    remote.nccl_id = request.nccl_unique_id();
+    remote.base_version = request.base_version();
+    remote.link_size = request.daemons_size();
   }
   auto stubs = std::make_shared<absl::flat_hash_map<std::string, std::unique_ptr<v1::DaemonControl::Stub>>>();
   // The balancer's deadline for the Prepare bounds every wait (with a moment to answer).

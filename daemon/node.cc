@@ -744,17 +744,17 @@ absl::Status Node::FetchWeights(const WeightCopy& c, uint64_t version,
   const size_t bytes = group_request_.shape().bytes_per_expert();
   if (bytes == 0) return absl::OkStatus();
   if (!remote.fetch) {
-    return absl::FailedPreconditionError("no way to read weights from another domain");
+    return absl::FailedPreconditionError(
+        "the holder is in another domain and the Prepare named no daemons to read it from");
   }
   if (device_arenas_.empty()) {
-    return remote.fetch(c.from_rank, version, c.layer, static_cast<int>(c.from_buffer),
+    return remote.fetch(c.from_rank, version, c.layer, c.remote_slot,
                         kernels::WeightBuffer(arenas_[c.to_rank].data(), layout_, c.layer, c.to_buffer),
                         bytes);
   }
   // Device arenas: through host memory.
   std::vector<std::byte> staged(bytes);
-  UBEP_RETURN_IF_ERROR(remote.fetch(c.from_rank, version, c.layer, static_cast<int>(c.from_buffer),
-                                    staged.data(), bytes));
+  UBEP_RETURN_IF_ERROR(remote.fetch(c.from_rank, version, c.layer, c.remote_slot, staged.data(), bytes));
   return device_arenas_[c.to_rank]->Write(DeviceWeightOffset(c.layer, c.to_buffer), staged.data(), bytes);
 }
 
@@ -1036,7 +1036,7 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
         buffer_of[k] = buffer;
         const int hr = c.holder / S, hj = c.holder % S;
         if (c.distance == 2) {
-          copies.push_back({hr, static_cast<uint32_t>(c.holder), r, buffer, l, /*remote=*/true});
+          copies.push_back({hr, 0, r, buffer, l, /*remote_slot=*/c.holder});
           ++remote_slots;
           remote_bytes += bytes_per_expert;
         } else {
@@ -1098,12 +1098,13 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
     mu_.Unlock();
     absl::Status copied = absl::OkStatus();
     for (const WeightCopy& c : copies) {
-      if (c.remote && over_link) continue;
-      copied = c.remote ? FetchWeights(c, in_force, remote) : CopyWeights(c);
+      const bool from_remote = c.remote_slot >= 0;
+      if (from_remote && over_link) continue;
+      copied = from_remote ? FetchWeights(c, in_force, remote) : CopyWeights(c);
       if (!copied.ok()) {
         copied = absl::Status(copied.code(), absl::StrCat(
             "layer ", c.layer, ": staging rank ", c.to_rank, "'s weights from rank ", c.from_rank,
-            c.remote ? absl::StrCat(" (domain ", domain_of(c.from_rank), ")") : "", ": ",
+            from_remote ? absl::StrCat(" (domain ", domain_of(c.from_rank), ")") : "", ": ",
             copied.message()));
         break;
       }
@@ -1283,9 +1284,9 @@ absl::StatusOr<std::pair<int, std::vector<int>>> Node::ArenasForPeer(const std::
   if (colon == std::string::npos || !peer.ParseFromString(key.substr(colon + 1))) {
     return absl::InvalidArgumentError("malformed peer request");
   }
-  if (key.substr(0, colon) != options_.backend) {
-    return absl::FailedPreconditionError(absl::StrCat("the peer daemon runs the ", key.substr(0, colon),
-                                                      " backend, this one ", options_.backend));
+  if (const std::string backend = key.substr(0, colon); backend != options_.backend) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the peer daemon runs the ", backend, " backend, this one ", options_.backend));
   }
   MutexLock lock(&mu_);
   if (draining_) return absl::UnavailableError("ubepd is draining");

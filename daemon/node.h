@@ -275,11 +275,11 @@ class Node {
   // One expert's weights from a holder's buffer to a new slot's buffer, in one layer.
   struct WeightCopy {
     int from_rank;
-    uint32_t from_buffer;  // Remote: the holder's global slot instead.
+    uint32_t from_buffer;  // Same domain: the holder's buffer, copied between arenas.
     int to_rank;
     uint32_t to_buffer;
     int layer;
-    bool remote = false;   // The holder is in another domain: read through its daemon.
+    int remote_slot = -1;  // Another domain: the holder's global slot, read through its daemon.
   };
   // Runs without mu_ while staging_ is set: staging_ keeps the arenas, layout and shape it
   // reads in place (no new group, no replaced peer arenas).

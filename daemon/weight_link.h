@@ -53,9 +53,6 @@ class WeightLink {
   int rank_, size_;
 };
 
-// Whether this build can make NCCL links.
-bool WeightLinksSupported();
-
 // A new unique id (ncclUniqueId bytes); this process is the communicator's bootstrap root
 // until every rank has joined.
 absl::StatusOr<std::string> NewWeightLinkId();

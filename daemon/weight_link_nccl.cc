@@ -150,8 +150,6 @@ class NcclWeightLink final : public WeightLink {
 
 }  // namespace
 
-bool WeightLinksSupported() { return true; }
-
 absl::StatusOr<std::string> NewWeightLinkId() {
   ncclUniqueId id;
   if (const ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess) {

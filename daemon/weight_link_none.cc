@@ -3,8 +3,6 @@
 
 namespace ubep::daemon {
 
-bool WeightLinksSupported() { return false; }
-
 absl::StatusOr<std::string> NewWeightLinkId() {
   return absl::FailedPreconditionError("ubepd was built without NCCL");
 }

@@ -1087,7 +1087,7 @@ grpc::Status Balancer::Rebalance(grpc::ServerContext*, const v1::RebalanceReques
 void Balancer::Tick() {
   CheckHealth();
   Recover();
-  bool rebalance = false;
+  bool rebalance = false, members = false;
   const char* why = "";
   {
     MutexLock lock(&mu_);
@@ -1104,6 +1104,7 @@ void Balancer::Tick() {
     if (DesiredExcluded() != plan_->excluded_ranks) {
       // A node failed, came back, or was drained or undrained: plan for the ranks left.
       rebalance = true;
+      members = true;
       why = "membership changed";
     } else if (rebalance_requested_) {
       rebalance = true;
@@ -1129,7 +1130,7 @@ void Balancer::Tick() {
   }
   if (rebalance) {
     const absl::StatusOr<v1::RebalanceResponse> result =
-        PlanAndCommit(why, /*members_only=*/std::string_view(why) == "membership changed");
+        PlanAndCommit(why, /*members_only=*/members);
     if (!result.ok()) UBEP_LOG(WARNING) << "rebalance: " << result.status();
     MutexLock lock(&mu_);
     above_threshold_ = 0;
