@@ -17,6 +17,7 @@
 #include "bench/dataplane_inputs.h"
 #include "common/percentile.h"
 #include "kernels/common/bf16.h"
+#include "kernels/common/prefetch.h"
 #include "kernels/common/routing.h"
 
 namespace {
@@ -24,6 +25,8 @@ namespace {
 using ubep::bench::kTopK;
 using ubep::kernels::Bf16ToFloat;
 using ubep::kernels::FloatToBf16;
+using ubep::kernels::PrefetchRow;
+using ubep::kernels::PrefetchRowForWrite;
 
 
 }  // namespace
@@ -103,6 +106,7 @@ int main(int argc, char** argv) {
     send_e.resize(static_cast<size_t>(send_rows) * kTopK);
     for (int d = 0, row = 0; d < R; ++d) {
       for (size_t j = 0; j < tokens[d].size(); ++j, ++row) {
+        if (j + 1 < tokens[d].size()) PrefetchRow(&x[tokens[d][j + 1] * H], H * 2);
         std::memcpy(&send_x[static_cast<size_t>(row) * H], &x[tokens[d][j] * H], H * 2);
         std::memcpy(&send_e[static_cast<size_t>(row) * kTopK], &entries[d][j * kTopK],
                     kTopK * 4);
@@ -129,6 +133,13 @@ int main(int argc, char** argv) {
         if (s < 0) continue;
         const int row = cursor[s]++;
         row_of[r * kTopK + q] = row;
+        if (q == 0 && r + 1 < recv_rows) {  // The same prefetching as the host backend's.
+          PrefetchRow(&recv_x[static_cast<size_t>(r + 1) * H], H * 2);
+        }
+        if (q + 1 < kTopK && recv_e[r * kTopK + q + 1] >= 0) {
+          PrefetchRowForWrite(&grouped[static_cast<size_t>(cursor[recv_e[r * kTopK + q + 1]]) * H],
+                              H * 2);
+        }
         std::memcpy(&grouped[static_cast<size_t>(row) * H], &recv_x[static_cast<size_t>(r) * H],
                     H * 2);
       }
@@ -140,6 +151,9 @@ int main(int argc, char** argv) {
       for (int q = 0; q < kTopK; ++q) {
         const int row = row_of[r * kTopK + q];
         if (row < 0) continue;
+        const int next = q + 1 < kTopK ? row_of[r * kTopK + q + 1]
+                         : r + 1 < recv_rows ? row_of[(r + 1) * kTopK] : -1;
+        if (next >= 0) PrefetchRow(&grouped[static_cast<size_t>(next) * H], H * 2);
         for (int h = 0; h < H; ++h) {
           sum[h] += weight * Bf16ToFloat(grouped[static_cast<size_t>(row) * H + h]);
         }
@@ -153,6 +167,9 @@ int main(int argc, char** argv) {
     for (int d = 0, row = 0; d < R; ++d) {
       for (size_t j = 0; j < tokens[d].size(); ++j, ++row) {
         float* into = &acc[static_cast<size_t>(tokens[d][j]) * H];
+        if (j + 1 < tokens[d].size()) {
+          PrefetchRowForWrite(&acc[static_cast<size_t>(tokens[d][j + 1]) * H], H * 4);
+        }
         for (int h = 0; h < H; ++h) into[h] += Bf16ToFloat(back[static_cast<size_t>(row) * H + h]);
       }
     }

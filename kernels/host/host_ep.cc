@@ -12,6 +12,7 @@
 #include "common/status_macros.h"
 #include "kernels/common/bf16.h"
 #include "kernels/common/plan_area.h"
+#include "kernels/common/prefetch.h"
 #include "kernels/common/routing.h"
 #include "kernels/host/signal.h"
 
@@ -264,6 +265,10 @@ void HostEp::SendTo(int d, const DispatchInput& in, uint32_t epoch) {
   std::byte* rows = arena + layout_.rows + rank_ * T * layout_.row_bytes;
   for (size_t j = 0; j < n; ++j) {
     const int32_t t = send_tokens_[d][j];
+    if (j + 1 < n) {
+      PrefetchRow(x + send_tokens_[d][j + 1] * layout_.row_bytes, layout_.row_bytes);
+      PrefetchRowForWrite(rows + (j + 1) * layout_.row_bytes, layout_.row_bytes);
+    }
     const RecordHeader header{t, send_counts_[d][j]};
     std::byte* record = records + j * layout_.record_bytes;
     std::memcpy(record, &header, sizeof(header));
@@ -462,9 +467,18 @@ void HostEp::Assemble(int layer, DispatchOutput& out) {
     const std::byte* rows = own + layout_.rows + s * T * layout_.row_bytes;
     for (int32_t j = 0; j < handle.records_from[s]; ++j) {
       const RecordHeader header = header_at(s, j);
+      if (j + 1 < handle.records_from[s]) {
+        PrefetchRow(rows + (j + 1) * layout_.row_bytes, layout_.row_bytes);
+      }
       for (int q = 0; q < header.num_entries; ++q) {
         const RecordEntry entry = entry_at(s, j, q);
         const int32_t row = cursor_[entry.local_slot]++;
+        if (q + 1 < header.num_entries) {
+          PrefetchRowForWrite(out.recv_x.data() + static_cast<size_t>(
+                                                      cursor_[entry_at(s, j, q + 1).local_slot]) *
+                                                      layout_.row_bytes,
+                              layout_.row_bytes);
+        }
         std::memcpy(out.recv_x.data() + static_cast<size_t>(row) * layout_.row_bytes,
                     rows + j * layout_.row_bytes, layout_.row_bytes);
         out.src_rank[row] = s;
@@ -503,9 +517,14 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
     if (!active_[s]) continue;
     std::byte* partials = arenas_[s] + layout_.partials + rank_ * T * layout_.row_bytes;
     const std::vector<int32_t>& begin = handle.record_begin[s];
+    const int32_t end = begin[handle.records_from[s]];
     for (int32_t j = 0; j < handle.records_from[s]; ++j) {
       for (int32_t q = begin[j]; q < begin[j + 1]; ++q) {
         const int32_t row = handle.record_rows[q];
+        if (q + 1 < end) {
+          PrefetchRow(y + static_cast<size_t>(handle.record_rows[q + 1]) * layout_.row_bytes,
+                      layout_.row_bytes);
+        }
         Axpy(dispatched.weight[row], y + static_cast<size_t>(row) * layout_.row_bytes,
              config_.dtype, H, q == begin[j], sum);
       }
@@ -529,10 +548,15 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
   // every protocol, so results are identical bit for bit).
   const std::byte* partials = own + layout_.partials;
   auto* out = static_cast<std::byte*>(out_ptr);
+  const int32_t routes = handle.token_begin[handle.num_tokens];
   for (int t = 0; t < handle.num_tokens; ++t) {
     if (handle.token_begin[t] == handle.token_begin[t + 1]) std::fill(sum, sum + H, 0.0f);
     for (int32_t q = handle.token_begin[t]; q < handle.token_begin[t + 1]; ++q) {
       const auto [d, j] = handle.token_routes[q];
+      if (q + 1 < routes) {
+        const auto [next_d, next_j] = handle.token_routes[q + 1];
+        PrefetchRow(partials + (next_d * T + next_j) * layout_.row_bytes, layout_.row_bytes);
+      }
       Axpy(1.0f, partials + (d * T + j) * layout_.row_bytes, config_.dtype, H,
            q == handle.token_begin[t], sum);
     }
