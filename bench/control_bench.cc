@@ -92,6 +92,7 @@ class SimulatedDaemon final : public v1::DaemonControl::Service {
     std::lock_guard<std::mutex> lock(mu_);
     state->set_node(name_);
     state->set_committed_version(committed_.version());
+    state->set_plan_in_force(true);
     *state->mutable_committed_plan() = committed_;
     return grpc::Status::OK;
   }
@@ -232,6 +233,7 @@ int Run(const Config& c) {
         q.set_node(d->name());
         q.set_seq(seq);
         q.set_max_step(step);
+        q.set_plan_in_force(true);  // Simulated ranks run every committed plan at once.
         v1::LoadReport* load = q.mutable_load();
         load->set_reporter(d->name());
         load->set_plan_version(plan.version());

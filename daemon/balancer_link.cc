@@ -134,6 +134,7 @@ void BalancerLink::Report() {
   request.set_node(options_.node);
   request.set_seq(++seq_);
   request.set_max_step(step);
+  request.set_plan_in_force(plan.in_force);
   v1::LoadReport* load = request.mutable_load();
   load->set_reporter(options_.node);
   load->set_first_step(last_step_);

@@ -682,17 +682,30 @@ absl::StatusOr<v1::ReportStepResponse> Node::ReportStep(const v1::ReportStepRequ
   return response;
 }
 
+uint64_t Node::StepOf(int rank) const {
+  return std::atomic_ref<uint64_t>(Ctl(rank)->step).load(std::memory_order_relaxed);
+}
+
 uint64_t Node::MaxStepLocked() const {
   uint64_t step = 0;
-  for (int r = first_; r < first_ + hosted_; ++r) {
-    step = std::max(step, std::atomic_ref<uint64_t>(Ctl(r)->step).load(std::memory_order_relaxed));
-  }
+  for (int r = first_; r < first_ + hosted_; ++r) step = std::max(step, StepOf(r));
   return step;
+}
+
+std::optional<int> Node::RankBeforePlanLocked() const {
+  const uint64_t in_force = EffectiveStepOf(plan_.version);
+  if (in_force == 0) return std::nullopt;
+  for (int r = first_; r < first_ + hosted_; ++r) {
+    if (plan_.excluded(r) || ranks_[r].state != RankState::kConnected) continue;
+    if (StepOf(r) < in_force) return r;
+  }
+  return std::nullopt;
 }
 
 Node::PlanIdentity Node::CommittedPlanIdentity() const {
   MutexLock lock(&mu_);
-  return {plan_.version, plan_.num_experts, plan_.layer_ids};
+  return {plan_.version, plan_.num_experts, plan_.layer_ids,
+          has_group_ && !RankBeforePlanLocked().has_value()};
 }
 
 uint64_t Node::MaxStep() const {
@@ -940,8 +953,7 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
     }
   }
   for (int r = 0; r < R; ++r) {
-    const uint64_t step = std::atomic_ref<uint64_t>(kernels::ControlOf(arenas_[r].data(), layout_)->step)
-                              .load(std::memory_order_relaxed);
+    const uint64_t step = StepOf(r);
     if (plan.excluded(r)) continue;
     // (A change of members stops the group, and the plan is in force from the step it resumes
     // at, whatever its effective step.)
@@ -949,13 +961,14 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
       return fail(absl::StrCat("effective step ", effective_step, " is not ahead of rank ", r,
                                "'s step ", step));
     }
-    const uint64_t in_force = EffectiveStepOf(plan_.version);
-    // (Not for a change of members: the group is stopped, and forms again under the new plan.)
-    if (!membership && Hosted(r) && !plan_.excluded(r) && ranks_[r].state == RankState::kConnected &&
-        step < in_force && in_force > 0) {
-      return fail(absl::StrCat("plan v", plan_.version, " is not in force on rank ", r,
-                               " yet (step ", step, " < ", in_force, ")"));
-    }
+  }
+  // The plan in force must be in force on every hosted rank: its predecessor's buffer, which
+  // this plan would overwrite, may still be read before that. (Not for a change of members:
+  // the group is stopped, and forms again under the new plan.)
+  if (const std::optional<int> r = RankBeforePlanLocked(); !membership && r.has_value()) {
+    return fail(absl::StrCat("plan v", plan_.version, " is not in force on rank ", *r,
+                             " yet (step ", StepOf(*r), " < ", EffectiveStepOf(plan_.version),
+                             ")"));
   }
   // Per rank, the plan buffer holding the plan in force in its own arena (a daemon that
   // caught up on the cluster's plan may have another parity than its peers).
@@ -1218,6 +1231,7 @@ v1::DaemonState Node::State() const {
     state.set_pending_effective_step(pending_effective_step_);
   }
   state.set_max_step(MaxStepLocked());
+  state.set_plan_in_force(!RankBeforePlanLocked().has_value());
   *state.mutable_committed_plan() = balancer::ToProto(plan_, balancer::PlanEncoding::kCompact);
   return state;
 }

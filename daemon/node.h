@@ -180,6 +180,9 @@ class Node {
     uint64_t version = 0;
     int num_experts = 0;
     std::vector<int> layer_ids;
+    // Every hosted member rank has reached the plan's effective step (the balancer prepares
+    // the next plan only then; Prepare refuses it before).
+    bool in_force = false;
   };
   PlanIdentity CommittedPlanIdentity() const;
   // Highest step any rank has begun; the group's shape (nullopt without a group).
@@ -263,6 +266,11 @@ class Node {
   void SetGroupState(uint32_t state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int AttachedLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t MaxStepLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The step rank `rank` has begun (its control block's word; the rank's arena is mapped).
+  uint64_t StepOf(int rank) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The first hosted member rank, connected, that has not reached the committed plan's
+  // effective step, or nullopt: the plan is in force on every hosted rank.
+  std::optional<int> RankBeforePlanLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Index (0 or 1) of the plan buffer holding `version` in rank `rank`'s plan area (the
   // first hosted rank's for -1); -1 if none.
   int PlanBufferOf(uint64_t version, int rank = -1) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

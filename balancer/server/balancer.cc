@@ -315,6 +315,7 @@ grpc::Status Balancer::Register(grpc::ServerContext*, const v1::RegisterRequest*
     // A new process: its ranks count steps from where its clients resume, not from the old
     // process's steps.
     d.max_step = d.prev_step = 0;
+    d.in_force = 0;
     d.step_time = d.prev_step_time = absl::InfinitePast();
   }
   d.info = *request;
@@ -374,6 +375,7 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
   d.prev_step = d.max_step;
   d.prev_step_time = d.step_time;
   d.max_step = std::max(d.max_step, request->max_step());
+  if (request->plan_in_force()) d.in_force = std::max(d.in_force, request->load().plan_version());
   d.step_time = absl::Now();
   d.last_report = d.step_time;
   if (!shape_.has_value() || !plan_.has_value()) {
@@ -614,6 +616,7 @@ void Balancer::Recover() {
     d.committed = state.committed_version();
     d.pending = state.pending_version();
     d.max_step = std::max(d.max_step, state.max_step());
+    if (state.plan_in_force()) d.in_force = std::max(d.in_force, state.committed_version());
     highest_version_ = std::max({highest_version_, d.committed, d.pending});
     if (state.committed_version() > 0 &&
         (!plan_.has_value() || plan_->version < state.committed_version())) {
@@ -820,11 +823,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why, b
     while (absl::Now() < until) {
       {
         MutexLock lock(&mu_);
-        bool in_force = true;
-        for (const auto& [name, d] : daemons_) {
-          if (d.healthy && !drained_.contains(name) && d.max_step < plan_effective_step_) in_force = false;
-        }
-        if (in_force) break;
+        if (PlanInForceEverywhere()) break;
       }
       absl::SleepFor(absl::Milliseconds(50));
     }
@@ -970,6 +969,14 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why, b
   return result;
 }
 
+bool Balancer::PlanInForceEverywhere() const {
+  if (!plan_.has_value()) return false;
+  for (const auto& [name, d] : daemons_) {
+    if (d.healthy && !drained_.contains(name) && d.in_force < plan_->version) return false;
+  }
+  return true;
+}
+
 std::vector<int> Balancer::DesiredExcluded() const {
   std::vector<int> excluded;
   std::set<int> served;  // By healthy daemons not drained.
@@ -1112,12 +1119,8 @@ void Balancer::Tick() {
       rebalance_requested_ = false;
     } else if (options_.auto_rebalance && !measured_.empty() &&
                window_->closed_intervals() >= options_.min_intervals) {
-      // Judge a plan only by what it did: no trigger before every rank is past its step.
-      for (const auto& [name, d] : daemons_) {
-        if (d.healthy && !drained_.contains(name) && d.max_step < plan_effective_step_) {
-          above_threshold_ = -1;
-        }
-      }
+      // Judge a plan only by what it did: no trigger before it is in force on every rank.
+      if (!PlanInForceEverywhere()) above_threshold_ = -1;
       double mean = 0;
       for (double m : measured_) mean += m;
       mean /= static_cast<double>(measured_.size());

@@ -118,6 +118,7 @@ class Balancer final : public v1::Control::Service {
     absl::Time step_time = absl::InfinitePast(), prev_step_time = absl::InfinitePast();
     absl::Time last_report = absl::InfinitePast();
     uint64_t committed = 0, pending = 0;
+    uint64_t in_force = 0;  // Newest plan the daemon reported in force on all its ranks.
     // The interval being collected: logical-expert counts, per-rank counts (of its ranks,
     // from first_rank) and the steps they cover; where the reports say, the dispatches each
     // rank's counts cover. At the interval's close they become the node's per-step rates; a
@@ -156,6 +157,9 @@ class Balancer final : public v1::Control::Service {
   uint64_t EstimateStep() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ranks out of the group: those of daemons failing their health checks or drained.
   std::vector<int> DesiredExcluded() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every healthy daemon of the group (drained ones aside) reported plan_ in force on all its
+  // ranks: its predecessor's buffers are no longer read, so the next plan may reuse them.
+  bool PlanInForceEverywhere() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   grpc::Status SetDrained(const std::string& node, bool drained, v1::RebalanceResponse* response);
   void CloseInterval() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

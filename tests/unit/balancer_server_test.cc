@@ -168,6 +168,7 @@ class FakeDaemon final : public v1::DaemonControl::Service {
     std::lock_guard<std::mutex> lock(mu_);
     state->set_node(name_);
     state->set_committed_version(committed_.version());
+    state->set_plan_in_force(true);
     *state->mutable_committed_plan() = committed_;
     return grpc::Status::OK;
   }

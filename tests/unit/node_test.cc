@@ -273,6 +273,34 @@ TEST(NodeTest, PrepareRefusesAnEffectiveStepARankHasReached) {
   EXPECT_EQ(prepared.reason(), "effective step 12 is not ahead of rank 1's step 12");
 }
 
+// The next plan may overwrite the buffers of the one before the plan in force, which a rank
+// still reads until it reaches the effective step: the daemon reports the plan in force (the
+// balancer waits for that) and refuses the next one before, naming the rank.
+TEST(NodeTest, APlanIsInForceOnceEveryConnectedRankReachedItsEffectiveStep) {
+  Node node(Options());
+  Attached a = AttachAndClaim(node, 0, 2, 1);
+  auto step_of_rank0 = [&] {
+    return std::atomic_ref<uint64_t>(kernels::ControlOf(a.arenas[0].data(), a.layout)->step);
+  };
+  EXPECT_TRUE(node.CommittedPlanIdentity().in_force);  // v1, in force from step 0.
+  ASSERT_TRUE(node.Prepare(SwappedPlan(), 10).prepared());
+  ASSERT_TRUE(node.Commit(2).ok());
+  step_of_rank0().store(5);
+  EXPECT_FALSE(node.CommittedPlanIdentity().in_force);
+  EXPECT_FALSE(node.State().plan_in_force());
+  balancer::Plan v3 = SwappedPlan();
+  v3.version = 3;
+  v1::PrepareResponse prepared = node.Prepare(v3, 20);
+  EXPECT_FALSE(prepared.prepared());
+  EXPECT_EQ(prepared.reason(), "plan v2 is not in force on rank 0 yet (step 5 < 10)");
+  // Rank 1 never attached (not connected): only rank 0 decides.
+  step_of_rank0().store(10);
+  EXPECT_TRUE(node.CommittedPlanIdentity().in_force);
+  EXPECT_TRUE(node.State().plan_in_force());
+  prepared = node.Prepare(v3, 20);
+  EXPECT_TRUE(prepared.prepared()) << prepared.reason();
+}
+
 // A group of 4 ranks over two daemons in one process: ranks 0-1 on `first` 0, 2-3 on 2.
 NodeOptions Hosting(int first) {
   NodeOptions o = Options();
