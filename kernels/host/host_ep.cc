@@ -473,10 +473,9 @@ void HostEp::Assemble(int layer, DispatchOutput& out) {
       for (int q = 0; q < header.num_entries; ++q) {
         const RecordEntry entry = entry_at(s, j, q);
         const int32_t row = cursor_[entry.local_slot]++;
-        if (q + 1 < header.num_entries) {
-          PrefetchRowForWrite(out.recv_x.data() + static_cast<size_t>(
-                                                      cursor_[entry_at(s, j, q + 1).local_slot]) *
-                                                      layout_.row_bytes,
+        if (q + 1 < header.num_entries) {  // The row the next entry's copy lands on.
+          const int32_t next = cursor_[entry_at(s, j, q + 1).local_slot];
+          PrefetchRowForWrite(out.recv_x.data() + static_cast<size_t>(next) * layout_.row_bytes,
                               layout_.row_bytes);
         }
         std::memcpy(out.recv_x.data() + static_cast<size_t>(row) * layout_.row_bytes,
