@@ -361,7 +361,7 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
     UBEP_RETURN_IF_ERROR(Barrier(deadline));
   } else {
     // Sender role: destinations staggered from this rank, so that ranks do not all store into
-    // the same peer at once. Receiver role (this thread): every source's flag.
+    // the same peer at once. Receiver role (this thread): whichever source is ready.
     auto send_all = [this, &in, epoch, R] {
       for (int i = 1; i <= R; ++i) {
         if (active_[(rank_ + i) % R]) SendTo((rank_ + i) % R, in, epoch);
@@ -372,14 +372,25 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
     } else {
       send_all();  // No core to spare: send first, then receive.
     }
-    // The layout is built once every source has stored (Assemble), so the order of the waits
-    // does not matter: each sleeps on its source's flag until that source's Signal wakes it.
-    // (Polling all sources in short slices instead wakes every waiting rank each slice, and
-    // on oversubscribed cores each wakeup takes the core from a rank that is working.)
+    std::vector<int> pending;
+    for (int s = 0; s < R; ++s) {
+      if (active_[s]) pending.push_back(s);
+    }
     absl::Status status;
-    for (int s = 0; s < R && status.ok(); ++s) {
-      if (!active_[s]) continue;
-      status = Wait(FlagAt(own, layout_.dispatch_flag, s), epoch, s, "dispatch data", deadline);
+    while (!pending.empty() && status.ok()) {
+      size_t before = pending.size();
+      std::erase_if(pending, [&](int s) {
+        return EpochReached(LoadAcquire(FlagAt(own, layout_.dispatch_flag, s)), epoch);
+      });
+      if (pending.size() == before) {
+        // Sleep on the first missing source until it arrives, or a slice passes.
+        const absl::Status slice =
+            WaitEpoch(FlagAt(own, layout_.dispatch_flag, pending.front()), epoch,
+                      std::min(deadline, absl::Now() + absl::Milliseconds(1)), AbortWord());
+        if (!slice.ok() && (absl::IsAborted(slice) || absl::Now() >= deadline)) {
+          status = GiveUp(pending.front(), "dispatch data", epoch);
+        }
+      }
     }
     if (sender_ != nullptr) sender_->Join();
     UBEP_RETURN_IF_ERROR(status);

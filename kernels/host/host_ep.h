@@ -12,8 +12,8 @@
 // Protocols (EpConfig::protocol), identical bytes out:
 //  - kBsp: count exchange, barrier, send, barrier (the phase-by-phase baseline);
 //  - kUbep: a sender thread stores each destination's records and rows and then raises that
-//    destination's epoch-tagged flag, while the calling thread waits on each source's flag
-//    (a futex its Signal wakes); no global barrier and no clearing between calls.
+//    destination's epoch-tagged flag, while the calling thread receives whichever sources
+//    are ready; no global barrier and no clearing between calls.
 // Every wait has EpConfig::timeout; a peer that does not arrive becomes a DeadlineExceeded
 // error naming it. Bad input is rejected before any byte moves.
 // Thread-compatible: one HostEp per rank, called by one thread at a time; all ranks call
