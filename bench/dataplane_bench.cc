@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "bench/dataplane_inputs.h"
 #include "common/percentile.h"
@@ -219,6 +220,14 @@ int main(int argc, char** argv) {
       }
     } else if (flag == "--methods" && i + 1 < argc) {
       methods = absl::StrSplit(argv[++i], ',');
+      for (const std::string& method : methods) {
+        if (method != "ubep" && method != "bsp" && method != "mpi_alltoallv" &&
+            method != "memcpy") {
+          std::cerr << "ubep-bench-dataplane: --methods: unknown method \"" << method
+                    << "\"; expected ubep, bsp, mpi_alltoallv or memcpy\n";
+          return 2;
+        }
+      }
     } else {
       std::cerr << "usage: ubep-bench-dataplane [--json] [--iters N] "
                    "[--cases decode|prefill|all] [--ranks 4,8] [--hidden 7168,2048] "
@@ -271,13 +280,23 @@ int main(int argc, char** argv) {
       out.push_back(row);
     }
     if (!json) {
-      std::printf("%-7s R=%d H=%-5d %-7s  ubep %9.1f us  bsp %9.1f us (ubep/bsp %.2f)  "
-                  "mpi %9.1f us (mpi/ubep %.2f)  memcpy of a rank's bytes %8.1f us "
-                  "(ubep rate vs memcpy %.0f%%)  %s\n",
-                  c.name.c_str(), c.ranks, c.hidden, c.routing.c_str(), ubep.p50_us, bsp.p50_us,
-                  bsp.p50_us > 0 ? ubep.p50_us / bsp.p50_us : 0.0, mpi.p50_us,
-                  ubep.p50_us > 0 ? mpi.p50_us / ubep.p50_us : 0.0, copy.p50_us,
-                  100 * rate_vs_memcpy, (ubep.error + bsp.error + mpi.error).c_str());
+      // Only the methods asked for, so that no ratio is printed against a run that did not run.
+      std::string line = absl::StrFormat("%-7s R=%d H=%-5d %-7s  ubep %9.1f us", c.name, c.ranks,
+                                         c.hidden, c.routing, ubep.p50_us);
+      if (wanted("bsp")) {
+        absl::StrAppendFormat(&line, "  bsp %9.1f us (ubep/bsp %.2f)", bsp.p50_us,
+                              bsp.p50_us > 0 ? ubep.p50_us / bsp.p50_us : 0.0);
+      }
+      if (wanted("mpi_alltoallv")) {
+        absl::StrAppendFormat(&line, "  mpi %9.1f us (mpi/ubep %.2f)", mpi.p50_us,
+                              ubep.p50_us > 0 ? mpi.p50_us / ubep.p50_us : 0.0);
+      }
+      if (wanted("memcpy")) {
+        absl::StrAppendFormat(&line,
+                              "  memcpy of a rank's bytes %8.1f us (ubep rate vs memcpy %.0f%%)",
+                              copy.p50_us, 100 * rate_vs_memcpy);
+      }
+      std::printf("%s  %s\n", line.c_str(), (ubep.error + bsp.error + mpi.error).c_str());
       std::fflush(stdout);
     }
   }

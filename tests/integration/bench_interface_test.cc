@@ -80,5 +80,13 @@ TEST(BenchInterfaceTest, AnUnknownFlagPrintsTheUsageAndExitsWith2) {
                         "[--methods ubep,bsp,mpi_alltoallv,memcpy]"));
 }
 
+TEST(BenchInterfaceTest, AnUnknownMethodIsRefusedNamingIt) {
+  const Ran ran = Bench({"--methods", "ubep,mpi"});
+  EXPECT_EQ(ran.code, 2);
+  EXPECT_EQ(ran.output,
+            "ubep-bench-dataplane: --methods: unknown method \"mpi\"; expected ubep, bsp, "
+            "mpi_alltoallv or memcpy\n");
+}
+
 }  // namespace
 }  // namespace ubep
