@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/common/bf16.h"
 #include "kernels/common/routing.h"
+#include "kernels/common/send_split.h"
 
 namespace ubep::kernels {
 namespace {
@@ -17,6 +18,9 @@ constexpr uint32_t kBadInput = 0x80000000u;
 // The abort word (arena_layout.h) was set while waiting; status[1] holds its value.
 constexpr uint32_t kAbortSeen = 0x40000000u;
 constexpr size_t kLine = 64;
+// Sender blocks of a dispatch (send_split.h). A few dozen SMs saturate NVLink stores, as in
+// DeepEP's normal kernels; a block with an empty share exits at once.
+constexpr int kSenderBlocks = 32;
 
 #define UBEP_CUDA_RETURN_IF_ERROR(expr)                                                  \
   do {                                                                                   \
@@ -43,6 +47,9 @@ struct Params {
   uint64_t timeout_ns;
   // Scratch (device).
   int32_t* token_route;   // [max_tokens x R]: record index of token t at destination d, or -1.
+  int32_t* unit_begin;    // [max_tokens + 1]: first unit (send_split.h) of each token.
+  int32_t* dest_records;  // [R]: records for each destination.
+  int32_t* published;     // [R]: units stored into each destination (zeroed per dispatch).
   int32_t* pair_counts;   // [R x S]: entries from source s for local slot i.
   int32_t* pair_offsets;  // [R x S]: first row of (s, i).
   int32_t* record_begin;  // [R x (max_tokens + 1)]: first entry of each record.
@@ -82,18 +89,17 @@ __device__ void BlockCopy(const std::byte* from, std::byte* to, size_t bytes, in
   for (size_t i = index; i < bytes / 16; i += count) dst[i] = src[i];
 }
 
-// Sender role: block b stores every record and row for destination (rank + 1 + b) % R, in
-// token order, then raises the destination's flag for this rank.
-__global__ void SendKernel(Params p) {
+// Counting role: block b writes destination d = VisitDest(rank, b)'s records (in token
+// order), each token's record index there (token_route) and d's record total
+// (dest_records); a destination that gets no record is published at once (count 0, flag).
+__global__ void RouteKernel(Params p) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
-  __shared__ int chunk_tokens[kThreads];
   __shared__ int base;
-  const int d = (p.rank + 1 + blockIdx.x) % p.num_ranks;
+  const int d = VisitDest(p.rank, blockIdx.x, p.num_ranks);
   const int S = p.slots_per_rank;
   std::byte* arena = p.arenas[d];
   std::byte* records = arena + p.off_records + p.rank * p.max_tokens * p.record_bytes;
-  std::byte* rows = arena + p.off_rows + p.rank * p.max_tokens * p.row_bytes;
   if (threadIdx.x == 0) base = 0;
   __syncthreads();
   for (int chunk = 0; chunk < p.num_tokens; chunk += kThreads) {
@@ -125,26 +131,106 @@ __global__ void SendKernel(Params p) {
       const RecordHeader header{t, n};
       memcpy(record, &header, sizeof(header));
       memcpy(record + sizeof(header), entries, sizeof(RecordEntry) * n);
-      chunk_tokens[position] = t;
     }
     if (t < p.num_tokens) p.token_route[t * p.num_ranks + d] = n > 0 ? j : -1;
-    __syncthreads();
-    for (int m = 0; m < total; ++m) {
-      BlockCopy(reinterpret_cast<const std::byte*>(p.x) + chunk_tokens[m] * p.row_bytes,
-                rows + static_cast<size_t>(base + m) * p.row_bytes, p.row_bytes, threadIdx.x,
-                blockDim.x);
-    }
     __syncthreads();
     if (threadIdx.x == 0) base += total;
     __syncthreads();
   }
   if (threadIdx.x == 0) {
-    reinterpret_cast<uint32_t*>(arena + p.off_counts)[p.rank] = base;
-    // Every thread's stores precede the barrier above; the system fence makes them visible
-    // to the peer before the flag (NCCL/DeepEP's publish pattern).
+    p.dest_records[d] = base;
+    __threadfence_system();  // The records precede any flag for d, this kernel's or RowKernel's.
+    if (base == 0) {
+      reinterpret_cast<uint32_t*>(arena + p.off_counts)[p.rank] = 0;
+      __threadfence_system();
+      ReleaseFlag(reinterpret_cast<uint32_t*>(arena + p.off_dispatch_flag + p.rank * kLine),
+                  p.epoch);
+    }
+  }
+}
+
+// unit_begin[t]: the first unit (send_split.h) of token t, i.e. how many (token, destination)
+// row stores come before it; unit_begin[num_tokens] is the total. One block.
+__global__ void UnitScanKernel(Params p) {
+  using Scan = cub::BlockScan<int, kThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ int base;
+  if (threadIdx.x == 0) base = 0;
+  __syncthreads();
+  for (int chunk = 0; chunk < p.num_tokens; chunk += kThreads) {
+    const int t = chunk + threadIdx.x;
+    int n = 0;
+    if (t < p.num_tokens) {
+      for (int d = 0; d < p.num_ranks; ++d) n += p.token_route[t * p.num_ranks + d] >= 0;
+    }
+    int position = 0, total = 0;
+    Scan(scan_storage).ExclusiveSum(n, position, total);
+    if (t < p.num_tokens) p.unit_begin[t] = base + position;
+    __syncthreads();
+    if (threadIdx.x == 0) base += total;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) p.unit_begin[p.num_tokens] = base;
+}
+
+// Sender role: block b of the grid stores units [SplitBegin(b), SplitBegin(b + 1)) (any two
+// blocks within one row of each other, every block's share spread over destinations), a warp
+// per unit, 16 bytes per lane. Then, per destination it stored into, the block adds its
+// count to published[d]; the block that completes d stores d's count and raises its flag.
+__global__ void RowKernel(Params p) {
+  extern __shared__ int32_t stored[];  // [num_ranks]
+  const int R = p.num_ranks;
+  for (int d = threadIdx.x; d < R; d += blockDim.x) stored[d] = 0;
+  __syncthreads();
+  const int64_t units = p.unit_begin[p.num_tokens];
+  const int64_t begin = SplitBegin(units, gridDim.x, blockIdx.x);
+  const int64_t end = SplitBegin(units, gridDim.x, blockIdx.x + 1);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  for (int64_t u = begin + warp; u < end; u += warps) {
+    const int t = TokenOfUnit(p.unit_begin, p.num_tokens, u);
+    // The unit is the token's q-th destination in visiting order: find it 32 at a time.
+    int q = static_cast<int>(u - p.unit_begin[t]);
+    int d = -1;
+    for (int first = 0; first < R && d < 0; first += 32) {
+      const int position = first + lane;
+      const bool has = position < R &&
+                       p.token_route[t * R + VisitDest(p.rank, position, R)] >= 0;
+      unsigned mask = __ballot_sync(0xffffffffu, has);
+      const int here = __popc(mask);
+      if (q < here) {
+        for (int skip = 0; skip < q; ++skip) mask &= mask - 1;
+        d = VisitDest(p.rank, first + __ffs(mask) - 1, R);
+      } else {
+        q -= here;
+      }
+    }
+    const int j = p.token_route[t * R + d];
+    const auto* from = reinterpret_cast<const uint4*>(reinterpret_cast<const std::byte*>(p.x) +
+                                                      static_cast<size_t>(t) * p.row_bytes);
+    auto* to = reinterpret_cast<uint4*>(p.arenas[d] + p.off_rows +
+                                        (static_cast<size_t>(p.rank) * p.max_tokens + j) *
+                                            p.row_bytes);
+    for (size_t i = lane; i < p.row_bytes / 16; i += 32) to[i] = from[i];
+    if (lane == 0) atomicAdd(&stored[d], 1);
+  }
+  __syncthreads();
+  for (int d = threadIdx.x; d < R; d += blockDim.x) {
+    const int32_t mine = stored[d];
+    if (mine == 0) continue;
+    // Every thread's stores precede the barrier above; the system fence orders them before
+    // this addition, and the acq_rel addition orders every earlier block's before the flag.
     __threadfence_system();
-    ReleaseFlag(reinterpret_cast<uint32_t*>(arena + p.off_dispatch_flag + p.rank * kLine),
-                p.epoch);
+    const int32_t total =
+        cuda::atomic_ref<int32_t, cuda::thread_scope_system>(p.published[d])
+            .fetch_add(mine, cuda::memory_order_acq_rel) +
+        mine;
+    if (total == p.dest_records[d]) {
+      std::byte* arena = p.arenas[d];
+      reinterpret_cast<uint32_t*>(arena + p.off_counts)[p.rank] = static_cast<uint32_t>(total);
+      __threadfence_system();
+      ReleaseFlag(reinterpret_cast<uint32_t*>(arena + p.off_dispatch_flag + p.rank * kLine),
+                  p.epoch);
+    }
   }
 }
 
@@ -417,8 +503,8 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   const size_t R = config.num_ranks, T = config.max_tokens, K = config.top_k,
                S = config.slots_per_rank, H = config.hidden;
   const size_t max_rows = R * T * K;
-  const size_t ints = T * R + R * S + R * S + R * (T + 1) + R * T * K + (S + 1) + 2 +
-                      max_rows * 2;
+  const size_t ints = T * R + (T + 1) + R + R + R * S + R * S + R * (T + 1) + R * T * K +
+                      (S + 1) + 2 + max_rows * 2;
   // recv_x is copied 16 bytes at a time: start it on a 256-byte boundary.
   const size_t head = ints * sizeof(int32_t) + max_rows * sizeof(float);
   const size_t recv_offset = (head + 255) / 256 * 256;
@@ -433,6 +519,9 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   };
   Params& p = s.params;
   p.token_route = take(T * R);
+  p.unit_begin = take(T + 1);
+  p.dest_records = take(R);
+  p.published = take(R);
   p.pair_counts = take(R * S);
   p.pair_offsets = take(R * S);
   p.record_begin = take(R * (T + 1));
@@ -543,7 +632,11 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
   p.epoch = ++dispatch_epoch_;
   last_tokens_ = in.num_tokens;
   UBEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.status, 0, 2 * sizeof(uint32_t), s.stream));
-  SendKernel<<<config_.num_ranks, kThreads, 0, s.stream>>>(p);
+  UBEP_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(p.published, 0, sizeof(int32_t) * config_.num_ranks, s.stream));
+  RouteKernel<<<config_.num_ranks, kThreads, 0, s.stream>>>(p);
+  UnitScanKernel<<<1, kThreads, 0, s.stream>>>(p);
+  RowKernel<<<kSenderBlocks, kThreads, sizeof(int32_t) * config_.num_ranks, s.stream>>>(p);
   WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_dispatch_flag);
   CountKernel<<<config_.num_ranks, kThreads, 0, s.stream>>>(p);
   ScanKernel<<<1, 1, 0, s.stream>>>(p);

@@ -33,6 +33,11 @@ absl::Status ValidateConfig(const EpConfig& c) {
                                                    c.slots_per_rank, " slots cannot hold ",
                                                    c.num_experts, " experts"));
   }
+  if (c.sender_threads < 1 || c.sender_threads > kMaxSenderThreads) {
+    return absl::InvalidArgumentError(absl::StrCat("ep config: sender_threads ",
+                                                   c.sender_threads, " is outside [1, ",
+                                                   kMaxSenderThreads, "]"));
+  }
   if (c.timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("ep config: timeout must be positive");
   }

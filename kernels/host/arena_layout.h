@@ -58,7 +58,12 @@ struct EpConfig {
   // kUbep: run the sender role on its own thread while the caller receives. Worth it only
   // with a core to spare for every rank's second thread; kAuto decides from the core count.
   enum class SenderThread { kAuto, kOn, kOff } sender_thread = SenderThread::kAuto;
+  // Threads of the sender role when it has its own (send_split.h splits the row stores among
+  // them, any two within one row of each other). At most kMaxSenderThreads.
+  int sender_threads = 1;
 };
+
+inline constexpr int kMaxSenderThreads = 64;
 
 inline constexpr int kMaxTopK = 32;
 

@@ -14,6 +14,7 @@
 #include "kernels/common/plan_area.h"
 #include "kernels/common/prefetch.h"
 #include "kernels/common/routing.h"
+#include "kernels/common/send_split.h"
 #include "kernels/host/signal.h"
 
 namespace ubep::kernels {
@@ -57,55 +58,63 @@ void StoreRow(const float* sum, int hidden, DType dtype, std::byte* row) {
 
 }  // namespace
 
-// The sender role: one persistent thread that runs a job while the calling thread receives.
-class HostEp::Sender {
+// The sender role's threads: Run(job, n) runs job(0) .. job(n - 1), one per thread, while
+// the calling thread receives; Join waits for all of them.
+class HostEp::Senders {
  public:
-  Sender() : thread_([this] { Loop(); }) {}
-  ~Sender() {
+  explicit Senders(int count) {
+    threads_.reserve(count);
+    for (int i = 0; i < count; ++i) threads_.emplace_back([this, i] { Loop(i); });
+  }
+  ~Senders() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       stop_ = true;
     }
     cv_.notify_all();
-    thread_.join();
+    for (std::thread& thread : threads_) thread.join();
   }
 
-  void Start(std::function<void()> job) {
+  int size() const { return static_cast<int>(threads_.size()); }
+
+  void Start(std::function<void(int)> job) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       job_ = std::move(job);
-      done_ = false;
+      running_ = size();
+      ++generation_;
     }
     cv_.notify_all();
   }
 
   void Join() {
     std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [this] { return done_; });
+    cv_.wait(lock, [this] { return running_ == 0; });
   }
 
  private:
-  void Loop() {
+  void Loop(int index) {
+    uint64_t seen = 0;
     std::unique_lock<std::mutex> lock(mu_);
     while (true) {
-      cv_.wait(lock, [this] { return stop_ || job_ != nullptr; });
+      cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
       if (stop_) return;
-      std::function<void()> job = std::move(job_);
-      job_ = nullptr;
+      seen = generation_;
+      const std::function<void(int)>* job = &job_;
       lock.unlock();
-      job();
+      (*job)(index);  // job_ changes only in Start, after every thread is done with it.
       lock.lock();
-      done_ = true;
-      cv_.notify_all();
+      if (--running_ == 0) cv_.notify_all();
     }
   }
 
   std::mutex mu_;
   std::condition_variable cv_;
-  std::function<void()> job_;
-  bool done_ = true;
+  std::function<void(int)> job_;
+  uint64_t generation_ = 0;
+  int running_ = 0;
   bool stop_ = false;
-  std::thread thread_;  // Last: starts after the members it uses.
+  std::vector<std::thread> threads_;  // Last: start after the members they use.
 };
 
 absl::StatusOr<std::unique_ptr<HostEp>> HostEp::Create(const EpConfig& config, int rank,
@@ -161,8 +170,12 @@ HostEp::HostEp(const EpConfig& config, int rank, std::vector<std::byte*> arenas)
   if (config.protocol == Protocol::kUbep &&
       (config.sender_thread == EpConfig::SenderThread::kOn ||
        (config.sender_thread == EpConfig::SenderThread::kAuto && spare_cores))) {
-    sender_ = std::make_unique<Sender>();
+    senders_ = std::make_unique<Senders>(config.sender_threads);
   }
+  const int senders = senders_ != nullptr ? senders_->size() : 1;
+  shares_.assign(senders, Share{std::vector<int32_t>(config.num_ranks, 0),
+                               std::vector<int32_t>(config.num_ranks, 0)});
+  published_ = std::make_unique<std::atomic<int32_t>[]>(config.num_ranks);
 }
 
 HostEp::~HostEp() = default;
@@ -230,13 +243,17 @@ absl::Status HostEp::Validate(const DispatchInput& in) const {
 }
 
 void HostEp::BuildSendLists(const DispatchInput& in) {
-  const int K = config_.top_k, S = config_.slots_per_rank;
-  for (int d = 0; d < config_.num_ranks; ++d) {
+  const int K = config_.top_k, S = config_.slots_per_rank, R = config_.num_ranks;
+  for (int d = 0; d < R; ++d) {
     send_tokens_[d].clear();
     send_entries_[d].clear();
     send_counts_[d].clear();
   }
+  units_.clear();
+  unit_begin_.assign(in.num_tokens + 1, 0);
+  int dests[kMaxTopK];
   for (int t = 0; t < in.num_tokens; ++t) {
+    int num_dests = 0;
     for (int k = 0; k < K; ++k) {
       const int32_t e = in.topk_idx[t * K + k];
       if (e < 0) continue;
@@ -247,39 +264,72 @@ void HostEp::BuildSendLists(const DispatchInput& in) {
         send_tokens_[d].push_back(t);
         send_counts_[d].push_back(0);
         send_entries_[d].resize(send_entries_[d].size() + K);
+        if (active_[d]) dests[num_dests++] = d;
       }
       const size_t base = (send_tokens_[d].size() - 1) * K;
       send_entries_[d][base + send_counts_[d].back()++] = {static_cast<int32_t>(p % S),
                                                            in.topk_weights[t * K + k]};
     }
+    // The token's units, destinations in visiting order (insertion sort: at most top_k).
+    for (int i = 1; i < num_dests; ++i) {
+      for (int j = i; j > 0 && VisitPosition(rank_, dests[j], R) <
+                                   VisitPosition(rank_, dests[j - 1], R);
+           --j) {
+        std::swap(dests[j], dests[j - 1]);
+      }
+    }
+    for (int i = 0; i < num_dests; ++i) {
+      units_.emplace_back(dests[i], static_cast<int32_t>(send_tokens_[dests[i]].size() - 1));
+    }
+    unit_begin_[t + 1] = static_cast<int32_t>(units_.size());
   }
 }
 
-void HostEp::SendTo(int d, const DispatchInput& in, uint32_t epoch) {
-  std::byte* arena = arenas_[d];
-  const int K = config_.top_k;
+void HostEp::SendUnits(int64_t begin, int64_t end, const DispatchInput& in, uint32_t epoch,
+                       bool publish, Share& share) {
+  const int K = config_.top_k, R = config_.num_ranks;
   const size_t T = config_.max_tokens;
   const auto* x = static_cast<const std::byte*>(in.x);
-  const size_t n = send_tokens_[d].size();
-  std::byte* records = arena + layout_.records + rank_ * T * layout_.record_bytes;
-  std::byte* rows = arena + layout_.rows + rank_ * T * layout_.row_bytes;
-  for (size_t j = 0; j < n; ++j) {
-    const int32_t t = send_tokens_[d][j];
-    if (j + 1 < n) {
-      PrefetchRow(x + send_tokens_[d][j + 1] * layout_.row_bytes, layout_.row_bytes);
-      PrefetchRowForWrite(rows + (j + 1) * layout_.row_bytes, layout_.row_bytes);
+  // A destination's units in this share are consecutive records there (record indices grow
+  // with the token), so the share is stored destination by destination, each one's rows in
+  // order, which the hardware prefetcher follows.
+  for (int64_t u = begin; u < end; ++u) {
+    const auto [d, j] = units_[u];
+    if (share.count[d]++ == 0) share.first[d] = j;
+  }
+  for (int position = 0; position < R; ++position) {
+    const int d = VisitDest(rank_, position, R);
+    const int32_t n = share.count[d];
+    if (n == 0) continue;
+    std::byte* records = arenas_[d] + layout_.records + rank_ * T * layout_.record_bytes;
+    std::byte* rows = arenas_[d] + layout_.rows + rank_ * T * layout_.row_bytes;
+    const int32_t* tokens = send_tokens_[d].data();
+    for (int32_t j = share.first[d]; j < share.first[d] + n; ++j) {
+      const int32_t t = tokens[j];
+      if (j + 1 < share.first[d] + n) {
+        PrefetchRow(x + tokens[j + 1] * layout_.row_bytes, layout_.row_bytes);
+        PrefetchRowForWrite(rows + (j + 1) * layout_.row_bytes, layout_.row_bytes);
+      }
+      const RecordHeader header{t, send_counts_[d][j]};
+      std::byte* record = records + j * layout_.record_bytes;
+      std::memcpy(record, &header, sizeof(header));
+      std::memcpy(record + sizeof(header), &send_entries_[d][j * K],
+                  sizeof(RecordEntry) * header.num_entries);
+      std::memcpy(rows + j * layout_.row_bytes, x + t * layout_.row_bytes, layout_.row_bytes);
     }
-    const RecordHeader header{t, send_counts_[d][j]};
-    std::byte* record = records + j * layout_.record_bytes;
-    std::memcpy(record, &header, sizeof(header));
-    std::memcpy(record + sizeof(header), &send_entries_[d][j * K],
-                sizeof(RecordEntry) * header.num_entries);
-    std::memcpy(rows + j * layout_.row_bytes, x + t * layout_.row_bytes, layout_.row_bytes);
+    share.count[d] = 0;
+    // acq_rel: the stores of every sender that added before happen before the publication,
+    // whichever sender completes the destination.
+    const int32_t total = published_[d].fetch_add(n, std::memory_order_acq_rel) + n;
+    if (publish && total == static_cast<int32_t>(send_tokens_[d].size())) Publish(d, epoch);
   }
-  if (config_.protocol == Protocol::kUbep) {  // bsp published its count in the exchange.
-    reinterpret_cast<uint32_t*>(arena + layout_.counts)[rank_] = static_cast<uint32_t>(n);
-    Signal(FlagAt(arena, layout_.dispatch_flag, rank_), epoch);
-  }
+}
+
+void HostEp::Publish(int d, uint32_t epoch) {
+  std::byte* arena = arenas_[d];
+  reinterpret_cast<uint32_t*>(arena + layout_.counts)[rank_] =
+      static_cast<uint32_t>(send_tokens_[d].size());
+  Signal(FlagAt(arena, layout_.dispatch_flag, rank_), epoch);
 }
 
 absl::Status HostEp::Wait(const uint32_t* word, uint32_t epoch, int peer, const char* what,
@@ -341,6 +391,8 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
   const absl::Time deadline = absl::Now() + config_.timeout;
   const uint32_t epoch = ++dispatch_epoch_;
   BuildSendLists(in);
+  const int64_t units = static_cast<int64_t>(units_.size());
+  for (int d = 0; d < R; ++d) published_[d].store(0, std::memory_order_relaxed);
   std::byte* own = arenas_[rank_];
   if (config_.protocol == Protocol::kBsp) {
     for (int d = 0; d < R; ++d) {
@@ -355,22 +407,24 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
           Wait(FlagAt(own, layout_.count_flag, s), epoch, s, "count exchange", deadline));
     }
     UBEP_RETURN_IF_ERROR(Barrier(deadline));
-    for (int d = 0; d < R; ++d) {
-      if (active_[d]) SendTo(d, in, epoch);
-    }
+    SendUnits(0, units, in, epoch, /*publish=*/false, shares_[0]);
     UBEP_RETURN_IF_ERROR(Barrier(deadline));
   } else {
-    // Sender role: destinations staggered from this rank, so that ranks do not all store into
-    // the same peer at once. Receiver role (this thread): whichever source is ready.
-    auto send_all = [this, &in, epoch, R] {
-      for (int i = 1; i <= R; ++i) {
-        if (active_[(rank_ + i) % R]) SendTo((rank_ + i) % R, in, epoch);
-      }
+    // A destination this rank sends nothing is complete at once.
+    for (int d = 0; d < R; ++d) {
+      if (active_[d] && send_tokens_[d].empty()) Publish(d, epoch);
+    }
+    // Sender role: the units split evenly (send_split.h), on the sender threads while this
+    // thread receives, or here first when there is no core to spare.
+    auto send_share = [this, &in, epoch, units](int i) {
+      const int n = static_cast<int>(shares_.size());
+      SendUnits(SplitBegin(units, n, i), SplitBegin(units, n, i + 1), in, epoch,
+                /*publish=*/true, shares_[i]);
     };
-    if (sender_ != nullptr) {
-      sender_->Start(send_all);
+    if (senders_ != nullptr) {
+      senders_->Start(send_share);
     } else {
-      send_all();  // No core to spare: send first, then receive.
+      send_share(0);
     }
     std::vector<int> pending;
     for (int s = 0; s < R; ++s) {
@@ -392,7 +446,7 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
         }
       }
     }
-    if (sender_ != nullptr) sender_->Join();
+    if (senders_ != nullptr) senders_->Join();
     UBEP_RETURN_IF_ERROR(status);
   }
   Assemble(in.layer, out);

@@ -21,6 +21,7 @@
 #ifndef UBEP_KERNELS_HOST_HOST_EP_H_
 #define UBEP_KERNELS_HOST_HOST_EP_H_
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -100,13 +101,23 @@ class HostEp {
   int rank() const { return rank_; }
 
  private:
-  class Sender;
+  class Senders;
   HostEp(const EpConfig& config, int rank, std::vector<std::byte*> arenas);
 
   absl::Status Validate(const DispatchInput& input) const;
-  // Routes this rank's pairs: per destination, the tokens it receives and their records.
+  // Routes this rank's pairs: per destination, the tokens it receives and their records; and
+  // the row stores (units) token-major, as send_split.h numbers them.
   void BuildSendLists(const DispatchInput& input);
-  void SendTo(int dest, const DispatchInput& input, uint32_t epoch);
+  // One sender's scratch: per destination, the first record and the number of its units.
+  struct Share {
+    std::vector<int32_t> first, count;  // count is zero between calls.
+  };
+  // Stores units [begin, end) (records and rows) into their destinations. With `publish`
+  // (ubep), the sender that completes a destination's units publishes it (count, then flag).
+  void SendUnits(int64_t begin, int64_t end, const DispatchInput& input, uint32_t epoch,
+                 bool publish, Share& share);
+  // Stores the record count into `dest`'s arena and raises its dispatch flag for this rank.
+  void Publish(int dest, uint32_t epoch);
   absl::Status Wait(const uint32_t* word, uint32_t epoch, int peer, const char* what,
                     absl::Time deadline) const;
   // The error for a wait on `peer` that ended: names the rank the group gave up on (setting
@@ -128,12 +139,18 @@ class HostEp {
   std::vector<std::vector<int32_t>> send_tokens_;
   std::vector<std::vector<RecordEntry>> send_entries_;  // top_k entries per token, padded.
   std::vector<std::vector<int32_t>> send_counts_;       // Entries used per token.
+  // Units token-major: unit u stores record units_[u].second of destination units_[u].first;
+  // token t's units are [unit_begin_[t], unit_begin_[t + 1]).
+  std::vector<std::pair<int32_t, int32_t>> units_;
+  std::vector<int32_t> unit_begin_;
+  std::vector<Share> shares_;  // Per sender.
+  std::unique_ptr<std::atomic<int32_t>[]> published_;  // Per destination: units stored.
   std::vector<float> scratch_;    // One fp32 row for combine sums.
   std::vector<int32_t> cursor_;   // Next row of each local slot while assembling.
   // Per rank: in the group under the plan of the call in flight (excluded ranks are neither
   // sent to nor waited for).
   std::vector<char> active_;
-  std::unique_ptr<Sender> sender_;
+  std::unique_ptr<Senders> senders_;  // The sender role's threads, when it has its own.
 };
 
 }  // namespace ubep::kernels

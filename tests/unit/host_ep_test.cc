@@ -3,9 +3,12 @@
 // received row proves where it came from.
 #include "kernels/host/host_ep.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <ostream>
 #include <random>
+#include <string>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -101,10 +104,28 @@ std::vector<std::pair<std::vector<std::byte>, std::vector<float>>> RunStep(
   return results;
 }
 
-class HostEpTest : public ::testing::TestWithParam<Protocol> {};
+// The protocols, and ubep's sender role on its own thread or split among three threads
+// (send_split.h), which the core count alone would not choose on a small machine.
+struct Variant {
+  const char* name;
+  Protocol protocol;
+  int sender_threads;  // 0: the calling thread sends.
+};
+
+void PrintTo(const Variant& v, std::ostream* os) { *os << v.name; }
+
+EpConfig VariantConfig(const Variant& v) {
+  EpConfig c = SmallConfig(v.protocol);
+  c.sender_thread = v.sender_threads > 0 ? EpConfig::SenderThread::kOn
+                                         : EpConfig::SenderThread::kOff;
+  c.sender_threads = std::max(1, v.sender_threads);
+  return c;
+}
+
+class HostEpTest : public ::testing::TestWithParam<Variant> {};
 
 TEST_P(HostEpTest, EveryRowArrivesOnceAndCombineMatchesTheReference) {
-  Group group(SmallConfig(GetParam()));
+  Group group(VariantConfig(GetParam()));
   const EpConfig& c = group.config();
   const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
   for (int step = 0; step < 3; ++step) {
@@ -115,7 +136,7 @@ TEST_P(HostEpTest, EveryRowArrivesOnceAndCombineMatchesTheReference) {
 }
 
 TEST_P(HostEpTest, ZeroTokensAndWorstSkew) {
-  Group group(SmallConfig(GetParam()));
+  Group group(VariantConfig(GetParam()));
   const EpConfig& c = group.config();
   const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
   std::vector<RankInput> inputs;
@@ -127,7 +148,7 @@ TEST_P(HostEpTest, ZeroTokensAndWorstSkew) {
 }
 
 TEST_P(HostEpTest, ManyReplicasSplitByShareAndPlansChangeBetweenCalls) {
-  Group group(SmallConfig(GetParam()));
+  Group group(VariantConfig(GetParam()));
   const EpConfig& c = group.config();
   TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
   // Layer 0: expert 3 gets four replicas, one on each rank, shares 0.4/0.3/0.2/0.1; expert 2
@@ -171,13 +192,14 @@ TEST_P(HostEpTest, ManyReplicasSplitByShareAndPlansChangeBetweenCalls) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Protocols, HostEpTest,
-                         ::testing::Values(Protocol::kBsp, Protocol::kUbep),
-                         [](const auto& info) {
-                           return info.param == Protocol::kBsp ? "bsp" : "ubep";
-                         });
+                         ::testing::Values(Variant{"bsp", Protocol::kBsp, 0},
+                                           Variant{"ubep", Protocol::kUbep, 0},
+                                           Variant{"ubep_sender_thread", Protocol::kUbep, 1},
+                                           Variant{"ubep_3_sender_threads", Protocol::kUbep, 3}),
+                         [](const auto& info) { return std::string(info.param.name); });
 
 TEST_P(HostEpTest, EveryRankUsesThePlanInForceAtItsStep) {
-  Group group(SmallConfig(GetParam()));
+  Group group(VariantConfig(GetParam()));
   const EpConfig& c = group.config();
   const int slots = c.num_ranks * c.slots_per_rank;
   TestPlan first = TestPlan::RoundRobin(slots, c.num_experts, 2);
@@ -220,19 +242,22 @@ TEST_P(HostEpTest, EveryRankUsesThePlanInForceAtItsStep) {
 }
 
 TEST(HostEpProtocolTest, BspAndUbepGiveIdenticalBytes) {
-  Group bsp(SmallConfig(Protocol::kBsp));
-  Group ubep(SmallConfig(Protocol::kUbep));
+  Group bsp(VariantConfig({"bsp", Protocol::kBsp, 0}));
   const EpConfig& c = bsp.config();
   const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
   std::vector<RankInput> inputs;
   for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 33 + 3 * r, 5));
   const auto a = RunStep(bsp, inputs, plan, 1);
-  const auto b = RunStep(ubep, inputs, plan, 1);
-  for (int r = 0; r < c.num_ranks; ++r) {
-    EXPECT_EQ(a[r].first, b[r].first) << "recv_x of rank " << r;
-    EXPECT_EQ(0, std::memcmp(a[r].second.data(), b[r].second.data(),
-                             a[r].second.size() * sizeof(float)))
-        << "combined output of rank " << r;
+  for (const Variant& v : {Variant{"ubep", Protocol::kUbep, 0},
+                           Variant{"ubep_3_sender_threads", Protocol::kUbep, 3}}) {
+    Group ubep(VariantConfig(v));
+    const auto b = RunStep(ubep, inputs, plan, 1);
+    for (int r = 0; r < c.num_ranks; ++r) {
+      EXPECT_EQ(a[r].first, b[r].first) << v.name << ": recv_x of rank " << r;
+      EXPECT_EQ(0, std::memcmp(a[r].second.data(), b[r].second.data(),
+                               a[r].second.size() * sizeof(float)))
+          << v.name << ": combined output of rank " << r;
+    }
   }
 }
 
@@ -247,7 +272,7 @@ double CalcDiff(const std::vector<double>& x, const std::vector<double>& y) {
 }
 
 TEST_P(HostEpTest, Bf16ActivationsWithFp32Accumulation) {
-  EpConfig config = SmallConfig(GetParam());
+  EpConfig config = VariantConfig(GetParam());
   config.dtype = DType::kBFloat16;
   Group group(config);
   const EpConfig& c = group.config();
@@ -298,6 +323,16 @@ TEST_P(HostEpTest, Bf16ActivationsWithFp32Accumulation) {
     diffs[r] = CalcDiff(got, ref);
   });
   for (int r = 0; r < c.num_ranks; ++r) EXPECT_LT(diffs[r], 5e-6) << "rank " << r;
+}
+
+TEST(HostEpErrorTest, ASenderThreadCountOutsideItsRangeIsRefused) {
+  EpConfig config = SmallConfig(Protocol::kUbep);
+  config.sender_threads = 0;
+  EXPECT_EQ(ValidateConfig(config),
+            absl::InvalidArgumentError("ep config: sender_threads 0 is outside [1, 64]"));
+  config.sender_threads = 65;
+  EXPECT_EQ(HostEp::Create(config, 0, {}).status(),
+            absl::InvalidArgumentError("ep config: sender_threads 65 is outside [1, 64]"));
 }
 
 TEST(HostEpErrorTest, BadInputIsRejectedBeforeAnyByteMoves) {
