@@ -412,21 +412,31 @@ TEST_F(BalancerTest, ARestartedDaemonIsUndrainedAndItsRanksServeExactlyAgain) {
   EXPECT_THAT(status.excluded_ranks(), ::testing::IsEmpty());
 
   // Every step of every rank exact; where a step ran twice (stopped mid-step, run again after
-  // the group re-formed) the last run counts; all ranks agree on each step's plan, and
-  // versions only grow.
+  // the group re-formed) the last run counts; versions only grow; all ranks agree on each
+  // step's plan, with one exception the protocol allows: the step in flight when node-b
+  // died. Its ranks need no daemon to finish a step, so they may finish it under v1 (every
+  // peer's partials had arrived) while the survivors, stopped by the membership change
+  // before their own combine ended, run it again under v2, without them.
   std::map<uint64_t, uint64_t> plan_of_step;
-  for (int r = 0; r < world_; ++r) {
+  for (int r = 0; r < world_; ++r) {  // Survivors first: they ran every step.
     std::map<uint64_t, uint64_t> last;
     for (const test::StepLine& line : test::StepLines(ReadFile(ClientLog(r)))) {
       EXPECT_TRUE(line.ok) << "rank " << r << " step " << line.step;
       last[line.step] = line.plan;
     }
-    uint64_t version = 0;
+    uint64_t version = 0, last_v1_step = 0;
+    for (const auto& [step, plan] : last) {
+      if (plan == 1) last_v1_step = step;
+    }
     for (const auto& [step, plan] : last) {
       EXPECT_GE(plan, version) << "rank " << r << " step " << step;
       version = plan;
       auto [it, inserted] = plan_of_step.emplace(step, plan);
-      EXPECT_EQ(it->second, plan) << "rank " << r << " disagrees at step " << step;
+      const bool finished_before_leaving =
+          r >= 4 && step == last_v1_step && plan == 1 && it->second == 2;
+      if (!finished_before_leaving) {
+        EXPECT_EQ(it->second, plan) << "rank " << r << " disagrees at step " << step;
+      }
     }
   }
   const std::string a_log = ReadFile(path("node-a.log"));

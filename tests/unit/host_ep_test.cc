@@ -241,6 +241,24 @@ TEST_P(HostEpTest, EveryRankUsesThePlanInForceAtItsStep) {
   }
 }
 
+// No fixed list of shapes: top-k 32, 1024 experts, 128 ranks, a hidden size that is a
+// multiple of 8 but not of 16.
+TEST(HostEpShapeTest, TopK32With1024ExpertsOver128Ranks) {
+  EpConfig config = VariantConfig({"ubep", Protocol::kUbep, 0});
+  config.num_ranks = 128;
+  config.max_tokens = 4;
+  config.hidden = 24;
+  config.top_k = kMaxTopK;
+  config.num_experts = 1024;
+  config.slots_per_rank = 8;
+  config.num_layers = 1;
+  Group group(config);
+  const TestPlan plan = TestPlan::RoundRobin(128 * 8, 1024, 1);
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < config.num_ranks; ++r) inputs.push_back(MakeInput(config, r, r % 5, 9));
+  RunStep(group, inputs, plan, 0);
+}
+
 TEST(HostEpProtocolTest, BspAndUbepGiveIdenticalBytes) {
   Group bsp(VariantConfig({"bsp", Protocol::kBsp, 0}));
   const EpConfig& c = bsp.config();
