@@ -1,6 +1,7 @@
 // ubep-bench-cuda: dispatch and combine on the CUDA backend, ranks as processes sharing one
 // GPU (CUDA IPC), next to a device-to-device copy of the same bytes measured in the same run.
-// Prints a JSON array: per (ranks, tokens, hidden): p50_us/p99_us of dispatch+combine (slowest
+// Prints a JSON array: per (ranks, tokens, hidden) and protocol (ubep_cuda, bsp_cuda, on the
+// same input): p50_us/p99_us of dispatch+combine (slowest
 // rank), bytes_moved, GB/s, and the D2D copy's GB/s.
 //
 //   ubep-bench-cuda [--ranks 2,4,8] [--tokens 128] [--hidden 7168] [--iters 50]
@@ -39,8 +40,8 @@ struct Board {
   char error[256];
 };
 
-int RankMain(const bench::Case& c, int rank, int iters, const std::vector<double>& skew,
-             Board* board) {
+int RankMain(const bench::Case& c, Protocol protocol, int rank, int iters,
+             const std::vector<double>& skew, Board* board) {
   bool posted_ready = false;
   auto fail = [&](const std::string& m) {
     board->failed = 1;
@@ -56,7 +57,7 @@ int RankMain(const bench::Case& c, int rank, int iters, const std::vector<double
   const EpConfig config{.num_ranks = c.ranks, .max_tokens = c.tokens, .hidden = c.hidden,
                         .top_k = bench::kTopK, .num_experts = bench::kExperts,
                         .slots_per_rank = bench::kExperts / c.ranks, .num_layers = 1,
-                        .dtype = DType::kBFloat16, .protocol = Protocol::kUbep,
+                        .dtype = DType::kBFloat16, .protocol = protocol,
                         .timeout = absl::Seconds(30)};
   auto arena = DeviceArena::Create(ArenaLayout(config).total_bytes);
   if (!arena.ok()) return fail(std::string(arena.status().message()));
@@ -174,36 +175,41 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "ranks %d: 256 experts do not divide evenly; skipped\n", r);
       continue;
     }
-    const ubep::bench::Case c{"cuda", r, tokens, hidden, "uniform"};
-    SharedArena board_arena = *SharedArena::Create("cuda-bench", sizeof(Board));
-    auto* board = new (board_arena.data()) Board{};
-    std::vector<pid_t> pids;
-    for (int rank = 0; rank < r; ++rank) {
-      const pid_t pid = fork();
-      if (pid == 0) _exit(RankMain(c, rank, iters, skew, board));
-      pids.push_back(pid);
+    // Both protocols on the same input, one after the other.
+    for (const auto& [method, protocol] :
+        {std::pair<const char*, Protocol>{"ubep_cuda", Protocol::kUbep},
+         std::pair<const char*, Protocol>{"bsp_cuda", Protocol::kBsp}}) {
+      const ubep::bench::Case c{"cuda", r, tokens, hidden, "uniform"};
+      SharedArena board_arena = *SharedArena::Create("cuda-bench", sizeof(Board));
+      auto* board = new (board_arena.data()) Board{};
+      std::vector<pid_t> pids;
+      for (int rank = 0; rank < r; ++rank) {
+        const pid_t pid = fork();
+        if (pid == 0) _exit(RankMain(c, protocol, rank, iters, skew, board));
+        pids.push_back(pid);
+      }
+      const absl::Time until = absl::Now() + absl::Seconds(120);
+      while (board->ready.load() < r && absl::Now() < until) usleep(1000);
+      board->go.store(1);
+      for (pid_t pid : pids) waitpid(pid, nullptr, 0);
+      nlohmann::json row = {{"method", method}, {"ranks", r}, {"tokens", tokens},
+                            {"hidden", hidden}, {"routing", "uniform"}};
+      if (board->failed) {
+        row["error"] = board->error;
+      } else {
+        std::vector<double> lat;
+        for (int i = 0; i < iters; ++i) lat.push_back(*std::max_element(board->us[i], board->us[i] + r));
+        uint64_t bytes = 0;
+        for (int i = 0; i < r; ++i) bytes += board->bytes[i];
+        const double p50 = ubep::Percentile(lat, 0.5);
+        row["p50_us"] = p50;
+        row["p99_us"] = ubep::Percentile(lat, 0.99);
+        row["bytes_moved"] = bytes;
+        row["gbps"] = bytes / (p50 * 1e3);
+        row["d2d_copy_gbps"] = board->copy_gbps;
+      }
+      results.push_back(row);
     }
-    const absl::Time until = absl::Now() + absl::Seconds(120);
-    while (board->ready.load() < r && absl::Now() < until) usleep(1000);
-    board->go.store(1);
-    for (pid_t pid : pids) waitpid(pid, nullptr, 0);
-    nlohmann::json row = {{"method", "ubep_cuda"}, {"ranks", r}, {"tokens", tokens},
-                          {"hidden", hidden}, {"routing", "uniform"}};
-    if (board->failed) {
-      row["error"] = board->error;
-    } else {
-      std::vector<double> lat;
-      for (int i = 0; i < iters; ++i) lat.push_back(*std::max_element(board->us[i], board->us[i] + r));
-      uint64_t bytes = 0;
-      for (int i = 0; i < r; ++i) bytes += board->bytes[i];
-      const double p50 = ubep::Percentile(lat, 0.5);
-      row["p50_us"] = p50;
-      row["p99_us"] = ubep::Percentile(lat, 0.99);
-      row["bytes_moved"] = bytes;
-      row["gbps"] = bytes / (p50 * 1e3);
-      row["d2d_copy_gbps"] = board->copy_gbps;
-    }
-    results.push_back(row);
   }
   std::printf("%s\n", results.dump(1).c_str());
   return 0;

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU: builds for sm_90, runs the GPU tests (the CUDA backend
-# checked byte for byte against the host backend), then times dispatch + combine for 2, 4 and
-# 8 ranks run as processes sharing the GPU, next to a device-to-device copy.
+# checked byte for byte against the host backend, both protocols), then times dispatch +
+# combine for 2, 4 and 8 ranks run as processes sharing the GPU, ubep and bsp on the same
+# input, next to a device-to-device copy.
 # Usage: bench/gpu/run.sh [OUT_DIR]     (results: OUT_DIR/gpu_tests.log, OUT_DIR/cuda_bench.json)
 set -euo pipefail
 cd "$(dirname "$0")/../.."

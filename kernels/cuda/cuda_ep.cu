@@ -36,6 +36,8 @@ struct Params {
   int rank, num_ranks, max_tokens, hidden, top_k, slots_per_rank, num_experts, num_tokens, layer;
   size_t record_bytes, row_bytes;
   size_t off_abort;
+  bool bsp;  // Protocol::kBsp: count exchange and barriers, no per-destination flags.
+  size_t off_count_flag, off_barrier_flag;
   size_t off_dispatch_flag, off_combine_flag, off_counts, off_load_counters, off_load_seq, off_records,
       off_rows, off_partials;
   std::byte* const* arenas;  // Device array of num_ranks arena pointers.
@@ -140,10 +142,13 @@ __global__ void RouteKernel(Params p) {
   if (threadIdx.x == 0) {
     p.dest_records[d] = base;
     __threadfence_system();  // The records precede any flag for d, this kernel's or RowKernel's.
-    if (base == 0) {
-      reinterpret_cast<uint32_t*>(arena + p.off_counts)[p.rank] = 0;
+    if (p.bsp || base == 0) {
+      // bsp: every destination's count, with the count-exchange flag; ubep: a destination
+      // that gets nothing is complete at once.
+      reinterpret_cast<uint32_t*>(arena + p.off_counts)[p.rank] = static_cast<uint32_t>(base);
       __threadfence_system();
-      ReleaseFlag(reinterpret_cast<uint32_t*>(arena + p.off_dispatch_flag + p.rank * kLine),
+      ReleaseFlag(reinterpret_cast<uint32_t*>(
+                      arena + (p.bsp ? p.off_count_flag : p.off_dispatch_flag) + p.rank * kLine),
                   p.epoch);
     }
   }
@@ -224,7 +229,7 @@ __global__ void RowKernel(Params p) {
         cuda::atomic_ref<int32_t, cuda::thread_scope_system>(p.published[d])
             .fetch_add(mine, cuda::memory_order_acq_rel) +
         mine;
-    if (total == p.dest_records[d]) {
+    if (!p.bsp && total == p.dest_records[d]) {  // bsp publishes with a barrier.
       std::byte* arena = p.arenas[d];
       reinterpret_cast<uint32_t*>(arena + p.off_counts)[p.rank] = static_cast<uint32_t>(total);
       __threadfence_system();
@@ -242,15 +247,15 @@ __device__ int SourceCount(const Params& p, const std::byte* own, int s) {
 }
 
 // Waits for flag[s] (s < R, not excluded by the plan) of region `offset` in this rank's arena
-// to reach the epoch; on timeout records 1 + s in status.
-__global__ void WaitKernel(Params p, size_t offset) {
+// to reach `epoch`; on timeout records 1 + s in status. The block's threads share the sources.
+__device__ void WaitFlags(const Params& p, size_t offset, uint32_t epoch) {
   std::byte* own = p.arenas[p.rank];
   const uint64_t deadline = GlobalTimerNs() + p.timeout_ns;
   for (int s = threadIdx.x; s < p.num_ranks; s += blockDim.x) {
     if (RankExcluded(p.plan, static_cast<uint32_t>(s))) continue;
     auto* flag = reinterpret_cast<uint32_t*>(own + offset + s * kLine);
     auto* abort_word = reinterpret_cast<uint32_t*>(own + p.off_abort);
-    while (!FlagReached(flag, p.epoch)) {
+    while (!FlagReached(flag, epoch)) {
       if (GlobalTimerNs() > deadline) {
         atomicCAS(p.status, 0u, 1u + s);
         return;
@@ -265,6 +270,23 @@ __global__ void WaitKernel(Params p, size_t offset) {
       __nanosleep(256);
     }
   }
+}
+
+__global__ void WaitKernel(Params p, size_t offset) { WaitFlags(p, offset, p.epoch); }
+
+// bsp's barrier: every stream-ordered store before this kernel is made visible, every member
+// rank's barrier flag here is raised to `epoch`, then this rank waits for all of theirs.
+__global__ void BarrierKernel(Params p, uint32_t epoch) {
+  // A wait before timed out or saw an abort: do not let the peers pass either. (Bad input
+  // is only flagged: the rank still takes part, as in ubep.)
+  if (*p.status != 0 && (*p.status & kBadInput) == 0) return;
+  __threadfence_system();
+  for (int d = threadIdx.x; d < p.num_ranks; d += blockDim.x) {
+    if (RankExcluded(p.plan, static_cast<uint32_t>(d))) continue;
+    ReleaseFlag(reinterpret_cast<uint32_t*>(p.arenas[d] + p.off_barrier_flag + p.rank * kLine),
+                epoch);
+  }
+  WaitFlags(p, p.off_barrier_flag, epoch);
 }
 
 // Per source (block): entries per local slot, and where each record's entries start.
@@ -395,7 +417,7 @@ __global__ void PartialKernel(Params p, const uint16_t* y) {
     }
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
+  if (threadIdx.x == 0 && !p.bsp) {  // bsp publishes with a barrier.
     __threadfence_system();
     ReleaseFlag(reinterpret_cast<uint32_t*>(arena + p.off_combine_flag + p.rank * kLine),
                 p.epoch);
@@ -542,6 +564,9 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   p.record_bytes = l.record_bytes;
   p.row_bytes = l.row_bytes;
   p.off_abort = l.abort;
+  p.bsp = config.protocol == Protocol::kBsp;
+  p.off_count_flag = l.count_flag;
+  p.off_barrier_flag = l.barrier_flag;
   p.off_dispatch_flag = l.dispatch_flag;
   p.off_combine_flag = l.combine_flag;
   p.off_counts = l.counts;
@@ -561,6 +586,9 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
                                        sizeof(uint32_t), cudaMemcpyDeviceToHost));
   ep->dispatch_epoch_ = flags[0];
   ep->combine_epoch_ = flags[1];
+  UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&ep->barrier_epoch_,
+                                       arenas[rank] + l.barrier_flag + rank * kLine,
+                                       sizeof(uint32_t), cudaMemcpyDeviceToHost));
   UBEP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
   return ep;
 }
@@ -635,14 +663,24 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
   UBEP_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(p.published, 0, sizeof(int32_t) * config_.num_ranks, s.stream));
   RouteKernel<<<config_.num_ranks, kThreads, 0, s.stream>>>(p);
+  if (p.bsp) {  // Count exchange, barrier.
+    WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_count_flag);
+    BarrierKernel<<<1, 128, 0, s.stream>>>(p, ++barrier_epoch_);
+  }
   UnitScanKernel<<<1, kThreads, 0, s.stream>>>(p);
   RowKernel<<<kSenderBlocks, kThreads, sizeof(int32_t) * config_.num_ranks, s.stream>>>(p);
-  WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_dispatch_flag);
+  if (p.bsp) {
+    BarrierKernel<<<1, 128, 0, s.stream>>>(p, ++barrier_epoch_);
+  } else {
+    WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_dispatch_flag);
+  }
   CountKernel<<<config_.num_ranks, kThreads, 0, s.stream>>>(p);
   ScanKernel<<<1, 1, 0, s.stream>>>(p);
   PlaceKernel<<<config_.num_ranks, kThreads, sizeof(int) * config_.slots_per_rank, s.stream>>>(p);
   UBEP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  if (absl::Status st = CheckStatus("dispatch data"); !st.ok()) return st;
+  if (absl::Status st = CheckStatus(p.bsp ? "dispatch, bsp" : "dispatch data"); !st.ok()) {
+    return st;
+  }
   out.slot_offsets.resize(config_.slots_per_rank + 1);
   UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(out.slot_offsets.data(), p.slot_offsets,
                                        sizeof(int32_t) * out.slot_offsets.size(),
@@ -668,7 +706,11 @@ absl::Status CudaEp::Combine(const void* y, void* out) {
   p.epoch = ++combine_epoch_;
   UBEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.status, 0, sizeof(uint32_t), s.stream));
   PartialKernel<<<config_.num_ranks, kThreads, 0, s.stream>>>(p, static_cast<const uint16_t*>(y));
-  WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_combine_flag);
+  if (p.bsp) {
+    BarrierKernel<<<1, 128, 0, s.stream>>>(p, ++barrier_epoch_);
+  } else {
+    WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_combine_flag);
+  }
   if (last_tokens_ > 0) {
     TokenKernel<<<last_tokens_, kThreads, 0, s.stream>>>(p, static_cast<uint16_t*>(out));
   }

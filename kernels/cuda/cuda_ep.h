@@ -92,6 +92,7 @@ class CudaEp {
   int rank_;
   uint32_t dispatch_epoch_ = 0;
   uint32_t combine_epoch_ = 0;
+  uint32_t barrier_epoch_ = 0;  // bsp.
   int last_tokens_ = 0;
   std::unique_ptr<Scratch> scratch_;
 };

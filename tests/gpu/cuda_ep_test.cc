@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -39,8 +40,8 @@ bool DeviceInChild() {
   return WIFEXITED(status) && WEXITSTATUS(status) == 0;
 }
 
-EpConfig GpuConfig(int ranks) {
-  EpConfig c = SmallConfig(Protocol::kUbep);
+EpConfig GpuConfig(int ranks, Protocol protocol) {
+  EpConfig c = SmallConfig(protocol);
   c.num_ranks = ranks;
   c.slots_per_rank = 16 / ranks + 1;
   c.dtype = DType::kBFloat16;
@@ -215,7 +216,7 @@ RunOutcome RunGroup(const EpConfig& c, const TestPlan& plan, const std::vector<R
   return outcome;
 }
 
-class CudaEpTest : public ::testing::TestWithParam<int> {
+class CudaEpTest : public ::testing::TestWithParam<std::tuple<int, Protocol>> {
  protected:
   void SetUp() override {
     if (!DeviceInChild()) GTEST_SKIP() << "no CUDA device here";
@@ -223,7 +224,7 @@ class CudaEpTest : public ::testing::TestWithParam<int> {
 };
 
 TEST_P(CudaEpTest, MatchesTheHostBackendByteForByte) {
-  const EpConfig c = GpuConfig(GetParam());
+  const EpConfig c = GpuConfig(std::get<0>(GetParam()), std::get<1>(GetParam()));
   const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
   std::vector<RankInput> inputs;
   for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 40 + r, 3));
@@ -233,7 +234,7 @@ TEST_P(CudaEpTest, MatchesTheHostBackendByteForByte) {
 }
 
 TEST_P(CudaEpTest, AMissingPeerTimesOutWithItsName) {
-  EpConfig c = GpuConfig(GetParam());
+  EpConfig c = GpuConfig(std::get<0>(GetParam()), std::get<1>(GetParam()));
   c.timeout = absl::Milliseconds(500);
   const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
   std::vector<RankInput> inputs;
@@ -242,13 +243,14 @@ TEST_P(CudaEpTest, AMissingPeerTimesOutWithItsName) {
   for (int r = 0; r < c.num_ranks; ++r) {
     if (r == 1) continue;
     EXPECT_EQ(outcome.errors[r],
-              absl::StrCat("rank ", r, ": timed out after 500ms waiting for rank 1 (dispatch "
-                           "data); is rank 1 alive?"));
+              absl::StrCat("rank ", r, ": timed out after 500ms waiting for rank 1 (",
+                           c.protocol == Protocol::kBsp ? "dispatch, bsp" : "dispatch data",
+                           "); is rank 1 alive?"));
   }
 }
 
 TEST_P(CudaEpTest, AnExpertIdOutOfRangeIsFlaggedWithoutStrayWrites) {
-  const EpConfig c = GpuConfig(GetParam());
+  const EpConfig c = GpuConfig(std::get<0>(GetParam()), std::get<1>(GetParam()));
   const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
   std::vector<RankInput> inputs;
   for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 8, 5));
@@ -258,7 +260,15 @@ TEST_P(CudaEpTest, AnExpertIdOutOfRangeIsFlaggedWithoutStrayWrites) {
   for (int r = 1; r < c.num_ranks; ++r) EXPECT_EQ(outcome.errors[r], "") << "rank " << r;
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, CudaEpTest, ::testing::Values(2, 4));
+INSTANTIATE_TEST_SUITE_P(RanksAndProtocols, CudaEpTest,
+                         ::testing::Combine(::testing::Values(2, 4),
+                                            ::testing::Values(Protocol::kUbep, Protocol::kBsp)),
+                         [](const auto& info) {
+                           return absl::StrCat(std::get<0>(info.param), "_ranks_",
+                                               std::get<1>(info.param) == Protocol::kBsp
+                                                   ? "bsp"
+                                                   : "ubep");
+                         });
 
 }  // namespace
 }  // namespace ubep::kernels
