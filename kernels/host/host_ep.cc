@@ -58,8 +58,8 @@ void StoreRow(const float* sum, int hidden, DType dtype, std::byte* row) {
 
 }  // namespace
 
-// The sender role's threads: Run(job, n) runs job(0) .. job(n - 1), one per thread, while
-// the calling thread receives; Join waits for all of them.
+// The sender role's threads: Start(job) runs job(0) .. job(size() - 1), one per thread,
+// while the calling thread receives; Join waits for all of them.
 class HostEp::Senders {
  public:
   explicit Senders(int count) {
@@ -250,7 +250,6 @@ void HostEp::BuildSendLists(const DispatchInput& in) {
     send_counts_[d].clear();
   }
   units_.clear();
-  unit_begin_.assign(in.num_tokens + 1, 0);
   int dests[kMaxTopK];
   for (int t = 0; t < in.num_tokens; ++t) {
     int num_dests = 0;
@@ -281,7 +280,6 @@ void HostEp::BuildSendLists(const DispatchInput& in) {
     for (int i = 0; i < num_dests; ++i) {
       units_.emplace_back(dests[i], static_cast<int32_t>(send_tokens_[dests[i]].size() - 1));
     }
-    unit_begin_[t + 1] = static_cast<int32_t>(units_.size());
   }
 }
 

@@ -11,9 +11,10 @@
 //
 // Protocols (EpConfig::protocol), identical bytes out:
 //  - kBsp: count exchange, barrier, send, barrier (the phase-by-phase baseline);
-//  - kUbep: a sender thread stores each destination's records and rows and then raises that
-//    destination's epoch-tagged flag, while the calling thread receives whichever sources
-//    are ready; no global barrier and no clearing between calls.
+//  - kUbep: the sender role (EpConfig::sender_threads threads, or the caller first when no
+//    core is spare) stores the records and rows, split evenly (send_split.h); whichever
+//    sender completes a destination raises its epoch-tagged flag, while the calling thread
+//    receives whichever sources are ready; no global barrier and no clearing between calls.
 // Every wait has EpConfig::timeout; a peer that does not arrive becomes a DeadlineExceeded
 // error naming it. Bad input is rejected before any byte moves.
 // Thread-compatible: one HostEp per rank, called by one thread at a time; all ranks call
@@ -139,10 +140,9 @@ class HostEp {
   std::vector<std::vector<int32_t>> send_tokens_;
   std::vector<std::vector<RecordEntry>> send_entries_;  // top_k entries per token, padded.
   std::vector<std::vector<int32_t>> send_counts_;       // Entries used per token.
-  // Units token-major: unit u stores record units_[u].second of destination units_[u].first;
-  // token t's units are [unit_begin_[t], unit_begin_[t + 1]).
+  // Units token-major (send_split.h): unit u stores record units_[u].second of destination
+  // units_[u].first.
   std::vector<std::pair<int32_t, int32_t>> units_;
-  std::vector<int32_t> unit_begin_;
   std::vector<Share> shares_;  // Per sender.
   std::unique_ptr<std::atomic<int32_t>[]> published_;  // Per destination: units stored.
   std::vector<float> scratch_;    // One fp32 row for combine sums.
