@@ -199,7 +199,8 @@ int main(int argc, char** argv) {
   std::string which = "all";
   std::vector<int> rank_counts = {4, 8};
   std::vector<int> hiddens = {7168, 2048};
-  std::vector<std::string> methods = {"ubep", "bsp", "mpi_alltoallv", "memcpy"};
+  const std::vector<std::string> all_methods = {"ubep", "bsp", "mpi_alltoallv", "memcpy"};
+  std::vector<std::string> methods = all_methods;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--json") {
@@ -221,8 +222,7 @@ int main(int argc, char** argv) {
     } else if (flag == "--methods" && i + 1 < argc) {
       methods = absl::StrSplit(argv[++i], ',');
       for (const std::string& method : methods) {
-        if (method != "ubep" && method != "bsp" && method != "mpi_alltoallv" &&
-            method != "memcpy") {
+        if (std::find(all_methods.begin(), all_methods.end(), method) == all_methods.end()) {
           std::cerr << "ubep-bench-dataplane: --methods: unknown method \"" << method
                     << "\"; expected ubep, bsp, mpi_alltoallv or memcpy\n";
           return 2;

@@ -221,7 +221,7 @@ __global__ void RowKernel(Params p) {
   __syncthreads();
   for (int d = threadIdx.x; d < R; d += blockDim.x) {
     const int32_t mine = stored[d];
-    if (mine == 0) continue;
+    if (mine == 0 || p.bsp) continue;  // bsp publishes with a barrier.
     // Every thread's stores precede the barrier above; the system fence orders them before
     // this addition, and the acq_rel addition orders every earlier block's before the flag.
     __threadfence_system();
@@ -229,7 +229,7 @@ __global__ void RowKernel(Params p) {
         cuda::atomic_ref<int32_t, cuda::thread_scope_system>(p.published[d])
             .fetch_add(mine, cuda::memory_order_acq_rel) +
         mine;
-    if (!p.bsp && total == p.dest_records[d]) {  // bsp publishes with a barrier.
+    if (total == p.dest_records[d]) {
       std::byte* arena = p.arenas[d];
       reinterpret_cast<uint32_t*>(arena + p.off_counts)[p.rank] = static_cast<uint32_t>(total);
       __threadfence_system();

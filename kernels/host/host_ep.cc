@@ -316,10 +316,11 @@ void HostEp::SendUnits(int64_t begin, int64_t end, const DispatchInput& in, uint
       std::memcpy(rows + j * layout_.row_bytes, x + t * layout_.row_bytes, layout_.row_bytes);
     }
     share.count[d] = 0;
+    if (!publish) continue;  // bsp publishes with its barrier.
     // acq_rel: the stores of every sender that added before happen before the publication,
     // whichever sender completes the destination.
     const int32_t total = published_[d].fetch_add(n, std::memory_order_acq_rel) + n;
-    if (publish && total == static_cast<int32_t>(send_tokens_[d].size())) Publish(d, epoch);
+    if (total == static_cast<int32_t>(send_tokens_[d].size())) Publish(d, epoch);
   }
 }
 
