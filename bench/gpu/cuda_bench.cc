@@ -13,6 +13,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -168,7 +169,15 @@ int main(int argc, char** argv) {
       iters = std::clamp(std::atoi(argv[i + 1]), 1, kMaxIters);
     }
   }
-  const std::vector<double> skew = *ubep::bench::SkewedDistribution(UBEP_SOURCE_DIR);
+  // The source tree (for the routing trace): this build's, or UBEP_SOURCE_DIR when set (the
+  // binary run away from its build, as bench/gpu/run.sh does with a pack).
+  const char* source_dir = std::getenv("UBEP_SOURCE_DIR");
+  const absl::StatusOr<std::vector<double>> skew = ubep::bench::SkewedDistribution(
+      source_dir != nullptr && *source_dir != '\0' ? source_dir : UBEP_SOURCE_DIR);
+  if (!skew.ok()) {
+    std::fprintf(stderr, "ubep-bench-cuda: %s\n", std::string(skew.status().message()).c_str());
+    return 2;
+  }
   nlohmann::json results = nlohmann::json::array();
   for (int r : ranks) {
     if (ubep::bench::kExperts % r != 0) {
@@ -185,7 +194,7 @@ int main(int argc, char** argv) {
       std::vector<pid_t> pids;
       for (int rank = 0; rank < r; ++rank) {
         const pid_t pid = fork();
-        if (pid == 0) _exit(RankMain(c, protocol, rank, iters, skew, board));
+        if (pid == 0) _exit(RankMain(c, protocol, rank, iters, *skew, board));
         pids.push_back(pid);
       }
       const absl::Time until = absl::Now() + absl::Seconds(120);

@@ -1,26 +1,88 @@
 #!/usr/bin/env bash
-# On a machine with an NVIDIA GPU: builds for sm_90, runs the GPU tests (the CUDA backend
-# checked byte for byte against the host backend, both protocols), then times dispatch +
-# combine for 2, 4 and 8 ranks run as processes sharing the GPU, ubep and bsp on the same
-# input, next to a device-to-device copy.
-# Usage: bench/gpu/run.sh [OUT_DIR]     (results: OUT_DIR/gpu_tests.log, OUT_DIR/cuda_bench.json)
+# On a machine with an NVIDIA GPU: runs the GPU tests (the CUDA backend checked byte for byte
+# against the host backend, both protocols, and ubepd --backend cuda end to end), then times
+# dispatch + combine for 2, 4 and 8 ranks run as processes sharing the GPU, ubep and bsp on
+# the same input, next to a device-to-device copy.
+#
+#   bench/gpu/run.sh [OUT_DIR]                  builds here for sm_90 (needs the project's
+#                                               dependencies: scripts/install-deps.sh)
+#   bench/gpu/run.sh --pack PACK_DIR [OUT_DIR]  runs what bench/gpu/pack.sh built elsewhere
+#                                               (a GPU machine without those dependencies)
+#   bench/gpu/run.sh --pack PACK_DIR --check    only checks that every packed binary loads,
+#                                               each library from the pack or the machine's
+#                                               own (C library, CUDA driver, NCCL); exit 2 if not
+#
+# Results: OUT_DIR/gpu_tests.log, OUT_DIR/cuda_bench_128.json and cuda_bench_4096.json
+# (default OUT_DIR: build-gpu/results). Exit status: the GPU tests'.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+pack=
+check=0
+if [[ ${1:-} == --pack ]]; then
+  pack=$(realpath "$2")
+  shift 2
+  if [[ ${1:-} == --check ]]; then
+    check=1
+    shift
+  fi
+fi
 out=${1:-build-gpu/results}
+
+if [[ -n $pack ]]; then
+  bin=$pack/bin
+  tests=$pack/bin
+  # NCCL: the machine's own (under /usr/local/cuda, or PyTorch's wheel).
+  nccl=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' \
+           2>/dev/null || true)
+  export LD_LIBRARY_PATH="$pack/lib:/usr/local/cuda/lib64${nccl:+:$nccl}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  if ldd "$bin/ubepd" 2>&1 | grep -q "GLIBCXX\|libstdc++.*not found"; then
+    export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$pack/lib-compat"
+    echo "run.sh: this machine's libstdc++ is older than the build's; using the pack's"
+  fi
+  source bench/gpu/pack-libs.sh
+  bad=0
+  for b in "$bin"/*; do
+    if ldd "$b" 2>&1 | grep "not found"; then
+      echo "run.sh: $(basename "$b") cannot load the libraries above" >&2
+      bad=1
+    fi
+    while read -r name path; do
+      if [[ $name =~ $pack_system_libs || $name =~ $pack_compat_libs || $path == "$pack"/lib/* ]]; then
+        continue
+      fi
+      echo "run.sh: $(basename "$b") loads $name from $path, outside the pack" >&2
+      bad=1
+    done < <(ldd "$b" 2>/dev/null | awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}')
+  done
+  if [[ $bad != 0 ]]; then exit 2; fi
+  if [[ $check == 1 ]]; then exit 0; fi
+  # The tests start ubepd and ubep-balancer from the pack; the bench reads data/ from here.
+  export UBEP_BIN_DIR=$bin UBEP_SOURCE_DIR=$PWD
+else
+  cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DUBEP_ENABLE_CUDA=ON \
+    -DCMAKE_CUDA_ARCHITECTURES=90 -DUBEP_BUILD_TESTS=ON >/dev/null
+  # The GPU tests, and the daemons the ubepd test starts (one ubepd, and a group over two
+  # ubepd with ubep-balancer).
+  cmake --build build-gpu -j "$(nproc)" --target cuda_ep_test daemon_cuda_test ubepd \
+    ubep_balancer ubep_bench_cuda
+  bin=build-gpu/bin
+  tests=build-gpu/tests
+fi
+
 mkdir -p "$out"
 nvidia-smi -L || true
-cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DUBEP_ENABLE_CUDA=ON \
-  -DCMAKE_CUDA_ARCHITECTURES=90 -DUBEP_BUILD_TESTS=ON >/dev/null
-# The GPU tests, and the daemons the ubepd test starts (one ubepd, and a group over two
-# ubepd with ubep-balancer).
-cmake --build build-gpu -j "$(nproc)" --target cuda_ep_test daemon_cuda_test host_ep_test \
-  ubepd ubep_balancer ubep_bench_cuda
 set +e
-ctest --test-dir build-gpu -L gpu --output-on-failure 2>&1 | tee "$out/gpu_tests.log"
-tests=$?
-set -e
-for tokens in 128 4096; do
-  build-gpu/bin/ubep-bench-cuda --ranks 2,4,8 --tokens "$tokens" --hidden 7168 --iters 50 \
-    | tee "$out/cuda_bench_$tokens.json"
+status=0
+for t in cuda_ep_test daemon_cuda_test; do
+  timeout 300 "$tests/$t" --gtest_color=no 2>&1 | tee -a "$out/gpu_tests.log"
+  rc=${PIPESTATUS[0]}
+  echo "$t: exit $rc" | tee -a "$out/gpu_tests.log"
+  [[ $rc == 0 ]] || status=1
 done
-exit $tests
+for tokens in 128 4096; do
+  timeout 300 "$bin/ubep-bench-cuda" --ranks 2,4,8 --tokens "$tokens" --hidden 7168 --iters 50 \
+    | tee "$out/cuda_bench_$tokens.json"
+  rc=${PIPESTATUS[0]}
+  [[ $rc == 0 ]] || echo "ubep-bench-cuda --tokens $tokens: exit $rc"
+done
+exit $status

@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <fstream>
 #include <optional>
 #include <sstream>
@@ -21,8 +22,12 @@
 
 namespace ubep::test {
 
+// The project's binaries: those of this build, or of UBEP_BIN_DIR when set (test binaries
+// run away from their build tree, as bench/gpu/run.sh does with a pack from pack.sh).
 inline std::string BinaryPath(const std::string& name) {
-  return std::string(UBEP_BINARY_DIR) + "/bin/" + name;
+  const char* dir = std::getenv("UBEP_BIN_DIR");
+  return (dir != nullptr && *dir != '\0' ? std::string(dir) : std::string(UBEP_BINARY_DIR) + "/bin") +
+         "/" + name;
 }
 
 inline std::string ReadFile(const std::string& path) {

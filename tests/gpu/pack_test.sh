@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# bench/gpu/pack.sh and run.sh --pack, the way a GPU machine without the project's
+# dependencies gets its GPU checks: the pack is made from BUILD_DIR, every packed binary
+# loads each library from the pack or the machine's own (and the check fails, naming the
+# library, when one is missing from the pack), and run.sh --pack runs the GPU tests and the
+# bench from it. Without a device every GPU case skips and the bench reports one error per
+# case; with one, the GPU tests must pass.
+# Usage: pack_test.sh BUILD_DIR
+set -euo pipefail
+build=$(realpath "$1")
+root=$(cd "$(dirname "$0")/../.." && pwd)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+cd "$root"
+
+bench/gpu/pack.sh "$work/pack" "$build" > "$work/pack.log"
+grep -q "^packed 5 binaries and [0-9]* libraries" "$work/pack.log" || { cat "$work/pack.log"; exit 1; }
+for b in cuda_ep_test daemon_cuda_test ubepd ubep-balancer ubep-bench-cuda; do
+  [[ -x $work/pack/bin/$b ]] || { echo "missing from the pack: $b"; exit 1; }
+done
+[[ -f $work/pack/lib/libcudart.so.13 && -f $work/pack/lib-compat/libstdc++.so.6 ]]
+! ls "$work/pack/lib" | grep -E "^(libc|libnccl|libcuda)\." || { echo "system library packed"; exit 1; }
+
+# A library missing from the pack is named, and the check fails with exit status 2.
+mv "$work/pack/lib/libabsl_status.so."* "$work/"
+set +e
+bench/gpu/run.sh --pack "$work/pack" --check > "$work/check.log" 2>&1
+rc=$?
+set -e
+[[ $rc == 2 ]] || { cat "$work/check.log"; echo "check exit $rc, expected 2"; exit 1; }
+grep -q "^run.sh: cuda_ep_test loads libabsl_status.so.[0-9]* from /.*, outside the pack$" \
+  "$work/check.log" || { cat "$work/check.log"; exit 1; }
+mv "$work/libabsl_status.so."* "$work/pack/lib/"
+bench/gpu/run.sh --pack "$work/pack" --check
+
+# The whole run from the pack.
+bench/gpu/run.sh --pack "$work/pack" "$work/out" > "$work/run.log" 2>&1 || {
+  cat "$work/run.log"; exit 1; }
+grep -qx "cuda_ep_test: exit 0" "$work/out/gpu_tests.log"
+grep -qx "daemon_cuda_test: exit 0" "$work/out/gpu_tests.log"
+for tokens in 128 4096; do
+  rows=$(grep -c '"method": "\(ubep\|bsp\)_cuda"' "$work/out/cuda_bench_$tokens.json")
+  [[ $rows == 6 ]] || { cat "$work/out/cuda_bench_$tokens.json"; echo "rows: $rows"; exit 1; }
+done
+if grep -q "no CUDA device here" "$work/out/gpu_tests.log"; then
+  # No device: every case of both GPU tests skipped, none ran.
+  grep -q "^\[  PASSED  \] 0 tests" "$work/out/gpu_tests.log"
+  [[ $(grep -c '"error": "rank [0-9]*: .*CUDA' "$work/out/cuda_bench_128.json") == 6 ]]
+fi
+echo "pack_test: OK"
