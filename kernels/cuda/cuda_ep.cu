@@ -274,12 +274,17 @@ __device__ void WaitFlags(const Params& p, size_t offset, uint32_t epoch) {
 
 __global__ void WaitKernel(Params p, size_t offset) { WaitFlags(p, offset, p.epoch); }
 
+// A wait before timed out or saw an abort. Bad input is only flagged: the rank still takes
+// part (its bad pairs were left out of the records), so its receive side still lays out what
+// the peers sent and its combine can answer them.
+__device__ inline bool Stopped(const Params& p) {
+  return *p.status != 0 && (*p.status & kBadInput) == 0;
+}
+
 // bsp's barrier: every stream-ordered store before this kernel is made visible, every member
 // rank's barrier flag here is raised to `epoch`, then this rank waits for all of theirs.
 __global__ void BarrierKernel(Params p, uint32_t epoch) {
-  // A wait before timed out or saw an abort: do not let the peers pass either. (Bad input
-  // is only flagged: the rank still takes part, as in ubep.)
-  if (*p.status != 0 && (*p.status & kBadInput) == 0) return;
+  if (Stopped(p)) return;  // Do not let the peers pass either.
   __threadfence_system();
   for (int d = threadIdx.x; d < p.num_ranks; d += blockDim.x) {
     if (RankExcluded(p.plan, static_cast<uint32_t>(d))) continue;
@@ -295,7 +300,7 @@ __global__ void CountKernel(Params p) {
   __shared__ typename Scan::TempStorage scan_storage;
   __shared__ int base;
   const int s = blockIdx.x, S = p.slots_per_rank;
-  if (*p.status != 0) return;
+  if (Stopped(p)) return;
   std::byte* own = p.arenas[p.rank];
   const int n = SourceCount(p, own, s);
   const std::byte* records = own + p.off_records + s * p.max_tokens * p.record_bytes;
@@ -328,7 +333,7 @@ __global__ void CountKernel(Params p) {
 
 // Row offsets in (slot, source) order; bumps the load counters. One thread: S x R is small.
 __global__ void ScanKernel(Params p) {
-  if (*p.status != 0) return;
+  if (Stopped(p)) return;
   const int S = p.slots_per_rank;
   auto* counters = reinterpret_cast<unsigned long long*>(p.arenas[p.rank] + p.off_load_counters) +
                    p.layer * S;
@@ -356,7 +361,7 @@ __global__ void ScanKernel(Params p) {
 __global__ void PlaceKernel(Params p) {
   extern __shared__ int cursor[];
   const int s = blockIdx.x, S = p.slots_per_rank;
-  if (*p.status != 0) return;
+  if (Stopped(p)) return;
   std::byte* own = p.arenas[p.rank];
   const int n = SourceCount(p, own, s);
   const std::byte* records = own + p.off_records + s * p.max_tokens * p.record_bytes;
@@ -678,9 +683,8 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
   ScanKernel<<<1, 1, 0, s.stream>>>(p);
   PlaceKernel<<<config_.num_ranks, kThreads, sizeof(int) * config_.slots_per_rank, s.stream>>>(p);
   UBEP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  if (absl::Status st = CheckStatus(p.bsp ? "dispatch, bsp" : "dispatch data"); !st.ok()) {
-    return st;
-  }
+  const absl::Status st = CheckStatus(p.bsp ? "dispatch, bsp" : "dispatch data");
+  if (!st.ok() && !absl::IsInvalidArgument(st)) return st;
   out.slot_offsets.resize(config_.slots_per_rank + 1);
   UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(out.slot_offsets.data(), p.slot_offsets,
                                        sizeof(int32_t) * out.slot_offsets.size(),
@@ -694,7 +698,9 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
   s.params.num_tokens = p.num_tokens;
   s.params.layer = p.layer;
   s.params.plan = p.plan;  // Combine waits for the same ranks as its dispatch.
-  return absl::OkStatus();
+  // Bad input (an expert id out of range): the error, with the rest dispatched; the peers wait
+  // for this rank's partials, so the caller still calls Combine.
+  return st;
 }
 
 absl::Status CudaEp::Combine(const void* y, void* out) {

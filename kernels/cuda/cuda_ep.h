@@ -77,6 +77,9 @@ class CudaEp {
                                                         std::vector<std::byte*> arenas);
   ~CudaEp();
 
+  // An expert id out of range is found on the device, after the peers may have begun: the
+  // call returns InvalidArgument naming it, having dispatched every other pair, and the caller
+  // still calls Combine (the peers wait for this rank's partials).
   absl::Status Dispatch(const CudaDispatchInput& input, CudaDispatchOutput& output);
   // y: device [num_rows, hidden] bf16 in the dispatch's row order; out: device [num_tokens,
   // hidden] bf16.

@@ -168,6 +168,12 @@ absl::StatusOr<std::unique_ptr<VmmArena>> VmmArena::Create(int device, size_t by
   if (absl::Status s = Check(d.memset_d8(arena->address_, 0, arena->size_), "cuMemsetD8"); !s.ok()) {
     return s;
   }
+  // cuMemsetD8 may return before the memory is set: the arena is zero before anyone (another
+  // process, through the exported fd) reads its epoch flags.
+  if (const cudaError_t e = cudaDeviceSynchronize(); e != cudaSuccess) {
+    return absl::InternalError(
+        absl::StrCat("cudaDeviceSynchronize after zeroing the arena: ", cudaGetErrorString(e)));
+  }
   return arena;
 }
 

@@ -38,9 +38,11 @@ bench/gpu/run.sh --pack "$work/pack" "$work/out" > "$work/run.log" 2>&1 || {
   cat "$work/run.log"; exit 1; }
 grep -qx "cuda_ep_test: exit 0" "$work/out/gpu_tests.log"
 grep -qx "daemon_cuda_test: exit 0" "$work/out/gpu_tests.log"
-for tokens in 128 4096; do
-  rows=$(grep -c '"method": "\(ubep\|bsp\)_cuda"' "$work/out/cuda_bench_$tokens.json")
-  [[ $rows == 6 ]] || { cat "$work/out/cuda_bench_$tokens.json"; echo "rows: $rows"; exit 1; }
+# Decode-sized at 2, 4 and 8 ranks, prefill-sized at 2 and 4: both protocols each.
+for run in "128 6" "4096 4"; do
+  set -- $run
+  rows=$(grep -c '"method": "\(ubep\|bsp\)_cuda"' "$work/out/cuda_bench_$1.json")
+  [[ $rows == "$2" ]] || { cat "$work/out/cuda_bench_$1.json"; echo "rows: $rows"; exit 1; }
 done
 if grep -q "no CUDA device here" "$work/out/gpu_tests.log"; then
   # No device: every case of both GPU tests skipped, none ran.
