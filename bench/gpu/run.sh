@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU: runs the GPU tests (the CUDA backend checked byte for byte
 # against the host backend, both protocols, and ubepd --backend cuda end to end), then times
-# dispatch + combine for 2, 4 and 8 ranks run as processes sharing the GPU, ubep and bsp on
-# the same input, next to a device-to-device copy.
+# dispatch + combine (128 tokens per rank at 2, 4 and 8 ranks, 4096 at 2 and 4) with ranks run
+# as processes sharing the GPU, ubep and bsp on the same input, next to a device-to-device copy.
 #
 #   bench/gpu/run.sh [OUT_DIR]                  builds here for sm_90 (needs the project's
 #                                               dependencies: scripts/install-deps.sh)
