@@ -42,7 +42,8 @@ if [[ -n $pack ]]; then
   source bench/gpu/pack-libs.sh
   bad=0
   for b in "$bin"/*; do
-    if ldd "$b" 2>&1 | grep "not found"; then
+    deps=$(ldd "$b" 2>&1)
+    if grep "not found" <<< "$deps"; then
       echo "run.sh: $(basename "$b") cannot load the libraries above" >&2
       bad=1
     fi
@@ -52,7 +53,7 @@ if [[ -n $pack ]]; then
       fi
       echo "run.sh: $(basename "$b") loads $name from $path, outside the pack" >&2
       bad=1
-    done < <(ldd "$b" 2>/dev/null | awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}')
+    done < <(awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}' <<< "$deps")
   done
   if [[ $bad != 0 ]]; then exit 2; fi
   if [[ $check == 1 ]]; then exit 0; fi

@@ -26,8 +26,8 @@ namespace ubep::test {
 // run away from their build tree, as bench/gpu/run.sh does with a pack from pack.sh).
 inline std::string BinaryPath(const std::string& name) {
   const char* dir = std::getenv("UBEP_BIN_DIR");
-  return (dir != nullptr && *dir != '\0' ? std::string(dir) : std::string(UBEP_BINARY_DIR) + "/bin") +
-         "/" + name;
+  if (dir != nullptr && *dir != '\0') return std::string(dir) + "/" + name;
+  return std::string(UBEP_BINARY_DIR) + "/bin/" + name;
 }
 
 inline std::string ReadFile(const std::string& path) {
