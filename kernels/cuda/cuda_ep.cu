@@ -15,8 +15,11 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr uint32_t kBadInput = 0x80000000u;
-// The abort word (arena_layout.h) was set while waiting; status[1] holds its value.
-constexpr uint32_t kAbortSeen = 0x40000000u;
+// Words of Params::status.
+constexpr int kStatusBadPair = 0;    // 0, or kBadInput | (t * K + k) of the first bad pair.
+constexpr int kStatusBadExpert = 1;  // That pair's expert id.
+constexpr int kStatusWaitEnded = 2;  // 0, or 1 + the peer a wait gave up on (abort word set).
+constexpr int kStatusWords = 3;
 constexpr size_t kLine = 64;
 // Sender blocks of a dispatch (send_split.h). A few dozen SMs saturate NVLink stores, as in
 // DeepEP's normal kernels; a block with an empty share exits at once.
@@ -57,9 +60,8 @@ struct Params {
   int32_t* record_begin;  // [R x (max_tokens + 1)]: first entry of each record.
   int32_t* entry_row;     // [R x max_tokens x K]: row of each entry, by record_begin.
   int32_t* slot_offsets;  // [S + 1]
-  uint32_t* status;       // [2]: 0, 1 + the peer that timed out, kAbortSeen with the abort
-                          // word in [1], or kBadInput | (t * K + k)
-                          // with the bad expert id in [1].
+  uint32_t* status;       // [kStatusWords]: bad input and ended waits, kept apart so that
+                          // a timeout after bad input still stops the rank.
   uint16_t* recv_x;
   int32_t* src_rank;
   int32_t* src_token;
@@ -113,8 +115,9 @@ __global__ void RouteKernel(Params p) {
         const int32_t e = p.topk_idx[t * p.top_k + k];
         if (e < -1 || e >= p.num_experts) {
           // Flagged and skipped: no read outside the plan table, no write outside a region.
-          if (atomicCAS(p.status, 0u, kBadInput | static_cast<uint32_t>(t * p.top_k + k)) == 0) {
-            p.status[1] = static_cast<uint32_t>(e);
+          if (atomicCAS(&p.status[kStatusBadPair], 0u,
+                        kBadInput | static_cast<uint32_t>(t * p.top_k + k)) == 0) {
+            p.status[kStatusBadExpert] = static_cast<uint32_t>(e);
           }
           continue;
         }
@@ -246,8 +249,23 @@ __device__ int SourceCount(const Params& p, const std::byte* own, int s) {
   return static_cast<int>(reinterpret_cast<const uint32_t*>(own + p.off_counts)[s]);
 }
 
+// Sets every rank's abort word to `code` unless it is already set (the first reason wins),
+// as the host backend's RaiseAbort does.
+__device__ void RaiseAbortEverywhere(const Params& p, uint32_t code) {
+  for (int d = 0; d < p.num_ranks; ++d) {
+    uint32_t expected = 0;
+    cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(
+        *reinterpret_cast<uint32_t*>(p.arenas[d] + p.off_abort))
+        .compare_exchange_strong(expected, code, cuda::memory_order_acq_rel);
+  }
+}
+
 // Waits for flag[s] (s < R, not excluded by the plan) of region `offset` in this rank's arena
-// to reach `epoch`; on timeout records 1 + s in status. The block's threads share the sources.
+// to reach `epoch`. A wait that times out raises the abort word in every arena (naming s), so
+// that ranks stuck behind a survivor name the dead rank; a wait that finds the abort word set
+// (a peer gave up, or the daemon stopped the group) ends too. Either way status records
+// 1 + s and the host reads the reason from the abort word. The block's threads share the
+// sources.
 __device__ void WaitFlags(const Params& p, size_t offset, uint32_t epoch) {
   std::byte* own = p.arenas[p.rank];
   const uint64_t deadline = GlobalTimerNs() + p.timeout_ns;
@@ -257,14 +275,14 @@ __device__ void WaitFlags(const Params& p, size_t offset, uint32_t epoch) {
     auto* abort_word = reinterpret_cast<uint32_t*>(own + p.off_abort);
     while (!FlagReached(flag, epoch)) {
       if (GlobalTimerNs() > deadline) {
-        atomicCAS(p.status, 0u, 1u + s);
+        RaiseAbortEverywhere(p, kAbortTimedOutBase + static_cast<uint32_t>(s));
+        atomicCAS(&p.status[kStatusWaitEnded], 0u, 1u + s);
         return;
       }
-      // The daemon stops every wait of a group whose rank left, or that is draining.
       const uint32_t code = cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(*abort_word)
                                 .load(cuda::memory_order_relaxed);
       if (code != 0) {
-        if (atomicCAS(p.status, 0u, kAbortSeen) == 0) p.status[1] = code;
+        atomicCAS(&p.status[kStatusWaitEnded], 0u, 1u + s);
         return;
       }
       __nanosleep(256);
@@ -277,9 +295,7 @@ __global__ void WaitKernel(Params p, size_t offset) { WaitFlags(p, offset, p.epo
 // A wait before timed out or saw an abort. Bad input is only flagged: the rank still takes
 // part (its bad pairs were left out of the records), so its receive side still lays out what
 // the peers sent and its combine can answer them.
-__device__ inline bool Stopped(const Params& p) {
-  return *p.status != 0 && (*p.status & kBadInput) == 0;
-}
+__device__ inline bool Stopped(const Params& p) { return p.status[kStatusWaitEnded] != 0; }
 
 // bsp's barrier: every stream-ordered store before this kernel is made visible, every member
 // rank's barrier flag here is raised to `epoch`, then this rank waits for all of theirs.
@@ -431,7 +447,7 @@ __global__ void PartialKernel(Params p, const uint16_t* y) {
 
 // Token side of combine: block t sums its partials over destinations in rank order.
 __global__ void TokenKernel(Params p, uint16_t* out) {
-  if (*p.status != 0) return;
+  if (Stopped(p)) return;
   const int t = blockIdx.x;
   const auto* partials = reinterpret_cast<const uint16_t*>(p.arenas[p.rank] + p.off_partials);
   for (int h = threadIdx.x; h < p.hidden; h += blockDim.x) {
@@ -519,6 +535,7 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
     return absl::InvalidArgumentError("cuda backend: one arena per rank, and a rank in range");
   }
   std::unique_ptr<CudaEp> ep(new CudaEp(config, rank));
+  ep->own_arena_ = arenas[rank];
   Scratch& s = *ep->scratch_;
   // A blocking stream: ordered after the caller's uploads on the legacy default stream.
   UBEP_CUDA_RETURN_IF_ERROR(cudaStreamCreate(&s.stream));
@@ -531,7 +548,7 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
                S = config.slots_per_rank, H = config.hidden;
   const size_t max_rows = R * T * K;
   const size_t ints = T * R + (T + 1) + R + R + R * S + R * S + R * (T + 1) + R * T * K +
-                      (S + 1) + 2 + max_rows * 2;
+                      (S + 1) + kStatusWords + max_rows * 2;
   // recv_x is copied 16 bytes at a time: start it on a 256-byte boundary.
   const size_t head = ints * sizeof(int32_t) + max_rows * sizeof(float);
   const size_t recv_offset = (head + 255) / 256 * 256;
@@ -554,7 +571,7 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   p.record_begin = take(R * (T + 1));
   p.entry_row = take(R * T * K);
   p.slot_offsets = take(S + 1);
-  p.status = reinterpret_cast<uint32_t*>(take(2));
+  p.status = reinterpret_cast<uint32_t*>(take(kStatusWords));
   p.src_rank = take(max_rows);
   p.src_token = take(max_rows);
   p.weight = reinterpret_cast<float*>(take(max_rows));
@@ -598,36 +615,31 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   return ep;
 }
 
-absl::Status CudaEp::CheckStatus(const char* what) {
+absl::Status CudaEp::CheckStatus(const char* what, uint32_t call) {
   Scratch& s = *scratch_;
   UBEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s.stream));
-  uint32_t status = 0;
+  uint32_t status[kStatusWords] = {};
   UBEP_CUDA_RETURN_IF_ERROR(
-      cudaMemcpy(&status, s.params.status, sizeof(status), cudaMemcpyDeviceToHost));
-  if (status == 0) return absl::OkStatus();
-  if (status & kBadInput) {
-    int32_t expert = 0;
-    UBEP_CUDA_RETURN_IF_ERROR(
-        cudaMemcpy(&expert, s.params.status + 1, sizeof(expert), cudaMemcpyDeviceToHost));
-    const uint32_t pair = status & ~kBadInput;
-    return absl::InvalidArgumentError(absl::StrCat(
-        "topk_idx[", pair / config_.top_k, "][", pair % config_.top_k, "] = ", expert,
-        " is outside [-1, ", config_.num_experts, ")"));
-  }
-  if (status == kAbortSeen) {
+      cudaMemcpy(status, s.params.status, sizeof(status), cudaMemcpyDeviceToHost));
+  if (status[kStatusWaitEnded] != 0) {
+    // The abort word holds why: a daemon's code, or the rank the group gave up on.
     uint32_t code = 0;
-    UBEP_CUDA_RETURN_IF_ERROR(
-        cudaMemcpy(&code, s.params.status + 1, sizeof(code), cudaMemcpyDeviceToHost));
-    if (absl::Status daemon = DaemonAbortStatus(code, rank_, what, 0); !daemon.ok()) return daemon;
-    const int peer = static_cast<int>(code - kAbortTimedOutBase);
-    return absl::DeadlineExceededError(absl::StrCat("rank ", rank_, ": rank ", peer,
-                                                    " timed out for another rank (", what,
-                                                    "); is rank ", peer, " alive?"));
+    UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&code, own_arena_ + layout_.abort, sizeof(code),
+                                         cudaMemcpyDeviceToHost));
+    if (absl::Status daemon = DaemonAbortStatus(code, rank_, what, call); !daemon.ok()) {
+      return daemon;
+    }
+    const int peer = static_cast<int>(status[kStatusWaitEnded]) - 1;
+    return TimedOutStatus(code, rank_, peer, config_.timeout, what, call);
   }
-  const int peer = static_cast<int>(status) - 1;
-  return absl::DeadlineExceededError(absl::StrCat(
-      "rank ", rank_, ": timed out after ", absl::FormatDuration(config_.timeout),
-      " waiting for rank ", peer, " (", what, "); is rank ", peer, " alive?"));
+  if (status[kStatusBadPair] != 0) {
+    const uint32_t pair = status[kStatusBadPair] & ~kBadInput;
+    return absl::InvalidArgumentError(absl::StrCat(
+        "topk_idx[", pair / config_.top_k, "][", pair % config_.top_k, "] = ",
+        static_cast<int32_t>(status[kStatusBadExpert]), " is outside [-1, ",
+        config_.num_experts, ")"));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& out) {
@@ -664,7 +676,8 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
   p.topk_weights = in.topk_weights;
   p.epoch = ++dispatch_epoch_;
   last_tokens_ = in.num_tokens;
-  UBEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.status, 0, 2 * sizeof(uint32_t), s.stream));
+  UBEP_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(p.status, 0, kStatusWords * sizeof(uint32_t), s.stream));
   UBEP_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(p.published, 0, sizeof(int32_t) * config_.num_ranks, s.stream));
   RouteKernel<<<config_.num_ranks, kThreads, 0, s.stream>>>(p);
@@ -683,7 +696,7 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
   ScanKernel<<<1, 1, 0, s.stream>>>(p);
   PlaceKernel<<<config_.num_ranks, kThreads, sizeof(int) * config_.slots_per_rank, s.stream>>>(p);
   UBEP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  const absl::Status st = CheckStatus(p.bsp ? "dispatch, bsp" : "dispatch data");
+  const absl::Status st = CheckStatus(p.bsp ? "dispatch, bsp" : "dispatch data", p.epoch);
   if (!st.ok() && !absl::IsInvalidArgument(st)) return st;
   out.slot_offsets.resize(config_.slots_per_rank + 1);
   UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(out.slot_offsets.data(), p.slot_offsets,
@@ -710,7 +723,8 @@ absl::Status CudaEp::Combine(const void* y, void* out) {
   Scratch& s = *scratch_;
   Params p = s.params;
   p.epoch = ++combine_epoch_;
-  UBEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.status, 0, sizeof(uint32_t), s.stream));
+  UBEP_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(p.status, 0, kStatusWords * sizeof(uint32_t), s.stream));
   PartialKernel<<<config_.num_ranks, kThreads, 0, s.stream>>>(p, static_cast<const uint16_t*>(y));
   if (p.bsp) {
     BarrierKernel<<<1, 128, 0, s.stream>>>(p, ++barrier_epoch_);
@@ -721,7 +735,7 @@ absl::Status CudaEp::Combine(const void* y, void* out) {
     TokenKernel<<<last_tokens_, kThreads, 0, s.stream>>>(p, static_cast<uint16_t*>(out));
   }
   UBEP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  return CheckStatus("combine partials");
+  return CheckStatus("combine partials", p.epoch);
 }
 
 }  // namespace ubep::kernels

@@ -88,11 +88,14 @@ class CudaEp {
  private:
   struct Scratch;
   CudaEp(const EpConfig& config, int rank);
-  absl::Status CheckStatus(const char* what);
+  // After the stream: the error a wait (timeout or abort, see TimedOutStatus) or bad input
+  // left, for phase `what` of call `call`.
+  absl::Status CheckStatus(const char* what, uint32_t call);
 
   EpConfig config_;
   ArenaLayout layout_;
   int rank_;
+  std::byte* own_arena_ = nullptr;  // Device pointer to this rank's arena.
   uint32_t dispatch_epoch_ = 0;
   uint32_t combine_epoch_ = 0;
   uint32_t barrier_epoch_ = 0;  // bsp.

@@ -88,6 +88,18 @@ absl::Status DaemonAbortStatus(uint32_t code, int rank, const char* what, uint32
   return absl::OkStatus();
 }
 
+absl::Status TimedOutStatus(uint32_t code, int rank, int peer, absl::Duration timeout,
+                            const char* what, uint32_t call) {
+  const int dead_rank = code >= kAbortTimedOutBase && (code & kAbortRankGone) == 0
+                            ? static_cast<int>(code - kAbortTimedOutBase)
+                            : peer;
+  return absl::DeadlineExceededError(absl::StrCat(
+      "rank ", rank, ": timed out after ", absl::FormatDuration(timeout), " waiting for rank ",
+      dead_rank, " (", what, ", call ", call,
+      dead_rank == peer ? "" : absl::StrCat(", waiting on rank ", peer, " which gave up"),
+      "); is rank ", dead_rank, " alive?"));
+}
+
 void RaiseAbort(std::byte* arena, const ArenaLayout& layout, uint32_t code) {
   uint32_t expected = 0;
   std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(arena + layout.abort))

@@ -82,6 +82,13 @@ inline constexpr uint32_t kAbortMembership = 0xFFFFFFFEu; // A plan excluded or 
 // `what` names the phase, `call` the epoch.
 absl::Status DaemonAbortStatus(uint32_t code, int rank, const char* what, uint32_t call);
 
+// The error for `rank`'s wait on `peer` (in `what` of call `call`) that gave up after
+// `timeout`, given the abort word as it stands after this rank raised it: the rank the group
+// gave up on (kAbortTimedOutBase + that rank) is named, and `peer` too if it differs (a
+// survivor stuck behind the dead rank). Both backends report timeouts in these words.
+absl::Status TimedOutStatus(uint32_t code, int rank, int peer, absl::Duration timeout,
+                            const char* what, uint32_t call);
+
 struct ArenaLayout {
   size_t dispatch_flag, combine_flag, count_flag, barrier_flag, abort, counts, load_counters,
       load_seq, records, rows, partials, total_bytes;

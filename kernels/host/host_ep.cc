@@ -343,19 +343,17 @@ uint32_t* HostEp::AbortWord() const {
 
 absl::Status HostEp::GiveUp(int peer, const char* what, uint32_t epoch) const {
   uint32_t code = LoadAcquire(AbortWord());
-  UBEP_RETURN_IF_ERROR(DaemonAbortStatus(code, rank_, what, epoch));
   if (code == 0) {
     // This rank gives up first: tell every rank which peer it gave up on, so that ranks
-    // stuck behind a survivor report the dead peer, not the survivor.
-    code = kAbortTimedOutBase + static_cast<uint32_t>(peer);
-    for (std::byte* arena : arenas_) RaiseAbort(arena, layout_, code);
+    // stuck behind a survivor report the dead peer, not the survivor. The first reason
+    // raised wins; read back which one that was.
+    for (std::byte* arena : arenas_) {
+      RaiseAbort(arena, layout_, kAbortTimedOutBase + static_cast<uint32_t>(peer));
+    }
+    code = LoadAcquire(AbortWord());
   }
-  const int dead_rank = static_cast<int>(code - kAbortTimedOutBase);
-  return absl::DeadlineExceededError(absl::StrCat(
-      "rank ", rank_, ": timed out after ", absl::FormatDuration(config_.timeout),
-      " waiting for rank ", dead_rank, " (", what, ", call ", epoch,
-      dead_rank == peer ? "" : absl::StrCat(", waiting on rank ", peer, " which gave up"),
-      "); is rank ", dead_rank, " alive?"));
+  UBEP_RETURN_IF_ERROR(DaemonAbortStatus(code, rank_, what, epoch));
+  return TimedOutStatus(code, rank_, peer, config_.timeout, what, epoch);
 }
 
 absl::Status HostEp::Barrier(absl::Time deadline) {

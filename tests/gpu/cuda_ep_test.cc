@@ -255,7 +255,7 @@ TEST_P(CudaEpTest, AMissingPeerTimesOutWithItsName) {
     EXPECT_EQ(outcome.errors[r],
               absl::StrCat("rank ", r, ": timed out after 500ms waiting for rank 1 (",
                            c.protocol == Protocol::kBsp ? "dispatch, bsp" : "dispatch data",
-                           "); is rank 1 alive?"));
+                           ", call 1); is rank 1 alive?"));
   }
 }
 
