@@ -96,11 +96,20 @@ __device__ void BlockCopy(const std::byte* from, std::byte* to, size_t bytes, in
 // Counting role: block b writes destination d = VisitDest(rank, b)'s records (in token
 // order), each token's record index there (token_route) and d's record total
 // (dest_records); a destination that gets no record is published at once (count 0, flag).
+// A rank the plan excludes holds no slot, gets nothing and is not touched: its arena may be
+// gone.
 __global__ void RouteKernel(Params p) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   __shared__ int base;
   const int d = VisitDest(p.rank, blockIdx.x, p.num_ranks);
+  if (RankExcluded(p.plan, static_cast<uint32_t>(d))) {
+    for (int t = threadIdx.x; t < p.num_tokens; t += blockDim.x) {
+      p.token_route[t * p.num_ranks + d] = -1;
+    }
+    if (threadIdx.x == 0) p.dest_records[d] = 0;
+    return;
+  }
   const int S = p.slots_per_rank;
   std::byte* arena = p.arenas[d];
   std::byte* records = arena + p.off_records + p.rank * p.max_tokens * p.record_bytes;
@@ -249,10 +258,12 @@ __device__ int SourceCount(const Params& p, const std::byte* own, int s) {
   return static_cast<int>(reinterpret_cast<const uint32_t*>(own + p.off_counts)[s]);
 }
 
-// Sets every rank's abort word to `code` unless it is already set (the first reason wins),
-// as the host backend's RaiseAbort does.
+// Sets every member rank's abort word to `code` unless it is already set (the first reason
+// wins), as the host backend's GiveUp does. Ranks the plan excludes are left alone: their
+// arenas may belong to a new process by now.
 __device__ void RaiseAbortEverywhere(const Params& p, uint32_t code) {
   for (int d = 0; d < p.num_ranks; ++d) {
+    if (RankExcluded(p.plan, static_cast<uint32_t>(d))) continue;
     uint32_t expected = 0;
     cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(
         *reinterpret_cast<uint32_t*>(p.arenas[d] + p.off_abort))
@@ -416,9 +427,11 @@ __global__ void PlaceKernel(Params p) {
 }
 
 // Expert side of combine: block b sums, for source (rank + 1 + b) % R, each record's rows
-// (entries in k order) in fp32 and stores the bf16 partial into the source's arena.
+// (entries in k order) in fp32 and stores the bf16 partial into the source's arena. A
+// source the plan excludes sent nothing and gets nothing, not even a flag.
 __global__ void PartialKernel(Params p, const uint16_t* y) {
   const int s = (p.rank + 1 + blockIdx.x) % p.num_ranks;
+  if (RankExcluded(p.plan, static_cast<uint32_t>(s))) return;
   std::byte* own = p.arenas[p.rank];
   const int n = SourceCount(p, own, s);
   const int32_t* begin = p.record_begin + s * (p.max_tokens + 1);
@@ -474,9 +487,11 @@ bool CudaDeviceAvailable() {
 absl::StatusOr<std::unique_ptr<DeviceArena>> DeviceArena::Create(size_t bytes) {
   void* data = nullptr;
   UBEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&data, bytes));
+  // Owned from here on: a failure below frees it.
+  std::unique_ptr<DeviceArena> arena(new DeviceArena(static_cast<std::byte*>(data), true));
   UBEP_CUDA_RETURN_IF_ERROR(cudaMemset(data, 0, bytes));
   UBEP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
-  return std::unique_ptr<DeviceArena>(new DeviceArena(static_cast<std::byte*>(data), true));
+  return arena;
 }
 
 absl::StatusOr<std::unique_ptr<DeviceArena>> DeviceArena::OpenPeer(

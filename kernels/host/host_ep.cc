@@ -346,9 +346,11 @@ absl::Status HostEp::GiveUp(int peer, const char* what, uint32_t epoch) const {
   if (code == 0) {
     // This rank gives up first: tell every rank which peer it gave up on, so that ranks
     // stuck behind a survivor report the dead peer, not the survivor. The first reason
-    // raised wins; read back which one that was.
-    for (std::byte* arena : arenas_) {
-      RaiseAbort(arena, layout_, kAbortTimedOutBase + static_cast<uint32_t>(peer));
+    // raised wins; read back which one that was. Ranks the plan excludes are left alone:
+    // their arenas may belong to a new process by now.
+    for (size_t r = 0; r < arenas_.size(); ++r) {
+      if (!active_[r]) continue;
+      RaiseAbort(arenas_[r], layout_, kAbortTimedOutBase + static_cast<uint32_t>(peer));
     }
     code = LoadAcquire(AbortWord());
   }

@@ -76,6 +76,7 @@ std::vector<RankResult> HostReference(const EpConfig& c, const TestPlan& plan,
   Group group(host_config);
   std::vector<RankResult> results(c.num_ranks);
   group.RunAll([&](int r) {
+    if (RankExcluded(plan.header(), static_cast<uint32_t>(r))) return;
     const std::vector<uint16_t> x = Bf16Input(inputs[r]);
     DispatchOutput out;
     ASSERT_TRUE(group.ep(r).Dispatch({x.data(), inputs[r].topk_idx.data(),
@@ -158,7 +159,16 @@ std::string RunRank(const EpConfig& c, int rank, const TestPlan& plan, const Ran
   while (board->armed.load() < c.num_ranks && absl::Now() < armed_until) {
     absl::SleepFor(absl::Milliseconds(1));
   }
-  if (skip_dispatch) return finish("");
+  if (skip_dispatch) {
+    std::string error = finish("");
+    // A rank the plan excludes: every peer is done, and none wrote a byte into its arena.
+    if (RankExcluded(plan.header(), static_cast<uint32_t>(rank)) &&
+        Download((*arena)->data(), ArenaLayout(c).total_bytes) !=
+            std::vector<std::byte>(ArenaLayout(c).total_bytes)) {
+      error = "a peer wrote into the arena of a rank the plan excludes";
+    }
+    return error;
+  }
   CudaDispatchOutput out;
   absl::Status s = (*ep)->Dispatch({d_x, d_idx, d_w, in.num_tokens, 0,
                                     reinterpret_cast<const PlanTableHeader*>(d_plan),
@@ -257,6 +267,21 @@ TEST_P(CudaEpTest, AMissingPeerTimesOutWithItsName) {
                            c.protocol == Protocol::kBsp ? "dispatch, bsp" : "dispatch data",
                            ", call 1); is rank 1 alive?"));
   }
+}
+
+// Rank 3 of four is excluded (TestPlan::Excluding): the others match the host backend and
+// neither wait for rank 3 nor write into its arena.
+TEST_P(CudaEpTest, ARankThePlanExcludesIsNeitherWaitedForNorWritten) {
+  if (std::get<0>(GetParam()) != 4) GTEST_SKIP() << "a four-rank case";
+  EpConfig c = GpuConfig(4, std::get<1>(GetParam()));
+  c.slots_per_rank = 8;
+  c.timeout = absl::Seconds(5);
+  const TestPlan plan = TestPlan::Excluding(4, 8, c.num_experts, c.num_layers, 3);
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 24 + r, 6));
+  const std::vector<RankResult> expected = HostReference(c, plan, inputs);
+  const RunOutcome outcome = RunGroup(c, plan, inputs, &expected, /*dead_rank=*/3);
+  for (int r = 0; r < c.num_ranks; ++r) EXPECT_EQ(outcome.errors[r], "") << "rank " << r;
 }
 
 TEST_P(CudaEpTest, AnExpertIdOutOfRangeIsFlaggedWithoutStrayWrites) {

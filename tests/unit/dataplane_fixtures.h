@@ -54,10 +54,38 @@ struct TestPlan {
     return plan;
   }
 
-  void Build(int num_experts, uint64_t version = 1) {
+  // Slot p of num_ranks x slots_per_rank holds expert p % num_experts; `excluded_rank` is out
+  // of the group (its slots have share 0) and each expert's traffic is split evenly over its
+  // other slots, which must exist.
+  static TestPlan Excluding(int num_ranks, int slots_per_rank, int num_experts, int num_layers,
+                            int excluded_rank) {
+    TestPlan plan;
+    const int num_slots = num_ranks * slots_per_rank;
+    for (int l = 0; l < num_layers; ++l) {
+      std::vector<int> experts(num_slots), in_group(num_experts, 0);
+      for (int p = 0; p < num_slots; ++p) {
+        experts[p] = p % num_experts;
+        in_group[experts[p]] += p / slots_per_rank != excluded_rank;
+      }
+      std::vector<double> shares(num_slots);
+      for (int p = 0; p < num_slots; ++p) {
+        shares[p] = p / slots_per_rank == excluded_rank ? 0.0 : 1.0 / in_group[experts[p]];
+      }
+      plan.slot_expert.push_back(experts);
+      plan.slot_share.push_back(shares);
+    }
+    const int excluded[] = {excluded_rank};
+    plan.Build(num_experts, 1, num_ranks, excluded);
+    return plan;
+  }
+
+  // `excluded` ranks (of `num_ranks`) are out of the group; their slots need share 0.
+  void Build(int num_experts, uint64_t version = 1, int num_ranks = 0,
+             std::span<const int> excluded = {}) {
     std::vector<LayerRouting> layers;
     for (size_t l = 0; l < slot_expert.size(); ++l) layers.push_back({slot_expert[l], slot_share[l]});
-    absl::StatusOr<std::vector<std::byte>> built = BuildPlanTable(version, num_experts, layers);
+    absl::StatusOr<std::vector<std::byte>> built =
+        BuildPlanTable(version, num_experts, layers, num_ranks, excluded);
     EXPECT_TRUE(built.ok()) << built.status();
     table = *built;
   }
@@ -91,6 +119,7 @@ class Group {
   }
 
   HostEp& ep(int r) { return *eps_[r]; }
+  std::byte* arena(int r) { return arenas_[r].data(); }
   const EpConfig& config() const { return config_; }
 
  private:

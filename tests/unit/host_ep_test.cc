@@ -402,6 +402,39 @@ TEST(HostEpErrorTest, AMissingPeerTimesOutWithItsName) {
   }
 }
 
+// Rank 2 never shows up and the plan excludes rank 3: ranks 0 and 1 time out naming rank 2,
+// raise the abort word in each other's arenas, and leave rank 3's arena as it was.
+TEST(HostEpErrorTest, ATimeoutLeavesTheArenaOfARankThePlanExcludesAlone) {
+  EpConfig config = SmallConfig(Protocol::kUbep);
+  config.slots_per_rank = 8;
+  config.timeout = absl::Milliseconds(300);
+  Group group(config);
+  const TestPlan plan = TestPlan::Excluding(4, 8, config.num_experts, 2, 3);
+  const ArenaLayout layout(config);
+  const std::vector<std::byte> before(group.arena(3), group.arena(3) + layout.total_bytes);
+  std::vector<absl::Status> status(config.num_ranks);
+  group.RunAll([&](int r) {
+    if (r >= 2) return;
+    RankInput in = MakeInput(config, r, 8, 3);
+    DispatchOutput out;
+    status[r] = group.ep(r).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8,
+                                      config.hidden, 0, plan.header()},
+                                     out);
+  });
+  for (int r : {0, 1}) {
+    EXPECT_EQ(status[r],
+              absl::DeadlineExceededError(absl::StrCat(
+                  "rank ", r, ": timed out after 300ms waiting for rank 2 (dispatch data, call "
+                  "1); is rank 2 alive?")));
+  }
+  for (int r : {0, 1, 2}) {
+    EXPECT_EQ(*reinterpret_cast<const uint32_t*>(group.arena(r) + layout.abort),
+              kAbortTimedOutBase + 2)
+        << "rank " << r;
+  }
+  EXPECT_TRUE(std::equal(before.begin(), before.end(), group.arena(3)));
+}
+
 TEST(HostEpErrorTest, NoPlanInForceIsAClearError) {
   Group group(SmallConfig(Protocol::kBsp));
   const EpConfig& c = group.config();
