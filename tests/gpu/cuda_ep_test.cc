@@ -12,6 +12,7 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "kernels/cuda/cuda_ep.h"
+#include "tests/gpu/gpu_test_util.h"
 #include "tests/unit/dataplane_fixtures.h"
 
 namespace ubep::kernels {
@@ -30,15 +31,6 @@ struct RankResult {
   std::vector<float> weight;
   std::vector<uint16_t> recv_x, y, combined;
 };
-
-// Device checks run in a child: CUDA must not be initialized before the fork.
-bool DeviceInChild() {
-  const pid_t pid = fork();
-  if (pid == 0) _exit(CudaDeviceAvailable() ? 0 : 1);
-  int status = 0;
-  waitpid(pid, &status, 0);
-  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
-}
 
 EpConfig GpuConfig(int ranks, Protocol protocol) {
   EpConfig c = SmallConfig(protocol);
@@ -101,15 +93,15 @@ std::vector<RankResult> HostReference(const EpConfig& c, const TestPlan& plan,
 template <typename T>
 T* Upload(const std::vector<T>& v) {
   T* d = nullptr;
-  cudaMalloc(&d, std::max<size_t>(1, v.size()) * sizeof(T));
-  cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice);
+  UBEP_CHECK_CUDA(cudaMalloc(&d, std::max<size_t>(1, v.size()) * sizeof(T)));
+  UBEP_CHECK_CUDA(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
   return d;
 }
 
 template <typename T>
 std::vector<T> Download(const T* d, size_t n) {
   std::vector<T> v(n);
-  cudaMemcpy(v.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost);
+  UBEP_CHECK_CUDA(cudaMemcpy(v.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost));
   return v;
 }
 
@@ -117,7 +109,7 @@ std::vector<T> Download(const T* d, size_t n) {
 std::string RunRank(const EpConfig& c, int rank, const TestPlan& plan, const RankInput& in,
                     const RankResult* expected, Board* board, bool skip_dispatch,
                     absl::Status* status_out) {
-  cudaSetDevice(0);
+  UBEP_CHECK_CUDA(cudaSetDevice(0));
   absl::StatusOr<std::unique_ptr<DeviceArena>> arena =
       DeviceArena::Create(ArenaLayout(c).total_bytes);
   if (!arena.ok()) return std::string(arena.status().message());
@@ -152,7 +144,7 @@ std::string RunRank(const EpConfig& c, int rank, const TestPlan& plan, const Ran
   int32_t* d_idx = Upload(in.topk_idx);
   float* d_w = Upload(in.topk_w);
   std::byte* d_plan = Upload(plan.table);
-  cudaDeviceSynchronize();
+  UBEP_CHECK_CUDA(cudaDeviceSynchronize());
   // Every rank is set up before anyone's timeout starts, so only the dead rank can be late.
   board->armed.fetch_add(1);
   const absl::Time armed_until = absl::Now() + absl::Seconds(30);
@@ -239,7 +231,7 @@ RunOutcome RunGroup(const EpConfig& c, const TestPlan& plan, const std::vector<R
 class CudaEpTest : public ::testing::TestWithParam<std::tuple<int, Protocol>> {
  protected:
   void SetUp() override {
-    if (!DeviceInChild()) GTEST_SKIP() << "no CUDA device here";
+    if (!test::DeviceInChild()) GTEST_SKIP() << "no CUDA device here";
   }
 };
 

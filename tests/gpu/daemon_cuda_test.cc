@@ -1,9 +1,12 @@
 // ubepd --backend cuda end to end: VMM device arenas exported as fds, imported by libubep in
-// each rank, CUDA kernels through the library; every received row and every combined value
-// compared byte for byte with the host backend run on the same input. Label gpu; skips
+// each rank process, CUDA kernels through the library; every received row and every combined
+// value compared byte for byte with the host backend run on the same input. Label gpu; skips
 // cleanly without a CUDA device.
 #include <cuda_runtime.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <cstdio>
 #include <filesystem>
 #include <random>
 #include <thread>
@@ -14,6 +17,7 @@
 #include "kernels/cuda/cuda_ep.h"
 #include "kernels/host/host_ep.h"
 #include "kernels/host/shared_arena.h"
+#include "tests/gpu/gpu_test_util.h"
 #include "tests/integration/cluster.h"
 #include "tests/integration/process.h"
 #include "tests/unit/test_util.h"
@@ -53,13 +57,64 @@ struct Result {
   std::vector<uint16_t> rows, combined;
 };
 
+// What a rank process sends back.
+struct RankBoard {
+  int32_t slot_offsets[kSlots + 1];
+  int32_t num_rows;
+  uint16_t rows[kRanks * kTokens * kTopK * kHidden];  // At most every pair lands here.
+  uint16_t combined[kTokens * kHidden];
+};
+
+struct Board {
+  RankBoard result[kRanks];
+  char error[kRanks][256];
+};
+
+// One rank process: attaches to its daemon, dispatches and combines (identity experts) on
+// the GPU, fills `result`; returns "" or what went wrong.
+std::string RunRank(int r, const std::string& socket, const ModelShape& shape, const Input& in,
+                    RankBoard& result) {
+  int devices = 0;
+  UBEP_CHECK_CUDA(cudaGetDeviceCount(&devices));
+  ClientOptions options;
+  options.socket_path = socket;
+  absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(options, r, kRanks, r % devices, shape);
+  if (!rank.ok()) return std::string(rank.status().message());
+  void *x, *idx, *w, *out;
+  UBEP_CHECK_CUDA(cudaMalloc(&x, in.x.size() * 2));
+  UBEP_CHECK_CUDA(cudaMalloc(&idx, in.idx.size() * 4));
+  UBEP_CHECK_CUDA(cudaMalloc(&w, in.w.size() * 4));
+  UBEP_CHECK_CUDA(cudaMalloc(&out, in.x.size() * 2));
+  UBEP_CHECK_CUDA(cudaMemcpy(x, in.x.data(), in.x.size() * 2, cudaMemcpyHostToDevice));
+  UBEP_CHECK_CUDA(cudaMemcpy(idx, in.idx.data(), in.idx.size() * 4, cudaMemcpyHostToDevice));
+  UBEP_CHECK_CUDA(cudaMemcpy(w, in.w.data(), in.w.size() * 4, cudaMemcpyHostToDevice));
+  Dispatched d;
+  absl::Status s = (*rank)->BeginStep((*rank)->resume_step());
+  if (s.ok()) s = (*rank)->Dispatch(0, x, static_cast<int32_t*>(idx), static_cast<float*>(w), kTokens, d);
+  if (!s.ok()) return std::string(s.message());
+  if (d.slot_offsets().size() != kSlots + 1 ||
+      d.num_rows() > kRanks * kTokens * kTopK) {
+    return absl::StrCat(d.slot_offsets().size(), " slot offsets and ", d.num_rows(), " rows");
+  }
+  std::copy(d.slot_offsets().begin(), d.slot_offsets().end(), result.slot_offsets);
+  result.num_rows = d.num_rows();
+  UBEP_CHECK_CUDA(cudaMemcpy(result.rows, d.rows(),
+                             static_cast<size_t>(d.num_rows()) * kHidden * 2,
+                             cudaMemcpyDeviceToHost));
+  s = (*rank)->Combine(d, d.rows(), out);  // Identity experts.
+  if (!s.ok()) return std::string(s.message());
+  UBEP_CHECK_CUDA(cudaMemcpy(result.combined, out, in.x.size() * 2, cudaMemcpyDeviceToHost));
+  s = (*rank)->Detach();
+  if (!s.ok()) return std::string(s.message());
+  for (void* p : {x, idx, w, out}) UBEP_CHECK_CUDA(cudaFree(p));
+  return "";
+}
+
 // One ubepd hosting both ranks, or (two_daemons) a balancer and two ubepd hosting one rank
 // each: each daemon imports the other's device arenas (VMM fds over its fd socket) and the
 // group forms across them.
 void RunAndCompare(bool two_daemons) {
-  if (!kernels::CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device";
-  int devices = 0;
-  ASSERT_EQ(cudaGetDeviceCount(&devices), cudaSuccess);
+  if (!test::DeviceInChild()) GTEST_SKIP() << "no CUDA device";
   test::TempDir dir;
   const auto wait_ready = [&](const std::string& name) {
     return test::ReadyFile(dir.path() + "/" + name + ".ready", dir.path() + "/" + name + ".log");
@@ -105,51 +160,31 @@ void RunAndCompare(bool two_daemons) {
   std::vector<Input> inputs;
   for (int r = 0; r < kRanks; ++r) inputs.push_back(MakeInput(r));
 
-  // CUDA through libubep, ranks as threads.
-  std::vector<Result> gpu(kRanks);
-  std::vector<std::string> errors(kRanks);
-  std::vector<std::thread> threads;
+  // CUDA through libubep, each rank a process of its own, as a serving process would be;
+  // results come back through a shared board.
+  kernels::SharedArena board_arena = *kernels::SharedArena::Create("gpu-results", sizeof(Board));
+  Board* board = new (board_arena.data()) Board{};
+  std::vector<pid_t> pids;
   for (int r = 0; r < kRanks; ++r) {
-    threads.emplace_back([&, r] {
-      ClientOptions options;
-      options.socket_path = sockets[r];
-      absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(options, r, kRanks, r % devices, shape);
-      if (!rank.ok()) {
-        errors[r] = std::string(rank.status().message());
-        return;
-      }
-      const Input& in = inputs[r];
-      void *x, *idx, *w, *out;
-      cudaMalloc(&x, in.x.size() * 2);
-      cudaMalloc(&idx, in.idx.size() * 4);
-      cudaMalloc(&w, in.w.size() * 4);
-      cudaMalloc(&out, in.x.size() * 2);
-      cudaMemcpy(x, in.x.data(), in.x.size() * 2, cudaMemcpyHostToDevice);
-      cudaMemcpy(idx, in.idx.data(), in.idx.size() * 4, cudaMemcpyHostToDevice);
-      cudaMemcpy(w, in.w.data(), in.w.size() * 4, cudaMemcpyHostToDevice);
-      Dispatched d;
-      absl::Status s = (*rank)->BeginStep((*rank)->resume_step());
-      if (s.ok()) s = (*rank)->Dispatch(0, x, static_cast<int32_t*>(idx), static_cast<float*>(w), kTokens, d);
-      if (s.ok()) {
-        gpu[r].slot_offsets.assign(d.slot_offsets().begin(), d.slot_offsets().end());
-        gpu[r].rows.resize(static_cast<size_t>(d.num_rows()) * kHidden);
-        cudaMemcpy(gpu[r].rows.data(), d.rows(), gpu[r].rows.size() * 2, cudaMemcpyDeviceToHost);
-        s = (*rank)->Combine(d, d.rows(), out);  // Identity experts.
-      }
-      if (s.ok()) {
-        gpu[r].combined.resize(in.x.size());
-        cudaMemcpy(gpu[r].combined.data(), out, in.x.size() * 2, cudaMemcpyDeviceToHost);
-        s = (*rank)->Detach();
-      }
-      if (!s.ok()) errors[r] = std::string(s.message());
-      cudaFree(x);
-      cudaFree(idx);
-      cudaFree(w);
-      cudaFree(out);
-    });
+    const pid_t pid = fork();
+    if (pid == 0) {
+      const std::string error = RunRank(r, sockets[r], shape, inputs[r], board->result[r]);
+      std::snprintf(board->error[r], sizeof(board->error[r]), "%s", error.c_str());
+      _exit(error.empty() ? 0 : 3);
+    }
+    pids.push_back(pid);
   }
-  for (std::thread& t : threads) t.join();
-  for (int r = 0; r < kRanks; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
+  std::vector<Result> gpu(kRanks);
+  for (int r = 0; r < kRanks; ++r) {
+    int status = 0;
+    waitpid(pids[r], &status, 0);
+    ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+        << "rank " << r << " (wait status " << status << "): " << board->error[r];
+    const RankBoard& from = board->result[r];
+    gpu[r].slot_offsets.assign(from.slot_offsets, from.slot_offsets + kSlots + 1);
+    gpu[r].rows.assign(from.rows, from.rows + static_cast<size_t>(from.num_rows) * kHidden);
+    gpu[r].combined.assign(from.combined, from.combined + kTokens * kHidden);
+  }
 
   // The host backend on the same input and the daemon's round-robin plan.
   kernels::EpConfig config;
@@ -177,7 +212,7 @@ void RunAndCompare(bool two_daemons) {
     bases.push_back(arenas.back().data());
   }
   std::vector<Result> host(kRanks);
-  threads.clear();
+  std::vector<std::thread> threads;
   for (int r = 0; r < kRanks; ++r) {
     threads.emplace_back([&, r] {
       auto ep = *kernels::HostEp::Create(config, r, bases);
