@@ -1,8 +1,8 @@
 // ubep-bench-cuda: dispatch and combine on the CUDA backend, ranks as processes sharing one
 // GPU (CUDA IPC), next to a device-to-device copy of the same bytes measured in the same run.
-// Prints a JSON array: per (ranks, tokens, hidden) and protocol (ubep_cuda, bsp_cuda, on the
-// same input): p50_us/p99_us of dispatch+combine (slowest
-// rank), bytes_moved, GB/s, and the D2D copy's GB/s.
+// Prints a JSON array, one row per line as each case finishes: per (ranks, tokens, hidden) and
+// protocol (ubep_cuda, bsp_cuda, on the same input): p50_us/p99_us of dispatch+combine
+// (slowest rank), bytes_moved, GB/s, and the D2D copy's GB/s.
 //
 //   ubep-bench-cuda [--ranks 2,4,8] [--tokens 128] [--hidden 7168] [--iters 50]
 #include <cuda_runtime.h>
@@ -54,7 +54,12 @@ int RankMain(const bench::Case& c, Protocol protocol, int rank, int iters,
     while (board->done.load() < c.ranks && absl::Now() < until) usleep(100);
     return 3;
   };
-  cudaSetDevice(0);
+// A CUDA call that fails ends the rank with the call and the error.
+#define BENCH_CUDA(call)                                                          \
+  if (const cudaError_t error_ = (call); error_ != cudaSuccess) {                 \
+    return fail(std::string(#call) + ": " + cudaGetErrorString(error_));          \
+  }
+  BENCH_CUDA(cudaSetDevice(0));
   const EpConfig config{.num_ranks = c.ranks, .max_tokens = c.tokens, .hidden = c.hidden,
                         .top_k = bench::kTopK, .num_experts = bench::kExperts,
                         .slots_per_rank = bench::kExperts / c.ranks, .num_layers = 1,
@@ -85,15 +90,15 @@ int RankMain(const bench::Case& c, Protocol protocol, int rank, int iters,
   const std::vector<float> w(idx.size(), 1.0f / bench::kTopK);
   const std::vector<std::byte> plan = bench::ExpertParallelPlan();
   void *d_x, *d_idx, *d_w, *d_plan, *d_out;
-  cudaMalloc(&d_x, static_cast<size_t>(c.tokens) * c.hidden * 2);
-  cudaMemset(d_x, 0x3f, static_cast<size_t>(c.tokens) * c.hidden * 2);
-  cudaMalloc(&d_out, static_cast<size_t>(c.tokens) * c.hidden * 2);
-  cudaMalloc(&d_idx, idx.size() * 4);
-  cudaMemcpy(d_idx, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice);
-  cudaMalloc(&d_w, w.size() * 4);
-  cudaMemcpy(d_w, w.data(), w.size() * 4, cudaMemcpyHostToDevice);
-  cudaMalloc(&d_plan, plan.size());
-  cudaMemcpy(d_plan, plan.data(), plan.size(), cudaMemcpyHostToDevice);
+  BENCH_CUDA(cudaMalloc(&d_x, static_cast<size_t>(c.tokens) * c.hidden * 2));
+  BENCH_CUDA(cudaMemset(d_x, 0x3f, static_cast<size_t>(c.tokens) * c.hidden * 2));
+  BENCH_CUDA(cudaMalloc(&d_out, static_cast<size_t>(c.tokens) * c.hidden * 2));
+  BENCH_CUDA(cudaMalloc(&d_idx, idx.size() * 4));
+  BENCH_CUDA(cudaMemcpy(d_idx, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMalloc(&d_w, w.size() * 4));
+  BENCH_CUDA(cudaMemcpy(d_w, w.data(), w.size() * 4, cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMalloc(&d_plan, plan.size()));
+  BENCH_CUDA(cudaMemcpy(d_plan, plan.data(), plan.size(), cudaMemcpyHostToDevice));
   const auto* host_plan = reinterpret_cast<const PlanTableHeader*>(plan.data());
   // Bytes that cross: one row per (token, destination), out and back, bf16.
   uint64_t records = 0;
@@ -106,7 +111,7 @@ int RankMain(const bench::Case& c, Protocol protocol, int rank, int iters,
     }
     records += dests.size();
   }
-  cudaDeviceSynchronize();
+  BENCH_CUDA(cudaDeviceSynchronize());
   while (board->go.load() == 0 && absl::Now() < give_up) usleep(100);
   CudaDispatchOutput out;
   for (int i = 0; i < kWarmup + iters; ++i) {
@@ -128,23 +133,24 @@ int RankMain(const bench::Case& c, Protocol protocol, int rank, int iters,
     // Reference: a device-to-device copy of this rank's bytes.
     const size_t n = std::max<uint64_t>(board->bytes[0], 1 << 20);
     void *a, *b;
-    cudaMalloc(&a, n);
-    cudaMalloc(&b, n);
+    BENCH_CUDA(cudaMalloc(&a, n));
+    BENCH_CUDA(cudaMalloc(&b, n));
     cudaEvent_t e0, e1;
-    cudaEventCreate(&e0);
-    cudaEventCreate(&e1);
-    cudaEventRecord(e0);
-    for (int i = 0; i < 20; ++i) cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice);
-    cudaEventRecord(e1);
-    cudaEventSynchronize(e1);
+    BENCH_CUDA(cudaEventCreate(&e0));
+    BENCH_CUDA(cudaEventCreate(&e1));
+    BENCH_CUDA(cudaEventRecord(e0));
+    for (int i = 0; i < 20; ++i) BENCH_CUDA(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice));
+    BENCH_CUDA(cudaEventRecord(e1));
+    BENCH_CUDA(cudaEventSynchronize(e1));
     float ms = 0;
-    cudaEventElapsedTime(&ms, e0, e1);
+    BENCH_CUDA(cudaEventElapsedTime(&ms, e0, e1));
     board->copy_gbps = 20.0 * n / (ms * 1e6);
   }
   board->done.fetch_add(1);
   const absl::Time end = absl::Now() + absl::Seconds(120);
   while (board->done.load() < c.ranks && absl::Now() < end) usleep(100);
   return 0;
+#undef BENCH_CUDA
 }
 
 }  // namespace
@@ -178,7 +184,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "ubep-bench-cuda: %s\n", std::string(skew.status().message()).c_str());
     return 2;
   }
-  nlohmann::json results = nlohmann::json::array();
+  // Each row is printed as soon as its case is done, so that a run cut short by a time limit
+  // still leaves the cases it finished.
+  bool first_row = true;
+  std::printf("[");
   for (int r : ranks) {
     if (ubep::bench::kExperts % r != 0) {
       std::fprintf(stderr, "ranks %d: 256 experts do not divide evenly; skipped\n", r);
@@ -217,9 +226,11 @@ int main(int argc, char** argv) {
         row["gbps"] = bytes / (p50 * 1e3);
         row["d2d_copy_gbps"] = board->copy_gbps;
       }
-      results.push_back(row);
+      std::printf("%s\n %s", first_row ? "" : ",", row.dump().c_str());
+      std::fflush(stdout);
+      first_row = false;
     }
   }
-  std::printf("%s\n", results.dump(1).c_str());
+  std::printf("\n]\n");
   return 0;
 }
