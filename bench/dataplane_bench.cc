@@ -6,7 +6,8 @@
 //   ubep-bench-dataplane [--json] [--iters N] [--cases decode|prefill|all] [--ranks 4,8]
 //                        [--hidden 7168,2048] [--methods ubep,bsp,mpi_alltoallv,memcpy]
 //
-// One iteration is one dispatch followed by one combine on every rank; its latency is the
+// One iteration is one dispatch followed by one combine on every rank, all ranks starting
+// together (an untimed start line, as the MPI baseline's MPI_Barrier); its latency is the
 // slowest rank's. Reported per case and method: p50_us, p99_us over N iterations after warm-up,
 // bytes_moved (rows stored into peers' arenas by dispatch plus partial rows stored back by
 // combine, all ranks). ubep and bsp run in alternating rounds of N/4 iterations each (a fresh
@@ -27,11 +28,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
 #include "bench/dataplane_inputs.h"
 #include "common/percentile.h"
 #include "kernels/common/routing.h"
 #include "kernels/host/host_ep.h"
 #include "kernels/host/shared_arena.h"
+#include "kernels/host/signal.h"
 #include "nlohmann/json.hpp"
 
 namespace ubep::kernels {
@@ -46,6 +49,8 @@ constexpr int kWarmup = 5;
 struct Board {
   std::atomic<int> ready;
   std::atomic<int> go;
+  uint32_t arrived;   // Ranks at the start line of the next iteration (AlignStart).
+  uint32_t released;  // Iterations whose start line every rank has passed.
   double us[kMaxIters][kMaxRanks];
   uint64_t bytes[kMaxRanks];
   int failed;
@@ -56,6 +61,18 @@ int64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
+}
+
+// The start line of iteration `round` (1-based): every rank leaves once all have arrived, as
+// the MPI baseline's MPI_Barrier before each iteration, so no method's latency carries the
+// previous iteration's skew between ranks. Untimed.
+bool AlignStart(Board* board, int ranks, uint32_t round) {
+  if (std::atomic_ref<uint32_t>(board->arrived).fetch_add(1) + 1 == static_cast<uint32_t>(ranks)) {
+    std::atomic_ref<uint32_t>(board->arrived).store(0);
+    Signal(&board->released, round);
+    return true;
+  }
+  return WaitEpoch(&board->released, round, absl::Now() + absl::Seconds(120)).ok();
 }
 
 int RankMain(const Case& c, const EpConfig& config, int rank, std::vector<std::byte*> arenas,
@@ -74,9 +91,15 @@ int RankMain(const Case& c, const EpConfig& config, int rank, std::vector<std::b
   const int64_t give_up = NowNs() + int64_t{120} * 1'000'000'000;
   while (board->go.load() == 0 && NowNs() < give_up) usleep(100);
   for (int i = 0; i < kWarmup + iters; ++i) {
+    if (!AlignStart(board, c.ranks, static_cast<uint32_t>(i + 1))) {
+      board->failed = 1;
+      std::snprintf(board->error, sizeof(board->error),
+                    "rank %d: a peer never reached the start line of iteration %d", rank, i + 1);
+      return 3;
+    }
     const int64_t start = NowNs();
-    absl::Status s = (*ep)->Dispatch(
-        {x.data(), idx.data(), w.data(), c.tokens, c.hidden, 0, table}, dispatched);
+    absl::Status s =
+        (*ep)->Dispatch({x.data(), idx.data(), w.data(), c.tokens, c.hidden, 0, table}, dispatched);
     if (s.ok()) s = (*ep)->Combine(dispatched, dispatched.recv_x.data(), out.data());
     if (!s.ok()) {
       board->failed = 1;
@@ -100,7 +123,6 @@ struct Result {
   std::string error;
   std::vector<double> latency_us{};  // Per iteration, the slowest rank's.
 };
-
 
 Result RunHost(const Case& c, Protocol protocol, const std::vector<double>& skew, int iters) {
   EpConfig config{.num_ranks = c.ranks,
@@ -181,10 +203,10 @@ std::pair<Result, Result> RunProtocols(const Case& c, bool with_bsp,
 // The MPI_Alltoallv baseline: ubep-bench-mpi under mpirun, on the same routing and bytes.
 Result RunMpi(const Case& c, int iters) {
 #ifdef UBEP_MPIRUN
-  const std::string command = absl::StrCat(
-      UBEP_MPIRUN, " --allow-run-as-root --oversubscribe --bind-to none -np ", c.ranks, " ",
-      UBEP_BENCH_MPI, " --tokens ", c.tokens, " --hidden ", c.hidden, " --routing ", c.routing,
-      " --iters ", iters, " 2>&1");
+  const std::string command =
+      absl::StrCat(UBEP_MPIRUN, " --allow-run-as-root --oversubscribe --bind-to none -np ", c.ranks,
+                   " ", UBEP_BENCH_MPI, " --tokens ", c.tokens, " --hidden ", c.hidden,
+                   " --routing ", c.routing, " --iters ", iters, " 2>&1");
   FILE* pipe = popen(command.c_str(), "r");
   if (pipe == nullptr) return {.error = "cannot start mpirun"};
   std::string output;
@@ -276,8 +298,8 @@ int main(int argc, char** argv) {
     for (int ranks : rank_counts) {
       for (int hidden : hiddens) {
         for (const char* routing : {"uniform", "skewed"}) {
-          cases.push_back({name, ranks, std::string(name) == "decode" ? 128 : 4096, hidden,
-                           routing});
+          cases.push_back(
+              {name, ranks, std::string(name) == "decode" ? 128 : 4096, hidden, routing});
         }
       }
     }
@@ -292,18 +314,16 @@ int main(int argc, char** argv) {
     const Result mpi = wanted("mpi_alltoallv") ? RunMpi(c, iters) : Result{};
     const Result copy = RunMemcpy(ubep.bytes / std::max(1, c.ranks), iters);
     // All ranks' bytes over ubep's time, against one core copying one rank's bytes.
-    const double rate_vs_memcpy =
-        ubep.p50_us > 0 ? (copy.p50_us * c.ranks) / ubep.p50_us : 0.0;
+    const double rate_vs_memcpy = ubep.p50_us > 0 ? (copy.p50_us * c.ranks) / ubep.p50_us : 0.0;
     for (const auto& [method, r] : {std::pair<const char*, const Result&>{"ubep", ubep},
                                     {"bsp", bsp},
                                     {"mpi_alltoallv", mpi},
                                     {"memcpy", copy}}) {
       if (!wanted(method)) continue;
-      nlohmann::json row = {{"method", method},     {"case", c.name},
-                            {"ranks", c.ranks},     {"tokens", c.tokens},
-                            {"hidden", c.hidden},   {"routing", c.routing},
-                            {"p50_us", r.p50_us},   {"p99_us", r.p99_us},
-                            {"bytes_moved", r.bytes}, {"iters", iters}};
+      nlohmann::json row = {{"method", method},   {"case", c.name},     {"ranks", c.ranks},
+                            {"tokens", c.tokens}, {"hidden", c.hidden}, {"routing", c.routing},
+                            {"p50_us", r.p50_us}, {"p99_us", r.p99_us}, {"bytes_moved", r.bytes},
+                            {"iters", iters}};
       if (std::string(method) == "ubep") row["rate_vs_memcpy"] = rate_vs_memcpy;
       if (!r.error.empty()) row["error"] = r.error;
       out.push_back(row);
