@@ -47,15 +47,20 @@ constexpr int kMaxIters = 1000;
 constexpr int kWarmup = 5;
 
 struct Board {
-  std::atomic<int> ready;
-  std::atomic<int> go;
   uint32_t arrived;   // Ranks at the start line of the next iteration (AlignStart).
   uint32_t released;  // Iterations whose start line every rank has passed.
   double us[kMaxIters][kMaxRanks];
   uint64_t bytes[kMaxRanks];
-  int failed;
-  char error[256];
+  int failed;       // Set once, by the first rank that fails (Fail).
+  char error[256];  // That rank's error.
 };
+
+// Records this rank's error unless another rank's came first (the first is the cause; the
+// others are usually peers timing out behind it).
+void Fail(Board* board, const std::string& error) {
+  if (std::atomic_ref<int>(board->failed).exchange(1) != 0) return;
+  std::snprintf(board->error, sizeof(board->error), "%s", error.c_str());
+}
 
 int64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -79,7 +84,10 @@ int RankMain(const Case& c, const EpConfig& config, int rank, std::vector<std::b
              const std::vector<std::byte>& plan, const std::vector<double>& skew, int iters,
              Board* board) {
   absl::StatusOr<std::unique_ptr<HostEp>> ep = HostEp::Create(config, rank, arenas);
-  if (!ep.ok()) return 3;
+  if (!ep.ok()) {
+    Fail(board, std::string(ep.status().message()));
+    return 3;
+  }
   const int K = config.top_k;
   std::vector<uint16_t> x(static_cast<size_t>(c.tokens) * c.hidden, 0x3f80);  // bf16 1.0
   std::vector<uint16_t> out(x.size());
@@ -87,14 +95,10 @@ int RankMain(const Case& c, const EpConfig& config, int rank, std::vector<std::b
   const std::vector<float> w(idx.size(), 1.0f / K);
   const auto* table = reinterpret_cast<const PlanTableHeader*>(plan.data());
   DispatchOutput dispatched;
-  board->ready.fetch_add(1);
-  const int64_t give_up = NowNs() + int64_t{120} * 1'000'000'000;
-  while (board->go.load() == 0 && NowNs() < give_up) usleep(100);
   for (int i = 0; i < kWarmup + iters; ++i) {
     if (!AlignStart(board, c.ranks, static_cast<uint32_t>(i + 1))) {
-      board->failed = 1;
-      std::snprintf(board->error, sizeof(board->error),
-                    "rank %d: a peer never reached the start line of iteration %d", rank, i + 1);
+      Fail(board, absl::StrCat("rank ", rank, ": a peer never reached the start line of iteration ",
+                               i + 1));
       return 3;
     }
     const int64_t start = NowNs();
@@ -102,8 +106,7 @@ int RankMain(const Case& c, const EpConfig& config, int rank, std::vector<std::b
         (*ep)->Dispatch({x.data(), idx.data(), w.data(), c.tokens, c.hidden, 0, table}, dispatched);
     if (s.ok()) s = (*ep)->Combine(dispatched, dispatched.recv_x.data(), out.data());
     if (!s.ok()) {
-      board->failed = 1;
-      std::snprintf(board->error, sizeof(board->error), "%s", std::string(s.message()).c_str());
+      Fail(board, std::string(s.message()));
       return 3;
     }
     if (i >= kWarmup) board->us[i - kWarmup][rank] = (NowNs() - start) / 1e3;
@@ -153,10 +156,13 @@ Result RunHost(const Case& c, Protocol protocol, const std::vector<double>& skew
     if (pid == 0) _exit(RankMain(c, config, r, pointers, plan, skew, iters, board));
     pids.push_back(pid);
   }
-  const int64_t give_up = NowNs() + int64_t{120} * 1'000'000'000;
-  while (board->ready.load() < c.ranks && NowNs() < give_up) usleep(1000);
-  board->go.store(1);
-  for (pid_t pid : pids) waitpid(pid, nullptr, 0);
+  for (int r = 0; r < c.ranks; ++r) {
+    int status = 0;
+    waitpid(pids[r], &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      Fail(board, absl::StrCat("rank ", r, " ended abnormally (wait status ", status, ")"));
+    }
+  }
   Result result;
   if (board->failed) {
     result.error = board->error;
