@@ -3,18 +3,21 @@
 //
 // A unit is one row store: (token, destination). Units are numbered token-major: token 0's
 // destinations, then token 1's, and so on, each token's destinations in visiting order
-// (VisitPosition). Sender i of n takes the contiguous units [SplitBegin(i), SplitBegin(i + 1)),
-// so any two senders differ by at most one unit, and since a token of a top-k router goes to
-// several ranks, every sender's share mixes destinations instead of one sender owning one
-// peer (on a single machine, or a single NVLink domain, every destination is one hop away;
-// the visiting order is where a topology with hops would put near and far destinations in
-// turn).
+// (VisitPosition). Sender i of n takes the contiguous units [SplitBegin(i), SplitBegin(i + 1))
+// of each batch (below), so any two senders differ by at most one unit, and since a token of
+// a top-k router goes to several ranks, every sender's share mixes destinations instead of
+// one sender owning one peer (on a single machine, or a single NVLink domain, every
+// destination is one hop away; the visiting order is where a topology with hops would put
+// near and far destinations in turn).
 //
-// A destination's data is complete when every sender that stored into it is done. Each sender
-// adds the units it stored for destination d to a per-destination count; the sender whose
-// addition brings the count to d's record total publishes d (count word, then the epoch flag).
-// The addition is an acquire-release read-modify-write, so every earlier sender's stores
-// happen before the publishing sender's flag (docs/dataplane.md, "Memory ordering").
+// A destination's data is complete when counting is done and every sender that stored into it
+// is done. Each sender adds the units it stored for destination d to a per-destination count,
+// and the counting role, when it has counted every token, adds kCountedBias; whoever's
+// addition brings the count to kCountedBias plus d's record total publishes d (count word,
+// then the epoch flag). The additions are acquire-release read-modify-writes, so the counting
+// role's record total and every earlier sender's stores happen before the publishing flag
+// (docs/dataplane.md, "Memory ordering"). A destination with no record is published by the
+// counting role at once.
 #ifndef UBEP_KERNELS_COMMON_SEND_SPLIT_H_
 #define UBEP_KERNELS_COMMON_SEND_SPLIT_H_
 
@@ -28,6 +31,28 @@ namespace ubep::kernels {
 // `units`). Shares are floor or ceiling of units / senders, the larger ones last.
 UBEP_HD inline int64_t SplitBegin(int64_t units, int senders, int i) {
   return units * i / senders;
+}
+
+// Counting runs ahead of sending in batches of tokens: batch b holds tokens
+// [b * BatchTokens(T), (b + 1) * BatchTokens(T)) of a dispatch of T tokens. After counting
+// batch b, the counting role hands the senders the units up to BatchEnd: every unit of the
+// batch's tokens and the earlier ones, rounded down to a multiple of the senders except after
+// the last batch. Each sender takes its SplitBegin share of every batch's units, so the shares
+// are equal in every batch but the last, and any two senders still differ by at most one unit
+// over the whole dispatch.
+constexpr int kMaxSendBatches = 16;
+constexpr int64_t kCountedBias = int64_t{1} << 40;  // Above any unit count.
+constexpr int kMinBatchTokens = 32;
+UBEP_HD inline int BatchTokens(int num_tokens) {
+  const int even = (num_tokens + kMaxSendBatches - 1) / kMaxSendBatches;
+  return even < kMinBatchTokens ? kMinBatchTokens : even;
+}
+UBEP_HD inline int NumBatches(int num_tokens) {
+  return (num_tokens + BatchTokens(num_tokens) - 1) / BatchTokens(num_tokens);
+}
+// `units_so_far`: the units of the tokens of batches 0 .. b.
+UBEP_HD inline int64_t BatchEnd(int64_t units_so_far, bool last_batch, int senders) {
+  return last_batch ? units_so_far : units_so_far / senders * senders;
 }
 
 // A source rank visits destinations starting after itself (rank + 1, rank + 2, ..., rank), so

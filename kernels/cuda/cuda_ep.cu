@@ -190,45 +190,55 @@ __global__ void UnitScanKernel(Params p) {
   if (threadIdx.x == 0) p.unit_begin[p.num_tokens] = base;
 }
 
-// Sender role: block b of the grid stores units [SplitBegin(b), SplitBegin(b + 1)) (any two
-// blocks within one row of each other, every block's share spread over destinations), a warp
-// per unit, 16 bytes per lane. Then, per destination it stored into, the block adds its
-// count to published[d]; the block that completes d stores d's count and raises its flag.
+// Sender role: block b of the grid stores its SplitBegin share of every batch of units
+// (send_split.h: any two blocks within one row of each other, every block's share spread over
+// destinations), a warp per unit, 16 bytes per lane. Then, per destination it stored into,
+// the block adds its count to published[d]; the block that completes d stores d's count and
+// raises its flag.
 __global__ void RowKernel(Params p) {
   extern __shared__ int32_t stored[];  // [num_ranks]
   const int R = p.num_ranks;
   for (int d = threadIdx.x; d < R; d += blockDim.x) stored[d] = 0;
   __syncthreads();
-  const int64_t units = p.unit_begin[p.num_tokens];
-  const int64_t begin = SplitBegin(units, gridDim.x, blockIdx.x);
-  const int64_t end = SplitBegin(units, gridDim.x, blockIdx.x + 1);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  for (int64_t u = begin + warp; u < end; u += warps) {
-    const int t = TokenOfUnit(p.unit_begin, p.num_tokens, u);
-    // The unit is the token's q-th destination in visiting order: find it 32 at a time.
-    int q = static_cast<int>(u - p.unit_begin[t]);
-    int d = -1;
-    for (int first = 0; first < R && d < 0; first += 32) {
-      const int position = first + lane;
-      const bool has = position < R &&
-                       p.token_route[t * R + VisitDest(p.rank, position, R)] >= 0;
-      unsigned mask = __ballot_sync(0xffffffffu, has);
-      const int here = __popc(mask);
-      if (q < here) {
-        for (int skip = 0; skip < q; ++skip) mask &= mask - 1;
-        d = VisitDest(p.rank, first + __ffs(mask) - 1, R);
-      } else {
-        q -= here;
+  // The batches of send_split.h, as the host's senders take them (here counting is done
+  // before this kernel starts, so every batch is ready).
+  const int num_batches = NumBatches(p.num_tokens), per_batch = BatchTokens(p.num_tokens);
+  int64_t batch_begin = 0;
+  for (int b = 0; b < num_batches; ++b) {
+    const int last_token = min(p.num_tokens, (b + 1) * per_batch);
+    const int64_t batch_end =
+        BatchEnd(p.unit_begin[last_token], b + 1 == num_batches, static_cast<int>(gridDim.x));
+    const int64_t begin = batch_begin + SplitBegin(batch_end - batch_begin, gridDim.x, blockIdx.x);
+    const int64_t end =
+        batch_begin + SplitBegin(batch_end - batch_begin, gridDim.x, blockIdx.x + 1);
+    batch_begin = batch_end;
+    for (int64_t u = begin + warp; u < end; u += warps) {
+      const int t = TokenOfUnit(p.unit_begin, p.num_tokens, u);
+      // The unit is the token's q-th destination in visiting order: find it 32 at a time.
+      int q = static_cast<int>(u - p.unit_begin[t]);
+      int d = -1;
+      for (int first = 0; first < R && d < 0; first += 32) {
+        const int position = first + lane;
+        const bool has = position < R && p.token_route[t * R + VisitDest(p.rank, position, R)] >= 0;
+        unsigned mask = __ballot_sync(0xffffffffu, has);
+        const int here = __popc(mask);
+        if (q < here) {
+          for (int skip = 0; skip < q; ++skip) mask &= mask - 1;
+          d = VisitDest(p.rank, first + __ffs(mask) - 1, R);
+        } else {
+          q -= here;
+        }
       }
+      const int j = p.token_route[t * R + d];
+      const auto* from = reinterpret_cast<const uint4*>(reinterpret_cast<const std::byte*>(p.x) +
+                                                        static_cast<size_t>(t) * p.row_bytes);
+      auto* to =
+          reinterpret_cast<uint4*>(p.arenas[d] + p.off_rows +
+                                   (static_cast<size_t>(p.rank) * p.max_tokens + j) * p.row_bytes);
+      for (size_t i = lane; i < p.row_bytes / 16; i += 32) to[i] = from[i];
+      if (lane == 0) atomicAdd(&stored[d], 1);
     }
-    const int j = p.token_route[t * R + d];
-    const auto* from = reinterpret_cast<const uint4*>(reinterpret_cast<const std::byte*>(p.x) +
-                                                      static_cast<size_t>(t) * p.row_bytes);
-    auto* to = reinterpret_cast<uint4*>(p.arenas[d] + p.off_rows +
-                                        (static_cast<size_t>(p.rank) * p.max_tokens + j) *
-                                            p.row_bytes);
-    for (size_t i = lane; i < p.row_bytes / 16; i += 32) to[i] = from[i];
-    if (lane == 0) atomicAdd(&stored[d], 1);
   }
   __syncthreads();
   for (int d = threadIdx.x; d < R; d += blockDim.x) {
@@ -237,10 +247,9 @@ __global__ void RowKernel(Params p) {
     // Every thread's stores precede the barrier above; the system fence orders them before
     // this addition, and the acq_rel addition orders every earlier block's before the flag.
     __threadfence_system();
-    const int32_t total =
-        cuda::atomic_ref<int32_t, cuda::thread_scope_system>(p.published[d])
-            .fetch_add(mine, cuda::memory_order_acq_rel) +
-        mine;
+    const int32_t total = cuda::atomic_ref<int32_t, cuda::thread_scope_system>(p.published[d])
+                              .fetch_add(mine, cuda::memory_order_acq_rel) +
+                          mine;
     if (total == p.dest_records[d]) {
       std::byte* arena = p.arenas[d];
       reinterpret_cast<uint32_t*>(arena + p.off_counts)[p.rank] = static_cast<uint32_t>(total);

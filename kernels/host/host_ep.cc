@@ -1,5 +1,6 @@
 #include "kernels/host/host_ep.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
@@ -154,9 +155,10 @@ HostEp::HostEp(const EpConfig& config, int rank, std::vector<std::byte*> arenas)
       layout_(config),
       rank_(rank),
       arenas_(std::move(arenas)),
-      send_tokens_(config.num_ranks),
-      send_entries_(config.num_ranks),
-      send_counts_(config.num_ranks) {
+      units_(static_cast<size_t>(config.max_tokens) * std::min(config.top_k, config.num_ranks)),
+      entries_(static_cast<size_t>(config.max_tokens) * config.top_k),
+      batch_end_(kMaxSendBatches),
+      dest_records_(config.num_ranks) {
   // Resume the epochs this arena has seen, so a restarted rank continues its peers' count.
   auto* own = arenas_[rank_];
   dispatch_epoch_ = LoadAcquire(reinterpret_cast<uint32_t*>(own + layout_.dispatch_flag +
@@ -174,8 +176,9 @@ HostEp::HostEp(const EpConfig& config, int rank, std::vector<std::byte*> arenas)
   }
   const int senders = senders_ != nullptr ? senders_->size() : 1;
   shares_.assign(senders, Share{std::vector<int32_t>(config.num_ranks, 0),
-                               std::vector<int32_t>(config.num_ranks, 0)});
-  published_ = std::make_unique<std::atomic<int32_t>[]>(config.num_ranks);
+                               std::vector<int32_t>(config.num_ranks, 0),
+                               std::vector<int32_t>(units_.size())});
+  published_ = std::make_unique<std::atomic<int64_t>[]>(config.num_ranks);
 }
 
 HostEp::~HostEp() = default;
@@ -242,32 +245,28 @@ absl::Status HostEp::Validate(const DispatchInput& in) const {
   return absl::OkStatus();
 }
 
-void HostEp::BuildSendLists(const DispatchInput& in) {
+void HostEp::CountBatch(const DispatchInput& in, int batch, int num_batches, int senders) {
   const int K = config_.top_k, S = config_.slots_per_rank, R = config_.num_ranks;
-  for (int d = 0; d < R; ++d) {
-    send_tokens_[d].clear();
-    send_entries_[d].clear();
-    send_counts_[d].clear();
-  }
-  units_.clear();
+  const int per_batch = BatchTokens(in.num_tokens);
+  const int first = batch * per_batch, last = std::min(in.num_tokens, first + per_batch);
+  int64_t u = num_units_;
+  int32_t pair_dest[kMaxTopK], pair_slot[kMaxTopK];
   int dests[kMaxTopK];
-  for (int t = 0; t < in.num_tokens; ++t) {
+  for (int t = first; t < last; ++t) {
     int num_dests = 0;
     for (int k = 0; k < K; ++k) {
+      pair_dest[k] = -1;
       const int32_t e = in.topk_idx[t * K + k];
       if (e < 0) continue;
       const uint32_t p = RouteSlot(in.plan, in.layer, rank_, t, k, e);
       const int d = static_cast<int>(p) / S;
+      // A plan routes nothing to a rank it excludes; should one, the pair is dropped (as on
+      // the GPU), since that rank's arena may belong to a new process by now.
+      if (!active_[d]) continue;
+      pair_dest[k] = d;
+      pair_slot[k] = static_cast<int32_t>(p % S);
       // De-duplication: one record (and one row on the bus) per (token, destination).
-      if (send_tokens_[d].empty() || send_tokens_[d].back() != t) {
-        send_tokens_[d].push_back(t);
-        send_counts_[d].push_back(0);
-        send_entries_[d].resize(send_entries_[d].size() + K);
-        if (active_[d]) dests[num_dests++] = d;
-      }
-      const size_t base = (send_tokens_[d].size() - 1) * K;
-      send_entries_[d][base + send_counts_[d].back()++] = {static_cast<int32_t>(p % S),
-                                                           in.topk_weights[t * K + k]};
+      if (std::find(dests, dests + num_dests, d) == dests + num_dests) dests[num_dests++] = d;
     }
     // The token's units, destinations in visiting order (insertion sort: at most top_k).
     for (int i = 1; i < num_dests; ++i) {
@@ -277,57 +276,110 @@ void HostEp::BuildSendLists(const DispatchInput& in) {
         std::swap(dests[j], dests[j - 1]);
       }
     }
+    RecordEntry* entries = &entries_[static_cast<size_t>(t) * K];
+    int next = 0;
     for (int i = 0; i < num_dests; ++i) {
-      units_.emplace_back(dests[i], static_cast<int32_t>(send_tokens_[dests[i]].size() - 1));
+      const int d = dests[i];
+      const int begin = next;
+      for (int k = 0; k < K; ++k) {
+        if (pair_dest[k] == d) entries[next++] = {pair_slot[k], in.topk_weights[t * K + k]};
+      }
+      units_[u++] = {d, dest_records_[d]++, t, static_cast<uint16_t>(begin),
+                     static_cast<uint16_t>(next - begin)};
+    }
+  }
+  num_units_ = u;
+  batch_end_[batch] = BatchEnd(u, batch + 1 == num_batches, senders);
+  // Hand the batch over: a release store (and a wake when the senders are threads).
+  if (senders_ != nullptr) {
+    Signal(&batches_, batches_ + 1);
+  } else {
+    ++batches_;
+  }
+}
+
+void HostEp::FinishCounting(uint32_t epoch, bool publish) {
+  if (!publish) return;  // bsp publishes with its count exchange and barrier.
+  for (int d = 0; d < config_.num_ranks; ++d) {
+    if (!active_[d]) continue;
+    if (dest_records_[d] == 0) {
+      Publish(d, epoch);  // A destination this rank sends nothing is complete at once.
+      continue;
+    }
+    // acq_rel: this rank's record total happens before whichever addition completes d.
+    if (published_[d].fetch_add(kCountedBias, std::memory_order_acq_rel) == dest_records_[d]) {
+      Publish(d, epoch);  // The senders were done with d before counting was.
     }
   }
 }
 
-void HostEp::SendUnits(int64_t begin, int64_t end, const DispatchInput& in, uint32_t epoch,
-                       bool publish, Share& share) {
+void HostEp::SendShare(int index, int senders, const DispatchInput& in, uint32_t epoch,
+                       uint32_t batches_before, bool publish, absl::Time deadline) {
   const int K = config_.top_k, R = config_.num_ranks;
   const size_t T = config_.max_tokens;
   const auto* x = static_cast<const std::byte*>(in.x);
-  // A destination's units in this share are consecutive records there (record indices grow
-  // with the token), so the share is stored destination by destination, each one's rows in
-  // order, which the hardware prefetcher follows.
-  for (int64_t u = begin; u < end; ++u) {
-    const auto [d, j] = units_[u];
-    if (share.count[d]++ == 0) share.first[d] = j;
-  }
-  for (int position = 0; position < R; ++position) {
-    const int d = VisitDest(rank_, position, R);
-    const int32_t n = share.count[d];
-    if (n == 0) continue;
-    std::byte* records = arenas_[d] + layout_.records + rank_ * T * layout_.record_bytes;
-    std::byte* rows = arenas_[d] + layout_.rows + rank_ * T * layout_.row_bytes;
-    const int32_t* tokens = send_tokens_[d].data();
-    for (int32_t j = share.first[d]; j < share.first[d] + n; ++j) {
-      const int32_t t = tokens[j];
-      if (j + 1 < share.first[d] + n) {
-        PrefetchRow(x + tokens[j + 1] * layout_.row_bytes, layout_.row_bytes);
-        PrefetchRowForWrite(rows + (j + 1) * layout_.row_bytes, layout_.row_bytes);
-      }
-      const RecordHeader header{t, send_counts_[d][j]};
-      std::byte* record = records + j * layout_.record_bytes;
-      std::memcpy(record, &header, sizeof(header));
-      std::memcpy(record + sizeof(header), &send_entries_[d][j * K],
-                  sizeof(RecordEntry) * header.num_entries);
-      std::memcpy(rows + j * layout_.row_bytes, x + t * layout_.row_bytes, layout_.row_bytes);
+  Share& share = shares_[index];
+  const int num_batches = NumBatches(in.num_tokens);
+  int64_t batch_begin = 0;
+  for (int b = 0; b < num_batches; ++b) {
+    // Counting never blocks (the input was validated before it began), so this wait ends
+    // within a batch's routing; the deadline only bounds it.
+    if (!WaitEpoch(&batches_, batches_before + b + 1, deadline).ok()) return;
+    const int64_t batch_units = batch_end_[b] - batch_begin;
+    const int64_t begin = batch_begin + SplitBegin(batch_units, senders, index);
+    const int64_t end = batch_begin + SplitBegin(batch_units, senders, index + 1);
+    batch_begin = batch_end_[b];
+    // A destination's units in this share are consecutive records there (record indices grow
+    // with the token), so the share is stored destination by destination, each one's rows in
+    // order, which the hardware prefetcher follows: group the units (counting sort).
+    for (int64_t u = begin; u < end; ++u) ++share.count[units_[u].dest];
+    int32_t at = 0;
+    for (int position = 0; position < R; ++position) {
+      const int d = VisitDest(rank_, position, R);
+      share.start[d] = at;
+      at += share.count[d];
     }
-    share.count[d] = 0;
-    if (!publish) continue;  // bsp publishes with its barrier.
-    // acq_rel: the stores of every sender that added before happen before the publication,
-    // whichever sender completes the destination.
-    const int32_t total = published_[d].fetch_add(n, std::memory_order_acq_rel) + n;
-    if (total == static_cast<int32_t>(send_tokens_[d].size())) Publish(d, epoch);
+    for (int64_t u = begin; u < end; ++u) {
+      share.grouped[share.start[units_[u].dest]++] = static_cast<int32_t>(u);
+    }
+    at = 0;
+    for (int position = 0; position < R; ++position) {
+      const int d = VisitDest(rank_, position, R);
+      const int32_t n = share.count[d];
+      if (n == 0) continue;
+      std::byte* records = arenas_[d] + layout_.records + rank_ * T * layout_.record_bytes;
+      std::byte* rows = arenas_[d] + layout_.rows + rank_ * T * layout_.row_bytes;
+      for (int32_t i = at; i < at + n; ++i) {
+        const Unit& unit = units_[share.grouped[i]];
+        if (i + 1 < at + n) {
+          PrefetchRow(x + units_[share.grouped[i + 1]].token * layout_.row_bytes,
+                      layout_.row_bytes);
+          PrefetchRowForWrite(rows + (unit.record + 1) * layout_.row_bytes, layout_.row_bytes);
+        }
+        const RecordHeader header{unit.token, unit.num_entries};
+        std::byte* record = records + unit.record * layout_.record_bytes;
+        std::memcpy(record, &header, sizeof(header));
+        std::memcpy(record + sizeof(header),
+                    &entries_[static_cast<size_t>(unit.token) * K + unit.first_entry],
+                    sizeof(RecordEntry) * unit.num_entries);
+        std::memcpy(rows + unit.record * layout_.row_bytes, x + unit.token * layout_.row_bytes,
+                    layout_.row_bytes);
+      }
+      at += n;
+      share.count[d] = 0;
+      if (!publish) continue;  // bsp publishes with its barrier.
+      // acq_rel: the stores of every sender that added before, and the counting role's record
+      // total once it added kCountedBias, happen before the publication.
+      const int64_t total = published_[d].fetch_add(n, std::memory_order_acq_rel) + n;
+      if (total >= kCountedBias && total - kCountedBias == dest_records_[d]) Publish(d, epoch);
+    }
   }
 }
 
 void HostEp::Publish(int d, uint32_t epoch) {
   std::byte* arena = arenas_[d];
   reinterpret_cast<uint32_t*>(arena + layout_.counts)[rank_] =
-      static_cast<uint32_t>(send_tokens_[d].size());
+      static_cast<uint32_t>(dest_records_[d]);
   Signal(FlagAt(arena, layout_.dispatch_flag, rank_), epoch);
 }
 
@@ -389,15 +441,26 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
   }
   const absl::Time deadline = absl::Now() + config_.timeout;
   const uint32_t epoch = ++dispatch_epoch_;
-  BuildSendLists(in);
-  const int64_t units = static_cast<int64_t>(units_.size());
+  const bool ubep = config_.protocol == Protocol::kUbep;
+  const int senders = senders_ != nullptr ? senders_->size() : 1;
+  const int num_batches = NumBatches(in.num_tokens);
+  const uint32_t batches_before = batches_;
+  num_units_ = 0;
+  std::fill(dest_records_.begin(), dest_records_.end(), 0);
   for (int d = 0; d < R; ++d) published_[d].store(0, std::memory_order_relaxed);
+  // ubep with sender threads: they store each batch as this thread counts the next one.
+  auto send_share = [this, &in, epoch, batches_before, ubep, senders, deadline](int i) {
+    SendShare(i, senders, in, epoch, batches_before, /*publish=*/ubep, deadline);
+  };
+  if (senders_ != nullptr) senders_->Start(send_share);
+  for (int b = 0; b < num_batches; ++b) CountBatch(in, b, num_batches, senders);
+  FinishCounting(epoch, /*publish=*/ubep);
   std::byte* own = arenas_[rank_];
-  if (config_.protocol == Protocol::kBsp) {
+  if (!ubep) {
     for (int d = 0; d < R; ++d) {
       if (!active_[d]) continue;
       reinterpret_cast<uint32_t*>(arenas_[d] + layout_.counts)[rank_] =
-          static_cast<uint32_t>(send_tokens_[d].size());
+          static_cast<uint32_t>(dest_records_[d]);
       Signal(FlagAt(arenas_[d], layout_.count_flag, rank_), epoch);
     }
     for (int s = 0; s < R; ++s) {
@@ -406,25 +469,10 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
           Wait(FlagAt(own, layout_.count_flag, s), epoch, s, "count exchange", deadline));
     }
     UBEP_RETURN_IF_ERROR(Barrier(deadline));
-    SendUnits(0, units, in, epoch, /*publish=*/false, shares_[0]);
+    send_share(0);
     UBEP_RETURN_IF_ERROR(Barrier(deadline));
   } else {
-    // A destination this rank sends nothing is complete at once.
-    for (int d = 0; d < R; ++d) {
-      if (active_[d] && send_tokens_[d].empty()) Publish(d, epoch);
-    }
-    // Sender role: the units split evenly (send_split.h), on the sender threads while this
-    // thread receives, or here first when there is no core to spare.
-    auto send_share = [this, &in, epoch, units](int i) {
-      const int n = static_cast<int>(shares_.size());
-      SendUnits(SplitBegin(units, n, i), SplitBegin(units, n, i + 1), in, epoch,
-                /*publish=*/true, shares_[i]);
-    };
-    if (senders_ != nullptr) {
-      senders_->Start(send_share);
-    } else {
-      send_share(0);
-    }
+    if (senders_ == nullptr) send_share(0);  // No core to spare: send, then receive.
     std::vector<int> pending;
     for (int s = 0; s < R; ++s) {
       if (active_[s]) pending.push_back(s);
@@ -450,21 +498,25 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
   }
   Assemble(in.layer, out);
   out.plan_version = in.plan->version;
-  // Each token's (destination, record) pairs, destinations ascending, for the combine.
+  // Each token's (destination, record) pairs, destinations ascending, for the combine: the
+  // units are token-major, each token's in visiting order.
   DispatchOutput::Handle& handle = out.handle;
   handle.num_tokens = in.num_tokens;
   handle.active = active_;
   handle.token_begin.assign(in.num_tokens + 1, 0);
-  for (int d = 0; d < R; ++d) {
-    for (int32_t t : send_tokens_[d]) ++handle.token_begin[t + 1];
+  handle.token_routes.resize(num_units_);
+  handle.sent_tokens.resize(R);
+  for (int d = 0; d < R; ++d) handle.sent_tokens[d].resize(dest_records_[d]);
+  for (int64_t u = 0; u < num_units_; ++u) {
+    const Unit& unit = units_[u];
+    ++handle.token_begin[unit.token + 1];
+    handle.token_routes[u] = {unit.dest, unit.record};
+    handle.sent_tokens[unit.dest][unit.record] = unit.token;
   }
-  for (int t = 0; t < in.num_tokens; ++t) handle.token_begin[t + 1] += handle.token_begin[t];
-  handle.token_routes.resize(handle.token_begin[in.num_tokens]);
-  std::vector<int32_t> next(handle.token_begin.begin(), handle.token_begin.end() - 1);
-  for (int d = 0; d < R; ++d) {
-    for (size_t j = 0; j < send_tokens_[d].size(); ++j) {
-      handle.token_routes[next[send_tokens_[d][j]]++] = {d, static_cast<int32_t>(j)};
-    }
+  for (int t = 0; t < in.num_tokens; ++t) {
+    handle.token_begin[t + 1] += handle.token_begin[t];
+    std::sort(handle.token_routes.begin() + handle.token_begin[t],
+              handle.token_routes.begin() + handle.token_begin[t + 1]);
   }
   return absl::OkStatus();
 }
@@ -540,7 +592,6 @@ void HostEp::Assemble(int layer, DispatchOutput& out) {
       }
     }
   }
-  handle.sent_tokens = send_tokens_;
 }
 
 absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr, void* out_ptr) {

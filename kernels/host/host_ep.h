@@ -11,10 +11,12 @@
 //
 // Protocols (EpConfig::protocol), identical bytes out:
 //  - kBsp: count exchange, barrier, send, barrier (the phase-by-phase baseline);
-//  - kUbep: the sender role (EpConfig::sender_threads threads, or the caller first when no
-//    core is spare) stores the records and rows, split evenly (send_split.h); whichever
-//    sender completes a destination raises its epoch-tagged flag, while the calling thread
-//    receives whichever sources are ready; no global barrier and no clearing between calls.
+//  - kUbep: the calling thread counts (routes the pairs) batch by batch while the sender role
+//    (EpConfig::sender_threads threads) stores the records and rows of the batches counted,
+//    split evenly (send_split.h); whoever completes a destination raises its epoch-tagged
+//    flag, while the calling thread, done counting, receives whichever sources are ready; no
+//    global barrier and no clearing between calls. With no core to spare for the senders,
+//    the calling thread counts, sends, then receives.
 // Every wait has EpConfig::timeout; a peer that does not arrive becomes a DeadlineExceeded
 // error naming it. Bad input is rejected before any byte moves.
 // Thread-compatible: one HostEp per rank, called by one thread at a time; all ranks call
@@ -106,17 +108,30 @@ class HostEp {
   HostEp(const EpConfig& config, int rank, std::vector<std::byte*> arenas);
 
   absl::Status Validate(const DispatchInput& input) const;
-  // Routes this rank's pairs: per destination, the tokens it receives and their records; and
-  // the row stores (units) token-major, as send_split.h numbers them.
-  void BuildSendLists(const DispatchInput& input);
-  // One sender's scratch: per destination, the first record and the number of its units.
-  struct Share {
-    std::vector<int32_t> first, count;  // count is zero between calls.
+  // One row store (send_split.h): record `record` of destination `dest`, which carries token
+  // `token` and the entries entries_[token * top_k + first_entry ...][num_entries].
+  struct Unit {
+    int32_t dest, record, token;
+    uint16_t first_entry, num_entries;
   };
-  // Stores units [begin, end) (records and rows) into their destinations. With `publish`
-  // (ubep), the sender that completes a destination's units publishes it (count, then flag).
-  void SendUnits(int64_t begin, int64_t end, const DispatchInput& input, uint32_t epoch,
-                 bool publish, Share& share);
+  // Counting role: routes the pairs of batch `batch` (send_split.h), appends its tokens' units
+  // and hands them to the senders (batch_end_, then the batches_ word).
+  void CountBatch(const DispatchInput& input, int batch, int num_batches, int senders);
+  // Counting role, after the last batch: every destination's record total is final. With
+  // `publish` (ubep), a destination with no record is published, and the others get
+  // kCountedBias (published here if every sender is already done with them).
+  void FinishCounting(uint32_t epoch, bool publish);
+  // One sender's scratch: per destination, its units in this batch; the batch's units grouped
+  // by destination.
+  struct Share {
+    std::vector<int32_t> count, start;  // count is zero between batches.
+    std::vector<int32_t> grouped;
+  };
+  // Sender role: sender `index` of `senders` stores its share of every batch (records and
+  // rows), as the counting role hands the batches over. With `publish` (ubep), whoever
+  // completes a destination publishes it (count, then flag).
+  void SendShare(int index, int senders, const DispatchInput& input, uint32_t epoch,
+                 uint32_t batches_before, bool publish, absl::Time deadline);
   // Stores the record count into `dest`'s arena and raises its dispatch flag for this rank.
   void Publish(int dest, uint32_t epoch);
   absl::Status Wait(const uint32_t* word, uint32_t epoch, int peer, const char* what,
@@ -136,15 +151,16 @@ class HostEp {
   uint32_t dispatch_epoch_ = 0;
   uint32_t combine_epoch_ = 0;
   uint32_t barrier_epoch_ = 0;
-  // Per destination: tokens (ascending) and their records, rebuilt by each dispatch.
-  std::vector<std::vector<int32_t>> send_tokens_;
-  std::vector<std::vector<RecordEntry>> send_entries_;  // top_k entries per token, padded.
-  std::vector<std::vector<int32_t>> send_counts_;       // Entries used per token.
-  // Units token-major (send_split.h): unit u stores record units_[u].second of destination
-  // units_[u].first.
-  std::vector<std::pair<int32_t, int32_t>> units_;
+  // Written by the counting role, read by the senders once a batch is handed over.
+  std::vector<Unit> units_;           // Token-major; max_tokens x min(top_k, ranks).
+  int64_t num_units_ = 0;
+  std::vector<RecordEntry> entries_;  // top_k per token, grouped by destination, k ascending.
+  std::vector<int64_t> batch_end_;    // Per batch: units handed over (send_split.h BatchEnd).
+  std::vector<int32_t> dest_records_;  // Per destination: records so far.
+  uint32_t batches_ = 0;  // Batches counted, over every call (a Signal word).
   std::vector<Share> shares_;  // Per sender.
-  std::unique_ptr<std::atomic<int32_t>[]> published_;  // Per destination: units stored.
+  // Per destination: units stored, plus kCountedBias once counting is done.
+  std::unique_ptr<std::atomic<int64_t>[]> published_;
   std::vector<float> scratch_;    // One fp32 row for combine sums.
   std::vector<int32_t> cursor_;   // Next row of each local slot while assembling.
   // Per rank: in the group under the plan of the call in flight (excluded ranks are neither

@@ -191,6 +191,25 @@ TEST_P(HostEpTest, ManyReplicasSplitByShareAndPlansChangeBetweenCalls) {
   RunStep(group, inputs, other, 1);
 }
 
+// Enough tokens for every batch of send_split.h (16 batches of 38 tokens at 600), ranks with
+// different token counts (so their batches differ), masked pairs included: the senders store
+// each batch as the caller counts the next one, and every byte still lands as routed.
+TEST_P(HostEpTest, SendersStoreBatchesAsTheyAreCounted) {
+  EpConfig config = VariantConfig(GetParam());
+  config.max_tokens = 600;
+  config.hidden = 8;
+  Group group(config);
+  const EpConfig& c = group.config();
+  const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  for (int step = 0; step < 2; ++step) {
+    std::vector<RankInput> inputs;
+    for (int r = 0; r < c.num_ranks; ++r) {
+      inputs.push_back(MakeInput(c, r, c.max_tokens - 37 * r, 11 + step));
+    }
+    RunStep(group, inputs, plan, step);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Protocols, HostEpTest,
                          ::testing::Values(Variant{"bsp", Protocol::kBsp, 0},
                                            Variant{"ubep", Protocol::kUbep, 0},
