@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU: runs the GPU tests (the CUDA backend checked byte for byte
-# against the host backend, both protocols, and ubepd --backend cuda end to end), then times
-# dispatch + combine (128 tokens per rank at 2, 4 and 8 ranks, 4096 at 2 and 4) with ranks run
-# as processes sharing the GPU, ubep and bsp on the same input, next to a device-to-device copy.
+# against the host backend, both protocols, ubep's counting and sending in one launch and one
+# after the other, and ubepd --backend cuda end to end), then times dispatch + combine (128
+# tokens per rank at 2, 4 and 8 ranks, 4096 at 2 and 4) with ranks run as processes sharing
+# the GPU, ubep (both ways) and bsp on the same input, next to a device-to-device copy.
 #
 #   bench/gpu/run.sh [OUT_DIR]                  builds here for sm_90 (needs the project's
 #                                               dependencies: scripts/install-deps.sh)
@@ -76,16 +77,16 @@ set +e
 status=0
 # Each step is bounded: ranks as processes time-slice one GPU (no MPS: the card's settings
 # stay as they are), so prefill-sized runs are slow, and a session's device time is short.
-for t in "cuda_ep_test 240" "daemon_cuda_test 120"; do
+for t in "cuda_ep_test 300" "daemon_cuda_test 120"; do
   set -- $t
   timeout "$2" "$tests/$1" --gtest_color=no 2>&1 | tee -a "$out/gpu_tests.log"
   rc=${PIPESTATUS[0]}
   echo "$1: exit $rc" | tee -a "$out/gpu_tests.log"
   [[ $rc == 0 ]] || status=1
 done
-for run in "128 2,4,8 20" "4096 2,4 5"; do
+for run in "128 2,4,8 20 150" "4096 2,4 5 200"; do
   set -- $run
-  timeout 150 "$bin/ubep-bench-cuda" --ranks "$2" --tokens "$1" --hidden 7168 --iters "$3" \
+  timeout "$4" "$bin/ubep-bench-cuda" --ranks "$2" --tokens "$1" --hidden 7168 --iters "$3" \
     | tee "$out/cuda_bench_$1.json"
   rc=${PIPESTATUS[0]}
   [[ $rc == 0 ]] || echo "ubep-bench-cuda --tokens $1: exit $rc"

@@ -2,6 +2,8 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include <cub/block/block_scan.cuh>
 #include <cuda/atomic>
 
@@ -19,11 +21,14 @@ constexpr uint32_t kBadInput = 0x80000000u;
 constexpr int kStatusBadPair = 0;    // 0, or kBadInput | (t * K + k) of the first bad pair.
 constexpr int kStatusBadExpert = 1;  // That pair's expert id.
 constexpr int kStatusWaitEnded = 2;  // 0, or 1 + the peer a wait gave up on (abort word set).
-constexpr int kStatusWords = 3;
+constexpr int kStatusStalled = 3;    // 1: a SendKernel block waited past the timeout for another.
+constexpr int kStatusWords = 4;
 constexpr size_t kLine = 64;
 // Sender blocks of a dispatch (send_split.h). A few dozen SMs saturate NVLink stores, as in
 // DeepEP's normal kernels; a block with an empty share exits at once.
 constexpr int kSenderBlocks = 32;
+// SendKernel's counting blocks, at most: each takes every C-th destination.
+constexpr int kCountBlocks = 32;
 
 #define UBEP_CUDA_RETURN_IF_ERROR(expr)                                                  \
   do {                                                                                   \
@@ -54,7 +59,11 @@ struct Params {
   int32_t* token_route;   // [max_tokens x R]: record index of token t at destination d, or -1.
   int32_t* unit_begin;    // [max_tokens + 1]: first unit (send_split.h) of each token.
   int32_t* dest_records;  // [R]: records for each destination.
-  int32_t* published;     // [R]: units stored into each destination (zeroed per dispatch).
+  // Zeroed per dispatch, together: units stored into each destination (plus kCountedBias once
+  // counted, send_split.h); SendKernel's counting blocks done with each batch; batches numbered.
+  long long* published;    // [R]
+  int32_t* batch_counted;  // [kMaxSendBatches]
+  int32_t* batch_scanned;  // [1]
   int32_t* pair_counts;   // [R x S]: entries from source s for local slot i.
   int32_t* pair_offsets;  // [R x S]: first row of (s, i).
   int32_t* record_begin;  // [R x (max_tokens + 1)]: first entry of each record.
@@ -93,33 +102,39 @@ __device__ void BlockCopy(const std::byte* from, std::byte* to, size_t bytes, in
   for (size_t i = index; i < bytes / 16; i += count) dst[i] = src[i];
 }
 
-// Counting role: block b writes destination d = VisitDest(rank, b)'s records (in token
-// order), each token's record index there (token_route) and d's record total
-// (dest_records); a destination that gets no record is published at once (count 0, flag).
-// A rank the plan excludes holds no slot, gets nothing and is not touched: its arena may be
-// gone.
-__global__ void RouteKernel(Params p) {
-  using Scan = cub::BlockScan<int, kThreads>;
-  __shared__ typename Scan::TempStorage scan_storage;
-  __shared__ int base;
-  const int d = VisitDest(p.rank, blockIdx.x, p.num_ranks);
+using BlockScanInt = cub::BlockScan<int, kThreads>;
+
+// Stores this rank's record count into d's arena and raises d's dispatch flag (ubep). Called by
+// one thread once every record and row for d is stored and fenced.
+__device__ void PublishDest(const Params& p, int d, int total) {
+  std::byte* arena = p.arenas[d];
+  reinterpret_cast<uint32_t*>(arena + p.off_counts)[p.rank] = static_cast<uint32_t>(total);
+  __threadfence_system();
+  ReleaseFlag(reinterpret_cast<uint32_t*>(arena + p.off_dispatch_flag + p.rank * kLine), p.epoch);
+}
+
+// Counting role, destination d, tokens [first, last), called by every thread of a block:
+// each token with a pair routed to d gets its record there (stored into d's arena, in token
+// order from record *base on; thread 0 advances *base, in shared memory) and its record index
+// in token_route; the others get -1. A rank the plan excludes holds no slot, gets nothing and
+// is not touched: its arena may be gone. An expert id out of range is flagged and skipped.
+__device__ void CountDest(const Params& p, int d, int first, int last, int* base,
+                          BlockScanInt::TempStorage& storage) {
   if (RankExcluded(p.plan, static_cast<uint32_t>(d))) {
-    for (int t = threadIdx.x; t < p.num_tokens; t += blockDim.x) {
+    for (int t = first + threadIdx.x; t < last; t += blockDim.x) {
       p.token_route[t * p.num_ranks + d] = -1;
     }
-    if (threadIdx.x == 0) p.dest_records[d] = 0;
+    __syncthreads();
     return;
   }
   const int S = p.slots_per_rank;
-  std::byte* arena = p.arenas[d];
-  std::byte* records = arena + p.off_records + p.rank * p.max_tokens * p.record_bytes;
-  if (threadIdx.x == 0) base = 0;
-  __syncthreads();
-  for (int chunk = 0; chunk < p.num_tokens; chunk += kThreads) {
+  std::byte* records =
+      p.arenas[d] + p.off_records + static_cast<size_t>(p.rank) * p.max_tokens * p.record_bytes;
+  for (int chunk = first; chunk < last; chunk += kThreads) {
     const int t = chunk + threadIdx.x;
     RecordEntry entries[kMaxTopK];
     int n = 0;
-    if (t < p.num_tokens) {
+    if (t < last) {
       for (int k = 0; k < p.top_k; ++k) {
         const int32_t e = p.topk_idx[t * p.top_k + k];
         if (e < -1 || e >= p.num_experts) {
@@ -138,125 +153,259 @@ __global__ void RouteKernel(Params p) {
       }
     }
     int position = 0, total = 0;
-    Scan(scan_storage).ExclusiveSum(n > 0 ? 1 : 0, position, total);
-    const int j = base + position;
+    BlockScanInt(storage).ExclusiveSum(n > 0 ? 1 : 0, position, total);
+    const int j = *base + position;
     if (n > 0) {
       std::byte* record = records + static_cast<size_t>(j) * p.record_bytes;
       const RecordHeader header{t, n};
       memcpy(record, &header, sizeof(header));
       memcpy(record + sizeof(header), entries, sizeof(RecordEntry) * n);
     }
-    if (t < p.num_tokens) p.token_route[t * p.num_ranks + d] = n > 0 ? j : -1;
+    if (t < last) p.token_route[t * p.num_ranks + d] = n > 0 ? j : -1;
     __syncthreads();
-    if (threadIdx.x == 0) base += total;
+    if (threadIdx.x == 0) *base += total;
     __syncthreads();
   }
-  if (threadIdx.x == 0) {
-    p.dest_records[d] = base;
-    __threadfence_system();  // The records precede any flag for d, this kernel's or RowKernel's.
-    if (p.bsp || base == 0) {
-      // bsp: every destination's count, with the count-exchange flag; ubep: a destination
-      // that gets nothing is complete at once.
-      reinterpret_cast<uint32_t*>(arena + p.off_counts)[p.rank] = static_cast<uint32_t>(base);
-      __threadfence_system();
-      ReleaseFlag(reinterpret_cast<uint32_t*>(
-                      arena + (p.bsp ? p.off_count_flag : p.off_dispatch_flag) + p.rank * kLine),
-                  p.epoch);
+}
+
+// Counting role, one thread, once d's records are stored and the block has synchronized:
+// d's record total. bsp: the count and the count-exchange flag. ubep: a destination with no
+// record is published at once; the others get kCountedBias (send_split.h), and are published
+// here if the senders were done with them first.
+__device__ void FinishDest(const Params& p, int d, int total) {
+  if (RankExcluded(p.plan, static_cast<uint32_t>(d))) {
+    p.dest_records[d] = 0;
+    return;
+  }
+  p.dest_records[d] = total;
+  __threadfence_system();  // The records precede any flag for d, and the total the bias.
+  if (p.bsp) {
+    std::byte* arena = p.arenas[d];
+    reinterpret_cast<uint32_t*>(arena + p.off_counts)[p.rank] = static_cast<uint32_t>(total);
+    __threadfence_system();
+    ReleaseFlag(reinterpret_cast<uint32_t*>(arena + p.off_count_flag + p.rank * kLine),
+                p.epoch);
+    return;
+  }
+  if (total == 0) {
+    PublishDest(p, d, 0);
+    return;
+  }
+  const long long before =
+      cuda::atomic_ref<long long, cuda::thread_scope_system>(p.published[d])
+          .fetch_add(kCountedBias, cuda::memory_order_acq_rel);
+  if (before == total) PublishDest(p, d, total);
+}
+
+// Units of tokens [first, last): unit_begin[t] for each, from *base on, and unit_begin[last]
+// (thread 0 advances *base). Called by every thread of one block.
+__device__ void ScanUnits(const Params& p, int first, int last, int* base,
+                          BlockScanInt::TempStorage& storage) {
+  for (int chunk = first; chunk < last; chunk += kThreads) {
+    const int t = chunk + threadIdx.x;
+    int n = 0;
+    if (t < last) {
+      for (int d = 0; d < p.num_ranks; ++d) n += p.token_route[t * p.num_ranks + d] >= 0;
+    }
+    int position = 0, total = 0;
+    BlockScanInt(storage).ExclusiveSum(n, position, total);
+    // unit_begin[first] of a later batch was written as the previous batch's end, which
+    // senders may be reading: left as it is.
+    if (t < last && (t > first || first == 0)) p.unit_begin[t] = *base + position;
+    __syncthreads();
+    if (threadIdx.x == 0) *base += total;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) p.unit_begin[last] = *base;
+}
+
+// Sender role, every thread of a block: units [begin, end), all of tokens below last_token,
+// a warp per unit, 16 bytes per lane; stored[d] counts the block's units per destination.
+__device__ void StoreUnits(const Params& p, int64_t begin, int64_t end, int last_token,
+                           int32_t* stored) {
+  const int R = p.num_ranks;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  for (int64_t u = begin + warp; u < end; u += warps) {
+    const int t = TokenOfUnit(p.unit_begin, last_token, u);
+    // The unit is the token's q-th destination in visiting order: find it 32 at a time.
+    int q = static_cast<int>(u - p.unit_begin[t]);
+    int d = -1;
+    for (int first = 0; first < R && d < 0; first += 32) {
+      const int position = first + lane;
+      const bool has =
+          position < R && p.token_route[t * R + VisitDest(p.rank, position, R)] >= 0;
+      unsigned mask = __ballot_sync(0xffffffffu, has);
+      const int here = __popc(mask);
+      if (q < here) {
+        for (int skip = 0; skip < q; ++skip) mask &= mask - 1;
+        d = VisitDest(p.rank, first + __ffs(mask) - 1, R);
+      } else {
+        q -= here;
+      }
+    }
+    const int j = p.token_route[t * R + d];
+    const auto* from = reinterpret_cast<const uint4*>(reinterpret_cast<const std::byte*>(p.x) +
+                                                      static_cast<size_t>(t) * p.row_bytes);
+    auto* to = reinterpret_cast<uint4*>(
+        p.arenas[d] + p.off_rows + (static_cast<size_t>(p.rank) * p.max_tokens + j) * p.row_bytes);
+    for (size_t i = lane; i < p.row_bytes / 16; i += 32) to[i] = from[i];
+    if (lane == 0) atomicAdd(&stored[d], 1);
+  }
+}
+
+// Sender role, every thread of a block, after its last unit: per destination it stored into,
+// the block adds its count to published[d]; whoever brings it to kCountedBias plus d's
+// record total (send_split.h) publishes d.
+__device__ void PublishStored(const Params& p, const int32_t* stored) {
+  __syncthreads();
+  for (int d = threadIdx.x; d < p.num_ranks; d += blockDim.x) {
+    const int32_t mine = stored[d];
+    if (mine == 0 || p.bsp) continue;  // bsp publishes with a barrier.
+    // Every thread's stores precede the barrier above; the system fence orders them before
+    // this addition, and the acq_rel addition orders every earlier block's (and the counting
+    // role's total) before the flag.
+    __threadfence_system();
+    const long long total = cuda::atomic_ref<long long, cuda::thread_scope_system>(p.published[d])
+                                .fetch_add(mine, cuda::memory_order_acq_rel) +
+                            mine;
+    if (total >= kCountedBias && total - kCountedBias == p.dest_records[d]) {
+      PublishDest(p, d, p.dest_records[d]);
     }
   }
+}
+
+// Sender block `index` of kSenderBlocks over batch b: its SplitBegin share (send_split.h).
+__device__ void BatchShare(const Params& p, int b, int index, int64_t* batch_begin,
+                           int64_t* begin, int64_t* end, int* last_token) {
+  const int num_batches = NumBatches(p.num_tokens);
+  *last_token = min(p.num_tokens, (b + 1) * BatchTokens(p.num_tokens));
+  const int64_t batch_end = BatchEnd(p.unit_begin[*last_token], b + 1 == num_batches,
+                                     kSenderBlocks);
+  *begin = *batch_begin + SplitBegin(batch_end - *batch_begin, kSenderBlocks, index);
+  *end = *batch_begin + SplitBegin(batch_end - *batch_begin, kSenderBlocks, index + 1);
+  *batch_begin = batch_end;
+}
+
+// Counting role as its own kernel (bsp, and ubep when the fused kernel cannot keep every
+// block resident): block b counts destination VisitDest(rank, b) over every token.
+__global__ void RouteKernel(Params p) {
+  __shared__ BlockScanInt::TempStorage storage;
+  __shared__ int base;
+  const int d = VisitDest(p.rank, blockIdx.x, p.num_ranks);
+  if (threadIdx.x == 0) base = 0;
+  __syncthreads();
+  CountDest(p, d, 0, p.num_tokens, &base, storage);
+  if (threadIdx.x == 0) FinishDest(p, d, base);
 }
 
 // unit_begin[t]: the first unit (send_split.h) of token t, i.e. how many (token, destination)
 // row stores come before it; unit_begin[num_tokens] is the total. One block.
 __global__ void UnitScanKernel(Params p) {
-  using Scan = cub::BlockScan<int, kThreads>;
-  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ BlockScanInt::TempStorage storage;
   __shared__ int base;
   if (threadIdx.x == 0) base = 0;
   __syncthreads();
-  for (int chunk = 0; chunk < p.num_tokens; chunk += kThreads) {
-    const int t = chunk + threadIdx.x;
-    int n = 0;
-    if (t < p.num_tokens) {
-      for (int d = 0; d < p.num_ranks; ++d) n += p.token_route[t * p.num_ranks + d] >= 0;
-    }
-    int position = 0, total = 0;
-    Scan(scan_storage).ExclusiveSum(n, position, total);
-    if (t < p.num_tokens) p.unit_begin[t] = base + position;
-    __syncthreads();
-    if (threadIdx.x == 0) base += total;
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) p.unit_begin[p.num_tokens] = base;
+  ScanUnits(p, 0, p.num_tokens, &base, storage);
 }
 
-// Sender role: block b of the grid stores its SplitBegin share of every batch of units
-// (send_split.h: any two blocks within one row of each other, every block's share spread over
-// destinations), a warp per unit, 16 bytes per lane. Then, per destination it stored into,
-// the block adds its count to published[d]; the block that completes d stores d's count and
-// raises its flag.
+// Sender role as its own kernel, after RouteKernel and UnitScanKernel: block b stores its
+// share of every batch (send_split.h: any two blocks within one row of each other, every
+// block's share spread over destinations), then publishes what it completes.
 __global__ void RowKernel(Params p) {
   extern __shared__ int32_t stored[];  // [num_ranks]
-  const int R = p.num_ranks;
-  for (int d = threadIdx.x; d < R; d += blockDim.x) stored[d] = 0;
+  for (int d = threadIdx.x; d < p.num_ranks; d += blockDim.x) stored[d] = 0;
   __syncthreads();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  // The batches of send_split.h, as the host's senders take them (here counting is done
-  // before this kernel starts, so every batch is ready).
-  const int num_batches = NumBatches(p.num_tokens), per_batch = BatchTokens(p.num_tokens);
-  int64_t batch_begin = 0;
-  for (int b = 0; b < num_batches; ++b) {
-    const int last_token = min(p.num_tokens, (b + 1) * per_batch);
-    const int64_t batch_end =
-        BatchEnd(p.unit_begin[last_token], b + 1 == num_batches, static_cast<int>(gridDim.x));
-    const int64_t begin = batch_begin + SplitBegin(batch_end - batch_begin, gridDim.x, blockIdx.x);
-    const int64_t end =
-        batch_begin + SplitBegin(batch_end - batch_begin, gridDim.x, blockIdx.x + 1);
-    batch_begin = batch_end;
-    for (int64_t u = begin + warp; u < end; u += warps) {
-      const int t = TokenOfUnit(p.unit_begin, p.num_tokens, u);
-      // The unit is the token's q-th destination in visiting order: find it 32 at a time.
-      int q = static_cast<int>(u - p.unit_begin[t]);
-      int d = -1;
-      for (int first = 0; first < R && d < 0; first += 32) {
-        const int position = first + lane;
-        const bool has = position < R && p.token_route[t * R + VisitDest(p.rank, position, R)] >= 0;
-        unsigned mask = __ballot_sync(0xffffffffu, has);
-        const int here = __popc(mask);
-        if (q < here) {
-          for (int skip = 0; skip < q; ++skip) mask &= mask - 1;
-          d = VisitDest(p.rank, first + __ffs(mask) - 1, R);
-        } else {
-          q -= here;
-        }
+  int64_t batch_begin = 0, begin = 0, end = 0;
+  int last_token = 0;
+  for (int b = 0; b < NumBatches(p.num_tokens); ++b) {
+    BatchShare(p, b, blockIdx.x, &batch_begin, &begin, &end, &last_token);
+    StoreUnits(p, begin, end, last_token, stored);
+  }
+  PublishStored(p, stored);
+}
+
+// Thread 0 waits until *word reaches `target` (acquire), then the block goes on; false, with
+// kStatusStalled set, if the deadline passes first. Called by every thread of a block.
+__device__ bool BlockWaitCount(const Params& p, int32_t* word, int32_t target,
+                               uint64_t deadline) {
+  __shared__ int reached;
+  if (threadIdx.x == 0) {
+    reached = 1;
+    while (cuda::atomic_ref<int32_t, cuda::thread_scope_device>(*word).load(
+               cuda::memory_order_acquire) < target) {
+      if (GlobalTimerNs() > deadline) {
+        atomicCAS(&p.status[kStatusStalled], 0u, 1u);
+        reached = 0;
+        break;
       }
-      const int j = p.token_route[t * R + d];
-      const auto* from = reinterpret_cast<const uint4*>(reinterpret_cast<const std::byte*>(p.x) +
-                                                        static_cast<size_t>(t) * p.row_bytes);
-      auto* to =
-          reinterpret_cast<uint4*>(p.arenas[d] + p.off_rows +
-                                   (static_cast<size_t>(p.rank) * p.max_tokens + j) * p.row_bytes);
-      for (size_t i = lane; i < p.row_bytes / 16; i += 32) to[i] = from[i];
-      if (lane == 0) atomicAdd(&stored[d], 1);
+      __nanosleep(64);
     }
   }
   __syncthreads();
-  for (int d = threadIdx.x; d < R; d += blockDim.x) {
-    const int32_t mine = stored[d];
-    if (mine == 0 || p.bsp) continue;  // bsp publishes with a barrier.
-    // Every thread's stores precede the barrier above; the system fence orders them before
-    // this addition, and the acq_rel addition orders every earlier block's before the flag.
-    __threadfence_system();
-    const int32_t total = cuda::atomic_ref<int32_t, cuda::thread_scope_system>(p.published[d])
-                              .fetch_add(mine, cuda::memory_order_acq_rel) +
-                          mine;
-    if (total == p.dest_records[d]) {
-      std::byte* arena = p.arenas[d];
-      reinterpret_cast<uint32_t*>(arena + p.off_counts)[p.rank] = static_cast<uint32_t>(total);
-      __threadfence_system();
-      ReleaseFlag(reinterpret_cast<uint32_t*>(arena + p.off_dispatch_flag + p.rank * kLine),
-                  p.epoch);
+  const bool result = reached != 0;
+  __syncthreads();  // `reached` is reused by the next wait.
+  return result;
+}
+
+// ubep's counting and sending at once, one cooperative launch (every block resident):
+// blocks [0, C) are the counting role (block c counts destinations VisitDest(rank, c),
+// VisitDest(rank, c + C), ... batch by batch, send_split.h), block C numbers each batch's
+// units once every counting block has counted it, and the kSenderBlocks blocks after it store
+// each batch as soon as it is numbered, as the host's sender threads do while the caller
+// counts. Counting never waits on a peer, so the only waits here are for this rank's own
+// blocks; each is bounded by the timeout all the same.
+__global__ void SendKernel(Params p, int count_blocks) {
+  extern __shared__ int32_t shared[];  // Counting: records per destination; senders: stored.
+  __shared__ BlockScanInt::TempStorage storage;
+  const int R = p.num_ranks, C = count_blocks;
+  const int num_batches = NumBatches(p.num_tokens), per_batch = BatchTokens(p.num_tokens);
+  const uint64_t deadline = GlobalTimerNs() + p.timeout_ns;
+  if (static_cast<int>(blockIdx.x) < C) {
+    const int c = blockIdx.x;
+    const int mine = (R - c + C - 1) / C;  // Visiting positions c, c + C, ... below R.
+    for (int i = threadIdx.x; i < mine; i += blockDim.x) shared[i] = 0;
+    __syncthreads();
+    for (int b = 0; b < num_batches; ++b) {
+      const int first = b * per_batch, last = min(p.num_tokens, first + per_batch);
+      for (int i = 0; i < mine; ++i) {
+        CountDest(p, VisitDest(p.rank, c + i * C, R), first, last, &shared[i], storage);
+      }
+      // CountDest ended with a barrier: the block's token_route and records precede this.
+      if (threadIdx.x == 0) {
+        cuda::atomic_ref<int32_t, cuda::thread_scope_device>(p.batch_counted[b])
+            .fetch_add(1, cuda::memory_order_release);
+      }
     }
+    for (int i = threadIdx.x; i < mine; i += blockDim.x) {
+      FinishDest(p, VisitDest(p.rank, c + i * C, R), shared[i]);
+    }
+  } else if (static_cast<int>(blockIdx.x) == C) {
+    __shared__ int base;
+    if (threadIdx.x == 0) base = 0;
+    __syncthreads();
+    for (int b = 0; b < num_batches; ++b) {
+      if (!BlockWaitCount(p, &p.batch_counted[b], C, deadline)) return;
+      const int first = b * per_batch, last = min(p.num_tokens, first + per_batch);
+      ScanUnits(p, first, last, &base, storage);
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        cuda::atomic_ref<int32_t, cuda::thread_scope_device>(*p.batch_scanned)
+            .store(b + 1, cuda::memory_order_release);
+      }
+    }
+  } else {
+    const int index = blockIdx.x - C - 1;
+    for (int d = threadIdx.x; d < R; d += blockDim.x) shared[d] = 0;
+    __syncthreads();
+    int64_t batch_begin = 0, begin = 0, end = 0;
+    int last_token = 0;
+    for (int b = 0; b < num_batches; ++b) {
+      // Stalled: stop storing; the flags of what is left stay down, and the peers time out.
+      if (!BlockWaitCount(p, p.batch_scanned, b + 1, deadline)) return;
+      BatchShare(p, b, index, &batch_begin, &begin, &end, &last_token);
+      StoreUnits(p, begin, end, last_token, shared);
+    }
+    PublishStored(p, shared);
   }
 }
 
@@ -530,6 +679,9 @@ absl::Status DeviceArena::IpcHandle(std::byte (&handle)[64]) const {
 
 struct CudaEp::Scratch {
   Params params{};
+  size_t zeroed_bytes = 0;  // Of the scratch block, from published on.
+  int count_blocks = 0;     // SendKernel's counting blocks.
+  bool fused = false;       // ubep runs SendKernel (counting and sending at once).
   std::byte** arenas = nullptr;
   void* block = nullptr;  // One allocation for every scratch array.
   cudaStream_t stream = nullptr;
@@ -571,7 +723,9 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   const size_t R = config.num_ranks, T = config.max_tokens, K = config.top_k,
                S = config.slots_per_rank, H = config.hidden;
   const size_t max_rows = R * T * K;
-  const size_t ints = T * R + (T + 1) + R + R + R * S + R * S + R * (T + 1) + R * T * K +
+  // First (8-byte aligned): what each dispatch zeroes, published counts as long long.
+  const size_t zeroed = 2 * R + kMaxSendBatches + 1;
+  const size_t ints = zeroed + T * R + (T + 1) + R + R * S + R * S + R * (T + 1) + R * T * K +
                       (S + 1) + kStatusWords + max_rows * 2;
   // recv_x is copied 16 bytes at a time: start it on a 256-byte boundary.
   const size_t head = ints * sizeof(int32_t) + max_rows * sizeof(float);
@@ -586,10 +740,13 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
     return at;
   };
   Params& p = s.params;
+  p.published = reinterpret_cast<long long*>(take(2 * R));
+  p.batch_counted = take(kMaxSendBatches);
+  p.batch_scanned = take(1);
+  s.zeroed_bytes = zeroed * sizeof(int32_t);
   p.token_route = take(T * R);
   p.unit_begin = take(T + 1);
   p.dest_records = take(R);
-  p.published = take(R);
   p.pair_counts = take(R * S);
   p.pair_offsets = take(R * S);
   p.record_begin = take(R * (T + 1));
@@ -635,9 +792,26 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&ep->barrier_epoch_,
                                        arenas[rank] + l.barrier_flag + rank * kLine,
                                        sizeof(uint32_t), cudaMemcpyDeviceToHost));
+  // ubep counts and sends in one cooperative launch when the device can keep every block of
+  // it resident (always, on a GPU of this class: at most 65 blocks); sender_thread kOff asks
+  // for the counting kernel first, then the senders, as bsp runs.
+  s.count_blocks = std::min(config.num_ranks, kCountBlocks);
+  if (!p.bsp && config.sender_thread != EpConfig::SenderThread::kOff) {
+    int device = 0, cooperative = 0, sms = 0, per_sm = 0;
+    UBEP_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+    UBEP_CUDA_RETURN_IF_ERROR(
+        cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device));
+    UBEP_CUDA_RETURN_IF_ERROR(
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    UBEP_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &per_sm, SendKernel, kThreads, sizeof(int32_t) * config.num_ranks));
+    s.fused = cooperative != 0 && per_sm * sms >= s.count_blocks + 1 + kSenderBlocks;
+  }
   UBEP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
   return ep;
 }
+
+bool CudaEp::counts_while_sending() const { return scratch_->fused; }
 
 absl::Status CudaEp::CheckStatus(const char* what, uint32_t call) {
   Scratch& s = *scratch_;
@@ -645,6 +819,13 @@ absl::Status CudaEp::CheckStatus(const char* what, uint32_t call) {
   uint32_t status[kStatusWords] = {};
   UBEP_CUDA_RETURN_IF_ERROR(
       cudaMemcpy(status, s.params.status, sizeof(status), cudaMemcpyDeviceToHost));
+  if (status[kStatusStalled] != 0) {
+    return absl::InternalError(absl::StrCat(
+        "rank ", rank_, ": ", what, ", call ", call, ": a block of SendKernel waited ",
+        absl::FormatDuration(config_.timeout),
+        " for another block of the same launch; the cooperative launch should have kept every "
+        "block resident"));
+  }
   if (status[kStatusWaitEnded] != 0) {
     // The abort word holds why: a daemon's code, or the rank the group gave up on.
     uint32_t code = 0;
@@ -702,15 +883,32 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
   last_tokens_ = in.num_tokens;
   UBEP_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(p.status, 0, kStatusWords * sizeof(uint32_t), s.stream));
-  UBEP_CUDA_RETURN_IF_ERROR(
-      cudaMemsetAsync(p.published, 0, sizeof(int32_t) * config_.num_ranks, s.stream));
-  RouteKernel<<<config_.num_ranks, kThreads, 0, s.stream>>>(p);
-  if (p.bsp) {  // Count exchange, barrier.
-    WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_count_flag);
-    BarrierKernel<<<1, 128, 0, s.stream>>>(p, ++barrier_epoch_);
+  UBEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.published, 0, s.zeroed_bytes, s.stream));
+  const size_t per_rank_shared = sizeof(int32_t) * config_.num_ranks;
+  bool launched = false;
+  if (s.fused) {
+    int count_blocks = s.count_blocks;
+    void* args[] = {&p, &count_blocks};
+    const cudaError_t error = cudaLaunchCooperativeKernel(
+        reinterpret_cast<const void*>(SendKernel), dim3(count_blocks + 1 + kSenderBlocks),
+        dim3(kThreads), args, per_rank_shared, s.stream);
+    launched = error == cudaSuccess;
+    // Too few SMs free for every block at once (another stream of this process holds them):
+    // this call counts first, then sends.
+    if (error == cudaErrorCooperativeLaunchTooLarge) (void)cudaGetLastError();
+    if (!launched && error != cudaErrorCooperativeLaunchTooLarge) {
+      UBEP_CUDA_RETURN_IF_ERROR(error);
+    }
   }
-  UnitScanKernel<<<1, kThreads, 0, s.stream>>>(p);
-  RowKernel<<<kSenderBlocks, kThreads, sizeof(int32_t) * config_.num_ranks, s.stream>>>(p);
+  if (!launched) {
+    RouteKernel<<<config_.num_ranks, kThreads, 0, s.stream>>>(p);
+    if (p.bsp) {  // Count exchange, barrier.
+      WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_count_flag);
+      BarrierKernel<<<1, 128, 0, s.stream>>>(p, ++barrier_epoch_);
+    }
+    UnitScanKernel<<<1, kThreads, 0, s.stream>>>(p);
+    RowKernel<<<kSenderBlocks, kThreads, per_rank_shared, s.stream>>>(p);
+  }
   if (p.bsp) {
     BarrierKernel<<<1, 128, 0, s.stream>>>(p, ++barrier_epoch_);
   } else {

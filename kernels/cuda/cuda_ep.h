@@ -85,6 +85,11 @@ class CudaEp {
   // hidden] bf16.
   absl::Status Combine(const void* y, void* out);
 
+  // ubep: whether a dispatch counts and sends in one cooperative launch (SendKernel), rather
+  // than the counting kernel first (EpConfig::sender_thread kOff, bsp, or a device that cannot
+  // keep its blocks resident).
+  bool counts_while_sending() const;
+
  private:
   struct Scratch;
   CudaEp(const EpConfig& config, int rank);

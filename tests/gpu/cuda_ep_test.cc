@@ -32,8 +32,13 @@ struct RankResult {
   std::vector<uint16_t> recv_x, y, combined;
 };
 
-EpConfig GpuConfig(int ranks, Protocol protocol) {
-  EpConfig c = SmallConfig(protocol);
+// How a group runs: bsp; ubep counting and sending at once (SendKernel, one cooperative
+// launch); ubep with the counting kernel first (sender_thread kOff), as bsp's kernels run.
+enum class Mode { kUbep, kUbepCountFirst, kBsp };
+
+EpConfig GpuConfig(int ranks, Mode mode) {
+  EpConfig c = SmallConfig(mode == Mode::kBsp ? Protocol::kBsp : Protocol::kUbep);
+  if (mode == Mode::kUbepCountFirst) c.sender_thread = EpConfig::SenderThread::kOff;
   c.num_ranks = ranks;
   c.slots_per_rank = 16 / ranks + 1;
   c.dtype = DType::kBFloat16;
@@ -139,6 +144,16 @@ std::string RunRank(const EpConfig& c, int rank, const TestPlan& plan, const Ran
   };
   absl::StatusOr<std::unique_ptr<CudaEp>> ep = CudaEp::Create(c, rank, pointers);
   if (!ep.ok()) return finish(std::string(ep.status().message()));
+  // ubep runs SendKernel wherever the device can launch it cooperatively (every GPU this
+  // project targets), so that the kUbep mode tests it rather than the kernels it replaces.
+  int cooperative = 0;
+  UBEP_CHECK_CUDA(cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, 0));
+  const bool want_fused = c.protocol == Protocol::kUbep &&
+                          c.sender_thread != EpConfig::SenderThread::kOff && cooperative != 0;
+  if ((*ep)->counts_while_sending() != want_fused) {
+    return finish(absl::StrCat("counts_while_sending() is ", (*ep)->counts_while_sending(),
+                               ", expected ", want_fused));
+  }
   const std::vector<uint16_t> x = Bf16Input(in);
   uint16_t* d_x = Upload(x);
   int32_t* d_idx = Upload(in.topk_idx);
@@ -228,7 +243,7 @@ RunOutcome RunGroup(const EpConfig& c, const TestPlan& plan, const std::vector<R
   return outcome;
 }
 
-class CudaEpTest : public ::testing::TestWithParam<std::tuple<int, Protocol>> {
+class CudaEpTest : public ::testing::TestWithParam<std::tuple<int, Mode>> {
  protected:
   void SetUp() override {
     if (!test::DeviceInChild()) GTEST_SKIP() << "no CUDA device here";
@@ -240,6 +255,22 @@ TEST_P(CudaEpTest, MatchesTheHostBackendByteForByte) {
   const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
   std::vector<RankInput> inputs;
   for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 40 + r, 3));
+  const std::vector<RankResult> expected = HostReference(c, plan, inputs);
+  const RunOutcome outcome = RunGroup(c, plan, inputs, &expected, -1);
+  for (int r = 0; r < c.num_ranks; ++r) EXPECT_EQ(outcome.errors[r], "") << "rank " << r;
+}
+
+// Every batch of send_split.h (16 of 38 tokens at 600), ranks with different token counts:
+// SendKernel's sender blocks store each batch as its counting blocks finish it.
+TEST_P(CudaEpTest, EveryBatchMatchesTheHostBackend) {
+  EpConfig c = GpuConfig(std::get<0>(GetParam()), std::get<1>(GetParam()));
+  c.max_tokens = 600;
+  c.hidden = 16;
+  const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < c.num_ranks; ++r) {
+    inputs.push_back(MakeInput(c, r, c.max_tokens - 37 * r, 12));
+  }
   const std::vector<RankResult> expected = HostReference(c, plan, inputs);
   const RunOutcome outcome = RunGroup(c, plan, inputs, &expected, -1);
   for (int r = 0; r < c.num_ranks; ++r) EXPECT_EQ(outcome.errors[r], "") << "rank " << r;
@@ -289,12 +320,14 @@ TEST_P(CudaEpTest, AnExpertIdOutOfRangeIsFlaggedWithoutStrayWrites) {
 
 INSTANTIATE_TEST_SUITE_P(RanksAndProtocols, CudaEpTest,
                          ::testing::Combine(::testing::Values(2, 4),
-                                            ::testing::Values(Protocol::kUbep, Protocol::kBsp)),
+                                            ::testing::Values(Mode::kUbep, Mode::kUbepCountFirst,
+                                                              Mode::kBsp)),
                          [](const auto& info) {
+                           const Mode mode = std::get<1>(info.param);
                            return absl::StrCat(std::get<0>(info.param), "_ranks_",
-                                               std::get<1>(info.param) == Protocol::kBsp
-                                                   ? "bsp"
-                                                   : "ubep");
+                                               mode == Mode::kBsp   ? "bsp"
+                                               : mode == Mode::kUbep ? "ubep"
+                                                                     : "ubep_count_first");
                          });
 
 }  // namespace
