@@ -29,6 +29,8 @@ constexpr size_t kLine = 64;
 constexpr int kSenderBlocks = 32;
 // SendKernel's counting blocks, at most: each takes every C-th destination.
 constexpr int kCountBlocks = 32;
+// Blocks per SM of the kernels that spread over every received row or record.
+constexpr int kWideBlocksPerSm = 4;
 
 #define UBEP_CUDA_RETURN_IF_ERROR(expr)                                                  \
   do {                                                                                   \
@@ -69,6 +71,9 @@ struct Params {
   int32_t* record_begin;  // [R x (max_tokens + 1)]: first entry of each record.
   int32_t* entry_row;     // [R x max_tokens x K]: row of each entry, by record_begin.
   int32_t* slot_offsets;  // [S + 1]
+  int32_t* record_base;   // [R + 1]: records received before source s's, sources in order.
+  int32_t* entry_base;    // [R + 1]: entries (rows) likewise.
+  int32_t* combine_done;  // [R]: records of source s whose partials are stored (per combine).
   uint32_t* status;       // [kStatusWords]: bad input and ended waits, kept apart so that
                           // a timeout after bad input still stops the rank.
   uint16_t* recv_x;
@@ -92,14 +97,6 @@ __device__ bool FlagReached(uint32_t* flag, uint32_t epoch) {
   const uint32_t v = cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(*flag).load(
       cuda::memory_order_acquire);
   return static_cast<int32_t>(v - epoch) >= 0;
-}
-
-// Copies `bytes` (a multiple of 16) with the block's threads.
-__device__ void BlockCopy(const std::byte* from, std::byte* to, size_t bytes, int index,
-                          int count) {
-  const auto* src = reinterpret_cast<const uint4*>(from);
-  auto* dst = reinterpret_cast<uint4*>(to);
-  for (size_t i = index; i < bytes / 16; i += count) dst[i] = src[i];
 }
 
 using BlockScanInt = cub::BlockScan<int, kThreads>;
@@ -516,122 +513,240 @@ __global__ void CountKernel(Params p) {
   if (threadIdx.x == 0) begin[n] = base;
 }
 
-// Row offsets in (slot, source) order; bumps the load counters. One thread: S x R is small.
+// Row offsets in (slot, source) order, the load counters, and where each source's records and
+// entries start in the numbering PlaceKernel's copies and PartialKernel use (record_base,
+// entry_base: source by source). One block.
 __global__ void ScanKernel(Params p) {
+  __shared__ BlockScanInt::TempStorage storage;
+  __shared__ int base;
   if (Stopped(p)) return;
-  const int S = p.slots_per_rank;
+  const int S = p.slots_per_rank, R = p.num_ranks;
   auto* counters = reinterpret_cast<unsigned long long*>(p.arenas[p.rank] + p.off_load_counters) +
                    p.layer * S;
   // The load seqlock (arena_layout.h): odd while the counters move; the daemon reads the
   // arena from the host.
   auto* seq = reinterpret_cast<unsigned long long*>(p.arenas[p.rank] + p.off_load_seq) + p.layer;
-  atomicAdd(seq, 1ull);
-  __threadfence_system();
-  int row = 0;
-  for (int i = 0; i < S; ++i) {
-    p.slot_offsets[i] = row;
-    for (int s = 0; s < p.num_ranks; ++s) {
-      p.pair_offsets[s * S + i] = row;
-      row += p.pair_counts[s * S + i];
-    }
-    counters[i] += row - p.slot_offsets[i];
+  if (threadIdx.x == 0) {
+    cuda::atomic_ref<unsigned long long, cuda::thread_scope_system>(*seq).fetch_add(
+        1, cuda::memory_order_relaxed);
+    __threadfence_system();
+    base = 0;
   }
-  p.slot_offsets[S] = row;
-  __threadfence_system();
-  atomicAdd(seq, 1ull);
+  __syncthreads();
+  // (slot i, source s) slot-major: f = i * R + s.
+  for (int chunk = 0; chunk < S * R; chunk += kThreads) {
+    const int f = chunk + threadIdx.x;
+    const int i = f / R, s = f % R;
+    const int n = f < S * R ? p.pair_counts[s * S + i] : 0;
+    int position = 0, total = 0;
+    BlockScanInt(storage).ExclusiveSum(n, position, total);
+    if (f < S * R) {
+      p.pair_offsets[s * S + i] = base + position;
+      if (s == 0) p.slot_offsets[i] = base + position;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) base += total;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    p.slot_offsets[S] = base;
+    int records = 0, entries = 0;
+    for (int s = 0; s < R; ++s) {
+      const int n = SourceCount(p, p.arenas[p.rank], s);
+      p.record_base[s] = records;
+      p.entry_base[s] = entries;
+      records += n;
+      entries += p.record_begin[s * (p.max_tokens + 1) + n];
+    }
+    p.record_base[R] = records;
+    p.entry_base[R] = entries;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < S; i += blockDim.x) {
+    counters[i] += p.slot_offsets[i + 1] - p.slot_offsets[i];
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    cuda::atomic_ref<unsigned long long, cuda::thread_scope_system>(*seq).fetch_add(
+        1, cuda::memory_order_relaxed);
+  }
 }
 
-// Per source (block): thread 0 gives every entry its row in record order; then the block
-// copies the rows.
+// Per source (block): every entry, in record order and k order, gets its row, the next one of
+// its (slot, source) range, with its source rank, token and weight. 256 entries at a time:
+// a warp ranks each lane among the lanes holding the same slot (__match_any_sync) and the
+// warps take their rows in turn, so rows follow the serial order of the host backend
+// (repeated slots in one record take consecutive rows).
 __global__ void PlaceKernel(Params p) {
-  extern __shared__ int cursor[];
+  extern __shared__ int cursor[];  // [S]
   const int s = blockIdx.x, S = p.slots_per_rank;
   if (Stopped(p)) return;
   std::byte* own = p.arenas[p.rank];
   const int n = SourceCount(p, own, s);
-  const std::byte* records = own + p.off_records + s * p.max_tokens * p.record_bytes;
-  const std::byte* rows = own + p.off_rows + s * p.max_tokens * p.row_bytes;
+  const std::byte* records =
+      own + p.off_records + static_cast<size_t>(s) * p.max_tokens * p.record_bytes;
   const int32_t* begin = p.record_begin + s * (p.max_tokens + 1);
-  int32_t* entry_row = p.entry_row + s * p.max_tokens * p.top_k;
+  int32_t* entry_row = p.entry_row + static_cast<size_t>(s) * p.max_tokens * p.top_k;
   for (int i = threadIdx.x; i < S; i += blockDim.x) cursor[i] = p.pair_offsets[s * S + i];
   __syncthreads();
-  if (threadIdx.x == 0) {
-    // Records in order, entries in k order; serial, so that repeated slots in one record
-    // (a top-k that repeats an expert) take consecutive rows as on the host.
-    for (int j = 0; j < n; ++j) {
+  const int entries = n > 0 ? begin[n] : 0;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int chunk = 0; chunk < entries; chunk += kThreads) {
+    const int e = chunk + threadIdx.x;
+    int slot = -1, token = 0;
+    float weight = 0.0f;
+    if (e < entries) {
+      const int j = TokenOfUnit(begin, n, e);  // The record holding entry e.
       RecordHeader header;
-      memcpy(&header, records + static_cast<size_t>(j) * p.record_bytes, sizeof(header));
-      for (int q = 0; q < header.num_entries; ++q) {
-        RecordEntry entry;
-        memcpy(&entry, records + j * p.record_bytes + sizeof(header) + q * sizeof(entry),
-               sizeof(entry));
-        const int row = cursor[entry.local_slot]++;
-        entry_row[begin[j] + q] = row;
-        p.src_rank[row] = s;
-        p.src_token[row] = header.token;
-        p.weight[row] = entry.weight;
-      }
+      RecordEntry entry;
+      const std::byte* record = records + static_cast<size_t>(j) * p.record_bytes;
+      memcpy(&header, record, sizeof(header));
+      memcpy(&entry, record + sizeof(header) + (e - begin[j]) * sizeof(entry), sizeof(entry));
+      slot = entry.local_slot;
+      token = header.token;
+      weight = entry.weight;
     }
-  }
-  __syncthreads();
-  for (int j = 0; j < n; ++j) {
-    for (int e = begin[j]; e < begin[j + 1]; ++e) {
-      BlockCopy(rows + static_cast<size_t>(j) * p.row_bytes,
-                reinterpret_cast<std::byte*>(p.recv_x) + static_cast<size_t>(entry_row[e]) *
-                                                             p.row_bytes,
-                p.row_bytes, threadIdx.x, blockDim.x);
+    const unsigned peers = __match_any_sync(0xffffffffu, slot);
+    const int ahead = __popc(peers & ((1u << lane) - 1));  // Same-slot lanes before this one.
+    for (int w = 0; w < kThreads / 32; ++w) {
+      if (warp == w) {
+        const int row = slot >= 0 ? cursor[slot] + ahead : -1;
+        __syncwarp();
+        if (slot >= 0 && ahead == 0) cursor[slot] += __popc(peers);
+        if (slot >= 0) {
+          entry_row[e] = row;
+          p.src_rank[row] = s;
+          p.src_token[row] = token;
+          p.weight[row] = weight;
+        }
+      }
+      __syncthreads();
     }
   }
 }
 
-// Expert side of combine: block b sums, for source (rank + 1 + b) % R, each record's rows
-// (entries in k order) in fp32 and stores the bf16 partial into the source's arena. A
-// source the plan excludes sent nothing and gets nothing, not even a flag.
+// Every received row copied to its place, a warp per entry over all sources' entries.
+__global__ void CopyKernel(Params p) {
+  if (Stopped(p)) return;
+  const int lane = threadIdx.x % 32, warps_per_block = blockDim.x / 32;
+  const int total = p.entry_base[p.num_ranks];
+  const std::byte* own = p.arenas[p.rank];
+  for (int g = blockIdx.x * warps_per_block + threadIdx.x / 32; g < total;
+       g += gridDim.x * warps_per_block) {
+    const int s = TokenOfUnit(p.entry_base, p.num_ranks, g);  // A source with entries.
+    const int e = g - p.entry_base[s];
+    const int n = p.record_base[s + 1] - p.record_base[s];
+    const int j = TokenOfUnit(p.record_begin + s * (p.max_tokens + 1), n, e);
+    const int row = p.entry_row[static_cast<size_t>(s) * p.max_tokens * p.top_k + e];
+    const auto* from = reinterpret_cast<const uint4*>(
+        own + p.off_rows + (static_cast<size_t>(s) * p.max_tokens + j) * p.row_bytes);
+    auto* to = reinterpret_cast<uint4*>(reinterpret_cast<std::byte*>(p.recv_x) +
+                                        static_cast<size_t>(row) * p.row_bytes);
+    for (size_t i = lane; i < p.row_bytes / 16; i += 32) to[i] = from[i];
+  }
+}
+
+__device__ void UnpackBf16x8(uint4 v, float (&f)[8]) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = Bf16ToFloat(static_cast<uint16_t>(words[i] & 0xffffu));
+    f[2 * i + 1] = Bf16ToFloat(static_cast<uint16_t>(words[i] >> 16));
+  }
+}
+
+__device__ uint4 PackBf16x8(const float (&f)[8]) {
+  uint32_t words[4];
+  for (int i = 0; i < 4; ++i) {
+    words[i] = FloatToBf16(f[2 * i]) | (static_cast<uint32_t>(FloatToBf16(f[2 * i + 1])) << 16);
+  }
+  return make_uint4(words[0], words[1], words[2], words[3]);
+}
+
+// Expert side of combine. Records are numbered source by source (record_base); block b takes
+// the contiguous [b * N / G, (b + 1) * N / G) of the N records (send_split.h's split), sums
+// each record's rows (entries in k order) in fp32, 8 elements per thread, and stores the
+// bf16 partial into the source's arena. When a block is done with its part of a source, it
+// adds the records to that source's tally; whoever completes it raises the source's combine
+// flag (the dispatch's publication, here per source). A source that sent nothing gets its
+// flag at once; a source the plan excludes sent nothing and gets nothing, not even a flag.
 __global__ void PartialKernel(Params p, const uint16_t* y) {
-  const int s = (p.rank + 1 + blockIdx.x) % p.num_ranks;
-  if (RankExcluded(p.plan, static_cast<uint32_t>(s))) return;
-  std::byte* own = p.arenas[p.rank];
-  const int n = SourceCount(p, own, s);
-  const int32_t* begin = p.record_begin + s * (p.max_tokens + 1);
-  const int32_t* entry_row = p.entry_row + s * p.max_tokens * p.top_k;
-  std::byte* arena = p.arenas[s];
-  auto* partials = reinterpret_cast<uint16_t*>(arena + p.off_partials +
-                                               p.rank * p.max_tokens * p.row_bytes);
-  for (int j = 0; j < n; ++j) {
-    for (int h = threadIdx.x; h < p.hidden; h += blockDim.x) {
-      float sum = 0.0f;
-      for (int e = begin[j]; e < begin[j + 1]; ++e) {
-        const int row = entry_row[e];
-        const float term = __fmul_rn(p.weight[row], Bf16ToFloat(y[static_cast<size_t>(row) * p.hidden + h]));
-        sum = e == begin[j] ? term : __fadd_rn(sum, term);
-      }
-      partials[static_cast<size_t>(j) * p.hidden + h] = FloatToBf16(sum);
+  const int R = p.num_ranks, H8 = p.hidden / 8;
+  if (blockIdx.x == 0 && !p.bsp) {  // bsp publishes with a barrier.
+    for (int s = threadIdx.x; s < R; s += blockDim.x) {
+      if (RankExcluded(p.plan, static_cast<uint32_t>(s))) continue;
+      if (p.record_base[s + 1] != p.record_base[s]) continue;
+      ReleaseFlag(reinterpret_cast<uint32_t*>(p.arenas[s] + p.off_combine_flag + p.rank * kLine),
+                  p.epoch);
     }
   }
-  __syncthreads();
-  if (threadIdx.x == 0 && !p.bsp) {  // bsp publishes with a barrier.
-    __threadfence_system();
-    ReleaseFlag(reinterpret_cast<uint32_t*>(arena + p.off_combine_flag + p.rank * kLine),
-                p.epoch);
+  const int64_t last = SplitBegin(p.record_base[R], gridDim.x, blockIdx.x + 1);
+  for (int64_t g = SplitBegin(p.record_base[R], gridDim.x, blockIdx.x); g < last;) {
+    const int s = TokenOfUnit(p.record_base, R, g);  // A source with records.
+    const int64_t part_end = min(last, static_cast<int64_t>(p.record_base[s + 1]));
+    const int32_t* begin = p.record_begin + s * (p.max_tokens + 1);
+    const int32_t* entry_row = p.entry_row + static_cast<size_t>(s) * p.max_tokens * p.top_k;
+    std::byte* arena = p.arenas[s];
+    auto* partials = reinterpret_cast<uint4*>(
+        arena + p.off_partials + static_cast<size_t>(p.rank) * p.max_tokens * p.row_bytes);
+    for (int j = static_cast<int>(g - p.record_base[s]);
+         j < static_cast<int>(part_end - p.record_base[s]); ++j) {
+      for (int h8 = threadIdx.x; h8 < H8; h8 += blockDim.x) {
+        float sum[8];
+        for (int e = begin[j]; e < begin[j + 1]; ++e) {
+          const int row = entry_row[e];
+          const float w = p.weight[row];
+          float v[8];
+          UnpackBf16x8(reinterpret_cast<const uint4*>(y + static_cast<size_t>(row) * p.hidden)[h8],
+                       v);
+          for (int i = 0; i < 8; ++i) {
+            const float term = __fmul_rn(w, v[i]);
+            sum[i] = e == begin[j] ? term : __fadd_rn(sum[i], term);
+          }
+        }
+        partials[static_cast<size_t>(j) * H8 + h8] = PackBf16x8(sum);
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && !p.bsp) {
+      // Every thread's partials precede the barrier above; the system fence orders them
+      // before the addition, and the acq_rel addition every earlier block's before the flag.
+      __threadfence_system();
+      const int32_t records = static_cast<int32_t>(part_end - g);
+      const int32_t done = cuda::atomic_ref<int32_t, cuda::thread_scope_system>(p.combine_done[s])
+                               .fetch_add(records, cuda::memory_order_acq_rel) +
+                           records;
+      if (done == p.record_base[s + 1] - p.record_base[s]) {
+        __threadfence_system();
+        ReleaseFlag(reinterpret_cast<uint32_t*>(arena + p.off_combine_flag + p.rank * kLine),
+                    p.epoch);
+      }
+    }
+    g = part_end;
   }
 }
 
-// Token side of combine: block t sums its partials over destinations in rank order.
+// Token side of combine: block t sums its partials over destinations in rank order, 8
+// elements per thread.
 __global__ void TokenKernel(Params p, uint16_t* out) {
   if (Stopped(p)) return;
-  const int t = blockIdx.x;
-  const auto* partials = reinterpret_cast<const uint16_t*>(p.arenas[p.rank] + p.off_partials);
-  for (int h = threadIdx.x; h < p.hidden; h += blockDim.x) {
-    float sum = 0.0f;
+  const int t = blockIdx.x, H8 = p.hidden / 8;
+  const auto* partials = reinterpret_cast<const uint4*>(p.arenas[p.rank] + p.off_partials);
+  for (int h8 = threadIdx.x; h8 < H8; h8 += blockDim.x) {
+    float sum[8];
     bool first = true;
     for (int d = 0; d < p.num_ranks; ++d) {
       const int j = p.token_route[t * p.num_ranks + d];
       if (j < 0) continue;
-      const float v = Bf16ToFloat(partials[(static_cast<size_t>(d) * p.max_tokens + j) * p.hidden + h]);
-      sum = first ? v : __fadd_rn(sum, v);
+      float v[8];
+      UnpackBf16x8(partials[(static_cast<size_t>(d) * p.max_tokens + j) * H8 + h8], v);
+      for (int i = 0; i < 8; ++i) sum[i] = first ? v[i] : __fadd_rn(sum[i], v[i]);
       first = false;
     }
-    out[static_cast<size_t>(t) * p.hidden + h] = FloatToBf16(sum);
+    if (first) {
+      for (int i = 0; i < 8; ++i) sum[i] = 0.0f;
+    }
+    reinterpret_cast<uint4*>(out + static_cast<size_t>(t) * p.hidden)[h8] = PackBf16x8(sum);
   }
 }
 
@@ -681,6 +796,7 @@ struct CudaEp::Scratch {
   Params params{};
   size_t zeroed_bytes = 0;  // Of the scratch block, from published on.
   int count_blocks = 0;     // SendKernel's counting blocks.
+  int wide_blocks = 0;      // CopyKernel's and PartialKernel's grid.
   bool fused = false;       // ubep runs SendKernel (counting and sending at once).
   std::byte** arenas = nullptr;
   void* block = nullptr;  // One allocation for every scratch array.
@@ -726,7 +842,7 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   // First (8-byte aligned): what each dispatch zeroes, published counts as long long.
   const size_t zeroed = 2 * R + kMaxSendBatches + 1;
   const size_t ints = zeroed + T * R + (T + 1) + R + R * S + R * S + R * (T + 1) + R * T * K +
-                      (S + 1) + kStatusWords + max_rows * 2;
+                      (S + 1) + 3 * R + 2 + kStatusWords + max_rows * 2;
   // recv_x is copied 16 bytes at a time: start it on a 256-byte boundary.
   const size_t head = ints * sizeof(int32_t) + max_rows * sizeof(float);
   const size_t recv_offset = (head + 255) / 256 * 256;
@@ -752,6 +868,9 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   p.record_begin = take(R * (T + 1));
   p.entry_row = take(R * T * K);
   p.slot_offsets = take(S + 1);
+  p.record_base = take(R + 1);
+  p.entry_base = take(R + 1);
+  p.combine_done = take(R);
   p.status = reinterpret_cast<uint32_t*>(take(kStatusWords));
   p.src_rank = take(max_rows);
   p.src_token = take(max_rows);
@@ -795,14 +914,15 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   // ubep counts and sends in one cooperative launch when the device can keep every block of
   // it resident (always, on a GPU of this class: at most 65 blocks); sender_thread kOff asks
   // for the counting kernel first, then the senders, as bsp runs.
+  int device = 0, sms = 0;
+  UBEP_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  UBEP_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  s.wide_blocks = kWideBlocksPerSm * sms;
   s.count_blocks = std::min(config.num_ranks, kCountBlocks);
   if (!p.bsp && config.sender_thread != EpConfig::SenderThread::kOff) {
-    int device = 0, cooperative = 0, sms = 0, per_sm = 0;
-    UBEP_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+    int cooperative = 0, per_sm = 0;
     UBEP_CUDA_RETURN_IF_ERROR(
         cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device));
-    UBEP_CUDA_RETURN_IF_ERROR(
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     UBEP_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
         &per_sm, SendKernel, kThreads, sizeof(int32_t) * config.num_ranks));
     s.fused = cooperative != 0 && per_sm * sms >= s.count_blocks + 1 + kSenderBlocks;
@@ -915,8 +1035,9 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
     WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_dispatch_flag);
   }
   CountKernel<<<config_.num_ranks, kThreads, 0, s.stream>>>(p);
-  ScanKernel<<<1, 1, 0, s.stream>>>(p);
+  ScanKernel<<<1, kThreads, 0, s.stream>>>(p);
   PlaceKernel<<<config_.num_ranks, kThreads, sizeof(int) * config_.slots_per_rank, s.stream>>>(p);
+  CopyKernel<<<s.wide_blocks, kThreads, 0, s.stream>>>(p);
   UBEP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   const absl::Status st = CheckStatus(p.bsp ? "dispatch, bsp" : "dispatch data", p.epoch);
   if (!st.ok() && !absl::IsInvalidArgument(st)) return st;
@@ -942,12 +1063,17 @@ absl::Status CudaEp::Combine(const void* y, void* out) {
   if (combine_epoch_ + 1 != dispatch_epoch_) {
     return absl::FailedPreconditionError("combine without a dispatch before it");
   }
+  if (reinterpret_cast<uintptr_t>(y) % 16 != 0 || reinterpret_cast<uintptr_t>(out) % 16 != 0) {
+    return absl::InvalidArgumentError("cuda backend: y and out must be 16-byte aligned");
+  }
   Scratch& s = *scratch_;
   Params p = s.params;
   p.epoch = ++combine_epoch_;
   UBEP_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(p.status, 0, kStatusWords * sizeof(uint32_t), s.stream));
-  PartialKernel<<<config_.num_ranks, kThreads, 0, s.stream>>>(p, static_cast<const uint16_t*>(y));
+  UBEP_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(p.combine_done, 0, sizeof(int32_t) * config_.num_ranks, s.stream));
+  PartialKernel<<<s.wide_blocks, kThreads, 0, s.stream>>>(p, static_cast<const uint16_t*>(y));
   if (p.bsp) {
     BarrierKernel<<<1, 128, 0, s.stream>>>(p, ++barrier_epoch_);
   } else {

@@ -82,7 +82,7 @@ class CudaEp {
   // still calls Combine (the peers wait for this rank's partials).
   absl::Status Dispatch(const CudaDispatchInput& input, CudaDispatchOutput& output);
   // y: device [num_rows, hidden] bf16 in the dispatch's row order; out: device [num_tokens,
-  // hidden] bf16.
+  // hidden] bf16; both 16-byte aligned.
   absl::Status Combine(const void* y, void* out);
 
   // ubep: whether a dispatch counts and sends in one cooperative launch (SendKernel), rather
