@@ -77,14 +77,14 @@ set +e
 status=0
 # Each step is bounded: ranks as processes time-slice one GPU (no MPS: the card's settings
 # stay as they are), so prefill-sized runs are slow, and a session's device time is short.
-for t in "cuda_ep_test 300" "daemon_cuda_test 120"; do
+for t in "cuda_ep_test 240" "daemon_cuda_test 120"; do
   set -- $t
   timeout "$2" "$tests/$1" --gtest_color=no 2>&1 | tee -a "$out/gpu_tests.log"
   rc=${PIPESTATUS[0]}
   echo "$1: exit $rc" | tee -a "$out/gpu_tests.log"
   [[ $rc == 0 ]] || status=1
 done
-for run in "128 2,4,8 20 150" "4096 2,4 5 200"; do
+for run in "128 2,4,8 20 150" "4096 2,4 5 150"; do
   set -- $run
   timeout "$4" "$bin/ubep-bench-cuda" --ranks "$2" --tokens "$1" --hidden 7168 --iters "$3" \
     | tee "$out/cuda_bench_$1.json"
