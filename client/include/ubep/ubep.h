@@ -128,11 +128,13 @@ class Rank {
 
   // Sends this rank's tokens to the experts' ranks and receives the rows routed here.
   // x: [num_tokens, hidden] of the dtype; topk_idx: [num_tokens, top_k] logical experts or -1;
-  // topk_weights: [num_tokens, top_k].
+  // topk_weights: [num_tokens, top_k]. On the CUDA backend these are device pointers and x is
+  // 16-byte aligned (as cudaMalloc gives).
   absl::Status Dispatch(int layer, const void* x, const int32_t* topk_idx,
                         const float* topk_weights, int num_tokens, Dispatched& out);
   // out[t] = sum over k of topk_weights[t, k] * expert output of (t, k). `expert_out` is
-  // [dispatched.num_rows(), hidden], aligned with dispatched.rows(); `out` [num_tokens, hidden].
+  // [dispatched.num_rows(), hidden], aligned with dispatched.rows(); `out` [num_tokens, hidden];
+  // on the CUDA backend both device pointers, 16-byte aligned.
   absl::Status Combine(const Dispatched& dispatched, const void* expert_out, void* out);
 
   // After an error that stopped the group: waits until every rank is back and the group has
