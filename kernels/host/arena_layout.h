@@ -7,7 +7,8 @@
 //   header          64 B       magic, rank, config echo (checked when a peer attaches)
 //   dispatch_flag   R x 64 B   [s]: epoch of the last dispatch whose data source s stored here
 //   combine_flag    R x 64 B   [d]: epoch of the last combine whose partials rank d stored here
-//   count_flag      R x 64 B   [s]: epoch of source s's count for the BSP count exchange
+//   count_flag      R x 64 B   [s]: epoch of the last dispatch whose records and count source s
+//                              stored here (ubep's offsets, bsp's count exchange)
 //   barrier_flag    R x 64 B   [s]: last barrier epoch rank s reached
 //   abort           64 B       0 while healthy, else why the group stopped (AbortCode): set
 //                              by the first rank whose wait timed out, so that every rank

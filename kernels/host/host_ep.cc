@@ -156,7 +156,6 @@ HostEp::HostEp(const EpConfig& config, int rank, std::vector<std::byte*> arenas)
       rank_(rank),
       arenas_(std::move(arenas)),
       units_(static_cast<size_t>(config.max_tokens) * std::min(config.top_k, config.num_ranks)),
-      entries_(static_cast<size_t>(config.max_tokens) * config.top_k),
       batch_end_(kMaxSendBatches),
       dest_records_(config.num_ranks) {
   // Resume the epochs this arena has seen, so a restarted rank continues its peers' count.
@@ -276,16 +275,23 @@ void HostEp::CountBatch(const DispatchInput& in, int batch, int num_batches, int
         std::swap(dests[j], dests[j - 1]);
       }
     }
-    RecordEntry* entries = &entries_[static_cast<size_t>(t) * K];
-    int next = 0;
+    // Each destination's record (stored into its arena now: the receivers lay out their rows
+    // from the records before the rows arrive), then the token's units.
     for (int i = 0; i < num_dests; ++i) {
       const int d = dests[i];
-      const int begin = next;
+      const int32_t j = dest_records_[d]++;
+      std::byte* record = arenas_[d] + layout_.records +
+                          (rank_ * static_cast<size_t>(config_.max_tokens) + j) *
+                              layout_.record_bytes;
+      RecordEntry entries[kMaxTopK];
+      int n = 0;
       for (int k = 0; k < K; ++k) {
-        if (pair_dest[k] == d) entries[next++] = {pair_slot[k], in.topk_weights[t * K + k]};
+        if (pair_dest[k] == d) entries[n++] = {pair_slot[k], in.topk_weights[t * K + k]};
       }
-      units_[u++] = {d, dest_records_[d]++, t, static_cast<uint16_t>(begin),
-                     static_cast<uint16_t>(next - begin)};
+      const RecordHeader header{t, n};
+      std::memcpy(record, &header, sizeof(header));
+      std::memcpy(record + sizeof(header), entries, sizeof(RecordEntry) * n);
+      units_[u++] = {d, j, t};
     }
   }
   num_units_ = u;
@@ -299,7 +305,15 @@ void HostEp::CountBatch(const DispatchInput& in, int batch, int num_batches, int
 }
 
 void HostEp::FinishCounting(uint32_t epoch, bool publish) {
-  if (!publish) return;  // bsp publishes with its count exchange and barrier.
+  // The offsets: every destination's record count, then its count flag (bsp's count exchange;
+  // ubep's receivers lay out their rows from it while the rows are on their way).
+  for (int d = 0; d < config_.num_ranks; ++d) {
+    if (!active_[d]) continue;
+    reinterpret_cast<uint32_t*>(arenas_[d] + layout_.counts)[rank_] =
+        static_cast<uint32_t>(dest_records_[d]);
+    Signal(FlagAt(arenas_[d], layout_.count_flag, rank_), epoch);
+  }
+  if (!publish) return;  // bsp publishes the rows with its barrier.
   for (int d = 0; d < config_.num_ranks; ++d) {
     if (!active_[d]) continue;
     if (dest_records_[d] == 0) {
@@ -315,7 +329,7 @@ void HostEp::FinishCounting(uint32_t epoch, bool publish) {
 
 void HostEp::SendShare(int index, int senders, const DispatchInput& in, uint32_t epoch,
                        uint32_t batches_before, bool publish, absl::Time deadline) {
-  const int K = config_.top_k, R = config_.num_ranks;
+  const int R = config_.num_ranks;
   const size_t T = config_.max_tokens;
   const auto* x = static_cast<const std::byte*>(in.x);
   Share& share = shares_[index];
@@ -347,7 +361,6 @@ void HostEp::SendShare(int index, int senders, const DispatchInput& in, uint32_t
       const int d = VisitDest(rank_, position, R);
       const int32_t n = share.count[d];
       if (n == 0) continue;
-      std::byte* records = arenas_[d] + layout_.records + rank_ * T * layout_.record_bytes;
       std::byte* rows = arenas_[d] + layout_.rows + rank_ * T * layout_.row_bytes;
       for (int32_t i = at; i < at + n; ++i) {
         const Unit& unit = units_[share.grouped[i]];
@@ -356,12 +369,6 @@ void HostEp::SendShare(int index, int senders, const DispatchInput& in, uint32_t
                       layout_.row_bytes);
           PrefetchRowForWrite(rows + (unit.record + 1) * layout_.row_bytes, layout_.row_bytes);
         }
-        const RecordHeader header{unit.token, unit.num_entries};
-        std::byte* record = records + unit.record * layout_.record_bytes;
-        std::memcpy(record, &header, sizeof(header));
-        std::memcpy(record + sizeof(header),
-                    &entries_[static_cast<size_t>(unit.token) * K + unit.first_entry],
-                    sizeof(RecordEntry) * unit.num_entries);
         std::memcpy(rows + unit.record * layout_.row_bytes, x + unit.token * layout_.row_bytes,
                     layout_.row_bytes);
       }
@@ -377,10 +384,7 @@ void HostEp::SendShare(int index, int senders, const DispatchInput& in, uint32_t
 }
 
 void HostEp::Publish(int d, uint32_t epoch) {
-  std::byte* arena = arenas_[d];
-  reinterpret_cast<uint32_t*>(arena + layout_.counts)[rank_] =
-      static_cast<uint32_t>(dest_records_[d]);
-  Signal(FlagAt(arena, layout_.dispatch_flag, rank_), epoch);
+  Signal(FlagAt(arenas_[d], layout_.dispatch_flag, rank_), epoch);
 }
 
 absl::Status HostEp::Wait(const uint32_t* word, uint32_t epoch, int peer, const char* what,
@@ -408,6 +412,30 @@ absl::Status HostEp::GiveUp(int peer, const char* what, uint32_t epoch) const {
   }
   UBEP_RETURN_IF_ERROR(DaemonAbortStatus(code, rank_, what, epoch));
   return TimedOutStatus(code, rank_, peer, config_.timeout, what, epoch);
+}
+
+absl::Status HostEp::TakeAsTheyArrive(size_t region, uint32_t epoch, std::vector<int> pending,
+                                      const char* what, absl::Time deadline,
+                                      const std::function<void(int)>& arrived) {
+  std::byte* own = arenas_[rank_];
+  while (!pending.empty()) {
+    const size_t before = pending.size();
+    std::erase_if(pending, [&](int s) {
+      if (!EpochReached(LoadAcquire(FlagAt(own, region, s)), epoch)) return false;
+      arrived(s);
+      return true;
+    });
+    if (pending.empty() || pending.size() < before) continue;
+    // Sleep on the first missing source until it arrives or a slice passes (so that an abort
+    // is seen within a millisecond).
+    const absl::Status slice =
+        WaitEpoch(FlagAt(own, region, pending.front()), epoch,
+                  std::min(deadline, absl::Now() + absl::Milliseconds(1)), AbortWord());
+    if (!slice.ok() && (absl::IsAborted(slice) || absl::Now() >= deadline)) {
+      return GiveUp(pending.front(), what, epoch);
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status HostEp::Barrier(absl::Time deadline) {
@@ -456,47 +484,35 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
   for (int b = 0; b < num_batches; ++b) CountBatch(in, b, num_batches, senders);
   FinishCounting(epoch, /*publish=*/ubep);
   std::byte* own = arenas_[rank_];
+  std::vector<int> sources;
+  for (int r = 0; r < R; ++r) {
+    if (active_[r]) sources.push_back(r);
+  }
   if (!ubep) {
-    for (int d = 0; d < R; ++d) {
-      if (!active_[d]) continue;
-      reinterpret_cast<uint32_t*>(arenas_[d] + layout_.counts)[rank_] =
-          static_cast<uint32_t>(dest_records_[d]);
-      Signal(FlagAt(arenas_[d], layout_.count_flag, rank_), epoch);
-    }
-    for (int s = 0; s < R; ++s) {
-      if (!active_[s]) continue;
+    for (int s : sources) {
       UBEP_RETURN_IF_ERROR(
           Wait(FlagAt(own, layout_.count_flag, s), epoch, s, "count exchange", deadline));
     }
     UBEP_RETURN_IF_ERROR(Barrier(deadline));
     send_share(0);
     UBEP_RETURN_IF_ERROR(Barrier(deadline));
+    LayOut(in.layer, out);
+    for (int s : sources) Place(s, out);
   } else {
     if (senders_ == nullptr) send_share(0);  // No core to spare: send, then receive.
-    std::vector<int> pending;
-    for (int s = 0; s < R; ++s) {
-      if (active_[s]) pending.push_back(s);
-    }
-    absl::Status status;
-    while (!pending.empty() && status.ok()) {
-      size_t before = pending.size();
-      std::erase_if(pending, [&](int s) {
-        return EpochReached(LoadAcquire(FlagAt(own, layout_.dispatch_flag, s)), epoch);
-      });
-      if (pending.size() == before) {
-        // Sleep on the first missing source until it arrives, or a slice passes.
-        const absl::Status slice =
-            WaitEpoch(FlagAt(own, layout_.dispatch_flag, pending.front()), epoch,
-                      std::min(deadline, absl::Now() + absl::Milliseconds(1)), AbortWord());
-        if (!slice.ok() && (absl::IsAborted(slice) || absl::Now() >= deadline)) {
-          status = GiveUp(pending.front(), "dispatch data", epoch);
-        }
-      }
+    // The offsets first (every source's records, as its count flag arrives), then each
+    // source's rows placed as its data flag arrives, in whatever order the sources finish.
+    absl::Status status = TakeAsTheyArrive(layout_.count_flag, epoch, sources,
+                                           "dispatch counts", deadline, [](int) {});
+    if (status.ok()) {
+      LayOut(in.layer, out);
+      std::erase_if(sources, [&](int s) { return out.handle.records_from[s] == 0; });
+      status = TakeAsTheyArrive(layout_.dispatch_flag, epoch, sources, "dispatch data",
+                                deadline, [&](int s) { Place(s, out); });
     }
     if (senders_ != nullptr) senders_->Join();
     UBEP_RETURN_IF_ERROR(status);
   }
-  Assemble(in.layer, out);
   out.plan_version = in.plan->version;
   // Each token's (destination, record) pairs, destinations ascending, for the combine: the
   // units are token-major, each token's in visiting order.
@@ -521,75 +537,101 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
   return absl::OkStatus();
 }
 
-void HostEp::Assemble(int layer, DispatchOutput& out) {
+namespace {
+
+RecordHeader HeaderAt(const std::byte* records, size_t record_bytes, int32_t j) {
+  RecordHeader header;
+  std::memcpy(&header, records + j * record_bytes, sizeof(header));
+  return header;
+}
+
+RecordEntry EntryAt(const std::byte* records, size_t record_bytes, int32_t j, int q) {
+  RecordEntry entry;
+  std::memcpy(&entry,
+              records + j * record_bytes + sizeof(RecordHeader) + q * sizeof(RecordEntry),
+              sizeof(entry));
+  return entry;
+}
+
+}  // namespace
+
+void HostEp::LayOut(int layer, DispatchOutput& out) {
   const int R = config_.num_ranks, S = config_.slots_per_rank;
   const size_t T = config_.max_tokens;
   std::byte* own = arenas_[rank_];
   const auto* counts = reinterpret_cast<const uint32_t*>(own + layout_.counts);
-  auto header_at = [&](int s, uint32_t j) {
-    RecordHeader header;
-    std::memcpy(&header, own + layout_.records + (s * T + j) * layout_.record_bytes,
-                sizeof(header));
-    return header;
-  };
-  auto entry_at = [&](int s, uint32_t j, int q) {
-    RecordEntry entry;
-    std::memcpy(&entry,
-                own + layout_.records + (s * T + j) * layout_.record_bytes +
-                    sizeof(RecordHeader) + q * sizeof(RecordEntry),
-                sizeof(entry));
-    return entry;
-  };
-  // Counting sort by local slot; sources in rank order, records and entries in order, so the
-  // layout does not depend on the order in which sources arrived.
+  // Counting sort by local slot; within a slot sources in rank order, records and entries in
+  // order, so the layout does not depend on the order in which sources arrive.
   DispatchOutput::Handle& handle = out.handle;
   handle.records_from.assign(R, 0);
   handle.record_begin.resize(R);
   out.slot_offsets.assign(S + 1, 0);
+  source_slot_rows_.assign(static_cast<size_t>(R) * S, 0);
   int32_t entries = 0;
   for (int s = 0; s < R; ++s) {
     const uint32_t from_s = active_[s] ? counts[s] : 0;  // An excluded rank sent nothing.
+    const std::byte* records = own + layout_.records + s * T * layout_.record_bytes;
+    int32_t* rows = &source_slot_rows_[static_cast<size_t>(s) * S];
     handle.records_from[s] = static_cast<int32_t>(from_s);
     handle.record_begin[s].resize(from_s + 1);
     for (uint32_t j = 0; j < from_s; ++j) {
-      const RecordHeader header = header_at(s, j);
+      const RecordHeader header = HeaderAt(records, layout_.record_bytes, j);
       handle.record_begin[s][j] = entries;
       entries += header.num_entries;
-      for (int q = 0; q < header.num_entries; ++q) ++out.slot_offsets[entry_at(s, j, q).local_slot + 1];
+      for (int q = 0; q < header.num_entries; ++q) {
+        ++rows[EntryAt(records, layout_.record_bytes, j, q).local_slot];
+      }
     }
     handle.record_begin[s][from_s] = entries;
   }
-  AddLayerLoad(own, layout_, S, layer, out.slot_offsets.data() + 1);
-  for (int i = 0; i < S; ++i) out.slot_offsets[i + 1] += out.slot_offsets[i];
+  // Slot i's rows: source 0's, then source 1's, ...; source_slot_rows_ becomes each source's
+  // first row in each slot.
+  for (int i = 0; i < S; ++i) {
+    int32_t row = out.slot_offsets[i];
+    for (int s = 0; s < R; ++s) {
+      const int32_t n = source_slot_rows_[static_cast<size_t>(s) * S + i];
+      source_slot_rows_[static_cast<size_t>(s) * S + i] = row;
+      row += n;
+    }
+    out.slot_offsets[i + 1] = row;
+  }
+  std::vector<int32_t>& per_slot = cursor_;
+  per_slot.resize(S);
+  for (int i = 0; i < S; ++i) per_slot[i] = out.slot_offsets[i + 1] - out.slot_offsets[i];
+  AddLayerLoad(own, layout_, S, layer, per_slot.data());
   const int num_rows = out.slot_offsets[S];
   out.recv_x.resize(static_cast<size_t>(num_rows) * layout_.row_bytes);
   out.src_rank.resize(num_rows);
   out.src_token.resize(num_rows);
   out.weight.resize(num_rows);
   handle.record_rows.resize(entries);
-  cursor_.assign(out.slot_offsets.begin(), out.slot_offsets.end() - 1);
-  for (int s = 0; s < R; ++s) {
-    const std::byte* rows = own + layout_.rows + s * T * layout_.row_bytes;
-    for (int32_t j = 0; j < handle.records_from[s]; ++j) {
-      const RecordHeader header = header_at(s, j);
-      if (j + 1 < handle.records_from[s]) {
-        PrefetchRow(rows + (j + 1) * layout_.row_bytes, layout_.row_bytes);
+}
+
+void HostEp::Place(int s, DispatchOutput& out) {
+  const size_t T = config_.max_tokens;
+  const std::byte* own = arenas_[rank_];
+  const std::byte* records = own + layout_.records + s * T * layout_.record_bytes;
+  const std::byte* rows = own + layout_.rows + s * T * layout_.row_bytes;
+  int32_t* cursor = &source_slot_rows_[static_cast<size_t>(s) * config_.slots_per_rank];
+  DispatchOutput::Handle& handle = out.handle;
+  const int32_t n = handle.records_from[s];
+  for (int32_t j = 0; j < n; ++j) {
+    const RecordHeader header = HeaderAt(records, layout_.record_bytes, j);
+    if (j + 1 < n) PrefetchRow(rows + (j + 1) * layout_.row_bytes, layout_.row_bytes);
+    for (int q = 0; q < header.num_entries; ++q) {
+      const RecordEntry entry = EntryAt(records, layout_.record_bytes, j, q);
+      const int32_t row = cursor[entry.local_slot]++;
+      if (q + 1 < header.num_entries) {  // The row the next entry's copy lands on.
+        const int32_t next = cursor[EntryAt(records, layout_.record_bytes, j, q + 1).local_slot];
+        PrefetchRowForWrite(out.recv_x.data() + static_cast<size_t>(next) * layout_.row_bytes,
+                            layout_.row_bytes);
       }
-      for (int q = 0; q < header.num_entries; ++q) {
-        const RecordEntry entry = entry_at(s, j, q);
-        const int32_t row = cursor_[entry.local_slot]++;
-        if (q + 1 < header.num_entries) {  // The row the next entry's copy lands on.
-          const int32_t next = cursor_[entry_at(s, j, q + 1).local_slot];
-          PrefetchRowForWrite(out.recv_x.data() + static_cast<size_t>(next) * layout_.row_bytes,
-                              layout_.row_bytes);
-        }
-        std::memcpy(out.recv_x.data() + static_cast<size_t>(row) * layout_.row_bytes,
-                    rows + j * layout_.row_bytes, layout_.row_bytes);
-        out.src_rank[row] = s;
-        out.src_token[row] = header.token;
-        out.weight[row] = entry.weight;
-        handle.record_rows[handle.record_begin[s][j] + q] = row;
-      }
+      std::memcpy(out.recv_x.data() + static_cast<size_t>(row) * layout_.row_bytes,
+                  rows + j * layout_.row_bytes, layout_.row_bytes);
+      out.src_rank[row] = s;
+      out.src_token[row] = header.token;
+      out.weight[row] = entry.weight;
+      handle.record_rows[handle.record_begin[s][j] + q] = row;
     }
   }
 }

@@ -11,12 +11,14 @@
 //
 // Protocols (EpConfig::protocol), identical bytes out:
 //  - kBsp: count exchange, barrier, send, barrier (the phase-by-phase baseline);
-//  - kUbep: the calling thread counts (routes the pairs) batch by batch while the sender role
-//    (EpConfig::sender_threads threads) stores the records and rows of the batches counted,
-//    split evenly (send_split.h); whoever completes a destination raises its epoch-tagged
-//    flag, while the calling thread, done counting, receives whichever sources are ready; no
-//    global barrier and no clearing between calls. With no core to spare for the senders,
-//    the calling thread counts, sends, then receives.
+//  - kUbep: the calling thread counts (routes the pairs and stores the records) batch by batch
+//    while the sender role (EpConfig::sender_threads threads) stores the rows of the batches
+//    counted, split evenly (send_split.h). Each destination gets two epoch-tagged flags from
+//    this rank: its count (raised when counting is done) and its completion (raised by
+//    whoever completes its rows). The calling thread, done counting, lays out its receive
+//    side once every source's count is in and places each source's rows as they complete;
+//    no global barrier and no clearing between calls. With no core to spare for the
+//    senders, the calling thread counts, sends, then receives.
 // Every wait has EpConfig::timeout; a peer that does not arrive becomes a DeadlineExceeded
 // error naming it. Bad input is rejected before any byte moves.
 // Thread-compatible: one HostEp per rank, called by one thread at a time; all ranks call
@@ -27,6 +29,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -108,18 +111,18 @@ class HostEp {
   HostEp(const EpConfig& config, int rank, std::vector<std::byte*> arenas);
 
   absl::Status Validate(const DispatchInput& input) const;
-  // One row store (send_split.h): record `record` of destination `dest`, which carries token
-  // `token` and the entries entries_[token * top_k + first_entry ...][num_entries].
+  // One row store (send_split.h): token `token`'s row as record `record` of destination `dest`.
   struct Unit {
     int32_t dest, record, token;
-    uint16_t first_entry, num_entries;
   };
-  // Counting role: routes the pairs of batch `batch` (send_split.h), appends its tokens' units
-  // and hands them to the senders (batch_end_, then the batches_ word).
+  // Counting role: routes the pairs of batch `batch` (send_split.h), stores each (token,
+  // destination) record into the destination's arena, appends the tokens' units and hands
+  // them to the senders (batch_end_, then the batches_ word).
   void CountBatch(const DispatchInput& input, int batch, int num_batches, int senders);
-  // Counting role, after the last batch: every destination's record total is final. With
-  // `publish` (ubep), a destination with no record is published, and the others get
-  // kCountedBias (published here if every sender is already done with them).
+  // Counting role, after the last batch: every destination's record total is final, and is
+  // stored with its count flag (the offsets). With `publish` (ubep), a destination with no
+  // record is published, and the others get kCountedBias (published here if every sender is
+  // already done with them).
   void FinishCounting(uint32_t epoch, bool publish);
   // One sender's scratch: per destination, its units in this batch; the batch's units grouped
   // by destination.
@@ -132,7 +135,7 @@ class HostEp {
   // completes a destination publishes it (count, then flag).
   void SendShare(int index, int senders, const DispatchInput& input, uint32_t epoch,
                  uint32_t batches_before, bool publish, absl::Time deadline);
-  // Stores the record count into `dest`'s arena and raises its dispatch flag for this rank.
+  // Raises `dest`'s dispatch flag for this rank: its rows are all stored.
   void Publish(int dest, uint32_t epoch);
   absl::Status Wait(const uint32_t* word, uint32_t epoch, int peer, const char* what,
                     absl::Time deadline) const;
@@ -141,8 +144,18 @@ class HostEp {
   absl::Status GiveUp(int peer, const char* what, uint32_t epoch) const;
   uint32_t* AbortWord() const;
   absl::Status Barrier(absl::Time deadline);
-  // Lays out what every source stored here, sources in rank order; bumps the load counters.
-  void Assemble(int layer, DispatchOutput& output);
+  // Waits until flag `region`[s] of this rank's arena reaches `epoch` for every s in
+  // `pending`, calling `arrived(s)` for each as it does (in arrival order); the error of the
+  // first source that does not arrive in time (GiveUp, naming `what`).
+  absl::Status TakeAsTheyArrive(size_t region, uint32_t epoch, std::vector<int> pending,
+                                const char* what, absl::Time deadline,
+                                const std::function<void(int)>& arrived);
+  // From every source's records (their count flags seen): the receive layout (slot offsets,
+  // each source's first row in each slot, sizes), and the load counters.
+  void LayOut(int layer, DispatchOutput& output);
+  // Source s's rows copied to their places (its dispatch flag seen); any order of sources
+  // gives the same bytes.
+  void Place(int source, DispatchOutput& output);
 
   EpConfig config_;
   ArenaLayout layout_;
@@ -154,7 +167,6 @@ class HostEp {
   // Written by the counting role, read by the senders once a batch is handed over.
   std::vector<Unit> units_;           // Token-major; max_tokens x min(top_k, ranks).
   int64_t num_units_ = 0;
-  std::vector<RecordEntry> entries_;  // top_k per token, grouped by destination, k ascending.
   std::vector<int64_t> batch_end_;    // Per batch: units handed over (send_split.h BatchEnd).
   std::vector<int32_t> dest_records_;  // Per destination: records so far.
   uint32_t batches_ = 0;  // Batches counted, over every call (a Signal word).
@@ -162,7 +174,8 @@ class HostEp {
   // Per destination: units stored, plus kCountedBias once counting is done.
   std::unique_ptr<std::atomic<int64_t>[]> published_;
   std::vector<float> scratch_;    // One fp32 row for combine sums.
-  std::vector<int32_t> cursor_;   // Next row of each local slot while assembling.
+  std::vector<int32_t> cursor_;   // Rows per local slot while laying out.
+  std::vector<int32_t> source_slot_rows_;  // [R x S]: next row of (source, slot) while placing.
   // Per rank: in the group under the plan of the call in flight (excluded ranks are neither
   // sent to nor waited for).
   std::vector<char> active_;

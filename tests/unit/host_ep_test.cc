@@ -416,7 +416,7 @@ TEST(HostEpErrorTest, AMissingPeerTimesOutWithItsName) {
   for (int r : {0, 1, 3}) {
     EXPECT_EQ(status[r],
               absl::DeadlineExceededError(absl::StrCat(
-                  "rank ", r, ": timed out after 300ms waiting for rank 2 (dispatch data, call "
+                  "rank ", r, ": timed out after 300ms waiting for rank 2 (dispatch counts, call "
                   "1); is rank 2 alive?")));
   }
 }
@@ -443,7 +443,7 @@ TEST(HostEpErrorTest, ATimeoutLeavesTheArenaOfARankThePlanExcludesAlone) {
   for (int r : {0, 1}) {
     EXPECT_EQ(status[r],
               absl::DeadlineExceededError(absl::StrCat(
-                  "rank ", r, ": timed out after 300ms waiting for rank 2 (dispatch data, call "
+                  "rank ", r, ": timed out after 300ms waiting for rank 2 (dispatch counts, call "
                   "1); is rank 2 alive?")));
   }
   for (int r : {0, 1, 2}) {
