@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/status_macros.h"
 #include "kernels/common/bf16.h"
 #include "kernels/common/plan_area.h"
@@ -335,6 +336,7 @@ void HostEp::SendShare(int index, int senders, const DispatchInput& in, uint32_t
   Share& share = shares_[index];
   const int num_batches = NumBatches(in.num_tokens);
   int64_t batch_begin = 0;
+  if (row_delay_for_testing_ > absl::ZeroDuration()) absl::SleepFor(row_delay_for_testing_);
   for (int b = 0; b < num_batches; ++b) {
     // Counting never blocks (the input was validated before it began), so this wait ends
     // within a batch's routing; the deadline only bounds it.

@@ -106,6 +106,10 @@ class HostEp {
   const EpConfig& config() const { return config_; }
   int rank() const { return rank_; }
 
+  // Tests only: the sender role waits this long before its first row store of each dispatch
+  // (the counts still go out at once), so that a test can make one source's rows arrive last.
+  void set_row_delay_for_testing(absl::Duration delay) { row_delay_for_testing_ = delay; }
+
  private:
   class Senders;
   HostEp(const EpConfig& config, int rank, std::vector<std::byte*> arenas);
@@ -180,6 +184,7 @@ class HostEp {
   // sent to nor waited for).
   std::vector<char> active_;
   std::unique_ptr<Senders> senders_;  // The sender role's threads, when it has its own.
+  absl::Duration row_delay_for_testing_ = absl::ZeroDuration();
 };
 
 }  // namespace ubep::kernels

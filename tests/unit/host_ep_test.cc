@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "kernels/common/plan_area.h"
 #include "kernels/common/routing.h"
@@ -47,12 +48,16 @@ Expected Route(const EpConfig& c, const std::vector<RankInput>& inputs, const Te
 
 // Dispatches, checks every received row, then combines with y = x * (1 + expert / 64) and
 // checks against a float64 reference. Returns each rank's (recv_x bytes, combined bytes).
+// With `stagger`, rank r starts (R - 1 - r) x stagger late, so that sources reach each
+// receiver out of rank order.
 std::vector<std::pair<std::vector<std::byte>, std::vector<float>>> RunStep(
-    Group& group, const std::vector<RankInput>& inputs, const TestPlan& plan, int layer) {
+    Group& group, const std::vector<RankInput>& inputs, const TestPlan& plan, int layer,
+    absl::Duration stagger = absl::ZeroDuration()) {
   const EpConfig& c = group.config();
   const Expected expected = Route(c, inputs, plan, layer);
   std::vector<std::pair<std::vector<std::byte>, std::vector<float>>> results(c.num_ranks);
   group.RunAll([&](int r) {
+    absl::SleepFor(stagger * (c.num_ranks - 1 - r));
     DispatchOutput out;
     const RankInput& in = inputs[r];
     absl::Status s = group.ep(r).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(),
@@ -208,6 +213,24 @@ TEST_P(HostEpTest, SendersStoreBatchesAsTheyAreCounted) {
     }
     RunStep(group, inputs, plan, step);
   }
+}
+
+// Rank 0's rows go out 200 ms after its counts, rank 1's 100 ms after: every receiver has the
+// other ranks' rows first and places rank 0's last, yet rank 0's rows still come first in
+// each slot (the layout fixes every row before any row is placed). Then the ranks start in
+// reverse order (rank 3 first) without the delays.
+TEST_P(HostEpTest, SourcesArrivingOutOfRankOrderLandInTheSameRows) {
+  Group group(VariantConfig(GetParam()));
+  const EpConfig& c = group.config();
+  const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 30 + r, 21));
+  group.ep(0).set_row_delay_for_testing(absl::Milliseconds(200));
+  group.ep(1).set_row_delay_for_testing(absl::Milliseconds(100));
+  RunStep(group, inputs, plan, 0);
+  group.ep(0).set_row_delay_for_testing(absl::ZeroDuration());
+  group.ep(1).set_row_delay_for_testing(absl::ZeroDuration());
+  RunStep(group, inputs, plan, 1, absl::Milliseconds(30));
 }
 
 INSTANTIATE_TEST_SUITE_P(Protocols, HostEpTest,
