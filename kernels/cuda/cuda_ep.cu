@@ -22,7 +22,10 @@ constexpr int kStatusBadPair = 0;    // 0, or kBadInput | (t * K + k) of the fir
 constexpr int kStatusBadExpert = 1;  // That pair's expert id.
 constexpr int kStatusWaitEnded = 2;  // 0, or 1 + the peer a wait gave up on (abort word set).
 constexpr int kStatusStalled = 3;    // 1: a SendKernel block waited past the timeout for another.
-constexpr int kStatusWords = 4;
+constexpr int kStatusWaitPhase = 4;  // The phase of the wait that ended: kPhase*.
+constexpr int kStatusWords = 5;
+constexpr uint32_t kPhaseAsCalled = 1;  // Named by the call (CheckStatus's `what`).
+constexpr uint32_t kPhaseCounts = 2;    // ubep's wait for the sources' counts: "dispatch counts".
 constexpr size_t kLine = 64;
 // Sender blocks of a dispatch (send_split.h). A few dozen SMs saturate NVLink stores, as in
 // DeepEP's normal kernels; a block with an empty share exits at once.
@@ -64,6 +67,7 @@ struct Params {
   // Zeroed per dispatch, together: units stored into each destination (plus kCountedBias once
   // counted, send_split.h); SendKernel's counting blocks done with each batch; batches numbered.
   long long* published;    // [R]
+  unsigned long long* deadline;  // The call's deadline (%globaltimer ns), set by its first wait.
   int32_t* batch_counted;  // [kMaxSendBatches]
   int32_t* batch_scanned;  // [1]
   int32_t* pair_counts;   // [R x S]: entries from source s for local slot i.
@@ -101,13 +105,12 @@ __device__ bool FlagReached(uint32_t* flag, uint32_t epoch) {
 
 using BlockScanInt = cub::BlockScan<int, kThreads>;
 
-// Stores this rank's record count into d's arena and raises d's dispatch flag (ubep). Called by
-// one thread once every record and row for d is stored and fenced.
-__device__ void PublishDest(const Params& p, int d, int total) {
-  std::byte* arena = p.arenas[d];
-  reinterpret_cast<uint32_t*>(arena + p.off_counts)[p.rank] = static_cast<uint32_t>(total);
+// Raises d's dispatch flag (ubep): this rank's rows for d are all stored. Called by one thread
+// once every row for d is stored and ordered before it (see the callers).
+__device__ void PublishDest(const Params& p, int d) {
   __threadfence_system();
-  ReleaseFlag(reinterpret_cast<uint32_t*>(arena + p.off_dispatch_flag + p.rank * kLine), p.epoch);
+  ReleaseFlag(reinterpret_cast<uint32_t*>(p.arenas[d] + p.off_dispatch_flag + p.rank * kLine),
+              p.epoch);
 }
 
 // Counting role, destination d, tokens [first, last), called by every thread of a block:
@@ -166,32 +169,29 @@ __device__ void CountDest(const Params& p, int d, int first, int last, int* base
 }
 
 // Counting role, one thread, once d's records are stored and the block has synchronized:
-// d's record total. bsp: the count and the count-exchange flag. ubep: a destination with no
-// record is published at once; the others get kCountedBias (send_split.h), and are published
-// here if the senders were done with them first.
+// d's record total, stored into d's arena with its count flag (the offsets: bsp's count
+// exchange; ubep's receivers lay out their rows from it while the rows are on their way).
+// ubep: a destination with no record is published at once; the others get kCountedBias
+// (send_split.h), and are published here if the senders were done with them first.
 __device__ void FinishDest(const Params& p, int d, int total) {
   if (RankExcluded(p.plan, static_cast<uint32_t>(d))) {
     p.dest_records[d] = 0;
     return;
   }
   p.dest_records[d] = total;
-  __threadfence_system();  // The records precede any flag for d, and the total the bias.
-  if (p.bsp) {
-    std::byte* arena = p.arenas[d];
-    reinterpret_cast<uint32_t*>(arena + p.off_counts)[p.rank] = static_cast<uint32_t>(total);
-    __threadfence_system();
-    ReleaseFlag(reinterpret_cast<uint32_t*>(arena + p.off_count_flag + p.rank * kLine),
-                p.epoch);
-    return;
-  }
+  std::byte* arena = p.arenas[d];
+  reinterpret_cast<uint32_t*>(arena + p.off_counts)[p.rank] = static_cast<uint32_t>(total);
+  __threadfence_system();  // The records and count precede the flags, the total the bias.
+  ReleaseFlag(reinterpret_cast<uint32_t*>(arena + p.off_count_flag + p.rank * kLine), p.epoch);
+  if (p.bsp) return;
   if (total == 0) {
-    PublishDest(p, d, 0);
+    PublishDest(p, d);
     return;
   }
   const long long before =
       cuda::atomic_ref<long long, cuda::thread_scope_system>(p.published[d])
           .fetch_add(kCountedBias, cuda::memory_order_acq_rel);
-  if (before == total) PublishDest(p, d, total);
+  if (before == total) PublishDest(p, d);
 }
 
 // Units of tokens [first, last): unit_begin[t] for each, from *base on, and unit_begin[last]
@@ -265,9 +265,7 @@ __device__ void PublishStored(const Params& p, const int32_t* stored) {
     const long long total = cuda::atomic_ref<long long, cuda::thread_scope_system>(p.published[d])
                                 .fetch_add(mine, cuda::memory_order_acq_rel) +
                             mine;
-    if (total >= kCountedBias && total - kCountedBias == p.dest_records[d]) {
-      PublishDest(p, d, p.dest_records[d]);
-    }
+    if (total >= kCountedBias && total - kCountedBias == p.dest_records[d]) PublishDest(p, d);
   }
 }
 
@@ -432,9 +430,13 @@ __device__ void RaiseAbortEverywhere(const Params& p, uint32_t code) {
 // (a peer gave up, or the daemon stopped the group) ends too. Either way status records
 // 1 + s and the host reads the reason from the abort word. The block's threads share the
 // sources.
-__device__ void WaitFlags(const Params& p, size_t offset, uint32_t epoch) {
+__device__ void WaitFlags(const Params& p, size_t offset, uint32_t epoch,
+                          uint32_t phase = kPhaseAsCalled) {
   std::byte* own = p.arenas[p.rank];
-  const uint64_t deadline = GlobalTimerNs() + p.timeout_ns;
+  // One deadline per call, as on the host: the first wait of the call sets it.
+  const unsigned long long mine = GlobalTimerNs() + p.timeout_ns;
+  const unsigned long long first = atomicCAS(p.deadline, 0ull, mine);
+  const uint64_t deadline = first == 0 ? mine : first;
   for (int s = threadIdx.x; s < p.num_ranks; s += blockDim.x) {
     if (RankExcluded(p.plan, static_cast<uint32_t>(s))) continue;
     auto* flag = reinterpret_cast<uint32_t*>(own + offset + s * kLine);
@@ -442,13 +444,17 @@ __device__ void WaitFlags(const Params& p, size_t offset, uint32_t epoch) {
     while (!FlagReached(flag, epoch)) {
       if (GlobalTimerNs() > deadline) {
         RaiseAbortEverywhere(p, kAbortTimedOutBase + static_cast<uint32_t>(s));
-        atomicCAS(&p.status[kStatusWaitEnded], 0u, 1u + s);
+        if (atomicCAS(&p.status[kStatusWaitEnded], 0u, 1u + s) == 0) {
+          p.status[kStatusWaitPhase] = phase;
+        }
         return;
       }
       const uint32_t code = cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(*abort_word)
                                 .load(cuda::memory_order_relaxed);
       if (code != 0) {
-        atomicCAS(&p.status[kStatusWaitEnded], 0u, 1u + s);
+        if (atomicCAS(&p.status[kStatusWaitEnded], 0u, 1u + s) == 0) {
+          p.status[kStatusWaitPhase] = phase;
+        }
         return;
       }
       __nanosleep(256);
@@ -456,12 +462,15 @@ __device__ void WaitFlags(const Params& p, size_t offset, uint32_t epoch) {
   }
 }
 
-__global__ void WaitKernel(Params p, size_t offset) { WaitFlags(p, offset, p.epoch); }
-
 // A wait before timed out or saw an abort. Bad input is only flagged: the rank still takes
 // part (its bad pairs were left out of the records), so its receive side still lays out what
 // the peers sent and its combine can answer them.
 __device__ inline bool Stopped(const Params& p) { return p.status[kStatusWaitEnded] != 0; }
+
+__global__ void WaitKernel(Params p, size_t offset, uint32_t phase) {
+  if (Stopped(p)) return;  // An earlier wait of this call ended: do not wait again.
+  WaitFlags(p, offset, p.epoch, phase);
+}
 
 // bsp's barrier: every stream-ordered store before this kernel is made visible, every member
 // rank's barrier flag here is raised to `epoch`, then this rank waits for all of theirs.
@@ -513,25 +522,15 @@ __global__ void CountKernel(Params p) {
   if (threadIdx.x == 0) begin[n] = base;
 }
 
-// Row offsets in (slot, source) order, the load counters, and where each source's records and
-// entries start in the numbering PlaceKernel's copies and PartialKernel use (record_base,
-// entry_base: source by source). One block.
+// Row offsets in (slot, source) order, and where each source's records and entries start in
+// the numbering CopyKernel and PartialKernel use (record_base, entry_base: source by source).
+// One block.
 __global__ void ScanKernel(Params p) {
   __shared__ BlockScanInt::TempStorage storage;
   __shared__ int base;
   if (Stopped(p)) return;
   const int S = p.slots_per_rank, R = p.num_ranks;
-  auto* counters = reinterpret_cast<unsigned long long*>(p.arenas[p.rank] + p.off_load_counters) +
-                   p.layer * S;
-  // The load seqlock (arena_layout.h): odd while the counters move; the daemon reads the
-  // arena from the host.
-  auto* seq = reinterpret_cast<unsigned long long*>(p.arenas[p.rank] + p.off_load_seq) + p.layer;
-  if (threadIdx.x == 0) {
-    cuda::atomic_ref<unsigned long long, cuda::thread_scope_system>(*seq).fetch_add(
-        1, cuda::memory_order_relaxed);
-    __threadfence_system();
-    base = 0;
-  }
+  if (threadIdx.x == 0) base = 0;
   __syncthreads();
   // (slot i, source s) slot-major: f = i * R + s.
   for (int chunk = 0; chunk < S * R; chunk += kThreads) {
@@ -560,6 +559,22 @@ __global__ void ScanKernel(Params p) {
     }
     p.record_base[R] = records;
     p.entry_base[R] = entries;
+  }
+}
+
+// The load counters, once every row is in (a call whose wait ended counts nothing), under
+// the load seqlock (arena_layout.h: odd while the counters move; the daemon reads the arena
+// from the host). One block.
+__global__ void LoadKernel(Params p) {
+  if (Stopped(p)) return;
+  const int S = p.slots_per_rank;
+  auto* counters = reinterpret_cast<unsigned long long*>(p.arenas[p.rank] + p.off_load_counters) +
+                   p.layer * S;
+  auto* seq = reinterpret_cast<unsigned long long*>(p.arenas[p.rank] + p.off_load_seq) + p.layer;
+  if (threadIdx.x == 0) {
+    cuda::atomic_ref<unsigned long long, cuda::thread_scope_system>(*seq).fetch_add(
+        1, cuda::memory_order_relaxed);
+    __threadfence_system();
   }
   __syncthreads();
   for (int i = threadIdx.x; i < S; i += blockDim.x) {
@@ -840,7 +855,7 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
                S = config.slots_per_rank, H = config.hidden;
   const size_t max_rows = R * T * K;
   // First (8-byte aligned): what each dispatch zeroes, published counts as long long.
-  const size_t zeroed = 2 * R + kMaxSendBatches + 1;
+  const size_t zeroed = 2 * R + 2 + kMaxSendBatches + 1;
   const size_t ints = zeroed + T * R + (T + 1) + R + R * S + R * S + R * (T + 1) + R * T * K +
                       (S + 1) + 3 * R + 2 + kStatusWords + max_rows * 2;
   // recv_x is copied 16 bytes at a time: start it on a 256-byte boundary.
@@ -857,6 +872,7 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   };
   Params& p = s.params;
   p.published = reinterpret_cast<long long*>(take(2 * R));
+  p.deadline = reinterpret_cast<unsigned long long*>(take(2));
   p.batch_counted = take(kMaxSendBatches);
   p.batch_scanned = take(1);
   s.zeroed_bytes = zeroed * sizeof(int32_t);
@@ -947,6 +963,7 @@ absl::Status CudaEp::CheckStatus(const char* what, uint32_t call) {
         "block resident"));
   }
   if (status[kStatusWaitEnded] != 0) {
+    if (status[kStatusWaitPhase] == kPhaseCounts) what = "dispatch counts";
     // The abort word holds why: a daemon's code, or the rank the group gave up on.
     uint32_t code = 0;
     UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&code, own_arena_ + layout_.abort, sizeof(code),
@@ -1023,21 +1040,26 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
   if (!launched) {
     RouteKernel<<<config_.num_ranks, kThreads, 0, s.stream>>>(p);
     if (p.bsp) {  // Count exchange, barrier.
-      WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_count_flag);
+      WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_count_flag, kPhaseAsCalled);
       BarrierKernel<<<1, 128, 0, s.stream>>>(p, ++barrier_epoch_);
     }
     UnitScanKernel<<<1, kThreads, 0, s.stream>>>(p);
     RowKernel<<<kSenderBlocks, kThreads, per_rank_shared, s.stream>>>(p);
   }
+  // bsp: a barrier, then the receive side. ubep: the receive side is laid out from the
+  // sources' records as soon as their counts are in (the records come with the counts), and
+  // the rows are copied once each source's rows are complete.
   if (p.bsp) {
     BarrierKernel<<<1, 128, 0, s.stream>>>(p, ++barrier_epoch_);
   } else {
-    WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_dispatch_flag);
+    WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_count_flag, kPhaseCounts);
   }
   CountKernel<<<config_.num_ranks, kThreads, 0, s.stream>>>(p);
   ScanKernel<<<1, kThreads, 0, s.stream>>>(p);
   PlaceKernel<<<config_.num_ranks, kThreads, sizeof(int) * config_.slots_per_rank, s.stream>>>(p);
+  if (!p.bsp) WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_dispatch_flag, kPhaseAsCalled);
   CopyKernel<<<s.wide_blocks, kThreads, 0, s.stream>>>(p);
+  LoadKernel<<<1, kThreads, 0, s.stream>>>(p);
   UBEP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   const absl::Status st = CheckStatus(p.bsp ? "dispatch, bsp" : "dispatch data", p.epoch);
   if (!st.ok() && !absl::IsInvalidArgument(st)) return st;
@@ -1073,11 +1095,12 @@ absl::Status CudaEp::Combine(const void* y, void* out) {
       cudaMemsetAsync(p.status, 0, kStatusWords * sizeof(uint32_t), s.stream));
   UBEP_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(p.combine_done, 0, sizeof(int32_t) * config_.num_ranks, s.stream));
+  UBEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.deadline, 0, sizeof(*p.deadline), s.stream));
   PartialKernel<<<s.wide_blocks, kThreads, 0, s.stream>>>(p, static_cast<const uint16_t*>(y));
   if (p.bsp) {
     BarrierKernel<<<1, 128, 0, s.stream>>>(p, ++barrier_epoch_);
   } else {
-    WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_combine_flag);
+    WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_combine_flag, kPhaseAsCalled);
   }
   if (last_tokens_ > 0) {
     TokenKernel<<<last_tokens_, kThreads, 0, s.stream>>>(p, static_cast<uint16_t*>(out));

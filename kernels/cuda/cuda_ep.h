@@ -1,15 +1,20 @@
 // CudaEp: dispatch and combine for one rank on the CUDA backend, same contract and the same
 // byte layout as the host backend (kernels/host/arena_layout.h, kernels/common/routing.h):
 // the arena of each rank lives in device memory and peers store into it directly (CUDA IPC
-// within a node; peer access between GPUs of one NVLink domain). Protocol: ubep (per-source
-// epoch-tagged flags, no barrier). bf16 activations, fp32 weights and sums.
+// within a node; peer access between GPUs of one NVLink domain). Protocols: ubep (per-source
+// epoch-tagged count and completion flags, no barrier) and bsp (count exchange and
+// barriers). bf16 activations, fp32 weights and sums.
 //
-// Kernels per Dispatch: one send block per destination (hop-ordered, starting after this
-// rank), a wait for every source's flag (with a timeout that reports the missing peer), a
-// count, a scan and a placement kernel that lay rows out by local slot exactly as the host
-// backend does. Combine: one block per source stores its partial sums and raises its flag;
+// Kernels per ubep Dispatch: SendKernel, one cooperative launch whose counting blocks store
+// the records and raise each destination's count flag while its sender blocks store the rows
+// of each batch counted (send_split.h); a wait for every source's count flag (with a timeout
+// that reports the missing peer); count, scan and placement kernels that lay rows out by
+// local slot exactly as the host backend does, while the rows are still arriving; a wait for
+// every source's completion flag; a copy of the rows. Combine: blocks over all records store
+// the partial sums into their sources' arenas, whoever completes a source raises its flag;
 // after a wait, one block per token sums partials in destination order. Compiled without
-// fused multiply-add so that the sums match the host backend bit for bit.
+// fused multiply-add so that the sums match the host backend bit for bit. Every wait of a
+// call shares one deadline, the configured timeout from the call's first wait.
 //
 // The API takes raw device pointers and sizes and runs on its own blocking stream, which it
 // synchronizes at the end of each call (v1: the host reads the row count to size outputs).

@@ -498,7 +498,7 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
     UBEP_RETURN_IF_ERROR(Barrier(deadline));
     send_share(0);
     UBEP_RETURN_IF_ERROR(Barrier(deadline));
-    LayOut(in.layer, out);
+    LayOut(out);
     for (int s : sources) Place(s, out);
   } else {
     if (senders_ == nullptr) send_share(0);  // No core to spare: send, then receive.
@@ -507,7 +507,7 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
     absl::Status status = TakeAsTheyArrive(layout_.count_flag, epoch, sources,
                                            "dispatch counts", deadline, [](int) {});
     if (status.ok()) {
-      LayOut(in.layer, out);
+      LayOut(out);
       std::erase_if(sources, [&](int s) { return out.handle.records_from[s] == 0; });
       status = TakeAsTheyArrive(layout_.dispatch_flag, epoch, sources, "dispatch data",
                                 deadline, [&](int s) { Place(s, out); });
@@ -515,6 +515,11 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
     if (senders_ != nullptr) senders_->Join();
     UBEP_RETURN_IF_ERROR(status);
   }
+  // The load counters, once every row is in (a call that fails counts nothing).
+  const int S = config_.slots_per_rank;
+  received_per_slot_.resize(S);
+  for (int i = 0; i < S; ++i) received_per_slot_[i] = out.slot_offsets[i + 1] - out.slot_offsets[i];
+  AddLayerLoad(own, layout_, S, in.layer, received_per_slot_.data());
   out.plan_version = in.plan->version;
   // Each token's (destination, record) pairs, destinations ascending, for the combine: the
   // units are token-major, each token's in visiting order.
@@ -557,7 +562,7 @@ RecordEntry EntryAt(const std::byte* records, size_t record_bytes, int32_t j, in
 
 }  // namespace
 
-void HostEp::LayOut(int layer, DispatchOutput& out) {
+void HostEp::LayOut(DispatchOutput& out) {
   const int R = config_.num_ranks, S = config_.slots_per_rank;
   const size_t T = config_.max_tokens;
   std::byte* own = arenas_[rank_];
@@ -597,10 +602,6 @@ void HostEp::LayOut(int layer, DispatchOutput& out) {
     }
     out.slot_offsets[i + 1] = row;
   }
-  std::vector<int32_t>& per_slot = cursor_;
-  per_slot.resize(S);
-  for (int i = 0; i < S; ++i) per_slot[i] = out.slot_offsets[i + 1] - out.slot_offsets[i];
-  AddLayerLoad(own, layout_, S, layer, per_slot.data());
   const int num_rows = out.slot_offsets[S];
   out.recv_x.resize(static_cast<size_t>(num_rows) * layout_.row_bytes);
   out.src_rank.resize(num_rows);

@@ -155,8 +155,8 @@ class HostEp {
                                 const char* what, absl::Time deadline,
                                 const std::function<void(int)>& arrived);
   // From every source's records (their count flags seen): the receive layout (slot offsets,
-  // each source's first row in each slot, sizes), and the load counters.
-  void LayOut(int layer, DispatchOutput& output);
+  // each source's first row in each slot, sizes).
+  void LayOut(DispatchOutput& output);
   // Source s's rows copied to their places (its dispatch flag seen); any order of sources
   // gives the same bytes.
   void Place(int source, DispatchOutput& output);
@@ -178,7 +178,7 @@ class HostEp {
   // Per destination: units stored, plus kCountedBias once counting is done.
   std::unique_ptr<std::atomic<int64_t>[]> published_;
   std::vector<float> scratch_;    // One fp32 row for combine sums.
-  std::vector<int32_t> cursor_;   // Rows per local slot while laying out.
+  std::vector<int32_t> received_per_slot_;  // Rows per local slot (the load counters' addition).
   std::vector<int32_t> source_slot_rows_;  // [R x S]: next row of (source, slot) while placing.
   // Per rank: in the group under the plan of the call in flight (excluded ranks are neither
   // sent to nor waited for).

@@ -287,7 +287,7 @@ TEST_P(CudaEpTest, AMissingPeerTimesOutWithItsName) {
     if (r == 1) continue;
     EXPECT_EQ(outcome.errors[r],
               absl::StrCat("rank ", r, ": timed out after 500ms waiting for rank 1 (",
-                           c.protocol == Protocol::kBsp ? "dispatch, bsp" : "dispatch data",
+                           c.protocol == Protocol::kBsp ? "dispatch, bsp" : "dispatch counts",
                            ", call 1); is rank 1 alive?"));
   }
 }

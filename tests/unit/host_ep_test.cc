@@ -444,6 +444,35 @@ TEST(HostEpErrorTest, AMissingPeerTimesOutWithItsName) {
   }
 }
 
+// Rank 2's counts arrive and its rows do not (they go out a second after them, past the
+// timeout): the others name rank 2 in the phase where they gave up, the rows.
+TEST(HostEpErrorTest, RowsThatNeverArriveAreNamedAfterTheCounts) {
+  EpConfig config = SmallConfig(Protocol::kUbep);
+  config.timeout = absl::Milliseconds(300);
+  Group group(config);
+  const TestPlan plan = TestPlan::RoundRobin(config.num_ranks * config.slots_per_rank,
+                                             config.num_experts, 2);
+  group.ep(2).set_row_delay_for_testing(absl::Seconds(1));
+  std::vector<absl::Status> status(config.num_ranks);
+  group.RunAll([&](int r) {
+    RankInput in = MakeInput(config, r, 8, 3);
+    DispatchOutput out;
+    status[r] = group.ep(r).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8,
+                                      config.hidden, 0, plan.header()},
+                                     out);
+  });
+  for (int r : {0, 1, 3}) {
+    EXPECT_EQ(status[r],
+              absl::DeadlineExceededError(absl::StrCat(
+                  "rank ", r, ": timed out after 300ms waiting for rank 2 (dispatch data, call "
+                  "1); is rank 2 alive?")));
+    // A call that failed adds nothing to the load counters the balancer reads.
+    for (int i = 0; i < config.slots_per_rank; ++i) {
+      EXPECT_EQ(group.ep(r).LoadCounter(0, i), 0u) << "rank " << r << " slot " << i;
+    }
+  }
+}
+
 // Rank 2 never shows up and the plan excludes rank 3: ranks 0 and 1 time out naming rank 2,
 // raise the abort word in each other's arenas, and leave rank 3's arena as it was.
 TEST(HostEpErrorTest, ATimeoutLeavesTheArenaOfARankThePlanExcludesAlone) {
