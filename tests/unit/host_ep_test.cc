@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <ostream>
 #include <random>
 #include <string>
@@ -421,27 +422,37 @@ TEST(HostEpErrorTest, BadInputIsRejectedBeforeAnyByteMoves) {
   RunStep(group, inputs, plan, 0);
 }
 
+// Every rank that `takes_part` dispatches 8 tokens of layer 0 at once; each one's status.
+std::vector<absl::Status> DispatchOnce(Group& group, const TestPlan& plan,
+                                       const std::function<bool(int)>& takes_part) {
+  const EpConfig& c = group.config();
+  std::vector<absl::Status> status(c.num_ranks);
+  group.RunAll([&](int r) {
+    if (!takes_part(r)) return;
+    RankInput in = MakeInput(c, r, 8, 3);
+    DispatchOutput out;
+    status[r] = group.ep(r).Dispatch(
+        {in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8, c.hidden, 0, plan.header()}, out);
+  });
+  return status;
+}
+
+// What rank r reports when the group gave up on rank 2 in `phase` of the first call.
+absl::Status GaveUpOnRank2(int r, const char* phase) {
+  return absl::DeadlineExceededError(absl::StrCat("rank ", r,
+                                                  ": timed out after 300ms waiting for rank 2 (",
+                                                  phase, ", call 1); is rank 2 alive?"));
+}
+
 TEST(HostEpErrorTest, AMissingPeerTimesOutWithItsName) {
   EpConfig config = SmallConfig(Protocol::kUbep);
   config.timeout = absl::Milliseconds(300);
   Group group(config);
   const TestPlan plan = TestPlan::RoundRobin(config.num_ranks * config.slots_per_rank,
                                              config.num_experts, 2);
-  std::vector<absl::Status> status(config.num_ranks);
-  group.RunAll([&](int r) {
-    if (r == 2) return;  // Rank 2 never shows up.
-    RankInput in = MakeInput(config, r, 8, 3);
-    DispatchOutput out;
-    status[r] = group.ep(r).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8,
-                                      config.hidden, 0, plan.header()},
-                                     out);
-  });
-  for (int r : {0, 1, 3}) {
-    EXPECT_EQ(status[r],
-              absl::DeadlineExceededError(absl::StrCat(
-                  "rank ", r, ": timed out after 300ms waiting for rank 2 (dispatch counts, call "
-                  "1); is rank 2 alive?")));
-  }
+  // Rank 2 never shows up.
+  const std::vector<absl::Status> status = DispatchOnce(group, plan, [](int r) { return r != 2; });
+  for (int r : {0, 1, 3}) EXPECT_EQ(status[r], GaveUpOnRank2(r, "dispatch counts"));
 }
 
 // Rank 2's counts arrive and its rows do not (they go out a second after them, past the
@@ -453,19 +464,9 @@ TEST(HostEpErrorTest, RowsThatNeverArriveAreNamedAfterTheCounts) {
   const TestPlan plan = TestPlan::RoundRobin(config.num_ranks * config.slots_per_rank,
                                              config.num_experts, 2);
   group.ep(2).set_row_delay_for_testing(absl::Seconds(1));
-  std::vector<absl::Status> status(config.num_ranks);
-  group.RunAll([&](int r) {
-    RankInput in = MakeInput(config, r, 8, 3);
-    DispatchOutput out;
-    status[r] = group.ep(r).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8,
-                                      config.hidden, 0, plan.header()},
-                                     out);
-  });
+  const std::vector<absl::Status> status = DispatchOnce(group, plan, [](int) { return true; });
   for (int r : {0, 1, 3}) {
-    EXPECT_EQ(status[r],
-              absl::DeadlineExceededError(absl::StrCat(
-                  "rank ", r, ": timed out after 300ms waiting for rank 2 (dispatch data, call "
-                  "1); is rank 2 alive?")));
+    EXPECT_EQ(status[r], GaveUpOnRank2(r, "dispatch data"));
     // A call that failed adds nothing to the load counters the balancer reads.
     for (int i = 0; i < config.slots_per_rank; ++i) {
       EXPECT_EQ(group.ep(r).LoadCounter(0, i), 0u) << "rank " << r << " slot " << i;
@@ -483,21 +484,8 @@ TEST(HostEpErrorTest, ATimeoutLeavesTheArenaOfARankThePlanExcludesAlone) {
   const TestPlan plan = TestPlan::Excluding(4, 8, config.num_experts, 2, 3);
   const ArenaLayout layout(config);
   const std::vector<std::byte> before(group.arena(3), group.arena(3) + layout.total_bytes);
-  std::vector<absl::Status> status(config.num_ranks);
-  group.RunAll([&](int r) {
-    if (r >= 2) return;
-    RankInput in = MakeInput(config, r, 8, 3);
-    DispatchOutput out;
-    status[r] = group.ep(r).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8,
-                                      config.hidden, 0, plan.header()},
-                                     out);
-  });
-  for (int r : {0, 1}) {
-    EXPECT_EQ(status[r],
-              absl::DeadlineExceededError(absl::StrCat(
-                  "rank ", r, ": timed out after 300ms waiting for rank 2 (dispatch counts, call "
-                  "1); is rank 2 alive?")));
-  }
+  const std::vector<absl::Status> status = DispatchOnce(group, plan, [](int r) { return r < 2; });
+  for (int r : {0, 1}) EXPECT_EQ(status[r], GaveUpOnRank2(r, "dispatch counts"));
   for (int r : {0, 1, 2}) {
     EXPECT_EQ(*reinterpret_cast<const uint32_t*>(group.arena(r) + layout.abort),
               kAbortTimedOutBase + 2)
