@@ -112,8 +112,7 @@ int RankMain(const Case& c, const EpConfig& config, int rank, std::vector<std::b
     if (i >= kWarmup) board->us[i - kWarmup][rank] = (NowNs() - start) / 1e3;
   }
   // Rows this rank stored into peers (dispatch) plus partial rows it stored back (combine).
-  uint64_t rows_sent = 0;
-  for (const auto& tokens : dispatched.handle.sent_tokens) rows_sent += tokens.size();
+  const uint64_t rows_sent = dispatched.handle.token_routes.size();  // One per (token, peer).
   uint64_t records = 0;
   for (int32_t n : dispatched.handle.records_from) records += n;
   board->bytes[rank] = rows_sent * c.hidden * 2 + records * c.hidden * 2;  // bf16 both ways.

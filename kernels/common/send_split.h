@@ -13,11 +13,11 @@
 // A destination's data is complete when counting is done and every sender that stored into it
 // is done. Each sender adds the units it stored for destination d to a per-destination count,
 // and the counting role, when it has counted every token, adds kCountedBias; whoever's
-// addition brings the count to kCountedBias plus d's record total publishes d (count word,
-// then the epoch flag). The additions are acquire-release read-modify-writes, so the counting
-// role's record total and every earlier sender's stores happen before the publishing flag
-// (docs/dataplane.md, "Memory ordering"). A destination with no record is published by the
-// counting role at once.
+// addition brings the count to kCountedBias plus d's record total publishes d (its dispatch
+// flag; the record count went out before the rows, with its count flag). The additions are
+// acquire-release read-modify-writes, so the counting role's record total and every earlier
+// sender's stores happen before the publishing flag (docs/dataplane.md, "Memory ordering").
+// A destination with no record is published by the counting role at once.
 #ifndef UBEP_KERNELS_COMMON_SEND_SPLIT_H_
 #define UBEP_KERNELS_COMMON_SEND_SPLIT_H_
 
@@ -53,6 +53,11 @@ UBEP_HD inline int NumBatches(int num_tokens) {
 // `units_so_far`: the units of the tokens of batches 0 .. b.
 UBEP_HD inline int64_t BatchEnd(int64_t units_so_far, bool last_batch, int senders) {
   return last_batch ? units_so_far : units_so_far / senders * senders;
+}
+// First unit of sender i's share of the batch [batch_begin, batch_end) (i == senders gives
+// batch_end).
+UBEP_HD inline int64_t ShareBegin(int64_t batch_begin, int64_t batch_end, int senders, int i) {
+  return batch_begin + SplitBegin(batch_end - batch_begin, senders, i);
 }
 
 // A source rank visits destinations starting after itself (rank + 1, rank + 2, ..., rank), so

@@ -276,8 +276,8 @@ __device__ void BatchShare(const Params& p, int b, int index, int64_t* batch_beg
   *last_token = min(p.num_tokens, (b + 1) * BatchTokens(p.num_tokens));
   const int64_t batch_end = BatchEnd(p.unit_begin[*last_token], b + 1 == num_batches,
                                      kSenderBlocks);
-  *begin = *batch_begin + SplitBegin(batch_end - *batch_begin, kSenderBlocks, index);
-  *end = *batch_begin + SplitBegin(batch_end - *batch_begin, kSenderBlocks, index + 1);
+  *begin = ShareBegin(*batch_begin, batch_end, kSenderBlocks, index);
+  *end = ShareBegin(*batch_begin, batch_end, kSenderBlocks, index + 1);
   *batch_begin = batch_end;
 }
 

@@ -341,9 +341,8 @@ void HostEp::SendShare(int index, int senders, const DispatchInput& in, uint32_t
     // Counting never blocks (the input was validated before it began), so this wait ends
     // within a batch's routing; the deadline only bounds it.
     if (!WaitEpoch(&batches_, batches_before + b + 1, deadline).ok()) return;
-    const int64_t batch_units = batch_end_[b] - batch_begin;
-    const int64_t begin = batch_begin + SplitBegin(batch_units, senders, index);
-    const int64_t end = batch_begin + SplitBegin(batch_units, senders, index + 1);
+    const int64_t begin = ShareBegin(batch_begin, batch_end_[b], senders, index);
+    const int64_t end = ShareBegin(batch_begin, batch_end_[b], senders, index + 1);
     batch_begin = batch_end_[b];
     // A destination's units in this share are consecutive records there (record indices grow
     // with the token), so the share is stored destination by destination, each one's rows in
@@ -518,7 +517,9 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
   // The load counters, once every row is in (a call that fails counts nothing).
   const int S = config_.slots_per_rank;
   received_per_slot_.resize(S);
-  for (int i = 0; i < S; ++i) received_per_slot_[i] = out.slot_offsets[i + 1] - out.slot_offsets[i];
+  for (int i = 0; i < S; ++i) {
+    received_per_slot_[i] = out.slot_offsets[i + 1] - out.slot_offsets[i];
+  }
   AddLayerLoad(own, layout_, S, in.layer, received_per_slot_.data());
   out.plan_version = in.plan->version;
   // Each token's (destination, record) pairs, destinations ascending, for the combine: the
@@ -528,13 +529,10 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
   handle.active = active_;
   handle.token_begin.assign(in.num_tokens + 1, 0);
   handle.token_routes.resize(num_units_);
-  handle.sent_tokens.resize(R);
-  for (int d = 0; d < R; ++d) handle.sent_tokens[d].resize(dest_records_[d]);
   for (int64_t u = 0; u < num_units_; ++u) {
     const Unit& unit = units_[u];
     ++handle.token_begin[unit.token + 1];
     handle.token_routes[u] = {unit.dest, unit.record};
-    handle.sent_tokens[unit.dest][unit.record] = unit.token;
   }
   for (int t = 0; t < in.num_tokens; ++t) {
     handle.token_begin[t + 1] += handle.token_begin[t];

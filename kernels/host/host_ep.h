@@ -68,7 +68,6 @@ struct DispatchOutput {
   // Combine needs these; filled by Dispatch.
   struct Handle {
     int num_tokens = 0;
-    std::vector<std::vector<int32_t>> sent_tokens;  // Per destination, in record order.
     std::vector<int32_t> records_from;              // Per source: records received.
     // Rows of record j from source s: record_rows[record_begin[s][j] .. record_begin[s][j+1]).
     std::vector<std::vector<int32_t>> record_begin;
@@ -134,9 +133,9 @@ class HostEp {
     std::vector<int32_t> count, start;  // count is zero between batches.
     std::vector<int32_t> grouped;
   };
-  // Sender role: sender `index` of `senders` stores its share of every batch (records and
-  // rows), as the counting role hands the batches over. With `publish` (ubep), whoever
-  // completes a destination publishes it (count, then flag).
+  // Sender role: sender `index` of `senders` stores its share of every batch's rows, as the
+  // counting role hands the batches over. With `publish` (ubep), whoever completes a
+  // destination publishes it (its dispatch flag).
   void SendShare(int index, int senders, const DispatchInput& input, uint32_t epoch,
                  uint32_t batches_before, bool publish, absl::Time deadline);
   // Raises `dest`'s dispatch flag for this rank: its rows are all stored.

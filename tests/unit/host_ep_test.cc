@@ -444,12 +444,21 @@ absl::Status GaveUpOnRank2(int r, const char* phase) {
                                                   phase, ", call 1); is rank 2 alive?"));
 }
 
-TEST(HostEpErrorTest, AMissingPeerTimesOutWithItsName) {
+// ubep with the 300 ms timeout GaveUpOnRank2 names.
+EpConfig ShortTimeoutConfig() {
   EpConfig config = SmallConfig(Protocol::kUbep);
   config.timeout = absl::Milliseconds(300);
+  return config;
+}
+
+TestPlan RoundRobinPlan(const EpConfig& c) {
+  return TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+}
+
+TEST(HostEpErrorTest, AMissingPeerTimesOutWithItsName) {
+  const EpConfig config = ShortTimeoutConfig();
   Group group(config);
-  const TestPlan plan = TestPlan::RoundRobin(config.num_ranks * config.slots_per_rank,
-                                             config.num_experts, 2);
+  const TestPlan plan = RoundRobinPlan(config);
   // Rank 2 never shows up.
   const std::vector<absl::Status> status = DispatchOnce(group, plan, [](int r) { return r != 2; });
   for (int r : {0, 1, 3}) EXPECT_EQ(status[r], GaveUpOnRank2(r, "dispatch counts"));
@@ -458,11 +467,9 @@ TEST(HostEpErrorTest, AMissingPeerTimesOutWithItsName) {
 // Rank 2's counts arrive and its rows do not (they go out a second after them, past the
 // timeout): the others name rank 2 in the phase where they gave up, the rows.
 TEST(HostEpErrorTest, RowsThatNeverArriveAreNamedAfterTheCounts) {
-  EpConfig config = SmallConfig(Protocol::kUbep);
-  config.timeout = absl::Milliseconds(300);
+  const EpConfig config = ShortTimeoutConfig();
   Group group(config);
-  const TestPlan plan = TestPlan::RoundRobin(config.num_ranks * config.slots_per_rank,
-                                             config.num_experts, 2);
+  const TestPlan plan = RoundRobinPlan(config);
   group.ep(2).set_row_delay_for_testing(absl::Seconds(1));
   const std::vector<absl::Status> status = DispatchOnce(group, plan, [](int) { return true; });
   for (int r : {0, 1, 3}) {
@@ -477,9 +484,8 @@ TEST(HostEpErrorTest, RowsThatNeverArriveAreNamedAfterTheCounts) {
 // Rank 2 never shows up and the plan excludes rank 3: ranks 0 and 1 time out naming rank 2,
 // raise the abort word in each other's arenas, and leave rank 3's arena as it was.
 TEST(HostEpErrorTest, ATimeoutLeavesTheArenaOfARankThePlanExcludesAlone) {
-  EpConfig config = SmallConfig(Protocol::kUbep);
+  EpConfig config = ShortTimeoutConfig();
   config.slots_per_rank = 8;
-  config.timeout = absl::Milliseconds(300);
   Group group(config);
   const TestPlan plan = TestPlan::Excluding(4, 8, config.num_experts, 2, 3);
   const ArenaLayout layout(config);

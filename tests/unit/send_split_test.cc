@@ -51,8 +51,8 @@ TEST(SendSplitTest, BatchSharesCoverEveryUnitOnceAndDifferByAtMostOne) {
         ASSERT_LE(batch_end, unit_begin[last_token]);  // Only counted units are handed over.
         ASSERT_GE(batch_end, batch_begin);
         for (int i = 0; i < senders; ++i) {
-          const int64_t begin = batch_begin + SplitBegin(batch_end - batch_begin, senders, i);
-          const int64_t end = batch_begin + SplitBegin(batch_end - batch_begin, senders, i + 1);
+          const int64_t begin = ShareBegin(batch_begin, batch_end, senders, i);
+          const int64_t end = ShareBegin(batch_begin, batch_end, senders, i + 1);
           for (int64_t u = begin; u < end; ++u) ++seen[u];
           share[i] += end - begin;
         }
