@@ -6,12 +6,16 @@
 //   ubep-bench-dataplane [--json] [--iters N] [--cases decode|prefill|all] [--ranks 4,8]
 //                        [--hidden 7168,2048] [--methods ubep,bsp,mpi_alltoallv,memcpy]
 //
+// --methods may also name ubep_flagged: ubep with every call's rows and partials as
+// flag-in-granule rows (kernels/common/flagged_rows.h), in the same alternating rounds.
+//
 // One iteration is one dispatch followed by one combine on every rank, all ranks starting
 // together (an untimed start line, as the MPI baseline's MPI_Barrier); its latency is the
 // slowest rank's. Reported per case and method: p50_us, p99_us over N iterations after warm-up,
 // bytes_moved (rows stored into peers' arenas by dispatch plus partial rows stored back by
 // combine, all ranks). ubep and bsp run in alternating rounds of N/4 iterations each (a fresh
-// group and warm-up per round), so that a shared machine's slow spells fall on both alike.
+// group and warm-up per round, the order rotating), so that a shared machine's slow spells
+// fall on both alike.
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -126,7 +130,13 @@ struct Result {
   std::vector<double> latency_us{};  // Per iteration, the slowest rank's.
 };
 
-Result RunHost(const Case& c, Protocol protocol, const std::vector<double>& skew, int iters) {
+// How a group runs: ubep, bsp, or ubep with flag-in-granule rows.
+struct Variant {
+  Protocol protocol;
+  bool flagged;
+};
+
+Result RunHost(const Case& c, Variant variant, const std::vector<double>& skew, int iters) {
   EpConfig config{.num_ranks = c.ranks,
                   .max_tokens = c.tokens,
                   .hidden = c.hidden,
@@ -135,8 +145,9 @@ Result RunHost(const Case& c, Protocol protocol, const std::vector<double>& skew
                   .slots_per_rank = 256 / c.ranks,
                   .num_layers = 1,
                   .dtype = DType::kBFloat16,
-                  .protocol = protocol,
-                  .timeout = absl::Seconds(60)};
+                  .protocol = variant.protocol,
+                  .timeout = absl::Seconds(60),
+                  .flagged_tokens = variant.flagged ? c.tokens : 0};
   const std::vector<std::byte> plan = bench::ExpertParallelPlan();
   SharedArena board_arena = *SharedArena::Create("bench-board", sizeof(Board));
   auto* board = new (board_arena.data()) Board{};
@@ -176,21 +187,23 @@ Result RunHost(const Case& c, Protocol protocol, const std::vector<double>& skew
   return result;
 }
 
-// ubep and (with_bsp) bsp on the same case, in alternating rounds (ubep bsp, bsp ubep, ...),
-// each round a fresh group of rank processes with its own warm-up: the slow phases of a shared
-// machine fall on both protocols alike, which one long run each does not ensure. The
-// iterations are split among the rounds; percentiles are over all of them.
-std::pair<Result, Result> RunProtocols(const Case& c, bool with_bsp,
-                                       const std::vector<double>& skew, int iters) {
+// Every variant on the same case, in rounds whose order rotates (ubep bsp, bsp ubep, ... with
+// two; with three, each goes first once in three rounds), each round a fresh group of rank
+// processes with its own warm-up: the slow phases of a shared machine fall on every variant
+// alike, which one long run each does not ensure. The iterations are split among the rounds;
+// percentiles are over all of them.
+std::vector<Result> RunVariants(const Case& c, const std::vector<Variant>& variants,
+                                const std::vector<double>& skew, int iters) {
   constexpr int kRounds = 4;
   const int rounds = std::min(kRounds, iters);
-  Result total[2];
+  const int V = static_cast<int>(variants.size());
+  std::vector<Result> total(V);
   for (int round = 0; round < rounds; ++round) {
     const int n = iters * (round + 1) / rounds - iters * round / rounds;
-    for (int j = 0; j < 2; ++j) {
-      const int which = round % 2 == 0 ? j : 1 - j;  // 0: ubep, 1: bsp.
-      if (which == 1 && !with_bsp) continue;
-      Result r = RunHost(c, which == 0 ? Protocol::kUbep : Protocol::kBsp, skew, n);
+    for (int j = 0; j < V; ++j) {
+      // Two variants alternate (0 1, 1 0, ...); more rotate.
+      const int which = V == 2 && round % 2 == 1 ? 1 - j : (j + round) % V;
+      Result r = RunHost(c, variants[which], skew, n);
       Result& t = total[which];
       if (t.error.empty()) t.error = r.error;
       t.bytes = r.bytes;
@@ -202,7 +215,7 @@ std::pair<Result, Result> RunProtocols(const Case& c, bool with_bsp,
     t.p50_us = ubep::Percentile(t.latency_us, 0.5);
     t.p99_us = ubep::Percentile(t.latency_us, 0.99);
   }
-  return {total[0], total[1]};
+  return total;
 }
 
 // The MPI_Alltoallv baseline: ubep-bench-mpi under mpirun, on the same routing and bytes.
@@ -256,8 +269,9 @@ int main(int argc, char** argv) {
   std::string which = "all";
   std::vector<int> rank_counts = {4, 8};
   std::vector<int> hiddens = {7168, 2048};
-  const std::vector<std::string> all_methods = {"ubep", "bsp", "mpi_alltoallv", "memcpy"};
-  std::vector<std::string> methods = all_methods;
+  const std::vector<std::string> all_methods = {"ubep", "bsp", "mpi_alltoallv", "memcpy",
+                                                "ubep_flagged"};
+  std::vector<std::string> methods(all_methods.begin(), all_methods.end() - 1);
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--json") {
@@ -281,14 +295,14 @@ int main(int argc, char** argv) {
       for (const std::string& method : methods) {
         if (std::find(all_methods.begin(), all_methods.end(), method) == all_methods.end()) {
           std::cerr << "ubep-bench-dataplane: --methods: unknown method \"" << method
-                    << "\"; expected ubep, bsp, mpi_alltoallv or memcpy\n";
+                    << "\"; expected ubep, bsp, mpi_alltoallv, memcpy or ubep_flagged\n";
           return 2;
         }
       }
     } else {
       std::cerr << "usage: ubep-bench-dataplane [--json] [--iters N] "
                    "[--cases decode|prefill|all] [--ranks 4,8] [--hidden 7168,2048] "
-                   "[--methods ubep,bsp,mpi_alltoallv,memcpy]\n";
+                   "[--methods ubep,bsp,mpi_alltoallv,memcpy,ubep_flagged]\n";
       return 2;
     }
   }
@@ -315,7 +329,13 @@ int main(int argc, char** argv) {
   };
   for (const Case& c : cases) {
     // memcpy copies the bytes one rank moves, which the ubep run counts: it always runs.
-    const auto [ubep, bsp] = RunProtocols(c, wanted("bsp"), *skew, iters);
+    std::vector<Variant> variants = {{Protocol::kUbep, false}};
+    if (wanted("bsp")) variants.push_back({Protocol::kBsp, false});
+    if (wanted("ubep_flagged")) variants.push_back({Protocol::kUbep, true});
+    const std::vector<Result> ran = RunVariants(c, variants, *skew, iters);
+    const Result& ubep = ran[0];
+    const Result bsp = wanted("bsp") ? ran[1] : Result{};
+    const Result flagged = wanted("ubep_flagged") ? ran.back() : Result{};
     const Result mpi = wanted("mpi_alltoallv") ? RunMpi(c, iters) : Result{};
     const Result copy = RunMemcpy(ubep.bytes / std::max(1, c.ranks), iters);
     // All ranks' bytes over ubep's time, against one core copying one rank's bytes.
@@ -323,7 +343,8 @@ int main(int argc, char** argv) {
     for (const auto& [method, r] : {std::pair<const char*, const Result&>{"ubep", ubep},
                                     {"bsp", bsp},
                                     {"mpi_alltoallv", mpi},
-                                    {"memcpy", copy}}) {
+                                    {"memcpy", copy},
+                                    {"ubep_flagged", flagged}}) {
       if (!wanted(method)) continue;
       nlohmann::json row = {{"method", method},   {"case", c.name},     {"ranks", c.ranks},
                             {"tokens", c.tokens}, {"hidden", c.hidden}, {"routing", c.routing},
@@ -341,6 +362,10 @@ int main(int argc, char** argv) {
         absl::StrAppendFormat(&line, "  bsp %9.1f us (ubep/bsp %.2f)", bsp.p50_us,
                               bsp.p50_us > 0 ? ubep.p50_us / bsp.p50_us : 0.0);
       }
+      if (wanted("ubep_flagged")) {
+        absl::StrAppendFormat(&line, "  ubep_flagged %9.1f us (flagged/ubep %.2f)",
+                              flagged.p50_us, ubep.p50_us > 0 ? flagged.p50_us / ubep.p50_us : 0.0);
+      }
       if (wanted("mpi_alltoallv")) {
         absl::StrAppendFormat(&line, "  mpi %9.1f us (mpi/ubep %.2f)", mpi.p50_us,
                               ubep.p50_us > 0 ? mpi.p50_us / ubep.p50_us : 0.0);
@@ -350,7 +375,8 @@ int main(int argc, char** argv) {
                               "  memcpy of a rank's bytes %8.1f us (ubep rate vs memcpy %.0f%%)",
                               copy.p50_us, 100 * rate_vs_memcpy);
       }
-      std::printf("%s  %s\n", line.c_str(), (ubep.error + bsp.error + mpi.error).c_str());
+      std::printf("%s  %s\n", line.c_str(),
+                  (ubep.error + bsp.error + flagged.error + mpi.error).c_str());
       std::fflush(stdout);
     }
   }

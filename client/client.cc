@@ -438,6 +438,7 @@ absl::StatusOr<std::unique_ptr<Rank>> Rank::Attach(const ClientOptions& options,
   c.dtype = shape.dtype == DType::kBFloat16 ? kernels::DType::kBFloat16 : kernels::DType::kFloat32;
   c.protocol = response.protocol() == "bsp" ? kernels::Protocol::kBsp : kernels::Protocol::kUbep;
   c.timeout = absl::Milliseconds(response.wait_timeout_ms());
+  c.flagged_tokens = static_cast<int>(response.flagged_tokens());
   if (kernels::ArenaLayout(c).total_bytes != s->layout.ep_bytes) {
     return absl::DataLossError(absl::StrCat(
         "rank ", rank, ": ubepd's data-plane layout (", s->layout.ep_bytes,

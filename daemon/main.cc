@@ -26,6 +26,9 @@ ABSL_FLAG(std::string, metrics, "127.0.0.1:9464",
 ABSL_FLAG(std::string, plan, "",
           "Static plan (EPLB or ubep-balance plan JSON); empty = round-robin placement.");
 ABSL_FLAG(std::string, protocol, "ubep", "Data-plane protocol: ubep or bsp.");
+ABSL_FLAG(int, flagged_tokens, 0,
+          "ubep: calls of at most this many tokens per rank store their rows (and get their "
+          "partials back) as flag-in-granule rows; capped at the shape's max_tokens; 0 = never.");
 ABSL_FLAG(absl::Duration, wait_timeout, absl::Seconds(10),
           "Every data-plane wait gives up after this and names the peer it waited for.");
 ABSL_FLAG(absl::Duration, join_timeout, absl::Seconds(60),
@@ -81,6 +84,12 @@ int main(int argc, char** argv) {
   }
   options.node.protocol =
       protocol == "bsp" ? ubep::kernels::Protocol::kBsp : ubep::kernels::Protocol::kUbep;
+  options.node.flagged_tokens = absl::GetFlag(FLAGS_flagged_tokens);
+  if (options.node.flagged_tokens < 0) {
+    std::cerr << "ubepd: --flagged_tokens " << options.node.flagged_tokens
+              << " is negative\n";
+    return 2;
+  }
   options.node.wait_timeout = absl::GetFlag(FLAGS_wait_timeout);
   options.node.join_timeout = absl::GetFlag(FLAGS_join_timeout);
   options.node.free_buffers = absl::GetFlag(FLAGS_free_buffers);

@@ -163,6 +163,7 @@ absl::Status Node::CreateGroup(const v1::AttachRequest& q,
   config.dtype = s.dtype() == v1::DTYPE_BFLOAT16 ? kernels::DType::kBFloat16
                                                  : kernels::DType::kFloat32;
   config.protocol = options_.protocol;
+  config.flagged_tokens = std::min(options_.flagged_tokens, config.max_tokens);
   config.timeout = options_.wait_timeout;
   UBEP_RETURN_IF_ERROR(kernels::ValidateConfig(config));
   const int first = options_.num_ranks > 0 ? options_.first_rank : 0;
@@ -376,6 +377,7 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
   response.set_device(static_cast<uint32_t>(device));
   response.set_protocol(config_.protocol == kernels::Protocol::kBsp ? "bsp" : "ubep");
   response.set_wait_timeout_ms(absl::ToInt64Milliseconds(config_.timeout));
+  response.set_flagged_tokens(static_cast<uint32_t>(config_.flagged_tokens));
   v1::ArenaLayout* l = response.mutable_layout();
   l->set_total_bytes(layout_.total_bytes);
   l->set_control_offset(layout_.control);
@@ -540,10 +542,13 @@ void Node::TryFormGroup() {
     if (plan_.excluded(r)) continue;
     if (on_device()) {
       // The same bytes ResetSignals clears, in device memory.
-      if (absl::Status s = device_arenas_[r]->Zero(ep_layout.dispatch_flag,
-                                                   ep_layout.load_counters - ep_layout.dispatch_flag);
-          !s.ok()) {
-        UBEP_LOG(ERROR) << "rank " << r << ": " << s;
+      const kernels::ResetRanges ranges = kernels::ResetRangesOf(ep_layout);
+      for (const auto& [begin, end] : {std::pair{ranges.signals_begin, ranges.signals_end},
+                                       std::pair{ranges.landing_begin, ranges.landing_end}}) {
+        if (begin == end) continue;
+        if (absl::Status s = device_arenas_[r]->Zero(begin, end - begin); !s.ok()) {
+          UBEP_LOG(ERROR) << "rank " << r << ": " << s;
+        }
       }
     } else {
       kernels::ResetSignals(arenas_[r].data() + layout_.ep, ep_layout);

@@ -1,8 +1,9 @@
 // ubep-bench-cuda: dispatch and combine on the CUDA backend, ranks as processes sharing one
 // GPU (CUDA IPC), next to a device-to-device copy of the same bytes measured in the same run.
 // Prints a JSON array, one row per line as each case finishes: per (ranks, tokens, hidden) and
-// method (ubep_cuda: counting and sending in one cooperative launch; ubep_cuda_count_first: the
-// counting kernel, then the senders; bsp_cuda; all on the same input): p50_us/p99_us of
+// method (ubep_cuda: counting and sending in one cooperative launch; ubep_cuda_flagged: the same
+// with flag-in-granule rows and partials, kernels/common/flagged_rows.h; ubep_cuda_count_first:
+// the counting kernel, then the senders; bsp_cuda; all on the same input): p50_us/p99_us of
 // dispatch+combine (slowest rank), bytes_moved, GB/s, and the D2D copy's GB/s.
 //
 //   ubep-bench-cuda [--ranks 2,4,8] [--tokens 128] [--hidden 7168] [--iters 50]
@@ -43,7 +44,7 @@ struct Board {
 };
 
 int RankMain(const bench::Case& c, Protocol protocol, EpConfig::SenderThread sender_thread,
-             int rank, int iters,
+             bool flagged, int rank, int iters,
              const std::vector<double>& skew, Board* board) {
   bool posted_ready = false;
   auto fail = [&](const std::string& m) {
@@ -66,7 +67,8 @@ int RankMain(const bench::Case& c, Protocol protocol, EpConfig::SenderThread sen
                         .top_k = bench::kTopK, .num_experts = bench::kExperts,
                         .slots_per_rank = bench::kExperts / c.ranks, .num_layers = 1,
                         .dtype = DType::kBFloat16, .protocol = protocol,
-                        .timeout = absl::Seconds(30), .sender_thread = sender_thread};
+                        .timeout = absl::Seconds(30), .sender_thread = sender_thread,
+                        .flagged_tokens = flagged ? c.tokens : 0};
   auto arena = DeviceArena::Create(ArenaLayout(config).total_bytes);
   if (!arena.ok()) return fail(std::string(arena.status().message()));
   if (!(*arena)->IpcHandle(board->handles[rank]).ok()) return fail("ipc handle");
@@ -200,18 +202,20 @@ int main(int argc, char** argv) {
       const char* name;
       Protocol protocol;
       EpConfig::SenderThread sender_thread;
+      bool flagged;
     };
-    for (const auto& [method, protocol, sender_thread] :
-         {Method{"ubep_cuda", Protocol::kUbep, EpConfig::SenderThread::kAuto},
-          Method{"ubep_cuda_count_first", Protocol::kUbep, EpConfig::SenderThread::kOff},
-          Method{"bsp_cuda", Protocol::kBsp, EpConfig::SenderThread::kAuto}}) {
+    for (const auto& [method, protocol, sender_thread, flagged] :
+         {Method{"ubep_cuda", Protocol::kUbep, EpConfig::SenderThread::kAuto, false},
+          Method{"ubep_cuda_flagged", Protocol::kUbep, EpConfig::SenderThread::kAuto, true},
+          Method{"ubep_cuda_count_first", Protocol::kUbep, EpConfig::SenderThread::kOff, false},
+          Method{"bsp_cuda", Protocol::kBsp, EpConfig::SenderThread::kAuto, false}}) {
       const ubep::bench::Case c{"cuda", r, tokens, hidden, "uniform"};
       SharedArena board_arena = *SharedArena::Create("cuda-bench", sizeof(Board));
       auto* board = new (board_arena.data()) Board{};
       std::vector<pid_t> pids;
       for (int rank = 0; rank < r; ++rank) {
         const pid_t pid = fork();
-        if (pid == 0) _exit(RankMain(c, protocol, sender_thread, rank, iters, *skew, board));
+        if (pid == 0) _exit(RankMain(c, protocol, sender_thread, flagged, rank, iters, *skew, board));
         pids.push_back(pid);
       }
       const absl::Time until = absl::Now() + absl::Seconds(120);

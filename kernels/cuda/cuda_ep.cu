@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/common/bf16.h"
+#include "kernels/common/flagged_rows.h"
 #include "kernels/common/routing.h"
 #include "kernels/common/send_split.h"
 
@@ -48,8 +49,12 @@ constexpr int kWideBlocksPerSm = 4;
 struct Params {
   int rank, num_ranks, max_tokens, hidden, top_k, slots_per_rank, num_experts, num_tokens, layer;
   size_t record_bytes, row_bytes;
+  size_t row_stride;  // Bytes per source (destination) of rows (partials): ArenaLayout.
   size_t off_abort;
   bool bsp;  // Protocol::kBsp: count exchange and barriers, no per-destination flags.
+  // This rank's call stores its rows, and gets its partials back, as flag-in-granule rows
+  // (flagged_rows.h): no dispatch or combine flags for it, the receivers poll the rows.
+  bool flagged;
   size_t off_count_flag, off_barrier_flag;
   size_t off_dispatch_flag, off_combine_flag, off_counts, off_load_counters, off_load_seq, off_records,
       off_rows, off_partials;
@@ -101,6 +106,39 @@ __device__ bool FlagReached(uint32_t* flag, uint32_t epoch) {
   const uint32_t v = cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(*flag).load(
       cuda::memory_order_acquire);
   return static_cast<int32_t>(v - epoch) >= 0;
+}
+
+// Flag-in-granule rows (flagged_rows.h): 16 bytes of a row go out as two granules, each one
+// 64-bit element of a relaxed system-scope vector store. PTX treats the vector as two scalar
+// strong accesses, each single-copy atomic, which is all the format needs: a granule's tag
+// vouches for its own 4 data bytes and nothing else.
+__device__ void StoreGranules(std::byte* to, uint4 v, uint32_t tag) {
+  const uint64_t lo0 = Granule(v.x, tag), hi0 = Granule(v.y, tag);
+  const uint64_t lo1 = Granule(v.z, tag), hi1 = Granule(v.w, tag);
+  asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(to), "l"(lo0), "l"(hi0)
+               : "memory");
+  asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(to + 16), "l"(lo1),
+               "l"(hi1)
+               : "memory");
+}
+
+// The 16 bytes two granule pairs at `from` carry, if all four carry `tag`.
+__device__ bool LoadGranules(const std::byte* from, uint32_t tag, uint4* v) {
+  uint64_t g0, g1, g2, g3;
+  asm volatile("ld.relaxed.sys.global.v2.u64 {%0, %1}, [%2];"
+               : "=l"(g0), "=l"(g1)
+               : "l"(from)
+               : "memory");
+  asm volatile("ld.relaxed.sys.global.v2.u64 {%0, %1}, [%2];"
+               : "=l"(g2), "=l"(g3)
+               : "l"(from + 16)
+               : "memory");
+  if (GranuleTag(g0) != tag || GranuleTag(g1) != tag || GranuleTag(g2) != tag ||
+      GranuleTag(g3) != tag) {
+    return false;
+  }
+  *v = make_uint4(GranuleData(g0), GranuleData(g1), GranuleData(g2), GranuleData(g3));
+  return true;
 }
 
 using BlockScanInt = cub::BlockScan<int, kThreads>;
@@ -180,10 +218,11 @@ __device__ void FinishDest(const Params& p, int d, int total) {
   }
   p.dest_records[d] = total;
   std::byte* arena = p.arenas[d];
-  reinterpret_cast<uint32_t*>(arena + p.off_counts)[p.rank] = static_cast<uint32_t>(total);
+  reinterpret_cast<uint32_t*>(arena + p.off_counts)[p.rank] =
+      static_cast<uint32_t>(total) | (p.flagged ? kFlaggedCount : 0u);
   __threadfence_system();  // The records and count precede the flags, the total the bias.
   ReleaseFlag(reinterpret_cast<uint32_t*>(arena + p.off_count_flag + p.rank * kLine), p.epoch);
-  if (p.bsp) return;
+  if (p.bsp || p.flagged) return;  // bsp publishes with a barrier; flagged rows are their own.
   if (total == 0) {
     PublishDest(p, d);
     return;
@@ -243,9 +282,14 @@ __device__ void StoreUnits(const Params& p, int64_t begin, int64_t end, int last
     const int j = p.token_route[t * R + d];
     const auto* from = reinterpret_cast<const uint4*>(reinterpret_cast<const std::byte*>(p.x) +
                                                       static_cast<size_t>(t) * p.row_bytes);
-    auto* to = reinterpret_cast<uint4*>(
-        p.arenas[d] + p.off_rows + (static_cast<size_t>(p.rank) * p.max_tokens + j) * p.row_bytes);
-    for (size_t i = lane; i < p.row_bytes / 16; i += 32) to[i] = from[i];
+    std::byte* rows = p.arenas[d] + p.off_rows + static_cast<size_t>(p.rank) * p.row_stride;
+    if (p.flagged) {
+      std::byte* to = rows + static_cast<size_t>(j) * FlaggedRowBytes(p.row_bytes);
+      for (size_t i = lane; i < p.row_bytes / 16; i += 32) StoreGranules(to + 32 * i, from[i], p.epoch);
+    } else {
+      auto* to = reinterpret_cast<uint4*>(rows + static_cast<size_t>(j) * p.row_bytes);
+      for (size_t i = lane; i < p.row_bytes / 16; i += 32) to[i] = from[i];
+    }
     if (lane == 0) atomicAdd(&stored[d], 1);
   }
 }
@@ -257,7 +301,8 @@ __device__ void PublishStored(const Params& p, const int32_t* stored) {
   __syncthreads();
   for (int d = threadIdx.x; d < p.num_ranks; d += blockDim.x) {
     const int32_t mine = stored[d];
-    if (mine == 0 || p.bsp) continue;  // bsp publishes with a barrier.
+    // bsp publishes with a barrier; flagged rows publish themselves.
+    if (mine == 0 || p.bsp || p.flagged) continue;
     // Every thread's stores precede the barrier above; the system fence orders them before
     // this addition, and the acq_rel addition orders every earlier block's (and the counting
     // role's total) before the flag.
@@ -408,7 +453,13 @@ __global__ void SendKernel(Params p, int count_blocks) {
 // stale).
 __device__ int SourceCount(const Params& p, const std::byte* own, int s) {
   if (RankExcluded(p.plan, static_cast<uint32_t>(s))) return 0;
-  return static_cast<int>(reinterpret_cast<const uint32_t*>(own + p.off_counts)[s]);
+  return static_cast<int>(RecordCount(reinterpret_cast<const uint32_t*>(own + p.off_counts)[s]));
+}
+
+// Whether source s stored flagged rows this call (and gets flagged partials back).
+__device__ bool SourceFlagged(const Params& p, int s) {
+  if (RankExcluded(p.plan, static_cast<uint32_t>(s))) return false;
+  return CountIsFlagged(reinterpret_cast<const uint32_t*>(p.arenas[p.rank] + p.off_counts)[s]);
 }
 
 // Sets every member rank's abort word to `code` unless it is already set (the first reason
@@ -424,42 +475,63 @@ __device__ void RaiseAbortEverywhere(const Params& p, uint32_t code) {
   }
 }
 
-// Waits for flag[s] (s < R, not excluded by the plan) of region `offset` in this rank's arena
-// to reach `epoch`. A wait that times out raises the abort word in every arena (naming s), so
-// that ranks stuck behind a survivor name the dead rank; a wait that finds the abort word set
-// (a peer gave up, or the daemon stopped the group) ends too. Either way status records
-// 1 + s and the host reads the reason from the abort word. The block's threads share the
-// sources.
-__device__ void WaitFlags(const Params& p, size_t offset, uint32_t epoch,
-                          uint32_t phase = kPhaseAsCalled) {
-  std::byte* own = p.arenas[p.rank];
-  // One deadline per call, as on the host: the first wait of the call sets it.
+// The call's deadline: one per call, as on the host, set by its first wait.
+__device__ uint64_t CallDeadline(const Params& p) {
   const unsigned long long mine = GlobalTimerNs() + p.timeout_ns;
   const unsigned long long first = atomicCAS(p.deadline, 0ull, mine);
-  const uint64_t deadline = first == 0 ? mine : first;
+  return first == 0 ? mine : first;
+}
+
+// A wait on peer s that is still waiting: true if it must end now. Past the deadline it
+// raises the abort word in every arena (naming s), so that ranks stuck behind a survivor name
+// the dead rank; it also ends when the abort word is set (a peer gave up, or the daemon
+// stopped the group) or another wait of this call has ended. The first to end records 1 + s
+// and `phase` in status; the host reads the reason from the abort word.
+__device__ bool WaitMustEnd(const Params& p, int s, uint64_t deadline, uint32_t phase) {
+  if (cuda::atomic_ref<uint32_t, cuda::thread_scope_device>(p.status[kStatusWaitEnded])
+          .load(cuda::memory_order_relaxed) != 0) {
+    return true;
+  }
+  if (GlobalTimerNs() > deadline) {
+    RaiseAbortEverywhere(p, kAbortTimedOutBase + static_cast<uint32_t>(s));
+  } else if (cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(
+                 *reinterpret_cast<uint32_t*>(p.arenas[p.rank] + p.off_abort))
+                 .load(cuda::memory_order_relaxed) == 0) {
+    return false;
+  }
+  if (atomicCAS(&p.status[kStatusWaitEnded], 0u, 1u + s) == 0) p.status[kStatusWaitPhase] = phase;
+  return true;
+}
+
+// Waits for flag[s] (s < R, not excluded by the plan; with `skip_flagged`, not a source of
+// flagged rows either, which are waited for row by row) of region `offset` in this rank's
+// arena to reach `epoch`, or until the wait must end (WaitMustEnd). The block's threads share
+// the sources.
+__device__ void WaitFlags(const Params& p, size_t offset, uint32_t epoch,
+                          uint32_t phase = kPhaseAsCalled, bool skip_flagged = false) {
+  std::byte* own = p.arenas[p.rank];
+  const uint64_t deadline = CallDeadline(p);
   for (int s = threadIdx.x; s < p.num_ranks; s += blockDim.x) {
     if (RankExcluded(p.plan, static_cast<uint32_t>(s))) continue;
+    if (skip_flagged && SourceFlagged(p, s)) continue;
     auto* flag = reinterpret_cast<uint32_t*>(own + offset + s * kLine);
-    auto* abort_word = reinterpret_cast<uint32_t*>(own + p.off_abort);
     while (!FlagReached(flag, epoch)) {
-      if (GlobalTimerNs() > deadline) {
-        RaiseAbortEverywhere(p, kAbortTimedOutBase + static_cast<uint32_t>(s));
-        if (atomicCAS(&p.status[kStatusWaitEnded], 0u, 1u + s) == 0) {
-          p.status[kStatusWaitPhase] = phase;
-        }
-        return;
-      }
-      const uint32_t code = cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(*abort_word)
-                                .load(cuda::memory_order_relaxed);
-      if (code != 0) {
-        if (atomicCAS(&p.status[kStatusWaitEnded], 0u, 1u + s) == 0) {
-          p.status[kStatusWaitPhase] = phase;
-        }
-        return;
-      }
+      if (WaitMustEnd(p, s, deadline, phase)) return;
       __nanosleep(256);
     }
   }
+}
+
+// 16 bytes of a flagged row (or partial) from peer s at `from`, once their granules carry
+// this call's tag; false if the wait must end first (WaitMustEnd, phase as called).
+__device__ bool TakeGranules(const Params& p, int s, const std::byte* from, uint64_t* deadline,
+                             uint4* v) {
+  while (!LoadGranules(from, p.epoch, v)) {
+    if (*deadline == 0) *deadline = CallDeadline(p);
+    if (WaitMustEnd(p, s, *deadline, kPhaseAsCalled)) return false;
+    __nanosleep(64);
+  }
+  return true;
 }
 
 // A wait before timed out or saw an abort. Bad input is only flagged: the rank still takes
@@ -467,9 +539,20 @@ __device__ void WaitFlags(const Params& p, size_t offset, uint32_t epoch,
 // the peers sent and its combine can answer them.
 __device__ inline bool Stopped(const Params& p) { return p.status[kStatusWaitEnded] != 0; }
 
-__global__ void WaitKernel(Params p, size_t offset, uint32_t phase) {
+__global__ void WaitKernel(Params p, size_t offset, uint32_t phase, bool skip_flagged) {
   if (Stopped(p)) return;  // An earlier wait of this call ended: do not wait again.
-  WaitFlags(p, offset, p.epoch, phase);
+  WaitFlags(p, offset, p.epoch, phase, skip_flagged);
+}
+
+// Rewrites the tag of every granule in `bytes` of this rank's arena from `offset` (the
+// periodic scrub of flagged_rows.h), once this call has read them all (stream order).
+__global__ void ScrubKernel(Params p, size_t offset, size_t bytes, uint32_t tag) {
+  if (Stopped(p)) return;  // The group re-forms, and its reset zeroes the landing.
+  auto* granules = reinterpret_cast<unsigned long long*>(p.arenas[p.rank] + offset);
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
+       i < bytes / kGranuleBytes; i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    granules[i] = Granule(0, tag);
+  }
 }
 
 // bsp's barrier: every stream-ordered store before this kernel is made visible, every member
@@ -654,11 +737,21 @@ __global__ void CopyKernel(Params p) {
     const int n = p.record_base[s + 1] - p.record_base[s];
     const int j = TokenOfUnit(p.record_begin + s * (p.max_tokens + 1), n, e);
     const int row = p.entry_row[static_cast<size_t>(s) * p.max_tokens * p.top_k + e];
-    const auto* from = reinterpret_cast<const uint4*>(
-        own + p.off_rows + (static_cast<size_t>(s) * p.max_tokens + j) * p.row_bytes);
+    const std::byte* rows = own + p.off_rows + static_cast<size_t>(s) * p.row_stride;
     auto* to = reinterpret_cast<uint4*>(reinterpret_cast<std::byte*>(p.recv_x) +
                                         static_cast<size_t>(row) * p.row_bytes);
-    for (size_t i = lane; i < p.row_bytes / 16; i += 32) to[i] = from[i];
+    if (SourceFlagged(p, s)) {  // Each lane takes its granules as they land.
+      const std::byte* from = rows + static_cast<size_t>(j) * FlaggedRowBytes(p.row_bytes);
+      uint64_t deadline = 0;
+      for (size_t i = lane; i < p.row_bytes / 16; i += 32) {
+        uint4 v;
+        if (!TakeGranules(p, s, from + 32 * i, &deadline, &v)) return;
+        to[i] = v;
+      }
+    } else {
+      const auto* from = reinterpret_cast<const uint4*>(rows + static_cast<size_t>(j) * p.row_bytes);
+      for (size_t i = lane; i < p.row_bytes / 16; i += 32) to[i] = from[i];
+    }
   }
 }
 
@@ -702,8 +795,8 @@ __global__ void PartialKernel(Params p, const uint16_t* y) {
     const int32_t* begin = p.record_begin + s * (p.max_tokens + 1);
     const int32_t* entry_row = p.entry_row + static_cast<size_t>(s) * p.max_tokens * p.top_k;
     std::byte* arena = p.arenas[s];
-    auto* partials = reinterpret_cast<uint4*>(
-        arena + p.off_partials + static_cast<size_t>(p.rank) * p.max_tokens * p.row_bytes);
+    std::byte* partials = arena + p.off_partials + static_cast<size_t>(p.rank) * p.row_stride;
+    const bool flagged = SourceFlagged(p, s);  // s gets its partials as it sent its rows.
     for (int j = static_cast<int>(g - p.record_base[s]);
          j < static_cast<int>(part_end - p.record_base[s]); ++j) {
       for (int h8 = threadIdx.x; h8 < H8; h8 += blockDim.x) {
@@ -719,11 +812,17 @@ __global__ void PartialKernel(Params p, const uint16_t* y) {
             sum[i] = e == begin[j] ? term : __fadd_rn(sum[i], term);
           }
         }
-        partials[static_cast<size_t>(j) * H8 + h8] = PackBf16x8(sum);
+        if (flagged) {
+          StoreGranules(partials + static_cast<size_t>(j) * FlaggedRowBytes(p.row_bytes) + 32 * h8,
+                        PackBf16x8(sum), p.epoch);
+        } else {
+          reinterpret_cast<uint4*>(partials + static_cast<size_t>(j) * p.row_bytes)[h8] =
+              PackBf16x8(sum);
+        }
       }
     }
     __syncthreads();
-    if (threadIdx.x == 0 && !p.bsp) {
+    if (threadIdx.x == 0 && !p.bsp && !flagged) {
       // Every thread's partials precede the barrier above; the system fence orders them
       // before the addition, and the acq_rel addition every earlier block's before the flag.
       __threadfence_system();
@@ -746,15 +845,24 @@ __global__ void PartialKernel(Params p, const uint16_t* y) {
 __global__ void TokenKernel(Params p, uint16_t* out) {
   if (Stopped(p)) return;
   const int t = blockIdx.x, H8 = p.hidden / 8;
-  const auto* partials = reinterpret_cast<const uint4*>(p.arenas[p.rank] + p.off_partials);
+  const std::byte* partials = p.arenas[p.rank] + p.off_partials;
+  const size_t landed = p.flagged ? FlaggedRowBytes(p.row_bytes) : p.row_bytes;
+  uint64_t deadline = 0;
   for (int h8 = threadIdx.x; h8 < H8; h8 += blockDim.x) {
     float sum[8];
     bool first = true;
     for (int d = 0; d < p.num_ranks; ++d) {
       const int j = p.token_route[t * p.num_ranks + d];
       if (j < 0) continue;
+      const std::byte* partial = partials + d * p.row_stride + static_cast<size_t>(j) * landed;
+      uint4 packed;
+      if (p.flagged) {  // Taken as it lands.
+        if (!TakeGranules(p, d, partial + 32 * h8, &deadline, &packed)) return;
+      } else {
+        packed = reinterpret_cast<const uint4*>(partial)[h8];
+      }
       float v[8];
-      UnpackBf16x8(partials[(static_cast<size_t>(d) * p.max_tokens + j) * H8 + h8], v);
+      UnpackBf16x8(packed, v);
       for (int i = 0; i < 8; ++i) sum[i] = first ? v[i] : __fadd_rn(sum[i], v[i]);
       first = false;
     }
@@ -901,6 +1009,7 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   const ArenaLayout& l = ep->layout_;
   p.record_bytes = l.record_bytes;
   p.row_bytes = l.row_bytes;
+  p.row_stride = l.row_stride;
   p.off_abort = l.abort;
   p.bsp = config.protocol == Protocol::kBsp;
   p.off_count_flag = l.count_flag;
@@ -1017,6 +1126,7 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
   p.topk_idx = in.topk_idx;
   p.topk_weights = in.topk_weights;
   p.epoch = ++dispatch_epoch_;
+  p.flagged = FlaggedRows(!p.bsp, in.num_tokens, config_.flagged_tokens, layout_.row_bytes);
   last_tokens_ = in.num_tokens;
   UBEP_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(p.status, 0, kStatusWords * sizeof(uint32_t), s.stream));
@@ -1040,7 +1150,7 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
   if (!launched) {
     RouteKernel<<<config_.num_ranks, kThreads, 0, s.stream>>>(p);
     if (p.bsp) {  // Count exchange, barrier.
-      WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_count_flag, kPhaseAsCalled);
+      WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_count_flag, kPhaseAsCalled, false);
       BarrierKernel<<<1, 128, 0, s.stream>>>(p, ++barrier_epoch_);
     }
     UnitScanKernel<<<1, kThreads, 0, s.stream>>>(p);
@@ -1052,14 +1162,21 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
   if (p.bsp) {
     BarrierKernel<<<1, 128, 0, s.stream>>>(p, ++barrier_epoch_);
   } else {
-    WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_count_flag, kPhaseCounts);
+    WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_count_flag, kPhaseCounts, false);
   }
   CountKernel<<<config_.num_ranks, kThreads, 0, s.stream>>>(p);
   ScanKernel<<<1, kThreads, 0, s.stream>>>(p);
   PlaceKernel<<<config_.num_ranks, kThreads, sizeof(int) * config_.slots_per_rank, s.stream>>>(p);
-  if (!p.bsp) WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_dispatch_flag, kPhaseAsCalled);
+  // Flagged sources are waited for row by row, in CopyKernel.
+  if (!p.bsp) {
+    WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_dispatch_flag, kPhaseAsCalled, true);
+  }
   CopyKernel<<<s.wide_blocks, kThreads, 0, s.stream>>>(p);
   LoadKernel<<<1, kThreads, 0, s.stream>>>(p);
+  if (config_.flagged_tokens > 0 && TagScrubDue(p.epoch)) {
+    ScrubKernel<<<s.wide_blocks, kThreads, 0, s.stream>>>(
+        p, p.off_rows, config_.num_ranks * p.row_stride, ScrubTag(p.epoch));
+  }
   UBEP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   const absl::Status st = CheckStatus(p.bsp ? "dispatch, bsp" : "dispatch data", p.epoch);
   if (!st.ok() && !absl::IsInvalidArgument(st)) return st;
@@ -1073,6 +1190,7 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
   out.src_token = p.src_token;
   out.weight = p.weight;
   s.params.epoch = p.epoch;
+  s.params.flagged = p.flagged;  // Combine takes its partials as its rows went.
   s.params.num_tokens = p.num_tokens;
   s.params.layer = p.layer;
   s.params.plan = p.plan;  // Combine waits for the same ranks as its dispatch.
@@ -1099,11 +1217,15 @@ absl::Status CudaEp::Combine(const void* y, void* out) {
   PartialKernel<<<s.wide_blocks, kThreads, 0, s.stream>>>(p, static_cast<const uint16_t*>(y));
   if (p.bsp) {
     BarrierKernel<<<1, 128, 0, s.stream>>>(p, ++barrier_epoch_);
-  } else {
-    WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_combine_flag, kPhaseAsCalled);
+  } else if (!p.flagged) {  // Flagged partials are waited for one by one, in TokenKernel.
+    WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_combine_flag, kPhaseAsCalled, false);
   }
   if (last_tokens_ > 0) {
     TokenKernel<<<last_tokens_, kThreads, 0, s.stream>>>(p, static_cast<uint16_t*>(out));
+  }
+  if (config_.flagged_tokens > 0 && TagScrubDue(p.epoch)) {
+    ScrubKernel<<<s.wide_blocks, kThreads, 0, s.stream>>>(
+        p, p.off_partials, config_.num_ranks * p.row_stride, ScrubTag(p.epoch));
   }
   UBEP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return CheckStatus("combine partials", p.epoch);

@@ -1,10 +1,12 @@
 #include "kernels/host/arena_layout.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/common/flagged_rows.h"
 #include "kernels/common/routing.h"
 
 namespace ubep::kernels {
@@ -38,6 +40,11 @@ absl::Status ValidateConfig(const EpConfig& c) {
                                                    c.sender_threads, " is outside [1, ",
                                                    kMaxSenderThreads, "]"));
   }
+  if (c.flagged_tokens < 0 || c.flagged_tokens > c.max_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("ep config: flagged_tokens ",
+                                                   c.flagged_tokens, " is outside [0, ",
+                                                   c.max_tokens, "] (max_tokens)"));
+  }
   if (c.timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("ep config: timeout must be positive");
   }
@@ -48,6 +55,10 @@ ArenaLayout::ArenaLayout(const EpConfig& c) {
   const size_t R = c.num_ranks, T = c.max_tokens;
   record_bytes = RecordBytes(c.top_k);
   row_bytes = c.hidden * DTypeBytes(c.dtype);
+  flagged_tokens = c.flagged_tokens;
+  row_stride = std::max(T * row_bytes,
+                        static_cast<size_t>(std::max(0, c.flagged_tokens)) *
+                            FlaggedRowBytes(row_bytes));
   size_t offset = kLine;  // Header.
   auto carve = [&](size_t bytes) {
     const size_t at = offset;
@@ -63,8 +74,8 @@ ArenaLayout::ArenaLayout(const EpConfig& c) {
   load_counters = carve(static_cast<size_t>(c.num_layers) * c.slots_per_rank * sizeof(uint64_t));
   load_seq = carve(static_cast<size_t>(c.num_layers) * sizeof(uint64_t));
   records = carve(R * T * record_bytes);
-  rows = carve(R * T * row_bytes);
-  partials = carve(R * T * row_bytes);
+  rows = carve(R * row_stride);
+  partials = carve(R * row_stride);
   total_bytes = offset;
 }
 
@@ -106,10 +117,18 @@ void RaiseAbort(std::byte* arena, const ArenaLayout& layout, uint32_t code) {
       .compare_exchange_strong(expected, code, std::memory_order_acq_rel);
 }
 
-void ResetSignals(std::byte* arena, const ArenaLayout& layout) {
+ResetRanges ResetRangesOf(const ArenaLayout& layout) {
   // The signal regions, the abort word and the counts are contiguous, from dispatch_flag to
-  // load_counters.
-  std::memset(arena + layout.dispatch_flag, 0, layout.load_counters - layout.dispatch_flag);
+  // load_counters; rows and partials from rows to the end.
+  const bool landing = layout.flagged_tokens > 0;
+  return {layout.dispatch_flag, layout.load_counters, landing ? layout.rows : layout.total_bytes,
+          layout.total_bytes};
+}
+
+void ResetSignals(std::byte* arena, const ArenaLayout& layout) {
+  const ResetRanges r = ResetRangesOf(layout);
+  std::memset(arena + r.signals_begin, 0, r.signals_end - r.signals_begin);
+  std::memset(arena + r.landing_begin, 0, r.landing_end - r.landing_begin);
 }
 
 void AddLayerLoad(std::byte* arena, const ArenaLayout& layout, int slots_per_rank, int layer,

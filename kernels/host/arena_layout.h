@@ -20,9 +20,12 @@
 //                              odd while the owner adds one (a seqlock: a reader takes a
 //                              layer's counters and the dispatches they cover together)
 //   records         R x T x (8 + 8K)   [s][j]: record j from source s (routing.h)
-//   rows            R x T x B          [s][j]: hidden row of record j from source s
-//   partials        R x T x B          [d][j]: partial sum rank d computed for this rank's
+//   rows            R x W              [s][j]: hidden row of record j from source s
+//   partials        R x W              [d][j]: partial sum rank d computed for this rank's
 //                                      j-th token sent to d (fp32 sum, stored in dtype)
+//
+// W = row_stride = max(T x B, F x 2B), F = flagged_tokens: a call of up to F tokens stores its
+// rows and gets its partials back in the flag-in-granule format (flagged_rows.h), 2B per row.
 //
 // Senders own the slots [s][*] of every peer's arena, receivers only read them: no two ranks
 // write the same byte. One flag per cache line, so polling does not false-share.
@@ -62,6 +65,12 @@ struct EpConfig {
   // Threads of the sender role when it has its own (send_split.h splits the row stores among
   // them, any two within one row of each other). At most kMaxSenderThreads.
   int sender_threads = 1;
+  // kUbep: a call of at most this many tokens (on the calling rank) stores its rows, and gets
+  // its combine partials back, as flag-in-granule rows (kernels/common/flagged_rows.h): the
+  // receiver takes each row as it lands, without waiting for the source's flag. Twice the
+  // bytes per row, so meant for decode-sized calls; the landing grows to hold that many
+  // flagged rows when that is more than max_tokens plain ones. 0: never. At most max_tokens.
+  int flagged_tokens = 0;
 };
 
 inline constexpr int kMaxSenderThreads = 64;
@@ -94,6 +103,8 @@ struct ArenaLayout {
   size_t dispatch_flag, combine_flag, count_flag, barrier_flag, abort, counts, load_counters,
       load_seq, records, rows, partials, total_bytes;
   size_t record_bytes, row_bytes;
+  size_t row_stride;  // Bytes per source (or destination) in rows and partials.
+  int flagged_tokens;
 
   explicit ArenaLayout(const EpConfig& config);
   ArenaLayout() = default;
@@ -103,9 +114,18 @@ struct ArenaLayout {
 void RaiseAbort(std::byte* arena, const ArenaLayout& layout, uint32_t code);
 
 // Zeroes the signal words, the abort word and the per-source counts of an arena, keeping its
-// header, load counters and data: a group that re-forms (every rank parked, none inside a
-// dispatch or combine) starts its epochs from zero. Not safe while any rank is in a call.
+// header and load counters: a group that re-forms (every rank parked, none inside a dispatch
+// or combine) starts its epochs from zero. When the group uses flag-in-granule rows
+// (flagged_tokens > 0), the rows and partials are zeroed too, so that no tag of the old
+// epochs can pass for a new one (flagged_rows.h). Not safe while any rank is in a call.
 void ResetSignals(std::byte* arena, const ArenaLayout& layout);
+
+// The byte ranges ResetSignals zeroes, [begin, end) from the arena base, for arenas in device
+// memory: the signal words and counts, then (empty unless flagged_tokens > 0) the landing.
+struct ResetRanges {
+  size_t signals_begin, signals_end, landing_begin, landing_end;
+};
+ResetRanges ResetRangesOf(const ArenaLayout& layout);
 
 // The owner's side of the load seqlock: adds one dispatch's received pairs per local slot
 // (`added`, S values) to layer `layer`'s counters.

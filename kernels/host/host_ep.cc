@@ -13,6 +13,7 @@
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
 #include "kernels/common/bf16.h"
+#include "kernels/common/flagged_rows.h"
 #include "kernels/common/plan_area.h"
 #include "kernels/common/prefetch.h"
 #include "kernels/common/routing.h"
@@ -27,7 +28,7 @@ constexpr size_t kLine = 64;
 
 struct ArenaHeader {
   uint32_t magic, num_ranks, max_tokens, hidden, top_k, num_experts, slots_per_rank, num_layers,
-      dtype;
+      dtype, flagged_tokens;
 };
 
 // sum[h] (+)= w * row[h] for a row of `dtype`.
@@ -56,6 +57,40 @@ void StoreRow(const float* sum, int hidden, DType dtype, std::byte* row) {
   }
   auto* out = reinterpret_cast<uint16_t*>(row);
   for (int h = 0; h < hidden; ++h) out[h] = FloatToBf16(sum[h]);
+}
+
+// A row in the flag-in-granule format (flagged_rows.h): each 4 bytes of `from` go out with
+// `tag` as one 64-bit atomic store. Release (a plain store on x86), so that whatever this rank
+// did before, a tag scrub above all, happens before what a peer does after seeing the granule.
+void StoreFlaggedRow(std::byte* to, const std::byte* from, size_t row_bytes, uint32_t tag) {
+  auto* granules = reinterpret_cast<uint64_t*>(to);
+  for (size_t i = 0; i < row_bytes / kGranuleDataBytes; ++i) {
+    uint32_t data;
+    std::memcpy(&data, from + i * kGranuleDataBytes, sizeof(data));
+    std::atomic_ref<uint64_t>(granules[i]).store(Granule(data, tag), std::memory_order_release);
+  }
+}
+
+// The data of a flagged row into `to`; false as soon as a granule does not carry `tag` yet
+// (the row has not fully landed: `to` holds a prefix, and the caller tries again later).
+// A granule's data and tag are one single-copy-atomic access; acquire pairs with the store.
+bool LoadFlaggedRow(const std::byte* from, size_t row_bytes, uint32_t tag, std::byte* to) {
+  auto* granules = reinterpret_cast<uint64_t*>(const_cast<std::byte*>(from));
+  for (size_t i = 0; i < row_bytes / kGranuleDataBytes; ++i) {
+    const uint64_t granule = std::atomic_ref<uint64_t>(granules[i]).load(std::memory_order_acquire);
+    if (GranuleTag(granule) != tag) return false;
+    const uint32_t data = GranuleData(granule);
+    std::memcpy(to + i * kGranuleDataBytes, &data, sizeof(data));
+  }
+  return true;
+}
+
+// Rewrites every granule's tag in `bytes` of a landing (flagged_rows.h's periodic scrub).
+void ScrubTags(std::byte* landing, size_t bytes, uint32_t tag) {
+  auto* granules = reinterpret_cast<uint64_t*>(landing);
+  for (size_t i = 0; i < bytes / kGranuleBytes; ++i) {
+    std::atomic_ref<uint64_t>(granules[i]).store(Granule(0, tag), std::memory_order_relaxed);
+  }
 }
 
 }  // namespace
@@ -138,7 +173,8 @@ absl::StatusOr<std::unique_ptr<HostEp>> HostEp::Create(const EpConfig& config, i
                              static_cast<uint32_t>(config.num_experts),
                              static_cast<uint32_t>(config.slots_per_rank),
                              static_cast<uint32_t>(config.num_layers),
-                             static_cast<uint32_t>(config.dtype)};
+                             static_cast<uint32_t>(config.dtype),
+                             static_cast<uint32_t>(config.flagged_tokens)};
   auto* header = reinterpret_cast<ArenaHeader*>(arenas[rank]);
   if (header->magic == 0) {
     *header = expected;
@@ -146,7 +182,8 @@ absl::StatusOr<std::unique_ptr<HostEp>> HostEp::Create(const EpConfig& config, i
     return absl::FailedPreconditionError(absl::StrCat(
         "rank ", rank, ": the arena was laid out for another configuration (ranks ",
         header->num_ranks, ", max_tokens ", header->max_tokens, ", hidden ", header->hidden,
-        ", top_k ", header->top_k, ", experts ", header->num_experts, ")"));
+        ", top_k ", header->top_k, ", experts ", header->num_experts, ", flagged_tokens ",
+        header->flagged_tokens, ")"));
   }
   return std::unique_ptr<HostEp>(new HostEp(config, rank, std::move(arenas)));
 }
@@ -305,13 +342,13 @@ void HostEp::CountBatch(const DispatchInput& in, int batch, int num_batches, int
   }
 }
 
-void HostEp::FinishCounting(uint32_t epoch, bool publish) {
+void HostEp::FinishCounting(uint32_t epoch, bool publish, bool flagged) {
   // The offsets: every destination's record count, then its count flag (bsp's count exchange;
   // ubep's receivers lay out their rows from it while the rows are on their way).
   for (int d = 0; d < config_.num_ranks; ++d) {
     if (!active_[d]) continue;
     reinterpret_cast<uint32_t*>(arenas_[d] + layout_.counts)[rank_] =
-        static_cast<uint32_t>(dest_records_[d]);
+        static_cast<uint32_t>(dest_records_[d]) | (flagged ? kFlaggedCount : 0u);
     Signal(FlagAt(arenas_[d], layout_.count_flag, rank_), epoch);
   }
   if (!publish) return;  // bsp publishes the rows with its barrier.
@@ -329,9 +366,9 @@ void HostEp::FinishCounting(uint32_t epoch, bool publish) {
 }
 
 void HostEp::SendShare(int index, int senders, const DispatchInput& in, uint32_t epoch,
-                       uint32_t batches_before, bool publish, absl::Time deadline) {
+                       uint32_t batches_before, bool publish, bool flagged, absl::Time deadline) {
   const int R = config_.num_ranks;
-  const size_t T = config_.max_tokens;
+  const size_t B = layout_.row_bytes, landed = flagged ? FlaggedRowBytes(B) : B;
   const auto* x = static_cast<const std::byte*>(in.x);
   Share& share = shares_[index];
   const int num_batches = NumBatches(in.num_tokens);
@@ -362,16 +399,18 @@ void HostEp::SendShare(int index, int senders, const DispatchInput& in, uint32_t
       const int d = VisitDest(rank_, position, R);
       const int32_t n = share.count[d];
       if (n == 0) continue;
-      std::byte* rows = arenas_[d] + layout_.rows + rank_ * T * layout_.row_bytes;
+      std::byte* rows = arenas_[d] + layout_.rows + rank_ * layout_.row_stride;
       for (int32_t i = at; i < at + n; ++i) {
         const Unit& unit = units_[share.grouped[i]];
         if (i + 1 < at + n) {
-          PrefetchRow(x + units_[share.grouped[i + 1]].token * layout_.row_bytes,
-                      layout_.row_bytes);
-          PrefetchRowForWrite(rows + (unit.record + 1) * layout_.row_bytes, layout_.row_bytes);
+          PrefetchRow(x + units_[share.grouped[i + 1]].token * B, B);
+          PrefetchRowForWrite(rows + (unit.record + 1) * landed, landed);
         }
-        std::memcpy(rows + unit.record * layout_.row_bytes, x + unit.token * layout_.row_bytes,
-                    layout_.row_bytes);
+        if (flagged) {
+          StoreFlaggedRow(rows + unit.record * landed, x + unit.token * B, B, epoch);
+        } else {
+          std::memcpy(rows + unit.record * B, x + unit.token * B, B);
+        }
       }
       at += n;
       share.count[d] = 0;
@@ -417,16 +456,16 @@ absl::Status HostEp::GiveUp(int peer, const char* what, uint32_t epoch) const {
 
 absl::Status HostEp::TakeAsTheyArrive(size_t region, uint32_t epoch, std::vector<int> pending,
                                       const char* what, absl::Time deadline,
-                                      const std::function<void(int)>& arrived) {
+                                      const std::function<Take(int)>& take) {
   std::byte* own = arenas_[rank_];
   while (!pending.empty()) {
-    const size_t before = pending.size();
+    bool moved = false;
     std::erase_if(pending, [&](int s) {
-      if (!EpochReached(LoadAcquire(FlagAt(own, region, s)), epoch)) return false;
-      arrived(s);
-      return true;
+      const Take taken = take(s);
+      moved |= taken != Take::kNothing;
+      return taken == Take::kDone;
     });
-    if (pending.empty() || pending.size() < before) continue;
+    if (pending.empty() || moved) continue;
     // Sleep on the first missing source until it arrives or a slice passes (so that an abort
     // is seen within a millisecond).
     const absl::Status slice =
@@ -474,16 +513,17 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
   const int senders = senders_ != nullptr ? senders_->size() : 1;
   const int num_batches = NumBatches(in.num_tokens);
   const uint32_t batches_before = batches_;
+  const bool flagged = FlaggedRows(ubep, in.num_tokens, config_.flagged_tokens, layout_.row_bytes);
   num_units_ = 0;
   std::fill(dest_records_.begin(), dest_records_.end(), 0);
   for (int d = 0; d < R; ++d) published_[d].store(0, std::memory_order_relaxed);
   // ubep with sender threads: they store each batch as this thread counts the next one.
-  auto send_share = [this, &in, epoch, batches_before, ubep, senders, deadline](int i) {
-    SendShare(i, senders, in, epoch, batches_before, /*publish=*/ubep, deadline);
+  auto send_share = [this, &in, epoch, batches_before, ubep, flagged, senders, deadline](int i) {
+    SendShare(i, senders, in, epoch, batches_before, /*publish=*/ubep, flagged, deadline);
   };
   if (senders_ != nullptr) senders_->Start(send_share);
   for (int b = 0; b < num_batches; ++b) CountBatch(in, b, num_batches, senders);
-  FinishCounting(epoch, /*publish=*/ubep);
+  FinishCounting(epoch, /*publish=*/ubep, flagged);
   std::byte* own = arenas_[rank_];
   std::vector<int> sources;
   for (int r = 0; r < R; ++r) {
@@ -502,14 +542,26 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
   } else {
     if (senders_ == nullptr) send_share(0);  // No core to spare: send, then receive.
     // The offsets first (every source's records, as its count flag arrives), then each
-    // source's rows placed as its data flag arrives, in whatever order the sources finish.
-    absl::Status status = TakeAsTheyArrive(layout_.count_flag, epoch, sources,
-                                           "dispatch counts", deadline, [](int) {});
+    // source's rows placed as its data flag arrives, in whatever order the sources finish;
+    // flagged rows (flagged_rows.h) one by one as they land, without waiting for the flag.
+    absl::Status status = TakeAsTheyArrive(
+        layout_.count_flag, epoch, sources, "dispatch counts", deadline, [&](int s) {
+          return EpochReached(LoadAcquire(FlagAt(own, layout_.count_flag, s)), epoch)
+                     ? Take::kDone
+                     : Take::kNothing;
+        });
     if (status.ok()) {
       LayOut(out);
       std::erase_if(sources, [&](int s) { return out.handle.records_from[s] == 0; });
-      status = TakeAsTheyArrive(layout_.dispatch_flag, epoch, sources, "dispatch data",
-                                deadline, [&](int s) { Place(s, out); });
+      status = TakeAsTheyArrive(
+          layout_.dispatch_flag, epoch, sources, "dispatch data", deadline, [&](int s) {
+            if (out.handle.flagged_from[s]) return PlaceArrived(s, epoch, out);
+            if (!EpochReached(LoadAcquire(FlagAt(own, layout_.dispatch_flag, s)), epoch)) {
+              return Take::kNothing;
+            }
+            Place(s, out);
+            return Take::kDone;
+          });
     }
     if (senders_ != nullptr) senders_->Join();
     UBEP_RETURN_IF_ERROR(status);
@@ -521,11 +573,17 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
     received_per_slot_[i] = out.slot_offsets[i + 1] - out.slot_offsets[i];
   }
   AddLayerLoad(own, layout_, S, in.layer, received_per_slot_.data());
+  // Every row of this call is placed, and no peer stores the next call's before this rank's
+  // combine: the time to rewrite the landing's tags when they are due (flagged_rows.h).
+  if (config_.flagged_tokens > 0 && TagScrubDue(epoch)) {
+    ScrubTags(own + layout_.rows, R * layout_.row_stride, ScrubTag(epoch));
+  }
   out.plan_version = in.plan->version;
   // Each token's (destination, record) pairs, destinations ascending, for the combine: the
   // units are token-major, each token's in visiting order.
   DispatchOutput::Handle& handle = out.handle;
   handle.num_tokens = in.num_tokens;
+  handle.flagged = flagged;
   handle.active = active_;
   handle.token_begin.assign(in.num_tokens + 1, 0);
   handle.token_routes.resize(num_units_);
@@ -569,12 +627,16 @@ void HostEp::LayOut(DispatchOutput& out) {
   // order, so the layout does not depend on the order in which sources arrive.
   DispatchOutput::Handle& handle = out.handle;
   handle.records_from.assign(R, 0);
+  handle.flagged_from.assign(R, 0);
   handle.record_begin.resize(R);
+  placed_.assign(R, 0);
   out.slot_offsets.assign(S + 1, 0);
   source_slot_rows_.assign(static_cast<size_t>(R) * S, 0);
   int32_t entries = 0;
   for (int s = 0; s < R; ++s) {
-    const uint32_t from_s = active_[s] ? counts[s] : 0;  // An excluded rank sent nothing.
+    // An excluded rank sent nothing (its count word is stale).
+    const uint32_t from_s = active_[s] ? RecordCount(counts[s]) : 0;
+    handle.flagged_from[s] = active_[s] && CountIsFlagged(counts[s]);
     const std::byte* records = own + layout_.records + s * T * layout_.record_bytes;
     int32_t* rows = &source_slot_rows_[static_cast<size_t>(s) * S];
     handle.records_from[s] = static_cast<int32_t>(from_s);
@@ -608,33 +670,58 @@ void HostEp::LayOut(DispatchOutput& out) {
   handle.record_rows.resize(entries);
 }
 
-void HostEp::Place(int s, DispatchOutput& out) {
-  const size_t T = config_.max_tokens;
-  const std::byte* own = arenas_[rank_];
-  const std::byte* records = own + layout_.records + s * T * layout_.record_bytes;
-  const std::byte* rows = own + layout_.rows + s * T * layout_.row_bytes;
+void HostEp::PlaceRecord(int s, int32_t j, const std::byte* records, const std::byte* data,
+                         DispatchOutput& out) {
+  const size_t B = layout_.row_bytes;
   int32_t* cursor = &source_slot_rows_[static_cast<size_t>(s) * config_.slots_per_rank];
   DispatchOutput::Handle& handle = out.handle;
-  const int32_t n = handle.records_from[s];
-  for (int32_t j = 0; j < n; ++j) {
-    const RecordHeader header = HeaderAt(records, layout_.record_bytes, j);
-    if (j + 1 < n) PrefetchRow(rows + (j + 1) * layout_.row_bytes, layout_.row_bytes);
-    for (int q = 0; q < header.num_entries; ++q) {
-      const RecordEntry entry = EntryAt(records, layout_.record_bytes, j, q);
-      const int32_t row = cursor[entry.local_slot]++;
-      if (q + 1 < header.num_entries) {  // The row the next entry's copy lands on.
-        const int32_t next = cursor[EntryAt(records, layout_.record_bytes, j, q + 1).local_slot];
-        PrefetchRowForWrite(out.recv_x.data() + static_cast<size_t>(next) * layout_.row_bytes,
-                            layout_.row_bytes);
-      }
-      std::memcpy(out.recv_x.data() + static_cast<size_t>(row) * layout_.row_bytes,
-                  rows + j * layout_.row_bytes, layout_.row_bytes);
-      out.src_rank[row] = s;
-      out.src_token[row] = header.token;
-      out.weight[row] = entry.weight;
-      handle.record_rows[handle.record_begin[s][j] + q] = row;
+  const RecordHeader header = HeaderAt(records, layout_.record_bytes, j);
+  for (int q = 0; q < header.num_entries; ++q) {
+    const RecordEntry entry = EntryAt(records, layout_.record_bytes, j, q);
+    const int32_t row = cursor[entry.local_slot]++;
+    if (q + 1 < header.num_entries) {  // The row the next entry's copy lands on.
+      const int32_t next = cursor[EntryAt(records, layout_.record_bytes, j, q + 1).local_slot];
+      PrefetchRowForWrite(out.recv_x.data() + static_cast<size_t>(next) * B, B);
     }
+    std::byte* to = out.recv_x.data() + static_cast<size_t>(row) * B;
+    if (to != data) std::memcpy(to, data, B);
+    out.src_rank[row] = s;
+    out.src_token[row] = header.token;
+    out.weight[row] = entry.weight;
+    handle.record_rows[handle.record_begin[s][j] + q] = row;
   }
+}
+
+void HostEp::Place(int s, DispatchOutput& out) {
+  const size_t T = config_.max_tokens, B = layout_.row_bytes;
+  const std::byte* own = arenas_[rank_];
+  const std::byte* records = own + layout_.records + s * T * layout_.record_bytes;
+  const std::byte* rows = own + layout_.rows + s * layout_.row_stride;
+  const int32_t n = out.handle.records_from[s];
+  for (int32_t j = 0; j < n; ++j) {
+    if (j + 1 < n) PrefetchRow(rows + (j + 1) * B, B);
+    PlaceRecord(s, j, records, rows + j * B, out);
+  }
+}
+
+HostEp::Take HostEp::PlaceArrived(int s, uint32_t tag, DispatchOutput& out) {
+  const size_t T = config_.max_tokens, B = layout_.row_bytes, landed = FlaggedRowBytes(B);
+  const std::byte* own = arenas_[rank_];
+  const std::byte* records = own + layout_.records + s * T * layout_.record_bytes;
+  const std::byte* rows = own + layout_.rows + s * layout_.row_stride;
+  const int32_t* cursor = &source_slot_rows_[static_cast<size_t>(s) * config_.slots_per_rank];
+  const int32_t n = out.handle.records_from[s], first = placed_[s];
+  int32_t j = first;
+  for (; j < n; ++j) {
+    // The record's first row (the next one of its first entry's slot) takes the data as it
+    // lands; PlaceRecord copies it from there into the record's other rows.
+    const int32_t row = cursor[EntryAt(records, layout_.record_bytes, j, 0).local_slot];
+    std::byte* data = out.recv_x.data() + static_cast<size_t>(row) * B;
+    if (!LoadFlaggedRow(rows + j * landed, B, tag, data)) break;
+    PlaceRecord(s, j, records, data, out);
+  }
+  placed_[s] = j;
+  return j == n ? Take::kDone : j > first ? Take::kSome : Take::kNothing;
 }
 
 absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr, void* out_ptr) {
@@ -642,26 +729,32 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
     return absl::FailedPreconditionError("combine without a dispatch before it");
   }
   const int R = config_.num_ranks, H = config_.hidden;
-  const size_t T = config_.max_tokens;
   const DispatchOutput::Handle& handle = dispatched.handle;
   if (static_cast<int>(handle.record_begin.size()) != R ||
       static_cast<int>(handle.records_from.size()) != R ||
       static_cast<int>(handle.token_begin.size()) != handle.num_tokens + 1 ||
-      static_cast<int>(handle.active.size()) != R) {
+      static_cast<int>(handle.active.size()) != R ||
+      static_cast<int>(handle.flagged_from.size()) != R) {
     return absl::InvalidArgumentError("combine: the dispatch output is not from this group");
   }
   active_ = handle.active;
   const absl::Time deadline = absl::Now() + config_.timeout;
   const uint32_t epoch = ++combine_epoch_;
   const auto* y = static_cast<const std::byte*>(y_ptr);
+  if (partial_delay_for_testing_ > absl::ZeroDuration()) {
+    absl::SleepFor(partial_delay_for_testing_);
+  }
   scratch_.resize(H);
   float* sum = scratch_.data();
+  const size_t B = layout_.row_bytes;
+  row_scratch_.resize(B);
   // Expert side: one partial per (source, record), summed in fp32 over the record's rows in
   // k order and stored once, in the activation dtype, into the source's arena.
   for (int i = 1; i <= R; ++i) {
     const int s = (rank_ + i) % R;
     if (!active_[s]) continue;
-    std::byte* partials = arenas_[s] + layout_.partials + rank_ * T * layout_.row_bytes;
+    std::byte* partials = arenas_[s] + layout_.partials + rank_ * layout_.row_stride;
+    const bool flagged = handle.flagged_from[s];  // s gets its partials as it sent its rows.
     const std::vector<int32_t>& begin = handle.record_begin[s];
     const int32_t end = begin[handle.records_from[s]];
     for (int32_t j = 0; j < handle.records_from[s]; ++j) {
@@ -674,7 +767,13 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
         Axpy(dispatched.weight[row], y + static_cast<size_t>(row) * layout_.row_bytes,
              config_.dtype, H, q == begin[j], sum);
       }
-      StoreRow(sum, H, config_.dtype, partials + static_cast<size_t>(j) * layout_.row_bytes);
+      if (flagged) {
+        StoreRow(sum, H, config_.dtype, row_scratch_.data());
+        StoreFlaggedRow(partials + static_cast<size_t>(j) * FlaggedRowBytes(B),
+                        row_scratch_.data(), B, epoch);
+      } else {
+        StoreRow(sum, H, config_.dtype, partials + static_cast<size_t>(j) * B);
+      }
     }
     if (config_.protocol == Protocol::kUbep) {
       Signal(FlagAt(arenas_[s], layout_.combine_flag, rank_), epoch);
@@ -683,7 +782,7 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
   std::byte* own = arenas_[rank_];
   if (config_.protocol == Protocol::kBsp) {
     UBEP_RETURN_IF_ERROR(Barrier(deadline));
-  } else {
+  } else if (!handle.flagged) {  // Flagged partials are taken one by one as they land.
     for (int d = 0; d < R; ++d) {
       if (!active_[d]) continue;
       UBEP_RETURN_IF_ERROR(Wait(FlagAt(own, layout_.combine_flag, d), epoch, d,
@@ -693,6 +792,7 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
   // Token side: out[t] = sum of its partials, destinations in rank order (the same order for
   // every protocol, so results are identical bit for bit).
   const std::byte* partials = own + layout_.partials;
+  const size_t landed = handle.flagged ? FlaggedRowBytes(B) : B;
   auto* out = static_cast<std::byte*>(out_ptr);
   const int32_t routes = handle.token_begin[handle.num_tokens];
   for (int t = 0; t < handle.num_tokens; ++t) {
@@ -701,12 +801,37 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
       const auto [d, j] = handle.token_routes[q];
       if (q + 1 < routes) {
         const auto [next_d, next_j] = handle.token_routes[q + 1];
-        PrefetchRow(partials + (next_d * T + next_j) * layout_.row_bytes, layout_.row_bytes);
+        PrefetchRow(partials + next_d * layout_.row_stride + next_j * landed, landed);
       }
-      Axpy(1.0f, partials + (d * T + j) * layout_.row_bytes, config_.dtype, H,
-           q == handle.token_begin[t], sum);
+      const std::byte* partial = partials + d * layout_.row_stride + j * landed;
+      if (handle.flagged) {
+        UBEP_RETURN_IF_ERROR(TakeFlaggedPartial(partial, d, epoch, deadline));
+        partial = row_scratch_.data();
+      }
+      Axpy(1.0f, partial, config_.dtype, H, q == handle.token_begin[t], sum);
     }
     StoreRow(sum, H, config_.dtype, out + static_cast<size_t>(t) * layout_.row_bytes);
+  }
+  // Every partial of this call is summed, and no peer stores the next call's before this
+  // rank's next dispatch: the time to rewrite the tags when they are due (flagged_rows.h).
+  if (config_.flagged_tokens > 0 && TagScrubDue(epoch)) {
+    ScrubTags(own + layout_.partials, R * layout_.row_stride, ScrubTag(epoch));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status HostEp::TakeFlaggedPartial(const std::byte* partial, int peer, uint32_t epoch,
+                                        absl::Time deadline) {
+  const uint32_t* flag = FlagAt(arenas_[rank_], layout_.combine_flag, peer);
+  while (!LoadFlaggedRow(partial, layout_.row_bytes, epoch, row_scratch_.data())) {
+    // Not all in yet. The peer raises its combine flag once every partial it sends here is
+    // stored: sleep on that for a slice at most, then look again.
+    const absl::Status slice =
+        WaitEpoch(flag, epoch, std::min(deadline, absl::Now() + absl::Milliseconds(1)),
+                  AbortWord());
+    if (absl::IsAborted(slice) || absl::Now() >= deadline) {
+      return GiveUp(peer, "combine partials", epoch);
+    }
   }
   return absl::OkStatus();
 }

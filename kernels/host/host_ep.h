@@ -77,6 +77,9 @@ struct DispatchOutput {
     std::vector<int32_t> token_begin;
     std::vector<std::pair<int32_t, int32_t>> token_routes;
     std::vector<char> active;  // Per rank: in the group under the dispatch's plan.
+    // Per source: its rows came, and its partials go back, as flag-in-granule rows.
+    std::vector<char> flagged_from;
+    bool flagged = false;  // This rank's rows went, and its partials come, flagged.
   } handle;
 };
 
@@ -108,6 +111,8 @@ class HostEp {
   // Tests only: the sender role waits this long before its first row store of each dispatch
   // (the counts still go out at once), so that a test can make one source's rows arrive last.
   void set_row_delay_for_testing(absl::Duration delay) { row_delay_for_testing_ = delay; }
+  // Tests only: Combine waits this long before it stores its first partial.
+  void set_partial_delay_for_testing(absl::Duration delay) { partial_delay_for_testing_ = delay; }
 
  private:
   class Senders;
@@ -126,7 +131,7 @@ class HostEp {
   // stored with its count flag (the offsets). With `publish` (ubep), a destination with no
   // record is published, and the others get kCountedBias (published here if every sender is
   // already done with them).
-  void FinishCounting(uint32_t epoch, bool publish);
+  void FinishCounting(uint32_t epoch, bool publish, bool flagged);
   // One sender's scratch: per destination, its units in this batch; the batch's units grouped
   // by destination.
   struct Share {
@@ -137,7 +142,7 @@ class HostEp {
   // counting role hands the batches over. With `publish` (ubep), whoever completes a
   // destination publishes it (its dispatch flag).
   void SendShare(int index, int senders, const DispatchInput& input, uint32_t epoch,
-                 uint32_t batches_before, bool publish, absl::Time deadline);
+                 uint32_t batches_before, bool publish, bool flagged, absl::Time deadline);
   // Raises `dest`'s dispatch flag for this rank: its rows are all stored.
   void Publish(int dest, uint32_t epoch);
   absl::Status Wait(const uint32_t* word, uint32_t epoch, int peer, const char* what,
@@ -147,18 +152,31 @@ class HostEp {
   absl::Status GiveUp(int peer, const char* what, uint32_t epoch) const;
   uint32_t* AbortWord() const;
   absl::Status Barrier(absl::Time deadline);
-  // Waits until flag `region`[s] of this rank's arena reaches `epoch` for every s in
-  // `pending`, calling `arrived(s)` for each as it does (in arrival order); the error of the
-  // first source that does not arrive in time (GiveUp, naming `what`).
+  // What a look at a source found: nothing new, some of its data (flagged rows), or all of it.
+  enum class Take { kNothing, kSome, kDone };
+  // Calls take(s) for every s in `pending` until each has returned kDone, in whatever order
+  // the sources get there; when a round finds nothing new, sleeps (a slice at most) on flag
+  // `region`[first pending] of this rank's arena reaching `epoch`. The error of the first
+  // source still pending at the deadline (GiveUp, naming `what`).
   absl::Status TakeAsTheyArrive(size_t region, uint32_t epoch, std::vector<int> pending,
                                 const char* what, absl::Time deadline,
-                                const std::function<void(int)>& arrived);
+                                const std::function<Take(int)>& take);
   // From every source's records (their count flags seen): the receive layout (slot offsets,
   // each source's first row in each slot, sizes).
   void LayOut(DispatchOutput& output);
   // Source s's rows copied to their places (its dispatch flag seen); any order of sources
   // gives the same bytes.
   void Place(int source, DispatchOutput& output);
+  // Source s's flagged rows from placed_[s] on, as far as they have landed (every granule
+  // tagged `tag`).
+  Take PlaceArrived(int source, uint32_t tag, DispatchOutput& output);
+  // Record j of source s (records: its records here) gets its rows, the next ones of its
+  // slots, each a copy of `data` (which may already be the first of them).
+  void PlaceRecord(int source, int32_t j, const std::byte* records, const std::byte* data,
+                   DispatchOutput& output);
+  // A flagged partial from `peer` into row_scratch_, once it has landed.
+  absl::Status TakeFlaggedPartial(const std::byte* partial, int peer, uint32_t epoch,
+                                  absl::Time deadline);
 
   EpConfig config_;
   ArenaLayout layout_;
@@ -177,6 +195,8 @@ class HostEp {
   // Per destination: units stored, plus kCountedBias once counting is done.
   std::unique_ptr<std::atomic<int64_t>[]> published_;
   std::vector<float> scratch_;    // One fp32 row for combine sums.
+  std::vector<std::byte> row_scratch_;  // One row of dtype: a flagged partial, packed or not.
+  std::vector<int32_t> placed_;   // Per source: flagged records placed so far.
   std::vector<int32_t> received_per_slot_;  // Rows per local slot (the load counters' addition).
   std::vector<int32_t> source_slot_rows_;  // [R x S]: next row of (source, slot) while placing.
   // Per rank: in the group under the plan of the call in flight (excluded ranks are neither
@@ -184,6 +204,7 @@ class HostEp {
   std::vector<char> active_;
   std::unique_ptr<Senders> senders_;  // The sender role's threads, when it has its own.
   absl::Duration row_delay_for_testing_ = absl::ZeroDuration();
+  absl::Duration partial_delay_for_testing_ = absl::ZeroDuration();
 };
 
 }  // namespace ubep::kernels

@@ -33,12 +33,14 @@ struct RankResult {
 };
 
 // How a group runs: bsp; ubep counting and sending at once (SendKernel, one cooperative
-// launch); ubep with the counting kernel first (sender_thread kOff), as bsp's kernels run.
-enum class Mode { kUbep, kUbepCountFirst, kBsp };
+// launch); ubep with the counting kernel first (sender_thread kOff), as bsp's kernels run;
+// ubep with flag-in-granule rows and partials (flagged_rows.h) for every call.
+enum class Mode { kUbep, kUbepCountFirst, kBsp, kUbepFlagged };
 
 EpConfig GpuConfig(int ranks, Mode mode) {
   EpConfig c = SmallConfig(mode == Mode::kBsp ? Protocol::kBsp : Protocol::kUbep);
   if (mode == Mode::kUbepCountFirst) c.sender_thread = EpConfig::SenderThread::kOff;
+  if (mode == Mode::kUbepFlagged) c.flagged_tokens = c.max_tokens;
   c.num_ranks = ranks;
   c.slots_per_rank = 16 / ranks + 1;
   c.dtype = DType::kBFloat16;
@@ -261,11 +263,13 @@ TEST_P(CudaEpTest, MatchesTheHostBackendByteForByte) {
 }
 
 // Every batch of send_split.h (16 of 38 tokens at 600), ranks with different token counts:
-// SendKernel's sender blocks store each batch as its counting blocks finish it.
+// SendKernel's sender blocks store each batch as its counting blocks finish it. Flagged:
+// calls of up to 550 tokens, so rank 0's rows go plain and the others' flagged.
 TEST_P(CudaEpTest, EveryBatchMatchesTheHostBackend) {
   EpConfig c = GpuConfig(std::get<0>(GetParam()), std::get<1>(GetParam()));
   c.max_tokens = 600;
   c.hidden = 16;
+  if (std::get<1>(GetParam()) == Mode::kUbepFlagged) c.flagged_tokens = 550;
   const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
   std::vector<RankInput> inputs;
   for (int r = 0; r < c.num_ranks; ++r) {
@@ -321,13 +325,15 @@ TEST_P(CudaEpTest, AnExpertIdOutOfRangeIsFlaggedWithoutStrayWrites) {
 INSTANTIATE_TEST_SUITE_P(RanksAndProtocols, CudaEpTest,
                          ::testing::Combine(::testing::Values(2, 4),
                                             ::testing::Values(Mode::kUbep, Mode::kUbepCountFirst,
-                                                              Mode::kBsp)),
+                                                              Mode::kBsp, Mode::kUbepFlagged)),
                          [](const auto& info) {
                            const Mode mode = std::get<1>(info.param);
                            return absl::StrCat(std::get<0>(info.param), "_ranks_",
                                                mode == Mode::kBsp   ? "bsp"
                                                : mode == Mode::kUbep ? "ubep"
-                                                                     : "ubep_count_first");
+                                               : mode == Mode::kUbepFlagged
+                                                   ? "ubep_flagged"
+                                                   : "ubep_count_first");
                          });
 
 }  // namespace

@@ -38,17 +38,17 @@ bench/gpu/run.sh --pack "$work/pack" "$work/out" > "$work/run.log" 2>&1 || {
   cat "$work/run.log"; exit 1; }
 grep -qx "cuda_ep_test: exit 0" "$work/out/gpu_tests.log"
 grep -qx "daemon_cuda_test: exit 0" "$work/out/gpu_tests.log"
-# Decode-sized at 2, 4 and 8 ranks, prefill-sized at 2 and 4: three methods each (ubep both
+# Decode-sized at 2, 4 and 8 ranks, prefill-sized at 2 and 4: four methods each (ubep three
 # ways, bsp), one row per line.
-for run in "128 9" "4096 6"; do
+for run in "128 12" "4096 8"; do
   set -- $run
-  rows=$(grep -c '"method":"\(ubep_cuda\|ubep_cuda_count_first\|bsp_cuda\)"' \
+  rows=$(grep -c '"method":"\(ubep_cuda\|ubep_cuda_flagged\|ubep_cuda_count_first\|bsp_cuda\)"' \
     "$work/out/cuda_bench_$1.json")
   [[ $rows == "$2" ]] || { cat "$work/out/cuda_bench_$1.json"; echo "rows: $rows"; exit 1; }
 done
 if grep -q "no CUDA device here" "$work/out/gpu_tests.log"; then
   # No device: every case of both GPU tests skipped, none ran.
   [[ $(grep -c "^\[  PASSED  \] 0 tests" "$work/out/gpu_tests.log") == 2 ]]
-  [[ $(grep -c '"error":"rank [0-9]*: .*CUDA' "$work/out/cuda_bench_128.json") == 9 ]]
+  [[ $(grep -c '"error":"rank [0-9]*: .*CUDA' "$work/out/cuda_bench_128.json") == 12 ]]
 fi
 echo "pack_test: OK"

@@ -205,6 +205,28 @@ TEST_F(DaemonTest, FourClientsRunHundredStepsMatchingTheFloat64Reference) {
   EXPECT_EQ(daemon->Wait(absl::Seconds(30)), 0);
 }
 
+// --flagged_tokens: ubep calls of up to that many tokens move flag-in-granule rows, capped at
+// the shape's max_tokens and told to clients with the layout; the example's 32-token steps
+// then all go flagged, and every step still matches the float64 reference.
+TEST_F(DaemonTest, FlaggedRowsServeTheSameStepsAndTheSettingIsCappedAtMaxTokens) {
+  auto daemon = StartDaemon({"--flagged_tokens=100000"});
+  std::vector<std::unique_ptr<Process>> clients;
+  for (int r = 0; r < kWorld; ++r) clients.push_back(StartClient(r));
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(clients[r]->Wait(absl::Seconds(120)), 0) << ReadFile(client_log(r));
+    ExpectAllStepsCorrect(r);
+  }
+  daemon->Signal(SIGTERM);
+  EXPECT_EQ(daemon->Wait(absl::Seconds(30)), 0);
+  // A group of 16-token calls gets 16 (its rank stays attached; the daemon is killed at the
+  // end of the test).
+  daemon = StartDaemon({"--flagged_tokens=100000"});
+  v1::AttachResponse response;
+  const grpc::Status attached = Attach(Request(0, 2), &response);
+  ASSERT_TRUE(attached.ok()) << attached.error_message();
+  EXPECT_EQ(response.flagged_tokens(), 16u);
+}
+
 // A plain EPLB plan file (no topology, no shares): 4 ranks x 65 slots, the last slot of each
 // rank a second replica of some expert. Outputs must not depend on the plan.
 TEST_F(DaemonTest, StaticPlanFromAnEplbFileRoutesWithReplicasAndIsServedOverTcp) {

@@ -118,6 +118,19 @@ class Group {
     for (auto& t : threads) t.join();
   }
 
+  // Every rank starts again on the same arenas (a restarted rank resumes the epochs its arena
+  // has seen).
+  void Restart() {
+    std::vector<std::byte*> pointers;
+    for (SharedArena& arena : arenas_) pointers.push_back(arena.data());
+    eps_.clear();
+    for (int r = 0; r < config_.num_ranks; ++r) {
+      absl::StatusOr<std::unique_ptr<HostEp>> ep = HostEp::Create(config_, r, pointers);
+      EXPECT_TRUE(ep.ok()) << ep.status();
+      eps_.push_back(std::move(*ep));
+    }
+  }
+
   HostEp& ep(int r) { return *eps_[r]; }
   std::byte* arena(int r) { return arenas_[r].data(); }
   const EpConfig& config() const { return config_; }

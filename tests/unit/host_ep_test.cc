@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "kernels/common/flagged_rows.h"
 #include "kernels/common/plan_area.h"
 #include "kernels/common/routing.h"
 #include "kernels/host/shared_arena.h"
@@ -111,11 +112,13 @@ std::vector<std::pair<std::vector<std::byte>, std::vector<float>>> RunStep(
 }
 
 // The protocols, and ubep's sender role on its own thread or split among three threads
-// (send_split.h), which the core count alone would not choose on a small machine.
+// (send_split.h), which the core count alone would not choose on a small machine; ubep with
+// every call's rows and partials as flag-in-granule rows (flagged_rows.h).
 struct Variant {
   const char* name;
   Protocol protocol;
   int sender_threads;  // 0: the calling thread sends.
+  bool flagged = false;
 };
 
 void PrintTo(const Variant& v, std::ostream* os) { *os << v.name; }
@@ -125,6 +128,7 @@ EpConfig VariantConfig(const Variant& v) {
   c.sender_thread = v.sender_threads > 0 ? EpConfig::SenderThread::kOn
                                          : EpConfig::SenderThread::kOff;
   c.sender_threads = std::max(1, v.sender_threads);
+  if (v.flagged) c.flagged_tokens = c.max_tokens;
   return c;
 }
 
@@ -200,10 +204,13 @@ TEST_P(HostEpTest, ManyReplicasSplitByShareAndPlansChangeBetweenCalls) {
 // Enough tokens for every batch of send_split.h (16 batches of 38 tokens at 600), ranks with
 // different token counts (so their batches differ), masked pairs included: the senders store
 // each batch as the caller counts the next one, and every byte still lands as routed.
+// The flagged variants flag calls of up to 550 tokens: rank 0's rows and partials go plain,
+// the other ranks' flagged, in the same calls.
 TEST_P(HostEpTest, SendersStoreBatchesAsTheyAreCounted) {
   EpConfig config = VariantConfig(GetParam());
   config.max_tokens = 600;
   config.hidden = 8;
+  if (GetParam().flagged) config.flagged_tokens = 550;
   Group group(config);
   const EpConfig& c = group.config();
   const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
@@ -238,7 +245,10 @@ INSTANTIATE_TEST_SUITE_P(Protocols, HostEpTest,
                          ::testing::Values(Variant{"bsp", Protocol::kBsp, 0},
                                            Variant{"ubep", Protocol::kUbep, 0},
                                            Variant{"ubep_sender_thread", Protocol::kUbep, 1},
-                                           Variant{"ubep_3_sender_threads", Protocol::kUbep, 3}),
+                                           Variant{"ubep_3_sender_threads", Protocol::kUbep, 3},
+                                           Variant{"ubep_flagged", Protocol::kUbep, 0, true},
+                                           Variant{"ubep_flagged_3_sender_threads",
+                                                   Protocol::kUbep, 3, true}),
                          [](const auto& info) { return std::string(info.param.name); });
 
 TEST_P(HostEpTest, EveryRankUsesThePlanInForceAtItsStep) {
@@ -310,7 +320,9 @@ TEST(HostEpProtocolTest, BspAndUbepGiveIdenticalBytes) {
   for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 33 + 3 * r, 5));
   const auto a = RunStep(bsp, inputs, plan, 1);
   for (const Variant& v : {Variant{"ubep", Protocol::kUbep, 0},
-                           Variant{"ubep_3_sender_threads", Protocol::kUbep, 3}}) {
+                           Variant{"ubep_3_sender_threads", Protocol::kUbep, 3},
+                           Variant{"ubep_flagged", Protocol::kUbep, 0, true},
+                           Variant{"ubep_flagged_3_sender_threads", Protocol::kUbep, 3, true}}) {
     Group ubep(VariantConfig(v));
     const auto b = RunStep(ubep, inputs, plan, 1);
     for (int r = 0; r < c.num_ranks; ++r) {
@@ -479,6 +491,91 @@ TEST(HostEpErrorTest, RowsThatNeverArriveAreNamedAfterTheCounts) {
       EXPECT_EQ(group.ep(r).LoadCounter(0, i), 0u) << "rank " << r << " slot " << i;
     }
   }
+}
+
+// The same with flag-in-granule rows: the receivers wait for rank 2's rows themselves, and
+// still name rank 2 and the phase.
+TEST(HostEpErrorTest, FlaggedRowsThatNeverArriveAreNamedAfterTheCounts) {
+  EpConfig config = ShortTimeoutConfig();
+  config.flagged_tokens = 8;
+  Group group(config);
+  const TestPlan plan = RoundRobinPlan(config);
+  group.ep(2).set_row_delay_for_testing(absl::Seconds(1));
+  const std::vector<absl::Status> status = DispatchOnce(group, plan, [](int) { return true; });
+  for (int r : {0, 1, 3}) EXPECT_EQ(status[r], GaveUpOnRank2(r, "dispatch data"));
+}
+
+// Every rank dispatches 8 flagged tokens; rank 2's partials go out a second late: the others'
+// combines give up on rank 2 while summing its partials.
+TEST(HostEpErrorTest, FlaggedPartialsThatNeverArriveAreNamed) {
+  EpConfig config = ShortTimeoutConfig();
+  config.flagged_tokens = 8;
+  Group group(config);
+  const TestPlan plan = RoundRobinPlan(config);
+  const EpConfig& c = group.config();
+  group.ep(2).set_partial_delay_for_testing(absl::Seconds(1));
+  std::vector<absl::Status> status(c.num_ranks);
+  group.RunAll([&](int r) {
+    RankInput in = MakeInput(c, r, 8, 3);
+    DispatchOutput out;
+    status[r] = group.ep(r).Dispatch(
+        {in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8, c.hidden, 0, plan.header()}, out);
+    if (!status[r].ok()) return;
+    std::vector<float> combined(8 * c.hidden);
+    status[r] = group.ep(r).Combine(out, out.recv_x.data(), combined.data());
+  });
+  for (int r : {0, 1, 3}) EXPECT_EQ(status[r], GaveUpOnRank2(r, "combine partials"));
+}
+
+TEST(HostEpErrorTest, FlaggedTokensOutsideTheBuffersAreRefused) {
+  EpConfig config = SmallConfig(Protocol::kUbep);
+  config.flagged_tokens = 49;
+  EXPECT_EQ(ValidateConfig(config),
+            absl::InvalidArgumentError("ep config: flagged_tokens 49 is outside [0, 48] "
+                                       "(max_tokens)"));
+}
+
+// Tags are compared for equality, so a stale tag must never equal a coming epoch
+// (flagged_rows.h). Every rank's landing holds garbage tagged 2^30 + 1 and the group resumes
+// at epoch 2^30 - 1: call 2^30 (no tokens) rewrites the tags at its end, so in call 2^30 + 1,
+// whose rank 0 stores its rows and partials late, nobody takes the garbage for rank 0's data.
+TEST(HostEpFlaggedTest, TagsOfEarlierEpochsAreScrubbedBeforeTheyComeAgain) {
+  EpConfig config = SmallConfig(Protocol::kUbep);
+  config.sender_thread = EpConfig::SenderThread::kOn;
+  config.flagged_tokens = config.max_tokens;
+  Group group(config);
+  const EpConfig& c = group.config();
+  const ArenaLayout layout(c);
+  const uint32_t resume = kTagScrubPeriod - 1, stale = kTagScrubPeriod + 1;
+  for (int r = 0; r < c.num_ranks; ++r) {
+    std::byte* arena = group.arena(r);
+    for (size_t region : {layout.dispatch_flag, layout.combine_flag, layout.count_flag,
+                          layout.barrier_flag}) {
+      for (int s = 0; s < c.num_ranks; ++s) {
+        *reinterpret_cast<uint32_t*>(arena + region + s * 64) = resume;
+      }
+    }
+    auto* granules = reinterpret_cast<uint64_t*>(arena + layout.rows);
+    for (size_t i = 0; i < 2 * c.num_ranks * layout.row_stride / 8; ++i) {
+      granules[i] = Granule(0xDEADBEEF, stale);  // Rows, then partials.
+    }
+  }
+  group.Restart();
+  const TestPlan plan = RoundRobinPlan(c);
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 0, 1));
+  RunStep(group, inputs, plan, 0);
+  for (int r = 0; r < c.num_ranks; ++r) {
+    const auto* granules = reinterpret_cast<const uint64_t*>(group.arena(r) + layout.rows);
+    for (size_t i = 0; i < 2 * c.num_ranks * layout.row_stride / 8; ++i) {
+      ASSERT_EQ(granules[i], Granule(0, ScrubTag(kTagScrubPeriod))) << "rank " << r << " " << i;
+    }
+  }
+  group.ep(0).set_row_delay_for_testing(absl::Milliseconds(100));
+  group.ep(0).set_partial_delay_for_testing(absl::Milliseconds(100));
+  inputs.clear();
+  for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 20 + r, 2));
+  RunStep(group, inputs, plan, 1);
 }
 
 // Rank 2 never shows up and the plan excludes rank 3: ranks 0 and 1 time out naming rank 2,
