@@ -222,7 +222,9 @@ __device__ void FinishDest(const Params& p, int d, int total) {
       static_cast<uint32_t>(total) | (p.flagged ? kFlaggedCount : 0u);
   __threadfence_system();  // The records and count precede the flags, the total the bias.
   ReleaseFlag(reinterpret_cast<uint32_t*>(arena + p.off_count_flag + p.rank * kLine), p.epoch);
-  if (p.bsp || p.flagged) return;  // bsp publishes with a barrier; flagged rows are their own.
+  // bsp publishes with a barrier; flagged rows publish themselves, except into this rank's own
+  // arena, whose flags a restarted rank resumes its epochs from.
+  if (p.bsp || (p.flagged && d != p.rank)) return;
   if (total == 0) {
     PublishDest(p, d);
     return;
@@ -301,8 +303,8 @@ __device__ void PublishStored(const Params& p, const int32_t* stored) {
   __syncthreads();
   for (int d = threadIdx.x; d < p.num_ranks; d += blockDim.x) {
     const int32_t mine = stored[d];
-    // bsp publishes with a barrier; flagged rows publish themselves.
-    if (mine == 0 || p.bsp || p.flagged) continue;
+    // bsp publishes with a barrier; flagged rows publish themselves (FinishDest).
+    if (mine == 0 || p.bsp || (p.flagged && d != p.rank)) continue;
     // Every thread's stores precede the barrier above; the system fence orders them before
     // this addition, and the acq_rel addition orders every earlier block's (and the counting
     // role's total) before the flag.
@@ -503,17 +505,24 @@ __device__ bool WaitMustEnd(const Params& p, int s, uint64_t deadline, uint32_t 
   return true;
 }
 
-// Waits for flag[s] (s < R, not excluded by the plan; with `skip_flagged`, not a source of
-// flagged rows either, which are waited for row by row) of region `offset` in this rank's
-// arena to reach `epoch`, or until the wait must end (WaitMustEnd). The block's threads share
-// the sources.
+// Which peers a wait leaves to the flag-in-granule rows: none; the sources of flagged rows
+// (dispatch); the destinations that send this rank flagged partials, i.e. every one it sent a
+// record to in a flagged call (combine). Seeing a flagged partial from d says what d's combine
+// flag says (d is done reading this rank's landing), so only the destinations this rank sent
+// nothing to are waited for by their flags.
+enum class Skip { kNone, kFlaggedSources, kFlaggedDestinations };
+
+// Waits for flag[s] (s < R, not excluded by the plan nor skipped) of region `offset` in this
+// rank's arena to reach `epoch`, or until the wait must end (WaitMustEnd). The block's threads
+// share the sources.
 __device__ void WaitFlags(const Params& p, size_t offset, uint32_t epoch,
-                          uint32_t phase = kPhaseAsCalled, bool skip_flagged = false) {
+                          uint32_t phase = kPhaseAsCalled, Skip skip = Skip::kNone) {
   std::byte* own = p.arenas[p.rank];
   const uint64_t deadline = CallDeadline(p);
   for (int s = threadIdx.x; s < p.num_ranks; s += blockDim.x) {
     if (RankExcluded(p.plan, static_cast<uint32_t>(s))) continue;
-    if (skip_flagged && SourceFlagged(p, s)) continue;
+    if (skip == Skip::kFlaggedSources && SourceFlagged(p, s)) continue;
+    if (skip == Skip::kFlaggedDestinations && p.flagged && p.dest_records[s] > 0) continue;
     auto* flag = reinterpret_cast<uint32_t*>(own + offset + s * kLine);
     while (!FlagReached(flag, epoch)) {
       if (WaitMustEnd(p, s, deadline, phase)) return;
@@ -539,9 +548,9 @@ __device__ bool TakeGranules(const Params& p, int s, const std::byte* from, uint
 // the peers sent and its combine can answer them.
 __device__ inline bool Stopped(const Params& p) { return p.status[kStatusWaitEnded] != 0; }
 
-__global__ void WaitKernel(Params p, size_t offset, uint32_t phase, bool skip_flagged) {
+__global__ void WaitKernel(Params p, size_t offset, uint32_t phase, Skip skip) {
   if (Stopped(p)) return;  // An earlier wait of this call ended: do not wait again.
-  WaitFlags(p, offset, p.epoch, phase, skip_flagged);
+  WaitFlags(p, offset, p.epoch, phase, skip);
 }
 
 // Rewrites the tag of every granule in `bytes` of this rank's arena from `offset` (the
@@ -822,7 +831,9 @@ __global__ void PartialKernel(Params p, const uint16_t* y) {
       }
     }
     __syncthreads();
-    if (threadIdx.x == 0 && !p.bsp && !flagged) {
+    // Flagged partials publish themselves, except into this rank's own arena (its flags are
+    // what a restarted rank resumes from).
+    if (threadIdx.x == 0 && !p.bsp && (!flagged || s == p.rank)) {
       // Every thread's partials precede the barrier above; the system fence orders them
       // before the addition, and the acq_rel addition every earlier block's before the flag.
       __threadfence_system();
@@ -1150,7 +1161,7 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
   if (!launched) {
     RouteKernel<<<config_.num_ranks, kThreads, 0, s.stream>>>(p);
     if (p.bsp) {  // Count exchange, barrier.
-      WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_count_flag, kPhaseAsCalled, false);
+      WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_count_flag, kPhaseAsCalled, Skip::kNone);
       BarrierKernel<<<1, 128, 0, s.stream>>>(p, ++barrier_epoch_);
     }
     UnitScanKernel<<<1, kThreads, 0, s.stream>>>(p);
@@ -1162,14 +1173,15 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
   if (p.bsp) {
     BarrierKernel<<<1, 128, 0, s.stream>>>(p, ++barrier_epoch_);
   } else {
-    WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_count_flag, kPhaseCounts, false);
+    WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_count_flag, kPhaseCounts, Skip::kNone);
   }
   CountKernel<<<config_.num_ranks, kThreads, 0, s.stream>>>(p);
   ScanKernel<<<1, kThreads, 0, s.stream>>>(p);
   PlaceKernel<<<config_.num_ranks, kThreads, sizeof(int) * config_.slots_per_rank, s.stream>>>(p);
   // Flagged sources are waited for row by row, in CopyKernel.
   if (!p.bsp) {
-    WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_dispatch_flag, kPhaseAsCalled, true);
+    WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_dispatch_flag, kPhaseAsCalled,
+                                        Skip::kFlaggedSources);
   }
   CopyKernel<<<s.wide_blocks, kThreads, 0, s.stream>>>(p);
   LoadKernel<<<1, kThreads, 0, s.stream>>>(p);
@@ -1217,8 +1229,9 @@ absl::Status CudaEp::Combine(const void* y, void* out) {
   PartialKernel<<<s.wide_blocks, kThreads, 0, s.stream>>>(p, static_cast<const uint16_t*>(y));
   if (p.bsp) {
     BarrierKernel<<<1, 128, 0, s.stream>>>(p, ++barrier_epoch_);
-  } else if (!p.flagged) {  // Flagged partials are waited for one by one, in TokenKernel.
-    WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_combine_flag, kPhaseAsCalled, false);
+  } else {  // Flagged partials are waited for one by one, in TokenKernel.
+    WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_combine_flag, kPhaseAsCalled,
+                                        Skip::kFlaggedDestinations);
   }
   if (last_tokens_ > 0) {
     TokenKernel<<<last_tokens_, kThreads, 0, s.stream>>>(p, static_cast<uint16_t*>(out));

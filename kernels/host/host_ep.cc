@@ -466,14 +466,15 @@ absl::Status HostEp::TakeAsTheyArrive(size_t region, uint32_t epoch, std::vector
       return taken == Take::kDone;
     });
     if (pending.empty() || moved) continue;
-    // Sleep on the first missing source until it arrives or a slice passes (so that an abort
-    // is seen within a millisecond).
+    // Nothing new: give up at the deadline, else sleep on the first missing source until it
+    // arrives or a slice passes (so that an abort is seen within a millisecond). The deadline
+    // is checked on every round, not only when a slice runs out: a flag that is up while its
+    // flagged rows never come (which the protocol rules out) still ends in an error.
+    if (absl::Now() >= deadline) return GiveUp(pending.front(), what, epoch);
     const absl::Status slice =
         WaitEpoch(FlagAt(own, region, pending.front()), epoch,
                   std::min(deadline, absl::Now() + absl::Milliseconds(1)), AbortWord());
-    if (!slice.ok() && (absl::IsAborted(slice) || absl::Now() >= deadline)) {
-      return GiveUp(pending.front(), what, epoch);
-    }
+    if (absl::IsAborted(slice)) return GiveUp(pending.front(), what, epoch);
   }
   return absl::OkStatus();
 }
@@ -782,9 +783,17 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
   std::byte* own = arenas_[rank_];
   if (config_.protocol == Protocol::kBsp) {
     UBEP_RETURN_IF_ERROR(Barrier(deadline));
-  } else if (!handle.flagged) {  // Flagged partials are taken one by one as they land.
+  } else {
+    // Every destination's flag: its partials are all stored, and it is done reading this
+    // rank's landing of this call, so this rank may store its next call's there. Flagged
+    // partials are taken one by one as they land (and their arrival says the same), so a
+    // flagged call waits only for the flags of destinations it sent nothing to.
+    sent_to_.assign(R, 0);
+    if (handle.flagged) {
+      for (const auto& [d, j] : handle.token_routes) sent_to_[d] = 1;
+    }
     for (int d = 0; d < R; ++d) {
-      if (!active_[d]) continue;
+      if (!active_[d] || sent_to_[d]) continue;
       UBEP_RETURN_IF_ERROR(Wait(FlagAt(own, layout_.combine_flag, d), epoch, d,
                                 "combine partials", deadline));
     }

@@ -197,6 +197,7 @@ class HostEp {
   std::vector<float> scratch_;    // One fp32 row for combine sums.
   std::vector<std::byte> row_scratch_;  // One row of dtype: a flagged partial, packed or not.
   std::vector<int32_t> placed_;   // Per source: flagged records placed so far.
+  std::vector<char> sent_to_;     // Per destination: a flagged combine takes partials from it.
   std::vector<int32_t> received_per_slot_;  // Rows per local slot (the load counters' addition).
   std::vector<int32_t> source_slot_rows_;  // [R x S]: next row of (source, slot) while placing.
   // Per rank: in the group under the plan of the call in flight (excluded ranks are neither

@@ -535,6 +535,47 @@ TEST(HostEpErrorTest, FlaggedTokensOutsideTheBuffersAreRefused) {
                                        "(max_tokens)"));
 }
 
+// A flagged combine takes its partials as they land, so it learns that a destination is done
+// with this rank's landing from those partials; from a destination it sent nothing to it has
+// none, and must still wait for that one's combine flag. Two ranks, each routing call 1 to its
+// own experts only, then rank 0 routing call 2 to rank 1's: rank 1 is slow to lay out call 1
+// (its rows go out 300 ms after its counts), and rank 0 must not store call 2's records and
+// count into rank 1's arena before that, or rank 1 lays out call 1 from call 2's count.
+TEST(HostEpFlaggedTest, ACombineWaitsForDestinationsItSentNothing) {
+  EpConfig config = SmallConfig(Protocol::kUbep);
+  config.num_ranks = 2;
+  config.slots_per_rank = 10;  // Rank 0: experts 0-9; rank 1: 10-15 and 0-3.
+  config.flagged_tokens = config.max_tokens;
+  config.timeout = absl::Seconds(2);
+  config.sender_thread = EpConfig::SenderThread::kOff;
+  Group group(config);
+  const EpConfig& c = group.config();
+  const TestPlan plan = RoundRobinPlan(c);
+  group.ep(1).set_row_delay_for_testing(absl::Milliseconds(300));
+  std::vector<absl::Status> status(2);
+  std::vector<std::vector<int>> rows(2);
+  group.RunAll([&](int r) {
+    for (int call = 1; call <= 2; ++call) {
+      const int expert = r == 0 ? (call == 1 ? 5 : 12) : 12;
+      const RankInput in = MakeInput(c, r, 10, call, /*only_expert=*/expert);
+      DispatchOutput out;
+      status[r] = group.ep(r).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(), 10,
+                                        c.hidden, 0, plan.header()},
+                                       out);
+      if (!status[r].ok()) return;
+      rows[r].push_back(out.num_rows());
+      std::vector<float> combined(10 * c.hidden);
+      status[r] = group.ep(r).Combine(out, out.recv_x.data(), combined.data());
+      if (!status[r].ok()) return;
+    }
+  });
+  EXPECT_EQ(status[0], absl::OkStatus());
+  EXPECT_EQ(status[1], absl::OkStatus());
+  // Every token carries one pair (only_expert) into the rank that serves it.
+  EXPECT_EQ(rows[0], (std::vector<int>{10, 0}));
+  EXPECT_EQ(rows[1], (std::vector<int>{10, 20}));
+}
+
 // Tags are compared for equality, so a stale tag must never equal a coming epoch
 // (flagged_rows.h). Every rank's landing holds garbage tagged 2^30 + 1 and the group resumes
 // at epoch 2^30 - 1: call 2^30 (no tokens) rewrites the tags at its end, so in call 2^30 + 1,
