@@ -542,11 +542,8 @@ void Node::TryFormGroup() {
     if (plan_.excluded(r)) continue;
     if (on_device()) {
       // The same bytes ResetSignals clears, in device memory.
-      const kernels::ResetRanges ranges = kernels::ResetRangesOf(ep_layout);
-      for (const auto& [begin, end] : {std::pair{ranges.signals_begin, ranges.signals_end},
-                                       std::pair{ranges.landing_begin, ranges.landing_end}}) {
-        if (begin == end) continue;
-        if (absl::Status s = device_arenas_[r]->Zero(begin, end - begin); !s.ok()) {
+      for (const auto& [offset, bytes] : kernels::ResetRanges(ep_layout)) {
+        if (absl::Status s = device_arenas_[r]->Zero(offset, bytes); !s.ok()) {
           UBEP_LOG(ERROR) << "rank " << r << ": " << s;
         }
       }

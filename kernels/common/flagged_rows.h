@@ -17,6 +17,10 @@
 // the format with the count, before any row. The combine partials the destination sends back
 // to s use the same format, decided by the same bit.
 //
+// Flagged rows have their own bytes in a landing: a source's part holds max_tokens plain rows,
+// then flagged_tokens flagged ones (LandingRowOffset). Were they to share bytes, the data of an
+// earlier plain row, read as granules, could carry any tag, the current one too.
+//
 // Tags are compared for equality, so a granule left from an earlier call must never carry the
 // tag of the current one. Epochs count calls modulo 2^32; a granule is stale by exactly a
 // multiple of 2^32 calls only if nobody wrote it for that long. Every kTagScrubPeriod calls,
@@ -46,10 +50,18 @@ UBEP_HD inline size_t FlaggedRowBytes(size_t row_bytes) { return 2 * row_bytes; 
 
 // Whether a source calling with `num_tokens` tokens stores flagged rows (and gets flagged
 // partials back): ubep, rows a multiple of 8 bytes (granules stay aligned), and no more
-// tokens than the landing was sized for in this format (ArenaLayout::row_stride).
+// tokens than the landing holds in this format (flagged_tokens, ArenaLayout::row_stride).
 UBEP_HD inline bool FlaggedRows(bool ubep, int num_tokens, int flagged_tokens,
                                 size_t row_bytes) {
   return ubep && num_tokens > 0 && num_tokens <= flagged_tokens && row_bytes % 8 == 0;
+}
+
+// Where row j of one source's part of a landing (rows or partials) starts, from that part's
+// start: the plain rows first, then the flagged ones.
+UBEP_HD inline size_t LandingRowOffset(size_t row_bytes, int max_tokens, bool flagged, int j) {
+  return flagged ? static_cast<size_t>(max_tokens) * row_bytes +
+                       static_cast<size_t>(j) * FlaggedRowBytes(row_bytes)
+                 : static_cast<size_t>(j) * row_bytes;
 }
 
 UBEP_HD inline uint32_t RecordCount(uint32_t count_word) { return count_word & ~kFlaggedCount; }

@@ -50,6 +50,7 @@ struct Params {
   int rank, num_ranks, max_tokens, hidden, top_k, slots_per_rank, num_experts, num_tokens, layer;
   size_t record_bytes, row_bytes;
   size_t row_stride;  // Bytes per source (destination) of rows (partials): ArenaLayout.
+  size_t flagged_offset;  // Where the flagged rows start in a source's part: ArenaLayout.
   size_t off_abort;
   bool bsp;  // Protocol::kBsp: count exchange and barriers, no per-destination flags.
   // This rank's call stores its rows, and gets its partials back, as flag-in-granule rows
@@ -286,7 +287,7 @@ __device__ void StoreUnits(const Params& p, int64_t begin, int64_t end, int last
                                                       static_cast<size_t>(t) * p.row_bytes);
     std::byte* rows = p.arenas[d] + p.off_rows + static_cast<size_t>(p.rank) * p.row_stride;
     if (p.flagged) {
-      std::byte* to = rows + static_cast<size_t>(j) * FlaggedRowBytes(p.row_bytes);
+      std::byte* to = rows + LandingRowOffset(p.row_bytes, p.max_tokens, true, j);
       for (size_t i = lane; i < p.row_bytes / 16; i += 32) StoreGranules(to + 32 * i, from[i], p.epoch);
     } else {
       auto* to = reinterpret_cast<uint4*>(rows + static_cast<size_t>(j) * p.row_bytes);
@@ -477,8 +478,13 @@ __device__ void RaiseAbortEverywhere(const Params& p, uint32_t code) {
   }
 }
 
-// The call's deadline: one per call, as on the host, set by its first wait.
+// The call's deadline: one per call, as on the host, set by its first wait (a load first: the
+// row-by-row waits of flagged rows ask often, and the count wait has set it by then).
 __device__ uint64_t CallDeadline(const Params& p) {
+  const unsigned long long set =
+      cuda::atomic_ref<unsigned long long, cuda::thread_scope_device>(*p.deadline)
+          .load(cuda::memory_order_relaxed);
+  if (set != 0) return set;
   const unsigned long long mine = GlobalTimerNs() + p.timeout_ns;
   const unsigned long long first = atomicCAS(p.deadline, 0ull, mine);
   return first == 0 ? mine : first;
@@ -494,14 +500,17 @@ __device__ bool WaitMustEnd(const Params& p, int s, uint64_t deadline, uint32_t 
           .load(cuda::memory_order_relaxed) != 0) {
     return true;
   }
-  if (GlobalTimerNs() > deadline) {
-    RaiseAbortEverywhere(p, kAbortTimedOutBase + static_cast<uint32_t>(s));
-  } else if (cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(
-                 *reinterpret_cast<uint32_t*>(p.arenas[p.rank] + p.off_abort))
-                 .load(cuda::memory_order_relaxed) == 0) {
+  const bool late = GlobalTimerNs() > deadline;
+  if (!late && cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(
+                   *reinterpret_cast<uint32_t*>(p.arenas[p.rank] + p.off_abort))
+                       .load(cuda::memory_order_relaxed) == 0) {
     return false;
   }
-  if (atomicCAS(&p.status[kStatusWaitEnded], 0u, 1u + s) == 0) p.status[kStatusWaitPhase] = phase;
+  // One thread of the call records why it ended and, if late, tells every rank.
+  if (atomicCAS(&p.status[kStatusWaitEnded], 0u, 1u + s) == 0) {
+    p.status[kStatusWaitPhase] = phase;
+    if (late) RaiseAbortEverywhere(p, kAbortTimedOutBase + static_cast<uint32_t>(s));
+  }
   return true;
 }
 
@@ -553,15 +562,20 @@ __global__ void WaitKernel(Params p, size_t offset, uint32_t phase, Skip skip) {
   WaitFlags(p, offset, p.epoch, phase, skip);
 }
 
-// Rewrites the tag of every granule in `bytes` of this rank's arena from `offset` (the
-// periodic scrub of flagged_rows.h), once this call has read them all (stream order).
-__global__ void ScrubKernel(Params p, size_t offset, size_t bytes, uint32_t tag) {
+// Rewrites the tag of every granule in the flagged parts of this rank's landing `offset`
+// (rows or partials: the periodic scrub of flagged_rows.h), once this call has read them all
+// (stream order), and fences, so that the scrub precedes what this rank stores next.
+__global__ void ScrubKernel(Params p, size_t offset, uint32_t tag) {
   if (Stopped(p)) return;  // The group re-forms, and its reset zeroes the landing.
-  auto* granules = reinterpret_cast<unsigned long long*>(p.arenas[p.rank] + offset);
+  const size_t per_part = (p.row_stride - p.flagged_offset) / kGranuleBytes;
+  std::byte* landing = p.arenas[p.rank] + offset;
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
-       i < bytes / kGranuleBytes; i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    granules[i] = Granule(0, tag);
+       i < per_part * p.num_ranks; i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    auto* granule = reinterpret_cast<unsigned long long*>(
+        landing + (i / per_part) * p.row_stride + p.flagged_offset + (i % per_part) * kGranuleBytes);
+    *granule = Granule(0, tag);
   }
+  __threadfence_system();
 }
 
 // bsp's barrier: every stream-ordered store before this kernel is made visible, every member
@@ -739,6 +753,7 @@ __global__ void CopyKernel(Params p) {
   const int lane = threadIdx.x % 32, warps_per_block = blockDim.x / 32;
   const int total = p.entry_base[p.num_ranks];
   const std::byte* own = p.arenas[p.rank];
+  uint64_t deadline = 0;  // The call's, read once a flagged row is not all in.
   for (int g = blockIdx.x * warps_per_block + threadIdx.x / 32; g < total;
        g += gridDim.x * warps_per_block) {
     const int s = TokenOfUnit(p.entry_base, p.num_ranks, g);  // A source with entries.
@@ -750,8 +765,7 @@ __global__ void CopyKernel(Params p) {
     auto* to = reinterpret_cast<uint4*>(reinterpret_cast<std::byte*>(p.recv_x) +
                                         static_cast<size_t>(row) * p.row_bytes);
     if (SourceFlagged(p, s)) {  // Each lane takes its granules as they land.
-      const std::byte* from = rows + static_cast<size_t>(j) * FlaggedRowBytes(p.row_bytes);
-      uint64_t deadline = 0;
+      const std::byte* from = rows + LandingRowOffset(p.row_bytes, p.max_tokens, true, j);
       for (size_t i = lane; i < p.row_bytes / 16; i += 32) {
         uint4 v;
         if (!TakeGranules(p, s, from + 32 * i, &deadline, &v)) return;
@@ -822,7 +836,7 @@ __global__ void PartialKernel(Params p, const uint16_t* y) {
           }
         }
         if (flagged) {
-          StoreGranules(partials + static_cast<size_t>(j) * FlaggedRowBytes(p.row_bytes) + 32 * h8,
+          StoreGranules(partials + LandingRowOffset(p.row_bytes, p.max_tokens, true, j) + 32 * h8,
                         PackBf16x8(sum), p.epoch);
         } else {
           reinterpret_cast<uint4*>(partials + static_cast<size_t>(j) * p.row_bytes)[h8] =
@@ -857,7 +871,6 @@ __global__ void TokenKernel(Params p, uint16_t* out) {
   if (Stopped(p)) return;
   const int t = blockIdx.x, H8 = p.hidden / 8;
   const std::byte* partials = p.arenas[p.rank] + p.off_partials;
-  const size_t landed = p.flagged ? FlaggedRowBytes(p.row_bytes) : p.row_bytes;
   uint64_t deadline = 0;
   for (int h8 = threadIdx.x; h8 < H8; h8 += blockDim.x) {
     float sum[8];
@@ -865,7 +878,8 @@ __global__ void TokenKernel(Params p, uint16_t* out) {
     for (int d = 0; d < p.num_ranks; ++d) {
       const int j = p.token_route[t * p.num_ranks + d];
       if (j < 0) continue;
-      const std::byte* partial = partials + d * p.row_stride + static_cast<size_t>(j) * landed;
+      const std::byte* partial =
+          partials + d * p.row_stride + LandingRowOffset(p.row_bytes, p.max_tokens, p.flagged, j);
       uint4 packed;
       if (p.flagged) {  // Taken as it lands.
         if (!TakeGranules(p, d, partial + 32 * h8, &deadline, &packed)) return;
@@ -882,6 +896,9 @@ __global__ void TokenKernel(Params p, uint16_t* out) {
     }
     reinterpret_cast<uint4*>(out + static_cast<size_t>(t) * p.hidden)[h8] = PackBf16x8(sum);
   }
+  // Flagged partials were taken with relaxed loads: a fence, so that whatever this rank stores
+  // into the destinations next (its next dispatch) comes after it read them (flagged_rows.h).
+  if (p.flagged) __threadfence_system();
 }
 
 }  // namespace
@@ -1021,6 +1038,7 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   p.record_bytes = l.record_bytes;
   p.row_bytes = l.row_bytes;
   p.row_stride = l.row_stride;
+  p.flagged_offset = l.flagged_offset;
   p.off_abort = l.abort;
   p.bsp = config.protocol == Protocol::kBsp;
   p.off_count_flag = l.count_flag;
@@ -1186,8 +1204,7 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
   CopyKernel<<<s.wide_blocks, kThreads, 0, s.stream>>>(p);
   LoadKernel<<<1, kThreads, 0, s.stream>>>(p);
   if (config_.flagged_tokens > 0 && TagScrubDue(p.epoch)) {
-    ScrubKernel<<<s.wide_blocks, kThreads, 0, s.stream>>>(
-        p, p.off_rows, config_.num_ranks * p.row_stride, ScrubTag(p.epoch));
+    ScrubKernel<<<s.wide_blocks, kThreads, 0, s.stream>>>(p, p.off_rows, ScrubTag(p.epoch));
   }
   UBEP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   const absl::Status st = CheckStatus(p.bsp ? "dispatch, bsp" : "dispatch data", p.epoch);
@@ -1237,8 +1254,7 @@ absl::Status CudaEp::Combine(const void* y, void* out) {
     TokenKernel<<<last_tokens_, kThreads, 0, s.stream>>>(p, static_cast<uint16_t*>(out));
   }
   if (config_.flagged_tokens > 0 && TagScrubDue(p.epoch)) {
-    ScrubKernel<<<s.wide_blocks, kThreads, 0, s.stream>>>(
-        p, p.off_partials, config_.num_ranks * p.row_stride, ScrubTag(p.epoch));
+    ScrubKernel<<<s.wide_blocks, kThreads, 0, s.stream>>>(p, p.off_partials, ScrubTag(p.epoch));
   }
   UBEP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return CheckStatus("combine partials", p.epoch);

@@ -56,9 +56,11 @@ ArenaLayout::ArenaLayout(const EpConfig& c) {
   record_bytes = RecordBytes(c.top_k);
   row_bytes = c.hidden * DTypeBytes(c.dtype);
   flagged_tokens = c.flagged_tokens;
-  row_stride = std::max(T * row_bytes,
-                        static_cast<size_t>(std::max(0, c.flagged_tokens)) *
-                            FlaggedRowBytes(row_bytes));
+  num_ranks = c.num_ranks;
+  max_tokens = c.max_tokens;
+  flagged_offset = T * row_bytes;
+  row_stride = flagged_offset +
+               static_cast<size_t>(std::max(0, c.flagged_tokens)) * FlaggedRowBytes(row_bytes);
   size_t offset = kLine;  // Header.
   auto carve = [&](size_t bytes) {
     const size_t at = offset;
@@ -117,18 +119,24 @@ void RaiseAbort(std::byte* arena, const ArenaLayout& layout, uint32_t code) {
       .compare_exchange_strong(expected, code, std::memory_order_acq_rel);
 }
 
-ResetRanges ResetRangesOf(const ArenaLayout& layout) {
+std::vector<std::pair<size_t, size_t>> ResetRanges(const ArenaLayout& layout) {
   // The signal regions, the abort word and the counts are contiguous, from dispatch_flag to
-  // load_counters; rows and partials from rows to the end.
-  const bool landing = layout.flagged_tokens > 0;
-  return {layout.dispatch_flag, layout.load_counters, landing ? layout.rows : layout.total_bytes,
-          layout.total_bytes};
+  // load_counters.
+  std::vector<std::pair<size_t, size_t>> ranges = {
+      {layout.dispatch_flag, layout.load_counters - layout.dispatch_flag}};
+  if (layout.flagged_tokens > 0) {
+    for (size_t region : {layout.rows, layout.partials}) {
+      for (int s = 0; s < layout.num_ranks; ++s) {
+        ranges.emplace_back(region + s * layout.row_stride + layout.flagged_offset,
+                            layout.row_stride - layout.flagged_offset);
+      }
+    }
+  }
+  return ranges;
 }
 
 void ResetSignals(std::byte* arena, const ArenaLayout& layout) {
-  const ResetRanges r = ResetRangesOf(layout);
-  std::memset(arena + r.signals_begin, 0, r.signals_end - r.signals_begin);
-  std::memset(arena + r.landing_begin, 0, r.landing_end - r.landing_begin);
+  for (const auto& [offset, bytes] : ResetRanges(layout)) std::memset(arena + offset, 0, bytes);
 }
 
 void AddLayerLoad(std::byte* arena, const ArenaLayout& layout, int slots_per_rank, int layer,

@@ -24,8 +24,9 @@
 //   partials        R x W              [d][j]: partial sum rank d computed for this rank's
 //                                      j-th token sent to d (fp32 sum, stored in dtype)
 //
-// W = row_stride = max(T x B, F x 2B), F = flagged_tokens: a call of up to F tokens stores its
-// rows and gets its partials back in the flag-in-granule format (flagged_rows.h), 2B per row.
+// W = row_stride = T x B + F x 2B, F = flagged_tokens: a call of up to F tokens stores its rows
+// and gets its partials back in the flag-in-granule format (flagged_rows.h), 2B per row, in
+// the F x 2B after the T plain rows of each part.
 //
 // Senders own the slots [s][*] of every peer's arena, receivers only read them: no two ranks
 // write the same byte. One flag per cache line, so polling does not false-share.
@@ -34,6 +35,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -104,7 +107,8 @@ struct ArenaLayout {
       load_seq, records, rows, partials, total_bytes;
   size_t record_bytes, row_bytes;
   size_t row_stride;  // Bytes per source (or destination) in rows and partials.
-  int flagged_tokens;
+  size_t flagged_offset;  // Where the flagged rows start in a source's part: T x B.
+  int num_ranks, max_tokens, flagged_tokens;
 
   explicit ArenaLayout(const EpConfig& config);
   ArenaLayout() = default;
@@ -116,16 +120,13 @@ void RaiseAbort(std::byte* arena, const ArenaLayout& layout, uint32_t code);
 // Zeroes the signal words, the abort word and the per-source counts of an arena, keeping its
 // header and load counters: a group that re-forms (every rank parked, none inside a dispatch
 // or combine) starts its epochs from zero. When the group uses flag-in-granule rows
-// (flagged_tokens > 0), the rows and partials are zeroed too, so that no tag of the old
-// epochs can pass for a new one (flagged_rows.h). Not safe while any rank is in a call.
+// (flagged_tokens > 0), their parts of the rows and partials are zeroed too, so that no tag of
+// the old epochs can pass for a new one (flagged_rows.h). Not safe while any rank is in a call.
 void ResetSignals(std::byte* arena, const ArenaLayout& layout);
 
-// The byte ranges ResetSignals zeroes, [begin, end) from the arena base, for arenas in device
-// memory: the signal words and counts, then (empty unless flagged_tokens > 0) the landing.
-struct ResetRanges {
-  size_t signals_begin, signals_end, landing_begin, landing_end;
-};
-ResetRanges ResetRangesOf(const ArenaLayout& layout);
+// The byte ranges ResetSignals zeroes, as (offset from the arena base, bytes), for arenas in
+// device memory: the signal words and counts, then each flagged part of rows and partials.
+std::vector<std::pair<size_t, size_t>> ResetRanges(const ArenaLayout& layout);
 
 // The owner's side of the load seqlock: adds one dispatch's received pairs per local slot
 // (`added`, S values) to layer `layer`'s counters.

@@ -85,11 +85,15 @@ bool LoadFlaggedRow(const std::byte* from, size_t row_bytes, uint32_t tag, std::
   return true;
 }
 
-// Rewrites every granule's tag in `bytes` of a landing (flagged_rows.h's periodic scrub).
-void ScrubTags(std::byte* landing, size_t bytes, uint32_t tag) {
-  auto* granules = reinterpret_cast<uint64_t*>(landing);
-  for (size_t i = 0; i < bytes / kGranuleBytes; ++i) {
-    std::atomic_ref<uint64_t>(granules[i]).store(Granule(0, tag), std::memory_order_relaxed);
+// Rewrites the tag of every granule in the flagged parts of a landing (rows or partials,
+// from `landing`, flagged_rows.h's periodic scrub).
+void ScrubTags(std::byte* landing, const ArenaLayout& layout, uint32_t tag) {
+  for (int s = 0; s < layout.num_ranks; ++s) {
+    auto* granules =
+        reinterpret_cast<uint64_t*>(landing + s * layout.row_stride + layout.flagged_offset);
+    for (size_t i = 0; i < (layout.row_stride - layout.flagged_offset) / kGranuleBytes; ++i) {
+      std::atomic_ref<uint64_t>(granules[i]).store(Granule(0, tag), std::memory_order_relaxed);
+    }
   }
 }
 
@@ -368,7 +372,8 @@ void HostEp::FinishCounting(uint32_t epoch, bool publish, bool flagged) {
 void HostEp::SendShare(int index, int senders, const DispatchInput& in, uint32_t epoch,
                        uint32_t batches_before, bool publish, bool flagged, absl::Time deadline) {
   const int R = config_.num_ranks;
-  const size_t B = layout_.row_bytes, landed = flagged ? FlaggedRowBytes(B) : B;
+  const size_t B = layout_.row_bytes;
+  const int T = config_.max_tokens;
   const auto* x = static_cast<const std::byte*>(in.x);
   Share& share = shares_[index];
   const int num_batches = NumBatches(in.num_tokens);
@@ -404,12 +409,14 @@ void HostEp::SendShare(int index, int senders, const DispatchInput& in, uint32_t
         const Unit& unit = units_[share.grouped[i]];
         if (i + 1 < at + n) {
           PrefetchRow(x + units_[share.grouped[i + 1]].token * B, B);
-          PrefetchRowForWrite(rows + (unit.record + 1) * landed, landed);
+          PrefetchRowForWrite(rows + LandingRowOffset(B, T, flagged, unit.record + 1),
+                              flagged ? FlaggedRowBytes(B) : B);
         }
+        std::byte* to = rows + LandingRowOffset(B, T, flagged, unit.record);
         if (flagged) {
-          StoreFlaggedRow(rows + unit.record * landed, x + unit.token * B, B, epoch);
+          StoreFlaggedRow(to, x + unit.token * B, B, epoch);
         } else {
-          std::memcpy(rows + unit.record * B, x + unit.token * B, B);
+          std::memcpy(to, x + unit.token * B, B);
         }
       }
       at += n;
@@ -577,7 +584,7 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
   // Every row of this call is placed, and no peer stores the next call's before this rank's
   // combine: the time to rewrite the landing's tags when they are due (flagged_rows.h).
   if (config_.flagged_tokens > 0 && TagScrubDue(epoch)) {
-    ScrubTags(own + layout_.rows, R * layout_.row_stride, ScrubTag(epoch));
+    ScrubTags(own + layout_.rows, layout_, ScrubTag(epoch));
   }
   out.plan_version = in.plan->version;
   // Each token's (destination, record) pairs, destinations ascending, for the combine: the
@@ -706,7 +713,7 @@ void HostEp::Place(int s, DispatchOutput& out) {
 }
 
 HostEp::Take HostEp::PlaceArrived(int s, uint32_t tag, DispatchOutput& out) {
-  const size_t T = config_.max_tokens, B = layout_.row_bytes, landed = FlaggedRowBytes(B);
+  const size_t T = config_.max_tokens, B = layout_.row_bytes;
   const std::byte* own = arenas_[rank_];
   const std::byte* records = own + layout_.records + s * T * layout_.record_bytes;
   const std::byte* rows = own + layout_.rows + s * layout_.row_stride;
@@ -718,7 +725,7 @@ HostEp::Take HostEp::PlaceArrived(int s, uint32_t tag, DispatchOutput& out) {
     // lands; PlaceRecord copies it from there into the record's other rows.
     const int32_t row = cursor[EntryAt(records, layout_.record_bytes, j, 0).local_slot];
     std::byte* data = out.recv_x.data() + static_cast<size_t>(row) * B;
-    if (!LoadFlaggedRow(rows + j * landed, B, tag, data)) break;
+    if (!LoadFlaggedRow(rows + LandingRowOffset(B, T, true, j), B, tag, data)) break;
     PlaceRecord(s, j, records, data, out);
   }
   placed_[s] = j;
@@ -768,12 +775,12 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
         Axpy(dispatched.weight[row], y + static_cast<size_t>(row) * layout_.row_bytes,
              config_.dtype, H, q == begin[j], sum);
       }
+      std::byte* to = partials + LandingRowOffset(B, config_.max_tokens, flagged, j);
       if (flagged) {
         StoreRow(sum, H, config_.dtype, row_scratch_.data());
-        StoreFlaggedRow(partials + static_cast<size_t>(j) * FlaggedRowBytes(B),
-                        row_scratch_.data(), B, epoch);
+        StoreFlaggedRow(to, row_scratch_.data(), B, epoch);
       } else {
-        StoreRow(sum, H, config_.dtype, partials + static_cast<size_t>(j) * B);
+        StoreRow(sum, H, config_.dtype, to);
       }
     }
     if (config_.protocol == Protocol::kUbep) {
@@ -802,6 +809,10 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
   // every protocol, so results are identical bit for bit).
   const std::byte* partials = own + layout_.partials;
   const size_t landed = handle.flagged ? FlaggedRowBytes(B) : B;
+  auto partial_at = [&](int d, int32_t j) {
+    return partials + d * layout_.row_stride +
+           LandingRowOffset(B, config_.max_tokens, handle.flagged, j);
+  };
   auto* out = static_cast<std::byte*>(out_ptr);
   const int32_t routes = handle.token_begin[handle.num_tokens];
   for (int t = 0; t < handle.num_tokens; ++t) {
@@ -810,9 +821,9 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
       const auto [d, j] = handle.token_routes[q];
       if (q + 1 < routes) {
         const auto [next_d, next_j] = handle.token_routes[q + 1];
-        PrefetchRow(partials + next_d * layout_.row_stride + next_j * landed, landed);
+        PrefetchRow(partial_at(next_d, next_j), landed);
       }
-      const std::byte* partial = partials + d * layout_.row_stride + j * landed;
+      const std::byte* partial = partial_at(d, j);
       if (handle.flagged) {
         UBEP_RETURN_IF_ERROR(TakeFlaggedPartial(partial, d, epoch, deadline));
         partial = row_scratch_.data();
@@ -824,7 +835,7 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
   // Every partial of this call is summed, and no peer stores the next call's before this
   // rank's next dispatch: the time to rewrite the tags when they are due (flagged_rows.h).
   if (config_.flagged_tokens > 0 && TagScrubDue(epoch)) {
-    ScrubTags(own + layout_.partials, R * layout_.row_stride, ScrubTag(epoch));
+    ScrubTags(own + layout_.partials, layout_, ScrubTag(epoch));
   }
   return absl::OkStatus();
 }

@@ -576,6 +576,39 @@ TEST(HostEpFlaggedTest, ACombineWaitsForDestinationsItSentNothing) {
   EXPECT_EQ(rows[1], (std::vector<int>{10, 20}));
 }
 
+// Flagged rows have their own bytes in a landing (flagged_rows.h): a plain call's rows, read
+// as granules, could carry any tag. Call 1 goes plain (20 tokens, above flagged_tokens 8) with
+// every odd float of its rows the bit pattern 2, the tag of call 2; call 2 goes flagged with
+// rank 0's rows and partials late. Were flagged rows stored where plain ones are, the
+// receivers would take call 1's bytes for rank 0's rows of call 2.
+TEST(HostEpFlaggedTest, APlainCallsBytesNeverPassForFlaggedRows) {
+  EpConfig config = SmallConfig(Protocol::kUbep);
+  config.flagged_tokens = 8;
+  config.sender_thread = EpConfig::SenderThread::kOn;
+  Group group(config);
+  const EpConfig& c = group.config();
+  const TestPlan plan = RoundRobinPlan(c);
+  group.RunAll([&](int r) {
+    RankInput in = MakeInput(c, r, 20, 1);
+    const uint32_t tag_of_call_2 = 2;
+    for (size_t i = 1; i < in.x.size(); i += 2) {
+      std::memcpy(&in.x[i], &tag_of_call_2, sizeof(float));
+    }
+    DispatchOutput out;
+    ASSERT_EQ(group.ep(r).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(), 20,
+                                    c.hidden, 0, plan.header()},
+                                   out),
+              absl::OkStatus());
+    std::vector<float> combined(20 * c.hidden);
+    ASSERT_EQ(group.ep(r).Combine(out, out.recv_x.data(), combined.data()), absl::OkStatus());
+  });
+  group.ep(0).set_row_delay_for_testing(absl::Milliseconds(100));
+  group.ep(0).set_partial_delay_for_testing(absl::Milliseconds(100));
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 8, 2));
+  RunStep(group, inputs, plan, 1);
+}
+
 // Tags are compared for equality, so a stale tag must never equal a coming epoch
 // (flagged_rows.h). Every rank's landing holds garbage tagged 2^30 + 1 and the group resumes
 // at epoch 2^30 - 1: call 2^30 (no tokens) rewrites the tags at its end, so in call 2^30 + 1,
@@ -606,10 +639,19 @@ TEST(HostEpFlaggedTest, TagsOfEarlierEpochsAreScrubbedBeforeTheyComeAgain) {
   std::vector<RankInput> inputs;
   for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 0, 1));
   RunStep(group, inputs, plan, 0);
+  // Every flagged part of every landing (rows and partials, each source's) carries the scrub
+  // tag; the plain parts keep what they held.
   for (int r = 0; r < c.num_ranks; ++r) {
-    const auto* granules = reinterpret_cast<const uint64_t*>(group.arena(r) + layout.rows);
-    for (size_t i = 0; i < 2 * c.num_ranks * layout.row_stride / 8; ++i) {
-      ASSERT_EQ(granules[i], Granule(0, ScrubTag(kTagScrubPeriod))) << "rank " << r << " " << i;
+    for (size_t region : {layout.rows, layout.partials}) {
+      for (int s = 0; s < c.num_ranks; ++s) {
+        const std::byte* part = group.arena(r) + region + s * layout.row_stride;
+        const auto* granules = reinterpret_cast<const uint64_t*>(part + layout.flagged_offset);
+        for (size_t i = 0; i < (layout.row_stride - layout.flagged_offset) / 8; ++i) {
+          ASSERT_EQ(granules[i], Granule(0, ScrubTag(kTagScrubPeriod)))
+              << "rank " << r << " part " << s << " granule " << i;
+        }
+        ASSERT_EQ(reinterpret_cast<const uint64_t*>(part)[0], Granule(0xDEADBEEF, stale));
+      }
     }
   }
   group.ep(0).set_row_delay_for_testing(absl::Milliseconds(100));
