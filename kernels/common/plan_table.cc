@@ -15,6 +15,11 @@ absl::StatusOr<std::vector<std::byte>> BuildPlanTable(uint64_t version, uint32_t
     return absl::InvalidArgumentError("plan table: no layers or no experts");
   }
   const size_t num_slots = layers[0].slot_expert.size();
+  if (num_ranks > 0 && num_slots % num_ranks != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("plan table: ", num_slots,
+                                                   " slots do not divide among ", num_ranks,
+                                                   " ranks"));
+  }
   uint32_t max_replicas = 1;
   std::vector<std::vector<std::pair<uint32_t, double>>> replicas(num_experts);
   std::vector<uint32_t> counts(num_experts);
@@ -58,6 +63,14 @@ absl::StatusOr<std::vector<std::byte>> BuildPlanTable(uint64_t version, uint32_t
         return absl::InvalidArgumentError(absl::StrCat("plan table: layer ", l, " slot ", p,
                                                        " has share ", share));
       }
+      // The data plane neither sends to nor waits for an excluded rank: a share there would
+      // be pairs dropped.
+      if (share > 0 && num_ranks > 0 &&
+          RankExcluded(table, static_cast<uint32_t>(p / (num_slots / num_ranks)))) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "plan table: layer ", l, " slot ", p, " has share ", share, " but its rank ",
+            p / (num_slots / num_ranks), " is excluded from the group"));
+      }
       if (share > 0) replicas[layers[l].slot_expert[p]].emplace_back(p, share);
     }
     for (uint32_t e = 0; e < num_experts; ++e) {
@@ -99,6 +112,11 @@ absl::Status ValidatePlanTable(std::span<const std::byte> bytes) {
   if (table->max_replicas == 0 || PlanTableBytes(table) != bytes.size()) {
     return absl::InvalidArgumentError("plan table: sizes in the header disagree with its length");
   }
+  if (table->num_ranks > 0 && table->num_slots % table->num_ranks != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("plan table: ", table->num_slots,
+                                                   " slots do not divide among ",
+                                                   table->num_ranks, " ranks"));
+  }
   for (uint32_t l = 0; l < table->num_layers; ++l) {
     for (uint32_t e = 0; e < table->num_experts; ++e) {
       const ExpertRoute* route = FindRoute(table, l, e);
@@ -107,10 +125,17 @@ absl::Status ValidatePlanTable(std::span<const std::byte> bytes) {
                                                        " has ", route->count, " replicas"));
       }
       for (uint32_t j = 0; j < route->count; ++j) {
-        if (Replicas(route)[j].slot >= table->num_slots) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("plan table: layer ", l, " expert ", e, " routes to slot ",
-                           Replicas(route)[j].slot, " of ", table->num_slots));
+        const uint32_t slot = Replicas(route)[j].slot;
+        if (slot >= table->num_slots) {
+          return absl::InvalidArgumentError(absl::StrCat("plan table: layer ", l, " expert ", e,
+                                                         " routes to slot ", slot, " of ",
+                                                         table->num_slots));
+        }
+        if (table->num_ranks > 0 &&
+            RankExcluded(table, slot / (table->num_slots / table->num_ranks))) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "plan table: layer ", l, " expert ", e, " routes to slot ", slot, " of rank ",
+              slot / (table->num_slots / table->num_ranks), ", which is excluded"));
         }
       }
     }

@@ -117,13 +117,15 @@ struct LayerRouting {
 
 // Writes a table. Errors (InvalidArgument): layers of different slot counts, an expert id
 // outside [0, num_experts), an expert with no replica of positive share, shares not summing
-// to 1 within 1e-6, an excluded rank outside [0, num_ranks). `num_ranks` 0 writes no mask.
+// to 1 within 1e-6, an excluded rank outside [0, num_ranks), slots that do not divide among
+// num_ranks, a positive share on a slot of an excluded rank. `num_ranks` 0 writes no mask.
 absl::StatusOr<std::vector<std::byte>> BuildPlanTable(uint64_t version, uint32_t num_experts,
                                                       std::span<const LayerRouting> layers,
                                                       uint32_t num_ranks = 0,
                                                       std::span<const int> excluded = {});
 
-// Checks a table read from shared memory before use: magic, sizes, counts and slots in range.
+// Checks a table read from shared memory before use: magic, sizes, counts and slots in range,
+// and no route to a slot of an excluded rank.
 absl::Status ValidatePlanTable(std::span<const std::byte> bytes);
 
 }  // namespace ubep::kernels

@@ -42,6 +42,29 @@ TEST(PlanTableTest, RejectsBadRoutings) {
             absl::InvalidArgumentError("plan table: bad magic (not a plan table)"));
 }
 
+// The data plane neither sends to nor waits for an excluded rank, so a share on one of its
+// slots would be pairs silently dropped: refused when the table is built, and when a table
+// read from shared memory routes there.
+TEST(PlanTableTest, RefusesSharesOnTheSlotsOfAnExcludedRank) {
+  const std::vector<int> experts = {0, 1, 2, 0};  // Two ranks of two slots.
+  const std::vector<double> shares = {0.5, 1.0, 1.0, 0.5};
+  const LayerRouting layer{experts, shares};
+  const int excluded[] = {1};
+  EXPECT_EQ(BuildPlanTable(1, 3, {&layer, 1}, 2, excluded).status(),
+            absl::InvalidArgumentError(
+                "plan table: layer 0 slot 2 has share 1 but its rank 1 is excluded from the group"));
+  EXPECT_EQ(BuildPlanTable(1, 3, {&layer, 1}, 3).status(),
+            absl::InvalidArgumentError("plan table: 4 slots do not divide among 3 ranks"));
+  // The same table built with rank 1 in the group, then marked excluded in its mask.
+  std::vector<std::byte> table = *BuildPlanTable(1, 3, {&layer, 1}, 2);
+  ASSERT_EQ(ValidatePlanTable(table), absl::OkStatus());
+  auto* mask = reinterpret_cast<uint32_t*>(table.data() + table.size() - sizeof(uint32_t));
+  *mask |= 1u << 1;
+  EXPECT_EQ(ValidatePlanTable(table),
+            absl::InvalidArgumentError(
+                "plan table: layer 0 expert 0 routes to slot 3 of rank 1, which is excluded"));
+}
+
 TEST(RoutingTest, HashIsStableAcrossBuilds) {
   // Pinned values: host and device must agree on every route, today and after refactors;
   // a change here reroutes every token of a running deployment.
