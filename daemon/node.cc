@@ -14,6 +14,7 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "daemon/weight_link.h"
+#include "kernels/common/flagged_rows.h"
 #include "kernels/common/plan_area.h"
 #include "kernels/common/plan_table.h"
 
@@ -163,7 +164,11 @@ absl::Status Node::CreateGroup(const v1::AttachRequest& q,
   config.dtype = s.dtype() == v1::DTYPE_BFLOAT16 ? kernels::DType::kBFloat16
                                                  : kernels::DType::kFloat32;
   config.protocol = options_.protocol;
-  config.flagged_tokens = std::min(options_.flagged_tokens, config.max_tokens);
+  // Capped at the shape's calls; none for rows that are not whole granules (flagged_rows.h).
+  config.flagged_tokens =
+      kernels::FlaggedRowsFit(static_cast<size_t>(config.hidden) * kernels::DTypeBytes(config.dtype))
+          ? std::min(options_.flagged_tokens, config.max_tokens)
+          : 0;
   config.timeout = options_.wait_timeout;
   UBEP_RETURN_IF_ERROR(kernels::ValidateConfig(config));
   const int first = options_.num_ranks > 0 ? options_.first_rank : 0;

@@ -51,9 +51,12 @@ UBEP_HD inline size_t FlaggedRowBytes(size_t row_bytes) { return 2 * row_bytes; 
 // Whether a source calling with `num_tokens` tokens stores flagged rows (and gets flagged
 // partials back): ubep, rows a multiple of 8 bytes (granules stay aligned), and no more
 // tokens than the landing holds in this format (flagged_tokens, ArenaLayout::row_stride).
+// Whether rows of `row_bytes` can be flagged: whole granules, 8-byte aligned ones.
+UBEP_HD inline bool FlaggedRowsFit(size_t row_bytes) { return row_bytes % 8 == 0; }
+
 UBEP_HD inline bool FlaggedRows(bool ubep, int num_tokens, int flagged_tokens,
                                 size_t row_bytes) {
-  return ubep && num_tokens > 0 && num_tokens <= flagged_tokens && row_bytes % 8 == 0;
+  return ubep && num_tokens > 0 && num_tokens <= flagged_tokens && FlaggedRowsFit(row_bytes);
 }
 
 // Where row j of one source's part of a landing (rows or partials) starts, from that part's

@@ -144,6 +144,15 @@ __device__ bool LoadGranules(const std::byte* from, uint32_t tag, uint4* v) {
 
 using BlockScanInt = cub::BlockScan<int, kThreads>;
 
+// Whether this call raises its flag (dispatch or combine) in `peer`'s arena. Plain calls
+// always do; flagged ones only into this rank's own arena (a restarted rank resumes its epochs
+// from its own flags) and, every kTagScrubPeriod calls, everywhere: flags compare by signed
+// difference modulo 2^32, so a flag left more than 2^31 calls behind by a long run of flagged
+// calls would read as reached by the next plain call.
+__device__ bool RaisesFlag(const Params& p, int peer, bool flagged) {
+  return !flagged || peer == p.rank || TagScrubDue(p.epoch);
+}
+
 // Raises d's dispatch flag (ubep): this rank's rows for d are all stored. Called by one thread
 // once every row for d is stored and ordered before it (see the callers).
 __device__ void PublishDest(const Params& p, int d) {
@@ -223,9 +232,8 @@ __device__ void FinishDest(const Params& p, int d, int total) {
       static_cast<uint32_t>(total) | (p.flagged ? kFlaggedCount : 0u);
   __threadfence_system();  // The records and count precede the flags, the total the bias.
   ReleaseFlag(reinterpret_cast<uint32_t*>(arena + p.off_count_flag + p.rank * kLine), p.epoch);
-  // bsp publishes with a barrier; flagged rows publish themselves, except into this rank's own
-  // arena, whose flags a restarted rank resumes its epochs from.
-  if (p.bsp || (p.flagged && d != p.rank)) return;
+  // bsp publishes with a barrier; flagged rows publish themselves (RaisesFlag).
+  if (p.bsp || !RaisesFlag(p, d, p.flagged)) return;
   if (total == 0) {
     PublishDest(p, d);
     return;
@@ -304,8 +312,8 @@ __device__ void PublishStored(const Params& p, const int32_t* stored) {
   __syncthreads();
   for (int d = threadIdx.x; d < p.num_ranks; d += blockDim.x) {
     const int32_t mine = stored[d];
-    // bsp publishes with a barrier; flagged rows publish themselves (FinishDest).
-    if (mine == 0 || p.bsp || (p.flagged && d != p.rank)) continue;
+    // bsp publishes with a barrier; flagged rows publish themselves (RaisesFlag).
+    if (mine == 0 || p.bsp || !RaisesFlag(p, d, p.flagged)) continue;
     // Every thread's stores precede the barrier above; the system fence orders them before
     // this addition, and the acq_rel addition orders every earlier block's (and the counting
     // role's total) before the flag.
@@ -845,9 +853,8 @@ __global__ void PartialKernel(Params p, const uint16_t* y) {
       }
     }
     __syncthreads();
-    // Flagged partials publish themselves, except into this rank's own arena (its flags are
-    // what a restarted rank resumes from).
-    if (threadIdx.x == 0 && !p.bsp && (!flagged || s == p.rank)) {
+    // Flagged partials publish themselves (RaisesFlag).
+    if (threadIdx.x == 0 && !p.bsp && RaisesFlag(p, s, flagged)) {
       // Every thread's partials precede the barrier above; the system fence orders them
       // before the addition, and the acq_rel addition every earlier block's before the flag.
       __threadfence_system();

@@ -45,6 +45,11 @@ absl::Status ValidateConfig(const EpConfig& c) {
                                                    c.flagged_tokens, " is outside [0, ",
                                                    c.max_tokens, "] (max_tokens)"));
   }
+  if (c.flagged_tokens > 0 && !FlaggedRowsFit(c.hidden * DTypeBytes(c.dtype))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ep config: flagged_tokens needs rows of a multiple of 8 bytes; hidden ", c.hidden,
+        " makes ", c.hidden * DTypeBytes(c.dtype)));
+  }
   if (c.timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("ep config: timeout must be positive");
   }

@@ -533,6 +533,11 @@ TEST(HostEpErrorTest, FlaggedTokensOutsideTheBuffersAreRefused) {
   EXPECT_EQ(ValidateConfig(config),
             absl::InvalidArgumentError("ep config: flagged_tokens 49 is outside [0, 48] "
                                        "(max_tokens)"));
+  config.flagged_tokens = 8;
+  config.hidden = 3;  // fp32: 12-byte rows, not whole granules.
+  EXPECT_EQ(ValidateConfig(config),
+            absl::InvalidArgumentError("ep config: flagged_tokens needs rows of a multiple of 8 "
+                                       "bytes; hidden 3 makes 12"));
 }
 
 // A flagged combine takes its partials as they land, so it learns that a destination is done
@@ -613,6 +618,8 @@ TEST(HostEpFlaggedTest, APlainCallsBytesNeverPassForFlaggedRows) {
 // (flagged_rows.h). Every rank's landing holds garbage tagged 2^30 + 1 and the group resumes
 // at epoch 2^30 - 1: call 2^30 (no tokens) rewrites the tags at its end, so in call 2^30 + 1,
 // whose rank 0 stores its rows and partials late, nobody takes the garbage for rank 0's data.
+// Call 2^30 carries tokens too, rank 0's late, so a scrub that ran before the receive would
+// hang it.
 TEST(HostEpFlaggedTest, TagsOfEarlierEpochsAreScrubbedBeforeTheyComeAgain) {
   EpConfig config = SmallConfig(Protocol::kUbep);
   config.sender_thread = EpConfig::SenderThread::kOn;
@@ -637,7 +644,8 @@ TEST(HostEpFlaggedTest, TagsOfEarlierEpochsAreScrubbedBeforeTheyComeAgain) {
   group.Restart();
   const TestPlan plan = RoundRobinPlan(c);
   std::vector<RankInput> inputs;
-  for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 0, 1));
+  for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 12, 1));
+  group.ep(0).set_row_delay_for_testing(absl::Milliseconds(50));
   RunStep(group, inputs, plan, 0);
   // Every flagged part of every landing (rows and partials, each source's) carries the scrub
   // tag; the plain parts keep what they held.
@@ -659,6 +667,32 @@ TEST(HostEpFlaggedTest, TagsOfEarlierEpochsAreScrubbedBeforeTheyComeAgain) {
   inputs.clear();
   for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 20 + r, 2));
   RunStep(group, inputs, plan, 1);
+}
+
+// A group that re-forms starts its epochs again from 1 (ResetSignals), so the old
+// generation's flagged rows and partials carry the tags the new one uses next: the reset
+// zeroes them. One flagged call, a reset of every arena, the ranks created again, then call 1
+// of the new generation with other routing and rank 0's rows and partials late: a receiver
+// that took the old call's rows would read other tokens' data, and a combine that took the old
+// partials would miss the reference.
+TEST(HostEpFlaggedTest, AReformedGroupNeverTakesTheOldGenerationsRows) {
+  EpConfig config = SmallConfig(Protocol::kUbep);
+  config.flagged_tokens = config.max_tokens;
+  config.sender_thread = EpConfig::SenderThread::kOn;
+  Group group(config);
+  const EpConfig& c = group.config();
+  const TestPlan plan = RoundRobinPlan(c);
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 30, 40));
+  RunStep(group, inputs, plan, 0);
+  const ArenaLayout layout(c);
+  for (int r = 0; r < c.num_ranks; ++r) ResetSignals(group.arena(r), layout);
+  group.Restart();
+  group.ep(0).set_row_delay_for_testing(absl::Milliseconds(100));
+  group.ep(0).set_partial_delay_for_testing(absl::Milliseconds(100));
+  inputs.clear();
+  for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 30, 77));
+  RunStep(group, inputs, plan, 0);
 }
 
 // Rank 2 never shows up and the plan excludes rank 3: ranks 0 and 1 time out naming rank 2,
