@@ -112,10 +112,13 @@ std::vector<T> Download(const T* d, size_t n) {
   return v;
 }
 
-// One rank process: returns "" or what went wrong. `skip_dispatch` plays a dead rank.
-std::string RunRank(const EpConfig& c, int rank, const TestPlan& plan, const RankInput& in,
-                    const RankResult* expected, Board* board, bool skip_dispatch,
-                    absl::Status* status_out) {
+// One rank process: returns "" or what went wrong. Runs calls[0], calls[1], ... in turn,
+// each against expected[k] (with no reference: calls[0] only, combining the received rows as
+// they are). `skip_dispatch` plays a dead rank.
+std::string RunRank(const EpConfig& c, int rank, const TestPlan& plan,
+                    const std::vector<RankInput>& calls, const std::vector<RankResult>* expected,
+                    Board* board, bool skip_dispatch) {
+  const RankInput& in = calls[0];
   UBEP_CHECK_CUDA(cudaSetDevice(0));
   absl::StatusOr<std::unique_ptr<DeviceArena>> arena =
       DeviceArena::Create(ArenaLayout(c).total_bytes);
@@ -178,15 +181,13 @@ std::string RunRank(const EpConfig& c, int rank, const TestPlan& plan, const Ran
     }
     return error;
   }
-  CudaDispatchOutput out;
-  absl::Status s = (*ep)->Dispatch({d_x, d_idx, d_w, in.num_tokens, 0,
-                                    reinterpret_cast<const PlanTableHeader*>(d_plan),
-                                    plan.header()},
-                                   out);
-  if (status_out != nullptr) *status_out = s;
-  // Bad input (InvalidArgument) still dispatches the other pairs and needs the combine.
-  if (!s.ok() && !absl::IsInvalidArgument(s)) return finish(std::string(s.message()));
+  const auto* d_table = reinterpret_cast<const PlanTableHeader*>(d_plan);
   if (expected == nullptr) {
+    CudaDispatchOutput out;
+    const absl::Status s = (*ep)->Dispatch(
+        {d_x, d_idx, d_w, in.num_tokens, 0, d_table, plan.header()}, out);
+    // Bad input (InvalidArgument) still dispatches the other pairs and needs the combine.
+    if (!s.ok() && !absl::IsInvalidArgument(s)) return finish(std::string(s.message()));
     // No reference: combine the received rows as they are (an identity expert); every rank,
     // the one with bad input too, must get through it.
     uint16_t* d_out = Upload(std::vector<uint16_t>(x.size(), 0));
@@ -195,20 +196,32 @@ std::string RunRank(const EpConfig& c, int rank, const TestPlan& plan, const Ran
     if (!combined.ok()) absl::StrAppend(&error, error.empty() ? "" : "; ", "combine: ", combined.message());
     return finish(error);
   }
-  if (!s.ok()) return finish(std::string(s.message()));
-  if (out.slot_offsets != expected->slot_offsets) return finish("slot offsets differ");
-  const size_t rows = out.num_rows;
-  if (Download(out.src_rank, rows) != expected->src_rank) return finish("src_rank differs");
-  if (Download(out.src_token, rows) != expected->src_token) return finish("src_token differs");
-  if (Download(out.weight, rows) != expected->weight) return finish("weights differ");
-  const std::vector<uint16_t> recv_x =
-      Download(static_cast<const uint16_t*>(out.recv_x), rows * c.hidden);
-  if (recv_x != expected->recv_x) return finish("recv_x differs");
-  uint16_t* d_y = Upload(expected->y);
-  uint16_t* d_out = Upload(std::vector<uint16_t>(x.size(), 0));
-  s = (*ep)->Combine(d_y, d_out);
-  if (!s.ok()) return finish(std::string(s.message()));
-  if (Download(d_out, x.size()) != expected->combined) return finish("combined output differs");
+  for (size_t k = 0; k < calls.size(); ++k) {
+    const RankInput& call = calls[k];
+    const RankResult& want = (*expected)[k];
+    const std::string at = absl::StrCat(" (call ", k + 1, ")");
+    CudaDispatchOutput out;
+    absl::Status s =
+        k == 0 ? (*ep)->Dispatch({d_x, d_idx, d_w, in.num_tokens, 0, d_table, plan.header()}, out)
+               : (*ep)->Dispatch({Upload(Bf16Input(call)), Upload(call.topk_idx),
+                                  Upload(call.topk_w), call.num_tokens, 0, d_table, plan.header()},
+                                 out);
+    if (!s.ok()) return finish(std::string(s.message()) + at);
+    if (out.slot_offsets != want.slot_offsets) return finish("slot offsets differ" + at);
+    const size_t rows = out.num_rows;
+    if (Download(out.src_rank, rows) != want.src_rank) return finish("src_rank differs" + at);
+    if (Download(out.src_token, rows) != want.src_token) return finish("src_token differs" + at);
+    if (Download(out.weight, rows) != want.weight) return finish("weights differ" + at);
+    const std::vector<uint16_t> recv_x =
+        Download(static_cast<const uint16_t*>(out.recv_x), rows * c.hidden);
+    if (recv_x != want.recv_x) return finish("recv_x differs" + at);
+    const size_t out_size = static_cast<size_t>(call.num_tokens) * c.hidden;
+    uint16_t* d_y = Upload(want.y);
+    uint16_t* d_out = Upload(std::vector<uint16_t>(out_size, 0));
+    s = (*ep)->Combine(d_y, d_out);
+    if (!s.ok()) return finish(std::string(s.message()) + at);
+    if (Download(d_out, out_size) != want.combined) return finish("combined output differs" + at);
+  }
   return finish("");
 }
 
@@ -216,17 +229,25 @@ struct RunOutcome {
   std::vector<std::string> errors;
 };
 
-RunOutcome RunGroup(const EpConfig& c, const TestPlan& plan, const std::vector<RankInput>& inputs,
-                    const std::vector<RankResult>* expected, int dead_rank) {
+// Every rank as a process, calls after each other: inputs[k][r] is rank r's input to call k,
+// (*expected)[k][r] its reference.
+RunOutcome RunGroupCalls(const EpConfig& c, const TestPlan& plan,
+                         const std::vector<std::vector<RankInput>>& inputs,
+                         const std::vector<std::vector<RankResult>>* expected, int dead_rank) {
   SharedArena board_arena = *SharedArena::Create("gpu-board", sizeof(Board));
   auto* board = new (board_arena.data()) Board{};
   std::vector<pid_t> pids;
   for (int r = 0; r < c.num_ranks; ++r) {
     const pid_t pid = fork();
     if (pid == 0) {
+      std::vector<RankInput> calls;
+      std::vector<RankResult> want;
+      for (size_t k = 0; k < inputs.size(); ++k) {
+        calls.push_back(inputs[k][r]);
+        if (expected != nullptr) want.push_back((*expected)[k][r]);
+      }
       const std::string error =
-          RunRank(c, r, plan, inputs[r], expected ? &(*expected)[r] : nullptr, board,
-                  r == dead_rank, nullptr);
+          RunRank(c, r, plan, calls, expected != nullptr ? &want : nullptr, board, r == dead_rank);
       std::snprintf(board->error[r], sizeof(board->error[r]), "%s", error.c_str());
       _exit(error.empty() ? 0 : 3);
     }
@@ -243,6 +264,15 @@ RunOutcome RunGroup(const EpConfig& c, const TestPlan& plan, const std::vector<R
     outcome.errors.push_back(error);
   }
   return outcome;
+}
+
+// One call: inputs[r] is rank r's input, (*expected)[r] its reference.
+RunOutcome RunGroup(const EpConfig& c, const TestPlan& plan, const std::vector<RankInput>& inputs,
+                    const std::vector<RankResult>* expected, int dead_rank) {
+  const std::vector<std::vector<RankResult>> want =
+      expected != nullptr ? std::vector<std::vector<RankResult>>{*expected}
+                          : std::vector<std::vector<RankResult>>{};
+  return RunGroupCalls(c, plan, {inputs}, expected != nullptr ? &want : nullptr, dead_rank);
 }
 
 class CudaEpTest : public ::testing::TestWithParam<std::tuple<int, Mode>> {
@@ -277,6 +307,29 @@ TEST_P(CudaEpTest, EveryBatchMatchesTheHostBackend) {
   }
   const std::vector<RankResult> expected = HostReference(c, plan, inputs);
   const RunOutcome outcome = RunGroup(c, plan, inputs, &expected, -1);
+  for (int r = 0; r < c.num_ranks; ++r) EXPECT_EQ(outcome.errors[r], "") << "rank " << r;
+}
+
+// Calls after each other on one group: decode-sized (20 tokens), then every token (48, above
+// the flagged mode's flagged_tokens of 24), then decode-sized again: epochs move on and
+// landings are reused, and in the flagged mode a plain call follows flagged ones and the
+// other way round.
+TEST_P(CudaEpTest, ConsecutiveCallsMatchTheHostBackend) {
+  // Two ranks are enough for the sequence, and keep bench/gpu/run.sh within its time.
+  if (std::get<0>(GetParam()) != 2) GTEST_SKIP() << "a two-rank case";
+  EpConfig c = GpuConfig(std::get<0>(GetParam()), std::get<1>(GetParam()));
+  if (std::get<1>(GetParam()) == Mode::kUbepFlagged) c.flagged_tokens = 24;
+  const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  std::vector<std::vector<RankInput>> inputs;
+  std::vector<std::vector<RankResult>> expected;
+  for (int k = 0; k < 3; ++k) {
+    const int tokens = k == 1 ? c.max_tokens : 20;
+    std::vector<RankInput> call;
+    for (int r = 0; r < c.num_ranks; ++r) call.push_back(MakeInput(c, r, tokens - r, 30 + k));
+    expected.push_back(HostReference(c, plan, call));
+    inputs.push_back(std::move(call));
+  }
+  const RunOutcome outcome = RunGroupCalls(c, plan, inputs, &expected, -1);
   for (int r = 0; r < c.num_ranks; ++r) EXPECT_EQ(outcome.errors[r], "") << "rank " << r;
 }
 
