@@ -112,8 +112,9 @@ std::string RunRank(int r, const std::string& socket, const ModelShape& shape, c
 
 // One ubepd hosting both ranks, or (two_daemons) a balancer and two ubepd hosting one rank
 // each: each daemon imports the other's device arenas (VMM fds over its fd socket) and the
-// group forms across them.
-void RunAndCompare(bool two_daemons) {
+// group forms across them. With `flagged`, the single ubepd runs with --flagged_tokens, so
+// every call moves flag-in-granule rows (kernels/common/flagged_rows.h).
+void RunAndCompare(bool two_daemons, bool flagged = false) {
   if (!test::DeviceInChild()) GTEST_SKIP() << "no CUDA device";
   test::TempDir dir;
   const auto wait_ready = [&](const std::string& name) {
@@ -126,7 +127,8 @@ void RunAndCompare(bool two_daemons) {
     processes.push_back(std::make_unique<test::Process>(
         std::vector<std::string>{test::BinaryPath("ubepd"), "--backend=cuda", "--socket=" + sockets[0],
                                  "--metrics=", "--ready_file=" + dir.path() + "/ubepd.ready",
-                                 "--wait_timeout=20s"},
+                                 "--wait_timeout=20s",
+                                 absl::StrCat("--flagged_tokens=", flagged ? kTokens : 0)},
         dir.path() + "/ubepd.log"));
     wait_ready("ubepd");
   } else {
@@ -247,6 +249,10 @@ void RunAndCompare(bool two_daemons) {
 TEST(DaemonCudaTest, LibubepOnCudaArenasMatchesTheHostBackendByteForByte) { RunAndCompare(false); }
 
 TEST(DaemonCudaTest, AGroupOverTwoDaemonsOnCudaMatchesTheHostBackendByteForByte) { RunAndCompare(true); }
+
+TEST(DaemonCudaTest, FlaggedRowsOnCudaArenasMatchTheHostBackendByteForByte) {
+  RunAndCompare(false, /*flagged=*/true);
+}
 
 }  // namespace
 }  // namespace ubep
