@@ -527,6 +527,29 @@ TEST(HostEpErrorTest, FlaggedPartialsThatNeverArriveAreNamed) {
   for (int r : {0, 1, 3}) EXPECT_EQ(status[r], GaveUpOnRank2(r, "combine partials"));
 }
 
+// The daemon stops the group (draining) while the ranks wait for rank 2's flagged rows, which
+// come 2 s late: the waits end on the abort word with the daemon's reason, rather than going
+// on to take rank 2's rows.
+TEST(HostEpErrorTest, ADaemonStopEndsAWaitForFlaggedRows) {
+  EpConfig config = SmallConfig(Protocol::kUbep);
+  config.flagged_tokens = 8;
+  Group group(config);
+  const TestPlan plan = RoundRobinPlan(config);
+  const ArenaLayout layout(config);
+  group.ep(2).set_row_delay_for_testing(absl::Seconds(2));
+  std::thread daemon([&] {
+    absl::SleepFor(absl::Milliseconds(200));
+    for (int r = 0; r < config.num_ranks; ++r) RaiseAbort(group.arena(r), layout, kAbortDraining);
+  });
+  const std::vector<absl::Status> status = DispatchOnce(group, plan, [](int) { return true; });
+  daemon.join();
+  for (int r : {0, 1, 3}) {
+    EXPECT_EQ(status[r], absl::UnavailableError(absl::StrCat(
+                             "rank ", r, ": ubepd is draining; dispatch data of call 1 abandoned; "
+                             "attach again when it is back")));
+  }
+}
+
 TEST(HostEpErrorTest, FlaggedTokensOutsideTheBuffersAreRefused) {
   EpConfig config = SmallConfig(Protocol::kUbep);
   config.flagged_tokens = 49;
