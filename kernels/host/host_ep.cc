@@ -473,17 +473,22 @@ absl::Status HostEp::TakeAsTheyArrive(size_t region, uint32_t epoch, std::vector
       return taken == Take::kDone;
     });
     if (pending.empty() || moved) continue;
-    // Nothing new: give up at the deadline, else sleep on the first missing source until it
-    // arrives or a slice passes (so that an abort is seen within a millisecond). The deadline
-    // is checked on every round, not only when a slice runs out: a flag that is up while its
-    // flagged rows never come (which the protocol rules out) still ends in an error.
-    if (absl::Now() >= deadline) return GiveUp(pending.front(), what, epoch);
-    const absl::Status slice =
-        WaitEpoch(FlagAt(own, region, pending.front()), epoch,
-                  std::min(deadline, absl::Now() + absl::Milliseconds(1)), AbortWord());
-    if (absl::IsAborted(slice)) return GiveUp(pending.front(), what, epoch);
+    // Nothing new: sleep on the first missing source. The deadline is checked on every round:
+    // a flag that is up while its flagged rows never come (which the protocol rules out)
+    // still ends in an error.
+    UBEP_RETURN_IF_ERROR(
+        Nap(FlagAt(own, region, pending.front()), epoch, pending.front(), what, deadline));
   }
   return absl::OkStatus();
+}
+
+absl::Status HostEp::Nap(const uint32_t* flag, uint32_t epoch, int peer, const char* what,
+                         absl::Time deadline) const {
+  if (absl::Now() >= deadline) return GiveUp(peer, what, epoch);
+  // A slice of at most a millisecond, so that an abort is seen that soon.
+  const absl::Status slice =
+      WaitEpoch(flag, epoch, std::min(deadline, absl::Now() + absl::Milliseconds(1)), AbortWord());
+  return absl::IsAborted(slice) ? GiveUp(peer, what, epoch) : absl::OkStatus();
 }
 
 absl::Status HostEp::Barrier(absl::Time deadline) {
@@ -845,13 +850,8 @@ absl::Status HostEp::TakeFlaggedPartial(const std::byte* partial, int peer, uint
   const uint32_t* flag = FlagAt(arenas_[rank_], layout_.combine_flag, peer);
   while (!LoadFlaggedRow(partial, layout_.row_bytes, epoch, row_scratch_.data())) {
     // Not all in yet. The peer raises its combine flag once every partial it sends here is
-    // stored: sleep on that for a slice at most, then look again.
-    const absl::Status slice =
-        WaitEpoch(flag, epoch, std::min(deadline, absl::Now() + absl::Milliseconds(1)),
-                  AbortWord());
-    if (absl::IsAborted(slice) || absl::Now() >= deadline) {
-      return GiveUp(peer, "combine partials", epoch);
-    }
+    // stored: sleep on that, then look again.
+    UBEP_RETURN_IF_ERROR(Nap(flag, epoch, peer, "combine partials", deadline));
   }
   return absl::OkStatus();
 }

@@ -174,6 +174,11 @@ class HostEp {
   // slots, each a copy of `data` (which may already be the first of them).
   void PlaceRecord(int source, int32_t j, const std::byte* records, const std::byte* data,
                    DispatchOutput& output);
+  // One round of a wait on `peer` that found nothing new: its GiveUp error (naming `what`)
+  // past the deadline or on an abort, else OK after sleeping until `flag` reaches `epoch`, a
+  // millisecond at most.
+  absl::Status Nap(const uint32_t* flag, uint32_t epoch, int peer, const char* what,
+                   absl::Time deadline) const;
   // A flagged partial from `peer` into row_scratch_, once it has landed.
   absl::Status TakeFlaggedPartial(const std::byte* partial, int peer, uint32_t epoch,
                                   absl::Time deadline);

@@ -159,10 +159,16 @@ std::string RunRank(const EpConfig& c, int rank, const TestPlan& plan,
     return finish(absl::StrCat("counts_while_sending() is ", (*ep)->counts_while_sending(),
                                ", expected ", want_fused));
   }
-  const std::vector<uint16_t> x = Bf16Input(in);
-  uint16_t* d_x = Upload(x);
-  int32_t* d_idx = Upload(in.topk_idx);
-  float* d_w = Upload(in.topk_w);
+  // Every call's input on the device before anyone's timeout starts.
+  struct DeviceInput {
+    uint16_t* x;
+    int32_t* idx;
+    float* w;
+  };
+  std::vector<DeviceInput> device_calls;
+  for (const RankInput& call : calls) {
+    device_calls.push_back({Upload(Bf16Input(call)), Upload(call.topk_idx), Upload(call.topk_w)});
+  }
   std::byte* d_plan = Upload(plan.table);
   UBEP_CHECK_CUDA(cudaDeviceSynchronize());
   // Every rank is set up before anyone's timeout starts, so only the dead rank can be late.
@@ -182,15 +188,19 @@ std::string RunRank(const EpConfig& c, int rank, const TestPlan& plan,
     return error;
   }
   const auto* d_table = reinterpret_cast<const PlanTableHeader*>(d_plan);
+  auto dispatch = [&](size_t k, CudaDispatchOutput& out) {
+    const DeviceInput& d = device_calls[k];
+    return (*ep)->Dispatch({d.x, d.idx, d.w, calls[k].num_tokens, 0, d_table, plan.header()},
+                           out);
+  };
   if (expected == nullptr) {
     CudaDispatchOutput out;
-    const absl::Status s = (*ep)->Dispatch(
-        {d_x, d_idx, d_w, in.num_tokens, 0, d_table, plan.header()}, out);
+    const absl::Status s = dispatch(0, out);
     // Bad input (InvalidArgument) still dispatches the other pairs and needs the combine.
     if (!s.ok() && !absl::IsInvalidArgument(s)) return finish(std::string(s.message()));
     // No reference: combine the received rows as they are (an identity expert); every rank,
     // the one with bad input too, must get through it.
-    uint16_t* d_out = Upload(std::vector<uint16_t>(x.size(), 0));
+    uint16_t* d_out = Upload(std::vector<uint16_t>(in.x.size(), 0));
     const absl::Status combined = (*ep)->Combine(out.recv_x, d_out);
     std::string error = s.ok() ? "" : std::string(s.message());
     if (!combined.ok()) absl::StrAppend(&error, error.empty() ? "" : "; ", "combine: ", combined.message());
@@ -201,11 +211,7 @@ std::string RunRank(const EpConfig& c, int rank, const TestPlan& plan,
     const RankResult& want = (*expected)[k];
     const std::string at = absl::StrCat(" (call ", k + 1, ")");
     CudaDispatchOutput out;
-    absl::Status s =
-        k == 0 ? (*ep)->Dispatch({d_x, d_idx, d_w, in.num_tokens, 0, d_table, plan.header()}, out)
-               : (*ep)->Dispatch({Upload(Bf16Input(call)), Upload(call.topk_idx),
-                                  Upload(call.topk_w), call.num_tokens, 0, d_table, plan.header()},
-                                 out);
+    absl::Status s = dispatch(k, out);
     if (!s.ok()) return finish(std::string(s.message()) + at);
     if (out.slot_offsets != want.slot_offsets) return finish("slot offsets differ" + at);
     const size_t rows = out.num_rows;

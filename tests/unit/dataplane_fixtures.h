@@ -98,16 +98,10 @@ class Group {
  public:
   explicit Group(EpConfig config) : config_(config) {
     const ArenaLayout layout(config);
-    std::vector<std::byte*> pointers;
     for (int r = 0; r < config.num_ranks; ++r) {
       arenas_.push_back(*SharedArena::Create(absl::StrCat("ubep-test-", r), layout.total_bytes));
-      pointers.push_back(arenas_.back().data());
     }
-    for (int r = 0; r < config.num_ranks; ++r) {
-      absl::StatusOr<std::unique_ptr<HostEp>> ep = HostEp::Create(config, r, pointers);
-      EXPECT_TRUE(ep.ok()) << ep.status();
-      eps_.push_back(std::move(*ep));
-    }
+    Restart();
   }
 
   // Runs fn(rank) on one thread per rank.
@@ -118,8 +112,8 @@ class Group {
     for (auto& t : threads) t.join();
   }
 
-  // Every rank starts again on the same arenas (a restarted rank resumes the epochs its arena
-  // has seen).
+  // Every rank (again) on the group's arenas: a restarted rank resumes the epochs its arena
+  // has seen.
   void Restart() {
     std::vector<std::byte*> pointers;
     for (SharedArena& arena : arenas_) pointers.push_back(arena.data());
