@@ -27,7 +27,6 @@ constexpr int kStatusWaitPhase = 4;  // The phase of the wait that ended: kPhase
 constexpr int kStatusWords = 5;
 constexpr uint32_t kPhaseAsCalled = 1;  // Named by the call (CheckStatus's `what`).
 constexpr uint32_t kPhaseCounts = 2;    // ubep's wait for the sources' counts: "dispatch counts".
-constexpr size_t kLine = 64;
 // Sender blocks of a dispatch (send_split.h). A few dozen SMs saturate NVLink stores, as in
 // DeepEP's normal kernels; a block with an empty share exits at once.
 constexpr int kSenderBlocks = 32;
@@ -66,6 +65,9 @@ struct Params {
   const float* topk_weights;
   uint32_t epoch;
   uint64_t timeout_ns;
+  // Tests only (CudaEp::set_row_delay_for_testing, set_partial_delay_for_testing): the sender
+  // role waits this long before its first row store, PartialKernel before its first partial.
+  uint64_t row_delay_ns, partial_delay_ns;
   // Scratch (device).
   int32_t* token_route;   // [max_tokens x R]: record index of token t at destination d, or -1.
   int32_t* unit_begin;    // [max_tokens + 1]: first unit (send_split.h) of each token.
@@ -96,6 +98,13 @@ __device__ uint64_t GlobalTimerNs() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
+}
+
+// Every thread of the caller waits `ns` nanoseconds (0: not at all); tests only.
+__device__ void DelayForTesting(uint64_t ns) {
+  if (ns == 0) return;
+  const uint64_t until = GlobalTimerNs() + ns;
+  while (GlobalTimerNs() < until) __nanosleep(1000);
 }
 
 __device__ void ReleaseFlag(uint32_t* flag, uint32_t epoch) {
@@ -157,7 +166,7 @@ __device__ bool RaisesFlag(const Params& p, int peer, bool flagged) {
 // once every row for d is stored and ordered before it (see the callers).
 __device__ void PublishDest(const Params& p, int d) {
   __threadfence_system();
-  ReleaseFlag(reinterpret_cast<uint32_t*>(p.arenas[d] + p.off_dispatch_flag + p.rank * kLine),
+  ReleaseFlag(reinterpret_cast<uint32_t*>(p.arenas[d] + p.off_dispatch_flag + p.rank * kFlagStride),
               p.epoch);
 }
 
@@ -231,7 +240,7 @@ __device__ void FinishDest(const Params& p, int d, int total) {
   reinterpret_cast<uint32_t*>(arena + p.off_counts)[p.rank] =
       static_cast<uint32_t>(total) | (p.flagged ? kFlaggedCount : 0u);
   __threadfence_system();  // The records and count precede the flags, the total the bias.
-  ReleaseFlag(reinterpret_cast<uint32_t*>(arena + p.off_count_flag + p.rank * kLine), p.epoch);
+  ReleaseFlag(reinterpret_cast<uint32_t*>(arena + p.off_count_flag + p.rank * kFlagStride), p.epoch);
   // bsp publishes with a barrier; flagged rows publish themselves (RaisesFlag).
   if (p.bsp || !RaisesFlag(p, d, p.flagged)) return;
   if (total == 0) {
@@ -366,6 +375,7 @@ __global__ void RowKernel(Params p) {
   extern __shared__ int32_t stored[];  // [num_ranks]
   for (int d = threadIdx.x; d < p.num_ranks; d += blockDim.x) stored[d] = 0;
   __syncthreads();
+  DelayForTesting(p.row_delay_ns);
   int64_t batch_begin = 0, begin = 0, end = 0;
   int last_token = 0;
   for (int b = 0; b < NumBatches(p.num_tokens); ++b) {
@@ -448,6 +458,7 @@ __global__ void SendKernel(Params p, int count_blocks) {
     const int index = blockIdx.x - C - 1;
     for (int d = threadIdx.x; d < R; d += blockDim.x) shared[d] = 0;
     __syncthreads();
+    DelayForTesting(p.row_delay_ns);
     int64_t batch_begin = 0, begin = 0, end = 0;
     int last_token = 0;
     for (int b = 0; b < num_batches; ++b) {
@@ -540,7 +551,7 @@ __device__ void WaitFlags(const Params& p, size_t offset, uint32_t epoch,
     if (RankExcluded(p.plan, static_cast<uint32_t>(s))) continue;
     if (skip == Skip::kFlaggedSources && SourceFlagged(p, s)) continue;
     if (skip == Skip::kFlaggedDestinations && p.flagged && p.dest_records[s] > 0) continue;
-    auto* flag = reinterpret_cast<uint32_t*>(own + offset + s * kLine);
+    auto* flag = reinterpret_cast<uint32_t*>(own + offset + s * kFlagStride);
     while (!FlagReached(flag, epoch)) {
       if (WaitMustEnd(p, s, deadline, phase)) return;
       __nanosleep(256);
@@ -593,7 +604,7 @@ __global__ void BarrierKernel(Params p, uint32_t epoch) {
   __threadfence_system();
   for (int d = threadIdx.x; d < p.num_ranks; d += blockDim.x) {
     if (RankExcluded(p.plan, static_cast<uint32_t>(d))) continue;
-    ReleaseFlag(reinterpret_cast<uint32_t*>(p.arenas[d] + p.off_barrier_flag + p.rank * kLine),
+    ReleaseFlag(reinterpret_cast<uint32_t*>(p.arenas[d] + p.off_barrier_flag + p.rank * kFlagStride),
                 epoch);
   }
   WaitFlags(p, p.off_barrier_flag, epoch);
@@ -811,11 +822,12 @@ __device__ uint4 PackBf16x8(const float (&f)[8]) {
 // flag at once; a source the plan excludes sent nothing and gets nothing, not even a flag.
 __global__ void PartialKernel(Params p, const uint16_t* y) {
   const int R = p.num_ranks, H8 = p.hidden / 8;
+  DelayForTesting(p.partial_delay_ns);
   if (blockIdx.x == 0 && !p.bsp) {  // bsp publishes with a barrier.
     for (int s = threadIdx.x; s < R; s += blockDim.x) {
       if (RankExcluded(p.plan, static_cast<uint32_t>(s))) continue;
       if (p.record_base[s + 1] != p.record_base[s]) continue;
-      ReleaseFlag(reinterpret_cast<uint32_t*>(p.arenas[s] + p.off_combine_flag + p.rank * kLine),
+      ReleaseFlag(reinterpret_cast<uint32_t*>(p.arenas[s] + p.off_combine_flag + p.rank * kFlagStride),
                   p.epoch);
     }
   }
@@ -864,7 +876,7 @@ __global__ void PartialKernel(Params p, const uint16_t* y) {
                            records;
       if (done == p.record_base[s + 1] - p.record_base[s]) {
         __threadfence_system();
-        ReleaseFlag(reinterpret_cast<uint32_t*>(arena + p.off_combine_flag + p.rank * kLine),
+        ReleaseFlag(reinterpret_cast<uint32_t*>(arena + p.off_combine_flag + p.rank * kFlagStride),
                     p.epoch);
       }
     }
@@ -1063,14 +1075,14 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   p.num_experts = config.num_experts;
   // Resume the epochs this arena has seen (a restarted rank continues its peers' count).
   uint32_t flags[2] = {0, 0};
-  UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&flags[0], arenas[rank] + l.dispatch_flag + rank * kLine,
+  UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&flags[0], arenas[rank] + l.dispatch_flag + rank * kFlagStride,
                                        sizeof(uint32_t), cudaMemcpyDeviceToHost));
-  UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&flags[1], arenas[rank] + l.combine_flag + rank * kLine,
+  UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&flags[1], arenas[rank] + l.combine_flag + rank * kFlagStride,
                                        sizeof(uint32_t), cudaMemcpyDeviceToHost));
   ep->dispatch_epoch_ = flags[0];
   ep->combine_epoch_ = flags[1];
   UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&ep->barrier_epoch_,
-                                       arenas[rank] + l.barrier_flag + rank * kLine,
+                                       arenas[rank] + l.barrier_flag + rank * kFlagStride,
                                        sizeof(uint32_t), cudaMemcpyDeviceToHost));
   // ubep counts and sends in one cooperative launch when the device can keep every block of
   // it resident (always, on a GPU of this class: at most 65 blocks); sender_thread kOff asks
@@ -1093,6 +1105,14 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
 }
 
 bool CudaEp::counts_while_sending() const { return scratch_->fused; }
+
+void CudaEp::set_row_delay_for_testing(absl::Duration delay) {
+  scratch_->params.row_delay_ns = static_cast<uint64_t>(absl::ToInt64Nanoseconds(delay));
+}
+
+void CudaEp::set_partial_delay_for_testing(absl::Duration delay) {
+  scratch_->params.partial_delay_ns = static_cast<uint64_t>(absl::ToInt64Nanoseconds(delay));
+}
 
 absl::Status CudaEp::CheckStatus(const char* what, uint32_t call) {
   Scratch& s = *scratch_;

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "kernels/common/plan_table.h"
 #include "kernels/host/arena_layout.h"
 
@@ -94,6 +95,12 @@ class CudaEp {
   // than the counting kernel first (EpConfig::sender_thread kOff, bsp, or a device that cannot
   // keep its blocks resident).
   bool counts_while_sending() const;
+
+  // Tests only, as HostEp's: the sender blocks wait this long before their first row store of
+  // each dispatch (the counts still go out at once), so that a test can make one source's rows
+  // arrive last; Combine's blocks wait this long before their first partial.
+  void set_row_delay_for_testing(absl::Duration delay);
+  void set_partial_delay_for_testing(absl::Duration delay);
 
  private:
   struct Scratch;

@@ -12,7 +12,7 @@
 namespace ubep::kernels {
 namespace {
 
-constexpr size_t kLine = 64;
+constexpr size_t kLine = 64;  // Regions start on cache lines.
 
 size_t AlignUp(size_t n) { return (n + kLine - 1) / kLine * kLine; }
 
@@ -72,10 +72,10 @@ ArenaLayout::ArenaLayout(const EpConfig& c) {
     offset = AlignUp(offset + bytes);
     return at;
   };
-  dispatch_flag = carve(R * kLine);
-  combine_flag = carve(R * kLine);
-  count_flag = carve(R * kLine);
-  barrier_flag = carve(R * kLine);
+  dispatch_flag = carve(R * kFlagStride);
+  combine_flag = carve(R * kFlagStride);
+  count_flag = carve(R * kFlagStride);
+  barrier_flag = carve(R * kFlagStride);
   abort = carve(kLine);
   counts = carve(R * sizeof(uint32_t));
   load_counters = carve(static_cast<size_t>(c.num_layers) * c.slots_per_rank * sizeof(uint64_t));

@@ -44,6 +44,9 @@
 
 namespace ubep::kernels {
 
+// One flag per cache line: flag [s] of a flag region lies at region + s x kFlagStride.
+inline constexpr size_t kFlagStride = 64;
+
 enum class DType : uint32_t { kFloat32 = 0, kBFloat16 = 1 };
 
 inline size_t DTypeBytes(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }

@@ -24,7 +24,6 @@ namespace ubep::kernels {
 namespace {
 
 constexpr uint32_t kArenaMagic = 0x41504555;  // "UEPA"
-constexpr size_t kLine = 64;
 
 struct ArenaHeader {
   uint32_t magic, num_ranks, max_tokens, hidden, top_k, num_experts, slots_per_rank, num_layers,
@@ -203,11 +202,11 @@ HostEp::HostEp(const EpConfig& config, int rank, std::vector<std::byte*> arenas)
   // Resume the epochs this arena has seen, so a restarted rank continues its peers' count.
   auto* own = arenas_[rank_];
   dispatch_epoch_ = LoadAcquire(reinterpret_cast<uint32_t*>(own + layout_.dispatch_flag +
-                                                            rank_ * kLine));
+                                                            rank_ * kFlagStride));
   combine_epoch_ = LoadAcquire(reinterpret_cast<uint32_t*>(own + layout_.combine_flag +
-                                                           rank_ * kLine));
+                                                           rank_ * kFlagStride));
   barrier_epoch_ = LoadAcquire(reinterpret_cast<uint32_t*>(own + layout_.barrier_flag +
-                                                           rank_ * kLine));
+                                                           rank_ * kFlagStride));
   const bool spare_cores =
       std::thread::hardware_concurrency() >= 2u * static_cast<unsigned>(config.num_ranks);
   if (config.protocol == Protocol::kUbep &&
@@ -227,7 +226,7 @@ HostEp::~HostEp() = default;
 namespace {
 
 uint32_t* FlagAt(std::byte* arena, size_t region, int index) {
-  return reinterpret_cast<uint32_t*>(arena + region + index * kLine);
+  return reinterpret_cast<uint32_t*>(arena + region + index * kFlagStride);
 }
 
 }  // namespace

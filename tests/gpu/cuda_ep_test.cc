@@ -5,12 +5,15 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "kernels/common/flagged_rows.h"
 #include "kernels/cuda/cuda_ep.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/unit/dataplane_fixtures.h"
@@ -21,9 +24,31 @@ namespace {
 constexpr int kMaxRanks = 8;
 
 struct Board {
-  std::atomic<int> ready, armed, done;
+  std::atomic<int> ready, armed, done, reform[2];
   std::byte handles[kMaxRanks][64];
   char error[kMaxRanks][256];
+};
+
+// Every rank process adds itself to `met` and waits (up to 30 s) for the others.
+void Meet(std::atomic<int>& met, int ranks) {
+  met.fetch_add(1);
+  const absl::Time until = absl::Now() + absl::Seconds(30);
+  while (met.load() < ranks && absl::Now() < until) absl::SleepFor(absl::Milliseconds(1));
+}
+
+// What goes wrong in a group, on purpose.
+struct Faults {
+  int dead_rank = -1;  // Never dispatches (a rank the plan excludes, or a dead one).
+  // Stores its rows and partials this late in every call (CudaEp::set_*_delay_for_testing).
+  int late_rank = -1;
+  absl::Duration row_delay = absl::ZeroDuration(), partial_delay = absl::ZeroDuration();
+  // Before this call (counted from 0), the group re-forms as a daemon re-forms it: every rank
+  // zeroes its arena's ResetRanges and creates its CudaEp again (epochs start over at 1).
+  int reform_before_call = -1;
+  // Not 0: before the ranks start, every flag of every arena stands at `resume_epoch` (the
+  // ranks resume there) and every granule of the landings (rows and partials, plain and
+  // flagged parts) holds 0xDEADBEEF tagged `stale_tag`.
+  uint32_t resume_epoch = 0, stale_tag = 0;
 };
 
 struct RankResult {
@@ -112,23 +137,39 @@ std::vector<T> Download(const T* d, size_t n) {
   return v;
 }
 
+// Faults::resume_epoch and stale_tag, in an arena of layout l.
+void FillStale(std::byte* arena, const ArenaLayout& l, int ranks, const Faults& f) {
+  std::vector<std::byte> image(l.total_bytes);
+  for (size_t region : {l.dispatch_flag, l.combine_flag, l.count_flag, l.barrier_flag}) {
+    for (int s = 0; s < ranks; ++s) {
+      std::memcpy(image.data() + region + s * kFlagStride, &f.resume_epoch, sizeof(uint32_t));
+    }
+  }
+  for (size_t region : {l.rows, l.partials}) {
+    for (size_t i = 0; i < ranks * l.row_stride / kGranuleBytes; ++i) {
+      const uint64_t granule = Granule(0xDEADBEEF, f.stale_tag);
+      std::memcpy(image.data() + region + i * kGranuleBytes, &granule, sizeof(granule));
+    }
+  }
+  UBEP_CHECK_CUDA(cudaMemcpy(arena, image.data(), image.size(), cudaMemcpyHostToDevice));
+}
+
 // One rank process: returns "" or what went wrong. Runs calls[0], calls[1], ... in turn,
 // each against expected[k] (with no reference: calls[0] only, combining the received rows as
-// they are). `skip_dispatch` plays a dead rank.
+// they are).
 std::string RunRank(const EpConfig& c, int rank, const TestPlan& plan,
                     const std::vector<RankInput>& calls, const std::vector<RankResult>* expected,
-                    Board* board, bool skip_dispatch) {
+                    Board* board, const Faults& faults) {
   const RankInput& in = calls[0];
+  const ArenaLayout layout(c);
   UBEP_CHECK_CUDA(cudaSetDevice(0));
-  absl::StatusOr<std::unique_ptr<DeviceArena>> arena =
-      DeviceArena::Create(ArenaLayout(c).total_bytes);
+  absl::StatusOr<std::unique_ptr<DeviceArena>> arena = DeviceArena::Create(layout.total_bytes);
   if (!arena.ok()) return std::string(arena.status().message());
+  if (faults.resume_epoch != 0) FillStale((*arena)->data(), layout, c.num_ranks, faults);
   if (absl::Status s = (*arena)->IpcHandle(board->handles[rank]); !s.ok()) {
     return std::string(s.message());
   }
-  board->ready.fetch_add(1);
-  const absl::Time until = absl::Now() + absl::Seconds(30);
-  while (board->ready.load() < c.num_ranks && absl::Now() < until) absl::SleepFor(absl::Milliseconds(1));
+  Meet(board->ready, c.num_ranks);
   std::vector<std::unique_ptr<DeviceArena>> peers;
   std::vector<std::byte*> pointers(c.num_ranks);
   for (int s = 0; s < c.num_ranks; ++s) {
@@ -142,13 +183,17 @@ std::string RunRank(const EpConfig& c, int rank, const TestPlan& plan,
     peers.push_back(std::move(*peer));
   }
   auto finish = [&](std::string message) {
-    board->done.fetch_add(1);
-    const absl::Time end = absl::Now() + absl::Seconds(30);
-    while (board->done.load() < c.num_ranks && absl::Now() < end) absl::SleepFor(absl::Milliseconds(1));
+    Meet(board->done, c.num_ranks);
     return message;
   };
   absl::StatusOr<std::unique_ptr<CudaEp>> ep = CudaEp::Create(c, rank, pointers);
   if (!ep.ok()) return finish(std::string(ep.status().message()));
+  auto make_late = [&] {
+    if (rank != faults.late_rank) return;
+    (*ep)->set_row_delay_for_testing(faults.row_delay);
+    (*ep)->set_partial_delay_for_testing(faults.partial_delay);
+  };
+  make_late();
   // ubep runs SendKernel wherever the device can launch it cooperatively (every GPU this
   // project targets), so that the kUbep mode tests it rather than the kernels it replaces.
   int cooperative = 0;
@@ -172,17 +217,13 @@ std::string RunRank(const EpConfig& c, int rank, const TestPlan& plan,
   std::byte* d_plan = Upload(plan.table);
   UBEP_CHECK_CUDA(cudaDeviceSynchronize());
   // Every rank is set up before anyone's timeout starts, so only the dead rank can be late.
-  board->armed.fetch_add(1);
-  const absl::Time armed_until = absl::Now() + absl::Seconds(30);
-  while (board->armed.load() < c.num_ranks && absl::Now() < armed_until) {
-    absl::SleepFor(absl::Milliseconds(1));
-  }
-  if (skip_dispatch) {
+  Meet(board->armed, c.num_ranks);
+  if (rank == faults.dead_rank) {
     std::string error = finish("");
     // A rank the plan excludes: every peer is done, and none wrote a byte into its arena.
     if (RankExcluded(plan.header(), static_cast<uint32_t>(rank)) &&
-        Download((*arena)->data(), ArenaLayout(c).total_bytes) !=
-            std::vector<std::byte>(ArenaLayout(c).total_bytes)) {
+        Download((*arena)->data(), layout.total_bytes) !=
+            std::vector<std::byte>(layout.total_bytes)) {
       error = "a peer wrote into the arena of a rank the plan excludes";
     }
     return error;
@@ -210,6 +251,20 @@ std::string RunRank(const EpConfig& c, int rank, const TestPlan& plan,
     const RankInput& call = calls[k];
     const RankResult& want = (*expected)[k];
     const std::string at = absl::StrCat(" (call ", k + 1, ")");
+    if (static_cast<int>(k) == faults.reform_before_call) {
+      // Every rank is done with the calls before (its combine waited for every peer's
+      // partials), then every arena is reset before any rank starts again.
+      Meet(board->reform[0], c.num_ranks);
+      ep->reset();
+      for (const auto& [offset, bytes] : ResetRanges(layout)) {
+        UBEP_CHECK_CUDA(cudaMemset((*arena)->data() + offset, 0, bytes));
+      }
+      UBEP_CHECK_CUDA(cudaDeviceSynchronize());
+      Meet(board->reform[1], c.num_ranks);
+      ep = CudaEp::Create(c, rank, pointers);
+      if (!ep.ok()) return finish(std::string(ep.status().message()) + at);
+      make_late();
+    }
     CudaDispatchOutput out;
     absl::Status s = dispatch(k, out);
     if (!s.ok()) return finish(std::string(s.message()) + at);
@@ -239,7 +294,8 @@ struct RunOutcome {
 // (*expected)[k][r] its reference.
 RunOutcome RunGroupCalls(const EpConfig& c, const TestPlan& plan,
                          const std::vector<std::vector<RankInput>>& inputs,
-                         const std::vector<std::vector<RankResult>>* expected, int dead_rank) {
+                         const std::vector<std::vector<RankResult>>* expected,
+                         const Faults& faults) {
   SharedArena board_arena = *SharedArena::Create("gpu-board", sizeof(Board));
   auto* board = new (board_arena.data()) Board{};
   std::vector<pid_t> pids;
@@ -253,7 +309,7 @@ RunOutcome RunGroupCalls(const EpConfig& c, const TestPlan& plan,
         if (expected != nullptr) want.push_back((*expected)[k][r]);
       }
       const std::string error =
-          RunRank(c, r, plan, calls, expected != nullptr ? &want : nullptr, board, r == dead_rank);
+          RunRank(c, r, plan, calls, expected != nullptr ? &want : nullptr, board, faults);
       std::snprintf(board->error[r], sizeof(board->error[r]), "%s", error.c_str());
       _exit(error.empty() ? 0 : 3);
     }
@@ -274,11 +330,11 @@ RunOutcome RunGroupCalls(const EpConfig& c, const TestPlan& plan,
 
 // One call: inputs[r] is rank r's input, (*expected)[r] its reference.
 RunOutcome RunGroup(const EpConfig& c, const TestPlan& plan, const std::vector<RankInput>& inputs,
-                    const std::vector<RankResult>* expected, int dead_rank) {
+                    const std::vector<RankResult>* expected, const Faults& faults = {}) {
   const std::vector<std::vector<RankResult>> want =
       expected != nullptr ? std::vector<std::vector<RankResult>>{*expected}
                           : std::vector<std::vector<RankResult>>{};
-  return RunGroupCalls(c, plan, {inputs}, expected != nullptr ? &want : nullptr, dead_rank);
+  return RunGroupCalls(c, plan, {inputs}, expected != nullptr ? &want : nullptr, faults);
 }
 
 class CudaEpTest : public ::testing::TestWithParam<std::tuple<int, Mode>> {
@@ -294,7 +350,7 @@ TEST_P(CudaEpTest, MatchesTheHostBackendByteForByte) {
   std::vector<RankInput> inputs;
   for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 40 + r, 3));
   const std::vector<RankResult> expected = HostReference(c, plan, inputs);
-  const RunOutcome outcome = RunGroup(c, plan, inputs, &expected, -1);
+  const RunOutcome outcome = RunGroup(c, plan, inputs, &expected);
   for (int r = 0; r < c.num_ranks; ++r) EXPECT_EQ(outcome.errors[r], "") << "rank " << r;
 }
 
@@ -312,7 +368,7 @@ TEST_P(CudaEpTest, EveryBatchMatchesTheHostBackend) {
     inputs.push_back(MakeInput(c, r, c.max_tokens - 37 * r, 12));
   }
   const std::vector<RankResult> expected = HostReference(c, plan, inputs);
-  const RunOutcome outcome = RunGroup(c, plan, inputs, &expected, -1);
+  const RunOutcome outcome = RunGroup(c, plan, inputs, &expected);
   for (int r = 0; r < c.num_ranks; ++r) EXPECT_EQ(outcome.errors[r], "") << "rank " << r;
 }
 
@@ -335,7 +391,7 @@ TEST_P(CudaEpTest, ConsecutiveCallsMatchTheHostBackend) {
     expected.push_back(HostReference(c, plan, call));
     inputs.push_back(std::move(call));
   }
-  const RunOutcome outcome = RunGroupCalls(c, plan, inputs, &expected, -1);
+  const RunOutcome outcome = RunGroupCalls(c, plan, inputs, &expected, {});
   for (int r = 0; r < c.num_ranks; ++r) EXPECT_EQ(outcome.errors[r], "") << "rank " << r;
 }
 
@@ -345,7 +401,7 @@ TEST_P(CudaEpTest, AMissingPeerTimesOutWithItsName) {
   const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
   std::vector<RankInput> inputs;
   for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 8, 4));
-  const RunOutcome outcome = RunGroup(c, plan, inputs, nullptr, /*dead_rank=*/1);
+  const RunOutcome outcome = RunGroup(c, plan, inputs, nullptr, {.dead_rank = 1});
   for (int r = 0; r < c.num_ranks; ++r) {
     if (r == 1) continue;
     EXPECT_EQ(outcome.errors[r],
@@ -366,7 +422,7 @@ TEST_P(CudaEpTest, ARankThePlanExcludesIsNeitherWaitedForNorWritten) {
   std::vector<RankInput> inputs;
   for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 24 + r, 6));
   const std::vector<RankResult> expected = HostReference(c, plan, inputs);
-  const RunOutcome outcome = RunGroup(c, plan, inputs, &expected, /*dead_rank=*/3);
+  const RunOutcome outcome = RunGroup(c, plan, inputs, &expected, {.dead_rank = 3});
   for (int r = 0; r < c.num_ranks; ++r) EXPECT_EQ(outcome.errors[r], "") << "rank " << r;
 }
 
@@ -376,9 +432,140 @@ TEST_P(CudaEpTest, AnExpertIdOutOfRangeIsFlaggedWithoutStrayWrites) {
   std::vector<RankInput> inputs;
   for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 8, 5));
   inputs[0].topk_idx[2 * c.top_k + 1] = 99;
-  const RunOutcome outcome = RunGroup(c, plan, inputs, nullptr, /*dead_rank=*/-1);
+  const RunOutcome outcome = RunGroup(c, plan, inputs, nullptr);
   EXPECT_EQ(outcome.errors[0], "topk_idx[2][1] = 99 is outside [-1, 16)");
   for (int r = 1; r < c.num_ranks; ++r) EXPECT_EQ(outcome.errors[r], "") << "rank " << r;
+}
+
+// The host backend's error tests, on the GPU: rank 1's rows (then, below, its partials) go out
+// 2 s late against a timeout of 500 ms. The others name rank 1 and the phase they waited in:
+// rows waited for by their flags, or row by row when flagged, or behind bsp's barrier.
+TEST_P(CudaEpTest, RowsThatNeverArriveAreNamedAfterTheCounts) {
+  if (std::get<0>(GetParam()) != 4) GTEST_SKIP() << "a four-rank case";
+  EpConfig c = GpuConfig(4, std::get<1>(GetParam()));
+  c.timeout = absl::Milliseconds(500);
+  const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 8, 7));
+  // Every other rank gets rows from rank 1, so each waits for them (flagged: row by row).
+  const std::vector<RankResult> routed = HostReference(c, plan, inputs);
+  for (int r : {0, 2, 3}) {
+    ASSERT_NE(std::count(routed[r].src_rank.begin(), routed[r].src_rank.end(), 1), 0)
+        << "rank " << r;
+  }
+  const RunOutcome outcome = RunGroup(
+      c, plan, inputs, nullptr, {.late_rank = 1, .row_delay = absl::Seconds(2)});
+  for (int r : {0, 2, 3}) {
+    EXPECT_EQ(outcome.errors[r],
+              absl::StrCat("rank ", r, ": timed out after 500ms waiting for rank 1 (",
+                           c.protocol == Protocol::kBsp ? "dispatch, bsp" : "dispatch data",
+                           ", call 1); is rank 1 alive?"));
+  }
+  // Rank 1 itself finds the group given up on it, in its dispatch or its combine.
+  EXPECT_NE(outcome.errors[1], "");
+}
+
+TEST_P(CudaEpTest, PartialsThatNeverArriveAreNamed) {
+  if (std::get<0>(GetParam()) != 4) GTEST_SKIP() << "a four-rank case";
+  EpConfig c = GpuConfig(4, std::get<1>(GetParam()));
+  c.timeout = absl::Milliseconds(500);
+  const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 8, 9));
+  const RunOutcome outcome = RunGroup(
+      c, plan, inputs, nullptr, {.late_rank = 1, .partial_delay = absl::Seconds(2)});
+  for (int r : {0, 2, 3}) {
+    EXPECT_EQ(outcome.errors[r],
+              absl::StrCat("combine: rank ", r,
+                           ": timed out after 500ms waiting for rank 1 (combine partials, call "
+                           "1); is rank 1 alive?"));
+  }
+}
+
+// HostEpFlaggedTest.ACombineWaitsForDestinationsItSentNothing on the GPU. Two ranks, each
+// routing call 1 to its own experts only, then rank 0 routing call 2 to rank 1's. Rank 1's
+// rows go out 300 ms late, and with them its receive side of call 1 (stream order); rank 0's
+// combine must wait for rank 1's combine flag although it sent rank 1 nothing, or it stores
+// call 2's records and count into rank 1's arena before rank 1 has laid out call 1.
+TEST_P(CudaEpTest, ACombineWaitsForDestinationsItSentNothing) {
+  if (std::get<0>(GetParam()) != 2) GTEST_SKIP() << "a two-rank case";
+  EpConfig c = GpuConfig(2, std::get<1>(GetParam()));
+  c.slots_per_rank = 10;  // Rank 0: experts 0-9; rank 1: 10-15 and 0-3.
+  const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  std::vector<std::vector<RankInput>> inputs;
+  std::vector<std::vector<RankResult>> expected;
+  for (int call = 1; call <= 2; ++call) {
+    std::vector<RankInput> step;
+    for (int r = 0; r < c.num_ranks; ++r) {
+      const int expert = r == 0 ? (call == 1 ? 5 : 12) : 12;
+      step.push_back(MakeInput(c, r, 10, call, /*only_expert=*/expert));
+    }
+    expected.push_back(HostReference(c, plan, step));
+    inputs.push_back(std::move(step));
+  }
+  // Every token carries one pair into the rank that serves it.
+  ASSERT_EQ(expected[0][1].slot_offsets.back(), 10);
+  ASSERT_EQ(expected[1][1].slot_offsets.back(), 20);
+  const RunOutcome outcome = RunGroupCalls(
+      c, plan, inputs, &expected, {.late_rank = 1, .row_delay = absl::Milliseconds(300)});
+  for (int r = 0; r < c.num_ranks; ++r) EXPECT_EQ(outcome.errors[r], "") << "rank " << r;
+}
+
+// HostEpFlaggedTest.TagsOfEarlierEpochsAreScrubbedBeforeTheyComeAgain on the GPU: every
+// landing holds garbage tagged 2^30 + 1 and the group resumes at epoch 2^30 - 1, so call 2^30
+// rewrites the tags (ScrubKernel) after it has read its rows and partials, and in call
+// 2^30 + 1, with rank 0's rows and partials late, nobody takes the garbage for them. Call
+// 2^30 raises every flag (RaisesFlag), and the plain call after it must not pass them.
+TEST_P(CudaEpTest, TagsOfEarlierEpochsAreScrubbedBeforeTheyComeAgain) {
+  if (std::get<0>(GetParam()) != 4 || std::get<1>(GetParam()) != Mode::kUbepFlagged) {
+    GTEST_SKIP() << "a four-rank flagged case";
+  }
+  EpConfig c = GpuConfig(4, Mode::kUbepFlagged);
+  c.flagged_tokens = 24;
+  const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  std::vector<std::vector<RankInput>> inputs;
+  std::vector<std::vector<RankResult>> expected;
+  for (int k = 0; k < 3; ++k) {
+    std::vector<RankInput> call;
+    for (int r = 0; r < c.num_ranks; ++r) {
+      // Flagged, flagged, then plain (above flagged_tokens).
+      call.push_back(MakeInput(c, r, k == 2 ? c.max_tokens - r : 12 + 4 * k + r, 50 + k));
+    }
+    expected.push_back(HostReference(c, plan, call));
+    inputs.push_back(std::move(call));
+  }
+  const RunOutcome outcome = RunGroupCalls(c, plan, inputs, &expected,
+                                           {.late_rank = 0,
+                                            .row_delay = absl::Milliseconds(100),
+                                            .partial_delay = absl::Milliseconds(100),
+                                            .resume_epoch = kTagScrubPeriod - 1,
+                                            .stale_tag = kTagScrubPeriod + 1});
+  for (int r = 0; r < c.num_ranks; ++r) EXPECT_EQ(outcome.errors[r], "") << "rank " << r;
+}
+
+// HostEpFlaggedTest.AReformedGroupNeverTakesTheOldGenerationsRows on the GPU, in every mode:
+// one call, every arena reset as ubepd resets a re-forming group, the CudaEps created again
+// (epochs start over at 1), then call 1 of the new generation with other routing and rank 0's
+// rows and partials late. A receiver that took the old generation's rows (flagged: its tags;
+// plain: its flags) would read other tokens' data.
+TEST_P(CudaEpTest, AReformedGroupNeverTakesTheOldGenerationsRows) {
+  if (std::get<0>(GetParam()) != 4) GTEST_SKIP() << "a four-rank case";
+  const EpConfig c = GpuConfig(4, std::get<1>(GetParam()));
+  const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  std::vector<std::vector<RankInput>> inputs;
+  std::vector<std::vector<RankResult>> expected;
+  for (uint64_t seed : {40, 77}) {
+    std::vector<RankInput> call;
+    for (int r = 0; r < c.num_ranks; ++r) call.push_back(MakeInput(c, r, 30, seed));
+    expected.push_back(HostReference(c, plan, call));
+    inputs.push_back(std::move(call));
+  }
+  const RunOutcome outcome = RunGroupCalls(c, plan, inputs, &expected,
+                                           {.late_rank = 0,
+                                            .row_delay = absl::Milliseconds(100),
+                                            .partial_delay = absl::Milliseconds(100),
+                                            .reform_before_call = 1});
+  for (int r = 0; r < c.num_ranks; ++r) EXPECT_EQ(outcome.errors[r], "") << "rank " << r;
 }
 
 INSTANTIATE_TEST_SUITE_P(RanksAndProtocols, CudaEpTest,

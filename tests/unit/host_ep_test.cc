@@ -656,7 +656,7 @@ TEST(HostEpFlaggedTest, TagsOfEarlierEpochsAreScrubbedBeforeTheyComeAgain) {
     for (size_t region : {layout.dispatch_flag, layout.combine_flag, layout.count_flag,
                           layout.barrier_flag}) {
       for (int s = 0; s < c.num_ranks; ++s) {
-        *reinterpret_cast<uint32_t*>(arena + region + s * 64) = resume;
+        *reinterpret_cast<uint32_t*>(arena + region + s * kFlagStride) = resume;
       }
     }
     auto* granules = reinterpret_cast<uint64_t*>(arena + layout.rows);
