@@ -1417,19 +1417,29 @@ absl::Status Node::AddPeerArenas(int first_rank, const std::vector<int>& fds,
       return absl::FailedPreconditionError(absl::StrCat("rank ", r, " is hosted here, not by the peer"));
     }
     UBEP_ASSIGN_OR_RETURN(kernels::SharedArena arena, kernels::SharedArena::Map(fds[i]));
-    if (arena.size() != layout_.total_bytes) {
+    const auto wrong_size = [&] {
       return absl::FailedPreconditionError(absl::StrCat("the peer's arena for rank ", r, " has ",
                                                         arena.size(), " bytes; this group's have ",
                                                         layout_.total_bytes));
-    }
+    };
+    if (arena.size() < layout_.control + sizeof(kernels::RankControl)) return wrong_size();
     const kernels::RankControl* c = kernels::ControlOf(arena.data(), layout_);
     if (c->magic != kernels::kRankControlMagic ||
         c->version != kernels::kRankArenaVersion || static_cast<int>(c->rank) != r ||
         static_cast<int>(c->world_size) != config_.num_ranks) {
       return absl::FailedPreconditionError(absl::StrCat(
           "the peer's arena for rank ", r, " does not match this group (rank ",
-          c->rank, " of ", c->world_size, ")"));
+          c->rank, " of ", c->world_size, ", arena version ", c->version, ")"));
     }
+    // Settings from the daemons' flags, which the clients' shape does not carry.
+    if (const std::string differ = kernels::DataPlaneSettingsDiffer(*c, layout_, config_);
+        !differ.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the peer's arena for rank ", r, " is laid out for ", differ,
+          ": start every daemon of a group with the same --protocol, --flagged_tokens, "
+          "--free_buffers and --backend"));
+    }
+    if (arena.size() != layout_.total_bytes) return wrong_size();
     mapped.push_back(std::move(arena));
   }
   std::vector<std::unique_ptr<DeviceMemory>> imported;

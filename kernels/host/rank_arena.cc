@@ -1,5 +1,7 @@
 #include "kernels/host/rank_arena.h"
 
+#include "absl/strings/str_cat.h"
+
 #include <algorithm>
 #include <cmath>
 
@@ -69,6 +71,10 @@ void FormatRankArena(std::byte* base, const RankArenaLayout& layout, const EpCon
   control->version = kRankArenaVersion;
   control->rank = static_cast<uint32_t>(rank);
   control->world_size = static_cast<uint32_t>(config.num_ranks);
+  control->protocol = static_cast<uint16_t>(config.protocol);
+  control->on_device = layout.on_device ? 1 : 0;
+  control->flagged_tokens = static_cast<uint32_t>(config.flagged_tokens);
+  control->buffers_per_layer = layout.buffers_per_layer;
   InitPlanArea(base + layout.plan, layout.plan_capacity);
   for (int b = 0; b < 2; ++b) {
     uint32_t* map = SlotMap(base, layout, config, b);
@@ -76,6 +82,28 @@ void FormatRankArena(std::byte* base, const RankArenaLayout& layout, const EpCon
       for (int i = 0; i < config.slots_per_rank; ++i) map[l * config.slots_per_rank + i] = i;
     }
   }
+}
+
+namespace {
+
+std::string DescribeSettings(uint32_t protocol, bool on_device, uint32_t flagged_tokens,
+                             uint32_t buffers_per_layer) {
+  return absl::StrCat("protocol ", protocol == static_cast<uint32_t>(Protocol::kBsp) ? "bsp" : "ubep",
+                      ", flagged_tokens ", flagged_tokens, ", ", buffers_per_layer,
+                      " weight buffers per layer, ", on_device ? "device" : "host", " memory");
+}
+
+}  // namespace
+
+std::string DataPlaneSettingsDiffer(const RankControl& peer, const RankArenaLayout& layout,
+                                    const EpConfig& config) {
+  const std::string theirs = DescribeSettings(peer.protocol, peer.on_device != 0,
+                                              peer.flagged_tokens, peer.buffers_per_layer);
+  const std::string ours =
+      DescribeSettings(static_cast<uint32_t>(config.protocol), layout.on_device,
+                       static_cast<uint32_t>(config.flagged_tokens), layout.buffers_per_layer);
+  if (theirs == ours) return "";
+  return absl::StrCat(theirs, "; this daemon's for ", ours);
 }
 
 }  // namespace ubep::kernels

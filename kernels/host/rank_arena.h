@@ -22,6 +22,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "absl/status/status.h"
 #include "kernels/host/arena_layout.h"
@@ -29,7 +30,7 @@
 namespace ubep::kernels {
 
 inline constexpr uint32_t kRankControlMagic = 0x43524255;  // "UBRC"
-inline constexpr uint32_t kRankArenaVersion = 3;
+inline constexpr uint32_t kRankArenaVersion = 4;
 inline constexpr uint64_t kNoNextStep = ~uint64_t{0};
 
 // RankControl::group_state.
@@ -62,7 +63,11 @@ struct alignas(64) RankControl {
   uint32_t world_size;
   uint64_t generation;    // Bumped each time the group forms.
   uint32_t group_state;   // GroupState.
-  uint32_t reserved;
+  // The data-plane settings the arena is laid out and run for (FormatRankArena), which come
+  // from the daemon's flags rather than from the clients' shape: a daemon maps a peer's arenas
+  // only if they match its own (DataPlaneSettingsDiffer).
+  uint16_t protocol;      // kernels::Protocol.
+  uint16_t on_device;     // 1: the CUDA backend (ep and weights in the device arena).
   // Group formation, between the daemons of a group (every daemon maps every arena): the
   // rank's daemon writes next_step, then join_ticket = (rank 0's generation) + 1 when the
   // rank joins; the daemon of rank 0 forms generation g + 1 once every rank's ticket is
@@ -70,7 +75,8 @@ struct alignas(64) RankControl {
   uint64_t join_ticket;
   uint64_t next_step;     // kNoNextStep: the rank did not say.
   uint64_t resume_step;
-  uint64_t reserved2;
+  uint32_t flagged_tokens;     // EpConfig::flagged_tokens.
+  uint32_t buffers_per_layer;  // RankArenaLayout::buffers_per_layer.
   // From line 1: written only by the rank's client; monotonic counters.
   uint64_t step;                // Last step begun.
   uint64_t steps;               // Steps begun.
@@ -114,6 +120,11 @@ size_t MaxPlanTableBytes(const EpConfig& config);
 // (slot i -> buffer i under both plan buffers).
 void FormatRankArena(std::byte* base, const RankArenaLayout& layout, const EpConfig& config,
                      int rank);
+
+// "" if a peer's arena `peer` (its RankControl) is laid out and run for the data-plane
+// settings of `layout` and `config`; else what differs, both ways, for an error message.
+std::string DataPlaneSettingsDiffer(const RankControl& peer, const RankArenaLayout& layout,
+                                    const EpConfig& config);
 
 inline RankControl* ControlOf(std::byte* base, const RankArenaLayout& layout) {
   return reinterpret_cast<RankControl*>(base + layout.control);

@@ -413,6 +413,42 @@ TEST(NodeTest, APeersNewArenasReplaceTheStaleOnesOnlyWhileItsRanksAreExcluded) {
   (void)x2;
 }
 
+// Data-plane settings come from each daemon's flags, not from the clients' shape: a peer whose
+// arenas were laid out for other ones (here flagged rows, then bsp) is refused by name before
+// its arena size is compared, and nothing is mapped.
+TEST(NodeTest, APeersArenasLaidOutForOtherDataPlaneSettingsAreRefusedByName) {
+  Node a(Hosting(0));
+  NodeOptions flagged = Hosting(2);
+  flagged.flagged_tokens = 6;
+  NodeOptions bsp = Hosting(2);
+  bsp.protocol = kernels::Protocol::kBsp;
+  bsp.free_buffers = 3;
+  for (const auto& [options, expected] : std::vector<std::pair<NodeOptions, std::string>>{
+           {flagged, "the peer's arena for rank 2 is laid out for protocol ubep, flagged_tokens "
+                     "6, 6 weight buffers per layer, host memory; this daemon's for protocol "
+                     "ubep, flagged_tokens 0, 6 weight buffers per layer, host memory: start "
+                     "every daemon of a group with the same --protocol, --flagged_tokens, "
+                     "--free_buffers and --backend"},
+           {bsp, "the peer's arena for rank 2 is laid out for protocol bsp, flagged_tokens 0, 7 "
+                 "weight buffers per layer, host memory; this daemon's for protocol ubep, "
+                 "flagged_tokens 0, 6 weight buffers per layer, host memory: start every daemon "
+                 "of a group with the same --protocol, --flagged_tokens, --free_buffers and "
+                 "--backend"}}) {
+    Node b(options);
+    absl::StatusOr<v1::AttachResponse> r0, r2;
+    std::thread ta([&] { r0 = a.Attach(Request(0, 4), absl::Now() + absl::Milliseconds(300)); });
+    std::thread tb([&] { r2 = b.Attach(Request(2, 4), absl::Now() + absl::Milliseconds(300)); });
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while ((a.PeerKey().empty() || b.PeerKey().empty()) && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    EXPECT_EQ(MapPeer(a, b, "b-1"), absl::FailedPreconditionError(expected));
+    ta.join();
+    tb.join();
+    EXPECT_TRUE(a.PeerArenasWanted(2, 2, "b-1"));  // Nothing of b's was mapped.
+  }
+}
+
 // Weights are copied without the node's lock: a rank's step report is served meanwhile, and
 // an Abort of the plan being staged makes the Prepare fail (nothing is left prepared).
 TEST(NodeTest, StagingRunsWithoutTheLockAndAnAbortMeanwhileFailsThePrepare) {
