@@ -53,6 +53,7 @@ constexpr int kWarmup = 5;
 struct Board {
   uint32_t arrived;   // Ranks at the start line of the next iteration (AlignStart).
   uint32_t released;  // Iterations whose start line every rank has passed.
+  uint32_t sleepers;  // Ranks asleep on `released` (signal.h).
   double us[kMaxIters][kMaxRanks];
   uint64_t bytes[kMaxRanks];
   int failed;       // Set once, by the first rank that fails (Fail).
@@ -78,10 +79,10 @@ int64_t NowNs() {
 bool AlignStart(Board* board, int ranks, uint32_t round) {
   if (std::atomic_ref<uint32_t>(board->arrived).fetch_add(1) + 1 == static_cast<uint32_t>(ranks)) {
     std::atomic_ref<uint32_t>(board->arrived).store(0);
-    Signal(&board->released, round);
+    Signal(&board->released, round, &board->sleepers);
     return true;
   }
-  return WaitEpoch(&board->released, round, absl::Now() + absl::Seconds(120)).ok();
+  return WaitEpoch(&board->released, round, &board->sleepers, absl::Now() + absl::Seconds(120)).ok();
 }
 
 int RankMain(const Case& c, const EpConfig& config, int rank, std::vector<std::byte*> arenas,

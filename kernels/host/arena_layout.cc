@@ -77,6 +77,7 @@ ArenaLayout::ArenaLayout(const EpConfig& c) {
   count_flag = carve(R * kFlagStride);
   barrier_flag = carve(R * kFlagStride);
   abort = carve(kLine);
+  sleepers = carve(kLine);
   counts = carve(R * sizeof(uint32_t));
   load_counters = carve(static_cast<size_t>(c.num_layers) * c.slots_per_rank * sizeof(uint64_t));
   load_seq = carve(static_cast<size_t>(c.num_layers) * sizeof(uint64_t));

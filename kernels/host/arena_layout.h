@@ -14,6 +14,8 @@
 //                              by the first rank whose wait timed out, so that every rank
 //                              reports the dead peer rather than a survivor stuck behind it,
 //                              or by the daemon (a rank left, or the daemon is draining)
+//   sleepers        64 B       threads of the owner asleep (or about to be) in a futex on
+//                              this arena's flags: a Signal makes the wake syscall only then
 //   counts          R x 4 B    [s]: records source s stored in the current dispatch
 //   load_counters   L x S x 8  [l][i]: routed pairs received, monotonic (owner only writes)
 //   load_seq        L x 8      [l]: 2 x the dispatches of layer l counted in load_counters;
@@ -106,8 +108,8 @@ absl::Status TimedOutStatus(uint32_t code, int rank, int peer, absl::Duration ti
                             const char* what, uint32_t call);
 
 struct ArenaLayout {
-  size_t dispatch_flag, combine_flag, count_flag, barrier_flag, abort, counts, load_counters,
-      load_seq, records, rows, partials, total_bytes;
+  size_t dispatch_flag, combine_flag, count_flag, barrier_flag, abort, sleepers, counts,
+      load_counters, load_seq, records, rows, partials, total_bytes;
   size_t record_bytes, row_bytes;
   size_t row_stride;  // Bytes per source (or destination) in rows and partials.
   size_t flagged_offset;  // Where the flagged rows start in a source's part: T x B.

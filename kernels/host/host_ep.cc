@@ -339,7 +339,7 @@ void HostEp::CountBatch(const DispatchInput& in, int batch, int num_batches, int
   batch_end_[batch] = BatchEnd(u, batch + 1 == num_batches, senders);
   // Hand the batch over: a release store (and a wake when the senders are threads).
   if (senders_ != nullptr) {
-    Signal(&batches_, batches_ + 1);
+    Signal(&batches_, batches_ + 1, &batch_sleepers_);
   } else {
     ++batches_;
   }
@@ -352,7 +352,7 @@ void HostEp::FinishCounting(uint32_t epoch, bool publish, bool flagged) {
     if (!active_[d]) continue;
     reinterpret_cast<uint32_t*>(arenas_[d] + layout_.counts)[rank_] =
         static_cast<uint32_t>(dest_records_[d]) | (flagged ? kFlaggedCount : 0u);
-    Signal(FlagAt(arenas_[d], layout_.count_flag, rank_), epoch);
+    Raise(d, layout_.count_flag, epoch);
   }
   if (!publish) return;  // bsp publishes the rows with its barrier.
   for (int d = 0; d < config_.num_ranks; ++d) {
@@ -381,7 +381,7 @@ void HostEp::SendShare(int index, int senders, const DispatchInput& in, uint32_t
   for (int b = 0; b < num_batches; ++b) {
     // Counting never blocks (the input was validated before it began), so this wait ends
     // within a batch's routing; the deadline only bounds it.
-    if (!WaitEpoch(&batches_, batches_before + b + 1, deadline).ok()) return;
+    if (!WaitEpoch(&batches_, batches_before + b + 1, &batch_sleepers_, deadline).ok()) return;
     const int64_t begin = ShareBegin(batch_begin, batch_end_[b], senders, index);
     const int64_t end = ShareBegin(batch_begin, batch_end_[b], senders, index + 1);
     batch_begin = batch_end_[b];
@@ -430,13 +430,22 @@ void HostEp::SendShare(int index, int senders, const DispatchInput& in, uint32_t
 }
 
 void HostEp::Publish(int d, uint32_t epoch) {
-  Signal(FlagAt(arenas_[d], layout_.dispatch_flag, rank_), epoch);
+  Raise(d, layout_.dispatch_flag, epoch);
 }
 
 absl::Status HostEp::Wait(const uint32_t* word, uint32_t epoch, int peer, const char* what,
                           absl::Time deadline) const {
-  absl::Status s = WaitEpoch(word, epoch, deadline, AbortWord());
+  absl::Status s = WaitEpoch(word, epoch, OwnSleepers(), deadline, AbortWord());
   return s.ok() ? s : GiveUp(peer, what, epoch);
+}
+
+void HostEp::Raise(int d, size_t region, uint32_t epoch) {
+  Signal(FlagAt(arenas_[d], region, rank_), epoch,
+         reinterpret_cast<uint32_t*>(arenas_[d] + layout_.sleepers));
+}
+
+uint32_t* HostEp::OwnSleepers() const {
+  return reinterpret_cast<uint32_t*>(arenas_[rank_] + layout_.sleepers);
 }
 
 uint32_t* HostEp::AbortWord() const {
@@ -486,14 +495,15 @@ absl::Status HostEp::Nap(const uint32_t* flag, uint32_t epoch, int peer, const c
   if (absl::Now() >= deadline) return GiveUp(peer, what, epoch);
   // A slice of at most a millisecond, so that an abort is seen that soon.
   const absl::Status slice =
-      WaitEpoch(flag, epoch, std::min(deadline, absl::Now() + absl::Milliseconds(1)), AbortWord());
+      WaitEpoch(flag, epoch, OwnSleepers(), std::min(deadline, absl::Now() + absl::Milliseconds(1)),
+                AbortWord());
   return absl::IsAborted(slice) ? GiveUp(peer, what, epoch) : absl::OkStatus();
 }
 
 absl::Status HostEp::Barrier(absl::Time deadline) {
   const uint32_t b = ++barrier_epoch_;
   for (int s = 0; s < config_.num_ranks; ++s) {
-    if (active_[s]) Signal(FlagAt(arenas_[s], layout_.barrier_flag, rank_), b);
+    if (active_[s]) Raise(s, layout_.barrier_flag, b);
   }
   for (int s = 0; s < config_.num_ranks; ++s) {
     if (!active_[s]) continue;
@@ -788,7 +798,7 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
       }
     }
     if (config_.protocol == Protocol::kUbep) {
-      Signal(FlagAt(arenas_[s], layout_.combine_flag, rank_), epoch);
+      Raise(s, layout_.combine_flag, epoch);
     }
   }
   std::byte* own = arenas_[rank_];

@@ -151,6 +151,11 @@ class HostEp {
   // every arena's abort word if this rank is the first to give up).
   absl::Status GiveUp(int peer, const char* what, uint32_t epoch) const;
   uint32_t* AbortWord() const;
+  // Raises this rank's flag in `region` of rank d's arena to `epoch` (Signal, with d's
+  // sleepers word: d is the one that waits on it).
+  void Raise(int d, size_t region, uint32_t epoch);
+  // The sleepers word of this rank's arena, for its waits on its own flags.
+  uint32_t* OwnSleepers() const;
   absl::Status Barrier(absl::Time deadline);
   // What a look at a source found: nothing new, some of its data (flagged rows), or all of it.
   enum class Take { kNothing, kSome, kDone };
@@ -196,6 +201,7 @@ class HostEp {
   std::vector<int64_t> batch_end_;    // Per batch: units handed over (send_split.h BatchEnd).
   std::vector<int32_t> dest_records_;  // Per destination: records so far.
   uint32_t batches_ = 0;  // Batches counted, over every call (a Signal word).
+  uint32_t batch_sleepers_ = 0;  // Sender threads asleep on batches_.
   std::vector<Share> shares_;  // Per sender.
   // Per destination: units stored, plus kCountedBias once counting is done.
   std::unique_ptr<std::atomic<int64_t>[]> published_;

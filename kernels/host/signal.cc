@@ -17,16 +17,18 @@ constexpr absl::Duration kMaxSleep = absl::Milliseconds(50);
 
 }  // namespace
 
-void Signal(uint32_t* word, uint32_t epoch) {
-  std::atomic_ref<uint32_t>(*word).store(epoch, std::memory_order_release);
+void Signal(uint32_t* word, uint32_t epoch, uint32_t* sleepers) {
+  std::atomic_ref<uint32_t>(*word).store(epoch, std::memory_order_seq_cst);
+  if (std::atomic_ref<uint32_t>(*sleepers).load(std::memory_order_seq_cst) == 0) return;
   syscall(SYS_futex, word, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
 }
 
-absl::Status WaitEpoch(const uint32_t* word, uint32_t epoch, absl::Time deadline,
-                       const uint32_t* abort_word) {
+absl::Status WaitEpoch(const uint32_t* word, uint32_t epoch, uint32_t* sleepers,
+                       absl::Time deadline, const uint32_t* abort_word) {
   for (int i = 0; i < kSpins; ++i) {
     if (EpochReached(LoadAcquire(word), epoch)) return absl::OkStatus();
   }
+  std::atomic_ref<uint32_t> asleep(*sleepers);
   while (true) {
     const uint32_t seen = LoadAcquire(word);
     if (EpochReached(seen, epoch)) return absl::OkStatus();
@@ -38,8 +40,13 @@ absl::Status WaitEpoch(const uint32_t* word, uint32_t epoch, absl::Time deadline
       return absl::DeadlineExceededError("timed out");
     }
     const timespec ts = absl::ToTimespec(std::min(left, kMaxSleep));
-    // Returns at once if the word moved since `seen`; spurious wakeups loop.
-    syscall(SYS_futex, const_cast<uint32_t*>(word), FUTEX_WAIT, seen, &ts, nullptr, 0);
+    asleep.fetch_add(1, std::memory_order_seq_cst);
+    // After the count: a Signal that stored later sees this sleeper and wakes it (the futex
+    // returns at once if the word moved after this look); spurious wakeups loop.
+    if (std::atomic_ref<const uint32_t>(*word).load(std::memory_order_seq_cst) == seen) {
+      syscall(SYS_futex, const_cast<uint32_t*>(word), FUTEX_WAIT, seen, &ts, nullptr, 0);
+    }
+    asleep.fetch_sub(1, std::memory_order_seq_cst);
   }
 }
 

@@ -19,6 +19,7 @@
 #include "kernels/common/plan_area.h"
 #include "kernels/common/routing.h"
 #include "kernels/host/shared_arena.h"
+#include "kernels/host/signal.h"
 #include "tests/unit/dataplane_fixtures.h"
 
 namespace ubep::kernels {
@@ -735,6 +736,41 @@ TEST(HostEpErrorTest, ATimeoutLeavesTheArenaOfARankThePlanExcludesAlone) {
         << "rank " << r;
   }
   EXPECT_TRUE(std::equal(before.begin(), before.end(), group.arena(3)));
+}
+
+// signal.h: a waiter that goes to sleep counts itself in the sleepers word while it sleeps
+// (so that a Signal wakes it), and every way out of WaitEpoch takes it off again.
+TEST(SignalTest, ASleeperCountsItselfUntilItIsSignalled) {
+  uint32_t word = 0, sleepers = 0;
+  absl::Status waited;
+  std::thread waiter([&] { waited = WaitEpoch(&word, 1, &sleepers, absl::Now() + absl::Seconds(60)); });
+  const absl::Time until = absl::Now() + absl::Seconds(30);
+  while (std::atomic_ref<uint32_t>(sleepers).load() == 0 && absl::Now() < until) {
+    absl::SleepFor(absl::Microseconds(100));
+  }
+  EXPECT_EQ(std::atomic_ref<uint32_t>(sleepers).load(), 1u);
+  Signal(&word, 1, &sleepers);
+  waiter.join();
+  EXPECT_EQ(waited, absl::OkStatus());
+  EXPECT_EQ(sleepers, 0u);
+}
+
+TEST(SignalTest, TimeoutsAndAbortsLeaveNoSleeperBehind) {
+  uint32_t word = 5, sleepers = 0, abort_word = 0;
+  EXPECT_EQ(WaitEpoch(&word, 5, &sleepers, absl::InfinitePast()), absl::OkStatus());
+  EXPECT_EQ(WaitEpoch(&word, 6, &sleepers, absl::Now() + absl::Milliseconds(20)),
+            absl::DeadlineExceededError("timed out"));
+  EXPECT_EQ(sleepers, 0u);
+  absl::Status waited;
+  std::thread waiter([&] {
+    waited = WaitEpoch(&word, 6, &sleepers, absl::Now() + absl::Seconds(60), &abort_word);
+  });
+  std::atomic_ref<uint32_t>(abort_word).store(1);
+  waiter.join();
+  EXPECT_EQ(waited, absl::AbortedError("the group gave up"));
+  EXPECT_EQ(sleepers, 0u);
+  // A word past the epoch has reached it.
+  EXPECT_EQ(WaitEpoch(&word, 4, &sleepers, absl::InfinitePast()), absl::OkStatus());
 }
 
 TEST(HostEpErrorTest, NoPlanInForceIsAClearError) {
