@@ -459,11 +459,12 @@ __global__ void SendKernel(Params p, int count_blocks) {
     for (int d = threadIdx.x; d < R; d += blockDim.x) shared[d] = 0;
     __syncthreads();
     DelayForTesting(p.row_delay_ns);
+    const uint64_t senders_deadline = deadline + p.row_delay_ns;  // The delay is not a stall.
     int64_t batch_begin = 0, begin = 0, end = 0;
     int last_token = 0;
     for (int b = 0; b < num_batches; ++b) {
       // Stalled: stop storing; the flags of what is left stay down, and the peers time out.
-      if (!BlockWaitCount(p, p.batch_scanned, b + 1, deadline)) return;
+      if (!BlockWaitCount(p, p.batch_scanned, b + 1, senders_deadline)) return;
       BatchShare(p, b, index, &batch_begin, &begin, &end, &last_token);
       StoreUnits(p, begin, end, last_token, shared);
     }

@@ -24,7 +24,7 @@ namespace {
 constexpr int kMaxRanks = 8;
 
 struct Board {
-  std::atomic<int> ready, armed, done, reform[2];
+  std::atomic<int> ready, armed, done, reform[2], scrubbed[2];
   std::byte handles[kMaxRanks][64];
   char error[kMaxRanks][256];
 };
@@ -152,6 +152,46 @@ void FillStale(std::byte* arena, const ArenaLayout& l, int ranks, const Faults& 
     }
   }
   UBEP_CHECK_CUDA(cudaMemcpy(arena, image.data(), image.size(), cudaMemcpyHostToDevice));
+}
+
+// After a call at a scrub epoch (Faults::resume_epoch + 1, TagScrubDue) over FillStale's
+// arena: "" if every flagged part of the rows and partials carries the scrub tag, the plain
+// parts still hold the stale granules, and every peer raised its dispatch and combine flags
+// here (RaisesFlag: all of them at a scrub epoch); else what is wrong.
+std::string CheckScrubbed(const std::vector<std::byte>& arena, const ArenaLayout& l, int ranks,
+                          const Faults& f) {
+  const uint32_t epoch = f.resume_epoch + 1;
+  auto granule_at = [&](size_t offset) {
+    uint64_t g;
+    std::memcpy(&g, arena.data() + offset, sizeof(g));
+    return g;
+  };
+  for (size_t region : {l.dispatch_flag, l.combine_flag}) {
+    for (int s = 0; s < ranks; ++s) {
+      uint32_t flag;
+      std::memcpy(&flag, arena.data() + region + s * kFlagStride, sizeof(flag));
+      if (flag != epoch) {
+        return absl::StrCat("the ", region == l.dispatch_flag ? "dispatch" : "combine",
+                            " flag of rank ", s, " stands at ", flag, ", not ", epoch);
+      }
+    }
+  }
+  for (size_t region : {l.rows, l.partials}) {
+    const char* name = region == l.rows ? "rows" : "partials";
+    for (int s = 0; s < ranks; ++s) {
+      const size_t part = region + s * l.row_stride;
+      if (granule_at(part) != Granule(0xDEADBEEF, f.stale_tag)) {
+        return absl::StrCat("the plain ", name, " of part ", s, " were written");
+      }
+      for (size_t at = part + l.flagged_offset; at < part + l.row_stride; at += kGranuleBytes) {
+        if (granule_at(at) != Granule(0, ScrubTag(epoch))) {
+          return absl::StrCat("flagged ", name, " of part ", s, ": granule ",
+                              (at - part - l.flagged_offset) / kGranuleBytes, " not scrubbed");
+        }
+      }
+    }
+  }
+  return "";
 }
 
 // One rank process: returns "" or what went wrong. Runs calls[0], calls[1], ... in turn,
@@ -282,6 +322,15 @@ std::string RunRank(const EpConfig& c, int rank, const TestPlan& plan,
     s = (*ep)->Combine(d_y, d_out);
     if (!s.ok()) return finish(std::string(s.message()) + at);
     if (Download(d_out, out_size) != want.combined) return finish("combined output differs" + at);
+    if (k == 0 && faults.resume_epoch != 0 && TagScrubDue(faults.resume_epoch + 1)) {
+      // Every rank is done with the call (its scrubs ran before its Combine returned) before
+      // any looks, and every rank has looked before any stores the next call's rows.
+      Meet(board->scrubbed[0], c.num_ranks);
+      const std::string wrong =
+          CheckScrubbed(Download((*arena)->data(), layout.total_bytes), layout, c.num_ranks, faults);
+      Meet(board->scrubbed[1], c.num_ranks);
+      if (!wrong.empty()) return finish(wrong + at);
+    }
   }
   return finish("");
 }
@@ -513,9 +562,10 @@ TEST_P(CudaEpTest, ACombineWaitsForDestinationsItSentNothing) {
 
 // HostEpFlaggedTest.TagsOfEarlierEpochsAreScrubbedBeforeTheyComeAgain on the GPU: every
 // landing holds garbage tagged 2^30 + 1 and the group resumes at epoch 2^30 - 1, so call 2^30
-// rewrites the tags (ScrubKernel) after it has read its rows and partials, and in call
-// 2^30 + 1, with rank 0's rows and partials late, nobody takes the garbage for them. Call
-// 2^30 raises every flag (RaisesFlag), and the plain call after it must not pass them.
+// rewrites the tags (ScrubKernel) after it has read its rows and partials (CheckScrubbed reads
+// every arena back after it, flags included: call 2^30 raises every flag, RaisesFlag), and in
+// call 2^30 + 1, with rank 0's rows and partials late, nobody takes the garbage for them. The
+// plain call after it must not pass the flags either.
 TEST_P(CudaEpTest, TagsOfEarlierEpochsAreScrubbedBeforeTheyComeAgain) {
   if (std::get<0>(GetParam()) != 4 || std::get<1>(GetParam()) != Mode::kUbepFlagged) {
     GTEST_SKIP() << "a four-rank flagged case";
