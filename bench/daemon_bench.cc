@@ -34,6 +34,7 @@
 #include "absl/time/clock.h"
 #include "bench/dataplane_inputs.h"
 #include "common/percentile.h"
+#include "kernels/common/host_cpu.h"
 #include "kernels/host/host_ep.h"
 #include "kernels/host/shared_arena.h"
 #include "nlohmann/json.hpp"
@@ -274,6 +275,7 @@ absl::StatusOr<std::pair<double, double>> AttachLatency(const std::string& socke
 
 int main(int argc, char** argv) {
   using namespace ubep::bench;
+  ubep::kernels::RequireHostCpu("ubep-bench-daemon");
   bool json = false;
   int iters = 100;
   std::vector<int> rank_counts = {2, 4};

@@ -35,6 +35,7 @@
 #include "absl/time/clock.h"
 #include "bench/dataplane_inputs.h"
 #include "common/percentile.h"
+#include "kernels/common/host_cpu.h"
 #include "kernels/common/routing.h"
 #include "kernels/host/host_ep.h"
 #include "kernels/host/shared_arena.h"
@@ -265,6 +266,7 @@ Result RunMemcpy(uint64_t bytes, int iters) {
 
 int main(int argc, char** argv) {
   using namespace ubep::kernels;
+  RequireHostCpu("ubep-bench-dataplane");
   bool json = false;
   int iters = 50;
   std::string which = "all";

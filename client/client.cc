@@ -15,6 +15,7 @@
 #include "common/status_macros.h"
 #include "common/unix_socket.h"
 #include "grpcpp/grpcpp.h"
+#include "kernels/common/host_cpu.h"
 #include "kernels/common/plan_area.h"
 #include "kernels/host/host_ep.h"
 #include "kernels/host/rank_arena.h"
@@ -391,6 +392,8 @@ absl::StatusOr<std::unique_ptr<Rank>> Rank::Attach(const ClientOptions& options,
     return absl::InvalidArgumentError(
         absl::StrCat("rank ", rank, " is outside [0, world_size ", world_size, ")"));
   }
+  // The host kernels' code runs from here on (arenas, signals, the host backend).
+  UBEP_RETURN_IF_ERROR(kernels::HostCpuSupported());
   auto s = std::make_unique<RankState>();
   s->options = options;
   s->rank = rank;

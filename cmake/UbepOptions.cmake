@@ -3,6 +3,15 @@ option(UBEP_BUILD_TESTS "Build the test suite" ON)
 option(UBEP_BUILD_BENCHMARKS "Build the benchmark binaries" ON)
 set(UBEP_SANITIZE "" CACHE STRING "Sanitizers: '', 'address' (ASan+UBSan) or 'thread' (TSan)")
 set_property(CACHE UBEP_SANITIZE PROPERTY STRINGS "" address thread)
+# The x86-64 level of the host kernels (the host backend's row loops) and the bench's MPI
+# baseline: x86-64-v3 (AVX2, FMA: every x86-64 server of the last decade) by default. ubepd and
+# libubep refuse to start on a CPU below it (kernels/common/host_cpu.h) rather than die of
+# SIGILL. Ignored where the target is not x86-64.
+set(UBEP_HOST_MARCH "x86-64-v3" CACHE STRING "x86-64 level of the host kernels: x86-64, x86-64-v2, x86-64-v3 or x86-64-v4")
+set_property(CACHE UBEP_HOST_MARCH PROPERTY STRINGS x86-64 x86-64-v2 x86-64-v3 x86-64-v4)
+if(NOT UBEP_HOST_MARCH MATCHES "^x86-64(-v[234])?$")
+  message(FATAL_ERROR "UBEP_HOST_MARCH=${UBEP_HOST_MARCH}: expected x86-64, x86-64-v2, x86-64-v3 or x86-64-v4")
+endif()
 
 # CUDA is on by default when nvcc is found (CUDA 13 lives under /usr/local/cuda here).
 if(NOT DEFINED CMAKE_CUDA_COMPILER AND EXISTS /usr/local/cuda/bin/nvcc)

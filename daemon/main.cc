@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "daemon/daemon.h"
+#include "kernels/common/host_cpu.h"
 
 ABSL_FLAG(std::string, backend, "host", "Arena backend: host (memfd shared memory) or cuda.");
 ABSL_FLAG(std::string, socket, "/run/ubep/ubepd.sock",
@@ -58,6 +59,7 @@ int main(int argc, char** argv) {
       "serving processes (libubep).\nUsage: ubepd --socket PATH [--listen HOST:PORT] "
       "[--metrics HOST:PORT] [--plan FILE] [--backend host|cuda]");
   absl::ParseCommandLine(argc, argv);
+  ubep::kernels::RequireHostCpu("ubepd");
 
   ubep::daemon::DaemonOptions options;
   options.backend = absl::GetFlag(FLAGS_backend);

@@ -16,6 +16,7 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "kernels/common/flagged_rows.h"
+#include "kernels/common/host_cpu.h"
 #include "kernels/common/plan_area.h"
 #include "kernels/common/routing.h"
 #include "kernels/host/shared_arena.h"
@@ -736,6 +737,22 @@ TEST(HostEpErrorTest, ATimeoutLeavesTheArenaOfARankThePlanExcludesAlone) {
         << "rank " << r;
   }
   EXPECT_TRUE(std::equal(before.begin(), before.end(), group.arena(3)));
+}
+
+// host_cpu.h: the machine that built and runs these tests runs the level the host kernels were
+// built for (were it below it, this binary would have died of SIGILL in the tests before), and
+// a CPU below a level gets an error that says what to rebuild with.
+TEST(HostCpuTest, TheBuildsLevelRunsHereAndACpuBelowItIsToldWhatToRebuild) {
+  EXPECT_EQ(HostCpuSupported(), absl::OkStatus()) << HostKernelLevel();
+#if defined(__x86_64__)
+  EXPECT_NE(HostKernelLevel(), "");  // kernels/CMakeLists.txt passes UBEP_HOST_MARCH on.
+#endif
+  EXPECT_EQ(HostCpuStatus("x86-64-v4", false),
+            absl::FailedPreconditionError(
+                "the host kernels of this build need an x86-64-v4 CPU, and this one lacks some "
+                "of its features (see /proc/cpuinfo); rebuild with -DUBEP_HOST_MARCH=x86-64 (or "
+                "the level this CPU has) to run here"));
+  EXPECT_EQ(HostCpuStatus("x86-64-v3", true), absl::OkStatus());
 }
 
 // signal.h: a waiter that goes to sleep counts itself in the sleepers word while it sleeps
