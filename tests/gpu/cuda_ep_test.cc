@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <functional>
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
@@ -386,6 +387,27 @@ RunOutcome RunGroup(const EpConfig& c, const TestPlan& plan, const std::vector<R
   return RunGroupCalls(c, plan, {inputs}, expected != nullptr ? &want : nullptr, faults);
 }
 
+// Calls after each other on one group, call k's input for rank r from make(k, r), each
+// checked byte for byte against the host backend: every rank's error ("" when all matched).
+// `check` (optional) sees the host backend's results first, [call][rank].
+std::vector<std::string> RunCallsAgainstHost(
+    const EpConfig& c, const TestPlan& plan, int calls,
+    const std::function<RankInput(int k, int r)>& make, const Faults& faults = {},
+    const std::function<void(const std::vector<std::vector<RankResult>>&)>& check = nullptr) {
+  std::vector<std::vector<RankInput>> inputs(calls);
+  std::vector<std::vector<RankResult>> expected;
+  for (int k = 0; k < calls; ++k) {
+    for (int r = 0; r < c.num_ranks; ++r) inputs[k].push_back(make(k, r));
+    expected.push_back(HostReference(c, plan, inputs[k]));
+  }
+  if (check) check(expected);
+  return RunGroupCalls(c, plan, inputs, &expected, faults).errors;
+}
+
+void ExpectNoErrors(const std::vector<std::string>& errors) {
+  for (size_t r = 0; r < errors.size(); ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
 class CudaEpTest : public ::testing::TestWithParam<std::tuple<int, Mode>> {
  protected:
   void SetUp() override {
@@ -431,17 +453,9 @@ TEST_P(CudaEpTest, ConsecutiveCallsMatchTheHostBackend) {
   EpConfig c = GpuConfig(std::get<0>(GetParam()), std::get<1>(GetParam()));
   if (std::get<1>(GetParam()) == Mode::kUbepFlagged) c.flagged_tokens = 24;
   const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
-  std::vector<std::vector<RankInput>> inputs;
-  std::vector<std::vector<RankResult>> expected;
-  for (int k = 0; k < 3; ++k) {
-    const int tokens = k == 1 ? c.max_tokens : 20;
-    std::vector<RankInput> call;
-    for (int r = 0; r < c.num_ranks; ++r) call.push_back(MakeInput(c, r, tokens - r, 30 + k));
-    expected.push_back(HostReference(c, plan, call));
-    inputs.push_back(std::move(call));
-  }
-  const RunOutcome outcome = RunGroupCalls(c, plan, inputs, &expected, {});
-  for (int r = 0; r < c.num_ranks; ++r) EXPECT_EQ(outcome.errors[r], "") << "rank " << r;
+  ExpectNoErrors(RunCallsAgainstHost(c, plan, 3, [&](int k, int r) {
+    return MakeInput(c, r, (k == 1 ? c.max_tokens : 20) - r, 30 + k);
+  }));
 }
 
 TEST_P(CudaEpTest, AMissingPeerTimesOutWithItsName) {
@@ -486,48 +500,52 @@ TEST_P(CudaEpTest, AnExpertIdOutOfRangeIsFlaggedWithoutStrayWrites) {
   for (int r = 1; r < c.num_ranks; ++r) EXPECT_EQ(outcome.errors[r], "") << "rank " << r;
 }
 
-// The host backend's error tests, on the GPU: rank 1's rows (then, below, its partials) go out
-// 2 s late against a timeout of 500 ms. The others name rank 1 and the phase they waited in:
-// rows waited for by their flags, or row by row when flagged, or behind bsp's barrier.
-TEST_P(CudaEpTest, RowsThatNeverArriveAreNamedAfterTheCounts) {
-  if (std::get<0>(GetParam()) != 4) GTEST_SKIP() << "a four-rank case";
-  EpConfig c = GpuConfig(4, std::get<1>(GetParam()));
+// The host backend's error tests, on the GPU: four ranks of 8 tokens, a timeout of 500 ms,
+// and rank 1's rows (`rows`) or partials 2 s late. Every other rank gets rows from rank 1, so
+// each waits for them (flagged: row by row); the errors of every rank.
+std::vector<std::string> ErrorsWithRankOneLate(Mode mode, bool rows) {
+  EpConfig c = GpuConfig(4, mode);
   c.timeout = absl::Milliseconds(500);
   const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
   std::vector<RankInput> inputs;
   for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 8, 7));
-  // Every other rank gets rows from rank 1, so each waits for them (flagged: row by row).
   const std::vector<RankResult> routed = HostReference(c, plan, inputs);
   for (int r : {0, 2, 3}) {
-    ASSERT_NE(std::count(routed[r].src_rank.begin(), routed[r].src_rank.end(), 1), 0)
-        << "rank " << r;
+    if (std::count(routed[r].src_rank.begin(), routed[r].src_rank.end(), 1) == 0) {
+      ADD_FAILURE() << "rank " << r << " gets no rows from rank 1";
+      return {};
+    }
   }
-  const RunOutcome outcome = RunGroup(
-      c, plan, inputs, nullptr, {.late_rank = 1, .row_delay = absl::Seconds(2)});
+  Faults faults{.late_rank = 1};
+  (rows ? faults.row_delay : faults.partial_delay) = absl::Seconds(2);
+  return RunGroup(c, plan, inputs, nullptr, faults).errors;
+}
+
+// The others name rank 1 and the phase they waited in: rows waited for by their flags, or row
+// by row when flagged, or behind bsp's barrier.
+TEST_P(CudaEpTest, RowsThatNeverArriveAreNamedAfterTheCounts) {
+  if (std::get<0>(GetParam()) != 4) GTEST_SKIP() << "a four-rank case";
+  const Mode mode = std::get<1>(GetParam());
+  const std::vector<std::string> errors = ErrorsWithRankOneLate(mode, /*rows=*/true);
+  ASSERT_EQ(errors.size(), 4u);
   for (int r : {0, 2, 3}) {
-    EXPECT_EQ(outcome.errors[r],
-              absl::StrCat("rank ", r, ": timed out after 500ms waiting for rank 1 (",
-                           c.protocol == Protocol::kBsp ? "dispatch, bsp" : "dispatch data",
-                           ", call 1); is rank 1 alive?"));
+    EXPECT_EQ(errors[r], absl::StrCat("rank ", r, ": timed out after 500ms waiting for rank 1 (",
+                                      mode == Mode::kBsp ? "dispatch, bsp" : "dispatch data",
+                                      ", call 1); is rank 1 alive?"));
   }
   // Rank 1 itself finds the group given up on it, in its dispatch or its combine.
-  EXPECT_NE(outcome.errors[1], "");
+  EXPECT_NE(errors[1], "");
 }
 
 TEST_P(CudaEpTest, PartialsThatNeverArriveAreNamed) {
   if (std::get<0>(GetParam()) != 4) GTEST_SKIP() << "a four-rank case";
-  EpConfig c = GpuConfig(4, std::get<1>(GetParam()));
-  c.timeout = absl::Milliseconds(500);
-  const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
-  std::vector<RankInput> inputs;
-  for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 8, 9));
-  const RunOutcome outcome = RunGroup(
-      c, plan, inputs, nullptr, {.late_rank = 1, .partial_delay = absl::Seconds(2)});
+  const std::vector<std::string> errors =
+      ErrorsWithRankOneLate(std::get<1>(GetParam()), /*rows=*/false);
+  ASSERT_EQ(errors.size(), 4u);
   for (int r : {0, 2, 3}) {
-    EXPECT_EQ(outcome.errors[r],
-              absl::StrCat("combine: rank ", r,
-                           ": timed out after 500ms waiting for rank 1 (combine partials, call "
-                           "1); is rank 1 alive?"));
+    EXPECT_EQ(errors[r], absl::StrCat("combine: rank ", r,
+                                      ": timed out after 500ms waiting for rank 1 (combine "
+                                      "partials, call 1); is rank 1 alive?"));
   }
 }
 
@@ -541,23 +559,18 @@ TEST_P(CudaEpTest, ACombineWaitsForDestinationsItSentNothing) {
   EpConfig c = GpuConfig(2, std::get<1>(GetParam()));
   c.slots_per_rank = 10;  // Rank 0: experts 0-9; rank 1: 10-15 and 0-3.
   const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
-  std::vector<std::vector<RankInput>> inputs;
-  std::vector<std::vector<RankResult>> expected;
-  for (int call = 1; call <= 2; ++call) {
-    std::vector<RankInput> step;
-    for (int r = 0; r < c.num_ranks; ++r) {
-      const int expert = r == 0 ? (call == 1 ? 5 : 12) : 12;
-      step.push_back(MakeInput(c, r, 10, call, /*only_expert=*/expert));
-    }
-    expected.push_back(HostReference(c, plan, step));
-    inputs.push_back(std::move(step));
-  }
-  // Every token carries one pair into the rank that serves it.
-  ASSERT_EQ(expected[0][1].slot_offsets.back(), 10);
-  ASSERT_EQ(expected[1][1].slot_offsets.back(), 20);
-  const RunOutcome outcome = RunGroupCalls(
-      c, plan, inputs, &expected, {.late_rank = 1, .row_delay = absl::Milliseconds(300)});
-  for (int r = 0; r < c.num_ranks; ++r) EXPECT_EQ(outcome.errors[r], "") << "rank " << r;
+  ExpectNoErrors(RunCallsAgainstHost(
+      c, plan, 2,
+      [&](int k, int r) {
+        const int expert = r == 0 && k == 0 ? 5 : 12;
+        return MakeInput(c, r, 10, k + 1, /*only_expert=*/expert);
+      },
+      {.late_rank = 1, .row_delay = absl::Milliseconds(300)},
+      [](const std::vector<std::vector<RankResult>>& expected) {
+        // Every token carries one pair into the rank that serves it.
+        EXPECT_EQ(expected[0][1].slot_offsets.back(), 10);
+        EXPECT_EQ(expected[1][1].slot_offsets.back(), 20);
+      }));
 }
 
 // HostEpFlaggedTest.TagsOfEarlierEpochsAreScrubbedBeforeTheyComeAgain on the GPU: every
@@ -573,24 +586,17 @@ TEST_P(CudaEpTest, TagsOfEarlierEpochsAreScrubbedBeforeTheyComeAgain) {
   EpConfig c = GpuConfig(4, Mode::kUbepFlagged);
   c.flagged_tokens = 24;
   const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
-  std::vector<std::vector<RankInput>> inputs;
-  std::vector<std::vector<RankResult>> expected;
-  for (int k = 0; k < 3; ++k) {
-    std::vector<RankInput> call;
-    for (int r = 0; r < c.num_ranks; ++r) {
-      // Flagged, flagged, then plain (above flagged_tokens).
-      call.push_back(MakeInput(c, r, k == 2 ? c.max_tokens - r : 12 + 4 * k + r, 50 + k));
-    }
-    expected.push_back(HostReference(c, plan, call));
-    inputs.push_back(std::move(call));
-  }
-  const RunOutcome outcome = RunGroupCalls(c, plan, inputs, &expected,
-                                           {.late_rank = 0,
-                                            .row_delay = absl::Milliseconds(100),
-                                            .partial_delay = absl::Milliseconds(100),
-                                            .resume_epoch = kTagScrubPeriod - 1,
-                                            .stale_tag = kTagScrubPeriod + 1});
-  for (int r = 0; r < c.num_ranks; ++r) EXPECT_EQ(outcome.errors[r], "") << "rank " << r;
+  ExpectNoErrors(RunCallsAgainstHost(
+      c, plan, 3,
+      [&](int k, int r) {
+        // Flagged, flagged, then plain (above flagged_tokens).
+        return MakeInput(c, r, k == 2 ? c.max_tokens - r : 12 + 4 * k + r, 50 + k);
+      },
+      {.late_rank = 0,
+       .row_delay = absl::Milliseconds(100),
+       .partial_delay = absl::Milliseconds(100),
+       .resume_epoch = kTagScrubPeriod - 1,
+       .stale_tag = kTagScrubPeriod + 1}));
 }
 
 // HostEpFlaggedTest.AReformedGroupNeverTakesTheOldGenerationsRows on the GPU, in every mode:
@@ -602,20 +608,12 @@ TEST_P(CudaEpTest, AReformedGroupNeverTakesTheOldGenerationsRows) {
   if (std::get<0>(GetParam()) != 4) GTEST_SKIP() << "a four-rank case";
   const EpConfig c = GpuConfig(4, std::get<1>(GetParam()));
   const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
-  std::vector<std::vector<RankInput>> inputs;
-  std::vector<std::vector<RankResult>> expected;
-  for (uint64_t seed : {40, 77}) {
-    std::vector<RankInput> call;
-    for (int r = 0; r < c.num_ranks; ++r) call.push_back(MakeInput(c, r, 30, seed));
-    expected.push_back(HostReference(c, plan, call));
-    inputs.push_back(std::move(call));
-  }
-  const RunOutcome outcome = RunGroupCalls(c, plan, inputs, &expected,
-                                           {.late_rank = 0,
-                                            .row_delay = absl::Milliseconds(100),
-                                            .partial_delay = absl::Milliseconds(100),
-                                            .reform_before_call = 1});
-  for (int r = 0; r < c.num_ranks; ++r) EXPECT_EQ(outcome.errors[r], "") << "rank " << r;
+  ExpectNoErrors(RunCallsAgainstHost(
+      c, plan, 2, [&](int k, int r) { return MakeInput(c, r, 30, k == 0 ? 40 : 77); },
+      {.late_rank = 0,
+       .row_delay = absl::Milliseconds(100),
+       .partial_delay = absl::Milliseconds(100),
+       .reform_before_call = 1}));
 }
 
 INSTANTIATE_TEST_SUITE_P(RanksAndProtocols, CudaEpTest,
