@@ -83,7 +83,8 @@ bool AlignStart(Board* board, int ranks, uint32_t round) {
     Signal(&board->released, round, &board->sleepers);
     return true;
   }
-  return WaitEpoch(&board->released, round, &board->sleepers, absl::Now() + absl::Seconds(120)).ok();
+  return WaitEpoch(&board->released, round, &board->sleepers, absl::Now() + absl::Seconds(120))
+      .ok();
 }
 
 int RankMain(const Case& c, const EpConfig& config, int rank, std::vector<std::byte*> arenas,

@@ -1427,9 +1427,9 @@ absl::Status Node::AddPeerArenas(int first_rank, const std::vector<int>& fds,
     if (c->magic != kernels::kRankControlMagic ||
         c->version != kernels::kRankArenaVersion || static_cast<int>(c->rank) != r ||
         static_cast<int>(c->world_size) != config_.num_ranks) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "the peer's arena for rank ", r, " does not match this group (rank ",
-          c->rank, " of ", c->world_size, ", arena version ", c->version, ")"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("the peer's arena for rank ", r, " does not match this group (rank ",
+                       c->rank, " of ", c->world_size, ", arena version ", c->version, ")"));
     }
     // Settings from the daemons' flags, which the clients' shape does not carry.
     if (const std::string differ = kernels::DataPlaneSettingsDiffer(*c, layout_, config_);

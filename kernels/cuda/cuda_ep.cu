@@ -240,7 +240,8 @@ __device__ void FinishDest(const Params& p, int d, int total) {
   reinterpret_cast<uint32_t*>(arena + p.off_counts)[p.rank] =
       static_cast<uint32_t>(total) | (p.flagged ? kFlaggedCount : 0u);
   __threadfence_system();  // The records and count precede the flags, the total the bias.
-  ReleaseFlag(reinterpret_cast<uint32_t*>(arena + p.off_count_flag + p.rank * kFlagStride), p.epoch);
+  ReleaseFlag(reinterpret_cast<uint32_t*>(arena + p.off_count_flag + p.rank * kFlagStride),
+              p.epoch);
   // bsp publishes with a barrier; flagged rows publish themselves (RaisesFlag).
   if (p.bsp || !RaisesFlag(p, d, p.flagged)) return;
   if (total == 0) {
@@ -605,8 +606,9 @@ __global__ void BarrierKernel(Params p, uint32_t epoch) {
   __threadfence_system();
   for (int d = threadIdx.x; d < p.num_ranks; d += blockDim.x) {
     if (RankExcluded(p.plan, static_cast<uint32_t>(d))) continue;
-    ReleaseFlag(reinterpret_cast<uint32_t*>(p.arenas[d] + p.off_barrier_flag + p.rank * kFlagStride),
-                epoch);
+    ReleaseFlag(
+        reinterpret_cast<uint32_t*>(p.arenas[d] + p.off_barrier_flag + p.rank * kFlagStride),
+        epoch);
   }
   WaitFlags(p, p.off_barrier_flag, epoch);
 }
@@ -828,8 +830,9 @@ __global__ void PartialKernel(Params p, const uint16_t* y) {
     for (int s = threadIdx.x; s < R; s += blockDim.x) {
       if (RankExcluded(p.plan, static_cast<uint32_t>(s))) continue;
       if (p.record_base[s + 1] != p.record_base[s]) continue;
-      ReleaseFlag(reinterpret_cast<uint32_t*>(p.arenas[s] + p.off_combine_flag + p.rank * kFlagStride),
-                  p.epoch);
+      ReleaseFlag(
+          reinterpret_cast<uint32_t*>(p.arenas[s] + p.off_combine_flag + p.rank * kFlagStride),
+          p.epoch);
     }
   }
   const int64_t last = SplitBegin(p.record_base[R], gridDim.x, blockIdx.x + 1);
@@ -1076,9 +1079,11 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   p.num_experts = config.num_experts;
   // Resume the epochs this arena has seen (a restarted rank continues its peers' count).
   uint32_t flags[2] = {0, 0};
-  UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&flags[0], arenas[rank] + l.dispatch_flag + rank * kFlagStride,
+  UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&flags[0],
+                                       arenas[rank] + l.dispatch_flag + rank * kFlagStride,
                                        sizeof(uint32_t), cudaMemcpyDeviceToHost));
-  UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&flags[1], arenas[rank] + l.combine_flag + rank * kFlagStride,
+  UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&flags[1],
+                                       arenas[rank] + l.combine_flag + rank * kFlagStride,
                                        sizeof(uint32_t), cudaMemcpyDeviceToHost));
   ep->dispatch_epoch_ = flags[0];
   ep->combine_epoch_ = flags[1];

@@ -201,12 +201,12 @@ HostEp::HostEp(const EpConfig& config, int rank, std::vector<std::byte*> arenas)
       dest_records_(config.num_ranks) {
   // Resume the epochs this arena has seen, so a restarted rank continues its peers' count.
   auto* own = arenas_[rank_];
-  dispatch_epoch_ = LoadAcquire(reinterpret_cast<uint32_t*>(own + layout_.dispatch_flag +
-                                                            rank_ * kFlagStride));
-  combine_epoch_ = LoadAcquire(reinterpret_cast<uint32_t*>(own + layout_.combine_flag +
-                                                           rank_ * kFlagStride));
-  barrier_epoch_ = LoadAcquire(reinterpret_cast<uint32_t*>(own + layout_.barrier_flag +
-                                                           rank_ * kFlagStride));
+  dispatch_epoch_ =
+      LoadAcquire(reinterpret_cast<uint32_t*>(own + layout_.dispatch_flag + rank_ * kFlagStride));
+  combine_epoch_ =
+      LoadAcquire(reinterpret_cast<uint32_t*>(own + layout_.combine_flag + rank_ * kFlagStride));
+  barrier_epoch_ =
+      LoadAcquire(reinterpret_cast<uint32_t*>(own + layout_.barrier_flag + rank_ * kFlagStride));
   const bool spare_cores =
       std::thread::hardware_concurrency() >= 2u * static_cast<unsigned>(config.num_ranks);
   if (config.protocol == Protocol::kUbep &&
@@ -429,9 +429,7 @@ void HostEp::SendShare(int index, int senders, const DispatchInput& in, uint32_t
   }
 }
 
-void HostEp::Publish(int d, uint32_t epoch) {
-  Raise(d, layout_.dispatch_flag, epoch);
-}
+void HostEp::Publish(int d, uint32_t epoch) { Raise(d, layout_.dispatch_flag, epoch); }
 
 absl::Status HostEp::Wait(const uint32_t* word, uint32_t epoch, int peer, const char* what,
                           absl::Time deadline) const {

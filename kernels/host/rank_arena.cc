@@ -1,10 +1,10 @@
 #include "kernels/host/rank_arena.h"
 
-#include "absl/strings/str_cat.h"
-
 #include <algorithm>
 #include <cmath>
+#include <string>
 
+#include "absl/strings/str_cat.h"
 #include "kernels/common/plan_area.h"
 #include "kernels/common/plan_table.h"
 
@@ -88,7 +88,8 @@ namespace {
 
 std::string DescribeSettings(uint32_t protocol, bool on_device, uint32_t flagged_tokens,
                              uint32_t buffers_per_layer) {
-  return absl::StrCat("protocol ", protocol == static_cast<uint32_t>(Protocol::kBsp) ? "bsp" : "ubep",
+  return absl::StrCat("protocol ",
+                      protocol == static_cast<uint32_t>(Protocol::kBsp) ? "bsp" : "ubep",
                       ", flagged_tokens ", flagged_tokens, ", ", buffers_per_layer,
                       " weight buffers per layer, ", on_device ? "device" : "host", " memory");
 }

@@ -66,8 +66,8 @@ struct alignas(64) RankControl {
   // The data-plane settings the arena is laid out and run for (FormatRankArena), which come
   // from the daemon's flags rather than from the clients' shape: a daemon maps a peer's arenas
   // only if they match its own (DataPlaneSettingsDiffer).
-  uint16_t protocol;      // kernels::Protocol.
-  uint16_t on_device;     // 1: the CUDA backend (ep and weights in the device arena).
+  uint16_t protocol;   // kernels::Protocol.
+  uint16_t on_device;  // 1: the CUDA backend (ep and weights in the device arena).
   // Group formation, between the daemons of a group (every daemon maps every arena): the
   // rank's daemon writes next_step, then join_ticket = (rank 0's generation) + 1 when the
   // rank joins; the daemon of rank 0 forms generation g + 1 once every rank's ticket is

@@ -327,8 +327,8 @@ std::string RunRank(const EpConfig& c, int rank, const TestPlan& plan,
       // Every rank is done with the call (its scrubs ran before its Combine returned) before
       // any looks, and every rank has looked before any stores the next call's rows.
       Meet(board->scrubbed[0], c.num_ranks);
-      const std::string wrong =
-          CheckScrubbed(Download((*arena)->data(), layout.total_bytes), layout, c.num_ranks, faults);
+      const std::string wrong = CheckScrubbed(Download((*arena)->data(), layout.total_bytes),
+                                              layout, c.num_ranks, faults);
       Meet(board->scrubbed[1], c.num_ranks);
       if (!wrong.empty()) return finish(wrong + at);
     }

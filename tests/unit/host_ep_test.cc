@@ -760,7 +760,8 @@ TEST(HostCpuTest, TheBuildsLevelRunsHereAndACpuBelowItIsToldWhatToRebuild) {
 TEST(SignalTest, ASleeperCountsItselfUntilItIsSignalled) {
   uint32_t word = 0, sleepers = 0;
   absl::Status waited;
-  std::thread waiter([&] { waited = WaitEpoch(&word, 1, &sleepers, absl::Now() + absl::Seconds(60)); });
+  std::thread waiter(
+      [&] { waited = WaitEpoch(&word, 1, &sleepers, absl::Now() + absl::Seconds(60)); });
   const absl::Time until = absl::Now() + absl::Seconds(30);
   while (std::atomic_ref<uint32_t>(sleepers).load() == 0 && absl::Now() < until) {
     absl::SleepFor(absl::Microseconds(100));

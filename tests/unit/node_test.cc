@@ -424,16 +424,18 @@ TEST(NodeTest, APeersArenasLaidOutForOtherDataPlaneSettingsAreRefusedByName) {
   bsp.protocol = kernels::Protocol::kBsp;
   bsp.free_buffers = 3;
   for (const auto& [options, expected] : std::vector<std::pair<NodeOptions, std::string>>{
-           {flagged, "the peer's arena for rank 2 is laid out for protocol ubep, flagged_tokens "
-                     "6, 6 weight buffers per layer, host memory; this daemon's for protocol "
-                     "ubep, flagged_tokens 0, 6 weight buffers per layer, host memory: start "
-                     "every daemon of a group with the same --protocol, --flagged_tokens, "
-                     "--free_buffers and --backend"},
-           {bsp, "the peer's arena for rank 2 is laid out for protocol bsp, flagged_tokens 0, 7 "
-                 "weight buffers per layer, host memory; this daemon's for protocol ubep, "
-                 "flagged_tokens 0, 6 weight buffers per layer, host memory: start every daemon "
-                 "of a group with the same --protocol, --flagged_tokens, --free_buffers and "
-                 "--backend"}}) {
+           {flagged,
+            "the peer's arena for rank 2 is laid out for protocol ubep, flagged_tokens "
+            "6, 6 weight buffers per layer, host memory; this daemon's for protocol "
+            "ubep, flagged_tokens 0, 6 weight buffers per layer, host memory: start "
+            "every daemon of a group with the same --protocol, --flagged_tokens, "
+            "--free_buffers and --backend"},
+           {bsp,
+            "the peer's arena for rank 2 is laid out for protocol bsp, flagged_tokens 0, 7 "
+            "weight buffers per layer, host memory; this daemon's for protocol ubep, "
+            "flagged_tokens 0, 6 weight buffers per layer, host memory: start every daemon "
+            "of a group with the same --protocol, --flagged_tokens, --free_buffers and "
+            "--backend"}}) {
     Node b(options);
     absl::StatusOr<v1::AttachResponse> r0, r2;
     std::thread ta([&] { r0 = a.Attach(Request(0, 4), absl::Now() + absl::Milliseconds(300)); });
