@@ -1021,7 +1021,14 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   const size_t head = ints * sizeof(int32_t) + max_rows * sizeof(float);
   const size_t recv_offset = (head + 255) / 256 * 256;
   const size_t bytes = recv_offset + max_rows * H * 2;
-  UBEP_CUDA_RETURN_IF_ERROR(cudaMalloc(&s.block, bytes));
+  // The receive side is sized for the worst case: every pair of every source's tokens here.
+  if (const cudaError_t error = cudaMalloc(&s.block, bytes); error != cudaSuccess) {
+    (void)cudaGetLastError();
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cuda backend: rank ", rank, " needs ", bytes, " bytes of device scratch for ", max_rows,
+        " receive rows (", R, " ranks x max_tokens ", T, " x top_k ", K, ") of hidden ", H,
+        ": ", cudaGetErrorString(error), "; lower max_tokens"));
+  }
   UBEP_CUDA_RETURN_IF_ERROR(cudaMemset(s.block, 0, bytes));
   auto* next = static_cast<int32_t*>(s.block);
   auto take = [&](size_t n) {
