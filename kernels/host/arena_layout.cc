@@ -126,8 +126,8 @@ void RaiseAbort(std::byte* arena, const ArenaLayout& layout, uint32_t code) {
 }
 
 std::vector<std::pair<size_t, size_t>> ResetRanges(const ArenaLayout& layout) {
-  // The signal regions, the abort word and the counts are contiguous, from dispatch_flag to
-  // load_counters.
+  // The signal regions, the abort word, the sleepers word and the counts are contiguous, from
+  // dispatch_flag to load_counters.
   std::vector<std::pair<size_t, size_t>> ranges = {
       {layout.dispatch_flag, layout.load_counters - layout.dispatch_flag}};
   if (layout.flagged_tokens > 0) {

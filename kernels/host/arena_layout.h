@@ -122,9 +122,9 @@ struct ArenaLayout {
 // Sets an arena's abort word to `code` unless it is already set (the first reason wins).
 void RaiseAbort(std::byte* arena, const ArenaLayout& layout, uint32_t code);
 
-// Zeroes the signal words, the abort word and the per-source counts of an arena, keeping its
-// header and load counters: a group that re-forms (every rank parked, none inside a dispatch
-// or combine) starts its epochs from zero. When the group uses flag-in-granule rows
+// Zeroes the signal words, the abort word, the sleepers word and the per-source counts of an
+// arena, keeping its header and load counters: a group that re-forms (every rank parked, none
+// inside a dispatch or combine, so none asleep) starts its epochs from zero. When the group uses flag-in-granule rows
 // (flagged_tokens > 0), their parts of the rows and partials are zeroed too, so that no tag of
 // the old epochs can pass for a new one (flagged_rows.h). Not safe while any rank is in a call.
 void ResetSignals(std::byte* arena, const ArenaLayout& layout);

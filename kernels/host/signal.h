@@ -10,7 +10,8 @@
 // it looks at the word one last time and sleeps; a signaller stores the word and then looks at
 // the count. All four accesses are sequentially consistent, so either the waiter sees the new
 // epoch or the signaller sees the waiter, and a Signal nobody waits for costs no syscall. A
-// count left above zero (a process that died asleep) only brings back the wake syscalls.
+// count left above zero (a process that died asleep) only brings back the wake syscalls, until
+// the group's reset (ResetSignals) zeroes it with the flags.
 #ifndef UBEP_KERNELS_HOST_SIGNAL_H_
 #define UBEP_KERNELS_HOST_SIGNAL_H_
 

@@ -773,6 +773,29 @@ TEST(SignalTest, ASleeperCountsItselfUntilItIsSignalled) {
   EXPECT_EQ(sleepers, 0u);
 }
 
+// A process that died asleep leaves the sleepers word of its arena above zero (every Signal
+// into the arena then wakes); the reset of a re-forming group zeroes it with the flags, and
+// keeps the load counters.
+TEST(SignalTest, AResetClearsTheSleepersADeadProcessLeft) {
+  const EpConfig config = SmallConfig(Protocol::kUbep);
+  const ArenaLayout layout(config);
+  std::vector<std::byte> arena(layout.total_bytes);
+  const uint32_t dead_sleeper = 1, epoch = 7;
+  const uint64_t load = 42;
+  std::memcpy(arena.data() + layout.sleepers, &dead_sleeper, sizeof(dead_sleeper));
+  std::memcpy(arena.data() + layout.dispatch_flag, &epoch, sizeof(epoch));
+  std::memcpy(arena.data() + layout.load_counters, &load, sizeof(load));
+  ResetSignals(arena.data(), layout);
+  uint32_t sleepers = 1, flag = 1;
+  uint64_t counter = 0;
+  std::memcpy(&sleepers, arena.data() + layout.sleepers, sizeof(sleepers));
+  std::memcpy(&flag, arena.data() + layout.dispatch_flag, sizeof(flag));
+  std::memcpy(&counter, arena.data() + layout.load_counters, sizeof(counter));
+  EXPECT_EQ(sleepers, 0u);
+  EXPECT_EQ(flag, 0u);
+  EXPECT_EQ(counter, load);
+}
+
 TEST(SignalTest, TimeoutsAndAbortsLeaveNoSleeperBehind) {
   uint32_t word = 5, sleepers = 0, abort_word = 0;
   EXPECT_EQ(WaitEpoch(&word, 5, &sleepers, absl::InfinitePast()), absl::OkStatus());
