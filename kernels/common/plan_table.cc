@@ -1,7 +1,9 @@
 #include "kernels/common/plan_table.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
@@ -117,7 +119,11 @@ absl::Status ValidatePlanTable(std::span<const std::byte> bytes) {
                                                    " slots do not divide among ",
                                                    table->num_ranks, " ranks"));
   }
+  // Which expert each slot of a layer serves: one at most, so that a token's distinct experts
+  // take distinct slots (routing.h's MaxPairsPerToken, which sizes the receive side).
+  std::vector<int64_t> served_by(table->num_slots);
   for (uint32_t l = 0; l < table->num_layers; ++l) {
+    std::fill(served_by.begin(), served_by.end(), -1);
     for (uint32_t e = 0; e < table->num_experts; ++e) {
       const ExpertRoute* route = FindRoute(table, l, e);
       if (route->count == 0 || route->count > table->max_replicas) {
@@ -137,6 +143,12 @@ absl::Status ValidatePlanTable(std::span<const std::byte> bytes) {
               "plan table: layer ", l, " expert ", e, " routes to slot ", slot, " of rank ",
               slot / (table->num_slots / table->num_ranks), ", which is excluded"));
         }
+        if (served_by[slot] >= 0 && served_by[slot] != e) {
+          return absl::InvalidArgumentError(absl::StrCat("plan table: layer ", l, " slot ", slot,
+                                                         " serves experts ", served_by[slot],
+                                                         " and ", e));
+        }
+        served_by[slot] = e;
       }
     }
   }

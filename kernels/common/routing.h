@@ -40,6 +40,25 @@ UBEP_HD inline uint32_t RouteSlot(const PlanTableHeader* plan, uint32_t layer, u
   return ChooseSlot(FindRoute(plan, layer, expert), RouteHash(src_rank, token, k, expert));
 }
 
+// A token lists each expert at most once (masked entries, -1, may repeat): the j < k whose
+// expert is entry k's, or -1 when entry k is the first of its expert. Distinct experts take
+// distinct slots (a plan table gives each slot one expert), so a token's pairs at one rank
+// are at most min(top_k, slots_per_rank), which bounds the receive side (MaxPairsPerToken).
+UBEP_HD inline int RepeatedEntry(const int32_t* token_experts, int k) {
+  const int32_t e = token_experts[k];
+  if (e < 0) return -1;
+  for (int j = 0; j < k; ++j) {
+    if (token_experts[j] == e) return j;
+  }
+  return -1;
+}
+
+// The most pairs one source token sends one rank: the receive side holds at most
+// ranks x max_tokens x this many rows.
+UBEP_HD inline int MaxPairsPerToken(int top_k, int slots_per_rank) {
+  return top_k < slots_per_rank ? top_k : slots_per_rank;
+}
+
 // One token's record in a destination's dispatch landing: which source token it is and, for
 // each of its pairs that this destination serves (in k order), the local slot and weight.
 // Fixed size for a given top-k: 8 + 8 * top_k bytes.

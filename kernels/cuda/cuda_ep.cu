@@ -8,6 +8,7 @@
 #include <cuda/atomic>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/common/bad_input.h"
 #include "kernels/common/bf16.h"
 #include "kernels/common/flagged_rows.h"
 #include "kernels/common/routing.h"
@@ -24,7 +25,9 @@ constexpr int kStatusBadExpert = 1;  // That pair's expert id.
 constexpr int kStatusWaitEnded = 2;  // 0, or 1 + the peer a wait gave up on (abort word set).
 constexpr int kStatusStalled = 3;    // 1: a SendKernel block waited past the timeout for another.
 constexpr int kStatusWaitPhase = 4;  // The phase of the wait that ended: kPhase*.
-constexpr int kStatusWords = 5;
+constexpr int kStatusBadRepeats = 5;  // 0, or 1 + the earlier k the bad pair's expert repeats.
+constexpr int kStatusRowsOver = 6;    // 0, or the rows received when more than max_rows.
+constexpr int kStatusWords = 7;
 constexpr uint32_t kPhaseAsCalled = 1;  // Named by the call (CheckStatus's `what`).
 constexpr uint32_t kPhaseCounts = 2;    // ubep's wait for the sources' counts: "dispatch counts".
 // Sender blocks of a dispatch (send_split.h). A few dozen SMs saturate NVLink stores, as in
@@ -47,6 +50,7 @@ constexpr int kWideBlocksPerSm = 4;
 // Everything a kernel needs, passed by value.
 struct Params {
   int rank, num_ranks, max_tokens, hidden, top_k, slots_per_rank, num_experts, num_tokens, layer;
+  int max_rows;  // Receive rows the scratch holds: R x max_tokens x MaxPairsPerToken.
   size_t record_bytes, row_bytes;
   size_t row_stride;  // Bytes per source (destination) of rows (partials): ArenaLayout.
   size_t flagged_offset;  // Where the flagged rows start in a source's part: ArenaLayout.
@@ -170,11 +174,24 @@ __device__ void PublishDest(const Params& p, int d) {
               p.epoch);
 }
 
+// Bad input, pair (t, k) of expert e (which repeats entry `repeats`, or -1: is out of range):
+// the first flagged pair of a call is the one reported.
+__device__ void FlagBadPair(const Params& p, int t, int k, int32_t e, int repeats) {
+  if (atomicCAS(&p.status[kStatusBadPair], 0u,
+                kBadInput | static_cast<uint32_t>(t * p.top_k + k)) == 0) {
+    p.status[kStatusBadExpert] = static_cast<uint32_t>(e);
+    p.status[kStatusBadRepeats] = static_cast<uint32_t>(repeats + 1);
+  }
+}
+
 // Counting role, destination d, tokens [first, last), called by every thread of a block:
 // each token with a pair routed to d gets its record there (stored into d's arena, in token
 // order from record *base on; thread 0 advances *base, in shared memory) and its record index
 // in token_route; the others get -1. A rank the plan excludes holds no slot, gets nothing and
-// is not touched: its arena may be gone. An expert id out of range is flagged and skipped.
+// is not touched: its arena may be gone. An expert id out of range is flagged and skipped, and
+// so is a pair whose expert the token listed before (by the block of the destination it
+// routes to, so each such pair once), which keeps every token's pairs at one rank within
+// MaxPairsPerToken, the bound the receive scratch is sized by.
 __device__ void CountDest(const Params& p, int d, int first, int last, int* base,
                           BlockScanInt::TempStorage& storage) {
   if (RankExcluded(p.plan, static_cast<uint32_t>(d))) {
@@ -196,15 +213,16 @@ __device__ void CountDest(const Params& p, int d, int first, int last, int* base
         const int32_t e = p.topk_idx[t * p.top_k + k];
         if (e < -1 || e >= p.num_experts) {
           // Flagged and skipped: no read outside the plan table, no write outside a region.
-          if (atomicCAS(&p.status[kStatusBadPair], 0u,
-                        kBadInput | static_cast<uint32_t>(t * p.top_k + k)) == 0) {
-            p.status[kStatusBadExpert] = static_cast<uint32_t>(e);
-          }
+          FlagBadPair(p, t, k, e, -1);
           continue;
         }
         if (e < 0) continue;
         const uint32_t slot = RouteSlot(p.plan, p.layer, p.rank, t, k, e);
         if (static_cast<int>(slot) / S == d) {
+          if (const int j = RepeatedEntry(p.topk_idx + t * p.top_k, k); j >= 0) {
+            FlagBadPair(p, t, k, e, j);
+            continue;
+          }
           entries[n++] = {static_cast<int32_t>(slot % S), p.topk_weights[t * p.top_k + k]};
         }
       }
@@ -677,6 +695,9 @@ __global__ void ScanKernel(Params p) {
   }
   if (threadIdx.x == 0) {
     p.slot_offsets[S] = base;
+    // More rows than the scratch holds cannot come from peers that skip repeated experts
+    // (CountDest): said, and PlaceKernel and CopyKernel write none of the rows past it.
+    if (base > p.max_rows) p.status[kStatusRowsOver] = static_cast<uint32_t>(base);
     int records = 0, entries = 0;
     for (int s = 0; s < R; ++s) {
       const int n = SourceCount(p, p.arenas[p.rank], s);
@@ -720,7 +741,7 @@ __global__ void LoadKernel(Params p) {
 // its (slot, source) range, with its source rank, token and weight. 256 entries at a time:
 // a warp ranks each lane among the lanes holding the same slot (__match_any_sync) and the
 // warps take their rows in turn, so rows follow the serial order of the host backend
-// (repeated slots in one record take consecutive rows).
+// (records in order; a record's slots are distinct, CountDest).
 __global__ void PlaceKernel(Params p) {
   extern __shared__ int cursor[];  // [S]
   const int s = blockIdx.x, S = p.slots_per_rank;
@@ -757,8 +778,8 @@ __global__ void PlaceKernel(Params p) {
         const int row = slot >= 0 ? cursor[slot] + ahead : -1;
         __syncwarp();
         if (slot >= 0 && ahead == 0) cursor[slot] += __popc(peers);
-        if (slot >= 0) {
-          entry_row[e] = row;
+        if (slot >= 0) entry_row[e] = row;
+        if (slot >= 0 && row < p.max_rows) {
           p.src_rank[row] = s;
           p.src_token[row] = token;
           p.weight[row] = weight;
@@ -783,6 +804,7 @@ __global__ void CopyKernel(Params p) {
     const int n = p.record_base[s + 1] - p.record_base[s];
     const int j = TokenOfUnit(p.record_begin + s * (p.max_tokens + 1), n, e);
     const int row = p.entry_row[static_cast<size_t>(s) * p.max_tokens * p.top_k + e];
+    if (row >= p.max_rows) continue;  // ScanKernel said so.
     const std::byte* rows = own + p.off_rows + static_cast<size_t>(s) * p.row_stride;
     auto* to = reinterpret_cast<uint4*>(reinterpret_cast<std::byte*>(p.recv_x) +
                                         static_cast<size_t>(row) * p.row_bytes);
@@ -850,7 +872,7 @@ __global__ void PartialKernel(Params p, const uint16_t* y) {
         float sum[8];
         for (int e = begin[j]; e < begin[j + 1]; ++e) {
           const int row = entry_row[e];
-          const float w = p.weight[row];
+          const float w = row < p.max_rows ? p.weight[row] : 0.0f;  // ScanKernel's overflow.
           float v[8];
           UnpackBf16x8(reinterpret_cast<const uint4*>(y + static_cast<size_t>(row) * p.hidden)[h8],
                        v);
@@ -1012,7 +1034,8 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
                                        cudaMemcpyHostToDevice));
   const size_t R = config.num_ranks, T = config.max_tokens, K = config.top_k,
                S = config.slots_per_rank, H = config.hidden;
-  const size_t max_rows = R * T * K;
+  // Every pair of every source's tokens here, at most MaxPairsPerToken per token (routing.h).
+  const size_t max_rows = R * T * MaxPairsPerToken(K, S);
   // First (8-byte aligned): what each dispatch zeroes, published counts as long long.
   const size_t zeroed = 2 * R + 2 + kMaxSendBatches + 1;
   const size_t ints = zeroed + T * R + (T + 1) + R + R * S + R * S + R * (T + 1) + R * T * K +
@@ -1021,13 +1044,12 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   const size_t head = ints * sizeof(int32_t) + max_rows * sizeof(float);
   const size_t recv_offset = (head + 255) / 256 * 256;
   const size_t bytes = recv_offset + max_rows * H * 2;
-  // The receive side is sized for the worst case: every pair of every source's tokens here.
   if (const cudaError_t error = cudaMalloc(&s.block, bytes); error != cudaSuccess) {
     (void)cudaGetLastError();
     return absl::ResourceExhaustedError(absl::StrCat(
         "cuda backend: rank ", rank, " needs ", bytes, " bytes of device scratch for ", max_rows,
-        " receive rows (", R, " ranks x max_tokens ", T, " x top_k ", K, ") of hidden ", H,
-        ": ", cudaGetErrorString(error), "; lower max_tokens"));
+        " receive rows (", R, " ranks x max_tokens ", T, " x min(top_k ", K, ", slots_per_rank ", S,
+        ")) of hidden ", H, ": ", cudaGetErrorString(error), "; lower max_tokens"));
   }
   UBEP_CUDA_RETURN_IF_ERROR(cudaMemset(s.block, 0, bytes));
   auto* next = static_cast<int32_t*>(s.block);
@@ -1084,6 +1106,7 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   p.arenas = s.arenas;
   p.timeout_ns = static_cast<uint64_t>(absl::ToInt64Nanoseconds(config.timeout));
   p.num_experts = config.num_experts;
+  p.max_rows = static_cast<int>(max_rows);
   // Resume the epochs this arena has seen (a restarted rank continues its peers' count).
   uint32_t flags[2] = {0, 0};
   UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&flags[0],
@@ -1152,12 +1175,22 @@ absl::Status CudaEp::CheckStatus(const char* what, uint32_t call) {
     const int peer = static_cast<int>(status[kStatusWaitEnded]) - 1;
     return TimedOutStatus(code, rank_, peer, config_.timeout, what, call);
   }
+  if (status[kStatusRowsOver] != 0) {
+    return absl::InternalError(absl::StrCat(
+        "rank ", rank_, ": ", what, ", call ", call, ": ", status[kStatusRowsOver],
+        " rows received, more than the ", scratch_->params.max_rows,
+        " the receive scratch holds; a peer sent some token's pairs to more slots here than "
+        "that token lists experts"));
+  }
   if (status[kStatusBadPair] != 0) {
     const uint32_t pair = status[kStatusBadPair] & ~kBadInput;
-    return absl::InvalidArgumentError(absl::StrCat(
-        "topk_idx[", pair / config_.top_k, "][", pair % config_.top_k, "] = ",
-        static_cast<int32_t>(status[kStatusBadExpert]), " is outside [-1, ",
-        config_.num_experts, ")"));
+    const int t = static_cast<int>(pair) / config_.top_k,
+              k = static_cast<int>(pair) % config_.top_k;
+    const auto e = static_cast<int32_t>(status[kStatusBadExpert]);
+    return absl::InvalidArgumentError(
+        status[kStatusBadRepeats] != 0
+            ? RepeatedExpertMessage(t, k, static_cast<int>(status[kStatusBadRepeats]) - 1, e)
+            : ExpertOutOfRangeMessage(t, k, e, config_.num_experts));
   }
   return absl::OkStatus();
 }

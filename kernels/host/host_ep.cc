@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
+#include "kernels/common/bad_input.h"
 #include "kernels/common/bf16.h"
 #include "kernels/common/flagged_rows.h"
 #include "kernels/common/plan_area.h"
@@ -271,14 +272,15 @@ absl::Status HostEp::Validate(const DispatchInput& in) const {
     for (int k = 0; k < config_.top_k; ++k) {
       const int32_t e = in.topk_idx[t * config_.top_k + k];
       if (e < -1 || e >= config_.num_experts) {
-        return absl::InvalidArgumentError(absl::StrCat("topk_idx[", t, "][", k, "] = ", e,
-                                                       " is outside [-1, ", config_.num_experts,
-                                                       ")"));
+        return absl::InvalidArgumentError(ExpertOutOfRangeMessage(t, k, e, config_.num_experts));
       }
       const float w = in.topk_weights[t * config_.top_k + k];
       if (e >= 0 && !std::isfinite(w)) {
         return absl::InvalidArgumentError(
             absl::StrCat("topk_weights[", t, "][", k, "] = ", w, " is not finite"));
+      }
+      if (const int j = RepeatedEntry(in.topk_idx + t * config_.top_k, k); j >= 0) {
+        return absl::InvalidArgumentError(RepeatedExpertMessage(t, k, j, e));
       }
     }
   }

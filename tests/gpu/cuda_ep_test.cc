@@ -501,6 +501,47 @@ TEST_P(CudaEpTest, AnExpertIdOutOfRangeIsFlaggedWithoutStrayWrites) {
   for (int r = 1; r < c.num_ranks; ++r) EXPECT_EQ(outcome.errors[r], "") << "rank " << r;
 }
 
+// A token that lists an expert twice: the repeated pair is flagged and skipped, the rest goes
+// out, and the peers (which wait for this rank's partials) finish their call.
+TEST_P(CudaEpTest, ARepeatedExpertIsFlaggedAndSkipped) {
+  const EpConfig c = GpuConfig(std::get<0>(GetParam()), std::get<1>(GetParam()));
+  const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 8, 5));
+  std::fill(inputs[0].topk_idx.begin() + 3 * c.top_k, inputs[0].topk_idx.begin() + 4 * c.top_k, -1);
+  inputs[0].topk_idx[3 * c.top_k + 0] = inputs[0].topk_idx[3 * c.top_k + 2] = 5;
+  const RunOutcome outcome = RunGroup(c, plan, inputs, nullptr);
+  EXPECT_EQ(outcome.errors[0],
+            "topk_idx[3][2] = 5 repeats topk_idx[3][0]: a token lists each "
+            "expert at most once");
+  for (int r = 1; r < c.num_ranks; ++r) EXPECT_EQ(outcome.errors[r], "") << "rank " << r;
+}
+
+// The receive scratch holds ranks x max_tokens x min(top_k, slots_per_rank) rows: with fewer
+// slots per rank than top-k and every token listing every expert, both ranks receive exactly
+// that many, and match the host backend.
+TEST_P(CudaEpTest, FewerSlotsThanTopKFillTheReceiveScratchExactly) {
+  if (std::get<0>(GetParam()) != 2) GTEST_SKIP() << "a two-rank case";
+  EpConfig c = GpuConfig(2, std::get<1>(GetParam()));
+  c.num_experts = 4;
+  c.slots_per_rank = 2;
+  ASSERT_EQ(c.top_k, 4);
+  const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < c.num_ranks; ++r) {
+    RankInput in = MakeInput(c, r, c.max_tokens, 9);
+    for (int t = 0; t < c.max_tokens; ++t) {
+      for (int k = 0; k < c.top_k; ++k) in.topk_idx[t * c.top_k + k] = (t + k) % c.num_experts;
+    }
+    inputs.push_back(std::move(in));
+  }
+  const std::vector<RankResult> expected = HostReference(c, plan, inputs);
+  for (int r = 0; r < c.num_ranks; ++r) {
+    ASSERT_EQ(expected[r].slot_offsets.back(), c.num_ranks * c.max_tokens * 2) << "rank " << r;
+  }
+  ExpectNoErrors(RunGroup(c, plan, inputs, &expected).errors);
+}
+
 // The host backend's error tests, on the GPU: four ranks of 8 tokens, a timeout of 500 ms,
 // and rank 1's rows (`rows`) or partials 2 s late. Every other rank gets rows from rank 1, so
 // each waits for them (flagged: row by row); the errors of every rank.

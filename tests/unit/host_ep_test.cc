@@ -422,6 +422,18 @@ TEST(HostEpErrorTest, BadInputIsRejectedBeforeAnyByteMoves) {
                                  out),
             absl::InvalidArgumentError("topk_idx[2][1] = 16 is outside [-1, 16)"));
   in.topk_idx[2 * c.top_k + 1] = -1;
+  // A token that lists an expert twice (masked entries may repeat).
+  const std::vector<int32_t> token5(in.topk_idx.begin() + 5 * c.top_k,
+                                    in.topk_idx.begin() + 6 * c.top_k);
+  std::fill(in.topk_idx.begin() + 5 * c.top_k, in.topk_idx.begin() + 6 * c.top_k, -1);
+  in.topk_idx[5 * c.top_k + 1] = in.topk_idx[5 * c.top_k + c.top_k - 1] = 3;
+  EXPECT_EQ(
+      group.ep(0).Dispatch(
+          {in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8, c.hidden, 0, plan.header()}, out),
+      absl::InvalidArgumentError(
+          absl::StrCat("topk_idx[5][", c.top_k - 1,
+                       "] = 3 repeats topk_idx[5][1]: a token lists each expert at most once")));
+  std::copy(token5.begin(), token5.end(), in.topk_idx.begin() + 5 * c.top_k);
   EXPECT_EQ(group.ep(0).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(), 49,
                                   c.hidden, 0, plan.header()},
                                  out),

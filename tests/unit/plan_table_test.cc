@@ -65,6 +65,31 @@ TEST(PlanTableTest, RefusesSharesOnTheSlotsOfAnExcludedRank) {
                 "plan table: layer 0 expert 0 routes to slot 3 of rank 1, which is excluded"));
 }
 
+// A slot serves one expert, so a token's distinct experts take distinct slots and its pairs at
+// a rank never outnumber the rank's slots (the receive side is sized by that): a table read
+// from shared memory that routes two experts to one slot is refused.
+TEST(PlanTableTest, RefusesASlotThatServesTwoExperts) {
+  const std::vector<int> experts = {0, 1, 2, 0};
+  const std::vector<double> shares = {0.5, 1.0, 1.0, 0.5};
+  const LayerRouting layer{experts, shares};
+  std::vector<std::byte> table = *BuildPlanTable(1, 3, {&layer, 1}, 2);
+  ASSERT_EQ(ValidatePlanTable(table), absl::OkStatus());
+  const auto* header = reinterpret_cast<const PlanTableHeader*>(table.data());
+  // Expert 2's only replica moves onto slot 1, expert 1's.
+  auto* route = const_cast<ExpertRoute*>(FindRoute(header, 0, 2));
+  const_cast<ReplicaRoute*>(Replicas(route))[0].slot = 1;
+  EXPECT_EQ(ValidatePlanTable(table),
+            absl::InvalidArgumentError("plan table: layer 0 slot 1 serves experts 1 and 2"));
+}
+
+TEST(RoutingTest, ATokenListsEachExpertOnce) {
+  const int32_t experts[] = {4, -1, 7, -1, 4, 9, 7, 9};
+  const int expected[] = {-1, -1, -1, -1, 0, -1, 2, 5};  // Masked entries may repeat.
+  for (int k = 0; k < 8; ++k) EXPECT_EQ(RepeatedEntry(experts, k), expected[k]) << "k " << k;
+  EXPECT_EQ(MaxPairsPerToken(8, 32), 8);
+  EXPECT_EQ(MaxPairsPerToken(8, 2), 2);
+}
+
 TEST(RoutingTest, HashIsStableAcrossBuilds) {
   // Pinned values: host and device must agree on every route, today and after refactors;
   // a change here reroutes every token of a running deployment.

@@ -20,7 +20,8 @@
 //    Attach again once it is back.
 //  - DeadlineExceeded: a peer did not arrive within the wait timeout; the message names it.
 //    Rejoin of a rank the plan excludes (excluded()) ends so too: call it again to keep waiting.
-//  - InvalidArgument: bad input (expert id out of range, too many tokens), before any byte moved.
+//  - InvalidArgument: bad input (expert id out of range or listed twice by a token, too many
+//    tokens), before any byte moved.
 // The hot path makes no RPC: dispatch and combine store into the peers' arenas directly.
 // Thread-compatible: one thread drives a Rank.
 #ifndef UBEP_CLIENT_INCLUDE_UBEP_UBEP_H_
@@ -127,9 +128,9 @@ class Rank {
   absl::Status BeginStep(uint64_t step);
 
   // Sends this rank's tokens to the experts' ranks and receives the rows routed here.
-  // x: [num_tokens, hidden] of the dtype; topk_idx: [num_tokens, top_k] logical experts or -1;
-  // topk_weights: [num_tokens, top_k]. On the CUDA backend these are device pointers and x is
-  // 16-byte aligned (as cudaMalloc gives).
+  // x: [num_tokens, hidden] of the dtype; topk_idx: [num_tokens, top_k] logical experts or -1
+  // (masked), each expert at most once per token; topk_weights: [num_tokens, top_k]. On the CUDA
+  // backend these are device pointers and x is 16-byte aligned (as cudaMalloc gives).
   absl::Status Dispatch(int layer, const void* x, const int32_t* topk_idx,
                         const float* topk_weights, int num_tokens, Dispatched& out);
   // out[t] = sum over k of topk_weights[t, k] * expert output of (t, k). `expert_out` is
