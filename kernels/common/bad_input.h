@@ -15,6 +15,11 @@ inline std::string ExpertOutOfRangeMessage(int t, int k, int32_t e, int num_expe
   return absl::StrCat("topk_idx[", t, "][", k, "] = ", e, " is outside [-1, ", num_experts, ")");
 }
 
+// topk_weights[t][k] = w, the weight of a routed pair, is NaN or infinite.
+inline std::string WeightNotFiniteMessage(int t, int k, float w) {
+  return absl::StrCat("topk_weights[", t, "][", k, "] = ", w, " is not finite");
+}
+
 // topk_idx[t][k] = e repeats topk_idx[t][j] (routing.h's RepeatedEntry).
 inline std::string RepeatedExpertMessage(int t, int k, int j, int32_t e) {
   return absl::StrCat("topk_idx[", t, "][", k, "] = ", e, " repeats topk_idx[", t, "][", j,

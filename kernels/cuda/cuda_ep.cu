@@ -19,13 +19,16 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr uint32_t kBadInput = 0x80000000u;
+// Kinds of bad pair (Params::status[kStatusBadKind]): the expert id is out of range; the
+// weight of a routed pair is not finite; the expert repeats entry j of the token (kBadRepeat + j).
+constexpr uint32_t kBadRange = 1, kBadWeight = 2, kBadRepeat = 3;
 // Words of Params::status.
 constexpr int kStatusBadPair = 0;    // 0, or kBadInput | (t * K + k) of the first bad pair.
-constexpr int kStatusBadExpert = 1;  // That pair's expert id.
+constexpr int kStatusBadValue = 1;   // That pair's expert id, or its weight's bits (kBadWeight).
 constexpr int kStatusWaitEnded = 2;  // 0, or 1 + the peer a wait gave up on (abort word set).
 constexpr int kStatusStalled = 3;    // 1: a SendKernel block waited past the timeout for another.
 constexpr int kStatusWaitPhase = 4;  // The phase of the wait that ended: kPhase*.
-constexpr int kStatusBadRepeats = 5;  // 0, or 1 + the earlier k the bad pair's expert repeats.
+constexpr int kStatusBadKind = 5;    // Why: kBadRange, kBadWeight, or kBadRepeat + the earlier k.
 constexpr int kStatusRowsOver = 6;    // 0, or the rows received when more than max_rows.
 constexpr int kStatusWords = 7;
 constexpr uint32_t kPhaseAsCalled = 1;  // Named by the call (CheckStatus's `what`).
@@ -174,13 +177,13 @@ __device__ void PublishDest(const Params& p, int d) {
               p.epoch);
 }
 
-// Bad input, pair (t, k) of expert e (which repeats entry `repeats`, or -1: is out of range):
-// the first flagged pair of a call is the one reported.
-__device__ void FlagBadPair(const Params& p, int t, int k, int32_t e, int repeats) {
+// Bad input, pair (t, k): its kind (kBad*) and value (kStatusBadValue). The first flagged pair
+// of a call is the one reported.
+__device__ void FlagBadPair(const Params& p, int t, int k, uint32_t kind, uint32_t value) {
   if (atomicCAS(&p.status[kStatusBadPair], 0u,
                 kBadInput | static_cast<uint32_t>(t * p.top_k + k)) == 0) {
-    p.status[kStatusBadExpert] = static_cast<uint32_t>(e);
-    p.status[kStatusBadRepeats] = static_cast<uint32_t>(repeats + 1);
+    p.status[kStatusBadValue] = value;
+    p.status[kStatusBadKind] = kind;
   }
 }
 
@@ -189,9 +192,9 @@ __device__ void FlagBadPair(const Params& p, int t, int k, int32_t e, int repeat
 // order from record *base on; thread 0 advances *base, in shared memory) and its record index
 // in token_route; the others get -1. A rank the plan excludes holds no slot, gets nothing and
 // is not touched: its arena may be gone. An expert id out of range is flagged and skipped, and
-// so is a pair whose expert the token listed before (by the block of the destination it
-// routes to, so each such pair once), which keeps every token's pairs at one rank within
-// MaxPairsPerToken, the bound the receive scratch is sized by.
+// so is a pair with a weight that is not finite or an expert the token listed before (by the
+// block of the destination it routes to, so each such pair once); skipping repeats keeps every
+// token's pairs at one rank within MaxPairsPerToken, the bound the receive scratch is sized by.
 __device__ void CountDest(const Params& p, int d, int first, int last, int* base,
                           BlockScanInt::TempStorage& storage) {
   if (RankExcluded(p.plan, static_cast<uint32_t>(d))) {
@@ -213,17 +216,22 @@ __device__ void CountDest(const Params& p, int d, int first, int last, int* base
         const int32_t e = p.topk_idx[t * p.top_k + k];
         if (e < -1 || e >= p.num_experts) {
           // Flagged and skipped: no read outside the plan table, no write outside a region.
-          FlagBadPair(p, t, k, e, -1);
+          FlagBadPair(p, t, k, kBadRange, static_cast<uint32_t>(e));
           continue;
         }
         if (e < 0) continue;
         const uint32_t slot = RouteSlot(p.plan, p.layer, p.rank, t, k, e);
         if (static_cast<int>(slot) / S == d) {
-          if (const int j = RepeatedEntry(p.topk_idx + t * p.top_k, k); j >= 0) {
-            FlagBadPair(p, t, k, e, j);
+          const float w = p.topk_weights[t * p.top_k + k];
+          if (!isfinite(w)) {
+            FlagBadPair(p, t, k, kBadWeight, __float_as_uint(w));
             continue;
           }
-          entries[n++] = {static_cast<int32_t>(slot % S), p.topk_weights[t * p.top_k + k]};
+          if (const int j = RepeatedEntry(p.topk_idx + t * p.top_k, k); j >= 0) {
+            FlagBadPair(p, t, k, kBadRepeat + j, static_cast<uint32_t>(e));
+            continue;
+          }
+          entries[n++] = {static_cast<int32_t>(slot % S), w};
         }
       }
     }
@@ -1186,11 +1194,16 @@ absl::Status CudaEp::CheckStatus(const char* what, uint32_t call) {
     const uint32_t pair = status[kStatusBadPair] & ~kBadInput;
     const int t = static_cast<int>(pair) / config_.top_k,
               k = static_cast<int>(pair) % config_.top_k;
-    const auto e = static_cast<int32_t>(status[kStatusBadExpert]);
+    const uint32_t kind = status[kStatusBadKind], value = status[kStatusBadValue];
+    if (kind == kBadWeight) {
+      float w;
+      memcpy(&w, &value, sizeof(w));
+      return absl::InvalidArgumentError(WeightNotFiniteMessage(t, k, w));
+    }
+    const auto e = static_cast<int32_t>(value);
     return absl::InvalidArgumentError(
-        status[kStatusBadRepeats] != 0
-            ? RepeatedExpertMessage(t, k, static_cast<int>(status[kStatusBadRepeats]) - 1, e)
-            : ExpertOutOfRangeMessage(t, k, e, config_.num_experts));
+        kind >= kBadRepeat ? RepeatedExpertMessage(t, k, static_cast<int>(kind - kBadRepeat), e)
+                           : ExpertOutOfRangeMessage(t, k, e, config_.num_experts));
   }
   return absl::OkStatus();
 }

@@ -276,8 +276,7 @@ absl::Status HostEp::Validate(const DispatchInput& in) const {
       }
       const float w = in.topk_weights[t * config_.top_k + k];
       if (e >= 0 && !std::isfinite(w)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("topk_weights[", t, "][", k, "] = ", w, " is not finite"));
+        return absl::InvalidArgumentError(WeightNotFiniteMessage(t, k, w));
       }
       if (const int j = RepeatedEntry(in.topk_idx + t * config_.top_k, k); j >= 0) {
         return absl::InvalidArgumentError(RepeatedExpertMessage(t, k, j, e));

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <tuple>
 
 #include "absl/strings/match.h"
@@ -501,20 +502,28 @@ TEST_P(CudaEpTest, AnExpertIdOutOfRangeIsFlaggedWithoutStrayWrites) {
   for (int r = 1; r < c.num_ranks; ++r) EXPECT_EQ(outcome.errors[r], "") << "rank " << r;
 }
 
-// A token that lists an expert twice: the repeated pair is flagged and skipped, the rest goes
-// out, and the peers (which wait for this rank's partials) finish their call.
-TEST_P(CudaEpTest, ARepeatedExpertIsFlaggedAndSkipped) {
+// Rank 0's token 3 lists an expert twice, rank 1's token 6 has a routed pair of infinite
+// weight (and a masked one of NaN weight, which is not read): each pair is flagged and
+// skipped, the rest goes out, and every rank (each waits for the others' partials) finishes.
+TEST_P(CudaEpTest, ARepeatedExpertOrAWeightNotFiniteIsFlaggedAndSkipped) {
   const EpConfig c = GpuConfig(std::get<0>(GetParam()), std::get<1>(GetParam()));
   const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
   std::vector<RankInput> inputs;
   for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 8, 5));
-  std::fill(inputs[0].topk_idx.begin() + 3 * c.top_k, inputs[0].topk_idx.begin() + 4 * c.top_k, -1);
+  auto clear = [&](RankInput& in, int t) {
+    std::fill(in.topk_idx.begin() + t * c.top_k, in.topk_idx.begin() + (t + 1) * c.top_k, -1);
+  };
+  clear(inputs[0], 3);
   inputs[0].topk_idx[3 * c.top_k + 0] = inputs[0].topk_idx[3 * c.top_k + 2] = 5;
+  clear(inputs[1], 6);
+  inputs[1].topk_w[6 * c.top_k + 0] = std::numeric_limits<float>::quiet_NaN();
+  inputs[1].topk_idx[6 * c.top_k + 1] = 9;
+  inputs[1].topk_w[6 * c.top_k + 1] = -std::numeric_limits<float>::infinity();
   const RunOutcome outcome = RunGroup(c, plan, inputs, nullptr);
   EXPECT_EQ(outcome.errors[0],
-            "topk_idx[3][2] = 5 repeats topk_idx[3][0]: a token lists each "
-            "expert at most once");
-  for (int r = 1; r < c.num_ranks; ++r) EXPECT_EQ(outcome.errors[r], "") << "rank " << r;
+            "topk_idx[3][2] = 5 repeats topk_idx[3][0]: a token lists each expert at most once");
+  EXPECT_EQ(outcome.errors[1], "topk_weights[6][1] = -inf is not finite");
+  for (int r = 2; r < c.num_ranks; ++r) EXPECT_EQ(outcome.errors[r], "") << "rank " << r;
 }
 
 // The receive scratch holds ranks x max_tokens x min(top_k, slots_per_rank) rows: with fewer

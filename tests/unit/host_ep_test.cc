@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <ostream>
 #include <random>
 #include <string>
@@ -434,6 +435,19 @@ TEST(HostEpErrorTest, BadInputIsRejectedBeforeAnyByteMoves) {
           absl::StrCat("topk_idx[5][", c.top_k - 1,
                        "] = 3 repeats topk_idx[5][1]: a token lists each expert at most once")));
   std::copy(token5.begin(), token5.end(), in.topk_idx.begin() + 5 * c.top_k);
+  // A routed pair whose weight is not finite; a masked one's weight is not read.
+  const std::vector<int32_t> token4(in.topk_idx.begin() + 4 * c.top_k,
+                                    in.topk_idx.begin() + 5 * c.top_k);
+  std::fill(in.topk_idx.begin() + 4 * c.top_k, in.topk_idx.begin() + 5 * c.top_k, -1);
+  in.topk_w[4 * c.top_k + 0] = std::numeric_limits<float>::quiet_NaN();
+  in.topk_idx[4 * c.top_k + 2] = 6;
+  in.topk_w[4 * c.top_k + 2] = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(
+      group.ep(0).Dispatch(
+          {in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8, c.hidden, 0, plan.header()}, out),
+      absl::InvalidArgumentError("topk_weights[4][2] = inf is not finite"));
+  std::copy(token4.begin(), token4.end(), in.topk_idx.begin() + 4 * c.top_k);
+  in.topk_w[4 * c.top_k + 0] = in.topk_w[4 * c.top_k + 2] = 0.5f;
   EXPECT_EQ(group.ep(0).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(), 49,
                                   c.hidden, 0, plan.header()},
                                  out),
