@@ -80,10 +80,11 @@ int64_t NowNs() {
 bool AlignStart(Board* board, int ranks, uint32_t round) {
   if (std::atomic_ref<uint32_t>(board->arrived).fetch_add(1) + 1 == static_cast<uint32_t>(ranks)) {
     std::atomic_ref<uint32_t>(board->arrived).store(0);
-    Signal(&board->released, round, &board->sleepers);
+    Signal(&board->released, round, Doorbell::Own(&board->released, &board->sleepers));
     return true;
   }
-  return WaitEpoch(&board->released, round, &board->sleepers, absl::Now() + absl::Seconds(120))
+  return WaitEpoch(&board->released, round, Doorbell::Own(&board->released, &board->sleepers),
+                   absl::Now() + absl::Seconds(120))
       .ok();
 }
 

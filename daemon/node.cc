@@ -471,13 +471,16 @@ void Node::SetAbortCode(int r, uint32_t code, bool only_if_clear) {
     return;
   }
   if (!arenas_[r].valid()) return;
-  std::atomic_ref<uint32_t> word(*reinterpret_cast<uint32_t*>(arenas_[r].data() + layout_.ep + offset));
+  std::byte* ep = arenas_[r].data() + layout_.ep;
+  std::atomic_ref<uint32_t> word(*reinterpret_cast<uint32_t*>(ep + offset));
   if (only_if_clear) {
     uint32_t expected = 0;
     word.compare_exchange_strong(expected, code, std::memory_order_acq_rel);
   } else {
     word.store(code, std::memory_order_release);
   }
+  // A rank asleep in a wait sees the code at once (signal.h's Doorbell).
+  kernels::Ring(kernels::ArenaDoor(ep, kernels::ArenaLayout(config_)));
 }
 
 void Node::BreakGroup(int rank) {

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/common/flagged_rows.h"
 #include "kernels/common/routing.h"
+#include "kernels/host/signal.h"
 
 namespace ubep::kernels {
 namespace {
@@ -78,6 +79,9 @@ ArenaLayout::ArenaLayout(const EpConfig& c) {
   barrier_flag = carve(R * kFlagStride);
   abort = carve(kLine);
   sleepers = carve(kLine);
+  // One line: a signaller moves the bell, then reads the counts.
+  bell = sleepers + sizeof(uint32_t);
+  bell_sleepers = bell + sizeof(uint32_t);
   counts = carve(R * sizeof(uint32_t));
   load_counters = carve(static_cast<size_t>(c.num_layers) * c.slots_per_rank * sizeof(uint64_t));
   load_seq = carve(static_cast<size_t>(c.num_layers) * sizeof(uint64_t));
@@ -123,11 +127,18 @@ void RaiseAbort(std::byte* arena, const ArenaLayout& layout, uint32_t code) {
   uint32_t expected = 0;
   std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(arena + layout.abort))
       .compare_exchange_strong(expected, code, std::memory_order_acq_rel);
+  Ring(ArenaDoor(arena, layout));
+}
+
+Doorbell ArenaDoor(std::byte* arena, const ArenaLayout& layout) {
+  return {reinterpret_cast<uint32_t*>(arena + layout.bell),
+          reinterpret_cast<uint32_t*>(arena + layout.sleepers),
+          reinterpret_cast<uint32_t*>(arena + layout.bell_sleepers)};
 }
 
 std::vector<std::pair<size_t, size_t>> ResetRanges(const ArenaLayout& layout) {
-  // The signal regions, the abort word, the sleepers word and the counts are contiguous, from
-  // dispatch_flag to load_counters.
+  // The signal regions, the abort word, the sleepers and bell words and the counts are contiguous,
+  // from dispatch_flag to load_counters.
   std::vector<std::pair<size_t, size_t>> ranges = {
       {layout.dispatch_flag, layout.load_counters - layout.dispatch_flag}};
   if (layout.flagged_tokens > 0) {

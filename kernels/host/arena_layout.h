@@ -14,8 +14,11 @@
 //                              by the first rank whose wait timed out, so that every rank
 //                              reports the dead peer rather than a survivor stuck behind it,
 //                              or by the daemon (a rank left, or the daemon is draining)
-//   sleepers        64 B       threads of the owner asleep (or about to be) in a futex on
-//                              this arena's flags: a Signal makes the wake syscall only then
+//   sleepers        64 B       signal.h's Doorbell of this arena's flags: [0] threads of the
+//                              owner asleep (or about to be) on one flag, [4] the bell, moved
+//                              by every Signal into this arena and by RaiseAbort, [8] threads
+//                              of the owner asleep on the bell; a Signal makes a wake syscall
+//                              only for a count that is not zero
 //   counts          R x 4 B    [s]: records source s stored in the current dispatch
 //   load_counters   L x S x 8  [l][i]: routed pairs received, monotonic (owner only writes)
 //   load_seq        L x 8      [l]: 2 x the dispatches of layer l counted in load_counters;
@@ -43,6 +46,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "kernels/host/signal.h"
 
 namespace ubep::kernels {
 
@@ -108,8 +112,8 @@ absl::Status TimedOutStatus(uint32_t code, int rank, int peer, absl::Duration ti
                             const char* what, uint32_t call);
 
 struct ArenaLayout {
-  size_t dispatch_flag, combine_flag, count_flag, barrier_flag, abort, sleepers, counts,
-      load_counters, load_seq, records, rows, partials, total_bytes;
+  size_t dispatch_flag, combine_flag, count_flag, barrier_flag, abort, sleepers, bell,
+      bell_sleepers, counts, load_counters, load_seq, records, rows, partials, total_bytes;
   size_t record_bytes, row_bytes;
   size_t row_stride;  // Bytes per source (or destination) in rows and partials.
   size_t flagged_offset;  // Where the flagged rows start in a source's part: T x B.
@@ -119,14 +123,19 @@ struct ArenaLayout {
   ArenaLayout() = default;
 };
 
-// Sets an arena's abort word to `code` unless it is already set (the first reason wins).
+// Sets an arena's abort word to `code` unless it is already set (the first reason wins), and
+// rings its bell, so that its owner, if asleep, sees it at once.
 void RaiseAbort(std::byte* arena, const ArenaLayout& layout, uint32_t code);
 
-// Zeroes the signal words, the abort word, the sleepers word and the per-source counts of an
-// arena, keeping its header and load counters: a group that re-forms (every rank parked, none
-// inside a dispatch or combine, so none asleep) starts its epochs from zero. When the group uses flag-in-granule rows
-// (flagged_tokens > 0), their parts of the rows and partials are zeroed too, so that no tag of
-// the old epochs can pass for a new one (flagged_rows.h). Not safe while any rank is in a call.
+// The doorbell of an arena's flags (signal.h): its bell and sleepers words.
+Doorbell ArenaDoor(std::byte* arena, const ArenaLayout& layout);
+
+// Zeroes the signal words, the abort word, the sleepers and bell words and the per-source counts of
+// an arena, keeping its header and load counters: a group that re-forms (every rank parked, none
+// inside a dispatch or combine, so none asleep) starts its epochs from zero. When the group uses
+// flag-in-granule rows (flagged_tokens > 0), their parts of the rows and partials are zeroed too,
+// so that no tag of the old epochs can pass for a new one (flagged_rows.h). Not safe while any rank
+// is in a call.
 void ResetSignals(std::byte* arena, const ArenaLayout& layout);
 
 // The byte ranges ResetSignals zeroes, as (offset from the arena base, bytes), for arenas in

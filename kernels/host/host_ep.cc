@@ -340,7 +340,7 @@ void HostEp::CountBatch(const DispatchInput& in, int batch, int num_batches, int
   batch_end_[batch] = BatchEnd(u, batch + 1 == num_batches, senders);
   // Hand the batch over: a release store (and a wake when the senders are threads).
   if (senders_ != nullptr) {
-    Signal(&batches_, batches_ + 1, &batch_sleepers_);
+    Signal(&batches_, batches_ + 1, Doorbell::Own(&batches_, &batch_sleepers_));
   } else {
     ++batches_;
   }
@@ -382,7 +382,11 @@ void HostEp::SendShare(int index, int senders, const DispatchInput& in, uint32_t
   for (int b = 0; b < num_batches; ++b) {
     // Counting never blocks (the input was validated before it began), so this wait ends
     // within a batch's routing; the deadline only bounds it.
-    if (!WaitEpoch(&batches_, batches_before + b + 1, &batch_sleepers_, deadline).ok()) return;
+    if (!WaitEpoch(&batches_, batches_before + b + 1, Doorbell::Own(&batches_, &batch_sleepers_),
+                   deadline)
+             .ok()) {
+      return;
+    }
     const int64_t begin = ShareBegin(batch_begin, batch_end_[b], senders, index);
     const int64_t end = ShareBegin(batch_begin, batch_end_[b], senders, index + 1);
     batch_begin = batch_end_[b];
@@ -434,18 +438,15 @@ void HostEp::Publish(int d, uint32_t epoch) { Raise(d, layout_.dispatch_flag, ep
 
 absl::Status HostEp::Wait(const uint32_t* word, uint32_t epoch, int peer, const char* what,
                           absl::Time deadline) const {
-  absl::Status s = WaitEpoch(word, epoch, OwnSleepers(), deadline, AbortWord());
+  absl::Status s = WaitEpoch(word, epoch, OwnDoor(), deadline, AbortWord());
   return s.ok() ? s : GiveUp(peer, what, epoch);
 }
 
 void HostEp::Raise(int d, size_t region, uint32_t epoch) {
-  Signal(FlagAt(arenas_[d], region, rank_), epoch,
-         reinterpret_cast<uint32_t*>(arenas_[d] + layout_.sleepers));
+  Signal(FlagAt(arenas_[d], region, rank_), epoch, ArenaDoor(arenas_[d], layout_));
 }
 
-uint32_t* HostEp::OwnSleepers() const {
-  return reinterpret_cast<uint32_t*>(arenas_[rank_] + layout_.sleepers);
-}
+Doorbell HostEp::OwnDoor() const { return ArenaDoor(arenas_[rank_], layout_); }
 
 uint32_t* HostEp::AbortWord() const {
   return reinterpret_cast<uint32_t*>(arenas_[rank_] + layout_.abort);
@@ -468,35 +469,29 @@ absl::Status HostEp::GiveUp(int peer, const char* what, uint32_t epoch) const {
   return TimedOutStatus(code, rank_, peer, config_.timeout, what, epoch);
 }
 
-absl::Status HostEp::TakeAsTheyArrive(size_t region, uint32_t epoch, std::vector<int> pending,
-                                      const char* what, absl::Time deadline,
+absl::Status HostEp::TakeAsTheyArrive(uint32_t epoch, std::vector<int> pending, const char* what,
+                                      absl::Time deadline, bool poll,
                                       const std::function<Take(int)>& take) {
-  std::byte* own = arenas_[rank_];
   while (!pending.empty()) {
-    bool moved = false;
-    std::erase_if(pending, [&](int s) {
-      const Take taken = take(s);
-      moved |= taken != Take::kNothing;
-      return taken == Take::kDone;
-    });
-    if (pending.empty() || moved) continue;
-    // Nothing new: sleep on the first missing source. The deadline is checked on every round:
-    // a flag that is up while its flagged rows never come (which the protocol rules out)
-    // still ends in an error.
-    UBEP_RETURN_IF_ERROR(
-        Nap(FlagAt(own, region, pending.front()), epoch, pending.front(), what, deadline));
+    // One round: whatever arrived is taken; with nothing new, sleep until a flag rings the
+    // bell. The deadline is checked whenever a round finds nothing: a flag that is up while
+    // its flagged rows never come (which the protocol rules out) still ends in an error.
+    const absl::Status round = WaitUntil(
+        OwnDoor(), deadline, AbortWord(),
+        [&] {
+          bool moved = false;
+          std::erase_if(pending, [&](int s) {
+            const Take taken = take(s);
+            moved |= taken != Take::kNothing;
+            return taken == Take::kDone;
+          });
+          return moved || pending.empty();
+        },
+        poll ? absl::Milliseconds(1) : kMaxSleep,
+        std::max<int>(1, kSpins / static_cast<int>(pending.size())));
+    if (!round.ok()) return GiveUp(pending.front(), what, epoch);
   }
   return absl::OkStatus();
-}
-
-absl::Status HostEp::Nap(const uint32_t* flag, uint32_t epoch, int peer, const char* what,
-                         absl::Time deadline) const {
-  if (absl::Now() >= deadline) return GiveUp(peer, what, epoch);
-  // A slice of at most a millisecond, so that an abort is seen that soon.
-  const absl::Status slice =
-      WaitEpoch(flag, epoch, OwnSleepers(), std::min(deadline, absl::Now() + absl::Milliseconds(1)),
-                AbortWord());
-  return absl::IsAborted(slice) ? GiveUp(peer, what, epoch) : absl::OkStatus();
 }
 
 absl::Status HostEp::Barrier(absl::Time deadline) {
@@ -565,8 +560,8 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
     // The offsets first (every source's records, as its count flag arrives), then each
     // source's rows placed as its data flag arrives, in whatever order the sources finish;
     // flagged rows (flagged_rows.h) one by one as they land, without waiting for the flag.
-    absl::Status status = TakeAsTheyArrive(
-        layout_.count_flag, epoch, sources, "dispatch counts", deadline, [&](int s) {
+    absl::Status status =
+        TakeAsTheyArrive(epoch, sources, "dispatch counts", deadline, /*poll=*/false, [&](int s) {
           return EpochReached(LoadAcquire(FlagAt(own, layout_.count_flag, s)), epoch)
                      ? Take::kDone
                      : Take::kNothing;
@@ -574,15 +569,16 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
     if (status.ok()) {
       LayOut(out);
       std::erase_if(sources, [&](int s) { return out.handle.records_from[s] == 0; });
-      status = TakeAsTheyArrive(
-          layout_.dispatch_flag, epoch, sources, "dispatch data", deadline, [&](int s) {
-            if (out.handle.flagged_from[s]) return PlaceArrived(s, epoch, out);
-            if (!EpochReached(LoadAcquire(FlagAt(own, layout_.dispatch_flag, s)), epoch)) {
-              return Take::kNothing;
-            }
-            Place(s, out);
-            return Take::kDone;
-          });
+      const bool poll = std::any_of(sources.begin(), sources.end(),
+                                    [&](int s) { return out.handle.flagged_from[s] != 0; });
+      status = TakeAsTheyArrive(epoch, sources, "dispatch data", deadline, poll, [&](int s) {
+        if (out.handle.flagged_from[s]) return PlaceArrived(s, epoch, out);
+        if (!EpochReached(LoadAcquire(FlagAt(own, layout_.dispatch_flag, s)), epoch)) {
+          return Take::kNothing;
+        }
+        Place(s, out);
+        return Take::kDone;
+      });
     }
     if (senders_ != nullptr) senders_->Join();
     UBEP_RETURN_IF_ERROR(status);
@@ -812,11 +808,16 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
     if (handle.flagged) {
       for (const auto& [d, j] : handle.token_routes) sent_to_[d] = 1;
     }
+    std::vector<int> pending;
     for (int d = 0; d < R; ++d) {
-      if (!active_[d] || sent_to_[d]) continue;
-      UBEP_RETURN_IF_ERROR(Wait(FlagAt(own, layout_.combine_flag, d), epoch, d,
-                                "combine partials", deadline));
+      if (active_[d] && !sent_to_[d]) pending.push_back(d);
     }
+    UBEP_RETURN_IF_ERROR(TakeAsTheyArrive(
+        epoch, std::move(pending), "combine partials", deadline, /*poll=*/false, [&](int d) {
+          return EpochReached(LoadAcquire(FlagAt(own, layout_.combine_flag, d)), epoch)
+                     ? Take::kDone
+                     : Take::kNothing;
+        }));
   }
   // Token side: out[t] = sum of its partials, destinations in rank order (the same order for
   // every protocol, so results are identical bit for bit).
@@ -855,13 +856,13 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
 
 absl::Status HostEp::TakeFlaggedPartial(const std::byte* partial, int peer, uint32_t epoch,
                                         absl::Time deadline) {
-  const uint32_t* flag = FlagAt(arenas_[rank_], layout_.combine_flag, peer);
-  while (!LoadFlaggedRow(partial, layout_.row_bytes, epoch, row_scratch_.data())) {
-    // Not all in yet. The peer raises its combine flag once every partial it sends here is
-    // stored: sleep on that, then look again.
-    UBEP_RETURN_IF_ERROR(Nap(flag, epoch, peer, "combine partials", deadline));
-  }
-  return absl::OkStatus();
+  // Granules ring no bell as they land: a millisecond's sleep at most between looks (the
+  // peer's combine flag, raised once every partial it sends here is stored, rings it).
+  const absl::Status s = WaitUntil(
+      OwnDoor(), deadline, AbortWord(),
+      [&] { return LoadFlaggedRow(partial, layout_.row_bytes, epoch, row_scratch_.data()); },
+      absl::Milliseconds(1));
+  return s.ok() ? s : GiveUp(peer, "combine partials", epoch);
 }
 
 uint64_t HostEp::LoadCounter(int layer, int local_slot) const {

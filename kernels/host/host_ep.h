@@ -152,19 +152,20 @@ class HostEp {
   absl::Status GiveUp(int peer, const char* what, uint32_t epoch) const;
   uint32_t* AbortWord() const;
   // Raises this rank's flag in `region` of rank d's arena to `epoch` (Signal, with d's
-  // sleepers word: d is the one that waits on it).
+  // doorbell: d is the one that waits on it).
   void Raise(int d, size_t region, uint32_t epoch);
-  // The sleepers word of this rank's arena, for its waits on its own flags.
-  uint32_t* OwnSleepers() const;
+  // The doorbell of this rank's arena, for its waits on its own flags.
+  Doorbell OwnDoor() const;
   absl::Status Barrier(absl::Time deadline);
   // What a look at a source found: nothing new, some of its data (flagged rows), or all of it.
   enum class Take { kNothing, kSome, kDone };
   // Calls take(s) for every s in `pending` until each has returned kDone, in whatever order
-  // the sources get there; when a round finds nothing new, sleeps (a slice at most) on flag
-  // `region`[first pending] of this rank's arena reaching `epoch`. The error of the first
-  // source still pending at the deadline (GiveUp, naming `what`).
-  absl::Status TakeAsTheyArrive(size_t region, uint32_t epoch, std::vector<int> pending,
-                                const char* what, absl::Time deadline,
+  // the sources get there; when a round finds nothing new, sleeps on this rank's bell, which
+  // any source's flag rings (a millisecond at most with `poll`, for flagged rows, which ring
+  // nothing as they land). The error of the first source still pending at the deadline or on
+  // an abort (GiveUp, naming `what`, call `epoch`).
+  absl::Status TakeAsTheyArrive(uint32_t epoch, std::vector<int> pending, const char* what,
+                                absl::Time deadline, bool poll,
                                 const std::function<Take(int)>& take);
   // From every source's records (their count flags seen): the receive layout (slot offsets,
   // each source's first row in each slot, sizes).
@@ -179,11 +180,6 @@ class HostEp {
   // slots, each a copy of `data` (which may already be the first of them).
   void PlaceRecord(int source, int32_t j, const std::byte* records, const std::byte* data,
                    DispatchOutput& output);
-  // One round of a wait on `peer` that found nothing new: its GiveUp error (naming `what`)
-  // past the deadline or on an abort, else OK after sleeping until `flag` reaches `epoch`, a
-  // millisecond at most.
-  absl::Status Nap(const uint32_t* flag, uint32_t epoch, int peer, const char* what,
-                   absl::Time deadline) const;
   // A flagged partial from `peer` into row_scratch_, once it has landed.
   absl::Status TakeFlaggedPartial(const std::byte* partial, int peer, uint32_t epoch,
                                   absl::Time deadline);
@@ -201,7 +197,7 @@ class HostEp {
   std::vector<int64_t> batch_end_;    // Per batch: units handed over (send_split.h BatchEnd).
   std::vector<int32_t> dest_records_;  // Per destination: records so far.
   uint32_t batches_ = 0;  // Batches counted, over every call (a Signal word).
-  uint32_t batch_sleepers_ = 0;  // Sender threads asleep on batches_.
+  uint32_t batch_sleepers_ = 0;  // Sender threads asleep on batches_ (its own bell).
   std::vector<Share> shares_;  // Per sender.
   // Per destination: units stored, plus kCountedBias once counting is done.
   std::unique_ptr<std::atomic<int64_t>[]> published_;

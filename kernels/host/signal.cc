@@ -12,26 +12,24 @@
 namespace ubep::kernels {
 namespace {
 
-constexpr int kSpins = 256;
-constexpr absl::Duration kMaxSleep = absl::Milliseconds(50);
-
-}  // namespace
-
-void Signal(uint32_t* word, uint32_t epoch, uint32_t* sleepers) {
-  std::atomic_ref<uint32_t>(*word).store(epoch, std::memory_order_seq_cst);
+void WakeIfAsleep(uint32_t* word, uint32_t* sleepers) {
   if (std::atomic_ref<uint32_t>(*sleepers).load(std::memory_order_seq_cst) == 0) return;
   syscall(SYS_futex, word, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
 }
 
-absl::Status WaitEpoch(const uint32_t* word, uint32_t epoch, uint32_t* sleepers,
-                       absl::Time deadline, const uint32_t* abort_word) {
-  for (int i = 0; i < kSpins; ++i) {
-    if (EpochReached(LoadAcquire(word), epoch)) return absl::OkStatus();
+// Spins on ready() (`spins` looks), then sleeps on `word` (counted in `sleepers`) in slices of at
+// most `slice` until ready(), the abort word or the deadline. `word` is read before each look at
+// ready(), so a change that the look misses moves it later and the futex does not sleep through it.
+absl::Status SleepUntil(uint32_t* word, uint32_t* sleepers, absl::Time deadline,
+                        const uint32_t* abort_word, absl::FunctionRef<bool()> ready,
+                        absl::Duration slice, int spins) {
+  for (int i = 0; i < spins; ++i) {
+    if (ready()) return absl::OkStatus();
   }
-  std::atomic_ref<uint32_t> asleep(*sleepers);
+  std::atomic_ref<uint32_t> seen_word(*word), asleep(*sleepers);
   while (true) {
-    const uint32_t seen = LoadAcquire(word);
-    if (EpochReached(seen, epoch)) return absl::OkStatus();
+    const uint32_t seen = seen_word.load(std::memory_order_seq_cst);
+    if (ready()) return absl::OkStatus();
     if (abort_word != nullptr && LoadAcquire(abort_word) != 0) {
       return absl::AbortedError("the group gave up");
     }
@@ -39,15 +37,45 @@ absl::Status WaitEpoch(const uint32_t* word, uint32_t epoch, uint32_t* sleepers,
     if (left <= absl::ZeroDuration()) {
       return absl::DeadlineExceededError("timed out");
     }
-    const timespec ts = absl::ToTimespec(std::min(left, kMaxSleep));
+    const timespec ts = absl::ToTimespec(std::min(left, slice));
     asleep.fetch_add(1, std::memory_order_seq_cst);
-    // After the count: a Signal that stored later sees this sleeper and wakes it (the futex
-    // returns at once if the word moved after this look); spurious wakeups loop.
-    if (std::atomic_ref<const uint32_t>(*word).load(std::memory_order_seq_cst) == seen) {
-      syscall(SYS_futex, const_cast<uint32_t*>(word), FUTEX_WAIT, seen, &ts, nullptr, 0);
+    // After the count: a Signal that moves the word later sees this sleeper and wakes it (the
+    // futex returns at once if the word moved after this look); spurious wakeups loop.
+    if (seen_word.load(std::memory_order_seq_cst) == seen) {
+      syscall(SYS_futex, word, FUTEX_WAIT, seen, &ts, nullptr, 0);
     }
     asleep.fetch_sub(1, std::memory_order_seq_cst);
   }
+}
+
+}  // namespace
+
+void Signal(uint32_t* word, uint32_t epoch, Doorbell door) {
+  std::atomic_ref<uint32_t>(*word).store(epoch, std::memory_order_seq_cst);
+  if (door.bell == word) {
+    WakeIfAsleep(word, door.word_sleepers);
+    return;
+  }
+  std::atomic_ref<uint32_t>(*door.bell).fetch_add(1, std::memory_order_seq_cst);
+  WakeIfAsleep(word, door.word_sleepers);
+  WakeIfAsleep(door.bell, door.bell_sleepers);
+}
+
+void Ring(Doorbell door) {
+  std::atomic_ref<uint32_t>(*door.bell).fetch_add(1, std::memory_order_seq_cst);
+  WakeIfAsleep(door.bell, door.bell_sleepers);
+}
+
+absl::Status WaitUntil(Doorbell door, absl::Time deadline, const uint32_t* abort_word,
+                       absl::FunctionRef<bool()> ready, absl::Duration slice, int spins) {
+  return SleepUntil(door.bell, door.bell_sleepers, deadline, abort_word, ready, slice, spins);
+}
+
+absl::Status WaitEpoch(const uint32_t* word, uint32_t epoch, Doorbell door, absl::Time deadline,
+                       const uint32_t* abort_word) {
+  return SleepUntil(
+      const_cast<uint32_t*>(word), door.word_sleepers, deadline, abort_word,
+      [&] { return EpochReached(LoadAcquire(word), epoch); }, kMaxSleep, kSpins);
 }
 
 }  // namespace ubep::kernels

@@ -3,6 +3,8 @@
 // received row proves where it came from.
 #include "kernels/host/host_ep.h"
 
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -312,6 +314,39 @@ TEST(HostEpShapeTest, TopK32With1024ExpertsOver128Ranks) {
   const TestPlan plan = TestPlan::RoundRobin(128 * 8, 1024, 1);
   std::vector<RankInput> inputs;
   for (int r = 0; r < config.num_ranks; ++r) inputs.push_back(MakeInput(config, r, r % 5, 9));
+  RunStep(group, inputs, plan, 0);
+}
+
+// The largest group the data plane takes: 1024 ranks (as threads, on however few cores),
+// one slot each, every token of top-k 32. Each rank waits on 1024 sources at once, asleep on
+// its arena's bell between arrivals (signal.h). The release build only: 1024 threads of a
+// sanitized debug build would take minutes on two cores.
+TEST(HostEpShapeTest, TopK32Over1024RanksOfOneSlot) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "1024 rank threads run in the release build";
+#endif
+  // One memfd per arena stays open: raise the soft limit on open files to the hard one.
+  rlimit files{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &files), 0);
+  if (files.rlim_cur < 1100 && files.rlim_max >= 1100) {
+    files.rlim_cur = files.rlim_max;
+    ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &files), 0);
+  }
+  if (files.rlim_cur < 1100)
+    GTEST_SKIP() << "1024 arenas need 1100 open files; the limit is " << files.rlim_cur;
+  EpConfig config = VariantConfig({"ubep", Protocol::kUbep, 0});
+  config.num_ranks = 1024;
+  config.max_tokens = 2;
+  config.hidden = 8;
+  config.top_k = kMaxTopK;
+  config.num_experts = 1024;
+  config.slots_per_rank = 1;
+  config.num_layers = 1;
+  config.timeout = absl::Minutes(5);
+  Group group(config);
+  const TestPlan plan = TestPlan::RoundRobin(1024, 1024, 1);
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < config.num_ranks; ++r) inputs.push_back(MakeInput(config, r, r % 3, 9));
   RunStep(group, inputs, plan, 0);
 }
 
@@ -781,22 +816,85 @@ TEST(HostCpuTest, TheBuildsLevelRunsHereAndACpuBelowItIsToldWhatToRebuild) {
   EXPECT_EQ(HostCpuStatus("x86-64-v3", true), absl::OkStatus());
 }
 
+// Until `sleepers` reads 1 (a waiter is asleep, or about to be), 30 s at most.
+void AwaitSleeper(const uint32_t& sleepers) {
+  const absl::Time until = absl::Now() + absl::Seconds(30);
+  while (std::atomic_ref<const uint32_t>(sleepers).load() == 0 && absl::Now() < until) {
+    absl::SleepFor(absl::Microseconds(100));
+  }
+  EXPECT_EQ(std::atomic_ref<const uint32_t>(sleepers).load(), 1u);
+}
+
 // signal.h: a waiter that goes to sleep counts itself in the sleepers word while it sleeps
 // (so that a Signal wakes it), and every way out of WaitEpoch takes it off again.
 TEST(SignalTest, ASleeperCountsItselfUntilItIsSignalled) {
   uint32_t word = 0, sleepers = 0;
   absl::Status waited;
-  std::thread waiter(
-      [&] { waited = WaitEpoch(&word, 1, &sleepers, absl::Now() + absl::Seconds(60)); });
-  const absl::Time until = absl::Now() + absl::Seconds(30);
-  while (std::atomic_ref<uint32_t>(sleepers).load() == 0 && absl::Now() < until) {
-    absl::SleepFor(absl::Microseconds(100));
-  }
-  EXPECT_EQ(std::atomic_ref<uint32_t>(sleepers).load(), 1u);
-  Signal(&word, 1, &sleepers);
+  std::thread waiter([&] {
+    waited = WaitEpoch(&word, 1, Doorbell::Own(&word, &sleepers), absl::Now() + absl::Seconds(60));
+  });
+  AwaitSleeper(sleepers);
+  Signal(&word, 1, Doorbell::Own(&word, &sleepers));
   waiter.join();
   EXPECT_EQ(waited, absl::OkStatus());
   EXPECT_EQ(sleepers, 0u);
+}
+
+// The owner of an arena waits on all of its sources at once: asleep on the arena's bell, it
+// wakes for whichever flag is raised, and for an abort. Its slices are an hour long here, so
+// a Signal or an abort that did not ring the bell would leave it asleep (and the test would
+// time out) rather than pass.
+TEST(SignalTest, AnArenasBellWakesItsOwnerForAnyFlagAndForAnAbort) {
+  const EpConfig config = SmallConfig(Protocol::kUbep);
+  const ArenaLayout layout(config);
+  std::vector<uint64_t> words(layout.total_bytes / sizeof(uint64_t) + 1, 0);
+  auto* arena = reinterpret_cast<std::byte*>(words.data());
+  auto flag = [&](int s) {
+    return reinterpret_cast<uint32_t*>(arena + layout.count_flag + s * kFlagStride);
+  };
+  const uint32_t* abort_word = reinterpret_cast<uint32_t*>(arena + layout.abort);
+  const Doorbell door = ArenaDoor(arena, layout);
+  auto wait_for_any = [&](uint32_t epoch, int* which) {
+    return WaitUntil(
+        door, absl::Now() + absl::Hours(1), abort_word,
+        [&] {
+          for (int s = 0; s < config.num_ranks; ++s) {
+            if (EpochReached(LoadAcquire(flag(s)), epoch)) {
+              *which = s;
+              return true;
+            }
+          }
+          return false;
+        },
+        absl::Hours(1));
+  };
+  absl::Status waited;
+  int which = -1;
+  std::thread waiter([&] { waited = wait_for_any(1, &which); });
+  AwaitSleeper(*door.bell_sleepers);
+  Signal(flag(3), 1, door);
+  waiter.join();
+  EXPECT_EQ(waited, absl::OkStatus());
+  EXPECT_EQ(which, 3);
+  EXPECT_EQ(*door.bell, 1u);
+  // A wait on one flag sleeps on that flag, counted apart: the bell's sleepers are not woken
+  // in vain by every flag, nor the flag's by the bell.
+  std::thread one_flag(
+      [&] { waited = WaitEpoch(flag(2), 1, door, absl::Now() + absl::Hours(1), abort_word); });
+  AwaitSleeper(*door.word_sleepers);
+  EXPECT_EQ(*door.bell_sleepers, 0u);
+  Signal(flag(2), 1, door);
+  one_flag.join();
+  EXPECT_EQ(waited, absl::OkStatus());
+  EXPECT_EQ(*door.bell, 2u);
+  std::thread aborted([&] { waited = wait_for_any(2, &which); });
+  AwaitSleeper(*door.bell_sleepers);
+  RaiseAbort(arena, layout, kAbortDraining);
+  aborted.join();
+  EXPECT_EQ(waited, absl::AbortedError("the group gave up"));
+  EXPECT_EQ(*door.bell, 3u);
+  EXPECT_EQ(*door.word_sleepers, 0u);
+  EXPECT_EQ(*door.bell_sleepers, 0u);
 }
 
 // A process that died asleep leaves the sleepers word of its arena above zero (every Signal
@@ -824,20 +922,20 @@ TEST(SignalTest, AResetClearsTheSleepersADeadProcessLeft) {
 
 TEST(SignalTest, TimeoutsAndAbortsLeaveNoSleeperBehind) {
   uint32_t word = 5, sleepers = 0, abort_word = 0;
-  EXPECT_EQ(WaitEpoch(&word, 5, &sleepers, absl::InfinitePast()), absl::OkStatus());
-  EXPECT_EQ(WaitEpoch(&word, 6, &sleepers, absl::Now() + absl::Milliseconds(20)),
+  const Doorbell door = Doorbell::Own(&word, &sleepers);
+  EXPECT_EQ(WaitEpoch(&word, 5, door, absl::InfinitePast()), absl::OkStatus());
+  EXPECT_EQ(WaitEpoch(&word, 6, door, absl::Now() + absl::Milliseconds(20)),
             absl::DeadlineExceededError("timed out"));
   EXPECT_EQ(sleepers, 0u);
   absl::Status waited;
-  std::thread waiter([&] {
-    waited = WaitEpoch(&word, 6, &sleepers, absl::Now() + absl::Seconds(60), &abort_word);
-  });
+  std::thread waiter(
+      [&] { waited = WaitEpoch(&word, 6, door, absl::Now() + absl::Seconds(60), &abort_word); });
   std::atomic_ref<uint32_t>(abort_word).store(1);
   waiter.join();
   EXPECT_EQ(waited, absl::AbortedError("the group gave up"));
   EXPECT_EQ(sleepers, 0u);
   // A word past the epoch has reached it.
-  EXPECT_EQ(WaitEpoch(&word, 4, &sleepers, absl::InfinitePast()), absl::OkStatus());
+  EXPECT_EQ(WaitEpoch(&word, 4, door, absl::InfinitePast()), absl::OkStatus());
 }
 
 TEST(HostEpErrorTest, NoPlanInForceIsAClearError) {
