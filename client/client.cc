@@ -130,6 +130,13 @@ absl::Status GroupStopped(const RankState& s) {
     return absl::UnavailableError(absl::StrCat(
         "rank ", s.rank, ": ubepd is draining (shutting down); attach again when it is back"));
   }
+  if (code == kernels::kAbortMembership) {
+    return absl::UnavailableError(
+        absl::StrCat("rank ", s.rank,
+                     ": the group's membership changed (a committed plan excludes or "
+                     "includes ranks); call Rejoin"));
+  }
+  // Both daemon codes above have the kAbortRankGone bit set too.
   if (code != 0 && (code & kernels::kAbortRankGone) != 0) {
     const uint32_t gone = code & ~kernels::kAbortRankGone;
     return absl::UnavailableError(absl::StrCat("rank ", s.rank, ": rank ", gone,

@@ -1191,23 +1191,27 @@ absl::Status Node::Commit(uint64_t version) {
   if (!pending_.has_value() || pending_->version != version) {
     return absl::NotFoundError(absl::StrCat("plan v", version, " is not prepared here"));
   }
+  const bool membership = pending_->excluded_ranks != plan_.excluded_ranks;
+  if (membership) {
+    // Ranks leave or join: stop every wait of the running group (and of clients of excluded
+    // ranks); the members join again and the group forms under this plan, from the least step
+    // they resume at. Before the plan is committed in this daemon's arenas: a peer daemon that
+    // committed first forms the new group as soon as it sees the plan committed here, and
+    // stopping the group after that would stop the new one, whose members joined already.
+    SetGroupState(kernels::kGroupBroken);
+    for (int r = 0; r < static_cast<int>(arenas_.size()); ++r) {
+      if (MembershipStops(*pending_, r)) {
+        SetAbortCode(r, kernels::kAbortMembership, /*only_if_clear=*/true);
+      }
+    }
+  }
   for (int r = first_; r < first_ + hosted_; ++r) {
     UBEP_RETURN_IF_ERROR(kernels::CommitPlan(arenas_[r].data() + layout_.plan, version));
   }
-  const bool membership = pending_->excluded_ranks != plan_.excluded_ranks;
-  std::vector<bool> stops(arenas_.size());
-  for (size_t r = 0; r < stops.size(); ++r) stops[r] = MembershipStops(*pending_, static_cast<int>(r));
   plan_ = *std::move(pending_);
   pending_.reset();
   membership_pending_ = false;
   if (membership) {
-    // Ranks leave or join: stop every wait of the running group (and of clients of excluded
-    // ranks); the members join again and the group forms under this plan, from the least step
-    // they resume at.
-    SetGroupState(kernels::kGroupBroken);
-    for (int r = 0; r < static_cast<int>(arenas_.size()); ++r) {
-      if (stops[r]) SetAbortCode(r, kernels::kAbortMembership, /*only_if_clear=*/true);
-    }
     UBEP_LOG(INFO) << "plan v" << version << " changes the group's members (excluded: "
                    << (plan_.excluded_ranks.empty() ? "none" : absl::StrJoin(plan_.excluded_ranks, ", "))
                    << "): the group forms again";
