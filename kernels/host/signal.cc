@@ -27,17 +27,19 @@ absl::Status SleepUntil(uint32_t* word, uint32_t* sleepers, absl::Time deadline,
     if (ready()) return absl::OkStatus();
   }
   std::atomic_ref<uint32_t> seen_word(*word), asleep(*sleepers);
+  absl::Time give_up = absl::InfiniteFuture();  // kAbortGrace after the abort was first seen.
   while (true) {
     const uint32_t seen = seen_word.load(std::memory_order_seq_cst);
     if (ready()) return absl::OkStatus();
+    const absl::Time now = absl::Now();
     if (abort_word != nullptr && LoadAcquire(abort_word) != 0) {
-      return absl::AbortedError("the group gave up");
+      if (give_up == absl::InfiniteFuture()) give_up = now + kAbortGrace;
+      if (now >= give_up) return absl::AbortedError("the group gave up");
     }
-    const absl::Duration left = deadline - absl::Now();
-    if (left <= absl::ZeroDuration()) {
+    if (now >= deadline) {
       return absl::DeadlineExceededError("timed out");
     }
-    const timespec ts = absl::ToTimespec(std::min(left, slice));
+    const timespec ts = absl::ToTimespec(std::min({deadline - now, slice, give_up - now}));
     asleep.fetch_add(1, std::memory_order_seq_cst);
     // After the count: a Signal that moves the word later sees this sleeper and wakes it (the
     // futex returns at once if the word moved after this look); spurious wakeups loop.

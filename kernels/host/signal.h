@@ -50,6 +50,13 @@ struct Doorbell {
 // that rings the bell (RaiseAbort) is seen at once.
 inline constexpr absl::Duration kMaxSleep = absl::Milliseconds(50);
 
+// How long a waiter that has seen its abort word set keeps waiting for what it waits for. A
+// daemon stops the group when a rank leaves, also one that left after its last call was
+// complete, whose peers' waits of that call need nothing more from it; their other sources'
+// data may be a moment away. What a woken waiter would have found in the slice it used to
+// poll the sources in, it still finds.
+inline constexpr absl::Duration kAbortGrace = absl::Milliseconds(1);
+
 void Signal(uint32_t* word, uint32_t epoch, Doorbell door);
 
 // Moves the bell without a word of its own (an abort word set): every sleeper on the bell
@@ -60,7 +67,8 @@ void Ring(Doorbell door);
 inline constexpr int kSpins = 256;
 
 // OK once ready() (which reads with acquire, or stronger, ordering) is true; DeadlineExceeded
-// at `deadline`; Aborted as soon as `abort_word` (optional) is non-zero. Calls ready() `spins`
+// at `deadline`; Aborted once `abort_word` (optional) has been non-zero for kAbortGrace and
+// ready() is still false (a Ring wakes a sleeper at once to look). Calls ready() `spins`
 // times, then sleeps on the bell in slices of at most `slice`, so what rings no bell
 // (flag-in-granule rows) is looked at that often. A ready() that looks at n words spins for
 // kSpins / n rounds to spin as long as a wait on one word.

@@ -299,22 +299,30 @@ TEST_P(HostEpTest, EveryRankUsesThePlanInForceAtItsStep) {
   }
 }
 
+// One step of top-k 32 over 1024 experts: `ranks` ranks of `slots` slots each, rank r
+// dispatching r % `token_mod` of its `max_tokens` tokens.
+void RunTopK32Step(int ranks, int slots, int max_tokens, int hidden, int token_mod,
+                   absl::Duration timeout) {
+  EpConfig config = VariantConfig({"ubep", Protocol::kUbep, 0});
+  config.num_ranks = ranks;
+  config.max_tokens = max_tokens;
+  config.hidden = hidden;
+  config.top_k = kMaxTopK;
+  config.num_experts = 1024;
+  config.slots_per_rank = slots;
+  config.num_layers = 1;
+  config.timeout = timeout;
+  Group group(config);
+  const TestPlan plan = TestPlan::RoundRobin(ranks * slots, 1024, 1);
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < ranks; ++r) inputs.push_back(MakeInput(config, r, r % token_mod, 9));
+  RunStep(group, inputs, plan, 0);
+}
+
 // No fixed list of shapes: top-k 32, 1024 experts, 128 ranks, a hidden size that is a
 // multiple of 8 but not of 16.
 TEST(HostEpShapeTest, TopK32With1024ExpertsOver128Ranks) {
-  EpConfig config = VariantConfig({"ubep", Protocol::kUbep, 0});
-  config.num_ranks = 128;
-  config.max_tokens = 4;
-  config.hidden = 24;
-  config.top_k = kMaxTopK;
-  config.num_experts = 1024;
-  config.slots_per_rank = 8;
-  config.num_layers = 1;
-  Group group(config);
-  const TestPlan plan = TestPlan::RoundRobin(128 * 8, 1024, 1);
-  std::vector<RankInput> inputs;
-  for (int r = 0; r < config.num_ranks; ++r) inputs.push_back(MakeInput(config, r, r % 5, 9));
-  RunStep(group, inputs, plan, 0);
+  RunTopK32Step(128, 8, 4, 24, 5, absl::Seconds(20));
 }
 
 // The largest group the data plane takes: 1024 ranks (as threads, on however few cores),
@@ -332,22 +340,10 @@ TEST(HostEpShapeTest, TopK32Over1024RanksOfOneSlot) {
     files.rlim_cur = files.rlim_max;
     ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &files), 0);
   }
-  if (files.rlim_cur < 1100)
+  if (files.rlim_cur < 1100) {
     GTEST_SKIP() << "1024 arenas need 1100 open files; the limit is " << files.rlim_cur;
-  EpConfig config = VariantConfig({"ubep", Protocol::kUbep, 0});
-  config.num_ranks = 1024;
-  config.max_tokens = 2;
-  config.hidden = 8;
-  config.top_k = kMaxTopK;
-  config.num_experts = 1024;
-  config.slots_per_rank = 1;
-  config.num_layers = 1;
-  config.timeout = absl::Minutes(5);
-  Group group(config);
-  const TestPlan plan = TestPlan::RoundRobin(1024, 1024, 1);
-  std::vector<RankInput> inputs;
-  for (int r = 0; r < config.num_ranks; ++r) inputs.push_back(MakeInput(config, r, r % 3, 9));
-  RunStep(group, inputs, plan, 0);
+  }
+  RunTopK32Step(1024, 1, 2, 8, 3, absl::Minutes(5));
 }
 
 TEST(HostEpProtocolTest, BspAndUbepGiveIdenticalBytes) {
