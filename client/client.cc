@@ -126,27 +126,29 @@ absl::Status GroupStopped(const RankState& s) {
       reinterpret_cast<const uint32_t*>(s.own() + s.layout.ep + ep.abort));
   const uint32_t state =
       std::atomic_ref<uint32_t>(s.control()->group_state).load(std::memory_order_acquire);
-  if (state == kernels::kGroupDraining || code == kernels::kAbortDraining) {
+  const kernels::AbortReason reason = kernels::ReadAbortCode(code);
+  if (state == kernels::kGroupDraining || reason.kind == kernels::AbortReason::kDraining) {
     return absl::UnavailableError(absl::StrCat(
         "rank ", s.rank, ": ubepd is draining (shutting down); attach again when it is back"));
   }
-  if (code == kernels::kAbortMembership) {
-    return absl::UnavailableError(
-        absl::StrCat("rank ", s.rank,
-                     ": the group's membership changed (a committed plan excludes or "
-                     "includes ranks); call Rejoin"));
-  }
-  // Both daemon codes above have the kAbortRankGone bit set too.
-  if (code != 0 && (code & kernels::kAbortRankGone) != 0) {
-    const uint32_t gone = code & ~kernels::kAbortRankGone;
-    return absl::UnavailableError(absl::StrCat("rank ", s.rank, ": rank ", gone,
-                                               " left the group; call Rejoin to continue once "
-                                               "rank ", gone, " is back"));
-  }
-  if (code != 0) {
-    return absl::UnavailableError(absl::StrCat(
-        "rank ", s.rank, ": the group stopped after a wait on rank ",
-        code - kernels::kAbortTimedOutBase, " timed out; call Rejoin"));
+  switch (reason.kind) {
+    case kernels::AbortReason::kMembership:
+      return absl::UnavailableError(
+          absl::StrCat("rank ", s.rank,
+                       ": the group's membership changed (a committed plan excludes or "
+                       "includes ranks); call Rejoin"));
+    case kernels::AbortReason::kRankGone:
+      return absl::UnavailableError(absl::StrCat("rank ", s.rank, ": rank ", reason.rank,
+                                                 " left the group; call Rejoin to continue once "
+                                                 "rank ",
+                                                 reason.rank, " is back"));
+    case kernels::AbortReason::kTimedOut:
+      return absl::UnavailableError(absl::StrCat("rank ", s.rank,
+                                                 ": the group stopped after a wait on rank ",
+                                                 reason.rank, " timed out; call Rejoin"));
+    case kernels::AbortReason::kNone:
+    case kernels::AbortReason::kDraining:
+      break;
   }
   return absl::UnavailableError(
       absl::StrCat("rank ", s.rank, ": the group has re-formed or is forming without this "

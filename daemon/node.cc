@@ -460,27 +460,26 @@ uint32_t Node::AbortCode(int r) const {
 }
 
 void Node::SetAbortCode(int r, uint32_t code, bool only_if_clear) {
-  const size_t offset = kernels::ArenaLayout(config_).abort;
+  const kernels::ArenaLayout ep_layout(config_);
   if (on_device()) {
     if (device_arenas_[r] == nullptr) return;  // A peer's, not imported yet.
     // Device kernels never write the abort word: read-then-write does not race with them.
     if (only_if_clear && AbortCode(r) != 0) return;
-    if (absl::Status s = device_arenas_[r]->Write(offset, &code, sizeof(code)); !s.ok()) {
+    if (absl::Status s = device_arenas_[r]->Write(ep_layout.abort, &code, sizeof(code)); !s.ok()) {
       UBEP_LOG(ERROR) << "rank " << r << ": " << s;
     }
     return;
   }
   if (!arenas_[r].valid()) return;
+  // Either way the arena's bell rings: a rank asleep in a wait sees the code at once.
   std::byte* ep = arenas_[r].data() + layout_.ep;
-  std::atomic_ref<uint32_t> word(*reinterpret_cast<uint32_t*>(ep + offset));
   if (only_if_clear) {
-    uint32_t expected = 0;
-    word.compare_exchange_strong(expected, code, std::memory_order_acq_rel);
-  } else {
-    word.store(code, std::memory_order_release);
+    kernels::RaiseAbort(ep, ep_layout, code);
+    return;
   }
-  // A rank asleep in a wait sees the code at once (signal.h's Doorbell).
-  kernels::Ring(kernels::ArenaDoor(ep, kernels::ArenaLayout(config_)));
+  std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(ep + ep_layout.abort))
+      .store(code, std::memory_order_release);
+  kernels::Ring(kernels::ArenaDoor(ep, ep_layout));
 }
 
 void Node::BreakGroup(int rank) {

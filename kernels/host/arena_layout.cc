@@ -91,19 +91,30 @@ ArenaLayout::ArenaLayout(const EpConfig& c) {
   total_bytes = offset;
 }
 
+AbortReason ReadAbortCode(uint32_t code) {
+  if (code == 0) return {AbortReason::kNone, -1};
+  if (code == kAbortDraining) return {AbortReason::kDraining, -1};
+  if (code == kAbortMembership) return {AbortReason::kMembership, -1};
+  if ((code & kAbortRankGone) != 0) {
+    return {AbortReason::kRankGone, static_cast<int>(code & ~kAbortRankGone)};
+  }
+  return {AbortReason::kTimedOut, static_cast<int>(code - kAbortTimedOutBase)};
+}
+
 absl::Status DaemonAbortStatus(uint32_t code, int rank, const char* what, uint32_t call) {
-  if (code == kAbortDraining) {
+  const AbortReason reason = ReadAbortCode(code);
+  if (reason.kind == AbortReason::kDraining) {
     return absl::UnavailableError(absl::StrCat("rank ", rank, ": ubepd is draining; ", what,
                                                " of call ", call,
                                                " abandoned; attach again when it is back"));
   }
-  if (code == kAbortMembership) {
+  if (reason.kind == AbortReason::kMembership) {
     return absl::UnavailableError(absl::StrCat(
         "rank ", rank, ": the group's membership changed (a committed plan excludes or includes "
         "ranks) during ", what, " of call ", call, "; join again"));
   }
-  if (code != 0 && (code & kAbortRankGone) != 0) {
-    const uint32_t gone = code & ~kAbortRankGone;
+  if (reason.kind == AbortReason::kRankGone) {
+    const int gone = reason.rank;
     return absl::UnavailableError(absl::StrCat(
         "rank ", rank, ": rank ", gone, " left the group (ubepd saw its client disconnect) ",
         "during ", what, " of call ", call, "; join again once rank ", gone, " is back"));
@@ -113,9 +124,8 @@ absl::Status DaemonAbortStatus(uint32_t code, int rank, const char* what, uint32
 
 absl::Status TimedOutStatus(uint32_t code, int rank, int peer, absl::Duration timeout,
                             const char* what, uint32_t call) {
-  const int dead_rank = code >= kAbortTimedOutBase && (code & kAbortRankGone) == 0
-                            ? static_cast<int>(code - kAbortTimedOutBase)
-                            : peer;
+  const AbortReason reason = ReadAbortCode(code);
+  const int dead_rank = reason.kind == AbortReason::kTimedOut ? reason.rank : peer;
   return absl::DeadlineExceededError(absl::StrCat(
       "rank ", rank, ": timed out after ", absl::FormatDuration(timeout), " waiting for rank ",
       dead_rank, " (", what, ", call ", call,

@@ -99,6 +99,14 @@ inline constexpr uint32_t kAbortRankGone = 0x80000000u;   // | rank that left (d
 inline constexpr uint32_t kAbortDraining = 0xFFFFFFFFu;   // The daemon is shutting down.
 inline constexpr uint32_t kAbortMembership = 0xFFFFFFFEu; // A plan excluded or included ranks.
 
+// What an abort word says, read in one place: the daemon's two codes above also have
+// kAbortRankGone's bit set, so they are told apart before it.
+struct AbortReason {
+  enum Kind { kNone, kTimedOut, kRankGone, kDraining, kMembership } kind;
+  int rank;  // kTimedOut: the rank a wait gave up on; kRankGone: the rank that left; else -1.
+};
+AbortReason ReadAbortCode(uint32_t code);
+
 // The error for a wait of `rank` that found the abort word set to a daemon's code (rank gone
 // or draining); OK for 0 or a peer's timeout code (the caller reports timeouts itself).
 // `what` names the phase, `call` the epoch.

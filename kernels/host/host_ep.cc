@@ -469,9 +469,11 @@ absl::Status HostEp::GiveUp(int peer, const char* what, uint32_t epoch) const {
   return TimedOutStatus(code, rank_, peer, config_.timeout, what, epoch);
 }
 
-absl::Status HostEp::TakeAsTheyArrive(uint32_t epoch, std::vector<int> pending, const char* what,
-                                      absl::Time deadline, bool poll,
+absl::Status HostEp::TakeAsTheyArrive(uint32_t epoch, std::span<const int> sources,
+                                      const char* what, absl::Time deadline, bool poll,
                                       const std::function<Take(int)>& take) {
+  std::vector<int>& pending = pending_;
+  pending.assign(sources.begin(), sources.end());
   while (!pending.empty()) {
     // One round: whatever arrived is taken; with nothing new, sleep until a flag rings the
     // bell. The deadline is checked whenever a round finds nothing: a flag that is up while
@@ -541,7 +543,8 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
   for (int b = 0; b < num_batches; ++b) CountBatch(in, b, num_batches, senders);
   FinishCounting(epoch, /*publish=*/ubep, flagged);
   std::byte* own = arenas_[rank_];
-  std::vector<int> sources;
+  std::vector<int>& sources = sources_;
+  sources.clear();
   for (int r = 0; r < R; ++r) {
     if (active_[r]) sources.push_back(r);
   }
@@ -808,12 +811,12 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
     if (handle.flagged) {
       for (const auto& [d, j] : handle.token_routes) sent_to_[d] = 1;
     }
-    std::vector<int> pending;
+    sources_.clear();
     for (int d = 0; d < R; ++d) {
-      if (active_[d] && !sent_to_[d]) pending.push_back(d);
+      if (active_[d] && !sent_to_[d]) sources_.push_back(d);
     }
-    UBEP_RETURN_IF_ERROR(TakeAsTheyArrive(
-        epoch, std::move(pending), "combine partials", deadline, /*poll=*/false, [&](int d) {
+    UBEP_RETURN_IF_ERROR(
+        TakeAsTheyArrive(epoch, sources_, "combine partials", deadline, /*poll=*/false, [&](int d) {
           return EpochReached(LoadAcquire(FlagAt(own, layout_.combine_flag, d)), epoch)
                      ? Take::kDone
                      : Take::kNothing;

@@ -159,12 +159,12 @@ class HostEp {
   absl::Status Barrier(absl::Time deadline);
   // What a look at a source found: nothing new, some of its data (flagged rows), or all of it.
   enum class Take { kNothing, kSome, kDone };
-  // Calls take(s) for every s in `pending` until each has returned kDone, in whatever order
+  // Calls take(s) for every s in `sources` until each has returned kDone, in whatever order
   // the sources get there; when a round finds nothing new, sleeps on this rank's bell, which
   // any source's flag rings (a millisecond at most with `poll`, for flagged rows, which ring
   // nothing as they land). The error of the first source still pending at the deadline or on
   // an abort (GiveUp, naming `what`, call `epoch`).
-  absl::Status TakeAsTheyArrive(uint32_t epoch, std::vector<int> pending, const char* what,
+  absl::Status TakeAsTheyArrive(uint32_t epoch, std::span<const int> sources, const char* what,
                                 absl::Time deadline, bool poll,
                                 const std::function<Take(int)>& take);
   // From every source's records (their count flags seen): the receive layout (slot offsets,
@@ -205,6 +205,8 @@ class HostEp {
   std::vector<std::byte> row_scratch_;  // One row of dtype: a flagged partial, packed or not.
   std::vector<int32_t> placed_;   // Per source: flagged records placed so far.
   std::vector<char> sent_to_;     // Per destination: a flagged combine takes partials from it.
+  std::vector<int> sources_;      // Ranks a wait of this call takes from (kept across calls).
+  std::vector<int> pending_;      // Those of sources_ TakeAsTheyArrive still waits for.
   std::vector<int32_t> received_per_slot_;  // Rows per local slot (the load counters' addition).
   std::vector<int32_t> source_slot_rows_;  // [R x S]: next row of (source, slot) while placing.
   // Per rank: in the group under the plan of the call in flight (excluded ranks are neither

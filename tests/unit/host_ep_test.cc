@@ -934,6 +934,25 @@ TEST(SignalTest, TimeoutsAndAbortsLeaveNoSleeperBehind) {
   EXPECT_EQ(WaitEpoch(&word, 4, door, absl::InfinitePast()), absl::OkStatus());
 }
 
+// The daemon's codes share kAbortRankGone's bit: each is read as itself, once, for every
+// message (a membership change was once reported as "rank 2147483646 left the group").
+TEST(AbortCodeTest, EachCodeIsReadAsItself) {
+  auto read = [](uint32_t code) {
+    const AbortReason r = ReadAbortCode(code);
+    return std::pair<int, int>(r.kind, r.rank);
+  };
+  EXPECT_EQ(read(0), std::pair(int{AbortReason::kNone}, -1));
+  EXPECT_EQ(read(kAbortTimedOutBase + 3), std::pair(int{AbortReason::kTimedOut}, 3));
+  EXPECT_EQ(read(kAbortRankGone | 5), std::pair(int{AbortReason::kRankGone}, 5));
+  EXPECT_EQ(read(kAbortDraining), std::pair(int{AbortReason::kDraining}, -1));
+  EXPECT_EQ(read(kAbortMembership), std::pair(int{AbortReason::kMembership}, -1));
+  EXPECT_EQ(DaemonAbortStatus(kAbortMembership, 1, "dispatch data", 7),
+            absl::UnavailableError("rank 1: the group's membership changed (a committed plan "
+                                   "excludes or includes ranks) during dispatch data of call 7; "
+                                   "join again"));
+  EXPECT_EQ(DaemonAbortStatus(kAbortTimedOutBase + 3, 1, "dispatch data", 7), absl::OkStatus());
+}
+
 TEST(HostEpErrorTest, NoPlanInForceIsAClearError) {
   Group group(SmallConfig(Protocol::kBsp));
   const EpConfig& c = group.config();
