@@ -30,7 +30,8 @@ constexpr int kStatusStalled = 3;    // 1: a SendKernel block waited past the ti
 constexpr int kStatusWaitPhase = 4;  // The phase of the wait that ended: kPhase*.
 constexpr int kStatusBadKind = 5;    // Why: kBadRange, kBadWeight, or kBadRepeat + the earlier k.
 constexpr int kStatusRowsOver = 6;    // 0, or the rows received when more than max_rows.
-constexpr int kStatusWords = 7;
+constexpr int kStatusWaitLate = 7;   // 1: the wait that ended passed the deadline.
+constexpr int kStatusWords = 8;
 constexpr uint32_t kPhaseAsCalled = 1;  // Named by the call (CheckStatus's `what`).
 constexpr uint32_t kPhaseCounts = 2;    // ubep's wait for the sources' counts: "dispatch counts".
 // Sender blocks of a dispatch (send_split.h). A few dozen SMs saturate NVLink stores, as in
@@ -58,6 +59,9 @@ struct Params {
   size_t row_stride;  // Bytes per source (destination) of rows (partials): ArenaLayout.
   size_t flagged_offset;  // Where the flagged rows start in a source's part: ArenaLayout.
   size_t off_abort;
+  // The word where a rank marks the last call of this kind (dispatch or combine) it completed
+  // (ArenaLayout::dispatch_completed or combine_completed; arena_layout.h MarkCompleted).
+  size_t off_completed;
   bool bsp;  // Protocol::kBsp: count exchange and barriers, no per-destination flags.
   // This rank's call stores its rows, and gets its partials back, as flag-in-granule rows
   // (flagged_rows.h): no dispatch or combine flags for it, the receivers poll the rows.
@@ -512,6 +516,18 @@ __device__ bool SourceFlagged(const Params& p, int s) {
   return CountIsFlagged(reinterpret_cast<const uint32_t*>(p.arenas[p.rank] + p.off_counts)[s]);
 }
 
+// This rank has stored everything the call in flight owes its peers (every kernel of the call
+// that stores into them ran before, in stream order): it marks the call completed in its own
+// arena (arena_layout.h MarkCompleted), unless one of its waits ended.
+__device__ void MarkCallCompleted(const Params& p) {
+  if (p.status[kStatusWaitEnded] != 0) return;
+  cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(
+      *reinterpret_cast<uint32_t*>(p.arenas[p.rank] + p.off_completed))
+      .store(p.epoch, cuda::memory_order_release);
+}
+
+__global__ void CompletedKernel(Params p) { MarkCallCompleted(p); }
+
 // Sets every member rank's abort word to `code` unless it is already set (the first reason
 // wins), as the host backend's GiveUp does. Ranks the plan excludes are left alone: their
 // arenas may belong to a new process by now.
@@ -548,14 +564,22 @@ __device__ bool WaitMustEnd(const Params& p, int s, uint64_t deadline, uint32_t 
     return true;
   }
   const bool late = GlobalTimerNs() > deadline;
-  if (!late && cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(
-                   *reinterpret_cast<uint32_t*>(p.arenas[p.rank] + p.off_abort))
-                       .load(cuda::memory_order_relaxed) == 0) {
-    return false;
+  if (!late) {
+    const uint32_t code = cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(
+                              *reinterpret_cast<uint32_t*>(p.arenas[p.rank] + p.off_abort))
+                              .load(cuda::memory_order_relaxed);
+    // A rank that left after it completed this call owes it nothing more (LeftAfter).
+    const int left = RankThatLeft(code);
+    if (code == 0 || (left >= 0 && left < p.num_ranks &&
+                      FlagReached(reinterpret_cast<uint32_t*>(p.arenas[left] + p.off_completed),
+                                  p.epoch))) {
+      return false;
+    }
   }
   // One thread of the call records why it ended and, if late, tells every rank.
   if (atomicCAS(&p.status[kStatusWaitEnded], 0u, 1u + s) == 0) {
     p.status[kStatusWaitPhase] = phase;
+    p.status[kStatusWaitLate] = late ? 1 : 0;
     if (late) RaiseAbortEverywhere(p, kAbortTimedOutBase + static_cast<uint32_t>(s));
   }
   return true;
@@ -742,6 +766,7 @@ __global__ void LoadKernel(Params p) {
     __threadfence_system();
     cuda::atomic_ref<unsigned long long, cuda::thread_scope_system>(*seq).fetch_add(
         1, cuda::memory_order_relaxed);
+    MarkCallCompleted(p);  // The dispatch's last kernel.
   }
 }
 
@@ -1177,7 +1202,10 @@ absl::Status CudaEp::CheckStatus(const char* what, uint32_t call) {
     uint32_t code = 0;
     UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&code, own_arena_ + layout_.abort, sizeof(code),
                                          cudaMemcpyDeviceToHost));
-    if (absl::Status daemon = DaemonAbortStatus(code, rank_, what, call); !daemon.ok()) {
+    // A wait that ran late was not ended by the code (a rank that left after this call,
+    // which the waits went on past, or a code set after the deadline).
+    if (absl::Status daemon = DaemonAbortStatus(code, rank_, what, call);
+        status[kStatusWaitLate] == 0 && !daemon.ok()) {
       return daemon;
     }
     const int peer = static_cast<int>(status[kStatusWaitEnded]) - 1;
@@ -1241,6 +1269,7 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
   p.topk_idx = in.topk_idx;
   p.topk_weights = in.topk_weights;
   p.epoch = ++dispatch_epoch_;
+  p.off_completed = layout_.dispatch_completed;
   p.flagged = FlaggedRows(!p.bsp, in.num_tokens, config_.flagged_tokens, layout_.row_bytes);
   last_tokens_ = in.num_tokens;
   UBEP_CUDA_RETURN_IF_ERROR(
@@ -1324,6 +1353,7 @@ absl::Status CudaEp::Combine(const void* y, void* out) {
   Scratch& s = *scratch_;
   Params p = s.params;
   p.epoch = ++combine_epoch_;
+  p.off_completed = layout_.combine_completed;
   UBEP_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(p.status, 0, kStatusWords * sizeof(uint32_t), s.stream));
   UBEP_CUDA_RETURN_IF_ERROR(
@@ -1336,6 +1366,7 @@ absl::Status CudaEp::Combine(const void* y, void* out) {
     WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_combine_flag, kPhaseAsCalled,
                                         Skip::kFlaggedDestinations);
   }
+  CompletedKernel<<<1, 1, 0, s.stream>>>(p);  // Its partials and flags are all stored.
   if (last_tokens_ > 0) {
     TokenKernel<<<last_tokens_, kThreads, 0, s.stream>>>(p, static_cast<uint16_t*>(out));
   }

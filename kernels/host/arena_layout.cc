@@ -78,6 +78,8 @@ ArenaLayout::ArenaLayout(const EpConfig& c) {
   count_flag = carve(R * kFlagStride);
   barrier_flag = carve(R * kFlagStride);
   abort = carve(kLine);
+  dispatch_completed = abort + sizeof(uint32_t);
+  combine_completed = abort + 2 * sizeof(uint32_t);
   sleepers = carve(kLine);
   // One line: a signaller moves the bell, then reads the counts.
   bell = sleepers + sizeof(uint32_t);
@@ -131,6 +133,22 @@ absl::Status TimedOutStatus(uint32_t code, int rank, int peer, absl::Duration ti
       dead_rank, " (", what, ", call ", call,
       dead_rank == peer ? "" : absl::StrCat(", waiting on rank ", peer, " which gave up"),
       "); is rank ", dead_rank, " alive?"));
+}
+
+void MarkCompleted(std::byte* arena, const ArenaLayout& layout, bool combine, uint32_t epoch) {
+  std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(
+                                arena + (combine ? layout.combine_completed : layout.dispatch_completed)))
+      .store(epoch, std::memory_order_release);
+}
+
+bool LeftAfter(uint32_t code, std::span<std::byte* const> arenas, const ArenaLayout& layout,
+               bool combine, uint32_t epoch) {
+  const int left = RankThatLeft(code);
+  if (left < 0 || left >= static_cast<int>(arenas.size()) || arenas[left] == nullptr) return false;
+  return EpochReached(
+      LoadAcquire(reinterpret_cast<const uint32_t*>(
+          arenas[left] + (combine ? layout.combine_completed : layout.dispatch_completed))),
+      epoch);
 }
 
 void RaiseAbort(std::byte* arena, const ArenaLayout& layout, uint32_t code) {

@@ -10,10 +10,12 @@
 //   count_flag      R x 64 B   [s]: epoch of the last dispatch whose records and count source s
 //                              stored here (ubep's offsets, bsp's count exchange)
 //   barrier_flag    R x 64 B   [s]: last barrier epoch rank s reached
-//   abort           64 B       0 while healthy, else why the group stopped (AbortCode): set
-//                              by the first rank whose wait timed out, so that every rank
+//   abort           64 B       [0] 0 while healthy, else why the group stopped (AbortCode):
+//                              set by the first rank whose wait timed out, so that every rank
 //                              reports the dead peer rather than a survivor stuck behind it,
-//                              or by the daemon (a rank left, or the daemon is draining)
+//                              or by the daemon (a rank left, or the daemon is draining);
+//                              [4], [8] the epochs of the last dispatch and combine the owner
+//                              completed (MarkCompleted), which its peers read if it leaves
 //   sleepers        64 B       signal.h's Doorbell of this arena's flags: [0] threads of the
 //                              owner asleep (or about to be) on one flag, [4] the bell, moved
 //                              by every Signal into this arena and by RaiseAbort, [8] threads
@@ -40,6 +42,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <utility>
 #include <vector>
 
@@ -107,6 +110,14 @@ struct AbortReason {
 };
 AbortReason ReadAbortCode(uint32_t code);
 
+// The rank an abort code says left the group (ubepd saw it detach or disconnect), or -1.
+// Kernels read it too.
+constexpr int RankThatLeft(uint32_t code) {
+  return (code & kAbortRankGone) != 0 && code != kAbortDraining && code != kAbortMembership
+             ? static_cast<int>(code & ~kAbortRankGone)
+             : -1;
+}
+
 // The error for a wait of `rank` that found the abort word set to a daemon's code (rank gone
 // or draining); OK for 0 or a peer's timeout code (the caller reports timeouts itself).
 // `what` names the phase, `call` the epoch.
@@ -120,8 +131,8 @@ absl::Status TimedOutStatus(uint32_t code, int rank, int peer, absl::Duration ti
                             const char* what, uint32_t call);
 
 struct ArenaLayout {
-  size_t dispatch_flag, combine_flag, count_flag, barrier_flag, abort, sleepers, bell,
-      bell_sleepers, counts, load_counters, load_seq, records, rows, partials, total_bytes;
+  size_t dispatch_flag, combine_flag, count_flag, barrier_flag, abort, dispatch_completed,
+      combine_completed, sleepers, bell, bell_sleepers, counts, load_counters, load_seq, records, rows, partials, total_bytes;
   size_t record_bytes, row_bytes;
   size_t row_stride;  // Bytes per source (or destination) in rows and partials.
   size_t flagged_offset;  // Where the flagged rows start in a source's part: T x B.
@@ -130,6 +141,21 @@ struct ArenaLayout {
   explicit ArenaLayout(const EpConfig& config);
   ArenaLayout() = default;
 };
+
+// A rank that left the group after completing a call owes that call nothing more. At the
+// end of each successful dispatch (combine) a rank stores the call's epoch into its own
+// arena; by then every flag and byte the call owes its peers is stored (both protocols, both
+// backends). A peer whose wait in that call finds the abort word naming the rank that left
+// (RankThatLeft) reads these words and goes on waiting for its other sources if the rank had
+// completed the call (LeftAfter); ubepd need not know who is in which call. Without this, a
+// rank that finished its last step and exited would stop peers whose last call still had data
+// on its way from the others.
+void MarkCompleted(std::byte* arena, const ArenaLayout& layout, bool combine, uint32_t epoch);
+
+// Whether abort code `code` names a rank that left after it had completed the dispatch (or
+// combine, `combine`) of call `epoch`; `arenas` are every rank's arenas.
+bool LeftAfter(uint32_t code, std::span<std::byte* const> arenas, const ArenaLayout& layout,
+               bool combine, uint32_t epoch);
 
 // Sets an arena's abort word to `code` unless it is already set (the first reason wins), and
 // rings its bell, so that its owner, if asleep, sees it at once.

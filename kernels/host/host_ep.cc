@@ -437,8 +437,11 @@ void HostEp::SendShare(int index, int senders, const DispatchInput& in, uint32_t
 void HostEp::Publish(int d, uint32_t epoch) { Raise(d, layout_.dispatch_flag, epoch); }
 
 absl::Status HostEp::Wait(const uint32_t* word, uint32_t epoch, int peer, const char* what,
-                          absl::Time deadline) const {
-  absl::Status s = WaitEpoch(word, epoch, OwnDoor(), deadline, AbortWord());
+                          absl::Time deadline) {
+  absl::Status s;
+  do {
+    s = WaitEpoch(word, epoch, OwnDoor(), deadline, Watch());
+  } while (Spares(s));
   return s.ok() ? s : GiveUp(peer, what, epoch);
 }
 
@@ -452,9 +455,20 @@ uint32_t* HostEp::AbortWord() const {
   return reinterpret_cast<uint32_t*>(arenas_[rank_] + layout_.abort);
 }
 
+bool HostEp::Spares(const absl::Status& ended) {
+  if (!absl::IsAborted(ended)) return false;
+  // Within a dispatch its epoch is one past the last combine's; within a combine they are equal.
+  const bool combine = combine_epoch_ == dispatch_epoch_;
+  const uint32_t code = LoadAcquire(AbortWord());
+  if (!LeftAfter(code, arenas_, layout_, combine, dispatch_epoch_)) return false;
+  spared_ = code;
+  return true;
+}
+
 absl::Status HostEp::GiveUp(int peer, const char* what, uint32_t epoch) const {
   uint32_t code = LoadAcquire(AbortWord());
-  if (code == 0) {
+  // A spared code (a rank that left after this call) did not end the wait: its deadline did.
+  if (code == 0 || code == spared_) {
     // This rank gives up first: tell every rank which peer it gave up on, so that ranks
     // stuck behind a survivor report the dead peer, not the survivor. The first reason
     // raised wins; read back which one that was. Ranks the plan excludes are left alone:
@@ -465,7 +479,7 @@ absl::Status HostEp::GiveUp(int peer, const char* what, uint32_t epoch) const {
     }
     code = LoadAcquire(AbortWord());
   }
-  UBEP_RETURN_IF_ERROR(DaemonAbortStatus(code, rank_, what, epoch));
+  if (code != spared_) UBEP_RETURN_IF_ERROR(DaemonAbortStatus(code, rank_, what, epoch));
   return TimedOutStatus(code, rank_, peer, config_.timeout, what, epoch);
 }
 
@@ -479,7 +493,7 @@ absl::Status HostEp::TakeAsTheyArrive(uint32_t epoch, std::span<const int> sourc
     // bell. The deadline is checked whenever a round finds nothing: a flag that is up while
     // its flagged rows never come (which the protocol rules out) still ends in an error.
     const absl::Status round = WaitUntil(
-        OwnDoor(), deadline, AbortWord(),
+        OwnDoor(), deadline, Watch(),
         [&] {
           bool moved = false;
           std::erase_if(pending, [&](int s) {
@@ -491,7 +505,7 @@ absl::Status HostEp::TakeAsTheyArrive(uint32_t epoch, std::span<const int> sourc
         },
         poll ? absl::Milliseconds(1) : kMaxSleep,
         std::max<int>(1, kSpins / static_cast<int>(pending.size())));
-    if (!round.ok()) return GiveUp(pending.front(), what, epoch);
+    if (!round.ok() && !Spares(round)) return GiveUp(pending.front(), what, epoch);
   }
   return absl::OkStatus();
 }
@@ -527,6 +541,7 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
   }
   const absl::Time deadline = absl::Now() + config_.timeout;
   const uint32_t epoch = ++dispatch_epoch_;
+  spared_ = 0;
   const bool ubep = config_.protocol == Protocol::kUbep;
   const int senders = senders_ != nullptr ? senders_->size() : 1;
   const int num_batches = NumBatches(in.num_tokens);
@@ -617,6 +632,7 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
     std::sort(handle.token_routes.begin() + handle.token_begin[t],
               handle.token_routes.begin() + handle.token_begin[t + 1]);
   }
+  MarkCompleted(own, layout_, /*combine=*/false, epoch);
   return absl::OkStatus();
 }
 
@@ -760,10 +776,9 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
   active_ = handle.active;
   const absl::Time deadline = absl::Now() + config_.timeout;
   const uint32_t epoch = ++combine_epoch_;
+  spared_ = 0;
   const auto* y = static_cast<const std::byte*>(y_ptr);
-  if (partial_delay_for_testing_ > absl::ZeroDuration()) {
-    absl::SleepFor(partial_delay_for_testing_);
-  }
+  if (partial_delay_source_ < 0) absl::SleepFor(partial_delay_for_testing_);
   scratch_.resize(H);
   float* sum = scratch_.data();
   const size_t B = layout_.row_bytes;
@@ -773,6 +788,7 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
   for (int i = 1; i <= R; ++i) {
     const int s = (rank_ + i) % R;
     if (!active_[s]) continue;
+    if (s == partial_delay_source_) absl::SleepFor(partial_delay_for_testing_);
     std::byte* partials = arenas_[s] + layout_.partials + rank_ * layout_.row_stride;
     const bool flagged = handle.flagged_from[s];  // s gets its partials as it sent its rows.
     const std::vector<int32_t>& begin = handle.record_begin[s];
@@ -854,6 +870,7 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
   if (config_.flagged_tokens > 0 && TagScrubDue(epoch)) {
     ScrubTags(own + layout_.partials, layout_, ScrubTag(epoch));
   }
+  MarkCompleted(own, layout_, /*combine=*/true, epoch);
   return absl::OkStatus();
 }
 
@@ -861,10 +878,13 @@ absl::Status HostEp::TakeFlaggedPartial(const std::byte* partial, int peer, uint
                                         absl::Time deadline) {
   // Granules ring no bell as they land: a millisecond's sleep at most between looks (the
   // peer's combine flag, raised once every partial it sends here is stored, rings it).
-  const absl::Status s = WaitUntil(
-      OwnDoor(), deadline, AbortWord(),
-      [&] { return LoadFlaggedRow(partial, layout_.row_bytes, epoch, row_scratch_.data()); },
-      absl::Milliseconds(1));
+  absl::Status s;
+  do {
+    s = WaitUntil(
+        OwnDoor(), deadline, Watch(),
+        [&] { return LoadFlaggedRow(partial, layout_.row_bytes, epoch, row_scratch_.data()); },
+        absl::Milliseconds(1));
+  } while (Spares(s));
   return s.ok() ? s : GiveUp(peer, "combine partials", epoch);
 }
 

@@ -111,8 +111,12 @@ class HostEp {
   // Tests only: the sender role waits this long before its first row store of each dispatch
   // (the counts still go out at once), so that a test can make one source's rows arrive last.
   void set_row_delay_for_testing(absl::Duration delay) { row_delay_for_testing_ = delay; }
-  // Tests only: Combine waits this long before it stores its first partial.
-  void set_partial_delay_for_testing(absl::Duration delay) { partial_delay_for_testing_ = delay; }
+  // Tests only: Combine waits this long before it stores its first partial (with `source`,
+  // before the partials of that source only).
+  void set_partial_delay_for_testing(absl::Duration delay, int source = -1) {
+    partial_delay_for_testing_ = delay;
+    partial_delay_source_ = source;
+  }
 
  private:
   class Senders;
@@ -146,11 +150,16 @@ class HostEp {
   // Raises `dest`'s dispatch flag for this rank: its rows are all stored.
   void Publish(int dest, uint32_t epoch);
   absl::Status Wait(const uint32_t* word, uint32_t epoch, int peer, const char* what,
-                    absl::Time deadline) const;
+                    absl::Time deadline);
   // The error for a wait on `peer` that ended: names the rank the group gave up on (setting
   // every arena's abort word if this rank is the first to give up).
   absl::Status GiveUp(int peer, const char* what, uint32_t epoch) const;
   uint32_t* AbortWord() const;
+  // What this call's waits watch: the abort word, past a code they were found to be spared.
+  AbortWatch Watch() const { return {AbortWord(), spared_}; }
+  // After a wait ended: true if it ended on an abort code that spares the call in flight (the
+  // rank that left had completed it: LeftAfter), which its waits then watch past.
+  bool Spares(const absl::Status& ended);
   // Raises this rank's flag in `region` of rank d's arena to `epoch` (Signal, with d's
   // doorbell: d is the one that waits on it).
   void Raise(int d, size_t region, uint32_t epoch);
@@ -191,6 +200,7 @@ class HostEp {
   uint32_t dispatch_epoch_ = 0;
   uint32_t combine_epoch_ = 0;
   uint32_t barrier_epoch_ = 0;
+  uint32_t spared_ = 0;  // The abort code the call in flight may wait past (Spares), or 0.
   // Written by the counting role, read by the senders once a batch is handed over.
   std::vector<Unit> units_;           // Token-major; max_tokens x min(top_k, ranks).
   int64_t num_units_ = 0;
@@ -215,6 +225,7 @@ class HostEp {
   std::unique_ptr<Senders> senders_;  // The sender role's threads, when it has its own.
   absl::Duration row_delay_for_testing_ = absl::ZeroDuration();
   absl::Duration partial_delay_for_testing_ = absl::ZeroDuration();
+  int partial_delay_source_ = -1;
 };
 
 }  // namespace ubep::kernels

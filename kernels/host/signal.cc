@@ -20,26 +20,24 @@ void WakeIfAsleep(uint32_t* word, uint32_t* sleepers) {
 // Spins on ready() (`spins` looks), then sleeps on `word` (counted in `sleepers`) in slices of at
 // most `slice` until ready(), the abort word or the deadline. `word` is read before each look at
 // ready(), so a change that the look misses moves it later and the futex does not sleep through it.
-absl::Status SleepUntil(uint32_t* word, uint32_t* sleepers, absl::Time deadline,
-                        const uint32_t* abort_word, absl::FunctionRef<bool()> ready,
-                        absl::Duration slice, int spins) {
+absl::Status SleepUntil(uint32_t* word, uint32_t* sleepers, absl::Time deadline, AbortWatch abort,
+                        absl::FunctionRef<bool()> ready, absl::Duration slice, int spins) {
   for (int i = 0; i < spins; ++i) {
     if (ready()) return absl::OkStatus();
   }
   std::atomic_ref<uint32_t> seen_word(*word), asleep(*sleepers);
-  absl::Time give_up = absl::InfiniteFuture();  // kAbortGrace after the abort was first seen.
   while (true) {
     const uint32_t seen = seen_word.load(std::memory_order_seq_cst);
     if (ready()) return absl::OkStatus();
-    const absl::Time now = absl::Now();
-    if (abort_word != nullptr && LoadAcquire(abort_word) != 0) {
-      if (give_up == absl::InfiniteFuture()) give_up = now + kAbortGrace;
-      if (now >= give_up) return absl::AbortedError("the group gave up");
+    if (abort.word != nullptr) {
+      const uint32_t code = LoadAcquire(abort.word);
+      if (code != 0 && code != abort.spared) return absl::AbortedError("the group gave up");
     }
+    const absl::Time now = absl::Now();
     if (now >= deadline) {
       return absl::DeadlineExceededError("timed out");
     }
-    const timespec ts = absl::ToTimespec(std::min({deadline - now, slice, give_up - now}));
+    const timespec ts = absl::ToTimespec(std::min(deadline - now, slice));
     asleep.fetch_add(1, std::memory_order_seq_cst);
     // After the count: a Signal that moves the word later sees this sleeper and wakes it (the
     // futex returns at once if the word moved after this look); spurious wakeups loop.
@@ -68,15 +66,15 @@ void Ring(Doorbell door) {
   WakeIfAsleep(door.bell, door.bell_sleepers);
 }
 
-absl::Status WaitUntil(Doorbell door, absl::Time deadline, const uint32_t* abort_word,
+absl::Status WaitUntil(Doorbell door, absl::Time deadline, AbortWatch abort,
                        absl::FunctionRef<bool()> ready, absl::Duration slice, int spins) {
-  return SleepUntil(door.bell, door.bell_sleepers, deadline, abort_word, ready, slice, spins);
+  return SleepUntil(door.bell, door.bell_sleepers, deadline, abort, ready, slice, spins);
 }
 
 absl::Status WaitEpoch(const uint32_t* word, uint32_t epoch, Doorbell door, absl::Time deadline,
-                       const uint32_t* abort_word) {
+                       AbortWatch abort) {
   return SleepUntil(
-      const_cast<uint32_t*>(word), door.word_sleepers, deadline, abort_word,
+      const_cast<uint32_t*>(word), door.word_sleepers, deadline, abort,
       [&] { return EpochReached(LoadAcquire(word), epoch); }, kMaxSleep, kSpins);
 }
 

@@ -50,12 +50,13 @@ struct Doorbell {
 // that rings the bell (RaiseAbort) is seen at once.
 inline constexpr absl::Duration kMaxSleep = absl::Milliseconds(50);
 
-// How long a waiter that has seen its abort word set keeps waiting for what it waits for. A
-// daemon stops the group when a rank leaves, also one that left after its last call was
-// complete, whose peers' waits of that call need nothing more from it; their other sources'
-// data may be a moment away. What a woken waiter would have found in the slice it used to
-// poll the sources in, it still finds.
-inline constexpr absl::Duration kAbortGrace = absl::Milliseconds(1);
+// What ends a wait besides its deadline: `word` (optional) holding a code other than 0 and
+// `spared`, a code the waiter has read and found it may wait past (a rank that left after it
+// had completed the call: arena_layout.h LeftAfter).
+struct AbortWatch {
+  const uint32_t* word = nullptr;
+  uint32_t spared = 0;
+};
 
 void Signal(uint32_t* word, uint32_t epoch, Doorbell door);
 
@@ -67,18 +68,18 @@ void Ring(Doorbell door);
 inline constexpr int kSpins = 256;
 
 // OK once ready() (which reads with acquire, or stronger, ordering) is true; DeadlineExceeded
-// at `deadline`; Aborted once `abort_word` (optional) has been non-zero for kAbortGrace and
-// ready() is still false (a Ring wakes a sleeper at once to look). Calls ready() `spins`
+// at `deadline`; Aborted once `abort` says so and ready() is still false (a Ring wakes a
+// sleeper at once to look). Calls ready() `spins`
 // times, then sleeps on the bell in slices of at most `slice`, so what rings no bell
 // (flag-in-granule rows) is looked at that often. A ready() that looks at n words spins for
 // kSpins / n rounds to spin as long as a wait on one word.
-absl::Status WaitUntil(Doorbell door, absl::Time deadline, const uint32_t* abort_word,
+absl::Status WaitUntil(Doorbell door, absl::Time deadline, AbortWatch abort,
                        absl::FunctionRef<bool()> ready, absl::Duration slice = kMaxSleep,
                        int spins = kSpins);
 
 // As WaitUntil *word has reached `epoch`, asleep on the word itself (woken by its Signal only).
 absl::Status WaitEpoch(const uint32_t* word, uint32_t epoch, Doorbell door, absl::Time deadline,
-                       const uint32_t* abort_word = nullptr);
+                       AbortWatch abort = {});
 
 }  // namespace ubep::kernels
 

@@ -56,10 +56,12 @@ Expected Route(const EpConfig& c, const std::vector<RankInput>& inputs, const Te
 // Dispatches, checks every received row, then combines with y = x * (1 + expert / 64) and
 // checks against a float64 reference. Returns each rank's (recv_x bytes, combined bytes).
 // With `stagger`, rank r starts (R - 1 - r) x stagger late, so that sources reach each
-// receiver out of rank order.
+// receiver out of rank order; `after_combine` (optional) runs on rank r's thread as soon as
+// its combine returned.
 std::vector<std::pair<std::vector<std::byte>, std::vector<float>>> RunStep(
     Group& group, const std::vector<RankInput>& inputs, const TestPlan& plan, int layer,
-    absl::Duration stagger = absl::ZeroDuration()) {
+    absl::Duration stagger = absl::ZeroDuration(),
+    const std::function<void(int)>& after_combine = nullptr) {
   const EpConfig& c = group.config();
   const Expected expected = Route(c, inputs, plan, layer);
   std::vector<std::pair<std::vector<std::byte>, std::vector<float>>> results(c.num_ranks);
@@ -98,6 +100,7 @@ std::vector<std::pair<std::vector<std::byte>, std::vector<float>>> RunStep(
     }
     std::vector<float> combined(static_cast<size_t>(in.num_tokens) * c.hidden, -1.0f);
     s = group.ep(r).Combine(out, y.data(), combined.data());
+    if (after_combine) after_combine(r);
     ASSERT_TRUE(s.ok()) << s;
     for (int t = 0; t < in.num_tokens; ++t) {
       for (int h = 0; h < c.hidden; ++h) {
@@ -244,6 +247,44 @@ TEST_P(HostEpTest, SourcesArrivingOutOfRankOrderLandInTheSameRows) {
   group.ep(0).set_row_delay_for_testing(absl::ZeroDuration());
   group.ep(1).set_row_delay_for_testing(absl::ZeroDuration());
   RunStep(group, inputs, plan, 1, absl::Milliseconds(30));
+}
+
+// ubepd stops the group when a rank leaves, and a rank may leave as soon as its last call
+// returned (the end of a job, a rolling restart). Rank 1 completes its combine and leaves
+// (ubepd's code in every abort word) while rank 3 still waits for rank 0's partials, which
+// rank 0 stores 300 ms after rank 1's: rank 1 owes that call nothing, so every rank still
+// completes it exactly; the next call needs rank 1 and fails at once, naming it. (bsp ends its
+// combine at a barrier, so there no rank completes it before the others' partials are in.)
+TEST_P(HostEpTest, ARankThatLeftAfterItsLastCallSparesThatCallNotTheNext) {
+  Group group(VariantConfig(GetParam()));
+  const EpConfig& c = group.config();
+  const ArenaLayout layout(c);
+  const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 40, 31));
+  group.ep(0).set_partial_delay_for_testing(absl::Milliseconds(300), /*source=*/3);
+  RunStep(group, inputs, plan, 0, absl::ZeroDuration(), [&](int r) {
+    if (r != 1) return;
+    for (int d = 0; d < c.num_ranks; ++d) {
+      RaiseAbort(group.arena(d), layout, kAbortRankGone | 1u);
+    }
+  });
+  std::vector<absl::Status> next(c.num_ranks);
+  group.RunAll([&](int r) {
+    if (r == 1) return;
+    const RankInput& in = inputs[r];
+    DispatchOutput out;
+    next[r] = group.ep(r).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(),
+                                    in.num_tokens, c.hidden, 1, plan.header()},
+                                   out);
+  });
+  for (int r : {0, 2, 3}) {
+    EXPECT_EQ(next[r], absl::UnavailableError(absl::StrCat(
+                           "rank ", r, ": rank 1 left the group (ubepd saw its client "
+                           "disconnect) during ",
+                           c.protocol == Protocol::kBsp ? "count exchange" : "dispatch counts",
+                           " of call 2; join again once rank 1 is back")));
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Protocols, HostEpTest,
@@ -609,6 +650,36 @@ TEST(HostEpErrorTest, ADaemonStopEndsAWaitForFlaggedRows) {
   }
 }
 
+// A wait that goes on past a rank that left after its call still has its deadline, and its
+// timeout names the peer it waited for, not the rank that left.
+TEST(HostEpErrorTest, AWaitSparedByARankThatLeftStillTimesOutNamingItsPeer) {
+  const EpConfig config = ShortTimeoutConfig();
+  Group group(config);
+  const TestPlan plan = RoundRobinPlan(config);
+  const ArenaLayout layout(config);
+  group.ep(0).set_partial_delay_for_testing(absl::Seconds(1), /*source=*/3);
+  std::vector<absl::Status> status(config.num_ranks);
+  group.RunAll([&](int r) {
+    RankInput in = MakeInput(config, r, 8, 3);
+    DispatchOutput out;
+    status[r] = group.ep(r).Dispatch(
+        {in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8, config.hidden, 0, plan.header()},
+        out);
+    if (!status[r].ok()) return;
+    std::vector<float> combined(8 * config.hidden);
+    status[r] = group.ep(r).Combine(out, out.recv_x.data(), combined.data());
+    if (r == 1 && status[r].ok()) {
+      for (int d = 0; d < config.num_ranks; ++d) {
+        RaiseAbort(group.arena(d), layout, kAbortRankGone | 1u);
+      }
+    }
+  });
+  EXPECT_EQ(status[1], absl::OkStatus());
+  EXPECT_EQ(status[3], absl::DeadlineExceededError(
+                           "rank 3: timed out after 300ms waiting for rank 0 (combine partials, "
+                           "call 1); is rank 0 alive?"));
+}
+
 TEST(HostEpErrorTest, FlaggedTokensOutsideTheBuffersAreRefused) {
   EpConfig config = SmallConfig(Protocol::kUbep);
   config.flagged_tokens = 49;
@@ -852,7 +923,7 @@ TEST(SignalTest, AnArenasBellWakesItsOwnerForAnyFlagAndForAnAbort) {
   const Doorbell door = ArenaDoor(arena, layout);
   auto wait_for_any = [&](uint32_t epoch, int* which) {
     return WaitUntil(
-        door, absl::Now() + absl::Hours(1), abort_word,
+        door, absl::Now() + absl::Hours(1), {abort_word},
         [&] {
           for (int s = 0; s < config.num_ranks; ++s) {
             if (EpochReached(LoadAcquire(flag(s)), epoch)) {
@@ -876,7 +947,7 @@ TEST(SignalTest, AnArenasBellWakesItsOwnerForAnyFlagAndForAnAbort) {
   // A wait on one flag sleeps on that flag, counted apart: the bell's sleepers are not woken
   // in vain by every flag, nor the flag's by the bell.
   std::thread one_flag(
-      [&] { waited = WaitEpoch(flag(2), 1, door, absl::Now() + absl::Hours(1), abort_word); });
+      [&] { waited = WaitEpoch(flag(2), 1, door, absl::Now() + absl::Hours(1), {abort_word}); });
   AwaitSleeper(*door.word_sleepers);
   EXPECT_EQ(*door.bell_sleepers, 0u);
   Signal(flag(2), 1, door);
@@ -925,9 +996,27 @@ TEST(SignalTest, TimeoutsAndAbortsLeaveNoSleeperBehind) {
   EXPECT_EQ(sleepers, 0u);
   absl::Status waited;
   std::thread waiter(
-      [&] { waited = WaitEpoch(&word, 6, door, absl::Now() + absl::Seconds(60), &abort_word); });
+      [&] { waited = WaitEpoch(&word, 6, door, absl::Now() + absl::Seconds(60), {&abort_word}); });
   std::atomic_ref<uint32_t>(abort_word).store(1);
   waiter.join();
+  EXPECT_EQ(waited, absl::AbortedError("the group gave up"));
+  EXPECT_EQ(sleepers, 0u);
+  // A wait spared code 1 (its waiter found that it may wait past it) goes on to its word, and
+  // ends on any other code.
+  std::thread spared([&] {
+    waited = WaitEpoch(&word, 6, door, absl::Now() + absl::Seconds(60), {&abort_word, 1});
+  });
+  AwaitSleeper(sleepers);
+  Signal(&word, 6, door);
+  spared.join();
+  EXPECT_EQ(waited, absl::OkStatus());
+  std::thread other_code([&] {
+    waited = WaitEpoch(&word, 7, door, absl::Now() + absl::Seconds(60), {&abort_word, 1});
+  });
+  AwaitSleeper(sleepers);
+  std::atomic_ref<uint32_t>(abort_word).store(2);
+  Signal(&word, 6, door);  // Wakes the sleeper (the word does not reach 7).
+  other_code.join();
   EXPECT_EQ(waited, absl::AbortedError("the group gave up"));
   EXPECT_EQ(sleepers, 0u);
   // A word past the epoch has reached it.
@@ -946,6 +1035,10 @@ TEST(AbortCodeTest, EachCodeIsReadAsItself) {
   EXPECT_EQ(read(kAbortRankGone | 5), std::pair(int{AbortReason::kRankGone}, 5));
   EXPECT_EQ(read(kAbortDraining), std::pair(int{AbortReason::kDraining}, -1));
   EXPECT_EQ(read(kAbortMembership), std::pair(int{AbortReason::kMembership}, -1));
+  EXPECT_EQ(RankThatLeft(kAbortRankGone | 5), 5);
+  for (uint32_t code : {0u, kAbortTimedOutBase + 5, kAbortDraining, kAbortMembership}) {
+    EXPECT_EQ(RankThatLeft(code), -1) << code;
+  }
   EXPECT_EQ(DaemonAbortStatus(kAbortMembership, 1, "dispatch data", 7),
             absl::UnavailableError("rank 1: the group's membership changed (a committed plan "
                                    "excludes or includes ranks) during dispatch data of call 7; "

@@ -162,7 +162,8 @@ class Rank {
   int world_size() const;
   const ModelShape& shape() const;
 
-  // Leaves the group (the other ranks' waits fail with an error naming this rank).
+  // Leaves the group: the other ranks' waits that still need this rank fail with an error
+  // naming it; a call this rank completed, they complete.
   absl::Status Detach();
 
  private:
