@@ -77,8 +77,10 @@ struct Params {
   uint32_t epoch;
   uint64_t timeout_ns;
   // Tests only (CudaEp::set_row_delay_for_testing, set_partial_delay_for_testing): the sender
-  // role waits this long before its first row store, PartialKernel before its first partial.
+  // role waits this long before its first row store, PartialKernel before its first partial
+  // (with partial_delay_source >= 0, before that source's partials only).
   uint64_t row_delay_ns, partial_delay_ns;
+  int partial_delay_source;
   // Scratch (device).
   int32_t* token_route;   // [max_tokens x R]: record index of token t at destination d, or -1.
   int32_t* unit_begin;    // [max_tokens + 1]: first unit (send_split.h) of each token.
@@ -880,7 +882,7 @@ __device__ uint4 PackBf16x8(const float (&f)[8]) {
 // flag at once; a source the plan excludes sent nothing and gets nothing, not even a flag.
 __global__ void PartialKernel(Params p, const uint16_t* y) {
   const int R = p.num_ranks, H8 = p.hidden / 8;
-  DelayForTesting(p.partial_delay_ns);
+  if (p.partial_delay_source < 0) DelayForTesting(p.partial_delay_ns);
   if (blockIdx.x == 0 && !p.bsp) {  // bsp publishes with a barrier.
     for (int s = threadIdx.x; s < R; s += blockDim.x) {
       if (RankExcluded(p.plan, static_cast<uint32_t>(s))) continue;
@@ -893,6 +895,7 @@ __global__ void PartialKernel(Params p, const uint16_t* y) {
   const int64_t last = SplitBegin(p.record_base[R], gridDim.x, blockIdx.x + 1);
   for (int64_t g = SplitBegin(p.record_base[R], gridDim.x, blockIdx.x); g < last;) {
     const int s = TokenOfUnit(p.record_base, R, g);  // A source with records.
+    if (s == p.partial_delay_source) DelayForTesting(p.partial_delay_ns);
     const int64_t part_end = min(last, static_cast<int64_t>(p.record_base[s + 1]));
     const int32_t* begin = p.record_begin + s * (p.max_tokens + 1);
     const int32_t* entry_row = p.entry_row + static_cast<size_t>(s) * p.max_tokens * p.top_k;
@@ -1125,6 +1128,7 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   p.row_stride = l.row_stride;
   p.flagged_offset = l.flagged_offset;
   p.off_abort = l.abort;
+  p.partial_delay_source = -1;
   p.bsp = config.protocol == Protocol::kBsp;
   p.off_count_flag = l.count_flag;
   p.off_barrier_flag = l.barrier_flag;
@@ -1179,8 +1183,9 @@ void CudaEp::set_row_delay_for_testing(absl::Duration delay) {
   scratch_->params.row_delay_ns = static_cast<uint64_t>(absl::ToInt64Nanoseconds(delay));
 }
 
-void CudaEp::set_partial_delay_for_testing(absl::Duration delay) {
+void CudaEp::set_partial_delay_for_testing(absl::Duration delay, int source) {
   scratch_->params.partial_delay_ns = static_cast<uint64_t>(absl::ToInt64Nanoseconds(delay));
+  scratch_->params.partial_delay_source = source;
 }
 
 absl::Status CudaEp::CheckStatus(const char* what, uint32_t call) {

@@ -98,9 +98,10 @@ class CudaEp {
 
   // Tests only, as HostEp's: the sender blocks wait this long before their first row store of
   // each dispatch (the counts still go out at once), so that a test can make one source's rows
-  // arrive last; Combine's blocks wait this long before their first partial.
+  // arrive last; Combine's blocks wait this long before their first partial (with `source`,
+  // before that source's partials only).
   void set_row_delay_for_testing(absl::Duration delay);
-  void set_partial_delay_for_testing(absl::Duration delay);
+  void set_partial_delay_for_testing(absl::Duration delay, int source = -1);
 
  private:
   struct Scratch;

@@ -52,6 +52,11 @@ struct Faults {
   // ranks resume there) and every granule of the landings (rows and partials, plain and
   // flagged parts) holds 0xDEADBEEF tagged `stale_tag`.
   uint32_t resume_epoch = 0, stale_tag = 0;
+  // Not -1: the late rank delays only the partials it stores for this source.
+  int late_source = -1;
+  // Not -1: this rank leaves once its first call's combine returned: it sets every arena's
+  // abort word to ubepd's "rank left" code for itself, and runs no further call.
+  int leaving_rank = -1;
 };
 
 struct RankResult {
@@ -234,7 +239,7 @@ std::string RunRank(const EpConfig& c, int rank, const TestPlan& plan,
   auto make_late = [&] {
     if (rank != faults.late_rank) return;
     (*ep)->set_row_delay_for_testing(faults.row_delay);
-    (*ep)->set_partial_delay_for_testing(faults.partial_delay);
+    (*ep)->set_partial_delay_for_testing(faults.partial_delay, faults.late_source);
   };
   make_late();
   // ubep runs SendKernel wherever the device can launch it cooperatively (every GPU this
@@ -324,7 +329,14 @@ std::string RunRank(const EpConfig& c, int rank, const TestPlan& plan,
     uint16_t* d_out = Upload(std::vector<uint16_t>(out_size, 0));
     s = (*ep)->Combine(d_y, d_out);
     if (!s.ok()) return finish(std::string(s.message()) + at);
+    if (rank == faults.leaving_rank) {
+      const uint32_t code = kAbortRankGone | static_cast<uint32_t>(rank);
+      for (std::byte* a : pointers) {
+        UBEP_CHECK_CUDA(cudaMemcpy(a + layout.abort, &code, sizeof(code), cudaMemcpyHostToDevice));
+      }
+    }
     if (Download(d_out, out_size) != want.combined) return finish("combined output differs" + at);
+    if (rank == faults.leaving_rank) return finish("");
     if (k == 0 && faults.resume_epoch != 0 && TagScrubDue(faults.resume_epoch + 1)) {
       // Every rank is done with the call (its scrubs ran before its Combine returned) before
       // any looks, and every rank has looked before any stores the next call's rows.
@@ -602,6 +614,30 @@ TEST_P(CudaEpTest, PartialsThatNeverArriveAreNamed) {
     EXPECT_EQ(errors[r], absl::StrCat("combine: rank ", r,
                                       ": timed out after 500ms waiting for rank 1 (combine "
                                       "partials, call 1); is rank 1 alive?"));
+  }
+}
+
+// HostEpTest.ARankThatLeftAfterItsLastCallSparesThatCallNotTheNext on the GPU: rank 1
+// completes call 1 and leaves (ubepd's code in every abort word) while rank 3 waits 300 ms for
+// rank 0's partials; every rank completes call 1 byte for byte, and call 2 fails at its first
+// wait, naming rank 1. (bsp's combine ends at a barrier: no rank completes it early there.)
+TEST_P(CudaEpTest, ARankThatLeftAfterItsLastCallSparesThatCallNotTheNext) {
+  if (std::get<0>(GetParam()) != 4) GTEST_SKIP() << "a four-rank case";
+  const EpConfig c = GpuConfig(4, std::get<1>(GetParam()));
+  const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  const std::vector<std::string> errors = RunCallsAgainstHost(
+      c, plan, 2, [&](int k, int r) { return MakeInput(c, r, 20, 40 + k); },
+      {.late_rank = 0,
+       .partial_delay = absl::Milliseconds(300),
+       .late_source = 3,
+       .leaving_rank = 1});
+  ASSERT_EQ(errors.size(), 4u);
+  EXPECT_EQ(errors[1], "");
+  for (int r : {0, 2, 3}) {
+    EXPECT_EQ(errors[r],
+              absl::StrCat("rank ", r, ": rank 1 left the group (ubepd saw its client disconnect) "
+                           "during ", c.protocol == Protocol::kBsp ? "dispatch, bsp" : "dispatch counts",
+                           " of call 2; join again once rank 1 is back (call 2)"));
   }
 }
 
