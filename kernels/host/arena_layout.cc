@@ -136,19 +136,19 @@ absl::Status TimedOutStatus(uint32_t code, int rank, int peer, absl::Duration ti
 }
 
 void MarkCompleted(std::byte* arena, const ArenaLayout& layout, bool combine, uint32_t epoch) {
-  std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(
-                                arena + (combine ? layout.combine_completed : layout.dispatch_completed)))
+  const size_t at = combine ? layout.combine_completed : layout.dispatch_completed;
+  std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(arena + at))
       .store(epoch, std::memory_order_release);
 }
 
 bool LeftAfter(uint32_t code, std::span<std::byte* const> arenas, const ArenaLayout& layout,
                bool combine, uint32_t epoch) {
   const int left = RankThatLeft(code);
-  if (left < 0 || left >= static_cast<int>(arenas.size()) || arenas[left] == nullptr) return false;
-  return EpochReached(
-      LoadAcquire(reinterpret_cast<const uint32_t*>(
-          arenas[left] + (combine ? layout.combine_completed : layout.dispatch_completed))),
-      epoch);
+  if (left < 0 || left >= static_cast<int>(arenas.size()) || arenas[left] == nullptr) {
+    return false;
+  }
+  const size_t at = combine ? layout.combine_completed : layout.dispatch_completed;
+  return EpochReached(LoadAcquire(reinterpret_cast<const uint32_t*>(arenas[left] + at)), epoch);
 }
 
 void RaiseAbort(std::byte* arena, const ArenaLayout& layout, uint32_t code) {

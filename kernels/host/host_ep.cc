@@ -778,7 +778,8 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
   const uint32_t epoch = ++combine_epoch_;
   spared_ = 0;
   const auto* y = static_cast<const std::byte*>(y_ptr);
-  if (partial_delay_source_ < 0) absl::SleepFor(partial_delay_for_testing_);
+  const bool delay = partial_delay_for_testing_ > absl::ZeroDuration();
+  if (delay && partial_delay_source_ < 0) absl::SleepFor(partial_delay_for_testing_);
   scratch_.resize(H);
   float* sum = scratch_.data();
   const size_t B = layout_.row_bytes;
@@ -788,7 +789,7 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
   for (int i = 1; i <= R; ++i) {
     const int s = (rank_ + i) % R;
     if (!active_[s]) continue;
-    if (s == partial_delay_source_) absl::SleepFor(partial_delay_for_testing_);
+    if (delay && s == partial_delay_source_) absl::SleepFor(partial_delay_for_testing_);
     std::byte* partials = arenas_[s] + layout_.partials + rank_ * layout_.row_stride;
     const bool flagged = handle.flagged_from[s];  // s gets its partials as it sent its rows.
     const std::vector<int32_t>& begin = handle.record_begin[s];
