@@ -518,18 +518,6 @@ __device__ bool SourceFlagged(const Params& p, int s) {
   return CountIsFlagged(reinterpret_cast<const uint32_t*>(p.arenas[p.rank] + p.off_counts)[s]);
 }
 
-// This rank has stored everything the call in flight owes its peers (every kernel of the call
-// that stores into them ran before, in stream order): it marks the call completed in its own
-// arena (arena_layout.h MarkCompleted), unless one of its waits ended.
-__device__ void MarkCallCompleted(const Params& p) {
-  if (p.status[kStatusWaitEnded] != 0) return;
-  cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(
-      *reinterpret_cast<uint32_t*>(p.arenas[p.rank] + p.off_completed))
-      .store(p.epoch, cuda::memory_order_release);
-}
-
-__global__ void CompletedKernel(Params p) { MarkCallCompleted(p); }
-
 // Sets every member rank's abort word to `code` unless it is already set (the first reason
 // wins), as the host backend's GiveUp does. Ranks the plan excludes are left alone: their
 // arenas may belong to a new process by now.
@@ -629,6 +617,18 @@ __device__ bool TakeGranules(const Params& p, int s, const std::byte* from, uint
 // part (its bad pairs were left out of the records), so its receive side still lays out what
 // the peers sent and its combine can answer them.
 __device__ inline bool Stopped(const Params& p) { return p.status[kStatusWaitEnded] != 0; }
+
+// This rank has stored everything the call in flight owes its peers (every kernel of the call
+// that stores into them ran before, in stream order): it marks the call completed in its own
+// arena (arena_layout.h MarkCompleted), unless one of its waits ended.
+__device__ void MarkCallCompleted(const Params& p) {
+  if (Stopped(p)) return;
+  cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(
+      *reinterpret_cast<uint32_t*>(p.arenas[p.rank] + p.off_completed))
+      .store(p.epoch, cuda::memory_order_release);
+}
+
+__global__ void CompletedKernel(Params p) { MarkCallCompleted(p); }
 
 __global__ void WaitKernel(Params p, size_t offset, uint32_t phase, Skip skip) {
   if (Stopped(p)) return;  // An earlier wait of this call ended: do not wait again.
