@@ -131,7 +131,8 @@ bool UndecidedAt(void* area, uint64_t step, uint64_t* version) {
     PlanSlotHeader* slot = PlanSlot(area, i);
     const uint64_t v = std::atomic_ref<uint64_t>(slot->version).load(std::memory_order_acquire);
     const uint32_t state = std::atomic_ref<uint32_t>(slot->state).load(std::memory_order_acquire);
-    if (v != 0 && state == kPrepared && slot->effective_step <= step) {
+    if (v != 0 && state == kPrepared &&
+        std::atomic_ref<uint64_t>(slot->effective_step).load(std::memory_order_relaxed) <= step) {
       if (version != nullptr) *version = v;
       return true;
     }

@@ -79,9 +79,15 @@ TEST_F(PlanAreaTest, RefusesWhatWouldBreakTheProtocol) {
 }
 
 TEST_F(PlanAreaTest, ReadersNeverSeeATornTable) {
-  // Each reader (a rank) walks its own steps and reports each finished one; the writer (the
-  // control plane) prepares the next plan with an effective step ahead of every rank, and
-  // prepares the one after only once every rank has finished that step.
+  // Each reader (a rank) walks its own steps and reports each finished one; a step at or past
+  // the effective step of a prepared, undecided plan waits for the decision, as BeginStep does.
+  // The writer (the control plane) prepares the next plan with an effective step ahead of every
+  // rank, and the one after only once every rank has finished that step. A reader may still
+  // begin the effective step before it can see the prepare (the writer was descheduled between
+  // choosing the step and preparing): it runs that step under the old plan, so the writer
+  // aborts the plan and prepares it again further ahead. The writer reads each reader's step
+  // with a read-modify-write, and each reader writes it with one, so either the writer sees
+  // the reader's step or the reader sees the prepare.
   ASSERT_TRUE(PreparePlan(area(), Table(1), 1, 0).ok());
   ASSERT_TRUE(CommitPlan(area(), 1).ok());
   constexpr int kReaders = 2;
@@ -92,7 +98,8 @@ TEST_F(PlanAreaTest, ReadersNeverSeeATornTable) {
   for (int r = 0; r < kReaders; ++r) {
     readers.emplace_back([&, r] {
       for (uint64_t step = 0; !stop.load(); ++step) {
-        started[r] = step;
+        started[r].exchange(step, std::memory_order_acq_rel);
+        while (UndecidedAt(area(), step) && !stop.load()) std::this_thread::yield();
         uint64_t version = 0;
         const PlanTableHeader* table = SelectPlan(area(), step, &version);
         if (table == nullptr || table->version != version) {
@@ -111,19 +118,31 @@ TEST_F(PlanAreaTest, ReadersNeverSeeATornTable) {
       }
     });
   }
-  for (uint64_t v = 2; v < 40; ++v) {
+  auto furthest_started = [&] {
     uint64_t ahead = 0;
-    for (auto& s : started) ahead = std::max(ahead, s.load());
-    const uint64_t effective = ahead + 50;
-    ASSERT_TRUE(PreparePlan(area(), Table(v), v, effective).ok());
-    ASSERT_TRUE(CommitPlan(area(), v).ok());
+    for (auto& s : started) ahead = std::max(ahead, s.fetch_add(0, std::memory_order_acq_rel));
+    return ahead;
+  };
+  uint64_t version = 2;
+  int retried = 0;
+  for (int committed = 0; committed < 38; ++committed, ++version) {
+    uint64_t effective = furthest_started() + 50;
+    ASSERT_TRUE(PreparePlan(area(), Table(version), version, effective).ok());
+    while (furthest_started() >= effective) {
+      ASSERT_TRUE(AbortPlan(area(), version).ok());
+      ++retried;
+      ++version;
+      effective = furthest_started() + 50;
+      ASSERT_TRUE(PreparePlan(area(), Table(version), version, effective).ok());
+    }
+    ASSERT_TRUE(CommitPlan(area(), version).ok());
     for (auto& f : finished) {
       while (f.load() < effective) std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
   }
   stop = true;
   for (auto& t : readers) t.join();
-  EXPECT_EQ(torn.load(), 0);
+  EXPECT_EQ(torn.load(), 0) << retried << " plans were aborted and prepared again";
 }
 
 }  // namespace
