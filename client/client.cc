@@ -539,7 +539,10 @@ absl::Status Rank::BeginStep(uint64_t step) {
                          "detach, and attach again when it is back")));
   }
   if (!GroupReady(s)) return Record(s, s.stopped = GroupStopped(s));
-  std::atomic_ref<uint64_t>(s.control()->step).store(step, std::memory_order_relaxed);
+  // Sequentially consistent, and before the look for an undecided plan below: ubepd prepares a
+  // plan and then reads every rank's step, so either it sees this step (and withdraws a plan
+  // whose effective step this rank began under the plan before) or this rank sees the plan.
+  std::atomic_ref<uint64_t>(s.control()->step).store(step, std::memory_order_seq_cst);
   Bump(s.control()->steps);
   // Every rank switches plans at the same step: wait for the decision on one prepared for it.
   void* area = s.own() + s.layout.plan;

@@ -1171,6 +1171,24 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
       return fail(std::string(s.message()));
     }
   }
+  // The steps were checked before the weights were staged, which may take seconds: a rank may
+  // have begun the effective step since, under the plan in force, without the chance to see
+  // this one. Every hosted rank's step is read again now that the plan is prepared in its
+  // arena (BeginStep stores the step and then looks for an undecided plan; both sides are
+  // sequentially consistent), and the plan is withdrawn if a rank got there first.
+  for (int r = first_; r < first_ + hosted_; ++r) {
+    if (membership || plan.excluded(r)) continue;
+    const uint64_t step =
+        std::atomic_ref<uint64_t>(Ctl(r)->step).load(std::memory_order_seq_cst);
+    if (step >= effective_step) {
+      for (int q = first_; q < first_ + hosted_; ++q) {
+        (void)kernels::AbortPlan(arenas_[q].data() + layout_.plan, plan.version);
+      }
+      return fail(absl::StrCat("rank ", r, " reached step ", step, " while plan v", plan.version,
+                               " was staged; effective step ", effective_step,
+                               " is no longer ahead of it"));
+    }
+  }
   pending_ = plan;
   pending_effective_step_ = effective_step;
   response.set_prepared(true);

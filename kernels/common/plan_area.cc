@@ -16,8 +16,11 @@ uint32_t LoadState(PlanSlotHeader* slot) {
   return std::atomic_ref<uint32_t>(slot->state).load(std::memory_order_acquire);
 }
 
+// Sequentially consistent, as UndecidedAt's loads: the daemon stores kPrepared and then reads
+// every rank's step, a rank stores its step and then looks for an undecided plan (BeginStep);
+// either the rank sees the prepare, or the daemon sees the rank's step (a Dekker pair).
 void StoreState(PlanSlotHeader* slot, uint32_t state) {
-  std::atomic_ref<uint32_t>(slot->state).store(state, std::memory_order_release);
+  std::atomic_ref<uint32_t>(slot->state).store(state, std::memory_order_seq_cst);
 }
 
 int FindVersion(void* area, uint64_t version) {
@@ -130,7 +133,7 @@ bool UndecidedAt(void* area, uint64_t step, uint64_t* version) {
   for (int i = 0; i < 2; ++i) {
     PlanSlotHeader* slot = PlanSlot(area, i);
     const uint64_t v = std::atomic_ref<uint64_t>(slot->version).load(std::memory_order_acquire);
-    const uint32_t state = std::atomic_ref<uint32_t>(slot->state).load(std::memory_order_acquire);
+    const uint32_t state = std::atomic_ref<uint32_t>(slot->state).load(std::memory_order_seq_cst);
     if (v != 0 && state == kPrepared &&
         std::atomic_ref<uint64_t>(slot->effective_step).load(std::memory_order_relaxed) <= step) {
       if (version != nullptr) *version = v;

@@ -273,6 +273,41 @@ TEST(NodeTest, PrepareRefusesAnEffectiveStepARankHasReached) {
   EXPECT_EQ(prepared.reason(), "effective step 12 is not ahead of rank 1's step 12");
 }
 
+// Staging may take seconds, and the steps were checked before it: a rank that began the
+// effective step meanwhile ran it under the plan in force, without the chance to see the new
+// one. The daemon reads the steps again once the plan is in the arenas and withdraws it.
+TEST(NodeTest, APlanWhoseEffectiveStepARankReachedDuringStagingIsWithdrawn) {
+  std::function<void()> during_staging;
+  NodeOptions options = Options();
+  options.staging_hook = [&] { during_staging(); };
+  Node node(options);
+  Attached a = AttachAndClaim(node, 0, 2, 1);
+  during_staging = [&] {
+    std::atomic_ref<uint64_t>(kernels::ControlOf(a.arenas[1].data(), a.layout)->step).store(10);
+  };
+  const v1::PrepareResponse prepared = node.Prepare(SwappedPlan(), 10);
+  EXPECT_FALSE(prepared.prepared());
+  EXPECT_EQ(prepared.reason(),
+            "rank 1 reached step 10 while plan v2 was staged; effective step 10 is no longer "
+            "ahead of it");
+  EXPECT_EQ(node.State().pending_version(), 0u);
+  EXPECT_EQ(node.State().committed_version(), 1u);
+  EXPECT_EQ(std::string(node.Commit(2).message()), "plan v2 is not prepared here");
+  for (int r = 0; r < 2; ++r) {
+    void* area = a.arenas[r].data() + a.layout.plan;
+    EXPECT_FALSE(kernels::UndecidedAt(area, 10)) << "rank " << r;  // Nobody waits for it.
+    uint64_t version = 0;
+    ASSERT_NE(kernels::SelectPlan(area, 10, &version), nullptr);
+    EXPECT_EQ(version, 1u) << "rank " << r;
+  }
+  // Prepared again (a newer version) further ahead, the plan goes through.
+  during_staging = [] {};
+  balancer::Plan next = SwappedPlan();
+  next.version = 3;
+  const v1::PrepareResponse again = node.Prepare(next, 20);
+  EXPECT_TRUE(again.prepared()) << again.reason();
+}
+
 // The next plan may overwrite the buffers of the one before the plan in force, which a rank
 // still reads until it reaches the effective step: the daemon reports the plan in force (the
 // balancer waits for that) and refuses the next one before, naming the rank.
