@@ -97,9 +97,7 @@ AbortReason ReadAbortCode(uint32_t code) {
   if (code == 0) return {AbortReason::kNone, -1};
   if (code == kAbortDraining) return {AbortReason::kDraining, -1};
   if (code == kAbortMembership) return {AbortReason::kMembership, -1};
-  if ((code & kAbortRankGone) != 0) {
-    return {AbortReason::kRankGone, static_cast<int>(code & ~kAbortRankGone)};
-  }
+  if (const int left = RankThatLeft(code); left >= 0) return {AbortReason::kRankGone, left};
   return {AbortReason::kTimedOut, static_cast<int>(code - kAbortTimedOutBase)};
 }
 

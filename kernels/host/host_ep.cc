@@ -438,10 +438,8 @@ void HostEp::Publish(int d, uint32_t epoch) { Raise(d, layout_.dispatch_flag, ep
 
 absl::Status HostEp::Wait(const uint32_t* word, uint32_t epoch, int peer, const char* what,
                           absl::Time deadline) {
-  absl::Status s;
-  do {
-    s = WaitEpoch(word, epoch, OwnDoor(), deadline, Watch());
-  } while (Spares(s));
+  const absl::Status s = WaitSparing(
+      [&](AbortWatch watch) { return WaitEpoch(word, epoch, OwnDoor(), deadline, watch); });
   return s.ok() ? s : GiveUp(peer, what, epoch);
 }
 
@@ -455,14 +453,16 @@ uint32_t* HostEp::AbortWord() const {
   return reinterpret_cast<uint32_t*>(arenas_[rank_] + layout_.abort);
 }
 
-bool HostEp::Spares(const absl::Status& ended) {
-  if (!absl::IsAborted(ended)) return false;
+absl::Status HostEp::WaitSparing(absl::FunctionRef<absl::Status(AbortWatch)> wait) {
   // Within a dispatch its epoch is one past the last combine's; within a combine they are equal.
   const bool combine = combine_epoch_ == dispatch_epoch_;
-  const uint32_t code = LoadAcquire(AbortWord());
-  if (!LeftAfter(code, arenas_, layout_, combine, dispatch_epoch_)) return false;
-  spared_ = code;
-  return true;
+  while (true) {
+    const absl::Status s = wait(Watch());
+    if (!absl::IsAborted(s)) return s;
+    const uint32_t code = LoadAcquire(AbortWord());
+    if (!LeftAfter(code, arenas_, layout_, combine, dispatch_epoch_)) return s;
+    spared_ = code;
+  }
 }
 
 absl::Status HostEp::GiveUp(int peer, const char* what, uint32_t epoch) const {
@@ -492,20 +492,22 @@ absl::Status HostEp::TakeAsTheyArrive(uint32_t epoch, std::span<const int> sourc
     // One round: whatever arrived is taken; with nothing new, sleep until a flag rings the
     // bell. The deadline is checked whenever a round finds nothing: a flag that is up while
     // its flagged rows never come (which the protocol rules out) still ends in an error.
-    const absl::Status round = WaitUntil(
-        OwnDoor(), deadline, Watch(),
-        [&] {
-          bool moved = false;
-          std::erase_if(pending, [&](int s) {
-            const Take taken = take(s);
-            moved |= taken != Take::kNothing;
-            return taken == Take::kDone;
-          });
-          return moved || pending.empty();
-        },
-        poll ? absl::Milliseconds(1) : kMaxSleep,
-        std::max<int>(1, kSpins / static_cast<int>(pending.size())));
-    if (!round.ok() && !Spares(round)) return GiveUp(pending.front(), what, epoch);
+    const absl::Status round = WaitSparing([&](AbortWatch watch) {
+      return WaitUntil(
+          OwnDoor(), deadline, watch,
+          [&] {
+            bool moved = false;
+            std::erase_if(pending, [&](int s) {
+              const Take taken = take(s);
+              moved |= taken != Take::kNothing;
+              return taken == Take::kDone;
+            });
+            return moved || pending.empty();
+          },
+          poll ? absl::Milliseconds(1) : kMaxSleep,
+          std::max<int>(1, kSpins / static_cast<int>(pending.size())));
+    });
+    if (!round.ok()) return GiveUp(pending.front(), what, epoch);
   }
   return absl::OkStatus();
 }
@@ -879,13 +881,12 @@ absl::Status HostEp::TakeFlaggedPartial(const std::byte* partial, int peer, uint
                                         absl::Time deadline) {
   // Granules ring no bell as they land: a millisecond's sleep at most between looks (the
   // peer's combine flag, raised once every partial it sends here is stored, rings it).
-  absl::Status s;
-  do {
-    s = WaitUntil(
-        OwnDoor(), deadline, Watch(),
+  const absl::Status s = WaitSparing([&](AbortWatch watch) {
+    return WaitUntil(
+        OwnDoor(), deadline, watch,
         [&] { return LoadFlaggedRow(partial, layout_.row_bytes, epoch, row_scratch_.data()); },
         absl::Milliseconds(1));
-  } while (Spares(s));
+  });
   return s.ok() ? s : GiveUp(peer, "combine partials", epoch);
 }
 

@@ -34,6 +34,7 @@
 #include <span>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "kernels/common/plan_table.h"
@@ -157,9 +158,10 @@ class HostEp {
   uint32_t* AbortWord() const;
   // What this call's waits watch: the abort word, past a code they were found to be spared.
   AbortWatch Watch() const { return {AbortWord(), spared_}; }
-  // After a wait ended: true if it ended on an abort code that spares the call in flight (the
-  // rank that left had completed it: LeftAfter), which its waits then watch past.
-  bool Spares(const absl::Status& ended);
+  // Runs wait(Watch()) again, watching past the code, for as long as it ends on an abort code
+  // that spares the call in flight (the rank that left had completed it: LeftAfter). Every
+  // wait of a call on its peers goes through here.
+  absl::Status WaitSparing(absl::FunctionRef<absl::Status(AbortWatch)> wait);
   // Raises this rank's flag in `region` of rank d's arena to `epoch` (Signal, with d's
   // doorbell: d is the one that waits on it).
   void Raise(int d, size_t region, uint32_t epoch);
@@ -200,7 +202,7 @@ class HostEp {
   uint32_t dispatch_epoch_ = 0;
   uint32_t combine_epoch_ = 0;
   uint32_t barrier_epoch_ = 0;
-  uint32_t spared_ = 0;  // The abort code the call in flight may wait past (Spares), or 0.
+  uint32_t spared_ = 0;  // The abort code the call in flight may wait past (WaitSparing), or 0.
   // Written by the counting role, read by the senders once a batch is handed over.
   std::vector<Unit> units_;           // Token-major; max_tokens x min(top_k, ranks).
   int64_t num_units_ = 0;

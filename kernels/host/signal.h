@@ -69,10 +69,10 @@ inline constexpr int kSpins = 256;
 
 // OK once ready() (which reads with acquire, or stronger, ordering) is true; DeadlineExceeded
 // at `deadline`; Aborted once `abort` says so and ready() is still false (a Ring wakes a
-// sleeper at once to look). Calls ready() `spins`
-// times, then sleeps on the bell in slices of at most `slice`, so what rings no bell
-// (flag-in-granule rows) is looked at that often. A ready() that looks at n words spins for
-// kSpins / n rounds to spin as long as a wait on one word.
+// sleeper at once to look). Calls ready() `spins` times, then sleeps on the bell in slices of
+// at most `slice`, so what rings no bell (flag-in-granule rows) is looked at that often. A
+// ready() that looks at n words spins for kSpins / n rounds to spin as long as a wait on one
+// word.
 absl::Status WaitUntil(Doorbell door, absl::Time deadline, AbortWatch abort,
                        absl::FunctionRef<bool()> ready, absl::Duration slice = kMaxSleep,
                        int spins = kSpins);
