@@ -445,6 +445,13 @@ void Node::SetGroupState(uint32_t state) {
   }
 }
 
+void Node::StopGroup(uint32_t code, absl::FunctionRef<bool(int)> stops) {
+  for (int r = 0; r < static_cast<int>(arenas_.size()); ++r) {
+    if (stops(r)) SetAbortCode(r, code, /*only_if_clear=*/true);
+  }
+  SetGroupState(kernels::kGroupBroken);
+}
+
 uint32_t Node::AbortCode(int r) const {
   const size_t offset = kernels::ArenaLayout(config_).abort;
   uint32_t code = 0;
@@ -488,11 +495,7 @@ void Node::BreakGroup(int rank) {
   const uint32_t state =
       std::atomic_ref<uint32_t>(Ctl(rank)->group_state).load(std::memory_order_acquire);
   if (state != kernels::kGroupReady) return;
-  SetGroupState(kernels::kGroupBroken);
-  for (size_t r = 0; r < arenas_.size(); ++r) {
-    SetAbortCode(static_cast<int>(r), kernels::kAbortRankGone | static_cast<uint32_t>(rank),
-                 /*only_if_clear=*/true);
-  }
+  StopGroup(kernels::kAbortRankGone | static_cast<uint32_t>(rank), [](int) { return true; });
 }
 
 int Node::LowestActive() const {
@@ -692,7 +695,9 @@ absl::StatusOr<v1::ReportStepResponse> Node::ReportStep(const v1::ReportStepRequ
 }
 
 uint64_t Node::StepOf(int rank) const {
-  return std::atomic_ref<uint64_t>(Ctl(rank)->step).load(std::memory_order_relaxed);
+  // Sequentially consistent, as BeginStep's store: Prepare's second look at the steps, after
+  // the plan is in the arenas, is one side of a Dekker pair (plan_area.cc StoreState).
+  return std::atomic_ref<uint64_t>(Ctl(rank)->step).load(std::memory_order_seq_cst);
 }
 
 uint64_t Node::MaxStepLocked() const {
@@ -945,10 +950,9 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
     // while this plan overwrites one. Its members join again; the group forms once the plan
     // is decided (TryFormGroup waits for it), under the plan then committed.
     membership_pending_ = true;
-    SetGroupState(kernels::kGroupBroken);
-    for (int r = 0; r < R; ++r) {
-      if (MembershipStops(plan, r)) SetAbortCode(r, kernels::kAbortMembership, /*only_if_clear=*/true);
-    }
+    StopGroup(kernels::kAbortMembership, [&](int r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return MembershipStops(plan, r);
+    });
     const absl::Duration wait = std::min(options_.wait_timeout, absl::Seconds(3));
     const bool stopped = mu_.AwaitWithTimeout([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       for (int r = first_; r < first_ + hosted_; ++r) {
@@ -1178,9 +1182,7 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
   // sequentially consistent), and the plan is withdrawn if a rank got there first.
   for (int r = first_; r < first_ + hosted_; ++r) {
     if (membership || plan.excluded(r)) continue;
-    const uint64_t step =
-        std::atomic_ref<uint64_t>(Ctl(r)->step).load(std::memory_order_seq_cst);
-    if (step >= effective_step) {
+    if (const uint64_t step = StepOf(r); step >= effective_step) {
       for (int q = first_; q < first_ + hosted_; ++q) {
         (void)kernels::AbortPlan(arenas_[q].data() + layout_.plan, plan.version);
       }
@@ -1215,12 +1217,9 @@ absl::Status Node::Commit(uint64_t version) {
     // they resume at. Before the plan is committed in this daemon's arenas: a peer daemon that
     // committed first forms the new group as soon as it sees the plan committed here, and
     // stopping the group after that would stop the new one, whose members joined already.
-    SetGroupState(kernels::kGroupBroken);
-    for (int r = 0; r < static_cast<int>(arenas_.size()); ++r) {
-      if (MembershipStops(*pending_, r)) {
-        SetAbortCode(r, kernels::kAbortMembership, /*only_if_clear=*/true);
-      }
-    }
+    StopGroup(kernels::kAbortMembership, [&](int r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return MembershipStops(*pending_, r);
+    });
   }
   for (int r = first_; r < first_ + hosted_; ++r) {
     UBEP_RETURN_IF_ERROR(kernels::CommitPlan(arenas_[r].data() + layout_.plan, version));

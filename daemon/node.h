@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "balancer/core/plan.h"
@@ -265,6 +266,11 @@ class Node {
     return kernels::ControlOf(arenas_[r].data(), layout_);
   }
   void SetGroupState(uint32_t state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Stops the running group: `code` into the abort word of every rank stops(r) names (the
+  // first reason wins), then the group state broken in every control block. In that order: a
+  // rank that finds the group broken in BeginStep reads why from its abort word.
+  void StopGroup(uint32_t code, absl::FunctionRef<bool(int)> stops)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int AttachedLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t MaxStepLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The step rank `rank` has begun (its control block's word; the rank's arena is mapped).
