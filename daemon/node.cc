@@ -449,6 +449,7 @@ void Node::StopGroup(uint32_t code, absl::FunctionRef<bool(int)> stops) {
   for (int r = 0; r < static_cast<int>(arenas_.size()); ++r) {
     if (stops(r)) SetAbortCode(r, code, /*only_if_clear=*/true);
   }
+  if (options_.stopping_hook) options_.stopping_hook();
   SetGroupState(kernels::kGroupBroken);
 }
 

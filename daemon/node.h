@@ -59,6 +59,9 @@ struct NodeOptions {
   uint32_t domain = 0;                        // Load/store domain of the hosted ranks.
   // Tests only: called by Prepare after its weight copies, before it takes the lock again.
   std::function<void()> staging_hook;
+  // Tests only: called by StopGroup, under the node's lock, once the abort codes are in the
+  // arenas and before the group state reads broken.
+  std::function<void()> stopping_hook;
   // Without plan_path: the cluster's plan in force, if there is one (ubepd asks the balancer,
   // bounded). A new group starts under it when its shape fits, so that a restarted daemon
   // serves the plan its node left, and versions only grow; else round-robin v1.

@@ -121,14 +121,30 @@ TEST(NodeTest, GroupFormsWhenEveryRankJoinsAndTakesTheLeastNextStep) {
   EXPECT_EQ(c->rank, 1u);
 }
 
+// A rank that finds the group broken reads why from its abort word (libubep's BeginStep), so
+// every arena holds the code before any reads the broken state.
 TEST(NodeTest, ClosedConnectionBreaksTheGroupNamingTheRankInEveryArena) {
-  Node node(Options());
+  std::function<void()> stopping = [] {};
+  NodeOptions options = Options();
+  options.stopping_hook = [&] { stopping(); };
+  Node node(options);
   Attached a0 = AttachAndClaim(node, 0, 2, 10);
   Attached a1 = AttachAndClaim(node, 1, 2, 11);
   std::thread t([&] { ASSERT_TRUE(node.Join(JoinOf(0, a0.token), absl::Now() + absl::Seconds(30)).ok()); });
   ASSERT_TRUE(node.Join(JoinOf(1, a1.token), absl::Now() + absl::Seconds(30)).ok());
   t.join();
+  int stops = 0;
+  stopping = [&] {
+    ++stops;
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(AbortWord(a0, r, 2), kernels::kAbortRankGone | 1u) << "rank " << r;
+      EXPECT_EQ(kernels::ControlOf(a0.arenas[r].data(), a0.layout)->group_state, kernels::kGroupReady)
+          << "rank " << r;
+    }
+  };
   node.ConnectionClosed(11);
+  EXPECT_EQ(stops, 1);
+  stopping = [] {};
   for (int r = 0; r < 2; ++r) {
     EXPECT_EQ(AbortWord(a0, r, 2), kernels::kAbortRankGone | 1u);
     EXPECT_EQ(kernels::ControlOf(a0.arenas[r].data(), a0.layout)->group_state, kernels::kGroupBroken);
