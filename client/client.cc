@@ -451,6 +451,7 @@ absl::StatusOr<std::unique_ptr<Rank>> Rank::Attach(const ClientOptions& options,
   c.protocol = response.protocol() == "bsp" ? kernels::Protocol::kBsp : kernels::Protocol::kUbep;
   c.timeout = absl::Milliseconds(response.wait_timeout_ms());
   c.flagged_tokens = static_cast<int>(response.flagged_tokens());
+  c.near_ranks = static_cast<int>(response.near_ranks());
   if (kernels::ArenaLayout(c).total_bytes != s->layout.ep_bytes) {
     return absl::DataLossError(absl::StrCat(
         "rank ", rank, ": ubepd's data-plane layout (", s->layout.ep_bytes,

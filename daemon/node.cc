@@ -178,6 +178,10 @@ absl::Status Node::CreateGroup(const v1::AttachRequest& q,
         "this daemon hosts ranks ", first, "-", first + hosted - 1, " (--ranks) but the group has ",
         config.num_ranks, " ranks"));
   }
+  // This node's ranks are one hop from each other; the other daemons' ranks of the group, in
+  // the same load/store domain, a hop further. Nodes of equal size, each starting at a
+  // multiple of it (consecutive ranks per node); otherwise every rank counts as near.
+  if (hosted < config.num_ranks && first % hosted == 0) config.near_ranks = hosted;
   const bool cuda = options_.backend == "cuda";
   if (cuda && (config.dtype != kernels::DType::kBFloat16 || config.hidden % 8 != 0)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -383,6 +387,7 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
   response.set_protocol(config_.protocol == kernels::Protocol::kBsp ? "bsp" : "ubep");
   response.set_wait_timeout_ms(absl::ToInt64Milliseconds(config_.timeout));
   response.set_flagged_tokens(static_cast<uint32_t>(config_.flagged_tokens));
+  response.set_near_ranks(static_cast<uint32_t>(config_.near_ranks));
   v1::ArenaLayout* l = response.mutable_layout();
   l->set_total_bytes(layout_.total_bytes);
   l->set_control_offset(layout_.control);

@@ -3,12 +3,11 @@
 //
 // A unit is one row store: (token, destination). Units are numbered token-major: token 0's
 // destinations, then token 1's, and so on, each token's destinations in visiting order
-// (VisitPosition). Sender i of n takes the contiguous units [SplitBegin(i), SplitBegin(i + 1))
+// (VisitOrder). Sender i of n takes the contiguous units [SplitBegin(i), SplitBegin(i + 1))
 // of each batch (below), so any two senders differ by at most one unit, and since a token of
 // a top-k router goes to several ranks, every sender's share mixes destinations instead of
-// one sender owning one peer (on a single machine, or a single NVLink domain, every
-// destination is one hop away; the visiting order is where a topology with hops would put
-// near and far destinations in turn).
+// one sender owning one peer; the visiting order puts near and far destinations in turn where
+// the domain spans several nodes (EpConfig::near_ranks).
 //
 // A destination's data is complete when counting is done and every sender that stored into it
 // is done. Each sender adds the units it stored for destination d to a per-destination count,
@@ -60,14 +59,65 @@ UBEP_HD inline int64_t ShareBegin(int64_t batch_begin, int64_t batch_end, int se
   return batch_begin + SplitBegin(batch_end - batch_begin, senders, i);
 }
 
-// A source rank visits destinations starting after itself (rank + 1, rank + 2, ..., rank), so
-// that ranks do not all store into the same peer at the same moment.
-UBEP_HD inline int VisitPosition(int rank, int dest, int num_ranks) {
-  return (dest - rank - 1 + 2 * num_ranks) % num_ranks;
-}
-UBEP_HD inline int VisitDest(int rank, int position, int num_ranks) {
-  return (rank + 1 + position) % num_ranks;
-}
+// The order in which a source rank visits its destinations: every other rank once, then
+// itself (position num_ranks - 1). Ranks form one-hop neighbourhoods of `near_ranks`
+// consecutive ranks (a node: ranks [g x near_ranks, (g + 1) x near_ranks), the last one
+// possibly smaller); a destination outside the source's is a hop further (another node of the
+// load/store domain). near_ranks 0, or the whole group, makes every destination near.
+//  - Near and far destinations take turns in proportion to their numbers: of the first p
+//    positions, floor(p x near / (num_ranks - 1)) are near, so a stretch of a sender's units
+//    keeps both kinds of link busy instead of one after the other.
+//  - Near destinations start after the source and wrap within its neighbourhood; far ones
+//    start at a point spread by the source's place in its neighbourhood, so ranks neither all
+//    store into the same peer nor all cross to the same node at once.
+// With every destination near this is rank + 1, rank + 2, ..., rank (mod num_ranks).
+class VisitOrder {
+ public:
+  UBEP_HD VisitOrder() {}
+  UBEP_HD VisitOrder(int rank, int num_ranks, int near_ranks) : rank_(rank), ranks_(num_ranks) {
+    const int g = near_ranks > 0 && near_ranks < num_ranks ? near_ranks : num_ranks;
+    begin_ = rank / g * g;
+    end_ = begin_ + g < num_ranks ? begin_ + g : num_ranks;
+    near_ = end_ - begin_ - 1;
+    far_ = num_ranks - (end_ - begin_);
+    far_start_ = far_ > 0 ? (rank - begin_) * far_ / (end_ - begin_) : 0;
+  }
+
+  // The destination at `position`, in [0, num_ranks).
+  UBEP_HD int Dest(int position) const {
+    const int64_t m = ranks_ - 1;
+    if (position >= m) return rank_;
+    const int before = static_cast<int>(position * int64_t{near_} / m);  // Near ones before.
+    if ((position + 1) * int64_t{near_} / m > before) {
+      return begin_ + (rank_ - begin_ + 1 + before) % (near_ + 1);
+    }
+    const int q = (far_start_ + position - before) % far_;
+    return q < ranks_ - end_ ? end_ + q : q - (ranks_ - end_);
+  }
+
+  // The position of `dest`: Dest(Position(d)) == d.
+  UBEP_HD int Position(int dest) const {
+    const int64_t m = ranks_ - 1;
+    if (dest == rank_) return static_cast<int>(m);
+    if (dest >= begin_ && dest < end_) {
+      const int i = (dest - rank_ - 1 + 2 * (near_ + 1)) % (near_ + 1);
+      return static_cast<int>(((i + 1) * m + near_ - 1) / near_) - 1;
+    }
+    const int q = dest >= end_ ? dest - end_ : dest + (ranks_ - end_);
+    const int j = (q - far_start_ + far_) % far_;
+    return static_cast<int>(j * m / far_);
+  }
+
+  // The source's neighbourhood, [near_begin(), near_end()).
+  UBEP_HD int near_begin() const { return begin_; }
+  UBEP_HD int near_end() const { return end_; }
+
+ private:
+  int rank_ = 0, ranks_ = 1;
+  int begin_ = 0, end_ = 1;      // The neighbourhood, the source included.
+  int near_ = 0, far_ = 0;       // Destinations other than the source, near and far.
+  int far_start_ = 0;            // Index in the far ranks (those after end_, wrapping) of the first.
+};
 
 // The token holding unit u, given unit_begin[t] = first unit of token t (non-decreasing,
 // unit_begin[0] = 0, unit_begin[num_tokens] = all units, u below that): the largest t with

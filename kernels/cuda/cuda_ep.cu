@@ -55,6 +55,7 @@ constexpr int kWideBlocksPerSm = 4;
 struct Params {
   int rank, num_ranks, max_tokens, hidden, top_k, slots_per_rank, num_experts, num_tokens, layer;
   int max_rows;  // Receive rows the scratch holds: R x max_tokens x MaxPairsPerToken.
+  VisitOrder visit;  // The order this rank visits destinations in (send_split.h).
   size_t record_bytes, row_bytes;
   size_t row_stride;  // Bytes per source (destination) of rows (partials): ArenaLayout.
   size_t flagged_offset;  // Where the flagged rows start in a source's part: ArenaLayout.
@@ -322,12 +323,12 @@ __device__ void StoreUnits(const Params& p, int64_t begin, int64_t end, int last
     for (int first = 0; first < R && d < 0; first += 32) {
       const int position = first + lane;
       const bool has =
-          position < R && p.token_route[t * R + VisitDest(p.rank, position, R)] >= 0;
+          position < R && p.token_route[t * R + p.visit.Dest(position)] >= 0;
       unsigned mask = __ballot_sync(0xffffffffu, has);
       const int here = __popc(mask);
       if (q < here) {
         for (int skip = 0; skip < q; ++skip) mask &= mask - 1;
-        d = VisitDest(p.rank, first + __ffs(mask) - 1, R);
+        d = p.visit.Dest(first + __ffs(mask) - 1);
       } else {
         q -= here;
       }
@@ -380,11 +381,11 @@ __device__ void BatchShare(const Params& p, int b, int index, int64_t* batch_beg
 }
 
 // Counting role as its own kernel (bsp, and ubep when the fused kernel cannot keep every
-// block resident): block b counts destination VisitDest(rank, b) over every token.
+// block resident): block b counts destination p.visit.Dest(b) over every token.
 __global__ void RouteKernel(Params p) {
   __shared__ BlockScanInt::TempStorage storage;
   __shared__ int base;
-  const int d = VisitDest(p.rank, blockIdx.x, p.num_ranks);
+  const int d = p.visit.Dest(blockIdx.x);
   if (threadIdx.x == 0) base = 0;
   __syncthreads();
   CountDest(p, d, 0, p.num_tokens, &base, storage);
@@ -442,8 +443,8 @@ __device__ bool BlockWaitCount(const Params& p, int32_t* word, int32_t target,
 }
 
 // ubep's counting and sending at once, one cooperative launch (every block resident):
-// blocks [0, C) are the counting role (block c counts destinations VisitDest(rank, c),
-// VisitDest(rank, c + C), ... batch by batch, send_split.h), block C numbers each batch's
+// blocks [0, C) are the counting role (block c counts destinations p.visit.Dest(c),
+// p.visit.Dest(c + C), ... batch by batch, send_split.h), block C numbers each batch's
 // units once every counting block has counted it, and the kSenderBlocks blocks after it store
 // each batch as soon as it is numbered, as the host's sender threads do while the caller
 // counts. Counting never waits on a peer, so the only waits here are for this rank's own
@@ -462,7 +463,7 @@ __global__ void SendKernel(Params p, int count_blocks) {
     for (int b = 0; b < num_batches; ++b) {
       const int first = b * per_batch, last = min(p.num_tokens, first + per_batch);
       for (int i = 0; i < mine; ++i) {
-        CountDest(p, VisitDest(p.rank, c + i * C, R), first, last, &shared[i], storage);
+        CountDest(p, p.visit.Dest(c + i * C), first, last, &shared[i], storage);
       }
       // CountDest ended with a barrier: the block's token_route and records precede this.
       if (threadIdx.x == 0) {
@@ -471,7 +472,7 @@ __global__ void SendKernel(Params p, int count_blocks) {
       }
     }
     for (int i = threadIdx.x; i < mine; i += blockDim.x) {
-      FinishDest(p, VisitDest(p.rank, c + i * C, R), shared[i]);
+      FinishDest(p, p.visit.Dest(c + i * C), shared[i]);
     }
   } else if (static_cast<int>(blockIdx.x) == C) {
     __shared__ int base;
@@ -1118,6 +1119,7 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   p.recv_x = reinterpret_cast<uint16_t*>(static_cast<std::byte*>(s.block) + recv_offset);
   p.rank = rank;
   p.num_ranks = config.num_ranks;
+  p.visit = VisitOrder(rank, config.num_ranks, config.near_ranks);
   p.max_tokens = config.max_tokens;
   p.hidden = config.hidden;
   p.top_k = config.top_k;

@@ -51,6 +51,11 @@ absl::Status ValidateConfig(const EpConfig& c) {
         "ep config: flagged_tokens needs rows of a multiple of 8 bytes; hidden ", c.hidden,
         " makes ", c.hidden * DTypeBytes(c.dtype)));
   }
+  if (c.near_ranks < 0 || c.near_ranks > c.num_ranks) {
+    return absl::InvalidArgumentError(absl::StrCat("ep config: near_ranks ", c.near_ranks,
+                                                   " is outside [0, ", c.num_ranks,
+                                                   "] (num_ranks)"));
+  }
   if (c.timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("ep config: timeout must be positive");
   }

@@ -86,6 +86,10 @@ struct EpConfig {
   // bytes per row, so meant for decode-sized calls; the landing grows to hold that many
   // flagged rows when that is more than max_tokens plain ones. 0: never. At most max_tokens.
   int flagged_tokens = 0;
+  // Ranks per one-hop neighbourhood (a node of a load/store domain that spans several:
+  // consecutive ranks, send_split.h's VisitOrder); 0 = every rank is one hop away. Only the
+  // order in which a rank's senders visit destinations depends on it, never a byte.
+  int near_ranks = 0;
 };
 
 inline constexpr int kMaxSenderThreads = 64;

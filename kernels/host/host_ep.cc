@@ -199,7 +199,14 @@ HostEp::HostEp(const EpConfig& config, int rank, std::vector<std::byte*> arenas)
       arenas_(std::move(arenas)),
       units_(static_cast<size_t>(config.max_tokens) * std::min(config.top_k, config.num_ranks)),
       batch_end_(kMaxSendBatches),
-      dest_records_(config.num_ranks) {
+      dest_records_(config.num_ranks),
+      visit_dest_(config.num_ranks),
+      visit_position_(config.num_ranks) {
+  const VisitOrder order(rank, config.num_ranks, config.near_ranks);
+  for (int position = 0; position < config.num_ranks; ++position) {
+    visit_dest_[position] = order.Dest(position);
+    visit_position_[visit_dest_[position]] = position;
+  }
   // Resume the epochs this arena has seen, so a restarted rank continues its peers' count.
   auto* own = arenas_[rank_];
   dispatch_epoch_ =
@@ -287,7 +294,7 @@ absl::Status HostEp::Validate(const DispatchInput& in) const {
 }
 
 void HostEp::CountBatch(const DispatchInput& in, int batch, int num_batches, int senders) {
-  const int K = config_.top_k, S = config_.slots_per_rank, R = config_.num_ranks;
+  const int K = config_.top_k, S = config_.slots_per_rank;
   const int per_batch = BatchTokens(in.num_tokens);
   const int first = batch * per_batch, last = std::min(in.num_tokens, first + per_batch);
   int64_t u = num_units_;
@@ -311,9 +318,7 @@ void HostEp::CountBatch(const DispatchInput& in, int batch, int num_batches, int
     }
     // The token's units, destinations in visiting order (insertion sort: at most top_k).
     for (int i = 1; i < num_dests; ++i) {
-      for (int j = i; j > 0 && VisitPosition(rank_, dests[j], R) <
-                                   VisitPosition(rank_, dests[j - 1], R);
-           --j) {
+      for (int j = i; j > 0 && visit_position_[dests[j]] < visit_position_[dests[j - 1]]; --j) {
         std::swap(dests[j], dests[j - 1]);
       }
     }
@@ -396,7 +401,7 @@ void HostEp::SendShare(int index, int senders, const DispatchInput& in, uint32_t
     for (int64_t u = begin; u < end; ++u) ++share.count[units_[u].dest];
     int32_t at = 0;
     for (int position = 0; position < R; ++position) {
-      const int d = VisitDest(rank_, position, R);
+      const int d = visit_dest_[position];
       share.start[d] = at;
       at += share.count[d];
     }
@@ -405,7 +410,7 @@ void HostEp::SendShare(int index, int senders, const DispatchInput& in, uint32_t
     }
     at = 0;
     for (int position = 0; position < R; ++position) {
-      const int d = VisitDest(rank_, position, R);
+      const int d = visit_dest_[position];
       const int32_t n = share.count[d];
       if (n == 0) continue;
       std::byte* rows = arenas_[d] + layout_.rows + rank_ * layout_.row_stride;

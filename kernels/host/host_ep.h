@@ -208,6 +208,8 @@ class HostEp {
   int64_t num_units_ = 0;
   std::vector<int64_t> batch_end_;    // Per batch: units handed over (send_split.h BatchEnd).
   std::vector<int32_t> dest_records_;  // Per destination: records so far.
+  // send_split.h's VisitOrder of this rank, as tables: visit_dest_[position] and its inverse.
+  std::vector<int> visit_dest_, visit_position_;
   uint32_t batches_ = 0;  // Batches counted, over every call (a Signal word).
   uint32_t batch_sleepers_ = 0;  // Sender threads asleep on batches_ (its own bell).
   std::vector<Share> shares_;  // Per sender.

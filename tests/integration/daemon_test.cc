@@ -225,6 +225,7 @@ TEST_F(DaemonTest, FlaggedRowsServeTheSameStepsAndTheSettingIsCappedAtMaxTokens)
   const grpc::Status attached = Attach(Request(0, 2), &response);
   ASSERT_TRUE(attached.ok()) << attached.error_message();
   EXPECT_EQ(response.flagged_tokens(), 16u);
+  EXPECT_EQ(response.near_ranks(), 0u);  // One daemon hosts every rank: all one hop apart.
 }
 
 // A plain EPLB plan file (no topology, no shares): 4 ranks x 65 slots, the last slot of each

@@ -127,6 +127,7 @@ struct Variant {
   Protocol protocol;
   int sender_threads;  // 0: the calling thread sends.
   bool flagged = false;
+  int near_ranks = 0;  // EpConfig::near_ranks: the order of the row stores, not the bytes.
 };
 
 void PrintTo(const Variant& v, std::ostream* os) { *os << v.name; }
@@ -137,6 +138,7 @@ EpConfig VariantConfig(const Variant& v) {
                                          : EpConfig::SenderThread::kOff;
   c.sender_threads = std::max(1, v.sender_threads);
   if (v.flagged) c.flagged_tokens = c.max_tokens;
+  c.near_ranks = v.near_ranks;
   return c;
 }
 
@@ -397,7 +399,10 @@ TEST(HostEpProtocolTest, BspAndUbepGiveIdenticalBytes) {
   for (const Variant& v : {Variant{"ubep", Protocol::kUbep, 0},
                            Variant{"ubep_3_sender_threads", Protocol::kUbep, 3},
                            Variant{"ubep_flagged", Protocol::kUbep, 0, true},
-                           Variant{"ubep_flagged_3_sender_threads", Protocol::kUbep, 3, true}}) {
+                           Variant{"ubep_flagged_3_sender_threads", Protocol::kUbep, 3, true},
+                           Variant{"ubep_nodes_of_2", Protocol::kUbep, 0, false, 2},
+                           Variant{"ubep_3_sender_threads_nodes_of_3", Protocol::kUbep, 3, false, 3},
+                           Variant{"bsp_nodes_of_2", Protocol::kBsp, 0, false, 2}}) {
     Group ubep(VariantConfig(v));
     const auto b = RunStep(ubep, inputs, plan, 1);
     for (int r = 0; r < c.num_ranks; ++r) {
@@ -481,6 +486,16 @@ TEST(HostEpErrorTest, ASenderThreadCountOutsideItsRangeIsRefused) {
   config.sender_threads = 65;
   EXPECT_EQ(HostEp::Create(config, 0, {}).status(),
             absl::InvalidArgumentError("ep config: sender_threads 65 is outside [1, 64]"));
+}
+
+TEST(HostEpErrorTest, ANeighbourhoodOutsideTheGroupIsRefused) {
+  EpConfig config = SmallConfig(Protocol::kUbep);
+  config.near_ranks = -1;
+  EXPECT_EQ(ValidateConfig(config),
+            absl::InvalidArgumentError("ep config: near_ranks -1 is outside [0, 4] (num_ranks)"));
+  config.near_ranks = 5;
+  EXPECT_EQ(HostEp::Create(config, 0, {}).status(),
+            absl::InvalidArgumentError("ep config: near_ranks 5 is outside [0, 4] (num_ranks)"));
 }
 
 TEST(HostEpErrorTest, BadInputIsRejectedBeforeAnyByteMoves) {

@@ -418,6 +418,9 @@ TEST(NodeTest, APeersNewArenasReplaceTheStaleOnesOnlyWhileItsRanksAreExcluded) {
   tb.join();
   Attached x0 = Claim(a, r0, 1);
   Attached x2 = Claim(*b, r2, 2);
+  // Two nodes of two ranks: each rank's senders visit near and far destinations in turn.
+  EXPECT_EQ(r0->near_ranks(), 2u);
+  EXPECT_EQ(r2->near_ranks(), 2u);
   EXPECT_FALSE(a.PeerArenasWanted(2, 2, "b-1"));
 
   b = std::make_unique<Node>(Hosting(2));  // The daemon of ranks 2-3 restarts.

@@ -76,11 +76,70 @@ TEST(SendSplitTest, BatchSharesCoverEveryUnitOnceAndDifferByAtMostOne) {
 }
 
 TEST(SendSplitTest, DestinationsAreVisitedFromTheNextRankAndTheSenderLast) {
-  EXPECT_EQ(VisitDest(2, 0, 4), 3);
-  EXPECT_EQ(VisitDest(2, 1, 4), 0);
-  EXPECT_EQ(VisitDest(2, 3, 4), 2);
-  for (int rank = 0; rank < 5; ++rank) {
-    for (int d = 0; d < 5; ++d) EXPECT_EQ(VisitDest(rank, VisitPosition(rank, d, 5), 5), d);
+  // One hop to every rank (near_ranks 0, or all of them): rank + 1, rank + 2, ..., rank.
+  for (int near_ranks : {0, 4}) {
+    const VisitOrder order(2, 4, near_ranks);
+    EXPECT_EQ(order.Dest(0), 3);
+    EXPECT_EQ(order.Dest(1), 0);
+    EXPECT_EQ(order.Dest(2), 1);
+    EXPECT_EQ(order.Dest(3), 2);
+  }
+  EXPECT_EQ(VisitOrder(0, 1, 0).Dest(0), 0);
+  EXPECT_EQ(VisitOrder(0, 1, 0).Position(0), 0);
+}
+
+// 8 ranks in nodes of 4: rank 1 visits its node's 2, 3, 0 (after itself, wrapping) between
+// the other node's 4 ranks, 3 near among 7 spread evenly; the other node's ranks start where
+// rank 1's place in its node puts them (1 x 4 / 4 = far rank 1, i.e. rank 5).
+TEST(SendSplitTest, NearAndFarDestinationsTakeTurns) {
+  const VisitOrder order(1, 8, 4);
+  std::vector<int> visits;
+  for (int p = 0; p < 8; ++p) visits.push_back(order.Dest(p));
+  EXPECT_EQ(visits, (std::vector<int>{5, 6, 2, 7, 3, 4, 0, 1}));
+  EXPECT_EQ(order.near_begin(), 0);
+  EXPECT_EQ(order.near_end(), 4);
+  // Rank 4 (first of its node) starts the far ranks at rank 0; rank 6 at rank 2.
+  EXPECT_EQ(VisitOrder(4, 8, 4).Dest(0), 0);
+  EXPECT_EQ(VisitOrder(6, 8, 4).Dest(0), 2);
+  // Ranks of one node each cross to a different rank first.
+  std::vector<int> first;
+  for (int r = 0; r < 4; ++r) first.push_back(VisitOrder(r, 8, 4).Dest(0));
+  EXPECT_EQ(first, (std::vector<int>{4, 5, 6, 7}));
+}
+
+// Every shape: the order is a permutation ending with the source, Position inverts Dest, and
+// the near destinations are spread in proportion: of the first p positions,
+// floor(p x near / (R - 1)) are near.
+TEST(SendSplitTest, EveryVisitOrderIsAPermutationWithNearOnesInProportion) {
+  for (int R = 1; R <= 24; ++R) {
+    for (int near_ranks = 0; near_ranks <= R; ++near_ranks) {
+      for (int rank = 0; rank < R; ++rank) {
+        const VisitOrder order(rank, R, near_ranks);
+        const int g = near_ranks == 0 ? R : near_ranks;
+        const int begin = rank / g * g, end = std::min(R, begin + g);
+        ASSERT_EQ(order.near_begin(), begin);
+        ASSERT_EQ(order.near_end(), end);
+        const int near = end - begin - 1;
+        std::vector<int> seen(R, 0);
+        int near_so_far = 0;
+        for (int p = 0; p < R; ++p) {
+          const int d = order.Dest(p);
+          ASSERT_GE(d, 0);
+          ASSERT_LT(d, R);
+          ASSERT_EQ(order.Position(d), p) << R << " ranks, near " << near_ranks << ", rank " << rank;
+          ++seen[d];
+          if (p + 1 < R) {
+            ASSERT_NE(d, rank);
+            near_so_far += d >= begin && d < end;
+            ASSERT_EQ(near_so_far, (p + 1) * near / (R - 1))
+                << R << " ranks, near " << near_ranks << ", rank " << rank << ", position " << p;
+          } else {
+            ASSERT_EQ(d, rank);
+          }
+        }
+        ASSERT_EQ(std::count(seen.begin(), seen.end(), 1), R);
+      }
+    }
   }
 }
 
