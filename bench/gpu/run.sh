@@ -72,19 +72,41 @@ else
 fi
 
 mkdir -p "$out"
+gpu_listed=0
+if nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then gpu_listed=1; fi
 nvidia-smi -L || true
+# Settings that change how ranks as processes share the card (read, never changed).
+nvidia-smi --query-gpu=name,driver_version,persistence_mode,compute_mode,mig.mode.current \
+  --format=csv 2>/dev/null || true
 set +e
 status=0
-# Each step is bounded: ranks as processes time-slice one GPU (no MPS: the card's settings
-# stay as they are), so prefill-sized runs are slow, and a session's device time is short.
-for t in "cuda_ep_test 240" "daemon_cuda_test 120"; do
-  set -- $t
-  timeout "$2" "$tests/$1" --gtest_color=no 2>&1 | tee -a "$out/gpu_tests.log"
-  rc=${PIPESTATUS[0]}
-  echo "$1: exit $rc" | tee -a "$out/gpu_tests.log"
+# Each step is bounded, together under 9 minutes (one device command may run 10): ranks as
+# processes time-slice one GPU (no MPS: the card's settings stay as they are), so
+# prefill-sized runs are slow, and a session's device time is short.
+step() {  # step LIMIT_S NAME COMMAND...: runs it into the log; non-zero status fails the run.
+  local limit=$1 name=$2
+  shift 2
+  timeout "$limit" "$@" 2>&1 | tee -a "$out/gpu_tests.log"
+  local rc=${PIPESTATUS[0]}
+  echo "$name: exit $rc" | tee -a "$out/gpu_tests.log"
   [[ $rc == 0 ]] || status=1
-done
-for run in "128 2,4,8 20 150" "4096 2,4 5 150"; do
+  return "$rc"
+}
+# First one small case (2 ranks): a machine that refuses the cross-process device memory
+# (IPC, VMM handles) fails here in seconds, and the rest is not run.
+smoke='RanksAndProtocols/CudaEpTest.MatchesTheHostBackendByteForByte/2_ranks_ubep'
+if ! step 60 cuda_ep_smoke "$tests/cuda_ep_test" --gtest_color=no --gtest_filter="$smoke"; then
+  echo "run.sh: the first case failed; the rest is not run" | tee -a "$out/gpu_tests.log"
+  exit 1
+fi
+step 210 cuda_ep_test "$tests/cuda_ep_test" --gtest_color=no --gtest_filter="-$smoke"
+step 90 daemon_cuda_test "$tests/daemon_cuda_test" --gtest_color=no
+if [[ $gpu_listed == 1 ]] && grep -q "no CUDA device here" "$out/gpu_tests.log"; then
+  echo "run.sh: nvidia-smi lists a GPU, but the tests found none usable (reason above)" |
+    tee -a "$out/gpu_tests.log"
+  status=1
+fi
+for run in "128 2,4,8 20 100" "4096 2,4 5 70"; do
   set -- $run
   timeout "$4" "$bin/ubep-bench-cuda" --ranks "$2" --tokens "$1" --hidden 7168 --iters "$3" \
     | tee "$out/cuda_bench_$1.json"

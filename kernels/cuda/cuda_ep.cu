@@ -985,9 +985,14 @@ __global__ void TokenKernel(Params p, uint16_t* out) {
 
 }  // namespace
 
-bool CudaDeviceAvailable() {
+absl::Status CudaDeviceStatus() {
   int count = 0;
-  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+  if (const cudaError_t error = cudaGetDeviceCount(&count); error != cudaSuccess) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cudaGetDeviceCount: ", cudaGetErrorName(error), ": ", cudaGetErrorString(error)));
+  }
+  if (count == 0) return absl::FailedPreconditionError("cudaGetDeviceCount found no device");
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<DeviceArena>> DeviceArena::Create(size_t bytes) {

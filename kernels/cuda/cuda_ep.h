@@ -36,8 +36,9 @@
 
 namespace ubep::kernels {
 
-// Whether a CUDA device is usable here (false without a driver or GPU).
-bool CudaDeviceAvailable();
+// OK when a CUDA device is usable here; else why not (FailedPrecondition): no device, or
+// the runtime's error (no driver, a driver older than the runtime, a device it may not use).
+absl::Status CudaDeviceStatus();
 
 // Device memory of one rank's arena, shareable with other processes by an IPC handle.
 class DeviceArena {

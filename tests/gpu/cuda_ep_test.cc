@@ -428,7 +428,7 @@ void ExpectNoErrors(const std::vector<std::string>& errors) {
 class CudaEpTest : public ::testing::TestWithParam<std::tuple<int, Mode>> {
  protected:
   void SetUp() override {
-    if (!test::DeviceInChild()) GTEST_SKIP() << "no CUDA device here";
+    UBEP_SKIP_WITHOUT_DEVICE();
   }
 };
 

@@ -115,7 +115,7 @@ std::string RunRank(int r, const std::string& socket, const ModelShape& shape, c
 // group forms across them. With `flagged`, the single ubepd runs with --flagged_tokens, so
 // every call moves flag-in-granule rows (kernels/common/flagged_rows.h).
 void RunAndCompare(bool two_daemons, bool flagged = false) {
-  if (!test::DeviceInChild()) GTEST_SKIP() << "no CUDA device";
+  UBEP_SKIP_WITHOUT_DEVICE();
   test::TempDir dir;
   const auto wait_ready = [&](const std::string& name) {
     return test::ReadyFile(dir.path() + "/" + name + ".ready", dir.path() + "/" + name + ".log");
@@ -177,9 +177,12 @@ void RunAndCompare(bool two_daemons, bool flagged = false) {
     pids.push_back(pid);
   }
   std::vector<Result> gpu(kRanks);
+  // Every rank is reaped before any is judged: a failed one must not leave another running
+  // (holding the device) into the next test.
+  std::vector<int> statuses(kRanks, 0);
+  for (int r = 0; r < kRanks; ++r) waitpid(pids[r], &statuses[r], 0);
   for (int r = 0; r < kRanks; ++r) {
-    int status = 0;
-    waitpid(pids[r], &status, 0);
+    const int status = statuses[r];
     ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
         << "rank " << r << " (wait status " << status << "): " << board->error[r];
     const RankBoard& from = board->result[r];

@@ -36,6 +36,7 @@ bench/gpu/run.sh --pack "$work/pack" --check
 # The whole run from the pack.
 bench/gpu/run.sh --pack "$work/pack" "$work/out" > "$work/run.log" 2>&1 || {
   cat "$work/run.log"; exit 1; }
+grep -qx "cuda_ep_smoke: exit 0" "$work/out/gpu_tests.log"
 grep -qx "cuda_ep_test: exit 0" "$work/out/gpu_tests.log"
 grep -qx "daemon_cuda_test: exit 0" "$work/out/gpu_tests.log"
 # Decode-sized at 2, 4 and 8 ranks, prefill-sized at 2 and 4: four methods each (ubep three
@@ -47,8 +48,8 @@ for run in "128 12" "4096 8"; do
   [[ $rows == "$2" ]] || { cat "$work/out/cuda_bench_$1.json"; echo "rows: $rows"; exit 1; }
 done
 if grep -q "no CUDA device here" "$work/out/gpu_tests.log"; then
-  # No device: every case of both GPU tests skipped, none ran.
-  [[ $(grep -c "^\[  PASSED  \] 0 tests" "$work/out/gpu_tests.log") == 2 ]]
+  # No device: every case of the three GPU test steps skipped, none ran.
+  [[ $(grep -c "^\[  PASSED  \] 0 tests" "$work/out/gpu_tests.log") == 3 ]]
   [[ $(grep -c '"error":"rank [0-9]*: .*CUDA' "$work/out/cuda_bench_128.json") == 12 ]]
 fi
 echo "pack_test: OK"
