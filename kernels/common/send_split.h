@@ -73,7 +73,7 @@ UBEP_HD inline int64_t ShareBegin(int64_t batch_begin, int64_t batch_end, int se
 // With every destination near this is rank + 1, rank + 2, ..., rank (mod num_ranks).
 class VisitOrder {
  public:
-  UBEP_HD VisitOrder() {}
+  VisitOrder() = default;
   UBEP_HD VisitOrder(int rank, int num_ranks, int near_ranks) : rank_(rank), ranks_(num_ranks) {
     const int g = near_ranks > 0 && near_ranks < num_ranks ? near_ranks : num_ranks;
     begin_ = rank / g * g;
@@ -107,10 +107,6 @@ class VisitOrder {
     const int j = (q - far_start_ + far_) % far_;
     return static_cast<int>(j * m / far_);
   }
-
-  // The source's neighbourhood, [near_begin(), near_end()).
-  UBEP_HD int near_begin() const { return begin_; }
-  UBEP_HD int near_end() const { return end_; }
 
  private:
   int rank_ = 0, ranks_ = 1;

@@ -6,7 +6,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <string>
 
 #include "absl/status/status.h"
@@ -23,7 +25,7 @@ namespace ubep::test {
 inline const std::string& NoDeviceReason() {
   static const std::string reason = [] {
     int fds[2];
-    if (pipe(fds) != 0) return std::string("pipe failed");
+    if (pipe(fds) != 0) return absl::StrCat("pipe for the device probe: ", std::strerror(errno));
     const pid_t pid = fork();
     if (pid == 0) {
       close(fds[0]);
@@ -46,8 +48,11 @@ inline const std::string& NoDeviceReason() {
 }
 
 #define UBEP_SKIP_WITHOUT_DEVICE()                                                     \
-  if (const std::string& why = ::ubep::test::NoDeviceReason(); !why.empty())           \
-  GTEST_SKIP() << "no CUDA device here: " << why
+  do {                                                                                 \
+    if (const std::string& why = ::ubep::test::NoDeviceReason(); !why.empty()) {       \
+      GTEST_SKIP() << "no CUDA device here: " << why;                                  \
+    }                                                                                  \
+  } while (false)
 
 // In a rank process: a CUDA call that fails ends the process (exit status 4) with the call and
 // the error on stderr; the parent reports the abnormal exit.
