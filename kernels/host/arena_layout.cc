@@ -15,6 +15,11 @@ namespace {
 
 constexpr size_t kLine = 64;  // Regions start on cache lines.
 
+// The refusal region: sequence, phase and call words, then the message and its NUL.
+constexpr size_t kRefusalText = 3 * sizeof(uint32_t);
+constexpr size_t kRefusalBytes = kRefusalText + kRefusalChars + 1;
+static_assert(kRefusalBytes % kLine == 0);
+
 size_t AlignUp(size_t n) { return (n + kLine - 1) / kLine * kLine; }
 
 }  // namespace
@@ -89,6 +94,7 @@ ArenaLayout::ArenaLayout(const EpConfig& c) {
   // One line: a signaller moves the bell, then reads the counts.
   bell = sleepers + sizeof(uint32_t);
   bell_sleepers = bell + sizeof(uint32_t);
+  refusal = carve(kRefusalBytes);
   counts = carve(R * sizeof(uint32_t));
   load_counters = carve(static_cast<size_t>(c.num_layers) * c.slots_per_rank * sizeof(uint64_t));
   load_seq = carve(static_cast<size_t>(c.num_layers) * sizeof(uint64_t));
@@ -127,15 +133,77 @@ absl::Status DaemonAbortStatus(uint32_t code, int rank, const char* what, uint32
   return absl::OkStatus();
 }
 
-absl::Status TimedOutStatus(uint32_t code, int rank, int peer, absl::Duration timeout,
-                            const char* what, uint32_t call) {
+int RankGivenUpOn(uint32_t code, int peer) {
   const AbortReason reason = ReadAbortCode(code);
-  const int dead_rank = reason.kind == AbortReason::kTimedOut ? reason.rank : peer;
+  return reason.kind == AbortReason::kTimedOut ? reason.rank : peer;
+}
+
+absl::Status TimedOutStatus(uint32_t code, int rank, int peer, absl::Duration timeout,
+                            const char* what, uint32_t call, absl::string_view refusal) {
+  const int dead_rank = RankGivenUpOn(code, peer);
   return absl::DeadlineExceededError(absl::StrCat(
       "rank ", rank, ": timed out after ", absl::FormatDuration(timeout), " waiting for rank ",
       dead_rank, " (", what, ", call ", call,
-      dead_rank == peer ? "" : absl::StrCat(", waiting on rank ", peer, " which gave up"),
-      "); is rank ", dead_rank, " alive?"));
+      dead_rank == peer ? "" : absl::StrCat(", waiting on rank ", peer, " which gave up"), "); ",
+      refusal.empty() ? absl::StrCat("is rank ", dead_rank, " alive?")
+                      : absl::StrCat("rank ", dead_rank, " refused this call: ", refusal)));
+}
+
+namespace {
+
+// The refusal region's words and bytes, each read and written atomically (a seqlock: the
+// owner may rewrite it while a peer reads).
+std::atomic_ref<uint32_t> RefusalWord(const std::byte* arena, const ArenaLayout& layout,
+                                      int index) {
+  return std::atomic_ref<uint32_t>(*const_cast<uint32_t*>(
+      reinterpret_cast<const uint32_t*>(arena + layout.refusal) + index));
+}
+
+std::atomic_ref<char> RefusalChar(const std::byte* arena, const ArenaLayout& layout, size_t i) {
+  return std::atomic_ref<char>(
+      *const_cast<char*>(reinterpret_cast<const char*>(arena + layout.refusal + kRefusalText) + i));
+}
+
+}  // namespace
+
+void RecordRefusal(std::byte* arena, const ArenaLayout& layout, bool combine, uint32_t call,
+                   absl::string_view why) {
+  std::atomic_ref<uint32_t> seq = RefusalWord(arena, layout, 0);
+  const uint32_t before = seq.load(std::memory_order_relaxed);  // Even: only the owner writes.
+  seq.store(before + 1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  RefusalWord(arena, layout, 1).store(combine ? 1 : 0, std::memory_order_relaxed);
+  RefusalWord(arena, layout, 2).store(call, std::memory_order_relaxed);
+  const size_t n = std::min(why.size(), kRefusalChars);
+  for (size_t i = 0; i < n; ++i) RefusalChar(arena, layout, i).store(why[i], std::memory_order_relaxed);
+  RefusalChar(arena, layout, n).store('\0', std::memory_order_relaxed);
+  seq.store(before + 2, std::memory_order_release);
+}
+
+std::string ReadRefusal(const std::byte* arena, const ArenaLayout& layout, bool combine,
+                        uint32_t call) {
+  std::atomic_ref<uint32_t> seq = RefusalWord(arena, layout, 0);
+  // The owner rewrites it only when it refuses again, between calls: a few tries see it still.
+  for (int attempt = 0; attempt < 16; ++attempt) {
+    const uint32_t before = seq.load(std::memory_order_acquire);
+    if (before == 0) return "";
+    if (before % 2 != 0) {
+      std::this_thread::yield();
+      continue;
+    }
+    const bool matches =
+        RefusalWord(arena, layout, 1).load(std::memory_order_relaxed) == (combine ? 1u : 0u) &&
+        RefusalWord(arena, layout, 2).load(std::memory_order_relaxed) == call;
+    std::string why;
+    for (size_t i = 0; matches && i < kRefusalChars; ++i) {
+      const char c = RefusalChar(arena, layout, i).load(std::memory_order_relaxed);
+      if (c == '\0') break;
+      why.push_back(c);
+    }
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (seq.load(std::memory_order_relaxed) == before) return why;
+  }
+  return "";
 }
 
 void MarkCompleted(std::byte* arena, const ArenaLayout& layout, bool combine, uint32_t epoch) {

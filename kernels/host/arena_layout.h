@@ -21,6 +21,11 @@
 //                              by every Signal into this arena and by RaiseAbort, [8] threads
 //                              of the owner asleep on the bell; a Signal makes a wake syscall
 //                              only for a count that is not zero
+//   refusal         256 B      the last call the owner refused before taking part (bad input,
+//                              RecordRefusal): [0] a sequence word (odd while written), [4]
+//                              the phase (0 dispatch, 1 combine), [8] the call, [12..] why,
+//                              NUL-terminated; peers that time out waiting for the owner in
+//                              that call report why instead of asking whether it is alive
 //   counts          R x 4 B    [s]: records source s stored in the current dispatch
 //   load_counters   L x S x 8  [l][i]: routed pairs received, monotonic (owner only writes)
 //   load_seq        L x 8      [l]: 2 x the dispatches of layer l counted in load_counters;
@@ -43,11 +48,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "kernels/host/signal.h"
 
@@ -130,13 +137,19 @@ absl::Status DaemonAbortStatus(uint32_t code, int rank, const char* what, uint32
 // The error for `rank`'s wait on `peer` (in `what` of call `call`) that gave up after
 // `timeout`, given the abort word as it stands after this rank raised it: the rank the group
 // gave up on (kAbortTimedOutBase + that rank) is named, and `peer` too if it differs (a
-// survivor stuck behind the dead rank). Both backends report timeouts in these words.
+// survivor stuck behind the dead rank). Both backends report timeouts in these words. A
+// non-empty `refusal` is why the rank the group gave up on refused this call (ReadRefusal),
+// said in place of asking whether it is alive.
 absl::Status TimedOutStatus(uint32_t code, int rank, int peer, absl::Duration timeout,
-                            const char* what, uint32_t call);
+                            const char* what, uint32_t call, absl::string_view refusal = {});
+
+// The rank a timeout code names as the one the group gave up on, else `peer` (the rank this
+// rank waited for): the rank TimedOutStatus reports.
+int RankGivenUpOn(uint32_t code, int peer);
 
 struct ArenaLayout {
   size_t dispatch_flag, combine_flag, count_flag, barrier_flag, abort, dispatch_completed,
-      combine_completed, sleepers, bell, bell_sleepers, counts, load_counters, load_seq,
+      combine_completed, sleepers, bell, bell_sleepers, refusal, counts, load_counters, load_seq,
       records, rows, partials, total_bytes;
   size_t record_bytes, row_bytes;
   size_t row_stride;  // Bytes per source (or destination) in rows and partials.
@@ -146,6 +159,21 @@ struct ArenaLayout {
   explicit ArenaLayout(const EpConfig& config);
   ArenaLayout() = default;
 };
+
+// A rank that refuses a call before taking part (bad input: a clear error before any byte
+// moves) leaves its peers waiting for it in that call until their timeout, in case its caller
+// calls again with good input. So that they then say why, the rank records the refusal in its
+// own arena: the phase its peers wait for it in (`combine`: its partials of call `call`, after
+// a dispatch it has not combined; else its dispatch of call `call`) and the error's message
+// (the first kRefusalChars bytes). The owner writes, any rank reads.
+inline constexpr size_t kRefusalChars = 243;
+void RecordRefusal(std::byte* arena, const ArenaLayout& layout, bool combine, uint32_t call,
+                   absl::string_view why);
+
+// What RecordRefusal recorded in `arena` for the phase and call, or "" if its last refusal was
+// of another one (or none, or it is being rewritten).
+std::string ReadRefusal(const std::byte* arena, const ArenaLayout& layout, bool combine,
+                        uint32_t call);
 
 // A rank that left the group after completing a call owes that call nothing more. At the
 // end of each successful dispatch (combine) a rank stores the call's epoch into its own

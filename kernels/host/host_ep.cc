@@ -485,7 +485,23 @@ absl::Status HostEp::GiveUp(int peer, const char* what, uint32_t epoch) const {
     code = LoadAcquire(AbortWord());
   }
   if (code != spared_) UBEP_RETURN_IF_ERROR(DaemonAbortStatus(code, rank_, what, epoch));
-  return TimedOutStatus(code, rank_, peer, config_.timeout, what, epoch);
+  // Within a dispatch its epoch is one past the last combine's; within a combine they are equal.
+  const int given_up_on = RankGivenUpOn(code, peer);
+  const std::string refusal =
+      given_up_on >= 0 && given_up_on < config_.num_ranks && arenas_[given_up_on] != nullptr
+          ? ReadRefusal(arenas_[given_up_on], layout_, combine_epoch_ == dispatch_epoch_,
+                        dispatch_epoch_)
+          : "";
+  return TimedOutStatus(code, rank_, peer, config_.timeout, what, epoch, refusal);
+}
+
+absl::Status HostEp::Refuse(absl::Status refused) const {
+  // Peers wait for this rank's partials of the call it dispatched and has not combined, else
+  // for its dispatch of the next call.
+  const bool combine = combine_epoch_ != dispatch_epoch_;
+  RecordRefusal(arenas_[rank_], layout_, combine, combine ? dispatch_epoch_ : dispatch_epoch_ + 1,
+                refused.message());
+  return refused;
 }
 
 absl::Status HostEp::TakeAsTheyArrive(uint32_t epoch, std::span<const int> sources,
@@ -534,11 +550,11 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
   if (in.plan_area != nullptr) {
     in.plan = SelectPlan(in.plan_area, in.step);
     if (in.plan == nullptr) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("rank ", rank_, ": no committed plan is in force at step ", in.step));
+      return Refuse(absl::FailedPreconditionError(
+          absl::StrCat("rank ", rank_, ": no committed plan is in force at step ", in.step)));
     }
   }
-  UBEP_RETURN_IF_ERROR(Validate(in));
+  if (absl::Status valid = Validate(in); !valid.ok()) return Refuse(std::move(valid));
   const int R = config_.num_ranks;
   active_.resize(R);
   for (int r = 0; r < R; ++r) active_[r] = !RankExcluded(in.plan, static_cast<uint32_t>(r));
@@ -769,7 +785,7 @@ HostEp::Take HostEp::PlaceArrived(int s, uint32_t tag, DispatchOutput& out) {
 
 absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr, void* out_ptr) {
   if (combine_epoch_ + 1 != dispatch_epoch_) {
-    return absl::FailedPreconditionError("combine without a dispatch before it");
+    return Refuse(absl::FailedPreconditionError("combine without a dispatch before it"));
   }
   const int R = config_.num_ranks, H = config_.hidden;
   const DispatchOutput::Handle& handle = dispatched.handle;
@@ -778,7 +794,8 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
       static_cast<int>(handle.token_begin.size()) != handle.num_tokens + 1 ||
       static_cast<int>(handle.active.size()) != R ||
       static_cast<int>(handle.flagged_from.size()) != R) {
-    return absl::InvalidArgumentError("combine: the dispatch output is not from this group");
+    return Refuse(
+        absl::InvalidArgumentError("combine: the dispatch output is not from this group"));
   }
   active_ = handle.active;
   const absl::Time deadline = absl::Now() + config_.timeout;

@@ -124,6 +124,9 @@ class HostEp {
   HostEp(const EpConfig& config, int rank, std::vector<std::byte*> arenas);
 
   absl::Status Validate(const DispatchInput& input) const;
+  // Returns `refused`, the error of a call this rank refuses before taking part, after
+  // recording it in its arena for the peers that wait for it in that call (RecordRefusal).
+  absl::Status Refuse(absl::Status refused) const;
   // One row store (send_split.h): token `token`'s row as record `record` of destination `dest`.
   struct Unit {
     int32_t dest, record, token;
@@ -153,7 +156,8 @@ class HostEp {
   absl::Status Wait(const uint32_t* word, uint32_t epoch, int peer, const char* what,
                     absl::Time deadline);
   // The error for a wait on `peer` that ended: names the rank the group gave up on (setting
-  // every arena's abort word if this rank is the first to give up).
+  // every arena's abort word if this rank is the first to give up), and why it refused this
+  // call if it did.
   absl::Status GiveUp(int peer, const char* what, uint32_t epoch) const;
   uint32_t* AbortWord() const;
   // What this call's waits watch: the abort word, past a code they were found to be spared.

@@ -30,7 +30,7 @@
 namespace ubep::kernels {
 
 inline constexpr uint32_t kRankControlMagic = 0x43524255;  // "UBRC"
-inline constexpr uint32_t kRankArenaVersion = 4;
+inline constexpr uint32_t kRankArenaVersion = 5;
 inline constexpr uint64_t kNoNextStep = ~uint64_t{0};
 
 // RankControl::group_state.

@@ -57,16 +57,18 @@ Expected Route(const EpConfig& c, const std::vector<RankInput>& inputs, const Te
 // checks against a float64 reference. Returns each rank's (recv_x bytes, combined bytes).
 // With `stagger`, rank r starts (R - 1 - r) x stagger late, so that sources reach each
 // receiver out of rank order; `after_combine` (optional) runs on rank r's thread as soon as
-// its combine returned.
+// its combine returned, `before_dispatch` (optional) just before its dispatch.
 std::vector<std::pair<std::vector<std::byte>, std::vector<float>>> RunStep(
     Group& group, const std::vector<RankInput>& inputs, const TestPlan& plan, int layer,
     absl::Duration stagger = absl::ZeroDuration(),
-    const std::function<void(int)>& after_combine = nullptr) {
+    const std::function<void(int)>& after_combine = nullptr,
+    const std::function<void(int)>& before_dispatch = nullptr) {
   const EpConfig& c = group.config();
   const Expected expected = Route(c, inputs, plan, layer);
   std::vector<std::pair<std::vector<std::byte>, std::vector<float>>> results(c.num_ranks);
   group.RunAll([&](int r) {
     absl::SleepFor(stagger * (c.num_ranks - 1 - r));
+    if (before_dispatch) before_dispatch(r);
     DispatchOutput out;
     const RankInput& in = inputs[r];
     absl::Status s = group.ep(r).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(),
@@ -591,6 +593,95 @@ TEST(HostEpErrorTest, AMissingPeerTimesOutWithItsName) {
   for (int r : {0, 1, 3}) EXPECT_EQ(status[r], GaveUpOnRank2(r, "dispatch counts"));
 }
 
+// Rank 2 refuses its input (an expert id out of range) and its caller does not call again:
+// the others time out waiting for it and say why it did not come, in place of asking whether
+// it is alive.
+TEST(HostEpErrorTest, PeersOfARankThatRefusedItsInputSayWhy) {
+  const EpConfig config = ShortTimeoutConfig();
+  Group group(config);
+  const TestPlan plan = RoundRobinPlan(config);
+  std::vector<absl::Status> status(config.num_ranks);
+  group.RunAll([&](int r) {
+    RankInput in = MakeInput(config, r, 8, 3);
+    if (r == 2) in.topk_idx[3 * config.top_k + 1] = 99;
+    DispatchOutput out;
+    status[r] = group.ep(r).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8,
+                                      config.hidden, 0, plan.header()},
+                                     out);
+  });
+  EXPECT_EQ(status[2], absl::InvalidArgumentError("topk_idx[3][1] = 99 is outside [-1, 16)"));
+  for (int r : {0, 1, 3}) {
+    EXPECT_EQ(status[r], absl::DeadlineExceededError(absl::StrCat(
+                             "rank ", r,
+                             ": timed out after 300ms waiting for rank 2 (dispatch counts, call "
+                             "1); rank 2 refused this call: topk_idx[3][1] = 99 is outside "
+                             "[-1, 16)")));
+  }
+}
+
+// Rank 2 dispatches, then calls Dispatch again where a Combine belongs: the others, waiting
+// for its partials, say so.
+TEST(HostEpErrorTest, PeersWaitingForPartialsSayTheRankDispatchedTwice) {
+  const EpConfig config = ShortTimeoutConfig();
+  Group group(config);
+  const TestPlan plan = RoundRobinPlan(config);
+  std::vector<absl::Status> status(config.num_ranks);
+  group.RunAll([&](int r) {
+    RankInput in = MakeInput(config, r, 8, 3);
+    DispatchOutput out;
+    const DispatchInput input{in.x.data(),   in.topk_idx.data(), in.topk_w.data(), 8,
+                              config.hidden, 0,                  plan.header()};
+    status[r] = group.ep(r).Dispatch(input, out);
+    if (!status[r].ok()) return;
+    if (r == 2) {
+      status[r] = group.ep(r).Dispatch(input, out);
+      return;
+    }
+    std::vector<float> combined(8 * config.hidden);
+    status[r] = group.ep(r).Combine(out, out.recv_x.data(), combined.data());
+  });
+  const std::string twice =
+      "dispatch called twice without a combine in between: the combine of one call frees the "
+      "peers' receive buffers for the next";
+  EXPECT_EQ(status[2], absl::FailedPreconditionError(twice));
+  for (int r : {0, 1, 3}) {
+    EXPECT_EQ(status[r], absl::DeadlineExceededError(absl::StrCat(
+                             "rank ", r,
+                             ": timed out after 300ms waiting for rank 2 (combine partials, call "
+                             "1); rank 2 refused this call: ",
+                             twice)));
+  }
+}
+
+// A refusal loses nothing: rank 2's caller calls again with good input while the others wait,
+// and the step completes exactly. A later call that rank 2 misses is then reported as before:
+// the refusal was of another call.
+TEST(HostEpErrorTest, ARankThatRefusedAndCalledAgainServesTheStep) {
+  const EpConfig config = ShortTimeoutConfig();
+  Group group(config);
+  const TestPlan plan = RoundRobinPlan(config);
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < config.num_ranks; ++r) inputs.push_back(MakeInput(config, r, 8, 3));
+  absl::Status refused;
+  RunStep(group, inputs, plan, 0, absl::ZeroDuration(), nullptr, [&](int r) {
+    if (r != 2) return;
+    absl::SleepFor(absl::Milliseconds(50));  // The others are waiting for rank 2 by now.
+    const RankInput& in = inputs[r];
+    DispatchOutput out;
+    refused = group.ep(r).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8,
+                                    config.hidden + 8, 0, plan.header()},
+                                   out);
+  });
+  EXPECT_EQ(refused, absl::InvalidArgumentError("hidden size 80 does not match the configured 72"));
+  const std::vector<absl::Status> later = DispatchOnce(group, plan, [](int r) { return r != 2; });
+  for (int r : {0, 1, 3}) {
+    EXPECT_EQ(later[r], absl::DeadlineExceededError(absl::StrCat(
+                            "rank ", r,
+                            ": timed out after 300ms waiting for rank 2 (dispatch counts, call "
+                            "2); is rank 2 alive?")));
+  }
+}
+
 // Rank 2's counts arrive and its rows do not (they go out a second after them, past the
 // timeout): the others name rank 2 in the phase where they gave up, the rows.
 TEST(HostEpErrorTest, RowsThatNeverArriveAreNamedAfterTheCounts) {
@@ -1059,6 +1150,32 @@ TEST(AbortCodeTest, EachCodeIsReadAsItself) {
                                    "excludes or includes ranks) during dispatch data of call 7; "
                                    "join again"));
   EXPECT_EQ(DaemonAbortStatus(kAbortTimedOutBase + 3, 1, "dispatch data", 7), absl::OkStatus());
+}
+
+// A refusal is read back for its own phase and call only, cut to kRefusalChars, gone after a
+// reset of the group.
+TEST(AbortCodeTest, ARefusalIsReadForItsPhaseAndCallOnly) {
+  const EpConfig config = SmallConfig(Protocol::kUbep);
+  const ArenaLayout layout(config);
+  std::vector<std::byte> arena(layout.total_bytes);
+  EXPECT_EQ(ReadRefusal(arena.data(), layout, false, 0), "");
+  RecordRefusal(arena.data(), layout, /*combine=*/false, 7, "hidden size 80 does not match");
+  EXPECT_EQ(ReadRefusal(arena.data(), layout, false, 7), "hidden size 80 does not match");
+  EXPECT_EQ(ReadRefusal(arena.data(), layout, true, 7), "");
+  EXPECT_EQ(ReadRefusal(arena.data(), layout, false, 8), "");
+  const std::string long_why(300, 'x');
+  RecordRefusal(arena.data(), layout, /*combine=*/true, 8, long_why);
+  EXPECT_EQ(ReadRefusal(arena.data(), layout, true, 8), long_why.substr(0, kRefusalChars));
+  EXPECT_EQ(ReadRefusal(arena.data(), layout, false, 7), "");
+  RecordRefusal(arena.data(), layout, /*combine=*/false, 9, "short");
+  EXPECT_EQ(ReadRefusal(arena.data(), layout, false, 9), "short");
+  ResetSignals(arena.data(), layout);
+  EXPECT_EQ(ReadRefusal(arena.data(), layout, false, 9), "");
+  EXPECT_EQ(TimedOutStatus(kAbortTimedOutBase + 2, 0, 1, absl::Seconds(10), "dispatch data", 9,
+                           "short"),
+            absl::DeadlineExceededError("rank 0: timed out after 10s waiting for rank 2 "
+                                        "(dispatch data, call 9, waiting on rank 1 which gave "
+                                        "up); rank 2 refused this call: short"));
 }
 
 TEST(HostEpErrorTest, NoPlanInForceIsAClearError) {
