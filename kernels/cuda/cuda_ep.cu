@@ -1066,6 +1066,7 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   }
   std::unique_ptr<CudaEp> ep(new CudaEp(config, rank));
   ep->own_arena_ = arenas[rank];
+  ep->arenas_ = arenas;
   Scratch& s = *ep->scratch_;
   // A blocking stream: ordered after the caller's uploads on the legacy default stream.
   UBEP_CUDA_RETURN_IF_ERROR(cudaStreamCreate(&s.stream));
@@ -1221,7 +1222,8 @@ absl::Status CudaEp::CheckStatus(const char* what, uint32_t call) {
       return daemon;
     }
     const int peer = static_cast<int>(status[kStatusWaitEnded]) - 1;
-    return TimedOutStatus(code, rank_, peer, config_.timeout, what, call);
+    return TimedOutStatus(code, rank_, peer, config_.timeout, what, call,
+                          PeerRefusal(RankGivenUpOn(code, peer)));
   }
   if (status[kStatusRowsOver] != 0) {
     return absl::InternalError(absl::StrCat(
@@ -1248,14 +1250,58 @@ absl::Status CudaEp::CheckStatus(const char* what, uint32_t call) {
   return absl::OkStatus();
 }
 
+absl::Status CudaEp::Refuse(absl::Status refused) {
+  // Peers wait for this rank's partials of the call it dispatched and has not combined, else
+  // for its dispatch of the next call.
+  // The first refusal of a call is kept: the Combine a caller may still try after a refused
+  // Dispatch is refused too, for want of that dispatch.
+  const bool combine = combine_epoch_ != dispatch_epoch_;
+  const uint32_t call = combine ? dispatch_epoch_ : dispatch_epoch_ + 1;
+  if (!Refusal(rank_, combine, call).empty()) return refused;
+  std::byte body[kRefusalBody];
+  FormatRefusal(combine, call, refused.message(), body);
+  // Synchronous copies, each done before the next begins: the sequence word odd, the body,
+  // the word even. A copy that fails leaves the record as it was or odd (read as none).
+  auto* seq = reinterpret_cast<uint32_t*>(own_arena_ + layout_.refusal);
+  uint32_t before = 0;
+  if (cudaMemcpy(&before, seq, sizeof(before), cudaMemcpyDeviceToHost) == cudaSuccess) {
+    const uint32_t odd = RefusalSeqWhileWriting(before), even = odd + 1;
+    if (cudaMemcpy(seq, &odd, sizeof(odd), cudaMemcpyHostToDevice) == cudaSuccess &&
+        cudaMemcpy(seq + 1, body, sizeof(body), cudaMemcpyHostToDevice) == cudaSuccess) {
+      cudaMemcpy(seq, &even, sizeof(even), cudaMemcpyHostToDevice);
+    }
+  }
+  return refused;
+}
+
+std::string CudaEp::PeerRefusal(int rank) const {
+  // Within a dispatch its epoch is one past the last combine's; within a combine they are equal.
+  return Refusal(rank, combine_epoch_ == dispatch_epoch_, dispatch_epoch_);
+}
+
+std::string CudaEp::Refusal(int rank, bool combine, uint32_t call) const {
+  if (rank < 0 || rank >= static_cast<int>(arenas_.size()) || arenas_[rank] == nullptr) return "";
+  const auto* region = reinterpret_cast<const uint32_t*>(arenas_[rank] + layout_.refusal);
+  uint32_t before = 0, after = 0;
+  std::byte body[kRefusalBody];
+  if (cudaMemcpy(&before, region, sizeof(before), cudaMemcpyDeviceToHost) != cudaSuccess ||
+      before == 0 || before % 2 != 0 ||
+      cudaMemcpy(body, region + 1, sizeof(body), cudaMemcpyDeviceToHost) != cudaSuccess ||
+      cudaMemcpy(&after, region, sizeof(after), cudaMemcpyDeviceToHost) != cudaSuccess ||
+      after != before) {
+    return "";
+  }
+  return ParseRefusal(body, combine, call);
+}
+
 absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& out) {
   if (combine_epoch_ != dispatch_epoch_) {
-    return absl::FailedPreconditionError("dispatch called twice without a combine in between");
+    return Refuse(
+        absl::FailedPreconditionError("dispatch called twice without a combine in between"));
   }
   if (in.num_tokens < 0 || in.num_tokens > config_.max_tokens) {
-    return absl::InvalidArgumentError(absl::StrCat(in.num_tokens, " tokens exceed max_tokens ",
-                                                   config_.max_tokens,
-                                                   " of this rank's buffers"));
+    return Refuse(absl::InvalidArgumentError(absl::StrCat(
+        in.num_tokens, " tokens exceed max_tokens ", config_.max_tokens, " of this rank's buffers")));
   }
   if (in.plan == nullptr || in.host_plan == nullptr ||
       in.host_plan->num_experts != static_cast<uint32_t>(config_.num_experts) ||
@@ -1263,14 +1309,14 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
           static_cast<uint32_t>(config_.num_ranks * config_.slots_per_rank) ||
       in.layer < 0 || in.layer >= config_.num_layers ||
       static_cast<uint32_t>(in.layer) >= in.host_plan->num_layers) {
-    return absl::InvalidArgumentError("cuda backend: plan table does not fit this group");
+    return Refuse(absl::InvalidArgumentError("cuda backend: plan table does not fit this group"));
   }
   if (RankExcluded(in.host_plan, static_cast<uint32_t>(rank_))) {
     return absl::FailedPreconditionError(absl::StrCat(
         "rank ", rank_, " is excluded from the EP group by plan v", in.host_plan->version));
   }
   if (reinterpret_cast<uintptr_t>(in.x) % 16 != 0) {
-    return absl::InvalidArgumentError("cuda backend: x must be 16-byte aligned");
+    return Refuse(absl::InvalidArgumentError("cuda backend: x must be 16-byte aligned"));
   }
   Scratch& s = *scratch_;
   Params p = s.params;
@@ -1357,10 +1403,10 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
 
 absl::Status CudaEp::Combine(const void* y, void* out) {
   if (combine_epoch_ + 1 != dispatch_epoch_) {
-    return absl::FailedPreconditionError("combine without a dispatch before it");
+    return Refuse(absl::FailedPreconditionError("combine without a dispatch before it"));
   }
   if (reinterpret_cast<uintptr_t>(y) % 16 != 0 || reinterpret_cast<uintptr_t>(out) % 16 != 0) {
-    return absl::InvalidArgumentError("cuda backend: y and out must be 16-byte aligned");
+    return Refuse(absl::InvalidArgumentError("cuda backend: y and out must be 16-byte aligned"));
   }
   Scratch& s = *scratch_;
   Params p = s.params;

@@ -27,6 +27,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -110,11 +111,19 @@ class CudaEp {
   // After the stream: the error a wait (timeout or abort, see TimedOutStatus) or bad input
   // left, for phase `what` of call `call`.
   absl::Status CheckStatus(const char* what, uint32_t call);
+  // Returns `refused`, the error of a call this rank refuses before taking part, after
+  // recording it in its arena for the peers that wait for it in that call (RecordRefusal).
+  absl::Status Refuse(absl::Status refused);
+  // Why rank `rank` refused the call this rank is in, if it did (ReadRefusal), else "".
+  std::string PeerRefusal(int rank) const;
+  // What rank `rank`'s arena records of a refusal of that phase and call, else "".
+  std::string Refusal(int rank, bool combine, uint32_t call) const;
 
   EpConfig config_;
   ArenaLayout layout_;
   int rank_;
   std::byte* own_arena_ = nullptr;  // Device pointer to this rank's arena.
+  std::vector<std::byte*> arenas_;  // Device pointers to every rank's arena.
   uint32_t dispatch_epoch_ = 0;
   uint32_t combine_epoch_ = 0;
   uint32_t barrier_epoch_ = 0;  // bsp.

@@ -14,10 +14,6 @@ namespace ubep::kernels {
 namespace {
 
 constexpr size_t kLine = 64;  // Regions start on cache lines.
-
-// The refusal region: sequence, phase and call words, then the message and its NUL.
-constexpr size_t kRefusalText = 3 * sizeof(uint32_t);
-constexpr size_t kRefusalBytes = kRefusalText + kRefusalChars + 1;
 static_assert(kRefusalBytes % kLine == 0);
 
 size_t AlignUp(size_t n) { return (n + kLine - 1) / kLine * kLine; }
@@ -149,41 +145,58 @@ absl::Status TimedOutStatus(uint32_t code, int rank, int peer, absl::Duration ti
                       : absl::StrCat("rank ", dead_rank, " refused this call: ", refusal)));
 }
 
-namespace {
-
-// The refusal region's words and bytes, each read and written atomically (a seqlock: the
-// owner may rewrite it while a peer reads).
-std::atomic_ref<uint32_t> RefusalWord(const std::byte* arena, const ArenaLayout& layout,
-                                      int index) {
-  return std::atomic_ref<uint32_t>(*const_cast<uint32_t*>(
-      reinterpret_cast<const uint32_t*>(arena + layout.refusal) + index));
+void FormatRefusal(bool combine, uint32_t call, absl::string_view why,
+                   std::byte (&body)[kRefusalBody]) {
+  std::memset(body, 0, sizeof(body));
+  const uint32_t words[2] = {combine ? 1u : 0u, call};
+  std::memcpy(body, words, sizeof(words));
+  std::memcpy(body + sizeof(words), why.data(), std::min(why.size(), kRefusalChars));
 }
 
-std::atomic_ref<char> RefusalChar(const std::byte* arena, const ArenaLayout& layout, size_t i) {
-  return std::atomic_ref<char>(
-      *const_cast<char*>(reinterpret_cast<const char*>(arena + layout.refusal + kRefusalText) + i));
+std::string ParseRefusal(const std::byte (&body)[kRefusalBody], bool combine, uint32_t call) {
+  uint32_t words[2];
+  std::memcpy(words, body, sizeof(words));
+  if (words[0] != (combine ? 1u : 0u) || words[1] != call) return "";
+  const char* why = reinterpret_cast<const char*>(body + sizeof(words));
+  return std::string(why, strnlen(why, kRefusalChars));
+}
+
+namespace {
+
+// The refusal region's sequence word and body, read and written atomically (the owner may
+// rewrite it while a peer reads).
+std::atomic_ref<uint32_t> RefusalSeq(const std::byte* arena, const ArenaLayout& layout) {
+  return std::atomic_ref<uint32_t>(
+      *const_cast<uint32_t*>(reinterpret_cast<const uint32_t*>(arena + layout.refusal)));
+}
+
+std::atomic_ref<std::byte> RefusalByte(const std::byte* arena, const ArenaLayout& layout,
+                                       size_t i) {
+  return std::atomic_ref<std::byte>(
+      *const_cast<std::byte*>(arena + layout.refusal + sizeof(uint32_t) + i));
 }
 
 }  // namespace
 
 void RecordRefusal(std::byte* arena, const ArenaLayout& layout, bool combine, uint32_t call,
                    absl::string_view why) {
-  std::atomic_ref<uint32_t> seq = RefusalWord(arena, layout, 0);
-  const uint32_t before = seq.load(std::memory_order_relaxed);  // Even: only the owner writes.
-  seq.store(before + 1, std::memory_order_relaxed);
+  std::byte body[kRefusalBody];
+  FormatRefusal(combine, call, why, body);
+  std::atomic_ref<uint32_t> seq = RefusalSeq(arena, layout);
+  // Only the owner writes; odd from here (even if a process of this rank died writing).
+  const uint32_t odd = RefusalSeqWhileWriting(seq.load(std::memory_order_relaxed));
+  seq.store(odd, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);
-  RefusalWord(arena, layout, 1).store(combine ? 1 : 0, std::memory_order_relaxed);
-  RefusalWord(arena, layout, 2).store(call, std::memory_order_relaxed);
-  const size_t n = std::min(why.size(), kRefusalChars);
-  for (size_t i = 0; i < n; ++i) RefusalChar(arena, layout, i).store(why[i], std::memory_order_relaxed);
-  RefusalChar(arena, layout, n).store('\0', std::memory_order_relaxed);
-  seq.store(before + 2, std::memory_order_release);
+  for (size_t i = 0; i < kRefusalBody; ++i) {
+    RefusalByte(arena, layout, i).store(body[i], std::memory_order_relaxed);
+  }
+  seq.store(odd + 1, std::memory_order_release);
 }
 
 std::string ReadRefusal(const std::byte* arena, const ArenaLayout& layout, bool combine,
                         uint32_t call) {
-  std::atomic_ref<uint32_t> seq = RefusalWord(arena, layout, 0);
-  // The owner rewrites it only when it refuses again, between calls: a few tries see it still.
+  std::atomic_ref<uint32_t> seq = RefusalSeq(arena, layout);
+  // The owner rewrites it only when it refuses again: a few tries see it still.
   for (int attempt = 0; attempt < 16; ++attempt) {
     const uint32_t before = seq.load(std::memory_order_acquire);
     if (before == 0) return "";
@@ -191,17 +204,12 @@ std::string ReadRefusal(const std::byte* arena, const ArenaLayout& layout, bool 
       std::this_thread::yield();
       continue;
     }
-    const bool matches =
-        RefusalWord(arena, layout, 1).load(std::memory_order_relaxed) == (combine ? 1u : 0u) &&
-        RefusalWord(arena, layout, 2).load(std::memory_order_relaxed) == call;
-    std::string why;
-    for (size_t i = 0; matches && i < kRefusalChars; ++i) {
-      const char c = RefusalChar(arena, layout, i).load(std::memory_order_relaxed);
-      if (c == '\0') break;
-      why.push_back(c);
+    std::byte body[kRefusalBody];
+    for (size_t i = 0; i < kRefusalBody; ++i) {
+      body[i] = RefusalByte(arena, layout, i).load(std::memory_order_relaxed);
     }
     std::atomic_thread_fence(std::memory_order_acquire);
-    if (seq.load(std::memory_order_relaxed) == before) return why;
+    if (seq.load(std::memory_order_relaxed) == before) return ParseRefusal(body, combine, call);
   }
   return "";
 }

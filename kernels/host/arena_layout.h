@@ -165,15 +165,28 @@ struct ArenaLayout {
 // calls again with good input. So that they then say why, the rank records the refusal in its
 // own arena: the phase its peers wait for it in (`combine`: its partials of call `call`, after
 // a dispatch it has not combined; else its dispatch of call `call`) and the error's message
-// (the first kRefusalChars bytes). The owner writes, any rank reads.
-inline constexpr size_t kRefusalChars = 243;
+// (the first kRefusalChars bytes). The owner writes, any rank reads: a sequence word, odd
+// while the owner writes the body after it (a seqlock).
+inline constexpr size_t kRefusalBytes = 256;  // The region: sequence word, then the body.
+inline constexpr size_t kRefusalBody = kRefusalBytes - sizeof(uint32_t);
+inline constexpr size_t kRefusalChars = kRefusalBody - 2 * sizeof(uint32_t) - 1;
 void RecordRefusal(std::byte* arena, const ArenaLayout& layout, bool combine, uint32_t call,
                    absl::string_view why);
+
+// The sequence word while its owner rewrites the body, given the word before: odd, and past
+// it; the body done, it becomes one more.
+constexpr uint32_t RefusalSeqWhileWriting(uint32_t before) { return (before + 1) | 1u; }
 
 // What RecordRefusal recorded in `arena` for the phase and call, or "" if its last refusal was
 // of another one (or none, or it is being rewritten).
 std::string ReadRefusal(const std::byte* arena, const ArenaLayout& layout, bool combine,
                         uint32_t call);
+
+// The body of a refusal record, for a backend that copies it whole (device memory):
+// FormatRefusal writes one, ParseRefusal reads one back for the phase and call, or "".
+void FormatRefusal(bool combine, uint32_t call, absl::string_view why,
+                   std::byte (&body)[kRefusalBody]);
+std::string ParseRefusal(const std::byte (&body)[kRefusalBody], bool combine, uint32_t call);
 
 // A rank that left the group after completing a call owes that call nothing more. At the
 // end of each successful dispatch (combine) a rank stores the call's epoch into its own

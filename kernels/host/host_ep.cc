@@ -498,9 +498,13 @@ absl::Status HostEp::GiveUp(int peer, const char* what, uint32_t epoch) const {
 absl::Status HostEp::Refuse(absl::Status refused) const {
   // Peers wait for this rank's partials of the call it dispatched and has not combined, else
   // for its dispatch of the next call.
+  // The first refusal of a call is kept: the Combine a caller may still try after a refused
+  // Dispatch is refused too, for want of that dispatch.
   const bool combine = combine_epoch_ != dispatch_epoch_;
-  RecordRefusal(arenas_[rank_], layout_, combine, combine ? dispatch_epoch_ : dispatch_epoch_ + 1,
-                refused.message());
+  const uint32_t call = combine ? dispatch_epoch_ : dispatch_epoch_ + 1;
+  if (ReadRefusal(arenas_[rank_], layout_, combine, call).empty()) {
+    RecordRefusal(arenas_[rank_], layout_, combine, call, refused.message());
+  }
   return refused;
 }
 

@@ -491,6 +491,29 @@ TEST_P(CudaEpTest, AMissingPeerTimesOutWithItsName) {
   }
 }
 
+// Rank 1 gives more tokens than its buffers hold: refused before it takes part (then its
+// Combine, for want of the dispatch), and the others, timing out, say why it did not come.
+TEST_P(CudaEpTest, PeersOfARankThatRefusedItsInputSayWhy) {
+  EpConfig c = GpuConfig(std::get<0>(GetParam()), std::get<1>(GetParam()));
+  c.timeout = absl::Milliseconds(500);
+  const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < c.num_ranks; ++r) {
+    inputs.push_back(MakeInput(c, r, r == 1 ? c.max_tokens + 1 : 8, 4));
+  }
+  const RunOutcome outcome = RunGroup(c, plan, inputs, nullptr);
+  const std::string why = absl::StrCat(c.max_tokens + 1, " tokens exceed max_tokens ",
+                                       c.max_tokens, " of this rank's buffers");
+  EXPECT_EQ(outcome.errors[1], why + "; combine: combine without a dispatch before it");
+  for (int r = 0; r < c.num_ranks; ++r) {
+    if (r == 1) continue;
+    EXPECT_EQ(outcome.errors[r],
+              absl::StrCat("rank ", r, ": timed out after 500ms waiting for rank 1 (",
+                           c.protocol == Protocol::kBsp ? "dispatch, bsp" : "dispatch counts",
+                           ", call 1); rank 1 refused this call: ", why));
+  }
+}
+
 // Rank 3 of four is excluded (TestPlan::Excluding): the others match the host backend and
 // neither wait for rank 3 nor write into its arena.
 TEST_P(CudaEpTest, ARankThePlanExcludesIsNeitherWaitedForNorWritten) {
