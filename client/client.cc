@@ -610,8 +610,10 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
     const kernels::PlanTableHeader* table =
         kernels::SelectPlan(s.own() + s.layout.plan, s.step, &version);
     if (table == nullptr) {
-      return Record(s, absl::FailedPreconditionError(absl::StrCat(
-                           "rank ", s.rank, ": no committed plan is in force at step ", s.step)));
+      // Refused before the rank takes part, as the host backend does it: its peers, waiting
+      // for it in this call, say why when they time out.
+      return Record(s, s.cuda_ep->Refuse(absl::FailedPreconditionError(absl::StrCat(
+                           "rank ", s.rank, ": no committed plan is in force at step ", s.step))));
     }
     if (version != s.device_plan_version) {
       const size_t bytes = kernels::PlanTableBytes(table);

@@ -1250,28 +1250,38 @@ absl::Status CudaEp::CheckStatus(const char* what, uint32_t call) {
   return absl::OkStatus();
 }
 
-absl::Status CudaEp::Refuse(absl::Status refused) {
+absl::Status CudaEp::Refuse(absl::Status refused, bool keep_earlier) {
   // Peers wait for this rank's partials of the call it dispatched and has not combined, else
   // for its dispatch of the next call.
-  // The first refusal of a call is kept: the Combine a caller may still try after a refused
-  // Dispatch is refused too, for want of that dispatch.
   const bool combine = combine_epoch_ != dispatch_epoch_;
   const uint32_t call = combine ? dispatch_epoch_ : dispatch_epoch_ + 1;
-  if (!Refusal(rank_, combine, call).empty()) return refused;
+  if (keep_earlier && !Refusal(rank_, combine, call).empty()) return refused;
   std::byte body[kRefusalBody];
   FormatRefusal(combine, call, refused.message(), body);
+  WriteRefusal(body);
+  refusal_recorded_ = true;
+  return refused;
+}
+
+void CudaEp::TakePart() {
+  if (!refusal_recorded_) return;
+  std::byte body[kRefusalBody];
+  FormatWithdrawnRefusal(body);
+  WriteRefusal(body);
+  refusal_recorded_ = false;
+}
+
+void CudaEp::WriteRefusal(const std::byte (&body)[kRefusalBody]) {
   // Synchronous copies, each done before the next begins: the sequence word odd, the body,
-  // the word even. A copy that fails leaves the record as it was or odd (read as none).
+  // the word even. A copy that fails leaves the record as it was, or odd (read as none).
   auto* seq = reinterpret_cast<uint32_t*>(own_arena_ + layout_.refusal);
   uint32_t before = 0;
-  if (cudaMemcpy(&before, seq, sizeof(before), cudaMemcpyDeviceToHost) == cudaSuccess) {
-    const uint32_t odd = RefusalSeqWhileWriting(before), even = odd + 1;
-    if (cudaMemcpy(seq, &odd, sizeof(odd), cudaMemcpyHostToDevice) == cudaSuccess &&
-        cudaMemcpy(seq + 1, body, sizeof(body), cudaMemcpyHostToDevice) == cudaSuccess) {
-      cudaMemcpy(seq, &even, sizeof(even), cudaMemcpyHostToDevice);
-    }
+  if (cudaMemcpy(&before, seq, sizeof(before), cudaMemcpyDeviceToHost) != cudaSuccess) return;
+  const uint32_t odd = RefusalSeqWhileWriting(before), even = odd + 1;
+  if (cudaMemcpy(seq, &odd, sizeof(odd), cudaMemcpyHostToDevice) == cudaSuccess &&
+      cudaMemcpy(seq + 1, body, sizeof(body), cudaMemcpyHostToDevice) == cudaSuccess) {
+    cudaMemcpy(seq, &even, sizeof(even), cudaMemcpyHostToDevice);
   }
-  return refused;
 }
 
 std::string CudaEp::PeerRefusal(int rank) const {
@@ -1318,6 +1328,7 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
   if (reinterpret_cast<uintptr_t>(in.x) % 16 != 0) {
     return Refuse(absl::InvalidArgumentError("cuda backend: x must be 16-byte aligned"));
   }
+  TakePart();
   Scratch& s = *scratch_;
   Params p = s.params;
   p.num_tokens = in.num_tokens;
@@ -1403,11 +1414,13 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
 
 absl::Status CudaEp::Combine(const void* y, void* out) {
   if (combine_epoch_ + 1 != dispatch_epoch_) {
-    return Refuse(absl::FailedPreconditionError("combine without a dispatch before it"));
+    return Refuse(absl::FailedPreconditionError("combine without a dispatch before it"),
+                  /*keep_earlier=*/true);
   }
   if (reinterpret_cast<uintptr_t>(y) % 16 != 0 || reinterpret_cast<uintptr_t>(out) % 16 != 0) {
     return Refuse(absl::InvalidArgumentError("cuda backend: y and out must be 16-byte aligned"));
   }
+  TakePart();
   Scratch& s = *scratch_;
   Params p = s.params;
   p.epoch = ++combine_epoch_;

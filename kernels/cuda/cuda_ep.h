@@ -102,6 +102,13 @@ class CudaEp {
   // each dispatch (the counts still go out at once), so that a test can make one source's rows
   // arrive last; Combine's blocks wait this long before their first partial (with `source`,
   // before that source's partials only).
+  // Returns `refused`, the error of a call this rank refuses before taking part (here, or
+  // in its caller: libubep when no plan is in force), after recording it in its arena for
+  // the peers that wait for it in that call (RecordRefusal), in place of an earlier refusal
+  // of the call unless `keep_earlier` (a Combine refused for want of the Dispatch that was
+  // refused: the Dispatch's reason is the one that matters).
+  absl::Status Refuse(absl::Status refused, bool keep_earlier = false);
+
   void set_row_delay_for_testing(absl::Duration delay);
   void set_partial_delay_for_testing(absl::Duration delay, int source = -1);
 
@@ -111,9 +118,10 @@ class CudaEp {
   // After the stream: the error a wait (timeout or abort, see TimedOutStatus) or bad input
   // left, for phase `what` of call `call`.
   absl::Status CheckStatus(const char* what, uint32_t call);
-  // Returns `refused`, the error of a call this rank refuses before taking part, after
-  // recording it in its arena for the peers that wait for it in that call (RecordRefusal).
-  absl::Status Refuse(absl::Status refused);
+  // Writes a refusal record's body into this rank's arena (sequence word odd, body, even).
+  void WriteRefusal(const std::byte (&body)[kRefusalBody]);
+  // This rank takes part in a call: a refusal it recorded no longer explains a wait for it.
+  void TakePart();
   // Why rank `rank` refused the call this rank is in, if it did (ReadRefusal), else "".
   std::string PeerRefusal(int rank) const;
   // What rank `rank`'s arena records of a refusal of that phase and call, else "".
@@ -127,6 +135,9 @@ class CudaEp {
   uint32_t dispatch_epoch_ = 0;
   uint32_t combine_epoch_ = 0;
   uint32_t barrier_epoch_ = 0;  // bsp.
+  // A refusal record of this rank's may be in its arena (one of this process's, or of one
+  // before it that ran this rank): the next call it takes part in withdraws it.
+  bool refusal_recorded_ = true;
   int last_tokens_ = 0;
   std::unique_ptr<Scratch> scratch_;
 };

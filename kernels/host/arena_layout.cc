@@ -153,6 +153,13 @@ void FormatRefusal(bool combine, uint32_t call, absl::string_view why,
   std::memcpy(body + sizeof(words), why.data(), std::min(why.size(), kRefusalChars));
 }
 
+void FormatWithdrawnRefusal(std::byte (&body)[kRefusalBody]) {
+  // Phase words are 0 (dispatch) or 1 (combine): 2 matches neither.
+  FormatRefusal(false, 0, "", body);
+  const uint32_t withdrawn = 2;
+  std::memcpy(body, &withdrawn, sizeof(withdrawn));
+}
+
 std::string ParseRefusal(const std::byte (&body)[kRefusalBody], bool combine, uint32_t call) {
   uint32_t words[2];
   std::memcpy(words, body, sizeof(words));
@@ -176,12 +183,9 @@ std::atomic_ref<std::byte> RefusalByte(const std::byte* arena, const ArenaLayout
       *const_cast<std::byte*>(arena + layout.refusal + sizeof(uint32_t) + i));
 }
 
-}  // namespace
-
-void RecordRefusal(std::byte* arena, const ArenaLayout& layout, bool combine, uint32_t call,
-                   absl::string_view why) {
-  std::byte body[kRefusalBody];
-  FormatRefusal(combine, call, why, body);
+// The owner's side of the seqlock.
+void WriteRefusal(std::byte* arena, const ArenaLayout& layout,
+                  const std::byte (&body)[kRefusalBody]) {
   std::atomic_ref<uint32_t> seq = RefusalSeq(arena, layout);
   // Only the owner writes; odd from here (even if a process of this rank died writing).
   const uint32_t odd = RefusalSeqWhileWriting(seq.load(std::memory_order_relaxed));
@@ -193,10 +197,26 @@ void RecordRefusal(std::byte* arena, const ArenaLayout& layout, bool combine, ui
   seq.store(odd + 1, std::memory_order_release);
 }
 
+}  // namespace
+
+void RecordRefusal(std::byte* arena, const ArenaLayout& layout, bool combine, uint32_t call,
+                   absl::string_view why) {
+  std::byte body[kRefusalBody];
+  FormatRefusal(combine, call, why, body);
+  WriteRefusal(arena, layout, body);
+}
+
+void WithdrawRefusal(std::byte* arena, const ArenaLayout& layout) {
+  std::byte body[kRefusalBody];
+  FormatWithdrawnRefusal(body);
+  WriteRefusal(arena, layout, body);
+}
+
 std::string ReadRefusal(const std::byte* arena, const ArenaLayout& layout, bool combine,
                         uint32_t call) {
   std::atomic_ref<uint32_t> seq = RefusalSeq(arena, layout);
-  // The owner rewrites it only when it refuses again: a few tries see it still.
+  // The owner rewrites it only when it refuses a call, or takes part after refusing: a few
+  // tries see it still.
   for (int attempt = 0; attempt < 16; ++attempt) {
     const uint32_t before = seq.load(std::memory_order_acquire);
     if (before == 0) return "";

@@ -177,15 +177,22 @@ void RecordRefusal(std::byte* arena, const ArenaLayout& layout, bool combine, ui
 // it; the body done, it becomes one more.
 constexpr uint32_t RefusalSeqWhileWriting(uint32_t before) { return (before + 1) | 1u; }
 
+// Overwrites the record with one that matches no phase and call: its rank takes part in a
+// call after it refused one (its caller called again), so the refusal no longer explains a
+// wait for it.
+void WithdrawRefusal(std::byte* arena, const ArenaLayout& layout);
+
 // What RecordRefusal recorded in `arena` for the phase and call, or "" if its last refusal was
-// of another one (or none, or it is being rewritten).
+// of another one (or none, or withdrawn, or it is being rewritten).
 std::string ReadRefusal(const std::byte* arena, const ArenaLayout& layout, bool combine,
                         uint32_t call);
 
 // The body of a refusal record, for a backend that copies it whole (device memory):
-// FormatRefusal writes one, ParseRefusal reads one back for the phase and call, or "".
+// FormatRefusal writes one (FormatWithdrawnRefusal one that matches nothing), ParseRefusal
+// reads one back for the phase and call, or "".
 void FormatRefusal(bool combine, uint32_t call, absl::string_view why,
                    std::byte (&body)[kRefusalBody]);
+void FormatWithdrawnRefusal(std::byte (&body)[kRefusalBody]);
 std::string ParseRefusal(const std::byte (&body)[kRefusalBody], bool combine, uint32_t call);
 
 // A rank that left the group after completing a call owes that call nothing more. At the

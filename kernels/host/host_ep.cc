@@ -495,17 +495,22 @@ absl::Status HostEp::GiveUp(int peer, const char* what, uint32_t epoch) const {
   return TimedOutStatus(code, rank_, peer, config_.timeout, what, epoch, refusal);
 }
 
-absl::Status HostEp::Refuse(absl::Status refused) const {
+absl::Status HostEp::Refuse(absl::Status refused, bool keep_earlier) {
   // Peers wait for this rank's partials of the call it dispatched and has not combined, else
   // for its dispatch of the next call.
-  // The first refusal of a call is kept: the Combine a caller may still try after a refused
-  // Dispatch is refused too, for want of that dispatch.
   const bool combine = combine_epoch_ != dispatch_epoch_;
   const uint32_t call = combine ? dispatch_epoch_ : dispatch_epoch_ + 1;
-  if (ReadRefusal(arenas_[rank_], layout_, combine, call).empty()) {
+  if (!keep_earlier || ReadRefusal(arenas_[rank_], layout_, combine, call).empty()) {
     RecordRefusal(arenas_[rank_], layout_, combine, call, refused.message());
+    refusal_recorded_ = true;
   }
   return refused;
+}
+
+void HostEp::TakePart() {
+  if (!refusal_recorded_) return;
+  WithdrawRefusal(arenas_[rank_], layout_);
+  refusal_recorded_ = false;
 }
 
 absl::Status HostEp::TakeAsTheyArrive(uint32_t epoch, std::span<const int> sources,
@@ -566,6 +571,7 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
     return absl::FailedPreconditionError(absl::StrCat(
         "rank ", rank_, " is excluded from the EP group by plan v", in.plan->version));
   }
+  TakePart();
   const absl::Time deadline = absl::Now() + config_.timeout;
   const uint32_t epoch = ++dispatch_epoch_;
   spared_ = 0;
@@ -789,7 +795,8 @@ HostEp::Take HostEp::PlaceArrived(int s, uint32_t tag, DispatchOutput& out) {
 
 absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr, void* out_ptr) {
   if (combine_epoch_ + 1 != dispatch_epoch_) {
-    return Refuse(absl::FailedPreconditionError("combine without a dispatch before it"));
+    return Refuse(absl::FailedPreconditionError("combine without a dispatch before it"),
+                  /*keep_earlier=*/true);
   }
   const int R = config_.num_ranks, H = config_.hidden;
   const DispatchOutput::Handle& handle = dispatched.handle;
@@ -802,6 +809,7 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
         absl::InvalidArgumentError("combine: the dispatch output is not from this group"));
   }
   active_ = handle.active;
+  TakePart();
   const absl::Time deadline = absl::Now() + config_.timeout;
   const uint32_t epoch = ++combine_epoch_;
   spared_ = 0;

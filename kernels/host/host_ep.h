@@ -125,8 +125,12 @@ class HostEp {
 
   absl::Status Validate(const DispatchInput& input) const;
   // Returns `refused`, the error of a call this rank refuses before taking part, after
-  // recording it in its arena for the peers that wait for it in that call (RecordRefusal).
-  absl::Status Refuse(absl::Status refused) const;
+  // recording it in its arena for the peers that wait for it in that call (RecordRefusal),
+  // in place of an earlier refusal of the call unless `keep_earlier` (a Combine refused for
+  // want of the Dispatch that was refused: the Dispatch's reason is the one that matters).
+  absl::Status Refuse(absl::Status refused, bool keep_earlier = false);
+  // This rank takes part in a call: a refusal it recorded no longer explains a wait for it.
+  void TakePart();
   // One row store (send_split.h): token `token`'s row as record `record` of destination `dest`.
   struct Unit {
     int32_t dest, record, token;
@@ -206,6 +210,9 @@ class HostEp {
   uint32_t dispatch_epoch_ = 0;
   uint32_t combine_epoch_ = 0;
   uint32_t barrier_epoch_ = 0;
+  // A refusal record of this rank's may be in its arena (one of this process's, or of one
+  // before it that ran this rank): the next call it takes part in withdraws it.
+  bool refusal_recorded_ = true;
   uint32_t spared_ = 0;  // The abort code the call in flight may wait past (WaitSparing), or 0.
   // Written by the counting role, read by the senders once a batch is handed over.
   std::vector<Unit> units_;           // Token-major; max_tokens x min(top_k, ranks).

@@ -691,6 +691,63 @@ TEST(HostEpErrorTest, ARankThatRefusedAndCalledAgainServesTheStep) {
   }
 }
 
+// Rank 2 refuses call 1 twice, for different reasons, and stops: the others give the later
+// reason.
+TEST(HostEpErrorTest, ALaterRefusalOfACallReplacesTheEarlierOne) {
+  const EpConfig config = ShortTimeoutConfig();
+  Group group(config);
+  const TestPlan plan = RoundRobinPlan(config);
+  const std::vector<absl::Status> status = DispatchOnce(group, plan, [&](int r) {
+    if (r != 2) return true;
+    RankInput in = MakeInput(config, r, 8, 3);
+    DispatchOutput out;
+    EXPECT_FALSE(group.ep(r)
+                     .Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8,
+                                config.hidden + 8, 0, plan.header()},
+                               out)
+                     .ok());
+    in.topk_idx[3 * config.top_k + 1] = 99;
+    EXPECT_FALSE(group.ep(r)
+                     .Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8,
+                                config.hidden, 0, plan.header()},
+                               out)
+                     .ok());
+    return false;
+  });
+  for (int r : {0, 1, 3}) {
+    EXPECT_EQ(status[r], absl::DeadlineExceededError(absl::StrCat(
+                             "rank ", r,
+                             ": timed out after 300ms waiting for rank 2 (dispatch counts, call "
+                             "1); rank 2 refused this call: topk_idx[3][1] = 99 is outside "
+                             "[-1, 16)")));
+  }
+}
+
+// Rank 2 refuses call 1, is called again with good input and takes part, but its rows come
+// late: the refusal no longer explains the wait, and the others ask whether it is alive.
+TEST(HostEpErrorTest, ARankThatTookPartAfterRefusingIsNotSaidToHaveRefused) {
+  const EpConfig config = ShortTimeoutConfig();
+  Group group(config);
+  const TestPlan plan = RoundRobinPlan(config);
+  group.ep(2).set_row_delay_for_testing(absl::Seconds(1));
+  std::vector<absl::Status> status(config.num_ranks);
+  group.RunAll([&](int r) {
+    RankInput in = MakeInput(config, r, 8, 3);
+    DispatchOutput out;
+    if (r == 2) {
+      EXPECT_FALSE(group.ep(r)
+                       .Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8,
+                                  config.hidden + 8, 0, plan.header()},
+                                 out)
+                       .ok());
+    }
+    status[r] = group.ep(r).Dispatch(
+        {in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8, config.hidden, 0, plan.header()},
+        out);
+  });
+  for (int r : {0, 1, 3}) EXPECT_EQ(status[r], GaveUpOnRank2(r, "dispatch data"));
+}
+
 // Rank 2's counts arrive and its rows do not (they go out a second after them, past the
 // timeout): the others name rank 2 in the phase where they gave up, the rows.
 TEST(HostEpErrorTest, RowsThatNeverArriveAreNamedAfterTheCounts) {
@@ -1161,8 +1218,8 @@ TEST(AbortCodeTest, EachCodeIsReadAsItself) {
   EXPECT_EQ(DaemonAbortStatus(kAbortTimedOutBase + 3, 1, "dispatch data", 7), absl::OkStatus());
 }
 
-// A refusal is read back for its own phase and call only, cut to kRefusalChars, gone after a
-// reset of the group.
+// A refusal is read back for its own phase and call only, cut to kRefusalChars, gone once
+// withdrawn or after a reset of the group.
 TEST(AbortCodeTest, ARefusalIsReadForItsPhaseAndCallOnly) {
   const EpConfig config = SmallConfig(Protocol::kUbep);
   const ArenaLayout layout(config);
@@ -1176,6 +1233,8 @@ TEST(AbortCodeTest, ARefusalIsReadForItsPhaseAndCallOnly) {
   RecordRefusal(arena.data(), layout, /*combine=*/true, 8, long_why);
   EXPECT_EQ(ReadRefusal(arena.data(), layout, true, 8), long_why.substr(0, kRefusalChars));
   EXPECT_EQ(ReadRefusal(arena.data(), layout, false, 7), "");
+  WithdrawRefusal(arena.data(), layout);
+  EXPECT_EQ(ReadRefusal(arena.data(), layout, true, 8), "");
   RecordRefusal(arena.data(), layout, /*combine=*/false, 9, "short");
   EXPECT_EQ(ReadRefusal(arena.data(), layout, false, 9), "short");
   ResetSignals(arena.data(), layout);
