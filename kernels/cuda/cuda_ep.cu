@@ -1223,7 +1223,8 @@ absl::Status CudaEp::CheckStatus(const char* what, uint32_t call) {
     }
     const int peer = static_cast<int>(status[kStatusWaitEnded]) - 1;
     return TimedOutStatus(code, rank_, peer, config_.timeout, what, call,
-                          PeerRefusal(RankGivenUpOn(code, peer)));
+                          Refusal(RankGivenUpOn(code, peer),
+                                  PhaseInFlight(dispatch_epoch_, combine_epoch_)));
   }
   if (status[kStatusRowsOver] != 0) {
     return absl::InternalError(absl::StrCat(
@@ -1251,13 +1252,10 @@ absl::Status CudaEp::CheckStatus(const char* what, uint32_t call) {
 }
 
 absl::Status CudaEp::Refuse(absl::Status refused, bool keep_earlier) {
-  // Peers wait for this rank's partials of the call it dispatched and has not combined, else
-  // for its dispatch of the next call.
-  const bool combine = combine_epoch_ != dispatch_epoch_;
-  const uint32_t call = combine ? dispatch_epoch_ : dispatch_epoch_ + 1;
-  if (keep_earlier && !Refusal(rank_, combine, call).empty()) return refused;
+  const CallPhase phase = AwaitedPhase(dispatch_epoch_, combine_epoch_);
+  if (keep_earlier && !Refusal(rank_, phase).empty()) return refused;
   std::byte body[kRefusalBody];
-  FormatRefusal(combine, call, refused.message(), body);
+  FormatRefusal(phase, refused.message(), body);
   WriteRefusal(body);
   refusal_recorded_ = true;
   return refused;
@@ -1284,12 +1282,7 @@ void CudaEp::WriteRefusal(const std::byte (&body)[kRefusalBody]) {
   }
 }
 
-std::string CudaEp::PeerRefusal(int rank) const {
-  // Within a dispatch its epoch is one past the last combine's; within a combine they are equal.
-  return Refusal(rank, combine_epoch_ == dispatch_epoch_, dispatch_epoch_);
-}
-
-std::string CudaEp::Refusal(int rank, bool combine, uint32_t call) const {
+std::string CudaEp::Refusal(int rank, CallPhase phase) const {
   if (rank < 0 || rank >= static_cast<int>(arenas_.size()) || arenas_[rank] == nullptr) return "";
   const auto* region = reinterpret_cast<const uint32_t*>(arenas_[rank] + layout_.refusal);
   uint32_t before = 0, after = 0;
@@ -1301,7 +1294,7 @@ std::string CudaEp::Refusal(int rank, bool combine, uint32_t call) const {
       after != before) {
     return "";
   }
-  return ParseRefusal(body, combine, call);
+  return ParseRefusal(body, phase);
 }
 
 absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& out) {

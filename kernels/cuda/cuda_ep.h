@@ -98,10 +98,6 @@ class CudaEp {
   // keep its blocks resident).
   bool counts_while_sending() const;
 
-  // Tests only, as HostEp's: the sender blocks wait this long before their first row store of
-  // each dispatch (the counts still go out at once), so that a test can make one source's rows
-  // arrive last; Combine's blocks wait this long before their first partial (with `source`,
-  // before that source's partials only).
   // Returns `refused`, the error of a call this rank refuses before taking part (here, or
   // in its caller: libubep when no plan is in force), after recording it in its arena for
   // the peers that wait for it in that call (RecordRefusal), in place of an earlier refusal
@@ -109,6 +105,10 @@ class CudaEp {
   // refused: the Dispatch's reason is the one that matters).
   absl::Status Refuse(absl::Status refused, bool keep_earlier = false);
 
+  // Tests only, as HostEp's: the sender blocks wait this long before their first row store of
+  // each dispatch (the counts still go out at once), so that a test can make one source's rows
+  // arrive last; Combine's blocks wait this long before their first partial (with `source`,
+  // before that source's partials only).
   void set_row_delay_for_testing(absl::Duration delay);
   void set_partial_delay_for_testing(absl::Duration delay, int source = -1);
 
@@ -122,10 +122,8 @@ class CudaEp {
   void WriteRefusal(const std::byte (&body)[kRefusalBody]);
   // This rank takes part in a call: a refusal it recorded no longer explains a wait for it.
   void TakePart();
-  // Why rank `rank` refused the call this rank is in, if it did (ReadRefusal), else "".
-  std::string PeerRefusal(int rank) const;
-  // What rank `rank`'s arena records of a refusal of that phase and call, else "".
-  std::string Refusal(int rank, bool combine, uint32_t call) const;
+  // Why rank `rank` refused `phase`, if its arena records that it did (ReadRefusal), else "".
+  std::string Refusal(int rank, CallPhase phase) const;
 
   EpConfig config_;
   ArenaLayout layout_;

@@ -145,25 +145,24 @@ absl::Status TimedOutStatus(uint32_t code, int rank, int peer, absl::Duration ti
                       : absl::StrCat("rank ", dead_rank, " refused this call: ", refusal)));
 }
 
-void FormatRefusal(bool combine, uint32_t call, absl::string_view why,
-                   std::byte (&body)[kRefusalBody]) {
+void FormatRefusal(CallPhase phase, absl::string_view why, std::byte (&body)[kRefusalBody]) {
   std::memset(body, 0, sizeof(body));
-  const uint32_t words[2] = {combine ? 1u : 0u, call};
+  const uint32_t words[2] = {phase.combine ? 1u : 0u, phase.call};
   std::memcpy(body, words, sizeof(words));
   std::memcpy(body + sizeof(words), why.data(), std::min(why.size(), kRefusalChars));
 }
 
 void FormatWithdrawnRefusal(std::byte (&body)[kRefusalBody]) {
   // Phase words are 0 (dispatch) or 1 (combine): 2 matches neither.
-  FormatRefusal(false, 0, "", body);
+  FormatRefusal({false, 0}, "", body);
   const uint32_t withdrawn = 2;
   std::memcpy(body, &withdrawn, sizeof(withdrawn));
 }
 
-std::string ParseRefusal(const std::byte (&body)[kRefusalBody], bool combine, uint32_t call) {
+std::string ParseRefusal(const std::byte (&body)[kRefusalBody], CallPhase phase) {
   uint32_t words[2];
   std::memcpy(words, body, sizeof(words));
-  if (words[0] != (combine ? 1u : 0u) || words[1] != call) return "";
+  if (words[0] != (phase.combine ? 1u : 0u) || words[1] != phase.call) return "";
   const char* why = reinterpret_cast<const char*>(body + sizeof(words));
   return std::string(why, strnlen(why, kRefusalChars));
 }
@@ -199,10 +198,10 @@ void WriteRefusal(std::byte* arena, const ArenaLayout& layout,
 
 }  // namespace
 
-void RecordRefusal(std::byte* arena, const ArenaLayout& layout, bool combine, uint32_t call,
+void RecordRefusal(std::byte* arena, const ArenaLayout& layout, CallPhase phase,
                    absl::string_view why) {
   std::byte body[kRefusalBody];
-  FormatRefusal(combine, call, why, body);
+  FormatRefusal(phase, why, body);
   WriteRefusal(arena, layout, body);
 }
 
@@ -212,8 +211,7 @@ void WithdrawRefusal(std::byte* arena, const ArenaLayout& layout) {
   WriteRefusal(arena, layout, body);
 }
 
-std::string ReadRefusal(const std::byte* arena, const ArenaLayout& layout, bool combine,
-                        uint32_t call) {
+std::string ReadRefusal(const std::byte* arena, const ArenaLayout& layout, CallPhase phase) {
   std::atomic_ref<uint32_t> seq = RefusalSeq(arena, layout);
   // The owner rewrites it only when it refuses a call, or takes part after refusing: a few
   // tries see it still.
@@ -229,7 +227,7 @@ std::string ReadRefusal(const std::byte* arena, const ArenaLayout& layout, bool 
       body[i] = RefusalByte(arena, layout, i).load(std::memory_order_relaxed);
     }
     std::atomic_thread_fence(std::memory_order_acquire);
-    if (seq.load(std::memory_order_relaxed) == before) return ParseRefusal(body, combine, call);
+    if (seq.load(std::memory_order_relaxed) == before) return ParseRefusal(body, phase);
   }
   return "";
 }

@@ -163,14 +163,35 @@ struct ArenaLayout {
 // A rank that refuses a call before taking part (bad input: a clear error before any byte
 // moves) leaves its peers waiting for it in that call until their timeout, in case its caller
 // calls again with good input. So that they then say why, the rank records the refusal in its
-// own arena: the phase its peers wait for it in (`combine`: its partials of call `call`, after
-// a dispatch it has not combined; else its dispatch of call `call`) and the error's message
+// own arena: the phase its peers wait for it in (AwaitedPhase) and the error's message
 // (the first kRefusalChars bytes). The owner writes, any rank reads: a sequence word, odd
 // while the owner writes the body after it (a seqlock).
 inline constexpr size_t kRefusalBytes = 256;  // The region: sequence word, then the body.
 inline constexpr size_t kRefusalBody = kRefusalBytes - sizeof(uint32_t);
 inline constexpr size_t kRefusalChars = kRefusalBody - 2 * sizeof(uint32_t) - 1;
-void RecordRefusal(std::byte* arena, const ArenaLayout& layout, bool combine, uint32_t call,
+
+// A phase (dispatch or combine) of a call, as a refusal record names it.
+struct CallPhase {
+  bool combine;
+  uint32_t call;
+  bool operator==(const CallPhase&) const = default;
+};
+
+// What a rank's peers wait for it in while it is between calls, given its last dispatch and
+// combine epochs: its partials of the call it dispatched and has not combined, else its
+// dispatch of the next call. The phase a refusal of its next call names.
+constexpr CallPhase AwaitedPhase(uint32_t dispatch_epoch, uint32_t combine_epoch) {
+  return combine_epoch != dispatch_epoch ? CallPhase{true, dispatch_epoch}
+                                         : CallPhase{false, dispatch_epoch + 1};
+}
+
+// The phase a rank is in while it waits inside a call, its epoch already advanced: within a
+// dispatch its epoch is one past the last combine's, within a combine they are equal.
+constexpr CallPhase PhaseInFlight(uint32_t dispatch_epoch, uint32_t combine_epoch) {
+  return {combine_epoch == dispatch_epoch, dispatch_epoch};
+}
+
+void RecordRefusal(std::byte* arena, const ArenaLayout& layout, CallPhase phase,
                    absl::string_view why);
 
 // The sequence word while its owner rewrites the body, given the word before: odd, and past
@@ -184,16 +205,14 @@ void WithdrawRefusal(std::byte* arena, const ArenaLayout& layout);
 
 // What RecordRefusal recorded in `arena` for the phase and call, or "" if its last refusal was
 // of another one (or none, or withdrawn, or it is being rewritten).
-std::string ReadRefusal(const std::byte* arena, const ArenaLayout& layout, bool combine,
-                        uint32_t call);
+std::string ReadRefusal(const std::byte* arena, const ArenaLayout& layout, CallPhase phase);
 
 // The body of a refusal record, for a backend that copies it whole (device memory):
 // FormatRefusal writes one (FormatWithdrawnRefusal one that matches nothing), ParseRefusal
 // reads one back for the phase and call, or "".
-void FormatRefusal(bool combine, uint32_t call, absl::string_view why,
-                   std::byte (&body)[kRefusalBody]);
+void FormatRefusal(CallPhase phase, absl::string_view why, std::byte (&body)[kRefusalBody]);
 void FormatWithdrawnRefusal(std::byte (&body)[kRefusalBody]);
-std::string ParseRefusal(const std::byte (&body)[kRefusalBody], bool combine, uint32_t call);
+std::string ParseRefusal(const std::byte (&body)[kRefusalBody], CallPhase phase);
 
 // A rank that left the group after completing a call owes that call nothing more. At the
 // end of each successful dispatch (combine) a rank stores the call's epoch into its own

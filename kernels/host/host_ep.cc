@@ -459,13 +459,12 @@ uint32_t* HostEp::AbortWord() const {
 }
 
 absl::Status HostEp::WaitSparing(absl::FunctionRef<absl::Status(AbortWatch)> wait) {
-  // Within a dispatch its epoch is one past the last combine's; within a combine they are equal.
-  const bool combine = combine_epoch_ == dispatch_epoch_;
+  const CallPhase phase = PhaseInFlight(dispatch_epoch_, combine_epoch_);
   while (true) {
     const absl::Status s = wait(Watch());
     if (!absl::IsAborted(s)) return s;
     const uint32_t code = LoadAcquire(AbortWord());
-    if (!LeftAfter(code, arenas_, layout_, combine, dispatch_epoch_)) return s;
+    if (!LeftAfter(code, arenas_, layout_, phase.combine, phase.call)) return s;
     spared_ = code;
   }
 }
@@ -485,23 +484,19 @@ absl::Status HostEp::GiveUp(int peer, const char* what, uint32_t epoch) const {
     code = LoadAcquire(AbortWord());
   }
   if (code != spared_) UBEP_RETURN_IF_ERROR(DaemonAbortStatus(code, rank_, what, epoch));
-  // Within a dispatch its epoch is one past the last combine's; within a combine they are equal.
   const int given_up_on = RankGivenUpOn(code, peer);
   const std::string refusal =
       given_up_on >= 0 && given_up_on < config_.num_ranks && arenas_[given_up_on] != nullptr
-          ? ReadRefusal(arenas_[given_up_on], layout_, combine_epoch_ == dispatch_epoch_,
-                        dispatch_epoch_)
+          ? ReadRefusal(arenas_[given_up_on], layout_,
+                        PhaseInFlight(dispatch_epoch_, combine_epoch_))
           : "";
   return TimedOutStatus(code, rank_, peer, config_.timeout, what, epoch, refusal);
 }
 
 absl::Status HostEp::Refuse(absl::Status refused, bool keep_earlier) {
-  // Peers wait for this rank's partials of the call it dispatched and has not combined, else
-  // for its dispatch of the next call.
-  const bool combine = combine_epoch_ != dispatch_epoch_;
-  const uint32_t call = combine ? dispatch_epoch_ : dispatch_epoch_ + 1;
-  if (!keep_earlier || ReadRefusal(arenas_[rank_], layout_, combine, call).empty()) {
-    RecordRefusal(arenas_[rank_], layout_, combine, call, refused.message());
+  const CallPhase phase = AwaitedPhase(dispatch_epoch_, combine_epoch_);
+  if (!keep_earlier || ReadRefusal(arenas_[rank_], layout_, phase).empty()) {
+    RecordRefusal(arenas_[rank_], layout_, phase, refused.message());
     refusal_recorded_ = true;
   }
   return refused;

@@ -1210,21 +1210,27 @@ TEST(AbortCodeTest, ARefusalIsReadForItsPhaseAndCallOnly) {
   const EpConfig config = SmallConfig(Protocol::kUbep);
   const ArenaLayout layout(config);
   std::vector<std::byte> arena(layout.total_bytes);
-  EXPECT_EQ(ReadRefusal(arena.data(), layout, false, 0), "");
-  RecordRefusal(arena.data(), layout, /*combine=*/false, 7, "hidden size 80 does not match");
-  EXPECT_EQ(ReadRefusal(arena.data(), layout, false, 7), "hidden size 80 does not match");
-  EXPECT_EQ(ReadRefusal(arena.data(), layout, true, 7), "");
-  EXPECT_EQ(ReadRefusal(arena.data(), layout, false, 8), "");
+  // What a rank refusing between calls records is what a peer waiting for it in that call
+  // reads: after call 3's combine, call 4's dispatch; after call 4's dispatch, its combine.
+  EXPECT_EQ(AwaitedPhase(3, 3), PhaseInFlight(4, 3));
+  EXPECT_EQ(AwaitedPhase(3, 3), (CallPhase{/*combine=*/false, 4}));
+  EXPECT_EQ(AwaitedPhase(4, 3), PhaseInFlight(4, 4));
+  EXPECT_EQ(AwaitedPhase(4, 3), (CallPhase{/*combine=*/true, 4}));
+  EXPECT_EQ(ReadRefusal(arena.data(), layout, {false, 0}), "");
+  RecordRefusal(arena.data(), layout, {/*combine=*/false, 7}, "hidden size 80 does not match");
+  EXPECT_EQ(ReadRefusal(arena.data(), layout, {false, 7}), "hidden size 80 does not match");
+  EXPECT_EQ(ReadRefusal(arena.data(), layout, {true, 7}), "");
+  EXPECT_EQ(ReadRefusal(arena.data(), layout, {false, 8}), "");
   const std::string long_why(300, 'x');
-  RecordRefusal(arena.data(), layout, /*combine=*/true, 8, long_why);
-  EXPECT_EQ(ReadRefusal(arena.data(), layout, true, 8), long_why.substr(0, kRefusalChars));
-  EXPECT_EQ(ReadRefusal(arena.data(), layout, false, 7), "");
+  RecordRefusal(arena.data(), layout, {/*combine=*/true, 8}, long_why);
+  EXPECT_EQ(ReadRefusal(arena.data(), layout, {true, 8}), long_why.substr(0, kRefusalChars));
+  EXPECT_EQ(ReadRefusal(arena.data(), layout, {false, 7}), "");
   WithdrawRefusal(arena.data(), layout);
-  EXPECT_EQ(ReadRefusal(arena.data(), layout, true, 8), "");
-  RecordRefusal(arena.data(), layout, /*combine=*/false, 9, "short");
-  EXPECT_EQ(ReadRefusal(arena.data(), layout, false, 9), "short");
+  EXPECT_EQ(ReadRefusal(arena.data(), layout, {true, 8}), "");
+  RecordRefusal(arena.data(), layout, {/*combine=*/false, 9}, "short");
+  EXPECT_EQ(ReadRefusal(arena.data(), layout, {false, 9}), "short");
   ResetSignals(arena.data(), layout);
-  EXPECT_EQ(ReadRefusal(arena.data(), layout, false, 9), "");
+  EXPECT_EQ(ReadRefusal(arena.data(), layout, {false, 9}), "");
   EXPECT_EQ(TimedOutStatus(kAbortTimedOutBase + 2, 0, 1, absl::Seconds(10), "dispatch data", 9,
                            "short"),
             absl::DeadlineExceededError("rank 0: timed out after 10s waiting for rank 2 "
