@@ -3,10 +3,12 @@
 #ifndef UBEP_KERNELS_COMMON_BAD_INPUT_H_
 #define UBEP_KERNELS_COMMON_BAD_INPUT_H_
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/common/routing.h"
 
 namespace ubep::kernels {
 
@@ -24,6 +26,20 @@ inline std::string WeightNotFiniteMessage(int t, int k, float w) {
 inline std::string RepeatedExpertMessage(int t, int k, int j, int32_t e) {
   return absl::StrCat("topk_idx[", t, "][", k, "] = ", e, " repeats topk_idx[", t, "][", j,
                       "]: a token lists each expert at most once");
+}
+
+// Why pair k of token t is bad input, or "" if it is not: `idx` and `w` are the token's top_k
+// expert ids and weights. The checks, in the order both backends apply them to each pair in
+// (t, k) order: the expert id's range, then (a routed pair) its weight, then a repeat of an
+// earlier expert of the token. The host backend calls it on every pair before any byte moves;
+// the CUDA backend, whose kernels flag the first bad pair, words its error with it.
+inline std::string BadPairMessage(const int32_t* idx, const float* w, int t, int k,
+                                  int num_experts) {
+  const int32_t e = idx[k];
+  if (e < -1 || e >= num_experts) return ExpertOutOfRangeMessage(t, k, e, num_experts);
+  if (e >= 0 && !std::isfinite(w[k])) return WeightNotFiniteMessage(t, k, w[k]);
+  if (const int j = RepeatedEntry(idx, k); j >= 0) return RepeatedExpertMessage(t, k, j, e);
+  return "";
 }
 
 }  // namespace ubep::kernels

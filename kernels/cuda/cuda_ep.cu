@@ -18,20 +18,14 @@ namespace ubep::kernels {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr uint32_t kBadInput = 0x80000000u;
-// Kinds of bad pair (Params::status[kStatusBadKind]): the expert id is out of range; the
-// weight of a routed pair is not finite; the expert repeats entry j of the token (kBadRepeat + j).
-constexpr uint32_t kBadRange = 1, kBadWeight = 2, kBadRepeat = 3;
 // Words of Params::status.
-constexpr int kStatusBadPair = 0;    // 0, or kBadInput | (t * K + k) of the first bad pair.
-constexpr int kStatusBadValue = 1;   // That pair's expert id, or its weight's bits (kBadWeight).
-constexpr int kStatusWaitEnded = 2;  // 0, or 1 + the peer a wait gave up on (abort word set).
-constexpr int kStatusStalled = 3;    // 1: a SendKernel block waited past the timeout for another.
-constexpr int kStatusWaitPhase = 4;  // The phase of the wait that ended: kPhase*.
-constexpr int kStatusBadKind = 5;    // Why: kBadRange, kBadWeight, or kBadRepeat + the earlier k.
-constexpr int kStatusRowsOver = 6;    // 0, or the rows received when more than max_rows.
-constexpr int kStatusWaitLate = 7;   // 1: the wait that ended passed the deadline.
-constexpr int kStatusWords = 8;
+constexpr int kStatusBadPair = 0;    // 0, or ~(t * K + k) of the first bad pair (FlagBadPair).
+constexpr int kStatusWaitEnded = 1;  // 0, or 1 + the peer a wait gave up on (abort word set).
+constexpr int kStatusStalled = 2;    // 1: a SendKernel block waited past the timeout for another.
+constexpr int kStatusWaitPhase = 3;  // The phase of the wait that ended: kPhase*.
+constexpr int kStatusRowsOver = 4;   // 0, or the rows received when more than max_rows.
+constexpr int kStatusWaitLate = 5;   // 1: the wait that ended passed the deadline.
+constexpr int kStatusWords = 6;
 constexpr uint32_t kPhaseAsCalled = 1;  // Named by the call (CheckStatus's `what`).
 constexpr uint32_t kPhaseCounts = 2;    // ubep's wait for the sources' counts: "dispatch counts".
 // Sender blocks of a dispatch (send_split.h). A few dozen SMs saturate NVLink stores, as in
@@ -184,14 +178,11 @@ __device__ void PublishDest(const Params& p, int d) {
               p.epoch);
 }
 
-// Bad input, pair (t, k): its kind (kBad*) and value (kStatusBadValue). The first flagged pair
-// of a call is the one reported.
-__device__ void FlagBadPair(const Params& p, int t, int k, uint32_t kind, uint32_t value) {
-  if (atomicCAS(&p.status[kStatusBadPair], 0u,
-                kBadInput | static_cast<uint32_t>(t * p.top_k + k)) == 0) {
-    p.status[kStatusBadValue] = value;
-    p.status[kStatusBadKind] = kind;
-  }
+// Bad input, pair (t, k). Every bad pair of a call is flagged, and the first in (t, k) order
+// is the one reported, as the host backend reports it: the word keeps the largest ~(t K + k)
+// (0 while none is flagged); CheckStatus words the error from the token's input.
+__device__ void FlagBadPair(const Params& p, int t, int k) {
+  atomicMax(&p.status[kStatusBadPair], ~static_cast<uint32_t>(t * p.top_k + k));
 }
 
 // Counting role, destination d, tokens [first, last), called by every thread of a block:
@@ -223,7 +214,7 @@ __device__ void CountDest(const Params& p, int d, int first, int last, int* base
         const int32_t e = p.topk_idx[t * p.top_k + k];
         if (e < -1 || e >= p.num_experts) {
           // Flagged and skipped: no read outside the plan table, no write outside a region.
-          FlagBadPair(p, t, k, kBadRange, static_cast<uint32_t>(e));
+          FlagBadPair(p, t, k);
           continue;
         }
         if (e < 0) continue;
@@ -231,11 +222,11 @@ __device__ void CountDest(const Params& p, int d, int first, int last, int* base
         if (static_cast<int>(slot) / S == d) {
           const float w = p.topk_weights[t * p.top_k + k];
           if (!isfinite(w)) {
-            FlagBadPair(p, t, k, kBadWeight, __float_as_uint(w));
+            FlagBadPair(p, t, k);
             continue;
           }
           if (const int j = RepeatedEntry(p.topk_idx + t * p.top_k, k); j >= 0) {
-            FlagBadPair(p, t, k, kBadRepeat + j, static_cast<uint32_t>(e));
+            FlagBadPair(p, t, k);
             continue;
           }
           entries[n++] = {static_cast<int32_t>(slot % S), w};
@@ -761,7 +752,8 @@ __global__ void LoadKernel(Params p) {
     __threadfence_system();
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < S; i += blockDim.x) {
+  // A call with more rows than the scratch holds fails (CheckStatus) and counts nothing.
+  for (int i = threadIdx.x; i < S && p.status[kStatusRowsOver] == 0; i += blockDim.x) {
     counters[i] += p.slot_offsets[i + 1] - p.slot_offsets[i];
   }
   __syncthreads();
@@ -909,10 +901,13 @@ __global__ void PartialKernel(Params p, const uint16_t* y) {
         float sum[8];
         for (int e = begin[j]; e < begin[j + 1]; ++e) {
           const int row = entry_row[e];
-          const float w = row < p.max_rows ? p.weight[row] : 0.0f;  // ScanKernel's overflow.
-          float v[8];
-          UnpackBf16x8(reinterpret_cast<const uint4*>(y + static_cast<size_t>(row) * p.hidden)[h8],
-                       v);
+          // A row past the scratch (ScanKernel's overflow, an error) adds zeros.
+          const float w = row < p.max_rows ? p.weight[row] : 0.0f;
+          float v[8] = {};
+          if (row < p.max_rows) {
+            UnpackBf16x8(
+                reinterpret_cast<const uint4*>(y + static_cast<size_t>(row) * p.hidden)[h8], v);
+          }
           for (int i = 0; i < 8; ++i) {
             const float term = __fmul_rn(w, v[i]);
             sum[i] = e == begin[j] ? term : __fadd_rn(sum[i], term);
@@ -1196,7 +1191,8 @@ void CudaEp::set_partial_delay_for_testing(absl::Duration delay, int source) {
   scratch_->params.partial_delay_source = source;
 }
 
-absl::Status CudaEp::CheckStatus(const char* what, uint32_t call) {
+absl::Status CudaEp::CheckStatus(const char* what, uint32_t call,
+                                 const CudaDispatchInput* input) {
   Scratch& s = *scratch_;
   UBEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s.stream));
   uint32_t status[kStatusWords] = {};
@@ -1234,19 +1230,23 @@ absl::Status CudaEp::CheckStatus(const char* what, uint32_t call) {
         "that token lists experts"));
   }
   if (status[kStatusBadPair] != 0) {
-    const uint32_t pair = status[kStatusBadPair] & ~kBadInput;
-    const int t = static_cast<int>(pair) / config_.top_k,
-              k = static_cast<int>(pair) % config_.top_k;
-    const uint32_t kind = status[kStatusBadKind], value = status[kStatusBadValue];
-    if (kind == kBadWeight) {
-      float w;
-      memcpy(&w, &value, sizeof(w));
-      return absl::InvalidArgumentError(WeightNotFiniteMessage(t, k, w));
+    const uint32_t pair = ~status[kStatusBadPair];
+    const int K = config_.top_k;
+    const int t = static_cast<int>(pair / K), k = static_cast<int>(pair % K);
+    // Worded from the token's input with the host backend's checks, so the two say the same.
+    int32_t idx[kMaxTopK];
+    float w[kMaxTopK];
+    std::string bad;
+    if (input != nullptr &&
+        cudaMemcpy(idx, input->topk_idx + static_cast<size_t>(t) * K, sizeof(int32_t) * K,
+                   cudaMemcpyDefault) == cudaSuccess &&
+        cudaMemcpy(w, input->topk_weights + static_cast<size_t>(t) * K, sizeof(float) * K,
+                   cudaMemcpyDefault) == cudaSuccess) {
+      bad = BadPairMessage(idx, w, t, k, config_.num_experts);
     }
-    const auto e = static_cast<int32_t>(value);
     return absl::InvalidArgumentError(
-        kind >= kBadRepeat ? RepeatedExpertMessage(t, k, static_cast<int>(kind - kBadRepeat), e)
-                           : ExpertOutOfRangeMessage(t, k, e, config_.num_experts));
+        bad.empty() ? absl::StrCat("topk_idx[", t, "][", k, "]: flagged as bad input on the device")
+                    : bad);
   }
   return absl::OkStatus();
 }
@@ -1334,6 +1334,12 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
   p.off_completed = layout_.dispatch_completed;
   p.flagged = FlaggedRows(!p.bsp, in.num_tokens, config_.flagged_tokens, layout_.row_bytes);
   last_tokens_ = in.num_tokens;
+  // Combine takes these from this call, whatever its outcome: the caller calls it after any
+  // error but a timeout or an abort (the peers wait for this rank's partials).
+  s.params.flagged = p.flagged;  // Combine takes its partials as its rows went.
+  s.params.num_tokens = p.num_tokens;
+  s.params.layer = p.layer;
+  s.params.plan = p.plan;  // Combine waits for the same ranks as its dispatch.
   UBEP_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(p.status, 0, kStatusWords * sizeof(uint32_t), s.stream));
   UBEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.published, 0, s.zeroed_bytes, s.stream));
@@ -1346,8 +1352,8 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
         reinterpret_cast<const void*>(SendKernel), dim3(count_blocks + 1 + kSenderBlocks),
         dim3(kThreads), args, per_rank_shared, s.stream);
     launched = error == cudaSuccess;
-    // Too few SMs free for every block at once (another stream of this process holds them):
-    // this call counts first, then sends.
+    // Create checked the grid against the device's occupancy, so the driver should take it;
+    // if it still finds the grid too large to keep resident, this call counts first, then sends.
     if (error == cudaErrorCooperativeLaunchTooLarge) (void)cudaGetLastError();
     if (!launched && error != cudaErrorCooperativeLaunchTooLarge) {
       UBEP_CUDA_RETURN_IF_ERROR(error);
@@ -1384,7 +1390,7 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
     ScrubKernel<<<s.wide_blocks, kThreads, 0, s.stream>>>(p, p.off_rows, ScrubTag(p.epoch));
   }
   UBEP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  const absl::Status st = CheckStatus(p.bsp ? "dispatch, bsp" : "dispatch data", p.epoch);
+  const absl::Status st = CheckStatus(p.bsp ? "dispatch, bsp" : "dispatch data", p.epoch, &in);
   if (!st.ok() && !absl::IsInvalidArgument(st)) return st;
   out.slot_offsets.resize(config_.slots_per_rank + 1);
   UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(out.slot_offsets.data(), p.slot_offsets,
@@ -1395,11 +1401,6 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
   out.src_rank = p.src_rank;
   out.src_token = p.src_token;
   out.weight = p.weight;
-  s.params.epoch = p.epoch;
-  s.params.flagged = p.flagged;  // Combine takes its partials as its rows went.
-  s.params.num_tokens = p.num_tokens;
-  s.params.layer = p.layer;
-  s.params.plan = p.plan;  // Combine waits for the same ranks as its dispatch.
   // Bad input (an expert id out of range): the error, with the rest dispatched; the peers wait
   // for this rank's partials, so the caller still calls Combine.
   return st;

@@ -88,6 +88,11 @@ class CudaEp {
   // An expert id out of range is found on the device, after the peers may have begun: the
   // call returns InvalidArgument naming it, having dispatched every other pair, and the caller
   // still calls Combine (the peers wait for this rank's partials).
+  //
+  // Both calls run on the CudaEp's own stream, a blocking one: they are ordered after work of
+  // the legacy default stream, and both return once their kernels are done. Inputs written on
+  // a non-blocking stream must be complete before the call (synchronize that stream or an
+  // event of it first).
   absl::Status Dispatch(const CudaDispatchInput& input, CudaDispatchOutput& output);
   // y: device [num_rows, hidden] bf16 in the dispatch's row order; out: device [num_tokens,
   // hidden] bf16; both 16-byte aligned.
@@ -116,8 +121,9 @@ class CudaEp {
   struct Scratch;
   CudaEp(const EpConfig& config, int rank);
   // After the stream: the error a wait (timeout or abort, see TimedOutStatus) or bad input
-  // left, for phase `what` of call `call`.
-  absl::Status CheckStatus(const char* what, uint32_t call);
+  // left, for phase `what` of call `call`; `input`, a dispatch's, words a bad pair's error.
+  absl::Status CheckStatus(const char* what, uint32_t call,
+                           const CudaDispatchInput* input = nullptr);
   // Writes a refusal record's body into this rank's arena (sequence word odd, body, even).
   void WriteRefusal(const std::byte (&body)[kRefusalBody]);
   // This rank takes part in a call: a refusal it recorded no longer explains a wait for it.

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <condition_variable>
 #include <cstring>
 #include <functional>
@@ -277,17 +276,10 @@ absl::Status HostEp::Validate(const DispatchInput& in) const {
   }
   for (int t = 0; t < in.num_tokens; ++t) {
     for (int k = 0; k < config_.top_k; ++k) {
-      const int32_t e = in.topk_idx[t * config_.top_k + k];
-      if (e < -1 || e >= config_.num_experts) {
-        return absl::InvalidArgumentError(ExpertOutOfRangeMessage(t, k, e, config_.num_experts));
-      }
-      const float w = in.topk_weights[t * config_.top_k + k];
-      if (e >= 0 && !std::isfinite(w)) {
-        return absl::InvalidArgumentError(WeightNotFiniteMessage(t, k, w));
-      }
-      if (const int j = RepeatedEntry(in.topk_idx + t * config_.top_k, k); j >= 0) {
-        return absl::InvalidArgumentError(RepeatedExpertMessage(t, k, j, e));
-      }
+      std::string bad = BadPairMessage(in.topk_idx + t * config_.top_k,
+                                       in.topk_weights + t * config_.top_k, t, k,
+                                       config_.num_experts);
+      if (!bad.empty()) return absl::InvalidArgumentError(std::move(bad));
     }
   }
   return absl::OkStatus();
