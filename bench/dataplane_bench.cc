@@ -84,7 +84,7 @@ bool AlignStart(Board* board, int ranks, uint32_t round) {
     return true;
   }
   return WaitEpoch(&board->released, round, Doorbell::Own(&board->released, &board->sleepers),
-                   absl::Now() + absl::Seconds(120))
+                   DeadlineAfter(absl::Seconds(120)))
       .ok();
 }
 

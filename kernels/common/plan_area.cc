@@ -86,16 +86,19 @@ absl::Status PreparePlan(void* area, std::span<const std::byte> table, uint64_t 
       newest_committed_slot = i;
     }
   }
-  // Overwrite the slot that is not the newest committed plan; never a pending prepare.
+  // One decision at a time: never a second prepare while one awaits, in either slot.
+  for (int i = 0; i < 2; ++i) {
+    if (LoadState(PlanSlot(area, i)) == kPrepared) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("plan v", version, " cannot be prepared while v",
+                       LoadVersion(PlanSlot(area, i)), " awaits its commit or abort"));
+    }
+  }
+  // Overwrite the slot that is not the newest committed plan.
   if (newest_committed_slot >= 0) {
     older = 1 - newest_committed_slot;
   } else {
     older = LoadVersion(PlanSlot(area, 0)) <= LoadVersion(PlanSlot(area, 1)) ? 0 : 1;
-  }
-  if (LoadState(PlanSlot(area, older)) == kPrepared) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("plan v", version, " cannot be prepared while v",
-                     LoadVersion(PlanSlot(area, older)), " awaits its commit or abort"));
   }
   PlanSlotHeader* slot = PlanSlot(area, older);
   StoreState(slot, kEmpty);  // Readers skip it from here on.

@@ -746,9 +746,10 @@ __global__ void LoadKernel(Params p) {
   auto* counters = reinterpret_cast<unsigned long long*>(p.arenas[p.rank] + p.off_load_counters) +
                    p.layer * S;
   auto* seq = reinterpret_cast<unsigned long long*>(p.arenas[p.rank] + p.off_load_seq) + p.layer;
+  // The word's only writer (arena_layout.h SeqWhileWriting: odd while the counters move).
+  cuda::atomic_ref<unsigned long long, cuda::thread_scope_system> word(*seq);
   if (threadIdx.x == 0) {
-    cuda::atomic_ref<unsigned long long, cuda::thread_scope_system>(*seq).fetch_add(
-        1, cuda::memory_order_relaxed);
+    word.store(SeqWhileWriting(word.load(cuda::memory_order_relaxed)), cuda::memory_order_relaxed);
     __threadfence_system();
   }
   __syncthreads();
@@ -759,8 +760,7 @@ __global__ void LoadKernel(Params p) {
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence_system();
-    cuda::atomic_ref<unsigned long long, cuda::thread_scope_system>(*seq).fetch_add(
-        1, cuda::memory_order_relaxed);
+    word.store(word.load(cuda::memory_order_relaxed) + 1, cuda::memory_order_relaxed);
     MarkCallCompleted(p);  // The dispatch's last kernel.
   }
 }
@@ -1275,7 +1275,7 @@ void CudaEp::WriteRefusal(const std::byte (&body)[kRefusalBody]) {
   auto* seq = reinterpret_cast<uint32_t*>(own_arena_ + layout_.refusal);
   uint32_t before = 0;
   if (cudaMemcpy(&before, seq, sizeof(before), cudaMemcpyDeviceToHost) != cudaSuccess) return;
-  const uint32_t odd = RefusalSeqWhileWriting(before), even = odd + 1;
+  const uint32_t odd = SeqWhileWriting(before), even = odd + 1;
   if (cudaMemcpy(seq, &odd, sizeof(odd), cudaMemcpyHostToDevice) == cudaSuccess &&
       cudaMemcpy(seq + 1, body, sizeof(body), cudaMemcpyHostToDevice) == cudaSuccess) {
     cudaMemcpy(seq, &even, sizeof(even), cudaMemcpyHostToDevice);

@@ -187,7 +187,7 @@ void WriteRefusal(std::byte* arena, const ArenaLayout& layout,
                   const std::byte (&body)[kRefusalBody]) {
   std::atomic_ref<uint32_t> seq = RefusalSeq(arena, layout);
   // Only the owner writes; odd from here (even if a process of this rank died writing).
-  const uint32_t odd = RefusalSeqWhileWriting(seq.load(std::memory_order_relaxed));
+  const uint32_t odd = SeqWhileWriting(seq.load(std::memory_order_relaxed));
   seq.store(odd, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);
   for (size_t i = 0; i < kRefusalBody; ++i) {
@@ -287,15 +287,16 @@ void AddLayerLoad(std::byte* arena, const ArenaLayout& layout, int slots_per_ran
   auto* counters = reinterpret_cast<uint64_t*>(arena + layout.load_counters) +
                    static_cast<size_t>(layer) * slots_per_rank;
   std::atomic_ref<uint64_t> seq(*seq_word);
-  const uint64_t before = seq.load(std::memory_order_relaxed);  // Even: only the owner writes.
-  seq.store(before + 1, std::memory_order_relaxed);
+  // Only the owner writes; odd only if an owner before it was killed mid-update.
+  const uint64_t odd = SeqWhileWriting(seq.load(std::memory_order_relaxed));
+  seq.store(odd, std::memory_order_relaxed);
   // Release on each counter (no fence): a reader that sees a new count sees the odd word too.
   for (int i = 0; i < slots_per_rank; ++i) {
     std::atomic_ref<uint64_t> counter(counters[i]);
     counter.store(counter.load(std::memory_order_relaxed) + static_cast<uint64_t>(added[i]),
                   std::memory_order_release);
   }
-  seq.store(before + 2, std::memory_order_release);
+  seq.store(odd + 1, std::memory_order_release);
 }
 
 absl::StatusOr<uint64_t> ReadLayerLoad(const std::byte* arena, const ArenaLayout& layout,
@@ -305,7 +306,7 @@ absl::StatusOr<uint64_t> ReadLayerLoad(const std::byte* arena, const ArenaLayout
   auto* counters = const_cast<uint64_t*>(reinterpret_cast<const uint64_t*>(arena + layout.load_counters) +
                                          static_cast<size_t>(layer) * slots_per_rank);
   std::atomic_ref<uint64_t> seq(*seq_word);
-  const absl::Time deadline = absl::Now() + timeout;
+  const Deadline deadline = DeadlineAfter(timeout);
   for (int attempt = 0;; ++attempt) {
     const uint64_t before = seq.load(std::memory_order_acquire);
     if (before % 2 == 0) {
@@ -317,7 +318,7 @@ absl::StatusOr<uint64_t> ReadLayerLoad(const std::byte* arena, const ArenaLayout
     }
     // The owner adds S numbers: a few tries see it done; past that, check the clock.
     if (attempt >= 64) {
-      if (absl::Now() > deadline) {
+      if (std::chrono::steady_clock::now() > deadline) {
         return absl::DeadlineExceededError(absl::StrCat(
             "load counters of layer ", layer, " kept changing for ", absl::FormatDuration(timeout),
             " (sequence ", seq.load(std::memory_order_relaxed), "): their owner stopped mid-update"));

@@ -194,9 +194,14 @@ constexpr CallPhase PhaseInFlight(uint32_t dispatch_epoch, uint32_t combine_epoc
 void RecordRefusal(std::byte* arena, const ArenaLayout& layout, CallPhase phase,
                    absl::string_view why);
 
-// The sequence word while its owner rewrites the body, given the word before: odd, and past
-// it; the body done, it becomes one more.
-constexpr uint32_t RefusalSeqWhileWriting(uint32_t before) { return (before + 1) | 1u; }
+// A seqlock's word while its owner rewrites what it guards (the refusal record, a layer's
+// load counters), given the word before: odd, and past it; the rewrite done, it becomes one
+// more. An owner killed mid-rewrite leaves the word odd: the next one goes on from the next
+// odd value, so the parity holds again rather than staying inverted.
+template <typename Word>
+constexpr Word SeqWhileWriting(Word before) {
+  return (before + 1) | 1u;
+}
 
 // Overwrites the record with one that matches no phase and call: its rank takes part in a
 // call after it refused one (its caller called again), so the refusal no longer explains a

@@ -367,7 +367,7 @@ void HostEp::FinishCounting(uint32_t epoch, bool publish, bool flagged) {
 }
 
 void HostEp::SendShare(int index, int senders, const DispatchInput& in, uint32_t epoch,
-                       uint32_t batches_before, bool publish, bool flagged, absl::Time deadline) {
+                       uint32_t batches_before, bool publish, bool flagged, Deadline deadline) {
   const int R = config_.num_ranks;
   const size_t B = layout_.row_bytes;
   const int T = config_.max_tokens;
@@ -434,7 +434,7 @@ void HostEp::SendShare(int index, int senders, const DispatchInput& in, uint32_t
 void HostEp::Publish(int d, uint32_t epoch) { Raise(d, layout_.dispatch_flag, epoch); }
 
 absl::Status HostEp::Wait(const uint32_t* word, uint32_t epoch, int peer, const char* what,
-                          absl::Time deadline) {
+                          Deadline deadline) {
   const absl::Status s = WaitSparing(
       [&](AbortWatch watch) { return WaitEpoch(word, epoch, OwnDoor(), deadline, watch); });
   return s.ok() ? s : GiveUp(peer, what, epoch);
@@ -501,7 +501,7 @@ void HostEp::TakePart() {
 }
 
 absl::Status HostEp::TakeAsTheyArrive(uint32_t epoch, std::span<const int> sources,
-                                      const char* what, absl::Time deadline, bool poll,
+                                      const char* what, Deadline deadline, bool poll,
                                       const std::function<Take(int)>& take) {
   std::vector<int>& pending = pending_;
   pending.assign(sources.begin(), sources.end());
@@ -529,7 +529,7 @@ absl::Status HostEp::TakeAsTheyArrive(uint32_t epoch, std::span<const int> sourc
   return absl::OkStatus();
 }
 
-absl::Status HostEp::Barrier(absl::Time deadline) {
+absl::Status HostEp::Barrier(Deadline deadline) {
   const uint32_t b = ++barrier_epoch_;
   for (int s = 0; s < config_.num_ranks; ++s) {
     if (active_[s]) Raise(s, layout_.barrier_flag, b);
@@ -559,8 +559,9 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
         "rank ", rank_, " is excluded from the EP group by plan v", in.plan->version));
   }
   TakePart();
-  const absl::Time deadline = absl::Now() + config_.timeout;
+  const Deadline deadline = DeadlineAfter(config_.timeout);
   const uint32_t epoch = ++dispatch_epoch_;
+  dispatch_completed_ = false;
   spared_ = 0;
   const bool ubep = config_.protocol == Protocol::kUbep;
   const int senders = senders_ != nullptr ? senders_->size() : 1;
@@ -653,6 +654,7 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
               handle.token_routes.begin() + handle.token_begin[t + 1]);
   }
   MarkCompleted(own, layout_, /*combine=*/false, epoch);
+  dispatch_completed_ = true;
   return absl::OkStatus();
 }
 
@@ -785,6 +787,12 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
     return Refuse(absl::FailedPreconditionError("combine without a dispatch before it"),
                   /*keep_earlier=*/true);
   }
+  if (!dispatch_completed_) {
+    // Its output may be half laid out: nothing of it is read, and nothing is stored.
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", rank_, ": combine after dispatch call ", dispatch_epoch_,
+        " failed; the group must be re-formed"));
+  }
   const int R = config_.num_ranks, H = config_.hidden;
   const DispatchOutput::Handle& handle = dispatched.handle;
   if (static_cast<int>(handle.record_begin.size()) != R ||
@@ -797,7 +805,7 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
   }
   active_ = handle.active;
   TakePart();
-  const absl::Time deadline = absl::Now() + config_.timeout;
+  const Deadline deadline = DeadlineAfter(config_.timeout);
   const uint32_t epoch = ++combine_epoch_;
   spared_ = 0;
   const auto* y = static_cast<const std::byte*>(y_ptr);
@@ -899,7 +907,7 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
 }
 
 absl::Status HostEp::TakeFlaggedPartial(const std::byte* partial, int peer, uint32_t epoch,
-                                        absl::Time deadline) {
+                                        Deadline deadline) {
   // Granules ring no bell as they land: a millisecond's sleep at most between looks (the
   // peer's combine flag, raised once every partial it sends here is stored, rings it).
   const absl::Status s = WaitSparing([&](AbortWatch watch) {

@@ -99,7 +99,9 @@ class HostEp {
   // out[t] = sum over k of w[t, k] * y(t, k), for this rank's tokens of the last dispatch.
   // `y` is [output.num_rows(), hidden] of config.dtype; `out` is [num_tokens, hidden] of
   // config.dtype. Sums in fp32: each destination's rows of a token, then (rounded to the
-  // dtype once) the destinations' partials in rank order.
+  // dtype once) the destinations' partials in rank order. After a Dispatch that took part and
+  // failed (a timeout, an abort: the group is to be re-formed) it refuses, before it reads
+  // `dispatched` or stores a byte.
   absl::Status Combine(const DispatchOutput& dispatched, const void* y, void* out);
 
   // Routed (token, k) pairs this rank received per (layer, local slot) since the arena was
@@ -154,11 +156,11 @@ class HostEp {
   // counting role hands the batches over. With `publish` (ubep), whoever completes a
   // destination publishes it (its dispatch flag).
   void SendShare(int index, int senders, const DispatchInput& input, uint32_t epoch,
-                 uint32_t batches_before, bool publish, bool flagged, absl::Time deadline);
+                 uint32_t batches_before, bool publish, bool flagged, Deadline deadline);
   // Raises `dest`'s dispatch flag for this rank: its rows are all stored.
   void Publish(int dest, uint32_t epoch);
   absl::Status Wait(const uint32_t* word, uint32_t epoch, int peer, const char* what,
-                    absl::Time deadline);
+                    Deadline deadline);
   // The error for a wait on `peer` that ended: names the rank the group gave up on (setting
   // every arena's abort word if this rank is the first to give up), and why it refused this
   // call if it did.
@@ -175,7 +177,7 @@ class HostEp {
   void Raise(int d, size_t region, uint32_t epoch);
   // The doorbell of this rank's arena, for its waits on its own flags.
   Doorbell OwnDoor() const;
-  absl::Status Barrier(absl::Time deadline);
+  absl::Status Barrier(Deadline deadline);
   // What a look at a source found: nothing new, some of its data (flagged rows), or all of it.
   enum class Take { kNothing, kSome, kDone };
   // Calls take(s) for every s in `sources` until each has returned kDone, in whatever order
@@ -184,7 +186,7 @@ class HostEp {
   // nothing as they land). The error of the first source still pending at the deadline or on
   // an abort (GiveUp, naming `what`, call `epoch`).
   absl::Status TakeAsTheyArrive(uint32_t epoch, std::span<const int> sources, const char* what,
-                                absl::Time deadline, bool poll,
+                                Deadline deadline, bool poll,
                                 const std::function<Take(int)>& take);
   // From every source's records (their count flags seen): the receive layout (slot offsets,
   // each source's first row in each slot, sizes).
@@ -201,7 +203,7 @@ class HostEp {
                    DispatchOutput& output);
   // A flagged partial from `peer` into row_scratch_, once it has landed.
   absl::Status TakeFlaggedPartial(const std::byte* partial, int peer, uint32_t epoch,
-                                  absl::Time deadline);
+                                  Deadline deadline);
 
   EpConfig config_;
   ArenaLayout layout_;
@@ -214,6 +216,8 @@ class HostEp {
   // before it that ran this rank): the next call it takes part in withdraws it.
   bool refusal_recorded_ = true;
   uint32_t spared_ = 0;  // The abort code the call in flight may wait past (WaitSparing), or 0.
+  // The last Dispatch this rank took part in completed: its output describes the rows.
+  bool dispatch_completed_ = false;
   // Written by the counting role, read by the senders once a batch is handed over.
   std::vector<Unit> units_;           // Token-major; max_tokens x min(top_k, ranks).
   int64_t num_units_ = 0;

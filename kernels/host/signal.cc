@@ -7,7 +7,6 @@
 
 #include <algorithm>
 
-#include "absl/time/clock.h"
 
 namespace ubep::kernels {
 namespace {
@@ -20,7 +19,7 @@ void WakeIfAsleep(uint32_t* word, uint32_t* sleepers) {
 // Spins on ready() (`spins` looks), then sleeps on `word` (counted in `sleepers`) in slices of at
 // most `slice` until ready(), the abort word or the deadline. `word` is read before each look at
 // ready(), so a change that the look misses moves it later and the futex does not sleep through it.
-absl::Status SleepUntil(uint32_t* word, uint32_t* sleepers, absl::Time deadline, AbortWatch abort,
+absl::Status SleepUntil(uint32_t* word, uint32_t* sleepers, Deadline deadline, AbortWatch abort,
                         absl::FunctionRef<bool()> ready, absl::Duration slice, int spins) {
   for (int i = 0; i < spins; ++i) {
     if (ready()) return absl::OkStatus();
@@ -33,11 +32,12 @@ absl::Status SleepUntil(uint32_t* word, uint32_t* sleepers, absl::Time deadline,
       const uint32_t code = LoadAcquire(abort.word);
       if (code != 0 && code != abort.spared) return absl::AbortedError("the group gave up");
     }
-    const absl::Time now = absl::Now();
+    const Deadline now = std::chrono::steady_clock::now();
     if (now >= deadline) {
       return absl::DeadlineExceededError("timed out");
     }
-    const timespec ts = absl::ToTimespec(std::min(deadline - now, slice));
+    // Relative, and FUTEX_WAIT measures it on the monotonic clock too.
+    const timespec ts = absl::ToTimespec(std::min(absl::FromChrono(deadline - now), slice));
     asleep.fetch_add(1, std::memory_order_seq_cst);
     // After the count: a Signal that moves the word later sees this sleeper and wakes it (the
     // futex returns at once if the word moved after this look); spurious wakeups loop.
@@ -66,12 +66,12 @@ void Ring(Doorbell door) {
   WakeIfAsleep(door.bell, door.bell_sleepers);
 }
 
-absl::Status WaitUntil(Doorbell door, absl::Time deadline, AbortWatch abort,
+absl::Status WaitUntil(Doorbell door, Deadline deadline, AbortWatch abort,
                        absl::FunctionRef<bool()> ready, absl::Duration slice, int spins) {
   return SleepUntil(door.bell, door.bell_sleepers, deadline, abort, ready, slice, spins);
 }
 
-absl::Status WaitEpoch(const uint32_t* word, uint32_t epoch, Doorbell door, absl::Time deadline,
+absl::Status WaitEpoch(const uint32_t* word, uint32_t epoch, Doorbell door, Deadline deadline,
                        AbortWatch abort) {
   return SleepUntil(
       const_cast<uint32_t*>(word), door.word_sleepers, deadline, abort,

@@ -22,6 +22,7 @@
 #define UBEP_KERNELS_HOST_SIGNAL_H_
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 
 #include "absl/functional/function_ref.h"
@@ -29,6 +30,17 @@
 #include "absl/time/time.h"
 
 namespace ubep::kernels {
+
+// When a wait gives up: a point of the monotonic clock (std::chrono::steady_clock, which is
+// CLOCK_MONOTONIC, as FUTEX_WAIT's timeouts), so that a wall clock stepped by NTP or by a
+// resumed VM neither ends the group's waits at once nor stretches them.
+using Deadline = std::chrono::steady_clock::time_point;
+
+// `timeout` from now; a timeout of a million hours or more (absl::InfiniteDuration) never ends.
+inline Deadline DeadlineAfter(absl::Duration timeout) {
+  if (timeout >= absl::Hours(1000000)) return Deadline::max();
+  return std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(timeout);
+}
 
 inline bool EpochReached(uint32_t value, uint32_t epoch) {
   return static_cast<int32_t>(value - epoch) >= 0;
@@ -73,12 +85,12 @@ inline constexpr int kSpins = 256;
 // at most `slice`, so what rings no bell (flag-in-granule rows) is looked at that often. A
 // ready() that looks at n words spins for kSpins / n rounds to spin as long as a wait on one
 // word.
-absl::Status WaitUntil(Doorbell door, absl::Time deadline, AbortWatch abort,
+absl::Status WaitUntil(Doorbell door, Deadline deadline, AbortWatch abort,
                        absl::FunctionRef<bool()> ready, absl::Duration slice = kMaxSleep,
                        int spins = kSpins);
 
 // As WaitUntil *word has reached `epoch`, asleep on the word itself (woken by its Signal only).
-absl::Status WaitEpoch(const uint32_t* word, uint32_t epoch, Doorbell door, absl::Time deadline,
+absl::Status WaitEpoch(const uint32_t* word, uint32_t epoch, Doorbell door, Deadline deadline,
                        AbortWatch abort = {});
 
 }  // namespace ubep::kernels

@@ -552,8 +552,10 @@ TEST(HostEpErrorTest, BadInputIsRejectedBeforeAnyByteMoves) {
 }
 
 // Every rank that `takes_part` dispatches 8 tokens of layer 0 at once; each one's status.
-std::vector<absl::Status> DispatchOnce(Group& group, const TestPlan& plan,
-                                       const std::function<bool(int)>& takes_part) {
+// `then` (optional) gets each such rank's output after its Dispatch returned.
+std::vector<absl::Status> DispatchOnce(
+    Group& group, const TestPlan& plan, const std::function<bool(int)>& takes_part,
+    const std::function<void(int, const DispatchOutput&)>& then = nullptr) {
   const EpConfig& c = group.config();
   std::vector<absl::Status> status(c.num_ranks);
   group.RunAll([&](int r) {
@@ -562,6 +564,7 @@ std::vector<absl::Status> DispatchOnce(Group& group, const TestPlan& plan,
     DispatchOutput out;
     status[r] = group.ep(r).Dispatch(
         {in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8, c.hidden, 0, plan.header()}, out);
+    if (then) then(r, out);
   });
   return status;
 }
@@ -741,9 +744,20 @@ TEST(HostEpErrorTest, RowsThatNeverArriveAreNamedAfterTheCounts) {
   Group group(config);
   const TestPlan plan = RoundRobinPlan(config);
   group.ep(2).set_row_delay_for_testing(absl::Seconds(1));
-  const std::vector<absl::Status> status = DispatchOnce(group, plan, [](int) { return true; });
+  // A Combine after the failed call is refused before it reads the output (which the call may
+  // have laid out in part, over a serving loop's output of the call before) or stores a byte.
+  std::vector<absl::Status> combined(config.num_ranks);
+  const std::vector<absl::Status> status = DispatchOnce(
+      group, plan, [](int) { return true; },
+      [&](int r, const DispatchOutput& out) {
+        std::vector<uint16_t> y(out.recv_x.size() / 2), result(8 * config.hidden);
+        combined[r] = group.ep(r).Combine(out, y.data(), result.data());
+      });
   for (int r : {0, 1, 3}) {
     EXPECT_EQ(status[r], GaveUpOnRank2(r, "dispatch data"));
+    EXPECT_EQ(combined[r],
+              absl::FailedPreconditionError(absl::StrCat(
+                  "rank ", r, ": combine after dispatch call 1 failed; the group must be re-formed")));
     // A call that failed adds nothing to the load counters the balancer reads.
     for (int i = 0; i < config.slots_per_rank; ++i) {
       EXPECT_EQ(group.ep(r).LoadCounter(0, i), 0u) << "rank " << r << " slot " << i;
@@ -1056,7 +1070,7 @@ TEST(SignalTest, ASleeperCountsItselfUntilItIsSignalled) {
   uint32_t word = 0, sleepers = 0;
   absl::Status waited;
   std::thread waiter([&] {
-    waited = WaitEpoch(&word, 1, Doorbell::Own(&word, &sleepers), absl::Now() + absl::Seconds(60));
+    waited = WaitEpoch(&word, 1, Doorbell::Own(&word, &sleepers), DeadlineAfter(absl::Seconds(60)));
   });
   AwaitSleeper(sleepers);
   Signal(&word, 1, Doorbell::Own(&word, &sleepers));
@@ -1081,7 +1095,7 @@ TEST(SignalTest, AnArenasBellWakesItsOwnerForAnyFlagAndForAnAbort) {
   const Doorbell door = ArenaDoor(arena, layout);
   auto wait_for_any = [&](uint32_t epoch, int* which) {
     return WaitUntil(
-        door, absl::Now() + absl::Hours(1), {abort_word},
+        door, DeadlineAfter(absl::Hours(1)), {abort_word},
         [&] {
           for (int s = 0; s < config.num_ranks; ++s) {
             if (EpochReached(LoadAcquire(flag(s)), epoch)) {
@@ -1105,7 +1119,7 @@ TEST(SignalTest, AnArenasBellWakesItsOwnerForAnyFlagAndForAnAbort) {
   // A wait on one flag sleeps on that flag, counted apart: the bell's sleepers are not woken
   // in vain by every flag, nor the flag's by the bell.
   std::thread one_flag(
-      [&] { waited = WaitEpoch(flag(2), 1, door, absl::Now() + absl::Hours(1), {abort_word}); });
+      [&] { waited = WaitEpoch(flag(2), 1, door, DeadlineAfter(absl::Hours(1)), {abort_word}); });
   AwaitSleeper(*door.word_sleepers);
   EXPECT_EQ(*door.bell_sleepers, 0u);
   Signal(flag(2), 1, door);
@@ -1148,13 +1162,13 @@ TEST(SignalTest, AResetClearsTheSleepersADeadProcessLeft) {
 TEST(SignalTest, TimeoutsAndAbortsLeaveNoSleeperBehind) {
   uint32_t word = 5, sleepers = 0, abort_word = 0;
   const Doorbell door = Doorbell::Own(&word, &sleepers);
-  EXPECT_EQ(WaitEpoch(&word, 5, door, absl::InfinitePast()), absl::OkStatus());
-  EXPECT_EQ(WaitEpoch(&word, 6, door, absl::Now() + absl::Milliseconds(20)),
+  EXPECT_EQ(WaitEpoch(&word, 5, door, Deadline::min()), absl::OkStatus());
+  EXPECT_EQ(WaitEpoch(&word, 6, door, DeadlineAfter(absl::Milliseconds(20))),
             absl::DeadlineExceededError("timed out"));
   EXPECT_EQ(sleepers, 0u);
   absl::Status waited;
   std::thread waiter(
-      [&] { waited = WaitEpoch(&word, 6, door, absl::Now() + absl::Seconds(60), {&abort_word}); });
+      [&] { waited = WaitEpoch(&word, 6, door, DeadlineAfter(absl::Seconds(60)), {&abort_word}); });
   std::atomic_ref<uint32_t>(abort_word).store(1);
   waiter.join();
   EXPECT_EQ(waited, absl::AbortedError("the group gave up"));
@@ -1162,14 +1176,14 @@ TEST(SignalTest, TimeoutsAndAbortsLeaveNoSleeperBehind) {
   // A wait spared code 1 (its waiter found that it may wait past it) goes on to its word, and
   // ends on any other code.
   std::thread spared([&] {
-    waited = WaitEpoch(&word, 6, door, absl::Now() + absl::Seconds(60), {&abort_word, 1});
+    waited = WaitEpoch(&word, 6, door, DeadlineAfter(absl::Seconds(60)), {&abort_word, 1});
   });
   AwaitSleeper(sleepers);
   Signal(&word, 6, door);
   spared.join();
   EXPECT_EQ(waited, absl::OkStatus());
   std::thread other_code([&] {
-    waited = WaitEpoch(&word, 7, door, absl::Now() + absl::Seconds(60), {&abort_word, 1});
+    waited = WaitEpoch(&word, 7, door, DeadlineAfter(absl::Seconds(60)), {&abort_word, 1});
   });
   AwaitSleeper(sleepers);
   std::atomic_ref<uint32_t>(abort_word).store(2);
@@ -1178,7 +1192,17 @@ TEST(SignalTest, TimeoutsAndAbortsLeaveNoSleeperBehind) {
   EXPECT_EQ(waited, absl::AbortedError("the group gave up"));
   EXPECT_EQ(sleepers, 0u);
   // A word past the epoch has reached it.
-  EXPECT_EQ(WaitEpoch(&word, 4, door, absl::InfinitePast()), absl::OkStatus());
+  EXPECT_EQ(WaitEpoch(&word, 4, door, Deadline::min()), absl::OkStatus());
+  // A timeout without end (a config's absl::InfiniteDuration()) sleeps, slice by slice, until
+  // the word moves: its deadline saturates rather than wrapping into the past.
+  EXPECT_EQ(DeadlineAfter(absl::InfiniteDuration()), Deadline::max());
+  std::thread endless(
+      [&] { waited = WaitEpoch(&word, 7, door, DeadlineAfter(absl::InfiniteDuration())); });
+  AwaitSleeper(sleepers);
+  Signal(&word, 7, door);
+  endless.join();
+  EXPECT_EQ(waited, absl::OkStatus());
+  EXPECT_EQ(sleepers, 0u);
 }
 
 // The daemon's codes share kAbortRankGone's bit: each is read as itself, once, for every
@@ -1300,6 +1324,14 @@ TEST(LoadCountersTest, AReaderSeesCountersWithExactlyTheDispatchesTheyCover) {
             absl::DeadlineExceededError(absl::StrCat(
                 "load counters of layer ", layer, " kept changing for 5ms (sequence ",
                 2 * kDispatches + 1, "): their owner stopped mid-update")));
+  // The rank's next process adds on: the word is even again, and readable, with the stopped
+  // update counted as one dispatch (it may have added part of its counts).
+  AddLayerLoad(arena, layout, S, layer, added.data());
+  EXPECT_EQ(reinterpret_cast<uint64_t*>(arena + layout.load_seq)[layer], 2 * kDispatches + 4);
+  absl::StatusOr<uint64_t> n = ReadLayerLoad(arena, layout, S, layer, counters.data(), absl::Milliseconds(5));
+  ASSERT_TRUE(n.ok()) << n.status();
+  EXPECT_EQ(*n, kDispatches + 2);
+  for (int i = 0; i < S; ++i) EXPECT_EQ(counters[i], (kDispatches + 1) * (i + 1)) << "slot " << i;
 }
 
 }  // namespace

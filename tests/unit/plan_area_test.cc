@@ -59,6 +59,17 @@ TEST_F(PlanAreaTest, PlansTakeEffectAtTheirStepOnceCommitted) {
   EXPECT_EQ(version, 4u);
 }
 
+// With no plan committed yet, a prepare that awaits its decision holds one slot and the other
+// is empty: a second prepare is refused all the same.
+TEST_F(PlanAreaTest, ASecondPrepareIsRefusedBeforeAnyCommit) {
+  ASSERT_TRUE(PreparePlan(area(), Table(1), 1, 0).ok());
+  EXPECT_EQ(PreparePlan(area(), Table(2), 2, 0),
+            absl::FailedPreconditionError(
+                "plan v2 cannot be prepared while v1 awaits its commit or abort"));
+  ASSERT_TRUE(AbortPlan(area(), 1).ok());
+  ASSERT_TRUE(PreparePlan(area(), Table(2), 2, 0).ok());
+}
+
 TEST_F(PlanAreaTest, RefusesWhatWouldBreakTheProtocol) {
   ASSERT_TRUE(PreparePlan(area(), Table(5), 5, 0).ok());
   ASSERT_TRUE(CommitPlan(area(), 5).ok());
