@@ -4,7 +4,11 @@
 // method (ubep_cuda: counting and sending in one cooperative launch; ubep_cuda_flagged: the same
 // with flag-in-granule rows and partials, kernels/common/flagged_rows.h; ubep_cuda_count_first:
 // the counting kernel, then the senders; bsp_cuda; all on the same input): p50_us/p99_us of
-// dispatch+combine (slowest rank), bytes_moved, GB/s, and the D2D copy's GB/s.
+// dispatch+combine (slowest rank), bytes_moved, GB/s, and two device-to-device copies measured
+// by rank 0 after its iterations: d2d_copy_gbps, 1 GiB (past the L2 cache: the card's memory
+// rate, the ceiling of the stores), and d2d_copy_same_size_gbps, rank 0's own bytes; both
+// count bytes copied (each read once and written once), as bytes_moved counts rows stored.
+// A rank that dies or fails gives its case an "error" row instead of numbers.
 //
 //   ubep-bench-cuda [--ranks 2,4,8] [--tokens 128] [--hidden 7168] [--iters 50]
 #include <cuda_runtime.h>
@@ -19,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "bench/dataplane_inputs.h"
@@ -32,13 +37,19 @@ namespace ubep::kernels {
 namespace {
 
 constexpr int kMaxRanks = 8, kMaxIters = 1000, kWarmup = 5;
+// How long a rank waits for its peers outside a call (to start, to finish): long enough for
+// ranks time-slicing one GPU, short enough that a dead rank costs a case seconds, not minutes.
+constexpr absl::Duration kMeetTimeout = absl::Seconds(20);
+// A dispatch or combine waiting for a peer: a step of 8 ranks x 4096 tokens time-slicing one
+// GPU takes well under a second.
+constexpr absl::Duration kCallTimeout = absl::Seconds(10);
 
 struct Board {
   std::atomic<int> ready, go, done;
   std::byte handles[kMaxRanks][64];
   double us[kMaxIters][kMaxRanks];
   uint64_t bytes[kMaxRanks];
-  double copy_gbps;
+  double copy_gbps, copy_same_size_gbps;
   int failed;
   char error[256];
 };
@@ -53,7 +64,7 @@ int RankMain(const bench::Case& c, Protocol protocol, EpConfig::SenderThread sen
     if (!posted_ready) board->ready.fetch_add(1);
     // Keep this rank's arena alive until every peer is done with it.
     board->done.fetch_add(1);
-    const absl::Time until = absl::Now() + absl::Seconds(60);
+    const absl::Time until = absl::Now() + kMeetTimeout;
     while (board->done.load() < c.ranks && absl::Now() < until) usleep(100);
     return 3;
   };
@@ -67,15 +78,16 @@ int RankMain(const bench::Case& c, Protocol protocol, EpConfig::SenderThread sen
                         .top_k = bench::kTopK, .num_experts = bench::kExperts,
                         .slots_per_rank = bench::kExperts / c.ranks, .num_layers = 1,
                         .dtype = DType::kBFloat16, .protocol = protocol,
-                        .timeout = absl::Seconds(30), .sender_thread = sender_thread,
+                        .timeout = kCallTimeout, .sender_thread = sender_thread,
                         .flagged_tokens = flagged ? c.tokens : 0};
   auto arena = DeviceArena::Create(ArenaLayout(config).total_bytes);
   if (!arena.ok()) return fail(std::string(arena.status().message()));
   if (!(*arena)->IpcHandle(board->handles[rank]).ok()) return fail("ipc handle");
   board->ready.fetch_add(1);
   posted_ready = true;
-  const absl::Time give_up = absl::Now() + absl::Seconds(120);
+  const absl::Time give_up = absl::Now() + kMeetTimeout;
   while (board->ready.load() < c.ranks && absl::Now() < give_up) usleep(100);
+  if (board->ready.load() < c.ranks) return fail("a peer never got ready");
   std::vector<std::unique_ptr<DeviceArena>> peers;
   std::vector<std::byte*> pointers(c.ranks);
   for (int s = 0; s < c.ranks; ++s) {
@@ -116,7 +128,8 @@ int RankMain(const bench::Case& c, Protocol protocol, EpConfig::SenderThread sen
     records += dests.size();
   }
   BENCH_CUDA(cudaDeviceSynchronize());
-  while (board->go.load() == 0 && absl::Now() < give_up) usleep(100);
+  const absl::Time start_by = absl::Now() + kMeetTimeout;
+  while (board->go.load() == 0 && absl::Now() < start_by) usleep(100);
   CudaDispatchOutput out;
   for (int i = 0; i < kWarmup + iters; ++i) {
     const auto start = std::chrono::steady_clock::now();
@@ -134,24 +147,36 @@ int RankMain(const bench::Case& c, Protocol protocol, EpConfig::SenderThread sen
   }
   board->bytes[rank] = records * c.hidden * 2 * 2;
   if (rank == 0) {
-    // Reference: a device-to-device copy of this rank's bytes.
-    const size_t n = std::max<uint64_t>(board->bytes[0], 1 << 20);
-    void *a, *b;
-    BENCH_CUDA(cudaMalloc(&a, n));
-    BENCH_CUDA(cudaMalloc(&b, n));
-    cudaEvent_t e0, e1;
-    BENCH_CUDA(cudaEventCreate(&e0));
-    BENCH_CUDA(cudaEventCreate(&e1));
-    BENCH_CUDA(cudaEventRecord(e0));
-    for (int i = 0; i < 20; ++i) BENCH_CUDA(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice));
-    BENCH_CUDA(cudaEventRecord(e1));
-    BENCH_CUDA(cudaEventSynchronize(e1));
-    float ms = 0;
-    BENCH_CUDA(cudaEventElapsedTime(&ms, e0, e1));
-    board->copy_gbps = 20.0 * n / (ms * 1e6);
+    // References: device-to-device copies, 3 untimed, then the median of 11 timed one by one.
+    auto copy_gbps = [&](size_t n, double* gbps) -> cudaError_t {
+      void *a = nullptr, *b = nullptr;
+      cudaEvent_t e0 = nullptr, e1 = nullptr;
+      cudaError_t error = cudaMalloc(&a, n);
+      if (error == cudaSuccess) error = cudaMalloc(&b, n);
+      if (error == cudaSuccess) error = cudaEventCreate(&e0);
+      if (error == cudaSuccess) error = cudaEventCreate(&e1);
+      std::vector<double> each;
+      for (int i = 0; i < 14 && error == cudaSuccess; ++i) {
+        float ms = 0;
+        error = cudaEventRecord(e0);
+        if (error == cudaSuccess) error = cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice);
+        if (error == cudaSuccess) error = cudaEventRecord(e1);
+        if (error == cudaSuccess) error = cudaEventSynchronize(e1);
+        if (error == cudaSuccess) error = cudaEventElapsedTime(&ms, e0, e1);
+        if (error == cudaSuccess && i >= 3) each.push_back(n / (ms * 1e6));
+      }
+      if (error == cudaSuccess) *gbps = ubep::Percentile(each, 0.5);
+      cudaFree(a);
+      cudaFree(b);
+      if (e0 != nullptr) cudaEventDestroy(e0);
+      if (e1 != nullptr) cudaEventDestroy(e1);
+      return error;
+    };
+    BENCH_CUDA(copy_gbps(size_t{1} << 30, &board->copy_gbps));
+    BENCH_CUDA(copy_gbps(std::max<uint64_t>(board->bytes[0], 1 << 20), &board->copy_same_size_gbps));
   }
   board->done.fetch_add(1);
-  const absl::Time end = absl::Now() + absl::Seconds(120);
+  const absl::Time end = absl::Now() + kMeetTimeout;
   while (board->done.load() < c.ranks && absl::Now() < end) usleep(100);
   return 0;
 #undef BENCH_CUDA
@@ -218,14 +243,37 @@ int main(int argc, char** argv) {
         if (pid == 0) _exit(RankMain(c, protocol, sender_thread, flagged, rank, iters, *skew, board));
         pids.push_back(pid);
       }
-      const absl::Time until = absl::Now() + absl::Seconds(120);
-      while (board->ready.load() < r && absl::Now() < until) usleep(1000);
+      // Every rank ready (or one dead: its peers give up on their own), then go; every rank
+      // reaped, and a rank that died (a signal, or an exit the board does not explain) turns
+      // the case into an error row rather than numbers.
+      std::vector<int> status(r, -1);
+      auto reap = [&](int options) {
+        for (int rank = 0; rank < r; ++rank) {
+          if (status[rank] == -1 && waitpid(pids[rank], &status[rank], options) <= 0) {
+            status[rank] = -1;
+          }
+        }
+      };
+      const absl::Time until = absl::Now() + kMeetTimeout;
+      while (board->ready.load() < r && absl::Now() < until &&
+             std::count(status.begin(), status.end(), -1) == r) {
+        usleep(1000);
+        reap(WNOHANG);
+      }
       board->go.store(1);
-      for (pid_t pid : pids) waitpid(pid, nullptr, 0);
+      reap(0);
+      std::string died;
+      for (int rank = 0; rank < r && died.empty(); ++rank) {
+        if (WIFSIGNALED(status[rank])) {
+          died = absl::StrCat("rank ", rank, " killed by signal ", WTERMSIG(status[rank]));
+        } else if (!WIFEXITED(status[rank]) || WEXITSTATUS(status[rank]) != 0) {
+          if (!board->failed) died = absl::StrCat("rank ", rank, " exited with status ", status[rank]);
+        }
+      }
       nlohmann::json row = {{"method", method}, {"ranks", r}, {"tokens", tokens},
                             {"hidden", hidden}, {"routing", "uniform"}};
-      if (board->failed) {
-        row["error"] = board->error;
+      if (board->failed || !died.empty()) {
+        row["error"] = board->failed ? std::string(board->error) : died;
       } else {
         std::vector<double> lat;
         for (int i = 0; i < iters; ++i) lat.push_back(*std::max_element(board->us[i], board->us[i] + r));
@@ -237,6 +285,7 @@ int main(int argc, char** argv) {
         row["bytes_moved"] = bytes;
         row["gbps"] = bytes / (p50 * 1e3);
         row["d2d_copy_gbps"] = board->copy_gbps;
+        row["d2d_copy_same_size_gbps"] = board->copy_same_size_gbps;
       }
       std::printf("%s\n %s", first_row ? "" : ",", row.dump().c_str());
       std::fflush(stdout);

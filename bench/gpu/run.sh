@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU: runs the GPU tests (the CUDA backend checked byte for byte
 # against the host backend, both protocols, ubep's counting and sending in one launch and one
-# after the other, and ubepd --backend cuda end to end), then times dispatch + combine (128
+# after the other, and ubepd --backend cuda end to end) and times dispatch + combine (128
 # tokens per rank at 2, 4 and 8 ranks, 4096 at 2 and 4) with ranks run as processes sharing
-# the GPU, ubep (both ways) and bsp on the same input, next to a device-to-device copy.
+# the GPU, ubep (both ways) and bsp on the same input, next to device-to-device copies. A
+# step that fails does not stop the others; a binary that cannot load skips the steps that
+# need it; only a machine that refuses cross-process device memory ends the run early.
 #
 #   bench/gpu/run.sh [OUT_DIR]                  builds here for sm_90 (needs the project's
 #                                               dependencies: scripts/install-deps.sh)
@@ -13,8 +15,10 @@
 #                                               each library from the pack or the machine's
 #                                               own (C library, CUDA driver, NCCL); exit 2 if not
 #
-# Results: OUT_DIR/gpu_tests.log, OUT_DIR/cuda_bench_128.json and cuda_bench_4096.json
-# (default OUT_DIR: build-gpu/results). Exit status: the GPU tests'.
+# Results, written as they come: OUT_DIR/gpu_tests.log (the library check, the tests, the
+# bench's errors and every step's exit status), OUT_DIR/cuda_bench_128.json and
+# cuda_bench_4096.json, one row per line (a run cut short leaves its rows without the closing
+# bracket). Default OUT_DIR: build-gpu/results. Exit status: the GPU tests'.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 pack=
@@ -28,36 +32,50 @@ if [[ ${1:-} == --pack ]]; then
   fi
 fi
 out=${1:-build-gpu/results}
+log=/dev/null
+if [[ $check == 0 ]]; then
+  mkdir -p "$out"
+  log=$out/gpu_tests.log
+  : > "$log"
+fi
+say() { echo "$*" | tee -a "$log"; }
+# Binaries that cannot load here: the steps that need them are skipped, the others run.
+declare -A unusable=()
 
 if [[ -n $pack ]]; then
   bin=$pack/bin
   tests=$pack/bin
-  # NCCL: the machine's own (under /usr/local/cuda, or PyTorch's wheel).
+  # NCCL: the machine's own (under /usr/local/cuda, or PyTorch's wheel: nvidia-nccl-cu13).
   nccl=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' \
            2>/dev/null || true)
   export LD_LIBRARY_PATH="$pack/lib:/usr/local/cuda/lib64${nccl:+:$nccl}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  if ldd "$bin/ubepd" 2>&1 | grep -q "GLIBCXX\|libstdc++.*not found"; then
-    export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$pack/lib-compat"
-    echo "run.sh: this machine's libstdc++ is older than the build's; using the pack's"
-  fi
-  source bench/gpu/pack-libs.sh
-  bad=0
   for b in "$bin"/*; do
-    deps=$(ldd "$b" 2>&1)
-    if grep "not found" <<< "$deps"; then
-      echo "run.sh: $(basename "$b") cannot load the libraries above" >&2
-      bad=1
+    if ldd "$b" 2>&1 | grep -q "GLIBCXX\|libstdc++.*not found"; then
+      export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$pack/lib-compat"
+      say "run.sh: this machine's libstdc++ is older than the build's; using the pack's"
+      break
     fi
-    while read -r name path; do
-      if [[ $name =~ $pack_system_libs || $name =~ $pack_compat_libs || $path == "$pack"/lib/* ]]; then
+  done
+  source bench/gpu/pack-libs.sh
+  for b in "$bin"/*; do
+    name=$(basename "$b")
+    deps=$(ldd "$b" 2>&1)
+    if grep "not found" <<< "$deps" | tee -a "$log" >&2; then
+      say "run.sh: $name cannot load the libraries above" >&2
+      unusable[$name]=1
+    fi
+    while read -r lib path; do
+      if [[ $lib =~ $pack_system_libs || $lib =~ $pack_compat_libs || $path == "$pack"/lib/* ]]; then
         continue
       fi
-      echo "run.sh: $(basename "$b") loads $name from $path, outside the pack" >&2
-      bad=1
+      say "run.sh: $name loads $lib from $path, outside the pack" >&2
+      unusable[$name]=1
     done < <(awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}' <<< "$deps")
   done
-  if [[ $bad != 0 ]]; then exit 2; fi
-  if [[ $check == 1 ]]; then exit 0; fi
+  if [[ $check == 1 ]]; then
+    [[ ${#unusable[@]} == 0 ]] || exit 2
+    exit 0
+  fi
   # The tests start ubepd and ubep-balancer from the pack; the bench reads data/ from here.
   export UBEP_BIN_DIR=$bin UBEP_SOURCE_DIR=$PWD
 else
@@ -71,46 +89,78 @@ else
   tests=build-gpu/tests
 fi
 
-mkdir -p "$out"
+grep -q avx2 /proc/cpuinfo ||
+  say "run.sh: this CPU does not report AVX2; the host code, built for x86-64-v3, may not run"
 gpu_listed=0
-if nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then gpu_listed=1; fi
-nvidia-smi -L || true
+if timeout -k 5 15 nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then gpu_listed=1; fi
+timeout -k 5 15 nvidia-smi -L 2>&1 | tee -a "$log" || true
 # Settings that change how ranks as processes share the card (read, never changed).
-nvidia-smi --query-gpu=name,driver_version,persistence_mode,compute_mode,mig.mode.current \
-  --format=csv 2>/dev/null || true
+timeout -k 5 15 nvidia-smi \
+  --query-gpu=name,driver_version,persistence_mode,compute_mode,mig.mode.current \
+  --format=csv 2>/dev/null | tee -a "$log" || true
 set +e
 status=0
 # Each step is bounded, together under 9 minutes (one device command may run 10): ranks as
 # processes time-slice one GPU (no MPS: the card's settings stay as they are), so
-# prefill-sized runs are slow, and a session's device time is short.
+# prefill-sized runs are slow, and a session's device time is short. The steps run in the
+# order of what a short run must not lose: the first case, the decode-sized bench, the daemon
+# end to end, every other case, the prefill-sized bench.
+usable() {  # usable BINARY...: whether every one loads here (else the step is skipped).
+  local b
+  for b in "$@"; do [[ -z ${unusable[$b]:-} ]] || return 1; done
+}
 step() {  # step LIMIT_S NAME COMMAND...: runs it into the log; non-zero status fails the run.
   local limit=$1 name=$2
   shift 2
-  timeout "$limit" "$@" 2>&1 | tee -a "$out/gpu_tests.log"
+  timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$log"
   local rc=${PIPESTATUS[0]}
-  echo "$name: exit $rc" | tee -a "$out/gpu_tests.log"
+  say "$name: exit $rc"
   [[ $rc == 0 ]] || status=1
   return "$rc"
 }
+bench() {  # bench TOKENS RANKS ITERS LIMIT_S: one JSON file, its errors and exit in the log.
+  if ! usable ubep-bench-cuda; then
+    say "ubep-bench-cuda --tokens $1: skipped (cannot load)"
+    return
+  fi
+  timeout -k 10 "$4" "$bin/ubep-bench-cuda" --ranks "$2" --tokens "$1" --hidden 7168 \
+    --iters "$3" 2>> "$log" | tee "$out/cuda_bench_$1.json"
+  say "ubep-bench-cuda --tokens $1: exit ${PIPESTATUS[0]}"
+}
 # First one small case (2 ranks): a machine that refuses the cross-process device memory
-# (IPC, VMM handles) fails here in seconds, and the rest is not run.
+# (IPC, VMM handles) fails here in seconds, and nothing else is run. Any other failure still
+# leaves the bench, the daemon test and the byte-for-byte cases of every protocol to run.
 smoke='RanksAndProtocols/CudaEpTest.MatchesTheHostBackendByteForByte/2_ranks_ubep'
-if ! step 60 cuda_ep_smoke "$tests/cuda_ep_test" --gtest_color=no --gtest_filter="$smoke"; then
-  echo "run.sh: the first case failed; the rest is not run" | tee -a "$out/gpu_tests.log"
-  exit 1
+smoke_ok=1
+if ! usable cuda_ep_test; then
+  say "cuda_ep_test: skipped (cannot load)"
+  status=1
+  smoke_ok=0
+elif ! step 60 cuda_ep_smoke "$tests/cuda_ep_test" --gtest_color=no --gtest_filter="$smoke"; then
+  smoke_ok=0
+  if grep -q "cudaIpc\|cuMem" "$log"; then
+    say "run.sh: this machine refuses cross-process device memory; the rest is not run"
+    exit 1
+  fi
 fi
-step 210 cuda_ep_test "$tests/cuda_ep_test" --gtest_color=no --gtest_filter="-$smoke"
-step 90 daemon_cuda_test "$tests/daemon_cuda_test" --gtest_color=no
-if [[ $gpu_listed == 1 ]] && grep -q "no CUDA device here" "$out/gpu_tests.log"; then
-  echo "run.sh: nvidia-smi lists a GPU, but the tests found none usable (reason above)" |
-    tee -a "$out/gpu_tests.log"
+bench 128 2,4,8 20 100
+if usable daemon_cuda_test ubepd ubep-balancer; then
+  step 90 daemon_cuda_test "$tests/daemon_cuda_test" --gtest_color=no
+else
+  say "daemon_cuda_test: skipped (it or the daemons cannot load)"
   status=1
 fi
-for run in "128 2,4,8 20 100" "4096 2,4 5 70"; do
-  set -- $run
-  timeout "$4" "$bin/ubep-bench-cuda" --ranks "$2" --tokens "$1" --hidden 7168 --iters "$3" \
-    | tee "$out/cuda_bench_$1.json"
-  rc=${PIPESTATUS[0]}
-  [[ $rc == 0 ]] || echo "ubep-bench-cuda --tokens $1: exit $rc"
-done
+if usable cuda_ep_test; then
+  if [[ $smoke_ok == 1 ]]; then
+    step 190 cuda_ep_test "$tests/cuda_ep_test" --gtest_color=no --gtest_filter="-$smoke"
+  else
+    step 90 cuda_ep_test "$tests/cuda_ep_test" --gtest_color=no \
+      --gtest_filter='*MatchesTheHostBackendByteForByte*'
+  fi
+fi
+if [[ $gpu_listed == 1 ]] && grep -q "no CUDA device here" "$log"; then
+  say "run.sh: nvidia-smi lists a GPU, but the tests found none usable (reason above)"
+  status=1
+fi
+bench 4096 2,4 5 70
 exit $status
