@@ -1147,16 +1147,17 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   p.timeout_ns = static_cast<uint64_t>(absl::ToInt64Nanoseconds(config.timeout));
   p.num_experts = config.num_experts;
   p.max_rows = static_cast<int>(max_rows);
-  // Resume the epochs this arena has seen (a restarted rank continues its peers' count).
-  uint32_t flags[2] = {0, 0};
-  UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&flags[0],
-                                       arenas[rank] + l.dispatch_flag + rank * kFlagStride,
-                                       sizeof(uint32_t), cudaMemcpyDeviceToHost));
-  UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&flags[1],
-                                       arenas[rank] + l.combine_flag + rank * kFlagStride,
-                                       sizeof(uint32_t), cudaMemcpyDeviceToHost));
-  ep->dispatch_epoch_ = flags[0];
-  ep->combine_epoch_ = flags[1];
+  // Resume the epochs this arena has seen (a restarted rank continues its peers' count):
+  // own flags and completed calls (ResumedEpoch), dispatch then combine.
+  uint32_t words[4] = {0, 0, 0, 0};
+  const size_t offsets[4] = {l.dispatch_flag + rank * kFlagStride, l.dispatch_completed,
+                             l.combine_flag + rank * kFlagStride, l.combine_completed};
+  for (int i = 0; i < 4; ++i) {
+    UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&words[i], arenas[rank] + offsets[i], sizeof(uint32_t),
+                                         cudaMemcpyDeviceToHost));
+  }
+  ep->dispatch_epoch_ = ResumedEpoch(words[0], words[1]);
+  ep->combine_epoch_ = ResumedEpoch(words[2], words[3]);
   UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&ep->barrier_epoch_,
                                        arenas[rank] + l.barrier_flag + rank * kFlagStride,
                                        sizeof(uint32_t), cudaMemcpyDeviceToHost));

@@ -229,6 +229,14 @@ std::string ParseRefusal(const std::byte (&body)[kRefusalBody], CallPhase phase)
 // on its way from the others.
 void MarkCompleted(std::byte* arena, const ArenaLayout& layout, bool combine, uint32_t epoch);
 
+// The dispatch (or combine) epoch a rank created over an arena that has seen calls resumes
+// from, so that it continues its peers' count: the later of its own flag in its own arena
+// (ubep raises it every call, even one it did not complete) and the last call it completed
+// (MarkCompleted, both protocols; bsp raises no dispatch or combine flag).
+inline uint32_t ResumedEpoch(uint32_t own_flag, uint32_t completed) {
+  return EpochReached(own_flag, completed) ? own_flag : completed;
+}
+
 // Whether abort code `code` names a rank that left after it had completed the dispatch (or
 // combine, `combine`) of call `epoch`; `arenas` are every rank's arenas.
 bool LeftAfter(uint32_t code, std::span<std::byte* const> arenas, const ArenaLayout& layout,

@@ -208,12 +208,12 @@ HostEp::HostEp(const EpConfig& config, int rank, std::vector<std::byte*> arenas)
   }
   // Resume the epochs this arena has seen, so a restarted rank continues its peers' count.
   auto* own = arenas_[rank_];
-  dispatch_epoch_ =
-      LoadAcquire(reinterpret_cast<uint32_t*>(own + layout_.dispatch_flag + rank_ * kFlagStride));
-  combine_epoch_ =
-      LoadAcquire(reinterpret_cast<uint32_t*>(own + layout_.combine_flag + rank_ * kFlagStride));
-  barrier_epoch_ =
-      LoadAcquire(reinterpret_cast<uint32_t*>(own + layout_.barrier_flag + rank_ * kFlagStride));
+  auto word = [own](size_t offset) { return LoadAcquire(reinterpret_cast<uint32_t*>(own + offset)); };
+  dispatch_epoch_ = ResumedEpoch(word(layout_.dispatch_flag + rank_ * kFlagStride),
+                                 word(layout_.dispatch_completed));
+  combine_epoch_ = ResumedEpoch(word(layout_.combine_flag + rank_ * kFlagStride),
+                                word(layout_.combine_completed));
+  barrier_epoch_ = word(layout_.barrier_flag + rank_ * kFlagStride);
   const bool spare_cores =
       std::thread::hardware_concurrency() >= 2u * static_cast<unsigned>(config.num_ranks);
   if (config.protocol == Protocol::kUbep &&

@@ -112,16 +112,18 @@ class Group {
     for (auto& t : threads) t.join();
   }
 
-  // Every rank (again) on the group's arenas: a restarted rank resumes the epochs its arena
-  // has seen.
-  void Restart() {
+  // Every rank (again), or rank `only`, on the group's arenas: a restarted rank resumes the
+  // epochs its arena has seen.
+  void Restart(int only = -1) {
     std::vector<std::byte*> pointers;
     for (SharedArena& arena : arenas_) pointers.push_back(arena.data());
-    eps_.clear();
+    eps_.resize(config_.num_ranks);
     for (int r = 0; r < config_.num_ranks; ++r) {
+      if (only >= 0 && r != only) continue;
+      eps_[r].reset();
       absl::StatusOr<std::unique_ptr<HostEp>> ep = HostEp::Create(config_, r, pointers);
       EXPECT_TRUE(ep.ok()) << ep.status();
-      eps_.push_back(std::move(*ep));
+      eps_[r] = std::move(*ep);
     }
   }
 

@@ -994,6 +994,29 @@ TEST(HostEpFlaggedTest, TagsOfEarlierEpochsAreScrubbedBeforeTheyComeAgain) {
   RunStep(group, inputs, plan, 1);
 }
 
+// A rank created again over its arena without a reset (its serving process restarted between
+// steps) continues its peers' count of calls, under either protocol: a bsp rank raises no
+// dispatch or combine flag of its own and resumes from the calls it completed (before, it
+// started again at call 1 and its peers, at call 3, timed out on it). The inputs change
+// every step, so stale rows would not pass.
+TEST(HostEpRestartTest, ARankCreatedAgainOverItsArenaContinuesItsPeersCount) {
+  for (Protocol protocol : {Protocol::kUbep, Protocol::kBsp}) {
+    SCOPED_TRACE(protocol == Protocol::kBsp ? "bsp" : "ubep");
+    EpConfig config = SmallConfig(protocol);
+    config.timeout = absl::Seconds(2);
+    Group group(config);
+    const TestPlan plan = RoundRobinPlan(config);
+    for (int step = 0; step < 3; ++step) {
+      if (step == 2) group.Restart(/*only=*/1);
+      std::vector<RankInput> inputs;
+      for (int r = 0; r < config.num_ranks; ++r) {
+        inputs.push_back(MakeInput(config, r, 10 + r, 50 + step));
+      }
+      RunStep(group, inputs, plan, step % 2);
+    }
+  }
+}
+
 // A group that re-forms starts its epochs again from 1 (ResetSignals), so the old
 // generation's flagged rows and partials carry the tags the new one uses next: the reset
 // zeroes them. One flagged call, a reset of every arena, the ranks created again, then call 1
