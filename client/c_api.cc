@@ -2,6 +2,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "ubep/ubep.h"
 #include "ubep/ubep_c.h"
 
@@ -22,6 +23,11 @@ int Fail(const absl::Status& status) {
 }
 
 int Check(const absl::Status& status) { return status.ok() ? 0 : Fail(status); }
+
+// A null handle is the caller's bug: an error naming the function, not a crash.
+int NullHandle(const char* function) {
+  return Fail(absl::InvalidArgumentError(absl::StrCat(function, ": null handle")));
+}
 
 }  // namespace
 
@@ -44,6 +50,11 @@ int ubep_attach(const char* socket_path, int32_t rank, int32_t world_size, int32
   s.max_tokens = shape->max_tokens;
   s.slots_per_rank = shape->slots_per_rank;
   s.bytes_per_expert = shape->bytes_per_expert;
+  if (shape->dtype != UBEP_DTYPE_FLOAT32 && shape->dtype != UBEP_DTYPE_BFLOAT16) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+        "ubep_attach: dtype ", shape->dtype, " is neither UBEP_DTYPE_FLOAT32 (0) nor "
+        "UBEP_DTYPE_BFLOAT16 (1)")));
+  }
   s.dtype = shape->dtype == UBEP_DTYPE_BFLOAT16 ? ubep::DType::kBFloat16 : ubep::DType::kFloat32;
   absl::StatusOr<std::unique_ptr<ubep::Rank>> r =
       ubep::Rank::Attach(options, rank, world_size, device, s);
@@ -59,17 +70,23 @@ int ubep_detach(ubep_rank* rank) {
   return Check(s);
 }
 
-uint64_t ubep_resume_step(const ubep_rank* rank) { return rank->rank->resume_step(); }
+uint64_t ubep_resume_step(const ubep_rank* rank) {
+  return rank != nullptr ? rank->rank->resume_step() : 0;
+}
 
-int ubep_begin_step(ubep_rank* rank, uint64_t step) { return Check(rank->rank->BeginStep(step)); }
+int ubep_begin_step(ubep_rank* rank, uint64_t step) {
+  if (rank == nullptr) return NullHandle("ubep_begin_step");
+  return Check(rank->rank->BeginStep(step));
+}
 
-int ubep_excluded(const ubep_rank* rank) { return rank->rank->excluded() ? 1 : 0; }
+int ubep_excluded(const ubep_rank* rank) { return rank != nullptr && rank->rank->excluded() ? 1 : 0; }
 
 int ubep_must_attach_again(const ubep_rank* rank) {
-  return rank->rank->must_attach_again() ? 1 : 0;
+  return rank != nullptr && rank->rank->must_attach_again() ? 1 : 0;
 }
 
 int ubep_rejoin(ubep_rank* rank, int64_t next_step, uint64_t* resume_step) {
+  if (rank == nullptr) return NullHandle("ubep_rejoin");
   absl::StatusOr<uint64_t> r = rank->rank->Rejoin(
       next_step < 0 ? std::nullopt : std::optional<uint64_t>(static_cast<uint64_t>(next_step)));
   if (!r.ok()) return Fail(r.status());
@@ -82,13 +99,14 @@ void ubep_dispatched_free(ubep_dispatched* dispatched) { delete dispatched; }
 
 int ubep_dispatch(ubep_rank* rank, int32_t layer, const void* x, const int32_t* topk_idx,
                   const float* topk_weights, int32_t num_tokens, ubep_dispatched* out) {
-  if (out == nullptr) return Fail(absl::InvalidArgumentError("ubep_dispatch: null output"));
+  if (rank == nullptr || out == nullptr) return NullHandle("ubep_dispatch");
   return Check(rank->rank->Dispatch(layer, x, topk_idx, topk_weights, num_tokens, out->dispatched));
 }
 
 void ubep_dispatched_view(const ubep_dispatched* d, int32_t* num_rows, const void** rows,
                           const int32_t** slot_offsets, const int32_t** src_rank,
                           const int32_t** src_token, const float** weights) {
+  if (d == nullptr) return;
   if (num_rows != nullptr) *num_rows = d->dispatched.num_rows();
   if (rows != nullptr) *rows = d->dispatched.rows();
   if (slot_offsets != nullptr) *slot_offsets = d->dispatched.slot_offsets().data();
@@ -99,11 +117,13 @@ void ubep_dispatched_view(const ubep_dispatched* d, int32_t* num_rows, const voi
 
 int ubep_combine(ubep_rank* rank, const ubep_dispatched* dispatched, const void* expert_out,
                  void* out) {
+  if (rank == nullptr || dispatched == nullptr) return NullHandle("ubep_combine");
   return Check(rank->rank->Combine(dispatched->dispatched, expert_out, out));
 }
 
 int ubep_expert_weights(ubep_rank* rank, int32_t layer, int32_t local_slot, void** data,
                         uint64_t* bytes) {
+  if (rank == nullptr) return NullHandle("ubep_expert_weights");
   absl::StatusOr<std::span<std::byte>> w = rank->rank->ExpertWeights(layer, local_slot);
   if (!w.ok()) return Fail(w.status());
   if (data != nullptr) *data = w->data();

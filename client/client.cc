@@ -254,7 +254,9 @@ absl::Status TakeArenas(RankState& s, const v1::AttachResponse& response) {
   UBEP_ASSIGN_OR_RETURN(ReceivedMessage reply,
                         ReceiveMessage(s.fd_connection.get(), 4096, s.options.rpc_timeout));
   if (reply.bytes != "OK") {
-    return absl::FailedPreconditionError(absl::StrCat(
+    // Every refusal of a claim is for a while (the token expired or was used, the group's
+    // arenas changed): Unavailable, which callers retry, as the message says to.
+    return absl::UnavailableError(absl::StrCat(
         "rank ", s.rank, ": ubepd refused the arenas: ",
         reply.bytes.size() > 4 ? reply.bytes.substr(4) : std::string("connection closed")));
   }
@@ -417,29 +419,33 @@ absl::StatusOr<std::unique_ptr<Rank>> Rank::Attach(const ClientOptions& options,
   s->token = response.token();
   s->on_device = response.backend() == "cuda";
   s->device = static_cast<int>(response.device());
+  // Attached: from here on every error detaches (~Rank), so that the daemon frees the rank at
+  // once rather than after its ticket times out, and a corrected process can attach it.
+  s->attached = true;
+  std::unique_ptr<Rank> handle(new Rank(std::move(s)));
+  RankState& st = *handle->state_;
 #ifndef UBEP_CLIENT_CUDA
-  if (s->on_device) {
-    std::unique_ptr<Rank> detach(new Rank(std::move(s)));
+  if (st.on_device) {
     return absl::FailedPreconditionError(absl::StrCat(
         "rank ", rank, ": ubepd serves the cuda backend, and this libubep was built without "
         "CUDA"));
   }
 #endif
   const v1::ArenaLayout& l = response.layout();
-  s->layout.total_bytes = l.total_bytes();
-  s->layout.control = l.control_offset();
-  s->layout.ep = l.ep_offset();
-  s->layout.ep_bytes = l.ep_bytes();
-  s->layout.plan = l.plan_offset();
-  s->layout.plan_capacity = l.plan_capacity();
-  s->layout.slot_map = l.slot_map_offset();
-  s->layout.weights = l.weights_offset();
-  s->layout.weight_stride = l.weight_stride();
-  s->layout.buffers_per_layer = l.buffers_per_layer();
-  s->layout.on_device = s->on_device;
-  s->layout.device_bytes = l.device_bytes();
-  s->layout.device_weights = l.device_weights_offset();
-  kernels::EpConfig& c = s->config;
+  st.layout.total_bytes = l.total_bytes();
+  st.layout.control = l.control_offset();
+  st.layout.ep = l.ep_offset();
+  st.layout.ep_bytes = l.ep_bytes();
+  st.layout.plan = l.plan_offset();
+  st.layout.plan_capacity = l.plan_capacity();
+  st.layout.slot_map = l.slot_map_offset();
+  st.layout.weights = l.weights_offset();
+  st.layout.weight_stride = l.weight_stride();
+  st.layout.buffers_per_layer = l.buffers_per_layer();
+  st.layout.on_device = st.on_device;
+  st.layout.device_bytes = l.device_bytes();
+  st.layout.device_weights = l.device_weights_offset();
+  kernels::EpConfig& c = st.config;
   c.num_ranks = world_size;
   c.max_tokens = shape.max_tokens;
   c.hidden = shape.hidden;
@@ -452,15 +458,12 @@ absl::StatusOr<std::unique_ptr<Rank>> Rank::Attach(const ClientOptions& options,
   c.timeout = absl::Milliseconds(response.wait_timeout_ms());
   c.flagged_tokens = static_cast<int>(response.flagged_tokens());
   c.near_ranks = static_cast<int>(response.near_ranks());
-  if (kernels::ArenaLayout(c).total_bytes != s->layout.ep_bytes) {
+  if (kernels::ArenaLayout(c).total_bytes != st.layout.ep_bytes) {
     return absl::DataLossError(absl::StrCat(
-        "rank ", rank, ": ubepd's data-plane layout (", s->layout.ep_bytes,
+        "rank ", rank, ": ubepd's data-plane layout (", st.layout.ep_bytes,
         " bytes) differs from this library's (", kernels::ArenaLayout(c).total_bytes,
         "); ubepd and libubep versions differ"));
   }
-  s->attached = true;
-  std::unique_ptr<Rank> handle(new Rank(std::move(s)));  // Detaches on any error below.
-  RankState& st = *handle->state_;
   UBEP_RETURN_IF_ERROR(TakeArenas(st, response));
   UBEP_RETURN_IF_ERROR(JoinGroup(st, next_step));
   return handle;
@@ -509,6 +512,9 @@ absl::Status Rank::BeginStep(uint64_t step) {
   RankState& s = *state_;
   if (!s.attached) return absl::FailedPreconditionError("rank is detached");
   if (!s.stopped.ok()) return s.stopped;
+  // Until this step has begun, no step has: a BeginStep that fails leaves no step open whose
+  // plan a Dispatch could still use while the peers run the next.
+  s.step_begun = false;
   // At the step reports' pace (not every step): whether ubepd is still there.
   const absl::Time now = absl::Now();
   if (now >= s.next_report && DaemonExited(s)) {
@@ -557,6 +563,9 @@ absl::Status Rank::BeginStep(uint64_t step) {
     }
     Bump(s.control()->decision_wait_ns,
          static_cast<uint64_t>(absl::ToInt64Nanoseconds(absl::Now() - start)));
+    // The daemon stopped the group while the plan was pending (a membership plan stops it at
+    // its prepare): that, not the balancer, is why the wait ended.
+    if (!GroupReady(s)) return Record(s, s.stopped = GroupStopped(s));
     if (kernels::UndecidedAt(area, step)) {
       return Record(s, absl::UnavailableError(absl::StrCat(
                            "rank ", s.rank, ": plan v", undecided, " is prepared for step ", step,
@@ -597,6 +606,7 @@ absl::Status Rank::BeginStep(uint64_t step) {
 absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
                             const float* topk_weights, int num_tokens, Dispatched& out) {
   RankState& s = *state_;
+  if (!s.attached) return absl::FailedPreconditionError("rank is detached");
   if (!s.stopped.ok()) return s.stopped;
   if (!s.step_begun) {
     return absl::FailedPreconditionError(
@@ -663,6 +673,7 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
 
 absl::Status Rank::Combine(const Dispatched& dispatched, const void* expert_out, void* out) {
   RankState& s = *state_;
+  if (!s.attached) return absl::FailedPreconditionError("rank is detached");
   if (!s.stopped.ok()) return s.stopped;
   const absl::Time start = absl::Now();
   absl::Status status;
@@ -691,6 +702,7 @@ absl::StatusOr<uint64_t> Rank::Rejoin(std::optional<uint64_t> next_step) {
 
 absl::StatusOr<std::span<std::byte>> Rank::ExpertWeights(int layer, int local_slot) {
   RankState& s = *state_;
+  if (!s.attached) return absl::FailedPreconditionError("rank is detached");
   if (layer < 0 || layer >= s.shape.num_layers || local_slot < 0 ||
       local_slot >= s.shape.slots_per_rank) {
     return absl::InvalidArgumentError(absl::StrCat("(layer ", layer, ", slot ", local_slot,
@@ -717,6 +729,7 @@ absl::StatusOr<std::span<std::byte>> Rank::ExpertWeights(int layer, int local_sl
 
 absl::StatusOr<int> Rank::SlotExpert(int layer, int local_slot) const {
   const RankState& s = *state_;
+  if (!s.attached) return absl::FailedPreconditionError("rank is detached");
   if (layer < 0 || layer >= s.shape.num_layers || local_slot < 0 ||
       local_slot >= s.shape.slots_per_rank) {
     return absl::InvalidArgumentError(absl::StrCat("(layer ", layer, ", slot ", local_slot,
@@ -760,6 +773,7 @@ absl::Status Rank::Detach() {
   RankState& s = *state_;
   if (!s.attached) return absl::OkStatus();
   s.attached = false;
+  s.step_begun = false;
   s.ep.reset();
 #ifdef UBEP_CLIENT_CUDA
   s.cuda_ep.reset();

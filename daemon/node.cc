@@ -33,6 +33,10 @@ constexpr uint32_t kMaxExperts = 1024;
 constexpr uint32_t kMaxTokens = 1u << 20;
 constexpr uint32_t kMaxHidden = 1u << 16;
 
+// A wait bounded by its caller's gRPC deadline ends this much before it, so that the answer
+// (why the wait ended) reaches the caller before its own DeadlineExceeded.
+constexpr absl::Duration kAnswerMargin = absl::Milliseconds(200);
+
 std::string NewToken() {
   unsigned char bytes[16];
   size_t got = 0;
@@ -340,7 +344,7 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
   }
   if (!AllArenasMapped()) {
     // The peers' arenas come from their daemons (the balancer link maps them).
-    const absl::Time until = std::min(deadline - absl::Milliseconds(200),
+    const absl::Time until = std::min(deadline - kAnswerMargin,
                                       absl::Now() + options_.join_timeout);
     mu_.AwaitWithTimeout([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       return draining_ || !has_group_ || AllArenasMapped();
@@ -601,7 +605,9 @@ absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl
   StoreWord(own->next_step, request.has_next_step() && !plan_.excluded(rank) ? request.next_step()
                                                                              : kernels::kNoNextStep);
   StoreWord(own->join_ticket, ticket);
-  deadline = std::min(deadline, absl::Now() + options_.join_timeout);
+  // Ends before the caller's deadline (as Attach's wait), so that the caller gets this daemon's
+  // answer (who the group still waits for) rather than its own DeadlineExceeded.
+  deadline = std::min(deadline - kAnswerMargin, absl::Now() + options_.join_timeout);
   auto still_mine = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return has_group_ && ranks_[rank].state == RankState::kConnected && ranks_[rank].token == token;
   };

@@ -638,6 +638,8 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
   // Each token's (destination, record) pairs, destinations ascending, for the combine: the
   // units are token-major, each token's in visiting order.
   DispatchOutput::Handle& handle = out.handle;
+  handle.owner = this;
+  handle.epoch = epoch;
   handle.num_tokens = in.num_tokens;
   handle.flagged = flagged;
   handle.active = active_;
@@ -795,6 +797,13 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
   }
   const int R = config_.num_ranks, H = config_.hidden;
   const DispatchOutput::Handle& handle = dispatched.handle;
+  if (handle.owner != this || handle.epoch != dispatch_epoch_) {
+    // Another call's output (an earlier one kept by the caller), or another rank's: its
+    // records and rows are not this call's.
+    return Refuse(absl::InvalidArgumentError(absl::StrCat(
+        "combine: the dispatch output is not of this rank's last dispatch (call ",
+        dispatch_epoch_, ")")));
+  }
   if (static_cast<int>(handle.record_begin.size()) != R ||
       static_cast<int>(handle.records_from.size()) != R ||
       static_cast<int>(handle.token_begin.size()) != handle.num_tokens + 1 ||

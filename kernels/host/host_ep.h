@@ -81,6 +81,9 @@ struct DispatchOutput {
     // Per source: its rows came, and its partials go back, as flag-in-granule rows.
     std::vector<char> flagged_from;
     bool flagged = false;  // This rank's rows went, and its partials come, flagged.
+    // The HostEp and the dispatch call that laid it out: Combine takes only its own last.
+    const void* owner = nullptr;
+    uint32_t epoch = 0;
   } handle;
 };
 

@@ -24,6 +24,8 @@
 #include "tests/integration/cluster.h"
 #include "tests/integration/process.h"
 #include "tests/unit/test_util.h"
+#include "ubep/ubep.h"
+#include "ubep/ubep_c.h"
 #include "ubep/v1/daemon.grpc.pb.h"
 
 namespace ubep {
@@ -484,6 +486,44 @@ TEST_F(DaemonTest, CAbiClientDispatchesAndCombines) {
   EXPECT_EQ(c.Wait(absl::Seconds(60)), 0) << ReadFile(dir_.path() + "/c.out");
   EXPECT_EQ(ReadFile(dir_.path() + "/c.out"),
             "bad expert: code 3: topk_idx[2][1] = 7 is outside [-1, 4)\nc api ok: 8 rows\n");
+}
+
+// The C++ API on a rank that detached, and the C ABI on a null handle or an unknown dtype:
+// a clear error each, never a crash (a rank of a group of one, against a real ubepd).
+TEST_F(DaemonTest, ADetachedRankAndNullHandlesGetErrorsNotCrashes) {
+  auto daemon = StartDaemon();
+  ClientOptions options;
+  options.socket_path = socket_path();
+  const ModelShape shape{.num_layers = 1, .num_experts = 4, .hidden = 8, .top_k = 2,
+                         .max_tokens = 4, .slots_per_rank = 4};
+  absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(options, 0, 1, 0, shape);
+  ASSERT_TRUE(rank.ok()) << rank.status();
+  Rank& r = **rank;
+  ASSERT_TRUE(r.BeginStep(r.resume_step()).ok());
+  std::vector<float> x(4 * 8, 1.0f), w(4 * 2, 0.5f), out(4 * 8);
+  const std::vector<int32_t> idx = {0, 1, 1, 2, 2, 3, 3, 0};
+  Dispatched d;
+  ASSERT_TRUE(r.Dispatch(0, x.data(), idx.data(), w.data(), 4, d).ok());
+  ASSERT_TRUE(r.Detach().ok());
+  const absl::Status detached = absl::FailedPreconditionError("rank is detached");
+  EXPECT_EQ(r.Dispatch(0, x.data(), idx.data(), w.data(), 4, d), detached);
+  EXPECT_EQ(r.Combine(d, x.data(), out.data()), detached);
+  EXPECT_EQ(r.ExpertWeights(0, 0).status(), detached);
+  EXPECT_EQ(r.SlotExpert(0, 0).status(), detached);
+  EXPECT_EQ(r.BeginStep(r.resume_step() + 1), detached);
+
+  EXPECT_EQ(ubep_begin_step(nullptr, 0), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_STREQ(ubep_last_error(), "ubep_begin_step: null handle");
+  EXPECT_EQ(ubep_combine(nullptr, nullptr, nullptr, nullptr),
+            static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_STREQ(ubep_last_error(), "ubep_combine: null handle");
+  const ubep_model_shape bad_dtype = {1, 4, 8, 2, 4, 4, 0, 7};
+  ubep_rank* c_rank = nullptr;
+  EXPECT_EQ(ubep_attach(socket_path().c_str(), 0, 1, 0, &bad_dtype, &c_rank),
+            static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_STREQ(ubep_last_error(),
+               "ubep_attach: dtype 7 is neither UBEP_DTYPE_FLOAT32 (0) nor UBEP_DTYPE_BFLOAT16 (1)");
+  EXPECT_EQ(c_rank, nullptr);
 }
 
 }  // namespace

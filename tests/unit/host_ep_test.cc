@@ -6,6 +6,7 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <barrier>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -1314,6 +1315,41 @@ TEST(HostEpErrorTest, DispatchTwiceWithoutCombineIsRefused) {
   });
   for (const absl::Status& s : second) {
     EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  }
+}
+
+// Combine takes the output of this rank's last dispatch only: an earlier call's output (a
+// caller that kept two) or another rank's is refused, and the right one then serves the call.
+TEST(HostEpErrorTest, CombineRefusesAnOutputOtherThanTheLastDispatchs) {
+  Group group(SmallConfig(Protocol::kUbep));
+  const EpConfig& c = group.config();
+  const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  std::vector<DispatchOutput> outs(c.num_ranks);
+  std::vector<absl::Status> stale(c.num_ranks), foreign(c.num_ranks), right(c.num_ranks);
+  std::barrier dispatched(c.num_ranks);
+  group.RunAll([&](int r) {
+    RankInput in = MakeInput(c, r, 4, 3);
+    const DispatchInput args{in.x.data(), in.topk_idx.data(), in.topk_w.data(), 4,
+                             c.hidden,    0,                 plan.header()};
+    std::vector<float> out(4 * c.hidden);
+    DispatchOutput first;
+    ASSERT_TRUE(group.ep(r).Dispatch(args, first).ok());
+    std::vector<float> y(first.recv_x.size() / sizeof(float), 1.0f);
+    ASSERT_TRUE(group.ep(r).Combine(first, y.data(), out.data()).ok());
+    const bool ok = group.ep(r).Dispatch(args, outs[r]).ok();
+    dispatched.arrive_and_wait();  // Every rank's output is written before any reads another's.
+    ASSERT_TRUE(ok);
+    stale[r] = group.ep(r).Combine(first, y.data(), out.data());
+    foreign[r] = group.ep(r).Combine(outs[(r + 1) % c.num_ranks], y.data(), out.data());
+    std::vector<float> y2(outs[r].recv_x.size() / sizeof(float), 1.0f);
+    right[r] = group.ep(r).Combine(outs[r], y2.data(), out.data());
+  });
+  for (int r = 0; r < c.num_ranks; ++r) {
+    const absl::Status refused = absl::InvalidArgumentError(
+        "combine: the dispatch output is not of this rank's last dispatch (call 2)");
+    EXPECT_EQ(stale[r], refused) << "rank " << r;
+    EXPECT_EQ(foreign[r], refused) << "rank " << r;
+    EXPECT_EQ(right[r], absl::OkStatus()) << "rank " << r;
   }
 }
 

@@ -21,7 +21,11 @@
 //  - DeadlineExceeded: a peer did not arrive within the wait timeout; the message names it.
 //    Rejoin of a rank the plan excludes (excluded()) ends so too: call it again to keep waiting.
 //  - InvalidArgument: bad input (expert id out of range or listed twice by a token, too many
-//    tokens), before any byte moved.
+//    tokens), before any byte moved. On the CUDA backend the kernels find a bad pair after
+//    the peers may have begun: they skip it, dispatch the rest, and the error names the first
+//    bad pair; call Combine as after a good Dispatch (the peers wait for this rank's partials).
+//  - FailedPrecondition: a call out of order (BeginStep before Dispatch, Combine without a
+//    Dispatch, a rank that detached).
 // The hot path makes no RPC: dispatch and combine store into the peers' arenas directly.
 // Thread-compatible: one thread drives a Rank.
 #ifndef UBEP_CLIENT_INCLUDE_UBEP_UBEP_H_
@@ -153,7 +157,8 @@ class Rank {
   bool must_attach_again() const;
 
   // This rank's weight buffer for (layer, local slot) under the plan of the current step, and
-  // the logical expert that slot holds.
+  // the logical expert that slot holds. The span holds until the next Rejoin or Detach (a
+  // Rejoin may map the arenas anew): take it again after one, as after a plan change.
   absl::StatusOr<std::span<std::byte>> ExpertWeights(int layer, int local_slot);
   absl::StatusOr<int> SlotExpert(int layer, int local_slot) const;
 
