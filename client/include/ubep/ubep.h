@@ -24,7 +24,7 @@
 //    tokens), before any byte moved. On the CUDA backend the kernels find a bad pair after
 //    the peers may have begun: they skip it, dispatch the rest, and the error names the first
 //    bad pair; call Combine as after a good Dispatch (the peers wait for this rank's partials).
-//  - FailedPrecondition: a call out of order (BeginStep before Dispatch, Combine without a
+//  - FailedPrecondition: a call out of order (Dispatch before BeginStep, Combine without a
 //    Dispatch, a rank that detached).
 // The hot path makes no RPC: dispatch and combine store into the peers' arenas directly.
 // Thread-compatible: one thread drives a Rank.
