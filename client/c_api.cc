@@ -37,6 +37,11 @@ const char* ubep_last_error(void) { return last_error.c_str(); }
 
 int ubep_attach(const char* socket_path, int32_t rank, int32_t world_size, int32_t device,
                 const ubep_model_shape* shape, ubep_rank** out) {
+  return ubep_attach_at(socket_path, rank, world_size, device, shape, -1, out);
+}
+
+int ubep_attach_at(const char* socket_path, int32_t rank, int32_t world_size, int32_t device,
+                   const ubep_model_shape* shape, int64_t next_step, ubep_rank** out) {
   if (socket_path == nullptr || shape == nullptr || out == nullptr) {
     return Fail(absl::InvalidArgumentError("ubep_attach: null argument"));
   }
@@ -56,8 +61,9 @@ int ubep_attach(const char* socket_path, int32_t rank, int32_t world_size, int32
         "UBEP_DTYPE_BFLOAT16 (1)")));
   }
   s.dtype = shape->dtype == UBEP_DTYPE_BFLOAT16 ? ubep::DType::kBFloat16 : ubep::DType::kFloat32;
-  absl::StatusOr<std::unique_ptr<ubep::Rank>> r =
-      ubep::Rank::Attach(options, rank, world_size, device, s);
+  absl::StatusOr<std::unique_ptr<ubep::Rank>> r = ubep::Rank::Attach(
+      options, rank, world_size, device, s,
+      next_step < 0 ? std::nullopt : std::optional<uint64_t>(static_cast<uint64_t>(next_step)));
   if (!r.ok()) return Fail(r.status());
   *out = new ubep_rank{*std::move(r)};
   return 0;
@@ -128,6 +134,14 @@ int ubep_expert_weights(ubep_rank* rank, int32_t layer, int32_t local_slot, void
   if (!w.ok()) return Fail(w.status());
   if (data != nullptr) *data = w->data();
   if (bytes != nullptr) *bytes = w->size();
+  return 0;
+}
+
+int ubep_slot_expert(const ubep_rank* rank, int32_t layer, int32_t local_slot, int32_t* expert) {
+  if (rank == nullptr || expert == nullptr) return NullHandle("ubep_slot_expert");
+  absl::StatusOr<int> e = rank->rank->SlotExpert(layer, local_slot);
+  if (!e.ok()) return Fail(e.status());
+  *expert = *e;
   return 0;
 }
 

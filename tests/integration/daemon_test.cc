@@ -504,6 +504,8 @@ TEST_F(DaemonTest, ADetachedRankAndNullHandlesGetErrorsNotCrashes) {
   const std::vector<int32_t> idx = {0, 1, 1, 2, 2, 3, 3, 0};
   Dispatched d;
   ASSERT_TRUE(r.Dispatch(0, x.data(), idx.data(), w.data(), 4, d).ok());
+  absl::StatusOr<int> slot2 = r.SlotExpert(0, 2);
+  ASSERT_TRUE(slot2.ok()) << slot2.status();
   ASSERT_TRUE(r.Detach().ok());
   const absl::Status detached = absl::FailedPreconditionError("rank is detached");
   EXPECT_EQ(r.Dispatch(0, x.data(), idx.data(), w.data(), 4, d), detached);
@@ -524,6 +526,20 @@ TEST_F(DaemonTest, ADetachedRankAndNullHandlesGetErrorsNotCrashes) {
   EXPECT_STREQ(ubep_last_error(),
                "ubep_attach: dtype 7 is neither UBEP_DTYPE_FLOAT32 (0) nor UBEP_DTYPE_BFLOAT16 (1)");
   EXPECT_EQ(c_rank, nullptr);
+
+  // The C ABI's attach at a known step, and the expert a slot holds, as the C++ API says.
+  const ubep_model_shape good = {1, 4, 8, 2, 4, 4, 0, UBEP_DTYPE_FLOAT32};
+  ASSERT_EQ(ubep_attach_at(socket_path().c_str(), 0, 1, 0, &good, 7, &c_rank), 0)
+      << ubep_last_error();
+  EXPECT_EQ(ubep_resume_step(c_rank), 7u);
+  ASSERT_EQ(ubep_begin_step(c_rank, 7), 0) << ubep_last_error();
+  int32_t expert = -1;
+  ASSERT_EQ(ubep_slot_expert(c_rank, 0, 2, &expert), 0) << ubep_last_error();
+  EXPECT_EQ(expert, *slot2);
+  EXPECT_EQ(ubep_slot_expert(c_rank, 0, 9, &expert),
+            static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_STREQ(ubep_last_error(), "(layer 0, slot 9) is outside the shape");
+  EXPECT_EQ(ubep_detach(c_rank), 0) << ubep_last_error();
 }
 
 }  // namespace

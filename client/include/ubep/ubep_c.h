@@ -36,6 +36,10 @@ const char* ubep_last_error(void);
 /* Attaches `rank` and waits for the group; *out owns the rank until ubep_detach. */
 int ubep_attach(const char* socket_path, int32_t rank, int32_t world_size, int32_t device,
                 const ubep_model_shape* shape, ubep_rank** out);
+/* ubep_attach with the step this process runs next, when it knows it (attaching again after
+ * its ubepd restarted); the group resumes at the least one given (next_step < 0: unknown). */
+int ubep_attach_at(const char* socket_path, int32_t rank, int32_t world_size, int32_t device,
+                   const ubep_model_shape* shape, int64_t next_step, ubep_rank** out);
 /* Detaches and frees the rank (also on error). */
 int ubep_detach(ubep_rank* rank);
 uint64_t ubep_resume_step(const ubep_rank* rank);
@@ -61,6 +65,9 @@ int ubep_combine(ubep_rank* rank, const ubep_dispatched* dispatched, const void*
 
 int ubep_expert_weights(ubep_rank* rank, int32_t layer, int32_t local_slot, void** data,
                         uint64_t* bytes);
+/* The logical expert that (layer, local_slot) holds under the plan of the current step: the
+ * one whose weights ubep_expert_weights' buffer is to hold (Rank::SlotExpert). */
+int ubep_slot_expert(const ubep_rank* rank, int32_t layer, int32_t local_slot, int32_t* expert);
 
 #ifdef __cplusplus
 }
