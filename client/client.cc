@@ -249,7 +249,7 @@ absl::StatusOr<std::vector<kernels::SharedArena>> MapArenas(const RankState& s,
 }
 
 absl::Status TakeArenas(RankState& s, const v1::AttachResponse& response) {
-  UBEP_ASSIGN_OR_RETURN(s.fd_connection, ConnectUnix(response.fd_socket()));
+  UBEP_ASSIGN_OR_RETURN(s.fd_connection, ConnectUnix(response.fd_socket(), s.options.rpc_timeout));
   UBEP_RETURN_IF_ERROR(SendMessage(s.fd_connection.get(), response.token(), {}));
   UBEP_ASSIGN_OR_RETURN(ReceivedMessage reply,
                         ReceiveMessage(s.fd_connection.get(), 4096, s.options.rpc_timeout));

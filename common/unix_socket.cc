@@ -1,5 +1,6 @@
 #include "common/unix_socket.h"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -7,9 +8,11 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 
 namespace ubep {
 namespace {
@@ -64,14 +67,25 @@ absl::StatusOr<UniqueFd> ListenUnix(const std::string& path, mode_t mode) {
   return fd;
 }
 
-absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path) {
+absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path, absl::Duration timeout) {
   absl::StatusOr<sockaddr_un> addr = Address(path);
   if (!addr.ok()) return addr.status();
-  UniqueFd fd(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  // Non-blocking, so that a full queue is EAGAIN (a blocking connect would wait for a slot).
+  UniqueFd fd(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (!fd.valid()) return Errno("socket");
-  if (connect(fd.get(), reinterpret_cast<const sockaddr*>(&*addr), sizeof(*addr)) != 0) {
-    return Errno(absl::StrCat("connect ", path));
+  const auto deadline = std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(timeout);
+  while (connect(fd.get(), reinterpret_cast<const sockaddr*>(&*addr), sizeof(*addr)) != 0) {
+    if (errno != EAGAIN) return Errno(absl::StrCat("connect ", path));
+    if (std::chrono::steady_clock::now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "connect ", path, ": the listener accepted no connection for ",
+          absl::FormatDuration(timeout), " (its queue is full; is the server stuck?)"));
+    }
+    absl::SleepFor(absl::Milliseconds(1));
   }
+  // Blocking from here on, as the callers' sends and receives expect.
+  const int flags = fcntl(fd.get(), F_GETFL);
+  if (flags < 0 || fcntl(fd.get(), F_SETFL, flags & ~O_NONBLOCK) != 0) return Errno("fcntl");
   return fd;
 }
 

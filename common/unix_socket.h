@@ -47,7 +47,10 @@ class UniqueFd {
 // Binds and listens on `path` (an existing socket file there is replaced), then sets the
 // file's mode (e.g. 0660) so that only the owner and group may connect.
 absl::StatusOr<UniqueFd> ListenUnix(const std::string& path, mode_t mode);
-absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path);
+// Connects to `path`. A listener whose queue of connections not yet accepted is full (a
+// wedged server) gets DeadlineExceeded after `timeout` rather than a connect that blocks.
+absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path,
+                                     absl::Duration timeout = absl::Seconds(10));
 
 // Sends one message carrying `bytes` and `fds` (duplicated into the receiver).
 absl::Status SendMessage(int socket, std::string_view bytes, std::span<const int> fds);

@@ -1,11 +1,19 @@
+#include <fcntl.h>
+#include <stdlib.h>
+
+#include <filesystem>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "common/clock.h"
 #include "common/logging.h"
 #include "common/mutex.h"
 #include "common/status_macros.h"
+#include "common/unix_socket.h"
 #include "gtest/gtest.h"
 
 namespace ubep {
@@ -111,6 +119,35 @@ TEST(SystemClockTest, IsMonotonic) {
   const int64_t a = clock.NowNanos();
   clock.SleepFor(absl::Milliseconds(1));
   EXPECT_GE(clock.NowNanos() - a, 1'000'000);
+}
+
+// A listener that accepts nothing: once its queue is full, a connect gives up at its timeout
+// with DeadlineExceeded naming the socket, rather than blocking.
+TEST(UnixSocketTest, AConnectToAListenerWhoseQueueIsFullTimesOut) {
+  std::string dir = "/tmp/ubep-test-XXXXXX";
+  ASSERT_NE(mkdtemp(dir.data()), nullptr);
+  const std::string path = dir + "/full.sock";
+  absl::StatusOr<UniqueFd> listener = ListenUnix(path, 0600);
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  std::vector<UniqueFd> queued;
+  absl::Status refused;
+  for (int i = 0; i < 1000 && refused.ok(); ++i) {  // The queue holds 128 (ListenUnix).
+    absl::StatusOr<UniqueFd> c = ConnectUnix(path, absl::Milliseconds(20));
+    if (c.ok()) {
+      queued.push_back(*std::move(c));
+    } else {
+      refused = c.status();
+    }
+  }
+  EXPECT_EQ(refused, absl::DeadlineExceededError(absl::StrCat(
+                         "connect ", path, ": the listener accepted no connection for 20ms "
+                         "(its queue is full; is the server stuck?)")));
+  EXPECT_GT(queued.size(), 0u);
+  // A connection that made it is a blocking one, as its users expect.
+  EXPECT_EQ(fcntl(queued.front().get(), F_GETFL) & O_NONBLOCK, 0);
+  queued.clear();
+  listener->reset();
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
