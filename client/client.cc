@@ -119,6 +119,9 @@ void Observe(kernels::LatencyHistogram& h, absl::Duration d) {
   Bump(h.count);
 }
 
+// Every call but Detach on a rank that detached (Detach released what the calls use).
+absl::Status Detached() { return absl::FailedPreconditionError("rank is detached"); }
+
 // Why the group is not ready, from this rank's control block and abort word.
 absl::Status GroupStopped(const RankState& s) {
   const kernels::ArenaLayout ep(s.config);
@@ -510,7 +513,7 @@ bool Rank::excluded() const {
 
 absl::Status Rank::BeginStep(uint64_t step) {
   RankState& s = *state_;
-  if (!s.attached) return absl::FailedPreconditionError("rank is detached");
+  if (!s.attached) return Detached();
   if (!s.stopped.ok()) return s.stopped;
   // Until this step has begun, no step has: a BeginStep that fails leaves no step open whose
   // plan a Dispatch could still use while the peers run the next.
@@ -606,7 +609,7 @@ absl::Status Rank::BeginStep(uint64_t step) {
 absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
                             const float* topk_weights, int num_tokens, Dispatched& out) {
   RankState& s = *state_;
-  if (!s.attached) return absl::FailedPreconditionError("rank is detached");
+  if (!s.attached) return Detached();
   if (!s.stopped.ok()) return s.stopped;
   if (!s.step_begun) {
     return absl::FailedPreconditionError(
@@ -673,7 +676,7 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
 
 absl::Status Rank::Combine(const Dispatched& dispatched, const void* expert_out, void* out) {
   RankState& s = *state_;
-  if (!s.attached) return absl::FailedPreconditionError("rank is detached");
+  if (!s.attached) return Detached();
   if (!s.stopped.ok()) return s.stopped;
   const absl::Time start = absl::Now();
   absl::Status status;
@@ -695,14 +698,14 @@ absl::Status Rank::Combine(const Dispatched& dispatched, const void* expert_out,
 
 absl::StatusOr<uint64_t> Rank::Rejoin(std::optional<uint64_t> next_step) {
   RankState& s = *state_;
-  if (!s.attached) return absl::FailedPreconditionError("rank is detached");
+  if (!s.attached) return Detached();
   UBEP_RETURN_IF_ERROR(Record(s, JoinGroup(s, next_step)));
   return s.resume_step;
 }
 
 absl::StatusOr<std::span<std::byte>> Rank::ExpertWeights(int layer, int local_slot) {
   RankState& s = *state_;
-  if (!s.attached) return absl::FailedPreconditionError("rank is detached");
+  if (!s.attached) return Detached();
   if (layer < 0 || layer >= s.shape.num_layers || local_slot < 0 ||
       local_slot >= s.shape.slots_per_rank) {
     return absl::InvalidArgumentError(absl::StrCat("(layer ", layer, ", slot ", local_slot,
@@ -729,7 +732,7 @@ absl::StatusOr<std::span<std::byte>> Rank::ExpertWeights(int layer, int local_sl
 
 absl::StatusOr<int> Rank::SlotExpert(int layer, int local_slot) const {
   const RankState& s = *state_;
-  if (!s.attached) return absl::FailedPreconditionError("rank is detached");
+  if (!s.attached) return Detached();
   if (layer < 0 || layer >= s.shape.num_layers || local_slot < 0 ||
       local_slot >= s.shape.slots_per_rank) {
     return absl::InvalidArgumentError(absl::StrCat("(layer ", layer, ", slot ", local_slot,
