@@ -148,7 +148,6 @@ absl::StatusOr<nlohmann::json> RunCase(const Case& c, const std::string& socket,
       threads.emplace_back([&, r] {
         ClientOptions options;
         options.socket_path = socket;
-        options.report_interval = absl::Seconds(1);
         absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(options, r, c.ranks, 0, ShapeOf(c));
         if (rank.ok()) {
           ranks[r] = *std::move(rank);

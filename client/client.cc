@@ -75,7 +75,8 @@ struct RankState {
   uint64_t step = 0;
   bool step_begun = false;
   absl::Status stopped;    // Set by a data-plane error: the group must re-form.
-  absl::Time next_report = absl::InfinitePast();
+  // When BeginStep looks next whether ubepd is still there (monotonic).
+  kernels::Deadline next_daemon_check{};
   uint64_t last_plan_version = 0;
   bool attached = false;
   bool daemon_exited = false;  // Its fd connection closed.
@@ -167,7 +168,7 @@ bool GroupReady(const RankState& s) {
 }
 
 // Whether ubepd closed this rank's fd connection: it exited (a crash, or killed). Polled
-// when a step report is due (one syscall): the data plane does not need the daemon, but
+// by BeginStep every daemon_check_interval (one syscall): the data plane does not need the daemon, but
 // nothing would collect this rank's statistics or apply plans any more.
 bool DaemonExited(const RankState& s) {
   if (!s.fd_connection.valid()) return false;
@@ -480,8 +481,8 @@ const ModelShape& Rank::shape() const { return state_->shape; }
 bool Rank::must_attach_again() const {
   const RankState& s = *state_;
   if (!s.attached) return false;
-  // Asked after an error: look at the connection now (BeginStep looks only when a step
-  // report is due, and another reason may have stopped the group first).
+  // Asked after an error: look at the connection now (BeginStep looks only every
+  // daemon_check_interval, and another reason may have stopped the group first).
   if (s.daemon_exited || DaemonExited(s)) return true;
   const kernels::ArenaLayout ep(s.config);
   uint32_t code = 0;
@@ -518,9 +519,12 @@ absl::Status Rank::BeginStep(uint64_t step) {
   // Until this step has begun, no step has: a BeginStep that fails leaves no step open whose
   // plan a Dispatch could still use while the peers run the next.
   s.step_begun = false;
-  // At the step reports' pace (not every step): whether ubepd is still there.
-  const absl::Time now = absl::Now();
-  if (now >= s.next_report && DaemonExited(s)) {
+  // Every daemon_check_interval (not every step): whether ubepd is still there, by a
+  // non-blocking poll of the fd connection. No RPC on this path: ubepd reads the step from
+  // the control block.
+  const bool check_daemon = std::chrono::steady_clock::now() >= s.next_daemon_check;
+  if (check_daemon) s.next_daemon_check = kernels::DeadlineAfter(s.options.daemon_check_interval);
+  if (check_daemon && DaemonExited(s)) {
     // Stop the group as a draining daemon would: every rank's waits end with "draining",
     // and each attaches again, to the daemon that takes over.
     s.daemon_exited = true;
@@ -588,21 +592,6 @@ absl::Status Rank::BeginStep(uint64_t step) {
   }
   s.step = step;
   s.step_begun = true;
-  if (now >= s.next_report) {
-    s.next_report = now + s.options.report_interval;
-    v1::ReportStepRequest request;
-    request.set_rank(static_cast<uint32_t>(s.rank));
-    request.set_token(s.token);
-    request.set_step(step);
-    v1::ReportStepResponse response;
-    grpc::ClientContext context;
-    SetDeadline(context, absl::Milliseconds(500));
-    // The data plane does not depend on the report: a failure is logged, not returned.
-    const grpc::Status status = s.stub->ReportStep(&context, request, &response);
-    if (!status.ok()) {
-      UBEP_LOG(WARNING) << "rank " << s.rank << ": step report failed: " << status.error_message();
-    }
-  }
   return absl::OkStatus();
 }
 

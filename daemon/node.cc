@@ -699,7 +699,6 @@ absl::StatusOr<v1::GetPlanResponse> Node::GetPlan() const {
 absl::StatusOr<v1::ReportStepResponse> Node::ReportStep(const v1::ReportStepRequest& request) {
   MutexLock lock(&mu_);
   UBEP_RETURN_IF_ERROR(CheckToken(request.rank(), request.token(), /*need_connected=*/false));
-  ranks_[request.rank()].step = request.step();
   v1::ReportStepResponse response;
   response.set_plan_version(plan_.version);
   response.set_draining(draining_);

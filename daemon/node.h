@@ -242,7 +242,6 @@ class Node {
     absl::Time ticket_deadline;
     int64_t connection = -1;
     bool joining = false;
-    uint64_t step = 0;
   };
 
   absl::Status CheckShape(const v1::AttachRequest& request) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -519,7 +519,6 @@ TEST(NodeTest, StagingRunsWithoutTheLockAndAnAbortMeanwhileFailsThePrepare) {
     v1::ReportStepRequest report;
     report.set_rank(0);
     report.set_token(token);
-    report.set_step(3);
     report_status = node_ptr->ReportStep(report).status();  // Would deadlock under the lock.
     if (abort_in_hook) {
       EXPECT_TRUE(node_ptr->Abort(2).ok());

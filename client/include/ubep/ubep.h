@@ -58,9 +58,12 @@ struct ModelShape {
 
 struct ClientOptions {
   std::string socket_path = "/run/ubep/ubepd.sock";
-  absl::Duration rpc_timeout = absl::Seconds(10);   // Attach, Detach, ReportStep.
+  absl::Duration rpc_timeout = absl::Seconds(10);   // Attach, Join, Detach.
   absl::Duration join_timeout = absl::Seconds(60);  // Waiting for the rest of the group.
-  absl::Duration report_interval = absl::Seconds(1);
+  // How often BeginStep looks whether ubepd is still there (a non-blocking poll of the fd
+  // connection; the steps themselves make no RPC). The first rank to find it gone stops the
+  // group as a drain would (must_attach_again()).
+  absl::Duration daemon_check_interval = absl::Seconds(1);
   // A rank reaching the effective step of a prepared plan whose commit or abort has not
   // arrived waits at most this long in BeginStep (then Unavailable).
   absl::Duration decision_timeout = absl::Seconds(30);
