@@ -3,6 +3,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "ubep/ubep.h"
 #include "ubep/ubep_c.h"
 
@@ -35,6 +36,20 @@ extern "C" {
 
 const char* ubep_last_error(void) { return last_error.c_str(); }
 
+void ubep_client_options_init(ubep_client_options* options) {
+  if (options == nullptr) return;
+  static const std::string default_socket = ubep::ClientOptions().socket_path;
+  const ubep::ClientOptions d;
+  *options = ubep_client_options{
+      .struct_size = sizeof(ubep_client_options),
+      .socket_path = default_socket.c_str(),
+      .rpc_timeout_ms = absl::ToInt64Milliseconds(d.rpc_timeout),
+      .join_timeout_ms = absl::ToInt64Milliseconds(d.join_timeout),
+      .decision_timeout_ms = absl::ToInt64Milliseconds(d.decision_timeout),
+      .daemon_check_interval_ms = absl::ToInt64Milliseconds(d.daemon_check_interval),
+  };
+}
+
 int ubep_attach(const char* socket_path, int32_t rank, int32_t world_size, int32_t device,
                 const ubep_model_shape* shape, ubep_rank** out) {
   return ubep_attach_at(socket_path, rank, world_size, device, shape, -1, out);
@@ -42,11 +57,41 @@ int ubep_attach(const char* socket_path, int32_t rank, int32_t world_size, int32
 
 int ubep_attach_at(const char* socket_path, int32_t rank, int32_t world_size, int32_t device,
                    const ubep_model_shape* shape, int64_t next_step, ubep_rank** out) {
-  if (socket_path == nullptr || shape == nullptr || out == nullptr) {
+  if (socket_path == nullptr) {
     return Fail(absl::InvalidArgumentError("ubep_attach: null argument"));
   }
-  ubep::ClientOptions options;
+  ubep_client_options options;
+  ubep_client_options_init(&options);
   options.socket_path = socket_path;
+  return ubep_attach_with(&options, rank, world_size, device, shape, next_step, out);
+}
+
+int ubep_attach_with(const ubep_client_options* c_options, int32_t rank, int32_t world_size,
+                     int32_t device, const ubep_model_shape* shape, int64_t next_step,
+                     ubep_rank** out) {
+  if (shape == nullptr || out == nullptr) {
+    return Fail(absl::InvalidArgumentError("ubep_attach: null argument"));
+  }
+  *out = nullptr;
+  ubep::ClientOptions options;
+  if (c_options != nullptr) {
+    // Only the v1 fields exist so far: a smaller struct is not a ubep_client_options, a
+    // larger one comes from a newer header whose fields this library would ignore.
+    if (c_options->struct_size != sizeof(ubep_client_options)) {
+      return Fail(absl::InvalidArgumentError(absl::StrCat(
+          "ubep_attach_with: options->struct_size is ", c_options->struct_size,
+          ", not this library's sizeof(ubep_client_options) ", sizeof(ubep_client_options),
+          " (fill the options with ubep_client_options_init)")));
+    }
+    if (c_options->socket_path == nullptr) {
+      return Fail(absl::InvalidArgumentError("ubep_attach_with: options->socket_path is null"));
+    }
+    options.socket_path = c_options->socket_path;
+    options.rpc_timeout = absl::Milliseconds(c_options->rpc_timeout_ms);
+    options.join_timeout = absl::Milliseconds(c_options->join_timeout_ms);
+    options.decision_timeout = absl::Milliseconds(c_options->decision_timeout_ms);
+    options.daemon_check_interval = absl::Milliseconds(c_options->daemon_check_interval_ms);
+  }
   ubep::ModelShape s;
   s.num_layers = shape->num_layers;
   s.num_experts = shape->num_experts;
@@ -89,6 +134,14 @@ int ubep_excluded(const ubep_rank* rank) { return rank != nullptr && rank->rank-
 
 int ubep_must_attach_again(const ubep_rank* rank) {
   return rank != nullptr && rank->rank->must_attach_again() ? 1 : 0;
+}
+
+int ubep_stats(const ubep_rank* rank, ubep_rank_stats* out) {
+  if (rank == nullptr || out == nullptr) return NullHandle("ubep_stats");
+  const ubep::RankStats s = rank->rank->stats();
+  *out = ubep_rank_stats{s.generation,     s.step,          s.dispatched_tokens, s.dispatch_calls,
+                         s.combine_calls, s.wait_timeouts, s.errors,            s.plan_version};
+  return 0;
 }
 
 int ubep_rejoin(ubep_rank* rank, int64_t next_step, uint64_t* resume_step) {

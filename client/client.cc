@@ -407,6 +407,17 @@ absl::StatusOr<std::unique_ptr<Rank>> Rank::Attach(const ClientOptions& options,
     return absl::InvalidArgumentError(
         absl::StrCat("rank ", rank, " is outside [0, world_size ", world_size, ")"));
   }
+  for (const auto& [name, value] :
+       {std::pair<const char*, absl::Duration>{"rpc_timeout", options.rpc_timeout},
+        {"join_timeout", options.join_timeout},
+        {"daemon_check_interval", options.daemon_check_interval},
+        {"decision_timeout", options.decision_timeout}}) {
+    if (value <= absl::ZeroDuration()) {
+      return absl::InvalidArgumentError(absl::StrCat("ClientOptions::", name,
+                                                     " must be positive, not ",
+                                                     absl::FormatDuration(value)));
+    }
+  }
   // The host kernels' code runs from here on (arenas, signals, the host backend).
   UBEP_RETURN_IF_ERROR(kernels::HostCpuSupported());
   auto s = std::make_unique<RankState>();

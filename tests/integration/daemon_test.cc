@@ -5,6 +5,7 @@
 #include <sys/un.h>
 #include <sys/wait.h>
 
+#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <regex>
@@ -540,6 +541,88 @@ TEST_F(DaemonTest, ADetachedRankAndNullHandlesGetErrorsNotCrashes) {
             static_cast<int>(absl::StatusCode::kInvalidArgument));
   EXPECT_STREQ(ubep_last_error(), "(layer 0, slot 9) is outside the shape");
   EXPECT_EQ(ubep_detach(c_rank), 0) << ubep_last_error();
+}
+
+// The C ABI's options: the defaults are ubep::ClientOptions', a struct not filled by init or
+// a zero timeout is refused with an error naming it, and a group that never forms fails after
+// the join timeout given (1 s here, of the default 60 s).
+TEST_F(DaemonTest, CAbiOptionsAreCheckedAndUsed) {
+  auto daemon = StartDaemon();
+  ubep_client_options options;
+  std::memset(&options, 0xab, sizeof(options));
+  ubep_client_options_init(&options);
+  EXPECT_EQ(options.struct_size, sizeof(ubep_client_options));
+  EXPECT_STREQ(options.socket_path, "/run/ubep/ubepd.sock");
+  EXPECT_EQ(options.rpc_timeout_ms, 10000);
+  EXPECT_EQ(options.join_timeout_ms, 60000);
+  EXPECT_EQ(options.decision_timeout_ms, 30000);
+  EXPECT_EQ(options.daemon_check_interval_ms, 1000);
+
+  const ubep_model_shape shape = {1, 4, 8, 2, 4, 4, 0, UBEP_DTYPE_FLOAT32};
+  const std::string socket = socket_path();
+  options.socket_path = socket.c_str();
+  ubep_rank* rank = nullptr;
+  ubep_client_options unfilled = options;
+  unfilled.struct_size = 0;
+  EXPECT_EQ(ubep_attach_with(&unfilled, 0, 2, 0, &shape, -1, &rank),
+            static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(std::string(ubep_last_error()),
+            absl::StrCat("ubep_attach_with: options->struct_size is 0, not this library's "
+                         "sizeof(ubep_client_options) ", sizeof(ubep_client_options),
+                         " (fill the options with ubep_client_options_init)"));
+  ubep_client_options zero = options;
+  zero.join_timeout_ms = 0;
+  EXPECT_EQ(ubep_attach_with(&zero, 0, 2, 0, &shape, -1, &rank),
+            static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_STREQ(ubep_last_error(), "ClientOptions::join_timeout must be positive, not 0");
+  EXPECT_EQ(rank, nullptr);
+
+  // Rank 0 of a group of 2 whose rank 1 never comes.
+  options.join_timeout_ms = 1000;
+  EXPECT_EQ(ubep_attach_with(&options, 0, 2, 0, &shape, -1, &rank),
+            static_cast<int>(absl::StatusCode::kDeadlineExceeded));
+  EXPECT_STREQ(ubep_last_error(),
+               "rank 0: join: the group of 2 ranks did not form in time; waiting for rank 1 "
+               "(not attached)");
+  EXPECT_EQ(rank, nullptr);
+}
+
+// ubep_stats: the counters of the C++ API's RankStats, after one step of a group of one.
+TEST_F(DaemonTest, CAbiStatsCountTheCalls) {
+  auto daemon = StartDaemon();
+  const ubep_model_shape shape = {1, 4, 8, 2, 4, 4, 0, UBEP_DTYPE_FLOAT32};
+  ubep_client_options options;
+  ubep_client_options_init(&options);
+  const std::string socket = socket_path();
+  options.socket_path = socket.c_str();
+  ubep_rank* rank = nullptr;
+  ASSERT_EQ(ubep_attach_with(&options, 0, 1, 0, &shape, 5, &rank), 0) << ubep_last_error();
+  ubep_rank_stats stats;
+  EXPECT_EQ(ubep_stats(rank, nullptr), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_STREQ(ubep_last_error(), "ubep_stats: null handle");
+  ASSERT_EQ(ubep_begin_step(rank, 5), 0) << ubep_last_error();
+  std::vector<float> x(4 * 8, 1.0f), w(4 * 2, 0.5f), out(4 * 8);
+  std::vector<int32_t> idx = {0, 1, 1, 2, 2, 3, 3, 0};
+  ubep_dispatched* d = ubep_dispatched_new();
+  ASSERT_EQ(ubep_dispatch(rank, 0, x.data(), idx.data(), w.data(), 4, d), 0) << ubep_last_error();
+  int32_t rows = 0;
+  const void* recv = nullptr;
+  ubep_dispatched_view(d, &rows, &recv, nullptr, nullptr, nullptr, nullptr);
+  ASSERT_EQ(ubep_combine(rank, d, recv, out.data()), 0) << ubep_last_error();
+  idx[3] = 9;  // Out of range: counted as an error.
+  EXPECT_EQ(ubep_dispatch(rank, 0, x.data(), idx.data(), w.data(), 4, d),
+            static_cast<int>(absl::StatusCode::kInvalidArgument));
+  ASSERT_EQ(ubep_stats(rank, &stats), 0) << ubep_last_error();
+  EXPECT_EQ(stats.generation, 1u);
+  EXPECT_EQ(stats.step, 5u);
+  EXPECT_EQ(stats.dispatched_tokens, 4u);
+  EXPECT_EQ(stats.dispatch_calls, 1u);
+  EXPECT_EQ(stats.combine_calls, 1u);
+  EXPECT_EQ(stats.wait_timeouts, 0u);
+  EXPECT_EQ(stats.errors, 1u);
+  EXPECT_EQ(stats.plan_version, 1u);
+  ubep_dispatched_free(d);
+  EXPECT_EQ(ubep_detach(rank), 0) << ubep_last_error();
 }
 
 }  // namespace

@@ -31,7 +31,35 @@ typedef struct {
   int32_t dtype; /* UBEP_DTYPE_* */
 } ubep_model_shape;
 
+/* What ubep_attach_with takes besides the rank and shape; ubep_client_options_init fills in
+ * the defaults (ubep::ClientOptions'), and the caller changes what it needs. Durations are in
+ * milliseconds, each > 0. struct_size lets later versions add fields at the end: a library
+ * takes a struct no larger than its own, and fills in defaults for fields the caller's
+ * version does not have. */
+typedef struct {
+  size_t struct_size;               /* sizeof(ubep_client_options), as init sets it */
+  const char* socket_path;          /* ubepd's socket; "/run/ubep/ubepd.sock" */
+  int64_t rpc_timeout_ms;           /* Attach, Join, Detach RPCs; 10000 */
+  int64_t join_timeout_ms;          /* waiting for the rest of the group; 60000 */
+  int64_t decision_timeout_ms;      /* begin_step waiting for a prepared plan's decision; 30000 */
+  int64_t daemon_check_interval_ms; /* how often begin_step looks whether ubepd is there; 1000 */
+} ubep_client_options;
+
+/* Counters of a rank (ubep::RankStats). */
+typedef struct {
+  uint64_t generation;        /* of the group the rank joined last */
+  uint64_t step;
+  uint64_t dispatched_tokens;
+  uint64_t dispatch_calls;
+  uint64_t combine_calls;
+  uint64_t wait_timeouts;
+  uint64_t errors;
+  uint64_t plan_version;      /* of the last dispatch */
+} ubep_rank_stats;
+
 const char* ubep_last_error(void);
+
+void ubep_client_options_init(ubep_client_options* options);
 
 /* Attaches `rank` and waits for the group; *out owns the rank until ubep_detach. */
 int ubep_attach(const char* socket_path, int32_t rank, int32_t world_size, int32_t device,
@@ -40,6 +68,10 @@ int ubep_attach(const char* socket_path, int32_t rank, int32_t world_size, int32
  * its ubepd restarted); the group resumes at the least one given (next_step < 0: unknown). */
 int ubep_attach_at(const char* socket_path, int32_t rank, int32_t world_size, int32_t device,
                    const ubep_model_shape* shape, int64_t next_step, ubep_rank** out);
+/* ubep_attach_at with options (socket path, timeouts); options NULL: the defaults. */
+int ubep_attach_with(const ubep_client_options* options, int32_t rank, int32_t world_size,
+                     int32_t device, const ubep_model_shape* shape, int64_t next_step,
+                     ubep_rank** out);
 /* Detaches and frees the rank (also on error). */
 int ubep_detach(ubep_rank* rank);
 uint64_t ubep_resume_step(const ubep_rank* rank);
@@ -50,6 +82,7 @@ int ubep_rejoin(ubep_rank* rank, int64_t next_step, uint64_t* resume_step);
 int ubep_excluded(const ubep_rank* rank);
 /* 1 when its ubepd is draining or exited: detach, and attach again (Rank::must_attach_again). */
 int ubep_must_attach_again(const ubep_rank* rank);
+int ubep_stats(const ubep_rank* rank, ubep_rank_stats* out);
 
 ubep_dispatched* ubep_dispatched_new(void);
 void ubep_dispatched_free(ubep_dispatched* dispatched);
