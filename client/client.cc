@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <vector>
 
@@ -178,6 +179,18 @@ bool DaemonExited(const RankState& s) {
   char byte;
   return recv(s.fd_connection.get(), &byte, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
 }
+
+// Time since construction on the monotonic clock: latencies and waits do not jump with the
+// wall clock (an NTP step, a VM resume).
+class Stopwatch {
+ public:
+  absl::Duration Elapsed() const {
+    return absl::FromChrono(std::chrono::steady_clock::now() - start_);
+  }
+
+ private:
+  const std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+};
 
 // Counts an error in the control block (the daemon exports it) and returns it.
 absl::Status Record(RankState& s, absl::Status status) {
@@ -573,14 +586,14 @@ absl::Status Rank::BeginStep(uint64_t step) {
   void* area = s.own() + s.layout.plan;
   uint64_t undecided = 0;
   if (kernels::UndecidedAt(area, step, &undecided)) {
-    const absl::Time start = absl::Now();
+    const Stopwatch waited;
     Bump(s.control()->decision_waits);
-    while (kernels::UndecidedAt(area, step) && absl::Now() - start < s.options.decision_timeout) {
+    while (kernels::UndecidedAt(area, step) && waited.Elapsed() < s.options.decision_timeout) {
       if (!GroupReady(s)) break;
       absl::SleepFor(absl::Microseconds(200));
     }
     Bump(s.control()->decision_wait_ns,
-         static_cast<uint64_t>(absl::ToInt64Nanoseconds(absl::Now() - start)));
+         static_cast<uint64_t>(absl::ToInt64Nanoseconds(waited.Elapsed())));
     // The daemon stopped the group while the plan was pending (a membership plan stops it at
     // its prepare): that, not the balancer, is why the wait ended.
     if (!GroupReady(s)) return Record(s, s.stopped = GroupStopped(s));
@@ -615,7 +628,7 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
     return absl::FailedPreconditionError(
         absl::StrCat("rank ", s.rank, ": call BeginStep before Dispatch"));
   }
-  const absl::Time start = absl::Now();
+  const Stopwatch call;
   absl::Status status;
   if (s.on_device) {
 #ifdef UBEP_CLIENT_CUDA
@@ -670,7 +683,7 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
   kernels::RankControl* c = s.control();
   Bump(c->dispatch_calls);
   Bump(c->dispatched_tokens, static_cast<uint64_t>(num_tokens));
-  Observe(c->dispatch_latency, absl::Now() - start);
+  Observe(c->dispatch_latency, call.Elapsed());
   return absl::OkStatus();
 }
 
@@ -678,7 +691,7 @@ absl::Status Rank::Combine(const Dispatched& dispatched, const void* expert_out,
   RankState& s = *state_;
   if (!s.attached) return Detached();
   if (!s.stopped.ok()) return s.stopped;
-  const absl::Time start = absl::Now();
+  const Stopwatch call;
   absl::Status status;
   if (s.on_device) {
 #ifdef UBEP_CLIENT_CUDA
@@ -692,7 +705,7 @@ absl::Status Rank::Combine(const Dispatched& dispatched, const void* expert_out,
     return Record(s, status);
   }
   Bump(s.control()->combine_calls);
-  Observe(s.control()->combine_latency, absl::Now() - start);
+  Observe(s.control()->combine_latency, call.Elapsed());
   return absl::OkStatus();
 }
 
