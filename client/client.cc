@@ -2,6 +2,7 @@
 // the mapped arenas. Never includes daemon/ code.
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -238,16 +239,26 @@ absl::Status JoinGroup(RankState& s, std::optional<uint64_t> next_step) {
   return absl::OkStatus();
 }
 
-// Maps the first `count` fds as host arenas and checks each is the arena of its rank.
+// Whether two fds are one file (one arena's memfd, passed twice).
+bool SameFile(int a, int b) {
+  struct stat sa, sb;
+  return a >= 0 && b >= 0 && fstat(a, &sa) == 0 && fstat(b, &sb) == 0 &&
+         sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+}
+
+// Maps the first `count` fds as host arenas and checks each is the arena of its rank; where
+// `skip[i]`, leaves arena i empty (the caller keeps a mapping of it).
 absl::StatusOr<std::vector<kernels::SharedArena>> MapArenas(const RankState& s,
                                                             const std::vector<UniqueFd>& fds,
-                                                            size_t count) {
+                                                            size_t count,
+                                                            const std::vector<bool>& skip = {}) {
   if (fds.size() < count || count != static_cast<size_t>(s.world_size)) {
     return absl::DataLossError(absl::StrCat("rank ", s.rank, ": expected ", s.world_size,
                                             " arena fds, got ", fds.size()));
   }
-  std::vector<kernels::SharedArena> arenas;
+  std::vector<kernels::SharedArena> arenas(count);
   for (size_t i = 0; i < count; ++i) {
+    if (i < skip.size() && skip[i]) continue;
     UBEP_ASSIGN_OR_RETURN(kernels::SharedArena arena, kernels::SharedArena::Map(fds[i].get()));
     if (arena.size() < s.layout.total_bytes) {
       return absl::DataLossError(absl::StrCat("rank ", s.rank, ": an arena has ", arena.size(),
@@ -260,7 +271,7 @@ absl::StatusOr<std::vector<kernels::SharedArena>> MapArenas(const RankState& s,
                                               " is not a version ", kernels::kRankArenaVersion,
                                               " arena of rank ", i));
     }
-    arenas.push_back(std::move(arena));
+    arenas[i] = std::move(arena);
   }
   return arenas;
 }
@@ -319,16 +330,26 @@ absl::Status RefreshArenas(RankState& s) {
     return absl::DataLossError(absl::StrCat("rank ", s.rank, ": expected ", world * (s.on_device ? 2 : 1),
                                             " arena fds in the refresh, got ", reply.fds.size()));
   }
-  UBEP_ASSIGN_OR_RETURN(std::vector<kernels::SharedArena> arenas, MapArenas(s, reply.fds, world));
+  // A peer daemon restarted: its ranks' arenas are new memory. The others, this rank's own
+  // above all, are the memory already mapped (the same memfd): their mappings stay, so that
+  // addresses the caller holds (ExpertWeights) stay valid across the Rejoin.
+  std::vector<bool> keep(world, false);
+  for (size_t i = 0; i < world; ++i) keep[i] = SameFile(s.arenas[i].fd(), reply.fds[i].get());
+  UBEP_ASSIGN_OR_RETURN(std::vector<kernels::SharedArena> arenas, MapArenas(s, reply.fds, world, keep));
   if (s.on_device) {
 #ifdef UBEP_CLIENT_CUDA
-    std::vector<std::unique_ptr<kernels::VmmArena>> device_arenas;
-    for (size_t i = world; i < 2 * world; ++i) {
-      UBEP_ASSIGN_OR_RETURN(std::unique_ptr<kernels::VmmArena> arena,
-                            kernels::VmmArena::ImportFd(s.device, reply.fds[i].get(), s.layout.device_bytes));
-      device_arenas.push_back(std::move(arena));
+    // This rank's own device arena is its daemon's, which did not restart (else this rank
+    // would attach again): kept. Device fds are exported anew for every reply, so they do not
+    // tell which memory is whose; every other one is imported again.
+    std::vector<std::unique_ptr<kernels::VmmArena>> device_arenas(world);
+    for (size_t i = 0; i < world; ++i) {
+      if (i == static_cast<size_t>(s.rank)) continue;
+      UBEP_ASSIGN_OR_RETURN(device_arenas[i],
+                            kernels::VmmArena::ImportFd(s.device, reply.fds[world + i].get(),
+                                                        s.layout.device_bytes));
     }
     s.cuda_ep.reset();  // It points into the old mappings.
+    device_arenas[s.rank] = std::move(s.device_arenas[s.rank]);
     s.device_arenas = std::move(device_arenas);
     s.device_plan_version = 0;
 #else
@@ -336,6 +357,9 @@ absl::Status RefreshArenas(RankState& s) {
 #endif
   }
   s.ep.reset();  // It points into the old mappings.
+  for (size_t i = 0; i < world; ++i) {
+    if (keep[i]) arenas[i] = std::move(s.arenas[i]);
+  }
   s.arenas = std::move(arenas);
   s.arena_epoch = got;
   return absl::OkStatus();

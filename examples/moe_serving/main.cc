@@ -189,6 +189,14 @@ int main(int argc, char** argv) {
     log.Line(absl::StrCat("error attach: ", rank.status().message()));
     return 3;
   }
+  // What a serving engine does with the weight memory: take it once and keep it (wrap it in a
+  // tensor, register it with a DMA engine). It stays mapped until Detach, Rejoins included;
+  // every Rejoin below reads it through the address taken here.
+  absl::StatusOr<std::span<std::byte>> held = (*rank)->ExpertWeights(0, 0);
+  if (!held.ok()) {
+    log.Line(absl::StrCat("error weights: ", held.status().message()));
+    return 3;
+  }
   uint64_t step = (*rank)->resume_step();
   int failed = 0;
   std::vector<float> x;
@@ -219,6 +227,11 @@ int main(int argc, char** argv) {
         return 3;
       }
       step = (*rank)->resume_step();
+      held = (*rank)->ExpertWeights(0, 0);  // A new attach maps a new arena.
+      if (!held.ok()) {
+        log.Line(absl::StrCat("error weights: ", held.status().message()));
+        return 3;
+      }
       continue;
     }
     absl::StatusOr<uint64_t> resume = (*rank)->Rejoin(step);
@@ -234,6 +247,13 @@ int main(int argc, char** argv) {
       return 3;
     }
     step = *resume;
+    // Still mapped (a fault here would end the process): one read per page.
+    uint64_t sum = 0;
+    for (size_t at = 0; at < held->size(); at += 4096) {
+      sum += static_cast<uint8_t>(*static_cast<volatile std::byte*>(held->data() + at));
+    }
+    log.Line(absl::StrCat("rejoined at step ", step, "; the weights taken at attach are mapped (",
+                          held->size() / 4096 + (held->size() % 4096 != 0), " pages read, sum ", sum, ")"));
   }
   log.Line(absl::StrCat("done steps ", steps, " failed ", failed));
   return failed == 0 ? 0 : 1;

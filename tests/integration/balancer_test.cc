@@ -444,6 +444,15 @@ TEST_F(BalancerTest, ARestartedDaemonIsUndrainedAndItsRanksServeExactlyAgain) {
       }
     }
   }
+  // The survivors' Rejoin into the group of 8 mapped node-b's new arenas and kept their own:
+  // the weights each took at attach were still mapped after it (a read of every page), and
+  // they served on under v3.
+  for (int r = 0; r < 4; ++r) {
+    const std::string log = ReadFile(ClientLog(r));
+    const size_t rejoined = log.rfind("; the weights taken at attach are mapped (");
+    ASSERT_NE(rejoined, std::string::npos) << log;
+    EXPECT_THAT(log.substr(rejoined), ::testing::ContainsRegex("plan 3 max_rel_err [^ ]+ ok"));
+  }
   const std::string a_log = ReadFile(path("node-a.log"));
   EXPECT_THAT(a_log, HasSubstr("plan v3 changes the group's members (excluded: none)"));
   // The returning ranks were staged whole: 4 ranks x 72 slots x 4 layers, from ranks 0-3.

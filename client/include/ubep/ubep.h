@@ -160,8 +160,9 @@ class Rank {
   bool must_attach_again() const;
 
   // This rank's weight buffer for (layer, local slot) under the plan of the current step, and
-  // the logical expert that slot holds. The span holds until the next Rejoin or Detach (a
-  // Rejoin may map the arenas anew): take it again after one, as after a plan change.
+  // the logical expert that slot holds. The memory stays mapped until Detach (a Rejoin
+  // keeps this rank's arena where it is); the slot's buffer changes with the plan, so take the
+  // span again at a step with a new plan.
   absl::StatusOr<std::span<std::byte>> ExpertWeights(int layer, int local_slot);
   absl::StatusOr<int> SlotExpert(int layer, int local_slot) const;
 
