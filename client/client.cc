@@ -169,9 +169,9 @@ bool GroupReady(const RankState& s) {
              s.generation;
 }
 
-// Whether ubepd closed this rank's fd connection: it exited (a crash, or killed). Polled
-// by BeginStep every daemon_check_interval (one syscall): the data plane does not need the daemon, but
-// nothing would collect this rank's statistics or apply plans any more.
+// Whether ubepd closed this rank's fd connection: it exited (a crash, or killed). Polled by
+// BeginStep every daemon_check_interval (one syscall): the data plane does not need the
+// daemon, but nothing would collect this rank's statistics or apply plans any more.
 bool DaemonExited(const RankState& s) {
   if (!s.fd_connection.valid()) return false;
   pollfd p{s.fd_connection.get(), POLLIN | POLLRDHUP, 0};
@@ -335,7 +335,8 @@ absl::Status RefreshArenas(RankState& s) {
   // addresses the caller holds (ExpertWeights) stay valid across the Rejoin.
   std::vector<bool> keep(world, false);
   for (size_t i = 0; i < world; ++i) keep[i] = SameFile(s.arenas[i].fd(), reply.fds[i].get());
-  UBEP_ASSIGN_OR_RETURN(std::vector<kernels::SharedArena> arenas, MapArenas(s, reply.fds, world, keep));
+  UBEP_ASSIGN_OR_RETURN(std::vector<kernels::SharedArena> arenas,
+                        MapArenas(s, reply.fds, world, keep));
   if (s.on_device) {
 #ifdef UBEP_CLIENT_CUDA
     // This rank's own device arena is its daemon's, which did not restart (else this rank
