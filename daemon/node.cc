@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 
 #include "absl/strings/escaping.h"
@@ -323,7 +324,7 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
   if (draining_) {
     return absl::UnavailableError("ubepd is draining (shutting down); attach again when it is back");
   }
-  const absl::Time now = absl::Now();
+  const kernels::Deadline now = std::chrono::steady_clock::now();
   for (RankEntry& e : ranks_) {
     if (e.state == RankState::kAttached && now > e.ticket_deadline) e = RankEntry{};
   }
@@ -381,7 +382,7 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
   entry.state = RankState::kAttached;
   entry.token = NewToken();
   entry.pid = request.pid();
-  entry.ticket_deadline = now + options_.ticket_timeout;
+  entry.ticket_deadline = kernels::DeadlineAfter(options_.ticket_timeout);
 
   v1::AttachResponse response;
   response.set_token(entry.token);
@@ -415,7 +416,7 @@ absl::StatusOr<std::vector<int>> Node::ClaimArenas(const std::string& token, int
   MutexLock lock(&mu_);
   for (RankEntry& e : ranks_) {
     if (e.state != RankState::kAttached || e.token != token) continue;
-    if (absl::Now() > e.ticket_deadline) {
+    if (std::chrono::steady_clock::now() > e.ticket_deadline) {
       e = RankEntry{};
       return absl::DeadlineExceededError("attach token expired; attach again");
     }
@@ -607,7 +608,10 @@ absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl
   StoreWord(own->join_ticket, ticket);
   // Ends before the caller's deadline (as Attach's wait), so that the caller gets this daemon's
   // answer (who the group still waits for) rather than its own DeadlineExceeded.
-  deadline = std::min(deadline - kAnswerMargin, absl::Now() + options_.join_timeout);
+  // The caller's deadline is a wall-clock time (gRPC's); from here on the wait counts the time
+  // it had left on the monotonic clock, so that a clock step neither ends it nor stretches it.
+  const kernels::Deadline until = kernels::DeadlineAfter(
+      std::min(deadline - kAnswerMargin - absl::Now(), options_.join_timeout));
   auto still_mine = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return has_group_ && ranks_[rank].state == RankState::kConnected && ranks_[rank].token == token;
   };
@@ -640,11 +644,11 @@ absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl
       ticket = GroupGeneration() + 1;
       StoreWord(own->join_ticket, ticket);
     }
-    const absl::Time now = absl::Now();
-    if (now >= deadline) break;
+    const kernels::Deadline now = std::chrono::steady_clock::now();
+    if (now >= until) break;
     mu_.AwaitWithTimeout([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       return draining_ || !still_mine();
-    }, std::min(absl::Milliseconds(1), deadline - now));
+    }, std::min(absl::Milliseconds(1), absl::FromChrono(until - now)));
   }
   give_up();
   if (plan_.excluded(rank)) {
