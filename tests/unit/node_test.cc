@@ -183,6 +183,24 @@ TEST(NodeTest, TokensAreSingleUseAndRequiredEverywhere) {
             "rank 1 has not taken its arenas from the fd socket /unused");
 }
 
+// An attach whose arenas are not taken within the ticket timeout expires: its token is
+// refused, and the rank is free to attach again (from another process).
+TEST(NodeTest, AnUnclaimedAttachExpiresAfterTheTicketTimeout) {
+  NodeOptions options = Options();
+  options.ticket_timeout = absl::Milliseconds(20);
+  Node node(options);
+  absl::StatusOr<v1::AttachResponse> first = node.Attach(Request(0, 2));
+  ASSERT_TRUE(first.ok()) << first.status();
+  absl::SleepFor(absl::Milliseconds(40));  // At least that long on the monotonic clock.
+  EXPECT_EQ(node.ClaimArenas(first->token(), 1).status(),
+            absl::DeadlineExceededError("attach token expired; attach again"));
+  v1::AttachRequest other = Request(0, 2);
+  other.set_pid(999);
+  absl::StatusOr<v1::AttachResponse> again = node.Attach(other);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_NE(again->token(), first->token());
+}
+
 TEST(NodeTest, DrainFailsJoinsAndAttachesAndStopsEveryWait) {
   Node node(Options());
   Attached a0 = AttachAndClaim(node, 0, 2, 1);
