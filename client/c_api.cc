@@ -174,6 +174,13 @@ void ubep_dispatched_view(const ubep_dispatched* d, int32_t* num_rows, const voi
   if (weights != nullptr) *weights = d->dispatched.weights().data();
 }
 
+int ubep_dispatched_plan(const ubep_dispatched* d, uint64_t* plan_version, int32_t* layer) {
+  if (d == nullptr) return NullHandle("ubep_dispatched_plan");
+  if (plan_version != nullptr) *plan_version = d->dispatched.plan_version();
+  if (layer != nullptr) *layer = d->dispatched.layer();
+  return 0;
+}
+
 int ubep_combine(ubep_rank* rank, const ubep_dispatched* dispatched, const void* expert_out,
                  void* out) {
   if (rank == nullptr || dispatched == nullptr) return NullHandle("ubep_combine");

@@ -587,7 +587,8 @@ TEST_F(DaemonTest, CAbiOptionsAreCheckedAndUsed) {
   EXPECT_EQ(rank, nullptr);
 }
 
-// ubep_stats: the counters of the C++ API's RankStats, after one step of a group of one.
+// ubep_stats: the counters of the C++ API's RankStats, after one step of a group of one;
+// ubep_dispatched_plan: the plan and layer of a dispatch.
 TEST_F(DaemonTest, CAbiStatsCountTheCalls) {
   auto daemon = StartDaemon();
   const ubep_model_shape shape = {1, 4, 8, 2, 4, 4, 0, UBEP_DTYPE_FLOAT32};
@@ -608,6 +609,14 @@ TEST_F(DaemonTest, CAbiStatsCountTheCalls) {
   int32_t rows = 0;
   const void* recv = nullptr;
   ubep_dispatched_view(d, &rows, &recv, nullptr, nullptr, nullptr, nullptr);
+  uint64_t plan = 0;
+  int32_t layer = -1;
+  ASSERT_EQ(ubep_dispatched_plan(d, &plan, &layer), 0) << ubep_last_error();
+  EXPECT_EQ(plan, 1u);
+  EXPECT_EQ(layer, 0);
+  EXPECT_EQ(ubep_dispatched_plan(nullptr, &plan, &layer),
+            static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_STREQ(ubep_last_error(), "ubep_dispatched_plan: null handle");
   ASSERT_EQ(ubep_combine(rank, d, recv, out.data()), 0) << ubep_last_error();
   idx[3] = 9;  // Out of range: counted as an error.
   EXPECT_EQ(ubep_dispatch(rank, 0, x.data(), idx.data(), w.data(), 4, d),

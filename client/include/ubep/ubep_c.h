@@ -93,6 +93,10 @@ void ubep_dispatched_view(const ubep_dispatched* dispatched, int32_t* num_rows,
                           const void** rows, const int32_t** slot_offsets,
                           const int32_t** src_rank, const int32_t** src_token,
                           const float** weights);
+/* The plan that routed the dispatch and its layer (Dispatched::plan_version, layer); either
+ * pointer may be NULL. */
+int ubep_dispatched_plan(const ubep_dispatched* dispatched, uint64_t* plan_version,
+                         int32_t* layer);
 int ubep_combine(ubep_rank* rank, const ubep_dispatched* dispatched, const void* expert_out,
                  void* out);
 
