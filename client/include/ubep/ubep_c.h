@@ -33,9 +33,9 @@ typedef struct {
 
 /* What ubep_attach_with takes besides the rank and shape; ubep_client_options_init fills in
  * the defaults (ubep::ClientOptions'), and the caller changes what it needs. Durations are in
- * milliseconds, each > 0. struct_size lets later versions add fields at the end: a library
- * takes a struct no larger than its own, and fills in defaults for fields the caller's
- * version does not have. */
+ * milliseconds, each > 0. struct_size lets later versions add fields at the end (a later
+ * library will take an older caller's smaller struct and fill in defaults for the rest);
+ * this first version takes its own size only. */
 typedef struct {
   size_t struct_size;               /* sizeof(ubep_client_options), as init sets it */
   const char* socket_path;          /* ubepd's socket; "/run/ubep/ubepd.sock" */
