@@ -1,7 +1,8 @@
 /* ubep-c-example: libubep through its C ABI (what a Python or Rust binding calls).
- * Attaches a one-rank group (1 layer, 4 experts in 4 slots), dispatches 4 tokens to 2 experts
- * each, lets expert e scale its rows by e + 1, combines, and checks every value; then shows
- * the error a bad expert id gets.
+ * Attaches a one-rank group (1 layer, 4 experts in 4 slots; options from
+ * ubep_client_options_init), dispatches 4 tokens to 2 experts each, lets expert e scale its
+ * rows by e + 1, combines, and checks every value and the rank's counters; then shows the
+ * error a bad expert id gets.
  * Usage: ubep-c-example SOCKET
  * Prints "c api ok" and exits 0 on success. */
 #include <stdio.h>
@@ -17,8 +18,12 @@ int main(int argc, char** argv) {
     return 2;
   }
   ubep_model_shape shape = {1, kExperts, kHidden, kTopK, kTokens, kExperts, 0, UBEP_DTYPE_FLOAT32};
+  ubep_client_options options;
+  ubep_client_options_init(&options);
+  options.socket_path = argv[1];
+  options.join_timeout_ms = 30000;
   ubep_rank* rank = NULL;
-  if (ubep_attach(argv[1], 0, 1, 0, &shape, &rank) != 0) {
+  if (ubep_attach_with(&options, 0, 1, 0, &shape, -1, &rank) != 0) {
     fprintf(stderr, "attach: %s\n", ubep_last_error());
     return 1;
   }
@@ -69,6 +74,14 @@ int main(int argc, char** argv) {
         return 1;
       }
     }
+  }
+  ubep_rank_stats stats;
+  if (ubep_stats(rank, &stats) != 0 || stats.dispatch_calls != 1 || stats.combine_calls != 1 ||
+      stats.dispatched_tokens != kTokens) {
+    fprintf(stderr, "stats: %llu dispatches, %llu combines, %llu tokens\n",
+            (unsigned long long)stats.dispatch_calls, (unsigned long long)stats.combine_calls,
+            (unsigned long long)stats.dispatched_tokens);
+    return 1;
   }
   idx[2][1] = 7;
   const int code = ubep_dispatch(rank, 0, x, &idx[0][0], &w[0][0], kTokens, d);
