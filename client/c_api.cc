@@ -138,9 +138,21 @@ int ubep_must_attach_again(const ubep_rank* rank) {
 
 int ubep_stats(const ubep_rank* rank, ubep_rank_stats* out) {
   if (rank == nullptr || out == nullptr) return NullHandle("ubep_stats");
+  if (out->struct_size != sizeof(ubep_rank_stats)) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+        "ubep_stats: out->struct_size is ", out->struct_size,
+        ", not this library's sizeof(ubep_rank_stats) ", sizeof(ubep_rank_stats))));
+  }
   const ubep::RankStats s = rank->rank->stats();
-  *out = ubep_rank_stats{s.generation,     s.step,          s.dispatched_tokens, s.dispatch_calls,
-                         s.combine_calls, s.wait_timeouts, s.errors,            s.plan_version};
+  *out = ubep_rank_stats{.struct_size = sizeof(ubep_rank_stats),
+                         .generation = s.generation,
+                         .step = s.step,
+                         .dispatched_tokens = s.dispatched_tokens,
+                         .dispatch_calls = s.dispatch_calls,
+                         .combine_calls = s.combine_calls,
+                         .wait_timeouts = s.wait_timeouts,
+                         .errors = s.errors,
+                         .plan_version = s.plan_version};
   return 0;
 }
 

@@ -313,8 +313,9 @@ absl::Status TakeArenas(RankState& s, const v1::AttachResponse& response) {
   return absl::OkStatus();
 }
 
-// A peer daemon restarted and this rank's daemon mapped its new arenas: take every arena
-// again (on the CUDA backend the device arenas' fds follow the host arenas').
+// A peer daemon restarted and this rank's daemon mapped its new arenas: map them too, keeping
+// the others where they are (on the CUDA backend the device arenas' fds follow the host
+// arenas').
 absl::Status RefreshArenas(RankState& s) {
   UBEP_RETURN_IF_ERROR(SendMessage(s.fd_connection.get(), kArenaRefreshRequest, {}));
   UBEP_ASSIGN_OR_RETURN(ReceivedMessage reply,
@@ -335,6 +336,13 @@ absl::Status RefreshArenas(RankState& s) {
   // addresses the caller holds (ExpertWeights) stay valid across the Rejoin.
   std::vector<bool> keep(world, false);
   for (size_t i = 0; i < world; ++i) keep[i] = SameFile(s.arenas[i].fd(), reply.fds[i].get());
+  if (!keep[s.rank]) {
+    // Only another daemon's arenas change under a refresh: this rank's own is its daemon's,
+    // and the weight addresses the caller holds must stay valid until Detach.
+    return absl::DataLossError(absl::StrCat(
+        "rank ", s.rank, ": ubepd's arena refresh gave this rank an arena other than its own; "
+        "detach and attach again"));
+  }
   UBEP_ASSIGN_OR_RETURN(std::vector<kernels::SharedArena> arenas,
                         MapArenas(s, reply.fds, world, keep));
   if (s.on_device) {

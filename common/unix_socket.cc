@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -73,10 +74,10 @@ absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path, absl::Duration tim
   // Non-blocking, so that a full queue is EAGAIN (a blocking connect would wait for a slot).
   UniqueFd fd(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (!fd.valid()) return Errno("socket");
-  const auto deadline = std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(timeout);
+  const auto start = std::chrono::steady_clock::now();
   while (connect(fd.get(), reinterpret_cast<const sockaddr*>(&*addr), sizeof(*addr)) != 0) {
     if (errno != EAGAIN) return Errno(absl::StrCat("connect ", path));
-    if (std::chrono::steady_clock::now() >= deadline) {
+    if (absl::FromChrono(std::chrono::steady_clock::now() - start) >= timeout) {
       return absl::DeadlineExceededError(absl::StrCat(
           "connect ", path, ": the listener accepted no connection for ",
           absl::FormatDuration(timeout), " (its queue is full; is the server stuck?)"));
@@ -120,15 +121,23 @@ absl::Status SendMessage(int socket, std::string_view bytes, std::span<const int
 absl::StatusOr<ReceivedMessage> ReceiveMessage(int socket, size_t max_bytes,
                                                absl::Duration timeout) {
   pollfd p{socket, POLLIN, 0};
-  const absl::Time deadline = absl::Now() + timeout;
+  // Time left on the monotonic clock (a wall-clock step neither ends nor stretches the wait);
+  // each poll waits at most INT_MAX ms, so that any timeout, infinite included, is kept.
+  const auto start = std::chrono::steady_clock::now();
   while (true) {
-    const int64_t left_ms = absl::ToInt64Milliseconds(deadline - absl::Now());
-    const int r = poll(&p, 1, static_cast<int>(std::max<int64_t>(left_ms, 0)));
+    const absl::Duration left = timeout - absl::FromChrono(std::chrono::steady_clock::now() - start);
+    const int wait_ms =
+        left <= absl::ZeroDuration()
+            ? 0
+            : static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(absl::Ceil(
+                                                     left, absl::Milliseconds(1))),
+                                                 std::numeric_limits<int>::max()));
+    const int r = poll(&p, 1, wait_ms);
     if (r > 0) break;
-    if (r == 0) {
+    if (r == 0 && left <= absl::Milliseconds(wait_ms)) {
       return absl::DeadlineExceededError(absl::StrCat("no message within ", absl::FormatDuration(timeout)));
     }
-    if (errno != EINTR) return Errno("poll");
+    if (r < 0 && errno != EINTR) return Errno("poll");
   }
   ReceivedMessage out;
   out.bytes.resize(max_bytes);

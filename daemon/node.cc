@@ -1127,7 +1127,7 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
     }
   }
   // The copies run without the lock (they may take seconds on the host backend): joins,
-  // step reports and metrics go on meanwhile. Nothing they touch moves: sources are buffers
+  // the daemon's RPCs and metrics go on meanwhile. Nothing they touch moves: sources are buffers
   // the plan in force reads, destinations buffers it does not; staging_ keeps the arenas
   // mapped (no new group, no peer's arenas replaced) and any other Prepare out. A daemon on a
   // link joins it even with nothing to copy: joining is collective.

@@ -76,6 +76,7 @@ int main(int argc, char** argv) {
     }
   }
   ubep_rank_stats stats;
+  stats.struct_size = sizeof(stats);
   if (ubep_stats(rank, &stats) != 0 || stats.dispatch_calls != 1 || stats.combine_calls != 1 ||
       stats.dispatched_tokens != kTokens) {
     fprintf(stderr, "stats: %llu dispatches, %llu combines, %llu tokens\n",

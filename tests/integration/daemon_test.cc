@@ -598,9 +598,14 @@ TEST_F(DaemonTest, CAbiStatsCountTheCalls) {
   options.socket_path = socket.c_str();
   ubep_rank* rank = nullptr;
   ASSERT_EQ(ubep_attach_with(&options, 0, 1, 0, &shape, 5, &rank), 0) << ubep_last_error();
-  ubep_rank_stats stats;
+  ubep_rank_stats stats{};
   EXPECT_EQ(ubep_stats(rank, nullptr), static_cast<int>(absl::StatusCode::kInvalidArgument));
   EXPECT_STREQ(ubep_last_error(), "ubep_stats: null handle");
+  EXPECT_EQ(ubep_stats(rank, &stats), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(std::string(ubep_last_error()),
+            absl::StrCat("ubep_stats: out->struct_size is 0, not this library's "
+                         "sizeof(ubep_rank_stats) ", sizeof(ubep_rank_stats)));
+  stats.struct_size = sizeof(stats);
   ASSERT_EQ(ubep_begin_step(rank, 5), 0) << ubep_last_error();
   std::vector<float> x(4 * 8, 1.0f), w(4 * 2, 0.5f), out(4 * 8);
   std::vector<int32_t> idx = {0, 1, 1, 2, 2, 3, 3, 0};

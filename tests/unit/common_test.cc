@@ -1,5 +1,6 @@
 #include <fcntl.h>
 #include <stdlib.h>
+#include <sys/socket.h>
 
 #include <filesystem>
 #include <string>
@@ -148,6 +149,28 @@ TEST(UnixSocketTest, AConnectToAListenerWhoseQueueIsFullTimesOut) {
   queued.clear();
   listener->reset();
   std::filesystem::remove_all(dir);
+}
+
+// A receive waits as long as its timeout says, however long: 2^32 ms (which a 32-bit poll
+// timeout would have read as 0) and an infinite one both get a message sent later, and a
+// short one still times out.
+TEST(UnixSocketTest, AReceiveKeepsAnyTimeoutAndStillTimesOut) {
+  int pair[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair), 0);
+  UniqueFd a(pair[0]), b(pair[1]);
+  for (const absl::Duration timeout :
+       {absl::Milliseconds(int64_t{1} << 32), absl::InfiniteDuration()}) {
+    std::thread sender([&] {
+      absl::SleepFor(absl::Milliseconds(30));
+      EXPECT_TRUE(SendMessage(b.get(), "late", {}).ok());
+    });
+    absl::StatusOr<ReceivedMessage> got = ReceiveMessage(a.get(), 64, timeout);
+    sender.join();
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->bytes, "late");
+  }
+  EXPECT_EQ(ReceiveMessage(a.get(), 64, absl::Milliseconds(5)).status(),
+            absl::DeadlineExceededError("no message within 5ms"));
 }
 
 }  // namespace

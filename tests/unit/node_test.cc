@@ -523,8 +523,9 @@ TEST(NodeTest, APeersArenasLaidOutForOtherDataPlaneSettingsAreRefusedByName) {
   }
 }
 
-// Weights are copied without the node's lock: a rank's step report is served meanwhile, and
-// an Abort of the plan being staged makes the Prepare fail (nothing is left prepared).
+// Weights are copied without the node's lock: an RPC that takes it (ReportStep) is served
+// meanwhile, and an Abort of the plan being staged makes the Prepare fail (nothing is left
+// prepared).
 TEST(NodeTest, StagingRunsWithoutTheLockAndAnAbortMeanwhileFailsThePrepare) {
   std::atomic<bool> in_hook = false;
   bool abort_in_hook = true;

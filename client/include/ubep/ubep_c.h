@@ -45,8 +45,11 @@ typedef struct {
   int64_t daemon_check_interval_ms; /* how often begin_step looks whether ubepd is there; 1000 */
 } ubep_client_options;
 
-/* Counters of a rank (ubep::RankStats). */
+/* Counters of a rank (ubep::RankStats). The caller sets struct_size to
+ * sizeof(ubep_rank_stats) before ubep_stats, so that later versions can add fields at the end
+ * (as with ubep_client_options). */
 typedef struct {
+  size_t struct_size;
   uint64_t generation;        /* of the group the rank joined last */
   uint64_t step;
   uint64_t dispatched_tokens;
