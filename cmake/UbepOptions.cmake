@@ -3,6 +3,14 @@ option(UBEP_BUILD_TESTS "Build the test suite" ON)
 option(UBEP_BUILD_BENCHMARKS "Build the benchmark binaries" ON)
 set(UBEP_SANITIZE "" CACHE STRING "Sanitizers: '', 'address' (ASan+UBSan) or 'thread' (TSan)")
 set_property(CACHE UBEP_SANITIZE PROPERTY STRINGS "" address thread)
+# libubep.so: the C ABI as a shared library, for FFI (Python's ctypes or cffi, Rust). Not with
+# sanitizers: an instrumented library cannot be loaded into an uninstrumented interpreter.
+if(UBEP_SANITIZE STREQUAL "")
+  set(_ubep_shared_default ON)
+else()
+  set(_ubep_shared_default OFF)
+endif()
+option(UBEP_BUILD_SHARED_CLIENT "Build libubep.so (the C ABI for FFI)" ${_ubep_shared_default})
 # The x86-64 level of the host kernels (the host backend's row loops) and the bench's MPI
 # baseline: x86-64-v3 (AVX2, FMA: every x86-64 server of the last decade) by default. ubepd and
 # libubep refuse to start on a CPU below it (kernels/common/host_cpu.h) rather than die of

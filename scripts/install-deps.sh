@@ -14,6 +14,7 @@ packages=(
   openmpi-bin libopenmpi-dev
   prometheus
   gnuplot-nox
+  python3
 )
 # Tools the ops tests use, from Debian unless the machine has them already: kubectl (for
 # `kubectl kustomize`), Node.js and npm (the manifests' schema check).

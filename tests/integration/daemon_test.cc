@@ -489,6 +489,21 @@ TEST_F(DaemonTest, CAbiClientDispatchesAndCombines) {
             "bad expert: code 3: topk_idx[2][1] = 7 is outside [-1, 4)\nc api ok: 8 rows\n");
 }
 
+#ifdef UBEP_SHARED_CLIENT
+// Python, standard library only, calls libubep.so through ctypes (as an engine's binding
+// would): the same step as the C example, every value and the counters checked.
+TEST_F(DaemonTest, PythonCallsLibubepThroughCtypes) {
+  auto daemon = StartDaemon();
+  const std::string out = dir_.path() + "/python.out";
+  Process python({UBEP_PYTHON3, std::string(UBEP_SOURCE_DIR) + "/examples/python/ubep_ctypes.py",
+                  UBEP_SHARED_CLIENT, socket_path()},
+                 out);
+  EXPECT_EQ(python.Wait(absl::Seconds(60)), 0) << ReadFile(out);
+  EXPECT_EQ(ReadFile(out),
+            "bad expert: code 3: topk_idx[2][1] = 7 is outside [-1, 4)\npython ffi ok: 8 rows\n");
+}
+#endif
+
 // The C++ API on a rank that detached, and the C ABI on a null handle or an unknown dtype:
 // a clear error each, never a crash (a rank of a group of one, against a real ubepd).
 TEST_F(DaemonTest, ADetachedRankAndNullHandlesGetErrorsNotCrashes) {
