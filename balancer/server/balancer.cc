@@ -9,6 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "balancer/core/metrics.h"
 #include "balancer/formats/proto_convert.h"
+#include "common/clock.h"
 #include "common/logging.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/generic/generic_stub.h"
@@ -17,8 +18,19 @@
 namespace ubep::balancer {
 namespace {
 
+// gRPC takes deadlines as wall-clock times (it converts them to its own monotonic clock at
+// once): the one use of the wall clock here.
 void SetDeadline(grpc::ClientContext& context, absl::Duration timeout) {
   context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+}
+
+// Every interval the balancer measures or waits out (step rates, health checks, the recovery
+// grace, plan and commit times) is on the monotonic clock: a wall-clock step (NTP, a VM
+// resume) must not move an effective step, end the grace early or stretch a wait. The times
+// are on the clock's own epoch, for differences only.
+absl::Time MonotonicNow() {
+  static const SystemClock clock;
+  return clock.Now();
 }
 
 std::vector<double> Buckets(double first, double factor, int count) {
@@ -190,7 +202,7 @@ absl::StatusOr<Plan> PlanForMembers(const LoadMatrix& load, const Plan& previous
 }  // namespace
 
 Balancer::Balancer(BalancerOptions options, std::shared_ptr<prometheus::Registry> registry)
-    : options_(std::move(options)), registry_(std::move(registry)) {
+    : options_(std::move(options)), started_(MonotonicNow()), registry_(std::move(registry)) {
   using prometheus::BuildCounter;
   using prometheus::BuildGauge;
   using prometheus::BuildHistogram;
@@ -376,7 +388,7 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
   d.prev_step_time = d.step_time;
   d.max_step = std::max(d.max_step, request->max_step());
   if (request->plan_in_force()) d.in_force = std::max(d.in_force, request->load().plan_version());
-  d.step_time = absl::Now();
+  d.step_time = MonotonicNow();
   d.last_report = d.step_time;
   if (!shape_.has_value() || !plan_.has_value()) {
     return Reject("no_plan", grpc::StatusCode::FAILED_PRECONDITION,
@@ -480,7 +492,7 @@ void Balancer::RequestRebalance() {
 
 uint64_t Balancer::EstimateStep() const {
   double step = 0;
-  const absl::Time now = absl::Now();
+  const absl::Time now = MonotonicNow();
   for (const auto& [name, d] : daemons_) {
     double estimate = static_cast<double>(d.max_step);
     if (d.prev_step_time != absl::InfinitePast() && d.step_time > d.prev_step_time &&
@@ -565,8 +577,8 @@ void Balancer::CheckHealth() {
   std::vector<std::pair<std::string, std::shared_ptr<grpc::Channel>>> targets;
   {
     MutexLock lock(&mu_);
-    if (absl::Now() < next_health_) return;
-    next_health_ = absl::Now() + options_.health_interval;
+    if (MonotonicNow() < next_health_) return;
+    next_health_ = MonotonicNow() + options_.health_interval;
     for (const auto& [name, d] : daemons_) targets.emplace_back(name, d.channel);
   }
   for (const auto& [name, channel] : targets) {
@@ -640,7 +652,7 @@ void Balancer::Recover() {
     MutexLock lock(&mu_);
     uint64_t committed_max = 0;
     for (const auto& [name, d] : daemons_) committed_max = std::max(committed_max, d.committed);
-    const bool grace_over = absl::Now() - started_ >= options_.recovery_grace;
+    const bool grace_over = MonotonicNow() - started_ >= options_.recovery_grace;
     for (auto& [name, d] : daemons_) {
       if (d.pending == 0 || !d.healthy) continue;
       if (d.pending <= committed_max) {
@@ -819,8 +831,8 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why, b
     // The daemons refuse a plan while the one in force is not in force on every rank yet (its
     // predecessor's buffer may still be read): wait for that, bounded. A change of members
     // does not wait; the daemons stop the group for it.
-    const absl::Time until = absl::Now() + options_.rpc_timeout * 2;
-    while (absl::Now() < until) {
+    const absl::Time until = MonotonicNow() + options_.rpc_timeout * 2;
+    while (MonotonicNow() < until) {
       {
         MutexLock lock(&mu_);
         if (PlanInForceEverywhere()) break;
@@ -830,7 +842,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why, b
     MutexLock lock(&mu_);
     effective_step = EstimateStep() + static_cast<uint64_t>(options_.min_margin_steps);
   }
-  const absl::Time plan_start = absl::Now();
+  const absl::Time plan_start = MonotonicNow();
   PlannerOptions planner;
   planner.policy = options_.policy;
   planner.migration_budget = budget;
@@ -841,7 +853,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why, b
       excluded.empty() && previous.excluded_ranks.empty()
           ? PlanInParallel(load, topology, previous, planner, threads)
           : PlanForMembers(load, previous, excluded, planner, threads);
-  result.set_plan_seconds(absl::ToDoubleSeconds(absl::Now() - plan_start));
+  result.set_plan_seconds(absl::ToDoubleSeconds(MonotonicNow() - plan_start));
   plan_seconds_->Observe(result.plan_seconds());
   if (!plan.ok()) return plan.status();
   if (SamePlacement(*plan, previous)) {
@@ -861,7 +873,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why, b
                  << SummarizeBalance(*plan, load).mean;
 
   // Phase 1: Prepare everywhere, in parallel.
-  const absl::Time commit_start = absl::Now();
+  const absl::Time commit_start = MonotonicNow();
   std::vector<v1::PrepareResponse> answers(targets.size());
   std::vector<grpc::Status> statuses(targets.size());
   if (link_root != nullptr) {
@@ -894,7 +906,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why, b
       }
     }
   }
-  const absl::Duration prepare_time = absl::Now() - commit_start;
+  const absl::Duration prepare_time = MonotonicNow() - commit_start;
   std::vector<std::string> failed;
   uint64_t copied_bytes = 0, remote_bytes = 0;
   for (size_t i = 0; i < targets.size(); ++i) {
@@ -938,7 +950,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why, b
     return absl::AbortedError(absl::StrCat("plan v", plan->version, " aborted: ",
                                            absl::StrJoin(failed, "; ")));
   }
-  result.set_commit_seconds(absl::ToDoubleSeconds(absl::Now() - commit_start));
+  result.set_commit_seconds(absl::ToDoubleSeconds(MonotonicNow() - commit_start));
   commit_seconds_->Observe(result.commit_seconds());
   plans_committed_->Increment();
   result.set_migrated_slots(static_cast<uint64_t>(ChangedSlots(previous, *plan, nullptr)));
@@ -959,7 +971,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why, b
   ++committed_count_;
   for (const std::string& name : targets) daemons_[name].committed = plan_->version;
   plan_version_->Set(static_cast<double>(plan_->version));
-  last_commit_ = absl::Now();
+  last_commit_ = MonotonicNow();
   above_threshold_ = 0;
   UBEP_LOG(INFO) << "committed plan v" << plan_->version << " on " << targets.size()
                  << " nodes (" << proto.ByteSizeLong() << "-byte plan): plan "
@@ -1042,7 +1054,7 @@ grpc::Status Balancer::Undrain(grpc::ServerContext*, const v1::DrainRequest* req
 grpc::Status Balancer::GetStatus(grpc::ServerContext*, const v1::GetStatusRequest*,
                                  v1::ClusterStatus* response) {
   MutexLock lock(&mu_);
-  const absl::Time now = absl::Now();
+  const absl::Time now = MonotonicNow();
   if (shape_.has_value()) response->set_world_size(static_cast<uint32_t>(shape_->world));
   for (const auto& [name, d] : daemons_) {
     v1::NodeStatus* n = response->add_nodes();

@@ -66,12 +66,12 @@ struct BalancerStatus {
     std::vector<int> ranks;
     bool healthy = true;
     uint64_t max_step = 0;
-    absl::Time last_report = absl::InfinitePast();
+    absl::Time last_report = absl::InfinitePast();  // Monotonic: for differences only.
   };
   std::vector<Node> nodes;
   uint64_t plan_version = 0;
   std::vector<double> measured_imbalance;  // Per layer, last closed interval.
-  absl::Time last_commit = absl::InfinitePast();
+  absl::Time last_commit = absl::InfinitePast();  // Monotonic: for differences only.
 };
 
 class Balancer final : public v1::Control::Service {
@@ -164,7 +164,7 @@ class Balancer final : public v1::Control::Service {
   void CloseInterval() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const BalancerOptions options_;
-  const absl::Time started_ = absl::Now();
+  const absl::Time started_;  // On the monotonic clock (balancer.cc MonotonicNow).
   std::mutex commit_mu_;  // One plan change (or recovery) at a time.
   mutable Mutex mu_;
   std::map<std::string, Daemon> daemons_ ABSL_GUARDED_BY(mu_);
