@@ -6,13 +6,13 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <chrono>
 #include <cstring>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/clock.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "common/unix_socket.h"
@@ -77,8 +77,8 @@ struct RankState {
   uint64_t step = 0;
   bool step_begun = false;
   absl::Status stopped;    // Set by a data-plane error: the group must re-form.
-  // When BeginStep looks next whether ubepd is still there (monotonic).
-  kernels::Deadline next_daemon_check{};
+  // When BeginStep looks next whether ubepd is still there (MonotonicNow).
+  absl::Time next_daemon_check = absl::InfinitePast();
   uint64_t last_plan_version = 0;
   bool attached = false;
   bool daemon_exited = false;  // Its fd connection closed.
@@ -180,18 +180,6 @@ bool DaemonExited(const RankState& s) {
   char byte;
   return recv(s.fd_connection.get(), &byte, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
 }
-
-// Time since construction on the monotonic clock: latencies and waits do not jump with the
-// wall clock (an NTP step, a VM resume).
-class Stopwatch {
- public:
-  absl::Duration Elapsed() const {
-    return absl::FromChrono(std::chrono::steady_clock::now() - start_);
-  }
-
- private:
-  const std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
-};
 
 // Counts an error in the control block (the daemon exports it) and returns it.
 absl::Status Record(RankState& s, absl::Status status) {
@@ -579,8 +567,9 @@ absl::Status Rank::BeginStep(uint64_t step) {
   // Every daemon_check_interval (not every step): whether ubepd is still there, by a
   // non-blocking poll of the fd connection. No RPC on this path: ubepd reads the step from
   // the control block.
-  const bool check_daemon = std::chrono::steady_clock::now() >= s.next_daemon_check;
-  if (check_daemon) s.next_daemon_check = kernels::DeadlineAfter(s.options.daemon_check_interval);
+  const absl::Time now = MonotonicNow();
+  const bool check_daemon = now >= s.next_daemon_check;
+  if (check_daemon) s.next_daemon_check = now + s.options.daemon_check_interval;
   if (check_daemon && DaemonExited(s)) {
     // Stop the group as a draining daemon would: every rank's waits end with "draining",
     // and each attaches again, to the daemon that takes over.
@@ -619,14 +608,15 @@ absl::Status Rank::BeginStep(uint64_t step) {
   void* area = s.own() + s.layout.plan;
   uint64_t undecided = 0;
   if (kernels::UndecidedAt(area, step, &undecided)) {
-    const Stopwatch waited;
+    const absl::Time start = MonotonicNow();
     Bump(s.control()->decision_waits);
-    while (kernels::UndecidedAt(area, step) && waited.Elapsed() < s.options.decision_timeout) {
+    while (kernels::UndecidedAt(area, step) &&
+           MonotonicNow() - start < s.options.decision_timeout) {
       if (!GroupReady(s)) break;
       absl::SleepFor(absl::Microseconds(200));
     }
     Bump(s.control()->decision_wait_ns,
-         static_cast<uint64_t>(absl::ToInt64Nanoseconds(waited.Elapsed())));
+         static_cast<uint64_t>(absl::ToInt64Nanoseconds(MonotonicNow() - start)));
     // The daemon stopped the group while the plan was pending (a membership plan stops it at
     // its prepare): that, not the balancer, is why the wait ended.
     if (!GroupReady(s)) return Record(s, s.stopped = GroupStopped(s));
@@ -661,7 +651,7 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
     return absl::FailedPreconditionError(
         absl::StrCat("rank ", s.rank, ": call BeginStep before Dispatch"));
   }
-  const Stopwatch call;
+  const absl::Time start = MonotonicNow();  // Latencies on the monotonic clock.
   absl::Status status;
   if (s.on_device) {
 #ifdef UBEP_CLIENT_CUDA
@@ -716,7 +706,7 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
   kernels::RankControl* c = s.control();
   Bump(c->dispatch_calls);
   Bump(c->dispatched_tokens, static_cast<uint64_t>(num_tokens));
-  Observe(c->dispatch_latency, call.Elapsed());
+  Observe(c->dispatch_latency, MonotonicNow() - start);
   return absl::OkStatus();
 }
 
@@ -724,7 +714,7 @@ absl::Status Rank::Combine(const Dispatched& dispatched, const void* expert_out,
   RankState& s = *state_;
   if (!s.attached) return Detached();
   if (!s.stopped.ok()) return s.stopped;
-  const Stopwatch call;
+  const absl::Time start = MonotonicNow();  // Latencies on the monotonic clock.
   absl::Status status;
   if (s.on_device) {
 #ifdef UBEP_CLIENT_CUDA
@@ -738,7 +728,7 @@ absl::Status Rank::Combine(const Dispatched& dispatched, const void* expert_out,
     return Record(s, status);
   }
   Bump(s.control()->combine_calls);
-  Observe(s.control()->combine_latency, call.Elapsed());
+  Observe(s.control()->combine_latency, MonotonicNow() - start);
   return absl::OkStatus();
 }
 

@@ -14,6 +14,8 @@ int64_t SystemClock::NowNanos() const {
 
 void SystemClock::SleepFor(absl::Duration duration) { absl::SleepFor(duration); }
 
+absl::Time MonotonicNow() { return absl::FromUnixNanos(SystemClock().NowNanos()); }
+
 int64_t FakeClock::NowNanos() const {
   MutexLock lock(&mu_);
   return now_nanos_;

@@ -34,6 +34,10 @@ class SystemClock final : public ClockInterface {
   void SleepFor(absl::Duration duration) override;
 };
 
+// Now on the real monotonic clock, as an absl::Time on that clock's epoch: for intervals and
+// deadlines that a wall-clock step (NTP, a VM resume) must not move; never shown as a date.
+absl::Time MonotonicNow();
+
 // A clock that moves only when told to. SleepFor blocks until another thread advances the
 // clock past the sleeper's deadline.
 class FakeClock final : public ClockInterface {

@@ -8,12 +8,12 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <chrono>
 #include <cstring>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/clock.h"
 
 namespace ubep {
 namespace {
@@ -74,10 +74,10 @@ absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path, absl::Duration tim
   // Non-blocking, so that a full queue is EAGAIN (a blocking connect would wait for a slot).
   UniqueFd fd(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (!fd.valid()) return Errno("socket");
-  const auto start = std::chrono::steady_clock::now();
+  const absl::Time start = MonotonicNow();
   while (connect(fd.get(), reinterpret_cast<const sockaddr*>(&*addr), sizeof(*addr)) != 0) {
     if (errno != EAGAIN) return Errno(absl::StrCat("connect ", path));
-    if (absl::FromChrono(std::chrono::steady_clock::now() - start) >= timeout) {
+    if (MonotonicNow() - start >= timeout) {
       return absl::DeadlineExceededError(absl::StrCat(
           "connect ", path, ": the listener accepted no connection for ",
           absl::FormatDuration(timeout), " (its queue is full; is the server stuck?)"));
@@ -123,9 +123,9 @@ absl::StatusOr<ReceivedMessage> ReceiveMessage(int socket, size_t max_bytes,
   pollfd p{socket, POLLIN, 0};
   // Time left on the monotonic clock (a wall-clock step neither ends nor stretches the wait);
   // each poll waits at most INT_MAX ms, so that any timeout, infinite included, is kept.
-  const auto start = std::chrono::steady_clock::now();
+  const absl::Time start = MonotonicNow();
   while (true) {
-    const absl::Duration left = timeout - absl::FromChrono(std::chrono::steady_clock::now() - start);
+    const absl::Duration left = timeout - (MonotonicNow() - start);
     const int wait_ms =
         left <= absl::ZeroDuration()
             ? 0

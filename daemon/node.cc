@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cstring>
 
 #include "absl/strings/escaping.h"
@@ -12,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "balancer/formats/json_formats.h"
 #include "balancer/formats/proto_convert.h"
+#include "common/clock.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "daemon/weight_link.h"
@@ -324,7 +324,7 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
   if (draining_) {
     return absl::UnavailableError("ubepd is draining (shutting down); attach again when it is back");
   }
-  const kernels::Deadline now = std::chrono::steady_clock::now();
+  const absl::Time now = MonotonicNow();
   for (RankEntry& e : ranks_) {
     if (e.state == RankState::kAttached && now > e.ticket_deadline) e = RankEntry{};
   }
@@ -382,7 +382,7 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
   entry.state = RankState::kAttached;
   entry.token = NewToken();
   entry.pid = request.pid();
-  entry.ticket_deadline = kernels::DeadlineAfter(options_.ticket_timeout);
+  entry.ticket_deadline = now + options_.ticket_timeout;
 
   v1::AttachResponse response;
   response.set_token(entry.token);
@@ -416,7 +416,7 @@ absl::StatusOr<std::vector<int>> Node::ClaimArenas(const std::string& token, int
   MutexLock lock(&mu_);
   for (RankEntry& e : ranks_) {
     if (e.state != RankState::kAttached || e.token != token) continue;
-    if (std::chrono::steady_clock::now() > e.ticket_deadline) {
+    if (MonotonicNow() > e.ticket_deadline) {
       e = RankEntry{};
       return absl::DeadlineExceededError("attach token expired; attach again");
     }
@@ -610,8 +610,8 @@ absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl
   // answer (who the group still waits for) rather than its own DeadlineExceeded.
   // The caller's deadline is a wall-clock time (gRPC's); from here on the wait counts the time
   // it had left on the monotonic clock, so that a clock step neither ends it nor stretches it.
-  const kernels::Deadline until = kernels::DeadlineAfter(
-      std::min(deadline - kAnswerMargin - absl::Now(), options_.join_timeout));
+  const absl::Time until =
+      MonotonicNow() + std::min(deadline - kAnswerMargin - absl::Now(), options_.join_timeout);
   auto still_mine = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return has_group_ && ranks_[rank].state == RankState::kConnected && ranks_[rank].token == token;
   };
@@ -644,11 +644,11 @@ absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl
       ticket = GroupGeneration() + 1;
       StoreWord(own->join_ticket, ticket);
     }
-    const kernels::Deadline now = std::chrono::steady_clock::now();
+    const absl::Time now = MonotonicNow();
     if (now >= until) break;
     mu_.AwaitWithTimeout([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       return draining_ || !still_mine();
-    }, std::min(absl::Milliseconds(1), absl::FromChrono(until - now)));
+    }, std::min(absl::Milliseconds(1), until - now));
   }
   give_up();
   if (plan_.excluded(rank)) {

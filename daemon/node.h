@@ -239,7 +239,7 @@ class Node {
     RankState state = RankState::kFree;
     std::string token;
     uint32_t pid = 0;
-    kernels::Deadline ticket_deadline{};  // Monotonic.
+    absl::Time ticket_deadline;  // MonotonicNow().
     int64_t connection = -1;
     bool joining = false;
   };

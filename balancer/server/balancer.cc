@@ -24,14 +24,9 @@ void SetDeadline(grpc::ClientContext& context, absl::Duration timeout) {
   context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
 }
 
-// Every interval the balancer measures or waits out (step rates, health checks, the recovery
-// grace, plan and commit times) is on the monotonic clock: a wall-clock step (NTP, a VM
-// resume) must not move an effective step, end the grace early or stretch a wait. The times
-// are on the clock's own epoch, for differences only.
-absl::Time MonotonicNow() {
-  static const SystemClock clock;
-  return clock.Now();
-}
+// Every other interval the balancer measures or waits out (step rates, health checks, the
+// recovery grace, plan and commit times) is on the monotonic clock (MonotonicNow): a
+// wall-clock step must not move an effective step, end the grace early or stretch a wait.
 
 std::vector<double> Buckets(double first, double factor, int count) {
   std::vector<double> b;

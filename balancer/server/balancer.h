@@ -164,7 +164,7 @@ class Balancer final : public v1::Control::Service {
   void CloseInterval() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const BalancerOptions options_;
-  const absl::Time started_;  // On the monotonic clock (balancer.cc MonotonicNow).
+  const absl::Time started_;  // MonotonicNow().
   std::mutex commit_mu_;  // One plan change (or recovery) at a time.
   mutable Mutex mu_;
   std::map<std::string, Daemon> daemons_ ABSL_GUARDED_BY(mu_);
