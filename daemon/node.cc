@@ -345,11 +345,10 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
   }
   if (!AllArenasMapped()) {
     // The peers' arenas come from their daemons (the balancer link maps them).
-    const absl::Time until = std::min(deadline - kAnswerMargin,
-                                      absl::Now() + options_.join_timeout);
+    // Time left before the caller's (wall-clock) deadline, waited out as a duration.
     mu_.AwaitWithTimeout([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       return draining_ || !has_group_ || AllArenasMapped();
-    }, until - absl::Now());
+    }, std::min(deadline - kAnswerMargin - absl::Now(), options_.join_timeout));
     if (draining_) {
       return absl::UnavailableError("ubepd is draining (shutting down); attach again when it is back");
     }

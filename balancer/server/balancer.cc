@@ -19,14 +19,13 @@ namespace ubep::balancer {
 namespace {
 
 // gRPC takes deadlines as wall-clock times (it converts them to its own monotonic clock at
-// once): the one use of the wall clock here.
+// once): the one use of the wall clock here. Every interval the balancer measures or waits
+// out itself (step rates, health checks, the recovery grace, plan and commit times) is on
+// MonotonicNow(), so that a wall-clock step neither moves an effective step nor ends the grace
+// early nor stretches a wait.
 void SetDeadline(grpc::ClientContext& context, absl::Duration timeout) {
   context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
 }
-
-// Every other interval the balancer measures or waits out (step rates, health checks, the
-// recovery grace, plan and commit times) is on the monotonic clock (MonotonicNow): a
-// wall-clock step must not move an effective step, end the grace early or stretch a wait.
 
 std::vector<double> Buckets(double first, double factor, int count) {
   std::vector<double> b;
@@ -572,8 +571,9 @@ void Balancer::CheckHealth() {
   std::vector<std::pair<std::string, std::shared_ptr<grpc::Channel>>> targets;
   {
     MutexLock lock(&mu_);
-    if (MonotonicNow() < next_health_) return;
-    next_health_ = MonotonicNow() + options_.health_interval;
+    const absl::Time now = MonotonicNow();
+    if (now < next_health_) return;
+    next_health_ = now + options_.health_interval;
     for (const auto& [name, d] : daemons_) targets.emplace_back(name, d.channel);
   }
   for (const auto& [name, channel] : targets) {
