@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <limits>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -57,10 +58,21 @@ absl::Status ValidateConfig(const EpConfig& c) {
                                                    " is outside [0, ", c.num_ranks,
                                                    "] (num_ranks)"));
   }
+  if (c.max_recv_rows < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ep config: max_recv_rows ", c.max_recv_rows, " is negative (0: as many as can come)"));
+  }
   if (c.timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("ep config: timeout must be positive");
   }
   return absl::OkStatus();
+}
+
+int32_t ReceiveCapacity(const EpConfig& c) {
+  const int64_t most = static_cast<int64_t>(c.num_ranks) * c.max_tokens *
+                       MaxPairsPerToken(c.top_k, c.slots_per_rank);
+  const int64_t capacity = c.max_recv_rows > 0 ? std::min<int64_t>(c.max_recv_rows, most) : most;
+  return static_cast<int32_t>(std::min<int64_t>(capacity, std::numeric_limits<int32_t>::max()));
 }
 
 ArenaLayout::ArenaLayout(const EpConfig& c) {
@@ -91,6 +103,7 @@ ArenaLayout::ArenaLayout(const EpConfig& c) {
   bell = sleepers + sizeof(uint32_t);
   bell_sleepers = bell + sizeof(uint32_t);
   refusal = carve(kRefusalBytes);
+  overflow = carve(kLine);  // Before counts: ResetSignals zeroes it with the signals.
   counts = carve(R * sizeof(uint32_t));
   load_counters = carve(static_cast<size_t>(c.num_layers) * c.slots_per_rank * sizeof(uint64_t));
   load_seq = carve(static_cast<size_t>(c.num_layers) * sizeof(uint64_t));
@@ -230,6 +243,46 @@ std::string ReadRefusal(const std::byte* arena, const ArenaLayout& layout, CallP
     if (seq.load(std::memory_order_relaxed) == before) return ParseRefusal(body, phase);
   }
   return "";
+}
+
+namespace {
+
+std::atomic_ref<uint32_t> OverflowWord(const std::byte* arena, const ArenaLayout& layout,
+                                       int i) {
+  return std::atomic_ref<uint32_t>(
+      reinterpret_cast<uint32_t*>(const_cast<std::byte*>(arena) + layout.overflow)[i]);
+}
+
+}  // namespace
+
+void RecordOverflow(std::byte* arena, const ArenaLayout& layout, const OverflowRecord& record) {
+  OverflowWord(arena, layout, 1).store(record.rows, std::memory_order_relaxed);
+  OverflowWord(arena, layout, 2).store(record.capacity, std::memory_order_relaxed);
+  OverflowWord(arena, layout, 0).store(record.call, std::memory_order_release);
+}
+
+OverflowRecord ReadOverflow(const std::byte* arena, const ArenaLayout& layout, uint32_t call) {
+  if (call == 0 || OverflowWord(arena, layout, 0).load(std::memory_order_acquire) != call) {
+    return {};
+  }
+  return {call, OverflowWord(arena, layout, 1).load(std::memory_order_relaxed),
+          OverflowWord(arena, layout, 2).load(std::memory_order_relaxed)};
+}
+
+absl::Status OverCapacityStatus(int rank, uint32_t call, const OverflowRecord& record) {
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "rank ", rank, ", dispatch call ", call, ": ", record.rows,
+      " rows routed here, more than its receive capacity of ", record.capacity,
+      " (max_recv_rows); the first ", record.capacity,
+      " are laid out, and the combine of this call fails on every rank whose tokens came here"));
+}
+
+absl::Status PeerOverCapacityStatus(int rank, uint32_t call, int peer,
+                                    const OverflowRecord& record) {
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "rank ", rank, ", combine call ", call, ": rank ", peer, " was routed ", record.rows,
+      " rows in this call, more than its receive capacity of ", record.capacity,
+      " (max_recv_rows); the sums of the tokens this rank sent there are incomplete"));
 }
 
 void MarkCompleted(std::byte* arena, const ArenaLayout& layout, bool combine, uint32_t epoch) {

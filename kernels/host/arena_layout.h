@@ -26,6 +26,10 @@
 //                              the phase (0 dispatch, 1 combine), [8] the call, [12..] why,
 //                              NUL-terminated; peers that time out waiting for the owner in
 //                              that call report why instead of asking whether it is alive
+//   overflow        64 B       the last dispatch that routed the owner more rows than its
+//                              receive capacity (EpConfig::max_recv_rows; RecordOverflow):
+//                              [0] the call, [4] the rows routed, [8] the capacity; the
+//                              call's combine fails on every rank whose tokens went there
 //   counts          R x 4 B    [s]: records source s stored in the current dispatch
 //   load_counters   L x S x 8  [l][i]: routed pairs received, monotonic (owner only writes)
 //   load_seq        L x 8      [l]: 2 x the dispatches of layer l counted in load_counters;
@@ -97,7 +101,18 @@ struct EpConfig {
   // consecutive ranks, send_split.h's VisitOrder); 0 = every rank is one hop away. Only the
   // order in which a rank's senders visit destinations depends on it, never a byte.
   int near_ranks = 0;
+  // Rows (routed pairs) a dispatch lays out on this rank, at most; 0: as many as can come,
+  // ranks x max_tokens x min(top_k, slots_per_rank) (ReceiveCapacity), which is what the
+  // CUDA backend's receive buffers are sized for. A dispatch that routes this rank more keeps
+  // the first max_recv_rows rows of its layout and fails with ResourceExhausted, and so does
+  // the combine of every rank whose tokens went there (OverCapacityStatus): no rank takes
+  // partial sums for whole ones. Each rank may set its own.
+  int max_recv_rows = 0;
 };
+
+// The rows a dispatch may lay out on a rank of `config`: EpConfig::max_recv_rows, or the most
+// that can come when it is 0 (at most INT32_MAX).
+int32_t ReceiveCapacity(const EpConfig& config);
 
 inline constexpr int kMaxSenderThreads = 64;
 
@@ -149,7 +164,7 @@ int RankGivenUpOn(uint32_t code, int peer);
 
 struct ArenaLayout {
   size_t dispatch_flag, combine_flag, count_flag, barrier_flag, abort, dispatch_completed,
-      combine_completed, sleepers, bell, bell_sleepers, refusal, counts, load_counters, load_seq,
+      combine_completed, sleepers, bell, bell_sleepers, refusal, overflow, counts, load_counters, load_seq,
       records, rows, partials, total_bytes;
   size_t record_bytes, row_bytes;
   size_t row_stride;  // Bytes per source (or destination) in rows and partials.
@@ -218,6 +233,27 @@ std::string ReadRefusal(const std::byte* arena, const ArenaLayout& layout, CallP
 void FormatRefusal(CallPhase phase, absl::string_view why, std::byte (&body)[kRefusalBody]);
 void FormatWithdrawnRefusal(std::byte (&body)[kRefusalBody]);
 std::string ParseRefusal(const std::byte (&body)[kRefusalBody], CallPhase phase);
+
+// A dispatch that routed a rank more rows than its receive capacity (ReceiveCapacity). The
+// rank records it in its own arena once it has every source's counts (so before its combine
+// of the call, whose partials or flags its peers acquire before they read the record, and
+// after every peer finished its combine of the call before: no peer can still be reading
+// the record of an earlier call), the call last, with release.
+struct OverflowRecord {
+  uint32_t call;  // 0: none.
+  uint32_t rows;
+  uint32_t capacity;
+};
+void RecordOverflow(std::byte* arena, const ArenaLayout& layout, const OverflowRecord& record);
+// The record in `arena` if it is of call `call`, else a record of call 0.
+OverflowRecord ReadOverflow(const std::byte* arena, const ArenaLayout& layout, uint32_t call);
+
+// The error of the dispatch (call `call`) that routed `rank` more rows than its capacity.
+absl::Status OverCapacityStatus(int rank, uint32_t call, const OverflowRecord& record);
+// The error of `rank`'s combine of call `call`, some of whose tokens went to `peer`, which
+// overflowed in that call: the partials from there are incomplete.
+absl::Status PeerOverCapacityStatus(int rank, uint32_t call, int peer,
+                                    const OverflowRecord& record);
 
 // A rank that left the group after completing a call owes that call nothing more. At the
 // end of each successful dispatch (combine) a rank stores the call's epoch into its own

@@ -200,7 +200,9 @@ HostEp::HostEp(const EpConfig& config, int rank, std::vector<std::byte*> arenas)
       batch_end_(kMaxSendBatches),
       dest_records_(config.num_ranks),
       visit_dest_(config.num_ranks),
-      visit_position_(config.num_ranks) {
+      visit_position_(config.num_ranks),
+      landing_scratch_(layout_.row_bytes),
+      capacity_(ReceiveCapacity(config)) {
   const VisitOrder order(rank, config.num_ranks, config.near_ranks);
   for (int position = 0; position < config.num_ranks; ++position) {
     visit_dest_[position] = order.Dest(position);
@@ -592,7 +594,7 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
     UBEP_RETURN_IF_ERROR(Barrier(deadline));
     send_share(0);
     UBEP_RETURN_IF_ERROR(Barrier(deadline));
-    LayOut(out);
+    LayOut(out, epoch);
     for (int s : sources) Place(s, out);
   } else {
     if (senders_ == nullptr) send_share(0);  // No core to spare: send, then receive.
@@ -606,7 +608,7 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
                      : Take::kNothing;
         });
     if (status.ok()) {
-      LayOut(out);
+      LayOut(out, epoch);
       std::erase_if(sources, [&](int s) { return out.handle.records_from[s] == 0; });
       const bool poll = std::any_of(sources.begin(), sources.end(),
                                     [&](int s) { return out.handle.flagged_from[s] != 0; });
@@ -657,6 +659,11 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
   }
   MarkCompleted(own, layout_, /*combine=*/false, epoch);
   dispatch_completed_ = true;
+  // Over the receive capacity: the call is complete (its peers need this rank's partials),
+  // and it fails, here and in the combine of every rank whose tokens came here.
+  if (const OverflowRecord overflow = ReadOverflow(own, layout_, epoch); overflow.call != 0) {
+    return OverCapacityStatus(rank_, epoch, overflow);
+  }
   return absl::OkStatus();
 }
 
@@ -678,7 +685,7 @@ RecordEntry EntryAt(const std::byte* records, size_t record_bytes, int32_t j, in
 
 }  // namespace
 
-void HostEp::LayOut(DispatchOutput& out) {
+void HostEp::LayOut(DispatchOutput& out, uint32_t epoch) {
   const int R = config_.num_ranks, S = config_.slots_per_rank;
   const size_t T = config_.max_tokens;
   std::byte* own = arenas_[rank_];
@@ -722,11 +729,17 @@ void HostEp::LayOut(DispatchOutput& out) {
     }
     out.slot_offsets[i + 1] = row;
   }
-  const int num_rows = out.slot_offsets[S];
-  out.recv_x.resize(static_cast<size_t>(num_rows) * layout_.row_bytes);
-  out.src_rank.resize(num_rows);
-  out.src_token.resize(num_rows);
-  out.weight.resize(num_rows);
+  const int32_t num_rows = out.slot_offsets[S];
+  const int32_t kept = std::min(num_rows, capacity_);
+  if (kept < num_rows) {
+    RecordOverflow(own, layout_,
+                   {epoch, static_cast<uint32_t>(num_rows), static_cast<uint32_t>(capacity_)});
+  }
+  handle.rows_kept = kept;
+  out.recv_x.resize(static_cast<size_t>(kept) * layout_.row_bytes);
+  out.src_rank.resize(kept);
+  out.src_token.resize(kept);
+  out.weight.resize(kept);
   handle.record_rows.resize(entries);
 }
 
@@ -736,19 +749,21 @@ void HostEp::PlaceRecord(int s, int32_t j, const std::byte* records, const std::
   int32_t* cursor = &source_slot_rows_[static_cast<size_t>(s) * config_.slots_per_rank];
   DispatchOutput::Handle& handle = out.handle;
   const RecordHeader header = HeaderAt(records, layout_.record_bytes, j);
+  const int32_t kept = handle.rows_kept;
   for (int q = 0; q < header.num_entries; ++q) {
     const RecordEntry entry = EntryAt(records, layout_.record_bytes, j, q);
     const int32_t row = cursor[entry.local_slot]++;
+    handle.record_rows[handle.record_begin[s][j] + q] = row;
+    if (row >= kept) continue;  // Past the receive capacity: dropped (the call fails).
     if (q + 1 < header.num_entries) {  // The row the next entry's copy lands on.
       const int32_t next = cursor[EntryAt(records, layout_.record_bytes, j, q + 1).local_slot];
-      PrefetchRowForWrite(out.recv_x.data() + static_cast<size_t>(next) * B, B);
+      if (next < kept) PrefetchRowForWrite(out.recv_x.data() + static_cast<size_t>(next) * B, B);
     }
     std::byte* to = out.recv_x.data() + static_cast<size_t>(row) * B;
     if (to != data) std::memcpy(to, data, B);
     out.src_rank[row] = s;
     out.src_token[row] = header.token;
     out.weight[row] = entry.weight;
-    handle.record_rows[handle.record_begin[s][j] + q] = row;
   }
 }
 
@@ -776,7 +791,9 @@ HostEp::Take HostEp::PlaceArrived(int s, uint32_t tag, DispatchOutput& out) {
     // The record's first row (the next one of its first entry's slot) takes the data as it
     // lands; PlaceRecord copies it from there into the record's other rows.
     const int32_t row = cursor[EntryAt(records, layout_.record_bytes, j, 0).local_slot];
-    std::byte* data = out.recv_x.data() + static_cast<size_t>(row) * B;
+    std::byte* data = row < out.handle.rows_kept
+                          ? out.recv_x.data() + static_cast<size_t>(row) * B
+                          : landing_scratch_.data();
     if (!LoadFlaggedRow(rows + LandingRowOffset(B, T, true, j), B, tag, data)) break;
     PlaceRecord(s, j, records, data, out);
   }
@@ -834,12 +851,17 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
     const bool flagged = handle.flagged_from[s];  // s gets its partials as it sent its rows.
     const std::vector<int32_t>& begin = handle.record_begin[s];
     const int32_t end = begin[handle.records_from[s]];
+    const int32_t kept = handle.rows_kept;
     for (int32_t j = 0; j < handle.records_from[s]; ++j) {
       for (int32_t q = begin[j]; q < begin[j + 1]; ++q) {
         const int32_t row = handle.record_rows[q];
-        if (q + 1 < end) {
+        if (q + 1 < end && handle.record_rows[q + 1] < kept) {
           PrefetchRow(y + static_cast<size_t>(handle.record_rows[q + 1]) * layout_.row_bytes,
                       layout_.row_bytes);
+        }
+        if (row >= kept) {  // Past the receive capacity (the call fails): a zero term.
+          if (q == begin[j]) std::fill(sum, sum + H, 0.0f);
+          continue;
         }
         Axpy(dispatched.weight[row], y + static_cast<size_t>(row) * layout_.row_bytes,
              config_.dtype, H, q == begin[j], sum);
@@ -912,6 +934,18 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
     ScrubTags(own + layout_.partials, layout_, ScrubTag(epoch));
   }
   MarkCompleted(own, layout_, /*combine=*/true, epoch);
+  // A destination this rank's tokens went to that overflowed its receive capacity in this
+  // call (its record precedes its partials, which this rank has all taken): those sums are
+  // incomplete. The lowest such rank is named.
+  sent_to_.assign(R, 0);
+  for (const auto& [d, j] : handle.token_routes) sent_to_[d] = 1;
+  for (int d = 0; d < R; ++d) {
+    if (!sent_to_[d]) continue;
+    if (const OverflowRecord overflow = ReadOverflow(arenas_[d], layout_, epoch);
+        overflow.call != 0) {
+      return PeerOverCapacityStatus(rank_, epoch, d, overflow);
+    }
+  }
   return absl::OkStatus();
 }
 

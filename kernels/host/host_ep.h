@@ -64,6 +64,8 @@ struct DispatchOutput {
   std::vector<int32_t> src_rank;       // [num_rows]
   std::vector<int32_t> src_token;      // [num_rows]
   std::vector<float> weight;           // [num_rows]
+  // Rows in recv_x: slot_offsets[S], or fewer when the call overflowed this rank's receive
+  // capacity (Dispatch's ResourceExhausted; the first rows of the layout, in its order).
   int num_rows() const { return static_cast<int>(src_rank.size()); }
 
   // Combine needs these; filled by Dispatch.
@@ -81,6 +83,10 @@ struct DispatchOutput {
     // Per source: its rows came, and its partials go back, as flag-in-granule rows.
     std::vector<char> flagged_from;
     bool flagged = false;  // This rank's rows went, and its partials come, flagged.
+    // Rows of the layout (slot_offsets) that recv_x holds: all of them, or the receive
+    // capacity's worth when the call routed this rank more (ReceiveCapacity). Combine takes
+    // the rows past it as zeros (the call fails on every rank whose tokens came here).
+    int32_t rows_kept = 0;
     // The HostEp and the dispatch call that laid it out: Combine takes only its own last.
     const void* owner = nullptr;
     uint32_t epoch = 0;
@@ -192,8 +198,9 @@ class HostEp {
                                 Deadline deadline, bool poll,
                                 const std::function<Take(int)>& take);
   // From every source's records (their count flags seen): the receive layout (slot offsets,
-  // each source's first row in each slot, sizes).
-  void LayOut(DispatchOutput& output);
+  // each source's first row in each slot, sizes), and the record of an overflow of call
+  // `epoch` (RecordOverflow) if it routed more rows here than capacity_.
+  void LayOut(DispatchOutput& output, uint32_t epoch);
   // Source s's rows copied to their places (its dispatch flag seen); any order of sources
   // gives the same bytes.
   void Place(int source, DispatchOutput& output);
@@ -235,6 +242,9 @@ class HostEp {
   std::unique_ptr<std::atomic<int64_t>[]> published_;
   std::vector<float> scratch_;    // One fp32 row for combine sums.
   std::vector<std::byte> row_scratch_;  // One row of dtype: a flagged partial, packed or not.
+  // One row of dtype: a flagged row whose first place is past the receive capacity.
+  std::vector<std::byte> landing_scratch_;
+  const int32_t capacity_;  // ReceiveCapacity(config_).
   std::vector<int32_t> placed_;   // Per source: flagged records placed so far.
   std::vector<char> sent_to_;     // Per destination: a flagged combine takes partials from it.
   std::vector<int> sources_;      // Ranks a wait of this call takes from (kept across calls).

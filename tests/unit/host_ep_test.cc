@@ -170,6 +170,92 @@ TEST_P(HostEpTest, ZeroTokensAndWorstSkew) {
   RunStep(group, inputs, plan, 0);
 }
 
+// Ranks 0, 1 and 3 send every token to expert 5 (slot 5: rank 1's first), rank 2 to expert 12
+// (its own): 144 rows for rank 1, whose receive capacity is 100. Rank 1 keeps the first 100
+// rows of its layout, exactly, counts all 144, and fails the call; so does the combine of
+// every rank whose tokens went there, naming it; rank 2, whose tokens stayed home, combines
+// exactly. The group is still in step: the next call, within the capacity, is exact.
+TEST_P(HostEpTest, ARankOverItsReceiveCapacityFailsTheCallWhereverItsRowsCameFrom) {
+  EpConfig config = VariantConfig(GetParam());
+  config.max_recv_rows = 100;
+  Group group(config);
+  const EpConfig& c = group.config();
+  const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  ASSERT_EQ(plan.slot_expert[0][5], 5);
+  ASSERT_EQ(plan.slot_expert[0][12], 12);
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < c.num_ranks; ++r) {
+    inputs.push_back(MakeInput(c, r, c.max_tokens, 11, /*only_expert=*/r == 2 ? 12 : 5));
+  }
+  const OverflowRecord overflow{1, 144, 100};
+  const uint64_t counted_before = group.ep(1).LoadCounter(0, 0);
+  std::vector<absl::Status> dispatched(c.num_ranks), combined(c.num_ranks);
+  group.RunAll([&](int r) {
+    const RankInput& in = inputs[r];
+    DispatchOutput out;
+    dispatched[r] = group.ep(r).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(),
+                                          in.num_tokens, c.hidden, 0, plan.header()},
+                                         out);
+    if (r == 1) {
+      // Slot 0 holds source 0's 48 rows, then source 1's 48, then the first 4 of source 3's.
+      EXPECT_EQ(out.slot_offsets[1], 144);
+      ASSERT_EQ(out.num_rows(), 100);
+      ASSERT_EQ(out.recv_x.size(), 100 * c.hidden * sizeof(float));
+      for (int row = 0; row < 100; ++row) {
+        const int src = row < 48 ? 0 : row < 96 ? 1 : 3, token = row < 96 ? row % 48 : row - 96;
+        EXPECT_EQ(out.src_rank[row], src) << row;
+        EXPECT_EQ(out.src_token[row], token) << row;
+        EXPECT_EQ(out.weight[row], inputs[src].topk_w[token * c.top_k]) << row;
+        const auto* x = reinterpret_cast<const float*>(out.recv_x.data()) + row * c.hidden;
+        for (int h = 0; h < c.hidden; ++h) ASSERT_EQ(x[h], Payload(src, token, h)) << row;
+      }
+    }
+    // Every caller goes on to its combine (the peers wait for its partials); y = x.
+    std::vector<float> sums(static_cast<size_t>(in.num_tokens) * c.hidden, -1.0f);
+    combined[r] = group.ep(r).Combine(out, out.recv_x.data(), sums.data());
+    if (r == 2) {
+      for (int t = 0; t < in.num_tokens; ++t) {
+        const float w = in.topk_w[t * c.top_k];
+        for (int h = 0; h < c.hidden; ++h) {
+          ASSERT_EQ(sums[static_cast<size_t>(t) * c.hidden + h], w * Payload(2, t, h)) << t;
+        }
+      }
+    }
+  });
+  EXPECT_EQ(dispatched[1], OverCapacityStatus(1, 1, overflow));
+  EXPECT_EQ(dispatched[1],
+            absl::ResourceExhaustedError(
+                "rank 1, dispatch call 1: 144 rows routed here, more than its receive capacity "
+                "of 100 (max_recv_rows); the first 100 are laid out, and the combine of this call "
+                "fails on every rank whose tokens came here"));
+  for (int r : {0, 2, 3}) EXPECT_TRUE(dispatched[r].ok()) << r << ": " << dispatched[r];
+  for (int r : {0, 1, 3}) EXPECT_EQ(combined[r], PeerOverCapacityStatus(r, 1, 1, overflow));
+  EXPECT_EQ(combined[3],
+            absl::ResourceExhaustedError(
+                "rank 3, combine call 1: rank 1 was routed 144 rows in this call, more than its "
+                "receive capacity of 100 (max_recv_rows); the sums of the tokens this rank sent "
+                "there are incomplete"));
+  EXPECT_TRUE(combined[2].ok()) << combined[2];
+  // The pairs reached rank 1's arena: the load counters count them, for the balancer.
+  EXPECT_EQ(group.ep(1).LoadCounter(0, 0) - counted_before, 144u);
+  inputs.clear();
+  for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 12, 4));
+  RunStep(group, inputs, plan, 0);
+}
+
+TEST(HostEpErrorTest, AReceiveCapacityIsNeverNegativeNorMoreThanCanCome) {
+  EpConfig config = SmallConfig(Protocol::kUbep);
+  EXPECT_EQ(ReceiveCapacity(config), 4 * 48 * 4);  // Ranks x max_tokens x min(top_k, slots).
+  config.max_recv_rows = 100;
+  EXPECT_EQ(ReceiveCapacity(config), 100);
+  config.max_recv_rows = 1 << 30;
+  EXPECT_EQ(ReceiveCapacity(config), 4 * 48 * 4);
+  config.max_recv_rows = -1;
+  EXPECT_EQ(HostEp::Create(config, 0, {}).status(),
+            absl::InvalidArgumentError(
+                "ep config: max_recv_rows -1 is negative (0: as many as can come)"));
+}
+
 TEST_P(HostEpTest, ManyReplicasSplitByShareAndPlansChangeBetweenCalls) {
   Group group(VariantConfig(GetParam()));
   const EpConfig& c = group.config();
