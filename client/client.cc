@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <vector>
@@ -507,6 +508,7 @@ absl::StatusOr<std::unique_ptr<Rank>> Rank::Attach(const ClientOptions& options,
   c.timeout = absl::Milliseconds(response.wait_timeout_ms());
   c.flagged_tokens = static_cast<int>(response.flagged_tokens());
   c.near_ranks = static_cast<int>(response.near_ranks());
+  c.max_recv_rows = static_cast<int>(response.max_recv_rows());
   if (kernels::ArenaLayout(c).total_bytes != st.layout.ep_bytes) {
     return absl::DataLossError(absl::StrCat(
         "rank ", rank, ": ubepd's data-plane layout (", st.layout.ep_bytes,
@@ -696,6 +698,34 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
     status = s.ep->Dispatch(in, out.state_->output);
     out.state_->on_device = false;
     out.state_->plan_version = out.state_->output.plan_version;
+  }
+  if (absl::IsResourceExhausted(status)) {
+    // More rows routed here than the receive capacity: the call is complete but for this
+    // rank's combine, which its peers wait for. It runs here, with zero expert outputs, and
+    // fails as every rank's combine of the call does, so that an engine that abandons the step
+    // on an error keeps its ranks' calls paired.
+    const size_t row_bytes = static_cast<size_t>(s.shape.hidden) * kernels::DTypeBytes(s.config.dtype);
+    const size_t rows_bytes = std::max<size_t>(1, static_cast<size_t>(out.num_rows()) * row_bytes);
+    const size_t out_bytes = std::max<size_t>(1, static_cast<size_t>(num_tokens) * row_bytes);
+    absl::Status combined;
+    if (s.on_device) {
+#ifdef UBEP_CLIENT_CUDA
+      void *zeros = nullptr, *sink = nullptr;
+      if (cudaMalloc(&zeros, rows_bytes) != cudaSuccess || cudaMalloc(&sink, out_bytes) != cudaSuccess ||
+          cudaMemset(zeros, 0, rows_bytes) != cudaSuccess) {
+        combined = absl::InternalError("no device memory for the combine of an overflowed call");
+      } else {
+        combined = s.cuda_ep->Combine(zeros, sink);
+      }
+      cudaFree(zeros);
+      cudaFree(sink);
+#endif
+    } else {
+      std::vector<std::byte> zeros(rows_bytes), sink(out_bytes);
+      combined = s.ep->Combine(out.state_->output, zeros.data(), sink.data());
+    }
+    // The wait of that combine may have ended the group's run instead.
+    if (absl::IsUnavailable(combined) || absl::IsDeadlineExceeded(combined)) status = combined;
   }
   if (!status.ok()) {
     if (absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status)) s.stopped = status;

@@ -30,6 +30,10 @@ ABSL_FLAG(std::string, protocol, "ubep", "Data-plane protocol: ubep or bsp.");
 ABSL_FLAG(int, flagged_tokens, 0,
           "ubep: calls of at most this many tokens per rank store their rows (and get their "
           "partials back) as flag-in-granule rows; capped at the shape's max_tokens; 0 = never.");
+ABSL_FLAG(int, max_recv_rows, 0,
+          "Rows (routed token-expert pairs) one dispatch may lay out on a rank, which sizes the "
+          "CUDA backend's receive buffers; a call that routes a rank more fails on every rank "
+          "(ResourceExhausted) and the group goes on; 0 = as many as can come.");
 ABSL_FLAG(absl::Duration, wait_timeout, absl::Seconds(10),
           "Every data-plane wait gives up after this and names the peer it waited for.");
 ABSL_FLAG(absl::Duration, join_timeout, absl::Seconds(60),
@@ -90,6 +94,11 @@ int main(int argc, char** argv) {
   if (options.node.flagged_tokens < 0) {
     std::cerr << "ubepd: --flagged_tokens " << options.node.flagged_tokens
               << " is negative\n";
+    return 2;
+  }
+  options.node.max_recv_rows = absl::GetFlag(FLAGS_max_recv_rows);
+  if (options.node.max_recv_rows < 0) {
+    std::cerr << "ubepd: --max_recv_rows " << options.node.max_recv_rows << " is negative\n";
     return 2;
   }
   options.node.wait_timeout = absl::GetFlag(FLAGS_wait_timeout);

@@ -174,6 +174,7 @@ absl::Status Node::CreateGroup(const v1::AttachRequest& q,
       kernels::FlaggedRowsFit(static_cast<size_t>(config.hidden) * kernels::DTypeBytes(config.dtype))
           ? std::min(options_.flagged_tokens, config.max_tokens)
           : 0;
+  config.max_recv_rows = options_.max_recv_rows;
   config.timeout = options_.wait_timeout;
   UBEP_RETURN_IF_ERROR(kernels::ValidateConfig(config));
   const int first = options_.num_ranks > 0 ? options_.first_rank : 0;
@@ -392,6 +393,7 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
   response.set_wait_timeout_ms(absl::ToInt64Milliseconds(config_.timeout));
   response.set_flagged_tokens(static_cast<uint32_t>(config_.flagged_tokens));
   response.set_near_ranks(static_cast<uint32_t>(config_.near_ranks));
+  response.set_max_recv_rows(static_cast<uint32_t>(config_.max_recv_rows));
   v1::ArenaLayout* l = response.mutable_layout();
   l->set_total_bytes(layout_.total_bytes);
   l->set_control_offset(layout_.control);

@@ -47,6 +47,7 @@ struct NodeOptions {
   std::string fd_socket_path;                 // Told to clients in AttachResponse.
   kernels::Protocol protocol = kernels::Protocol::kUbep;
   int flagged_tokens = 0;  // EpConfig::flagged_tokens, capped at the shape's max_tokens.
+  int max_recv_rows = 0;   // EpConfig::max_recv_rows of every hosted rank; 0 = unbounded.
   absl::Duration wait_timeout = absl::Seconds(10);   // Data-plane waits.
   absl::Duration join_timeout = absl::Seconds(60);   // Longest Join wait.
   absl::Duration ticket_timeout = absl::Seconds(10); // Attach token unclaimed -> rank free.

@@ -5,12 +5,15 @@
 //
 // Recovery: when the group stops (a rank died, or a wait timed out) it re-joins and repeats
 // the step the group resumes at; when ubepd drains it detaches and attaches again until the
-// daemon is back (--reattach-timeout).
+// daemon is back (--reattach-timeout). A step whose call overflowed some rank's receive
+// capacity (ResourceExhausted, on every rank at once) is dropped, as an engine drops a batch,
+// and the next one runs.
 //
 // Log (stdout, and --log FILE appended line by line):
 //   step 12 generation 1 plan 1 max_rel_err 1.9e-07 ok
 //   error step 13: rank 1: rank 2 left the group ...
-//   done steps 100 failed 0
+//   dropped step 14: rank 1, combine call 57: rank 3 was routed 300 rows ...
+//   done steps 100 failed 0 dropped 1
 // Exit code: 0 when every step matched the reference, 1 on a mismatch, 2 on bad flags,
 // 3 when the group could not be (re)joined.
 #include <unistd.h>
@@ -198,7 +201,7 @@ int main(int argc, char** argv) {
     return 3;
   }
   uint64_t step = (*rank)->resume_step();
-  int failed = 0;
+  int failed = 0, dropped = 0;
   std::vector<float> x;
   while (step < static_cast<uint64_t>(steps)) {
     uint64_t plan_version = 0;
@@ -212,6 +215,13 @@ int main(int argc, char** argv) {
                                ok ? "ok" : "MISMATCH"));
       ++step;
       absl::SleepFor(absl::GetFlag(FLAGS_step_delay));
+      continue;
+    }
+    if (absl::IsResourceExhausted(status)) {
+      // Every rank's call failed, so every rank drops the step: the group stays in step.
+      log.Line(absl::StrCat("dropped step ", step, ": ", status.message()));
+      ++dropped;
+      ++step;
       continue;
     }
     log.Line(absl::StrCat("error step ", step, ": ", status.message()));
@@ -255,6 +265,6 @@ int main(int argc, char** argv) {
     log.Line(absl::StrCat("rejoined at step ", step, "; the weights taken at attach are mapped (",
                           held->size() / 4096 + (held->size() % 4096 != 0), " pages read, sum ", sum, ")"));
   }
-  log.Line(absl::StrCat("done steps ", steps, " failed ", failed));
+  log.Line(absl::StrCat("done steps ", steps, " failed ", failed, " dropped ", dropped));
   return failed == 0 ? 0 : 1;
 }

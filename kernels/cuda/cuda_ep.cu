@@ -23,9 +23,12 @@ constexpr int kStatusBadPair = 0;    // 0, or ~(t * K + k) of the first bad pair
 constexpr int kStatusWaitEnded = 1;  // 0, or 1 + the peer a wait gave up on (abort word set).
 constexpr int kStatusStalled = 2;    // 1: a SendKernel block waited past the timeout for another.
 constexpr int kStatusWaitPhase = 3;  // The phase of the wait that ended: kPhase*.
-constexpr int kStatusRowsOver = 4;   // 0, or the rows received when more than max_rows.
+constexpr int kStatusRowsOver = 4;   // 0, or the rows routed here when more than max_rows.
 constexpr int kStatusWaitLate = 5;   // 1: the wait that ended passed the deadline.
-constexpr int kStatusWords = 6;
+// Combine: 0, or R - d for the lowest rank d of the group that overflowed its receive
+// capacity in this call (OverflowKernel).
+constexpr int kStatusPeerOver = 6;
+constexpr int kStatusWords = 7;
 constexpr uint32_t kPhaseAsCalled = 1;  // Named by the call (CheckStatus's `what`).
 constexpr uint32_t kPhaseCounts = 2;    // ubep's wait for the sources' counts: "dispatch counts".
 // Sender blocks of a dispatch (send_split.h). A few dozen SMs saturate NVLink stores, as in
@@ -48,12 +51,13 @@ constexpr int kWideBlocksPerSm = 4;
 // Everything a kernel needs, passed by value.
 struct Params {
   int rank, num_ranks, max_tokens, hidden, top_k, slots_per_rank, num_experts, num_tokens, layer;
-  int max_rows;  // Receive rows the scratch holds: R x max_tokens x MaxPairsPerToken.
+  int max_rows;  // Receive rows the scratch holds: ReceiveCapacity (EpConfig::max_recv_rows).
   VisitOrder visit;  // The order this rank visits destinations in (send_split.h).
   size_t record_bytes, row_bytes;
   size_t row_stride;  // Bytes per source (destination) of rows (partials): ArenaLayout.
   size_t flagged_offset;  // Where the flagged rows start in a source's part: ArenaLayout.
   size_t off_abort;
+  size_t off_overflow;  // ArenaLayout::overflow: this rank's OverflowRecord.
   // The word where a rank marks the last call of this kind (dispatch or combine) it completed
   // (ArenaLayout::dispatch_completed or combine_completed; arena_layout.h MarkCompleted).
   size_t off_completed;
@@ -721,9 +725,19 @@ __global__ void ScanKernel(Params p) {
   }
   if (threadIdx.x == 0) {
     p.slot_offsets[S] = base;
-    // More rows than the scratch holds cannot come from peers that skip repeated experts
-    // (CountDest): said, and PlaceKernel and CopyKernel write none of the rows past it.
-    if (base > p.max_rows) p.status[kStatusRowsOver] = static_cast<uint32_t>(base);
+    // More rows than the receive capacity (EpConfig::max_recv_rows; the most that can come
+    // when it is 0): said, PlaceKernel and CopyKernel write none of the rows past it, and the
+    // record (arena_layout.h OverflowRecord, call last) tells the ranks whose tokens came
+    // here, which read it after this rank's partials.
+    if (base > p.max_rows) {
+      p.status[kStatusRowsOver] = static_cast<uint32_t>(base);
+      auto* record = reinterpret_cast<uint32_t*>(p.arenas[p.rank] + p.off_overflow);
+      record[1] = static_cast<uint32_t>(base);
+      record[2] = static_cast<uint32_t>(p.max_rows);
+      __threadfence_system();
+      cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(record[0]).store(
+          p.epoch, cuda::memory_order_release);
+    }
     int records = 0, entries = 0;
     for (int s = 0; s < R; ++s) {
       const int n = SourceCount(p, p.arenas[p.rank], s);
@@ -753,8 +767,9 @@ __global__ void LoadKernel(Params p) {
     __threadfence_system();
   }
   __syncthreads();
-  // A call with more rows than the scratch holds fails (CheckStatus) and counts nothing.
-  for (int i = threadIdx.x; i < S && p.status[kStatusRowsOver] == 0; i += blockDim.x) {
+  // A call over the receive capacity counts every pair too (they reached the arena; the
+  // balancer is to see the load that overflowed), as the host backend does.
+  for (int i = threadIdx.x; i < S; i += blockDim.x) {
     counters[i] += p.slot_offsets[i + 1] - p.slot_offsets[i];
   }
   __syncthreads();
@@ -832,16 +847,19 @@ __global__ void CopyKernel(Params p) {
     const int n = p.record_base[s + 1] - p.record_base[s];
     const int j = TokenOfUnit(p.record_begin + s * (p.max_tokens + 1), n, e);
     const int row = p.entry_row[static_cast<size_t>(s) * p.max_tokens * p.top_k + e];
-    if (row >= p.max_rows) continue;  // ScanKernel said so.
+    // A row past the receive capacity (ScanKernel said so) is dropped; a flagged one is still
+    // waited for, so that no store of this call lands after the call (a tag scrub).
+    const bool kept = row < p.max_rows;
+    if (!kept && !SourceFlagged(p, s)) continue;
     const std::byte* rows = own + p.off_rows + static_cast<size_t>(s) * p.row_stride;
     auto* to = reinterpret_cast<uint4*>(reinterpret_cast<std::byte*>(p.recv_x) +
-                                        static_cast<size_t>(row) * p.row_bytes);
+                                        static_cast<size_t>(kept ? row : 0) * p.row_bytes);
     if (SourceFlagged(p, s)) {  // Each lane takes its granules as they land.
       const std::byte* from = rows + LandingRowOffset(p.row_bytes, p.max_tokens, true, j);
       for (size_t i = lane; i < p.row_bytes / 16; i += 32) {
         uint4 v;
         if (!TakeGranules(p, s, from + 32 * i, &deadline, &v)) return;
-        to[i] = v;
+        if (kept) to[i] = v;
       }
     } else {
       const auto* from = reinterpret_cast<const uint4*>(rows + static_cast<size_t>(j) * p.row_bytes);
@@ -901,7 +919,7 @@ __global__ void PartialKernel(Params p, const uint16_t* y) {
         float sum[8];
         for (int e = begin[j]; e < begin[j + 1]; ++e) {
           const int row = entry_row[e];
-          // A row past the scratch (ScanKernel's overflow, an error) adds zeros.
+          // A row past the receive capacity (ScanKernel: the call fails) adds zeros.
           const float w = row < p.max_rows ? p.weight[row] : 0.0f;
           float v[8] = {};
           if (row < p.max_rows) {
@@ -976,6 +994,23 @@ __global__ void TokenKernel(Params p, uint16_t* out) {
   // Flagged partials were taken with relaxed loads: a fence, so that whatever this rank stores
   // into the destinations next (its next dispatch) comes after it read them (flagged_rows.h).
   if (p.flagged) __threadfence_system();
+}
+
+// After the token side (every partial, flag or barrier of the call taken): the lowest rank
+// of the group whose record says it overflowed its receive capacity in this call (written
+// before its partials, arena_layout.h OverflowRecord), as kStatusPeerOver: the call fails on
+// every rank.
+__global__ void OverflowKernel(Params p) {
+  if (Stopped(p)) return;
+  const int R = p.num_ranks;
+  for (int d = threadIdx.x; d < R; d += blockDim.x) {
+    if (RankExcluded(p.plan, static_cast<uint32_t>(d))) continue;
+    const auto* record = reinterpret_cast<const uint32_t*>(p.arenas[d] + p.off_overflow);
+    if (cuda::atomic_ref<const uint32_t, cuda::thread_scope_system>(record[0]).load(
+            cuda::memory_order_acquire) == p.epoch) {
+      atomicMax(&p.status[kStatusPeerOver], static_cast<uint32_t>(R - d));
+    }
+  }
 }
 
 }  // namespace
@@ -1072,8 +1107,9 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
                                        cudaMemcpyHostToDevice));
   const size_t R = config.num_ranks, T = config.max_tokens, K = config.top_k,
                S = config.slots_per_rank, H = config.hidden;
-  // Every pair of every source's tokens here, at most MaxPairsPerToken per token (routing.h).
-  const size_t max_rows = R * T * MaxPairsPerToken(K, S);
+  // The receive capacity: every pair of every source's tokens here (at most MaxPairsPerToken
+  // per token, routing.h) unless EpConfig::max_recv_rows bounds it.
+  const size_t max_rows = static_cast<size_t>(ReceiveCapacity(config));
   // First (8-byte aligned): what each dispatch zeroes, published counts as long long.
   const size_t zeroed = 2 * R + 2 + kMaxSendBatches + 1;
   const size_t ints = zeroed + T * R + (T + 1) + R + R * S + R * S + R * (T + 1) + R * T * K +
@@ -1131,6 +1167,7 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   p.row_stride = l.row_stride;
   p.flagged_offset = l.flagged_offset;
   p.off_abort = l.abort;
+  p.off_overflow = l.overflow;
   p.partial_delay_source = -1;
   p.bsp = config.protocol == Protocol::kBsp;
   p.off_count_flag = l.count_flag;
@@ -1224,11 +1261,16 @@ absl::Status CudaEp::CheckStatus(const char* what, uint32_t call,
                                   PhaseInFlight(dispatch_epoch_, combine_epoch_)));
   }
   if (status[kStatusRowsOver] != 0) {
-    return absl::InternalError(absl::StrCat(
-        "rank ", rank_, ": ", what, ", call ", call, ": ", status[kStatusRowsOver],
-        " rows received, more than the ", scratch_->params.max_rows,
-        " the receive scratch holds; a peer sent some token's pairs to more slots here than "
-        "that token lists experts"));
+    return OverCapacityStatus(rank_, call,
+                              {call, status[kStatusRowsOver],
+                               static_cast<uint32_t>(scratch_->params.max_rows)});
+  }
+  if (status[kStatusPeerOver] != 0) {
+    const int peer = config_.num_ranks - static_cast<int>(status[kStatusPeerOver]);
+    OverflowRecord record{};
+    UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&record, arenas_[peer] + layout_.overflow,
+                                         sizeof(record), cudaMemcpyDeviceToHost));
+    return PeerOverCapacityStatus(rank_, call, peer, record);
   }
   if (status[kStatusBadPair] != 0) {
     const uint32_t pair = ~status[kStatusBadPair];
@@ -1392,18 +1434,21 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
   }
   UBEP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   const absl::Status st = CheckStatus(p.bsp ? "dispatch, bsp" : "dispatch data", p.epoch, &in);
-  if (!st.ok() && !absl::IsInvalidArgument(st)) return st;
+  // Bad input and an overflow of the receive capacity leave the call to complete (below).
+  if (!st.ok() && !absl::IsInvalidArgument(st) && !absl::IsResourceExhausted(st)) return st;
   out.slot_offsets.resize(config_.slots_per_rank + 1);
   UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(out.slot_offsets.data(), p.slot_offsets,
                                        sizeof(int32_t) * out.slot_offsets.size(),
                                        cudaMemcpyDeviceToHost));
-  out.num_rows = out.slot_offsets.back();
+  // Over the receive capacity, recv_x holds the first max_rows rows of the layout.
+  out.num_rows = std::min(out.slot_offsets.back(), s.params.max_rows);
   out.recv_x = p.recv_x;
   out.src_rank = p.src_rank;
   out.src_token = p.src_token;
   out.weight = p.weight;
-  // Bad input (an expert id out of range): the error, with the rest dispatched; the peers wait
-  // for this rank's partials, so the caller still calls Combine.
+  // Bad input (an expert id out of range) or more rows than the receive capacity: the error,
+  // with the rest dispatched; the peers wait for this rank's partials, so the caller still
+  // calls Combine.
   return st;
 }
 
@@ -1436,6 +1481,7 @@ absl::Status CudaEp::Combine(const void* y, void* out) {
   if (last_tokens_ > 0) {
     TokenKernel<<<last_tokens_, kThreads, 0, s.stream>>>(p, static_cast<uint16_t*>(out));
   }
+  OverflowKernel<<<1, kThreads, 0, s.stream>>>(p);
   if (config_.flagged_tokens > 0 && TagScrubDue(p.epoch)) {
     ScrubKernel<<<s.wide_blocks, kThreads, 0, s.stream>>>(p, p.off_partials, ScrubTag(p.epoch));
   }

@@ -87,7 +87,10 @@ class CudaEp {
 
   // An expert id out of range is found on the device, after the peers may have begun: the
   // call returns InvalidArgument naming it, having dispatched every other pair, and the caller
-  // still calls Combine (the peers wait for this rank's partials).
+  // still calls Combine (the peers wait for this rank's partials). So with more rows routed
+  // here than the receive capacity (EpConfig::max_recv_rows, which sizes the receive buffers):
+  // ResourceExhausted (OverCapacityStatus), the first rows of the layout in recv_x
+  // (num_rows of them), and a Combine that fails on every rank of the group.
   //
   // Both calls run on the CudaEp's own stream, a blocking one: they are ordered after work of
   // the legacy default stream, and both return once their kernels are done. Inputs written on

@@ -274,7 +274,7 @@ absl::Status OverCapacityStatus(int rank, uint32_t call, const OverflowRecord& r
       "rank ", rank, ", dispatch call ", call, ": ", record.rows,
       " rows routed here, more than its receive capacity of ", record.capacity,
       " (max_recv_rows); the first ", record.capacity,
-      " are laid out, and the combine of this call fails on every rank whose tokens came here"));
+      " are laid out, and this call's combine fails on every rank of the group"));
 }
 
 absl::Status PeerOverCapacityStatus(int rank, uint32_t call, int peer,
@@ -282,7 +282,8 @@ absl::Status PeerOverCapacityStatus(int rank, uint32_t call, int peer,
   return absl::ResourceExhaustedError(absl::StrCat(
       "rank ", rank, ", combine call ", call, ": rank ", peer, " was routed ", record.rows,
       " rows in this call, more than its receive capacity of ", record.capacity,
-      " (max_recv_rows); the sums of the tokens this rank sent there are incomplete"));
+      " (max_recv_rows), so the call fails on every rank of the group: the sums of the tokens "
+      "sent there are incomplete"));
 }
 
 void MarkCompleted(std::byte* arena, const ArenaLayout& layout, bool combine, uint32_t epoch) {

@@ -105,8 +105,10 @@ struct EpConfig {
   // ranks x max_tokens x min(top_k, slots_per_rank) (ReceiveCapacity), which is what the
   // CUDA backend's receive buffers are sized for. A dispatch that routes this rank more keeps
   // the first max_recv_rows rows of its layout and fails with ResourceExhausted, and so does
-  // the combine of every rank whose tokens went there (OverCapacityStatus): no rank takes
-  // partial sums for whole ones. Each rank may set its own.
+  // the combine of every rank of the group (OverCapacityStatus): no rank whose tokens went
+  // there takes
+  // partial sums for whole ones; nor does any other (the call fails on every rank, as a
+  // collective's error does). Each rank may set its own.
   int max_recv_rows = 0;
 };
 
@@ -236,9 +238,12 @@ std::string ParseRefusal(const std::byte (&body)[kRefusalBody], CallPhase phase)
 
 // A dispatch that routed a rank more rows than its receive capacity (ReceiveCapacity). The
 // rank records it in its own arena once it has every source's counts (so before its combine
-// of the call, whose partials or flags its peers acquire before they read the record, and
-// after every peer finished its combine of the call before: no peer can still be reading
-// the record of an earlier call), the call last, with release.
+// of the call, whose partials, flags or barrier every peer's combine acquires before it reads
+// the record, and after every peer finished its combine of the call before: no peer can still
+// be reading the record of an earlier call), the call last, with release. Every rank's
+// combine reads every active rank's record and fails if one overflowed, so that the call
+// fails on every rank of the group, as a collective's error does: an engine that abandons the
+// step on an error keeps its ranks' calls paired.
 struct OverflowRecord {
   uint32_t call;  // 0: none.
   uint32_t rows;
@@ -250,8 +255,8 @@ OverflowRecord ReadOverflow(const std::byte* arena, const ArenaLayout& layout, u
 
 // The error of the dispatch (call `call`) that routed `rank` more rows than its capacity.
 absl::Status OverCapacityStatus(int rank, uint32_t call, const OverflowRecord& record);
-// The error of `rank`'s combine of call `call`, some of whose tokens went to `peer`, which
-// overflowed in that call: the partials from there are incomplete.
+// The error of `rank`'s combine of call `call` in which `peer` overflowed (the lowest such
+// rank): the sums of the tokens sent there are incomplete, and the call fails everywhere.
 absl::Status PeerOverCapacityStatus(int rank, uint32_t call, int peer,
                                     const OverflowRecord& record);
 

@@ -934,13 +934,11 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
     ScrubTags(own + layout_.partials, layout_, ScrubTag(epoch));
   }
   MarkCompleted(own, layout_, /*combine=*/true, epoch);
-  // A destination this rank's tokens went to that overflowed its receive capacity in this
-  // call (its record precedes its partials, which this rank has all taken): those sums are
-  // incomplete. The lowest such rank is named.
-  sent_to_.assign(R, 0);
-  for (const auto& [d, j] : handle.token_routes) sent_to_[d] = 1;
+  // A rank that overflowed its receive capacity in this call (its record precedes its
+  // partials, flag or barrier, which this rank has all taken): the call fails on every rank
+  // (arena_layout.h RecordOverflow), naming the lowest such rank.
   for (int d = 0; d < R; ++d) {
-    if (!sent_to_[d]) continue;
+    if (!active_[d]) continue;
     if (const OverflowRecord overflow = ReadOverflow(arenas_[d], layout_, epoch);
         overflow.call != 0) {
       return PeerOverCapacityStatus(rank_, epoch, d, overflow);

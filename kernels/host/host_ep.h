@@ -85,7 +85,7 @@ struct DispatchOutput {
     bool flagged = false;  // This rank's rows went, and its partials come, flagged.
     // Rows of the layout (slot_offsets) that recv_x holds: all of them, or the receive
     // capacity's worth when the call routed this rank more (ReceiveCapacity). Combine takes
-    // the rows past it as zeros (the call fails on every rank whose tokens came here).
+    // the rows past it as zeros (the call fails on every rank).
     int32_t rows_kept = 0;
     // The HostEp and the dispatch call that laid it out: Combine takes only its own last.
     const void* owner = nullptr;

@@ -63,9 +63,11 @@ struct RankResult {
   std::vector<int32_t> slot_offsets, src_rank, src_token;
   std::vector<float> weight;
   std::vector<uint16_t> recv_x, y, combined;
-  // The error the CUDA backend's Dispatch must return (bad input it skips; the results are
-  // then those of the input without the bad pairs), or "".
+  // The error the CUDA backend's Dispatch must return (bad input it skips, the results then
+  // those of the input without the bad pairs; more rows than the receive capacity), or "".
   std::string dispatch_error;
+  // The error its Combine must return (a destination over its receive capacity), or "".
+  std::string combine_error;
 };
 
 // How a group runs: bsp; ubep counting and sending at once (SendKernel, one cooperative
@@ -100,7 +102,9 @@ std::vector<uint16_t> ExpertOutputs(const EpConfig& c, const TestPlan& plan, int
   std::vector<uint16_t> y(recv_x.size());
   for (int i = 0; i < c.slots_per_rank; ++i) {
     const int e = plan.slot_expert[0][rank * c.slots_per_rank + i];
-    for (int q = slot_offsets[i] * c.hidden; q < slot_offsets[i + 1] * c.hidden; ++q) {
+    // Over the receive capacity, recv_x holds only the first rows of the layout.
+    const int end = std::min<int>(slot_offsets[i + 1] * c.hidden, recv_x.size());
+    for (int q = slot_offsets[i] * c.hidden; q < end; ++q) {
       y[q] = ToBf16(FromBf16(recv_x[q]) * (1.0f + e / 64.0f));
     }
   }
@@ -117,12 +121,15 @@ std::vector<RankResult> HostReference(const EpConfig& c, const TestPlan& plan,
     if (RankExcluded(plan.header(), static_cast<uint32_t>(r))) return;
     const std::vector<uint16_t> x = Bf16Input(inputs[r]);
     DispatchOutput out;
-    ASSERT_TRUE(group.ep(r).Dispatch({x.data(), inputs[r].topk_idx.data(),
-                                      inputs[r].topk_w.data(), inputs[r].num_tokens, c.hidden,
-                                      0, plan.header()},
-                                     out)
-                    .ok());
     RankResult& res = results[r];
+    // Only an overflow of the receive capacity leaves the call to complete (and its combine
+    // to fail where its rows came from); the callers set any bad input's error themselves.
+    const absl::Status dispatched =
+        group.ep(r).Dispatch({x.data(), inputs[r].topk_idx.data(), inputs[r].topk_w.data(),
+                              inputs[r].num_tokens, c.hidden, 0, plan.header()},
+                             out);
+    ASSERT_TRUE(dispatched.ok() || absl::IsResourceExhausted(dispatched)) << dispatched;
+    if (!dispatched.ok()) res.dispatch_error = std::string(dispatched.message());
     res.slot_offsets = out.slot_offsets;
     res.src_rank = out.src_rank;
     res.src_token = out.src_token;
@@ -131,7 +138,9 @@ std::vector<RankResult> HostReference(const EpConfig& c, const TestPlan& plan,
     std::memcpy(res.recv_x.data(), out.recv_x.data(), out.recv_x.size());
     res.y = ExpertOutputs(c, plan, r, res.slot_offsets, res.recv_x);
     res.combined.resize(x.size());
-    ASSERT_TRUE(group.ep(r).Combine(out, res.y.data(), res.combined.data()).ok());
+    const absl::Status combined = group.ep(r).Combine(out, res.y.data(), res.combined.data());
+    ASSERT_TRUE(combined.ok() || absl::IsResourceExhausted(combined)) << combined;
+    if (!combined.ok()) res.combine_error = std::string(combined.message());
   });
   return results;
 }
@@ -323,7 +332,8 @@ std::string RunRank(const EpConfig& c, int rank, const TestPlan& plan,
     absl::Status s = dispatch(k, out);
     if (want.dispatch_error.empty() && !s.ok()) return finish(std::string(s.message()) + at);
     if (!want.dispatch_error.empty() &&
-        !(absl::IsInvalidArgument(s) && s.message() == want.dispatch_error)) {
+        !((absl::IsInvalidArgument(s) || absl::IsResourceExhausted(s)) &&
+          s.message() == want.dispatch_error)) {
       return finish(absl::StrCat("dispatch returned \"", s.ToString(), "\", expected \"",
                                  want.dispatch_error, "\"", at));
     }
@@ -339,7 +349,12 @@ std::string RunRank(const EpConfig& c, int rank, const TestPlan& plan,
     uint16_t* d_y = Upload(want.y);
     uint16_t* d_out = Upload(std::vector<uint16_t>(out_size, 0));
     s = (*ep)->Combine(d_y, d_out);
-    if (!s.ok()) return finish(std::string(s.message()) + at);
+    if (want.combine_error.empty() && !s.ok()) return finish(std::string(s.message()) + at);
+    if (!want.combine_error.empty() &&
+        !(absl::IsResourceExhausted(s) && s.message() == want.combine_error)) {
+      return finish(absl::StrCat("combine returned \"", s.ToString(), "\", expected \"",
+                                 want.combine_error, "\"", at));
+    }
     if (rank == faults.leaving_rank) {
       const uint32_t code = kAbortRankGone | static_cast<uint32_t>(rank);
       for (std::byte* a : pointers) {
@@ -593,6 +608,37 @@ TEST_P(CudaEpTest, ARepeatedExpertOrAWeightNotFiniteIsFlaggedAndSkipped) {
       "topk_idx[3][2] = 5 repeats topk_idx[3][0]: a token lists each expert at most once";
   expected[1].dispatch_error = "topk_weights[6][1] = -inf is not finite";
   ExpectNoErrors(RunGroup(c, plan, inputs, &expected).errors);
+}
+
+// A receive capacity (EpConfig::max_recv_rows) 44 rows short: every rank but the last sends
+// every token to the expert of rank 1's first slot, the last to its own first slot's (rank 1
+// is the last at 2 ranks). Rank 1 keeps the first rows of its layout and fails the call, and
+// so does every rank's combine, naming it, with the host backend's words and bytes; the next
+// call, within the capacity, matches too.
+TEST_P(CudaEpTest, AReceiveCapacityOverflowFailsTheCallAsOnTheHost) {
+  EpConfig c = GpuConfig(std::get<0>(GetParam()), std::get<1>(GetParam()));
+  const int R = c.num_ranks, S = c.slots_per_rank, rows = R == 2 ? 96 : 144;
+  c.max_recv_rows = rows - 44;
+  const TestPlan plan = TestPlan::RoundRobin(R * S, c.num_experts, 2);
+  const int hot = plan.slot_expert[0][S], home = plan.slot_expert[0][(R - 1) * S];
+  ExpectNoErrors(RunCallsAgainstHost(
+      c, plan, 2,
+      [&](int k, int r) {
+        return k == 0 ? MakeInput(c, r, c.max_tokens, 11, r == R - 1 ? home : hot)
+                      : MakeInput(c, r, 12, 4);
+      },
+      {}, [&](const std::vector<std::vector<RankResult>>& host) {
+        // The host backend's outcome, which the device must match.
+        const OverflowRecord overflow{1, static_cast<uint32_t>(rows),
+                                      static_cast<uint32_t>(c.max_recv_rows)};
+        EXPECT_EQ(host[0][1].dispatch_error, OverCapacityStatus(1, 1, overflow).message());
+        for (int r = 0; r < R; ++r) {
+          EXPECT_EQ(host[0][r].combine_error, PeerOverCapacityStatus(r, 1, 1, overflow).message())
+              << r;
+          EXPECT_EQ(host[1][r].dispatch_error, "") << r;
+          EXPECT_EQ(host[1][r].combine_error, "") << r;
+        }
+      }));
 }
 
 // The receive scratch holds ranks x max_tokens x min(top_k, slots_per_rank) rows: with fewer

@@ -231,6 +231,66 @@ TEST_F(DaemonTest, FlaggedRowsServeTheSameStepsAndTheSettingIsCappedAtMaxTokens)
   EXPECT_EQ(response.near_ranks(), 0u);  // One daemon hosts every rank: all one hop apart.
 }
 
+// --max_recv_rows=500: round-robin placement routes rank 0 more than 500 rows in layer 0 of
+// some steps (the traces' hot experts). Each such call fails on every rank at once (rank 0's
+// Dispatch, the others' Combine, each naming rank 0), every rank drops that step, and the
+// group stays in step: the same steps are dropped everywhere and every other one matches the
+// float64 reference. The setting reaches the clients with the layout; a negative one is refused.
+TEST_F(DaemonTest, AReceiveCapacityOverflowDropsTheSameStepsEverywhereAndTheRestMatch) {
+  auto daemon = StartDaemon({"--max_recv_rows=500"});
+  std::vector<std::unique_ptr<Process>> clients;
+  for (int r = 0; r < kWorld; ++r) clients.push_back(StartClient(r));
+  std::set<uint64_t> dropped_by_rank0;
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(clients[r]->Wait(absl::Seconds(120)), 0) << ReadFile(client_log(r));
+    const std::string log = ReadFile(client_log(r));
+    static const std::regex kDropped(R"(^dropped step (\d+): rank (\d+), (dispatch|combine) call \d+: (.*)$)");
+    std::set<uint64_t> dropped;
+    for (const absl::string_view line : absl::StrSplit(log, '\n')) {
+      const std::string text(line);
+      std::smatch m;
+      if (!std::regex_match(text, m, kDropped)) continue;
+      dropped.insert(std::stoull(m[1]));
+      EXPECT_EQ(std::stoi(m[2]), r) << text;
+      // Rank 0 overflowed: at its own Dispatch, at the others' Combine.
+      EXPECT_EQ(m[3], r == 0 ? "dispatch" : "combine") << text;
+      EXPECT_THAT(text, ::testing::MatchesRegex(
+                            r == 0 ? ".*: [0-9]+ rows routed here, more than its receive capacity "
+                                     "of 500 \\(max_recv_rows\\).*"
+                                   : ".*: rank 0 was routed [0-9]+ rows in this call, more than "
+                                     "its receive capacity of 500 \\(max_recv_rows\\), so the "
+                                     "call fails on every rank of the group.*"));
+    }
+    const StepLines steps = ParseSteps(log);
+    EXPECT_EQ(steps.mismatches, 0) << log;
+    std::set<uint64_t> all = steps.ok_steps;
+    all.insert(dropped.begin(), dropped.end());
+    EXPECT_EQ(all, AllSteps()) << log;
+    EXPECT_EQ(all.size(), steps.ok_steps.size() + dropped.size()) << log;
+    EXPECT_THAT(log, HasSubstr(absl::StrCat("done steps 100 failed 0 dropped ", dropped.size())));
+    if (r == 0) {
+      dropped_by_rank0 = dropped;
+      // Some steps overflow and some do not, so the group went on after each.
+      EXPECT_GT(dropped.size(), 0u) << log;
+      EXPECT_LT(dropped.size(), 100u) << log;
+    } else {
+      EXPECT_EQ(dropped, dropped_by_rank0) << log;
+    }
+  }
+  daemon->Signal(SIGTERM);
+  EXPECT_EQ(daemon->Wait(absl::Seconds(30)), 0);
+  daemon = StartDaemon({"--max_recv_rows=500"});
+  v1::AttachResponse response;
+  const grpc::Status attached = Attach(Request(0, 2), &response);
+  ASSERT_TRUE(attached.ok()) << attached.error_message();
+  EXPECT_EQ(response.max_recv_rows(), 500u);
+  Process negative({BinaryPath("ubepd"), "--socket=" + dir_.path() + "/other.sock",
+                    "--max_recv_rows=-1"},
+                   dir_.path() + "/negative.out");
+  EXPECT_EQ(negative.Wait(absl::Seconds(30)), 2);
+  EXPECT_EQ(ReadFile(dir_.path() + "/negative.out"), "ubepd: --max_recv_rows -1 is negative\n");
+}
+
 // A plain EPLB plan file (no topology, no shares): 4 ranks x 65 slots, the last slot of each
 // rank a second replica of some expert. Outputs must not depend on the plan.
 TEST_F(DaemonTest, StaticPlanFromAnEplbFileRoutesWithReplicasAndIsServedOverTcp) {

@@ -24,6 +24,11 @@
 //    tokens), before any byte moved. On the CUDA backend the kernels find a bad pair after
 //    the peers may have begun: they skip it, dispatch the rest, and the error names the first
 //    bad pair; call Combine as after a good Dispatch (the peers wait for this rank's partials).
+//  - ResourceExhausted: the call routed some rank more rows than its receive capacity
+//    (ubepd --max_recv_rows): the call fails on every rank of the group, at that rank's
+//    Dispatch (libubep completes its combine for it) and at every other rank's Combine. The
+//    call is over everywhere; abandon the step (or run it again) on every rank and go on with
+//    the next. The load counters count the rows, so the balancer sees the load that overflowed.
 //  - FailedPrecondition: a call out of order (Dispatch before BeginStep, Combine without a
 //    Dispatch, a rank that detached).
 // The hot path makes no RPC: dispatch and combine store into the peers' arenas directly.
