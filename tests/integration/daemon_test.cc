@@ -277,6 +277,10 @@ TEST_F(DaemonTest, AReceiveCapacityOverflowDropsTheSameStepsEverywhereAndTheRest
       EXPECT_EQ(dropped, dropped_by_rank0) << log;
     }
   }
+  // One error per rank and dropped step, for the operator.
+  EXPECT_EQ(Sample(Metrics(),
+                   "ubep_daemon_errors_total{code=\"RESOURCE_EXHAUSTED\",source=\"client\"}"),
+            4 * dropped_by_rank0.size());
   daemon->Signal(SIGTERM);
   EXPECT_EQ(daemon->Wait(absl::Seconds(30)), 0);
   daemon = StartDaemon({"--max_recv_rows=500"});

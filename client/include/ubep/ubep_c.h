@@ -1,8 +1,9 @@
 /* libubep's C ABI, for FFI from Python (ctypes/cffi), Rust and others. Mirrors ubep/ubep.h.
  *
  * Every function returning int returns 0 on success, else the error's gRPC/absl status code
- * (3 = INVALID_ARGUMENT, 4 = DEADLINE_EXCEEDED, 9 = FAILED_PRECONDITION, 14 = UNAVAILABLE,
- * ...); ubep_last_error() then gives the message (per thread, valid until the next call).
+ * (3 = INVALID_ARGUMENT, 4 = DEADLINE_EXCEEDED, 8 = RESOURCE_EXHAUSTED, 9 =
+ * FAILED_PRECONDITION, 14 = UNAVAILABLE, ...; their meaning is ubep/ubep.h's);
+ * ubep_last_error() then gives the message (per thread, valid until the next call).
  * Handles are not thread-safe: one thread drives a rank.
  */
 #ifndef UBEP_CLIENT_INCLUDE_UBEP_UBEP_C_H_
