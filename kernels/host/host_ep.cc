@@ -660,7 +660,7 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
   MarkCompleted(own, layout_, /*combine=*/false, epoch);
   dispatch_completed_ = true;
   // Over the receive capacity: the call is complete (its peers need this rank's partials),
-  // and it fails, here and in the combine of every rank whose tokens came here.
+  // and it fails, here and in every rank's combine.
   if (const OverflowRecord overflow = ReadOverflow(own, layout_, epoch); overflow.call != 0) {
     return OverCapacityStatus(rank_, epoch, overflow);
   }

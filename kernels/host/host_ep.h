@@ -103,6 +103,10 @@ class HostEp {
   HostEp(const HostEp&) = delete;
   HostEp& operator=(const HostEp&) = delete;
 
+  // Bad input is refused before any byte moves (InvalidArgument, recorded for the peers that
+  // wait for this rank: RecordRefusal). A call that routes this rank more rows than its
+  // receive capacity (EpConfig::max_recv_rows) completes with the first rows of the layout and
+  // returns ResourceExhausted; the caller still calls Combine, which fails on every rank.
   absl::Status Dispatch(DispatchInput input, DispatchOutput& output);
 
   // out[t] = sum over k of w[t, k] * y(t, k), for this rank's tokens of the last dispatch.
