@@ -68,9 +68,13 @@ struct RankState {
   std::unique_ptr<kernels::CudaEp> cuda_ep;
   void* device_plan = nullptr;       // The plan table in force, uploaded.
   uint64_t device_plan_version = 0;
+  // max_tokens rows: where the combine of a call over the receive capacity, which libubep
+  // runs for the caller, writes its (unused) output. Allocated at the first such call.
+  void* overflow_sink = nullptr;
   ~RankState() {
     cuda_ep.reset();
     if (device_plan != nullptr) cudaFree(device_plan);
+    if (overflow_sink != nullptr) cudaFree(overflow_sink);
   }
 #endif
   uint64_t generation = 0;
@@ -701,31 +705,38 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
   }
   if (absl::IsResourceExhausted(status)) {
     // More rows routed here than the receive capacity: the call is complete but for this
-    // rank's combine, which its peers wait for. It runs here, with zero expert outputs, and
-    // fails as every rank's combine of the call does, so that an engine that abandons the step
-    // on an error keeps its ranks' calls paired.
-    const size_t row_bytes = static_cast<size_t>(s.shape.hidden) * kernels::DTypeBytes(s.config.dtype);
-    const size_t rows_bytes = std::max<size_t>(1, static_cast<size_t>(out.num_rows()) * row_bytes);
-    const size_t out_bytes = std::max<size_t>(1, static_cast<size_t>(num_tokens) * row_bytes);
+    // rank's combine, which its peers wait for. It runs here and fails as every rank's combine
+    // of the call does, so that an engine that abandons the step on an error keeps its ranks'
+    // calls paired. Its expert outputs are the received rows themselves (the sums are thrown
+    // away), so that the error path allocates nothing on the device.
     absl::Status combined;
     if (s.on_device) {
 #ifdef UBEP_CLIENT_CUDA
-      void *zeros = nullptr, *sink = nullptr;
-      if (cudaMalloc(&zeros, rows_bytes) != cudaSuccess || cudaMalloc(&sink, out_bytes) != cudaSuccess ||
-          cudaMemset(zeros, 0, rows_bytes) != cudaSuccess) {
-        combined = absl::InternalError("no device memory for the combine of an overflowed call");
+      const size_t sink_bytes = static_cast<size_t>(s.shape.max_tokens) * s.shape.hidden *
+                                kernels::DTypeBytes(s.config.dtype);
+      if (s.overflow_sink == nullptr && cudaMalloc(&s.overflow_sink, sink_bytes) != cudaSuccess) {
+        (void)cudaGetLastError();
+        s.overflow_sink = nullptr;
+        combined = absl::InternalError(absl::StrCat(
+            "rank ", s.rank, ": no device memory (", sink_bytes,
+            " bytes) for the combine of a call over the receive capacity; the group must be "
+            "re-formed (Rejoin)"));
       } else {
-        combined = s.cuda_ep->Combine(zeros, sink);
+        combined = s.cuda_ep->Combine(out.state_->cuda.recv_x, s.overflow_sink);
       }
-      cudaFree(zeros);
-      cudaFree(sink);
 #endif
     } else {
-      std::vector<std::byte> zeros(rows_bytes), sink(out_bytes);
-      combined = s.ep->Combine(out.state_->output, zeros.data(), sink.data());
+      std::vector<std::byte> sink(static_cast<size_t>(num_tokens) * s.shape.hidden *
+                                  kernels::DTypeBytes(s.config.dtype));
+      combined = s.ep->Combine(out.state_->output, out.state_->output.recv_x.data(), sink.data());
     }
-    // The wait of that combine may have ended the group's run instead.
-    if (absl::IsUnavailable(combined) || absl::IsDeadlineExceeded(combined)) status = combined;
+    // Any other outcome (a wait that ended, a device error) is the call's: this rank did not
+    // combine, so the group is out of step until it re-forms.
+    if (!absl::IsResourceExhausted(combined)) {
+      status = combined.ok() ? absl::InternalError("the combine of an overflowed call passed")
+                             : combined;
+      s.stopped = status;
+    }
   }
   if (!status.ok()) {
     if (absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status)) s.stopped = status;

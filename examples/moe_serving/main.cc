@@ -222,6 +222,7 @@ int main(int argc, char** argv) {
       log.Line(absl::StrCat("dropped step ", step, ": ", status.message()));
       ++dropped;
       ++step;
+      absl::SleepFor(absl::GetFlag(FLAGS_step_delay));
       continue;
     }
     log.Line(absl::StrCat("error step ", step, ": ", status.message()));

@@ -57,7 +57,7 @@ struct Params {
   size_t row_stride;  // Bytes per source (destination) of rows (partials): ArenaLayout.
   size_t flagged_offset;  // Where the flagged rows start in a source's part: ArenaLayout.
   size_t off_abort;
-  size_t off_overflow;  // ArenaLayout::overflow: this rank's OverflowRecord.
+  size_t off_notices;  // ArenaLayout::notices: each rank's ReceiveNotice (arena_layout.h).
   // The word where a rank marks the last call of this kind (dispatch or combine) it completed
   // (ArenaLayout::dispatch_completed or combine_completed; arena_layout.h MarkCompleted).
   size_t off_completed;
@@ -98,6 +98,7 @@ struct Params {
   int32_t* record_base;   // [R + 1]: records received before source s's, sources in order.
   int32_t* entry_base;    // [R + 1]: entries (rows) likewise.
   int32_t* combine_done;  // [R]: records of source s whose partials are stored (per combine).
+  int32_t* rows_routed;   // [1]: rows the last dispatch routed here (ScanKernel).
   uint32_t* status;       // [kStatusWords]: bad input and ended waits, kept apart so that
                           // a timeout after bad input still stops the rank.
   uint16_t* recv_x;
@@ -726,18 +727,10 @@ __global__ void ScanKernel(Params p) {
   if (threadIdx.x == 0) {
     p.slot_offsets[S] = base;
     // More rows than the receive capacity (EpConfig::max_recv_rows; the most that can come
-    // when it is 0): said, PlaceKernel and CopyKernel write none of the rows past it, and the
-    // record (arena_layout.h OverflowRecord, call last) tells the ranks whose tokens came
-    // here, which read it after this rank's partials.
-    if (base > p.max_rows) {
-      p.status[kStatusRowsOver] = static_cast<uint32_t>(base);
-      auto* record = reinterpret_cast<uint32_t*>(p.arenas[p.rank] + p.off_overflow);
-      record[1] = static_cast<uint32_t>(base);
-      record[2] = static_cast<uint32_t>(p.max_rows);
-      __threadfence_system();
-      cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(record[0]).store(
-          p.epoch, cuda::memory_order_release);
-    }
+    // when it is 0): said, and PlaceKernel and CopyKernel write none of the rows past it;
+    // LoadKernel tells every rank of the group (ReceiveNotice).
+    *p.rows_routed = base;
+    if (base > p.max_rows) p.status[kStatusRowsOver] = static_cast<uint32_t>(base);
     int records = 0, entries = 0;
     for (int s = 0; s < R; ++s) {
       const int n = SourceCount(p, p.arenas[p.rank], s);
@@ -771,6 +764,17 @@ __global__ void LoadKernel(Params p) {
   // balancer is to see the load that overflowed), as the host backend does.
   for (int i = threadIdx.x; i < S; i += blockDim.x) {
     counters[i] += p.slot_offsets[i + 1] - p.slot_offsets[i];
+  }
+  // The rows routed here, to every rank of the group, before this rank's combine stores a
+  // byte (arena_layout.h ReceiveNotice; the call word last).
+  for (int r = threadIdx.x; r < p.num_ranks; r += blockDim.x) {
+    if (RankExcluded(p.plan, static_cast<uint32_t>(r))) continue;
+    auto* notice = reinterpret_cast<uint32_t*>(p.arenas[r] + p.off_notices +
+                                               static_cast<size_t>(p.rank) * kFlagStride);
+    notice[1] = static_cast<uint32_t>(*p.rows_routed);
+    notice[2] = static_cast<uint32_t>(p.max_rows);
+    __threadfence_system();
+    ReleaseFlag(notice, p.epoch);
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -997,17 +1001,20 @@ __global__ void TokenKernel(Params p, uint16_t* out) {
 }
 
 // After the token side (every partial, flag or barrier of the call taken): the lowest rank
-// of the group whose record says it overflowed its receive capacity in this call (written
-// before its partials, arena_layout.h OverflowRecord), as kStatusPeerOver: the call fails on
-// every rank.
+// of the group whose notice in this rank's arena (posted before its partials, arena_layout.h
+// ReceiveNotice) says it overflowed its receive capacity in this call, as kStatusPeerOver:
+// the call fails on every rank.
 __global__ void OverflowKernel(Params p) {
   if (Stopped(p)) return;
   const int R = p.num_ranks;
   for (int d = threadIdx.x; d < R; d += blockDim.x) {
     if (RankExcluded(p.plan, static_cast<uint32_t>(d))) continue;
-    const auto* record = reinterpret_cast<const uint32_t*>(p.arenas[d] + p.off_overflow);
-    if (cuda::atomic_ref<const uint32_t, cuda::thread_scope_system>(record[0]).load(
-            cuda::memory_order_acquire) == p.epoch) {
+    auto* notice = reinterpret_cast<uint32_t*>(p.arenas[p.rank] + p.off_notices +
+                                               static_cast<size_t>(d) * kFlagStride);
+    const uint32_t call =
+        cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(notice[0]).load(
+            cuda::memory_order_acquire);
+    if (call == p.epoch && notice[1] > notice[2]) {
       atomicMax(&p.status[kStatusPeerOver], static_cast<uint32_t>(R - d));
     }
   }
@@ -1113,7 +1120,7 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   // First (8-byte aligned): what each dispatch zeroes, published counts as long long.
   const size_t zeroed = 2 * R + 2 + kMaxSendBatches + 1;
   const size_t ints = zeroed + T * R + (T + 1) + R + R * S + R * S + R * (T + 1) + R * T * K +
-                      (S + 1) + 3 * R + 2 + kStatusWords + max_rows * 2;
+                      (S + 1) + 3 * R + 2 + 1 + kStatusWords + max_rows * 2;
   // recv_x is copied 16 bytes at a time: start it on a 256-byte boundary.
   const size_t head = ints * sizeof(int32_t) + max_rows * sizeof(float);
   const size_t recv_offset = (head + 255) / 256 * 256;
@@ -1149,6 +1156,7 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   p.record_base = take(R + 1);
   p.entry_base = take(R + 1);
   p.combine_done = take(R);
+  p.rows_routed = take(1);
   p.status = reinterpret_cast<uint32_t*>(take(kStatusWords));
   p.src_rank = take(max_rows);
   p.src_token = take(max_rows);
@@ -1167,7 +1175,7 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   p.row_stride = l.row_stride;
   p.flagged_offset = l.flagged_offset;
   p.off_abort = l.abort;
-  p.off_overflow = l.overflow;
+  p.off_notices = l.notices;
   p.partial_delay_source = -1;
   p.bsp = config.protocol == Protocol::kBsp;
   p.off_count_flag = l.count_flag;
@@ -1267,10 +1275,11 @@ absl::Status CudaEp::CheckStatus(const char* what, uint32_t call,
   }
   if (status[kStatusPeerOver] != 0) {
     const int peer = config_.num_ranks - static_cast<int>(status[kStatusPeerOver]);
-    OverflowRecord record{};
-    UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&record, arenas_[peer] + layout_.overflow,
-                                         sizeof(record), cudaMemcpyDeviceToHost));
-    return PeerOverCapacityStatus(rank_, call, peer, record);
+    ReceiveNotice notice{};
+    UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&notice,
+                                         own_arena_ + layout_.notices + peer * kFlagStride,
+                                         sizeof(notice), cudaMemcpyDeviceToHost));
+    return PeerOverCapacityStatus(rank_, call, peer, notice);
   }
   if (status[kStatusBadPair] != 0) {
     const uint32_t pair = ~status[kStatusBadPair];

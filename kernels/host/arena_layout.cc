@@ -103,7 +103,7 @@ ArenaLayout::ArenaLayout(const EpConfig& c) {
   bell = sleepers + sizeof(uint32_t);
   bell_sleepers = bell + sizeof(uint32_t);
   refusal = carve(kRefusalBytes);
-  overflow = carve(kLine);  // Before counts: ResetSignals zeroes it with the signals.
+  notices = carve(R * kFlagStride);  // Before counts: ResetSignals zeroes them.
   counts = carve(R * sizeof(uint32_t));
   load_counters = carve(static_cast<size_t>(c.num_layers) * c.slots_per_rank * sizeof(uint64_t));
   load_seq = carve(static_cast<size_t>(c.num_layers) * sizeof(uint64_t));
@@ -247,41 +247,40 @@ std::string ReadRefusal(const std::byte* arena, const ArenaLayout& layout, CallP
 
 namespace {
 
-std::atomic_ref<uint32_t> OverflowWord(const std::byte* arena, const ArenaLayout& layout,
-                                       int i) {
-  return std::atomic_ref<uint32_t>(
-      reinterpret_cast<uint32_t*>(const_cast<std::byte*>(arena) + layout.overflow)[i]);
+std::atomic_ref<uint32_t> NoticeWord(const std::byte* arena, const ArenaLayout& layout, int from,
+                                     int i) {
+  return std::atomic_ref<uint32_t>(reinterpret_cast<uint32_t*>(
+      const_cast<std::byte*>(arena) + layout.notices + from * kFlagStride)[i]);
 }
 
 }  // namespace
 
-void RecordOverflow(std::byte* arena, const ArenaLayout& layout, const OverflowRecord& record) {
-  OverflowWord(arena, layout, 1).store(record.rows, std::memory_order_relaxed);
-  OverflowWord(arena, layout, 2).store(record.capacity, std::memory_order_relaxed);
-  OverflowWord(arena, layout, 0).store(record.call, std::memory_order_release);
+void PostReceiveNotice(std::byte* arena, const ArenaLayout& layout, int from,
+                       const ReceiveNotice& notice) {
+  NoticeWord(arena, layout, from, 1).store(notice.rows, std::memory_order_relaxed);
+  NoticeWord(arena, layout, from, 2).store(notice.capacity, std::memory_order_relaxed);
+  NoticeWord(arena, layout, from, 0).store(notice.call, std::memory_order_release);
 }
 
-OverflowRecord ReadOverflow(const std::byte* arena, const ArenaLayout& layout, uint32_t call) {
-  if (call == 0 || OverflowWord(arena, layout, 0).load(std::memory_order_acquire) != call) {
-    return {};
-  }
-  return {call, OverflowWord(arena, layout, 1).load(std::memory_order_relaxed),
-          OverflowWord(arena, layout, 2).load(std::memory_order_relaxed)};
+ReceiveNotice ReadReceiveNotice(const std::byte* arena, const ArenaLayout& layout, int from) {
+  const uint32_t call = NoticeWord(arena, layout, from, 0).load(std::memory_order_acquire);
+  return {call, NoticeWord(arena, layout, from, 1).load(std::memory_order_relaxed),
+          NoticeWord(arena, layout, from, 2).load(std::memory_order_relaxed)};
 }
 
-absl::Status OverCapacityStatus(int rank, uint32_t call, const OverflowRecord& record) {
+absl::Status OverCapacityStatus(int rank, uint32_t call, const ReceiveNotice& notice) {
   return absl::ResourceExhaustedError(absl::StrCat(
-      "rank ", rank, ", dispatch call ", call, ": ", record.rows,
-      " rows routed here, more than its receive capacity of ", record.capacity,
-      " (max_recv_rows); the first ", record.capacity,
+      "rank ", rank, ", dispatch call ", call, ": ", notice.rows,
+      " rows routed here, more than its receive capacity of ", notice.capacity,
+      " (max_recv_rows); the first ", notice.capacity,
       " are laid out, and this call's combine fails on every rank of the group"));
 }
 
 absl::Status PeerOverCapacityStatus(int rank, uint32_t call, int peer,
-                                    const OverflowRecord& record) {
+                                    const ReceiveNotice& notice) {
   return absl::ResourceExhaustedError(absl::StrCat(
-      "rank ", rank, ", combine call ", call, ": rank ", peer, " was routed ", record.rows,
-      " rows in this call, more than its receive capacity of ", record.capacity,
+      "rank ", rank, ", combine call ", call, ": rank ", peer, " was routed ", notice.rows,
+      " rows in this call, more than its receive capacity of ", notice.capacity,
       " (max_recv_rows), so the call fails on every rank of the group: the sums of the tokens "
       "sent there are incomplete"));
 }

@@ -26,10 +26,10 @@
 //                              the phase (0 dispatch, 1 combine), [8] the call, [12..] why,
 //                              NUL-terminated; peers that time out waiting for the owner in
 //                              that call report why instead of asking whether it is alive
-//   overflow        64 B       the last dispatch that routed the owner more rows than its
-//                              receive capacity (EpConfig::max_recv_rows; RecordOverflow):
-//                              [0] the call, [4] the rows routed, [8] the capacity; the
-//                              call's combine fails on every rank whose tokens went there
+//   notices         R x 64 B   [d]: ReceiveNotice of rank d's last dispatch (PostReceiveNotice):
+//                              [0] the call, [4] the rows routed to d, [8] d's receive
+//                              capacity (EpConfig::max_recv_rows); more rows than capacity
+//                              fail the call's combine on every rank
 //   counts          R x 4 B    [s]: records source s stored in the current dispatch
 //   load_counters   L x S x 8  [l][i]: routed pairs received, monotonic (owner only writes)
 //   load_seq        L x 8      [l]: 2 x the dispatches of layer l counted in load_counters;
@@ -105,10 +105,9 @@ struct EpConfig {
   // ranks x max_tokens x min(top_k, slots_per_rank) (ReceiveCapacity), which is what the
   // CUDA backend's receive buffers are sized for. A dispatch that routes this rank more keeps
   // the first max_recv_rows rows of its layout and fails with ResourceExhausted, and so does
-  // the combine of every rank of the group (OverCapacityStatus): no rank whose tokens went
-  // there takes
-  // partial sums for whole ones; nor does any other (the call fails on every rank, as a
-  // collective's error does). Each rank may set its own.
+  // the combine of every rank of the group (OverCapacityStatus, PeerOverCapacityStatus): no
+  // rank takes partial sums for whole ones, and the call fails everywhere, as a collective's
+  // error does. Each rank may set its own.
   int max_recv_rows = 0;
 };
 
@@ -166,7 +165,7 @@ int RankGivenUpOn(uint32_t code, int peer);
 
 struct ArenaLayout {
   size_t dispatch_flag, combine_flag, count_flag, barrier_flag, abort, dispatch_completed,
-      combine_completed, sleepers, bell, bell_sleepers, refusal, overflow, counts, load_counters, load_seq,
+      combine_completed, sleepers, bell, bell_sleepers, refusal, notices, counts, load_counters, load_seq,
       records, rows, partials, total_bytes;
   size_t record_bytes, row_bytes;
   size_t row_stride;  // Bytes per source (or destination) in rows and partials.
@@ -236,29 +235,36 @@ void FormatRefusal(CallPhase phase, absl::string_view why, std::byte (&body)[kRe
 void FormatWithdrawnRefusal(std::byte (&body)[kRefusalBody]);
 std::string ParseRefusal(const std::byte (&body)[kRefusalBody], CallPhase phase);
 
-// A dispatch that routed a rank more rows than its receive capacity (ReceiveCapacity). The
-// rank records it in its own arena once it has every source's counts (so before its combine
-// of the call, whose partials, flags or barrier every peer's combine acquires before it reads
-// the record, and after every peer finished its combine of the call before: no peer can still
-// be reading the record of an earlier call), the call last, with release. Every rank's
-// combine reads every active rank's record and fails if one overflowed, so that the call
-// fails on every rank of the group, as a collective's error does: an engine that abandons the
-// step on an error keeps its ranks' calls paired.
-struct OverflowRecord {
-  uint32_t call;  // 0: none.
-  uint32_t rows;
-  uint32_t capacity;
+// What a rank's dispatch laid out: the rows routed to it and its receive capacity
+// (ReceiveCapacity). Every dispatch that completes posts one into the arena of every rank of
+// the group (the call word last, with release), before its combine stores any partial, flag
+// or barrier word, all of which every peer's combine acquires before it reads the notices; a
+// rank's combine reads every active rank's notice and fails if one of this call overflowed,
+// so that the call fails on every rank of the group, as a collective's error does (an engine
+// that abandons the step on an error keeps its ranks' calls paired). Posted in every call, so
+// that a notice of an earlier call never passes for this one's, whatever the epoch's wrap; and
+// into the reader's own arena, in the slot of the rank that posts it, so that no peer
+// overwrites it while its reader may still read it: the poster posts its next one only once it
+// has the reader's counts of the next call, which the reader sends after its combine (an
+// excluded rank is posted nothing).
+struct ReceiveNotice {
+  uint32_t call;
+  uint32_t rows;      // Rows routed to the posting rank in that call.
+  uint32_t capacity;  // Its receive capacity.
+  bool OverflowedIn(uint32_t c) const { return call == c && rows > capacity; }
 };
-void RecordOverflow(std::byte* arena, const ArenaLayout& layout, const OverflowRecord& record);
-// The record in `arena` if it is of call `call`, else a record of call 0.
-OverflowRecord ReadOverflow(const std::byte* arena, const ArenaLayout& layout, uint32_t call);
+// Rank `from`'s notice into `arena` (a peer's, or its own).
+void PostReceiveNotice(std::byte* arena, const ArenaLayout& layout, int from,
+                       const ReceiveNotice& notice);
+// The notice rank `from` last posted into `arena`.
+ReceiveNotice ReadReceiveNotice(const std::byte* arena, const ArenaLayout& layout, int from);
 
 // The error of the dispatch (call `call`) that routed `rank` more rows than its capacity.
-absl::Status OverCapacityStatus(int rank, uint32_t call, const OverflowRecord& record);
+absl::Status OverCapacityStatus(int rank, uint32_t call, const ReceiveNotice& notice);
 // The error of `rank`'s combine of call `call` in which `peer` overflowed (the lowest such
 // rank): the sums of the tokens sent there are incomplete, and the call fails everywhere.
 absl::Status PeerOverCapacityStatus(int rank, uint32_t call, int peer,
-                                    const OverflowRecord& record);
+                                    const ReceiveNotice& notice);
 
 // A rank that left the group after completing a call owes that call nothing more. At the
 // end of each successful dispatch (combine) a rank stores the call's epoch into its own

@@ -594,7 +594,7 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
     UBEP_RETURN_IF_ERROR(Barrier(deadline));
     send_share(0);
     UBEP_RETURN_IF_ERROR(Barrier(deadline));
-    LayOut(out, epoch);
+    LayOut(out);
     for (int s : sources) Place(s, out);
   } else {
     if (senders_ == nullptr) send_share(0);  // No core to spare: send, then receive.
@@ -608,7 +608,7 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
                      : Take::kNothing;
         });
     if (status.ok()) {
-      LayOut(out, epoch);
+      LayOut(out);
       std::erase_if(sources, [&](int s) { return out.handle.records_from[s] == 0; });
       const bool poll = std::any_of(sources.begin(), sources.end(),
                                     [&](int s) { return out.handle.flagged_from[s] != 0; });
@@ -624,7 +624,8 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
     if (senders_ != nullptr) senders_->Join();
     UBEP_RETURN_IF_ERROR(status);
   }
-  // The load counters, once every row is in (a call that fails counts nothing).
+  // The load counters, once every row is in (a call whose wait failed counts nothing; one
+  // over the receive capacity counts every pair, which reached the arena).
   const int S = config_.slots_per_rank;
   received_per_slot_.resize(S);
   for (int i = 0; i < S; ++i) {
@@ -657,13 +658,18 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
     std::sort(handle.token_routes.begin() + handle.token_begin[t],
               handle.token_routes.begin() + handle.token_begin[t + 1]);
   }
+  // The rows this call routed here, to every rank of the group, before this rank's combine
+  // stores a byte (arena_layout.h ReceiveNotice).
+  const ReceiveNotice notice{epoch, static_cast<uint32_t>(handle.rows_routed),
+                             static_cast<uint32_t>(capacity_)};
+  for (int r = 0; r < R; ++r) {
+    if (active_[r]) PostReceiveNotice(arenas_[r], layout_, rank_, notice);
+  }
   MarkCompleted(own, layout_, /*combine=*/false, epoch);
   dispatch_completed_ = true;
   // Over the receive capacity: the call is complete (its peers need this rank's partials),
   // and it fails, here and in every rank's combine.
-  if (const OverflowRecord overflow = ReadOverflow(own, layout_, epoch); overflow.call != 0) {
-    return OverCapacityStatus(rank_, epoch, overflow);
-  }
+  if (handle.rows_kept < handle.rows_routed) return OverCapacityStatus(rank_, epoch, notice);
   return absl::OkStatus();
 }
 
@@ -685,7 +691,7 @@ RecordEntry EntryAt(const std::byte* records, size_t record_bytes, int32_t j, in
 
 }  // namespace
 
-void HostEp::LayOut(DispatchOutput& out, uint32_t epoch) {
+void HostEp::LayOut(DispatchOutput& out) {
   const int R = config_.num_ranks, S = config_.slots_per_rank;
   const size_t T = config_.max_tokens;
   std::byte* own = arenas_[rank_];
@@ -731,10 +737,7 @@ void HostEp::LayOut(DispatchOutput& out, uint32_t epoch) {
   }
   const int32_t num_rows = out.slot_offsets[S];
   const int32_t kept = std::min(num_rows, capacity_);
-  if (kept < num_rows) {
-    RecordOverflow(own, layout_,
-                   {epoch, static_cast<uint32_t>(num_rows), static_cast<uint32_t>(capacity_)});
-  }
+  handle.rows_routed = num_rows;
   handle.rows_kept = kept;
   out.recv_x.resize(static_cast<size_t>(kept) * layout_.row_bytes);
   out.src_rank.resize(kept);
@@ -859,8 +862,13 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
           PrefetchRow(y + static_cast<size_t>(handle.record_rows[q + 1]) * layout_.row_bytes,
                       layout_.row_bytes);
         }
-        if (row >= kept) {  // Past the receive capacity (the call fails): a zero term.
-          if (q == begin[j]) std::fill(sum, sum + H, 0.0f);
+        if (row >= kept) {  // Past the receive capacity (the call fails): a zero term, added
+          // as the CUDA backend adds it (+0, which turns a -0 sum into +0).
+          if (q == begin[j]) {
+            std::fill(sum, sum + H, 0.0f);
+          } else {
+            for (int h = 0; h < H; ++h) sum[h] += 0.0f;
+          }
           continue;
         }
         Axpy(dispatched.weight[row], y + static_cast<size_t>(row) * layout_.row_bytes,
@@ -934,14 +942,14 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
     ScrubTags(own + layout_.partials, layout_, ScrubTag(epoch));
   }
   MarkCompleted(own, layout_, /*combine=*/true, epoch);
-  // A rank that overflowed its receive capacity in this call (its record precedes its
+  // A rank that overflowed its receive capacity in this call (its notice precedes its
   // partials, flag or barrier, which this rank has all taken): the call fails on every rank
-  // (arena_layout.h RecordOverflow), naming the lowest such rank.
+  // (arena_layout.h ReceiveNotice), naming the lowest such rank.
   for (int d = 0; d < R; ++d) {
     if (!active_[d]) continue;
-    if (const OverflowRecord overflow = ReadOverflow(arenas_[d], layout_, epoch);
-        overflow.call != 0) {
-      return PeerOverCapacityStatus(rank_, epoch, d, overflow);
+    if (const ReceiveNotice notice = ReadReceiveNotice(own, layout_, d);
+        notice.OverflowedIn(epoch)) {
+      return PeerOverCapacityStatus(rank_, epoch, d, notice);
     }
   }
   return absl::OkStatus();

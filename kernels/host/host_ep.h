@@ -83,10 +83,10 @@ struct DispatchOutput {
     // Per source: its rows came, and its partials go back, as flag-in-granule rows.
     std::vector<char> flagged_from;
     bool flagged = false;  // This rank's rows went, and its partials come, flagged.
-    // Rows of the layout (slot_offsets) that recv_x holds: all of them, or the receive
-    // capacity's worth when the call routed this rank more (ReceiveCapacity). Combine takes
-    // the rows past it as zeros (the call fails on every rank).
-    int32_t rows_kept = 0;
+    // Rows of the layout (slot_offsets) that recv_x holds: all of them (rows_routed), or the
+    // receive capacity's worth when the call routed this rank more (ReceiveCapacity). Combine
+    // takes the rows past it as zeros (the call fails on every rank).
+    int32_t rows_routed = 0, rows_kept = 0;
     // The HostEp and the dispatch call that laid it out: Combine takes only its own last.
     const void* owner = nullptr;
     uint32_t epoch = 0;
@@ -202,9 +202,8 @@ class HostEp {
                                 Deadline deadline, bool poll,
                                 const std::function<Take(int)>& take);
   // From every source's records (their count flags seen): the receive layout (slot offsets,
-  // each source's first row in each slot, sizes), and the record of an overflow of call
-  // `epoch` (RecordOverflow) if it routed more rows here than capacity_.
-  void LayOut(DispatchOutput& output, uint32_t epoch);
+  // each source's first row in each slot, sizes), the first capacity_ rows of it kept.
+  void LayOut(DispatchOutput& output);
   // Source s's rows copied to their places (its dispatch flag seen); any order of sources
   // gives the same bytes.
   void Place(int source, DispatchOutput& output);

@@ -611,27 +611,35 @@ TEST_P(CudaEpTest, ARepeatedExpertOrAWeightNotFiniteIsFlaggedAndSkipped) {
 }
 
 // A receive capacity (EpConfig::max_recv_rows) 44 rows short: every rank but the last sends
-// every token to the expert of rank 1's first slot, the last to its own first slot's (rank 1
-// is the last at 2 ranks). Rank 1 keeps the first rows of its layout and fails the call, and
-// so does every rank's combine, naming it, with the host backend's words and bytes; the next
-// call, within the capacity, matches too.
+// every token to the experts of rank 1's second slot (k = 0) and first slot (k = 1), the last
+// to its own first slot's (rank 1 is the last at 2 ranks). Rank 1 keeps the first rows of its
+// layout (some records' first row dropped and second kept) and fails the call, and so does
+// every rank's combine, naming it, with the host backend's words and bytes (the dropped rows
+// summed as zeros); the next call, within the capacity, matches too.
 TEST_P(CudaEpTest, AReceiveCapacityOverflowFailsTheCallAsOnTheHost) {
   EpConfig c = GpuConfig(std::get<0>(GetParam()), std::get<1>(GetParam()));
-  const int R = c.num_ranks, S = c.slots_per_rank, rows = R == 2 ? 96 : 144;
+  const int R = c.num_ranks, S = c.slots_per_rank, K = c.top_k;
+  const int rows = R == 2 ? 144 : 288;
   c.max_recv_rows = rows - 44;
   const TestPlan plan = TestPlan::RoundRobin(R * S, c.num_experts, 2);
-  const int hot = plan.slot_expert[0][S], home = plan.slot_expert[0][(R - 1) * S];
+  const int first = plan.slot_expert[0][S], second = plan.slot_expert[0][S + 1],
+            home = plan.slot_expert[0][(R - 1) * S];
   ExpectNoErrors(RunCallsAgainstHost(
       c, plan, 2,
       [&](int k, int r) {
-        return k == 0 ? MakeInput(c, r, c.max_tokens, 11, r == R - 1 ? home : hot)
-                      : MakeInput(c, r, 12, 4);
+        if (k == 1) return MakeInput(c, r, 12, 4);
+        RankInput in = MakeInput(c, r, c.max_tokens, 11, r == R - 1 ? home : second);
+        if (r != R - 1) {
+          for (int t = 0; t < c.max_tokens; ++t) in.topk_idx[t * K + 1] = first;
+        }
+        return in;
       },
       {}, [&](const std::vector<std::vector<RankResult>>& host) {
         // The host backend's outcome, which the device must match.
-        const OverflowRecord overflow{1, static_cast<uint32_t>(rows),
-                                      static_cast<uint32_t>(c.max_recv_rows)};
+        const ReceiveNotice overflow{1, static_cast<uint32_t>(rows),
+                                     static_cast<uint32_t>(c.max_recv_rows)};
         EXPECT_EQ(host[0][1].dispatch_error, OverCapacityStatus(1, 1, overflow).message());
+        EXPECT_EQ(host[0][1].src_rank.size(), static_cast<size_t>(c.max_recv_rows));
         for (int r = 0; r < R; ++r) {
           EXPECT_EQ(host[0][r].combine_error, PeerOverCapacityStatus(r, 1, 1, overflow).message())
               << r;

@@ -170,63 +170,67 @@ TEST_P(HostEpTest, ZeroTokensAndWorstSkew) {
   RunStep(group, inputs, plan, 0);
 }
 
-// Ranks 0, 1 and 3 send every token to expert 5 (slot 5: rank 1's first), rank 2 to expert 12
-// (its own): 144 rows for rank 1, whose receive capacity is 100. Rank 1 keeps the first 100
-// rows of its layout, exactly, counts all 144, and fails the call; so does every rank's
-// combine, naming it, rank 2's too (whose tokens stayed home and whose sums are exact), as a
-// collective fails everywhere. The group is still in step: the next call, within the
-// capacity, is exact.
+// Ranks 0, 1 and 3 send every token to experts 6 (k = 0) and 5 (k = 1), rank 2 to 12.
+std::vector<RankInput> OverflowingInputs(const EpConfig& c) {
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < c.num_ranks; ++r) {
+    inputs.push_back(MakeInput(c, r, c.max_tokens, 11, /*only_expert=*/r == 2 ? 12 : 6));
+    if (r == 2) continue;
+    for (int t = 0; t < c.max_tokens; ++t) inputs[r].topk_idx[t * c.top_k + 1] = 5;
+  }
+  return inputs;
+}
+
+// Ranks 0, 1 and 3 send every token to experts 6 (k = 0, rank 1's slot 1) and 5 (k = 1, its
+// slot 0), rank 2 to expert 12 (its own): 288 rows for rank 1, whose receive capacity is 100.
+// Rank 1 keeps the first 100 rows of its layout (slot 0's), exactly, counts all 288 and fails
+// the call; every record's first row (slot 1) is past the capacity and its second kept or not.
+// Every rank's combine fails too, naming rank 1 (rank 2's, whose sums are exact, as well), as
+// a collective fails everywhere; the sums take the dropped rows as zeros. The group is still
+// in step: the next call, within the capacity, is exact.
 TEST_P(HostEpTest, ARankOverItsReceiveCapacityFailsTheCallOnEveryRank) {
   EpConfig config = VariantConfig(GetParam());
   config.max_recv_rows = 100;
   Group group(config);
   const EpConfig& c = group.config();
+  const int K = c.top_k;
   const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
   ASSERT_EQ(plan.slot_expert[0][5], 5);
+  ASSERT_EQ(plan.slot_expert[0][6], 6);
   ASSERT_EQ(plan.slot_expert[0][12], 12);
-  std::vector<RankInput> inputs;
-  for (int r = 0; r < c.num_ranks; ++r) {
-    inputs.push_back(MakeInput(c, r, c.max_tokens, 11, /*only_expert=*/r == 2 ? 12 : 5));
-  }
-  const OverflowRecord overflow{1, 144, 100};
-  const uint64_t counted_before = group.ep(1).LoadCounter(0, 0);
+  std::vector<RankInput> inputs = OverflowingInputs(c);
+  const ReceiveNotice overflow{1, 288, 100};
+  const uint64_t counted_before = group.ep(1).LoadCounter(0, 0) + group.ep(1).LoadCounter(0, 1);
   std::vector<absl::Status> dispatched(c.num_ranks), combined(c.num_ranks);
+  std::vector<std::vector<float>> sums(c.num_ranks);
   group.RunAll([&](int r) {
     const RankInput& in = inputs[r];
     DispatchOutput out;
     dispatched[r] = group.ep(r).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(),
                                           in.num_tokens, c.hidden, 0, plan.header()},
                                          out);
-    if (r == 1) {
-      // Slot 0 holds source 0's 48 rows, then source 1's 48, then the first 4 of source 3's.
-      EXPECT_EQ(out.slot_offsets[1], 144);
-      ASSERT_EQ(out.num_rows(), 100);
-      ASSERT_EQ(out.recv_x.size(), 100 * c.hidden * sizeof(float));
-      for (int row = 0; row < 100; ++row) {
-        const int src = row < 48 ? 0 : row < 96 ? 1 : 3, token = row < 96 ? row % 48 : row - 96;
-        EXPECT_EQ(out.src_rank[row], src) << row;
-        EXPECT_EQ(out.src_token[row], token) << row;
-        EXPECT_EQ(out.weight[row], inputs[src].topk_w[token * c.top_k]) << row;
-        const auto* x = reinterpret_cast<const float*>(out.recv_x.data()) + row * c.hidden;
-        for (int h = 0; h < c.hidden; ++h) ASSERT_EQ(x[h], Payload(src, token, h)) << row;
-      }
-    }
     // Every caller goes on to its combine (the peers wait for its partials); y = x.
-    std::vector<float> sums(static_cast<size_t>(in.num_tokens) * c.hidden, -1.0f);
-    combined[r] = group.ep(r).Combine(out, out.recv_x.data(), sums.data());
-    if (r == 2) {
-      for (int t = 0; t < in.num_tokens; ++t) {
-        const float w = in.topk_w[t * c.top_k];
-        for (int h = 0; h < c.hidden; ++h) {
-          ASSERT_EQ(sums[static_cast<size_t>(t) * c.hidden + h], w * Payload(2, t, h)) << t;
-        }
-      }
+    sums[r].assign(static_cast<size_t>(in.num_tokens) * c.hidden, -1.0f);
+    combined[r] = group.ep(r).Combine(out, out.recv_x.data(), sums[r].data());
+    if (r != 1) return;
+    // Slot 0 holds source 0's 48 rows, then source 1's 48, then the first 4 of source 3's.
+    EXPECT_EQ(out.slot_offsets[1], 144);
+    EXPECT_EQ(out.slot_offsets[2], 288);
+    ASSERT_EQ(out.num_rows(), 100);
+    ASSERT_EQ(out.recv_x.size(), 100 * c.hidden * sizeof(float));
+    for (int row = 0; row < 100; ++row) {
+      const int src = row < 48 ? 0 : row < 96 ? 1 : 3, token = row < 96 ? row % 48 : row - 96;
+      EXPECT_EQ(out.src_rank[row], src) << row;
+      EXPECT_EQ(out.src_token[row], token) << row;
+      EXPECT_EQ(out.weight[row], inputs[src].topk_w[token * K + 1]) << row;
+      const auto* x = reinterpret_cast<const float*>(out.recv_x.data()) + row * c.hidden;
+      for (int h = 0; h < c.hidden; ++h) EXPECT_EQ(x[h], Payload(src, token, h)) << row;
     }
   });
   EXPECT_EQ(dispatched[1], OverCapacityStatus(1, 1, overflow));
   EXPECT_EQ(dispatched[1],
             absl::ResourceExhaustedError(
-                "rank 1, dispatch call 1: 144 rows routed here, more than its receive capacity "
+                "rank 1, dispatch call 1: 288 rows routed here, more than its receive capacity "
                 "of 100 (max_recv_rows); the first 100 are laid out, and this call's combine "
                 "fails on every rank of the group"));
   for (int r : {0, 2, 3}) EXPECT_TRUE(dispatched[r].ok()) << r << ": " << dispatched[r];
@@ -235,14 +239,76 @@ TEST_P(HostEpTest, ARankOverItsReceiveCapacityFailsTheCallOnEveryRank) {
   }
   EXPECT_EQ(combined[2],
             absl::ResourceExhaustedError(
-                "rank 2, combine call 1: rank 1 was routed 144 rows in this call, more than its "
+                "rank 2, combine call 1: rank 1 was routed 288 rows in this call, more than its "
                 "receive capacity of 100 (max_recv_rows), so the call fails on every rank of the "
                 "group: the sums of the tokens sent there are incomplete"));
+  // The sums: the kept row's term (k = 1) where it was kept, else zero; rank 2's exact.
+  for (int r = 0; r < c.num_ranks; ++r) {
+    for (int t = 0; t < c.max_tokens; ++t) {
+      const bool kept = r == 0 || r == 1 || (r == 3 && t < 4);
+      const float w = inputs[r].topk_w[t * K + (r == 2 ? 0 : 1)];
+      for (int h = 0; h < c.hidden; ++h) {
+        const float want = r == 2 || kept ? w * Payload(r, t, h) : 0.0f;
+        ASSERT_EQ(sums[r][static_cast<size_t>(t) * c.hidden + h], want)
+            << "rank " << r << " token " << t << " h " << h;
+      }
+    }
+  }
   // The pairs reached rank 1's arena: the load counters count them, for the balancer.
-  EXPECT_EQ(group.ep(1).LoadCounter(0, 0) - counted_before, 144u);
+  EXPECT_EQ(group.ep(1).LoadCounter(0, 0) + group.ep(1).LoadCounter(0, 1) - counted_before, 288u);
   inputs.clear();
   for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 12, 4));
   RunStep(group, inputs, plan, 0);
+}
+
+// Epochs are 32-bit and wrap: every flag of every arena stands at 2^32 - 1, so the next call
+// is call 0, and every arena holds a stale notice of call 0 saying that each rank overflowed.
+// Rank 1 overflows in call 0: its dispatch says so and every combine names rank 1, not the
+// stale notice of rank 0 (every dispatch posts its notice anew); call 1 is then exact.
+TEST(HostEpErrorTest, AnOverflowIsToldInTheCallWhereEpochsWrapAndNoStaleNoticePasses) {
+  for (Protocol protocol : {Protocol::kUbep, Protocol::kBsp}) {
+    SCOPED_TRACE(protocol == Protocol::kBsp ? "bsp" : "ubep");
+    EpConfig config = SmallConfig(protocol);
+    config.max_recv_rows = 100;
+    Group group(config);
+    const EpConfig& c = group.config();
+    const ArenaLayout layout(c);
+    for (int a = 0; a < c.num_ranks; ++a) {
+      std::byte* arena = group.arena(a);
+      for (size_t region :
+           {layout.dispatch_flag, layout.combine_flag, layout.count_flag, layout.barrier_flag}) {
+        for (int s = 0; s < c.num_ranks; ++s) {
+          *reinterpret_cast<uint32_t*>(arena + region + s * kFlagStride) = 0xFFFFFFFFu;
+        }
+      }
+      *reinterpret_cast<uint32_t*>(arena + layout.dispatch_completed) = 0xFFFFFFFFu;
+      *reinterpret_cast<uint32_t*>(arena + layout.combine_completed) = 0xFFFFFFFFu;
+      for (int d = 0; d < c.num_ranks; ++d) PostReceiveNotice(arena, layout, d, {0, 999, 1});
+    }
+    group.Restart();
+    const TestPlan plan =
+        TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+    const std::vector<RankInput> inputs = OverflowingInputs(c);
+    std::vector<absl::Status> dispatched(c.num_ranks), combined(c.num_ranks);
+    group.RunAll([&](int r) {
+      const RankInput& in = inputs[r];
+      DispatchOutput out;
+      dispatched[r] = group.ep(r).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(),
+                                            in.num_tokens, c.hidden, 0, plan.header()},
+                                           out);
+      std::vector<float> sums(static_cast<size_t>(in.num_tokens) * c.hidden);
+      combined[r] = group.ep(r).Combine(out, out.recv_x.data(), sums.data());
+    });
+    const ReceiveNotice overflow{0, 288, 100};
+    EXPECT_EQ(dispatched[1], OverCapacityStatus(1, 0, overflow));
+    for (int r : {0, 2, 3}) EXPECT_TRUE(dispatched[r].ok()) << r << ": " << dispatched[r];
+    for (int r = 0; r < c.num_ranks; ++r) {
+      EXPECT_EQ(combined[r], PeerOverCapacityStatus(r, 0, 1, overflow));
+    }
+    std::vector<RankInput> next;
+    for (int r = 0; r < c.num_ranks; ++r) next.push_back(MakeInput(c, r, 12, 4));
+    RunStep(group, next, plan, 0);
+  }
 }
 
 TEST(HostEpErrorTest, AReceiveCapacityIsNeverNegativeNorMoreThanCanCome) {

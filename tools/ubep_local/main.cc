@@ -5,6 +5,11 @@
 // report (report.json, report.md, report.png) when the run ends or on Ctrl-C.
 //
 //   ubep-local [--ranks R] [--daemons K] [--steps N] [--policy ubep|eplb|none] [--report DIR]
+//              [--max_recv_rows N]
+//
+// With --max_recv_rows, a step some rank is routed more rows than that in is dropped by every
+// rank (ubepd --max_recv_rows); the report counts the dropped steps before and after the
+// balancer's first plan, which spreads the hot experts that overflow.
 //
 // Every process it starts is stopped on exit (SIGTERM, then SIGKILL after 10 s); arenas are
 // memfd shared memory, so nothing is left in /dev/shm; the working directory (sockets and
@@ -66,6 +71,9 @@ ABSL_FLAG(int, metrics_port, 9465,
           "The balancer's /metrics port on 127.0.0.1; daemon i serves at metrics_port + 1 + i; "
           "0 = any free ports (see DIR/cluster.json and DIR/prometheus-targets.json).");
 ABSL_FLAG(bool, keep_workdir, false, "Keep the working directory (sockets and logs).");
+ABSL_FLAG(int, max_recv_rows, 0,
+          "ubepd --max_recv_rows: rows one dispatch may lay out on a rank; a step that routes a "
+          "rank more is dropped by every rank; 0 = unbounded.");
 
 namespace {
 
@@ -335,6 +343,7 @@ int main(int argc, char** argv) {
             absl::StrCat("--balancer=127.0.0.1:", balancer_port), "--node=" + n.name,
             absl::StrCat("--ranks=", n.first_rank, "-", n.first_rank + n.num_ranks - 1),
             absl::StrCat("--free_buffers=", slots), "--harvest_interval=500ms",
+            absl::StrCat("--max_recv_rows=", absl::GetFlag(FLAGS_max_recv_rows)),
             "--wait_timeout=30s"},
         path(n.name + ".log"));
   }
@@ -401,8 +410,12 @@ int main(int argc, char** argv) {
   double version = 1, migrated = 0, committed = 0, last_before = NAN, last_after = NAN;
   double dispatch_p50 = NAN, combine_p50 = NAN;
   std::vector<uint64_t> last_step(R, 0);
+  // The steps bounding the report's before and after windows.
+  uint64_t before_end_step = 0, after_start_step = 0;
   absl::Time next_print = absl::InfinitePast();
-  static const std::regex kStep(R"(^step (\d+) )");
+  // A step's last line: served ("step 12 generation ...") or dropped over the receive capacity
+  // ("dropped step 12: ...").
+  static const std::regex kStep(R"(^(dropped )?step (\d+)[ :])");
   while (!interrupted.load()) {
     bool all_done = true;
     for (auto& c : clients) all_done &= !c->running() || c->Wait(absl::ZeroDuration()).has_value();
@@ -436,10 +449,14 @@ int main(int argc, char** argv) {
     const double measured = Mean(b, "ubep_balancer_imbalance_ratio", {{"when", "measured"}});
     for (int r = 0; r < R; ++r) {
       const std::string log = ReadTail(path(absl::StrCat("client-", r, ".log")), 4096);
-      const size_t from = log.rfind("\nstep ");
+      size_t from = std::string::npos;  // The last line of either kind.
+      for (const char* head : {"\nstep ", "\ndropped step "}) {
+        const size_t at = log.rfind(head);
+        if (at != std::string::npos && (from == std::string::npos || at > from)) from = at;
+      }
       std::smatch m;
       const std::string tail = from == std::string::npos ? log : log.substr(from + 1);
-      if (std::regex_search(tail, m, kStep)) last_step[r] = std::stoull(m[1]) + 1;
+      if (std::regex_search(tail, m, kStep)) last_step[r] = std::stoull(m[2]) + 1;
     }
     const uint64_t step = *std::min_element(last_step.begin(), last_step.end());
     samples.push_back({t, step, version, measured});
@@ -448,14 +465,24 @@ int main(int argc, char** argv) {
     // force and the counters show it), or the last third.
     const double settle = 3 * absl::ToDoubleSeconds(absl::GetFlag(FLAGS_interval));
     if (policy == "none") {
-      if (!before_end && step * 3 >= static_cast<uint64_t>(steps)) before_end = counts;
-      if (!after_start && step * 3 >= 2 * static_cast<uint64_t>(steps)) after_start = counts;
+      if (!before_end && step * 3 >= static_cast<uint64_t>(steps)) {
+        before_end = counts;
+        before_end_step = step;
+      }
+      if (!after_start && step * 3 >= 2 * static_cast<uint64_t>(steps)) {
+        after_start = counts;
+        after_start_step = step;
+      }
     } else {
       if (!first_commit && version > 1) {
         first_commit = t;
         before_end = counts;
+        before_end_step = step;
       }
-      if (first_commit && !after_start && t >= *first_commit + settle) after_start = counts;
+      if (first_commit && !after_start && t >= *first_commit + settle) {
+        after_start = counts;
+        after_start_step = step;
+      }
     }
     if (absl::Now() >= next_print || all_done) {
       next_print = absl::Now() + (tty ? absl::Milliseconds(500) : absl::Seconds(5));
@@ -493,6 +520,20 @@ int main(int argc, char** argv) {
       problems.push_back(absl::StrCat("rank ", r, " exit ", code.value_or(-1)));
     }
   }
+  // Steps dropped over the receive capacity: the same on every rank (the call fails on all of
+  // them), read from rank 0's log; in the before and after windows.
+  static const std::regex kDropped(R"(^dropped step (\d+):)");
+  int dropped = 0, dropped_before = 0, dropped_after = 0;
+  for (const absl::string_view line :
+       absl::StrSplit(ReadFile(path("client-0.log")), '\n', absl::SkipEmpty())) {
+    const std::string text(line);
+    std::smatch m;
+    if (!std::regex_search(text, m, kDropped)) continue;
+    const uint64_t at = std::stoull(m[1]);
+    ++dropped;
+    if (before_end.has_value() && at < before_end_step) ++dropped_before;
+    if (after_start.has_value() && at >= after_start_step) ++dropped_after;
+  }
   const double duration = absl::ToDoubleSeconds(absl::Now() - start);
   std::vector<double> before_layers, after_layers;
   const double imbalance_before =
@@ -520,6 +561,15 @@ int main(int argc, char** argv) {
       {"dispatch_p50_us", JsonNumber(dispatch_p50 * 1e6)},
       {"combine_p50_us", JsonNumber(combine_p50 * 1e6)},
       {"duration_seconds", duration},
+      {"max_recv_rows", absl::GetFlag(FLAGS_max_recv_rows)},
+      // Steps dropped because a rank was routed more rows than max_recv_rows: in all, and
+      // in the before window (steps [0, before_end_step)) and the after window (from
+      // after_start_step on).
+      {"dropped_steps", dropped},
+      {"dropped_steps_before", dropped_before},
+      {"dropped_steps_after", dropped_after},
+      {"before_end_step", before_end_step},
+      {"after_start_step", after_start_step},
   };
   nlohmann::json series = nlohmann::json::array();
   for (const Sample& s : samples) {
@@ -543,7 +593,11 @@ int main(int argc, char** argv) {
      << "| slots migrated | " << migrated << " |\n"
      << "| dispatch p50 / combine p50 (per layer call, from the daemons' histograms) | "
      << absl::StrFormat("%.0f us / %.0f us", dispatch_p50 * 1e6, combine_p50 * 1e6) << " |\n"
-     << "| every step equal to its float64 reference | " << (correct ? "yes" : "NO") << " |\n\n"
+     << "| every step served equal to its float64 reference | " << (correct ? "yes" : "NO") << " |\n"
+     << "| steps dropped over the receive capacity (--max_recv_rows "
+     << absl::GetFlag(FLAGS_max_recv_rows) << "), all / before (steps < " << before_end_step
+     << ") / after (steps >= " << after_start_step << ") | " << dropped << " / " << dropped_before
+     << " / " << dropped_after << " |\n\n"
      << "Before: " << (policy == "none" ? "the first third of the run" : "under plan v1, up to the first commit")
      << ". After: " << (policy == "none" ? "the last third" : "from three intervals after the first commit to the end")
      << ".\n\n![per-rank load and imbalance](report.png)\n";
@@ -585,11 +639,14 @@ int main(int argc, char** argv) {
   }
   std::cout << absl::StrFormat(
       "ubep-local: imbalance %s -> %s, %.0f rebalances, %.0f slots migrated, dispatch+combine "
-      "p50 %s us, %s\n  report: %s/report.md, report.json, report.png\n",
+      "p50 %s us, %s%s\n  report: %s/report.md, report.json, report.png\n",
       fmt(imbalance_before), fmt(imbalance_after), committed, migrated,
       std::isfinite(dispatch_p50 + combine_p50)
           ? absl::StrFormat("%.0f", (dispatch_p50 + combine_p50) * 1e6)
           : std::string("-"), correct ? "every step correct" : "NOT CORRECT",
+      dropped == 0 ? std::string()
+                   : absl::StrFormat(", %d steps dropped over the receive capacity (%d before, "
+                                     "%d after)", dropped, dropped_before, dropped_after),
       report_dir);
   if (!correct && !interrupted.load()) {
     exit_code = 1;

@@ -26,7 +26,8 @@
 //    bad pair; call Combine as after a good Dispatch (the peers wait for this rank's partials).
 //  - ResourceExhausted: the call routed some rank more rows than its receive capacity
 //    (ubepd --max_recv_rows): the call fails on every rank of the group, at that rank's
-//    Dispatch (libubep completes its combine for it) and at every other rank's Combine. The
+//    Dispatch (libubep completes its combine for it: do not call Combine after that Dispatch)
+//    and at every other rank's Combine. The
 //    call is over everywhere; abandon the step (or run it again) on every rank and go on with
 //    the next. The load counters count the rows, so the balancer sees the load that overflowed.
 //  - FailedPrecondition: a call out of order (Dispatch before BeginStep, Combine without a
