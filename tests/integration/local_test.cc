@@ -240,6 +240,25 @@ TEST_F(LocalTest, UbepLocalServedWhilePrometheusScrapesAndUbepctlOperates) {
 
 // Ctrl-C: every process ubep-local started stops, nothing is left in /dev/shm, the working
 // directory is gone, and the report says the run was interrupted.
+// --max_recv_rows=1 reaches every daemon: every step routes some rank more than one row, so
+// every rank drops every step (the call fails on all of them at once), the run still ends
+// well (no served step is wrong), and the report and the summary count the dropped steps.
+TEST_F(LocalTest, AReceiveCapacityDropsTheStepsOnEveryRankAndTheReportCountsThem) {
+  const std::string report = path("report");
+  Process local({test::BinaryPath("ubep-local"), "--ranks=4", "--daemons=2", "--steps=60",
+                 "--policy=none", "--max_recv_rows=1", "--report=" + report,
+                 "--listen=127.0.0.1:0", "--metrics_port=0"},
+                path("local.out"));
+  ASSERT_EQ(local.Wait(absl::Seconds(120)), 0) << ReadFile(path("local.out"));
+  EXPECT_THAT(ReadFile(path("local.out")),
+              HasSubstr("every step correct, 60 steps dropped over the receive capacity"));
+  const nlohmann::json r = nlohmann::json::parse(ReadFile(report + "/report.json"));
+  EXPECT_EQ(r["max_recv_rows"], 1);
+  EXPECT_EQ(r["dropped_steps"], 60);
+  EXPECT_EQ(r["last_dropped_step"], 59);
+  EXPECT_EQ(r["correct"], true);
+}
+
 TEST_F(LocalTest, InterruptStopsEveryProcessAndLeavesNothingBehind) {
   auto shm = [] {
     std::vector<std::string> names;

@@ -524,6 +524,7 @@ int main(int argc, char** argv) {
   // them), read from rank 0's log; in the before and after windows.
   static const std::regex kDropped(R"(^dropped step (\d+):)");
   int dropped = 0, dropped_before = 0, dropped_after = 0;
+  int64_t last_dropped = -1;
   for (const absl::string_view line :
        absl::StrSplit(ReadFile(path("client-0.log")), '\n', absl::SkipEmpty())) {
     const std::string text(line);
@@ -531,6 +532,7 @@ int main(int argc, char** argv) {
     if (!std::regex_search(text, m, kDropped)) continue;
     const uint64_t at = std::stoull(m[1]);
     ++dropped;
+    last_dropped = static_cast<int64_t>(at);
     if (before_end.has_value() && at < before_end_step) ++dropped_before;
     if (after_start.has_value() && at >= after_start_step) ++dropped_after;
   }
@@ -568,6 +570,7 @@ int main(int argc, char** argv) {
       {"dropped_steps", dropped},
       {"dropped_steps_before", dropped_before},
       {"dropped_steps_after", dropped_after},
+      {"last_dropped_step", last_dropped},  // -1: none.
       {"before_end_step", before_end_step},
       {"after_start_step", after_start_step},
   };
@@ -597,7 +600,9 @@ int main(int argc, char** argv) {
      << "| steps dropped over the receive capacity (--max_recv_rows "
      << absl::GetFlag(FLAGS_max_recv_rows) << "), all / before (steps < " << before_end_step
      << ") / after (steps >= " << after_start_step << ") | " << dropped << " / " << dropped_before
-     << " / " << dropped_after << " |\n\n"
+     << " / " << dropped_after << " |\n"
+     << "| last step dropped | " << (last_dropped < 0 ? std::string("-") : absl::StrCat(last_dropped))
+     << " |\n\n"
      << "Before: " << (policy == "none" ? "the first third of the run" : "under plan v1, up to the first commit")
      << ". After: " << (policy == "none" ? "the last third" : "from three intervals after the first commit to the end")
      << ".\n\n![per-rank load and imbalance](report.png)\n";
@@ -646,7 +651,8 @@ int main(int argc, char** argv) {
           : std::string("-"), correct ? "every step correct" : "NOT CORRECT",
       dropped == 0 ? std::string()
                    : absl::StrFormat(", %d steps dropped over the receive capacity (%d before, "
-                                     "%d after)", dropped, dropped_before, dropped_after),
+                                     "%d after, the last at step %d)",
+                                     dropped, dropped_before, dropped_after, last_dropped),
       report_dir);
   if (!correct && !interrupted.load()) {
     exit_code = 1;
