@@ -596,7 +596,7 @@ int main(int argc, char** argv) {
      << "| slots migrated | " << migrated << " |\n"
      << "| dispatch p50 / combine p50 (per layer call, from the daemons' histograms) | "
      << absl::StrFormat("%.0f us / %.0f us", dispatch_p50 * 1e6, combine_p50 * 1e6) << " |\n"
-     << "| every step served equal to its float64 reference | " << (correct ? "yes" : "NO") << " |\n"
+     << "| every step equal to its float64 reference | " << (correct ? "yes" : "NO") << " |\n"
      << "| steps dropped over the receive capacity (--max_recv_rows "
      << absl::GetFlag(FLAGS_max_recv_rows) << "), all / before (steps < " << before_end_step
      << ") / after (steps >= " << after_start_step << ") | " << dropped << " / " << dropped_before
