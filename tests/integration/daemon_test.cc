@@ -244,7 +244,8 @@ TEST_F(DaemonTest, AReceiveCapacityOverflowDropsTheSameStepsEverywhereAndTheRest
   for (int r = 0; r < kWorld; ++r) {
     EXPECT_EQ(clients[r]->Wait(absl::Seconds(120)), 0) << ReadFile(client_log(r));
     const std::string log = ReadFile(client_log(r));
-    static const std::regex kDropped(R"(^dropped step (\d+): rank (\d+), (dispatch|combine) call \d+: (.*)$)");
+    static const std::regex kDropped(
+        R"(^dropped step (\d+): rank (\d+), (dispatch|combine) call \d+: (.*)$)");
     std::set<uint64_t> dropped;
     for (const absl::string_view line : absl::StrSplit(log, '\n')) {
       const std::string text(line);

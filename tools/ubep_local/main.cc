@@ -601,7 +601,8 @@ int main(int argc, char** argv) {
      << absl::GetFlag(FLAGS_max_recv_rows) << "), all / before (steps < " << before_end_step
      << ") / after (steps >= " << after_start_step << ") | " << dropped << " / " << dropped_before
      << " / " << dropped_after << " |\n"
-     << "| last step dropped | " << (last_dropped < 0 ? std::string("-") : absl::StrCat(last_dropped))
+     << "| last step dropped | "
+     << (last_dropped < 0 ? std::string("-") : absl::StrCat(last_dropped))
      << " |\n\n"
      << "Before: " << (policy == "none" ? "the first third of the run" : "under plan v1, up to the first commit")
      << ". After: " << (policy == "none" ? "the last third" : "from three intervals after the first commit to the end")
