@@ -181,6 +181,32 @@ std::vector<RankInput> OverflowingInputs(const EpConfig& c) {
   return inputs;
 }
 
+// Every rank dispatches its input of layer 0 and combines whatever came back (y = x), whatever
+// its Dispatch returned, as a caller whose peers wait for its partials must. `inspect`
+// (optional) sees each rank's output between the two.
+struct CallOutcome {
+  std::vector<absl::Status> dispatched, combined;
+  std::vector<std::vector<float>> sums;
+};
+CallOutcome DispatchAndCombine(
+    Group& group, const std::vector<RankInput>& inputs, const TestPlan& plan,
+    const std::function<void(int, const DispatchOutput&)>& inspect = nullptr) {
+  const EpConfig& c = group.config();
+  CallOutcome o{std::vector<absl::Status>(c.num_ranks), std::vector<absl::Status>(c.num_ranks),
+                std::vector<std::vector<float>>(c.num_ranks)};
+  group.RunAll([&](int r) {
+    const RankInput& in = inputs[r];
+    DispatchOutput out;
+    o.dispatched[r] = group.ep(r).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(),
+                                            in.num_tokens, c.hidden, 0, plan.header()},
+                                           out);
+    o.sums[r].assign(static_cast<size_t>(in.num_tokens) * c.hidden, -1.0f);
+    o.combined[r] = group.ep(r).Combine(out, out.recv_x.data(), o.sums[r].data());
+    if (inspect) inspect(r, out);
+  });
+  return o;
+}
+
 // Ranks 0, 1 and 3 send every token to experts 6 (k = 0, rank 1's slot 1) and 5 (k = 1, its
 // slot 0), rank 2 to expert 12 (its own): 288 rows for rank 1, whose receive capacity is 100.
 // Rank 1 keeps the first 100 rows of its layout (slot 0's), exactly, counts all 288 and fails
@@ -201,32 +227,23 @@ TEST_P(HostEpTest, ARankOverItsReceiveCapacityFailsTheCallOnEveryRank) {
   std::vector<RankInput> inputs = OverflowingInputs(c);
   const ReceiveNotice overflow{1, 288, 100};
   const uint64_t counted_before = group.ep(1).LoadCounter(0, 0) + group.ep(1).LoadCounter(0, 1);
-  std::vector<absl::Status> dispatched(c.num_ranks), combined(c.num_ranks);
-  std::vector<std::vector<float>> sums(c.num_ranks);
-  group.RunAll([&](int r) {
-    const RankInput& in = inputs[r];
-    DispatchOutput out;
-    dispatched[r] = group.ep(r).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(),
-                                          in.num_tokens, c.hidden, 0, plan.header()},
-                                         out);
-    // Every caller goes on to its combine (the peers wait for its partials); y = x.
-    sums[r].assign(static_cast<size_t>(in.num_tokens) * c.hidden, -1.0f);
-    combined[r] = group.ep(r).Combine(out, out.recv_x.data(), sums[r].data());
-    if (r != 1) return;
-    // Slot 0 holds source 0's 48 rows, then source 1's 48, then the first 4 of source 3's.
-    EXPECT_EQ(out.slot_offsets[1], 144);
-    EXPECT_EQ(out.slot_offsets[2], 288);
-    ASSERT_EQ(out.num_rows(), 100);
-    ASSERT_EQ(out.recv_x.size(), 100 * c.hidden * sizeof(float));
-    for (int row = 0; row < 100; ++row) {
-      const int src = row < 48 ? 0 : row < 96 ? 1 : 3, token = row < 96 ? row % 48 : row - 96;
-      EXPECT_EQ(out.src_rank[row], src) << row;
-      EXPECT_EQ(out.src_token[row], token) << row;
-      EXPECT_EQ(out.weight[row], inputs[src].topk_w[token * K + 1]) << row;
-      const auto* x = reinterpret_cast<const float*>(out.recv_x.data()) + row * c.hidden;
-      for (int h = 0; h < c.hidden; ++h) EXPECT_EQ(x[h], Payload(src, token, h)) << row;
-    }
-  });
+  const auto [dispatched, combined, sums] =
+      DispatchAndCombine(group, inputs, plan, [&](int r, const DispatchOutput& out) {
+        if (r != 1) return;
+        // Slot 0 holds source 0's 48 rows, then source 1's 48, then the first 4 of source 3's.
+        EXPECT_EQ(out.slot_offsets[1], 144);
+        EXPECT_EQ(out.slot_offsets[2], 288);
+        ASSERT_EQ(out.num_rows(), 100);
+        ASSERT_EQ(out.recv_x.size(), 100 * c.hidden * sizeof(float));
+        for (int row = 0; row < 100; ++row) {
+          const int src = row < 48 ? 0 : row < 96 ? 1 : 3, token = row < 96 ? row % 48 : row - 96;
+          EXPECT_EQ(out.src_rank[row], src) << row;
+          EXPECT_EQ(out.src_token[row], token) << row;
+          EXPECT_EQ(out.weight[row], inputs[src].topk_w[token * K + 1]) << row;
+          const auto* x = reinterpret_cast<const float*>(out.recv_x.data()) + row * c.hidden;
+          for (int h = 0; h < c.hidden; ++h) EXPECT_EQ(x[h], Payload(src, token, h)) << row;
+        }
+      });
   EXPECT_EQ(dispatched[1], OverCapacityStatus(1, 1, overflow));
   EXPECT_EQ(dispatched[1],
             absl::ResourceExhaustedError(
@@ -289,16 +306,7 @@ TEST(HostEpErrorTest, AnOverflowIsToldInTheCallWhereEpochsWrapAndNoStaleNoticePa
     const TestPlan plan =
         TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
     const std::vector<RankInput> inputs = OverflowingInputs(c);
-    std::vector<absl::Status> dispatched(c.num_ranks), combined(c.num_ranks);
-    group.RunAll([&](int r) {
-      const RankInput& in = inputs[r];
-      DispatchOutput out;
-      dispatched[r] = group.ep(r).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(),
-                                            in.num_tokens, c.hidden, 0, plan.header()},
-                                           out);
-      std::vector<float> sums(static_cast<size_t>(in.num_tokens) * c.hidden);
-      combined[r] = group.ep(r).Combine(out, out.recv_x.data(), sums.data());
-    });
+    const auto [dispatched, combined, sums] = DispatchAndCombine(group, inputs, plan);
     const ReceiveNotice overflow{0, 288, 100};
     EXPECT_EQ(dispatched[1], OverCapacityStatus(1, 0, overflow));
     for (int r : {0, 2, 3}) EXPECT_TRUE(dispatched[r].ok()) << r << ": " << dispatched[r];
