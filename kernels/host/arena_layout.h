@@ -253,6 +253,8 @@ struct ReceiveNotice {
   uint32_t capacity;  // Its receive capacity.
   bool OverflowedIn(uint32_t c) const { return call == c && rows > capacity; }
 };
+// The CUDA backend copies a notice out of device memory whole: words [0], [4], [8].
+static_assert(sizeof(ReceiveNotice) == 3 * sizeof(uint32_t));
 // Rank `from`'s notice into `arena` (a peer's, or its own).
 void PostReceiveNotice(std::byte* arena, const ArenaLayout& layout, int from,
                        const ReceiveNotice& notice);

@@ -70,6 +70,30 @@ inline std::vector<StepLine> StepLines(const std::string& log) {
   return out;
 }
 
+struct DroppedLine {
+  uint64_t step;
+  int rank;
+  std::string phase;  // "dispatch" or "combine".
+  uint32_t call;
+  std::string error;  // The status message, whole.
+};
+
+// "dropped step S: <status message>" lines of a client log: a step whose call went over some
+// rank's receive capacity (ubepd --max_recv_rows); the message starts "rank R, PHASE call C: ".
+inline std::vector<DroppedLine> DroppedLines(const std::string& log) {
+  static const std::regex kDropped(
+      R"(^dropped step (\d+): (rank (\d+), (dispatch|combine) call (\d+): .*)$)");
+  std::vector<DroppedLine> out;
+  for (const absl::string_view line : absl::StrSplit(log, '\n')) {
+    const std::string s(line);
+    std::smatch m;
+    if (!std::regex_match(s, m, kDropped)) continue;
+    out.push_back({std::stoull(m[1]), std::stoi(m[3]), m[4],
+                   static_cast<uint32_t>(std::stoul(m[5])), m[2]});
+  }
+  return out;
+}
+
 // Waits for a --ready_file and returns its JSON.
 inline nlohmann::json ReadyFile(const std::string& path, const std::string& log) {
   if (!WaitFor([&] { return std::filesystem::exists(path); }, absl::Seconds(30))) {

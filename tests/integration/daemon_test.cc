@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/unix_socket.h"
+#include "kernels/host/arena_layout.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/generic/generic_stub.h"
@@ -244,23 +245,21 @@ TEST_F(DaemonTest, AReceiveCapacityOverflowDropsTheSameStepsEverywhereAndTheRest
   for (int r = 0; r < kWorld; ++r) {
     EXPECT_EQ(clients[r]->Wait(absl::Seconds(120)), 0) << ReadFile(client_log(r));
     const std::string log = ReadFile(client_log(r));
-    static const std::regex kDropped(
-        R"(^dropped step (\d+): rank (\d+), (dispatch|combine) call \d+: (.*)$)");
     std::set<uint64_t> dropped;
-    for (const absl::string_view line : absl::StrSplit(log, '\n')) {
-      const std::string text(line);
-      std::smatch m;
-      if (!std::regex_match(text, m, kDropped)) continue;
-      dropped.insert(std::stoull(m[1]));
-      EXPECT_EQ(std::stoi(m[2]), r) << text;
-      // Rank 0 overflowed: at its own Dispatch, at the others' Combine.
-      EXPECT_EQ(m[3], r == 0 ? "dispatch" : "combine") << text;
-      EXPECT_THAT(text, ::testing::MatchesRegex(
-                            r == 0 ? ".*: [0-9]+ rows routed here, more than its receive capacity "
-                                     "of 500 \\(max_recv_rows\\).*"
-                                   : ".*: rank 0 was routed [0-9]+ rows in this call, more than "
-                                     "its receive capacity of 500 \\(max_recv_rows\\), so the "
-                                     "call fails on every rank of the group.*"));
+    for (const test::DroppedLine& line : test::DroppedLines(log)) {
+      dropped.insert(line.step);
+      EXPECT_EQ(line.rank, r) << line.error;
+      // Rank 0 overflowed: at its own Dispatch, at the others' Combine, word for word (the
+      // rows routed there differ by step; they are read back from the message).
+      EXPECT_EQ(line.phase, r == 0 ? "dispatch" : "combine") << line.error;
+      std::smatch rows;
+      ASSERT_TRUE(std::regex_search(line.error, rows, std::regex("(\\d+) rows"))) << line.error;
+      const kernels::ReceiveNotice notice{line.call, static_cast<uint32_t>(std::stoul(rows[1])),
+                                          500};
+      EXPECT_EQ(line.error, r == 0 ? kernels::OverCapacityStatus(0, line.call, notice).message()
+                                   : kernels::PeerOverCapacityStatus(r, line.call, 0, notice)
+                                         .message());
+      EXPECT_GT(notice.rows, 500u) << line.error;
     }
     const StepLines steps = ParseSteps(log);
     EXPECT_EQ(steps.mismatches, 0) << log;
