@@ -1,6 +1,8 @@
 #include "balancer/core/metrics.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <numeric>
 
 namespace ubep::balancer {
@@ -22,24 +24,39 @@ double Balancedness(std::span<const double> rank_loads) {
   return max * static_cast<double>(rank_loads.size()) / total;
 }
 
-BalanceSummary SummarizeBalance(const Plan& plan, const LoadMatrix& load) {
+double MeasuredBalancedness(std::span<const double> rank_loads) {
+  const double total = std::accumulate(rank_loads.begin(), rank_loads.end(), 0.0);
+  return total > 0 ? Balancedness(rank_loads) : std::numeric_limits<double>::quiet_NaN();
+}
+
+BalanceSummary SummarizeLayers(std::vector<double> per_layer) {
   BalanceSummary summary;
-  summary.worst = 0.0;
-  double sum = 0.0;
+  double sum = 0.0, worst = 0.0;
+  for (double b : per_layer) {
+    if (std::isnan(b)) continue;
+    sum += b;
+    worst = std::max(worst, b);
+    ++summary.measured;
+  }
+  if (summary.measured > 0) {
+    summary.mean = sum / summary.measured;
+    summary.worst = worst;
+  }
+  summary.per_layer = std::move(per_layer);
+  return summary;
+}
+
+BalanceSummary SummarizeBalance(const Plan& plan, const LoadMatrix& load) {
+  std::vector<double> per_layer;
   for (int l = 0; l < plan.num_layers(); ++l) {
     std::vector<double> loads = RankLoads(plan.topology, plan.layers[l], load.row(l));
     // Ranks out of the group carry nothing and do not count.
     for (auto r = plan.excluded_ranks.rbegin(); r != plan.excluded_ranks.rend(); ++r) {
       if (*r < static_cast<int>(loads.size())) loads.erase(loads.begin() + *r);
     }
-    const double b = Balancedness(loads);
-    summary.per_layer.push_back(b);
-    sum += b;
-    summary.worst = std::max(summary.worst, b);
+    per_layer.push_back(MeasuredBalancedness(loads));
   }
-  if (plan.num_layers() > 0) summary.mean = sum / plan.num_layers();
-  if (summary.per_layer.empty()) summary.worst = 1.0;
-  return summary;
+  return SummarizeLayers(std::move(per_layer));
 }
 
 double CrossNodeShare(const Plan& plan, const LoadMatrix& load) {

@@ -23,14 +23,23 @@ std::vector<double> RankLoads(const Topology& topology, const LayerPlan& layer,
 // max / mean of `rank_loads`; 1 when all are zero.
 double Balancedness(std::span<const double> rank_loads);
 
+// A layer that carried no load is not balanced but unmeasured: no call reached it (its
+// traffic stopped, or every step was dropped before it, as over a receive capacity). It is
+// NaN in a per-layer list and left out of the mean and the worst, so that it cannot hide a
+// layer that is out of balance.
+double MeasuredBalancedness(std::span<const double> rank_loads);  // NaN when all are zero.
+
 struct BalanceSummary {
-  double mean = 1.0;   // Mean over layers of per-layer balancedness.
+  double mean = 1.0;   // Mean over the measured layers of per-layer balancedness.
   double worst = 1.0;  // Largest per-layer balancedness.
-  std::vector<double> per_layer;
+  int measured = 0;    // Layers that carried load; mean and worst are 1 when none did.
+  std::vector<double> per_layer;  // NaN: no load.
 };
 
-// Layers whose load sums to zero count as perfectly balanced. `load` and `plan` must have the
-// same number of layers and experts (checked by the caller).
+// Mean and worst of `per_layer` (MeasuredBalancedness values), the NaNs left out.
+BalanceSummary SummarizeLayers(std::vector<double> per_layer);
+
+// `load` and `plan` must have the same number of layers and experts (checked by the caller).
 BalanceSummary SummarizeBalance(const Plan& plan, const LoadMatrix& load);
 
 // Fraction in [0, 1] of the routed pairs of all layers that cross nodes (see above).

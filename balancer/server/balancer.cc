@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 #include <thread>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -242,6 +243,12 @@ Balancer::Balancer(BalancerOptions options, std::shared_ptr<prometheus::Registry
   stale_reports_ = &BuildCounter().Name("ubep_balancer_stale_reports_total")
                         .Help("Load reports counted under a plan that is no longer in force.")
                         .Register(r).Add({});
+  over_capacity_errors_ =
+      &BuildCounter().Name("ubep_balancer_over_capacity_errors_total")
+           .Help("Data-plane calls the daemons reported failed under the plan in force because "
+                 "a rank was routed more rows than its receive capacity (one per rank and "
+                 "dropped call).")
+           .Register(r).Add({});
 }
 
 Balancer::~Balancer() { thread_.reset(); }
@@ -475,6 +482,8 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
   } else if (load.last_step() > load.first_step()) {
     d.interval_steps += static_cast<double>(load.last_step() - load.first_step());
   }
+  d.interval_over_capacity += request->over_capacity_errors();
+  over_capacity_errors_->Increment(static_cast<double>(request->over_capacity_errors()));
   reports_->Increment();
   return grpc::Status::OK;
 }
@@ -509,7 +518,9 @@ void Balancer::CloseInterval() {
   double steps = 0;
   int reporting = 0;
   bool all_known = true;
+  over_capacity_ = 0;
   for (auto& [name, d] : daemons_) {
+    over_capacity_ += std::exchange(d.interval_over_capacity, 0);
     if (!d.healthy || d.info.ranks().empty()) continue;
     if (d.interval_steps > 0) {
       const double per_step = 1.0 / d.interval_steps;
@@ -562,8 +573,18 @@ void Balancer::CloseInterval() {
     for (int r = 0; r < shape_->world; ++r) {
       if (!plan_.has_value() || !plan_->excluded(r)) members.push_back(rank_rate[l][r]);
     }
-    measured_[l] = Balancedness(members);
-    imbalance_->Add({{"layer", std::to_string(l)}, {"when", "measured"}}).Set(measured_[l]);
+    measured_[l] = MeasuredBalancedness(members);
+    SetImbalance(l, "measured", measured_[l]);
+  }
+}
+
+void Balancer::SetImbalance(int layer, const char* when, double value) {
+  prometheus::Gauge& gauge = imbalance_->Add({{"layer", std::to_string(layer)}, {"when", when}});
+  // A layer without load is unmeasured: no series, rather than a value that reads as balanced.
+  if (std::isnan(value)) {
+    imbalance_->Remove(&gauge);
+  } else {
+    gauge.Set(value);
   }
 }
 
@@ -955,8 +976,8 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why, b
   migrated_bytes_->Increment(static_cast<double>(copied_bytes));
   cross_domain_bytes_->Increment(static_cast<double>(remote_bytes));
   for (size_t l = 0; l < before.size(); ++l) {
-    imbalance_->Add({{"layer", std::to_string(l)}, {"when", "before"}}).Set(before[l]);
-    imbalance_->Add({{"layer", std::to_string(l)}, {"when", "after"}}).Set(after[l]);
+    SetImbalance(static_cast<int>(l), "before", before[l]);
+    SetImbalance(static_cast<int>(l), "after", after[l]);
   }
   const bool membership = plan->excluded_ranks != previous.excluded_ranks;
   plan_ = *std::move(plan);
@@ -974,6 +995,14 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why, b
                  << absl::ToDoubleMilliseconds(prepare_time) << " ms, prepare+commit "
                  << result.commit_seconds() * 1e3 << " ms";
   return result;
+}
+
+bool Balancer::StepRatesKnown() const {
+  for (const auto& [name, d] : daemons_) {
+    if (!d.healthy || drained_.contains(name) || d.info.ranks().empty()) continue;
+    if (d.prev_step_time == absl::InfinitePast()) return false;
+  }
+  return true;
 }
 
 bool Balancer::PlanInForceEverywhere() const {
@@ -1125,16 +1154,32 @@ void Balancer::Tick() {
       why = "requested";
       rebalance_requested_ = false;
     } else if (options_.auto_rebalance && !measured_.empty() &&
-               window_->closed_intervals() >= options_.min_intervals) {
-      // Judge a plan only by what it did: no trigger before it is in force on every rank.
-      if (!PlanInForceEverywhere()) above_threshold_ = -1;
-      double mean = 0;
-      for (double m : measured_) mean += m;
-      mean /= static_cast<double>(measured_.size());
-      above_threshold_ = mean > options_.threshold ? above_threshold_ + 1 : 0;
+               window_->closed_intervals() >= options_.min_intervals && StepRatesKnown()) {
+      // Judge a plan only by what it did: not before it is in force on every rank, nor on
+      // the interval it came into force in (its counts may hold steps from before).
+      const bool in_force = PlanInForceEverywhere();
+      if (!in_force) above_threshold_ = -1;
+      const bool judged = in_force && above_threshold_ >= 0;
+      // Layers no call reached are left out (metrics.h): they would pull the mean towards 1.
+      const BalanceSummary measured = SummarizeLayers(measured_);
+      // Calls over a receive capacity drop every step that reaches the layer that overflowed,
+      // and hide the layers after it; in steady state one hot layer of many barely moves the
+      // mean. Once the plan has had such calls, the worst measured layer is judged instead.
+      if (judged && over_capacity_ > 0) dropped_version_ = plan_->version;
+      const bool dropping = dropped_version_ == plan_->version && measured.worst > options_.threshold;
+      const bool high = measured.measured > 0 && measured.mean > options_.threshold;
+      above_threshold_ = high || dropping ? above_threshold_ + 1 : 0;
       if (above_threshold_ >= options_.trigger_windows) {
         rebalance = true;
-        why = "imbalance above threshold";
+        why = dropping ? "calls over the receive capacity" : "imbalance above threshold";
+      } else if (judged && over_capacity_ > 0 && !dropping &&
+                 capacity_warned_version_ != plan_->version) {
+        capacity_warned_version_ = plan_->version;
+        UBEP_LOG(WARNING) << "plan v" << plan_->version << ": " << over_capacity_
+                          << " calls failed over a receive capacity in the last interval, and "
+                             "every layer they reached is within the threshold ("
+                          << options_.threshold << "): a new plan would not help; the capacity "
+                          << "is below the balanced load (ubepd --max_recv_rows)";
       }
     }
   }

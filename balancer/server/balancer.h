@@ -1,8 +1,9 @@
 // Balancer: ubep-balancer's state and loops. Daemons register and report per-slot load
 // deltas (the Control service); a loop thread checks their health, recovers the cluster's
 // plan from them, keeps a window of per-expert load, and when the imbalance under the plan in
-// force stays above a threshold (or on demand) plans with balancer/core and runs the
-// two-phase commit with every daemon (ARCHITECTURE section 5).
+// force stays above a threshold, when its ranks drop calls over a receive capacity (or on
+// demand) plans with balancer/core and runs the two-phase commit with every daemon
+// (ARCHITECTURE section 5).
 //
 // The balancer keeps no state the daemons cannot give back: after a restart it learns the
 // committed plan and any undecided prepare from GetState (a version committed anywhere is
@@ -128,6 +129,7 @@ class Balancer final : public v1::Control::Service {
     std::vector<std::vector<double>> interval_rank;             // [layer][rank - first_rank]
     std::vector<std::vector<double>> interval_rank_dispatches;  // Same; empty: not reported.
     double interval_steps = 0;
+    uint64_t interval_over_capacity = 0;  // ReportLoadRequest.over_capacity_errors.
     LoadMatrix rate;
     std::vector<std::vector<double>> rank_rate;
     bool has_rate = false;
@@ -160,8 +162,15 @@ class Balancer final : public v1::Control::Service {
   // Every healthy daemon of the group (drained ones aside) reported plan_ in force on all its
   // ranks: its predecessor's buffers are no longer read, so the next plan may reuse them.
   bool PlanInForceEverywhere() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every serving daemon has reported twice, so EstimateStep knows its ranks' step rate and
+  // can place a plan's effective step ahead of them (from one report it falls behind by up to
+  // a report interval of steps, and the daemons refuse the plan). The automatic triggers
+  // wait for it.
+  bool StepRatesKnown() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   grpc::Status SetDrained(const std::string& node, bool drained, v1::RebalanceResponse* response);
   void CloseInterval() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // ubep_balancer_imbalance_ratio{layer, when}; NaN (no load) removes the series.
+  void SetImbalance(int layer, const char* when, double value);
 
   const BalancerOptions options_;
   const absl::Time started_;  // MonotonicNow().
@@ -173,8 +182,15 @@ class Balancer final : public v1::Control::Service {
   uint64_t plan_effective_step_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t highest_version_ ABSL_GUARDED_BY(mu_) = 0;  // Committed or prepared anywhere.
   std::unique_ptr<LoadWindow> window_ ABSL_GUARDED_BY(mu_);
-  std::vector<double> measured_ ABSL_GUARDED_BY(mu_);
+  std::vector<double> measured_ ABSL_GUARDED_BY(mu_);  // NaN: a layer no call reached.
   int above_threshold_ ABSL_GUARDED_BY(mu_) = 0;
+  // Calls over a receive capacity the daemons reported in the last closed interval (only
+  // reports under the plan in force are accepted, so these are its); the last plan version
+  // judged to have had such calls; the plan version the balancer last said it cannot help
+  // with.
+  uint64_t over_capacity_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t dropped_version_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t capacity_warned_version_ ABSL_GUARDED_BY(mu_) = 0;
   bool rebalance_requested_ ABSL_GUARDED_BY(mu_) = false;
   std::set<std::string> drained_ ABSL_GUARDED_BY(mu_);
   uint64_t committed_count_ ABSL_GUARDED_BY(mu_) = 0, aborted_count_ ABSL_GUARDED_BY(mu_) = 0;
@@ -198,6 +214,7 @@ class Balancer final : public v1::Control::Service {
   prometheus::Counter* reports_;
   prometheus::Family<prometheus::Counter>* rejected_;
   prometheus::Counter* stale_reports_;
+  prometheus::Counter* over_capacity_errors_;
   std::unique_ptr<PeriodicThread> thread_;  // Started by Start(); stopped first on destruction.
 };
 

@@ -134,28 +134,24 @@ void MoeModel::Apply(const float* w, const float* x, int hidden, float* y) {
   }
 }
 
-std::vector<double> MoeModel::Reference(uint64_t step, int rank) const {
+std::vector<double> MoeModel::ReferenceLayer(uint64_t step, int rank, int layer,
+                                             const std::vector<float>& x) const {
   const int H = options_.hidden, K = options_.top_k, T = options_.tokens;
-  const std::vector<float> x0 = Input(step, rank);
-  std::vector<double> x(x0.begin(), x0.end()), next(x.size());
   std::vector<int32_t> idx;
   std::vector<float> w;
-  for (int l = 0; l < options_.num_layers; ++l) {
-    Route(step, rank, l, idx, w);
-    std::fill(next.begin(), next.end(), 0.0);
-    for (int t = 0; t < T; ++t) {
-      for (int k = 0; k < K; ++k) {
-        const std::vector<float>& W = weights_[l * options_.num_experts + idx[t * K + k]];
-        for (int i = 0; i < H; ++i) {
-          double acc = 0;
-          for (int j = 0; j < H; ++j) acc += static_cast<double>(W[i * H + j]) * x[t * H + j];
-          next[t * H + i] += static_cast<double>(w[t * K + k]) * acc;
-        }
+  Route(step, rank, layer, idx, w);
+  std::vector<double> out(static_cast<size_t>(T) * H, 0.0);
+  for (int t = 0; t < T; ++t) {
+    for (int k = 0; k < K; ++k) {
+      const std::vector<float>& W = weights_[layer * options_.num_experts + idx[t * K + k]];
+      for (int i = 0; i < H; ++i) {
+        double acc = 0;
+        for (int j = 0; j < H; ++j) acc += static_cast<double>(W[i * H + j]) * x[t * H + j];
+        out[t * H + i] += static_cast<double>(w[t * K + k]) * acc;
       }
     }
-    std::swap(x, next);
   }
-  return x;
+  return out;
 }
 
 double MaxRelativeError(const std::vector<float>& got, const std::vector<double>& want, int hidden) {

@@ -49,8 +49,12 @@ class MoeModel {
   std::vector<float> ExpertWeights(int layer, int expert) const;
   // y = W x, accumulated in double, rounded to fp32 (what an expert computes).
   static void Apply(const float* w, const float* x, int hidden, float* y);
-  // The whole stack for rank `rank` at `step` in float64: [tokens, hidden].
-  std::vector<double> Reference(uint64_t step, int rank) const;
+  // Layer `layer` of rank `rank` at `step` in float64, on input `x` ([tokens, hidden]): what
+  // the distributed layer must give on that input. A step is checked layer by layer, each
+  // layer on the fp32 input the rank actually had, so that the bound does not grow with the
+  // depth of the stack (fp32 rounding adds up layer by layer).
+  std::vector<double> ReferenceLayer(uint64_t step, int rank, int layer,
+                                     const std::vector<float>& x) const;
 
  private:
   MoeModel(const MoeModelOptions& options, std::optional<balancer::Scenario> scenario);

@@ -262,6 +262,61 @@ TEST_F(BalancerTest, TwoDaemonsServeOneGroupOfEightRanksAndRebalancingBringsTheI
   EXPECT_GE(test::Sample(m, "ubep_balancer_migrated_cross_domain_bytes_total"), static_cast<double>(remote_total));
 }
 
+// ubepd --max_recv_rows between the balanced load and what round-robin placement routes to
+// the busiest rank: the group drops every step that reaches a layer over the capacity, and
+// the layers after it see no call. The daemon reports the dropped calls with its load, and
+// the balancer plans on them, layer after layer as each becomes visible, until the group
+// serves every step again.
+TEST_F(BalancerTest, CallsOverAReceiveCapacityCallForPlansUntilEveryStepIsServedAgain) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  // A few steps per second: too few dispatches per interval to plan on, and the 1500 steps
+  // would take many minutes. The drop trigger itself runs under the sanitizers in
+  // balancer_server_test, the capacity in daemon_test.
+  GTEST_SKIP() << "plans on the counters of a release build's step rate";
+#endif
+  constexpr int kSteps = 1500;
+  constexpr int kCapacity = 1250;  // 4 ranks x 128 tokens x top-8: 1024 rows per rank on average.
+  auto balancer = StartBalancer();
+  auto daemon = StartDaemon({"--free_buffers=16", absl::StrCat("--max_recv_rows=", kCapacity)});
+  std::vector<std::unique_ptr<Process>> clients;
+  for (int r = 0; r < world_; ++r) {
+    clients.push_back(StartClient(r, kSteps, "node-a", /*slots_per_rank=*/72, /*tokens=*/128,
+                                  /*drift_period=*/1000000));
+  }
+  for (auto& c : clients) EXPECT_EQ(c->Wait(absl::Seconds(300)), 0);
+  std::set<uint64_t> dropped_by_rank0;
+  for (int r = 0; r < world_; ++r) {
+    const std::string log = ReadFile(ClientLog(r));
+    std::set<uint64_t> dropped, served;
+    for (const test::DroppedLine& line : test::DroppedLines(log)) dropped.insert(line.step);
+    for (const test::StepLine& line : test::StepLines(log)) {
+      EXPECT_TRUE(line.ok) << "rank " << r << " step " << line.step;
+      served.insert(line.step);
+    }
+    EXPECT_EQ(served.size() + dropped.size(), static_cast<size_t>(kSteps)) << "rank " << r;
+    EXPECT_THAT(log, HasSubstr(absl::StrCat("done steps ", kSteps, " failed 0 dropped ",
+                                            dropped.size())));
+    if (r == 0) {
+      dropped_by_rank0 = dropped;
+    } else {
+      EXPECT_EQ(dropped, dropped_by_rank0) << "rank " << r;
+    }
+  }
+  const std::string balancer_log = ReadFile(path("balancer.log"));
+  ASSERT_FALSE(dropped_by_rank0.empty()) << balancer_log;
+  std::cout << dropped_by_rank0.size() << " of " << kSteps << " steps dropped, the last at step "
+            << *dropped_by_rank0.rbegin() << "\n";
+  // The plans came for the dropped calls, and the last 500 steps were all served.
+  EXPECT_THAT(balancer_log, HasSubstr("rebalance (calls over the receive capacity)"));
+  EXPECT_LT(*dropped_by_rank0.rbegin(), static_cast<uint64_t>(kSteps - 500)) << balancer_log;
+  // Each rank counts one error per dropped call; reports that straddle a plan change are
+  // refused as stale, and their calls with them.
+  const std::string m = test::HttpGet(balancer_metrics_, "/metrics");
+  const double reported = test::Sample(m, "ubep_balancer_over_capacity_errors_total");
+  EXPECT_GT(reported, 0);
+  EXPECT_LE(reported, static_cast<double>(world_ * dropped_by_rank0.size()));
+}
+
 // kill -9 of one of two daemons (a node lost): the balancer sees its health checks fail,
 // commits a plan for the survivors (ranks 0-3 hold every expert; the lost node's ranks are
 // excluded), the group forms again without them and the survivors keep serving, exactly.

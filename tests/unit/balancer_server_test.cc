@@ -1,7 +1,10 @@
 // The balancer's state machine in process: the load window, and Register / ReportLoad from
 // many threads while the loop ticks (run under TSan: label concurrent). The end-to-end
 // behaviour with real daemons is tests/integration/balancer_test.cc.
+#include <array>
 #include <atomic>
+#include <cmath>
+#include <optional>
 #include <mutex>
 #include <thread>
 
@@ -306,6 +309,137 @@ TEST(BalancerServerTest, NoNcclLinkForOneDomainTheHostBackendOrARootThatCannotMa
     EXPECT_EQ(pa.nccl_unique_id(), "");
     EXPECT_EQ(pb.nccl_unique_id(), "");
   }
+}
+
+// A group whose calls reach only layer 0 (every step dropped there, over a receive capacity):
+// node-a and node-b under v1 (FirstPlan), the balancer ticked by hand.
+class UnreachedLayerTest : public ::testing::Test {
+ protected:
+  UnreachedLayerTest() : a_("node-a", FirstPlan()), b_("node-b", FirstPlan()) {}
+
+  // threshold 1.2; a plan is judged after `trigger_windows` intervals above it.
+  void Start(int trigger_windows) {
+    BalancerOptions options;
+    options.health_failures = 1000;
+    options.threshold = 1.2;
+    options.trigger_windows = trigger_windows;
+    options.min_intervals = 1;
+    balancer_ = std::make_unique<Balancer>(options, registry_);
+    v1::RegisterResponse registered;
+    v1::RegisterRequest ra = DaemonRegistration(a_, "node-a", 0, 0, "host");
+    v1::RegisterRequest rb = DaemonRegistration(b_, "node-b", 2, 0, "host");
+    ASSERT_TRUE(balancer_->Register(nullptr, &ra, &registered).ok());
+    ASSERT_TRUE(balancer_->Register(nullptr, &rb, &registered).ok());
+    balancer_->Tick();  // Learns v1 from the daemons.
+  }
+
+  // One interval: each node reports 10 dispatches per rank of layer 0, whose ranks received
+  // `rank_load` pairs (in each rank's first slot); of layer 1, `layer1` pairs per rank in 10
+  // dispatches, or no dispatch (0); and `over_capacity` calls failed over a receive capacity.
+  // Then the interval closes.
+  void Interval(const std::array<uint64_t, 4>& rank_load, uint64_t over_capacity,
+                uint64_t layer1 = 0) {
+    ++seq_;
+    for (int n = 0; n < 2; ++n) {
+      v1::ReportLoadRequest q;
+      q.set_node(n == 0 ? "node-a" : "node-b");
+      q.set_seq(seq_);
+      q.set_max_step(10 * seq_);
+      q.set_plan_in_force(true);
+      q.set_over_capacity_errors(over_capacity);
+      v1::LoadReport* load = q.mutable_load();
+      load->set_reporter(q.node());
+      load->set_first_step(10 * (seq_ - 1));
+      load->set_last_step(10 * seq_);
+      load->set_plan_version(version_);
+      load->set_num_experts(6);
+      for (int l = 0; l < 2; ++l) {
+        v1::LayerLoad* layer = load->add_layers();
+        layer->set_layer(l);
+        layer->set_first_slot(8 * n);
+        for (int p = 0; p < 8; ++p) {
+          layer->add_slot(p % 4 != 0 ? 0 : l == 0 ? rank_load[2 * n + p / 4] : layer1);
+        }
+        for (int r = 0; r < 2; ++r) layer->add_dispatches(l == 0 || layer1 > 0 ? 10 : 0);
+      }
+      v1::ReportLoadResponse response;
+      const grpc::Status status = balancer_->ReportLoad(nullptr, &q, &response);
+      ASSERT_TRUE(status.ok()) << status.error_message();
+    }
+    balancer_->Tick();
+  }
+
+  // The value of a sample of ubep_balancer_* in the registry, if it is there.
+  std::optional<double> Sample(const std::string& family, const std::string& layer = "") {
+    for (const prometheus::MetricFamily& f : registry_->Collect()) {
+      if (f.name != family) continue;
+      for (const prometheus::ClientMetric& m : f.metric) {
+        bool match = layer.empty();
+        for (const prometheus::ClientMetric::Label& label : m.label) {
+          match |= label.name == "layer" && label.value == layer;
+        }
+        if (match) return f.type == prometheus::MetricType::Counter ? m.counter.value : m.gauge.value;
+      }
+    }
+    return std::nullopt;
+  }
+
+  FakeDaemon a_, b_;
+  std::shared_ptr<prometheus::Registry> registry_ = std::make_shared<prometheus::Registry>();
+  std::unique_ptr<Balancer> balancer_;
+  uint64_t seq_ = 0;
+  uint64_t version_ = 1;  // Of the plan the reports are counted under.
+};
+
+// Layer 0 at 1.3 is above the threshold of 1.2; counting layer 1, which no call reached, as
+// balanced (1.0) would put the mean at 1.15, below it, and no plan would ever come. Layer 1 is
+// left out of the mean, and of the gauges, instead.
+TEST_F(UnreachedLayerTest, ALayerNoCallReachedIsLeftOutOfTheMeanThatCallsForAPlan) {
+  Start(/*trigger_windows=*/2);
+  // The first interval teaches the balancer the nodes' step rates (StepRatesKnown), which
+  // a plan's effective step needs; the next two are above the threshold.
+  Interval({13, 10, 10, 7}, 0);
+  EXPECT_EQ(Sample("ubep_balancer_imbalance_ratio", "0"), 1.3);
+  EXPECT_EQ(Sample("ubep_balancer_imbalance_ratio", "1"), std::nullopt);
+  const BalancerStatus status = balancer_->Status();
+  ASSERT_EQ(status.measured_imbalance.size(), 2u);
+  EXPECT_TRUE(std::isnan(status.measured_imbalance[1]));
+  Interval({13, 10, 10, 7}, 0);
+  EXPECT_EQ(a_.prepares().size(), 0u);
+  Interval({13, 10, 10, 7}, 0);
+  ASSERT_EQ(a_.prepares().size(), 1u);
+  EXPECT_EQ(b_.prepares().size(), 1u);
+  EXPECT_EQ(a_.prepares()[0].plan().version(), 2u);
+}
+
+// Once the plan in force has had calls over a receive capacity, the worst measured layer is
+// judged instead of the mean: here the last layer is balanced (1.0), so the mean (1.15) stays
+// below the threshold of 1.2 while layer 0, at 1.3, routes some rank more than its capacity.
+// Under the next plan, without such calls, the mean rules again.
+TEST_F(UnreachedLayerTest, CallsOverTheReceiveCapacityPutTheWorstLayerBeforeTheMean) {
+  Start(/*trigger_windows=*/2);
+  Interval({13, 10, 10, 7}, 0, /*layer1=*/10);  // Step rates.
+  EXPECT_EQ(Sample("ubep_balancer_imbalance_ratio", "1"), 1.0);
+  for (int i = 0; i < 3; ++i) Interval({13, 10, 10, 7}, 0, /*layer1=*/10);
+  EXPECT_EQ(a_.prepares().size(), 0u);
+  Interval({13, 10, 10, 7}, 3, /*layer1=*/10);
+  EXPECT_EQ(a_.prepares().size(), 0u);  // One interval above: trigger_windows is 2.
+  Interval({13, 10, 10, 7}, 0, /*layer1=*/10);
+  ASSERT_EQ(a_.prepares().size(), 1u);
+  EXPECT_EQ(b_.prepares().size(), 1u);
+  EXPECT_EQ(Sample("ubep_balancer_over_capacity_errors_total"), 6);
+  version_ = 2;
+  for (int i = 0; i < 5; ++i) Interval({13, 10, 10, 7}, 0, /*layer1=*/10);
+  EXPECT_EQ(a_.prepares().size(), 1u);
+}
+
+// Calls over the capacity while every layer they reach is within the threshold: the capacity
+// is below the balanced load, and no plan is made for it (the threshold still rules).
+TEST_F(UnreachedLayerTest, CallsOverTheCapacityOfABalancedLayerCallForNoPlan) {
+  Start(/*trigger_windows=*/5);
+  for (int i = 0; i < 4; ++i) Interval({11, 10, 10, 9}, 3);
+  EXPECT_EQ(a_.prepares().size(), 0u);
+  EXPECT_EQ(Sample("ubep_balancer_over_capacity_errors_total"), 24);
 }
 
 }  // namespace

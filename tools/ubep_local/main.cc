@@ -45,6 +45,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "balancer/core/metrics.h"
+#include "balancer/formats/json_formats.h"
 #include "common/http_get.h"
 #include "common/process.h"
 #include "nlohmann/json.hpp"
@@ -221,15 +222,16 @@ struct Sample {
   double version, measured;
 };
 
-// Balancedness (max / mean) per layer of per-rank counts; the mean over layers.
+// Balancedness (max / mean) per layer of per-rank counts, NaN for a layer no call reached;
+// the mean over the others (NaN if none).
 double MeanImbalance(const std::vector<std::vector<double>>& counts, std::vector<double>* per_layer) {
-  double sum = 0;
+  std::vector<double> layers;
   for (const std::vector<double>& layer : counts) {
-    const double b = ubep::balancer::Balancedness(layer);
-    if (per_layer != nullptr) per_layer->push_back(b);
-    sum += b;
+    layers.push_back(ubep::balancer::MeasuredBalancedness(layer));
   }
-  return counts.empty() ? std::nan("") : sum / counts.size();
+  const ubep::balancer::BalanceSummary summary = ubep::balancer::SummarizeLayers(layers);
+  if (per_layer != nullptr) *per_layer = std::move(layers);
+  return summary.measured > 0 ? summary.mean : std::nan("");
 }
 
 std::vector<std::vector<double>> Minus(const std::vector<std::vector<double>>& a,
@@ -366,8 +368,15 @@ int main(int argc, char** argv) {
       targets.push_back({{"targets", {absl::StrCat("127.0.0.1:", n.metrics_port)}},
                          {"labels", {{"job", "ubepd"}, {"node", n.name}}}});
     }
-    std::ofstream(report_dir + "/cluster.json") << cluster.dump(2) << "\n";
-    std::ofstream(report_dir + "/prometheus-targets.json") << targets.dump(2) << "\n";
+    // Read while the cluster runs (by Prometheus's file discovery, by tests): each appears
+    // whole (written aside, then renamed), never empty or half written.
+    for (const auto& [name, json] : {std::pair{"cluster.json", &cluster},
+                                     std::pair{"prometheus-targets.json", &targets}}) {
+      if (absl::Status st = ubep::balancer::WriteTextFile(report_dir + "/" + name, json->dump(2) + "\n");
+          !st.ok()) {
+        std::cerr << "ubep-local: " << st.message() << "\n";
+      }
+    }
   }
   for (int r = 0; r < R; ++r) {
     const Node& n = nodes[std::min(K - 1, r * K / R)];
@@ -589,7 +598,8 @@ int main(int argc, char** argv) {
      << R << " ranks on " << K << " daemons (host backend), " << steps << " steps, policy `"
      << policy << "`, " << absl::StrFormat("%.1f", duration) << " s.\n\n"
      << "| what | value |\n|---|---|\n"
-     << "| imbalance before (max/mean rank load, mean over layers, from the daemons' counters) | "
+     << "| imbalance before (max/mean rank load, mean over the layers calls reached, from the "
+        "daemons' counters) | "
      << fmt(imbalance_before) << " |\n"
      << "| imbalance after | " << fmt(imbalance_after) << " |\n"
      << "| rebalances committed | " << committed << " |\n"

@@ -9,6 +9,7 @@
 // Tables for people by default, --json for scripts. Exit codes: 0 done, 1 the balancer said
 // no or could not be reached (the message says which), 2 usage.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <iostream>
 #include <map>
@@ -21,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "balancer/core/metrics.h"
 #include "balancer/formats/json_formats.h"
 #include "balancer/formats/proto_convert.h"
 #include "google/protobuf/util/json_util.h"
@@ -129,16 +131,23 @@ int Status(Control::Stub& stub) {
   if (status.imbalance().empty()) {
     std::cout << "imbalance: not measured yet\n";
   } else {
-    double mean = 0, worst = 0;
+    const ubep::balancer::BalanceSummary summary = ubep::balancer::SummarizeLayers(
+        std::vector<double>(status.imbalance().begin(), status.imbalance().end()));
     std::vector<std::string> layers;
     for (int l = 0; l < status.imbalance_size(); ++l) {
-      mean += status.imbalance(l);
-      worst = std::max(worst, status.imbalance(l));
-      layers.push_back(absl::StrFormat("%d:%.3f", l, status.imbalance(l)));
+      const double b = status.imbalance(l);
+      layers.push_back(std::isnan(b) ? absl::StrFormat("%d:-", l) : absl::StrFormat("%d:%.3f", l, b));
     }
-    std::cout << absl::StrFormat("imbalance (max/mean rank load): mean %.3f, worst %.3f\n",
-                                 mean / status.imbalance_size(), worst)
-              << "per layer: " << absl::StrJoin(layers, " ") << "\n";
+    const int idle = status.imbalance_size() - summary.measured;
+    if (summary.measured == 0) {
+      std::cout << "imbalance: no call reached any layer in the last interval\n";
+    } else {
+      std::cout << absl::StrFormat("imbalance (max/mean rank load): mean %.3f, worst %.3f", summary.mean,
+                                   summary.worst)
+                << (idle > 0 ? absl::StrFormat(" (%d layers no call reached left out: -)", idle) : "")
+                << "\n";
+    }
+    std::cout << "per layer: " << absl::StrJoin(layers, " ") << "\n";
   }
   return 0;
 }
