@@ -780,7 +780,7 @@ __global__ void LoadKernel(Params p) {
   if (threadIdx.x == 0) {
     __threadfence_system();
     word.store(word.load(cuda::memory_order_relaxed) + 1, cuda::memory_order_relaxed);
-    MarkCallCompleted(p);  // The dispatch's last kernel.
+    MarkCallCompleted(p);  // The dispatch's last kernel (but for a due tag scrub).
   }
 }
 
@@ -1127,10 +1127,16 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   const size_t bytes = recv_offset + max_rows * H * 2;
   if (const cudaError_t error = cudaMalloc(&s.block, bytes); error != cudaSuccess) {
     (void)cudaGetLastError();
+    const bool bounded =
+        config.max_recv_rows > 0 && max_rows == static_cast<size_t>(config.max_recv_rows);
     return absl::ResourceExhaustedError(absl::StrCat(
         "cuda backend: rank ", rank, " needs ", bytes, " bytes of device scratch for ", max_rows,
-        " receive rows (", R, " ranks x max_tokens ", T, " x min(top_k ", K, ", slots_per_rank ", S,
-        ")) of hidden ", H, ": ", cudaGetErrorString(error), "; lower max_tokens"));
+        " receive rows (",
+        bounded ? std::string("max_recv_rows")
+                : absl::StrCat(R, " ranks x max_tokens ", T, " x min(top_k ", K,
+                               ", slots_per_rank ", S, ")"),
+        ") of hidden ", H, ": ", cudaGetErrorString(error),
+        bounded ? "; lower max_recv_rows" : "; lower max_tokens, or bound max_recv_rows"));
   }
   UBEP_CUDA_RETURN_IF_ERROR(cudaMemset(s.block, 0, bytes));
   auto* next = static_cast<int32_t*>(s.block);
@@ -1268,10 +1274,35 @@ absl::Status CudaEp::CheckStatus(const char* what, uint32_t call,
                           Refusal(RankGivenUpOn(code, peer),
                                   PhaseInFlight(dispatch_epoch_, combine_epoch_)));
   }
+  // Bad input (found on the device, after the peers may have begun) worded from the token's
+  // input with the host backend's checks, so the two say the same; "" if none.
+  auto bad_pair = [&]() -> std::string {
+    if (status[kStatusBadPair] == 0) return "";
+    const uint32_t pair = ~status[kStatusBadPair];
+    const int K = config_.top_k;
+    const int t = static_cast<int>(pair / K), k = static_cast<int>(pair % K);
+    int32_t idx[kMaxTopK];
+    float w[kMaxTopK];
+    if (input != nullptr &&
+        cudaMemcpy(idx, input->topk_idx + static_cast<size_t>(t) * K, sizeof(int32_t) * K,
+                   cudaMemcpyDefault) == cudaSuccess &&
+        cudaMemcpy(w, input->topk_weights + static_cast<size_t>(t) * K, sizeof(float) * K,
+                   cudaMemcpyDefault) == cudaSuccess) {
+      if (std::string bad = BadPairMessage(idx, w, t, k, config_.num_experts); !bad.empty()) {
+        return bad;
+      }
+    }
+    return absl::StrCat("topk_idx[", t, "][", k, "]: flagged as bad input on the device");
+  };
   if (status[kStatusRowsOver] != 0) {
-    return OverCapacityStatus(rank_, call,
-                              {call, status[kStatusRowsOver],
-                               static_cast<uint32_t>(scratch_->params.max_rows)});
+    const absl::Status over = OverCapacityStatus(
+        rank_, call,
+        {call, status[kStatusRowsOver], static_cast<uint32_t>(scratch_->params.max_rows)});
+    // The call fails over the capacity either way (and libubep combines for it, as for any
+    // overflowed rank); bad input of the same call is told with it rather than lost.
+    const std::string bad = bad_pair();
+    if (bad.empty()) return over;
+    return absl::ResourceExhaustedError(absl::StrCat(over.message(), "; and bad input: ", bad));
   }
   if (status[kStatusPeerOver] != 0) {
     const int peer = config_.num_ranks - static_cast<int>(status[kStatusPeerOver]);
@@ -1281,25 +1312,7 @@ absl::Status CudaEp::CheckStatus(const char* what, uint32_t call,
                                          sizeof(notice), cudaMemcpyDeviceToHost));
     return PeerOverCapacityStatus(rank_, call, peer, notice);
   }
-  if (status[kStatusBadPair] != 0) {
-    const uint32_t pair = ~status[kStatusBadPair];
-    const int K = config_.top_k;
-    const int t = static_cast<int>(pair / K), k = static_cast<int>(pair % K);
-    // Worded from the token's input with the host backend's checks, so the two say the same.
-    int32_t idx[kMaxTopK];
-    float w[kMaxTopK];
-    std::string bad;
-    if (input != nullptr &&
-        cudaMemcpy(idx, input->topk_idx + static_cast<size_t>(t) * K, sizeof(int32_t) * K,
-                   cudaMemcpyDefault) == cudaSuccess &&
-        cudaMemcpy(w, input->topk_weights + static_cast<size_t>(t) * K, sizeof(float) * K,
-                   cudaMemcpyDefault) == cudaSuccess) {
-      bad = BadPairMessage(idx, w, t, k, config_.num_experts);
-    }
-    return absl::InvalidArgumentError(
-        bad.empty() ? absl::StrCat("topk_idx[", t, "][", k, "]: flagged as bad input on the device")
-                    : bad);
-  }
+  if (const std::string bad = bad_pair(); !bad.empty()) return absl::InvalidArgumentError(bad);
   return absl::OkStatus();
 }
 
