@@ -245,9 +245,8 @@ Balancer::Balancer(BalancerOptions options, std::shared_ptr<prometheus::Registry
                         .Register(r).Add({});
   over_capacity_errors_ =
       &BuildCounter().Name("ubep_balancer_over_capacity_errors_total")
-           .Help("Data-plane calls the daemons reported failed under the plan in force because "
-                 "a rank was routed more rows than its receive capacity (one per rank and "
-                 "dropped call).")
+           .Help("Data-plane calls the daemons reported failed because a rank was routed more "
+                 "rows than its receive capacity (one per rank and dropped call).")
            .Register(r).Add({});
 }
 
@@ -408,6 +407,8 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
   }
   if (load.plan_version() != plan_->version ||
       (load.first_step() < plan_effective_step_ && load.last_step() >= plan_effective_step_)) {
+    // Its counts cannot be told apart from the other plan's, but its failed calls are counted.
+    over_capacity_errors_->Increment(static_cast<double>(request->over_capacity_errors()));
     stale_reports_->Increment();
     return Reject("stale_plan", grpc::StatusCode::FAILED_PRECONDITION,
                   absl::StrCat("report counted under plan v", load.plan_version(),

@@ -309,8 +309,9 @@ TEST_F(BalancerTest, CallsOverAReceiveCapacityCallForPlansUntilEveryStepIsServed
   // The plans came for the dropped calls, and the last 500 steps were all served.
   EXPECT_THAT(balancer_log, HasSubstr("rebalance (calls over the receive capacity)"));
   EXPECT_LT(*dropped_by_rank0.rbegin(), static_cast<uint64_t>(kSteps - 500)) << balancer_log;
-  // Each rank counts one error per dropped call; reports that straddle a plan change are
-  // refused as stale, and their calls with them.
+  // Each rank counts one error per dropped call. The balancer's count is of what the daemon
+  // reported: not those before the balancer knew the plan, nor those of a report that started
+  // the daemon's count over (its first for the group's shape).
   const std::string m = test::HttpGet(balancer_metrics_, "/metrics");
   const double reported = test::Sample(m, "ubep_balancer_over_capacity_errors_total");
   EXPECT_GT(reported, 0);
