@@ -41,7 +41,7 @@ enum GroupState : uint32_t {
   kGroupDraining = 3,  // The daemon is shutting down; detach.
 };
 
-// Latency histogram buckets (upper bounds, seconds): 10 us to ~5 s, x2.5 apart, plus +Inf.
+// Latency histogram buckets (upper bounds, seconds): 10 us to ~9.3 s, x2.5 apart, plus +Inf.
 inline constexpr int kLatencyBuckets = 16;
 inline constexpr double kLatencyBucketBase = 10e-6;
 inline constexpr double kLatencyBucketFactor = 2.5;
