@@ -735,6 +735,8 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
       status = combined.ok() ? absl::InternalError("the combine of an overflowed call passed")
                              : combined;
       s.stopped = status;
+    } else {
+      Bump(s.control()->over_capacity_calls);
     }
   }
   if (!status.ok()) {
@@ -765,6 +767,8 @@ absl::Status Rank::Combine(const Dispatched& dispatched, const void* expert_out,
   }
   if (!status.ok()) {
     if (absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status)) s.stopped = status;
+    // A peer overflowed its receive capacity in this call: the call fails on every rank.
+    if (absl::IsResourceExhausted(status)) Bump(s.control()->over_capacity_calls);
     return Record(s, status);
   }
   Bump(s.control()->combine_calls);

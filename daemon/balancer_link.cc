@@ -136,9 +136,9 @@ void BalancerLink::Report() {
   request.set_max_step(step);
   request.set_plan_in_force(plan.in_force);
   // The counters live in the rank arenas, which a re-formed group may have new: no negative.
-  request.set_over_capacity_errors(loads->over_capacity_errors >= last_.over_capacity_errors
-                                       ? loads->over_capacity_errors - last_.over_capacity_errors
-                                       : loads->over_capacity_errors);
+  request.set_over_capacity_calls(loads->over_capacity_calls >= last_.over_capacity_calls
+                                      ? loads->over_capacity_calls - last_.over_capacity_calls
+                                      : loads->over_capacity_calls);
   v1::LoadReport* load = request.mutable_load();
   load->set_reporter(options_.node);
   load->set_first_step(last_step_);

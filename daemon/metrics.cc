@@ -151,6 +151,11 @@ std::vector<MetricFamily> DaemonMetrics::Collect() const {
                                    "Tokens each rank gave to dispatch.", MetricType::Counter);
   MetricFamily timeouts = Family("ubep_daemon_wait_timeouts_total",
                                  "Data-plane waits that gave up, per rank.", MetricType::Counter);
+  MetricFamily over_capacity = Family(
+      "ubep_daemon_over_capacity_calls_total",
+      "Dispatch and combine calls per rank that failed because a rank of the group was routed "
+      "more rows than its receive capacity (--max_recv_rows); one per rank and dropped call.",
+      MetricType::Counter);
   MetricFamily dispatch_latency = Family("ubep_daemon_dispatch_seconds",
                                          "Dispatch call latency per rank.", MetricType::Histogram);
   MetricFamily combine_latency = Family("ubep_daemon_combine_seconds",
@@ -170,6 +175,8 @@ std::vector<MetricFamily> DaemonMetrics::Collect() const {
         CounterValue(static_cast<double>(Load(c->dispatched_tokens)), rank_label(rank)));
     timeouts.metric.push_back(
         CounterValue(static_cast<double>(Load(c->wait_timeouts)), rank_label(rank)));
+    over_capacity.metric.push_back(
+        CounterValue(static_cast<double>(Load(c->over_capacity_calls)), rank_label(rank)));
     dispatch_latency.metric.push_back(HistogramValue(c->dispatch_latency, rank_label(rank)));
     combine_latency.metric.push_back(HistogramValue(c->combine_latency, rank_label(rank)));
     for (int code = 1; code < 17; ++code) client_errors[code] += Load(c->errors[code]);
@@ -183,6 +190,7 @@ std::vector<MetricFamily> DaemonMetrics::Collect() const {
   out.push_back(std::move(step));
   out.push_back(std::move(dispatched));
   out.push_back(std::move(timeouts));
+  out.push_back(std::move(over_capacity));
   out.push_back(std::move(dispatch_latency));
   out.push_back(std::move(combine_latency));
 

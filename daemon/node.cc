@@ -1324,8 +1324,7 @@ absl::StatusOr<Node::SlotLoads> Node::ReadSlotLoads() const {
       for (int i = 0; i < S; ++i) loads.slots[l][r * S + i] = counters[l * S + i];
       loads.dispatches[l][r] = dispatches[l];
     }
-    loads.over_capacity_errors +=
-        LoadWord(Ctl(r)->errors[static_cast<int>(absl::StatusCode::kResourceExhausted)]);
+    loads.over_capacity_calls += LoadWord(Ctl(r)->over_capacity_calls);
   }
   return loads;
 }

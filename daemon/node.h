@@ -178,9 +178,9 @@ class Node {
   struct SlotLoads {
     std::vector<std::vector<uint64_t>> slots;       // [layer][global slot]: received pairs.
     std::vector<std::vector<uint64_t>> dispatches;  // [layer][rank]: dispatches counted.
-    // The hosted ranks' data-plane calls that failed over a receive capacity (their clients'
-    // RESOURCE_EXHAUSTED errors: one per rank and dropped call).
-    uint64_t over_capacity_errors = 0;
+    // The hosted ranks' data-plane calls that failed over a receive capacity (one per rank and
+    // dropped call; RankControl::over_capacity_calls).
+    uint64_t over_capacity_calls = 0;
   };
   absl::StatusOr<SlotLoads> ReadSlotLoads() const;
   // What a load report names of the plan in force: version, experts, model layer ids

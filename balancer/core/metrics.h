@@ -27,7 +27,7 @@ double Balancedness(std::span<const double> rank_loads);
 // traffic stopped, or every step was dropped before it, as over a receive capacity). It is
 // NaN in a per-layer list and left out of the mean and the worst, so that it cannot hide a
 // layer that is out of balance.
-double MeasuredBalancedness(std::span<const double> rank_loads);  // NaN when all are zero.
+double MeasuredBalancedness(std::span<const double> rank_loads);  // NaN for no load at all.
 
 struct BalanceSummary {
   double mean = 1.0;   // Mean over the measured layers of per-layer balancedness.

@@ -18,6 +18,9 @@
 
 namespace ubep::balancer {
 namespace {
+constexpr char kWhyOverCapacity[] = "calls over the receive capacity";
+}  // namespace
+namespace {
 
 // gRPC takes deadlines as wall-clock times (it converts them to its own monotonic clock at
 // once): the one use of the wall clock here. Every interval the balancer measures or waits
@@ -243,11 +246,14 @@ Balancer::Balancer(BalancerOptions options, std::shared_ptr<prometheus::Registry
   stale_reports_ = &BuildCounter().Name("ubep_balancer_stale_reports_total")
                         .Help("Load reports counted under a plan that is no longer in force.")
                         .Register(r).Add({});
-  over_capacity_errors_ =
-      &BuildCounter().Name("ubep_balancer_over_capacity_errors_total")
-           .Help("Data-plane calls the daemons reported failed because a rank was routed more "
-                 "rows than its receive capacity (one per rank and dropped call).")
-           .Register(r).Add({});
+  over_capacity_calls_ =
+      &BuildCounter()
+           .Name("ubep_balancer_over_capacity_calls_total")
+           .Help(
+               "Data-plane calls the daemons reported failed because a rank was routed more "
+               "rows than its receive capacity (one per rank and dropped call).")
+           .Register(r)
+           .Add({});
 }
 
 Balancer::~Balancer() { thread_.reset(); }
@@ -408,7 +414,7 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
   if (load.plan_version() != plan_->version ||
       (load.first_step() < plan_effective_step_ && load.last_step() >= plan_effective_step_)) {
     // Its counts cannot be told apart from the other plan's, but its failed calls are counted.
-    over_capacity_errors_->Increment(static_cast<double>(request->over_capacity_errors()));
+    over_capacity_calls_->Increment(static_cast<double>(request->over_capacity_calls()));
     stale_reports_->Increment();
     return Reject("stale_plan", grpc::StatusCode::FAILED_PRECONDITION,
                   absl::StrCat("report counted under plan v", load.plan_version(),
@@ -483,8 +489,10 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
   } else if (load.last_step() > load.first_step()) {
     d.interval_steps += static_cast<double>(load.last_step() - load.first_step());
   }
-  d.interval_over_capacity += request->over_capacity_errors();
-  over_capacity_errors_->Increment(static_cast<double>(request->over_capacity_errors()));
+  // Calls of steps under the plan in force only: a report sent before the daemon's ranks
+  // reached its effective step may be counted under it but holds the old plan's.
+  if (request->plan_in_force()) d.interval_over_capacity += request->over_capacity_calls();
+  over_capacity_calls_->Increment(static_cast<double>(request->over_capacity_calls()));
   reports_->Increment();
   return grpc::Status::OK;
 }
@@ -580,12 +588,13 @@ void Balancer::CloseInterval() {
 }
 
 void Balancer::SetImbalance(int layer, const char* when, double value) {
-  prometheus::Gauge& gauge = imbalance_->Add({{"layer", std::to_string(layer)}, {"when", when}});
-  // A layer without load is unmeasured: no series, rather than a value that reads as balanced.
-  if (std::isnan(value)) {
-    imbalance_->Remove(&gauge);
-  } else {
-    gauge.Set(value);
+  const prometheus::Labels labels = {{"layer", std::to_string(layer)}, {"when", when}};
+  if (!std::isnan(value)) {
+    imbalance_->Add(labels).Set(value);
+  } else if (imbalance_->Has(labels)) {
+    // A layer without load is unmeasured: no series, rather than a value that reads as
+    // balanced. (Only an existing series is removed: Add would show a scrape a 0 first.)
+    imbalance_->Remove(&imbalance_->Add(labels));
   }
 }
 
@@ -1156,31 +1165,32 @@ void Balancer::Tick() {
       rebalance_requested_ = false;
     } else if (options_.auto_rebalance && !measured_.empty() &&
                window_->closed_intervals() >= options_.min_intervals && StepRatesKnown()) {
-      // Judge a plan only by what it did: not before it is in force on every rank, nor on
-      // the interval it came into force in (its counts may hold steps from before).
+      // Judge a plan only by what it did: no trigger before it is in force on every rank.
       const bool in_force = PlanInForceEverywhere();
       if (!in_force) above_threshold_ = -1;
-      const bool judged = in_force && above_threshold_ >= 0;
       // Layers no call reached are left out (metrics.h): they would pull the mean towards 1.
       const BalanceSummary measured = SummarizeLayers(measured_);
       // Calls over a receive capacity drop every step that reaches the layer that overflowed,
       // and hide the layers after it; in steady state one hot layer of many barely moves the
-      // mean. Once the plan has had such calls, the worst measured layer is judged instead.
-      if (judged && over_capacity_ > 0) dropped_version_ = plan_->version;
-      const bool dropping = dropped_version_ == plan_->version && measured.worst > options_.threshold;
+      // mean. While the plan in force has such calls (in the last trigger_windows intervals),
+      // its worst measured layer is judged instead. over_capacity_ holds only calls reported
+      // once their daemon had the plan in force on all its ranks, so they are its own.
+      if (in_force && over_capacity_ > 0) {
+        drops_version_ = plan_->version;
+        quiet_intervals_ = 0;
+      } else if (quiet_intervals_ < options_.trigger_windows) {
+        ++quiet_intervals_;
+      }
+      const bool dropping = drops_version_ == plan_->version &&
+                            quiet_intervals_ < options_.trigger_windows &&
+                            measured.measured > 0 && measured.worst > options_.threshold;
       const bool high = measured.measured > 0 && measured.mean > options_.threshold;
       above_threshold_ = high || dropping ? above_threshold_ + 1 : 0;
       if (above_threshold_ >= options_.trigger_windows) {
         rebalance = true;
-        why = dropping ? "calls over the receive capacity" : "imbalance above threshold";
-      } else if (judged && over_capacity_ > 0 && !dropping &&
-                 capacity_warned_version_ != plan_->version) {
-        capacity_warned_version_ = plan_->version;
-        UBEP_LOG(WARNING) << "plan v" << plan_->version << ": " << over_capacity_
-                          << " calls failed over a receive capacity in the last interval, and "
-                             "every layer they reached is within the threshold ("
-                          << options_.threshold << "): a new plan would not help; the capacity "
-                          << "is below the balanced load (ubepd --max_recv_rows)";
+        why = dropping ? kWhyOverCapacity : "imbalance above threshold";
+      } else if (in_force && over_capacity_ > 0 && !dropping && measured.measured > 0) {
+        WarnCapacityBelowBalance("every layer they reached is within the threshold");
       }
     }
   }
@@ -1190,7 +1200,19 @@ void Balancer::Tick() {
     if (!result.ok()) UBEP_LOG(WARNING) << "rebalance: " << result.status();
     MutexLock lock(&mu_);
     above_threshold_ = 0;
+    if (result.ok() && !result->changed() && why == kWhyOverCapacity) {
+      WarnCapacityBelowBalance("the planner finds no other placement");
+    }
   }
+}
+
+void Balancer::WarnCapacityBelowBalance(const char* because) {
+  if (!plan_.has_value() || capacity_warned_version_ == plan_->version) return;
+  capacity_warned_version_ = plan_->version;
+  UBEP_LOG(WARNING) << "plan v" << plan_->version << ": ranks' calls failed over a receive "
+                    << "capacity, and " << because << " (threshold " << options_.threshold
+                    << "): a new plan would not help; the capacity is below the load the plans "
+                       "reach (ubepd --max_recv_rows)";
 }
 
 BalancerStatus Balancer::Status() const {

@@ -39,7 +39,7 @@ namespace ubep::balancer {
 
 struct BalancerOptions {
   Policy policy = Policy::kUbep;
-  double threshold = 1.10;          // Mean imbalance over layers that calls for a new plan.
+  double threshold = 1.10;          // Imbalance that calls for a plan (Tick: mean or worst).
   int trigger_windows = 3;          // ... for this many intervals in a row.
   int window_intervals = 10;        // Sliding window length.
   double ewma_alpha = 0;            // > 0: an EWMA instead of the sliding window.
@@ -71,7 +71,7 @@ struct BalancerStatus {
   };
   std::vector<Node> nodes;
   uint64_t plan_version = 0;
-  std::vector<double> measured_imbalance;  // Per layer, last closed interval.
+  std::vector<double> measured_imbalance;  // Per layer, last closed interval; NaN: no call.
   absl::Time last_commit = absl::InfinitePast();  // Monotonic: for differences only.
 };
 
@@ -129,7 +129,7 @@ class Balancer final : public v1::Control::Service {
     std::vector<std::vector<double>> interval_rank;             // [layer][rank - first_rank]
     std::vector<std::vector<double>> interval_rank_dispatches;  // Same; empty: not reported.
     double interval_steps = 0;
-    uint64_t interval_over_capacity = 0;  // ReportLoadRequest.over_capacity_errors.
+    uint64_t interval_over_capacity = 0;  // ReportLoadRequest.over_capacity_calls.
     LoadMatrix rate;
     std::vector<std::vector<double>> rank_rate;
     bool has_rate = false;
@@ -162,15 +162,17 @@ class Balancer final : public v1::Control::Service {
   // Every healthy daemon of the group (drained ones aside) reported plan_ in force on all its
   // ranks: its predecessor's buffers are no longer read, so the next plan may reuse them.
   bool PlanInForceEverywhere() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Every serving daemon has reported twice, so EstimateStep knows its ranks' step rate and
-  // can place a plan's effective step ahead of them (from one report it falls behind by up to
-  // a report interval of steps, and the daemons refuse the plan). The automatic triggers
-  // wait for it.
+  // Every serving daemon has reported twice, so EstimateStep has a step rate for it where its
+  // ranks' steps moved between the two, and can place a plan's effective step ahead of them
+  // (from one report it falls behind by up to a report interval of steps, and the daemons
+  // refuse the plan). The automatic triggers wait for it.
   bool StepRatesKnown() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   grpc::Status SetDrained(const std::string& node, bool drained, v1::RebalanceResponse* response);
   void CloseInterval() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // ubep_balancer_imbalance_ratio{layer, when}; NaN (no load) removes the series.
-  void SetImbalance(int layer, const char* when, double value);
+  void SetImbalance(int layer, const char* when, double value) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Logs once per plan version that calls go over a receive capacity which no plan can fix.
+  void WarnCapacityBelowBalance(const char* because) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const BalancerOptions options_;
   const absl::Time started_;  // MonotonicNow().
@@ -184,12 +186,12 @@ class Balancer final : public v1::Control::Service {
   std::unique_ptr<LoadWindow> window_ ABSL_GUARDED_BY(mu_);
   std::vector<double> measured_ ABSL_GUARDED_BY(mu_);  // NaN: a layer no call reached.
   int above_threshold_ ABSL_GUARDED_BY(mu_) = 0;
-  // Calls over a receive capacity the daemons reported in the last closed interval (only
-  // reports under the plan in force are accepted, so these are its); the last plan version
-  // judged to have had such calls; the plan version the balancer last said it cannot help
-  // with.
+  // Calls over a receive capacity in the last closed interval, from reports sent with the plan
+  // in force on all their daemon's ranks; the last plan that had such calls, and the closed
+  // intervals since; the plan the balancer last said a new plan would not help.
   uint64_t over_capacity_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t dropped_version_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t drops_version_ ABSL_GUARDED_BY(mu_) = 0;
+  int quiet_intervals_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t capacity_warned_version_ ABSL_GUARDED_BY(mu_) = 0;
   bool rebalance_requested_ ABSL_GUARDED_BY(mu_) = false;
   std::set<std::string> drained_ ABSL_GUARDED_BY(mu_);
@@ -214,7 +216,7 @@ class Balancer final : public v1::Control::Service {
   prometheus::Counter* reports_;
   prometheus::Family<prometheus::Counter>* rejected_;
   prometheus::Counter* stale_reports_;
-  prometheus::Counter* over_capacity_errors_;
+  prometheus::Counter* over_capacity_calls_;
   std::unique_ptr<PeriodicThread> thread_;  // Started by Start(); stopped first on destruction.
 };
 

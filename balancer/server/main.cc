@@ -20,7 +20,9 @@
 ABSL_FLAG(std::string, listen, "0.0.0.0:7070", "HOST:PORT of the Control service (port 0 picks one).");
 ABSL_FLAG(std::string, metrics, "127.0.0.1:9465", "HOST:PORT of /metrics; empty = off.");
 ABSL_FLAG(std::string, policy, "ubep", "Placement policy: ubep, eplb or eplb-global.");
-ABSL_FLAG(double, threshold, 1.10, "Mean per-layer imbalance (max/mean rank load) that calls for a new plan.");
+ABSL_FLAG(double, threshold, 1.10,
+          "Per-layer imbalance (max/mean rank load) that calls for a new plan: the mean over the "
+          "layers calls reached, or, while calls go over a receive capacity, the worst layer.");
 ABSL_FLAG(int, trigger_windows, 3, "Intervals in a row above the threshold before re-planning.");
 ABSL_FLAG(int, window, 10, "Intervals in the sliding load window.");
 ABSL_FLAG(double, ewma, 0, "When in (0, 1]: an EWMA of the intervals with this weight instead.");

@@ -163,7 +163,8 @@ double MaxRelativeError(const std::vector<float>& got, const std::vector<double>
       diff += d * d;
       norm += want[t * hidden + h] * want[t * hidden + h];
     }
-    worst = std::max(worst, norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff));
+    const double error = norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
+    if (!(error <= worst)) worst = error;  // A NaN output is the worst of all, not skipped.
   }
   return worst;
 }

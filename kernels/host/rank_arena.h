@@ -30,7 +30,7 @@
 namespace ubep::kernels {
 
 inline constexpr uint32_t kRankControlMagic = 0x43524255;  // "UBRC"
-inline constexpr uint32_t kRankArenaVersion = 5;
+inline constexpr uint32_t kRankArenaVersion = 6;
 inline constexpr uint64_t kNoNextStep = ~uint64_t{0};
 
 // RankControl::group_state.
@@ -87,6 +87,10 @@ struct alignas(64) RankControl {
   uint64_t errors[17];          // Errors returned to the caller, by absl::StatusCode.
   uint64_t decision_waits;      // Steps that began waiting for an undecided plan.
   uint64_t decision_wait_ns;    // Time spent so.
+  // Dispatch and combine calls that failed because a rank of the group was routed more rows
+  // than its receive capacity (one per call: the overflowed rank's Dispatch, the others'
+  // Combine). errors[RESOURCE_EXHAUSTED] also counts, say, a Rejoin out of device memory.
+  uint64_t over_capacity_calls;
   LatencyHistogram dispatch_latency;
   LatencyHistogram combine_latency;
 };

@@ -277,10 +277,17 @@ TEST_F(DaemonTest, AReceiveCapacityOverflowDropsTheSameStepsEverywhereAndTheRest
       EXPECT_EQ(dropped, dropped_by_rank0) << log;
     }
   }
-  // One error per rank and dropped step, for the operator.
-  EXPECT_EQ(Sample(Metrics(),
+  // One error per rank and dropped step, for the operator, and one call over the capacity.
+  const std::string metrics = Metrics();
+  EXPECT_EQ(Sample(metrics,
                    "ubep_daemon_errors_total{code=\"RESOURCE_EXHAUSTED\",source=\"client\"}"),
             4 * dropped_by_rank0.size());
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(Sample(metrics, absl::StrCat("ubep_daemon_over_capacity_calls_total{rank=\"", r,
+                                           "\"}")),
+              dropped_by_rank0.size())
+        << "rank " << r;
+  }
   daemon->Signal(SIGTERM);
   EXPECT_EQ(daemon->Wait(absl::Seconds(30)), 0);
   daemon = StartDaemon({"--max_recv_rows=500"});

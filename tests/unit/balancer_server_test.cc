@@ -4,20 +4,24 @@
 #include <array>
 #include <atomic>
 #include <cmath>
-#include <optional>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "balancer/core/plan.h"
 #include "balancer/formats/proto_convert.h"
-#include "grpcpp/grpcpp.h"
 #include "balancer/server/balancer.h"
 #include "balancer/server/load_window.h"
+#include "grpcpp/grpcpp.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "prometheus/registry.h"
 
 namespace ubep::balancer {
 namespace {
+
+using ::testing::DoubleNear;
+using ::testing::Optional;
 
 LoadMatrix Filled(double value) {
   LoadMatrix m(2, 3);
@@ -335,18 +339,19 @@ class UnreachedLayerTest : public ::testing::Test {
 
   // One interval: each node reports 10 dispatches per rank of layer 0, whose ranks received
   // `rank_load` pairs (in each rank's first slot); of layer 1, `layer1` pairs per rank in 10
-  // dispatches, or no dispatch (0); and `over_capacity` calls failed over a receive capacity.
-  // Then the interval closes.
+  // dispatches, or no dispatch (0); `over_capacity` calls failed over a receive capacity; and
+  // whether the plan was in force on all its ranks when it sent the report. Then the interval
+  // closes.
   void Interval(const std::array<uint64_t, 4>& rank_load, uint64_t over_capacity,
-                uint64_t layer1 = 0) {
+                uint64_t layer1 = 0, bool plan_in_force = true) {
     ++seq_;
     for (int n = 0; n < 2; ++n) {
       v1::ReportLoadRequest q;
       q.set_node(n == 0 ? "node-a" : "node-b");
       q.set_seq(seq_);
       q.set_max_step(10 * seq_);
-      q.set_plan_in_force(true);
-      q.set_over_capacity_errors(over_capacity);
+      q.set_plan_in_force(plan_in_force);
+      q.set_over_capacity_calls(over_capacity);
       v1::LoadReport* load = q.mutable_load();
       load->set_reporter(q.node());
       load->set_first_step(10 * (seq_ - 1));
@@ -378,7 +383,8 @@ class UnreachedLayerTest : public ::testing::Test {
         for (const prometheus::ClientMetric::Label& label : m.label) {
           match |= label.name == "layer" && label.value == layer;
         }
-        if (match) return f.type == prometheus::MetricType::Counter ? m.counter.value : m.gauge.value;
+        if (!match) continue;
+        return f.type == prometheus::MetricType::Counter ? m.counter.value : m.gauge.value;
       }
     }
     return std::nullopt;
@@ -397,16 +403,18 @@ class UnreachedLayerTest : public ::testing::Test {
 TEST_F(UnreachedLayerTest, ALayerNoCallReachedIsLeftOutOfTheMeanThatCallsForAPlan) {
   Start(/*trigger_windows=*/2);
   // The first interval teaches the balancer the nodes' step rates (StepRatesKnown), which
-  // a plan's effective step needs; the next two are above the threshold.
+  // a plan's effective step needs; layer 1 is still reached then.
+  Interval({13, 10, 10, 7}, 0, /*layer1=*/10);
+  EXPECT_THAT(Sample("ubep_balancer_imbalance_ratio", "0"), Optional(DoubleNear(1.3, 1e-12)));
+  EXPECT_EQ(Sample("ubep_balancer_imbalance_ratio", "1"), 1.0);
+  // From here no call reaches layer 1: its series goes, and GetStatus has NaN for it.
   Interval({13, 10, 10, 7}, 0);
-  EXPECT_EQ(Sample("ubep_balancer_imbalance_ratio", "0"), 1.3);
   EXPECT_EQ(Sample("ubep_balancer_imbalance_ratio", "1"), std::nullopt);
   const BalancerStatus status = balancer_->Status();
   ASSERT_EQ(status.measured_imbalance.size(), 2u);
   EXPECT_TRUE(std::isnan(status.measured_imbalance[1]));
-  Interval({13, 10, 10, 7}, 0);
   EXPECT_EQ(a_.prepares().size(), 0u);
-  Interval({13, 10, 10, 7}, 0);
+  Interval({13, 10, 10, 7}, 0);  // The second interval in a row above the threshold.
   ASSERT_EQ(a_.prepares().size(), 1u);
   EXPECT_EQ(b_.prepares().size(), 1u);
   EXPECT_EQ(a_.prepares()[0].plan().version(), 2u);
@@ -427,7 +435,7 @@ TEST_F(UnreachedLayerTest, CallsOverTheReceiveCapacityPutTheWorstLayerBeforeTheM
   Interval({13, 10, 10, 7}, 0, /*layer1=*/10);
   ASSERT_EQ(a_.prepares().size(), 1u);
   EXPECT_EQ(b_.prepares().size(), 1u);
-  EXPECT_EQ(Sample("ubep_balancer_over_capacity_errors_total"), 6);
+  EXPECT_EQ(Sample("ubep_balancer_over_capacity_calls_total"), 6);
   version_ = 2;
   for (int i = 0; i < 5; ++i) Interval({13, 10, 10, 7}, 0, /*layer1=*/10);
   EXPECT_EQ(a_.prepares().size(), 1u);
@@ -436,10 +444,22 @@ TEST_F(UnreachedLayerTest, CallsOverTheReceiveCapacityPutTheWorstLayerBeforeTheM
 // Calls over the capacity while every layer they reach is within the threshold: the capacity
 // is below the balanced load, and no plan is made for it (the threshold still rules).
 TEST_F(UnreachedLayerTest, CallsOverTheCapacityOfABalancedLayerCallForNoPlan) {
-  Start(/*trigger_windows=*/5);
-  for (int i = 0; i < 4; ++i) Interval({11, 10, 10, 9}, 3);
+  Start(/*trigger_windows=*/2);
+  for (int i = 0; i < 6; ++i) Interval({11, 10, 10, 9}, 3);
   EXPECT_EQ(a_.prepares().size(), 0u);
-  EXPECT_EQ(Sample("ubep_balancer_over_capacity_errors_total"), 24);
+  EXPECT_EQ(Sample("ubep_balancer_over_capacity_calls_total"), 36);
+}
+
+// Calls a daemon reports before the plan is in force on all its ranks are counted, but they
+// may be the previous plan's: they do not make the worst layer rule.
+TEST_F(UnreachedLayerTest, CallsReportedBeforeThePlanIsInForceOnTheirRanksAreNotItsOwn) {
+  Start(/*trigger_windows=*/2);
+  Interval({13, 10, 10, 7}, 0, /*layer1=*/10);  // Step rates; v1 in force everywhere.
+  for (int i = 0; i < 4; ++i) {
+    Interval({13, 10, 10, 7}, 3, /*layer1=*/10, /*plan_in_force=*/false);
+  }
+  EXPECT_EQ(a_.prepares().size(), 0u);  // The mean, 1.15, is under the threshold of 1.2.
+  EXPECT_EQ(Sample("ubep_balancer_over_capacity_calls_total"), 24);
 }
 
 }  // namespace

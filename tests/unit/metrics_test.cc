@@ -1,5 +1,7 @@
 #include "balancer/core/metrics.h"
 
+#include <cmath>
+
 #include "gtest/gtest.h"
 
 namespace ubep::balancer {
@@ -43,6 +45,28 @@ TEST(MetricsTest, SummaryReportsMeanAndWorstLayer) {
   EXPECT_DOUBLE_EQ(summary.per_layer[1], 2 / 1.75);
   EXPECT_DOUBLE_EQ(summary.worst, 11.0 / 7.25);
   EXPECT_DOUBLE_EQ(summary.mean, (11.0 / 7.25 + 2 / 1.75) / 2);
+}
+
+// A layer that carried no load is unmeasured (NaN), and left out of the mean and the worst.
+TEST(MetricsTest, ALayerWithoutLoadIsUnmeasuredAndLeftOut) {
+  EXPECT_TRUE(std::isnan(MeasuredBalancedness(std::vector<double>{0, 0, 0})));
+  EXPECT_DOUBLE_EQ(MeasuredBalancedness(std::vector<double>{3, 5, 10, 11}), 11.0 / 7.25);
+  Plan plan = TwoNodePlan();
+  plan.layers.push_back(plan.layers[0]);
+  plan.layer_ids.push_back(1);
+  LoadMatrix load(2, 7);  // Layer 1 stays zero.
+  const double w0[] = {8, 1, 2, 3, 4, 5, 6};
+  for (int e = 0; e < 7; ++e) load.at(0, e) = w0[e];
+  const BalanceSummary summary = SummarizeBalance(plan, load);
+  ASSERT_EQ(summary.per_layer.size(), 2u);
+  EXPECT_TRUE(std::isnan(summary.per_layer[1]));
+  EXPECT_EQ(summary.measured, 1);
+  EXPECT_DOUBLE_EQ(summary.mean, 11.0 / 7.25);  // Not (11 / 7.25 + 1) / 2.
+  EXPECT_DOUBLE_EQ(summary.worst, 11.0 / 7.25);
+  const BalanceSummary none = SummarizeLayers({std::nan(""), std::nan("")});
+  EXPECT_EQ(none.measured, 0);
+  EXPECT_EQ(none.mean, 1.0);
+  EXPECT_EQ(none.worst, 1.0);
 }
 
 TEST(MetricsTest, CrossNodeShareCountsLocalFirstRouting) {

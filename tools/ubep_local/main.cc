@@ -370,9 +370,10 @@ int main(int argc, char** argv) {
     }
     // Read while the cluster runs (by Prometheus's file discovery, by tests): each appears
     // whole (written aside, then renamed), never empty or half written.
-    for (const auto& [name, json] : {std::pair{"cluster.json", &cluster},
-                                     std::pair{"prometheus-targets.json", &targets}}) {
-      if (absl::Status st = ubep::balancer::WriteTextFile(report_dir + "/" + name, json->dump(2) + "\n");
+    for (const auto& [name, json] :
+         {std::pair{"cluster.json", &cluster}, std::pair{"prometheus-targets.json", &targets}}) {
+      if (absl::Status st =
+              ubep::balancer::WriteTextFile(report_dir + "/" + name, json->dump(2) + "\n");
           !st.ok()) {
         std::cerr << "ubep-local: " << st.message() << "\n";
       }
@@ -612,10 +613,12 @@ int main(int argc, char** argv) {
      << ") / after (steps >= " << after_start_step << ") | " << dropped << " / " << dropped_before
      << " / " << dropped_after << " |\n"
      << "| last step dropped | "
-     << (last_dropped < 0 ? std::string("-") : absl::StrCat(last_dropped))
-     << " |\n\n"
-     << "Before: " << (policy == "none" ? "the first third of the run" : "under plan v1, up to the first commit")
-     << ". After: " << (policy == "none" ? "the last third" : "from three intervals after the first commit to the end")
+     << (last_dropped < 0 ? std::string("-") : absl::StrCat(last_dropped)) << " |\n\n"
+     << "Before: "
+     << (policy == "none" ? "the first third of the run" : "under plan v1, up to the first commit")
+     << ". After: "
+     << (policy == "none" ? "the last third"
+                          : "from three intervals after the first commit to the end")
      << ".\n\n![per-rank load and imbalance](report.png)\n";
   md.close();
 

@@ -136,15 +136,17 @@ int Status(Control::Stub& stub) {
     std::vector<std::string> layers;
     for (int l = 0; l < status.imbalance_size(); ++l) {
       const double b = status.imbalance(l);
-      layers.push_back(std::isnan(b) ? absl::StrFormat("%d:-", l) : absl::StrFormat("%d:%.3f", l, b));
+      layers.push_back(std::isnan(b) ? absl::StrFormat("%d:-", l)
+                                     : absl::StrFormat("%d:%.3f", l, b));
     }
     const int idle = status.imbalance_size() - summary.measured;
     if (summary.measured == 0) {
       std::cout << "imbalance: no call reached any layer in the last interval\n";
     } else {
-      std::cout << absl::StrFormat("imbalance (max/mean rank load): mean %.3f, worst %.3f", summary.mean,
-                                   summary.worst)
-                << (idle > 0 ? absl::StrFormat(" (%d layers no call reached left out: -)", idle) : "")
+      std::cout << absl::StrFormat("imbalance (max/mean rank load): mean %.3f, worst %.3f",
+                                   summary.mean, summary.worst)
+                << (idle > 0 ? absl::StrFormat(" (%d layers no call reached left out: -)", idle)
+                             : "")
                 << "\n";
     }
     std::cout << "per layer: " << absl::StrJoin(layers, " ") << "\n";
