@@ -1018,7 +1018,11 @@ bool Balancer::StepRatesKnown() const {
 bool Balancer::PlanInForceEverywhere() const {
   if (!plan_.has_value()) return false;
   for (const auto& [name, d] : daemons_) {
-    if (d.healthy && !drained_.contains(name) && d.in_force < plan_->version) return false;
+    // A daemon hosting no rank (none attached yet) has no plan in force to report.
+    if (d.healthy && !drained_.contains(name) && !d.info.ranks().empty() &&
+        d.in_force < plan_->version) {
+      return false;
+    }
   }
   return true;
 }

@@ -319,10 +319,12 @@ TEST(BalancerServerTest, NoNcclLinkForOneDomainTheHostBackendOrARootThatCannotMa
 // node-a and node-b under v1 (FirstPlan), the balancer ticked by hand.
 class UnreachedLayerTest : public ::testing::Test {
  protected:
-  UnreachedLayerTest() : a_("node-a", FirstPlan()), b_("node-b", FirstPlan()) {}
+  UnreachedLayerTest()
+      : a_("node-a", FirstPlan()), b_("node-b", FirstPlan()), c_("node-c", FirstPlan()) {}
 
-  // threshold 1.2; a plan is judged after `trigger_windows` intervals above it.
-  void Start(int trigger_windows) {
+  // threshold 1.2; a plan is judged after `trigger_windows` intervals above it. `idle_node`:
+  // a third daemon registers too, hosting no rank (no client attached to it).
+  void Start(int trigger_windows, bool idle_node = false) {
     BalancerOptions options;
     options.health_failures = 1000;
     options.threshold = 1.2;
@@ -334,6 +336,13 @@ class UnreachedLayerTest : public ::testing::Test {
     v1::RegisterRequest rb = DaemonRegistration(b_, "node-b", 2, 0, "host");
     ASSERT_TRUE(balancer_->Register(nullptr, &ra, &registered).ok());
     ASSERT_TRUE(balancer_->Register(nullptr, &rb, &registered).ok());
+    if (idle_node) {
+      v1::RegisterRequest rc = DaemonRegistration(c_, "node-c", 0, 0, "host");
+      rc.clear_ranks();
+      rc.clear_shape();
+      const grpc::Status status = balancer_->Register(nullptr, &rc, &registered);
+      ASSERT_TRUE(status.ok()) << status.error_message();
+    }
     balancer_->Tick();  // Learns v1 from the daemons.
   }
 
@@ -374,7 +383,8 @@ class UnreachedLayerTest : public ::testing::Test {
     balancer_->Tick();
   }
 
-  // The value of a sample of ubep_balancer_* in the registry, if it is there.
+  // The value of a sample of ubep_balancer_* in the registry (a histogram's count), if it is
+  // there.
   std::optional<double> Sample(const std::string& family, const std::string& layer = "") {
     for (const prometheus::MetricFamily& f : registry_->Collect()) {
       if (f.name != family) continue;
@@ -384,18 +394,40 @@ class UnreachedLayerTest : public ::testing::Test {
           match |= label.name == "layer" && label.value == layer;
         }
         if (!match) continue;
-        return f.type == prometheus::MetricType::Counter ? m.counter.value : m.gauge.value;
+        switch (f.type) {
+          case prometheus::MetricType::Counter: return m.counter.value;
+          case prometheus::MetricType::Histogram:  // How many were observed.
+            return static_cast<double>(m.histogram.sample_count);
+          default: return m.gauge.value;
+        }
       }
     }
     return std::nullopt;
   }
 
-  FakeDaemon a_, b_;
+  FakeDaemon a_, b_, c_;
   std::shared_ptr<prometheus::Registry> registry_ = std::make_shared<prometheus::Registry>();
   std::unique_ptr<Balancer> balancer_;
   uint64_t seq_ = 0;
   uint64_t version_ = 1;  // Of the plan the reports are counted under.
 };
+
+// A daemon that hosts no rank (registered before any client attached to it) reports no plan
+// in force; it must not hold back the plans of the group the others serve.
+TEST_F(UnreachedLayerTest, ADaemonHostingNoRankDoesNotHoldBackPlans) {
+  Start(/*trigger_windows=*/2, /*idle_node=*/true);
+  for (int i = 0; i < 3; ++i) Interval({13, 10, 10, 7}, 0, /*layer1=*/10);
+  EXPECT_EQ(a_.prepares().size(), 0u);  // The mean, 1.15, is under the threshold of 1.2.
+  Interval({13, 10, 10, 7}, 0);
+  Interval({13, 10, 10, 7}, 0);
+  ASSERT_EQ(a_.prepares().size(), 1u);
+  // v2 is in force where ranks are (node-c never reports a plan in force): it is judged, and
+  // planned for again (whether that changes the placement is the planner's business).
+  EXPECT_EQ(Sample("ubep_balancer_plan_compute_seconds"), 1);
+  version_ = 2;
+  for (int i = 0; i < 2; ++i) Interval({16, 10, 8, 6}, 0);
+  EXPECT_EQ(Sample("ubep_balancer_plan_compute_seconds"), 2);
+}
 
 // Layer 0 at 1.3 is above the threshold of 1.2; counting layer 1, which no call reached, as
 // balanced (1.0) would put the mean at 1.15, below it, and no plan would ever come. Layer 1 is
