@@ -18,9 +18,6 @@
 
 namespace ubep::balancer {
 namespace {
-constexpr char kWhyOverCapacity[] = "calls over the receive capacity";
-}  // namespace
-namespace {
 
 // gRPC takes deadlines as wall-clock times (it converts them to its own monotonic clock at
 // once): the one use of the wall clock here. Every interval the balancer measures or waits
@@ -1144,7 +1141,7 @@ grpc::Status Balancer::Rebalance(grpc::ServerContext*, const v1::RebalanceReques
 void Balancer::Tick() {
   CheckHealth();
   Recover();
-  bool rebalance = false, members = false;
+  bool rebalance = false, members = false, for_capacity = false;
   const char* why = "";
   {
     MutexLock lock(&mu_);
@@ -1192,7 +1189,8 @@ void Balancer::Tick() {
       above_threshold_ = high || dropping ? above_threshold_ + 1 : 0;
       if (above_threshold_ >= options_.trigger_windows) {
         rebalance = true;
-        why = dropping ? kWhyOverCapacity : "imbalance above threshold";
+        for_capacity = dropping;
+        why = dropping ? "calls over the receive capacity" : "imbalance above threshold";
       } else if (in_force && over_capacity_ > 0 && !dropping && measured.measured > 0) {
         WarnCapacityBelowBalance("every layer they reached is within the threshold");
       }
@@ -1204,7 +1202,7 @@ void Balancer::Tick() {
     if (!result.ok()) UBEP_LOG(WARNING) << "rebalance: " << result.status();
     MutexLock lock(&mu_);
     above_threshold_ = 0;
-    if (result.ok() && !result->changed() && why == kWhyOverCapacity) {
+    if (result.ok() && !result->changed() && for_capacity) {
       WarnCapacityBelowBalance("the planner finds no other placement");
     }
   }

@@ -56,17 +56,24 @@ struct StepLine {
   bool ok;
 };
 
+// Calls `parse` with the match of every line of `log` that `pattern` matches whole.
+template <typename Parse>
+void ForEachLine(const std::string& log, const std::regex& pattern, Parse parse) {
+  for (const absl::string_view line : absl::StrSplit(log, '\n')) {
+    const std::string s(line);
+    std::smatch m;
+    if (std::regex_match(s, m, pattern)) parse(m);
+  }
+}
+
 // "step S generation G plan V max_rel_err E ok|MISMATCH" lines of a client log.
 inline std::vector<StepLine> StepLines(const std::string& log) {
   static const std::regex kStep(
       R"(^step (\d+) generation (\d+) plan (\d+) max_rel_err (\S+) (ok|MISMATCH)$)");
   std::vector<StepLine> out;
-  for (const absl::string_view line : absl::StrSplit(log, '\n')) {
-    const std::string s(line);
-    std::smatch m;
-    if (!std::regex_match(s, m, kStep)) continue;
+  ForEachLine(log, kStep, [&](const std::smatch& m) {
     out.push_back({std::stoull(m[1]), std::stoull(m[2]), std::stoull(m[3]), m[5] == "ok"});
-  }
+  });
   return out;
 }
 
@@ -84,13 +91,10 @@ inline std::vector<DroppedLine> DroppedLines(const std::string& log) {
   static const std::regex kDropped(
       R"(^dropped step (\d+): (rank (\d+), (dispatch|combine) call (\d+): .*)$)");
   std::vector<DroppedLine> out;
-  for (const absl::string_view line : absl::StrSplit(log, '\n')) {
-    const std::string s(line);
-    std::smatch m;
-    if (!std::regex_match(s, m, kDropped)) continue;
+  ForEachLine(log, kDropped, [&](const std::smatch& m) {
     out.push_back({std::stoull(m[1]), std::stoi(m[3]), m[4],
                    static_cast<uint32_t>(std::stoul(m[5])), m[2]});
-  }
+  });
   return out;
 }
 
