@@ -98,6 +98,7 @@ ArenaLayout::ArenaLayout(const EpConfig& c) {
   abort = carve(kLine);
   dispatch_completed = abort + sizeof(uint32_t);
   combine_completed = abort + 2 * sizeof(uint32_t);
+  in_call_until = abort + 2 * sizeof(uint64_t);
   sleepers = carve(kLine);
   // One line: a signaller moves the bell, then reads the counts.
   bell = sleepers + sizeof(uint32_t);
@@ -289,6 +290,34 @@ void MarkCompleted(std::byte* arena, const ArenaLayout& layout, bool combine, ui
   const size_t at = combine ? layout.combine_completed : layout.dispatch_completed;
   std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(arena + at))
       .store(epoch, std::memory_order_release);
+}
+
+namespace {
+
+std::atomic_ref<uint64_t> InCallWord(const std::byte* arena, const ArenaLayout& layout) {
+  return std::atomic_ref<uint64_t>(
+      *const_cast<uint64_t*>(reinterpret_cast<const uint64_t*>(arena + layout.in_call_until)));
+}
+
+}  // namespace
+
+void PublishInCall(std::byte* arena, const ArenaLayout& layout, std::optional<Deadline> until) {
+  // Nanoseconds of the monotonic clock, which are never 0 once a host is up; 0 is "no call".
+  uint64_t word = 0;
+  if (until.has_value()) {
+    word = *until == Deadline::max()
+               ? UINT64_MAX
+               : static_cast<uint64_t>(std::max<int64_t>(1, until->time_since_epoch().count()));
+  }
+  // Relaxed: advice to peers that have already timed out, ordered with nothing else.
+  InCallWord(arena, layout).store(word, std::memory_order_relaxed);
+}
+
+std::optional<Deadline> ReadInCall(const std::byte* arena, const ArenaLayout& layout) {
+  const uint64_t word = InCallWord(arena, layout).load(std::memory_order_relaxed);
+  if (word == 0) return std::nullopt;
+  if (word > static_cast<uint64_t>(INT64_MAX)) return Deadline::max();
+  return Deadline(Deadline::duration(static_cast<int64_t>(word)));
 }
 
 bool LeftAfter(uint32_t code, std::span<std::byte* const> arenas, const ArenaLayout& layout,

@@ -15,7 +15,9 @@
 //                              reports the dead peer rather than a survivor stuck behind it,
 //                              or by the daemon (a rank left, or the daemon is draining);
 //                              [4], [8] the epochs of the last dispatch and combine the owner
-//                              completed (MarkCompleted), which its peers read if it leaves
+//                              completed (MarkCompleted), which its peers read if it leaves;
+//                              [16] 8 B: the deadline of the call the owner is in, 0 between
+//                              calls (PublishInCall), which its peers read when they time out
 //   sleepers        64 B       signal.h's Doorbell of this arena's flags: [0] threads of the
 //                              owner asleep (or about to be) on one flag, [4] the bell, moved
 //                              by every Signal into this arena and by RaiseAbort, [8] threads
@@ -51,6 +53,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -165,8 +168,8 @@ int RankGivenUpOn(uint32_t code, int peer);
 
 struct ArenaLayout {
   size_t dispatch_flag, combine_flag, count_flag, barrier_flag, abort, dispatch_completed,
-      combine_completed, sleepers, bell, bell_sleepers, refusal, notices, counts, load_counters,
-      load_seq, records, rows, partials, total_bytes;
+      combine_completed, in_call_until, sleepers, bell, bell_sleepers, refusal, notices, counts,
+      load_counters, load_seq, records, rows, partials, total_bytes;
   size_t record_bytes, row_bytes;
   size_t row_stride;  // Bytes per source (or destination) in rows and partials.
   size_t flagged_offset;  // Where the flagged rows start in a source's part: T x B.
@@ -277,6 +280,18 @@ absl::Status PeerOverCapacityStatus(int rank, uint32_t call, int peer,
 // rank that finished its last step and exited would stop peers whose last call still had data
 // on its way from the others.
 void MarkCompleted(std::byte* arena, const ArenaLayout& layout, bool combine, uint32_t epoch);
+
+// A wait that times out on a peer names that peer, unless another rank gave up first and
+// named the rank it gave up on (RaiseAbort). Deadlines are per call, so a survivor stuck
+// behind a rank that is itself stuck behind the dead one (a peer in an earlier phase, waiting
+// on it) can reach its deadline first, on a busy host, and name the survivor. So each rank
+// publishes the deadline of the call it is in, or nothing between calls: a waiter whose
+// deadline passes while the peer it waits on is in a call whose deadline is near or still to
+// come waits that long, and a grace, more (HostEp): the peer gives up on the rank it waits on
+// and names it to every rank, or delivers. `until` is a point of the monotonic clock, which
+// every process of a host shares; nullopt: between calls.
+void PublishInCall(std::byte* arena, const ArenaLayout& layout, std::optional<Deadline> until);
+std::optional<Deadline> ReadInCall(const std::byte* arena, const ArenaLayout& layout);
 
 // The dispatch (or combine) epoch a rank created over an arena that has seen calls resumes
 // from, so that it continues its peers' count: the later of its own flag in its own arena

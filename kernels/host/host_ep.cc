@@ -437,8 +437,11 @@ void HostEp::Publish(int d, uint32_t epoch) { Raise(d, layout_.dispatch_flag, ep
 
 absl::Status HostEp::Wait(const uint32_t* word, uint32_t epoch, int peer, const char* what,
                           Deadline deadline) {
-  const absl::Status s = WaitSparing(
-      [&](AbortWatch watch) { return WaitEpoch(word, epoch, OwnDoor(), deadline, watch); });
+  const absl::Status s = WaitForPeer(
+      deadline, [peer] { return peer; },
+      [&](AbortWatch watch, Deadline until) {
+        return WaitEpoch(word, epoch, OwnDoor(), until, watch);
+      });
   return s.ok() ? s : GiveUp(peer, what, epoch);
 }
 
@@ -452,15 +455,54 @@ uint32_t* HostEp::AbortWord() const {
   return reinterpret_cast<uint32_t*>(arenas_[rank_] + layout_.abort);
 }
 
-absl::Status HostEp::WaitSparing(absl::FunctionRef<absl::Status(AbortWatch)> wait) {
+HostEp::InCall::InCall(std::byte* arena, const ArenaLayout& layout, Deadline deadline)
+    : arena_(arena), layout_(layout) {
+  PublishInCall(arena_, layout_, deadline);
+}
+
+HostEp::InCall::~InCall() { PublishInCall(arena_, layout_, std::nullopt); }
+
+HostEp::InCall HostEp::EnterCall(Deadline deadline) {
+  call_deadline_ = in_call_until_ = deadline;
+  return InCall(arenas_[rank_], layout_, deadline);
+}
+
+absl::Status HostEp::WaitForPeer(Deadline deadline, absl::FunctionRef<int()> peer,
+                                 absl::FunctionRef<absl::Status(AbortWatch, Deadline)> wait) {
   const CallPhase phase = PhaseInFlight(dispatch_epoch_, combine_epoch_);
   while (true) {
-    const absl::Status s = wait(Watch());
+    const absl::Status s = wait(Watch(), deadline);
+    if (absl::IsDeadlineExceeded(s)) {
+      const std::optional<Deadline> later = Patience(peer(), deadline);
+      if (!later.has_value()) return s;
+      deadline = *later;
+      if (deadline > in_call_until_) {
+        // Ranks stuck behind this one wait as long in turn.
+        in_call_until_ = deadline;
+        PublishInCall(arenas_[rank_], layout_, deadline);
+      }
+      continue;
+    }
     if (!absl::IsAborted(s)) return s;
     const uint32_t code = LoadAcquire(AbortWord());
     if (!LeftAfter(code, arenas_, layout_, phase.combine, phase.call)) return s;
     spared_ = code;
   }
+}
+
+std::optional<Deadline> HostEp::Patience(int peer, Deadline deadline) const {
+  if (peer == rank_ || arenas_[peer] == nullptr || deadline == Deadline::max()) {
+    return std::nullopt;
+  }
+  const std::optional<Deadline> peer_until = ReadInCall(arenas_[peer], layout_);
+  if (!peer_until.has_value()) return std::nullopt;  // Between calls: stuck behind no one.
+  // Long enough for a rank past its deadline to be scheduled and give up, on a busy host;
+  // short enough that a peer killed in a call is named soon after its deadline.
+  const auto grace = absl::ToChronoNanoseconds(std::min(config_.timeout, absl::Seconds(1)));
+  const Deadline limit = call_deadline_ + absl::ToChronoNanoseconds(config_.timeout);
+  const Deadline later = *peer_until >= limit - grace ? limit : *peer_until + grace;
+  if (later <= deadline || std::chrono::steady_clock::now() >= later) return std::nullopt;
+  return later;
 }
 
 absl::Status HostEp::GiveUp(int peer, const char* what, uint32_t epoch) const {
@@ -511,21 +553,23 @@ absl::Status HostEp::TakeAsTheyArrive(uint32_t epoch, std::span<const int> sourc
     // One round: whatever arrived is taken; with nothing new, sleep until a flag rings the
     // bell. The deadline is checked whenever a round finds nothing: a flag that is up while
     // its flagged rows never come (which the protocol rules out) still ends in an error.
-    const absl::Status round = WaitSparing([&](AbortWatch watch) {
-      return WaitUntil(
-          OwnDoor(), deadline, watch,
-          [&] {
-            bool moved = false;
-            std::erase_if(pending, [&](int s) {
-              const Take taken = take(s);
-              moved |= taken != Take::kNothing;
-              return taken == Take::kDone;
-            });
-            return moved || pending.empty();
-          },
-          poll ? absl::Milliseconds(1) : kMaxSleep,
-          std::max<int>(1, kSpins / static_cast<int>(pending.size())));
-    });
+    const absl::Status round = WaitForPeer(
+        deadline, [&] { return pending.front(); },
+        [&](AbortWatch watch, Deadline until) {
+          return WaitUntil(
+              OwnDoor(), until, watch,
+              [&] {
+                bool moved = false;
+                std::erase_if(pending, [&](int s) {
+                  const Take taken = take(s);
+                  moved |= taken != Take::kNothing;
+                  return taken == Take::kDone;
+                });
+                return moved || pending.empty();
+              },
+              poll ? absl::Milliseconds(1) : kMaxSleep,
+              std::max<int>(1, kSpins / static_cast<int>(pending.size())));
+        });
     if (!round.ok()) return GiveUp(pending.front(), what, epoch);
   }
   return absl::OkStatus();
@@ -562,6 +606,7 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
   }
   TakePart();
   const Deadline deadline = DeadlineAfter(config_.timeout);
+  const InCall in_call = EnterCall(deadline);
   const uint32_t epoch = ++dispatch_epoch_;
   dispatch_completed_ = false;
   spared_ = 0;
@@ -835,6 +880,7 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
   active_ = handle.active;
   TakePart();
   const Deadline deadline = DeadlineAfter(config_.timeout);
+  const InCall in_call = EnterCall(deadline);
   const uint32_t epoch = ++combine_epoch_;
   spared_ = 0;
   const auto* y = static_cast<const std::byte*>(y_ptr);
@@ -959,12 +1005,14 @@ absl::Status HostEp::TakeFlaggedPartial(const std::byte* partial, int peer, uint
                                         Deadline deadline) {
   // Granules ring no bell as they land: a millisecond's sleep at most between looks (the
   // peer's combine flag, raised once every partial it sends here is stored, rings it).
-  const absl::Status s = WaitSparing([&](AbortWatch watch) {
-    return WaitUntil(
-        OwnDoor(), deadline, watch,
-        [&] { return LoadFlaggedRow(partial, layout_.row_bytes, epoch, row_scratch_.data()); },
-        absl::Milliseconds(1));
-  });
+  const absl::Status s = WaitForPeer(
+      deadline, [peer] { return peer; },
+      [&](AbortWatch watch, Deadline until) {
+        return WaitUntil(
+            OwnDoor(), until, watch,
+            [&] { return LoadFlaggedRow(partial, layout_.row_bytes, epoch, row_scratch_.data()); },
+            absl::Milliseconds(1));
+      });
   return s.ok() ? s : GiveUp(peer, "combine partials", epoch);
 }
 

@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -181,10 +182,32 @@ class HostEp {
   uint32_t* AbortWord() const;
   // What this call's waits watch: the abort word, past a code they were found to be spared.
   AbortWatch Watch() const { return {AbortWord(), spared_}; }
-  // Runs wait(Watch()) again, watching past the code, for as long as it ends on an abort code
-  // that spares the call in flight (the rank that left had completed it: LeftAfter). Every
-  // wait of a call on its peers goes through here.
-  absl::Status WaitSparing(absl::FunctionRef<absl::Status(AbortWatch)> wait);
+  // Every wait of a call on its peers goes through here: runs wait(Watch(), deadline), and
+  // again, watching past the code, for as long as it ends on an abort code that spares the
+  // call in flight (the rank that left had completed it: LeftAfter). When it reaches its
+  // deadline while peer() (the rank it waits on then) is in a call whose deadline is at most
+  // a grace ago or still to come (PublishInCall), it goes on until that deadline and the
+  // grace (Patience): that peer is stuck behind another rank and will name it to the group,
+  // or is slow and will deliver. Never past `deadline` and the timeout once more.
+  absl::Status WaitForPeer(Deadline deadline, absl::FunctionRef<int()> peer,
+                           absl::FunctionRef<absl::Status(AbortWatch, Deadline)> wait);
+  // A call of this rank in flight, with its deadline published to its peers (PublishInCall)
+  // for as long as it lives; then that the rank is between calls.
+  class InCall {
+   public:
+    InCall(std::byte* arena, const ArenaLayout& layout, Deadline deadline);
+    ~InCall();
+    InCall(const InCall&) = delete;
+    InCall& operator=(const InCall&) = delete;
+
+   private:
+    std::byte* arena_;
+    const ArenaLayout& layout_;
+  };
+  // The start of a call (Dispatch, Combine) that ends at `deadline`.
+  InCall EnterCall(Deadline deadline);
+  // How long a wait that reached `deadline` on `peer` goes on (WaitForPeer), or nullopt.
+  std::optional<Deadline> Patience(int peer, Deadline deadline) const;
   // Raises this rank's flag in `region` of rank d's arena to `epoch` (Signal, with d's
   // doorbell: d is the one that waits on it).
   void Raise(int d, size_t region, uint32_t epoch);
@@ -228,7 +251,10 @@ class HostEp {
   // A refusal record of this rank's may be in its arena (one of this process's, or of one
   // before it that ran this rank): the next call it takes part in withdraws it.
   bool refusal_recorded_ = true;
-  uint32_t spared_ = 0;  // The abort code the call in flight may wait past (WaitSparing), or 0.
+  uint32_t spared_ = 0;  // The abort code the call in flight may wait past (WaitForPeer), or 0.
+  // The deadline of the call in flight, and the one published for it (PublishInCall), which
+  // its waits on stuck peers move on (WaitForPeer).
+  Deadline call_deadline_{}, in_call_until_{};
   // The last Dispatch this rank took part in completed: its output describes the rows.
   bool dispatch_completed_ = false;
   // Written by the counting role, read by the senders once a batch is handed over.

@@ -114,14 +114,17 @@ class Group {
 
   // Every rank (again), or rank `only`, on the group's arenas: a restarted rank resumes the
   // epochs its arena has seen.
-  void Restart(int only = -1) {
+  // With `config`, rank `only` gets the group's config but for what each rank may set for
+  // itself (its timeout, its receive capacity).
+  void Restart(int only = -1, const EpConfig* config = nullptr) {
     std::vector<std::byte*> pointers;
     for (SharedArena& arena : arenas_) pointers.push_back(arena.data());
     eps_.resize(config_.num_ranks);
     for (int r = 0; r < config_.num_ranks; ++r) {
       if (only >= 0 && r != only) continue;
       eps_[r].reset();
-      absl::StatusOr<std::unique_ptr<HostEp>> ep = HostEp::Create(config_, r, pointers);
+      absl::StatusOr<std::unique_ptr<HostEp>> ep =
+          HostEp::Create(config != nullptr ? *config : config_, r, pointers);
       EXPECT_TRUE(ep.ok()) << ep.status();
       eps_[r] = std::move(*ep);
     }

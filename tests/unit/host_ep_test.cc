@@ -1015,6 +1015,82 @@ TEST(HostEpErrorTest, AWaitSparedByARankThatLeftStillTimesOutNamingItsPeer) {
                            "call 1); is rank 0 alive?"));
 }
 
+// Rank 1 dispatches call 1, stores its partials for ranks 2 and 3 (which routed nothing in
+// it) and dies before rank 0's. Rank 0 waits for them; ranks 2 and 3 finish call 1 and wait in
+// call 2 for rank 0's counts. Their deadline comes before rank 0's (its timeout is longer
+// here; on a busy host, rank 0 is not scheduled in time): rank 0 is in a call, so they wait
+// on, until rank 0 gives up and names rank 1, and they name rank 1 too, not the survivor.
+TEST(HostEpErrorTest, RanksStuckBehindASurvivorWaitForItToNameTheDeadRank) {
+  EpConfig config = SmallConfig(Protocol::kUbep);
+  config.timeout = absl::Seconds(1);
+  Group group(config);
+  EpConfig patient = config;
+  patient.timeout = absl::Milliseconds(1300);
+  group.Restart(0, &patient);
+  const ArenaLayout layout(config);
+  const TestPlan plan = RoundRobinPlan(config);
+  std::vector<absl::Status> status(config.num_ranks);
+  group.RunAll([&](int r) {
+    RankInput in = MakeInput(config, r, 8, 3);
+    DispatchOutput out;
+    status[r] = group.ep(r).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(),
+                                      r < 2 ? 8 : 0, config.hidden, 0, plan.header()},
+                                     out);
+    if (!status[r].ok()) return;
+    if (r == 1) {
+      for (int d : {2, 3}) {
+        std::byte* arena = group.arena(d);
+        Signal(reinterpret_cast<uint32_t*>(arena + layout.combine_flag + 1 * kFlagStride), 1,
+               ArenaDoor(arena, layout));
+      }
+      return;
+    }
+    std::vector<float> combined(8 * config.hidden);
+    status[r] = group.ep(r).Combine(out, out.recv_x.data(), combined.data());
+    if (!status[r].ok() || r == 0) return;
+    status[r] = group.ep(r).Dispatch(
+        {in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8, config.hidden, 1, plan.header()},
+        out);
+  });
+  EXPECT_EQ(status[1], absl::OkStatus());
+  EXPECT_EQ(status[0], absl::DeadlineExceededError(
+                           "rank 0: timed out after 1.3s waiting for rank 1 (combine partials, "
+                           "call 1); is rank 1 alive?"));
+  for (int r : {2, 3}) {
+    EXPECT_EQ(status[r], absl::DeadlineExceededError(absl::StrCat(
+                             "rank ", r,
+                             ": timed out after 1s waiting for rank 1 (dispatch "
+                             "counts, call 2, waiting on rank 0 which gave up); is rank 1 "
+                             "alive?")));
+  }
+}
+
+// A rank publishes the deadline of the call it is in, and nothing between calls. One whose
+// word says it is in a call for ever (a process killed in a call with no timeout, or a
+// corrupt word) holds its peers' waits on it for twice their timeout at most, and they name it.
+TEST(HostEpErrorTest, APeerInACallForEverIsStillNamedWithinTwiceTheTimeout) {
+  const EpConfig config = ShortTimeoutConfig();
+  Group group(config);
+  const ArenaLayout layout(config);
+  for (int r = 0; r < config.num_ranks; ++r) {
+    EXPECT_EQ(ReadInCall(group.arena(r), layout), std::nullopt) << "rank " << r;
+  }
+  const Deadline soon = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  PublishInCall(group.arena(2), layout, soon);
+  EXPECT_EQ(ReadInCall(group.arena(2), layout), soon);
+  PublishInCall(group.arena(2), layout, Deadline::max());
+  EXPECT_EQ(ReadInCall(group.arena(2), layout), Deadline::max());
+  const TestPlan plan = RoundRobinPlan(config);
+  const std::vector<absl::Status> status = DispatchOnce(group, plan, [](int r) { return r != 2; });
+  for (int r : {0, 1, 3}) {
+    EXPECT_EQ(status[r], GaveUpOnRank2(r, "dispatch counts"));
+    // Back between calls, as the call failed.
+    EXPECT_EQ(ReadInCall(group.arena(r), layout), std::nullopt) << "rank " << r;
+  }
+  PublishInCall(group.arena(2), layout, std::nullopt);
+  EXPECT_EQ(ReadInCall(group.arena(2), layout), std::nullopt);
+}
+
 TEST(HostEpErrorTest, FlaggedTokensOutsideTheBuffersAreRefused) {
   EpConfig config = SmallConfig(Protocol::kUbep);
   config.flagged_tokens = 49;
