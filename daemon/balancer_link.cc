@@ -117,8 +117,8 @@ void BalancerLink::Report() {
   absl::StatusOr<Node::SlotLoads> loads = node_->ReadSlotLoads();
   if (!loads.ok() || loads->slots.empty()) return;
   const uint64_t step = node_->MaxStep();
-  if (last_.slots.size() != loads->slots.size() || last_.slots[0].size() != loads->slots[0].size()) {
-    last_ = *loads;  // A new group: start counting from here.
+  if (last_.arenas_created != loads->arenas_created) {
+    last_ = *loads;  // A new group, whatever its size: start counting from here.
     last_step_ = step;
     return;
   }
@@ -135,10 +135,7 @@ void BalancerLink::Report() {
   request.set_seq(++seq_);
   request.set_max_step(step);
   request.set_plan_in_force(plan.in_force);
-  // The counters live in the rank arenas, which a re-formed group may have new: no negative.
-  request.set_over_capacity_calls(loads->over_capacity_calls >= last_.over_capacity_calls
-                                      ? loads->over_capacity_calls - last_.over_capacity_calls
-                                      : loads->over_capacity_calls);
+  request.set_over_capacity_calls(loads->over_capacity_calls - last_.over_capacity_calls);
   v1::LoadReport* load = request.mutable_load();
   load->set_reporter(options_.node);
   load->set_first_step(last_step_);

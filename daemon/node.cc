@@ -281,6 +281,7 @@ absl::Status Node::CreateGroup(const v1::AttachRequest& q,
   incarnation_.assign(config.num_ranks, "");
   stale_.assign(config.num_ranks, false);
   ++arena_epoch_;
+  ++arenas_created_;
   first_ = first;
   hosted_ = hosted;
   has_group_ = true;
@@ -1286,6 +1287,7 @@ absl::StatusOr<Node::SlotLoads> Node::ReadSlotLoads() const {
   MutexLock lock(&mu_);
   SlotLoads loads;
   if (!has_group_) return loads;
+  loads.arenas_created = arenas_created_;
   const int L = config_.num_layers, S = config_.slots_per_rank, R = config_.num_ranks;
   loads.slots.assign(L, std::vector<uint64_t>(static_cast<size_t>(R) * S, 0));
   loads.dispatches.assign(L, std::vector<uint64_t>(R, 0));

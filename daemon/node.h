@@ -181,6 +181,10 @@ class Node {
     // The hosted ranks' data-plane calls that failed over a receive capacity (one per rank and
     // dropped call; RankControl::over_capacity_calls).
     uint64_t over_capacity_calls = 0;
+    // Which creation of the hosted arenas the counters are from: counters of two reads are
+    // comparable only with the same one (a group created again, even of the same size, starts
+    // from zero).
+    uint64_t arenas_created = 0;
   };
   absl::StatusOr<SlotLoads> ReadSlotLoads() const;
   // What a load report names of the plan in force: version, experts, model layer ids
@@ -341,6 +345,7 @@ class Node {
   std::vector<std::string> incarnation_ ABSL_GUARDED_BY(mu_);
   std::vector<bool> stale_ ABSL_GUARDED_BY(mu_);
   uint64_t arena_epoch_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t arenas_created_ ABSL_GUARDED_BY(mu_) = 0;  // CreateGroup calls that succeeded.
   // The stale ranks `plan` includes, for error messages (empty: none).
   std::string StaleMembers(const balancer::Plan& plan) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 };
