@@ -87,6 +87,9 @@ struct EpConfig {
   int num_layers = 1;
   DType dtype = DType::kFloat32;
   Protocol protocol{};
+  // A call's waits give up this long after it began, naming the peer they wait for; on the
+  // host backend up to twice as long while that peer is itself in a call, stuck behind
+  // another rank (PublishInCall).
   absl::Duration timeout = absl::Seconds(10);
   // kUbep: run the sender role on its own thread while the caller receives. Worth it only
   // with a core to spare for every rank's second thread; kAuto decides from the core count.
