@@ -301,23 +301,34 @@ std::atomic_ref<uint64_t> InCallWord(const std::byte* arena, const ArenaLayout& 
 
 }  // namespace
 
-void PublishInCall(std::byte* arena, const ArenaLayout& layout, std::optional<Deadline> until) {
-  // Nanoseconds of the monotonic clock, which are never 0 once a host is up; 0 is "no call".
+// The word: the depth in the top 4 bits, the deadline's ticks (nanoseconds of the monotonic
+// clock, 36 years of uptime) below, all ones for no timeout; 0 is "between calls" (the clock
+// is never at 0 once a host is up).
+constexpr int kDepthShift = 60;
+constexpr uint64_t kTicksMask = (uint64_t{1} << kDepthShift) - 1;
+
+void PublishInCall(std::byte* arena, const ArenaLayout& layout, std::optional<PublishedCall> call) {
   uint64_t word = 0;
-  if (until.has_value()) {
-    word = *until == Deadline::max()
-               ? UINT64_MAX
-               : static_cast<uint64_t>(std::max<int64_t>(1, until->time_since_epoch().count()));
+  if (call.has_value()) {
+    const int64_t ticks = call->until.time_since_epoch().count();
+    const uint64_t low =
+        call->until == Deadline::max() || static_cast<uint64_t>(ticks) >= kTicksMask
+            ? kTicksMask
+            : static_cast<uint64_t>(std::max<int64_t>(1, ticks));
+    const uint64_t depth = static_cast<uint64_t>(std::clamp(call->depth, 0, kMaxPublishedDepth));
+    word = depth << kDepthShift | low;
   }
   // Relaxed: advice to peers that have already timed out, ordered with nothing else.
   InCallWord(arena, layout).store(word, std::memory_order_relaxed);
 }
 
-std::optional<Deadline> ReadInCall(const std::byte* arena, const ArenaLayout& layout) {
+std::optional<PublishedCall> ReadInCall(const std::byte* arena, const ArenaLayout& layout) {
   const uint64_t word = InCallWord(arena, layout).load(std::memory_order_relaxed);
   if (word == 0) return std::nullopt;
-  if (word > static_cast<uint64_t>(INT64_MAX)) return Deadline::max();
-  return Deadline(Deadline::duration(static_cast<int64_t>(word)));
+  const uint64_t low = word & kTicksMask;
+  const Deadline until =
+      low == kTicksMask ? Deadline::max() : Deadline(Deadline::duration(static_cast<int64_t>(low)));
+  return PublishedCall{until, static_cast<int>(word >> kDepthShift)};
 }
 
 bool LeftAfter(uint32_t code, std::span<std::byte* const> arenas, const ArenaLayout& layout,

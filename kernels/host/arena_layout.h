@@ -16,8 +16,9 @@
 //                              or by the daemon (a rank left, or the daemon is draining);
 //                              [4], [8] the epochs of the last dispatch and combine the owner
 //                              completed (MarkCompleted), which its peers read if it leaves;
-//                              [16] 8 B: the deadline of the call the owner is in, 0 between
-//                              calls (PublishInCall), which its peers read when they time out
+//                              [16] 8 B: the deadline of the call the owner is in and its
+//                              depth, 0 between calls (PublishInCall), which its peers read
+//                              when they time out
 //   sleepers        64 B       signal.h's Doorbell of this arena's flags: [0] threads of the
 //                              owner asleep (or about to be) on one flag, [4] the bell, moved
 //                              by every Signal into this arena and by RaiseAbort, [8] threads
@@ -88,8 +89,8 @@ struct EpConfig {
   DType dtype = DType::kFloat32;
   Protocol protocol{};
   // A call's waits give up this long after it began, naming the peer they wait for; on the
-  // host backend up to twice as long while that peer is itself in a call, stuck behind
-  // another rank (PublishInCall).
+  // host backend, while that peer is in a call (stuck behind another rank, or killed in it),
+  // until its deadline and a grace, at most twice this and 3 s (HostEp::WaitForPeer).
   absl::Duration timeout = absl::Seconds(10);
   // kUbep: run the sender role on its own thread while the caller receives. Worth it only
   // with a core to spare for every rank's second thread; kAuto decides from the core count.
@@ -288,13 +289,23 @@ void MarkCompleted(std::byte* arena, const ArenaLayout& layout, bool combine, ui
 // named the rank it gave up on (RaiseAbort). Deadlines are per call, so a survivor stuck
 // behind a rank that is itself stuck behind the dead one (a peer in an earlier phase, waiting
 // on it) can reach its deadline first, on a busy host, and name the survivor. So each rank
-// publishes the deadline of the call it is in, or nothing between calls: a waiter whose
-// deadline passes while the peer it waits on is in a call whose deadline is near or still to
-// come waits that long, and a grace, more (HostEp): the peer gives up on the rank it waits on
-// and names it to every rank, or delivers. `until` is a point of the monotonic clock, which
-// every process of a host shares; nullopt: between calls.
-void PublishInCall(std::byte* arena, const ArenaLayout& layout, std::optional<Deadline> until);
-std::optional<Deadline> ReadInCall(const std::byte* arena, const ArenaLayout& layout);
+// publishes the call it is in, or nothing between calls: a waiter whose deadline passes while
+// the peer it waits on is in a call whose deadline is near or still to come waits that long,
+// and a grace, more (HostEp::WaitForPeer): the peer gives up on the rank it waits on and names
+// it to every rank, or delivers. A waiter that waits longer so publishes the later deadline,
+// one deeper, so that ranks behind it wait longer still; the depth bounds each wait.
+struct PublishedCall {
+  // A point of the monotonic clock, which every process of a host shares; Deadline::max():
+  // no timeout.
+  Deadline until;
+  // 0: the call's own deadline; d: stretched for a peer that published depth d - 1.
+  int depth = 0;
+  bool operator==(const PublishedCall&) const = default;
+};
+inline constexpr int kMaxPublishedDepth = 15;  // 4 bits of the word; deeper is stored as 15.
+// nullopt: between calls.
+void PublishInCall(std::byte* arena, const ArenaLayout& layout, std::optional<PublishedCall> call);
+std::optional<PublishedCall> ReadInCall(const std::byte* arena, const ArenaLayout& layout);
 
 // The dispatch (or combine) epoch a rank created over an arena that has seen calls resumes
 // from, so that it continues its peers' count: the later of its own flag in its own arena

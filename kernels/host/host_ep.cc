@@ -216,6 +216,9 @@ HostEp::HostEp(const EpConfig& config, int rank, std::vector<std::byte*> arenas)
   combine_epoch_ = ResumedEpoch(word(layout_.combine_flag + rank_ * kFlagStride),
                                 word(layout_.combine_completed));
   barrier_epoch_ = word(layout_.barrier_flag + rank_ * kFlagStride);
+  // A process killed in a call left that call's deadline published: this rank is between
+  // calls, and peers waiting for it name it at their deadline.
+  PublishInCall(own, layout_, std::nullopt);
   const bool spare_cores =
       std::thread::hardware_concurrency() >= 2u * static_cast<unsigned>(config.num_ranks);
   if (config.protocol == Protocol::kUbep &&
@@ -457,13 +460,14 @@ uint32_t* HostEp::AbortWord() const {
 
 HostEp::InCall::InCall(std::byte* arena, const ArenaLayout& layout, Deadline deadline)
     : arena_(arena), layout_(layout) {
-  PublishInCall(arena_, layout_, deadline);
+  PublishInCall(arena_, layout_, PublishedCall{deadline, 0});
 }
 
 HostEp::InCall::~InCall() { PublishInCall(arena_, layout_, std::nullopt); }
 
 HostEp::InCall HostEp::EnterCall(Deadline deadline) {
-  call_deadline_ = in_call_until_ = deadline;
+  call_deadline_ = deadline;
+  published_call_ = {deadline, 0};
   return InCall(arenas_[rank_], layout_, deadline);
 }
 
@@ -473,13 +477,13 @@ absl::Status HostEp::WaitForPeer(Deadline deadline, absl::FunctionRef<int()> pee
   while (true) {
     const absl::Status s = wait(Watch(), deadline);
     if (absl::IsDeadlineExceeded(s)) {
-      const std::optional<Deadline> later = Patience(peer(), deadline);
+      const std::optional<PublishedCall> later = Patience(peer(), deadline);
       if (!later.has_value()) return s;
-      deadline = *later;
-      if (deadline > in_call_until_) {
-        // Ranks stuck behind this one wait as long in turn.
-        in_call_until_ = deadline;
-        PublishInCall(arenas_[rank_], layout_, deadline);
+      deadline = later->until;
+      if (deadline > published_call_.until) {
+        // Ranks stuck behind this one wait longer in turn.
+        published_call_ = *later;
+        PublishInCall(arenas_[rank_], layout_, published_call_);
       }
       continue;
     }
@@ -490,19 +494,26 @@ absl::Status HostEp::WaitForPeer(Deadline deadline, absl::FunctionRef<int()> pee
   }
 }
 
-std::optional<Deadline> HostEp::Patience(int peer, Deadline deadline) const {
-  if (peer == rank_ || arenas_[peer] == nullptr || deadline == Deadline::max()) {
+std::optional<PublishedCall> HostEp::Patience(int peer, Deadline deadline) const {
+  // With a spared code in the abort word, no rank's give-up can land (RaiseAbort keeps the
+  // first code): waiting for one would only delay naming the peer.
+  if (peer == rank_ || arenas_[peer] == nullptr || deadline == Deadline::max() || spared_ != 0) {
     return std::nullopt;
   }
-  const std::optional<Deadline> peer_until = ReadInCall(arenas_[peer], layout_);
-  if (!peer_until.has_value()) return std::nullopt;  // Between calls: stuck behind no one.
+  const std::optional<PublishedCall> call = ReadInCall(arenas_[peer], layout_);
+  if (!call.has_value()) return std::nullopt;  // Between calls: stuck behind no one.
+  const int depth = call->depth + 1;
+  if (depth > kMaxWaitDepth) return std::nullopt;
   // Long enough for a rank past its deadline to be scheduled and give up, on a busy host;
   // short enough that a peer killed in a call is named soon after its deadline.
   const auto grace = absl::ToChronoNanoseconds(std::min(config_.timeout, absl::Seconds(1)));
-  const Deadline limit = call_deadline_ + absl::ToChronoNanoseconds(config_.timeout);
-  const Deadline later = *peer_until >= limit - grace ? limit : *peer_until + grace;
+  // A grace more per depth: the peer's own wait may have gone on to its own limit, and this
+  // wait outlasts it by a grace.
+  const Deadline limit =
+      call_deadline_ + absl::ToChronoNanoseconds(config_.timeout) + (depth - 1) * grace;
+  const Deadline later = call->until >= limit - grace ? limit : call->until + grace;
   if (later <= deadline || std::chrono::steady_clock::now() >= later) return std::nullopt;
-  return later;
+  return PublishedCall{later, depth};
 }
 
 absl::Status HostEp::GiveUp(int peer, const char* what, uint32_t epoch) const {

@@ -188,7 +188,7 @@ class HostEp {
   // deadline while peer() (the rank it waits on then) is in a call whose deadline is at most
   // a grace ago or still to come (PublishInCall), it goes on until that deadline and the
   // grace (Patience): that peer is stuck behind another rank and will name it to the group,
-  // or is slow and will deliver. Never past `deadline` and the timeout once more.
+  // or is slow and will deliver.
   absl::Status WaitForPeer(Deadline deadline, absl::FunctionRef<int()> peer,
                            absl::FunctionRef<absl::Status(AbortWatch, Deadline)> wait);
   // A call of this rank in flight, with its deadline published to its peers (PublishInCall)
@@ -204,10 +204,16 @@ class HostEp {
     std::byte* arena_;
     const ArenaLayout& layout_;
   };
+  // A chain of waits this deep (each rank waiting for one stuck behind the next) is
+  // followed; deeper (a cycle, which a live group cannot form) gets no patience.
+  static constexpr int kMaxWaitDepth = 4;
   // The start of a call (Dispatch, Combine) that ends at `deadline`.
   InCall EnterCall(Deadline deadline);
-  // How long a wait that reached `deadline` on `peer` goes on (WaitForPeer), or nullopt.
-  std::optional<Deadline> Patience(int peer, Deadline deadline) const;
+  // How long a wait that reached `deadline` on `peer` goes on (WaitForPeer), and the depth
+  // it publishes, or nullopt: until the peer's published deadline and a grace (the timeout,
+  // 1 s at most), one deeper than the peer's. Never past the call's deadline, the timeout and
+  // a grace per depth past the first; a peer at kMaxWaitDepth or deeper gets none.
+  std::optional<PublishedCall> Patience(int peer, Deadline deadline) const;
   // Raises this rank's flag in `region` of rank d's arena to `epoch` (Signal, with d's
   // doorbell: d is the one that waits on it).
   void Raise(int d, size_t region, uint32_t epoch);
@@ -252,9 +258,10 @@ class HostEp {
   // before it that ran this rank): the next call it takes part in withdraws it.
   bool refusal_recorded_ = true;
   uint32_t spared_ = 0;  // The abort code the call in flight may wait past (WaitForPeer), or 0.
-  // The deadline of the call in flight, and the one published for it (PublishInCall), which
+  // The deadline of the call in flight, and what is published of it (PublishInCall), which
   // its waits on stuck peers move on (WaitForPeer).
-  Deadline call_deadline_{}, in_call_until_{};
+  Deadline call_deadline_{};
+  PublishedCall published_call_;
   // The last Dispatch this rank took part in completed: its output describes the rows.
   bool dispatch_completed_ = false;
   // Written by the counting role, read by the senders once a batch is handed over.

@@ -1016,16 +1016,21 @@ TEST(HostEpErrorTest, AWaitSparedByARankThatLeftStillTimesOutNamingItsPeer) {
 }
 
 // Rank 1 dispatches call 1, stores its partials for ranks 2 and 3 (which routed nothing in
-// it) and dies before rank 0's. Rank 0 waits for them; ranks 2 and 3 finish call 1 and wait in
-// call 2 for rank 0's counts. Their deadline comes before rank 0's (its timeout is longer
-// here; on a busy host, rank 0 is not scheduled in time): rank 0 is in a call, so they wait
-// on, until rank 0 gives up and names rank 1, and they name rank 1 too, not the survivor.
-TEST(HostEpErrorTest, RanksStuckBehindASurvivorWaitForItToNameTheDeadRank) {
+// it) and dies before rank 0's: between calls, or inside its combine with a deadline far
+// ahead (it ran with a longer timeout), which holds rank 0 until rank 0's own limit. Rank 0
+// waits for the partials; ranks 2 and 3 finish call 1 and wait in call 2 for rank 0's counts.
+// Their deadline comes before rank 0's (rank 0's timeout is longer here; on a busy host, rank
+// 0 is not scheduled in time): rank 0 is in a call, so they wait on, past rank 0's limit,
+// until it gives up and names rank 1, and they name rank 1 too, not the survivor.
+class StuckBehindASurvivorTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(StuckBehindASurvivorTest, RanksStuckBehindASurvivorWaitForItToNameTheDeadRank) {
+  const bool died_in_a_call = GetParam();
   EpConfig config = SmallConfig(Protocol::kUbep);
   config.timeout = absl::Seconds(1);
   Group group(config);
   EpConfig patient = config;
-  patient.timeout = absl::Milliseconds(1300);
+  patient.timeout = absl::Milliseconds(1150);
   group.Restart(0, &patient);
   const ArenaLayout layout(config);
   const TestPlan plan = RoundRobinPlan(config);
@@ -1038,6 +1043,10 @@ TEST(HostEpErrorTest, RanksStuckBehindASurvivorWaitForItToNameTheDeadRank) {
                                      out);
     if (!status[r].ok()) return;
     if (r == 1) {
+      if (died_in_a_call) {
+        PublishInCall(group.arena(1), layout,
+                      PublishedCall{std::chrono::steady_clock::now() + std::chrono::seconds(10)});
+      }
       for (int d : {2, 3}) {
         std::byte* arena = group.arena(d);
         Signal(reinterpret_cast<uint32_t*>(arena + layout.combine_flag + 1 * kFlagStride), 1,
@@ -1054,7 +1063,7 @@ TEST(HostEpErrorTest, RanksStuckBehindASurvivorWaitForItToNameTheDeadRank) {
   });
   EXPECT_EQ(status[1], absl::OkStatus());
   EXPECT_EQ(status[0], absl::DeadlineExceededError(
-                           "rank 0: timed out after 1.3s waiting for rank 1 (combine partials, "
+                           "rank 0: timed out after 1.15s waiting for rank 1 (combine partials, "
                            "call 1); is rank 1 alive?"));
   for (int r : {2, 3}) {
     EXPECT_EQ(status[r], absl::DeadlineExceededError(absl::StrCat(
@@ -1065,10 +1074,17 @@ TEST(HostEpErrorTest, RanksStuckBehindASurvivorWaitForItToNameTheDeadRank) {
   }
 }
 
-// A rank publishes the deadline of the call it is in, and nothing between calls. One whose
-// word says it is in a call for ever (a process killed in a call with no timeout, or a
-// corrupt word) holds its peers' waits on it for twice their timeout at most, and they name it.
-TEST(HostEpErrorTest, APeerInACallForEverIsStillNamedWithinTwiceTheTimeout) {
+INSTANTIATE_TEST_SUITE_P(DeadRank, StuckBehindASurvivorTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "InACall" : "BetweenCalls";
+                         });
+
+// A rank publishes the deadline of the call it is in and its depth, and nothing between
+// calls. One whose word says it is in a call for ever (a process killed in a call with no
+// timeout, or a corrupt word) holds its peers' waits on it until the call's limit (twice the
+// timeout: at least that, as nothing else ends them, and no longer, or the test hangs), and
+// they name it.
+TEST(HostEpErrorTest, APeerInACallForEverIsStillNamedAtTheLimit) {
   const EpConfig config = ShortTimeoutConfig();
   Group group(config);
   const ArenaLayout layout(config);
@@ -1076,18 +1092,23 @@ TEST(HostEpErrorTest, APeerInACallForEverIsStillNamedWithinTwiceTheTimeout) {
     EXPECT_EQ(ReadInCall(group.arena(r), layout), std::nullopt) << "rank " << r;
   }
   const Deadline soon = std::chrono::steady_clock::now() + std::chrono::seconds(1);
-  PublishInCall(group.arena(2), layout, soon);
-  EXPECT_EQ(ReadInCall(group.arena(2), layout), soon);
-  PublishInCall(group.arena(2), layout, Deadline::max());
-  EXPECT_EQ(ReadInCall(group.arena(2), layout), Deadline::max());
+  PublishInCall(group.arena(2), layout, PublishedCall{soon, 3});
+  EXPECT_EQ(ReadInCall(group.arena(2), layout), (PublishedCall{soon, 3}));
+  PublishInCall(group.arena(2), layout, PublishedCall{soon, 99});
+  EXPECT_EQ(ReadInCall(group.arena(2), layout), (PublishedCall{soon, kMaxPublishedDepth}));
+  PublishInCall(group.arena(2), layout, PublishedCall{Deadline::max()});
+  EXPECT_EQ(ReadInCall(group.arena(2), layout), (PublishedCall{Deadline::max(), 0}));
   const TestPlan plan = RoundRobinPlan(config);
+  const absl::Time start = absl::Now();
   const std::vector<absl::Status> status = DispatchOnce(group, plan, [](int r) { return r != 2; });
+  EXPECT_GE(absl::Now() - start, 2 * config.timeout);
   for (int r : {0, 1, 3}) {
     EXPECT_EQ(status[r], GaveUpOnRank2(r, "dispatch counts"));
     // Back between calls, as the call failed.
     EXPECT_EQ(ReadInCall(group.arena(r), layout), std::nullopt) << "rank " << r;
   }
-  PublishInCall(group.arena(2), layout, std::nullopt);
+  // A rank created again over its arena is between calls, whatever the process before left.
+  group.Restart(2);
   EXPECT_EQ(ReadInCall(group.arena(2), layout), std::nullopt);
 }
 
