@@ -303,6 +303,10 @@ struct PublishedCall {
   bool operator==(const PublishedCall&) const = default;
 };
 inline constexpr int kMaxPublishedDepth = 15;  // 4 bits of the word; deeper is stored as 15.
+// A chain of waits this deep (each rank waiting for one stuck behind the next) is followed: a
+// wait gets patience for a peer published at most kMaxWaitDepth - 1 deep. Deeper is a cycle,
+// which a live group cannot form, or two failures at once.
+inline constexpr int kMaxWaitDepth = 4;
 // nullopt: between calls.
 void PublishInCall(std::byte* arena, const ArenaLayout& layout, std::optional<PublishedCall> call);
 std::optional<PublishedCall> ReadInCall(const std::byte* arena, const ArenaLayout& layout);

@@ -204,9 +204,6 @@ class HostEp {
     std::byte* arena_;
     const ArenaLayout& layout_;
   };
-  // A chain of waits this deep (each rank waiting for one stuck behind the next) is
-  // followed; deeper (a cycle, which a live group cannot form) gets no patience.
-  static constexpr int kMaxWaitDepth = 4;
   // The start of a call (Dispatch, Combine) that ends at `deadline`.
   InCall EnterCall(Deadline deadline);
   // How long a wait that reached `deadline` on `peer` goes on (WaitForPeer), and the depth

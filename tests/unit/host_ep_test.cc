@@ -1079,12 +1079,7 @@ INSTANTIATE_TEST_SUITE_P(DeadRank, StuckBehindASurvivorTest, ::testing::Bool(),
                            return info.param ? "InACall" : "BetweenCalls";
                          });
 
-// A rank publishes the deadline of the call it is in and its depth, and nothing between
-// calls. One whose word says it is in a call for ever (a process killed in a call with no
-// timeout, or a corrupt word) holds its peers' waits on it until the call's limit (twice the
-// timeout: at least that, as nothing else ends them, and no longer, or the test hangs), and
-// they name it.
-TEST(HostEpErrorTest, APeerInACallForEverIsStillNamedAtTheLimit) {
+TEST(PublishedCallTest, TheWordHoldsTheDeadlineAndTheDepthAndZeroIsBetweenCalls) {
   const EpConfig config = ShortTimeoutConfig();
   Group group(config);
   const ArenaLayout layout(config);
@@ -1096,21 +1091,62 @@ TEST(HostEpErrorTest, APeerInACallForEverIsStillNamedAtTheLimit) {
   EXPECT_EQ(ReadInCall(group.arena(2), layout), (PublishedCall{soon, 3}));
   PublishInCall(group.arena(2), layout, PublishedCall{soon, 99});
   EXPECT_EQ(ReadInCall(group.arena(2), layout), (PublishedCall{soon, kMaxPublishedDepth}));
-  PublishInCall(group.arena(2), layout, PublishedCall{Deadline::max()});
+  PublishInCall(group.arena(2), layout, PublishedCall{Deadline::max(), 0});
   EXPECT_EQ(ReadInCall(group.arena(2), layout), (PublishedCall{Deadline::max(), 0}));
-  const TestPlan plan = RoundRobinPlan(config);
-  const absl::Time start = absl::Now();
-  const std::vector<absl::Status> status = DispatchOnce(group, plan, [](int r) { return r != 2; });
-  EXPECT_GE(absl::Now() - start, 2 * config.timeout);
-  for (int r : {0, 1, 3}) {
-    EXPECT_EQ(status[r], GaveUpOnRank2(r, "dispatch counts"));
-    // Back between calls, as the call failed.
-    EXPECT_EQ(ReadInCall(group.arena(r), layout), std::nullopt) << "rank " << r;
-  }
+  PublishInCall(group.arena(2), layout, std::nullopt);
+  EXPECT_EQ(ReadInCall(group.arena(2), layout), std::nullopt);
   // A rank created again over its arena is between calls, whatever the process before left.
+  PublishInCall(group.arena(2), layout, PublishedCall{soon, 1});
   group.Restart(2);
   EXPECT_EQ(ReadInCall(group.arena(2), layout), std::nullopt);
 }
+
+// Rank 2 never calls, and its word says it is in a call for ever (a process killed in a call
+// with no timeout, or a corrupt word), published `depth` deep. Its peers wait on until their
+// limit, the timeout and a grace per depth past their deadline, publishing one deeper while
+// they do; at kMaxWaitDepth they get no patience. Either way they name rank 2. The waits are
+// asserted by what the ranks publish while they wait (watched from another thread) and by
+// a lower bound on the time (nothing else ends them sooner); a wait without end would hang.
+class PatienceDepthTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(PatienceDepthTest, APeerInACallForEverIsNamedAtTheLimitOfItsDepth) {
+  const int depth = GetParam();
+  const EpConfig config = ShortTimeoutConfig();  // Grace: the 300 ms timeout.
+  Group group(config);
+  const ArenaLayout layout(config);
+  PublishInCall(group.arena(2), layout, PublishedCall{Deadline::max(), depth});
+  const TestPlan plan = RoundRobinPlan(config);
+  std::atomic<bool> done{false};
+  int deepest = -1;  // The deepest call ranks 0, 1 and 3 published while in it.
+  std::thread watch([&] {
+    while (!done.load()) {
+      for (int r : {0, 1, 3}) {
+        if (const std::optional<PublishedCall> call = ReadInCall(group.arena(r), layout)) {
+          deepest = std::max(deepest, call->depth);
+        }
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  });
+  const auto start = std::chrono::steady_clock::now();
+  const std::vector<absl::Status> status = DispatchOnce(group, plan, [](int r) { return r != 2; });
+  const auto waited = std::chrono::steady_clock::now() - start;
+  done = true;
+  watch.join();
+  for (int r : {0, 1, 3}) {
+    EXPECT_EQ(status[r], GaveUpOnRank2(r, "dispatch counts"));
+    EXPECT_EQ(ReadInCall(group.arena(r), layout), std::nullopt) << "rank " << r;
+  }
+  if (depth < kMaxWaitDepth) {
+    EXPECT_EQ(deepest, depth + 1);
+    EXPECT_GE(waited, (2 + depth) * std::chrono::milliseconds(300));
+  } else {
+    EXPECT_EQ(deepest, 0);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Depth, PatienceDepthTest,
+                         ::testing::Values(0, kMaxWaitDepth - 1, kMaxWaitDepth));
 
 TEST(HostEpErrorTest, FlaggedTokensOutsideTheBuffersAreRefused) {
   EpConfig config = SmallConfig(Protocol::kUbep);
