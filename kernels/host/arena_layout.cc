@@ -98,7 +98,7 @@ ArenaLayout::ArenaLayout(const EpConfig& c) {
   abort = carve(kLine);
   dispatch_completed = abort + sizeof(uint32_t);
   combine_completed = abort + 2 * sizeof(uint32_t);
-  in_call_until = abort + 2 * sizeof(uint64_t);
+  published_call = abort + 2 * sizeof(uint64_t);
   sleepers = carve(kLine);
   // One line: a signaller moves the bell, then reads the counts.
   bell = sleepers + sizeof(uint32_t);
@@ -296,16 +296,16 @@ namespace {
 
 std::atomic_ref<uint64_t> InCallWord(const std::byte* arena, const ArenaLayout& layout) {
   return std::atomic_ref<uint64_t>(
-      *const_cast<uint64_t*>(reinterpret_cast<const uint64_t*>(arena + layout.in_call_until)));
+      *const_cast<uint64_t*>(reinterpret_cast<const uint64_t*>(arena + layout.published_call)));
 }
-
-}  // namespace
 
 // The word: the depth in the top 4 bits, the deadline's ticks (nanoseconds of the monotonic
 // clock, 36 years of uptime) below, all ones for no timeout; 0 is "between calls" (the clock
 // is never at 0 once a host is up).
 constexpr int kDepthShift = 60;
 constexpr uint64_t kTicksMask = (uint64_t{1} << kDepthShift) - 1;
+
+}  // namespace
 
 void PublishInCall(std::byte* arena, const ArenaLayout& layout, std::optional<PublishedCall> call) {
   uint64_t word = 0;

@@ -172,7 +172,7 @@ int RankGivenUpOn(uint32_t code, int peer);
 
 struct ArenaLayout {
   size_t dispatch_flag, combine_flag, count_flag, barrier_flag, abort, dispatch_completed,
-      combine_completed, in_call_until, sleepers, bell, bell_sleepers, refusal, notices, counts,
+      combine_completed, published_call, sleepers, bell, bell_sleepers, refusal, notices, counts,
       load_counters, load_seq, records, rows, partials, total_bytes;
   size_t record_bytes, row_bytes;
   size_t row_stride;  // Bytes per source (or destination) in rows and partials.
