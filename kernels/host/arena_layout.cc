@@ -149,12 +149,17 @@ int RankGivenUpOn(uint32_t code, int peer) {
 }
 
 absl::Status TimedOutStatus(uint32_t code, int rank, int peer, absl::Duration timeout,
-                            const char* what, uint32_t call, absl::string_view refusal) {
+                            const char* what, uint32_t call, absl::string_view refusal,
+                            std::optional<GivenPatience> patience) {
   const int dead_rank = RankGivenUpOn(code, peer);
   return absl::DeadlineExceededError(absl::StrCat(
       "rank ", rank, ": timed out after ", absl::FormatDuration(timeout), " waiting for rank ",
       dead_rank, " (", what, ", call ", call,
-      dead_rank == peer ? "" : absl::StrCat(", waiting on rank ", peer, " which gave up"), "); ",
+      dead_rank == peer ? "" : absl::StrCat(", waiting on rank ", peer, " which gave up"),
+      patience.has_value() ? absl::StrCat("; given ", absl::FormatDuration(patience->more),
+                                          " more as rank ", patience->peer, " was in a call")
+                           : "",
+      "); ",
       refusal.empty() ? absl::StrCat("is rank ", dead_rank, " alive?")
                       : absl::StrCat("rank ", dead_rank, " refused this call: ", refusal)));
 }

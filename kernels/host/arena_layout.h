@@ -157,14 +157,22 @@ constexpr int RankThatLeft(uint32_t code) {
 // `what` names the phase, `call` the epoch.
 absl::Status DaemonAbortStatus(uint32_t code, int rank, const char* what, uint32_t call);
 
+// How much longer than its call's deadline a wait was given because `peer`, the rank it
+// waited on then, was in a call of its own (HostEp::WaitForPeer).
+struct GivenPatience {
+  int peer;
+  absl::Duration more;
+};
+
 // The error for `rank`'s wait on `peer` (in `what` of call `call`) that gave up after
 // `timeout`, given the abort word as it stands after this rank raised it: the rank the group
 // gave up on (kAbortTimedOutBase + that rank) is named, and `peer` too if it differs (a
 // survivor stuck behind the dead rank). Both backends report timeouts in these words. A
 // non-empty `refusal` is why the rank the group gave up on refused this call (ReadRefusal),
-// said in place of asking whether it is alive.
+// said in place of asking whether it is alive. A `patience` is said with it.
 absl::Status TimedOutStatus(uint32_t code, int rank, int peer, absl::Duration timeout,
-                            const char* what, uint32_t call, absl::string_view refusal = {});
+                            const char* what, uint32_t call, absl::string_view refusal = {},
+                            std::optional<GivenPatience> patience = std::nullopt);
 
 // The rank a timeout code names as the one the group gave up on, else `peer` (the rank this
 // rank waited for): the rank TimedOutStatus reports.

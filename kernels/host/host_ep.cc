@@ -474,12 +474,15 @@ HostEp::InCall HostEp::EnterCall(Deadline deadline) {
 absl::Status HostEp::WaitForPeer(Deadline deadline, absl::FunctionRef<int()> peer,
                                  absl::FunctionRef<absl::Status(AbortWatch, Deadline)> wait) {
   const CallPhase phase = PhaseInFlight(dispatch_epoch_, combine_epoch_);
+  patience_given_.reset();
   while (true) {
     const absl::Status s = wait(Watch(), deadline);
     if (absl::IsDeadlineExceeded(s)) {
-      const std::optional<PublishedCall> later = Patience(peer(), deadline);
+      const int waited_on = peer();
+      const std::optional<PublishedCall> later = Patience(waited_on, deadline);
       if (!later.has_value()) return s;
       deadline = later->until;
+      patience_given_ = GivenPatience{waited_on, absl::FromChrono(deadline - call_deadline_)};
       if (deadline > published_call_.until) {
         // Ranks stuck behind this one wait longer in turn.
         published_call_ = *later;
@@ -537,7 +540,8 @@ absl::Status HostEp::GiveUp(int peer, const char* what, uint32_t epoch) const {
           ? ReadRefusal(arenas_[given_up_on], layout_,
                         PhaseInFlight(dispatch_epoch_, combine_epoch_))
           : "";
-  return TimedOutStatus(code, rank_, peer, config_.timeout, what, epoch, refusal);
+  return TimedOutStatus(code, rank_, peer, config_.timeout, what, epoch, refusal,
+                        patience_given_);
 }
 
 absl::Status HostEp::Refuse(absl::Status refused, bool keep_earlier) {

@@ -259,6 +259,9 @@ class HostEp {
   // its waits on stuck peers move on (WaitForPeer).
   Deadline call_deadline_{};
   PublishedCall published_call_;
+  // How much past the call's deadline the last wait that ended (WaitForPeer) was given on a
+  // peer in a call of its own (Patience), which its error says (GiveUp).
+  std::optional<GivenPatience> patience_given_;
   // The last Dispatch this rank took part in completed: its output describes the rows.
   bool dispatch_completed_ = false;
   // Written by the counting role, read by the senders once a batch is handed over.
