@@ -156,7 +156,7 @@ absl::Status TimedOutStatus(uint32_t code, int rank, int peer, absl::Duration ti
       "rank ", rank, ": timed out after ", absl::FormatDuration(timeout), " waiting for rank ",
       dead_rank, " (", what, ", call ", call,
       dead_rank == peer ? "" : absl::StrCat(", waiting on rank ", peer, " which gave up"),
-      patience.has_value() ? absl::StrCat("; given ", absl::FormatDuration(patience->more),
+      patience.has_value() ? absl::StrCat("; given up to ", absl::FormatDuration(patience->up_to),
                                           " more as rank ", patience->peer, " was in a call")
                            : "",
       "); ",

@@ -157,11 +157,11 @@ constexpr int RankThatLeft(uint32_t code) {
 // `what` names the phase, `call` the epoch.
 absl::Status DaemonAbortStatus(uint32_t code, int rank, const char* what, uint32_t call);
 
-// How much longer than its call's deadline a wait was given because `peer`, the rank it
-// waited on then, was in a call of its own (HostEp::WaitForPeer).
+// How much longer than its call's deadline a wait was given at most because `peer`, the rank
+// it waited on then, was in a call of its own (HostEp::WaitForPeer).
 struct GivenPatience {
   int peer;
-  absl::Duration more;
+  absl::Duration up_to;
 };
 
 // The error for `rank`'s wait on `peer` (in `what` of call `call`) that gave up after

@@ -482,7 +482,7 @@ absl::Status HostEp::WaitForPeer(Deadline deadline, absl::FunctionRef<int()> pee
       const std::optional<PublishedCall> later = Patience(waited_on, deadline);
       if (!later.has_value()) return s;
       deadline = later->until;
-      patience_given_ = GivenPatience{waited_on, absl::FromChrono(deadline - call_deadline_)};
+      patience_given_ = GivenPatience{waited_on, PatienceLimit(later->depth)};
       if (deadline > published_call_.until) {
         // Ranks stuck behind this one wait longer in turn.
         published_call_ = *later;
@@ -507,16 +507,23 @@ std::optional<PublishedCall> HostEp::Patience(int peer, Deadline deadline) const
   if (!call.has_value()) return std::nullopt;  // Between calls: stuck behind no one.
   const int depth = call->depth + 1;
   if (depth > kMaxWaitDepth) return std::nullopt;
-  // Long enough for a rank past its deadline to be scheduled and give up, on a busy host;
-  // short enough that a peer killed in a call is named soon after its deadline.
-  const auto grace = absl::ToChronoNanoseconds(std::min(config_.timeout, absl::Seconds(1)));
-  // A grace more per depth: the peer's own wait may have gone on to its own limit, and this
-  // wait outlasts it by a grace.
-  const Deadline limit =
-      call_deadline_ + absl::ToChronoNanoseconds(config_.timeout) + (depth - 1) * grace;
+  const auto grace = absl::ToChronoNanoseconds(Grace());
+  const Deadline limit = call_deadline_ + absl::ToChronoNanoseconds(PatienceLimit(depth));
   const Deadline later = call->until >= limit - grace ? limit : call->until + grace;
   if (later <= deadline || std::chrono::steady_clock::now() >= later) return std::nullopt;
   return PublishedCall{later, depth};
+}
+
+absl::Duration HostEp::Grace() const {
+  // Long enough for a rank past its deadline to be scheduled and give up, on a busy host;
+  // short enough that a peer killed in a call is named soon after its deadline.
+  return std::min(config_.timeout, absl::Seconds(1));
+}
+
+absl::Duration HostEp::PatienceLimit(int depth) const {
+  // A grace more per depth: the peer's own wait may have gone on to its own limit, and this
+  // wait outlasts it by a grace.
+  return config_.timeout + (depth - 1) * Grace();
 }
 
 absl::Status HostEp::GiveUp(int peer, const char* what, uint32_t epoch) const {

@@ -211,6 +211,9 @@ class HostEp {
   // 1 s at most), one deeper than the peer's. Never past the call's deadline, the timeout and
   // a grace per depth past the first; a peer at kMaxWaitDepth or deeper gets none.
   std::optional<PublishedCall> Patience(int peer, Deadline deadline) const;
+  absl::Duration Grace() const;
+  // How far past the call's deadline a wait on a peer published depth - 1 deep may go on.
+  absl::Duration PatienceLimit(int depth) const;
   // Raises this rank's flag in `region` of rank d's arena to `epoch` (Signal, with d's
   // doorbell: d is the one that waits on it).
   void Raise(int d, size_t region, uint32_t epoch);
@@ -259,8 +262,9 @@ class HostEp {
   // its waits on stuck peers move on (WaitForPeer).
   Deadline call_deadline_{};
   PublishedCall published_call_;
-  // How much past the call's deadline the last wait that ended (WaitForPeer) was given on a
-  // peer in a call of its own (Patience), which its error says (GiveUp).
+  // How far past the call's deadline the last wait that ended (WaitForPeer) could go on (the
+  // limit of its depth) because a peer was in a call of its own (Patience), which its error
+  // says (GiveUp).
   std::optional<GivenPatience> patience_given_;
   // The last Dispatch this rank took part in completed: its output describes the rows.
   bool dispatch_completed_ = false;

@@ -739,8 +739,24 @@ absl::Status GaveUpOnRank2(int r, const char* phase, absl::string_view refused =
                            absl::string_view given = "") {
   return absl::DeadlineExceededError(absl::StrCat(
       "rank ", r, ": timed out after 300ms waiting for rank 2 (", phase, ", call 1",
-      given.empty() ? "" : absl::StrCat("; given ", given, " more as rank 2 was in a call"), "); ",
+      given.empty() ? "" : absl::StrCat("; given up to ", given, " more as rank 2 was in a call"), "); ",
       refused.empty() ? "is rank 2 alive?" : absl::StrCat("rank 2 refused this call: ", refused)));
+}
+
+// Ranks 0, 1 and 3 gave up on rank 2 while it was in the call, after the patience that
+// gave them (`given`, GaveUpOnRank2): the first to give up says it, and so do the others but
+// any that the first one's give-up reached before their own deadline.
+void ExpectGaveUpOnRank2InACall(const std::vector<absl::Status>& status, const char* phase,
+                                absl::string_view given) {
+  int said_given = 0;
+  for (int r : {0, 1, 3}) {
+    if (status[r] == GaveUpOnRank2(r, phase, "", given)) {
+      ++said_given;
+    } else {
+      EXPECT_EQ(status[r], GaveUpOnRank2(r, phase));
+    }
+  }
+  EXPECT_GE(said_given, 1);
 }
 
 // ubep with the 300 ms timeout GaveUpOnRank2 names.
@@ -900,7 +916,7 @@ TEST(HostEpErrorTest, ARankThatTookPartAfterRefusingIsNotSaidToHaveRefused) {
         {in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8, config.hidden, 0, plan.header()},
         out);
   });
-  for (int r : {0, 1, 3}) EXPECT_EQ(status[r], GaveUpOnRank2(r, "dispatch data"));
+  ExpectGaveUpOnRank2InACall(status, "dispatch data", "300ms");
 }
 
 // Rank 2's counts arrive and its rows do not (they go out a second after them, past the
@@ -919,8 +935,8 @@ TEST(HostEpErrorTest, RowsThatNeverArriveAreNamedAfterTheCounts) {
         std::vector<uint16_t> y(out.recv_x.size() / 2), result(8 * config.hidden);
         combined[r] = group.ep(r).Combine(out, y.data(), result.data());
       });
+  ExpectGaveUpOnRank2InACall(status, "dispatch data", "300ms");
   for (int r : {0, 1, 3}) {
-    EXPECT_EQ(status[r], GaveUpOnRank2(r, "dispatch data"));
     EXPECT_EQ(combined[r],
               absl::FailedPreconditionError(absl::StrCat(
                   "rank ", r, ": combine after dispatch call 1 failed; the group must be re-formed")));
@@ -940,7 +956,7 @@ TEST(HostEpErrorTest, FlaggedRowsThatNeverArriveAreNamedAfterTheCounts) {
   const TestPlan plan = RoundRobinPlan(config);
   group.ep(2).set_row_delay_for_testing(absl::Seconds(1));
   const std::vector<absl::Status> status = DispatchOnce(group, plan, [](int) { return true; });
-  for (int r : {0, 1, 3}) EXPECT_EQ(status[r], GaveUpOnRank2(r, "dispatch data"));
+  ExpectGaveUpOnRank2InACall(status, "dispatch data", "300ms");
 }
 
 // Every rank dispatches 8 flagged tokens; rank 2's partials go out a second late: the others'
@@ -962,7 +978,7 @@ TEST(HostEpErrorTest, FlaggedPartialsThatNeverArriveAreNamed) {
     std::vector<float> combined(8 * c.hidden);
     status[r] = group.ep(r).Combine(out, out.recv_x.data(), combined.data());
   });
-  for (int r : {0, 1, 3}) EXPECT_EQ(status[r], GaveUpOnRank2(r, "combine partials"));
+  ExpectGaveUpOnRank2InACall(status, "combine partials", "300ms");
 }
 
 // The daemon stops the group (draining) while the ranks wait for rank 2's flagged rows, which
@@ -1073,13 +1089,13 @@ TEST_P(StuckBehindASurvivorTest, RanksStuckBehindASurvivorWaitForItToNameTheDead
   EXPECT_EQ(status[0], absl::DeadlineExceededError(absl::StrCat(
                            "rank 0: timed out after 1.25s waiting for rank 1 (combine partials, "
                            "call 1",
-                           died_in_a_call ? "; given 1.25s more as rank 1 was in a call" : "",
+                           died_in_a_call ? "; given up to 1.25s more as rank 1 was in a call" : "",
                            "); is rank 1 alive?")));
   for (int r : {2, 3}) {
     EXPECT_EQ(status[r], absl::DeadlineExceededError(absl::StrCat(
                              "rank ", r,
                              ": timed out after 1s waiting for rank 1 (dispatch "
-                             "counts, call 2, waiting on rank 0 which gave up; given ",
+                             "counts, call 2, waiting on rank 0 which gave up; given up to ",
                              died_in_a_call ? "2s" : "1s",
                              " more as rank 0 was in a call); is rank 1 alive?")));
   }
@@ -1144,25 +1160,17 @@ TEST_P(PatienceDepthTest, APeerInACallForEverIsNamedAtTheLimitOfItsDepth) {
   const auto waited = std::chrono::steady_clock::now() - start;
   done = true;
   watch.join();
-  // The timeout and a grace per depth past the first, which the rank that gave up first (and
-  // any that reached its deadline before that) says it was given.
-  const std::string given = depth < kMaxWaitDepth
-                                ? absl::FormatDuration((1 + depth) * absl::Milliseconds(300))
-                                : "";
-  int said_given = 0;
   for (int r : {0, 1, 3}) {
-    if (status[r] == GaveUpOnRank2(r, "dispatch counts", "", given)) {
-      ++said_given;
-    } else {
-      EXPECT_EQ(status[r], GaveUpOnRank2(r, "dispatch counts"));
-    }
     EXPECT_EQ(ReadInCall(group.arena(r), layout), std::nullopt) << "rank " << r;
   }
   if (depth < kMaxWaitDepth) {
-    EXPECT_GE(said_given, 1);
+    // The timeout and a grace per depth past the first.
+    ExpectGaveUpOnRank2InACall(status, "dispatch counts",
+                               absl::FormatDuration((1 + depth) * absl::Milliseconds(300)));
     EXPECT_EQ(deepest, depth + 1);
     EXPECT_GE(waited, (2 + depth) * std::chrono::milliseconds(300));
   } else {
+    for (int r : {0, 1, 3}) EXPECT_EQ(status[r], GaveUpOnRank2(r, "dispatch counts"));
     EXPECT_EQ(deepest, 0);
   }
 }
