@@ -108,7 +108,6 @@ bool BalancerLink::Register() {
   if (response.report_interval_ms() > 0) {
     interval_ms_.store(static_cast<int64_t>(response.report_interval_ms()));
   }
-  last_ = {};
   UBEP_LOG(INFO) << "registered with ubep-balancer at " << options_.balancer;
   return true;
 }
@@ -118,9 +117,12 @@ void BalancerLink::Report() {
   if (!loads.ok() || loads->slots.empty()) return;
   const uint64_t step = node_->MaxStep();
   if (last_.arenas_created != loads->arenas_created) {
-    last_ = *loads;  // A new group, whatever its size: start counting from here.
-    last_step_ = step;
-    return;
+    // Arenas created since the last report (the first group, or one formed again, whatever
+    // its size) started their counters at zero: all of it is new.
+    last_ = *loads;
+    for (std::vector<uint64_t>& layer : last_.slots) std::fill(layer.begin(), layer.end(), 0);
+    for (std::vector<uint64_t>& layer : last_.dispatches) std::fill(layer.begin(), layer.end(), 0);
+    last_.over_capacity_calls = 0;
   }
   const Node::PlanIdentity plan = node_->CommittedPlanIdentity();
   const std::optional<std::pair<int, int>> hosted = node_->HostedRanks();
@@ -130,6 +132,10 @@ void BalancerLink::Report() {
   const size_t slots_per_rank = shape->shape().slots_per_rank();
   const size_t first_rank = static_cast<size_t>(hosted->first);
   const size_t end_rank = first_rank + static_cast<size_t>(hosted->second);
+  if (loads->slots.front().size() < end_rank * slots_per_rank ||
+      loads->dispatches.front().size() < end_rank) {
+    return;  // The group was formed again after the counters were read: read them again.
+  }
   v1::ReportLoadRequest request;
   request.set_node(options_.node);
   request.set_seq(++seq_);
@@ -154,16 +160,21 @@ void BalancerLink::Report() {
       layer->add_dispatches(loads->dispatches[l][r] - last_.dispatches[l][r]);
     }
   }
-  last_ = *std::move(loads);
-  last_step_ = step;
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
   v1::ReportLoadResponse response;
   const grpc::Status status = stub_->ReportLoad(&context, request, &response);
   if (status.error_code() == grpc::StatusCode::NOT_FOUND ||
       status.error_code() == grpc::StatusCode::UNAVAILABLE) {
-    registered_ = false;  // The balancer restarted or is away: register again.
+    // The balancer restarted (it does not know this node) or is away: it took nothing of the
+    // report, which the first one after registering again carries on.
+    registered_ = false;
+    return;
   }
+  // Anything else was delivered; a report that timed out may have been taken, and is not
+  // sent again.
+  last_ = *std::move(loads);
+  last_step_ = step;
 }
 
 }  // namespace ubep::daemon

@@ -46,7 +46,9 @@ class BalancerLink {
   std::unique_ptr<v1::Control::Stub> stub_;
   bool registered_ = false;
   std::string registered_shape_;          // Serialized shape at the last registration.
-  Node::SlotLoads last_;                      // Counters at the last report.
+  // Counters at the last report delivered; kept across registrations, so that nothing
+  // counted is reported twice or lost.
+  Node::SlotLoads last_;
   uint64_t last_step_ = 0;
   uint64_t seq_ = 0;
   absl::Time next_report_ = absl::InfinitePast();

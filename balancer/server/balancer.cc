@@ -387,6 +387,9 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
                                " is not after ", d.last_seq, " (duplicate or reordered)"));
   }
   d.last_seq = request->seq();
+  // The calls its ranks dropped are counted whatever else the report holds: a report the
+  // balancer cannot use (no plan yet, another plan's counts, a bad shape) still tells them.
+  over_capacity_calls_->Increment(static_cast<double>(request->over_capacity_calls()));
   d.prev_step = d.max_step;
   d.prev_step_time = d.step_time;
   d.max_step = std::max(d.max_step, request->max_step());
@@ -410,8 +413,7 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
   }
   if (load.plan_version() != plan_->version ||
       (load.first_step() < plan_effective_step_ && load.last_step() >= plan_effective_step_)) {
-    // Its counts cannot be told apart from the other plan's, but its failed calls are counted.
-    over_capacity_calls_->Increment(static_cast<double>(request->over_capacity_calls()));
+    // Its counts cannot be told apart from the other plan's (its failed calls are counted).
     stale_reports_->Increment();
     return Reject("stale_plan", grpc::StatusCode::FAILED_PRECONDITION,
                   absl::StrCat("report counted under plan v", load.plan_version(),
@@ -489,7 +491,6 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
   // Calls of steps under the plan in force only: a report sent before the daemon's ranks
   // reached its effective step may be counted under it but holds the old plan's.
   if (request->plan_in_force()) d.interval_over_capacity += request->over_capacity_calls();
-  over_capacity_calls_->Increment(static_cast<double>(request->over_capacity_calls()));
   reports_->Increment();
   return grpc::Status::OK;
 }

@@ -98,9 +98,10 @@ TEST(BalancerServerTest, RegistrationsAndReportsRaceTheLoopSafely) {
         q.set_node(node);
         q.set_seq(seq);
         q.set_max_step(seq);
+        q.set_over_capacity_calls(seq % 3);
         v1::ReportLoadResponse response;
         // The balancer never learns a plan here (no daemon answers GetState): every report
-        // is refused with no_plan, after its steps were recorded.
+        // is refused with no_plan, after its steps and its dropped calls were recorded.
         const grpc::Status status = balancer.ReportLoad(nullptr, &q, &response);
         EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
         EXPECT_EQ(status.error_message(), "the balancer has not learned the cluster's plan yet");
@@ -122,6 +123,13 @@ TEST(BalancerServerTest, RegistrationsAndReportsRaceTheLoopSafely) {
   EXPECT_EQ(status.nodes[0].max_step, 200u);
   EXPECT_EQ(status.nodes[1].ranks, (std::vector<int>{2, 3}));
   EXPECT_EQ(status.plan_version, 0u);
+  double over_capacity = -1;
+  for (const prometheus::MetricFamily& f : registry->Collect()) {
+    if (f.name == "ubep_balancer_over_capacity_calls_total") {
+      over_capacity = f.metric.at(0).counter.value;
+    }
+  }
+  EXPECT_EQ(over_capacity, 402);  // Two nodes, each the sum of seq % 3 over seq 1..200.
 }
 
 TEST(BalancerServerTest, ShapeConflictsAreRefusedNamingBothShapes) {
