@@ -129,11 +129,26 @@ void Observe(kernels::LatencyHistogram& h, absl::Duration d) {
 // Every call but Detach on a rank that detached (Detach released what the calls use).
 absl::Status Detached() { return absl::FailedPreconditionError("rank is detached"); }
 
+// The abort word of this rank's data plane: in its host arena, or on the CUDA backend in its
+// device arena (the data plane at its offset 0).
+uint32_t AbortCode(const RankState& s) {
+  const kernels::ArenaLayout ep(s.config);
+  uint32_t code = 0;
+#ifdef UBEP_CLIENT_CUDA
+  if (s.on_device) {
+    if (static_cast<size_t>(s.rank) < s.device_arenas.size()) {
+      (void)cudaMemcpy(&code, s.device_arenas[s.rank]->data() + ep.abort, sizeof(code),
+                       cudaMemcpyDeviceToHost);
+    }
+    return code;
+  }
+#endif
+  return kernels::LoadAcquire(reinterpret_cast<const uint32_t*>(s.own() + s.layout.ep + ep.abort));
+}
+
 // Why the group is not ready, from this rank's control block and abort word.
 absl::Status GroupStopped(const RankState& s) {
-  const kernels::ArenaLayout ep(s.config);
-  const uint32_t code = kernels::LoadAcquire(
-      reinterpret_cast<const uint32_t*>(s.own() + s.layout.ep + ep.abort));
+  const uint32_t code = AbortCode(s);
   const uint32_t state =
       std::atomic_ref<uint32_t>(s.control()->group_state).load(std::memory_order_acquire);
   const kernels::AbortReason reason = kernels::ReadAbortCode(code);
@@ -194,7 +209,7 @@ absl::Status Record(RankState& s, absl::Status status) {
   return status;
 }
 
-absl::Status RefreshArenas(RankState& s);
+absl::Status RefreshArenas(RankState& s, uint64_t epoch);
 
 absl::Status JoinGroup(RankState& s, std::optional<uint64_t> next_step) {
   v1::JoinRequest request;
@@ -207,7 +222,7 @@ absl::Status JoinGroup(RankState& s, std::optional<uint64_t> next_step) {
   UBEP_RETURN_IF_ERROR(FromGrpc(s.stub->Join(&context, request, &response),
                                 absl::StrCat("rank ", s.rank, ": join")));
   if (response.arena_epoch() != 0 && response.arena_epoch() != s.arena_epoch) {
-    UBEP_RETURN_IF_ERROR(RefreshArenas(s));
+    UBEP_RETURN_IF_ERROR(RefreshArenas(s, response.arena_epoch()));
   }
   s.ep.reset();
   if (s.on_device) {
@@ -305,19 +320,26 @@ absl::Status TakeArenas(RankState& s, const v1::AttachResponse& response) {
   return absl::OkStatus();
 }
 
-// A peer daemon restarted and this rank's daemon mapped its new arenas: map them too, keeping
-// the others where they are (on the CUDA backend the device arenas' fds follow the host
-// arenas').
-absl::Status RefreshArenas(RankState& s) {
+// A peer daemon restarted and this rank's daemon mapped its new arenas (arena epoch `epoch`
+// or later): map them too, keeping the others where they are (on the CUDA backend the device
+// arenas' fds follow the host arenas').
+absl::Status RefreshArenas(RankState& s, uint64_t epoch) {
   UBEP_RETURN_IF_ERROR(SendMessage(s.fd_connection.get(), kArenaRefreshRequest, {}));
-  UBEP_ASSIGN_OR_RETURN(ReceivedMessage reply,
-                        ReceiveMessage(s.fd_connection.get(), 4096, s.options.rpc_timeout));
+  const absl::Time deadline = MonotonicNow() + s.options.rpc_timeout;
+  ReceivedMessage reply;
   uint64_t got = 0;
-  if (!absl::StartsWith(reply.bytes, "OK ") || !absl::SimpleAtoi(reply.bytes.substr(3), &got)) {
-    return absl::UnavailableError(absl::StrCat(
-        "rank ", s.rank, ": ubepd did not give the new arenas: ",
-        reply.bytes.size() > 4 ? reply.bytes.substr(4) : std::string("connection closed")));
-  }
+  do {
+    // A reply of an earlier refresh that timed out may come first, with arenas older than
+    // the group's (`epoch`, from the Join): it is passed over.
+    UBEP_ASSIGN_OR_RETURN(reply, ReceiveMessage(s.fd_connection.get(), 4096,
+                                                std::max(deadline - MonotonicNow(),
+                                                         absl::ZeroDuration())));
+    if (!absl::StartsWith(reply.bytes, "OK ") || !absl::SimpleAtoi(reply.bytes.substr(3), &got)) {
+      return absl::UnavailableError(absl::StrCat(
+          "rank ", s.rank, ": ubepd did not give the new arenas: ",
+          reply.bytes.size() > 4 ? reply.bytes.substr(4) : std::string("connection closed")));
+    }
+  } while (got < epoch);
   const size_t world = static_cast<size_t>(s.world_size);
   if (reply.fds.size() != world * (s.on_device ? 2 : 1)) {
     return absl::DataLossError(absl::StrCat("rank ", s.rank, ": expected ", world * (s.on_device ? 2 : 1),
@@ -394,8 +416,14 @@ absl::StatusOr<v1::AttachResponse> AttachRpc(RankState& s, int device) {
 
 Dispatched::Dispatched() : state_(std::make_unique<internal::DispatchedState>()) {}
 Dispatched::~Dispatched() = default;
-Dispatched::Dispatched(Dispatched&&) noexcept = default;
-Dispatched& Dispatched::operator=(Dispatched&&) noexcept = default;
+// A moved-from Dispatched holds an empty output, reusable as any other.
+Dispatched::Dispatched(Dispatched&& other) noexcept : Dispatched() {
+  std::swap(state_, other.state_);
+}
+Dispatched& Dispatched::operator=(Dispatched&& other) noexcept {
+  std::swap(state_, other.state_);
+  return *this;
+}
 #ifdef UBEP_CLIENT_CUDA
 #define UBEP_ON_DEVICE(host, device) (state_->on_device ? (device) : (host))
 #else
@@ -534,20 +562,7 @@ bool Rank::must_attach_again() const {
   // Asked after an error: look at the connection now (BeginStep looks only every
   // daemon_check_interval, and another reason may have stopped the group first).
   if (s.daemon_exited || DaemonExited(s)) return true;
-  const kernels::ArenaLayout ep(s.config);
-  uint32_t code = 0;
-#ifdef UBEP_CLIENT_CUDA
-  if (s.on_device) {
-    // The abort word is in the rank's device arena (the data plane is at its offset 0).
-    if (static_cast<size_t>(s.rank) < s.device_arenas.size()) {
-      (void)cudaMemcpy(&code, s.device_arenas[s.rank]->data() + ep.abort, sizeof(code),
-                       cudaMemcpyDeviceToHost);
-    }
-  } else
-#endif
-  {
-    code = kernels::LoadAcquire(reinterpret_cast<const uint32_t*>(s.own() + s.layout.ep + ep.abort));
-  }
+  const uint32_t code = AbortCode(s);
   return code == kernels::kAbortDraining ||
          std::atomic_ref<uint32_t>(s.control()->group_state).load(std::memory_order_acquire) ==
              kernels::kGroupDraining;
@@ -779,7 +794,20 @@ absl::Status Rank::Combine(const Dispatched& dispatched, const void* expert_out,
 absl::StatusOr<uint64_t> Rank::Rejoin(std::optional<uint64_t> next_step) {
   RankState& s = *state_;
   if (!s.attached) return Detached();
-  UBEP_RETURN_IF_ERROR(Record(s, JoinGroup(s, next_step)));
+  const absl::Status joined = JoinGroup(s, next_step);
+#ifdef UBEP_CLIENT_CUDA
+  const bool has_data_plane = s.on_device ? s.cuda_ep != nullptr : s.ep != nullptr;
+#else
+  const bool has_data_plane = s.ep != nullptr;
+#endif
+  if (!joined.ok() && !has_data_plane) {
+    // The data plane was let go of on the way (its backend over new arenas failed): no call
+    // runs until a Rejoin completes.
+    s.stopped = absl::FailedPreconditionError(absl::StrCat(
+        "rank ", s.rank, ": the last Rejoin did not complete (", joined.message(),
+        "); call Rejoin again"));
+  }
+  UBEP_RETURN_IF_ERROR(Record(s, joined));
   return s.resume_step;
 }
 

@@ -12,6 +12,12 @@
 
 namespace ubep::kernels {
 
+// A dispatch of tokens, or a combine of rows or tokens, without the buffers to read or write
+// them: refused before any byte moves, by every backend.
+inline constexpr char kNullDispatchInput[] = "x, topk_idx and topk_weights must be non-null";
+inline constexpr char kNullCombineBuffers[] =
+    "combine: y (with rows received) and out (with tokens sent) must be non-null";
+
 // topk_idx[t][k] = e is neither -1 nor an expert of the group.
 inline std::string ExpertOutOfRangeMessage(int t, int k, int32_t e, int num_experts) {
   return absl::StrCat("topk_idx[", t, "][", k, "] = ", e, " is outside [-1, ", num_experts, ")");

@@ -1383,10 +1383,15 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
     return absl::FailedPreconditionError(absl::StrCat(
         "rank ", rank_, " is excluded from the EP group by plan v", in.host_plan->version));
   }
+  if (in.num_tokens > 0 &&
+      (in.x == nullptr || in.topk_idx == nullptr || in.topk_weights == nullptr)) {
+    return Refuse(absl::InvalidArgumentError(kNullDispatchInput));
+  }
   if (reinterpret_cast<uintptr_t>(in.x) % 16 != 0) {
     return Refuse(absl::InvalidArgumentError("cuda backend: x must be 16-byte aligned"));
   }
   TakePart();
+  dispatch_completed_ = false;
   Scratch& s = *scratch_;
   Params p = s.params;
   p.num_tokens = in.num_tokens;
@@ -1464,6 +1469,8 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
                                        cudaMemcpyDeviceToHost));
   // Over the receive capacity, recv_x holds the first max_rows rows of the layout.
   out.num_rows = std::min(out.slot_offsets.back(), s.params.max_rows);
+  last_rows_ = out.num_rows;
+  dispatch_completed_ = true;
   out.recv_x = p.recv_x;
   out.src_rank = p.src_rank;
   out.src_token = p.src_token;
@@ -1478,6 +1485,13 @@ absl::Status CudaEp::Combine(const void* y, void* out) {
   if (combine_epoch_ + 1 != dispatch_epoch_) {
     return Refuse(absl::FailedPreconditionError("combine without a dispatch before it"),
                   /*keep_earlier=*/true);
+  }
+  if (!dispatch_completed_) {
+    // Its scratch may hold an earlier call's layout: nothing of it is read, nothing is stored.
+    return CombineAfterFailedDispatchStatus(rank_, dispatch_epoch_);
+  }
+  if ((y == nullptr && last_rows_ > 0) || (out == nullptr && last_tokens_ > 0)) {
+    return Refuse(absl::InvalidArgumentError(kNullCombineBuffers));
   }
   if (reinterpret_cast<uintptr_t>(y) % 16 != 0 || reinterpret_cast<uintptr_t>(out) % 16 != 0) {
     return Refuse(absl::InvalidArgumentError("cuda backend: y and out must be 16-byte aligned"));

@@ -146,6 +146,10 @@ class CudaEp {
   // before it that ran this rank): the next call it takes part in withdraws it.
   bool refusal_recorded_ = true;
   int last_tokens_ = 0;
+  int last_rows_ = 0;  // Rows of recv_x the last dispatch left (its num_rows).
+  // The last Dispatch completed (OK, bad input found on the device, or over the receive
+  // capacity): its scratch describes the call, and Combine may run on it.
+  bool dispatch_completed_ = false;
   std::unique_ptr<Scratch> scratch_;
 };
 

@@ -164,6 +164,11 @@ absl::Status TimedOutStatus(uint32_t code, int rank, int peer, absl::Duration ti
                       : absl::StrCat("rank ", dead_rank, " refused this call: ", refusal)));
 }
 
+absl::Status CombineAfterFailedDispatchStatus(int rank, uint32_t call) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "rank ", rank, ": combine after dispatch call ", call, " failed; the group must be re-formed"));
+}
+
 void FormatRefusal(CallPhase phase, absl::string_view why, std::byte (&body)[kRefusalBody]) {
   std::memset(body, 0, sizeof(body));
   const uint32_t words[2] = {phase.combine ? 1u : 0u, phase.call};

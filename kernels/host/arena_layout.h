@@ -174,6 +174,10 @@ absl::Status TimedOutStatus(uint32_t code, int rank, int peer, absl::Duration ti
                             const char* what, uint32_t call, absl::string_view refusal = {},
                             std::optional<GivenPatience> patience = std::nullopt);
 
+// A Combine after a Dispatch of `call` that did not complete (a wait that ended, an abort):
+// refused before it reads the output or stores a byte, by both backends.
+absl::Status CombineAfterFailedDispatchStatus(int rank, uint32_t call);
+
 // The rank a timeout code names as the one the group gave up on, else `peer` (the rank this
 // rank waited for): the rank TimedOutStatus reports.
 int RankGivenUpOn(uint32_t code, int peer);

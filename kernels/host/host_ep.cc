@@ -277,7 +277,7 @@ absl::Status HostEp::Validate(const DispatchInput& in) const {
   }
   if (in.num_tokens > 0 && (in.x == nullptr || in.topk_idx == nullptr ||
                             in.topk_weights == nullptr)) {
-    return absl::InvalidArgumentError("x, topk_idx and topk_weights must be non-null");
+    return absl::InvalidArgumentError(kNullDispatchInput);
   }
   for (int t = 0; t < in.num_tokens; ++t) {
     for (int k = 0; k < config_.top_k; ++k) {
@@ -878,9 +878,7 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
   }
   if (!dispatch_completed_) {
     // Its output may be half laid out: nothing of it is read, and nothing is stored.
-    return absl::FailedPreconditionError(absl::StrCat(
-        "rank ", rank_, ": combine after dispatch call ", dispatch_epoch_,
-        " failed; the group must be re-formed"));
+    return CombineAfterFailedDispatchStatus(rank_, dispatch_epoch_);
   }
   const int R = config_.num_ranks, H = config_.hidden;
   const DispatchOutput::Handle& handle = dispatched.handle;
@@ -898,6 +896,10 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
       static_cast<int>(handle.flagged_from.size()) != R) {
     return Refuse(
         absl::InvalidArgumentError("combine: the dispatch output is not from this group"));
+  }
+  if ((y_ptr == nullptr && dispatched.num_rows() > 0) ||
+      (out_ptr == nullptr && handle.num_tokens > 0)) {
+    return Refuse(absl::InvalidArgumentError(kNullCombineBuffers));
   }
   active_ = handle.active;
   TakePart();

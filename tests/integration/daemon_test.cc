@@ -481,6 +481,10 @@ TEST_F(DaemonTest, MalformedAndOversizedRequestsAreRefusedAndTheDaemonKeepsServi
       {[](v1::AttachRequest& q) { q.mutable_shape()->set_max_tokens(4096); },
        "this shape needs an arena of 2322432 bytes per rank, over the 1000000 bytes ubepd "
        "allows (--max_arena_bytes)"},
+      // Times the 12 buffers of the arena, 2^61 wraps in 64 bits (to 2^63).
+      {[](v1::AttachRequest& q) { q.mutable_shape()->set_bytes_per_expert(uint64_t{1} << 61); },
+       "shape.bytes_per_expert 2305843009213693952 in 6 buffers per layer x 2 layers "
+       "is over the 1000000 bytes per rank ubepd allows (--max_arena_bytes)"},
   };
   for (const Case& c : cases) {
     v1::AttachRequest q = Request(0, 2);
@@ -591,6 +595,18 @@ TEST_F(DaemonTest, ADetachedRankAndNullHandlesGetErrorsNotCrashes) {
   const std::vector<int32_t> idx = {0, 1, 1, 2, 2, 3, 3, 0};
   Dispatched d;
   ASSERT_TRUE(r.Dispatch(0, x.data(), idx.data(), w.data(), 4, d).ok());
+  // A moved-from output is an empty one, reusable; a Combine without its buffers is refused
+  // before any byte moves, and the right one then serves the call.
+  Dispatched moved(std::move(d));
+  EXPECT_EQ(d.num_rows(), 0);
+  EXPECT_TRUE(d.slot_offsets().empty());
+  ASSERT_EQ(moved.num_rows(), 8);
+  EXPECT_EQ(r.Combine(moved, nullptr, out.data()),
+            absl::InvalidArgumentError(
+                "combine: y (with rows received) and out (with tokens sent) must be non-null"));
+  const std::vector<float> y(8 * 8, 1.0f);
+  ASSERT_TRUE(r.Combine(moved, y.data(), out.data()).ok());
+  EXPECT_EQ(out, std::vector<float>(4 * 8, 1.0f));  // Two experts' ones, weighted 0.5 each.
   absl::StatusOr<int> slot2 = r.SlotExpert(0, 2);
   ASSERT_TRUE(slot2.ok()) << slot2.status();
   ASSERT_TRUE(r.Detach().ok());

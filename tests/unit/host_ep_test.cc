@@ -1643,14 +1643,49 @@ TEST(HostEpErrorTest, DispatchTwiceWithoutCombineIsRefused) {
   }
 }
 
+// A dispatch of tokens without x, topk_idx or topk_weights is refused before any byte moves:
+// no peer's arena changes.
+TEST(HostEpErrorTest, ADispatchWithoutItsInputIsRefusedBeforeAnyByteMoves) {
+  Group group(SmallConfig(Protocol::kUbep));
+  const EpConfig& c = group.config();
+  const ArenaLayout layout(c);
+  const TestPlan plan = RoundRobinPlan(c);
+  auto peers = [&] {
+    std::vector<std::vector<std::byte>> bytes;
+    for (int r = 1; r < c.num_ranks; ++r) {
+      bytes.emplace_back(group.arena(r), group.arena(r) + layout.total_bytes);
+    }
+    return bytes;
+  };
+  const std::vector<std::vector<std::byte>> before = peers();
+  RankInput in = MakeInput(c, 0, 8, 3);
+  DispatchOutput out;
+  const absl::Status refused =
+      absl::InvalidArgumentError("x, topk_idx and topk_weights must be non-null");
+  EXPECT_EQ(group.ep(0).Dispatch({nullptr, in.topk_idx.data(), in.topk_w.data(), 8, c.hidden, 0,
+                                  plan.header()},
+                                 out),
+            refused);
+  EXPECT_EQ(group.ep(0).Dispatch(
+                {in.x.data(), nullptr, in.topk_w.data(), 8, c.hidden, 0, plan.header()}, out),
+            refused);
+  EXPECT_EQ(group.ep(0).Dispatch(
+                {in.x.data(), in.topk_idx.data(), nullptr, 8, c.hidden, 0, plan.header()}, out),
+            refused);
+  EXPECT_TRUE(peers() == before);
+}
+
 // Combine takes the output of this rank's last dispatch only: an earlier call's output (a
-// caller that kept two) or another rank's is refused, and the right one then serves the call.
-TEST(HostEpErrorTest, CombineRefusesAnOutputOtherThanTheLastDispatchs) {
+// caller that kept two) or another rank's is refused, as are missing buffers (no y for the
+// rows received, no out for the tokens sent), and the right call then serves the step.
+TEST(HostEpErrorTest, CombineRefusesAnOutputOtherThanTheLastDispatchsOrNoBuffers) {
   Group group(SmallConfig(Protocol::kUbep));
   const EpConfig& c = group.config();
   const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
   std::vector<DispatchOutput> outs(c.num_ranks);
-  std::vector<absl::Status> stale(c.num_ranks), foreign(c.num_ranks), right(c.num_ranks);
+  std::vector<absl::Status> stale(c.num_ranks), foreign(c.num_ranks), no_y(c.num_ranks),
+      no_out(c.num_ranks), right(c.num_ranks);
+  std::vector<int> rows(c.num_ranks);
   std::barrier dispatched(c.num_ranks);
   group.RunAll([&](int r) {
     RankInput in = MakeInput(c, r, 4, 3);
@@ -1667,6 +1702,9 @@ TEST(HostEpErrorTest, CombineRefusesAnOutputOtherThanTheLastDispatchs) {
     stale[r] = group.ep(r).Combine(first, y.data(), out.data());
     foreign[r] = group.ep(r).Combine(outs[(r + 1) % c.num_ranks], y.data(), out.data());
     std::vector<float> y2(outs[r].recv_x.size() / sizeof(float), 1.0f);
+    rows[r] = outs[r].num_rows();
+    no_y[r] = group.ep(r).Combine(outs[r], nullptr, out.data());
+    no_out[r] = group.ep(r).Combine(outs[r], y2.data(), nullptr);
     right[r] = group.ep(r).Combine(outs[r], y2.data(), out.data());
   });
   for (int r = 0; r < c.num_ranks; ++r) {
@@ -1674,6 +1712,11 @@ TEST(HostEpErrorTest, CombineRefusesAnOutputOtherThanTheLastDispatchs) {
         "combine: the dispatch output is not of this rank's last dispatch (call 2)");
     EXPECT_EQ(stale[r], refused) << "rank " << r;
     EXPECT_EQ(foreign[r], refused) << "rank " << r;
+    EXPECT_GT(rows[r], 0) << "rank " << r;
+    const absl::Status no_buffers = absl::InvalidArgumentError(
+        "combine: y (with rows received) and out (with tokens sent) must be non-null");
+    EXPECT_EQ(no_y[r], no_buffers) << "rank " << r;
+    EXPECT_EQ(no_out[r], no_buffers) << "rank " << r;
     EXPECT_EQ(right[r], absl::OkStatus()) << "rank " << r;
   }
 }

@@ -93,7 +93,7 @@ struct RankState;
 
 // What one rank received from a dispatch: rows grouped by local slot (slot i's rows are
 // [slot_offsets()[i], slot_offsets()[i + 1])), with each row's source rank, source token and
-// routing weight. Reusable across calls (buffers are kept).
+// routing weight. Reusable across calls (buffers are kept); a moved-from one too.
 class Dispatched {
  public:
   Dispatched();
