@@ -18,7 +18,13 @@
 namespace ubep {
 namespace {
 
-constexpr size_t kMaxFds = 1024;
+// The most fds one message carries (Linux's SCM_MAX_FD); more go in several messages, all
+// but the last carrying kMoreFds in place of bytes.
+constexpr size_t kFdsPerMessage = 253;
+// The most one message and its continuations carry: two per rank of the largest group.
+constexpr size_t kMaxFds = 2048;
+// Bytes no message of the callers' starts with (theirs are text).
+constexpr std::string_view kMoreFds = "\x01more fds";
 
 absl::Status Errno(const std::string& what) {
   const int e = errno;
@@ -90,10 +96,10 @@ absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path, absl::Duration tim
   return fd;
 }
 
-absl::Status SendMessage(int socket, std::string_view bytes, std::span<const int> fds) {
-  if (fds.size() > kMaxFds) {
-    return absl::InvalidArgumentError(absl::StrCat("cannot pass ", fds.size(), " fds (max ", kMaxFds, ")"));
-  }
+namespace {
+
+// One sendmsg of `bytes` and at most kFdsPerMessage `fds`.
+absl::Status SendOne(int socket, std::string_view bytes, std::span<const int> fds) {
   iovec iov{const_cast<char*>(bytes.data()), bytes.size()};
   msghdr msg{};
   msg.msg_iov = &iov;
@@ -118,12 +124,28 @@ absl::Status SendMessage(int socket, std::string_view bytes, std::span<const int
   }
 }
 
-absl::StatusOr<ReceivedMessage> ReceiveMessage(int socket, size_t max_bytes,
-                                               absl::Duration timeout) {
+}  // namespace
+
+absl::Status SendMessage(int socket, std::string_view bytes, std::span<const int> fds) {
+  if (fds.size() > kMaxFds) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot pass ", fds.size(), " fds (max ", kMaxFds, ")"));
+  }
+  while (fds.size() > kFdsPerMessage) {
+    if (absl::Status s = SendOne(socket, kMoreFds, fds.first(kFdsPerMessage)); !s.ok()) return s;
+    fds = fds.subspan(kFdsPerMessage);
+  }
+  return SendOne(socket, bytes, fds);
+}
+
+namespace {
+
+// One recvmsg of at most `max_bytes` and kFdsPerMessage fds, appended to `out`, within
+// `timeout` from `start`.
+absl::Status ReceiveOne(int socket, size_t max_bytes, absl::Time start, absl::Duration timeout,
+                        ReceivedMessage& out) {
   pollfd p{socket, POLLIN, 0};
   // Time left on the monotonic clock (a wall-clock step neither ends nor stretches the wait);
   // each poll waits at most INT_MAX ms, so that any timeout, infinite included, is kept.
-  const absl::Time start = MonotonicNow();
   while (true) {
     const absl::Duration left = timeout - (MonotonicNow() - start);
     const int wait_ms =
@@ -139,10 +161,9 @@ absl::StatusOr<ReceivedMessage> ReceiveMessage(int socket, size_t max_bytes,
     }
     if (r < 0 && errno != EINTR) return Errno("poll");
   }
-  ReceivedMessage out;
-  out.bytes.resize(max_bytes);
-  iovec iov{out.bytes.data(), max_bytes};
-  std::vector<char> control(CMSG_SPACE(sizeof(int) * kMaxFds));
+  out.bytes.resize(std::max(max_bytes, kMoreFds.size()));
+  iovec iov{out.bytes.data(), out.bytes.size()};
+  std::vector<char> control(CMSG_SPACE(sizeof(int) * kFdsPerMessage));
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
@@ -163,13 +184,30 @@ absl::StatusOr<ReceivedMessage> ReceiveMessage(int socket, size_t max_bytes,
       }
     }
   }
-  if ((msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0) {
+  if ((msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0 || out.fds.size() > kMaxFds ||
+      (static_cast<size_t>(n) > max_bytes &&
+       std::string_view(out.bytes.data(), static_cast<size_t>(n)) != kMoreFds)) {
     return absl::DataLossError(absl::StrCat("message over ", max_bytes, " bytes or ", kMaxFds, " fds"));
   }
   out.bytes.resize(static_cast<size_t>(n));
-  out.closed = n == 0 && out.fds.empty();
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<ReceivedMessage> ReceiveMessage(int socket, size_t max_bytes,
+                                               absl::Duration timeout) {
+  const absl::Time start = MonotonicNow();
+  ReceivedMessage out;
+  do {
+    // The fds of the messages before (continuations) are kept in `out`.
+    if (absl::Status s = ReceiveOne(socket, max_bytes, start, timeout, out); !s.ok()) return s;
+  } while (out.bytes == kMoreFds);
+  out.closed = out.bytes.empty() && out.fds.empty();
   return out;
 }
+
+
 
 absl::StatusOr<pid_t> PeerPid(int socket) {
   ucred cred{};

@@ -52,7 +52,9 @@ absl::StatusOr<UniqueFd> ListenUnix(const std::string& path, mode_t mode);
 absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path,
                                      absl::Duration timeout = absl::Seconds(10));
 
-// Sends one message carrying `bytes` and `fds` (duplicated into the receiver).
+// Sends one message carrying `bytes` and `fds` (duplicated into the receiver; at most 2048:
+// more than a socket message takes, 253, go ahead of it in messages of their own, which
+// ReceiveMessage gathers).
 absl::Status SendMessage(int socket, std::string_view bytes, std::span<const int> fds);
 
 struct ReceivedMessage {
@@ -62,7 +64,7 @@ struct ReceivedMessage {
 };
 
 // Receives one message of at most `max_bytes`, waiting at most `timeout`
-// (DeadlineExceeded). A message cut short, or carrying more than 1024 fds, is DataLoss.
+// (DeadlineExceeded). A message cut short, or carrying more than 2048 fds, is DataLoss.
 absl::StatusOr<ReceivedMessage> ReceiveMessage(int socket, size_t max_bytes,
                                                absl::Duration timeout);
 

@@ -13,6 +13,7 @@
 #include "balancer/formats/proto_convert.h"
 #include "common/clock.h"
 #include "common/logging.h"
+#include "common/shape_limits.h"
 #include "common/status_macros.h"
 #include "daemon/weight_link.h"
 #include "kernels/common/flagged_rows.h"
@@ -29,8 +30,6 @@ void StoreWord(uint64_t& word, uint64_t value) {
   std::atomic_ref<uint64_t>(word).store(value, std::memory_order_release);
 }
 
-constexpr uint32_t kMaxWorld = 1024;
-constexpr uint32_t kMaxExperts = 1024;
 constexpr uint32_t kMaxTokens = 1u << 20;
 constexpr uint32_t kMaxHidden = 1u << 16;
 
@@ -99,13 +98,18 @@ absl::Status ValidateRequest(const v1::AttachRequest& q) {
   if (s.num_experts() > kMaxExperts) {
     return bad("shape.num_experts ", s.num_experts(), " exceeds ", kMaxExperts);
   }
+  if (s.num_layers() > kMaxLayers) {
+    return bad("shape.num_layers ", s.num_layers(), " exceeds ", kMaxLayers);
+  }
   if (s.max_tokens() > kMaxTokens) return bad("shape.max_tokens ", s.max_tokens(), " exceeds ", kMaxTokens);
   if (s.hidden() > kMaxHidden) return bad("shape.hidden ", s.hidden(), " exceeds ", kMaxHidden);
   if (static_cast<uint64_t>(s.slots_per_rank()) * q.world_size() < s.num_experts()) {
     return bad("shape.slots_per_rank ", s.slots_per_rank(), " x world_size ", q.world_size(),
                " cannot hold ", s.num_experts(), " experts");
   }
-  if (s.slots_per_rank() > 4096) return bad("shape.slots_per_rank ", s.slots_per_rank(), " exceeds 4096");
+  if (s.slots_per_rank() > kMaxSlotsPerRank) {
+    return bad("shape.slots_per_rank ", s.slots_per_rank(), " exceeds ", kMaxSlotsPerRank);
+  }
   if (!v1::DType_IsValid(s.dtype())) return bad("shape.dtype ", s.dtype(), " is not a DType");
   return absl::OkStatus();
 }

@@ -12,6 +12,7 @@
 #include "balancer/formats/proto_convert.h"
 #include "common/clock.h"
 #include "common/logging.h"
+#include "common/shape_limits.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
@@ -270,30 +271,48 @@ grpc::Status Balancer::Register(grpc::ServerContext*, const v1::RegisterRequest*
   if (request->node().empty() || request->address().empty()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "node and address are required");
   }
-  MutexLock lock(&mu_);
   const v1::ModelShape& s = request->shape();
+  std::optional<Shape> shape;
   if (s.num_layers() > 0) {
-    Shape shape{static_cast<int>(request->world_size()), static_cast<int>(s.num_layers()),
-                static_cast<int>(s.num_experts()), static_cast<int>(s.slots_per_rank())};
+    // The shape a daemon's group attached with (ubepd checked it); a daemon of another build
+    // or a bad caller may send anything, and a window is sized from it.
+    const std::pair<const char*, std::pair<uint32_t, uint32_t>> limits[] = {
+        {"world_size", {request->world_size(), kMaxWorld}},
+        {"shape.num_layers", {s.num_layers(), kMaxLayers}},
+        {"shape.num_experts", {s.num_experts(), kMaxExperts}},
+        {"shape.slots_per_rank", {s.slots_per_rank(), kMaxSlotsPerRank}}};
+    for (const auto& [name, value_and_max] : limits) {
+      const auto [value, max] = value_and_max;
+      if (value == 0 || value > max) {
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                            absl::StrCat(name, " ", value, " is outside [1, ", max, "]"));
+      }
+    }
+    if (static_cast<uint64_t>(s.slots_per_rank()) * request->world_size() < s.num_experts()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("shape.slots_per_rank ", s.slots_per_rank(), " x world_size ",
+                                       request->world_size(), " cannot hold ", s.num_experts(),
+                                       " experts"));
+    }
+    shape = Shape{static_cast<int>(request->world_size()), static_cast<int>(s.num_layers()),
+                  static_cast<int>(s.num_experts()), static_cast<int>(s.slots_per_rank())};
     for (uint32_t r : request->ranks()) {
       if (r >= request->world_size()) {
         return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                             absl::StrCat("rank ", r, " is outside [0, ", request->world_size(), ")"));
       }
     }
-    if (shape_.has_value() && (shape_->world != shape.world || shape_->layers != shape.layers ||
-                               shape_->experts != shape.experts || shape_->slots != shape.slots)) {
+  }
+  MutexLock lock(&mu_);
+  if (shape.has_value()) {
+    if (shape_.has_value() && (shape_->world != shape->world || shape_->layers != shape->layers ||
+                               shape_->experts != shape->experts || shape_->slots != shape->slots)) {
       return grpc::Status(
           grpc::StatusCode::FAILED_PRECONDITION,
-          absl::StrCat("node ", request->node(), " serves ", shape.world, " ranks x ", shape.slots,
-                       " slots, ", shape.layers, " layers x ", shape.experts,
+          absl::StrCat("node ", request->node(), " serves ", shape->world, " ranks x ", shape->slots,
+                       " slots, ", shape->layers, " layers x ", shape->experts,
                        " experts; the cluster has ", shape_->world, " x ", shape_->slots, ", ",
                        shape_->layers, " x ", shape_->experts));
-    }
-    if (!shape_.has_value()) {
-      shape_ = shape;
-      window_ = std::make_unique<LoadWindow>(shape.layers, shape.experts, options_.window_intervals,
-                                             options_.ewma_alpha);
     }
   }
   for (const auto& [name, other] : daemons_) {
@@ -305,6 +324,12 @@ grpc::Status Balancer::Register(grpc::ServerContext*, const v1::RegisterRequest*
                                          " is already served by node ", name));
       }
     }
+  }
+  // The cluster's shape is the first registered one that passed every check.
+  if (shape.has_value() && !shape_.has_value()) {
+    shape_ = shape;
+    window_ = std::make_unique<LoadWindow>(shape->layers, shape->experts, options_.window_intervals,
+                                           options_.ewma_alpha);
   }
   // A daemon of a group spread over several nodes that comes back as a new process has new,
   // empty arenas (its clients attach again and load their weights). Its ranks stay excluded,
@@ -407,6 +432,14 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
         return Reject("negative", grpc::StatusCode::INVALID_ARGUMENT,
                       absl::StrCat("load.layers[", i, "].slot[", p, "]: count ",
                                    static_cast<int64_t>(load.layers(i).slot(p)),
+                                   " is negative"));
+      }
+    }
+    for (int r = 0; r < load.layers(i).dispatches_size(); ++r) {
+      if (load.layers(i).dispatches(r) > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+        return Reject("negative", grpc::StatusCode::INVALID_ARGUMENT,
+                      absl::StrCat("load.layers[", i, "].dispatches[", r, "]: count ",
+                                   static_cast<int64_t>(load.layers(i).dispatches(r)),
                                    " is negative"));
       }
     }

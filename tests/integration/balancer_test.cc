@@ -770,6 +770,8 @@ TEST_F(BalancerTest, MalformedReportsAreRejectedWithTheReasonCountedAndTheBalanc
        grpc::StatusCode::INVALID_ARGUMENT, "report has 3 layers; the model has 2"},
       {[](auto& q) { q.mutable_load()->mutable_layers(0)->set_slot(1, static_cast<uint64_t>(-5)); },
        grpc::StatusCode::INVALID_ARGUMENT, "load.layers[0].slot[1]: count -5 is negative"},
+      {[](auto& q) { q.mutable_load()->mutable_layers(1)->add_dispatches(static_cast<uint64_t>(-3)); },
+       grpc::StatusCode::INVALID_ARGUMENT, "load.layers[1].dispatches[0]: count -3 is negative"},
       {[](auto& q) { q.mutable_load()->set_plan_version(0); }, grpc::StatusCode::FAILED_PRECONDITION,
        "report counted under plan v0 (steps 0-10); plan v1 is in force from step 0"},
   };
@@ -788,7 +790,7 @@ TEST_F(BalancerTest, MalformedReportsAreRejectedWithTheReasonCountedAndTheBalanc
   EXPECT_EQ(test::Sample(m, "ubep_balancer_rejected_reports_total{reason=\"unknown_node\"}"), 1);
   EXPECT_EQ(test::Sample(m, "ubep_balancer_rejected_reports_total{reason=\"out_of_order\"}"), 1);
   EXPECT_EQ(test::Sample(m, "ubep_balancer_rejected_reports_total{reason=\"malformed\"}"), 2);
-  EXPECT_EQ(test::Sample(m, "ubep_balancer_rejected_reports_total{reason=\"negative\"}"), 1);
+  EXPECT_EQ(test::Sample(m, "ubep_balancer_rejected_reports_total{reason=\"negative\"}"), 2);
   EXPECT_EQ(test::Sample(m, "ubep_balancer_rejected_reports_total{reason=\"stale_plan\"}"), 1);
   EXPECT_EQ(test::Sample(m, "ubep_balancer_stale_reports_total"), 1);
   EXPECT_TRUE(balancer->running());

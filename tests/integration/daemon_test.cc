@@ -476,6 +476,8 @@ TEST_F(DaemonTest, MalformedAndOversizedRequestsAreRefusedAndTheDaemonKeepsServi
        "shape.slots_per_rank 4 x world_size 2 cannot hold 9 experts"},
       {[](v1::AttachRequest& q) { q.mutable_shape()->set_max_tokens(2000000); },
        "shape.max_tokens 2000000 exceeds 1048576"},
+      {[](v1::AttachRequest& q) { q.mutable_shape()->set_num_layers(100000000); },
+       "shape.num_layers 100000000 exceeds 4096"},
       {[](v1::AttachRequest& q) { q.mutable_shape()->set_dtype(static_cast<v1::DType>(7)); },
        "shape.dtype 7 is not a DType"},
       {[](v1::AttachRequest& q) { q.mutable_shape()->set_max_tokens(4096); },

@@ -4,6 +4,7 @@
 #include <array>
 #include <atomic>
 #include <cmath>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -67,6 +68,39 @@ v1::RegisterRequest Registration(const std::string& node, uint32_t first_rank) {
   q.mutable_shape()->set_slots_per_rank(2);
   q.set_free_buffers(1);
   return q;
+}
+
+// A shape out of range is refused, naming the field, and does not become the cluster's: a
+// daemon with a good one then registers.
+TEST(BalancerServerTest, ARegistrationWithAShapeOutOfRangeIsRefused) {
+  Balancer balancer(BalancerOptions{}, std::make_shared<prometheus::Registry>());
+  struct Case {
+    std::function<void(v1::RegisterRequest&)> mutate;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {[](v1::RegisterRequest& q) { q.set_world_size(3000000000u); },
+       "world_size 3000000000 is outside [1, 1024]"},
+      {[](v1::RegisterRequest& q) { q.mutable_shape()->set_num_layers(100000000); },
+       "shape.num_layers 100000000 is outside [1, 4096]"},
+      {[](v1::RegisterRequest& q) { q.mutable_shape()->set_num_experts(0); },
+       "shape.num_experts 0 is outside [1, 1024]"},
+      {[](v1::RegisterRequest& q) { q.mutable_shape()->set_slots_per_rank(5000); },
+       "shape.slots_per_rank 5000 is outside [1, 4096]"},
+      {[](v1::RegisterRequest& q) { q.mutable_shape()->set_num_experts(9); },
+       "shape.slots_per_rank 2 x world_size 4 cannot hold 9 experts"},
+  };
+  v1::RegisterResponse response;
+  for (const Case& c : cases) {
+    v1::RegisterRequest q = Registration("node-0", 0);
+    c.mutate(q);
+    const grpc::Status status = balancer.Register(nullptr, &q, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.message;
+    EXPECT_EQ(status.error_message(), c.message);
+  }
+  EXPECT_TRUE(balancer.Status().nodes.empty());
+  const v1::RegisterRequest good = Registration("node-0", 0);
+  EXPECT_TRUE(balancer.Register(nullptr, &good, &response).ok());
 }
 
 TEST(BalancerServerTest, RegistrationsAndReportsRaceTheLoopSafely) {

@@ -1,6 +1,9 @@
 #include <fcntl.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <string>
@@ -171,6 +174,39 @@ TEST(UnixSocketTest, AReceiveKeepsAnyTimeoutAndStillTimesOut) {
   }
   EXPECT_EQ(ReceiveMessage(a.get(), 64, absl::Milliseconds(5)).status(),
             absl::DeadlineExceededError("no message within 5ms"));
+}
+
+// More fds than one socket message takes (253): a group of 300 ranks' arenas arrive whole,
+// in order, with the message's bytes; and the next message is a message of its own.
+TEST(UnixSocketTest, AMessageCarriesMoreFdsThanOneSocketMessageTakes) {
+  int pair[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair), 0);
+  UniqueFd a(pair[0]), b(pair[1]);
+  std::vector<UniqueFd> files;
+  std::vector<int> fds;
+  for (int i = 0; i < 300; ++i) {
+    files.emplace_back(memfd_create("ubep-test", MFD_CLOEXEC));
+    ASSERT_GE(files.back().get(), 0);
+    ASSERT_EQ(ftruncate(files.back().get(), 4096 * (i + 1)), 0);  // Tells the files apart.
+    fds.push_back(files.back().get());
+  }
+  ASSERT_TRUE(SendMessage(b.get(), "OK 7", fds).ok());
+  ASSERT_TRUE(SendMessage(b.get(), "next", {}).ok());
+  absl::StatusOr<ReceivedMessage> got = ReceiveMessage(a.get(), 64, absl::Seconds(10));
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->bytes, "OK 7");
+  ASSERT_EQ(got->fds.size(), 300u);
+  for (int i = 0; i < 300; ++i) {
+    struct stat st{};
+    ASSERT_EQ(fstat(got->fds[i].get(), &st), 0);
+    EXPECT_EQ(st.st_size, 4096 * (i + 1)) << "fd " << i;
+  }
+  absl::StatusOr<ReceivedMessage> next = ReceiveMessage(a.get(), 64, absl::Seconds(10));
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(next->bytes, "next");
+  EXPECT_TRUE(next->fds.empty());
+  EXPECT_EQ(SendMessage(b.get(), "x", std::vector<int>(2049, fds[0])),
+            absl::InvalidArgumentError("cannot pass 2049 fds (max 2048)"));
 }
 
 }  // namespace

@@ -1,0 +1,18 @@
+// The largest model shape ubepd and ubep-balancer take, checked where a shape first arrives
+// (ubepd's Attach, the balancer's Register), so that no size computed from it overflows or
+// asks for more memory than a node has.
+#ifndef UBEP_COMMON_SHAPE_LIMITS_H_
+#define UBEP_COMMON_SHAPE_LIMITS_H_
+
+#include <cstdint>
+
+namespace ubep {
+
+inline constexpr uint32_t kMaxWorld = 1024;        // Ranks of an EP group.
+inline constexpr uint32_t kMaxExperts = 1024;      // Logical experts per layer.
+inline constexpr uint32_t kMaxLayers = 4096;       // MoE layers.
+inline constexpr uint32_t kMaxSlotsPerRank = 4096;
+
+}  // namespace ubep
+
+#endif  // UBEP_COMMON_SHAPE_LIMITS_H_
