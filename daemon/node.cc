@@ -299,6 +299,15 @@ absl::Status Node::CreateGroup(const v1::AttachRequest& q,
   stale_.assign(config.num_ranks, false);
   ++arena_epoch_;
   ++arenas_created_;
+  if (pending_.has_value()) {
+    // Prepared in the arenas just replaced: the new group starts under its first plan, and the
+    // balancer's Commit or Abort of it finds nothing undecided here.
+    UBEP_LOG(WARNING) << "plan v" << pending_->version
+                      << " was prepared and undecided in the group replaced; it is dropped";
+  }
+  pending_.reset();
+  pending_effective_step_ = 0;
+  membership_pending_ = false;
   first_ = first;
   hosted_ = hosted;
   has_group_ = true;
@@ -400,7 +409,8 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
   entry.state = RankState::kAttached;
   entry.token = NewToken();
   entry.pid = request.pid();
-  entry.ticket_deadline = now + options_.ticket_timeout;
+  // From now: the wait for the peers' arenas above may have taken longer than the ticket.
+  entry.ticket_deadline = MonotonicNow() + options_.ticket_timeout;
 
   v1::AttachResponse response;
   response.set_token(entry.token);

@@ -665,11 +665,11 @@ void Balancer::CheckHealth() {
 void Balancer::Recover() {
   std::lock_guard<std::mutex> serial(commit_mu_);
   // Learn what every (re)registered daemon holds.
-  std::vector<std::pair<std::string, v1::DaemonControl::Stub*>> ask;
+  std::vector<std::pair<std::string, std::shared_ptr<v1::DaemonControl::Stub>>> ask;
   {
     MutexLock lock(&mu_);
     for (auto& [name, d] : daemons_) {
-      if (d.needs_state && d.healthy) ask.emplace_back(name, d.control.get());
+      if (d.needs_state && d.healthy) ask.emplace_back(name, d.control);
     }
   }
   for (const auto& [name, stub] : ask) {
@@ -704,7 +704,7 @@ void Balancer::Recover() {
     }
   }
   // Resolve undecided prepares: committed anywhere -> commit; else abort after the grace.
-  std::vector<std::pair<v1::DaemonControl::Stub*, std::pair<uint64_t, bool>>> decide;
+  std::vector<std::pair<std::shared_ptr<v1::DaemonControl::Stub>, std::pair<uint64_t, bool>>> decide;
   {
     MutexLock lock(&mu_);
     uint64_t committed_max = 0;
@@ -713,9 +713,9 @@ void Balancer::Recover() {
     for (auto& [name, d] : daemons_) {
       if (d.pending == 0 || !d.healthy) continue;
       if (d.pending <= committed_max) {
-        decide.push_back({d.control.get(), {d.pending, true}});
+        decide.push_back({d.control, {d.pending, true}});
       } else if (grace_over) {
-        decide.push_back({d.control.get(), {d.pending, false}});
+        decide.push_back({d.control, {d.pending, false}});
       }
     }
   }
@@ -739,7 +739,7 @@ void Balancer::Recover() {
                    << decision.first << (status.ok() ? "" : " (failed: " + status.error_message() + ")");
     MutexLock lock(&mu_);
     for (auto& [name, d] : daemons_) {
-      if (d.control.get() == stub) d.needs_state = true;
+      if (d.control == stub) d.needs_state = true;
     }
   }
   CatchUp();
@@ -777,7 +777,7 @@ void Balancer::CatchUp() {
   //   (they are stale until then).
   // (A daemon with member ranks in a group over several daemons is not caught up alone: the
   // switch needs every daemon of the group; the next plan's commit decides for it.)
-  std::vector<std::pair<std::string, v1::DaemonControl::Stub*>> behind;
+  std::vector<std::pair<std::string, std::shared_ptr<v1::DaemonControl::Stub>>> behind;
   v1::PrepareRequest request;
   bool whole_group = false;
   {
@@ -791,7 +791,7 @@ void Balancer::CatchUp() {
       bool all_excluded = true;
       for (uint32_t r : d.info.ranks()) all_excluded &= plan_->excluded(static_cast<int>(r));
       const bool whole = d.info.ranks_size() == shape_->world;
-      if (all_excluded || whole) behind.emplace_back(name, d.control.get());
+      if (all_excluded || whole) behind.emplace_back(name, d.control);
       whole_group |= whole;
     }
     if (behind.empty()) return;
@@ -859,12 +859,14 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why, b
       result.set_version(plan_->version);
       return result;
     }
-    // Daemons failing their health checks get no plan: their ranks are excluded.
+    // Daemons failing their health checks get no plan: their ranks are excluded. A daemon
+    // with no group has no arenas to prepare (its group starts under the cluster's plan).
     for (const auto& [name, d] : daemons_) {
       if (!d.healthy) continue;
       if (d.needs_state || d.pending != 0) {
         return absl::UnavailableError(absl::StrCat("node ", name, " is still being recovered"));
       }
+      if (d.info.ranks().empty()) continue;
       targets.push_back(name);
       channels.push_back(d.channel);
     }
@@ -878,7 +880,9 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why, b
       // As many changed slots per rank and layer as the daemons have free weight buffers.
       budget = std::numeric_limits<int>::max();
       for (const auto& [name, d] : daemons_) {
-        if (d.healthy) budget = std::min(budget, static_cast<int>(d.info.free_buffers()));
+        if (d.healthy && !d.info.ranks().empty()) {
+          budget = std::min(budget, static_cast<int>(d.info.free_buffers()));
+        }
       }
     }
     effective_step = EstimateStep() + static_cast<uint64_t>(options_.min_margin_steps);
@@ -1082,12 +1086,14 @@ std::vector<int> Balancer::DesiredExcluded() const {
 
 grpc::Status Balancer::SetDrained(const std::string& node, bool drained,
                                   v1::RebalanceResponse* response) {
+  bool was_drained = false;
   {
     MutexLock lock(&mu_);
     if (!daemons_.contains(node)) {
       return grpc::Status(grpc::StatusCode::NOT_FOUND,
                           absl::StrCat("node \"", node, "\" is not registered"));
     }
+    was_drained = drained_.contains(node);
     if (drained) {
       drained_.insert(node);
       if (shape_.has_value() && static_cast<int>(DesiredExcluded().size()) >= shape_->world) {
@@ -1102,6 +1108,12 @@ grpc::Status Balancer::SetDrained(const std::string& node, bool drained,
   UBEP_LOG(INFO) << (drained ? "draining" : "undraining") << " node " << node;
   absl::StatusOr<v1::RebalanceResponse> result =
       PlanAndCommit(drained ? "node drained" : "node undrained", /*members_only=*/true);
+  if (absl::IsFailedPrecondition(result.status()) && drained && !was_drained) {
+    // No plan can serve without the node (too few slots left): the drain is refused and
+    // undone, or every later Tick would try it again and no other plan would be made.
+    MutexLock lock(&mu_);
+    drained_.erase(node);
+  }
   if (!result.ok()) {
     return grpc::Status(static_cast<grpc::StatusCode>(result.status().code()),
                         std::string(result.status().message()));

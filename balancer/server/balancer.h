@@ -109,7 +109,9 @@ class Balancer final : public v1::Control::Service {
  private:
   struct Daemon {
     v1::RegisterRequest info;
-    std::unique_ptr<v1::DaemonControl::Stub> control;
+    // Shared with the RPCs made outside mu_: a registration from a new address replaces it
+    // while they run.
+    std::shared_ptr<v1::DaemonControl::Stub> control;
     std::shared_ptr<grpc::Channel> channel;
     uint64_t last_seq = 0;
     bool healthy = true;

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <tuple>
 
 #include "balancer/core/plan.h"
 #include "balancer/formats/proto_convert.h"
@@ -309,6 +310,47 @@ std::pair<v1::PrepareRequest, v1::PrepareRequest> PrepareOnDrain(FakeDaemon& a, 
   return {a.prepares()[0], b.prepares()[0]};
 }
 
+// Draining node-b would leave 8 slots for 10 experts: the drain is refused, naming why, and
+// undone (the node is not drained; the next drain of it is judged again, not taken as done).
+TEST(BalancerServerTest, ADrainNoPlanCanServeIsRefusedAndUndone) {
+  Plan ten;
+  ten.version = 1;
+  ten.topology = {4, 2, 4, 1};
+  ten.num_experts = 10;
+  for (int l = 0; l < 2; ++l) {
+    LayerPlan layer;
+    for (int p = 0; p < 16; ++p) layer.slot_expert.push_back(p % 10);
+    SetEqualShares(10, layer);
+    ten.layer_ids.push_back(l);
+    ten.layers.push_back(layer);
+  }
+  FakeDaemon a("node-a", ToProto(ten, PlanEncoding::kFull)),
+      b("node-b", ToProto(ten, PlanEncoding::kFull));
+  BalancerOptions options;
+  options.health_failures = 1000;
+  Balancer balancer(options, std::make_shared<prometheus::Registry>());
+  v1::RegisterResponse registered;
+  for (auto [daemon, node, first] : {std::tuple{&a, "node-a", 0u}, std::tuple{&b, "node-b", 2u}}) {
+    v1::RegisterRequest q = DaemonRegistration(*daemon, node, first, 0, "host");
+    q.mutable_shape()->set_num_experts(10);
+    ASSERT_TRUE(balancer.Register(nullptr, &q, &registered).ok());
+  }
+  balancer.Tick();  // Learns v1 from the daemons.
+  v1::DrainRequest drain;
+  drain.set_node("node-b");
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    v1::RebalanceResponse response;
+    const grpc::Status status = balancer.Drain(nullptr, &drain, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_EQ(status.error_message(), "the 2 ranks left hold 8 slots, fewer than the 10 experts");
+    v1::ClusterStatus cluster;
+    ASSERT_TRUE(balancer.GetStatus(nullptr, nullptr, &cluster).ok());
+    for (const auto& n : cluster.nodes()) EXPECT_FALSE(n.drained()) << n.node();
+  }
+  EXPECT_TRUE(a.prepares().empty());
+  EXPECT_TRUE(b.prepares().empty());
+}
+
 // Every Prepare lists the group's daemons with their ranks and domains (where weights of other
 // domains come from); CUDA daemons over several domains also get one NCCL unique id, made by
 // the first daemon (CreateLink) and relayed to all.
@@ -455,7 +497,7 @@ class UnreachedLayerTest : public ::testing::Test {
 };
 
 // A daemon that hosts no rank (registered before any client attached to it) reports no plan
-// in force; it must not hold back the plans of the group the others serve.
+// in force and is sent none; it must not hold back the plans of the group the others serve.
 TEST_F(UnreachedLayerTest, ADaemonHostingNoRankDoesNotHoldBackPlans) {
   Start(/*trigger_windows=*/2, /*idle_node=*/true);
   for (int i = 0; i < 3; ++i) Interval({13, 10, 10, 7}, 0, /*layer1=*/10);
@@ -463,6 +505,8 @@ TEST_F(UnreachedLayerTest, ADaemonHostingNoRankDoesNotHoldBackPlans) {
   Interval({13, 10, 10, 7}, 0);
   Interval({13, 10, 10, 7}, 0);
   ASSERT_EQ(a_.prepares().size(), 1u);
+  // node-c has no group, no arenas to prepare (ubepd would refuse: "no group is attached").
+  EXPECT_EQ(c_.prepares().size(), 0u);
   // v2 is in force where ranks are (node-c never reports a plan in force): it is judged, and
   // planned for again (whether that changes the placement is the planner's business).
   EXPECT_EQ(Sample("ubep_balancer_plan_compute_seconds"), 1);

@@ -285,6 +285,30 @@ TEST(NodeTest, PrepareStagesWeightsInFreeBuffersAndCommitSwitchesAtTheEffectiveS
   EXPECT_EQ(node.State().pending_version(), 0u);
 }
 
+// Every rank detaches while a plan is prepared and undecided, and a group of another shape
+// attaches: it starts under its own first plan with nothing undecided, and takes the next plan
+// (in its own arenas) as any group does.
+TEST(NodeTest, AGroupCreatedAgainDropsThePlanUndecidedInTheOldOne) {
+  Node node(Options());
+  Attached old_group = AttachAndClaim(node, 0, 2, 1);
+  ASSERT_TRUE(node.Prepare(SwappedPlan(), 10).prepared());
+  v1::DetachRequest detach;
+  detach.set_rank(0);
+  detach.set_token(old_group.token);
+  ASSERT_TRUE(node.Detach(detach).ok());
+  v1::AttachRequest other_shape = Request(0, 2);
+  other_shape.mutable_shape()->set_max_tokens(16);
+  Attached a = Claim(node, node.Attach(other_shape), 2);
+  EXPECT_EQ(node.State().pending_version(), 0u);
+  EXPECT_EQ(node.State().committed_version(), 1u);
+  const v1::PrepareResponse prepared = node.Prepare(SwappedPlan(), 20);
+  ASSERT_TRUE(prepared.prepared()) << prepared.reason();
+  ASSERT_TRUE(node.Commit(2).ok());
+  uint64_t version = 0;
+  ASSERT_NE(kernels::SelectPlan(a.arenas[0].data() + a.layout.plan, 20, &version), nullptr);
+  EXPECT_EQ(version, 2u);
+}
+
 TEST(NodeTest, PrepareFailsWithoutFreeBuffersAndChangesNothing) {
   Node node(Options(/*free_buffers=*/0));
   Attached a = AttachAndClaim(node, 0, 2, 1);
