@@ -829,6 +829,20 @@ absl::Status Node::FetchWeights(const WeightCopy& c, uint64_t version,
   return device_arenas_[c.to_rank]->Write(DeviceWeightOffset(c.layer, c.to_buffer), staged.data(), bytes);
 }
 
+absl::StatusOr<const uint32_t*> Node::CheckedSlotMap(int r, int buffer) const {
+  const uint32_t* map = kernels::SlotMap(arenas_[r].data(), layout_, config_, buffer);
+  const int S = config_.slots_per_rank;
+  for (int i = 0; i < config_.num_layers * S; ++i) {
+    if (map[i] >= layout_.buffers_per_layer) {
+      return absl::DataLossError(absl::StrCat(
+          "rank ", r, "'s slot map says layer ", i / S, " slot ", i % S, " is in weight buffer ",
+          map[i], ", outside [0, ", layout_.buffers_per_layer,
+          "): its arena was written outside ubepd"));
+    }
+  }
+  return map;
+}
+
 absl::StatusOr<v1::ReadWeightsResponse> Node::ReadWeights(const v1::ReadWeightsRequest& request) const {
   MutexLock lock(&mu_);
   if (!has_group_) return absl::FailedPreconditionError("no group is attached to this daemon");
@@ -867,8 +881,8 @@ absl::StatusOr<v1::ReadWeightsResponse> Node::ReadWeights(const v1::ReadWeightsR
   const int current = PlanBufferOf(plan_.version, r);
   if (current < 0) return absl::InternalError(absl::StrCat("plan v", plan_.version, " is not in the plan area of rank ", r));
   // The plan in force maps this buffer, so no staging writes it while we read.
-  const uint32_t buffer =
-      kernels::SlotMap(arenas_[r].data(), layout_, config_, current)[request.layer() * S + request.slot() % S];
+  UBEP_ASSIGN_OR_RETURN(const uint32_t* map, CheckedSlotMap(r, current));
+  const uint32_t buffer = map[request.layer() * S + request.slot() % S];
   v1::ReadWeightsResponse response;
   response.set_bytes_per_expert(bytes);
   std::string* data = response.mutable_data();
@@ -1069,9 +1083,12 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
   uint32_t copied_slots = 0, remote_slots = 0;
   uint64_t copied_bytes = 0, remote_bytes = 0;
   const uint64_t bytes_per_expert = group_request_.shape().bytes_per_expert();
-  for (int r = first_; r < first_ + hosted_; ++r) {
-    const uint32_t* cur = kernels::SlotMap(arenas_[r].data(), layout_, config_, current[r]);
-    maps[r].assign(cur, cur + static_cast<size_t>(L) * S);
+  // Every map a copy reads (the hosted ranks' and the holders'), checked once.
+  for (int r = 0; r < R; ++r) {
+    if (!arenas_[r].valid() || current[r] < 0) continue;
+    absl::StatusOr<const uint32_t*> cur = CheckedSlotMap(r, current[r]);
+    if (!cur.ok()) return fail(std::string(cur.status().message()));
+    if (Hosted(r)) maps[r].assign(*cur, *cur + static_cast<size_t>(L) * S);
   }
   // The schedule is in (layer, rank, slot) order: each hosted (layer, rank)'s copies in turn.
   size_t k = 0;

@@ -309,6 +309,32 @@ TEST(NodeTest, AGroupCreatedAgainDropsThePlanUndecidedInTheOldOne) {
   EXPECT_EQ(version, 2u);
 }
 
+// A stray store of the rank's process into its slot map (a buffer past the layout's) is found
+// before a copy reads or writes through it: Prepare fails naming the entry, and so does a
+// read of the slot's weights.
+TEST(NodeTest, ASlotMapWrittenOutsideUbepdIsRefusedBeforeAnyCopy) {
+  Node node(Options());
+  Attached a = AttachAndClaim(node, 0, 2, 1);
+  uint64_t version = 0;
+  void* area = a.arenas[1].data() + a.layout.plan;
+  const kernels::PlanTableHeader* table = kernels::SelectPlan(area, 0, &version);
+  ASSERT_NE(table, nullptr);
+  const int buffer = table == kernels::PlanBuffer(area, 0) ? 0 : 1;
+  kernels::SlotMap(a.arenas[1].data(), a.layout, ConfigOf(2), buffer)[1 * 4 + 3] = 1000;
+  const std::string message =
+      "rank 1's slot map says layer 1 slot 3 is in weight buffer 1000, outside [0, 6): its arena "
+      "was written outside ubepd";
+  const v1::PrepareResponse prepared = node.Prepare(SwappedPlan(), 10);
+  EXPECT_FALSE(prepared.prepared());
+  EXPECT_EQ(prepared.reason(), message);
+  EXPECT_EQ(node.State().pending_version(), 0u);
+  v1::ReadWeightsRequest read;
+  read.set_plan_version(1);
+  read.set_layer(0);
+  read.set_slot(4);  // Rank 1's slot 0.
+  EXPECT_EQ(node.ReadWeights(read).status(), absl::DataLossError(message));
+}
+
 TEST(NodeTest, PrepareFailsWithoutFreeBuffersAndChangesNothing) {
   Node node(Options(/*free_buffers=*/0));
   Attached a = AttachAndClaim(node, 0, 2, 1);
