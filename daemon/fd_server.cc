@@ -59,6 +59,16 @@ FdServer::~FdServer() {
   unlink(path_.c_str());
 }
 
+namespace {
+
+std::vector<int> Raw(const std::vector<UniqueFd>& fds) {
+  std::vector<int> raw;
+  for (const UniqueFd& fd : fds) raw.push_back(fd.get());
+  return raw;
+}
+
+}  // namespace
+
 bool FdServer::Serve(int64_t id, int fd) {
   absl::StatusOr<ReceivedMessage> message = ReceiveMessage(fd, kMaxTokenBytes, absl::ZeroDuration());
   if (!message.ok() || message->closed) {
@@ -66,18 +76,18 @@ bool FdServer::Serve(int64_t id, int fd) {
     return false;
   }
   if (absl::StartsWith(message->bytes, kPeerRequest)) {
-    absl::StatusOr<std::pair<int, std::vector<int>>> arenas =
+    absl::StatusOr<std::pair<int, std::vector<UniqueFd>>> arenas =
         node_->ArenasForPeer(message->bytes.substr(sizeof(kPeerRequest) - 1));
     const std::string reply = arenas.ok() ? absl::StrCat("OK ", arenas->first)
                                           : absl::StrCat("ERR ", arenas.status().message());
-    (void)SendMessage(fd, reply, arenas.ok() ? arenas->second : std::vector<int>{});
+    (void)SendMessage(fd, reply, arenas.ok() ? Raw(arenas->second) : std::vector<int>{});
     return false;
   }
   if (message->bytes == kArenaRefreshRequest) {
-    absl::StatusOr<std::pair<uint64_t, std::vector<int>>> arenas = node_->RefreshArenas(id);
+    absl::StatusOr<std::pair<uint64_t, std::vector<UniqueFd>>> arenas = node_->RefreshArenas(id);
     const std::string reply = arenas.ok() ? absl::StrCat("OK ", arenas->first)
                                           : absl::StrCat("ERR ", arenas.status().message());
-    if (absl::Status sent = SendMessage(fd, reply, arenas.ok() ? arenas->second : std::vector<int>{});
+    if (absl::Status sent = SendMessage(fd, reply, arenas.ok() ? Raw(arenas->second) : std::vector<int>{});
         !sent.ok()) {
       node_->ConnectionClosed(id);
       return false;
@@ -85,14 +95,14 @@ bool FdServer::Serve(int64_t id, int fd) {
     // The connection still holds its rank; one that holds none has nothing to keep open.
     return !absl::IsFailedPrecondition(arenas.status());
   }
-  absl::StatusOr<std::vector<int>> fds = node_->ClaimArenas(message->bytes, id);
+  absl::StatusOr<std::vector<UniqueFd>> fds = node_->ClaimArenas(message->bytes, id);
   if (!fds.ok()) {
     // One message: a status line the client turns into its error.
     const std::string reply = "ERR " + std::string(fds.status().message());
     (void)SendMessage(fd, reply, {});
     return false;
   }
-  if (absl::Status sent = SendMessage(fd, "OK", *fds); !sent.ok()) {
+  if (absl::Status sent = SendMessage(fd, "OK", Raw(*fds)); !sent.ok()) {
     UBEP_LOG(WARNING) << "fd server: sending arenas failed: " << sent;
     node_->ConnectionClosed(id);
     return false;

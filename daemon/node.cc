@@ -1,5 +1,6 @@
 #include "daemon/node.h"
 
+#include <fcntl.h>
 #include <sys/random.h>
 
 #include <algorithm>
@@ -71,6 +72,20 @@ absl::Status CompareShapes(const v1::AttachRequest& group, const v1::AttachReque
     }
   }
   return absl::OkStatus();
+}
+
+// Duplicates of the arenas' fds, taken under the node's lock: the fd thread sends them after
+// it lets go, while a group created again or a restarted peer's arenas may close the originals.
+absl::StatusOr<std::vector<UniqueFd>> HoldFds(const std::vector<int>& fds) {
+  std::vector<UniqueFd> held;
+  held.reserve(fds.size());
+  for (int fd : fds) {
+    held.emplace_back(fcntl(fd, F_DUPFD_CLOEXEC, 0));
+    if (held.back().get() < 0) {
+      return absl::ResourceExhaustedError(absl::StrCat("duplicating an arena fd: ", std::strerror(errno)));
+    }
+  }
+  return held;
 }
 
 absl::Status ValidateRequest(const v1::AttachRequest& q) {
@@ -321,8 +336,12 @@ absl::Status Node::CreateGroup(const v1::AttachRequest& q,
 }
 
 int Node::AttachedLocked() const {
-  return static_cast<int>(std::count_if(ranks_.begin(), ranks_.end(), [](const RankEntry& e) {
-    return e.state != RankState::kFree;
+  // A token past its deadline that was never claimed holds nothing: its client is gone (it
+  // would have attached again), and neither a drain nor a new group waits for it.
+  const absl::Time now = MonotonicNow();
+  return static_cast<int>(std::count_if(ranks_.begin(), ranks_.end(), [&](const RankEntry& e) {
+    return e.state == RankState::kConnected ||
+           (e.state == RankState::kAttached && now <= e.ticket_deadline);
   }));
 }
 
@@ -441,7 +460,7 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
   return response;
 }
 
-absl::StatusOr<std::vector<int>> Node::ClaimArenas(const std::string& token, int64_t connection) {
+absl::StatusOr<std::vector<UniqueFd>> Node::ClaimArenas(const std::string& token, int64_t connection) {
   MutexLock lock(&mu_);
   for (RankEntry& e : ranks_) {
     if (e.state != RankState::kAttached || e.token != token) continue;
@@ -450,12 +469,13 @@ absl::StatusOr<std::vector<int>> Node::ClaimArenas(const std::string& token, int
       return absl::DeadlineExceededError("attach token expired; attach again");
     }
     if (!AllArenasMapped()) return absl::UnavailableError("the group's arenas changed; attach again");
-    e.state = RankState::kConnected;
-    e.connection = connection;
     std::vector<int> fds;
     for (const kernels::SharedArena& arena : arenas_) fds.push_back(arena.fd());
     for (const auto& memory : device_arenas_) fds.push_back(memory->fd());
-    return fds;
+    UBEP_ASSIGN_OR_RETURN(std::vector<UniqueFd> held, HoldFds(fds));
+    e.state = RankState::kConnected;
+    e.connection = connection;
+    return held;
   }
   return absl::NotFoundError("unknown or already used attach token; attach again");
 }
@@ -1384,7 +1404,7 @@ std::string Node::PeerKey() const {
   return absl::StrCat(options_.backend, ":", key.SerializeAsString());
 }
 
-absl::StatusOr<std::pair<int, std::vector<int>>> Node::ArenasForPeer(const std::string& key) const {
+absl::StatusOr<std::pair<int, std::vector<UniqueFd>>> Node::ArenasForPeer(const std::string& key) const {
   // "BACKEND:" and the group's shape (PeerKey).
   const size_t colon = key.find(':');
   v1::AttachRequest peer;
@@ -1405,7 +1425,8 @@ absl::StatusOr<std::pair<int, std::vector<int>>> Node::ArenasForPeer(const std::
   if (on_device()) {
     for (int r = first_; r < first_ + hosted_; ++r) fds.push_back(device_arenas_[r]->fd());
   }
-  return std::make_pair(first_, std::move(fds));
+  UBEP_ASSIGN_OR_RETURN(std::vector<UniqueFd> held, HoldFds(fds));
+  return std::make_pair(first_, std::move(held));
 }
 
 std::vector<int> Node::MissingRanks() const {
@@ -1449,7 +1470,7 @@ bool Node::PeerArenasWanted(int first_rank, int count, const std::string& incarn
   return wanted;
 }
 
-absl::StatusOr<std::pair<uint64_t, std::vector<int>>> Node::RefreshArenas(int64_t connection) const {
+absl::StatusOr<std::pair<uint64_t, std::vector<UniqueFd>>> Node::RefreshArenas(int64_t connection) const {
   MutexLock lock(&mu_);
   for (const RankEntry& e : ranks_) {
     if (e.state != RankState::kConnected || e.connection != connection) continue;
@@ -1457,7 +1478,8 @@ absl::StatusOr<std::pair<uint64_t, std::vector<int>>> Node::RefreshArenas(int64_
     std::vector<int> fds;
     for (const kernels::SharedArena& arena : arenas_) fds.push_back(arena.fd());
     for (const auto& memory : device_arenas_) fds.push_back(memory->fd());
-    return std::make_pair(arena_epoch_, std::move(fds));
+    UBEP_ASSIGN_OR_RETURN(std::vector<UniqueFd> held, HoldFds(fds));
+    return std::make_pair(arena_epoch_, std::move(held));
   }
   return absl::FailedPreconditionError("this connection holds no rank");
 }
@@ -1589,8 +1611,17 @@ void Node::Drain() {
 
 bool Node::AwaitDetached(absl::Duration timeout) {
   MutexLock lock(&mu_);
-  return mu_.AwaitWithTimeout([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return AttachedLocked() == 0; },
-                              timeout);
+  // In slices: an unclaimed token stops counting when its deadline passes, which nothing
+  // signals.
+  const absl::Time deadline = MonotonicNow() + timeout;
+  while (true) {
+    const absl::Duration left = deadline - MonotonicNow();
+    if (mu_.AwaitWithTimeout([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return AttachedLocked() == 0; },
+                             std::min(left, absl::Milliseconds(100)))) {
+      return true;
+    }
+    if (left <= absl::Milliseconds(100)) return AttachedLocked() == 0;
+  }
 }
 
 absl::StatusOr<std::vector<std::vector<uint64_t>>> Node::ReadLoads() const {

@@ -33,6 +33,7 @@
 #include "absl/time/time.h"
 #include "balancer/core/plan.h"
 #include "common/mutex.h"
+#include "common/unix_socket.h"
 #include "daemon/device_memory.h"
 #include "kernels/host/arena_layout.h"
 #include "kernels/host/rank_arena.h"
@@ -95,7 +96,7 @@ class Node {
                                             absl::Time deadline = absl::InfiniteFuture());
   // For the fd socket: the arenas' fds (in AttachResponse.arena_ranks order) for a valid,
   // unclaimed token; marks the rank connected. `connection` identifies the fd connection.
-  absl::StatusOr<std::vector<int>> ClaimArenas(const std::string& token, int64_t connection);
+  absl::StatusOr<std::vector<UniqueFd>> ClaimArenas(const std::string& token, int64_t connection);
   absl::StatusOr<v1::JoinResponse> Join(const v1::JoinRequest& request, absl::Time deadline);
   absl::Status Detach(const v1::DetachRequest& request);
   absl::StatusOr<v1::GetPlanResponse> GetPlan() const;
@@ -208,7 +209,7 @@ class Node {
   // for a peer whose key matches. MissingRanks: the ranks whose arenas are not mapped yet.
   // AddPeerArenas: maps a peer's arenas (checked: size and control block).
   std::string PeerKey() const;
-  absl::StatusOr<std::pair<int, std::vector<int>>> ArenasForPeer(const std::string& key) const;
+  absl::StatusOr<std::pair<int, std::vector<UniqueFd>>> ArenasForPeer(const std::string& key) const;
   std::vector<int> MissingRanks() const;
   // Maps a peer's arenas for its ranks [first_rank, first_rank + fds.size()), made by the
   // daemon process `incarnation`. Arenas of another incarnation already mapped there (the
@@ -223,7 +224,7 @@ class Node {
   bool PeerArenasWanted(int first_rank, int count, const std::string& incarnation);
   // A claimed connection's refresh (JoinResponse.arena_epoch): the arena epoch and every
   // rank's arena fds, as ClaimArenas gives them.
-  absl::StatusOr<std::pair<uint64_t, std::vector<int>>> RefreshArenas(int64_t connection) const;
+  absl::StatusOr<std::pair<uint64_t, std::vector<UniqueFd>>> RefreshArenas(int64_t connection) const;
   // [first, first + count) of the group's hosted ranks (nullopt without a group).
   std::optional<std::pair<int, int>> HostedRanks() const;
 

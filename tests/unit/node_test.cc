@@ -60,9 +60,9 @@ Attached Claim(Node& node, const absl::StatusOr<v1::AttachResponse>& response, i
   a.layout.weights = response->layout().weights_offset();
   a.layout.weight_stride = response->layout().weight_stride();
   a.layout.buffers_per_layer = response->layout().buffers_per_layer();
-  absl::StatusOr<std::vector<int>> fds = node.ClaimArenas(a.token, connection);
+  absl::StatusOr<std::vector<UniqueFd>> fds = node.ClaimArenas(a.token, connection);
   EXPECT_TRUE(fds.ok()) << fds.status();
-  for (int fd : *fds) a.arenas.push_back(*kernels::SharedArena::Map(fd));
+  for (const UniqueFd& fd : *fds) a.arenas.push_back(*kernels::SharedArena::Map(fd.get()));
   return a;
 }
 
@@ -199,6 +199,10 @@ TEST(NodeTest, AnUnclaimedAttachExpiresAfterTheTicketTimeout) {
   absl::StatusOr<v1::AttachResponse> again = node.Attach(other);
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_NE(again->token(), first->token());
+  // Never claimed either: once expired, it holds no drain back.
+  EXPECT_FALSE(node.AwaitDetached(absl::Milliseconds(1)));
+  absl::SleepFor(absl::Milliseconds(40));
+  EXPECT_TRUE(node.AwaitDetached(absl::Milliseconds(1)));
 }
 
 TEST(NodeTest, DrainFailsJoinsAndAttachesAndStopsEveryWait) {
@@ -430,9 +434,11 @@ NodeOptions Hosting(int first) {
 
 // Maps `from`'s arenas into `into` as the balancer link does, naming `from`'s incarnation.
 absl::Status MapPeer(Node& into, const Node& from, const std::string& incarnation) {
-  absl::StatusOr<std::pair<int, std::vector<int>>> arenas = from.ArenasForPeer(into.PeerKey());
+  absl::StatusOr<std::pair<int, std::vector<UniqueFd>>> arenas = from.ArenasForPeer(into.PeerKey());
   if (!arenas.ok()) return arenas.status();
-  return into.AddPeerArenas(arenas->first, arenas->second, incarnation);
+  std::vector<int> fds;
+  for (const UniqueFd& fd : arenas->second) fds.push_back(fd.get());
+  return into.AddPeerArenas(arenas->first, fds, incarnation);
 }
 
 // Attach of `rank` to `node`, which waits for the peers' arenas; `map` maps them meanwhile.
@@ -515,11 +521,11 @@ TEST(NodeTest, APeersNewArenasReplaceTheStaleOnesOnlyWhileItsRanksAreExcluded) {
   ASSERT_TRUE(a.Commit(2).ok());
   ASSERT_TRUE(MapPeer(a, *b, "b-2").ok());
   EXPECT_FALSE(a.PeerArenasWanted(2, 2, "b-2"));
-  absl::StatusOr<std::pair<uint64_t, std::vector<int>>> refreshed = a.RefreshArenas(1);
+  absl::StatusOr<std::pair<uint64_t, std::vector<UniqueFd>>> refreshed = a.RefreshArenas(1);
   ASSERT_TRUE(refreshed.ok()) << refreshed.status();
   EXPECT_EQ(refreshed->first, r0->arena_epoch() + 1);
   ASSERT_EQ(refreshed->second.size(), 4u);
-  absl::StatusOr<kernels::SharedArena> rank2 = kernels::SharedArena::Map(refreshed->second[2]);
+  absl::StatusOr<kernels::SharedArena> rank2 = kernels::SharedArena::Map(refreshed->second[2].get());
   ASSERT_TRUE(rank2.ok()) << rank2.status();
   EXPECT_EQ(static_cast<int>(*kernels::WeightBuffer(rank2->data(), x0.layout, 0, 0)), 0x5a);
   EXPECT_EQ(a.RefreshArenas(7).status(), absl::FailedPreconditionError("this connection holds no rank"));
