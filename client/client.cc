@@ -546,6 +546,18 @@ absl::StatusOr<std::unique_ptr<Rank>> Rank::Attach(const ClientOptions& options,
         " bytes) differs from this library's (", kernels::ArenaLayout(c).total_bytes,
         "); ubepd and libubep versions differ"));
   }
+  // Every offset and size the calls go by, as this library lays the arena out for the shape
+  // and the daemon's free buffers: an answer that disagrees is refused before any is used.
+  if (st.layout.buffers_per_layer < static_cast<uint32_t>(shape.slots_per_rank) ||
+      kernels::RankArenaLayout::Compute(
+          c, shape.bytes_per_expert,
+          static_cast<int>(st.layout.buffers_per_layer) - shape.slots_per_rank,
+          st.on_device) != st.layout) {
+    return absl::DataLossError(absl::StrCat(
+        "rank ", rank, ": ubepd's arena layout (", st.layout.total_bytes, " bytes, ",
+        st.layout.buffers_per_layer, " weight buffers per layer) differs from this library's "
+        "for the shape; ubepd and libubep versions differ"));
+  }
   UBEP_RETURN_IF_ERROR(TakeArenas(st, response));
   UBEP_RETURN_IF_ERROR(JoinGroup(st, next_step));
   return handle;

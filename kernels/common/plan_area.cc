@@ -77,7 +77,9 @@ absl::Status PreparePlan(void* area, std::span<const std::byte> table, uint64_t 
     PlanSlotHeader* slot = PlanSlot(area, i);
     const uint32_t state = LoadState(slot);
     const uint64_t v = LoadVersion(slot);
-    if (state != kEmpty && v >= version) {
+    // An aborted plan may be prepared again under its version (the balancer catching a
+    // daemon up retries the cluster's plan); anything else of this version or newer stays.
+    if (state != kEmpty && v >= version && !(state == kAborted && v == version)) {
       return absl::FailedPreconditionError(absl::StrCat(
           "plan v", version, " is not newer than v", v, " already in the plan area"));
     }

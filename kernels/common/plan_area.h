@@ -12,7 +12,7 @@
 //     release, so a reader that sees v sees its table.
 //   Commit(v): state kCommitted (release).  Abort(v): state kAborted.
 // A reader at step s uses the committed slot with the highest version whose effective step
-// is <= s (SelectPlan). Versions only grow. The writer never touches the slot a reader may
+// is <= s (SelectPlan). Versions only grow, but an aborted one may be prepared again. The writer never touches the slot a reader may
 // be using as long as the daemon prepares v + 1 only after every rank reported a step at or
 // past v's effective step (then the older slot is out of use); Prepare checks what it can:
 // it overwrites the slot that is not the newest committed plan, and never a pending prepare.

@@ -114,6 +114,7 @@ struct RankArenaLayout {
   // `on_device`: data plane and weights in a device arena (CUDA backend).
   static RankArenaLayout Compute(const EpConfig& config, size_t bytes_per_expert,
                                  int free_buffers, bool on_device = false);
+  bool operator==(const RankArenaLayout&) const = default;
 };
 
 // The largest plan table for a config: an expert can have at most

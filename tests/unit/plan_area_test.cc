@@ -80,6 +80,10 @@ TEST_F(PlanAreaTest, RefusesWhatWouldBreakTheProtocol) {
             absl::FailedPreconditionError(
                 "plan v7 cannot be prepared while v6 awaits its commit or abort"));
   EXPECT_EQ(CommitPlan(area(), 9), absl::NotFoundError("plan v9 is not prepared here"));
+  // An aborted plan is prepared again under its version (a retry), and then committed.
+  ASSERT_TRUE(AbortPlan(area(), 6).ok());
+  EXPECT_EQ(CommitPlan(area(), 6), absl::NotFoundError("plan v6 is not prepared here"));
+  ASSERT_TRUE(PreparePlan(area(), Table(6), 6, 12).ok());
   ASSERT_TRUE(CommitPlan(area(), 6).ok());
   EXPECT_EQ(AbortPlan(area(), 6),
             absl::FailedPreconditionError(
