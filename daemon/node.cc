@@ -1032,12 +1032,23 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
       return MembershipStops(plan, r);
     });
     const absl::Duration wait = std::min(options_.wait_timeout, absl::Seconds(3));
+    // The lock is let go while the ranks stop: staging_ keeps other Prepares and new groups
+    // out meanwhile, and an Abort of this plan is kept for it (Abort), not lost.
+    staging_ = true;
+    staging_version_ = plan.version;
+    staging_aborted_ = false;
     const bool stopped = mu_.AwaitWithTimeout([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      if (staging_aborted_) return true;
       for (int r = first_; r < first_ + hosted_; ++r) {
         if (ranks_[r].state == RankState::kConnected && !ranks_[r].joining) return false;
       }
       return true;
     }, wait);
+    staging_ = false;
+    if (staging_aborted_) {
+      return fail(absl::StrCat("plan v", plan.version,
+                               " was aborted while the hosted ranks stopped for it"));
+    }
     if (!stopped || draining_ || !has_group_) {
       return fail(absl::StrCat("the hosted ranks did not stop within ", absl::FormatDuration(wait),
                                " for the change of members"));

@@ -481,6 +481,38 @@ balancer::Plan FourRankPlan(uint64_t version, std::vector<int> excluded) {
 // a plan that may be in force includes its ranks; no plan including them is prepared. Once a
 // committed plan excludes them the new arenas replace the old, the arena epoch moves, and a
 // client refreshing gets the new ones.
+// A change of members stops the hosted ranks before it stages; the balancer's Abort of the
+// plan while they stop (its Prepare timed out) is kept for it: once they have stopped, the
+// Prepare fails and nothing is left undecided, which would block every later plan.
+TEST(NodeTest, AnAbortWhileTheRanksStopForAChangeOfMembersFailsThatPrepare) {
+  Node a(Hosting(0));
+  auto b = std::make_unique<Node>(Hosting(2));
+  absl::StatusOr<v1::AttachResponse> r2;
+  std::thread tb([&] { r2 = b->Attach(Request(2, 4), absl::Now() + absl::Seconds(30)); });
+  const absl::StatusOr<v1::AttachResponse> r0 = AttachMapping(a, 0, [&] {
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (b->PeerKey().empty() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+    EXPECT_TRUE(MapPeer(a, *b, "b-1").ok());
+    EXPECT_TRUE(MapPeer(*b, a, "a-1").ok());
+  });
+  tb.join();
+  Attached x0 = Claim(a, r0, 1);
+  Attached x2 = Claim(*b, r2, 2);
+  v1::PrepareResponse prepared;
+  std::thread prepare([&] { prepared = a.Prepare(FourRankPlan(2, {2, 3}), 10); });
+  // The Prepare has stopped the group (rank 0's abort word) and waits for rank 0 to stop.
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (AbortWord(x0, 0, 4) != kernels::kAbortMembership && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  EXPECT_TRUE(a.Abort(2).ok());
+  prepare.join();
+  EXPECT_FALSE(prepared.prepared());
+  EXPECT_EQ(prepared.reason(), "plan v2 was aborted while the hosted ranks stopped for it");
+  EXPECT_EQ(a.State().pending_version(), 0u);
+  EXPECT_EQ(a.State().committed_version(), 1u);
+}
+
 TEST(NodeTest, APeersNewArenasReplaceTheStaleOnesOnlyWhileItsRanksAreExcluded) {
   Node a(Hosting(0));
   auto b = std::make_unique<Node>(Hosting(2));
