@@ -427,22 +427,19 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
   }
   const v1::LoadReport& load = request->load();
   for (int i = 0; i < load.layers_size(); ++i) {
-    for (int p = 0; p < load.layers(i).slot_size(); ++p) {
-      if (load.layers(i).slot(p) > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-        return Reject("negative", grpc::StatusCode::INVALID_ARGUMENT,
-                      absl::StrCat("load.layers[", i, "].slot[", p, "]: count ",
-                                   static_cast<int64_t>(load.layers(i).slot(p)),
-                                   " is negative"));
+    // Counts are deltas of monotonic counters: one past int64's range wrapped below zero.
+    auto counts = [&](const char* field, const auto& values) -> std::optional<grpc::Status> {
+      for (int k = 0; k < values.size(); ++k) {
+        if (values[k] > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+          return Reject("negative", grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("load.layers[", i, "].", field, "[", k, "]: count ",
+                                     static_cast<int64_t>(values[k]), " is negative"));
+        }
       }
-    }
-    for (int r = 0; r < load.layers(i).dispatches_size(); ++r) {
-      if (load.layers(i).dispatches(r) > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-        return Reject("negative", grpc::StatusCode::INVALID_ARGUMENT,
-                      absl::StrCat("load.layers[", i, "].dispatches[", r, "]: count ",
-                                   static_cast<int64_t>(load.layers(i).dispatches(r)),
-                                   " is negative"));
-      }
-    }
+      return std::nullopt;
+    };
+    if (auto bad = counts("slot", load.layers(i).slot())) return *bad;
+    if (auto bad = counts("dispatches", load.layers(i).dispatches())) return *bad;
   }
   if (load.plan_version() != plan_->version ||
       (load.first_step() < plan_effective_step_ && load.last_step() >= plan_effective_step_)) {

@@ -252,16 +252,16 @@ class FakeDaemon final : public v1::DaemonControl::Service {
   std::unique_ptr<grpc::Server> server_;
 };
 
-// 4 ranks x 4 slots, 2 layers x 6 experts, slot p holding expert p % 6: v1.
-v1::Plan FirstPlan() {
+// 4 ranks x 4 slots, 2 layers x `experts` experts, slot p holding expert p % experts: v1.
+v1::Plan FirstPlan(int experts = 6) {
   Plan plan;
   plan.version = 1;
   plan.topology = {4, 2, 4, 1};
-  plan.num_experts = 6;
+  plan.num_experts = experts;
   for (int l = 0; l < 2; ++l) {
     LayerPlan layer;
-    for (int p = 0; p < 16; ++p) layer.slot_expert.push_back(p % 6);
-    SetEqualShares(6, layer);
+    for (int p = 0; p < 16; ++p) layer.slot_expert.push_back(p % experts);
+    SetEqualShares(experts, layer);
     plan.layer_ids.push_back(l);
     plan.layers.push_back(layer);
   }
@@ -313,19 +313,7 @@ std::pair<v1::PrepareRequest, v1::PrepareRequest> PrepareOnDrain(FakeDaemon& a, 
 // Draining node-b would leave 8 slots for 10 experts: the drain is refused, naming why, and
 // undone (the node is not drained; the next drain of it is judged again, not taken as done).
 TEST(BalancerServerTest, ADrainNoPlanCanServeIsRefusedAndUndone) {
-  Plan ten;
-  ten.version = 1;
-  ten.topology = {4, 2, 4, 1};
-  ten.num_experts = 10;
-  for (int l = 0; l < 2; ++l) {
-    LayerPlan layer;
-    for (int p = 0; p < 16; ++p) layer.slot_expert.push_back(p % 10);
-    SetEqualShares(10, layer);
-    ten.layer_ids.push_back(l);
-    ten.layers.push_back(layer);
-  }
-  FakeDaemon a("node-a", ToProto(ten, PlanEncoding::kFull)),
-      b("node-b", ToProto(ten, PlanEncoding::kFull));
+  FakeDaemon a("node-a", FirstPlan(10)), b("node-b", FirstPlan(10));
   BalancerOptions options;
   options.health_failures = 1000;
   Balancer balancer(options, std::make_shared<prometheus::Registry>());

@@ -245,6 +245,16 @@ balancer::Plan SwappedPlan() {
   return plan;
 }
 
+// SwappedPlan (v2) prepared for step 20 and committed: rank 0 reads it from step 20 on.
+void ExpectSwappedPlanGoesThroughAtStep20(Node& node, const Attached& a) {
+  const v1::PrepareResponse prepared = node.Prepare(SwappedPlan(), 20);
+  ASSERT_TRUE(prepared.prepared()) << prepared.reason();
+  ASSERT_TRUE(node.Commit(2).ok());
+  uint64_t version = 0;
+  ASSERT_NE(kernels::SelectPlan(a.arenas[0].data() + a.layout.plan, 20, &version), nullptr);
+  EXPECT_EQ(version, 2u);
+}
+
 TEST(NodeTest, PrepareStagesWeightsInFreeBuffersAndCommitSwitchesAtTheEffectiveStep) {
   Node node(Options());
   Attached a = AttachAndClaim(node, 0, 2, 1);
@@ -305,12 +315,7 @@ TEST(NodeTest, AGroupCreatedAgainDropsThePlanUndecidedInTheOldOne) {
   Attached a = Claim(node, node.Attach(other_shape), 2);
   EXPECT_EQ(node.State().pending_version(), 0u);
   EXPECT_EQ(node.State().committed_version(), 1u);
-  const v1::PrepareResponse prepared = node.Prepare(SwappedPlan(), 20);
-  ASSERT_TRUE(prepared.prepared()) << prepared.reason();
-  ASSERT_TRUE(node.Commit(2).ok());
-  uint64_t version = 0;
-  ASSERT_NE(kernels::SelectPlan(a.arenas[0].data() + a.layout.plan, 20, &version), nullptr);
-  EXPECT_EQ(version, 2u);
+  ExpectSwappedPlanGoesThroughAtStep20(node, a);
 }
 
 // A stray store of the rank's process into its slot map (a buffer past the layout's) is found
@@ -391,12 +396,7 @@ TEST(NodeTest, APlanWhoseEffectiveStepARankReachedDuringStagingIsWithdrawn) {
   // Prepared again further ahead, under the same version (as the balancer retries a catch-up
   // with the cluster's plan), the plan goes through.
   during_staging = [] {};
-  const v1::PrepareResponse again = node.Prepare(SwappedPlan(), 20);
-  ASSERT_TRUE(again.prepared()) << again.reason();
-  ASSERT_TRUE(node.Commit(2).ok());
-  uint64_t version = 0;
-  ASSERT_NE(kernels::SelectPlan(a.arenas[0].data() + a.layout.plan, 20, &version), nullptr);
-  EXPECT_EQ(version, 2u);
+  ExpectSwappedPlanGoesThroughAtStep20(node, a);
 }
 
 // The next plan may overwrite the buffers of the one before the plan in force, which a rank
@@ -481,28 +481,39 @@ balancer::Plan FourRankPlan(uint64_t version, std::vector<int> excluded) {
 // a plan that may be in force includes its ranks; no plan including them is prepared. Once a
 // committed plan excludes them the new arenas replace the old, the arena epoch moves, and a
 // client refreshing gets the new ones.
+// Ranks 0 (node a, hosting 0-1) and 2 (node b, hosting 2-3) of four attach and take their
+// arenas, each node mapping the other's as the balancer link does ("a-1", "b-1").
+struct TwoNodes {
+  absl::StatusOr<v1::AttachResponse> r0, r2;
+  Attached x0, x2;
+};
+TwoNodes AttachTwoNodes(Node& a, Node& b) {
+  TwoNodes t;
+  std::thread tb([&] { t.r2 = b.Attach(Request(2, 4), absl::Now() + absl::Seconds(30)); });
+  t.r0 = AttachMapping(a, 0, [&] {
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (b.PeerKey().empty() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+    EXPECT_TRUE(MapPeer(a, b, "b-1").ok());
+    EXPECT_TRUE(MapPeer(b, a, "a-1").ok());
+  });
+  tb.join();
+  t.x0 = Claim(a, t.r0, 1);
+  t.x2 = Claim(b, t.r2, 2);
+  return t;
+}
+
 // A change of members stops the hosted ranks before it stages; the balancer's Abort of the
 // plan while they stop (its Prepare timed out) is kept for it: once they have stopped, the
 // Prepare fails and nothing is left undecided, which would block every later plan.
 TEST(NodeTest, AnAbortWhileTheRanksStopForAChangeOfMembersFailsThatPrepare) {
   Node a(Hosting(0));
   auto b = std::make_unique<Node>(Hosting(2));
-  absl::StatusOr<v1::AttachResponse> r2;
-  std::thread tb([&] { r2 = b->Attach(Request(2, 4), absl::Now() + absl::Seconds(30)); });
-  const absl::StatusOr<v1::AttachResponse> r0 = AttachMapping(a, 0, [&] {
-    const absl::Time deadline = absl::Now() + absl::Seconds(10);
-    while (b->PeerKey().empty() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
-    EXPECT_TRUE(MapPeer(a, *b, "b-1").ok());
-    EXPECT_TRUE(MapPeer(*b, a, "a-1").ok());
-  });
-  tb.join();
-  Attached x0 = Claim(a, r0, 1);
-  Attached x2 = Claim(*b, r2, 2);
+  const TwoNodes t = AttachTwoNodes(a, *b);
   v1::PrepareResponse prepared;
   std::thread prepare([&] { prepared = a.Prepare(FourRankPlan(2, {2, 3}), 10); });
   // The Prepare has stopped the group (rank 0's abort word) and waits for rank 0 to stop.
   const absl::Time until = absl::Now() + absl::Seconds(10);
-  while (AbortWord(x0, 0, 4) != kernels::kAbortMembership && absl::Now() < until) {
+  while (AbortWord(t.x0, 0, 4) != kernels::kAbortMembership && absl::Now() < until) {
     absl::SleepFor(absl::Milliseconds(1));
   }
   EXPECT_TRUE(a.Abort(2).ok());
@@ -516,17 +527,10 @@ TEST(NodeTest, AnAbortWhileTheRanksStopForAChangeOfMembersFailsThatPrepare) {
 TEST(NodeTest, APeersNewArenasReplaceTheStaleOnesOnlyWhileItsRanksAreExcluded) {
   Node a(Hosting(0));
   auto b = std::make_unique<Node>(Hosting(2));
-  absl::StatusOr<v1::AttachResponse> r2;
-  std::thread tb([&] { r2 = b->Attach(Request(2, 4), absl::Now() + absl::Seconds(30)); });
-  const absl::StatusOr<v1::AttachResponse> r0 = AttachMapping(a, 0, [&] {
-    const absl::Time deadline = absl::Now() + absl::Seconds(10);
-    while (b->PeerKey().empty() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
-    EXPECT_TRUE(MapPeer(a, *b, "b-1").ok());
-    EXPECT_TRUE(MapPeer(*b, a, "a-1").ok());
-  });
-  tb.join();
-  Attached x0 = Claim(a, r0, 1);
-  Attached x2 = Claim(*b, r2, 2);
+  TwoNodes t = AttachTwoNodes(a, *b);
+  const absl::StatusOr<v1::AttachResponse>& r0 = t.r0;
+  const absl::StatusOr<v1::AttachResponse>& r2 = t.r2;
+  Attached& x0 = t.x0;
   // Two nodes of two ranks: each rank's senders visit near and far destinations in turn.
   EXPECT_EQ(r0->near_ranks(), 2u);
   EXPECT_EQ(r2->near_ranks(), 2u);
@@ -573,7 +577,6 @@ TEST(NodeTest, APeersNewArenasReplaceTheStaleOnesOnlyWhileItsRanksAreExcluded) {
   EXPECT_TRUE(a.Detach(detach).ok());
   join.join();
   EXPECT_EQ(joined.status(), absl::FailedPreconditionError("rank 0 detached while joining"));
-  (void)x2;
 }
 
 // Data-plane settings come from each daemon's flags, not from the clients' shape: a peer whose
