@@ -124,21 +124,6 @@ absl::Status SendOne(int socket, std::string_view bytes, std::span<const int> fd
   }
 }
 
-}  // namespace
-
-absl::Status SendMessage(int socket, std::string_view bytes, std::span<const int> fds) {
-  if (fds.size() > kMaxFds) {
-    return absl::InvalidArgumentError(absl::StrCat("cannot pass ", fds.size(), " fds (max ", kMaxFds, ")"));
-  }
-  while (fds.size() > kFdsPerMessage) {
-    if (absl::Status s = SendOne(socket, kMoreFds, fds.first(kFdsPerMessage)); !s.ok()) return s;
-    fds = fds.subspan(kFdsPerMessage);
-  }
-  return SendOne(socket, bytes, fds);
-}
-
-namespace {
-
 // One recvmsg of at most `max_bytes` and kFdsPerMessage fds, appended to `out`, within
 // `timeout` from `start`.
 absl::Status ReceiveOne(int socket, size_t max_bytes, absl::Time start, absl::Duration timeout,
@@ -195,6 +180,17 @@ absl::Status ReceiveOne(int socket, size_t max_bytes, absl::Time start, absl::Du
 
 }  // namespace
 
+absl::Status SendMessage(int socket, std::string_view bytes, std::span<const int> fds) {
+  if (fds.size() > kMaxFds) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot pass ", fds.size(), " fds (max ", kMaxFds, ")"));
+  }
+  while (fds.size() > kFdsPerMessage) {
+    if (absl::Status s = SendOne(socket, kMoreFds, fds.first(kFdsPerMessage)); !s.ok()) return s;
+    fds = fds.subspan(kFdsPerMessage);
+  }
+  return SendOne(socket, bytes, fds);
+}
+
 absl::StatusOr<ReceivedMessage> ReceiveMessage(int socket, size_t max_bytes,
                                                absl::Duration timeout) {
   const absl::Time start = MonotonicNow();
@@ -206,8 +202,6 @@ absl::StatusOr<ReceivedMessage> ReceiveMessage(int socket, size_t max_bytes,
   out.closed = out.bytes.empty() && out.fds.empty();
   return out;
 }
-
-
 
 absl::StatusOr<pid_t> PeerPid(int socket) {
   ucred cred{};

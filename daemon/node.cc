@@ -214,16 +214,13 @@ absl::Status Node::CreateGroup(const v1::AttachRequest& q,
         "(got ", s.dtype() == v1::DTYPE_BFLOAT16 ? "DTYPE_BFLOAT16" : "DTYPE_FLOAT32",
         ", hidden ", s.hidden(), ")"));
   }
-  // The weights' bytes in 128 bits: a bytes_per_expert near 2^64 must not wrap to a small
-  // arena.
-  const uint64_t buffers = static_cast<uint64_t>(config.slots_per_rank) +
-                           static_cast<uint64_t>(std::max(options_.free_buffers, 0));
-  const unsigned __int128 weight_bytes = static_cast<unsigned __int128>(config.num_layers) *
-                                         buffers *
-                                         ((static_cast<unsigned __int128>(s.bytes_per_expert()) + 63) / 64 * 64);
-  if (weight_bytes > options_.max_arena_bytes) {
+  // Checked first: a bytes_per_expert near 2^64 would wrap the layout to a small arena.
+  if (const std::optional<size_t> weights = kernels::RankArenaLayout::WeightBytes(
+          config, s.bytes_per_expert(), options_.free_buffers);
+      !weights.has_value() || *weights > options_.max_arena_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "shape.bytes_per_expert ", s.bytes_per_expert(), " in ", buffers, " buffers per layer x ",
+        "shape.bytes_per_expert ", s.bytes_per_expert(), " in ",
+        config.slots_per_rank + std::max(options_.free_buffers, 0), " buffers per layer x ",
         config.num_layers, " layers is over the ", options_.max_arena_bytes,
         " bytes per rank ubepd allows (--max_arena_bytes)"));
   }

@@ -34,6 +34,19 @@ size_t MaxPlanTableBytes(const EpConfig& config) {
                         static_cast<uint32_t>(config.num_ranks));
 }
 
+std::optional<size_t> RankArenaLayout::WeightBytes(const EpConfig& config,
+                                                   size_t bytes_per_expert, int free_buffers) {
+  const size_t buffers = static_cast<size_t>(config.slots_per_rank) +
+                         static_cast<size_t>(std::max(free_buffers, 0));
+  size_t stride = 0, per_layer = 0, total = 0;
+  if (__builtin_add_overflow(bytes_per_expert, size_t{63}, &stride) ||
+      __builtin_mul_overflow(stride / 64 * 64, buffers, &per_layer) ||
+      __builtin_mul_overflow(per_layer, static_cast<size_t>(config.num_layers), &total)) {
+    return std::nullopt;
+  }
+  return total;
+}
+
 RankArenaLayout RankArenaLayout::Compute(const EpConfig& config, size_t bytes_per_expert,
                                          int free_buffers, bool on_device) {
   RankArenaLayout l;
@@ -46,8 +59,7 @@ RankArenaLayout RankArenaLayout::Compute(const EpConfig& config, size_t bytes_pe
   };
   l.buffers_per_layer = static_cast<uint32_t>(config.slots_per_rank + std::max(free_buffers, 0));
   l.weight_stride = AlignUp(bytes_per_expert, 64);
-  const size_t weight_bytes =
-      static_cast<size_t>(config.num_layers) * l.buffers_per_layer * l.weight_stride;
+  const size_t weight_bytes = WeightBytes(config, bytes_per_expert, free_buffers).value_or(SIZE_MAX);
   l.ep_bytes = ArenaLayout(config).total_bytes;
   l.control = carve(sizeof(RankControl));
   if (!on_device) l.ep = carve(l.ep_bytes);

@@ -22,6 +22,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -114,6 +115,10 @@ struct RankArenaLayout {
   // `on_device`: data plane and weights in a device arena (CUDA backend).
   static RankArenaLayout Compute(const EpConfig& config, size_t bytes_per_expert,
                                  int free_buffers, bool on_device = false);
+  // The expert weights' bytes of that layout (layers x buffers x the 64-byte aligned expert),
+  // or nullopt where they do not fit in a size_t: a caller refuses that shape before Compute.
+  static std::optional<size_t> WeightBytes(const EpConfig& config, size_t bytes_per_expert,
+                                           int free_buffers);
   bool operator==(const RankArenaLayout&) const = default;
 };
 
