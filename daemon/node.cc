@@ -1351,6 +1351,7 @@ v1::DaemonState Node::State() const {
   }
   state.set_max_step(MaxStepLocked());
   state.set_plan_in_force(!RankBeforePlanLocked().has_value());
+  state.set_committed_effective_step(EffectiveStepOf(plan_.version));
   *state.mutable_committed_plan() = balancer::ToProto(plan_, balancer::PlanEncoding::kCompact);
   return state;
 }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <limits>
 #include <thread>
 #include <utility>
@@ -346,6 +347,44 @@ grpc::Status Balancer::Register(grpc::ServerContext*, const v1::RegisterRequest*
     UBEP_LOG(WARNING) << "node " << request->node() << " restarted (a new ubepd process): its ranks "
                       << "stay excluded until it is undrained";
   }
+  // A node taking over ranks of a node that fails its health checks replaces it (a new daemon
+  // under another name): the old entry goes once no rank of it is left to anyone else, and
+  // the new daemon's arenas are new, as a restarted one's, so its ranks stay excluded until it
+  // is undrained, by the same rule.
+  std::vector<std::string> replaced;
+  for (auto it = daemons_.begin(); it != daemons_.end();) {
+    const Daemon& other = it->second;
+    bool overlaps = false, covered = true;
+    for (uint32_t r : other.info.ranks()) {
+      const bool taken =
+          std::find(request->ranks().begin(), request->ranks().end(), r) != request->ranks().end();
+      overlaps |= taken;
+      covered &= taken;
+    }
+    if (it->first == request->node() || other.healthy || !overlaps) {
+      ++it;
+      continue;
+    }
+    replaced.push_back(it->first);
+    if (covered) {
+      drained_.erase(it->first);
+      it = daemons_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  if (!replaced.empty()) {
+    UBEP_LOG(WARNING) << "node " << request->node() << " takes over ranks of node"
+                      << (replaced.size() > 1 ? "s " : " ") << absl::StrJoin(replaced, ", ")
+                      << ", which failed " << (replaced.size() > 1 ? "their" : "its")
+                      << " health checks";
+    if (shape_.has_value() && request->ranks_size() < shape_->world &&
+        !drained_.contains(request->node())) {
+      drained_.insert(request->node());
+      UBEP_LOG(WARNING) << "node " << request->node()
+                        << " is a new ubepd process: its ranks stay excluded until it is undrained";
+    }
+  }
   Daemon& d = daemons_[request->node()];
   if (d.info.address() != request->address() || d.control == nullptr) {
     d.channel = grpc::CreateChannel(request->address(), grpc::InsecureChannelCredentials());
@@ -534,6 +573,9 @@ uint64_t Balancer::EstimateStep() const {
   double step = 0;
   const absl::Time now = MonotonicNow();
   for (const auto& [name, d] : daemons_) {
+    // A daemon failing its health checks reports no more: its last rate would be extrapolated
+    // for as long as it is down, and its ranks are not in the plans made meanwhile.
+    if (!d.healthy) continue;
     double estimate = static_cast<double>(d.max_step);
     if (d.prev_step_time != absl::InfinitePast() && d.step_time > d.prev_step_time &&
         d.max_step > d.prev_step) {
@@ -592,6 +634,16 @@ void Balancer::CloseInterval() {
     for (int l = 0; l < L; ++l) {
       for (size_t i = 0; i < d.rank_rate[l].size(); ++i) rank_rate[l][d.first_rank + i] = d.rank_rate[l][i];
     }
+  }
+  // A rank of the plan with no daemon registered for it (yet) has no rate either.
+  std::vector<bool> hosted(shape_->world, false);
+  for (const auto& [name, d] : daemons_) {
+    for (uint32_t r : d.info.ranks()) {
+      if (r < hosted.size()) hosted[r] = true;
+    }
+  }
+  for (int r = 0; r < shape_->world; ++r) {
+    all_known &= hosted[r] || (plan_.has_value() && plan_->excluded(r));
   }
   if (reporting > 0) {
     // Back to counts (the policy's noise model reads counts): the mean steps of an interval.
@@ -689,6 +741,7 @@ void Balancer::Recover() {
       absl::StatusOr<Plan> plan = FromProto(state.committed_plan());
       if (plan.ok()) {
         plan_ = *std::move(plan);
+        plan_effective_step_ = state.committed_effective_step();
         // A node whose every rank the plan excludes while it is healthy was drained.
         for (const auto& [other, od] : daemons_) {
           bool all = od.info.ranks_size() > 0;
@@ -798,6 +851,10 @@ void Balancer::CatchUp() {
   }
   for (const auto& [name, stub] : behind) {
     std::string outcome;
+    // Whether the daemon may hold the plan prepared and undecided (a Prepare or a Commit that
+    // got no answer): then GetState tells, and recovery decides it. A Prepare it refused left
+    // nothing behind, and the next Tick tries again; meanwhile other plans go on.
+    bool unknown = false;
     v1::PrepareResponse prepared;
     {
       grpc::ClientContext context;
@@ -805,6 +862,7 @@ void Balancer::CatchUp() {
       const grpc::Status status = stub->Prepare(&context, request, &prepared);
       if (!status.ok()) outcome = status.error_message();
       if (status.ok() && !prepared.prepared()) outcome = prepared.reason();
+      unknown = !status.ok();
     }
     if (outcome.empty()) {
       grpc::ClientContext context;
@@ -814,21 +872,21 @@ void Balancer::CatchUp() {
       v1::CommitResponse response;
       if (const grpc::Status status = stub->Commit(&context, commit, &response); !status.ok()) {
         outcome = status.error_message();
+        unknown = true;
       }
     }
+    MutexLock lock(&mu_);
+    auto it = daemons_.find(name);
     if (outcome.empty()) {
       UBEP_LOG(INFO) << "node " << name << " caught up on plan v" << request.plan().version()
                      << " (effective at step " << request.effective_step() << ")";
-      if (whole_group) {
-        MutexLock lock(&mu_);
-        plan_effective_step_ = request.effective_step();
-      }
+      if (whole_group) plan_effective_step_ = request.effective_step();
+      if (it != daemons_.end()) it->second.committed = request.plan().version();
     } else {
       UBEP_LOG(INFO) << "node " << name << " did not take plan v" << request.plan().version()
                      << " yet: " << outcome;
+      if (it != daemons_.end() && unknown) it->second.needs_state = true;
     }
-    MutexLock lock(&mu_);
-    if (auto it = daemons_.find(name); it != daemons_.end()) it->second.needs_state = true;
   }
 }
 
@@ -866,6 +924,21 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why, b
       if (d.info.ranks().empty()) continue;
       targets.push_back(name);
       channels.push_back(d.channel);
+    }
+    // Every rank the plan keeps must have its daemon here: one that has not registered (yet,
+    // after a restart of the balancer; or no client attached to it) would not get the plan.
+    std::set<int> unserved;
+    for (int r = 0; r < shape_->world; ++r) {
+      if (!std::binary_search(excluded.begin(), excluded.end(), r)) unserved.insert(r);
+    }
+    for (const std::string& name : targets) {
+      for (uint32_t r : daemons_.at(name).info.ranks()) unserved.erase(static_cast<int>(r));
+    }
+    if (!unserved.empty()) {
+      return absl::UnavailableError(absl::StrCat(
+          "rank", unserved.size() > 1 ? "s " : " ", absl::StrJoin(unserved, ", "),
+          " of the group ", unserved.size() > 1 ? "have" : "has",
+          " no registered daemon; a plan waits for every daemon of the group to register"));
     }
     AddGroupDaemons(request);
     link_root = LinkRoot(request);
@@ -1060,24 +1133,17 @@ bool Balancer::PlanInForceEverywhere() const {
 }
 
 std::vector<int> Balancer::DesiredExcluded() const {
-  std::vector<int> excluded;
-  std::set<int> served;  // By healthy daemons not drained.
+  std::set<int> served, unserved;  // Served: by a healthy daemon that is not drained.
   for (const auto& [name, d] : daemons_) {
     const bool serving = d.healthy && !drained_.contains(name);
-    for (uint32_t r : d.info.ranks()) {
-      if (serving) served.insert(static_cast<int>(r));
-      if (!serving) excluded.push_back(static_cast<int>(r));
-    }
+    for (uint32_t r : d.info.ranks()) (serving ? served : unserved).insert(static_cast<int>(r));
   }
   // An excluded rank comes back only with a daemon serving it (not one that registered
-  // without a group yet).
-  if (plan_.has_value()) {
-    for (int r : plan_->excluded_ranks) {
-      if (!served.contains(r)) excluded.push_back(r);
-    }
-  }
-  std::sort(excluded.begin(), excluded.end());
-  excluded.erase(std::unique(excluded.begin(), excluded.end()), excluded.end());
+  // without a group yet); a down daemon's rank that another daemon took over is served.
+  if (plan_.has_value()) unserved.insert(plan_->excluded_ranks.begin(), plan_->excluded_ranks.end());
+  std::vector<int> excluded;
+  std::set_difference(unserved.begin(), unserved.end(), served.begin(), served.end(),
+                      std::back_inserter(excluded));
   return excluded;
 }
 

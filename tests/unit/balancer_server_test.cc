@@ -184,12 +184,17 @@ TEST(BalancerServerTest, ShapeConflictsAreRefusedNamingBothShapes) {
   EXPECT_EQ(balancer.Register(nullptr, &other, &response).error_message(), "rank 9 is outside [0, 4)");
 }
 
-// A daemon's DaemonControl, in process on loopback: it serves `plan` as committed, prepares
-// and commits whatever it is sent, and records the Prepare requests and CreateLink calls.
+// A daemon's DaemonControl, in process on loopback, with the gRPC health service the
+// balancer checks: it serves `plan` as committed (in force from `effective_step`), prepares
+// and commits whatever it is sent but a version it is told to refuse, and records the Prepare
+// requests and CreateLink calls.
 class FakeDaemon final : public v1::DaemonControl::Service {
  public:
-  FakeDaemon(std::string name, const v1::Plan& plan, bool link_fails = false)
-      : name_(std::move(name)), committed_(plan), link_fails_(link_fails) {
+  FakeDaemon(std::string name, const v1::Plan& plan, bool link_fails = false,
+             uint64_t effective_step = 0)
+      : name_(std::move(name)), committed_(plan), effective_step_(effective_step),
+        link_fails_(link_fails) {
+    grpc::EnableDefaultHealthCheckService(true);
     grpc::ServerBuilder builder;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
     builder.RegisterService(this);
@@ -201,6 +206,10 @@ class FakeDaemon final : public v1::DaemonControl::Service {
                        v1::PrepareResponse* response) override {
     std::lock_guard<std::mutex> lock(mu_);
     prepares_.push_back(*request);
+    if (request->plan().version() == refused_) {
+      response->set_reason("refused for the test");
+      return grpc::Status::OK;
+    }
     response->set_prepared(true);
     return grpc::Status::OK;
   }
@@ -219,6 +228,7 @@ class FakeDaemon final : public v1::DaemonControl::Service {
     state->set_node(name_);
     state->set_committed_version(committed_.version());
     state->set_plan_in_force(true);
+    state->set_committed_effective_step(effective_step_);
     *state->mutable_committed_plan() = committed_;
     return grpc::Status::OK;
   }
@@ -240,11 +250,21 @@ class FakeDaemon final : public v1::DaemonControl::Service {
     std::lock_guard<std::mutex> lock(mu_);
     return links_;
   }
+  uint64_t committed_version() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return committed_.version();
+  }
+  void Refuse(uint64_t version) {
+    std::lock_guard<std::mutex> lock(mu_);
+    refused_ = version;
+  }
 
  private:
   std::string name_;
   std::mutex mu_;
   v1::Plan committed_;
+  uint64_t effective_step_;
+  uint64_t refused_ = 0;
   std::vector<v1::PrepareRequest> prepares_;
   int links_ = 0;
   bool link_fails_;
@@ -385,6 +405,206 @@ TEST(BalancerServerTest, NoNcclLinkForOneDomainTheHostBackendOrARootThatCannotMa
     EXPECT_EQ(pa.nccl_unique_id(), "");
     EXPECT_EQ(pb.nccl_unique_id(), "");
   }
+}
+
+// FirstPlan's placement as v2, with ranks 2 and 3 (node-b's) excluded.
+v1::Plan PlanWithoutNodeB() {
+  absl::StatusOr<Plan> plan = FromProto(FirstPlan());
+  EXPECT_TRUE(plan.ok()) << plan.status();
+  plan->version = 2;
+  plan->excluded_ranks = {2, 3};
+  for (LayerPlan& layer : plan->layers) {
+    std::vector<int> replicas(plan->num_experts, 0);
+    for (int p = 0; p < 8; ++p) ++replicas[layer.slot_expert[p]];
+    for (int p = 0; p < 16; ++p) layer.slot_share[p] = p < 8 ? 1.0 / replicas[layer.slot_expert[p]] : 0;
+  }
+  EXPECT_TRUE(ValidatePlan(*plan).ok()) << ValidatePlan(*plan);
+  return ToProto(*plan, PlanEncoding::kFull);
+}
+
+// A balancer that marks a daemon down at its first failed health check.
+std::unique_ptr<Balancer> QuickToMarkDown() {
+  BalancerOptions options;
+  options.health_failures = 1;
+  options.health_interval = absl::Milliseconds(300);
+  return std::make_unique<Balancer>(options, std::make_shared<prometheus::Registry>());
+}
+
+// Ticks until `node` fails a health check (one every health interval), for at most 10 s.
+void TickUntilDown(Balancer& balancer, const std::string& node) {
+  for (const absl::Time until = absl::Now() + absl::Seconds(10); absl::Now() < until;
+       absl::SleepFor(absl::Milliseconds(20))) {
+    balancer.Tick();
+    for (const BalancerStatus::Node& n : balancer.Status().nodes) {
+      if (n.name == node && !n.healthy) return;
+    }
+  }
+  ADD_FAILURE() << node << " was not marked down within 10s";
+}
+
+void Register(Balancer& balancer, const v1::RegisterRequest& request) {
+  v1::RegisterResponse response;
+  const grpc::Status status = balancer.Register(nullptr, &request, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+}
+
+// A report of `node` (ranks 2 n, 2 n + 1) that its ranks are at `max_step`, under `version`.
+grpc::Status ReportSteps(Balancer& balancer, const std::string& node, int n, uint64_t seq,
+                         uint64_t max_step, uint64_t version = 1, uint64_t first_step = 0) {
+  v1::ReportLoadRequest q;
+  q.set_node(node);
+  q.set_seq(seq);
+  q.set_max_step(max_step);
+  q.set_plan_in_force(true);
+  v1::LoadReport* load = q.mutable_load();
+  load->set_reporter(node);
+  load->set_first_step(first_step);
+  load->set_last_step(max_step);
+  load->set_plan_version(version);
+  load->set_num_experts(6);
+  for (int l = 0; l < 2; ++l) {
+    v1::LayerLoad* layer = load->add_layers();
+    layer->set_layer(l);
+    layer->set_first_slot(8 * n);
+    for (int p = 0; p < 8; ++p) layer->add_slot(1);
+  }
+  v1::ReportLoadResponse response;
+  return balancer.ReportLoad(nullptr, &q, &response);
+}
+
+// A drained daemon behind the cluster's plan gets it (CatchUp). Whether it takes it or refuses
+// it, the next plan goes through at once: a catch-up leaves no daemon "being recovered" but one
+// whose answer did not arrive.
+TEST(BalancerServerTest, ACatchUpTakenOrRefusedHoldsBackNoPlan) {
+  for (const bool refuse : {false, true}) {
+    SCOPED_TRACE(refuse ? "refused" : "taken");
+    FakeDaemon a("node-a", PlanWithoutNodeB()), b("node-b", FirstPlan());
+    if (refuse) b.Refuse(2);
+    BalancerOptions options;
+    options.health_failures = 1000;
+    Balancer balancer(options, std::make_shared<prometheus::Registry>());
+    Register(balancer, DaemonRegistration(a, "node-a", 0, 0, "host"));
+    Register(balancer, DaemonRegistration(b, "node-b", 2, 0, "host"));
+    balancer.Tick();  // Learns v2 from node-a; node-b, all of whose ranks it excludes, is drained.
+    ASSERT_EQ(b.prepares().size(), 1u);
+    EXPECT_EQ(b.prepares()[0].plan().version(), 2u);
+    EXPECT_EQ(b.committed_version(), refuse ? 1u : 2u);
+    v1::DrainRequest undrain;
+    undrain.set_node("node-b");
+    v1::RebalanceResponse response;
+    const grpc::Status status = balancer.Undrain(nullptr, &undrain, &response);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    EXPECT_EQ(response.version(), 3u);
+    EXPECT_TRUE(response.changed());
+    EXPECT_EQ(a.committed_version(), 3u);
+    EXPECT_EQ(b.committed_version(), 3u);
+    ASSERT_EQ(b.prepares().size(), 2u);
+    EXPECT_EQ(b.prepares()[1].base_version(), 2u);
+    EXPECT_TRUE(b.prepares()[1].plan().excluded_ranks().empty());
+  }
+}
+
+// A restarted balancer learns from which step the plan in force is in force: a report whose
+// steps straddle it mixes two plans' counts and is refused.
+TEST(BalancerServerTest, ARestartedBalancerLearnsThePlansEffectiveStep) {
+  FakeDaemon a("node-a", FirstPlan(), false, /*effective_step=*/500);
+  FakeDaemon b("node-b", FirstPlan(), false, /*effective_step=*/500);
+  BalancerOptions options;
+  options.health_failures = 1000;
+  Balancer balancer(options, std::make_shared<prometheus::Registry>());
+  Register(balancer, DaemonRegistration(a, "node-a", 0, 0, "host"));
+  Register(balancer, DaemonRegistration(b, "node-b", 2, 0, "host"));
+  balancer.Tick();
+  const grpc::Status straddling = ReportSteps(balancer, "node-a", 0, 1, 510, 1, 490);
+  EXPECT_EQ(straddling.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(straddling.error_message(),
+            "report counted under plan v1 (steps 490-510); plan v1 is in force from step 500");
+  const grpc::Status after = ReportSteps(balancer, "node-a", 0, 2, 520, 1, 510);
+  EXPECT_TRUE(after.ok()) << after.error_message();
+}
+
+// A daemon that went down is not extrapolated at its last step rate: the plan excluding its
+// ranks is effective a margin after the live daemon's step, not far ahead of it.
+TEST(BalancerServerTest, TheStepOfAPlanIsEstimatedFromLiveDaemonsOnly) {
+  auto a = std::make_unique<FakeDaemon>("node-a", FirstPlan());
+  auto b = std::make_unique<FakeDaemon>("node-b", FirstPlan());
+  std::unique_ptr<Balancer> balancer = QuickToMarkDown();
+  Register(*balancer, DaemonRegistration(*a, "node-a", 0, 0, "host"));
+  Register(*balancer, DaemonRegistration(*b, "node-b", 2, 0, "host"));
+  // (Before the plan is known the reports are refused, but their steps count.)
+  (void)ReportSteps(*balancer, "node-a", 0, 1, 100);
+  (void)ReportSteps(*balancer, "node-a", 0, 2, 100);  // Not moving: no rate.
+  (void)ReportSteps(*balancer, "node-b", 1, 1, 100);
+  (void)ReportSteps(*balancer, "node-b", 1, 2, 1'000'000);  // A million steps in microseconds.
+  b.reset();
+  TickUntilDown(*balancer, "node-b");  // And the plan without its ranks is made.
+  ASSERT_EQ(a->prepares().size(), 1u);
+  EXPECT_EQ(a->prepares()[0].effective_step(), 110u);  // 100 + min_margin_steps.
+  EXPECT_EQ(a->committed_version(), 2u);
+}
+
+// node-b goes down and node-c takes its ranks over: node-b's entry goes, node-c's ranks stay
+// excluded until it is undrained (new arenas, as a restarted daemon's), and then come back.
+TEST(BalancerServerTest, ANodeTakingOverADownNodesRanksReplacesIt) {
+  auto a = std::make_unique<FakeDaemon>("node-a", FirstPlan());
+  auto b = std::make_unique<FakeDaemon>("node-b", FirstPlan());
+  std::unique_ptr<Balancer> balancer = QuickToMarkDown();
+  Register(*balancer, DaemonRegistration(*a, "node-a", 0, 0, "host"));
+  Register(*balancer, DaemonRegistration(*b, "node-b", 2, 0, "host"));
+  balancer->Tick();  // Learns v1.
+  b.reset();
+  TickUntilDown(*balancer, "node-b");  // v2 excludes ranks 2 and 3.
+  ASSERT_EQ(a->committed_version(), 2u);
+  FakeDaemon c("node-c", FirstPlan());
+  Register(*balancer, DaemonRegistration(c, "node-c", 2, 0, "host"));
+  v1::ClusterStatus cluster;
+  ASSERT_TRUE(balancer->GetStatus(nullptr, nullptr, &cluster).ok());
+  ASSERT_EQ(cluster.nodes_size(), 2);
+  EXPECT_EQ(cluster.nodes(0).node(), "node-a");
+  EXPECT_EQ(cluster.nodes(1).node(), "node-c");
+  EXPECT_TRUE(cluster.nodes(1).drained());
+  EXPECT_EQ(std::vector<uint32_t>(cluster.excluded_ranks().begin(), cluster.excluded_ranks().end()),
+            (std::vector<uint32_t>{2, 3}));
+  balancer->Tick();  // node-c catches up on v2.
+  EXPECT_EQ(c.committed_version(), 2u);
+  v1::DrainRequest undrain;
+  undrain.set_node("node-c");
+  v1::RebalanceResponse response;
+  const grpc::Status status = balancer->Undrain(nullptr, &undrain, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(response.version(), 3u);
+  EXPECT_EQ(c.committed_version(), 3u);
+  ASSERT_EQ(c.prepares().size(), 2u);
+  EXPECT_TRUE(c.prepares()[1].plan().excluded_ranks().empty());
+  ASSERT_EQ(c.prepares()[1].daemons_size(), 2);  // node-b is not listed.
+  EXPECT_EQ(c.prepares()[1].daemons(1).node(), "node-c");
+}
+
+// A plan waits for every daemon of the group: one that registered without its group (no
+// client attached yet, or not registered again after a restart of the balancer) would not get
+// it.
+TEST(BalancerServerTest, APlanWaitsForEveryRankOfTheGroupToHaveItsDaemon) {
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+  BalancerOptions options;
+  options.health_failures = 1000;
+  Balancer balancer(options, std::make_shared<prometheus::Registry>());
+  Register(balancer, DaemonRegistration(a, "node-a", 0, 0, "host"));
+  v1::RegisterRequest no_group = DaemonRegistration(b, "node-b", 2, 0, "host");
+  no_group.clear_ranks();
+  no_group.clear_shape();
+  Register(balancer, no_group);
+  balancer.Tick();  // Learns v1 from node-a.
+  v1::RebalanceResponse response;
+  grpc::Status status = balancer.Rebalance(nullptr, nullptr, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(status.error_message(),
+            "ranks 2, 3 of the group have no registered daemon; a plan waits for every daemon "
+            "of the group to register");
+  EXPECT_TRUE(a.prepares().empty());
+  Register(balancer, DaemonRegistration(b, "node-b", 2, 0, "host"));
+  balancer.Tick();
+  status = balancer.Rebalance(nullptr, nullptr, &response);
+  EXPECT_TRUE(status.ok()) << status.error_message();
 }
 
 // A group whose calls reach only layer 0 (every step dropped there, over a receive capacity):

@@ -296,6 +296,7 @@ TEST(NodeTest, PrepareStagesWeightsInFreeBuffersAndCommitSwitchesAtTheEffectiveS
     EXPECT_EQ(kernels::SlotMap(a.arenas[0].data(), a.layout, config, buffer)[l * 4 + 2], 2u);
   }
   EXPECT_EQ(node.State().committed_version(), 2u);
+  EXPECT_EQ(node.State().committed_effective_step(), 10u);  // What a restarted balancer learns.
   EXPECT_EQ(node.State().pending_version(), 0u);
 }
 
