@@ -98,8 +98,33 @@ absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path, absl::Duration tim
 
 namespace {
 
-// One sendmsg of `bytes` and at most kFdsPerMessage `fds`.
-absl::Status SendOne(int socket, std::string_view bytes, std::span<const int> fds) {
+// Waits until `socket` is ready for `events`, until `timeout` from `start` has passed
+// (DeadlineExceeded naming `what`); on the monotonic clock (a wall-clock step neither ends nor
+// stretches the wait), each poll at most INT_MAX ms, so that any timeout, infinite included,
+// is kept.
+absl::Status AwaitReady(int socket, short events, absl::Time start, absl::Duration timeout,
+                        const char* what) {
+  pollfd p{socket, events, 0};
+  while (true) {
+    const absl::Duration left = timeout - (MonotonicNow() - start);
+    const int wait_ms =
+        left <= absl::ZeroDuration()
+            ? 0
+            : static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(absl::Ceil(
+                                                     left, absl::Milliseconds(1))),
+                                                 std::numeric_limits<int>::max()));
+    const int r = poll(&p, 1, wait_ms);
+    if (r > 0) return absl::OkStatus();
+    if (r == 0 && left <= absl::Milliseconds(wait_ms)) {
+      return absl::DeadlineExceededError(absl::StrCat(what, absl::FormatDuration(timeout)));
+    }
+    if (r < 0 && errno != EINTR) return Errno("poll");
+  }
+}
+
+// One sendmsg of `bytes` and at most kFdsPerMessage `fds`, within `timeout` from `start`.
+absl::Status SendOne(int socket, std::string_view bytes, std::span<const int> fds,
+                     absl::Time start, absl::Duration timeout) {
   iovec iov{const_cast<char*>(bytes.data()), bytes.size()};
   msghdr msg{};
   msg.msg_iov = &iov;
@@ -114,13 +139,23 @@ absl::Status SendOne(int socket, std::string_view bytes, std::span<const int> fd
     cmsg->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
     std::memcpy(CMSG_DATA(cmsg), fds.data(), sizeof(int) * fds.size());
   }
+  // Without waiting (MSG_DONTWAIT), whatever the socket's mode: a full queue is waited out
+  // here, bounded.
   while (true) {
-    const ssize_t n = sendmsg(socket, &msg, MSG_NOSIGNAL);
+    const ssize_t n = sendmsg(socket, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n >= 0) {
       if (static_cast<size_t>(n) != bytes.size()) return absl::DataLossError("short send");
       return absl::OkStatus();
     }
-    if (errno != EINTR) return Errno("sendmsg");
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      if (absl::Status ready =
+              AwaitReady(socket, POLLOUT, start, timeout, "the receiver took no message for ");
+          !ready.ok()) {
+        return ready;
+      }
+    } else if (errno != EINTR) {
+      return Errno("sendmsg");
+    }
   }
 }
 
@@ -128,23 +163,9 @@ absl::Status SendOne(int socket, std::string_view bytes, std::span<const int> fd
 // `timeout` from `start`.
 absl::Status ReceiveOne(int socket, size_t max_bytes, absl::Time start, absl::Duration timeout,
                         ReceivedMessage& out) {
-  pollfd p{socket, POLLIN, 0};
-  // Time left on the monotonic clock (a wall-clock step neither ends nor stretches the wait);
-  // each poll waits at most INT_MAX ms, so that any timeout, infinite included, is kept.
-  while (true) {
-    const absl::Duration left = timeout - (MonotonicNow() - start);
-    const int wait_ms =
-        left <= absl::ZeroDuration()
-            ? 0
-            : static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(absl::Ceil(
-                                                     left, absl::Milliseconds(1))),
-                                                 std::numeric_limits<int>::max()));
-    const int r = poll(&p, 1, wait_ms);
-    if (r > 0) break;
-    if (r == 0 && left <= absl::Milliseconds(wait_ms)) {
-      return absl::DeadlineExceededError(absl::StrCat("no message within ", absl::FormatDuration(timeout)));
-    }
-    if (r < 0 && errno != EINTR) return Errno("poll");
+  if (absl::Status ready = AwaitReady(socket, POLLIN, start, timeout, "no message within ");
+      !ready.ok()) {
+    return ready;
   }
   out.bytes.resize(std::max(max_bytes, kMoreFds.size()));
   iovec iov{out.bytes.data(), out.bytes.size()};
@@ -180,15 +201,20 @@ absl::Status ReceiveOne(int socket, size_t max_bytes, absl::Time start, absl::Du
 
 }  // namespace
 
-absl::Status SendMessage(int socket, std::string_view bytes, std::span<const int> fds) {
+absl::Status SendMessage(int socket, std::string_view bytes, std::span<const int> fds,
+                         absl::Duration timeout) {
   if (fds.size() > kMaxFds) {
     return absl::InvalidArgumentError(absl::StrCat("cannot pass ", fds.size(), " fds (max ", kMaxFds, ")"));
   }
+  const absl::Time start = MonotonicNow();
   while (fds.size() > kFdsPerMessage) {
-    if (absl::Status s = SendOne(socket, kMoreFds, fds.first(kFdsPerMessage)); !s.ok()) return s;
+    if (absl::Status s = SendOne(socket, kMoreFds, fds.first(kFdsPerMessage), start, timeout);
+        !s.ok()) {
+      return s;
+    }
     fds = fds.subspan(kFdsPerMessage);
   }
-  return SendOne(socket, bytes, fds);
+  return SendOne(socket, bytes, fds, start, timeout);
 }
 
 absl::StatusOr<ReceivedMessage> ReceiveMessage(int socket, size_t max_bytes,

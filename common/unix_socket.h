@@ -54,8 +54,11 @@ absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path,
 
 // Sends one message carrying `bytes` and `fds` (duplicated into the receiver; at most 2048:
 // more than a socket message takes, 253, go ahead of it in messages of their own, which
-// ReceiveMessage gathers).
-absl::Status SendMessage(int socket, std::string_view bytes, std::span<const int> fds);
+// ReceiveMessage gathers). A receiver that leaves its queue full for `timeout` (it takes no
+// message) gets none: DeadlineExceeded, and a message of several parts may be cut short
+// (close the connection then).
+absl::Status SendMessage(int socket, std::string_view bytes, std::span<const int> fds,
+                         absl::Duration timeout = absl::InfiniteDuration());
 
 struct ReceivedMessage {
   std::string bytes;          // Empty with `closed` when the peer closed the connection.

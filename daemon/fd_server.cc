@@ -5,11 +5,14 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <limits>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/clock.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 
@@ -36,20 +39,22 @@ absl::StatusOr<std::pair<int, std::vector<UniqueFd>>> FetchPeerArenas(
 }
 
 absl::StatusOr<std::unique_ptr<FdServer>> FdServer::Start(const std::string& path, mode_t mode,
-                                                          Node* node) {
+                                                          Node* node, FdServerOptions options) {
   absl::StatusOr<UniqueFd> listener = ListenUnix(path, mode);
   if (!listener.ok()) return listener.status();
   UniqueFd wake(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!wake.valid()) return absl::ErrnoToStatus(errno, "eventfd");
   return std::unique_ptr<FdServer>(
-      new FdServer(*std::move(listener), std::move(wake), path, node));
+      new FdServer(*std::move(listener), std::move(wake), path, node, options));
 }
 
-FdServer::FdServer(UniqueFd listener, UniqueFd wake, std::string path, Node* node)
+FdServer::FdServer(UniqueFd listener, UniqueFd wake, std::string path, Node* node,
+                   FdServerOptions options)
     : listener_(std::move(listener)),
       wake_(std::move(wake)),
       path_(std::move(path)),
       node_(node),
+      options_(options),
       thread_([this] { Loop(); }) {}
 
 FdServer::~FdServer() {
@@ -67,7 +72,19 @@ std::vector<int> Raw(const std::vector<UniqueFd>& fds) {
   return raw;
 }
 
+template <typename T>
+std::string StatusLine(const absl::StatusOr<T>& result, const std::string& ok) {
+  return result.ok() ? ok : absl::StrCat("ERR ", result.status().message());
+}
+
 }  // namespace
+
+absl::Status FdServer::Reply(int fd, const std::string& bytes,
+                             const std::vector<UniqueFd>& fds) const {
+  absl::Status sent = SendMessage(fd, bytes, Raw(fds), options_.send_timeout);
+  if (!sent.ok()) UBEP_LOG(WARNING) << "fd server: a reply was not sent: " << sent;
+  return sent;
+}
 
 bool FdServer::Serve(int64_t id, int fd) {
   absl::StatusOr<ReceivedMessage> message = ReceiveMessage(fd, kMaxTokenBytes, absl::ZeroDuration());
@@ -75,20 +92,19 @@ bool FdServer::Serve(int64_t id, int fd) {
     node_->ConnectionClosed(id);
     return false;
   }
+  static const std::vector<UniqueFd> kNone;
   if (absl::StartsWith(message->bytes, kPeerRequest)) {
     absl::StatusOr<std::pair<int, std::vector<UniqueFd>>> arenas =
         node_->ArenasForPeer(message->bytes.substr(sizeof(kPeerRequest) - 1));
-    const std::string reply = arenas.ok() ? absl::StrCat("OK ", arenas->first)
-                                          : absl::StrCat("ERR ", arenas.status().message());
-    (void)SendMessage(fd, reply, arenas.ok() ? Raw(arenas->second) : std::vector<int>{});
+    (void)Reply(fd, StatusLine(arenas, arenas.ok() ? absl::StrCat("OK ", arenas->first) : ""),
+                arenas.ok() ? arenas->second : kNone);
     return false;
   }
   if (message->bytes == kArenaRefreshRequest) {
     absl::StatusOr<std::pair<uint64_t, std::vector<UniqueFd>>> arenas = node_->RefreshArenas(id);
-    const std::string reply = arenas.ok() ? absl::StrCat("OK ", arenas->first)
-                                          : absl::StrCat("ERR ", arenas.status().message());
-    if (absl::Status sent = SendMessage(fd, reply, arenas.ok() ? Raw(arenas->second) : std::vector<int>{});
-        !sent.ok()) {
+    if (!Reply(fd, StatusLine(arenas, arenas.ok() ? absl::StrCat("OK ", arenas->first) : ""),
+               arenas.ok() ? arenas->second : kNone)
+             .ok()) {
       node_->ConnectionClosed(id);
       return false;
     }
@@ -96,15 +112,9 @@ bool FdServer::Serve(int64_t id, int fd) {
     return !absl::IsFailedPrecondition(arenas.status());
   }
   absl::StatusOr<std::vector<UniqueFd>> fds = node_->ClaimArenas(message->bytes, id);
-  if (!fds.ok()) {
-    // One message: a status line the client turns into its error.
-    const std::string reply = "ERR " + std::string(fds.status().message());
-    (void)SendMessage(fd, reply, {});
-    return false;
-  }
-  if (absl::Status sent = SendMessage(fd, "OK", Raw(*fds)); !sent.ok()) {
-    UBEP_LOG(WARNING) << "fd server: sending arenas failed: " << sent;
-    node_->ConnectionClosed(id);
+  // On failure, one message: a status line the client turns into its error.
+  if (!Reply(fd, StatusLine(fds, "OK"), fds.ok() ? *fds : kNone).ok() || !fds.ok()) {
+    if (fds.ok()) node_->ConnectionClosed(id);
     return false;
   }
   return true;
@@ -114,24 +124,46 @@ void FdServer::Loop() {
   while (true) {
     std::vector<pollfd> polls{{wake_.get(), POLLIN, 0}, {listener_.get(), POLLIN, 0}};
     std::vector<int64_t> ids;
-    for (const auto& [id, fd] : connections_) {
-      polls.push_back({fd.get(), POLLIN, 0});
+    absl::Time next_close = absl::InfiniteFuture();
+    for (const auto& [id, connection] : connections_) {
+      polls.push_back({connection.fd.get(), POLLIN, 0});
       ids.push_back(id);
+      next_close = std::min(next_close, connection.close_at);
     }
-    if (poll(polls.data(), polls.size(), -1) < 0) {
+    const absl::Duration until_close = next_close - MonotonicNow();
+    const int timeout_ms =
+        next_close == absl::InfiniteFuture()
+            ? -1
+            : static_cast<int>(std::clamp<int64_t>(
+                  absl::ToInt64Milliseconds(absl::Ceil(until_close, absl::Milliseconds(1))), 0,
+                  std::numeric_limits<int>::max()));
+    if (poll(polls.data(), polls.size(), timeout_ms) < 0) {
       if (errno == EINTR) continue;
       UBEP_LOG(ERROR) << "fd server: poll failed: " << strerror(errno);
       return;
     }
     if (polls[0].revents != 0) return;
+    const absl::Time now = MonotonicNow();
     if (polls[1].revents & POLLIN) {
       UniqueFd conn(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
-      if (conn.valid()) connections_.emplace(next_id_++, std::move(conn));
+      if (conn.valid()) {
+        connections_.emplace(next_id_++, Connection{std::move(conn), now + options_.unclaimed_timeout});
+      }
     }
     for (size_t i = 2; i < polls.size(); ++i) {
-      if (polls[i].revents == 0) continue;
       const int64_t id = ids[i - 2];
-      if (!Serve(id, polls[i].fd)) connections_.erase(id);
+      Connection& connection = connections_.at(id);
+      if (polls[i].revents != 0) {
+        if (Serve(id, polls[i].fd)) {
+          connection.close_at = absl::InfiniteFuture();
+        } else {
+          connections_.erase(id);
+        }
+      } else if (connection.close_at <= now) {
+        UBEP_LOG(INFO) << "fd server: closed a connection that claimed no rank within "
+                       << options_.unclaimed_timeout;
+        connections_.erase(id);
+      }
     }
   }
 }

@@ -4,7 +4,10 @@
 // A peer daemon of the same EP group (same machine) sends kPeerRequest followed by the group's
 // key (Node::PeerKey) and receives "OK <first rank>" with the hosted arenas' fds; that
 // connection then closes. A client may send kRefreshRequest on its open connection.
-// One thread polls the listener and every connection. Thread-safe.
+// One thread polls the listener and every connection; no connection can hold it: a reply the
+// other side does not take within FdServerOptions::send_timeout closes its connection (and
+// detaches its rank), and a connection that holds no rank is closed after
+// FdServerOptions::unclaimed_timeout. Thread-safe.
 #ifndef UBEP_DAEMON_FD_SERVER_H_
 #define UBEP_DAEMON_FD_SERVER_H_
 
@@ -28,26 +31,40 @@ inline constexpr char kPeerRequest[] = "PEER ";
 absl::StatusOr<std::pair<int, std::vector<UniqueFd>>> FetchPeerArenas(
     const std::string& socket_path, const std::string& key, absl::Duration timeout);
 
+struct FdServerOptions {
+  absl::Duration send_timeout = absl::Seconds(2);
+  // From its accept until it claims a rank (clients send their token at once).
+  absl::Duration unclaimed_timeout = absl::Seconds(10);
+};
+
 class FdServer {
  public:
   // Listens on `path` with `mode`; serves until destroyed.
   static absl::StatusOr<std::unique_ptr<FdServer>> Start(const std::string& path, mode_t mode,
-                                                         Node* node);
+                                                         Node* node, FdServerOptions options = {});
   ~FdServer();
   FdServer(const FdServer&) = delete;
   FdServer& operator=(const FdServer&) = delete;
 
  private:
-  FdServer(UniqueFd listener, UniqueFd wake, std::string path, Node* node);
+  struct Connection {
+    UniqueFd fd;
+    absl::Time close_at;  // Monotonic; infinite once it holds a rank.
+  };
+
+  FdServer(UniqueFd listener, UniqueFd wake, std::string path, Node* node, FdServerOptions options);
   void Loop();
-  // Answers a connection's token message; false when the connection should close.
+  // Answers a connection's message; false when the connection should close. A connection
+  // kept open holds a rank.
   bool Serve(int64_t id, int fd);
+  absl::Status Reply(int fd, const std::string& bytes, const std::vector<UniqueFd>& fds) const;
 
   UniqueFd listener_;
   UniqueFd wake_;  // eventfd: written to stop the loop.
   std::string path_;
   Node* node_;
-  std::map<int64_t, UniqueFd> connections_;  // Loop thread only.
+  const FdServerOptions options_;
+  std::map<int64_t, Connection> connections_;  // Loop thread only.
   int64_t next_id_ = 1;
   std::thread thread_;
 };

@@ -1,6 +1,8 @@
 // Node: ubepd's group state machine, in process (the integration tests run it as a daemon).
 #include "daemon/node.h"
 
+#include "daemon/fd_server.h"
+
 #include <algorithm>
 #include <atomic>
 #include <functional>
@@ -14,6 +16,7 @@
 #include "gtest/gtest.h"
 #include "kernels/host/rank_arena.h"
 #include "kernels/host/shared_arena.h"
+#include "tests/unit/test_util.h"
 
 namespace ubep::daemon {
 namespace {
@@ -899,6 +902,80 @@ TEST(NodeTest, LinkOpsPairEverySendWithItsReceiveInOrderAndBatch) {
   }
   EXPECT_EQ(Node::LinkOps(schedule, 0, 1, {0, 2, -1, 1}, 4, 3).status(),
             absl::FailedPreconditionError("layer 0: rank 2 is on no daemon of the NCCL link"));
+}
+
+// The daemon's fd socket: an FdServer over a Node, with short timeouts.
+class FdServerTest : public ::testing::Test {
+ protected:
+  FdServerTest() {
+    NodeOptions options = Options();
+    options.fd_socket_path = path_;
+    node_ = std::make_unique<Node>(options);
+    FdServerOptions server;
+    server.send_timeout = absl::Milliseconds(200);
+    server.unclaimed_timeout = absl::Milliseconds(200);
+    absl::StatusOr<std::unique_ptr<FdServer>> started = FdServer::Start(path_, 0600, node_.get(), server);
+    EXPECT_TRUE(started.ok()) << started.status();
+    if (started.ok()) server_ = *std::move(started);
+  }
+
+  UniqueFd Connect() {
+    absl::StatusOr<UniqueFd> c = ConnectUnix(path_, absl::Seconds(5));
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? *std::move(c) : UniqueFd();
+  }
+  // Rank 0 of a one-rank group, attached and claimed on a connection, as libubep does.
+  UniqueFd Claimed() {
+    v1::AttachRequest request = Request(0, 1);
+    request.mutable_shape()->set_num_experts(4);
+    absl::StatusOr<v1::AttachResponse> attached = node_->Attach(request);
+    EXPECT_TRUE(attached.ok()) << attached.status();
+    UniqueFd c = Connect();
+    EXPECT_TRUE(SendMessage(c.get(), attached->token(), {}).ok());
+    absl::StatusOr<ReceivedMessage> reply = ReceiveMessage(c.get(), 64, absl::Seconds(5));
+    EXPECT_TRUE(reply.ok()) << reply.status();
+    if (reply.ok()) EXPECT_EQ(reply->bytes, "OK");
+    return c;
+  }
+  // The answer the server gives a connection that sends an unknown token.
+  std::string AnswerToABadToken() {
+    UniqueFd c = Connect();
+    EXPECT_TRUE(SendMessage(c.get(), "no such token", {}).ok());
+    absl::StatusOr<ReceivedMessage> reply = ReceiveMessage(c.get(), 256, absl::Seconds(5));
+    return reply.ok() ? reply->bytes : std::string(reply.status().message());
+  }
+
+  test::TempDir dir_;
+  const std::string path_ = dir_.path() + "/ubepd.sock.fds";
+  std::unique_ptr<Node> node_;
+  std::unique_ptr<FdServer> server_;  // Destroyed before the node it serves.
+};
+
+// A connection that sends nothing is closed after the unclaimed timeout; one that holds a
+// rank stays open however quiet it is.
+TEST_F(FdServerTest, AConnectionThatClaimsNoRankIsClosedAndOneThatHoldsARankIsKept) {
+  UniqueFd idle = Connect();
+  UniqueFd claimed = Claimed();
+  absl::StatusOr<ReceivedMessage> end = ReceiveMessage(idle.get(), 64, absl::Seconds(10));
+  ASSERT_TRUE(end.ok()) << end.status();
+  EXPECT_TRUE(end->closed);
+  absl::StatusOr<ReceivedMessage> none = ReceiveMessage(claimed.get(), 64, absl::Milliseconds(500));
+  EXPECT_EQ(none.status(), absl::DeadlineExceededError("no message within 500ms"));
+  EXPECT_EQ(node_->Snapshot().attached, 1);
+}
+
+// A client that sends requests and never reads the replies fills its queue: the server gives
+// up on it after the send timeout (its rank is detached) and goes on serving others.
+TEST_F(FdServerTest, AClientThatTakesNoReplyCannotStallTheServer) {
+  UniqueFd greedy = Claimed();
+  int sent = 0;
+  while (sent < 100000 &&
+         SendMessage(greedy.get(), kArenaRefreshRequest, {}, absl::Seconds(2)).ok()) {
+    ++sent;
+  }
+  EXPECT_LT(sent, 100000) << "the server kept taking requests whose replies are not read";
+  EXPECT_EQ(AnswerToABadToken(), "ERR unknown or already used attach token; attach again");
+  EXPECT_EQ(node_->Snapshot().attached, 0);
 }
 
 }  // namespace
