@@ -176,6 +176,25 @@ TEST(UnixSocketTest, AReceiveKeepsAnyTimeoutAndStillTimesOut) {
             absl::DeadlineExceededError("no message within 5ms"));
 }
 
+// A send to a receiver that takes no message waits its timeout once the queue is full, then
+// gives up; what was queued before arrives whole.
+TEST(UnixSocketTest, ASendToAReceiverThatTakesNothingGivesUpAfterItsTimeout) {
+  int pair[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair), 0);
+  UniqueFd a(pair[0]), b(pair[1]);
+  const std::string message(1000, 'x');
+  int queued = 0;
+  absl::Status sent;
+  while (queued < 1'000'000 && (sent = SendMessage(b.get(), message, {}, absl::Milliseconds(50))).ok()) {
+    ++queued;
+  }
+  EXPECT_EQ(sent, absl::DeadlineExceededError("the receiver took no message for 50ms"));
+  EXPECT_GT(queued, 0);
+  absl::StatusOr<ReceivedMessage> first = ReceiveMessage(a.get(), 1000, absl::Seconds(1));
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->bytes, message);
+}
+
 // More fds than one socket message takes (253): a group of 300 ranks' arenas arrive whole,
 // in order, with the message's bytes; and the next message is a message of its own.
 TEST(UnixSocketTest, AMessageCarriesMoreFdsThanOneSocketMessageTakes) {
