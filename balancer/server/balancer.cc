@@ -347,6 +347,17 @@ grpc::Status Balancer::Register(grpc::ServerContext*, const v1::RegisterRequest*
     UBEP_LOG(WARNING) << "node " << request->node() << " restarted (a new ubepd process): its ranks "
                       << "stay excluded until it is undrained";
   }
+  // A node first seen with every rank excluded by the plan in force was drained: after a
+  // restart of the balancer it registers again, maybe after the balancer learned the plan
+  // (Recover takes the nodes registered by then to be drained by the same rule). Else its
+  // ranks, served, would come back at the next Tick, undrained by nobody.
+  if (!daemons_.contains(request->node()) && plan_.has_value() && request->ranks_size() > 0 &&
+      std::all_of(request->ranks().begin(), request->ranks().end(),
+                  [&](uint32_t r) { return plan_->excluded(static_cast<int>(r)); })) {
+    drained_.insert(request->node());
+    UBEP_LOG(INFO) << "node " << request->node() << " registered with every rank excluded by plan v"
+                   << plan_->version << ": taken to be drained (undrain it to take it back)";
+  }
   // A node taking over ranks of a node that fails its health checks replaces it (a new daemon
   // under another name): the old entry goes once no rank of it is left to anyone else, and
   // the new daemon's arenas are new, as a restarted one's, so its ranks stay excluded until it

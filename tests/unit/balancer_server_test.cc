@@ -504,6 +504,35 @@ TEST(BalancerServerTest, ACatchUpTakenOrRefusedHoldsBackNoPlan) {
   }
 }
 
+// After a restart of the balancer, node-b registers only once it learned v2, which excludes
+// node-b's ranks (it was drained): node-b is taken to be drained, as if it had registered
+// before, and no plan takes its ranks back until it is undrained.
+TEST(BalancerServerTest, ANodeRegisteringLateWithEveryRankExcludedStaysDrained) {
+  FakeDaemon a("node-a", PlanWithoutNodeB()), b("node-b", PlanWithoutNodeB());
+  BalancerOptions options;
+  options.health_failures = 1000;
+  Balancer balancer(options, std::make_shared<prometheus::Registry>());
+  Register(balancer, DaemonRegistration(a, "node-a", 0, 0, "host"));
+  balancer.Tick();  // Learns v2 from node-a.
+  Register(balancer, DaemonRegistration(b, "node-b", 2, 0, "host"));
+  balancer.Tick();
+  balancer.Tick();
+  EXPECT_TRUE(a.prepares().empty());
+  EXPECT_TRUE(b.prepares().empty());
+  v1::ClusterStatus cluster;
+  ASSERT_TRUE(balancer.GetStatus(nullptr, nullptr, &cluster).ok());
+  ASSERT_EQ(cluster.nodes_size(), 2);
+  EXPECT_TRUE(cluster.nodes(1).drained());
+  EXPECT_EQ(cluster.plan_version(), 2u);
+  v1::DrainRequest undrain;
+  undrain.set_node("node-b");
+  v1::RebalanceResponse response;
+  const grpc::Status status = balancer.Undrain(nullptr, &undrain, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(response.version(), 3u);
+  EXPECT_EQ(b.committed_version(), 3u);
+}
+
 // A restarted balancer learns from which step the plan in force is in force: a report whose
 // steps straddle it mixes two plans' counts and is refused.
 TEST(BalancerServerTest, ARestartedBalancerLearnsThePlansEffectiveStep) {
