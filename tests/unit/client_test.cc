@@ -1,0 +1,152 @@
+// libubep against a ubepd whose answers it must not trust: a real gRPC server on a Unix socket
+// in a temporary directory, answering Attach from a real Node (the daemon's group state) and
+// then altering the answer. (The integration tests run the client against the real ubepd.)
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/node.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "tests/unit/test_util.h"
+#include "ubep/ubep.h"
+#include "ubep/v1/daemon.grpc.pb.h"
+
+namespace ubep {
+namespace {
+
+// Attach answers from a Node, passed through `alter`; Detach goes to the Node and is recorded.
+class AlteringUbepd final : public v1::Daemon::Service {
+ public:
+  AlteringUbepd(const std::string& socket, std::function<void(v1::AttachResponse&)> alter)
+      : node_([&] {
+          daemon::NodeOptions options;
+          options.fd_socket_path = socket + ".fds";  // Never reached: the answer is refused first.
+          options.free_buffers = 2;
+          return options;
+        }()),
+        alter_(std::move(alter)) {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("unix:" + socket, grpc::InsecureServerCredentials());
+    builder.RegisterService(this);
+    server_ = builder.BuildAndStart();
+  }
+  ~AlteringUbepd() override { server_->Shutdown(std::chrono::system_clock::now()); }
+
+  grpc::Status Attach(grpc::ServerContext*, const v1::AttachRequest* request,
+                      v1::AttachResponse* response) override {
+    absl::StatusOr<v1::AttachResponse> attached = node_.Attach(*request);
+    if (!attached.ok()) return grpc::Status(grpc::StatusCode::INTERNAL, attached.status().ToString());
+    std::lock_guard<std::mutex> lock(mu_);
+    original_ = *attached;
+    *response = *std::move(attached);
+    alter_(*response);
+    return grpc::Status::OK;
+  }
+  grpc::Status Detach(grpc::ServerContext*, const v1::DetachRequest* request,
+                      v1::DetachResponse*) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    detaches_.push_back(*request);
+    const absl::Status detached = node_.Detach(*request);
+    return detached.ok() ? grpc::Status::OK
+                         : grpc::Status(grpc::StatusCode::INTERNAL, detached.ToString());
+  }
+
+  v1::AttachResponse original() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return original_;
+  }
+  std::vector<v1::DetachRequest> detaches() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return detaches_;
+  }
+  int attached() { return node_.Snapshot().attached; }
+
+ private:
+  daemon::Node node_;
+  std::function<void(v1::AttachResponse&)> alter_;
+  std::mutex mu_;
+  v1::AttachResponse original_;
+  std::vector<v1::DetachRequest> detaches_;
+  std::unique_ptr<grpc::Server> server_;
+};
+
+ModelShape Shape() {
+  ModelShape shape;
+  shape.num_layers = 2;
+  shape.num_experts = 4;
+  shape.hidden = 16;
+  shape.top_k = 2;
+  shape.max_tokens = 8;
+  shape.slots_per_rank = 4;
+  shape.bytes_per_expert = 256;
+  return shape;
+}
+
+// Attaches rank 0 of a one-rank group through a ubepd that alters its answer by `alter`;
+// returns the error, the ubepd's unaltered answer, and whether the rank was detached (the
+// ubepd got a Detach naming it, and freed it).
+struct Refusal {
+  absl::Status status;
+  v1::AttachResponse original;
+  bool detached = false;
+};
+Refusal AttachThrough(std::function<void(v1::AttachResponse&)> alter) {
+  test::TempDir dir;
+  const std::string socket = dir.path() + "/ubepd.sock";
+  AlteringUbepd ubepd(socket, std::move(alter));
+  ClientOptions options;
+  options.socket_path = socket;
+  options.rpc_timeout = absl::Seconds(10);
+  absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(options, 0, 1, 0, Shape());
+  Refusal refusal{rank.status(), ubepd.original()};
+  const std::vector<v1::DetachRequest> detaches = ubepd.detaches();
+  refusal.detached = detaches.size() == 1 && detaches[0].rank() == 0 &&
+                     detaches[0].token() == refusal.original.token() && ubepd.attached() == 0;
+  return refusal;
+}
+
+// An arena layout that is not the one this library computes for the shape (another ubepd
+// version, or a damaged answer) is refused before any offset of it is used, and the rank is
+// detached at once.
+TEST(ClientTest, AnArenaLayoutOtherThanTheLibrarysIsRefusedAndTheRankDetached) {
+  const Refusal refusal = AttachThrough([](v1::AttachResponse& r) {
+    r.mutable_layout()->set_weights_offset(r.layout().weights_offset() + 64);
+  });
+  EXPECT_EQ(refusal.status,
+            absl::DataLossError(absl::StrCat(
+                "rank 0: ubepd's arena layout (", refusal.original.layout().total_bytes(),
+                " bytes, 6 weight buffers per layer) differs from this library's for the shape; "
+                "ubepd and libubep versions differ")));
+  EXPECT_TRUE(refusal.detached);
+}
+
+TEST(ClientTest, FewerWeightBuffersThanSlotsAreRefused) {
+  const Refusal refusal = AttachThrough([](v1::AttachResponse& r) {
+    r.mutable_layout()->set_buffers_per_layer(3);
+  });
+  EXPECT_EQ(refusal.status,
+            absl::DataLossError(absl::StrCat(
+                "rank 0: ubepd's arena layout (", refusal.original.layout().total_bytes(),
+                " bytes, 3 weight buffers per layer) differs from this library's for the shape; "
+                "ubepd and libubep versions differ")));
+  EXPECT_TRUE(refusal.detached);
+}
+
+TEST(ClientTest, ADataPlaneLayoutOtherThanTheLibrarysIsRefused) {
+  const Refusal refusal = AttachThrough([](v1::AttachResponse& r) {
+    r.mutable_layout()->set_ep_bytes(r.layout().ep_bytes() + 64);
+  });
+  const uint64_t ours = refusal.original.layout().ep_bytes();
+  EXPECT_EQ(refusal.status,
+            absl::DataLossError(absl::StrCat("rank 0: ubepd's data-plane layout (", ours + 64,
+                                             " bytes) differs from this library's (", ours,
+                                             "); ubepd and libubep versions differ")));
+  EXPECT_TRUE(refusal.detached);
+}
+
+}  // namespace
+}  // namespace ubep
