@@ -285,7 +285,8 @@ absl::StatusOr<std::vector<kernels::SharedArena>> MapArenas(const RankState& s,
 
 absl::Status TakeArenas(RankState& s, const v1::AttachResponse& response) {
   UBEP_ASSIGN_OR_RETURN(s.fd_connection, ConnectUnix(response.fd_socket(), s.options.rpc_timeout));
-  UBEP_RETURN_IF_ERROR(SendMessage(s.fd_connection.get(), response.token(), {}));
+  UBEP_RETURN_IF_ERROR(
+      SendMessage(s.fd_connection.get(), response.token(), {}, s.options.rpc_timeout));
   UBEP_ASSIGN_OR_RETURN(ReceivedMessage reply,
                         ReceiveMessage(s.fd_connection.get(), 4096, s.options.rpc_timeout));
   if (reply.bytes != "OK") {
@@ -324,7 +325,8 @@ absl::Status TakeArenas(RankState& s, const v1::AttachResponse& response) {
 // or later): map them too, keeping the others where they are (on the CUDA backend the device
 // arenas' fds follow the host arenas').
 absl::Status RefreshArenas(RankState& s, uint64_t epoch) {
-  UBEP_RETURN_IF_ERROR(SendMessage(s.fd_connection.get(), kArenaRefreshRequest, {}));
+  UBEP_RETURN_IF_ERROR(
+      SendMessage(s.fd_connection.get(), kArenaRefreshRequest, {}, s.options.rpc_timeout));
   const absl::Time deadline = MonotonicNow() + s.options.rpc_timeout;
   ReceivedMessage reply;
   uint64_t got = 0;

@@ -26,7 +26,7 @@ constexpr size_t kMaxTokenBytes = 1024;  // A token, or a peer request with the 
 absl::StatusOr<std::pair<int, std::vector<UniqueFd>>> FetchPeerArenas(
     const std::string& socket_path, const std::string& key, absl::Duration timeout) {
   UBEP_ASSIGN_OR_RETURN(UniqueFd socket, ConnectUnix(socket_path, timeout));
-  UBEP_RETURN_IF_ERROR(SendMessage(socket.get(), absl::StrCat(kPeerRequest, key), {}));
+  UBEP_RETURN_IF_ERROR(SendMessage(socket.get(), absl::StrCat(kPeerRequest, key), {}, timeout));
   UBEP_ASSIGN_OR_RETURN(ReceivedMessage reply, ReceiveMessage(socket.get(), 4096, timeout));
   int first = 0;
   if (!absl::StartsWith(reply.bytes, "OK ") ||
