@@ -347,11 +347,17 @@ grpc::Status Balancer::Register(grpc::ServerContext*, const v1::RegisterRequest*
     UBEP_LOG(WARNING) << "node " << request->node() << " restarted (a new ubepd process): its ranks "
                       << "stay excluded until it is undrained";
   }
+  // A new daemon process for the node: none registered under its name, one registered
+  // without a group (no client attached yet), or another process (incarnation).
+  const auto known = daemons_.find(request->node());
+  const bool new_process = known == daemons_.end() || known->second.info.ranks().empty() ||
+                           known->second.info.incarnation() != request->incarnation();
   // A node first seen with every rank excluded by the plan in force was drained: after a
   // restart of the balancer it registers again, maybe after the balancer learned the plan
   // (Recover takes the nodes registered by then to be drained by the same rule). Else its
   // ranks, served, would come back at the next Tick, undrained by nobody.
-  if (!daemons_.contains(request->node()) && plan_.has_value() && request->ranks_size() > 0 &&
+  if (new_process && plan_.has_value() && request->ranks_size() > 0 &&
+      !drained_.contains(request->node()) &&
       std::all_of(request->ranks().begin(), request->ranks().end(),
                   [&](uint32_t r) { return plan_->excluded(static_cast<int>(r)); })) {
     drained_.insert(request->node());
@@ -359,32 +365,33 @@ grpc::Status Balancer::Register(grpc::ServerContext*, const v1::RegisterRequest*
                    << plan_->version << ": taken to be drained (undrain it to take it back)";
   }
   // A node taking over ranks of a node that fails its health checks replaces it (a new daemon
-  // under another name): the old entry goes once no rank of it is left to anyone else, and
-  // the new daemon's arenas are new, as a restarted one's, so its ranks stay excluded until it
+  // under another name): the old entry goes once every rank of it is another node's, and a
+  // new process's arenas are new, as a restarted one's, so its ranks stay excluded until it
   // is undrained, by the same rule.
+  std::set<uint32_t> held(request->ranks().begin(), request->ranks().end());
+  for (const auto& [name, other] : daemons_) {
+    if (name != request->node() && other.healthy) held.insert(other.info.ranks().begin(), other.info.ranks().end());
+  }
   std::vector<std::string> replaced;
   for (auto it = daemons_.begin(); it != daemons_.end();) {
     const Daemon& other = it->second;
-    bool overlaps = false, covered = true;
-    for (uint32_t r : other.info.ranks()) {
-      const bool taken =
-          std::find(request->ranks().begin(), request->ranks().end(), r) != request->ranks().end();
-      overlaps |= taken;
-      covered &= taken;
-    }
+    const auto& ranks = other.info.ranks();
+    const bool overlaps = std::any_of(ranks.begin(), ranks.end(), [&](uint32_t r) {
+      return std::find(request->ranks().begin(), request->ranks().end(), r) != request->ranks().end();
+    });
     if (it->first == request->node() || other.healthy || !overlaps) {
       ++it;
       continue;
     }
     replaced.push_back(it->first);
-    if (covered) {
+    if (std::all_of(ranks.begin(), ranks.end(), [&](uint32_t r) { return held.contains(r); })) {
       drained_.erase(it->first);
       it = daemons_.erase(it);
     } else {
       ++it;
     }
   }
-  if (!replaced.empty()) {
+  if (!replaced.empty() && new_process) {
     UBEP_LOG(WARNING) << "node " << request->node() << " takes over ranks of node"
                       << (replaced.size() > 1 ? "s " : " ") << absl::StrJoin(replaced, ", ")
                       << ", which failed " << (replaced.size() > 1 ? "their" : "its")
@@ -752,7 +759,8 @@ void Balancer::Recover() {
       absl::StatusOr<Plan> plan = FromProto(state.committed_plan());
       if (plan.ok()) {
         plan_ = *std::move(plan);
-        plan_effective_step_ = state.committed_effective_step();
+        plan_effective_step_ = 0;
+        effective_step_learned_ = false;
         // A node whose every rank the plan excludes while it is healthy was drained.
         for (const auto& [other, od] : daemons_) {
           bool all = od.info.ranks_size() > 0;
@@ -762,6 +770,15 @@ void Balancer::Recover() {
         plan_version_->Set(static_cast<double>(plan_->version));
         UBEP_LOG(INFO) << "learned plan v" << plan_->version << " from node " << name;
       }
+    }
+    // The step the plan is in force from, as a daemon with member ranks holds it (one whose
+    // ranks the plan excludes may have caught up on it at a step of its own).
+    if (plan_.has_value() && !effective_step_learned_ &&
+        state.committed_version() == plan_->version &&
+        std::any_of(d.info.ranks().begin(), d.info.ranks().end(),
+                    [&](uint32_t r) { return !plan_->excluded(static_cast<int>(r)); })) {
+      plan_effective_step_ = state.committed_effective_step();
+      effective_step_learned_ = true;
     }
   }
   // Resolve undecided prepares: committed anywhere -> commit; else abort after the grace.
@@ -1084,7 +1101,9 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why, b
   MutexLock lock(&mu_);
   for (size_t i = 0; i < targets.size(); ++i) {
     // A decision that did not arrive is delivered by recovery (GetState, then Commit/Abort).
-    if (!decided[i].ok()) daemons_[targets[i]].needs_state = true;
+    // (A target replaced meanwhile, Register, is gone: nothing to deliver to it.)
+    auto it = daemons_.find(targets[i]);
+    if (!decided[i].ok() && it != daemons_.end()) it->second.needs_state = true;
   }
   if (!commit) {
     plans_aborted_->Increment();
@@ -1110,8 +1129,11 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why, b
   // A change of members is in force from the step the group resumes at (the daemons move
   // its effective step there), which is not later than the estimate.
   plan_effective_step_ = membership ? 0 : effective_step;
+  effective_step_learned_ = true;
   ++committed_count_;
-  for (const std::string& name : targets) daemons_[name].committed = plan_->version;
+  for (const std::string& name : targets) {
+    if (auto it = daemons_.find(name); it != daemons_.end()) it->second.committed = plan_->version;
+  }
   plan_version_->Set(static_cast<double>(plan_->version));
   last_commit_ = MonotonicNow();
   above_threshold_ = 0;
@@ -1121,6 +1143,36 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why, b
                  << absl::ToDoubleMilliseconds(prepare_time) << " ms, prepare+commit "
                  << result.commit_seconds() * 1e3 << " ms";
   return result;
+}
+
+void Balancer::UpdateMissing() {
+  // Ranks the plan keeps that no registered daemon lists. While a healthy daemon has
+  // registered without a group, they may be its (its clients are still attaching): no rank is
+  // taken to be down then. Else, missing for the registration grace, they are down: e.g. a
+  // node that died while the balancer was down never registers again, and its ranks would
+  // hold back every plan (PlanAndCommit waits for every kept rank's daemon).
+  std::set<int> unregistered;
+  for (int r = 0; r < shape_->world; ++r) {
+    if (!plan_->excluded(r)) unregistered.insert(r);
+  }
+  bool groupless = false;
+  for (const auto& [name, d] : daemons_) {
+    for (uint32_t r : d.info.ranks()) unregistered.erase(static_cast<int>(r));
+    groupless |= d.healthy && d.info.ranks().empty();
+  }
+  const absl::Time now = MonotonicNow();
+  if (unregistered.empty() || groupless) {
+    missing_since_ = absl::InfiniteFuture();
+    missing_.clear();
+    return;
+  }
+  if (missing_since_ == absl::InfiniteFuture()) missing_since_ = now;
+  if (now - missing_since_ < options_.registration_grace || missing_ == unregistered) return;
+  missing_ = std::move(unregistered);
+  UBEP_LOG(WARNING) << "rank" << (missing_.size() > 1 ? "s " : " ") << absl::StrJoin(missing_, ", ")
+                    << " of plan v" << plan_->version << (missing_.size() > 1 ? " have" : " has")
+                    << " had no registered daemon for "
+                    << options_.registration_grace << ": excluded as down";
 }
 
 bool Balancer::StepRatesKnown() const {
@@ -1143,15 +1195,25 @@ bool Balancer::PlanInForceEverywhere() const {
   return true;
 }
 
+bool Balancer::Behind(const Daemon& d) const {
+  return plan_.has_value() && shape_.has_value() && !d.needs_state && d.committed != 0 &&
+         d.committed < plan_->version && d.info.ranks_size() > 0 &&
+         d.info.ranks_size() < shape_->world;
+}
+
 std::vector<int> Balancer::DesiredExcluded() const {
-  std::set<int> served, unserved;  // Served: by a healthy daemon that is not drained.
+  // Served: by a healthy daemon that is not drained, and holds the cluster's plan (one behind
+  // it, which has not caught up yet, would stage its ranks' return from a plan it lacks).
+  std::set<int> served, unserved;
   for (const auto& [name, d] : daemons_) {
-    const bool serving = d.healthy && !drained_.contains(name);
+    const bool serving = d.healthy && !drained_.contains(name) && !Behind(d);
     for (uint32_t r : d.info.ranks()) (serving ? served : unserved).insert(static_cast<int>(r));
   }
   // An excluded rank comes back only with a daemon serving it (not one that registered
   // without a group yet); a down daemon's rank that another daemon took over is served.
   if (plan_.has_value()) unserved.insert(plan_->excluded_ranks.begin(), plan_->excluded_ranks.end());
+  // Ranks no daemon registered within the registration grace are down (Tick).
+  unserved.insert(missing_.begin(), missing_.end());
   std::vector<int> excluded;
   std::set_difference(unserved.begin(), unserved.end(), served.begin(), served.end(),
                       std::back_inserter(excluded));
@@ -1182,6 +1244,17 @@ grpc::Status Balancer::SetDrained(const std::string& node, bool drained,
   UBEP_LOG(INFO) << (drained ? "draining" : "undraining") << " node " << node;
   absl::StatusOr<v1::RebalanceResponse> result =
       PlanAndCommit(drained ? "node drained" : "node undrained", /*members_only=*/true);
+  if (!drained && result.ok()) {
+    MutexLock lock(&mu_);
+    auto it = daemons_.find(node);
+    if (it != daemons_.end() && Behind(it->second)) {
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                          absl::StrCat("node ", node, " is undrained, but it holds plan v",
+                                       it->second.committed, ", not the cluster's v",
+                                       plan_->version, " yet: its ranks come back once it has "
+                                       "caught up"));
+    }
+  }
   if (absl::IsFailedPrecondition(result.status()) && drained && !was_drained) {
     // No plan can serve without the node (too few slots left): the drain is refused and
     // undone, or every later Tick would try it again and no other plan would be made.
@@ -1275,6 +1348,7 @@ void Balancer::Tick() {
     healthy_daemons_->Set(healthy);
     CloseInterval();
     if (!shape_.has_value() || !plan_.has_value()) return;
+    UpdateMissing();
     if (DesiredExcluded() != plan_->excluded_ranks) {
       // A node failed, came back, or was drained or undrained: plan for the ranks left.
       rebalance = true;

@@ -53,6 +53,9 @@ struct BalancerOptions {
   int64_t min_margin_steps = 10;
   int migration_budget = -1;        // Per rank per layer; -1 = the daemons' free buffers.
   absl::Duration recovery_grace = absl::Seconds(3);   // Before aborting an orphan prepare.
+  // Ranks of the plan that no daemon registers for this long (none registered without a group
+  // meanwhile) are excluded as down.
+  absl::Duration registration_grace = absl::Seconds(30);
   absl::Duration pause_before_commit = absl::ZeroDuration();  // Fault injection (tests).
   bool auto_rebalance = true;
   // Layers are planned independently: this many threads plan contiguous chunks of layers at
@@ -159,7 +162,13 @@ class Balancer final : public v1::Control::Service {
   // nothing is planned and the answer names that plan.
   absl::StatusOr<v1::RebalanceResponse> PlanAndCommit(const char* why, bool members_only = false);
   uint64_t EstimateStep() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Ranks out of the group: those of daemons failing their health checks or drained.
+  // A daemon of a group over several daemons whose committed plan (known from GetState) is
+  // older than the cluster's: it has not caught up yet (CatchUp).
+  bool Behind(const Daemon& d) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Tick: keeps missing_, the ranks taken to be down for want of a registered daemon.
+  void UpdateMissing() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ranks out of the group: those of daemons failing their health checks, drained, or behind
+  // the cluster's plan, and ranks missing for the registration grace.
   std::vector<int> DesiredExcluded() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Every healthy daemon of the group (drained ones aside) reported plan_ in force on all its
   // ranks: its predecessor's buffers are no longer read, so the next plan may reuse them.
@@ -184,6 +193,9 @@ class Balancer final : public v1::Control::Service {
   std::optional<Shape> shape_ ABSL_GUARDED_BY(mu_);
   std::optional<Plan> plan_ ABSL_GUARDED_BY(mu_);
   uint64_t plan_effective_step_ ABSL_GUARDED_BY(mu_) = 0;
+  bool effective_step_learned_ ABSL_GUARDED_BY(mu_) = false;  // From a member's GetState.
+  std::set<int> missing_ ABSL_GUARDED_BY(mu_);
+  absl::Time missing_since_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   uint64_t highest_version_ ABSL_GUARDED_BY(mu_) = 0;  // Committed or prepared anywhere.
   std::unique_ptr<LoadWindow> window_ ABSL_GUARDED_BY(mu_);
   std::vector<double> measured_ ABSL_GUARDED_BY(mu_);  // NaN: a layer no call reached.

@@ -38,6 +38,9 @@ ABSL_FLAG(int, migration_budget, -1,
           "Changed slots per rank and layer per plan; -1 = the daemons' free weight buffers.");
 ABSL_FLAG(absl::Duration, recovery_grace, absl::Seconds(3),
           "After a restart, wait this long for daemons before aborting an undecided plan.");
+ABSL_FLAG(absl::Duration, registration_grace, absl::Seconds(30),
+          "Ranks of the plan no daemon registers for this long (while none is registered "
+          "without a group) are excluded as down.");
 ABSL_FLAG(bool, auto_rebalance, true, "Re-plan when the imbalance stays above the threshold.");
 ABSL_FLAG(absl::Duration, pause_before_commit, absl::ZeroDuration(),
           "Fault injection for tests: sleep between Prepare and Commit.");
@@ -69,6 +72,7 @@ int main(int argc, char** argv) {
   o.min_margin_steps = absl::GetFlag(FLAGS_min_margin_steps);
   o.migration_budget = absl::GetFlag(FLAGS_migration_budget);
   o.recovery_grace = absl::GetFlag(FLAGS_recovery_grace);
+  o.registration_grace = absl::GetFlag(FLAGS_registration_grace);
   o.auto_rebalance = absl::GetFlag(FLAGS_auto_rebalance);
   o.pause_before_commit = absl::GetFlag(FLAGS_pause_before_commit);
   o.planner_threads = absl::GetFlag(FLAGS_planner_threads);

@@ -422,11 +422,12 @@ v1::Plan PlanWithoutNodeB() {
   return ToProto(*plan, PlanEncoding::kFull);
 }
 
-// A balancer that marks a daemon down at its first failed health check.
+// A balancer that marks a daemon down at its second failed health check in a row (one slow
+// check of a live daemon under a sanitizer does not).
 std::unique_ptr<Balancer> QuickToMarkDown() {
   BalancerOptions options;
-  options.health_failures = 1;
-  options.health_interval = absl::Milliseconds(300);
+  options.health_failures = 2;
+  options.health_interval = absl::Milliseconds(500);
   return std::make_unique<Balancer>(options, std::make_shared<prometheus::Registry>());
 }
 
@@ -472,9 +473,11 @@ grpc::Status ReportSteps(Balancer& balancer, const std::string& node, int n, uin
   return balancer.ReportLoad(nullptr, &q, &response);
 }
 
-// A drained daemon behind the cluster's plan gets it (CatchUp). Whether it takes it or refuses
-// it, the next plan goes through at once: a catch-up leaves no daemon "being recovered" but one
-// whose answer did not arrive.
+// A drained daemon behind the cluster's plan gets it (CatchUp). Taken, its ranks come back at
+// once when it is undrained (a catch-up leaves no daemon "being recovered"). Refused, it is
+// tried again every interval, holding back no other plan, and an undrain takes the ranks back
+// once the daemon has caught up: a plan taking them back from a daemon behind would stage their
+// weights from a plan it lacks.
 TEST(BalancerServerTest, ACatchUpTakenOrRefusedHoldsBackNoPlan) {
   for (const bool refuse : {false, true}) {
     SCOPED_TRACE(refuse ? "refused" : "taken");
@@ -493,14 +496,27 @@ TEST(BalancerServerTest, ACatchUpTakenOrRefusedHoldsBackNoPlan) {
     undrain.set_node("node-b");
     v1::RebalanceResponse response;
     const grpc::Status status = balancer.Undrain(nullptr, &undrain, &response);
-    ASSERT_TRUE(status.ok()) << status.error_message();
-    EXPECT_EQ(response.version(), 3u);
-    EXPECT_TRUE(response.changed());
+    if (refuse) {
+      EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE);
+      EXPECT_EQ(status.error_message(),
+                "node node-b is undrained, but it holds plan v1, not the cluster's v2 yet: its "
+                "ranks come back once it has caught up");
+      EXPECT_EQ(a.prepares().size(), 0u);
+      b.Refuse(0);
+      balancer.Tick();  // node-b catches up, and the plan taking its ranks back follows.
+      ASSERT_EQ(b.prepares().size(), 3u);
+      EXPECT_EQ(b.prepares()[1].plan().version(), 2u);
+    } else {
+      ASSERT_TRUE(status.ok()) << status.error_message();
+      EXPECT_EQ(response.version(), 3u);
+      EXPECT_TRUE(response.changed());
+      ASSERT_EQ(b.prepares().size(), 2u);
+    }
     EXPECT_EQ(a.committed_version(), 3u);
     EXPECT_EQ(b.committed_version(), 3u);
-    ASSERT_EQ(b.prepares().size(), 2u);
-    EXPECT_EQ(b.prepares()[1].base_version(), 2u);
-    EXPECT_TRUE(b.prepares()[1].plan().excluded_ranks().empty());
+    EXPECT_EQ(b.prepares().back().plan().version(), 3u);
+    EXPECT_EQ(b.prepares().back().base_version(), 2u);
+    EXPECT_TRUE(b.prepares().back().plan().excluded_ranks().empty());
   }
 }
 
@@ -550,6 +566,22 @@ TEST(BalancerServerTest, ARestartedBalancerLearnsThePlansEffectiveStep) {
             "report counted under plan v1 (steps 490-510); plan v1 is in force from step 500");
   const grpc::Status after = ReportSteps(balancer, "node-a", 0, 2, 520, 1, 510);
   EXPECT_TRUE(after.ok()) << after.error_message();
+}
+
+// ... from a daemon with member ranks: node-0, whose ranks v2 excludes, caught up on v2 at a
+// step of its own, and is asked first.
+TEST(BalancerServerTest, TheEffectiveStepIsLearnedFromADaemonWithMemberRanks) {
+  FakeDaemon drained("node-0", PlanWithoutNodeB(), false, /*effective_step=*/900);
+  FakeDaemon a("node-a", PlanWithoutNodeB(), false, /*effective_step=*/500);
+  BalancerOptions options;
+  options.health_failures = 1000;
+  Balancer balancer(options, std::make_shared<prometheus::Registry>());
+  Register(balancer, DaemonRegistration(drained, "node-0", 2, 0, "host"));
+  Register(balancer, DaemonRegistration(a, "node-a", 0, 0, "host"));
+  balancer.Tick();
+  const grpc::Status straddling = ReportSteps(balancer, "node-a", 0, 1, 510, 2, 490);
+  EXPECT_EQ(straddling.error_message(),
+            "report counted under plan v2 (steps 490-510); plan v2 is in force from step 500");
 }
 
 // A daemon that went down is not extrapolated at its last step rate: the plan excluding its
@@ -607,6 +639,42 @@ TEST(BalancerServerTest, ANodeTakingOverADownNodesRanksReplacesIt) {
   EXPECT_TRUE(c.prepares()[1].plan().excluded_ranks().empty());
   ASSERT_EQ(c.prepares()[1].daemons_size(), 2);  // node-b is not listed.
   EXPECT_EQ(c.prepares()[1].daemons(1).node(), "node-c");
+  // node-c registers again (as after an unanswered report): the same process is not drained.
+  Register(*balancer, DaemonRegistration(c, "node-c", 2, 0, "host"));
+  balancer->Tick();
+  EXPECT_EQ(c.prepares().size(), 2u);
+  v1::ClusterStatus after;
+  ASSERT_TRUE(balancer->GetStatus(nullptr, nullptr, &after).ok());
+  ASSERT_EQ(after.nodes_size(), 2);
+  EXPECT_FALSE(after.nodes(1).drained());
+  EXPECT_EQ(after.excluded_ranks_size(), 0);
+}
+
+// node-b, with ranks 2 and 3, goes down; node-c takes rank 2 over and node-d rank 3: node-b's
+// entry goes once both have registered.
+TEST(BalancerServerTest, ANodeWhoseRanksOthersTookOverIsForgotten) {
+  auto a = std::make_unique<FakeDaemon>("node-a", FirstPlan());
+  auto b = std::make_unique<FakeDaemon>("node-b", FirstPlan());
+  std::unique_ptr<Balancer> balancer = QuickToMarkDown();
+  Register(*balancer, DaemonRegistration(*a, "node-a", 0, 0, "host"));
+  Register(*balancer, DaemonRegistration(*b, "node-b", 2, 0, "host"));
+  balancer->Tick();
+  b.reset();
+  TickUntilDown(*balancer, "node-b");
+  FakeDaemon c("node-c", FirstPlan()), d("node-d", FirstPlan());
+  v1::RegisterRequest rc = DaemonRegistration(c, "node-c", 2, 0, "host");
+  rc.mutable_ranks()->RemoveLast();
+  v1::RegisterRequest rd = DaemonRegistration(d, "node-d", 3, 0, "host");
+  rd.mutable_ranks()->RemoveLast();
+  auto names = [&] {
+    std::vector<std::string> n;
+    for (const BalancerStatus::Node& node : balancer->Status().nodes) n.push_back(node.name);
+    return n;
+  };
+  Register(*balancer, rc);
+  EXPECT_EQ(names(), (std::vector<std::string>{"node-a", "node-b", "node-c"}));
+  Register(*balancer, rd);
+  EXPECT_EQ(names(), (std::vector<std::string>{"node-a", "node-c", "node-d"}));
 }
 
 // A plan waits for every daemon of the group: one that registered without its group (no
@@ -634,6 +702,48 @@ TEST(BalancerServerTest, APlanWaitsForEveryRankOfTheGroupToHaveItsDaemon) {
   balancer.Tick();
   status = balancer.Rebalance(nullptr, nullptr, &response);
   EXPECT_TRUE(status.ok()) << status.error_message();
+}
+
+// With a daemon registered without its group, ranks of the plan no daemon lists may be its:
+// they wait however long. With none, ranks missing for the registration grace are down (a
+// node that died while the balancer was down never registers again): a plan excludes them,
+// and their daemon, if it comes back, is kept drained until it is undrained.
+TEST(BalancerServerTest, RanksNoDaemonRegistersForTheGraceAreExcluded) {
+  for (const bool groupless : {true, false}) {
+    SCOPED_TRACE(groupless ? "a daemon without its group" : "no daemon without its group");
+    FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+    BalancerOptions options;
+    options.health_failures = 1000;
+    options.registration_grace = absl::ZeroDuration();
+    Balancer balancer(options, std::make_shared<prometheus::Registry>());
+    Register(balancer, DaemonRegistration(a, "node-a", 0, 0, "host"));
+    if (groupless) {
+      v1::RegisterRequest no_group = DaemonRegistration(b, "node-b", 2, 0, "host");
+      no_group.clear_ranks();
+      no_group.clear_shape();
+      Register(balancer, no_group);
+    }
+    balancer.Tick();
+    balancer.Tick();
+    if (groupless) {
+      EXPECT_TRUE(a.prepares().empty());
+      continue;
+    }
+    const std::vector<v1::PrepareRequest> prepares = a.prepares();
+    ASSERT_EQ(prepares.size(), 1u);
+    EXPECT_EQ(a.committed_version(), 2u);
+    EXPECT_EQ(std::vector<uint32_t>(prepares[0].plan().excluded_ranks().begin(),
+                                    prepares[0].plan().excluded_ranks().end()),
+              (std::vector<uint32_t>{2, 3}));
+    Register(balancer, DaemonRegistration(b, "node-b", 2, 0, "host"));
+    balancer.Tick();  // node-b catches up on v2, drained.
+    EXPECT_EQ(b.committed_version(), 2u);
+    EXPECT_EQ(a.prepares().size(), 1u);
+    v1::ClusterStatus cluster;
+    ASSERT_TRUE(balancer.GetStatus(nullptr, nullptr, &cluster).ok());
+    ASSERT_EQ(cluster.nodes_size(), 2);
+    EXPECT_TRUE(cluster.nodes(1).drained());
+  }
 }
 
 // A group whose calls reach only layer 0 (every step dropped there, over a receive capacity):

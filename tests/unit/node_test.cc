@@ -913,7 +913,7 @@ class FdServerTest : public ::testing::Test {
     node_ = std::make_unique<Node>(options);
     FdServerOptions server;
     server.send_timeout = absl::Milliseconds(200);
-    server.unclaimed_timeout = absl::Milliseconds(200);
+    server.unclaimed_timeout = absl::Seconds(1);
     absl::StatusOr<std::unique_ptr<FdServer>> started = FdServer::Start(path_, 0600, node_.get(), server);
     EXPECT_TRUE(started.ok()) << started.status();
     if (started.ok()) server_ = *std::move(started);
