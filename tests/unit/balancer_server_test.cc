@@ -305,13 +305,28 @@ v1::RegisterRequest DaemonRegistration(const FakeDaemon& d, const std::string& n
   return q;
 }
 
+// The fakes serve health checks, but no test here wants a daemon marked down by one slow
+// check: never, or ...
+BalancerOptions NeverMarkedDown() {
+  BalancerOptions options;
+  options.health_failures = 1000;
+  return options;
+}
+
+// ... at its second failed check in a row (one slow check of a live daemon under a sanitizer
+// does not).
+BalancerOptions QuickToMarkDown() {
+  BalancerOptions options;
+  options.health_failures = 2;
+  options.health_interval = absl::Milliseconds(500);
+  return options;
+}
+
 // Drains node b (a change of members, so a new plan whatever the load) with daemons a and b
 // registered as given; returns the Prepare requests a and b got.
 std::pair<v1::PrepareRequest, v1::PrepareRequest> PrepareOnDrain(FakeDaemon& a, FakeDaemon& b,
                                                                  uint32_t domain_b, const std::string& backend) {
-  BalancerOptions options;
-  options.health_failures = 1000;
-  Balancer balancer(options, std::make_shared<prometheus::Registry>());
+  Balancer balancer(NeverMarkedDown(), std::make_shared<prometheus::Registry>());
   v1::RegisterResponse registered;
   v1::RegisterRequest ra = DaemonRegistration(a, "node-a", 0, 0, backend);
   v1::RegisterRequest rb = DaemonRegistration(b, "node-b", 2, domain_b, backend);
@@ -334,9 +349,7 @@ std::pair<v1::PrepareRequest, v1::PrepareRequest> PrepareOnDrain(FakeDaemon& a, 
 // undone (the node is not drained; the next drain of it is judged again, not taken as done).
 TEST(BalancerServerTest, ADrainNoPlanCanServeIsRefusedAndUndone) {
   FakeDaemon a("node-a", FirstPlan(10)), b("node-b", FirstPlan(10));
-  BalancerOptions options;
-  options.health_failures = 1000;
-  Balancer balancer(options, std::make_shared<prometheus::Registry>());
+  Balancer balancer(NeverMarkedDown(), std::make_shared<prometheus::Registry>());
   v1::RegisterResponse registered;
   for (auto [daemon, node, first] : {std::tuple{&a, "node-a", 0u}, std::tuple{&b, "node-b", 2u}}) {
     v1::RegisterRequest q = DaemonRegistration(*daemon, node, first, 0, "host");
@@ -422,15 +435,6 @@ v1::Plan PlanWithoutNodeB() {
   return ToProto(*plan, PlanEncoding::kFull);
 }
 
-// A balancer that marks a daemon down at its second failed health check in a row (one slow
-// check of a live daemon under a sanitizer does not).
-std::unique_ptr<Balancer> QuickToMarkDown() {
-  BalancerOptions options;
-  options.health_failures = 2;
-  options.health_interval = absl::Milliseconds(500);
-  return std::make_unique<Balancer>(options, std::make_shared<prometheus::Registry>());
-}
-
 // Ticks until `node` fails a health check (one every health interval), for at most 10 s.
 void TickUntilDown(Balancer& balancer, const std::string& node) {
   for (const absl::Time until = absl::Now() + absl::Seconds(10); absl::Now() < until;
@@ -447,6 +451,19 @@ void Register(Balancer& balancer, const v1::RegisterRequest& request) {
   v1::RegisterResponse response;
   const grpc::Status status = balancer.Register(nullptr, &request, &response);
   ASSERT_TRUE(status.ok()) << status.error_message();
+}
+
+// A balancer with `options`, daemon `a` registered as node `name_a` (ranks 0 and 1) and `b` as
+// `name_b` (ranks 2 and 3), ticked once when `tick` (it learns their plan).
+std::unique_ptr<Balancer> WithTwoDaemons(const BalancerOptions& options, FakeDaemon& a,
+                                         FakeDaemon& b, bool tick = true,
+                                         const std::string& name_a = "node-a",
+                                         const std::string& name_b = "node-b") {
+  auto balancer = std::make_unique<Balancer>(options, std::make_shared<prometheus::Registry>());
+  Register(*balancer, DaemonRegistration(a, name_a, 0, 0, "host"));
+  Register(*balancer, DaemonRegistration(b, name_b, 2, 0, "host"));
+  if (tick) balancer->Tick();
+  return balancer;
 }
 
 // A report of `node` (ranks 2 n, 2 n + 1) that its ranks are at `max_step`, under `version`.
@@ -483,12 +500,9 @@ TEST(BalancerServerTest, ACatchUpTakenOrRefusedHoldsBackNoPlan) {
     SCOPED_TRACE(refuse ? "refused" : "taken");
     FakeDaemon a("node-a", PlanWithoutNodeB()), b("node-b", FirstPlan());
     if (refuse) b.Refuse(2);
-    BalancerOptions options;
-    options.health_failures = 1000;
-    Balancer balancer(options, std::make_shared<prometheus::Registry>());
-    Register(balancer, DaemonRegistration(a, "node-a", 0, 0, "host"));
-    Register(balancer, DaemonRegistration(b, "node-b", 2, 0, "host"));
-    balancer.Tick();  // Learns v2 from node-a; node-b, all of whose ranks it excludes, is drained.
+    // Learns v2 from node-a; node-b, all of whose ranks it excludes, is drained.
+    std::unique_ptr<Balancer> learned = WithTwoDaemons(NeverMarkedDown(), a, b);
+    Balancer& balancer = *learned;
     ASSERT_EQ(b.prepares().size(), 1u);
     EXPECT_EQ(b.prepares()[0].plan().version(), 2u);
     EXPECT_EQ(b.committed_version(), refuse ? 1u : 2u);
@@ -525,9 +539,7 @@ TEST(BalancerServerTest, ACatchUpTakenOrRefusedHoldsBackNoPlan) {
 // before, and no plan takes its ranks back until it is undrained.
 TEST(BalancerServerTest, ANodeRegisteringLateWithEveryRankExcludedStaysDrained) {
   FakeDaemon a("node-a", PlanWithoutNodeB()), b("node-b", PlanWithoutNodeB());
-  BalancerOptions options;
-  options.health_failures = 1000;
-  Balancer balancer(options, std::make_shared<prometheus::Registry>());
+  Balancer balancer(NeverMarkedDown(), std::make_shared<prometheus::Registry>());
   Register(balancer, DaemonRegistration(a, "node-a", 0, 0, "host"));
   balancer.Tick();  // Learns v2 from node-a.
   Register(balancer, DaemonRegistration(b, "node-b", 2, 0, "host"));
@@ -554,12 +566,8 @@ TEST(BalancerServerTest, ANodeRegisteringLateWithEveryRankExcludedStaysDrained) 
 TEST(BalancerServerTest, ARestartedBalancerLearnsThePlansEffectiveStep) {
   FakeDaemon a("node-a", FirstPlan(), false, /*effective_step=*/500);
   FakeDaemon b("node-b", FirstPlan(), false, /*effective_step=*/500);
-  BalancerOptions options;
-  options.health_failures = 1000;
-  Balancer balancer(options, std::make_shared<prometheus::Registry>());
-  Register(balancer, DaemonRegistration(a, "node-a", 0, 0, "host"));
-  Register(balancer, DaemonRegistration(b, "node-b", 2, 0, "host"));
-  balancer.Tick();
+  std::unique_ptr<Balancer> learned = WithTwoDaemons(NeverMarkedDown(), a, b);
+  Balancer& balancer = *learned;
   const grpc::Status straddling = ReportSteps(balancer, "node-a", 0, 1, 510, 1, 490);
   EXPECT_EQ(straddling.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_EQ(straddling.error_message(),
@@ -573,13 +581,9 @@ TEST(BalancerServerTest, ARestartedBalancerLearnsThePlansEffectiveStep) {
 TEST(BalancerServerTest, TheEffectiveStepIsLearnedFromADaemonWithMemberRanks) {
   FakeDaemon drained("node-0", PlanWithoutNodeB(), false, /*effective_step=*/900);
   FakeDaemon a("node-a", PlanWithoutNodeB(), false, /*effective_step=*/500);
-  BalancerOptions options;
-  options.health_failures = 1000;
-  Balancer balancer(options, std::make_shared<prometheus::Registry>());
-  Register(balancer, DaemonRegistration(drained, "node-0", 2, 0, "host"));
-  Register(balancer, DaemonRegistration(a, "node-a", 0, 0, "host"));
-  balancer.Tick();
-  const grpc::Status straddling = ReportSteps(balancer, "node-a", 0, 1, 510, 2, 490);
+  std::unique_ptr<Balancer> balancer =
+      WithTwoDaemons(NeverMarkedDown(), a, drained, true, "node-a", "node-0");
+  const grpc::Status straddling = ReportSteps(*balancer, "node-a", 0, 1, 510, 2, 490);
   EXPECT_EQ(straddling.error_message(),
             "report counted under plan v2 (steps 490-510); plan v2 is in force from step 500");
 }
@@ -589,9 +593,7 @@ TEST(BalancerServerTest, TheEffectiveStepIsLearnedFromADaemonWithMemberRanks) {
 TEST(BalancerServerTest, TheStepOfAPlanIsEstimatedFromLiveDaemonsOnly) {
   auto a = std::make_unique<FakeDaemon>("node-a", FirstPlan());
   auto b = std::make_unique<FakeDaemon>("node-b", FirstPlan());
-  std::unique_ptr<Balancer> balancer = QuickToMarkDown();
-  Register(*balancer, DaemonRegistration(*a, "node-a", 0, 0, "host"));
-  Register(*balancer, DaemonRegistration(*b, "node-b", 2, 0, "host"));
+  std::unique_ptr<Balancer> balancer = WithTwoDaemons(QuickToMarkDown(), *a, *b, /*tick=*/false);
   // (Before the plan is known the reports are refused, but their steps count.)
   (void)ReportSteps(*balancer, "node-a", 0, 1, 100);
   (void)ReportSteps(*balancer, "node-a", 0, 2, 100);  // Not moving: no rate.
@@ -609,10 +611,7 @@ TEST(BalancerServerTest, TheStepOfAPlanIsEstimatedFromLiveDaemonsOnly) {
 TEST(BalancerServerTest, ANodeTakingOverADownNodesRanksReplacesIt) {
   auto a = std::make_unique<FakeDaemon>("node-a", FirstPlan());
   auto b = std::make_unique<FakeDaemon>("node-b", FirstPlan());
-  std::unique_ptr<Balancer> balancer = QuickToMarkDown();
-  Register(*balancer, DaemonRegistration(*a, "node-a", 0, 0, "host"));
-  Register(*balancer, DaemonRegistration(*b, "node-b", 2, 0, "host"));
-  balancer->Tick();  // Learns v1.
+  std::unique_ptr<Balancer> balancer = WithTwoDaemons(QuickToMarkDown(), *a, *b);  // Learns v1.
   b.reset();
   TickUntilDown(*balancer, "node-b");  // v2 excludes ranks 2 and 3.
   ASSERT_EQ(a->committed_version(), 2u);
@@ -655,10 +654,7 @@ TEST(BalancerServerTest, ANodeTakingOverADownNodesRanksReplacesIt) {
 TEST(BalancerServerTest, ANodeWhoseRanksOthersTookOverIsForgotten) {
   auto a = std::make_unique<FakeDaemon>("node-a", FirstPlan());
   auto b = std::make_unique<FakeDaemon>("node-b", FirstPlan());
-  std::unique_ptr<Balancer> balancer = QuickToMarkDown();
-  Register(*balancer, DaemonRegistration(*a, "node-a", 0, 0, "host"));
-  Register(*balancer, DaemonRegistration(*b, "node-b", 2, 0, "host"));
-  balancer->Tick();
+  std::unique_ptr<Balancer> balancer = WithTwoDaemons(QuickToMarkDown(), *a, *b);
   b.reset();
   TickUntilDown(*balancer, "node-b");
   FakeDaemon c("node-c", FirstPlan()), d("node-d", FirstPlan());
@@ -682,9 +678,7 @@ TEST(BalancerServerTest, ANodeWhoseRanksOthersTookOverIsForgotten) {
 // it.
 TEST(BalancerServerTest, APlanWaitsForEveryRankOfTheGroupToHaveItsDaemon) {
   FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
-  BalancerOptions options;
-  options.health_failures = 1000;
-  Balancer balancer(options, std::make_shared<prometheus::Registry>());
+  Balancer balancer(NeverMarkedDown(), std::make_shared<prometheus::Registry>());
   Register(balancer, DaemonRegistration(a, "node-a", 0, 0, "host"));
   v1::RegisterRequest no_group = DaemonRegistration(b, "node-b", 2, 0, "host");
   no_group.clear_ranks();
@@ -712,8 +706,7 @@ TEST(BalancerServerTest, RanksNoDaemonRegistersForTheGraceAreExcluded) {
   for (const bool groupless : {true, false}) {
     SCOPED_TRACE(groupless ? "a daemon without its group" : "no daemon without its group");
     FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
-    BalancerOptions options;
-    options.health_failures = 1000;
+    BalancerOptions options = NeverMarkedDown();
     options.registration_grace = absl::ZeroDuration();
     Balancer balancer(options, std::make_shared<prometheus::Registry>());
     Register(balancer, DaemonRegistration(a, "node-a", 0, 0, "host"));
@@ -756,8 +749,7 @@ class UnreachedLayerTest : public ::testing::Test {
   // threshold 1.2; a plan is judged after `trigger_windows` intervals above it. `idle_node`:
   // a third daemon registers too, hosting no rank (no client attached to it).
   void Start(int trigger_windows, bool idle_node = false) {
-    BalancerOptions options;
-    options.health_failures = 1000;
+    BalancerOptions options = NeverMarkedDown();
     options.threshold = 1.2;
     options.trigger_windows = trigger_windows;
     options.min_intervals = 1;

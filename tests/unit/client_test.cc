@@ -5,6 +5,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -110,30 +111,22 @@ Refusal AttachThrough(std::function<void(v1::AttachResponse&)> alter) {
 }
 
 // An arena layout that is not the one this library computes for the shape (another ubepd
-// version, or a damaged answer) is refused before any offset of it is used, and the rank is
-// detached at once.
+// version, or a damaged answer: an offset moved, fewer weight buffers than slots) is refused
+// before any offset of it is used, and the rank is detached at once.
 TEST(ClientTest, AnArenaLayoutOtherThanTheLibrarysIsRefusedAndTheRankDetached) {
-  const Refusal refusal = AttachThrough([](v1::AttachResponse& r) {
-    r.mutable_layout()->set_weights_offset(r.layout().weights_offset() + 64);
-  });
-  EXPECT_EQ(refusal.status,
-            absl::DataLossError(absl::StrCat(
-                "rank 0: ubepd's arena layout (", refusal.original.layout().total_bytes(),
-                " bytes, 6 weight buffers per layer) differs from this library's for the shape; "
-                "ubepd and libubep versions differ")));
-  EXPECT_TRUE(refusal.detached);
-}
-
-TEST(ClientTest, FewerWeightBuffersThanSlotsAreRefused) {
-  const Refusal refusal = AttachThrough([](v1::AttachResponse& r) {
-    r.mutable_layout()->set_buffers_per_layer(3);
-  });
-  EXPECT_EQ(refusal.status,
-            absl::DataLossError(absl::StrCat(
-                "rank 0: ubepd's arena layout (", refusal.original.layout().total_bytes(),
-                " bytes, 3 weight buffers per layer) differs from this library's for the shape; "
-                "ubepd and libubep versions differ")));
-  EXPECT_TRUE(refusal.detached);
+  const std::vector<std::pair<std::function<void(v1::ArenaLayout&)>, int>> cases = {
+      {[](v1::ArenaLayout& l) { l.set_weights_offset(l.weights_offset() + 64); }, 6},
+      {[](v1::ArenaLayout& l) { l.set_buffers_per_layer(3); }, 3}};
+  for (const auto& [alter, buffers] : cases) {
+    SCOPED_TRACE(buffers);
+    const Refusal refusal = AttachThrough([&](v1::AttachResponse& r) { alter(*r.mutable_layout()); });
+    EXPECT_EQ(refusal.status,
+              absl::DataLossError(absl::StrCat(
+                  "rank 0: ubepd's arena layout (", refusal.original.layout().total_bytes(),
+                  " bytes, ", buffers, " weight buffers per layer) differs from this library's "
+                  "for the shape; ubepd and libubep versions differ")));
+    EXPECT_TRUE(refusal.detached);
+  }
 }
 
 TEST(ClientTest, ADataPlaneLayoutOtherThanTheLibrarysIsRefused) {
