@@ -322,6 +322,15 @@ BalancerOptions QuickToMarkDown() {
   return options;
 }
 
+// Drain (or undrain) of `node` through the RPC; its answer in *response.
+grpc::Status Drain(Balancer& balancer, const std::string& node, bool drain,
+                   v1::RebalanceResponse* response) {
+  v1::DrainRequest request;
+  request.set_node(node);
+  return drain ? balancer.Drain(nullptr, &request, response)
+               : balancer.Undrain(nullptr, &request, response);
+}
+
 // Drains node b (a change of members, so a new plan whatever the load) with daemons a and b
 // registered as given; returns the Prepare requests a and b got.
 std::pair<v1::PrepareRequest, v1::PrepareRequest> PrepareOnDrain(FakeDaemon& a, FakeDaemon& b,
@@ -333,10 +342,8 @@ std::pair<v1::PrepareRequest, v1::PrepareRequest> PrepareOnDrain(FakeDaemon& a, 
   EXPECT_TRUE(balancer.Register(nullptr, &ra, &registered).ok());
   EXPECT_TRUE(balancer.Register(nullptr, &rb, &registered).ok());
   balancer.Tick();  // Learns v1 from the daemons.
-  v1::DrainRequest drain;
-  drain.set_node("node-b");
   v1::RebalanceResponse drained;
-  const grpc::Status status = balancer.Drain(nullptr, &drain, &drained);
+  const grpc::Status status = Drain(balancer, "node-b", true, &drained);
   EXPECT_TRUE(status.ok()) << status.error_message();
   EXPECT_EQ(drained.version(), 2u);
   EXPECT_EQ(a.prepares().size(), 1u);
@@ -357,11 +364,9 @@ TEST(BalancerServerTest, ADrainNoPlanCanServeIsRefusedAndUndone) {
     ASSERT_TRUE(balancer.Register(nullptr, &q, &registered).ok());
   }
   balancer.Tick();  // Learns v1 from the daemons.
-  v1::DrainRequest drain;
-  drain.set_node("node-b");
   for (int attempt = 0; attempt < 2; ++attempt) {
     v1::RebalanceResponse response;
-    const grpc::Status status = balancer.Drain(nullptr, &drain, &response);
+    const grpc::Status status = Drain(balancer, "node-b", true, &response);
     EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
     EXPECT_EQ(status.error_message(), "the 2 ranks left hold 8 slots, fewer than the 10 experts");
     v1::ClusterStatus cluster;
@@ -466,26 +471,34 @@ std::unique_ptr<Balancer> WithTwoDaemons(const BalancerOptions& options, FakeDae
   return balancer;
 }
 
-// A report of `node` (ranks 2 n, 2 n + 1) that its ranks are at `max_step`, under `version`.
-grpc::Status ReportSteps(Balancer& balancer, const std::string& node, int n, uint64_t seq,
-                         uint64_t max_step, uint64_t version = 1, uint64_t first_step = 0) {
+// A report of `node` (ranks 2 n, 2 n + 1; slots 8 n to 8 n + 7) of steps (first, last] under
+// plan `version`, its ranks' slots each with `per_slot` pairs of both layers.
+v1::ReportLoadRequest ReportOf(const std::string& node, int n, uint64_t seq, uint64_t first,
+                               uint64_t last, uint64_t version, uint64_t per_slot) {
   v1::ReportLoadRequest q;
   q.set_node(node);
   q.set_seq(seq);
-  q.set_max_step(max_step);
+  q.set_max_step(last);
   q.set_plan_in_force(true);
   v1::LoadReport* load = q.mutable_load();
   load->set_reporter(node);
-  load->set_first_step(first_step);
-  load->set_last_step(max_step);
+  load->set_first_step(first);
+  load->set_last_step(last);
   load->set_plan_version(version);
   load->set_num_experts(6);
   for (int l = 0; l < 2; ++l) {
     v1::LayerLoad* layer = load->add_layers();
     layer->set_layer(l);
     layer->set_first_slot(8 * n);
-    for (int p = 0; p < 8; ++p) layer->add_slot(1);
+    for (int p = 0; p < 8; ++p) layer->add_slot(per_slot);
   }
+  return q;
+}
+
+// ... that its ranks are at `max_step`, sent.
+grpc::Status ReportSteps(Balancer& balancer, const std::string& node, int n, uint64_t seq,
+                         uint64_t max_step, uint64_t version = 1, uint64_t first_step = 0) {
+  const v1::ReportLoadRequest q = ReportOf(node, n, seq, first_step, max_step, version, 1);
   v1::ReportLoadResponse response;
   return balancer.ReportLoad(nullptr, &q, &response);
 }
@@ -506,10 +519,8 @@ TEST(BalancerServerTest, ACatchUpTakenOrRefusedHoldsBackNoPlan) {
     ASSERT_EQ(b.prepares().size(), 1u);
     EXPECT_EQ(b.prepares()[0].plan().version(), 2u);
     EXPECT_EQ(b.committed_version(), refuse ? 1u : 2u);
-    v1::DrainRequest undrain;
-    undrain.set_node("node-b");
     v1::RebalanceResponse response;
-    const grpc::Status status = balancer.Undrain(nullptr, &undrain, &response);
+    const grpc::Status status = Drain(balancer, "node-b", false, &response);
     if (refuse) {
       EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE);
       EXPECT_EQ(status.error_message(),
@@ -552,10 +563,8 @@ TEST(BalancerServerTest, ANodeRegisteringLateWithEveryRankExcludedStaysDrained) 
   ASSERT_EQ(cluster.nodes_size(), 2);
   EXPECT_TRUE(cluster.nodes(1).drained());
   EXPECT_EQ(cluster.plan_version(), 2u);
-  v1::DrainRequest undrain;
-  undrain.set_node("node-b");
   v1::RebalanceResponse response;
-  const grpc::Status status = balancer.Undrain(nullptr, &undrain, &response);
+  const grpc::Status status = Drain(balancer, "node-b", false, &response);
   ASSERT_TRUE(status.ok()) << status.error_message();
   EXPECT_EQ(response.version(), 3u);
   EXPECT_EQ(b.committed_version(), 3u);
@@ -627,10 +636,8 @@ TEST(BalancerServerTest, ANodeTakingOverADownNodesRanksReplacesIt) {
             (std::vector<uint32_t>{2, 3}));
   balancer->Tick();  // node-c catches up on v2.
   EXPECT_EQ(c.committed_version(), 2u);
-  v1::DrainRequest undrain;
-  undrain.set_node("node-c");
   v1::RebalanceResponse response;
-  const grpc::Status status = balancer->Undrain(nullptr, &undrain, &response);
+  const grpc::Status status = Drain(*balancer, "node-c", false, &response);
   ASSERT_TRUE(status.ok()) << status.error_message();
   EXPECT_EQ(response.version(), 3u);
   EXPECT_EQ(c.committed_version(), 3u);
@@ -778,25 +785,13 @@ class UnreachedLayerTest : public ::testing::Test {
                 uint64_t layer1 = 0, bool plan_in_force = true) {
     ++seq_;
     for (int n = 0; n < 2; ++n) {
-      v1::ReportLoadRequest q;
-      q.set_node(n == 0 ? "node-a" : "node-b");
-      q.set_seq(seq_);
-      q.set_max_step(10 * seq_);
+      v1::ReportLoadRequest q = ReportOf(n == 0 ? "node-a" : "node-b", n, seq_, 10 * (seq_ - 1),
+                                         10 * seq_, version_, 0);
       q.set_plan_in_force(plan_in_force);
       q.set_over_capacity_calls(over_capacity);
-      v1::LoadReport* load = q.mutable_load();
-      load->set_reporter(q.node());
-      load->set_first_step(10 * (seq_ - 1));
-      load->set_last_step(10 * seq_);
-      load->set_plan_version(version_);
-      load->set_num_experts(6);
       for (int l = 0; l < 2; ++l) {
-        v1::LayerLoad* layer = load->add_layers();
-        layer->set_layer(l);
-        layer->set_first_slot(8 * n);
-        for (int p = 0; p < 8; ++p) {
-          layer->add_slot(p % 4 != 0 ? 0 : l == 0 ? rank_load[2 * n + p / 4] : layer1);
-        }
+        v1::LayerLoad* layer = q.mutable_load()->mutable_layers(l);
+        for (int p = 0; p < 8; p += 4) layer->set_slot(p, l == 0 ? rank_load[2 * n + p / 4] : layer1);
         for (int r = 0; r < 2; ++r) layer->add_dispatches(l == 0 || layer1 > 0 ? 10 : 0);
       }
       v1::ReportLoadResponse response;
