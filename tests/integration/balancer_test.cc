@@ -29,7 +29,7 @@ using test::ReadFile;
 using test::WaitFor;
 
 class BalancerTest : public ::testing::Test {
- protected:
+ public:  // LoseNodeB, a test body shared by two tests, uses the fixture.
   std::string path(const std::string& name) const { return dir_.path() + "/" + name; }
 
   std::unique_ptr<Process> StartBalancer(std::vector<std::string> extra = {}) {
@@ -320,36 +320,46 @@ TEST_F(BalancerTest, CallsOverAReceiveCapacityCallForPlansUntilEveryStepIsServed
 // kill -9 of one of two daemons (a node lost): the balancer sees its health checks fail,
 // commits a plan for the survivors (ranks 0-3 hold every expert; the lost node's ranks are
 // excluded), the group forms again without them and the survivors keep serving, exactly.
-TEST_F(BalancerTest, ADaemonKilledHasItsRanksExcludedAndTheSurvivorsKeepServingExactly) {
+// Two daemons serve a group of 8 ranks; node-b's daemon is killed (with the balancer down
+// meanwhile when `balancer_down`: node-b never registers with the restarted balancer). Its
+// ranks are excluded by plan v2 and node-a's ranks serve every step exactly.
+void LoseNodeB(BalancerTest& t, bool balancer_down) {
   constexpr int kSteps = 300;
-  world_ = 8;
+  t.world_ = 8;
   // Four failed checks (1.2 s): a daemon slowed by a loaded machine is not taken for lost.
-  auto balancer = StartBalancer({"--auto_rebalance=false", "--health_failures=4"});
+  const std::vector<std::string> flags = {"--auto_rebalance=false", "--health_failures=4",
+                                          "--registration_grace=2s"};
+  auto balancer = t.StartBalancer(flags);
   // Every survivor slot may take a new expert: as many free buffers as slots.
-  auto node_a = StartDaemon({"--ranks=0-3", "--free_buffers=72"}, "node-a");
-  auto node_b = StartDaemon({"--ranks=4-7", "--free_buffers=72"}, "node-b");
+  auto node_a = t.StartDaemon({"--ranks=0-3", "--free_buffers=72"}, "node-a");
+  auto node_b = t.StartDaemon({"--ranks=4-7", "--free_buffers=72"}, "node-b");
   std::vector<std::unique_ptr<Process>> clients;
-  for (int r = 0; r < world_; ++r) {
+  for (int r = 0; r < t.world_; ++r) {
     // The lost node's clients try to attach again for 2 s, then give up.
-    clients.push_back(r < 4 ? StartClient(r, kSteps, "node-a")
-                            : StartClient(r, kSteps, "node-b", 72, 32, 200, {"--reattach_timeout=2s"}));
+    clients.push_back(r < 4 ? t.StartClient(r, kSteps, "node-a")
+                            : t.StartClient(r, kSteps, "node-b", 72, 32, 200, {"--reattach_timeout=2s"}));
   }
-  ASSERT_TRUE(WaitFor([&] { return test::StepLines(ReadFile(ClientLog(0))).size() >= 60; },
+  ASSERT_TRUE(WaitFor([&] { return test::StepLines(ReadFile(t.ClientLog(0))).size() >= 60; },
                       absl::Seconds(60)))
-      << ReadFile(ClientLog(0));
+      << ReadFile(t.ClientLog(0));
+  if (balancer_down) {
+    balancer->Signal(SIGKILL);
+    EXPECT_EQ(balancer->Wait(absl::Seconds(10)), 128 + SIGKILL);
+  }
   node_b->Signal(SIGKILL);
   EXPECT_EQ(node_b->Wait(absl::Seconds(10)), 128 + SIGKILL);
-  for (int r = 0; r < 4; ++r) EXPECT_EQ(clients[r]->Wait(absl::Seconds(120)), 0) << ReadFile(ClientLog(r));
+  if (balancer_down) balancer = t.StartBalancer(flags);  // Same port: node-a finds it again.
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(clients[r]->Wait(absl::Seconds(120)), 0) << ReadFile(t.ClientLog(r));
   // The lost node's clients saw their daemon exit and found none to attach to again.
   for (int r = 4; r < 8; ++r) {
-    EXPECT_EQ(clients[r]->Wait(absl::Seconds(60)), 3) << ReadFile(ClientLog(r));
-    EXPECT_THAT(ReadFile(ClientLog(r)), HasSubstr("error attach: "));
+    EXPECT_EQ(clients[r]->Wait(absl::Seconds(60)), 3) << ReadFile(t.ClientLog(r));
+    EXPECT_THAT(ReadFile(t.ClientLog(r)), HasSubstr("error attach: "));
   }
   // Survivors: every step exact; where a step ran twice (stopped mid-step, run again after
   // the group re-formed) the last run counts; all survivors agree on each step's plan.
   std::map<uint64_t, uint64_t> plan_of_step;
   for (int r = 0; r < 4; ++r) {
-    const std::string log = ReadFile(ClientLog(r));
+    const std::string log = ReadFile(t.ClientLog(r));
     EXPECT_THAT(log, HasSubstr(absl::StrCat("done steps ", kSteps, " failed 0"))) << log;
     std::map<uint64_t, uint64_t> last;
     for (const test::StepLine& line : test::StepLines(log)) {
@@ -362,25 +372,41 @@ TEST_F(BalancerTest, ADaemonKilledHasItsRanksExcludedAndTheSurvivorsKeepServingE
       EXPECT_EQ(it->second, plan) << "rank " << r << " disagrees at step " << step;
     }
   }
+  const std::string balancer_log = ReadFile(t.path("balancer.log"));
   ASSERT_FALSE(plan_of_step.empty());
   EXPECT_EQ(plan_of_step.begin()->second, 1u);
-  EXPECT_EQ(plan_of_step.rbegin()->second, 2u) << ReadFile(path("balancer.log"));
-  EXPECT_THAT(ReadFile(path("balancer.log")), HasSubstr("rebalance (membership changed): plan v2"));
-  const std::string a_log = ReadFile(path("node-a.log"));
+  EXPECT_EQ(plan_of_step.rbegin()->second, 2u) << balancer_log;
+  EXPECT_THAT(balancer_log, HasSubstr("rebalance (membership changed): plan v2"));
+  if (balancer_down) {
+    EXPECT_THAT(balancer_log, HasSubstr("ranks 4, 5, 6, 7 of plan v1 have had no registered "
+                                        "daemon for 2s: excluded as down"));
+  }
+  const std::string a_log = ReadFile(t.path("node-a.log"));
   EXPECT_THAT(a_log, HasSubstr("plan v2 changes the group's members (excluded: 4, 5, 6, 7)"));
   EXPECT_THAT(a_log, HasSubstr("group formed: generation 2, 4 ranks (excluded: 4, 5, 6, 7)"));
   v1::ClusterStatus status;
   {
     auto stub = v1::Control::NewStub(grpc::CreateChannel(
-        absl::StrCat("127.0.0.1:", balancer_port_), grpc::InsecureChannelCredentials()));
+        absl::StrCat("127.0.0.1:", t.balancer_port_), grpc::InsecureChannelCredentials()));
     grpc::ClientContext context;
     ASSERT_TRUE(stub->GetStatus(&context, v1::GetStatusRequest(), &status).ok());
   }
   EXPECT_EQ(status.plan_version(), 2u);
   EXPECT_THAT(status.excluded_ranks(), ::testing::ElementsAre(4, 5, 6, 7));
-  ASSERT_EQ(status.nodes_size(), 2);
+  // node-b: down, or never seen by the restarted balancer.
+  ASSERT_EQ(status.nodes_size(), balancer_down ? 1 : 2);
   EXPECT_TRUE(status.nodes(0).healthy());
-  EXPECT_FALSE(status.nodes(1).healthy());
+  if (!balancer_down) EXPECT_FALSE(status.nodes(1).healthy());
+}
+
+TEST_F(BalancerTest, ADaemonKilledHasItsRanksExcludedAndTheSurvivorsKeepServingExactly) {
+  LoseNodeB(*this, /*balancer_down=*/false);
+}
+
+// A node that dies while the balancer is down never registers with the restarted balancer:
+// after the registration grace its ranks are taken to be down, as a failed health check would.
+TEST_F(BalancerTest, ADaemonKilledWhileTheBalancerIsDownHasItsRanksExcludedAfterTheGrace) {
+  LoseNodeB(*this, /*balancer_down=*/true);
 }
 
 // The lost node's daemon comes back as a new process, with new and empty arenas, and the
