@@ -106,7 +106,9 @@ bool BalancerLink::Register() {
   }
   registered_shape_ = shape.has_value() ? shape->SerializeAsString() : "";
   if (response.report_interval_ms() > 0) {
-    interval_ms_.store(static_cast<int64_t>(response.report_interval_ms()));
+    // Within [10 ms, 1 h], whatever the balancer says.
+    interval_ms_.store(static_cast<int64_t>(
+        std::clamp<uint64_t>(response.report_interval_ms(), 10, 3'600'000)));
   }
   UBEP_LOG(INFO) << "registered with ubep-balancer at " << options_.balancer;
   return true;
@@ -123,6 +125,7 @@ void BalancerLink::Report() {
     for (std::vector<uint64_t>& layer : last_.slots) std::fill(layer.begin(), layer.end(), 0);
     for (std::vector<uint64_t>& layer : last_.dispatches) std::fill(layer.begin(), layer.end(), 0);
     last_.over_capacity_calls = 0;
+    last_step_ = 0;  // Their ranks' steps go on from where their clients resumed.
   }
   const Node::PlanIdentity plan = node_->CommittedPlanIdentity();
   const std::optional<std::pair<int, int>> hosted = node_->HostedRanks();
@@ -144,7 +147,9 @@ void BalancerLink::Report() {
   request.set_over_capacity_calls(loads->over_capacity_calls - last_.over_capacity_calls);
   v1::LoadReport* load = request.mutable_load();
   load->set_reporter(options_.node);
-  load->set_first_step(last_step_);
+  // Steps do not go back within one set of arenas but for clients that attached again at an
+  // earlier step: the report then covers the steps from there.
+  load->set_first_step(std::min(last_step_, step));
   load->set_last_step(step);
   load->set_plan_version(plan.version);
   load->set_num_experts(static_cast<uint32_t>(plan.num_experts));

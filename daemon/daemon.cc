@@ -1,5 +1,8 @@
 #include "daemon/daemon.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
+
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -215,7 +218,9 @@ Daemon::~Daemon() {
   exposer_.reset();
   fd_server_.reset();
   metrics_.reset();
-  if (!options_.socket_path.empty()) unlink(options_.socket_path.c_str());
+  // The socket files are this daemon's only while it holds the lock (another daemon's, if it
+  // failed to take it).
+  if (socket_lock_.valid()) unlink(options_.socket_path.c_str());
 }
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
@@ -259,6 +264,18 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
     };
   }
   std::unique_ptr<Daemon> d(new Daemon(options));
+  // One daemon per socket path: a second one started by mistake must not replace (and, as it
+  // exits, remove) the sockets of the one serving there.
+  const std::string lock_path = options.socket_path + ".lock";
+  UniqueFd lock(open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
+  if (!lock.valid()) return absl::ErrnoToStatus(errno, absl::StrCat("open ", lock_path));
+  if (flock(lock.get(), LOCK_EX | LOCK_NB) != 0) {
+    return errno == EWOULDBLOCK
+               ? absl::AlreadyExistsError(absl::StrCat("another ubepd serves ", options.socket_path,
+                                                       " (it holds ", lock_path, ")"))
+               : absl::ErrnoToStatus(errno, absl::StrCat("flock ", lock_path));
+  }
+  d->socket_lock_ = std::move(lock);
   d->node_ = std::make_unique<Node>(options.node);
   d->metrics_ = std::make_shared<DaemonMetrics>(d->node_.get(), options.harvest_interval);
   d->service_ = std::make_unique<DaemonService>(d->node_.get(), d->metrics_.get());

@@ -39,7 +39,7 @@ struct DaemonOptions {
   std::string listen;                    // HOST:PORT for peers and the balancer; "" = none.
   std::string metrics;                   // HOST:PORT of the Prometheus exposition; "" = none.
   absl::Duration harvest_interval = absl::Seconds(1);
-  int max_message_bytes = 1 << 20;       // Larger requests are refused by gRPC.
+  int max_message_bytes = 64 << 20;      // Larger requests are refused by gRPC.
   NodeOptions node;                      // fd_socket_path is filled in from socket_path.
   // Control plane: ubep-balancer's HOST:PORT ("" = standalone), this node's name, and the
   // address the balancer reaches this daemon's DaemonControl at ("" = from --listen).
@@ -76,6 +76,7 @@ class Daemon {
   std::unique_ptr<FdServer> fd_server_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<prometheus::Exposer> exposer_;
+  UniqueFd socket_lock_;  // flock on SOCKET.lock: one daemon per socket path.
   int listen_port_ = 0;
   int metrics_port_ = 0;
 };

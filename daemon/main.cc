@@ -52,6 +52,9 @@ ABSL_FLAG(std::string, ranks, "",
           "The EP ranks this daemon hosts, FIRST-LAST (e.g. 4-7); empty = every rank of the "
           "group. The other ranks' daemons (same machine) are found through --balancer.");
 ABSL_FLAG(uint32_t, domain, 0, "Load/store domain of this node's ranks.");
+ABSL_FLAG(int32_t, max_message_bytes, 64 << 20,
+          "Larger gRPC requests are refused (RESOURCE_EXHAUSTED); a plan's Prepare grows with "
+          "layers x slots.");
 ABSL_FLAG(absl::Duration, report_interval, absl::Seconds(1),
           "How often load is reported to the balancer (the balancer may ask otherwise).");
 ABSL_FLAG(std::string, ready_file, "",
@@ -76,6 +79,20 @@ int main(int argc, char** argv) {
   options.advertise = absl::GetFlag(FLAGS_advertise);
   options.domain = absl::GetFlag(FLAGS_domain);
   options.report_interval = absl::GetFlag(FLAGS_report_interval);
+  options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  for (const auto& [name, value] : {std::pair{"harvest_interval", options.harvest_interval},
+                                    std::pair{"report_interval", options.report_interval}}) {
+    if (value <= absl::ZeroDuration()) {
+      std::cerr << "ubepd: --" << name << " " << absl::FormatDuration(value)
+                << " is not positive\n";
+      return 2;
+    }
+  }
+  if (options.max_message_bytes < 4096) {
+    std::cerr << "ubepd: --max_message_bytes " << options.max_message_bytes
+              << " is under 4096\n";
+    return 2;
+  }
   const std::string mode = absl::GetFlag(FLAGS_socket_mode);
   char* end = nullptr;
   options.socket_mode = static_cast<mode_t>(std::strtoul(mode.c_str(), &end, 8));

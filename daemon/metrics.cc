@@ -93,16 +93,23 @@ void DaemonMetrics::Harvest() {
     h.imbalance.assign(rank_load.size(), 1.0);
   }
   h.received.assign(rank_load.size(), 0);
+  // Of this daemon's ranks only: the others' counters are their daemons' (read as 0 here).
+  const std::optional<std::pair<int, int>> hosted = node_->HostedRanks();
+  const size_t first = hosted.has_value() ? static_cast<size_t>(hosted->first) : 0;
   for (size_t l = 0; l < rank_load.size(); ++l) {
+    const size_t end = hosted.has_value()
+                           ? std::min(rank_load[l].size(), first + static_cast<size_t>(hosted->second))
+                           : rank_load[l].size();
     uint64_t total = 0, top = 0;
-    for (size_t r = 0; r < rank_load[l].size(); ++r) {
+    for (size_t r = first; r < end; ++r) {
       const uint64_t delta = rank_load[l][r] - std::min(rank_load[l][r], h.last_rank_load[l][r]);
       total += delta;
       top = std::max(top, delta);
       h.received[l] += rank_load[l][r];
     }
-    if (total > 0) {
-      h.imbalance[l] = static_cast<double>(top) * rank_load[l].size() / static_cast<double>(total);
+    if (total > 0 && end > first) {
+      h.imbalance[l] = static_cast<double>(top) * static_cast<double>(end - first) /
+                       static_cast<double>(total);
     }
     h.last_rank_load[l] = rank_load[l];
   }
@@ -211,8 +218,9 @@ std::vector<MetricFamily> DaemonMetrics::Collect() const {
                                  "Routed (token, k) pairs received by this node's ranks, per "
                                  "MoE layer.", MetricType::Counter);
   MetricFamily imbalance = Family("ubep_daemon_imbalance_ratio",
-                                  "Per MoE layer: the busiest rank's received pairs over the "
-                                  "mean, over the last harvest interval (1 = balanced).",
+                                  "Per MoE layer, of this node's ranks: the busiest one's "
+                                  "received pairs over their mean, over the last harvest "
+                                  "interval (1 = balanced).",
                                   MetricType::Gauge);
   {
     MutexLock lock(&mu_);

@@ -498,8 +498,10 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
     if (auto bad = counts("slot", load.layers(i).slot())) return *bad;
     if (auto bad = counts("dispatches", load.layers(i).dispatches())) return *bad;
   }
-  if (load.plan_version() != plan_->version ||
-      (load.first_step() < plan_effective_step_ && load.last_step() >= plan_effective_step_)) {
+  // A daemon tags its counts with the plan it has committed, which its ranks follow only from
+  // the plan's effective step: counts of steps before it (the whole report, or part of it)
+  // are the previous plan's, whose slots held other experts.
+  if (load.plan_version() != plan_->version || load.first_step() < plan_effective_step_) {
     // Its counts cannot be told apart from the other plan's (its failed calls are counted).
     stale_reports_->Increment();
     return Reject("stale_plan", grpc::StatusCode::FAILED_PRECONDITION,

@@ -300,6 +300,20 @@ TEST_F(DaemonTest, AReceiveCapacityOverflowDropsTheSameStepsEverywhereAndTheRest
                    dir_.path() + "/negative.out");
   EXPECT_EQ(negative.Wait(absl::Seconds(30)), 2);
   EXPECT_EQ(ReadFile(dir_.path() + "/negative.out"), "ubepd: --max_recv_rows -1 is negative\n");
+  Process idle({BinaryPath("ubepd"), "--socket=" + dir_.path() + "/other.sock",
+                "--harvest_interval=0s"},
+               dir_.path() + "/idle.out");
+  EXPECT_EQ(idle.Wait(absl::Seconds(30)), 2);
+  EXPECT_EQ(ReadFile(dir_.path() + "/idle.out"), "ubepd: --harvest_interval 0 is not positive\n");
+  // A second daemon on the same socket path is refused, and leaves the first one's sockets be.
+  Process second({BinaryPath("ubepd"), "--socket=" + socket_path(), "--metrics="},
+                 dir_.path() + "/second.out");
+  EXPECT_EQ(second.Wait(absl::Seconds(30)), 1);
+  EXPECT_THAT(ReadFile(dir_.path() + "/second.out"),
+              ::testing::EndsWith(absl::StrCat("ubepd: another ubepd serves ", socket_path(),
+                                               " (it holds ", socket_path(), ".lock)\n")));
+  const grpc::Status again = Attach(Request(1, 2), &response);
+  EXPECT_TRUE(again.ok()) << again.error_message();
 }
 
 // A plain EPLB plan file (no topology, no shares): 4 ranks x 65 slots, the last slot of each
@@ -460,7 +474,7 @@ TEST_F(DaemonTest, ConflictingShapeIsFailedPreconditionNamingTheField) {
 }
 
 TEST_F(DaemonTest, MalformedAndOversizedRequestsAreRefusedAndTheDaemonKeepsServing) {
-  auto daemon = StartDaemon({"--max_arena_bytes=1000000"});
+  auto daemon = StartDaemon({"--max_arena_bytes=1000000", "--max_message_bytes=1048576"});
   struct Case {
     std::function<void(v1::AttachRequest&)> mutate;
     std::string message;
@@ -495,7 +509,7 @@ TEST_F(DaemonTest, MalformedAndOversizedRequestsAreRefusedAndTheDaemonKeepsServi
     EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.message;
     EXPECT_EQ(status.error_message(), c.message);
   }
-  // A request over the message size limit (1 MiB) is refused by gRPC before it is parsed.
+  // A request over the message size limit (1 MiB here) is refused by gRPC before it is parsed.
   v1::AttachRequest huge = Request(0, 2);
   huge.GetReflection()->MutableUnknownFields(&huge)->AddLengthDelimited(1000, std::string(2 << 20, 'x'));
   EXPECT_EQ(Attach(huge).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);

@@ -585,6 +585,18 @@ TEST(BalancerServerTest, ARestartedBalancerLearnsThePlansEffectiveStep) {
   EXPECT_TRUE(after.ok()) << after.error_message();
 }
 
+// A daemon tags its counts with the plan it committed, which its ranks follow only from the
+// effective step: a report of steps all before it holds the previous plan's counts.
+TEST(BalancerServerTest, AReportOfStepsBeforeThePlansEffectiveStepIsStale) {
+  FakeDaemon a("node-a", FirstPlan(), false, /*effective_step=*/500);
+  FakeDaemon b("node-b", FirstPlan(), false, /*effective_step=*/500);
+  std::unique_ptr<Balancer> balancer = WithTwoDaemons(NeverMarkedDown(), a, b);
+  const grpc::Status before = ReportSteps(*balancer, "node-a", 0, 1, 480, 1, 470);
+  EXPECT_EQ(before.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(before.error_message(),
+            "report counted under plan v1 (steps 470-480); plan v1 is in force from step 500");
+}
+
 // ... from a daemon with member ranks: node-0, whose ranks v2 excludes, caught up on v2 at a
 // step of its own, and is asked first.
 TEST(BalancerServerTest, TheEffectiveStepIsLearnedFromADaemonWithMemberRanks) {
@@ -785,8 +797,8 @@ class UnreachedLayerTest : public ::testing::Test {
                 uint64_t layer1 = 0, bool plan_in_force = true) {
     ++seq_;
     for (int n = 0; n < 2; ++n) {
-      v1::ReportLoadRequest q = ReportOf(n == 0 ? "node-a" : "node-b", n, seq_, 10 * (seq_ - 1),
-                                         10 * seq_, version_, 0);
+      v1::ReportLoadRequest q = ReportOf(n == 0 ? "node-a" : "node-b", n, seq_, step_,
+                                         step_ + 10, version_, 0);
       q.set_plan_in_force(plan_in_force);
       q.set_over_capacity_calls(over_capacity);
       for (int l = 0; l < 2; ++l) {
@@ -798,7 +810,15 @@ class UnreachedLayerTest : public ::testing::Test {
       const grpc::Status status = balancer_->ReportLoad(nullptr, &q, &response);
       ASSERT_TRUE(status.ok()) << status.error_message();
     }
+    step_ += 10;
     balancer_->Tick();
+  }
+
+  // The reports are counted under the plan node-a prepared last, from its effective step.
+  void SwitchToThePlanPrepared() {
+    ASSERT_FALSE(a_.prepares().empty());
+    version_ = a_.prepares().back().plan().version();
+    step_ = std::max(step_, a_.prepares().back().effective_step());
   }
 
   // The value of a sample of ubep_balancer_* in the registry (a histogram's count), if it is
@@ -827,6 +847,7 @@ class UnreachedLayerTest : public ::testing::Test {
   std::shared_ptr<prometheus::Registry> registry_ = std::make_shared<prometheus::Registry>();
   std::unique_ptr<Balancer> balancer_;
   uint64_t seq_ = 0;
+  uint64_t step_ = 0;     // The reports' first step.
   uint64_t version_ = 1;  // Of the plan the reports are counted under.
 };
 
@@ -844,7 +865,7 @@ TEST_F(UnreachedLayerTest, ADaemonHostingNoRankDoesNotHoldBackPlans) {
   // v2 is in force where ranks are (node-c never reports a plan in force): it is judged, and
   // planned for again (whether that changes the placement is the planner's business).
   EXPECT_EQ(Sample("ubep_balancer_plan_compute_seconds"), 1);
-  version_ = 2;
+  SwitchToThePlanPrepared();
   for (int i = 0; i < 2; ++i) Interval({16, 10, 8, 6}, 0);
   EXPECT_EQ(Sample("ubep_balancer_plan_compute_seconds"), 2);
 }
@@ -888,7 +909,7 @@ TEST_F(UnreachedLayerTest, CallsOverTheReceiveCapacityPutTheWorstLayerBeforeTheM
   ASSERT_EQ(a_.prepares().size(), 1u);
   EXPECT_EQ(b_.prepares().size(), 1u);
   EXPECT_EQ(Sample("ubep_balancer_over_capacity_calls_total"), 6);
-  version_ = 2;
+  SwitchToThePlanPrepared();
   for (int i = 0; i < 5; ++i) Interval({13, 10, 10, 7}, 0, /*layer1=*/10);
   EXPECT_EQ(a_.prepares().size(), 1u);
 }
