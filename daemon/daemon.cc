@@ -242,8 +242,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   }
   if (!options.balancer.empty() && options.node.plan_path.empty()) {
     // A group starts under the cluster's plan when the balancer has one (a restarted node).
-    std::shared_ptr<v1::Control::Stub> stub = v1::Control::NewStub(
-        grpc::CreateChannel(options.balancer, grpc::InsecureChannelCredentials()));
+    grpc::ChannelArguments args;  // The plan in full form: as large as a Prepare may be.
+    args.SetMaxReceiveMessageSize(options.max_message_bytes);
+    std::shared_ptr<v1::Control::Stub> stub = v1::Control::NewStub(grpc::CreateCustomChannel(
+        options.balancer, grpc::InsecureChannelCredentials(), args));
     options.node.cluster_plan = [stub]() -> std::optional<balancer::Plan> {
       grpc::ClientContext context;
       context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));

@@ -1223,9 +1223,10 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
             copied.message()));
         break;
       }
-      // An Abort meanwhile: the rest need not be copied (reads from other domains are slow).
+      // An Abort or a drain meanwhile: the rest need not be copied (reads from other domains
+      // are slow, and a drain waits for this Prepare's RPC to end).
       mu_.Lock();
-      const bool aborted = staging_aborted_;
+      const bool aborted = staging_aborted_ || draining_;
       mu_.Unlock();
       if (aborted) break;
     }
