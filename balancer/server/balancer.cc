@@ -332,76 +332,67 @@ grpc::Status Balancer::Register(grpc::ServerContext*, const v1::RegisterRequest*
     window_ = std::make_unique<LoadWindow>(shape->layers, shape->experts, options_.window_intervals,
                                            options_.ewma_alpha);
   }
-  // A daemon of a group spread over several nodes that comes back as a new process has new,
-  // empty arenas (its clients attach again and load their weights). Its ranks stay excluded,
-  // as if drained, until the operator undrains the node; meanwhile its peers map its new
-  // arenas (they may while the plan excludes those ranks) and it catches up on the cluster's
-  // plan (CatchUp), so that the plan taking its ranks back stages their weights correctly.
-  if (auto it = daemons_.find(request->node());
-      it != daemons_.end() && !it->second.info.incarnation().empty() &&
-      it->second.info.incarnation() != request->incarnation() &&
-      it->second.info.ranks_size() > 0 && shape_.has_value() &&
-      it->second.info.ranks_size() < shape_->world &&
-      !drained_.contains(request->node())) {
-    drained_.insert(request->node());
-    UBEP_LOG(WARNING) << "node " << request->node() << " restarted (a new ubepd process): its ranks "
-                      << "stay excluded until it is undrained";
-  }
-  // A new daemon process for the node: none registered under its name, one registered
-  // without a group (no client attached yet), or another process (incarnation).
-  const auto known = daemons_.find(request->node());
-  const bool new_process = known == daemons_.end() || known->second.info.ranks().empty() ||
-                           known->second.info.incarnation() != request->incarnation();
-  // A node first seen with every rank excluded by the plan in force was drained: after a
-  // restart of the balancer it registers again, maybe after the balancer learned the plan
-  // (Recover takes the nodes registered by then to be drained by the same rule). Else its
-  // ranks, served, would come back at the next Tick, undrained by nobody.
-  if (new_process && plan_.has_value() && request->ranks_size() > 0 &&
-      !drained_.contains(request->node()) &&
-      std::all_of(request->ranks().begin(), request->ranks().end(),
-                  [&](uint32_t r) { return plan_->excluded(static_cast<int>(r)); })) {
-    drained_.insert(request->node());
-    UBEP_LOG(INFO) << "node " << request->node() << " registered with every rank excluded by plan v"
-                   << plan_->version << ": taken to be drained (undrain it to take it back)";
-  }
-  // A node taking over ranks of a node that fails its health checks replaces it (a new daemon
-  // under another name): the old entry goes once every rank of it is another node's, and a
-  // new process's arenas are new, as a restarted one's, so its ranks stay excluded until it
-  // is undrained, by the same rule.
+  // Nodes failing their health checks whose ranks this registration takes over: replaced (a
+  // new daemon under another name). Such a node is forgotten once other nodes hold all its
+  // ranks (one node or several); its entry would keep them excluded.
   std::set<uint32_t> held(request->ranks().begin(), request->ranks().end());
   for (const auto& [name, other] : daemons_) {
     if (name != request->node() && other.healthy) held.insert(other.info.ranks().begin(), other.info.ranks().end());
   }
   std::vector<std::string> replaced;
   for (auto it = daemons_.begin(); it != daemons_.end();) {
-    const Daemon& other = it->second;
-    const auto& ranks = other.info.ranks();
+    const auto& ranks = it->second.info.ranks();
     const bool overlaps = std::any_of(ranks.begin(), ranks.end(), [&](uint32_t r) {
       return std::find(request->ranks().begin(), request->ranks().end(), r) != request->ranks().end();
     });
-    if (it->first == request->node() || other.healthy || !overlaps) {
+    if (it->first == request->node() || it->second.healthy || !overlaps) {
       ++it;
       continue;
     }
     replaced.push_back(it->first);
     if (std::all_of(ranks.begin(), ranks.end(), [&](uint32_t r) { return held.contains(r); })) {
+      UBEP_LOG(INFO) << "node " << it->first << " is forgotten: other nodes serve its ranks";
       drained_.erase(it->first);
       it = daemons_.erase(it);
     } else {
       ++it;
     }
   }
-  if (!replaced.empty() && new_process) {
-    UBEP_LOG(WARNING) << "node " << request->node() << " takes over ranks of node"
-                      << (replaced.size() > 1 ? "s " : " ") << absl::StrJoin(replaced, ", ")
-                      << ", which failed " << (replaced.size() > 1 ? "their" : "its")
-                      << " health checks";
-    if (shape_.has_value() && request->ranks_size() < shape_->world &&
-        !drained_.contains(request->node())) {
-      drained_.insert(request->node());
-      UBEP_LOG(WARNING) << "node " << request->node()
-                        << " is a new ubepd process: its ranks stay excluded until it is undrained";
-    }
+  // A new ubepd process of a group over several nodes has new, empty arenas (its clients
+  // attach again and load their weights). Its ranks stay excluded, as if drained, until the
+  // operator undrains the node; meanwhile its peers map its new arenas (they may while the
+  // plan excludes those ranks) and it catches up on the cluster's plan (CatchUp), so that the
+  // plan taking its ranks back stages their weights correctly. That is when it:
+  // - replaces the process registered under its name (a restart);
+  // - takes over a down node's ranks (replaced, above);
+  // - has every rank excluded by the plan in force: a drained node registering again after a
+  //   restart of the balancer that learned the plan first (Recover takes the nodes registered
+  //   by then to be drained by the same rule); else an undrain nobody asked for would follow.
+  // (New: none registered under its name, one registered without a group, or another
+  // incarnation. The same process registering again is not drained again.)
+  const auto known = daemons_.find(request->node());
+  const bool restarted = known != daemons_.end() && known->second.info.ranks_size() > 0 &&
+                         !known->second.info.incarnation().empty() &&
+                         known->second.info.incarnation() != request->incarnation();
+  const bool new_process = known == daemons_.end() || known->second.info.ranks().empty() ||
+                           known->second.info.incarnation() != request->incarnation();
+  std::string why;
+  if (restarted) {
+    why = "restarted (a new ubepd process)";
+  } else if (new_process && !replaced.empty()) {
+    why = absl::StrCat("takes over ranks of node", replaced.size() > 1 ? "s " : " ",
+                       absl::StrJoin(replaced, ", "), ", which failed ",
+                       replaced.size() > 1 ? "their" : "its", " health checks");
+  } else if (new_process && plan_.has_value() && request->ranks_size() > 0 &&
+             std::all_of(request->ranks().begin(), request->ranks().end(),
+                         [&](uint32_t r) { return plan_->excluded(static_cast<int>(r)); })) {
+    why = absl::StrCat("registered with every rank excluded by plan v", plan_->version);
+  }
+  if (!why.empty() && shape_.has_value() && request->ranks_size() < shape_->world &&
+      !drained_.contains(request->node())) {
+    drained_.insert(request->node());
+    UBEP_LOG(WARNING) << "node " << request->node() << " " << why
+                      << ": its ranks stay excluded until it is undrained";
   }
   Daemon& d = daemons_[request->node()];
   if (d.info.address() != request->address() || d.control == nullptr) {
