@@ -635,10 +635,8 @@ void Balancer::CloseInterval() {
       d.interval_load = LoadMatrix(L, shape_->experts);
       for (auto& layer : d.interval_rank) std::fill(layer.begin(), layer.end(), 0.0);
     }
-    bool member = false;
-    for (uint32_t r : d.info.ranks()) member |= plan_.has_value() && !plan_->excluded(static_cast<int>(r));
     if (!d.has_rate) {
-      all_known &= !member;
+      all_known &= !Member(d);
       continue;
     }
     total.AddScaled(d.rate, 1.0);
@@ -767,9 +765,7 @@ void Balancer::Recover() {
     // The step the plan is in force from, as a daemon with member ranks holds it (one whose
     // ranks the plan excludes may have caught up on it at a step of its own).
     if (plan_.has_value() && !effective_step_learned_ &&
-        state.committed_version() == plan_->version &&
-        std::any_of(d.info.ranks().begin(), d.info.ranks().end(),
-                    [&](uint32_t r) { return !plan_->excluded(static_cast<int>(r)); })) {
+        state.committed_version() == plan_->version && Member(d)) {
       plan_effective_step_ = state.committed_effective_step();
       effective_step_learned_ = true;
     }
@@ -1176,12 +1172,18 @@ bool Balancer::StepRatesKnown() const {
   return true;
 }
 
+bool Balancer::Member(const Daemon& d) const {
+  return plan_.has_value() &&
+         std::any_of(d.info.ranks().begin(), d.info.ranks().end(),
+                     [&](uint32_t r) { return !plan_->excluded(static_cast<int>(r)); });
+}
+
 bool Balancer::PlanInForceEverywhere() const {
   if (!plan_.has_value()) return false;
   for (const auto& [name, d] : daemons_) {
-    // A daemon hosting no rank (none attached yet) has no plan in force to report.
-    if (d.healthy && !drained_.contains(name) && !d.info.ranks().empty() &&
-        d.in_force < plan_->version) {
+    // A daemon hosting no rank (none attached yet), or only ranks the plan excludes (drained,
+    // or behind the plan until it catches up), has no plan in force to report.
+    if (d.healthy && !drained_.contains(name) && Member(d) && d.in_force < plan_->version) {
       return false;
     }
   }

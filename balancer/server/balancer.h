@@ -162,6 +162,8 @@ class Balancer final : public v1::Control::Service {
   // nothing is planned and the answer names that plan.
   absl::StatusOr<v1::RebalanceResponse> PlanAndCommit(const char* why, bool members_only = false);
   uint64_t EstimateStep() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The daemon hosts a rank plan_ keeps.
+  bool Member(const Daemon& d) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A daemon of a group over several daemons whose committed plan (known from GetState) is
   // older than the cluster's: it has not caught up yet (CatchUp).
   bool Behind(const Daemon& d) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -170,8 +172,8 @@ class Balancer final : public v1::Control::Service {
   // Ranks out of the group: those of daemons failing their health checks, drained, or behind
   // the cluster's plan, and ranks missing for the registration grace.
   std::vector<int> DesiredExcluded() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Every healthy daemon of the group (drained ones aside) reported plan_ in force on all its
-  // ranks: its predecessor's buffers are no longer read, so the next plan may reuse them.
+  // Every healthy daemon with ranks plan_ keeps (drained ones aside) reported it in force on
+  // all its ranks: its predecessor's buffers are no longer read, so the next plan may reuse them.
   bool PlanInForceEverywhere() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Every serving daemon has reported twice, so EstimateStep has a step rate for it where its
   // ranks' steps moved between the two, and can place a plan's effective step ahead of them

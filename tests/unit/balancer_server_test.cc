@@ -513,8 +513,11 @@ TEST(BalancerServerTest, ACatchUpTakenOrRefusedHoldsBackNoPlan) {
     SCOPED_TRACE(refuse ? "refused" : "taken");
     FakeDaemon a("node-a", PlanWithoutNodeB()), b("node-b", FirstPlan());
     if (refuse) b.Refuse(2);
-    // Learns v2 from node-a; node-b, all of whose ranks it excludes, is drained.
-    std::unique_ptr<Balancer> learned = WithTwoDaemons(NeverMarkedDown(), a, b);
+    // Learns v2 from node-a; node-b, all of whose ranks it excludes, is drained. (RPCs may
+    // take an hour: a plan that waited for node-b to report v2 in force would not end.)
+    BalancerOptions options = NeverMarkedDown();
+    options.rpc_timeout = absl::Hours(1);
+    std::unique_ptr<Balancer> learned = WithTwoDaemons(options, a, b);
     Balancer& balancer = *learned;
     ASSERT_EQ(b.prepares().size(), 1u);
     EXPECT_EQ(b.prepares()[0].plan().version(), 2u);
@@ -527,6 +530,12 @@ TEST(BalancerServerTest, ACatchUpTakenOrRefusedHoldsBackNoPlan) {
                 "node node-b is undrained, but it holds plan v1, not the cluster's v2 yet: its "
                 "ranks come back once it has caught up");
       EXPECT_EQ(a.prepares().size(), 0u);
+      // node-b, undrained but behind with its ranks excluded, has no plan in force to wait
+      // for: a plan for the members goes ahead (the same placement, on no load).
+      v1::RebalanceResponse same;
+      const grpc::Status requested = balancer.Rebalance(nullptr, nullptr, &same);
+      EXPECT_TRUE(requested.ok()) << requested.error_message();
+      EXPECT_EQ(same.version(), 2u);
       b.Refuse(0);
       balancer.Tick();  // node-b catches up, and the plan taking its ranks back follows.
       ASSERT_EQ(b.prepares().size(), 3u);
