@@ -96,6 +96,13 @@ absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path, absl::Duration tim
   return fd;
 }
 
+int PollTimeoutMs(absl::Duration left) {
+  if (left <= absl::ZeroDuration()) return 0;
+  return static_cast<int>(std::min<int64_t>(
+      absl::ToInt64Milliseconds(absl::Ceil(left, absl::Milliseconds(1))),
+      std::numeric_limits<int>::max()));
+}
+
 namespace {
 
 // Waits until `socket` is ready for `events`, until `timeout` from `start` has passed
@@ -107,12 +114,7 @@ absl::Status AwaitReady(int socket, short events, absl::Time start, absl::Durati
   pollfd p{socket, events, 0};
   while (true) {
     const absl::Duration left = timeout - (MonotonicNow() - start);
-    const int wait_ms =
-        left <= absl::ZeroDuration()
-            ? 0
-            : static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(absl::Ceil(
-                                                     left, absl::Milliseconds(1))),
-                                                 std::numeric_limits<int>::max()));
+    const int wait_ms = PollTimeoutMs(left);
     const int r = poll(&p, 1, wait_ms);
     if (r > 0) return absl::OkStatus();
     if (r == 0 && left <= absl::Milliseconds(wait_ms)) {

@@ -60,6 +60,10 @@ absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path,
 absl::Status SendMessage(int socket, std::string_view bytes, std::span<const int> fds,
                          absl::Duration timeout = absl::InfiniteDuration());
 
+// The timeout to give poll(2) for a wait with `left` to go: rounded up to whole milliseconds,
+// 0 when nothing is left, at most INT_MAX (a longer wait polls again).
+int PollTimeoutMs(absl::Duration left);
+
 struct ReceivedMessage {
   std::string bytes;          // Empty with `closed` when the peer closed the connection.
   std::vector<UniqueFd> fds;

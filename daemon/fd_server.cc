@@ -6,7 +6,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <limits>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -130,13 +129,8 @@ void FdServer::Loop() {
       ids.push_back(id);
       next_close = std::min(next_close, connection.close_at);
     }
-    const absl::Duration until_close = next_close - MonotonicNow();
     const int timeout_ms =
-        next_close == absl::InfiniteFuture()
-            ? -1
-            : static_cast<int>(std::clamp<int64_t>(
-                  absl::ToInt64Milliseconds(absl::Ceil(until_close, absl::Milliseconds(1))), 0,
-                  std::numeric_limits<int>::max()));
+        next_close == absl::InfiniteFuture() ? -1 : PollTimeoutMs(next_close - MonotonicNow());
     if (poll(polls.data(), polls.size(), timeout_ms) < 0) {
       if (errno == EINTR) continue;
       UBEP_LOG(ERROR) << "fd server: poll failed: " << strerror(errno);

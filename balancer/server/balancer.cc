@@ -645,15 +645,7 @@ void Balancer::CloseInterval() {
     }
   }
   // A rank of the plan with no daemon registered for it (yet) has no rate either.
-  std::vector<bool> hosted(shape_->world, false);
-  for (const auto& [name, d] : daemons_) {
-    for (uint32_t r : d.info.ranks()) {
-      if (r < hosted.size()) hosted[r] = true;
-    }
-  }
-  for (int r = 0; r < shape_->world; ++r) {
-    all_known &= hosted[r] || (plan_.has_value() && plan_->excluded(r));
-  }
+  all_known &= UnlistedMembers().empty();
   if (reporting > 0) {
     // Back to counts (the policy's noise model reads counts): the mean steps of an interval.
     LoadMatrix counts(L, shape_->experts);
@@ -1140,15 +1132,10 @@ void Balancer::UpdateMissing() {
   // taken to be down then. Else, missing for the registration grace, they are down: e.g. a
   // node that died while the balancer was down never registers again, and its ranks would
   // hold back every plan (PlanAndCommit waits for every kept rank's daemon).
-  std::set<int> unregistered;
-  for (int r = 0; r < shape_->world; ++r) {
-    if (!plan_->excluded(r)) unregistered.insert(r);
-  }
-  bool groupless = false;
-  for (const auto& [name, d] : daemons_) {
-    for (uint32_t r : d.info.ranks()) unregistered.erase(static_cast<int>(r));
-    groupless |= d.healthy && d.info.ranks().empty();
-  }
+  std::set<int> unregistered = UnlistedMembers();
+  const bool groupless = std::any_of(daemons_.begin(), daemons_.end(), [](const auto& entry) {
+    return entry.second.healthy && entry.second.info.ranks().empty();
+  });
   const absl::Time now = MonotonicNow();
   if (unregistered.empty() || groupless) {
     missing_since_ = absl::InfiniteFuture();
@@ -1170,6 +1157,17 @@ bool Balancer::StepRatesKnown() const {
     if (d.prev_step_time == absl::InfinitePast()) return false;
   }
   return true;
+}
+
+std::set<int> Balancer::UnlistedMembers() const {
+  std::set<int> unlisted;
+  for (int r = 0; r < shape_->world; ++r) {
+    if (!plan_.has_value() || !plan_->excluded(r)) unlisted.insert(r);
+  }
+  for (const auto& [name, d] : daemons_) {
+    for (uint32_t r : d.info.ranks()) unlisted.erase(static_cast<int>(r));
+  }
+  return unlisted;
 }
 
 bool Balancer::Member(const Daemon& d) const {

@@ -167,6 +167,8 @@ class Balancer final : public v1::Control::Service {
   // A daemon of a group over several daemons whose committed plan (known from GetState) is
   // older than the cluster's: it has not caught up yet (CatchUp).
   bool Behind(const Daemon& d) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ranks in [0, world) that plan_ (if any) keeps and no registered daemon lists.
+  std::set<int> UnlistedMembers() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Tick: keeps missing_, the ranks taken to be down for want of a registered daemon.
   void UpdateMissing() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ranks out of the group: those of daemons failing their health checks, drained, or behind
