@@ -625,10 +625,14 @@ TEST(BalancerServerTest, TheStepOfAPlanIsEstimatedFromLiveDaemonsOnly) {
   auto b = std::make_unique<FakeDaemon>("node-b", FirstPlan());
   std::unique_ptr<Balancer> balancer = WithTwoDaemons(QuickToMarkDown(), *a, *b, /*tick=*/false);
   // (Before the plan is known the reports are refused, but their steps count.)
-  (void)ReportSteps(*balancer, "node-a", 0, 1, 100);
-  (void)ReportSteps(*balancer, "node-a", 0, 2, 100);  // Not moving: no rate.
-  (void)ReportSteps(*balancer, "node-b", 1, 1, 100);
-  (void)ReportSteps(*balancer, "node-b", 1, 2, 1'000'000);  // A million steps in microseconds.
+  const std::pair<const char*, uint64_t> reports[] = {
+      {"node-a", 100}, {"node-a", 100},         // Not moving: no rate.
+      {"node-b", 100}, {"node-b", 1'000'000}};  // A million steps in microseconds.
+  for (size_t i = 0; i < std::size(reports); ++i) {
+    const auto [node, step] = reports[i];
+    const grpc::Status refused = ReportSteps(*balancer, node, static_cast<int>(i / 2), i % 2 + 1, step);
+    EXPECT_EQ(refused.error_message(), "the balancer has not learned the cluster's plan yet");
+  }
   b.reset();
   TickUntilDown(*balancer, "node-b");  // And the plan without its ranks is made.
   ASSERT_EQ(a->prepares().size(), 1u);
