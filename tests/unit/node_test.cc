@@ -1,17 +1,21 @@
 // Node: ubepd's group state machine, in process (the integration tests run it as a daemon).
 #include "daemon/node.h"
 
+#include "daemon/balancer_link.h"
 #include "daemon/fd_server.h"
+#include "daemon/metrics.h"
 
 #include <algorithm>
 #include <atomic>
 #include <functional>
+#include <mutex>
 #include <thread>
 
 #include <cstring>
 
 #include "balancer/core/plan.h"
 #include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
 #include "kernels/common/plan_area.h"
 #include "gtest/gtest.h"
 #include "kernels/host/rank_arena.h"
@@ -20,6 +24,8 @@
 
 namespace ubep::daemon {
 namespace {
+
+using ::testing::ElementsAre;
 
 NodeOptions Options(int free_buffers = 2) {
   NodeOptions o;
@@ -431,6 +437,121 @@ TEST(NodeTest, APlanIsInForceOnceEveryConnectedRankReachedItsEffectiveStep) {
   EXPECT_TRUE(prepared.prepared()) << prepared.reason();
 }
 
+// ubep-balancer's side of the reporting, in process on loopback: asks for reports every
+// 10 ms and keeps the ones it accepts; while refusing it answers UNAVAILABLE (the balancer
+// away), which the link carries on into its next report.
+class FakeBalancer final : public v1::Control::Service {
+ public:
+  FakeBalancer() {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    builder.RegisterService(this);
+    server_ = builder.BuildAndStart();
+  }
+  ~FakeBalancer() override { server_->Shutdown(std::chrono::system_clock::now()); }
+
+  grpc::Status Register(grpc::ServerContext*, const v1::RegisterRequest*,
+                        v1::RegisterResponse* response) override {
+    response->set_report_interval_ms(10);
+    return grpc::Status::OK;
+  }
+  grpc::Status ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequest* request,
+                          v1::ReportLoadResponse*) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (refusing_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "away for the test");
+    accepted_.push_back(request->load());
+    return grpc::Status::OK;
+  }
+
+  std::string address() const { return absl::StrCat("127.0.0.1:", port_); }
+  void Refuse(bool refusing) {
+    std::lock_guard<std::mutex> lock(mu_);
+    refusing_ = refusing;
+    if (refusing) accepted_.clear();
+  }
+  // The reports accepted since the last refusal, up to the first that reaches `last_step`;
+  // none if none does within 20 s.
+  std::vector<v1::LoadReport> ReportsUpTo(uint64_t last_step) {
+    const absl::Time until = absl::Now() + absl::Seconds(20);
+    while (absl::Now() < until) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (size_t i = 0; i < accepted_.size(); ++i) {
+          if (accepted_[i].last_step() == last_step) {
+            return {accepted_.begin(), accepted_.begin() + static_cast<std::ptrdiff_t>(i) + 1};
+          }
+        }
+      }
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    return {};
+  }
+
+ private:
+  int port_ = 0;
+  std::mutex mu_;
+  bool refusing_ = false;
+  std::vector<v1::LoadReport> accepted_;
+  std::unique_ptr<grpc::Server> server_;
+};
+
+// A group formed again (new arenas, their counters from zero, their ranks' steps from where
+// the clients resumed) is reported from scratch: all it counted, from step 0, not the
+// difference from the old arenas' counters nor from the old arenas' last step (which would
+// claim the report starts at its last step, or after it).
+TEST(NodeTest, AGroupFormedAgainIsReportedFromItsOwnCountersAndFromStepZero) {
+  FakeBalancer balancer;
+  Node node(Options());
+  Attached a0 = AttachAndClaim(node, 0, 2, 1);
+  Attached a1 = AttachAndClaim(node, 1, 2, 2);
+  const kernels::ArenaLayout ep(ConfigOf(2));
+  std::vector<int32_t> slot0 = {30, 0, 0, 0};
+  kernels::AddLayerLoad(a0.arenas[0].data() + a0.layout.ep, ep, 4, 0, slot0.data());
+  std::atomic_ref<uint64_t>(kernels::ControlOf(a0.arenas[0].data(), a0.layout)->step).store(50);
+  BalancerLinkOptions options;
+  options.balancer = balancer.address();
+  options.node = "node-a";
+  options.address = "127.0.0.1:1";
+  options.report_interval = absl::Milliseconds(10);
+  BalancerLink link(options, &node);
+  // Layer 0's slot counts over `reports` (a report may land before the counts or the step
+  // it is read with were stored: what matters is what they add up to).
+  auto counted = [](const std::vector<v1::LoadReport>& reports) {
+    std::vector<uint64_t> slots(8, 0), dispatches(2, 0);
+    for (const v1::LoadReport& report : reports) {
+      for (int p = 0; p < report.layers(0).slot_size(); ++p) slots[p] += report.layers(0).slot(p);
+      for (int r = 0; r < report.layers(0).dispatches_size(); ++r) {
+        dispatches[r] += report.layers(0).dispatches(r);
+      }
+    }
+    return std::make_pair(slots, dispatches);
+  };
+  std::vector<v1::LoadReport> reports = balancer.ReportsUpTo(50);
+  ASSERT_FALSE(reports.empty());
+  EXPECT_EQ(reports.back().first_step(), 0u);
+  EXPECT_THAT(counted(reports).first, ElementsAre(30, 0, 0, 0, 0, 0, 0, 0));
+
+  // The balancer goes away; both ranks leave, and a group of another hidden size forms.
+  balancer.Refuse(true);
+  node.ConnectionClosed(1);
+  node.ConnectionClosed(2);
+  v1::AttachRequest wider = Request(0, 2);
+  wider.mutable_shape()->set_hidden(32);
+  Attached b0 = Claim(node, node.Attach(wider), 3);
+  kernels::EpConfig config = ConfigOf(2);
+  config.hidden = 32;
+  const kernels::ArenaLayout wider_ep(config);
+  std::vector<int32_t> slot1 = {0, 7, 0, 0};
+  kernels::AddLayerLoad(b0.arenas[0].data() + b0.layout.ep, wider_ep, 4, 0, slot1.data());
+  std::atomic_ref<uint64_t>(kernels::ControlOf(b0.arenas[0].data(), b0.layout)->step).store(12);
+  balancer.Refuse(false);
+  reports = balancer.ReportsUpTo(12);
+  ASSERT_FALSE(reports.empty());
+  EXPECT_EQ(reports.back().first_step(), 0u);
+  EXPECT_THAT(counted(reports).first, ElementsAre(0, 7, 0, 0, 0, 0, 0, 0));
+  EXPECT_THAT(counted(reports).second, ElementsAre(1, 0));
+}
+
 // A group of 4 ranks over two daemons in one process: ranks 0-1 on `first` 0, 2-3 on 2.
 NodeOptions Hosting(int first) {
   NodeOptions o = Options();
@@ -526,6 +647,43 @@ TEST(NodeTest, AnAbortWhileTheRanksStopForAChangeOfMembersFailsThatPrepare) {
   EXPECT_EQ(prepared.reason(), "plan v2 was aborted while the hosted ranks stopped for it");
   EXPECT_EQ(a.State().pending_version(), 0u);
   EXPECT_EQ(a.State().committed_version(), 1u);
+}
+
+// ubep_daemon_imbalance_ratio is max over mean of the last harvest's received pairs over
+// this daemon's own ranks: the peer's ranks, whose counters it does not read, do not count as
+// idle ranks (which would double the ratio of two ranks of four).
+TEST(NodeTest, TheImbalanceGaugeIsOverTheDaemonsOwnRanks) {
+  Node a(Hosting(0));
+  auto b = std::make_unique<Node>(Hosting(2));
+  const TwoNodes t = AttachTwoNodes(a, *b);
+  const kernels::ArenaLayout ep(ConfigOf(4));
+  auto add = [&](int rank, int layer, std::vector<int32_t> per_slot) {
+    kernels::AddLayerLoad(t.x0.arenas[rank].data() + t.x0.layout.ep, ep, 4, layer,
+                          per_slot.data());
+  };
+  auto gauge = [](const DaemonMetrics& metrics, const std::string& layer) -> std::optional<double> {
+    for (const prometheus::MetricFamily& f : metrics.Collect()) {
+      if (f.name != "ubep_daemon_imbalance_ratio") continue;
+      for (const prometheus::ClientMetric& m : f.metric) {
+        if (m.label.size() == 1 && m.label[0].value == layer) return m.gauge.value;
+      }
+    }
+    return std::nullopt;
+  };
+  add(0, 0, {30, 0, 0, 0});
+  add(1, 0, {5, 5, 0, 0});
+  add(0, 1, {0, 10, 0, 0});
+  add(1, 1, {0, 0, 4, 6});
+  add(2, 0, {0, 0, 0, 0});  // The peer's ranks: idle (and not this daemon's to judge).
+  DaemonMetrics metrics(&a, absl::Hours(1));
+  metrics.Harvest();
+  EXPECT_EQ(gauge(metrics, "0"), 1.5);  // 30 x 2 ranks / 40.
+  EXPECT_EQ(gauge(metrics, "1"), 1.0);
+  // The next harvest judges what arrived since: 20 pairs, all on rank 1.
+  add(1, 0, {20, 0, 0, 0});
+  metrics.Harvest();
+  EXPECT_EQ(gauge(metrics, "0"), 2.0);
+  EXPECT_EQ(gauge(metrics, "1"), 1.0);  // Nothing new: the last measure stays.
 }
 
 TEST(NodeTest, APeersNewArenasReplaceTheStaleOnesOnlyWhileItsRanksAreExcluded) {
@@ -934,7 +1092,9 @@ class FdServerTest : public ::testing::Test {
     EXPECT_TRUE(SendMessage(c.get(), attached->token(), {}).ok());
     absl::StatusOr<ReceivedMessage> reply = ReceiveMessage(c.get(), 64, absl::Seconds(5));
     EXPECT_TRUE(reply.ok()) << reply.status();
-    if (reply.ok()) EXPECT_EQ(reply->bytes, "OK");
+    if (reply.ok()) {
+      EXPECT_EQ(reply->bytes, "OK");
+    }
     return c;
   }
   // The answer the server gives a connection that sends an unknown token.
