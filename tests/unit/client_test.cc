@@ -9,7 +9,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/daemon.h"
 #include "daemon/node.h"
+#include "kernels/host/rank_arena.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "tests/unit/test_util.h"
@@ -139,6 +141,53 @@ TEST(ClientTest, ADataPlaneLayoutOtherThanTheLibrarysIsRefused) {
                                              " bytes) differs from this library's (", ours,
                                              "); ubepd and libubep versions differ")));
   EXPECT_TRUE(refusal.detached);
+}
+
+// A Rejoin that let go of its data plane and could not build it again (here: ubepd's arena
+// for this rank no longer carries the data plane's header) stops every call with the reason,
+// rather than running one on no data plane; a Rejoin that completes starts them again.
+TEST(ClientTest, ARejoinThatLostItsDataPlaneStopsEveryCallUntilARejoinCompletes) {
+  test::TempDir dir;
+  daemon::DaemonOptions options;
+  options.socket_path = dir.path() + "/ubepd.sock";
+  absl::StatusOr<std::unique_ptr<daemon::Daemon>> ubepd = daemon::Daemon::Start(options);
+  ASSERT_TRUE(ubepd.ok()) << ubepd.status();
+  ClientOptions client;
+  client.socket_path = options.socket_path;
+  absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(client, 0, 1, 0, Shape());
+  ASSERT_TRUE(rank.ok()) << rank.status();
+  // The first word of the data plane's header in this rank's arena, as ubepd holds it.
+  uint32_t* magic = nullptr;
+  (*ubepd)->node().ForEachArena([&](int, std::byte* base, const kernels::RankArenaLayout& layout,
+                                    const kernels::EpConfig&) {
+    magic = reinterpret_cast<uint32_t*>(base + layout.ep);
+  });
+  ASSERT_NE(magic, nullptr);
+  const uint32_t kept = *magic;
+  *magic = kept ^ 1u;
+  const absl::StatusOr<uint64_t> rejoined = (*rank)->Rejoin(3);
+  const std::string why =
+      "rank 0: the arena was laid out for another configuration (ranks 1, max_tokens 8, "
+      "hidden 16, top_k 2, experts 4, flagged_tokens 0)";
+  EXPECT_EQ(rejoined.status(), absl::FailedPreconditionError(why));
+  const absl::Status stopped = absl::FailedPreconditionError(
+      "rank 0: the last Rejoin did not complete (" + why + "); call Rejoin again");
+  EXPECT_EQ((*rank)->BeginStep(3), stopped);
+  Dispatched dispatched;
+  const std::vector<float> x(16, 1.0f);
+  const std::vector<int32_t> idx = {0, 1};
+  const std::vector<float> w = {0.5f, 0.5f};
+  EXPECT_EQ((*rank)->Dispatch(0, x.data(), idx.data(), w.data(), 1, dispatched), stopped);
+
+  *magic = kept;
+  ASSERT_EQ((*rank)->Rejoin(3).value_or(0), 3u);
+  ASSERT_TRUE((*rank)->BeginStep(3).ok());
+  ASSERT_TRUE((*rank)->Dispatch(0, x.data(), idx.data(), w.data(), 1, dispatched).ok());
+  EXPECT_EQ(dispatched.num_rows(), 2);
+  std::vector<float> out(16, 0.0f);
+  ASSERT_TRUE((*rank)->Combine(dispatched, dispatched.rows(), out.data()).ok());
+  EXPECT_EQ(out, x);  // 0.5 x 1.0 + 0.5 x 1.0, through two slots of the one rank.
+  EXPECT_TRUE((*rank)->Detach().ok());
 }
 
 }  // namespace
