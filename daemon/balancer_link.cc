@@ -115,8 +115,39 @@ bool BalancerLink::Register() {
 }
 
 void BalancerLink::Report() {
+  if (!pending_.has_value()) {
+    std::optional<Pending> made = MakeReport();
+    if (!made.has_value()) return;
+    pending_ = *std::move(made);
+  } else {
+    // The same report again; only the step it tells is the daemon's now (the balancer
+    // estimates step rates from it).
+    pending_->request.set_max_step(node_->MaxStep());
+  }
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+  v1::ReportLoadResponse response;
+  const grpc::Status status = stub_->ReportLoad(&context, pending_->request, &response);
+  switch (status.error_code()) {
+    case grpc::StatusCode::NOT_FOUND:
+      // The balancer restarted or forgot this node: it took nothing of the report, which goes
+      // again once this daemon has registered.
+      registered_ = false;
+      return;
+    case grpc::StatusCode::UNAVAILABLE:
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      return;  // Taken or not: the same report goes again, and is taken at most once.
+    default:
+      // Taken, or answered (a report the balancer cannot use is dropped, and says why).
+      last_ = std::move(pending_->loads);
+      last_step_ = pending_->request.load().last_step();
+      pending_.reset();
+  }
+}
+
+std::optional<BalancerLink::Pending> BalancerLink::MakeReport() {
   absl::StatusOr<Node::SlotLoads> loads = node_->ReadSlotLoads();
-  if (!loads.ok() || loads->slots.empty()) return;
+  if (!loads.ok() || loads->slots.empty()) return std::nullopt;
   const uint64_t step = node_->MaxStep();
   if (last_.arenas_created != loads->arenas_created) {
     // Arenas created since the last report (the first group, or one formed again, whatever
@@ -130,16 +161,17 @@ void BalancerLink::Report() {
   const Node::PlanIdentity plan = node_->CommittedPlanIdentity();
   const std::optional<std::pair<int, int>> hosted = node_->HostedRanks();
   const std::optional<v1::AttachRequest> shape = node_->GroupShape();
-  if (!hosted.has_value() || !shape.has_value()) return;
+  if (!hosted.has_value() || !shape.has_value()) return std::nullopt;
   // This daemon's ranks' slots only (ranks are contiguous, slots rank-major).
   const size_t slots_per_rank = shape->shape().slots_per_rank();
   const size_t first_rank = static_cast<size_t>(hosted->first);
   const size_t end_rank = first_rank + static_cast<size_t>(hosted->second);
   if (loads->slots.front().size() < end_rank * slots_per_rank ||
       loads->dispatches.front().size() < end_rank) {
-    return;  // The group was formed again after the counters were read: read them again.
+    return std::nullopt;  // The group was formed again after the counters were read: read them again.
   }
-  v1::ReportLoadRequest request;
+  Pending made;
+  v1::ReportLoadRequest& request = made.request;
   request.set_node(options_.node);
   request.set_seq(++seq_);
   request.set_max_step(step);
@@ -165,21 +197,8 @@ void BalancerLink::Report() {
       layer->add_dispatches(loads->dispatches[l][r] - last_.dispatches[l][r]);
     }
   }
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
-  v1::ReportLoadResponse response;
-  const grpc::Status status = stub_->ReportLoad(&context, request, &response);
-  if (status.error_code() == grpc::StatusCode::NOT_FOUND ||
-      status.error_code() == grpc::StatusCode::UNAVAILABLE) {
-    // The balancer restarted (it does not know this node) or is away: it took nothing of the
-    // report, which the first one after registering again carries on.
-    registered_ = false;
-    return;
-  }
-  // Anything else was delivered; a report that timed out may have been taken, and is not
-  // sent again.
-  last_ = *std::move(loads);
-  last_step_ = step;
+  made.loads = *std::move(loads);
+  return made;
 }
 
 }  // namespace ubep::daemon

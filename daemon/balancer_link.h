@@ -9,6 +9,7 @@
 #define UBEP_DAEMON_BALANCER_LINK_H_
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <atomic>
 #include <vector>
@@ -38,7 +39,13 @@ class BalancerLink {
  private:
   void Tick();
   bool Register();
+  // A report, with the counters it was made from.
+  struct Pending {
+    v1::ReportLoadRequest request;
+    Node::SlotLoads loads;
+  };
   void Report();
+  std::optional<Pending> MakeReport();  // Of the counters now, against last_.
   void MapPeers();
 
   const BalancerLinkOptions options_;
@@ -51,6 +58,10 @@ class BalancerLink {
   Node::SlotLoads last_;
   uint64_t last_step_ = 0;
   uint64_t seq_ = 0;
+  // The report sent last whose answer did not come (the balancer away, or the answer lost):
+  // sent again as it was, under its seq, until one comes. The balancer takes a seq once, so
+  // its counts are neither lost nor counted twice.
+  std::optional<Pending> pending_;
   absl::Time next_report_ = absl::InfinitePast();
   absl::Time next_peer_log_ = absl::InfinitePast();
   const std::string incarnation_;

@@ -399,6 +399,10 @@ grpc::Status Balancer::Register(grpc::ServerContext*, const v1::RegisterRequest*
     d.channel = grpc::CreateChannel(request->address(), grpc::InsecureChannelCredentials());
     d.control = v1::DaemonControl::NewStub(d.channel);
   }
+  // The process registered under this name already (it registers again when its group's
+  // shape changes, or after this balancer forgot it): its reports go on numbering from there.
+  const bool same_process =
+      !request->incarnation().empty() && d.info.incarnation() == request->incarnation();
   if (d.info.incarnation() != request->incarnation()) {
     // A new process: its ranks count steps from where its clients resume, not from the old
     // process's steps.
@@ -418,7 +422,7 @@ grpc::Status Balancer::Register(grpc::ServerContext*, const v1::RegisterRequest*
   d.needs_state = true;
   d.healthy = true;
   d.failures = 0;
-  d.last_seq = 0;
+  if (!same_process) d.last_seq = 0;
   UBEP_LOG(INFO) << "registered node " << request->node() << " at " << request->address() << " ("
                  << request->ranks_size() << " ranks)";
   response->set_report_interval_ms(absl::ToInt64Milliseconds(options_.report_interval));
@@ -454,21 +458,33 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
                   absl::StrCat("node \"", request->node(), "\" is not registered; register first"));
   }
   Daemon& d = it->second;
-  if (request->seq() <= d.last_seq) {
+  if (request->seq() == 0) {
+    return Reject("malformed", grpc::StatusCode::INVALID_ARGUMENT,
+                  absl::StrCat("report of node ", request->node(),
+                               " has seq 0; a daemon numbers its reports from 1"));
+  }
+  if (request->seq() < d.last_seq) {
     return Reject("out_of_order", grpc::StatusCode::INVALID_ARGUMENT,
                   absl::StrCat("report seq ", request->seq(), " of node ", request->node(),
-                               " is not after ", d.last_seq, " (duplicate or reordered)"));
+                               " is before ", d.last_seq, ", the last one taken (reordered)"));
   }
+  // The last report, sent again because its answer did not reach the daemon, which cannot
+  // tell whether it was taken: its counts are taken once. Only the step it carries, the
+  // daemon's now, is new.
+  const bool sent_again = request->seq() == d.last_seq;
   d.last_seq = request->seq();
   // The calls its ranks dropped are counted whatever else the report holds: a report the
   // balancer cannot use (no plan yet, another plan's counts, a bad shape) still tells them.
-  over_capacity_calls_->Increment(static_cast<double>(request->over_capacity_calls()));
+  if (!sent_again) {
+    over_capacity_calls_->Increment(static_cast<double>(request->over_capacity_calls()));
+  }
   d.prev_step = d.max_step;
   d.prev_step_time = d.step_time;
   d.max_step = std::max(d.max_step, request->max_step());
   if (request->plan_in_force()) d.in_force = std::max(d.in_force, request->load().plan_version());
   d.step_time = MonotonicNow();
   d.last_report = d.step_time;
+  if (sent_again) return grpc::Status::OK;
   if (!shape_.has_value() || !plan_.has_value()) {
     return Reject("no_plan", grpc::StatusCode::FAILED_PRECONDITION,
                   "the balancer has not learned the cluster's plan yet");

@@ -396,7 +396,9 @@ void LoseNodeB(BalancerTest& t, bool balancer_down) {
   // node-b: down, or never seen by the restarted balancer.
   ASSERT_EQ(status.nodes_size(), balancer_down ? 1 : 2);
   EXPECT_TRUE(status.nodes(0).healthy());
-  if (!balancer_down) EXPECT_FALSE(status.nodes(1).healthy());
+  if (!balancer_down) {
+    EXPECT_FALSE(status.nodes(1).healthy());
+  }
 }
 
 TEST_F(BalancerTest, ADaemonKilledHasItsRanksExcludedAndTheSurvivorsKeepServingExactly) {
@@ -779,7 +781,8 @@ TEST_F(BalancerTest, MalformedReportsAreRejectedWithTheReasonCountedAndTheBalanc
   };
   // Until the balancer has read the plan from the daemon, reports cannot be attributed.
   ASSERT_TRUE(WaitFor([&] { return report([](auto&) {}).ok(); }, absl::Seconds(20)));
-  const uint64_t accepted = seq;  // The last sequence number the balancer took.
+  ASSERT_TRUE(report([](auto&) {}).ok());
+  const uint64_t accepted = seq;  // The last sequence number the balancer took (2 or more).
 
   struct Case {
     std::function<void(v1::ReportLoadRequest&)> mutate;
@@ -789,9 +792,11 @@ TEST_F(BalancerTest, MalformedReportsAreRejectedWithTheReasonCountedAndTheBalanc
   const std::vector<Case> cases = {
       {[](auto& q) { q.set_node("ghost"); }, grpc::StatusCode::NOT_FOUND,
        "node \"ghost\" is not registered; register first"},
-      {[](auto& q) { q.set_seq(1); }, grpc::StatusCode::INVALID_ARGUMENT,
-       absl::StrCat("report seq 1 of node fake is not after ", accepted,
-                    " (duplicate or reordered)")},
+      {[&](auto& q) { q.set_seq(accepted - 1); }, grpc::StatusCode::INVALID_ARGUMENT,
+       absl::StrCat("report seq ", accepted - 1, " of node fake is before ", accepted,
+                    ", the last one taken (reordered)")},
+      {[](auto& q) { q.set_seq(0); }, grpc::StatusCode::INVALID_ARGUMENT,
+       "report of node fake has seq 0; a daemon numbers its reports from 1"},
       {[](auto& q) { q.mutable_load()->add_layers()->set_layer(2); },
        grpc::StatusCode::INVALID_ARGUMENT, "report has 3 layers; the model has 2"},
       {[](auto& q) { q.mutable_load()->mutable_layers(0)->set_slot(1, static_cast<uint64_t>(-5)); },
@@ -815,7 +820,7 @@ TEST_F(BalancerTest, MalformedReportsAreRejectedWithTheReasonCountedAndTheBalanc
   const std::string m = test::HttpGet(balancer_metrics_, "/metrics");
   EXPECT_EQ(test::Sample(m, "ubep_balancer_rejected_reports_total{reason=\"unknown_node\"}"), 1);
   EXPECT_EQ(test::Sample(m, "ubep_balancer_rejected_reports_total{reason=\"out_of_order\"}"), 1);
-  EXPECT_EQ(test::Sample(m, "ubep_balancer_rejected_reports_total{reason=\"malformed\"}"), 2);
+  EXPECT_EQ(test::Sample(m, "ubep_balancer_rejected_reports_total{reason=\"malformed\"}"), 3);
   EXPECT_EQ(test::Sample(m, "ubep_balancer_rejected_reports_total{reason=\"negative\"}"), 2);
   EXPECT_EQ(test::Sample(m, "ubep_balancer_rejected_reports_total{reason=\"stale_plan\"}"), 1);
   EXPECT_EQ(test::Sample(m, "ubep_balancer_stale_reports_total"), 1);

@@ -822,6 +822,10 @@ class UnreachedLayerTest : public ::testing::Test {
       v1::ReportLoadResponse response;
       const grpc::Status status = balancer_->ReportLoad(nullptr, &q, &response);
       ASSERT_TRUE(status.ok()) << status.error_message();
+      if (n == 0 && send_a_twice_) {  // As a daemon whose answer was lost sends it again.
+        const grpc::Status again = balancer_->ReportLoad(nullptr, &q, &response);
+        ASSERT_TRUE(again.ok()) << again.error_message();
+      }
     }
     step_ += 10;
     balancer_->Tick();
@@ -860,6 +864,7 @@ class UnreachedLayerTest : public ::testing::Test {
   std::shared_ptr<prometheus::Registry> registry_ = std::make_shared<prometheus::Registry>();
   std::unique_ptr<Balancer> balancer_;
   uint64_t seq_ = 0;
+  bool send_a_twice_ = false;  // Interval sends node-a's report twice, under one seq.
   uint64_t step_ = 0;     // The reports' first step.
   uint64_t version_ = 1;  // Of the plan the reports are counted under.
 };
@@ -946,6 +951,29 @@ TEST_F(UnreachedLayerTest, CallsReportedBeforeThePlanIsInForceOnTheirRanksAreNot
   }
   EXPECT_EQ(a_.prepares().size(), 0u);  // The mean, 1.15, is under the threshold of 1.2.
   EXPECT_EQ(Sample("ubep_balancer_over_capacity_calls_total"), 24);
+}
+
+// A report sent again under its seq (its daemon got no answer, and cannot tell whether it
+// was taken) is answered OK and taken once: its counts are added once (4 reports taken of
+// 6 sent) and its dropped calls count once (6, not 9). A report under an earlier seq, or
+// under seq 0, is refused.
+TEST_F(UnreachedLayerTest, AReportSentAgainUnderItsSeqIsTakenOnce) {
+  Start(/*trigger_windows=*/1);
+  send_a_twice_ = true;
+  Interval({10, 10, 10, 10}, /*over_capacity=*/3, /*layer1=*/10);
+  Interval({10, 10, 10, 10}, /*over_capacity=*/0, /*layer1=*/10);
+  EXPECT_EQ(Sample("ubep_balancer_reports_total"), 4);
+  EXPECT_EQ(Sample("ubep_balancer_over_capacity_calls_total"), 6);
+  v1::ReportLoadResponse response;
+  const v1::ReportLoadRequest earlier = ReportOf("node-a", 0, 1, step_, step_ + 10, version_, 0);
+  grpc::Status status = balancer_->ReportLoad(nullptr, &earlier, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(status.error_message(),
+            "report seq 1 of node node-a is before 2, the last one taken (reordered)");
+  const v1::ReportLoadRequest unnumbered = ReportOf("node-a", 0, 0, step_, step_ + 10, version_, 0);
+  status = balancer_->ReportLoad(nullptr, &unnumbered, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(status.error_message(), "report of node node-a has seq 0; a daemon numbers its reports from 1");
 }
 
 }  // namespace

@@ -438,8 +438,10 @@ TEST(NodeTest, APlanIsInForceOnceEveryConnectedRankReachedItsEffectiveStep) {
 }
 
 // ubep-balancer's side of the reporting, in process on loopback: asks for reports every
-// 10 ms and keeps the ones it accepts; while refusing it answers UNAVAILABLE (the balancer
-// away), which the link carries on into its next report.
+// 10 ms and keeps the ones it takes. While refusing it answers UNAVAILABLE (the balancer
+// away) and takes nothing; while losing answers it takes each report and answers UNAVAILABLE
+// all the same (the answer lost on the way). Reports are not told apart by seq here: what
+// is taken twice is kept twice.
 class FakeBalancer final : public v1::Control::Service {
  public:
   FakeBalancer() {
@@ -460,6 +462,8 @@ class FakeBalancer final : public v1::Control::Service {
     std::lock_guard<std::mutex> lock(mu_);
     if (refusing_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "away for the test");
     accepted_.push_back(request->load());
+    taken_.push_back(*request);
+    if (losing_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "answer lost for the test");
     return grpc::Status::OK;
   }
 
@@ -468,6 +472,14 @@ class FakeBalancer final : public v1::Control::Service {
     std::lock_guard<std::mutex> lock(mu_);
     refusing_ = refusing;
     if (refusing) accepted_.clear();
+  }
+  void LoseAnswers(bool losing) {
+    std::lock_guard<std::mutex> lock(mu_);
+    losing_ = losing;
+  }
+  std::vector<v1::ReportLoadRequest> Taken() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return taken_;
   }
   // The reports accepted since the last refusal, up to the first that reaches `last_step`;
   // none if none does within 20 s.
@@ -491,7 +503,9 @@ class FakeBalancer final : public v1::Control::Service {
   int port_ = 0;
   std::mutex mu_;
   bool refusing_ = false;
+  bool losing_ = false;
   std::vector<v1::LoadReport> accepted_;
+  std::vector<v1::ReportLoadRequest> taken_;  // Every report taken, as sent.
   std::unique_ptr<grpc::Server> server_;
 };
 
@@ -550,6 +564,60 @@ TEST(NodeTest, AGroupFormedAgainIsReportedFromItsOwnCountersAndFromStepZero) {
   EXPECT_EQ(reports.back().first_step(), 0u);
   EXPECT_THAT(counted(reports).first, ElementsAre(0, 7, 0, 0, 0, 0, 0, 0));
   EXPECT_THAT(counted(reports).second, ElementsAre(1, 0));
+}
+
+// A report whose answer does not come may have been taken: it goes again as it was, under
+// its seq (only the step it tells is new), until an answer comes; the balancer takes a seq
+// once. Its counts are never carried into a report under a new seq, which would count them
+// twice.
+TEST(NodeTest, AReportWhoseAnswerIsLostGoesAgainUnderItsSeq) {
+  FakeBalancer balancer;
+  balancer.LoseAnswers(true);
+  Node node(Options());
+  Attached a0 = AttachAndClaim(node, 0, 2, 1);
+  Attached a1 = AttachAndClaim(node, 1, 2, 2);
+  const kernels::ArenaLayout ep(ConfigOf(2));
+  std::vector<int32_t> slot0 = {30, 0, 0, 0};
+  kernels::AddLayerLoad(a0.arenas[0].data() + a0.layout.ep, ep, 4, 0, slot0.data());
+  auto step = [&] {
+    return std::atomic_ref<uint64_t>(kernels::ControlOf(a0.arenas[0].data(), a0.layout)->step);
+  };
+  step().store(50);
+  BalancerLinkOptions options;
+  options.balancer = balancer.address();
+  options.node = "node-a";
+  options.address = "127.0.0.1:1";
+  BalancerLink link(options, &node);
+  const absl::Time until = absl::Now() + absl::Seconds(20);
+  while (balancer.Taken().size() < 3 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
+  balancer.LoseAnswers(false);
+  std::vector<int32_t> slot1 = {0, 5, 0, 0};
+  kernels::AddLayerLoad(a0.arenas[0].data() + a0.layout.ep, ep, 4, 0, slot1.data());
+  step().store(60);
+  ASSERT_FALSE(balancer.ReportsUpTo(60).empty());
+
+  const std::vector<v1::ReportLoadRequest> taken = balancer.Taken();
+  ASSERT_GE(taken.size(), 4u);
+  // The first report went at least three times, the same each time, and every later one
+  // under the next seq.
+  EXPECT_EQ(taken[0].seq(), 1u);
+  EXPECT_EQ(taken[0].load().SerializeAsString(), taken[1].load().SerializeAsString());
+  EXPECT_EQ(taken[0].load().SerializeAsString(), taken[2].load().SerializeAsString());
+  EXPECT_EQ(taken[2].seq(), 1u);
+  // Taken once per seq, as the balancer takes them, the counts are all there, once.
+  std::vector<uint64_t> slots(8, 0);
+  const v1::ReportLoadRequest* first = nullptr;  // Of the seq taken last.
+  for (const v1::ReportLoadRequest& report : taken) {
+    if (first != nullptr && report.seq() == first->seq()) {
+      EXPECT_EQ(report.load().SerializeAsString(), first->load().SerializeAsString())
+          << "seq " << report.seq();
+      continue;
+    }
+    EXPECT_EQ(report.seq(), first == nullptr ? 1u : first->seq() + 1);
+    first = &report;
+    for (int p = 0; p < 8; ++p) slots[p] += report.load().layers(0).slot(p);
+  }
+  EXPECT_THAT(slots, ElementsAre(30, 5, 0, 0, 0, 0, 0, 0));
 }
 
 // A group of 4 ranks over two daemons in one process: ranks 0-1 on `first` 0, 2-3 on 2.
