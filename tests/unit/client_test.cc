@@ -1,14 +1,23 @@
 // libubep against a ubepd whose answers it must not trust: a real gRPC server on a Unix socket
-// in a temporary directory, answering Attach from a real Node (the daemon's group state) and
-// then altering the answer. (The integration tests run the client against the real ubepd.)
+// in a temporary directory, answering Attach and Join from a real Node (the daemon's group
+// state) and then altering the answer, and an fd socket whose replies come late; and against
+// a real ubepd in process. (The integration tests run the client against ubepd processes.)
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/unix_socket.h"
 #include "daemon/daemon.h"
 #include "daemon/node.h"
 #include "kernels/host/rank_arena.h"
@@ -27,7 +36,8 @@ class AlteringUbepd final : public v1::Daemon::Service {
   AlteringUbepd(const std::string& socket, std::function<void(v1::AttachResponse&)> alter)
       : node_([&] {
           daemon::NodeOptions options;
-          options.fd_socket_path = socket + ".fds";  // Never reached: the answer is refused first.
+          // Reached only where a test serves it (the others' answers are refused first).
+          options.fd_socket_path = socket + ".fds";
           options.free_buffers = 2;
           return options;
         }()),
@@ -49,6 +59,15 @@ class AlteringUbepd final : public v1::Daemon::Service {
     alter_(*response);
     return grpc::Status::OK;
   }
+  // Join goes to the Node; its answer's arena epoch moved by `join_epoch_offset`.
+  grpc::Status Join(grpc::ServerContext*, const v1::JoinRequest* request,
+                    v1::JoinResponse* response) override {
+    absl::StatusOr<v1::JoinResponse> joined = node_.Join(*request, absl::Now() + absl::Seconds(10));
+    if (!joined.ok()) return grpc::Status(grpc::StatusCode::INTERNAL, joined.status().ToString());
+    *response = *std::move(joined);
+    response->set_arena_epoch(response->arena_epoch() + join_epoch_offset);
+    return grpc::Status::OK;
+  }
   grpc::Status Detach(grpc::ServerContext*, const v1::DetachRequest* request,
                       v1::DetachResponse*) override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -67,6 +86,9 @@ class AlteringUbepd final : public v1::Daemon::Service {
     return detaches_;
   }
   int attached() { return node_.Snapshot().attached; }
+  daemon::Node& node() { return node_; }
+
+  uint64_t join_epoch_offset = 0;  // Set before any client attaches.
 
  private:
   daemon::Node node_;
@@ -187,6 +209,92 @@ TEST(ClientTest, ARejoinThatLostItsDataPlaneStopsEveryCallUntilARejoinCompletes)
   std::vector<float> out(16, 0.0f);
   ASSERT_TRUE((*rank)->Combine(dispatched, dispatched.rows(), out.data()).ok());
   EXPECT_EQ(out, x);  // 0.5 x 1.0 + 0.5 x 1.0, through two slots of the one rank.
+  EXPECT_TRUE((*rank)->Detach().ok());
+}
+
+// ubepd's fd socket for one client, answering from `node`: the claim of the arenas, then
+// each REFRESH with two replies, as when an earlier refresh's reply comes late: first one of
+// an older arena epoch carrying fds of no arena, then the node's arenas under `epoch_offset`
+// more than the node's epoch (as the Join said).
+class LateRefreshFdSocket {
+ public:
+  LateRefreshFdSocket(daemon::Node& node, const std::string& path, uint64_t epoch_offset)
+      : listener_(*ListenUnix(path, 0600)),
+        thread_([this, &node, epoch_offset] { Serve(node, epoch_offset); }) {}
+  ~LateRefreshFdSocket() {
+    stop_ = true;
+    thread_.join();
+  }
+  int refreshes() const { return refreshes_; }
+
+ private:
+  void Serve(daemon::Node& node, uint64_t epoch_offset) {
+    UniqueFd connection;
+    while (!stop_ && connection.get() < 0) {
+      pollfd p{listener_.get(), POLLIN, 0};
+      if (poll(&p, 1, 10) == 1) connection = UniqueFd(accept(listener_.get(), nullptr, nullptr));
+    }
+    if (stop_) return;
+    absl::StatusOr<ReceivedMessage> token = ReceiveMessage(connection.get(), 4096, absl::Seconds(10));
+    ASSERT_TRUE(token.ok()) << token.status();
+    absl::StatusOr<std::vector<UniqueFd>> claimed = node.ClaimArenas(token->bytes, 1);
+    ASSERT_TRUE(claimed.ok()) << claimed.status();
+    ASSERT_TRUE(SendMessage(connection.get(), "OK", Raw(*claimed)).ok());
+    while (!stop_) {
+      absl::StatusOr<ReceivedMessage> request =
+          ReceiveMessage(connection.get(), 4096, absl::Milliseconds(10));
+      if (!request.ok()) continue;  // Nothing yet.
+      if (request->closed) return;
+      ASSERT_EQ(request->bytes, kArenaRefreshRequest);
+      absl::StatusOr<std::pair<uint64_t, std::vector<UniqueFd>>> arenas = node.RefreshArenas(1);
+      ASSERT_TRUE(arenas.ok()) << arenas.status();
+      std::vector<UniqueFd> none;
+      for (size_t i = 0; i < arenas->second.size(); ++i) {
+        none.emplace_back(memfd_create("not-an-arena", 0));
+        ASSERT_EQ(ftruncate(none.back().get(), 4096), 0);
+      }
+      const uint64_t epoch = arenas->first + epoch_offset;
+      ++refreshes_;  // Before the replies: the client goes on once it has them.
+      ASSERT_TRUE(SendMessage(connection.get(), absl::StrCat("OK ", epoch - 1), Raw(none)).ok());
+      ASSERT_TRUE(SendMessage(connection.get(), absl::StrCat("OK ", epoch), Raw(arenas->second)).ok());
+    }
+  }
+  static std::vector<int> Raw(const std::vector<UniqueFd>& fds) {
+    std::vector<int> raw;
+    for (const UniqueFd& fd : fds) raw.push_back(fd.get());
+    return raw;
+  }
+
+  UniqueFd listener_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int> refreshes_{0};
+  std::thread thread_;  // Last: starts after the members it uses.
+};
+
+// A Join whose arena epoch is ahead of the rank's makes it take its arenas again (REFRESH).
+// A reply of an older epoch that comes first (an earlier refresh's, late) is passed over:
+// taken, its fds would replace the rank's arenas with memory that is no arena.
+TEST(ClientTest, ARefreshReplyOfAnOlderArenaEpochIsPassedOver) {
+  test::TempDir dir;
+  const std::string socket = dir.path() + "/ubepd.sock";
+  AlteringUbepd ubepd(socket, [](v1::AttachResponse&) {});
+  ubepd.join_epoch_offset = 1;
+  LateRefreshFdSocket fd_socket(ubepd.node(), socket + ".fds", 1);
+  ClientOptions options;
+  options.socket_path = socket;
+  options.rpc_timeout = absl::Seconds(10);
+  absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(options, 0, 1, 0, Shape());
+  ASSERT_TRUE(rank.ok()) << rank.status();
+  EXPECT_EQ(fd_socket.refreshes(), 1);  // The Join in Attach.
+  const std::vector<float> x(16, 1.0f);
+  const std::vector<int32_t> idx = {0, 1};
+  const std::vector<float> w = {0.5f, 0.5f};
+  ASSERT_TRUE((*rank)->BeginStep(0).ok());
+  Dispatched dispatched;
+  ASSERT_TRUE((*rank)->Dispatch(0, x.data(), idx.data(), w.data(), 1, dispatched).ok());
+  std::vector<float> out(16, 0.0f);
+  ASSERT_TRUE((*rank)->Combine(dispatched, dispatched.rows(), out.data()).ok());
+  EXPECT_EQ(out, x);
   EXPECT_TRUE((*rank)->Detach().ok());
 }
 
