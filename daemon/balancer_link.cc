@@ -168,7 +168,8 @@ std::optional<BalancerLink::Pending> BalancerLink::MakeReport() {
   const size_t end_rank = first_rank + static_cast<size_t>(hosted->second);
   if (loads->slots.front().size() < end_rank * slots_per_rank ||
       loads->dispatches.front().size() < end_rank) {
-    return std::nullopt;  // The group was formed again after the counters were read: read them again.
+    // The group was formed again after the counters were read: read them again.
+    return std::nullopt;
   }
   Pending made;
   v1::ReportLoadRequest& request = made.request;

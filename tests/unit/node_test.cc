@@ -437,6 +437,19 @@ TEST(NodeTest, APlanIsInForceOnceEveryConnectedRankReachedItsEffectiveStep) {
   EXPECT_TRUE(prepared.prepared()) << prepared.reason();
 }
 
+// Adds one dispatch's received pairs per local slot (4 slots) to `rank`'s counters of
+// `layer`, in the arenas `a` maps, laid out by `config`.
+void AddLoad(const Attached& a, int rank, int layer, std::vector<int32_t> per_slot,
+             const kernels::EpConfig& config) {
+  kernels::AddLayerLoad(a.arenas[rank].data() + a.layout.ep, kernels::ArenaLayout(config), 4,
+                        layer, per_slot.data());
+}
+
+// The step word of `rank`'s control block, which its client stores at every BeginStep.
+std::atomic_ref<uint64_t> StepOf(const Attached& a, int rank) {
+  return std::atomic_ref<uint64_t>(kernels::ControlOf(a.arenas[rank].data(), a.layout)->step);
+}
+
 // ubep-balancer's side of the reporting, in process on loopback: asks for reports every
 // 10 ms and keeps the ones it takes. While refusing it answers UNAVAILABLE (the balancer
 // away) and takes nothing; while losing answers it takes each report and answers UNAVAILABLE
@@ -467,7 +480,14 @@ class FakeBalancer final : public v1::Control::Service {
     return grpc::Status::OK;
   }
 
-  std::string address() const { return absl::StrCat("127.0.0.1:", port_); }
+  // A link of node "node-a" reporting here.
+  BalancerLinkOptions LinkOptions() const {
+    BalancerLinkOptions options;
+    options.balancer = absl::StrCat("127.0.0.1:", port_);
+    options.node = "node-a";
+    options.address = "127.0.0.1:1";
+    return options;
+  }
   void Refuse(bool refusing) {
     std::lock_guard<std::mutex> lock(mu_);
     refusing_ = refusing;
@@ -509,25 +529,28 @@ class FakeBalancer final : public v1::Control::Service {
   std::unique_ptr<grpc::Server> server_;
 };
 
+// Ranks 0 and 1 of a one-daemon group, attached; rank 0 has counted 30 pairs in slot 0 of
+// layer 0 and is at step 50. Then a BalancerLink starts reporting to `balancer`.
+struct ReportingGroup {
+  explicit ReportingGroup(FakeBalancer& balancer) {
+    AddLoad(a0, 0, 0, {30, 0, 0, 0}, ConfigOf(2));
+    StepOf(a0, 0).store(50);
+    link = std::make_unique<BalancerLink>(balancer.LinkOptions(), &node);
+  }
+  Node node{Options()};
+  Attached a0 = AttachAndClaim(node, 0, 2, 1);
+  Attached a1 = AttachAndClaim(node, 1, 2, 2);
+  std::unique_ptr<BalancerLink> link;  // Last: stops first.
+};
+
 // A group formed again (new arenas, their counters from zero, their ranks' steps from where
 // the clients resumed) is reported from scratch: all it counted, from step 0, not the
 // difference from the old arenas' counters nor from the old arenas' last step (which would
 // claim the report starts at its last step, or after it).
 TEST(NodeTest, AGroupFormedAgainIsReportedFromItsOwnCountersAndFromStepZero) {
   FakeBalancer balancer;
-  Node node(Options());
-  Attached a0 = AttachAndClaim(node, 0, 2, 1);
-  Attached a1 = AttachAndClaim(node, 1, 2, 2);
-  const kernels::ArenaLayout ep(ConfigOf(2));
-  std::vector<int32_t> slot0 = {30, 0, 0, 0};
-  kernels::AddLayerLoad(a0.arenas[0].data() + a0.layout.ep, ep, 4, 0, slot0.data());
-  std::atomic_ref<uint64_t>(kernels::ControlOf(a0.arenas[0].data(), a0.layout)->step).store(50);
-  BalancerLinkOptions options;
-  options.balancer = balancer.address();
-  options.node = "node-a";
-  options.address = "127.0.0.1:1";
-  options.report_interval = absl::Milliseconds(10);
-  BalancerLink link(options, &node);
+  ReportingGroup group(balancer);
+  Node& node = group.node;
   // Layer 0's slot counts over `reports` (a report may land before the counts or the step
   // it is read with were stored: what matters is what they add up to).
   auto counted = [](const std::vector<v1::LoadReport>& reports) {
@@ -554,10 +577,8 @@ TEST(NodeTest, AGroupFormedAgainIsReportedFromItsOwnCountersAndFromStepZero) {
   Attached b0 = Claim(node, node.Attach(wider), 3);
   kernels::EpConfig config = ConfigOf(2);
   config.hidden = 32;
-  const kernels::ArenaLayout wider_ep(config);
-  std::vector<int32_t> slot1 = {0, 7, 0, 0};
-  kernels::AddLayerLoad(b0.arenas[0].data() + b0.layout.ep, wider_ep, 4, 0, slot1.data());
-  std::atomic_ref<uint64_t>(kernels::ControlOf(b0.arenas[0].data(), b0.layout)->step).store(12);
+  AddLoad(b0, 0, 0, {0, 7, 0, 0}, config);
+  StepOf(b0, 0).store(12);
   balancer.Refuse(false);
   reports = balancer.ReportsUpTo(12);
   ASSERT_FALSE(reports.empty());
@@ -573,27 +594,12 @@ TEST(NodeTest, AGroupFormedAgainIsReportedFromItsOwnCountersAndFromStepZero) {
 TEST(NodeTest, AReportWhoseAnswerIsLostGoesAgainUnderItsSeq) {
   FakeBalancer balancer;
   balancer.LoseAnswers(true);
-  Node node(Options());
-  Attached a0 = AttachAndClaim(node, 0, 2, 1);
-  Attached a1 = AttachAndClaim(node, 1, 2, 2);
-  const kernels::ArenaLayout ep(ConfigOf(2));
-  std::vector<int32_t> slot0 = {30, 0, 0, 0};
-  kernels::AddLayerLoad(a0.arenas[0].data() + a0.layout.ep, ep, 4, 0, slot0.data());
-  auto step = [&] {
-    return std::atomic_ref<uint64_t>(kernels::ControlOf(a0.arenas[0].data(), a0.layout)->step);
-  };
-  step().store(50);
-  BalancerLinkOptions options;
-  options.balancer = balancer.address();
-  options.node = "node-a";
-  options.address = "127.0.0.1:1";
-  BalancerLink link(options, &node);
+  ReportingGroup group(balancer);
   const absl::Time until = absl::Now() + absl::Seconds(20);
   while (balancer.Taken().size() < 3 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
   balancer.LoseAnswers(false);
-  std::vector<int32_t> slot1 = {0, 5, 0, 0};
-  kernels::AddLayerLoad(a0.arenas[0].data() + a0.layout.ep, ep, 4, 0, slot1.data());
-  step().store(60);
+  AddLoad(group.a0, 0, 0, {0, 5, 0, 0}, ConfigOf(2));
+  StepOf(group.a0, 0).store(60);
   ASSERT_FALSE(balancer.ReportsUpTo(60).empty());
 
   const std::vector<v1::ReportLoadRequest> taken = balancer.Taken();
@@ -724,10 +730,8 @@ TEST(NodeTest, TheImbalanceGaugeIsOverTheDaemonsOwnRanks) {
   Node a(Hosting(0));
   auto b = std::make_unique<Node>(Hosting(2));
   const TwoNodes t = AttachTwoNodes(a, *b);
-  const kernels::ArenaLayout ep(ConfigOf(4));
   auto add = [&](int rank, int layer, std::vector<int32_t> per_slot) {
-    kernels::AddLayerLoad(t.x0.arenas[rank].data() + t.x0.layout.ep, ep, 4, layer,
-                          per_slot.data());
+    AddLoad(t.x0, rank, layer, std::move(per_slot), ConfigOf(4));
   };
   auto gauge = [](const DaemonMetrics& metrics, const std::string& layer) -> std::optional<double> {
     for (const prometheus::MetricFamily& f : metrics.Collect()) {
