@@ -243,7 +243,8 @@ class LateRefreshFdSocket {
     while (!stop_) {
       absl::StatusOr<ReceivedMessage> request =
           ReceiveMessage(connection.get(), 4096, absl::Milliseconds(10));
-      if (!request.ok()) continue;  // Nothing yet.
+      if (absl::IsDeadlineExceeded(request.status())) continue;  // Nothing yet.
+      ASSERT_TRUE(request.ok()) << request.status();
       if (request->closed) return;
       ASSERT_EQ(request->bytes, kArenaRefreshRequest);
       absl::StatusOr<std::pair<uint64_t, std::vector<UniqueFd>>> arenas = node.RefreshArenas(1);

@@ -474,7 +474,6 @@ class FakeBalancer final : public v1::Control::Service {
                           v1::ReportLoadResponse*) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (refusing_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "away for the test");
-    accepted_.push_back(request->load());
     taken_.push_back(*request);
     if (losing_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "answer lost for the test");
     return grpc::Status::OK;
@@ -491,7 +490,7 @@ class FakeBalancer final : public v1::Control::Service {
   void Refuse(bool refusing) {
     std::lock_guard<std::mutex> lock(mu_);
     refusing_ = refusing;
-    if (refusing) accepted_.clear();
+    if (refusing) since_refusal_ = taken_.size();
   }
   void LoseAnswers(bool losing) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -508,10 +507,10 @@ class FakeBalancer final : public v1::Control::Service {
     while (absl::Now() < until) {
       {
         std::lock_guard<std::mutex> lock(mu_);
-        for (size_t i = 0; i < accepted_.size(); ++i) {
-          if (accepted_[i].last_step() == last_step) {
-            return {accepted_.begin(), accepted_.begin() + static_cast<std::ptrdiff_t>(i) + 1};
-          }
+        std::vector<v1::LoadReport> reports;
+        for (size_t i = since_refusal_; i < taken_.size(); ++i) {
+          reports.push_back(taken_[i].load());
+          if (reports.back().last_step() == last_step) return reports;
         }
       }
       absl::SleepFor(absl::Milliseconds(5));
@@ -524,8 +523,8 @@ class FakeBalancer final : public v1::Control::Service {
   std::mutex mu_;
   bool refusing_ = false;
   bool losing_ = false;
-  std::vector<v1::LoadReport> accepted_;
   std::vector<v1::ReportLoadRequest> taken_;  // Every report taken, as sent.
+  size_t since_refusal_ = 0;                  // Where the reports taken since then begin.
   std::unique_ptr<grpc::Server> server_;
 };
 
