@@ -7,6 +7,7 @@
 #include <thread>
 #include <utility>
 
+#include "absl/hash/hash.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "balancer/core/metrics.h"
@@ -20,6 +21,14 @@
 
 namespace ubep::balancer {
 namespace {
+
+// What a report says besides its seq and the step its daemon is at, which a report sent again
+// refreshes (daemon/balancer_link.cc): a report sent again under a seq must say the same.
+uint64_t ReportFingerprint(const v1::ReportLoadRequest& request) {
+  std::string load;
+  request.load().SerializeToString(&load);
+  return absl::HashOf(load, request.over_capacity_calls(), request.plan_in_force());
+}
 
 // gRPC takes deadlines as wall-clock times (it converts them to its own monotonic clock at
 // once): the one use of the wall clock here. Every interval the balancer measures or waits
@@ -472,7 +481,16 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
   // tell whether it was taken: its counts are taken once. Only the step it carries, the
   // daemon's now, is new.
   const bool sent_again = request->seq() == d.last_seq;
+  const uint64_t fingerprint = ReportFingerprint(*request);
+  if (sent_again && fingerprint != d.last_fingerprint) {
+    // Taking it would add counts the seq says were taken; dropping it silently would lose them.
+    return Reject("seq_reused", grpc::StatusCode::INVALID_ARGUMENT,
+                  absl::StrCat("report seq ", request->seq(), " of node ", request->node(),
+                               " differs from the report taken under that seq (a report sent "
+                               "again must be the same; a new one takes the next seq)"));
+  }
   d.last_seq = request->seq();
+  d.last_fingerprint = fingerprint;
   // The calls its ranks dropped are counted whatever else the report holds: a report the
   // balancer cannot use (no plan yet, another plan's counts, a bad shape) still tells them.
   if (!sent_again) {

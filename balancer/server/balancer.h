@@ -117,6 +117,7 @@ class Balancer final : public v1::Control::Service {
     std::shared_ptr<v1::DaemonControl::Stub> control;
     std::shared_ptr<grpc::Channel> channel;
     uint64_t last_seq = 0;
+    uint64_t last_fingerprint = 0;  // ReportFingerprint of the report taken under last_seq.
     bool healthy = true;
     int failures = 0;
     bool needs_state = true;

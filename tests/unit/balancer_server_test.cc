@@ -810,25 +810,35 @@ class UnreachedLayerTest : public ::testing::Test {
                 uint64_t layer1 = 0, bool plan_in_force = true) {
     ++seq_;
     for (int n = 0; n < 2; ++n) {
-      v1::ReportLoadRequest q = ReportOf(n == 0 ? "node-a" : "node-b", n, seq_, step_,
-                                         step_ + 10, version_, 0);
-      q.set_plan_in_force(plan_in_force);
-      q.set_over_capacity_calls(over_capacity);
-      for (int l = 0; l < 2; ++l) {
-        v1::LayerLoad* layer = q.mutable_load()->mutable_layers(l);
-        for (int p = 0; p < 8; p += 4) layer->set_slot(p, l == 0 ? rank_load[2 * n + p / 4] : layer1);
-        for (int r = 0; r < 2; ++r) layer->add_dispatches(l == 0 || layer1 > 0 ? 10 : 0);
-      }
+      v1::ReportLoadRequest q = IntervalReport(n, rank_load, over_capacity, layer1, plan_in_force);
       v1::ReportLoadResponse response;
       const grpc::Status status = balancer_->ReportLoad(nullptr, &q, &response);
       ASSERT_TRUE(status.ok()) << status.error_message();
-      if (n == 0 && send_a_twice_) {  // As a daemon whose answer was lost sends it again.
+      if (n == 0 && send_a_twice_) {
+        // As a daemon whose answer was lost sends it again: the same, at the step it is at.
+        q.set_max_step(q.max_step() + 2);
         const grpc::Status again = balancer_->ReportLoad(nullptr, &q, &response);
         ASSERT_TRUE(again.ok()) << again.error_message();
       }
     }
     step_ += 10;
     balancer_->Tick();
+  }
+
+  // Node n's report of the interval from step_ (Interval).
+  v1::ReportLoadRequest IntervalReport(int n, const std::array<uint64_t, 4>& rank_load,
+                                       uint64_t over_capacity, uint64_t layer1,
+                                       bool plan_in_force) const {
+    v1::ReportLoadRequest q =
+        ReportOf(n == 0 ? "node-a" : "node-b", n, seq_, step_, step_ + 10, version_, 0);
+    q.set_plan_in_force(plan_in_force);
+    q.set_over_capacity_calls(over_capacity);
+    for (int l = 0; l < 2; ++l) {
+      v1::LayerLoad* layer = q.mutable_load()->mutable_layers(l);
+      for (int p = 0; p < 8; p += 4) layer->set_slot(p, l == 0 ? rank_load[2 * n + p / 4] : layer1);
+      for (int r = 0; r < 2; ++r) layer->add_dispatches(l == 0 || layer1 > 0 ? 10 : 0);
+    }
+    return q;
   }
 
   // The reports are counted under the plan node-a prepared last, from its effective step.
@@ -839,14 +849,15 @@ class UnreachedLayerTest : public ::testing::Test {
   }
 
   // The value of a sample of ubep_balancer_* in the registry (a histogram's count), if it is
-  // there.
-  std::optional<double> Sample(const std::string& family, const std::string& layer = "") {
+  // there: the family's first, or the one whose label `name` is `value`.
+  std::optional<double> Sample(const std::string& family, const std::string& value = "",
+                               const std::string& name = "layer") {
     for (const prometheus::MetricFamily& f : registry_->Collect()) {
       if (f.name != family) continue;
       for (const prometheus::ClientMetric& m : f.metric) {
-        bool match = layer.empty();
+        bool match = value.empty();
         for (const prometheus::ClientMetric::Label& label : m.label) {
-          match |= label.name == "layer" && label.value == layer;
+          match |= label.name == name && label.value == value;
         }
         if (!match) continue;
         switch (f.type) {
@@ -955,8 +966,8 @@ TEST_F(UnreachedLayerTest, CallsReportedBeforeThePlanIsInForceOnTheirRanksAreNot
 
 // A report sent again under its seq (its daemon got no answer, and cannot tell whether it
 // was taken) is answered OK and taken once: its counts are added once (4 reports taken of
-// 6 sent) and its dropped calls count once (6, not 9). A report under an earlier seq, or
-// under seq 0, is refused.
+// 6 sent) and its dropped calls count once (6, not 9). A report under the last seq that says
+// something else, under an earlier seq, or under seq 0, is refused.
 TEST_F(UnreachedLayerTest, AReportSentAgainUnderItsSeqIsTakenOnce) {
   Start(/*trigger_windows=*/1);
   send_a_twice_ = true;
@@ -965,6 +976,20 @@ TEST_F(UnreachedLayerTest, AReportSentAgainUnderItsSeqIsTakenOnce) {
   EXPECT_EQ(Sample("ubep_balancer_reports_total"), 4);
   EXPECT_EQ(Sample("ubep_balancer_over_capacity_calls_total"), 6);
   v1::ReportLoadResponse response;
+  // node-a's last report (seq 2, of the interval before step_) with one count more: a daemon
+  // that numbered two reports alike.
+  step_ -= 10;
+  v1::ReportLoadRequest reused = IntervalReport(0, {10, 10, 10, 10}, 0, 10, true);
+  step_ += 10;
+  ASSERT_EQ(reused.seq(), 2u);
+  reused.mutable_load()->mutable_layers(1)->set_slot(4, 11);
+  grpc::Status reused_status = balancer_->ReportLoad(nullptr, &reused, &response);
+  EXPECT_EQ(reused_status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(reused_status.error_message(),
+            "report seq 2 of node node-a differs from the report taken under that seq (a report "
+            "sent again must be the same; a new one takes the next seq)");
+  EXPECT_EQ(Sample("ubep_balancer_rejected_reports_total", "seq_reused", "reason"), 1);
+  EXPECT_EQ(Sample("ubep_balancer_reports_total"), 4);
   const v1::ReportLoadRequest earlier = ReportOf("node-a", 0, 1, step_, step_ + 10, version_, 0);
   grpc::Status status = balancer_->ReportLoad(nullptr, &earlier, &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
