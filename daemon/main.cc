@@ -43,6 +43,9 @@ ABSL_FLAG(absl::Duration, drain_timeout, absl::Seconds(10),
 ABSL_FLAG(absl::Duration, harvest_interval, absl::Seconds(1),
           "How often the load counters are read.");
 ABSL_FLAG(int, free_buffers, 2, "Expert weight buffers per layer beyond the slots (migration).");
+ABSL_FLAG(uint64_t, max_plan_lead_steps, 1'000'000,
+          "A plan whose effective step is further ahead of the group's furthest rank is refused "
+          "(a balancer's step estimate gone wrong); 0 = no bound.");
 ABSL_FLAG(uint64_t, max_arena_bytes, uint64_t{16} << 30, "Largest arena per rank, in bytes.");
 ABSL_FLAG(std::string, balancer, "", "HOST:PORT of ubep-balancer; empty = standalone (static plan).");
 ABSL_FLAG(std::string, node, "", "This node's name for the balancer; empty = the hostname.");
@@ -122,6 +125,7 @@ int main(int argc, char** argv) {
   options.node.join_timeout = absl::GetFlag(FLAGS_join_timeout);
   options.node.free_buffers = absl::GetFlag(FLAGS_free_buffers);
   options.node.max_arena_bytes = absl::GetFlag(FLAGS_max_arena_bytes);
+  options.node.max_plan_lead_steps = absl::GetFlag(FLAGS_max_plan_lead_steps);
   options.node.plan_path = absl::GetFlag(FLAGS_plan);
   if (const std::string ranks = absl::GetFlag(FLAGS_ranks); !ranks.empty()) {
     const std::vector<std::string> parts = absl::StrSplit(ranks, '-');

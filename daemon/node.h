@@ -53,6 +53,8 @@ struct NodeOptions {
   absl::Duration join_timeout = absl::Seconds(60);   // Longest Join wait.
   absl::Duration ticket_timeout = absl::Seconds(10); // Attach token unclaimed -> rank free.
   int free_buffers = 2;                       // Weight buffers per layer beyond the slots.
+  // A plan's effective step at most this far ahead of the furthest member rank; 0 = no bound.
+  uint64_t max_plan_lead_steps = 1'000'000;
   uint64_t max_arena_bytes = uint64_t{16} << 30;  // Per rank.
   std::string plan_path;                      // Static plan JSON; empty = round-robin.
   // Hosted ranks: [first_rank, first_rank + num_ranks); num_ranks 0 = every rank of the group.

@@ -376,6 +376,26 @@ TEST(NodeTest, PrepareRefusesAnEffectiveStepARankHasReached) {
   EXPECT_EQ(prepared.reason(), "effective step 12 is not ahead of rank 1's step 12");
 }
 
+// An effective step far ahead of every rank (a balancer's estimate gone wrong) is refused: the
+// plan would be committed but not in force for that long, and every later plan would wait.
+TEST(NodeTest, PrepareRefusesAnEffectiveStepTooFarAhead) {
+  NodeOptions options = Options();
+  options.max_plan_lead_steps = 100;
+  Node node(options);
+  Attached a = AttachAndClaim(node, 0, 2, 1);
+  std::atomic_ref<uint64_t>(kernels::ControlOf(a.arenas[0].data(), a.layout)->step).store(7);
+  std::atomic_ref<uint64_t>(kernels::ControlOf(a.arenas[1].data(), a.layout)->step).store(12);
+  v1::PrepareResponse prepared = node.Prepare(SwappedPlan(), 113);
+  EXPECT_FALSE(prepared.prepared());
+  EXPECT_EQ(prepared.reason(),
+            "effective step 113 is more than 100 steps ahead of rank 1's step 12 "
+            "(--max_plan_lead_steps)");
+  EXPECT_EQ(node.State().pending_version(), 0u);
+  prepared = node.Prepare(SwappedPlan(), 112);  // Exactly the bound.
+  EXPECT_TRUE(prepared.prepared()) << prepared.reason();
+  EXPECT_EQ(node.State().pending_version(), 2u);
+}
+
 // Staging may take seconds, and the steps were checked before it: a rank that began the
 // effective step meanwhile ran it under the plan in force, without the chance to see the new
 // one. The daemon reads the steps again once the plan is in the arenas and withdraws it.
