@@ -166,6 +166,18 @@ __device__ bool LoadGranules(const std::byte* from, uint32_t tag, uint4* v) {
 
 using BlockScanInt = cub::BlockScan<int, kThreads>;
 
+// Records (routing.h) as 8-byte words, a record 8-byte aligned in its arena: a header, then its
+// entries. (A memcpy of them would go byte by byte, not knowing the alignment.)
+static_assert(sizeof(RecordHeader) == 8 && sizeof(RecordEntry) == 8);
+__device__ RecordHeader LoadHeader(const std::byte* record) {
+  const int2 v = *reinterpret_cast<const int2*>(record);
+  return {v.x, v.y};
+}
+__device__ RecordEntry LoadEntry(const std::byte* record, int q) {
+  const int2 v = reinterpret_cast<const int2*>(record)[1 + q];
+  return {v.x, __int_as_float(v.y)};
+}
+
 // Whether this call raises its flag (dispatch or combine) in `peer`'s arena. Plain calls
 // always do; flagged ones only into this rank's own arena (a restarted rank resumes its epochs
 // from its own flags) and, every kTagScrubPeriod calls, everywhere: flags compare by signed
@@ -242,10 +254,11 @@ __device__ void CountDest(const Params& p, int d, int first, int last, int* base
     BlockScanInt(storage).ExclusiveSum(n > 0 ? 1 : 0, position, total);
     const int j = *base + position;
     if (n > 0) {
-      std::byte* record = records + static_cast<size_t>(j) * p.record_bytes;
-      const RecordHeader header{t, n};
-      memcpy(record, &header, sizeof(header));
-      memcpy(record + sizeof(header), entries, sizeof(RecordEntry) * n);
+      auto* record = reinterpret_cast<int2*>(records + static_cast<size_t>(j) * p.record_bytes);
+      record[0] = make_int2(t, n);
+      for (int q = 0; q < n; ++q) {
+        record[1 + q] = make_int2(entries[q].local_slot, __float_as_int(entries[q].weight));
+      }
     }
     if (t < last) p.token_route[t * p.num_ranks + d] = n > 0 ? j : -1;
     __syncthreads();
@@ -680,15 +693,13 @@ __global__ void CountKernel(Params p) {
   for (int chunk = 0; chunk < n; chunk += kThreads) {
     const int j = chunk + threadIdx.x;
     RecordHeader header{0, 0};
-    if (j < n) memcpy(&header, records + static_cast<size_t>(j) * p.record_bytes, sizeof(header));
+    if (j < n) header = LoadHeader(records + static_cast<size_t>(j) * p.record_bytes);
     int position = 0, total = 0;
     Scan(scan_storage).ExclusiveSum(header.num_entries, position, total);
     if (j < n) {
       begin[j] = base + position;
       for (int q = 0; q < header.num_entries; ++q) {
-        RecordEntry entry;
-        memcpy(&entry, records + j * p.record_bytes + sizeof(header) + q * sizeof(entry),
-               sizeof(entry));
+        const RecordEntry entry = LoadEntry(records + static_cast<size_t>(j) * p.record_bytes, q);
         atomicAdd(&counts[entry.local_slot], 1);
       }
     }
@@ -809,11 +820,9 @@ __global__ void PlaceKernel(Params p) {
     float weight = 0.0f;
     if (e < entries) {
       const int j = TokenOfUnit(begin, n, e);  // The record holding entry e.
-      RecordHeader header;
-      RecordEntry entry;
       const std::byte* record = records + static_cast<size_t>(j) * p.record_bytes;
-      memcpy(&header, record, sizeof(header));
-      memcpy(&entry, record + sizeof(header) + (e - begin[j]) * sizeof(entry), sizeof(entry));
+      const RecordHeader header = LoadHeader(record);
+      const RecordEntry entry = LoadEntry(record, e - begin[j]);
       slot = entry.local_slot;
       token = header.token;
       weight = entry.weight;
