@@ -1306,6 +1306,43 @@ grpc::Status Balancer::Undrain(grpc::ServerContext*, const v1::DrainRequest* req
   return SetDrained(request->node(), false, response);
 }
 
+grpc::Status Balancer::Forget(grpc::ServerContext*, const v1::ForgetRequest* request,
+                              v1::ForgetResponse* response) {
+  // Serialized with plan changes and recovery, which look daemons up again after their RPCs.
+  std::lock_guard<std::mutex> serial(commit_mu_);
+  MutexLock lock(&mu_);
+  const std::string& node = request->node();
+  auto it = daemons_.find(node);
+  if (it == daemons_.end()) {
+    return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                        absl::StrCat("node \"", node, "\" is not registered"));
+  }
+  const Daemon& d = it->second;
+  if (d.healthy) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        absl::StrCat("node ", node, " passes its health checks; only a node that "
+                                     "is down can be forgotten (stop its daemon first)"));
+  }
+  std::vector<uint32_t> kept;
+  for (uint32_t r : d.info.ranks()) {
+    if (!plan_.has_value() || !plan_->excluded(static_cast<int>(r))) kept.push_back(r);
+  }
+  if (!kept.empty()) {
+    return grpc::Status(
+        grpc::StatusCode::FAILED_PRECONDITION,
+        absl::StrCat("node ", node, " is down, but plan v", plan_.has_value() ? plan_->version : 0,
+                     " still has its rank", kept.size() > 1 ? "s " : " ", absl::StrJoin(kept, ", "),
+                     "; it can be forgotten once a plan without them is committed"));
+  }
+  *response->mutable_ranks() = d.info.ranks();
+  response->set_plan_version(plan_.has_value() ? plan_->version : 0);
+  UBEP_LOG(INFO) << "node " << node << " is forgotten on request; its ranks stay excluded";
+  drained_.erase(node);
+  daemons_.erase(it);
+  UpdateRegistryGauges();
+  return grpc::Status::OK;
+}
+
 grpc::Status Balancer::GetStatus(grpc::ServerContext*, const v1::GetStatusRequest*,
                                  v1::ClusterStatus* response) {
   MutexLock lock(&mu_);
@@ -1358,6 +1395,17 @@ grpc::Status Balancer::Rebalance(grpc::ServerContext*, const v1::RebalanceReques
   return grpc::Status::OK;
 }
 
+void Balancer::UpdateRegistryGauges() {
+  registered_daemons_->Set(static_cast<double>(daemons_.size()));
+  double ranks = 0, healthy = 0;
+  for (const auto& [name, d] : daemons_) {
+    ranks += d.info.ranks_size();
+    healthy += d.healthy ? 1 : 0;
+  }
+  registered_ranks_->Set(ranks);
+  healthy_daemons_->Set(healthy);
+}
+
 void Balancer::Tick() {
   CheckHealth();
   Recover();
@@ -1365,14 +1413,7 @@ void Balancer::Tick() {
   const char* why = "";
   {
     MutexLock lock(&mu_);
-    registered_daemons_->Set(static_cast<double>(daemons_.size()));
-    double ranks = 0, healthy = 0;
-    for (const auto& [name, d] : daemons_) {
-      ranks += d.info.ranks_size();
-      healthy += d.healthy ? 1 : 0;
-    }
-    registered_ranks_->Set(ranks);
-    healthy_daemons_->Set(healthy);
+    UpdateRegistryGauges();
     CloseInterval();
     if (!shape_.has_value() || !plan_.has_value()) return;
     UpdateMissing();

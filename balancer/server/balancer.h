@@ -101,6 +101,8 @@ class Balancer final : public v1::Control::Service {
                      v1::RebalanceResponse* response) override;
   grpc::Status Undrain(grpc::ServerContext* context, const v1::DrainRequest* request,
                        v1::RebalanceResponse* response) override;
+  grpc::Status Forget(grpc::ServerContext* context, const v1::ForgetRequest* request,
+                      v1::ForgetResponse* response) override;
 
   void RequestRebalance();
   BalancerStatus Status() const;
@@ -154,6 +156,8 @@ class Balancer final : public v1::Control::Service {
   std::shared_ptr<grpc::Channel> LinkRoot(const v1::PrepareRequest& request) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CheckHealth();
+  // ubep_balancer_registered_daemons, _registered_ranks and _healthy_daemons.
+  void UpdateRegistryGauges() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Recover();
   // Gives the cluster's plan to drained daemons behind it (Recover calls it).
   void CatchUp();

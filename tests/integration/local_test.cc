@@ -195,6 +195,11 @@ TEST_F(LocalTest, UbepLocalServedWhilePrometheusScrapesAndUbepctlOperates) {
   out = Ctl({"drain", "node-9"}, &code);
   EXPECT_EQ(code, 1);
   EXPECT_THAT(out, HasSubstr("ubepctl: drain node-9: node \"node-9\" is not registered"));
+  // A node that serves cannot be forgotten (only one down for good, its ranks out of the plan).
+  out = Ctl({"forget", "node-1"}, &code);
+  EXPECT_EQ(code, 1);
+  EXPECT_THAT(out, HasSubstr("ubepctl: forget node-1: node node-1 passes its health checks; only "
+                             "a node that is down can be forgotten (stop its daemon first)"));
   out = Ctl({"undrain", "node-1"}, &code);
   ASSERT_EQ(code, 0) << out;
   s = Status();

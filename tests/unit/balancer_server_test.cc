@@ -705,6 +705,85 @@ TEST(BalancerServerTest, ANodeWhoseRanksOthersTookOverIsForgotten) {
   EXPECT_EQ(names(), (std::vector<std::string>{"node-a", "node-c", "node-d"}));
 }
 
+// A node down for good is forgotten on request (ubepctl forget), once the plan in force
+// excludes its ranks: it is no longer listed nor counted, no plan changes, and a daemon
+// registering under its name later is a new node (drained, as a restarted one).
+TEST(BalancerServerTest, ADownNodeIsForgottenOnRequestOnceThePlanExcludesItsRanks) {
+  auto a = std::make_unique<FakeDaemon>("node-a", FirstPlan());
+  auto b = std::make_unique<FakeDaemon>("node-b", FirstPlan());
+  auto registry = std::make_shared<prometheus::Registry>();
+  Balancer balancer(QuickToMarkDown(), registry);
+  Register(balancer, DaemonRegistration(*a, "node-a", 0, 0, "host"));
+  Register(balancer, DaemonRegistration(*b, "node-b", 2, 0, "host"));
+  balancer.Tick();  // Learns v1.
+  auto forget = [&](const std::string& node, v1::ForgetResponse* response) {
+    v1::ForgetRequest request;
+    request.set_node(node);
+    return balancer.Forget(nullptr, &request, response);
+  };
+  auto gauge = [&](const std::string& name) {
+    for (const prometheus::MetricFamily& f : registry->Collect()) {
+      if (f.name == name) return f.metric.at(0).gauge.value;
+    }
+    return -1.0;
+  };
+  v1::ForgetResponse response;
+  grpc::Status status = forget("node-z", &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(status.error_message(), "node \"node-z\" is not registered");
+  status = forget("node-b", &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(status.error_message(),
+            "node node-b passes its health checks; only a node that is down can be forgotten "
+            "(stop its daemon first)");
+  // node-b goes down; node-a refuses the plan without its ranks, so v1 keeps them.
+  a->Refuse(2);
+  b.reset();
+  TickUntilDown(balancer, "node-b");
+  ASSERT_EQ(a->committed_version(), 1u);
+  status = forget("node-b", &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(status.error_message(),
+            "node node-b is down, but plan v1 still has its ranks 2, 3; it can be forgotten once "
+            "a plan without them is committed");
+  a->Refuse(0);
+  for (int i = 0; i < 50 && a->committed_version() == 1; ++i) {
+    balancer.Tick();
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  const uint64_t version = a->committed_version();
+  ASSERT_GT(version, 1u);
+  EXPECT_EQ(gauge("ubep_balancer_registered_daemons"), 2);
+  EXPECT_EQ(gauge("ubep_balancer_healthy_daemons"), 1);
+  status = forget("node-b", &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(std::vector<uint32_t>(response.ranks().begin(), response.ranks().end()),
+            (std::vector<uint32_t>{2, 3}));
+  EXPECT_EQ(response.plan_version(), version);
+  EXPECT_EQ(gauge("ubep_balancer_registered_daemons"), 1);
+  EXPECT_EQ(gauge("ubep_balancer_healthy_daemons"), 1);
+  EXPECT_EQ(gauge("ubep_balancer_registered_ranks"), 2);
+  const size_t prepares = a->prepares().size();
+  balancer.Tick();
+  EXPECT_EQ(a->prepares().size(), prepares);  // No plan changes.
+  v1::ClusterStatus cluster;
+  ASSERT_TRUE(balancer.GetStatus(nullptr, nullptr, &cluster).ok());
+  ASSERT_EQ(cluster.nodes_size(), 1);
+  EXPECT_EQ(cluster.nodes(0).node(), "node-a");
+  EXPECT_EQ(std::vector<uint32_t>(cluster.excluded_ranks().begin(), cluster.excluded_ranks().end()),
+            (std::vector<uint32_t>{2, 3}));
+  EXPECT_EQ(forget("node-b", &response).error_code(), grpc::StatusCode::NOT_FOUND);
+  // A daemon registering as node-b again: a new node, its ranks out until it is undrained.
+  FakeDaemon back("node-b", FirstPlan());
+  Register(balancer, DaemonRegistration(back, "node-b", 2, 0, "host"));
+  v1::ClusterStatus again;
+  ASSERT_TRUE(balancer.GetStatus(nullptr, nullptr, &again).ok());
+  ASSERT_EQ(again.nodes_size(), 2);
+  EXPECT_EQ(again.nodes(1).node(), "node-b");
+  EXPECT_TRUE(again.nodes(1).drained());
+  EXPECT_EQ(again.excluded_ranks_size(), 2);
+}
+
 // A plan waits for every daemon of the group: one that registered without its group (no
 // client attached yet, or not registered again after a restart of the balancer) would not get
 // it.

@@ -5,6 +5,7 @@
 //   ubepctl plan export --format=eplb|sglang [--out=FILE]
 //   ubepctl rebalance
 //   ubepctl drain NODE | undrain NODE
+//   ubepctl forget NODE      (a node that is down for good, its ranks out of the plan)
 //
 // Tables for people by default, --json for scripts. Exit codes: 0 done, 1 the balancer said
 // no or could not be reached (the message says which), 2 usage.
@@ -41,7 +42,7 @@ namespace {
 constexpr char kUsage[] =
     "usage: ubepctl [--balancer=HOST:PORT] [--json] "
     "status | plan show | plan export --format=eplb|sglang [--out=FILE] | rebalance | "
-    "drain NODE | undrain NODE";
+    "drain NODE | undrain NODE | forget NODE";
 
 using ubep::v1::Control;
 
@@ -281,6 +282,25 @@ int main(int argc, char** argv) {
                                               : stub->Undrain(&context, request, &response);
     if (!s.ok()) return Failed(absl::StrCat(command, " ", words[1]), s);
     return PrintRebalance(absl::StrCat(command, " ", words[1]), response);
+  }
+  if (command == "forget" && words.size() == 2) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::GetFlag(FLAGS_timeout)));
+    ubep::v1::ForgetRequest request;
+    request.set_node(words[1]);
+    ubep::v1::ForgetResponse response;
+    const grpc::Status s = stub->Forget(&context, request, &response);
+    if (!s.ok()) return Failed(absl::StrCat("forget ", words[1]), s);
+    if (absl::GetFlag(FLAGS_json)) {
+      std::cout << ToJson(response) << "\n";
+    } else if (response.ranks().empty()) {
+      std::cout << "forget " << words[1] << ": forgotten (it hosted no rank)\n";
+    } else {
+      std::cout << "forget " << words[1] << ": forgotten; its ranks "
+                << absl::StrJoin(response.ranks(), ", ") << " stay excluded (plan v"
+                << response.plan_version() << ") until a daemon registers for them\n";
+    }
+    return 0;
   }
   return Usage(absl::StrCat("unknown command \"", absl::StrJoin(words, " "), "\""));
 }
