@@ -33,6 +33,10 @@ void BalancerLink::Tick() {
   if (!registered_ || serialized != registered_shape_) registered_ = Register();
   if (!registered_) return;
   MapPeers();
+  // A peer daemon seen to have started anew (MapPeers): the balancer may not have seen it
+  // (it restarted too), and only a plan without its ranks lets this daemon map its new arenas.
+  if (node_->RestartedMembers() != registered_restarted_) registered_ = Register();
+  if (!registered_) return;
   const absl::Time now = absl::Now();
   if (now >= next_report_) {
     next_report_ = now + absl::Milliseconds(interval_ms_.load()) - absl::Milliseconds(50);
@@ -88,6 +92,8 @@ bool BalancerLink::Register() {
   request.set_free_buffers(static_cast<uint32_t>(node_->free_buffers()));
   request.set_arena_socket(options_.arena_socket);
   request.set_incarnation(incarnation_);
+  const std::vector<int> restarted = node_->RestartedMembers();
+  for (int r : restarted) request.add_restarted_ranks(static_cast<uint32_t>(r));
   const std::optional<v1::AttachRequest> shape = node_->GroupShape();
   const std::optional<std::pair<int, int>> hosted = node_->HostedRanks();
   if (shape.has_value() && hosted.has_value()) {
@@ -105,6 +111,7 @@ bool BalancerLink::Register() {
     return false;
   }
   registered_shape_ = shape.has_value() ? shape->SerializeAsString() : "";
+  registered_restarted_ = restarted;
   if (response.report_interval_ms() > 0) {
     // Within [10 ms, 1 h], whatever the balancer says.
     interval_ms_.store(static_cast<int64_t>(

@@ -53,6 +53,7 @@ class BalancerLink {
   std::unique_ptr<v1::Control::Stub> stub_;
   bool registered_ = false;
   std::string registered_shape_;          // Serialized shape at the last registration.
+  std::vector<int> registered_restarted_;  // RestartedMembers told at the last registration.
   // Counters at the last report answered; kept across registrations, so that nothing
   // counted is reported twice or lost.
   Node::SlotLoads last_;

@@ -1458,11 +1458,22 @@ std::vector<int> Node::MissingRanks() const {
   return missing;
 }
 
-std::string Node::StaleMembers(const balancer::Plan& plan) const {
+std::vector<int> Node::StaleMembersOf(const balancer::Plan& plan) const {
   std::vector<int> stale;
   for (int r = 0; r < static_cast<int>(stale_.size()); ++r) {
     if (stale_[r] && !plan.excluded(r)) stale.push_back(r);
   }
+  return stale;
+}
+
+std::vector<int> Node::RestartedMembers() const {
+  MutexLock lock(&mu_);
+  if (!has_group_) return {};
+  return StaleMembersOf(plan_);
+}
+
+std::string Node::StaleMembers(const balancer::Plan& plan) const {
+  const std::vector<int> stale = StaleMembersOf(plan);
   if (stale.empty()) return "";
   return absl::StrCat(stale.size() == 1 ? " " : "s ", absl::StrJoin(stale, ", "));
 }

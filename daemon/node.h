@@ -213,6 +213,10 @@ class Node {
   std::string PeerKey() const;
   absl::StatusOr<std::pair<int, std::vector<UniqueFd>>> ArenasForPeer(const std::string& key) const;
   std::vector<int> MissingRanks() const;
+  // Ranks the committed plan keeps whose daemon started anew: this daemon maps an older
+  // process's arenas for them (stale), and forms no group nor prepares a plan with them until
+  // a committed plan excludes them. The balancer is told (RegisterRequest.restarted_ranks).
+  std::vector<int> RestartedMembers() const;
   // Maps a peer's arenas for its ranks [first_rank, first_rank + fds.size()), made by the
   // daemon process `incarnation`. Arenas of another incarnation already mapped there (the
   // peer restarted) are replaced only while the committed plan excludes those ranks and no
@@ -355,8 +359,9 @@ class Node {
   std::vector<bool> stale_ ABSL_GUARDED_BY(mu_);
   uint64_t arena_epoch_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t arenas_created_ ABSL_GUARDED_BY(mu_) = 0;  // CreateGroup calls that succeeded.
-  // The stale ranks `plan` includes, for error messages (empty: none).
+  // The stale ranks `plan` includes, for error messages (empty: none), and as they are.
   std::string StaleMembers(const balancer::Plan& plan) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::vector<int> StaleMembersOf(const balancer::Plan& plan) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 };
 
 template <typename Fn>

@@ -432,10 +432,38 @@ grpc::Status Balancer::Register(grpc::ServerContext*, const v1::RegisterRequest*
   d.healthy = true;
   d.failures = 0;
   if (!same_process) d.last_seq = 0;
+  if (!why.empty()) d.restart_handled = request->incarnation();
+  KeepOutRestartedPeers(*request);
   UBEP_LOG(INFO) << "registered node " << request->node() << " at " << request->address() << " ("
                  << request->ranks_size() << " ranks)";
   response->set_report_interval_ms(absl::ToInt64Milliseconds(options_.report_interval));
   return grpc::Status::OK;
+}
+
+void Balancer::KeepOutRestartedPeers(const v1::RegisterRequest& request) {
+  if (request.restarted_ranks().empty() || !plan_.has_value()) return;
+  const std::set<uint32_t> restarted(request.restarted_ranks().begin(),
+                                     request.restarted_ranks().end());
+  for (auto& [name, other] : daemons_) {
+    if (name == request.node() || drained_.contains(name) || other.info.incarnation().empty() ||
+        other.restart_handled == other.info.incarnation()) {
+      continue;
+    }
+    std::vector<uint32_t> kept;  // Its ranks the registrant saw restart that the plan keeps.
+    for (uint32_t r : other.info.ranks()) {
+      if (restarted.contains(r) && !plan_->excluded(static_cast<int>(r))) kept.push_back(r);
+    }
+    if (kept.empty()) continue;
+    // This balancer did not see the node restart (it registered as new after a restart of
+    // the balancer): as a restart it did see, its ranks are kept out until it is undrained,
+    // so that its peers may map its new arenas.
+    drained_.insert(name);
+    other.restart_handled = other.info.incarnation();
+    UBEP_LOG(WARNING) << "node " << name << " restarted (node " << request.node()
+                      << " maps an older ubepd process's arenas for its rank"
+                      << (kept.size() > 1 ? "s " : " ") << absl::StrJoin(kept, ", ")
+                      << "): its ranks stay excluded until it is undrained";
+  }
 }
 
 grpc::Status Balancer::GetGroup(grpc::ServerContext*, const v1::GetGroupRequest* request,

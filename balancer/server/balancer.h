@@ -119,6 +119,9 @@ class Balancer final : public v1::Control::Service {
     std::shared_ptr<v1::DaemonControl::Stub> control;
     std::shared_ptr<grpc::Channel> channel;
     uint64_t last_seq = 0;
+    // The process whose ranks were kept out (drained) as a restarted or new one's: a peer's
+    // word that it restarted (RegisterRequest.restarted_ranks) is not taken again for it.
+    std::string restart_handled;
     uint64_t last_fingerprint = 0;  // ReportFingerprint of the report taken under last_seq.
     bool healthy = true;
     int failures = 0;
@@ -155,6 +158,9 @@ class Balancer final : public v1::Control::Service {
   // makes the plan's NCCL link (CreateLink); else null.
   std::shared_ptr<grpc::Channel> LinkRoot(const v1::PrepareRequest& request) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A registrant's restarted_ranks: their node, if this balancer did not see it restart, is
+  // drained as a restarted one.
+  void KeepOutRestartedPeers(const v1::RegisterRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CheckHealth();
   // ubep_balancer_registered_daemons, _registered_ranks and _healthy_daemons.
   void UpdateRegistryGauges() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

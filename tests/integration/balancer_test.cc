@@ -549,6 +549,79 @@ TEST_F(BalancerTest, ARestartedDaemonIsUndrainedAndItsRanksServeExactlyAgain) {
   EXPECT_THAT(a_log.substr(remapped), ::testing::ContainsRegex("group formed: generation [0-9]+, 8 ranks, resuming"));
 }
 
+// node-b's daemon restarts while the balancer is down. The restarted balancer never saw its old
+// process, so node-b registers as a new node serving ranks the plan keeps; node-a, which maps
+// the old process's arenas for them (and so forms no group with them), says so when it
+// registers again. node-b is then kept out as a restarted node: a plan without its ranks is
+// committed, node-a maps its new arenas, and the survivors serve every step exactly.
+TEST_F(BalancerTest, ADaemonRestartTheRestartedBalancerDidNotSeeIsToldByItsPeer) {
+  constexpr int kSteps = 300;
+  constexpr int kForever = 1000000;  // node-b's clients, excluded: until the test stops them.
+  world_ = 8;
+  const std::vector<std::string> flags = {"--auto_rebalance=false", "--health_failures=4"};
+  auto balancer = StartBalancer(flags);
+  auto node_a = StartDaemon({"--ranks=0-3", "--free_buffers=72"}, "node-a");
+  auto node_b = StartDaemon({"--ranks=4-7", "--free_buffers=72"}, "node-b");
+  std::vector<std::unique_ptr<Process>> clients;
+  for (int r = 0; r < world_; ++r) {
+    clients.push_back(r < 4 ? StartClient(r, kSteps, "node-a") : StartClient(r, kForever, "node-b"));
+  }
+  auto logs = [&] {
+    std::string all = ReadFile(path("balancer.log")) + ReadFile(path("node-a.log")) + ReadFile(path("node-b.log"));
+    for (int r = 0; r < world_; ++r) all += ReadFile(ClientLog(r));
+    return all;
+  };
+  ASSERT_TRUE(WaitFor([&] { return test::StepLines(ReadFile(ClientLog(0))).size() >= 30; },
+                      absl::Seconds(60)))
+      << logs();
+  balancer->Signal(SIGKILL);
+  EXPECT_EQ(balancer->Wait(absl::Seconds(10)), 128 + SIGKILL);
+  node_b->Signal(SIGKILL);
+  EXPECT_EQ(node_b->Wait(absl::Seconds(10)), 128 + SIGKILL);
+  // The new node-b is up before the balancer: it registers as soon as the balancer is back.
+  node_b = StartDaemon({"--ranks=4-7", "--free_buffers=72"}, "node-b");
+  balancer = StartBalancer(flags);  // Same port.
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(clients[r]->Wait(absl::Seconds(120)), 0) << logs();
+  for (int r = 4; r < 8; ++r) clients[r]->Signal(SIGKILL);
+  for (int r = 4; r < 8; ++r) clients[r]->Wait(absl::Seconds(10));
+  const std::string balancer_log = ReadFile(path("balancer.log"));
+  EXPECT_THAT(balancer_log, HasSubstr("node node-b restarted (node node-a maps an older ubepd "
+                                      "process's arenas for its ranks 4, 5, 6, 7): its ranks stay "
+                                      "excluded until it is undrained"));
+  EXPECT_THAT(balancer_log, HasSubstr("rebalance (membership changed): plan v2"));
+  const std::string a_log = ReadFile(path("node-a.log"));
+  EXPECT_THAT(a_log, HasSubstr("re-mapped the arenas of ranks 4-7"));
+  // Survivors: every step exact, the last run of a step counting; all agree on its plan.
+  std::map<uint64_t, uint64_t> plan_of_step;
+  for (int r = 0; r < 4; ++r) {
+    const std::string log = ReadFile(ClientLog(r));
+    EXPECT_THAT(log, HasSubstr(absl::StrCat("done steps ", kSteps, " failed 0"))) << log;
+    std::map<uint64_t, uint64_t> last;
+    for (const test::StepLine& line : test::StepLines(log)) {
+      EXPECT_TRUE(line.ok) << "rank " << r << " step " << line.step;
+      last[line.step] = line.plan;
+    }
+    EXPECT_EQ(last.size(), static_cast<size_t>(kSteps)) << "rank " << r;
+    for (const auto& [step, plan] : last) {
+      auto [it, inserted] = plan_of_step.emplace(step, plan);
+      EXPECT_EQ(it->second, plan) << "rank " << r << " disagrees at step " << step;
+    }
+  }
+  ASSERT_FALSE(plan_of_step.empty());
+  EXPECT_EQ(plan_of_step.rbegin()->second, 2u) << logs();
+  auto stub = v1::Control::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", balancer_port_), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  v1::ClusterStatus status;
+  ASSERT_TRUE(stub->GetStatus(&context, v1::GetStatusRequest(), &status).ok());
+  EXPECT_EQ(status.plan_version(), 2u);
+  EXPECT_THAT(status.excluded_ranks(), ::testing::ElementsAre(4, 5, 6, 7));
+  ASSERT_EQ(status.nodes_size(), 2);
+  EXPECT_EQ(status.nodes(1).node(), "node-b");
+  EXPECT_TRUE(status.nodes(1).healthy());
+  EXPECT_TRUE(status.nodes(1).drained());
+}
+
 // ubepd hosting the whole group crashes and restarts; the serving processes outlive it (the
 // data plane does not need it), notice that it exited, stop the group and attach again. The
 // new daemon asks the balancer for the cluster's plan to start under; here the balancer is

@@ -705,6 +705,53 @@ TEST(BalancerServerTest, ANodeWhoseRanksOthersTookOverIsForgotten) {
   EXPECT_EQ(names(), (std::vector<std::string>{"node-a", "node-c", "node-d"}));
 }
 
+// A balancer that restarted did not see node-b restart meanwhile (it registered as new);
+// node-a, which maps the arenas of node-b's old process, says so when it registers. node-b is
+// then kept out as a restarted node (drained: its peers may map its new arenas only while a
+// plan excludes its ranks), once: after an undrain, the same word again changes nothing.
+TEST(BalancerServerTest, ANodeAPeerSawRestartIsKeptOutAsARestartedOne) {
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+  Balancer balancer(NeverMarkedDown(), std::make_shared<prometheus::Registry>());
+  v1::RegisterRequest ra = DaemonRegistration(a, "node-a", 0, 0, "host");
+  ra.set_incarnation("a-1");
+  v1::RegisterRequest rb = DaemonRegistration(b, "node-b", 2, 0, "host");
+  rb.set_incarnation("b-2");
+  Register(balancer, ra);
+  Register(balancer, rb);
+  balancer.Tick();  // Learns v1, which keeps every rank.
+  auto drained = [&] {
+    v1::ClusterStatus cluster;
+    EXPECT_TRUE(balancer.GetStatus(nullptr, nullptr, &cluster).ok());
+    std::vector<std::string> names;
+    for (const v1::NodeStatus& n : cluster.nodes()) {
+      if (n.drained()) names.push_back(n.node());
+    }
+    return names;
+  };
+  // Ranks the plan excludes, or the registrant's own, say nothing of node-b.
+  ra.add_restarted_ranks(0);
+  Register(balancer, ra);
+  EXPECT_TRUE(drained().empty());
+  ra.clear_restarted_ranks();
+  ra.add_restarted_ranks(2);
+  ra.add_restarted_ranks(3);
+  Register(balancer, ra);
+  EXPECT_EQ(drained(), (std::vector<std::string>{"node-b"}));
+  balancer.Tick();  // A plan without node-b's ranks.
+  ASSERT_EQ(a.committed_version(), 2u);
+  const v1::Plan plan = a.prepares().back().plan();
+  EXPECT_EQ(std::vector<uint32_t>(plan.excluded_ranks().begin(), plan.excluded_ranks().end()),
+            (std::vector<uint32_t>{2, 3}));
+  v1::RebalanceResponse response;
+  const grpc::Status undrained = Drain(balancer, "node-b", false, &response);
+  ASSERT_TRUE(undrained.ok()) << undrained.error_message();
+  EXPECT_EQ(response.version(), 3u);
+  Register(balancer, ra);  // The same word, late: node-b's process was kept out already.
+  EXPECT_TRUE(drained().empty());
+  balancer.Tick();
+  EXPECT_EQ(a.committed_version(), 3u);
+}
+
 // A node down for good is forgotten on request (ubepctl forget), once the plan in force
 // excludes its ranks: it is no longer listed nor counted, no plan changes, and a daemon
 // registering under its name later is a new node (drained, as a restarted one).
