@@ -35,8 +35,16 @@ void BalancerLink::Tick() {
   MapPeers();
   // A peer daemon seen to have started anew (MapPeers): the balancer may not have seen it
   // (it restarted too), and only a plan without its ranks lets this daemon map its new arenas.
-  if (node_->RestartedMembers() != registered_restarted_) registered_ = Register();
-  if (!registered_) return;
+  // (Once they are mapped the list is empty again: nothing to tell, and a registration resets
+  // what the balancer collected of this daemon in the interval.)
+  if (std::vector<int> restarted = node_->RestartedMembers(); restarted != registered_restarted_) {
+    if (restarted.empty()) {
+      registered_restarted_.clear();
+    } else {
+      registered_ = Register();
+      if (!registered_) return;
+    }
+  }
   const absl::Time now = absl::Now();
   if (now >= next_report_) {
     next_report_ = now + absl::Milliseconds(interval_ms_.load()) - absl::Milliseconds(50);

@@ -1051,7 +1051,8 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
                                " for the change of members"));
     }
   }
-  int furthest = -1;
+  int furthest = -1;  // The member rank furthest ahead, at furthest_step.
+  uint64_t furthest_step = 0;
   for (int r = 0; r < R; ++r) {
     const uint64_t step = StepOf(r);
     if (plan.excluded(r)) continue;
@@ -1061,14 +1062,17 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
       return fail(absl::StrCat("effective step ", effective_step, " is not ahead of rank ", r,
                                "'s step ", step));
     }
-    if (furthest < 0 || step > StepOf(furthest)) furthest = r;
+    if (furthest < 0 || step > furthest_step) {
+      furthest = r;
+      furthest_step = step;
+    }
   }
   // A step estimated far ahead (a balancer extrapolating a wrong step rate) would leave the
   // plan committed but not in force for that long, and every later plan waiting on it.
   if (const uint64_t lead = options_.max_plan_lead_steps;
-      !membership && lead > 0 && furthest >= 0 && effective_step - StepOf(furthest) > lead) {
+      !membership && lead > 0 && furthest >= 0 && effective_step - furthest_step > lead) {
     return fail(absl::StrCat("effective step ", effective_step, " is more than ", lead,
-                             " steps ahead of rank ", furthest, "'s step ", StepOf(furthest),
+                             " steps ahead of rank ", furthest, "'s step ", furthest_step,
                              " (--max_plan_lead_steps)"));
   }
   // The plan in force must be in force on every hosted rank: its predecessor's buffer, which

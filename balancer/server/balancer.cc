@@ -445,8 +445,8 @@ void Balancer::KeepOutRestartedPeers(const v1::RegisterRequest& request) {
   const std::set<uint32_t> restarted(request.restarted_ranks().begin(),
                                      request.restarted_ranks().end());
   for (auto& [name, other] : daemons_) {
-    if (name == request.node() || drained_.contains(name) || other.info.incarnation().empty() ||
-        other.restart_handled == other.info.incarnation()) {
+    if (name == request.node() || !other.healthy || drained_.contains(name) ||
+        other.info.incarnation().empty() || other.restart_handled == other.info.incarnation()) {
       continue;
     }
     std::vector<uint32_t> kept;  // Its ranks the registrant saw restart that the plan keeps.
@@ -828,7 +828,10 @@ void Balancer::Recover() {
   std::vector<std::pair<std::shared_ptr<v1::DaemonControl::Stub>, std::pair<uint64_t, bool>>> decide;
   {
     MutexLock lock(&mu_);
-    uint64_t committed_max = 0;
+    // The plan this balancer holds was committed (it takes one only once committed), though
+    // the daemons that committed it may be gone (forgotten, replaced) and the others' Commit
+    // lost: it is committed wherever it is pending.
+    uint64_t committed_max = plan_.has_value() ? plan_->version : 0;
     for (const auto& [name, d] : daemons_) committed_max = std::max(committed_max, d.committed);
     const bool grace_over = MonotonicNow() - started_ >= options_.recovery_grace;
     for (auto& [name, d] : daemons_) {
@@ -1444,6 +1447,9 @@ void Balancer::Tick() {
     UpdateRegistryGauges();
     CloseInterval();
     if (!shape_.has_value() || !plan_.has_value()) return;
+    // A word of a restarted peer that came before the plan was learned (or while its node
+    // failed its health checks) is taken now.
+    for (const auto& [name, d] : daemons_) KeepOutRestartedPeers(d.info);
     UpdateMissing();
     if (DesiredExcluded() != plan_->excluded_ranks) {
       // A node failed, came back, or was drained or undrained: plan for the ranks left.

@@ -215,16 +215,29 @@ class FakeDaemon final : public v1::DaemonControl::Service {
   }
   grpc::Status Commit(grpc::ServerContext*, const v1::CommitRequest* request, v1::CommitResponse*) override {
     std::lock_guard<std::mutex> lock(mu_);
+    if (request->version() == lost_commit_) {  // Taken, but its answer is lost: still pending.
+      lost_commit_ = 0;
+      pending_ = request->version();
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the commit's answer was lost");
+    }
+    if (pending_ == request->version()) pending_ = 0;
     for (const v1::PrepareRequest& p : prepares_) {
       if (p.plan().version() == request->version()) committed_ = p.plan();
     }
     return grpc::Status::OK;
   }
-  grpc::Status Abort(grpc::ServerContext*, const v1::AbortRequest*, v1::AbortResponse*) override {
+  grpc::Status Abort(grpc::ServerContext*, const v1::AbortRequest* request, v1::AbortResponse*) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (pending_ == request->version()) {
+      pending_ = 0;
+      aborted_.push_back(request->version());
+    }
     return grpc::Status::OK;
   }
   grpc::Status GetState(grpc::ServerContext*, const v1::GetStateRequest*, v1::DaemonState* state) override {
     std::lock_guard<std::mutex> lock(mu_);
+    if (state_unavailable_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "unreachable for the test");
+    state->set_pending_version(pending_);
     state->set_node(name_);
     state->set_committed_version(committed_.version());
     state->set_plan_in_force(true);
@@ -258,6 +271,19 @@ class FakeDaemon final : public v1::DaemonControl::Service {
     std::lock_guard<std::mutex> lock(mu_);
     refused_ = version;
   }
+  // The Commit of `version` is taken no further and answered UNAVAILABLE (it stays pending).
+  void LoseCommitOf(uint64_t version) {
+    std::lock_guard<std::mutex> lock(mu_);
+    lost_commit_ = version;
+  }
+  void SetStateUnavailable(bool unavailable) {
+    std::lock_guard<std::mutex> lock(mu_);
+    state_unavailable_ = unavailable;
+  }
+  std::vector<uint64_t> aborted() {  // Pending versions aborted.
+    std::lock_guard<std::mutex> lock(mu_);
+    return aborted_;
+  }
 
  private:
   std::string name_;
@@ -265,6 +291,9 @@ class FakeDaemon final : public v1::DaemonControl::Service {
   v1::Plan committed_;
   uint64_t effective_step_;
   uint64_t refused_ = 0;
+  uint64_t lost_commit_ = 0, pending_ = 0;
+  bool state_unavailable_ = false;
+  std::vector<uint64_t> aborted_;
   std::vector<v1::PrepareRequest> prepares_;
   int links_ = 0;
   bool link_fails_;
@@ -705,6 +734,35 @@ TEST(BalancerServerTest, ANodeWhoseRanksOthersTookOverIsForgotten) {
   EXPECT_EQ(names(), (std::vector<std::string>{"node-a", "node-c", "node-d"}));
 }
 
+// Plan v2 (node-b drained) is committed on node-b, but node-a's Commit answer is lost, and
+// node-a cannot be asked its state for a while; meanwhile node-b goes down and is forgotten.
+// v2 is the balancer's plan, committed: recovery commits it on node-a, not aborts it (which
+// would leave node-a under v1 while the cluster is under v2).
+TEST(BalancerServerTest, APlanCommittedOnlyOnAForgottenNodeIsStillCommittedOnTheOthers) {
+  auto a = std::make_unique<FakeDaemon>("node-a", FirstPlan());
+  auto b = std::make_unique<FakeDaemon>("node-b", FirstPlan());
+  BalancerOptions options = QuickToMarkDown();
+  options.recovery_grace = absl::ZeroDuration();
+  std::unique_ptr<Balancer> balancer = WithTwoDaemons(options, *a, *b);  // Learns v1.
+  a->LoseCommitOf(2);
+  a->SetStateUnavailable(true);
+  v1::RebalanceResponse response;
+  (void)Drain(*balancer, "node-b", true, &response);
+  ASSERT_EQ(b->committed_version(), 2u);
+  ASSERT_EQ(a->committed_version(), 1u);
+  b.reset();
+  TickUntilDown(*balancer, "node-b");
+  v1::ForgetRequest forget;
+  forget.set_node("node-b");
+  v1::ForgetResponse forgotten;
+  const grpc::Status status = balancer->Forget(nullptr, &forget, &forgotten);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  a->SetStateUnavailable(false);
+  for (int i = 0; i < 5 && a->committed_version() < 2; ++i) balancer->Tick();
+  EXPECT_EQ(a->committed_version(), 2u);
+  EXPECT_TRUE(a->aborted().empty());
+}
+
 // A balancer that restarted did not see node-b restart meanwhile (it registered as new);
 // node-a, which maps the arenas of node-b's old process, says so when it registers. node-b is
 // then kept out as a restarted node (drained: its peers may map its new arenas only while a
@@ -718,7 +776,6 @@ TEST(BalancerServerTest, ANodeAPeerSawRestartIsKeptOutAsARestartedOne) {
   rb.set_incarnation("b-2");
   Register(balancer, ra);
   Register(balancer, rb);
-  balancer.Tick();  // Learns v1, which keeps every rank.
   auto drained = [&] {
     v1::ClusterStatus cluster;
     EXPECT_TRUE(balancer.GetStatus(nullptr, nullptr, &cluster).ok());
@@ -728,27 +785,44 @@ TEST(BalancerServerTest, ANodeAPeerSawRestartIsKeptOutAsARestartedOne) {
     }
     return names;
   };
-  // Ranks the plan excludes, or the registrant's own, say nothing of node-b.
+  // The registrant's own ranks say nothing of another node.
   ra.add_restarted_ranks(0);
   Register(balancer, ra);
+  balancer.Tick();  // Learns v1, which keeps every rank.
   EXPECT_TRUE(drained().empty());
+  // node-a's word comes before the balancer has learned the plan (as it re-registers at once
+  // after a restart of the balancer): taken at the next tick.
+  Balancer restarted(NeverMarkedDown(), std::make_shared<prometheus::Registry>());
+  Register(restarted, rb);
   ra.clear_restarted_ranks();
   ra.add_restarted_ranks(2);
   ra.add_restarted_ranks(3);
-  Register(balancer, ra);
-  EXPECT_EQ(drained(), (std::vector<std::string>{"node-b"}));
-  balancer.Tick();  // A plan without node-b's ranks.
-  ASSERT_EQ(a.committed_version(), 2u);
+  Register(restarted, ra);
+  auto drained_in_restarted = [&] {
+    v1::ClusterStatus cluster;
+    EXPECT_TRUE(restarted.GetStatus(nullptr, nullptr, &cluster).ok());
+    std::vector<std::string> names;
+    for (const v1::NodeStatus& n : cluster.nodes()) {
+      if (n.drained()) names.push_back(n.node());
+    }
+    return names;
+  };
+  EXPECT_TRUE(drained_in_restarted().empty());  // No plan yet: nothing to keep the ranks out of.
+  for (int i = 0; i < 5 && a.committed_version() < 2; ++i) restarted.Tick();
+  EXPECT_EQ(drained_in_restarted(), (std::vector<std::string>{"node-b"}));
+  ASSERT_EQ(a.committed_version(), 2u);  // A plan without node-b's ranks.
   const v1::Plan plan = a.prepares().back().plan();
   EXPECT_EQ(std::vector<uint32_t>(plan.excluded_ranks().begin(), plan.excluded_ranks().end()),
             (std::vector<uint32_t>{2, 3}));
   v1::RebalanceResponse response;
-  const grpc::Status undrained = Drain(balancer, "node-b", false, &response);
+  const grpc::Status undrained = Drain(restarted, "node-b", false, &response);
   ASSERT_TRUE(undrained.ok()) << undrained.error_message();
   EXPECT_EQ(response.version(), 3u);
-  Register(balancer, ra);  // The same word, late: node-b's process was kept out already.
-  EXPECT_TRUE(drained().empty());
-  balancer.Tick();
+  // The same word, late (and kept with node-a's registration): node-b's process was kept out
+  // already.
+  Register(restarted, ra);
+  restarted.Tick();
+  EXPECT_TRUE(drained_in_restarted().empty());
   EXPECT_EQ(a.committed_version(), 3u);
 }
 
