@@ -94,6 +94,28 @@ class BalancerTest : public ::testing::Test {
 
   std::string ClientLog(int rank) const { return path(absl::StrCat("client-", rank, ".log")); }
 
+  // Ranks [0, survivors) finished `steps` steps, every one exact; where a step ran twice
+  // (stopped mid-step, run again after the group re-formed) the last run counts; all agree on
+  // each step's plan. Returns the plan version of each step.
+  std::map<uint64_t, uint64_t> ExpectSurvivorsExact(int survivors, int steps) {
+    std::map<uint64_t, uint64_t> plan_of_step;
+    for (int r = 0; r < survivors; ++r) {
+      const std::string log = ReadFile(ClientLog(r));
+      EXPECT_THAT(log, HasSubstr(absl::StrCat("done steps ", steps, " failed 0"))) << log;
+      std::map<uint64_t, uint64_t> last;
+      for (const test::StepLine& line : test::StepLines(log)) {
+        EXPECT_TRUE(line.ok) << "rank " << r << " step " << line.step;
+        last[line.step] = line.plan;
+      }
+      EXPECT_EQ(last.size(), static_cast<size_t>(steps)) << "rank " << r;
+      for (const auto& [step, plan] : last) {
+        auto [it, inserted] = plan_of_step.emplace(step, plan);
+        EXPECT_EQ(it->second, plan) << "rank " << r << " disagrees at step " << step;
+      }
+    }
+    return plan_of_step;
+  }
+
   // Every rank finished with every step correct; all ranks used the same plan at every step;
   // versions never went down. Returns the plan version of each step.
   std::map<uint64_t, uint64_t> ExpectConsistentRun(int steps) {
@@ -355,23 +377,7 @@ void LoseNodeB(BalancerTest& t, bool balancer_down) {
     EXPECT_EQ(clients[r]->Wait(absl::Seconds(60)), 3) << ReadFile(t.ClientLog(r));
     EXPECT_THAT(ReadFile(t.ClientLog(r)), HasSubstr("error attach: "));
   }
-  // Survivors: every step exact; where a step ran twice (stopped mid-step, run again after
-  // the group re-formed) the last run counts; all survivors agree on each step's plan.
-  std::map<uint64_t, uint64_t> plan_of_step;
-  for (int r = 0; r < 4; ++r) {
-    const std::string log = ReadFile(t.ClientLog(r));
-    EXPECT_THAT(log, HasSubstr(absl::StrCat("done steps ", kSteps, " failed 0"))) << log;
-    std::map<uint64_t, uint64_t> last;
-    for (const test::StepLine& line : test::StepLines(log)) {
-      EXPECT_TRUE(line.ok) << "rank " << r << " step " << line.step;
-      last[line.step] = line.plan;
-    }
-    EXPECT_EQ(last.size(), static_cast<size_t>(kSteps)) << "rank " << r;
-    for (const auto& [step, plan] : last) {
-      auto [it, inserted] = plan_of_step.emplace(step, plan);
-      EXPECT_EQ(it->second, plan) << "rank " << r << " disagrees at step " << step;
-    }
-  }
+  const std::map<uint64_t, uint64_t> plan_of_step = t.ExpectSurvivorsExact(4, kSteps);
   const std::string balancer_log = ReadFile(t.path("balancer.log"));
   ASSERT_FALSE(plan_of_step.empty());
   EXPECT_EQ(plan_of_step.begin()->second, 1u);
@@ -591,22 +597,7 @@ TEST_F(BalancerTest, ADaemonRestartTheRestartedBalancerDidNotSeeIsToldByItsPeer)
   EXPECT_THAT(balancer_log, HasSubstr("rebalance (membership changed): plan v2"));
   const std::string a_log = ReadFile(path("node-a.log"));
   EXPECT_THAT(a_log, HasSubstr("re-mapped the arenas of ranks 4-7"));
-  // Survivors: every step exact, the last run of a step counting; all agree on its plan.
-  std::map<uint64_t, uint64_t> plan_of_step;
-  for (int r = 0; r < 4; ++r) {
-    const std::string log = ReadFile(ClientLog(r));
-    EXPECT_THAT(log, HasSubstr(absl::StrCat("done steps ", kSteps, " failed 0"))) << log;
-    std::map<uint64_t, uint64_t> last;
-    for (const test::StepLine& line : test::StepLines(log)) {
-      EXPECT_TRUE(line.ok) << "rank " << r << " step " << line.step;
-      last[line.step] = line.plan;
-    }
-    EXPECT_EQ(last.size(), static_cast<size_t>(kSteps)) << "rank " << r;
-    for (const auto& [step, plan] : last) {
-      auto [it, inserted] = plan_of_step.emplace(step, plan);
-      EXPECT_EQ(it->second, plan) << "rank " << r << " disagrees at step " << step;
-    }
-  }
+  const std::map<uint64_t, uint64_t> plan_of_step = ExpectSurvivorsExact(4, kSteps);
   ASSERT_FALSE(plan_of_step.empty());
   EXPECT_EQ(plan_of_step.rbegin()->second, 2u) << logs();
   auto stub = v1::Control::NewStub(grpc::CreateChannel(

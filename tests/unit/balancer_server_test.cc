@@ -734,6 +734,17 @@ TEST(BalancerServerTest, ANodeWhoseRanksOthersTookOverIsForgotten) {
   EXPECT_EQ(names(), (std::vector<std::string>{"node-a", "node-c", "node-d"}));
 }
 
+// The nodes `balancer` lists as drained (GetStatus).
+std::vector<std::string> DrainedNodes(Balancer& balancer) {
+  v1::ClusterStatus cluster;
+  EXPECT_TRUE(balancer.GetStatus(nullptr, nullptr, &cluster).ok());
+  std::vector<std::string> names;
+  for (const v1::NodeStatus& n : cluster.nodes()) {
+    if (n.drained()) names.push_back(n.node());
+  }
+  return names;
+}
+
 // Plan v2 (node-b drained) is committed on node-b, but node-a's Commit answer is lost, and
 // node-a cannot be asked its state for a while; meanwhile node-b goes down and is forgotten.
 // v2 is the balancer's plan, committed: recovery commits it on node-a, not aborts it (which
@@ -776,20 +787,11 @@ TEST(BalancerServerTest, ANodeAPeerSawRestartIsKeptOutAsARestartedOne) {
   rb.set_incarnation("b-2");
   Register(balancer, ra);
   Register(balancer, rb);
-  auto drained = [&] {
-    v1::ClusterStatus cluster;
-    EXPECT_TRUE(balancer.GetStatus(nullptr, nullptr, &cluster).ok());
-    std::vector<std::string> names;
-    for (const v1::NodeStatus& n : cluster.nodes()) {
-      if (n.drained()) names.push_back(n.node());
-    }
-    return names;
-  };
   // The registrant's own ranks say nothing of another node.
   ra.add_restarted_ranks(0);
   Register(balancer, ra);
   balancer.Tick();  // Learns v1, which keeps every rank.
-  EXPECT_TRUE(drained().empty());
+  EXPECT_TRUE(DrainedNodes(balancer).empty());
   // node-a's word comes before the balancer has learned the plan (as it re-registers at once
   // after a restart of the balancer): taken at the next tick.
   Balancer restarted(NeverMarkedDown(), std::make_shared<prometheus::Registry>());
@@ -798,18 +800,9 @@ TEST(BalancerServerTest, ANodeAPeerSawRestartIsKeptOutAsARestartedOne) {
   ra.add_restarted_ranks(2);
   ra.add_restarted_ranks(3);
   Register(restarted, ra);
-  auto drained_in_restarted = [&] {
-    v1::ClusterStatus cluster;
-    EXPECT_TRUE(restarted.GetStatus(nullptr, nullptr, &cluster).ok());
-    std::vector<std::string> names;
-    for (const v1::NodeStatus& n : cluster.nodes()) {
-      if (n.drained()) names.push_back(n.node());
-    }
-    return names;
-  };
-  EXPECT_TRUE(drained_in_restarted().empty());  // No plan yet: nothing to keep the ranks out of.
+  EXPECT_TRUE(DrainedNodes(restarted).empty());  // No plan yet: nothing to keep the ranks out of.
   for (int i = 0; i < 5 && a.committed_version() < 2; ++i) restarted.Tick();
-  EXPECT_EQ(drained_in_restarted(), (std::vector<std::string>{"node-b"}));
+  EXPECT_EQ(DrainedNodes(restarted), (std::vector<std::string>{"node-b"}));
   ASSERT_EQ(a.committed_version(), 2u);  // A plan without node-b's ranks.
   const v1::Plan plan = a.prepares().back().plan();
   EXPECT_EQ(std::vector<uint32_t>(plan.excluded_ranks().begin(), plan.excluded_ranks().end()),
@@ -822,7 +815,7 @@ TEST(BalancerServerTest, ANodeAPeerSawRestartIsKeptOutAsARestartedOne) {
   // already.
   Register(restarted, ra);
   restarted.Tick();
-  EXPECT_TRUE(drained_in_restarted().empty());
+  EXPECT_TRUE(DrainedNodes(restarted).empty());
   EXPECT_EQ(a.committed_version(), 3u);
 }
 
