@@ -1354,15 +1354,20 @@ grpc::Status Balancer::Forget(grpc::ServerContext*, const v1::ForgetRequest* req
                         absl::StrCat("node ", node, " passes its health checks; only a node that "
                                      "is down can be forgotten (stop its daemon first)"));
   }
+  if (!plan_.has_value() && !d.info.ranks().empty()) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        absl::StrCat("node ", node, " is down, but the balancer has not learned "
+                                     "the cluster's plan yet; try again once it has"));
+  }
   std::vector<uint32_t> kept;
   for (uint32_t r : d.info.ranks()) {
-    if (!plan_.has_value() || !plan_->excluded(static_cast<int>(r))) kept.push_back(r);
+    if (!plan_->excluded(static_cast<int>(r))) kept.push_back(r);
   }
   if (!kept.empty()) {
     return grpc::Status(
         grpc::StatusCode::FAILED_PRECONDITION,
-        absl::StrCat("node ", node, " is down, but plan v", plan_.has_value() ? plan_->version : 0,
-                     " still has its rank", kept.size() > 1 ? "s " : " ", absl::StrJoin(kept, ", "),
+        absl::StrCat("node ", node, " is down, but plan v", plan_->version, " still has its rank",
+                     kept.size() > 1 ? "s " : " ", absl::StrJoin(kept, ", "),
                      "; it can be forgotten once a plan without them is committed"));
   }
   *response->mutable_ranks() = d.info.ranks();

@@ -745,6 +745,26 @@ std::vector<std::string> DrainedNodes(Balancer& balancer) {
   return names;
 }
 
+// Before the balancer has learned the cluster's plan it cannot tell whether a down node's
+// ranks are out of it: the node is not forgotten.
+TEST(BalancerServerTest, ANodeIsNotForgottenBeforeThePlanIsLearned) {
+  auto a = std::make_unique<FakeDaemon>("node-a", FirstPlan());
+  auto b = std::make_unique<FakeDaemon>("node-b", FirstPlan());
+  a->SetStateUnavailable(true);
+  std::unique_ptr<Balancer> balancer = WithTwoDaemons(QuickToMarkDown(), *a, *b, /*tick=*/false);
+  b.reset();
+  TickUntilDown(*balancer, "node-b");
+  ASSERT_FALSE(balancer->CurrentPlan().has_value());
+  v1::ForgetRequest request;
+  request.set_node("node-b");
+  v1::ForgetResponse response;
+  const grpc::Status status = balancer->Forget(nullptr, &request, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(status.error_message(),
+            "node node-b is down, but the balancer has not learned the cluster's plan yet; try "
+            "again once it has");
+}
+
 // Plan v2 (node-b drained) is committed on node-b, but node-a's Commit answer is lost, and
 // node-a cannot be asked its state for a while; meanwhile node-b goes down and is forgotten.
 // v2 is the balancer's plan, committed: recovery commits it on node-a, not aborts it (which
