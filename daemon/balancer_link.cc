@@ -192,6 +192,7 @@ std::optional<BalancerLink::Pending> BalancerLink::MakeReport() {
   request.set_seq(++seq_);
   request.set_max_step(step);
   request.set_plan_in_force(plan.in_force);
+  if (plan.effective_step.has_value()) request.set_plan_effective_step(*plan.effective_step);
   request.set_over_capacity_calls(loads->over_capacity_calls - last_.over_capacity_calls);
   v1::LoadReport* load = request.mutable_load();
   load->set_reporter(options_.node);

@@ -779,8 +779,10 @@ std::optional<int> Node::RankBeforePlanLocked() const {
 
 Node::PlanIdentity Node::CommittedPlanIdentity() const {
   MutexLock lock(&mu_);
-  return {plan_.version, plan_.num_experts, plan_.layer_ids,
-          has_group_ && !RankBeforePlanLocked().has_value()};
+  PlanIdentity identity{plan_.version, plan_.num_experts, plan_.layer_ids,
+                        has_group_ && !RankBeforePlanLocked().has_value(), std::nullopt};
+  if (PlanBufferOf(plan_.version) >= 0) identity.effective_step = EffectiveStepOf(plan_.version);
+  return identity;
 }
 
 uint64_t Node::MaxStep() const {

@@ -199,6 +199,10 @@ class Node {
     // Every hosted member rank has reached the plan's effective step (the balancer prepares
     // the next plan only then; Prepare refuses it before).
     bool in_force = false;
+    // The step from which the ranks follow it: its effective step, or the step the group
+    // resumed at where it formed again at an earlier one (RetargetPlan); nullopt while no
+    // arena of this daemon holds the plan.
+    std::optional<uint64_t> effective_step;
   };
   PlanIdentity CommittedPlanIdentity() const;
   // Highest step any rank has begun; the group's shape (nullopt without a group).

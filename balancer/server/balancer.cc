@@ -526,7 +526,9 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
   }
   d.prev_step = d.max_step;
   d.prev_step_time = d.step_time;
-  d.max_step = std::max(d.max_step, request->max_step());
+  // Its ranks' steps now: lower than before where its group formed again at an earlier step
+  // (clients attached anew count from the resume step), and plans are placed after them.
+  d.max_step = request->max_step();
   if (request->plan_in_force()) d.in_force = std::max(d.in_force, request->load().plan_version());
   d.step_time = MonotonicNow();
   d.last_report = d.step_time;
@@ -536,6 +538,16 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
                   "the balancer has not learned the cluster's plan yet");
   }
   const v1::LoadReport& load = request->load();
+  // A group that formed again at a step before the plan's effective step (its clients
+  // attached anew) follows the plan from the step it resumed at (the daemons moved the plan's
+  // start there): its reports from then on hold that plan's counts.
+  if (request->has_plan_effective_step() && load.plan_version() == plan_->version &&
+      request->plan_effective_step() < plan_effective_step_) {
+    UBEP_LOG(INFO) << "plan v" << plan_->version << " is in force from step "
+                   << request->plan_effective_step() << ", not " << plan_effective_step_
+                   << ": node " << request->node() << "'s group resumed there";
+    plan_effective_step_ = request->plan_effective_step();
+  }
   for (int i = 0; i < load.layers_size(); ++i) {
     // Counts are deltas of monotonic counters: one past int64's range wrapped below zero.
     auto counts = [&](const char* field, const auto& values) -> std::optional<grpc::Status> {

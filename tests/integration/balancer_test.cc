@@ -23,6 +23,7 @@
 namespace ubep {
 namespace {
 
+using ::testing::ContainsRegex;
 using ::testing::HasSubstr;
 using test::Process;
 using test::ReadFile;
@@ -182,6 +183,53 @@ TEST_F(BalancerTest, RebalancingLowersTheMeasuredImbalanceAndEveryStepStaysExact
   EXPECT_EQ(test::Sample(m, "ubep_balancer_plans_aborted_total"), 0) << ReadFile(path("balancer.log"));
   EXPECT_GT(test::Sample(m, "ubep_balancer_migrated_slots_total"), 0);
   EXPECT_GT(test::Sample(m, "ubep_balancer_migrated_bytes_total"), 0);
+}
+
+// A serving job started again (new clients of the same daemon) counts its steps from 0, before
+// the effective step of the plan the job before ran last: the group resumes at step 0, the
+// daemon follows that plan from there, and the balancer goes on taking its reports (their
+// counts are that plan's) instead of refusing them as counted before the plan.
+TEST_F(BalancerTest, AServingJobStartedAgainFromStep0IsStillReported) {
+  constexpr int kSteps = 400;
+  auto balancer = StartBalancer();
+  auto daemon = StartDaemon({"--free_buffers=16"});
+  std::vector<std::unique_ptr<Process>> clients;
+  for (int r = 0; r < world_; ++r) clients.push_back(StartClient(r, kSteps));
+  for (auto& c : clients) EXPECT_EQ(c->Wait(absl::Seconds(120)), 0);
+  const std::map<uint64_t, uint64_t> plans = ExpectConsistentRun(kSteps);
+  ASSERT_FALSE(plans.empty());
+  const uint64_t last = plans.rbegin()->second;
+  ASSERT_GE(last, 2u) << ReadFile(path("balancer.log"));
+  uint64_t effective = 0;  // The first step the job ran under its last plan.
+  while (plans.at(effective) != last) ++effective;
+  // Room for a job of 100 steps or more, every one of them before that step.
+  ASSERT_GE(effective, 101u) << ReadFile(path("balancer.log"));
+  const int second_steps = static_cast<int>(effective) - 1;
+  const double taken_before =
+      test::Sample(test::HttpGet(balancer_metrics_, "/metrics"), "ubep_balancer_reports_total");
+  clients.clear();
+  for (int r = 0; r < world_; ++r) {
+    clients.push_back(StartClient(r, second_steps, "node-a", 72, 32, 200,
+                                  {"--log=" + path(absl::StrCat("second-", r, ".log"))}));
+  }
+  for (int r = 0; r < world_; ++r) {
+    EXPECT_EQ(clients[r]->Wait(absl::Seconds(120)), 0);
+    const std::string log = ReadFile(path(absl::StrCat("second-", r, ".log")));
+    EXPECT_THAT(log, HasSubstr(absl::StrCat("done steps ", second_steps, " failed 0"))) << log;
+    const std::vector<test::StepLine> lines = test::StepLines(log);
+    ASSERT_FALSE(lines.empty());
+    EXPECT_EQ(lines.front().step, 0u) << "rank " << r;
+  }
+  // Two report intervals more: the last steps are reported.
+  absl::SleepFor(absl::Milliseconds(700));
+  const std::string balancer_log = ReadFile(path("balancer.log"));
+  // (Its plan may be a later one than the job's last: made once that job had ended.)
+  EXPECT_THAT(balancer_log, ContainsRegex("plan v[0-9]+ is in force from step 0, not [0-9]+: "
+                                          "node node-a's group resumed there"));
+  const double taken =
+      test::Sample(test::HttpGet(balancer_metrics_, "/metrics"), "ubep_balancer_reports_total") -
+      taken_before;
+  EXPECT_GE(taken, 2) << balancer_log;
 }
 
 // Two daemons acting as two nodes (ranks 0-3 and 4-7) form one EP group of 8 ranks: each

@@ -669,6 +669,44 @@ TEST(BalancerServerTest, TheStepOfAPlanIsEstimatedFromLiveDaemonsOnly) {
   EXPECT_EQ(a->committed_version(), 2u);
 }
 
+// New clients attached to both daemons and the group formed again at step 0, before v1's
+// effective step (500): the daemons follow v1 from step 0 (RetargetPlan) and say so in their
+// reports, whose counts are v1's and are taken; the steps the ranks are at drop with them, and
+// the next plan is in force a margin after those, not after the steps of the clients before.
+TEST(BalancerServerTest, AGroupThatResumedBeforeThePlansEffectiveStepIsFollowedThere) {
+  FakeDaemon a("node-a", FirstPlan(), false, /*effective_step=*/500);
+  FakeDaemon b("node-b", FirstPlan(), false, /*effective_step=*/500);
+  std::unique_ptr<Balancer> learned = WithTwoDaemons(NeverMarkedDown(), a, b);
+  Balancer& balancer = *learned;
+  for (int n = 0; n < 2; ++n) {
+    const grpc::Status before = ReportSteps(balancer, n == 0 ? "node-a" : "node-b", n, 1, 600, 1, 500);
+    ASSERT_TRUE(before.ok()) << before.error_message();
+  }
+  // A report of steps before 500 that does not say the plan's start moved is stale ...
+  const grpc::Status unsaid = ReportSteps(balancer, "node-a", 0, 2, 40, 1, 0);
+  EXPECT_EQ(unsaid.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(unsaid.error_message(),
+            "report counted under plan v1 (steps 0-40); plan v1 is in force from step 500");
+  // ... one that says so is taken, and so is the other daemon's after it.
+  for (int n = 0; n < 2; ++n) {
+    v1::ReportLoadRequest q = ReportOf(n == 0 ? "node-a" : "node-b", n, 3, 0, 40, 1, 1);
+    q.set_plan_effective_step(0);
+    v1::ReportLoadResponse response;
+    const grpc::Status resumed = balancer.ReportLoad(nullptr, &q, &response);
+    EXPECT_TRUE(resumed.ok()) << "node " << n << ": " << resumed.error_message();
+  }
+  v1::ClusterStatus cluster;
+  ASSERT_TRUE(balancer.GetStatus(nullptr, nullptr, &cluster).ok());
+  ASSERT_EQ(cluster.nodes_size(), 2);
+  EXPECT_EQ(cluster.nodes(0).max_step(), 40u);
+  EXPECT_EQ(cluster.nodes(1).max_step(), 40u);
+  v1::RebalanceResponse response;
+  const grpc::Status drained = Drain(balancer, "node-b", true, &response);
+  ASSERT_TRUE(drained.ok()) << drained.error_message();
+  ASSERT_FALSE(a.prepares().empty());
+  EXPECT_EQ(a.prepares().back().effective_step(), 50u);  // 40 + min_margin_steps.
+}
+
 // node-b goes down and node-c takes its ranks over: node-b's entry goes, node-c's ranks stay
 // excluded until it is undrained (new arenas, as a restarted daemon's), and then come back.
 TEST(BalancerServerTest, ANodeTakingOverADownNodesRanksReplacesIt) {

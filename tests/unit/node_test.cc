@@ -396,6 +396,38 @@ TEST(NodeTest, PrepareRefusesAnEffectiveStepTooFarAhead) {
   EXPECT_EQ(node.State().pending_version(), 2u);
 }
 
+// Clients that attach anew resume at the least step they give, which may be before the
+// committed plan's effective step: the plan is followed from there (its start moves down in
+// every arena), and the daemon says so where it reports the plan (BalancerLink's reports).
+TEST(NodeTest, AGroupThatResumesBeforeThePlansEffectiveStepFollowsItFromThere) {
+  Node node(Options());
+  Attached a0 = AttachAndClaim(node, 0, 2, 1);
+  Attached a1 = AttachAndClaim(node, 1, 2, 2);
+  ExpectSwappedPlanGoesThroughAtStep20(node, a0);
+  EXPECT_EQ(node.CommittedPlanIdentity().effective_step, std::optional<uint64_t>(20));
+  absl::StatusOr<v1::JoinResponse> j0;
+  std::thread t([&] {
+    v1::JoinRequest q = JoinOf(0, a0.token);
+    q.set_next_step(3);
+    j0 = node.Join(q, absl::Now() + absl::Seconds(30));
+  });
+  v1::JoinRequest q1 = JoinOf(1, a1.token);
+  q1.set_next_step(9);
+  absl::StatusOr<v1::JoinResponse> j1 = node.Join(q1, absl::Now() + absl::Seconds(30));
+  t.join();
+  ASSERT_TRUE(j0.ok()) << j0.status();
+  ASSERT_TRUE(j1.ok()) << j1.status();
+  EXPECT_EQ(j1->resume_step(), 3u);
+  const Node::PlanIdentity plan = node.CommittedPlanIdentity();
+  EXPECT_EQ(plan.version, 2u);
+  EXPECT_EQ(plan.effective_step, std::optional<uint64_t>(3));
+  for (int r = 0; r < 2; ++r) {
+    uint64_t version = 0;
+    ASSERT_NE(kernels::SelectPlan(a0.arenas[r].data() + a0.layout.plan, 3, &version), nullptr);
+    EXPECT_EQ(version, 2u) << "rank " << r;
+  }
+}
+
 // Staging may take seconds, and the steps were checked before it: a rank that began the
 // effective step meanwhile ran it under the plan in force, without the chance to see the new
 // one. The daemon reads the steps again once the plan is in the arenas and withdraws it.
