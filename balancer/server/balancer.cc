@@ -457,12 +457,25 @@ void Balancer::KeepOutRestartedPeers(const v1::RegisterRequest& request) {
     // This balancer did not see the node restart (it registered as new after a restart of
     // the balancer): as a restart it did see, its ranks are kept out until it is undrained,
     // so that its peers may map its new arenas.
+    const std::string why = absl::StrCat(
+        "node ", name, " restarted (node ", request.node(),
+        " maps an older ubepd process's arenas for its rank", kept.size() > 1 ? "s " : " ",
+        absl::StrJoin(kept, ", "), ")");
     drained_.insert(name);
+    if (shape_.has_value() && static_cast<int>(DesiredExcluded().size()) >= shape_->world) {
+      // Refused where it would leave no rank serving, as an operator's drain is (the
+      // registrant's own ranks are drained too, say); taken again at each tick, so it holds
+      // once another node serves.
+      drained_.erase(name);
+      if (other.restart_left_in != other.info.incarnation()) {
+        other.restart_left_in = other.info.incarnation();
+        UBEP_LOG(WARNING) << why << ", but keeping its ranks out would leave no rank serving: "
+                          << "they stay in for now";
+      }
+      continue;
+    }
     other.restart_handled = other.info.incarnation();
-    UBEP_LOG(WARNING) << "node " << name << " restarted (node " << request.node()
-                      << " maps an older ubepd process's arenas for its rank"
-                      << (kept.size() > 1 ? "s " : " ") << absl::StrJoin(kept, ", ")
-                      << "): its ranks stay excluded until it is undrained";
+    UBEP_LOG(WARNING) << why << ": its ranks stay excluded until it is undrained";
   }
 }
 

@@ -122,6 +122,9 @@ class Balancer final : public v1::Control::Service {
     // The process whose ranks were kept out (drained) as a restarted or new one's: a peer's
     // word that it restarted (RegisterRequest.restarted_ranks) is not taken again for it.
     std::string restart_handled;
+    // The process such a word could not keep out (no rank would have been left serving), said
+    // once.
+    std::string restart_left_in;
     uint64_t last_fingerprint = 0;  // ReportFingerprint of the report taken under last_seq.
     bool healthy = true;
     int failures = 0;

@@ -877,6 +877,41 @@ TEST(BalancerServerTest, ANodeAPeerSawRestartIsKeptOutAsARestartedOne) {
   EXPECT_EQ(a.committed_version(), 3u);
 }
 
+// A peer's word that a node restarted does not keep that node out where no rank would be left
+// serving (here the peer itself is drained): the node's ranks stay in, said once, and are kept
+// out once the peer serves again.
+TEST(BalancerServerTest, APeersWordThatWouldLeaveNoRankServingKeepsNoNodeOut) {
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+  Balancer balancer(NeverMarkedDown(), std::make_shared<prometheus::Registry>());
+  v1::RegisterRequest ra = DaemonRegistration(a, "node-a", 0, 0, "host");
+  ra.set_incarnation("a-1");
+  v1::RegisterRequest rb = DaemonRegistration(b, "node-b", 2, 0, "host");
+  rb.set_incarnation("b-2");
+  Register(balancer, ra);
+  Register(balancer, rb);
+  balancer.Tick();  // Learns v1.
+  v1::RebalanceResponse response;
+  const grpc::Status drained = Drain(balancer, "node-a", true, &response);
+  ASSERT_TRUE(drained.ok()) << drained.error_message();
+  ASSERT_EQ(b.committed_version(), 2u);  // Without node-a's ranks.
+  ra.add_restarted_ranks(2);
+  ra.add_restarted_ranks(3);
+  Register(balancer, ra);
+  balancer.Tick();
+  balancer.Tick();
+  EXPECT_EQ(DrainedNodes(balancer), (std::vector<std::string>{"node-a"}));
+  EXPECT_EQ(b.committed_version(), 2u);
+  EXPECT_EQ(b.prepares().size(), 1u);
+  // node-a serves again: the plan taking its ranks back keeps node-b's out, as restarted.
+  const grpc::Status undrained = Drain(balancer, "node-a", false, &response);
+  ASSERT_TRUE(undrained.ok()) << undrained.error_message();
+  for (int i = 0; i < 3; ++i) balancer.Tick();
+  EXPECT_EQ(DrainedNodes(balancer), (std::vector<std::string>{"node-b"}));
+  const v1::Plan plan = a.prepares().back().plan();
+  EXPECT_EQ(std::vector<uint32_t>(plan.excluded_ranks().begin(), plan.excluded_ranks().end()),
+            (std::vector<uint32_t>{2, 3}));
+}
+
 // A node down for good is forgotten on request (ubepctl forget), once the plan in force
 // excludes its ranks: it is no longer listed nor counted, no plan changes, and a daemon
 // registering under its name later is a new node (drained, as a restarted one).
