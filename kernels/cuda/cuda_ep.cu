@@ -178,6 +178,15 @@ __device__ RecordEntry LoadEntry(const std::byte* record, int q) {
   return {v.x, __int_as_float(v.y)};
 }
 
+// A wait before timed out or saw an abort, or a block of SendKernel stalled (its rows' flags
+// stay down: the call fails, and waiting for this rank's own flags would only run out the
+// timeout first). Bad input is only flagged: the rank still takes part (its bad pairs were
+// left out of the records), so its receive side still lays out what the peers sent and its
+// combine can answer them.
+__device__ inline bool Stopped(const Params& p) {
+  return p.status[kStatusWaitEnded] != 0 || p.status[kStatusStalled] != 0;
+}
+
 // Whether this call raises its flag (dispatch or combine) in `peer`'s arena. Plain calls
 // always do; flagged ones only into this rank's own arena (a restarted rank resumes its epochs
 // from its own flags) and, every kTagScrubPeriod calls, everywhere: flags compare by signed
@@ -214,7 +223,7 @@ __device__ void CountDest(const Params& p, int d, int first, int last, int* base
                           BlockScanInt::TempStorage& storage) {
   if (RankExcluded(p.plan, static_cast<uint32_t>(d))) {
     for (int t = first + threadIdx.x; t < last; t += blockDim.x) {
-      p.token_route[t * p.num_ranks + d] = -1;
+      p.token_route[static_cast<size_t>(t) * p.num_ranks + d] = -1;
     }
     __syncthreads();
     return;
@@ -260,7 +269,7 @@ __device__ void CountDest(const Params& p, int d, int first, int last, int* base
         record[1 + q] = make_int2(entries[q].local_slot, __float_as_int(entries[q].weight));
       }
     }
-    if (t < last) p.token_route[t * p.num_ranks + d] = n > 0 ? j : -1;
+    if (t < last) p.token_route[static_cast<size_t>(t) * p.num_ranks + d] = n > 0 ? j : -1;
     __syncthreads();
     if (threadIdx.x == 0) *base += total;
     __syncthreads();
@@ -304,7 +313,8 @@ __device__ void ScanUnits(const Params& p, int first, int last, int* base,
     const int t = chunk + threadIdx.x;
     int n = 0;
     if (t < last) {
-      for (int d = 0; d < p.num_ranks; ++d) n += p.token_route[t * p.num_ranks + d] >= 0;
+      const int32_t* route = p.token_route + static_cast<size_t>(t) * p.num_ranks;
+      for (int d = 0; d < p.num_ranks; ++d) n += route[d] >= 0;
     }
     int position = 0, total = 0;
     BlockScanInt(storage).ExclusiveSum(n, position, total);
@@ -332,7 +342,7 @@ __device__ void StoreUnits(const Params& p, int64_t begin, int64_t end, int last
     for (int first = 0; first < R && d < 0; first += 32) {
       const int position = first + lane;
       const bool has =
-          position < R && p.token_route[t * R + p.visit.Dest(position)] >= 0;
+          position < R && p.token_route[static_cast<size_t>(t) * R + p.visit.Dest(position)] >= 0;
       unsigned mask = __ballot_sync(0xffffffffu, has);
       const int here = __popc(mask);
       if (q < here) {
@@ -404,6 +414,7 @@ __global__ void RouteKernel(Params p) {
 // unit_begin[t]: the first unit (send_split.h) of token t, i.e. how many (token, destination)
 // row stores come before it; unit_begin[num_tokens] is the total. One block.
 __global__ void UnitScanKernel(Params p) {
+  if (Stopped(p)) return;  // bsp's count exchange or barrier ended: no row goes out.
   __shared__ BlockScanInt::TempStorage storage;
   __shared__ int base;
   if (threadIdx.x == 0) base = 0;
@@ -415,6 +426,7 @@ __global__ void UnitScanKernel(Params p) {
 // share of every batch (send_split.h: any two blocks within one row of each other, every
 // block's share spread over destinations), then publishes what it completes.
 __global__ void RowKernel(Params p) {
+  if (Stopped(p)) return;  // bsp's count exchange or barrier ended: no row goes out.
   extern __shared__ int32_t stored[];  // [num_ranks]
   for (int d = threadIdx.x; d < p.num_ranks; d += blockDim.x) stored[d] = 0;
   __syncthreads();
@@ -623,11 +635,6 @@ __device__ bool TakeGranules(const Params& p, int s, const std::byte* from, uint
   return true;
 }
 
-// A wait before timed out or saw an abort. Bad input is only flagged: the rank still takes
-// part (its bad pairs were left out of the records), so its receive side still lays out what
-// the peers sent and its combine can answer them.
-__device__ inline bool Stopped(const Params& p) { return p.status[kStatusWaitEnded] != 0; }
-
 // This rank has stored everything the call in flight owes its peers (every kernel of the call
 // that stores into them ran before, in stream order): it marks the call completed in its own
 // arena (arena_layout.h MarkCompleted), unless one of its waits ended.
@@ -684,9 +691,10 @@ __global__ void CountKernel(Params p) {
   if (Stopped(p)) return;
   std::byte* own = p.arenas[p.rank];
   const int n = SourceCount(p, own, s);
-  const std::byte* records = own + p.off_records + s * p.max_tokens * p.record_bytes;
+  const std::byte* records =
+      own + p.off_records + static_cast<size_t>(s) * p.max_tokens * p.record_bytes;
   int32_t* counts = p.pair_counts + s * S;
-  int32_t* begin = p.record_begin + s * (p.max_tokens + 1);
+  int32_t* begin = p.record_begin + static_cast<size_t>(s) * (p.max_tokens + 1);
   for (int i = threadIdx.x; i < S; i += blockDim.x) counts[i] = 0;
   if (threadIdx.x == 0) base = 0;
   __syncthreads();
@@ -748,7 +756,7 @@ __global__ void ScanKernel(Params p) {
       p.record_base[s] = records;
       p.entry_base[s] = entries;
       records += n;
-      entries += p.record_begin[s * (p.max_tokens + 1) + n];
+      entries += p.record_begin[static_cast<size_t>(s) * (p.max_tokens + 1) + n];
     }
     p.record_base[R] = records;
     p.entry_base[R] = entries;
@@ -808,7 +816,7 @@ __global__ void PlaceKernel(Params p) {
   const int n = SourceCount(p, own, s);
   const std::byte* records =
       own + p.off_records + static_cast<size_t>(s) * p.max_tokens * p.record_bytes;
-  const int32_t* begin = p.record_begin + s * (p.max_tokens + 1);
+  const int32_t* begin = p.record_begin + static_cast<size_t>(s) * (p.max_tokens + 1);
   int32_t* entry_row = p.entry_row + static_cast<size_t>(s) * p.max_tokens * p.top_k;
   for (int i = threadIdx.x; i < S; i += blockDim.x) cursor[i] = p.pair_offsets[s * S + i];
   __syncthreads();
@@ -858,7 +866,7 @@ __global__ void CopyKernel(Params p) {
     const int s = TokenOfUnit(p.entry_base, p.num_ranks, g);  // A source with entries.
     const int e = g - p.entry_base[s];
     const int n = p.record_base[s + 1] - p.record_base[s];
-    const int j = TokenOfUnit(p.record_begin + s * (p.max_tokens + 1), n, e);
+    const int j = TokenOfUnit(p.record_begin + static_cast<size_t>(s) * (p.max_tokens + 1), n, e);
     const int row = p.entry_row[static_cast<size_t>(s) * p.max_tokens * p.top_k + e];
     // A row past the receive capacity (ScanKernel said so) is dropped; a flagged one is still
     // waited for, so that no store of this call lands after the call (a tag scrub).
@@ -921,7 +929,7 @@ __global__ void PartialKernel(Params p, const uint16_t* y) {
     const int s = TokenOfUnit(p.record_base, R, g);  // A source with records.
     if (s == p.partial_delay_source) DelayForTesting(p.partial_delay_ns);
     const int64_t part_end = min(last, static_cast<int64_t>(p.record_base[s + 1]));
-    const int32_t* begin = p.record_begin + s * (p.max_tokens + 1);
+    const int32_t* begin = p.record_begin + static_cast<size_t>(s) * (p.max_tokens + 1);
     const int32_t* entry_row = p.entry_row + static_cast<size_t>(s) * p.max_tokens * p.top_k;
     std::byte* arena = p.arenas[s];
     std::byte* partials = arena + p.off_partials + static_cast<size_t>(p.rank) * p.row_stride;
@@ -984,7 +992,7 @@ __global__ void TokenKernel(Params p, uint16_t* out) {
     float sum[8];
     bool first = true;
     for (int d = 0; d < p.num_ranks; ++d) {
-      const int j = p.token_route[t * p.num_ranks + d];
+      const int j = p.token_route[static_cast<size_t>(t) * p.num_ranks + d];
       if (j < 0) continue;
       const std::byte* partial =
           partials + d * p.row_stride + LandingRowOffset(p.row_bytes, p.max_tokens, p.flagged, j);
