@@ -833,18 +833,27 @@ TEST(BalancerServerTest, APlanCommittedOnlyOnAForgottenNodeIsStillCommittedOnThe
 }
 
 // A balancer that restarted did not see node-b restart meanwhile (it registered as new);
-// node-a, which maps the arenas of node-b's old process, says so when it registers. node-b is
-// then kept out as a restarted node (drained: its peers may map its new arenas only while a
-// plan excludes its ranks), once: after an undrain, the same word again changes nothing.
-TEST(BalancerServerTest, ANodeAPeerSawRestartIsKeptOutAsARestartedOne) {
-  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
-  Balancer balancer(NeverMarkedDown(), std::make_shared<prometheus::Registry>());
+// node-a (ranks 0, 1) and node-b (ranks 2, 3) registered by their processes a-1 and b-2;
+// returns their registrations, to send again.
+std::pair<v1::RegisterRequest, v1::RegisterRequest> RegisterProcesses(Balancer& balancer,
+                                                                      FakeDaemon& a,
+                                                                      FakeDaemon& b) {
   v1::RegisterRequest ra = DaemonRegistration(a, "node-a", 0, 0, "host");
   ra.set_incarnation("a-1");
   v1::RegisterRequest rb = DaemonRegistration(b, "node-b", 2, 0, "host");
   rb.set_incarnation("b-2");
   Register(balancer, ra);
   Register(balancer, rb);
+  return {ra, rb};
+}
+
+// node-a, which maps the arenas of node-b's old process, says so when it registers. node-b is
+// then kept out as a restarted node (drained: its peers may map its new arenas only while a
+// plan excludes its ranks), once: after an undrain, the same word again changes nothing.
+TEST(BalancerServerTest, ANodeAPeerSawRestartIsKeptOutAsARestartedOne) {
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+  Balancer balancer(NeverMarkedDown(), std::make_shared<prometheus::Registry>());
+  auto [ra, rb] = RegisterProcesses(balancer, a, b);
   // The registrant's own ranks say nothing of another node.
   ra.add_restarted_ranks(0);
   Register(balancer, ra);
@@ -883,12 +892,7 @@ TEST(BalancerServerTest, ANodeAPeerSawRestartIsKeptOutAsARestartedOne) {
 TEST(BalancerServerTest, APeersWordThatWouldLeaveNoRankServingKeepsNoNodeOut) {
   FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
   Balancer balancer(NeverMarkedDown(), std::make_shared<prometheus::Registry>());
-  v1::RegisterRequest ra = DaemonRegistration(a, "node-a", 0, 0, "host");
-  ra.set_incarnation("a-1");
-  v1::RegisterRequest rb = DaemonRegistration(b, "node-b", 2, 0, "host");
-  rb.set_incarnation("b-2");
-  Register(balancer, ra);
-  Register(balancer, rb);
+  auto [ra, rb] = RegisterProcesses(balancer, a, b);
   balancer.Tick();  // Learns v1.
   v1::RebalanceResponse response;
   const grpc::Status drained = Drain(balancer, "node-a", true, &response);
