@@ -174,12 +174,16 @@ TEST_F(BalancerTest, RebalancingLowersTheMeasuredImbalanceAndEveryStepStaysExact
   ASSERT_FALSE(before.empty());
   ASSERT_GE(after.size(), 4u);
   const double before_max = *std::max_element(before.begin(), before.end());
-  // The last samples: the plans have settled.
-  const double after_last = after.back();
+  // The last samples (the plans have settled), by their median: a sanitized build runs a few
+  // steps per interval, and one window of them can read 1.10 between plans.
+  std::vector<double> last(after.end() - std::min<size_t>(after.size(), 10), after.end());
+  std::nth_element(last.begin(), last.begin() + last.size() / 2, last.end());
+  const double after_median = last[last.size() / 2];
   std::cout << "measured imbalance: under plan v1 up to " << before_max << ", at the end "
-            << after_last << " (plan v" << samples.back().first << ")\n";
+            << after_median << " (median of the last " << last.size() << " samples; plan v"
+            << samples.back().first << ")\n";
   EXPECT_GT(before_max, 1.3);   // Round-robin placement of the traces' skewed experts.
-  EXPECT_LT(after_last, 1.1);
+  EXPECT_LT(after_median, 1.1);
   const std::string m = test::HttpGet(balancer_metrics_, "/metrics");
   EXPECT_GE(test::Sample(m, "ubep_balancer_plans_committed_total"), 1);
   EXPECT_EQ(test::Sample(m, "ubep_balancer_plans_aborted_total"), 0) << ReadFile(path("balancer.log"));
