@@ -551,16 +551,6 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
                   "the balancer has not learned the cluster's plan yet");
   }
   const v1::LoadReport& load = request->load();
-  // A group that formed again at a step before the plan's effective step (its clients
-  // attached anew) follows the plan from the step it resumed at (the daemons moved the plan's
-  // start there): its reports from then on hold that plan's counts.
-  if (request->has_plan_effective_step() && load.plan_version() == plan_->version &&
-      request->plan_effective_step() < plan_effective_step_) {
-    UBEP_LOG(INFO) << "plan v" << plan_->version << " is in force from step "
-                   << request->plan_effective_step() << ", not " << plan_effective_step_
-                   << ": node " << request->node() << "'s group resumed there";
-    plan_effective_step_ = request->plan_effective_step();
-  }
   for (int i = 0; i < load.layers_size(); ++i) {
     // Counts are deltas of monotonic counters: one past int64's range wrapped below zero.
     auto counts = [&](const char* field, const auto& values) -> std::optional<grpc::Status> {
@@ -575,6 +565,16 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
     };
     if (auto bad = counts("slot", load.layers(i).slot())) return *bad;
     if (auto bad = counts("dispatches", load.layers(i).dispatches())) return *bad;
+  }
+  // A group that formed again at a step before the plan's effective step (its clients
+  // attached anew) follows the plan from the step it resumed at (the daemons moved the plan's
+  // start there): its reports from then on hold that plan's counts.
+  if (request->has_plan_effective_step() && load.plan_version() == plan_->version &&
+      request->plan_effective_step() < plan_effective_step_) {
+    UBEP_LOG(INFO) << "plan v" << plan_->version << " is in force from step "
+                   << request->plan_effective_step() << ", not " << plan_effective_step_
+                   << ": node " << request->node() << "'s group resumed there";
+    plan_effective_step_ = request->plan_effective_step();
   }
   // A daemon tags its counts with the plan it has committed, which its ranks follow only from
   // the plan's effective step: counts of steps before it (the whole report, or part of it)
