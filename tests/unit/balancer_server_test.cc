@@ -832,7 +832,6 @@ TEST(BalancerServerTest, APlanCommittedOnlyOnAForgottenNodeIsStillCommittedOnThe
   EXPECT_TRUE(a->aborted().empty());
 }
 
-// A balancer that restarted did not see node-b restart meanwhile (it registered as new);
 // node-a (ranks 0, 1) and node-b (ranks 2, 3) registered by their processes a-1 and b-2;
 // returns their registrations, to send again.
 std::pair<v1::RegisterRequest, v1::RegisterRequest> RegisterProcesses(Balancer& balancer,
@@ -847,6 +846,7 @@ std::pair<v1::RegisterRequest, v1::RegisterRequest> RegisterProcesses(Balancer& 
   return {ra, rb};
 }
 
+// A balancer that restarted did not see node-b restart meanwhile (it registered as new);
 // node-a, which maps the arenas of node-b's old process, says so when it registers. node-b is
 // then kept out as a restarted node (drained: its peers may map its new arenas only while a
 // plan excludes its ranks), once: after an undrain, the same word again changes nothing.

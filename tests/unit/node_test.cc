@@ -10,6 +10,7 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <utility>
 
 #include <cstring>
 
@@ -104,20 +105,28 @@ uint32_t AbortWord(const Attached& a, int rank, uint32_t world) {
       .load();
 }
 
+// Ranks 0 and 1 join at once (each Join waits for the other), giving next steps `next0` and
+// `next1`; their answers.
+std::pair<absl::StatusOr<v1::JoinResponse>, absl::StatusOr<v1::JoinResponse>> JoinBoth(
+    Node& node, const Attached& a0, uint64_t next0, const Attached& a1, uint64_t next1) {
+  absl::StatusOr<v1::JoinResponse> j0;
+  std::thread t([&] {
+    v1::JoinRequest q = JoinOf(0, a0.token);
+    q.set_next_step(next0);
+    j0 = node.Join(q, absl::Now() + absl::Seconds(30));
+  });
+  v1::JoinRequest q1 = JoinOf(1, a1.token);
+  q1.set_next_step(next1);
+  absl::StatusOr<v1::JoinResponse> j1 = node.Join(q1, absl::Now() + absl::Seconds(30));
+  t.join();
+  return {std::move(j0), std::move(j1)};
+}
+
 TEST(NodeTest, GroupFormsWhenEveryRankJoinsAndTakesTheLeastNextStep) {
   Node node(Options());
   Attached a0 = AttachAndClaim(node, 0, 2, 1);
   Attached a1 = AttachAndClaim(node, 1, 2, 2);
-  absl::StatusOr<v1::JoinResponse> j0;
-  std::thread t([&] {
-    v1::JoinRequest q = JoinOf(0, a0.token);
-    q.set_next_step(7);
-    j0 = node.Join(q, absl::Now() + absl::Seconds(30));
-  });
-  v1::JoinRequest q1 = JoinOf(1, a1.token);
-  q1.set_next_step(5);
-  absl::StatusOr<v1::JoinResponse> j1 = node.Join(q1, absl::Now() + absl::Seconds(30));
-  t.join();
+  auto [j0, j1] = JoinBoth(node, a0, 7, a1, 5);
   ASSERT_TRUE(j0.ok()) << j0.status();
   ASSERT_TRUE(j1.ok()) << j1.status();
   EXPECT_EQ(j0->generation(), 1u);
@@ -405,16 +414,7 @@ TEST(NodeTest, AGroupThatResumesBeforeThePlansEffectiveStepFollowsItFromThere) {
   Attached a1 = AttachAndClaim(node, 1, 2, 2);
   ExpectSwappedPlanGoesThroughAtStep20(node, a0);
   EXPECT_EQ(node.CommittedPlanIdentity().effective_step, std::optional<uint64_t>(20));
-  absl::StatusOr<v1::JoinResponse> j0;
-  std::thread t([&] {
-    v1::JoinRequest q = JoinOf(0, a0.token);
-    q.set_next_step(3);
-    j0 = node.Join(q, absl::Now() + absl::Seconds(30));
-  });
-  v1::JoinRequest q1 = JoinOf(1, a1.token);
-  q1.set_next_step(9);
-  absl::StatusOr<v1::JoinResponse> j1 = node.Join(q1, absl::Now() + absl::Seconds(30));
-  t.join();
+  auto [j0, j1] = JoinBoth(node, a0, 3, a1, 9);
   ASSERT_TRUE(j0.ok()) << j0.status();
   ASSERT_TRUE(j1.ok()) << j1.status();
   EXPECT_EQ(j1->resume_step(), 3u);
