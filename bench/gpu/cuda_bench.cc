@@ -50,7 +50,7 @@ struct Board {
   double us[kMaxIters][kMaxRanks];
   uint64_t bytes[kMaxRanks];
   double copy_gbps, copy_same_size_gbps;
-  int failed;
+  std::atomic<int> failed;
   char error[256];
 };
 
@@ -59,8 +59,13 @@ int RankMain(const bench::Case& c, Protocol protocol, EpConfig::SenderThread sen
              const std::vector<double>& skew, Board* board) {
   bool posted_ready = false;
   auto fail = [&](const std::string& m) {
-    board->failed = 1;
-    std::snprintf(board->error, sizeof(board->error), "rank %d: %s", rank, m.c_str());
+    // The first rank to fail names the case's error (the others often only saw it give up);
+    // every rank's goes to stderr.
+    std::fprintf(stderr, "ubep-bench-cuda: %d ranks, %d tokens: rank %d: %s\n", c.ranks,
+                 c.tokens, rank, m.c_str());
+    if (board->failed.exchange(1) == 0) {
+      std::snprintf(board->error, sizeof(board->error), "rank %d: %s", rank, m.c_str());
+    }
     if (!posted_ready) board->ready.fetch_add(1);
     // Keep this rank's arena alive until every peer is done with it.
     board->done.fetch_add(1);

@@ -14,15 +14,24 @@
 #   bench/gpu/run.sh --pack PACK_DIR --check    only checks that every packed binary loads,
 #                                               each library from the pack or the machine's
 #                                               own (C library, CUDA driver, NCCL); exit 2 if not
+#   bench/gpu/run.sh [--pack PACK_DIR] --mps [OUT_DIR]
+#                                               only the bench, its ranks as clients of an MPS
+#                                               server this script starts and stops (the card's
+#                                               settings are not touched): the ranks' kernels
+#                                               run at once, as on a GPU each, instead of taking
+#                                               turns in time slices
 #
 # Results, written as they come: OUT_DIR/gpu_tests.log (the library check, the tests, the
 # bench's errors and every step's exit status), OUT_DIR/cuda_bench_128.json and
 # cuda_bench_4096.json, one row per line (a run cut short leaves its rows without the closing
-# bracket). Default OUT_DIR: build-gpu/results. Exit status: the GPU tests'.
+# bracket). Default OUT_DIR: build-gpu/results. Exit status: the GPU tests'. With --mps:
+# OUT_DIR/mps.log and cuda_bench_mps_128.json, cuda_bench_mps_4096.json (2, 4 and 8 ranks
+# each); exit status 0 when every case gave numbers under an MPS server seen serving them.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 pack=
 check=0
+mps=0
 if [[ ${1:-} == --pack ]]; then
   pack=$(realpath "$2")
   shift 2
@@ -30,6 +39,10 @@ if [[ ${1:-} == --pack ]]; then
     check=1
     shift
   fi
+fi
+if [[ ${1:-} == --mps ]]; then
+  mps=1
+  shift
 fi
 out=${1:-build-gpu/results}
 log=/dev/null
@@ -101,7 +114,7 @@ timeout -k 5 15 nvidia-smi \
 set +e
 status=0
 # Each step is bounded, together under 9 minutes (one device command may run 10): ranks as
-# processes time-slice one GPU (no MPS: the card's settings stay as they are), so
+# processes time-slice one GPU (the default run starts no MPS server), so
 # prefill-sized runs are slow, and a session's device time is short. The steps run in the
 # order of what a short run must not lose: the first case, the decode-sized bench, the daemon
 # end to end, every other case, the prefill-sized bench.
@@ -127,6 +140,61 @@ bench() {  # bench TOKENS RANKS ITERS LIMIT_S: one JSON file, its errors and exi
     --iters "$3" 2>> "$log" | tee "$out/cuda_bench_$1.json"
   say "ubep-bench-cuda --tokens $1: exit ${PIPESTATUS[0]}"
 }
+if [[ $mps == 1 ]]; then
+  # MPS: a control daemon of this run's own (its pipes and logs in a temporary folder), which
+  # starts a server for the ranks' contexts; the compute mode and every other setting of the
+  # card stay as they are. Clients that cannot reach it would run as plain contexts, time
+  # sliced, so each bench is checked to have been served (the server list is not empty).
+  log=$out/mps.log
+  : > "$log"
+  if ! usable ubep-bench-cuda; then
+    say "ubep-bench-cuda: cannot load; nothing to run"
+    exit 1
+  fi
+  control=$(command -v nvidia-cuda-mps-control || true)
+  if [[ -z $control ]]; then
+    say "run.sh: nvidia-cuda-mps-control is not on this machine; --mps cannot run"
+    exit 1
+  fi
+  mps_dir=$(mktemp -d)
+  export CUDA_MPS_PIPE_DIRECTORY=$mps_dir/pipe CUDA_MPS_LOG_DIRECTORY=$mps_dir/log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  stop_mps() {
+    echo quit | timeout -k 5 20 "$control" >/dev/null 2>&1
+    cat "$CUDA_MPS_LOG_DIRECTORY"/*.log >> "$log" 2>/dev/null
+  }
+  trap stop_mps EXIT
+  if ! timeout -k 5 20 "$control" -d; then
+    say "run.sh: the MPS control daemon did not start"
+    exit 1
+  fi
+  # tokens:iterations:seconds allowed per rank count (a case whose ranks cannot meet gives
+  # up within 30 s; four cases, and the whole run under 8 minutes).
+  for case in 128:50:60 4096:20:90; do
+    IFS=: read -r tokens iters limit <<< "$case"
+    json=$out/cuda_bench_mps_$tokens.json
+    echo "[" > "$json"
+    first=1
+    for r in 2 4 8; do
+      rows=$(timeout -k 10 "$limit" "$bin/ubep-bench-cuda" --ranks "$r" --tokens "$tokens" \
+               --hidden 7168 --iters "$iters" 2>> "$log")
+      rc=$?
+      servers=$(echo get_server_list | timeout -k 5 20 "$control" 2>&1)
+      say "ubep-bench-cuda --tokens $tokens --ranks $r (MPS): exit $rc; MPS servers: ${servers:-none}"
+      [[ $rc == 0 && -n $servers ]] || status=1
+      grep -q '"error"' <<< "$rows" && status=1
+      # One array of every rank count's rows ("[", one row per line, "]").
+      while read -r row; do
+        [[ $first == 1 ]] || echo "," >> "$json"
+        printf ' %s' "$row" >> "$json"
+        first=0
+      done < <(sed -n 's/^ *\({.*}\),\{0,1\}$/\1/p' <<< "$rows")
+    done
+    printf '\n]\n' >> "$json"
+    cat "$json"
+  done
+  exit $status
+fi
 # First one small case (2 ranks): a machine that refuses the cross-process device memory
 # (IPC, VMM handles) fails here in seconds, and nothing else is run. Any other failure still
 # leaves the bench, the daemon test and the byte-for-byte cases of every protocol to run.

@@ -38,6 +38,14 @@ constexpr int kSenderBlocks = 32;
 constexpr int kCountBlocks = 32;
 // Blocks per SM of the kernels that spread over every received row or record.
 constexpr int kWideBlocksPerSm = 4;
+// Blocks per SM that the kernels polling flag-in-granule rows or partials (CopyKernel over
+// flagged sources, TokenKernel of a flagged call) may hold, summed over the ranks that share
+// this GPU. A polling block keeps its SM slot until its peer's stores land, and ranks sharing
+// a GPU (MPS, or contexts of one process) share its slots: were the pollers to take every
+// slot, the peer's kernels that make those stores could not start. At most 2 of the 4 or more
+// blocks an SM holds of any kernel here (56 registers x 256 threads at the most) leaves room
+// for the rest, SendKernel's co-resident grid included.
+constexpr int kPollBlocksPerSm = 2;
 
 #define UBEP_CUDA_RETURN_IF_ERROR(expr)                                                  \
   do {                                                                                   \
@@ -854,8 +862,10 @@ __global__ void PlaceKernel(Params p) {
   }
 }
 
-// Every received row copied to its place, a warp per entry over all sources' entries.
-__global__ void CopyKernel(Params p) {
+// Every received row of the plain sources (flagged_sources false) or of the flagged ones
+// (true: taken granule by granule as they land, on the bounded grid of kPollBlocksPerSm)
+// copied to its place, a warp per entry over those sources' entries.
+__global__ void CopyKernel(Params p, bool flagged_sources) {
   if (Stopped(p)) return;
   const int lane = threadIdx.x % 32, warps_per_block = blockDim.x / 32;
   const int total = p.entry_base[p.num_ranks];
@@ -864,6 +874,7 @@ __global__ void CopyKernel(Params p) {
   for (int g = blockIdx.x * warps_per_block + threadIdx.x / 32; g < total;
        g += gridDim.x * warps_per_block) {
     const int s = TokenOfUnit(p.entry_base, p.num_ranks, g);  // A source with entries.
+    if (SourceFlagged(p, s) != flagged_sources) continue;
     const int e = g - p.entry_base[s];
     const int n = p.record_base[s + 1] - p.record_base[s];
     const int j = TokenOfUnit(p.record_begin + static_cast<size_t>(s) * (p.max_tokens + 1), n, e);
@@ -871,11 +882,11 @@ __global__ void CopyKernel(Params p) {
     // A row past the receive capacity (ScanKernel said so) is dropped; a flagged one is still
     // waited for, so that no store of this call lands after the call (a tag scrub).
     const bool kept = row < p.max_rows;
-    if (!kept && !SourceFlagged(p, s)) continue;
+    if (!kept && !flagged_sources) continue;
     const std::byte* rows = own + p.off_rows + static_cast<size_t>(s) * p.row_stride;
     auto* to = reinterpret_cast<uint4*>(reinterpret_cast<std::byte*>(p.recv_x) +
                                         static_cast<size_t>(kept ? row : 0) * p.row_bytes);
-    if (SourceFlagged(p, s)) {  // Each lane takes its granules as they land.
+    if (flagged_sources) {  // Each lane takes its granules as they land.
       const std::byte* from = rows + LandingRowOffset(p.row_bytes, p.max_tokens, true, j);
       for (size_t i = lane; i < p.row_bytes / 16; i += 32) {
         uint4 v;
@@ -981,36 +992,39 @@ __global__ void PartialKernel(Params p, const uint16_t* y) {
   }
 }
 
-// Token side of combine: block t sums its partials over destinations in rank order, 8
-// elements per thread.
-__global__ void TokenKernel(Params p, uint16_t* out) {
+// Token side of combine: a block per token (a flagged call: tokens in turn on the bounded grid
+// of kPollBlocksPerSm) sums its partials over destinations in rank order, 8 elements per
+// thread.
+__global__ void TokenKernel(Params p, uint16_t* out, int num_tokens) {
   if (Stopped(p)) return;
-  const int t = blockIdx.x, H8 = p.hidden / 8;
+  const int H8 = p.hidden / 8;
   const std::byte* partials = p.arenas[p.rank] + p.off_partials;
   uint64_t deadline = 0;
-  for (int h8 = threadIdx.x; h8 < H8; h8 += blockDim.x) {
-    float sum[8];
-    bool first = true;
-    for (int d = 0; d < p.num_ranks; ++d) {
-      const int j = p.token_route[static_cast<size_t>(t) * p.num_ranks + d];
-      if (j < 0) continue;
-      const std::byte* partial =
-          partials + d * p.row_stride + LandingRowOffset(p.row_bytes, p.max_tokens, p.flagged, j);
-      uint4 packed;
-      if (p.flagged) {  // Taken as it lands.
-        if (!TakeGranules(p, d, partial + 32 * h8, &deadline, &packed)) return;
-      } else {
-        packed = reinterpret_cast<const uint4*>(partial)[h8];
+  for (int t = blockIdx.x; t < num_tokens; t += gridDim.x) {
+    for (int h8 = threadIdx.x; h8 < H8; h8 += blockDim.x) {
+      float sum[8];
+      bool first = true;
+      for (int d = 0; d < p.num_ranks; ++d) {
+        const int j = p.token_route[static_cast<size_t>(t) * p.num_ranks + d];
+        if (j < 0) continue;
+        const std::byte* partial = partials + d * p.row_stride +
+                                   LandingRowOffset(p.row_bytes, p.max_tokens, p.flagged, j);
+        uint4 packed;
+        if (p.flagged) {  // Taken as it lands.
+          if (!TakeGranules(p, d, partial + 32 * h8, &deadline, &packed)) return;
+        } else {
+          packed = reinterpret_cast<const uint4*>(partial)[h8];
+        }
+        float v[8];
+        UnpackBf16x8(packed, v);
+        for (int i = 0; i < 8; ++i) sum[i] = first ? v[i] : __fadd_rn(sum[i], v[i]);
+        first = false;
       }
-      float v[8];
-      UnpackBf16x8(packed, v);
-      for (int i = 0; i < 8; ++i) sum[i] = first ? v[i] : __fadd_rn(sum[i], v[i]);
-      first = false;
+      if (first) {
+        for (int i = 0; i < 8; ++i) sum[i] = 0.0f;
+      }
+      reinterpret_cast<uint4*>(out + static_cast<size_t>(t) * p.hidden)[h8] = PackBf16x8(sum);
     }
-    if (first) {
-      for (int i = 0; i < 8; ++i) sum[i] = 0.0f;
-    }
-    reinterpret_cast<uint4*>(out + static_cast<size_t>(t) * p.hidden)[h8] = PackBf16x8(sum);
   }
   // Flagged partials were taken with relaxed loads: a fence, so that whatever this rank stores
   // into the destinations next (its next dispatch) comes after it read them (flagged_rows.h).
@@ -1089,6 +1103,7 @@ struct CudaEp::Scratch {
   size_t zeroed_bytes = 0;  // Of the scratch block, from published on.
   int count_blocks = 0;     // SendKernel's counting blocks.
   int wide_blocks = 0;      // CopyKernel's and PartialKernel's grid.
+  int poll_blocks = 0;      // The grid of kernels that poll granules (kPollBlocksPerSm).
   bool fused = false;       // ubep runs SendKernel (counting and sending at once).
   std::byte** arenas = nullptr;
   void* block = nullptr;  // One allocation for every scratch array.
@@ -1236,6 +1251,16 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   UBEP_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   UBEP_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   s.wide_blocks = kWideBlocksPerSm * sms;
+  // The ranks whose arenas are on this GPU: they share its SM slots (kPollBlocksPerSm). A
+  // pointer the runtime cannot place counts as sharing.
+  int sharing = 0;
+  for (std::byte* arena : arenas) {
+    cudaPointerAttributes where{};
+    const bool placed = cudaPointerGetAttributes(&where, arena) == cudaSuccess;
+    if (!placed) (void)cudaGetLastError();
+    if (!placed || where.device == device) ++sharing;
+  }
+  s.poll_blocks = std::max(1, kPollBlocksPerSm * sms / std::max(1, sharing));
   s.count_blocks = std::min(config.num_ranks, kCountBlocks);
   if (!p.bsp && config.sender_thread != EpConfig::SenderThread::kOff) {
     int cooperative = 0, per_sm = 0;
@@ -1471,7 +1496,10 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
     WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_dispatch_flag, kPhaseAsCalled,
                                         Skip::kFlaggedSources);
   }
-  CopyKernel<<<s.wide_blocks, kThreads, 0, s.stream>>>(p);
+  CopyKernel<<<s.wide_blocks, kThreads, 0, s.stream>>>(p, /*flagged_sources=*/false);
+  if (config_.flagged_tokens > 0 && !p.bsp) {
+    CopyKernel<<<s.poll_blocks, kThreads, 0, s.stream>>>(p, /*flagged_sources=*/true);
+  }
   LoadKernel<<<1, kThreads, 0, s.stream>>>(p);
   if (config_.flagged_tokens > 0 && TagScrubDue(p.epoch)) {
     ScrubKernel<<<s.wide_blocks, kThreads, 0, s.stream>>>(p, p.off_rows, ScrubTag(p.epoch));
@@ -1532,7 +1560,8 @@ absl::Status CudaEp::Combine(const void* y, void* out) {
   }
   CompletedKernel<<<1, 1, 0, s.stream>>>(p);  // Its partials and flags are all stored.
   if (last_tokens_ > 0) {
-    TokenKernel<<<last_tokens_, kThreads, 0, s.stream>>>(p, static_cast<uint16_t*>(out));
+    const int grid = p.flagged ? std::min(last_tokens_, s.poll_blocks) : last_tokens_;
+    TokenKernel<<<grid, kThreads, 0, s.stream>>>(p, static_cast<uint16_t*>(out), last_tokens_);
   }
   OverflowKernel<<<1, kThreads, 0, s.stream>>>(p);
   if (config_.flagged_tokens > 0 && TagScrubDue(p.epoch)) {
