@@ -31,13 +31,27 @@ uint64_t ReportFingerprint(const v1::ReportLoadRequest& request) {
 }
 
 // gRPC takes deadlines as wall-clock times (it converts them to its own monotonic clock at
-// once): the one use of the wall clock here. Every interval the balancer measures or waits
+// once): the one use of the wall clock here, both ways (a caller's deadline is read once, as
+// the time left). Every interval the balancer measures or waits
 // out itself (step rates, health checks, the recovery grace, plan and commit times) is on
 // MonotonicNow(), so that a wall-clock step neither moves an effective step nor ends the grace
 // early nor stretches a wait.
 void SetDeadline(grpc::ClientContext& context, absl::Duration timeout) {
   context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
 }
+
+// The time left before a caller's deadline, read the same way (none: no deadline).
+std::optional<absl::Duration> TimeLeft(const grpc::ServerContext* context) {
+  if (context == nullptr ||
+      context->deadline() == std::chrono::system_clock::time_point::max()) {
+    return std::nullopt;
+  }
+  return absl::FromChrono(context->deadline()) - absl::Now();
+}
+
+// How long before a caller's deadline an answer that something is in the way is sent, so
+// that it arrives before the deadline does.
+constexpr absl::Duration kAnswerMargin = absl::Milliseconds(100);
 
 std::vector<double> Buckets(double first, double factor, int count) {
   std::vector<double> b;
@@ -800,7 +814,7 @@ void Balancer::CheckHealth() {
 }
 
 void Balancer::Recover() {
-  std::lock_guard<std::mutex> serial(commit_mu_);
+  std::lock_guard<std::timed_mutex> serial(commit_mu_);
   // Learn what every (re)registered daemon holds.
   std::vector<std::pair<std::string, std::shared_ptr<v1::DaemonControl::Stub>>> ask;
   {
@@ -990,7 +1004,7 @@ void Balancer::CatchUp() {
 }
 
 absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why, bool members_only) {
-  std::lock_guard<std::mutex> serial(commit_mu_);
+  std::lock_guard<std::timed_mutex> serial(commit_mu_);
   v1::RebalanceResponse result;
   Plan previous;
   LoadMatrix load;
@@ -1362,12 +1376,22 @@ grpc::Status Balancer::Undrain(grpc::ServerContext*, const v1::DrainRequest* req
   return SetDrained(request->node(), false, response);
 }
 
-grpc::Status Balancer::Forget(grpc::ServerContext*, const v1::ForgetRequest* request,
+grpc::Status Balancer::Forget(grpc::ServerContext* context, const v1::ForgetRequest* request,
                               v1::ForgetResponse* response) {
-  // Serialized with plan changes and recovery, which look daemons up again after their RPCs.
-  std::lock_guard<std::mutex> serial(commit_mu_);
-  MutexLock lock(&mu_);
   const std::string& node = request->node();
+  // Serialized with plan changes and recovery, which look daemons up again after their RPCs.
+  // A change in flight lasts as long as its daemons' RPCs (rpc_timeout each), longer than an
+  // operator's deadline may be: the caller is answered before that deadline, with nothing
+  // forgotten, rather than left to time out while the node is forgotten after all.
+  std::unique_lock<std::timed_mutex> serial(commit_mu_, std::defer_lock);
+  if (const std::optional<absl::Duration> left = TimeLeft(context); !left.has_value()) {
+    serial.lock();
+  } else if (!serial.try_lock_for(absl::ToChronoNanoseconds(*left - kAnswerMargin))) {
+    return grpc::Status(grpc::StatusCode::ABORTED,
+                        absl::StrCat("a plan change is in flight; node ", node,
+                                     " was not forgotten: try again once it is done"));
+  }
+  MutexLock lock(&mu_);
   auto it = daemons_.find(node);
   if (it == daemons_.end()) {
     return grpc::Status(grpc::StatusCode::NOT_FOUND,

@@ -4,6 +4,7 @@
 #include <array>
 #include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <functional>
 #include <mutex>
 #include <optional>
@@ -187,7 +188,7 @@ TEST(BalancerServerTest, ShapeConflictsAreRefusedNamingBothShapes) {
 // A daemon's DaemonControl, in process on loopback, with the gRPC health service the
 // balancer checks: it serves `plan` as committed (in force from `effective_step`), prepares
 // and commits whatever it is sent but a version it is told to refuse, and records the Prepare
-// requests and CreateLink calls.
+// requests and CreateLink calls. A Prepare it is told to hold waits until it is let go.
 class FakeDaemon final : public v1::DaemonControl::Service {
  public:
   FakeDaemon(std::string name, const v1::Plan& plan, bool link_fails = false,
@@ -204,8 +205,9 @@ class FakeDaemon final : public v1::DaemonControl::Service {
 
   grpc::Status Prepare(grpc::ServerContext*, const v1::PrepareRequest* request,
                        v1::PrepareResponse* response) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     prepares_.push_back(*request);
+    let_go_.wait(lock, [&] { return !hold_prepares_; });
     if (request->plan().version() == refused_) {
       response->set_reason("refused for the test");
       return grpc::Status::OK;
@@ -271,6 +273,13 @@ class FakeDaemon final : public v1::DaemonControl::Service {
     std::lock_guard<std::mutex> lock(mu_);
     refused_ = version;
   }
+  void HoldPrepares(bool hold) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      hold_prepares_ = hold;
+    }
+    let_go_.notify_all();
+  }
   // The Commit of `version` is taken no further and answered UNAVAILABLE (it stays pending).
   void LoseCommitOf(uint64_t version) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -288,6 +297,8 @@ class FakeDaemon final : public v1::DaemonControl::Service {
  private:
   std::string name_;
   std::mutex mu_;
+  std::condition_variable let_go_;
+  bool hold_prepares_ = false;
   v1::Plan committed_;
   uint64_t effective_step_;
   uint64_t refused_ = 0;
@@ -801,6 +812,62 @@ TEST(BalancerServerTest, ANodeIsNotForgottenBeforeThePlanIsLearned) {
   EXPECT_EQ(status.error_message(),
             "node node-b is down, but the balancer has not learned the cluster's plan yet; try "
             "again once it has");
+}
+
+// ubepctl forget while a plan change is in flight, which lasts as long as its daemons' RPCs
+// (here the plan without node-b's ranks, whose Prepare node-a holds): the balancer, served on
+// loopback, answers before the caller's deadline and forgets nothing then, and forgets the
+// node once the change is done.
+TEST(BalancerServerTest, AForgetDuringAPlanChangeIsAnsweredBeforeItsDeadline) {
+  auto a = std::make_unique<FakeDaemon>("node-a", FirstPlan());
+  auto b = std::make_unique<FakeDaemon>("node-b", FirstPlan());
+  BalancerOptions options = QuickToMarkDown();
+  options.rpc_timeout = absl::Seconds(30);  // The held Prepare is let go, not timed out.
+  Balancer balancer(options, std::make_shared<prometheus::Registry>());
+  Register(balancer, DaemonRegistration(*a, "node-a", 0, 0, "host"));
+  Register(balancer, DaemonRegistration(*b, "node-b", 2, 0, "host"));
+  balancer.Tick();  // Learns v1.
+  int port = 0;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&balancer);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(port, 0);
+  auto control = v1::Control::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
+                                                          grpc::InsecureChannelCredentials()));
+  auto forget = [&](absl::Duration deadline, v1::ForgetResponse* response) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+    v1::ForgetRequest request;
+    request.set_node("node-b");
+    return control->Forget(&context, request, response);
+  };
+  a->HoldPrepares(true);
+  b.reset();
+  std::thread ticks([&] { TickUntilDown(balancer, "node-b"); });  // v2 stops at Prepare.
+  for (const absl::Time until = absl::Now() + absl::Seconds(10);
+       a->prepares().empty() && absl::Now() < until;) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  v1::ForgetResponse response;
+  grpc::Status status = forget(absl::Seconds(1), &response);
+  const bool prepared = !a->prepares().empty();
+  a->HoldPrepares(false);
+  ticks.join();
+  ASSERT_TRUE(prepared) << "no plan change was in flight";
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::ABORTED);
+  EXPECT_EQ(status.error_message(),
+            "a plan change is in flight; node node-b was not forgotten: try again once it is "
+            "done");
+  ASSERT_EQ(a->committed_version(), 2u);  // Without node-b's ranks.
+  v1::ClusterStatus cluster;
+  ASSERT_TRUE(balancer.GetStatus(nullptr, nullptr, &cluster).ok());
+  EXPECT_EQ(cluster.nodes_size(), 2);  // node-b is still known: the refused Forget took nothing.
+  status = forget(absl::Seconds(10), &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(std::vector<uint32_t>(response.ranks().begin(), response.ranks().end()),
+            (std::vector<uint32_t>{2, 3}));
+  server->Shutdown(std::chrono::system_clock::now());
 }
 
 // Plan v2 (node-b drained) is committed on node-b, but node-a's Commit answer is lost, and
