@@ -1107,6 +1107,11 @@ struct CudaEp::Scratch {
   bool fused = false;       // ubep runs SendKernel (counting and sending at once).
   std::byte** arenas = nullptr;
   void* block = nullptr;  // One allocation for every scratch array.
+  // Pinned host memory the end of each call is copied into, in stream order: the status words,
+  // then (a dispatch) the slot offsets. One synchronization of the stream then reads both,
+  // where a synchronous copy of each would wait for the device once more.
+  uint32_t* host_status = nullptr;
+  int32_t* host_slot_offsets = nullptr;
   cudaStream_t stream = nullptr;
 };
 
@@ -1116,6 +1121,7 @@ CudaEp::CudaEp(const EpConfig& config, int rank)
 CudaEp::~CudaEp() {
   if (scratch_->block != nullptr) cudaFree(scratch_->block);
   if (scratch_->arenas != nullptr) cudaFree(scratch_->arenas);
+  if (scratch_->host_status != nullptr) cudaFreeHost(scratch_->host_status);
   if (scratch_->stream != nullptr) cudaStreamDestroy(scratch_->stream);
 }
 
@@ -1141,6 +1147,10 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   UBEP_CUDA_RETURN_IF_ERROR(cudaStreamCreate(&s.stream));
   UBEP_CUDA_RETURN_IF_ERROR(
       cudaMalloc(reinterpret_cast<void**>(&s.arenas), sizeof(std::byte*) * arenas.size()));
+  UBEP_CUDA_RETURN_IF_ERROR(cudaMallocHost(
+      reinterpret_cast<void**>(&s.host_status),
+      sizeof(uint32_t) * kStatusWords + sizeof(int32_t) * (config.slots_per_rank + 1)));
+  s.host_slot_offsets = reinterpret_cast<int32_t*>(s.host_status + kStatusWords);
   UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(s.arenas, arenas.data(),
                                        sizeof(std::byte*) * arenas.size(),
                                        cudaMemcpyHostToDevice));
@@ -1288,10 +1298,11 @@ void CudaEp::set_partial_delay_for_testing(absl::Duration delay, int source) {
 absl::Status CudaEp::CheckStatus(const char* what, uint32_t call,
                                  const CudaDispatchInput* input) {
   Scratch& s = *scratch_;
+  UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.host_status, s.params.status,
+                                            sizeof(uint32_t) * kStatusWords,
+                                            cudaMemcpyDeviceToHost, s.stream));
   UBEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s.stream));
-  uint32_t status[kStatusWords] = {};
-  UBEP_CUDA_RETURN_IF_ERROR(
-      cudaMemcpy(status, s.params.status, sizeof(status), cudaMemcpyDeviceToHost));
+  const uint32_t* status = s.host_status;
   if (status[kStatusStalled] != 0) {
     return absl::InternalError(absl::StrCat(
         "rank ", rank_, ": ", what, ", call ", call, ": a block of SendKernel waited ",
@@ -1505,13 +1516,15 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
     ScrubKernel<<<s.wide_blocks, kThreads, 0, s.stream>>>(p, p.off_rows, ScrubTag(p.epoch));
   }
   UBEP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  // Read with the status (CheckStatus synchronizes the stream once for both).
+  UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.host_slot_offsets, p.slot_offsets,
+                                            sizeof(int32_t) * (config_.slots_per_rank + 1),
+                                            cudaMemcpyDeviceToHost, s.stream));
   const absl::Status st = CheckStatus(p.bsp ? "dispatch, bsp" : "dispatch data", p.epoch, &in);
   // Bad input and an overflow of the receive capacity leave the call to complete (below).
   if (!st.ok() && !absl::IsInvalidArgument(st) && !absl::IsResourceExhausted(st)) return st;
-  out.slot_offsets.resize(config_.slots_per_rank + 1);
-  UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(out.slot_offsets.data(), p.slot_offsets,
-                                       sizeof(int32_t) * out.slot_offsets.size(),
-                                       cudaMemcpyDeviceToHost));
+  out.slot_offsets.assign(s.host_slot_offsets,
+                          s.host_slot_offsets + config_.slots_per_rank + 1);
   // Over the receive capacity, recv_x holds the first max_rows rows of the layout.
   out.num_rows = std::min(out.slot_offsets.back(), s.params.max_rows);
   last_rows_ = out.num_rows;
