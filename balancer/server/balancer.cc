@@ -1,6 +1,7 @@
 #include "balancer/server/balancer.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <iterator>
 #include <limits>
@@ -52,6 +53,19 @@ std::optional<absl::Duration> TimeLeft(const grpc::ServerContext* context) {
 // How long before a caller's deadline an answer that something is in the way is sent, so
 // that it arrives before the deadline does.
 constexpr absl::Duration kAnswerMargin = absl::Milliseconds(100);
+
+// Takes `lock` unless another thread holds it for `patience` more (steady clock: neither the
+// tests' fake clock nor a wall-clock step moves it). Polled every 5 ms rather than timed:
+// ThreadSanitizer here does not intercept std::timed_mutex's timed lock
+// (pthread_mutex_clocklock), and takes its unlock for the unlock of a mutex never locked.
+bool LockBefore(std::unique_lock<std::mutex>& lock, absl::Duration patience) {
+  const auto until = std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(patience);
+  while (!lock.try_lock()) {
+    if (std::chrono::steady_clock::now() >= until) return false;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return true;
+}
 
 std::vector<double> Buckets(double first, double factor, int count) {
   std::vector<double> b;
@@ -814,7 +828,7 @@ void Balancer::CheckHealth() {
 }
 
 void Balancer::Recover() {
-  std::lock_guard<std::timed_mutex> serial(commit_mu_);
+  std::lock_guard<std::mutex> serial(commit_mu_);
   // Learn what every (re)registered daemon holds.
   std::vector<std::pair<std::string, std::shared_ptr<v1::DaemonControl::Stub>>> ask;
   {
@@ -1004,7 +1018,7 @@ void Balancer::CatchUp() {
 }
 
 absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why, bool members_only) {
-  std::lock_guard<std::timed_mutex> serial(commit_mu_);
+  std::lock_guard<std::mutex> serial(commit_mu_);
   v1::RebalanceResponse result;
   Plan previous;
   LoadMatrix load;
@@ -1383,10 +1397,10 @@ grpc::Status Balancer::Forget(grpc::ServerContext* context, const v1::ForgetRequ
   // A change in flight lasts as long as its daemons' RPCs (rpc_timeout each), longer than an
   // operator's deadline may be: the caller is answered before that deadline, with nothing
   // forgotten, rather than left to time out while the node is forgotten after all.
-  std::unique_lock<std::timed_mutex> serial(commit_mu_, std::defer_lock);
+  std::unique_lock<std::mutex> serial(commit_mu_, std::defer_lock);
   if (const std::optional<absl::Duration> left = TimeLeft(context); !left.has_value()) {
     serial.lock();
-  } else if (!serial.try_lock_for(absl::ToChronoNanoseconds(*left - kAnswerMargin))) {
+  } else if (!LockBefore(serial, *left - kAnswerMargin)) {
     return grpc::Status(grpc::StatusCode::ABORTED,
                         absl::StrCat("a plan change is in flight; node ", node,
                                      " was not forgotten: try again once it is done"));

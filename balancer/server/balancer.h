@@ -205,9 +205,9 @@ class Balancer final : public v1::Control::Service {
 
   const BalancerOptions options_;
   const absl::Time started_;  // MonotonicNow().
-  // One plan change (or recovery) at a time. Timed: an operator's Forget waits for a change
-  // in flight only until shortly before its own deadline.
-  std::timed_mutex commit_mu_;
+  // One plan change (or recovery) at a time. An operator's Forget waits for a change in flight
+  // only until shortly before its own deadline (LockBefore).
+  std::mutex commit_mu_;
   mutable Mutex mu_;
   std::map<std::string, Daemon> daemons_ ABSL_GUARDED_BY(mu_);
   std::optional<Shape> shape_ ABSL_GUARDED_BY(mu_);

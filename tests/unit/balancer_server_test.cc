@@ -207,7 +207,8 @@ class FakeDaemon final : public v1::DaemonControl::Service {
                        v1::PrepareResponse* response) override {
     std::unique_lock<std::mutex> lock(mu_);
     prepares_.push_back(*request);
-    let_go_.wait(lock, [&] { return !hold_prepares_; });
+    // Bounded, so that a test that fails before letting it go still ends.
+    let_go_.wait_for(lock, std::chrono::seconds(60), [&] { return !hold_prepares_; });
     if (request->plan().version() == refused_) {
       response->set_reason("refused for the test");
       return grpc::Status::OK;
