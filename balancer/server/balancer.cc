@@ -33,8 +33,8 @@ uint64_t ReportFingerprint(const v1::ReportLoadRequest& request) {
 
 // gRPC takes deadlines as wall-clock times (it converts them to its own monotonic clock at
 // once): the one use of the wall clock here, both ways (a caller's deadline is read once, as
-// the time left). Every interval the balancer measures or waits
-// out itself (step rates, health checks, the recovery grace, plan and commit times) is on
+// the time left: TimeLeft). Every interval the balancer measures or waits out itself (step
+// rates, health checks, the recovery grace, plan and commit times, LockBefore) is on
 // MonotonicNow(), so that a wall-clock step neither moves an effective step nor ends the grace
 // early nor stretches a wait.
 void SetDeadline(grpc::ClientContext& context, absl::Duration timeout) {
@@ -54,14 +54,13 @@ std::optional<absl::Duration> TimeLeft(const grpc::ServerContext* context) {
 // that it arrives before the deadline does.
 constexpr absl::Duration kAnswerMargin = absl::Milliseconds(100);
 
-// Takes `lock` unless another thread holds it for `patience` more (steady clock: neither the
-// tests' fake clock nor a wall-clock step moves it). Polled every 5 ms rather than timed:
-// ThreadSanitizer here does not intercept std::timed_mutex's timed lock
+// Takes `lock` unless another thread holds it for `patience` more. Polled every 5 ms rather
+// than timed: ThreadSanitizer here does not intercept std::timed_mutex's timed lock
 // (pthread_mutex_clocklock), and takes its unlock for the unlock of a mutex never locked.
 bool LockBefore(std::unique_lock<std::mutex>& lock, absl::Duration patience) {
-  const auto until = std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(patience);
+  const absl::Time until = MonotonicNow() + patience;
   while (!lock.try_lock()) {
-    if (std::chrono::steady_clock::now() >= until) return false;
+    if (MonotonicNow() >= until) return false;
     absl::SleepFor(absl::Milliseconds(5));
   }
   return true;

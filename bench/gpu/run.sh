@@ -162,6 +162,7 @@ if [[ $mps == 1 ]]; then
   stop_mps() {
     echo quit | timeout -k 5 20 "$control" >/dev/null 2>&1
     cat "$CUDA_MPS_LOG_DIRECTORY"/*.log >> "$log" 2>/dev/null
+    rm -rf "$mps_dir"
   }
   trap stop_mps EXIT
   if ! timeout -k 5 20 "$control" -d; then
