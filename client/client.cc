@@ -86,6 +86,12 @@ struct RankState {
   uint64_t last_plan_version = 0;
   bool attached = false;
   bool daemon_exited = false;  // Its fd connection closed.
+  // The ranks its daemon hosts (AttachResponse.hosted_first, hosted_count; all if unsaid).
+  int hosted_first = 0;
+  int hosted_count = 0;
+  bool HostedByOwnDaemon(int r) const {
+    return hosted_count == 0 || (r >= hosted_first && r < hosted_first + hosted_count);
+  }
 
   std::byte* own() const { return arenas[rank].data(); }
   kernels::RankControl* control() const { return kernels::ControlOf(own(), layout); }
@@ -178,6 +184,14 @@ absl::Status GroupStopped(const RankState& s) {
   return absl::UnavailableError(
       absl::StrCat("rank ", s.rank, ": the group has re-formed or is forming without this "
                                     "rank; call Rejoin"));
+}
+
+// Whether the newest plan committed in this rank's arena leaves it out of the group.
+bool ExcludedByNewestPlan(const RankState& s) {
+  uint64_t version = 0;
+  const kernels::PlanTableHeader* table =
+      kernels::SelectPlan(s.own() + s.layout.plan, ~uint64_t{0}, &version);
+  return table != nullptr && kernels::RankExcluded(table, static_cast<uint32_t>(s.rank));
 }
 
 bool GroupReady(const RankState& s) {
@@ -542,6 +556,8 @@ absl::StatusOr<std::unique_ptr<Rank>> Rank::Attach(const ClientOptions& options,
   c.flagged_tokens = static_cast<int>(response.flagged_tokens());
   c.near_ranks = static_cast<int>(response.near_ranks());
   c.max_recv_rows = static_cast<int>(response.max_recv_rows());
+  st.hosted_first = static_cast<int>(response.hosted_first());
+  st.hosted_count = static_cast<int>(response.hosted_count());
   if (kernels::ArenaLayout(c).total_bytes != st.layout.ep_bytes) {
     return absl::DataLossError(absl::StrCat(
         "rank ", rank, ": ubepd's data-plane layout (", st.layout.ep_bytes,
@@ -584,11 +600,7 @@ bool Rank::must_attach_again() const {
 
 bool Rank::excluded() const {
   const RankState& s = *state_;
-  if (!s.attached) return false;
-  uint64_t version = 0;
-  const kernels::PlanTableHeader* table =
-      kernels::SelectPlan(s.own() + s.layout.plan, ~uint64_t{0}, &version);
-  return table != nullptr && kernels::RankExcluded(table, static_cast<uint32_t>(s.rank));
+  return s.attached && ExcludedByNewestPlan(s);
 }
 
 absl::Status Rank::BeginStep(uint64_t step) {
@@ -605,25 +617,36 @@ absl::Status Rank::BeginStep(uint64_t step) {
   const bool check_daemon = now >= s.next_daemon_check;
   if (check_daemon) s.next_daemon_check = now + s.options.daemon_check_interval;
   if (check_daemon && DaemonExited(s)) {
-    // Stop the group as a draining daemon would: every rank's waits end with "draining",
-    // and each attaches again, to the daemon that takes over.
+    // Stop the group. The ranks of this daemon as a draining daemon would: their waits end
+    // with "draining", and each attaches again, to the daemon that takes over. The ranks of
+    // peer daemons, which are alive, learn that this rank left (they Rejoin where they are);
+    // unless the plan excludes it already: then they run without it, undisturbed.
     s.daemon_exited = true;
     const kernels::ArenaLayout ep(s.config);
+    const bool member = !ExcludedByNewestPlan(s);
+    auto code_for = [&](int r) -> uint32_t {
+      if (s.HostedByOwnDaemon(r)) return kernels::kAbortDraining;
+      return member ? kernels::kAbortRankGone | static_cast<uint32_t>(s.rank) : 0;
+    };
     if (!s.on_device) {
-      for (kernels::SharedArena& arena : s.arenas) {
-        kernels::RaiseAbort(arena.data() + s.layout.ep, ep, kernels::kAbortDraining);
+      for (int r = 0; r < static_cast<int>(s.arenas.size()); ++r) {
+        if (const uint32_t code = code_for(r); code != 0) {
+          kernels::RaiseAbort(s.arenas[r].data() + s.layout.ep, ep, code);
+        }
       }
     }
 #ifdef UBEP_CLIENT_CUDA
     if (s.on_device) {
       // The data plane is at offset 0 of each device arena; a set abort word is kept.
-      for (const auto& arena : s.device_arenas) {
+      for (int r = 0; r < static_cast<int>(s.device_arenas.size()); ++r) {
         uint32_t code = 0;
-        if (cudaMemcpy(&code, arena->data() + ep.abort, sizeof(code), cudaMemcpyDeviceToHost) ==
-                cudaSuccess &&
+        if (code_for(r) != 0 &&
+            cudaMemcpy(&code, s.device_arenas[r]->data() + ep.abort, sizeof(code),
+                       cudaMemcpyDeviceToHost) == cudaSuccess &&
             code == 0) {
-          code = kernels::kAbortDraining;
-          (void)cudaMemcpy(arena->data() + ep.abort, &code, sizeof(code), cudaMemcpyHostToDevice);
+          code = code_for(r);
+          (void)cudaMemcpy(s.device_arenas[r]->data() + ep.abort, &code, sizeof(code),
+                           cudaMemcpyHostToDevice);
         }
       }
     }

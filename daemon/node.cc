@@ -438,6 +438,8 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
   response.set_flagged_tokens(static_cast<uint32_t>(config_.flagged_tokens));
   response.set_near_ranks(static_cast<uint32_t>(config_.near_ranks));
   response.set_max_recv_rows(static_cast<uint32_t>(config_.max_recv_rows));
+  response.set_hosted_first(static_cast<uint32_t>(first_));
+  response.set_hosted_count(static_cast<uint32_t>(hosted_));
   v1::ArenaLayout* l = response.mutable_layout();
   l->set_total_bytes(layout_.total_bytes);
   l->set_control_offset(layout_.control);
@@ -493,20 +495,19 @@ absl::Status Node::CheckToken(uint32_t rank, const std::string& token, bool need
   return absl::OkStatus();
 }
 
-void Node::SetGroupState(uint32_t state) {
-  for (kernels::SharedArena& arena : arenas_) {
-    if (!arena.valid()) continue;
-    std::atomic_ref<uint32_t>(kernels::ControlOf(arena.data(), layout_)->group_state)
-        .store(state, std::memory_order_release);
-  }
-}
-
 void Node::StopGroup(uint32_t code, absl::FunctionRef<bool(int)> stops) {
-  for (int r = 0; r < static_cast<int>(arenas_.size()); ++r) {
+  const int R = static_cast<int>(arenas_.size());
+  for (int r = 0; r < R; ++r) {
     if (stops(r)) SetAbortCode(r, code, /*only_if_clear=*/true);
   }
   if (options_.stopping_hook) options_.stopping_hook();
-  SetGroupState(kernels::kGroupBroken);
+  // Only the ranks stopped here: a rank this daemon does not stop is stopped by its own daemon,
+  // or not at all, and may be in a group that formed already (a peer daemon that committed a
+  // change of members first forms the new group at once; this daemon's Commit comes after).
+  for (int r = 0; r < R; ++r) {
+    if (!stops(r) || !arenas_[r].valid()) continue;
+    std::atomic_ref<uint32_t>(Ctl(r)->group_state).store(kernels::kGroupBroken, std::memory_order_release);
+  }
 }
 
 uint32_t Node::AbortCode(int r) const {

@@ -286,10 +286,10 @@ class Node {
   kernels::RankControl* Ctl(int r) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return kernels::ControlOf(arenas_[r].data(), layout_);
   }
-  void SetGroupState(uint32_t state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Stops the running group: `code` into the abort word of every rank stops(r) names (the
-  // first reason wins), then the group state broken in every control block. In that order: a
-  // rank that finds the group broken in BeginStep reads why from its abort word.
+  // first reason wins), then the group state broken in those ranks' control blocks. In that
+  // order: a rank that finds the group broken in BeginStep reads why from its abort word. A
+  // rank stops(r) does not name is left alone: its state is its own daemon's to change.
   void StopGroup(uint32_t code, absl::FunctionRef<bool(int)> stops)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int AttachedLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -132,7 +132,8 @@ absl::Status ValidateConfig(const EpConfig& config);
 // Values of the abort word. Every wait checks it (signal.h) and fails with an error naming
 // the rank or the reason; only a reset of the whole group (ResetSignals) clears it.
 inline constexpr uint32_t kAbortTimedOutBase = 1;         // + rank a wait timed out on.
-inline constexpr uint32_t kAbortRankGone = 0x80000000u;   // | rank that left (daemon).
+inline constexpr uint32_t kAbortRankGone = 0x80000000u;   // | rank that left (daemon, or
+                                                          // the rank on losing its daemon).
 inline constexpr uint32_t kAbortDraining = 0xFFFFFFFFu;   // The daemon is shutting down.
 inline constexpr uint32_t kAbortMembership = 0xFFFFFFFEu; // A plan excluded or included ranks.
 
@@ -144,7 +145,8 @@ struct AbortReason {
 };
 AbortReason ReadAbortCode(uint32_t code);
 
-// The rank an abort code says left the group (ubepd saw it detach or disconnect), or -1.
+// The rank an abort code says left the group (ubepd saw it detach or disconnect, or the rank
+// found its ubepd gone), or -1.
 // Kernels read it too.
 constexpr int RankThatLeft(uint32_t code) {
   return (code & kAbortRankGone) != 0 && code != kAbortDraining && code != kAbortMembership

@@ -427,6 +427,18 @@ void LoseNodeB(BalancerTest& t, bool balancer_down) {
   EXPECT_EQ(node_b->Wait(absl::Seconds(10)), 128 + SIGKILL);
   if (balancer_down) balancer = t.StartBalancer(flags);  // Same port: node-a finds it again.
   for (int r = 0; r < 4; ++r) EXPECT_EQ(clients[r]->Wait(absl::Seconds(120)), 0) << ReadFile(t.ClientLog(r));
+  // The survivors' daemon is alive: they are told that a rank of node-b left (or that the
+  // members changed, if the balancer's plan came first), never that their ubepd is draining,
+  // and they Rejoin where they are instead of attaching again.
+  for (int r = 0; r < 4; ++r) {
+    const std::string log = ReadFile(t.ClientLog(r));
+    EXPECT_THAT(log, ::testing::ContainsRegex(absl::StrCat(
+                         "error step [0-9]+: rank ", r,
+                         ": (rank [4-7] left the group|the group's membership changed)")))
+        << log;
+    EXPECT_THAT(log, ::testing::Not(HasSubstr("draining"))) << log;
+    EXPECT_THAT(log, HasSubstr("rejoined at step ")) << log;
+  }
   // The lost node's clients saw their daemon exit and found none to attach to again.
   for (int r = 4; r < 8; ++r) {
     EXPECT_EQ(clients[r]->Wait(absl::Seconds(60)), 3) << ReadFile(t.ClientLog(r));

@@ -774,6 +774,60 @@ TEST(NodeTest, AnAbortWhileTheRanksStopForAChangeOfMembersFailsThatPrepare) {
   EXPECT_EQ(a.State().committed_version(), 1u);
 }
 
+// Each daemon stops only the ranks a change of members asks it to stop (its own, and those
+// whose membership changes). Here plan v2 drops node b's ranks 2-3: node a commits first and
+// forms the new group of ranks 0-1 at once; node b's Commit, arriving after, stops its own
+// ranks and leaves the new group running. (It used to mark every arena it maps broken, with
+// no abort code: ranks 0-1 then failed their next step with "the group has re-formed or is
+// forming without this rank" while their peers, past that check, waited for them.)
+TEST(NodeTest, APeersLateCommitOfAChangeOfMembersLeavesTheGroupFormedWithoutItsRanks) {
+  Node a(Hosting(0));
+  Node b(Hosting(2));
+  const TwoNodes t = AttachTwoNodes(a, b);
+  const Attached x1 = AttachAndClaim(a, 1, 4, 3);
+  absl::StatusOr<v1::JoinResponse> j0, j1, j2;
+  std::thread join0([&] { j0 = a.Join(JoinOf(0, t.x0.token), absl::Now() + absl::Seconds(30)); });
+  std::thread join1([&] { j1 = a.Join(JoinOf(1, x1.token), absl::Now() + absl::Seconds(30)); });
+  std::thread join2([&] { j2 = b.Join(JoinOf(2, t.x2.token), absl::Now() + absl::Seconds(30)); });
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while ((a.Snapshot().joining < 2 || b.Snapshot().joining < 1) && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  for (Node* node : {&a, &b}) {
+    const v1::PrepareResponse prepared = node->Prepare(FourRankPlan(2, {2, 3}), 10);
+    ASSERT_TRUE(prepared.prepared()) << prepared.reason();
+  }
+  ASSERT_TRUE(a.Commit(2).ok());
+  join0.join();
+  join1.join();
+  ASSERT_TRUE(j0.ok()) << j0.status();
+  ASSERT_TRUE(j1.ok()) << j1.status();
+  EXPECT_EQ(j0->generation(), 1u);
+  EXPECT_EQ(j1->generation(), 1u);
+  ASSERT_TRUE(b.Commit(2).ok());
+  for (int r : {0, 1}) {
+    const kernels::RankControl* c = kernels::ControlOf(t.x0.arenas[r].data(), t.x0.layout);
+    EXPECT_EQ(std::atomic_ref<const uint32_t>(c->group_state).load(), kernels::kGroupReady)
+        << "rank " << r;
+    EXPECT_EQ(std::atomic_ref<const uint64_t>(c->generation).load(), 1u) << "rank " << r;
+    EXPECT_EQ(AbortWord(t.x0, r, 4), 0u) << "rank " << r;
+  }
+  // Node b's own ranks are stopped, named as a change of members.
+  for (int r : {2, 3}) {
+    const kernels::RankControl* c = kernels::ControlOf(t.x2.arenas[r].data(), t.x2.layout);
+    EXPECT_EQ(std::atomic_ref<const uint32_t>(c->group_state).load(), kernels::kGroupBroken)
+        << "rank " << r;
+    EXPECT_EQ(AbortWord(t.x2, r, 4), kernels::kAbortMembership) << "rank " << r;
+  }
+  // Rank 2, excluded, waits in Join for a plan that includes it, until it detaches.
+  v1::DetachRequest detach;
+  detach.set_rank(2);
+  detach.set_token(t.x2.token);
+  EXPECT_TRUE(b.Detach(detach).ok());
+  join2.join();
+  EXPECT_EQ(j2.status(), absl::FailedPreconditionError("rank 2 detached while joining"));
+}
+
 // ubep_daemon_imbalance_ratio is max over mean of the last harvest's received pairs over
 // this daemon's own ranks: the peer's ranks, whose counters it does not read, do not count as
 // idle ranks (which would double the ratio of two ranks of four).
