@@ -619,14 +619,19 @@ absl::Status Rank::BeginStep(uint64_t step) {
   if (check_daemon && DaemonExited(s)) {
     // Stop the group. The ranks of this daemon as a draining daemon would: their waits end
     // with "draining", and each attaches again, to the daemon that takes over. The ranks of
-    // peer daemons, which are alive, learn that this rank left (they Rejoin where they are);
-    // unless the plan excludes it already: then they run without it, undisturbed.
+    // peer daemons, which are alive, learn that this rank left (they Rejoin where they are),
+    // if they are in this rank's generation: a plan that excludes this rank, or a group formed
+    // without it, leaves them running undisturbed.
     s.daemon_exited = true;
     const kernels::ArenaLayout ep(s.config);
     const bool member = !ExcludedByNewestPlan(s);
     auto code_for = [&](int r) -> uint32_t {
       if (s.HostedByOwnDaemon(r)) return kernels::kAbortDraining;
-      return member ? kernels::kAbortRankGone | static_cast<uint32_t>(s.rank) : 0;
+      const uint64_t generation = std::atomic_ref<const uint64_t>(
+          kernels::ControlOf(s.arenas[r].data(), s.layout)->generation).load(std::memory_order_acquire);
+      return member && generation == s.generation
+                 ? kernels::kAbortRankGone | static_cast<uint32_t>(s.rank)
+                 : 0;
     };
     if (!s.on_device) {
       for (int r = 0; r < static_cast<int>(s.arenas.size()); ++r) {

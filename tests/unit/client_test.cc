@@ -20,6 +20,7 @@
 #include "common/unix_socket.h"
 #include "daemon/daemon.h"
 #include "daemon/node.h"
+#include "kernels/host/arena_layout.h"
 #include "kernels/host/rank_arena.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -297,6 +298,130 @@ TEST(ClientTest, ARefreshReplyOfAnOlderArenaEpochIsPassedOver) {
   ASSERT_TRUE((*rank)->Combine(dispatched, dispatched.rows(), out.data()).ok());
   EXPECT_EQ(out, x);
   EXPECT_TRUE((*rank)->Detach().ok());
+}
+
+// ubepd's fd socket for several clients, answering from `node`: each connection's claim of
+// the arenas (connection ids 1, 2, ... in order of accepting), and no more; Close(i) closes
+// the i-th connection, as a ubepd that exits closes them all.
+class ClosableFdSocket {
+ public:
+  ClosableFdSocket(daemon::Node& node, const std::string& path)
+      : listener_(*ListenUnix(path, 0600)), thread_([this, &node] { Serve(node); }) {}
+  ~ClosableFdSocket() {
+    stop_ = true;
+    thread_.join();
+  }
+  void Close(int i) {
+    std::lock_guard<std::mutex> lock(mu_);
+    connections_.at(i - 1).reset();
+  }
+
+ private:
+  void Serve(daemon::Node& node) {
+    while (!stop_) {
+      pollfd p{listener_.get(), POLLIN, 0};
+      if (poll(&p, 1, 10) != 1) continue;
+      UniqueFd connection(accept(listener_.get(), nullptr, nullptr));
+      absl::StatusOr<ReceivedMessage> token =
+          ReceiveMessage(connection.get(), 4096, absl::Seconds(10));
+      ASSERT_TRUE(token.ok()) << token.status();
+      std::lock_guard<std::mutex> lock(mu_);
+      const int64_t id = static_cast<int64_t>(connections_.size()) + 1;
+      absl::StatusOr<std::vector<UniqueFd>> claimed = node.ClaimArenas(token->bytes, id);
+      ASSERT_TRUE(claimed.ok()) << claimed.status();
+      std::vector<int> raw;
+      for (const UniqueFd& fd : *claimed) raw.push_back(fd.get());
+      ASSERT_TRUE(SendMessage(connection.get(), "OK", raw).ok());
+      connections_.push_back(std::move(connection));
+    }
+  }
+
+  UniqueFd listener_;
+  std::atomic<bool> stop_{false};
+  std::mutex mu_;
+  std::vector<UniqueFd> connections_;
+  std::thread thread_;  // Last: starts after the members it uses.
+};
+
+// The abort word of each rank's arena, as ubepd holds them.
+std::vector<uint32_t> AbortWords(daemon::Node& node) {
+  std::vector<uint32_t> words;
+  node.ForEachArena([&](int, std::byte* base, const kernels::RankArenaLayout& layout,
+                        const kernels::EpConfig& config) {
+    words.push_back(std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(
+                                                  base + layout.ep + kernels::ArenaLayout(config).abort))
+                        .load());
+  });
+  return words;
+}
+
+// Ranks 0 and 1 of a group of two, each told by its ubepd that it hosts rank 0 alone (as if
+// rank 1 were a peer daemon's). Rank 0's fd connection closes, as when its ubepd exits; at its
+// next BeginStep rank 0 stops its daemon's ranks as for a drain and tells rank 1, the peer
+// daemon's, that it left: rank 1 is to Rejoin where it is, not to attach again. If rank 1's
+// control block shows a generation newer than rank 0's (a group formed without rank 0), rank
+// 0 leaves it alone.
+void ExpectADaemonExitStopsItsRanksAndTellsThePeers(bool peer_in_a_newer_generation) {
+  test::TempDir dir;
+  const std::string socket = dir.path() + "/ubepd.sock";
+  AlteringUbepd ubepd(socket, [](v1::AttachResponse& response) {
+    response.set_hosted_first(0);
+    response.set_hosted_count(1);
+  });
+  ClosableFdSocket fd_socket(ubepd.node(), socket + ".fds");
+  ClientOptions options;
+  options.socket_path = socket;
+  options.rpc_timeout = absl::Seconds(10);
+  options.daemon_check_interval = absl::Nanoseconds(1);  // Every BeginStep looks.
+  absl::StatusOr<std::unique_ptr<Rank>> rank0;
+  std::thread attach0([&] { rank0 = Rank::Attach(options, 0, 2, 0, Shape()); });
+  // Rank 1 attaches once rank 0 holds connection 1 (the Join waits for both).
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (ubepd.node().Snapshot().joining == 0 && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  absl::StatusOr<std::unique_ptr<Rank>> rank1 = Rank::Attach(options, 1, 2, 0, Shape());
+  attach0.join();
+  ASSERT_TRUE(rank0.ok()) << rank0.status();
+  ASSERT_TRUE(rank1.ok()) << rank1.status();
+  ASSERT_TRUE((*rank0)->BeginStep(0).ok());
+  ASSERT_TRUE((*rank1)->BeginStep(0).ok());
+  if (peer_in_a_newer_generation) {
+    ubepd.node().ForEachArena([](int r, std::byte* base, const kernels::RankArenaLayout& layout,
+                                 const kernels::EpConfig&) {
+      if (r == 1) std::atomic_ref<uint64_t>(kernels::ControlOf(base, layout)->generation).fetch_add(1);
+    });
+  }
+  fd_socket.Close(1);
+  EXPECT_EQ((*rank0)->BeginStep(1),
+            absl::UnavailableError("rank 0: ubepd exited (it closed this rank's fd connection); "
+                                   "detach, and attach again when it is back"));
+  EXPECT_TRUE((*rank0)->must_attach_again());
+  if (peer_in_a_newer_generation) {
+    EXPECT_EQ(AbortWords(ubepd.node()), (std::vector<uint32_t>{kernels::kAbortDraining, 0u}));
+    return;
+  }
+  EXPECT_EQ(AbortWords(ubepd.node()),
+            (std::vector<uint32_t>{kernels::kAbortDraining, kernels::kAbortRankGone | 0u}));
+  // Rank 1's daemon is alive: its call fails naming rank 0, and it Rejoins, not attaches.
+  ASSERT_TRUE((*rank1)->BeginStep(1).ok());
+  Dispatched dispatched;
+  const std::vector<float> x(16, 1.0f);
+  const std::vector<int32_t> idx = {0, 1};
+  const std::vector<float> w = {0.5f, 0.5f};
+  EXPECT_EQ((*rank1)->Dispatch(0, x.data(), idx.data(), w.data(), 1, dispatched),
+            absl::UnavailableError("rank 1: rank 0 left the group (it detached, its process ended "
+                                   "or its ubepd exited) during dispatch counts of call 1; join "
+                                   "again once rank 0 is back"));
+  EXPECT_FALSE((*rank1)->must_attach_again());
+}
+
+TEST(ClientTest, ARankThatFindsItsDaemonGoneStopsItsRanksAsDrainingAndTellsThePeersItLeft) {
+  ExpectADaemonExitStopsItsRanksAndTellsThePeers(/*peer_in_a_newer_generation=*/false);
+}
+
+TEST(ClientTest, ARankThatFindsItsDaemonGoneLeavesAPeerOfANewerGenerationAlone) {
+  ExpectADaemonExitStopsItsRanksAndTellsThePeers(/*peer_in_a_newer_generation=*/true);
 }
 
 }  // namespace
