@@ -550,10 +550,23 @@ void Node::SetAbortCode(int r, uint32_t code, bool only_if_clear) {
 void Node::BreakGroup(int rank) {
   // A rank that leaves while joining must not be counted in the next generation.
   if (arenas_[rank].valid()) StoreWord(Ctl(rank)->join_ticket, 0);
-  const uint32_t state =
-      std::atomic_ref<uint32_t>(Ctl(rank)->group_state).load(std::memory_order_acquire);
-  if (state != kernels::kGroupReady) return;
-  StopGroup(kernels::kAbortRankGone | static_cast<uint32_t>(rank), [](int) { return true; });
+  auto ready = [&](int r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return std::atomic_ref<uint32_t>(Ctl(r)->group_state).load(std::memory_order_acquire) ==
+           kernels::kGroupReady;
+  };
+  const uint32_t code = kernels::kAbortRankGone | static_cast<uint32_t>(rank);
+  if (ready(rank)) {
+    StopGroup(code, [](int) { return true; });
+    return;
+  }
+  // The rank was stopped already, but maybe not every rank of its generation: a daemon stops
+  // only the ranks it is to stop (StopGroup), and a change of members that another daemon
+  // never prepared (it failed or was aborted first) leaves that daemon's ranks running the
+  // generation, waiting for this rank until their wait timeout. Stop those, naming the rank.
+  const uint64_t generation = LoadWord(Ctl(rank)->generation);
+  StopGroup(code, [&](int r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return r != rank && arenas_[r].valid() && ready(r) && LoadWord(Ctl(r)->generation) == generation;
+  });
 }
 
 int Node::LowestActive() const {

@@ -269,7 +269,8 @@ class Node {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckToken(uint32_t rank, const std::string& token, bool need_connected) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A rank left a group that may be running: stop every wait, naming it.
+  // A rank left a group that may be running: stop every wait, naming it. If the rank was
+  // stopped already, stop the ranks still running its generation (a partial stop).
   void BreakGroup(int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The daemon of rank 0: forms the next generation if every rank's ticket asks for it.
   void TryFormGroup() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

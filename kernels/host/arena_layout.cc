@@ -137,7 +137,7 @@ absl::Status DaemonAbortStatus(uint32_t code, int rank, const char* what, uint32
   if (reason.kind == AbortReason::kRankGone) {
     const int gone = reason.rank;
     return absl::UnavailableError(absl::StrCat(
-        "rank ", rank, ": rank ", gone, " left the group (it detached, its process ended or its ubepd exited) ",
+        "rank ", rank, ": rank ", gone, " left the group (it detached, rejoined or ended, or its ubepd exited) ",
         "during ", what, " of call ", call, "; join again once rank ", gone, " is back"));
   }
   return absl::OkStatus();

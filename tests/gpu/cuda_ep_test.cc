@@ -746,7 +746,7 @@ TEST_P(CudaEpTest, ARankThatLeftAfterItsLastCallSparesThatCallNotTheNext) {
   EXPECT_EQ(errors[1], "");
   for (int r : {0, 2, 3}) {
     EXPECT_EQ(errors[r],
-              absl::StrCat("rank ", r, ": rank 1 left the group (it detached, its process ended or "
+              absl::StrCat("rank ", r, ": rank 1 left the group (it detached, rejoined or ended, or "
                            "its ubepd exited) during ", c.protocol == Protocol::kBsp ? "dispatch, bsp" : "dispatch counts",
                            " of call 2; join again once rank 1 is back (call 2)"));
   }

@@ -410,7 +410,7 @@ void ExpectADaemonExitStopsItsRanksAndTellsThePeers(bool peer_in_a_newer_generat
   const std::vector<int32_t> idx = {0, 1};
   const std::vector<float> w = {0.5f, 0.5f};
   EXPECT_EQ((*rank1)->Dispatch(0, x.data(), idx.data(), w.data(), 1, dispatched),
-            absl::UnavailableError("rank 1: rank 0 left the group (it detached, its process ended "
+            absl::UnavailableError("rank 1: rank 0 left the group (it detached, rejoined or ended, "
                                    "or its ubepd exited) during dispatch counts of call 1; join "
                                    "again once rank 0 is back"));
   EXPECT_FALSE((*rank1)->must_attach_again());

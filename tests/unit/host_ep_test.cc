@@ -447,8 +447,8 @@ TEST_P(HostEpTest, ARankThatLeftAfterItsLastCallSparesThatCallNotTheNext) {
   });
   for (int r : {0, 2, 3}) {
     EXPECT_EQ(next[r], absl::UnavailableError(absl::StrCat(
-                           "rank ", r, ": rank 1 left the group (it detached, its process "
-                           "ended or its ubepd exited) during ",
+                           "rank ", r, ": rank 1 left the group (it detached, rejoined or "
+                           "ended, or its ubepd exited) during ",
                            c.protocol == Protocol::kBsp ? "count exchange" : "dispatch counts",
                            " of call 2; join again once rank 1 is back")));
   }

@@ -828,6 +828,62 @@ TEST(NodeTest, APeersLateCommitOfAChangeOfMembersLeavesTheGroupFormedWithoutItsR
   EXPECT_EQ(j2.status(), absl::FailedPreconditionError("rank 2 detached while joining"));
 }
 
+// A change of members that only one daemon prepared: node a stops its ranks 0-1 for plan v2
+// (which drops rank 1, so node b's ranks 2-3 are stopped by their own daemon's Prepare, not by
+// a's) and the Prepare fails there (its ranks do not stop in time); node b never gets it. Rank
+// 0 joins again; ranks 2-3 still run generation 1, where they would wait for rank 0 until
+// their wait timeout. Its Join stops those of them in that generation, naming rank 0 (rank 3
+// is made to read as a member of a newer one, and is left alone).
+TEST(NodeTest, AJoinStopsThePeersStillRunningTheGenerationTheRankWasStoppedIn) {
+  NodeOptions quick = Hosting(0);
+  quick.wait_timeout = absl::Milliseconds(50);  // Node a's Prepare waits this long for 0-1.
+  Node a(quick);
+  Node b(Hosting(2));
+  const TwoNodes t = AttachTwoNodes(a, b);
+  const Attached x1 = AttachAndClaim(a, 1, 4, 3);
+  const Attached x3 = AttachAndClaim(b, 3, 4, 4);
+  {
+    absl::StatusOr<v1::JoinResponse> j[4];
+    std::thread join0([&] { j[0] = a.Join(JoinOf(0, t.x0.token), absl::Now() + absl::Seconds(30)); });
+    std::thread join1([&] { j[1] = a.Join(JoinOf(1, x1.token), absl::Now() + absl::Seconds(30)); });
+    std::thread join2([&] { j[2] = b.Join(JoinOf(2, t.x2.token), absl::Now() + absl::Seconds(30)); });
+    j[3] = b.Join(JoinOf(3, x3.token), absl::Now() + absl::Seconds(30));
+    join0.join();
+    join1.join();
+    join2.join();
+    for (int r = 0; r < 4; ++r) ASSERT_TRUE(j[r].ok()) << "rank " << r << ": " << j[r].status();
+    ASSERT_EQ(j[0]->generation(), 1u);
+  }
+  // Without rank 1: experts 0-3 stay on ranks 0 and 2, half each; 4-7 are rank 3's alone.
+  balancer::Plan without1 = FourRankPlan(2, {1});
+  for (balancer::LayerPlan& layer : without1.layers) {
+    for (int p = 0; p < 16; ++p) layer.slot_share[p] = p / 4 == 1 ? 0.0 : p % 8 < 4 ? 0.5 : 1.0;
+  }
+  const v1::PrepareResponse prepared = a.Prepare(without1, 10);
+  EXPECT_FALSE(prepared.prepared());
+  EXPECT_EQ(prepared.reason(), "the hosted ranks did not stop within 50ms for the change of members");
+  auto state = [&](int r) {
+    return std::atomic_ref<const uint32_t>(
+               kernels::ControlOf(t.x0.arenas[r].data(), t.x0.layout)->group_state)
+        .load();
+  };
+  EXPECT_EQ(state(0), kernels::kGroupBroken);
+  EXPECT_EQ(state(1), kernels::kGroupBroken);
+  EXPECT_EQ(state(2), kernels::kGroupReady);
+  EXPECT_EQ(state(3), kernels::kGroupReady);
+  std::atomic_ref<uint64_t>(kernels::ControlOf(t.x0.arenas[3].data(), t.x0.layout)->generation)
+      .store(2);
+  // Rank 0 joins again: the group of four cannot form (ranks 1-3 are not joining).
+  const absl::StatusOr<v1::JoinResponse> again =
+      a.Join(JoinOf(0, t.x0.token), absl::Now() + absl::Milliseconds(300));
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(state(2), kernels::kGroupBroken);
+  EXPECT_EQ(AbortWord(t.x0, 2, 4), kernels::kAbortRankGone | 0u);
+  EXPECT_EQ(state(3), kernels::kGroupReady);
+  EXPECT_EQ(AbortWord(t.x0, 3, 4), 0u);
+  for (int r : {0, 1}) EXPECT_EQ(AbortWord(t.x0, r, 4), kernels::kAbortMembership) << "rank " << r;
+}
+
 // ubep_daemon_imbalance_ratio is max over mean of the last harvest's received pairs over
 // this daemon's own ranks: the peer's ranks, whose counters it does not read, do not count as
 // idle ranks (which would double the ratio of two ranks of four).
