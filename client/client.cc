@@ -644,12 +644,13 @@ absl::Status Rank::BeginStep(uint64_t step) {
     if (s.on_device) {
       // The data plane is at offset 0 of each device arena; a set abort word is kept.
       for (int r = 0; r < static_cast<int>(s.device_arenas.size()); ++r) {
+        const uint32_t raise = code_for(r);
         uint32_t code = 0;
-        if (code_for(r) != 0 &&
+        if (raise != 0 &&
             cudaMemcpy(&code, s.device_arenas[r]->data() + ep.abort, sizeof(code),
                        cudaMemcpyDeviceToHost) == cudaSuccess &&
             code == 0) {
-          code = code_for(r);
+          code = raise;
           (void)cudaMemcpy(s.device_arenas[r]->data() + ep.abort, &code, sizeof(code),
                            cudaMemcpyHostToDevice);
         }

@@ -562,11 +562,14 @@ void Node::BreakGroup(int rank) {
   // The rank was stopped already, but maybe not every rank of its generation: a daemon stops
   // only the ranks it is to stop (StopGroup), and a change of members that another daemon
   // never prepared (it failed or was aborted first) leaves that daemon's ranks running the
-  // generation, waiting for this rank until their wait timeout. Stop those, naming the rank.
+  // generation, waiting for this rank until their wait timeout. Stop those, naming the rank
+  // (read once: their daemons may change their words meanwhile).
   const uint64_t generation = LoadWord(Ctl(rank)->generation);
-  StopGroup(code, [&](int r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return r != rank && arenas_[r].valid() && ready(r) && LoadWord(Ctl(r)->generation) == generation;
-  });
+  std::vector<bool> running(arenas_.size());
+  for (int r = 0; r < static_cast<int>(arenas_.size()); ++r) {
+    running[r] = r != rank && arenas_[r].valid() && ready(r) && LoadWord(Ctl(r)->generation) == generation;
+  }
+  StopGroup(code, [&](int r) { return running[r]; });
 }
 
 int Node::LowestActive() const {
