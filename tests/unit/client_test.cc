@@ -213,6 +213,22 @@ TEST(ClientTest, ARejoinThatLostItsDataPlaneStopsEveryCallUntilARejoinCompletes)
   EXPECT_TRUE((*rank)->Detach().ok());
 }
 
+std::vector<int> RawFds(const std::vector<UniqueFd>& fds) {
+  std::vector<int> raw;
+  for (const UniqueFd& fd : fds) raw.push_back(fd.get());
+  return raw;
+}
+
+// ubepd's fd socket's answer to a claim: reads the token on `connection` and sends back "OK"
+// with `node`'s arenas for it, claimed as connection `id`.
+void AnswerClaim(daemon::Node& node, int connection, int64_t id) {
+  absl::StatusOr<ReceivedMessage> token = ReceiveMessage(connection, 4096, absl::Seconds(10));
+  ASSERT_TRUE(token.ok()) << token.status();
+  absl::StatusOr<std::vector<UniqueFd>> claimed = node.ClaimArenas(token->bytes, id);
+  ASSERT_TRUE(claimed.ok()) << claimed.status();
+  ASSERT_TRUE(SendMessage(connection, "OK", RawFds(*claimed)).ok());
+}
+
 // ubepd's fd socket for one client, answering from `node`: the claim of the arenas, then
 // each REFRESH with two replies, as when an earlier refresh's reply comes late: first one of
 // an older arena epoch carrying fds of no arena, then the node's arenas under `epoch_offset`
@@ -236,11 +252,7 @@ class LateRefreshFdSocket {
       if (poll(&p, 1, 10) == 1) connection = UniqueFd(accept(listener_.get(), nullptr, nullptr));
     }
     if (stop_) return;
-    absl::StatusOr<ReceivedMessage> token = ReceiveMessage(connection.get(), 4096, absl::Seconds(10));
-    ASSERT_TRUE(token.ok()) << token.status();
-    absl::StatusOr<std::vector<UniqueFd>> claimed = node.ClaimArenas(token->bytes, 1);
-    ASSERT_TRUE(claimed.ok()) << claimed.status();
-    ASSERT_TRUE(SendMessage(connection.get(), "OK", Raw(*claimed)).ok());
+    ASSERT_NO_FATAL_FAILURE(AnswerClaim(node, connection.get(), 1));
     while (!stop_) {
       absl::StatusOr<ReceivedMessage> request =
           ReceiveMessage(connection.get(), 4096, absl::Milliseconds(10));
@@ -257,16 +269,11 @@ class LateRefreshFdSocket {
       }
       const uint64_t epoch = arenas->first + epoch_offset;
       ++refreshes_;  // Before the replies: the client goes on once it has them.
-      ASSERT_TRUE(SendMessage(connection.get(), absl::StrCat("OK ", epoch - 1), Raw(none)).ok());
-      ASSERT_TRUE(SendMessage(connection.get(), absl::StrCat("OK ", epoch), Raw(arenas->second)).ok());
+      ASSERT_TRUE(SendMessage(connection.get(), absl::StrCat("OK ", epoch - 1), RawFds(none)).ok());
+      ASSERT_TRUE(
+          SendMessage(connection.get(), absl::StrCat("OK ", epoch), RawFds(arenas->second)).ok());
     }
   }
-  static std::vector<int> Raw(const std::vector<UniqueFd>& fds) {
-    std::vector<int> raw;
-    for (const UniqueFd& fd : fds) raw.push_back(fd.get());
-    return raw;
-  }
-
   UniqueFd listener_;
   std::atomic<bool> stop_{false};
   std::atomic<int> refreshes_{0};
@@ -318,20 +325,12 @@ class ClosableFdSocket {
 
  private:
   void Serve(daemon::Node& node) {
-    while (!stop_) {
+    for (int64_t id = 1; !stop_;) {
       pollfd p{listener_.get(), POLLIN, 0};
       if (poll(&p, 1, 10) != 1) continue;
       UniqueFd connection(accept(listener_.get(), nullptr, nullptr));
-      absl::StatusOr<ReceivedMessage> token =
-          ReceiveMessage(connection.get(), 4096, absl::Seconds(10));
-      ASSERT_TRUE(token.ok()) << token.status();
+      ASSERT_NO_FATAL_FAILURE(AnswerClaim(node, connection.get(), id++));
       std::lock_guard<std::mutex> lock(mu_);
-      const int64_t id = static_cast<int64_t>(connections_.size()) + 1;
-      absl::StatusOr<std::vector<UniqueFd>> claimed = node.ClaimArenas(token->bytes, id);
-      ASSERT_TRUE(claimed.ok()) << claimed.status();
-      std::vector<int> raw;
-      for (const UniqueFd& fd : *claimed) raw.push_back(fd.get());
-      ASSERT_TRUE(SendMessage(connection.get(), "OK", raw).ok());
       connections_.push_back(std::move(connection));
     }
   }
