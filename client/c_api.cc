@@ -58,6 +58,7 @@ int ubep_attach(const char* socket_path, int32_t rank, int32_t world_size, int32
 int ubep_attach_at(const char* socket_path, int32_t rank, int32_t world_size, int32_t device,
                    const ubep_model_shape* shape, int64_t next_step, ubep_rank** out) {
   if (socket_path == nullptr) {
+    if (out != nullptr) *out = nullptr;
     return Fail(absl::InvalidArgumentError("ubep_attach: null argument"));
   }
   ubep_client_options options;
@@ -69,10 +70,10 @@ int ubep_attach_at(const char* socket_path, int32_t rank, int32_t world_size, in
 int ubep_attach_with(const ubep_client_options* c_options, int32_t rank, int32_t world_size,
                      int32_t device, const ubep_model_shape* shape, int64_t next_step,
                      ubep_rank** out) {
+  if (out != nullptr) *out = nullptr;
   if (shape == nullptr || out == nullptr) {
     return Fail(absl::InvalidArgumentError("ubep_attach: null argument"));
   }
-  *out = nullptr;
   ubep::ClientOptions options;
   if (c_options != nullptr) {
     // Only the v1 fields exist so far: a smaller struct is not a ubep_client_options, a

@@ -44,6 +44,9 @@ struct DispatchedState {
   bool on_device = false;
   uint64_t plan_version = 0;
   int layer = -1;
+  // Which dispatch of which rank this is the output of (Combine takes only the rank's last).
+  const RankState* rank = nullptr;
+  uint64_t serial = 0;
 };
 
 struct RankState {
@@ -78,7 +81,8 @@ struct RankState {
 #endif
   uint64_t generation = 0;
   uint64_t resume_step = 0;
-  uint64_t step = 0;
+  uint64_t step = 0;  // The step begun last; the resume step after Attach or Rejoin.
+  uint64_t dispatches = 0;  // Successful dispatches: the serial of the last one.
   bool step_begun = false;
   absl::Status stopped;    // Set by a data-plane error: the group must re-form.
   // When BeginStep looks next whether ubepd is still there (MonotonicNow).
@@ -500,6 +504,21 @@ absl::StatusOr<std::unique_ptr<Rank>> Rank::Attach(const ClientOptions& options,
                                                      absl::FormatDuration(value)));
     }
   }
+  // Sent as unsigned fields, which ubepd checks: a negative one would read as a huge one.
+  for (const auto& [name, value] : {std::pair<const char*, int>{"num_layers", shape.num_layers},
+                                    {"num_experts", shape.num_experts},
+                                    {"hidden", shape.hidden},
+                                    {"top_k", shape.top_k},
+                                    {"max_tokens", shape.max_tokens},
+                                    {"slots_per_rank", shape.slots_per_rank}}) {
+    if (value < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ModelShape::", name, " is ", value, "; it must not be negative"));
+    }
+  }
+  if (device < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("device ", device, " is negative"));
+  }
   // The host kernels' code runs from here on (arenas, signals, the host backend).
   UBEP_RETURN_IF_ERROR(kernels::HostCpuSupported());
   auto s = std::make_unique<RankState>();
@@ -662,6 +681,14 @@ absl::Status Rank::BeginStep(uint64_t step) {
                          "detach, and attach again when it is back")));
   }
   if (!GroupReady(s)) return Record(s, s.stopped = GroupStopped(s));
+  if (step < s.step) {
+    // The plan in force at an earlier step may route to slots that now hold other experts
+    // (or no longer be kept at all): refused, so that no call runs under a plan its peers left.
+    return Record(s, absl::InvalidArgumentError(absl::StrCat(
+                         "rank ", s.rank, ": step ", step, " is before step ", s.step,
+                         ", where this rank is (steps only go forward; after Rejoin, from the "
+                         "step it returns)")));
+  }
   // Sequentially consistent, and before the look for an undecided plan below: ubepd prepares a
   // plan and then reads every rank's step, so either it sees this step (and withdraws a plan
   // whose effective step this rank began under the plan before) or this rank sees the plan.
@@ -802,6 +829,8 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
     return Record(s, status);
   }
   out.state_->layer = layer;
+  out.state_->rank = &s;
+  out.state_->serial = ++s.dispatches;
   s.last_plan_version = out.state_->plan_version;
   kernels::RankControl* c = s.control();
   Bump(c->dispatch_calls);
@@ -814,6 +843,21 @@ absl::Status Rank::Combine(const Dispatched& dispatched, const void* expert_out,
   RankState& s = *state_;
   if (!s.attached) return Detached();
   if (!s.stopped.ok()) return s.stopped;
+  if (dispatched.state_->rank != &s || dispatched.state_->serial != s.dispatches) {
+    // Another dispatch's output (one kept from an earlier layer, or another rank's): the
+    // backends combine the rank's last dispatch, whose rows this is not. Refused before any
+    // byte moves; the peers, waiting for this rank's partials, are told why.
+    absl::Status refused = absl::InvalidArgumentError(absl::StrCat(
+        "rank ", s.rank, ": combine takes the output of this rank's last dispatch (",
+        s.dispatches, " so far); this one is ",
+        dispatched.state_->rank != &s ? "not of this rank"
+                                      : absl::StrCat("of dispatch ", dispatched.state_->serial)));
+#ifdef UBEP_CLIENT_CUDA
+    if (s.on_device && s.cuda_ep != nullptr) refused = s.cuda_ep->Refuse(refused);
+#endif
+    if (!s.on_device && s.ep != nullptr) refused = s.ep->Refuse(refused);
+    return Record(s, refused);
+  }
   const absl::Time start = MonotonicNow();  // Latencies on the monotonic clock.
   absl::Status status;
   if (s.on_device) {

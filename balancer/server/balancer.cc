@@ -339,6 +339,23 @@ grpc::Status Balancer::Register(grpc::ServerContext*, const v1::RegisterRequest*
                             absl::StrCat("rank ", r, " is outside [0, ", request->world_size(), ")"));
       }
     }
+    // A daemon hosts a block of consecutive ranks (ranks are node-major); its reports cover
+    // the slots of that block, and a plan excludes each rank once.
+    std::vector<uint32_t> ranks(request->ranks().begin(), request->ranks().end());
+    std::sort(ranks.begin(), ranks.end());
+    for (size_t i = 1; i < ranks.size(); ++i) {
+      if (ranks[i] != ranks[i - 1] + 1) {
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                            absl::StrCat("ranks ", absl::StrJoin(request->ranks(), ", "),
+                                         " are not one block of consecutive ranks, each once"));
+      }
+    }
+  } else if (request->ranks_size() > 0) {
+    // Ranks are checked against the group's shape, which comes with them.
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("ranks ", absl::StrJoin(request->ranks(), ", "),
+                                     " come without the group's shape (a daemon with no group "
+                                     "attached registers no ranks)"));
   }
   MutexLock lock(&mu_);
   if (shape.has_value()) {
@@ -629,6 +646,14 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
   const uint64_t first = static_cast<uint64_t>(lo) * shape_->slots;
   const uint64_t count = static_cast<uint64_t>(hi - lo) * shape_->slots;
   for (int i = 0; i < load.layers_size(); ++i) {
+    // Rows are kept by position: the report lists the plan's layers in the plan's order.
+    if (static_cast<size_t>(i) < plan_->layer_ids.size() &&
+        static_cast<int64_t>(load.layers(i).layer()) != plan_->layer_ids[i]) {
+      return Reject("malformed", grpc::StatusCode::INVALID_ARGUMENT,
+                    absl::StrCat("load.layers[", i, "] is layer ", load.layers(i).layer(),
+                                 "; plan v", plan_->version, " has layer ", plan_->layer_ids[i],
+                                 " there"));
+    }
     if (load.layers(i).first_slot() != first || static_cast<uint64_t>(load.layers(i).slot_size()) != count) {
       return Reject("malformed", grpc::StatusCode::INVALID_ARGUMENT,
                     absl::StrCat("load.layers[", i, "] covers slots [", load.layers(i).first_slot(),

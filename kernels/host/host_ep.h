@@ -122,6 +122,12 @@ class HostEp {
   // created; monotonic.
   uint64_t LoadCounter(int layer, int local_slot) const;
 
+  // Returns `refused`, the error of a call this rank refuses before taking part, after
+  // recording it in its arena for the peers that wait for it in that call (RecordRefusal),
+  // in place of an earlier refusal of the call unless `keep_earlier` (a Combine refused for
+  // want of the Dispatch that was refused: the Dispatch's reason is the one that matters).
+  absl::Status Refuse(absl::Status refused, bool keep_earlier = false);
+
   const EpConfig& config() const { return config_; }
   int rank() const { return rank_; }
 
@@ -140,11 +146,6 @@ class HostEp {
   HostEp(const EpConfig& config, int rank, std::vector<std::byte*> arenas);
 
   absl::Status Validate(const DispatchInput& input) const;
-  // Returns `refused`, the error of a call this rank refuses before taking part, after
-  // recording it in its arena for the peers that wait for it in that call (RecordRefusal),
-  // in place of an earlier refusal of the call unless `keep_earlier` (a Combine refused for
-  // want of the Dispatch that was refused: the Dispatch's reason is the one that matters).
-  absl::Status Refuse(absl::Status refused, bool keep_earlier = false);
   // This rank takes part in a call: a refusal it recorded no longer explains a wait for it.
   void TakePart();
   // One row store (send_split.h): token `token`'s row as record `record` of destination `dest`.

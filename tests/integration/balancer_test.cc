@@ -940,6 +940,11 @@ TEST_F(BalancerTest, MalformedReportsAreRejectedWithTheReasonCountedAndTheBalanc
        "report of node fake has seq 0; a daemon numbers its reports from 1"},
       {[](auto& q) { q.mutable_load()->add_layers()->set_layer(2); },
        grpc::StatusCode::INVALID_ARGUMENT, "report has 3 layers; the model has 2"},
+      {[](auto& q) {
+         q.mutable_load()->mutable_layers(0)->set_layer(1);
+         q.mutable_load()->mutable_layers(1)->set_layer(0);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "load.layers[0] is layer 1; plan v1 has layer 0 there"},
       {[](auto& q) { q.mutable_load()->mutable_layers(0)->set_slot(1, static_cast<uint64_t>(-5)); },
        grpc::StatusCode::INVALID_ARGUMENT, "load.layers[0].slot[1]: count -5 is negative"},
       {[](auto& q) { q.mutable_load()->mutable_layers(1)->add_dispatches(static_cast<uint64_t>(-3)); },
@@ -961,7 +966,7 @@ TEST_F(BalancerTest, MalformedReportsAreRejectedWithTheReasonCountedAndTheBalanc
   const std::string m = test::HttpGet(balancer_metrics_, "/metrics");
   EXPECT_EQ(test::Sample(m, "ubep_balancer_rejected_reports_total{reason=\"unknown_node\"}"), 1);
   EXPECT_EQ(test::Sample(m, "ubep_balancer_rejected_reports_total{reason=\"out_of_order\"}"), 1);
-  EXPECT_EQ(test::Sample(m, "ubep_balancer_rejected_reports_total{reason=\"malformed\"}"), 3);
+  EXPECT_EQ(test::Sample(m, "ubep_balancer_rejected_reports_total{reason=\"malformed\"}"), 4);
   EXPECT_EQ(test::Sample(m, "ubep_balancer_rejected_reports_total{reason=\"negative\"}"), 2);
   EXPECT_EQ(test::Sample(m, "ubep_balancer_rejected_reports_total{reason=\"stale_plan\"}"), 1);
   EXPECT_EQ(test::Sample(m, "ubep_balancer_stale_reports_total"), 1);

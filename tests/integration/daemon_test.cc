@@ -595,6 +595,61 @@ TEST_F(DaemonTest, PythonCallsLibubepThroughCtypes) {
 }
 #endif
 
+// Calls out of order are refused with what was expected, and the rank goes on: a step before
+// the one begun (its plan may route to slots that now hold other experts), a combine of an
+// earlier dispatch's output (the backend would combine the last one's rows), a negative shape
+// field (sent unsigned, it would read as a huge one), a null socket path through the C ABI.
+TEST_F(DaemonTest, CallsOutOfOrderAreRefusedNamingWhatWasExpected) {
+  auto daemon = StartDaemon();
+  ClientOptions options;
+  options.socket_path = socket_path();
+  ModelShape shape{.num_layers = 2, .num_experts = 4, .hidden = 8, .top_k = 2, .max_tokens = 4,
+                   .slots_per_rank = 4};
+  shape.hidden = -8;
+  EXPECT_EQ(Rank::Attach(options, 0, 1, 0, shape).status(),
+            absl::InvalidArgumentError("ModelShape::hidden is -8; it must not be negative"));
+  shape.hidden = 8;
+  EXPECT_EQ(Rank::Attach(options, 0, 1, -1, shape).status(),
+            absl::InvalidArgumentError("device -1 is negative"));
+  absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(options, 0, 1, 0, shape, 10);
+  ASSERT_TRUE(rank.ok()) << rank.status();
+  Rank& r = **rank;
+  ASSERT_EQ(r.resume_step(), 10u);
+  EXPECT_EQ(r.BeginStep(9), absl::InvalidArgumentError(
+                                "rank 0: step 9 is before step 10, where this rank is (steps only "
+                                "go forward; after Rejoin, from the step it returns)"));
+  ASSERT_TRUE(r.BeginStep(12).ok());
+  ASSERT_TRUE(r.BeginStep(12).ok());  // Again (after an error, say): the same plan.
+  EXPECT_EQ(r.BeginStep(11).message(),
+            "rank 0: step 11 is before step 12, where this rank is (steps only go forward; "
+            "after Rejoin, from the step it returns)");
+  ASSERT_TRUE(r.BeginStep(13).ok());  // A BeginStep that failed left no step open.
+  std::vector<float> x(4 * 8, 1.0f), w(4 * 2, 0.5f), out(4 * 8);
+  const std::vector<int32_t> idx = {0, 1, 1, 2, 2, 3, 3, 0};
+  const std::vector<float> y(8 * 8, 1.0f);
+  Dispatched first, second, never;
+  ASSERT_TRUE(r.Dispatch(0, x.data(), idx.data(), w.data(), 4, first).ok());
+  ASSERT_TRUE(r.Combine(first, y.data(), out.data()).ok());
+  ASSERT_TRUE(r.Dispatch(1, x.data(), idx.data(), w.data(), 4, second).ok());
+  EXPECT_EQ(r.Combine(first, y.data(), out.data()),
+            absl::InvalidArgumentError("rank 0: combine takes the output of this rank's last "
+                                       "dispatch (2 so far); this one is of dispatch 1"));
+  EXPECT_EQ(r.Combine(never, y.data(), out.data()),
+            absl::InvalidArgumentError("rank 0: combine takes the output of this rank's last "
+                                       "dispatch (2 so far); this one is not of this rank"));
+  std::fill(out.begin(), out.end(), 0.0f);
+  ASSERT_TRUE(r.Combine(second, y.data(), out.data()).ok());
+  EXPECT_EQ(out, std::vector<float>(4 * 8, 1.0f));
+  EXPECT_EQ(r.stats().combine_calls, 2u);
+  ASSERT_TRUE(r.Detach().ok());
+
+  auto* c_rank = reinterpret_cast<ubep_rank*>(uintptr_t{0x10});  // Whatever was there.
+  const ubep_model_shape good = {1, 4, 8, 2, 4, 4, 0, UBEP_DTYPE_FLOAT32};
+  EXPECT_EQ(ubep_attach_at(nullptr, 0, 1, 0, &good, 7, &c_rank),
+            static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(c_rank, nullptr);
+}
+
 // The C++ API on a rank that detached, and the C ABI on a null handle or an unknown dtype:
 // a clear error each, never a crash (a rank of a group of one, against a real ubepd).
 TEST_F(DaemonTest, ADetachedRankAndNullHandlesGetErrorsNotCrashes) {

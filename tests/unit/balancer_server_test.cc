@@ -185,6 +185,42 @@ TEST(BalancerServerTest, ShapeConflictsAreRefusedNamingBothShapes) {
   EXPECT_EQ(balancer.Register(nullptr, &other, &response).error_message(), "rank 9 is outside [0, 4)");
 }
 
+// Ranks come with the group's shape they are checked against, once each and as one block:
+// a registration naming ranks without a shape, or ranks listed twice or with a gap, is
+// refused before anything is kept (a rank far out of range would otherwise be excluded by the
+// next plan, past the end of its tables).
+TEST(BalancerServerTest, ARegistrationsRanksAreOneBlockAndComeWithTheShape) {
+  Balancer balancer(BalancerOptions{}, std::make_shared<prometheus::Registry>());
+  v1::RegisterResponse response;
+  v1::RegisterRequest no_shape = Registration("node-0", 0);
+  no_shape.clear_shape();
+  no_shape.set_ranks(1, 1000);
+  grpc::Status status = balancer.Register(nullptr, &no_shape, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(status.error_message(),
+            "ranks 0, 1000 come without the group's shape (a daemon with no group attached "
+            "registers no ranks)");
+  v1::RegisterRequest twice = Registration("node-0", 2);
+  twice.set_ranks(1, 2);
+  status = balancer.Register(nullptr, &twice, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(status.error_message(), "ranks 2, 2 are not one block of consecutive ranks, each once");
+  v1::RegisterRequest gap = Registration("node-0", 0);
+  gap.set_ranks(1, 3);
+  EXPECT_EQ(balancer.Register(nullptr, &gap, &response).error_message(),
+            "ranks 0, 3 are not one block of consecutive ranks, each once");
+  EXPECT_TRUE(balancer.Status().nodes.empty());
+  // Without ranks and shape (no group attached yet), and in reverse order, are fine.
+  no_shape.clear_ranks();
+  EXPECT_TRUE(balancer.Register(nullptr, &no_shape, &response).ok());
+  v1::RegisterRequest reversed = Registration("node-1", 2);
+  reversed.set_ranks(0, 3);
+  reversed.set_ranks(1, 2);
+  status = balancer.Register(nullptr, &reversed, &response);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(balancer.Status().nodes.size(), 2u);
+}
+
 // A daemon's DaemonControl, in process on loopback, with the gRPC health service the
 // balancer checks: it serves `plan` as committed (in force from `effective_step`), prepares
 // and commits whatever it is sent but a version it is told to refuse, and records the Prepare
