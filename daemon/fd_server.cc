@@ -87,10 +87,7 @@ absl::Status FdServer::Reply(int fd, const std::string& bytes,
 
 bool FdServer::Serve(int64_t id, int fd) {
   absl::StatusOr<ReceivedMessage> message = ReceiveMessage(fd, kMaxTokenBytes, absl::ZeroDuration());
-  if (!message.ok() || message->closed) {
-    node_->ConnectionClosed(id);
-    return false;
-  }
+  if (!message.ok() || message->closed) return false;
   static const std::vector<UniqueFd> kNone;
   if (absl::StartsWith(message->bytes, kPeerRequest)) {
     absl::StatusOr<std::pair<int, std::vector<UniqueFd>>> arenas =
@@ -104,7 +101,6 @@ bool FdServer::Serve(int64_t id, int fd) {
     if (!Reply(fd, StatusLine(arenas, arenas.ok() ? absl::StrCat("OK ", arenas->first) : ""),
                arenas.ok() ? arenas->second : kNone)
              .ok()) {
-      node_->ConnectionClosed(id);
       return false;
     }
     // The connection still holds its rank; one that holds none has nothing to keep open.
@@ -112,11 +108,7 @@ bool FdServer::Serve(int64_t id, int fd) {
   }
   absl::StatusOr<std::vector<UniqueFd>> fds = node_->ClaimArenas(message->bytes, id);
   // On failure, one message: a status line the client turns into its error.
-  if (!Reply(fd, StatusLine(fds, "OK"), fds.ok() ? *fds : kNone).ok() || !fds.ok()) {
-    if (fds.ok()) node_->ConnectionClosed(id);
-    return false;
-  }
-  return true;
+  return Reply(fd, StatusLine(fds, "OK"), fds.ok() ? *fds : kNone).ok() && fds.ok();
 }
 
 void FdServer::Loop() {
@@ -151,6 +143,9 @@ void FdServer::Loop() {
         if (Serve(id, polls[i].fd)) {
           connection.close_at = absl::InfiniteFuture();
         } else {
+          // Whatever ended it (the client closed it, a message out of place, a reply not
+          // taken), a rank it held is gone: the client sees its connection closed.
+          node_->ConnectionClosed(id);
           connections_.erase(id);
         }
       } else if (connection.close_at <= now) {

@@ -3,7 +3,8 @@
 // attached, and its closing (the client exited, or was killed) tells the Node the rank is gone.
 // A peer daemon of the same EP group (same machine) sends kPeerRequest followed by the group's
 // key (Node::PeerKey) and receives "OK <first rank>" with the hosted arenas' fds; that
-// connection then closes. A client may send kRefreshRequest on its open connection.
+// connection then closes. A client may send kRefreshRequest on its open connection; anything
+// else on a connection that holds a rank closes it, and the rank is gone as if the client had.
 // One thread polls the listener and every connection; no connection can hold it: a reply the
 // other side does not take within FdServerOptions::send_timeout closes its connection (and
 // detaches its rank), and a connection that holds no rank is closed after

@@ -84,7 +84,9 @@ int main(int argc, char** argv) {
   options.report_interval = absl::GetFlag(FLAGS_report_interval);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   for (const auto& [name, value] : {std::pair{"harvest_interval", options.harvest_interval},
-                                    std::pair{"report_interval", options.report_interval}}) {
+                                    std::pair{"report_interval", options.report_interval},
+                                    std::pair{"wait_timeout", absl::GetFlag(FLAGS_wait_timeout)},
+                                    std::pair{"join_timeout", absl::GetFlag(FLAGS_join_timeout)}}) {
     if (value <= absl::ZeroDuration()) {
       std::cerr << "ubepd: --" << name << " " << absl::FormatDuration(value)
                 << " is not positive\n";

@@ -865,9 +865,14 @@ absl::Status Node::FetchWeights(const WeightCopy& c, uint64_t version,
   return device_arenas_[c.to_rank]->Write(DeviceWeightOffset(c.layer, c.to_buffer), staged.data(), bytes);
 }
 
-absl::StatusOr<const uint32_t*> Node::CheckedSlotMap(int r, int buffer) const {
-  const uint32_t* map = kernels::SlotMap(arenas_[r].data(), layout_, config_, buffer);
+absl::StatusOr<std::vector<uint32_t>> Node::CheckedSlotMap(int r, int buffer) const {
+  // Copied once, then checked: the copy is what the caller uses, whatever the arena says later.
+  const uint32_t* in_arena = kernels::SlotMap(arenas_[r].data(), layout_, config_, buffer);
   const int S = config_.slots_per_rank;
+  std::vector<uint32_t> map(static_cast<size_t>(config_.num_layers) * S);
+  for (size_t i = 0; i < map.size(); ++i) {
+    map[i] = std::atomic_ref<const uint32_t>(in_arena[i]).load(std::memory_order_relaxed);
+  }
   for (int i = 0; i < config_.num_layers * S; ++i) {
     if (map[i] >= layout_.buffers_per_layer) {
       return absl::DataLossError(absl::StrCat(
@@ -917,7 +922,7 @@ absl::StatusOr<v1::ReadWeightsResponse> Node::ReadWeights(const v1::ReadWeightsR
   const int current = PlanBufferOf(plan_.version, r);
   if (current < 0) return absl::InternalError(absl::StrCat("plan v", plan_.version, " is not in the plan area of rank ", r));
   // The plan in force maps this buffer, so no staging writes it while we read.
-  UBEP_ASSIGN_OR_RETURN(const uint32_t* map, CheckedSlotMap(r, current));
+  UBEP_ASSIGN_OR_RETURN(const std::vector<uint32_t> map, CheckedSlotMap(r, current));
   const uint32_t buffer = map[request.layer() * S + request.slot() % S];
   v1::ReadWeightsResponse response;
   response.set_bytes_per_expert(bytes);
@@ -1139,6 +1144,7 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
   if (!schedule.ok()) return fail(std::string(schedule.status().message()));
   const bool over_link = on_device() && !remote.nccl_id.empty();
   std::vector<std::vector<uint32_t>> maps(R);
+  std::vector<std::vector<uint32_t>> checked(R);  // The slot maps in force, copied and checked.
   std::vector<WeightCopy> copies;
   std::vector<uint32_t> buffer_of(schedule->size(), 0);  // Hosted copies' new buffers.
   uint32_t copied_slots = 0, remote_slots = 0;
@@ -1147,9 +1153,10 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
   // Every map a copy reads (the hosted ranks' and the holders'), checked once.
   for (int r = 0; r < R; ++r) {
     if (!arenas_[r].valid() || current[r] < 0) continue;
-    absl::StatusOr<const uint32_t*> cur = CheckedSlotMap(r, current[r]);
+    absl::StatusOr<std::vector<uint32_t>> cur = CheckedSlotMap(r, current[r]);
     if (!cur.ok()) return fail(std::string(cur.status().message()));
-    if (Hosted(r)) maps[r].assign(*cur, *cur + static_cast<size_t>(L) * S);
+    checked[r] = *std::move(cur);
+    if (Hosted(r)) maps[r] = checked[r];
   }
   // The schedule is in (layer, rank, slot) order: each hosted (layer, rank)'s copies in turn.
   size_t k = 0;
@@ -1160,7 +1167,7 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
       while (end < schedule->size() && (*schedule)[end].layer == l && (*schedule)[end].rank == r) ++end;
       if (plan.excluded(r)) continue;
       const bool returning = plan_.excluded(r);
-      const uint32_t* cur = kernels::SlotMap(arenas_[r].data(), layout_, config_, current[r]);
+      const std::vector<uint32_t>& cur = checked[r];
       std::vector<bool> used(layout_.buffers_per_layer, false);
       for (int i = 0; i < S; ++i) used[cur[l * S + i]] = true;
       std::vector<uint32_t> free;
@@ -1188,7 +1195,7 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
           ++remote_slots;
           remote_bytes += bytes_per_expert;
         } else {
-          const uint32_t source = kernels::SlotMap(arenas_[hr].data(), layout_, config_, current[hr])[l * S + hj];
+          const uint32_t source = checked[hr][l * S + hj];
           copies.push_back({hr, source, r, buffer, l});
         }
         maps[r][l * S + c.slot] = buffer;
@@ -1223,8 +1230,7 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
       batches.resize(std::max<size_t>(batches.size(), op.batch + 1));
       if (op.send) {
         const int hr = c.holder / S;
-        const uint32_t source =
-            kernels::SlotMap(arenas_[hr].data(), layout_, config_, current[hr])[c.layer * S + c.holder % S];
+        const uint32_t source = checked[hr][c.layer * S + c.holder % S];
         batches[op.batch].push_back({op.peer, /*send=*/true, device_arenas_[hr].get(),
                                      DeviceWeightOffset(c.layer, source), bytes_per_expert});
       } else {

@@ -303,11 +303,11 @@ class Node {
   // Index (0 or 1) of the plan buffer holding `version` in rank `rank`'s plan area (the
   // first hosted rank's for -1); -1 if none.
   int PlanBufferOf(uint64_t version, int rank = -1) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Rank r's slot map in plan buffer `buffer`, once every entry is checked to be a weight
+  // A copy of rank r's slot map in plan buffer `buffer`, every entry checked to be a weight
   // buffer of the layout: only ubepd writes it, but the rank's process maps the arena
-  // writable, and a stray store there must not send a copy outside the arena. DataLoss names
-  // the first entry that is not.
-  absl::StatusOr<const uint32_t*> CheckedSlotMap(int r, int buffer) const
+  // writable, and a stray store there, before the check or after it, must not send a copy
+  // outside the arena. DataLoss names the first entry that is not.
+  absl::StatusOr<std::vector<uint32_t>> CheckedSlotMap(int r, int buffer) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether a change of members to `next` stops rank r's waits: this daemon stops its own
   // ranks and those whose membership changes; the other members' daemons stop theirs (each

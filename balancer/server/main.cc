@@ -76,6 +76,20 @@ int main(int argc, char** argv) {
   o.auto_rebalance = absl::GetFlag(FLAGS_auto_rebalance);
   o.pause_before_commit = absl::GetFlag(FLAGS_pause_before_commit);
   o.planner_threads = absl::GetFlag(FLAGS_planner_threads);
+  for (const auto& [name, value] : {std::pair{"interval", o.interval},
+                                    std::pair{"report_interval", o.report_interval},
+                                    std::pair{"health_interval", o.health_interval},
+                                    std::pair{"rpc_timeout", o.rpc_timeout}}) {
+    if (value <= absl::ZeroDuration()) {
+      std::cerr << "ubep-balancer: --" << name << " " << absl::FormatDuration(value)
+                << " is not positive\n";
+      return 2;
+    }
+  }
+  if (o.min_margin_steps < 0) {
+    std::cerr << "ubep-balancer: --min_margin_steps " << o.min_margin_steps << " is negative\n";
+    return 2;
+  }
   if (o.ewma_alpha < 0 || o.ewma_alpha > 1 || o.window_intervals < 1 || o.trigger_windows < 1 ||
       o.health_failures < 1 || o.threshold < 1) {
     std::cerr << "ubep-balancer: --ewma in [0, 1], --window, --trigger_windows and "

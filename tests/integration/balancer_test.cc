@@ -877,6 +877,28 @@ class FakeDaemon final : public v1::DaemonControl::Service {
   std::unique_ptr<grpc::Server> server_;
 };
 
+// Flag values no balancer could run with are refused at start, exit 2, naming the flag: a
+// zero interval would spin its loop, a zero health interval mark every daemon down, a
+// negative step margin put effective steps behind the ranks.
+TEST_F(BalancerTest, FlagValuesItCannotRunWithAreRefusedAtStart) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--interval=0s", "ubep-balancer: --interval 0 is not positive\n"},
+      {"--health_interval=-1s", "ubep-balancer: --health_interval -1s is not positive\n"},
+      {"--rpc_timeout=0s", "ubep-balancer: --rpc_timeout 0 is not positive\n"},
+      {"--min_margin_steps=-20", "ubep-balancer: --min_margin_steps -20 is negative\n"},
+      {"--window=0",
+       "ubep-balancer: --ewma in [0, 1], --window, --trigger_windows and --health_failures >= 1, "
+       "--threshold >= 1\n"},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const auto& [flag, message] = cases[i];
+    const std::string log = path(absl::StrCat("flag", i, ".log"));
+    Process p({test::BinaryPath("ubep-balancer"), "--listen=127.0.0.1:0", "--metrics=", flag}, log);
+    EXPECT_EQ(p.Wait(absl::Seconds(30)), 2) << flag;
+    EXPECT_EQ(ReadFile(log), message);
+  }
+}
+
 TEST_F(BalancerTest, MalformedReportsAreRejectedWithTheReasonCountedAndTheBalancerKeepsRunning) {
   FakeDaemon fake;
   auto balancer = StartBalancer({"--auto_rebalance=false"});

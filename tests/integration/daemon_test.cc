@@ -305,6 +305,17 @@ TEST_F(DaemonTest, AReceiveCapacityOverflowDropsTheSameStepsEverywhereAndTheRest
                dir_.path() + "/idle.out");
   EXPECT_EQ(idle.Wait(absl::Seconds(30)), 2);
   EXPECT_EQ(ReadFile(dir_.path() + "/idle.out"), "ubepd: --harvest_interval 0 is not positive\n");
+  // A wait no call could pass: refused at start, not blamed on each client's Attach later.
+  Process no_wait({BinaryPath("ubepd"), "--socket=" + dir_.path() + "/other.sock",
+                   "--wait_timeout=0s"},
+                  dir_.path() + "/no_wait.out");
+  EXPECT_EQ(no_wait.Wait(absl::Seconds(30)), 2);
+  EXPECT_EQ(ReadFile(dir_.path() + "/no_wait.out"), "ubepd: --wait_timeout 0 is not positive\n");
+  Process no_join({BinaryPath("ubepd"), "--socket=" + dir_.path() + "/other.sock",
+                   "--join_timeout=-1s"},
+                  dir_.path() + "/no_join.out");
+  EXPECT_EQ(no_join.Wait(absl::Seconds(30)), 2);
+  EXPECT_EQ(ReadFile(dir_.path() + "/no_join.out"), "ubepd: --join_timeout -1s is not positive\n");
   // A second daemon on the same socket path is refused, and leaves the first one's sockets be.
   Process second({BinaryPath("ubepd"), "--socket=" + socket_path(), "--metrics="},
                  dir_.path() + "/second.out");

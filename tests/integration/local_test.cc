@@ -264,6 +264,24 @@ TEST_F(LocalTest, AReceiveCapacityDropsTheStepsOnEveryRankAndTheReportCountsThem
   EXPECT_EQ(r["correct"], true);
 }
 
+// Flag values that cannot make a cluster are refused before anything starts, exit 2.
+TEST_F(LocalTest, FlagValuesThatCannotMakeAClusterAreRefusedBeforeAnythingStarts) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--ranks=0",
+       "ubep-local: need 1 <= --daemons <= --ranks, --steps >= 1 and --policy ubep, eplb or none\n"},
+      {"--layers=-1", "ubep-local: --layers -1 is not positive\n"},
+      {"--hidden=0", "ubep-local: --hidden 0 is not positive\n"},
+      {"--slots_per_rank=-2", "ubep-local: --slots_per_rank -2 is negative\n"},
+  };
+  for (const auto& [flag, message] : cases) {
+    std::string output;
+    EXPECT_EQ(Run({test::BinaryPath("ubep-local"), "--report=" + path("report"), flag}, &output), 2)
+        << flag;
+    EXPECT_EQ(output, message);
+  }
+  EXPECT_FALSE(std::filesystem::exists(path("report")));
+}
+
 TEST_F(LocalTest, InterruptStopsEveryProcessAndLeavesNothingBehind) {
   auto shm = [] {
     std::vector<std::string> names;

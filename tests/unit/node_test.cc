@@ -1371,5 +1371,26 @@ TEST_F(FdServerTest, AClientThatTakesNoReplyCannotStallTheServer) {
   EXPECT_EQ(node_->Snapshot().attached, 0);
 }
 
+// A connection that holds a rank and sends anything but a refresh (a peer's request, its
+// token again) is closed, and the rank with it: the client sees its connection end, and the
+// daemon does not keep a rank attached to a connection it no longer has (which would refuse
+// the rank's next Attach as held by another process, and hold every drain until its timeout).
+TEST_F(FdServerTest, AMessageOutOfPlaceOnARanksConnectionEndsTheConnectionAndTheRank) {
+  for (const std::string message : {std::string(kPeerRequest) + "key", std::string("a token")}) {
+    SCOPED_TRACE(message);
+    UniqueFd claimed = Claimed();
+    ASSERT_EQ(node_->Snapshot().attached, 1);
+    ASSERT_TRUE(SendMessage(claimed.get(), message, {}).ok());
+    absl::StatusOr<ReceivedMessage> reply = ReceiveMessage(claimed.get(), 256, absl::Seconds(5));
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    if (!reply->closed) {  // A reply first (the refusal), then the end.
+      reply = ReceiveMessage(claimed.get(), 256, absl::Seconds(5));
+      ASSERT_TRUE(reply.ok()) << reply.status();
+    }
+    EXPECT_TRUE(reply->closed);
+    EXPECT_EQ(node_->Snapshot().attached, 0);
+  }
+}
+
 }  // namespace
 }  // namespace ubep::daemon

@@ -20,8 +20,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -270,12 +272,25 @@ int main(int argc, char** argv) {
   const std::string policy = absl::GetFlag(FLAGS_policy);
   const int experts = absl::GetFlag(FLAGS_experts);
   int slots = absl::GetFlag(FLAGS_slots_per_rank);
-  if (slots == 0) slots = (experts + R - 1) / R;
   if (R < 1 || K < 1 || K > R || steps < 1 || (policy != "ubep" && policy != "eplb" && policy != "none")) {
     std::cerr << "ubep-local: need 1 <= --daemons <= --ranks, --steps >= 1 and --policy ubep, eplb "
                  "or none\n";
     return 2;
   }
+  for (const auto& [name, value] : {std::pair<const char*, int>{"experts", experts},
+                                    {"layers", absl::GetFlag(FLAGS_layers)},
+                                    {"hidden", absl::GetFlag(FLAGS_hidden)},
+                                    {"tokens", absl::GetFlag(FLAGS_tokens)}}) {
+    if (value < 1) {
+      std::cerr << "ubep-local: --" << name << " " << value << " is not positive\n";
+      return 2;
+    }
+  }
+  if (slots < 0) {
+    std::cerr << "ubep-local: --slots_per_rank " << slots << " is negative\n";
+    return 2;
+  }
+  if (slots == 0) slots = (experts + R - 1) / R;
   const std::string bin = SelfDir();
   std::string traces = absl::GetFlag(FLAGS_traces);
   if (traces.empty()) {
@@ -283,9 +298,19 @@ int main(int argc, char** argv) {
     traces = dir + "decode_in1000out1000.json," + dir + "prefill_in1024.json";
   }
   const std::string report_dir = absl::GetFlag(FLAGS_report);
-  std::filesystem::create_directories(report_dir);
+  std::error_code made;
+  std::filesystem::create_directories(report_dir, made);
+  if (made) {
+    std::cerr << "ubep-local: cannot create --report " << report_dir << ": " << made.message() << "\n";
+    return 1;
+  }
   char workdir_template[] = "/tmp/ubep-local.XXXXXX";
-  const std::string workdir = mkdtemp(workdir_template);
+  if (mkdtemp(workdir_template) == nullptr) {
+    std::cerr << "ubep-local: cannot create a working directory under /tmp: " << strerror(errno)
+              << "\n";
+    return 1;
+  }
+  const std::string workdir = workdir_template;
   signal(SIGINT, OnSignal);
   signal(SIGTERM, OnSignal);
   const int metrics_base = absl::GetFlag(FLAGS_metrics_port);
@@ -322,6 +347,12 @@ int main(int argc, char** argv) {
     if (!balancer->Wait(absl::Seconds(10)).has_value()) balancer->Signal(SIGKILL);
   };
   auto fail = [&](const std::string& what, const std::string& log) {
+    if (interrupted.load()) {  // Ctrl-C while starting up: as once running, less the report.
+      std::cout << "ubep-local: interrupted; stopping everything\n";
+      stop_all();
+      if (!absl::GetFlag(FLAGS_keep_workdir)) std::filesystem::remove_all(workdir);
+      return 130;
+    }
     std::cerr << "ubep-local: " << what << "\n" << ReadFile(log) << "\n";
     stop_all();
     std::cerr << "logs kept in " << workdir << "\n";
