@@ -901,7 +901,8 @@ void Balancer::Recover() {
       effective_step_learned_ = true;
     }
   }
-  // Resolve undecided prepares: committed anywhere -> commit; else abort after the grace.
+  // Resolve undecided prepares: aborted by this process -> abort; committed anywhere ->
+  // commit; else abort after the grace, once no daemon that may have committed it is unknown.
   std::vector<std::pair<std::shared_ptr<v1::DaemonControl::Stub>, std::pair<uint64_t, bool>>> decide;
   {
     MutexLock lock(&mu_);
@@ -910,13 +911,33 @@ void Balancer::Recover() {
     // lost: it is committed wherever it is pending.
     uint64_t committed_max = plan_.has_value() ? plan_->version : 0;
     for (const auto& [name, d] : daemons_) committed_max = std::max(committed_max, d.committed);
-    const bool grace_over = MonotonicNow() - started_ >= options_.recovery_grace;
+    const absl::Duration up = MonotonicNow() - started_;
+    // A version above every commit known may still have been committed by a daemon whose
+    // state is not known: one whose GetState failed or that is down, or the daemon of a
+    // member rank that has not registered again (the previous balancer died between two
+    // Commits). Aborting it elsewhere would run the two halves of the group under two plans;
+    // it waits for them, until the registration grace, after which such ranks are down.
+    const bool unknown =
+        (shape_.has_value() && !UnlistedMembers().empty()) ||
+        std::any_of(daemons_.begin(), daemons_.end(), [](const auto& entry) {
+          return entry.second.needs_state && !entry.second.info.ranks().empty();
+        });
+    const bool may_abort = up >= options_.recovery_grace &&
+                           (!unknown || up >= options_.registration_grace);
     for (auto& [name, d] : daemons_) {
       if (d.pending == 0 || !d.healthy) continue;
-      if (d.pending <= committed_max) {
-        decide.push_back({d.control, {d.pending, true}});
-      } else if (grace_over) {
+      if (aborted_versions_.contains(d.pending)) {
         decide.push_back({d.control, {d.pending, false}});
+      } else if (d.pending <= committed_max) {
+        decide.push_back({d.control, {d.pending, true}});
+      } else if (may_abort) {
+        decide.push_back({d.control, {d.pending, false}});
+      } else if (!held_logged_.contains(d.pending)) {
+        held_logged_.insert(d.pending);
+        UBEP_LOG(WARNING) << "recovery: plan v" << d.pending << " is pending on node " << name
+                          << " and committed on no daemon known; it is not aborted while a "
+                             "daemon that may have committed it is unknown (at most "
+                          << options_.registration_grace << " from the start)";
       }
     }
   }
@@ -935,6 +956,8 @@ void Balancer::Recover() {
       v1::AbortResponse response;
       status = stub->Abort(&context, request, &response);
       if (status.ok()) plans_aborted_->Increment();
+      MutexLock lock(&mu_);
+      aborted_versions_.insert(decision.first);
     }
     UBEP_LOG(INFO) << "recovery: " << (decision.second ? "committed" : "aborted") << " orphan plan v"
                    << decision.first << (status.ok() ? "" : " (failed: " + status.error_message() + ")");
@@ -1043,6 +1066,27 @@ void Balancer::CatchUp() {
 
 absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why, bool members_only) {
   std::lock_guard<std::mutex> serial(commit_mu_);
+  return PlanAndCommitSerialized(why, members_only);
+}
+
+grpc::Status Balancer::Serialize(std::unique_lock<std::mutex>& serial,
+                                 const grpc::ServerContext* context, const std::string& what) {
+  // A change in flight lasts as long as its daemons' RPCs (rpc_timeout each), longer than an
+  // operator's deadline may be: the caller is answered before that deadline, with nothing
+  // done, rather than left to time out while it is done after all.
+  serial = std::unique_lock<std::mutex>(commit_mu_, std::defer_lock);
+  if (const std::optional<absl::Duration> left = TimeLeft(context); !left.has_value()) {
+    serial.lock();
+  } else if (!LockBefore(serial, *left - kAnswerMargin)) {
+    return grpc::Status(grpc::StatusCode::ABORTED,
+                        absl::StrCat("a plan change is in flight; ", what,
+                                     ": try again once it is done"));
+  }
+  return grpc::Status::OK;
+}
+
+absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const char* why,
+                                                                        bool members_only) {
   v1::RebalanceResponse result;
   Plan previous;
   LoadMatrix load;
@@ -1231,6 +1275,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why, b
   if (!commit) {
     plans_aborted_->Increment();
     ++aborted_count_;
+    aborted_versions_.insert(plan->version);
     return absl::AbortedError(absl::StrCat("plan v", plan->version, " aborted: ",
                                            absl::StrJoin(failed, "; ")));
   }
@@ -1355,8 +1400,17 @@ std::vector<int> Balancer::DesiredExcluded() const {
   return excluded;
 }
 
-grpc::Status Balancer::SetDrained(const std::string& node, bool drained,
-                                  v1::RebalanceResponse* response) {
+grpc::Status Balancer::SetDrained(const grpc::ServerContext* context, const std::string& node,
+                                  bool drained, v1::RebalanceResponse* response) {
+  // The node is marked under commit_mu_, taken first: a drain answered "not done" is not
+  // done by the next Tick either.
+  std::unique_lock<std::mutex> serial;
+  if (grpc::Status s = Serialize(serial, context,
+                                 absl::StrCat("node ", node, " was not ",
+                                              drained ? "drained" : "undrained"));
+      !s.ok()) {
+    return s;
+  }
   bool was_drained = false;
   {
     MutexLock lock(&mu_);
@@ -1378,7 +1432,7 @@ grpc::Status Balancer::SetDrained(const std::string& node, bool drained,
   }
   UBEP_LOG(INFO) << (drained ? "draining" : "undraining") << " node " << node;
   absl::StatusOr<v1::RebalanceResponse> result =
-      PlanAndCommit(drained ? "node drained" : "node undrained", /*members_only=*/true);
+      PlanAndCommitSerialized(drained ? "node drained" : "node undrained", /*members_only=*/true);
   if (!drained && result.ok()) {
     MutexLock lock(&mu_);
     auto it = daemons_.find(node);
@@ -1404,30 +1458,24 @@ grpc::Status Balancer::SetDrained(const std::string& node, bool drained,
   return grpc::Status::OK;
 }
 
-grpc::Status Balancer::Drain(grpc::ServerContext*, const v1::DrainRequest* request,
+grpc::Status Balancer::Drain(grpc::ServerContext* context, const v1::DrainRequest* request,
                              v1::RebalanceResponse* response) {
-  return SetDrained(request->node(), true, response);
+  return SetDrained(context, request->node(), true, response);
 }
 
-grpc::Status Balancer::Undrain(grpc::ServerContext*, const v1::DrainRequest* request,
+grpc::Status Balancer::Undrain(grpc::ServerContext* context, const v1::DrainRequest* request,
                                v1::RebalanceResponse* response) {
-  return SetDrained(request->node(), false, response);
+  return SetDrained(context, request->node(), false, response);
 }
 
 grpc::Status Balancer::Forget(grpc::ServerContext* context, const v1::ForgetRequest* request,
                               v1::ForgetResponse* response) {
   const std::string& node = request->node();
   // Serialized with plan changes and recovery, which look daemons up again after their RPCs.
-  // A change in flight lasts as long as its daemons' RPCs (rpc_timeout each), longer than an
-  // operator's deadline may be: the caller is answered before that deadline, with nothing
-  // forgotten, rather than left to time out while the node is forgotten after all.
-  std::unique_lock<std::mutex> serial(commit_mu_, std::defer_lock);
-  if (const std::optional<absl::Duration> left = TimeLeft(context); !left.has_value()) {
-    serial.lock();
-  } else if (!LockBefore(serial, *left - kAnswerMargin)) {
-    return grpc::Status(grpc::StatusCode::ABORTED,
-                        absl::StrCat("a plan change is in flight; node ", node,
-                                     " was not forgotten: try again once it is done"));
+  std::unique_lock<std::mutex> serial;
+  if (grpc::Status s = Serialize(serial, context, absl::StrCat("node ", node, " was not forgotten"));
+      !s.ok()) {
+    return s;
   }
   MutexLock lock(&mu_);
   auto it = daemons_.find(node);
@@ -1507,9 +1555,12 @@ grpc::Status Balancer::GetClusterPlan(grpc::ServerContext*, const v1::GetCluster
   return grpc::Status::OK;
 }
 
-grpc::Status Balancer::Rebalance(grpc::ServerContext*, const v1::RebalanceRequest*,
+grpc::Status Balancer::Rebalance(grpc::ServerContext* context, const v1::RebalanceRequest*,
                                  v1::RebalanceResponse* response) {
-  absl::StatusOr<v1::RebalanceResponse> result = PlanAndCommit("requested");
+  std::unique_lock<std::mutex> serial;
+  if (grpc::Status s = Serialize(serial, context, "no rebalance was made"); !s.ok()) return s;
+  absl::StatusOr<v1::RebalanceResponse> result =
+      PlanAndCommitSerialized("requested", /*members_only=*/false);
   if (!result.ok()) {
     return grpc::Status(static_cast<grpc::StatusCode>(result.status().code()),
                         std::string(result.status().message()));

@@ -175,6 +175,13 @@ class Balancer final : public v1::Control::Service {
   // the plan in force already has the members wanted (another caller committed it first),
   // nothing is planned and the answer names that plan.
   absl::StatusOr<v1::RebalanceResponse> PlanAndCommit(const char* why, bool members_only = false);
+  // PlanAndCommit with commit_mu_ held by the caller.
+  absl::StatusOr<v1::RebalanceResponse> PlanAndCommitSerialized(const char* why, bool members_only);
+  // For an operator's request: takes commit_mu_ into `serial`, waiting for a change in flight
+  // only until shortly before the caller's deadline (LockBefore); ABORTED, naming `what` was
+  // not done, if it is still in flight then.
+  grpc::Status Serialize(std::unique_lock<std::mutex>& serial, const grpc::ServerContext* context,
+                         const std::string& what);
   uint64_t EstimateStep() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The daemon hosts a rank plan_ keeps.
   bool Member(const Daemon& d) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -196,7 +203,8 @@ class Balancer final : public v1::Control::Service {
   // (from one report it falls behind by up to a report interval of steps, and the daemons
   // refuse the plan). The automatic triggers wait for it.
   bool StepRatesKnown() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  grpc::Status SetDrained(const std::string& node, bool drained, v1::RebalanceResponse* response);
+  grpc::Status SetDrained(const grpc::ServerContext* context, const std::string& node, bool drained,
+                          v1::RebalanceResponse* response);
   void CloseInterval() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // ubep_balancer_imbalance_ratio{layer, when}; NaN (no load) removes the series.
   void SetImbalance(int layer, const char* when, double value) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -205,8 +213,9 @@ class Balancer final : public v1::Control::Service {
 
   const BalancerOptions options_;
   const absl::Time started_;  // MonotonicNow().
-  // One plan change (or recovery) at a time. An operator's Forget waits for a change in flight
-  // only until shortly before its own deadline (LockBefore).
+  // One plan change (or recovery) at a time. An operator's request (Drain, Undrain, Rebalance,
+  // Forget) waits for a change in flight only until shortly before its own deadline
+  // (Serialize).
   std::mutex commit_mu_;
   mutable Mutex mu_;
   std::map<std::string, Daemon> daemons_ ABSL_GUARDED_BY(mu_);
@@ -217,6 +226,10 @@ class Balancer final : public v1::Control::Service {
   std::set<int> missing_ ABSL_GUARDED_BY(mu_);
   absl::Time missing_since_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   uint64_t highest_version_ ABSL_GUARDED_BY(mu_) = 0;  // Committed or prepared anywhere.
+  // Versions this process aborted: one still pending on a daemon whose Abort did not arrive
+  // is aborted there too, however far the cluster's plan has gone past it since.
+  std::set<uint64_t> aborted_versions_ ABSL_GUARDED_BY(mu_);
+  std::set<uint64_t> held_logged_ ABSL_GUARDED_BY(mu_);  // Orphans held (Recover), logged once.
   std::unique_ptr<LoadWindow> window_ ABSL_GUARDED_BY(mu_);
   std::vector<double> measured_ ABSL_GUARDED_BY(mu_);  // NaN: a layer no call reached.
   int above_threshold_ ABSL_GUARDED_BY(mu_) = 0;

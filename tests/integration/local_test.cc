@@ -5,6 +5,7 @@
 // ubep-balance eval accepts), drains and undrains a node. Label: integration;ops.
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <signal.h>
 
@@ -121,15 +122,6 @@ TEST_F(LocalTest, UbepLocalServedWhilePrometheusScrapesAndUbepctlOperates) {
                       absl::StrCat("--web.listen-address=127.0.0.1:", prom_port)},
                      path("prometheus.log"));
 
-  // ubepctl: unreachable balancer first.
-  {
-    std::string out;
-    const int code = Run({test::BinaryPath("ubepctl"), "--balancer=127.0.0.1:1", "--timeout=2s",
-                          "status"},
-                         &out);
-    EXPECT_EQ(code, 1);
-    EXPECT_THAT(out, HasSubstr("ubepctl: cannot reach ubep-balancer at 127.0.0.1:1: "));
-  }
   // Both nodes registered with their ranks; then the first rebalance.
   ASSERT_TRUE(WaitFor([&] {
     const nlohmann::json s = Status();
@@ -262,6 +254,35 @@ TEST_F(LocalTest, AReceiveCapacityDropsTheStepsOnEveryRankAndTheReportCountsThem
   EXPECT_EQ(r["dropped_steps"], 60);
   EXPECT_EQ(r["last_dropped_step"], 59);
   EXPECT_EQ(r["correct"], true);
+}
+
+// ubepctl against a balancer that is not there, and against one that takes the connection
+// and never answers (busy, as with a plan change in flight): each said for what it is.
+TEST_F(LocalTest, UbepctlSaysWhetherTheBalancerIsUnreachableOrDidNotAnswerInTime) {
+  std::string out;
+  EXPECT_EQ(Run({test::BinaryPath("ubepctl"), "--balancer=127.0.0.1:1", "--timeout=2s", "status"},
+                &out),
+            1);
+  EXPECT_THAT(out, HasSubstr("ubepctl: cannot reach ubep-balancer at 127.0.0.1:1: "));
+  const int silent = socket(AF_INET, SOCK_STREAM, 0);  // Listens, never speaks.
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(silent, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(listen(silent, 4), 0);
+  socklen_t len = sizeof(addr);
+  getsockname(silent, reinterpret_cast<sockaddr*>(&addr), &len);
+  const std::string balancer = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port));
+  EXPECT_EQ(Run({test::BinaryPath("ubepctl"), "--balancer=" + balancer, "--timeout=1s", "drain",
+                 "node-x"},
+                &out),
+            1);
+  EXPECT_EQ(out, absl::StrCat("ubepctl: drain node-x: no answer from ubep-balancer at ", balancer,
+                              " within --timeout 1s (unreachable, or busy: a change asked for "
+                              "may still be made; see ubepctl status)\n"));
+  close(silent);
+  EXPECT_EQ(Run({test::BinaryPath("ubepctl"), "--timeout=0s", "status"}, &out), 2);
+  EXPECT_THAT(out, ::testing::StartsWith("ubepctl: --timeout 0 is not positive\n"));
 }
 
 // Flag values that cannot make a cluster are refused before anything starts, exit 2.

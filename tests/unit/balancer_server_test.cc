@@ -263,10 +263,16 @@ class FakeDaemon final : public v1::DaemonControl::Service {
     for (const v1::PrepareRequest& p : prepares_) {
       if (p.plan().version() == request->version()) committed_ = p.plan();
     }
+    commits_.push_back(request->version());
     return grpc::Status::OK;
   }
   grpc::Status Abort(grpc::ServerContext*, const v1::AbortRequest* request, v1::AbortResponse*) override {
     std::lock_guard<std::mutex> lock(mu_);
+    if (request->version() == lost_abort_) {  // Not taken: the prepared plan stays pending.
+      lost_abort_ = 0;
+      pending_ = request->version();
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the abort was lost");
+    }
     if (pending_ == request->version()) {
       pending_ = 0;
       aborted_.push_back(request->version());
@@ -322,6 +328,25 @@ class FakeDaemon final : public v1::DaemonControl::Service {
     std::lock_guard<std::mutex> lock(mu_);
     lost_commit_ = version;
   }
+  // The Abort of `version` is not taken and answered UNAVAILABLE (the plan stays pending).
+  void LoseAbortOf(uint64_t version) {
+    std::lock_guard<std::mutex> lock(mu_);
+    lost_abort_ = version;
+  }
+  // `plan` prepared here and undecided, as a balancer that died before deciding leaves it.
+  void SetPending(const v1::Plan& plan) {
+    std::lock_guard<std::mutex> lock(mu_);
+    v1::PrepareRequest prepared;
+    *prepared.mutable_plan() = plan;
+    prepares_.push_back(prepared);
+    pending_ = plan.version();
+  }
+  // What its health service answers: SERVING or NOT_SERVING.
+  void SetServing(bool serving) { server_->GetHealthCheckService()->SetServingStatus(serving); }
+  std::vector<uint64_t> commits() {  // Versions committed, in order.
+    std::lock_guard<std::mutex> lock(mu_);
+    return commits_;
+  }
   void SetStateUnavailable(bool unavailable) {
     std::lock_guard<std::mutex> lock(mu_);
     state_unavailable_ = unavailable;
@@ -339,7 +364,8 @@ class FakeDaemon final : public v1::DaemonControl::Service {
   v1::Plan committed_;
   uint64_t effective_step_;
   uint64_t refused_ = 0;
-  uint64_t lost_commit_ = 0, pending_ = 0;
+  uint64_t lost_commit_ = 0, lost_abort_ = 0, pending_ = 0;
+  std::vector<uint64_t> commits_;
   bool state_unavailable_ = false;
   std::vector<uint64_t> aborted_;
   std::vector<v1::PrepareRequest> prepares_;
@@ -855,7 +881,7 @@ TEST(BalancerServerTest, ANodeIsNotForgottenBeforeThePlanIsLearned) {
 // (here the plan without node-b's ranks, whose Prepare node-a holds): the balancer, served on
 // loopback, answers before the caller's deadline and forgets nothing then, and forgets the
 // node once the change is done.
-TEST(BalancerServerTest, AForgetDuringAPlanChangeIsAnsweredBeforeItsDeadline) {
+TEST(BalancerServerTest, AForgetDrainOrRebalanceDuringAPlanChangeIsAnsweredBeforeItsDeadline) {
   auto a = std::make_unique<FakeDaemon>("node-a", FirstPlan());
   auto b = std::make_unique<FakeDaemon>("node-b", FirstPlan());
   BalancerOptions options = QuickToMarkDown();
@@ -888,6 +914,22 @@ TEST(BalancerServerTest, AForgetDuringAPlanChangeIsAnsweredBeforeItsDeadline) {
   }
   v1::ForgetResponse response;
   grpc::Status status = forget(absl::Seconds(1), &response);
+  // A drain and a rebalance asked meanwhile are answered the same way, and not done later.
+  grpc::Status drain, rebalance;
+  {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+    v1::DrainRequest request;
+    request.set_node("node-a");
+    v1::RebalanceResponse answer;
+    drain = control->Drain(&context, request, &answer);
+  }
+  {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+    v1::RebalanceResponse answer;
+    rebalance = control->Rebalance(&context, v1::RebalanceRequest(), &answer);
+  }
   const bool prepared = !a->prepares().empty();
   a->HoldPrepares(false);
   ticks.join();
@@ -896,6 +938,16 @@ TEST(BalancerServerTest, AForgetDuringAPlanChangeIsAnsweredBeforeItsDeadline) {
   EXPECT_EQ(status.error_message(),
             "a plan change is in flight; node node-b was not forgotten: try again once it is "
             "done");
+  EXPECT_EQ(drain.error_code(), grpc::StatusCode::ABORTED);
+  EXPECT_EQ(drain.error_message(),
+            "a plan change is in flight; node node-a was not drained: try again once it is done");
+  EXPECT_EQ(rebalance.error_code(), grpc::StatusCode::ABORTED);
+  EXPECT_EQ(rebalance.error_message(),
+            "a plan change is in flight; no rebalance was made: try again once it is done");
+  balancer.Tick();
+  v1::ClusterStatus after;
+  ASSERT_TRUE(balancer.GetStatus(nullptr, nullptr, &after).ok());
+  for (const v1::NodeStatus& n : after.nodes()) EXPECT_FALSE(n.drained()) << n.node();
   ASSERT_EQ(a->committed_version(), 2u);  // Without node-b's ranks.
   v1::ClusterStatus cluster;
   ASSERT_TRUE(balancer.GetStatus(nullptr, nullptr, &cluster).ok());
@@ -934,6 +986,81 @@ TEST(BalancerServerTest, APlanCommittedOnlyOnAForgottenNodeIsStillCommittedOnThe
   for (int i = 0; i < 5 && a->committed_version() < 2; ++i) balancer->Tick();
   EXPECT_EQ(a->committed_version(), 2u);
   EXPECT_TRUE(a->aborted().empty());
+}
+
+// FirstPlan as version `version`.
+v1::Plan FirstPlanAs(uint64_t version) {
+  v1::Plan plan = FirstPlan();
+  plan.set_version(version);
+  return plan;
+}
+
+// A balancer that restarted after committing v2 on node-b only finds v2 pending on node-a.
+// Whether it was committed is known only to node-b: while node-b is unknown (not registered
+// again, or its state not read), v2 stays pending on node-a, past the recovery grace; then
+// it is committed there, as on node-b. (Aborted, node-a's ranks would run the steps from v2's
+// effective step under v1, node-b's under v2.) Once the registration grace is over, a daemon
+// still unknown no longer holds it back.
+TEST(BalancerServerTest, AnOrphanPlanIsNotAbortedWhileADaemonThatMayHaveCommittedItIsUnknown) {
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlanAs(2));
+  a.SetPending(FirstPlanAs(2));
+  BalancerOptions options = NeverMarkedDown();
+  options.recovery_grace = absl::ZeroDuration();
+  options.registration_grace = absl::Hours(1);
+  {
+    Balancer balancer(options, std::make_shared<prometheus::Registry>());
+    Register(balancer, DaemonRegistration(a, "node-a", 0, 0, "host"));
+    for (int i = 0; i < 3; ++i) balancer.Tick();  // node-b has not registered.
+    EXPECT_TRUE(a.aborted().empty());
+    b.SetStateUnavailable(true);
+    Register(balancer, DaemonRegistration(b, "node-b", 2, 0, "host"));
+    for (int i = 0; i < 3; ++i) balancer.Tick();  // node-b's state cannot be read.
+    EXPECT_TRUE(a.aborted().empty());
+    EXPECT_TRUE(a.commits().empty());
+    b.SetStateUnavailable(false);
+    for (int i = 0; i < 5 && a.commits().empty(); ++i) balancer.Tick();
+    EXPECT_EQ(a.commits(), std::vector<uint64_t>{2});
+    EXPECT_TRUE(a.aborted().empty());
+  }
+  // The registration grace over, a plan committed on no daemon known is aborted.
+  FakeDaemon c("node-c", FirstPlan());
+  c.SetPending(FirstPlanAs(2));
+  options.registration_grace = absl::ZeroDuration();
+  Balancer balancer(options, std::make_shared<prometheus::Registry>());
+  Register(balancer, DaemonRegistration(c, "node-c", 0, 0, "host"));
+  balancer.Tick();
+  EXPECT_EQ(c.aborted(), std::vector<uint64_t>{2});
+  EXPECT_TRUE(c.commits().empty());
+}
+
+// v2 is aborted (node-b refused it) and node-a's Abort is lost; node-a then fails its health
+// checks and v3, excluding its ranks, is committed on node-b. When node-a is back, v2 is
+// still pending there, below the cluster's v3: it is aborted, as this balancer decided, not
+// committed (it was committed nowhere).
+TEST(BalancerServerTest, AVersionAbortedWhoseAbortWasLostIsAbortedWhereItIsStillPending) {
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+  BalancerOptions options = QuickToMarkDown();
+  options.recovery_grace = absl::ZeroDuration();
+  std::unique_ptr<Balancer> balancer = WithTwoDaemons(options, a, b);  // Learns v1.
+  a.LoseAbortOf(2);
+  a.SetStateUnavailable(true);
+  b.Refuse(2);
+  v1::RebalanceResponse response;
+  EXPECT_EQ(Drain(*balancer, "node-b", true, &response).error_code(), grpc::StatusCode::ABORTED);
+  EXPECT_EQ(Drain(*balancer, "node-b", false, &response).error_code(), grpc::StatusCode::OK);
+  a.SetServing(false);
+  TickUntilDown(*balancer, "node-a");
+  for (int i = 0; i < 5 && b.committed_version() < 3; ++i) balancer->Tick();
+  ASSERT_EQ(b.committed_version(), 3u);  // node-a's ranks excluded.
+  a.SetServing(true);
+  a.SetStateUnavailable(false);
+  for (int i = 0; i < 100 && a.aborted().empty(); ++i) {
+    balancer->Tick();
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(a.aborted(), std::vector<uint64_t>{2});
+  const std::vector<uint64_t> commits = a.commits();
+  EXPECT_EQ(std::count(commits.begin(), commits.end(), 2u), 0) << "v2 committed on node-a";
 }
 
 // node-a (ranks 0, 1) and node-b (ranks 2, 3) registered by their processes a-1 and b-2;

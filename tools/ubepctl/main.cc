@@ -51,12 +51,19 @@ int Usage(const std::string& problem) {
   return 2;
 }
 
-// One line for a failed call: unreachable is said as such.
+// One line for a failed call: unreachable is said as such, and so is an answer that did not
+// come in time (the balancer may be busy with a plan change, and a change asked for may still
+// be made).
 int Failed(const std::string& what, const grpc::Status& status) {
-  if (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
-      status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+  if (status.error_code() == grpc::StatusCode::UNAVAILABLE) {
     std::cerr << "ubepctl: cannot reach ubep-balancer at " << absl::GetFlag(FLAGS_balancer)
               << ": " << status.error_message() << "\n";
+  } else if (status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+    std::cerr << "ubepctl: " << what << ": no answer from ubep-balancer at "
+              << absl::GetFlag(FLAGS_balancer) << " within --timeout "
+              << absl::FormatDuration(absl::GetFlag(FLAGS_timeout))
+              << " (unreachable, or busy: a change asked for may still be made; see ubepctl "
+                 "status)\n";
   } else {
     std::cerr << "ubepctl: " << what << ": " << status.error_message() << "\n";
   }
@@ -258,6 +265,10 @@ int main(int argc, char** argv) {
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   std::vector<std::string> words(args.begin() + 1, args.end());
   if (words.empty()) return Usage("no command");
+  if (absl::GetFlag(FLAGS_timeout) <= absl::ZeroDuration()) {
+    return Usage(absl::StrCat("--timeout ", absl::FormatDuration(absl::GetFlag(FLAGS_timeout)),
+                              " is not positive"));
+  }
   auto stub = Control::NewStub(
       grpc::CreateChannel(absl::GetFlag(FLAGS_balancer), grpc::InsecureChannelCredentials()));
   const std::string& command = words[0];
