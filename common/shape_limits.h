@@ -13,6 +13,11 @@ inline constexpr uint32_t kMaxExperts = 1024;      // Logical experts per layer.
 inline constexpr uint32_t kMaxLayers = 4096;       // MoE layers.
 inline constexpr uint32_t kMaxSlotsPerRank = 4096;
 
+// The largest control-plane message every gRPC peer of the project takes (a plan carries
+// about 10 bytes per slot and layer: 1024 ranks x 8 slots x 58 layers is 4.7 MB, past gRPC's
+// default of 4 MiB).
+inline constexpr int kMaxControlMessageBytes = 64 << 20;
+
 }  // namespace ubep
 
 #endif  // UBEP_COMMON_SHAPE_LIMITS_H_

@@ -15,6 +15,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/shape_limits.h"
 #include "daemon/node.h"
 
 namespace grpc {
@@ -39,7 +40,7 @@ struct DaemonOptions {
   std::string listen;                    // HOST:PORT for peers and the balancer; "" = none.
   std::string metrics;                   // HOST:PORT of the Prometheus exposition; "" = none.
   absl::Duration harvest_interval = absl::Seconds(1);
-  int max_message_bytes = 64 << 20;      // Larger requests are refused by gRPC.
+  int max_message_bytes = kMaxControlMessageBytes;  // Larger requests are refused by gRPC.
   NodeOptions node;                      // fd_socket_path is filled in from socket_path.
   // Control plane: ubep-balancer's HOST:PORT ("" = standalone), this node's name, and the
   // address the balancer reaches this daemon's DaemonControl at ("" = from --listen).

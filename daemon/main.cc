@@ -14,6 +14,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/shape_limits.h"
 #include "daemon/daemon.h"
 #include "kernels/common/host_cpu.h"
 
@@ -55,7 +56,7 @@ ABSL_FLAG(std::string, ranks, "",
           "The EP ranks this daemon hosts, FIRST-LAST (e.g. 4-7); empty = every rank of the "
           "group. The other ranks' daemons (same machine) are found through --balancer.");
 ABSL_FLAG(uint32_t, domain, 0, "Load/store domain of this node's ranks.");
-ABSL_FLAG(int32_t, max_message_bytes, 64 << 20,
+ABSL_FLAG(int32_t, max_message_bytes, ubep::kMaxControlMessageBytes,
           "Larger gRPC requests are refused (RESOURCE_EXHAUSTED); a plan's Prepare grows with "
           "layers x slots.");
 ABSL_FLAG(absl::Duration, report_interval, absl::Seconds(1),

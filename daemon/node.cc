@@ -24,6 +24,10 @@
 namespace ubep::daemon {
 namespace {
 
+// What Attach and Join answer while the daemon drains.
+constexpr char kDraining[] = "ubepd is draining (shutting down); attach again when it is back";
+
+
 uint64_t LoadWord(const uint64_t& word) {
   return std::atomic_ref<const uint64_t>(word).load(std::memory_order_acquire);
 }
@@ -366,7 +370,7 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
   }
   MutexLock lock(&mu_);
   if (draining_) {
-    return absl::UnavailableError("ubepd is draining (shutting down); attach again when it is back");
+    return absl::UnavailableError(kDraining);
   }
   const absl::Time now = MonotonicNow();
   for (RankEntry& e : ranks_) {
@@ -394,7 +398,7 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
       return draining_ || !has_group_ || AllArenasMapped();
     }, std::min(deadline - kAnswerMargin - absl::Now(), options_.join_timeout));
     if (draining_) {
-      return absl::UnavailableError("ubepd is draining (shutting down); attach again when it is back");
+      return absl::UnavailableError(kDraining);
     }
     if (!has_group_ || !AllArenasMapped()) {
       std::vector<int> missing;
@@ -654,7 +658,7 @@ void Node::TryFormGroup() {
 
 absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl::Time deadline) {
   MutexLock lock(&mu_);
-  if (draining_) return absl::UnavailableError("ubepd is draining (shutting down)");
+  if (draining_) return absl::UnavailableError(kDraining);
   UBEP_RETURN_IF_ERROR(CheckToken(request.rank(), request.token(), /*need_connected=*/true));
   const int rank = static_cast<int>(request.rank());
   const std::string token = request.token();
@@ -700,7 +704,7 @@ absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl
     }
     if (draining_) {
       give_up();
-      return absl::UnavailableError("ubepd is draining (shutting down)");
+      return absl::UnavailableError(kDraining);
     }
     if (plan_.excluded(rank) && GroupGeneration() >= ticket) {
       // The group formed without this rank: ask for the generation after.
@@ -1044,37 +1048,6 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
                              plan_.version));
   }
   const bool membership = plan.excluded_ranks != plan_.excluded_ranks;
-  if (membership) {
-    // Ranks leave or join: stop the group now, so that no hosted rank reads a plan buffer
-    // while this plan overwrites one. Its members join again; the group forms once the plan
-    // is decided (TryFormGroup waits for it), under the plan then committed.
-    membership_pending_ = true;
-    StopGroup(kernels::kAbortMembership, [&](int r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return MembershipStops(plan, r);
-    });
-    const absl::Duration wait = std::min(options_.wait_timeout, absl::Seconds(3));
-    // The lock is let go while the ranks stop: staging_ keeps other Prepares and new groups
-    // out meanwhile, and an Abort of this plan is kept for it (Abort), not lost.
-    staging_ = true;
-    staging_version_ = plan.version;
-    staging_aborted_ = false;
-    const bool stopped = mu_.AwaitWithTimeout([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      if (staging_aborted_) return true;
-      for (int r = first_; r < first_ + hosted_; ++r) {
-        if (ranks_[r].state == RankState::kConnected && !ranks_[r].joining) return false;
-      }
-      return true;
-    }, wait);
-    staging_ = false;
-    if (staging_aborted_) {
-      return fail(absl::StrCat("plan v", plan.version,
-                               " was aborted while the hosted ranks stopped for it"));
-    }
-    if (!stopped || draining_ || !has_group_) {
-      return fail(absl::StrCat("the hosted ranks did not stop within ", absl::FormatDuration(wait),
-                               " for the change of members"));
-    }
-  }
   int furthest = -1;  // The member rank furthest ahead, at furthest_step.
   uint64_t furthest_step = 0;
   for (int r = 0; r < R; ++r) {
@@ -1237,6 +1210,39 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
         batches[op.batch].push_back({op.peer, /*send=*/false, device_arenas_[c.rank].get(),
                                      DeviceWeightOffset(c.layer, buffer_of[op.copy]), bytes_per_expert});
       }
+    }
+  }
+  if (membership) {
+    // Ranks leave or join: stop the group now, once every check that could refuse the plan
+    // has passed (a refused plan stops nothing), and before any byte is staged, so that no
+    // hosted rank reads a plan buffer while this plan overwrites one. Its members join
+    // again; the group forms once the plan is decided (TryFormGroup waits for it), under the
+    // plan then committed.
+    membership_pending_ = true;
+    StopGroup(kernels::kAbortMembership, [&](int r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return MembershipStops(plan, r);
+    });
+    const absl::Duration wait = std::min(options_.wait_timeout, absl::Seconds(3));
+    // The lock is let go while the ranks stop: staging_ keeps other Prepares and new groups
+    // out meanwhile, and an Abort of this plan is kept for it (Abort), not lost.
+    staging_ = true;
+    staging_version_ = plan.version;
+    staging_aborted_ = false;
+    const bool stopped = mu_.AwaitWithTimeout([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      if (staging_aborted_) return true;
+      for (int r = first_; r < first_ + hosted_; ++r) {
+        if (ranks_[r].state == RankState::kConnected && !ranks_[r].joining) return false;
+      }
+      return true;
+    }, wait);
+    staging_ = false;
+    if (staging_aborted_) {
+      return fail(absl::StrCat("plan v", plan.version,
+                               " was aborted while the hosted ranks stopped for it"));
+    }
+    if (!stopped || draining_ || !has_group_) {
+      return fail(absl::StrCat("the hosted ranks did not stop within ", absl::FormatDuration(wait),
+                               " for the change of members"));
     }
   }
   // The copies run without the lock (they may take seconds on the host backend): joins,
@@ -1658,12 +1664,14 @@ void Node::Drain() {
       const bool hosted = Hosted(r);
       if (!hosted && !member) continue;
       if (hosted) StoreWord(Ctl(r)->join_ticket, 0);
-      std::atomic_ref<uint32_t>(Ctl(r)->group_state)
-          .store(hosted ? kernels::kGroupDraining : kernels::kGroupBroken,
-                 std::memory_order_release);
+      // The abort word first, then the state (as StopGroup): a rank that reads the state
+      // changed finds the reason there.
       SetAbortCode(r, hosted ? kernels::kAbortDraining
                              : kernels::kAbortRankGone | static_cast<uint32_t>(first_),
                    /*only_if_clear=*/!hosted);
+      std::atomic_ref<uint32_t>(Ctl(r)->group_state)
+          .store(hosted ? kernels::kGroupDraining : kernels::kGroupBroken,
+                 std::memory_order_release);
     }
   }
   UBEP_LOG(INFO) << "draining: " << AttachedLocked() << " ranks attached";

@@ -449,7 +449,9 @@ grpc::Status Balancer::Register(grpc::ServerContext*, const v1::RegisterRequest*
   }
   Daemon& d = daemons_[request->node()];
   if (d.info.address() != request->address() || d.control == nullptr) {
-    d.channel = grpc::CreateChannel(request->address(), grpc::InsecureChannelCredentials());
+    grpc::ChannelArguments args;  // GetState carries the committed plan.
+    args.SetMaxReceiveMessageSize(kMaxControlMessageBytes);
+    d.channel = grpc::CreateCustomChannel(request->address(), grpc::InsecureChannelCredentials(), args);
     d.control = v1::DaemonControl::NewStub(d.channel);
   }
   // The process registered under this name already (it registers again when its group's

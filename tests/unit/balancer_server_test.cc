@@ -988,6 +988,39 @@ TEST(BalancerServerTest, APlanCommittedOnlyOnAForgottenNodeIsStillCommittedOnThe
   EXPECT_TRUE(a->aborted().empty());
 }
 
+// A plan over 40 layers of 4 ranks x 4096 slots (6 experts), about 6 MB as a proto: the
+// GetState that carries it is past gRPC's default receive limit of 4 MiB. The balancer reads
+// it all the same, and learns the plan.
+TEST(BalancerServerTest, APlanPastGrpcsDefaultMessageSizeIsLearnedFromTheDaemons) {
+  constexpr int kLayers = 40, kSlots = 4096;
+  Plan big;
+  big.version = 1;
+  big.topology = {4, 2, kSlots, 1};
+  big.num_experts = 6;
+  for (int l = 0; l < kLayers; ++l) {
+    LayerPlan layer;
+    for (int p = 0; p < 4 * kSlots; ++p) layer.slot_expert.push_back(p % 6);
+    SetEqualShares(6, layer);
+    big.layer_ids.push_back(l);
+    big.layers.push_back(layer);
+  }
+  const v1::Plan proto = ToProto(big, PlanEncoding::kFull);
+  ASSERT_GT(proto.ByteSizeLong(), size_t{4} << 20);
+  FakeDaemon a("node-a", proto), b("node-b", proto);
+  Balancer balancer(NeverMarkedDown(), std::make_shared<prometheus::Registry>());
+  for (auto [daemon, node, first] : {std::tuple{&a, "node-a", 0u}, std::tuple{&b, "node-b", 2u}}) {
+    v1::RegisterRequest q = DaemonRegistration(*daemon, node, first, 0, "host");
+    q.mutable_shape()->set_num_layers(kLayers);
+    q.mutable_shape()->set_slots_per_rank(kSlots);
+    Register(balancer, q);
+  }
+  balancer.Tick();
+  const std::optional<Plan> learned = balancer.CurrentPlan();
+  ASSERT_TRUE(learned.has_value());
+  EXPECT_EQ(learned->version, 1u);
+  EXPECT_EQ(learned->num_layers(), kLayers);
+}
+
 // FirstPlan as version `version`.
 v1::Plan FirstPlanAs(uint64_t version) {
   v1::Plan plan = FirstPlan();

@@ -884,6 +884,45 @@ TEST(NodeTest, AJoinStopsThePeersStillRunningTheGenerationTheRankWasStoppedIn) {
   for (int r : {0, 1}) EXPECT_EQ(AbortWord(t.x0, r, 4), kernels::kAbortMembership) << "rank " << r;
 }
 
+// A change of members that this daemon refuses (here: the balancer puts its ranks in another
+// load/store domain) stops nothing: the group runs on under the plan in force. (The group used
+// to be stopped first, and every retry of the plan stopped it again.)
+TEST(NodeTest, AChangeOfMembersRefusedByItsChecksStopsNoRank) {
+  Node a(Hosting(0));
+  Node b(Hosting(2));
+  const TwoNodes t = AttachTwoNodes(a, b);
+  const Attached x1 = AttachAndClaim(a, 1, 4, 3);
+  const Attached x3 = AttachAndClaim(b, 3, 4, 4);
+  {
+    absl::StatusOr<v1::JoinResponse> j[4];
+    std::thread join0([&] { j[0] = a.Join(JoinOf(0, t.x0.token), absl::Now() + absl::Seconds(30)); });
+    std::thread join1([&] { j[1] = a.Join(JoinOf(1, x1.token), absl::Now() + absl::Seconds(30)); });
+    std::thread join2([&] { j[2] = b.Join(JoinOf(2, t.x2.token), absl::Now() + absl::Seconds(30)); });
+    j[3] = b.Join(JoinOf(3, x3.token), absl::Now() + absl::Seconds(30));
+    join0.join();
+    join1.join();
+    join2.join();
+    for (int r = 0; r < 4; ++r) ASSERT_TRUE(j[r].ok()) << "rank " << r << ": " << j[r].status();
+  }
+  balancer::Plan without1 = FourRankPlan(2, {1});
+  for (balancer::LayerPlan& layer : without1.layers) {
+    for (int p = 0; p < 16; ++p) layer.slot_share[p] = p / 4 == 1 ? 0.0 : p % 8 < 4 ? 0.5 : 1.0;
+  }
+  Node::RemoteWeights elsewhere;
+  elsewhere.rank_domain = {7, 7, 0, 0};
+  const v1::PrepareResponse prepared = a.Prepare(without1, 10, elsewhere);
+  EXPECT_FALSE(prepared.prepared());
+  EXPECT_EQ(prepared.reason(), "rank 0 is in domain 7 for the balancer but this daemon's is 0");
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(std::atomic_ref<const uint32_t>(
+                  kernels::ControlOf(t.x0.arenas[r].data(), t.x0.layout)->group_state)
+                  .load(),
+              kernels::kGroupReady)
+        << "rank " << r;
+    EXPECT_EQ(AbortWord(t.x0, r, 4), 0u) << "rank " << r;
+  }
+}
+
 // ubep_daemon_imbalance_ratio is max over mean of the last harvest's received pairs over
 // this daemon's own ranks: the peer's ranks, whose counters it does not read, do not count as
 // idle ranks (which would double the ratio of two ranks of four).

@@ -26,6 +26,7 @@
 #include "balancer/core/metrics.h"
 #include "balancer/formats/json_formats.h"
 #include "balancer/formats/proto_convert.h"
+#include "common/shape_limits.h"
 #include "google/protobuf/util/json_util.h"
 #include "grpcpp/grpcpp.h"
 #include "nlohmann/json.hpp"
@@ -269,8 +270,10 @@ int main(int argc, char** argv) {
     return Usage(absl::StrCat("--timeout ", absl::FormatDuration(absl::GetFlag(FLAGS_timeout)),
                               " is not positive"));
   }
-  auto stub = Control::NewStub(
-      grpc::CreateChannel(absl::GetFlag(FLAGS_balancer), grpc::InsecureChannelCredentials()));
+  grpc::ChannelArguments channel_args;  // The cluster's plan may be larger than gRPC's default.
+  channel_args.SetMaxReceiveMessageSize(ubep::kMaxControlMessageBytes);
+  auto stub = Control::NewStub(grpc::CreateCustomChannel(
+      absl::GetFlag(FLAGS_balancer), grpc::InsecureChannelCredentials(), channel_args));
   const std::string& command = words[0];
   if (command == "status" && words.size() == 1) return Status(*stub);
   if (command == "plan" && words.size() == 2 && words[1] == "show") return PlanShow(*stub);
