@@ -500,16 +500,22 @@ absl::Status Node::CheckToken(uint32_t rank, const std::string& token, bool need
 }
 
 void Node::StopGroup(uint32_t code, absl::FunctionRef<bool(int)> stops) {
+  StopGroup([&](int r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stops(r) ? code : 0u; });
+}
+
+void Node::StopGroup(absl::FunctionRef<uint32_t(int)> code_of) {
   const int R = static_cast<int>(arenas_.size());
+  std::vector<uint32_t> codes(R);  // Evaluated once: 0, the rank is not stopped.
+  for (int r = 0; r < R; ++r) codes[r] = code_of(r);
   for (int r = 0; r < R; ++r) {
-    if (stops(r)) SetAbortCode(r, code, /*only_if_clear=*/true);
+    if (codes[r] != 0) SetAbortCode(r, codes[r], /*only_if_clear=*/true);
   }
   if (options_.stopping_hook) options_.stopping_hook();
   // Only the ranks stopped here: a rank this daemon does not stop is stopped by its own daemon,
   // or not at all, and may be in a group that formed already (a peer daemon that committed a
   // change of members first forms the new group at once; this daemon's Commit comes after).
   for (int r = 0; r < R; ++r) {
-    if (!stops(r) || !arenas_[r].valid()) continue;
+    if (codes[r] == 0 || !arenas_[r].valid()) continue;
     std::atomic_ref<uint32_t>(Ctl(r)->group_state).store(kernels::kGroupBroken, std::memory_order_release);
   }
 }
@@ -558,9 +564,17 @@ void Node::BreakGroup(int rank) {
     return std::atomic_ref<uint32_t>(Ctl(r)->group_state).load(std::memory_order_acquire) ==
            kernels::kGroupReady;
   };
-  const uint32_t code = kernels::kAbortRankGone | static_cast<uint32_t>(rank);
+  // The reason given to the others: the rank this one was told left, if it was (a rank that
+  // found its daemon gone wrote that into this rank's word, and this Join answers it), so
+  // that every rank names the rank that actually left rather than the first of them to come
+  // back; else this rank.
+  // (The rank that left is itself told that this one did.)
+  const int told = kernels::RankThatLeft(AbortCode(rank));
+  const int left = told >= 0 && told != rank && told < static_cast<int>(arenas_.size()) ? told : rank;
+  const uint32_t code = kernels::kAbortRankGone | static_cast<uint32_t>(left);
+  const uint32_t to_left = kernels::kAbortRankGone | static_cast<uint32_t>(rank);
   if (ready(rank)) {
-    StopGroup(code, [](int) { return true; });
+    StopGroup([&](int r) { return r == left && left != rank ? to_left : code; });
     return;
   }
   // The rank was stopped already, but maybe not every rank of its generation: a daemon stops
@@ -573,7 +587,7 @@ void Node::BreakGroup(int rank) {
   for (int r = 0; r < static_cast<int>(arenas_.size()); ++r) {
     running[r] = r != rank && arenas_[r].valid() && ready(r) && LoadWord(Ctl(r)->generation) == generation;
   }
-  StopGroup(code, [&](int r) { return running[r]; });
+  StopGroup([&](int r) { return !running[r] ? 0u : r == left ? to_left : code; });
 }
 
 int Node::LowestActive() const {
@@ -1434,9 +1448,19 @@ absl::StatusOr<Node::SlotLoads> Node::ReadSlotLoads() const {
       }
       for (int l = 0; l < L; ++l) dispatches[l] = before[l] / 2;
     } else {
-      const std::byte* arena = arenas_[r].data() + layout_.ep;
+      std::byte* arena = arenas_[r].data() + layout_.ep;
+      // A rank no process holds has no writer: an update its killed owner left half done is
+      // settled rather than waited for (it would be, by every read until the rank is back).
+      const bool ownerless = ranks_[r].state != RankState::kConnected;
       for (int l = 0; l < L; ++l) {
-        absl::StatusOr<uint64_t> n = kernels::ReadLayerLoad(arena, ep, S, l, counters.data() + l * S);
+        absl::StatusOr<uint64_t> n =
+            kernels::ReadLayerLoad(arena, ep, S, l, counters.data() + l * S,
+                                   ownerless ? absl::ZeroDuration() : absl::Milliseconds(100));
+        if (!n.ok() && ownerless) {
+          UBEP_LOG(WARNING) << "rank " << r << ": layer " << l << "'s load counters were left "
+                            << "mid-update by a client that is gone; taken as they stand";
+          n = kernels::SettleLayerLoad(arena, ep, S, l, counters.data() + l * S);
+        }
         if (!n.ok()) return absl::Status(n.status().code(), absl::StrCat("rank ", r, ": ", n.status().message()));
         dispatches[l] = *n;
       }

@@ -293,6 +293,8 @@ class Node {
   // rank stops(r) does not name is left alone: its state is its own daemon's to change.
   void StopGroup(uint32_t code, absl::FunctionRef<bool(int)> stops)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The same with a code per rank, code_of(r) (0: r is not stopped), each read once.
+  void StopGroup(absl::FunctionRef<uint32_t(int)> code_of) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int AttachedLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t MaxStepLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The step rank `rank` has begun (its control block's word; the rank's arena is mapped).

@@ -431,4 +431,21 @@ absl::StatusOr<uint64_t> ReadLayerLoad(const std::byte* arena, const ArenaLayout
   }
 }
 
+uint64_t SettleLayerLoad(std::byte* arena, const ArenaLayout& layout, int slots_per_rank,
+                         int layer, uint64_t* out) {
+  auto* seq_word = reinterpret_cast<uint64_t*>(arena + layout.load_seq) + layer;
+  const auto* counters = reinterpret_cast<const uint64_t*>(arena + layout.load_counters) +
+                         static_cast<size_t>(layer) * slots_per_rank;
+  std::atomic_ref<uint64_t> seq(*seq_word);
+  uint64_t word = seq.load(std::memory_order_acquire);
+  if (word % 2 != 0) {
+    ++word;
+    seq.store(word, std::memory_order_release);
+  }
+  for (int i = 0; i < slots_per_rank; ++i) {
+    out[i] = std::atomic_ref<const uint64_t>(counters[i]).load(std::memory_order_acquire);
+  }
+  return word / 2;
+}
+
 }  // namespace ubep::kernels

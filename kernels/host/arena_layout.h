@@ -370,6 +370,15 @@ absl::StatusOr<uint64_t> ReadLayerLoad(const std::byte* arena, const ArenaLayout
                                        int slots_per_rank, int layer, uint64_t* out,
                                        absl::Duration timeout = absl::Milliseconds(100));
 
+// The owner's side after its death: when no process holds the rank any more and the layer's
+// sequence word is odd (its owner was killed inside AddLayerLoad), copies the counters as
+// they stand into `out` (each is one word: the killed update's counts are in some of them,
+// and counted as its dispatch), makes the word even again so that readers read the layer
+// again, and returns the dispatches it counts. The caller makes sure no process writes the
+// layer meanwhile (ubepd: the rank has no client).
+uint64_t SettleLayerLoad(std::byte* arena, const ArenaLayout& layout, int slots_per_rank,
+                         int layer, uint64_t* out);
+
 }  // namespace ubep::kernels
 
 #endif  // UBEP_KERNELS_HOST_ARENA_LAYOUT_H_

@@ -638,6 +638,32 @@ TEST(NodeTest, AGroupFormedAgainIsReportedFromItsOwnCountersAndFromStepZero) {
   EXPECT_THAT(counted(reports).second, ElementsAre(1, 0));
 }
 
+// A client killed inside its update of a layer's load counters leaves the layer's sequence
+// word odd. While the rank is held, that reads as an owner mid-update (an error after 100 ms,
+// the read tried again later); once the rank has no client, nobody will finish the update:
+// the counters are taken as they stand, and the other ranks' counts are read with them
+// rather than lost to every read until the rank is back.
+TEST(NodeTest, LoadCountersAKilledClientLeftMidUpdateAreTakenAsTheyStandOnceItIsGone) {
+  Node node(Options());
+  Attached a0 = AttachAndClaim(node, 0, 2, 1);
+  Attached a1 = AttachAndClaim(node, 1, 2, 2);
+  const kernels::ArenaLayout ep(ConfigOf(2));
+  AddLoad(a0, 0, 0, {3, 0, 0, 0}, ConfigOf(2));
+  // Rank 1's client, killed mid-update: the word odd, the first counter added (4 pairs).
+  std::byte* arena1 = a1.arenas[1].data() + a1.layout.ep;
+  std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(arena1 + ep.load_seq)).store(1);
+  std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(arena1 + ep.load_counters)).store(4);
+  EXPECT_EQ(node.ReadSlotLoads().status(),
+            absl::DeadlineExceededError("rank 1: load counters of layer 0 kept changing for "
+                                        "100ms (sequence 1): their owner stopped mid-update"));
+  node.ConnectionClosed(2);
+  absl::StatusOr<Node::SlotLoads> loads = node.ReadSlotLoads();
+  ASSERT_TRUE(loads.ok()) << loads.status();
+  EXPECT_THAT(loads->slots[0], ElementsAre(3, 0, 0, 0, 4, 0, 0, 0));
+  EXPECT_THAT(loads->dispatches[0], ElementsAre(1, 1));
+  EXPECT_EQ(std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(arena1 + ep.load_seq)).load(), 2u);
+}
+
 // A report whose answer does not come may have been taken: it goes again as it was, under
 // its seq (only the step it tells is new), until an answer comes; the balancer takes a seq
 // once. Its counts are never carried into a report under a new seq, which would count them
@@ -920,6 +946,44 @@ TEST(NodeTest, AChangeOfMembersRefusedByItsChecksStopsNoRank) {
               kernels::kGroupReady)
         << "rank " << r;
     EXPECT_EQ(AbortWord(t.x0, r, 4), 0u) << "rank " << r;
+  }
+}
+
+// Rank 3 found its daemon gone and wrote "rank 3 left" into rank 0's word; rank 0 answers it
+// with a Join before rank 3 gets to the others' words. The others are told what rank 0 was
+// told, that rank 3 left (not that rank 0 did, which would send an operator after the wrong
+// rank), and rank 3 itself that rank 0 left.
+TEST(NodeTest, ARankThatRejoinsPassesOnWhichRankLeft) {
+  Node a(Hosting(0));
+  Node b(Hosting(2));
+  const TwoNodes t = AttachTwoNodes(a, b);
+  const Attached x1 = AttachAndClaim(a, 1, 4, 3);
+  const Attached x3 = AttachAndClaim(b, 3, 4, 4);
+  {
+    absl::StatusOr<v1::JoinResponse> j[4];
+    std::thread join0([&] { j[0] = a.Join(JoinOf(0, t.x0.token), absl::Now() + absl::Seconds(30)); });
+    std::thread join1([&] { j[1] = a.Join(JoinOf(1, x1.token), absl::Now() + absl::Seconds(30)); });
+    std::thread join2([&] { j[2] = b.Join(JoinOf(2, t.x2.token), absl::Now() + absl::Seconds(30)); });
+    j[3] = b.Join(JoinOf(3, x3.token), absl::Now() + absl::Seconds(30));
+    join0.join();
+    join1.join();
+    join2.join();
+    for (int r = 0; r < 4; ++r) ASSERT_TRUE(j[r].ok()) << "rank " << r << ": " << j[r].status();
+  }
+  const size_t abort = t.x0.layout.ep + kernels::ArenaLayout(ConfigOf(4)).abort;
+  std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(t.x0.arenas[0].data() + abort))
+      .store(kernels::kAbortRankGone | 3u);
+  const absl::StatusOr<v1::JoinResponse> again =
+      a.Join(JoinOf(0, t.x0.token), absl::Now() + absl::Milliseconds(200));
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kDeadlineExceeded);
+  for (int r : {0, 1, 2}) EXPECT_EQ(AbortWord(t.x0, r, 4), kernels::kAbortRankGone | 3u) << "rank " << r;
+  EXPECT_EQ(AbortWord(t.x0, 3, 4), kernels::kAbortRankGone | 0u);
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(std::atomic_ref<const uint32_t>(
+                  kernels::ControlOf(t.x0.arenas[r].data(), t.x0.layout)->group_state)
+                  .load(),
+              kernels::kGroupBroken)
+        << "rank " << r;
   }
 }
 
