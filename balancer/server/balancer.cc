@@ -359,8 +359,25 @@ grpc::Status Balancer::Register(grpc::ServerContext*, const v1::RegisterRequest*
   }
   MutexLock lock(&mu_);
   if (shape.has_value()) {
-    if (shape_.has_value() && (shape_->world != shape->world || shape_->layers != shape->layers ||
-                               shape_->experts != shape->experts || shape_->slots != shape->slots)) {
+    const bool other_shape =
+        shape_.has_value() && (shape_->world != shape->world || shape_->layers != shape->layers ||
+                               shape_->experts != shape->experts || shape_->slots != shape->slots);
+    const bool shared = std::any_of(daemons_.begin(), daemons_.end(), [&](const auto& entry) {
+      return entry.first != request->node() && entry.second.healthy &&
+             !entry.second.info.ranks().empty();
+    });
+    if (other_shape && !shared) {
+      // The group of the cluster's shape was this node's alone (one daemon hosting every
+      // rank): its clients attached again with another shape, and the daemon made a new
+      // group. What the balancer knew of the old one no longer applies.
+      UBEP_LOG(WARNING) << "node " << request->node() << " registers a group of " << shape->world
+                        << " ranks x " << shape->slots << " slots, " << shape->layers
+                        << " layers x " << shape->experts << " experts; no other node serves "
+                        << "the cluster's " << shape_->world << " x " << shape_->slots << ", "
+                        << shape_->layers << " x " << shape_->experts
+                        << ": starting over with the new group";
+      ForgetGroupLocked(request->node());
+    } else if (other_shape) {
       return grpc::Status(
           grpc::StatusCode::FAILED_PRECONDITION,
           absl::StrCat("node ", request->node(), " serves ", shape->world, " ranks x ", shape->slots,
@@ -484,6 +501,50 @@ grpc::Status Balancer::Register(grpc::ServerContext*, const v1::RegisterRequest*
                  << request->ranks_size() << " ranks)";
   response->set_report_interval_ms(absl::ToInt64Milliseconds(options_.report_interval));
   return grpc::Status::OK;
+}
+
+void Balancer::ForgetGroupLocked(const std::string& node) {
+  for (auto it = daemons_.begin(); it != daemons_.end();) {
+    // Down daemons of the old group: their ranks were of its shape.
+    if (it->first != node && !it->second.healthy && !it->second.info.ranks().empty()) {
+      drained_.erase(it->first);
+      it = daemons_.erase(it);
+      continue;
+    }
+    Daemon& d = it->second;
+    d.committed = d.pending = d.in_force = 0;
+    d.needs_state = true;
+    d.interval_load = LoadMatrix();
+    d.interval_rank.clear();
+    d.interval_rank_dispatches.clear();
+    d.interval_steps = 0;
+    d.interval_over_capacity = 0;
+    d.rate = LoadMatrix();
+    d.rank_rate.clear();
+    d.has_rate = false;
+    ++it;
+  }
+  for (int l = 0; shape_.has_value() && l < shape_->layers; ++l) {
+    for (const char* when : {"measured", "before", "after"}) SetImbalance(l, when, NAN);
+  }
+  shape_.reset();
+  window_.reset();
+  plan_.reset();
+  plan_effective_step_ = 0;
+  effective_step_learned_ = false;
+  missing_.clear();
+  missing_since_ = absl::InfiniteFuture();
+  highest_version_ = 0;  // The new group numbers its plans from its own first one.
+  aborted_versions_.clear();
+  held_logged_.clear();
+  measured_.clear();
+  above_threshold_ = 0;
+  over_capacity_ = 0;
+  drops_version_ = 0;
+  quiet_intervals_ = 0;
+  capacity_warned_version_ = 0;
+  rebalance_requested_ = false;
+  plan_version_->Set(0);
 }
 
 void Balancer::KeepOutRestartedPeers(const v1::RegisterRequest& request) {

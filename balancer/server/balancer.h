@@ -154,6 +154,10 @@ class Balancer final : public v1::Control::Service {
   };
 
   grpc::Status Reject(const char* reason, grpc::StatusCode code, std::string message);
+  // Register: `node`, the only daemon serving the cluster's group, registers a group of
+  // another shape. Everything known of the old group goes (its plan, window, versions, the
+  // daemons down that served it); the registrant's shape becomes the cluster's.
+  void ForgetGroupLocked(const std::string& node) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The healthy daemons that host ranks, with their domains and addresses: where a daemon
   // staging a plan reads the weights of holders in other domains.
   void AddGroupDaemons(v1::PrepareRequest& request) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -341,6 +341,11 @@ class FakeDaemon final : public v1::DaemonControl::Service {
     prepares_.push_back(prepared);
     pending_ = plan.version();
   }
+  // The plan it serves as committed from now on (a new group's, say).
+  void SetCommitted(const v1::Plan& plan) {
+    std::lock_guard<std::mutex> lock(mu_);
+    committed_ = plan;
+  }
   // What its health service answers: SERVING or NOT_SERVING.
   void SetServing(bool serving) { server_->GetHealthCheckService()->SetServingStatus(serving); }
   std::vector<uint64_t> commits() {  // Versions committed, in order.
@@ -1019,6 +1024,52 @@ TEST(BalancerServerTest, APlanPastGrpcsDefaultMessageSizeIsLearnedFromTheDaemons
   ASSERT_TRUE(learned.has_value());
   EXPECT_EQ(learned->version, 1u);
   EXPECT_EQ(learned->num_layers(), kLayers);
+}
+
+// One daemon serves the whole group; its clients attach again with a model of 3 layers, and
+// it registers its new group. With no other node serving the old shape, the balancer starts
+// over with the new one (it refused it for good before: the cluster's shape was set once)
+// and learns the new group's plan; a second node of the old shape would still refuse it.
+TEST(BalancerServerTest, TheOnlyNodeOfTheClusterRegisteringAGroupOfAnotherShapeStartsItOver) {
+  FakeDaemon a("node-a", FirstPlan());
+  Balancer balancer(NeverMarkedDown(), std::make_shared<prometheus::Registry>());
+  v1::RegisterRequest whole = DaemonRegistration(a, "node-a", 0, 0, "host");
+  whole.add_ranks(2);
+  whole.add_ranks(3);
+  whole.set_incarnation("a-1");
+  Register(balancer, whole);
+  balancer.Tick();
+  ASSERT_TRUE(balancer.CurrentPlan().has_value());
+  ASSERT_EQ(balancer.CurrentPlan()->num_layers(), 2);
+  // The new group: 3 layers, under its own first plan.
+  Plan three;
+  three.version = 1;
+  three.topology = {4, 1, 4, 1};
+  three.num_experts = 6;
+  for (int l = 0; l < 3; ++l) {
+    LayerPlan layer;
+    for (int p = 0; p < 16; ++p) layer.slot_expert.push_back(p % 6);
+    SetEqualShares(6, layer);
+    three.layer_ids.push_back(l);
+    three.layers.push_back(layer);
+  }
+  a.SetCommitted(ToProto(three, PlanEncoding::kFull));
+  v1::RegisterRequest reshaped = whole;
+  reshaped.mutable_shape()->set_num_layers(3);
+  v1::RegisterResponse response;
+  const grpc::Status status = balancer.Register(nullptr, &reshaped, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  balancer.Tick();
+  const std::optional<Plan> learned = balancer.CurrentPlan();
+  ASSERT_TRUE(learned.has_value());
+  EXPECT_EQ(learned->num_layers(), 3);
+  EXPECT_EQ(learned->version, 1u);
+  // Another node of the old shape is refused now, naming the new one as the cluster's.
+  FakeDaemon b("node-b", FirstPlan());
+  v1::RegisterRequest old_shape = DaemonRegistration(b, "node-b", 0, 0, "host");
+  EXPECT_EQ(balancer.Register(nullptr, &old_shape, &response).error_message(),
+            "node node-b serves 4 ranks x 4 slots, 2 layers x 6 experts; the cluster has 4 x 4, "
+            "3 x 6");
 }
 
 // FirstPlan as version `version`.
