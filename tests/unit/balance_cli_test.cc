@@ -163,7 +163,12 @@ INSTANTIATE_TEST_SUITE_P(
                 "--policy", "ubep", "--steps", "10", "--rebalance-every", "5", "--window",
                 "10"},
                "ubep-balance replay: replay: need window > 0, rebalance-every > 0 and steps > "
-               "window; got window 10, rebalance-every 5, steps 10"}));
+               "window; got window 10, rebalance-every 5, steps 10"},
+        BadRun{{"replay", "--load", kTrace, "--ranks", "8", "--slots-per-rank", "32",
+                "--policy", "ubep", "--steps", "100000", "--rebalance-every", "100", "--window",
+                "10"},
+               "ubep-balance replay: --steps 100000 of 58 layers x 256 experts are 11328 MiB of "
+               "loads, over the 2048 MiB a replay holds; take at most 18078 steps"}));
 
 TEST(BalanceCliTest, PreviousPlanOfAnotherShapeIsRejected) {
   test::TempDir dir;

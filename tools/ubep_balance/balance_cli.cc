@@ -270,6 +270,20 @@ absl::Status RunReplay(const Flags& flags, std::ostream& out, ClockInterface& cl
     UBEP_RETURN_IF_ERROR(CheckTopologyFits(topology, path, load));
     sources.push_back(std::move(load));
   }
+  // Every step's loads are drawn before the replay: bounded, so that a long replay of a big
+  // model is refused rather than killed for want of memory.
+  constexpr uint64_t kMaxLoadBytes = uint64_t{2} << 30;
+  const uint64_t load_bytes = static_cast<uint64_t>(replay.steps) * sources[0].num_layers() *
+                              sources[0].num_experts() * sizeof(double);
+  if (load_bytes > kMaxLoadBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--steps ", replay.steps, " of ", sources[0].num_layers(), " layers x ",
+        sources[0].num_experts(), " experts are ", load_bytes >> 20,
+        " MiB of loads, over the 2048 MiB a replay holds; take at most ",
+        kMaxLoadBytes / (static_cast<uint64_t>(sources[0].num_layers()) *
+                         sources[0].num_experts() * sizeof(double)),
+        " steps"));
+  }
   // Each seed is one scenario (its own bursts and sampling); every policy replays the same
   // sampled loads of every seed.
   ReplayResult ours, theirs;
