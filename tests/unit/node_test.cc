@@ -6,6 +6,7 @@
 #include "daemon/metrics.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <functional>
 #include <mutex>
@@ -778,6 +779,22 @@ TwoNodes AttachTwoNodes(Node& a, Node& b) {
   return t;
 }
 
+// Ranks 0-1 (on a) and 2-3 (on b) join at once; each Join waits for the others. Their answers.
+std::array<absl::StatusOr<v1::JoinResponse>, 4> JoinAllFour(Node& a, Node& b, const TwoNodes& t,
+                                                            const Attached& x1,
+                                                            const Attached& x3) {
+  std::array<absl::StatusOr<v1::JoinResponse>, 4> j;
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  std::thread join0([&] { j[0] = a.Join(JoinOf(0, t.x0.token), deadline); });
+  std::thread join1([&] { j[1] = a.Join(JoinOf(1, x1.token), deadline); });
+  std::thread join2([&] { j[2] = b.Join(JoinOf(2, t.x2.token), deadline); });
+  j[3] = b.Join(JoinOf(3, x3.token), deadline);
+  join0.join();
+  join1.join();
+  join2.join();
+  return j;
+}
+
 // A change of members stops the hosted ranks before it stages; the balancer's Abort of the
 // plan while they stop (its Prepare timed out) is kept for it: once they have stopped, the
 // Prepare fails and nothing is left undecided, which would block every later plan.
@@ -868,18 +885,9 @@ TEST(NodeTest, AJoinStopsThePeersStillRunningTheGenerationTheRankWasStoppedIn) {
   const TwoNodes t = AttachTwoNodes(a, b);
   const Attached x1 = AttachAndClaim(a, 1, 4, 3);
   const Attached x3 = AttachAndClaim(b, 3, 4, 4);
-  {
-    absl::StatusOr<v1::JoinResponse> j[4];
-    std::thread join0([&] { j[0] = a.Join(JoinOf(0, t.x0.token), absl::Now() + absl::Seconds(30)); });
-    std::thread join1([&] { j[1] = a.Join(JoinOf(1, x1.token), absl::Now() + absl::Seconds(30)); });
-    std::thread join2([&] { j[2] = b.Join(JoinOf(2, t.x2.token), absl::Now() + absl::Seconds(30)); });
-    j[3] = b.Join(JoinOf(3, x3.token), absl::Now() + absl::Seconds(30));
-    join0.join();
-    join1.join();
-    join2.join();
-    for (int r = 0; r < 4; ++r) ASSERT_TRUE(j[r].ok()) << "rank " << r << ": " << j[r].status();
-    ASSERT_EQ(j[0]->generation(), 1u);
-  }
+  const std::array<absl::StatusOr<v1::JoinResponse>, 4> j = JoinAllFour(a, b, t, x1, x3);
+  for (int r = 0; r < 4; ++r) ASSERT_TRUE(j[r].ok()) << "rank " << r << ": " << j[r].status();
+  ASSERT_EQ(j[0]->generation(), 1u);
   // Without rank 1: experts 0-3 stay on ranks 0 and 2, half each; 4-7 are rank 3's alone.
   balancer::Plan without1 = FourRankPlan(2, {1});
   for (balancer::LayerPlan& layer : without1.layers) {
@@ -919,17 +927,8 @@ TEST(NodeTest, AChangeOfMembersRefusedByItsChecksStopsNoRank) {
   const TwoNodes t = AttachTwoNodes(a, b);
   const Attached x1 = AttachAndClaim(a, 1, 4, 3);
   const Attached x3 = AttachAndClaim(b, 3, 4, 4);
-  {
-    absl::StatusOr<v1::JoinResponse> j[4];
-    std::thread join0([&] { j[0] = a.Join(JoinOf(0, t.x0.token), absl::Now() + absl::Seconds(30)); });
-    std::thread join1([&] { j[1] = a.Join(JoinOf(1, x1.token), absl::Now() + absl::Seconds(30)); });
-    std::thread join2([&] { j[2] = b.Join(JoinOf(2, t.x2.token), absl::Now() + absl::Seconds(30)); });
-    j[3] = b.Join(JoinOf(3, x3.token), absl::Now() + absl::Seconds(30));
-    join0.join();
-    join1.join();
-    join2.join();
-    for (int r = 0; r < 4; ++r) ASSERT_TRUE(j[r].ok()) << "rank " << r << ": " << j[r].status();
-  }
+  const std::array<absl::StatusOr<v1::JoinResponse>, 4> j = JoinAllFour(a, b, t, x1, x3);
+  for (int r = 0; r < 4; ++r) ASSERT_TRUE(j[r].ok()) << "rank " << r << ": " << j[r].status();
   balancer::Plan without1 = FourRankPlan(2, {1});
   for (balancer::LayerPlan& layer : without1.layers) {
     for (int p = 0; p < 16; ++p) layer.slot_share[p] = p / 4 == 1 ? 0.0 : p % 8 < 4 ? 0.5 : 1.0;
@@ -959,17 +958,8 @@ TEST(NodeTest, ARankThatRejoinsPassesOnWhichRankLeft) {
   const TwoNodes t = AttachTwoNodes(a, b);
   const Attached x1 = AttachAndClaim(a, 1, 4, 3);
   const Attached x3 = AttachAndClaim(b, 3, 4, 4);
-  {
-    absl::StatusOr<v1::JoinResponse> j[4];
-    std::thread join0([&] { j[0] = a.Join(JoinOf(0, t.x0.token), absl::Now() + absl::Seconds(30)); });
-    std::thread join1([&] { j[1] = a.Join(JoinOf(1, x1.token), absl::Now() + absl::Seconds(30)); });
-    std::thread join2([&] { j[2] = b.Join(JoinOf(2, t.x2.token), absl::Now() + absl::Seconds(30)); });
-    j[3] = b.Join(JoinOf(3, x3.token), absl::Now() + absl::Seconds(30));
-    join0.join();
-    join1.join();
-    join2.join();
-    for (int r = 0; r < 4; ++r) ASSERT_TRUE(j[r].ok()) << "rank " << r << ": " << j[r].status();
-  }
+  const std::array<absl::StatusOr<v1::JoinResponse>, 4> j = JoinAllFour(a, b, t, x1, x3);
+  for (int r = 0; r < 4; ++r) ASSERT_TRUE(j[r].ok()) << "rank " << r << ": " << j[r].status();
   const size_t abort = t.x0.layout.ep + kernels::ArenaLayout(ConfigOf(4)).abort;
   std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(t.x0.arenas[0].data() + abort))
       .store(kernels::kAbortRankGone | 3u);
