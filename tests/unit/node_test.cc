@@ -779,21 +779,28 @@ TwoNodes AttachTwoNodes(Node& a, Node& b) {
   return t;
 }
 
-// Ranks 0-1 (on a) and 2-3 (on b) join at once; each Join waits for the others. Their answers.
-std::array<absl::StatusOr<v1::JoinResponse>, 4> JoinAllFour(Node& a, Node& b, const TwoNodes& t,
-                                                            const Attached& x1,
-                                                            const Attached& x3) {
-  std::array<absl::StatusOr<v1::JoinResponse>, 4> j;
-  const absl::Time deadline = absl::Now() + absl::Seconds(30);
-  std::thread join0([&] { j[0] = a.Join(JoinOf(0, t.x0.token), deadline); });
-  std::thread join1([&] { j[1] = a.Join(JoinOf(1, x1.token), deadline); });
-  std::thread join2([&] { j[2] = b.Join(JoinOf(2, t.x2.token), deadline); });
-  j[3] = b.Join(JoinOf(3, x3.token), deadline);
-  join0.join();
-  join1.join();
-  join2.join();
-  return j;
-}
+// Four ranks on two nodes: 0-1 on a, 2-3 on b, all attached and holding their connections.
+struct GroupOfFour {
+  explicit GroupOfFour(const NodeOptions& options_a = Hosting(0)) : a(options_a) {}
+  // All four join at once (each Join waits for the others); their answers.
+  std::array<absl::StatusOr<v1::JoinResponse>, 4> Join() {
+    std::array<absl::StatusOr<v1::JoinResponse>, 4> j;
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    std::thread join0([&] { j[0] = a.Join(JoinOf(0, t.x0.token), deadline); });
+    std::thread join1([&] { j[1] = a.Join(JoinOf(1, x1.token), deadline); });
+    std::thread join2([&] { j[2] = b.Join(JoinOf(2, t.x2.token), deadline); });
+    j[3] = b.Join(JoinOf(3, x3.token), deadline);
+    join0.join();
+    join1.join();
+    join2.join();
+    return j;
+  }
+  Node a;
+  Node b{Hosting(2)};
+  TwoNodes t = AttachTwoNodes(a, b);
+  Attached x1 = AttachAndClaim(a, 1, 4, 3);
+  Attached x3 = AttachAndClaim(b, 3, 4, 4);
+};
 
 // A change of members stops the hosted ranks before it stages; the balancer's Abort of the
 // plan while they stop (its Prepare timed out) is kept for it: once they have stopped, the
@@ -880,12 +887,10 @@ TEST(NodeTest, APeersLateCommitOfAChangeOfMembersLeavesTheGroupFormedWithoutItsR
 TEST(NodeTest, AJoinStopsThePeersStillRunningTheGenerationTheRankWasStoppedIn) {
   NodeOptions quick = Hosting(0);
   quick.wait_timeout = absl::Milliseconds(50);  // Node a's Prepare waits this long for 0-1.
-  Node a(quick);
-  Node b(Hosting(2));
-  const TwoNodes t = AttachTwoNodes(a, b);
-  const Attached x1 = AttachAndClaim(a, 1, 4, 3);
-  const Attached x3 = AttachAndClaim(b, 3, 4, 4);
-  const std::array<absl::StatusOr<v1::JoinResponse>, 4> j = JoinAllFour(a, b, t, x1, x3);
+  GroupOfFour g(quick);
+  Node& a = g.a;
+  const TwoNodes& t = g.t;
+  const std::array<absl::StatusOr<v1::JoinResponse>, 4> j = g.Join();
   for (int r = 0; r < 4; ++r) ASSERT_TRUE(j[r].ok()) << "rank " << r << ": " << j[r].status();
   ASSERT_EQ(j[0]->generation(), 1u);
   // Without rank 1: experts 0-3 stay on ranks 0 and 2, half each; 4-7 are rank 3's alone.
@@ -922,12 +927,10 @@ TEST(NodeTest, AJoinStopsThePeersStillRunningTheGenerationTheRankWasStoppedIn) {
 // load/store domain) stops nothing: the group runs on under the plan in force. (The group used
 // to be stopped first, and every retry of the plan stopped it again.)
 TEST(NodeTest, AChangeOfMembersRefusedByItsChecksStopsNoRank) {
-  Node a(Hosting(0));
-  Node b(Hosting(2));
-  const TwoNodes t = AttachTwoNodes(a, b);
-  const Attached x1 = AttachAndClaim(a, 1, 4, 3);
-  const Attached x3 = AttachAndClaim(b, 3, 4, 4);
-  const std::array<absl::StatusOr<v1::JoinResponse>, 4> j = JoinAllFour(a, b, t, x1, x3);
+  GroupOfFour g;
+  Node& a = g.a;
+  const TwoNodes& t = g.t;
+  const std::array<absl::StatusOr<v1::JoinResponse>, 4> j = g.Join();
   for (int r = 0; r < 4; ++r) ASSERT_TRUE(j[r].ok()) << "rank " << r << ": " << j[r].status();
   balancer::Plan without1 = FourRankPlan(2, {1});
   for (balancer::LayerPlan& layer : without1.layers) {
@@ -953,12 +956,10 @@ TEST(NodeTest, AChangeOfMembersRefusedByItsChecksStopsNoRank) {
 // told, that rank 3 left (not that rank 0 did, which would send an operator after the wrong
 // rank), and rank 3 itself that rank 0 left.
 TEST(NodeTest, ARankThatRejoinsPassesOnWhichRankLeft) {
-  Node a(Hosting(0));
-  Node b(Hosting(2));
-  const TwoNodes t = AttachTwoNodes(a, b);
-  const Attached x1 = AttachAndClaim(a, 1, 4, 3);
-  const Attached x3 = AttachAndClaim(b, 3, 4, 4);
-  const std::array<absl::StatusOr<v1::JoinResponse>, 4> j = JoinAllFour(a, b, t, x1, x3);
+  GroupOfFour g;
+  Node& a = g.a;
+  const TwoNodes& t = g.t;
+  const std::array<absl::StatusOr<v1::JoinResponse>, 4> j = g.Join();
   for (int r = 0; r < 4; ++r) ASSERT_TRUE(j[r].ok()) << "rank " << r << ": " << j[r].status();
   const size_t abort = t.x0.layout.ep + kernels::ArenaLayout(ConfigOf(4)).abort;
   std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(t.x0.arenas[0].data() + abort))
