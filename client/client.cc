@@ -853,9 +853,10 @@ absl::Status Rank::Combine(const Dispatched& dispatched, const void* expert_out,
         dispatched.state_->rank != &s ? "not of this rank"
                                       : absl::StrCat("of dispatch ", dispatched.state_->serial)));
 #ifdef UBEP_CLIENT_CUDA
-    if (s.on_device && s.cuda_ep != nullptr) refused = s.cuda_ep->Refuse(refused);
+    // (A Dispatch refused before it keeps its reason: that is why this rank has no output.)
+    if (s.on_device && s.cuda_ep != nullptr) refused = s.cuda_ep->Refuse(refused, true);
 #endif
-    if (!s.on_device && s.ep != nullptr) refused = s.ep->Refuse(refused);
+    if (!s.on_device && s.ep != nullptr) refused = s.ep->Refuse(refused, true);
     return Record(s, refused);
   }
   const absl::Time start = MonotonicNow();  // Latencies on the monotonic clock.

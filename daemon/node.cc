@@ -557,19 +557,19 @@ void Node::SetAbortCode(int r, uint32_t code, bool only_if_clear) {
   kernels::Ring(kernels::ArenaDoor(ep, ep_layout));
 }
 
-void Node::BreakGroup(int rank) {
+void Node::BreakGroup(int rank, bool rejoining) {
   // A rank that leaves while joining must not be counted in the next generation.
   if (arenas_[rank].valid()) StoreWord(Ctl(rank)->join_ticket, 0);
   auto ready = [&](int r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return std::atomic_ref<uint32_t>(Ctl(r)->group_state).load(std::memory_order_acquire) ==
            kernels::kGroupReady;
   };
-  // The reason given to the others: the rank this one was told left, if it was (a rank that
-  // found its daemon gone wrote that into this rank's word, and this Join answers it), so
-  // that every rank names the rank that actually left rather than the first of them to come
-  // back; else this rank.
-  // (The rank that left is itself told that this one did.)
-  const int told = kernels::RankThatLeft(AbortCode(rank));
+  // The reason given to the others: for a rank that joins again, the rank it was told left,
+  // if it was (a rank that found its daemon gone wrote that into this rank's word, and this
+  // Join answers it), so that every rank names the rank that actually left rather than the
+  // first of them to come back; else (and for a rank that is gone) this rank. The rank that
+  // left is itself told that this one did.
+  const int told = rejoining ? kernels::RankThatLeft(AbortCode(rank)) : -1;
   const int left = told >= 0 && told != rank && told < static_cast<int>(arenas_.size()) ? told : rank;
   const uint32_t code = kernels::kAbortRankGone | static_cast<uint32_t>(left);
   const uint32_t to_left = kernels::kAbortRankGone | static_cast<uint32_t>(rank);
@@ -679,7 +679,7 @@ absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl
   ranks_[rank].joining = true;
   // A member joining a running group means it stopped (an error, or a restart): stop the
   // rest. A rank the plan excludes is not in the group: it waits for a plan that includes it.
-  if (!plan_.excluded(rank)) BreakGroup(rank);
+  if (!plan_.excluded(rank)) BreakGroup(rank, /*rejoining=*/true);
   kernels::RankControl* own = Ctl(rank);
   uint64_t ticket = GroupGeneration() + 1;
   // An excluded rank's step is stale (it was out of the group): it does not hold the group

@@ -271,7 +271,9 @@ class Node {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A rank left a group that may be running: stop every wait, naming it. If the rank was
   // stopped already, stop the ranks still running its generation (a partial stop).
-  void BreakGroup(int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `rejoining`: the rank is alive and joins again (Join); it then passes on the rank its own
+  // abort word says left, if any, rather than naming itself.
+  void BreakGroup(int rank, bool rejoining = false) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The daemon of rank 0: forms the next generation if every rank's ticket asks for it.
   void TryFormGroup() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool Hosted(int r) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {

@@ -357,16 +357,40 @@ grpc::Status Balancer::Register(grpc::ServerContext*, const v1::RegisterRequest*
                                      " come without the group's shape (a daemon with no group "
                                      "attached registers no ranks)"));
   }
+  auto other_shape = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return shape.has_value() && shape_.has_value() &&
+           (shape_->world != shape->world || shape_->layers != shape->layers ||
+            shape_->experts != shape->experts || shape_->slots != shape->slots);
+  };
+  // A group of another shape may start the cluster over (below), which plan changes and
+  // recovery must not straddle: serialized with them, as Forget is (commit_mu_ before mu_).
+  std::unique_lock<std::mutex> serial(commit_mu_, std::defer_lock);
+  bool reshaped = false;
+  {
+    MutexLock lock(&mu_);
+    reshaped = other_shape();
+  }
+  if (reshaped && !LockBefore(serial, absl::Seconds(1))) {
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                        "a plan change is in flight; register again once it is done");
+  }
   MutexLock lock(&mu_);
   if (shape.has_value()) {
-    const bool other_shape =
-        shape_.has_value() && (shape_->world != shape->world || shape_->layers != shape->layers ||
-                               shape_->experts != shape->experts || shape_->slots != shape->slots);
-    const bool shared = std::any_of(daemons_.begin(), daemons_.end(), [&](const auto& entry) {
-      return entry.first != request->node() && entry.second.healthy &&
-             !entry.second.info.ranks().empty();
-    });
-    if (other_shape && !shared) {
+    // The node served the cluster's group alone (it hosted every rank), and nobody else does.
+    const auto known = daemons_.find(request->node());
+    const bool alone =
+        shape_.has_value() && known != daemons_.end() &&
+        known->second.info.ranks_size() == shape_->world &&
+        std::none_of(daemons_.begin(), daemons_.end(), [&](const auto& entry) {
+          return entry.first != request->node() && entry.second.healthy &&
+                 !entry.second.info.ranks().empty();
+        });
+    if (other_shape() && alone && !serial.owns_lock()) {
+      // The cluster's shape changed since it was looked at: the next registration starts over.
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                          "the cluster's shape changed meanwhile; register again");
+    }
+    if (other_shape() && alone) {
       // The group of the cluster's shape was this node's alone (one daemon hosting every
       // rank): its clients attached again with another shape, and the daemon made a new
       // group. What the balancer knew of the old one no longer applies.
@@ -377,7 +401,7 @@ grpc::Status Balancer::Register(grpc::ServerContext*, const v1::RegisterRequest*
                         << shape_->layers << " x " << shape_->experts
                         << ": starting over with the new group";
       ForgetGroupLocked(request->node());
-    } else if (other_shape) {
+    } else if (other_shape()) {
       return grpc::Status(
           grpc::StatusCode::FAILED_PRECONDITION,
           absl::StrCat("node ", request->node(), " serves ", shape->world, " ranks x ", shape->slots,
@@ -514,6 +538,8 @@ void Balancer::ForgetGroupLocked(const std::string& node) {
     Daemon& d = it->second;
     d.committed = d.pending = d.in_force = 0;
     d.needs_state = true;
+    d.max_step = d.prev_step = 0;  // The new group's ranks count their own steps.
+    d.step_time = d.prev_step_time = absl::InfinitePast();
     d.interval_load = LoadMatrix();
     d.interval_rank.clear();
     d.interval_rank_dispatches.clear();
@@ -527,6 +553,7 @@ void Balancer::ForgetGroupLocked(const std::string& node) {
   for (int l = 0; shape_.has_value() && l < shape_->layers; ++l) {
     for (const char* when : {"measured", "before", "after"}) SetImbalance(l, when, NAN);
   }
+  drained_.clear();  // The old group's members.
   shape_.reset();
   window_.reset();
   plan_.reset();

@@ -628,9 +628,12 @@ TEST_F(DaemonTest, CallsOutOfOrderAreRefusedNamingWhatWasExpected) {
   EXPECT_EQ(r.BeginStep(11).message(),
             "rank 0: step 11 is before step 12, where this rank is (steps only go forward; "
             "after Rejoin, from the step it returns)");
-  ASSERT_TRUE(r.BeginStep(13).ok());  // A BeginStep that failed left no step open.
   std::vector<float> x(4 * 8, 1.0f), w(4 * 2, 0.5f), out(4 * 8);
   const std::vector<int32_t> idx = {0, 1, 1, 2, 2, 3, 3, 0};
+  Dispatched none;
+  EXPECT_EQ(r.Dispatch(0, x.data(), idx.data(), w.data(), 4, none),  // Refused: no step open.
+            absl::FailedPreconditionError("rank 0: call BeginStep before Dispatch"));
+  ASSERT_TRUE(r.BeginStep(13).ok());
   const std::vector<float> y(8 * 8, 1.0f);
   Dispatched first, second, never;
   ASSERT_TRUE(r.Dispatch(0, x.data(), idx.data(), w.data(), 4, first).ok());

@@ -1061,6 +1061,19 @@ TEST(BalancerServerTest, TheOnlyNodeOfTheClusterRegisteringAGroupOfAnotherShapeS
   EXPECT_EQ(balancer.Register(nullptr, &old_shape, &response).error_message(),
             "node node-b serves 4 ranks x 4 slots, 2 layers x 6 experts; the cluster has 4 x 4, "
             "3 x 6");
+  // A node that served part of the group does not start it over, even with the rest down.
+  auto c = std::make_unique<FakeDaemon>("node-c", FirstPlan());
+  FakeDaemon d("node-d", FirstPlan());
+  std::unique_ptr<Balancer> two = WithTwoDaemons(QuickToMarkDown(), *c, d, true, "node-c", "node-d");
+  c.reset();
+  TickUntilDown(*two, "node-c");
+  v1::RegisterRequest part = DaemonRegistration(d, "node-d", 2, 0, "host");
+  part.mutable_shape()->set_num_layers(3);
+  const grpc::Status refused = two->Register(nullptr, &part, &response);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(refused.error_message(),
+            "node node-d serves 4 ranks x 4 slots, 3 layers x 6 experts; the cluster has 4 x 4, "
+            "2 x 6");
 }
 
 // FirstPlan as version `version`.
