@@ -1588,6 +1588,13 @@ absl::Status Node::AddPeerArenas(int first_rank, const std::vector<int>& fds,
     return absl::InvalidArgumentError(absl::StrCat("peer ranks ", first_rank, "+", count,
                                                    " are outside the group of ", config_.num_ranks));
   }
+  for (int r = first_rank; r < first_rank + count; ++r) {
+    // Before anything is marked: a peer that names this daemon's ranks (a misconfigured
+    // --ranks, a stale record) must not make them read as restarted.
+    if (Hosted(r)) {
+      return absl::FailedPreconditionError(absl::StrCat("rank ", r, " is hosted here, not by the peer"));
+    }
+  }
   bool replacing = false;
   for (int r = first_rank; r < first_rank + count; ++r) replacing |= arenas_[r].valid();
   if (replacing && staging_) {
@@ -1611,9 +1618,6 @@ absl::Status Node::AddPeerArenas(int first_rank, const std::vector<int>& fds,
   std::vector<kernels::SharedArena> mapped;
   for (int i = 0; i < count; ++i) {
     const int r = first_rank + i;
-    if (Hosted(r)) {
-      return absl::FailedPreconditionError(absl::StrCat("rank ", r, " is hosted here, not by the peer"));
-    }
     UBEP_ASSIGN_OR_RETURN(kernels::SharedArena arena, kernels::SharedArena::Map(fds[i]));
     const auto wrong_size = [&] {
       return absl::FailedPreconditionError(absl::StrCat("the peer's arena for rank ", r, " has ",

@@ -978,6 +978,23 @@ TEST(NodeTest, ARankThatRejoinsPassesOnWhichRankLeft) {
   }
 }
 
+// A peer that offers arenas for ranks this daemon hosts (its --ranks misconfigured, or a stale
+// record of the group) is refused before anything is marked: the hosted ranks do not read as
+// restarted, which would refuse every plan until the group is created again.
+TEST(NodeTest, ArenasOfferedForHostedRanksAreRefusedAndMarkNothing) {
+  GroupOfFour g;
+  const std::array<absl::StatusOr<v1::JoinResponse>, 4> j = g.Join();
+  for (int r = 0; r < 4; ++r) ASSERT_TRUE(j[r].ok()) << "rank " << r << ": " << j[r].status();
+  absl::StatusOr<std::pair<int, std::vector<UniqueFd>>> arenas = g.b.ArenasForPeer(g.a.PeerKey());
+  ASSERT_TRUE(arenas.ok()) << arenas.status();
+  std::vector<int> fds;
+  for (const UniqueFd& fd : arenas->second) fds.push_back(fd.get());
+  EXPECT_EQ(g.a.AddPeerArenas(0, fds, "b-2"),
+            absl::FailedPreconditionError("rank 0 is hosted here, not by the peer"));
+  const v1::PrepareResponse prepared = g.a.Prepare(FourRankPlan(2, {}), 10);
+  EXPECT_TRUE(prepared.prepared()) << prepared.reason();
+}
+
 // ubep_daemon_imbalance_ratio is max over mean of the last harvest's received pairs over
 // this daemon's own ranks: the peer's ranks, whose counters it does not read, do not count as
 // idle ranks (which would double the ratio of two ranks of four).
