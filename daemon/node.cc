@@ -27,7 +27,6 @@ namespace {
 // What Attach and Join answer while the daemon drains.
 constexpr char kDraining[] = "ubepd is draining (shutting down); attach again when it is back";
 
-
 uint64_t LoadWord(const uint64_t& word) {
   return std::atomic_ref<const uint64_t>(word).load(std::memory_order_acquire);
 }
@@ -884,14 +883,13 @@ absl::Status Node::FetchWeights(const WeightCopy& c, uint64_t version,
 }
 
 absl::StatusOr<std::vector<uint32_t>> Node::CheckedSlotMap(int r, int buffer) const {
-  // Copied once, then checked: the copy is what the caller uses, whatever the arena says later.
+  // Each entry read once and checked as it is copied: the copy is what the caller uses,
+  // whatever the arena says later.
   const uint32_t* in_arena = kernels::SlotMap(arenas_[r].data(), layout_, config_, buffer);
   const int S = config_.slots_per_rank;
   std::vector<uint32_t> map(static_cast<size_t>(config_.num_layers) * S);
-  for (size_t i = 0; i < map.size(); ++i) {
-    map[i] = std::atomic_ref<const uint32_t>(in_arena[i]).load(std::memory_order_relaxed);
-  }
   for (int i = 0; i < config_.num_layers * S; ++i) {
+    map[i] = std::atomic_ref<const uint32_t>(in_arena[i]).load(std::memory_order_relaxed);
     if (map[i] >= layout_.buffers_per_layer) {
       return absl::DataLossError(absl::StrCat(
           "rank ", r, "'s slot map says layer ", i / S, " slot ", i % S, " is in weight buffer ",

@@ -303,7 +303,7 @@ grpc::Status Balancer::Reject(const char* reason, grpc::StatusCode code, std::st
   return grpc::Status(code, std::move(message));
 }
 
-grpc::Status Balancer::Register(grpc::ServerContext*, const v1::RegisterRequest* request,
+grpc::Status Balancer::Register(grpc::ServerContext* context, const v1::RegisterRequest* request,
                                 v1::RegisterResponse* response) {
   if (request->node().empty() || request->address().empty()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "node and address are required");
@@ -364,17 +364,21 @@ grpc::Status Balancer::Register(grpc::ServerContext*, const v1::RegisterRequest*
   };
   // A group of another shape may start the cluster over (below), which plan changes and
   // recovery must not straddle: serialized with them, as Forget is (commit_mu_ before mu_).
-  std::unique_lock<std::mutex> serial(commit_mu_, std::defer_lock);
+  std::unique_lock<std::mutex> serial;
   bool reshaped = false;
   {
     MutexLock lock(&mu_);
     reshaped = other_shape();
   }
-  if (reshaped && !LockBefore(serial, absl::Seconds(1))) {
-    return grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                        "a plan change is in flight; register again once it is done");
+  if (reshaped) {
+    if (grpc::Status s = Serialize(serial, context,
+                                   absl::StrCat("node ", request->node(), " was not registered"));
+        !s.ok()) {
+      return s;
+    }
   }
   MutexLock lock(&mu_);
+  reshaped = other_shape();  // Again, under the lock held from here on.
   if (shape.has_value()) {
     // The node served the cluster's group alone (it hosted every rank), and nobody else does.
     const auto known = daemons_.find(request->node());
@@ -385,12 +389,12 @@ grpc::Status Balancer::Register(grpc::ServerContext*, const v1::RegisterRequest*
           return entry.first != request->node() && entry.second.healthy &&
                  !entry.second.info.ranks().empty();
         });
-    if (other_shape() && alone && !serial.owns_lock()) {
+    if (reshaped && alone && !serial.owns_lock()) {
       // The cluster's shape changed since it was looked at: the next registration starts over.
       return grpc::Status(grpc::StatusCode::UNAVAILABLE,
                           "the cluster's shape changed meanwhile; register again");
     }
-    if (other_shape() && alone) {
+    if (reshaped && alone) {
       // The group of the cluster's shape was this node's alone (one daemon hosting every
       // rank): its clients attached again with another shape, and the daemon made a new
       // group. What the balancer knew of the old one no longer applies.
@@ -401,7 +405,7 @@ grpc::Status Balancer::Register(grpc::ServerContext*, const v1::RegisterRequest*
                         << shape_->layers << " x " << shape_->experts
                         << ": starting over with the new group";
       ForgetGroupLocked(request->node());
-    } else if (other_shape()) {
+    } else if (reshaped) {
       return grpc::Status(
           grpc::StatusCode::FAILED_PRECONDITION,
           absl::StrCat("node ", request->node(), " serves ", shape->world, " ranks x ", shape->slots,
@@ -502,16 +506,10 @@ grpc::Status Balancer::Register(grpc::ServerContext*, const v1::RegisterRequest*
   if (d.info.incarnation() != request->incarnation()) {
     // A new process: its ranks count steps from where its clients resume, not from the old
     // process's steps.
-    d.max_step = d.prev_step = 0;
-    d.in_force = 0;
-    d.step_time = d.prev_step_time = absl::InfinitePast();
+    d.ForgetSteps();
   }
   d.info = *request;
-  d.interval_load = LoadMatrix();
-  d.interval_rank.clear();
-  d.interval_rank_dispatches.clear();
-  d.interval_steps = 0;
-  d.has_rate = false;
+  d.ForgetInterval();
   d.first_rank = request->ranks().empty()
                      ? 0
                      : static_cast<int>(*std::min_element(request->ranks().begin(), request->ranks().end()));
@@ -536,18 +534,13 @@ void Balancer::ForgetGroupLocked(const std::string& node) {
       continue;
     }
     Daemon& d = it->second;
-    d.committed = d.pending = d.in_force = 0;
+    d.committed = d.pending = 0;
     d.needs_state = true;
-    d.max_step = d.prev_step = 0;  // The new group's ranks count their own steps.
-    d.step_time = d.prev_step_time = absl::InfinitePast();
-    d.interval_load = LoadMatrix();
-    d.interval_rank.clear();
-    d.interval_rank_dispatches.clear();
-    d.interval_steps = 0;
+    d.ForgetSteps();  // The new group's ranks count their own steps.
+    d.ForgetInterval();
     d.interval_over_capacity = 0;
     d.rate = LoadMatrix();
     d.rank_rate.clear();
-    d.has_rate = false;
     ++it;
   }
   for (int l = 0; shape_.has_value() && l < shape_->layers; ++l) {

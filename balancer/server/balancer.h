@@ -148,6 +148,21 @@ class Balancer final : public v1::Control::Service {
     std::vector<std::vector<double>> rank_rate;
     bool has_rate = false;
     int first_rank = 0;
+
+    // Its ranks count steps anew (a new process, a new group): from where they resume.
+    void ForgetSteps() {
+      max_step = prev_step = 0;
+      in_force = 0;
+      step_time = prev_step_time = absl::InfinitePast();
+    }
+    // The interval being collected starts again, and the last rates no longer stand.
+    void ForgetInterval() {
+      interval_load = LoadMatrix();
+      interval_rank.clear();
+      interval_rank_dispatches.clear();
+      interval_steps = 0;
+      has_rate = false;
+    }
   };
   struct Shape {
     int world = 0, layers = 0, experts = 0, slots = 0;

@@ -1134,8 +1134,11 @@ TEST(BalancerServerTest, AVersionAbortedWhoseAbortWasLostIsAbortedWhereItIsStill
   a.SetStateUnavailable(true);
   b.Refuse(2);
   v1::RebalanceResponse response;
-  EXPECT_EQ(Drain(*balancer, "node-b", true, &response).error_code(), grpc::StatusCode::ABORTED);
-  EXPECT_EQ(Drain(*balancer, "node-b", false, &response).error_code(), grpc::StatusCode::OK);
+  const grpc::Status aborted = Drain(*balancer, "node-b", true, &response);
+  EXPECT_EQ(aborted.error_code(), grpc::StatusCode::ABORTED);
+  EXPECT_EQ(aborted.error_message(), "plan v2 aborted: node-b: refused for the test");
+  const grpc::Status undrained = Drain(*balancer, "node-b", false, &response);
+  EXPECT_TRUE(undrained.ok()) << undrained.error_message();
   a.SetServing(false);
   TickUntilDown(*balancer, "node-a");
   for (int i = 0; i < 5 && b.committed_version() < 3; ++i) balancer->Tick();
