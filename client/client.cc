@@ -303,10 +303,8 @@ absl::StatusOr<std::vector<kernels::SharedArena>> MapArenas(const RankState& s,
 
 absl::Status TakeArenas(RankState& s, const v1::AttachResponse& response) {
   UBEP_ASSIGN_OR_RETURN(s.fd_connection, ConnectUnix(response.fd_socket(), s.options.rpc_timeout));
-  UBEP_RETURN_IF_ERROR(
-      SendMessage(s.fd_connection.get(), response.token(), {}, s.options.rpc_timeout));
-  UBEP_ASSIGN_OR_RETURN(ReceivedMessage reply,
-                        ReceiveMessage(s.fd_connection.get(), 4096, s.options.rpc_timeout));
+  UBEP_ASSIGN_OR_RETURN(ReceivedMessage reply, Exchange(s.fd_connection.get(), response.token(),
+                                                       4096, s.options.rpc_timeout));
   if (reply.bytes != "OK") {
     // Every refusal of a claim is for a while (the token expired or was used, the group's
     // arenas changed): Unavailable, which callers retry, as the message says to.

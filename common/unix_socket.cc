@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstring>
 #include <limits>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -229,6 +230,38 @@ absl::StatusOr<ReceivedMessage> ReceiveMessage(int socket, size_t max_bytes,
   } while (out.bytes == kMoreFds);
   out.closed = out.bytes.empty() && out.fds.empty();
   return out;
+}
+
+namespace {
+
+// A reply left queued on a connection whose other end is gone. A Unix socket closed with a
+// message unread resets its peer, and the reset reads as an error once, ahead of what was
+// queued: hence two tries.
+std::optional<ReceivedMessage> QueuedReply(int socket, size_t max_bytes) {
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    absl::StatusOr<ReceivedMessage> queued = ReceiveMessage(socket, max_bytes, absl::ZeroDuration());
+    if (queued.ok()) {
+      if (queued->closed) break;
+      return *std::move(queued);
+    }
+    if (absl::IsDeadlineExceeded(queued.status())) break;
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+absl::StatusOr<ReceivedMessage> Exchange(int socket, std::string_view bytes, size_t max_bytes,
+                                         absl::Duration timeout) {
+  if (absl::Status sent = SendMessage(socket, bytes, {}, timeout); !sent.ok()) {
+    if (std::optional<ReceivedMessage> queued = QueuedReply(socket, max_bytes)) return *std::move(queued);
+    return sent;
+  }
+  absl::StatusOr<ReceivedMessage> reply = ReceiveMessage(socket, max_bytes, timeout);
+  if (!reply.ok() && !absl::IsDeadlineExceeded(reply.status())) {
+    if (std::optional<ReceivedMessage> queued = QueuedReply(socket, max_bytes)) return *std::move(queued);
+  }
+  return reply;
 }
 
 absl::StatusOr<pid_t> PeerPid(int socket) {

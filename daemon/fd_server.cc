@@ -1,5 +1,6 @@
 #include "daemon/fd_server.h"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -19,14 +20,20 @@ namespace ubep::daemon {
 namespace {
 
 constexpr size_t kMaxTokenBytes = 1024;  // A token, or a peer request with the group's shape.
+// How long the listener rests after an accept that failed for want of a resource (no spare
+// file descriptor either, or no memory): its connection stays queued, and polling it again at
+// once would spin.
+constexpr absl::Duration kAcceptBackoff = absl::Milliseconds(100);
+
+UniqueFd OpenSpare() { return UniqueFd(open("/dev/null", O_RDONLY | O_CLOEXEC)); }
 
 }  // namespace
 
 absl::StatusOr<std::pair<int, std::vector<UniqueFd>>> FetchPeerArenas(
     const std::string& socket_path, const std::string& key, absl::Duration timeout) {
   UBEP_ASSIGN_OR_RETURN(UniqueFd socket, ConnectUnix(socket_path, timeout));
-  UBEP_RETURN_IF_ERROR(SendMessage(socket.get(), absl::StrCat(kPeerRequest, key), {}, timeout));
-  UBEP_ASSIGN_OR_RETURN(ReceivedMessage reply, ReceiveMessage(socket.get(), 4096, timeout));
+  UBEP_ASSIGN_OR_RETURN(ReceivedMessage reply,
+                        Exchange(socket.get(), absl::StrCat(kPeerRequest, key), 4096, timeout));
   int first = 0;
   if (!absl::StartsWith(reply.bytes, "OK ") ||
       !absl::SimpleAtoi(absl::string_view(reply.bytes).substr(3), &first)) {
@@ -54,6 +61,7 @@ FdServer::FdServer(UniqueFd listener, UniqueFd wake, std::string path, Node* nod
       path_(std::move(path)),
       node_(node),
       options_(options),
+      spare_(OpenSpare()),
       thread_([this] { Loop(); }) {}
 
 FdServer::~FdServer() {
@@ -111,11 +119,63 @@ bool FdServer::Serve(int64_t id, int fd) {
   return Reply(fd, StatusLine(fds, "OK"), fds.ok() ? *fds : kNone).ok() && fds.ok();
 }
 
+int FdServer::Unclaimed(absl::Time now) const {
+  int unclaimed = 0;
+  for (const auto& [id, connection] : connections_) {
+    unclaimed += connection.close_at != absl::InfiniteFuture() && connection.close_at > now;
+  }
+  return unclaimed;
+}
+
+void FdServer::Accept(absl::Time now) {
+  UniqueFd conn(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+  std::string refusal;
+  if (!conn.valid()) {
+    const int error = errno;
+    if (error != EMFILE && error != ENFILE) {
+      // ECONNABORTED, EINTR, EAGAIN: nothing is queued any more, or it is taken next time.
+      if (error == ENOBUFS || error == ENOMEM) {
+        UBEP_LOG(ERROR) << "fd server: accept failed: " << strerror(error);
+        listen_again_ = now + kAcceptBackoff;
+      }
+      return;
+    }
+    // Out of file descriptors: the spare one makes room to tell the client so.
+    spare_ = UniqueFd();
+    conn = UniqueFd(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    refusal = absl::StrCat("ERR the daemon is out of file descriptors (", strerror(error),
+                           "); attach again later");
+    UBEP_LOG(ERROR) << "fd server: a connection was refused: the daemon is out of file "
+                       "descriptors ("
+                    << strerror(error) << "); raise its limit (ulimit -n)";
+  } else if (const int unclaimed = Unclaimed(now); unclaimed >= options_.max_unclaimed) {
+    refusal = absl::StrCat("ERR the daemon holds ", unclaimed,
+                           " connections that claimed no rank yet (at most ",
+                           options_.max_unclaimed, "); attach again later");
+    UBEP_LOG(WARNING) << "fd server: a connection was refused: " << refusal.substr(4);
+  }
+  if (refusal.empty()) {
+    connections_.emplace(next_id_++, Connection{std::move(conn), now + options_.unclaimed_timeout});
+    return;
+  }
+  if (conn.valid()) {
+    // A fresh connection's queue is empty: the one message goes at once, or not at all.
+    (void)SendMessage(conn.get(), refusal, {}, absl::ZeroDuration());
+    conn = UniqueFd();
+  } else {
+    listen_again_ = now + kAcceptBackoff;  // Not even the spare's room: rest.
+  }
+  if (!spare_.valid()) spare_ = OpenSpare();
+}
+
 void FdServer::Loop() {
   while (true) {
-    std::vector<pollfd> polls{{wake_.get(), POLLIN, 0}, {listener_.get(), POLLIN, 0}};
+    // The listener rests after an accept that could not take its connection.
+    const bool listening = MonotonicNow() >= listen_again_;
+    std::vector<pollfd> polls{{wake_.get(), POLLIN, 0},
+                              {listener_.get(), static_cast<short>(listening ? POLLIN : 0), 0}};
     std::vector<int64_t> ids;
-    absl::Time next_close = absl::InfiniteFuture();
+    absl::Time next_close = listening ? absl::InfiniteFuture() : listen_again_;
     for (const auto& [id, connection] : connections_) {
       polls.push_back({connection.fd.get(), POLLIN, 0});
       ids.push_back(id);
@@ -130,12 +190,6 @@ void FdServer::Loop() {
     }
     if (polls[0].revents != 0) return;
     const absl::Time now = MonotonicNow();
-    if (polls[1].revents & POLLIN) {
-      UniqueFd conn(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
-      if (conn.valid()) {
-        connections_.emplace(next_id_++, Connection{std::move(conn), now + options_.unclaimed_timeout});
-      }
-    }
     for (size_t i = 2; i < polls.size(); ++i) {
       const int64_t id = ids[i - 2];
       Connection& connection = connections_.at(id);
@@ -154,6 +208,8 @@ void FdServer::Loop() {
         connections_.erase(id);
       }
     }
+    // After the connections: one a client closed before it connected again makes room.
+    if (polls[1].revents & POLLIN) Accept(now);
   }
 }
 

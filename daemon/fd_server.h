@@ -8,7 +8,12 @@
 // One thread polls the listener and every connection; no connection can hold it: a reply the
 // other side does not take within FdServerOptions::send_timeout closes its connection (and
 // detaches its rank), and a connection that holds no rank is closed after
-// FdServerOptions::unclaimed_timeout. Thread-safe.
+// FdServerOptions::unclaimed_timeout. Nor can connections exhaust it: past
+// FdServerOptions::max_unclaimed connections that hold no rank, and when the process is out
+// of file descriptors (a spare one, kept open for this, takes the connection for its answer),
+// a new connection is answered "ERR <why>" and closed, so its client fails at once rather
+// than waiting out its timeout, and the loop does not spin on a listener it cannot drain.
+// Thread-safe.
 #ifndef UBEP_DAEMON_FD_SERVER_H_
 #define UBEP_DAEMON_FD_SERVER_H_
 
@@ -36,6 +41,9 @@ struct FdServerOptions {
   absl::Duration send_timeout = absl::Seconds(2);
   // From its accept until it claims a rank (clients send their token at once).
   absl::Duration unclaimed_timeout = absl::Seconds(10);
+  // Connections that hold no rank, at most (clients, and peers asking for arenas, hold one
+  // for a moment each); those that hold a rank are bounded by the ranks the daemon hosts.
+  int max_unclaimed = 64;
 };
 
 class FdServer {
@@ -58,10 +66,15 @@ class FdServer {
   // Answers a connection's message; false when the connection should close. A connection
   // kept open holds a rank.
   bool Serve(int64_t id, int fd);
+  // Takes the listener's next connection: kept, or answered "ERR ..." and closed.
+  void Accept(absl::Time now);
+  int Unclaimed(absl::Time now) const;
   absl::Status Reply(int fd, const std::string& bytes, const std::vector<UniqueFd>& fds) const;
 
   UniqueFd listener_;
   UniqueFd wake_;  // eventfd: written to stop the loop.
+  UniqueFd spare_;  // /dev/null, closed to take a connection when out of file descriptors.
+  absl::Time listen_again_ = absl::InfinitePast();  // Loop thread only: accept failed until.
   std::string path_;
   Node* node_;
   const FdServerOptions options_;

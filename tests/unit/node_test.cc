@@ -14,6 +14,9 @@
 #include <utility>
 
 #include <cstring>
+#include <fcntl.h>
+#include <sys/resource.h>
+#include <filesystem>
 
 #include "balancer/core/plan.h"
 #include "gmock/gmock.h"
@@ -1416,6 +1419,7 @@ class FdServerTest : public ::testing::Test {
     FdServerOptions server;
     server.send_timeout = absl::Milliseconds(200);
     server.unclaimed_timeout = absl::Seconds(1);
+    server.max_unclaimed = 3;
     absl::StatusOr<std::unique_ptr<FdServer>> started = FdServer::Start(path_, 0600, node_.get(), server);
     EXPECT_TRUE(started.ok()) << started.status();
     if (started.ok()) server_ = *std::move(started);
@@ -1444,8 +1448,7 @@ class FdServerTest : public ::testing::Test {
   // The answer the server gives a connection that sends an unknown token.
   std::string AnswerToABadToken() {
     UniqueFd c = Connect();
-    EXPECT_TRUE(SendMessage(c.get(), "no such token", {}).ok());
-    absl::StatusOr<ReceivedMessage> reply = ReceiveMessage(c.get(), 256, absl::Seconds(5));
+    absl::StatusOr<ReceivedMessage> reply = Exchange(c.get(), "no such token", 256, absl::Seconds(5));
     return reply.ok() ? reply->bytes : std::string(reply.status().message());
   }
 
@@ -1501,6 +1504,62 @@ TEST_F(FdServerTest, AMessageOutOfPlaceOnARanksConnectionEndsTheConnectionAndThe
     EXPECT_TRUE(reply->closed);
     EXPECT_EQ(node_->Snapshot().attached, 0);
   }
+}
+
+// Connections that claim no rank are bounded: past the limit a new one is answered at once
+// (its client fails, rather than waiting out its timeout) and closed; one closed makes room.
+TEST_F(FdServerTest, ConnectionsPastTheLimitOfUnclaimedOnesAreAnsweredAndClosed) {
+  std::vector<UniqueFd> idle;
+  for (int i = 0; i < 3; ++i) idle.push_back(Connect());
+  EXPECT_EQ(AnswerToABadToken(),
+            "ERR the daemon holds 3 connections that claimed no rank yet (at most 3); attach "
+            "again later");
+  idle.pop_back();
+  EXPECT_EQ(AnswerToABadToken(), "ERR unknown or already used attach token; attach again");
+  // A connection that holds a rank does not count.
+  UniqueFd claimed = Claimed();
+  EXPECT_EQ(node_->Snapshot().attached, 1);
+}
+
+// Out of file descriptors, the server cannot accept a connection, which stays queued: it
+// takes it with a spare descriptor kept for this, answers why, and closes it, rather than
+// spinning on the listener while the client waits out its timeout. Once descriptors are
+// free, it serves as before.
+TEST_F(FdServerTest, OutOfFileDescriptorsAConnectionIsAnsweredWhyAndTheServerGoesOn) {
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  int highest = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    highest = std::max(highest, std::stoi(entry.path().filename().string()));
+  }
+  rlimit low = saved;
+  low.rlim_cur = static_cast<rlim_t>(highest) + 32;
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  std::vector<UniqueFd> filler;
+  while (true) {
+    UniqueFd fd(open("/dev/null", O_RDONLY | O_CLOEXEC));
+    if (!fd.valid()) break;
+    filler.push_back(std::move(fd));
+  }
+  ASSERT_FALSE(filler.empty());
+  filler.pop_back();  // One left: the client's socket takes it, the server's accept finds none.
+  std::string answer;
+  {
+    absl::StatusOr<UniqueFd> c = ConnectUnix(path_, absl::Seconds(5));
+    if (c.ok()) {
+      absl::StatusOr<ReceivedMessage> reply = Exchange(c->get(), "no such token", 256, absl::Seconds(5));
+      answer = reply.ok() ? reply->bytes : std::string(reply.status().message());
+    } else {
+      answer = std::string(c.status().message());
+    }
+  }
+  filler.clear();
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+  EXPECT_EQ(answer,
+            "ERR the daemon is out of file descriptors (Too many open files); attach again later");
+  EXPECT_EQ(AnswerToABadToken(), "ERR unknown or already used attach token; attach again");
+  UniqueFd claimed = Claimed();
+  EXPECT_EQ(node_->Snapshot().attached, 1);
 }
 
 }  // namespace
