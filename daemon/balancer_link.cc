@@ -30,7 +30,10 @@ BalancerLink::~BalancerLink() = default;
 void BalancerLink::Tick() {
   const std::optional<v1::AttachRequest> shape = node_->GroupShape();
   const std::string serialized = shape.has_value() ? shape->SerializeAsString() : "";
-  if (!registered_ || serialized != registered_shape_) registered_ = Register();
+  if (!registered_ || serialized != registered_shape_ ||
+      node_->ArenasCreated() != registered_arenas_) {
+    registered_ = Register();
+  }
   if (!registered_) return;
   MapPeers();
   // A peer daemon seen to have started anew (MapPeers): the balancer may not have seen it
@@ -99,7 +102,9 @@ bool BalancerLink::Register() {
   request.set_backend(options_.backend);
   request.set_free_buffers(static_cast<uint32_t>(node_->free_buffers()));
   request.set_arena_socket(options_.arena_socket);
-  request.set_incarnation(incarnation_);
+  // Read before the shape: a group created in between registers again at the next tick.
+  const uint64_t arenas = node_->ArenasCreated();
+  request.set_incarnation(absl::StrCat(incarnation_, ".", arenas));
   const std::vector<int> restarted = node_->RestartedMembers();
   for (int r : restarted) request.add_restarted_ranks(static_cast<uint32_t>(r));
   const std::optional<v1::AttachRequest> shape = node_->GroupShape();
@@ -119,6 +124,7 @@ bool BalancerLink::Register() {
     return false;
   }
   registered_shape_ = shape.has_value() ? shape->SerializeAsString() : "";
+  registered_arenas_ = arenas;
   registered_restarted_ = restarted;
   if (response.report_interval_ms() > 0) {
     // Within [10 ms, 1 h], whatever the balancer says.

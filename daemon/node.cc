@@ -824,6 +824,11 @@ uint64_t Node::MaxStep() const {
   return MaxStepLocked();
 }
 
+uint64_t Node::ArenasCreated() const {
+  MutexLock lock(&mu_);
+  return arenas_created_;
+}
+
 std::optional<v1::AttachRequest> Node::GroupShape() const {
   MutexLock lock(&mu_);
   if (!has_group_) return std::nullopt;

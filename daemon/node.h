@@ -208,6 +208,8 @@ class Node {
   // Highest step any rank has begun; the group's shape (nullopt without a group).
   uint64_t MaxStep() const;
   std::optional<v1::AttachRequest> GroupShape() const;
+  // Groups created so far (each with new arenas); 0 before the first.
+  uint64_t ArenasCreated() const;
   int free_buffers() const { return options_.free_buffers; }
 
   // Peer daemons. PeerKey: what a peer must match (world size and model shape, serialized;

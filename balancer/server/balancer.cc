@@ -1,6 +1,7 @@
 #include "balancer/server/balancer.h"
 
 #include <algorithm>
+#include <set>
 #include <chrono>
 #include <cmath>
 #include <iterator>
@@ -358,9 +359,7 @@ grpc::Status Balancer::Register(grpc::ServerContext* context, const v1::Register
                                      "attached registers no ranks)"));
   }
   auto other_shape = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return shape.has_value() && shape_.has_value() &&
-           (shape_->world != shape->world || shape_->layers != shape->layers ||
-            shape_->experts != shape->experts || shape_->slots != shape->slots);
+    return shape.has_value() && shape_.has_value() && *shape_ != *shape;
   };
   // A group of another shape may start the cluster over (below), which plan changes and
   // recovery must not straddle: serialized with them, as Forget is (commit_mu_ before mu_).
@@ -379,40 +378,51 @@ grpc::Status Balancer::Register(grpc::ServerContext* context, const v1::Register
   }
   MutexLock lock(&mu_);
   reshaped = other_shape();  // Again, under the lock held from here on.
-  if (shape.has_value()) {
-    // The node served the cluster's group alone (it hosted every rank), and nobody else does.
+  if (reshaped) {
+    // The model changes: the nodes that moved to this shape (the registrant, and those refused
+    // for it before) served every rank of the cluster's group, and no node up serves the old
+    // one. (A node down that served part of it is forgotten with ubepctl, or registers the
+    // new shape when it is back.)
     const auto known = daemons_.find(request->node());
-    const bool alone =
-        shape_.has_value() && known != daemons_.end() &&
-        known->second.info.ranks_size() == shape_->world &&
-        std::none_of(daemons_.begin(), daemons_.end(), [&](const auto& entry) {
-          return entry.first != request->node() && entry.second.healthy &&
-                 !entry.second.info.ranks().empty();
-        });
-    if (reshaped && alone && !serial.owns_lock()) {
+    bool everyone_moved = false;
+    if (known != daemons_.end()) {
+      std::set<uint32_t> moved(known->second.info.ranks().begin(), known->second.info.ranks().end());
+      bool old_served = false;
+      for (const auto& [name, other] : daemons_) {
+        if (name == request->node() || other.info.ranks().empty()) continue;
+        if (other.wanted_shape == shape) {
+          moved.insert(other.info.ranks().begin(), other.info.ranks().end());
+        } else if (other.healthy) {
+          old_served = true;
+        }
+      }
+      everyone_moved = !old_served && static_cast<int>(moved.size()) == shape_->world;
+    }
+    if (everyone_moved && !serial.owns_lock()) {
       // The cluster's shape changed since it was looked at: the next registration starts over.
       return grpc::Status(grpc::StatusCode::UNAVAILABLE,
                           "the cluster's shape changed meanwhile; register again");
     }
-    if (reshaped && alone) {
-      // The group of the cluster's shape was this node's alone (one daemon hosting every
-      // rank): its clients attached again with another shape, and the daemon made a new
-      // group. What the balancer knew of the old one no longer applies.
-      UBEP_LOG(WARNING) << "node " << request->node() << " registers a group of " << shape->world
-                        << " ranks x " << shape->slots << " slots, " << shape->layers
-                        << " layers x " << shape->experts << " experts; no other node serves "
-                        << "the cluster's " << shape_->world << " x " << shape_->slots << ", "
-                        << shape_->layers << " x " << shape_->experts
-                        << ": starting over with the new group";
-      ForgetGroupLocked(request->node());
-    } else if (reshaped) {
+    if (!everyone_moved) {
+      if (known != daemons_.end()) known->second.wanted_shape = shape;
       return grpc::Status(
           grpc::StatusCode::FAILED_PRECONDITION,
           absl::StrCat("node ", request->node(), " serves ", shape->world, " ranks x ", shape->slots,
                        " slots, ", shape->layers, " layers x ", shape->experts,
                        " experts; the cluster has ", shape_->world, " x ", shape_->slots, ", ",
-                       shape_->layers, " x ", shape_->experts));
+                       shape_->layers, " x ", shape_->experts,
+                       " (it takes the new shape once the nodes serving all its ranks register it)"));
     }
+    // Its clients, and those of the nodes that moved with it, attached again with another
+    // model, and their daemons made new groups. What the balancer knew of the old one no
+    // longer applies.
+    UBEP_LOG(WARNING) << "node " << request->node() << " registers a group of " << shape->world
+                      << " ranks x " << shape->slots << " slots, " << shape->layers
+                      << " layers x " << shape->experts << " experts, as every node that served "
+                      << "the cluster's " << shape_->world << " x " << shape_->slots << ", "
+                      << shape_->layers << " x " << shape_->experts
+                      << " did: starting over with the new group";
+    ForgetGroupLocked(request->node());
   }
   for (const auto& [name, other] : daemons_) {
     if (name == request->node() || !other.healthy) continue;
@@ -509,6 +519,7 @@ grpc::Status Balancer::Register(grpc::ServerContext* context, const v1::Register
     d.ForgetSteps();
   }
   d.info = *request;
+  d.wanted_shape.reset();
   d.ForgetInterval();
   d.first_rank = request->ranks().empty()
                      ? 0
@@ -534,6 +545,10 @@ void Balancer::ForgetGroupLocked(const std::string& node) {
       continue;
     }
     Daemon& d = it->second;
+    // Its ranks were the old group's: it registers its new group's (the registrant now, the
+    // others that moved when they register again), as a node new to the group.
+    d.info.clear_ranks();
+    d.wanted_shape.reset();
     d.committed = d.pending = 0;
     d.needs_state = true;
     d.ForgetSteps();  // The new group's ranks count their own steps.

@@ -112,6 +112,10 @@ class Balancer final : public v1::Control::Service {
   void Tick();
 
  private:
+  struct Shape {
+    int world = 0, layers = 0, experts = 0, slots = 0;
+    bool operator==(const Shape&) const = default;
+  };
   struct Daemon {
     v1::RegisterRequest info;
     // Shared with the RPCs made outside mu_: a registration from a new address replaces it
@@ -148,6 +152,10 @@ class Balancer final : public v1::Control::Service {
     std::vector<std::vector<double>> rank_rate;
     bool has_rate = false;
     int first_rank = 0;
+    // The shape of a group it registered that was refused as not the cluster's (its clients
+    // moved to another model): once the nodes serving every rank of the cluster's group have
+    // asked for the same one, and no node up serves the old one, the cluster starts over.
+    std::optional<Shape> wanted_shape;
 
     // Its ranks count steps anew (a new process, a new group): from where they resume.
     void ForgetSteps() {
@@ -164,14 +172,12 @@ class Balancer final : public v1::Control::Service {
       has_rate = false;
     }
   };
-  struct Shape {
-    int world = 0, layers = 0, experts = 0, slots = 0;
-  };
 
   grpc::Status Reject(const char* reason, grpc::StatusCode code, std::string message);
-  // Register: `node`, the only daemon serving the cluster's group, registers a group of
-  // another shape. Everything known of the old group goes (its plan, window, versions, the
-  // daemons down that served it); the registrant's shape becomes the cluster's.
+  // Register: `node` registers a group of another shape, and the nodes that moved to it (it
+  // and those that asked for it before) served every rank of the cluster's group. Everything
+  // known of the old group goes (its plan, window, versions, the ranks each node registered,
+  // the daemons down that served it); the registrant's shape becomes the cluster's.
   void ForgetGroupLocked(const std::string& node) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The healthy daemons that host ranks, with their domains and addresses: where a daemon
   // staging a plan reads the weights of holders in other domains.

@@ -484,6 +484,51 @@ TEST_F(BalancerTest, ADaemonKilledWhileTheBalancerIsDownHasItsRanksExcludedAfter
   LoseNodeB(*this, /*balancer_down=*/true);
 }
 
+// A model change over two nodes, without restarting anything but the serving processes: the
+// clients of both daemons run a 4-layer model, exit, and clients of a 3-layer model attach.
+// Each daemon creates a new group (new arenas, a new incarnation); the balancer refuses the
+// first node's new shape while the other serves the old one, and starts the cluster over
+// with it once both have moved; the daemons map each other's new arenas and the 3-layer
+// group serves every step exactly.
+TEST_F(BalancerTest, AModelChangeOverTwoDaemonsStartsTheClusterOverWithTheNewShape) {
+  constexpr int kSteps = 30;
+  auto balancer = StartBalancer({"--auto_rebalance=false"});
+  auto node_a = StartDaemon({"--ranks=0-1"}, "node-a");
+  auto node_b = StartDaemon({"--ranks=2-3"}, "node-b");
+  for (const int layers : {4, 3}) {
+    SCOPED_TRACE(absl::StrCat(layers, " layers"));
+    for (int r = 0; r < world_; ++r) std::filesystem::remove(ClientLog(r));
+    std::vector<std::unique_ptr<Process>> clients;
+    for (int r = 0; r < world_; ++r) {
+      clients.push_back(StartClient(r, kSteps, r < 2 ? "node-a" : "node-b", /*slots_per_rank=*/72,
+                                    /*tokens=*/32, /*drift_period=*/200,
+                                    {absl::StrCat("--layers=", layers)}));
+    }
+    for (auto& c : clients) EXPECT_EQ(c->Wait(absl::Seconds(120)), 0);
+    ExpectConsistentRun(kSteps);
+  }
+  // The first node to move was refused (its daemon logs why), the second started it over.
+  EXPECT_THAT(ReadFile(path("node-a.log")) + ReadFile(path("node-b.log")),
+              ContainsRegex("registering with ubep-balancer at .* failed: node node-[ab] serves 4 "
+                            "ranks x 72 slots, 3 layers x 256 experts; the cluster has 4 x 72, 4 "
+                            "x 256 \\(it takes the new shape once the nodes serving all its ranks "
+                            "register it\\)"));
+  const std::string log = ReadFile(path("balancer.log"));
+  EXPECT_THAT(log, ContainsRegex("node node-[ab] registers a group of 4 ranks x 72 slots, 3 "
+                                 "layers x 256 experts, as every node that served the cluster's "
+                                 "4 x 72, 4 x 256 did: starting over with the new group"));
+  for (const std::string node : {"node-a", "node-b"}) {
+    const std::string daemon_log = ReadFile(path(node + ".log"));
+    // The peer's arenas of each group: mapped twice.
+    const std::string peer = node == "node-a" ? "2-3" : "0-1";
+    const std::regex mapped("\\] mapped the arenas of ranks " + peer);
+    EXPECT_EQ(std::distance(std::sregex_iterator(daemon_log.begin(), daemon_log.end(), mapped),
+                            std::sregex_iterator()),
+              2)
+        << node << "\n" << daemon_log;
+  }
+}
+
 // The lost node's daemon comes back as a new process, with new and empty arenas, and the
 // node's serving processes, which outlived it, attach to it again. It stays
 // drained (the plan keeps its ranks excluded, the survivors are not stalled), its group

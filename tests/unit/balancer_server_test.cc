@@ -179,7 +179,8 @@ TEST(BalancerServerTest, ShapeConflictsAreRefusedNamingBothShapes) {
   const grpc::Status status = balancer.Register(nullptr, &other, &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_EQ(status.error_message(),
-            "node b serves 4 ranks x 2 slots, 2 layers x 8 experts; the cluster has 4 x 2, 2 x 6");
+            "node b serves 4 ranks x 2 slots, 2 layers x 8 experts; the cluster has 4 x 2, 2 x 6 "
+            "(it takes the new shape once the nodes serving all its ranks register it)");
   other = Registration("b", 2);
   other.set_ranks(1, 9);
   EXPECT_EQ(balancer.Register(nullptr, &other, &response).error_message(), "rank 9 is outside [0, 4)");
@@ -1021,6 +1022,22 @@ TEST(BalancerServerTest, AGetStatePastGrpcsDefaultMessageSizeIsRead) {
 // it registers its new group. With no other node serving the old shape, the balancer starts
 // over with the new one (it refused it for good before: the cluster's shape was set once)
 // and learns the new group's plan; a second node of the old shape would still refuse it.
+// The first plan of a group of 4 ranks x 4 slots, 6 experts, `layers` layers (round-robin).
+v1::Plan FirstPlanOfLayers(int layers) {
+  Plan plan;
+  plan.version = 1;
+  plan.topology = {4, 1, 4, 1};
+  plan.num_experts = 6;
+  for (int l = 0; l < layers; ++l) {
+    LayerPlan layer;
+    for (int p = 0; p < 16; ++p) layer.slot_expert.push_back(p % 6);
+    SetEqualShares(6, layer);
+    plan.layer_ids.push_back(l);
+    plan.layers.push_back(layer);
+  }
+  return ToProto(plan, PlanEncoding::kFull);
+}
+
 TEST(BalancerServerTest, TheOnlyNodeOfTheClusterRegisteringAGroupOfAnotherShapeStartsItOver) {
   FakeDaemon a("node-a", FirstPlan());
   Balancer balancer(NeverMarkedDown(), std::make_shared<prometheus::Registry>());
@@ -1033,18 +1050,7 @@ TEST(BalancerServerTest, TheOnlyNodeOfTheClusterRegisteringAGroupOfAnotherShapeS
   ASSERT_TRUE(balancer.CurrentPlan().has_value());
   ASSERT_EQ(balancer.CurrentPlan()->num_layers(), 2);
   // The new group: 3 layers, under its own first plan.
-  Plan three;
-  three.version = 1;
-  three.topology = {4, 1, 4, 1};
-  three.num_experts = 6;
-  for (int l = 0; l < 3; ++l) {
-    LayerPlan layer;
-    for (int p = 0; p < 16; ++p) layer.slot_expert.push_back(p % 6);
-    SetEqualShares(6, layer);
-    three.layer_ids.push_back(l);
-    three.layers.push_back(layer);
-  }
-  a.SetCommitted(ToProto(three, PlanEncoding::kFull));
+  a.SetCommitted(FirstPlanOfLayers(3));
   v1::RegisterRequest reshaped = whole;
   reshaped.mutable_shape()->set_num_layers(3);
   v1::RegisterResponse response;
@@ -1060,7 +1066,7 @@ TEST(BalancerServerTest, TheOnlyNodeOfTheClusterRegisteringAGroupOfAnotherShapeS
   v1::RegisterRequest old_shape = DaemonRegistration(b, "node-b", 0, 0, "host");
   EXPECT_EQ(balancer.Register(nullptr, &old_shape, &response).error_message(),
             "node node-b serves 4 ranks x 4 slots, 2 layers x 6 experts; the cluster has 4 x 4, "
-            "3 x 6");
+            "3 x 6 (it takes the new shape once the nodes serving all its ranks register it)");
   // A node that served part of the group does not start it over, even with the rest down.
   auto c = std::make_unique<FakeDaemon>("node-c", FirstPlan());
   FakeDaemon d("node-d", FirstPlan());
@@ -1073,7 +1079,64 @@ TEST(BalancerServerTest, TheOnlyNodeOfTheClusterRegisteringAGroupOfAnotherShapeS
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_EQ(refused.error_message(),
             "node node-d serves 4 ranks x 4 slots, 3 layers x 6 experts; the cluster has 4 x 4, "
-            "2 x 6");
+            "2 x 6 (it takes the new shape once the nodes serving all its ranks register it)");
+}
+
+// A model change over several nodes: the clients of each attach again with another model and
+// each daemon registers its new group (as a new incarnation: new arenas). The first is refused,
+// another node serving the old shape, and remembered to ask for the new one; a node that asks
+// for a third shape holds the change back; once the nodes serving every rank of the old group
+// have asked for the same shape, the cluster starts over with it, and the first node is taken
+// when it registers again (its daemon retries). Neither node is kept out as restarted: both
+// groups are new.
+TEST(BalancerServerTest, EveryNodeOfTheClusterMovingToAnotherShapeStartsItOver) {
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+  std::unique_ptr<Balancer> balancer = WithTwoDaemons(NeverMarkedDown(), a, b);
+  ASSERT_TRUE(balancer->CurrentPlan().has_value());
+  ASSERT_EQ(balancer->CurrentPlan()->num_layers(), 2);
+  a.SetCommitted(FirstPlanOfLayers(3));
+  b.SetCommitted(FirstPlanOfLayers(3));
+  auto reshaped = [](v1::RegisterRequest q, int layers, const std::string& incarnation) {
+    q.mutable_shape()->set_num_layers(static_cast<uint32_t>(layers));
+    q.set_incarnation(incarnation);
+    return q;
+  };
+  const v1::RegisterRequest a3 = reshaped(DaemonRegistration(a, "node-a", 0, 0, "host"), 3, "a.2");
+  const v1::RegisterRequest b4 = reshaped(DaemonRegistration(b, "node-b", 2, 0, "host"), 4, "b.2");
+  const v1::RegisterRequest b3 = reshaped(DaemonRegistration(b, "node-b", 2, 0, "host"), 3, "b.3");
+  v1::RegisterResponse response;
+  grpc::Status status = balancer->Register(nullptr, &a3, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(status.error_message(),
+            "node node-a serves 4 ranks x 4 slots, 3 layers x 6 experts; the cluster has 4 x 4, "
+            "2 x 6 (it takes the new shape once the nodes serving all its ranks register it)");
+  status = balancer->Register(nullptr, &b4, &response);
+  EXPECT_EQ(status.error_message(),
+            "node node-b serves 4 ranks x 4 slots, 4 layers x 6 experts; the cluster has 4 x 4, "
+            "2 x 6 (it takes the new shape once the nodes serving all its ranks register it)");
+  balancer->Tick();
+  EXPECT_EQ(balancer->CurrentPlan()->num_layers(), 2);
+  // node-b moves to node-a's shape: every rank of the old group has moved.
+  status = balancer->Register(nullptr, &b3, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  status = balancer->Register(nullptr, &a3, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  balancer->Tick();
+  const std::optional<Plan> learned = balancer->CurrentPlan();
+  ASSERT_TRUE(learned.has_value());
+  EXPECT_EQ(learned->num_layers(), 3);
+  EXPECT_EQ(learned->version, 1u);
+  v1::ClusterStatus cluster;
+  ASSERT_TRUE(balancer->GetStatus(nullptr, nullptr, &cluster).ok());
+  ASSERT_EQ(cluster.nodes_size(), 2);
+  for (const auto& n : cluster.nodes()) {
+    EXPECT_FALSE(n.drained()) << n.node();
+    EXPECT_EQ(n.ranks_size(), 2) << n.node();
+  }
+  // A node of the old shape is refused now.
+  const v1::RegisterRequest a2 = DaemonRegistration(a, "node-a", 0, 0, "host");
+  EXPECT_EQ(balancer->Register(nullptr, &a2, &response).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
 }
 
 // FirstPlan as version `version`.

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <utility>
 
@@ -521,10 +522,30 @@ class FakeBalancer final : public v1::Control::Service {
   }
   ~FakeBalancer() override { server_->Shutdown(std::chrono::system_clock::now()); }
 
-  grpc::Status Register(grpc::ServerContext*, const v1::RegisterRequest*,
+  grpc::Status Register(grpc::ServerContext*, const v1::RegisterRequest* request,
                         v1::RegisterResponse* response) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    registrations_.push_back(*request);
     response->set_report_interval_ms(10);
     return grpc::Status::OK;
+  }
+  // The first registration of a group of `world` ranks, waited for up to 20 s.
+  std::optional<v1::RegisterRequest> RegistrationOf(uint32_t world) {
+    const absl::Time until = absl::Now() + absl::Seconds(20);
+    while (absl::Now() < until) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (const v1::RegisterRequest& r : registrations_) {
+          if (r.world_size() == world) return r;
+        }
+      }
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    return std::nullopt;
+  }
+  void ForgetRegistrations() {
+    std::lock_guard<std::mutex> lock(mu_);
+    registrations_.clear();
   }
   grpc::Status ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequest* request,
                           v1::ReportLoadResponse*) override {
@@ -580,9 +601,33 @@ class FakeBalancer final : public v1::Control::Service {
   bool refusing_ = false;
   bool losing_ = false;
   std::vector<v1::ReportLoadRequest> taken_;  // Every report taken, as sent.
+  std::vector<v1::RegisterRequest> registrations_;
   size_t since_refusal_ = 0;                  // Where the reports taken since then begin.
   std::unique_ptr<grpc::Server> server_;
 };
+
+// Each group the daemon creates (its clients attached again with another model) has new
+// arenas, and registers as a new incarnation of the daemon: peers that mapped the group before
+// map the new one as a restarted daemon's (the same model again included, whose arenas are
+// new too), and the balancer takes its ranks as a new process's.
+TEST(NodeTest, EachGroupTheDaemonCreatesRegistersAsANewIncarnation) {
+  FakeBalancer balancer;
+  Node node{Options()};
+  BalancerLink link(balancer.LinkOptions(), &node);
+  std::vector<std::string> incarnations;
+  for (const uint32_t world : {2u, 4u, 2u}) {
+    SCOPED_TRACE(absl::StrCat(world, " ranks"));
+    balancer.ForgetRegistrations();
+    Attached a = AttachAndClaim(node, 0, world, 1);
+    const std::optional<v1::RegisterRequest> registered = balancer.RegistrationOf(world);
+    ASSERT_TRUE(registered.has_value());
+    incarnations.push_back(registered->incarnation());
+    node.ConnectionClosed(1);  // The client exits.
+  }
+  ASSERT_EQ(incarnations.size(), 3u);
+  const std::string process = incarnations[0].substr(0, incarnations[0].rfind('.'));
+  EXPECT_EQ(incarnations, (std::vector<std::string>{process + ".1", process + ".2", process + ".3"}));
+}
 
 // Ranks 0 and 1 of a one-daemon group, attached; rank 0 has counted 30 pairs in slot 0 of
 // layer 0 and is at step 50. Then a BalancerLink starts reporting to `balancer`.
