@@ -244,7 +244,7 @@ std::optional<ReceivedMessage> QueuedReply(int socket, size_t max_bytes) {
       if (queued->closed) break;
       return *std::move(queued);
     }
-    if (absl::IsDeadlineExceeded(queued.status())) break;
+    if (absl::IsDeadlineExceeded(queued.status()) || absl::IsDataLoss(queued.status())) break;
   }
   return std::nullopt;
 }
@@ -258,7 +258,10 @@ absl::StatusOr<ReceivedMessage> Exchange(int socket, std::string_view bytes, siz
     return sent;
   }
   absl::StatusOr<ReceivedMessage> reply = ReceiveMessage(socket, max_bytes, timeout);
-  if (!reply.ok() && !absl::IsDeadlineExceeded(reply.status())) {
+  // A reset (the server closed the connection with the request unread); not a reply that was
+  // too long or carried more fds than fit (DataLoss), nor a wait that ran out.
+  if (!reply.ok() && !absl::IsDeadlineExceeded(reply.status()) &&
+      !absl::IsDataLoss(reply.status())) {
     if (std::optional<ReceivedMessage> queued = QueuedReply(socket, max_bytes)) return *std::move(queued);
   }
   return reply;

@@ -80,13 +80,13 @@ absl::StatusOr<ReceivedMessage> ReceiveMessage(int socket, size_t max_bytes,
 // fds, or "ERR <reason>".
 inline constexpr char kArenaRefreshRequest[] = "REFRESH";
 
-// The pid of the process at the other end of a connected Unix socket (SO_PEERCRED).
 // Sends `bytes` and receives the one reply, each within `timeout`. A server may answer a
 // connection before reading it (a refusal, then the close): when the send or the receive
 // fails on a connection the server closed, a reply queued on it is the answer.
 absl::StatusOr<ReceivedMessage> Exchange(int socket, std::string_view bytes, size_t max_bytes,
                                          absl::Duration timeout);
 
+// The pid of the process at the other end of a connected Unix socket (SO_PEERCRED).
 absl::StatusOr<pid_t> PeerPid(int socket);
 
 }  // namespace ubep

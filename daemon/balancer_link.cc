@@ -28,10 +28,10 @@ BalancerLink::BalancerLink(BalancerLinkOptions options, Node* node)
 BalancerLink::~BalancerLink() = default;
 
 void BalancerLink::Tick() {
-  const std::optional<v1::AttachRequest> shape = node_->GroupShape();
-  const std::string serialized = shape.has_value() ? shape->SerializeAsString() : "";
+  const Node::GroupIdentity group = node_->Identity();
+  const std::string serialized = group.shape.has_value() ? group.shape->SerializeAsString() : "";
   if (!registered_ || serialized != registered_shape_ ||
-      node_->ArenasCreated() != registered_arenas_) {
+      group.arenas_created != registered_arenas_) {
     registered_ = Register();
   }
   if (!registered_) return;
@@ -102,29 +102,38 @@ bool BalancerLink::Register() {
   request.set_backend(options_.backend);
   request.set_free_buffers(static_cast<uint32_t>(node_->free_buffers()));
   request.set_arena_socket(options_.arena_socket);
-  // Read before the shape: a group created in between registers again at the next tick.
-  const uint64_t arenas = node_->ArenasCreated();
-  request.set_incarnation(absl::StrCat(incarnation_, ".", arenas));
+  // The group's incarnation, shape and ranks, read together.
+  const Node::GroupIdentity group = node_->Identity();
+  request.set_incarnation(absl::StrCat(incarnation_, ".", group.arenas_created));
   const std::vector<int> restarted = node_->RestartedMembers();
   for (int r : restarted) request.add_restarted_ranks(static_cast<uint32_t>(r));
-  const std::optional<v1::AttachRequest> shape = node_->GroupShape();
-  const std::optional<std::pair<int, int>> hosted = node_->HostedRanks();
-  if (shape.has_value() && hosted.has_value()) {
+  const std::optional<v1::AttachRequest>& shape = group.shape;
+  if (shape.has_value() && group.hosted.has_value()) {
     *request.mutable_shape() = shape->shape();
     request.set_world_size(shape->world_size());
-    for (int r = hosted->first; r < hosted->first + hosted->second; ++r) request.add_ranks(r);
+    for (int r = group.hosted->first; r < group.hosted->first + group.hosted->second; ++r) {
+      request.add_ranks(r);
+    }
   }
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
   v1::RegisterResponse response;
   const grpc::Status status = stub_->Register(&context, request, &response);
   if (!status.ok()) {
-    UBEP_LOG(WARNING) << "registering with ubep-balancer at " << options_.balancer
-                      << " failed: " << status.error_message();
+    // Retried at every tick (10 per second while peers' arenas are missing): the same refusal
+    // is logged once per 10 s.
+    const absl::Time now = absl::Now();
+    if (status.error_message() != last_refusal_ || now >= next_refusal_log_) {
+      last_refusal_ = status.error_message();
+      next_refusal_log_ = now + absl::Seconds(10);
+      UBEP_LOG(WARNING) << "registering with ubep-balancer at " << options_.balancer
+                        << " failed: " << status.error_message();
+    }
     return false;
   }
+  last_refusal_.clear();
   registered_shape_ = shape.has_value() ? shape->SerializeAsString() : "";
-  registered_arenas_ = arenas;
+  registered_arenas_ = group.arenas_created;
   registered_restarted_ = restarted;
   if (response.report_interval_ms() > 0) {
     // Within [10 ms, 1 h], whatever the balancer says.

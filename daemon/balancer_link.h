@@ -53,7 +53,7 @@ class BalancerLink {
   std::unique_ptr<v1::Control::Stub> stub_;
   bool registered_ = false;
   std::string registered_shape_;          // Serialized shape at the last registration.
-  uint64_t registered_arenas_ = 0;        // Node::ArenasCreated at the last registration.
+  uint64_t registered_arenas_ = 0;        // Groups created, at the last registration.
   std::vector<int> registered_restarted_;  // RestartedMembers told at the last registration.
   // Counters at the last report answered; kept across registrations, so that nothing
   // counted is reported twice or lost.
@@ -66,6 +66,8 @@ class BalancerLink {
   std::optional<Pending> pending_;
   absl::Time next_report_ = absl::InfinitePast();
   absl::Time next_peer_log_ = absl::InfinitePast();
+  std::string last_refusal_;  // The last registration's error, logged until next_refusal_log_.
+  absl::Time next_refusal_log_ = absl::InfinitePast();
   // The process: "<pid>-<start ns>". It registers "<process>.<groups created>": a group
   // created again has new arenas, which peers map anew as a restarted daemon's.
   const std::string incarnation_;

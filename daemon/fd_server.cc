@@ -58,10 +58,10 @@ FdServer::FdServer(UniqueFd listener, UniqueFd wake, std::string path, Node* nod
                    FdServerOptions options)
     : listener_(std::move(listener)),
       wake_(std::move(wake)),
+      spare_(OpenSpare()),
       path_(std::move(path)),
       node_(node),
       options_(options),
-      spare_(OpenSpare()),
       thread_([this] { Loop(); }) {}
 
 FdServer::~FdServer() {
@@ -128,43 +128,51 @@ int FdServer::Unclaimed(absl::Time now) const {
 }
 
 void FdServer::Accept(absl::Time now) {
+  // The spare descriptor goes back as soon as one is free (another thread may have taken the
+  // one it gave up).
+  if (!spare_.valid()) spare_ = OpenSpare();
   UniqueFd conn(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
   std::string refusal;
   if (!conn.valid()) {
     const int error = errno;
-    if (error != EMFILE && error != ENFILE) {
-      // ECONNABORTED, EINTR, EAGAIN: nothing is queued any more, or it is taken next time.
-      if (error == ENOBUFS || error == ENOMEM) {
-        UBEP_LOG(ERROR) << "fd server: accept failed: " << strerror(error);
-        listen_again_ = now + kAcceptBackoff;
+    if (error != EMFILE && error != ENFILE && error != ENOBUFS && error != ENOMEM) {
+      return;  // ECONNABORTED, EINTR, EAGAIN: nothing is queued any more, or it is taken next.
+    }
+    if ((error == EMFILE || error == ENFILE) && spare_.valid()) {
+      // Out of file descriptors: the spare one makes room to tell the client so.
+      spare_ = UniqueFd();
+      conn = UniqueFd(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    }
+    if (!conn.valid()) {
+      // Not even that: the connection stays queued, and the listener rests.
+      if (!spare_.valid()) spare_ = OpenSpare();
+      listen_again_ = now + kAcceptBackoff;
+      if (now >= next_accept_log_) {
+        next_accept_log_ = now + absl::Seconds(10);
+        UBEP_LOG(ERROR) << "fd server: cannot accept a connection: " << strerror(error)
+                        << "; trying again every "
+                        << absl::FormatDuration(kAcceptBackoff);
       }
       return;
     }
-    // Out of file descriptors: the spare one makes room to tell the client so.
-    spare_ = UniqueFd();
-    conn = UniqueFd(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
     refusal = absl::StrCat("ERR the daemon is out of file descriptors (", strerror(error),
                            "); attach again later");
-    UBEP_LOG(ERROR) << "fd server: a connection was refused: the daemon is out of file "
-                       "descriptors ("
-                    << strerror(error) << "); raise its limit (ulimit -n)";
   } else if (const int unclaimed = Unclaimed(now); unclaimed >= options_.max_unclaimed) {
     refusal = absl::StrCat("ERR the daemon holds ", unclaimed,
                            " connections that claimed no rank yet (at most ",
                            options_.max_unclaimed, "); attach again later");
-    UBEP_LOG(WARNING) << "fd server: a connection was refused: " << refusal.substr(4);
   }
   if (refusal.empty()) {
     connections_.emplace(next_id_++, Connection{std::move(conn), now + options_.unclaimed_timeout});
     return;
   }
-  if (conn.valid()) {
-    // A fresh connection's queue is empty: the one message goes at once, or not at all.
-    (void)SendMessage(conn.get(), refusal, {}, absl::ZeroDuration());
-    conn = UniqueFd();
-  } else {
-    listen_again_ = now + kAcceptBackoff;  // Not even the spare's room: rest.
+  if (now >= next_accept_log_) {
+    next_accept_log_ = now + absl::Seconds(10);
+    UBEP_LOG(WARNING) << "fd server: a connection was refused: " << refusal.substr(4);
   }
+  // A fresh connection's queue is empty: the one message goes at once, or not at all.
+  (void)SendMessage(conn.get(), refusal, {}, absl::ZeroDuration());
+  conn = UniqueFd();
   if (!spare_.valid()) spare_ = OpenSpare();
 }
 

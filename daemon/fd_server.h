@@ -75,6 +75,7 @@ class FdServer {
   UniqueFd wake_;  // eventfd: written to stop the loop.
   UniqueFd spare_;  // /dev/null, closed to take a connection when out of file descriptors.
   absl::Time listen_again_ = absl::InfinitePast();  // Loop thread only: accept failed until.
+  absl::Time next_accept_log_ = absl::InfinitePast();  // Refusals are logged once per 10 s.
   std::string path_;
   Node* node_;
   const FdServerOptions options_;

@@ -824,9 +824,15 @@ uint64_t Node::MaxStep() const {
   return MaxStepLocked();
 }
 
-uint64_t Node::ArenasCreated() const {
+Node::GroupIdentity Node::Identity() const {
   MutexLock lock(&mu_);
-  return arenas_created_;
+  GroupIdentity identity;
+  identity.arenas_created = arenas_created_;
+  if (has_group_) {
+    identity.shape = group_request_;
+    identity.hosted = std::make_pair(first_, hosted_);
+  }
+  return identity;
 }
 
 std::optional<v1::AttachRequest> Node::GroupShape() const {

@@ -208,8 +208,15 @@ class Node {
   // Highest step any rank has begun; the group's shape (nullopt without a group).
   uint64_t MaxStep() const;
   std::optional<v1::AttachRequest> GroupShape() const;
-  // Groups created so far (each with new arenas); 0 before the first.
-  uint64_t ArenasCreated() const;
+  // What the daemon registers with the balancer, read at once: the groups created so far
+  // (each with new arenas; 0 before the first), the group's shape and hosted ranks (first,
+  // count) (nullopt without a group).
+  struct GroupIdentity {
+    uint64_t arenas_created = 0;
+    std::optional<v1::AttachRequest> shape;
+    std::optional<std::pair<int, int>> hosted;
+  };
+  GroupIdentity Identity() const;
   int free_buffers() const { return options_.free_buffers; }
 
   // Peer daemons. PeerKey: what a peer must match (world size and model shape, serialized;

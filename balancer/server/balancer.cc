@@ -1,11 +1,11 @@
 #include "balancer/server/balancer.h"
 
 #include <algorithm>
-#include <set>
 #include <chrono>
 #include <cmath>
 #include <iterator>
 #include <limits>
+#include <set>
 #include <thread>
 #include <utility>
 
@@ -299,6 +299,38 @@ void Balancer::Start() {
                                              [this] { Tick(); });
 }
 
+std::string Balancer::Shape::Describe() const {
+  return absl::StrCat(world, " ranks x ", slots, " slots, ", layers, " layers x ", experts,
+                      " experts, hidden ", hidden, ", top-", top_k, ", ", max_tokens, " tokens, ",
+                      bytes_per_expert, " bytes per expert, ",
+                      v1::DType_Name(static_cast<v1::DType>(dtype)));
+}
+
+std::string Balancer::Shape::Differences(const Shape& cluster) const {
+  const std::pair<const char*, std::pair<uint64_t, uint64_t>> fields[] = {
+      {"world_size", {static_cast<uint64_t>(world), static_cast<uint64_t>(cluster.world)}},
+      {"num_layers", {static_cast<uint64_t>(layers), static_cast<uint64_t>(cluster.layers)}},
+      {"num_experts", {static_cast<uint64_t>(experts), static_cast<uint64_t>(cluster.experts)}},
+      {"slots_per_rank", {static_cast<uint64_t>(slots), static_cast<uint64_t>(cluster.slots)}},
+      {"hidden", {hidden, cluster.hidden}},
+      {"top_k", {top_k, cluster.top_k}},
+      {"max_tokens", {max_tokens, cluster.max_tokens}},
+      {"bytes_per_expert", {bytes_per_expert, cluster.bytes_per_expert}},
+  };
+  std::vector<std::string> differences;
+  for (const auto& [name, values] : fields) {
+    if (values.first != values.second) {
+      differences.push_back(absl::StrCat(name, " is ", values.first, ", the cluster's ", values.second));
+    }
+  }
+  if (dtype != cluster.dtype) {
+    differences.push_back(absl::StrCat("dtype is ", v1::DType_Name(static_cast<v1::DType>(dtype)),
+                                       ", the cluster's ",
+                                       v1::DType_Name(static_cast<v1::DType>(cluster.dtype))));
+  }
+  return absl::StrJoin(differences, "; ");
+}
+
 grpc::Status Balancer::Reject(const char* reason, grpc::StatusCode code, std::string message) {
   rejected_->Add({{"reason", reason}}).Increment();
   return grpc::Status(code, std::move(message));
@@ -332,8 +364,15 @@ grpc::Status Balancer::Register(grpc::ServerContext* context, const v1::Register
                                        request->world_size(), " cannot hold ", s.num_experts(),
                                        " experts"));
     }
-    shape = Shape{static_cast<int>(request->world_size()), static_cast<int>(s.num_layers()),
-                  static_cast<int>(s.num_experts()), static_cast<int>(s.slots_per_rank())};
+    shape = Shape{static_cast<int>(request->world_size()),
+                  static_cast<int>(s.num_layers()),
+                  static_cast<int>(s.num_experts()),
+                  static_cast<int>(s.slots_per_rank()),
+                  s.hidden(),
+                  s.top_k(),
+                  s.max_tokens(),
+                  s.bytes_per_expert(),
+                  static_cast<int>(s.dtype())};
     for (uint32_t r : request->ranks()) {
       if (r >= request->world_size()) {
         return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
@@ -361,15 +400,27 @@ grpc::Status Balancer::Register(grpc::ServerContext* context, const v1::Register
   auto other_shape = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return shape.has_value() && shape_.has_value() && *shape_ != *shape;
   };
-  // A group of another shape may start the cluster over (below), which plan changes and
-  // recovery must not straddle: serialized with them, as Forget is (commit_mu_ before mu_).
+  // A model change (the clients of every node attached again with another model, and each
+  // daemon made a new group) starts the cluster over once no other node holds ranks of the
+  // cluster's group but for one that asked for the same model: up or down, a node still on
+  // the old model holds it back (a node down is forgotten with ubepctl, or registers the new
+  // model when it is back). Ranks no node holds (a node forgotten, a daemon started again
+  // without a group, nodes a restarted balancer has not heard from) hold nothing back.
+  auto may_start_over = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return std::none_of(daemons_.begin(), daemons_.end(), [&](const auto& entry) {
+      return entry.first != request->node() && !entry.second.info.ranks().empty() &&
+             entry.second.wanted_shape != shape;
+    });
+  };
+  // Starting over must not straddle a plan change or recovery: serialized with them, as
+  // Forget is (commit_mu_ before mu_); only when it may happen.
   std::unique_lock<std::mutex> serial;
-  bool reshaped = false;
+  bool starting_over = false;
   {
     MutexLock lock(&mu_);
-    reshaped = other_shape();
+    starting_over = other_shape() && may_start_over();
   }
-  if (reshaped) {
+  if (starting_over) {
     if (grpc::Status s = Serialize(serial, context,
                                    absl::StrCat("node ", request->node(), " was not registered"));
         !s.ok()) {
@@ -377,51 +428,25 @@ grpc::Status Balancer::Register(grpc::ServerContext* context, const v1::Register
     }
   }
   MutexLock lock(&mu_);
-  reshaped = other_shape();  // Again, under the lock held from here on.
-  if (reshaped) {
-    // The model changes: the nodes that moved to this shape (the registrant, and those refused
-    // for it before) served every rank of the cluster's group, and no node up serves the old
-    // one. (A node down that served part of it is forgotten with ubepctl, or registers the
-    // new shape when it is back.)
-    const auto known = daemons_.find(request->node());
-    bool everyone_moved = false;
-    if (known != daemons_.end()) {
-      std::set<uint32_t> moved(known->second.info.ranks().begin(), known->second.info.ranks().end());
-      bool old_served = false;
-      for (const auto& [name, other] : daemons_) {
-        if (name == request->node() || other.info.ranks().empty()) continue;
-        if (other.wanted_shape == shape) {
-          moved.insert(other.info.ranks().begin(), other.info.ranks().end());
-        } else if (other.healthy) {
-          old_served = true;
-        }
+  if (other_shape()) {  // Again, under the lock held from here on.
+    if (!may_start_over()) {
+      if (auto known = daemons_.find(request->node()); known != daemons_.end()) {
+        known->second.wanted_shape = shape;
       }
-      everyone_moved = !old_served && static_cast<int>(moved.size()) == shape_->world;
-    }
-    if (everyone_moved && !serial.owns_lock()) {
-      // The cluster's shape changed since it was looked at: the next registration starts over.
-      return grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                          "the cluster's shape changed meanwhile; register again");
-    }
-    if (!everyone_moved) {
-      if (known != daemons_.end()) known->second.wanted_shape = shape;
       return grpc::Status(
           grpc::StatusCode::FAILED_PRECONDITION,
-          absl::StrCat("node ", request->node(), " serves ", shape->world, " ranks x ", shape->slots,
-                       " slots, ", shape->layers, " layers x ", shape->experts,
-                       " experts; the cluster has ", shape_->world, " x ", shape_->slots, ", ",
-                       shape_->layers, " x ", shape_->experts,
-                       " (it takes the new shape once the nodes serving all its ranks register it)"));
+          absl::StrCat("node ", request->node(), " serves another model than the cluster's: ",
+                       shape->Differences(*shape_),
+                       " (the cluster takes it once the nodes serving all its ranks register it)"));
     }
-    // Its clients, and those of the nodes that moved with it, attached again with another
-    // model, and their daemons made new groups. What the balancer knew of the old one no
-    // longer applies.
-    UBEP_LOG(WARNING) << "node " << request->node() << " registers a group of " << shape->world
-                      << " ranks x " << shape->slots << " slots, " << shape->layers
-                      << " layers x " << shape->experts << " experts, as every node that served "
-                      << "the cluster's " << shape_->world << " x " << shape_->slots << ", "
-                      << shape_->layers << " x " << shape_->experts
-                      << " did: starting over with the new group";
+    if (!serial.owns_lock()) {
+      // The cluster changed since it was looked at: the next registration starts over.
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                          "the cluster's model changed meanwhile; register again");
+    }
+    UBEP_LOG(WARNING) << "node " << request->node() << " registers a group of "
+                      << shape->Describe() << "; no node serves the cluster's "
+                      << shape_->Describe() << " any more: starting over with the new group";
     ForgetGroupLocked(request->node());
   }
   for (const auto& [name, other] : daemons_) {
@@ -1625,6 +1650,7 @@ grpc::Status Balancer::GetStatus(grpc::ServerContext*, const v1::GetStatusReques
     n->set_domain(d.info.domain());
     n->set_healthy(d.healthy);
     n->set_drained(drained_.contains(name));
+    if (d.wanted_shape.has_value()) n->set_new_model(d.wanted_shape->Describe());
     n->set_max_step(d.max_step);
     n->set_seconds_since_report(d.last_report == absl::InfinitePast()
                                     ? -1

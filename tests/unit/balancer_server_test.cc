@@ -179,8 +179,8 @@ TEST(BalancerServerTest, ShapeConflictsAreRefusedNamingBothShapes) {
   const grpc::Status status = balancer.Register(nullptr, &other, &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_EQ(status.error_message(),
-            "node b serves 4 ranks x 2 slots, 2 layers x 8 experts; the cluster has 4 x 2, 2 x 6 "
-            "(it takes the new shape once the nodes serving all its ranks register it)");
+            "node b serves another model than the cluster's: num_experts is 8, the cluster's 6 "
+            "(the cluster takes it once the nodes serving all its ranks register it)");
   other = Registration("b", 2);
   other.set_ranks(1, 9);
   EXPECT_EQ(balancer.Register(nullptr, &other, &response).error_message(), "rank 9 is outside [0, 4)");
@@ -1018,10 +1018,6 @@ TEST(BalancerServerTest, AGetStatePastGrpcsDefaultMessageSizeIsRead) {
   EXPECT_EQ(learned->version, 1u);
 }
 
-// One daemon serves the whole group; its clients attach again with a model of 3 layers, and
-// it registers its new group. With no other node serving the old shape, the balancer starts
-// over with the new one (it refused it for good before: the cluster's shape was set once)
-// and learns the new group's plan; a second node of the old shape would still refuse it.
 // The first plan of a group of 4 ranks x 4 slots, 6 experts, `layers` layers (round-robin).
 v1::Plan FirstPlanOfLayers(int layers) {
   Plan plan;
@@ -1038,6 +1034,10 @@ v1::Plan FirstPlanOfLayers(int layers) {
   return ToProto(plan, PlanEncoding::kFull);
 }
 
+// One daemon serves the whole group; its clients attach again with a model of 3 layers, and
+// it registers its new group. With no other node serving the old shape, the balancer starts
+// over with the new one (it refused it for good before: the cluster's shape was set once)
+// and learns the new group's plan; a second node of the old shape would still refuse it.
 TEST(BalancerServerTest, TheOnlyNodeOfTheClusterRegisteringAGroupOfAnotherShapeStartsItOver) {
   FakeDaemon a("node-a", FirstPlan());
   Balancer balancer(NeverMarkedDown(), std::make_shared<prometheus::Registry>());
@@ -1065,8 +1065,8 @@ TEST(BalancerServerTest, TheOnlyNodeOfTheClusterRegisteringAGroupOfAnotherShapeS
   FakeDaemon b("node-b", FirstPlan());
   v1::RegisterRequest old_shape = DaemonRegistration(b, "node-b", 0, 0, "host");
   EXPECT_EQ(balancer.Register(nullptr, &old_shape, &response).error_message(),
-            "node node-b serves 4 ranks x 4 slots, 2 layers x 6 experts; the cluster has 4 x 4, "
-            "3 x 6 (it takes the new shape once the nodes serving all its ranks register it)");
+            "node node-b serves another model than the cluster's: num_layers is 2, the cluster's "
+            "3 (the cluster takes it once the nodes serving all its ranks register it)");
   // A node that served part of the group does not start it over, even with the rest down.
   auto c = std::make_unique<FakeDaemon>("node-c", FirstPlan());
   FakeDaemon d("node-d", FirstPlan());
@@ -1078,8 +1078,8 @@ TEST(BalancerServerTest, TheOnlyNodeOfTheClusterRegisteringAGroupOfAnotherShapeS
   const grpc::Status refused = two->Register(nullptr, &part, &response);
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_EQ(refused.error_message(),
-            "node node-d serves 4 ranks x 4 slots, 3 layers x 6 experts; the cluster has 4 x 4, "
-            "2 x 6 (it takes the new shape once the nodes serving all its ranks register it)");
+            "node node-d serves another model than the cluster's: num_layers is 3, the cluster's "
+            "2 (the cluster takes it once the nodes serving all its ranks register it)");
 }
 
 // A model change over several nodes: the clients of each attach again with another model and
@@ -1108,14 +1108,27 @@ TEST(BalancerServerTest, EveryNodeOfTheClusterMovingToAnotherShapeStartsItOver) 
   grpc::Status status = balancer->Register(nullptr, &a3, &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_EQ(status.error_message(),
-            "node node-a serves 4 ranks x 4 slots, 3 layers x 6 experts; the cluster has 4 x 4, "
-            "2 x 6 (it takes the new shape once the nodes serving all its ranks register it)");
+            "node node-a serves another model than the cluster's: num_layers is 3, the cluster's "
+            "2 (the cluster takes it once the nodes serving all its ranks register it)");
   status = balancer->Register(nullptr, &b4, &response);
   EXPECT_EQ(status.error_message(),
-            "node node-b serves 4 ranks x 4 slots, 4 layers x 6 experts; the cluster has 4 x 4, "
-            "2 x 6 (it takes the new shape once the nodes serving all its ranks register it)");
+            "node node-b serves another model than the cluster's: num_layers is 4, the cluster's "
+            "2 (the cluster takes it once the nodes serving all its ranks register it)");
   balancer->Tick();
   EXPECT_EQ(balancer->CurrentPlan()->num_layers(), 2);
+  // The operator sees which model each node waits to serve.
+  auto new_models = [&] {
+    v1::ClusterStatus cluster;
+    EXPECT_TRUE(balancer->GetStatus(nullptr, nullptr, &cluster).ok());
+    std::vector<std::string> models;
+    for (const auto& n : cluster.nodes()) models.push_back(n.node() + ": " + n.new_model());
+    return models;
+  };
+  EXPECT_EQ(new_models(), (std::vector<std::string>{
+                              "node-a: 4 ranks x 4 slots, 3 layers x 6 experts, hidden 0, top-0, "
+                              "0 tokens, 0 bytes per expert, DTYPE_FLOAT32",
+                              "node-b: 4 ranks x 4 slots, 4 layers x 6 experts, hidden 0, top-0, "
+                              "0 tokens, 0 bytes per expert, DTYPE_FLOAT32"}));
   // node-b moves to node-a's shape: every rank of the old group has moved.
   status = balancer->Register(nullptr, &b3, &response);
   ASSERT_TRUE(status.ok()) << status.error_message();
@@ -1132,11 +1145,77 @@ TEST(BalancerServerTest, EveryNodeOfTheClusterMovingToAnotherShapeStartsItOver) 
   for (const auto& n : cluster.nodes()) {
     EXPECT_FALSE(n.drained()) << n.node();
     EXPECT_EQ(n.ranks_size(), 2) << n.node();
+    EXPECT_EQ(n.new_model(), "") << n.node();
   }
   // A node of the old shape is refused now.
   const v1::RegisterRequest a2 = DaemonRegistration(a, "node-a", 0, 0, "host");
   EXPECT_EQ(balancer->Register(nullptr, &a2, &response).error_code(),
             grpc::StatusCode::FAILED_PRECONDITION);
+}
+
+// What holds a model change back is a node that still holds ranks of the cluster's group and
+// has not asked for the new model, up or down; ranks no node holds do not:
+// - a node whose daemon started again without a group (its clients not back yet) holds none;
+// - a restarted balancer knows only the nodes that registered since: one that moved before is
+//   refused without being remembered, and the last node to move starts the cluster over.
+// A change of any field of the model (here max_tokens alone, which the plans do not use) is a
+// model change: the daemons made new groups (new incarnations), and nobody is drained for it.
+TEST(BalancerServerTest, AModelChangeIsHeldBackOnlyByNodesHoldingRanksOfTheOldModel) {
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+  auto with_tokens = [](v1::RegisterRequest q, uint32_t tokens, const std::string& incarnation) {
+    q.mutable_shape()->set_max_tokens(tokens);
+    q.set_incarnation(incarnation);
+    return q;
+  };
+  const v1::RegisterRequest a_old = with_tokens(DaemonRegistration(a, "node-a", 0, 0, "host"), 8, "a.1");
+  const v1::RegisterRequest b_old = with_tokens(DaemonRegistration(b, "node-b", 2, 0, "host"), 8, "b.1");
+  const v1::RegisterRequest a_new = with_tokens(DaemonRegistration(a, "node-a", 0, 0, "host"), 16, "a.2");
+  const v1::RegisterRequest b_new = with_tokens(DaemonRegistration(b, "node-b", 2, 0, "host"), 16, "b.2");
+  v1::RegisterRequest b_restarted;  // A new ubepd of node-b, no client attached yet.
+  b_restarted.set_node("node-b");
+  b_restarted.set_address(b.address());
+  b_restarted.set_incarnation("b2.0");
+  auto drained_nodes = [](Balancer& balancer) {
+    v1::ClusterStatus cluster;
+    EXPECT_TRUE(balancer.GetStatus(nullptr, nullptr, &cluster).ok());
+    std::vector<std::string> drained;
+    for (const auto& n : cluster.nodes()) {
+      if (n.drained()) drained.push_back(n.node());
+    }
+    return drained;
+  };
+  v1::RegisterResponse response;
+  {
+    SCOPED_TRACE("a node restarted without a group");
+    Balancer balancer(NeverMarkedDown(), std::make_shared<prometheus::Registry>());
+    Register(balancer, a_old);
+    Register(balancer, b_old);
+    balancer.Tick();
+    const grpc::Status refused = balancer.Register(nullptr, &a_new, &response);
+    EXPECT_EQ(refused.error_message(),
+              "node node-a serves another model than the cluster's: max_tokens is 16, the "
+              "cluster's 8 (the cluster takes it once the nodes serving all its ranks register "
+              "it)");
+    Register(balancer, b_restarted);
+    Register(balancer, a_new);  // node-b holds no rank of the old model now.
+    Register(balancer, b_new);
+    EXPECT_EQ(drained_nodes(balancer), std::vector<std::string>{});
+  }
+  {
+    SCOPED_TRACE("a restarted balancer");
+    Balancer balancer(NeverMarkedDown(), std::make_shared<prometheus::Registry>());
+    Register(balancer, b_old);  // node-a, which moved already, is not known yet.
+    EXPECT_EQ(balancer.Register(nullptr, &a_new, &response).error_code(),
+              grpc::StatusCode::FAILED_PRECONDITION);
+    Register(balancer, b_new);
+    Register(balancer, a_new);
+    balancer.Tick();
+    v1::ClusterStatus cluster;
+    ASSERT_TRUE(balancer.GetStatus(nullptr, nullptr, &cluster).ok());
+    ASSERT_EQ(cluster.nodes_size(), 2);
+    for (const auto& n : cluster.nodes()) EXPECT_EQ(n.ranks_size(), 2) << n.node();
+    EXPECT_EQ(drained_nodes(balancer), std::vector<std::string>{});
+  }
 }
 
 // FirstPlan as version `version`.

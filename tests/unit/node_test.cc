@@ -1465,7 +1465,13 @@ class FdServerTest : public ::testing::Test {
     server.send_timeout = absl::Milliseconds(200);
     server.unclaimed_timeout = absl::Seconds(1);
     server.max_unclaimed = 3;
-    absl::StatusOr<std::unique_ptr<FdServer>> started = FdServer::Start(path_, 0600, node_.get(), server);
+    Serve(server);
+  }
+
+  // The server on path_, started again with `options`.
+  void Serve(const FdServerOptions& options) {
+    server_.reset();
+    absl::StatusOr<std::unique_ptr<FdServer>> started = FdServer::Start(path_, 0600, node_.get(), options);
     EXPECT_TRUE(started.ok()) << started.status();
     if (started.ok()) server_ = *std::move(started);
   }
@@ -1535,7 +1541,7 @@ TEST_F(FdServerTest, AClientThatTakesNoReplyCannotStallTheServer) {
 // daemon does not keep a rank attached to a connection it no longer has (which would refuse
 // the rank's next Attach as held by another process, and hold every drain until its timeout).
 TEST_F(FdServerTest, AMessageOutOfPlaceOnARanksConnectionEndsTheConnectionAndTheRank) {
-  for (const std::string message : {std::string(kPeerRequest) + "key", std::string("a token")}) {
+  for (const std::string& message : {std::string(kPeerRequest) + "key", std::string("a token")}) {
     SCOPED_TRACE(message);
     UniqueFd claimed = Claimed();
     ASSERT_EQ(node_->Snapshot().attached, 1);
@@ -1554,6 +1560,9 @@ TEST_F(FdServerTest, AMessageOutOfPlaceOnARanksConnectionEndsTheConnectionAndThe
 // Connections that claim no rank are bounded: past the limit a new one is answered at once
 // (its client fails, rather than waiting out its timeout) and closed; one closed makes room.
 TEST_F(FdServerTest, ConnectionsPastTheLimitOfUnclaimedOnesAreAnsweredAndClosed) {
+  FdServerOptions options;
+  options.max_unclaimed = 3;  // Idle connections kept open however slow the machine.
+  Serve(options);
   std::vector<UniqueFd> idle;
   for (int i = 0; i < 3; ++i) idle.push_back(Connect());
   EXPECT_EQ(AnswerToABadToken(),
@@ -1561,9 +1570,11 @@ TEST_F(FdServerTest, ConnectionsPastTheLimitOfUnclaimedOnesAreAnsweredAndClosed)
             "again later");
   idle.pop_back();
   EXPECT_EQ(AnswerToABadToken(), "ERR unknown or already used attach token; attach again");
-  // A connection that holds a rank does not count.
+  // A connection that holds a rank does not count: with it, two idle ones and this one, the
+  // server holds three unclaimed connections at most.
   UniqueFd claimed = Claimed();
   EXPECT_EQ(node_->Snapshot().attached, 1);
+  EXPECT_EQ(AnswerToABadToken(), "ERR unknown or already used attach token; attach again");
 }
 
 // Out of file descriptors, the server cannot accept a connection, which stays queued: it

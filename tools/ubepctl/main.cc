@@ -127,10 +127,18 @@ int Status(Control::Stub& stub) {
       {"NODE", "ADDRESS", "RANKS", "HEALTH", "STATE", "STEP", "LAST REPORT"}};
   for (const ubep::v1::NodeStatus& n : status.nodes()) {
     rows.push_back({n.node(), n.address(), Ranks(n.ranks()), n.healthy() ? "healthy" : "DOWN",
-                    n.drained() ? "drained" : (n.healthy() ? "serving" : "excluded"),
+                    !n.new_model().empty() ? "new model"
+                    : n.drained()          ? "drained"
+                    : n.healthy()          ? "serving"
+                                           : "excluded",
                     std::to_string(n.max_step()), Ago(n.seconds_since_report())});
   }
   PrintTable(rows);
+  for (const ubep::v1::NodeStatus& n : status.nodes()) {
+    if (n.new_model().empty()) continue;
+    std::cout << "\n" << n.node() << ": its clients attached another model (" << n.new_model()
+              << "); the cluster takes it once the nodes serving all its ranks register it";
+  }
   std::cout << "\nplan v" << status.plan_version() << " over " << status.world_size()
             << " ranks; excluded: "
             << (status.excluded_ranks().empty() ? "none" : Ranks(status.excluded_ranks()))
