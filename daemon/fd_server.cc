@@ -147,8 +147,8 @@ void FdServer::Accept(absl::Time now) {
       // Not even that: the connection stays queued, and the listener rests.
       if (!spare_.valid()) spare_ = OpenSpare();
       listen_again_ = now + kAcceptBackoff;
-      if (now >= next_accept_log_) {
-        next_accept_log_ = now + absl::Seconds(10);
+      if (now >= next_accept_error_log_) {
+        next_accept_error_log_ = now + absl::Seconds(10);
         UBEP_LOG(ERROR) << "fd server: cannot accept a connection: " << strerror(error)
                         << "; trying again every "
                         << absl::FormatDuration(kAcceptBackoff);

@@ -75,7 +75,9 @@ class FdServer {
   UniqueFd wake_;  // eventfd: written to stop the loop.
   UniqueFd spare_;  // /dev/null, closed to take a connection when out of file descriptors.
   absl::Time listen_again_ = absl::InfinitePast();  // Loop thread only: accept failed until.
-  absl::Time next_accept_log_ = absl::InfinitePast();  // Refusals are logged once per 10 s.
+  // Refusals, and accepts that failed, are logged once per 10 s each.
+  absl::Time next_accept_log_ = absl::InfinitePast();
+  absl::Time next_accept_error_log_ = absl::InfinitePast();
   std::string path_;
   Node* node_;
   const FdServerOptions options_;

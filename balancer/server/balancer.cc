@@ -275,6 +275,11 @@ Balancer::Balancer(BalancerOptions options, std::shared_ptr<prometheus::Registry
                            .Help("Ranks of the registered daemons.").Register(r).Add({});
   healthy_daemons_ = &BuildGauge().Name("ubep_balancer_healthy_daemons")
                           .Help("Registered daemons passing their health checks.").Register(r).Add({});
+  awaiting_model_ = &BuildGauge().Name("ubep_balancer_daemons_awaiting_model")
+                         .Help("Registered daemons whose group of another model than the "
+                               "cluster's waits for the nodes still holding ranks of the "
+                               "cluster's model (a model change under way).")
+                         .Register(r).Add({});
   reports_ = &BuildCounter().Name("ubep_balancer_reports_total")
                   .Help("Load reports accepted.").Register(r).Add({});
   rejected_ = &BuildCounter().Name("ubep_balancer_rejected_reports_total")
@@ -401,16 +406,13 @@ grpc::Status Balancer::Register(grpc::ServerContext* context, const v1::Register
     return shape.has_value() && shape_.has_value() && *shape_ != *shape;
   };
   // A model change (the clients of every node attached again with another model, and each
-  // daemon made a new group) starts the cluster over once no other node holds ranks of the
-  // cluster's group but for one that asked for the same model: up or down, a node still on
-  // the old model holds it back (a node down is forgotten with ubepctl, or registers the new
-  // model when it is back). Ranks no node holds (a node forgotten, a daemon started again
-  // without a group, nodes a restarted balancer has not heard from) hold nothing back.
+  // daemon made a new group) starts the cluster over once every other node holding ranks of
+  // the cluster's model asked for the same one: up or down, or restarted and not attached
+  // yet, a node still on the old model holds it back (a node down is forgotten with ubepctl,
+  // or registers the new model when it is back). Ranks no node holds (a node forgotten, nodes
+  // a restarted balancer has not heard from) hold nothing back.
   auto may_start_over = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return std::none_of(daemons_.begin(), daemons_.end(), [&](const auto& entry) {
-      return entry.first != request->node() && !entry.second.info.ranks().empty() &&
-             entry.second.wanted_shape != shape;
-    });
+    return OthersLeftTheModel(request->node(), shape);
   };
   // Starting over must not straddle a plan change or recovery: serialized with them, as
   // Forget is (commit_mu_ before mu_); only when it may happen.
@@ -432,12 +434,14 @@ grpc::Status Balancer::Register(grpc::ServerContext* context, const v1::Register
     if (!may_start_over()) {
       if (auto known = daemons_.find(request->node()); known != daemons_.end()) {
         known->second.wanted_shape = shape;
+        UpdateRegistryGauges();
       }
       return grpc::Status(
           grpc::StatusCode::FAILED_PRECONDITION,
           absl::StrCat("node ", request->node(), " serves another model than the cluster's: ",
                        shape->Differences(*shape_),
-                       " (the cluster takes it once the nodes serving all its ranks register it)"));
+                       " (the cluster takes it once every node holding ranks of its model "
+                       "registers it)"));
     }
     if (!serial.owns_lock()) {
       // The cluster changed since it was looked at: the next registration starts over.
@@ -543,6 +547,14 @@ grpc::Status Balancer::Register(grpc::ServerContext* context, const v1::Register
     // process's steps.
     d.ForgetSteps();
   }
+  if (request->ranks().empty()) {
+    // Registered again without a group: the ranks it held keep holding a model change back.
+    if (!d.info.ranks().empty()) {
+      d.ranks_before_restart.assign(d.info.ranks().begin(), d.info.ranks().end());
+    }
+  } else {
+    d.ranks_before_restart.clear();
+  }
   d.info = *request;
   d.wanted_shape.reset();
   d.ForgetInterval();
@@ -573,6 +585,7 @@ void Balancer::ForgetGroupLocked(const std::string& node) {
     // Its ranks were the old group's: it registers its new group's (the registrant now, the
     // others that moved when they register again), as a node new to the group.
     d.info.clear_ranks();
+    d.ranks_before_restart.clear();
     d.wanted_shape.reset();
     d.committed = d.pending = 0;
     d.needs_state = true;
@@ -605,6 +618,17 @@ void Balancer::ForgetGroupLocked(const std::string& node) {
   capacity_warned_version_ = 0;
   rebalance_requested_ = false;
   plan_version_->Set(0);
+}
+
+bool Balancer::OthersLeftTheModel(const std::string& node,
+                                  const std::optional<Shape>& model) const {
+  bool asked = false;
+  for (const auto& [name, d] : daemons_) {
+    if (name == node || !d.HoldsOldModel()) continue;
+    if (!d.wanted_shape.has_value() || (model.has_value() && d.wanted_shape != model)) return false;
+    asked = true;
+  }
+  return model.has_value() || asked;
 }
 
 void Balancer::KeepOutRestartedPeers(const v1::RegisterRequest& request) {
@@ -1612,14 +1636,18 @@ grpc::Status Balancer::Forget(grpc::ServerContext* context, const v1::ForgetRequ
                         absl::StrCat("node ", node, " passes its health checks; only a node that "
                                      "is down can be forgotten (stop its daemon first)"));
   }
-  if (!plan_.has_value() && !d.info.ranks().empty()) {
+  // During a model change (every other node holding ranks of the cluster's model asked for
+  // another one) no plan of the old model is committed again: a node down that held ranks of it
+  // is forgotten as it is, so that it no longer holds the change back.
+  const bool model_change = OthersLeftTheModel(node, std::nullopt);
+  if (!model_change && !plan_.has_value() && !d.info.ranks().empty()) {
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                         absl::StrCat("node ", node, " is down, but the balancer has not learned "
                                      "the cluster's plan yet; try again once it has"));
   }
   std::vector<uint32_t> kept;
   for (uint32_t r : d.info.ranks()) {
-    if (!plan_->excluded(static_cast<int>(r))) kept.push_back(r);
+    if (!model_change && !plan_->excluded(static_cast<int>(r))) kept.push_back(r);
   }
   if (!kept.empty()) {
     return grpc::Status(
@@ -1630,7 +1658,10 @@ grpc::Status Balancer::Forget(grpc::ServerContext* context, const v1::ForgetRequ
   }
   *response->mutable_ranks() = d.info.ranks();
   response->set_plan_version(plan_.has_value() ? plan_->version : 0);
-  UBEP_LOG(INFO) << "node " << node << " is forgotten on request; its ranks stay excluded";
+  UBEP_LOG(INFO) << "node " << node << " is forgotten on request; "
+                 << (model_change ? "a model change is under way (every other node holding "
+                                    "ranks registered another model)"
+                                  : "its ranks stay excluded");
   drained_.erase(node);
   daemons_.erase(it);
   UpdateRegistryGauges();
@@ -1695,13 +1726,15 @@ grpc::Status Balancer::Rebalance(grpc::ServerContext* context, const v1::Rebalan
 
 void Balancer::UpdateRegistryGauges() {
   registered_daemons_->Set(static_cast<double>(daemons_.size()));
-  double ranks = 0, healthy = 0;
+  double ranks = 0, healthy = 0, awaiting = 0;
   for (const auto& [name, d] : daemons_) {
     ranks += d.info.ranks_size();
     healthy += d.healthy ? 1 : 0;
+    awaiting += d.wanted_shape.has_value() ? 1 : 0;
   }
   registered_ranks_->Set(ranks);
   healthy_daemons_->Set(healthy);
+  awaiting_model_->Set(awaiting);
 }
 
 void Balancer::Tick() {

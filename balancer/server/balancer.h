@@ -162,10 +162,19 @@ class Balancer final : public v1::Control::Service {
     std::vector<std::vector<double>> rank_rate;
     bool has_rate = false;
     int first_rank = 0;
-    // The shape of a group it registered that was refused as not the cluster's (its clients
-    // moved to another model): once the nodes serving every rank of the cluster's group have
-    // asked for the same one, and no node up serves the old one, the cluster starts over.
+    // The model of a group it registered that was refused as not the cluster's (its clients
+    // moved to another model). A model change: the cluster starts over with it once every
+    // other node that holds ranks of the cluster's model (HoldsOldModel) asked for it too.
     std::optional<Shape> wanted_shape;
+    // The ranks it held before it registered again without a group (its daemon restarted and
+    // its clients are not back yet): until it registers a group or is forgotten, they hold a
+    // model change back as the ranks it holds do.
+    std::vector<uint32_t> ranks_before_restart;
+
+    // Whether it holds ranks of the cluster's model, or held them before its daemon restarted.
+    bool HoldsOldModel() const {
+      return !info.ranks().empty() || !ranks_before_restart.empty();
+    }
 
     // Its ranks count steps anew (a new process, a new group): from where they resume.
     void ForgetSteps() {
@@ -184,11 +193,15 @@ class Balancer final : public v1::Control::Service {
   };
 
   grpc::Status Reject(const char* reason, grpc::StatusCode code, std::string message);
-  // Register: `node` registers a group of another shape, and the nodes that moved to it (it
-  // and those that asked for it before) served every rank of the cluster's group. Everything
-  // known of the old group goes (its plan, window, versions, the ranks each node registered,
-  // the daemons down that served it); the registrant's shape becomes the cluster's.
+  // Register: `node` registers a group of another model, and every other node holding ranks
+  // of the cluster's model asked for the same one (a model change). Everything known of the
+  // old group goes (its plan, window, versions, drains, the ranks each node registered, the
+  // daemons down that served it); the registrant's model becomes the cluster's.
   void ForgetGroupLocked(const std::string& node) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether every node but `node` that holds ranks of the cluster's model asked for `model`
+  // (any other model, when nullopt, as long as one node asked for one).
+  bool OthersLeftTheModel(const std::string& node, const std::optional<Shape>& model) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The healthy daemons that host ranks, with their domains and addresses: where a daemon
   // staging a plan reads the weights of holders in other domains.
   void AddGroupDaemons(v1::PrepareRequest& request) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -295,6 +308,7 @@ class Balancer final : public v1::Control::Service {
   prometheus::Gauge* registered_daemons_;
   prometheus::Gauge* registered_ranks_;
   prometheus::Gauge* healthy_daemons_;
+  prometheus::Gauge* awaiting_model_;  // Daemons with a wanted_shape.
   prometheus::Counter* reports_;
   prometheus::Family<prometheus::Counter>* rejected_;
   prometheus::Counter* stale_reports_;

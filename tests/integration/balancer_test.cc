@@ -513,10 +513,14 @@ TEST_F(BalancerTest, AModelChangeOverTwoDaemonsStartsTheClusterOverWithTheNewSha
         EXPECT_EQ(ctl.Wait(absl::Seconds(60)), 0);
         const std::string table = ReadFile(path("ubepctl.out"));
         EXPECT_THAT(table, ContainsRegex("node-a +127.0.0.1:[0-9]+ +0-1 +healthy +new model"));
-        EXPECT_THAT(table, HasSubstr("\nnode-a: its clients attached another model (4 ranks x 72 "
-                                     "slots, 3 layers x 256 experts, hidden 32, top-8, 32 tokens, "
-                                     "4096 bytes per expert, DTYPE_FLOAT32); the cluster takes it "
-                                     "once the nodes serving all its ranks register it\n"));
+        EXPECT_EQ(test::Sample(test::HttpGet(balancer_metrics_, "/metrics"),
+                               "ubep_balancer_daemons_awaiting_model"),
+                  1);
+        EXPECT_THAT(table, HasSubstr("\nnode-a: its group's model is not the cluster's (4 ranks "
+                                     "x 72 slots, 3 layers x 256 experts, hidden 32, top-8, 32 "
+                                     "tokens, 4096 bytes per expert, DTYPE_FLOAT32); the cluster "
+                                     "takes it once every node holding ranks of its model "
+                                     "registers it\n"));
       }
       clients.push_back(StartClient(r, kSteps, r < 2 ? "node-a" : "node-b", /*slots_per_rank=*/72,
                                     /*tokens=*/32, /*drift_period=*/200,
@@ -528,8 +532,8 @@ TEST_F(BalancerTest, AModelChangeOverTwoDaemonsStartsTheClusterOverWithTheNewSha
   // node-a, the first to move, was refused (its daemon logs why); node-b started it over.
   EXPECT_THAT(ReadFile(path("node-a.log")),
               HasSubstr("failed: node node-a serves another model than the cluster's: "
-                        "num_layers is 3, the cluster's 4 (the cluster takes it once the nodes "
-                        "serving all its ranks register it)"));
+                        "num_layers is 3, the cluster's 4 (the cluster takes it once every node "
+                        "holding ranks of its model registers it)"));
   const std::string log = ReadFile(path("balancer.log"));
   EXPECT_THAT(log, HasSubstr("node node-b registers a group of 4 ranks x 72 slots, 3 layers x "
                              "256 experts, hidden 32, top-8, 32 tokens, 4096 bytes per expert, "

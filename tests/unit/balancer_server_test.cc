@@ -180,7 +180,7 @@ TEST(BalancerServerTest, ShapeConflictsAreRefusedNamingBothShapes) {
   EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_EQ(status.error_message(),
             "node b serves another model than the cluster's: num_experts is 8, the cluster's 6 "
-            "(the cluster takes it once the nodes serving all its ranks register it)");
+            "(the cluster takes it once every node holding ranks of its model registers it)");
   other = Registration("b", 2);
   other.set_ranks(1, 9);
   EXPECT_EQ(balancer.Register(nullptr, &other, &response).error_message(), "rank 9 is outside [0, 4)");
@@ -246,7 +246,7 @@ class FakeDaemon final : public v1::DaemonControl::Service {
     prepares_.push_back(*request);
     // Bounded, so that a test that fails before letting it go still ends.
     let_go_.wait_for(lock, std::chrono::seconds(60), [&] { return !hold_prepares_; });
-    if (request->plan().version() == refused_) {
+    if (request->plan().version() == refused_ || refused_ == kEveryVersion) {
       response->set_reason("refused for the test");
       return grpc::Status::OK;
     }
@@ -313,6 +313,8 @@ class FakeDaemon final : public v1::DaemonControl::Service {
     std::lock_guard<std::mutex> lock(mu_);
     return committed_.version();
   }
+  // Refuses to prepare plan `version` (every plan: kEveryVersion).
+  static constexpr uint64_t kEveryVersion = ~uint64_t{0};
   void Refuse(uint64_t version) {
     std::lock_guard<std::mutex> lock(mu_);
     refused_ = version;
@@ -1066,7 +1068,7 @@ TEST(BalancerServerTest, TheOnlyNodeOfTheClusterRegisteringAGroupOfAnotherShapeS
   v1::RegisterRequest old_shape = DaemonRegistration(b, "node-b", 0, 0, "host");
   EXPECT_EQ(balancer.Register(nullptr, &old_shape, &response).error_message(),
             "node node-b serves another model than the cluster's: num_layers is 2, the cluster's "
-            "3 (the cluster takes it once the nodes serving all its ranks register it)");
+            "3 (the cluster takes it once every node holding ranks of its model registers it)");
   // A node that served part of the group does not start it over, even with the rest down.
   auto c = std::make_unique<FakeDaemon>("node-c", FirstPlan());
   FakeDaemon d("node-d", FirstPlan());
@@ -1079,7 +1081,7 @@ TEST(BalancerServerTest, TheOnlyNodeOfTheClusterRegisteringAGroupOfAnotherShapeS
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_EQ(refused.error_message(),
             "node node-d serves another model than the cluster's: num_layers is 3, the cluster's "
-            "2 (the cluster takes it once the nodes serving all its ranks register it)");
+            "2 (the cluster takes it once every node holding ranks of its model registers it)");
 }
 
 // A model change over several nodes: the clients of each attach again with another model and
@@ -1109,11 +1111,11 @@ TEST(BalancerServerTest, EveryNodeOfTheClusterMovingToAnotherShapeStartsItOver) 
   EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_EQ(status.error_message(),
             "node node-a serves another model than the cluster's: num_layers is 3, the cluster's "
-            "2 (the cluster takes it once the nodes serving all its ranks register it)");
+            "2 (the cluster takes it once every node holding ranks of its model registers it)");
   status = balancer->Register(nullptr, &b4, &response);
   EXPECT_EQ(status.error_message(),
             "node node-b serves another model than the cluster's: num_layers is 4, the cluster's "
-            "2 (the cluster takes it once the nodes serving all its ranks register it)");
+            "2 (the cluster takes it once every node holding ranks of its model registers it)");
   balancer->Tick();
   EXPECT_EQ(balancer->CurrentPlan()->num_layers(), 2);
   // The operator sees which model each node waits to serve.
@@ -1153,11 +1155,16 @@ TEST(BalancerServerTest, EveryNodeOfTheClusterMovingToAnotherShapeStartsItOver) 
             grpc::StatusCode::FAILED_PRECONDITION);
 }
 
-// What holds a model change back is a node that still holds ranks of the cluster's group and
-// has not asked for the new model, up or down; ranks no node holds do not:
-// - a node whose daemon started again without a group (its clients not back yet) holds none;
-// - a restarted balancer knows only the nodes that registered since: one that moved before is
-//   refused without being remembered, and the last node to move starts the cluster over.
+// What holds a model change back is a node that holds ranks of the cluster's model and has
+// not asked for the new one, up or down:
+// - a node whose daemon started again without a group (its clients not back yet) still does:
+//   a canary of another model on one node does not take the cluster over while another node's
+//   daemon restarts;
+// - a node down does, until it is forgotten, which a model change allows although the plan in
+//   force still has its ranks (no plan of the old model is committed again);
+// - ranks no node holds do not: a restarted balancer knows only the nodes that registered
+//   since; one that moved before is refused without being remembered, and the last node to
+//   move starts the cluster over.
 // A change of any field of the model (here max_tokens alone, which the plans do not use) is a
 // model change: the daemons made new groups (new incarnations), and nobody is drained for it.
 TEST(BalancerServerTest, AModelChangeIsHeldBackOnlyByNodesHoldingRanksOfTheOldModel) {
@@ -1194,12 +1201,40 @@ TEST(BalancerServerTest, AModelChangeIsHeldBackOnlyByNodesHoldingRanksOfTheOldMo
     const grpc::Status refused = balancer.Register(nullptr, &a_new, &response);
     EXPECT_EQ(refused.error_message(),
               "node node-a serves another model than the cluster's: max_tokens is 16, the "
-              "cluster's 8 (the cluster takes it once the nodes serving all its ranks register "
-              "it)");
+              "cluster's 8 (the cluster takes it once every node holding ranks of its model "
+              "registers it)");
     Register(balancer, b_restarted);
-    Register(balancer, a_new);  // node-b holds no rank of the old model now.
-    Register(balancer, b_new);
+    EXPECT_EQ(balancer.Register(nullptr, &a_new, &response).error_message(),
+              refused.error_message());
+    Register(balancer, b_new);  // node-b's clients are back, with the new model.
+    Register(balancer, a_new);
     EXPECT_EQ(drained_nodes(balancer), std::vector<std::string>{});
+    balancer.Tick();
+    ASSERT_TRUE(balancer.CurrentPlan().has_value());
+  }
+  {
+    SCOPED_TRACE("a node down");
+    auto gone = std::make_unique<FakeDaemon>("node-b", FirstPlan());
+    std::unique_ptr<Balancer> balancer = WithTwoDaemons(QuickToMarkDown(), a, *gone);
+    // node-a cannot prepare a plan of the old model (its group has the new one): none that
+    // excludes node-b is committed.
+    a.Refuse(FakeDaemon::kEveryVersion);
+    gone.reset();
+    TickUntilDown(*balancer, "node-b");
+    v1::ForgetResponse forgotten;
+    v1::ForgetRequest forget;
+    forget.set_node("node-b");
+    // Before any node asked for another model: the plan in force still has node-b's ranks.
+    EXPECT_EQ(balancer->Forget(nullptr, &forget, &forgotten).error_code(),
+              grpc::StatusCode::FAILED_PRECONDITION);
+    const v1::RegisterRequest a_new_here =
+        with_tokens(DaemonRegistration(a, "node-a", 0, 0, "host"), 16, "a.3");
+    EXPECT_EQ(balancer->Register(nullptr, &a_new_here, &response).error_code(),
+              grpc::StatusCode::FAILED_PRECONDITION);
+    const grpc::Status status = balancer->Forget(nullptr, &forget, &forgotten);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    EXPECT_EQ(forgotten.ranks_size(), 2);
+    Register(*balancer, a_new_here);
   }
   {
     SCOPED_TRACE("a restarted balancer");

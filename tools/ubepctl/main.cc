@@ -126,18 +126,16 @@ int Status(Control::Stub& stub) {
   std::vector<std::vector<std::string>> rows = {
       {"NODE", "ADDRESS", "RANKS", "HEALTH", "STATE", "STEP", "LAST REPORT"}};
   for (const ubep::v1::NodeStatus& n : status.nodes()) {
+    std::string state = n.drained() ? "drained" : (n.healthy() ? "serving" : "excluded");
+    if (!n.new_model().empty()) state = n.drained() ? "drained, new model" : "new model";
     rows.push_back({n.node(), n.address(), Ranks(n.ranks()), n.healthy() ? "healthy" : "DOWN",
-                    !n.new_model().empty() ? "new model"
-                    : n.drained()          ? "drained"
-                    : n.healthy()          ? "serving"
-                                           : "excluded",
-                    std::to_string(n.max_step()), Ago(n.seconds_since_report())});
+                    state, std::to_string(n.max_step()), Ago(n.seconds_since_report())});
   }
   PrintTable(rows);
   for (const ubep::v1::NodeStatus& n : status.nodes()) {
     if (n.new_model().empty()) continue;
-    std::cout << "\n" << n.node() << ": its clients attached another model (" << n.new_model()
-              << "); the cluster takes it once the nodes serving all its ranks register it";
+    std::cout << "\n" << n.node() << ": its group's model is not the cluster's (" << n.new_model()
+              << "); the cluster takes it once every node holding ranks of its model registers it";
   }
   std::cout << "\nplan v" << status.plan_version() << " over " << status.world_size()
             << " ranks; excluded: "
