@@ -822,14 +822,23 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
       Bump(s.control()->over_capacity_calls);
     }
   }
+  // The output is this rank's last dispatch, which Combine takes.
+  auto keep = [&] {
+    out.state_->layer = layer;
+    out.state_->rank = &s;
+    out.state_->serial = ++s.dispatches;
+    s.last_plan_version = out.state_->plan_version;
+  };
   if (!status.ok()) {
     if (absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status)) s.stopped = status;
+#ifdef UBEP_CLIENT_CUDA
+    // Bad input the device found after the peers began: the rest was dispatched, and the
+    // caller combines it as after a good call (the peers wait for this rank's partials).
+    if (s.on_device && absl::IsInvalidArgument(status) && s.cuda_ep->dispatch_completed()) keep();
+#endif
     return Record(s, status);
   }
-  out.state_->layer = layer;
-  out.state_->rank = &s;
-  out.state_->serial = ++s.dispatches;
-  s.last_plan_version = out.state_->plan_version;
+  keep();
   kernels::RankControl* c = s.control();
   Bump(c->dispatch_calls);
   Bump(c->dispatched_tokens, static_cast<uint64_t>(num_tokens));

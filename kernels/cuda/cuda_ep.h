@@ -112,6 +112,9 @@ class CudaEp {
   // of the call unless `keep_earlier` (a Combine refused for want of the Dispatch that was
   // refused: the Dispatch's reason is the one that matters).
   absl::Status Refuse(absl::Status refused, bool keep_earlier = false);
+  // Whether the last Dispatch completed (with or without an error: bad input found on the
+  // device leaves the rest dispatched, and its Combine to be called).
+  bool dispatch_completed() const { return dispatch_completed_; }
 
   // Tests only, as HostEp's: the sender blocks wait this long before their first row store of
   // each dispatch (the counts still go out at once), so that a test can make one source's rows

@@ -11,6 +11,7 @@
 #include <random>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/common/bf16.h"
@@ -72,8 +73,12 @@ struct Board {
 
 // One rank process: attaches to its daemon, dispatches and combines (identity experts) on
 // the GPU, fills `result`; returns "" or what went wrong.
+// With `bad_pair`, one (token, k) of rank 1's input names an expert out of range: on CUDA its
+// Dispatch returns the error with the rest dispatched, and it combines as after a good call.
+constexpr int kBadToken = 5, kBadK = 2;
+
 std::string RunRank(int r, const std::string& socket, const ModelShape& shape, const Input& in,
-                    RankBoard& result) {
+                    RankBoard& result, bool bad_pair = false) {
   int devices = 0;
   UBEP_CHECK_CUDA(cudaGetDeviceCount(&devices));
   ClientOptions options;
@@ -91,6 +96,14 @@ std::string RunRank(int r, const std::string& socket, const ModelShape& shape, c
   Dispatched d;
   absl::Status s = (*rank)->BeginStep((*rank)->resume_step());
   if (s.ok()) s = (*rank)->Dispatch(0, x, static_cast<int32_t*>(idx), static_cast<float*>(w), kTokens, d);
+  if (bad_pair && r == 1) {
+    const std::string expected = absl::StrCat("topk_idx[", kBadToken, "][", kBadK, "] = ",
+                                              kExperts, " is outside [-1, ", kExperts, ")");
+    if (!absl::IsInvalidArgument(s) || !absl::StrContains(s.message(), expected)) {
+      return absl::StrCat("expected InvalidArgument naming ", expected, ", got ", s.ToString());
+    }
+    s = absl::OkStatus();
+  }
   if (!s.ok()) return std::string(s.message());
   if (d.slot_offsets().size() != kSlots + 1 ||
       d.num_rows() > kRanks * kTokens * kTopK) {
@@ -114,7 +127,7 @@ std::string RunRank(int r, const std::string& socket, const ModelShape& shape, c
 // each: each daemon imports the other's device arenas (VMM fds over its fd socket) and the
 // group forms across them. With `flagged`, the single ubepd runs with --flagged_tokens, so
 // every call moves flag-in-granule rows (kernels/common/flagged_rows.h).
-void RunAndCompare(bool two_daemons, bool flagged = false) {
+void RunAndCompare(bool two_daemons, bool flagged = false, bool bad_pair = false) {
   UBEP_SKIP_WITHOUT_DEVICE();
   test::TempDir dir;
   const auto wait_ready = [&](const std::string& name) {
@@ -161,6 +174,11 @@ void RunAndCompare(bool two_daemons, bool flagged = false) {
   shape.dtype = DType::kBFloat16;
   std::vector<Input> inputs;
   for (int r = 0; r < kRanks; ++r) inputs.push_back(MakeInput(r));
+  std::vector<Input> reference = inputs;  // The host backend's: the bad pair masked.
+  if (bad_pair) {
+    inputs[1].idx[kBadToken * kTopK + kBadK] = kExperts;
+    reference[1].idx[kBadToken * kTopK + kBadK] = -1;
+  }
 
   // CUDA through libubep, each rank a process of its own, as a serving process would be;
   // results come back through a shared board.
@@ -170,7 +188,7 @@ void RunAndCompare(bool two_daemons, bool flagged = false) {
   for (int r = 0; r < kRanks; ++r) {
     const pid_t pid = fork();
     if (pid == 0) {
-      const std::string error = RunRank(r, sockets[r], shape, inputs[r], board->result[r]);
+      const std::string error = RunRank(r, sockets[r], shape, inputs[r], board->result[r], bad_pair);
       std::snprintf(board->error[r], sizeof(board->error[r]), "%s", error.c_str());
       _exit(error.empty() ? 0 : 3);
     }
@@ -222,9 +240,9 @@ void RunAndCompare(bool two_daemons, bool flagged = false) {
     threads.emplace_back([&, r] {
       auto ep = *kernels::HostEp::Create(config, r, bases);
       kernels::DispatchInput d;
-      d.x = inputs[r].x.data();
-      d.topk_idx = inputs[r].idx.data();
-      d.topk_weights = inputs[r].w.data();
+      d.x = reference[r].x.data();
+      d.topk_idx = reference[r].idx.data();
+      d.topk_weights = reference[r].w.data();
       d.num_tokens = kTokens;
       d.hidden = kHidden;
       d.plan = reinterpret_cast<const kernels::PlanTableHeader*>(table.data());
@@ -252,6 +270,14 @@ void RunAndCompare(bool two_daemons, bool flagged = false) {
 TEST(DaemonCudaTest, LibubepOnCudaArenasMatchesTheHostBackendByteForByte) { RunAndCompare(false); }
 
 TEST(DaemonCudaTest, AGroupOverTwoDaemonsOnCudaMatchesTheHostBackendByteForByte) { RunAndCompare(true); }
+
+// A rank whose input names an expert out of range: its Dispatch says so and dispatches the
+// rest, and its Combine, called as after a good Dispatch, is taken (libubep once refused it as
+// another dispatch's output, and the peers waited out their timeout); both ranks match the
+// host backend with the pair masked.
+TEST(DaemonCudaTest, ADispatchWithABadExpertIdIsCombinedAndMatchesTheHostBackendWithItMasked) {
+  RunAndCompare(false, false, /*bad_pair=*/true);
+}
 
 TEST(DaemonCudaTest, FlaggedRowsOnCudaArenasMatchTheHostBackendByteForByte) {
   RunAndCompare(false, /*flagged=*/true);
