@@ -45,9 +45,15 @@ struct DispatchedState {
   uint64_t plan_version = 0;
   int layer = -1;
   // Which dispatch of which rank this is the output of (Combine takes only the rank's last).
+  // The rank is told by its address and its attach (an address may be reused after Detach).
   const RankState* rank = nullptr;
+  uint64_t attach = 0;
   uint64_t serial = 0;
 };
+
+// Numbers each Attach of the process: a Dispatched of a rank detached since is not taken for
+// the output of a rank attached later at the same address.
+static std::atomic<uint64_t> attaches{0};
 
 struct RankState {
   ClientOptions options;
@@ -83,6 +89,7 @@ struct RankState {
   uint64_t resume_step = 0;
   uint64_t step = 0;  // The step begun last; the resume step after Attach or Rejoin.
   uint64_t dispatches = 0;  // Successful dispatches: the serial of the last one.
+  const uint64_t attach = attaches.fetch_add(1, std::memory_order_relaxed) + 1;
   bool step_begun = false;
   absl::Status stopped;    // Set by a data-plane error: the group must re-form.
   // When BeginStep looks next whether ubepd is still there (MonotonicNow).
@@ -826,6 +833,7 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
   auto keep = [&] {
     out.state_->layer = layer;
     out.state_->rank = &s;
+    out.state_->attach = s.attach;
     out.state_->serial = ++s.dispatches;
     s.last_plan_version = out.state_->plan_version;
   };
@@ -850,14 +858,15 @@ absl::Status Rank::Combine(const Dispatched& dispatched, const void* expert_out,
   RankState& s = *state_;
   if (!s.attached) return Detached();
   if (!s.stopped.ok()) return s.stopped;
-  if (dispatched.state_->rank != &s || dispatched.state_->serial != s.dispatches) {
+  const bool of_this_rank = dispatched.state_->rank == &s && dispatched.state_->attach == s.attach;
+  if (!of_this_rank || dispatched.state_->serial != s.dispatches) {
     // Another dispatch's output (one kept from an earlier layer, or another rank's): the
     // backends combine the rank's last dispatch, whose rows this is not. Refused before any
     // byte moves; the peers, waiting for this rank's partials, are told why.
     absl::Status refused = absl::InvalidArgumentError(absl::StrCat(
         "rank ", s.rank, ": combine takes the output of this rank's last dispatch (",
         s.dispatches, " so far); this one is ",
-        dispatched.state_->rank != &s ? "not of this rank"
+        !of_this_rank ? "not of this rank"
                                       : absl::StrCat("of dispatch ", dispatched.state_->serial)));
 #ifdef UBEP_CLIENT_CUDA
     // (A Dispatch refused before it keeps its reason: that is why this rank has no output.)

@@ -650,6 +650,22 @@ TEST_F(DaemonTest, CallsOutOfOrderAreRefusedNamingWhatWasExpected) {
   EXPECT_EQ(out, std::vector<float>(4 * 8, 1.0f));
   EXPECT_EQ(r.stats().combine_calls, 2u);
   ASSERT_TRUE(r.Detach().ok());
+  // The rank attached again (its state may take the detached one's address, and its
+  // dispatches count from 1 again) does not take the output of the one detached before.
+  rank->reset();
+  absl::StatusOr<std::unique_ptr<Rank>> again = Rank::Attach(options, 0, 1, 0, shape, 20);
+  ASSERT_TRUE(again.ok()) << again.status();
+  Rank& a = **again;
+  ASSERT_TRUE(a.BeginStep(20).ok());
+  Dispatched fresh;
+  ASSERT_TRUE(a.Dispatch(0, x.data(), idx.data(), w.data(), 4, fresh).ok());
+  ASSERT_TRUE(a.Combine(fresh, y.data(), out.data()).ok());
+  ASSERT_TRUE(a.Dispatch(1, x.data(), idx.data(), w.data(), 4, fresh).ok());
+  EXPECT_EQ(a.Combine(second, y.data(), out.data()),
+            absl::InvalidArgumentError("rank 0: combine takes the output of this rank's last "
+                                       "dispatch (2 so far); this one is not of this rank"));
+  ASSERT_TRUE(a.Combine(fresh, y.data(), out.data()).ok());
+  ASSERT_TRUE(a.Detach().ok());
 
   auto* c_rank = reinterpret_cast<ubep_rank*>(uintptr_t{0x10});  // Whatever was there.
   const ubep_model_shape good = {1, 4, 8, 2, 4, 4, 0, UBEP_DTYPE_FLOAT32};
