@@ -1,4 +1,6 @@
 // The C ABI (ubep/ubep_c.h) over the C++ API.
+#include <algorithm>
+#include <cstring>
 #include <memory>
 #include <string>
 
@@ -36,18 +38,21 @@ extern "C" {
 
 const char* ubep_last_error(void) { return last_error.c_str(); }
 
-void ubep_client_options_init(ubep_client_options* options) {
+void ubep_client_options_init(ubep_client_options* options, size_t struct_size) {
   if (options == nullptr) return;
   static const std::string default_socket = ubep::ClientOptions().socket_path;
   const ubep::ClientOptions d;
-  *options = ubep_client_options{
-      .struct_size = sizeof(ubep_client_options),
+  // The caller's struct may be an older, smaller one: nothing is written past its size.
+  const size_t size = std::min(struct_size, sizeof(ubep_client_options));
+  const ubep_client_options defaults{
+      .struct_size = size,
       .socket_path = default_socket.c_str(),
       .rpc_timeout_ms = absl::ToInt64Milliseconds(d.rpc_timeout),
       .join_timeout_ms = absl::ToInt64Milliseconds(d.join_timeout),
       .decision_timeout_ms = absl::ToInt64Milliseconds(d.decision_timeout),
       .daemon_check_interval_ms = absl::ToInt64Milliseconds(d.daemon_check_interval),
   };
+  std::memcpy(options, &defaults, size);
 }
 
 int ubep_attach(const char* socket_path, int32_t rank, int32_t world_size, int32_t device,
@@ -62,7 +67,7 @@ int ubep_attach_at(const char* socket_path, int32_t rank, int32_t world_size, in
     return Fail(absl::InvalidArgumentError("ubep_attach: null argument"));
   }
   ubep_client_options options;
-  ubep_client_options_init(&options);
+  ubep_client_options_init(&options, sizeof(options));
   options.socket_path = socket_path;
   return ubep_attach_with(&options, rank, world_size, device, shape, next_step, out);
 }
@@ -72,7 +77,7 @@ int ubep_attach_with(const ubep_client_options* c_options, int32_t rank, int32_t
                      ubep_rank** out) {
   if (out != nullptr) *out = nullptr;
   if (shape == nullptr || out == nullptr) {
-    return Fail(absl::InvalidArgumentError("ubep_attach: null argument"));
+    return Fail(absl::InvalidArgumentError("ubep_attach_with: null argument"));
   }
   ubep::ClientOptions options;
   if (c_options != nullptr) {
@@ -178,7 +183,16 @@ int ubep_dispatch(ubep_rank* rank, int32_t layer, const void* x, const int32_t* 
 void ubep_dispatched_view(const ubep_dispatched* d, int32_t* num_rows, const void** rows,
                           const int32_t** slot_offsets, const int32_t** src_rank,
                           const int32_t** src_token, const float** weights) {
-  if (d == nullptr) return;
+  if (d == nullptr) {
+    // Nothing to view: every output says so (a caller's loop bound is never left unset).
+    if (num_rows != nullptr) *num_rows = 0;
+    if (rows != nullptr) *rows = nullptr;
+    if (slot_offsets != nullptr) *slot_offsets = nullptr;
+    if (src_rank != nullptr) *src_rank = nullptr;
+    if (src_token != nullptr) *src_token = nullptr;
+    if (weights != nullptr) *weights = nullptr;
+    return;
+  }
   if (num_rows != nullptr) *num_rows = d->dispatched.num_rows();
   if (rows != nullptr) *rows = d->dispatched.rows();
   if (slot_offsets != nullptr) *slot_offsets = d->dispatched.slot_offsets().data();

@@ -19,7 +19,7 @@ int main(int argc, char** argv) {
   }
   ubep_model_shape shape = {1, kExperts, kHidden, kTopK, kTokens, kExperts, 0, UBEP_DTYPE_FLOAT32};
   ubep_client_options options;
-  ubep_client_options_init(&options);
+  ubep_client_options_init(&options, sizeof(options));
   options.socket_path = argv[1];
   options.join_timeout_ms = 30000;
   ubep_rank* rank = NULL;

@@ -62,7 +62,7 @@ def load(path):
     i32, i64, u64 = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64
     signatures = {
         "ubep_last_error": (ctypes.c_char_p, []),
-        "ubep_client_options_init": (None, [ctypes.POINTER(ClientOptions)]),
+        "ubep_client_options_init": (None, [ctypes.POINTER(ClientOptions), ctypes.c_size_t]),
         "ubep_attach_with": (ctypes.c_int, [ctypes.POINTER(ClientOptions), i32, i32, i32,
                                             ctypes.POINTER(ModelShape), i64,
                                             ctypes.POINTER(rank_p)]),
@@ -89,7 +89,7 @@ def load(path):
 
 def check(lib, function, code):
     if code != 0:
-        raise UbepError(function, code, lib.ubep_last_error().decode())
+        raise UbepError(function, code, lib.ubep_last_error().decode(errors="replace"))
 
 
 def main(argv):
@@ -98,7 +98,7 @@ def main(argv):
         return 2
     lib = load(argv[1])
     options = ClientOptions()
-    lib.ubep_client_options_init(ctypes.byref(options))
+    lib.ubep_client_options_init(ctypes.byref(options), ctypes.sizeof(options))
     options.socket_path = argv[2].encode()
     options.join_timeout_ms = 30000
     shape = ModelShape(1, EXPERTS, HIDDEN, TOP_K, TOKENS, EXPERTS, 0, UBEP_DTYPE_FLOAT32)
@@ -114,46 +114,51 @@ def main(argv):
             idx[t * TOP_K], idx[t * TOP_K + 1] = t % EXPERTS, (t + 1) % EXPERTS
             w[t * TOP_K], w[t * TOP_K + 1] = 0.25, 0.75
         d = lib.ubep_dispatched_new()
-        check(lib, "dispatch", lib.ubep_dispatch(rank, 0, x, idx, w, TOKENS, d))
-        rows = ctypes.c_int32()
-        recv = ctypes.c_void_p()
-        offsets = ctypes.POINTER(ctypes.c_int32)()
-        lib.ubep_dispatched_view(d, ctypes.byref(rows), ctypes.byref(recv),
-                                 ctypes.byref(offsets), None, None, None)
-        received = ctypes.cast(recv, ctypes.POINTER(ctypes.c_float))
-        # The experts: round-robin plan, slot i holds expert i, which scales its rows by i + 1.
-        y = (ctypes.c_float * (rows.value * HIDDEN))()
-        for slot in range(EXPERTS):
-            for r in range(offsets[slot], offsets[slot + 1]):
-                for h in range(HIDDEN):
-                    y[r * HIDDEN + h] = (slot + 1) * received[r * HIDDEN + h]
-        out = (ctypes.c_float * (TOKENS * HIDDEN))()
-        check(lib, "combine", lib.ubep_combine(rank, d, y, out))
-        for t in range(TOKENS):
-            for h in range(HIDDEN):
-                e0, e1 = idx[t * TOP_K], idx[t * TOP_K + 1]
-                want = 0.25 * (e0 + 1) * x[t * HIDDEN + h] + 0.75 * (e1 + 1) * x[t * HIDDEN + h]
-                got = out[t * HIDDEN + h]
-                if abs(got - want) > 1e-6 * max(1.0, abs(want)):
-                    print(f"out[{t}][{h}] = {got}, want {want}", file=sys.stderr)
-                    return 1
-        stats = RankStats(struct_size=ctypes.sizeof(RankStats))
-        check(lib, "stats", lib.ubep_stats(rank, ctypes.byref(stats)))
-        if (stats.dispatch_calls, stats.combine_calls, stats.dispatched_tokens) != (1, 1, TOKENS):
-            print(f"stats: {stats.dispatch_calls} dispatches, {stats.combine_calls} combines, "
-                  f"{stats.dispatched_tokens} tokens", file=sys.stderr)
-            return 1
-        idx[2 * TOP_K + 1] = 7
         try:
             check(lib, "dispatch", lib.ubep_dispatch(rank, 0, x, idx, w, TOKENS, d))
-            print("a bad expert id was accepted", file=sys.stderr)
-            return 1
-        except UbepError as e:
-            print(f"bad expert: code {e.code}: {e.message}")
-        lib.ubep_dispatched_free(d)
-        print(f"python ffi ok: {rows.value} rows")
+            rows = ctypes.c_int32()
+            recv = ctypes.c_void_p()
+            offsets = ctypes.POINTER(ctypes.c_int32)()
+            lib.ubep_dispatched_view(d, ctypes.byref(rows), ctypes.byref(recv),
+                                     ctypes.byref(offsets), None, None, None)
+            received = ctypes.cast(recv, ctypes.POINTER(ctypes.c_float))
+            # The experts: round-robin plan, slot i holds expert i, which scales its rows by i + 1.
+            y = (ctypes.c_float * (rows.value * HIDDEN))()
+            for slot in range(EXPERTS):
+                for r in range(offsets[slot], offsets[slot + 1]):
+                    for h in range(HIDDEN):
+                        y[r * HIDDEN + h] = (slot + 1) * received[r * HIDDEN + h]
+            out = (ctypes.c_float * (TOKENS * HIDDEN))()
+            check(lib, "combine", lib.ubep_combine(rank, d, y, out))
+            for t in range(TOKENS):
+                for h in range(HIDDEN):
+                    e0, e1 = idx[t * TOP_K], idx[t * TOP_K + 1]
+                    want = 0.25 * (e0 + 1) * x[t * HIDDEN + h] + 0.75 * (e1 + 1) * x[t * HIDDEN + h]
+                    got = out[t * HIDDEN + h]
+                    if abs(got - want) > 1e-6 * max(1.0, abs(want)):
+                        print(f"out[{t}][{h}] = {got}, want {want}", file=sys.stderr)
+                        return 1
+            stats = RankStats(struct_size=ctypes.sizeof(RankStats))
+            check(lib, "stats", lib.ubep_stats(rank, ctypes.byref(stats)))
+            counted = (stats.dispatch_calls, stats.combine_calls, stats.dispatched_tokens)
+            if counted != (1, 1, TOKENS):
+                print(f"stats: {stats.dispatch_calls} dispatches, {stats.combine_calls} combines, "
+                      f"{stats.dispatched_tokens} tokens", file=sys.stderr)
+                return 1
+            idx[2 * TOP_K + 1] = 7
+            try:
+                check(lib, "dispatch", lib.ubep_dispatch(rank, 0, x, idx, w, TOKENS, d))
+                print("a bad expert id was accepted", file=sys.stderr)
+                return 1
+            except UbepError as e:
+                print(f"bad expert: code {e.code}: {e.message}")
+            print(f"python ffi ok: {rows.value} rows")
+        finally:
+            lib.ubep_dispatched_free(d)
     finally:
-        check(lib, "detach", lib.ubep_detach(rank))
+        # Detached whatever happened; its error is raised only when nothing else was.
+        detached = lib.ubep_detach(rank)
+    check(lib, "detach", detached)
     return 0
 
 

@@ -5,6 +5,8 @@
 #include <sys/un.h>
 #include <sys/wait.h>
 
+#include <array>
+#include <cstddef>
 #include <cstring>
 #include <filesystem>
 #include <memory>
@@ -747,8 +749,19 @@ TEST_F(DaemonTest, CAbiOptionsAreCheckedAndUsed) {
   auto daemon = StartDaemon();
   ubep_client_options options;
   std::memset(&options, 0xab, sizeof(options));
-  ubep_client_options_init(&options);
+  ubep_client_options_init(&options, sizeof(options));
   EXPECT_EQ(options.struct_size, sizeof(ubep_client_options));
+  // An older caller's smaller struct: nothing past its size is written.
+  {
+    std::array<unsigned char, sizeof(ubep_client_options) + 16> bytes;
+    bytes.fill(0xab);
+    const size_t older = offsetof(ubep_client_options, join_timeout_ms);
+    ubep_client_options_init(reinterpret_cast<ubep_client_options*>(bytes.data()), older);
+    size_t struct_size = 0;
+    std::memcpy(&struct_size, bytes.data(), sizeof(struct_size));
+    EXPECT_EQ(struct_size, older);
+    for (size_t i = older; i < bytes.size(); ++i) EXPECT_EQ(bytes[i], 0xab) << "byte " << i;
+  }
   EXPECT_STREQ(options.socket_path, "/run/ubep/ubepd.sock");
   EXPECT_EQ(options.rpc_timeout_ms, 10000);
   EXPECT_EQ(options.join_timeout_ms, 60000);
@@ -767,6 +780,9 @@ TEST_F(DaemonTest, CAbiOptionsAreCheckedAndUsed) {
             absl::StrCat("ubep_attach_with: options->struct_size is 0, not this library's "
                          "sizeof(ubep_client_options) ", sizeof(ubep_client_options),
                          " (fill the options with ubep_client_options_init)"));
+  EXPECT_EQ(ubep_attach_with(&options, 0, 2, 0, nullptr, -1, &rank),
+            static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_STREQ(ubep_last_error(), "ubep_attach_with: null argument");
   ubep_client_options zero = options;
   zero.join_timeout_ms = 0;
   EXPECT_EQ(ubep_attach_with(&zero, 0, 2, 0, &shape, -1, &rank),
@@ -790,7 +806,7 @@ TEST_F(DaemonTest, CAbiStatsCountTheCalls) {
   auto daemon = StartDaemon();
   const ubep_model_shape shape = {1, 4, 8, 2, 4, 4, 0, UBEP_DTYPE_FLOAT32};
   ubep_client_options options;
-  ubep_client_options_init(&options);
+  ubep_client_options_init(&options, sizeof(options));
   const std::string socket = socket_path();
   options.socket_path = socket.c_str();
   ubep_rank* rank = nullptr;
@@ -819,6 +835,18 @@ TEST_F(DaemonTest, CAbiStatsCountTheCalls) {
   EXPECT_EQ(ubep_dispatched_plan(nullptr, &plan, &layer),
             static_cast<int>(absl::StatusCode::kInvalidArgument));
   EXPECT_STREQ(ubep_last_error(), "ubep_dispatched_plan: null handle");
+  {
+    // A null handle's view: no rows, null views (a caller's loop bound is never left unset).
+    int32_t no_rows = 77;
+    const void* no_recv = &no_rows;
+    const int32_t* no_offsets = &no_rows;
+    const float* no_weights = reinterpret_cast<const float*>(&no_rows);
+    ubep_dispatched_view(nullptr, &no_rows, &no_recv, &no_offsets, nullptr, nullptr, &no_weights);
+    EXPECT_EQ(no_rows, 0);
+    EXPECT_EQ(no_recv, nullptr);
+    EXPECT_EQ(no_offsets, nullptr);
+    EXPECT_EQ(no_weights, nullptr);
+  }
   ASSERT_EQ(ubep_combine(rank, d, recv, out.data()), 0) << ubep_last_error();
   idx[3] = 9;  // Out of range: counted as an error.
   EXPECT_EQ(ubep_dispatch(rank, 0, x.data(), idx.data(), w.data(), 4, d),

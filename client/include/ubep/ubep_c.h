@@ -3,7 +3,9 @@
  * Every function returning int returns 0 on success, else the error's gRPC/absl status code
  * (3 = INVALID_ARGUMENT, 4 = DEADLINE_EXCEEDED, 8 = RESOURCE_EXHAUSTED, 9 =
  * FAILED_PRECONDITION, 14 = UNAVAILABLE, ...; their meaning is ubep/ubep.h's);
- * ubep_last_error() then gives the message (per thread, valid until the next call).
+ * ubep_last_error() then gives the message (per thread, valid until the next call). Two ask
+ * a question instead, 1 for yes and 0 for no (or a null handle): ubep_excluded and
+ * ubep_must_attach_again.
  * Handles are not thread-safe: one thread drives a rank.
  */
 #ifndef UBEP_CLIENT_INCLUDE_UBEP_UBEP_C_H_
@@ -34,9 +36,10 @@ typedef struct {
 
 /* What ubep_attach_with takes besides the rank and shape; ubep_client_options_init fills in
  * the defaults (ubep::ClientOptions'), and the caller changes what it needs. Durations are in
- * milliseconds, each > 0. struct_size lets later versions add fields at the end (a later
- * library will take an older caller's smaller struct and fill in defaults for the rest);
- * this first version takes its own size only. */
+ * milliseconds, each > 0. struct_size lets later versions add fields at the end: init is told
+ * the size the caller was compiled with and writes no byte past it, and a later library will
+ * take an older caller's smaller struct and fill in defaults for the rest; this first version
+ * takes its own size only. */
 typedef struct {
   size_t struct_size;               /* sizeof(ubep_client_options), as init sets it */
   const char* socket_path;          /* ubepd's socket; "/run/ubep/ubepd.sock" */
@@ -63,7 +66,9 @@ typedef struct {
 
 const char* ubep_last_error(void);
 
-void ubep_client_options_init(ubep_client_options* options);
+/* Fills the first struct_size bytes of *options (pass sizeof(ubep_client_options)) with the
+ * defaults, struct_size included. */
+void ubep_client_options_init(ubep_client_options* options, size_t struct_size);
 
 /* Attaches `rank` and waits for the group; *out owns the rank until ubep_detach. */
 int ubep_attach(const char* socket_path, int32_t rank, int32_t world_size, int32_t device,
@@ -92,7 +97,11 @@ ubep_dispatched* ubep_dispatched_new(void);
 void ubep_dispatched_free(ubep_dispatched* dispatched);
 int ubep_dispatch(ubep_rank* rank, int32_t layer, const void* x, const int32_t* topk_idx,
                   const float* topk_weights, int32_t num_tokens, ubep_dispatched* out);
-/* Views into `dispatched`, valid until its next dispatch; any pointer may be NULL. */
+/* Views into `dispatched`, valid until its next dispatch. On the CUDA backend rows, src_rank,
+ * src_token and weights are device pointers into the rank's scratch, valid until the rank's
+ * next dispatch through any handle, its Rejoin or its Detach; num_rows and slot_offsets are
+ * host memory. Any output pointer may be NULL; a NULL `dispatched` gives 0 rows and NULL
+ * views. */
 void ubep_dispatched_view(const ubep_dispatched* dispatched, int32_t* num_rows,
                           const void** rows, const int32_t** slot_offsets,
                           const int32_t** src_rank, const int32_t** src_token,
