@@ -239,7 +239,8 @@ namespace {
 // queued: hence two tries.
 std::optional<ReceivedMessage> QueuedReply(int socket, size_t max_bytes) {
   for (int attempt = 0; attempt < 2; ++attempt) {
-    absl::StatusOr<ReceivedMessage> queued = ReceiveMessage(socket, max_bytes, absl::ZeroDuration());
+    absl::StatusOr<ReceivedMessage> queued =
+        ReceiveMessage(socket, max_bytes, absl::ZeroDuration());
     if (queued.ok()) {
       if (queued->closed) break;
       return *std::move(queued);
@@ -253,16 +254,19 @@ std::optional<ReceivedMessage> QueuedReply(int socket, size_t max_bytes) {
 
 absl::StatusOr<ReceivedMessage> Exchange(int socket, std::string_view bytes, size_t max_bytes,
                                          absl::Duration timeout) {
-  if (absl::Status sent = SendMessage(socket, bytes, {}, timeout); !sent.ok()) {
-    if (std::optional<ReceivedMessage> queued = QueuedReply(socket, max_bytes)) return *std::move(queued);
-    return sent;
-  }
-  absl::StatusOr<ReceivedMessage> reply = ReceiveMessage(socket, max_bytes, timeout);
-  // A reset (the server closed the connection with the request unread); not a reply that was
-  // too long or carried more fds than fit (DataLoss), nor a wait that ran out.
-  if (!reply.ok() && !absl::IsDeadlineExceeded(reply.status()) &&
-      !absl::IsDataLoss(reply.status())) {
-    if (std::optional<ReceivedMessage> queued = QueuedReply(socket, max_bytes)) return *std::move(queued);
+  const absl::Status sent = SendMessage(socket, bytes, {}, timeout);
+  absl::StatusOr<ReceivedMessage> reply = sent.ok()
+                                              ? ReceiveMessage(socket, max_bytes, timeout)
+                                              : absl::StatusOr<ReceivedMessage>(sent);
+  // A send that failed, or a reset (the server closed the connection with the request
+  // unread); not a reply that was too long or carried more fds than fit (DataLoss), nor a
+  // receive that waited out its timeout.
+  const bool reset = !sent.ok() || (!reply.ok() && !absl::IsDeadlineExceeded(reply.status()) &&
+                                    !absl::IsDataLoss(reply.status()));
+  if (reset) {
+    if (std::optional<ReceivedMessage> queued = QueuedReply(socket, max_bytes)) {
+      return *std::move(queued);
+    }
   }
   return reply;
 }

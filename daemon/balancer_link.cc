@@ -189,8 +189,9 @@ std::optional<BalancerLink::Pending> BalancerLink::MakeReport() {
     last_step_ = 0;  // Their ranks' steps go on from where their clients resumed.
   }
   const Node::PlanIdentity plan = node_->CommittedPlanIdentity();
-  const std::optional<std::pair<int, int>> hosted = node_->HostedRanks();
-  const std::optional<v1::AttachRequest> shape = node_->GroupShape();
+  const Node::GroupIdentity group = node_->Identity();  // Shape and ranks, read together.
+  const std::optional<std::pair<int, int>>& hosted = group.hosted;
+  const std::optional<v1::AttachRequest>& shape = group.shape;
   if (!hosted.has_value() || !shape.has_value()) return std::nullopt;
   // This daemon's ranks' slots only (ranks are contiguous, slots rank-major).
   const size_t slots_per_rank = shape->shape().slots_per_rank();

@@ -547,14 +547,8 @@ grpc::Status Balancer::Register(grpc::ServerContext* context, const v1::Register
     // process's steps.
     d.ForgetSteps();
   }
-  if (request->ranks().empty()) {
-    // Registered again without a group: the ranks it held keep holding a model change back.
-    if (!d.info.ranks().empty()) {
-      d.ranks_before_restart.assign(d.info.ranks().begin(), d.info.ranks().end());
-    }
-  } else {
-    d.ranks_before_restart.clear();
-  }
+  // Registered again without a group: the ranks it held keep holding a model change back.
+  d.held_ranks_before_restart = request->ranks().empty() && d.HoldsOldModel();
   d.info = *request;
   d.wanted_shape.reset();
   d.ForgetInterval();
@@ -585,7 +579,7 @@ void Balancer::ForgetGroupLocked(const std::string& node) {
     // Its ranks were the old group's: it registers its new group's (the registrant now, the
     // others that moved when they register again), as a node new to the group.
     d.info.clear_ranks();
-    d.ranks_before_restart.clear();
+    d.held_ranks_before_restart = false;
     d.wanted_shape.reset();
     d.committed = d.pending = 0;
     d.needs_state = true;

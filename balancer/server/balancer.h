@@ -166,15 +166,13 @@ class Balancer final : public v1::Control::Service {
     // moved to another model). A model change: the cluster starts over with it once every
     // other node that holds ranks of the cluster's model (HoldsOldModel) asked for it too.
     std::optional<Shape> wanted_shape;
-    // The ranks it held before it registered again without a group (its daemon restarted and
-    // its clients are not back yet): until it registers a group or is forgotten, they hold a
-    // model change back as the ranks it holds do.
-    std::vector<uint32_t> ranks_before_restart;
+    // It held ranks before it registered again without a group (its daemon restarted and its
+    // clients are not back yet): until it registers a group or is forgotten, they hold a model
+    // change back as the ranks it holds do.
+    bool held_ranks_before_restart = false;
 
     // Whether it holds ranks of the cluster's model, or held them before its daemon restarted.
-    bool HoldsOldModel() const {
-      return !info.ranks().empty() || !ranks_before_restart.empty();
-    }
+    bool HoldsOldModel() const { return !info.ranks().empty() || held_ranks_before_restart; }
 
     // Its ranks count steps anew (a new process, a new group): from where they resume.
     void ForgetSteps() {
