@@ -14,6 +14,7 @@
 #include "balancer/formats/proto_convert.h"
 #include "common/clock.h"
 #include "common/logging.h"
+#include "common/model_shape.h"
 #include "common/shape_limits.h"
 #include "common/status_macros.h"
 #include "daemon/weight_link.h"
@@ -52,29 +53,15 @@ std::string NewToken() {
       absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
 }
 
-// Field-by-field comparison of two shapes: the first mismatch, named.
+// The first field where a request's model differs from the group's, named.
 absl::Status CompareShapes(const v1::AttachRequest& group, const v1::AttachRequest& request) {
-  const v1::ModelShape& g = group.shape();
-  const v1::ModelShape& r = request.shape();
-  const std::pair<const char*, std::pair<uint64_t, uint64_t>> fields[] = {
-      {"world_size", {group.world_size(), request.world_size()}},
-      {"num_layers", {g.num_layers(), r.num_layers()}},
-      {"num_experts", {g.num_experts(), r.num_experts()}},
-      {"hidden", {g.hidden(), r.hidden()}},
-      {"top_k", {g.top_k(), r.top_k()}},
-      {"max_tokens", {g.max_tokens(), r.max_tokens()}},
-      {"slots_per_rank", {g.slots_per_rank(), r.slots_per_rank()}},
-      {"bytes_per_expert", {g.bytes_per_expert(), r.bytes_per_expert()}},
-      {"dtype", {static_cast<uint64_t>(g.dtype()), static_cast<uint64_t>(r.dtype())}},
-  };
-  for (const auto& [name, values] : fields) {
-    if (values.first != values.second) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("shape conflicts with the attached group: ", name, " is ", values.second,
-                       ", the group has ", values.first));
-    }
-  }
-  return absl::OkStatus();
+  const std::vector<ModelFieldDifference> differences = ModelDifferences(
+      request.world_size(), request.shape(), group.world_size(), group.shape());
+  if (differences.empty()) return absl::OkStatus();
+  const ModelFieldDifference& d = differences.front();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "shape conflicts with the attached group: ", d.field, " is ", d.value, ", the group has ",
+      d.other));
 }
 
 // Duplicates of the arenas' fds, taken under the node's lock: the fd thread sends them after

@@ -16,6 +16,7 @@
 #include "balancer/formats/proto_convert.h"
 #include "common/clock.h"
 #include "common/logging.h"
+#include "common/model_shape.h"
 #include "common/shape_limits.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/generic/generic_stub.h"
@@ -304,34 +305,29 @@ void Balancer::Start() {
                                              [this] { Tick(); });
 }
 
+Balancer::Shape::Shape(uint32_t world_size, const v1::ModelShape& shape)
+    : world(static_cast<int>(world_size)),
+      layers(static_cast<int>(shape.num_layers())),
+      experts(static_cast<int>(shape.num_experts())),
+      slots(static_cast<int>(shape.slots_per_rank())),
+      model(shape) {}
+
+bool Balancer::Shape::operator==(const Shape& other) const {
+  return ModelDifferences(world, model, other.world, other.model).empty();
+}
+
 std::string Balancer::Shape::Describe() const {
   return absl::StrCat(world, " ranks x ", slots, " slots, ", layers, " layers x ", experts,
-                      " experts, hidden ", hidden, ", top-", top_k, ", ", max_tokens, " tokens, ",
-                      bytes_per_expert, " bytes per expert, ",
-                      v1::DType_Name(static_cast<v1::DType>(dtype)));
+                      " experts, hidden ", model.hidden(), ", top-", model.top_k(), ", ",
+                      model.max_tokens(), " tokens, ", model.bytes_per_expert(),
+                      " bytes per expert, ", v1::DType_Name(model.dtype()));
 }
 
 std::string Balancer::Shape::Differences(const Shape& cluster) const {
-  const std::pair<const char*, std::pair<uint64_t, uint64_t>> fields[] = {
-      {"world_size", {static_cast<uint64_t>(world), static_cast<uint64_t>(cluster.world)}},
-      {"num_layers", {static_cast<uint64_t>(layers), static_cast<uint64_t>(cluster.layers)}},
-      {"num_experts", {static_cast<uint64_t>(experts), static_cast<uint64_t>(cluster.experts)}},
-      {"slots_per_rank", {static_cast<uint64_t>(slots), static_cast<uint64_t>(cluster.slots)}},
-      {"hidden", {hidden, cluster.hidden}},
-      {"top_k", {top_k, cluster.top_k}},
-      {"max_tokens", {max_tokens, cluster.max_tokens}},
-      {"bytes_per_expert", {bytes_per_expert, cluster.bytes_per_expert}},
-  };
   std::vector<std::string> differences;
-  for (const auto& [name, values] : fields) {
-    if (values.first != values.second) {
-      differences.push_back(absl::StrCat(name, " is ", values.first, ", the cluster's ", values.second));
-    }
-  }
-  if (dtype != cluster.dtype) {
-    differences.push_back(absl::StrCat("dtype is ", v1::DType_Name(static_cast<v1::DType>(dtype)),
-                                       ", the cluster's ",
-                                       v1::DType_Name(static_cast<v1::DType>(cluster.dtype))));
+  for (const ModelFieldDifference& d :
+       ModelDifferences(world, model, cluster.world, cluster.model)) {
+    differences.push_back(absl::StrCat(d.field, " is ", d.value, ", the cluster's ", d.other));
   }
   return absl::StrJoin(differences, "; ");
 }
@@ -369,15 +365,7 @@ grpc::Status Balancer::Register(grpc::ServerContext* context, const v1::Register
                                        request->world_size(), " cannot hold ", s.num_experts(),
                                        " experts"));
     }
-    shape = Shape{static_cast<int>(request->world_size()),
-                  static_cast<int>(s.num_layers()),
-                  static_cast<int>(s.num_experts()),
-                  static_cast<int>(s.slots_per_rank()),
-                  s.hidden(),
-                  s.top_k(),
-                  s.max_tokens(),
-                  s.bytes_per_expert(),
-                  static_cast<int>(s.dtype())};
+    shape = Shape(request->world_size(), s);
     for (uint32_t r : request->ranks()) {
       if (r >= request->world_size()) {
         return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,

@@ -112,14 +112,14 @@ class Balancer final : public v1::Control::Service {
   void Tick();
 
  private:
-  // A group's model, as its daemon registers it. Plans need the first four; the rest tell
-  // one model from another (a daemon creates a new group when any of them changes).
+  // A group's model, as its daemon registers it: the world size and the model shape. Plans
+  // need the first four (copied out of them); the rest tell one model from another (a daemon
+  // creates a new group when any of them changes).
   struct Shape {
+    Shape(uint32_t world_size, const v1::ModelShape& shape);
     int world = 0, layers = 0, experts = 0, slots = 0;
-    uint32_t hidden = 0, top_k = 0, max_tokens = 0;
-    uint64_t bytes_per_expert = 0;
-    int dtype = 0;  // v1::DType
-    bool operator==(const Shape&) const = default;
+    v1::ModelShape model;
+    bool operator==(const Shape& other) const;
     // "4 ranks x 72 slots, 3 layers x 256 experts, hidden 32, top-8, 32 tokens, 0 bytes per
     // expert, DTYPE_FLOAT32"
     std::string Describe() const;

@@ -470,6 +470,20 @@ TEST_F(DaemonTest, ConflictingShapeIsFailedPreconditionNamingTheField) {
   EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_EQ(status.error_message(),
             "shape conflicts with the attached group: hidden is 64, the group has 32");
+  // A dtype by its name; of several fields, the first in the proto's order.
+  v1::AttachRequest bf16 = Request(1, 2);
+  bf16.mutable_shape()->set_dtype(v1::DTYPE_BFLOAT16);
+  bf16.mutable_shape()->set_max_tokens(bf16.shape().max_tokens() + 1);
+  const grpc::Status dtype = Attach(bf16);
+  EXPECT_EQ(dtype.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(dtype.error_message(),
+            absl::StrCat("shape conflicts with the attached group: max_tokens is ",
+                         bf16.shape().max_tokens(), ", the group has ",
+                         bf16.shape().max_tokens() - 1));
+  bf16.mutable_shape()->set_max_tokens(bf16.shape().max_tokens() - 1);
+  EXPECT_EQ(Attach(bf16).error_message(),
+            "shape conflicts with the attached group: dtype is DTYPE_BFLOAT16, the group has "
+            "DTYPE_FLOAT32");
   const grpc::Status world = Attach(Request(1, 3));
   EXPECT_EQ(world.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_EQ(world.error_message(),

@@ -6,6 +6,10 @@
  * ubep_last_error() then gives the message (per thread, valid until the next call). Two ask
  * a question instead, 1 for yes and 0 for no (or a null handle): ubep_excluded and
  * ubep_must_attach_again.
+ * No C++ exception leaves these functions: out of memory, one returns 8 (RESOURCE_EXHAUSTED)
+ * with "<function>: out of memory" (ubep_dispatched_new returns NULL so;
+ * ubep_client_options_init zeroes the struct, which ubep_attach_with refuses), and anything
+ * else thrown inside is 13 (INTERNAL) naming it. ubep_detach frees its handle either way.
  * Handles are not thread-safe: one thread drives a rank.
  */
 #ifndef UBEP_CLIENT_INCLUDE_UBEP_UBEP_C_H_

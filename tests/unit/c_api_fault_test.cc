@@ -1,0 +1,160 @@
+// The C ABI when C++ throws inside it: this binary replaces the global operator new with one
+// that fails the n-th allocation of the calling thread, and each case runs a C function once
+// for every n until it completes. A C caller must get an error code and message every time,
+// never an exception (which would unwind into C) and never a crash.
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <set>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "gtest/gtest.h"
+#include "ubep/ubep_c.h"
+
+namespace {
+
+// -1: no failure armed. n >= 0: the calling thread's allocation n from now fails (then none).
+thread_local long fail_countdown = -1;
+thread_local bool failed_one = false;
+
+void* Allocate(std::size_t size) {
+  if (fail_countdown == 0) {
+    fail_countdown = -1;
+    failed_one = true;
+    throw std::bad_alloc();
+  }
+  if (fail_countdown > 0) --fail_countdown;
+  void* p = std::malloc(size == 0 ? 1 : size);
+  if (p == nullptr) throw std::bad_alloc();
+  return p;
+}
+
+}  // namespace
+
+void* operator new(std::size_t size) { return Allocate(size); }
+void* operator new[](std::size_t size) { return Allocate(size); }
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+
+namespace {
+
+// (code, ubep_last_error())
+using Outcome = std::pair<int, std::string>;
+
+// Runs `call` in a fresh thread (its thread-locals, the last error among them, new) with its
+// allocation n failing, for n = 0, 1, ... until a run fails none; returns every outcome seen
+// with how many runs ended with an injected failure.
+template <typename Call>
+std::pair<std::set<Outcome>, int> Sweep(Call call) {
+  std::set<Outcome> outcomes;
+  int failed_runs = 0;
+  for (long n = 0;; ++n) {
+    if (n == 1000) {
+      ADD_FAILURE() << "the call allocates without end";
+      return {outcomes, failed_runs};
+    }
+    Outcome outcome;
+    bool failed = false;
+    std::thread([&] {
+      fail_countdown = n;
+      const int code = call();
+      fail_countdown = -1;
+      failed = failed_one;
+      outcome = Outcome{code, ubep_last_error()};
+    }).join();
+    outcomes.insert(outcome);
+    if (!failed) return {outcomes, failed_runs};
+    ++failed_runs;
+  }
+}
+
+ubep_model_shape Shape() {
+  return ubep_model_shape{.num_layers = 1, .num_experts = 4, .hidden = 8, .top_k = 2,
+                          .max_tokens = 4, .slots_per_rank = 4, .bytes_per_expert = 0,
+                          .dtype = UBEP_DTYPE_FLOAT32};
+}
+
+TEST(CAbiFaultTest, OutOfMemoryInAnErrorPathIsAnErrorCodeAndMessage) {
+  const std::string refusal =
+      "ubep_attach_with: options->struct_size is 7, not this library's "
+      "sizeof(ubep_client_options) " + std::to_string(sizeof(ubep_client_options)) +
+      " (fill the options with ubep_client_options_init)";
+  auto [outcomes, failed_runs] = Sweep([] {
+    ubep_client_options options{};
+    options.struct_size = 7;
+    options.socket_path = "/nonexistent/ubepd.sock";
+    const ubep_model_shape shape = Shape();
+    ubep_rank* rank = reinterpret_cast<ubep_rank*>(&options);  // must be cleared
+    const int code = ubep_attach_with(&options, 0, 1, -1, &shape, -1, &rank);
+    return rank == nullptr ? code : -1;
+  });
+  // The message is built in two allocations at least (the text, the status holding it) and
+  // copied into the thread's last error (a third, in a fresh thread): each failure is one of
+  // these outcomes, and the last run is the plain refusal.
+  EXPECT_GE(failed_runs, 3);
+  const std::set<Outcome> expected = {
+      {8, "ubep_attach_with: out of memory"},
+      {3, "out of memory: the message of error 3 could not be kept"},
+      {3, refusal},
+  };
+  EXPECT_EQ(outcomes, expected);
+}
+
+TEST(CAbiFaultTest, ANullHandlesErrorOutOfMemoryIsAnErrorCodeAndMessage) {
+  auto [outcomes, failed_runs] = Sweep([] { return ubep_begin_step(nullptr, 1); });
+  EXPECT_GE(failed_runs, 2);
+  const std::set<Outcome> expected = {
+      {8, "ubep_begin_step: out of memory"},
+      {3, "out of memory: the message of error 3 could not be kept"},
+      {3, "ubep_begin_step: null handle"},
+  };
+  EXPECT_EQ(outcomes, expected);
+}
+
+TEST(CAbiFaultTest, DispatchedNewOutOfMemoryReturnsNullAndSaysWhy) {
+  ubep_dispatched* d = nullptr;
+  std::thread([&] {
+    fail_countdown = 0;
+    d = ubep_dispatched_new();
+    fail_countdown = -1;
+    EXPECT_EQ(std::string(ubep_last_error()), "ubep_dispatched_new: out of memory");
+  }).join();
+  EXPECT_EQ(d, nullptr);
+  d = ubep_dispatched_new();
+  ASSERT_NE(d, nullptr);
+  int32_t rows = -1;
+  ubep_dispatched_view(d, &rows, nullptr, nullptr, nullptr, nullptr, nullptr);
+  EXPECT_EQ(rows, 0);
+  ubep_dispatched_free(d);
+}
+
+// Out of memory for the defaults, init leaves a zero struct_size (not the caller's bytes), and
+// ubep_attach_with refuses it saying how to fill the options.
+TEST(CAbiFaultTest, OptionsInitOutOfMemoryLeavesOptionsAttachRefuses) {
+  ubep_client_options options;
+  std::memset(&options, 0x5a, sizeof(options));
+  std::thread([&] {
+    fail_countdown = 0;
+    ubep_client_options_init(&options, sizeof(options));
+    fail_countdown = -1;
+    EXPECT_TRUE(failed_one);
+  }).join();
+  const ubep_client_options zero{};
+  EXPECT_EQ(std::memcmp(&options, &zero, sizeof(options)), 0);
+  const ubep_model_shape shape = Shape();
+  ubep_rank* rank = nullptr;
+  EXPECT_EQ(ubep_attach_with(&options, 0, 1, -1, &shape, -1, &rank), 3);
+  EXPECT_EQ(std::string(ubep_last_error()),
+            "ubep_attach_with: options->struct_size is 0, not this library's "
+            "sizeof(ubep_client_options) " + std::to_string(sizeof(ubep_client_options)) +
+            " (fill the options with ubep_client_options_init)");
+  ubep_client_options_init(&options, sizeof(options));
+  EXPECT_EQ(options.struct_size, sizeof(options));
+  EXPECT_STREQ(options.socket_path, "/run/ubep/ubepd.sock");
+}
+
+}  // namespace
