@@ -55,32 +55,45 @@ class UbepError(Exception):
         self.message = message
 
 
-def load(path):
-    """Opens libubep.so and declares the functions this example calls."""
-    lib = ctypes.CDLL(path)
+def signatures():
+    """Every function of ubep/ubep_c.h: name -> (restype, argtypes)."""
     rank_p, dispatched_p = ctypes.c_void_p, ctypes.c_void_p
     i32, i64, u64 = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64
-    signatures = {
+    c_int, void_p, POINTER = ctypes.c_int, ctypes.c_void_p, ctypes.POINTER
+    return {
         "ubep_last_error": (ctypes.c_char_p, []),
-        "ubep_client_options_init": (None, [ctypes.POINTER(ClientOptions), ctypes.c_size_t]),
-        "ubep_attach_with": (ctypes.c_int, [ctypes.POINTER(ClientOptions), i32, i32, i32,
-                                            ctypes.POINTER(ModelShape), i64,
-                                            ctypes.POINTER(rank_p)]),
-        "ubep_detach": (ctypes.c_int, [rank_p]),
+        "ubep_client_options_init": (None, [POINTER(ClientOptions), ctypes.c_size_t]),
+        "ubep_attach": (c_int, [ctypes.c_char_p, i32, i32, i32, POINTER(ModelShape),
+                                POINTER(rank_p)]),
+        "ubep_attach_at": (c_int, [ctypes.c_char_p, i32, i32, i32, POINTER(ModelShape), i64,
+                                   POINTER(rank_p)]),
+        "ubep_attach_with": (c_int, [POINTER(ClientOptions), i32, i32, i32, POINTER(ModelShape),
+                                     i64, POINTER(rank_p)]),
+        "ubep_detach": (c_int, [rank_p]),
         "ubep_resume_step": (u64, [rank_p]),
-        "ubep_begin_step": (ctypes.c_int, [rank_p, u64]),
-        "ubep_stats": (ctypes.c_int, [rank_p, ctypes.POINTER(RankStats)]),
+        "ubep_begin_step": (c_int, [rank_p, u64]),
+        "ubep_rejoin": (c_int, [rank_p, i64, POINTER(u64)]),
+        "ubep_excluded": (c_int, [rank_p]),
+        "ubep_must_attach_again": (c_int, [rank_p]),
+        "ubep_stats": (c_int, [rank_p, POINTER(RankStats)]),
         "ubep_dispatched_new": (dispatched_p, []),
         "ubep_dispatched_free": (None, [dispatched_p]),
-        "ubep_dispatch": (ctypes.c_int, [rank_p, i32, ctypes.c_void_p, ctypes.c_void_p,
-                                         ctypes.c_void_p, i32, dispatched_p]),
-        "ubep_dispatched_view": (None, [dispatched_p, ctypes.POINTER(i32),
-                                        ctypes.POINTER(ctypes.c_void_p),
-                                        ctypes.POINTER(ctypes.POINTER(i32)),
-                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]),
-        "ubep_combine": (ctypes.c_int, [rank_p, dispatched_p, ctypes.c_void_p, ctypes.c_void_p]),
+        "ubep_dispatch": (c_int, [rank_p, i32, void_p, POINTER(i32), POINTER(ctypes.c_float), i32,
+                                  dispatched_p]),
+        "ubep_dispatched_view": (None, [dispatched_p, POINTER(i32), POINTER(void_p),
+                                        POINTER(POINTER(i32)), POINTER(POINTER(i32)),
+                                        POINTER(POINTER(i32)), POINTER(POINTER(ctypes.c_float))]),
+        "ubep_dispatched_plan": (c_int, [dispatched_p, POINTER(u64), POINTER(i32)]),
+        "ubep_combine": (c_int, [rank_p, dispatched_p, void_p, void_p]),
+        "ubep_expert_weights": (c_int, [rank_p, i32, i32, POINTER(void_p), POINTER(u64)]),
+        "ubep_slot_expert": (c_int, [rank_p, i32, i32, POINTER(i32)]),
     }
-    for name, (restype, argtypes) in signatures.items():
+
+
+def load(path):
+    """Opens libubep.so and declares every function of its C ABI."""
+    lib = ctypes.CDLL(path)
+    for name, (restype, argtypes) in signatures().items():
         function = getattr(lib, name)
         function.restype = restype
         function.argtypes = argtypes

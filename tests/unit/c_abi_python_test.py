@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""The Python binding (examples/python/ubep_ctypes.py) against ubep/ubep_c.h and libubep.so.
+
+Every function the header declares is declared by the binding with the same return type and
+parameters (count, and the exact ctypes type of each scalar; pointers as pointers), and
+libubep.so exports it; the binding declares nothing else. A function added to the header, or a
+parameter changed, without the binding following fails here, as it would fail at a Python
+caller's run time (ctypes converts arguments by the declared types, unchecked).
+
+Usage: c_abi_python_test.py UBEP_C_H LIBUBEP_SO EXAMPLES_PYTHON_DIR
+"""
+import ctypes
+import re
+import sys
+
+SCALARS = {
+    "int": ctypes.c_int,
+    "int32_t": ctypes.c_int32,
+    "int64_t": ctypes.c_int64,
+    "uint64_t": ctypes.c_uint64,
+    "size_t": ctypes.c_size_t,
+}
+
+
+def declarations(header):
+    """name -> (return type, [parameter types]) of every function ubep_c.h declares."""
+    text = re.sub(r"/\*.*?\*/", "", open(header).read(), flags=re.S)
+    found = {}
+    for m in re.finditer(r"^([A-Za-z_][\w ]*?\**)\s*\b(ubep_\w+)\(([^)]*)\);", text, flags=re.M):
+        ret, name, params = m.group(1).strip(), m.group(2), m.group(3)
+        types = []
+        if params.strip() != "void":
+            for p in params.split(","):
+                p = " ".join(p.split())
+                # Drop the parameter's name: what follows the last '*' or space.
+                types.append(re.sub(r"\s*\b\w+$", "", p) if not p.endswith("*") else p)
+        found[name] = (ret, types)
+    return found
+
+
+def is_pointer(ctype):
+    return ctype in (ctypes.c_void_p, ctypes.c_char_p) or (
+        isinstance(ctype, type) and issubclass(ctype, ctypes._Pointer))
+
+
+def matches(c_type, ctype):
+    """Whether the binding's ctypes type fits the header's C type."""
+    c_type = c_type.replace("const ", "").strip()
+    if c_type == "void":
+        return ctype is None
+    if c_type == "char*":
+        return ctype is ctypes.c_char_p
+    if c_type.endswith("*"):
+        return is_pointer(ctype) and ctype is not ctypes.c_char_p
+    return SCALARS.get(c_type) is ctype
+
+
+def main(argv):
+    header, so, examples = argv[1:4]
+    sys.path.insert(0, examples)
+    import ubep_ctypes  # noqa: E402
+
+    declared = declarations(header)
+    bound = ubep_ctypes.signatures()
+    problems = []
+    if len(declared) < 20:
+        problems.append(f"only {len(declared)} functions parsed from {header}: the parser broke")
+    for name in sorted(set(declared) - set(bound)):
+        problems.append(f"{name}: declared in ubep_c.h, not in the binding")
+    for name in sorted(set(bound) - set(declared)):
+        problems.append(f"{name}: in the binding, not declared in ubep_c.h")
+    lib = ctypes.CDLL(so)
+    for name in sorted(set(declared) & set(bound)):
+        ret, params = declared[name]
+        restype, argtypes = bound[name]
+        if not hasattr(lib, name):
+            problems.append(f"{name}: not exported by {so}")
+        if not matches(ret, restype):
+            problems.append(f"{name}: returns {ret}, the binding says {restype}")
+        if len(params) != len(argtypes):
+            problems.append(f"{name}: {len(params)} parameters, the binding {len(argtypes)}")
+            continue
+        for i, (c_type, ctype) in enumerate(zip(params, argtypes)):
+            if not matches(c_type, ctype):
+                problems.append(f"{name}: parameter {i} is {c_type}, the binding says {ctype}")
+    for p in problems:
+        print(p)
+    if not problems:
+        print(f"{len(declared)} functions: the binding matches ubep_c.h and libubep.so")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
