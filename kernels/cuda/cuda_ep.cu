@@ -1428,6 +1428,8 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
       in.host_plan->num_experts != static_cast<uint32_t>(config_.num_experts) ||
       in.host_plan->num_slots !=
           static_cast<uint32_t>(config_.num_ranks * config_.slots_per_rank) ||
+      (in.host_plan->num_ranks != 0 &&
+       in.host_plan->num_ranks != static_cast<uint32_t>(config_.num_ranks)) ||
       in.layer < 0 || in.layer >= config_.num_layers ||
       static_cast<uint32_t>(in.layer) >= in.host_plan->num_layers) {
     return Refuse(absl::InvalidArgumentError("cuda backend: plan table does not fit this group"));

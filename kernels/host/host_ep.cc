@@ -178,15 +178,36 @@ absl::StatusOr<std::unique_ptr<HostEp>> HostEp::Create(const EpConfig& config, i
                              static_cast<uint32_t>(config.num_layers),
                              static_cast<uint32_t>(config.dtype),
                              static_cast<uint32_t>(config.flagged_tokens)};
-  auto* header = reinterpret_cast<ArenaHeader*>(arenas[rank]);
-  if (header->magic == 0) {
-    *header = expected;
-  } else if (std::memcmp(header, &expected, sizeof(expected)) != 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "rank ", rank, ": the arena was laid out for another configuration (ranks ",
-        header->num_ranks, ", max_tokens ", header->max_tokens, ", hidden ", header->hidden,
-        ", top_k ", header->top_k, ", experts ", header->num_experts, ", flagged_tokens ",
-        header->flagged_tokens, ")"));
+  // The magic word last (release), read first (acquire): a peer laying out its arena at the
+  // same time is seen either not yet laid out or whole.
+  auto magic = [](ArenaHeader* h) { return std::atomic_ref<uint32_t>(h->magic); };
+  // Every arena laid out so far, this rank's and its peers', is of this configuration (a peer
+  // of another, with more tokens or another top-k, would be stored into past its regions);
+  // then this rank's is laid out, if it was not.
+  for (int r = 0; r < config.num_ranks; ++r) {
+    if (arenas[r] == nullptr) continue;
+    auto* header = reinterpret_cast<ArenaHeader*>(arenas[r]);
+    if (magic(header).load(std::memory_order_acquire) == 0) continue;  // Not laid out yet.
+    if (std::memcmp(header, &expected, sizeof(expected)) != 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", rank, ": ", r == rank ? std::string("the") : absl::StrCat("rank ", r, "'s"),
+          " arena was laid out for another configuration (ranks ", header->num_ranks,
+          ", max_tokens ", header->max_tokens, ", hidden ", header->hidden, ", top_k ",
+          header->top_k, ", experts ", header->num_experts, ", slots ", header->slots_per_rank,
+          ", layers ", header->num_layers, ", dtype ",
+          header->dtype == static_cast<uint32_t>(DType::kFloat32)    ? std::string("float32")
+          : header->dtype == static_cast<uint32_t>(DType::kBFloat16) ? std::string("bfloat16")
+                                                                     : absl::StrCat(header->dtype),
+          ", flagged_tokens ",
+          header->flagged_tokens, ")"));
+    }
+  }
+  auto* own = reinterpret_cast<ArenaHeader*>(arenas[rank]);
+  if (magic(own).load(std::memory_order_acquire) == 0) {
+    ArenaHeader fields = expected;
+    fields.magic = 0;
+    std::memcpy(own, &fields, sizeof(fields));
+    magic(own).store(kArenaMagic, std::memory_order_release);
   }
   return std::unique_ptr<HostEp>(new HostEp(config, rank, std::move(arenas)));
 }
@@ -274,6 +295,11 @@ absl::Status HostEp::Validate(const DispatchInput& in) const {
                            in.plan->num_experts, " experts x ", in.plan->num_slots,
                            " slots; this group has ", config_.num_experts, " experts and ",
                            config_.num_ranks * config_.slots_per_rank, " slots"));
+  }
+  if (in.plan->num_ranks != 0 && in.plan->num_ranks != static_cast<uint32_t>(config_.num_ranks)) {
+    return absl::InvalidArgumentError(absl::StrCat("plan table's exclusion mask is for ",
+                                                   in.plan->num_ranks, " ranks; this group has ",
+                                                   config_.num_ranks));
   }
   if (in.num_tokens > 0 && (in.x == nullptr || in.topk_idx == nullptr ||
                             in.topk_weights == nullptr)) {
@@ -387,6 +413,7 @@ void HostEp::SendShare(int index, int senders, const DispatchInput& in, uint32_t
     if (!WaitEpoch(&batches_, batches_before + b + 1, Doorbell::Own(&batches_, &batch_sleepers_),
                    deadline)
              .ok()) {
+      senders_stopped_.store(true, std::memory_order_seq_cst);
       return;
     }
     const int64_t begin = ShareBegin(batch_begin, batch_end_[b], senders, index);
@@ -551,6 +578,22 @@ absl::Status HostEp::GiveUp(int peer, const char* what, uint32_t epoch) const {
                         patience_given_);
 }
 
+absl::Status HostEp::SendersStopped(uint32_t epoch) {
+  // The rows the senders owed are lost: the call fails, and the peers stop waiting at once,
+  // naming this rank with the reason (its refusal record, written before the abort word).
+  const std::string why = absl::StrCat(
+      "its senders stopped at the call's deadline (", absl::FormatDuration(config_.timeout),
+      ") before its calling thread had routed every token (was the process stopped or "
+      "starved?); rows to its peers were not all stored");
+  RecordRefusal(arenas_[rank_], layout_, PhaseInFlight(dispatch_epoch_, combine_epoch_), why);
+  refusal_recorded_ = true;
+  for (size_t r = 0; r < arenas_.size(); ++r) {
+    if (active_[r]) RaiseAbort(arenas_[r], layout_, kAbortTimedOutBase + static_cast<uint32_t>(rank_));
+  }
+  return absl::DeadlineExceededError(
+      absl::StrCat("rank ", rank_, ": dispatch call ", epoch, ": ", why));
+}
+
 absl::Status HostEp::Refuse(absl::Status refused, bool keep_earlier) {
   const CallPhase phase = AwaitedPhase(dispatch_epoch_, combine_epoch_);
   if (!keep_earlier || ReadRefusal(arenas_[rank_], layout_, phase).empty()) {
@@ -626,6 +669,18 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
     return absl::FailedPreconditionError(absl::StrCat(
         "rank ", rank_, " is excluded from the EP group by plan v", in.plan->version));
   }
+  // A group that gave up (a wait timed out, or its daemon raised the abort word) stays given
+  // up until it is re-formed (ResetSignals): the call is refused before it stores a byte into
+  // a peer, which may still be taking the rows of the call that failed.
+  if (const uint32_t code = LoadAcquire(AbortWord()); code != 0) {
+    const uint32_t call = dispatch_epoch_ + 1;
+    UBEP_RETURN_IF_ERROR(DaemonAbortStatus(
+        code, rank_, config_.protocol == Protocol::kUbep ? "dispatch counts" : "count exchange",
+        call));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", rank_, ": dispatch call ", call, " refused: the group gave up on rank ",
+        RankGivenUpOn(code, rank_), " in an earlier call; it must be re-formed"));
+  }
   TakePart();
   const Deadline deadline = DeadlineAfter(config_.timeout);
   const InCall in_call = EnterCall(deadline);
@@ -644,8 +699,14 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
   auto send_share = [this, &in, epoch, batches_before, ubep, flagged, senders, deadline](int i) {
     SendShare(i, senders, in, epoch, batches_before, /*publish=*/ubep, flagged, deadline);
   };
+  senders_stopped_.store(false, std::memory_order_relaxed);
   if (senders_ != nullptr) senders_->Start(send_share);
+  if (count_delay_for_testing_ > absl::ZeroDuration()) absl::SleepFor(count_delay_for_testing_);
   for (int b = 0; b < num_batches; ++b) CountBatch(in, b, num_batches, senders);
+  if (senders_ != nullptr && senders_stopped_.load(std::memory_order_seq_cst)) {
+    senders_->Join();
+    return SendersStopped(epoch);  // Before the counts go out: the peers wait for them.
+  }
   FinishCounting(epoch, /*publish=*/ubep, flagged);
   std::byte* own = arenas_[rank_];
   std::vector<int>& sources = sources_;
@@ -689,6 +750,9 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
       });
     }
     if (senders_ != nullptr) senders_->Join();
+    // A sender that decided to stop just before the last batch came (its look, then its flag)
+    // is seen here, whatever this rank's own waits found.
+    if (senders_stopped_.load(std::memory_order_seq_cst)) return SendersStopped(epoch);
     UBEP_RETURN_IF_ERROR(status);
   }
   // The load counters, once every row is in (a call whose wait failed counts nothing; one

@@ -127,6 +127,10 @@ class HostEp {
   // in place of an earlier refusal of the call unless `keep_earlier` (a Combine refused for
   // want of the Dispatch that was refused: the Dispatch's reason is the one that matters).
   absl::Status Refuse(absl::Status refused, bool keep_earlier = false);
+  // The error of dispatch `epoch` whose sender threads stopped at its deadline, recorded as
+  // this rank's refusal of the call, with the abort word raised so that the peers stop
+  // waiting for its rows and name it.
+  absl::Status SendersStopped(uint32_t epoch);
 
   const EpConfig& config() const { return config_; }
   int rank() const { return rank_; }
@@ -134,6 +138,9 @@ class HostEp {
   // Tests only: the sender role waits this long before its first row store of each dispatch
   // (the counts still go out at once), so that a test can make one source's rows arrive last.
   void set_row_delay_for_testing(absl::Duration delay) { row_delay_for_testing_ = delay; }
+  // Tests only: the calling thread waits this long before it counts a dispatch's first batch
+  // (the sender role already waiting for it), as when the process is stopped or starved.
+  void set_count_delay_for_testing(absl::Duration delay) { count_delay_for_testing_ = delay; }
   // Tests only: Combine waits this long before it stores its first partial (with `source`,
   // before the partials of that source only).
   void set_partial_delay_for_testing(absl::Duration delay, int source = -1) {
@@ -269,6 +276,9 @@ class HostEp {
   std::optional<GivenPatience> patience_given_;
   // The last Dispatch this rank took part in completed: its output describes the rows.
   bool dispatch_completed_ = false;
+  // Set by a sender that stopped waiting for a batch at the call's deadline (the counting
+  // thread held past it): rows it owed its peers were not stored, and the call fails.
+  std::atomic<bool> senders_stopped_{false};
   // Written by the counting role, read by the senders once a batch is handed over.
   std::vector<Unit> units_;           // Token-major; max_tokens x min(top_k, ranks).
   int64_t num_units_ = 0;
@@ -297,6 +307,7 @@ class HostEp {
   std::vector<char> active_;
   std::unique_ptr<Senders> senders_;  // The sender role's threads, when it has its own.
   absl::Duration row_delay_for_testing_ = absl::ZeroDuration();
+  absl::Duration count_delay_for_testing_ = absl::ZeroDuration();
   absl::Duration partial_delay_for_testing_ = absl::ZeroDuration();
   int partial_delay_source_ = -1;
 };

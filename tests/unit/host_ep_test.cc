@@ -653,6 +653,29 @@ TEST(HostEpErrorTest, ASenderThreadCountOutsideItsRangeIsRefused) {
             absl::InvalidArgumentError("ep config: sender_threads 65 is outside [1, 64]"));
 }
 
+// A rank of another configuration than the peers whose arenas are laid out already is refused
+// before it lays out its own: it would store past their regions.
+TEST(HostEpErrorTest, APeersArenaOfAnotherConfigurationIsRefused) {
+  const EpConfig config = SmallConfig(Protocol::kUbep);
+  EpConfig other = config;
+  other.max_tokens = 96;
+  const ArenaLayout layout(other);
+  std::vector<SharedArena> arenas;
+  std::vector<std::byte*> pointers;
+  for (int r = 0; r < config.num_ranks; ++r) {
+    arenas.push_back(*SharedArena::Create(absl::StrCat("ubep-test-", r), layout.total_bytes));
+    pointers.push_back(arenas.back().data());
+  }
+  ASSERT_TRUE(HostEp::Create(config, 0, pointers).ok());
+  EXPECT_EQ(HostEp::Create(other, 1, pointers).status(),
+            absl::FailedPreconditionError(
+                "rank 1: rank 0's arena was laid out for another configuration (ranks 4, "
+                "max_tokens 48, hidden 72, top_k 4, experts 16, slots 5, layers 2, dtype float32, "
+                "flagged_tokens 0)"));
+  // Rank 1's own arena was left as it was: a rank of the group's configuration takes it.
+  EXPECT_TRUE(HostEp::Create(config, 1, pointers).ok());
+}
+
 TEST(HostEpErrorTest, ANeighbourhoodOutsideTheGroupIsRefused) {
   EpConfig config = SmallConfig(Protocol::kUbep);
   config.near_ranks = -1;
@@ -708,6 +731,14 @@ TEST(HostEpErrorTest, BadInputIsRejectedBeforeAnyByteMoves) {
                                   plan.header()},
                                  out),
             absl::InvalidArgumentError("hidden size 64 does not match the configured 72"));
+  // A plan whose exclusion mask is of another group size (here 2 ranks x 10 slots).
+  TestPlan two_ranks = plan;
+  two_ranks.Build(c.num_experts, 1, 2);
+  EXPECT_EQ(group.ep(0).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8,
+                                  c.hidden, 0, two_ranks.header()},
+                                 out),
+            absl::InvalidArgumentError("plan table's exclusion mask is for 2 ranks; this group "
+                                       "has 4"));
   // Nothing moved: the group still runs a clean step afterwards.
   std::vector<RankInput> inputs;
   for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 8, 2));
@@ -777,6 +808,82 @@ TEST(HostEpErrorTest, AMissingPeerTimesOutWithItsName) {
   // Rank 2 never shows up.
   const std::vector<absl::Status> status = DispatchOnce(group, plan, [](int r) { return r != 2; });
   for (int r : {0, 1, 3}) EXPECT_EQ(status[r], GaveUpOnRank2(r, "dispatch counts"));
+}
+
+// Every arena of the group, byte for byte.
+std::vector<std::vector<std::byte>> ArenaBytes(Group& group) {
+  const ArenaLayout layout(group.config());
+  std::vector<std::vector<std::byte>> bytes;
+  for (int r = 0; r < group.config().num_ranks; ++r) {
+    bytes.emplace_back(group.arena(r), group.arena(r) + layout.total_bytes);
+  }
+  return bytes;
+}
+
+// The group gave up in call 1 (rank 2 never came to its combine): rank 0 called again stores
+// nothing into any arena (a peer may still be taking call 1's rows) and says why. So with a daemon's code
+// in the abort word (ubepd draining): the wording of a wait that found it.
+TEST(HostEpErrorTest, ADispatchAfterTheGroupGaveUpIsRefusedBeforeAnyByteMoves) {
+  const EpConfig config = ShortTimeoutConfig();
+  const TestPlan plan = RoundRobinPlan(config);
+  RankInput in = MakeInput(config, 0, 8, 3);
+  const DispatchInput input{in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8, config.hidden,
+                            0, plan.header()};
+  {
+    Group group(config);
+    std::vector<absl::Status> combined(config.num_ranks);
+    const std::vector<absl::Status> status = DispatchOnce(
+        group, plan, [](int) { return true; },
+        [&](int r, const DispatchOutput& out) {
+          if (r == 2) return;  // Rank 2 never combines.
+          std::vector<uint16_t> y(out.recv_x.size() / 2), result(8 * config.hidden);
+          combined[r] = group.ep(r).Combine(out, y.data(), result.data());
+        });
+    ASSERT_EQ(status[0], absl::OkStatus());
+    ASSERT_EQ(combined[0], GaveUpOnRank2(0, "combine partials"));
+    const std::vector<std::vector<std::byte>> before = ArenaBytes(group);
+    DispatchOutput out;
+    EXPECT_EQ(group.ep(0).Dispatch(input, out),
+              absl::FailedPreconditionError("rank 0: dispatch call 2 refused: the group gave up "
+                                            "on rank 2 in an earlier call; it must be re-formed"));
+    EXPECT_TRUE(ArenaBytes(group) == before);
+  }
+  Group group(config);
+  const ArenaLayout layout(config);
+  for (int r = 0; r < config.num_ranks; ++r) RaiseAbort(group.arena(r), layout, kAbortDraining);
+  const std::vector<std::vector<std::byte>> before = ArenaBytes(group);
+  DispatchOutput out;
+  EXPECT_EQ(group.ep(0).Dispatch(input, out),
+            absl::UnavailableError("rank 0: ubepd is draining; dispatch counts of call 1 "
+                                   "abandoned; attach again when it is back"));
+  EXPECT_TRUE(ArenaBytes(group) == before);
+}
+
+// Rank 2's calling thread is held past the call's deadline before it routes a token (the
+// process stopped, or starved): its sender thread stops waiting for the batches at the
+// deadline, and the rows it owed are never stored. Rank 2's call fails saying so before its
+// counts go out, and its peers, which would wait longer, stop at once naming rank 2 with that
+// reason.
+TEST(HostEpErrorTest, SendersThatStoppedAtTheDeadlineFailTheCallAndSayWhy) {
+  EpConfig config = ShortTimeoutConfig();
+  config.sender_thread = EpConfig::SenderThread::kOn;
+  config.sender_threads = 2;
+  EpConfig patient = config;
+  patient.timeout = absl::Seconds(3);
+  Group group(patient);
+  group.Restart(2, &config);
+  group.ep(2).set_count_delay_for_testing(absl::Seconds(1));
+  const TestPlan plan = RoundRobinPlan(config);
+  const std::vector<absl::Status> status = DispatchOnce(group, plan, [](int) { return true; });
+  const std::string why =
+      "its senders stopped at the call's deadline (300ms) before its calling thread had routed "
+      "every token (was the process stopped or starved?); rows to its peers were not all stored";
+  EXPECT_EQ(status[2], absl::DeadlineExceededError(absl::StrCat("rank 2: dispatch call 1: ", why)));
+  for (int r : {0, 1, 3}) {
+    EXPECT_EQ(status[r], absl::DeadlineExceededError(absl::StrCat(
+                             "rank ", r, ": timed out after 3s waiting for rank 2 (dispatch "
+                             "counts, call 1); rank 2 refused this call: ", why)));
+  }
 }
 
 // Rank 2 refuses its input (an expert id out of range) and its caller does not call again:
