@@ -17,6 +17,8 @@ for k in base overlays/example; do
   grep -q '^kind: DaemonSet' "$work/$(basename "$k").yaml"
 done
 node validate.cjs "$work/base.yaml" "$work/example.yaml"
+node consistency.cjs "$work/base.yaml"
+node consistency.cjs "$work/example.yaml"
 
 # Negative cases, made from the rendered overlay.
 mutate() {  # mutate NAME JS-STATEMENT-ON-THE-DAEMONSET
@@ -42,4 +44,17 @@ mutate wrong-type 'c.ports[0].containerPort = "seven-thousand";'
 expect_rejected wrong-type "Type 'string' is not assignable to type 'number'"
 mutate missing-field 'delete ds.spec.selector;'
 expect_rejected missing-field "Property '\"selector\"' is missing"
+# And the consistency check fails where it must: ubepd running as another user than the one
+# its socket directory is given to, and ubepd pointed at a balancer outside its pod.
+expect_inconsistent() {  # expect_inconsistent NAME MESSAGE
+  if node consistency.cjs "$work/$1.yaml" > "$work/$1.out" 2>&1; then
+    echo "manifests: the $1 case was not found inconsistent"; exit 1
+  fi
+  grep -qF "$2" "$work/$1.out" || { echo "manifests: the $1 case failed without \"$2\":"; cat "$work/$1.out"; exit 1; }
+  echo "manifests: $1 found inconsistent as expected"
+}
+mutate other-user 'ds.spec.template.spec.securityContext.runAsUser = 1000;'
+expect_inconsistent other-user "no init container gives /run/ubep to ubepd's user 1000:65532"
+mutate remote-balancer 'c.args = c.args.map((a) => a.startsWith("--balancer=") ? "--balancer=ubep-balancer:7070" : a);'
+expect_inconsistent remote-balancer "ubepd's --balancer=ubep-balancer:7070 is not the pod's balancer (127.0.0.1:7070)"
 echo "manifests: OK"
