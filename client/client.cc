@@ -720,7 +720,8 @@ absl::Status Rank::BeginStep(uint64_t step) {
                            "rank ", s.rank, ": plan v", undecided, " is prepared for step ", step,
                            " and still undecided after ",
                            absl::FormatDuration(s.options.decision_timeout),
-                           "; is ubep-balancer alive?")));
+                           "; is ubep-balancer alive? (restarted, it commits or aborts v",
+                           undecided, " from the daemons' state)")));
     }
   }
   if (uint64_t version = 0;

@@ -87,8 +87,18 @@ Node::RemoteWeights RemoteWeightsOf(const v1::PrepareRequest& request, const std
   remote.rank_link.assign(world, -1);
   struct Host {
     std::string node, address;
+    bool down = false;  // Its daemon fails its health checks.
   };
   auto hosts = std::make_shared<std::vector<Host>>(world);
+  // First the daemons down, so that a rank also listed by a healthy one (which took it over)
+  // is that one's.
+  for (const v1::PeerDaemon& d : request.down_daemons()) {
+    for (uint32_t r : d.ranks()) {
+      if (r >= static_cast<uint32_t>(world)) continue;
+      remote.rank_domain[r] = d.domain();
+      (*hosts)[r] = {d.node(), "", true};
+    }
+  }
   for (int i = 0; i < request.daemons_size(); ++i) {
     const v1::PeerDaemon& d = request.daemons(i);
     if (d.node() == self) remote.link_rank = i;  // Link ranks are places in the list.
@@ -96,7 +106,7 @@ Node::RemoteWeights RemoteWeightsOf(const v1::PrepareRequest& request, const std
       if (r >= static_cast<uint32_t>(world)) continue;
       remote.rank_domain[r] = d.domain();
       remote.rank_link[r] = i;
-      (*hosts)[r] = {d.node(), d.address()};
+      (*hosts)[r] = {d.node(), d.address(), false};
     }
   }
   if (!request.nccl_unique_id().empty()) {
@@ -111,6 +121,11 @@ Node::RemoteWeights RemoteWeightsOf(const v1::PrepareRequest& request, const std
   remote.fetch = [hosts, stubs, deadline](int rank, uint64_t version, int layer, int slot, std::byte* out,
                                          size_t bytes) -> absl::Status {
     const Host& host = (*hosts)[rank];
+    if (host.down) {
+      return absl::UnavailableError(absl::StrCat(
+          "rank ", rank, "'s daemon ", host.node, " is down and in another domain: its weights "
+          "cannot be read (load the expert again, or bring ", host.node, " back)"));
+    }
     if (host.address.empty()) {
       return absl::UnavailableError(absl::StrCat("no healthy daemon of the group hosts rank ", rank));
     }

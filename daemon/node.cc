@@ -1178,6 +1178,10 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
           ++remote_slots;
           remote_bytes += bytes_per_expert;
         } else {
+          if (checked[hr].empty()) {
+            return fail(absl::StrCat("rank ", r, " layer ", l, " slot ", c.slot, ": its expert's holder, rank ",
+                                     hr, ", has no arenas mapped here"));
+          }
           const uint32_t source = checked[hr][l * S + hj];
           copies.push_back({hr, source, r, buffer, l});
         }

@@ -1100,8 +1100,10 @@ void Balancer::Recover() {
 
 void Balancer::AddGroupDaemons(v1::PrepareRequest& request) const {
   for (const auto& [name, d] : daemons_) {
-    if (!d.healthy || d.info.ranks().empty()) continue;
-    v1::PeerDaemon* peer = request.add_daemons();
+    if (d.info.ranks().empty()) continue;
+    // A daemon down still tells where its ranks' weights lie: its arenas stay mapped in its
+    // domain's daemons.
+    v1::PeerDaemon* peer = d.healthy ? request.add_daemons() : request.add_down_daemons();
     peer->set_node(name);
     peer->set_address(d.info.address());
     *peer->mutable_ranks() = d.info.ranks();
@@ -1365,7 +1367,14 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
   std::vector<std::string> failed;
   uint64_t copied_bytes = 0, remote_bytes = 0;
   for (size_t i = 0; i < targets.size(); ++i) {
-    if (!statuses[i].ok()) {
+    if (statuses[i].error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+      // Most likely the plan's weight copies, which Prepare makes before it answers.
+      failed.push_back(absl::StrCat(
+          targets[i], ": no answer to Prepare within --rpc_timeout (",
+          absl::FormatDuration(options_.rpc_timeout),
+          "); if its weight copies take longer, raise --rpc_timeout and --effective_margin "
+          "(docs/operations.md, \"Large experts\")"));
+    } else if (!statuses[i].ok()) {
       failed.push_back(absl::StrCat(targets[i], ": ", statuses[i].error_message()));
     } else if (!answers[i].prepared()) {
       failed.push_back(absl::StrCat(targets[i], ": ", answers[i].reason()));

@@ -4,6 +4,7 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <fstream>
 #include <map>
 #include <regex>
 #include <memory>
@@ -400,7 +401,8 @@ TEST_F(BalancerTest, CallsOverAReceiveCapacityCallForPlansUntilEveryStepIsServed
 // Two daemons serve a group of 8 ranks; node-b's daemon is killed (with the balancer down
 // meanwhile when `balancer_down`: node-b never registers with the restarted balancer). Its
 // ranks are excluded by plan v2 and node-a's ranks serve every step exactly.
-void LoseNodeB(BalancerTest& t, bool balancer_down) {
+// With `plan`, the daemons start from that plan file rather than round-robin.
+void LoseNodeB(BalancerTest& t, bool balancer_down, const std::string& plan = "") {
   constexpr int kSteps = 300;
   t.world_ = 8;
   // Four failed checks (1.2 s): a daemon slowed by a loaded machine is not taken for lost.
@@ -408,8 +410,14 @@ void LoseNodeB(BalancerTest& t, bool balancer_down) {
                                           "--registration_grace=2s"};
   auto balancer = t.StartBalancer(flags);
   // Every survivor slot may take a new expert: as many free buffers as slots.
-  auto node_a = t.StartDaemon({"--ranks=0-3", "--free_buffers=72"}, "node-a");
-  auto node_b = t.StartDaemon({"--ranks=4-7", "--free_buffers=72"}, "node-b");
+  std::vector<std::string> a_flags = {"--ranks=0-3", "--free_buffers=72"};
+  std::vector<std::string> b_flags = {"--ranks=4-7", "--free_buffers=72"};
+  if (!plan.empty()) {
+    a_flags.push_back("--plan=" + plan);
+    b_flags.push_back("--plan=" + plan);
+  }
+  auto node_a = t.StartDaemon(a_flags, "node-a");
+  auto node_b = t.StartDaemon(b_flags, "node-b");
   std::vector<std::unique_ptr<Process>> clients;
   for (int r = 0; r < t.world_; ++r) {
     // The lost node's clients try to attach again for 2 s, then give up.
@@ -482,6 +490,38 @@ TEST_F(BalancerTest, ADaemonKilledHasItsRanksExcludedAndTheSurvivorsKeepServingE
 // after the registration grace its ranks are taken to be down, as a failed health check would.
 TEST_F(BalancerTest, ADaemonKilledWhileTheBalancerIsDownHasItsRanksExcludedAfterTheGrace) {
   LoseNodeB(*this, /*balancer_down=*/true);
+}
+
+// The experts 192-255 live on node-b's ranks alone (plan v1, from a file: ranks 0-3 hold
+// experts 0-191, ranks 4-7 experts 192-255) when node-b's daemon is killed. The survivors'
+// plan v2 needs them: node-a copies them from node-b's arenas, which it still maps (the
+// balancer lists node-b as down with its ranks and domain), and every step of ranks 0-3 is
+// exact, on weights that came from the dead node. (Listed as no daemon's, its ranks were
+// taken for another domain's and read through a daemon that is gone: Prepare failed at
+// every tick, "no healthy daemon of the group hosts rank 4", and the survivors never formed
+// again.)
+TEST_F(BalancerTest, ALostNodesExpertsThatNoSurvivorHoldsAreCopiedFromItsArenas) {
+  constexpr int kRanks = 8, kSlots = 72, kExperts = 256, kLayers = 4;
+  nlohmann::json phy2log = nlohmann::json::array();
+  for (int l = 0; l < kLayers; ++l) {
+    nlohmann::json layer = nlohmann::json::array();
+    for (int r = 0; r < kRanks; ++r) {
+      for (int i = 0; i < kSlots; ++i) {
+        layer.push_back(r < 4 ? (r * kSlots + i) % 192 : 192 + ((r - 4) * kSlots + i) % 64);
+      }
+    }
+    phy2log.push_back(layer);
+  }
+  const nlohmann::json plan = {
+      {"version", 1},
+      {"topology", {{"ranks", kRanks}, {"nodes", 1}, {"slots_per_rank", kSlots}, {"groups", 1}}},
+      {"num_experts", kExperts},
+      {"layer_ids", {0, 1, 2, 3}},
+      {"phy2log", phy2log}};
+  const std::string file = path("plan.json");
+  std::ofstream(file) << plan.dump();
+  LoseNodeB(*this, /*balancer_down=*/false, file);
+  EXPECT_THAT(ReadFile(path("balancer.log")), ::testing::Not(HasSubstr("no healthy daemon")));
 }
 
 // A model change over two nodes, without restarting anything but the serving processes: the

@@ -1298,6 +1298,24 @@ TEST(BalancerServerTest, AnOrphanPlanIsNotAbortedWhileADaemonThatMayHaveCommitte
   EXPECT_TRUE(c.commits().empty());
 }
 
+// node-b does not answer Prepare within --rpc_timeout (its weight copies take longer): the plan
+// is aborted, and the reason says which flags give a plan's copies more time.
+TEST(BalancerServerTest, APrepareThatOutlastsTheTimeoutIsAbortedSayingWhatToRaise) {
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+  BalancerOptions options = QuickToMarkDown();
+  options.rpc_timeout = absl::Milliseconds(300);
+  std::unique_ptr<Balancer> balancer = WithTwoDaemons(options, a, b);
+  b.HoldPrepares(true);
+  v1::RebalanceResponse response;
+  const grpc::Status aborted = Drain(*balancer, "node-b", true, &response);
+  b.HoldPrepares(false);
+  EXPECT_EQ(aborted.error_code(), grpc::StatusCode::ABORTED);
+  EXPECT_EQ(aborted.error_message(),
+            "plan v2 aborted: node-b: no answer to Prepare within --rpc_timeout (300ms); if its "
+            "weight copies take longer, raise --rpc_timeout and --effective_margin "
+            "(docs/operations.md, \"Large experts\")");
+}
+
 // v2 is aborted (node-b refused it) and node-a's Abort is lost; node-a then fails its health
 // checks and v3, excluding its ranks, is committed on node-b. When node-a is back, v2 is
 // still pending there, below the cluster's v3: it is aborted, as this balancer decided, not

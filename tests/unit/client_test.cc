@@ -166,6 +166,40 @@ TEST(ClientTest, ADataPlaneLayoutOtherThanTheLibrarysIsRefused) {
   EXPECT_TRUE(refusal.detached);
 }
 
+// A plan prepared for step 5 and never decided (its balancer died between Prepare and
+// Commit): BeginStep(5) waits the decision timeout, then fails naming the plan and what
+// decides it; the steps before it run.
+TEST(ClientTest, APlanLeftUndecidedAtItsStepFailsBeginStepNamingIt) {
+  test::TempDir dir;
+  daemon::DaemonOptions options;
+  options.socket_path = dir.path() + "/ubepd.sock";
+  absl::StatusOr<std::unique_ptr<daemon::Daemon>> ubepd = daemon::Daemon::Start(options);
+  ASSERT_TRUE(ubepd.ok()) << ubepd.status();
+  ClientOptions client;
+  client.socket_path = options.socket_path;
+  client.decision_timeout = absl::Milliseconds(200);
+  absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(client, 0, 1, 0, Shape());
+  ASSERT_TRUE(rank.ok()) << rank.status();
+  balancer::Plan plan;
+  plan.version = 2;
+  plan.topology = {1, 1, 4, 1};
+  plan.num_experts = 4;
+  for (int l = 0; l < 2; ++l) {
+    balancer::LayerPlan layer;
+    layer.slot_expert = {1, 0, 2, 3};
+    balancer::SetEqualShares(4, layer);
+    plan.layer_ids.push_back(l);
+    plan.layers.push_back(layer);
+  }
+  const v1::PrepareResponse prepared = (*ubepd)->node().Prepare(plan, 5);
+  ASSERT_TRUE(prepared.prepared()) << prepared.reason();
+  EXPECT_TRUE((*rank)->BeginStep(4).ok());
+  EXPECT_EQ((*rank)->BeginStep(5),
+            absl::UnavailableError("rank 0: plan v2 is prepared for step 5 and still undecided "
+                                   "after 200ms; is ubep-balancer alive? (restarted, it commits "
+                                   "or aborts v2 from the daemons' state)"));
+}
+
 // A Rejoin that let go of its data plane and could not build it again (here: ubepd's arena
 // for this rank no longer carries the data plane's header) stops every call with the reason,
 // rather than running one on no data plane; a Rejoin that completes starts them again.
