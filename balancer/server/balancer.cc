@@ -1,6 +1,7 @@
 #include "balancer/server/balancer.h"
 
 #include <algorithm>
+#include <tuple>
 #include <chrono>
 #include <cmath>
 #include <iterator>
@@ -174,7 +175,37 @@ bool SamePlacement(const Plan& a, const Plan& b) {
 // A plan for the ranks not in `excluded`, planned on them alone and spread back over the full
 // topology: excluded ranks keep their experts at share 0 (nothing to copy; they are not sent
 // tokens). When the members change, the previous placement may lack experts (their only
-// replicas were on a lost node): the members are planned afresh, with no migration budget.
+// replicas were on a lost node): RepairMembers places them first, with as few changes as it
+// can, and the planner then moves no more than the daemons' free weight buffers allow.
+
+// Places every expert `layer` (the members' slots, S per member) lacks into a slot of a
+// replicated expert (never the last replica): a slot of a returning member (`returning`: one
+// the plan in force excludes, staged whole anyway) first, else on the staying member with the
+// fewest such changes so far, the slot of the expert with the most replicas. Returns the most
+// slots it changed on one staying member.
+int RepairMembers(LayerPlan& layer, int S, const std::vector<bool>& returning, int num_experts) {
+  std::vector<int> count(num_experts, 0);
+  for (int e : layer.slot_expert) ++count[e];
+  std::vector<int> changes(returning.size(), 0);
+  for (int missing = 0; missing < num_experts; ++missing) {
+    if (count[missing] > 0) continue;
+    int best = -1;
+    std::tuple<int, int, int> best_key;
+    for (int p = 0; p < static_cast<int>(layer.slot_expert.size()); ++p) {
+      const int e = layer.slot_expert[p], m = p / S;
+      if (count[e] < 2) continue;
+      const std::tuple<int, int, int> key{returning[m] ? 0 : 1 + changes[m], -count[e], p};
+      if (best < 0 || key < best_key) best = p, best_key = key;
+    }
+    if (best < 0) break;  // Fewer slots than experts: refused by the caller before.
+    --count[layer.slot_expert[best]];
+    ++count[missing];
+    layer.slot_expert[best] = missing;
+    if (!returning[best / S]) ++changes[best / S];
+  }
+  return changes.empty() ? 0 : *std::max_element(changes.begin(), changes.end());
+}
+
 absl::StatusOr<Plan> PlanForMembers(const LoadMatrix& load, const Plan& previous,
                                     const std::vector<int>& excluded, PlannerOptions planner,
                                     int threads) {
@@ -208,10 +239,27 @@ absl::StatusOr<Plan> PlanForMembers(const LoadMatrix& load, const Plan& previous
     layer = std::move(kept);
   }
   if (excluded != previous.excluded_ranks || !ValidatePlan(sub_previous).ok()) {
-    planner.migration_budget = -1;
-    for (LayerPlan& layer : sub_previous.layers) {
-      for (int p = 0; p < sub.num_slots(); ++p) layer.slot_expert[p] = p % previous.num_experts;
+    std::vector<bool> returning(members.size());
+    for (size_t m = 0; m < members.size(); ++m) {
+      returning[m] = std::binary_search(previous.excluded_ranks.begin(),
+                                        previous.excluded_ranks.end(), members[m]);
+    }
+    int repaired = 0, repaired_layer = 0;
+    for (size_t l = 0; l < sub_previous.layers.size(); ++l) {
+      LayerPlan& layer = sub_previous.layers[l];
+      const int changed = RepairMembers(layer, S, returning, previous.num_experts);
+      if (changed > repaired) repaired = changed, repaired_layer = static_cast<int>(l);
       SetEqualShares(previous.num_experts, layer);
+    }
+    if (planner.migration_budget >= 0) {
+      if (repaired > planner.migration_budget) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "the ranks left need ", repaired, " new experts on one rank in layer ",
+            repaired_layer, " (their only replicas were on the excluded ranks), but the "
+            "daemons take ", planner.migration_budget, " per rank and layer: restart them "
+            "with ubepd --free_buffers ", repaired, " or more"));
+      }
+      planner.migration_budget -= repaired;
     }
   }
   absl::StatusOr<Plan> sub_plan = PlanInParallel(load, sub, sub_previous, planner, threads);

@@ -8,6 +8,7 @@
 #include <functional>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <thread>
 #include <tuple>
 
@@ -1314,6 +1315,67 @@ TEST(BalancerServerTest, APrepareThatOutlastsTheTimeoutIsAbortedSayingWhatToRais
             "plan v2 aborted: node-b: no answer to Prepare within --rpc_timeout (300ms); if its "
             "weight copies take longer, raise --rpc_timeout and --effective_margin "
             "(docs/operations.md, \"Large experts\")");
+}
+
+// Experts 4 and 5 live on node-b's ranks alone (v1: ranks 0, 1 hold experts 0-3, ranks 2, 3
+// experts 4, 5) and the daemons take one changed slot per rank and layer (--free_buffers 1).
+// Draining node-b, the plan for the members puts 4 and 5 on ranks 0 and 1 with one change
+// each, within what the daemons take. (Planned afresh from round-robin, rank 1 changed four
+// slots, and every daemon would refuse such a plan.) With a budget of none, the balancer says
+// which --free_buffers the change needs.
+TEST(BalancerServerTest, ADrainPlacesTheExpertsOnlyTheDrainedNodeHeldWithinTheFreeBuffers) {
+  Plan first;
+  first.version = 1;
+  first.topology = {4, 2, 4, 1};
+  first.num_experts = 6;
+  for (int l = 0; l < 2; ++l) {
+    LayerPlan layer;
+    layer.slot_expert = {0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 4, 5, 4, 5, 4, 5};
+    SetEqualShares(6, layer);
+    first.layer_ids.push_back(l);
+    first.layers.push_back(layer);
+  }
+  for (const int free_buffers : {1, 0}) {
+    SCOPED_TRACE(absl::StrCat(free_buffers, " free buffers"));
+    FakeDaemon a("node-a", ToProto(first, PlanEncoding::kFull)),
+        b("node-b", ToProto(first, PlanEncoding::kFull));
+    Balancer balancer(NeverMarkedDown(), std::make_shared<prometheus::Registry>());
+    for (auto [d, name, rank] : {std::tuple{&a, "node-a", 0u}, std::tuple{&b, "node-b", 2u}}) {
+      v1::RegisterRequest q = DaemonRegistration(*d, name, rank, 0, "host");
+      q.set_free_buffers(free_buffers);
+      Register(balancer, q);
+    }
+    balancer.Tick();
+    v1::RebalanceResponse response;
+    const grpc::Status status = Drain(balancer, "node-b", true, &response);
+    if (free_buffers == 0) {
+      EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+      EXPECT_EQ(status.error_message(),
+                "the ranks left need 1 new experts on one rank in layer 0 (their only replicas "
+                "were on the excluded ranks), but the daemons take 0 per rank and layer: "
+                "restart them with ubepd --free_buffers 1 or more");
+      EXPECT_TRUE(a.prepares().empty());
+      continue;
+    }
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    ASSERT_EQ(a.prepares().size(), 1u);
+    absl::StatusOr<Plan> plan = FromProto(a.prepares()[0].plan());
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_EQ(plan->excluded_ranks, (std::vector<int>{2, 3}));
+    EXPECT_EQ(a.committed_version(), 2u);
+    for (int l = 0; l < 2; ++l) {
+      std::set<int> held;
+      for (int r = 0; r < 2; ++r) {
+        int changed = 0;
+        for (int i = 0; i < 4; ++i) {
+          held.insert(plan->layers[l].slot_expert[r * 4 + i]);
+          changed += plan->layers[l].slot_expert[r * 4 + i] != first.layers[l].slot_expert[r * 4 + i];
+        }
+        EXPECT_LE(changed, 1) << "layer " << l << " rank " << r;
+      }
+      EXPECT_EQ(held, (std::set<int>{0, 1, 2, 3, 4, 5})) << "layer " << l;
+    }
+  }
 }
 
 // v2 is aborted (node-b refused it) and node-a's Abort is lost; node-a then fails its health
