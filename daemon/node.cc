@@ -1255,8 +1255,19 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
                                " was aborted while the hosted ranks stopped for it"));
     }
     if (!stopped || draining_ || !has_group_) {
-      return fail(absl::StrCat("the hosted ranks did not stop within ", absl::FormatDuration(wait),
-                               " for the change of members"));
+      std::vector<int> running;
+      for (int r = first_; r < first_ + hosted_; ++r) {
+        if (ranks_[r].state == RankState::kConnected && !ranks_[r].joining) running.push_back(r);
+      }
+      return fail(absl::StrCat(
+          "the hosted ranks did not stop within ", absl::FormatDuration(wait),
+          " for the change of members",
+          running.empty() ? std::string()
+                          : absl::StrCat(" (rank", running.size() > 1 ? "s " : " ",
+                                         absl::StrJoin(running, ", "),
+                                         " still in a step: a serving loop that calls no "
+                                         "BeginStep, Dispatch or Combine for that long?)"),
+          "; the balancer tries again"));
     }
   }
   // The copies run without the lock (they may take seconds on the host backend): joins,

@@ -948,7 +948,10 @@ TEST(NodeTest, AJoinStopsThePeersStillRunningTheGenerationTheRankWasStoppedIn) {
   }
   const v1::PrepareResponse prepared = a.Prepare(without1, 10);
   EXPECT_FALSE(prepared.prepared());
-  EXPECT_EQ(prepared.reason(), "the hosted ranks did not stop within 50ms for the change of members");
+  EXPECT_EQ(prepared.reason(),
+            "the hosted ranks did not stop within 50ms for the change of members (ranks 0, 1 "
+            "still in a step: a serving loop that calls no BeginStep, Dispatch or Combine for "
+            "that long?); the balancer tries again");
   auto state = [&](int r) {
     return std::atomic_ref<const uint32_t>(
                kernels::ControlOf(t.x0.arenas[r].data(), t.x0.layout)->group_state)
