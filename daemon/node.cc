@@ -1370,6 +1370,18 @@ absl::Status Node::Commit(uint64_t version) {
   if (!pending_.has_value() || pending_->version != version) {
     return absl::NotFoundError(absl::StrCat("plan v", version, " is not prepared here"));
   }
+  // Every hosted rank's area can take the commit, or none is committed (a rank's area may be
+  // written by its client: one it aborted there would leave the ranks of this daemon on two
+  // plans from the effective step).
+  for (int r = first_; r < first_ + hosted_; ++r) {
+    if (absl::Status s = kernels::CheckCommittable(arenas_[r].data() + layout_.plan, version);
+        !s.ok()) {
+      return absl::DataLossError(absl::StrCat(
+          "rank ", r, "'s plan area lost plan v", version, " (", s.message(),
+          "): committed on no rank of this daemon (did its client write into its plan "
+          "area?)"));
+    }
+  }
   const bool membership = pending_->excluded_ranks != plan_.excluded_ranks;
   if (membership) {
     // Ranks leave or join: stop every wait of the running group (and of clients of excluded

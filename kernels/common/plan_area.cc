@@ -114,12 +114,17 @@ absl::Status PreparePlan(void* area, std::span<const std::byte> table, uint64_t 
   return absl::OkStatus();
 }
 
-absl::Status CommitPlan(void* area, uint64_t version) {
+absl::Status CheckCommittable(void* area, uint64_t version) {
   const int i = FindVersion(area, version);
   if (i < 0 || LoadState(PlanSlot(area, i)) == kAborted) {
     return absl::NotFoundError(absl::StrCat("plan v", version, " is not prepared here"));
   }
-  StoreState(PlanSlot(area, i), kCommitted);
+  return absl::OkStatus();
+}
+
+absl::Status CommitPlan(void* area, uint64_t version) {
+  if (absl::Status s = CheckCommittable(area, version); !s.ok()) return s;
+  StoreState(PlanSlot(area, FindVersion(area, version)), kCommitted);
   return absl::OkStatus();
 }
 

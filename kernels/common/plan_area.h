@@ -86,6 +86,9 @@ bool UndecidedAt(void* area, uint64_t step, uint64_t* version = nullptr);
 // capacity, or not a valid plan table), NotFound (Commit/Abort of a version not prepared).
 absl::Status PreparePlan(void* area, std::span<const std::byte> table, uint64_t version,
                          uint64_t effective_step);
+// OK when CommitPlan(area, version) would commit: the version is prepared (or committed)
+// there, not aborted.
+absl::Status CheckCommittable(void* area, uint64_t version);
 absl::Status CommitPlan(void* area, uint64_t version);
 // Moves a committed plan's effective step earlier to `step` (no-op when it is not later).
 // Only while no reader runs: the daemon does it when a group forms, every rank in Join.

@@ -278,6 +278,25 @@ void ExpectSwappedPlanGoesThroughAtStep20(Node& node, const Attached& a) {
   EXPECT_EQ(version, 2u);
 }
 
+// Plan v2 prepared on ranks 0 and 1, and aborted in rank 1's plan area behind the daemon's back
+// (its client may write there): the Commit commits neither rank's, rather than leaving the
+// two ranks on two plans from step 10, and says which area lost it.
+TEST(NodeTest, ACommitThatOneHostedAreaCannotTakeCommitsNone) {
+  Node node(Options());
+  Attached a = AttachAndClaim(node, 0, 2, 1);
+  const v1::PrepareResponse prepared = node.Prepare(SwappedPlan(), 10);
+  ASSERT_TRUE(prepared.prepared()) << prepared.reason();
+  ASSERT_TRUE(kernels::AbortPlan(a.arenas[1].data() + a.layout.plan, 2).ok());
+  EXPECT_EQ(node.Commit(2),
+            absl::DataLossError("rank 1's plan area lost plan v2 (plan v2 is not prepared here): "
+                                "committed on no rank of this daemon (did its client write into "
+                                "its plan area?)"));
+  uint64_t version = 0;
+  ASSERT_NE(kernels::SelectPlan(a.arenas[0].data() + a.layout.plan, 10, &version), nullptr);
+  EXPECT_EQ(version, 1u);
+  EXPECT_TRUE(kernels::UndecidedAt(a.arenas[0].data() + a.layout.plan, 10));
+}
+
 TEST(NodeTest, PrepareStagesWeightsInFreeBuffersAndCommitSwitchesAtTheEffectiveStep) {
   Node node(Options());
   Attached a = AttachAndClaim(node, 0, 2, 1);
