@@ -166,17 +166,26 @@ TEST(ClientTest, ADataPlaneLayoutOtherThanTheLibrarysIsRefused) {
   EXPECT_TRUE(refusal.detached);
 }
 
+// ubepd in process, its socket in `dir`; and the options of a client of it.
+absl::StatusOr<std::unique_ptr<daemon::Daemon>> StartUbepd(const test::TempDir& dir) {
+  daemon::DaemonOptions options;
+  options.socket_path = dir.path() + "/ubepd.sock";
+  return daemon::Daemon::Start(options);
+}
+ClientOptions ClientOf(const test::TempDir& dir) {
+  ClientOptions client;
+  client.socket_path = dir.path() + "/ubepd.sock";
+  return client;
+}
+
 // A plan prepared for step 5 and never decided (its balancer died between Prepare and
 // Commit): BeginStep(5) waits the decision timeout, then fails naming the plan and what
 // decides it; the steps before it run.
 TEST(ClientTest, APlanLeftUndecidedAtItsStepFailsBeginStepNamingIt) {
   test::TempDir dir;
-  daemon::DaemonOptions options;
-  options.socket_path = dir.path() + "/ubepd.sock";
-  absl::StatusOr<std::unique_ptr<daemon::Daemon>> ubepd = daemon::Daemon::Start(options);
+  absl::StatusOr<std::unique_ptr<daemon::Daemon>> ubepd = StartUbepd(dir);
   ASSERT_TRUE(ubepd.ok()) << ubepd.status();
-  ClientOptions client;
-  client.socket_path = options.socket_path;
+  ClientOptions client = ClientOf(dir);
   client.decision_timeout = absl::Milliseconds(200);
   absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(client, 0, 1, 0, Shape());
   ASSERT_TRUE(rank.ok()) << rank.status();
@@ -205,12 +214,9 @@ TEST(ClientTest, APlanLeftUndecidedAtItsStepFailsBeginStepNamingIt) {
 // rather than running one on no data plane; a Rejoin that completes starts them again.
 TEST(ClientTest, ARejoinThatLostItsDataPlaneStopsEveryCallUntilARejoinCompletes) {
   test::TempDir dir;
-  daemon::DaemonOptions options;
-  options.socket_path = dir.path() + "/ubepd.sock";
-  absl::StatusOr<std::unique_ptr<daemon::Daemon>> ubepd = daemon::Daemon::Start(options);
+  absl::StatusOr<std::unique_ptr<daemon::Daemon>> ubepd = StartUbepd(dir);
   ASSERT_TRUE(ubepd.ok()) << ubepd.status();
-  ClientOptions client;
-  client.socket_path = options.socket_path;
+  ClientOptions client = ClientOf(dir);
   absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(client, 0, 1, 0, Shape());
   ASSERT_TRUE(rank.ok()) << rank.status();
   // The first word of the data plane's header in this rank's arena, as ubepd holds it.
