@@ -3,7 +3,8 @@
 // same domain by peer copy, else NCCL").
 //
 // One communicator per plan's staging, over the group's daemons (one communicator rank per
-// daemon, on the device of its first hosted rank). The first daemon makes the unique id
+// daemon, on device link rank modulo the devices it sees: the daemons of a link share one
+// machine, so each takes another GPU). The first daemon makes the unique id
 // (NewWeightLinkId, for the balancer's CreateLink), the balancer relays it in Prepare, every
 // daemon joins (Connect) while it stages, runs its share of the copies (Exchange) and closes
 // the communicator. Every call is bounded: NCCL runs non-blocking and a deadline aborts the
