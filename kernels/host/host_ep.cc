@@ -561,10 +561,7 @@ absl::Status HostEp::GiveUp(int peer, const char* what, uint32_t epoch) const {
     // stuck behind a survivor report the dead peer, not the survivor. The first reason
     // raised wins; read back which one that was. Ranks the plan excludes are left alone:
     // their arenas may belong to a new process by now.
-    for (size_t r = 0; r < arenas_.size(); ++r) {
-      if (!active_[r]) continue;
-      RaiseAbort(arenas_[r], layout_, kAbortTimedOutBase + static_cast<uint32_t>(peer));
-    }
+    RaiseGiveUp(peer);
     code = LoadAcquire(AbortWord());
   }
   if (code != spared_) UBEP_RETURN_IF_ERROR(DaemonAbortStatus(code, rank_, what, epoch));
@@ -578,6 +575,12 @@ absl::Status HostEp::GiveUp(int peer, const char* what, uint32_t epoch) const {
                         patience_given_);
 }
 
+void HostEp::RaiseGiveUp(int peer) const {
+  for (size_t r = 0; r < arenas_.size(); ++r) {
+    if (active_[r]) RaiseAbort(arenas_[r], layout_, kAbortTimedOutBase + static_cast<uint32_t>(peer));
+  }
+}
+
 absl::Status HostEp::SendersStopped(uint32_t epoch) {
   // The rows the senders owed are lost: the call fails, and the peers stop waiting at once,
   // naming this rank with the reason (its refusal record, written before the abort word).
@@ -587,9 +590,7 @@ absl::Status HostEp::SendersStopped(uint32_t epoch) {
       "starved?); rows to its peers were not all stored");
   RecordRefusal(arenas_[rank_], layout_, PhaseInFlight(dispatch_epoch_, combine_epoch_), why);
   refusal_recorded_ = true;
-  for (size_t r = 0; r < arenas_.size(); ++r) {
-    if (active_[r]) RaiseAbort(arenas_[r], layout_, kAbortTimedOutBase + static_cast<uint32_t>(rank_));
-  }
+  RaiseGiveUp(rank_);
   return absl::DeadlineExceededError(
       absl::StrCat("rank ", rank_, ": dispatch call ", epoch, ": ", why));
 }

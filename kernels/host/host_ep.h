@@ -187,6 +187,9 @@ class HostEp {
   // every arena's abort word if this rank is the first to give up), and why it refused this
   // call if it did.
   absl::Status GiveUp(int peer, const char* what, uint32_t epoch) const;
+  // Writes "the group gave up on `peer`" into every active rank's abort word (the first reason
+  // raised there stays) and rings its bell.
+  void RaiseGiveUp(int peer) const;
   uint32_t* AbortWord() const;
   // What this call's waits watch: the abort word, past a code they were found to be spared.
   AbortWatch Watch() const { return {AbortWord(), spared_}; }
