@@ -1048,7 +1048,14 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
   }
   if (pending_.has_value()) {
     if (pending_->version == plan.version && pending_effective_step_ == effective_step) {
-      response.set_prepared(true);  // A retried Prepare: already staged.
+      // A retried Prepare: already staged, if it is the same plan. A version names one plan:
+      // another one under it would be committed as the staged one.
+      if (!(*pending_ == plan)) {
+        return fail(absl::StrCat("plan v", plan.version,
+                                 " is prepared here with other contents; a version names one "
+                                 "plan"));
+      }
+      response.set_prepared(true);
       return response;
     }
     return fail(absl::StrCat("plan v", pending_->version, " is prepared and undecided"));
@@ -1412,6 +1419,12 @@ absl::Status Node::Commit(uint64_t version) {
 absl::Status Node::Abort(uint64_t version) {
   MutexLock lock(&mu_);
   if (staging_ && staging_version_ == version) staging_aborted_ = true;  // Prepare fails.
+  if (has_group_ && version == plan_.version) {
+    // Committed here: an Abort of it means that the balancer and this daemon disagree on
+    // the decision, which must not pass as done (the others may have aborted it).
+    return absl::FailedPreconditionError(absl::StrCat(
+        "plan v", version, " is committed here; a committed plan is never aborted"));
+  }
   if (!pending_.has_value() || pending_->version != version) return absl::OkStatus();
   for (int r = first_; r < first_ + hosted_; ++r) {
     UBEP_RETURN_IF_ERROR(kernels::AbortPlan(arenas_[r].data() + layout_.plan, version));

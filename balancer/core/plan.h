@@ -20,6 +20,8 @@ namespace ubep::balancer {
 struct LayerPlan {
   std::vector<int> slot_expert;    // phy2log: [num_slots].
   std::vector<double> slot_share;  // [num_slots]: share of slot_expert[p]'s traffic at slot p.
+
+  friend bool operator==(const LayerPlan&, const LayerPlan&) = default;
 };
 
 struct Plan {
@@ -33,6 +35,9 @@ struct Plan {
 
   bool excluded(int rank) const;
   int num_layers() const { return static_cast<int>(layers.size()); }
+
+  // Every field alike (shares exactly): the same plan.
+  friend bool operator==(const Plan&, const Plan&) = default;
 };
 
 // Tolerance on the sum of an expert's shares.

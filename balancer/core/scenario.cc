@@ -71,7 +71,10 @@ Scenario::Scenario(std::vector<LoadMatrix> probabilities, const ScenarioOptions&
 
 std::vector<double> Scenario::MixWeights(int64_t step) const {
   const int k_count = static_cast<int>(probabilities_.size());
-  std::vector<double> weights(k_count);
+  // One source is the whole mix at every step (its cosine alone would reach 0 at half a
+  // period, and 0 / 0 would make every weight NaN).
+  std::vector<double> weights(k_count, 1.0);
+  if (k_count == 1) return weights;
   double sum = 0;
   for (int k = 0; k < k_count; ++k) {
     weights[k] = 1.0 + std::cos(2 * std::numbers::pi *

@@ -430,7 +430,10 @@ absl::StatusOr<Plan> PlanUbep(const LoadMatrix& load, const Topology& topology,
   plan.layers.reserve(load.num_layers());
   std::vector<UbepPolicyOptions> layer_options(load.num_layers(), options);
   for (int l = 0; l < load.num_layers(); ++l) {
-    layer_options[l].seed = options.seed + static_cast<uint64_t>(l);
+    // Seeded by the layer's id in the model, not its row: a layer planned alone (the server
+    // plans chunks of layers in parallel) gets the plan it gets among all layers.
+    const int id = l < static_cast<int>(load.layer_ids().size()) ? load.layer_ids()[l] : l;
+    layer_options[l].seed = options.seed + static_cast<uint64_t>(id);
     if (options.balance_slack < 0) {
       // Counts are Poisson-like: a rank's measured load is uncertain by about sqrt(load).
       // Leveling tighter than a few of those is fitting noise, so that much is given to

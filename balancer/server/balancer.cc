@@ -1456,7 +1456,10 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
     // A decision that did not arrive is delivered by recovery (GetState, then Commit/Abort).
     // (A target replaced meanwhile, Register, is gone: nothing to deliver to it.)
     auto it = daemons_.find(targets[i]);
-    if (!decided[i].ok() && it != daemons_.end()) it->second.needs_state = true;
+    if (decided[i].ok()) continue;
+    UBEP_LOG(WARNING) << "plan v" << plan->version << ": node " << targets[i] << " did not take the "
+                      << (commit ? "Commit" : "Abort") << ": " << decided[i].error_message();
+    if (it != daemons_.end()) it->second.needs_state = true;
   }
   if (!commit) {
     plans_aborted_->Increment();

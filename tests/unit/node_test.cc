@@ -19,6 +19,7 @@
 #include <sys/resource.h>
 #include <filesystem>
 
+#include "balancer/formats/proto_convert.h"
 #include "balancer/core/plan.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
@@ -340,6 +341,33 @@ TEST(NodeTest, PrepareStagesWeightsInFreeBuffersAndCommitSwitchesAtTheEffectiveS
   EXPECT_EQ(node.State().committed_version(), 2u);
   EXPECT_EQ(node.State().committed_effective_step(), 10u);  // What a restarted balancer learns.
   EXPECT_EQ(node.State().pending_version(), 0u);
+}
+
+// A version names one plan: a Prepare repeated under it is answered Prepared only with the
+// same plan (a retry), and an Abort of the committed plan is refused, not answered OK (the
+// balancer would take it as aborted here while this daemon's ranks run it).
+TEST(NodeTest, ARepeatedPrepareMustBeTheSamePlanAndTheCommittedPlanIsNeverAborted) {
+  Node node(Options());
+  Attached a = AttachAndClaim(node, 0, 2, 1);
+  ASSERT_TRUE(node.Prepare(SwappedPlan(), 10).prepared());
+  const v1::PrepareResponse retried = node.Prepare(SwappedPlan(), 10);
+  EXPECT_TRUE(retried.prepared()) << retried.reason();
+  balancer::Plan other = SwappedPlan();
+  std::swap(other.layers[1].slot_expert[2], other.layers[1].slot_expert[6]);
+  const v1::PrepareResponse refused = node.Prepare(other, 10);
+  EXPECT_FALSE(refused.prepared());
+  EXPECT_EQ(refused.reason(),
+            "plan v2 is prepared here with other contents; a version names one plan");
+  EXPECT_EQ(node.State().pending_version(), 2u);  // The first one stays prepared.
+  ASSERT_TRUE(node.Commit(2).ok());
+  const absl::StatusOr<balancer::Plan> committed = balancer::FromProto(node.State().committed_plan());
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  EXPECT_TRUE(*committed == SwappedPlan());  // The plan prepared first, not the other one.
+  EXPECT_FALSE(*committed == other);
+  EXPECT_EQ(node.Abort(2), absl::FailedPreconditionError(
+                               "plan v2 is committed here; a committed plan is never aborted"));
+  EXPECT_EQ(node.State().committed_version(), 2u);
+  EXPECT_TRUE(node.Abort(3).ok());  // Nothing of v3 here: nothing to abort.
 }
 
 // Every rank detaches while a plan is prepared and undecided, and a group of another shape

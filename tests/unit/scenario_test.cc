@@ -32,6 +32,24 @@ TEST(ScenarioTest, MixRotatesThroughSourcesAndSumsToOne) {
   }
 }
 
+// One source is the mix at every step, half a period in too (where its cosine is -1).
+TEST(ScenarioTest, OneSourceIsTheWholeMixAtEveryStep) {
+  absl::StatusOr<Scenario> s =
+      Scenario::Create({TwoSources()[1]}, {.pairs_per_step = 1000, .period_steps = 400});
+  ASSERT_TRUE(s.ok()) << s.status();
+  for (int step : {0, 100, 200, 600}) {
+    ASSERT_EQ(s->MixWeights(step), std::vector<double>{1.0}) << "step " << step;
+    const LoadMatrix expected = s->ExpectedStep(step);
+    EXPECT_DOUBLE_EQ(expected.at(1, 3), 700.0) << "step " << step;  // 1000 x 0.7.
+    const LoadMatrix drawn = s->Step(step);
+    double sum = 0;
+    for (int e = 0; e < 4; ++e) sum += drawn.at(1, e);
+    EXPECT_EQ(sum, 1000.0) << "step " << step;
+    EXPECT_LT(drawn.at(1, 0), 1000.0) << "step " << step;  // Not every pair to expert 0.
+    EXPECT_GT(drawn.at(1, 3), 500.0) << "step " << step;
+  }
+}
+
 TEST(ScenarioTest, StepsAreSeededMultinomialDraws) {
   const ScenarioOptions options{.seed = 9, .pairs_per_step = 10000};
   absl::StatusOr<Scenario> a = Scenario::Create(TwoSources(), options);

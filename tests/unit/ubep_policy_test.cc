@@ -184,6 +184,25 @@ TEST(UbepPolicyTest, ReplanningTheSameLoadMovesNothing) {
   EXPECT_LE(SummarizeBalance(*again, *load).mean, 1.01);
 }
 
+// A layer's plan depends on the layer, not on the layers planned with it: the server plans
+// chunks of layers on several threads, and its plan must not depend on how many.
+TEST(UbepPolicyTest, ALayerPlannedAloneGetsThePlanItGetsAmongAllLayers) {
+  absl::StatusOr<LoadMatrix> load = ReadSglangLoadFile(test::TracePath("decode_in1000out1000.json"));
+  ASSERT_TRUE(load.ok());
+  const Topology t{32, 4, 9, 1};
+  absl::StatusOr<Plan> all = PlanUbep(*load, t, nullptr, {.seed = 7});
+  ASSERT_TRUE(all.ok()) << all.status();
+  for (int l : {1, 7, load->num_layers() - 1}) {
+    LoadMatrix one(1, load->num_experts());
+    for (int e = 0; e < load->num_experts(); ++e) one.at(0, e) = load->at(l, e);
+    one.set_layer_ids({load->layer_ids()[l]});
+    absl::StatusOr<Plan> alone = PlanUbep(one, t, nullptr, {.seed = 7});
+    ASSERT_TRUE(alone.ok()) << alone.status();
+    EXPECT_EQ(alone->layers[0].slot_expert, all->layers[l].slot_expert) << "layer " << l;
+    EXPECT_EQ(alone->layers[0].slot_share, all->layers[l].slot_share) << "layer " << l;
+  }
+}
+
 // Plan quality on the real DeepSeek-V3 traces (ISSUE targets): at EP32 and EP64, mean
 // balancedness <= 1.01, worst layer <= 1.04, never worse than eplb-global.
 class UbepTraceTest : public ::testing::TestWithParam<const char*> {};
