@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/clock.h"
 #include "common/logging.h"
+#include "common/rpc_origin.h"
 #include "common/status_macros.h"
 #include "common/unix_socket.h"
 #include "grpcpp/grpcpp.h"
@@ -113,16 +114,19 @@ namespace {
 
 using internal::RankState;
 
-absl::Status FromGrpc(const grpc::Status& status, const std::string& what) {
+// `context` tells the daemon's own answers (ubepd marks them, kUbepdOrigin) from failures of
+// the transport, which alone are "not reachable".
+absl::Status FromGrpc(const grpc::Status& status, const grpc::ClientContext& context,
+                      const std::string& what) {
   if (status.ok()) return absl::OkStatus();
-  if (status.error_code() == grpc::StatusCode::CANCELLED) {
+  const bool from_ubepd = context.GetServerTrailingMetadata().count(kUbepdOrigin) > 0;
+  if (status.error_code() == grpc::StatusCode::CANCELLED && !from_ubepd) {
     // This library never cancels its calls: the daemon cancelled it while shutting down.
     return absl::UnavailableError(absl::StrCat(what, ": ubepd is shutting down (", status.error_message(),
                                                "); attach again when it is back"));
   }
   std::string message = status.error_message();
-  if (status.error_code() == grpc::StatusCode::UNAVAILABLE &&
-      message.find("draining") == std::string::npos) {
+  if (status.error_code() == grpc::StatusCode::UNAVAILABLE && !from_ubepd) {
     message = absl::StrCat("ubepd is not reachable (", message, "); is it running?");
   }
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
@@ -197,11 +201,10 @@ absl::Status GroupStopped(const RankState& s) {
                                     "rank; call Rejoin"));
 }
 
-// Whether the newest plan committed in this rank's arena leaves it out of the group.
-bool ExcludedByNewestPlan(const RankState& s) {
-  uint64_t version = 0;
-  const kernels::PlanTableHeader* table =
-      kernels::SelectPlan(s.own() + s.layout.plan, ~uint64_t{0}, &version);
+// Whether the plan committed in this rank's arena for `step` (the newest: ~0) leaves it out
+// of the group.
+bool ExcludedByPlanAt(const RankState& s, uint64_t step) {
+  const kernels::PlanTableHeader* table = kernels::SelectPlan(s.own() + s.layout.plan, step);
   return table != nullptr && kernels::RankExcluded(table, static_cast<uint32_t>(s.rank));
 }
 
@@ -236,6 +239,55 @@ absl::Status Record(RankState& s, absl::Status status) {
 
 absl::Status RefreshArenas(RankState& s, uint64_t epoch);
 
+// ubepd closed this rank's fd connection (DaemonExited): stops the group, once, and returns
+// (and keeps) the error every later call of this rank returns.
+absl::Status StopForDaemonExit(RankState& s) {
+  if (s.daemon_exited && !s.stopped.ok()) return s.stopped;
+  // Stop the group. The ranks of this daemon as a draining daemon would: their waits end
+  // with "draining", and each attaches again, to the daemon that takes over. The ranks of
+  // peer daemons, which are alive, learn that this rank left (they Rejoin where they are),
+  // if they are in this rank's generation: a plan that excludes this rank, or a group formed
+  // without it, leaves them running undisturbed.
+  s.daemon_exited = true;
+  const kernels::ArenaLayout ep(s.config);
+  const bool member = !ExcludedByPlanAt(s, s.step);  // The plan in force.
+  auto code_for = [&](int r) -> uint32_t {
+    if (s.HostedByOwnDaemon(r)) return kernels::kAbortDraining;
+    const uint64_t generation = std::atomic_ref<const uint64_t>(
+        kernels::ControlOf(s.arenas[r].data(), s.layout)->generation).load(std::memory_order_acquire);
+    return member && generation == s.generation
+               ? kernels::kAbortRankGone | static_cast<uint32_t>(s.rank)
+               : 0;
+  };
+  if (!s.on_device) {
+    for (int r = 0; r < static_cast<int>(s.arenas.size()); ++r) {
+      if (const uint32_t code = code_for(r); code != 0) {
+        kernels::RaiseAbort(s.arenas[r].data() + s.layout.ep, ep, code);
+      }
+    }
+  }
+#ifdef UBEP_CLIENT_CUDA
+  if (s.on_device) {
+    // The data plane is at offset 0 of each device arena; a set abort word is kept.
+    for (int r = 0; r < static_cast<int>(s.device_arenas.size()); ++r) {
+      const uint32_t raise = code_for(r);
+      uint32_t code = 0;
+      if (raise != 0 &&
+          cudaMemcpy(&code, s.device_arenas[r]->data() + ep.abort, sizeof(code),
+                     cudaMemcpyDeviceToHost) == cudaSuccess &&
+          code == 0) {
+        code = raise;
+        (void)cudaMemcpy(s.device_arenas[r]->data() + ep.abort, &code, sizeof(code),
+                         cudaMemcpyHostToDevice);
+      }
+    }
+  }
+#endif
+  return Record(s, s.stopped = absl::UnavailableError(absl::StrCat(
+                       "rank ", s.rank, ": ubepd exited (it closed this rank's fd connection); "
+                       "detach, and attach again when it is back")));
+}
+
 absl::Status JoinGroup(RankState& s, std::optional<uint64_t> next_step) {
   v1::JoinRequest request;
   request.set_rank(static_cast<uint32_t>(s.rank));
@@ -244,7 +296,7 @@ absl::Status JoinGroup(RankState& s, std::optional<uint64_t> next_step) {
   v1::JoinResponse response;
   grpc::ClientContext context;
   SetDeadline(context, s.options.join_timeout);
-  UBEP_RETURN_IF_ERROR(FromGrpc(s.stub->Join(&context, request, &response),
+  UBEP_RETURN_IF_ERROR(FromGrpc(s.stub->Join(&context, request, &response), context,
                                 absl::StrCat("rank ", s.rank, ": join")));
   if (response.arena_epoch() != 0 && response.arena_epoch() != s.arena_epoch) {
     UBEP_RETURN_IF_ERROR(RefreshArenas(s, response.arena_epoch()));
@@ -308,10 +360,31 @@ absl::StatusOr<std::vector<kernels::SharedArena>> MapArenas(const RankState& s,
   return arenas;
 }
 
+// The daemon's fd socket lies next to its gRPC socket (AttachResponse.fd_socket): its name,
+// in the directory this process reached the gRPC socket through. The daemon's own path may
+// be relative to its working directory, or the directory mounted elsewhere in this process's
+// container.
+std::string FdSocketPath(const std::string& socket_path, const std::string& fd_socket) {
+  const size_t name = fd_socket.rfind('/');
+  const std::string base = name == std::string::npos ? fd_socket : fd_socket.substr(name + 1);
+  const size_t dir = socket_path.rfind('/');
+  return dir == std::string::npos ? base : socket_path.substr(0, dir + 1) + base;
+}
+
 absl::Status TakeArenas(RankState& s, const v1::AttachResponse& response) {
-  UBEP_ASSIGN_OR_RETURN(s.fd_connection, ConnectUnix(response.fd_socket(), s.options.rpc_timeout));
-  UBEP_ASSIGN_OR_RETURN(ReceivedMessage reply, Exchange(s.fd_connection.get(), response.token(),
-                                                       4096, s.options.rpc_timeout));
+  const std::string fd_socket = FdSocketPath(s.options.socket_path, response.fd_socket());
+  // The code kept, the rank and the socket said.
+  auto said = [&](const absl::Status& status) {
+    return absl::Status(status.code(), absl::StrCat("rank ", s.rank, ": ubepd's fd socket ",
+                                                    fd_socket, ": ", status.message()));
+  };
+  absl::StatusOr<UniqueFd> connection = ConnectUnix(fd_socket, s.options.rpc_timeout);
+  if (!connection.ok()) return said(connection.status());
+  s.fd_connection = *std::move(connection);
+  absl::StatusOr<ReceivedMessage> exchanged =
+      Exchange(s.fd_connection.get(), response.token(), 4096, s.options.rpc_timeout);
+  if (!exchanged.ok()) return said(exchanged.status());
+  ReceivedMessage reply = *std::move(exchanged);
   if (reply.bytes != "OK") {
     // Every refusal of a claim is for a while (the token expired or was used, the group's
     // arenas changed): Unavailable, which callers retry, as the message says to.
@@ -432,7 +505,7 @@ absl::StatusOr<v1::AttachResponse> AttachRpc(RankState& s, int device) {
   v1::AttachResponse response;
   grpc::ClientContext context;
   SetDeadline(context, s.options.rpc_timeout);
-  UBEP_RETURN_IF_ERROR(FromGrpc(s.stub->Attach(&context, request, &response),
+  UBEP_RETURN_IF_ERROR(FromGrpc(s.stub->Attach(&context, request, &response), context,
                                 absl::StrCat("rank ", s.rank, ": attach")));
   return response;
 }
@@ -614,8 +687,13 @@ bool Rank::must_attach_again() const {
   const RankState& s = *state_;
   if (!s.attached) return false;
   // Asked after an error: look at the connection now (BeginStep looks only every
-  // daemon_check_interval, and another reason may have stopped the group first).
-  if (s.daemon_exited || DaemonExited(s)) return true;
+  // daemon_check_interval, and another reason may have stopped the group first). Found
+  // closed here, it stops the group as BeginStep would (the rank's state is not the handle's).
+  if (s.daemon_exited) return true;
+  if (DaemonExited(s)) {
+    (void)StopForDaemonExit(*state_);
+    return true;
+  }
   const uint32_t code = AbortCode(s);
   return code == kernels::kAbortDraining ||
          std::atomic_ref<uint32_t>(s.control()->group_state).load(std::memory_order_acquire) ==
@@ -624,7 +702,7 @@ bool Rank::must_attach_again() const {
 
 bool Rank::excluded() const {
   const RankState& s = *state_;
-  return s.attached && ExcludedByNewestPlan(s);
+  return s.attached && ExcludedByPlanAt(s, ~uint64_t{0});
 }
 
 absl::Status Rank::BeginStep(uint64_t step) {
@@ -640,51 +718,7 @@ absl::Status Rank::BeginStep(uint64_t step) {
   const absl::Time now = MonotonicNow();
   const bool check_daemon = now >= s.next_daemon_check;
   if (check_daemon) s.next_daemon_check = now + s.options.daemon_check_interval;
-  if (check_daemon && DaemonExited(s)) {
-    // Stop the group. The ranks of this daemon as a draining daemon would: their waits end
-    // with "draining", and each attaches again, to the daemon that takes over. The ranks of
-    // peer daemons, which are alive, learn that this rank left (they Rejoin where they are),
-    // if they are in this rank's generation: a plan that excludes this rank, or a group formed
-    // without it, leaves them running undisturbed.
-    s.daemon_exited = true;
-    const kernels::ArenaLayout ep(s.config);
-    const bool member = !ExcludedByNewestPlan(s);
-    auto code_for = [&](int r) -> uint32_t {
-      if (s.HostedByOwnDaemon(r)) return kernels::kAbortDraining;
-      const uint64_t generation = std::atomic_ref<const uint64_t>(
-          kernels::ControlOf(s.arenas[r].data(), s.layout)->generation).load(std::memory_order_acquire);
-      return member && generation == s.generation
-                 ? kernels::kAbortRankGone | static_cast<uint32_t>(s.rank)
-                 : 0;
-    };
-    if (!s.on_device) {
-      for (int r = 0; r < static_cast<int>(s.arenas.size()); ++r) {
-        if (const uint32_t code = code_for(r); code != 0) {
-          kernels::RaiseAbort(s.arenas[r].data() + s.layout.ep, ep, code);
-        }
-      }
-    }
-#ifdef UBEP_CLIENT_CUDA
-    if (s.on_device) {
-      // The data plane is at offset 0 of each device arena; a set abort word is kept.
-      for (int r = 0; r < static_cast<int>(s.device_arenas.size()); ++r) {
-        const uint32_t raise = code_for(r);
-        uint32_t code = 0;
-        if (raise != 0 &&
-            cudaMemcpy(&code, s.device_arenas[r]->data() + ep.abort, sizeof(code),
-                       cudaMemcpyDeviceToHost) == cudaSuccess &&
-            code == 0) {
-          code = raise;
-          (void)cudaMemcpy(s.device_arenas[r]->data() + ep.abort, &code, sizeof(code),
-                           cudaMemcpyHostToDevice);
-        }
-      }
-    }
-#endif
-    return Record(s, s.stopped = absl::UnavailableError(absl::StrCat(
-                         "rank ", s.rank, ": ubepd exited (it closed this rank's fd connection); "
-                         "detach, and attach again when it is back")));
-  }
+  if (check_daemon && DaemonExited(s)) return StopForDaemonExit(s);
   if (!GroupReady(s)) return Record(s, s.stopped = GroupStopped(s));
   if (step < s.step) {
     // The plan in force at an earlier step may route to slots that now hold other experts
@@ -708,6 +742,16 @@ absl::Status Rank::BeginStep(uint64_t step) {
     while (kernels::UndecidedAt(area, step) &&
            MonotonicNow() - start < s.options.decision_timeout) {
       if (!GroupReady(s)) break;
+      // ubepd itself may be gone (then no decision comes to this arena): looked at as often
+      // as BeginStep looks.
+      if (const absl::Time now = MonotonicNow(); now >= s.next_daemon_check) {
+        s.next_daemon_check = now + s.options.daemon_check_interval;
+        if (DaemonExited(s)) {
+          Bump(s.control()->decision_wait_ns,
+               static_cast<uint64_t>(absl::ToInt64Nanoseconds(MonotonicNow() - start)));
+          return StopForDaemonExit(s);
+        }
+      }
       absl::SleepFor(absl::Microseconds(200));
     }
     Bump(s.control()->decision_wait_ns,
@@ -935,6 +979,14 @@ absl::StatusOr<std::span<std::byte>> Rank::ExpertWeights(int layer, int local_sl
   const int buffer = table == kernels::PlanBuffer(area, 0) ? 0 : 1;
   const uint32_t index =
       kernels::SlotMap(s.own(), s.layout, s.config, buffer)[layer * s.shape.slots_per_rank + local_slot];
+  // The slot map is shared memory every rank's process maps writable: a word outside the
+  // buffers is refused, as ubepd refuses it, rather than handed out as a span past the arena.
+  if (index >= static_cast<uint32_t>(s.layout.buffers_per_layer)) {
+    return absl::DataLossError(absl::StrCat(
+        "rank ", s.rank, "'s slot map says layer ", layer, " slot ", local_slot,
+        " is in weight buffer ", index, ", outside [0, ", s.layout.buffers_per_layer,
+        "): its arena was written outside ubepd"));
+  }
   std::byte* base = s.own();
 #ifdef UBEP_CLIENT_CUDA
   if (s.on_device) base = s.device_arenas[s.rank]->data();
@@ -988,6 +1040,9 @@ RankStats Rank::stats() const {
 absl::Status Rank::Detach() {
   RankState& s = *state_;
   if (!s.attached) return absl::OkStatus();
+  // ubepd gone: no daemon tells the peers that this rank leaves, so the rank stops the group
+  // itself (as BeginStep would), and there is nothing to detach from.
+  if (!s.daemon_exited && DaemonExited(s)) (void)StopForDaemonExit(s);
   s.attached = false;
   s.step_begun = false;
   s.ep.reset();
@@ -995,6 +1050,11 @@ absl::Status Rank::Detach() {
   s.cuda_ep.reset();
   s.device_arenas.clear();
 #endif
+  if (s.daemon_exited) {
+    s.fd_connection.reset();
+    s.arenas.clear();
+    return absl::OkStatus();
+  }
   v1::DetachRequest request;
   request.set_rank(static_cast<uint32_t>(s.rank));
   request.set_token(s.token);
@@ -1004,7 +1064,7 @@ absl::Status Rank::Detach() {
   const grpc::Status status = s.stub->Detach(&context, request, &response);
   s.fd_connection.reset();
   s.arenas.clear();
-  return FromGrpc(status, absl::StrCat("rank ", s.rank, ": detach"));
+  return FromGrpc(status, context, absl::StrCat("rank ", s.rank, ": detach"));
 }
 
 }  // namespace ubep

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -183,6 +184,7 @@ absl::Status ReceiveOne(int socket, size_t max_bytes, absl::Time start, absl::Du
     n = recvmsg(socket, &msg, MSG_CMSG_CLOEXEC);
   } while (n < 0 && errno == EINTR);
   if (n < 0) return Errno("recvmsg");
+  const size_t fds_before = out.fds.size();
   for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
     if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
       const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
@@ -192,6 +194,18 @@ absl::Status ReceiveOne(int socket, size_t max_bytes, absl::Time start, absl::Du
         out.fds.emplace_back(fd);
       }
     }
+  }
+  if ((msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) == MSG_CTRUNC &&
+      out.fds.size() - fds_before < kFdsPerMessage) {
+    // Room for every fd of the message, yet fewer came: they did not fit this process's
+    // descriptor table (RLIMIT_NOFILE), and the kernel dropped the rest. Those received are
+    // closed with `out`.
+    rlimit limit{};
+    getrlimit(RLIMIT_NOFILE, &limit);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "out of file descriptors: ", out.fds.size() - fds_before,
+        " of a message's fds fit this process's table (its open-files limit is ",
+        limit.rlim_cur, "; raise it, ulimit -n)"));
   }
   if ((msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0 || out.fds.size() > kMaxFds ||
       (static_cast<size_t>(n) > max_bytes &&

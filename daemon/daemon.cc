@@ -11,6 +11,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "common/rpc_origin.h"
 #include "balancer/formats/proto_convert.h"
 #include "daemon/balancer_link.h"
 #include "daemon/device_memory.h"
@@ -37,34 +38,39 @@ class DaemonService final : public v1::Daemon::Service {
 
   grpc::Status Attach(grpc::ServerContext* context, const v1::AttachRequest* request,
                       v1::AttachResponse* response) override {
-    return Answer(node_->Attach(*request, absl::FromChrono(context->deadline())), response);
+    return Answer(context, node_->Attach(*request, absl::FromChrono(context->deadline())),
+                  response);
   }
   grpc::Status Join(grpc::ServerContext* context, const v1::JoinRequest* request,
                     v1::JoinResponse* response) override {
     const absl::Time deadline = absl::FromChrono(context->deadline());
-    return Answer(node_->Join(*request, deadline), response);
+    return Answer(context, node_->Join(*request, deadline), response);
   }
-  grpc::Status Detach(grpc::ServerContext*, const v1::DetachRequest* request,
+  grpc::Status Detach(grpc::ServerContext* context, const v1::DetachRequest* request,
                       v1::DetachResponse*) override {
-    return Count(node_->Detach(*request));
+    return Count(context, node_->Detach(*request));
   }
-  grpc::Status GetPlan(grpc::ServerContext*, const v1::GetPlanRequest*,
+  grpc::Status GetPlan(grpc::ServerContext* context, const v1::GetPlanRequest*,
                        v1::GetPlanResponse* response) override {
-    return Answer(node_->GetPlan(), response);
+    return Answer(context, node_->GetPlan(), response);
   }
-  grpc::Status ReportStep(grpc::ServerContext*, const v1::ReportStepRequest* request,
+  grpc::Status ReportStep(grpc::ServerContext* context, const v1::ReportStepRequest* request,
                           v1::ReportStepResponse* response) override {
-    return Answer(node_->ReportStep(*request), response);
+    return Answer(context, node_->ReportStep(*request), response);
   }
 
  private:
-  grpc::Status Count(const absl::Status& status) {
-    if (!status.ok()) metrics_->CountRpcError(status.code());
+  // An error ubepd answers itself is marked as its own (rpc_origin.h): clients call only the
+  // transport's failures "not reachable".
+  grpc::Status Count(grpc::ServerContext* context, const absl::Status& status) {
+    if (status.ok()) return grpc::Status::OK;
+    metrics_->CountRpcError(status.code());
+    context->AddTrailingMetadata(kUbepdOrigin, "ubepd");
     return ToGrpc(status);
   }
   template <typename T>
-  grpc::Status Answer(absl::StatusOr<T> result, T* response) {
-    if (!result.ok()) return Count(result.status());
+  grpc::Status Answer(grpc::ServerContext* context, absl::StatusOr<T> result, T* response) {
+    if (!result.ok()) return Count(context, result.status());
     *response = *std::move(result);
     return grpc::Status::OK;
   }

@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/unix_socket.h"
 #include "daemon/daemon.h"
@@ -178,17 +179,8 @@ ClientOptions ClientOf(const test::TempDir& dir) {
   return client;
 }
 
-// A plan prepared for step 5 and never decided (its balancer died between Prepare and
-// Commit): BeginStep(5) waits the decision timeout, then fails naming the plan and what
-// decides it; the steps before it run.
-TEST(ClientTest, APlanLeftUndecidedAtItsStepFailsBeginStepNamingIt) {
-  test::TempDir dir;
-  absl::StatusOr<std::unique_ptr<daemon::Daemon>> ubepd = StartUbepd(dir);
-  ASSERT_TRUE(ubepd.ok()) << ubepd.status();
-  ClientOptions client = ClientOf(dir);
-  client.decision_timeout = absl::Milliseconds(200);
-  absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(client, 0, 1, 0, Shape());
-  ASSERT_TRUE(rank.ok()) << rank.status();
+// Plan v2 of a one-rank group of Shape(): slots 0 and 1 swap experts.
+balancer::Plan SwappedPlan() {
   balancer::Plan plan;
   plan.version = 2;
   plan.topology = {1, 1, 4, 1};
@@ -200,7 +192,21 @@ TEST(ClientTest, APlanLeftUndecidedAtItsStepFailsBeginStepNamingIt) {
     plan.layer_ids.push_back(l);
     plan.layers.push_back(layer);
   }
-  const v1::PrepareResponse prepared = (*ubepd)->node().Prepare(plan, 5);
+  return plan;
+}
+
+// A plan prepared for step 5 and never decided (its balancer died between Prepare and
+// Commit): BeginStep(5) waits the decision timeout, then fails naming the plan and what
+// decides it; the steps before it run.
+TEST(ClientTest, APlanLeftUndecidedAtItsStepFailsBeginStepNamingIt) {
+  test::TempDir dir;
+  absl::StatusOr<std::unique_ptr<daemon::Daemon>> ubepd = StartUbepd(dir);
+  ASSERT_TRUE(ubepd.ok()) << ubepd.status();
+  ClientOptions client = ClientOf(dir);
+  client.decision_timeout = absl::Milliseconds(200);
+  absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(client, 0, 1, 0, Shape());
+  ASSERT_TRUE(rank.ok()) << rank.status();
+  const v1::PrepareResponse prepared = (*ubepd)->node().Prepare(SwappedPlan(), 5);
   ASSERT_TRUE(prepared.prepared()) << prepared.reason();
   EXPECT_TRUE((*rank)->BeginStep(4).ok());
   EXPECT_EQ((*rank)->BeginStep(5),
@@ -400,7 +406,11 @@ std::vector<uint32_t> AbortWords(daemon::Node& node) {
 // daemon's, that it left: rank 1 is to Rejoin where it is, not to attach again. If rank 1's
 // control block shows a generation newer than rank 0's (a group formed without rank 0), rank
 // 0 leaves it alone.
-void ExpectADaemonExitStopsItsRanksAndTellsThePeers(bool peer_in_a_newer_generation) {
+// Which call of rank 0 first looks at its connection after it closed.
+enum class NoticedBy { kBeginStep, kMustAttachAgain, kDetach };
+
+void ExpectADaemonExitStopsItsRanksAndTellsThePeers(bool peer_in_a_newer_generation,
+                                                    NoticedBy noticed_by = NoticedBy::kBeginStep) {
   test::TempDir dir;
   const std::string socket = dir.path() + "/ubepd.sock";
   AlteringUbepd ubepd(socket, [](v1::AttachResponse& response) {
@@ -432,10 +442,21 @@ void ExpectADaemonExitStopsItsRanksAndTellsThePeers(bool peer_in_a_newer_generat
     });
   }
   fd_socket.Close(1);
-  EXPECT_EQ((*rank0)->BeginStep(1),
-            absl::UnavailableError("rank 0: ubepd exited (it closed this rank's fd connection); "
-                                   "detach, and attach again when it is back"));
-  EXPECT_TRUE((*rank0)->must_attach_again());
+  switch (noticed_by) {
+    case NoticedBy::kBeginStep:
+      EXPECT_EQ((*rank0)->BeginStep(1),
+                absl::UnavailableError("rank 0: ubepd exited (it closed this rank's fd "
+                                       "connection); detach, and attach again when it is back"));
+      EXPECT_TRUE((*rank0)->must_attach_again());
+      break;
+    case NoticedBy::kMustAttachAgain:  // Asked after an error, as docs say to.
+      EXPECT_TRUE((*rank0)->must_attach_again());
+      break;
+    case NoticedBy::kDetach:  // Nothing to detach from, and no RPC to a daemon gone.
+      EXPECT_EQ((*rank0)->Detach(), absl::OkStatus());
+      EXPECT_TRUE(ubepd.detaches().empty());
+      break;
+  }
   if (peer_in_a_newer_generation) {
     EXPECT_EQ(AbortWords(ubepd.node()), (std::vector<uint32_t>{kernels::kAbortDraining, 0u}));
     return;
@@ -461,6 +482,109 @@ TEST(ClientTest, ARankThatFindsItsDaemonGoneStopsItsRanksAsDrainingAndTellsThePe
 
 TEST(ClientTest, ARankThatFindsItsDaemonGoneLeavesAPeerOfANewerGenerationAlone) {
   ExpectADaemonExitStopsItsRanksAndTellsThePeers(/*peer_in_a_newer_generation=*/true);
+}
+
+// must_attach_again() and Detach find the daemon gone as BeginStep does, and stop the group
+// alike: the peers learn that the rank left at once, not after their wait timeout.
+TEST(ClientTest, MustAttachAgainThatFindsTheDaemonGoneStopsTheGroup) {
+  ExpectADaemonExitStopsItsRanksAndTellsThePeers(false, NoticedBy::kMustAttachAgain);
+}
+
+TEST(ClientTest, ADetachThatFindsTheDaemonGoneStopsTheGroupAndSucceeds) {
+  ExpectADaemonExitStopsItsRanksAndTellsThePeers(false, NoticedBy::kDetach);
+}
+
+// ubepd dies while a rank waits in BeginStep for the decision on a plan prepared for its
+// step: the wait looks at the connection as BeginStep does and stops the group, instead of
+// waiting out the decision timeout and blaming the balancer.
+TEST(ClientTest, ARankWaitingForAPlansDecisionFindsItsDaemonGone) {
+  test::TempDir dir;
+  const std::string socket = dir.path() + "/ubepd.sock";
+  AlteringUbepd ubepd(socket, [](v1::AttachResponse&) {});
+  ClosableFdSocket fd_socket(ubepd.node(), socket + ".fds");
+  ClientOptions options;
+  options.socket_path = socket;
+  options.rpc_timeout = absl::Seconds(10);
+  options.decision_timeout = absl::Seconds(60);
+  options.daemon_check_interval = absl::Milliseconds(1);
+  absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(options, 0, 1, 0, Shape());
+  ASSERT_TRUE(rank.ok()) << rank.status();
+  const v1::PrepareResponse prepared = ubepd.node().Prepare(SwappedPlan(), 5);
+  ASSERT_TRUE(prepared.prepared()) << prepared.reason();
+  std::thread exit([&] {
+    absl::SleepFor(absl::Milliseconds(100));
+    fd_socket.Close(1);
+  });
+  const absl::Status begun = (*rank)->BeginStep(5);
+  exit.join();
+  EXPECT_EQ(begun, absl::UnavailableError("rank 0: ubepd exited (it closed this rank's fd "
+                                          "connection); detach, and attach again when it is back"));
+  EXPECT_EQ(AbortWords(ubepd.node()), (std::vector<uint32_t>{kernels::kAbortDraining}));
+  EXPECT_TRUE((*rank)->must_attach_again());
+}
+
+// The fd socket is found next to the gRPC socket the client reached: a daemon started with a
+// relative --socket names its fd socket relative to its own working directory.
+TEST(ClientTest, TheFdSocketIsFoundInTheDirectoryOfTheSocketTheClientReached) {
+  test::TempDir dir;
+  const std::string socket = dir.path() + "/ubepd.sock";
+  AlteringUbepd ubepd(socket, [](v1::AttachResponse& response) {
+    response.set_fd_socket("ubepd.sock.fds");
+  });
+  ClosableFdSocket fd_socket(ubepd.node(), socket + ".fds");
+  ClientOptions options;
+  options.socket_path = socket;
+  options.rpc_timeout = absl::Seconds(10);
+  absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(options, 0, 1, 0, Shape());
+  ASSERT_TRUE(rank.ok()) << rank.status();
+  EXPECT_TRUE((*rank)->BeginStep(0).ok());
+}
+
+// The slot map is shared memory: a word outside the weight buffers (a stray store by any
+// process of the group) is refused as ubepd refuses it, not handed out as a span past the
+// arena's end.
+TEST(ClientTest, ASlotMapWordOutsideTheWeightBuffersIsRefused) {
+  test::TempDir dir;
+  absl::StatusOr<std::unique_ptr<daemon::Daemon>> ubepd = StartUbepd(dir);
+  ASSERT_TRUE(ubepd.ok()) << ubepd.status();
+  absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(ClientOf(dir), 0, 1, 0, Shape());
+  ASSERT_TRUE(rank.ok()) << rank.status();
+  ASSERT_TRUE((*rank)->BeginStep(0).ok());
+  ASSERT_TRUE((*rank)->ExpertWeights(0, 1).ok());
+  int buffers = 0;
+  (*ubepd)->node().ForEachArena([&](int, std::byte* base, const kernels::RankArenaLayout& layout,
+                                    const kernels::EpConfig& config) {
+    buffers = layout.buffers_per_layer;
+    for (int b = 0; b < 2; ++b) kernels::SlotMap(base, layout, config, b)[1] = 0xfffffff0u;
+  });
+  EXPECT_EQ((*rank)->ExpertWeights(0, 1).status(),
+            absl::DataLossError(absl::StrCat(
+                "rank 0's slot map says layer 0 slot 1 is in weight buffer 4294967280, outside "
+                "[0, ", buffers, "): its arena was written outside ubepd")));
+  EXPECT_TRUE((*rank)->ExpertWeights(0, 0).ok());
+}
+
+// ubepd's own "not yet" (a peer daemon's arenas are not mapped) reads as ubepd said it, as
+// docs/serving-integration.md promises; only the transport's failures are "not reachable".
+TEST(ClientTest, TheDaemonsOwnUnavailableIsNotCalledUnreachable) {
+  test::TempDir dir;
+  daemon::DaemonOptions options;
+  options.socket_path = dir.path() + "/ubepd.sock";
+  options.balancer = "unix:" + dir.path() + "/no-balancer.sock";  // Never answers.
+  options.listen = "127.0.0.1:0";
+  options.node.num_ranks = 1;  // Hosts rank 0 of 2: rank 1's daemon never registers.
+  options.node.join_timeout = absl::Milliseconds(200);
+  absl::StatusOr<std::unique_ptr<daemon::Daemon>> ubepd = daemon::Daemon::Start(options);
+  ASSERT_TRUE(ubepd.ok()) << ubepd.status();
+  EXPECT_EQ(Rank::Attach(ClientOf(dir), 0, 2, 0, Shape()).status(),
+            absl::UnavailableError(
+                "rank 0: attach: the arenas of rank 1 are not mapped yet: their daemons have "
+                "not attached a client or not registered with the balancer; attach again"));
+  test::TempDir empty;
+  EXPECT_EQ(Rank::Attach(ClientOf(empty), 0, 1, 0, Shape()).status().code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(absl::StrContains(Rank::Attach(ClientOf(empty), 0, 1, 0, Shape()).status().message(),
+                                "ubepd is not reachable"));
 }
 
 }  // namespace

@@ -1,10 +1,14 @@
 #include <fcntl.h>
 #include <stdlib.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <string>
 #include <thread>
@@ -226,6 +230,46 @@ TEST(UnixSocketTest, AMessageCarriesMoreFdsThanOneSocketMessageTakes) {
   EXPECT_TRUE(next->fds.empty());
   EXPECT_EQ(SendMessage(b.get(), "x", std::vector<int>(2049, fds[0])),
             absl::InvalidArgumentError("cannot pass 2049 fds (max 2048)"));
+}
+
+// In a child (EXPECT_EXIT): leaves three descriptors free under its open-files limit,
+// receives one message on `socket`, prints its status and exits 0 if it is ResourceExhausted.
+void ReceiveWithFewDescriptorsFree(int socket) {
+  int highest = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    highest = std::max(highest, std::atoi(entry.path().filename().c_str()));
+  }
+  const rlimit limit{static_cast<rlim_t>(highest + 1), static_cast<rlim_t>(highest + 1)};
+  setrlimit(RLIMIT_NOFILE, &limit);
+  // Every free number under the limit taken, then three given back.
+  std::vector<int> taken;
+  for (int fd; (fd = dup(socket)) >= 0;) taken.push_back(fd);
+  for (int i = 0; i < 3 && !taken.empty(); ++i) {
+    close(taken.back());
+    taken.pop_back();
+  }
+  const absl::Status got = ReceiveMessage(socket, 64, absl::Seconds(10)).status();
+  std::fprintf(stderr, "%s\n", got.ToString().c_str());
+  std::_Exit(absl::IsResourceExhausted(got) ? 0 : 1);
+}
+
+// A receiver whose descriptor table is nearly full (its open-files limit) gets some of a
+// message's fds: the error says so, and which limit, rather than calling the message too large.
+TEST(UnixSocketTest, FdsThatDoNotFitTheReceiversTableAreCalledThat) {
+  int pair[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair), 0);
+  UniqueFd a(pair[0]), b(pair[1]);
+  std::vector<UniqueFd> files;
+  std::vector<int> fds;
+  for (int i = 0; i < 16; ++i) {
+    files.emplace_back(memfd_create("ubep-test", MFD_CLOEXEC));
+    fds.push_back(files.back().get());
+  }
+  ASSERT_TRUE(SendMessage(b.get(), "OK", fds).ok());
+  EXPECT_EXIT(ReceiveWithFewDescriptorsFree(a.get()),
+      ::testing::ExitedWithCode(0),
+      "RESOURCE_EXHAUSTED: out of file descriptors: [0-9]+ of a message's fds fit this "
+      "process's table \\(its open-files limit is [0-9]+; raise it, ulimit -n\\)");
 }
 
 }  // namespace
