@@ -180,7 +180,8 @@ LayerPlan UbepLayerFresh(std::span<const double> w, const Topology& t,
 }
 
 LayerPlan UbepLayerIncremental(std::span<const double> w, const Topology& t,
-                               const LayerPlan& previous, const UbepPolicyOptions& options) {
+                               const LayerPlan& previous, const UbepPolicyOptions& options,
+                               int* trials_run) {
   const int num_experts = static_cast<int>(w.size());
   const int R = t.num_ranks, S = t.slots_per_rank;
   LayerPlan current = previous;
@@ -197,9 +198,10 @@ LayerPlan UbepLayerIncremental(std::span<const double> w, const Topology& t,
   constexpr int kRankCandidates = 4;
 
   std::vector<int> ranks_by_load(R);
-  constexpr int kMaxTrials = 96;  // Each trial re-levels the layer.
+  // Each trial re-levels the layer (a max-flow leveling): at most kMaxIncrementalTrials per
+  // layer, which bounds the time a layer takes to plan.
   int trials = 0;
-  for (int move = 0; move < t.num_slots() && trials <= kMaxTrials; ++move) {
+  for (int move = 0; move < t.num_slots() && trials < kMaxIncrementalTrials; ++move) {
     const double max_load = MaxOf(rank_load);
     if (max_load / mean <= options.target_balancedness) break;
     const double excess = Excess(rank_load, mean);
@@ -222,7 +224,7 @@ LayerPlan UbepLayerIncremental(std::span<const double> w, const Topology& t,
     for (int e : hot) {
       int tried = 0;
       for (int u : ranks_by_load) {
-        if (tried == kRankCandidates || accepted) break;
+        if (tried == kRankCandidates || accepted || trials == kMaxIncrementalTrials) break;
         // The slot on u whose expert is replicated elsewhere and carries the least load;
         // it must stay within u's budget (restoring a slot's previous expert is free).
         int q = -1;
@@ -241,12 +243,12 @@ LayerPlan UbepLayerIncremental(std::span<const double> w, const Topology& t,
         }
         if (q < 0) continue;
         ++tried;
+        ++trials;
         LayerPlan trial = current;
         const int f = trial.slot_expert[q];
         trial.slot_expert[q] = e;
         trial.slot_share[q] = 0.0;
         std::vector<double> trial_load = LevelShares(t, w, trial);
-        if (++trials > kMaxTrials) break;
         // Leveling spreads a gain over every rank at the top level, so the maximum alone can
         // barely move; the excess above the mean, squared, shows progress it cannot.
         if (MaxOf(trial_load) > max_load + 1e-12 * mean ||
@@ -260,16 +262,16 @@ LayerPlan UbepLayerIncremental(std::span<const double> w, const Topology& t,
         rank_load = std::move(trial_load);
         accepted = true;
       }
-      if (accepted) break;
+      if (accepted || trials == kMaxIncrementalTrials) break;
     }
     if (!accepted) {
       // No replica helps (none is spare, or the hot experts are on every cold rank): exchange
       // a heavy single-replica expert of a top rank with a lighter one of a cold rank, the
       // pair whose difference best halves the two ranks' gap.
       const int u_count = std::min<int>(kRankCandidates, R);
-      for (int h = 0; h < R && !accepted; ++h) {
+      for (int h = 0; h < R && !accepted && trials < kMaxIncrementalTrials; ++h) {
         if (rank_load[h] < max_load - 1e-9 * mean) continue;
-        for (int ui = 0; ui < u_count && !accepted; ++ui) {
+        for (int ui = 0; ui < u_count && !accepted && trials < kMaxIncrementalTrials; ++ui) {
           const int u = ranks_by_load[ui];
           const double gap = rank_load[h] - rank_load[u];
           if (u == h || gap <= 0) continue;
@@ -293,10 +295,10 @@ LayerPlan UbepLayerIncremental(std::span<const double> w, const Topology& t,
             }
           }
           if (best_p < 0) continue;
+          ++trials;
           LayerPlan trial = current;
           std::swap(trial.slot_expert[best_p], trial.slot_expert[best_q]);
           std::vector<double> trial_load = LevelShares(t, w, trial);
-          if (++trials > kMaxTrials) break;
           if (MaxOf(trial_load) > max_load + 1e-12 * mean ||
               Excess(trial_load, mean) > excess * (1 - options.min_gain)) {
             continue;
@@ -312,6 +314,7 @@ LayerPlan UbepLayerIncremental(std::span<const double> w, const Topology& t,
     }
     if (!accepted) break;
   }
+  if (trials_run != nullptr) *trials_run = trials;
   if (options.balance_slack > 0) {
     LevelShares(t, w, current, {.balance_slack = options.balance_slack});
   }

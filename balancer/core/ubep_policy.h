@@ -59,9 +59,15 @@ absl::StatusOr<Plan> PlanUbep(const LoadMatrix& load, const Topology& topology,
 LayerPlan UbepLayerFresh(std::span<const double> expert_load, const Topology& topology,
                          const UbepPolicyOptions& options);
 
-// One layer starting from `previous`. Exposed for tests and benchmarks.
+// Most single-slot changes UbepLayerIncremental tries in one layer (each one a leveling of
+// the layer's shares), accepted or not: the bound on a layer's planning time.
+inline constexpr int kMaxIncrementalTrials = 96;
+
+// One layer starting from `previous`. Exposed for tests and benchmarks; `trials_run`, when
+// given, receives the changes it tried.
 LayerPlan UbepLayerIncremental(std::span<const double> expert_load, const Topology& topology,
-                               const LayerPlan& previous, const UbepPolicyOptions& options);
+                               const LayerPlan& previous, const UbepPolicyOptions& options,
+                               int* trials_run = nullptr);
 
 }  // namespace ubep::balancer
 

@@ -121,6 +121,28 @@ TEST(UbepPolicyTest, PerLayerBudgetIsRespectedLayerByLayer) {
   EXPECT_GT(changed, 0);
 }
 
+// A layer's migration-aware pass tries at most kMaxIncrementalTrials slot changes, however
+// many ranks share the top load: every trial is a max-flow leveling, and the bound is what
+// keeps a layer's planning time in hand. Loads drifted far from the placement, and a target
+// no placement reaches, keep it trying.
+TEST(UbepPolicyTest, TheMigrationAwarePassTriesAtMostItsBoundOfChanges) {
+  std::mt19937_64 rng(5);
+  const Topology t{128, 16, 2, 1};
+  int most = 0;
+  for (int i = 0; i < 4; ++i) {
+    const LoadMatrix first = RandomLoad(rng, 1, 192);
+    const LoadMatrix second = RandomLoad(rng, 1, 192);
+    const LayerPlan previous = UbepLayerFresh(first.row(0), t, {.balance_slack = 0});
+    int trials = -1;
+    UbepLayerIncremental(second.row(0), t, previous,
+                         {.target_balancedness = 1.0, .min_gain = 1e-6, .balance_slack = 0},
+                         &trials);
+    EXPECT_LE(trials, kMaxIncrementalTrials) << "case " << i;
+    most = std::max(most, trials);
+  }
+  EXPECT_EQ(most, kMaxIncrementalTrials);  // The bound is reached, not only respected.
+}
+
 TEST(UbepPolicyTest, UnbudgetedReplanMovesAtMostTheMovedFraction) {
   absl::StatusOr<LoadMatrix> decode = ReadSglangLoadFile(test::TracePath("decode_in1000out1000.json"));
   absl::StatusOr<LoadMatrix> prefill = ReadSglangLoadFile(test::TracePath("prefill_in512.json"));
