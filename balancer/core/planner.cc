@@ -24,6 +24,30 @@ std::string_view PolicyName(Policy policy) {
   return "?";
 }
 
+namespace {
+
+// EPLB replans every layer from scratch. Against the plan in force: a layer with no load
+// keeps its placement (EPLB would give every spare slot to expert 0, learning nothing), and
+// so does one whose new placement changes more slots of some rank than the budget (each
+// changed slot is one weight copy into a free buffer, which the daemons must have).
+void KeepLayersEplbCannotMove(const LoadMatrix& load, const Topology& topology,
+                              const Plan& previous, int budget, Plan& plan) {
+  const int S = topology.slots_per_rank;
+  for (int l = 0; l < plan.num_layers(); ++l) {
+    bool keep = load.RowSum(l) <= 0;
+    for (int r = 0; r < topology.num_ranks && !keep && budget >= 0; ++r) {
+      int changed = 0;
+      for (int p = r * S; p < (r + 1) * S; ++p) {
+        changed += plan.layers[l].slot_expert[p] != previous.layers[l].slot_expert[p];
+      }
+      keep = changed > budget;
+    }
+    if (keep) plan.layers[l] = previous.layers[l];
+  }
+}
+
+}  // namespace
+
 absl::StatusOr<Plan> ComputePlan(const LoadMatrix& load, const Topology& topology,
                                  const Plan* previous, const PlannerOptions& options) {
   if (previous != nullptr) {
@@ -35,6 +59,9 @@ absl::StatusOr<Plan> ComputePlan(const LoadMatrix& load, const Topology& topolog
     case Policy::kEplb:
     case Policy::kEplbGlobal:
       plan = PlanEplb(load, topology, options.policy == Policy::kEplb);
+      if (plan.ok() && previous != nullptr) {
+        KeepLayersEplbCannotMove(load, topology, *previous, options.migration_budget, *plan);
+      }
       break;
     case Policy::kUbep:
       plan = PlanUbep(load, topology, previous,

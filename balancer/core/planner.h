@@ -29,12 +29,15 @@ std::string_view PolicyName(Policy policy);
 struct PlannerOptions {
   Policy policy = Policy::kUbep;
   uint64_t seed = 0;
-  int migration_budget = -1;  // Per rank per layer; negative = unlimited. ubep only.
+  int migration_budget = -1;  // Changed slots per rank per layer; negative = unlimited.
   double balance_slack = -1;  // ubep only; negative = from the counts. See UbepPolicyOptions.
 };
 
-// The EPLB policies ignore `previous` apart from the version (they always replan from
-// scratch); `ubep` starts from it. The new plan's version is previous->version + 1, or 1.
+// The EPLB policies replan every layer from scratch; against `previous`, a layer with no
+// load, or whose new placement changes more than `migration_budget` slots of some rank, keeps
+// its previous placement (EPLB, moving most slots, needs a budget near slots_per_rank to move
+// a layer at all). `ubep` starts from `previous` and moves slots within the budget. The new
+// plan's version is previous->version + 1, or 1.
 absl::StatusOr<Plan> ComputePlan(const LoadMatrix& load, const Topology& topology,
                                  const Plan* previous, const PlannerOptions& options);
 

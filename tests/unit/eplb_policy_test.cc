@@ -1,5 +1,7 @@
 #include "balancer/core/eplb_policy.h"
 
+#include <algorithm>
+
 #include "balancer/core/metrics.h"
 #include "balancer/core/planner.h"
 #include "gtest/gtest.h"
@@ -77,6 +79,45 @@ TEST(EplbPolicyTest, PlannerNamesPolicies) {
   EXPECT_EQ(ParsePolicy("random").status(),
             absl::InvalidArgumentError(
                 "unknown policy 'random'; expected eplb, eplb-global or ubep"));
+}
+
+// Against the plan in force, an EPLB layer with no load keeps its placement, and so does one
+// whose new placement changes more slots of a rank than the budget; a layer within it moves.
+TEST(EplbPolicyTest, LayersWithoutLoadOrOverTheBudgetKeepTheirPlacement) {
+  const Topology t{8, 2, 2, 4};
+  const LoadMatrix load = ReadmeWeights();
+  absl::StatusOr<Plan> first = ComputePlan(load, t, nullptr, {.policy = Policy::kEplb});
+  ASSERT_TRUE(first.ok()) << first.status();
+  // Layer 0's load swapped with layer 1's; then layer 1 without load.
+  LoadMatrix moved(2, 12);
+  for (int e = 0; e < 12; ++e) moved.at(0, e) = load.at(1, e);
+  absl::StatusOr<Plan> fresh = ComputePlan(moved, t, nullptr, {.policy = Policy::kEplb});
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  std::vector<int64_t> per_rank;
+  Plan only_layer0 = *first;
+  only_layer0.layers[0] = fresh->layers[0];
+  ChangedSlots(*first, only_layer0, &per_rank);
+  const int64_t most = *std::max_element(per_rank.begin(), per_rank.end());
+  ASSERT_GT(most, 0);
+  ASSERT_LE(most, 2);
+
+  absl::StatusOr<Plan> within = ComputePlan(
+      moved, t, &*first, {.policy = Policy::kEplb, .migration_budget = static_cast<int>(most)});
+  ASSERT_TRUE(within.ok()) << within.status();
+  EXPECT_EQ(within->version, 2u);
+  EXPECT_EQ(within->layers[0].slot_expert, fresh->layers[0].slot_expert);  // Moved.
+  EXPECT_EQ(within->layers[1], first->layers[1]);  // No load: kept.
+  EXPECT_TRUE(ValidatePlan(*within).ok());
+
+  absl::StatusOr<Plan> over = ComputePlan(
+      moved, t, &*first, {.policy = Policy::kEplb, .migration_budget = static_cast<int>(most) - 1});
+  ASSERT_TRUE(over.ok()) << over.status();
+  EXPECT_EQ(ChangedSlots(*first, *over, nullptr), 0);
+
+  absl::StatusOr<Plan> unlimited = ComputePlan(moved, t, &*first, {.policy = Policy::kEplb});
+  ASSERT_TRUE(unlimited.ok()) << unlimited.status();
+  EXPECT_EQ(unlimited->layers[0].slot_expert, fresh->layers[0].slot_expert);
+  EXPECT_EQ(unlimited->layers[1], first->layers[1]);
 }
 
 }  // namespace
