@@ -22,7 +22,9 @@ class LoadWindow {
   void Add(const LoadMatrix& load);
   // Closes the interval being collected.
   void Close();
-  // The window's load (sum of the kept intervals, or the EWMA), layers x experts.
+  // The window's load in counts, layers x experts: the sum of the kept intervals, or the EWMA
+  // scaled by (2 - alpha) / alpha, the number of intervals whose sum has its sampling noise.
+  // An EWMA is left as it is by an interval nothing was added to (no data, not zero load).
   LoadMatrix Current() const;
   int closed_intervals() const { return closed_; }
 
@@ -32,6 +34,8 @@ class LoadWindow {
   LoadMatrix open_;
   std::deque<LoadMatrix> kept_;
   LoadMatrix ewma_;
+  bool ewma_seeded_ = false;  // An interval with data has been closed.
+  bool open_added_ = false;   // Something was added to the interval being collected.
   int closed_ = 0;
 };
 

@@ -49,14 +49,36 @@ TEST(LoadWindowTest, KeepsTheLastIntervals) {
   EXPECT_EQ(window.closed_intervals(), 3);
 }
 
+// Read as counts: the average times (2 - alpha) / alpha = 7 intervals.
 TEST(LoadWindowTest, EwmaWeighsTheNewestInterval) {
   LoadWindow window(2, 3, 1, /*ewma_alpha=*/0.25);
+  window.Close();  // Nothing reported yet: no data, not zero load.
   window.Add(Filled(4));
   window.Close();
-  EXPECT_EQ(window.Current().at(0, 0), 4);  // The first interval seeds the average.
+  EXPECT_EQ(window.Current().at(0, 0), 4 * 7);  // The first interval with data seeds it.
   window.Add(Filled(8));
   window.Close();
-  EXPECT_EQ(window.Current().at(0, 0), 0.25 * 8 + 0.75 * 4);
+  EXPECT_EQ(window.Current().at(0, 0), (0.25 * 8 + 0.75 * 4) * 7);
+  window.Close();  // An interval without reports leaves it.
+  EXPECT_EQ(window.Current().at(0, 0), (0.25 * 8 + 0.75 * 4) * 7);
+  window.Add(Filled(0));  // Reports of no load: zero load.
+  window.Close();
+  EXPECT_EQ(window.Current().at(0, 0), 0.75 * (0.25 * 8 + 0.75 * 4) * 7);
+}
+
+// A steady load reads alike through a window of N intervals and an EWMA of alpha 2 / (N + 1):
+// the policy's noise model (its slack) sees the same counts either way.
+TEST(LoadWindowTest, ASteadyLoadReadsAlikeThroughAWindowAndTheMatchingEwma) {
+  LoadWindow window(2, 3, /*intervals=*/9);
+  LoadWindow ewma(2, 3, 1, /*ewma_alpha=*/2.0 / (9 + 1));
+  for (int i = 0; i < 12; ++i) {
+    window.Add(Filled(100));
+    window.Close();
+    ewma.Add(Filled(100));
+    ewma.Close();
+  }
+  EXPECT_DOUBLE_EQ(window.Current().at(1, 2), 900 * 3);
+  EXPECT_DOUBLE_EQ(ewma.Current().at(1, 2), 900 * 3);
 }
 
 v1::RegisterRequest Registration(const std::string& node, uint32_t first_rank) {
