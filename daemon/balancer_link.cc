@@ -159,19 +159,34 @@ void BalancerLink::Report() {
   v1::ReportLoadResponse response;
   const grpc::Status status = stub_->ReportLoad(&context, pending_->request, &response);
   switch (status.error_code()) {
+    case grpc::StatusCode::OK:
+    case grpc::StatusCode::INVALID_ARGUMENT:
+    case grpc::StatusCode::FAILED_PRECONDITION:
+      // The balancer's answers: taken, or refused for good (a report it cannot use is
+      // dropped, and the balancer says why).
+      last_ = std::move(pending_->loads);
+      last_step_ = pending_->request.load().last_step();
+      pending_.reset();
+      return;
     case grpc::StatusCode::NOT_FOUND:
       // The balancer restarted or forgot this node: it took nothing of the report, which goes
       // again once this daemon has registered.
       registered_ = false;
       return;
-    case grpc::StatusCode::UNAVAILABLE:
-    case grpc::StatusCode::DEADLINE_EXCEEDED:
-      return;  // Taken or not: the same report goes again, and is taken at most once.
-    default:
-      // Taken, or answered (a report the balancer cannot use is dropped, and says why).
-      last_ = std::move(pending_->loads);
-      last_step_ = pending_->request.load().last_step();
-      pending_.reset();
+    default: {
+      // No answer of the balancer's (unreachable, timed out, or a transport or proxy that
+      // cancelled or failed the call): taken or not, the same report goes again, and is taken
+      // at most once. Said once per kind of failure and 10 s.
+      const absl::Time now = absl::Now();
+      const std::string why = absl::StrCat(status.error_code(), ": ", status.error_message());
+      if (why != last_report_failure_ || now >= next_report_failure_log_) {
+        last_report_failure_ = why;
+        next_report_failure_log_ = now + absl::Seconds(10);
+        UBEP_LOG(WARNING) << "load report " << pending_->request.seq() << " got no answer from "
+                          << "ubep-balancer (code " << why << "); it goes again";
+      }
+      return;
+    }
   }
 }
 

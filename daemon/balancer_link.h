@@ -68,6 +68,9 @@ class BalancerLink {
   absl::Time next_peer_log_ = absl::InfinitePast();
   std::string last_refusal_;  // The last registration's error, logged until next_refusal_log_.
   absl::Time next_refusal_log_ = absl::InfinitePast();
+  // The last failure of a report to get an answer, logged until next_report_failure_log_.
+  std::string last_report_failure_;
+  absl::Time next_report_failure_log_ = absl::InfinitePast();
   // The process: "<pid>-<start ns>". It registers "<process>.<groups created>": a group
   // created again has new arenas, which peers map anew as a restarted daemon's.
   const std::string incarnation_;

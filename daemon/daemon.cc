@@ -32,6 +32,17 @@ grpc::Status ToGrpc(const absl::Status& status) {
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
 }
 
+// An answer of ubepd's RPCs: an error is counted (ubep_daemon_errors_total{source="rpc"}) and
+// marked as ubepd's own (rpc_origin.h), so that clients call only the transport's failures
+// "not reachable".
+grpc::Status Answered(grpc::ServerContext* context, DaemonMetrics* metrics,
+                      const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  metrics->CountRpcError(status.code());
+  context->AddTrailingMetadata(kUbepdOrigin, "ubepd");
+  return ToGrpc(status);
+}
+
 class DaemonService final : public v1::Daemon::Service {
  public:
   DaemonService(Node* node, DaemonMetrics* metrics) : node_(node), metrics_(metrics) {}
@@ -60,13 +71,8 @@ class DaemonService final : public v1::Daemon::Service {
   }
 
  private:
-  // An error ubepd answers itself is marked as its own (rpc_origin.h): clients call only the
-  // transport's failures "not reachable".
   grpc::Status Count(grpc::ServerContext* context, const absl::Status& status) {
-    if (status.ok()) return grpc::Status::OK;
-    metrics_->CountRpcError(status.code());
-    context->AddTrailingMetadata(kUbepdOrigin, "ubepd");
-    return ToGrpc(status);
+    return Answered(context, metrics_, status);
   }
   template <typename T>
   grpc::Status Answer(grpc::ServerContext* context, absl::StatusOr<T> result, T* response) {
@@ -176,13 +182,13 @@ Node::RemoteWeights RemoteWeightsOf(const v1::PrepareRequest& request, const std
 // The daemon side of the two-phase plan commit, for ubep-balancer and peer daemons.
 class DaemonControlService final : public v1::DaemonControl::Service {
  public:
-  DaemonControlService(Node* node, std::string name, std::string backend)
-      : node_(node), name_(std::move(name)), backend_(std::move(backend)) {}
+  DaemonControlService(Node* node, DaemonMetrics* metrics, std::string name, std::string backend)
+      : node_(node), metrics_(metrics), name_(std::move(name)), backend_(std::move(backend)) {}
 
   grpc::Status Prepare(grpc::ServerContext* context, const v1::PrepareRequest* request,
                        v1::PrepareResponse* response) override {
     absl::StatusOr<balancer::Plan> plan = balancer::FromProto(request->plan());
-    if (!plan.ok()) return ToGrpc(plan.status());
+    if (!plan.ok()) return Answered(context, metrics_, plan.status());
     const std::optional<v1::AttachRequest> shape = node_->GroupShape();
     *response = node_->Prepare(
         *plan, request->effective_step(),
@@ -190,31 +196,32 @@ class DaemonControlService final : public v1::DaemonControl::Service {
                         std::min(absl::Now() + absl::Minutes(5), absl::FromChrono(context->deadline()))));
     return grpc::Status::OK;
   }
-  grpc::Status CreateLink(grpc::ServerContext*, const v1::CreateLinkRequest*,
+  grpc::Status CreateLink(grpc::ServerContext* context, const v1::CreateLinkRequest*,
                           v1::CreateLinkResponse* response) override {
     if (backend_ != "cuda") {
-      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                          "the host backend copies weights without NCCL links");
+      return Answered(context, metrics_,
+                      absl::FailedPreconditionError(
+                          "the host backend copies weights without NCCL links"));
     }
     absl::StatusOr<std::string> id = NewWeightLinkId();
-    if (!id.ok()) return ToGrpc(id.status());
+    if (!id.ok()) return Answered(context, metrics_, id.status());
     response->set_nccl_unique_id(*std::move(id));
     return grpc::Status::OK;
   }
-  grpc::Status ReadWeights(grpc::ServerContext*, const v1::ReadWeightsRequest* request,
+  grpc::Status ReadWeights(grpc::ServerContext* context, const v1::ReadWeightsRequest* request,
                            v1::ReadWeightsResponse* response) override {
     absl::StatusOr<v1::ReadWeightsResponse> read = node_->ReadWeights(*request);
-    if (!read.ok()) return ToGrpc(read.status());
+    if (!read.ok()) return Answered(context, metrics_, read.status());
     *response = *std::move(read);
     return grpc::Status::OK;
   }
-  grpc::Status Commit(grpc::ServerContext*, const v1::CommitRequest* request,
+  grpc::Status Commit(grpc::ServerContext* context, const v1::CommitRequest* request,
                       v1::CommitResponse*) override {
-    return ToGrpc(node_->Commit(request->version()));
+    return Answered(context, metrics_, node_->Commit(request->version()));
   }
-  grpc::Status Abort(grpc::ServerContext*, const v1::AbortRequest* request,
+  grpc::Status Abort(grpc::ServerContext* context, const v1::AbortRequest* request,
                      v1::AbortResponse*) override {
-    return ToGrpc(node_->Abort(request->version()));
+    return Answered(context, metrics_, node_->Abort(request->version()));
   }
   grpc::Status GetState(grpc::ServerContext*, const v1::GetStateRequest*,
                         v1::DaemonState* response) override {
@@ -225,6 +232,7 @@ class DaemonControlService final : public v1::DaemonControl::Service {
 
  private:
   Node* node_;
+  DaemonMetrics* metrics_;
   std::string name_;
   std::string backend_;
 };
@@ -322,7 +330,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
     gethostname(host, sizeof(host) - 1);
     options.node_name = host;
   }
-  d->control_ = std::make_unique<DaemonControlService>(d->node_.get(), options.node_name, options.backend);
+  d->control_ = std::make_unique<DaemonControlService>(d->node_.get(), d->metrics_.get(),
+                                                     options.node_name, options.backend);
   builder.RegisterService(d->control_.get());
   d->server_ = builder.BuildAndStart();
   if (d->server_ == nullptr || (!options.listen.empty() && d->listen_port_ == 0)) {

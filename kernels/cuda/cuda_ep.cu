@@ -28,7 +28,10 @@ constexpr int kStatusWaitLate = 5;   // 1: the wait that ended passed the deadli
 // Combine: 0, or R - d for the lowest rank d of the group that overflowed its receive
 // capacity in this call (OverflowKernel).
 constexpr int kStatusPeerOver = 6;
-constexpr int kStatusWords = 7;
+// Dispatch: the abort word as GateKernel found it before the call's first store; not 0: the
+// group gave up in an earlier call, and no kernel of this call does anything.
+constexpr int kStatusRefused = 7;
+constexpr int kStatusWords = 8;
 constexpr uint32_t kPhaseAsCalled = 1;  // Named by the call (CheckStatus's `what`).
 constexpr uint32_t kPhaseCounts = 2;    // ubep's wait for the sources' counts: "dispatch counts".
 // Sender blocks of a dispatch (send_split.h). A few dozen SMs saturate NVLink stores, as in
@@ -192,7 +195,8 @@ __device__ RecordEntry LoadEntry(const std::byte* record, int q) {
 // left out of the records), so its receive side still lays out what the peers sent and its
 // combine can answer them.
 __device__ inline bool Stopped(const Params& p) {
-  return p.status[kStatusWaitEnded] != 0 || p.status[kStatusStalled] != 0;
+  return p.status[kStatusWaitEnded] != 0 || p.status[kStatusStalled] != 0 ||
+         p.status[kStatusRefused] != 0;
 }
 
 // Whether this call raises its flag (dispatch or combine) in `peer`'s arena. Plain calls
@@ -410,6 +414,7 @@ __device__ void BatchShare(const Params& p, int b, int index, int64_t* batch_beg
 // Counting role as its own kernel (bsp, and ubep when the fused kernel cannot keep every
 // block resident): block b counts destination p.visit.Dest(b) over every token.
 __global__ void RouteKernel(Params p) {
+  if (Stopped(p)) return;  // Refused at the gate: no record goes out.
   __shared__ BlockScanInt::TempStorage storage;
   __shared__ int base;
   const int d = p.visit.Dest(blockIdx.x);
@@ -479,6 +484,8 @@ __device__ bool BlockWaitCount(const Params& p, int32_t* word, int32_t target,
 // counts. Counting never waits on a peer, so the only waits here are for this rank's own
 // blocks; each is bounded by the timeout all the same.
 __global__ void SendKernel(Params p, int count_blocks) {
+  // Refused at the gate (GateKernel, before this launch: every block reads the same word).
+  if (p.status[kStatusRefused] != 0) return;
   extern __shared__ int32_t shared[];  // Counting: records per destination; senders: stored.
   __shared__ BlockScanInt::TempStorage storage;
   const int R = p.num_ranks, C = count_blocks;
@@ -654,6 +661,22 @@ __device__ void MarkCallCompleted(const Params& p) {
 }
 
 __global__ void CompletedKernel(Params p) { MarkCallCompleted(p); }
+
+// A dispatch's first kernel: clears the call's status words, then takes the abort word as it
+// stands (acquire) into kStatusRefused. Set, the group gave up in an earlier call (a wait
+// timed out, or the daemon stopped it): every later kernel of the call sees it (stream order)
+// and returns before it stores a byte, into a peer above all, which may still be taking the
+// rows of the call that failed (the host backend's check at the start of Dispatch).
+__global__ void GateKernel(Params p) {
+  if (threadIdx.x < kStatusWords) p.status[threadIdx.x] = 0;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    p.status[kStatusRefused] =
+        cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(
+            *reinterpret_cast<uint32_t*>(p.arenas[p.rank] + p.off_abort))
+            .load(cuda::memory_order_acquire);
+  }
+}
 
 __global__ void WaitKernel(Params p, size_t offset, uint32_t phase, Skip skip) {
   if (Stopped(p)) return;  // An earlier wait of this call ended: do not wait again.
@@ -1465,8 +1488,8 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
   s.params.num_tokens = p.num_tokens;
   s.params.layer = p.layer;
   s.params.plan = p.plan;  // Combine waits for the same ranks as its dispatch.
-  UBEP_CUDA_RETURN_IF_ERROR(
-      cudaMemsetAsync(p.status, 0, kStatusWords * sizeof(uint32_t), s.stream));
+  const uint32_t barrier_before = barrier_epoch_;
+  GateKernel<<<1, 32, 0, s.stream>>>(p);  // Clears the status words; the abort word's look.
   UBEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.published, 0, s.zeroed_bytes, s.stream));
   const size_t per_rank_shared = sizeof(int32_t) * config_.num_ranks;
   bool launched = false;
@@ -1523,6 +1546,13 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
                                             sizeof(int32_t) * (config_.slots_per_rank + 1),
                                             cudaMemcpyDeviceToHost, s.stream));
   const absl::Status st = CheckStatus(p.bsp ? "dispatch, bsp" : "dispatch data", p.epoch, &in);
+  if (const uint32_t code = s.host_status[kStatusRefused]; code != 0) {
+    // Refused before any byte moved: the call did not happen (as on the host, where the look
+    // comes before the call takes its epoch).
+    --dispatch_epoch_;
+    barrier_epoch_ = barrier_before;
+    return DispatchAfterGiveUpStatus(code, rank_, config_.protocol, p.epoch);
+  }
   // Bad input and an overflow of the receive capacity leave the call to complete (below).
   if (!st.ok() && !absl::IsInvalidArgument(st) && !absl::IsResourceExhausted(st)) return st;
   out.slot_offsets.assign(s.host_slot_offsets,

@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "kernels/common/flagged_rows.h"
 #include "kernels/common/routing.h"
 #include "kernels/host/signal.h"
@@ -141,6 +142,15 @@ absl::Status DaemonAbortStatus(uint32_t code, int rank, const char* what, uint32
         "during ", what, " of call ", call, "; join again once rank ", gone, " is back"));
   }
   return absl::OkStatus();
+}
+
+absl::Status DispatchAfterGiveUpStatus(uint32_t code, int rank, Protocol protocol,
+                                       uint32_t call) {
+  UBEP_RETURN_IF_ERROR(DaemonAbortStatus(
+      code, rank, protocol == Protocol::kUbep ? "dispatch counts" : "count exchange", call));
+  return absl::FailedPreconditionError(absl::StrCat(
+      "rank ", rank, ": dispatch call ", call, " refused: the group gave up on rank ",
+      RankGivenUpOn(code, rank), " in an earlier call; it must be re-formed"));
 }
 
 int RankGivenUpOn(uint32_t code, int peer) {

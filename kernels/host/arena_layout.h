@@ -159,6 +159,12 @@ constexpr int RankThatLeft(uint32_t code) {
 // `what` names the phase, `call` the epoch.
 absl::Status DaemonAbortStatus(uint32_t code, int rank, const char* what, uint32_t call);
 
+// The refusal of `rank`'s dispatch call `call` found, before any byte moved, with the abort
+// word at `code` (not 0): the group gave up in an earlier call (or its daemon stopped it) and
+// must be re-formed. The daemon's words for its codes, as the call's first wait would say
+// them; else FailedPrecondition naming the rank the group gave up on. Both backends.
+absl::Status DispatchAfterGiveUpStatus(uint32_t code, int rank, Protocol protocol, uint32_t call);
+
 // How much longer than its call's deadline a wait was given at most because `peer`, the rank
 // it waited on then, was in a call of its own (HostEp::WaitForPeer).
 struct GivenPatience {

@@ -674,13 +674,7 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
   // up until it is re-formed (ResetSignals): the call is refused before it stores a byte into
   // a peer, which may still be taking the rows of the call that failed.
   if (const uint32_t code = LoadAcquire(AbortWord()); code != 0) {
-    const uint32_t call = dispatch_epoch_ + 1;
-    UBEP_RETURN_IF_ERROR(DaemonAbortStatus(
-        code, rank_, config_.protocol == Protocol::kUbep ? "dispatch counts" : "count exchange",
-        call));
-    return absl::FailedPreconditionError(absl::StrCat(
-        "rank ", rank_, ": dispatch call ", call, " refused: the group gave up on rank ",
-        RankGivenUpOn(code, rank_), " in an earlier call; it must be re-formed"));
+    return DispatchAfterGiveUpStatus(code, rank_, config_.protocol, dispatch_epoch_ + 1);
   }
   TakePart();
   const Deadline deadline = DeadlineAfter(config_.timeout);

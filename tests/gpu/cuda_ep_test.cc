@@ -819,6 +819,57 @@ TEST_P(CudaEpTest, AReformedGroupNeverTakesTheOldGenerationsRows) {
        .reform_before_call = 1}));
 }
 
+// A dispatch after the group gave up (a wait of an earlier call timed out on rank 1, or the
+// daemon set its code) is refused before any byte moves, in the host backend's words
+// (HostEpErrorTest.ADispatchAfterTheGroupGaveUpIsRefusedBeforeAnyByteMoves): no kernel of the
+// call stores into any arena. One process holds both arenas; rank 1 never runs (nothing of
+// rank 0's refused call waits for it).
+TEST_P(CudaEpTest, ADispatchAfterTheGroupGaveUpIsRefusedBeforeAnyByteMoves) {
+  const EpConfig c = GpuConfig(std::get<0>(GetParam()), std::get<1>(GetParam()));
+  const ArenaLayout layout(c);
+  const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  UBEP_CHECK_CUDA(cudaSetDevice(0));
+  std::vector<std::unique_ptr<DeviceArena>> arenas;
+  std::vector<std::byte*> pointers;
+  for (int r = 0; r < c.num_ranks; ++r) {
+    absl::StatusOr<std::unique_ptr<DeviceArena>> arena = DeviceArena::Create(layout.total_bytes);
+    ASSERT_TRUE(arena.ok()) << arena.status();
+    pointers.push_back((*arena)->data());
+    arenas.push_back(*std::move(arena));
+  }
+  absl::StatusOr<std::unique_ptr<CudaEp>> ep = CudaEp::Create(c, 0, pointers);
+  ASSERT_TRUE(ep.ok()) << ep.status();
+  const RankInput in = MakeInput(c, 0, 8, 3);
+  uint16_t* x = Upload(Bf16Input(in));
+  int32_t* idx = Upload(in.topk_idx);
+  float* w = Upload(in.topk_w);
+  const auto* table = reinterpret_cast<const PlanTableHeader*>(Upload(plan.table));
+  UBEP_CHECK_CUDA(cudaDeviceSynchronize());
+  const std::string counts = c.protocol == Protocol::kUbep ? "dispatch counts" : "count exchange";
+  const std::vector<std::pair<uint32_t, absl::Status>> cases = {
+      {kAbortTimedOutBase + 1,
+       absl::FailedPreconditionError("rank 0: dispatch call 1 refused: the group gave up on "
+                                     "rank 1 in an earlier call; it must be re-formed")},
+      {kAbortDraining, absl::UnavailableError(absl::StrCat(
+                           "rank 0: ubepd is draining; ", counts,
+                           " of call 1 abandoned; attach again when it is back"))}};
+  for (const auto& [code, refused] : cases) {
+    for (std::byte* a : pointers) {
+      UBEP_CHECK_CUDA(cudaMemcpy(a + layout.abort, &code, sizeof(code), cudaMemcpyHostToDevice));
+    }
+    std::vector<std::vector<std::byte>> before;
+    for (std::byte* a : pointers) before.push_back(Download(a, layout.total_bytes));
+    CudaDispatchOutput out;
+    EXPECT_EQ((*ep)->Dispatch({x, idx, w, in.num_tokens, 0, table, plan.header()}, out), refused);
+    for (int r = 0; r < c.num_ranks; ++r) {
+      EXPECT_TRUE(Download(pointers[r], layout.total_bytes) == before[r]) << "arena " << r;
+    }
+  }
+  // The calls did not happen (the second look said call 1 too): nothing to combine.
+  EXPECT_EQ((*ep)->Combine(x, x),
+            absl::FailedPreconditionError("combine without a dispatch before it"));
+}
+
 INSTANTIATE_TEST_SUITE_P(RanksAndProtocols, CudaEpTest,
                          ::testing::Combine(::testing::Values(2, 4),
                                             ::testing::Values(Mode::kUbep, Mode::kUbepCountFirst,

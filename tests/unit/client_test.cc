@@ -18,6 +18,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/http_get.h"
+#include "common/rpc_origin.h"
 #include "common/unix_socket.h"
 #include "daemon/daemon.h"
 #include "daemon/node.h"
@@ -27,6 +29,7 @@
 #include "gtest/gtest.h"
 #include "tests/unit/test_util.h"
 #include "ubep/ubep.h"
+#include "ubep/v1/control.grpc.pb.h"
 #include "ubep/v1/daemon.grpc.pb.h"
 
 namespace ubep {
@@ -585,6 +588,34 @@ TEST(ClientTest, TheDaemonsOwnUnavailableIsNotCalledUnreachable) {
             absl::StatusCode::kUnavailable);
   EXPECT_TRUE(absl::StrContains(Rank::Attach(ClientOf(empty), 0, 1, 0, Shape()).status().message(),
                                 "ubepd is not reachable"));
+}
+
+// The errors of ubepd's control RPCs (the balancer's and peer daemons') are counted as the
+// clients' RPCs are (errors_total{source="rpc"}) and marked as ubepd's own.
+TEST(ClientTest, ControlRpcErrorsAreCountedAndMarkedAsUbepds) {
+  test::TempDir dir;
+  daemon::DaemonOptions options;
+  options.socket_path = dir.path() + "/ubepd.sock";
+  options.listen = "127.0.0.1:0";
+  options.metrics = "127.0.0.1:0";
+  absl::StatusOr<std::unique_ptr<daemon::Daemon>> ubepd = daemon::Daemon::Start(options);
+  ASSERT_TRUE(ubepd.ok()) << ubepd.status();
+  auto stub = v1::DaemonControl::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", (*ubepd)->listen_port()), grpc::InsecureChannelCredentials()));
+  for (int i = 0; i < 2; ++i) {
+    grpc::ClientContext context;
+    v1::CommitRequest request;
+    request.set_version(99);
+    v1::CommitResponse response;
+    const grpc::Status status = stub->Commit(&context, request, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
+    EXPECT_EQ(status.error_message(), "plan v99 is not prepared here");
+    EXPECT_EQ(context.GetServerTrailingMetadata().count(kUbepdOrigin), 1u);
+  }
+  const std::string metrics = HttpGet((*ubepd)->metrics_port(), "/metrics");
+  EXPECT_TRUE(absl::StrContains(
+      metrics, "ubep_daemon_errors_total{code=\"NOT_FOUND\",source=\"rpc\"} 2\n"))
+      << metrics;
 }
 
 }  // namespace

@@ -599,7 +599,7 @@ class FakeBalancer final : public v1::Control::Service {
     std::lock_guard<std::mutex> lock(mu_);
     if (refusing_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "away for the test");
     taken_.push_back(*request);
-    if (losing_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "answer lost for the test");
+    if (losing_) return grpc::Status(lose_code_, "answer lost for the test");
     return grpc::Status::OK;
   }
 
@@ -616,9 +616,11 @@ class FakeBalancer final : public v1::Control::Service {
     refusing_ = refusing;
     if (refusing) since_refusal_ = taken_.size();
   }
-  void LoseAnswers(bool losing) {
+  // Reports are taken and answered `code` (what a proxy or a transport may say).
+  void LoseAnswers(bool losing, grpc::StatusCode code = grpc::StatusCode::UNAVAILABLE) {
     std::lock_guard<std::mutex> lock(mu_);
     losing_ = losing;
+    lose_code_ = code;
   }
   std::vector<v1::ReportLoadRequest> Taken() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -647,6 +649,7 @@ class FakeBalancer final : public v1::Control::Service {
   std::mutex mu_;
   bool refusing_ = false;
   bool losing_ = false;
+  grpc::StatusCode lose_code_ = grpc::StatusCode::UNAVAILABLE;
   std::vector<v1::ReportLoadRequest> taken_;  // Every report taken, as sent.
   std::vector<v1::RegisterRequest> registrations_;
   size_t since_refusal_ = 0;                  // Where the reports taken since then begin.
@@ -764,9 +767,14 @@ TEST(NodeTest, LoadCountersAKilledClientLeftMidUpdateAreTakenAsTheyStandOnceItIs
 // its seq (only the step it tells is new), until an answer comes; the balancer takes a seq
 // once. Its counts are never carried into a report under a new seq, which would count them
 // twice.
-TEST(NodeTest, AReportWhoseAnswerIsLostGoesAgainUnderItsSeq) {
+// Any answer but the balancer's own (OK, INVALID_ARGUMENT and FAILED_PRECONDITION: taken or
+// refused for good; NOT_FOUND: register again) may come from a transport or a proxy that
+// never passed the report on: UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED, INTERNAL, ...
+class ReportAnswerLostTest : public ::testing::TestWithParam<grpc::StatusCode> {};
+
+TEST_P(ReportAnswerLostTest, AReportWhoseAnswerIsLostGoesAgainUnderItsSeq) {
   FakeBalancer balancer;
-  balancer.LoseAnswers(true);
+  balancer.LoseAnswers(true, GetParam());
   ReportingGroup group(balancer);
   const absl::Time until = absl::Now() + absl::Seconds(20);
   while (balancer.Taken().size() < 3 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
@@ -798,6 +806,13 @@ TEST(NodeTest, AReportWhoseAnswerIsLostGoesAgainUnderItsSeq) {
   }
   EXPECT_THAT(slots, ElementsAre(30, 5, 0, 0, 0, 0, 0, 0));
 }
+
+INSTANTIATE_TEST_SUITE_P(Codes, ReportAnswerLostTest,
+                         ::testing::Values(grpc::StatusCode::UNAVAILABLE,
+                                           grpc::StatusCode::INTERNAL,
+                                           grpc::StatusCode::CANCELLED,
+                                           grpc::StatusCode::UNKNOWN),
+                         [](const auto& info) { return absl::StrCat("code_", info.param); });
 
 // A group of 4 ranks over two daemons in one process: ranks 0-1 on `first` 0, 2-3 on 2.
 NodeOptions Hosting(int first) {
