@@ -94,6 +94,17 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  if (options.report_interval < absl::Milliseconds(10)) {
+    // The link counts in milliseconds, and takes no less from the balancer either.
+    std::cerr << "ubepd: --report_interval " << absl::FormatDuration(options.report_interval)
+              << " is under 10ms\n";
+    return 2;
+  }
+  if (absl::GetFlag(FLAGS_drain_timeout) < absl::ZeroDuration()) {
+    std::cerr << "ubepd: --drain_timeout "
+              << absl::FormatDuration(absl::GetFlag(FLAGS_drain_timeout)) << " is negative\n";
+    return 2;
+  }
   if (options.max_message_bytes < 4096) {
     std::cerr << "ubepd: --max_message_bytes " << options.max_message_bytes
               << " is under 4096\n";

@@ -80,14 +80,22 @@ void DaemonMetrics::CountRpcError(absl::StatusCode code) {
 }
 
 void DaemonMetrics::Harvest() {
-  absl::StatusOr<std::vector<std::vector<uint64_t>>> loads = node_->ReadLoads();
+  uint64_t arenas_created = 0;
+  absl::StatusOr<std::vector<std::vector<uint64_t>>> loads = node_->ReadLoads(&arenas_created);
   if (!loads.ok()) return;  // Logged by the node; the next harvest tries again.
   const std::vector<std::vector<uint64_t>>& rank_load = *loads;  // [layer][rank]
   MutexLock lock(&mu_);
   Harvested& h = harvested_;
-  if (rank_load.size() != h.last_rank_load.size() ||
+  if (arenas_created != h.arenas_created || rank_load.size() != h.last_rank_load.size() ||
       (!rank_load.empty() && rank_load[0].size() != h.last_rank_load[0].size())) {
-    h = Harvested{};  // A new group: start over.
+    // Arenas created since (a new group, of any shape, the same size or not): their counters
+    // start from zero. Start over, keeping what the groups before received.
+    std::vector<uint64_t> before = std::move(h.received_before);
+    before.resize(std::max(before.size(), h.received.size()), 0);
+    for (size_t l = 0; l < h.received.size(); ++l) before[l] += h.received[l];
+    h = Harvested{};
+    h.arenas_created = arenas_created;
+    h.received_before = std::move(before);
     h.last_rank_load.assign(rank_load.size(),
                             std::vector<uint64_t>(rank_load.empty() ? 0 : rank_load[0].size(), 0));
     h.imbalance.assign(rank_load.size(), 1.0);
@@ -224,10 +232,13 @@ std::vector<MetricFamily> DaemonMetrics::Collect() const {
                                   MetricType::Gauge);
   {
     MutexLock lock(&mu_);
-    for (size_t l = 0; l < harvested_.received.size(); ++l) {
+    const Harvested& h = harvested_;
+    for (size_t l = 0; l < std::max(h.received.size(), h.received_before.size()); ++l) {
       const std::vector<ClientMetric::Label> layer{{"layer", std::to_string(l)}};
-      received.metric.push_back(CounterValue(static_cast<double>(harvested_.received[l]), layer));
-      imbalance.metric.push_back(GaugeValue(harvested_.imbalance[l], layer));
+      const uint64_t total = (l < h.received.size() ? h.received[l] : 0) +
+                             (l < h.received_before.size() ? h.received_before[l] : 0);
+      received.metric.push_back(CounterValue(static_cast<double>(total), layer));
+      if (l < h.imbalance.size()) imbalance.metric.push_back(GaugeValue(h.imbalance[l], layer));
     }
   }
   out.push_back(std::move(received));

@@ -36,6 +36,10 @@ class DaemonMetrics : public prometheus::Collectable {
 
  private:
   struct Harvested {
+    uint64_t arenas_created = 0;           // Which arenas' counters (Node::SlotLoads).
+    // Per layer: pairs received by the groups before this one (their counters are gone), so
+    // that ubep_daemon_received_tokens_total only grows within the process.
+    std::vector<uint64_t> received_before;
     std::vector<uint64_t> received;        // Per layer: pairs received, all ranks.
     std::vector<double> imbalance;         // Per layer: max/mean rank load, last interval.
     std::vector<std::vector<uint64_t>> last_rank_load;  // [layer][rank] at the last harvest.

@@ -1756,8 +1756,10 @@ bool Node::AwaitDetached(absl::Duration timeout) {
   }
 }
 
-absl::StatusOr<std::vector<std::vector<uint64_t>>> Node::ReadLoads() const {
+absl::StatusOr<std::vector<std::vector<uint64_t>>> Node::ReadLoads(
+    uint64_t* arenas_created) const {
   UBEP_ASSIGN_OR_RETURN(SlotLoads read, ReadSlotLoads());
+  if (arenas_created != nullptr) *arenas_created = read.arenas_created;
   const std::vector<std::vector<uint64_t>>& slots = read.slots;
   const NodeSnapshot group = Snapshot();
   std::vector<std::vector<uint64_t>> loads(slots.size(), std::vector<uint64_t>(group.world_size, 0));

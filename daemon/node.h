@@ -255,7 +255,10 @@ class Node {
   NodeSnapshot Snapshot() const;
   // Received pairs per [layer][rank] (the load counters summed over each rank's slots);
   // empty without a group.
-  absl::StatusOr<std::vector<std::vector<uint64_t>>> ReadLoads() const;
+  // `arenas_created`, when given, receives which creation of the arenas they are from
+  // (SlotLoads::arenas_created).
+  absl::StatusOr<std::vector<std::vector<uint64_t>>> ReadLoads(
+      uint64_t* arenas_created = nullptr) const;
   // Calls fn(rank, arena base, layout, config) for each hosted arena, under the lock (the harvester
   // reads counters; arenas never move while the group exists).
   template <typename Fn>

@@ -87,12 +87,28 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  for (const auto& [name, value] : {std::pair{"effective_margin", o.effective_margin},
+                                    std::pair{"recovery_grace", o.recovery_grace},
+                                    std::pair{"registration_grace", o.registration_grace},
+                                    std::pair{"pause_before_commit", o.pause_before_commit}}) {
+    if (value < absl::ZeroDuration()) {
+      std::cerr << "ubep-balancer: --" << name << " " << absl::FormatDuration(value)
+                << " is negative\n";
+      return 2;
+    }
+  }
+  if (o.migration_budget < -1) {
+    std::cerr << "ubep-balancer: --migration_budget " << o.migration_budget
+              << " is below -1 (-1: the daemons' free weight buffers)\n";
+    return 2;
+  }
   if (o.min_margin_steps < 0) {
     std::cerr << "ubep-balancer: --min_margin_steps " << o.min_margin_steps << " is negative\n";
     return 2;
   }
-  if (o.ewma_alpha < 0 || o.ewma_alpha > 1 || o.window_intervals < 1 || o.trigger_windows < 1 ||
-      o.health_failures < 1 || o.threshold < 1) {
+  // Written so that NaN fails too (--threshold=nan would turn the trigger off unseen).
+  if (!(o.ewma_alpha >= 0 && o.ewma_alpha <= 1) || o.window_intervals < 1 ||
+      o.trigger_windows < 1 || o.health_failures < 1 || !(o.threshold >= 1)) {
     std::cerr << "ubep-balancer: --ewma in [0, 1], --window, --trigger_windows and "
                  "--health_failures >= 1, --threshold >= 1\n";
     return 2;

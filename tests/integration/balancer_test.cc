@@ -997,6 +997,14 @@ TEST_F(BalancerTest, FlagValuesItCannotRunWithAreRefusedAtStart) {
       {"--window=0",
        "ubep-balancer: --ewma in [0, 1], --window, --trigger_windows and --health_failures >= 1, "
        "--threshold >= 1\n"},
+      {"--threshold=nan",
+       "ubep-balancer: --ewma in [0, 1], --window, --trigger_windows and --health_failures >= 1, "
+       "--threshold >= 1\n"},
+      {"--effective_margin=-1s", "ubep-balancer: --effective_margin -1s is negative\n"},
+      {"--registration_grace=-5s", "ubep-balancer: --registration_grace -5s is negative\n"},
+      {"--migration_budget=-5",
+       "ubep-balancer: --migration_budget -5 is below -1 (-1: the daemons' free weight "
+       "buffers)\n"},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     const auto& [flag, message] = cases[i];

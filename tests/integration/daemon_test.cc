@@ -304,6 +304,8 @@ TEST_F(DaemonTest, AReceiveCapacityOverflowDropsTheSameStepsEverywhereAndTheRest
       {"--harvest_interval=0s", "ubepd: --harvest_interval 0 is not positive\n"},
       {"--wait_timeout=0s", "ubepd: --wait_timeout 0 is not positive\n"},
       {"--join_timeout=-1s", "ubepd: --join_timeout -1s is not positive\n"},
+      {"--report_interval=500us", "ubepd: --report_interval 500us is under 10ms\n"},
+      {"--drain_timeout=-1s", "ubepd: --drain_timeout -1s is negative\n"},
   };
   for (size_t i = 0; i < std::size(refused); ++i) {
     const auto& [flag, message] = refused[i];

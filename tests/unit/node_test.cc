@@ -1143,6 +1143,51 @@ TEST(NodeTest, TheImbalanceGaugeIsOverTheDaemonsOwnRanks) {
   EXPECT_EQ(gauge(metrics, "1"), 1.0);  // Nothing new: the last measure stays.
 }
 
+// A group created again with the same layers and ranks (another model: here max_tokens)
+// has new counters, from zero: the imbalance is judged from them alone, and the pairs the
+// old group received stay counted (the counter only grows within the process).
+TEST(NodeTest, AGroupCreatedAgainIsHarvestedFromItsOwnCounters) {
+  Node node(Options());
+  std::vector<Attached> old_group;
+  old_group.push_back(AttachAndClaim(node, 0, 2, 1));
+  old_group.push_back(AttachAndClaim(node, 1, 2, 2));
+  auto family = [](const DaemonMetrics& metrics, const std::string& name) {
+    std::vector<double> values;
+    for (const prometheus::MetricFamily& f : metrics.Collect()) {
+      if (f.name != name) continue;
+      for (const prometheus::ClientMetric& m : f.metric) {
+        values.push_back(name == "ubep_daemon_imbalance_ratio" ? m.gauge.value : m.counter.value);
+      }
+    }
+    return values;
+  };
+  DaemonMetrics metrics(&node, absl::Hours(1));
+  AddLoad(old_group[0], 0, 0, {100, 0, 0, 0}, ConfigOf(2));
+  AddLoad(old_group[0], 1, 0, {0, 100, 0, 0}, ConfigOf(2));
+  metrics.Harvest();
+  EXPECT_THAT(family(metrics, "ubep_daemon_imbalance_ratio"), ElementsAre(1.0, 1.0));
+  for (int r = 0; r < 2; ++r) {
+    v1::DetachRequest detach;
+    detach.set_rank(r);
+    detach.set_token(old_group[r].token);
+    ASSERT_TRUE(node.Detach(detach).ok());
+  }
+  std::vector<Attached> group;
+  for (uint32_t r = 0; r < 2; ++r) {
+    v1::AttachRequest other_shape = Request(r, 2);
+    other_shape.mutable_shape()->set_max_tokens(16);
+    group.push_back(Claim(node, node.Attach(other_shape), 3 + r));
+  }
+  kernels::EpConfig config = ConfigOf(2);
+  config.max_tokens = 16;
+  AddLoad(group[0], 0, 0, {30, 0, 0, 0}, config);
+  AddLoad(group[0], 1, 0, {0, 10, 0, 0}, config);
+  metrics.Harvest();
+  EXPECT_THAT(family(metrics, "ubep_daemon_received_tokens_total"), ElementsAre(240, 0));
+  // The new group's 30 and 10 pairs: 30 x 2 ranks / 40 (not 30 - 100 and 10 - 100, nothing).
+  EXPECT_THAT(family(metrics, "ubep_daemon_imbalance_ratio"), ElementsAre(1.5, 1.0));
+}
+
 TEST(NodeTest, APeersNewArenasReplaceTheStaleOnesOnlyWhileItsRanksAreExcluded) {
   Node a(Hosting(0));
   auto b = std::make_unique<Node>(Hosting(2));
