@@ -184,11 +184,14 @@ void FdServer::Loop() {
                               {listener_.get(), static_cast<short>(listening ? POLLIN : 0), 0}};
     std::vector<int64_t> ids;
     absl::Time next_close = listening ? absl::InfiniteFuture() : listen_again_;
+    bool held = false;
     for (const auto& [id, connection] : connections_) {
       polls.push_back({connection.fd.get(), POLLIN, 0});
       ids.push_back(id);
       next_close = std::min(next_close, connection.close_at);
+      held |= connection.close_at == absl::InfiniteFuture();
     }
+    if (held) next_close = std::min(next_close, next_held_check_);
     const int timeout_ms =
         next_close == absl::InfiniteFuture() ? -1 : PollTimeoutMs(next_close - MonotonicNow());
     if (poll(polls.data(), polls.size(), timeout_ms) < 0) {
@@ -211,9 +214,17 @@ void FdServer::Loop() {
           connections_.erase(id);
         }
       } else if (connection.close_at <= now) {
-        UBEP_LOG(INFO) << "fd server: closed a connection that claimed no rank within "
+        UBEP_LOG(INFO) << "fd server: closed a connection that held no rank for "
                        << options_.unclaimed_timeout;
         connections_.erase(id);
+      }
+    }
+    if (held && now >= next_held_check_) {
+      next_held_check_ = now + options_.held_check_interval;
+      for (auto& [id, connection] : connections_) {
+        if (connection.close_at == absl::InfiniteFuture() && !node_->HoldsConnection(id)) {
+          connection.close_at = now + options_.unclaimed_timeout;
+        }
       }
     }
     // After the connections: one a client closed before it connected again makes room.

@@ -44,6 +44,10 @@ struct FdServerOptions {
   // Connections that hold no rank, at most (clients, and peers asking for arenas, hold one
   // for a moment each); those that hold a rank are bounded by the ranks the daemon hosts.
   int max_unclaimed = 64;
+  // How often connections that claimed a rank are looked at: one whose rank was detached by
+  // RPC (its client kept the connection) holds nothing any more, and is unclaimed again: it
+  // counts against max_unclaimed and is closed after unclaimed_timeout.
+  absl::Duration held_check_interval = absl::Seconds(1);
 };
 
 class FdServer {
@@ -75,6 +79,7 @@ class FdServer {
   UniqueFd wake_;  // eventfd: written to stop the loop.
   UniqueFd spare_;  // /dev/null, closed to take a connection when out of file descriptors.
   absl::Time listen_again_ = absl::InfinitePast();  // Loop thread only: accept failed until.
+  absl::Time next_held_check_ = absl::InfinitePast();  // Loop thread only.
   // Refusals, and accepts that failed, are logged once per 10 s each.
   absl::Time next_accept_log_ = absl::InfinitePast();
   absl::Time next_accept_error_log_ = absl::InfinitePast();

@@ -744,6 +744,14 @@ absl::Status Node::Detach(const v1::DetachRequest& request) {
   return absl::OkStatus();
 }
 
+bool Node::HoldsConnection(int64_t connection) const {
+  MutexLock lock(&mu_);
+  for (const RankEntry& e : ranks_) {
+    if (e.state == RankState::kConnected && e.connection == connection) return true;
+  }
+  return false;
+}
+
 void Node::ConnectionClosed(int64_t connection) {
   MutexLock lock(&mu_);
   for (size_t r = 0; r < ranks_.size(); ++r) {

@@ -105,6 +105,9 @@ class Node {
   absl::StatusOr<v1::ReportStepResponse> ReportStep(const v1::ReportStepRequest& request);
   // The fd connection `connection` closed: if it still holds a rank, that rank is gone.
   void ConnectionClosed(int64_t connection);
+  // Whether fd connection `connection` holds a rank (claimed it, and the rank has not been
+  // detached or taken by another connection since).
+  bool HoldsConnection(int64_t connection) const;
 
   // The two-phase plan commit, daemon side (ARCHITECTURE section 5). Prepare stages the
   // weights of experts new to a slot into free weight buffers (copied from a slot of this

@@ -1592,11 +1592,14 @@ class FdServerTest : public ::testing::Test {
     return c.ok() ? *std::move(c) : UniqueFd();
   }
   // Rank 0 of a one-rank group, attached and claimed on a connection, as libubep does.
-  UniqueFd Claimed() {
-    v1::AttachRequest request = Request(0, 1);
+  UniqueFd Claimed() { return ClaimedRank(0, 1, nullptr); }
+  // Rank `rank` of a group of `world`, likewise; its attach token into `token`.
+  UniqueFd ClaimedRank(uint32_t rank, uint32_t world, std::string* token) {
+    v1::AttachRequest request = Request(rank, world);
     request.mutable_shape()->set_num_experts(4);
     absl::StatusOr<v1::AttachResponse> attached = node_->Attach(request);
     EXPECT_TRUE(attached.ok()) << attached.status();
+    if (token != nullptr && attached.ok()) *token = attached->token();
     UniqueFd c = Connect();
     EXPECT_TRUE(SendMessage(c.get(), attached->token(), {}).ok());
     absl::StatusOr<ReceivedMessage> reply = ReceiveMessage(c.get(), 64, absl::Seconds(5));
@@ -1628,6 +1631,30 @@ TEST_F(FdServerTest, AConnectionThatClaimsNoRankIsClosedAndOneThatHoldsARankIsKe
   ASSERT_TRUE(end.ok()) << end.status();
   EXPECT_TRUE(end->closed);
   absl::StatusOr<ReceivedMessage> none = ReceiveMessage(claimed.get(), 64, absl::Milliseconds(500));
+  EXPECT_EQ(none.status(), absl::DeadlineExceededError("no message within 500ms"));
+  EXPECT_EQ(node_->Snapshot().attached, 1);
+}
+
+// A client that detaches by RPC and keeps its fd connection open holds no rank any more: the
+// connection is unclaimed again, and closed after the unclaimed timeout (repeated, such
+// connections would use up the daemon's descriptors).
+TEST_F(FdServerTest, AConnectionWhoseRankWasDetachedIsClosedAfterTheUnclaimedTimeout) {
+  FdServerOptions options;
+  options.unclaimed_timeout = absl::Milliseconds(300);
+  options.held_check_interval = absl::Milliseconds(50);
+  Serve(options);
+  std::string token;
+  UniqueFd kept = ClaimedRank(0, 2, nullptr);
+  UniqueFd detached = ClaimedRank(1, 2, &token);
+  ASSERT_EQ(node_->Snapshot().attached, 2);
+  v1::DetachRequest detach;
+  detach.set_rank(1);
+  detach.set_token(token);
+  ASSERT_TRUE(node_->Detach(detach).ok());
+  absl::StatusOr<ReceivedMessage> end = ReceiveMessage(detached.get(), 64, absl::Seconds(10));
+  ASSERT_TRUE(end.ok()) << end.status();
+  EXPECT_TRUE(end->closed);
+  absl::StatusOr<ReceivedMessage> none = ReceiveMessage(kept.get(), 64, absl::Milliseconds(500));
   EXPECT_EQ(none.status(), absl::DeadlineExceededError("no message within 500ms"));
   EXPECT_EQ(node_->Snapshot().attached, 1);
 }
