@@ -585,16 +585,22 @@ __device__ uint64_t CallDeadline(const Params& p) {
 // the dead rank; it also ends when the abort word is set (a peer gave up, or the daemon
 // stopped the group) or another wait of this call has ended. The first to end records 1 + s
 // and `phase` in status; the host reads the reason from the abort word.
-__device__ bool WaitMustEnd(const Params& p, int s, uint64_t deadline, uint32_t phase) {
+// `name_late()` names the peer a late wait gives up on (the lowest one still awaited, as
+// the host names it; by default s).
+template <typename NameLate>
+__device__ bool WaitMustEnd(const Params& p, int s, uint64_t deadline, uint32_t phase,
+                            NameLate name_late) {
   if (cuda::atomic_ref<uint32_t, cuda::thread_scope_device>(p.status[kStatusWaitEnded])
           .load(cuda::memory_order_relaxed) != 0) {
     return true;
   }
   const bool late = GlobalTimerNs() > deadline;
   if (!late) {
+    // Acquire: a departed rank's completed word, read next, is read after its code (as the
+    // host reads them, docs/dataplane.md, memory ordering item 8).
     const uint32_t code = cuda::atomic_ref<uint32_t, cuda::thread_scope_system>(
                               *reinterpret_cast<uint32_t*>(p.arenas[p.rank] + p.off_abort))
-                              .load(cuda::memory_order_relaxed);
+                              .load(cuda::memory_order_acquire);
     // A rank that left after it completed this call owes it nothing more (LeftAfter).
     const int left = RankThatLeft(code);
     if (code == 0 || (left >= 0 && left < p.num_ranks &&
@@ -604,12 +610,17 @@ __device__ bool WaitMustEnd(const Params& p, int s, uint64_t deadline, uint32_t 
     }
   }
   // One thread of the call records why it ended and, if late, tells every rank.
+  if (late) s = name_late();
   if (atomicCAS(&p.status[kStatusWaitEnded], 0u, 1u + s) == 0) {
     p.status[kStatusWaitPhase] = phase;
     p.status[kStatusWaitLate] = late ? 1 : 0;
     if (late) RaiseAbortEverywhere(p, kAbortTimedOutBase + static_cast<uint32_t>(s));
   }
   return true;
+}
+
+__device__ bool WaitMustEnd(const Params& p, int s, uint64_t deadline, uint32_t phase) {
+  return WaitMustEnd(p, s, deadline, phase, [s] { return s; });
 }
 
 // Which peers a wait leaves to the flag-in-granule rows: none; the sources of flagged rows
@@ -626,13 +637,24 @@ __device__ void WaitFlags(const Params& p, size_t offset, uint32_t epoch,
                           uint32_t phase = kPhaseAsCalled, Skip skip = Skip::kNone) {
   std::byte* own = p.arenas[p.rank];
   const uint64_t deadline = CallDeadline(p);
+  auto awaited = [&](int s) {
+    return !RankExcluded(p.plan, static_cast<uint32_t>(s)) &&
+           !(skip == Skip::kFlaggedSources && SourceFlagged(p, s)) &&
+           !(skip == Skip::kFlaggedDestinations && p.flagged && p.dest_records[s] > 0);
+  };
+  auto flag_of = [&](int s) { return reinterpret_cast<uint32_t*>(own + offset + s * kFlagStride); };
   for (int s = threadIdx.x; s < p.num_ranks; s += blockDim.x) {
-    if (RankExcluded(p.plan, static_cast<uint32_t>(s))) continue;
-    if (skip == Skip::kFlaggedSources && SourceFlagged(p, s)) continue;
-    if (skip == Skip::kFlaggedDestinations && p.flagged && p.dest_records[s] > 0) continue;
-    auto* flag = reinterpret_cast<uint32_t*>(own + offset + s * kFlagStride);
-    while (!FlagReached(flag, epoch)) {
-      if (WaitMustEnd(p, s, deadline, phase)) return;
+    if (!awaited(s)) continue;
+    while (!FlagReached(flag_of(s), epoch)) {
+      // Late: the lowest source still awaited is the one named, whichever thread is first to
+      // see the deadline pass (the host's waits take the sources in rank order).
+      const bool end = WaitMustEnd(p, s, deadline, phase, [&] {
+        for (int r = 0; r < s; ++r) {
+          if (awaited(r) && !FlagReached(flag_of(r), epoch)) return r;
+        }
+        return s;
+      });
+      if (end) return;
       __nanosleep(256);
     }
   }

@@ -42,6 +42,7 @@ void Meet(std::atomic<int>& met, int ranks) {
 // What goes wrong in a group, on purpose.
 struct Faults {
   int dead_rank = -1;  // Never dispatches (a rank the plan excludes, or a dead one).
+  int second_dead_rank = -1;  // Another one, dead.
   // Stores its rows and partials this late in every call (CudaEp::set_*_delay_for_testing).
   int late_rank = -1;
   absl::Duration row_delay = absl::ZeroDuration(), partial_delay = absl::ZeroDuration();
@@ -281,7 +282,7 @@ std::string RunRank(const EpConfig& c, int rank, const TestPlan& plan,
   UBEP_CHECK_CUDA(cudaDeviceSynchronize());
   // Every rank is set up before anyone's timeout starts, so only the dead rank can be late.
   Meet(board->armed, c.num_ranks);
-  if (rank == faults.dead_rank) {
+  if (rank == faults.dead_rank || rank == faults.second_dead_rank) {
     std::string error = finish("");
     // A rank the plan excludes: every peer is done, and none wrote a byte into its arena.
     if (RankExcluded(plan.header(), static_cast<uint32_t>(rank)) &&
@@ -512,6 +513,29 @@ TEST_P(CudaEpTest, AMissingPeerTimesOutWithItsName) {
               absl::StrCat("rank ", r, ": timed out after 500ms waiting for rank 1 (",
                            c.protocol == Protocol::kBsp ? "dispatch, bsp" : "dispatch counts",
                            ", call 1); is rank 1 alive?"));
+  }
+}
+
+// Ranks 1 and 2 of four never come: every survivor names rank 1, the lowest one its waits
+// still await, as the host backend does, whichever of the waiting threads sees the deadline
+// first (a few runs: the race between them is the point).
+TEST_P(CudaEpTest, OfSeveralMissingPeersTheLowestIsNamed) {
+  if (std::get<0>(GetParam()) != 4) GTEST_SKIP() << "a four-rank case";
+  EpConfig c = GpuConfig(4, std::get<1>(GetParam()));
+  c.timeout = absl::Milliseconds(300);
+  const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 8, 4));
+  for (int run = 0; run < 3; ++run) {
+    const RunOutcome outcome =
+        RunGroup(c, plan, inputs, nullptr, {.dead_rank = 2, .second_dead_rank = 1});
+    for (int r : {0, 3}) {
+      EXPECT_EQ(outcome.errors[r],
+                absl::StrCat("rank ", r, ": timed out after 300ms waiting for rank 1 (",
+                             c.protocol == Protocol::kBsp ? "dispatch, bsp" : "dispatch counts",
+                             ", call 1); is rank 1 alive?"))
+          << "run " << run;
+    }
   }
 }
 
