@@ -18,6 +18,39 @@ inline constexpr char kNullDispatchInput[] = "x, topk_idx and topk_weights must 
 inline constexpr char kNullCombineBuffers[] =
     "combine: y (with rows received) and out (with tokens sent) must be non-null";
 
+// A dispatch before the combine of the last one: refused before any byte moves.
+inline constexpr char kDispatchTwice[] =
+    "dispatch called twice without a combine in between: the combine of one call frees the "
+    "peers' receive buffers for the next";
+
+// What is wrong with a dispatch call's shape, or "" if nothing: the checks every backend makes
+// before any byte moves, in this order: the token count against max_tokens, the layer, the
+// plan table (there, of this group's experts and slots, with the layer), its exclusion mask.
+inline std::string BadCallMessage(int num_tokens, int layer, const PlanTableHeader* plan,
+                                  int max_tokens, int num_layers, int num_experts,
+                                  int num_ranks, int slots_per_rank) {
+  if (num_tokens < 0 || num_tokens > max_tokens) {
+    return absl::StrCat(num_tokens, " tokens exceed max_tokens ", max_tokens,
+                        " of this rank's buffers");
+  }
+  if (layer < 0 || layer >= num_layers) {
+    return absl::StrCat("layer ", layer, " is outside [0, ", num_layers, ")");
+  }
+  if (plan == nullptr) return "no plan table";
+  if (plan->num_experts != static_cast<uint32_t>(num_experts) ||
+      plan->num_slots != static_cast<uint32_t>(num_ranks * slots_per_rank) ||
+      static_cast<uint32_t>(layer) >= plan->num_layers) {
+    return absl::StrCat("plan table is for ", plan->num_layers, " layers x ", plan->num_experts,
+                        " experts x ", plan->num_slots, " slots; this group has ", num_experts,
+                        " experts and ", num_ranks * slots_per_rank, " slots");
+  }
+  if (plan->num_ranks != 0 && plan->num_ranks != static_cast<uint32_t>(num_ranks)) {
+    return absl::StrCat("plan table's exclusion mask is for ", plan->num_ranks,
+                        " ranks; this group has ", num_ranks);
+  }
+  return "";
+}
+
 // topk_idx[t][k] = e is neither -1 nor an expert of the group.
 inline std::string ExpertOutOfRangeMessage(int t, int k, int32_t e, int num_experts) {
   return absl::StrCat("topk_idx[", t, "][", k, "] = ", e, " is outside [-1, ", num_experts, ")");

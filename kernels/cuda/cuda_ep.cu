@@ -34,6 +34,17 @@ constexpr int kStatusRefused = 7;
 constexpr int kStatusWords = 8;
 constexpr uint32_t kPhaseAsCalled = 1;  // Named by the call (CheckStatus's `what`).
 constexpr uint32_t kPhaseCounts = 2;    // ubep's wait for the sources' counts: "dispatch counts".
+constexpr uint32_t kPhaseCountExchange = 3;  // bsp's count exchange: "count exchange".
+constexpr uint32_t kPhaseBarrier = 4;        // bsp's barriers: "barrier".
+// The phase of a wait as the host backend names it.
+const char* PhaseName(uint32_t phase, const char* as_called) {
+  switch (phase) {
+    case kPhaseCounts: return "dispatch counts";
+    case kPhaseCountExchange: return "count exchange";
+    case kPhaseBarrier: return "barrier";
+    default: return as_called;
+  }
+}
 // Sender blocks of a dispatch (send_split.h). A few dozen SMs saturate NVLink stores, as in
 // DeepEP's normal kernels; a block with an empty share exits at once.
 constexpr int kSenderBlocks = 32;
@@ -732,7 +743,7 @@ __global__ void BarrierKernel(Params p, uint32_t epoch) {
         reinterpret_cast<uint32_t*>(p.arenas[d] + p.off_barrier_flag + p.rank * kFlagStride),
         epoch);
   }
-  WaitFlags(p, p.off_barrier_flag, epoch);
+  WaitFlags(p, p.off_barrier_flag, epoch, kPhaseBarrier);
 }
 
 // Per source (block): entries per local slot, and where each record's entries start.
@@ -1356,7 +1367,7 @@ absl::Status CudaEp::CheckStatus(const char* what, uint32_t call,
         "block resident"));
   }
   if (status[kStatusWaitEnded] != 0) {
-    if (status[kStatusWaitPhase] == kPhaseCounts) what = "dispatch counts";
+    what = PhaseName(status[kStatusWaitPhase], what);
     // The abort word holds why: a daemon's code, or the rank the group gave up on.
     uint32_t code = 0;
     UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&code, own_arena_ + layout_.abort, sizeof(code),
@@ -1462,22 +1473,17 @@ std::string CudaEp::Refusal(int rank, CallPhase phase) const {
 
 absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& out) {
   if (combine_epoch_ != dispatch_epoch_) {
-    return Refuse(
-        absl::FailedPreconditionError("dispatch called twice without a combine in between"));
+    return Refuse(absl::FailedPreconditionError(kDispatchTwice));
   }
-  if (in.num_tokens < 0 || in.num_tokens > config_.max_tokens) {
-    return Refuse(absl::InvalidArgumentError(absl::StrCat(
-        in.num_tokens, " tokens exceed max_tokens ", config_.max_tokens, " of this rank's buffers")));
-  }
-  if (in.plan == nullptr || in.host_plan == nullptr ||
-      in.host_plan->num_experts != static_cast<uint32_t>(config_.num_experts) ||
-      in.host_plan->num_slots !=
-          static_cast<uint32_t>(config_.num_ranks * config_.slots_per_rank) ||
-      (in.host_plan->num_ranks != 0 &&
-       in.host_plan->num_ranks != static_cast<uint32_t>(config_.num_ranks)) ||
-      in.layer < 0 || in.layer >= config_.num_layers ||
-      static_cast<uint32_t>(in.layer) >= in.host_plan->num_layers) {
-    return Refuse(absl::InvalidArgumentError("cuda backend: plan table does not fit this group"));
+  // The host backend's checks, in its words (bad_input.h); the device table must come with
+  // the host copy it was uploaded from.
+  if (std::string bad = BadCallMessage(in.num_tokens, in.layer,
+                                       in.plan != nullptr ? in.host_plan : nullptr,
+                                       config_.max_tokens, config_.num_layers,
+                                       config_.num_experts, config_.num_ranks,
+                                       config_.slots_per_rank);
+      !bad.empty()) {
+    return Refuse(absl::InvalidArgumentError(std::move(bad)));
   }
   if (RankExcluded(in.host_plan, static_cast<uint32_t>(rank_))) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -1532,7 +1538,7 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
   if (!launched) {
     RouteKernel<<<config_.num_ranks, kThreads, 0, s.stream>>>(p);
     if (p.bsp) {  // Count exchange, barrier.
-      WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_count_flag, kPhaseAsCalled, Skip::kNone);
+      WaitKernel<<<1, 128, 0, s.stream>>>(p, p.off_count_flag, kPhaseCountExchange, Skip::kNone);
       BarrierKernel<<<1, 128, 0, s.stream>>>(p, ++barrier_epoch_);
     }
     UnitScanKernel<<<1, kThreads, 0, s.stream>>>(p);
@@ -1567,7 +1573,8 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
   UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.host_slot_offsets, p.slot_offsets,
                                             sizeof(int32_t) * (config_.slots_per_rank + 1),
                                             cudaMemcpyDeviceToHost, s.stream));
-  const absl::Status st = CheckStatus(p.bsp ? "dispatch, bsp" : "dispatch data", p.epoch, &in);
+  // bsp's waits are named by their phases (count exchange, barrier), as on the host.
+  const absl::Status st = CheckStatus("dispatch data", p.epoch, &in);
   if (const uint32_t code = s.host_status[kStatusRefused]; code != 0) {
     // Refused before any byte moved: the call did not happen (as on the host, where the look
     // comes before the call takes its epoch).

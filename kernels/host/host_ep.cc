@@ -265,41 +265,17 @@ uint32_t* FlagAt(std::byte* arena, size_t region, int index) {
 }  // namespace
 
 absl::Status HostEp::Validate(const DispatchInput& in) const {
-  if (combine_epoch_ != dispatch_epoch_) {
-    return absl::FailedPreconditionError(
-        "dispatch called twice without a combine in between: the combine of one call frees "
-        "the peers' receive buffers for the next");
-  }
+  if (combine_epoch_ != dispatch_epoch_) return absl::FailedPreconditionError(kDispatchTwice);
   if (in.hidden != config_.hidden) {
     return absl::InvalidArgumentError(absl::StrCat("hidden size ", in.hidden,
                                                    " does not match the configured ",
                                                    config_.hidden));
   }
-  if (in.num_tokens < 0 || in.num_tokens > config_.max_tokens) {
-    return absl::InvalidArgumentError(absl::StrCat(in.num_tokens, " tokens exceed max_tokens ",
-                                                   config_.max_tokens,
-                                                   " of this rank's buffers"));
-  }
-  if (in.layer < 0 || in.layer >= config_.num_layers) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("layer ", in.layer, " is outside [0, ", config_.num_layers, ")"));
-  }
-  if (in.plan == nullptr || in.plan->num_experts != static_cast<uint32_t>(config_.num_experts) ||
-      in.plan->num_slots !=
-          static_cast<uint32_t>(config_.num_ranks * config_.slots_per_rank) ||
-      static_cast<uint32_t>(in.layer) >= in.plan->num_layers) {
-    return absl::InvalidArgumentError(
-        in.plan == nullptr
-            ? std::string("no plan table")
-            : absl::StrCat("plan table is for ", in.plan->num_layers, " layers x ",
-                           in.plan->num_experts, " experts x ", in.plan->num_slots,
-                           " slots; this group has ", config_.num_experts, " experts and ",
-                           config_.num_ranks * config_.slots_per_rank, " slots"));
-  }
-  if (in.plan->num_ranks != 0 && in.plan->num_ranks != static_cast<uint32_t>(config_.num_ranks)) {
-    return absl::InvalidArgumentError(absl::StrCat("plan table's exclusion mask is for ",
-                                                   in.plan->num_ranks, " ranks; this group has ",
-                                                   config_.num_ranks));
+  if (std::string bad = BadCallMessage(in.num_tokens, in.layer, in.plan, config_.max_tokens,
+                                       config_.num_layers, config_.num_experts,
+                                       config_.num_ranks, config_.slots_per_rank);
+      !bad.empty()) {
+    return absl::InvalidArgumentError(std::move(bad));
   }
   if (in.num_tokens > 0 && (in.x == nullptr || in.topk_idx == nullptr ||
                             in.topk_weights == nullptr)) {

@@ -511,7 +511,7 @@ TEST_P(CudaEpTest, AMissingPeerTimesOutWithItsName) {
     if (r == 1) continue;
     EXPECT_EQ(outcome.errors[r],
               absl::StrCat("rank ", r, ": timed out after 500ms waiting for rank 1 (",
-                           c.protocol == Protocol::kBsp ? "dispatch, bsp" : "dispatch counts",
+                           c.protocol == Protocol::kBsp ? "count exchange" : "dispatch counts",
                            ", call 1); is rank 1 alive?"));
   }
 }
@@ -532,7 +532,7 @@ TEST_P(CudaEpTest, OfSeveralMissingPeersTheLowestIsNamed) {
     for (int r : {0, 3}) {
       EXPECT_EQ(outcome.errors[r],
                 absl::StrCat("rank ", r, ": timed out after 300ms waiting for rank 1 (",
-                             c.protocol == Protocol::kBsp ? "dispatch, bsp" : "dispatch counts",
+                             c.protocol == Protocol::kBsp ? "count exchange" : "dispatch counts",
                              ", call 1); is rank 1 alive?"))
           << "run " << run;
     }
@@ -557,7 +557,7 @@ TEST_P(CudaEpTest, PeersOfARankThatRefusedItsInputSayWhy) {
     if (r == 1) continue;
     EXPECT_EQ(outcome.errors[r],
               absl::StrCat("rank ", r, ": timed out after 500ms waiting for rank 1 (",
-                           c.protocol == Protocol::kBsp ? "dispatch, bsp" : "dispatch counts",
+                           c.protocol == Protocol::kBsp ? "count exchange" : "dispatch counts",
                            ", call 1); rank 1 refused this call: ", why));
   }
 }
@@ -728,15 +728,16 @@ TEST_P(CudaEpTest, RowsThatNeverArriveAreNamedAfterTheCounts) {
   ASSERT_EQ(errors.size(), 4u);
   for (int r : {0, 2, 3}) {
     EXPECT_EQ(errors[r], absl::StrCat("rank ", r, ": timed out after 500ms waiting for rank 1 (",
-                                      mode == Mode::kBsp ? "dispatch, bsp" : "dispatch data",
+                                      mode == Mode::kBsp ? "barrier" : "dispatch data",
                                       ", call 1); is rank 1 alive?"));
   }
   // Rank 1's rows all go out in the end, so its dispatch passes; its combine then finds the
   // group given up on it (the abort word names rank 1), waiting on whichever peer it looked at
   // first, which the message adds after the call.
-  EXPECT_TRUE(absl::StartsWith(errors[1],
-                               "combine: rank 1: timed out after 500ms waiting for rank 1 "
-                               "(combine partials, call 1, waiting on rank "))
+  EXPECT_TRUE(absl::StartsWith(
+      errors[1], absl::StrCat("combine: rank 1: timed out after 500ms waiting for rank 1 (",
+                              mode == Mode::kBsp ? "barrier" : "combine partials",
+                              ", call 1, waiting on rank ")))
       << errors[1];
 }
 
@@ -745,10 +746,12 @@ TEST_P(CudaEpTest, PartialsThatNeverArriveAreNamed) {
   const std::vector<std::string> errors =
       ErrorsWithRankOneLate(std::get<1>(GetParam()), /*rows=*/false);
   ASSERT_EQ(errors.size(), 4u);
+  // bsp's combine waits at its barrier, which the host names so.
+  const char* phase = std::get<1>(GetParam()) == Mode::kBsp ? "barrier" : "combine partials";
   for (int r : {0, 2, 3}) {
     EXPECT_EQ(errors[r], absl::StrCat("combine: rank ", r,
-                                      ": timed out after 500ms waiting for rank 1 (combine "
-                                      "partials, call 1); is rank 1 alive?"));
+                                      ": timed out after 500ms waiting for rank 1 (", phase,
+                                      ", call 1); is rank 1 alive?"));
   }
 }
 
@@ -771,7 +774,7 @@ TEST_P(CudaEpTest, ARankThatLeftAfterItsLastCallSparesThatCallNotTheNext) {
   for (int r : {0, 2, 3}) {
     EXPECT_EQ(errors[r],
               absl::StrCat("rank ", r, ": rank 1 left the group (it detached, rejoined or ended, or "
-                           "its ubepd exited) during ", c.protocol == Protocol::kBsp ? "dispatch, bsp" : "dispatch counts",
+                           "its ubepd exited) during ", c.protocol == Protocol::kBsp ? "count exchange" : "dispatch counts",
                            " of call 2; join again once rank 1 is back (call 2)"));
   }
 }
