@@ -90,6 +90,8 @@ namespace {
 // Where Prepare reads the weights of holders in other domains: their daemons' ReadWeights,
 // from the group's daemons the balancer lists in the request. Called by one thread (the
 // Prepare's), so the stubs need no lock.
+constexpr absl::Duration kChunkTimeout = absl::Seconds(10);
+
 Node::RemoteWeights RemoteWeightsOf(const v1::PrepareRequest& request, const std::string& self,
                                     int world, absl::Time deadline) {
   Node::RemoteWeights remote;
@@ -130,8 +132,9 @@ Node::RemoteWeights RemoteWeightsOf(const v1::PrepareRequest& request, const std
   // The balancer's deadline for the Prepare bounds every wait (with a moment to answer).
   deadline -= absl::Milliseconds(200);
   remote.deadline = deadline;
-  remote.fetch = [hosts, stubs, deadline](int rank, uint64_t version, int layer, int slot, std::byte* out,
-                                         size_t bytes) -> absl::Status {
+  remote.fetch = [hosts, stubs, deadline](int rank, uint64_t version, int layer, int slot,
+                                         std::byte* out, size_t bytes,
+                                         const std::function<bool()>& stopped) -> absl::Status {
     const Host& host = (*hosts)[rank];
     if (host.down) {
       return absl::UnavailableError(absl::StrCat(
@@ -149,6 +152,7 @@ Node::RemoteWeights RemoteWeightsOf(const v1::PrepareRequest& request, const std
           grpc::CreateCustomChannel(host.address, grpc::InsecureChannelCredentials(), args));
     }
     for (size_t offset = 0; offset < bytes;) {
+      if (stopped()) return absl::CancelledError("the staging stopped");
       const size_t length = std::min<size_t>(Node::kMaxReadWeightsBytes, bytes - offset);
       v1::ReadWeightsRequest read;
       read.set_plan_version(version);
@@ -157,7 +161,9 @@ Node::RemoteWeights RemoteWeightsOf(const v1::PrepareRequest& request, const std
       read.set_offset(offset);
       read.set_length(length);
       grpc::ClientContext context;
-      context.set_deadline(absl::ToChronoTime(deadline));
+      // A read is one chunk (kMaxReadWeightsBytes): one that takes longer than kChunkTimeout
+      // is a peer that hangs, and a drain waits for at most one read.
+      context.set_deadline(absl::ToChronoTime(std::min(deadline, absl::Now() + kChunkTimeout)));
       v1::ReadWeightsResponse response;
       const grpc::Status status = stub->ReadWeights(&context, read, &response);
       if (!status.ok()) {

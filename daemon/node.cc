@@ -869,6 +869,11 @@ absl::Status Node::CopyWeights(const WeightCopy& c) const {
   return absl::OkStatus();
 }
 
+bool Node::StagingStopped() const {
+  MutexLock lock(&mu_);
+  return staging_aborted_ || draining_;
+}
+
 absl::Status Node::FetchWeights(const WeightCopy& c, uint64_t version,
                                 const RemoteWeights& remote) const {
   const size_t bytes = group_request_.shape().bytes_per_expert();
@@ -877,14 +882,16 @@ absl::Status Node::FetchWeights(const WeightCopy& c, uint64_t version,
     return absl::FailedPreconditionError(
         "the holder is in another domain and the Prepare named no daemons to read it from");
   }
+  const std::function<bool()> stopped = [this] { return StagingStopped(); };
   if (device_arenas_.empty()) {
     return remote.fetch(c.from_rank, version, c.layer, c.remote_slot,
                         kernels::WeightBuffer(arenas_[c.to_rank].data(), layout_, c.layer, c.to_buffer),
-                        bytes);
+                        bytes, stopped);
   }
   // Device arenas: through host memory.
   std::vector<std::byte> staged(bytes);
-  UBEP_RETURN_IF_ERROR(remote.fetch(c.from_rank, version, c.layer, c.remote_slot, staged.data(), bytes));
+  UBEP_RETURN_IF_ERROR(remote.fetch(c.from_rank, version, c.layer, c.remote_slot, staged.data(),
+                                    bytes, stopped));
   return device_arenas_[c.to_rank]->Write(DeviceWeightOffset(c.layer, c.to_buffer), staged.data(), bytes);
 }
 
@@ -1310,17 +1317,14 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
       }
       // An Abort or a drain meanwhile: the rest need not be copied (reads from other domains
       // are slow, and a drain waits for this Prepare's RPC to end).
-      mu_.Lock();
-      const bool aborted = staging_aborted_ || draining_;
-      mu_.Unlock();
-      if (aborted) break;
+      if (StagingStopped()) break;
     }
     if (copied.ok() && over_link) {
       const absl::Time deadline = remote.deadline;
       absl::StatusOr<std::unique_ptr<WeightLink>> link = ConnectWeightLink(
           remote.nccl_id, remote.link_size, remote.link_rank, link_device, deadline);
       copied = link.status();
-      for (size_t b = 0; b < batches.size() && copied.ok(); ++b) {
+      for (size_t b = 0; b < batches.size() && copied.ok() && !StagingStopped(); ++b) {
         copied = (*link)->Exchange(batches[b], deadline);
       }
       if (!copied.ok()) {
@@ -1330,9 +1334,10 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
     if (options_.staging_hook) options_.staging_hook();
     mu_.Lock();
     staging_ = false;
-    if (!copied.ok()) return fail(std::string(copied.message()));
+    // Why it stopped first: a copy that gave up for an Abort or a drain failed for it.
     if (staging_aborted_) return fail(absl::StrCat("plan v", plan.version, " was aborted while its weights were staged"));
     if (draining_) return fail("ubepd is draining");
+    if (!copied.ok()) return fail(std::string(copied.message()));
   }
   absl::StatusOr<std::vector<std::byte>> table = PlanTableOf(plan);
   if (!table.ok()) return fail(std::string(table.status().message()));

@@ -132,9 +132,11 @@ class Node {
     // Bounds the link's waits (the balancer's deadline for the Prepare, less a moment).
     absl::Time deadline = absl::InfiniteFuture();
     // Copies the weights that global slot `slot` of layer index `layer` maps to on rank
-    // `rank` (another domain's), under committed plan `version`, into out[0, bytes).
+    // `rank` (another domain's), under committed plan `version`, into out[0, bytes). It asks
+    // `stopped()` between its reads and gives up once it says true (the plan was aborted or
+    // ubepd is draining: a drain must not wait out a long copy).
     std::function<absl::Status(int rank, uint64_t version, int layer, int slot, std::byte* out,
-                               size_t bytes)>
+                               size_t bytes, const std::function<bool()>& stopped)>
         fetch;
   };
   v1::PrepareResponse Prepare(const balancer::Plan& plan, uint64_t effective_step,
@@ -348,6 +350,8 @@ class Node {
   absl::Status CopyWeights(const WeightCopy& copy) const ABSL_NO_THREAD_SAFETY_ANALYSIS;
   // Where a layer's weight buffer starts in a device arena.
   size_t DeviceWeightOffset(int layer, uint32_t buffer) const ABSL_NO_THREAD_SAFETY_ANALYSIS;
+  // Whether a staging in progress is to stop: its plan was aborted, or ubepd is draining.
+  bool StagingStopped() const ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status FetchWeights(const WeightCopy& copy, uint64_t version, const RemoteWeights& remote)
       const ABSL_NO_THREAD_SAFETY_ANALYSIS;
   bool on_device() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !device_arenas_.empty(); }

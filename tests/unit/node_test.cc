@@ -1366,7 +1366,8 @@ TEST(NodeTest, WeightsOfHoldersInAnotherDomainAreReadThroughTheirDaemon) {
   remote.rank_domain = {0, 0, 1, 1};
   std::vector<std::string> reads;
   auto read_from = [&](Node& holder) {
-    return [&reads, &holder](int rank, uint64_t version, int layer, int slot, std::byte* out, size_t bytes) {
+    return [&reads, &holder](int rank, uint64_t version, int layer, int slot, std::byte* out,
+                              size_t bytes, const std::function<bool()>&) {
       for (size_t offset = 0; offset < bytes; offset += 100) {  // In chunks, as ubepd does.
         v1::ReadWeightsRequest q;
         q.set_plan_version(version);
@@ -1419,7 +1420,7 @@ TEST(NodeTest, WeightsOfHoldersInAnotherDomainAreReadThroughTheirDaemon) {
   EXPECT_EQ(b.ReadWeights(stale).status(), absl::OutOfRangeError("offset 257 is past the expert's 256 bytes"));
 
   // A holder daemon that cannot be read fails the Prepare, naming the copy.
-  remote.fetch = [](int, uint64_t, int, int, std::byte*, size_t) {
+  remote.fetch = [](int, uint64_t, int, int, std::byte*, size_t, const std::function<bool()>&) {
     return absl::UnavailableError("node-a (127.0.0.1:1): connection refused");
   };
   prepared = b.Prepare(v3, 20, remote);
@@ -1478,6 +1479,29 @@ TEST(NodeTest, WeightsOfHoldersInAnotherDomainAreReadThroughTheirDaemon) {
             absl::FailedPreconditionError("the peer daemon runs the cuda backend, this one host"));
   EXPECT_EQ(b.ArenasForPeer("no backend named").status(), absl::InvalidArgumentError("malformed peer request"));
   EXPECT_TRUE(b.ArenasForPeer(key).ok());
+
+  // A drain while a read from another domain hangs: the read is told to stop (it asks between
+  // its chunks, as ubepd's reads do) and the Prepare fails saying why, at once, rather than
+  // holding the drain (and the daemon's exit) until the balancer's deadline.
+  for (int r : {0, 2}) std::atomic_ref<uint64_t>(kernels::ControlOf(x0.arenas[r].data(), x0.layout)->step).store(20);
+  const balancer::Plan v4 = PlacedPlan(4, {{5, 1, 2, 3}, {0, 1, 2, 3}, {0, 5, 6, 7}, {4, 5, 6, 4}});
+  std::atomic<bool> told_to_stop{false};
+  remote.fetch = [&](int, uint64_t, int, int, std::byte*, size_t,
+                     const std::function<bool()>& stopped) {
+    const absl::Time until = absl::Now() + absl::Seconds(30);
+    while (!stopped() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
+    told_to_stop = stopped();
+    return absl::CancelledError("the staging stopped");
+  };
+  std::thread drain([&] {
+    absl::SleepFor(absl::Milliseconds(100));
+    a.Drain();
+  });
+  prepared = a.Prepare(v4, 30, remote);
+  drain.join();
+  EXPECT_TRUE(told_to_stop);
+  EXPECT_FALSE(prepared.prepared());
+  EXPECT_EQ(prepared.reason(), "ubepd is draining");
   (void)x2;
 }
 
