@@ -1457,6 +1457,7 @@ v1::DaemonState Node::State() const {
   if (pending_.has_value()) {
     state.set_pending_version(pending_->version);
     state.set_pending_effective_step(pending_effective_step_);
+    state.set_pending_fingerprint(balancer::PlanFingerprint(*pending_));
   }
   state.set_max_step(MaxStepLocked());
   state.set_plan_in_force(!RankBeforePlanLocked().has_value());

@@ -3,7 +3,10 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "common/hash.h"
 #include "common/status_macros.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 
 namespace ubep::balancer {
 
@@ -77,6 +80,17 @@ v1::Plan ToProto(const Plan& plan, PlanEncoding encoding) {
     }
   }
   return proto;
+}
+
+uint64_t PlanFingerprint(const Plan& plan) {
+  std::string bytes;
+  {
+    google::protobuf::io::StringOutputStream stream(&bytes);
+    google::protobuf::io::CodedOutputStream coded(&stream);
+    coded.SetSerializationDeterministic(true);
+    ToProto(plan, PlanEncoding::kCompact).SerializeToCodedStream(&coded);
+  }
+  return std::max<uint64_t>(1, Fingerprint64(bytes));
 }
 
 absl::StatusOr<Plan> FromProto(const v1::Plan& proto) {

@@ -21,6 +21,12 @@ absl::StatusOr<Topology> FromProto(const v1::Topology& proto);
 // kFull lists each expert's replicas; kCompact sends per-slot shares instead (plan.proto).
 enum class PlanEncoding { kFull, kCompact };
 v1::Plan ToProto(const Plan& plan, PlanEncoding encoding = PlanEncoding::kFull);
+
+// A fingerprint of every field of `plan` (its compact encoding, serialized deterministically),
+// the same in every process: what a daemon holding a plan prepared under a version and the
+// balancer holding the plan committed under it compare (DaemonState.pending_fingerprint).
+// Never 0, which stands for "not known".
+uint64_t PlanFingerprint(const Plan& plan);
 // Accepts either form.
 absl::StatusOr<Plan> FromProto(const v1::Plan& proto);
 

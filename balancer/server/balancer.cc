@@ -1050,6 +1050,7 @@ void Balancer::Recover() {
     d.needs_state = false;
     d.committed = state.committed_version();
     d.pending = state.pending_version();
+    d.pending_fingerprint = state.pending_fingerprint();
     d.max_step = std::max(d.max_step, state.max_step());
     if (state.plan_in_force()) d.in_force = std::max(d.in_force, state.committed_version());
     highest_version_ = std::max({highest_version_, d.committed, d.pending});
@@ -1101,9 +1102,22 @@ void Balancer::Recover() {
         });
     const bool may_abort = up >= options_.recovery_grace &&
                            (!unknown || up >= options_.registration_grace);
+    const uint64_t held = plan_.has_value() ? plan_->version : 0;
+    const uint64_t held_fingerprint = plan_.has_value() ? PlanFingerprint(*plan_) : 0;
     for (auto& [name, d] : daemons_) {
       if (d.pending == 0 || !d.healthy) continue;
       if (aborted_versions_.contains(d.pending)) {
+        decide.push_back({d.control, {d.pending, false}});
+      } else if (d.pending < held) {
+        // Older than the plan in force: superseded, whatever became of it elsewhere (a daemon
+        // that held it undecided took part in no later plan, so its ranks were left out).
+        decide.push_back({d.control, {d.pending, false}});
+      } else if (d.pending == held && d.pending_fingerprint != 0 &&
+                 d.pending_fingerprint != held_fingerprint) {
+        // Another plan under the version committed elsewhere (prepared by an earlier balancer
+        // that reused the number): committed, it would run other placements under v.
+        UBEP_LOG(WARNING) << "recovery: node " << name << " holds another plan than v" << held
+                          << " under that version: aborted there";
         decide.push_back({d.control, {d.pending, false}});
       } else if (d.pending <= committed_max) {
         decide.push_back({d.control, {d.pending, true}});
@@ -1132,9 +1146,13 @@ void Balancer::Recover() {
       request.set_version(decision.first);
       v1::AbortResponse response;
       status = stub->Abort(&context, request, &response);
-      if (status.ok()) plans_aborted_->Increment();
+      // Counted once per version, and not again where this process aborted it already
+      // (delivering the decision to a daemon that missed it).
       MutexLock lock(&mu_);
-      aborted_versions_.insert(decision.first);
+      if (aborted_versions_.insert(decision.first).second) {
+        plans_aborted_->Increment();
+        ++aborted_count_;
+      }
     }
     UBEP_LOG(INFO) << "recovery: " << (decision.second ? "committed" : "aborted") << " orphan plan v"
                    << decision.first << (status.ok() ? "" : " (failed: " + status.error_message() + ")");
@@ -1456,6 +1474,13 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
     // A decision that did not arrive is delivered by recovery (GetState, then Commit/Abort).
     // (A target replaced meanwhile, Register, is gone: nothing to deliver to it.)
     auto it = daemons_.find(targets[i]);
+    // A Prepare that got no answer, or was refused, may still land, or has left a plan
+    // pending (one that landed after its Abort, which then found nothing to abort): the
+    // daemon's state is read again, and recovery aborts what is left.
+    if (it != daemons_.end() &&
+        (!statuses[i].ok() || !answers[i].prepared())) {
+      it->second.needs_state = true;
+    }
     if (decided[i].ok()) continue;
     UBEP_LOG(WARNING) << "plan v" << plan->version << ": node " << targets[i] << " did not take the "
                       << (commit ? "Commit" : "Abort") << ": " << decided[i].error_message();
@@ -1483,6 +1508,9 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
   }
   const bool membership = plan->excluded_ranks != previous.excluded_ranks;
   plan_ = *std::move(plan);
+  // Aborted versions at or below the plan in force are aborted by recovery anyway (older
+  // than the plan held): the set keeps only those above it.
+  std::erase_if(aborted_versions_, [&](uint64_t v) { return v <= plan_->version; });
   // A change of members is in force from the step the group resumes at (the daemons move
   // its effective step there), which is not later than the estimate.
   plan_effective_step_ = membership ? 0 : effective_step;
@@ -1640,8 +1668,15 @@ grpc::Status Balancer::SetDrained(const grpc::ServerContext* context, const std:
     drained_.erase(node);
   }
   if (!result.ok()) {
-    return grpc::Status(static_cast<grpc::StatusCode>(result.status().code()),
-                        std::string(result.status().message()));
+    std::string message(result.status().message());
+    if (absl::IsAborted(result.status()) || absl::IsUnavailable(result.status())) {
+      // The daemons refused the plan, or one is not there yet: the node's state stays as
+      // asked, and the next interval that can plan commits it (this call changed it).
+      absl::StrAppend(&message, "; the ", drained ? "drain" : "undrain",
+                      " stays asked for: each interval tries it again (",
+                      drained ? "undrain" : "drain", " cancels it)");
+    }
+    return grpc::Status(static_cast<grpc::StatusCode>(result.status().code()), message);
   }
   *response = *std::move(result);
   return grpc::Status::OK;

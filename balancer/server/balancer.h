@@ -147,6 +147,7 @@ class Balancer final : public v1::Control::Service {
     absl::Time step_time = absl::InfinitePast(), prev_step_time = absl::InfinitePast();
     absl::Time last_report = absl::InfinitePast();
     uint64_t committed = 0, pending = 0;
+    uint64_t pending_fingerprint = 0;  // DaemonState.pending_fingerprint (0: not known).
     uint64_t in_force = 0;  // Newest plan the daemon reported in force on all its ranks.
     // The interval being collected: logical-expert counts, per-rank counts (of its ranks,
     // from first_rank) and the steps they cover; where the reports say, the dispatches each

@@ -273,6 +273,13 @@ class FakeDaemon final : public v1::DaemonControl::Service {
       response->set_reason("refused for the test");
       return grpc::Status::OK;
     }
+    if (keep_pending_) {  // As ubepd: one plan pending at a time, until decided.
+      if (pending_ != 0 && pending_ != request->plan().version()) {
+        response->set_reason(absl::StrCat("plan v", pending_, " is prepared and undecided"));
+        return grpc::Status::OK;
+      }
+      pending_ = request->plan().version();
+    }
     response->set_prepared(true);
     return grpc::Status::OK;
   }
@@ -307,6 +314,11 @@ class FakeDaemon final : public v1::DaemonControl::Service {
     std::lock_guard<std::mutex> lock(mu_);
     if (state_unavailable_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "unreachable for the test");
     state->set_pending_version(pending_);
+    for (const v1::PrepareRequest& p : prepares_) {
+      if (pending_ == 0 || p.plan().version() != pending_) continue;
+      absl::StatusOr<Plan> plan = FromProto(p.plan());
+      if (plan.ok()) state->set_pending_fingerprint(PlanFingerprint(*plan));  // The last one.
+    }
     state->set_node(name_ + std::string(pad_, ' '));
     state->set_committed_version(committed_.version());
     state->set_plan_in_force(true);
@@ -367,6 +379,16 @@ class FakeDaemon final : public v1::DaemonControl::Service {
     prepares_.push_back(prepared);
     pending_ = plan.version();
   }
+  // A plan it prepares stays pending until it is committed or aborted, and it refuses to
+  // prepare another meanwhile, as ubepd does (a Prepare that lands after its Abort leaves one).
+  void KeepPreparedPending(bool keep) {
+    std::lock_guard<std::mutex> lock(mu_);
+    keep_pending_ = keep;
+  }
+  uint64_t pending() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return pending_;
+  }
   // GetState's answer carries `bytes` more (in its node name).
   void PadState(size_t bytes) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -397,6 +419,7 @@ class FakeDaemon final : public v1::DaemonControl::Service {
   std::mutex mu_;
   std::condition_variable let_go_;
   bool hold_prepares_ = false;
+  bool keep_pending_ = false;
   v1::Plan committed_;
   uint64_t effective_step_;
   uint64_t refused_ = 0;
@@ -1336,7 +1359,8 @@ TEST(BalancerServerTest, APrepareThatOutlastsTheTimeoutIsAbortedSayingWhatToRais
   EXPECT_EQ(aborted.error_message(),
             "plan v2 aborted: node-b: no answer to Prepare within --rpc_timeout (300ms); if its "
             "weight copies take longer, raise --rpc_timeout and --effective_margin "
-            "(docs/operations.md, \"Large experts\")");
+            "(docs/operations.md, \"Large experts\"); the drain stays asked for: each interval "
+            "tries it again (undrain cancels it)");
 }
 
 // Experts 4 and 5 live on node-b's ranks alone (v1: ranks 0, 1 hold experts 0-3, ranks 2, 3
@@ -1415,7 +1439,9 @@ TEST(BalancerServerTest, AVersionAbortedWhoseAbortWasLostIsAbortedWhereItIsStill
   v1::RebalanceResponse response;
   const grpc::Status aborted = Drain(*balancer, "node-b", true, &response);
   EXPECT_EQ(aborted.error_code(), grpc::StatusCode::ABORTED);
-  EXPECT_EQ(aborted.error_message(), "plan v2 aborted: node-b: refused for the test");
+  EXPECT_EQ(aborted.error_message(),
+            "plan v2 aborted: node-b: refused for the test; the drain stays asked for: each "
+            "interval tries it again (undrain cancels it)");
   const grpc::Status undrained = Drain(*balancer, "node-b", false, &response);
   EXPECT_TRUE(undrained.ok()) << undrained.error_message();
   a.SetServing(false);
@@ -1431,6 +1457,60 @@ TEST(BalancerServerTest, AVersionAbortedWhoseAbortWasLostIsAbortedWhereItIsStill
   EXPECT_EQ(a.aborted(), std::vector<uint64_t>{2});
   const std::vector<uint64_t> commits = a.commits();
   EXPECT_EQ(std::count(commits.begin(), commits.end(), 2u), 0) << "v2 committed on node-a";
+}
+
+// A restarted balancer that did not know node-b's state (its GetState failing) numbered its
+// own plan v2, as node-b held another v2 pending from the balancer before. Back, node-b is
+// told to abort its v2, not to commit it: committed, its ranks would take that plan's
+// placements for the cluster's v2 (PlanFingerprint tells the two apart).
+TEST(BalancerServerTest, RecoveryCommitsAPendingPlanOnlyIfItIsThePlanCommittedUnderItsVersion) {
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+  absl::StatusOr<Plan> swapped = FromProto(FirstPlanAs(2));
+  ASSERT_TRUE(swapped.ok()) << swapped.status();
+  std::swap(swapped->layers[0].slot_expert[0], swapped->layers[0].slot_expert[1]);
+  std::swap(swapped->layers[0].slot_share[0], swapped->layers[0].slot_share[1]);
+  b.SetPending(ToProto(*swapped));
+  b.SetStateUnavailable(true);
+  b.SetServing(false);
+  BalancerOptions options = QuickToMarkDown();
+  options.recovery_grace = absl::ZeroDuration();
+  std::unique_ptr<Balancer> balancer = WithTwoDaemons(options, a, b);
+  TickUntilDown(*balancer, "node-b");
+  for (int i = 0; i < 5 && a.committed_version() < 2; ++i) balancer->Tick();
+  ASSERT_EQ(a.committed_version(), 2u);  // The cluster's v2: node-b's ranks excluded.
+  b.SetStateUnavailable(false);
+  b.SetServing(true);
+  for (int i = 0; i < 100 && b.aborted().empty(); ++i) {
+    balancer->Tick();
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(b.aborted(), std::vector<uint64_t>{2});
+  EXPECT_TRUE(b.commits().empty());
+}
+
+// node-b's Prepare of the drain's v2 outlasts --rpc_timeout; the balancer aborts v2, and the
+// Abort reaches node-b before its Prepare is done (nothing pending yet: answered OK); the
+// Prepare then lands and leaves v2 pending, which makes node-b refuse every later plan. The
+// refused Prepares send node-b through GetState again, and recovery aborts v2 there.
+TEST(BalancerServerTest, APrepareThatLandsAfterItsAbortIsAbortedWhereItLeftThePlanPending) {
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+  b.KeepPreparedPending(true);
+  BalancerOptions options = QuickToMarkDown();
+  options.rpc_timeout = absl::Milliseconds(300);
+  options.recovery_grace = absl::ZeroDuration();
+  std::unique_ptr<Balancer> balancer = WithTwoDaemons(options, a, b);
+  b.HoldPrepares(true);
+  v1::RebalanceResponse response;
+  EXPECT_EQ(Drain(*balancer, "node-b", true, &response).error_code(), grpc::StatusCode::ABORTED);
+  b.HoldPrepares(false);
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (b.pending() != 2 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_EQ(b.pending(), 2u);
+  for (int i = 0; i < 20 && b.aborted().empty(); ++i) balancer->Tick();
+  EXPECT_EQ(b.aborted(), std::vector<uint64_t>{2});
+  // And the drain, still asked for, goes through.
+  for (int i = 0; i < 20 && a.committed_version() < 3; ++i) balancer->Tick();
+  EXPECT_EQ(a.committed_version(), 3u);
 }
 
 // node-a (ranks 0, 1) and node-b (ranks 2, 3) registered by their processes a-1 and b-2;

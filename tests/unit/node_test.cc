@@ -359,6 +359,9 @@ TEST(NodeTest, ARepeatedPrepareMustBeTheSamePlanAndTheCommittedPlanIsNeverAborte
   EXPECT_EQ(refused.reason(),
             "plan v2 is prepared here with other contents; a version names one plan");
   EXPECT_EQ(node.State().pending_version(), 2u);  // The first one stays prepared.
+  // What recovery compares with the plan committed under v2 elsewhere.
+  EXPECT_EQ(node.State().pending_fingerprint(), balancer::PlanFingerprint(SwappedPlan()));
+  EXPECT_NE(balancer::PlanFingerprint(other), balancer::PlanFingerprint(SwappedPlan()));
   ASSERT_TRUE(node.Commit(2).ok());
   const absl::StatusOr<balancer::Plan> committed = balancer::FromProto(node.State().committed_plan());
   ASSERT_TRUE(committed.ok()) << committed.status();
