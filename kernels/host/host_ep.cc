@@ -697,32 +697,16 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
     for (int s : sources) Place(s, out);
   } else {
     if (senders_ == nullptr) send_share(0);  // No core to spare: send, then receive.
-    const bool rows_first = senders_ == nullptr && config_.flagged_tokens == 0 &&
-                            getenv("UBEP_ROWS_FIRST") != nullptr;
-    absl::Status status;
-    if (rows_first) {
-      status = TakeAsTheyArrive(epoch, sources, "dispatch data", deadline, false, [&](int s) {
-        return EpochReached(LoadAcquire(FlagAt(own, layout_.dispatch_flag, s)), epoch)
-                   ? Take::kDone
-                   : Take::kNothing;
-      });
-      if (status.ok()) {
-        LayOut(out);
-        for (int s : sources) {
-          if (out.handle.records_from[s] > 0) Place(s, out);
-        }
-      }
-    }
     // The offsets first (every source's records, as its count flag arrives), then each
     // source's rows placed as its data flag arrives, in whatever order the sources finish;
     // flagged rows (flagged_rows.h) one by one as they land, without waiting for the flag.
-    if (!rows_first) status =
+    absl::Status status =
         TakeAsTheyArrive(epoch, sources, "dispatch counts", deadline, /*poll=*/false, [&](int s) {
           return EpochReached(LoadAcquire(FlagAt(own, layout_.count_flag, s)), epoch)
                      ? Take::kDone
                      : Take::kNothing;
         });
-    if (status.ok() && !rows_first) {
+    if (status.ok()) {
       LayOut(out);
       std::erase_if(sources, [&](int s) { return out.handle.records_from[s] == 0; });
       const bool poll = std::any_of(sources.begin(), sources.end(),
