@@ -1013,7 +1013,7 @@ void Balancer::CheckHealth() {
     const bool ok = status.ok() && response.status() == grpc::health::v1::HealthCheckResponse::SERVING;
     MutexLock lock(&mu_);
     auto it = daemons_.find(name);
-    if (it == daemons_.end()) continue;
+    if (it == daemons_.end() || it->second.channel != channel) continue;  // Registered again.
     Daemon& d = it->second;
     d.failures = ok ? 0 : d.failures + 1;
     const bool healthy = d.failures < options_.health_failures;
@@ -1031,21 +1031,31 @@ void Balancer::CheckHealth() {
 void Balancer::Recover() {
   std::lock_guard<std::mutex> serial(commit_mu_);
   // Learn what every (re)registered daemon holds.
-  std::vector<std::pair<std::string, std::shared_ptr<v1::DaemonControl::Stub>>> ask;
+  struct Ask {
+    std::string name;
+    std::shared_ptr<v1::DaemonControl::Stub> stub;
+    std::string incarnation;  // Of the registration asked.
+  };
+  std::vector<Ask> ask;
   {
     MutexLock lock(&mu_);
     for (auto& [name, d] : daemons_) {
-      if (d.needs_state && d.healthy) ask.emplace_back(name, d.control);
+      if (d.needs_state && d.healthy) ask.push_back({name, d.control, d.info.incarnation()});
     }
   }
-  for (const auto& [name, stub] : ask) {
+  for (const auto& [name, stub, incarnation] : ask) {
     grpc::ClientContext context;
     SetDeadline(context, options_.rpc_timeout);
     v1::DaemonState state;
     const grpc::Status status = stub->GetState(&context, v1::GetStateRequest(), &state);
     MutexLock lock(&mu_);
     auto it = daemons_.find(name);
-    if (it == daemons_.end() || !status.ok()) continue;
+    // The answer is of the registration asked: a node registered again meanwhile (a new
+    // process, at the same address or another) is asked again.
+    if (it == daemons_.end() || it->second.control != stub ||
+        it->second.info.incarnation() != incarnation || !status.ok()) {
+      continue;
+    }
     Daemon& d = it->second;
     d.needs_state = false;
     d.committed = state.committed_version();
