@@ -1,5 +1,7 @@
 #include "balancer/formats/proto_convert.h"
 
+#include <cmath>
+
 #include "balancer/core/planner.h"
 #include "gtest/gtest.h"
 #include "tests/unit/test_util.h"
@@ -40,6 +42,39 @@ TEST(ProtoConvertTest, CompactPlanRoundTripsAndIsChecked) {
   proto = ToProto(plan, PlanEncoding::kCompact);
   proto.mutable_layers(0)->set_slot_share(0, 0.25);  // The expert's shares no longer sum to 1.
   EXPECT_EQ(FromProto(proto).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// Recovery compares a daemon's pending plan (decoded from the Prepare) with the plan the
+// balancer holds (its own, or decoded from another daemon's state) by fingerprint: it must
+// survive either encoding exactly, and tell apart plans that differ in any field.
+TEST(ProtoConvertTest, APlansFingerprintSurvivesEitherEncodingAndTellsPlansApart) {
+  LoadMatrix load(3, 16);
+  for (int l = 0; l < 3; ++l) {
+    for (int e = 0; e < 16; ++e) load.at(l, e) = 100.0 / (1 + (e * 7 + l * 3) % 11) + 0.3 * e;
+  }
+  load.set_layer_ids({2, 5, 9});
+  absl::StatusOr<Plan> plan = ComputePlan(load, Topology{4, 2, 6, 1}, nullptr, {});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  plan->version = 7;
+  const uint64_t fingerprint = PlanFingerprint(*plan);
+  EXPECT_NE(fingerprint, 0u);
+  for (const PlanEncoding encoding : {PlanEncoding::kCompact, PlanEncoding::kFull}) {
+    absl::StatusOr<Plan> back = FromProto(ToProto(*plan, encoding));
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ(PlanFingerprint(*back), fingerprint);
+    absl::StatusOr<Plan> again = FromProto(ToProto(*back, PlanEncoding::kCompact));
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_EQ(PlanFingerprint(*again), fingerprint);
+  }
+  Plan other = *plan;
+  other.layers[1].slot_share[0] = std::nextafter(other.layers[1].slot_share[0], 2.0);
+  EXPECT_NE(PlanFingerprint(other), fingerprint);
+  other = *plan;
+  std::swap(other.layers[2].slot_expert[0], other.layers[2].slot_expert[23]);
+  EXPECT_NE(PlanFingerprint(other), fingerprint);
+  other = *plan;
+  other.version = 8;
+  EXPECT_NE(PlanFingerprint(other), fingerprint);
 }
 
 TEST(ProtoConvertTest, RejectsInconsistentPlans) {
