@@ -1004,13 +1004,17 @@ void Balancer::CheckHealth() {
     next_health_ = now + options_.health_interval;
     for (const auto& [name, d] : daemons_) targets.emplace_back(name, d.channel);
   }
-  for (const auto& [name, channel] : targets) {
-    auto stub = grpc::health::v1::Health::NewStub(channel);
-    grpc::ClientContext context;
-    SetDeadline(context, std::min(options_.health_interval, options_.rpc_timeout));
+  // All at once: one daemon that does not answer costs the tick one timeout, not one each.
+  std::vector<std::shared_ptr<grpc::Channel>> channels;
+  for (const auto& target : targets) channels.push_back(target.second);
+  std::vector<CallResult> results =
+      FanOut(channels, "/grpc.health.v1.Health/Check", grpc::health::v1::HealthCheckRequest(),
+             std::min(options_.health_interval, options_.rpc_timeout));
+  for (size_t i = 0; i < targets.size(); ++i) {
+    const auto& [name, channel] = targets[i];
     grpc::health::v1::HealthCheckResponse response;
-    const grpc::Status status = stub->Check(&context, grpc::health::v1::HealthCheckRequest(), &response);
-    const bool ok = status.ok() && response.status() == grpc::health::v1::HealthCheckResponse::SERVING;
+    const bool ok = results[i].status.ok() && Parse(results[i].response, &response) &&
+                    response.status() == grpc::health::v1::HealthCheckResponse::SERVING;
     MutexLock lock(&mu_);
     auto it = daemons_.find(name);
     if (it == daemons_.end() || it->second.channel != channel) continue;  // Registered again.

@@ -14,6 +14,7 @@
 
 #include "balancer/core/plan.h"
 #include "balancer/formats/proto_convert.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "balancer/server/balancer.h"
 #include "balancer/server/load_window.h"
 #include "grpcpp/grpcpp.h"
@@ -1511,6 +1512,66 @@ TEST(BalancerServerTest, APrepareThatLandsAfterItsAbortIsAbortedWhereItLeftThePl
   // And the drain, still asked for, goes through.
   for (int i = 0; i < 20 && a.committed_version() < 3; ++i) balancer->Tick();
   EXPECT_EQ(a.committed_version(), 3u);
+}
+
+// A health service whose checks each wait, up to their deadline, until `expected` checks are
+// in flight at once; it records the most that were.
+class GatheringHealth final : public grpc::health::v1::Health::Service {
+ public:
+  explicit GatheringHealth(int expected) : expected_(expected) {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    builder.RegisterService(this);
+    server_ = builder.BuildAndStart();
+  }
+  ~GatheringHealth() override { server_->Shutdown(std::chrono::system_clock::now()); }
+  grpc::Status Check(grpc::ServerContext* context, const grpc::health::v1::HealthCheckRequest*,
+                     grpc::health::v1::HealthCheckResponse* response) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    most_ = std::max(most_, ++in_flight_);
+    all_in_.notify_all();
+    all_in_.wait_until(lock, context->deadline(), [&] { return most_ >= expected_; });
+    --in_flight_;
+    response->set_status(grpc::health::v1::HealthCheckResponse::SERVING);
+    return grpc::Status::OK;
+  }
+  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  int most() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return most_;
+  }
+
+ private:
+  const int expected_;
+  std::mutex mu_;
+  std::condition_variable all_in_;
+  int in_flight_ = 0, most_ = 0;
+  int port_ = 0;
+  std::unique_ptr<grpc::Server> server_;
+};
+
+// The health checks of a tick go out at once: a daemon that does not answer costs the tick
+// one timeout, not one per daemon (K blackholed machines made each tick K timeouts long).
+TEST(BalancerServerTest, TheHealthChecksOfATickGoOutAtOnce) {
+  GatheringHealth health(3);
+  BalancerOptions options = NeverMarkedDown();
+  options.health_interval = absl::Seconds(2);
+  Balancer balancer(options, std::make_shared<prometheus::Registry>());
+  for (uint32_t i = 0; i < 3; ++i) {
+    v1::RegisterRequest q;
+    q.set_node(absl::StrCat("node-", i));
+    q.set_address(health.address());
+    q.set_world_size(6);
+    q.add_ranks(2 * i);
+    q.add_ranks(2 * i + 1);
+    q.set_backend("host");
+    q.mutable_shape()->set_num_layers(2);
+    q.mutable_shape()->set_num_experts(6);
+    q.mutable_shape()->set_slots_per_rank(4);
+    Register(balancer, q);
+  }
+  balancer.Tick();
+  EXPECT_EQ(health.most(), 3);
 }
 
 // node-a (ranks 0, 1) and node-b (ranks 2, 3) registered by their processes a-1 and b-2;
