@@ -28,9 +28,6 @@
 
 namespace ubep::daemon {
 
-grpc::Status ToGrpc(const absl::Status& status) {
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
-}
 
 // An answer of ubepd's RPCs: an error is counted (ubep_daemon_errors_total{source="rpc"}) and
 // marked as ubepd's own (rpc_origin.h), so that clients call only the transport's failures
@@ -40,7 +37,7 @@ grpc::Status Answered(grpc::ServerContext* context, DaemonMetrics* metrics,
   if (status.ok()) return grpc::Status::OK;
   metrics->CountRpcError(status.code());
   context->AddTrailingMetadata(kUbepdOrigin, "ubepd");
-  return ToGrpc(status);
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
 }
 
 class DaemonService final : public v1::Daemon::Service {
@@ -59,7 +56,7 @@ class DaemonService final : public v1::Daemon::Service {
   }
   grpc::Status Detach(grpc::ServerContext* context, const v1::DetachRequest* request,
                       v1::DetachResponse*) override {
-    return Count(context, node_->Detach(*request));
+    return Answered(context, metrics_, node_->Detach(*request));
   }
   grpc::Status GetPlan(grpc::ServerContext* context, const v1::GetPlanRequest*,
                        v1::GetPlanResponse* response) override {
@@ -71,12 +68,9 @@ class DaemonService final : public v1::Daemon::Service {
   }
 
  private:
-  grpc::Status Count(grpc::ServerContext* context, const absl::Status& status) {
-    return Answered(context, metrics_, status);
-  }
   template <typename T>
   grpc::Status Answer(grpc::ServerContext* context, absl::StatusOr<T> result, T* response) {
-    if (!result.ok()) return Count(context, result.status());
+    if (!result.ok()) return Answered(context, metrics_, result.status());
     *response = *std::move(result);
     return grpc::Status::OK;
   }

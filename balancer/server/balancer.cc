@@ -1117,7 +1117,13 @@ void Balancer::Recover() {
     const bool may_abort = up >= options_.recovery_grace &&
                            (!unknown || up >= options_.registration_grace);
     const uint64_t held = plan_.has_value() ? plan_->version : 0;
-    const uint64_t held_fingerprint = plan_.has_value() ? PlanFingerprint(*plan_) : 0;
+    // The plan held, fingerprinted once and only where a daemon holds its version pending (a
+    // large plan is megabytes to encode; Recover runs every tick).
+    std::optional<uint64_t> fingerprint;
+    auto held_fingerprint = [&] {
+      if (!fingerprint.has_value()) fingerprint = PlanFingerprint(*plan_);
+      return *fingerprint;
+    };
     for (auto& [name, d] : daemons_) {
       if (d.pending == 0 || !d.healthy) continue;
       if (aborted_versions_.contains(d.pending)) {
@@ -1127,7 +1133,7 @@ void Balancer::Recover() {
         // that held it undecided took part in no later plan, so its ranks were left out).
         decide.push_back({d.control, {d.pending, false}});
       } else if (d.pending == held && d.pending_fingerprint != 0 &&
-                 d.pending_fingerprint != held_fingerprint) {
+                 d.pending_fingerprint != held_fingerprint()) {
         // Another plan under the version committed elsewhere (prepared by an earlier balancer
         // that reused the number): committed, it would run other placements under v.
         UBEP_LOG(WARNING) << "recovery: node " << name << " holds another plan than v" << held
@@ -1492,13 +1498,14 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
     // pending (one that landed after its Abort, which then found nothing to abort): the
     // daemon's state is read again, and recovery aborts what is left.
     if (it != daemons_.end() &&
-        (!statuses[i].ok() || !answers[i].prepared())) {
+        (!statuses[i].ok() || !answers[i].prepared() || !decided[i].ok())) {
       it->second.needs_state = true;
     }
-    if (decided[i].ok()) continue;
-    UBEP_LOG(WARNING) << "plan v" << plan->version << ": node " << targets[i] << " did not take the "
-                      << (commit ? "Commit" : "Abort") << ": " << decided[i].error_message();
-    if (it != daemons_.end()) it->second.needs_state = true;
+    if (!decided[i].ok()) {
+      UBEP_LOG(WARNING) << "plan v" << plan->version << ": node " << targets[i]
+                        << " did not take the " << (commit ? "Commit" : "Abort") << ": "
+                        << decided[i].error_message();
+    }
   }
   if (!commit) {
     plans_aborted_->Increment();
