@@ -1034,30 +1034,39 @@ void Balancer::CheckHealth() {
 
 void Balancer::Recover() {
   std::lock_guard<std::mutex> serial(commit_mu_);
-  // Learn what every (re)registered daemon holds.
+  // Learn what every (re)registered daemon holds, asking them all at once: a daemon that does
+  // not answer costs recovery one timeout, not one per daemon.
   struct Ask {
     std::string name;
-    std::shared_ptr<v1::DaemonControl::Stub> stub;
+    std::shared_ptr<grpc::Channel> channel;
     std::string incarnation;  // Of the registration asked.
   };
   std::vector<Ask> ask;
+  std::vector<std::shared_ptr<grpc::Channel>> ask_channels;
   {
     MutexLock lock(&mu_);
     for (auto& [name, d] : daemons_) {
-      if (d.needs_state && d.healthy) ask.push_back({name, d.control, d.info.incarnation()});
+      if (d.needs_state && d.healthy) {
+        ask.push_back({name, d.channel, d.info.incarnation()});
+        ask_channels.push_back(d.channel);
+      }
     }
   }
-  for (const auto& [name, stub, incarnation] : ask) {
-    grpc::ClientContext context;
-    SetDeadline(context, options_.rpc_timeout);
+  std::vector<CallResult> answers;
+  if (!ask.empty()) {
+    answers = FanOut(ask_channels, "/ubep.v1.DaemonControl/GetState", v1::GetStateRequest(),
+                     options_.rpc_timeout);
+  }
+  for (size_t i = 0; i < ask.size(); ++i) {
+    const auto& [name, channel, incarnation] = ask[i];
     v1::DaemonState state;
-    const grpc::Status status = stub->GetState(&context, v1::GetStateRequest(), &state);
+    const bool answered = answers[i].status.ok() && Parse(answers[i].response, &state);
     MutexLock lock(&mu_);
     auto it = daemons_.find(name);
     // The answer is of the registration asked: a node registered again meanwhile (a new
     // process, at the same address or another) is asked again.
-    if (it == daemons_.end() || it->second.control != stub ||
-        it->second.info.incarnation() != incarnation || !status.ok()) {
+    if (it == daemons_.end() || it->second.channel != channel ||
+        it->second.info.incarnation() != incarnation || !answered) {
       continue;
     }
     Daemon& d = it->second;
@@ -1095,7 +1104,8 @@ void Balancer::Recover() {
   }
   // Resolve undecided prepares: aborted by this process -> abort; committed anywhere ->
   // commit; else abort after the grace, once no daemon that may have committed it is unknown.
-  std::vector<std::pair<std::shared_ptr<v1::DaemonControl::Stub>, std::pair<uint64_t, bool>>> decide;
+  // Each decision (version, commit?) goes to its daemons at once.
+  std::map<std::pair<uint64_t, bool>, std::vector<std::shared_ptr<grpc::Channel>>> decide;
   {
     MutexLock lock(&mu_);
     // The plan this balancer holds was committed (it takes one only once committed), though
@@ -1127,22 +1137,22 @@ void Balancer::Recover() {
     for (auto& [name, d] : daemons_) {
       if (d.pending == 0 || !d.healthy) continue;
       if (aborted_versions_.contains(d.pending)) {
-        decide.push_back({d.control, {d.pending, false}});
+        decide[{d.pending, false}].push_back(d.channel);
       } else if (d.pending < held) {
         // Older than the plan in force: superseded, whatever became of it elsewhere (a daemon
         // that held it undecided took part in no later plan, so its ranks were left out).
-        decide.push_back({d.control, {d.pending, false}});
+        decide[{d.pending, false}].push_back(d.channel);
       } else if (d.pending == held && d.pending_fingerprint != 0 &&
                  d.pending_fingerprint != held_fingerprint()) {
         // Another plan under the version committed elsewhere (prepared by an earlier balancer
         // that reused the number): committed, it would run other placements under v.
         UBEP_LOG(WARNING) << "recovery: node " << name << " holds another plan than v" << held
                           << " under that version: aborted there";
-        decide.push_back({d.control, {d.pending, false}});
+        decide[{d.pending, false}].push_back(d.channel);
       } else if (d.pending <= committed_max) {
-        decide.push_back({d.control, {d.pending, true}});
+        decide[{d.pending, true}].push_back(d.channel);
       } else if (may_abort) {
-        decide.push_back({d.control, {d.pending, false}});
+        decide[{d.pending, false}].push_back(d.channel);
       } else if (!held_logged_.contains(d.pending)) {
         held_logged_.insert(d.pending);
         UBEP_LOG(WARNING) << "recovery: plan v" << d.pending << " is pending on node " << name
@@ -1152,33 +1162,36 @@ void Balancer::Recover() {
       }
     }
   }
-  for (const auto& [stub, decision] : decide) {
-    grpc::ClientContext context;
-    SetDeadline(context, options_.rpc_timeout);
-    grpc::Status status;
-    if (decision.second) {
+  for (const auto& [decision, channels] : decide) {
+    const auto [version, commit] = decision;
+    std::vector<CallResult> results;
+    if (commit) {
       v1::CommitRequest request;
-      request.set_version(decision.first);
-      v1::CommitResponse response;
-      status = stub->Commit(&context, request, &response);
+      request.set_version(version);
+      results = FanOut(channels, "/ubep.v1.DaemonControl/Commit", request, options_.rpc_timeout);
     } else {
       v1::AbortRequest request;
-      request.set_version(decision.first);
-      v1::AbortResponse response;
-      status = stub->Abort(&context, request, &response);
-      // Counted once per version, and not again where this process aborted it already
-      // (delivering the decision to a daemon that missed it).
-      MutexLock lock(&mu_);
-      if (aborted_versions_.insert(decision.first).second) {
-        plans_aborted_->Increment();
-        ++aborted_count_;
-      }
+      request.set_version(version);
+      results = FanOut(channels, "/ubep.v1.DaemonControl/Abort", request, options_.rpc_timeout);
     }
-    UBEP_LOG(INFO) << "recovery: " << (decision.second ? "committed" : "aborted") << " orphan plan v"
-                   << decision.first << (status.ok() ? "" : " (failed: " + status.error_message() + ")");
     MutexLock lock(&mu_);
-    for (auto& [name, d] : daemons_) {
-      if (d.control == stub) d.needs_state = true;
+    // Counted once per version, and not again where this process aborted it already
+    // (delivering the decision to a daemon that missed it).
+    if (!commit && aborted_versions_.insert(version).second) {
+      plans_aborted_->Increment();
+      ++aborted_count_;
+    }
+    for (size_t i = 0; i < channels.size(); ++i) {
+      std::string node;
+      for (auto& [name, d] : daemons_) {
+        if (d.channel != channels[i]) continue;
+        d.needs_state = true;
+        node = name;
+      }
+      UBEP_LOG(INFO) << "recovery: " << (commit ? "committed" : "aborted") << " orphan plan v"
+                     << version << " on node " << (node.empty() ? "(gone)" : node)
+                     << (results[i].status.ok() ? ""
+                                                : " (failed: " + results[i].status.error_message() + ")");
     }
   }
   CatchUp();
@@ -1218,7 +1231,8 @@ void Balancer::CatchUp() {
   //   (they are stale until then).
   // (A daemon with member ranks in a group over several daemons is not caught up alone: the
   // switch needs every daemon of the group; the next plan's commit decides for it.)
-  std::vector<std::pair<std::string, std::shared_ptr<v1::DaemonControl::Stub>>> behind;
+  std::vector<std::string> behind;
+  std::vector<std::shared_ptr<grpc::Channel>> channels;
   v1::PrepareRequest request;
   bool whole_group = false;
   {
@@ -1232,7 +1246,10 @@ void Balancer::CatchUp() {
       bool all_excluded = true;
       for (uint32_t r : d.info.ranks()) all_excluded &= plan_->excluded(static_cast<int>(r));
       const bool whole = d.info.ranks_size() == shape_->world;
-      if (all_excluded || whole) behind.emplace_back(name, d.control);
+      if (all_excluded || whole) {
+        behind.push_back(name);
+        channels.push_back(d.channel);
+      }
       whole_group |= whole;
     }
     if (behind.empty()) return;
@@ -1240,43 +1257,58 @@ void Balancer::CatchUp() {
     request.set_effective_step(EstimateStep() + options_.min_margin_steps);
     AddGroupDaemons(request);
   }
-  for (const auto& [name, stub] : behind) {
-    std::string outcome;
-    // Whether the daemon may hold the plan prepared and undecided (a Prepare or a Commit that
-    // got no answer): then GetState tells, and recovery decides it. A Prepare it refused left
-    // nothing behind, and the next Tick tries again; meanwhile other plans go on.
-    bool unknown = false;
-    v1::PrepareResponse prepared;
-    {
-      grpc::ClientContext context;
-      SetDeadline(context, options_.rpc_timeout);
-      const grpc::Status status = stub->Prepare(&context, request, &prepared);
-      if (!status.ok()) outcome = status.error_message();
-      if (status.ok() && !prepared.prepared()) outcome = prepared.reason();
-      unknown = !status.ok();
+  // The daemons behind take the plan at once: Prepare to all, then Commit to those prepared.
+  // Whether a daemon may hold the plan prepared and undecided (a Prepare or a Commit that got
+  // no answer): then GetState tells, and recovery decides it. A Prepare it refused left
+  // nothing behind, and the next Tick tries again; meanwhile other plans go on.
+  std::vector<std::string> outcome(behind.size());
+  std::vector<bool> unknown(behind.size(), false);
+  std::vector<CallResult> prepared =
+      FanOut(channels, "/ubep.v1.DaemonControl/Prepare", request, options_.rpc_timeout);
+  std::vector<std::shared_ptr<grpc::Channel>> to_commit;
+  std::vector<size_t> committing;
+  for (size_t i = 0; i < behind.size(); ++i) {
+    v1::PrepareResponse response;
+    if (!prepared[i].status.ok()) {
+      outcome[i] = prepared[i].status.error_message();
+      unknown[i] = true;
+    } else if (!Parse(prepared[i].response, &response)) {
+      outcome[i] = "its answer to Prepare could not be read";
+      unknown[i] = true;
+    } else if (!response.prepared()) {
+      outcome[i] = response.reason();
+    } else {
+      to_commit.push_back(channels[i]);
+      committing.push_back(i);
     }
-    if (outcome.empty()) {
-      grpc::ClientContext context;
-      SetDeadline(context, options_.rpc_timeout);
-      v1::CommitRequest commit;
-      commit.set_version(request.plan().version());
-      v1::CommitResponse response;
-      if (const grpc::Status status = stub->Commit(&context, commit, &response); !status.ok()) {
-        outcome = status.error_message();
-        unknown = true;
-      }
+  }
+  if (!to_commit.empty()) {
+    v1::CommitRequest commit;
+    commit.set_version(request.plan().version());
+    std::vector<CallResult> committed =
+        FanOut(to_commit, "/ubep.v1.DaemonControl/Commit", commit, options_.rpc_timeout);
+    for (size_t j = 0; j < committing.size(); ++j) {
+      if (committed[j].status.ok()) continue;
+      outcome[committing[j]] = committed[j].status.error_message();
+      unknown[committing[j]] = true;
     }
-    MutexLock lock(&mu_);
+  }
+  MutexLock lock(&mu_);
+  for (size_t i = 0; i < behind.size(); ++i) {
+    const std::string& name = behind[i];
     auto it = daemons_.find(name);
-    if (outcome.empty()) {
+    // Applied to the registration sent to only (a node registered again meanwhile is a new
+    // process, asked again by recovery).
+    if (it != daemons_.end() && it->second.channel != channels[i]) it = daemons_.end();
+    if (outcome[i].empty()) {
       UBEP_LOG(INFO) << "node " << name << " caught up on plan v" << request.plan().version()
                      << " (effective at step " << request.effective_step() << ")";
       if (whole_group) plan_effective_step_ = request.effective_step();
       if (it != daemons_.end()) it->second.committed = request.plan().version();
     } else {
       UBEP_LOG(INFO) << "node " << name << " did not take plan v" << request.plan().version()
-                     << " yet: " << outcome;
-      if (it != daemons_.end() && unknown) it->second.needs_state = true;
+                     << " yet: " << outcome[i];
+      if (it != daemons_.end() && unknown[i]) it->second.needs_state = true;
     }
   }
 }

@@ -10,6 +10,7 @@
 #include <optional>
 #include <set>
 #include <thread>
+#include <map>
 #include <tuple>
 
 #include "balancer/core/plan.h"
@@ -246,6 +247,30 @@ TEST(BalancerServerTest, ARegistrationsRanksAreOneBlockAndComeWithTheShape) {
   EXPECT_EQ(balancer.Status().nodes.size(), 2u);
 }
 
+// Calls that each wait, up to their deadline, until `expected` of them are in flight at once
+// (from any number of servers); it records the most that were.
+class Gathering {
+ public:
+  explicit Gathering(int expected) : expected_(expected) {}
+  void Arrive(std::chrono::system_clock::time_point deadline) {
+    std::unique_lock<std::mutex> lock(mu_);
+    most_ = std::max(most_, ++in_flight_);
+    all_in_.notify_all();
+    all_in_.wait_until(lock, deadline, [&] { return most_ >= expected_; });
+    --in_flight_;
+  }
+  int most() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return most_;
+  }
+
+ private:
+  const int expected_;
+  std::mutex mu_;
+  std::condition_variable all_in_;
+  int in_flight_ = 0, most_ = 0;
+};
+
 // A daemon's DaemonControl, in process on loopback, with the gRPC health service the
 // balancer checks: it serves `plan` as committed (in force from `effective_step`), prepares
 // and commits whatever it is sent but a version it is told to refuse, and records the Prepare
@@ -264,8 +289,9 @@ class FakeDaemon final : public v1::DaemonControl::Service {
   }
   ~FakeDaemon() override { server_->Shutdown(std::chrono::system_clock::now()); }
 
-  grpc::Status Prepare(grpc::ServerContext*, const v1::PrepareRequest* request,
+  grpc::Status Prepare(grpc::ServerContext* context, const v1::PrepareRequest* request,
                        v1::PrepareResponse* response) override {
+    Gather("Prepare", context);
     std::unique_lock<std::mutex> lock(mu_);
     prepares_.push_back(*request);
     // Bounded, so that a test that fails before letting it go still ends.
@@ -284,7 +310,9 @@ class FakeDaemon final : public v1::DaemonControl::Service {
     response->set_prepared(true);
     return grpc::Status::OK;
   }
-  grpc::Status Commit(grpc::ServerContext*, const v1::CommitRequest* request, v1::CommitResponse*) override {
+  grpc::Status Commit(grpc::ServerContext* context, const v1::CommitRequest* request,
+                      v1::CommitResponse*) override {
+    Gather("Commit", context);
     std::lock_guard<std::mutex> lock(mu_);
     if (request->version() == lost_commit_) {  // Taken, but its answer is lost: still pending.
       lost_commit_ = 0;
@@ -298,7 +326,9 @@ class FakeDaemon final : public v1::DaemonControl::Service {
     commits_.push_back(request->version());
     return grpc::Status::OK;
   }
-  grpc::Status Abort(grpc::ServerContext*, const v1::AbortRequest* request, v1::AbortResponse*) override {
+  grpc::Status Abort(grpc::ServerContext* context, const v1::AbortRequest* request,
+                     v1::AbortResponse*) override {
+    Gather("Abort", context);
     std::lock_guard<std::mutex> lock(mu_);
     if (request->version() == lost_abort_) {  // Not taken: the prepared plan stays pending.
       lost_abort_ = 0;
@@ -311,7 +341,9 @@ class FakeDaemon final : public v1::DaemonControl::Service {
     }
     return grpc::Status::OK;
   }
-  grpc::Status GetState(grpc::ServerContext*, const v1::GetStateRequest*, v1::DaemonState* state) override {
+  grpc::Status GetState(grpc::ServerContext* context, const v1::GetStateRequest*,
+                        v1::DaemonState* state) override {
+    Gather("GetState", context);
     std::lock_guard<std::mutex> lock(mu_);
     if (state_unavailable_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "unreachable for the test");
     state->set_pending_version(pending_);
@@ -406,6 +438,11 @@ class FakeDaemon final : public v1::DaemonControl::Service {
     std::lock_guard<std::mutex> lock(mu_);
     return commits_;
   }
+  // Calls of `method` (Prepare, Commit, Abort, GetState) wait at `gathering` first.
+  void GatherAt(const std::string& method, Gathering* gathering) {
+    std::lock_guard<std::mutex> lock(mu_);
+    gatherings_[method] = gathering;
+  }
   void SetStateUnavailable(bool unavailable) {
     std::lock_guard<std::mutex> lock(mu_);
     state_unavailable_ = unavailable;
@@ -416,6 +453,15 @@ class FakeDaemon final : public v1::DaemonControl::Service {
   }
 
  private:
+  void Gather(const std::string& method, const grpc::ServerContext* context) {
+    Gathering* gathering = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (auto it = gatherings_.find(method); it != gatherings_.end()) gathering = it->second;
+    }
+    if (gathering != nullptr) gathering->Arrive(context->deadline());
+  }
+
   std::string name_;
   std::mutex mu_;
   std::condition_variable let_go_;
@@ -428,6 +474,7 @@ class FakeDaemon final : public v1::DaemonControl::Service {
   size_t pad_ = 0;
   std::vector<uint64_t> commits_;
   bool state_unavailable_ = false;
+  std::map<std::string, Gathering*> gatherings_;
   std::vector<uint64_t> aborted_;
   std::vector<v1::PrepareRequest> prepares_;
   int links_ = 0;
@@ -1514,11 +1561,10 @@ TEST(BalancerServerTest, APrepareThatLandsAfterItsAbortIsAbortedWhereItLeftThePl
   EXPECT_EQ(a.committed_version(), 3u);
 }
 
-// A health service whose checks each wait, up to their deadline, until `expected` checks are
-// in flight at once; it records the most that were.
+// A health service whose checks each wait at a Gathering of `expected`.
 class GatheringHealth final : public grpc::health::v1::Health::Service {
  public:
-  explicit GatheringHealth(int expected) : expected_(expected) {
+  explicit GatheringHealth(int expected) : gathering_(expected) {
     grpc::ServerBuilder builder;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
     builder.RegisterService(this);
@@ -1527,25 +1573,15 @@ class GatheringHealth final : public grpc::health::v1::Health::Service {
   ~GatheringHealth() override { server_->Shutdown(std::chrono::system_clock::now()); }
   grpc::Status Check(grpc::ServerContext* context, const grpc::health::v1::HealthCheckRequest*,
                      grpc::health::v1::HealthCheckResponse* response) override {
-    std::unique_lock<std::mutex> lock(mu_);
-    most_ = std::max(most_, ++in_flight_);
-    all_in_.notify_all();
-    all_in_.wait_until(lock, context->deadline(), [&] { return most_ >= expected_; });
-    --in_flight_;
+    gathering_.Arrive(context->deadline());
     response->set_status(grpc::health::v1::HealthCheckResponse::SERVING);
     return grpc::Status::OK;
   }
   std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
-  int most() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return most_;
-  }
+  int most() { return gathering_.most(); }
 
  private:
-  const int expected_;
-  std::mutex mu_;
-  std::condition_variable all_in_;
-  int in_flight_ = 0, most_ = 0;
+  Gathering gathering_;
   int port_ = 0;
   std::unique_ptr<grpc::Server> server_;
 };
@@ -1572,6 +1608,57 @@ TEST(BalancerServerTest, TheHealthChecksOfATickGoOutAtOnce) {
   }
   balancer.Tick();
   EXPECT_EQ(health.most(), 3);
+}
+
+// Recovery asks the daemons for their state at once, and sends each decision to its daemons at
+// once: daemons that do not answer cost it one timeout, not one each.
+TEST(BalancerServerTest, RecoveryAsksAndDecidesAtOnce) {
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+  v1::Plan second = FirstPlan();
+  second.set_version(2);
+  a.SetPending(second);  // Left undecided by a balancer that died; committed nowhere.
+  b.SetPending(second);
+  Gathering asked(2), aborted(2);
+  for (FakeDaemon* d : {&a, &b}) {
+    d->GatherAt("GetState", &asked);
+    d->GatherAt("Abort", &aborted);
+  }
+  BalancerOptions options = NeverMarkedDown();
+  options.recovery_grace = absl::ZeroDuration();
+  options.rpc_timeout = absl::Seconds(3);
+  std::unique_ptr<Balancer> balancer = WithTwoDaemons(options, a, b);
+  EXPECT_EQ(asked.most(), 2);
+  EXPECT_EQ(aborted.most(), 2);
+  EXPECT_EQ(a.aborted(), std::vector<uint64_t>{2});
+  EXPECT_EQ(b.aborted(), std::vector<uint64_t>{2});
+  v1::ClusterStatus cluster;
+  ASSERT_TRUE(balancer->GetStatus(nullptr, nullptr, &cluster).ok());
+  EXPECT_EQ(cluster.plans_aborted(), 1u);
+}
+
+// The daemons behind the cluster's plan catch up at once: Prepare to all, then Commit to all.
+TEST(BalancerServerTest, DaemonsBehindCatchUpAtOnce) {
+  FakeDaemon a("node-a", PlanWithoutNodeB()), b("node-b", FirstPlan()), c("node-c", FirstPlan());
+  Gathering prepared(2), committed(2);
+  for (FakeDaemon* d : {&b, &c}) {
+    d->GatherAt("Prepare", &prepared);
+    d->GatherAt("Commit", &committed);
+  }
+  BalancerOptions options = NeverMarkedDown();
+  options.rpc_timeout = absl::Seconds(3);
+  Balancer balancer(options, std::make_shared<prometheus::Registry>());
+  Register(balancer, DaemonRegistration(a, "node-a", 0, 0, "host"));
+  for (auto [d, node, rank] : {std::tuple{&b, "node-b", 2u}, std::tuple{&c, "node-c", 3u}}) {
+    v1::RegisterRequest q = DaemonRegistration(*d, node, rank, 0, "host");
+    q.clear_ranks();
+    q.add_ranks(rank);  // Every rank of node-b and node-c is excluded from v2.
+    Register(balancer, q);
+  }
+  balancer.Tick();  // Learns v2 from node-a; node-b and node-c catch up on it.
+  EXPECT_EQ(prepared.most(), 2);
+  EXPECT_EQ(committed.most(), 2);
+  EXPECT_EQ(b.committed_version(), 2u);
+  EXPECT_EQ(c.committed_version(), 2u);
 }
 
 // node-a (ranks 0, 1) and node-b (ranks 2, 3) registered by their processes a-1 and b-2;
