@@ -1496,6 +1496,17 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
   if (reinterpret_cast<uintptr_t>(in.x) % 16 != 0) {
     return Refuse(absl::InvalidArgumentError("cuda backend: x must be 16-byte aligned"));
   }
+  // The abort word is looked at by GateKernel, with no synchronous copy; but after a refusal of
+  // its own it is looked at here first, so that a call refused because the group gave up keeps
+  // that refusal for the peers to read, as on the host (which looks before TakePart).
+  if (refusal_recorded_) {
+    uint32_t code = 0;
+    UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&code, own_arena_ + layout_.abort, sizeof(code),
+                                         cudaMemcpyDeviceToHost));
+    if (code != 0) {
+      return DispatchAfterGiveUpStatus(code, rank_, config_.protocol, dispatch_epoch_ + 1);
+    }
+  }
   TakePart();
   dispatch_completed_ = false;
   Scratch& s = *scratch_;

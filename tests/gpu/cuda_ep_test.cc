@@ -849,8 +849,8 @@ TEST_P(CudaEpTest, AReformedGroupNeverTakesTheOldGenerationsRows) {
 // A dispatch after the group gave up (a wait of an earlier call timed out on rank 1, or the
 // daemon set its code) is refused before any byte moves, in the host backend's words
 // (HostEpErrorTest.ADispatchAfterTheGroupGaveUpIsRefusedBeforeAnyByteMoves): no kernel of the
-// call stores into any arena. One process holds both arenas; rank 1 never runs (nothing of
-// rank 0's refused call waits for it).
+// call stores into any arena, and an earlier refusal's record is not withdrawn. One process
+// holds both arenas; rank 1 never runs (nothing of rank 0's refused call waits for it).
 TEST_P(CudaEpTest, ADispatchAfterTheGroupGaveUpIsRefusedBeforeAnyByteMoves) {
   const EpConfig c = GpuConfig(std::get<0>(GetParam()), std::get<1>(GetParam()));
   const ArenaLayout layout(c);
@@ -872,6 +872,12 @@ TEST_P(CudaEpTest, ADispatchAfterTheGroupGaveUpIsRefusedBeforeAnyByteMoves) {
   float* w = Upload(in.topk_w);
   const auto* table = reinterpret_cast<const PlanTableHeader*>(Upload(plan.table));
   UBEP_CHECK_CUDA(cudaDeviceSynchronize());
+  // Rank 0 refused call 1 first (more tokens than its buffers hold): the refusal it recorded
+  // for its peers stays, byte for byte, through the calls refused below (as on the host).
+  CudaDispatchOutput too_many;
+  EXPECT_EQ((*ep)->Dispatch({x, idx, w, c.max_tokens + 1, 0, table, plan.header()}, too_many),
+            absl::InvalidArgumentError(absl::StrCat(c.max_tokens + 1, " tokens exceed max_tokens ",
+                                                    c.max_tokens, " of this rank's buffers")));
   const std::string counts = c.protocol == Protocol::kUbep ? "dispatch counts" : "count exchange";
   const std::vector<std::pair<uint32_t, absl::Status>> cases = {
       {kAbortTimedOutBase + 1,

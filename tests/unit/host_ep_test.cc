@@ -850,6 +850,14 @@ TEST(HostEpErrorTest, ADispatchAfterTheGroupGaveUpIsRefusedBeforeAnyByteMoves) {
   }
   Group group(config);
   const ArenaLayout layout(config);
+  // Rank 0 refused call 1 first: the refusal it recorded for its peers stays, byte for byte,
+  // through the call refused below (CudaEpTest asks the same of the CUDA backend).
+  DispatchInput too_many = input;
+  too_many.num_tokens = config.max_tokens + 1;
+  DispatchOutput refused;
+  EXPECT_EQ(group.ep(0).Dispatch(too_many, refused),
+            absl::InvalidArgumentError(absl::StrCat(config.max_tokens + 1, " tokens exceed max_tokens ",
+                                                    config.max_tokens, " of this rank's buffers")));
   for (int r = 0; r < config.num_ranks; ++r) RaiseAbort(group.arena(r), layout, kAbortDraining);
   const std::vector<std::vector<std::byte>> before = ArenaBytes(group);
   DispatchOutput out;
