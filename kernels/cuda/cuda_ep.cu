@@ -1472,6 +1472,19 @@ std::string CudaEp::Refusal(int rank, CallPhase phase) const {
 }
 
 absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& out) {
+  // The abort word is looked at by GateKernel, with no synchronous copy, except where that
+  // look would come too late and it is taken here first (as the host takes it, before any
+  // check): after a dispatch that failed (its combine refused, this call would read as a
+  // second dispatch) and after a refusal of its own (which TakePart would withdraw, while a
+  // call refused because the group gave up keeps it for the peers to read).
+  if (refusal_recorded_ || (combine_epoch_ != dispatch_epoch_ && !dispatch_completed_)) {
+    uint32_t code = 0;
+    UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&code, own_arena_ + layout_.abort, sizeof(code),
+                                         cudaMemcpyDeviceToHost));
+    if (code != 0) {
+      return DispatchAfterGiveUpStatus(code, rank_, config_.protocol, dispatch_epoch_ + 1);
+    }
+  }
   if (combine_epoch_ != dispatch_epoch_) {
     return Refuse(absl::FailedPreconditionError(kDispatchTwice));
   }
@@ -1495,17 +1508,6 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
   }
   if (reinterpret_cast<uintptr_t>(in.x) % 16 != 0) {
     return Refuse(absl::InvalidArgumentError("cuda backend: x must be 16-byte aligned"));
-  }
-  // The abort word is looked at by GateKernel, with no synchronous copy; but after a refusal of
-  // its own it is looked at here first, so that a call refused because the group gave up keeps
-  // that refusal for the peers to read, as on the host (which looks before TakePart).
-  if (refusal_recorded_) {
-    uint32_t code = 0;
-    UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&code, own_arena_ + layout_.abort, sizeof(code),
-                                         cudaMemcpyDeviceToHost));
-    if (code != 0) {
-      return DispatchAfterGiveUpStatus(code, rank_, config_.protocol, dispatch_epoch_ + 1);
-    }
   }
   TakePart();
   dispatch_completed_ = false;

@@ -631,6 +631,14 @@ absl::Status HostEp::Barrier(Deadline deadline) {
 }
 
 absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
+  // A group that gave up (a wait timed out, or its daemon raised the abort word) stays given
+  // up until it is re-formed (ResetSignals): the call is refused before it stores a byte into
+  // a peer, which may still be taking the rows of the call that failed; and before any other
+  // check, so that it says why (after a dispatch that failed, its combine refused, it would
+  // otherwise read as a second dispatch) and leaves the refusal it recorded for the peers.
+  if (const uint32_t code = LoadAcquire(AbortWord()); code != 0) {
+    return DispatchAfterGiveUpStatus(code, rank_, config_.protocol, dispatch_epoch_ + 1);
+  }
   if (in.plan_area != nullptr) {
     in.plan = SelectPlan(in.plan_area, in.step);
     if (in.plan == nullptr) {
@@ -645,12 +653,6 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
   if (!active_[rank_]) {
     return absl::FailedPreconditionError(absl::StrCat(
         "rank ", rank_, " is excluded from the EP group by plan v", in.plan->version));
-  }
-  // A group that gave up (a wait timed out, or its daemon raised the abort word) stays given
-  // up until it is re-formed (ResetSignals): the call is refused before it stores a byte into
-  // a peer, which may still be taking the rows of the call that failed.
-  if (const uint32_t code = LoadAcquire(AbortWord()); code != 0) {
-    return DispatchAfterGiveUpStatus(code, rank_, config_.protocol, dispatch_epoch_ + 1);
   }
   TakePart();
   const Deadline deadline = DeadlineAfter(config_.timeout);

@@ -848,6 +848,27 @@ TEST(HostEpErrorTest, ADispatchAfterTheGroupGaveUpIsRefusedBeforeAnyByteMoves) {
                                             "on rank 2 in an earlier call; it must be re-formed"));
     EXPECT_TRUE(ArenaBytes(group) == before);
   }
+  {
+    // The group gave up in call 1's dispatch (rank 2 never came): rank 0's combine is refused
+    // for want of a completed dispatch, and its next call says the group gave up, not that
+    // the caller dispatched twice.
+    Group group(config);
+    std::vector<absl::Status> combined(config.num_ranks);
+    const std::vector<absl::Status> status = DispatchOnce(
+        group, plan, [](int r) { return r != 2; },
+        [&](int r, const DispatchOutput& out) {
+          std::vector<uint16_t> y(8 * config.hidden), result(8 * config.hidden);
+          combined[r] = group.ep(r).Combine(out, y.data(), result.data());
+        });
+    ASSERT_EQ(status[0], GaveUpOnRank2(0, "dispatch counts"));
+    ASSERT_EQ(combined[0], CombineAfterFailedDispatchStatus(0, 1));
+    const std::vector<std::vector<std::byte>> before = ArenaBytes(group);
+    DispatchOutput out;
+    EXPECT_EQ(group.ep(0).Dispatch(input, out),
+              absl::FailedPreconditionError("rank 0: dispatch call 2 refused: the group gave up "
+                                            "on rank 2 in an earlier call; it must be re-formed"));
+    EXPECT_TRUE(ArenaBytes(group) == before);
+  }
   Group group(config);
   const ArenaLayout layout(config);
   // Rank 0 refused call 1 first: the refusal it recorded for its peers stays, byte for byte,
