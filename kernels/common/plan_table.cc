@@ -111,8 +111,27 @@ absl::Status ValidatePlanTable(std::span<const std::byte> bytes) {
   if (table->magic != kPlanTableMagic) {
     return absl::InvalidArgumentError("plan table: bad magic (not a plan table)");
   }
-  if (table->max_replicas == 0 || PlanTableBytes(table) != bytes.size()) {
+  // The size the header implies, computed wide: a header whose sizes wrap a size_t must not
+  // pass for a short table.
+  const unsigned __int128 implied =
+      sizeof(PlanTableHeader) +
+      static_cast<unsigned __int128>(table->num_layers) * table->num_experts *
+          (sizeof(ExpertRoute) + static_cast<unsigned __int128>(sizeof(ReplicaRoute)) *
+                                     table->max_replicas) +
+      sizeof(uint32_t) * ((static_cast<unsigned __int128>(table->num_ranks) + 31) / 32);
+  if (table->max_replicas == 0 || implied != bytes.size()) {
     return absl::InvalidArgumentError("plan table: sizes in the header disagree with its length");
+  }
+  // Checked before what is sized from them: an expert's replicas take distinct slots, and the
+  // slots divide among the ranks.
+  if (table->num_slots > kMaxPlanSlots) {
+    return absl::InvalidArgumentError(absl::StrCat("plan table: ", table->num_slots,
+                                                   " slots, over ", kMaxPlanSlots));
+  }
+  if (table->max_replicas > table->num_slots) {
+    return absl::InvalidArgumentError(absl::StrCat("plan table: up to ", table->max_replicas,
+                                                   " replicas of an expert in ",
+                                                   table->num_slots, " slots"));
   }
   if (table->num_ranks > 0 && table->num_slots % table->num_ranks != 0) {
     return absl::InvalidArgumentError(absl::StrCat("plan table: ", table->num_slots,
@@ -121,7 +140,7 @@ absl::Status ValidatePlanTable(std::span<const std::byte> bytes) {
   }
   // Which expert each slot of a layer serves: one at most, so that a token's distinct experts
   // take distinct slots (routing.h's MaxPairsPerToken, which sizes the receive side).
-  std::vector<int64_t> served_by(table->num_slots);
+  std::vector<int32_t> served_by(table->num_slots);
   for (uint32_t l = 0; l < table->num_layers; ++l) {
     std::fill(served_by.begin(), served_by.end(), -1);
     for (uint32_t e = 0; e < table->num_experts; ++e) {
@@ -143,12 +162,12 @@ absl::Status ValidatePlanTable(std::span<const std::byte> bytes) {
               "plan table: layer ", l, " expert ", e, " routes to slot ", slot, " of rank ",
               slot / (table->num_slots / table->num_ranks), ", which is excluded"));
         }
-        if (served_by[slot] >= 0 && served_by[slot] != e) {
+        if (served_by[slot] >= 0 && served_by[slot] != static_cast<int32_t>(e)) {
           return absl::InvalidArgumentError(absl::StrCat("plan table: layer ", l, " slot ", slot,
                                                          " serves experts ", served_by[slot],
                                                          " and ", e));
         }
-        served_by[slot] = e;
+        served_by[slot] = static_cast<int32_t>(e);
       }
     }
   }

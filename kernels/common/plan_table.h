@@ -58,7 +58,7 @@ UBEP_HD inline size_t ExpertRouteBytes(uint32_t max_replicas) {
   return sizeof(ExpertRoute) + sizeof(ReplicaRoute) * max_replicas;
 }
 
-UBEP_HD inline size_t PlanMaskWords(uint32_t num_ranks) { return (num_ranks + 31u) / 32u; }
+UBEP_HD inline size_t PlanMaskWords(uint32_t num_ranks) { return (size_t{num_ranks} + 31) / 32; }
 
 UBEP_HD inline size_t PlanRoutesEnd(uint32_t num_layers, uint32_t num_experts,
                                     uint32_t max_replicas) {
@@ -124,8 +124,11 @@ absl::StatusOr<std::vector<std::byte>> BuildPlanTable(uint64_t version, uint32_t
                                                       uint32_t num_ranks = 0,
                                                       std::span<const int> excluded = {});
 
-// Checks a table read from shared memory before use: magic, sizes, counts and slots in range,
-// and no route to a slot of an excluded rank.
+// The most slots a table may have (1024 ranks of 4096 slots): what validation sizes from it.
+inline constexpr uint32_t kMaxPlanSlots = 1u << 22;
+
+// Checks a table read from shared memory before use: magic, sizes (computed without
+// wrapping), counts and slots in range, and no route to a slot of an excluded rank.
 absl::Status ValidatePlanTable(std::span<const std::byte> bytes);
 
 }  // namespace ubep::kernels

@@ -39,6 +39,13 @@ absl::Status ValidateConfig(const EpConfig& c) {
                                                    c.slots_per_rank, " slots cannot hold ",
                                                    c.num_experts, " experts"));
   }
+  // The rows one call may bring a rank are counted in 32 bits (the receive layout's offsets).
+  if (const int64_t rows = static_cast<int64_t>(c.num_ranks) * c.max_tokens * c.top_k;
+      rows > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ep config: ", c.num_ranks, " ranks x ", c.max_tokens, " max_tokens x top_k ", c.top_k,
+        " = ", rows, " pairs could reach one rank in one call, over 2^31 - 1"));
+  }
   if (c.sender_threads < 1 || c.sender_threads > kMaxSenderThreads) {
     return absl::InvalidArgumentError(absl::StrCat("ep config: sender_threads ",
                                                    c.sender_threads, " is outside [1, ",

@@ -695,7 +695,7 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
     UBEP_RETURN_IF_ERROR(Barrier(deadline));
     send_share(0);
     UBEP_RETURN_IF_ERROR(Barrier(deadline));
-    LayOut(out);
+    UBEP_RETURN_IF_ERROR(LayOut(out));
     for (int s : sources) Place(s, out);
   } else {
     if (senders_ == nullptr) send_share(0);  // No core to spare: send, then receive.
@@ -708,8 +708,8 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
                      ? Take::kDone
                      : Take::kNothing;
         });
+    if (status.ok()) status = LayOut(out);
     if (status.ok()) {
-      LayOut(out);
       std::erase_if(sources, [&](int s) { return out.handle.records_from[s] == 0; });
       const bool poll = std::any_of(sources.begin(), sources.end(),
                                     [&](int s) { return out.handle.flagged_from[s] != 0; });
@@ -795,11 +795,47 @@ RecordEntry EntryAt(const std::byte* records, size_t record_bytes, int32_t j, in
 
 }  // namespace
 
-void HostEp::LayOut(DispatchOutput& out) {
+absl::Status HostEp::LayOut(DispatchOutput& out) {
   const int R = config_.num_ranks, S = config_.slots_per_rank;
   const size_t T = config_.max_tokens;
   std::byte* own = arenas_[rank_];
   const auto* counts = reinterpret_cast<const uint32_t*>(own + layout_.counts);
+  // What a source wrote is checked before anything is sized or indexed from it: its record
+  // count within the tokens it may send (fewer for flagged rows), each record's entries within
+  // a token's pairs at one rank, each entry's slot within this rank's.
+  const int max_entries = MaxPairsPerToken(config_.top_k, S);
+  for (int s = 0; s < R; ++s) {
+    if (!active_[s]) continue;
+    auto corrupt = [&](const std::string& what) {
+      RaiseGiveUp(s);
+      return absl::DataLossError(absl::StrCat("rank ", rank_, ": rank ", s,
+                                              "'s records of dispatch call ", dispatch_epoch_,
+                                              " are corrupt (", what,
+                                              "); the group gave up on rank ", s));
+    };
+    const uint32_t from_s = RecordCount(counts[s]);
+    const bool flagged = CountIsFlagged(counts[s]);
+    const uint32_t most = static_cast<uint32_t>(flagged ? config_.flagged_tokens : config_.max_tokens);
+    if (from_s > most) {
+      return corrupt(absl::StrCat(from_s, " records, over ", flagged ? "flagged_tokens " : "max_tokens ",
+                                  most));
+    }
+    const std::byte* records = own + layout_.records + s * T * layout_.record_bytes;
+    for (uint32_t j = 0; j < from_s; ++j) {
+      const RecordHeader header = HeaderAt(records, layout_.record_bytes, j);
+      if (header.num_entries < 1 || header.num_entries > max_entries) {
+        return corrupt(absl::StrCat("record ", j, " has ", header.num_entries,
+                                    " entries, outside [1, ", max_entries, "]"));
+      }
+      for (int q = 0; q < header.num_entries; ++q) {
+        const int32_t slot = EntryAt(records, layout_.record_bytes, j, q).local_slot;
+        if (slot < 0 || slot >= S) {
+          return corrupt(absl::StrCat("record ", j, " entry ", q, " names local slot ", slot,
+                                      " of ", S));
+        }
+      }
+    }
+  }
   // Counting sort by local slot; within a slot sources in rank order, records and entries in
   // order, so the layout does not depend on the order in which sources arrive.
   DispatchOutput::Handle& handle = out.handle;
@@ -848,6 +884,7 @@ void HostEp::LayOut(DispatchOutput& out) {
   out.src_token.resize(kept);
   out.weight.resize(kept);
   handle.record_rows.resize(entries);
+  return absl::OkStatus();
 }
 
 void HostEp::PlaceRecord(int s, int32_t j, const std::byte* records, const std::byte* data,

@@ -242,8 +242,11 @@ class HostEp {
                                 Deadline deadline, bool poll,
                                 const std::function<Take(int)>& take);
   // From every source's records (their count flags seen): the receive layout (slot offsets,
-  // each source's first row in each slot, sizes), the first capacity_ rows of it kept.
-  void LayOut(DispatchOutput& output);
+  // each source's first row in each slot, sizes), the first capacity_ rows of it kept. A
+  // source's count or record out of range (a corrupt or foreign peer: nothing this protocol
+  // writes) is refused before anything is sized or stored from it, and the group gives up on
+  // that source (DataLoss, naming it).
+  absl::Status LayOut(DispatchOutput& output);
   // Source s's rows copied to their places (its dispatch flag seen); any order of sources
   // gives the same bytes.
   void Place(int source, DispatchOutput& output);

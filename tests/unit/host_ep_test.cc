@@ -653,6 +653,22 @@ TEST(HostEpErrorTest, ASenderThreadCountOutsideItsRangeIsRefused) {
             absl::InvalidArgumentError("ep config: sender_threads 65 is outside [1, 64]"));
 }
 
+// The rows one call may bring a rank are counted in 32 bits: a shape that could bring more is
+// refused when the rank is made, not overflowed in a call.
+TEST(HostEpErrorTest, AShapeWhoseRowsPerCallOverflowThirtyTwoBitsIsRefused) {
+  EpConfig config = SmallConfig(Protocol::kUbep);
+  config.num_ranks = 1024;
+  config.slots_per_rank = 1;
+  config.max_tokens = 65536;
+  config.top_k = 32;
+  EXPECT_EQ(ValidateConfig(config),
+            absl::InvalidArgumentError("ep config: 1024 ranks x 65536 max_tokens x top_k 32 = "
+                                       "2147483648 pairs could reach one rank in one call, over "
+                                       "2^31 - 1"));
+  config.max_tokens = 65535;
+  EXPECT_EQ(ValidateConfig(config), absl::OkStatus());
+}
+
 // A rank of another configuration than the peers whose arenas are laid out already is refused
 // before it lays out its own: it would store past their regions.
 TEST(HostEpErrorTest, APeersArenaOfAnotherConfigurationIsRefused) {
@@ -886,6 +902,58 @@ TEST(HostEpErrorTest, ADispatchAfterTheGroupGaveUpIsRefusedBeforeAnyByteMoves) {
             absl::UnavailableError("rank 0: ubepd is draining; dispatch counts of call 1 "
                                    "abandoned; attach again when it is back"));
   EXPECT_TRUE(ArenaBytes(group) == before);
+}
+
+// A source's count or record out of range (a corrupt or foreign peer; nothing the protocol
+// writes) is refused before rank 0 sizes or stores anything from it, naming that source, and
+// the group gives up on it. The test plays rank 1: it writes rank 0's arena as rank 1 would,
+// with one value out of range, and raises its count flag; ranks 2 and 3 send nothing.
+TEST(HostEpErrorTest, ACorruptSourceIsNamedBeforeAnythingIsSizedFromIt) {
+  const EpConfig config = ShortTimeoutConfig();
+  const ArenaLayout layout(config);
+  const TestPlan plan = RoundRobinPlan(config);
+  const int S = config.slots_per_rank;
+  struct Case {
+    uint32_t records;
+    int32_t entries, slot;
+    std::string why;
+  };
+  const std::vector<Case> cases = {
+      {static_cast<uint32_t>(config.max_tokens) + 1, 1, 0,
+       absl::StrCat(config.max_tokens + 1, " records, over max_tokens ", config.max_tokens)},
+      {1, 0, 0, absl::StrCat("record 0 has 0 entries, outside [1, ",
+                             MaxPairsPerToken(config.top_k, S), "]")},
+      {1, 1, S + 5, absl::StrCat("record 0 entry 0 names local slot ", S + 5, " of ", S)},
+      {1, 1, -1, absl::StrCat("record 0 entry 0 names local slot -1 of ", S)}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.why);
+    Group group(config);
+    std::byte* arena = group.arena(0);
+    auto* counts = reinterpret_cast<uint32_t*>(arena + layout.counts);
+    counts[1] = c.records;
+    std::byte* records = arena + layout.records + 1 * config.max_tokens * layout.record_bytes;
+    const RecordHeader header{0, c.entries};
+    const RecordEntry entry{c.slot, 1.0f};
+    std::memcpy(records, &header, sizeof(header));
+    std::memcpy(records + sizeof(header), &entry, sizeof(entry));
+    const Doorbell door = ArenaDoor(arena, layout);
+    for (int s : {1, 2, 3}) {
+      Signal(reinterpret_cast<uint32_t*>(arena + layout.count_flag + s * kFlagStride), 1, door);
+    }
+    RankInput in = MakeInput(config, 0, 8, 3);
+    DispatchOutput out;
+    EXPECT_EQ(group.ep(0).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8,
+                                    config.hidden, 0, plan.header()},
+                                   out),
+              absl::DataLossError(absl::StrCat("rank 0: rank 1's records of dispatch call 1 are "
+                                               "corrupt (", c.why,
+                                               "); the group gave up on rank 1")));
+    for (int r = 0; r < config.num_ranks; ++r) {
+      EXPECT_EQ(*reinterpret_cast<const uint32_t*>(group.arena(r) + layout.abort),
+                kAbortTimedOutBase + 1)
+          << "rank " << r;
+    }
+  }
 }
 
 // Rank 2's calling thread is held past the call's deadline before it routes a token (the

@@ -1,5 +1,7 @@
 #include "kernels/common/plan_table.h"
 
+#include <cstring>
+
 #include "gtest/gtest.h"
 #include "kernels/common/routing.h"
 
@@ -80,6 +82,29 @@ TEST(PlanTableTest, RefusesASlotThatServesTwoExperts) {
   const_cast<ReplicaRoute*>(Replicas(route))[0].slot = 1;
   EXPECT_EQ(ValidatePlanTable(table),
             absl::InvalidArgumentError("plan table: layer 0 slot 1 serves experts 1 and 2"));
+}
+
+// A header read from shared memory is checked before anything is sized or read from it: sizes
+// whose product wraps 64 bits do not pass for a short table, a rank count near 2^32 does not
+// wrap the mask to nothing, and a slot count is bounded before validation allocates for it.
+TEST(PlanTableTest, AHeaderWhoseSizesWrapOrOverreachIsRefused) {
+  const std::string disagree = "plan table: sizes in the header disagree with its length";
+  auto table_of = [](PlanTableHeader header, size_t bytes) {
+    header.magic = kPlanTableMagic;
+    std::vector<std::byte> table(bytes);
+    std::memcpy(table.data(), &header, sizeof(header));
+    return table;
+  };
+  // 2^15 layers x 2^14 experts x (8 + 8 x (2^32 - 1)) bytes is 2^64: 32 bytes, wrapped.
+  EXPECT_EQ(ValidatePlanTable(table_of({0, 1u << 15, 1u << 14, 1, 0xFFFFFFFFu, 0, 1}, 32)),
+            absl::InvalidArgumentError(disagree));
+  // 2^32 - 1 ranks: 2^27 mask words, not (2^32 - 1 + 31) / 32 wrapped to 0.
+  EXPECT_EQ(ValidatePlanTable(table_of({0, 1, 1, 1, 1, 0xFFFFFFFFu, 1}, 48)),
+            absl::InvalidArgumentError(disagree));
+  EXPECT_EQ(ValidatePlanTable(table_of({0, 1, 1, 0xFFFFFFFFu, 1, 0, 1}, 48)),
+            absl::InvalidArgumentError("plan table: 4294967295 slots, over 4194304"));
+  EXPECT_EQ(ValidatePlanTable(table_of({0, 1, 1, 2, 3, 0, 1}, 32 + 8 + 3 * 8)),
+            absl::InvalidArgumentError("plan table: up to 3 replicas of an expert in 2 slots"));
 }
 
 TEST(RoutingTest, ATokenListsEachExpertOnce) {
