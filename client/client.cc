@@ -114,12 +114,12 @@ namespace {
 
 using internal::RankState;
 
-// `context` tells the daemon's own answers (ubepd marks them, kUbepdOrigin) from failures of
+// `context` tells the daemon's own answers (ubepd marks them, kUbepOrigin) from failures of
 // the transport, which alone are "not reachable".
 absl::Status FromGrpc(const grpc::Status& status, const grpc::ClientContext& context,
                       const std::string& what) {
   if (status.ok()) return absl::OkStatus();
-  const bool from_ubepd = context.GetServerTrailingMetadata().count(kUbepdOrigin) > 0;
+  const bool from_ubepd = AnsweredByServer(context);
   if (status.error_code() == grpc::StatusCode::CANCELLED && !from_ubepd) {
     // This library never cancels its calls: the daemon cancelled it while shutting down.
     return absl::UnavailableError(absl::StrCat(what, ": ubepd is shutting down (", status.error_message(),

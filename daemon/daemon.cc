@@ -36,7 +36,7 @@ grpc::Status Answered(grpc::ServerContext* context, DaemonMetrics* metrics,
                       const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
   metrics->CountRpcError(status.code());
-  context->AddTrailingMetadata(kUbepdOrigin, "ubepd");
+  context->AddTrailingMetadata(kUbepOrigin, "ubepd");
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
 }
 

@@ -12,6 +12,7 @@
 #include "absl/flags/usage.h"
 #include "balancer/server/balancer.h"
 #include "common/logging.h"
+#include "common/rpc_origin.h"
 #include "common/shape_limits.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
@@ -130,6 +131,11 @@ int main(int argc, char** argv) {
   builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
   builder.SetMaxReceiveMessageSize(ubep::kMaxControlMessageBytes);
   builder.RegisterService(&balancer);
+  // Its own errors are marked, so that a client tells "node-b is still being recovered"
+  // (UNAVAILABLE, from the balancer) from a balancer it cannot reach.
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> marks;
+  marks.push_back(ubep::MarkOwnErrorsAs("ubep-balancer"));
+  builder.experimental().SetInterceptorCreators(std::move(marks));
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
     std::cerr << "ubep-balancer: cannot listen on " << listen << "\n";

@@ -8,7 +8,9 @@
 #include <map>
 #include <regex>
 #include <memory>
+#include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -947,10 +949,11 @@ TEST_F(BalancerTest, DaemonThatCannotPrepareAbortsThePlanAndNobodySwitches) {
 }
 
 // A daemon stand-in with a real gRPC server: it holds plan v1 of 2 ranks x 4 slots,
-// 2 layers x 8 experts, and answers the balancer's health checks and GetState.
+// 2 layers x 8 experts, and answers the balancer's health checks and GetState (or, with
+// `state_fails`, fails GetState: a daemon the balancer cannot recover yet).
 class FakeDaemon final : public v1::DaemonControl::Service {
  public:
-  FakeDaemon() {
+  explicit FakeDaemon(bool state_fails = false) : state_fails_(state_fails) {
     balancer::Plan plan;
     plan.version = 1;
     plan.topology = {2, 1, 4, 1};
@@ -972,6 +975,7 @@ class FakeDaemon final : public v1::DaemonControl::Service {
   ~FakeDaemon() override { server_->Shutdown(); }
   grpc::Status GetState(grpc::ServerContext*, const v1::GetStateRequest*,
                         v1::DaemonState* state) override {
+    if (state_fails_) return grpc::Status(grpc::StatusCode::INTERNAL, "state lost for the test");
     state->set_node("fake");
     state->set_committed_version(1);
     *state->mutable_committed_plan() = plan_;
@@ -980,10 +984,47 @@ class FakeDaemon final : public v1::DaemonControl::Service {
   int port() const { return port_; }
 
  private:
+  const bool state_fails_;
   v1::Plan plan_;
   int port_ = 0;
   std::unique_ptr<grpc::Server> server_;
 };
+
+// The balancer's own UNAVAILABLE ("node-b is still being recovered": it marks its errors,
+// rpc_origin.h) is not a balancer ubepctl cannot reach: ubepctl says what the balancer said.
+TEST_F(BalancerTest, UbepctlTellsTheBalancersOwnUnavailableFromAnUnreachableBalancer) {
+  FakeDaemon a, b(/*state_fails=*/true);
+  auto balancer = StartBalancer({"--auto_rebalance=false"});
+  auto stub = v1::Control::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", balancer_port_),
+                                                       grpc::InsecureChannelCredentials()));
+  for (auto [node, fake, rank] : {std::tuple{"node-a", &a, 0u}, std::tuple{"node-b", &b, 1u}}) {
+    v1::RegisterRequest reg;
+    reg.set_node(node);
+    reg.set_address(absl::StrCat("127.0.0.1:", fake->port()));
+    reg.set_world_size(2);
+    reg.add_ranks(rank);
+    reg.mutable_shape()->set_num_layers(2);
+    reg.mutable_shape()->set_num_experts(8);
+    reg.mutable_shape()->set_slots_per_rank(4);
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    v1::RegisterResponse registered;
+    const grpc::Status status = stub->Register(&context, reg, &registered);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+  }
+  // Once node-a's plan is learned (before, "no plan known yet"), a rebalance waits for node-b.
+  std::string out;
+  ASSERT_TRUE(WaitFor([&] {
+    std::filesystem::remove(path("ubepctl.out"));  // Written on, not over.
+    Process ctl({test::BinaryPath("ubepctl"), absl::StrCat("--balancer=127.0.0.1:", balancer_port_),
+                 "rebalance"},
+                path("ubepctl.out"));
+    const std::optional<int> code = ctl.Wait(absl::Seconds(60));
+    out = ReadFile(path("ubepctl.out"));
+    return code == 1 && !absl::StrContains(out, "no plan known yet");
+  }, absl::Seconds(60))) << out;
+  EXPECT_EQ(out, "ubepctl: rebalance: node node-b is still being recovered\n");
+}
 
 // Flag values no balancer could run with are refused at start, exit 2, naming the flag: a
 // zero interval would spin its loop, a zero health interval mark every daemon down, a

@@ -610,7 +610,7 @@ TEST(ClientTest, ControlRpcErrorsAreCountedAndMarkedAsUbepds) {
     const grpc::Status status = stub->Commit(&context, request, &response);
     EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
     EXPECT_EQ(status.error_message(), "plan v99 is not prepared here");
-    EXPECT_EQ(context.GetServerTrailingMetadata().count(kUbepdOrigin), 1u);
+    EXPECT_EQ(context.GetServerTrailingMetadata().count(kUbepOrigin), 1u);
   }
   const std::string metrics = HttpGet((*ubepd)->metrics_port(), "/metrics");
   EXPECT_TRUE(absl::StrContains(

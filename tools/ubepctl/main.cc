@@ -26,6 +26,7 @@
 #include "balancer/core/metrics.h"
 #include "balancer/formats/json_formats.h"
 #include "balancer/formats/proto_convert.h"
+#include "common/rpc_origin.h"
 #include "common/shape_limits.h"
 #include "google/protobuf/util/json_util.h"
 #include "grpcpp/grpcpp.h"
@@ -54,12 +55,13 @@ int Usage(const std::string& problem) {
 
 // One line for a failed call: unreachable is said as such, and so is an answer that did not
 // come in time (the balancer may be busy with a plan change, and a change asked for may still
-// be made).
-int Failed(const std::string& what, const grpc::Status& status) {
-  if (status.error_code() == grpc::StatusCode::UNAVAILABLE) {
+// be made). `answered`: the error is the balancer's own (marked, rpc_origin.h), whatever its
+// code ("node-b is still being recovered" is UNAVAILABLE too).
+int Failed(const std::string& what, const grpc::Status& status, bool answered) {
+  if (!answered && status.error_code() == grpc::StatusCode::UNAVAILABLE) {
     std::cerr << "ubepctl: cannot reach ubep-balancer at " << absl::GetFlag(FLAGS_balancer)
               << ": " << status.error_message() << "\n";
-  } else if (status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+  } else if (!answered && status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
     std::cerr << "ubepctl: " << what << ": no answer from ubep-balancer at "
               << absl::GetFlag(FLAGS_balancer) << " within --timeout "
               << absl::FormatDuration(absl::GetFlag(FLAGS_timeout))
@@ -118,7 +120,7 @@ int Status(Control::Stub& stub) {
   context.set_deadline(absl::ToChronoTime(absl::Now() + absl::GetFlag(FLAGS_timeout)));
   ubep::v1::ClusterStatus status;
   const grpc::Status s = stub.GetStatus(&context, ubep::v1::GetStatusRequest(), &status);
-  if (!s.ok()) return Failed("status", s);
+  if (!s.ok()) return Failed("status", s, ubep::AnsweredByServer(context));
   if (absl::GetFlag(FLAGS_json)) {
     std::cout << ToJson(status) << "\n";
     return 0;
@@ -169,21 +171,27 @@ int Status(Control::Stub& stub) {
   return 0;
 }
 
-absl::StatusOr<ubep::balancer::Plan> FetchPlan(Control::Stub& stub, grpc::Status* status) {
+absl::StatusOr<ubep::balancer::Plan> FetchPlan(Control::Stub& stub, grpc::Status* status,
+                                               bool* answered) {
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + absl::GetFlag(FLAGS_timeout)));
   ubep::v1::Plan proto;
   *status = stub.GetClusterPlan(&context, ubep::v1::GetClusterPlanRequest(), &proto);
+  *answered = status->ok() || ubep::AnsweredByServer(context);
   if (!status->ok()) return absl::UnavailableError(status->error_message());
   return ubep::balancer::FromProto(proto);
 }
 
 int PlanShow(Control::Stub& stub) {
   grpc::Status status;
-  absl::StatusOr<ubep::balancer::Plan> plan = FetchPlan(stub, &status);
-  if (!status.ok()) return Failed("plan show", status);
-  if (!plan.ok()) return Failed("plan show", grpc::Status(grpc::StatusCode::INTERNAL,
-                                                          std::string(plan.status().message())));
+  bool answered = false;
+  absl::StatusOr<ubep::balancer::Plan> plan = FetchPlan(stub, &status, &answered);
+  if (!status.ok()) return Failed("plan show", status, answered);
+  if (!plan.ok()) {
+    return Failed("plan show",
+                  grpc::Status(grpc::StatusCode::INTERNAL, std::string(plan.status().message())),
+                  true);
+  }
   if (absl::GetFlag(FLAGS_json)) {
     std::cout << ToJson(ubep::balancer::ToProto(*plan)) << "\n";
     return 0;
@@ -222,10 +230,14 @@ int PlanExport(Control::Stub& stub) {
     return Usage(absl::StrCat("--format ", format, ": expected eplb or sglang"));
   }
   grpc::Status status;
-  absl::StatusOr<ubep::balancer::Plan> plan = FetchPlan(stub, &status);
-  if (!status.ok()) return Failed("plan export", status);
-  if (!plan.ok()) return Failed("plan export", grpc::Status(grpc::StatusCode::INTERNAL,
-                                                            std::string(plan.status().message())));
+  bool answered = false;
+  absl::StatusOr<ubep::balancer::Plan> plan = FetchPlan(stub, &status, &answered);
+  if (!status.ok()) return Failed("plan export", status, answered);
+  if (!plan.ok()) {
+    return Failed("plan export",
+                  grpc::Status(grpc::StatusCode::INTERNAL, std::string(plan.status().message())),
+                  true);
+  }
   std::string text;
   if (format == "eplb") {
     text = ubep::balancer::PlanToJson(*plan);
@@ -289,7 +301,7 @@ int main(int argc, char** argv) {
     context.set_deadline(absl::ToChronoTime(absl::Now() + absl::GetFlag(FLAGS_timeout)));
     ubep::v1::RebalanceResponse response;
     const grpc::Status s = stub->Rebalance(&context, ubep::v1::RebalanceRequest(), &response);
-    if (!s.ok()) return Failed("rebalance", s);
+    if (!s.ok()) return Failed("rebalance", s, ubep::AnsweredByServer(context));
     return PrintRebalance("rebalance", response);
   }
   if ((command == "drain" || command == "undrain") && words.size() == 2) {
@@ -300,7 +312,9 @@ int main(int argc, char** argv) {
     ubep::v1::RebalanceResponse response;
     const grpc::Status s = command == "drain" ? stub->Drain(&context, request, &response)
                                               : stub->Undrain(&context, request, &response);
-    if (!s.ok()) return Failed(absl::StrCat(command, " ", words[1]), s);
+    if (!s.ok()) {
+      return Failed(absl::StrCat(command, " ", words[1]), s, ubep::AnsweredByServer(context));
+    }
     return PrintRebalance(absl::StrCat(command, " ", words[1]), response);
   }
   if (command == "forget" && words.size() == 2) {
@@ -310,7 +324,9 @@ int main(int argc, char** argv) {
     request.set_node(words[1]);
     ubep::v1::ForgetResponse response;
     const grpc::Status s = stub->Forget(&context, request, &response);
-    if (!s.ok()) return Failed(absl::StrCat("forget ", words[1]), s);
+    if (!s.ok()) {
+      return Failed(absl::StrCat("forget ", words[1]), s, ubep::AnsweredByServer(context));
+    }
     if (absl::GetFlag(FLAGS_json)) {
       std::cout << ToJson(response) << "\n";
     } else if (response.ranks().empty()) {
