@@ -164,6 +164,27 @@ Node::Node(NodeOptions options) : options_(std::move(options)) {}
 
 Node::~Node() = default;
 
+absl::Status Node::RefusedBeforeANewGroup(const v1::AttachRequest& q) const {
+  const int world = static_cast<int>(q.world_size());
+  const int first = options_.num_ranks > 0 ? options_.first_rank : 0;
+  const int hosted = options_.num_ranks > 0 ? options_.num_ranks : world;
+  const int rank = static_cast<int>(q.rank());
+  if (rank < first || rank >= first + hosted || rank >= world) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rank ", q.rank(), " is not hosted by this daemon (it hosts ranks ", first, "-",
+        first + hosted - 1, "); attach to the daemon of its node"));
+  }
+  if (options_.backend == "cuda") {
+    const int devices = DeviceCount();
+    if (devices > 0 && static_cast<int>(q.device()) != rank % devices) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", q.rank(), " runs on device ", rank % devices, " of this node (rank r uses "
+          "device r modulo the visible devices); the request says device ", q.device()));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Node::CreateGroup(const v1::AttachRequest& q,
                                const std::optional<balancer::Plan>& cluster_plan) {
   const v1::ModelShape& s = q.shape();
@@ -370,6 +391,10 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
                                                  " are being staged into this group's arenas; "
                                                  "attach again"));
     }
+    // A request this daemon would refuse anyway (a rank it does not host, a device the rank
+    // does not run on) is refused before it replaces the group: a new group is a restart for
+    // the peers and the balancer.
+    UBEP_RETURN_IF_ERROR(RefusedBeforeANewGroup(request));
     UBEP_RETURN_IF_ERROR(CreateGroup(request, cluster_plan));
   }
   if (!Hosted(static_cast<int>(request.rank()))) {
@@ -1035,9 +1060,16 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
                                  const RemoteWeights& remote) {
   MutexLock lock(&mu_);
   v1::PrepareResponse response;
+  // Whether this call stopped the group for a change of members (membership_pending_): only
+  // then is the flag its to put back. A Prepare refused at once (another one staging) must not
+  // clear the flag of the one in flight, or the old group could form meanwhile.
+  bool stopped_for_members = false;
   auto fail = [&](std::string reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     UBEP_LOG(WARNING) << "prepare of plan v" << plan.version << " failed: " << reason;
-    membership_pending_ = pending_.has_value() && pending_->excluded_ranks != plan_.excluded_ranks;
+    if (stopped_for_members) {
+      membership_pending_ =
+          pending_.has_value() && pending_->excluded_ranks != plan_.excluded_ranks;
+    }
     response.set_prepared(false);
     response.set_reason(std::move(reason));
     return response;
@@ -1255,6 +1287,7 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
     // again; the group forms once the plan is decided (TryFormGroup waits for it), under the
     // plan then committed.
     membership_pending_ = true;
+    stopped_for_members = true;
     StopGroup(kernels::kAbortMembership, [&](int r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       return MembershipStops(plan, r);
     });
@@ -1439,12 +1472,23 @@ absl::Status Node::Abort(uint64_t version) {
         "plan v", version, " is committed here; a committed plan is never aborted"));
   }
   if (!pending_.has_value() || pending_->version != version) return absl::OkStatus();
+  // Aborted on every hosted rank whose area holds it, and undecided here no more whatever
+  // became of it in an area a client wrote into (no rank can commit it there either): one
+  // broken area must not leave the others undecided and refuse every later Prepare.
+  std::vector<std::string> lost;
   for (int r = first_; r < first_ + hosted_; ++r) {
-    UBEP_RETURN_IF_ERROR(kernels::AbortPlan(arenas_[r].data() + layout_.plan, version));
+    if (absl::Status s = kernels::AbortPlan(arenas_[r].data() + layout_.plan, version); !s.ok()) {
+      lost.push_back(absl::StrCat("rank ", r, "'s (", s.message(), ")"));
+    }
   }
   pending_.reset();
   membership_pending_ = false;
   UBEP_LOG(INFO) << "aborted plan v" << version;
+  if (!lost.empty()) {
+    return absl::DataLossError(absl::StrCat(
+        "plan v", version, " is aborted here, but not in the plan area of ",
+        absl::StrJoin(lost, ", "), ", which lost it (did its client write into its plan area?)"));
+  }
   return absl::OkStatus();
 }
 

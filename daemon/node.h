@@ -281,6 +281,9 @@ class Node {
   };
 
   absl::Status CheckShape(const v1::AttachRequest& request) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Why an Attach that would create a group is refused whatever the group (a rank this daemon
+  // does not host, a device the rank does not run on), checked before the group is replaced.
+  absl::Status RefusedBeforeANewGroup(const v1::AttachRequest& request) const;
   absl::Status CreateGroup(const v1::AttachRequest& request,
                            const std::optional<balancer::Plan>& cluster_plan)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -298,6 +298,30 @@ TEST(NodeTest, ACommitThatOneHostedAreaCannotTakeCommitsNone) {
   EXPECT_TRUE(kernels::UndecidedAt(a.arenas[0].data() + a.layout.plan, 10));
 }
 
+// Plan v2 prepared on ranks 0 and 1, and lost from rank 1's plan area behind the daemon's back:
+// its Abort aborts it on rank 0 and leaves it undecided nowhere, says which area lost it, and
+// the next plan is prepared (one broken area refused every later Prepare).
+TEST(NodeTest, AnAbortThatOneHostedAreaCannotTakeAbortsTheRest) {
+  Node node(Options());
+  Attached a = AttachAndClaim(node, 0, 2, 1);
+  const v1::PrepareResponse prepared = node.Prepare(SwappedPlan(), 10);
+  ASSERT_TRUE(prepared.prepared()) << prepared.reason();
+  for (int i = 0; i < 2; ++i) {
+    kernels::PlanSlotHeader* slot = kernels::PlanSlot(a.arenas[1].data() + a.layout.plan, i);
+    if (slot->version == 2) *slot = kernels::PlanSlotHeader{};  // Zeroed by its client.
+  }
+  EXPECT_EQ(node.Abort(2),
+            absl::DataLossError("plan v2 is aborted here, but not in the plan area of rank 1's "
+                                "(plan v2 is not prepared here), which lost it (did its client "
+                                "write into its plan area?)"));
+  EXPECT_FALSE(kernels::UndecidedAt(a.arenas[0].data() + a.layout.plan, 10));
+  EXPECT_EQ(node.State().pending_version(), 0u);
+  balancer::Plan third = SwappedPlan();
+  third.version = 3;
+  const v1::PrepareResponse again = node.Prepare(third, 20);
+  EXPECT_TRUE(again.prepared()) << again.reason();
+}
+
 TEST(NodeTest, PrepareStagesWeightsInFreeBuffersAndCommitSwitchesAtTheEffectiveStep) {
   Node node(Options());
   Attached a = AttachAndClaim(node, 0, 2, 1);
@@ -823,6 +847,30 @@ NodeOptions Hosting(int first) {
   o.first_rank = first;
   o.num_ranks = 2;
   return o;
+}
+
+// An Attach that would start a new group (another shape, no client attached) but that the
+// daemon refuses anyway (a rank it does not host) is refused before the group is replaced: a
+// new group is a restart for its peers and the balancer.
+TEST(NodeTest, AnAttachRefusedForItsRankLeavesTheGroupAsItWas) {
+  Node node(Hosting(0));
+  v1::AttachRequest first = Request(0, 2);  // A group of two, both ranks hosted here.
+  absl::StatusOr<v1::AttachResponse> attached = node.Attach(first);
+  ASSERT_TRUE(attached.ok()) << attached.status();
+  v1::DetachRequest d;
+  d.set_rank(0);
+  d.set_token(attached->token());
+  ASSERT_TRUE(node.Detach(d).ok());
+  v1::AttachRequest other = Request(3, 4);  // Another shape, and a rank of the other node.
+  other.mutable_shape()->set_hidden(32);
+  EXPECT_EQ(node.Attach(other).status(),
+            absl::InvalidArgumentError("rank 3 is not hosted by this daemon (it hosts ranks "
+                                       "0-1); attach to the daemon of its node"));
+  const Node::GroupIdentity identity = node.Identity();
+  EXPECT_EQ(identity.arenas_created, 1u);
+  ASSERT_TRUE(identity.shape.has_value());
+  EXPECT_EQ(identity.shape->world_size(), 2u);
+  EXPECT_EQ(identity.shape->shape().hidden(), 16u);
 }
 
 // Maps `from`'s arenas into `into` as the balancer link does, naming `from`'s incarnation.
