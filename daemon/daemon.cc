@@ -242,8 +242,11 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {}
 Daemon::~Daemon() {
   link_.reset();
   // In-flight calls (a client detaching as the drain ends) get a moment to answer.
-  if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  const auto moment = std::chrono::system_clock::now() + std::chrono::seconds(2);
+  if (server_ != nullptr) server_->Shutdown(moment);
+  if (local_server_ != nullptr) local_server_->Shutdown(moment);
   server_.reset();
+  local_server_.reset();
   exposer_.reset();
   fd_server_.reset();
   metrics_.reset();
@@ -317,14 +320,24 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  unlink(options.socket_path.c_str());
-  builder.AddListeningPort("unix:" + options.socket_path, grpc::InsecureServerCredentials());
-  if (!options.listen.empty()) {
-    builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &d->listen_port_);
+  // Two servers: the Unix socket serves the clients of this node (Daemon), TCP the balancer
+  // and the peer daemons (DaemonControl). Neither serves the other's service: a client's
+  // Attach from the network would hold a rank's ticket from its real client, and a local
+  // client has no business preparing plans.
+  {
+    grpc::ServerBuilder builder;
+    unlink(options.socket_path.c_str());
+    builder.AddListeningPort("unix:" + options.socket_path, grpc::InsecureServerCredentials());
+    builder.SetMaxReceiveMessageSize(options.max_message_bytes);
+    builder.RegisterService(d->service_.get());
+    d->local_server_ = builder.BuildAndStart();
+    if (d->local_server_ == nullptr) {
+      return absl::UnavailableError(absl::StrCat("cannot serve gRPC on unix:", options.socket_path));
+    }
   }
-  builder.SetMaxReceiveMessageSize(options.max_message_bytes);
-  builder.RegisterService(d->service_.get());
+  if (chmod(options.socket_path.c_str(), options.socket_mode) != 0) {
+    return absl::ErrnoToStatus(errno, absl::StrCat("chmod ", options.socket_path));
+  }
   if (options.node_name.empty()) {
     char host[256] = {};
     gethostname(host, sizeof(host) - 1);
@@ -332,17 +345,19 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   }
   d->control_ = std::make_unique<DaemonControlService>(d->node_.get(), d->metrics_.get(),
                                                      options.node_name, options.backend);
-  builder.RegisterService(d->control_.get());
-  d->server_ = builder.BuildAndStart();
-  if (d->server_ == nullptr || (!options.listen.empty() && d->listen_port_ == 0)) {
-    return absl::UnavailableError(absl::StrCat("cannot serve gRPC on unix:", options.socket_path,
-                                               options.listen.empty() ? "" : " and ",
-                                               options.listen));
+  if (!options.listen.empty()) {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &d->listen_port_);
+    builder.SetMaxReceiveMessageSize(options.max_message_bytes);
+    builder.RegisterService(d->control_.get());
+    d->server_ = builder.BuildAndStart();
+    if (d->server_ == nullptr || d->listen_port_ == 0) {
+      return absl::UnavailableError(absl::StrCat("cannot serve gRPC on ", options.listen));
+    }
   }
-  if (chmod(options.socket_path.c_str(), options.socket_mode) != 0) {
-    return absl::ErrnoToStatus(errno, absl::StrCat("chmod ", options.socket_path));
+  for (grpc::Server* server : {d->local_server_.get(), d->server_.get()}) {
+    if (server != nullptr) server->GetHealthCheckService()->SetServingStatus(true);
   }
-  d->server_->GetHealthCheckService()->SetServingStatus(true);
 
   if (!options.metrics.empty()) {
     try {
@@ -391,7 +406,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
 }
 
 bool Daemon::Drain(absl::Duration timeout) {
-  server_->GetHealthCheckService()->SetServingStatus(false);
+  for (grpc::Server* server : {local_server_.get(), server_.get()}) {
+    if (server != nullptr) server->GetHealthCheckService()->SetServingStatus(false);
+  }
   node_->Drain();
   const bool all = node_->AwaitDetached(timeout);
   UBEP_LOG(INFO) << (all ? "drained: every client detached"

@@ -75,7 +75,8 @@ class Daemon {
   std::unique_ptr<DaemonControlService> control_;
   std::unique_ptr<BalancerLink> link_;
   std::unique_ptr<FdServer> fd_server_;
-  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<grpc::Server> local_server_;  // unix:--socket: Daemon (this node's clients).
+  std::unique_ptr<grpc::Server> server_;        // --listen: DaemonControl; null without it.
   std::unique_ptr<prometheus::Exposer> exposer_;
   UniqueFd socket_lock_;  // flock on SOCKET.lock: one daemon per socket path.
   int listen_port_ = 0;

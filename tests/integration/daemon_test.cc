@@ -30,6 +30,7 @@
 #include "tests/unit/test_util.h"
 #include "ubep/ubep.h"
 #include "ubep/ubep_c.h"
+#include "ubep/v1/control.grpc.pb.h"
 #include "ubep/v1/daemon.grpc.pb.h"
 
 namespace ubep {
@@ -327,7 +328,7 @@ TEST_F(DaemonTest, AReceiveCapacityOverflowDropsTheSameStepsEverywhereAndTheRest
 
 // A plain EPLB plan file (no topology, no shares): 4 ranks x 65 slots, the last slot of each
 // rank a second replica of some expert. Outputs must not depend on the plan.
-TEST_F(DaemonTest, StaticPlanFromAnEplbFileRoutesWithReplicasAndIsServedOverTcp) {
+TEST_F(DaemonTest, StaticPlanFromAnEplbFileRoutesWithReplicasAndEachPortServesItsOwnService) {
   nlohmann::json phy2log = nlohmann::json::array();
   for (int l = 0; l < 4; ++l) {
     nlohmann::json row = nlohmann::json::array();
@@ -350,14 +351,47 @@ TEST_F(DaemonTest, StaticPlanFromAnEplbFileRoutesWithReplicasAndIsServedOverTcp)
   ASSERT_GT(listen_port_, 0);
   auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", listen_port_),
                                      grpc::InsecureChannelCredentials());
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  v1::GetPlanResponse got;
-  ASSERT_TRUE(v1::Daemon::NewStub(channel)->GetPlan(&context, v1::GetPlanRequest(), &got).ok());
-  EXPECT_EQ(got.plan().version(), 7u);
-  ASSERT_EQ(got.plan().layers_size(), 4);
-  EXPECT_EQ(got.plan().layers(2).slot_expert_size(), 260);
-  EXPECT_EQ(got.plan().layers(2).slot_expert(64), (2 * 31 + 5) % 256);
+  // The clients' service on the socket, the plan commit's on TCP, and neither on the other:
+  // an Attach from the network would hold a rank's ticket away from its client.
+  {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    v1::GetPlanResponse got;
+    ASSERT_TRUE(Stub()->GetPlan(&context, v1::GetPlanRequest(), &got).ok());
+    EXPECT_EQ(got.plan().version(), 7u);
+    ASSERT_EQ(got.plan().layers_size(), 4);
+    EXPECT_EQ(got.plan().layers(2).slot_expert_size(), 260);
+    EXPECT_EQ(got.plan().layers(2).slot_expert(64), (2 * 31 + 5) % 256);
+  }
+  {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    v1::DaemonState state;
+    ASSERT_TRUE(v1::DaemonControl::NewStub(channel)
+                    ->GetState(&context, v1::GetStateRequest(), &state)
+                    .ok());
+    EXPECT_EQ(state.committed_version(), 7u);
+    EXPECT_EQ(state.committed_plan().version(), 7u);
+  }
+  {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    v1::AttachResponse response;
+    EXPECT_EQ(v1::Daemon::NewStub(channel)->Attach(&context, Request(0, kWorld), &response).error_code(),
+              grpc::StatusCode::UNIMPLEMENTED);
+  }
+  {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    v1::AbortRequest request;
+    request.set_version(8);
+    v1::AbortResponse response;
+    EXPECT_EQ(v1::DaemonControl::NewStub(grpc::CreateChannel("unix:" + socket_path(),
+                                                             grpc::InsecureChannelCredentials()))
+                  ->Abort(&context, request, &response)
+                  .error_code(),
+              grpc::StatusCode::UNIMPLEMENTED);
+  }
   grpc::ClientContext health_context;
   grpc::health::v1::HealthCheckResponse health;
   ASSERT_TRUE(grpc::health::v1::Health::NewStub(channel)
