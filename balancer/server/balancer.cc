@@ -54,8 +54,11 @@ std::optional<absl::Duration> TimeLeft(const grpc::ServerContext* context) {
 }
 
 // How long before a caller's deadline an answer that something is in the way is sent, so
-// that it arrives before the deadline does.
-constexpr absl::Duration kAnswerMargin = absl::Milliseconds(100);
+// that it arrives before the deadline does: a tenth of the time left, at least 100 ms (a
+// loaded machine delays the answer more than an idle one sends it).
+absl::Duration AnswerMargin(absl::Duration left) {
+  return std::max(absl::Milliseconds(100), left / 10);
+}
 
 // Takes `lock` unless another thread holds it for `patience` more. Polled every 5 ms rather
 // than timed: ThreadSanitizer here does not intercept std::timed_mutex's timed lock
@@ -1326,7 +1329,7 @@ grpc::Status Balancer::Serialize(std::unique_lock<std::mutex>& serial,
   serial = std::unique_lock<std::mutex>(commit_mu_, std::defer_lock);
   if (const std::optional<absl::Duration> left = TimeLeft(context); !left.has_value()) {
     serial.lock();
-  } else if (!LockBefore(serial, *left - kAnswerMargin)) {
+  } else if (!LockBefore(serial, *left - AnswerMargin(*left))) {
     return grpc::Status(grpc::StatusCode::ABORTED,
                         absl::StrCat("a plan change is in flight; ", what,
                                      ": try again once it is done"));

@@ -145,7 +145,6 @@ TEST_F(LocalTest, UbepLocalServedWhilePrometheusScrapesAndUbepctlOperates) {
 
   // The exported EPLB-format plan is accepted by ubep-balance eval; SGLang's form has the map.
   const std::string exported = path("plan.json");
-  EXPECT_EQ(code = 0, 0);
   std::string out = Ctl({"plan", "export", "--format=eplb", "--out=" + exported}, &code);
   ASSERT_EQ(code, 0) << out;
   {
@@ -183,6 +182,7 @@ TEST_F(LocalTest, UbepLocalServedWhilePrometheusScrapesAndUbepctlOperates) {
   EXPECT_EQ(s["excluded_ranks"], nlohmann::json({4, 5, 6, 7}));
   EXPECT_TRUE(s["nodes"][1]["drained"].get<bool>());
   out = Ctl({"--json", "plan", "show"}, &code);
+  ASSERT_EQ(code, 0) << out;
   EXPECT_EQ(nlohmann::json::parse(out)["excluded_ranks"], nlohmann::json({4, 5, 6, 7}));
   out = Ctl({"drain", "node-9"}, &code);
   EXPECT_EQ(code, 1);

@@ -1021,12 +1021,12 @@ TEST(BalancerServerTest, AForgetDrainOrRebalanceDuringAPlanChangeIsAnsweredBefor
     absl::SleepFor(absl::Milliseconds(5));
   }
   v1::ForgetResponse response;
-  grpc::Status status = forget(absl::Seconds(1), &response);
+  grpc::Status status = forget(absl::Seconds(2), &response);
   // A drain and a rebalance asked meanwhile are answered the same way, and not done later.
   grpc::Status drain, rebalance;
   {
     grpc::ClientContext context;
-    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
     v1::DrainRequest request;
     request.set_node("node-a");
     v1::RebalanceResponse answer;
@@ -1034,7 +1034,7 @@ TEST(BalancerServerTest, AForgetDrainOrRebalanceDuringAPlanChangeIsAnsweredBefor
   }
   {
     grpc::ClientContext context;
-    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
     v1::RebalanceResponse answer;
     rebalance = control->Rebalance(&context, v1::RebalanceRequest(), &answer);
   }

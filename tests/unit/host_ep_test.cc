@@ -1196,7 +1196,20 @@ TEST(HostEpErrorTest, ADaemonStopEndsAWaitForFlaggedRows) {
   const ArenaLayout layout(config);
   group.ep(2).set_row_delay_for_testing(absl::Seconds(2));
   std::thread daemon([&] {
-    absl::SleepFor(absl::Milliseconds(200));
+    // Once every count of call 1 is in every arena (rank 2's counts go out on time, its rows
+    // late): ranks 0, 1 and 3 are past the counts, waiting for rank 2's rows.
+    auto counts_in = [&] {
+      for (int r = 0; r < config.num_ranks; ++r) {
+        for (int s = 0; s < config.num_ranks; ++s) {
+          const auto* flag = reinterpret_cast<const uint32_t*>(group.arena(r) + layout.count_flag +
+                                                               s * kFlagStride);
+          if (!EpochReached(LoadAcquire(flag), 1)) return false;
+        }
+      }
+      return true;
+    };
+    const absl::Time until = absl::Now() + absl::Seconds(30);
+    while (!counts_in() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(1));
     for (int r = 0; r < config.num_ranks; ++r) RaiseAbort(group.arena(r), layout, kAbortDraining);
   });
   const std::vector<absl::Status> status = DispatchOnce(group, plan, [](int) { return true; });

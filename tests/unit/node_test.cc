@@ -211,11 +211,13 @@ TEST(NodeTest, TokensAreSingleUseAndRequiredEverywhere) {
 // refused, and the rank is free to attach again (from another process).
 TEST(NodeTest, AnUnclaimedAttachExpiresAfterTheTicketTimeout) {
   NodeOptions options = Options();
-  options.ticket_timeout = absl::Milliseconds(20);
+  // Long enough that the check right after an attach (below) comes before its expiry on a
+  // loaded machine; short enough to wait out twice.
+  options.ticket_timeout = absl::Milliseconds(300);
   Node node(options);
   absl::StatusOr<v1::AttachResponse> first = node.Attach(Request(0, 2));
   ASSERT_TRUE(first.ok()) << first.status();
-  absl::SleepFor(absl::Milliseconds(40));  // At least that long on the monotonic clock.
+  absl::SleepFor(absl::Milliseconds(400));  // At least that long on the monotonic clock.
   EXPECT_EQ(node.ClaimArenas(first->token(), 1).status(),
             absl::DeadlineExceededError("attach token expired; attach again"));
   v1::AttachRequest other = Request(0, 2);
@@ -225,7 +227,7 @@ TEST(NodeTest, AnUnclaimedAttachExpiresAfterTheTicketTimeout) {
   EXPECT_NE(again->token(), first->token());
   // Never claimed either: once expired, it holds no drain back.
   EXPECT_FALSE(node.AwaitDetached(absl::Milliseconds(1)));
-  absl::SleepFor(absl::Milliseconds(40));
+  absl::SleepFor(absl::Milliseconds(400));
   EXPECT_TRUE(node.AwaitDetached(absl::Milliseconds(1)));
 }
 
@@ -235,9 +237,11 @@ TEST(NodeTest, DrainFailsJoinsAndAttachesAndStopsEveryWait) {
   absl::StatusOr<v1::JoinResponse> joined;
   std::thread t([&] { joined = node.Join(JoinOf(0, a0.token), absl::Now() + absl::Seconds(30)); });
   // Let the join start waiting, then drain: it returns at once.
-  while (node.Snapshot().joining != 1) {
+  const absl::Time until = absl::Now() + absl::Seconds(30);
+  while (node.Snapshot().joining != 1 && absl::Now() < until) {
     std::this_thread::yield();
   }
+  EXPECT_EQ(node.Snapshot().joining, 1);
   node.Drain();
   t.join();
   EXPECT_EQ(joined.status().code(), absl::StatusCode::kUnavailable);
@@ -1536,16 +1540,18 @@ TEST(NodeTest, WeightsOfHoldersInAnotherDomainAreReadThroughTheirDaemon) {
   // holding the drain (and the daemon's exit) until the balancer's deadline.
   for (int r : {0, 2}) std::atomic_ref<uint64_t>(kernels::ControlOf(x0.arenas[r].data(), x0.layout)->step).store(20);
   const balancer::Plan v4 = PlacedPlan(4, {{5, 1, 2, 3}, {0, 1, 2, 3}, {0, 5, 6, 7}, {4, 5, 6, 4}});
-  std::atomic<bool> told_to_stop{false};
+  std::atomic<bool> told_to_stop{false}, fetching{false};
   remote.fetch = [&](int, uint64_t, int, int, std::byte*, size_t,
                      const std::function<bool()>& stopped) {
+    fetching = true;
     const absl::Time until = absl::Now() + absl::Seconds(30);
     while (!stopped() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
     told_to_stop = stopped();
     return absl::CancelledError("the staging stopped");
   };
-  std::thread drain([&] {
-    absl::SleepFor(absl::Milliseconds(100));
+  std::thread drain([&] {  // Once the read hangs (not before the Prepare reaches it).
+    const absl::Time until = absl::Now() + absl::Seconds(30);
+    while (!fetching && absl::Now() < until) absl::SleepFor(absl::Milliseconds(1));
     a.Drain();
   });
   prepared = a.Prepare(v4, 30, remote);
