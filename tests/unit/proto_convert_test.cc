@@ -41,7 +41,8 @@ TEST(ProtoConvertTest, CompactPlanRoundTripsAndIsChecked) {
                                        "compact form needs 8, 8 and 0"));
   proto = ToProto(plan, PlanEncoding::kCompact);
   proto.mutable_layers(0)->set_slot_share(0, 0.25);  // The expert's shares no longer sum to 1.
-  EXPECT_EQ(FromProto(proto).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(FromProto(proto).status(), absl::InvalidArgumentError(
+                                         "plan: layer 0 expert 5 shares sum to 0.660256, not 1"));
 }
 
 // Recovery compares a daemon's pending plan (decoded from the Prepare) with the plan the
