@@ -293,6 +293,14 @@ TEST_F(LocalTest, FlagValuesThatCannotMakeAClusterAreRefusedBeforeAnythingStarts
       {"--layers=-1", "ubep-local: --layers -1 is not positive\n"},
       {"--hidden=0", "ubep-local: --hidden 0 is not positive\n"},
       {"--slots_per_rank=-2", "ubep-local: --slots_per_rank -2 is negative\n"},
+      {"--max_recv_rows=-1", "ubep-local: --max_recv_rows -1 is negative (0: unbounded)\n"},
+      {"--step_delay=-5ms", "ubep-local: --step_delay -5ms is negative\n"},
+      {"--drift_period=0", "ubep-local: --drift_period 0 is not positive\n"},
+      {"--interval=1ms",
+       "ubep-local: --interval 1ms is under 10ms (ubepd's --report_interval takes it)\n"},
+      {"--metrics_port=65534",
+       "ubep-local: --metrics_port 65534 leaves no port for daemon 1 (ports metrics_port to "
+       "metrics_port + daemons; 0 = any free ones)\n"},
   };
   for (const auto& [flag, message] : cases) {
     std::string output;

@@ -290,6 +290,31 @@ int main(int argc, char** argv) {
     std::cerr << "ubep-local: --slots_per_rank " << slots << " is negative\n";
     return 2;
   }
+  // What the processes it starts would refuse, refused here, before anything starts.
+  if (const int rows = absl::GetFlag(FLAGS_max_recv_rows); rows < 0) {
+    std::cerr << "ubep-local: --max_recv_rows " << rows << " is negative (0: unbounded)\n";
+    return 2;
+  }
+  if (const absl::Duration delay = absl::GetFlag(FLAGS_step_delay); delay < absl::ZeroDuration()) {
+    std::cerr << "ubep-local: --step_delay " << absl::FormatDuration(delay) << " is negative\n";
+    return 2;
+  }
+  if (const double period = absl::GetFlag(FLAGS_drift_period); !(period > 0)) {
+    std::cerr << "ubep-local: --drift_period " << period << " is not positive\n";
+    return 2;
+  }
+  if (const absl::Duration interval = absl::GetFlag(FLAGS_interval);
+      interval < absl::Milliseconds(10)) {
+    std::cerr << "ubep-local: --interval " << absl::FormatDuration(interval)
+              << " is under 10ms (ubepd's --report_interval takes it)\n";
+    return 2;
+  }
+  if (const int port = absl::GetFlag(FLAGS_metrics_port);
+      port < 0 || port + K >= 65536) {
+    std::cerr << "ubep-local: --metrics_port " << port << " leaves no port for daemon " << K - 1
+              << " (ports metrics_port to metrics_port + daemons; 0 = any free ones)\n";
+    return 2;
+  }
   if (slots == 0) slots = (experts + R - 1) / R;
   const std::string bin = SelfDir();
   std::string traces = absl::GetFlag(FLAGS_traces);
