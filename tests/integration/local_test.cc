@@ -184,6 +184,13 @@ TEST_F(LocalTest, UbepLocalServedWhilePrometheusScrapesAndUbepctlOperates) {
   out = Ctl({"--json", "plan", "show"}, &code);
   ASSERT_EQ(code, 0) << out;
   EXPECT_EQ(nlohmann::json::parse(out)["excluded_ranks"], nlohmann::json({4, 5, 6, 7}));
+  // SGLang's map has no shares: a plan excluding ranks is not exported in it.
+  out = Ctl({"plan", "export", "--format=sglang"}, &code);
+  EXPECT_EQ(code, 1);
+  EXPECT_THAT(out, ::testing::StartsWith("ubepctl: plan export: plan v"));
+  EXPECT_THAT(out, ::testing::EndsWith(" excludes ranks 4,5,6,7; SGLang's map has no shares, so "
+                                       "their slots would serve their experts: export it once "
+                                       "every rank is back (or use --format=eplb)\n"));
   out = Ctl({"drain", "node-9"}, &code);
   EXPECT_EQ(code, 1);
   EXPECT_THAT(out, HasSubstr("ubepctl: drain node-9: node \"node-9\" is not registered"));

@@ -243,6 +243,15 @@ int PlanExport(Control::Stub& stub) {
     text = ubep::balancer::PlanToJson(*plan);
   } else {
     // SGLang's expert location (--init-expert-location): the physical -> logical map per layer.
+    // It has no shares: every slot listed serves its expert, so the slots of ranks the plan
+    // excludes (share 0, their node drained or down) would take traffic. Not written.
+    if (!plan->excluded_ranks.empty()) {
+      std::cerr << "ubepctl: plan export: plan v" << plan->version << " excludes ranks "
+                << absl::StrJoin(plan->excluded_ranks, ",")
+                << "; SGLang's map has no shares, so their slots would serve their experts: "
+                   "export it once every rank is back (or use --format=eplb)\n";
+      return 1;
+    }
     nlohmann::json map = nlohmann::json::array();
     for (const ubep::balancer::LayerPlan& layer : plan->layers) map.push_back(layer.slot_expert);
     text = nlohmann::json{{"physical_to_logical_map", map}}.dump() + "\n";
