@@ -27,8 +27,9 @@ constexpr uint32_t kArenaMagic = 0x41504555;  // "UEPA"
 
 struct ArenaHeader {
   uint32_t magic, num_ranks, max_tokens, hidden, top_k, num_experts, slots_per_rank, num_layers,
-      dtype, flagged_tokens;
+      dtype, flagged_tokens, protocol;
 };
+static_assert(sizeof(ArenaHeader) <= 64, "the arena's header line (ArenaLayout)");
 
 // sum[h] (+)= w * row[h] for a row of `dtype`.
 void Axpy(float w, const std::byte* row, DType dtype, int hidden, bool first, float* sum) {
@@ -177,7 +178,8 @@ absl::StatusOr<std::unique_ptr<HostEp>> HostEp::Create(const EpConfig& config, i
                              static_cast<uint32_t>(config.slots_per_rank),
                              static_cast<uint32_t>(config.num_layers),
                              static_cast<uint32_t>(config.dtype),
-                             static_cast<uint32_t>(config.flagged_tokens)};
+                             static_cast<uint32_t>(config.flagged_tokens),
+                             static_cast<uint32_t>(config.protocol)};
   // The magic word last (release), read first (acquire): a peer laying out its arena at the
   // same time is seen either not yet laid out or whole.
   auto magic = [](ArenaHeader* h) { return std::atomic_ref<uint32_t>(h->magic); };
@@ -198,8 +200,11 @@ absl::StatusOr<std::unique_ptr<HostEp>> HostEp::Create(const EpConfig& config, i
           header->dtype == static_cast<uint32_t>(DType::kFloat32)    ? std::string("float32")
           : header->dtype == static_cast<uint32_t>(DType::kBFloat16) ? std::string("bfloat16")
                                                                      : absl::StrCat(header->dtype),
-          ", flagged_tokens ",
-          header->flagged_tokens, ")"));
+          ", flagged_tokens ", header->flagged_tokens, ", protocol ",
+          header->protocol == static_cast<uint32_t>(Protocol::kUbep)  ? std::string("ubep")
+          : header->protocol == static_cast<uint32_t>(Protocol::kBsp) ? std::string("bsp")
+                                                                      : absl::StrCat(header->protocol),
+          ")"));
     }
   }
   auto* own = reinterpret_cast<ArenaHeader*>(arenas[rank]);

@@ -240,7 +240,8 @@ TEST(ClientTest, ARejoinThatLostItsDataPlaneStopsEveryCallUntilARejoinCompletes)
   const absl::StatusOr<uint64_t> rejoined = (*rank)->Rejoin(3);
   const std::string why =
       "rank 0: the arena was laid out for another configuration (ranks 1, max_tokens 8, "
-      "hidden 16, top_k 2, experts 4, slots 4, layers 2, dtype float32, flagged_tokens 0)";
+      "hidden 16, top_k 2, experts 4, slots 4, layers 2, dtype float32, flagged_tokens 0, "
+      "protocol ubep)";
   EXPECT_EQ(rejoined.status(), absl::FailedPreconditionError(why));
   const absl::Status stopped = absl::FailedPreconditionError(
       "rank 0: the last Rejoin did not complete (" + why + "); call Rejoin again");

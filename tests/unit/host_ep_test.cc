@@ -687,7 +687,15 @@ TEST(HostEpErrorTest, APeersArenaOfAnotherConfigurationIsRefused) {
             absl::FailedPreconditionError(
                 "rank 1: rank 0's arena was laid out for another configuration (ranks 4, "
                 "max_tokens 48, hidden 72, top_k 4, experts 16, slots 5, layers 2, dtype float32, "
-                "flagged_tokens 0)"));
+                "flagged_tokens 0, protocol ubep)"));
+  // So is one of the other protocol: its waits would never meet the peers' signals.
+  EpConfig bsp = config;
+  bsp.protocol = Protocol::kBsp;
+  EXPECT_EQ(HostEp::Create(bsp, 1, pointers).status(),
+            absl::FailedPreconditionError(
+                "rank 1: rank 0's arena was laid out for another configuration (ranks 4, "
+                "max_tokens 48, hidden 72, top_k 4, experts 16, slots 5, layers 2, dtype float32, "
+                "flagged_tokens 0, protocol ubep)"));
   // Rank 1's own arena was left as it was: a rank of the group's configuration takes it.
   EXPECT_TRUE(HostEp::Create(config, 1, pointers).ok());
 }
