@@ -1298,7 +1298,7 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
     staging_version_ = plan.version;
     staging_aborted_ = false;
     const bool stopped = mu_.AwaitWithTimeout([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      if (staging_aborted_) return true;
+      if (staging_aborted_ || draining_ || !has_group_) return true;
       for (int r = first_; r < first_ + hosted_; ++r) {
         if (ranks_[r].state == RankState::kConnected && !ranks_[r].joining) return false;
       }
@@ -1309,7 +1309,11 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
       return fail(absl::StrCat("plan v", plan.version,
                                " was aborted while the hosted ranks stopped for it"));
     }
-    if (!stopped || draining_ || !has_group_) {
+    if (draining_) return fail("ubepd is draining");
+    if (!has_group_) {
+      return fail("the group was dropped while its ranks stopped for the change of members");
+    }
+    if (!stopped) {
       std::vector<int> running;
       for (int r = first_; r < first_ + hosted_; ++r) {
         if (ranks_[r].state == RankState::kConnected && !ranks_[r].joining) running.push_back(r);

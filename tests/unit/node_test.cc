@@ -990,6 +990,25 @@ TEST(NodeTest, AnAbortWhileTheRanksStopForAChangeOfMembersFailsThatPrepare) {
   EXPECT_EQ(a.State().committed_version(), 1u);
 }
 
+// A drain while the hosted ranks stop for a change of members ends the Prepare at once, saying
+// so (it used to wait out the stop, then blame ranks "still in a step").
+TEST(NodeTest, ADrainWhileTheRanksStopForAChangeOfMembersFailsThatPrepareSayingSo) {
+  Node a(Hosting(0));
+  auto b = std::make_unique<Node>(Hosting(2));
+  const TwoNodes t = AttachTwoNodes(a, *b);
+  v1::PrepareResponse prepared;
+  std::thread prepare([&] { prepared = a.Prepare(FourRankPlan(2, {2, 3}), 10); });
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (AbortWord(t.x0, 0, 4) != kernels::kAbortMembership && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  a.Drain();
+  prepare.join();
+  EXPECT_FALSE(prepared.prepared());
+  EXPECT_EQ(prepared.reason(), "ubepd is draining");
+  EXPECT_EQ(a.State().pending_version(), 0u);
+}
+
 // Each daemon stops only the ranks a change of members asks it to stop (its own, and those
 // whose membership changes). Here plan v2 drops node b's ranks 2-3: node a commits first and
 // forms the new group of ranks 0-1 at once; node b's Commit, arriving after, stops its own
