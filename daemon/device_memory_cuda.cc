@@ -17,11 +17,18 @@ absl::Status Check(cudaError_t e, const char* what) {
   return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
 }
 
+// Each arena's copies go through a stream of its own and wait for that stream alone: a
+// device-wide wait (cudaDeviceSynchronize, or the legacy default stream) would also wait for
+// every other stream of the process on that device, the NCCL link's staging among them, and
+// the daemon makes these copies under its node's lock.
 class VmmDeviceMemory : public DeviceMemory {
  public:
-  VmmDeviceMemory(int device, std::unique_ptr<kernels::VmmArena> arena, int fd)
-      : device_(device), arena_(std::move(arena)), fd_(fd) {}
+  VmmDeviceMemory(int device, std::unique_ptr<kernels::VmmArena> arena, int fd,
+                  cudaStream_t stream)
+      : device_(device), arena_(std::move(arena)), fd_(fd), stream_(stream) {}
   ~VmmDeviceMemory() override {
+    cudaSetDevice(device_);
+    cudaStreamDestroy(stream_);
     if (fd_ >= 0) close(fd_);
   }
   int device() const override { return device_; }
@@ -29,41 +36,47 @@ class VmmDeviceMemory : public DeviceMemory {
   int fd() const override { return fd_; }
   absl::Status Read(size_t offset, void* out, size_t bytes) const override {
     cudaSetDevice(device_);
-    return Check(cudaMemcpy(out, arena_->data() + offset, bytes, cudaMemcpyDeviceToHost),
-                 "reading device arena");
+    if (absl::Status s = Check(cudaMemcpyAsync(out, arena_->data() + offset, bytes,
+                                               cudaMemcpyDeviceToHost, stream_),
+                               "reading device arena");
+        !s.ok()) {
+      return s;
+    }
+    return Check(cudaStreamSynchronize(stream_), "reading device arena");
   }
   absl::Status Write(size_t offset, const void* in, size_t bytes) override {
     cudaSetDevice(device_);
-    if (absl::Status s = Check(cudaMemcpy(arena_->data() + offset, in, bytes, cudaMemcpyHostToDevice),
+    if (absl::Status s = Check(cudaMemcpyAsync(arena_->data() + offset, in, bytes,
+                                               cudaMemcpyHostToDevice, stream_),
                                "writing device arena");
         !s.ok()) {
       return s;
     }
-    // cudaMemcpy from pageable memory may return before the DMA lands: wait, so that what
-    // the daemon publishes next (a plan table, an abort word) never precedes it.
-    return Check(cudaDeviceSynchronize(), "writing device arena");
+    // Landed before what the daemon publishes next (a plan table, an abort word).
+    return Check(cudaStreamSynchronize(stream_), "writing device arena");
   }
   absl::Status Zero(size_t offset, size_t bytes) override {
     cudaSetDevice(device_);
-    if (absl::Status s = Check(cudaMemset(arena_->data() + offset, 0, bytes), "clearing device arena");
+    if (absl::Status s = Check(cudaMemsetAsync(arena_->data() + offset, 0, bytes, stream_),
+                               "clearing device arena");
         !s.ok()) {
       return s;
     }
-    return Check(cudaDeviceSynchronize(), "clearing device arena");
+    return Check(cudaStreamSynchronize(stream_), "clearing device arena");
   }
   absl::Status CopyFrom(const DeviceMemory& source, size_t source_offset, size_t offset,
                         size_t bytes) override {
     cudaSetDevice(device_);
-    if (absl::Status s = Check(cudaMemcpyPeer(arena_->data() + offset, device_,
-                                              static_cast<const std::byte*>(source.data()) + source_offset,
-                                              source.device(), bytes),
+    if (absl::Status s = Check(cudaMemcpyPeerAsync(arena_->data() + offset, device_,
+                                                   static_cast<const std::byte*>(source.data()) +
+                                                       source_offset,
+                                                   source.device(), bytes, stream_),
                                "copying expert weights");
         !s.ok()) {
       return s;
     }
-    // cudaMemcpyPeer is asynchronous with respect to the host: the copy must have landed
-    // before Prepare publishes the plan table that makes ranks read it.
-    return Check(cudaDeviceSynchronize(), "copying expert weights");
+    // Landed before Prepare publishes the plan table that makes ranks read it.
+    return Check(cudaStreamSynchronize(stream_), "copying expert weights");
   }
   void* data() const override { return arena_->data(); }
 
@@ -71,7 +84,21 @@ class VmmDeviceMemory : public DeviceMemory {
   int device_;
   std::unique_ptr<kernels::VmmArena> arena_;
   int fd_;
+  cudaStream_t stream_;
 };
+
+absl::StatusOr<cudaStream_t> StreamOn(int device) {
+  if (absl::Status s = Check(cudaSetDevice(device), "selecting the arena's device"); !s.ok()) {
+    return s;
+  }
+  cudaStream_t stream = nullptr;
+  if (absl::Status s = Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
+                             "creating the arena's copy stream");
+      !s.ok()) {
+    return s;
+  }
+  return stream;
+}
 
 }  // namespace
 
@@ -86,15 +113,27 @@ absl::StatusOr<std::unique_ptr<DeviceMemory>> CreateDeviceMemory(int device, siz
   if (!arena.ok()) return arena.status();
   absl::StatusOr<int> fd = (*arena)->ExportFd();
   if (!fd.ok()) return fd.status();
-  return std::unique_ptr<DeviceMemory>(new VmmDeviceMemory(device, *std::move(arena), *fd));
+  absl::StatusOr<cudaStream_t> stream = StreamOn(device);
+  if (!stream.ok()) {
+    close(*fd);
+    return stream.status();
+  }
+  return std::unique_ptr<DeviceMemory>(
+      new VmmDeviceMemory(device, *std::move(arena), *fd, *stream));
 }
 
 absl::StatusOr<std::unique_ptr<DeviceMemory>> ImportDeviceMemory(int device, int fd, size_t bytes) {
   absl::StatusOr<std::unique_ptr<kernels::VmmArena>> arena = kernels::VmmArena::ImportFd(device, fd, bytes);
   if (!arena.ok()) return arena.status();
+  absl::StatusOr<cudaStream_t> stream = StreamOn(device);
+  if (!stream.ok()) return stream.status();
   const int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
-  if (own < 0) return absl::ErrnoToStatus(errno, "duplicating a peer's arena fd");
-  return std::unique_ptr<DeviceMemory>(new VmmDeviceMemory(device, *std::move(arena), own));
+  if (own < 0) {
+    cudaStreamDestroy(*stream);
+    return absl::ErrnoToStatus(errno, "duplicating a peer's arena fd");
+  }
+  return std::unique_ptr<DeviceMemory>(
+      new VmmDeviceMemory(device, *std::move(arena), own, *stream));
 }
 
 }  // namespace ubep::daemon
