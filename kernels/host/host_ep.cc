@@ -1078,7 +1078,21 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
       }
       const std::byte* partial = partial_at(d, j);
       if (handle.flagged) {
-        UBEP_RETURN_IF_ERROR(TakeFlaggedPartial(partial, d, epoch, deadline));
+        // Late, the lowest destination whose partial of this call has not landed is named
+        // (as every other wait names the lowest source still awaited), not this route's.
+        auto lowest_awaited = [&, q = q] {
+          int lowest = d;
+          std::vector<std::byte> probe(B);
+          for (int32_t r = q + 1; r < routes; ++r) {
+            const auto [other, k] = handle.token_routes[r];
+            if (other < lowest &&
+                !LoadFlaggedRow(partial_at(other, k), B, epoch, probe.data())) {
+              lowest = other;
+            }
+          }
+          return lowest;
+        };
+        UBEP_RETURN_IF_ERROR(TakeFlaggedPartial(partial, lowest_awaited, epoch, deadline));
         partial = row_scratch_.data();
       }
       Axpy(1.0f, partial, config_.dtype, H, q == handle.token_begin[t], sum);
@@ -1104,19 +1118,19 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
   return absl::OkStatus();
 }
 
-absl::Status HostEp::TakeFlaggedPartial(const std::byte* partial, int peer, uint32_t epoch,
-                                        Deadline deadline) {
+absl::Status HostEp::TakeFlaggedPartial(const std::byte* partial, absl::FunctionRef<int()> peer,
+                                        uint32_t epoch, Deadline deadline) {
   // Granules ring no bell as they land: a millisecond's sleep at most between looks (the
   // peer's combine flag, raised once every partial it sends here is stored, rings it).
   const absl::Status s = WaitForPeer(
-      deadline, [peer] { return peer; },
+      deadline, peer,
       [&](AbortWatch watch, Deadline until) {
         return WaitUntil(
             OwnDoor(), until, watch,
             [&] { return LoadFlaggedRow(partial, layout_.row_bytes, epoch, row_scratch_.data()); },
             absl::Milliseconds(1));
       });
-  return s.ok() ? s : GiveUp(peer, "combine partials", epoch);
+  return s.ok() ? s : GiveUp(peer(), "combine partials", epoch);
 }
 
 uint64_t HostEp::LoadCounter(int layer, int local_slot) const {

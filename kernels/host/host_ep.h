@@ -257,9 +257,10 @@ class HostEp {
   // slots, each a copy of `data` (which may already be the first of them).
   void PlaceRecord(int source, int32_t j, const std::byte* records, const std::byte* data,
                    DispatchOutput& output);
-  // A flagged partial from `peer` into row_scratch_, once it has landed.
-  absl::Status TakeFlaggedPartial(const std::byte* partial, int peer, uint32_t epoch,
-                                  Deadline deadline);
+  // A flagged partial into row_scratch_, once it has landed; `peer()`: the destination a wait
+  // gone late names (the lowest one still awaited).
+  absl::Status TakeFlaggedPartial(const std::byte* partial, absl::FunctionRef<int()> peer,
+                                  uint32_t epoch, Deadline deadline);
 
   EpConfig config_;
   ArenaLayout layout_;

@@ -1229,6 +1229,31 @@ TEST(HostEpErrorTest, ADaemonStopEndsAWaitForFlaggedRows) {
   }
 }
 
+// A flagged combine takes its partials token by token; late, it names the lowest destination
+// still awaited, as every other wait does, not the one of the token it was at. Rank 0's token 0
+// went to rank 3 alone (expert 15), token 1 to rank 2 alone (expert 10); ranks 2 and 3 both
+// store rank 0's partials 2 s late.
+TEST(HostEpErrorTest, AFlaggedCombineLateNamesTheLowestDestinationStillAwaited) {
+  EpConfig config = ShortTimeoutConfig();
+  config.flagged_tokens = 8;
+  Group group(config);
+  const TestPlan plan = RoundRobinPlan(config);
+  for (int r : {2, 3}) group.ep(r).set_partial_delay_for_testing(absl::Seconds(2), /*source=*/0);
+  std::vector<absl::Status> status(config.num_ranks);
+  group.RunAll([&](int r) {
+    RankInput in = MakeInput(config, r, 2, 3);
+    if (r == 0) in.topk_idx = {15, -1, -1, -1, 10, -1, -1, -1};
+    DispatchOutput out;
+    status[r] = group.ep(r).Dispatch(
+        {in.x.data(), in.topk_idx.data(), in.topk_w.data(), 2, config.hidden, 0, plan.header()},
+        out);
+    if (!status[r].ok()) return;
+    std::vector<float> combined(2 * config.hidden);
+    status[r] = group.ep(r).Combine(out, out.recv_x.data(), combined.data());
+  });
+  EXPECT_EQ(status[0], GaveUpOnRank2(0, "combine partials", "", "300ms"));
+}
+
 // A wait that goes on past a rank that left after its call still has its deadline, and its
 // timeout names the peer it waited for, not the rank that left.
 TEST(HostEpErrorTest, AWaitSparedByARankThatLeftStillTimesOutNamingItsPeer) {
