@@ -1356,13 +1356,16 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
       // are slow, and a drain waits for this Prepare's RPC to end).
       if (StagingStopped()) break;
     }
-    if (copied.ok() && over_link) {
+    // Stopped meanwhile: the link is not joined (the others' joins are stopped as theirs is).
+    if (copied.ok() && over_link && !StagingStopped()) {
       const absl::Time deadline = remote.deadline;
-      absl::StatusOr<std::unique_ptr<WeightLink>> link = ConnectWeightLink(
-          remote.nccl_id, remote.link_size, remote.link_rank, link_device, deadline);
+      const std::function<bool()> stopped = [this] { return StagingStopped(); };
+      absl::StatusOr<std::unique_ptr<WeightLink>> link =
+          ConnectWeightLink(remote.nccl_id, remote.link_size, remote.link_rank, link_device,
+                            deadline, stopped);
       copied = link.status();
       for (size_t b = 0; b < batches.size() && copied.ok() && !StagingStopped(); ++b) {
-        copied = (*link)->Exchange(batches[b], deadline);
+        copied = (*link)->Exchange(batches[b], deadline, stopped);
       }
       if (!copied.ok()) {
         copied = absl::Status(copied.code(), absl::StrCat("staging over the NCCL link: ", copied.message()));

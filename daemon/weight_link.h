@@ -17,6 +17,7 @@
 #define UBEP_DAEMON_WEIGHT_LINK_H_
 
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -40,9 +41,12 @@ class WeightLink {
     size_t offset = 0;
     size_t bytes = 0;
   };
-  // Runs the transfers as one NCCL group and waits for them. Per peer, the sends and receives
-  // are matched in order with the peer's own list (both sides walk one global schedule).
-  virtual absl::Status Exchange(const std::vector<Transfer>& transfers, absl::Time deadline) = 0;
+  // Runs the transfers as one NCCL group and waits for them, until `deadline` or until
+  // `stopped()` says so (the plan aborted, ubepd draining: Cancelled, the link aborted). Per
+  // peer, the sends and receives are matched in order with the peer's own list (both sides
+  // walk one global schedule).
+  virtual absl::Status Exchange(const std::vector<Transfer>& transfers, absl::Time deadline,
+                                const std::function<bool()>& stopped) = 0;
 
   int rank() const { return rank_; }
   int size() const { return size_; }
@@ -59,10 +63,10 @@ class WeightLink {
 absl::StatusOr<std::string> NewWeightLinkId();
 
 // Joins the communicator `id` as rank `rank` of `size` on `device`, waiting for every rank
-// until `deadline`.
-absl::StatusOr<std::unique_ptr<WeightLink>> ConnectWeightLink(const std::string& id, int size,
-                                                              int rank, int device,
-                                                              absl::Time deadline);
+// until `deadline`, or until `stopped()` says so (Cancelled).
+absl::StatusOr<std::unique_ptr<WeightLink>> ConnectWeightLink(
+    const std::string& id, int size, int rank, int device, absl::Time deadline,
+    const std::function<bool()>& stopped);
 
 }  // namespace ubep::daemon
 

@@ -4,6 +4,7 @@
 #include <nccl.h>
 
 #include <cstring>
+#include <functional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -26,8 +27,16 @@ std::string NcclError(ncclResult_t result, ncclComm_t comm) {
   return message;
 }
 
-// Waits until the communicator's pending operation leaves ncclInProgress, or the deadline.
-absl::Status AwaitComm(ncclComm_t comm, absl::Time deadline, const std::string& what) {
+// What a wait that was told to stop answers.
+absl::Status Stopped(const std::string& what) {
+  return absl::CancelledError(
+      absl::StrCat(what, ": stopped (the plan was aborted, or ubepd is draining)"));
+}
+
+// Waits until the communicator's pending operation leaves ncclInProgress, the deadline, or
+// `stopped()`.
+absl::Status AwaitComm(ncclComm_t comm, absl::Time deadline, const std::string& what,
+                       const std::function<bool()>& stopped) {
   while (true) {
     ncclResult_t state = ncclSuccess;
     const ncclResult_t got = ncclCommGetAsyncError(comm, &state);
@@ -37,17 +46,20 @@ absl::Status AwaitComm(ncclComm_t comm, absl::Time deadline, const std::string& 
       return absl::InternalError(absl::StrCat(what, ": ", NcclError(state, comm)));
     }
     if (absl::Now() >= deadline) return absl::DeadlineExceededError(absl::StrCat(what, ": timed out"));
+    if (stopped && stopped()) return Stopped(what);
     absl::SleepFor(kPoll);
   }
 }
 
-// Waits until the stream's work is done, or the deadline.
-absl::Status AwaitStream(cudaStream_t stream, absl::Time deadline, const char* what) {
+// Waits until the stream's work is done, the deadline, or `stopped()`.
+absl::Status AwaitStream(cudaStream_t stream, absl::Time deadline, const char* what,
+                         const std::function<bool()>& stopped) {
   while (true) {
     const cudaError_t done = cudaStreamQuery(stream);
     if (done == cudaSuccess) return absl::OkStatus();
     if (done != cudaErrorNotReady) return CudaCheck(done, what);
     if (absl::Now() >= deadline) return absl::DeadlineExceededError(absl::StrCat(what, ": timed out"));
+    if (stopped && stopped()) return Stopped(what);
     absl::SleepFor(kPoll);
   }
 }
@@ -62,7 +74,7 @@ class NcclWeightLink final : public WeightLink {
       // A send complete here may still be on its way to the peer: flush (bounded), then free.
       const ncclResult_t finalized = ncclCommFinalize(comm_);
       if ((finalized == ncclSuccess || finalized == ncclInProgress) &&
-          AwaitComm(comm_, absl::Now() + absl::Seconds(10), "closing the NCCL link").ok()) {
+          AwaitComm(comm_, absl::Now() + absl::Seconds(10), "closing the NCCL link", nullptr).ok()) {
         ncclCommDestroy(comm_);
       } else {
         ncclCommAbort(comm_);
@@ -71,7 +83,8 @@ class NcclWeightLink final : public WeightLink {
     cudaStreamDestroy(stream_);
   }
 
-  absl::Status Exchange(const std::vector<Transfer>& transfers, absl::Time deadline) override {
+  absl::Status Exchange(const std::vector<Transfer>& transfers, absl::Time deadline,
+                        const std::function<bool()>& stopped) override {
     if (broken_) return absl::FailedPreconditionError("the NCCL link timed out before and was aborted");
     if (transfers.empty()) return absl::OkStatus();
     cudaSetDevice(device_);
@@ -114,10 +127,11 @@ class NcclWeightLink final : public WeightLink {
     if (result != ncclSuccess && result != ncclInProgress) {
       status = absl::InternalError(absl::StrCat("NCCL weight copies: ", NcclError(result, comm_)));
     }
-    if (status.ok()) status = AwaitComm(comm_, deadline, "NCCL weight copies");
-    if (status.ok()) status = AwaitStream(stream_, deadline, "NCCL weight copies");
+    if (status.ok()) status = AwaitComm(comm_, deadline, "NCCL weight copies", stopped);
+    if (status.ok()) status = AwaitStream(stream_, deadline, "NCCL weight copies", stopped);
     if (!status.ok()) {
-      // A peer died or never joined: abort so that nothing waits on it any longer.
+      // A peer died or never joined, or the staging was stopped: abort so that nothing waits
+      // on the link any longer (the peers' copies fail, as their own staging is stopped too).
       ncclCommAbort(comm_);
       comm_ = nullptr;
       broken_ = true;
@@ -136,7 +150,10 @@ class NcclWeightLink final : public WeightLink {
                                              t.memory->device(), staged[i], device_, t.bytes, stream_),
                          "placing received expert weights");
     }
-    if (status.ok() && placing) status = AwaitStream(stream_, deadline, "placing received expert weights");
+    if (status.ok() && placing) {
+      // Not stopped halfway: these copies are local, and the staging buffers are freed next.
+      status = AwaitStream(stream_, deadline, "placing received expert weights", nullptr);
+    }
     release();
     return status;
   }
@@ -158,9 +175,9 @@ absl::StatusOr<std::string> NewWeightLinkId() {
   return std::string(id.internal, sizeof(id.internal));
 }
 
-absl::StatusOr<std::unique_ptr<WeightLink>> ConnectWeightLink(const std::string& id_bytes, int size,
-                                                              int rank, int device,
-                                                              absl::Time deadline) {
+absl::StatusOr<std::unique_ptr<WeightLink>> ConnectWeightLink(
+    const std::string& id_bytes, int size, int rank, int device, absl::Time deadline,
+    const std::function<bool()>& stopped) {
   ncclUniqueId id;
   if (id_bytes.size() != sizeof(id.internal)) {
     return absl::InvalidArgumentError(absl::StrCat("an NCCL unique id has ", sizeof(id.internal),
@@ -185,7 +202,8 @@ absl::StatusOr<std::unique_ptr<WeightLink>> ConnectWeightLink(const std::string&
   if (r != ncclSuccess && r != ncclInProgress) {
     status = absl::InternalError(absl::StrCat("ncclCommInitRankConfig: ", NcclError(r, comm)));
   } else {
-    status = AwaitComm(comm, deadline, absl::StrCat("joining the NCCL link as rank ", rank, " of ", size));
+    status = AwaitComm(comm, deadline,
+                       absl::StrCat("joining the NCCL link as rank ", rank, " of ", size), stopped);
   }
   if (!status.ok()) {
     if (comm != nullptr) ncclCommAbort(comm);

@@ -8,7 +8,8 @@ absl::StatusOr<std::string> NewWeightLinkId() {
 }
 
 absl::StatusOr<std::unique_ptr<WeightLink>> ConnectWeightLink(const std::string&, int, int, int,
-                                                              absl::Time) {
+                                                              absl::Time,
+                                                              const std::function<bool()>&) {
   return absl::FailedPreconditionError("ubepd was built without NCCL");
 }
 
