@@ -1251,8 +1251,12 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
   std::vector<std::vector<WeightLink::Transfer>> batches;
   int link_device = -1;
   if (over_link) {
-    if (static_cast<int>(remote.rank_link.size()) != R || remote.link_rank < 0 ||
-        remote.link_rank >= remote.link_size) {
+    if (remote.link_rank < 0) {
+      // The Prepare lists the group's daemons by node name, and this one's is not among them.
+      return fail("this daemon is not among the daemons the Prepare lists for the NCCL link "
+                  "(none of them has its --node name)");
+    }
+    if (static_cast<int>(remote.rank_link.size()) != R || remote.link_rank >= remote.link_size) {
       return fail(absl::StrCat("the NCCL link names rank ", remote.link_rank, " of ", remote.link_size,
                                " and the daemons of ", remote.rank_link.size(), " ranks, for a group of ", R));
     }
