@@ -1109,6 +1109,7 @@ void Balancer::Recover() {
   // commit; else abort after the grace, once no daemon that may have committed it is unknown.
   // Each decision (version, commit?) goes to its daemons at once.
   std::map<std::pair<uint64_t, bool>, std::vector<std::shared_ptr<grpc::Channel>>> decide;
+  uint64_t held_when_decided = 0;
   {
     MutexLock lock(&mu_);
     // The plan this balancer holds was committed (it takes one only once committed), though
@@ -1130,6 +1131,7 @@ void Balancer::Recover() {
     const bool may_abort = up >= options_.recovery_grace &&
                            (!unknown || up >= options_.registration_grace);
     const uint64_t held = plan_.has_value() ? plan_->version : 0;
+    held_when_decided = held;
     // The plan held, fingerprinted once and only where a daemon holds its version pending (a
     // large plan is megabytes to encode; Recover runs every tick).
     std::optional<uint64_t> fingerprint;
@@ -1178,9 +1180,11 @@ void Balancer::Recover() {
       results = FanOut(channels, "/ubep.v1.DaemonControl/Abort", request, options_.rpc_timeout);
     }
     MutexLock lock(&mu_);
-    // Counted once per version, and not again where this process aborted it already
-    // (delivering the decision to a daemon that missed it).
-    if (!commit && aborted_versions_.insert(version).second) {
+    // A version above the plan held, aborted: remembered as this process's decision (a
+    // daemon that missed it is aborted too) and counted once. Not one at or below the plan
+    // held: aborted as superseded, or as another plan under the held version, where the
+    // version itself (the plan held, committed) must still be committed where it is pending.
+    if (!commit && version > held_when_decided && aborted_versions_.insert(version).second) {
       plans_aborted_->Increment();
       ++aborted_count_;
     }
@@ -1236,6 +1240,7 @@ void Balancer::CatchUp() {
   // switch needs every daemon of the group; the next plan's commit decides for it.)
   std::vector<std::string> behind;
   std::vector<std::shared_ptr<grpc::Channel>> channels;
+  std::vector<std::string> incarnations;  // Of the registrations sent to.
   v1::PrepareRequest request;
   bool whole_group = false;
   {
@@ -1252,6 +1257,7 @@ void Balancer::CatchUp() {
       if (all_excluded || whole) {
         behind.push_back(name);
         channels.push_back(d.channel);
+        incarnations.push_back(d.info.incarnation());
       }
       whole_group |= whole;
     }
@@ -1302,7 +1308,10 @@ void Balancer::CatchUp() {
     auto it = daemons_.find(name);
     // Applied to the registration sent to only (a node registered again meanwhile is a new
     // process, asked again by recovery).
-    if (it != daemons_.end() && it->second.channel != channels[i]) it = daemons_.end();
+    if (it != daemons_.end() && (it->second.channel != channels[i] ||
+                                 it->second.info.incarnation() != incarnations[i])) {
+      it = daemons_.end();
+    }
     if (outcome[i].empty()) {
       UBEP_LOG(INFO) << "node " << name << " caught up on plan v" << request.plan().version()
                      << " (effective at step " << request.effective_step() << ")";

@@ -1536,6 +1536,37 @@ TEST(BalancerServerTest, RecoveryCommitsAPendingPlanOnlyIfItIsThePlanCommittedUn
   EXPECT_TRUE(b.commits().empty());
 }
 
+// node-a has committed v2; node-c holds the same v2 pending (its Commit was lost); node-b holds
+// another plan under v2. Recovery aborts node-b's and commits node-c's; node-c's Commit is
+// lost again, and asked once more, node-c is told to commit, not to abort: aborting node-b's
+// v2 is not aborting the version.
+TEST(BalancerServerTest, AbortingAnotherPlanUnderTheHeldVersionAbortsNotThatVersion) {
+  FakeDaemon a("node-a", FirstPlanAs(2)), b("node-b", FirstPlan()), c("node-c", FirstPlan());
+  absl::StatusOr<Plan> swapped = FromProto(FirstPlanAs(2));
+  ASSERT_TRUE(swapped.ok()) << swapped.status();
+  std::swap(swapped->layers[0].slot_expert[0], swapped->layers[0].slot_expert[1]);
+  std::swap(swapped->layers[0].slot_share[0], swapped->layers[0].slot_share[1]);
+  b.SetPending(ToProto(*swapped));
+  c.SetPending(FirstPlanAs(2));
+  c.LoseCommitOf(2);
+  BalancerOptions options = NeverMarkedDown();
+  options.recovery_grace = absl::ZeroDuration();
+  Balancer balancer(options, std::make_shared<prometheus::Registry>());
+  Register(balancer, DaemonRegistration(a, "node-a", 0, 0, "host"));
+  v1::RegisterRequest rb = DaemonRegistration(b, "node-b", 2, 0, "host");
+  rb.clear_ranks();  // No rank: what it holds is node-b's alone.
+  Register(balancer, rb);
+  Register(balancer, DaemonRegistration(c, "node-c", 2, 0, "host"));
+  for (int i = 0; i < 3; ++i) balancer.Tick();
+  EXPECT_EQ(b.aborted(), std::vector<uint64_t>{2});
+  EXPECT_TRUE(c.aborted().empty());
+  EXPECT_EQ(c.commits(), std::vector<uint64_t>{2});
+  EXPECT_EQ(c.committed_version(), 2u);
+  v1::ClusterStatus cluster;
+  ASSERT_TRUE(balancer.GetStatus(nullptr, nullptr, &cluster).ok());
+  EXPECT_EQ(cluster.plans_aborted(), 0u);
+}
+
 // node-b's Prepare of the drain's v2 outlasts --rpc_timeout; the balancer aborts v2, and the
 // Abort reaches node-b before its Prepare is done (nothing pending yet: answered OK); the
 // Prepare then lands and leaves v2 pending, which makes node-b refuse every later plan. The
