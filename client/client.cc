@@ -799,6 +799,11 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
     const kernels::PlanTableHeader* table =
         kernels::SelectPlan(s.own() + s.layout.plan, s.step, &version);
     if (table == nullptr) {
+      // A group that gave up says so first, and keeps the refusal recorded before (as the
+      // host backend looks at its abort word before any other check).
+      if (absl::Status gave_up = s.cuda_ep->GaveUpStatus(); !gave_up.ok()) {
+        return Record(s, gave_up);
+      }
       // Refused before the rank takes part, as the host backend does it: its peers, waiting
       // for it in this call, say why when they time out.
       return Record(s, s.cuda_ep->Refuse(absl::FailedPreconditionError(absl::StrCat(

@@ -1425,6 +1425,14 @@ absl::Status CudaEp::CheckStatus(const char* what, uint32_t call,
   return absl::OkStatus();
 }
 
+absl::Status CudaEp::GaveUpStatus() const {
+  uint32_t code = 0;
+  UBEP_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(&code, own_arena_ + layout_.abort, sizeof(code), cudaMemcpyDeviceToHost));
+  if (code == 0) return absl::OkStatus();
+  return DispatchAfterGiveUpStatus(code, rank_, config_.protocol, dispatch_epoch_ + 1);
+}
+
 absl::Status CudaEp::Refuse(absl::Status refused, bool keep_earlier) {
   const CallPhase phase = AwaitedPhase(dispatch_epoch_, combine_epoch_);
   if (keep_earlier && !Refusal(rank_, phase).empty()) return refused;
@@ -1478,12 +1486,7 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
   // second dispatch) and after a refusal of its own (which TakePart would withdraw, while a
   // call refused because the group gave up keeps it for the peers to read).
   if (refusal_recorded_ || (combine_epoch_ != dispatch_epoch_ && !dispatch_completed_)) {
-    uint32_t code = 0;
-    UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&code, own_arena_ + layout_.abort, sizeof(code),
-                                         cudaMemcpyDeviceToHost));
-    if (code != 0) {
-      return DispatchAfterGiveUpStatus(code, rank_, config_.protocol, dispatch_epoch_ + 1);
-    }
+    if (absl::Status gave_up = GaveUpStatus(); !gave_up.ok()) return gave_up;
   }
   if (combine_epoch_ != dispatch_epoch_) {
     return Refuse(absl::FailedPreconditionError(kDispatchTwice));

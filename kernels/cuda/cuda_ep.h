@@ -112,6 +112,11 @@ class CudaEp {
   // of the call unless `keep_earlier` (a Combine refused for want of the Dispatch that was
   // refused: the Dispatch's reason is the one that matters).
   absl::Status Refuse(absl::Status refused, bool keep_earlier = false);
+  // The refusal of the next Dispatch if the group gave up (its abort word set: a wait timed
+  // out, or the daemon raised it), read with a synchronous copy; OK if it did not. For a
+  // caller about to refuse a call itself (libubep, no plan in force), which first says why
+  // the group cannot run, as the host backend does.
+  absl::Status GaveUpStatus() const;
   // Whether the last Dispatch completed (with or without an error: bad input found on the
   // device leaves the rest dispatched, and its Combine to be called).
   bool dispatch_completed() const { return dispatch_completed_; }
