@@ -1302,7 +1302,7 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
     staging_version_ = plan.version;
     staging_aborted_ = false;
     const bool stopped = mu_.AwaitWithTimeout([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      if (staging_aborted_ || draining_ || !has_group_) return true;
+      if (staging_aborted_ || draining_) return true;
       for (int r = first_; r < first_ + hosted_; ++r) {
         if (ranks_[r].state == RankState::kConnected && !ranks_[r].joining) return false;
       }
@@ -1314,9 +1314,6 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
                                " was aborted while the hosted ranks stopped for it"));
     }
     if (draining_) return fail("ubepd is draining");
-    if (!has_group_) {
-      return fail("the group was dropped while its ranks stopped for the change of members");
-    }
     if (!stopped) {
       std::vector<int> running;
       for (int r = first_; r < first_ + hosted_; ++r) {
@@ -1489,7 +1486,7 @@ absl::Status Node::Abort(uint64_t version) {
   std::vector<std::string> lost;
   for (int r = first_; r < first_ + hosted_; ++r) {
     if (absl::Status s = kernels::AbortPlan(arenas_[r].data() + layout_.plan, version); !s.ok()) {
-      lost.push_back(absl::StrCat("rank ", r, "'s (", s.message(), ")"));
+      lost.push_back(absl::StrCat("rank ", r, " (", s.message(), ")"));
     }
   }
   pending_.reset();
@@ -1497,8 +1494,8 @@ absl::Status Node::Abort(uint64_t version) {
   UBEP_LOG(INFO) << "aborted plan v" << version;
   if (!lost.empty()) {
     return absl::DataLossError(absl::StrCat(
-        "plan v", version, " is aborted here, but not in the plan area of ",
-        absl::StrJoin(lost, ", "), ", which lost it (did its client write into its plan area?)"));
+        "plan v", version, " is aborted here, but the plan area of ", absl::StrJoin(lost, ", "),
+        " did not take the abort (did its client write into its plan area?)"));
   }
   return absl::OkStatus();
 }

@@ -39,12 +39,23 @@ absl::Status ValidateConfig(const EpConfig& c) {
                                                    c.slots_per_rank, " slots cannot hold ",
                                                    c.num_experts, " experts"));
   }
-  // The rows one call may bring a rank are counted in 32 bits (the receive layout's offsets).
-  if (const int64_t rows = static_cast<int64_t>(c.num_ranks) * c.max_tokens * c.top_k;
+  // The rows one call may bring a rank are counted in 32 bits (the receive layout's offsets):
+  // at most min(top_k, slots per rank) per token and source (MaxPairsPerToken); the tokens'
+  // pairs are numbered in 32 bits too.
+  if (const int64_t rows = static_cast<int64_t>(c.num_ranks) * c.max_tokens *
+                           MaxPairsPerToken(c.top_k, c.slots_per_rank);
       rows > std::numeric_limits<int32_t>::max()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "ep config: ", c.num_ranks, " ranks x ", c.max_tokens, " max_tokens x top_k ", c.top_k,
-        " = ", rows, " pairs could reach one rank in one call, over 2^31 - 1"));
+        "ep config: ", c.num_ranks, " ranks x ", c.max_tokens, " max_tokens x ",
+        MaxPairsPerToken(c.top_k, c.slots_per_rank),
+        " pairs per token and rank (min of top_k and slots per rank) = ", rows,
+        " rows could reach one rank in one call, over 2^31 - 1"));
+  }
+  if (const int64_t pairs = static_cast<int64_t>(c.max_tokens) * c.top_k;
+      pairs > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError(absl::StrCat("ep config: ", c.max_tokens,
+                                                   " max_tokens x top_k ", c.top_k, " = ", pairs,
+                                                   " pairs of one call, over 2^31 - 1"));
   }
   if (c.sender_threads < 1 || c.sender_threads > kMaxSenderThreads) {
     return absl::InvalidArgumentError(absl::StrCat("ep config: sender_threads ",

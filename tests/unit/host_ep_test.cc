@@ -658,14 +658,19 @@ TEST(HostEpErrorTest, ASenderThreadCountOutsideItsRangeIsRefused) {
 TEST(HostEpErrorTest, AShapeWhoseRowsPerCallOverflowThirtyTwoBitsIsRefused) {
   EpConfig config = SmallConfig(Protocol::kUbep);
   config.num_ranks = 1024;
-  config.slots_per_rank = 1;
+  config.slots_per_rank = 32;
   config.max_tokens = 65536;
   config.top_k = 32;
   EXPECT_EQ(ValidateConfig(config),
-            absl::InvalidArgumentError("ep config: 1024 ranks x 65536 max_tokens x top_k 32 = "
-                                       "2147483648 pairs could reach one rank in one call, over "
+            absl::InvalidArgumentError("ep config: 1024 ranks x 65536 max_tokens x 32 pairs per "
+                                       "token and rank (min of top_k and slots per rank) = "
+                                       "2147483648 rows could reach one rank in one call, over "
                                        "2^31 - 1"));
   config.max_tokens = 65535;
+  EXPECT_EQ(ValidateConfig(config), absl::OkStatus());
+  // With one slot per rank, a token brings a rank one row at most.
+  config.max_tokens = 65536;
+  config.slots_per_rank = 1;
   EXPECT_EQ(ValidateConfig(config), absl::OkStatus());
 }
 
@@ -785,6 +790,20 @@ std::vector<absl::Status> DispatchOnce(
     if (then) then(r, out);
   });
   return status;
+}
+
+// Rank r's dispatch of `in` under `plan` and, if it went through, its combine (the rows it
+// received sent back as they came): the first error, or OK.
+absl::Status DispatchThenCombine(Group& group, int r, const RankInput& in, const TestPlan& plan) {
+  const EpConfig& c = group.config();
+  DispatchOutput out;
+  const absl::Status dispatched = group.ep(r).Dispatch(
+      {in.x.data(), in.topk_idx.data(), in.topk_w.data(), in.num_tokens, c.hidden, 0,
+       plan.header()},
+      out);
+  if (!dispatched.ok()) return dispatched;
+  std::vector<float> combined(static_cast<size_t>(in.num_tokens) * c.hidden);
+  return group.ep(r).Combine(out, out.recv_x.data(), combined.data());
 }
 
 // What rank r reports when the group gave up on rank 2 in `phase` of the first call; with
@@ -1181,15 +1200,8 @@ TEST(HostEpErrorTest, FlaggedPartialsThatNeverArriveAreNamed) {
   const EpConfig& c = group.config();
   group.ep(2).set_partial_delay_for_testing(absl::Seconds(1));
   std::vector<absl::Status> status(c.num_ranks);
-  group.RunAll([&](int r) {
-    RankInput in = MakeInput(c, r, 8, 3);
-    DispatchOutput out;
-    status[r] = group.ep(r).Dispatch(
-        {in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8, c.hidden, 0, plan.header()}, out);
-    if (!status[r].ok()) return;
-    std::vector<float> combined(8 * c.hidden);
-    status[r] = group.ep(r).Combine(out, out.recv_x.data(), combined.data());
-  });
+  group.RunAll(
+      [&](int r) { status[r] = DispatchThenCombine(group, r, MakeInput(c, r, 8, 3), plan); });
   ExpectGaveUpOnRank2InACall(status, "combine partials", "300ms");
 }
 
@@ -1243,13 +1255,7 @@ TEST(HostEpErrorTest, AFlaggedCombineLateNamesTheLowestDestinationStillAwaited) 
   group.RunAll([&](int r) {
     RankInput in = MakeInput(config, r, 2, 3);
     if (r == 0) in.topk_idx = {15, -1, -1, -1, 10, -1, -1, -1};
-    DispatchOutput out;
-    status[r] = group.ep(r).Dispatch(
-        {in.x.data(), in.topk_idx.data(), in.topk_w.data(), 2, config.hidden, 0, plan.header()},
-        out);
-    if (!status[r].ok()) return;
-    std::vector<float> combined(2 * config.hidden);
-    status[r] = group.ep(r).Combine(out, out.recv_x.data(), combined.data());
+    status[r] = DispatchThenCombine(group, r, in, plan);
   });
   EXPECT_EQ(status[0], GaveUpOnRank2(0, "combine partials", "", "300ms"));
 }
@@ -1264,14 +1270,7 @@ TEST(HostEpErrorTest, AWaitSparedByARankThatLeftStillTimesOutNamingItsPeer) {
   group.ep(0).set_partial_delay_for_testing(absl::Seconds(1), /*source=*/3);
   std::vector<absl::Status> status(config.num_ranks);
   group.RunAll([&](int r) {
-    RankInput in = MakeInput(config, r, 8, 3);
-    DispatchOutput out;
-    status[r] = group.ep(r).Dispatch(
-        {in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8, config.hidden, 0, plan.header()},
-        out);
-    if (!status[r].ok()) return;
-    std::vector<float> combined(8 * config.hidden);
-    status[r] = group.ep(r).Combine(out, out.recv_x.data(), combined.data());
+    status[r] = DispatchThenCombine(group, r, MakeInput(config, r, 8, 3), plan);
     if (r == 1 && status[r].ok()) {
       for (int d = 0; d < config.num_ranks; ++d) {
         RaiseAbort(group.arena(d), layout, kAbortRankGone | 1u);

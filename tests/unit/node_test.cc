@@ -316,8 +316,8 @@ TEST(NodeTest, AnAbortThatOneHostedAreaCannotTakeAbortsTheRest) {
     if (slot->version == 2) *slot = kernels::PlanSlotHeader{};  // Zeroed by its client.
   }
   EXPECT_EQ(node.Abort(2),
-            absl::DataLossError("plan v2 is aborted here, but not in the plan area of rank 1's "
-                                "(plan v2 is not prepared here), which lost it (did its client "
+            absl::DataLossError("plan v2 is aborted here, but the plan area of rank 1 (plan v2 "
+                                "is not prepared here) did not take the abort (did its client "
                                 "write into its plan area?)"));
   EXPECT_FALSE(kernels::UndecidedAt(a.arenas[0].data() + a.layout.plan, 10));
   EXPECT_EQ(node.State().pending_version(), 0u);
@@ -968,6 +968,17 @@ struct GroupOfFour {
   Attached x3 = AttachAndClaim(b, 3, 4, 4);
 };
 
+// Node a's Prepare of plan v2, which drops ranks 2-3, on a thread of its own; returned once
+// the Prepare has stopped the group (rank 0's abort word) and waits for its ranks to stop.
+std::thread PrepareDroppingRanks2And3(Node& a, const TwoNodes& t, v1::PrepareResponse* prepared) {
+  std::thread prepare([&a, prepared] { *prepared = a.Prepare(FourRankPlan(2, {2, 3}), 10); });
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (AbortWord(t.x0, 0, 4) != kernels::kAbortMembership && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  return prepare;
+}
+
 // A change of members stops the hosted ranks before it stages; the balancer's Abort of the
 // plan while they stop (its Prepare timed out) is kept for it: once they have stopped, the
 // Prepare fails and nothing is left undecided, which would block every later plan.
@@ -976,12 +987,7 @@ TEST(NodeTest, AnAbortWhileTheRanksStopForAChangeOfMembersFailsThatPrepare) {
   auto b = std::make_unique<Node>(Hosting(2));
   const TwoNodes t = AttachTwoNodes(a, *b);
   v1::PrepareResponse prepared;
-  std::thread prepare([&] { prepared = a.Prepare(FourRankPlan(2, {2, 3}), 10); });
-  // The Prepare has stopped the group (rank 0's abort word) and waits for rank 0 to stop.
-  const absl::Time until = absl::Now() + absl::Seconds(10);
-  while (AbortWord(t.x0, 0, 4) != kernels::kAbortMembership && absl::Now() < until) {
-    absl::SleepFor(absl::Milliseconds(1));
-  }
+  std::thread prepare = PrepareDroppingRanks2And3(a, t, &prepared);
   EXPECT_TRUE(a.Abort(2).ok());
   prepare.join();
   EXPECT_FALSE(prepared.prepared());
@@ -997,11 +1003,7 @@ TEST(NodeTest, ADrainWhileTheRanksStopForAChangeOfMembersFailsThatPrepareSayingS
   auto b = std::make_unique<Node>(Hosting(2));
   const TwoNodes t = AttachTwoNodes(a, *b);
   v1::PrepareResponse prepared;
-  std::thread prepare([&] { prepared = a.Prepare(FourRankPlan(2, {2, 3}), 10); });
-  const absl::Time until = absl::Now() + absl::Seconds(10);
-  while (AbortWord(t.x0, 0, 4) != kernels::kAbortMembership && absl::Now() < until) {
-    absl::SleepFor(absl::Milliseconds(1));
-  }
+  std::thread prepare = PrepareDroppingRanks2And3(a, t, &prepared);
   a.Drain();
   prepare.join();
   EXPECT_FALSE(prepared.prepared());
