@@ -1122,15 +1122,18 @@ absl::Status HostEp::TakeFlaggedPartial(const std::byte* partial, absl::Function
                                         uint32_t epoch, Deadline deadline) {
   // Granules ring no bell as they land: a millisecond's sleep at most between looks (the
   // peer's combine flag, raised once every partial it sends here is stored, rings it).
+  // The peer named is the one the last deadline was judged on (a partial landing after it
+  // does not change whom the error names).
+  int judged = -1;
   const absl::Status s = WaitForPeer(
-      deadline, peer,
+      deadline, [&] { return judged = peer(); },
       [&](AbortWatch watch, Deadline until) {
         return WaitUntil(
             OwnDoor(), until, watch,
             [&] { return LoadFlaggedRow(partial, layout_.row_bytes, epoch, row_scratch_.data()); },
             absl::Milliseconds(1));
       });
-  return s.ok() ? s : GiveUp(peer(), "combine partials", epoch);
+  return s.ok() ? s : GiveUp(judged >= 0 ? judged : peer(), "combine partials", epoch);
 }
 
 uint64_t HostEp::LoadCounter(int layer, int local_slot) const {
