@@ -571,11 +571,10 @@ grpc::Status Balancer::Register(grpc::ServerContext* context, const v1::Register
                       << ": its ranks stay excluded until it is undrained";
   }
   Daemon& d = daemons_[request->node()];
-  if (d.info.address() != request->address() || d.control == nullptr) {
+  if (d.info.address() != request->address() || d.channel == nullptr) {
     grpc::ChannelArguments args;  // GetState carries the committed plan.
     args.SetMaxReceiveMessageSize(kMaxControlMessageBytes);
     d.channel = grpc::CreateCustomChannel(request->address(), grpc::InsecureChannelCredentials(), args);
-    d.control = v1::DaemonControl::NewStub(d.channel);
   }
   // The process registered under this name already (it registers again when its group's
   // shape changes, or after this balancer forgot it): its reports go on numbering from there.

@@ -128,9 +128,8 @@ class Balancer final : public v1::Control::Service {
   };
   struct Daemon {
     v1::RegisterRequest info;
-    // Shared with the RPCs made outside mu_: a registration from a new address replaces it
-    // while they run.
-    std::shared_ptr<v1::DaemonControl::Stub> control;
+    // Its DaemonControl (FanOut calls it by method name). Shared with the RPCs made outside
+    // mu_: a registration from a new address replaces it while they run.
     std::shared_ptr<grpc::Channel> channel;
     uint64_t last_seq = 0;
     // The process whose ranks were kept out (drained) as a restarted or new one's: a peer's
