@@ -748,6 +748,14 @@ absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl
         "rank ", rank, " is excluded from the EP group by plan v", plan_.version,
         " (its node failed or was drained); join again to wait for a plan that includes it"));
   }
+  if (membership_pending_) {
+    // Held back here, whoever joined: say by what.
+    return absl::DeadlineExceededError(absl::StrCat(
+        "the group of ", ranks_.size(), " ranks did not form in time: plan v",
+        pending_.has_value() ? pending_->version : staging_version_,
+        ", a change of members, is prepared here and undecided (the group forms once the "
+        "balancer commits or aborts it)"));
+  }
   std::vector<std::string> missing;
   for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) {
     if (r == rank || plan_.excluded(r) || LoadWord(Ctl(r)->join_ticket) == ticket) continue;

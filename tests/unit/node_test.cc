@@ -996,6 +996,38 @@ TEST(NodeTest, AnAbortWhileTheRanksStopForAChangeOfMembersFailsThatPrepare) {
   EXPECT_EQ(a.State().committed_version(), 1u);
 }
 
+// A Prepare refused while another stops the group for a change of members ("being staged")
+// leaves that change pending: the ranks joining again do not form the old group meanwhile
+// (the refused Prepare used to clear the flag that holds formation back).
+TEST(NodeTest, APrepareRefusedDuringAChangeOfMembersLeavesItPending) {
+  GroupOfFour g;
+  const std::array<absl::StatusOr<v1::JoinResponse>, 4> first = g.Join();
+  for (int r = 0; r < 4; ++r) ASSERT_TRUE(first[r].ok()) << "rank " << r << ": " << first[r].status();
+  v1::PrepareResponse prepared;
+  std::thread prepare = PrepareDroppingRanks2And3(g.a, g.t, &prepared);
+  const v1::PrepareResponse refused = g.a.Prepare(FourRankPlan(3, {}), 20);
+  EXPECT_FALSE(refused.prepared());
+  EXPECT_EQ(refused.reason(), "the weights of plan v2 are being staged");
+  // Every rank joins again; node a's ranks end plan v2's stop (it is prepared), and no group
+  // forms at node a while v2 is undecided.
+  std::array<absl::StatusOr<v1::JoinResponse>, 4> again;
+  const absl::Time deadline = absl::Now() + absl::Seconds(2);
+  std::thread join1([&] { again[1] = g.a.Join(JoinOf(1, g.x1.token), deadline); });
+  std::thread join2([&] { again[2] = g.b.Join(JoinOf(2, g.t.x2.token), deadline); });
+  std::thread join3([&] { again[3] = g.b.Join(JoinOf(3, g.x3.token), deadline); });
+  again[0] = g.a.Join(JoinOf(0, g.t.x0.token), deadline);
+  join1.join();
+  join2.join();
+  join3.join();
+  prepare.join();
+  EXPECT_TRUE(prepared.prepared()) << prepared.reason();
+  EXPECT_EQ(again[0].status(),
+            absl::DeadlineExceededError(
+                "the group of 4 ranks did not form in time: plan v2, a change of members, is "
+                "prepared here and undecided (the group forms once the balancer commits or "
+                "aborts it)"));
+}
+
 // A drain while the hosted ranks stop for a change of members ends the Prepare at once, saying
 // so (it used to wait out the stop, then blame ranks "still in a step").
 TEST(NodeTest, ADrainWhileTheRanksStopForAChangeOfMembersFailsThatPrepareSayingSo) {
