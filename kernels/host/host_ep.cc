@@ -805,42 +805,6 @@ absl::Status HostEp::LayOut(DispatchOutput& out) {
   const size_t T = config_.max_tokens;
   std::byte* own = arenas_[rank_];
   const auto* counts = reinterpret_cast<const uint32_t*>(own + layout_.counts);
-  // What a source wrote is checked before anything is sized or indexed from it: its record
-  // count within the tokens it may send (fewer for flagged rows), each record's entries within
-  // a token's pairs at one rank, each entry's slot within this rank's.
-  const int max_entries = MaxPairsPerToken(config_.top_k, S);
-  for (int s = 0; s < R; ++s) {
-    if (!active_[s]) continue;
-    auto corrupt = [&](const std::string& what) {
-      RaiseGiveUp(s);
-      return absl::DataLossError(absl::StrCat("rank ", rank_, ": rank ", s,
-                                              "'s records of dispatch call ", dispatch_epoch_,
-                                              " are corrupt (", what,
-                                              "); the group gave up on rank ", s));
-    };
-    const uint32_t from_s = RecordCount(counts[s]);
-    const bool flagged = CountIsFlagged(counts[s]);
-    const uint32_t most = static_cast<uint32_t>(flagged ? config_.flagged_tokens : config_.max_tokens);
-    if (from_s > most) {
-      return corrupt(absl::StrCat(from_s, " records, over ", flagged ? "flagged_tokens " : "max_tokens ",
-                                  most));
-    }
-    const std::byte* records = own + layout_.records + s * T * layout_.record_bytes;
-    for (uint32_t j = 0; j < from_s; ++j) {
-      const RecordHeader header = HeaderAt(records, layout_.record_bytes, j);
-      if (header.num_entries < 1 || header.num_entries > max_entries) {
-        return corrupt(absl::StrCat("record ", j, " has ", header.num_entries,
-                                    " entries, outside [1, ", max_entries, "]"));
-      }
-      for (int q = 0; q < header.num_entries; ++q) {
-        const int32_t slot = EntryAt(records, layout_.record_bytes, j, q).local_slot;
-        if (slot < 0 || slot >= S) {
-          return corrupt(absl::StrCat("record ", j, " entry ", q, " names local slot ", slot,
-                                      " of ", S));
-        }
-      }
-    }
-  }
   // Counting sort by local slot; within a slot sources in rank order, records and entries in
   // order, so the layout does not depend on the order in which sources arrive.
   DispatchOutput::Handle& handle = out.handle;
@@ -850,21 +814,48 @@ absl::Status HostEp::LayOut(DispatchOutput& out) {
   placed_.assign(R, 0);
   out.slot_offsets.assign(S + 1, 0);
   source_slot_rows_.assign(static_cast<size_t>(R) * S, 0);
+  // What a source wrote is checked before anything is sized or indexed from it: its record
+  // count within the tokens it may send (fewer for flagged rows), each record's entries within
+  // a token's pairs at one rank, each entry's slot within this rank's.
+  const int max_entries = MaxPairsPerToken(config_.top_k, S);
+  auto corrupt = [&](int s, const std::string& what) {
+    RaiseGiveUp(s);
+    return absl::DataLossError(absl::StrCat("rank ", rank_, ": rank ", s,
+                                            "'s records of dispatch call ", dispatch_epoch_,
+                                            " are corrupt (", what, "); the group gave up on rank ",
+                                            s));
+  };
   int32_t entries = 0;
   for (int s = 0; s < R; ++s) {
     // An excluded rank sent nothing (its count word is stale).
     const uint32_t from_s = active_[s] ? RecordCount(counts[s]) : 0;
-    handle.flagged_from[s] = active_[s] && CountIsFlagged(counts[s]);
+    const bool flagged = active_[s] && CountIsFlagged(counts[s]);
+    const uint32_t most =
+        static_cast<uint32_t>(flagged ? config_.flagged_tokens : config_.max_tokens);
+    if (from_s > most) {
+      return corrupt(s, absl::StrCat(from_s, " records, over ",
+                                     flagged ? "flagged_tokens " : "max_tokens ", most));
+    }
+    handle.flagged_from[s] = flagged;
     const std::byte* records = own + layout_.records + s * T * layout_.record_bytes;
     int32_t* rows = &source_slot_rows_[static_cast<size_t>(s) * S];
     handle.records_from[s] = static_cast<int32_t>(from_s);
     handle.record_begin[s].resize(from_s + 1);
     for (uint32_t j = 0; j < from_s; ++j) {
       const RecordHeader header = HeaderAt(records, layout_.record_bytes, j);
+      if (header.num_entries < 1 || header.num_entries > max_entries) {
+        return corrupt(s, absl::StrCat("record ", j, " has ", header.num_entries,
+                                       " entries, outside [1, ", max_entries, "]"));
+      }
       handle.record_begin[s][j] = entries;
       entries += header.num_entries;
       for (int q = 0; q < header.num_entries; ++q) {
-        ++rows[EntryAt(records, layout_.record_bytes, j, q).local_slot];
+        const int32_t slot = EntryAt(records, layout_.record_bytes, j, q).local_slot;
+        if (slot < 0 || slot >= S) {
+          return corrupt(s, absl::StrCat("record ", j, " entry ", q, " names local slot ", slot,
+                                         " of ", S));
+        }
+        ++rows[slot];
       }
     }
     handle.record_begin[s][from_s] = entries;
