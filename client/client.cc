@@ -802,6 +802,8 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
       // A group that gave up says so first, and keeps the refusal recorded before (as the
       // host backend looks at its abort word before any other check).
       if (absl::Status gave_up = s.cuda_ep->GaveUpStatus(); !gave_up.ok()) {
+        // Stops the rank as a failed Dispatch does (BeginStep then asks for Rejoin).
+        if (absl::IsUnavailable(gave_up) || absl::IsDeadlineExceeded(gave_up)) s.stopped = gave_up;
         return Record(s, gave_up);
       }
       // Refused before the rank takes part, as the host backend does it: its peers, waiting

@@ -750,9 +750,14 @@ absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl
   }
   if (membership_pending_) {
     // Held back here, whoever joined: say by what.
+    if (!pending_.has_value()) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "the group of ", ranks_.size(), " ranks did not form in time: plan v",
+          staging_version_, ", a change of members, is being prepared here (its ranks stopping "
+          "or its weights staging; the group forms once the balancer commits or aborts it)"));
+    }
     return absl::DeadlineExceededError(absl::StrCat(
-        "the group of ", ranks_.size(), " ranks did not form in time: plan v",
-        pending_.has_value() ? pending_->version : staging_version_,
+        "the group of ", ranks_.size(), " ranks did not form in time: plan v", pending_->version,
         ", a change of members, is prepared here and undecided (the group forms once the "
         "balancer commits or aborts it)"));
   }
@@ -1321,7 +1326,8 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
       return fail(absl::StrCat("plan v", plan.version,
                                " was aborted while the hosted ranks stopped for it"));
     }
-    if (draining_) return fail("ubepd is draining");
+    // A drain ends the wait at once (the wait's condition): told after a wait that ran out, it
+    // came too late to end it.
     if (!stopped) {
       std::vector<int> running;
       for (int r = first_; r < first_ + hosted_; ++r) {
@@ -1337,6 +1343,7 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
                                          "BeginStep, Dispatch or Combine for that long?)"),
           "; the balancer tries again"));
     }
+    if (draining_) return fail("ubepd is draining");
   }
   // The copies run without the lock (they may take seconds on the host backend): joins,
   // the daemon's RPCs and metrics go on meanwhile. Nothing they touch moves: sources are buffers

@@ -672,6 +672,13 @@ TEST(HostEpErrorTest, AShapeWhoseRowsPerCallOverflowThirtyTwoBitsIsRefused) {
   config.max_tokens = 65536;
   config.slots_per_rank = 1;
   EXPECT_EQ(ValidateConfig(config), absl::OkStatus());
+  // The pairs of one call are numbered in 32 bits too.
+  config.num_ranks = 1;
+  config.num_experts = 1;
+  config.max_tokens = 1 << 26;
+  EXPECT_EQ(ValidateConfig(config),
+            absl::InvalidArgumentError("ep config: 67108864 max_tokens x top_k 32 = 2147483648 "
+                                       "pairs of one call, over 2^31 - 1"));
 }
 
 // A rank of another configuration than the peers whose arenas are laid out already is refused
