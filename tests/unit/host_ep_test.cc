@@ -879,6 +879,16 @@ TEST(HostEpErrorTest, ADispatchAfterTheGroupGaveUpIsRefusedBeforeAnyByteMoves) {
   RankInput in = MakeInput(config, 0, 8, 3);
   const DispatchInput input{in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8, config.hidden,
                             0, plan.header()};
+  // Rank 0 called again after the group gave up on rank 2 in call 1: refused, and no byte of
+  // any arena moves.
+  auto expect_call_2_refused_untouched = [&](Group& group) {
+    const std::vector<std::vector<std::byte>> before = ArenaBytes(group);
+    DispatchOutput out;
+    EXPECT_EQ(group.ep(0).Dispatch(input, out),
+              absl::FailedPreconditionError("rank 0: dispatch call 2 refused: the group gave up "
+                                            "on rank 2 in an earlier call; it must be re-formed"));
+    EXPECT_TRUE(ArenaBytes(group) == before);
+  };
   {
     Group group(config);
     std::vector<absl::Status> combined(config.num_ranks);
@@ -891,12 +901,7 @@ TEST(HostEpErrorTest, ADispatchAfterTheGroupGaveUpIsRefusedBeforeAnyByteMoves) {
         });
     ASSERT_EQ(status[0], absl::OkStatus());
     ASSERT_EQ(combined[0], GaveUpOnRank2(0, "combine partials"));
-    const std::vector<std::vector<std::byte>> before = ArenaBytes(group);
-    DispatchOutput out;
-    EXPECT_EQ(group.ep(0).Dispatch(input, out),
-              absl::FailedPreconditionError("rank 0: dispatch call 2 refused: the group gave up "
-                                            "on rank 2 in an earlier call; it must be re-formed"));
-    EXPECT_TRUE(ArenaBytes(group) == before);
+    expect_call_2_refused_untouched(group);
   }
   {
     // The group gave up in call 1's dispatch (rank 2 never came): rank 0's combine is refused
@@ -912,12 +917,7 @@ TEST(HostEpErrorTest, ADispatchAfterTheGroupGaveUpIsRefusedBeforeAnyByteMoves) {
         });
     ASSERT_EQ(status[0], GaveUpOnRank2(0, "dispatch counts"));
     ASSERT_EQ(combined[0], CombineAfterFailedDispatchStatus(0, 1));
-    const std::vector<std::vector<std::byte>> before = ArenaBytes(group);
-    DispatchOutput out;
-    EXPECT_EQ(group.ep(0).Dispatch(input, out),
-              absl::FailedPreconditionError("rank 0: dispatch call 2 refused: the group gave up "
-                                            "on rank 2 in an earlier call; it must be re-formed"));
-    EXPECT_TRUE(ArenaBytes(group) == before);
+    expect_call_2_refused_untouched(group);
   }
   Group group(config);
   const ArenaLayout layout(config);
