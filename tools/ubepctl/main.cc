@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -171,27 +172,28 @@ int Status(Control::Stub& stub) {
   return 0;
 }
 
-absl::StatusOr<ubep::balancer::Plan> FetchPlan(Control::Stub& stub, grpc::Status* status,
-                                               bool* answered) {
+// The cluster's plan into *plan; on failure, the exit code after saying why (Failed), as `what`.
+std::optional<int> FetchPlan(Control::Stub& stub, const std::string& what,
+                             ubep::balancer::Plan* plan) {
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + absl::GetFlag(FLAGS_timeout)));
   ubep::v1::Plan proto;
-  *status = stub.GetClusterPlan(&context, ubep::v1::GetClusterPlanRequest(), &proto);
-  *answered = status->ok() || ubep::AnsweredByServer(context);
-  if (!status->ok()) return absl::UnavailableError(status->error_message());
-  return ubep::balancer::FromProto(proto);
+  const grpc::Status status = stub.GetClusterPlan(&context, ubep::v1::GetClusterPlanRequest(), &proto);
+  if (!status.ok()) return Failed(what, status, ubep::AnsweredByServer(context));
+  absl::StatusOr<ubep::balancer::Plan> read = ubep::balancer::FromProto(proto);
+  if (!read.ok()) {
+    return Failed(what,
+                  grpc::Status(grpc::StatusCode::INTERNAL, std::string(read.status().message())),
+                  true);
+  }
+  *plan = *std::move(read);
+  return std::nullopt;
 }
 
 int PlanShow(Control::Stub& stub) {
-  grpc::Status status;
-  bool answered = false;
-  absl::StatusOr<ubep::balancer::Plan> plan = FetchPlan(stub, &status, &answered);
-  if (!status.ok()) return Failed("plan show", status, answered);
-  if (!plan.ok()) {
-    return Failed("plan show",
-                  grpc::Status(grpc::StatusCode::INTERNAL, std::string(plan.status().message())),
-                  true);
-  }
+  ubep::balancer::Plan fetched;
+  if (const std::optional<int> failed = FetchPlan(stub, "plan show", &fetched)) return *failed;
+  const ubep::balancer::Plan* plan = &fetched;
   if (absl::GetFlag(FLAGS_json)) {
     std::cout << ToJson(ubep::balancer::ToProto(*plan)) << "\n";
     return 0;
@@ -229,15 +231,9 @@ int PlanExport(Control::Stub& stub) {
   if (format != "eplb" && format != "sglang") {
     return Usage(absl::StrCat("--format ", format, ": expected eplb or sglang"));
   }
-  grpc::Status status;
-  bool answered = false;
-  absl::StatusOr<ubep::balancer::Plan> plan = FetchPlan(stub, &status, &answered);
-  if (!status.ok()) return Failed("plan export", status, answered);
-  if (!plan.ok()) {
-    return Failed("plan export",
-                  grpc::Status(grpc::StatusCode::INTERNAL, std::string(plan.status().message())),
-                  true);
-  }
+  ubep::balancer::Plan fetched;
+  if (const std::optional<int> failed = FetchPlan(stub, "plan export", &fetched)) return *failed;
+  const ubep::balancer::Plan* plan = &fetched;
   std::string text;
   if (format == "eplb") {
     text = ubep::balancer::PlanToJson(*plan);
