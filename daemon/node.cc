@@ -164,7 +164,7 @@ Node::Node(NodeOptions options) : options_(std::move(options)) {}
 
 Node::~Node() = default;
 
-absl::Status Node::RefusedBeforeANewGroup(const v1::AttachRequest& q) const {
+absl::Status Node::CheckRankHostedHere(const v1::AttachRequest& q) const {
   const int world = static_cast<int>(q.world_size());
   const int first = options_.num_ranks > 0 ? options_.first_rank : 0;
   const int hosted = options_.num_ranks > 0 ? options_.num_ranks : world;
@@ -383,6 +383,10 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
   for (RankEntry& e : ranks_) {
     if (e.state == RankState::kAttached && now > e.ticket_deadline) e = RankEntry{};
   }
+  // A rank this daemon does not host, or on a device the rank does not run on, is refused
+  // before anything else, and before it could replace the group (a new group is a restart for
+  // the peers and the balancer).
+  UBEP_RETURN_IF_ERROR(CheckRankHostedHere(request));
   if (has_group_ && AttachedLocked() > 0) {
     UBEP_RETURN_IF_ERROR(CompareShapes(group_request_, request));
   } else if (!has_group_ || !CompareShapes(group_request_, request).ok()) {
@@ -391,16 +395,7 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
                                                  " are being staged into this group's arenas; "
                                                  "attach again"));
     }
-    // A request this daemon would refuse anyway (a rank it does not host, a device the rank
-    // does not run on) is refused before it replaces the group: a new group is a restart for
-    // the peers and the balancer.
-    UBEP_RETURN_IF_ERROR(RefusedBeforeANewGroup(request));
     UBEP_RETURN_IF_ERROR(CreateGroup(request, cluster_plan));
-  }
-  if (!Hosted(static_cast<int>(request.rank()))) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "rank ", request.rank(), " is not hosted by this daemon (it hosts ranks ", first_, "-",
-        first_ + hosted_ - 1, "); attach to the daemon of its node"));
   }
   if (!AllArenasMapped()) {
     // The peers' arenas come from their daemons (the balancer link maps them).
@@ -423,13 +418,9 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
     }
     UBEP_RETURN_IF_ERROR(CompareShapes(group_request_, request));
   }
+  // On a device arena, the device CheckRankHostedHere checked the request against.
   const int device = on_device() ? device_arenas_[request.rank()]->device()
                                   : static_cast<int>(request.device());
-  if (on_device() && static_cast<int>(request.device()) != device) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "rank ", request.rank(), " runs on device ", device, " of this node (rank r uses device r "
-        "modulo the visible devices); the request says device ", request.device()));
-  }
   RankEntry& entry = ranks_[request.rank()];
   if (entry.state != RankState::kFree) {
     return absl::AlreadyExistsError(absl::StrCat("rank ", request.rank(),

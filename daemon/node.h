@@ -281,9 +281,10 @@ class Node {
   };
 
   absl::Status CheckShape(const v1::AttachRequest& request) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Why an Attach that would create a group is refused whatever the group (a rank this daemon
-  // does not host, a device the rank does not run on), checked before the group is replaced.
-  absl::Status RefusedBeforeANewGroup(const v1::AttachRequest& request) const;
+  // Why an Attach is refused whatever the group: a rank this daemon does not host (--ranks,
+  // else the request's whole group), or a device the rank does not run on (rank r on device
+  // r modulo the visible devices, on the CUDA backend).
+  absl::Status CheckRankHostedHere(const v1::AttachRequest& request) const;
   absl::Status CreateGroup(const v1::AttachRequest& request,
                            const std::optional<balancer::Plan>& cluster_plan)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

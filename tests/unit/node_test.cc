@@ -862,15 +862,18 @@ TEST(NodeTest, AnAttachRefusedForItsRankLeavesTheGroupAsItWas) {
   v1::AttachRequest first = Request(0, 2);  // A group of two, both ranks hosted here.
   absl::StatusOr<v1::AttachResponse> attached = node.Attach(first);
   ASSERT_TRUE(attached.ok()) << attached.status();
+  const absl::Status not_hosted = absl::InvalidArgumentError(
+      "rank 3 is not hosted by this daemon (it hosts ranks 0-1); attach to the daemon of its "
+      "node");
+  // While the group has a client: the rank is what is wrong, not the group's shape.
+  EXPECT_EQ(node.Attach(Request(3, 4)).status(), not_hosted);
   v1::DetachRequest d;
   d.set_rank(0);
   d.set_token(attached->token());
   ASSERT_TRUE(node.Detach(d).ok());
   v1::AttachRequest other = Request(3, 4);  // Another shape, and a rank of the other node.
   other.mutable_shape()->set_hidden(32);
-  EXPECT_EQ(node.Attach(other).status(),
-            absl::InvalidArgumentError("rank 3 is not hosted by this daemon (it hosts ranks "
-                                       "0-1); attach to the daemon of its node"));
+  EXPECT_EQ(node.Attach(other).status(), not_hosted);
   const Node::GroupIdentity identity = node.Identity();
   EXPECT_EQ(identity.arenas_created, 1u);
   ASSERT_TRUE(identity.shape.has_value());
