@@ -439,7 +439,7 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
   response.set_fd_socket(options_.fd_socket_path);
   response.set_backend(on_device() ? "cuda" : "host");
   response.set_device(static_cast<uint32_t>(device));
-  response.set_protocol(config_.protocol == kernels::Protocol::kBsp ? "bsp" : "ubep");
+  response.set_protocol(kernels::ProtocolName(config_.protocol));
   response.set_wait_timeout_ms(absl::ToInt64Milliseconds(config_.timeout));
   response.set_flagged_tokens(static_cast<uint32_t>(config_.flagged_tokens));
   response.set_near_ranks(static_cast<uint32_t>(config_.near_ranks));

@@ -78,6 +78,11 @@ inline size_t DTypeBytes(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2;
 // kBsp: count exchange, barrier, send, barrier. kUbep: point-to-point epoch flags (host_ep.h).
 enum class Protocol { kBsp, kUbep };
 
+// "bsp" or "ubep": the protocol's name in flags, messages and RPCs.
+inline const char* ProtocolName(Protocol protocol) {
+  return protocol == Protocol::kBsp ? "bsp" : "ubep";
+}
+
 struct EpConfig {
   int num_ranks = 0;
   int max_tokens = 0;       // Per rank per call.

@@ -201,9 +201,9 @@ absl::StatusOr<std::unique_ptr<HostEp>> HostEp::Create(const EpConfig& config, i
           : header->dtype == static_cast<uint32_t>(DType::kBFloat16) ? std::string("bfloat16")
                                                                      : absl::StrCat(header->dtype),
           ", flagged_tokens ", header->flagged_tokens, ", protocol ",
-          header->protocol == static_cast<uint32_t>(Protocol::kUbep)  ? std::string("ubep")
-          : header->protocol == static_cast<uint32_t>(Protocol::kBsp) ? std::string("bsp")
-                                                                      : absl::StrCat(header->protocol),
+          header->protocol <= static_cast<uint32_t>(Protocol::kUbep)
+              ? std::string(ProtocolName(static_cast<Protocol>(header->protocol)))
+              : absl::StrCat(header->protocol),
           ")"));
     }
   }

@@ -101,7 +101,7 @@ namespace {
 std::string DescribeSettings(uint32_t protocol, bool on_device, uint32_t flagged_tokens,
                              uint32_t buffers_per_layer) {
   return absl::StrCat("protocol ",
-                      protocol == static_cast<uint32_t>(Protocol::kBsp) ? "bsp" : "ubep",
+                      ProtocolName(static_cast<Protocol>(protocol)),
                       ", flagged_tokens ", flagged_tokens, ", ", buffers_per_layer,
                       " weight buffers per layer, ", on_device ? "device" : "host", " memory");
 }
