@@ -191,34 +191,33 @@ std::optional<int> FetchPlan(Control::Stub& stub, const std::string& what,
 }
 
 int PlanShow(Control::Stub& stub) {
-  ubep::balancer::Plan fetched;
-  if (const std::optional<int> failed = FetchPlan(stub, "plan show", &fetched)) return *failed;
-  const ubep::balancer::Plan* plan = &fetched;
+  ubep::balancer::Plan plan;
+  if (const std::optional<int> failed = FetchPlan(stub, "plan show", &plan)) return *failed;
   if (absl::GetFlag(FLAGS_json)) {
-    std::cout << ToJson(ubep::balancer::ToProto(*plan)) << "\n";
+    std::cout << ToJson(ubep::balancer::ToProto(plan)) << "\n";
     return 0;
   }
-  const ubep::balancer::Topology& t = plan->topology;
-  std::cout << "plan v" << plan->version << ": " << plan->num_layers() << " layers x "
-            << plan->num_experts << " experts on " << t.num_ranks << " ranks x "
+  const ubep::balancer::Topology& t = plan.topology;
+  std::cout << "plan v" << plan.version << ": " << plan.num_layers() << " layers x "
+            << plan.num_experts << " experts on " << t.num_ranks << " ranks x "
             << t.slots_per_rank << " slots; excluded ranks: "
-            << (plan->excluded_ranks.empty() ? "none" : absl::StrJoin(plan->excluded_ranks, ","))
+            << (plan.excluded_ranks.empty() ? "none" : absl::StrJoin(plan.excluded_ranks, ","))
             << "\n\n";
   std::vector<std::vector<std::string>> rows = {
       {"LAYER", "MODEL LAYER", "REPLICATED EXPERTS", "MOST REPLICAS", "HOTTEST SLOT SHARE"}};
-  for (int l = 0; l < plan->num_layers(); ++l) {
+  for (int l = 0; l < plan.num_layers(); ++l) {
     std::map<int, int> replicas;
     double top_share = 0;
     for (int p = 0; p < t.num_slots(); ++p) {
-      if (plan->layers[l].slot_share[p] > 0) ++replicas[plan->layers[l].slot_expert[p]];
-      top_share = std::max(top_share, plan->layers[l].slot_share[p]);
+      if (plan.layers[l].slot_share[p] > 0) ++replicas[plan.layers[l].slot_expert[p]];
+      top_share = std::max(top_share, plan.layers[l].slot_share[p]);
     }
     int replicated = 0, most = 0;
     for (const auto& [expert, n] : replicas) {
       replicated += n > 1;
       most = std::max(most, n);
     }
-    rows.push_back({std::to_string(l), std::to_string(plan->layer_ids[l]),
+    rows.push_back({std::to_string(l), std::to_string(plan.layer_ids[l]),
                     std::to_string(replicated), std::to_string(most),
                     absl::StrFormat("%.3f", top_share)});
   }
@@ -231,25 +230,24 @@ int PlanExport(Control::Stub& stub) {
   if (format != "eplb" && format != "sglang") {
     return Usage(absl::StrCat("--format ", format, ": expected eplb or sglang"));
   }
-  ubep::balancer::Plan fetched;
-  if (const std::optional<int> failed = FetchPlan(stub, "plan export", &fetched)) return *failed;
-  const ubep::balancer::Plan* plan = &fetched;
+  ubep::balancer::Plan plan;
+  if (const std::optional<int> failed = FetchPlan(stub, "plan export", &plan)) return *failed;
   std::string text;
   if (format == "eplb") {
-    text = ubep::balancer::PlanToJson(*plan);
+    text = ubep::balancer::PlanToJson(plan);
   } else {
     // SGLang's expert location (--init-expert-location): the physical -> logical map per layer.
     // It has no shares: every slot listed serves its expert, so the slots of ranks the plan
     // excludes (share 0, their node drained or down) would take traffic. Not written.
-    if (!plan->excluded_ranks.empty()) {
-      std::cerr << "ubepctl: plan export: plan v" << plan->version << " excludes ranks "
-                << absl::StrJoin(plan->excluded_ranks, ",")
+    if (!plan.excluded_ranks.empty()) {
+      std::cerr << "ubepctl: plan export: plan v" << plan.version << " excludes ranks "
+                << absl::StrJoin(plan.excluded_ranks, ",")
                 << "; SGLang's map has no shares, so their slots would serve their experts: "
                    "export it once every rank is back (or use --format=eplb)\n";
       return 1;
     }
     nlohmann::json map = nlohmann::json::array();
-    for (const ubep::balancer::LayerPlan& layer : plan->layers) map.push_back(layer.slot_expert);
+    for (const ubep::balancer::LayerPlan& layer : plan.layers) map.push_back(layer.slot_expert);
     text = nlohmann::json{{"physical_to_logical_map", map}}.dump() + "\n";
   }
   const std::string out = absl::GetFlag(FLAGS_out);
@@ -261,7 +259,7 @@ int PlanExport(Control::Stub& stub) {
     std::cerr << "ubepctl: plan export: " << s.message() << "\n";
     return 1;
   }
-  std::cerr << "plan v" << plan->version << " written to " << out << " (" << format << ")\n";
+  std::cerr << "plan v" << plan.version << " written to " << out << " (" << format << ")\n";
   return 0;
 }
 
