@@ -120,6 +120,9 @@ int ubep_attach_at(const char* socket_path, int32_t rank, int32_t world_size, in
     }
     ubep_client_options options;
     ubep_client_options_init(&options, sizeof(options));
+    if (options.struct_size == 0) {  // Out of memory for the defaults: not the caller's fault.
+      return FailFixed(absl::StatusCode::kResourceExhausted, "ubep_attach_at", "out of memory");
+    }
     options.socket_path = socket_path;
     return ubep_attach_with(&options, rank, world_size, device, shape, next_step, out);
   });
@@ -197,7 +200,13 @@ int ubep_begin_step(ubep_rank* rank, uint64_t step) {
 int ubep_excluded(const ubep_rank* rank) { return rank != nullptr && rank->rank->excluded() ? 1 : 0; }
 
 int ubep_must_attach_again(const ubep_rank* rank) {
-  return rank != nullptr && rank->rank->must_attach_again() ? 1 : 0;
+  if (rank == nullptr) return 0;
+  // Finding the daemon gone stops the group, which builds the error later calls return: out
+  // of memory there is still a yes (the rank noted the exit first; ubep_last_error says why).
+  return Guard("ubep_must_attach_again",
+               [&] { return rank->rank->must_attach_again() ? 1 : 0; }) != 0
+             ? 1
+             : 0;
 }
 
 int ubep_stats(const ubep_rank* rank, ubep_rank_stats* out) {

@@ -43,6 +43,10 @@ struct DispatchedState {
   kernels::CudaDispatchOutput cuda;  // CUDA backend: device pointers.
 #endif
   bool on_device = false;
+  // The views show a dispatch the caller is to combine: false until one is kept, and from the
+  // start of each Dispatch into this output until it is (a failed one leaves empty views,
+  // not a partial layout whose offsets count rows that are not there).
+  bool filled = false;
   uint64_t plan_version = 0;
   int layer = -1;
   // Which dispatch of which rank this is the output of (Combine takes only the rank's last).
@@ -288,6 +292,8 @@ absl::Status StopForDaemonExit(RankState& s) {
                        "detach, and attach again when it is back")));
 }
 
+absl::Status UseJoin(RankState& s, const v1::JoinResponse& response);
+
 absl::Status JoinGroup(RankState& s, std::optional<uint64_t> next_step) {
   v1::JoinRequest request;
   request.set_rank(static_cast<uint32_t>(s.rank));
@@ -296,8 +302,17 @@ absl::Status JoinGroup(RankState& s, std::optional<uint64_t> next_step) {
   v1::JoinResponse response;
   grpc::ClientContext context;
   SetDeadline(context, s.options.join_timeout);
+  // The Join's own errors are ubepd's answers, which ubepd counts (a rank the plan excludes
+  // gets DeadlineExceeded at every join timeout, and is to call Rejoin again): not counted
+  // here as the client's. What follows, taking the arenas and the data plane, is.
   UBEP_RETURN_IF_ERROR(FromGrpc(s.stub->Join(&context, request, &response), context,
                                 absl::StrCat("rank ", s.rank, ": join")));
+  return Record(s, UseJoin(s, response));
+}
+
+// The group a Join answered: the arenas it names (refreshed where a peer daemon restarted)
+// and the data plane over them.
+absl::Status UseJoin(RankState& s, const v1::JoinResponse& response) {
   if (response.arena_epoch() != 0 && response.arena_epoch() != s.arena_epoch) {
     UBEP_RETURN_IF_ERROR(RefreshArenas(s, response.arena_epoch()));
   }
@@ -378,11 +393,13 @@ absl::Status TakeArenas(RankState& s, const v1::AttachResponse& response) {
     return absl::Status(status.code(), absl::StrCat("rank ", s.rank, ": ubepd's fd socket ",
                                                     fd_socket, ": ", status.message()));
   };
+  // The connection becomes the rank's (the one whose closing says ubepd exited) only once the
+  // arenas are taken: ubepd closes it after a refusal, and a refused rank is detached (~Rank)
+  // by RPC, not stopped as if its daemon had gone.
   absl::StatusOr<UniqueFd> connection = ConnectUnix(fd_socket, s.options.rpc_timeout);
   if (!connection.ok()) return said(connection.status());
-  s.fd_connection = *std::move(connection);
   absl::StatusOr<ReceivedMessage> exchanged =
-      Exchange(s.fd_connection.get(), response.token(), 4096, s.options.rpc_timeout);
+      Exchange(connection->get(), response.token(), 4096, s.options.rpc_timeout);
   if (!exchanged.ok()) return said(exchanged.status());
   ReceivedMessage reply = *std::move(exchanged);
   if (reply.bytes != "OK") {
@@ -414,6 +431,7 @@ absl::Status TakeArenas(RankState& s, const v1::AttachResponse& response) {
   }
   UBEP_ASSIGN_OR_RETURN(s.arenas, MapArenas(s, reply.fds, host_fds));
   s.arena_epoch = response.arena_epoch();
+  s.fd_connection = *std::move(connection);
   return absl::OkStatus();
 }
 
@@ -528,31 +546,37 @@ Dispatched& Dispatched::operator=(Dispatched&& other) noexcept {
 #define UBEP_ON_DEVICE(host, device) (host)
 #endif
 int Dispatched::num_rows() const {
+  if (!state_->filled) return 0;
   return UBEP_ON_DEVICE(state_->output.num_rows(), state_->cuda.num_rows);
 }
 const std::byte* Dispatched::rows() const {
+  if (!state_->filled) return nullptr;
   return UBEP_ON_DEVICE(state_->output.recv_x.data(),
                         static_cast<const std::byte*>(state_->cuda.recv_x));
 }
 std::span<const int32_t> Dispatched::slot_offsets() const {
+  if (!state_->filled) return {};
   return UBEP_ON_DEVICE(std::span<const int32_t>(state_->output.slot_offsets),
                         std::span<const int32_t>(state_->cuda.slot_offsets));
 }
 std::span<const int32_t> Dispatched::src_rank() const {
+  if (!state_->filled) return {};
   return UBEP_ON_DEVICE(std::span<const int32_t>(state_->output.src_rank),
                         std::span<const int32_t>(state_->cuda.src_rank, state_->cuda.num_rows));
 }
 std::span<const int32_t> Dispatched::src_token() const {
+  if (!state_->filled) return {};
   return UBEP_ON_DEVICE(std::span<const int32_t>(state_->output.src_token),
                         std::span<const int32_t>(state_->cuda.src_token, state_->cuda.num_rows));
 }
 std::span<const float> Dispatched::weights() const {
+  if (!state_->filled) return {};
   return UBEP_ON_DEVICE(std::span<const float>(state_->output.weight),
                         std::span<const float>(state_->cuda.weight, state_->cuda.num_rows));
 }
 #undef UBEP_ON_DEVICE
-uint64_t Dispatched::plan_version() const { return state_->plan_version; }
-int Dispatched::layer() const { return state_->layer; }
+uint64_t Dispatched::plan_version() const { return state_->filled ? state_->plan_version : 0; }
+int Dispatched::layer() const { return state_->filled ? state_->layer : -1; }
 
 Rank::Rank(std::unique_ptr<internal::RankState> state) : state_(std::move(state)) {}
 
@@ -732,7 +756,6 @@ absl::Status Rank::BeginStep(uint64_t step) {
   // plan and then reads every rank's step, so either it sees this step (and withdraws a plan
   // whose effective step this rank began under the plan before) or this rank sees the plan.
   std::atomic_ref<uint64_t>(s.control()->step).store(step, std::memory_order_seq_cst);
-  Bump(s.control()->steps);
   // Every rank switches plans at the same step: wait for the decision on one prepared for it.
   void* area = s.own() + s.layout.plan;
   uint64_t undecided = 0;
@@ -779,12 +802,14 @@ absl::Status Rank::BeginStep(uint64_t step) {
   }
   s.step = step;
   s.step_begun = true;
+  Bump(s.control()->steps);
   return absl::OkStatus();
 }
 
 absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
                             const float* topk_weights, int num_tokens, Dispatched& out) {
   RankState& s = *state_;
+  out.state_->filled = false;
   if (!s.attached) return Detached();
   if (!s.stopped.ok()) return s.stopped;
   if (!s.step_begun) {
@@ -883,6 +908,7 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
   }
   // The output is this rank's last dispatch, which Combine takes.
   auto keep = [&] {
+    out.state_->filled = true;
     out.state_->layer = layer;
     out.state_->rank = &s;
     out.state_->attach = s.attach;
@@ -911,15 +937,22 @@ absl::Status Rank::Combine(const Dispatched& dispatched, const void* expert_out,
   if (!s.attached) return Detached();
   if (!s.stopped.ok()) return s.stopped;
   const bool of_this_rank = dispatched.state_->rank == &s && dispatched.state_->attach == s.attach;
-  if (!of_this_rank || dispatched.state_->serial != s.dispatches) {
+  if (!dispatched.state_->filled || !of_this_rank || dispatched.state_->serial != s.dispatches) {
     // Another dispatch's output (one kept from an earlier layer, or another rank's): the
     // backends combine the rank's last dispatch, whose rows this is not. Refused before any
     // byte moves; the peers, waiting for this rank's partials, are told why.
-    absl::Status refused = absl::InvalidArgumentError(absl::StrCat(
-        "rank ", s.rank, ": combine takes the output of this rank's last dispatch (",
-        s.dispatches, " so far); this one is ",
-        !of_this_rank ? "not of this rank"
-                                      : absl::StrCat("of dispatch ", dispatched.state_->serial)));
+    // An output no Dispatch filled (a new one, or one whose Dispatch failed) is a combine
+    // without a dispatch, out of order; one of another dispatch is the wrong argument.
+    absl::Status refused =
+        !dispatched.state_->filled
+            ? absl::FailedPreconditionError(absl::StrCat(
+                  "rank ", s.rank, ": combine without a dispatch (this output holds none: "
+                  "no Dispatch filled it, or its Dispatch failed)"))
+            : absl::InvalidArgumentError(absl::StrCat(
+                  "rank ", s.rank, ": combine takes the output of this rank's last dispatch (",
+                  s.dispatches, " so far); this one is ",
+                  !of_this_rank ? "not of this rank"
+                                : absl::StrCat("of dispatch ", dispatched.state_->serial)));
 #ifdef UBEP_CLIENT_CUDA
     // (A Dispatch refused before it keeps its reason: that is why this rank has no output.)
     if (s.on_device && s.cuda_ep != nullptr) refused = s.cuda_ep->Refuse(refused, true);
@@ -963,7 +996,7 @@ absl::StatusOr<uint64_t> Rank::Rejoin(std::optional<uint64_t> next_step) {
         "rank ", s.rank, ": the last Rejoin did not complete (", joined.message(),
         "); call Rejoin again"));
   }
-  UBEP_RETURN_IF_ERROR(Record(s, joined));
+  UBEP_RETURN_IF_ERROR(joined);  // Counted by JoinGroup where it is the client's.
   return s.resume_step;
 }
 

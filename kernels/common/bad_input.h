@@ -29,7 +29,8 @@ inline constexpr char kDispatchTwice[] =
 inline std::string BadCallMessage(int num_tokens, int layer, const PlanTableHeader* plan,
                                   int max_tokens, int num_layers, int num_experts,
                                   int num_ranks, int slots_per_rank) {
-  if (num_tokens < 0 || num_tokens > max_tokens) {
+  if (num_tokens < 0) return absl::StrCat("token count ", num_tokens, " is negative");
+  if (num_tokens > max_tokens) {
     return absl::StrCat(num_tokens, " tokens exceed max_tokens ", max_tokens,
                         " of this rank's buffers");
   }

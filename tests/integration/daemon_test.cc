@@ -695,8 +695,8 @@ TEST_F(DaemonTest, CallsOutOfOrderAreRefusedNamingWhatWasExpected) {
             absl::InvalidArgumentError("rank 0: combine takes the output of this rank's last "
                                        "dispatch (2 so far); this one is of dispatch 1"));
   EXPECT_EQ(r.Combine(never, y.data(), out.data()),
-            absl::InvalidArgumentError("rank 0: combine takes the output of this rank's last "
-                                       "dispatch (2 so far); this one is not of this rank"));
+            absl::FailedPreconditionError("rank 0: combine without a dispatch (this output holds "
+                                          "none: no Dispatch filled it, or its Dispatch failed)"));
   std::fill(out.begin(), out.end(), 0.0f);
   ASSERT_TRUE(r.Combine(second, y.data(), out.data()).ok());
   EXPECT_EQ(out, std::vector<float>(4 * 8, 1.0f));

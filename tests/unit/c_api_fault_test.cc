@@ -10,7 +10,9 @@
 #include <thread>
 #include <utility>
 
+#include "daemon/daemon.h"
 #include "gtest/gtest.h"
+#include "tests/unit/test_util.h"
 #include "ubep/ubep_c.h"
 
 namespace {
@@ -155,6 +157,41 @@ TEST(CAbiFaultTest, OptionsInitOutOfMemoryLeavesOptionsAttachRefuses) {
   ubep_client_options_init(&options, sizeof(options));
   EXPECT_EQ(options.struct_size, sizeof(options));
   EXPECT_STREQ(options.socket_path, "/run/ubep/ubepd.sock");
+}
+
+// ubep_attach runs out of memory filling its default options: RESOURCE_EXHAUSTED, not the
+// refusal of options (struct_size 0) its caller never passed.
+TEST(CAbiFaultTest, AttachOutOfMemoryForItsDefaultsSaysSo) {
+  auto [outcomes, failed_runs] = Sweep([] {
+    const ubep_model_shape shape = Shape();
+    ubep_rank* rank = nullptr;
+    return ubep_attach("/nonexistent/ubepd.sock", 0, 1, -1, &shape, &rank);
+  });
+  EXPECT_GE(failed_runs, 1);
+  for (const Outcome& outcome : outcomes) {
+    EXPECT_EQ(outcome.second.find("struct_size"), std::string::npos) << outcome.second;
+  }
+  EXPECT_TRUE(outcomes.contains(Outcome{8, "ubep_attach_at: out of memory"}));
+}
+
+// ubep_must_attach_again finds the daemon gone and stops the group, building the error later
+// calls return: out of memory there is a yes and a message, not an exception into C.
+TEST(CAbiFaultTest, MustAttachAgainOutOfMemoryIsStillAYes) {
+  ubep::test::TempDir dir;
+  ubep::daemon::DaemonOptions daemon_options;
+  daemon_options.socket_path = dir.path() + "/ubepd.sock";
+  auto ubepd = ubep::daemon::Daemon::Start(daemon_options);
+  ASSERT_TRUE(ubepd.ok()) << ubepd.status();
+  const ubep_model_shape shape = Shape();
+  ubep_rank* rank = nullptr;
+  const int attached = ubep_attach(daemon_options.socket_path.c_str(), 0, 1, 0, &shape, &rank);
+  ASSERT_EQ(attached, 0) << ubep_last_error();
+  ubepd->reset();  // ubepd exits: the rank's fd connection closes.
+  auto [outcomes, failed_runs] = Sweep([rank] { return ubep_must_attach_again(rank); });
+  EXPECT_EQ(failed_runs, 1);  // Then the rank has noted the exit: no allocation.
+  const std::set<Outcome> expected = {{1, "ubep_must_attach_again: out of memory"}, {1, ""}};
+  EXPECT_EQ(outcomes, expected);
+  EXPECT_EQ(ubep_detach(rank), 0) << ubep_last_error();
 }
 
 }  // namespace

@@ -67,6 +67,10 @@ class AlteringUbepd final : public v1::Daemon::Service {
   // Join goes to the Node; its answer's arena epoch moved by `join_epoch_offset`.
   grpc::Status Join(grpc::ServerContext*, const v1::JoinRequest* request,
                     v1::JoinResponse* response) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!join_answer_.ok()) return join_answer_;
+    }
     absl::StatusOr<v1::JoinResponse> joined = node_.Join(*request, absl::Now() + absl::Seconds(10));
     if (!joined.ok()) return grpc::Status(grpc::StatusCode::INTERNAL, joined.status().ToString());
     *response = *std::move(joined);
@@ -91,6 +95,11 @@ class AlteringUbepd final : public v1::Daemon::Service {
     return detaches_;
   }
   int attached() { return node_.Snapshot().attached; }
+  // Every Join from now on is answered `answer` (OK: the Node's answer again).
+  void AnswerJoins(grpc::Status answer) {
+    std::lock_guard<std::mutex> lock(mu_);
+    join_answer_ = std::move(answer);
+  }
   daemon::Node& node() { return node_; }
 
   uint64_t join_epoch_offset = 0;  // Set before any client attaches.
@@ -101,6 +110,7 @@ class AlteringUbepd final : public v1::Daemon::Service {
   std::mutex mu_;
   v1::AttachResponse original_;
   std::vector<v1::DetachRequest> detaches_;
+  grpc::Status join_answer_;
   std::unique_ptr<grpc::Server> server_;
 };
 
@@ -171,9 +181,11 @@ TEST(ClientTest, ADataPlaneLayoutOtherThanTheLibrarysIsRefused) {
 }
 
 // ubepd in process, its socket in `dir`; and the options of a client of it.
-absl::StatusOr<std::unique_ptr<daemon::Daemon>> StartUbepd(const test::TempDir& dir) {
+absl::StatusOr<std::unique_ptr<daemon::Daemon>> StartUbepd(const test::TempDir& dir,
+                                                            int max_recv_rows = 0) {
   daemon::DaemonOptions options;
   options.socket_path = dir.path() + "/ubepd.sock";
+  options.node.max_recv_rows = max_recv_rows;
   return daemon::Daemon::Start(options);
 }
 ClientOptions ClientOf(const test::TempDir& dir) {
@@ -260,6 +272,48 @@ TEST(ClientTest, ARejoinThatLostItsDataPlaneStopsEveryCallUntilARejoinCompletes)
   std::vector<float> out(16, 0.0f);
   ASSERT_TRUE((*rank)->Combine(dispatched, dispatched.rows(), out.data()).ok());
   EXPECT_EQ(out, x);  // 0.5 x 1.0 + 0.5 x 1.0, through two slots of the one rank.
+  EXPECT_TRUE((*rank)->Detach().ok());
+}
+
+// A Dispatch that fails leaves its output empty, not a partial layout (over the receive
+// capacity, the offsets would count rows that are not there); combining it, or an output no
+// Dispatch filled, is a combine without a dispatch.
+TEST(ClientTest, AFailedDispatchLeavesNoRowsToCombine) {
+  test::TempDir dir;
+  absl::StatusOr<std::unique_ptr<daemon::Daemon>> ubepd = StartUbepd(dir, /*max_recv_rows=*/1);
+  ASSERT_TRUE(ubepd.ok()) << ubepd.status();
+  absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(ClientOf(dir), 0, 1, 0, Shape());
+  ASSERT_TRUE(rank.ok()) << rank.status();
+  const std::vector<float> x(16, 1.0f), y(2 * 16, 1.0f);
+  const std::vector<int32_t> idx = {0, 1};  // Two rows for a capacity of one.
+  const std::vector<float> w = {0.5f, 0.5f};
+  std::vector<float> out(16, 0.0f);
+  const absl::Status refused = absl::FailedPreconditionError(
+      "rank 0: combine without a dispatch (this output holds none: no Dispatch filled it, or "
+      "its Dispatch failed)");
+  Dispatched never;
+  ASSERT_TRUE((*rank)->BeginStep(0).ok());
+  EXPECT_EQ((*rank)->Combine(never, y.data(), out.data()), refused);
+  Dispatched dispatched;
+  const absl::Status overflowed =
+      (*rank)->Dispatch(0, x.data(), idx.data(), w.data(), 1, dispatched);
+  ASSERT_TRUE(absl::IsResourceExhausted(overflowed)) << overflowed;
+  EXPECT_EQ(dispatched.num_rows(), 0);
+  EXPECT_EQ(dispatched.rows(), nullptr);
+  EXPECT_TRUE(dispatched.slot_offsets().empty());
+  EXPECT_TRUE(dispatched.src_rank().empty());
+  EXPECT_TRUE(dispatched.src_token().empty());
+  EXPECT_TRUE(dispatched.weights().empty());
+  EXPECT_EQ(dispatched.plan_version(), 0u);
+  EXPECT_EQ(dispatched.layer(), -1);
+  EXPECT_EQ((*rank)->Combine(dispatched, y.data(), out.data()), refused);
+  // The group stays in step: the next call goes through.
+  const std::vector<int32_t> one = {0, -1};
+  ASSERT_TRUE((*rank)->Dispatch(1, x.data(), one.data(), w.data(), 1, dispatched).ok());
+  EXPECT_EQ(dispatched.num_rows(), 1);
+  EXPECT_EQ(dispatched.layer(), 1);
+  ASSERT_TRUE((*rank)->Combine(dispatched, dispatched.rows(), out.data()).ok());
+  EXPECT_EQ(out, std::vector<float>(16, 0.5f));
   EXPECT_TRUE((*rank)->Detach().ok());
 }
 
@@ -357,6 +411,37 @@ TEST(ClientTest, ARefreshReplyOfAnOlderArenaEpochIsPassedOver) {
   EXPECT_TRUE((*rank)->Detach().ok());
 }
 
+// ubepd's fd socket refusing a claim (one of the refusals docs/daemon.md lists) and closing
+// the connection, as ubepd does: Attach fails Unavailable with ubepd's reason, and the rank
+// is detached at once (a Detach RPC), not stopped as if its daemon had exited.
+TEST(ClientTest, ARefusedClaimOfTheArenasFailsAttachAndDetachesTheRank) {
+  test::TempDir dir;
+  const std::string socket = dir.path() + "/ubepd.sock";
+  AlteringUbepd ubepd(socket, [](v1::AttachResponse&) {});
+  UniqueFd listener = *ListenUnix(socket + ".fds", 0600);
+  std::thread refuse([&] {
+    pollfd p{listener.get(), POLLIN, 0};
+    ASSERT_EQ(poll(&p, 1, 10000), 1);
+    UniqueFd connection(accept(listener.get(), nullptr, nullptr));
+    ASSERT_TRUE(ReceiveMessage(connection.get(), 4096, absl::Seconds(10)).ok());
+    ASSERT_TRUE(SendMessage(connection.get(),
+                            "ERR the daemon holds 64 connections that claimed no rank yet", {})
+                    .ok());
+  });  // The connection closes here.
+  ClientOptions options;
+  options.socket_path = socket;
+  options.rpc_timeout = absl::Seconds(10);
+  absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(options, 0, 1, 0, Shape());
+  refuse.join();
+  EXPECT_EQ(rank.status(),
+            absl::UnavailableError("rank 0: ubepd refused the arenas: the daemon holds 64 "
+                                   "connections that claimed no rank yet"));
+  const std::vector<v1::DetachRequest> detaches = ubepd.detaches();
+  ASSERT_EQ(detaches.size(), 1u);
+  EXPECT_EQ(detaches[0].token(), ubepd.original().token());
+  EXPECT_EQ(ubepd.attached(), 0);
+}
+
 // ubepd's fd socket for several clients, answering from `node`: each connection's claim of
 // the arenas (connection ids 1, 2, ... in order of accepting), and no more; Close(i) closes
 // the i-th connection, as a ubepd that exits closes them all.
@@ -391,6 +476,33 @@ class ClosableFdSocket {
   std::vector<UniqueFd> connections_;
   std::thread thread_;  // Last: starts after the members it uses.
 };
+
+// ubepd's own answer to a Join (a rank the plan excludes gets DeadlineExceeded at every join
+// timeout, and calls Rejoin again) is no error of the client's: neither a data-plane wait
+// that gave up nor a client error in the rank's statistics (which ubepd exports).
+TEST(ClientTest, UbepdsAnswerToAJoinIsNotCountedAsTheClientsError) {
+  test::TempDir dir;
+  const std::string socket = dir.path() + "/ubepd.sock";
+  AlteringUbepd ubepd(socket, [](v1::AttachResponse&) {});
+  ClosableFdSocket fd_socket(ubepd.node(), socket + ".fds");
+  ClientOptions options;
+  options.socket_path = socket;
+  options.rpc_timeout = absl::Seconds(10);
+  absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(options, 0, 1, 0, Shape());
+  ASSERT_TRUE(rank.ok()) << rank.status();
+  ubepd.AnswerJoins(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                                 "rank 0 is excluded by plan v2; waited 1s"));
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ((*rank)->Rejoin(std::nullopt).status(),
+              absl::DeadlineExceededError(
+                  "rank 0: join: rank 0 is excluded by plan v2; waited 1s"));
+  }
+  const RankStats stats = (*rank)->stats();
+  EXPECT_EQ(stats.wait_timeouts, 0u);
+  EXPECT_EQ(stats.errors, 0u);
+  ubepd.AnswerJoins(grpc::Status::OK);
+  EXPECT_TRUE((*rank)->Detach().ok());
+}
 
 // The abort word of each rank's arena, as ubepd holds them.
 std::vector<uint32_t> AbortWords(daemon::Node& node) {

@@ -763,6 +763,10 @@ TEST(HostEpErrorTest, BadInputIsRejectedBeforeAnyByteMoves) {
                                   c.hidden, 0, plan.header()},
                                  out),
             absl::InvalidArgumentError("49 tokens exceed max_tokens 48 of this rank's buffers"));
+  EXPECT_EQ(group.ep(0).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(), -1,
+                                  c.hidden, 0, plan.header()},
+                                 out),
+            absl::InvalidArgumentError("token count -1 is negative"));
   EXPECT_EQ(group.ep(0).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8, 64, 0,
                                   plan.header()},
                                  out),

@@ -31,7 +31,8 @@
 //    call is over everywhere; abandon the step (or run it again) on every rank and go on with
 //    the next. The load counters count the rows, so the balancer sees the load that overflowed.
 //  - FailedPrecondition: a call out of order (Dispatch before BeginStep, Combine without a
-//    Dispatch, a rank that detached).
+//    Dispatch, a rank that detached). A Dispatch that fails leaves its output empty (no rows,
+//    empty views); combining it is a Combine without a Dispatch.
 // The hot path makes no RPC: dispatch and combine store into the peers' arenas directly.
 // Thread-compatible: one thread drives a Rank.
 #ifndef UBEP_CLIENT_INCLUDE_UBEP_UBEP_H_
@@ -81,7 +82,9 @@ struct RankStats {
   uint64_t dispatched_tokens = 0;
   uint64_t dispatch_calls = 0;
   uint64_t combine_calls = 0;
-  uint64_t wait_timeouts = 0;
+  uint64_t wait_timeouts = 0;    // Waits of this rank's calls that gave up (DeadlineExceeded).
+  // Errors this rank's calls returned, but for ubepd's answers to Join (a Rejoin of a rank the
+  // plan excludes ends DeadlineExceeded at every join timeout: no error of the rank's).
   uint64_t errors = 0;
   uint64_t plan_version = 0;     // Of the last dispatch.
 };
