@@ -1,5 +1,8 @@
 // bfloat16 <-> float conversion shared by every backend, benchmarks and tests: round to
-// nearest even, NaN stays NaN. Bit-level, so host and device round identically.
+// nearest even; every NaN becomes the one quiet NaN 0x7fc0. Bit-level, so host and device
+// round identically: a GPU's float arithmetic gives its canonical NaN where x86 keeps the
+// operand's sign and payload (or gives 0xffc00000 for inf - inf), so a NaN kept as it came
+// would make the backends' bytes differ for the same non-finite expert output.
 #ifndef UBEP_KERNELS_COMMON_BF16_H_
 #define UBEP_KERNELS_COMMON_BF16_H_
 
@@ -20,7 +23,7 @@ UBEP_HD inline float Bf16ToFloat(uint16_t v) {
 UBEP_HD inline uint16_t FloatToBf16(float f) {
   uint32_t bits;
   memcpy(&bits, &f, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
   bits += 0x7fffu + ((bits >> 16) & 1u);
   return static_cast<uint16_t>(bits >> 16);
 }

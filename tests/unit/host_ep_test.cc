@@ -589,6 +589,26 @@ double CalcDiff(const std::vector<double>& x, const std::vector<double>& y) {
   return 1 - 2 * xy / sq;
 }
 
+// Every NaN rounds to the one quiet NaN (the CUDA backend's float arithmetic keeps no payload
+// or sign of a NaN; x86's does); the rest rounds to nearest even.
+TEST(Bf16Test, EveryNaNBecomesTheOneQuietNaN) {
+  const auto from_bits = [](uint32_t bits) {
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f;
+  };
+  for (const uint32_t nan : {0x7fc00000u, 0xffc00000u, 0x7f800001u, 0xff812345u, 0x7fffffffu}) {
+    EXPECT_EQ(FloatToBf16(from_bits(nan)), 0x7fc0) << std::hex << nan;
+  }
+  const float inf = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(FloatToBf16(inf - inf), 0x7fc0);
+  EXPECT_EQ(FloatToBf16(inf), 0x7f80);
+  EXPECT_EQ(FloatToBf16(-inf), 0xff80);
+  EXPECT_EQ(FloatToBf16(from_bits(0x3f808000u)), 0x3f80);  // A tie: to even.
+  EXPECT_EQ(FloatToBf16(from_bits(0x3f818000u)), 0x3f82);
+  EXPECT_EQ(FloatToBf16(from_bits(0x7f7fffffu)), 0x7f80);  // The largest float rounds to inf.
+}
+
 TEST_P(HostEpTest, Bf16ActivationsWithFp32Accumulation) {
   EpConfig config = VariantConfig(GetParam());
   config.dtype = DType::kBFloat16;
