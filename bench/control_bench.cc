@@ -178,7 +178,12 @@ int Run(const Config& c) {
   posix_spawn_file_actions_destroy(&actions);
   for (int i = 0; i < 3000 && !std::filesystem::exists(ready); ++i) absl::SleepFor(absl::Milliseconds(10));
   if (pid <= 0 || !std::filesystem::exists(ready)) {
-    std::cerr << "ubep-bench-control: ubep-balancer did not start (" << c.balancer << ")\n";
+    std::cerr << "ubep-bench-control: ubep-balancer did not start (" << c.balancer
+              << "; its log: " << log << ")\n";
+    if (pid > 0) {
+      kill(pid, SIGKILL);
+      waitpid(pid, nullptr, 0);
+    }
     return 1;
   }
   std::ifstream ready_in(ready);
@@ -324,8 +329,11 @@ int Run(const Config& c) {
                         {"reports", reports},
                         {"report_cpu_ms", report_cpu_ms},
                         {"commits", commits},
-                        {"commit_ms_p50", Percentile(commit_ms, 0.5)},
-                        {"commit_ms_p99", Percentile(commit_ms, 0.99)},
+                        // No commit, no commit latency (null, not a 0 that reads as fast).
+                        {"commit_ms_p50", commits > 0 ? nlohmann::json(Percentile(commit_ms, 0.5))
+                                                      : nlohmann::json()},
+                        {"commit_ms_p99", commits > 0 ? nlohmann::json(Percentile(commit_ms, 0.99))
+                                                      : nlohmann::json()},
                         {"plan_ms", Percentile(plan_ms, 0.5)},
                         {"plan_ms_p99", Percentile(plan_ms, 0.99)}};
   if (c.json) {
@@ -338,6 +346,11 @@ int Run(const Config& c) {
         c.nodes, c.ranks_per_node, L, E, S, report_cpu_ms, static_cast<int>(reports),
         Percentile(plan_ms, 0.5), Percentile(plan_ms, 0.99), Percentile(commit_ms, 0.5),
         Percentile(commit_ms, 0.99), commits);
+  }
+  if (commits == 0) {
+    std::cerr << "ubep-bench-control: no rebalance committed a new plan; the commit latency "
+                 "was not measured\n";
+    return 1;
   }
   return 0;
 }

@@ -5,22 +5,30 @@
 //
 //   ubep-bench-dataplane [--json] [--iters N] [--cases decode|prefill|all] [--ranks 4,8]
 //                        [--hidden 7168,2048] [--methods ubep,bsp,mpi_alltoallv,memcpy]
+//                        [--sender-thread auto|on|off]
 //
 // --methods may also name ubep_flagged: ubep with every call's rows and partials as
-// flag-in-granule rows (kernels/common/flagged_rows.h), in the same alternating rounds.
+// flag-in-granule rows (kernels/common/flagged_rows.h). --sender-thread: whether ubep's
+// sender role has a thread of its own (EpConfig::sender_thread; auto: where the machine has
+// two cores per rank); each row says how many threads a rank's call ran on.
 //
 // One iteration is one dispatch followed by one combine on every rank, all ranks starting
 // together (an untimed start line, as the MPI baseline's MPI_Barrier); its latency is the
 // slowest rank's. Reported per case and method: p50_us, p99_us over N iterations after warm-up,
-// bytes_moved (rows stored into peers' arenas by dispatch plus partial rows stored back by
-// combine, all ranks). ubep and bsp run in alternating rounds of N/4 iterations each (a fresh
-// group and warm-up per round, the order rotating), so that a shared machine's slow spells
-// fall on both alike.
+// bytes_moved (rows stored into the destinations' arenas by dispatch plus partial rows stored
+// back by combine, all ranks; a rank's rows to itself included, as MPI_Alltoallv copies its
+// own segment). Every method runs in rounds of N/4 iterations each (a fresh group or mpirun
+// and a warm-up per round, the order rotating), so that a shared machine's slow spells fall
+// on all alike; the percentiles are over all rounds. Each rank checks the last iteration's
+// combine output (bf16 1.0 everywhere: x is 1.0 and the K weights 1/K), outside the timing.
+// The exit status is 1 when a method that ran failed.
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
+#include <csignal>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -29,6 +37,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
@@ -57,6 +66,7 @@ struct Board {
   uint32_t sleepers;  // Ranks asleep on `released` (signal.h).
   double us[kMaxIters][kMaxRanks];
   uint64_t bytes[kMaxRanks];
+  int threads[kMaxRanks];  // HostEp::threads_per_call
   int failed;       // Set once, by the first rank that fails (Fail).
   char error[256];  // That rank's error.
 };
@@ -103,7 +113,10 @@ int RankMain(const Case& c, const EpConfig& config, int rank, std::vector<std::b
   const std::vector<float> w(idx.size(), 1.0f / K);
   const auto* table = reinterpret_cast<const PlanTableHeader*>(plan.data());
   DispatchOutput dispatched;
+  board->threads[rank] = (*ep)->threads_per_call();
   for (int i = 0; i < kWarmup + iters; ++i) {
+    // The last iteration's output is checked: nothing of an earlier one may stand in for it.
+    if (i + 1 == kWarmup + iters) std::fill(out.begin(), out.end(), uint16_t{0});
     if (!AlignStart(board, c.ranks, static_cast<uint32_t>(i + 1))) {
       Fail(board, absl::StrCat("rank ", rank, ": a peer never reached the start line of iteration ",
                                i + 1));
@@ -119,6 +132,14 @@ int RankMain(const Case& c, const EpConfig& config, int rank, std::vector<std::b
     }
     if (i >= kWarmup) board->us[i - kWarmup][rank] = (NowNs() - start) / 1e3;
   }
+  // The experts are the identity: every token gets back sum over k of 1/K x 1.0, exactly 1.0
+  // in fp32 and bf16. A protocol that dropped or doubled rows or partials would not.
+  const auto wrong = std::find_if(out.begin(), out.end(), [](uint16_t v) { return v != 0x3f80; });
+  if (wrong != out.end()) {
+    Fail(board, absl::StrFormat("rank %d: combine gave out[%d] = 0x%04x, not bf16 1.0 (0x3f80)",
+                                rank, static_cast<int>(wrong - out.begin()), *wrong));
+    return 3;
+  }
   // Rows this rank stored into peers (dispatch) plus partial rows it stored back (combine).
   const uint64_t rows_sent = dispatched.handle.token_routes.size();  // One per (token, peer).
   uint64_t records = 0;
@@ -132,15 +153,25 @@ struct Result {
   uint64_t bytes = 0;
   std::string error;
   std::vector<double> latency_us{};  // Per iteration, the slowest rank's.
+  int threads = 0;                   // Per rank and call (host methods).
+  bool unavailable = false;          // Not built here (MPI): an error that fails no run.
 };
 
-// How a group runs: ubep, bsp, or ubep with flag-in-granule rows.
-struct Variant {
-  Protocol protocol;
-  bool flagged;
-};
+// The methods, in the order of their rows. ubep first: memcpy copies the bytes ubep moved.
+enum class Method { kUbep, kBsp, kMpi, kMemcpy, kUbepFlagged };
+constexpr const char* kMethodNames[] = {"ubep", "bsp", "mpi_alltoallv", "memcpy", "ubep_flagged"};
 
-Result RunHost(const Case& c, Variant variant, const std::vector<double>& skew, int iters) {
+// A description of how a process ended, for an error.
+std::string EndedHow(int status) {
+  if (WIFSIGNALED(status)) {
+    return absl::StrCat("was killed by signal ", WTERMSIG(status), " (", strsignal(WTERMSIG(status)),
+                        ")");
+  }
+  return absl::StrCat("exited with status ", WIFEXITED(status) ? WEXITSTATUS(status) : status);
+}
+
+Result RunHost(const Case& c, Method method, EpConfig::SenderThread sender_thread,
+               const std::vector<double>& skew, int iters) {
   EpConfig config{.num_ranks = c.ranks,
                   .max_tokens = c.tokens,
                   .hidden = c.hidden,
@@ -149,12 +180,14 @@ Result RunHost(const Case& c, Variant variant, const std::vector<double>& skew, 
                   .slots_per_rank = 256 / c.ranks,
                   .num_layers = 1,
                   .dtype = DType::kBFloat16,
-                  .protocol = variant.protocol,
+                  .protocol = method == Method::kBsp ? Protocol::kBsp : Protocol::kUbep,
                   .timeout = absl::Seconds(60),
-                  .flagged_tokens = variant.flagged ? c.tokens : 0};
+                  .sender_thread = sender_thread,
+                  .flagged_tokens = method == Method::kUbepFlagged ? c.tokens : 0};
   const std::vector<std::byte> plan = bench::ExpertParallelPlan();
-  SharedArena board_arena = *SharedArena::Create("bench-board", sizeof(Board));
-  auto* board = new (board_arena.data()) Board{};
+  absl::StatusOr<SharedArena> board_arena = SharedArena::Create("bench-board", sizeof(Board));
+  if (!board_arena.ok()) return {.error = std::string(board_arena.status().message())};
+  auto* board = new (board_arena->data()) Board{};
   std::vector<SharedArena> arenas;
   std::vector<std::byte*> pointers;
   for (int r = 0; r < c.ranks; ++r) {
@@ -164,17 +197,38 @@ Result RunHost(const Case& c, Variant variant, const std::vector<double>& skew, 
     arenas.push_back(std::move(*arena));
     pointers.push_back(arenas.back().data());
   }
+  // The ranks, reaped as they end: the first to end abnormally is the cause (its own error,
+  // or how it ended), and the others, which would wait for it until their timeout, are killed.
   std::vector<pid_t> pids;
   for (int r = 0; r < c.ranks; ++r) {
     const pid_t pid = fork();
     if (pid == 0) _exit(RankMain(c, config, r, pointers, plan, skew, iters, board));
+    if (pid < 0) {
+      Fail(board, absl::StrCat("fork for rank ", r, ": ", strerror(errno)));
+      break;
+    }
     pids.push_back(pid);
   }
-  for (int r = 0; r < c.ranks; ++r) {
+  auto kill_the_rest = [&] {
+    for (pid_t pid : pids) {
+      if (pid > 0) kill(pid, SIGKILL);
+    }
+  };
+  if (std::atomic_ref<int>(board->failed).load() != 0) kill_the_rest();
+  for (size_t left = pids.size(); left > 0;) {
     int status = 0;
-    waitpid(pids[r], &status, 0);
+    const pid_t pid = waitpid(-1, &status, 0);
+    if (pid < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    const auto it = std::find(pids.begin(), pids.end(), pid);
+    if (it == pids.end()) continue;  // Not a rank of this group.
+    *it = -1;
+    --left;
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-      Fail(board, absl::StrCat("rank ", r, " ended abnormally (wait status ", status, ")"));
+      Fail(board, absl::StrCat("rank ", it - pids.begin(), " ", EndedHow(status)));
+      kill_the_rest();
     }
   }
   Result result;
@@ -187,30 +241,107 @@ Result RunHost(const Case& c, Variant variant, const std::vector<double>& skew, 
   }
   result.p50_us = ubep::Percentile(result.latency_us, 0.5);
   result.p99_us = ubep::Percentile(result.latency_us, 0.99);
-  for (int r = 0; r < c.ranks; ++r) result.bytes += board->bytes[r];
+  for (int r = 0; r < c.ranks; ++r) {
+    result.bytes += board->bytes[r];
+    result.threads = std::max(result.threads, board->threads[r]);
+  }
   return result;
 }
 
-// Every variant on the same case, in rounds whose order rotates (ubep bsp, bsp ubep, ... with
-// two; with three, each goes first once in three rounds), each round a fresh group of rank
-// processes with its own warm-up: the slow phases of a shared machine fall on every variant
-// alike, which one long run each does not ensure. The iterations are split among the rounds;
-// percentiles are over all of them.
-std::vector<Result> RunVariants(const Case& c, const std::vector<Variant>& variants,
-                                const std::vector<double>& skew, int iters) {
+// The MPI_Alltoallv baseline: ubep-bench-mpi under mpirun, on the same routing and bytes. Its
+// result is the one JSON line of rank 0's that has the fields; anything mpirun prints around
+// it (help messages, warnings) is passed over.
+Result RunMpi(const Case& c, int iters) {
+#ifdef UBEP_MPIRUN
+  const std::string command =
+      absl::StrCat(UBEP_MPIRUN, " --allow-run-as-root --oversubscribe --bind-to none -np ", c.ranks,
+                   " ", UBEP_BENCH_MPI, " --tokens ", c.tokens, " --hidden ", c.hidden,
+                   " --routing ", c.routing, " --iters ", iters, " 2>&1");
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return {.error = absl::StrCat("cannot start mpirun: ", strerror(errno))};
+  std::string output;
+  char buffer[4096];
+  while (std::fgets(buffer, sizeof(buffer), pipe) != nullptr) output += buffer;
+  const int status = pclose(pipe);
+  if (status != 0) {
+    return {.error = absl::StrCat("mpirun ", EndedHow(status), ": ", output.substr(0, 300))};
+  }
+  for (absl::string_view line : absl::StrSplit(output, '\n')) {
+    if (!absl::StartsWith(line, "{")) continue;
+    const nlohmann::json parsed = nlohmann::json::parse(line, nullptr, false);
+    if (!parsed.is_object() || !parsed.contains("latency_us") ||
+        !parsed["latency_us"].is_array() || !parsed.contains("bytes_moved") ||
+        !parsed["bytes_moved"].is_number_unsigned()) {
+      continue;
+    }
+    Result result;
+    result.bytes = parsed["bytes_moved"].get<uint64_t>();
+    for (const nlohmann::json& us : parsed["latency_us"]) {
+      if (us.is_number()) result.latency_us.push_back(us.get<double>());
+    }
+    if (static_cast<int>(result.latency_us.size()) != iters) continue;
+    return result;
+  }
+  return {.error = absl::StrCat("mpirun printed no result line: ", output.substr(0, 300))};
+#else
+  (void)c;
+  (void)iters;
+  return {.error = "built without MPI", .unavailable = true};
+#endif
+}
+
+// One core copying `bytes` (the bytes one rank moves, on average over the ranks) from one
+// buffer to another, `iters` times after a warm-up: the buffers are as warm as the ranks'
+// arenas are after theirs.
+Result RunMemcpy(uint64_t bytes, int iters) {
+  const size_t n = std::max<uint64_t>(bytes, 64);
+  std::vector<char> from(n, 1), to(n, 0);
+  Result result;
+  result.bytes = bytes;
+  for (int i = 0; i < kWarmup + iters; ++i) {
+    const int64_t start = NowNs();
+    std::memcpy(to.data(), from.data(), n);
+    if (i >= kWarmup) result.latency_us.push_back((NowNs() - start) / 1e3);
+    from[i % n] = static_cast<char>(i);
+  }
+  return result;
+}
+
+// Every method on the same case, in rounds whose order rotates (ubep bsp, bsp ubep, ... with
+// two; with more, each goes first once in as many rounds), each round a fresh group of rank
+// processes (or a fresh mpirun) with its own warm-up: the slow phases of a shared machine fall
+// on every method alike, which one long run each does not ensure. The iterations are split
+// among the rounds; percentiles are over all of them. A method that fails is not run again.
+// methods[0] is ubep, which runs first in the first round: memcpy copies its bytes per rank.
+std::vector<Result> RunMethods(const Case& c, const std::vector<Method>& methods,
+                               EpConfig::SenderThread sender_thread,
+                               const std::vector<double>& skew, int iters) {
   constexpr int kRounds = 4;
   const int rounds = std::min(kRounds, iters);
-  const int V = static_cast<int>(variants.size());
+  const int V = static_cast<int>(methods.size());
   std::vector<Result> total(V);
   for (int round = 0; round < rounds; ++round) {
     const int n = iters * (round + 1) / rounds - iters * round / rounds;
     for (int j = 0; j < V; ++j) {
-      // Two variants alternate (0 1, 1 0, ...); more rotate.
+      // Two methods alternate (0 1, 1 0, ...); more rotate.
       const int which = V == 2 && round % 2 == 1 ? 1 - j : (j + round) % V;
-      Result r = RunHost(c, variants[which], skew, n);
       Result& t = total[which];
-      if (t.error.empty()) t.error = r.error;
+      if (!t.error.empty()) continue;
+      Result r;
+      switch (methods[which]) {
+        case Method::kMpi:
+          r = RunMpi(c, n);
+          break;
+        case Method::kMemcpy:
+          r = RunMemcpy(total[0].bytes / std::max(1, c.ranks), n);
+          break;
+        default:
+          r = RunHost(c, methods[which], sender_thread, skew, n);
+      }
+      t.error = r.error;
+      t.unavailable = r.unavailable;
       t.bytes = r.bytes;
+      t.threads = std::max(t.threads, r.threads);
       t.latency_us.insert(t.latency_us.end(), r.latency_us.begin(), r.latency_us.end());
     }
   }
@@ -220,47 +351,6 @@ std::vector<Result> RunVariants(const Case& c, const std::vector<Variant>& varia
     t.p99_us = ubep::Percentile(t.latency_us, 0.99);
   }
   return total;
-}
-
-// The MPI_Alltoallv baseline: ubep-bench-mpi under mpirun, on the same routing and bytes.
-Result RunMpi(const Case& c, int iters) {
-#ifdef UBEP_MPIRUN
-  const std::string command =
-      absl::StrCat(UBEP_MPIRUN, " --allow-run-as-root --oversubscribe --bind-to none -np ", c.ranks,
-                   " ", UBEP_BENCH_MPI, " --tokens ", c.tokens, " --hidden ", c.hidden,
-                   " --routing ", c.routing, " --iters ", iters, " 2>&1");
-  FILE* pipe = popen(command.c_str(), "r");
-  if (pipe == nullptr) return {.error = "cannot start mpirun"};
-  std::string output;
-  char buffer[4096];
-  while (std::fgets(buffer, sizeof(buffer), pipe) != nullptr) output += buffer;
-  const int status = pclose(pipe);
-  const size_t brace = output.rfind('{');
-  nlohmann::json parsed = brace == std::string::npos
-                              ? nlohmann::json()
-                              : nlohmann::json::parse(output.substr(brace), nullptr, false);
-  if (status != 0 || !parsed.is_object()) {
-    return {.error = absl::StrCat("mpirun failed: ", output.substr(0, 200))};
-  }
-  return {parsed["p50_us"].get<double>(), parsed["p99_us"].get<double>(),
-          parsed["bytes_moved"].get<uint64_t>(), ""};
-#else
-  return {.error = "built without MPI"};
-#endif
-}
-
-// One core copying the bytes one rank moves (the largest share), cold buffers.
-Result RunMemcpy(uint64_t bytes, int iters) {
-  const size_t n = std::max<uint64_t>(bytes, 64);
-  std::vector<char> from(n, 1), to(n, 0);
-  std::vector<double> us;
-  for (int i = 0; i < kWarmup + iters; ++i) {
-    const int64_t start = NowNs();
-    std::memcpy(to.data(), from.data(), n);
-    if (i >= kWarmup) us.push_back((NowNs() - start) / 1e3);
-    from[i % n] = static_cast<char>(i);
-  }
-  return {ubep::Percentile(us, 0.5), ubep::Percentile(us, 0.99), bytes, ""};
 }
 
 }  // namespace
@@ -274,9 +364,8 @@ int main(int argc, char** argv) {
   std::string which = "all";
   std::vector<int> rank_counts = {4, 8};
   std::vector<int> hiddens = {7168, 2048};
-  const std::vector<std::string> all_methods = {"ubep", "bsp", "mpi_alltoallv", "memcpy",
-                                                "ubep_flagged"};
-  std::vector<std::string> methods(all_methods.begin(), all_methods.end() - 1);
+  std::vector<std::string> methods = {"ubep", "bsp", "mpi_alltoallv", "memcpy"};
+  EpConfig::SenderThread sender_thread = EpConfig::SenderThread::kAuto;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--json") {
@@ -288,7 +377,13 @@ int main(int argc, char** argv) {
     } else if (flag == "--ranks" && i + 1 < argc) {
       rank_counts.clear();
       for (absl::string_view part : absl::StrSplit(argv[++i], ',')) {
-        rank_counts.push_back(std::clamp(std::atoi(std::string(part).c_str()), 1, kMaxRanks));
+        const int ranks = std::clamp(std::atoi(std::string(part).c_str()), 1, kMaxRanks);
+        if (ubep::bench::kExperts % ranks != 0) {
+          std::cerr << "ubep-bench-dataplane: --ranks: " << ranks << " does not divide the "
+                    << ubep::bench::kExperts << " experts\n";
+          return 2;
+        }
+        rank_counts.push_back(ranks);
       }
     } else if (flag == "--hidden" && i + 1 < argc) {
       hiddens.clear();
@@ -298,25 +393,45 @@ int main(int argc, char** argv) {
     } else if (flag == "--methods" && i + 1 < argc) {
       methods = absl::StrSplit(argv[++i], ',');
       for (const std::string& method : methods) {
-        if (std::find(all_methods.begin(), all_methods.end(), method) == all_methods.end()) {
+        if (std::find(std::begin(kMethodNames), std::end(kMethodNames), method) ==
+            std::end(kMethodNames)) {
           std::cerr << "ubep-bench-dataplane: --methods: unknown method \"" << method
                     << "\"; expected ubep, bsp, mpi_alltoallv, memcpy or ubep_flagged\n";
           return 2;
         }
       }
+    } else if (flag == "--sender-thread" && i + 1 < argc) {
+      const std::string value = argv[++i];
+      if (value == "auto") {
+        sender_thread = EpConfig::SenderThread::kAuto;
+      } else if (value == "on") {
+        sender_thread = EpConfig::SenderThread::kOn;
+      } else if (value == "off") {
+        sender_thread = EpConfig::SenderThread::kOff;
+      } else {
+        std::cerr << "ubep-bench-dataplane: --sender-thread: \"" << value
+                  << "\"; expected auto, on or off\n";
+        return 2;
+      }
     } else {
       std::cerr << "usage: ubep-bench-dataplane [--json] [--iters N] "
                    "[--cases decode|prefill|all] [--ranks 4,8] [--hidden 7168,2048] "
-                   "[--methods ubep,bsp,mpi_alltoallv,memcpy,ubep_flagged]\n";
+                   "[--methods ubep,bsp,mpi_alltoallv,memcpy,ubep_flagged] "
+                   "[--sender-thread auto|on|off]\n";
       return 2;
     }
+  }
+  if (iters < 50) {
+    std::cerr << "ubep-bench-dataplane: " << iters
+              << " iterations: p99 is the slowest of fewer than 50 (the issue's reports use 50 "
+                 "or more)\n";
   }
   absl::StatusOr<std::vector<double>> skew = ubep::bench::SkewedDistribution(UBEP_SOURCE_DIR);
   if (!skew.ok()) {
     std::cerr << skew.status().message() << "\n";
     return 2;
   }
-  std::vector<Case> cases;
+  std::vector<ubep::bench::Case> cases;
   for (const char* name : {"decode", "prefill"}) {
     if (which != "all" && which != name) continue;
     for (int ranks : rank_counts) {
@@ -328,63 +443,86 @@ int main(int argc, char** argv) {
       }
     }
   }
-  nlohmann::json out = nlohmann::json::array();
-  auto wanted = [&](const char* method) {
-    return std::find(methods.begin(), methods.end(), method) != methods.end();
+  auto wanted = [&](Method method) {
+    return std::find(methods.begin(), methods.end(),
+                     kMethodNames[static_cast<int>(method)]) != methods.end();
   };
-  for (const Case& c : cases) {
-    // memcpy copies the bytes one rank moves, which the ubep run counts: it always runs.
-    std::vector<Variant> variants = {{Protocol::kUbep, false}};
-    if (wanted("bsp")) variants.push_back({Protocol::kBsp, false});
-    if (wanted("ubep_flagged")) variants.push_back({Protocol::kUbep, true});
-    const std::vector<Result> ran = RunVariants(c, variants, *skew, iters);
-    const Result& ubep = ran[0];
-    const Result bsp = wanted("bsp") ? ran[1] : Result{};
-    const Result flagged = wanted("ubep_flagged") ? ran.back() : Result{};
-    const Result mpi = wanted("mpi_alltoallv") ? RunMpi(c, iters) : Result{};
-    const Result copy = RunMemcpy(ubep.bytes / std::max(1, c.ranks), iters);
+  // ubep always runs (first), and memcpy, whose rate ubep's row reports.
+  std::vector<Method> run = {Method::kUbep};
+  for (Method method : {Method::kBsp, Method::kMpi, Method::kMemcpy, Method::kUbepFlagged}) {
+    if (wanted(method) || method == Method::kMemcpy) run.push_back(method);
+  }
+  nlohmann::json out = nlohmann::json::array();
+  bool failed = false;
+  for (const ubep::bench::Case& c : cases) {
+    const std::vector<Result> ran = RunMethods(c, run, sender_thread, *skew, iters);
+    auto result_of = [&](Method method) -> const Result& {
+      static const Result none;
+      const auto at = std::find(run.begin(), run.end(), method);
+      return at == run.end() ? none : ran[at - run.begin()];
+    };
+    const Result& ubep = result_of(Method::kUbep);
+    const Result& bsp = result_of(Method::kBsp);
+    const Result& mpi = result_of(Method::kMpi);
+    const Result& copy = result_of(Method::kMemcpy);
+    const Result& flagged = result_of(Method::kUbepFlagged);
     // All ranks' bytes over ubep's time, against one core copying one rank's bytes.
     const double rate_vs_memcpy = ubep.p50_us > 0 ? (copy.p50_us * c.ranks) / ubep.p50_us : 0.0;
-    for (const auto& [method, r] : {std::pair<const char*, const Result&>{"ubep", ubep},
-                                    {"bsp", bsp},
-                                    {"mpi_alltoallv", mpi},
-                                    {"memcpy", copy},
-                                    {"ubep_flagged", flagged}}) {
+    // p50 over p50, where both ran.
+    auto ratio = [](const Result& a, const Result& b) {
+      return a.error.empty() && b.error.empty() && a.p50_us > 0 && b.p50_us > 0
+                 ? a.p50_us / b.p50_us
+                 : 0.0;
+    };
+    for (Method method : {Method::kUbep, Method::kBsp, Method::kMpi, Method::kMemcpy,
+                          Method::kUbepFlagged}) {
       if (!wanted(method)) continue;
-      nlohmann::json row = {{"method", method},   {"case", c.name},     {"ranks", c.ranks},
+      const Result& r = result_of(method);
+      nlohmann::json row = {{"method", kMethodNames[static_cast<int>(method)]},
+                            {"case", c.name},     {"ranks", c.ranks},
                             {"tokens", c.tokens}, {"hidden", c.hidden}, {"routing", c.routing},
                             {"p50_us", r.p50_us}, {"p99_us", r.p99_us}, {"bytes_moved", r.bytes},
                             {"iters", iters}};
-      if (std::string(method) == "ubep") row["rate_vs_memcpy"] = rate_vs_memcpy;
+      if (r.threads > 0) row["threads_per_rank"] = r.threads;
+      if (method == Method::kUbep) {
+        row["rate_vs_memcpy"] = rate_vs_memcpy;
+        if (wanted(Method::kBsp)) row["ubep_over_bsp"] = ratio(ubep, bsp);
+        if (wanted(Method::kMpi)) row["mpi_over_ubep"] = ratio(mpi, ubep);
+        if (wanted(Method::kUbepFlagged)) row["flagged_over_ubep"] = ratio(flagged, ubep);
+      }
       if (!r.error.empty()) row["error"] = r.error;
+      if (!r.error.empty() && !r.unavailable) failed = true;
       out.push_back(row);
     }
     if (!json) {
       // Only the methods asked for, so that no ratio is printed against a run that did not run.
       std::string line = absl::StrFormat("%-7s R=%d H=%-5d %-7s  ubep %9.1f us", c.name, c.ranks,
                                          c.hidden, c.routing, ubep.p50_us);
-      if (wanted("bsp")) {
+      if (wanted(Method::kBsp)) {
         absl::StrAppendFormat(&line, "  bsp %9.1f us (ubep/bsp %.2f)", bsp.p50_us,
-                              bsp.p50_us > 0 ? ubep.p50_us / bsp.p50_us : 0.0);
+                              ratio(ubep, bsp));
       }
-      if (wanted("ubep_flagged")) {
+      if (wanted(Method::kUbepFlagged)) {
         absl::StrAppendFormat(&line, "  ubep_flagged %9.1f us (flagged/ubep %.2f)",
-                              flagged.p50_us, ubep.p50_us > 0 ? flagged.p50_us / ubep.p50_us : 0.0);
+                              flagged.p50_us, ratio(flagged, ubep));
       }
-      if (wanted("mpi_alltoallv")) {
+      if (wanted(Method::kMpi)) {
         absl::StrAppendFormat(&line, "  mpi %9.1f us (mpi/ubep %.2f)", mpi.p50_us,
-                              ubep.p50_us > 0 ? mpi.p50_us / ubep.p50_us : 0.0);
+                              ratio(mpi, ubep));
       }
-      if (wanted("memcpy")) {
+      if (wanted(Method::kMemcpy)) {
         absl::StrAppendFormat(&line,
                               "  memcpy of a rank's bytes %8.1f us (ubep rate vs memcpy %.0f%%)",
                               copy.p50_us, 100 * rate_vs_memcpy);
       }
-      std::printf("%s  %s\n", line.c_str(),
-                  (ubep.error + bsp.error + flagged.error + mpi.error).c_str());
+      std::string errors;
+      for (const Result* r : {&ubep, &bsp, &flagged, &mpi}) {
+        if (!r->error.empty()) absl::StrAppend(&errors, errors.empty() ? "" : "; ", r->error);
+      }
+      std::printf("%s  %s\n", line.c_str(), errors.c_str());
       std::fflush(stdout);
     }
   }
   if (json) std::cout << out.dump(1) << "\n";
-  return 0;
+  return failed ? 1 : 0;
 }

@@ -2,7 +2,8 @@
 // rank; moves the same bytes as the host backend (same routing, same plan, bf16 rows): count
 // exchange (MPI_Alltoall), rows and records with MPI_Alltoallv, the same per-slot grouping on
 // the receiver, partial sums back with MPI_Alltoallv and the same fp32 reduction at the source.
-// Rank 0 prints one JSON line: p50_us, p99_us (the slowest rank per iteration), bytes_moved.
+// Rank 0 prints one JSON line: p50_us, p99_us (the slowest rank per iteration), bytes_moved,
+// latency_us (each timed iteration's, the slowest rank's).
 //
 //   mpirun -np R ubep-bench-mpi --tokens T --hidden H --routing uniform|skewed --iters N
 #include <mpi.h>
@@ -215,8 +216,11 @@ int main(int argc, char** argv) {
   uint64_t total = 0;
   MPI_Reduce(&bytes, &total, 1, MPI_UINT64_T, MPI_SUM, 0, MPI_COMM_WORLD);
   if (rank == 0) {
-    std::printf("{\"p50_us\": %.3f, \"p99_us\": %.3f, \"bytes_moved\": %llu}\n",
-                ubep::Percentile(us, 0.5), ubep::Percentile(us, 0.99), static_cast<unsigned long long>(total));
+    std::string line = "{\"p50_us\": " + std::to_string(ubep::Percentile(us, 0.5)) +
+                       ", \"p99_us\": " + std::to_string(ubep::Percentile(us, 0.99)) +
+                       ", \"bytes_moved\": " + std::to_string(total) + ", \"latency_us\": [";
+    for (size_t i = 0; i < us.size(); ++i) line += (i > 0 ? ", " : "") + std::to_string(us[i]);
+    std::printf("%s]}\n", line.c_str());
   }
   MPI_Finalize();
   return 0;

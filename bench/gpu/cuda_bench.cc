@@ -45,7 +45,9 @@ constexpr absl::Duration kMeetTimeout = absl::Seconds(20);
 constexpr absl::Duration kCallTimeout = absl::Seconds(10);
 
 struct Board {
-  std::atomic<int> ready, go, done;
+  // ready: ranks whose arena handle is posted; set_up: ranks done setting up (peers opened,
+  // CudaEp created, inputs on the device), which the parent waits for before `go`.
+  std::atomic<int> ready, set_up, go, done;
   std::byte handles[kMaxRanks][64];
   double us[kMaxIters][kMaxRanks];
   uint64_t bytes[kMaxRanks];
@@ -57,7 +59,7 @@ struct Board {
 int RankMain(const bench::Case& c, Protocol protocol, EpConfig::SenderThread sender_thread,
              bool flagged, int rank, int iters,
              const std::vector<double>& skew, Board* board) {
-  bool posted_ready = false;
+  bool posted_ready = false, posted_set_up = false;
   auto fail = [&](const std::string& m) {
     // The first rank to fail names the case's error (the others often only saw it give up);
     // every rank's goes to stderr.
@@ -67,6 +69,7 @@ int RankMain(const bench::Case& c, Protocol protocol, EpConfig::SenderThread sen
       std::snprintf(board->error, sizeof(board->error), "rank %d: %s", rank, m.c_str());
     }
     if (!posted_ready) board->ready.fetch_add(1);
+    if (!posted_set_up) board->set_up.fetch_add(1);
     // Keep this rank's arena alive until every peer is done with it.
     board->done.fetch_add(1);
     const absl::Time until = absl::Now() + kMeetTimeout;
@@ -121,7 +124,8 @@ int RankMain(const bench::Case& c, Protocol protocol, EpConfig::SenderThread sen
   BENCH_CUDA(cudaMalloc(&d_plan, plan.size()));
   BENCH_CUDA(cudaMemcpy(d_plan, plan.data(), plan.size(), cudaMemcpyHostToDevice));
   const auto* host_plan = reinterpret_cast<const PlanTableHeader*>(plan.data());
-  // Bytes that cross: one row per (token, destination), out and back, bf16.
+  // Bytes stored: one row per (token, destination), out and back, bf16 (a rank's rows to
+  // itself included, as the host bench and MPI_Alltoallv count them).
   uint64_t records = 0;
   for (int t = 0; t < c.tokens; ++t) {
     std::vector<int> dests;
@@ -133,6 +137,8 @@ int RankMain(const bench::Case& c, Protocol protocol, EpConfig::SenderThread sen
     records += dests.size();
   }
   BENCH_CUDA(cudaDeviceSynchronize());
+  board->set_up.fetch_add(1);
+  posted_set_up = true;
   const absl::Time start_by = absl::Now() + kMeetTimeout;
   while (board->go.load() == 0 && absl::Now() < start_by) usleep(100);
   CudaDispatchOutput out;
@@ -248,7 +254,8 @@ int main(int argc, char** argv) {
         if (pid == 0) _exit(RankMain(c, protocol, sender_thread, flagged, rank, iters, *skew, board));
         pids.push_back(pid);
       }
-      // Every rank ready (or one dead: its peers give up on their own), then go; every rank
+      // Every rank set up (or one dead: its peers give up on their own), then go, so that no
+      // rank's first call waits on a peer's set-up under the call timeout; every rank
       // reaped, and a rank that died (a signal, or an exit the board does not explain) turns
       // the case into an error row rather than numbers.
       std::vector<int> status(r, -1);
@@ -260,7 +267,7 @@ int main(int argc, char** argv) {
         }
       };
       const absl::Time until = absl::Now() + kMeetTimeout;
-      while (board->ready.load() < r && absl::Now() < until &&
+      while (board->set_up.load() < r && absl::Now() < until &&
              std::count(status.begin(), status.end(), -1) == r) {
         usleep(1000);
         reap(WNOHANG);

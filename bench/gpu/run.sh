@@ -48,7 +48,8 @@ out=${1:-build-gpu/results}
 log=/dev/null
 if [[ $check == 0 ]]; then
   mkdir -p "$out"
-  log=$out/gpu_tests.log
+  # --mps writes a log of its own: a run of the tests into the same OUT_DIR keeps its log.
+  if [[ $mps == 1 ]]; then log=$out/mps.log; else log=$out/gpu_tests.log; fi
   : > "$log"
 fi
 say() { echo "$*" | tee -a "$log"; }
@@ -145,8 +146,6 @@ if [[ $mps == 1 ]]; then
   # starts a server for the ranks' contexts; the compute mode and every other setting of the
   # card stay as they are. Clients that cannot reach it would run as plain contexts, time
   # sliced, so each bench is checked to have been served (the server list is not empty).
-  log=$out/mps.log
-  : > "$log"
   if ! usable ubep-bench-cuda; then
     say "ubep-bench-cuda: cannot load; nothing to run"
     exit 1

@@ -941,6 +941,8 @@ HostEp::Take HostEp::PlaceArrived(int s, uint32_t tag, DispatchOutput& out) {
   return j == n ? Take::kDone : j > first ? Take::kSome : Take::kNothing;
 }
 
+int HostEp::threads_per_call() const { return 1 + (senders_ != nullptr ? senders_->size() : 0); }
+
 absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr, void* out_ptr) {
   if (combine_epoch_ + 1 != dispatch_epoch_) {
     return Refuse(absl::FailedPreconditionError("combine without a dispatch before it"),

@@ -134,6 +134,9 @@ class HostEp {
 
   const EpConfig& config() const { return config_; }
   int rank() const { return rank_; }
+  // Threads a call of this rank runs on: the caller's, and the sender role's own where it has
+  // them (ubep, EpConfig::sender_thread).
+  int threads_per_call() const;
 
   // Tests only: the sender role waits this long before its first row store of each dispatch
   // (the counts still go out at once), so that a test can make one source's rows arrive last.

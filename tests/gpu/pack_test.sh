@@ -54,4 +54,10 @@ if grep -q "no CUDA device here" "$work/out/gpu_tests.log"; then
   [[ $(grep -c "^\[  PASSED  \] 0 tests" "$work/out/gpu_tests.log") == 3 ]]
   [[ $(grep -c '"error":"rank [0-9]*: .*CUDA' "$work/out/cuda_bench_128.json") == 12 ]]
 fi
+# --mps into the same folder (after the tests, as docs/dataplane.md says to run it) writes its
+# own log and leaves the tests' as it was, whether or not it can run here.
+cp "$work/out/gpu_tests.log" "$work/tests.log"
+bench/gpu/run.sh --pack "$work/pack" --mps "$work/out" > "$work/mps_run.log" 2>&1 || true
+cmp "$work/tests.log" "$work/out/gpu_tests.log" || { echo "--mps changed gpu_tests.log"; exit 1; }
+[[ -s $work/out/mps.log ]] || { cat "$work/mps_run.log"; echo "--mps wrote no mps.log"; exit 1; }
 echo "pack_test: OK"

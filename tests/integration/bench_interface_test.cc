@@ -32,14 +32,23 @@ Ran Bench(const std::vector<std::string>& args) {
   return ran;
 }
 
+// The JSON array the bench printed (after any warning on stderr).
+nlohmann::json Rows(const Ran& ran) {
+  const size_t open = ran.output.find("\n[");
+  if (open == std::string::npos) return nlohmann::json();
+  return nlohmann::json::parse(ran.output.substr(open + 1), nullptr, false);
+}
+
 TEST(BenchInterfaceTest, JsonHasOneObjectPerCaseAndMethodWithTheNamedFields) {
   const Ran ran = Bench({"--json", "--iters", "3", "--cases", "decode", "--ranks", "2",
-                         "--hidden", "8", "--methods", "ubep,bsp,memcpy,ubep_flagged"});
+                         "--hidden", "8", "--methods", "ubep,bsp,memcpy,ubep_flagged",
+                         "--sender-thread", "on"});
   ASSERT_EQ(ran.code, 0) << ran.output;
-  const size_t open = ran.output.find('[');
-  ASSERT_NE(open, std::string::npos) << ran.output;
-  const nlohmann::json rows = nlohmann::json::parse(ran.output.substr(open));
-  ASSERT_TRUE(rows.is_array());
+  // Fewer than 50 iterations: said, on stderr, before the JSON.
+  EXPECT_THAT(ran.output, HasSubstr("ubep-bench-dataplane: 3 iterations: p99 is the slowest of "
+                                    "fewer than 50 (the issue's reports use 50 or more)\n["));
+  const nlohmann::json rows = Rows(ran);
+  ASSERT_TRUE(rows.is_array()) << ran.output;
   ASSERT_EQ(rows.size(), 8u) << rows.dump(1);  // 2 routings x 4 methods.
   const std::vector<std::string> methods = {"ubep", "bsp", "memcpy", "ubep_flagged"};
   const std::vector<std::string> routings = {"uniform", "skewed"};
@@ -59,6 +68,22 @@ TEST(BenchInterfaceTest, JsonHasOneObjectPerCaseAndMethodWithTheNamedFields) {
     EXPECT_TRUE(row["bytes_moved"].is_number_unsigned());
     EXPECT_FALSE(row.contains("error"));
     EXPECT_EQ(row.contains("rate_vs_memcpy"), methods[i % 4] == "ubep");
+    // The ratios of p50s, on ubep's row, for the methods that ran.
+    EXPECT_EQ(row.contains("ubep_over_bsp"), methods[i % 4] == "ubep");
+    EXPECT_EQ(row.contains("flagged_over_ubep"), methods[i % 4] == "ubep");
+    EXPECT_FALSE(row.contains("mpi_over_ubep"));
+    if (methods[i % 4] == "ubep") {
+      EXPECT_DOUBLE_EQ(row["ubep_over_bsp"].get<double>(),
+                       row["p50_us"].get<double>() / rows[i + 1]["p50_us"].get<double>());
+      EXPECT_DOUBLE_EQ(row["flagged_over_ubep"].get<double>(),
+                       rows[i + 3]["p50_us"].get<double>() / row["p50_us"].get<double>());
+    }
+    // --sender-thread on: ubep's sender role has a thread of its own; bsp has no such role.
+    if (methods[i % 4] == "memcpy") {
+      EXPECT_FALSE(row.contains("threads_per_rank"));
+    } else {
+      EXPECT_EQ(row["threads_per_rank"], methods[i % 4] == "bsp" ? 1 : 2);
+    }
   }
   for (size_t c = 0; c < 2; ++c) {
     const uint64_t ubep = rows[4 * c]["bytes_moved"];
@@ -73,13 +98,54 @@ TEST(BenchInterfaceTest, JsonHasOneObjectPerCaseAndMethodWithTheNamedFields) {
   }
 }
 
+#ifdef UBEP_BENCH_HAS_MPI
+// The MPI baseline moves the same bytes as ubep (same routing, same plan), and its row has the
+// same fields; its iterations run in the same rounds.
+TEST(BenchInterfaceTest, TheMpiBaselineMovesUbepsBytes) {
+  const Ran ran = Bench({"--json", "--iters", "4", "--cases", "decode", "--ranks", "2",
+                         "--hidden", "8", "--methods", "ubep,mpi_alltoallv",
+                         "--sender-thread", "off"});
+  ASSERT_EQ(ran.code, 0) << ran.output;
+  const nlohmann::json rows = Rows(ran);
+  ASSERT_TRUE(rows.is_array()) << ran.output;
+  ASSERT_EQ(rows.size(), 4u) << rows.dump(1);  // 2 routings x 2 methods.
+  for (size_t c = 0; c < 2; ++c) {
+    const nlohmann::json& ubep = rows[2 * c];
+    const nlohmann::json& mpi = rows[2 * c + 1];
+    SCOPED_TRACE(mpi.dump());
+    EXPECT_EQ(ubep["method"], "ubep");
+    EXPECT_EQ(ubep["threads_per_rank"], 1);
+    EXPECT_EQ(mpi["method"], "mpi_alltoallv");
+    EXPECT_FALSE(mpi.contains("error"));
+    EXPECT_EQ(mpi["iters"], 4);
+    EXPECT_GT(mpi["bytes_moved"].get<uint64_t>(), 0u);
+    EXPECT_EQ(mpi["bytes_moved"], ubep["bytes_moved"]);
+    EXPECT_TRUE(mpi["p99_us"].get<double>() >= mpi["p50_us"].get<double>() &&
+                mpi["p50_us"].get<double>() > 0);
+    EXPECT_DOUBLE_EQ(ubep["mpi_over_ubep"].get<double>(),
+                     mpi["p50_us"].get<double>() / ubep["p50_us"].get<double>());
+  }
+}
+#endif
+
+TEST(BenchInterfaceTest, BadValuesAreRefusedNamingThem) {
+  Ran ran = Bench({"--ranks", "4,6"});
+  EXPECT_EQ(ran.code, 2);
+  EXPECT_EQ(ran.output, "ubep-bench-dataplane: --ranks: 6 does not divide the 256 experts\n");
+  ran = Bench({"--sender-thread", "yes"});
+  EXPECT_EQ(ran.code, 2);
+  EXPECT_EQ(ran.output,
+            "ubep-bench-dataplane: --sender-thread: \"yes\"; expected auto, on or off\n");
+}
+
 TEST(BenchInterfaceTest, AnUnknownFlagPrintsTheUsageAndExitsWith2) {
   const Ran ran = Bench({"--ranks-per-node", "4"});
   EXPECT_EQ(ran.code, 2);
   EXPECT_THAT(ran.output,
               HasSubstr("usage: ubep-bench-dataplane [--json] [--iters N] "
                         "[--cases decode|prefill|all] [--ranks 4,8] [--hidden 7168,2048] "
-                        "[--methods ubep,bsp,mpi_alltoallv,memcpy,ubep_flagged]"));
+                        "[--methods ubep,bsp,mpi_alltoallv,memcpy,ubep_flagged] "
+                        "[--sender-thread auto|on|off]"));
 }
 
 TEST(BenchInterfaceTest, AnUnknownMethodIsRefusedNamingIt) {
