@@ -269,7 +269,12 @@ absl::Status Node::CreateGroup(const v1::AttachRequest& q,
     }
   } else {
     origin = " from " + options_.plan_path;
-    absl::StatusOr<balancer::Plan> loaded = balancer::ReadPlanFile(options_.plan_path, topology);
+    // The file's nodes and groups are its own (0: whatever the file says); ranks and slots
+    // must be this group's.
+    absl::StatusOr<balancer::Plan> loaded = balancer::ReadPlanFile(
+        options_.plan_path,
+        balancer::Topology{.num_ranks = config.num_ranks, .num_nodes = 0,
+                           .slots_per_rank = config.slots_per_rank, .num_groups = 0});
     if (!loaded.ok()) {
       return absl::FailedPreconditionError(
           absl::StrCat("the static plan does not fit this group: ", loaded.status().message()));

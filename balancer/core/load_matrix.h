@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 
 namespace ubep::balancer {
 
@@ -44,8 +45,12 @@ class LoadMatrix {
   std::vector<int> layer_ids_;
 };
 
-// OK when every value is finite and non-negative and there is at least one layer and expert.
+// OK when there is at least one layer and expert, one distinct layer id per layer, every
+// value is finite and non-negative and every layer's sum is finite.
 absl::Status ValidateLoad(const LoadMatrix& load);
+
+// OK when no id repeats; else names the first repeat: "<what> 0 and 2 both have layer id 3".
+absl::Status CheckDistinctLayerIds(std::span<const int> layer_ids, absl::string_view what);
 
 }  // namespace ubep::balancer
 

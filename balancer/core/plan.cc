@@ -15,6 +15,7 @@ absl::Status ValidatePlan(const Plan& plan) {
                                                    " layers but ", plan.layer_ids.size(),
                                                    " layer ids"));
   }
+  if (absl::Status s = CheckDistinctLayerIds(plan.layer_ids, "layers"); !s.ok()) return s;
   const int num_slots = t.num_slots();
   for (size_t i = 0; i < plan.excluded_ranks.size(); ++i) {
     const int r = plan.excluded_ranks[i];
@@ -124,8 +125,8 @@ int64_t ChangedSlots(const Plan& before, const Plan& after, std::vector<int64_t>
   return changed;
 }
 
-absl::Status CheckSameShape(const Plan& previous, const Topology& topology, int num_experts,
-                            int num_layers) {
+absl::Status CheckSameShape(const Plan& previous, const Topology& topology,
+                            const LoadMatrix& load) {
   const Topology& p = previous.topology;
   if (p.num_ranks != topology.num_ranks || p.num_nodes != topology.num_nodes ||
       p.slots_per_rank != topology.slots_per_rank) {
@@ -135,13 +136,26 @@ absl::Status CheckSameShape(const Plan& previous, const Topology& topology, int 
         " nodes, not ", topology.num_ranks, " x ", topology.slots_per_rank, " on ",
         topology.num_nodes));
   }
-  if (previous.num_experts != num_experts) {
+  if (previous.num_experts != load.num_experts()) {
     return absl::InvalidArgumentError(absl::StrCat("previous plan has ", previous.num_experts,
-                                                   " experts, load has ", num_experts));
+                                                   " experts, load has ", load.num_experts()));
   }
-  if (previous.num_layers() != num_layers) {
+  if (previous.num_layers() != load.num_layers()) {
     return absl::InvalidArgumentError(absl::StrCat("previous plan has ", previous.num_layers(),
-                                                   " layers, load has ", num_layers));
+                                                   " layers, load has ", load.num_layers()));
+  }
+  // Layers pair by model layer: a plan for layers 3 and 4 is no previous plan for 3 and 5.
+  const std::vector<int>& ids = load.layer_ids();
+  if (previous.layer_ids.size() != ids.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("previous plan has ", previous.layer_ids.size(),
+                                                   " layer ids, load has ", ids.size()));
+  }
+  for (size_t l = 0; l < ids.size(); ++l) {
+    if (previous.layer_ids[l] != ids[l]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("previous plan's layer ", l, " is model layer ", previous.layer_ids[l],
+                       ", the load's is model layer ", ids[l]));
+    }
   }
   return absl::OkStatus();
 }

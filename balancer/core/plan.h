@@ -3,9 +3,10 @@
 // its replicas by these shares, so shares need not be equal. Versions only grow.
 // A value type; thread-compatible.
 //
-// Invariants (ValidatePlan): every slot holds an expert in [0, num_experts); every expert has at
-// least one replica; shares are in [0, 1] and an expert's shares sum to 1 within 1e-9;
-// excluded ranks are ascending, in range, not all ranks, and their slots have share 0.
+// Invariants (ValidatePlan): the topology is valid for num_experts (ValidateTopology); one
+// layer id per layer, no id twice; every slot holds an expert in [0, num_experts); every
+// expert has at least one replica; shares are in [0, 1] and an expert's shares sum to 1 within
+// 1e-9; excluded ranks are ascending, in range, not all ranks, and their slots have share 0.
 #ifndef UBEP_BALANCER_CORE_PLAN_H_
 #define UBEP_BALANCER_CORE_PLAN_H_
 
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "balancer/core/load_matrix.h"
 #include "balancer/core/topology.h"
 
 namespace ubep::balancer {
@@ -64,9 +66,10 @@ void SetEqualShares(int num_experts, LayerPlan& layer);
 // (per_rank may be null).
 int64_t ChangedSlots(const Plan& before, const Plan& after, std::vector<int64_t>* per_rank);
 
-// OK when `previous` has the same topology, expert count and layer count as `current`.
-absl::Status CheckSameShape(const Plan& previous, const Topology& topology, int num_experts,
-                            int num_layers);
+// OK when `previous` is a plan for `topology` (ranks, nodes, slots) and the shape of `load`:
+// its experts, and its layers by model layer id, in the same order.
+absl::Status CheckSameShape(const Plan& previous, const Topology& topology,
+                            const LoadMatrix& load);
 
 }  // namespace ubep::balancer
 

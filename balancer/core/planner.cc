@@ -51,8 +51,8 @@ void KeepLayersEplbCannotMove(const LoadMatrix& load, const Topology& topology,
 absl::StatusOr<Plan> ComputePlan(const LoadMatrix& load, const Topology& topology,
                                  const Plan* previous, const PlannerOptions& options) {
   if (previous != nullptr) {
-    UBEP_RETURN_IF_ERROR(
-        CheckSameShape(*previous, topology, load.num_experts(), load.num_layers()));
+    UBEP_RETURN_IF_ERROR(CheckSameShape(*previous, topology, load));
+    UBEP_RETURN_IF_ERROR(ValidatePlan(*previous));
   }
   absl::StatusOr<Plan> plan;
   switch (options.policy) {
@@ -70,7 +70,13 @@ absl::StatusOr<Plan> ComputePlan(const LoadMatrix& load, const Topology& topolog
                                         .balance_slack = options.balance_slack});
       break;
   }
-  if (plan.ok()) plan->version = previous != nullptr ? previous->version + 1 : 1;
+  if (!plan.ok()) return plan;
+  plan->version = previous != nullptr ? previous->version + 1 : 1;
+  // A policy's bug must not become a plan the data plane runs: no invalid plan leaves here.
+  if (absl::Status s = ValidatePlan(*plan); !s.ok()) {
+    return absl::InternalError(absl::StrCat("policy ", std::string(PolicyName(options.policy)),
+                                            " made an invalid plan: ", s.message()));
+  }
   return plan;
 }
 

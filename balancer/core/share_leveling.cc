@@ -149,8 +149,10 @@ void MinMaxShares(const Topology& t, std::span<const double> w, const std::vecto
   }
   std::vector<int> sink_edges(R);
   for (int r = 0; r < R; ++r) sink_edges[r] = flow.AddEdge(first_rank + r, sink, 0.0);
+  // Tolerances relative to the load (moving > 0: blocks hold only loaded experts), so that
+  // loads of any scale level alike; an absolute floor would leave loads below it unrouted.
   const double total = moving + std::accumulate(fixed.begin(), fixed.end(), 0.0);
-  const double epsilon = 1e-12 * std::max(total, 1.0);
+  const double epsilon = 1e-12 * total;
   double level = std::max(total / R, *std::max_element(fixed.begin(), fixed.end()));
   for (int round = 0; round < R + 1; ++round) {
     MaxFlow& fresh = flow;
@@ -159,7 +161,7 @@ void MinMaxShares(const Topology& t, std::span<const double> w, const std::vecto
     const double routed = fresh.Run(source, sink, epsilon);
     double closed_load = 0;
     int closed_ranks = 0;
-    if (routed < moving - 1e-9 * std::max(moving, 1.0)) {
+    if (routed < moving * (1 - 1e-9)) {
       for (int i = 0; i < num_blocks; ++i) {
         if (fresh.Reachable(first_block + i)) closed_load += w[blocks[i].expert];
       }
@@ -239,9 +241,11 @@ void SpreadShares(std::span<const double> w, const std::vector<Block>& blocks, d
       double sum = 0;
       for (size_t j = 0; j < n; ++j) sum += x[j];
       for (size_t j = 0; j < n; ++j) {
-        const double portion = x[j] * load / sum;
-        rank_load[b.ranks[j]] = base[j] + portion;
-        const double share = portion / load / static_cast<double>(b.slots[j].size());
+        // The fraction first: x[j] * load is of the order of load^2, which overflows for
+        // loads above ~1e154 and underflows to 0 below ~1e-154 (decayed rates).
+        const double fraction = x[j] / sum;
+        rank_load[b.ranks[j]] = base[j] + fraction * load;
+        const double share = fraction / static_cast<double>(b.slots[j].size());
         for (int p : b.slots[j]) layer.slot_share[p] = share;
       }
     }

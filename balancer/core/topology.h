@@ -5,9 +5,15 @@
 #ifndef UBEP_BALANCER_CORE_TOPOLOGY_H_
 #define UBEP_BALANCER_CORE_TOPOLOGY_H_
 
+#include <cstdint>
+
 #include "absl/status/status.h"
 
 namespace ubep::balancer {
+
+// Most physical slots (ranks x slots_per_rank) a topology may have: what keeps slot indices
+// and the arrays sized by them (per layer) in an int.
+inline constexpr int64_t kMaxSlots = int64_t{1} << 20;
 
 struct Topology {
   int num_ranks = 0;
@@ -15,6 +21,7 @@ struct Topology {
   int slots_per_rank = 0;
   int num_groups = 1;  // Expert groups; 1 = no grouping.
 
+  // NOTE: an int; it cannot overflow once ValidateTopology has passed (kMaxSlots).
   int num_slots() const { return num_ranks * slots_per_rank; }
   int ranks_per_node() const { return num_ranks / num_nodes; }
   int NodeOfRank(int rank) const { return rank / ranks_per_node(); }
@@ -24,8 +31,8 @@ struct Topology {
 };
 
 // OK when `topology` can hold `num_experts` logical experts: positive counts, ranks divisible
-// by nodes, at least one slot per expert, experts divisible by groups. The message names the
-// field and the problem.
+// by nodes, at most kMaxSlots slots (counted in 64 bits), at least one slot per expert,
+// experts divisible by groups. The message names the field and the problem.
 absl::Status ValidateTopology(const Topology& topology, int num_experts);
 
 }  // namespace ubep::balancer

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "balancer/core/metrics.h"
 #include "balancer/core/share_leveling.h"
 #include "common/hash.h"
@@ -41,10 +42,14 @@ std::vector<int> ReplicaCounts(std::span<const double> w, int num_slots, int num
 
 constexpr double kMaxAutoSlack = 0.05;
 
-// Sum over ranks of the squared load above the mean.
+// Sum over ranks of the squared load above the mean, in units of the mean (mean > 0): squares
+// of raw loads would overflow above ~1e154 and vanish below ~1e-154.
 double Excess(const std::vector<double>& rank_load, double mean) {
   double sum = 0;
-  for (double l : rank_load) sum += l > mean ? (l - mean) * (l - mean) : 0.0;
+  for (double l : rank_load) {
+    const double above = (l - mean) / mean;
+    sum += l > mean ? above * above : 0.0;
+  }
   return sum;
 }
 
@@ -409,6 +414,19 @@ void RestoreSingles(std::span<const double> w, const Topology& t, const LayerPla
   }
 }
 
+namespace {
+
+// The policy's output, once it is known to be valid: a bug here must not become a plan the
+// data plane runs.
+absl::StatusOr<Plan> CheckedOutput(Plan plan) {
+  if (absl::Status s = ValidatePlan(plan); !s.ok()) {
+    return absl::InternalError(absl::StrCat("ubep policy made an invalid plan: ", s.message()));
+  }
+  return plan;
+}
+
+}  // namespace
+
 // Balancedness of a layer if every replica got an equal share: how much the plan leans on
 // tuned shares, which is what goes stale when the load drifts.
 double EqualShareBalancedness(std::span<const double> w, const Topology& t, LayerPlan layer) {
@@ -421,8 +439,7 @@ absl::StatusOr<Plan> PlanUbep(const LoadMatrix& load, const Topology& topology,
   UBEP_RETURN_IF_ERROR(ValidateLoad(load));
   UBEP_RETURN_IF_ERROR(ValidateTopology(topology, load.num_experts()));
   if (previous != nullptr) {
-    UBEP_RETURN_IF_ERROR(
-        CheckSameShape(*previous, topology, load.num_experts(), load.num_layers()));
+    UBEP_RETURN_IF_ERROR(CheckSameShape(*previous, topology, load));
     UBEP_RETURN_IF_ERROR(ValidatePlan(*previous));
   }
   Plan plan;
@@ -452,7 +469,7 @@ absl::StatusOr<Plan> PlanUbep(const LoadMatrix& load, const Topology& topology,
     for (int l = 0; l < load.num_layers(); ++l) {
       plan.layers.push_back(UbepLayerFresh(load.row(l), topology, layer_options[l]));
     }
-    return plan;
+    return CheckedOutput(std::move(plan));
   }
   // Keep each layer's placement (within the per-rank budget), then, without a per-rank
   // budget, replan from scratch the layers whose kept placement leans hardest on tuned shares,
@@ -509,7 +526,7 @@ absl::StatusOr<Plan> PlanUbep(const LoadMatrix& load, const Topology& topology,
     moved_total += extra;
     plan.layers[l] = std::move(fresh[l]);
   }
-  return plan;
+  return CheckedOutput(std::move(plan));
 }
 
 }  // namespace ubep::balancer

@@ -1,10 +1,13 @@
 #include "balancer/formats/json_formats.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <span>
 #include <sstream>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -117,6 +120,49 @@ absl::StatusOr<Topology> ParseTopology(const Json& v, const std::string& name) {
   return t;
 }
 
+// A topology from the command line (or another caller) must agree with the file's in every
+// field it gives: ranks always; nodes, slots per rank and groups unless 0.
+absl::Status CheckAgrees(const Topology& file, const Topology& given, const std::string& name) {
+  const std::tuple<const char*, int, int, bool> fields[] = {
+      {"ranks", file.num_ranks, given.num_ranks, true},
+      {"nodes", file.num_nodes, given.num_nodes, given.num_nodes != 0},
+      {"slots_per_rank", file.slots_per_rank, given.slots_per_rank, given.slots_per_rank != 0},
+      {"groups", file.num_groups, given.num_groups, given.num_groups != 0}};
+  for (const auto& [key, in_file, in_given, compared] : fields) {
+    if (compared && in_file != in_given) {
+      return Bad(name, absl::StrCat("topology.", key),
+                 absl::StrCat("is ", in_file, ", but ", in_given, " is expected"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Where each expert's replicas sit in one layer, in slot order: O(experts + slots), where
+// EPLB's padded arrays take experts x the largest replica count.
+struct ReplicaIndex {
+  std::vector<int> begin;  // [num_experts + 1]: expert e's slots are slots[begin[e], begin[e+1]).
+  std::vector<int> slots;  // [num_slots]
+
+  int count(int e) const { return begin[e + 1] - begin[e]; }
+  std::span<const int> of(int e) const {
+    return std::span<const int>(slots).subspan(begin[e], count(e));
+  }
+};
+
+// `slot_expert` holds experts in [0, num_experts).
+ReplicaIndex IndexReplicas(const std::vector<int>& slot_expert, int num_experts) {
+  ReplicaIndex index;
+  index.begin.assign(num_experts + 1, 0);
+  for (int e : slot_expert) ++index.begin[e + 1];
+  for (int e = 0; e < num_experts; ++e) index.begin[e + 1] += index.begin[e];
+  index.slots.resize(slot_expert.size());
+  std::vector<int> next(index.begin.begin(), index.begin.end() - 1);
+  for (size_t p = 0; p < slot_expert.size(); ++p) {
+    index.slots[next[slot_expert[p]]++] = static_cast<int>(p);
+  }
+  return index;
+}
+
 }  // namespace
 
 absl::StatusOr<std::string> ReadTextFile(const std::string& path) {
@@ -181,6 +227,9 @@ absl::StatusOr<LoadMatrix> ParseSglangLoad(const std::string& text, const std::s
       row.push_back(v);
       sum += v;
     }
+    if (!std::isfinite(sum)) {  // Finite counts may still overflow: 1e308 + 1e308.
+      return Bad(name, field, "sums to inf; a layer's counts must have a finite sum");
+    }
     if (sum == 0) continue;  // A dense layer.
     values.push_back(std::move(row));
     layer_ids.push_back(static_cast<int>(l));
@@ -235,14 +284,13 @@ absl::StatusOr<Plan> ParsePlanJson(const std::string& text, const std::string& n
   const int width = static_cast<int>(phy2log[0].size());
   if (json.contains("topology")) {
     UBEP_ASSIGN_OR_RETURN(plan.topology, ParseTopology(json["topology"], name));
-    if (topology_override.has_value() &&
-        (topology_override->num_ranks != plan.topology.num_ranks ||
-         (topology_override->slots_per_rank != 0 &&
-          topology_override->slots_per_rank != plan.topology.slots_per_rank))) {
-      return Bad(name, "topology", "disagrees with the ranks given on the command line");
+    if (topology_override.has_value()) {
+      UBEP_RETURN_IF_ERROR(CheckAgrees(plan.topology, *topology_override, name));
     }
   } else if (topology_override.has_value()) {
     plan.topology = *topology_override;
+    if (plan.topology.num_nodes == 0) plan.topology.num_nodes = 1;
+    if (plan.topology.num_groups == 0) plan.topology.num_groups = 1;
     if (plan.topology.slots_per_rank == 0) {  // A plain EPLB plan: from phy2log's width.
       if (plan.topology.num_ranks <= 0 || width % plan.topology.num_ranks != 0) {
         return Bad(name, "phy2log[0]", absl::StrCat(width, " slots do not divide by ",
@@ -255,11 +303,6 @@ absl::StatusOr<Plan> ParsePlanJson(const std::string& text, const std::string& n
   }
   const Topology& t = plan.topology;
   const int num_layers = static_cast<int>(phy2log.size());
-  if (static_cast<int>(phy2log[0].size()) != t.num_slots()) {
-    return Bad(name, "phy2log[0]",
-               absl::StrCat("has ", phy2log[0].size(), " slots, topology has ", t.num_ranks,
-                            " ranks x ", t.slots_per_rank, " = ", t.num_slots()));
-  }
   int num_experts = 0;
   for (const auto& row : phy2log) {
     for (int e : row) num_experts = std::max(num_experts, e + 1);
@@ -273,26 +316,45 @@ absl::StatusOr<Plan> ParsePlanJson(const std::string& text, const std::string& n
     num_experts = std::max(num_experts, static_cast<int>(json["logcnt"][0].size()));
   }
   plan.num_experts = num_experts;
+  // Before anything is sized by the expert count: the slots (counted without overflow) can
+  // hold every expert, so what follows takes memory in proportion to the file.
+  if (absl::Status s = ValidateTopology(t, num_experts); !s.ok()) {
+    return Bad(name, "topology", std::string(s.message()));
+  }
+  if (width != t.num_slots()) {
+    return Bad(name, "phy2log[0]",
+               absl::StrCat("has ", width, " slots, topology has ", t.num_ranks, " ranks x ",
+                            t.slots_per_rank, " = ", t.num_slots()));
+  }
+  std::vector<ReplicaIndex> replicas;
   for (int l = 0; l < num_layers; ++l) {
+    replicas.push_back(IndexReplicas(phy2log[l], num_experts));
+    for (int e = 0; e < num_experts; ++e) {
+      if (replicas[l].count(e) == 0) {
+        return Bad(name, absl::StrCat("phy2log[", l, "]"),
+                   absl::StrCat("no slot holds expert ", e, " (of ", num_experts, ")"));
+      }
+    }
     LayerPlan layer;
-    layer.slot_expert = phy2log[l];
+    layer.slot_expert = std::move(phy2log[l]);
     SetEqualShares(num_experts, layer);
     plan.layers.push_back(std::move(layer));
   }
-  const EplbArrays derived = ToEplbArrays(plan);
   if (json.contains("logcnt")) {
     UBEP_ASSIGN_OR_RETURN(auto logcnt, IntMatrix(json["logcnt"], name, "logcnt", num_layers,
                                                  num_experts, 0, t.num_slots()));
     for (int l = 0; l < num_layers; ++l) {
       for (int e = 0; e < num_experts; ++e) {
-        if (logcnt[l][e] != derived.logcnt[l][e]) {
+        if (logcnt[l][e] != replicas[l].count(e)) {
           return Bad(name, absl::StrCat("logcnt[", l, "][", e, "]"),
                      absl::StrCat("is ", logcnt[l][e], " but phy2log holds ",
-                                  derived.logcnt[l][e], " replicas of expert ", e));
+                                  replicas[l].count(e), " replicas of expert ", e));
         }
       }
     }
   }
+  // The file's own log2phy, when it has one: shares are aligned with it, in its order.
+  std::vector<std::vector<std::vector<int>>> log2phy;
   if (json.contains("log2phy")) {
     const Json& v = json["log2phy"];
     if (!v.is_array() || static_cast<int>(v.size()) != num_layers) {
@@ -306,20 +368,17 @@ absl::StatusOr<Plan> ParsePlanJson(const std::string& text, const std::string& n
         for (int p : rows[e]) {
           if (p >= 0) listed.push_back(p);
         }
-        std::vector<int> expected;
-        for (int p : derived.log2phy[l][e]) {
-          if (p >= 0) expected.push_back(p);
-        }
         std::sort(listed.begin(), listed.end());
-        if (listed != expected) {
+        const std::span<const int> expected = replicas[l].of(e);
+        if (!std::equal(listed.begin(), listed.end(), expected.begin(), expected.end())) {
           return Bad(name, absl::StrCat("log2phy[", l, "][", e, "]"),
                      "does not list the slots phy2log assigns to this expert");
         }
       }
+      log2phy.push_back(std::move(rows));
     }
   }
   if (json.contains("shares")) {
-    // Aligned with log2phy as this project writes it: replicas in slot order.
     const Json& v = json["shares"];
     if (!v.is_array() || static_cast<int>(v.size()) != num_layers) {
       return Bad(name, "shares", absl::StrCat("expected ", num_layers, " layers"));
@@ -330,16 +389,29 @@ absl::StatusOr<Plan> ParsePlanJson(const std::string& text, const std::string& n
         return Bad(name, field, absl::StrCat("expected ", num_experts, " experts"));
       }
       for (int e = 0; e < num_experts; ++e) {
-        const Json& row = v[l][e];
-        const int count = derived.logcnt[l][e];
-        if (!row.is_array() || static_cast<int>(row.size()) < count) {
-          return Bad(name, absl::StrCat(field, "[", e, "]"),
-                     absl::StrCat("expected at least ", count, " shares"));
+        // Entry j is the share of the replica at log2phy[l][e][j]: the file's, or ours (slot
+        // order) without one. Entries with no replica (-1, or past the row) are padding.
+        const std::span<const int> slots =
+            log2phy.empty() ? replicas[l].of(e) : std::span<const int>(log2phy[l][e]);
+        size_t needed = 0;
+        for (size_t j = 0; j < slots.size(); ++j) {
+          if (slots[j] >= 0) needed = j + 1;
         }
-        for (int j = 0; j < count; ++j) {
-          UBEP_ASSIGN_OR_RETURN(
-              double s, NonNegative(row[j], name, absl::StrCat(field, "[", e, "][", j, "]")));
-          plan.layers[l].slot_share[derived.log2phy[l][e][j]] = s;
+        const Json& row = v[l][e];
+        const std::string row_field = absl::StrCat(field, "[", e, "]");
+        if (!row.is_array() || row.size() < needed) {
+          return Bad(name, row_field, absl::StrCat("expected at least ", needed, " shares"));
+        }
+        for (size_t j = 0; j < row.size(); ++j) {
+          const std::string share_field = absl::StrCat(row_field, "[", j, "]");
+          UBEP_ASSIGN_OR_RETURN(double s, NonNegative(row[j], name, share_field));
+          if (j < slots.size() && slots[j] >= 0) {
+            plan.layers[l].slot_share[slots[j]] = s;
+          } else if (s != 0) {
+            return Bad(name, share_field,
+                       absl::StrCat("is padding (no replica there) and must be 0, got ",
+                                    row[j].dump()));
+          }
         }
       }
     }
@@ -356,6 +428,15 @@ absl::StatusOr<Plan> ParsePlanJson(const std::string& text, const std::string& n
     }
   } else {
     for (int l = 0; l < num_layers; ++l) plan.layer_ids.push_back(l);
+  }
+  if (json.contains("excluded_ranks")) {
+    const Json& v = json["excluded_ranks"];
+    if (!v.is_array()) return Bad(name, "excluded_ranks", "expected an array of ranks");
+    for (size_t i = 0; i < v.size(); ++i) {
+      UBEP_ASSIGN_OR_RETURN(int r, Integer(v[i], name, absl::StrCat("excluded_ranks[", i, "]"),
+                                           0, t.num_ranks - 1));
+      plan.excluded_ranks.push_back(r);
+    }
   }
   if (absl::Status s = ValidatePlan(plan); !s.ok()) {
     return Bad(name, "plan", std::string(s.message()));
@@ -383,6 +464,7 @@ std::string PlanToJson(const Plan& plan) {
   json["log2phy"] = arrays.log2phy;
   json["logcnt"] = arrays.logcnt;
   json["shares"] = arrays.shares;
+  if (!plan.excluded_ranks.empty()) json["excluded_ranks"] = plan.excluded_ranks;
   return json.dump();
 }
 

@@ -2,7 +2,7 @@
 // - load: SGLang's expert-distribution file {"logical_count": [[...] x layers]}; rows summing
 //   to zero are dense layers and are skipped (their model layer index is kept in layer_ids);
 // - plan: EPLB's arrays (phy2log, log2phy padded with -1, logcnt) plus shares aligned with
-//   log2phy, version, layer_ids and the topology.
+//   log2phy, version, layer_ids, the topology and excluded_ranks (when there are some).
 // Every error is InvalidArgument (NotFound for a missing file) with one line naming the file,
 // the field and the problem. Thread-compatible.
 #ifndef UBEP_BALANCER_FORMATS_JSON_FORMATS_H_
@@ -23,8 +23,9 @@ absl::StatusOr<LoadMatrix> ReadSglangLoadFile(const std::string& path);
 std::string SglangLoadToJson(const LoadMatrix& load);
 
 // `topology_override` fills in the topology of a plan file that has none (a plain EPLB
-// output) and must agree with one that has; its slots_per_rank may be 0, meaning "from
-// phy2log's width".
+// output) and must agree with one that has, in every field it gives: its nodes, groups and
+// slots_per_rank may be 0, meaning "the file's" (without a topology in the file: 1 node,
+// 1 group, slots per rank from phy2log's width). Memory taken is in proportion to the text.
 absl::StatusOr<Plan> ParsePlanJson(const std::string& text, const std::string& name,
                                    const std::optional<Topology>& topology_override = {});
 absl::StatusOr<Plan> ReadPlanFile(const std::string& path,

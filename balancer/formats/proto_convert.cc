@@ -1,6 +1,8 @@
 #include "balancer/formats/proto_convert.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/hash.h"
@@ -103,6 +105,10 @@ absl::StatusOr<Plan> FromProto(const v1::Plan& proto) {
         absl::StrCat("plan: num_experts ", proto.num_experts(), " is outside [1, 2^20]"));
   }
   plan.num_experts = static_cast<int>(proto.num_experts());
+  // Before anything is sized by the slot count: ranks x slots within kMaxSlots, no overflow.
+  if (absl::Status s = ValidateTopology(plan.topology, plan.num_experts); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("plan.topology: ", s.message()));
+  }
   if (proto.layer_ids_size() != proto.layers_size()) {
     return absl::InvalidArgumentError(absl::StrCat("plan: ", proto.layers_size(),
                                                    " layers but ", proto.layer_ids_size(),
@@ -133,7 +139,8 @@ absl::StatusOr<Plan> FromProto(const v1::Plan& proto) {
     }
     LayerPlan layer;
     layer.slot_expert.assign(in.slot_expert().begin(), in.slot_expert().end());
-    layer.slot_share.assign(num_slots, -1.0);
+    layer.slot_share.assign(num_slots, 0.0);
+    std::vector<uint8_t> listed(num_slots, 0);
     for (int e = 0; e < plan.num_experts; ++e) {
       for (const v1::Replica& replica : in.experts(e).replicas()) {
         if (replica.slot() >= static_cast<uint32_t>(num_slots) ||
@@ -142,11 +149,17 @@ absl::StatusOr<Plan> FromProto(const v1::Plan& proto) {
               absl::StrCat("plan.layers[", l, "].experts[", e, "]: replica slot ",
                            replica.slot(), " does not hold expert ", e));
         }
+        if (listed[replica.slot()]) {  // Else the last listing would win.
+          return absl::InvalidArgumentError(
+              absl::StrCat("plan.layers[", l, "].experts[", e, "]: replica slot ",
+                           replica.slot(), " is listed twice"));
+        }
+        listed[replica.slot()] = 1;
         layer.slot_share[replica.slot()] = replica.share();
       }
     }
     for (int p = 0; p < num_slots; ++p) {
-      if (layer.slot_share[p] < 0) {
+      if (!listed[p]) {
         return absl::InvalidArgumentError(absl::StrCat(
             "plan.layers[", l, "]: slot ", p, " is missing from its expert's replicas"));
       }

@@ -326,8 +326,9 @@ TEST_F(DaemonTest, AReceiveCapacityOverflowDropsTheSameStepsEverywhereAndTheRest
   EXPECT_TRUE(again.ok()) << again.error_message();
 }
 
-// A plain EPLB plan file (no topology, no shares): 4 ranks x 65 slots, the last slot of each
-// rank a second replica of some expert. Outputs must not depend on the plan.
+// An EPLB plan file (no shares) with a topology of two nodes (ubepd takes the file's nodes as
+// they are): 4 ranks x 65 slots, the last slot of each rank a second replica of some expert.
+// Outputs must not depend on the plan.
 TEST_F(DaemonTest, StaticPlanFromAnEplbFileRoutesWithReplicasAndEachPortServesItsOwnService) {
   nlohmann::json phy2log = nlohmann::json::array();
   for (int l = 0; l < 4; ++l) {
@@ -339,7 +340,11 @@ TEST_F(DaemonTest, StaticPlanFromAnEplbFileRoutesWithReplicasAndEachPortServesIt
     phy2log.push_back(row);
   }
   const std::string plan = dir_.Write(
-      "plan.json", nlohmann::json{{"version", 7}, {"num_experts", 256}, {"phy2log", phy2log}}.dump());
+      "plan.json", nlohmann::json{{"version", 7},
+                                  {"num_experts", 256},
+                                  {"topology", {{"ranks", kWorld}, {"nodes", 2}, {"slots_per_rank", 65}}},
+                                  {"phy2log", phy2log}}
+                       .dump());
   auto daemon = StartDaemon({"--plan=" + plan, "--listen=127.0.0.1:0"});
   std::vector<std::unique_ptr<Process>> clients;
   for (int r = 0; r < kWorld; ++r) clients.push_back(StartClient(r, {"--slots_per_rank=65"}));

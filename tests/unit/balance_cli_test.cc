@@ -187,7 +187,16 @@ INSTANTIATE_TEST_SUITE_P(
                 "--policy", "ubep", "--steps", "100000", "--rebalance-every", "100", "--window",
                 "10"},
                "ubep-balance replay: --steps 100000 of 58 layers x 256 experts are 11328 MiB of "
-               "loads, over the 2048 MiB a replay holds; take at most 18078 steps"}));
+               "loads, over the 2048 MiB a replay holds; take at most 18078 steps"},
+        // Each count within 2^20, their product over it (and over an int: it would wrap).
+        BadRun{{"plan", "--load", kTrace, "--ranks", "65536", "--slots-per-rank", "65537",
+                "--out", "/tmp/x.json"},
+               "ubep-balance plan: " + kTrace +
+                   ": slots (65536 ranks x 65537 = 4295032832) are more than the 1048576 "
+                   "(2^20) a topology may have"},
+        BadRun{{"plan", "--load", kTrace, "--ranks", "8", "--slots-per-rank", "32",
+                "--balance-slack=", "--out", "/tmp/x.json"},
+               "ubep-balance plan: --balance-slack: '' is not a number in [0, 1]"}));
 
 TEST(BalanceCliTest, PreviousPlanOfAnotherShapeIsRejected) {
   test::TempDir dir;
@@ -202,6 +211,44 @@ TEST(BalanceCliTest, PreviousPlanOfAnotherShapeIsRejected) {
   EXPECT_EQ(r.err, "ubep-balance plan: " + first +
                        ": previous plan is for 16 ranks x 17 slots on 1 nodes, not 8 x 34 on "
                        "1\n");
+}
+
+// Layers pair by model layer id: a previous plan for layers 0 and 1 does not fit a load
+// whose MoE layers are 0 and 2, though both have two.
+TEST(BalanceCliTest, PreviousPlanOfOtherLayersIsRejected) {
+  test::TempDir dir;
+  const std::string first_load = dir.Write("a.json", R"({"logical_count": [[1,2,3,4],[4,3,2,1]]})");
+  const std::string second_load =
+      dir.Write("b.json", R"({"logical_count": [[1,2,3,4],[0,0,0,0],[4,3,2,1]]})");
+  const std::string first = dir.path() + "/v1.json";
+  ASSERT_EQ(RunCli({"plan", "--load", first_load, "--ranks", "2", "--slots-per-rank", "3",
+                    "--out", first})
+                .code,
+            0);
+  Result r = RunCli({"plan", "--load", second_load, "--ranks", "2", "--slots-per-rank", "3",
+                     "--previous", first, "--out", dir.path() + "/v2.json"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, "ubep-balance plan: " + first +
+                       ": previous plan's layer 1 is model layer 1, the load's is model layer "
+                       "2\n");
+}
+
+// eval's --nodes must agree with the plan's topology; left out, the plan's holds.
+TEST(BalanceCliTest, EvalComparesNodesWithThePlansTopology) {
+  test::TempDir dir;
+  const std::string load = dir.Write("load.json", R"({"logical_count": [[3,1]]})");
+  const std::string plan = dir.Write(
+      "plan.json",
+      R"({"topology": {"ranks": 2, "nodes": 2, "slots_per_rank": 2}, "phy2log": [[0,1,0,1]]})");
+  Result r = RunCli({"eval", "--plan", plan, "--load", load, "--ranks", "2"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(Json::parse(r.out)["ranks"], 2);
+  r = RunCli({"eval", "--plan", plan, "--load", load, "--ranks", "2", "--nodes", "2"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  r = RunCli({"eval", "--plan", plan, "--load", load, "--ranks", "2", "--nodes", "1"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, "ubep-balance eval: " + plan +
+                       ": topology.nodes: is 2, but 1 is expected\n");
 }
 
 TEST(BalanceCliTest, TheBinaryExitsTwoOnBadInput) {

@@ -1,7 +1,9 @@
 #include "balancer/formats/json_formats.h"
 
+#include "absl/strings/str_cat.h"
 #include "balancer/core/planner.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "tests/unit/test_util.h"
 
 namespace ubep::balancer {
@@ -63,7 +65,11 @@ INSTANTIATE_TEST_SUITE_P(
                 "literal; last read: '1, N'"},
         BadLoad{R"({"logical_count": [[1, 1e999]]})",
                 "in.json: (document): malformed JSON at byte 28: "
-                "[json.exception.out_of_range.406] number overflow parsing '1e999'"}));
+                "[json.exception.out_of_range.406] number overflow parsing '1e999'"},
+        // Each count is finite, their sum is not: balancedness would be 0, shares NaN.
+        BadLoad{R"({"logical_count": [[1, 2], [1e308, 1e308]]})",
+                "in.json: logical_count[1]: sums to inf; a layer's counts must have a finite "
+                "sum"}));
 
 TEST(ReadFileTest, MissingFileIsNotFound) {
   EXPECT_EQ(ReadSglangLoadFile("/nonexistent/x.json").status(),
@@ -95,6 +101,90 @@ TEST(PlanJsonTest, AcceptsPlainEplbOutputWithTopologyFromCaller) {
   EXPECT_EQ(plan->layers[0].slot_share, (std::vector<double>{0.5, 1, 1, 0.5}));
 }
 
+// shares[l][e] is aligned with the file's own log2phy[l][e], whatever order that lists the
+// replicas in (EPLB lists them in creation order, not slot order).
+TEST(PlanJsonTest, SharesFollowTheFilesOwnLog2phy) {
+  const std::string text = R"({"topology": {"ranks": 2, "nodes": 1, "slots_per_rank": 2},
+                               "phy2log": [[0,1,2,0]], "log2phy": [[[3,0],[1,-1],[2,-1]]],
+                               "shares": [[[0.8,0.2],[1],[1]]]})";
+  absl::StatusOr<Plan> plan = ParsePlanJson(text, "p.json");
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->layers[0].slot_share, (std::vector<double>{0.2, 1, 1, 0.8}));
+  // Without log2phy, shares follow slot order (the order PlanToJson writes).
+  absl::StatusOr<Plan> slot_order = ParsePlanJson(
+      R"({"topology": {"ranks": 2, "nodes": 1, "slots_per_rank": 2},
+          "phy2log": [[0,1,2,0]], "shares": [[[0.8,0.2],[1],[1]]]})",
+      "p.json");
+  ASSERT_TRUE(slot_order.ok()) << slot_order.status();
+  EXPECT_EQ(slot_order->layers[0].slot_share, (std::vector<double>{0.8, 1, 1, 0.2}));
+}
+
+// A plan that excludes a node's ranks keeps them excluded through the file.
+TEST(PlanJsonTest, RoundTripsExcludedRanks) {
+  Plan plan;
+  plan.version = 4;
+  plan.topology = Topology{2, 1, 2, 1};
+  plan.num_experts = 2;
+  plan.layer_ids = {5};
+  plan.layers.push_back({{0, 1, 0, 1}, {0, 0, 1, 1}});
+  plan.excluded_ranks = {0};
+  const std::string text = PlanToJson(plan);
+  EXPECT_EQ(nlohmann::json::parse(text)["excluded_ranks"], nlohmann::json::array({0}));
+  absl::StatusOr<Plan> back = ParsePlanJson(text, "p.json");
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, plan);
+  // Written only when there are some (a plain EPLB reader never sees the field).
+  plan.excluded_ranks.clear();
+  plan.layers[0].slot_share = {0.5, 0.5, 0.5, 0.5};
+  EXPECT_FALSE(nlohmann::json::parse(PlanToJson(plan)).contains("excluded_ranks"));
+  back = ParsePlanJson(PlanToJson(plan), "p.json");
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, plan);
+}
+
+// The topology a caller gives must agree with the file's in every field it gives; 0 leaves
+// a field to the file (nodes, groups, slots per rank).
+TEST(PlanJsonTest, TopologyFromTheCallerMustAgreeOnNodesAndGroupsToo) {
+  const std::string text = R"({"topology": {"ranks": 2, "nodes": 1, "slots_per_rank": 2,
+                                            "groups": 1}, "phy2log": [[0,1,2,0]]})";
+  EXPECT_EQ(ParsePlanJson(text, "p.json", Topology{2, 2, 0, 0}).status(),
+            absl::InvalidArgumentError("p.json: topology.nodes: is 1, but 2 is expected"));
+  EXPECT_EQ(ParsePlanJson(text, "p.json", Topology{2, 1, 2, 3}).status(),
+            absl::InvalidArgumentError("p.json: topology.groups: is 1, but 3 is expected"));
+  EXPECT_EQ(ParsePlanJson(text, "p.json", Topology{3, 0, 0, 0}).status(),
+            absl::InvalidArgumentError("p.json: topology.ranks: is 2, but 3 is expected"));
+  EXPECT_EQ(ParsePlanJson(text, "p.json", Topology{2, 1, 4, 0}).status(),
+            absl::InvalidArgumentError(
+                "p.json: topology.slots_per_rank: is 2, but 4 is expected"));
+  for (const Topology& agrees : {Topology{2, 0, 0, 0}, Topology{2, 1, 2, 1}}) {
+    absl::StatusOr<Plan> plan = ParsePlanJson(text, "p.json", agrees);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_EQ(plan->topology, (Topology{2, 1, 2, 1}));
+  }
+  // Without a topology in the file, fields left at 0 take their defaults.
+  absl::StatusOr<Plan> plain =
+      ParsePlanJson(R"({"phy2log": [[0,1,2,0]]})", "p.json", Topology{2, 0, 0, 0});
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_EQ(plain->topology, (Topology{2, 1, 2, 1}));
+}
+
+// One rank of 65536 slots, expert 0 in 32769 of them: a valid plan whose padded EPLB arrays
+// (32768 experts x 32769 replicas) would take 12 GiB. Reading it takes memory in proportion
+// to the file.
+TEST(PlanJsonTest, AnExpertWithManyReplicasIsReadWithoutPaddedArrays) {
+  std::string text = R"({"topology": {"ranks": 1, "nodes": 1, "slots_per_rank": 65536},
+                         "phy2log": [[)";
+  for (int p = 0; p < 65536; ++p) {
+    absl::StrAppend(&text, p == 0 ? "" : ",", p < 32769 ? 0 : p - 32768);
+  }
+  text += "]]}";
+  absl::StatusOr<Plan> plan = ParsePlanJson(text, "p.json");
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->num_experts, 32768);
+  EXPECT_EQ(plan->layers[0].slot_share[0], 1.0 / 32769);
+  EXPECT_EQ(plan->layers[0].slot_share[65535], 1.0);
+}
+
 class BadPlanTest : public ::testing::TestWithParam<BadLoad> {};
 
 TEST_P(BadPlanTest, NamesFileFieldAndProblem) {
@@ -103,6 +193,16 @@ TEST_P(BadPlanTest, NamesFileFieldAndProblem) {
 }
 
 constexpr char kTopology[] = R"("topology": {"ranks": 2, "nodes": 1, "slots_per_rank": 2})";
+constexpr char kOneSlot[] = R"("topology": {"ranks": 1, "nodes": 1, "slots_per_rank": 1})";
+
+// About 130 KB naming expert 1048575 in one of 65536 slots: refused before anything is sized
+// by the expert count (EPLB's padded arrays would be 2^20 x 65535 entries, about 800 GB).
+std::string TooManyExpertsForTheSlots() {
+  std::string text = R"({"topology": {"ranks": 1, "nodes": 1, "slots_per_rank": 65536},
+                         "phy2log": [[)";
+  for (int p = 0; p < 65535; ++p) text += "0,";
+  return text + "1048575]]}";
+}
 
 INSTANTIATE_TEST_SUITE_P(
     Inputs, BadPlanTest,
@@ -120,10 +220,42 @@ INSTANTIATE_TEST_SUITE_P(
                 "p.json: logcnt[0][0]: is 1 but phy2log holds 2 replicas of expert 0"},
         BadLoad{std::string("{") + kTopology +
                  R"(, "phy2log": [[0,1,3,0]], "num_experts": 4})",
-                "p.json: plan: layer 0 expert 2 has no replica (or only zero shares)"},
+                "p.json: phy2log[0]: no slot holds expert 2 (of 4)"},
         BadLoad{std::string("{") + kTopology +
                  R"(, "phy2log": [[0,1,2,0]], "shares": [[[0.5,0.6],[1],[1]]]})",
-                "p.json: plan: layer 0 expert 0 shares sum to 1.1, not 1"}));
+                "p.json: plan: layer 0 expert 0 shares sum to 1.1, not 1"},
+        BadLoad{TooManyExpertsForTheSlots(),
+                "p.json: topology: slots (1 ranks x 65536 = 65536) are fewer than the 1048576 "
+                "logical experts; every expert needs a slot"},
+        BadLoad{std::string("{") + kTopology +
+                 R"(, "phy2log": [[0,1,2,0],[0,1,2,0]], "layer_ids": [3,3]})",
+                "p.json: plan: layers 0 and 1 both have layer id 3"},
+        // Padding past an expert's replicas must be 0.
+        BadLoad{std::string("{") + kOneSlot + R"(, "phy2log": [[0]], "shares": [[[1, 0.7, "x"]]]})",
+                "p.json: shares[0][0][1]: is padding (no replica there) and must be 0, got 0.7"},
+        BadLoad{std::string("{") + kOneSlot + R"(, "phy2log": [[0]], "shares": [[[1, 0, "x"]]]})",
+                "p.json: shares[0][0][2]: expected a number, got \"x\""},
+        BadLoad{std::string("{") + kTopology +
+                 R"(, "phy2log": [[0,1,2,0]], "log2phy": [[[3,0],[1,-1],[2,-1]]],
+                    "shares": [[[0.8,0.2],[1,0.5],[1]]]})",
+                "p.json: shares[0][1][1]: is padding (no replica there) and must be 0, got 0.5"},
+        BadLoad{std::string("{") + kTopology +
+                 R"(, "phy2log": [[0,1,2,0]], "log2phy": [[[-1,3,0],[1,-1,-1],[2,-1,-1]]],
+                    "shares": [[[0,0.8],[1],[1]]]})",
+                "p.json: shares[0][0]: expected at least 3 shares"},
+        BadLoad{std::string("{") + kTopology +
+                 R"(, "phy2log": [[0,1,2,0]], "log2phy": [[[3,3],[1,-1],[2,-1]]]})",
+                "p.json: log2phy[0][0]: does not list the slots phy2log assigns to this expert"},
+        // Excluded ranks: in range, and their slots carry no share.
+        BadLoad{std::string("{") + kTopology +
+                 R"(, "phy2log": [[0,1,0,1]], "excluded_ranks": [2]})",
+                "p.json: excluded_ranks[0]: is 2, outside [0, 1]"},
+        BadLoad{std::string("{") + kTopology +
+                 R"(, "phy2log": [[0,1,0,1]], "excluded_ranks": 0})",
+                "p.json: excluded_ranks: expected an array of ranks"},
+        BadLoad{std::string("{") + kTopology +
+                 R"(, "phy2log": [[0,1,0,1]], "excluded_ranks": [0]})",
+                "p.json: plan: layer 0 slot 0 has share 0.5 but rank 0 is excluded"}));
 
 }  // namespace
 }  // namespace ubep::balancer

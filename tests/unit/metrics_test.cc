@@ -109,5 +109,29 @@ TEST(MetricsTest, ValidatePlanNamesTheProblem) {
                                     "layer 0 expert 3 has no replica (or only zero shares)"));
 }
 
+// Two entries of one model layer would make the data plane and the load reports pair layers
+// by position, whichever of the two they mean.
+TEST(MetricsTest, ValidatePlanRejectsARepeatedLayerId) {
+  Plan plan = TwoNodePlan();
+  plan.layers.push_back(plan.layers[0]);
+  plan.layer_ids = {3, 3};
+  EXPECT_EQ(ValidatePlan(plan),
+            absl::InvalidArgumentError("layers 0 and 1 both have layer id 3"));
+  plan.layer_ids = {3, 4};
+  EXPECT_EQ(ValidatePlan(plan), absl::OkStatus());
+}
+
+// ranks x slots_per_rank is counted in 64 bits: 65536 x 65537 would wrap to 65536 in an int
+// and pass for 8 experts, and the policies would then write past their slot arrays.
+TEST(MetricsTest, ValidateTopologyCountsSlotsWithoutOverflowAndCapsThem) {
+  EXPECT_EQ(ValidateTopology(Topology{65536, 1, 65537, 1}, 8),
+            absl::InvalidArgumentError("slots (65536 ranks x 65537 = 4295032832) are more than "
+                                       "the 1048576 (2^20) a topology may have"));
+  EXPECT_EQ(ValidateTopology(Topology{1024, 1, 1025, 1}, 8),
+            absl::InvalidArgumentError("slots (1024 ranks x 1025 = 1049600) are more than "
+                                       "the 1048576 (2^20) a topology may have"));
+  EXPECT_EQ(ValidateTopology(Topology{1024, 1, 1024, 1}, 8), absl::OkStatus());
+}
+
 }  // namespace
 }  // namespace ubep::balancer

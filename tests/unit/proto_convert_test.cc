@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "absl/strings/str_cat.h"
 #include "balancer/core/planner.h"
 #include "gtest/gtest.h"
 #include "tests/unit/test_util.h"
@@ -89,6 +90,36 @@ TEST(ProtoConvertTest, RejectsInconsistentPlans) {
   EXPECT_EQ(FromProto(proto).status(),
             absl::InvalidArgumentError("topology.ranks: rank 2 is on node 0; ranks must be "
                                        "numbered node-major (rank r on node r / 2)"));
+}
+
+// In the full form a replica listed twice for one slot would have the last listing win.
+TEST(ProtoConvertTest, RejectsAReplicaListedTwice) {
+  v1::Plan proto = ToProto(test::SmallPlan());
+  v1::ExpertPlacement* expert = proto.mutable_layers(1)->mutable_experts(0);
+  const uint32_t slot = expert->replicas(0).slot();
+  *expert->add_replicas() = expert->replicas(0);
+  EXPECT_EQ(FromProto(proto).status(),
+            absl::InvalidArgumentError(absl::StrCat("plan.layers[1].experts[0]: replica slot ",
+                                                    slot, " is listed twice")));
+}
+
+TEST(ProtoConvertTest, RejectsARepeatedLayerId) {
+  v1::Plan proto = ToProto(test::SmallPlan());
+  proto.set_layer_ids(1, proto.layer_ids(0));
+  EXPECT_EQ(FromProto(proto).status(),
+            absl::InvalidArgumentError("plan: layers 0 and 1 both have layer id 3"));
+}
+
+// Each count is within 2^20, their product is not: refused before anything is sized by it.
+TEST(ProtoConvertTest, RejectsATopologyOfTooManySlots) {
+  v1::Plan proto;
+  proto.mutable_topology()->set_num_ranks(65536);
+  proto.mutable_topology()->set_num_nodes(1);
+  proto.mutable_topology()->set_slots_per_rank(65537);
+  proto.set_num_experts(8);
+  EXPECT_EQ(FromProto(proto).status(),
+            absl::InvalidArgumentError("plan.topology: slots (65536 ranks x 65537 = 4295032832) "
+                                       "are more than the 1048576 (2^20) a topology may have"));
 }
 
 TEST(ProtoConvertTest, FoldsSlotCountsOntoLogicalExperts) {

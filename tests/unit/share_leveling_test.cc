@@ -1,6 +1,7 @@
 #include "balancer/core/share_leveling.h"
 
 #include "balancer/core/metrics.h"
+#include "balancer/core/planner.h"
 #include "gtest/gtest.h"
 
 namespace ubep::balancer {
@@ -63,6 +64,36 @@ TEST(ShareLevelingTest, ZeroLoadKeepsEqualShares) {
   const std::vector<double> w = {0, 0};
   LevelShares(t, w, layer);
   EXPECT_EQ(layer.slot_share, (std::vector<double>{0.5, 0.5, 0.5, 0.5}));
+}
+
+// Shares are fractions of an expert's load whatever its scale: loads decayed to 1e-170 (an
+// EWMA in the server) or grown to 1e160 level as loads of 1 do, rather than underflowing to
+// share 0 or overflowing to inf through load x load, or being too small to route at all.
+TEST(ShareLevelingTest, TinyAndHugeLoadsGiveTheSharesOfOrdinaryOnes) {
+  const Topology t{2, 1, 2, 1};
+  for (const double scale : {1e-170, 1.0, 1e160}) {
+    SCOPED_TRACE(scale);
+    LayerPlan layer{{0, 2, 1, 2}, {}};  // As in SplitsAReplicatedExpertToLevelTwoRanks.
+    const std::vector<double> w = {6 * scale, 2 * scale, 4 * scale};
+    std::vector<double> loads = LevelShares(t, w, layer);
+    EXPECT_NEAR(loads[0] / scale, 6.0, 1e-9);
+    EXPECT_NEAR(loads[1] / scale, 6.0, 1e-9);
+    EXPECT_NEAR(layer.slot_share[1], 0.0, 1e-12);
+    EXPECT_NEAR(layer.slot_share[3], 1.0, 1e-12);
+    // With slack the split moves toward equal, by the same fractions at every scale.
+    loads = LevelShares(t, w, layer, {.balance_slack = 0.2});
+    EXPECT_NEAR(loads[0] / scale, 7.2, 1e-9);
+    EXPECT_NEAR(layer.slot_share[1], 0.3, 1e-9);
+    EXPECT_NEAR(layer.slot_share[3], 0.7, 1e-9);
+
+    // And through the planner: two experts of equal load on two ranks of two slots.
+    LoadMatrix load(1, 2);
+    load.at(0, 0) = load.at(0, 1) = scale;
+    absl::StatusOr<Plan> plan = ComputePlan(load, t, nullptr, {.policy = Policy::kUbep});
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_EQ(ValidatePlan(*plan), absl::OkStatus());
+    EXPECT_NEAR(SummarizeBalance(*plan, load).mean, 1.0, 0.05 + 1e-9);
+  }
 }
 
 }  // namespace

@@ -269,6 +269,39 @@ TEST(UbepPolicyTest, RejectsPreviousPlanOfAnotherShape) {
             absl::InvalidArgumentError("previous plan has 2 layers, load has 1"));
 }
 
+// Layers pair by model layer id, not by row: a previous plan for layers 0 and 1 is not a
+// previous plan for a load of layers 0 and 2 (ComputePlan checks it too, for EPLB).
+TEST(UbepPolicyTest, RejectsPreviousPlanOfOtherLayers) {
+  LoadMatrix load(2, 8);
+  for (int e = 0; e < 8; ++e) load.at(0, e) = load.at(1, e) = e + 1;
+  absl::StatusOr<Plan> plan = PlanUbep(load, Topology{4, 1, 3, 1}, nullptr, {});
+  ASSERT_TRUE(plan.ok());
+  load.set_layer_ids({0, 2});
+  const absl::Status expected = absl::InvalidArgumentError(
+      "previous plan's layer 1 is model layer 1, the load's is model layer 2");
+  EXPECT_EQ(PlanUbep(load, Topology{4, 1, 3, 1}, &*plan, {}).status(), expected);
+  EXPECT_EQ(ComputePlan(load, Topology{4, 1, 3, 1}, &*plan, {.policy = Policy::kEplb}).status(),
+            expected);
+}
+
+TEST(UbepPolicyTest, RejectsALoadWithARepeatedLayerId) {
+  LoadMatrix load(2, 4);
+  for (int e = 0; e < 4; ++e) load.at(0, e) = load.at(1, e) = e + 1;
+  load.set_layer_ids({3, 3});
+  EXPECT_EQ(PlanUbep(load, Topology{2, 1, 2, 1}, nullptr, {}).status(),
+            absl::InvalidArgumentError("load rows 0 and 1 both have layer id 3"));
+}
+
+// Each count is finite, but their sum is not: balancedness would be 0 and shares NaN.
+TEST(UbepPolicyTest, RejectsALoadWhoseLayerSumOverflows) {
+  LoadMatrix load(1, 2);
+  load.at(0, 0) = load.at(0, 1) = 1e308;
+  EXPECT_EQ(PlanUbep(load, Topology{2, 1, 2, 1}, nullptr, {}).status(),
+            absl::InvalidArgumentError(
+                "loads of layer 0 sum to inf; a layer's loads must have a finite sum"));
+  EXPECT_EQ(ValidateLoad(load), PlanUbep(load, Topology{2, 1, 2, 1}, nullptr, {}).status());
+}
+
 TEST(UbepPolicyTest, RejectsNegativeLoad) {
   LoadMatrix load(1, 4);
   load.at(0, 2) = -1;

@@ -127,7 +127,8 @@ absl::StatusOr<PlannerOptions> PlannerFromFlags(const Flags& flags, const std::s
     UBEP_ASSIGN_OR_RETURN(std::string text, flags.String("balance-slack"));
     char* end = nullptr;
     options.balance_slack = std::strtod(text.c_str(), &end);
-    if (end != text.c_str() + text.size() || !(options.balance_slack >= 0) ||
+    // strtod reads "" as 0 with nothing consumed: an empty value is no number.
+    if (text.empty() || end != text.c_str() + text.size() || !(options.balance_slack >= 0) ||
         options.balance_slack > 1) {
       return absl::InvalidArgumentError(
           absl::StrCat("--balance-slack: '", text, "' is not a number in [0, 1]"));
@@ -159,8 +160,7 @@ absl::Status RunPlan(const Flags& flags, std::ostream& out, ClockInterface& cloc
   if (flags.Has("previous")) {
     UBEP_ASSIGN_OR_RETURN(previous_path, flags.String("previous"));
     UBEP_ASSIGN_OR_RETURN(previous, ReadPlanFile(previous_path));
-    absl::Status s =
-        CheckSameShape(*previous, topology, load.num_experts(), load.num_layers());
+    absl::Status s = CheckSameShape(*previous, topology, load);
     if (!s.ok()) {
       return absl::InvalidArgumentError(absl::StrCat(previous_path, ": ", s.message()));
     }
@@ -192,10 +192,10 @@ absl::Status RunEval(const Flags& flags, std::ostream& out) {
   UBEP_ASSIGN_OR_RETURN(std::string load_path, flags.String("load"));
   std::optional<Topology> override_topology;
   if (flags.Has("ranks")) {
-    Topology t;
+    // 0: the plan file's, or (a plain EPLB plan) 1 node and slots from phy2log's width.
+    Topology t{.num_ranks = 0, .num_nodes = 0, .slots_per_rank = 0, .num_groups = 0};
     UBEP_ASSIGN_OR_RETURN(t.num_ranks, flags.Int("ranks", 1, kMaxCount));
-    UBEP_ASSIGN_OR_RETURN(t.num_nodes, flags.Int("nodes", 1, kMaxCount, 1));
-    t.slots_per_rank = 0;  // From the plan's phy2log (ParsePlanJson).
+    UBEP_ASSIGN_OR_RETURN(t.num_nodes, flags.Int("nodes", 1, kMaxCount, 0));
     override_topology = t;
   }
   UBEP_ASSIGN_OR_RETURN(Plan plan, ReadPlanFile(plan_path, override_topology));
