@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/common/bad_input.h"
 #include "kernels/common/bf16.h"
+#include "kernels/common/corrupt_records.h"
 #include "kernels/common/flagged_rows.h"
 #include "kernels/common/routing.h"
 #include "kernels/common/send_split.h"
@@ -31,7 +32,11 @@ constexpr int kStatusPeerOver = 6;
 // Dispatch: the abort word as GateKernel found it before the call's first store; not 0: the
 // group gave up in an earlier call, and no kernel of this call does anything.
 constexpr int kStatusRefused = 7;
-constexpr int kStatusWords = 8;
+// Dispatch: 0, or R - s for the lowest source s whose records in this rank's landing are
+// corrupt (CountKernel: a count, an entry count or a slot out of range); ScanKernel raises the
+// abort word naming s, and no later kernel of the call reads a byte of any source.
+constexpr int kStatusCorrupt = 8;
+constexpr int kStatusWords = 9;
 constexpr uint32_t kPhaseAsCalled = 1;  // Named by the call (CheckStatus's `what`).
 constexpr uint32_t kPhaseCounts = 2;    // ubep's wait for the sources' counts: "dispatch counts".
 constexpr uint32_t kPhaseCountExchange = 3;  // bsp's count exchange: "count exchange".
@@ -74,6 +79,7 @@ constexpr int kPollBlocksPerSm = 2;
 struct Params {
   int rank, num_ranks, max_tokens, hidden, top_k, slots_per_rank, num_experts, num_tokens, layer;
   int max_rows;  // Receive rows the scratch holds: ReceiveCapacity (EpConfig::max_recv_rows).
+  int flagged_tokens;  // EpConfig::flagged_tokens: the records a flagged source may store.
   VisitOrder visit;  // The order this rank visits destinations in (send_split.h).
   size_t record_bytes, row_bytes;
   size_t row_stride;  // Bytes per source (destination) of rows (partials): ArenaLayout.
@@ -205,9 +211,14 @@ __device__ RecordEntry LoadEntry(const std::byte* record, int q) {
 // timeout first). Bad input is only flagged: the rank still takes part (its bad pairs were
 // left out of the records), so its receive side still lays out what the peers sent and its
 // combine can answer them.
-__device__ inline bool Stopped(const Params& p) {
+// Whether the call stopped before the records are counted (CountKernel reads only these: the
+// corrupt word changes while it runs, and a block must not stop half-way on it).
+__device__ inline bool StoppedBeforeCount(const Params& p) {
   return p.status[kStatusWaitEnded] != 0 || p.status[kStatusStalled] != 0 ||
          p.status[kStatusRefused] != 0;
+}
+__device__ inline bool Stopped(const Params& p) {
+  return StoppedBeforeCount(p) || p.status[kStatusCorrupt] != 0;
 }
 
 // Whether this call raises its flag (dispatch or combine) in `peer`'s arena. Plain calls
@@ -747,39 +758,68 @@ __global__ void BarrierKernel(Params p, uint32_t epoch) {
 }
 
 // Per source (block): entries per local slot, and where each record's entries start.
+// Source s's records in this rank's landing are corrupt (one thread): kStatusCorrupt keeps
+// the lowest such source, whom ScanKernel gives up on once every block has checked its own
+// (CheckStatus words the error from the records), as the host backend's LayOut gives up on
+// the first it finds in rank order.
+__device__ void MarkCorruptSource(const Params& p, int s) {
+  atomicMax(&p.status[kStatusCorrupt], static_cast<uint32_t>(p.num_ranks - s));
+}
+
+// Block s: source s's records, checked as the host backend checks them (corrupt_records.h)
+// before anything is indexed by them; then its pairs per local slot and where each record's
+// entries start.
 __global__ void CountKernel(Params p) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   __shared__ int base;
+  __shared__ int corrupt;
   const int s = blockIdx.x, S = p.slots_per_rank;
-  if (Stopped(p)) return;
+  if (StoppedBeforeCount(p)) return;  // Every source is checked, whatever another block found.
   std::byte* own = p.arenas[p.rank];
   const int n = SourceCount(p, own, s);
+  const int most = SourceFlagged(p, s) ? p.flagged_tokens : p.max_tokens;
+  if (n > most) {  // Every thread read the same word: the block returns as one.
+    if (threadIdx.x == 0) MarkCorruptSource(p, s);
+    return;
+  }
+  const int max_entries = MaxPairsPerToken(p.top_k, S);
   const std::byte* records =
       own + p.off_records + static_cast<size_t>(s) * p.max_tokens * p.record_bytes;
   int32_t* counts = p.pair_counts + s * S;
   int32_t* begin = p.record_begin + static_cast<size_t>(s) * (p.max_tokens + 1);
   for (int i = threadIdx.x; i < S; i += blockDim.x) counts[i] = 0;
-  if (threadIdx.x == 0) base = 0;
+  if (threadIdx.x == 0) base = corrupt = 0;
   __syncthreads();
   for (int chunk = 0; chunk < n; chunk += kThreads) {
     const int j = chunk + threadIdx.x;
     RecordHeader header{0, 0};
     if (j < n) header = LoadHeader(records + static_cast<size_t>(j) * p.record_bytes);
+    if (j < n && (header.num_entries < 1 || header.num_entries > max_entries)) {
+      corrupt = 1;
+      header.num_entries = 0;  // Counted as none: nothing is indexed by it.
+    }
     int position = 0, total = 0;
     Scan(scan_storage).ExclusiveSum(header.num_entries, position, total);
     if (j < n) {
       begin[j] = base + position;
       for (int q = 0; q < header.num_entries; ++q) {
         const RecordEntry entry = LoadEntry(records + static_cast<size_t>(j) * p.record_bytes, q);
-        atomicAdd(&counts[entry.local_slot], 1);
+        if (entry.local_slot < 0 || entry.local_slot >= S) {
+          corrupt = 1;
+        } else {
+          atomicAdd(&counts[entry.local_slot], 1);
+        }
       }
     }
     __syncthreads();
     if (threadIdx.x == 0) base += total;
     __syncthreads();
   }
-  if (threadIdx.x == 0) begin[n] = base;
+  if (threadIdx.x == 0) {
+    begin[n] = base;
+    if (corrupt != 0) MarkCorruptSource(p, s);
+  }
 }
 
 // Row offsets in (slot, source) order, and where each source's records and entries start in
@@ -788,6 +828,13 @@ __global__ void CountKernel(Params p) {
 __global__ void ScanKernel(Params p) {
   __shared__ BlockScanInt::TempStorage storage;
   __shared__ int base;
+  if (const uint32_t corrupt = p.status[kStatusCorrupt]; corrupt != 0) {
+    // Final now (CountKernel is done): the group gives up on the lowest corrupt source, once.
+    if (threadIdx.x == 0) {
+      RaiseAbortEverywhere(p, kAbortTimedOutBase + static_cast<uint32_t>(p.num_ranks) - corrupt);
+    }
+    return;
+  }
   if (Stopped(p)) return;
   const int S = p.slots_per_rank, R = p.num_ranks;
   if (threadIdx.x == 0) base = 0;
@@ -1270,6 +1317,7 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   p.num_ranks = config.num_ranks;
   p.visit = VisitOrder(rank, config.num_ranks, config.near_ranks);
   p.max_tokens = config.max_tokens;
+  p.flagged_tokens = config.flagged_tokens;
   p.hidden = config.hidden;
   p.top_k = config.top_k;
   p.slots_per_rank = config.slots_per_rank;
@@ -1365,6 +1413,31 @@ absl::Status CudaEp::CheckStatus(const char* what, uint32_t call,
         absl::FormatDuration(config_.timeout),
         " for another block of the same launch; the cooperative launch should have kept every "
         "block resident"));
+  }
+  if (status[kStatusCorrupt] != 0) {
+    // Worded from the source's count word and records as they lie in this rank's landing
+    // (the source rewrites them only after this rank's combine, which does not come).
+    const int source = config_.num_ranks - static_cast<int>(status[kStatusCorrupt]);
+    const std::byte* landing = own_arena_ + layout_.records +
+                               static_cast<size_t>(source) * config_.max_tokens *
+                                   layout_.record_bytes;
+    uint32_t word = 0;
+    UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&word, own_arena_ + layout_.counts +
+                                                    sizeof(uint32_t) * source,
+                                         sizeof(word), cudaMemcpyDeviceToHost));
+    std::vector<std::byte> records(
+        std::min(RecordCount(word), MostRecords(word, config_.max_tokens, config_.flagged_tokens)) *
+        layout_.record_bytes);
+    if (!records.empty()) {
+      UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(records.data(), landing, records.size(),
+                                           cudaMemcpyDeviceToHost));
+    }
+    return CorruptRecordsStatus(
+        rank_, source, call,
+        CorruptRecordsWhat(word, records.data(), layout_.record_bytes, config_.max_tokens,
+                           config_.flagged_tokens,
+                           MaxPairsPerToken(config_.top_k, config_.slots_per_rank),
+                           config_.slots_per_rank));
   }
   if (status[kStatusWaitEnded] != 0) {
     what = PhaseName(status[kStatusWaitPhase], what);

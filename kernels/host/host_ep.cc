@@ -13,6 +13,7 @@
 #include "common/status_macros.h"
 #include "kernels/common/bad_input.h"
 #include "kernels/common/bf16.h"
+#include "kernels/common/corrupt_records.h"
 #include "kernels/common/flagged_rows.h"
 #include "kernels/common/plan_area.h"
 #include "kernels/common/prefetch.h"
@@ -782,24 +783,6 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
   return absl::OkStatus();
 }
 
-namespace {
-
-RecordHeader HeaderAt(const std::byte* records, size_t record_bytes, int32_t j) {
-  RecordHeader header;
-  std::memcpy(&header, records + j * record_bytes, sizeof(header));
-  return header;
-}
-
-RecordEntry EntryAt(const std::byte* records, size_t record_bytes, int32_t j, int q) {
-  RecordEntry entry;
-  std::memcpy(&entry,
-              records + j * record_bytes + sizeof(RecordHeader) + q * sizeof(RecordEntry),
-              sizeof(entry));
-  return entry;
-}
-
-}  // namespace
-
 absl::Status HostEp::LayOut(DispatchOutput& out) {
   const int R = config_.num_ranks, S = config_.slots_per_rank;
   const size_t T = config_.max_tokens;
@@ -817,24 +800,24 @@ absl::Status HostEp::LayOut(DispatchOutput& out) {
   // What a source wrote is checked before anything is sized or indexed from it: its record
   // count within the tokens it may send (fewer for flagged rows), each record's entries within
   // a token's pairs at one rank, each entry's slot within this rank's.
+  // The checks here are the ones CorruptRecordsWhat words (corrupt_records.h), which the CUDA
+  // backend's words too.
   const int max_entries = MaxPairsPerToken(config_.top_k, S);
-  auto corrupt = [&](int s, const std::string& what) {
+  auto corrupt = [&](int s) {
     RaiseGiveUp(s);
-    return absl::DataLossError(absl::StrCat("rank ", rank_, ": rank ", s,
-                                            "'s records of dispatch call ", dispatch_epoch_,
-                                            " are corrupt (", what, "); the group gave up on rank ",
-                                            s));
+    return CorruptRecordsStatus(
+        rank_, s, dispatch_epoch_,
+        CorruptRecordsWhat(counts[s], own + layout_.records + s * T * layout_.record_bytes,
+                           layout_.record_bytes, config_.max_tokens, config_.flagged_tokens,
+                           max_entries, S));
   };
   int32_t entries = 0;
   for (int s = 0; s < R; ++s) {
     // An excluded rank sent nothing (its count word is stale).
     const uint32_t from_s = active_[s] ? RecordCount(counts[s]) : 0;
     const bool flagged = active_[s] && CountIsFlagged(counts[s]);
-    const uint32_t most =
-        static_cast<uint32_t>(flagged ? config_.flagged_tokens : config_.max_tokens);
-    if (from_s > most) {
-      return corrupt(s, absl::StrCat(from_s, " records, over ",
-                                     flagged ? "flagged_tokens " : "max_tokens ", most));
+    if (from_s > MostRecords(counts[s], config_.max_tokens, config_.flagged_tokens)) {
+      return corrupt(s);
     }
     handle.flagged_from[s] = flagged;
     const std::byte* records = own + layout_.records + s * T * layout_.record_bytes;
@@ -842,19 +825,13 @@ absl::Status HostEp::LayOut(DispatchOutput& out) {
     handle.records_from[s] = static_cast<int32_t>(from_s);
     handle.record_begin[s].resize(from_s + 1);
     for (uint32_t j = 0; j < from_s; ++j) {
-      const RecordHeader header = HeaderAt(records, layout_.record_bytes, j);
-      if (header.num_entries < 1 || header.num_entries > max_entries) {
-        return corrupt(s, absl::StrCat("record ", j, " has ", header.num_entries,
-                                       " entries, outside [1, ", max_entries, "]"));
-      }
+      const RecordHeader header = RecordHeaderAt(records, layout_.record_bytes, j);
+      if (header.num_entries < 1 || header.num_entries > max_entries) return corrupt(s);
       handle.record_begin[s][j] = entries;
       entries += header.num_entries;
       for (int q = 0; q < header.num_entries; ++q) {
-        const int32_t slot = EntryAt(records, layout_.record_bytes, j, q).local_slot;
-        if (slot < 0 || slot >= S) {
-          return corrupt(s, absl::StrCat("record ", j, " entry ", q, " names local slot ", slot,
-                                         " of ", S));
-        }
+        const int32_t slot = RecordEntryAt(records, layout_.record_bytes, j, q).local_slot;
+        if (slot < 0 || slot >= S) return corrupt(s);
         ++rows[slot];
       }
     }
@@ -888,15 +865,16 @@ void HostEp::PlaceRecord(int s, int32_t j, const std::byte* records, const std::
   const size_t B = layout_.row_bytes;
   int32_t* cursor = &source_slot_rows_[static_cast<size_t>(s) * config_.slots_per_rank];
   DispatchOutput::Handle& handle = out.handle;
-  const RecordHeader header = HeaderAt(records, layout_.record_bytes, j);
+  const RecordHeader header = RecordHeaderAt(records, layout_.record_bytes, j);
   const int32_t kept = handle.rows_kept;
   for (int q = 0; q < header.num_entries; ++q) {
-    const RecordEntry entry = EntryAt(records, layout_.record_bytes, j, q);
+    const RecordEntry entry = RecordEntryAt(records, layout_.record_bytes, j, q);
     const int32_t row = cursor[entry.local_slot]++;
     handle.record_rows[handle.record_begin[s][j] + q] = row;
     if (row >= kept) continue;  // Past the receive capacity: dropped (the call fails).
     if (q + 1 < header.num_entries) {  // The row the next entry's copy lands on.
-      const int32_t next = cursor[EntryAt(records, layout_.record_bytes, j, q + 1).local_slot];
+      const int32_t next =
+          cursor[RecordEntryAt(records, layout_.record_bytes, j, q + 1).local_slot];
       if (next < kept) PrefetchRowForWrite(out.recv_x.data() + static_cast<size_t>(next) * B, B);
     }
     std::byte* to = out.recv_x.data() + static_cast<size_t>(row) * B;
@@ -930,7 +908,7 @@ HostEp::Take HostEp::PlaceArrived(int s, uint32_t tag, DispatchOutput& out) {
   for (; j < n; ++j) {
     // The record's first row (the next one of its first entry's slot) takes the data as it
     // lands; PlaceRecord copies it from there into the record's other rows.
-    const int32_t row = cursor[EntryAt(records, layout_.record_bytes, j, 0).local_slot];
+    const int32_t row = cursor[RecordEntryAt(records, layout_.record_bytes, j, 0).local_slot];
     std::byte* data = row < out.handle.rows_kept
                           ? out.recv_x.data() + static_cast<size_t>(row) * B
                           : landing_scratch_.data();

@@ -846,6 +846,27 @@ TEST_P(CudaEpTest, AReformedGroupNeverTakesTheOldGenerationsRows) {
        .reform_before_call = 1}));
 }
 
+// Every rank's arena in this process, and rank 0's CudaEp over them: a test that plays the
+// peers itself, writing into the arenas as they would.
+struct OneProcessGroup {
+  std::vector<std::unique_ptr<DeviceArena>> arenas;
+  std::vector<std::byte*> pointers;
+  std::unique_ptr<CudaEp> ep;
+
+  void Create(const EpConfig& c) {
+    for (int r = 0; r < c.num_ranks; ++r) {
+      absl::StatusOr<std::unique_ptr<DeviceArena>> arena =
+          DeviceArena::Create(ArenaLayout(c).total_bytes);
+      ASSERT_TRUE(arena.ok()) << arena.status();
+      pointers.push_back((*arena)->data());
+      arenas.push_back(*std::move(arena));
+    }
+    absl::StatusOr<std::unique_ptr<CudaEp>> created = CudaEp::Create(c, 0, pointers);
+    ASSERT_TRUE(created.ok()) << created.status();
+    ep = *std::move(created);
+  }
+};
+
 // A dispatch after the group gave up (a wait of an earlier call timed out on rank 1, or the
 // daemon set its code) is refused before any byte moves, in the host backend's words
 // (HostEpErrorTest.ADispatchAfterTheGroupGaveUpIsRefusedBeforeAnyByteMoves): no kernel of the
@@ -856,16 +877,10 @@ TEST_P(CudaEpTest, ADispatchAfterTheGroupGaveUpIsRefusedBeforeAnyByteMoves) {
   const ArenaLayout layout(c);
   const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
   UBEP_CHECK_CUDA(cudaSetDevice(0));
-  std::vector<std::unique_ptr<DeviceArena>> arenas;
-  std::vector<std::byte*> pointers;
-  for (int r = 0; r < c.num_ranks; ++r) {
-    absl::StatusOr<std::unique_ptr<DeviceArena>> arena = DeviceArena::Create(layout.total_bytes);
-    ASSERT_TRUE(arena.ok()) << arena.status();
-    pointers.push_back((*arena)->data());
-    arenas.push_back(*std::move(arena));
-  }
-  absl::StatusOr<std::unique_ptr<CudaEp>> ep = CudaEp::Create(c, 0, pointers);
-  ASSERT_TRUE(ep.ok()) << ep.status();
+  OneProcessGroup group;
+  ASSERT_NO_FATAL_FAILURE(group.Create(c));
+  const std::vector<std::byte*>& pointers = group.pointers;
+  CudaEp* ep = group.ep.get();
   const RankInput in = MakeInput(c, 0, 8, 3);
   uint16_t* x = Upload(Bf16Input(in));
   int32_t* idx = Upload(in.topk_idx);
@@ -875,7 +890,7 @@ TEST_P(CudaEpTest, ADispatchAfterTheGroupGaveUpIsRefusedBeforeAnyByteMoves) {
   // Rank 0 refused call 1 first (more tokens than its buffers hold): the refusal it recorded
   // for its peers stays, byte for byte, through the calls refused below (as on the host).
   CudaDispatchOutput too_many;
-  EXPECT_EQ((*ep)->Dispatch({x, idx, w, c.max_tokens + 1, 0, table, plan.header()}, too_many),
+  EXPECT_EQ(ep->Dispatch({x, idx, w, c.max_tokens + 1, 0, table, plan.header()}, too_many),
             absl::InvalidArgumentError(absl::StrCat(c.max_tokens + 1, " tokens exceed max_tokens ",
                                                     c.max_tokens, " of this rank's buffers")));
   const std::string counts = c.protocol == Protocol::kUbep ? "dispatch counts" : "count exchange";
@@ -893,14 +908,95 @@ TEST_P(CudaEpTest, ADispatchAfterTheGroupGaveUpIsRefusedBeforeAnyByteMoves) {
     std::vector<std::vector<std::byte>> before;
     for (std::byte* a : pointers) before.push_back(Download(a, layout.total_bytes));
     CudaDispatchOutput out;
-    EXPECT_EQ((*ep)->Dispatch({x, idx, w, in.num_tokens, 0, table, plan.header()}, out), refused);
+    EXPECT_EQ(ep->Dispatch({x, idx, w, in.num_tokens, 0, table, plan.header()}, out), refused);
     for (int r = 0; r < c.num_ranks; ++r) {
       EXPECT_TRUE(Download(pointers[r], layout.total_bytes) == before[r]) << "arena " << r;
     }
   }
   // The calls did not happen (the second look said call 1 too): nothing to combine.
-  EXPECT_EQ((*ep)->Combine(x, x),
+  EXPECT_EQ(ep->Combine(x, x),
             absl::FailedPreconditionError("combine without a dispatch before it"));
+}
+
+// A source's count or record out of range (a corrupt or foreign peer; nothing the protocol
+// writes) is refused before rank 0 indexes anything by it, naming that source, in the host
+// backend's words (HostEpErrorTest.ACorruptSourceIsNamedBeforeAnythingIsSizedFromIt), and the
+// group gives up on it. One process holds every arena; the test plays rank 1 (its count and
+// record in rank 0's landing, its count flag) and the ranks after it (no records; with 4
+// ranks, once, rank 3 with too many: the lowest corrupt source is named, in the error and in
+// the abort word alike, whichever block found its own first). ubep only: bsp's barrier before
+// the count needs the peers running.
+TEST_P(CudaEpTest, ACorruptSourceIsNamedBeforeAnythingIsIndexedByIt) {
+  const EpConfig c = GpuConfig(std::get<0>(GetParam()), std::get<1>(GetParam()));
+  if (c.protocol == Protocol::kBsp) GTEST_SKIP() << "bsp's barrier needs the peers";
+  const ArenaLayout layout(c);
+  const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  const int S = c.slots_per_rank;
+  struct Case {
+    uint32_t records;
+    int32_t entries, slot;
+    std::string why;
+    bool last_over_too = false;  // The last rank's count is over max_tokens as well.
+  };
+  std::vector<Case> cases = {
+      {static_cast<uint32_t>(c.max_tokens) + 1, 1, 0,
+       absl::StrCat(c.max_tokens + 1, " records, over max_tokens ", c.max_tokens)},
+      {1, 0, 0, absl::StrCat("record 0 has 0 entries, outside [1, ",
+                             MaxPairsPerToken(c.top_k, S), "]")},
+      {1, 1, S + 5, absl::StrCat("record 0 entry 0 names local slot ", S + 5, " of ", S)},
+      {1, 1, -1, absl::StrCat("record 0 entry 0 names local slot -1 of ", S)},
+      // A flagged count from a rank whose calls are never flagged (flagged_tokens 0), or over
+      // the flagged limit: as the host backend, by the limit of flagged rows.
+      {(static_cast<uint32_t>(c.flagged_tokens) + 1) | kFlaggedCount, 1, 0,
+       absl::StrCat(c.flagged_tokens + 1, " records, over flagged_tokens ", c.flagged_tokens)}};
+  if (c.num_ranks >= 4) {
+    cases.push_back({1, 1, S + 5,
+                     absl::StrCat("record 0 entry 0 names local slot ", S + 5, " of ", S), true});
+  }
+  UBEP_CHECK_CUDA(cudaSetDevice(0));
+  const RankInput in = MakeInput(c, 0, 8, 3);
+  uint16_t* x = Upload(Bf16Input(in));
+  int32_t* idx = Upload(in.topk_idx);
+  float* w = Upload(in.topk_w);
+  const auto* table = reinterpret_cast<const PlanTableHeader*>(Upload(plan.table));
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.why);
+    OneProcessGroup group;
+    ASSERT_NO_FATAL_FAILURE(group.Create(c));
+    const std::vector<std::byte*>& pointers = group.pointers;
+    CudaEp* ep = group.ep.get();
+    std::byte* arena = pointers[0];
+    UBEP_CHECK_CUDA(cudaMemcpy(arena + layout.counts + sizeof(uint32_t), &k.records,
+                               sizeof(k.records), cudaMemcpyHostToDevice));
+    if (k.last_over_too) {
+      const uint32_t over = static_cast<uint32_t>(c.max_tokens) + 1;
+      UBEP_CHECK_CUDA(cudaMemcpy(arena + layout.counts + sizeof(uint32_t) * (c.num_ranks - 1),
+                                 &over, sizeof(over), cudaMemcpyHostToDevice));
+    }
+    const RecordHeader header{0, k.entries};
+    const RecordEntry entry{k.slot, 1.0f};
+    std::byte* records = arena + layout.records + 1 * c.max_tokens * layout.record_bytes;
+    UBEP_CHECK_CUDA(cudaMemcpy(records, &header, sizeof(header), cudaMemcpyHostToDevice));
+    UBEP_CHECK_CUDA(
+        cudaMemcpy(records + sizeof(header), &entry, sizeof(entry), cudaMemcpyHostToDevice));
+    const uint32_t epoch = 1;
+    for (int s = 1; s < c.num_ranks; ++s) {
+      UBEP_CHECK_CUDA(cudaMemcpy(arena + layout.count_flag + s * kFlagStride, &epoch,
+                                 sizeof(epoch), cudaMemcpyHostToDevice));
+    }
+    UBEP_CHECK_CUDA(cudaDeviceSynchronize());
+    CudaDispatchOutput out;
+    EXPECT_EQ(ep->Dispatch({x, idx, w, in.num_tokens, 0, table, plan.header()}, out),
+              absl::DataLossError(absl::StrCat("rank 0: rank 1's records of dispatch call 1 are "
+                                               "corrupt (", k.why,
+                                               "); the group gave up on rank 1")));
+    for (int r = 0; r < c.num_ranks; ++r) {
+      uint32_t code = 0;
+      UBEP_CHECK_CUDA(
+          cudaMemcpy(&code, pointers[r] + layout.abort, sizeof(code), cudaMemcpyDeviceToHost));
+      EXPECT_EQ(code, kAbortTimedOutBase + 1) << "rank " << r;
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(RanksAndProtocols, CudaEpTest,
