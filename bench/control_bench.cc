@@ -334,18 +334,26 @@ int Run(const Config& c) {
                                                       : nlohmann::json()},
                         {"commit_ms_p99", commits > 0 ? nlohmann::json(Percentile(commit_ms, 0.99))
                                                       : nlohmann::json()},
-                        {"plan_ms", Percentile(plan_ms, 0.5)},
-                        {"plan_ms_p99", Percentile(plan_ms, 0.99)}};
+                        {"plan_ms", plan_ms.empty() ? nlohmann::json()
+                                                    : nlohmann::json(Percentile(plan_ms, 0.5))},
+                        {"plan_ms_p99", plan_ms.empty()
+                                            ? nlohmann::json()
+                                            : nlohmann::json(Percentile(plan_ms, 0.99))}};
   if (c.json) {
     std::cout << out.dump(1) << "\n";
   } else {
+    // Latencies only where something was measured (a 0 would read as fast).
+    auto latency = [](const std::vector<double>& ms) {
+      return ms.empty() ? std::string("none measured")
+                        : absl::StrFormat("p50 %.1f ms, p99 %.1f ms", Percentile(ms, 0.5),
+                                          Percentile(ms, 0.99));
+    };
     std::cout << absl::StrFormat(
         "%d nodes x %d ranks (%d layers x %d experts, %d slot(s) per rank)\n"
         "report cpu: %.3f ms per report (%d reports)\n"
-        "plan: p50 %.1f ms, p99 %.1f ms\ncommit: p50 %.1f ms, p99 %.1f ms (%d commits)\n",
+        "plan: %s\ncommit: %s (%d commits)\n",
         c.nodes, c.ranks_per_node, L, E, S, report_cpu_ms, static_cast<int>(reports),
-        Percentile(plan_ms, 0.5), Percentile(plan_ms, 0.99), Percentile(commit_ms, 0.5),
-        Percentile(commit_ms, 0.99), commits);
+        latency(plan_ms), latency(commit_ms), commits);
   }
   if (commits == 0) {
     std::cerr << "ubep-bench-control: no rebalance committed a new plan; the commit latency "

@@ -333,14 +333,17 @@ std::vector<Result> RunMethods(const Case& c, const std::vector<Method>& methods
           r = RunMpi(c, n);
           break;
         case Method::kMemcpy:
-          r = RunMemcpy(total[0].bytes / std::max(1, c.ranks), n);
+          // The bytes ubep moved (its first round ran before this): none if it failed.
+          r = total[0].error.empty() && total[0].bytes > 0
+                  ? RunMemcpy(total[0].bytes / std::max(1, c.ranks), n)
+                  : Result{.error = "ubep failed: no bytes to copy", .unavailable = true};
           break;
         default:
           r = RunHost(c, methods[which], sender_thread, skew, n);
       }
       t.error = r.error;
       t.unavailable = r.unavailable;
-      t.bytes = r.bytes;
+      if (r.error.empty()) t.bytes = r.bytes;
       t.threads = std::max(t.threads, r.threads);
       t.latency_us.insert(t.latency_us.end(), r.latency_us.begin(), r.latency_us.end());
     }

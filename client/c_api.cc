@@ -114,8 +114,8 @@ int ubep_attach(const char* socket_path, int32_t rank, int32_t world_size, int32
 int ubep_attach_at(const char* socket_path, int32_t rank, int32_t world_size, int32_t device,
                    const ubep_model_shape* shape, int64_t next_step, ubep_rank** out) {
   return Guard("ubep_attach_at", [&] {
+    if (out != nullptr) *out = nullptr;  // On every error.
     if (socket_path == nullptr) {
-      if (out != nullptr) *out = nullptr;
       return Fail(absl::InvalidArgumentError("ubep_attach: null argument"));
     }
     ubep_client_options options;

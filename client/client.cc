@@ -45,7 +45,8 @@ struct DispatchedState {
   bool on_device = false;
   // The views show a dispatch the caller is to combine: false until one is kept, and from the
   // start of each Dispatch into this output until it is (a failed one leaves empty views,
-  // not a partial layout whose offsets count rows that are not there).
+  // not a partial layout whose offsets count rows that are not there; the CUDA backend's bad
+  // input found on the device is kept, as the caller combines it).
   bool filled = false;
   uint64_t plan_version = 0;
   int layer = -1;
@@ -253,6 +254,11 @@ absl::Status StopForDaemonExit(RankState& s) {
   // if they are in this rank's generation: a plan that excludes this rank, or a group formed
   // without it, leaves them running undisturbed.
   s.daemon_exited = true;
+  absl::Status exited = absl::UnavailableError(
+      absl::StrCat("rank ", s.rank, ": ubepd exited (it closed this rank's fd connection); "
+                   "detach, and attach again when it is back"));
+  // Without arenas (ubepd died between giving them and their mapping) no group is to stop.
+  if (s.arenas.empty()) return s.stopped = std::move(exited);
   const kernels::ArenaLayout ep(s.config);
   const bool member = !ExcludedByPlanAt(s, s.step);  // The plan in force.
   auto code_for = [&](int r) -> uint32_t {
@@ -287,9 +293,7 @@ absl::Status StopForDaemonExit(RankState& s) {
     }
   }
 #endif
-  return Record(s, s.stopped = absl::UnavailableError(absl::StrCat(
-                       "rank ", s.rank, ": ubepd exited (it closed this rank's fd connection); "
-                       "detach, and attach again when it is back")));
+  return Record(s, s.stopped = std::move(exited));
 }
 
 absl::Status UseJoin(RankState& s, const v1::JoinResponse& response);
@@ -338,13 +342,6 @@ absl::Status UseJoin(RankState& s, const v1::JoinResponse& response) {
   return absl::OkStatus();
 }
 
-// Whether two fds are one file (one arena's memfd, passed twice).
-bool SameFile(int a, int b) {
-  struct stat sa, sb;
-  return a >= 0 && b >= 0 && fstat(a, &sa) == 0 && fstat(b, &sb) == 0 &&
-         sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
-}
-
 // Maps the first `count` fds as host arenas and checks each is the arena of its rank; where
 // `skip[i]`, leaves arena i empty (the caller keeps a mapping of it).
 absl::StatusOr<std::vector<kernels::SharedArena>> MapArenas(const RankState& s,
@@ -358,7 +355,11 @@ absl::StatusOr<std::vector<kernels::SharedArena>> MapArenas(const RankState& s,
   std::vector<kernels::SharedArena> arenas(count);
   for (size_t i = 0; i < count; ++i) {
     if (i < skip.size() && skip[i]) continue;
-    UBEP_ASSIGN_OR_RETURN(kernels::SharedArena arena, kernels::SharedArena::Map(fds[i].get()));
+    // No fd kept per arena (the mapping is enough): a rank of a large group would otherwise
+    // hold one per rank, and run into the fd limit.
+    UBEP_ASSIGN_OR_RETURN(kernels::SharedArena arena,
+                          kernels::SharedArena::Map(fds[i].get(),
+                                                    kernels::SharedArena::KeepFd::kNo));
     if (arena.size() < s.layout.total_bytes) {
       return absl::DataLossError(absl::StrCat("rank ", s.rank, ": an arena has ", arena.size(),
                                               " bytes; the layout needs ", s.layout.total_bytes));
@@ -393,9 +394,10 @@ absl::Status TakeArenas(RankState& s, const v1::AttachResponse& response) {
     return absl::Status(status.code(), absl::StrCat("rank ", s.rank, ": ubepd's fd socket ",
                                                     fd_socket, ": ", status.message()));
   };
-  // The connection becomes the rank's (the one whose closing says ubepd exited) only once the
-  // arenas are taken: ubepd closes it after a refusal, and a refused rank is detached (~Rank)
-  // by RPC, not stopped as if its daemon had gone.
+  // The connection becomes the rank's (the one whose closing says ubepd exited) only once ubepd
+  // gave the arenas: ubepd closes it after a refusal, and a refused rank is detached (~Rank)
+  // by RPC, not stopped as if its daemon had gone. After an "OK" it is held as ubepd holds it
+  // (its closing would tell ubepd that the rank's process died).
   absl::StatusOr<UniqueFd> connection = ConnectUnix(fd_socket, s.options.rpc_timeout);
   if (!connection.ok()) return said(connection.status());
   absl::StatusOr<ReceivedMessage> exchanged =
@@ -409,6 +411,7 @@ absl::Status TakeArenas(RankState& s, const v1::AttachResponse& response) {
         "rank ", s.rank, ": ubepd refused the arenas: ",
         reply.bytes.size() > 4 ? reply.bytes.substr(4) : std::string("connection closed")));
   }
+  s.fd_connection = *std::move(connection);
   const size_t host_fds = static_cast<size_t>(response.arena_ranks_size());
   const size_t expected = host_fds * (s.on_device ? 2 : 1);
   if (reply.fds.size() != expected) {
@@ -431,7 +434,6 @@ absl::Status TakeArenas(RankState& s, const v1::AttachResponse& response) {
   }
   UBEP_ASSIGN_OR_RETURN(s.arenas, MapArenas(s, reply.fds, host_fds));
   s.arena_epoch = response.arena_epoch();
-  s.fd_connection = *std::move(connection);
   return absl::OkStatus();
 }
 
@@ -465,7 +467,7 @@ absl::Status RefreshArenas(RankState& s, uint64_t epoch) {
   // above all, are the memory already mapped (the same memfd): their mappings stay, so that
   // addresses the caller holds (ExpertWeights) stay valid across the Rejoin.
   std::vector<bool> keep(world, false);
-  for (size_t i = 0; i < world; ++i) keep[i] = SameFile(s.arenas[i].fd(), reply.fds[i].get());
+  for (size_t i = 0; i < world; ++i) keep[i] = s.arenas[i].SameFile(reply.fds[i].get());
   if (!keep[s.rank]) {
     // Only another daemon's arenas change under a refresh: this rank's own is its daemon's,
     // and the weight addresses the caller holds must stay valid until Detach.

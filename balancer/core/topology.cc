@@ -28,7 +28,7 @@ absl::Status ValidateTopology(const Topology& t, int num_experts) {
   if (num_slots > kMaxSlots) {
     return absl::InvalidArgumentError(absl::StrCat(
         "slots (", t.num_ranks, " ranks x ", t.slots_per_rank, " = ", num_slots,
-        ") are more than the ", kMaxSlots, " (2^20) a topology may have"));
+        ") are more than the ", kMaxSlots, " (2^22) a topology may have"));
   }
   if (num_slots < num_experts) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -11,9 +11,10 @@
 
 namespace ubep::balancer {
 
-// Most physical slots (ranks x slots_per_rank) a topology may have: what keeps slot indices
-// and the arrays sized by them (per layer) in an int.
-inline constexpr int64_t kMaxSlots = int64_t{1} << 20;
+// Most physical slots (ranks x slots_per_rank) a topology may have: the most a group ubepd
+// and the balancer accept has (1024 ranks x 4096 slots, common/shape_limits.h), which keeps
+// slot indices and the arrays sized by them (per layer) well within an int.
+inline constexpr int64_t kMaxSlots = int64_t{1} << 22;
 
 struct Topology {
   int num_ranks = 0;

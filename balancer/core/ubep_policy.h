@@ -52,7 +52,7 @@ struct UbepPolicyOptions {
   double restore_tolerance = 0.005;
 };
 
-// The plan returned is valid (ValidatePlan); an invalid one would be an Internal error.
+// Callers take plans through ComputePlan (planner.h), which refuses an invalid output.
 absl::StatusOr<Plan> PlanUbep(const LoadMatrix& load, const Topology& topology,
                               const Plan* previous, const UbepPolicyOptions& options);
 

@@ -27,14 +27,20 @@ int main(int argc, char** argv) {
     fprintf(stderr, "attach: %s\n", ubep_last_error());
     return 1;
   }
+  /* From here on every exit goes through `done`: the rank is detached (its ubepd frees it at
+   * once) and the dispatch output freed, whatever failed. */
+  int failed = 1;
+  int32_t rows = 0;
+  int bad_expert_code = 0;
+  ubep_dispatched* d = NULL;
   if (ubep_begin_step(rank, ubep_resume_step(rank)) != 0) {
     fprintf(stderr, "begin_step: %s\n", ubep_last_error());
-    return 1;
+    goto done;
   }
   if (ubep_excluded(rank) != 0 || ubep_must_attach_again(rank) != 0) {
     fprintf(stderr, "a rank of a healthy group reads as excluded (%d) or cut off (%d)\n",
             ubep_excluded(rank), ubep_must_attach_again(rank));
-    return 1;
+    goto done;
   }
   float x[kTokens][kHidden];
   int32_t idx[kTokens][kTopK];
@@ -46,12 +52,15 @@ int main(int argc, char** argv) {
     w[t][0] = 0.25f;
     w[t][1] = 0.75f;
   }
-  ubep_dispatched* d = ubep_dispatched_new();
+  d = ubep_dispatched_new();
+  if (d == NULL) {
+    fprintf(stderr, "dispatched_new: %s\n", ubep_last_error());
+    goto done;
+  }
   if (ubep_dispatch(rank, 0, x, &idx[0][0], &w[0][0], kTokens, d) != 0) {
     fprintf(stderr, "dispatch: %s\n", ubep_last_error());
-    return 1;
+    goto done;
   }
-  int32_t rows = 0;
   const void* recv = NULL;
   const int32_t* offsets = NULL;
   ubep_dispatched_view(d, &rows, &recv, &offsets, NULL, NULL, NULL);
@@ -64,34 +73,41 @@ int main(int argc, char** argv) {
   float out[kTokens][kHidden];
   if (ubep_combine(rank, d, y, out) != 0) {
     fprintf(stderr, "combine: %s\n", ubep_last_error());
-    return 1;
+    goto done;
   }
   for (int t = 0; t < kTokens; ++t) {
     for (int h = 0; h < kHidden; ++h) {
       const float want = 0.25f * (float)(idx[t][0] + 1) * x[t][h] + 0.75f * (float)(idx[t][1] + 1) * x[t][h];
       if (out[t][h] != want) {
         fprintf(stderr, "out[%d][%d] = %g, want %g\n", t, h, out[t][h], want);
-        return 1;
+        goto done;
       }
     }
   }
   ubep_rank_stats stats;
+  memset(&stats, 0, sizeof(stats));
   stats.struct_size = sizeof(stats);
-  if (ubep_stats(rank, &stats) != 0 || stats.dispatch_calls != 1 || stats.combine_calls != 1 ||
-      stats.dispatched_tokens != kTokens) {
+  if (ubep_stats(rank, &stats) != 0) {
+    fprintf(stderr, "stats: %s\n", ubep_last_error());
+    goto done;
+  }
+  if (stats.dispatch_calls != 1 || stats.combine_calls != 1 || stats.dispatched_tokens != kTokens) {
     fprintf(stderr, "stats: %llu dispatches, %llu combines, %llu tokens\n",
             (unsigned long long)stats.dispatch_calls, (unsigned long long)stats.combine_calls,
             (unsigned long long)stats.dispatched_tokens);
-    return 1;
+    goto done;
   }
   idx[2][1] = 7;
-  const int code = ubep_dispatch(rank, 0, x, &idx[0][0], &w[0][0], kTokens, d);
-  printf("bad expert: code %d: %s\n", code, ubep_last_error());
+  bad_expert_code = ubep_dispatch(rank, 0, x, &idx[0][0], &w[0][0], kTokens, d);
+  printf("bad expert: code %d: %s\n", bad_expert_code, ubep_last_error());
+  failed = bad_expert_code != 3;  /* INVALID_ARGUMENT, before any byte moved. */
+done:
   ubep_dispatched_free(d);
   if (ubep_detach(rank) != 0) {
     fprintf(stderr, "detach: %s\n", ubep_last_error());
-    return 1;
+    failed = 1;
   }
+  if (failed) return 1;
   printf("c api ok: %d rows\n", rows);
-  return code == 3 ? 0 : 1;
+  return 0;
 }

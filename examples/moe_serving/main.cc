@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <string>
@@ -235,31 +236,44 @@ int main(int argc, char** argv) {
     }
     log.Line(absl::StrCat("error step ", step, ": ", status.message()));
     if (!absl::IsUnavailable(status) && !absl::IsDeadlineExceeded(status)) return 3;
-    if ((*rank)->must_attach_again()) {
-      // ubepd is going away or gone: detach now, attach to the next one.
+    // ubepd is going away or gone: detach now, attach to the next one (false: could not).
+    auto attach_again = [&] {
       (void)(*rank)->Detach();
       rank->reset();
       // The new group resumes at the least step any rank asks for.
       rank = attach(step);
       if (!rank.ok()) {
         log.Line(absl::StrCat("error attach: ", rank.status().message()));
-        return 3;
+        return false;
       }
       step = (*rank)->resume_step();
       held = (*rank)->ExpertWeights(0, 0);  // A new attach maps a new arena.
       if (!held.ok()) {
         log.Line(absl::StrCat("error weights: ", held.status().message()));
-        return 3;
+        return false;
       }
+      return true;
+    };
+    if ((*rank)->must_attach_again()) {
+      if (!attach_again()) return 3;
       continue;
     }
     absl::StatusOr<uint64_t> resume = (*rank)->Rejoin(step);
     if (!resume.ok() && (*rank)->excluded()) {
-      // Out of the group (node failed or drained): serve nothing until a plan includes it.
+      // Out of the group (node failed or drained): serve nothing until a plan includes it,
+      // each Rejoin waiting up to the join timeout (DeadlineExceeded while still excluded).
+      // Its step does not hold the group back when it is taken in again: no next step.
       log.Line(absl::StrCat("excluded at step ", step, "; waiting for a plan that includes rank ",
                             rank_id));
-      // Its step does not hold the group back when it is taken in again: no next step.
-      while (!resume.ok() && (*rank)->excluded()) resume = (*rank)->Rejoin(std::nullopt);
+      while (!resume.ok() && absl::IsDeadlineExceeded(resume.status()) && (*rank)->excluded() &&
+             !(*rank)->must_attach_again()) {
+        resume = (*rank)->Rejoin(std::nullopt);
+      }
+    }
+    // Its daemon began draining, or exited, during a Rejoin: attach to the next one.
+    if (!resume.ok() && (*rank)->must_attach_again()) {
+      if (!attach_again()) return 3;
+      continue;
     }
     if (!resume.ok()) {
       log.Line(absl::StrCat("error rejoin: ", resume.status().message()));

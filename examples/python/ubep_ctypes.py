@@ -127,6 +127,8 @@ def main(argv):
             idx[t * TOP_K], idx[t * TOP_K + 1] = t % EXPERTS, (t + 1) % EXPERTS
             w[t * TOP_K], w[t * TOP_K + 1] = 0.25, 0.75
         d = lib.ubep_dispatched_new()
+        if not d:
+            raise UbepError("dispatched_new", 8, lib.ubep_last_error().decode(errors="replace"))
         try:
             check(lib, "dispatch", lib.ubep_dispatch(rank, 0, x, idx, w, TOKENS, d))
             rows = ctypes.c_int32()
@@ -165,6 +167,8 @@ def main(argv):
                 return 1
             except UbepError as e:
                 print(f"bad expert: code {e.code}: {e.message}")
+                if e.code != 3:  # INVALID_ARGUMENT, before any byte moved; nothing else.
+                    return 1
             print(f"python ffi ok: {rows.value} rows")
         finally:
             lib.ubep_dispatched_free(d)

@@ -813,10 +813,12 @@ absl::Status HostEp::LayOut(DispatchOutput& out) {
   };
   int32_t entries = 0;
   for (int s = 0; s < R; ++s) {
-    // An excluded rank sent nothing (its count word is stale).
-    const uint32_t from_s = active_[s] ? RecordCount(counts[s]) : 0;
-    const bool flagged = active_[s] && CountIsFlagged(counts[s]);
-    if (from_s > MostRecords(counts[s], config_.max_tokens, config_.flagged_tokens)) {
+    // An excluded rank sent nothing (its count word is stale). The word is read once: the
+    // count, its format and its bound are of one value.
+    const uint32_t word = active_[s] ? counts[s] : 0;
+    const uint32_t from_s = RecordCount(word);
+    const bool flagged = CountIsFlagged(word);
+    if (from_s > MostRecords(word, config_.max_tokens, config_.flagged_tokens)) {
       return corrupt(s);
     }
     handle.flagged_from[s] = flagged;

@@ -34,28 +34,46 @@ absl::StatusOr<SharedArena> SharedArena::Create(const std::string& name, size_t 
     close(fd);
     return s;
   }
-  return SharedArena(fd, static_cast<std::byte*>(data), bytes);
-}
-
-absl::StatusOr<SharedArena> SharedArena::Map(int fd) {
   struct stat st;
-  if (fstat(fd, &st) != 0) return Errno(absl::StrCat("fstat(fd ", fd, ")"));
-  const int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
-  if (own < 0) return Errno(absl::StrCat("dup(fd ", fd, ")"));
-  const size_t bytes = static_cast<size_t>(st.st_size);
-  void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, own, 0);
-  if (data == MAP_FAILED) {
-    absl::Status s = Errno(absl::StrCat("mmap(fd ", fd, ", ", bytes, " bytes)"));
-    close(own);
+  if (fstat(fd, &st) != 0) {
+    absl::Status s = Errno(absl::StrCat("fstat(", name, ")"));
+    munmap(data, bytes);
+    close(fd);
     return s;
   }
-  return SharedArena(own, static_cast<std::byte*>(data), bytes);
+  return SharedArena(fd, static_cast<std::byte*>(data), bytes, st.st_dev, st.st_ino);
+}
+
+absl::StatusOr<SharedArena> SharedArena::Map(int fd, KeepFd keep) {
+  struct stat st;
+  if (fstat(fd, &st) != 0) return Errno(absl::StrCat("fstat(fd ", fd, ")"));
+  int own = -1;
+  if (keep == KeepFd::kYes) {
+    own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (own < 0) return Errno(absl::StrCat("dup(fd ", fd, ")"));
+  }
+  const size_t bytes = static_cast<size_t>(st.st_size);
+  void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (data == MAP_FAILED) {
+    absl::Status s = Errno(absl::StrCat("mmap(fd ", fd, ", ", bytes, " bytes)"));
+    if (own >= 0) close(own);
+    return s;
+  }
+  return SharedArena(own, static_cast<std::byte*>(data), bytes, st.st_dev, st.st_ino);
+}
+
+bool SharedArena::SameFile(int fd) const {
+  struct stat st;
+  return valid() && fd >= 0 && fstat(fd, &st) == 0 && st.st_dev == device_ &&
+         st.st_ino == inode_;
 }
 
 SharedArena::SharedArena(SharedArena&& other) noexcept
     : fd_(std::exchange(other.fd_, -1)),
       data_(std::exchange(other.data_, nullptr)),
-      size_(std::exchange(other.size_, 0)) {}
+      size_(std::exchange(other.size_, 0)),
+      device_(std::exchange(other.device_, 0)),
+      inode_(std::exchange(other.inode_, 0)) {}
 
 SharedArena& SharedArena::operator=(SharedArena&& other) noexcept {
   if (this != &other) {
@@ -63,6 +81,8 @@ SharedArena& SharedArena::operator=(SharedArena&& other) noexcept {
     fd_ = std::exchange(other.fd_, -1);
     data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
+    device_ = std::exchange(other.device_, 0);
+    inode_ = std::exchange(other.inode_, 0);
   }
   return *this;
 }
@@ -75,6 +95,8 @@ void SharedArena::Reset() {
   data_ = nullptr;
   fd_ = -1;
   size_ = 0;
+  device_ = 0;
+  inode_ = 0;
 }
 
 }  // namespace ubep::kernels

@@ -192,8 +192,8 @@ INSTANTIATE_TEST_SUITE_P(
         BadRun{{"plan", "--load", kTrace, "--ranks", "65536", "--slots-per-rank", "65537",
                 "--out", "/tmp/x.json"},
                "ubep-balance plan: " + kTrace +
-                   ": slots (65536 ranks x 65537 = 4295032832) are more than the 1048576 "
-                   "(2^20) a topology may have"},
+                   ": slots (65536 ranks x 65537 = 4295032832) are more than the 4194304 "
+                   "(2^22) a topology may have"},
         BadRun{{"plan", "--load", kTrace, "--ranks", "8", "--slots-per-rank", "32",
                 "--balance-slack=", "--out", "/tmp/x.json"},
                "ubep-balance plan: --balance-slack: '' is not a number in [0, 1]"}));

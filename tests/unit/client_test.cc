@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -255,6 +256,9 @@ TEST(ClientTest, ARejoinThatLostItsDataPlaneStopsEveryCallUntilARejoinCompletes)
       "hidden 16, top_k 2, experts 4, slots 4, layers 2, dtype float32, flagged_tokens 0, "
       "protocol ubep)";
   EXPECT_EQ(rejoined.status(), absl::FailedPreconditionError(why));
+  // The client's own (taking the data plane after the Join), so counted; the calls refused
+  // below for it are not counted again.
+  EXPECT_EQ((*rank)->stats().errors, 1u);
   const absl::Status stopped = absl::FailedPreconditionError(
       "rank 0: the last Rejoin did not complete (" + why + "); call Rejoin again");
   EXPECT_EQ((*rank)->BeginStep(3), stopped);
@@ -265,6 +269,7 @@ TEST(ClientTest, ARejoinThatLostItsDataPlaneStopsEveryCallUntilARejoinCompletes)
   EXPECT_EQ((*rank)->Dispatch(0, x.data(), idx.data(), w.data(), 1, dispatched), stopped);
 
   *magic = kept;
+  EXPECT_EQ((*rank)->stats().errors, 1u);
   ASSERT_EQ((*rank)->Rejoin(3).value_or(0), 3u);
   ASSERT_TRUE((*rank)->BeginStep(3).ok());
   ASSERT_TRUE((*rank)->Dispatch(0, x.data(), idx.data(), w.data(), 1, dispatched).ok());
@@ -314,6 +319,41 @@ TEST(ClientTest, AFailedDispatchLeavesNoRowsToCombine) {
   EXPECT_EQ(dispatched.layer(), 1);
   ASSERT_TRUE((*rank)->Combine(dispatched, dispatched.rows(), out.data()).ok());
   EXPECT_EQ(out, std::vector<float>(16, 0.5f));
+  EXPECT_TRUE((*rank)->Detach().ok());
+}
+
+// The fds of this process open on a memfd named `name` (ubepd names rank r's arena
+// "ubep-rank-r").
+int MemfdsNamed(const std::string& name) {
+  int count = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code error;
+    const std::filesystem::path target = std::filesystem::read_symlink(entry.path(), error);
+    if (!error && absl::StartsWith(target.string(), "/memfd:" + name + " ")) ++count;
+  }
+  return count;
+}
+
+// A rank maps every rank's arena and keeps no fd of them (only the mapping): a rank of a
+// group of 1024 would otherwise hold 1024 fds, and run into the usual limit. Here the only
+// fd on the arena is ubepd's own (in this process).
+TEST(ClientTest, AnAttachedRankKeepsNoArenaFd) {
+  test::TempDir dir;
+  absl::StatusOr<std::unique_ptr<daemon::Daemon>> ubepd = StartUbepd(dir);
+  ASSERT_TRUE(ubepd.ok()) << ubepd.status();
+  absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(ClientOf(dir), 0, 1, 0, Shape());
+  ASSERT_TRUE(rank.ok()) << rank.status();
+  EXPECT_EQ(MemfdsNamed("ubep-rank-0"), 1);
+  // The mapping serves: a call goes through.
+  const std::vector<float> x(16, 1.0f);
+  const std::vector<int32_t> idx = {0, 1};
+  const std::vector<float> w = {0.5f, 0.5f};
+  ASSERT_TRUE((*rank)->BeginStep(0).ok());
+  Dispatched dispatched;
+  ASSERT_TRUE((*rank)->Dispatch(0, x.data(), idx.data(), w.data(), 1, dispatched).ok());
+  std::vector<float> out(16, 0.0f);
+  ASSERT_TRUE((*rank)->Combine(dispatched, dispatched.rows(), out.data()).ok());
+  EXPECT_EQ(out, x);
   EXPECT_TRUE((*rank)->Detach().ok());
 }
 

@@ -126,11 +126,12 @@ TEST(MetricsTest, ValidatePlanRejectsARepeatedLayerId) {
 TEST(MetricsTest, ValidateTopologyCountsSlotsWithoutOverflowAndCapsThem) {
   EXPECT_EQ(ValidateTopology(Topology{65536, 1, 65537, 1}, 8),
             absl::InvalidArgumentError("slots (65536 ranks x 65537 = 4295032832) are more than "
-                                       "the 1048576 (2^20) a topology may have"));
-  EXPECT_EQ(ValidateTopology(Topology{1024, 1, 1025, 1}, 8),
-            absl::InvalidArgumentError("slots (1024 ranks x 1025 = 1049600) are more than "
-                                       "the 1048576 (2^20) a topology may have"));
-  EXPECT_EQ(ValidateTopology(Topology{1024, 1, 1024, 1}, 8), absl::OkStatus());
+                                       "the 4194304 (2^22) a topology may have"));
+  EXPECT_EQ(ValidateTopology(Topology{1024, 1, 4097, 1}, 8),
+            absl::InvalidArgumentError("slots (1024 ranks x 4097 = 4195328) are more than "
+                                       "the 4194304 (2^22) a topology may have"));
+  // The largest group ubepd and the balancer accept (common/shape_limits.h).
+  EXPECT_EQ(ValidateTopology(Topology{1024, 1, 4096, 1}, 8), absl::OkStatus());
 }
 
 }  // namespace

@@ -119,7 +119,7 @@ TEST(ProtoConvertTest, RejectsATopologyOfTooManySlots) {
   proto.set_num_experts(8);
   EXPECT_EQ(FromProto(proto).status(),
             absl::InvalidArgumentError("plan.topology: slots (65536 ranks x 65537 = 4295032832) "
-                                       "are more than the 1048576 (2^20) a topology may have"));
+                                       "are more than the 4194304 (2^22) a topology may have"));
 }
 
 TEST(ProtoConvertTest, FoldsSlotCountsOntoLogicalExperts) {

@@ -32,7 +32,8 @@
 //    the next. The load counters count the rows, so the balancer sees the load that overflowed.
 //  - FailedPrecondition: a call out of order (Dispatch before BeginStep, Combine without a
 //    Dispatch, a rank that detached). A Dispatch that fails leaves its output empty (no rows,
-//    empty views); combining it is a Combine without a Dispatch.
+//    empty views; combining it is a Combine without a Dispatch), but for the CUDA backend's
+//    bad input found on the device (InvalidArgument above), whose output holds the rest.
 // The hot path makes no RPC: dispatch and combine store into the peers' arenas directly.
 // Thread-compatible: one thread drives a Rank.
 #ifndef UBEP_CLIENT_INCLUDE_UBEP_UBEP_H_
@@ -83,8 +84,11 @@ struct RankStats {
   uint64_t dispatch_calls = 0;
   uint64_t combine_calls = 0;
   uint64_t wait_timeouts = 0;    // Waits of this rank's calls that gave up (DeadlineExceeded).
-  // Errors this rank's calls returned, but for ubepd's answers to Join (a Rejoin of a rank the
-  // plan excludes ends DeadlineExceeded at every join timeout: no error of the rank's).
+  // Errors found by this rank's calls: of the data plane (dispatch, combine, the plan in force
+  // at BeginStep, the group stopping) and of taking the arenas after a Join. Not counted: a
+  // call refused for misuse (out of order, detached), the stop a call repeats, and ubepd's own
+  // answers to Join (a Rejoin of a rank the plan excludes ends DeadlineExceeded at every join
+  // timeout), which ubepd counts as its RPC errors.
   uint64_t errors = 0;
   uint64_t plan_version = 0;     // Of the last dispatch.
 };

@@ -105,7 +105,8 @@ int ubep_dispatch(ubep_rank* rank, int32_t layer, const void* x, const int32_t* 
  * src_token and weights are device pointers into the rank's scratch, valid until the rank's
  * next dispatch through any handle, its Rejoin or its Detach; num_rows and slot_offsets are
  * host memory. Any output pointer may be NULL; a NULL `dispatched`, or one whose last
- * dispatch failed, gives 0 rows and NULL views. */
+ * dispatch failed (but for the CUDA backend's bad input found on the device, whose output
+ * holds the rest), gives 0 rows and NULL views. */
 void ubep_dispatched_view(const ubep_dispatched* dispatched, int32_t* num_rows,
                           const void** rows, const int32_t** slot_offsets,
                           const int32_t** src_rank, const int32_t** src_token,
