@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <fstream>
 #include <functional>
 #include <mutex>
 #include <optional>
@@ -126,6 +127,38 @@ std::pair<absl::StatusOr<v1::JoinResponse>, absl::StatusOr<v1::JoinResponse>> Jo
   absl::StatusOr<v1::JoinResponse> j1 = node.Join(q1, absl::Now() + absl::Seconds(30));
   t.join();
   return {std::move(j0), std::move(j1)};
+}
+
+// A static plan file (--plan) in EPLB's own form, without a topology or shares: the group's
+// ranks and slots fill it in, and a topology of several nodes is taken as the file says
+// (only ranks and slots must be the group's). Each file's plan is the group's first.
+TEST(NodeTest, AStaticPlanFileWithOrWithoutATopologyIsTheGroupsFirstPlan) {
+  test::TempDir dir;
+  const std::vector<std::vector<uint32_t>> phy2log = {{7, 6, 5, 4, 3, 2, 1, 0},
+                                                      {0, 1, 2, 3, 4, 5, 6, 7}};
+  for (const std::string& topology :
+       {std::string(), std::string(R"(, "topology": {"ranks": 2, "nodes": 2, "slots_per_rank": 4})")}) {
+    SCOPED_TRACE(topology);
+    NodeOptions options = Options();
+    options.plan_path = dir.path() + "/plan.json";
+    {
+      std::ofstream(options.plan_path)
+          << R"({"version": 7, "num_experts": 8, "phy2log": [[7, 6, 5, 4, 3, 2, 1, 0], )"
+          << R"([0, 1, 2, 3, 4, 5, 6, 7]])" << topology << "}";
+    }
+    Node node(options);
+    ASSERT_TRUE(node.Attach(Request(0, 2)).ok());
+    absl::StatusOr<v1::GetPlanResponse> plan = node.GetPlan();
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_EQ(plan->plan().version(), 7u);
+    EXPECT_EQ(plan->plan().topology().num_nodes(), topology.empty() ? 1u : 2u);
+    ASSERT_EQ(plan->plan().layers_size(), 2);
+    for (int l = 0; l < 2; ++l) {
+      EXPECT_EQ(std::vector<uint32_t>(plan->plan().layers(l).slot_expert().begin(),
+                                      plan->plan().layers(l).slot_expert().end()),
+                phy2log[l]);
+    }
+  }
 }
 
 TEST(NodeTest, GroupFormsWhenEveryRankJoinsAndTakesTheLeastNextStep) {
