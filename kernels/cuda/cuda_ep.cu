@@ -1606,6 +1606,10 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
   s.params.layer = p.layer;
   s.params.plan = p.plan;  // Combine waits for the same ranks as its dispatch.
   const uint32_t barrier_before = barrier_epoch_;
+  // An earlier unchecked error of this thread (a refusal record's copy, which may fail
+  // harmlessly) is not this call's: the launches below are checked by cudaGetLastError. A
+  // sticky error (a broken context) comes back at that check.
+  (void)cudaGetLastError();
   GateKernel<<<1, 32, 0, s.stream>>>(p);  // Clears the status words; the abort word's look.
   UBEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.published, 0, s.zeroed_bytes, s.stream));
   const size_t per_rank_shared = sizeof(int32_t) * config_.num_ranks;
@@ -1714,6 +1718,7 @@ absl::Status CudaEp::Combine(const void* y, void* out) {
   UBEP_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(p.combine_done, 0, sizeof(int32_t) * config_.num_ranks, s.stream));
   UBEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.deadline, 0, sizeof(*p.deadline), s.stream));
+  (void)cudaGetLastError();  // Not this call's (as in Dispatch).
   PartialKernel<<<s.wide_blocks, kThreads, 0, s.stream>>>(p, static_cast<const uint16_t*>(y));
   if (p.bsp) {
     BarrierKernel<<<1, 128, 0, s.stream>>>(p, ++barrier_epoch_);
