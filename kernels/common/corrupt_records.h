@@ -32,11 +32,6 @@ inline RecordEntry RecordEntryAt(const std::byte* records, size_t record_bytes, 
   return entry;
 }
 
-// The records a source may store per call: flagged_tokens for flagged rows, else max_tokens.
-inline uint32_t MostRecords(uint32_t count_word, int max_tokens, int flagged_tokens) {
-  return static_cast<uint32_t>(CountIsFlagged(count_word) ? flagged_tokens : max_tokens);
-}
-
 // What is first wrong with a source's records under its count word, or "" if nothing: the
 // count within MostRecords, each record's entries within [1, max_entries] (MaxPairsPerToken),
 // each entry's slot within [0, slots_per_rank). `records` is read only as far as the count

@@ -72,6 +72,12 @@ UBEP_HD inline bool CountIsFlagged(uint32_t count_word) {
   return (count_word & kFlaggedCount) != 0;
 }
 
+// The records a source may store per call under its count word: flagged_tokens for flagged
+// rows, else max_tokens (what the receiver checks the count against, on either backend).
+UBEP_HD inline uint32_t MostRecords(uint32_t count_word, int max_tokens, int flagged_tokens) {
+  return static_cast<uint32_t>(CountIsFlagged(count_word) ? flagged_tokens : max_tokens);
+}
+
 UBEP_HD inline uint64_t Granule(uint32_t data, uint32_t tag) {
   return static_cast<uint64_t>(tag) << 32 | data;
 }

@@ -777,9 +777,14 @@ __global__ void CountKernel(Params p) {
   const int s = blockIdx.x, S = p.slots_per_rank;
   if (StoppedBeforeCount(p)) return;  // Every source is checked, whatever another block found.
   std::byte* own = p.arenas[p.rank];
-  const int n = SourceCount(p, own, s);
-  const int most = SourceFlagged(p, s) ? p.flagged_tokens : p.max_tokens;
-  if (n > most) {  // Every thread read the same word: the block returns as one.
+  // The count word, read once: the count and the bound its format sets are of one value (none
+  // from a rank the plan excludes: its word is stale).
+  const uint32_t word = RankExcluded(p.plan, static_cast<uint32_t>(s))
+                            ? 0
+                            : reinterpret_cast<const uint32_t*>(own + p.off_counts)[s];
+  const int n = static_cast<int>(RecordCount(word));
+  if (RecordCount(word) > MostRecords(word, p.max_tokens, p.flagged_tokens)) {
+    // Every thread read the same word: the block returns as one.
     if (threadIdx.x == 0) MarkCorruptSource(p, s);
     return;
   }

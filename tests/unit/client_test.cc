@@ -211,6 +211,21 @@ balancer::Plan SwappedPlan() {
   return plan;
 }
 
+// One step of `rank` (a one-rank group of Shape()) that goes through: one token to experts 0
+// and 1 at weight 0.5, two rows, and the identity as the experts give the token back.
+void ExpectAStepGoesThrough(Rank& rank, uint64_t step) {
+  const std::vector<float> x(16, 1.0f);
+  const std::vector<int32_t> idx = {0, 1};
+  const std::vector<float> w = {0.5f, 0.5f};
+  ASSERT_TRUE(rank.BeginStep(step).ok());
+  Dispatched dispatched;
+  ASSERT_TRUE(rank.Dispatch(0, x.data(), idx.data(), w.data(), 1, dispatched).ok());
+  EXPECT_EQ(dispatched.num_rows(), 2);
+  std::vector<float> out(16, 0.0f);
+  ASSERT_TRUE(rank.Combine(dispatched, dispatched.rows(), out.data()).ok());
+  EXPECT_EQ(out, x);  // 0.5 x 1.0 + 0.5 x 1.0, through two slots of the one rank.
+}
+
 // A plan prepared for step 5 and never decided (its balancer died between Prepare and
 // Commit): BeginStep(5) waits the decision timeout, then fails naming the plan and what
 // decides it; the steps before it run.
@@ -271,12 +286,7 @@ TEST(ClientTest, ARejoinThatLostItsDataPlaneStopsEveryCallUntilARejoinCompletes)
   *magic = kept;
   EXPECT_EQ((*rank)->stats().errors, 1u);
   ASSERT_EQ((*rank)->Rejoin(3).value_or(0), 3u);
-  ASSERT_TRUE((*rank)->BeginStep(3).ok());
-  ASSERT_TRUE((*rank)->Dispatch(0, x.data(), idx.data(), w.data(), 1, dispatched).ok());
-  EXPECT_EQ(dispatched.num_rows(), 2);
-  std::vector<float> out(16, 0.0f);
-  ASSERT_TRUE((*rank)->Combine(dispatched, dispatched.rows(), out.data()).ok());
-  EXPECT_EQ(out, x);  // 0.5 x 1.0 + 0.5 x 1.0, through two slots of the one rank.
+  ExpectAStepGoesThrough(**rank, 3);
   EXPECT_TRUE((*rank)->Detach().ok());
 }
 
@@ -344,16 +354,7 @@ TEST(ClientTest, AnAttachedRankKeepsNoArenaFd) {
   absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(ClientOf(dir), 0, 1, 0, Shape());
   ASSERT_TRUE(rank.ok()) << rank.status();
   EXPECT_EQ(MemfdsNamed("ubep-rank-0"), 1);
-  // The mapping serves: a call goes through.
-  const std::vector<float> x(16, 1.0f);
-  const std::vector<int32_t> idx = {0, 1};
-  const std::vector<float> w = {0.5f, 0.5f};
-  ASSERT_TRUE((*rank)->BeginStep(0).ok());
-  Dispatched dispatched;
-  ASSERT_TRUE((*rank)->Dispatch(0, x.data(), idx.data(), w.data(), 1, dispatched).ok());
-  std::vector<float> out(16, 0.0f);
-  ASSERT_TRUE((*rank)->Combine(dispatched, dispatched.rows(), out.data()).ok());
-  EXPECT_EQ(out, x);
+  ExpectAStepGoesThrough(**rank, 0);  // The mapping serves.
   EXPECT_TRUE((*rank)->Detach().ok());
 }
 
@@ -439,15 +440,7 @@ TEST(ClientTest, ARefreshReplyOfAnOlderArenaEpochIsPassedOver) {
   absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(options, 0, 1, 0, Shape());
   ASSERT_TRUE(rank.ok()) << rank.status();
   EXPECT_EQ(fd_socket.refreshes(), 1);  // The Join in Attach.
-  const std::vector<float> x(16, 1.0f);
-  const std::vector<int32_t> idx = {0, 1};
-  const std::vector<float> w = {0.5f, 0.5f};
-  ASSERT_TRUE((*rank)->BeginStep(0).ok());
-  Dispatched dispatched;
-  ASSERT_TRUE((*rank)->Dispatch(0, x.data(), idx.data(), w.data(), 1, dispatched).ok());
-  std::vector<float> out(16, 0.0f);
-  ASSERT_TRUE((*rank)->Combine(dispatched, dispatched.rows(), out.data()).ok());
-  EXPECT_EQ(out, x);
+  ExpectAStepGoesThrough(**rank, 0);
   EXPECT_TRUE((*rank)->Detach().ok());
 }
 
