@@ -4,10 +4,13 @@
 # toolkit and NCCL for Debian 12; stage 2 is Debian 12 slim with the shared libraries ubepd links
 # (the CUDA driver comes from the node, through the NVIDIA container runtime).
 FROM debian:bookworm AS build
+# NCCL as the project builds and tests it (nccl.h 2.28.9 under /usr/local/cuda); NVIDIA's
+# repository keeps older versions, so the image does not change under a rebuild.
+ARG NCCL_VERSION=2.28.9-1+cuda13.0
 RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends ca-certificates wget \
  && wget -q https://developer.download.nvidia.com/compute/cuda/repos/debian12/x86_64/cuda-keyring_1.1-1_all.deb \
  && dpkg -i cuda-keyring_1.1-1_all.deb && rm cuda-keyring_1.1-1_all.deb \
- && apt-get update -qq && apt-get install -y -qq --no-install-recommends cuda-toolkit-13-0 libnccl2 libnccl-dev \
+ && apt-get update -qq && apt-get install -y -qq --no-install-recommends cuda-toolkit-13-0 libnccl2=${NCCL_VERSION} libnccl-dev=${NCCL_VERSION} \
  && rm -rf /var/lib/apt/lists/*
 ENV PATH=/usr/local/cuda/bin:$PATH
 WORKDIR /src
