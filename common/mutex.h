@@ -40,13 +40,20 @@ class ABSL_LOCKABLE Mutex {
     lock.release();
   }
 
-  // As Await, giving up after `timeout`; returns whether ready() holds.
+  // As Await, giving up after `timeout`; returns whether ready() holds. A timeout of a million
+  // hours or more (absl::InfiniteDuration) never ends: as a std::chrono span it would overflow
+  // the clock's deadline, which libstdc++ takes for one already past.
   template <typename Predicate>
   bool AwaitWithTimeout(Predicate ready, absl::Duration timeout)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(this) {
     std::unique_lock<std::mutex> lock(mu_, std::adopt_lock);
     cv_.notify_all();
-    const bool ok = cv_.wait_for(lock, absl::ToChronoNanoseconds(timeout), ready);
+    bool ok = true;
+    if (timeout >= absl::Hours(1000000)) {
+      cv_.wait(lock, ready);
+    } else {
+      ok = cv_.wait_for(lock, absl::ToChronoNanoseconds(timeout), ready);
+    }
     lock.release();
     return ok;
   }

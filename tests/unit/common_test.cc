@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -17,9 +18,11 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/clock.h"
 #include "common/logging.h"
 #include "common/mutex.h"
+#include "common/periodic.h"
 #include "common/status_macros.h"
 #include "common/unix_socket.h"
 #include "gtest/gtest.h"
@@ -105,6 +108,42 @@ TEST(MutexTest, AwaitWithTimeoutGivesUp) {
   MutexLock lock(&mu);
   EXPECT_FALSE(mu.AwaitWithTimeout([] { return false; }, absl::Milliseconds(5)));
   EXPECT_TRUE(mu.AwaitWithTimeout([] { return true; }, absl::Milliseconds(5)));
+}
+
+TEST(MutexTest, AnInfiniteTimeoutWaitsForThePredicate) {
+  Mutex mu;
+  bool set = false;  // Guarded by mu.
+  std::thread other([&] {
+    absl::SleepFor(absl::Milliseconds(50));
+    MutexLock lock(&mu);
+    set = true;
+  });
+  {
+    MutexLock lock(&mu);
+    EXPECT_TRUE(mu.AwaitWithTimeout([&] { return set; }, absl::InfiniteDuration()));
+    EXPECT_TRUE(set);  // Not a wait that ended at once, with the predicate still false.
+  }
+  other.join();
+}
+
+TEST(PeriodicThreadTest, AnInfiniteIntervalNeverRunsTheFunction) {
+  std::atomic<int> runs = 0;
+  {
+    PeriodicThread thread([] { return absl::InfiniteDuration(); }, [&] { ++runs; });
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  EXPECT_EQ(runs.load(), 0);
+}
+
+TEST(PeriodicThreadTest, RunsEveryIntervalUntilDestroyed) {
+  std::atomic<int> runs = 0;
+  {
+    PeriodicThread thread([] { return absl::Milliseconds(1); }, [&] { ++runs; });
+    while (runs.load() < 3) absl::SleepFor(absl::Milliseconds(1));
+  }
+  const int after = runs.load();
+  absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_EQ(runs.load(), after);
 }
 
 TEST(LoggingDeathTest, CheckFailureNamesTheConditionAndAborts) {
