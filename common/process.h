@@ -35,7 +35,8 @@ class Process {
     std::vector<char*> args;
     for (std::string& a : argv) args.push_back(a.data());
     args.push_back(nullptr);
-    if (posix_spawn(&pid_, args[0], &actions, nullptr, args.data(), environ) != 0) pid_ = -1;
+    spawn_error_ = posix_spawn(&pid_, args[0], &actions, nullptr, args.data(), environ);
+    if (spawn_error_ != 0) pid_ = -1;
     posix_spawn_file_actions_destroy(&actions);
   }
   ~Process() {
@@ -48,6 +49,8 @@ class Process {
   Process& operator=(const Process&) = delete;
 
   pid_t pid() const { return pid_; }
+  // Why the process did not start (an errno: ENOENT for a missing binary), or 0.
+  int spawn_error() const { return spawn_error_; }
   bool running() const { return pid_ > 0 && !status_.has_value(); }
   void Signal(int sig) const {
     if (running()) kill(pid_, sig);
@@ -71,6 +74,7 @@ class Process {
 
  private:
   pid_t pid_ = -1;
+  int spawn_error_ = 0;
   std::optional<int> status_;
 };
 

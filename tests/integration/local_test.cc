@@ -27,6 +27,7 @@ namespace ubep {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 using test::Process;
 using test::ReadFile;
 using test::WaitFor;
@@ -239,6 +240,7 @@ TEST_F(LocalTest, UbepLocalServedWhilePrometheusScrapesAndUbepctlOperates) {
   EXPECT_LT(r["imbalance_after"].get<double>(), r["imbalance_before"].get<double>());
   EXPECT_GT(r["migrated_slots"].get<int64_t>(), 0);
   EXPECT_TRUE(std::filesystem::exists(report + "/report.png"));
+  EXPECT_EQ(r["picture"], "report.png");
   EXPECT_THAT(ReadFile(report + "/report.md"), HasSubstr("| every step equal to its float64 reference | yes |"));
 }
 
@@ -308,6 +310,11 @@ TEST_F(LocalTest, FlagValuesThatCannotMakeAClusterAreRefusedBeforeAnythingStarts
       {"--metrics_port=65534",
        "ubep-local: --metrics_port 65534 leaves no port for daemon 1 (ports metrics_port to "
        "metrics_port + daemons; 0 = any free ones)\n"},
+      {"--metrics_port=2147483647",
+       "ubep-local: --metrics_port 2147483647 leaves no port for daemon 1 (ports metrics_port to "
+       "metrics_port + daemons; 0 = any free ones)\n"},
+      {"--layers=4097", "ubep-local: --layers 4097 is over 4096, the most an EP group has\n"},
+      {"--experts=1025", "ubep-local: --experts 1025 is over 1024, the most an EP group has\n"},
   };
   for (const auto& [flag, message] : cases) {
     std::string output;
@@ -316,6 +323,55 @@ TEST_F(LocalTest, FlagValuesThatCannotMakeAClusterAreRefusedBeforeAnythingStarts
     EXPECT_EQ(output, message);
   }
   EXPECT_FALSE(std::filesystem::exists(path("report")));
+}
+
+// A balancer that cannot start (its port taken) is seen exiting, and said so with its log, at
+// once rather than after the 30 s a ready file is waited for.
+TEST_F(LocalTest, ABalancerThatExitsAtStartIsNamedWithItsStatusAndLog) {
+  const int taken = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(taken, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(listen(taken, 4), 0);
+  socklen_t len = sizeof(addr);
+  getsockname(taken, reinterpret_cast<sockaddr*>(&addr), &len);
+  const std::string listen = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port));
+  std::string output;
+  EXPECT_EQ(Run({test::BinaryPath("ubep-local"), "--report=" + path("report"),
+                 "--listen=" + listen, "--metrics_port=0"},
+                &output),
+            1);
+  close(taken);
+  EXPECT_THAT(output, HasSubstr("ubep-local: ubep-balancer did not start (it exited with status "
+                                "1); its log:\n"));
+  EXPECT_THAT(output, HasSubstr("ubep-balancer: cannot listen on " + listen + "\n"));
+}
+
+// A run without a commit has no after window and so no picture: the report says so, and a
+// picture an earlier run left in the directory is removed rather than shown as this run's.
+TEST_F(LocalTest, ARunWithoutACommitHasNoPictureAndLeavesNoEarlierOne) {
+  const std::string report = path("report");
+  std::filesystem::create_directories(report);
+  std::ofstream(report + "/report.png") << "an earlier run's picture";
+  std::string output;
+  ASSERT_EQ(Run({test::BinaryPath("ubep-local"), "--ranks=2", "--daemons=1", "--steps=20",
+                 "--interval=1h", "--report=" + report, "--listen=127.0.0.1:0",
+                 "--metrics_port=0"},
+                &output),
+            0)
+      << output;
+  EXPECT_FALSE(std::filesystem::exists(report + "/report.png"));
+  EXPECT_THAT(output, HasSubstr(absl::StrCat("  report: ", report, "/report.md, report.json (no "
+                                             "picture: no plan was committed, so there is no "
+                                             "after window)\n")));
+  const std::string md = ReadFile(report + "/report.md");
+  EXPECT_THAT(md, HasSubstr("\nNo picture: no plan was committed, so there is no after window.\n"));
+  EXPECT_THAT(md, Not(HasSubstr("report.png")));
+  EXPECT_THAT(md, HasSubstr("| rebalances committed | 0 |\n"));
+  const nlohmann::json r = nlohmann::json::parse(ReadFile(report + "/report.json"));
+  EXPECT_TRUE(r["picture"].is_null());
+  EXPECT_EQ(r["rebalances"], 0);
 }
 
 TEST_F(LocalTest, InterruptStopsEveryProcessAndLeavesNothingBehind) {

@@ -33,11 +33,13 @@
 #include <regex>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -50,6 +52,7 @@
 #include "balancer/formats/json_formats.h"
 #include "common/http_get.h"
 #include "common/process.h"
+#include "common/shape_limits.h"
 #include "nlohmann/json.hpp"
 
 ABSL_FLAG(int, ranks, 8, "Serving ranks (processes) in the EP group.");
@@ -109,21 +112,37 @@ std::string ReadTail(const std::string& path, std::streamoff bytes) {
   return s.str();
 }
 
-// A --ready_file's JSON, once it exists (at most 30 s).
-std::optional<nlohmann::json> AwaitReady(const std::string& path, const ubep::Process& process) {
+// A --ready_file's JSON, once it exists (at most 30 s); or why there is none: the process did
+// not start, exited, or gave no ready file in time.
+absl::StatusOr<nlohmann::json> AwaitReady(const std::string& path, ubep::Process& process) {
+  if (process.spawn_error() != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot start it: ", strerror(process.spawn_error())));
+  }
   const absl::Time deadline = absl::Now() + absl::Seconds(30);
   while (absl::Now() < deadline && !interrupted.load()) {
     if (std::filesystem::exists(path)) {
       try {
-        return nlohmann::json::parse(ReadFile(path));
+        const nlohmann::json ready = nlohmann::json::parse(ReadFile(path));
+        if (ready.is_object()) return ready;
       } catch (const std::exception&) {
         // Half written: read again.
       }
     }
-    if (!process.running()) return std::nullopt;
+    if (const std::optional<int> code = process.Wait(absl::ZeroDuration()); code.has_value()) {
+      return absl::FailedPreconditionError(absl::StrCat("it exited with status ", *code));
+    }
     absl::SleepFor(absl::Milliseconds(20));
   }
-  return std::nullopt;
+  return absl::DeadlineExceededError("no ready file within 30s");
+}
+
+// A port from a ready file (0 when absent or not a port).
+int ReadyPort(const nlohmann::json& ready, const char* key) {
+  const auto it = ready.find(key);
+  if (it == ready.end() || !it->is_number_integer()) return 0;
+  const int64_t port = it->get<int64_t>();
+  return port > 0 && port < 65536 ? static_cast<int>(port) : 0;
 }
 
 // One sample of a Prometheus text exposition.
@@ -260,9 +279,7 @@ void WriteHeat(const std::string& path, const std::vector<std::vector<double>>& 
   }
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int Run(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "ubep-local [--ranks R] [--daemons K] [--steps N] [--policy ubep|eplb|none] [--report DIR]: "
       "a local UBEP cluster on the host backend, with a report");
@@ -283,6 +300,16 @@ int main(int argc, char** argv) {
                                     {"tokens", absl::GetFlag(FLAGS_tokens)}}) {
     if (value < 1) {
       std::cerr << "ubep-local: --" << name << " " << value << " is not positive\n";
+      return 2;
+    }
+  }
+  for (const auto& [name, value, most] :
+       {std::tuple<const char*, int, uint32_t>{"ranks", R, ubep::kMaxWorld},
+        {"experts", experts, ubep::kMaxExperts},
+        {"layers", absl::GetFlag(FLAGS_layers), ubep::kMaxLayers}}) {
+    if (static_cast<uint32_t>(value) > most) {
+      std::cerr << "ubep-local: --" << name << " " << value << " is over " << most
+                << ", the most an EP group has\n";
       return 2;
     }
   }
@@ -310,7 +337,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (const int port = absl::GetFlag(FLAGS_metrics_port);
-      port < 0 || port + K >= 65536) {
+      port < 0 || port >= 65536 - K) {
     std::cerr << "ubep-local: --metrics_port " << port << " leaves no port for daemon " << K - 1
               << " (ports metrics_port to metrics_port + daemons; 0 = any free ones)\n";
     return 2;
@@ -357,19 +384,23 @@ int main(int argc, char** argv) {
   std::vector<Node> nodes(K);
   std::vector<std::unique_ptr<ubep::Process>> clients;
   int exit_code = 0;
+  // SIGTERM to all, then, in the order they were asked (ranks, daemons, balancer), each waited
+  // for until 10 s after the signal, the rest killed: 10 s in all, however many are stuck.
   auto stop_all = [&] {
-    for (auto& c : clients) c->Signal(SIGTERM);
+    std::vector<ubep::Process*> all;
+    for (auto& c : clients) all.push_back(c.get());
     for (Node& n : nodes) {
-      if (n.process) n.process->Signal(SIGTERM);
+      if (n.process) all.push_back(n.process.get());
     }
-    balancer->Signal(SIGTERM);
-    for (auto& c : clients) {
-      if (!c->Wait(absl::Seconds(10)).has_value()) c->Signal(SIGKILL);
+    all.push_back(balancer.get());
+    for (ubep::Process* p : all) p->Signal(SIGTERM);
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    for (ubep::Process* p : all) {
+      if (!p->Wait(std::max(absl::ZeroDuration(), deadline - absl::Now())).has_value()) {
+        p->Signal(SIGKILL);
+        p->Wait(absl::Seconds(10));
+      }
     }
-    for (Node& n : nodes) {
-      if (n.process && !n.process->Wait(absl::Seconds(10)).has_value()) n.process->Signal(SIGKILL);
-    }
-    if (!balancer->Wait(absl::Seconds(10)).has_value()) balancer->Signal(SIGKILL);
   };
   auto fail = [&](const std::string& what, const std::string& log) {
     if (interrupted.load()) {  // Ctrl-C while starting up: as once running, less the report.
@@ -383,10 +414,15 @@ int main(int argc, char** argv) {
     std::cerr << "logs kept in " << workdir << "\n";
     return 1;
   };
-  const std::optional<nlohmann::json> balancer_ready = AwaitReady(path("balancer.ready"), *balancer);
-  if (!balancer_ready.has_value()) return fail("ubep-balancer did not start", path("balancer.log"));
-  const int balancer_port = balancer_ready->value("port", 0);
-  const int balancer_metrics = balancer_ready->value("metrics_port", 0);
+  const absl::StatusOr<nlohmann::json> balancer_ready =
+      AwaitReady(path("balancer.ready"), *balancer);
+  if (!balancer_ready.ok()) {
+    return fail(absl::StrCat("ubep-balancer did not start (", balancer_ready.status().message(),
+                             "); its log:"),
+                path("balancer.log"));
+  }
+  const int balancer_port = ReadyPort(*balancer_ready, "port");
+  const int balancer_metrics = ReadyPort(*balancer_ready, "metrics_port");
 
   // The daemons, then the serving ranks.
   for (int i = 0; i < K; ++i) {
@@ -406,9 +442,13 @@ int main(int argc, char** argv) {
         path(n.name + ".log"));
   }
   for (Node& n : nodes) {
-    const std::optional<nlohmann::json> ready = AwaitReady(path(n.name + ".ready"), *n.process);
-    if (!ready.has_value()) return fail(n.name + "'s ubepd did not start", path(n.name + ".log"));
-    n.metrics_port = ready->value("metrics_port", 0);
+    const absl::StatusOr<nlohmann::json> ready = AwaitReady(path(n.name + ".ready"), *n.process);
+    if (!ready.ok()) {
+      return fail(absl::StrCat(n.name, "'s ubepd did not start (", ready.status().message(),
+                               "); its log:"),
+                  path(n.name + ".log"));
+    }
+    n.metrics_port = ReadyPort(*ready, "metrics_port");
   }
   {
     nlohmann::json cluster = {{"balancer", absl::StrCat("127.0.0.1:", balancer_port)},
@@ -583,7 +623,10 @@ int main(int argc, char** argv) {
     if (code != 0 || !absl::StrContains(log, absl::StrCat("done steps ", steps, " failed 0")) ||
         absl::StrContains(log, "MISMATCH")) {
       correct = false;
-      problems.push_back(absl::StrCat("rank ", r, " exit ", code.value_or(-1)));
+      problems.push_back(clients[r]->spawn_error() != 0
+                             ? absl::StrCat("rank ", r, " did not start: ",
+                                            strerror(clients[r]->spawn_error()))
+                             : absl::StrCat("rank ", r, " exit ", code.value_or(-1)));
     }
   }
   // Steps dropped over the receive capacity: the same on every rank (the call fails on all of
@@ -647,39 +690,19 @@ int main(int argc, char** argv) {
   }
   report["samples"] = series;
   if (!problems.empty()) report["problems"] = problems;
-  std::ofstream(report_dir + "/report.json") << report.dump(2) << "\n";
-
   auto fmt = [](double v) { return std::isfinite(v) ? absl::StrFormat("%.3f", v) : std::string("-"); };
-  std::ofstream md(report_dir + "/report.md");
-  md << "# ubep-local report\n\n"
-     << R << " ranks on " << K << " daemons (host backend), " << steps << " steps, policy `"
-     << policy << "`, " << absl::StrFormat("%.1f", duration) << " s.\n\n"
-     << "| what | value |\n|---|---|\n"
-     << "| imbalance before (max/mean rank load, mean over the layers calls reached, from the "
-        "daemons' counters) | "
-     << fmt(imbalance_before) << " |\n"
-     << "| imbalance after | " << fmt(imbalance_after) << " |\n"
-     << "| rebalances committed | " << committed << " |\n"
-     << "| slots migrated | " << migrated << " |\n"
-     << "| dispatch p50 / combine p50 (per layer call, from the daemons' histograms) | "
-     << absl::StrFormat("%.0f us / %.0f us", dispatch_p50 * 1e6, combine_p50 * 1e6) << " |\n"
-     << "| every step equal to its float64 reference | " << (correct ? "yes" : "NO") << " |\n"
-     << "| steps dropped over the receive capacity (--max_recv_rows "
-     << absl::GetFlag(FLAGS_max_recv_rows) << "), all / before (steps < " << before_end_step
-     << ") / after (steps >= " << after_start_step << ") | " << dropped << " / " << dropped_before
-     << " / " << dropped_after << " |\n"
-     << "| last step dropped | "
-     << (last_dropped < 0 ? std::string("-") : absl::StrCat(last_dropped)) << " |\n\n"
-     << "Before: "
-     << (policy == "none" ? "the first third of the run" : "under plan v1, up to the first commit")
-     << ". After: "
-     << (policy == "none" ? "the last third"
-                          : "from three intervals after the first commit to the end")
-     << ".\n\n![per-rank load and imbalance](report.png)\n";
-  md.close();
-
-  // The picture: per-rank load over the mean before and after, and imbalance over time.
-  if (before_end && after_start) {
+  // The picture: per-rank load over the mean before and after, and imbalance over time; made
+  // first, as the report names it only when this run made it (a picture an earlier run left in
+  // the directory is removed, not shown as this run's).
+  bool report_written = true;
+  const std::string picture = report_dir + "/report.png";
+  std::error_code not_there;
+  std::filesystem::remove(picture, not_there);
+  std::string no_picture;
+  if (!before_end || !after_start) {
+    no_picture = policy == "none" ? "the run ended before its last third"
+                                  : "no plan was committed, so there is no after window";
+  } else {
     WriteHeat(path("heat_before.dat"), *before_end);
     WriteHeat(path("heat_after.dat"), after_counts);
     {
@@ -690,7 +713,7 @@ int main(int argc, char** argv) {
     }
     std::ofstream gp(path("report.gp"));
     gp << "set terminal png size 1400,500 font ',10'\n"
-       << "set output '" << report_dir << "/report.png'\n"
+       << "set output '" << picture << "'\n"
        << "set multiplot layout 1,3 title 'ubep-local: " << R << " ranks, " << K << " daemons, policy "
        << policy << "'\n"
        << "set palette defined (0 'white', 1 'orange', 2 'red', 3 'dark-red')\n"
@@ -707,14 +730,59 @@ int main(int argc, char** argv) {
        << "plot '" << path("imbalance.dat") << "' using 1:2 with lines lw 2 title 'imbalance'\n"
        << "unset multiplot\n";
     gp.close();
-    if (std::system(("gnuplot " + path("report.gp") + " 2>" + path("gnuplot.log")).c_str()) != 0) {
+    if (std::system(("gnuplot " + path("report.gp") + " 2>" + path("gnuplot.log")).c_str()) != 0 ||
+        !std::filesystem::exists(picture)) {
       std::cerr << "ubep-local: gnuplot failed (is gnuplot installed?): "
                 << ReadFile(path("gnuplot.log")) << "\n";
+      std::filesystem::remove(picture, not_there);
+      no_picture = "gnuplot failed";
+      report_written = false;
+    }
+  }
+  report["picture"] = no_picture.empty() ? nlohmann::json("report.png") : nlohmann::json(nullptr);
+
+  std::ostringstream md;
+  md << "# ubep-local report\n\n"
+     << R << " ranks on " << K << " daemons (host backend), " << steps << " steps, policy `"
+     << policy << "`, " << absl::StrFormat("%.1f", duration) << " s.\n\n"
+     << "| what | value |\n|---|---|\n"
+     << "| imbalance before (max/mean rank load, mean over the layers calls reached, from the "
+        "daemons' counters) | "
+     << fmt(imbalance_before) << " |\n"
+     << "| imbalance after | " << fmt(imbalance_after) << " |\n"
+     << "| rebalances committed | " << std::llround(committed) << " |\n"
+     << "| slots migrated | " << std::llround(migrated) << " |\n"
+     << "| dispatch p50 / combine p50 (per layer call, from the daemons' histograms) | "
+     << (std::isfinite(dispatch_p50) && std::isfinite(combine_p50)
+             ? absl::StrFormat("%.0f us / %.0f us", dispatch_p50 * 1e6, combine_p50 * 1e6)
+             : std::string("-"))
+     << " |\n"
+     << "| every step equal to its float64 reference | " << (correct ? "yes" : "NO") << " |\n"
+     << "| steps dropped over the receive capacity (--max_recv_rows "
+     << absl::GetFlag(FLAGS_max_recv_rows) << "), all / before (steps < " << before_end_step
+     << ") / after (steps >= " << after_start_step << ") | " << dropped << " / " << dropped_before
+     << " / " << dropped_after << " |\n"
+     << "| last step dropped | "
+     << (last_dropped < 0 ? std::string("-") : absl::StrCat(last_dropped)) << " |\n\n"
+     << "Before: "
+     << (policy == "none" ? "the first third of the run" : "under plan v1, up to the first commit")
+     << ". After: "
+     << (policy == "none" ? "the last third"
+                          : "from three intervals after the first commit to the end")
+     << ".\n\n"
+     << (no_picture.empty() ? std::string("![per-rank load and imbalance](report.png)")
+                            : absl::StrCat("No picture: ", no_picture, "."))
+     << "\n";
+  for (const auto& [name, text] : {std::pair<const char*, std::string>{"report.json", report.dump(2) + "\n"},
+                                   {"report.md", md.str()}}) {
+    if (absl::Status st = ubep::balancer::WriteTextFile(report_dir + "/" + name, text); !st.ok()) {
+      std::cerr << "ubep-local: " << st.message() << "\n";
+      report_written = false;
     }
   }
   std::cout << absl::StrFormat(
       "ubep-local: imbalance %s -> %s, %.0f rebalances, %.0f slots migrated, dispatch+combine "
-      "p50 %s us, %s%s\n  report: %s/report.md, report.json, report.png\n",
+      "p50 %s us, %s%s\n  report: %s/report.md, report.json%s\n",
       fmt(imbalance_before), fmt(imbalance_after), committed, migrated,
       std::isfinite(dispatch_p50 + combine_p50)
           ? absl::StrFormat("%.0f", (dispatch_p50 + combine_p50) * 1e6)
@@ -723,12 +791,28 @@ int main(int argc, char** argv) {
                    : absl::StrFormat(", %d steps dropped over the receive capacity (%d before, "
                                      "%d after, the last at step %d)",
                                      dropped, dropped_before, dropped_after, last_dropped),
-      report_dir);
+      report_dir, no_picture.empty() ? ", report.png" : absl::StrCat(" (no picture: ", no_picture, ")"));
   if (!correct && !interrupted.load()) {
     exit_code = 1;
     std::cerr << "ubep-local: " << absl::StrJoin(problems, "; ") << "; logs kept in " << workdir << "\n";
+  } else if (!report_written) {
+    exit_code = 1;
+    std::cerr << "ubep-local: the report is incomplete; logs kept in " << workdir << "\n";
   } else if (!absl::GetFlag(FLAGS_keep_workdir)) {
     std::filesystem::remove_all(workdir);
   }
   return interrupted.load() ? 130 : exit_code;
+}
+
+}  // namespace
+
+// An exception past the start (out of memory, a file it cannot read) unwinds Run, whose
+// Processes kill what they started: nothing is left running.
+int main(int argc, char** argv) {
+  try {
+    return Run(argc, argv);
+  } catch (const std::exception& e) {
+    std::cerr << "ubep-local: " << e.what() << "\n";
+    return 1;
+  }
 }
