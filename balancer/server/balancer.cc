@@ -791,13 +791,18 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
   }
   // A group that formed again at a step before the plan's effective step (its clients
   // attached anew) follows the plan from the step it resumed at (the daemons moved the plan's
-  // start there): its reports from then on hold that plan's counts.
+  // start there): its reports from then on hold that plan's counts. A change of members is in
+  // force from the step the group resumes at, which the balancer learns here, from the first
+  // report of a daemon with member ranks (one whose ranks the plan excludes may have caught up
+  // on it at a step of its own).
   if (request->has_plan_effective_step() && load.plan_version() == plan_->version &&
-      request->plan_effective_step() < plan_effective_step_) {
+      ((!effective_step_learned_ && Member(d)) ||
+       request->plan_effective_step() < plan_effective_step_)) {
     UBEP_LOG(INFO) << "plan v" << plan_->version << " is in force from step "
-                   << request->plan_effective_step() << ", not " << plan_effective_step_
-                   << ": node " << request->node() << "'s group resumed there";
+                   << request->plan_effective_step() << ": node " << request->node()
+                   << "'s group resumed there";
     plan_effective_step_ = request->plan_effective_step();
+    effective_step_learned_ = true;
   }
   // A daemon tags its counts with the plan it has committed, which its ranks follow only from
   // the plan's effective step: counts of steps before it (the whole report, or part of it)
@@ -1576,9 +1581,10 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
   // than the plan held): the set keeps only those above it.
   std::erase_if(aborted_versions_, [&](uint64_t v) { return v <= plan_->version; });
   // A change of members is in force from the step the group resumes at (the daemons move
-  // its effective step there), which is not later than the estimate.
+  // its effective step there and say so in their reports), which is not later than the
+  // estimate: until a report says it, no report is held stale by its steps.
   plan_effective_step_ = membership ? 0 : effective_step;
-  effective_step_learned_ = true;
+  effective_step_learned_ = !membership;
   ++committed_count_;
   for (const std::string& name : targets) {
     if (auto it = daemons_.find(name); it != daemons_.end()) it->second.committed = plan_->version;

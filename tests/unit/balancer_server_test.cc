@@ -889,6 +889,31 @@ TEST(BalancerServerTest, AGroupThatResumedBeforeThePlansEffectiveStepIsFollowedT
   EXPECT_EQ(a.prepares().back().effective_step(), 50u);  // 40 + min_margin_steps.
 }
 
+// A change of members (a drain) stops the group and is in force from the step it resumes at,
+// which the daemons say in their reports: the counts of steps before it, tagged with the new
+// plan but counted under the old placement, are stale, as they are for a plan of no change.
+TEST(BalancerServerTest, AfterAChangeOfMembersStepsBeforeTheGroupResumedAreStale) {
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+  std::unique_ptr<Balancer> learned = WithTwoDaemons(NeverMarkedDown(), a, b);
+  Balancer& balancer = *learned;
+  v1::RebalanceResponse drained;
+  const grpc::Status drain = Drain(balancer, "node-b", true, &drained);
+  ASSERT_TRUE(drain.ok()) << drain.error_message();
+  ASSERT_EQ(a.committed_version(), 2u);
+  auto report = [&](uint64_t seq, uint64_t first, uint64_t last) {
+    v1::ReportLoadRequest q = ReportOf("node-a", 0, seq, first, last, 2, 1);
+    q.set_plan_effective_step(120);  // node-a's group resumed at step 120.
+    v1::ReportLoadResponse response;
+    return balancer.ReportLoad(nullptr, &q, &response);
+  };
+  const grpc::Status straddling = report(1, 100, 130);
+  EXPECT_EQ(straddling.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(straddling.error_message(),
+            "report counted under plan v2 (steps 100-130); plan v2 is in force from step 120");
+  const grpc::Status after = report(2, 130, 140);
+  EXPECT_TRUE(after.ok()) << after.error_message();
+}
+
 // node-b goes down and node-c takes its ranks over: node-b's entry goes, node-c's ranks stay
 // excluded until it is undrained (new arenas, as a restarted daemon's), and then come back.
 TEST(BalancerServerTest, ANodeTakingOverADownNodesRanksReplacesIt) {
