@@ -393,6 +393,13 @@ grpc::Status Balancer::Register(grpc::ServerContext* context, const v1::Register
   if (request->node().empty() || request->address().empty()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "node and address are required");
   }
+  if (request->free_buffers() > kMaxSlotsPerRank) {
+    // The migration budget, per rank and layer: more than a rank's slots changes nothing, and
+    // as an int it would wrap to a negative budget, read as none.
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("free_buffers ", request->free_buffers(), " is over ",
+                                     kMaxSlotsPerRank, ", the most slots a rank has"));
+  }
   const v1::ModelShape& s = request->shape();
   std::optional<Shape> shape;
   if (s.num_layers() > 0) {
@@ -1087,6 +1094,21 @@ void Balancer::Recover() {
     if (state.committed_version() > 0 &&
         (!plan_.has_value() || plan_->version < state.committed_version())) {
       absl::StatusOr<Plan> plan = FromProto(state.committed_plan());
+      // Of the cluster's shape: a daemon whose group changed model since it registered (a
+      // registration refused as another model's keeps the entry) holds another model's plan,
+      // whose sizes the next plan would index this one's load by.
+      if (plan.ok() && shape_.has_value() &&
+          (plan->topology.num_ranks != shape_->world || plan->num_layers() != shape_->layers ||
+           plan->num_experts != shape_->experts ||
+           plan->topology.slots_per_rank != shape_->slots)) {
+        UBEP_LOG(WARNING) << "recovery: node " << name << " holds plan v"
+                          << state.committed_version() << " of another shape ("
+                          << plan->topology.num_ranks << " ranks x "
+                          << plan->topology.slots_per_rank << " slots, " << plan->num_layers()
+                          << " layers x " << plan->num_experts << " experts) than the cluster's "
+                          << shape_->Describe() << ": not taken";
+        plan = absl::FailedPreconditionError("another shape");
+      }
       if (plan.ok()) {
         plan_ = *std::move(plan);
         plan_effective_step_ = 0;
@@ -1188,7 +1210,7 @@ void Balancer::Recover() {
     // daemon that missed it is aborted too) and counted once. Not one at or below the plan
     // held: aborted as superseded, or as another plan under the held version, where the
     // version itself (the plan held, committed) must still be committed where it is pending.
-    if (!commit && version > held_when_decided && aborted_versions_.insert(version).second) {
+    if (!commit && version > held_when_decided && RememberAborted(version)) {
       plans_aborted_->Increment();
       ++aborted_count_;
     }
@@ -1558,7 +1580,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
   if (!commit) {
     plans_aborted_->Increment();
     ++aborted_count_;
-    aborted_versions_.insert(plan->version);
+    RememberAborted(plan->version);
     return absl::AbortedError(absl::StrCat("plan v", plan->version, " aborted: ",
                                            absl::StrJoin(failed, "; ")));
   }
@@ -1642,6 +1664,14 @@ std::set<int> Balancer::UnlistedMembers() const {
     for (uint32_t r : d.info.ranks()) unlisted.erase(static_cast<int>(r));
   }
   return unlisted;
+}
+
+bool Balancer::RememberAborted(uint64_t version) {
+  const bool added = aborted_versions_.insert(version).second;
+  while (aborted_versions_.size() > kMaxAbortedVersions) {
+    aborted_versions_.erase(aborted_versions_.begin());
+  }
+  return added;
 }
 
 bool Balancer::Member(const Daemon& d) const {

@@ -231,6 +231,8 @@ class Balancer final : public v1::Control::Service {
   uint64_t EstimateStep() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The daemon hosts a rank plan_ keeps.
   bool Member(const Daemon& d) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Adds `version` to aborted_versions_ (dropping the oldest past its bound); whether it is new.
+  bool RememberAborted(uint64_t version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A daemon of a group over several daemons whose committed plan (known from GetState) is
   // older than the cluster's: it has not caught up yet (CatchUp).
   bool Behind(const Daemon& d) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -273,7 +275,10 @@ class Balancer final : public v1::Control::Service {
   absl::Time missing_since_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   uint64_t highest_version_ ABSL_GUARDED_BY(mu_) = 0;  // Committed or prepared anywhere.
   // Versions this process aborted: one still pending on a daemon whose Abort did not arrive
-  // is aborted there too, however far the cluster's plan has gone past it since.
+  // is aborted there too, however far the cluster's plan has gone past it since. The newest
+  // kMaxAbortedVersions (RememberAborted): a daemon refusing every plan makes one a tick, and
+  // an older one still pending somewhere is aborted by recovery all the same, after its grace.
+  static constexpr size_t kMaxAbortedVersions = 1024;
   std::set<uint64_t> aborted_versions_ ABSL_GUARDED_BY(mu_);
   std::set<uint64_t> held_logged_ ABSL_GUARDED_BY(mu_);  // Orphans held (Recover), logged once.
   std::unique_ptr<LoadWindow> window_ ABSL_GUARDED_BY(mu_);

@@ -116,6 +116,9 @@ TEST(BalancerServerTest, ARegistrationWithAShapeOutOfRangeIsRefused) {
        "shape.slots_per_rank 5000 is outside [1, 4096]"},
       {[](v1::RegisterRequest& q) { q.mutable_shape()->set_num_experts(9); },
        "shape.slots_per_rank 2 x world_size 4 cannot hold 9 experts"},
+      // As an int, a budget that wrapped negative: read as no limit on changed slots.
+      {[](v1::RegisterRequest& q) { q.set_free_buffers(0x80000000u); },
+       "free_buffers 2147483648 is over 4096, the most slots a rank has"},
   };
   v1::RegisterResponse response;
   for (const Case& c : cases) {
@@ -1385,6 +1388,19 @@ v1::Plan FirstPlanAs(uint64_t version) {
 // it is committed there, as on node-b. (Aborted, node-a's ranks would run the steps from v2's
 // effective step under v1, node-b's under v2.) Once the registration grace is over, a daemon
 // still unknown no longer holds it back.
+// Recovery takes a daemon's committed plan as the cluster's only when it is of the cluster's
+// shape: node-b holds v5 of a 3-layer model (its group changed model after it registered),
+// which the next plan would index the cluster's 2-layer load by.
+TEST(BalancerServerTest, RecoveryDoesNotTakeAPlanOfAnotherShape) {
+  v1::Plan other = FirstPlanOfLayers(3);
+  other.set_version(5);
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", other);
+  std::unique_ptr<Balancer> balancer = WithTwoDaemons(NeverMarkedDown(), a, b);
+  EXPECT_EQ(balancer->Status().plan_version, 1u);
+  const grpc::Status report = ReportSteps(*balancer, "node-a", 0, 1, 10);
+  EXPECT_TRUE(report.ok()) << report.error_message();
+}
+
 TEST(BalancerServerTest, AnOrphanPlanIsNotAbortedWhileADaemonThatMayHaveCommittedItIsUnknown) {
   FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlanAs(2));
   a.SetPending(FirstPlanAs(2));
