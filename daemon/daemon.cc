@@ -275,6 +275,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
     return absl::InvalidArgumentError(
         "--ranks needs --balancer: the daemons of the group's other ranks are found through it");
   }
+  if (options.node.num_ranks > 0 && options.node_name.empty()) {
+    // The default, the host name, is the same for every daemon of the machine: each would
+    // take the others for itself (and the balancer, for one node restarting).
+    return absl::InvalidArgumentError(
+        "--ranks needs --node: the daemons of one machine's group are told apart by their "
+        "names (the host name, the default, is theirs alike)");
+  }
   if (!options.balancer.empty() && options.node.plan_path.empty()) {
     // A group starts under the cluster's plan when the balancer has one (a restarted node).
     grpc::ChannelArguments args;  // The plan in full form: as large as a Prepare may be.

@@ -149,11 +149,22 @@ int main(int argc, char** argv) {
       std::cerr << "ubepd: --ranks \"" << ranks << "\" is not FIRST-LAST (e.g. 4-7)\n";
       return 2;
     }
+    if (static_cast<uint32_t>(last) >= ubep::kMaxWorld) {
+      std::cerr << "ubepd: --ranks \"" << ranks << "\": rank " << last << " is past "
+                << ubep::kMaxWorld - 1 << " (an EP group has at most " << ubep::kMaxWorld
+                << " ranks)\n";
+      return 2;
+    }
     options.node.first_rank = first;
     options.node.num_ranks = last - first + 1;
   }
   if (options.node.free_buffers < 0) {
     std::cerr << "ubepd: --free_buffers must be >= 0\n";
+    return 2;
+  }
+  if (static_cast<uint32_t>(options.node.free_buffers) > ubep::kMaxSlotsPerRank) {
+    std::cerr << "ubepd: --free_buffers " << options.node.free_buffers << " is over "
+              << ubep::kMaxSlotsPerRank << ", the most slots a rank has\n";
     return 2;
   }
 
@@ -169,7 +180,9 @@ int main(int argc, char** argv) {
       ubep::daemon::Daemon::Start(options);
   if (!daemon.ok()) {
     std::cerr << "ubepd: " << daemon.status().message() << "\n";
-    return 1;
+    // A flag value it refuses (an unknown backend, --ranks without --balancer or --node): 2,
+    // as those refused above; 1 when it cannot start.
+    return absl::IsInvalidArgument(daemon.status()) ? 2 : 1;
   }
   const std::string ready_file = absl::GetFlag(FLAGS_ready_file);
   if (!ready_file.empty()) {

@@ -307,6 +307,14 @@ TEST_F(DaemonTest, AReceiveCapacityOverflowDropsTheSameStepsEverywhereAndTheRest
       {"--join_timeout=-1s", "ubepd: --join_timeout -1s is not positive\n"},
       {"--report_interval=500us", "ubepd: --report_interval 500us is under 10ms\n"},
       {"--drain_timeout=-1s", "ubepd: --drain_timeout -1s is negative\n"},
+      {"--ranks=0-2147483647",
+       "ubepd: --ranks \"0-2147483647\": rank 2147483647 is past 1023 (an EP group has at most "
+       "1024 ranks)\n"},
+      {"--free_buffers=2147483647",
+       "ubepd: --free_buffers 2147483647 is over 4096, the most slots a rank has\n"},
+      {"--backend=gpu", "ubepd: --backend gpu: expected host or cuda\n"},
+      {"--ranks=0-3", "ubepd: --ranks needs --balancer: the daemons of the group's other ranks "
+                      "are found through it\n"},
   };
   for (size_t i = 0; i < std::size(refused); ++i) {
     const auto& [flag, message] = refused[i];
@@ -314,6 +322,17 @@ TEST_F(DaemonTest, AReceiveCapacityOverflowDropsTheSameStepsEverywhereAndTheRest
     Process p({BinaryPath("ubepd"), "--socket=" + dir_.path() + "/other.sock", flag}, out);
     EXPECT_EQ(p.Wait(absl::Seconds(30)), 2) << flag;
     EXPECT_EQ(ReadFile(out), message);
+  }
+  // --ranks without --node: every daemon of the machine would be named after its host.
+  {
+    const std::string out = dir_.path() + "/unnamed.out";
+    Process p({BinaryPath("ubepd"), "--socket=" + dir_.path() + "/other.sock", "--ranks=0-1",
+               "--balancer=127.0.0.1:1", "--listen=127.0.0.1:0", "--metrics="},
+              out);
+    EXPECT_EQ(p.Wait(absl::Seconds(30)), 2);
+    EXPECT_EQ(ReadFile(out),
+              "ubepd: --ranks needs --node: the daemons of one machine's group are told apart by "
+              "their names (the host name, the default, is theirs alike)\n");
   }
   // A second daemon on the same socket path is refused, and leaves the first one's sockets be.
   Process second({BinaryPath("ubepd"), "--socket=" + socket_path(), "--metrics="},
