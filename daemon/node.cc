@@ -4,6 +4,7 @@
 #include <sys/random.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <atomic>
 #include <cstring>
 
@@ -42,12 +43,18 @@ constexpr uint32_t kMaxHidden = 1u << 16;
 // (why the wait ended) reaches the caller before its own DeadlineExceeded.
 constexpr absl::Duration kAnswerMargin = absl::Milliseconds(200);
 
-std::string NewToken() {
+// 128 random bits, hex; an error where the kernel gives none (a seccomp profile refusing
+// getrandom, say), rather than a retry forever under the node's lock.
+absl::StatusOr<std::string> NewToken() {
   unsigned char bytes[16];
   size_t got = 0;
   while (got < sizeof(bytes)) {
     const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
-    if (n > 0) got += static_cast<size_t>(n);
+    if (n > 0) {
+      got += static_cast<size_t>(n);
+    } else if (n < 0 && errno != EINTR) {
+      return absl::ErrnoToStatus(errno, "getrandom (the rank's token)");
+    }
   }
   return absl::BytesToHexString(
       absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
@@ -321,6 +328,8 @@ absl::Status Node::CreateGroup(const v1::AttachRequest& q,
   config_ = config;
   layout_ = layout;
   plan_ = std::move(plan);
+  committed_versions_.clear();  // Of the group before, whose plans this one never had.
+  RememberCommittedLocked(plan_.version);
   group_request_ = q;
   ranks_.assign(config.num_ranks, RankEntry{});
   incarnation_.assign(config.num_ranks, "");
@@ -432,9 +441,10 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
                                                  " is already attached (pid ", entry.pid,
                                                  "); detach it or stop that process first"));
   }
+  UBEP_ASSIGN_OR_RETURN(std::string token, NewToken());
   entry = RankEntry{};
   entry.state = RankState::kAttached;
-  entry.token = NewToken();
+  entry.token = std::move(token);
   entry.pid = request.pid();
   // From now: the wait for the peers' arenas above may have taken longer than the ticket.
   entry.ticket_deadline = MonotonicNow() + options_.ticket_timeout;
@@ -700,8 +710,10 @@ absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl
   // it had left on the monotonic clock, so that a clock step neither ends it nor stretches it.
   const absl::Time until =
       MonotonicNow() + std::min(deadline - kAnswerMargin - absl::Now(), options_.join_timeout);
+  // (The group may have been created again meanwhile, of fewer ranks.)
   auto still_mine = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return has_group_ && ranks_[rank].state == RankState::kConnected && ranks_[rank].token == token;
+    return has_group_ && static_cast<size_t>(rank) < ranks_.size() &&
+           ranks_[rank].state == RankState::kConnected && ranks_[rank].token == token;
   };
   // The rendezvous is in shared memory, across daemons: poll it (joins are rare). A join that
   // gives up withdraws its ticket, so that no later generation counts a rank not joining.
@@ -1436,9 +1448,20 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
   return response;
 }
 
+bool Node::CommittedLocked(uint64_t version) const {
+  return version == plan_.version || committed_versions_.contains(version);
+}
+
+void Node::RememberCommittedLocked(uint64_t version) {
+  committed_versions_.insert(version);
+  while (committed_versions_.size() > kMaxCommittedVersions) {
+    committed_versions_.erase(committed_versions_.begin());
+  }
+}
+
 absl::Status Node::Commit(uint64_t version) {
   MutexLock lock(&mu_);
-  if (version == plan_.version) return absl::OkStatus();  // Already committed.
+  if (CommittedLocked(version)) return absl::OkStatus();  // Already committed.
   if (!pending_.has_value() || pending_->version != version) {
     return absl::NotFoundError(absl::StrCat("plan v", version, " is not prepared here"));
   }
@@ -1471,6 +1494,7 @@ absl::Status Node::Commit(uint64_t version) {
   plan_ = *std::move(pending_);
   pending_.reset();
   membership_pending_ = false;
+  RememberCommittedLocked(version);
   if (membership) {
     UBEP_LOG(INFO) << "plan v" << version << " changes the group's members (excluded: "
                    << (plan_.excluded_ranks.empty() ? "none" : absl::StrJoin(plan_.excluded_ranks, ", "))
@@ -1484,7 +1508,7 @@ absl::Status Node::Commit(uint64_t version) {
 absl::Status Node::Abort(uint64_t version) {
   MutexLock lock(&mu_);
   if (staging_ && staging_version_ == version) staging_aborted_ = true;  // Prepare fails.
-  if (has_group_ && version == plan_.version) {
+  if (has_group_ && CommittedLocked(version)) {
     // Committed here: an Abort of it means that the balancer and this daemon disagree on
     // the decision, which must not pass as done (the others may have aborted it).
     return absl::FailedPreconditionError(absl::StrCat(
@@ -1541,6 +1565,10 @@ absl::StatusOr<Node::SlotLoads> Node::ReadSlotLoads() const {
   std::vector<uint64_t> counters(static_cast<size_t>(L) * S);
   std::vector<uint64_t> dispatches(L);
   for (int r = first_; r < first_ + hosted_; ++r) {
+    // A rank no process holds has no writer: an update its killed owner left half done is
+    // settled rather than waited for (it would be, by every read until the rank is back, and
+    // hold back every report and harvest of this daemon).
+    const bool ownerless = ranks_[r].state != RankState::kConnected;
     if (on_device()) {
       // The device arena is read by copies: the sequence words before and after the
       // counters; if any layer's word moved or was odd (a scan kernel inside), all again.
@@ -1551,20 +1579,34 @@ absl::StatusOr<Node::SlotLoads> Node::ReadSlotLoads() const {
         UBEP_RETURN_IF_ERROR(device_arenas_[r]->Read(ep.load_counters, counters.data(),
                                                      counters.size() * sizeof(uint64_t)));
         UBEP_RETURN_IF_ERROR(device_arenas_[r]->Read(ep.load_seq, after.data(), L * sizeof(uint64_t)));
-        bool still = true;
-        for (int l = 0; l < L; ++l) still &= before[l] == after[l] && before[l] % 2 == 0;
+        bool still = true, odd_only = true;
+        for (int l = 0; l < L; ++l) {
+          still &= before[l] == after[l] && before[l] % 2 == 0;
+          odd_only &= before[l] == after[l];
+        }
         if (still) break;
         if (absl::Now() > deadline) {
-          return absl::DeadlineExceededError(
-              absl::StrCat("rank ", r, ": load counters kept changing for 100ms"));
+          if (!ownerless || !odd_only) {
+            return absl::DeadlineExceededError(
+                absl::StrCat("rank ", r, ": load counters kept changing for 100ms"));
+          }
+          // Still for 100 ms (time for a dying client's context to end its kernels), odd
+          // words and no client: as SettleLayerLoad on the host, the counts as they stand,
+          // the killed update counted as its dispatch, the word even again.
+          for (int l = 0; l < L; ++l) {
+            if (before[l] % 2 == 0) continue;
+            ++before[l];
+            UBEP_RETURN_IF_ERROR(device_arenas_[r]->Write(ep.load_seq + l * sizeof(uint64_t),
+                                                          &before[l], sizeof(uint64_t)));
+            UBEP_LOG(WARNING) << "rank " << r << ": layer " << l << "'s load counters were left "
+                              << "mid-update by a client that is gone; taken as they stand";
+          }
+          break;
         }
       }
       for (int l = 0; l < L; ++l) dispatches[l] = before[l] / 2;
     } else {
       std::byte* arena = arenas_[r].data() + layout_.ep;
-      // A rank no process holds has no writer: an update its killed owner left half done is
-      // settled rather than waited for (it would be, by every read until the rank is back).
-      const bool ownerless = ranks_[r].state != RankState::kConnected;
       for (int l = 0; l < L; ++l) {
         absl::StatusOr<uint64_t> n =
             kernels::ReadLayerLoad(arena, ep, S, l, counters.data() + l * S,
@@ -1653,10 +1695,14 @@ std::string Node::StaleMembers(const balancer::Plan& plan) const {
 bool Node::PeerArenasWanted(int first_rank, int count, const std::string& incarnation) {
   MutexLock lock(&mu_);
   if (!has_group_ || first_rank < 0 || count <= 0 || first_rank + count > config_.num_ranks) return false;
+  // A member list naming a rank hosted here is wrong as a whole: it marks nothing (as
+  // AddPeerArenas), rather than the ranks before the hosted one stale.
+  for (int r = first_rank; r < first_rank + count; ++r) {
+    if (Hosted(r)) return false;
+  }
   bool wanted = false;
   std::string was;  // The dead process, when this call found the ranks' daemon restarted.
   for (int r = first_rank; r < first_rank + count; ++r) {
-    if (Hosted(r)) return false;
     if (!arenas_[r].valid()) {
       wanted = true;
     } else if (!incarnation.empty() && !incarnation_[r].empty() && incarnation_[r] != incarnation) {

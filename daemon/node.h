@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -281,6 +282,8 @@ class Node {
   };
 
   absl::Status CheckShape(const v1::AttachRequest& request) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool CommittedLocked(uint64_t version) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RememberCommittedLocked(uint64_t version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Why an Attach is refused whatever the group: a rank this daemon does not host (--ranks,
   // else the request's whole group), or a device the rank does not run on (rank r on device
   // r modulo the visible devices, on the CUDA backend).
@@ -376,6 +379,10 @@ class Node {
   std::vector<std::unique_ptr<DeviceMemory>> device_arenas_ ABSL_GUARDED_BY(mu_);  // CUDA.
   std::vector<RankEntry> ranks_ ABSL_GUARDED_BY(mu_);
   balancer::Plan plan_ ABSL_GUARDED_BY(mu_);               // Newest committed.
+  // The group's committed versions, the newest kMaxCommittedVersions: a Commit of one again
+  // is done, an Abort of one refused, however many were committed since.
+  static constexpr size_t kMaxCommittedVersions = 1024;
+  std::set<uint64_t> committed_versions_ ABSL_GUARDED_BY(mu_);
   std::optional<balancer::Plan> pending_ ABSL_GUARDED_BY(mu_);  // Prepared, undecided.
   uint64_t pending_effective_step_ ABSL_GUARDED_BY(mu_) = 0;
   // A plan changing the members is being prepared, or prepared and undecided.

@@ -433,6 +433,21 @@ TEST(NodeTest, ARepeatedPrepareMustBeTheSamePlanAndTheCommittedPlanIsNeverAborte
                                "plan v2 is committed here; a committed plan is never aborted"));
   EXPECT_EQ(node.State().committed_version(), 2u);
   EXPECT_TRUE(node.Abort(3).ok());  // Nothing of v3 here: nothing to abort.
+  // Past the newest: v2's Commit sent again (its answer was lost) is done, and an Abort of it
+  // still refused, after v3 is committed.
+  balancer::Plan third = SwappedPlan();
+  third.version = 3;
+  std::swap(third.layers[0].slot_expert[1], third.layers[0].slot_expert[5]);
+  for (int r = 0; r < 2; ++r) {  // v2 in force: the ranks are at its effective step.
+    std::atomic_ref<uint64_t>(kernels::ControlOf(a.arenas[r].data(), a.layout)->step).store(10);
+  }
+  const v1::PrepareResponse prepared = node.Prepare(third, 30);
+  ASSERT_TRUE(prepared.prepared()) << prepared.reason();
+  ASSERT_TRUE(node.Commit(3).ok());
+  EXPECT_TRUE(node.Commit(2).ok());
+  EXPECT_EQ(node.Abort(2), absl::FailedPreconditionError(
+                               "plan v2 is committed here; a committed plan is never aborted"));
+  EXPECT_EQ(node.State().committed_version(), 3u);
 }
 
 // Every rank detaches while a plan is prepared and undecided, and a group of another shape
@@ -1255,6 +1270,12 @@ TEST(NodeTest, ArenasOfferedForHostedRanksAreRefusedAndMarkNothing) {
             absl::FailedPreconditionError("rank 0 is hosted here, not by the peer"));
   const v1::PrepareResponse prepared = g.a.Prepare(FourRankPlan(2, {}), 10);
   EXPECT_TRUE(prepared.prepared()) << prepared.reason();
+  // A member of another process said to host ranks 0-2, two of them b's peer's and one its
+  // own: wrong as a whole, it marks none of the peer's ranks stale.
+  EXPECT_FALSE(g.b.PeerArenasWanted(0, 3, "other"));
+  EXPECT_TRUE(g.b.RestartedMembers().empty());
+  const v1::PrepareResponse prepared_b = g.b.Prepare(FourRankPlan(2, {}), 10);
+  EXPECT_TRUE(prepared_b.prepared()) << prepared_b.reason();
 }
 
 // ubep_daemon_imbalance_ratio is max over mean of the last harvest's received pairs over
