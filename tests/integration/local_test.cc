@@ -171,6 +171,13 @@ TEST_F(LocalTest, UbepLocalServedWhilePrometheusScrapesAndUbepctlOperates) {
   const nlohmann::json sglang = nlohmann::json::parse(out);
   ASSERT_EQ(sglang["physical_to_logical_map"].size(), 4u);
   EXPECT_EQ(sglang["physical_to_logical_map"][0].size(), 8u * 64u);
+  // An answer standard output cannot take (a full disk) fails, saying so.
+  EXPECT_EQ(Run({"/bin/sh", "-c",
+                 absl::StrCat(test::BinaryPath("ubepctl"), " --balancer=", balancer_,
+                              " plan export --format=sglang >/dev/full")},
+                &out),
+            1);
+  EXPECT_EQ(out, "ubepctl: standard output could not be written in full\n");
   out = Ctl({"plan", "export", "--format=csv"}, &code);
   EXPECT_EQ(code, 2);
   EXPECT_THAT(out, HasSubstr("ubepctl: --format csv: expected eplb or sglang"));

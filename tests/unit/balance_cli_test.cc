@@ -233,6 +233,19 @@ TEST(BalanceCliTest, PreviousPlanOfOtherLayersIsRejected) {
                        "2\n");
 }
 
+// A baseline that moved no slot (ubep on one rank of one slot per expert: nothing to move)
+// gives no migration ratio, not a 0 that reads as "ours moved none".
+TEST(BalanceCliTest, AReplayAgainstABaselineThatMovedNothingHasNoMigrationRatio) {
+  Result r = RunCli({"replay", "--load", kTrace, "--ranks", "1", "--slots-per-rank", "256",
+                     "--policy", "eplb", "--baseline", "ubep", "--steps", "40",
+                     "--rebalance-every", "10", "--window", "10", "--seed", "1"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const Json result = Json::parse(r.out);
+  EXPECT_EQ(result["baseline"]["migrated_slots_total"], 0);
+  EXPECT_GT(result["migrated_slots_total"].get<int64_t>(), 0);
+  EXPECT_TRUE(result["migrated_slots_ratio"].is_null()) << result["migrated_slots_ratio"];
+}
+
 // eval's --nodes must agree with the plan's topology; left out, the plan's holds.
 TEST(BalanceCliTest, EvalComparesNodesWithThePlansTopology) {
   test::TempDir dir;
@@ -249,6 +262,10 @@ TEST(BalanceCliTest, EvalComparesNodesWithThePlansTopology) {
   EXPECT_EQ(r.code, 2);
   EXPECT_EQ(r.err, "ubep-balance eval: " + plan +
                        ": topology.nodes: is 2, but 1 is expected\n");
+  // --nodes alone is refused, not dropped.
+  r = RunCli({"eval", "--plan", plan, "--load", load, "--nodes", "1"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, "ubep-balance eval: --nodes needs --ranks (the ranks the nodes divide)\n");
 }
 
 TEST(BalanceCliTest, TheBinaryExitsTwoOnBadInput) {

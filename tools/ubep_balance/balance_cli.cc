@@ -191,6 +191,10 @@ absl::Status RunEval(const Flags& flags, std::ostream& out) {
   UBEP_ASSIGN_OR_RETURN(std::string plan_path, flags.String("plan"));
   UBEP_ASSIGN_OR_RETURN(std::string load_path, flags.String("load"));
   std::optional<Topology> override_topology;
+  if (flags.Has("nodes") && !flags.Has("ranks")) {
+    // Not dropped silently: a topology given is one to check the plan's against.
+    return absl::InvalidArgumentError("--nodes needs --ranks (the ranks the nodes divide)");
+  }
   if (flags.Has("ranks")) {
     // 0: the plan file's, or (a plain EPLB plan) 1 node and slots from phy2log's width.
     Topology t{.num_ranks = 0, .num_nodes = 0, .slots_per_rank = 0, .num_groups = 0};
@@ -311,10 +315,12 @@ absl::Status RunReplay(const Flags& flags, std::ostream& out, ClockInterface& cl
   if (baseline) {
     result["baseline"] = ReplayJson(theirs, baseline->policy);
     result["imbalance_mean_ratio"] = ours.imbalance_mean / theirs.imbalance_mean;
+    // null where the baseline moved no slot: no ratio, rather than a 0 that reads as "ours
+    // moved none".
     result["migrated_slots_ratio"] =
         theirs.migrated_slots_total > 0
-            ? static_cast<double>(ours.migrated_slots_total) / theirs.migrated_slots_total
-            : 0.0;
+            ? Json(static_cast<double>(ours.migrated_slots_total) / theirs.migrated_slots_total)
+            : Json(nullptr);
   }
   out << result.dump() << "\n";
   return absl::OkStatus();

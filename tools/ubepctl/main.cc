@@ -280,9 +280,7 @@ int PrintRebalance(const std::string& what, const ubep::v1::RebalanceResponse& r
   return 0;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int Run(int argc, char** argv) {
   absl::SetProgramUsageMessage(kUsage);
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   std::vector<std::string> words(args.begin() + 1, args.end());
@@ -342,4 +340,18 @@ int main(int argc, char** argv) {
     return 0;
   }
   return Usage(absl::StrCat("unknown command \"", absl::StrJoin(words, " "), "\""));
+}
+
+}  // namespace
+
+// An answer cut short (a full disk under `> plan.json`) is a failure: a script must not take
+// a truncated plan for the plan.
+int main(int argc, char** argv) {
+  const int code = Run(argc, argv);
+  std::cout.flush();
+  if (!std::cout) {
+    std::cerr << "ubepctl: standard output could not be written in full\n";
+    return 1;
+  }
+  return code;
 }
