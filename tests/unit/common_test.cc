@@ -1,4 +1,6 @@
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <stdlib.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
@@ -20,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/clock.h"
+#include "common/http_get.h"
 #include "common/logging.h"
 #include "common/mutex.h"
 #include "common/periodic.h"
@@ -144,6 +147,39 @@ TEST(PeriodicThreadTest, RunsEveryIntervalUntilDestroyed) {
   const int after = runs.load();
   absl::SleepFor(absl::Milliseconds(20));
   EXPECT_EQ(runs.load(), after);
+}
+
+// A one-answer HTTP server on loopback: each connection gets `answer`, then is closed.
+std::string AnswerOnce(const std::string& answer) {
+  const int listener = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  EXPECT_EQ(listen(listener, 1), 0);
+  socklen_t len = sizeof(addr);
+  getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
+  std::thread server([&] {
+    const int fd = accept(listener, nullptr, nullptr);
+    char request[1024];
+    (void)read(fd, request, sizeof(request));
+    (void)write(fd, answer.data(), answer.size());
+    close(fd);
+  });
+  const std::string body = HttpGet(ntohs(addr.sin_port), "/metrics");
+  server.join();
+  close(listener);
+  return body;
+}
+
+TEST(HttpGetTest, TheBodyOfAWhole200AnswerOnlyElseNothing) {
+  EXPECT_EQ(AnswerOnce("HTTP/1.0 200 OK\r\nContent-Length: 5\r\n\r\nhello"), "hello");
+  EXPECT_EQ(AnswerOnce("HTTP/1.1 200 OK\r\ncontent-length:9\r\n\r\nno length"), "no length");
+  EXPECT_EQ(AnswerOnce("HTTP/1.0 200 OK\r\n\r\nto the close"), "to the close");
+  // Cut short of its length: a sample "} 1234" read as "} 12" would pass for a value.
+  EXPECT_EQ(AnswerOnce("HTTP/1.0 200 OK\r\nContent-Length: 100\r\n\r\nx_total 12"), "");
+  EXPECT_EQ(AnswerOnce("HTTP/1.1 500 Internal Server Error\r\n\r\nerror"), "");
+  EXPECT_EQ(AnswerOnce("garbage"), "");
 }
 
 TEST(LoggingDeathTest, CheckFailureNamesTheConditionAndAborts) {
