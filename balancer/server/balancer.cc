@@ -806,8 +806,10 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
       ((!effective_step_learned_ && Member(d)) ||
        request->plan_effective_step() < plan_effective_step_)) {
     UBEP_LOG(INFO) << "plan v" << plan_->version << " is in force from step "
-                   << request->plan_effective_step() << ": node " << request->node()
-                   << "'s group resumed there";
+                   << request->plan_effective_step()
+                   << (effective_step_learned_ ? absl::StrCat(", not ", plan_effective_step_)
+                                               : std::string())
+                   << ": node " << request->node() << "'s group resumed there";
     plan_effective_step_ = request->plan_effective_step();
     effective_step_learned_ = true;
   }
@@ -1398,8 +1400,9 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
     }
     // Daemons failing their health checks get no plan: their ranks are excluded. A daemon
     // with no group has no arenas to prepare (its group starts under the cluster's plan).
+    // Nor does a daemon whose group moved to another model (its ranks are excluded).
     for (const auto& [name, d] : daemons_) {
-      if (!d.healthy) continue;
+      if (!d.healthy || d.wanted_shape.has_value()) continue;
       if (d.needs_state || d.pending != 0) {
         return absl::UnavailableError(absl::StrCat("node ", name, " is still being recovered"));
       }
@@ -1700,10 +1703,13 @@ bool Balancer::Behind(const Daemon& d) const {
 
 std::vector<int> Balancer::DesiredExcluded() const {
   // Served: by a healthy daemon that is not drained, and holds the cluster's plan (one behind
-  // it, which has not caught up yet, would stage its ranks' return from a plan it lacks).
+  // it, which has not caught up yet, would stage its ranks' return from a plan it lacks), and
+  // whose group is of the cluster's model (one whose clients moved to another model, refused
+  // as not the cluster's, has no arenas of this one left: it would refuse every plan).
   std::set<int> served, unserved;
   for (const auto& [name, d] : daemons_) {
-    const bool serving = d.healthy && !drained_.contains(name) && !Behind(d);
+    const bool serving =
+        d.healthy && !drained_.contains(name) && !Behind(d) && !d.wanted_shape.has_value();
     for (uint32_t r : d.info.ranks()) (serving ? served : unserved).insert(static_cast<int>(r));
   }
   // An excluded rank comes back only with a daemon serving it (not one that registered

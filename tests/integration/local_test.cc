@@ -270,6 +270,10 @@ TEST_F(LocalTest, AReceiveCapacityDropsTheStepsOnEveryRankAndTheReportCountsThem
   EXPECT_EQ(r["dropped_steps"], 60);
   EXPECT_EQ(r["last_dropped_step"], 59);
   EXPECT_EQ(r["correct"], true);
+  // A picture, also where the run ended before the balancer closed an interval (no
+  // imbalance over time: the two load panels alone).
+  EXPECT_EQ(r["picture"], "report.png");
+  EXPECT_TRUE(std::filesystem::exists(report + "/report.png"));
 }
 
 // ubepctl against a balancer that is not there, and against one that takes the connection

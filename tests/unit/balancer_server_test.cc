@@ -1289,6 +1289,27 @@ TEST(BalancerServerTest, EveryNodeOfTheClusterMovingToAnotherShapeStartsItOver) 
 //   move starts the cluster over.
 // A change of any field of the model (here max_tokens alone, which the plans do not use) is a
 // model change: the daemons made new groups (new incarnations), and nobody is drained for it.
+// node-b's clients moved to another model (its registration refused as not the cluster's,
+// node-a still serving the cluster's): its ranks are served no more, so a plan without them is
+// committed on node-a, and node-b, whose group is of the other model and would refuse every
+// plan of this one, gets no Prepare (it held every change of node-a's group back).
+TEST(BalancerServerTest, ANodeWhoseGroupMovedToAnotherModelIsLeftOutOfThePlans) {
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+  std::unique_ptr<Balancer> balancer = WithTwoDaemons(NeverMarkedDown(), a, b);
+  b.Refuse(FakeDaemon::kEveryVersion);
+  v1::RegisterRequest b_new = DaemonRegistration(b, "node-b", 2, 0, "host");
+  b_new.mutable_shape()->set_max_tokens(b_new.shape().max_tokens() + 8);
+  b_new.set_incarnation("b.2");
+  v1::RegisterResponse response;
+  EXPECT_EQ(balancer->Register(nullptr, &b_new, &response).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+  balancer->Tick();
+  EXPECT_TRUE(b.prepares().empty());
+  EXPECT_EQ(a.committed_version(), 2u);
+  ASSERT_TRUE(balancer->CurrentPlan().has_value());
+  EXPECT_THAT(balancer->CurrentPlan()->excluded_ranks, ::testing::ElementsAre(2, 3));
+}
+
 TEST(BalancerServerTest, AModelChangeIsHeldBackOnlyByNodesHoldingRanksOfTheOldModel) {
   FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
   auto with_tokens = [](v1::RegisterRequest q, uint32_t tokens, const std::string& incarnation) {

@@ -722,6 +722,7 @@ TEST(ClientTest, TheDaemonsOwnUnavailableIsNotCalledUnreachable) {
   options.balancer = "unix:" + dir.path() + "/no-balancer.sock";  // Never answers.
   options.listen = "127.0.0.1:0";
   options.node.num_ranks = 1;  // Hosts rank 0 of 2: rank 1's daemon never registers.
+  options.node_name = "node-0";
   options.node.join_timeout = absl::Milliseconds(200);
   absl::StatusOr<std::unique_ptr<daemon::Daemon>> ubepd = daemon::Daemon::Start(options);
   ASSERT_TRUE(ubepd.ok()) << ubepd.status();

@@ -705,17 +705,22 @@ int Run(int argc, char** argv) {
   } else {
     WriteHeat(path("heat_before.dat"), *before_end);
     WriteHeat(path("heat_after.dat"), after_counts);
+    // The balancer's measured imbalance over time, where it measured any (a short run may
+    // end before its first interval closes): else two panels, not an empty third.
+    bool measured_any = false;
     {
       std::ofstream ts(path("imbalance.dat"));
       for (const Sample& s : samples) {
-        if (std::isfinite(s.measured)) ts << s.seconds << " " << s.measured << " " << s.version << "\n";
+        if (!std::isfinite(s.measured)) continue;
+        ts << s.seconds << " " << s.measured << " " << s.version << "\n";
+        measured_any = true;
       }
     }
     std::ofstream gp(path("report.gp"));
-    gp << "set terminal png size 1400,500 font ',10'\n"
+    gp << "set terminal png size " << (measured_any ? 1400 : 940) << ",500 font ',10'\n"
        << "set output '" << picture << "'\n"
-       << "set multiplot layout 1,3 title 'ubep-local: " << R << " ranks, " << K << " daemons, policy "
-       << policy << "'\n"
+       << "set multiplot layout 1," << (measured_any ? 3 : 2) << " title 'ubep-local: " << R
+       << " ranks, " << K << " daemons, policy " << policy << "'\n"
        << "set palette defined (0 'white', 1 'orange', 2 'red', 3 'dark-red')\n"
        << "set cbrange [0:3]\nset xlabel 'rank'\nset ylabel 'MoE layer'\n"
        << "set xtics 1\nset ytics 1\nset xrange [-0.5:" << R - 0.5 << "]\nset yrange [-0.5:"
@@ -723,12 +728,14 @@ int Run(int argc, char** argv) {
        << "set title 'load / mean, before (imbalance " << fmt(imbalance_before) << ")'\n"
        << "plot '" << path("heat_before.dat") << "' matrix with image notitle\n"
        << "set title 'load / mean, after (imbalance " << fmt(imbalance_after) << ")'\n"
-       << "plot '" << path("heat_after.dat") << "' matrix with image notitle\n"
-       << "unset cbrange\nset xtics autofreq\nset ytics autofreq\nset xrange [*:*]\n"
-       << "set xlabel 'seconds'\nset ylabel 'imbalance (max/mean)'\n"
-       << "set title 'measured imbalance over time'\nset yrange [1:*]\n"
-       << "plot '" << path("imbalance.dat") << "' using 1:2 with lines lw 2 title 'imbalance'\n"
-       << "unset multiplot\n";
+       << "plot '" << path("heat_after.dat") << "' matrix with image notitle\n";
+    if (measured_any) {
+      gp << "unset cbrange\nset xtics autofreq\nset ytics autofreq\nset xrange [*:*]\n"
+         << "set xlabel 'seconds'\nset ylabel 'imbalance (max/mean)'\n"
+         << "set title 'measured imbalance over time'\nset yrange [1:*]\n"
+         << "plot '" << path("imbalance.dat") << "' using 1:2 with lines lw 2 title 'imbalance'\n";
+    }
+    gp << "unset multiplot\n";
     gp.close();
     if (std::system(("gnuplot " + path("report.gp") + " 2>" + path("gnuplot.log")).c_str()) != 0 ||
         !std::filesystem::exists(picture)) {
