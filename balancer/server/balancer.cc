@@ -1036,7 +1036,27 @@ void Balancer::CheckHealth() {
     if (it == daemons_.end() || it->second.channel != channel) continue;  // Registered again.
     Daemon& d = it->second;
     d.failures = ok ? 0 : d.failures + 1;
-    const bool healthy = d.failures < options_.health_failures;
+    bool healthy = d.failures < options_.health_failures;
+    if (healthy && !d.healthy) {
+      // Ranks another node registered while this one was down (a partial take-over keeps
+      // the entry) are that node's: two healthy owners of a rank would both get its plan, and
+      // peers two arenas for it. It stays out until forgotten.
+      for (const auto& [other_name, other] : daemons_) {
+        if (other_name == name || !other.healthy) continue;
+        const auto& mine = d.info.ranks();
+        const auto taken = std::find_first_of(mine.begin(), mine.end(), other.info.ranks().begin(),
+                                              other.info.ranks().end());
+        if (taken == mine.end()) continue;
+        if (!d.taken_over_logged) {
+          UBEP_LOG(WARNING) << "node " << name << " answers its health checks again, but node "
+                            << other_name << " serves its rank " << *taken
+                            << " now: it stays out (forget it: ubepctl forget " << name << ")";
+          d.taken_over_logged = true;
+        }
+        healthy = false;
+        break;
+      }
+    }
     if (d.healthy && !healthy) {
       UBEP_LOG(WARNING) << "node " << name << " failed " << d.failures
                         << " health checks: its ranks are excluded";

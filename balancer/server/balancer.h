@@ -141,6 +141,9 @@ class Balancer final : public v1::Control::Service {
     uint64_t last_fingerprint = 0;  // ReportFingerprint of the report taken under last_seq.
     bool healthy = true;
     int failures = 0;
+    // It answers its health checks again, but another node registered some of its ranks
+    // while it was down: it stays out (unhealthy) until forgotten; said once.
+    bool taken_over_logged = false;
     bool needs_state = true;
     uint64_t max_step = 0, prev_step = 0;
     absl::Time step_time = absl::InfinitePast(), prev_step_time = absl::InfinitePast();

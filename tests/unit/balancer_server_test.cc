@@ -917,6 +917,30 @@ TEST(BalancerServerTest, AfterAChangeOfMembersStepsBeforeTheGroupResumedAreStale
   EXPECT_TRUE(after.ok()) << after.error_message();
 }
 
+// node-a goes down and node-c takes over one of its two ranks (node-a's entry is kept: rank 1
+// is nobody else's); node-a answers its health checks again: it stays out, rather than be a
+// second healthy owner of rank 0 (both would get rank 0's plan, peers two arenas for it).
+TEST(BalancerServerTest, ANodeBackAfterAnotherTookOverSomeOfItsRanksStaysOut) {
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan()), c("node-c", FirstPlan());
+  std::unique_ptr<Balancer> balancer = WithTwoDaemons(QuickToMarkDown(), a, b);
+  a.SetServing(false);
+  TickUntilDown(*balancer, "node-a");
+  v1::RegisterRequest rank0 = DaemonRegistration(c, "node-c", 0, 0, "host");
+  rank0.clear_ranks();
+  rank0.add_ranks(0);
+  Register(*balancer, rank0);
+  a.SetServing(true);
+  const absl::Time until = absl::Now() + 4 * QuickToMarkDown().health_interval;
+  while (absl::Now() < until) {
+    balancer->Tick();
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  std::map<std::string, bool> healthy;
+  for (const BalancerStatus::Node& n : balancer->Status().nodes) healthy[n.name] = n.healthy;
+  EXPECT_EQ(healthy, (std::map<std::string, bool>{
+                         {"node-a", false}, {"node-b", true}, {"node-c", true}}));
+}
+
 // node-b goes down and node-c takes its ranks over: node-b's entry goes, node-c's ranks stay
 // excluded until it is undrained (new arenas, as a restarted daemon's), and then come back.
 TEST(BalancerServerTest, ANodeTakingOverADownNodesRanksReplacesIt) {
