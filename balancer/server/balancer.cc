@@ -1057,6 +1057,16 @@ void Balancer::CheckHealth() {
         break;
       }
     }
+    if (d.healthy && !healthy && !d.HoldsOldModel()) {
+      // Down, hosting no rank and holding none from before a restart: nothing of the cluster
+      // waits on it, and an entry kept would be health-checked forever (a pod that died before
+      // its clients attached). Forgotten; registering again, it is new.
+      UBEP_LOG(WARNING) << "node " << name << " failed " << d.failures
+                        << " health checks; it hosts no rank: forgotten";
+      drained_.erase(name);
+      daemons_.erase(it);
+      continue;
+    }
     if (d.healthy && !healthy) {
       UBEP_LOG(WARNING) << "node " << name << " failed " << d.failures
                         << " health checks: its ranks are excluded";

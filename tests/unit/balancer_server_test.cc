@@ -917,6 +917,26 @@ TEST(BalancerServerTest, AfterAChangeOfMembersStepsBeforeTheGroupResumedAreStale
   EXPECT_TRUE(after.ok()) << after.error_message();
 }
 
+// A daemon that registered without a group (no client attached yet) and died: nothing of the
+// cluster waits on it, so its entry goes rather than be health-checked forever; one down that
+// hosts ranks stays (its ranks are excluded, and forgetting it is the operator's call).
+TEST(BalancerServerTest, ADaemonDownThatHostsNoRankIsForgotten) {
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+  auto idle = std::make_unique<FakeDaemon>("node-c", FirstPlan());
+  std::unique_ptr<Balancer> balancer = WithTwoDaemons(QuickToMarkDown(), a, b);
+  v1::RegisterRequest groupless;
+  groupless.set_node("node-c");
+  groupless.set_address(idle->address());
+  groupless.set_incarnation("c.1");
+  Register(*balancer, groupless);
+  idle.reset();
+  b.SetServing(false);
+  TickUntilDown(*balancer, "node-b");
+  std::vector<std::string> names;
+  for (const BalancerStatus::Node& n : balancer->Status().nodes) names.push_back(n.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"node-a", "node-b"}));
+}
+
 // node-a goes down and node-c takes over one of its two ranks (node-a's entry is kept: rank 1
 // is nobody else's); node-a answers its health checks again: it stays out, rather than be a
 // second healthy owner of rank 0 (both would get rank 0's plan, peers two arenas for it).
