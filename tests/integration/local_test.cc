@@ -22,6 +22,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/integration/cluster.h"
+#include "tests/unit/loopback.h"
 
 namespace ubep {
 namespace {
@@ -284,15 +285,9 @@ TEST_F(LocalTest, UbepctlSaysWhetherTheBalancerIsUnreachableOrDidNotAnswerInTime
                 &out),
             1);
   EXPECT_THAT(out, HasSubstr("ubepctl: cannot reach ubep-balancer at 127.0.0.1:1: "));
-  const int silent = socket(AF_INET, SOCK_STREAM, 0);  // Listens, never speaks.
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(bind(silent, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ASSERT_EQ(listen(silent, 4), 0);
-  socklen_t len = sizeof(addr);
-  getsockname(silent, reinterpret_cast<sockaddr*>(&addr), &len);
-  const std::string balancer = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port));
+  test::LoopbackListener silent;  // Listens, never speaks.
+  ASSERT_GE(silent.fd(), 0);
+  const std::string balancer = absl::StrCat("127.0.0.1:", silent.port());
   EXPECT_EQ(Run({test::BinaryPath("ubepctl"), "--balancer=" + balancer, "--timeout=1s", "drain",
                  "node-x"},
                 &out),
@@ -300,7 +295,7 @@ TEST_F(LocalTest, UbepctlSaysWhetherTheBalancerIsUnreachableOrDidNotAnswerInTime
   EXPECT_EQ(out, absl::StrCat("ubepctl: drain node-x: no answer from ubep-balancer at ", balancer,
                               " within --timeout 1s (unreachable, or busy: a change asked for "
                               "may still be made; see ubepctl status)\n"));
-  close(silent);
+  silent.Close();
   EXPECT_EQ(Run({test::BinaryPath("ubepctl"), "--timeout=0s", "status"}, &out), 2);
   EXPECT_THAT(out, ::testing::StartsWith("ubepctl: --timeout 0 is not positive\n"));
 }
@@ -339,21 +334,14 @@ TEST_F(LocalTest, FlagValuesThatCannotMakeAClusterAreRefusedBeforeAnythingStarts
 // A balancer that cannot start (its port taken) is seen exiting, and said so with its log, at
 // once rather than after the 30 s a ready file is waited for.
 TEST_F(LocalTest, ABalancerThatExitsAtStartIsNamedWithItsStatusAndLog) {
-  const int taken = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(bind(taken, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ASSERT_EQ(listen(taken, 4), 0);
-  socklen_t len = sizeof(addr);
-  getsockname(taken, reinterpret_cast<sockaddr*>(&addr), &len);
-  const std::string listen = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port));
+  test::LoopbackListener taken;
+  ASSERT_GE(taken.fd(), 0);
+  const std::string listen = absl::StrCat("127.0.0.1:", taken.port());
   std::string output;
   EXPECT_EQ(Run({test::BinaryPath("ubep-local"), "--report=" + path("report"),
                  "--listen=" + listen, "--metrics_port=0"},
                 &output),
             1);
-  close(taken);
   EXPECT_THAT(output, HasSubstr("ubep-local: ubep-balancer did not start (it exited with status "
                                 "1); its log:\n"));
   EXPECT_THAT(output, HasSubstr("ubep-balancer: cannot listen on " + listen + "\n"));

@@ -1,6 +1,4 @@
-#include <arpa/inet.h>
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <stdlib.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
@@ -29,6 +27,7 @@
 #include "common/status_macros.h"
 #include "common/unix_socket.h"
 #include "gtest/gtest.h"
+#include "tests/unit/loopback.h"
 
 namespace ubep {
 namespace {
@@ -151,24 +150,17 @@ TEST(PeriodicThreadTest, RunsEveryIntervalUntilDestroyed) {
 
 // A one-answer HTTP server on loopback: each connection gets `answer`, then is closed.
 std::string AnswerOnce(const std::string& answer) {
-  const int listener = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  EXPECT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  EXPECT_EQ(listen(listener, 1), 0);
-  socklen_t len = sizeof(addr);
-  getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
+  test::LoopbackListener listener;
+  EXPECT_GE(listener.fd(), 0);
   std::thread server([&] {
-    const int fd = accept(listener, nullptr, nullptr);
+    const int fd = accept(listener.fd(), nullptr, nullptr);
     char request[1024];
     (void)read(fd, request, sizeof(request));
     (void)write(fd, answer.data(), answer.size());
     close(fd);
   });
-  const std::string body = HttpGet(ntohs(addr.sin_port), "/metrics");
+  const std::string body = HttpGet(listener.port(), "/metrics");
   server.join();
-  close(listener);
   return body;
 }
 
