@@ -603,6 +603,8 @@ grpc::Status Balancer::Register(grpc::ServerContext* context, const v1::Register
   d.needs_state = true;
   d.healthy = true;
   d.failures = 0;
+  d.taken_over_logged = false;
+  d.down_since = absl::InfiniteFuture();
   if (!same_process) d.last_seq = 0;
   if (!why.empty()) d.restart_handled = request->incarnation();
   KeepOutRestartedPeers(*request);
@@ -918,7 +920,7 @@ uint64_t Balancer::EstimateStep() const {
   for (const auto& [name, d] : daemons_) {
     // A daemon failing its health checks reports no more: its last rate would be extrapolated
     // for as long as it is down, and its ranks are not in the plans made meanwhile.
-    if (!d.healthy) continue;
+    if (!d.Serving()) continue;
     double estimate = static_cast<double>(d.max_step);
     if (d.prev_step_time != absl::InfinitePast() && d.step_time > d.prev_step_time &&
         d.max_step > d.prev_step) {
@@ -943,7 +945,7 @@ void Balancer::CloseInterval() {
   over_capacity_ = 0;
   for (auto& [name, d] : daemons_) {
     over_capacity_ += std::exchange(d.interval_over_capacity, 0);
-    if (!d.healthy || d.info.ranks().empty()) continue;
+    if (!d.Serving() || d.info.ranks().empty()) continue;
     if (d.interval_steps > 0) {
       const double per_step = 1.0 / d.interval_steps;
       d.rate = LoadMatrix(L, shape_->experts);
@@ -1057,12 +1059,18 @@ void Balancer::CheckHealth() {
         break;
       }
     }
-    if (d.healthy && !healthy && !d.HoldsOldModel()) {
-      // Down, hosting no rank and holding none from before a restart: nothing of the cluster
-      // waits on it, and an entry kept would be health-checked forever (a pod that died before
-      // its clients attached). Forgotten; registering again, it is new.
-      UBEP_LOG(WARNING) << "node " << name << " failed " << d.failures
-                        << " health checks; it hosts no rank: forgotten";
+    if (healthy) {
+      d.down_since = absl::InfiniteFuture();
+    } else if (d.down_since == absl::InfiniteFuture()) {
+      d.down_since = MonotonicNow();
+    }
+    if (!healthy && !d.HoldsOldModel() &&
+        MonotonicNow() - d.down_since >= options_.registration_grace) {
+      // Down for the registration grace, hosting no rank and holding none from before a
+      // restart: nothing of the cluster waits on it, and an entry kept would be
+      // health-checked forever (a pod that died before its clients attached). Forgotten; a
+      // daemon that was only slow registers again with its group.
+      UBEP_LOG(WARNING) << "node " << name << " is down and hosts no rank: forgotten";
       drained_.erase(name);
       daemons_.erase(it);
       continue;
@@ -1092,7 +1100,7 @@ void Balancer::Recover() {
   {
     MutexLock lock(&mu_);
     for (auto& [name, d] : daemons_) {
-      if (d.needs_state && d.healthy) {
+      if (d.needs_state && d.Serving()) {
         ask.push_back({name, d.channel, d.info.incarnation()});
         ask_channels.push_back(d.channel);
       }
@@ -1117,6 +1125,22 @@ void Balancer::Recover() {
     }
     Daemon& d = it->second;
     d.needs_state = false;
+    // A group of another model than the cluster's (its clients moved, and it has not
+    // registered it yet): none of its versions are the cluster's, and its plan's sizes would
+    // index the cluster's load out of bounds.
+    const v1::Plan& held = state.committed_plan();
+    if (shape_.has_value() && state.committed_version() > 0 &&
+        (held.topology().num_ranks() != static_cast<uint32_t>(shape_->world) ||
+         held.topology().slots_per_rank() != static_cast<uint32_t>(shape_->slots) ||
+         held.layers_size() != shape_->layers ||
+         held.num_experts() != static_cast<uint32_t>(shape_->experts))) {
+      UBEP_LOG(WARNING) << "recovery: node " << name << " holds plan v" << state.committed_version()
+                        << " of another shape (" << held.topology().num_ranks() << " ranks x "
+                        << held.topology().slots_per_rank() << " slots, " << held.layers_size()
+                        << " layers x " << held.num_experts() << " experts) than the cluster's "
+                        << shape_->Describe() << ": its state is not taken";
+      continue;
+    }
     d.committed = state.committed_version();
     d.pending = state.pending_version();
     d.pending_fingerprint = state.pending_fingerprint();
@@ -1126,21 +1150,6 @@ void Balancer::Recover() {
     if (state.committed_version() > 0 &&
         (!plan_.has_value() || plan_->version < state.committed_version())) {
       absl::StatusOr<Plan> plan = FromProto(state.committed_plan());
-      // Of the cluster's shape: a daemon whose group changed model since it registered (a
-      // registration refused as another model's keeps the entry) holds another model's plan,
-      // whose sizes the next plan would index this one's load by.
-      if (plan.ok() && shape_.has_value() &&
-          (plan->topology.num_ranks != shape_->world || plan->num_layers() != shape_->layers ||
-           plan->num_experts != shape_->experts ||
-           plan->topology.slots_per_rank != shape_->slots)) {
-        UBEP_LOG(WARNING) << "recovery: node " << name << " holds plan v"
-                          << state.committed_version() << " of another shape ("
-                          << plan->topology.num_ranks << " ranks x "
-                          << plan->topology.slots_per_rank << " slots, " << plan->num_layers()
-                          << " layers x " << plan->num_experts << " experts) than the cluster's "
-                          << shape_->Describe() << ": not taken";
-        plan = absl::FailedPreconditionError("another shape");
-      }
       if (plan.ok()) {
         plan_ = *std::move(plan);
         plan_effective_step_ = 0;
@@ -1149,7 +1158,7 @@ void Balancer::Recover() {
         for (const auto& [other, od] : daemons_) {
           bool all = od.info.ranks_size() > 0;
           for (uint32_t r : od.info.ranks()) all &= plan_->excluded(static_cast<int>(r));
-          if (all && od.healthy) drained_.insert(other);
+          if (all && od.Serving()) drained_.insert(other);
         }
         plan_version_->Set(static_cast<double>(plan_->version));
         UBEP_LOG(INFO) << "learned plan v" << plan_->version << " from node " << name;
@@ -1198,7 +1207,7 @@ void Balancer::Recover() {
       return *fingerprint;
     };
     for (auto& [name, d] : daemons_) {
-      if (d.pending == 0 || !d.healthy) continue;
+      if (d.pending == 0 || !d.Serving()) continue;
       if (aborted_versions_.contains(d.pending)) {
         decide[{d.pending, false}].push_back(d.channel);
       } else if (d.pending < held) {
@@ -1267,7 +1276,7 @@ void Balancer::AddGroupDaemons(v1::PrepareRequest& request) const {
     if (d.info.ranks().empty()) continue;
     // A daemon down still tells where its ranks' weights lie: its arenas stay mapped in its
     // domain's daemons.
-    v1::PeerDaemon* peer = d.healthy ? request.add_daemons() : request.add_down_daemons();
+    v1::PeerDaemon* peer = d.Serving() ? request.add_daemons() : request.add_down_daemons();
     peer->set_node(name);
     peer->set_address(d.info.address());
     *peer->mutable_ranks() = d.info.ranks();
@@ -1305,7 +1314,7 @@ void Balancer::CatchUp() {
     MutexLock lock(&mu_);
     if (!plan_.has_value() || !shape_.has_value()) return;
     for (auto& [name, d] : daemons_) {
-      if (!d.healthy || d.needs_state || d.pending != 0 || d.committed == 0 ||
+      if (!d.Serving() || d.needs_state || d.pending != 0 || d.committed == 0 ||
           d.committed >= plan_->version || d.info.ranks().empty()) {
         continue;
       }
@@ -1432,7 +1441,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
     // with no group has no arenas to prepare (its group starts under the cluster's plan).
     // Nor does a daemon whose group moved to another model (its ranks are excluded).
     for (const auto& [name, d] : daemons_) {
-      if (!d.healthy || d.wanted_shape.has_value()) continue;
+      if (!d.Serving()) continue;
       if (d.needs_state || d.pending != 0) {
         return absl::UnavailableError(absl::StrCat("node ", name, " is still being recovered"));
       }
@@ -1465,7 +1474,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
       // As many changed slots per rank and layer as the daemons have free weight buffers.
       budget = std::numeric_limits<int>::max();
       for (const auto& [name, d] : daemons_) {
-        if (d.healthy && !d.info.ranks().empty()) {
+        if (d.Serving() && !d.info.ranks().empty()) {
           budget = std::min(budget, static_cast<int>(d.info.free_buffers()));
         }
       }
@@ -1682,7 +1691,7 @@ void Balancer::UpdateMissing() {
 
 bool Balancer::StepRatesKnown() const {
   for (const auto& [name, d] : daemons_) {
-    if (!d.healthy || drained_.contains(name) || d.info.ranks().empty()) continue;
+    if (!d.Serving() || drained_.contains(name) || d.info.ranks().empty()) continue;
     if (d.prev_step_time == absl::InfinitePast()) return false;
   }
   return true;
@@ -1704,7 +1713,8 @@ bool Balancer::RememberAborted(uint64_t version) {
   while (aborted_versions_.size() > kMaxAbortedVersions) {
     aborted_versions_.erase(aborted_versions_.begin());
   }
-  return added;
+  // One older than every version kept goes at once: not new, or it would be counted again.
+  return added && aborted_versions_.contains(version);
 }
 
 bool Balancer::Member(const Daemon& d) const {
@@ -1718,7 +1728,7 @@ bool Balancer::PlanInForceEverywhere() const {
   for (const auto& [name, d] : daemons_) {
     // A daemon hosting no rank (none attached yet), or only ranks the plan excludes (drained,
     // or behind the plan until it catches up), has no plan in force to report.
-    if (d.healthy && !drained_.contains(name) && Member(d) && d.in_force < plan_->version) {
+    if (d.Serving() && !drained_.contains(name) && Member(d) && d.in_force < plan_->version) {
       return false;
     }
   }
@@ -1738,8 +1748,7 @@ std::vector<int> Balancer::DesiredExcluded() const {
   // as not the cluster's, has no arenas of this one left: it would refuse every plan).
   std::set<int> served, unserved;
   for (const auto& [name, d] : daemons_) {
-    const bool serving =
-        d.healthy && !drained_.contains(name) && !Behind(d) && !d.wanted_shape.has_value();
+    const bool serving = d.Serving() && !drained_.contains(name) && !Behind(d);
     for (uint32_t r : d.info.ranks()) (serving ? served : unserved).insert(static_cast<int>(r));
   }
   // An excluded rank comes back only with a daemon serving it (not one that registered
@@ -1858,9 +1867,16 @@ grpc::Status Balancer::Forget(grpc::ServerContext* context, const v1::ForgetRequ
                         absl::StrCat("node ", node, " is down, but the balancer has not learned "
                                      "the cluster's plan yet; try again once it has"));
   }
+  // Ranks another node took over while it was down are that node's: they do not keep it.
+  std::set<uint32_t> taken;
+  for (const auto& [other_name, other] : daemons_) {
+    if (other_name != node && other.Serving()) taken.insert(other.info.ranks().begin(), other.info.ranks().end());
+  }
   std::vector<uint32_t> kept;
   for (uint32_t r : d.info.ranks()) {
-    if (!model_change && !plan_->excluded(static_cast<int>(r))) kept.push_back(r);
+    if (!model_change && !plan_->excluded(static_cast<int>(r)) && !taken.contains(r)) {
+      kept.push_back(r);
+    }
   }
   if (!kept.empty()) {
     return grpc::Status(

@@ -144,6 +144,7 @@ class Balancer final : public v1::Control::Service {
     // It answers its health checks again, but another node registered some of its ranks
     // while it was down: it stays out (unhealthy) until forgotten; said once.
     bool taken_over_logged = false;
+    absl::Time down_since = absl::InfiniteFuture();  // Monotonic; while not healthy.
     bool needs_state = true;
     uint64_t max_step = 0, prev_step = 0;
     absl::Time step_time = absl::InfinitePast(), prev_step_time = absl::InfinitePast();
@@ -176,6 +177,10 @@ class Balancer final : public v1::Control::Service {
 
     // Whether it holds ranks of the cluster's model, or held them before its daemon restarted.
     bool HoldsOldModel() const { return !info.ranks().empty() || held_ranks_before_restart; }
+    // Healthy and of the cluster's model: one whose group moved to another model (refused,
+    // wanted_shape) serves none of the cluster's ranks, reports none of its load, holds none
+    // of its plans and is sent none, though it answers its health checks.
+    bool Serving() const { return healthy && !wanted_shape.has_value(); }
 
     // Its ranks count steps anew (a new process, a new group): from where they resume.
     void ForgetSteps() {
@@ -273,7 +278,8 @@ class Balancer final : public v1::Control::Service {
   std::optional<Shape> shape_ ABSL_GUARDED_BY(mu_);
   std::optional<Plan> plan_ ABSL_GUARDED_BY(mu_);
   uint64_t plan_effective_step_ ABSL_GUARDED_BY(mu_) = 0;
-  bool effective_step_learned_ ABSL_GUARDED_BY(mu_) = false;  // From a member's GetState.
+  // From a member's GetState, or (after a change of members) its first report.
+  bool effective_step_learned_ ABSL_GUARDED_BY(mu_) = false;
   std::set<int> missing_ ABSL_GUARDED_BY(mu_);
   absl::Time missing_since_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   uint64_t highest_version_ ABSL_GUARDED_BY(mu_) = 0;  // Committed or prepared anywhere.

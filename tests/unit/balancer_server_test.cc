@@ -923,7 +923,9 @@ TEST(BalancerServerTest, AfterAChangeOfMembersStepsBeforeTheGroupResumedAreStale
 TEST(BalancerServerTest, ADaemonDownThatHostsNoRankIsForgotten) {
   FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
   auto idle = std::make_unique<FakeDaemon>("node-c", FirstPlan());
-  std::unique_ptr<Balancer> balancer = WithTwoDaemons(QuickToMarkDown(), a, b);
+  BalancerOptions options = QuickToMarkDown();
+  options.registration_grace = absl::Seconds(1);  // Down this long, hosting no rank: gone.
+  std::unique_ptr<Balancer> balancer = WithTwoDaemons(options, a, b);
   v1::RegisterRequest groupless;
   groupless.set_node("node-c");
   groupless.set_address(idle->address());
@@ -931,10 +933,18 @@ TEST(BalancerServerTest, ADaemonDownThatHostsNoRankIsForgotten) {
   Register(*balancer, groupless);
   idle.reset();
   b.SetServing(false);
-  TickUntilDown(*balancer, "node-b");
-  std::vector<std::string> names;
-  for (const BalancerStatus::Node& n : balancer->Status().nodes) names.push_back(n.name);
-  EXPECT_EQ(names, (std::vector<std::string>{"node-a", "node-b"}));
+  auto names = [&] {
+    std::vector<std::string> out;
+    for (const BalancerStatus::Node& n : balancer->Status().nodes) out.push_back(n.name);
+    return out;
+  };
+  for (const absl::Time until = absl::Now() + absl::Seconds(10);
+       absl::Now() < until && names().size() == 3; absl::SleepFor(absl::Milliseconds(20))) {
+    balancer->Tick();
+  }
+  EXPECT_EQ(names(), (std::vector<std::string>{"node-a", "node-b"}));
+  // node-b, down as long, hosts ranks: it stays, down.
+  EXPECT_FALSE(balancer->Status().nodes[1].healthy);
 }
 
 // node-a goes down and node-c takes over one of its two ranks (node-a's entry is kept: rank 1
@@ -959,6 +969,18 @@ TEST(BalancerServerTest, ANodeBackAfterAnotherTookOverSomeOfItsRanksStaysOut) {
   for (const BalancerStatus::Node& n : balancer->Status().nodes) healthy[n.name] = n.healthy;
   EXPECT_EQ(healthy, (std::map<std::string, bool>{
                          {"node-a", false}, {"node-b", true}, {"node-c", true}}));
+  // node-c undrained, rank 0 is in the plan again, as node-c's: node-a can still be forgotten
+  // (rank 0 is not its any more; rank 1 is excluded).
+  v1::RebalanceResponse undrained;
+  const grpc::Status undrain = Drain(*balancer, "node-c", false, &undrained);
+  ASSERT_TRUE(undrain.ok()) << undrain.error_message();
+  ASSERT_TRUE(balancer->CurrentPlan().has_value());
+  EXPECT_EQ(balancer->CurrentPlan()->excluded_ranks, std::vector<int>{1});
+  v1::ForgetRequest forget;
+  forget.set_node("node-a");
+  v1::ForgetResponse forgotten;
+  const grpc::Status forgot = balancer->Forget(nullptr, &forget, &forgotten);
+  EXPECT_TRUE(forgot.ok()) << forgot.error_message();
 }
 
 // node-b goes down and node-c takes its ranks over: node-b's entry goes, node-c's ranks stay
@@ -1333,26 +1355,6 @@ TEST(BalancerServerTest, EveryNodeOfTheClusterMovingToAnotherShapeStartsItOver) 
 //   move starts the cluster over.
 // A change of any field of the model (here max_tokens alone, which the plans do not use) is a
 // model change: the daemons made new groups (new incarnations), and nobody is drained for it.
-// node-b's clients moved to another model (its registration refused as not the cluster's,
-// node-a still serving the cluster's): its ranks are served no more, so a plan without them is
-// committed on node-a, and node-b, whose group is of the other model and would refuse every
-// plan of this one, gets no Prepare (it held every change of node-a's group back).
-TEST(BalancerServerTest, ANodeWhoseGroupMovedToAnotherModelIsLeftOutOfThePlans) {
-  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
-  std::unique_ptr<Balancer> balancer = WithTwoDaemons(NeverMarkedDown(), a, b);
-  b.Refuse(FakeDaemon::kEveryVersion);
-  v1::RegisterRequest b_new = DaemonRegistration(b, "node-b", 2, 0, "host");
-  b_new.mutable_shape()->set_max_tokens(b_new.shape().max_tokens() + 8);
-  b_new.set_incarnation("b.2");
-  v1::RegisterResponse response;
-  EXPECT_EQ(balancer->Register(nullptr, &b_new, &response).error_code(),
-            grpc::StatusCode::FAILED_PRECONDITION);
-  balancer->Tick();
-  EXPECT_TRUE(b.prepares().empty());
-  EXPECT_EQ(a.committed_version(), 2u);
-  ASSERT_TRUE(balancer->CurrentPlan().has_value());
-  EXPECT_THAT(balancer->CurrentPlan()->excluded_ranks, ::testing::ElementsAre(2, 3));
-}
 
 TEST(BalancerServerTest, AModelChangeIsHeldBackOnlyByNodesHoldingRanksOfTheOldModel) {
   FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
@@ -1440,19 +1442,34 @@ TEST(BalancerServerTest, AModelChangeIsHeldBackOnlyByNodesHoldingRanksOfTheOldMo
   }
 }
 
-// FirstPlan as version `version`.
-v1::Plan FirstPlanAs(uint64_t version) {
-  v1::Plan plan = FirstPlan();
-  plan.set_version(version);
-  return plan;
+// node-b's clients moved to another model (its registration refused as not the cluster's,
+// node-a still serving the cluster's): its ranks are served no more, so a plan without them is
+// committed on node-a, and node-b, whose group is of the other model and would refuse every
+// plan of this one, gets no Prepare (it held every change of node-a's group back).
+TEST(BalancerServerTest, ANodeWhoseGroupMovedToAnotherModelIsLeftOutOfThePlans) {
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+  std::unique_ptr<Balancer> balancer = WithTwoDaemons(NeverMarkedDown(), a, b);
+  b.Refuse(FakeDaemon::kEveryVersion);
+  v1::RegisterRequest b_new = DaemonRegistration(b, "node-b", 2, 0, "host");
+  b_new.mutable_shape()->set_max_tokens(b_new.shape().max_tokens() + 8);
+  b_new.set_incarnation("b.2");
+  v1::RegisterResponse response;
+  EXPECT_EQ(balancer->Register(nullptr, &b_new, &response).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+  for (int tick = 0; tick < 3; ++tick) balancer->Tick();  // Catch-ups and recovery too.
+  EXPECT_TRUE(b.prepares().empty());
+  EXPECT_EQ(a.committed_version(), 2u);
+  ASSERT_EQ(a.prepares().size(), 1u);
+  // Listed as down: a weight of its ranks may still be read from its arenas, but no link or
+  // Prepare waits for it.
+  ASSERT_EQ(a.prepares()[0].daemons_size(), 1);
+  EXPECT_EQ(a.prepares()[0].daemons(0).node(), "node-a");
+  ASSERT_EQ(a.prepares()[0].down_daemons_size(), 1);
+  EXPECT_EQ(a.prepares()[0].down_daemons(0).node(), "node-b");
+  ASSERT_TRUE(balancer->CurrentPlan().has_value());
+  EXPECT_THAT(balancer->CurrentPlan()->excluded_ranks, ::testing::ElementsAre(2, 3));
 }
 
-// A balancer that restarted after committing v2 on node-b only finds v2 pending on node-a.
-// Whether it was committed is known only to node-b: while node-b is unknown (not registered
-// again, or its state not read), v2 stays pending on node-a, past the recovery grace; then
-// it is committed there, as on node-b. (Aborted, node-a's ranks would run the steps from v2's
-// effective step under v1, node-b's under v2.) Once the registration grace is over, a daemon
-// still unknown no longer holds it back.
 // Recovery takes a daemon's committed plan as the cluster's only when it is of the cluster's
 // shape: node-b holds v5 of a 3-layer model (its group changed model after it registered),
 // which the next plan would index the cluster's 2-layer load by.
@@ -1466,6 +1483,19 @@ TEST(BalancerServerTest, RecoveryDoesNotTakeAPlanOfAnotherShape) {
   EXPECT_TRUE(report.ok()) << report.error_message();
 }
 
+// FirstPlan as version `version`.
+v1::Plan FirstPlanAs(uint64_t version) {
+  v1::Plan plan = FirstPlan();
+  plan.set_version(version);
+  return plan;
+}
+
+// A balancer that restarted after committing v2 on node-b only finds v2 pending on node-a.
+// Whether it was committed is known only to node-b: while node-b is unknown (not registered
+// again, or its state not read), v2 stays pending on node-a, past the recovery grace; then
+// it is committed there, as on node-b. (Aborted, node-a's ranks would run the steps from v2's
+// effective step under v1, node-b's under v2.) Once the registration grace is over, a daemon
+// still unknown no longer holds it back.
 TEST(BalancerServerTest, AnOrphanPlanIsNotAbortedWhileADaemonThatMayHaveCommittedItIsUnknown) {
   FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlanAs(2));
   a.SetPending(FirstPlanAs(2));
