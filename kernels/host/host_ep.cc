@@ -702,6 +702,7 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
     send_share(0);
     UBEP_RETURN_IF_ERROR(Barrier(deadline));
     UBEP_RETURN_IF_ERROR(LayOut(out));
+    if (after_layout_for_testing_) after_layout_for_testing_();
     for (int s : sources) Place(s, out);
   } else {
     if (senders_ == nullptr) send_share(0);  // No core to spare: send, then receive.
@@ -715,6 +716,7 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
                      : Take::kNothing;
         });
     if (status.ok()) status = LayOut(out);
+    if (status.ok() && after_layout_for_testing_) after_layout_for_testing_();
     if (status.ok()) {
       std::erase_if(sources, [&](int s) { return out.handle.records_from[s] == 0; });
       const bool poll = std::any_of(sources.begin(), sources.end(),
@@ -797,6 +799,7 @@ absl::Status HostEp::LayOut(DispatchOutput& out) {
   placed_.assign(R, 0);
   out.slot_offsets.assign(S + 1, 0);
   source_slot_rows_.assign(static_cast<size_t>(R) * S, 0);
+  entry_slots_.clear();
   // What a source wrote is checked before anything is sized or indexed from it: its record
   // count within the tokens it may send (fewer for flagged rows), each record's entries within
   // a token's pairs at one rank, each entry's slot within this rank's.
@@ -835,6 +838,7 @@ absl::Status HostEp::LayOut(DispatchOutput& out) {
         const int32_t slot = RecordEntryAt(records, layout_.record_bytes, j, q).local_slot;
         if (slot < 0 || slot >= S) return corrupt(s);
         ++rows[slot];
+        entry_slots_.push_back(slot);
       }
     }
     handle.record_begin[s][from_s] = entries;
@@ -867,22 +871,26 @@ void HostEp::PlaceRecord(int s, int32_t j, const std::byte* records, const std::
   const size_t B = layout_.row_bytes;
   int32_t* cursor = &source_slot_rows_[static_cast<size_t>(s) * config_.slots_per_rank];
   DispatchOutput::Handle& handle = out.handle;
-  const RecordHeader header = RecordHeaderAt(records, layout_.record_bytes, j);
+  // The entries and their slots as LayOut checked them; the token and the weights, which
+  // index nothing here, as they are.
+  const int32_t token = RecordHeaderAt(records, layout_.record_bytes, j).token;
+  const int32_t begin = handle.record_begin[s][j];
+  const int num_entries = handle.record_begin[s][j + 1] - begin;
+  const int32_t* slots = entry_slots_.data() + begin;
   const int32_t kept = handle.rows_kept;
-  for (int q = 0; q < header.num_entries; ++q) {
+  for (int q = 0; q < num_entries; ++q) {
     const RecordEntry entry = RecordEntryAt(records, layout_.record_bytes, j, q);
-    const int32_t row = cursor[entry.local_slot]++;
-    handle.record_rows[handle.record_begin[s][j] + q] = row;
+    const int32_t row = cursor[slots[q]]++;
+    handle.record_rows[begin + q] = row;
     if (row >= kept) continue;  // Past the receive capacity: dropped (the call fails).
-    if (q + 1 < header.num_entries) {  // The row the next entry's copy lands on.
-      const int32_t next =
-          cursor[RecordEntryAt(records, layout_.record_bytes, j, q + 1).local_slot];
+    if (q + 1 < num_entries) {  // The row the next entry's copy lands on.
+      const int32_t next = cursor[slots[q + 1]];
       if (next < kept) PrefetchRowForWrite(out.recv_x.data() + static_cast<size_t>(next) * B, B);
     }
     std::byte* to = out.recv_x.data() + static_cast<size_t>(row) * B;
     if (to != data) std::memcpy(to, data, B);
     out.src_rank[row] = s;
-    out.src_token[row] = header.token;
+    out.src_token[row] = token;
     out.weight[row] = entry.weight;
   }
 }
@@ -910,7 +918,7 @@ HostEp::Take HostEp::PlaceArrived(int s, uint32_t tag, DispatchOutput& out) {
   for (; j < n; ++j) {
     // The record's first row (the next one of its first entry's slot) takes the data as it
     // lands; PlaceRecord copies it from there into the record's other rows.
-    const int32_t row = cursor[RecordEntryAt(records, layout_.record_bytes, j, 0).local_slot];
+    const int32_t row = cursor[entry_slots_[out.handle.record_begin[s][j]]];
     std::byte* data = row < out.handle.rows_kept
                           ? out.recv_x.data() + static_cast<size_t>(row) * B
                           : landing_scratch_.data();

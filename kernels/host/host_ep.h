@@ -150,6 +150,12 @@ class HostEp {
     partial_delay_for_testing_ = delay;
     partial_delay_source_ = source;
   }
+  // Tests only: runs on the calling thread once a dispatch has laid out its receive rows from
+  // the sources' records and before it places any, as a peer writing its records again then
+  // would (nothing following the protocol does).
+  void set_after_layout_for_testing(std::function<void()> hook) {
+    after_layout_for_testing_ = std::move(hook);
+  }
 
  private:
   class Senders;
@@ -312,6 +318,10 @@ class HostEp {
   std::vector<int> pending_;      // Those of sources_ TakeAsTheyArrive still waits for.
   std::vector<int32_t> received_per_slot_;  // Rows per local slot (the load counters' addition).
   std::vector<int32_t> source_slot_rows_;  // [R x S]: next row of (source, slot) while placing.
+  // [entries of the call, handle.record_begin's order]: each record entry's local slot as
+  // LayOut checked it. Placing reads these, not the peer-written records again: a peer that
+  // rewrote them after the check cannot steer a store.
+  std::vector<int32_t> entry_slots_;
   // Per rank: in the group under the plan of the call in flight (excluded ranks are neither
   // sent to nor waited for).
   std::vector<char> active_;
@@ -319,6 +329,7 @@ class HostEp {
   absl::Duration row_delay_for_testing_ = absl::ZeroDuration();
   absl::Duration count_delay_for_testing_ = absl::ZeroDuration();
   absl::Duration partial_delay_for_testing_ = absl::ZeroDuration();
+  std::function<void()> after_layout_for_testing_;
   int partial_delay_source_ = -1;
 };
 

@@ -1014,6 +1014,59 @@ TEST(HostEpErrorTest, ACorruptSourceIsNamedBeforeAnythingIsSizedFromIt) {
   }
 }
 
+// A peer that writes its records again once they were checked (nothing following the
+// protocol does) cannot steer the placement: rank 0 places from the slots it checked. The test
+// plays rank 1 (one record: token 0 to local slot 0, its row and both flags raised), and
+// rewrites that record's slot to 1 after rank 0 laid out its rows and before it places them.
+TEST(HostEpErrorTest, RecordsRewrittenAfterTheirCheckDoNotSteerThePlacement) {
+  for (const Protocol protocol : {Protocol::kUbep, Protocol::kBsp}) {
+    SCOPED_TRACE(ProtocolName(protocol));
+    EpConfig config = ShortTimeoutConfig();
+    config.protocol = protocol;
+    const ArenaLayout layout(config);
+    const TestPlan plan = RoundRobinPlan(config);
+    Group group(config);
+    std::byte* arena = group.arena(0);
+    reinterpret_cast<uint32_t*>(arena + layout.counts)[1] = 1;
+    std::byte* records = arena + layout.records + 1 * config.max_tokens * layout.record_bytes;
+    const RecordHeader header{0, 1};
+    RecordEntry entry{0, 0.5f};
+    std::memcpy(records, &header, sizeof(header));
+    std::memcpy(records + sizeof(header), &entry, sizeof(entry));
+    const Doorbell door = ArenaDoor(arena, layout);
+    for (int s : {1, 2, 3}) {
+      Signal(reinterpret_cast<uint32_t*>(arena + layout.count_flag + s * kFlagStride), 1, door);
+      Signal(reinterpret_cast<uint32_t*>(arena + layout.dispatch_flag + s * kFlagStride), 1, door);
+    }
+    if (protocol == Protocol::kBsp) {  // Ranks 1-3 at both of the dispatch's barriers.
+      for (int s : {1, 2, 3}) {
+        Signal(reinterpret_cast<uint32_t*>(arena + layout.barrier_flag + s * kFlagStride), 2,
+               door);
+      }
+    }
+    group.ep(0).set_after_layout_for_testing([&] {
+      entry.local_slot = 1;
+      std::memcpy(records + sizeof(header), &entry, sizeof(entry));
+    });
+    RankInput in = MakeInput(config, 0, 8, 3);
+    DispatchOutput out;
+    ASSERT_TRUE(group.ep(0)
+                    .Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8,
+                               config.hidden, 0, plan.header()},
+                              out)
+                    .ok());
+    std::vector<int32_t> from_rank1;
+    for (int32_t row = 0; row < static_cast<int32_t>(out.src_rank.size()); ++row) {
+      if (out.src_rank[row] == 1) from_rank1.push_back(row);
+    }
+    ASSERT_EQ(from_rank1.size(), 1u);
+    EXPECT_GE(from_rank1[0], out.slot_offsets[0]);  // In slot 0's rows, as checked.
+    EXPECT_LT(from_rank1[0], out.slot_offsets[1]);
+    EXPECT_EQ(out.weight[from_rank1[0]], 0.5f);
+    EXPECT_EQ(out.src_token[from_rank1[0]], 0);
+  }
+}
+
 // Rank 2's calling thread is held past the call's deadline before it routes a token (the
 // process stopped, or starved): its sender thread stops waiting for the batches at the
 // deadline, and the rows it owed are never stored. Rank 2's call fails saying so before its
