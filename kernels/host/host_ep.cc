@@ -448,13 +448,13 @@ void HostEp::SendShare(int index, int senders, const DispatchInput& in, uint32_t
 void HostEp::Publish(int d, uint32_t epoch) { Raise(d, layout_.dispatch_flag, epoch); }
 
 absl::Status HostEp::Wait(const uint32_t* word, uint32_t epoch, int peer, const char* what,
-                          Deadline deadline) {
+                          Deadline deadline, uint32_t call) {
   const absl::Status s = WaitForPeer(
       deadline, [peer] { return peer; },
       [&](AbortWatch watch, Deadline until) {
         return WaitEpoch(word, epoch, OwnDoor(), until, watch);
       });
-  return s.ok() ? s : GiveUp(peer, what, epoch);
+  return s.ok() ? s : GiveUp(peer, what, call != 0 ? call : epoch);
 }
 
 void HostEp::Raise(int d, size_t region, uint32_t epoch) {
@@ -623,7 +623,7 @@ absl::Status HostEp::TakeAsTheyArrive(uint32_t epoch, std::span<const int> sourc
   return absl::OkStatus();
 }
 
-absl::Status HostEp::Barrier(Deadline deadline) {
+absl::Status HostEp::Barrier(uint32_t call, Deadline deadline) {
   const uint32_t b = ++barrier_epoch_;
   for (int s = 0; s < config_.num_ranks; ++s) {
     if (active_[s]) Raise(s, layout_.barrier_flag, b);
@@ -631,7 +631,7 @@ absl::Status HostEp::Barrier(Deadline deadline) {
   for (int s = 0; s < config_.num_ranks; ++s) {
     if (!active_[s]) continue;
     UBEP_RETURN_IF_ERROR(
-        Wait(FlagAt(arenas_[rank_], layout_.barrier_flag, s), b, s, "barrier", deadline));
+        Wait(FlagAt(arenas_[rank_], layout_.barrier_flag, s), b, s, "barrier", deadline, call));
   }
   return absl::OkStatus();
 }
@@ -698,9 +698,9 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
       UBEP_RETURN_IF_ERROR(
           Wait(FlagAt(own, layout_.count_flag, s), epoch, s, "count exchange", deadline));
     }
-    UBEP_RETURN_IF_ERROR(Barrier(deadline));
+    UBEP_RETURN_IF_ERROR(Barrier(epoch, deadline));
     send_share(0);
-    UBEP_RETURN_IF_ERROR(Barrier(deadline));
+    UBEP_RETURN_IF_ERROR(Barrier(epoch, deadline));
     UBEP_RETURN_IF_ERROR(LayOut(out));
     if (after_layout_for_testing_) after_layout_for_testing_();
     for (int s : sources) Place(s, out);
@@ -1018,7 +1018,7 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
   }
   std::byte* own = arenas_[rank_];
   if (config_.protocol == Protocol::kBsp) {
-    UBEP_RETURN_IF_ERROR(Barrier(deadline));
+    UBEP_RETURN_IF_ERROR(Barrier(epoch, deadline));
   } else {
     // Every destination's flag: its partials are all stored, and it is done reading this
     // rank's landing of this call, so this rank may store its next call's there. Flagged

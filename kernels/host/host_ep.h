@@ -190,8 +190,10 @@ class HostEp {
                  uint32_t batches_before, bool publish, bool flagged, Deadline deadline);
   // Raises `dest`'s dispatch flag for this rank: its rows are all stored.
   void Publish(int dest, uint32_t epoch);
+  // Waits for `word` to reach `epoch`; the error names call `call` (0: `epoch` is the call's,
+  // as for every flag but the barrier's, which counts barriers).
   absl::Status Wait(const uint32_t* word, uint32_t epoch, int peer, const char* what,
-                    Deadline deadline);
+                    Deadline deadline, uint32_t call = 0);
   // The error for a wait on `peer` that ended: names the rank the group gave up on (setting
   // every arena's abort word if this rank is the first to give up), and why it refused this
   // call if it did.
@@ -239,7 +241,8 @@ class HostEp {
   void Raise(int d, size_t region, uint32_t epoch);
   // The doorbell of this rank's arena, for its waits on its own flags.
   Doorbell OwnDoor() const;
-  absl::Status Barrier(Deadline deadline);
+  // bsp's barrier of call `call` (its waits' errors name the call, not the barrier's count).
+  absl::Status Barrier(uint32_t call, Deadline deadline);
   // What a look at a source found: nothing new, some of its data (flagged rows), or all of it.
   enum class Take { kNothing, kSome, kDone };
   // Calls take(s) for every s in `sources` until each has returned kDone, in whatever order

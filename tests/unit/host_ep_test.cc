@@ -1014,6 +1014,27 @@ TEST(HostEpErrorTest, ACorruptSourceIsNamedBeforeAnythingIsSizedFromIt) {
   }
 }
 
+// bsp's combine ends at a barrier; rank 2 never comes to it: the others' error names call 1,
+// the call they waited in, not the barrier's count (the third barrier of the group).
+TEST(HostEpErrorTest, ABspBarrierThatTimesOutNamesTheCall) {
+  EpConfig config = ShortTimeoutConfig();
+  config.protocol = Protocol::kBsp;
+  const TestPlan plan = RoundRobinPlan(config);
+  Group group(config);
+  std::vector<absl::Status> combined(config.num_ranks);
+  const std::vector<absl::Status> status = DispatchOnce(
+      group, plan, [](int) { return true; },
+      [&](int r, const DispatchOutput& out) {
+        if (r == 2) return;  // Rank 2 never combines.
+        std::vector<uint16_t> y(out.recv_x.size() / 2), result(8 * config.hidden);
+        combined[r] = group.ep(r).Combine(out, y.data(), result.data());
+      });
+  for (int r : {0, 1, 3}) {
+    EXPECT_EQ(status[r], absl::OkStatus()) << "rank " << r;
+    EXPECT_EQ(combined[r], GaveUpOnRank2(r, "barrier")) << "rank " << r;
+  }
+}
+
 // A peer that writes its records again once they were checked (nothing following the
 // protocol does) cannot steer the placement: rank 0 places from the slots it checked. The test
 // plays rank 1 (one record: token 0 to local slot 0, its row and both flags raised), and
