@@ -29,6 +29,7 @@ constexpr uint32_t kArenaMagic = 0x41504555;  // "UEPA"
 struct ArenaHeader {
   uint32_t magic, num_ranks, max_tokens, hidden, top_k, num_experts, slots_per_rank, num_layers,
       dtype, flagged_tokens, protocol;
+  uint32_t rank;  // Whose arena it is: arenas given in another order are refused.
 };
 static_assert(sizeof(ArenaHeader) <= 64, "the arena's header line (ArenaLayout)");
 
@@ -180,18 +181,31 @@ absl::StatusOr<std::unique_ptr<HostEp>> HostEp::Create(const EpConfig& config, i
                              static_cast<uint32_t>(config.num_layers),
                              static_cast<uint32_t>(config.dtype),
                              static_cast<uint32_t>(config.flagged_tokens),
-                             static_cast<uint32_t>(config.protocol)};
-  // The magic word last (release), read first (acquire): a peer laying out its arena at the
-  // same time is seen either not yet laid out or whole.
+                             static_cast<uint32_t>(config.protocol),
+                             0};
+  // The magic word last, read first (sequentially consistent): a peer laying out its arena at
+  // the same time is seen either not yet laid out or whole; and of two ranks laying out at
+  // once, at least one sees the other's (each stores its own, then looks at the other's).
   auto magic = [](ArenaHeader* h) { return std::atomic_ref<uint32_t>(h->magic); };
   // Every arena laid out so far, this rank's and its peers', is of this configuration (a peer
-  // of another, with more tokens or another top-k, would be stored into past its regions);
-  // then this rank's is laid out, if it was not.
-  for (int r = 0; r < config.num_ranks; ++r) {
-    if (arenas[r] == nullptr) continue;
-    auto* header = reinterpret_cast<ArenaHeader*>(arenas[r]);
-    if (magic(header).load(std::memory_order_acquire) == 0) continue;  // Not laid out yet.
-    if (std::memcmp(header, &expected, sizeof(expected)) != 0) {
+  // of another, with more tokens or another top-k, would be stored into past its regions) and
+  // is the rank's it is given as; this rank's is laid out, if it was not; then the peers are
+  // looked at again, for one laid out meanwhile.
+  auto check = [&]() -> absl::Status {
+    for (int r = 0; r < config.num_ranks; ++r) {
+      if (arenas[r] == nullptr) continue;
+      auto* header = reinterpret_cast<ArenaHeader*>(arenas[r]);
+      if (magic(header).load(std::memory_order_seq_cst) == 0) continue;  // Not laid out yet.
+      ArenaHeader of_r = expected;
+      of_r.rank = static_cast<uint32_t>(r);
+      const uint32_t laid_out_as = header->rank;
+      if (std::memcmp(header, &of_r, offsetof(ArenaHeader, rank)) == 0 &&
+          laid_out_as != of_r.rank) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "rank ", rank, ": the arena given as rank ", r, "'s was laid out as rank ",
+            laid_out_as, "'s (arenas in another order?)"));
+      }
+      if (std::memcmp(header, &of_r, sizeof(of_r)) == 0) continue;
       return absl::FailedPreconditionError(absl::StrCat(
           "rank ", rank, ": ", r == rank ? std::string("the") : absl::StrCat("rank ", r, "'s"),
           " arena was laid out for another configuration (ranks ", header->num_ranks,
@@ -207,13 +221,17 @@ absl::StatusOr<std::unique_ptr<HostEp>> HostEp::Create(const EpConfig& config, i
               : absl::StrCat(header->protocol),
           ")"));
     }
-  }
+    return absl::OkStatus();
+  };
+  UBEP_RETURN_IF_ERROR(check());
   auto* own = reinterpret_cast<ArenaHeader*>(arenas[rank]);
-  if (magic(own).load(std::memory_order_acquire) == 0) {
+  if (magic(own).load(std::memory_order_seq_cst) == 0) {
     ArenaHeader fields = expected;
     fields.magic = 0;
+    fields.rank = static_cast<uint32_t>(rank);
     std::memcpy(own, &fields, sizeof(fields));
-    magic(own).store(kArenaMagic, std::memory_order_release);
+    magic(own).store(kArenaMagic, std::memory_order_seq_cst);
+    UBEP_RETURN_IF_ERROR(check());
   }
   return std::unique_ptr<HostEp>(new HostEp(config, rank, std::move(arenas)));
 }

@@ -732,6 +732,52 @@ TEST(HostEpErrorTest, APeersArenaOfAnotherConfigurationIsRefused) {
   EXPECT_TRUE(HostEp::Create(config, 1, pointers).ok());
 }
 
+// Arenas given in another order than their ranks' (rank 1's and 2's swapped): refused, rather
+// than every store meant for rank 1 landing in rank 2's arena.
+TEST(HostEpErrorTest, ArenasGivenInAnotherOrderThanTheirRanksAreRefused) {
+  const EpConfig config = SmallConfig(Protocol::kUbep);
+  const ArenaLayout layout(config);
+  std::vector<SharedArena> arenas;
+  std::vector<std::byte*> pointers;
+  for (int r = 0; r < config.num_ranks; ++r) {
+    arenas.push_back(*SharedArena::Create(absl::StrCat("ubep-test-", r), layout.total_bytes));
+    pointers.push_back(arenas.back().data());
+  }
+  for (int r = 0; r < config.num_ranks; ++r) ASSERT_TRUE(HostEp::Create(config, r, pointers).ok());
+  std::swap(pointers[1], pointers[2]);
+  EXPECT_EQ(HostEp::Create(config, 0, pointers).status(),
+            absl::FailedPreconditionError("rank 0: the arena given as rank 1's was laid out as "
+                                          "rank 2's (arenas in another order?)"));
+}
+
+// Two ranks of different configurations laying out their arenas at the same moment: each
+// looks at the other's again once its own is laid out, so they do not both pass (one would
+// store past the other's regions).
+TEST(HostEpErrorTest, TwoRanksOfDifferentConfigurationsLayingOutAtOnceDoNotBothPass) {
+  const EpConfig config = SmallConfig(Protocol::kUbep);
+  EpConfig other = config;
+  other.max_tokens = 96;
+  const ArenaLayout layout(other);
+  for (int round = 0; round < 200; ++round) {
+    std::vector<SharedArena> arenas;
+    std::vector<std::byte*> pointers;
+    for (int r = 0; r < config.num_ranks; ++r) {
+      arenas.push_back(*SharedArena::Create(absl::StrCat("ubep-test-", r), layout.total_bytes));
+      pointers.push_back(arenas.back().data());
+    }
+    std::barrier start(2);
+    bool ok[2] = {false, false};
+    std::thread rank1([&] {
+      start.arrive_and_wait();
+      ok[1] = HostEp::Create(other, 1, pointers).ok();
+    });
+    start.arrive_and_wait();
+    ok[0] = HostEp::Create(config, 0, pointers).ok();
+    rank1.join();
+    ASSERT_FALSE(ok[0] && ok[1]) << "round " << round;
+  }
+}
+
 TEST(HostEpErrorTest, ANeighbourhoodOutsideTheGroupIsRefused) {
   EpConfig config = SmallConfig(Protocol::kUbep);
   config.near_ranks = -1;
