@@ -356,7 +356,10 @@ TEST_F(BalancerTest, CallsOverAReceiveCapacityCallForPlansUntilEveryStepIsServed
 #endif
   constexpr int kSteps = 1500;
   constexpr int kCapacity = 1250;  // 4 ranks x 128 tokens x top-8: 1024 rows per rank on average.
-  auto balancer = StartBalancer();
+  // A threshold of 1.15: a layer over the capacity is at 1250 / 1024 = 1.22 of the mean or
+  // more, so every drop still calls for a plan; the counters' noise on a loaded machine (a
+  // mean of 1.11 after the capacity is met) no longer does, whose plan may overflow again.
+  auto balancer = StartBalancer({"--threshold=1.15"});
   auto daemon = StartDaemon({"--free_buffers=16", absl::StrCat("--max_recv_rows=", kCapacity)});
   std::vector<std::unique_ptr<Process>> clients;
   for (int r = 0; r < world_; ++r) {
