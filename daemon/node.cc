@@ -1572,17 +1572,20 @@ absl::StatusOr<Node::SlotLoads> Node::ReadSlotLoads() const {
     if (on_device()) {
       // The device arena is read by copies: the sequence words before and after the
       // counters; if any layer's word moved or was odd (a scan kernel inside), all again.
-      std::vector<uint64_t> before(L), after(L);
+      std::vector<uint64_t> before(L), after(L), first;
       const absl::Time deadline = absl::Now() + absl::Milliseconds(100);
       for (;;) {
         UBEP_RETURN_IF_ERROR(device_arenas_[r]->Read(ep.load_seq, before.data(), L * sizeof(uint64_t)));
         UBEP_RETURN_IF_ERROR(device_arenas_[r]->Read(ep.load_counters, counters.data(),
                                                      counters.size() * sizeof(uint64_t)));
         UBEP_RETURN_IF_ERROR(device_arenas_[r]->Read(ep.load_seq, after.data(), L * sizeof(uint64_t)));
+        if (first.empty()) first = before;
+        // still: no update inside; odd_only: no word moved since the first read (odd words
+        // left by a writer that stopped, not one still adding).
         bool still = true, odd_only = true;
         for (int l = 0; l < L; ++l) {
           still &= before[l] == after[l] && before[l] % 2 == 0;
-          odd_only &= before[l] == after[l];
+          odd_only &= before[l] == after[l] && before[l] == first[l];
         }
         if (still) break;
         if (absl::Now() > deadline) {
