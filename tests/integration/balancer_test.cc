@@ -214,6 +214,19 @@ TEST_F(BalancerTest, AServingJobStartedAgainFromStep0IsStillReported) {
   // Room for a job of 100 steps or more, every one of them before that step.
   ASSERT_GE(effective, 101u) << ReadFile(path("balancer.log"));
   const int second_steps = static_cast<int>(effective) - 1;
+  // A plan may still be committed as the job ends (its effective step past the job's last
+  // step, so not in the logs); one committed after the second job's group formed would not be
+  // followed from step 0, and that job's reports would be the old plan's. The second job
+  // starts once the balancer's plan holds (five looks 300 ms apart; with no load coming in,
+  // no plan is called for).
+  double version = -1;
+  for (int same = 0, looks = 0; same < 5 && looks < 100; ++looks) {
+    const double now = test::Sample(test::HttpGet(balancer_metrics_, "/metrics"),
+                                    "ubep_balancer_plan_version");
+    same = now == version ? same + 1 : 0;
+    version = now;
+    absl::SleepFor(absl::Milliseconds(300));
+  }
   const double taken_before =
       test::Sample(test::HttpGet(balancer_metrics_, "/metrics"), "ubep_balancer_reports_total");
   clients.clear();
