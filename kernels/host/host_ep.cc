@@ -975,23 +975,6 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
     return Refuse(
         absl::InvalidArgumentError("combine: the dispatch output is not from this group"));
   }
-  // What Combine reads, at the sizes its dispatch made them: an output changed since (a
-  // vector moved out to the expert kernel, resized) is refused, not read past its end.
-  bool as_laid_out = static_cast<int32_t>(dispatched.weight.size()) == handle.rows_kept &&
-                     static_cast<int32_t>(dispatched.src_rank.size()) == handle.rows_kept &&
-                     handle.token_begin.back() >= 0 &&
-                     static_cast<size_t>(handle.token_begin.back()) <= handle.token_routes.size();
-  for (int s = 0; s < R && as_laid_out; ++s) {
-    as_laid_out = handle.records_from[s] >= 0 &&
-                  handle.record_begin[s].size() == static_cast<size_t>(handle.records_from[s]) + 1 &&
-                  handle.record_begin[s].back() >= 0 &&
-                  static_cast<size_t>(handle.record_begin[s].back()) <= handle.record_rows.size();
-  }
-  if (!as_laid_out) {
-    return Refuse(absl::InvalidArgumentError(
-        "combine: the dispatch output is not as its dispatch left it (were its vectors resized "
-        "or moved out?)"));
-  }
   if ((y_ptr == nullptr && dispatched.num_rows() > 0) ||
       (out_ptr == nullptr && handle.num_tokens > 0)) {
     return Refuse(absl::InvalidArgumentError(kNullCombineBuffers));

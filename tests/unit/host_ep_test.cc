@@ -1060,28 +1060,6 @@ TEST(HostEpErrorTest, ACorruptSourceIsNamedBeforeAnythingIsSizedFromIt) {
   }
 }
 
-// A caller that moved a vector of the dispatch output out (to its expert kernel, say) before
-// Combine: refused, not read past the vector's end.
-TEST(HostEpErrorTest, ACombineOfAnOutputWhoseVectorsWereMovedOutIsRefused) {
-  const EpConfig config = ShortTimeoutConfig();
-  const TestPlan plan = RoundRobinPlan(config);
-  Group group(config);
-  absl::Status combined;
-  DispatchOnce(
-      group, plan, [](int) { return true; },
-      [&](int r, const DispatchOutput& out) {
-        if (r != 0) return;
-        DispatchOutput changed = out;
-        std::vector<float> taken = std::move(changed.weight);
-        ASSERT_FALSE(taken.empty());
-        std::vector<uint16_t> y(out.recv_x.size() / 2), result(8 * config.hidden);
-        combined = group.ep(0).Combine(changed, y.data(), result.data());
-      });
-  EXPECT_EQ(combined, absl::InvalidArgumentError(
-                          "combine: the dispatch output is not as its dispatch left it (were its "
-                          "vectors resized or moved out?)"));
-}
-
 // bsp's combine ends at a barrier; rank 2 never comes to it: the others' error names call 1,
 // the call they waited in, not the barrier's count (the third barrier of the group).
 TEST(HostEpErrorTest, ABspBarrierThatTimesOutNamesTheCall) {
