@@ -701,6 +701,24 @@ TEST(HostEpErrorTest, AShapeWhoseRowsPerCallOverflowThirtyTwoBitsIsRefused) {
                                        "pairs of one call, over 2^31 - 1"));
 }
 
+// `ranks` fresh zero-filled arenas of `bytes` each, not laid out by any rank yet.
+class ZeroArenas {
+ public:
+  ZeroArenas(int ranks, size_t bytes) {
+    for (int r = 0; r < ranks; ++r) {
+      arenas_.push_back(*SharedArena::Create(absl::StrCat("ubep-test-", r), bytes));
+    }
+  }
+  std::vector<std::byte*> pointers() {
+    std::vector<std::byte*> out;
+    for (SharedArena& a : arenas_) out.push_back(a.data());
+    return out;
+  }
+
+ private:
+  std::vector<SharedArena> arenas_;
+};
+
 // A rank of another configuration than the peers whose arenas are laid out already is refused
 // before it lays out its own: it would store past their regions.
 TEST(HostEpErrorTest, APeersArenaOfAnotherConfigurationIsRefused) {
@@ -708,12 +726,8 @@ TEST(HostEpErrorTest, APeersArenaOfAnotherConfigurationIsRefused) {
   EpConfig other = config;
   other.max_tokens = 96;
   const ArenaLayout layout(other);
-  std::vector<SharedArena> arenas;
-  std::vector<std::byte*> pointers;
-  for (int r = 0; r < config.num_ranks; ++r) {
-    arenas.push_back(*SharedArena::Create(absl::StrCat("ubep-test-", r), layout.total_bytes));
-    pointers.push_back(arenas.back().data());
-  }
+  ZeroArenas arenas(config.num_ranks, layout.total_bytes);
+  std::vector<std::byte*> pointers = arenas.pointers();
   ASSERT_TRUE(HostEp::Create(config, 0, pointers).ok());
   EXPECT_EQ(HostEp::Create(other, 1, pointers).status(),
             absl::FailedPreconditionError(
@@ -737,12 +751,8 @@ TEST(HostEpErrorTest, APeersArenaOfAnotherConfigurationIsRefused) {
 TEST(HostEpErrorTest, ArenasGivenInAnotherOrderThanTheirRanksAreRefused) {
   const EpConfig config = SmallConfig(Protocol::kUbep);
   const ArenaLayout layout(config);
-  std::vector<SharedArena> arenas;
-  std::vector<std::byte*> pointers;
-  for (int r = 0; r < config.num_ranks; ++r) {
-    arenas.push_back(*SharedArena::Create(absl::StrCat("ubep-test-", r), layout.total_bytes));
-    pointers.push_back(arenas.back().data());
-  }
+  ZeroArenas arenas(config.num_ranks, layout.total_bytes);
+  std::vector<std::byte*> pointers = arenas.pointers();
   for (int r = 0; r < config.num_ranks; ++r) ASSERT_TRUE(HostEp::Create(config, r, pointers).ok());
   std::swap(pointers[1], pointers[2]);
   EXPECT_EQ(HostEp::Create(config, 0, pointers).status(),
@@ -759,12 +769,8 @@ TEST(HostEpErrorTest, TwoRanksOfDifferentConfigurationsLayingOutAtOnceDoNotBothP
   other.max_tokens = 96;
   const ArenaLayout layout(other);
   for (int round = 0; round < 200; ++round) {
-    std::vector<SharedArena> arenas;
-    std::vector<std::byte*> pointers;
-    for (int r = 0; r < config.num_ranks; ++r) {
-      arenas.push_back(*SharedArena::Create(absl::StrCat("ubep-test-", r), layout.total_bytes));
-      pointers.push_back(arenas.back().data());
-    }
+    ZeroArenas arenas(config.num_ranks, layout.total_bytes);
+    std::vector<std::byte*> pointers = arenas.pointers();
     std::barrier start(2);
     bool ok[2] = {false, false};
     std::thread rank1([&] {
