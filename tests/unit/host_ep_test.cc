@@ -946,6 +946,21 @@ std::vector<std::vector<std::byte>> ArenaBytes(Group& group) {
   return bytes;
 }
 
+// One dispatch of 8 tokens a rank; every rank but 2 then combines (rank 2 never comes): the
+// dispatches' statuses, and the combines' in `combined` (OK for rank 2, which made none).
+std::vector<absl::Status> DispatchOnceRank2NeverCombines(Group& group, const TestPlan& plan,
+                                                         std::vector<absl::Status>* combined) {
+  const EpConfig& config = group.config();
+  combined->assign(config.num_ranks, absl::OkStatus());
+  return DispatchOnce(
+      group, plan, [](int) { return true; },
+      [&](int r, const DispatchOutput& out) {
+        if (r == 2) return;
+        std::vector<uint16_t> y(out.recv_x.size() / 2), result(8 * config.hidden);
+        (*combined)[r] = group.ep(r).Combine(out, y.data(), result.data());
+      });
+}
+
 // The group gave up in call 1 (rank 2 never came to its combine): rank 0 called again stores
 // nothing into any arena (a peer may still be taking call 1's rows) and says why. So with a daemon's code
 // in the abort word (ubepd draining): the wording of a wait that found it.
@@ -967,14 +982,8 @@ TEST(HostEpErrorTest, ADispatchAfterTheGroupGaveUpIsRefusedBeforeAnyByteMoves) {
   };
   {
     Group group(config);
-    std::vector<absl::Status> combined(config.num_ranks);
-    const std::vector<absl::Status> status = DispatchOnce(
-        group, plan, [](int) { return true; },
-        [&](int r, const DispatchOutput& out) {
-          if (r == 2) return;  // Rank 2 never combines.
-          std::vector<uint16_t> y(out.recv_x.size() / 2), result(8 * config.hidden);
-          combined[r] = group.ep(r).Combine(out, y.data(), result.data());
-        });
+    std::vector<absl::Status> combined;
+    const std::vector<absl::Status> status = DispatchOnceRank2NeverCombines(group, plan, &combined);
     ASSERT_EQ(status[0], absl::OkStatus());
     ASSERT_EQ(combined[0], GaveUpOnRank2(0, "combine partials"));
     expect_call_2_refused_untouched(group);
@@ -1073,14 +1082,8 @@ TEST(HostEpErrorTest, ABspBarrierThatTimesOutNamesTheCall) {
   config.protocol = Protocol::kBsp;
   const TestPlan plan = RoundRobinPlan(config);
   Group group(config);
-  std::vector<absl::Status> combined(config.num_ranks);
-  const std::vector<absl::Status> status = DispatchOnce(
-      group, plan, [](int) { return true; },
-      [&](int r, const DispatchOutput& out) {
-        if (r == 2) return;  // Rank 2 never combines.
-        std::vector<uint16_t> y(out.recv_x.size() / 2), result(8 * config.hidden);
-        combined[r] = group.ep(r).Combine(out, y.data(), result.data());
-      });
+  std::vector<absl::Status> combined;
+  const std::vector<absl::Status> status = DispatchOnceRank2NeverCombines(group, plan, &combined);
   for (int r : {0, 1, 3}) {
     EXPECT_EQ(status[r], absl::OkStatus()) << "rank " << r;
     EXPECT_EQ(combined[r], GaveUpOnRank2(r, "barrier")) << "rank " << r;
