@@ -329,7 +329,7 @@ absl::Status Node::CreateGroup(const v1::AttachRequest& q,
   layout_ = layout;
   plan_ = std::move(plan);
   committed_versions_.clear();  // Of the group before, whose plans this one never had.
-  RememberCommittedLocked(plan_.version);
+  committed_versions_.Insert(plan_.version);
   group_request_ = q;
   ranks_.assign(config.num_ranks, RankEntry{});
   incarnation_.assign(config.num_ranks, "");
@@ -1452,13 +1452,6 @@ bool Node::CommittedLocked(uint64_t version) const {
   return version == plan_.version || committed_versions_.contains(version);
 }
 
-void Node::RememberCommittedLocked(uint64_t version) {
-  committed_versions_.insert(version);
-  while (committed_versions_.size() > kMaxCommittedVersions) {
-    committed_versions_.erase(committed_versions_.begin());
-  }
-}
-
 absl::Status Node::Commit(uint64_t version) {
   MutexLock lock(&mu_);
   if (CommittedLocked(version)) return absl::OkStatus();  // Already committed.
@@ -1494,7 +1487,7 @@ absl::Status Node::Commit(uint64_t version) {
   plan_ = *std::move(pending_);
   pending_.reset();
   membership_pending_ = false;
-  RememberCommittedLocked(version);
+  committed_versions_.Insert(version);
   if (membership) {
     UBEP_LOG(INFO) << "plan v" << version << " changes the group's members (excluded: "
                    << (plan_.excluded_ranks.empty() ? "none" : absl::StrJoin(plan_.excluded_ranks, ", "))

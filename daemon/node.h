@@ -25,7 +25,6 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -34,6 +33,7 @@
 #include "absl/time/time.h"
 #include "balancer/core/plan.h"
 #include "common/mutex.h"
+#include "common/recent_versions.h"
 #include "common/unix_socket.h"
 #include "daemon/device_memory.h"
 #include "kernels/host/arena_layout.h"
@@ -283,7 +283,6 @@ class Node {
 
   absl::Status CheckShape(const v1::AttachRequest& request) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool CommittedLocked(uint64_t version) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RememberCommittedLocked(uint64_t version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Why an Attach is refused whatever the group: a rank this daemon does not host (--ranks,
   // else the request's whole group), or a device the rank does not run on (rank r on device
   // r modulo the visible devices, on the CUDA backend).
@@ -382,7 +381,7 @@ class Node {
   // The group's committed versions, the newest kMaxCommittedVersions: a Commit of one again
   // is done, an Abort of one refused, however many were committed since.
   static constexpr size_t kMaxCommittedVersions = 1024;
-  std::set<uint64_t> committed_versions_ ABSL_GUARDED_BY(mu_);
+  RecentVersions committed_versions_ ABSL_GUARDED_BY(mu_){kMaxCommittedVersions};
   std::optional<balancer::Plan> pending_ ABSL_GUARDED_BY(mu_);  // Prepared, undecided.
   uint64_t pending_effective_step_ ABSL_GUARDED_BY(mu_) = 0;
   // A plan changing the members is being prepared, or prepared and undecided.

@@ -24,6 +24,7 @@
 #include "common/logging.h"
 #include "common/mutex.h"
 #include "common/periodic.h"
+#include "common/recent_versions.h"
 #include "common/status_macros.h"
 #include "common/unix_socket.h"
 #include "gtest/gtest.h"
@@ -172,6 +173,22 @@ TEST(HttpGetTest, TheBodyOfAWhole200AnswerOnlyElseNothing) {
   EXPECT_EQ(AnswerOnce("HTTP/1.0 200 OK\r\nContent-Length: 100\r\n\r\nx_total 12"), "");
   EXPECT_EQ(AnswerOnce("HTTP/1.1 500 Internal Server Error\r\n\r\nerror"), "");
   EXPECT_EQ(AnswerOnce("garbage"), "");
+}
+
+TEST(RecentVersionsTest, KeepsTheNewestAndSaysWhatIsNew) {
+  RecentVersions versions(2);
+  EXPECT_TRUE(versions.Insert(5));
+  EXPECT_FALSE(versions.Insert(5));  // Known.
+  EXPECT_TRUE(versions.Insert(7));
+  EXPECT_TRUE(versions.Insert(9));  // 5 goes.
+  EXPECT_FALSE(versions.contains(5));
+  EXPECT_FALSE(versions.Insert(3));  // Older than every version kept: gone at once.
+  EXPECT_FALSE(versions.contains(3));
+  versions.EraseUpTo(7);
+  EXPECT_FALSE(versions.contains(7));
+  EXPECT_TRUE(versions.contains(9));
+  versions.clear();
+  EXPECT_FALSE(versions.contains(9));
 }
 
 TEST(LoggingDeathTest, CheckFailureNamesTheConditionAndAborts) {
