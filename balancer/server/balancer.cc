@@ -1043,20 +1043,14 @@ void Balancer::CheckHealth() {
       // Ranks another node registered while this one was down (a partial take-over keeps
       // the entry) are that node's: two healthy owners of a rank would both get its plan, and
       // peers two arenas for it. It stays out until forgotten.
-      for (const auto& [other_name, other] : daemons_) {
-        if (other_name == name || !other.healthy) continue;
-        const auto& mine = d.info.ranks();
-        const auto taken = std::find_first_of(mine.begin(), mine.end(), other.info.ranks().begin(),
-                                              other.info.ranks().end());
-        if (taken == mine.end()) continue;
+      if (const std::set<uint32_t> taken = TakenOver(name); !taken.empty()) {
         if (!d.taken_over_logged) {
-          UBEP_LOG(WARNING) << "node " << name << " answers its health checks again, but node "
-                            << other_name << " serves its rank " << *taken
+          UBEP_LOG(WARNING) << "node " << name << " answers its health checks again, but other "
+                            << "nodes serve its ranks " << absl::StrJoin(taken, ", ")
                             << " now: it stays out (forget it: ubepctl forget " << name << ")";
           d.taken_over_logged = true;
         }
         healthy = false;
-        break;
       }
     }
     if (healthy) {
@@ -1251,7 +1245,7 @@ void Balancer::Recover() {
     // daemon that missed it is aborted too) and counted once. Not one at or below the plan
     // held: aborted as superseded, or as another plan under the held version, where the
     // version itself (the plan held, committed) must still be committed where it is pending.
-    if (!commit && version > held_when_decided && RememberAborted(version)) {
+    if (!commit && version > held_when_decided && aborted_versions_.Insert(version)) {
       plans_aborted_->Increment();
       ++aborted_count_;
     }
@@ -1622,7 +1616,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
   if (!commit) {
     plans_aborted_->Increment();
     ++aborted_count_;
-    RememberAborted(plan->version);
+    aborted_versions_.Insert(plan->version);
     return absl::AbortedError(absl::StrCat("plan v", plan->version, " aborted: ",
                                            absl::StrJoin(failed, "; ")));
   }
@@ -1643,7 +1637,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
   plan_ = *std::move(plan);
   // Aborted versions at or below the plan in force are aborted by recovery anyway (older
   // than the plan held): the set keeps only those above it.
-  std::erase_if(aborted_versions_, [&](uint64_t v) { return v <= plan_->version; });
+  aborted_versions_.EraseUpTo(plan_->version);
   // A change of members is in force from the step the group resumes at (the daemons move
   // its effective step there and say so in their reports), which is not later than the
   // estimate: until a report says it, no report is held stale by its steps.
@@ -1708,13 +1702,16 @@ std::set<int> Balancer::UnlistedMembers() const {
   return unlisted;
 }
 
-bool Balancer::RememberAborted(uint64_t version) {
-  const bool added = aborted_versions_.insert(version).second;
-  while (aborted_versions_.size() > kMaxAbortedVersions) {
-    aborted_versions_.erase(aborted_versions_.begin());
+std::set<uint32_t> Balancer::TakenOver(const std::string& node) const {
+  std::set<uint32_t> taken;
+  const auto& mine = daemons_.at(node).info.ranks();
+  for (const auto& [other_name, other] : daemons_) {
+    if (other_name == node || !other.Serving()) continue;
+    for (uint32_t r : other.info.ranks()) {
+      if (std::find(mine.begin(), mine.end(), r) != mine.end()) taken.insert(r);
+    }
   }
-  // One older than every version kept goes at once: not new, or it would be counted again.
-  return added && aborted_versions_.contains(version);
+  return taken;
 }
 
 bool Balancer::Member(const Daemon& d) const {
@@ -1868,10 +1865,7 @@ grpc::Status Balancer::Forget(grpc::ServerContext* context, const v1::ForgetRequ
                                      "the cluster's plan yet; try again once it has"));
   }
   // Ranks another node took over while it was down are that node's: they do not keep it.
-  std::set<uint32_t> taken;
-  for (const auto& [other_name, other] : daemons_) {
-    if (other_name != node && other.Serving()) taken.insert(other.info.ranks().begin(), other.info.ranks().end());
-  }
+  const std::set<uint32_t> taken = TakenOver(node);
   std::vector<uint32_t> kept;
   for (uint32_t r : d.info.ranks()) {
     if (!model_change && !plan_->excluded(static_cast<int>(r)) && !taken.contains(r)) {

@@ -28,6 +28,7 @@
 #include "balancer/server/load_window.h"
 #include "common/mutex.h"
 #include "common/periodic.h"
+#include "common/recent_versions.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
 #include "prometheus/gauge.h"
@@ -239,8 +240,9 @@ class Balancer final : public v1::Control::Service {
   uint64_t EstimateStep() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The daemon hosts a rank plan_ keeps.
   bool Member(const Daemon& d) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Adds `version` to aborted_versions_ (dropping the oldest past its bound); whether it is new.
-  bool RememberAborted(uint64_t version) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ranks of registered node `node` that another serving node lists (took over while it was
+  // down).
+  std::set<uint32_t> TakenOver(const std::string& node) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A daemon of a group over several daemons whose committed plan (known from GetState) is
   // older than the cluster's: it has not caught up yet (CatchUp).
   bool Behind(const Daemon& d) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -285,10 +287,10 @@ class Balancer final : public v1::Control::Service {
   uint64_t highest_version_ ABSL_GUARDED_BY(mu_) = 0;  // Committed or prepared anywhere.
   // Versions this process aborted: one still pending on a daemon whose Abort did not arrive
   // is aborted there too, however far the cluster's plan has gone past it since. The newest
-  // kMaxAbortedVersions (RememberAborted): a daemon refusing every plan makes one a tick, and
+  // kMaxAbortedVersions: a daemon refusing every plan makes one a tick, and
   // an older one still pending somewhere is aborted by recovery all the same, after its grace.
   static constexpr size_t kMaxAbortedVersions = 1024;
-  std::set<uint64_t> aborted_versions_ ABSL_GUARDED_BY(mu_);
+  RecentVersions aborted_versions_ ABSL_GUARDED_BY(mu_){kMaxAbortedVersions};
   std::set<uint64_t> held_logged_ ABSL_GUARDED_BY(mu_);  // Orphans held (Recover), logged once.
   std::unique_ptr<LoadWindow> window_ ABSL_GUARDED_BY(mu_);
   std::vector<double> measured_ ABSL_GUARDED_BY(mu_);  // NaN: a layer no call reached.

@@ -720,7 +720,6 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
     send_share(0);
     UBEP_RETURN_IF_ERROR(Barrier(epoch, deadline));
     UBEP_RETURN_IF_ERROR(LayOut(out));
-    if (after_layout_for_testing_) after_layout_for_testing_();
     for (int s : sources) Place(s, out);
   } else {
     if (senders_ == nullptr) send_share(0);  // No core to spare: send, then receive.
@@ -734,7 +733,6 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
                      : Take::kNothing;
         });
     if (status.ok()) status = LayOut(out);
-    if (status.ok() && after_layout_for_testing_) after_layout_for_testing_();
     if (status.ok()) {
       std::erase_if(sources, [&](int s) { return out.handle.records_from[s] == 0; });
       const bool poll = std::any_of(sources.begin(), sources.end(),
@@ -881,6 +879,7 @@ absl::Status HostEp::LayOut(DispatchOutput& out) {
   out.src_token.resize(kept);
   out.weight.resize(kept);
   handle.record_rows.resize(entries);
+  if (after_layout_for_testing_) after_layout_for_testing_();
   return absl::OkStatus();
 }
 
