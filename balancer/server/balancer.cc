@@ -60,6 +60,14 @@ absl::Duration AnswerMargin(absl::Duration left) {
   return std::max(absl::Milliseconds(100), left / 10);
 }
 
+// When (on MonotonicNow) a caller's request must be answered, that margin before its
+// deadline; InfiniteFuture without a deadline.
+absl::Time AnswerBy(const grpc::ServerContext* context) {
+  const std::optional<absl::Duration> left = TimeLeft(context);
+  if (!left.has_value()) return absl::InfiniteFuture();
+  return MonotonicNow() + *left - AnswerMargin(*left);
+}
+
 // Takes `lock` unless another thread holds it for `patience` more. Polled every 5 ms rather
 // than timed: ThreadSanitizer here does not intercept std::timed_mutex's timed lock
 // (pthread_mutex_clocklock), and takes its unlock for the unlock of a mutex never locked.
@@ -1388,7 +1396,7 @@ void Balancer::CatchUp() {
 
 absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why, bool members_only) {
   std::lock_guard<std::mutex> serial(commit_mu_);
-  return PlanAndCommitSerialized(why, members_only);
+  return PlanAndCommitSerialized(why, members_only, absl::InfiniteFuture());
 }
 
 grpc::Status Balancer::Serialize(std::unique_lock<std::mutex>& serial,
@@ -1397,9 +1405,9 @@ grpc::Status Balancer::Serialize(std::unique_lock<std::mutex>& serial,
   // operator's deadline may be: the caller is answered before that deadline, with nothing
   // done, rather than left to time out while it is done after all.
   serial = std::unique_lock<std::mutex>(commit_mu_, std::defer_lock);
-  if (const std::optional<absl::Duration> left = TimeLeft(context); !left.has_value()) {
+  if (const absl::Time answer_by = AnswerBy(context); answer_by == absl::InfiniteFuture()) {
     serial.lock();
-  } else if (!LockBefore(serial, *left - AnswerMargin(*left))) {
+  } else if (!LockBefore(serial, answer_by - MonotonicNow())) {
     return grpc::Status(grpc::StatusCode::ABORTED,
                         absl::StrCat("a plan change is in flight; ", what,
                                      ": try again once it is done"));
@@ -1408,7 +1416,8 @@ grpc::Status Balancer::Serialize(std::unique_lock<std::mutex>& serial,
 }
 
 absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const char* why,
-                                                                        bool members_only) {
+                                                                        bool members_only,
+                                                                        absl::Time answer_by) {
   v1::RebalanceResponse result;
   Plan previous;
   LoadMatrix load;
@@ -1486,6 +1495,11 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
         MutexLock lock(&mu_);
         if (PlanInForceEverywhere()) break;
       }
+      if (MonotonicNow() >= answer_by) {
+        return absl::AbortedError(absl::StrCat("plan v", previous.version,
+                                               " is not in force on every rank yet; no plan "
+                                               "was made before the caller's deadline"));
+      }
       absl::SleepFor(absl::Milliseconds(50));
     }
     MutexLock lock(&mu_);
@@ -1509,6 +1523,13 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
     result.set_version(previous.version);
     return result;
   }
+  // What is prepared after the caller's deadline is aborted (below): nothing is prepared
+  // when that time has come already.
+  if (MonotonicNow() >= answer_by) {
+    return absl::AbortedError(absl::StrCat("a plan was made in ",
+                                           absl::FormatDuration(MonotonicNow() - plan_start),
+                                           "; none was prepared before the caller's deadline"));
+  }
   {
     MutexLock lock(&mu_);
     plan->version = std::max(highest_version_, previous.version) + 1;
@@ -1521,8 +1542,11 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
                  << SummarizeBalance(previous, load).mean << " -> "
                  << SummarizeBalance(*plan, load).mean;
 
-  // Phase 1: Prepare everywhere, in parallel.
+  // Phase 1: Prepare everywhere, in parallel. For a caller with a deadline, each RPC until
+  // the time that leaves to answer; a plan not prepared everywhere by then is aborted, and so
+  // is one prepared everywhere after it: what the caller is told is what was done.
   const absl::Time commit_start = MonotonicNow();
+  const bool caller_bound = answer_by - commit_start < options_.rpc_timeout;
   std::vector<v1::PrepareResponse> answers(targets.size());
   std::vector<grpc::Status> statuses(targets.size());
   if (link_root != nullptr) {
@@ -1530,7 +1554,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
     // daemon makes the communicator's unique id and every Prepare carries it. Without one
     // they read those weights with ReadWeights.
     grpc::ClientContext context;
-    SetDeadline(context, options_.rpc_timeout);
+    SetDeadline(context, caller_bound ? answer_by - MonotonicNow() : options_.rpc_timeout);
     v1::CreateLinkResponse link;
     const grpc::Status status =
         v1::DaemonControl::NewStub(link_root)->CreateLink(&context, v1::CreateLinkRequest(), &link);
@@ -1547,7 +1571,8 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
     request.set_effective_step(effective_step);
     request.set_base_version(previous.version);
     std::vector<CallResult> results =
-        FanOut(channels, "/ubep.v1.DaemonControl/Prepare", request, options_.rpc_timeout);
+        FanOut(channels, "/ubep.v1.DaemonControl/Prepare", request,
+               caller_bound ? answer_by - MonotonicNow() : options_.rpc_timeout);
     for (size_t i = 0; i < results.size(); ++i) {
       statuses[i] = results[i].status;
       if (statuses[i].ok() && !Parse(results[i].response, &answers[i])) {
@@ -1559,7 +1584,9 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
   std::vector<std::string> failed;
   uint64_t copied_bytes = 0, remote_bytes = 0;
   for (size_t i = 0; i < targets.size(); ++i) {
-    if (statuses[i].error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+    if (statuses[i].error_code() == grpc::StatusCode::DEADLINE_EXCEEDED && caller_bound) {
+      failed.push_back(absl::StrCat(targets[i], ": no answer to Prepare before the caller's deadline"));
+    } else if (statuses[i].error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
       // Most likely the plan's weight copies, which Prepare makes before it answers.
       failed.push_back(absl::StrCat(
           targets[i], ": no answer to Prepare within --rpc_timeout (",
@@ -1578,6 +1605,9 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
     UBEP_LOG(INFO) << "pausing " << options_.pause_before_commit << " before deciding plan v"
                    << plan->version;
     absl::SleepFor(options_.pause_before_commit);
+  }
+  if (failed.empty() && MonotonicNow() > answer_by) {
+    failed.push_back("every node prepared it, after the caller's deadline left time to commit it");
   }
   // Phase 2: Commit if every daemon prepared, else Abort everywhere.
   const bool commit = failed.empty();
@@ -1791,7 +1821,8 @@ grpc::Status Balancer::SetDrained(const grpc::ServerContext* context, const std:
   }
   UBEP_LOG(INFO) << (drained ? "draining" : "undraining") << " node " << node;
   absl::StatusOr<v1::RebalanceResponse> result =
-      PlanAndCommitSerialized(drained ? "node drained" : "node undrained", /*members_only=*/true);
+      PlanAndCommitSerialized(drained ? "node drained" : "node undrained", /*members_only=*/true,
+                              AnswerBy(context));
   if (!drained && result.ok()) {
     MutexLock lock(&mu_);
     auto it = daemons_.find(node);
@@ -1938,7 +1969,7 @@ grpc::Status Balancer::Rebalance(grpc::ServerContext* context, const v1::Rebalan
   std::unique_lock<std::mutex> serial;
   if (grpc::Status s = Serialize(serial, context, "no rebalance was made"); !s.ok()) return s;
   absl::StatusOr<v1::RebalanceResponse> result =
-      PlanAndCommitSerialized("requested", /*members_only=*/false);
+      PlanAndCommitSerialized("requested", /*members_only=*/false, AnswerBy(context));
   if (!result.ok()) {
     return grpc::Status(static_cast<grpc::StatusCode>(result.status().code()),
                         std::string(result.status().message()));

@@ -230,8 +230,11 @@ class Balancer final : public v1::Control::Service {
   // the plan in force already has the members wanted (another caller committed it first),
   // nothing is planned and the answer names that plan.
   absl::StatusOr<v1::RebalanceResponse> PlanAndCommit(const char* why, bool members_only = false);
-  // PlanAndCommit with commit_mu_ held by the caller.
-  absl::StatusOr<v1::RebalanceResponse> PlanAndCommitSerialized(const char* why, bool members_only);
+  // PlanAndCommit with commit_mu_ held by the caller. `answer_by` (MonotonicNow; an
+  // operator's deadline less a margin, AnswerBy): a plan not prepared everywhere by then is
+  // aborted (ABORTED, naming why), so that nothing is committed after the caller was answered.
+  absl::StatusOr<v1::RebalanceResponse> PlanAndCommitSerialized(const char* why, bool members_only,
+                                                                absl::Time answer_by);
   // For an operator's request: takes commit_mu_ into `serial`, waiting for a change in flight
   // only until shortly before the caller's deadline (LockBefore); ABORTED, naming `what` was
   // not done, if it is still in flight then.

@@ -1161,6 +1161,62 @@ TEST(BalancerServerTest, AForgetDrainOrRebalanceDuringAPlanChangeIsAnsweredBefor
   server->Shutdown(std::chrono::system_clock::now());
 }
 
+// A drain whose plan is not prepared everywhere before the caller's deadline (node-a holds
+// its Prepare) is aborted everywhere: the caller, served on loopback, is answered before its
+// deadline with what was done (nothing; the drain stays asked for), not left to time out
+// while the plan is committed after all. The next interval commits the drain.
+TEST(BalancerServerTest, APlanNotPreparedBeforeTheCallersDeadlineIsAbortedAndTheCallerToldSo) {
+  auto a = std::make_unique<FakeDaemon>("node-a", FirstPlan());
+  auto b = std::make_unique<FakeDaemon>("node-b", FirstPlan());
+  a->KeepPreparedPending(true);
+  b->KeepPreparedPending(true);
+  BalancerOptions options = NeverMarkedDown();
+  options.rpc_timeout = absl::Seconds(30);  // The caller's deadline comes first.
+  Balancer balancer(options, std::make_shared<prometheus::Registry>());
+  Register(balancer, DaemonRegistration(*a, "node-a", 0, 0, "host"));
+  Register(balancer, DaemonRegistration(*b, "node-b", 2, 0, "host"));
+  balancer.Tick();  // Learns v1.
+  int port = 0;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&balancer);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(port, 0);
+  auto control = v1::Control::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
+                                                          grpc::InsecureChannelCredentials()));
+  a->HoldPrepares(true);
+  grpc::Status drain;
+  {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(3)));
+    v1::DrainRequest request;
+    request.set_node("node-b");
+    v1::RebalanceResponse answer;
+    drain = control->Drain(&context, request, &answer);
+  }
+  a->HoldPrepares(false);
+  EXPECT_EQ(drain.error_code(), grpc::StatusCode::ABORTED);
+  EXPECT_EQ(drain.error_message(),
+            "plan v2 aborted: node-a: no answer to Prepare before the caller's deadline; the "
+            "drain stays asked for: each interval tries it again (undrain cancels it)");
+  EXPECT_EQ(b->aborted(), (std::vector<uint64_t>{2}));
+  EXPECT_TRUE(a->commits().empty());
+  EXPECT_TRUE(b->commits().empty());
+  // node-a's Prepare, let go, leaves v2 pending there: recovery aborts it, and the drain
+  // asked for is committed as v3.
+  for (const absl::Time until = absl::Now() + absl::Seconds(10);
+       a->pending() != 2 && absl::Now() < until;) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_EQ(a->pending(), 2u);
+  for (int i = 0; i < 3 && a->commits().empty(); ++i) balancer.Tick();
+  EXPECT_EQ(a->aborted(), (std::vector<uint64_t>{2}));
+  EXPECT_EQ(a->commits(), (std::vector<uint64_t>{3}));
+  EXPECT_EQ(b->commits(), (std::vector<uint64_t>{3}));
+  EXPECT_EQ(DrainedNodes(balancer), (std::vector<std::string>{"node-b"}));
+  server->Shutdown(std::chrono::system_clock::now());
+}
+
 // Plan v2 (node-b drained) is committed on node-b, but node-a's Commit answer is lost, and
 // node-a cannot be asked its state for a while; meanwhile node-b goes down and is forgotten.
 // v2 is the balancer's plan, committed: recovery commits it on node-a, not aborts it (which
