@@ -33,8 +33,8 @@ inline RecordEntry RecordEntryAt(const std::byte* records, size_t record_bytes, 
 }
 
 // What is first wrong with a source's records under its count word, or "" if nothing: the
-// count within MostRecords, each record's entries within [1, max_entries] (MaxPairsPerToken),
-// each entry's slot within [0, slots_per_rank). `records` is read only as far as the count
+// count within MostRecords, each record's token within [0, max_tokens) and its entries within
+// [1, max_entries] (MaxPairsPerToken), each entry's slot within [0, slots_per_rank). `records` is read only as far as the count
 // allows (at most MostRecords records).
 inline std::string CorruptRecordsWhat(uint32_t count_word, const std::byte* records,
                                       size_t record_bytes, int max_tokens, int flagged_tokens,
@@ -47,6 +47,10 @@ inline std::string CorruptRecordsWhat(uint32_t count_word, const std::byte* reco
   }
   for (uint32_t j = 0; j < count; ++j) {
     const RecordHeader header = RecordHeaderAt(records, record_bytes, j);
+    if (header.token < 0 || header.token >= max_tokens) {
+      return absl::StrCat("record ", j, " names token ", header.token, " of max_tokens ",
+                          max_tokens);
+    }
     if (header.num_entries < 1 || header.num_entries > max_entries) {
       return absl::StrCat("record ", j, " has ", header.num_entries, " entries, outside [1, ",
                           max_entries, "]");

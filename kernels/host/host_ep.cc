@@ -817,8 +817,9 @@ absl::Status HostEp::LayOut(DispatchOutput& out) {
   source_slot_rows_.assign(static_cast<size_t>(R) * S, 0);
   entry_slots_.clear();
   // What a source wrote is checked before anything is sized or indexed from it: its record
-  // count within the tokens it may send (fewer for flagged rows), each record's entries within
-  // a token's pairs at one rank, each entry's slot within this rank's.
+  // count within the tokens it may send (fewer for flagged rows), each record's token within
+  // max_tokens (it indexes nothing here; the caller may index by it) and its entries within a
+  // token's pairs at one rank, each entry's slot within this rank's.
   // The checks here are the ones CorruptRecordsWhat words (corrupt_records.h), which the CUDA
   // backend's words too.
   const int max_entries = MaxPairsPerToken(config_.top_k, S);
@@ -847,7 +848,10 @@ absl::Status HostEp::LayOut(DispatchOutput& out) {
     handle.record_begin[s].resize(from_s + 1);
     for (uint32_t j = 0; j < from_s; ++j) {
       const RecordHeader header = RecordHeaderAt(records, layout_.record_bytes, j);
-      if (header.num_entries < 1 || header.num_entries > max_entries) return corrupt(s);
+      if (header.token < 0 || header.token >= config_.max_tokens || header.num_entries < 1 ||
+          header.num_entries > max_entries) {
+        return corrupt(s);
+      }
       handle.record_begin[s][j] = entries;
       entries += header.num_entries;
       for (int q = 0; q < header.num_entries; ++q) {

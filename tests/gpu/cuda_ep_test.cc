@@ -936,6 +936,7 @@ TEST_P(CudaEpTest, ACorruptSourceIsNamedBeforeAnythingIsIndexedByIt) {
     uint32_t records;
     int32_t entries, slot;
     std::string why;
+    int32_t token = 0;
     bool last_over_too = false;  // The last rank's count is over max_tokens as well.
   };
   std::vector<Case> cases = {
@@ -945,13 +946,18 @@ TEST_P(CudaEpTest, ACorruptSourceIsNamedBeforeAnythingIsIndexedByIt) {
                              MaxPairsPerToken(c.top_k, S), "]")},
       {1, 1, S + 5, absl::StrCat("record 0 entry 0 names local slot ", S + 5, " of ", S)},
       {1, 1, -1, absl::StrCat("record 0 entry 0 names local slot -1 of ", S)},
+      {1, 1, 0, absl::StrCat("record 0 names token -1 of max_tokens ", c.max_tokens), -1},
+      {1, 1, 0,
+       absl::StrCat("record 0 names token ", c.max_tokens, " of max_tokens ", c.max_tokens),
+       c.max_tokens},
       // A flagged count from a rank whose calls are never flagged (flagged_tokens 0), or over
       // the flagged limit: as the host backend, by the limit of flagged rows.
       {(static_cast<uint32_t>(c.flagged_tokens) + 1) | kFlaggedCount, 1, 0,
        absl::StrCat(c.flagged_tokens + 1, " records, over flagged_tokens ", c.flagged_tokens)}};
   if (c.num_ranks >= 4) {
     cases.push_back({1, 1, S + 5,
-                     absl::StrCat("record 0 entry 0 names local slot ", S + 5, " of ", S), true});
+                     absl::StrCat("record 0 entry 0 names local slot ", S + 5, " of ", S), 0,
+                     true});
   }
   UBEP_CHECK_CUDA(cudaSetDevice(0));
   const RankInput in = MakeInput(c, 0, 8, 3);
@@ -973,7 +979,7 @@ TEST_P(CudaEpTest, ACorruptSourceIsNamedBeforeAnythingIsIndexedByIt) {
       UBEP_CHECK_CUDA(cudaMemcpy(arena + layout.counts + sizeof(uint32_t) * (c.num_ranks - 1),
                                  &over, sizeof(over), cudaMemcpyHostToDevice));
     }
-    const RecordHeader header{0, k.entries};
+    const RecordHeader header{k.token, k.entries};
     const RecordEntry entry{k.slot, 1.0f};
     std::byte* records = arena + layout.records + 1 * c.max_tokens * layout.record_bytes;
     UBEP_CHECK_CUDA(cudaMemcpy(records, &header, sizeof(header), cudaMemcpyHostToDevice));

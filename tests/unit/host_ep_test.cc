@@ -1036,6 +1036,7 @@ TEST(HostEpErrorTest, ACorruptSourceIsNamedBeforeAnythingIsSizedFromIt) {
     uint32_t records;
     int32_t entries, slot;
     std::string why;
+    int32_t token = 0;
   };
   const std::vector<Case> cases = {
       {static_cast<uint32_t>(config.max_tokens) + 1, 1, 0,
@@ -1043,7 +1044,11 @@ TEST(HostEpErrorTest, ACorruptSourceIsNamedBeforeAnythingIsSizedFromIt) {
       {1, 0, 0, absl::StrCat("record 0 has 0 entries, outside [1, ",
                              MaxPairsPerToken(config.top_k, S), "]")},
       {1, 1, S + 5, absl::StrCat("record 0 entry 0 names local slot ", S + 5, " of ", S)},
-      {1, 1, -1, absl::StrCat("record 0 entry 0 names local slot -1 of ", S)}};
+      {1, 1, -1, absl::StrCat("record 0 entry 0 names local slot -1 of ", S)},
+      {1, 1, 0, absl::StrCat("record 0 names token -1 of max_tokens ", config.max_tokens), -1},
+      {1, 1, 0,
+       absl::StrCat("record 0 names token ", config.max_tokens, " of max_tokens ", config.max_tokens),
+       config.max_tokens}};
   for (const Case& c : cases) {
     SCOPED_TRACE(c.why);
     Group group(config);
@@ -1051,7 +1056,7 @@ TEST(HostEpErrorTest, ACorruptSourceIsNamedBeforeAnythingIsSizedFromIt) {
     auto* counts = reinterpret_cast<uint32_t*>(arena + layout.counts);
     counts[1] = c.records;
     std::byte* records = arena + layout.records + 1 * config.max_tokens * layout.record_bytes;
-    const RecordHeader header{0, c.entries};
+    const RecordHeader header{c.token, c.entries};
     const RecordEntry entry{c.slot, 1.0f};
     std::memcpy(records, &header, sizeof(header));
     std::memcpy(records + sizeof(header), &entry, sizeof(entry));
