@@ -978,6 +978,15 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
     return Refuse(
         absl::InvalidArgumentError("combine: the dispatch output is not from this group"));
   }
+  // The vectors Combine reads (weight) or sizes `y` by (src_rank), as Dispatch made them: one
+  // moved out to the expert kernel, or resized, is refused, not read past its end.
+  if (static_cast<int32_t>(dispatched.weight.size()) != handle.rows_kept ||
+      static_cast<int32_t>(dispatched.src_rank.size()) != handle.rows_kept) {
+    return Refuse(absl::InvalidArgumentError(absl::StrCat(
+        "combine: the dispatch output has ", dispatched.weight.size(), " weights and ",
+        dispatched.src_rank.size(), " source ranks, not the ", handle.rows_kept,
+        " rows its dispatch made (were they moved out or resized?)")));
+  }
   if ((y_ptr == nullptr && dispatched.num_rows() > 0) ||
       (out_ptr == nullptr && handle.num_tokens > 0)) {
     return Refuse(absl::InvalidArgumentError(kNullCombineBuffers));

@@ -111,8 +111,9 @@ class HostEp {
   absl::Status Dispatch(DispatchInput input, DispatchOutput& output);
 
   // out[t] = sum over k of w[t, k] * y(t, k), for this rank's tokens of the last dispatch.
-  // `dispatched` must be as Dispatch left it: its vectors are read at the sizes Dispatch made
-  // them (a caller that hands them to its expert kernel copies them, not moves them out).
+  // `dispatched` must be as Dispatch left it: a caller that hands its vectors to its expert
+  // kernel copies them, not moves them out (an output whose weight or src_rank is not the
+  // size Dispatch made it is refused, InvalidArgument).
   // `y` is [output.num_rows(), hidden] of config.dtype; `out` is [num_tokens, hidden] of
   // config.dtype. Sums in fp32: each destination's rows of a token, then (rounded to the
   // dtype once) the destinations' partials in rank order. After a Dispatch that took part and

@@ -1080,6 +1080,31 @@ TEST(HostEpErrorTest, ACorruptSourceIsNamedBeforeAnythingIsSizedFromIt) {
   }
 }
 
+// A caller that moved a vector of the dispatch output out (to its expert kernel, say) before
+// Combine: refused, not read past the vector's end.
+TEST(HostEpErrorTest, ACombineOfAnOutputWhoseVectorsWereMovedOutIsRefused) {
+  const EpConfig config = ShortTimeoutConfig();
+  const TestPlan plan = RoundRobinPlan(config);
+  Group group(config);
+  absl::Status combined;
+  size_t rows = 0;
+  DispatchOnce(
+      group, plan, [](int) { return true; },
+      [&](int r, const DispatchOutput& out) {
+        if (r != 0) return;
+        DispatchOutput changed = out;
+        std::vector<float> taken = std::move(changed.weight);
+        rows = taken.size();
+        std::vector<uint16_t> y(out.recv_x.size() / 2), result(8 * config.hidden);
+        combined = group.ep(0).Combine(changed, y.data(), result.data());
+      });
+  ASSERT_GT(rows, 0u);
+  EXPECT_EQ(combined, absl::InvalidArgumentError(absl::StrCat(
+                          "combine: the dispatch output has 0 weights and ", rows,
+                          " source ranks, not the ", rows,
+                          " rows its dispatch made (were they moved out or resized?)")));
+}
+
 // bsp's combine ends at a barrier; rank 2 never comes to it: the others' error names call 1,
 // the call they waited in, not the barrier's count (the third barrier of the group).
 TEST(HostEpErrorTest, ABspBarrierThatTimesOutNamesTheCall) {
