@@ -18,6 +18,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/time/time.h"
+#include "common/timeout.h"
 
 namespace ubep {
 
@@ -40,16 +41,15 @@ class ABSL_LOCKABLE Mutex {
     lock.release();
   }
 
-  // As Await, giving up after `timeout`; returns whether ready() holds. A timeout of a million
-  // hours or more (absl::InfiniteDuration) never ends: as a std::chrono span it would overflow
-  // the clock's deadline, which libstdc++ takes for one already past.
+  // As Await, giving up after `timeout`; returns whether ready() holds. An infinite timeout
+  // (NeverEnds) waits for ready() alone.
   template <typename Predicate>
   bool AwaitWithTimeout(Predicate ready, absl::Duration timeout)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(this) {
     std::unique_lock<std::mutex> lock(mu_, std::adopt_lock);
     cv_.notify_all();
     bool ok = true;
-    if (timeout >= absl::Hours(1000000)) {
+    if (NeverEnds(timeout)) {
       cv_.wait(lock, ready);
     } else {
       ok = cv_.wait_for(lock, absl::ToChronoNanoseconds(timeout), ready);

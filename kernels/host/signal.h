@@ -28,6 +28,7 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "common/timeout.h"
 
 namespace ubep::kernels {
 
@@ -36,9 +37,9 @@ namespace ubep::kernels {
 // resumed VM neither ends the group's waits at once nor stretches them.
 using Deadline = std::chrono::steady_clock::time_point;
 
-// `timeout` from now; a timeout of a million hours or more (absl::InfiniteDuration) never ends.
+// `timeout` from now; an infinite timeout (NeverEnds) never ends.
 inline Deadline DeadlineAfter(absl::Duration timeout) {
-  if (timeout >= absl::Hours(1000000)) return Deadline::max();
+  if (NeverEnds(timeout)) return Deadline::max();
   return std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(timeout);
 }
 
