@@ -1079,6 +1079,36 @@ TEST(BalancerServerTest, ANodeIsNotForgottenBeforeThePlanIsLearned) {
             "again once it has");
 }
 
+// A balancer served on loopback (127.0.0.1, a port of the kernel's choice), and a Control
+// stub to it; `server` is null if it could not be served.
+struct Served {
+  std::unique_ptr<grpc::Server> server;
+  std::unique_ptr<v1::Control::Stub> control;
+};
+Served Serve(Balancer& balancer) {
+  int port = 0;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&balancer);
+  Served served;
+  served.server = builder.BuildAndStart();
+  if (port == 0) served.server.reset();
+  served.control = v1::Control::NewStub(grpc::CreateChannel(
+      "127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  return served;
+}
+
+// A Drain of `node` through `control` with a deadline `deadline` from now.
+grpc::Status DrainWithin(v1::Control::Stub& control, const std::string& node,
+                         absl::Duration deadline) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+  v1::DrainRequest request;
+  request.set_node(node);
+  v1::RebalanceResponse answer;
+  return control.Drain(&context, request, &answer);
+}
+
 // ubepctl forget while a plan change is in flight, which lasts as long as its daemons' RPCs
 // (here the plan without node-b's ranks, whose Prepare node-a holds): the balancer, served on
 // loopback, answers before the caller's deadline and forgets nothing then, and forgets the
@@ -1092,14 +1122,9 @@ TEST(BalancerServerTest, AForgetDrainOrRebalanceDuringAPlanChangeIsAnsweredBefor
   Register(balancer, DaemonRegistration(*a, "node-a", 0, 0, "host"));
   Register(balancer, DaemonRegistration(*b, "node-b", 2, 0, "host"));
   balancer.Tick();  // Learns v1.
-  int port = 0;
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&balancer);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  ASSERT_NE(port, 0);
-  auto control = v1::Control::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
-                                                          grpc::InsecureChannelCredentials()));
+  const Served served = Serve(balancer);
+  ASSERT_NE(served.server, nullptr);
+  v1::Control::Stub* control = served.control.get();
   auto forget = [&](absl::Duration deadline, v1::ForgetResponse* response) {
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
@@ -1118,14 +1143,7 @@ TEST(BalancerServerTest, AForgetDrainOrRebalanceDuringAPlanChangeIsAnsweredBefor
   grpc::Status status = forget(absl::Seconds(2), &response);
   // A drain and a rebalance asked meanwhile are answered the same way, and not done later.
   grpc::Status drain, rebalance;
-  {
-    grpc::ClientContext context;
-    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
-    v1::DrainRequest request;
-    request.set_node("node-a");
-    v1::RebalanceResponse answer;
-    drain = control->Drain(&context, request, &answer);
-  }
+  drain = DrainWithin(*control, "node-a", absl::Seconds(2));
   {
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
@@ -1158,7 +1176,7 @@ TEST(BalancerServerTest, AForgetDrainOrRebalanceDuringAPlanChangeIsAnsweredBefor
   ASSERT_TRUE(status.ok()) << status.error_message();
   EXPECT_EQ(std::vector<uint32_t>(response.ranks().begin(), response.ranks().end()),
             (std::vector<uint32_t>{2, 3}));
-  server->Shutdown(std::chrono::system_clock::now());
+  served.server->Shutdown(std::chrono::system_clock::now());
 }
 
 // A drain whose plan is not prepared everywhere before the caller's deadline (node-a holds
@@ -1172,28 +1190,12 @@ TEST(BalancerServerTest, APlanNotPreparedBeforeTheCallersDeadlineIsAbortedAndThe
   b->KeepPreparedPending(true);
   BalancerOptions options = NeverMarkedDown();
   options.rpc_timeout = absl::Seconds(30);  // The caller's deadline comes first.
-  Balancer balancer(options, std::make_shared<prometheus::Registry>());
-  Register(balancer, DaemonRegistration(*a, "node-a", 0, 0, "host"));
-  Register(balancer, DaemonRegistration(*b, "node-b", 2, 0, "host"));
-  balancer.Tick();  // Learns v1.
-  int port = 0;
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&balancer);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  ASSERT_NE(port, 0);
-  auto control = v1::Control::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
-                                                          grpc::InsecureChannelCredentials()));
+  std::unique_ptr<Balancer> balancer = WithTwoDaemons(options, *a, *b);  // Learns v1.
+  const Served served = Serve(*balancer);
+  ASSERT_NE(served.server, nullptr);
+  v1::Control::Stub* control = served.control.get();
   a->HoldPrepares(true);
-  grpc::Status drain;
-  {
-    grpc::ClientContext context;
-    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(3)));
-    v1::DrainRequest request;
-    request.set_node("node-b");
-    v1::RebalanceResponse answer;
-    drain = control->Drain(&context, request, &answer);
-  }
+  const grpc::Status drain = DrainWithin(*control, "node-b", absl::Seconds(3));
   a->HoldPrepares(false);
   EXPECT_EQ(drain.error_code(), grpc::StatusCode::ABORTED);
   EXPECT_EQ(drain.error_message(),
@@ -1209,12 +1211,12 @@ TEST(BalancerServerTest, APlanNotPreparedBeforeTheCallersDeadlineIsAbortedAndThe
     absl::SleepFor(absl::Milliseconds(5));
   }
   ASSERT_EQ(a->pending(), 2u);
-  for (int i = 0; i < 3 && a->commits().empty(); ++i) balancer.Tick();
+  for (int i = 0; i < 3 && a->commits().empty(); ++i) balancer->Tick();
   EXPECT_EQ(a->aborted(), (std::vector<uint64_t>{2}));
   EXPECT_EQ(a->commits(), (std::vector<uint64_t>{3}));
   EXPECT_EQ(b->commits(), (std::vector<uint64_t>{3}));
-  EXPECT_EQ(DrainedNodes(balancer), (std::vector<std::string>{"node-b"}));
-  server->Shutdown(std::chrono::system_clock::now());
+  EXPECT_EQ(DrainedNodes(*balancer), (std::vector<std::string>{"node-b"}));
+  served.server->Shutdown(std::chrono::system_clock::now());
 }
 
 // Plan v2 (node-b drained) is committed on node-b, but node-a's Commit answer is lost, and
