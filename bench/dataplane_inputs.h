@@ -42,6 +42,31 @@ inline std::vector<int32_t> RouteTokens(const Case& c, int rank, const std::vect
   return idx;
 }
 
+// A rank's activations for iterations of one parity (0: even, 1: odd): each value a signed
+// power of two in [2^-8, 2^8], set by (rank, token, element, parity) so that it differs from
+// the next token's, the next element's and the other parity's. With the experts the identity
+// and each token's K weights 1/K (K = 8), the combine gives each token back exactly: n/K of a
+// power of two (n <= K pairs of a token at one rank) is exact in bf16, and so is the sum of
+// the partials. A row dropped, doubled, misplaced or read before it was stored (which holds
+// the other parity's values of the iteration before) changes the output.
+inline std::vector<uint16_t> CheckedInput(const Case& c, int rank, int parity) {
+  std::vector<uint16_t> x(static_cast<size_t>(c.tokens) * c.hidden);
+  for (int t = 0; t < c.tokens; ++t) {
+    for (int h = 0; h < c.hidden; ++h) {
+      const int e = (rank * 5 + t * 3 + h + parity * 8) % 17 - 8;  // [-8, 8]
+      const uint16_t sign = ((t + h + parity) & 1) != 0 ? 0x8000 : 0;
+      x[static_cast<size_t>(t) * c.hidden + h] = static_cast<uint16_t>(sign | ((127 + e) << 7));
+    }
+  }
+  return x;
+}
+
+// The first element where `out` differs from `x`, or -1.
+inline int64_t FirstDifference(const std::vector<uint16_t>& out, const std::vector<uint16_t>& x) {
+  const auto [a, b] = std::mismatch(out.begin(), out.end(), x.begin(), x.end());
+  return a == out.end() && b == x.end() ? -1 : a - out.begin();
+}
+
 // Expert e in slot e: plain expert parallelism, 256 / ranks slots per rank.
 inline std::vector<std::byte> ExpertParallelPlan() {
   std::vector<int> experts(kExperts);

@@ -1,7 +1,9 @@
 // ubep-bench-mpi: the MPI baseline of ubep-bench-dataplane. Run under mpirun, one process per
 // rank; moves the same bytes as the host backend (same routing, same plan, bf16 rows): count
-// exchange (MPI_Alltoall), rows and records with MPI_Alltoallv, the same per-slot grouping on
-// the receiver, partial sums back with MPI_Alltoallv and the same fp32 reduction at the source.
+// exchange (MPI_Alltoall), rows with their records (each row followed by its K slots, one
+// MPI_Alltoallv of bytes), the same per-slot grouping on the receiver, partial sums back with
+// MPI_Alltoallv and the same fp32 reduction at the source. Inputs and the check of every
+// iteration's output as ubep-bench-dataplane's (bench::CheckedInput).
 // Rank 0 prints one JSON line: p50_us, p99_us (the slowest rank per iteration), bytes_moved,
 // latency_us (each timed iteration's, the slowest rank's).
 //
@@ -9,6 +11,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -51,20 +54,25 @@ int main(int argc, char** argv) {
   const std::vector<int32_t> idx = ubep::bench::RouteTokens(c, rank, skew);
   const std::vector<std::byte> table = ubep::bench::ExpertParallelPlan();
   const auto* plan = reinterpret_cast<const ubep::kernels::PlanTableHeader*>(table.data());
-  const std::vector<uint16_t> x(static_cast<size_t>(T) * H, 0x3f80);
+  const std::vector<uint16_t> inputs[2] = {ubep::bench::CheckedInput(c, rank, 0),
+                                           ubep::bench::CheckedInput(c, rank, 1)};
   const float weight = 1.0f / kTopK;
-  std::vector<uint16_t> out(x.size());
+  std::vector<uint16_t> out(inputs[0].size());
+  // A row on the wire: its H bf16 values, then its K local slots (-1 ends them).
+  const size_t RB = static_cast<size_t>(H) * 2 + kTopK * sizeof(int32_t);
 
   constexpr int kWarmup = 5;
   std::vector<double> us;
   uint64_t bytes = 0;
   std::vector<std::vector<int32_t>> tokens(R), entries(R);  // entries: slot per pair, -1 ends
   // Buffers live across iterations (as the host backend's arenas do): no page faults timed.
-  std::vector<uint16_t> send_x, recv_x, grouped, partial, back;
-  std::vector<int32_t> send_e, recv_e;
+  std::vector<std::byte> send_rows_buf, recv_rows_buf;
+  std::vector<uint16_t> grouped, partial, back;
+  std::vector<int32_t> recv_e;
   std::vector<int> row_of, token_begin, token_rows, at;
   std::vector<float> sum(H);
   for (int it = 0; it < kWarmup + iters; ++it) {
+    const std::vector<uint16_t>& x = inputs[it % 2];
     MPI_Barrier(MPI_COMM_WORLD);
     const auto start = std::chrono::steady_clock::now();
     // Route and de-duplicate: one row per (token, destination); records carry K slots.
@@ -89,36 +97,46 @@ int main(int argc, char** argv) {
     std::vector<int> send_n(R), recv_n(R);
     for (int d = 0; d < R; ++d) send_n[d] = static_cast<int>(tokens[d].size());
     MPI_Alltoall(send_n.data(), 1, MPI_INT, recv_n.data(), 1, MPI_INT, MPI_COMM_WORLD);
-    std::vector<int> sc(R), sd(R), rc(R), rd(R), ec(R), ed(R), erc(R), erd(R);
+    // Counts and displacements: of rows with their records (bytes), and of partials (bf16).
+    std::vector<int> bc(R), bd(R), brc(R), brd(R), sc(R), sd(R), rc(R), rd(R);
     int send_rows = 0, recv_rows = 0;
     for (int d = 0; d < R; ++d) {
+      bc[d] = static_cast<int>(send_n[d] * RB);
+      bd[d] = static_cast<int>(send_rows * RB);
       sc[d] = send_n[d] * H;
       sd[d] = send_rows * H;
-      ec[d] = send_n[d] * kTopK;
-      ed[d] = send_rows * kTopK;
       send_rows += send_n[d];
+      brc[d] = static_cast<int>(recv_n[d] * RB);
+      brd[d] = static_cast<int>(recv_rows * RB);
       rc[d] = recv_n[d] * H;
       rd[d] = recv_rows * H;
-      erc[d] = recv_n[d] * kTopK;
-      erd[d] = recv_rows * kTopK;
       recv_rows += recv_n[d];
     }
-    send_x.resize(static_cast<size_t>(send_rows) * H);
-    send_e.resize(static_cast<size_t>(send_rows) * kTopK);
+    send_rows_buf.resize(static_cast<size_t>(send_rows) * RB);
     for (int d = 0, row = 0; d < R; ++d) {
       for (size_t j = 0; j < tokens[d].size(); ++j, ++row) {
         if (j + 1 < tokens[d].size()) PrefetchRow(&x[tokens[d][j + 1] * H], H * 2);
-        std::memcpy(&send_x[static_cast<size_t>(row) * H], &x[tokens[d][j] * H], H * 2);
-        std::memcpy(&send_e[static_cast<size_t>(row) * kTopK], &entries[d][j * kTopK],
-                    kTopK * 4);
+        std::byte* to = &send_rows_buf[static_cast<size_t>(row) * RB];
+        std::memcpy(to, &x[tokens[d][j] * H], H * 2);
+        std::memcpy(to + H * 2, &entries[d][j * kTopK], kTopK * sizeof(int32_t));
       }
     }
-    recv_x.resize(static_cast<size_t>(recv_rows) * H);
+    if (static_cast<uint64_t>(std::max(send_rows, recv_rows)) * RB > INT32_MAX) {
+      std::fprintf(stderr, "ubep-bench-mpi: rank %d: %d rows of %zu bytes exceed MPI's int counts\n",
+                   rank, std::max(send_rows, recv_rows), RB);
+      MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+    recv_rows_buf.resize(static_cast<size_t>(recv_rows) * RB);
+    MPI_Alltoallv(send_rows_buf.data(), bc.data(), bd.data(), MPI_BYTE, recv_rows_buf.data(),
+                  brc.data(), brd.data(), MPI_BYTE, MPI_COMM_WORLD);
     recv_e.resize(static_cast<size_t>(recv_rows) * kTopK);
-    MPI_Alltoallv(send_x.data(), sc.data(), sd.data(), MPI_UINT16_T, recv_x.data(), rc.data(),
-                  rd.data(), MPI_UINT16_T, MPI_COMM_WORLD);
-    MPI_Alltoallv(send_e.data(), ec.data(), ed.data(), MPI_INT32_T, recv_e.data(), erc.data(),
-                  erd.data(), MPI_INT32_T, MPI_COMM_WORLD);
+    for (int r = 0; r < recv_rows; ++r) {
+      std::memcpy(&recv_e[static_cast<size_t>(r) * kTopK],
+                  &recv_rows_buf[static_cast<size_t>(r) * RB + H * 2], kTopK * sizeof(int32_t));
+    }
+    auto recv_row = [&](int r) {
+      return reinterpret_cast<const uint16_t*>(&recv_rows_buf[static_cast<size_t>(r) * RB]);
+    };
     // Group by local slot (what the experts need), as the host backend does.
     std::vector<int> offsets(S + 1, 0);
     for (int32_t s : recv_e) {
@@ -135,14 +153,13 @@ int main(int argc, char** argv) {
         const int row = cursor[s]++;
         row_of[r * kTopK + q] = row;
         if (q == 0 && r + 1 < recv_rows) {  // The same prefetching as the host backend's.
-          PrefetchRow(&recv_x[static_cast<size_t>(r + 1) * H], H * 2);
+          PrefetchRow(recv_row(r + 1), H * 2);
         }
         if (q + 1 < kTopK && recv_e[r * kTopK + q + 1] >= 0) {
           PrefetchRowForWrite(&grouped[static_cast<size_t>(cursor[recv_e[r * kTopK + q + 1]]) * H],
                               H * 2);
         }
-        std::memcpy(&grouped[static_cast<size_t>(row) * H], &recv_x[static_cast<size_t>(r) * H],
-                    H * 2);
+        std::memcpy(&grouped[static_cast<size_t>(row) * H], recv_row(r), H * 2);
       }
     }
     // Combine: y = grouped rows; one bf16 partial per received record, back to its source.
@@ -203,15 +220,17 @@ int main(int argc, char** argv) {
     double slowest = 0;
     MPI_Reduce(&elapsed, &slowest, 1, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
     if (it >= kWarmup) us.push_back(slowest);
+    // Rows and partials, not the records that travel with the rows (as the host backend's).
     bytes = static_cast<uint64_t>(send_rows) * H * 2 + static_cast<uint64_t>(recv_rows) * H * 2;
-  }
-  // x is bf16 1.0 and every token's K weights are 1/K, so the experts' identity gives back
-  // exactly 1.0: a baseline that skipped or doubled work would not.
-  const auto wrong = std::find_if(out.begin(), out.end(), [](uint16_t v) { return v != 0x3f80; });
-  if (wrong != out.end()) {
-    std::fprintf(stderr, "ubep-bench-mpi: rank %d: out[%td] = 0x%04x, not bf16 1.0\n", rank,
-                 wrong - out.begin(), *wrong);
-    MPI_Abort(MPI_COMM_WORLD, 1);
+    // Every iteration's output is its input (CheckedInput), checked outside the timing.
+    if (const int64_t wrong = ubep::bench::FirstDifference(out, x); wrong >= 0) {
+      std::fprintf(stderr,
+                   "ubep-bench-mpi: rank %d, iteration %d: out[%ld] = 0x%04x, not x[%ld] = "
+                   "0x%04x\n",
+                   rank, it + 1, static_cast<long>(wrong), out[wrong], static_cast<long>(wrong),
+                   x[wrong]);
+      MPI_Abort(MPI_COMM_WORLD, 1);
+    }
   }
   uint64_t total = 0;
   MPI_Reduce(&bytes, &total, 1, MPI_UINT64_T, MPI_SUM, 0, MPI_COMM_WORLD);
