@@ -22,13 +22,13 @@ class LoadMatrix {
   int num_layers() const { return num_layers_; }
   int num_experts() const { return num_experts_; }
 
-  double at(int layer, int expert) const { return values_[layer * num_experts_ + expert]; }
-  double& at(int layer, int expert) { return values_[layer * num_experts_ + expert]; }
+  double at(int layer, int expert) const { return values_[Index(layer, expert)]; }
+  double& at(int layer, int expert) { return values_[Index(layer, expert)]; }
   std::span<const double> row(int layer) const {
-    return {values_.data() + layer * num_experts_, static_cast<size_t>(num_experts_)};
+    return {values_.data() + Index(layer, 0), static_cast<size_t>(num_experts_)};
   }
   std::span<double> row(int layer) {
-    return {values_.data() + layer * num_experts_, static_cast<size_t>(num_experts_)};
+    return {values_.data() + Index(layer, 0), static_cast<size_t>(num_experts_)};
   }
   double RowSum(int layer) const;
 
@@ -39,6 +39,10 @@ class LoadMatrix {
   void AddScaled(const LoadMatrix& other, double scale);
 
  private:
+  size_t Index(int layer, int expert) const {
+    return static_cast<size_t>(layer) * static_cast<size_t>(num_experts_) + static_cast<size_t>(expert);
+  }
+
   int num_layers_ = 0;
   int num_experts_ = 0;
   std::vector<double> values_;

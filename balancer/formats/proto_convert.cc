@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/hash.h"
+#include "common/shape_limits.h"
 #include "common/status_macros.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
@@ -173,6 +174,14 @@ absl::StatusOr<Plan> FromProto(const v1::Plan& proto) {
 }
 
 absl::StatusOr<LoadMatrix> LoadFromProto(const v1::LoadReport& report, const Plan* plan) {
+  // Bounded before the matrix is allocated from them (a few bytes on the wire must not ask
+  // for gigabytes).
+  if (report.num_experts() > kMaxExperts ||
+      static_cast<uint32_t>(report.layers_size()) > kMaxLayers) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "load report from '", report.reporter(), "': ", report.layers_size(), " layers x ",
+        report.num_experts(), " experts, over the limits of ", kMaxLayers, " x ", kMaxExperts));
+  }
   const int num_experts = static_cast<int>(report.num_experts());
   if (num_experts <= 0 || report.layers_size() == 0) {
     return absl::InvalidArgumentError(
@@ -183,6 +192,11 @@ absl::StatusOr<LoadMatrix> LoadFromProto(const v1::LoadReport& report, const Pla
     return absl::InvalidArgumentError(
         absl::StrCat("load report from '", report.reporter(), "': first_step ",
                      report.first_step(), " is after last_step ", report.last_step()));
+  }
+  if (plan != nullptr && plan->num_experts != num_experts) {
+    return absl::InvalidArgumentError(absl::StrCat("load report from '", report.reporter(), "': ",
+                                                   num_experts, " experts; plan v", plan->version,
+                                                   " has ", plan->num_experts));
   }
   LoadMatrix load(report.layers_size(), num_experts);
   const std::optional<double> mean = MeanDispatches(report);
@@ -204,7 +218,7 @@ absl::StatusOr<LoadMatrix> LoadFromProto(const v1::LoadReport& report, const Pla
       for (int e = 0; e < num_experts; ++e) load.at(i, e) = static_cast<double>(layer.logical(e));
       continue;
     }
-    if (plan == nullptr || plan->num_experts != num_experts) {
+    if (plan == nullptr) {
       return absl::InvalidArgumentError(field + ": slot counts need the plan that was in force");
     }
     const int plan_layer = static_cast<int>(

@@ -32,7 +32,8 @@ absl::StatusOr<Plan> FromProto(const v1::Plan& proto);
 
 // Per-logical-expert counts of a report as a load matrix with one row per reported layer
 // (layer ids from the report). Slot-level layers are folded onto logical experts with `plan`,
-// which must be the plan that was in force (null when the report has no slot-level layers).
+// which must be the plan that was in force (null when the report has no slot-level layers;
+// given, the report's experts must be the plan's). At most kMaxLayers x kMaxExperts.
 // Where slot-level layers carry `dispatches` (per rank), each slot's count is scaled to the
 // report's mean dispatches (MeanDispatches): count x mean / its rank's dispatches, so that a
 // rank read one layer ahead of another weighs the same.

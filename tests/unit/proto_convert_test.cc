@@ -147,6 +147,29 @@ TEST(ProtoConvertTest, FoldsSlotCountsOntoLogicalExperts) {
                 "load report from 'node-0' layers[0]: has both logical and slot counts"));
 }
 
+// A report's shape is bounded, and matched against the plan, before anything is allocated
+// from it: a few bytes naming 2^31 - 1 experts are refused, not a matrix of gigabytes made.
+TEST(ProtoConvertTest, RefusesAReportOfTooManyExpertsOrOtherThanThePlansBeforeAllocating) {
+  const Plan plan = test::SmallPlan();
+  v1::LoadReport report;
+  report.set_reporter("node-0");
+  report.set_num_experts(2147483647);
+  for (int l = 0; l < 61; ++l) report.add_layers()->set_layer(l);
+  EXPECT_EQ(LoadFromProto(report, &plan).status(),
+            absl::InvalidArgumentError("load report from 'node-0': 61 layers x 2147483647 "
+                                       "experts, over the limits of 4096 x 1024"));
+  EXPECT_EQ(LoadFromProto(report, nullptr).status(),
+            absl::InvalidArgumentError("load report from 'node-0': 61 layers x 2147483647 "
+                                       "experts, over the limits of 4096 x 1024"));
+  report.set_num_experts(4294967295);  // Not read as -1.
+  EXPECT_EQ(LoadFromProto(report, &plan).status(),
+            absl::InvalidArgumentError("load report from 'node-0': 61 layers x 4294967295 "
+                                       "experts, over the limits of 4096 x 1024"));
+  report.set_num_experts(7);
+  EXPECT_EQ(LoadFromProto(report, &plan).status(),
+            absl::InvalidArgumentError("load report from 'node-0': 7 experts; plan v1 has 6"));
+}
+
 // A report of node 1 of SmallPlan, which hosts ranks 2 and 3 (slots [4, 8)), for layer 3
 // with these slot counts.
 v1::LoadReport NodeOneReport(std::initializer_list<uint64_t> counts) {
