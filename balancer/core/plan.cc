@@ -2,8 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
 
 namespace ubep::balancer {
 
@@ -156,6 +159,21 @@ absl::Status CheckSameShape(const Plan& previous, const Topology& topology,
           absl::StrCat("previous plan's layer ", l, " is model layer ", previous.layer_ids[l],
                        ", the load's is model layer ", ids[l]));
     }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckPrevious(const Plan& previous, const Topology& topology, const LoadMatrix& load) {
+  UBEP_RETURN_IF_ERROR(CheckSameShape(previous, topology, load));
+  if (!previous.excluded_ranks.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "previous plan v", previous.version, " excludes rank",
+        previous.excluded_ranks.size() > 1 ? "s " : " ", absl::StrJoin(previous.excluded_ranks, ", "),
+        "; a plan for every rank does not start from it"));
+  }
+  if (previous.version == std::numeric_limits<uint64_t>::max()) {
+    return absl::InvalidArgumentError(absl::StrCat("previous plan's version ", previous.version,
+                                                   " is the highest there is: no plan follows it"));
   }
   return absl::OkStatus();
 }

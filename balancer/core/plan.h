@@ -71,6 +71,13 @@ int64_t ChangedSlots(const Plan& before, const Plan& after, std::vector<int64_t>
 absl::Status CheckSameShape(const Plan& previous, const Topology& topology,
                             const LoadMatrix& load);
 
+// OK when `previous` can be the plan before a plan of every rank for `topology` and `load`:
+// of their shape (CheckSameShape), excluding no rank (a plan for the members left starts from
+// the members' part of it, as the balancer's PlanForMembers makes it; from the whole, the
+// excluded ranks would get traffic again), and of a version below 2^64 - 1 (the next one is
+// higher).
+absl::Status CheckPrevious(const Plan& previous, const Topology& topology, const LoadMatrix& load);
+
 }  // namespace ubep::balancer
 
 #endif  // UBEP_BALANCER_CORE_PLAN_H_

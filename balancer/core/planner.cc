@@ -51,7 +51,7 @@ void KeepLayersEplbCannotMove(const LoadMatrix& load, const Topology& topology,
 absl::StatusOr<Plan> ComputePlan(const LoadMatrix& load, const Topology& topology,
                                  const Plan* previous, const PlannerOptions& options) {
   if (previous != nullptr) {
-    UBEP_RETURN_IF_ERROR(CheckSameShape(*previous, topology, load));
+    UBEP_RETURN_IF_ERROR(CheckPrevious(*previous, topology, load));
     UBEP_RETURN_IF_ERROR(ValidatePlan(*previous));
   }
   absl::StatusOr<Plan> plan;

@@ -37,8 +37,8 @@ struct PlannerOptions {
 // load, or whose new placement changes more than `migration_budget` slots of some rank, keeps
 // its previous placement (EPLB, moving most slots, needs a budget near slots_per_rank to move
 // a layer at all). `ubep` starts from `previous` and moves slots within the budget. The new
-// plan's version is previous->version + 1, or 1. `previous` must be valid and of the load's
-// shape, layer ids included (CheckSameShape). The plan returned is valid (ValidatePlan); a
+// plan's version is previous->version + 1, or 1. `previous` must be valid, of the load's
+// shape, layer ids included, and exclude no rank (CheckPrevious). The plan returned is valid (ValidatePlan); a
 // policy that made an invalid one is an Internal error.
 absl::StatusOr<Plan> ComputePlan(const LoadMatrix& load, const Topology& topology,
                                  const Plan* previous, const PlannerOptions& options);

@@ -425,7 +425,7 @@ absl::StatusOr<Plan> PlanUbep(const LoadMatrix& load, const Topology& topology,
   UBEP_RETURN_IF_ERROR(ValidateLoad(load));
   UBEP_RETURN_IF_ERROR(ValidateTopology(topology, load.num_experts()));
   if (previous != nullptr) {
-    UBEP_RETURN_IF_ERROR(CheckSameShape(*previous, topology, load));
+    UBEP_RETURN_IF_ERROR(CheckPrevious(*previous, topology, load));
     UBEP_RETURN_IF_ERROR(ValidatePlan(*previous));
   }
   Plan plan;

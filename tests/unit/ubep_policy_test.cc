@@ -1,5 +1,6 @@
 #include "balancer/core/ubep_policy.h"
 
+#include <limits>
 #include <random>
 
 #include "balancer/core/metrics.h"
@@ -282,6 +283,35 @@ TEST(UbepPolicyTest, RejectsPreviousPlanOfOtherLayers) {
   EXPECT_EQ(PlanUbep(load, Topology{4, 1, 3, 1}, &*plan, {}).status(), expected);
   EXPECT_EQ(ComputePlan(load, Topology{4, 1, 3, 1}, &*plan, {.policy = Policy::kEplb}).status(),
             expected);
+}
+
+// A previous plan that excludes a rank is no start for a plan of every rank (the policies
+// would give the rank traffic again; the balancer plans for the members from their part of
+// it), and one of the highest version has no successor: both refused, by either policy.
+TEST(UbepPolicyTest, RejectsAPreviousPlanThatExcludesRanksOrHasTheLastVersion) {
+  Plan previous;
+  previous.version = 1;
+  previous.topology = Topology{2, 1, 2, 1};
+  previous.num_experts = 2;
+  previous.layer_ids = {0};
+  previous.layers.push_back(LayerPlan{{0, 1, 0, 1}, {0, 0, 1, 1}});
+  previous.excluded_ranks = {0};
+  ASSERT_TRUE(ValidatePlan(previous).ok()) << ValidatePlan(previous);
+  LoadMatrix load(1, 2);
+  load.at(0, 0) = load.at(0, 1) = 1;
+  const absl::Status excludes = absl::InvalidArgumentError(
+      "previous plan v1 excludes rank 0; a plan for every rank does not start from it");
+  EXPECT_EQ(PlanUbep(load, previous.topology, &previous, {}).status(), excludes);
+  EXPECT_EQ(ComputePlan(load, previous.topology, &previous, {.policy = Policy::kEplb}).status(),
+            excludes);
+  previous.excluded_ranks.clear();
+  previous.layers[0].slot_share = {0.5, 0.5, 0.5, 0.5};
+  previous.version = std::numeric_limits<uint64_t>::max();
+  const absl::Status last = absl::InvalidArgumentError(
+      "previous plan's version 18446744073709551615 is the highest there is: no plan follows it");
+  EXPECT_EQ(PlanUbep(load, previous.topology, &previous, {}).status(), last);
+  EXPECT_EQ(ComputePlan(load, previous.topology, &previous, {.policy = Policy::kEplb}).status(),
+            last);
 }
 
 TEST(UbepPolicyTest, RejectsALoadWithARepeatedLayerId) {

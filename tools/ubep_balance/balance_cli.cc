@@ -160,7 +160,7 @@ absl::Status RunPlan(const Flags& flags, std::ostream& out, ClockInterface& cloc
   if (flags.Has("previous")) {
     UBEP_ASSIGN_OR_RETURN(previous_path, flags.String("previous"));
     UBEP_ASSIGN_OR_RETURN(previous, ReadPlanFile(previous_path));
-    absl::Status s = CheckSameShape(*previous, topology, load);
+    absl::Status s = CheckPrevious(*previous, topology, load);
     if (!s.ok()) {
       return absl::InvalidArgumentError(absl::StrCat(previous_path, ": ", s.message()));
     }
