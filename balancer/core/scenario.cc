@@ -5,6 +5,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/hash.h"
 #include "common/status_macros.h"
 
@@ -25,11 +26,17 @@ uint64_t Mix(uint64_t a, uint64_t b) {
 absl::StatusOr<Scenario> Scenario::Create(std::vector<LoadMatrix> sources,
                                           const ScenarioOptions& options) {
   if (sources.empty()) return absl::InvalidArgumentError("scenario needs at least one source");
-  if (options.pairs_per_step <= 0 || options.period_steps <= 0 || options.burst_steps <= 0 ||
-      options.max_steps <= 0 || options.burst_probability < 0 || options.burst_probability > 1) {
-    return absl::InvalidArgumentError(
-        "scenario options: pairs_per_step, period_steps, burst_steps and max_steps must be "
-        "positive and burst_probability in [0, 1]");
+  // Written so that NaN fails each test; a period under one step would make step / period
+  // infinite.
+  if (options.pairs_per_step <= 0 || !(options.period_steps >= 1) ||
+      !std::isfinite(options.period_steps) || options.burst_steps <= 0 || options.max_steps <= 0 ||
+      !(options.burst_probability >= 0 && options.burst_probability <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "scenario options: pairs_per_step (", options.pairs_per_step, "), burst_steps (",
+        options.burst_steps, ") and max_steps (", options.max_steps,
+        ") must be positive, period_steps (", options.period_steps,
+        ") finite and at least 1, burst_probability (", options.burst_probability,
+        ") in [0, 1]"));
   }
   for (size_t k = 0; k < sources.size(); ++k) {
     LoadMatrix& source = sources[k];
@@ -40,6 +47,12 @@ absl::StatusOr<Scenario> Scenario::Create(std::vector<LoadMatrix> sources,
           "scenario source ", k, " is ", source.num_layers(), " layers x ",
           source.num_experts(), " experts; source 0 is ", sources[0].num_layers(), " x ",
           sources[0].num_experts()));
+    }
+    // Mixed row by row: each row must be the same model layer in every source.
+    if (source.layer_ids() != sources[0].layer_ids()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "scenario source ", k, " has model layers ", absl::StrJoin(source.layer_ids(), ", "),
+          "; source 0 has ", absl::StrJoin(sources[0].layer_ids(), ", ")));
     }
     for (int l = 0; l < source.num_layers(); ++l) {
       const double sum = source.RowSum(l);

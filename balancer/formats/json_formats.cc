@@ -52,10 +52,16 @@ absl::StatusOr<Json> ParseJson(const std::string& text, const std::string& name)
   return json;
 }
 
+// A value as an error shows it: a scalar as written, an array or an object by its kind alone
+// (it may be large, or nested deeper than a recursive dump's stack allows).
+std::string Shown(const Json& v) {
+  return v.is_structured() ? absl::StrCat("an ", v.type_name()) : v.dump();
+}
+
 // Reads a finite, non-negative number.
 absl::StatusOr<double> NonNegative(const Json& v, const std::string& name,
                                    const std::string& field) {
-  if (!v.is_number()) return Bad(name, field, absl::StrCat("expected a number, got ", v.dump()));
+  if (!v.is_number()) return Bad(name, field, absl::StrCat("expected a number, got ", Shown(v)));
   const double d = v.get<double>();
   if (!std::isfinite(d) || d < 0) {
     return Bad(name, field, absl::StrCat("is ", v.dump(), "; must be finite and non-negative"));
@@ -66,7 +72,7 @@ absl::StatusOr<double> NonNegative(const Json& v, const std::string& name,
 absl::StatusOr<int> Integer(const Json& v, const std::string& name, const std::string& field,
                             int64_t min, int64_t max) {
   if (!v.is_number_integer()) {
-    return Bad(name, field, absl::StrCat("expected an integer, got ", v.dump()));
+    return Bad(name, field, absl::StrCat("expected an integer, got ", Shown(v)));
   }
   const int64_t i = v.get<int64_t>();
   if (i < min || i > max) {

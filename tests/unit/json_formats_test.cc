@@ -53,6 +53,11 @@ INSTANTIATE_TEST_SUITE_P(
                 "in.json: logical_count[1][1]: is -4; must be finite and non-negative"},
         BadLoad{R"({"logical_count": [[1,"x"]]})",
                 "in.json: logical_count[0][1]: expected a number, got \"x\""},
+        // An array where a count belongs is named by its kind, not written out (a deep one
+        // would overflow a recursive dump's stack).
+        BadLoad{absl::StrCat(R"({"logical_count": [[1,)", std::string(100000, '['),
+                             std::string(100000, ']'), "]]}"),
+                "in.json: logical_count[0][1]: expected a number, got an array"},
         BadLoad{R"({"logical_count": [[0,0]]})",
                 "in.json: logical_count: every layer sums to zero; no MoE layer to plan"},
         BadLoad{R"({"counts": []})",

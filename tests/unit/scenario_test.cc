@@ -1,7 +1,9 @@
 #include "balancer/core/scenario.h"
 
+#include <limits>
 #include <numeric>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 
 namespace ubep::balancer {
@@ -94,6 +96,29 @@ TEST(ScenarioTest, RejectsSourcesOfDifferentShapes) {
   empty_layer.at(0, 1) = 1;
   EXPECT_EQ(Scenario::Create({empty_layer}, {}).status(),
             absl::InvalidArgumentError("scenario source 0 layer 1 has no load"));
+}
+
+// Mixed row by row, the sources must be the same model layers; NaN options and a period under
+// one step (step / period infinite) are refused, each value named.
+TEST(ScenarioTest, RejectsSourcesOfOtherLayersAndOptionsThatAreNaN) {
+  std::vector<LoadMatrix> sources = TwoSources();
+  sources[1].set_layer_ids({0, 5});
+  EXPECT_EQ(Scenario::Create(sources, {}).status(),
+            absl::InvalidArgumentError(
+                "scenario source 1 has model layers 0, 5; source 0 has 0, 1"));
+  auto refused = [](double period, double probability) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "scenario options: pairs_per_step (32768), burst_steps (25) and max_steps (100000) must "
+        "be positive, period_steps (", period, ") finite and at least 1, burst_probability (",
+        probability, ") in [0, 1]"));
+  };
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  EXPECT_EQ(Scenario::Create(TwoSources(), {.period_steps = nan}).status(), refused(nan, 0.01));
+  EXPECT_EQ(Scenario::Create(TwoSources(), {.burst_probability = nan}).status(),
+            refused(400, nan));
+  EXPECT_EQ(Scenario::Create(TwoSources(), {.period_steps = 1e-320}).status(),
+            refused(1e-320, 0.01));
+  EXPECT_TRUE(Scenario::Create(TwoSources(), {.period_steps = 1}).ok());
 }
 
 }  // namespace
