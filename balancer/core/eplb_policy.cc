@@ -1,6 +1,7 @@
 #include "balancer/core/eplb_policy.h"
 
 #include <algorithm>
+#include <limits>
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
@@ -141,6 +142,15 @@ absl::StatusOr<Plan> PlanEplb(const LoadMatrix& load, const Topology& topology,
     return absl::InvalidArgumentError(absl::StrCat("eplb: experts (", load.num_experts(),
                                                    ") must be divisible by groups (", groups,
                                                    ")"));
+  }
+  // EPLB computes in float32, as its reference does: a layer whose sum a float cannot hold
+  // (a double past FLT_MAX converts to float undefined) is refused, not planned at random.
+  for (int l = 0; l < load.num_layers(); ++l) {
+    if (load.RowSum(l) > std::numeric_limits<float>::max()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "eplb: layer ", load.layer_ids()[l], " sums to ", load.RowSum(l),
+          ", more than float32 holds (EPLB sums in float32); scale the counts down"));
+    }
   }
   Plan plan;
   plan.topology = topology;

@@ -73,6 +73,18 @@ TEST(EplbPolicyTest, RejectsTooFewSlots) {
                                        "experts; every expert needs a slot"));
 }
 
+// EPLB sums in float32: a layer a float cannot hold is refused, naming it, not converted
+// (undefined) and planned at random.
+TEST(EplbPolicyTest, RejectsALayerWhoseSumFloat32CannotHold) {
+  LoadMatrix load(2, 4);
+  for (int e = 0; e < 4; ++e) load.at(0, e) = e + 1;
+  load.at(1, 0) = 1e300;
+  load.set_layer_ids({3, 7});
+  EXPECT_EQ(PlanEplb(load, Topology{2, 1, 2, 1}, /*hierarchical=*/false).status(),
+            absl::InvalidArgumentError("eplb: layer 7 sums to 1e+300, more than float32 holds "
+                                       "(EPLB sums in float32); scale the counts down"));
+}
+
 TEST(EplbPolicyTest, PlannerNamesPolicies) {
   EXPECT_EQ(*ParsePolicy("eplb-global"), Policy::kEplbGlobal);
   EXPECT_EQ(PolicyName(Policy::kUbep), "ubep");
