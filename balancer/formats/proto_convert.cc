@@ -38,7 +38,11 @@ absl::StatusOr<Topology> FromProto(const v1::Topology& proto) {
   Topology t{static_cast<int>(proto.num_ranks()), static_cast<int>(proto.num_nodes()),
              static_cast<int>(proto.slots_per_rank()),
              proto.num_groups() == 0 ? 1 : static_cast<int>(proto.num_groups())};
-  if (t.num_nodes <= 0 || t.num_ranks <= 0 || t.num_ranks % t.num_nodes != 0) {
+  if (t.num_ranks <= 0 || t.num_nodes <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("topology: ", t.num_ranks, " ranks on ",
+                                                   t.num_nodes, " nodes (missing?)"));
+  }
+  if (t.num_ranks % t.num_nodes != 0) {
     return absl::InvalidArgumentError(absl::StrCat("topology: ", t.num_ranks,
                                                    " ranks do not divide over ", t.num_nodes,
                                                    " nodes"));
@@ -118,6 +122,10 @@ absl::StatusOr<Plan> FromProto(const v1::Plan& proto) {
   const int num_slots = plan.topology.num_slots();
   for (int l = 0; l < proto.layers_size(); ++l) {
     const v1::LayerPlan& in = proto.layers(l);
+    if (proto.layer_ids(l) > (1u << 20)) {  // As the JSON form reads them.
+      return absl::InvalidArgumentError(absl::StrCat("plan: layer_ids[", l, "] ",
+                                                     proto.layer_ids(l), " is outside [0, 2^20]"));
+    }
     plan.layer_ids.push_back(static_cast<int>(proto.layer_ids(l)));
     if (in.slot_share_size() > 0) {  // Compact form.
       if (in.slot_expert_size() != num_slots || in.slot_share_size() != num_slots ||

@@ -90,6 +90,15 @@ TEST(ProtoConvertTest, RejectsInconsistentPlans) {
   EXPECT_EQ(FromProto(proto).status(),
             absl::InvalidArgumentError("topology.ranks: rank 2 is on node 0; ranks must be "
                                        "numbered node-major (rank r on node r / 2)"));
+  proto = ToProto(test::SmallPlan());
+  proto.clear_topology();
+  EXPECT_EQ(FromProto(proto).status(),
+            absl::InvalidArgumentError("topology: 0 ranks on 0 nodes (missing?)"));
+  // Layer ids as the JSON form reads them: one past 2^31 would become negative.
+  proto = ToProto(test::SmallPlan());
+  proto.set_layer_ids(1, 2147483648u);
+  EXPECT_EQ(FromProto(proto).status(),
+            absl::InvalidArgumentError("plan: layer_ids[1] 2147483648 is outside [0, 2^20]"));
 }
 
 // In the full form a replica listed twice for one slot would have the last listing win.
