@@ -471,6 +471,14 @@ int main(int argc, char** argv) {
   }
   nlohmann::json out = nlohmann::json::array();
   bool failed = false;
+  // The CPUs the ranks share (this process's affinity, which they inherit): with fewer CPUs
+  // than ranks, waits that sleep and waits that poll (MPI's) cost differently.
+  const int cpus = UsableCpus();
+  if (cpus < *std::max_element(rank_counts.begin(), rank_counts.end())) {
+    std::cerr << "ubep-bench-dataplane: " << cpus << " CPUs for up to "
+              << *std::max_element(rank_counts.begin(), rank_counts.end())
+              << " ranks: oversubscribed (every row says cpus)\n";
+  }
   for (const ubep::bench::Case& c : cases) {
     const std::vector<Result> ran = RunMethods(c, run, sender_thread, *skew, iters);
     // A method that ran and failed fails the run, shown or not (ubep runs always).
@@ -501,7 +509,7 @@ int main(int argc, char** argv) {
                             {"case", c.name},     {"ranks", c.ranks},
                             {"tokens", c.tokens}, {"hidden", c.hidden}, {"routing", c.routing},
                             {"p50_us", r.p50_us}, {"p99_us", r.p99_us}, {"bytes_moved", r.bytes},
-                            {"iters", iters}};
+                            {"iters", iters}, {"cpus", cpus}};
       if (r.threads > 0) row["threads_per_rank"] = r.threads;
       if (method == Method::kUbep) {
         row["rate_vs_memcpy"] = rate_vs_memcpy;

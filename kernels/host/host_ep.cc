@@ -14,6 +14,7 @@
 #include "kernels/common/bad_input.h"
 #include "kernels/common/bf16.h"
 #include "kernels/common/corrupt_records.h"
+#include "kernels/common/host_cpu.h"
 #include "kernels/common/flagged_rows.h"
 #include "kernels/common/plan_area.h"
 #include "kernels/common/prefetch.h"
@@ -264,8 +265,8 @@ HostEp::HostEp(const EpConfig& config, int rank, std::vector<std::byte*> arenas)
   // A process killed in a call left that call's deadline published: this rank is between
   // calls, and peers waiting for it name it at their deadline.
   PublishInCall(own, layout_, std::nullopt);
-  const bool spare_cores =
-      std::thread::hardware_concurrency() >= 2u * static_cast<unsigned>(config.num_ranks);
+  // The CPUs this process may use (a container's pinned set), not the machine's.
+  const bool spare_cores = UsableCpus() >= 2 * config.num_ranks;
   if (config.protocol == Protocol::kUbep &&
       (config.sender_thread == EpConfig::SenderThread::kOn ||
        (config.sender_thread == EpConfig::SenderThread::kAuto && spare_cores))) {

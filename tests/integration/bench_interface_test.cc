@@ -6,6 +6,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/common/host_cpu.h"
 #include "nlohmann/json.hpp"
 #include "tests/integration/process.h"
 #include "tests/unit/test_util.h"
@@ -68,6 +69,8 @@ TEST(BenchInterfaceTest, JsonHasOneObjectPerCaseAndMethodWithTheNamedFields) {
                 row["p99_us"].get<double>() >= row["p50_us"].get<double>());
     EXPECT_TRUE(row["bytes_moved"].is_number_unsigned());
     EXPECT_FALSE(row.contains("error"));
+    // The CPUs this process may use (the test inherits them): as sched_getaffinity counts.
+    EXPECT_EQ(row["cpus"], kernels::UsableCpus());
     EXPECT_EQ(row.contains("rate_vs_memcpy"), methods[i % 4] == "ubep");
     // The ratios of p50s, on ubep's row, for the methods that ran.
     EXPECT_EQ(row.contains("ubep_over_bsp"), methods[i % 4] == "ubep");
