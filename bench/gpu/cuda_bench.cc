@@ -1,6 +1,6 @@
 // ubep-bench-cuda: dispatch and combine on the CUDA backend, ranks as processes sharing one
 // GPU (CUDA IPC), next to a device-to-device copy of the same bytes measured in the same run.
-// Prints a JSON array, one row per line as each case finishes: per (ranks, tokens, hidden) and
+// Prints a JSON array, one row per line as each rank count finishes: per (ranks, tokens, hidden) and
 // method (ubep_cuda: counting and sending in one cooperative launch; ubep_cuda_flagged: the same
 // with flag-in-granule rows and partials, kernels/common/flagged_rows.h; ubep_cuda_count_first:
 // the counting kernel, then the senders; bsp_cuda; all on the same input): p50_us/p99_us of
@@ -10,7 +10,7 @@
 // count bytes copied (each read once and written once), as bytes_moved counts rows stored.
 // A rank that dies or fails gives its case an "error" row instead of numbers.
 //
-//   ubep-bench-cuda [--ranks 2,4,8] [--tokens 128] [--hidden 7168] [--iters 50]
+//   ubep-bench-cuda [--ranks 2,4,8] [--tokens 128] [--hidden 7168] [--iters 50] [--rounds 2]
 #include <cuda_runtime.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -199,7 +199,7 @@ int RankMain(const bench::Case& c, Protocol protocol, EpConfig::SenderThread sen
 int main(int argc, char** argv) {
   using namespace ubep::kernels;
   std::vector<int> ranks = {2, 4, 8};
-  int tokens = 128, hidden = 7168, iters = 50;
+  int tokens = 128, hidden = 7168, iters = 50, rounds = 2;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--ranks") {
@@ -213,6 +213,8 @@ int main(int argc, char** argv) {
       hidden = std::atoi(argv[i + 1]);
     } else if (flag == "--iters") {
       iters = std::clamp(std::atoi(argv[i + 1]), 1, kMaxIters);
+    } else if (flag == "--rounds") {
+      rounds = std::clamp(std::atoi(argv[i + 1]), 1, 8);
     }
   }
   // The source tree (for the routing trace): this build's, or UBEP_SOURCE_DIR when set (the
@@ -233,71 +235,105 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "ranks %d: 256 experts do not divide evenly; skipped\n", r);
       continue;
     }
-    // Every method on the same input, one after the other.
+    // Every method on the same input, in rounds (--rounds, 2 by default) whose order is
+    // reversed every other round and rotated every two (0 1 2 3, 3 2 1 0, 1 2 3 0, ...: with
+    // two rounds every method's mean place is the same), each run a fresh group of rank
+    // processes with its own warm-up, so that a GPU's clocks and a shared host's slow spells
+    // fall on every method alike. The iterations are split among the rounds; percentiles are
+    // over all of them.
     struct Method {
       const char* name;
       Protocol protocol;
       EpConfig::SenderThread sender_thread;
       bool flagged;
     };
-    for (const auto& [method, protocol, sender_thread, flagged] :
-         {Method{"ubep_cuda", Protocol::kUbep, EpConfig::SenderThread::kAuto, false},
-          Method{"ubep_cuda_flagged", Protocol::kUbep, EpConfig::SenderThread::kAuto, true},
-          Method{"ubep_cuda_count_first", Protocol::kUbep, EpConfig::SenderThread::kOff, false},
-          Method{"bsp_cuda", Protocol::kBsp, EpConfig::SenderThread::kAuto, false}}) {
-      const ubep::bench::Case c{"cuda", r, tokens, hidden, "uniform"};
-      SharedArena board_arena = *SharedArena::Create("cuda-bench", sizeof(Board));
-      auto* board = new (board_arena.data()) Board{};
-      std::vector<pid_t> pids;
-      for (int rank = 0; rank < r; ++rank) {
-        const pid_t pid = fork();
-        if (pid == 0) _exit(RankMain(c, protocol, sender_thread, flagged, rank, iters, *skew, board));
-        pids.push_back(pid);
-      }
-      // Every rank set up (or one dead: its peers give up on their own), then go, so that no
-      // rank's first call waits on a peer's set-up under the call timeout; every rank
-      // reaped, and a rank that died (a signal, or an exit the board does not explain) turns
-      // the case into an error row rather than numbers.
-      std::vector<int> status(r, -1);
-      auto reap = [&](int options) {
+    const Method methods[] = {
+        {"ubep_cuda", Protocol::kUbep, EpConfig::SenderThread::kAuto, false},
+        {"ubep_cuda_flagged", Protocol::kUbep, EpConfig::SenderThread::kAuto, true},
+        {"ubep_cuda_count_first", Protocol::kUbep, EpConfig::SenderThread::kOff, false},
+        {"bsp_cuda", Protocol::kBsp, EpConfig::SenderThread::kAuto, false}};
+    constexpr int kMethods = 4;
+    struct Pooled {
+      std::vector<double> lat;
+      uint64_t bytes = 0;
+      double copy_gbps = 0, copy_same_size_gbps = 0;
+      std::string error;
+    };
+    Pooled pooled[kMethods];
+    const int round_count = std::min(rounds, iters);
+    const ubep::bench::Case c{"cuda", r, tokens, hidden, "uniform"};
+    for (int round = 0; round < round_count; ++round) {
+      const int n = iters * (round + 1) / round_count - iters * round / round_count;
+      for (int j = 0; j < kMethods; ++j) {
+        const int which = ((round % 2 == 0 ? j : kMethods - 1 - j) + round / 2) % kMethods;
+        const Method& m = methods[which];
+        Pooled& into = pooled[which];
+        if (!into.error.empty()) continue;  // A method that failed is not run again.
+        SharedArena board_arena = *SharedArena::Create("cuda-bench", sizeof(Board));
+        auto* board = new (board_arena.data()) Board{};
+        std::vector<pid_t> pids;
         for (int rank = 0; rank < r; ++rank) {
-          if (status[rank] == -1 && waitpid(pids[rank], &status[rank], options) <= 0) {
-            status[rank] = -1;
+          const pid_t pid = fork();
+          if (pid == 0) {
+            _exit(RankMain(c, m.protocol, m.sender_thread, m.flagged, rank, n, *skew, board));
+          }
+          pids.push_back(pid);
+        }
+        // Every rank set up (or one dead: its peers give up on their own), then go, so that
+        // no rank's first call waits on a peer's set-up under the call timeout; every rank
+        // reaped, and a rank that died (a signal, or an exit the board does not explain)
+        // turns the method into an error row rather than numbers.
+        std::vector<int> status(r, -1);
+        auto reap = [&](int options) {
+          for (int rank = 0; rank < r; ++rank) {
+            if (status[rank] == -1 && waitpid(pids[rank], &status[rank], options) <= 0) {
+              status[rank] = -1;
+            }
+          }
+        };
+        const absl::Time until = absl::Now() + kMeetTimeout;
+        while (board->set_up.load() < r && absl::Now() < until &&
+               std::count(status.begin(), status.end(), -1) == r) {
+          usleep(1000);
+          reap(WNOHANG);
+        }
+        board->go.store(1);
+        reap(0);
+        std::string died;
+        for (int rank = 0; rank < r && died.empty(); ++rank) {
+          if (WIFSIGNALED(status[rank])) {
+            died = absl::StrCat("rank ", rank, " killed by signal ", WTERMSIG(status[rank]));
+          } else if (!WIFEXITED(status[rank]) || WEXITSTATUS(status[rank]) != 0) {
+            if (!board->failed) died = absl::StrCat("rank ", rank, " exited with status ", status[rank]);
           }
         }
-      };
-      const absl::Time until = absl::Now() + kMeetTimeout;
-      while (board->set_up.load() < r && absl::Now() < until &&
-             std::count(status.begin(), status.end(), -1) == r) {
-        usleep(1000);
-        reap(WNOHANG);
-      }
-      board->go.store(1);
-      reap(0);
-      std::string died;
-      for (int rank = 0; rank < r && died.empty(); ++rank) {
-        if (WIFSIGNALED(status[rank])) {
-          died = absl::StrCat("rank ", rank, " killed by signal ", WTERMSIG(status[rank]));
-        } else if (!WIFEXITED(status[rank]) || WEXITSTATUS(status[rank]) != 0) {
-          if (!board->failed) died = absl::StrCat("rank ", rank, " exited with status ", status[rank]);
+        if (board->failed || !died.empty()) {
+          into.error = board->failed ? std::string(board->error) : died;
+          continue;
         }
+        for (int i = 0; i < n; ++i) {
+          into.lat.push_back(*std::max_element(board->us[i], board->us[i] + r));
+        }
+        into.bytes = 0;
+        for (int i = 0; i < r; ++i) into.bytes += board->bytes[i];
+        into.copy_gbps = board->copy_gbps;
+        into.copy_same_size_gbps = board->copy_same_size_gbps;
       }
-      nlohmann::json row = {{"method", method}, {"ranks", r}, {"tokens", tokens},
-                            {"hidden", hidden}, {"routing", "uniform"}};
-      if (board->failed || !died.empty()) {
-        row["error"] = board->failed ? std::string(board->error) : died;
+    }
+    for (int which = 0; which < kMethods; ++which) {
+      const Pooled& p = pooled[which];
+      nlohmann::json row = {{"method", methods[which].name}, {"ranks", r}, {"tokens", tokens},
+                            {"hidden", hidden}, {"routing", "uniform"}, {"rounds", round_count}};
+      if (!p.error.empty()) {
+        row["error"] = p.error;
       } else {
-        std::vector<double> lat;
-        for (int i = 0; i < iters; ++i) lat.push_back(*std::max_element(board->us[i], board->us[i] + r));
-        uint64_t bytes = 0;
-        for (int i = 0; i < r; ++i) bytes += board->bytes[i];
-        const double p50 = ubep::Percentile(lat, 0.5);
+        const double p50 = ubep::Percentile(p.lat, 0.5);
         row["p50_us"] = p50;
-        row["p99_us"] = ubep::Percentile(lat, 0.99);
-        row["bytes_moved"] = bytes;
-        row["gbps"] = bytes / (p50 * 1e3);
-        row["d2d_copy_gbps"] = board->copy_gbps;
-        row["d2d_copy_same_size_gbps"] = board->copy_same_size_gbps;
+        row["p99_us"] = ubep::Percentile(p.lat, 0.99);
+        row["bytes_moved"] = p.bytes;
+        row["gbps"] = p.bytes / (p50 * 1e3);
+        row["d2d_copy_gbps"] = p.copy_gbps;
+        row["d2d_copy_same_size_gbps"] = p.copy_same_size_gbps;
       }
       std::printf("%s\n %s", first_row ? "" : ",", row.dump().c_str());
       std::fflush(stdout);
