@@ -22,7 +22,7 @@
 // on all alike; the percentiles are over all rounds. Each rank checks every iteration's
 // combine output against its input, outside the timing: the inputs alternate between two
 // sets of powers of two (bench::CheckedInput), which the identity experts and K weights 1/K
-// give back exactly, so a row dropped, doubled, misplaced or read before it was stored fails
+// give back exactly, so a row dropped, doubled, given to another token or read before it was stored fails
 // the case. The exit status is 1 when a method that ran failed (shown or not).
 #include <sys/wait.h>
 #include <unistd.h>
@@ -268,7 +268,8 @@ Result RunMpi(const Case& c, int iters) {
   char buffer[4096];
   while (std::fgets(buffer, sizeof(buffer), pipe) != nullptr) output += buffer;
   const int status = pclose(pipe);
-  if (WIFEXITED(status) && WEXITSTATUS(status) == 124) {
+  // timeout's statuses: 124 when it stopped the job, 137 when it had to kill it (-k).
+  if (WIFEXITED(status) && (WEXITSTATUS(status) == 124 || WEXITSTATUS(status) == 137)) {
     return {.error = absl::StrCat("mpirun ran past ", limit_s, " s and was stopped: ",
                                   output.substr(0, 300))};
   }

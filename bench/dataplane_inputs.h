@@ -43,18 +43,26 @@ inline std::vector<int32_t> RouteTokens(const Case& c, int rank, const std::vect
 }
 
 // A rank's activations for iterations of one parity (0: even, 1: odd): each value a signed
-// power of two in [2^-8, 2^8], set by (rank, token, element, parity) so that it differs from
-// the next token's, the next element's and the other parity's. With the experts the identity
-// and each token's K weights 1/K (K = 8), the combine gives each token back exactly: n/K of a
-// power of two (n <= K pairs of a token at one rank) is exact in bf16, and so is the sum of
-// the partials. A row dropped, doubled, misplaced or read before it was stored (which holds
-// the other parity's values of the iteration before) changes the output.
+// power of two in [2^-8, 2^8], drawn by a hash of (rank, token, element) and moved by the
+// parity (the exponent by 8 of 17 places, the sign flipped), so that every element differs
+// from the other parity's and rows of different tokens or ranks differ (but by chance, one in
+// 34 per element). With the experts the identity and each token's K weights 1/K (K = 8),
+// the combine gives each token back exactly: n/K of a power of two (n <= K pairs of a token
+// at one rank) is exact in bf16, and so is the sum of the partials. A row dropped, doubled,
+// given to another token or read before it was stored (where the other parity's value of the
+// iteration before lies) changes the output.
 inline std::vector<uint16_t> CheckedInput(const Case& c, int rank, int parity) {
   std::vector<uint16_t> x(static_cast<size_t>(c.tokens) * c.hidden);
   for (int t = 0; t < c.tokens; ++t) {
     for (int h = 0; h < c.hidden; ++h) {
-      const int e = (rank * 5 + t * 3 + h + parity * 8) % 17 - 8;  // [-8, 8]
-      const uint16_t sign = ((t + h + parity) & 1) != 0 ? 0x8000 : 0;
+      // splitmix64's finalizer over the element's coordinates.
+      uint64_t z = (static_cast<uint64_t>(rank) << 48) ^ (static_cast<uint64_t>(t) << 24) ^
+                   static_cast<uint64_t>(h);
+      z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+      z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+      z ^= z >> 31;
+      const int e = static_cast<int>((z % 17 + 8 * parity) % 17) - 8;  // [-8, 8]
+      const uint16_t sign = (((z >> 32) ^ parity) & 1) != 0 ? 0x8000 : 0;
       x[static_cast<size_t>(t) * c.hidden + h] = static_cast<uint16_t>(sign | ((127 + e) << 7));
     }
   }

@@ -97,6 +97,18 @@ int main(int argc, char** argv) {
     std::vector<int> send_n(R), recv_n(R);
     for (int d = 0; d < R; ++d) send_n[d] = static_cast<int>(tokens[d].size());
     MPI_Alltoall(send_n.data(), 1, MPI_INT, recv_n.data(), 1, MPI_INT, MPI_COMM_WORLD);
+    // MPI counts are ints: rows with their records, in bytes, must fit one (checked before
+    // anything is sized or counted from them).
+    int64_t send_total = 0, recv_total = 0;
+    for (int d = 0; d < R; ++d) {
+      send_total += send_n[d];
+      recv_total += recv_n[d];
+    }
+    if (static_cast<uint64_t>(std::max(send_total, recv_total)) * RB > INT32_MAX) {
+      std::fprintf(stderr, "ubep-bench-mpi: rank %d: %ld rows of %zu bytes exceed MPI's int counts\n",
+                   rank, static_cast<long>(std::max(send_total, recv_total)), RB);
+      MPI_Abort(MPI_COMM_WORLD, 1);
+    }
     // Counts and displacements: of rows with their records (bytes), and of partials (bf16).
     std::vector<int> bc(R), bd(R), brc(R), brd(R), sc(R), sd(R), rc(R), rd(R);
     int send_rows = 0, recv_rows = 0;
@@ -120,11 +132,6 @@ int main(int argc, char** argv) {
         std::memcpy(to, &x[tokens[d][j] * H], H * 2);
         std::memcpy(to + H * 2, &entries[d][j * kTopK], kTopK * sizeof(int32_t));
       }
-    }
-    if (static_cast<uint64_t>(std::max(send_rows, recv_rows)) * RB > INT32_MAX) {
-      std::fprintf(stderr, "ubep-bench-mpi: rank %d: %d rows of %zu bytes exceed MPI's int counts\n",
-                   rank, std::max(send_rows, recv_rows), RB);
-      MPI_Abort(MPI_COMM_WORLD, 1);
     }
     recv_rows_buf.resize(static_cast<size_t>(recv_rows) * RB);
     MPI_Alltoallv(send_rows_buf.data(), bc.data(), bd.data(), MPI_BYTE, recv_rows_buf.data(),

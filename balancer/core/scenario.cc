@@ -26,8 +26,8 @@ uint64_t Mix(uint64_t a, uint64_t b) {
 absl::StatusOr<Scenario> Scenario::Create(std::vector<LoadMatrix> sources,
                                           const ScenarioOptions& options) {
   if (sources.empty()) return absl::InvalidArgumentError("scenario needs at least one source");
-  // Written so that NaN fails each test; a period under one step would make step / period
-  // infinite.
+  // Written so that NaN fails each test. A period under one step rotates the mix more than
+  // once a step (a tiny one makes step / period infinite).
   if (options.pairs_per_step <= 0 || !(options.period_steps >= 1) ||
       !std::isfinite(options.period_steps) || options.burst_steps <= 0 || options.max_steps <= 0 ||
       !(options.burst_probability >= 0 && options.burst_probability <= 1)) {

@@ -34,7 +34,8 @@ struct ScenarioOptions {
 
 class Scenario {
  public:
-  // Sources must be non-empty, of one shape, with every layer summing above zero.
+  // Sources must be non-empty, of one shape and the same model layers, with every layer
+  // summing above zero; options finite, period_steps at least 1.
   static absl::StatusOr<Scenario> Create(std::vector<LoadMatrix> sources,
                                          const ScenarioOptions& options);
 

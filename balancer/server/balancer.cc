@@ -477,7 +477,7 @@ grpc::Status Balancer::Register(grpc::ServerContext* context, const v1::Register
     starting_over = other_shape() && may_start_over();
   }
   if (starting_over) {
-    if (grpc::Status s = Serialize(serial, context,
+    if (grpc::Status s = Serialize(serial, AnswerBy(context),
                                    absl::StrCat("node ", request->node(), " was not registered"));
         !s.ok()) {
       return s;
@@ -1399,13 +1399,13 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommit(const char* why, b
   return PlanAndCommitSerialized(why, members_only, absl::InfiniteFuture());
 }
 
-grpc::Status Balancer::Serialize(std::unique_lock<std::mutex>& serial,
-                                 const grpc::ServerContext* context, const std::string& what) {
+grpc::Status Balancer::Serialize(std::unique_lock<std::mutex>& serial, absl::Time answer_by,
+                                 const std::string& what) {
   // A change in flight lasts as long as its daemons' RPCs (rpc_timeout each), longer than an
   // operator's deadline may be: the caller is answered before that deadline, with nothing
   // done, rather than left to time out while it is done after all.
   serial = std::unique_lock<std::mutex>(commit_mu_, std::defer_lock);
-  if (const absl::Time answer_by = AnswerBy(context); answer_by == absl::InfiniteFuture()) {
+  if (answer_by == absl::InfiniteFuture()) {
     serial.lock();
   } else if (!LockBefore(serial, answer_by - MonotonicNow())) {
     return grpc::Status(grpc::StatusCode::ABORTED,
@@ -1547,6 +1547,8 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
   // is one prepared everywhere after it: what the caller is told is what was done.
   const absl::Time commit_start = MonotonicNow();
   const bool caller_bound = answer_by - commit_start < options_.rpc_timeout;
+  // An RPC's timeout: --rpc_timeout, or the time left to the caller's answer if less.
+  auto rpc_timeout = [&] { return std::min(options_.rpc_timeout, answer_by - MonotonicNow()); };
   std::vector<v1::PrepareResponse> answers(targets.size());
   std::vector<grpc::Status> statuses(targets.size());
   if (link_root != nullptr) {
@@ -1554,7 +1556,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
     // daemon makes the communicator's unique id and every Prepare carries it. Without one
     // they read those weights with ReadWeights.
     grpc::ClientContext context;
-    SetDeadline(context, caller_bound ? answer_by - MonotonicNow() : options_.rpc_timeout);
+    SetDeadline(context, rpc_timeout());
     v1::CreateLinkResponse link;
     const grpc::Status status =
         v1::DaemonControl::NewStub(link_root)->CreateLink(&context, v1::CreateLinkRequest(), &link);
@@ -1566,13 +1568,17 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
                         << "): weights of other domains are read with ReadWeights";
     }
   }
+  if (MonotonicNow() >= answer_by) {  // CreateLink took the time that was left.
+    return absl::AbortedError(absl::StrCat("plan v", plan->version,
+                                           " was not prepared: the NCCL link took the time left "
+                                           "before the caller's deadline"));
+  }
   {
     *request.mutable_plan() = proto;
     request.set_effective_step(effective_step);
     request.set_base_version(previous.version);
     std::vector<CallResult> results =
-        FanOut(channels, "/ubep.v1.DaemonControl/Prepare", request,
-               caller_bound ? answer_by - MonotonicNow() : options_.rpc_timeout);
+        FanOut(channels, "/ubep.v1.DaemonControl/Prepare", request, rpc_timeout());
     for (size_t i = 0; i < results.size(); ++i) {
       statuses[i] = results[i].status;
       if (statuses[i].ok() && !Parse(results[i].response, &answers[i])) {
@@ -1613,15 +1619,23 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
   const bool commit = failed.empty();
   std::vector<grpc::Status> decided(targets.size());
   {
+    // For a caller with a deadline, the decision too is sent only until its answer is due
+    // (and 50 ms more, inside the margin): a node that missed its Prepare (hung, cut off)
+    // misses the Abort too, and waiting for it would leave the caller without the answer.
+    // A decision that does not arrive is delivered by recovery (below).
+    const absl::Duration decision_timeout =
+        caller_bound ? std::max(answer_by - MonotonicNow(), absl::ZeroDuration()) +
+                           absl::Milliseconds(50)
+                     : options_.rpc_timeout;
     std::vector<CallResult> results;
     if (commit) {
       v1::CommitRequest request;
       request.set_version(plan->version);
-      results = FanOut(channels, "/ubep.v1.DaemonControl/Commit", request, options_.rpc_timeout);
+      results = FanOut(channels, "/ubep.v1.DaemonControl/Commit", request, decision_timeout);
     } else {
       v1::AbortRequest request;
       request.set_version(plan->version);
-      results = FanOut(channels, "/ubep.v1.DaemonControl/Abort", request, options_.rpc_timeout);
+      results = FanOut(channels, "/ubep.v1.DaemonControl/Abort", request, decision_timeout);
     }
     for (size_t i = 0; i < results.size(); ++i) decided[i] = results[i].status;
   }
@@ -1793,8 +1807,10 @@ grpc::Status Balancer::SetDrained(const grpc::ServerContext* context, const std:
                                   bool drained, v1::RebalanceResponse* response) {
   // The node is marked under commit_mu_, taken first: a drain answered "not done" is not
   // done by the next Tick either.
+  // The caller's deadline read once, for the commit lock and the plan change alike.
+  const absl::Time answer_by = AnswerBy(context);
   std::unique_lock<std::mutex> serial;
-  if (grpc::Status s = Serialize(serial, context,
+  if (grpc::Status s = Serialize(serial, answer_by,
                                  absl::StrCat("node ", node, " was not ",
                                               drained ? "drained" : "undrained"));
       !s.ok()) {
@@ -1822,7 +1838,7 @@ grpc::Status Balancer::SetDrained(const grpc::ServerContext* context, const std:
   UBEP_LOG(INFO) << (drained ? "draining" : "undraining") << " node " << node;
   absl::StatusOr<v1::RebalanceResponse> result =
       PlanAndCommitSerialized(drained ? "node drained" : "node undrained", /*members_only=*/true,
-                              AnswerBy(context));
+                              answer_by);
   if (!drained && result.ok()) {
     MutexLock lock(&mu_);
     auto it = daemons_.find(node);
@@ -1870,7 +1886,8 @@ grpc::Status Balancer::Forget(grpc::ServerContext* context, const v1::ForgetRequ
   const std::string& node = request->node();
   // Serialized with plan changes and recovery, which look daemons up again after their RPCs.
   std::unique_lock<std::mutex> serial;
-  if (grpc::Status s = Serialize(serial, context, absl::StrCat("node ", node, " was not forgotten"));
+  if (grpc::Status s =
+          Serialize(serial, AnswerBy(context), absl::StrCat("node ", node, " was not forgotten"));
       !s.ok()) {
     return s;
   }
@@ -1966,10 +1983,12 @@ grpc::Status Balancer::GetClusterPlan(grpc::ServerContext*, const v1::GetCluster
 
 grpc::Status Balancer::Rebalance(grpc::ServerContext* context, const v1::RebalanceRequest*,
                                  v1::RebalanceResponse* response) {
+  // The caller's deadline read once, for the commit lock and the plan change alike.
+  const absl::Time answer_by = AnswerBy(context);
   std::unique_lock<std::mutex> serial;
-  if (grpc::Status s = Serialize(serial, context, "no rebalance was made"); !s.ok()) return s;
+  if (grpc::Status s = Serialize(serial, answer_by, "no rebalance was made"); !s.ok()) return s;
   absl::StatusOr<v1::RebalanceResponse> result =
-      PlanAndCommitSerialized("requested", /*members_only=*/false, AnswerBy(context));
+      PlanAndCommitSerialized("requested", /*members_only=*/false, answer_by);
   if (!result.ok()) {
     return grpc::Status(static_cast<grpc::StatusCode>(result.status().code()),
                         std::string(result.status().message()));

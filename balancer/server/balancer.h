@@ -236,9 +236,9 @@ class Balancer final : public v1::Control::Service {
   absl::StatusOr<v1::RebalanceResponse> PlanAndCommitSerialized(const char* why, bool members_only,
                                                                 absl::Time answer_by);
   // For an operator's request: takes commit_mu_ into `serial`, waiting for a change in flight
-  // only until shortly before the caller's deadline (LockBefore); ABORTED, naming `what` was
-  // not done, if it is still in flight then.
-  grpc::Status Serialize(std::unique_lock<std::mutex>& serial, const grpc::ServerContext* context,
+  // only until `answer_by` (AnswerBy: shortly before the caller's deadline; InfiniteFuture
+  // without one); ABORTED, naming `what` was not done, if it is still in flight then.
+  grpc::Status Serialize(std::unique_lock<std::mutex>& serial, absl::Time answer_by,
                          const std::string& what);
   uint64_t EstimateStep() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The daemon hosts a rank plan_ keeps.

@@ -71,6 +71,15 @@ struct RecordEntry {
   float weight;
 };
 
+// A record's header as a receiver takes it: its token within the source's max_tokens (it is
+// handed to the caller as src_token) and its entries within [1, max_entries]
+// (MaxPairsPerToken). Both backends check every record so (CorruptRecordsWhat words a miss).
+UBEP_HD inline bool RecordHeaderInRange(const RecordHeader& header, int max_tokens,
+                                        int max_entries) {
+  return header.token >= 0 && header.token < max_tokens && header.num_entries >= 1 &&
+         header.num_entries <= max_entries;
+}
+
 UBEP_HD inline uint32_t RecordBytes(uint32_t top_k) {
   return sizeof(RecordHeader) + sizeof(RecordEntry) * top_k;
 }

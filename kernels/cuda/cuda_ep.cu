@@ -800,8 +800,7 @@ __global__ void CountKernel(Params p) {
     const int j = chunk + threadIdx.x;
     RecordHeader header{0, 0};
     if (j < n) header = LoadHeader(records + static_cast<size_t>(j) * p.record_bytes);
-    if (j < n && (header.token < 0 || header.token >= p.max_tokens || header.num_entries < 1 ||
-                  header.num_entries > max_entries)) {
+    if (j < n && !RecordHeaderInRange(header, p.max_tokens, max_entries)) {
       corrupt = 1;
       header.num_entries = 0;  // Counted as none: nothing is indexed by it.
     }

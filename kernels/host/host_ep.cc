@@ -817,6 +817,8 @@ absl::Status HostEp::LayOut(DispatchOutput& out) {
   out.slot_offsets.assign(S + 1, 0);
   source_slot_rows_.assign(static_cast<size_t>(R) * S, 0);
   entry_slots_.clear();
+  record_tokens_.clear();
+  record_token_base_.assign(R, 0);
   // What a source wrote is checked before anything is sized or indexed from it: its record
   // count within the tokens it may send (fewer for flagged rows), each record's token within
   // max_tokens (it indexes nothing here; the caller may index by it) and its entries within a
@@ -847,12 +849,11 @@ absl::Status HostEp::LayOut(DispatchOutput& out) {
     int32_t* rows = &source_slot_rows_[static_cast<size_t>(s) * S];
     handle.records_from[s] = static_cast<int32_t>(from_s);
     handle.record_begin[s].resize(from_s + 1);
+    record_token_base_[s] = record_tokens_.size();
     for (uint32_t j = 0; j < from_s; ++j) {
       const RecordHeader header = RecordHeaderAt(records, layout_.record_bytes, j);
-      if (header.token < 0 || header.token >= config_.max_tokens || header.num_entries < 1 ||
-          header.num_entries > max_entries) {
-        return corrupt(s);
-      }
+      if (!RecordHeaderInRange(header, config_.max_tokens, max_entries)) return corrupt(s);
+      record_tokens_.push_back(header.token);
       handle.record_begin[s][j] = entries;
       entries += header.num_entries;
       for (int q = 0; q < header.num_entries; ++q) {
@@ -893,9 +894,9 @@ void HostEp::PlaceRecord(int s, int32_t j, const std::byte* records, const std::
   const size_t B = layout_.row_bytes;
   int32_t* cursor = &source_slot_rows_[static_cast<size_t>(s) * config_.slots_per_rank];
   DispatchOutput::Handle& handle = out.handle;
-  // The entries and their slots as LayOut checked them; the token and the weights, which
-  // index nothing here, as they are.
-  const int32_t token = RecordHeaderAt(records, layout_.record_bytes, j).token;
+  // The token, the entries and their slots as LayOut checked them; the weights, which index
+  // nothing and are not range checked, as they are.
+  const int32_t token = record_tokens_[record_token_base_[s] + j];
   const int32_t begin = handle.record_begin[s][j];
   const int num_entries = handle.record_begin[s][j + 1] - begin;
   const int32_t* slots = entry_slots_.data() + begin;

@@ -328,6 +328,10 @@ class HostEp {
   // LayOut checked it. Placing reads these, not the peer-written records again: a peer that
   // rewrote them after the check cannot steer a store.
   std::vector<int32_t> entry_slots_;
+  // The token of each record as LayOut checked it, source by source (source s's first at
+  // record_token_base_[s]): placed from here, not read again from the peer's records.
+  std::vector<int32_t> record_tokens_;
+  std::vector<size_t> record_token_base_;
   // Per rank: in the group under the plan of the call in flight (excluded ranks are neither
   // sent to nor waited for).
   std::vector<char> active_;

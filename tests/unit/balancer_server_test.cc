@@ -1180,7 +1180,7 @@ TEST(BalancerServerTest, AForgetDrainOrRebalanceDuringAPlanChangeIsAnsweredBefor
 }
 
 // A drain whose plan is not prepared everywhere before the caller's deadline (node-a holds
-// its Prepare) is aborted everywhere: the caller, served on loopback, is answered before its
+// its Prepare, and its Abort) is aborted everywhere: the caller, served on loopback, is answered before its
 // deadline with what was done (nothing; the drain stays asked for), not left to time out
 // while the plan is committed after all. The next interval commits the drain.
 TEST(BalancerServerTest, APlanNotPreparedBeforeTheCallersDeadlineIsAbortedAndTheCallerToldSo) {
@@ -1194,8 +1194,13 @@ TEST(BalancerServerTest, APlanNotPreparedBeforeTheCallersDeadlineIsAbortedAndThe
   const Served served = Serve(*balancer);
   ASSERT_NE(served.server, nullptr);
   v1::Control::Stub* control = served.control.get();
+  // node-a, cut off as it were, holds its Prepare and then its Abort (until the RPC's own
+  // deadline): the caller is still answered in time.
+  Gathering held_aborts(2);
   a->HoldPrepares(true);
+  a->GatherAt("Abort", &held_aborts);
   const grpc::Status drain = DrainWithin(*control, "node-b", absl::Seconds(3));
+  a->GatherAt("Abort", nullptr);
   a->HoldPrepares(false);
   EXPECT_EQ(drain.error_code(), grpc::StatusCode::ABORTED);
   EXPECT_EQ(drain.error_message(),
@@ -1216,6 +1221,34 @@ TEST(BalancerServerTest, APlanNotPreparedBeforeTheCallersDeadlineIsAbortedAndThe
   EXPECT_EQ(a->commits(), (std::vector<uint64_t>{3}));
   EXPECT_EQ(b->commits(), (std::vector<uint64_t>{3}));
   EXPECT_EQ(DrainedNodes(*balancer), (std::vector<std::string>{"node-b"}));
+  served.server->Shutdown(std::chrono::system_clock::now());
+}
+
+// A plan every node prepared, but only after the caller's deadline left time to commit it
+// (here the balancer pauses before deciding, past that deadline), is aborted, not committed
+// behind the caller's back; the drain stays asked for and the next interval commits it.
+TEST(BalancerServerTest, APlanPreparedEverywhereAfterTheCallersDeadlineIsAborted) {
+  auto a = std::make_unique<FakeDaemon>("node-a", FirstPlan());
+  auto b = std::make_unique<FakeDaemon>("node-b", FirstPlan());
+  a->KeepPreparedPending(true);
+  b->KeepPreparedPending(true);
+  BalancerOptions options = NeverMarkedDown();
+  options.rpc_timeout = absl::Seconds(30);
+  options.pause_before_commit = absl::Seconds(3);
+  std::unique_ptr<Balancer> balancer = WithTwoDaemons(options, *a, *b);  // Learns v1.
+  const Served served = Serve(*balancer);
+  ASSERT_NE(served.server, nullptr);
+  const grpc::Status drain = DrainWithin(*served.control, "node-b", absl::Seconds(2));
+  EXPECT_EQ(drain.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);  // The pause outlasts it.
+  // The decision: Abort, sent, or delivered by recovery at the next tick.
+  for (const absl::Time until = absl::Now() + absl::Seconds(10);
+       (a->pending() != 0 || b->pending() != 0) && absl::Now() < until;) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_EQ(a->aborted(), (std::vector<uint64_t>{2}));
+  EXPECT_EQ(b->aborted(), (std::vector<uint64_t>{2}));
+  EXPECT_TRUE(a->commits().empty());
+  EXPECT_TRUE(b->commits().empty());
   served.server->Shutdown(std::chrono::system_clock::now());
 }
 

@@ -1121,9 +1121,10 @@ TEST(HostEpErrorTest, ABspBarrierThatTimesOutNamesTheCall) {
 }
 
 // A peer that writes its records again once they were checked (nothing following the
-// protocol does) cannot steer the placement: rank 0 places from the slots it checked. The test
-// plays rank 1 (one record: token 0 to local slot 0, its row and both flags raised), and
-// rewrites that record's slot to 1 after rank 0 laid out its rows and before it places them.
+// protocol does) cannot steer the placement: rank 0 places from the slots and tokens it
+// checked. The test plays rank 1 (one record: token 0 to local slot 0, its row and both flags
+// raised), and rewrites that record's slot to 1 and its token to one far past max_tokens after
+// rank 0 laid out its rows and before it places them.
 TEST(HostEpErrorTest, RecordsRewrittenAfterTheirCheckDoNotSteerThePlacement) {
   for (const Protocol protocol : {Protocol::kUbep, Protocol::kBsp}) {
     SCOPED_TRACE(ProtocolName(protocol));
@@ -1153,6 +1154,8 @@ TEST(HostEpErrorTest, RecordsRewrittenAfterTheirCheckDoNotSteerThePlacement) {
     group.ep(0).set_after_layout_for_testing([&] {
       entry.local_slot = 1;
       std::memcpy(records + sizeof(header), &entry, sizeof(entry));
+      const RecordHeader rewritten{999999, 1};  // A token past max_tokens.
+      std::memcpy(records, &rewritten, sizeof(rewritten));
     });
     RankInput in = MakeInput(config, 0, 8, 3);
     DispatchOutput out;
