@@ -1179,21 +1179,39 @@ TEST(BalancerServerTest, AForgetDrainOrRebalanceDuringAPlanChangeIsAnsweredBefor
   served.server->Shutdown(std::chrono::system_clock::now());
 }
 
+// node-a and node-b, each keeping a plan it prepared pending until it is decided (as ubepd
+// does), under a balancer that learned v1 from them (--rpc_timeout 30s: a caller's deadline
+// comes first), served on loopback; destroyed server first, then balancer, then daemons.
+struct PendingPair {
+  std::unique_ptr<FakeDaemon> a, b;
+  std::unique_ptr<Balancer> balancer;
+  Served served;
+};
+PendingPair StartPendingPair(absl::Duration pause_before_commit) {
+  PendingPair pair;
+  pair.a = std::make_unique<FakeDaemon>("node-a", FirstPlan());
+  pair.b = std::make_unique<FakeDaemon>("node-b", FirstPlan());
+  pair.a->KeepPreparedPending(true);
+  pair.b->KeepPreparedPending(true);
+  BalancerOptions options = NeverMarkedDown();
+  options.rpc_timeout = absl::Seconds(30);
+  options.pause_before_commit = pause_before_commit;
+  pair.balancer = WithTwoDaemons(options, *pair.a, *pair.b);
+  pair.served = Serve(*pair.balancer);
+  return pair;
+}
+
 // A drain whose plan is not prepared everywhere before the caller's deadline (node-a holds
-// its Prepare, and its Abort) is aborted everywhere: the caller, served on loopback, is answered before its
+// its Prepare, and its Abort) is aborted everywhere: the caller is answered before its
 // deadline with what was done (nothing; the drain stays asked for), not left to time out
 // while the plan is committed after all. The next interval commits the drain.
 TEST(BalancerServerTest, APlanNotPreparedBeforeTheCallersDeadlineIsAbortedAndTheCallerToldSo) {
-  auto a = std::make_unique<FakeDaemon>("node-a", FirstPlan());
-  auto b = std::make_unique<FakeDaemon>("node-b", FirstPlan());
-  a->KeepPreparedPending(true);
-  b->KeepPreparedPending(true);
-  BalancerOptions options = NeverMarkedDown();
-  options.rpc_timeout = absl::Seconds(30);  // The caller's deadline comes first.
-  std::unique_ptr<Balancer> balancer = WithTwoDaemons(options, *a, *b);  // Learns v1.
-  const Served served = Serve(*balancer);
-  ASSERT_NE(served.server, nullptr);
-  v1::Control::Stub* control = served.control.get();
+  PendingPair pair = StartPendingPair(absl::ZeroDuration());
+  ASSERT_NE(pair.served.server, nullptr);
+  FakeDaemon* a = pair.a.get();
+  FakeDaemon* b = pair.b.get();
+  Balancer* balancer = pair.balancer.get();
+  v1::Control::Stub* control = pair.served.control.get();
   // node-a, cut off as it were, holds its Prepare and then its Abort (until the RPC's own
   // deadline): the caller is still answered in time.
   Gathering held_aborts(2);
@@ -1221,24 +1239,17 @@ TEST(BalancerServerTest, APlanNotPreparedBeforeTheCallersDeadlineIsAbortedAndThe
   EXPECT_EQ(a->commits(), (std::vector<uint64_t>{3}));
   EXPECT_EQ(b->commits(), (std::vector<uint64_t>{3}));
   EXPECT_EQ(DrainedNodes(*balancer), (std::vector<std::string>{"node-b"}));
-  served.server->Shutdown(std::chrono::system_clock::now());
 }
 
 // A plan every node prepared, but only after the caller's deadline left time to commit it
 // (here the balancer pauses before deciding, past that deadline), is aborted, not committed
 // behind the caller's back; the drain stays asked for and the next interval commits it.
 TEST(BalancerServerTest, APlanPreparedEverywhereAfterTheCallersDeadlineIsAborted) {
-  auto a = std::make_unique<FakeDaemon>("node-a", FirstPlan());
-  auto b = std::make_unique<FakeDaemon>("node-b", FirstPlan());
-  a->KeepPreparedPending(true);
-  b->KeepPreparedPending(true);
-  BalancerOptions options = NeverMarkedDown();
-  options.rpc_timeout = absl::Seconds(30);
-  options.pause_before_commit = absl::Seconds(3);
-  std::unique_ptr<Balancer> balancer = WithTwoDaemons(options, *a, *b);  // Learns v1.
-  const Served served = Serve(*balancer);
-  ASSERT_NE(served.server, nullptr);
-  const grpc::Status drain = DrainWithin(*served.control, "node-b", absl::Seconds(2));
+  PendingPair pair = StartPendingPair(/*pause_before_commit=*/absl::Seconds(3));
+  ASSERT_NE(pair.served.server, nullptr);
+  FakeDaemon* a = pair.a.get();
+  FakeDaemon* b = pair.b.get();
+  const grpc::Status drain = DrainWithin(*pair.served.control, "node-b", absl::Seconds(2));
   EXPECT_EQ(drain.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);  // The pause outlasts it.
   // The decision: Abort, sent, or delivered by recovery at the next tick.
   for (const absl::Time until = absl::Now() + absl::Seconds(10);
@@ -1249,7 +1260,6 @@ TEST(BalancerServerTest, APlanPreparedEverywhereAfterTheCallersDeadlineIsAborted
   EXPECT_EQ(b->aborted(), (std::vector<uint64_t>{2}));
   EXPECT_TRUE(a->commits().empty());
   EXPECT_TRUE(b->commits().empty());
-  served.server->Shutdown(std::chrono::system_clock::now());
 }
 
 // Plan v2 (node-b drained) is committed on node-b, but node-a's Commit answer is lost, and
