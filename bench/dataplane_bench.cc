@@ -46,6 +46,7 @@
 #include "absl/time/clock.h"
 #include "bench/dataplane_inputs.h"
 #include "common/percentile.h"
+#include "common/cpus.h"
 #include "kernels/common/host_cpu.h"
 #include "kernels/common/routing.h"
 #include "kernels/host/host_ep.h"
@@ -474,7 +475,7 @@ int main(int argc, char** argv) {
   bool failed = false;
   // The CPUs the ranks share (this process's affinity, which they inherit): with fewer CPUs
   // than ranks, waits that sleep and waits that poll (MPI's) cost differently.
-  const int cpus = UsableCpus();
+  const int cpus = ubep::UsableCpus();
   if (cpus < *std::max_element(rank_counts.begin(), rank_counts.end())) {
     std::cerr << "ubep-bench-dataplane: " << cpus << " CPUs for up to "
               << *std::max_element(rank_counts.begin(), rank_counts.end())

@@ -16,6 +16,7 @@
 #include "balancer/core/metrics.h"
 #include "balancer/formats/proto_convert.h"
 #include "common/clock.h"
+#include "common/cpus.h"
 #include "common/logging.h"
 #include "common/model_shape.h"
 #include "common/shape_limits.h"
@@ -1511,7 +1512,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
   planner.migration_budget = budget;
   const int threads = options_.planner_threads > 0
                           ? options_.planner_threads
-                          : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+                          : UsableCpus();  // The affinity's CPUs, not the machine's.
   absl::StatusOr<Plan> plan =
       excluded.empty() && previous.excluded_ranks.empty()
           ? PlanInParallel(load, topology, previous, planner, threads)

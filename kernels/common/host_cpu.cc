@@ -1,9 +1,5 @@
 #include "kernels/common/host_cpu.h"
 
-#include <sched.h>
-
-#include <algorithm>
-#include <thread>
 #include <cstdlib>
 #include <iostream>
 #include <string>
@@ -57,13 +53,6 @@ absl::Status HostCpuStatus(std::string_view level, bool supported) {
       "the host kernels of this build need an ", std::string(level),
       " CPU, and this one lacks some of its features (see /proc/cpuinfo); rebuild with "
       "-DUBEP_HOST_MARCH=x86-64 (or the level this CPU has) to run here"));
-}
-
-int UsableCpus() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
-  return std::max(1u, std::thread::hardware_concurrency());
 }
 
 }  // namespace ubep::kernels

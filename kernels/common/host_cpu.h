@@ -26,10 +26,6 @@ void RequireHostCpu(std::string_view program);
 // The status for a CPU that does (`supported`) or does not run code built for `level`.
 absl::Status HostCpuStatus(std::string_view level, bool supported);
 
-// CPUs this process may run on (its affinity mask: a cpuset, taskset or a container's pinned
-// CPUs), not the machine's count; at least 1.
-int UsableCpus();
-
 }  // namespace ubep::kernels
 
 #endif  // UBEP_KERNELS_COMMON_HOST_CPU_H_

@@ -10,11 +10,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/cpus.h"
 #include "common/status_macros.h"
 #include "kernels/common/bad_input.h"
 #include "kernels/common/bf16.h"
 #include "kernels/common/corrupt_records.h"
-#include "kernels/common/host_cpu.h"
 #include "kernels/common/flagged_rows.h"
 #include "kernels/common/plan_area.h"
 #include "kernels/common/prefetch.h"

@@ -6,7 +6,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kernels/common/host_cpu.h"
+#include "common/cpus.h"
 #include "nlohmann/json.hpp"
 #include "tests/integration/process.h"
 #include "tests/unit/test_util.h"
@@ -70,7 +70,7 @@ TEST(BenchInterfaceTest, JsonHasOneObjectPerCaseAndMethodWithTheNamedFields) {
     EXPECT_TRUE(row["bytes_moved"].is_number_unsigned());
     EXPECT_FALSE(row.contains("error"));
     // The CPUs this process may use (the test inherits them): as sched_getaffinity counts.
-    EXPECT_EQ(row["cpus"], kernels::UsableCpus());
+    EXPECT_EQ(row["cpus"], UsableCpus());
     EXPECT_EQ(row.contains("rate_vs_memcpy"), methods[i % 4] == "ubep");
     // The ratios of p50s, on ubep's row, for the methods that ran.
     EXPECT_EQ(row.contains("ubep_over_bsp"), methods[i % 4] == "ubep");
