@@ -1624,10 +1624,9 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
     // (and 50 ms more, inside the margin): a node that missed its Prepare (hung, cut off)
     // misses the Abort too, and waiting for it would leave the caller without the answer.
     // A decision that does not arrive is delivered by recovery (below).
-    const absl::Duration decision_timeout =
-        caller_bound ? std::max(answer_by - MonotonicNow(), absl::ZeroDuration()) +
-                           absl::Milliseconds(50)
-                     : options_.rpc_timeout;
+    const absl::Duration decision_timeout = std::min(
+        options_.rpc_timeout,
+        std::max(answer_by - MonotonicNow(), absl::ZeroDuration()) + absl::Milliseconds(50));
     std::vector<CallResult> results;
     if (commit) {
       v1::CommitRequest request;
