@@ -126,13 +126,7 @@ TEST(PlanJsonTest, SharesFollowTheFilesOwnLog2phy) {
 
 // A plan that excludes a node's ranks keeps them excluded through the file.
 TEST(PlanJsonTest, RoundTripsExcludedRanks) {
-  Plan plan;
-  plan.version = 4;
-  plan.topology = Topology{2, 1, 2, 1};
-  plan.num_experts = 2;
-  plan.layer_ids = {5};
-  plan.layers.push_back({{0, 1, 0, 1}, {0, 0, 1, 1}});
-  plan.excluded_ranks = {0};
+  Plan plan = test::PlanExcludingRank0(/*version=*/4, /*layer_id=*/5);
   const std::string text = PlanToJson(plan);
   EXPECT_EQ(nlohmann::json::parse(text)["excluded_ranks"], nlohmann::json::array({0}));
   absl::StatusOr<Plan> back = ParsePlanJson(text, "p.json");

@@ -51,6 +51,19 @@ inline balancer::Plan SmallPlan() {
                                 {.policy = balancer::Policy::kUbep});
 }
 
+// 2 ranks x 2 slots, 2 experts each on both ranks, rank 0 excluded (its slots at share 0):
+// one layer, model layer `layer_id`, plan version `version`.
+inline balancer::Plan PlanExcludingRank0(uint64_t version, int layer_id) {
+  balancer::Plan plan;
+  plan.version = version;
+  plan.topology = balancer::Topology{2, 1, 2, 1};
+  plan.num_experts = 2;
+  plan.layer_ids = {layer_id};
+  plan.layers.push_back({{0, 1, 0, 1}, {0, 0, 1, 1}});
+  plan.excluded_ranks = {0};
+  return plan;
+}
+
 }  // namespace ubep::test
 
 #endif  // UBEP_TESTS_UNIT_TEST_UTIL_H_

@@ -289,13 +289,7 @@ TEST(UbepPolicyTest, RejectsPreviousPlanOfOtherLayers) {
 // would give the rank traffic again; the balancer plans for the members from their part of
 // it), and one of the highest version has no successor: both refused, by either policy.
 TEST(UbepPolicyTest, RejectsAPreviousPlanThatExcludesRanksOrHasTheLastVersion) {
-  Plan previous;
-  previous.version = 1;
-  previous.topology = Topology{2, 1, 2, 1};
-  previous.num_experts = 2;
-  previous.layer_ids = {0};
-  previous.layers.push_back(LayerPlan{{0, 1, 0, 1}, {0, 0, 1, 1}});
-  previous.excluded_ranks = {0};
+  Plan previous = test::PlanExcludingRank0(/*version=*/1, /*layer_id=*/0);
   ASSERT_TRUE(ValidatePlan(previous).ok()) << ValidatePlan(previous);
   LoadMatrix load(1, 2);
   load.at(0, 0) = load.at(0, 1) = 1;
