@@ -476,9 +476,8 @@ int main(int argc, char** argv) {
   // The CPUs the ranks share (this process's affinity, which they inherit): with fewer CPUs
   // than ranks, waits that sleep and waits that poll (MPI's) cost differently.
   const int cpus = ubep::UsableCpus();
-  if (cpus < *std::max_element(rank_counts.begin(), rank_counts.end())) {
-    std::cerr << "ubep-bench-dataplane: " << cpus << " CPUs for up to "
-              << *std::max_element(rank_counts.begin(), rank_counts.end())
+  if (const int most = *std::max_element(rank_counts.begin(), rank_counts.end()); cpus < most) {
+    std::cerr << "ubep-bench-dataplane: " << cpus << " CPUs for up to " << most
               << " ranks: oversubscribed (every row says cpus)\n";
   }
   for (const ubep::bench::Case& c : cases) {
