@@ -254,6 +254,17 @@ absl::StatusOr<LoadMatrix> LoadFromProto(const v1::LoadReport& report, const Pla
                                                      " slot counts are not whole ranks of ",
                                                      layer.dispatches_size(), " dispatch counts"));
     }
+    // A dispatch count is one rank's: its slots are that rank's, the plan's slots_per_rank
+    // from a rank's first slot.
+    const int slots_per_rank = plan->topology.slots_per_rank;
+    if (layer.slot_size() / layer.dispatches_size() != slots_per_rank ||
+        first % static_cast<size_t>(slots_per_rank) != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": dispatch counts for ", layer.dispatches_size(),
+          layer.dispatches_size() == 1 ? " rank" : " ranks", " over slots [", first,
+          ", ", first + layer.slot_size(), "), which are not whole ranks of plan v",
+          plan->version, " (", slots_per_rank, " slots each)"));
+    }
     if (!mean.has_value()) {
       return absl::InvalidArgumentError(field + ": has dispatch counts, but not every layer has");
     }

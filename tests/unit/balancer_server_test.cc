@@ -362,8 +362,9 @@ class FakeDaemon final : public v1::DaemonControl::Service {
     *state->mutable_committed_plan() = committed_;
     return grpc::Status::OK;
   }
-  grpc::Status CreateLink(grpc::ServerContext*, const v1::CreateLinkRequest*,
+  grpc::Status CreateLink(grpc::ServerContext* context, const v1::CreateLinkRequest*,
                           v1::CreateLinkResponse* response) override {
+    Gather("CreateLink", context);
     std::lock_guard<std::mutex> lock(mu_);
     ++links_;
     if (link_fails_) return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "ubepd was built without NCCL");
@@ -441,7 +442,8 @@ class FakeDaemon final : public v1::DaemonControl::Service {
     std::lock_guard<std::mutex> lock(mu_);
     return commits_;
   }
-  // Calls of `method` (Prepare, Commit, Abort, GetState) wait at `gathering` first.
+  // Calls of `method` (Prepare, Commit, Abort, GetState, CreateLink) wait at `gathering`
+  // first.
   void GatherAt(const std::string& method, Gathering* gathering) {
     std::lock_guard<std::mutex> lock(mu_);
     gatherings_[method] = gathering;
@@ -1262,6 +1264,74 @@ TEST(BalancerServerTest, APlanPreparedEverywhereAfterTheCallersDeadlineIsAborted
   EXPECT_EQ(b->aborted(), (std::vector<uint64_t>{2}));
   EXPECT_TRUE(a->commits().empty());
   EXPECT_TRUE(b->commits().empty());
+}
+
+// A drain over two CUDA domains whose NCCL link (CreateLink at node-a, held until its
+// deadline) takes the time left before the caller's deadline is answered in time with nothing
+// prepared anywhere; the drain stays asked for and the next interval commits it.
+TEST(BalancerServerTest, ADrainWhoseNcclLinkTakesTheTimeLeftIsAnsweredWithNothingPrepared) {
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+  BalancerOptions options = NeverMarkedDown();
+  options.rpc_timeout = absl::Seconds(30);  // The caller's deadline comes first.
+  Balancer balancer(options, std::make_shared<prometheus::Registry>());
+  Register(balancer, DaemonRegistration(a, "node-a", 0, 0, "cuda"));
+  Register(balancer, DaemonRegistration(b, "node-b", 2, /*domain=*/1, "cuda"));
+  balancer.Tick();  // Learns v1.
+  const Served served = Serve(balancer);
+  ASSERT_NE(served.server, nullptr);
+  Gathering held_links(2);  // Only one comes: it is held until its deadline.
+  a.GatherAt("CreateLink", &held_links);
+  const grpc::Status drain = DrainWithin(*served.control, "node-b", absl::Seconds(2));
+  a.GatherAt("CreateLink", nullptr);
+  EXPECT_EQ(drain.error_code(), grpc::StatusCode::ABORTED);
+  EXPECT_EQ(drain.error_message(),
+            "plan v2 was not prepared: the NCCL link took the time left before the caller's "
+            "deadline; the drain stays asked for: each interval tries it again (undrain cancels "
+            "it)");
+  EXPECT_EQ(held_links.most(), 1);
+  EXPECT_TRUE(a.prepares().empty());
+  EXPECT_TRUE(b.prepares().empty());
+  balancer.Tick();
+  EXPECT_EQ(a.commits(), (std::vector<uint64_t>{3}));
+  EXPECT_EQ(b.commits(), (std::vector<uint64_t>{3}));
+  ASSERT_EQ(a.prepares().size(), 1u);
+  EXPECT_EQ(a.prepares()[0].nccl_unique_id(), "unique id 2 of node-a");
+  EXPECT_EQ(DrainedNodes(balancer), (std::vector<std::string>{"node-b"}));
+  served.server->Shutdown(std::chrono::system_clock::now());
+}
+
+// A rebalance asked while the plan committed last (v2, node-b drained) is not yet reported in
+// force on node-a's ranks waits for that only until the caller's deadline, and then says why
+// no plan was made; once node-a reports v2 in force, the rebalance is made.
+TEST(BalancerServerTest, ARebalanceWaitingForThePlanToBeInForceIsAnsweredBeforeItsDeadline) {
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+  BalancerOptions options = NeverMarkedDown();
+  options.rpc_timeout = absl::Seconds(30);  // The wait would last 60 s.
+  std::unique_ptr<Balancer> balancer = WithTwoDaemons(options, a, b);
+  v1::RebalanceResponse drained;
+  const grpc::Status drain = Drain(*balancer, "node-b", true, &drained);
+  ASSERT_TRUE(drain.ok()) << drain.error_message();
+  ASSERT_EQ(drained.version(), 2u);
+  const Served served = Serve(*balancer);
+  ASSERT_NE(served.server, nullptr);
+  auto rebalance = [&](v1::RebalanceResponse* answer) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+    return served.control->Rebalance(&context, v1::RebalanceRequest(), answer);
+  };
+  v1::RebalanceResponse answer;
+  grpc::Status status = rebalance(&answer);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::ABORTED);
+  EXPECT_EQ(status.error_message(),
+            "plan v2 is not in force on every rank yet; no plan was made before the caller's "
+            "deadline");
+  EXPECT_EQ(a.prepares().size(), 1u);  // v2's only.
+  ASSERT_TRUE(ReportSteps(*balancer, "node-a", 0, /*seq=*/1, /*max_step=*/5, /*version=*/2).ok());
+  status = rebalance(&answer);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(answer.version(), 2u);  // Nothing to move under an even load.
+  EXPECT_FALSE(answer.changed());
+  served.server->Shutdown(std::chrono::system_clock::now());
 }
 
 // Plan v2 (node-b drained) is committed on node-b, but node-a's Commit answer is lost, and
