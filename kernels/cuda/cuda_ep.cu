@@ -126,6 +126,11 @@ struct Params {
   int32_t* record_base;   // [R + 1]: records received before source s's, sources in order.
   int32_t* entry_base;    // [R + 1]: entries (rows) likewise.
   int32_t* combine_done;  // [R]: records of source s whose partials are stored (per combine).
+  // [R]: each source's count word as CountKernel read and checked it. Later kernels of the
+  // call, and its combine, take the count and the flagged bit from here, not from the arena
+  // again (as the host backend keeps what it checked), and PlaceKernel takes each entry's
+  // checked slot from entry_row, where CountKernel leaves it.
+  uint32_t* source_word;
   int32_t* rows_routed;   // [1]: rows the last dispatch routed here (ScanKernel).
   uint32_t* status;       // [kStatusWords]: bad input and ended waits, kept apart so that
                           // a timeout after bad input still stops the rank.
@@ -566,16 +571,14 @@ __global__ void SendKernel(Params p, int count_blocks) {
 
 // Records received from source s: none from a rank the plan excludes (its count word is
 // stale).
-__device__ int SourceCount(const Params& p, const std::byte* own, int s) {
-  if (RankExcluded(p.plan, static_cast<uint32_t>(s))) return 0;
-  return static_cast<int>(RecordCount(reinterpret_cast<const uint32_t*>(own + p.off_counts)[s]));
+// Records from source s this call, as CountKernel checked them (after it only).
+__device__ int SourceCount(const Params& p, int s) {
+  return static_cast<int>(RecordCount(p.source_word[s]));
 }
 
-// Whether source s stored flagged rows this call (and gets flagged partials back).
-__device__ bool SourceFlagged(const Params& p, int s) {
-  if (RankExcluded(p.plan, static_cast<uint32_t>(s))) return false;
-  return CountIsFlagged(reinterpret_cast<const uint32_t*>(p.arenas[p.rank] + p.off_counts)[s]);
-}
+// Whether source s stored flagged rows this call (and gets flagged partials back); after
+// CountKernel only.
+__device__ bool SourceFlagged(const Params& p, int s) { return CountIsFlagged(p.source_word[s]); }
 
 // Sets every member rank's abort word to `code` unless it is already set (the first reason
 // wins), as the host backend's GiveUp does. Ranks the plan excludes are left alone: their
@@ -782,6 +785,7 @@ __global__ void CountKernel(Params p) {
   const uint32_t word = RankExcluded(p.plan, static_cast<uint32_t>(s))
                             ? 0
                             : reinterpret_cast<const uint32_t*>(own + p.off_counts)[s];
+  if (threadIdx.x == 0) p.source_word[s] = word;  // Read by the later kernels, not the arena.
   const int n = static_cast<int>(RecordCount(word));
   if (RecordCount(word) > MostRecords(word, p.max_tokens, p.flagged_tokens)) {
     // Every thread read the same word: the block returns as one.
@@ -793,6 +797,7 @@ __global__ void CountKernel(Params p) {
       own + p.off_records + static_cast<size_t>(s) * p.max_tokens * p.record_bytes;
   int32_t* counts = p.pair_counts + s * S;
   int32_t* begin = p.record_begin + static_cast<size_t>(s) * (p.max_tokens + 1);
+  int32_t* entry_slot = p.entry_row + static_cast<size_t>(s) * p.max_tokens * p.top_k;
   for (int i = threadIdx.x; i < S; i += blockDim.x) counts[i] = 0;
   if (threadIdx.x == 0) base = corrupt = 0;
   __syncthreads();
@@ -810,10 +815,13 @@ __global__ void CountKernel(Params p) {
       begin[j] = base + position;
       for (int q = 0; q < header.num_entries; ++q) {
         const RecordEntry entry = LoadEntry(records + static_cast<size_t>(j) * p.record_bytes, q);
+        // The checked slot, for PlaceKernel (which replaces it with the entry's row).
         if (entry.local_slot < 0 || entry.local_slot >= S) {
           corrupt = 1;
+          entry_slot[base + position + q] = -1;
         } else {
           atomicAdd(&counts[entry.local_slot], 1);
+          entry_slot[base + position + q] = entry.local_slot;
         }
       }
     }
@@ -868,7 +876,7 @@ __global__ void ScanKernel(Params p) {
     if (base > p.max_rows) p.status[kStatusRowsOver] = static_cast<uint32_t>(base);
     int records = 0, entries = 0;
     for (int s = 0; s < R; ++s) {
-      const int n = SourceCount(p, p.arenas[p.rank], s);
+      const int n = SourceCount(p, s);
       p.record_base[s] = records;
       p.entry_base[s] = entries;
       records += n;
@@ -929,10 +937,11 @@ __global__ void PlaceKernel(Params p) {
   const int s = blockIdx.x, S = p.slots_per_rank;
   if (Stopped(p)) return;
   std::byte* own = p.arenas[p.rank];
-  const int n = SourceCount(p, own, s);
+  const int n = SourceCount(p, s);
   const std::byte* records =
       own + p.off_records + static_cast<size_t>(s) * p.max_tokens * p.record_bytes;
   const int32_t* begin = p.record_begin + static_cast<size_t>(s) * (p.max_tokens + 1);
+  // Each entry's slot as CountKernel checked it, replaced here by the entry's row.
   int32_t* entry_row = p.entry_row + static_cast<size_t>(s) * p.max_tokens * p.top_k;
   for (int i = threadIdx.x; i < S; i += blockDim.x) cursor[i] = p.pair_offsets[s * S + i];
   __syncthreads();
@@ -947,7 +956,7 @@ __global__ void PlaceKernel(Params p) {
       const std::byte* record = records + static_cast<size_t>(j) * p.record_bytes;
       const RecordHeader header = LoadHeader(record);
       const RecordEntry entry = LoadEntry(record, e - begin[j]);
-      slot = entry.local_slot;
+      slot = entry_row[e];  // In [0, S): a source with a bad slot stopped the call.
       token = header.token;
       weight = entry.weight;
     }
@@ -1270,7 +1279,7 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   // First (8-byte aligned): what each dispatch zeroes, published counts as long long.
   const size_t zeroed = 2 * R + 2 + kMaxSendBatches + 1;
   const size_t ints = zeroed + T * R + (T + 1) + R + R * S + R * S + R * (T + 1) + R * T * K +
-                      (S + 1) + 3 * R + 2 + 1 + kStatusWords + max_rows * 2;
+                      (S + 1) + 4 * R + 2 + 1 + kStatusWords + max_rows * 2;
   // recv_x is copied 16 bytes at a time: start it on a 256-byte boundary.
   const size_t head = ints * sizeof(int32_t) + max_rows * sizeof(float);
   const size_t recv_offset = (head + 255) / 256 * 256;
@@ -1312,6 +1321,7 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   p.record_base = take(R + 1);
   p.entry_base = take(R + 1);
   p.combine_done = take(R);
+  p.source_word = reinterpret_cast<uint32_t*>(take(R));
   p.rows_routed = take(1);
   p.status = reinterpret_cast<uint32_t*>(take(kStatusWords));
   p.src_rank = take(max_rows);
