@@ -121,6 +121,7 @@ struct Params {
   int32_t* pair_counts;   // [R x S]: entries from source s for local slot i.
   int32_t* pair_offsets;  // [R x S]: first row of (s, i).
   int32_t* record_begin;  // [R x (max_tokens + 1)]: first entry of each record.
+  int32_t* record_token;  // [R x max_tokens]: each record's token, as CountKernel checked it.
   int32_t* entry_row;     // [R x max_tokens x K]: row of each entry, by record_begin.
   int32_t* slot_offsets;  // [S + 1]
   int32_t* record_base;   // [R + 1]: records received before source s's, sources in order.
@@ -128,8 +129,9 @@ struct Params {
   int32_t* combine_done;  // [R]: records of source s whose partials are stored (per combine).
   // [R]: each source's count word as CountKernel read and checked it. Later kernels of the
   // call, and its combine, take the count and the flagged bit from here, not from the arena
-  // again (as the host backend keeps what it checked), and PlaceKernel takes each entry's
-  // checked slot from entry_row, where CountKernel leaves it.
+  // again (as the host backend keeps what it checked), and PlaceKernel takes each record's
+  // checked token from record_token and each entry's checked slot from entry_row, where
+  // CountKernel leaves it.
   uint32_t* source_word;
   int32_t* rows_routed;   // [1]: rows the last dispatch routed here (ScanKernel).
   uint32_t* status;       // [kStatusWords]: bad input and ended waits, kept apart so that
@@ -798,6 +800,7 @@ __global__ void CountKernel(Params p) {
   int32_t* counts = p.pair_counts + s * S;
   int32_t* begin = p.record_begin + static_cast<size_t>(s) * (p.max_tokens + 1);
   int32_t* entry_slot = p.entry_row + static_cast<size_t>(s) * p.max_tokens * p.top_k;
+  int32_t* token_of = p.record_token + static_cast<size_t>(s) * p.max_tokens;
   for (int i = threadIdx.x; i < S; i += blockDim.x) counts[i] = 0;
   if (threadIdx.x == 0) base = corrupt = 0;
   __syncthreads();
@@ -809,6 +812,7 @@ __global__ void CountKernel(Params p) {
       corrupt = 1;
       header.num_entries = 0;  // Counted as none: nothing is indexed by it.
     }
+    if (j < n) token_of[j] = header.token;  // For PlaceKernel.
     int position = 0, total = 0;
     Scan(scan_storage).ExclusiveSum(header.num_entries, position, total);
     if (j < n) {
@@ -954,11 +958,9 @@ __global__ void PlaceKernel(Params p) {
     if (e < entries) {
       const int j = TokenOfUnit(begin, n, e);  // The record holding entry e.
       const std::byte* record = records + static_cast<size_t>(j) * p.record_bytes;
-      const RecordHeader header = LoadHeader(record);
-      const RecordEntry entry = LoadEntry(record, e - begin[j]);
       slot = entry_row[e];  // In [0, S): a source with a bad slot stopped the call.
-      token = header.token;
-      weight = entry.weight;
+      token = p.record_token[static_cast<size_t>(s) * p.max_tokens + j];
+      weight = LoadEntry(record, e - begin[j]).weight;
     }
     const unsigned peers = __match_any_sync(0xffffffffu, slot);
     const int ahead = __popc(peers & ((1u << lane) - 1));  // Same-slot lanes before this one.
@@ -1278,7 +1280,7 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   const size_t max_rows = static_cast<size_t>(ReceiveCapacity(config));
   // First (8-byte aligned): what each dispatch zeroes, published counts as long long.
   const size_t zeroed = 2 * R + 2 + kMaxSendBatches + 1;
-  const size_t ints = zeroed + T * R + (T + 1) + R + R * S + R * S + R * (T + 1) + R * T * K +
+  const size_t ints = zeroed + T * R + (T + 1) + R + R * S + R * S + R * (T + 1) + R * T + R * T * K +
                       (S + 1) + 4 * R + 2 + 1 + kStatusWords + max_rows * 2;
   // recv_x is copied 16 bytes at a time: start it on a 256-byte boundary.
   const size_t head = ints * sizeof(int32_t) + max_rows * sizeof(float);
@@ -1316,6 +1318,7 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   p.pair_counts = take(R * S);
   p.pair_offsets = take(R * S);
   p.record_begin = take(R * (T + 1));
+  p.record_token = take(R * T);
   p.entry_row = take(R * T * K);
   p.slot_offsets = take(S + 1);
   p.record_base = take(R + 1);
