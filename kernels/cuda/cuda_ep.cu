@@ -571,9 +571,8 @@ __global__ void SendKernel(Params p, int count_blocks) {
   }
 }
 
-// Records received from source s: none from a rank the plan excludes (its count word is
-// stale).
-// Records from source s this call, as CountKernel checked them (after it only).
+// Records received from source s this call, as CountKernel checked them (after it only): none
+// from a rank the plan excludes (its count word is stale, and CountKernel keeps 0 for it).
 __device__ int SourceCount(const Params& p, int s) {
   return static_cast<int>(RecordCount(p.source_word[s]));
 }
@@ -1280,8 +1279,8 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   const size_t max_rows = static_cast<size_t>(ReceiveCapacity(config));
   // First (8-byte aligned): what each dispatch zeroes, published counts as long long.
   const size_t zeroed = 2 * R + 2 + kMaxSendBatches + 1;
-  const size_t ints = zeroed + T * R + (T + 1) + R + R * S + R * S + R * (T + 1) + R * T + R * T * K +
-                      (S + 1) + 4 * R + 2 + 1 + kStatusWords + max_rows * 2;
+  const size_t ints = zeroed + T * R + (T + 1) + R + R * S + R * S + R * (T + 1) + R * T +
+                      R * T * K + (S + 1) + 4 * R + 2 + 1 + kStatusWords + max_rows * 2;
   // recv_x is copied 16 bytes at a time: start it on a 256-byte boundary.
   const size_t head = ints * sizeof(int32_t) + max_rows * sizeof(float);
   const size_t recv_offset = (head + 255) / 256 * 256;

@@ -1291,6 +1291,13 @@ TEST(BalancerServerTest, ADrainWhoseNcclLinkTakesTheTimeLeftIsAnsweredWithNothin
   EXPECT_EQ(held_links.most(), 1);
   EXPECT_TRUE(a.prepares().empty());
   EXPECT_TRUE(b.prepares().empty());
+  // The held CreateLink makes its id once let go (at its deadline, the caller gone): the next
+  // link is the second.
+  for (const absl::Time until = absl::Now() + absl::Seconds(10);
+       a.links() < 1 && absl::Now() < until;) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_EQ(a.links(), 1);
   balancer.Tick();
   EXPECT_EQ(a.commits(), (std::vector<uint64_t>{3}));
   EXPECT_EQ(b.commits(), (std::vector<uint64_t>{3}));
