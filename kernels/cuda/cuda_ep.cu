@@ -75,6 +75,18 @@ constexpr int kPollBlocksPerSm = 2;
     }                                                                                    \
   } while (0)
 
+// As UBEP_CUDA_RETURN_IF_ERROR, in a CudaEp call that took its epoch (the peers wait for this
+// rank in it): the error goes through FailedAfterTakingPart, which tells them.
+#define UBEP_CUDA_FAIL_CALL_IF_ERROR(expr)                                               \
+  do {                                                                                   \
+    cudaError_t ubep_cuda_error_ = (expr);                                               \
+    if (ubep_cuda_error_ != cudaSuccess) {                                               \
+      return FailedAfterTakingPart(absl::InternalError(                                  \
+          absl::StrCat(__FILE__, ":", __LINE__, ": " #expr ": ",                         \
+                       cudaGetErrorString(ubep_cuda_error_))));                          \
+    }                                                                                    \
+  } while (0)
+
 // Everything a kernel needs, passed by value.
 struct Params {
   int rank, num_ranks, max_tokens, hidden, top_k, slots_per_rank, num_experts, num_tokens, layer;
@@ -1231,6 +1243,10 @@ struct CudaEp::Scratch {
   uint32_t* host_status = nullptr;
   int32_t* host_slot_offsets = nullptr;
   cudaStream_t stream = nullptr;
+  // Non-blocking: copies that must not wait for the kernels of a call in flight on `stream`
+  // (FailedAfterTakingPart's refusal record and abort words; the legacy default stream
+  // would wait for them).
+  cudaStream_t side = nullptr;
 };
 
 CudaEp::CudaEp(const EpConfig& config, int rank)
@@ -1241,6 +1257,7 @@ CudaEp::~CudaEp() {
   if (scratch_->arenas != nullptr) cudaFree(scratch_->arenas);
   if (scratch_->host_status != nullptr) cudaFreeHost(scratch_->host_status);
   if (scratch_->stream != nullptr) cudaStreamDestroy(scratch_->stream);
+  if (scratch_->side != nullptr) cudaStreamDestroy(scratch_->side);
 }
 
 absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, int rank,
@@ -1263,6 +1280,7 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   Scratch& s = *ep->scratch_;
   // A blocking stream: ordered after the caller's uploads on the legacy default stream.
   UBEP_CUDA_RETURN_IF_ERROR(cudaStreamCreate(&s.stream));
+  UBEP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s.side, cudaStreamNonBlocking));
   UBEP_CUDA_RETURN_IF_ERROR(
       cudaMalloc(reinterpret_cast<void**>(&s.arenas), sizeof(std::byte*) * arenas.size()));
   UBEP_CUDA_RETURN_IF_ERROR(cudaMallocHost(
@@ -1419,17 +1437,19 @@ void CudaEp::set_partial_delay_for_testing(absl::Duration delay, int source) {
 absl::Status CudaEp::CheckStatus(const char* what, uint32_t call,
                                  const CudaDispatchInput* input) {
   Scratch& s = *scratch_;
-  UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.host_status, s.params.status,
-                                            sizeof(uint32_t) * kStatusWords,
-                                            cudaMemcpyDeviceToHost, s.stream));
-  UBEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s.stream));
+  // Called within a call (its epoch taken): a failure here is the call's, told to the peers.
+  UBEP_CUDA_FAIL_CALL_IF_ERROR(cudaMemcpyAsync(s.host_status, s.params.status,
+                                               sizeof(uint32_t) * kStatusWords,
+                                               cudaMemcpyDeviceToHost, s.stream));
+  UBEP_CUDA_FAIL_CALL_IF_ERROR(cudaStreamSynchronize(s.stream));
   const uint32_t* status = s.host_status;
   if (status[kStatusStalled] != 0) {
-    return absl::InternalError(absl::StrCat(
+    // Its rows' flags stay down: the peers are told, as for a launch that failed.
+    return FailedAfterTakingPart(absl::InternalError(absl::StrCat(
         "rank ", rank_, ": ", what, ", call ", call, ": a block of SendKernel waited ",
         absl::FormatDuration(config_.timeout),
         " for another block of the same launch; the cooperative launch should have kept every "
-        "block resident"));
+        "block resident")));
   }
   if (status[kStatusCorrupt] != 0) {
     // Worded from the source's count word and records as they lie in this rank's landing
@@ -1541,17 +1561,57 @@ void CudaEp::TakePart() {
   refusal_recorded_ = false;
 }
 
-void CudaEp::WriteRefusal(const std::byte (&body)[kRefusalBody]) {
-  // Synchronous copies, each done before the next begins: the sequence word odd, the body,
-  // the word even. A copy that fails leaves the record as it was, or odd (read as none).
+namespace {
+
+// A copy done before it returns, on `stream` (nullptr: the legacy default stream, as
+// cudaMemcpy).
+bool CopyNow(void* to, const void* from, size_t bytes, cudaMemcpyKind kind, cudaStream_t stream) {
+  return cudaMemcpyAsync(to, from, bytes, kind, stream) == cudaSuccess &&
+         cudaStreamSynchronize(stream) == cudaSuccess;
+}
+
+}  // namespace
+
+void CudaEp::WriteRefusal(const std::byte (&body)[kRefusalBody], bool side) {
+  // Copies each done before the next begins: the sequence word odd, the body, the word even.
+  // A copy that fails leaves the record as it was, or odd (read as none).
+  cudaStream_t stream = side ? scratch_->side : nullptr;
   auto* seq = reinterpret_cast<uint32_t*>(own_arena_ + layout_.refusal);
   uint32_t before = 0;
-  if (cudaMemcpy(&before, seq, sizeof(before), cudaMemcpyDeviceToHost) != cudaSuccess) return;
+  if (!CopyNow(&before, seq, sizeof(before), cudaMemcpyDeviceToHost, stream)) return;
   const uint32_t odd = SeqWhileWriting(before), even = odd + 1;
-  if (cudaMemcpy(seq, &odd, sizeof(odd), cudaMemcpyHostToDevice) == cudaSuccess &&
-      cudaMemcpy(seq + 1, body, sizeof(body), cudaMemcpyHostToDevice) == cudaSuccess) {
-    cudaMemcpy(seq, &even, sizeof(even), cudaMemcpyHostToDevice);
+  if (CopyNow(seq, &odd, sizeof(odd), cudaMemcpyHostToDevice, stream) &&
+      CopyNow(seq + 1, body, sizeof(body), cudaMemcpyHostToDevice, stream)) {
+    CopyNow(seq, &even, sizeof(even), cudaMemcpyHostToDevice, stream);
   }
+}
+
+absl::Status CudaEp::FailedAfterTakingPart(absl::Status error) {
+  // The refusal record first, then the abort word, as the host backend's SendersStopped: a
+  // peer that sees the word reads why. On the side stream: the call's kernels still in
+  // flight wait for peers, and for this very word.
+  std::byte body[kRefusalBody];
+  FormatRefusal(PhaseInFlight(dispatch_epoch_, combine_epoch_), error.message(), body);
+  WriteRefusal(body, /*side=*/true);
+  refusal_recorded_ = true;
+  // Read, then set where still 0 (the first reason wins): a peer's kernel that raises it in
+  // between loses its reason to this one, which names a rank that failed all the same.
+  const uint32_t code = kAbortTimedOutBase + static_cast<uint32_t>(rank_);
+  for (size_t r = 0; r < arenas_.size(); ++r) {
+    if (r >= member_.size() || !member_[r] || arenas_[r] == nullptr) continue;
+    uint32_t word = 0;
+    if (CopyNow(&word, arenas_[r] + layout_.abort, sizeof(word), cudaMemcpyDeviceToHost,
+                scratch_->side) &&
+        word == 0) {
+      CopyNow(arenas_[r] + layout_.abort, &code, sizeof(code), cudaMemcpyHostToDevice,
+              scratch_->side);
+    }
+  }
+  // The call's kernels launched so far end on the word (or at their deadline): none may
+  // still read the caller's buffers once this returns.
+  (void)cudaStreamSynchronize(scratch_->stream);
+  (void)cudaGetLastError();
+  return error;
 }
 
 std::string CudaEp::Refusal(int rank, CallPhase phase) const {
@@ -1604,6 +1664,11 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
   }
   TakePart();
   dispatch_completed_ = false;
+  // The ranks this call, and its combine, wait for and may tell (FailedAfterTakingPart).
+  member_.assign(config_.num_ranks, 1);
+  for (int r = 0; r < config_.num_ranks; ++r) {
+    member_[r] = !RankExcluded(in.host_plan, static_cast<uint32_t>(r));
+  }
   Scratch& s = *scratch_;
   Params p = s.params;
   p.num_tokens = in.num_tokens;
@@ -1628,7 +1693,11 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
   // sticky error (a broken context) comes back at that check.
   (void)cudaGetLastError();
   GateKernel<<<1, 32, 0, s.stream>>>(p);  // Clears the status words; the abort word's look.
-  UBEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.published, 0, s.zeroed_bytes, s.stream));
+  if (fail_after_taking_part_for_testing_) {
+    return FailedAfterTakingPart(
+        absl::InternalError("cuda backend: a launch failed (for the test)"));
+  }
+  UBEP_CUDA_FAIL_CALL_IF_ERROR(cudaMemsetAsync(p.published, 0, s.zeroed_bytes, s.stream));
   const size_t per_rank_shared = sizeof(int32_t) * config_.num_ranks;
   bool launched = false;
   if (s.fused) {
@@ -1642,7 +1711,7 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
     // if it still finds the grid too large to keep resident, this call counts first, then sends.
     if (error == cudaErrorCooperativeLaunchTooLarge) (void)cudaGetLastError();
     if (!launched && error != cudaErrorCooperativeLaunchTooLarge) {
-      UBEP_CUDA_RETURN_IF_ERROR(error);
+      UBEP_CUDA_FAIL_CALL_IF_ERROR(error);
     }
   }
   if (!launched) {
@@ -1678,11 +1747,11 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
   if (config_.flagged_tokens > 0 && TagScrubDue(p.epoch)) {
     ScrubKernel<<<s.wide_blocks, kThreads, 0, s.stream>>>(p, p.off_rows, ScrubTag(p.epoch));
   }
-  UBEP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  UBEP_CUDA_FAIL_CALL_IF_ERROR(cudaGetLastError());
   // Read with the status (CheckStatus synchronizes the stream once for both).
-  UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.host_slot_offsets, p.slot_offsets,
-                                            sizeof(int32_t) * (config_.slots_per_rank + 1),
-                                            cudaMemcpyDeviceToHost, s.stream));
+  UBEP_CUDA_FAIL_CALL_IF_ERROR(cudaMemcpyAsync(s.host_slot_offsets, p.slot_offsets,
+                                               sizeof(int32_t) * (config_.slots_per_rank + 1),
+                                               cudaMemcpyDeviceToHost, s.stream));
   // bsp's waits are named by their phases (count exchange, barrier), as on the host.
   const absl::Status st = CheckStatus("dispatch data", p.epoch, &in);
   if (const uint32_t code = s.host_status[kStatusRefused]; code != 0) {
@@ -1730,11 +1799,11 @@ absl::Status CudaEp::Combine(const void* y, void* out) {
   Params p = s.params;
   p.epoch = ++combine_epoch_;
   p.off_completed = layout_.combine_completed;
-  UBEP_CUDA_RETURN_IF_ERROR(
+  UBEP_CUDA_FAIL_CALL_IF_ERROR(
       cudaMemsetAsync(p.status, 0, kStatusWords * sizeof(uint32_t), s.stream));
-  UBEP_CUDA_RETURN_IF_ERROR(
+  UBEP_CUDA_FAIL_CALL_IF_ERROR(
       cudaMemsetAsync(p.combine_done, 0, sizeof(int32_t) * config_.num_ranks, s.stream));
-  UBEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.deadline, 0, sizeof(*p.deadline), s.stream));
+  UBEP_CUDA_FAIL_CALL_IF_ERROR(cudaMemsetAsync(p.deadline, 0, sizeof(*p.deadline), s.stream));
   (void)cudaGetLastError();  // Not this call's (as in Dispatch).
   PartialKernel<<<s.wide_blocks, kThreads, 0, s.stream>>>(p, static_cast<const uint16_t*>(y));
   if (p.bsp) {
@@ -1752,7 +1821,7 @@ absl::Status CudaEp::Combine(const void* y, void* out) {
   if (config_.flagged_tokens > 0 && TagScrubDue(p.epoch)) {
     ScrubKernel<<<s.wide_blocks, kThreads, 0, s.stream>>>(p, p.off_partials, ScrubTag(p.epoch));
   }
-  UBEP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  UBEP_CUDA_FAIL_CALL_IF_ERROR(cudaGetLastError());
   return CheckStatus("combine partials", p.epoch);
 }
 

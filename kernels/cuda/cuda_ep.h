@@ -127,6 +127,11 @@ class CudaEp {
   // before that source's partials only).
   void set_row_delay_for_testing(absl::Duration delay);
   void set_partial_delay_for_testing(absl::Duration delay, int source = -1);
+  // Tests only: Dispatch fails once it took its epoch, as when a launch fails there
+  // (FailedAfterTakingPart), with "cuda backend: a launch failed (for the test)".
+  void set_fail_after_taking_part_for_testing(bool fail) {
+    fail_after_taking_part_for_testing_ = fail;
+  }
 
  private:
   struct Scratch;
@@ -135,8 +140,18 @@ class CudaEp {
   // left, for phase `what` of call `call`; `input`, a dispatch's, words a bad pair's error.
   absl::Status CheckStatus(const char* what, uint32_t call,
                            const CudaDispatchInput* input = nullptr);
-  // Writes a refusal record's body into this rank's arena (sequence word odd, body, even).
-  void WriteRefusal(const std::byte (&body)[kRefusalBody]);
+  // Writes a refusal record's body into this rank's arena (sequence word odd, body, even), on
+  // the legacy default stream, or with `side` on a stream that does not wait for a call in
+  // flight.
+  void WriteRefusal(const std::byte (&body)[kRefusalBody], bool side = false);
+  // The error of a call that failed on this rank after it took the call's epoch (a launch or
+  // an asynchronous copy the driver refused): recorded as this rank's refusal of the call,
+  // with the abort word raised naming this rank in every member's arena, as the host
+  // backend's SendersStopped does, so that the peers stop waiting for it at once and say
+  // why, and this rank's next call is refused as after any give-up (not as a second
+  // dispatch). Returns `error` once the call's kernels launched so far are done (they end on
+  // the word).
+  absl::Status FailedAfterTakingPart(absl::Status error);
   // This rank takes part in a call: a refusal it recorded no longer explains a wait for it.
   void TakePart();
   // Why rank `rank` refused `phase`, if its arena records that it did (ReadRefusal), else "".
@@ -158,6 +173,8 @@ class CudaEp {
   // The last Dispatch completed (OK, bad input found on the device, or over the receive
   // capacity): its scratch describes the call, and Combine may run on it.
   bool dispatch_completed_ = false;
+  std::vector<char> member_;  // Per rank: in the group under the last dispatch's plan.
+  bool fail_after_taking_part_for_testing_ = false;
   std::unique_ptr<Scratch> scratch_;
 };
 

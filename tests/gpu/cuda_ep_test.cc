@@ -58,6 +58,11 @@ struct Faults {
   // Not -1: this rank leaves once its first call's combine returned: it sets every arena's
   // abort word to ubepd's "rank left" code for itself, and runs no further call.
   int leaving_rank = -1;
+  // Not -1: this rank's first Dispatch fails once it took its epoch, as when a launch fails
+  // there (CudaEp::set_fail_after_taking_part_for_testing), 1 s after the others began
+  // theirs; it then calls Combine and Dispatch once more. Its error is the three results'
+  // messages joined by " | " (the group must have no reference: RunGroup's expected null).
+  int failing_rank = -1;
 };
 
 struct RankResult {
@@ -298,6 +303,18 @@ std::string RunRank(const EpConfig& c, int rank, const TestPlan& plan,
     return (*ep)->Dispatch({d.x, d.idx, d.w, calls[k].num_tokens, 0, d_table, plan.header()},
                            out);
   };
+  if (rank == faults.failing_rank) {
+    // The others' counts are out by then: they wait for this rank alone.
+    absl::SleepFor(absl::Seconds(1));
+    (*ep)->set_fail_after_taking_part_for_testing(true);
+    CudaDispatchOutput out;
+    const absl::Status failed = dispatch(0, out);
+    (*ep)->set_fail_after_taking_part_for_testing(false);
+    const absl::Status combined = (*ep)->Combine(nullptr, nullptr);
+    const absl::Status again = dispatch(0, out);
+    return finish(absl::StrCat(failed.ToString(), " | ", combined.ToString(), " | ",
+                               again.ToString()));
+  }
   if (expected == nullptr) {
     CudaDispatchOutput out;
     const absl::Status s = dispatch(0, out);
@@ -557,6 +574,35 @@ TEST_P(CudaEpTest, PeersOfARankThatRefusedItsInputSayWhy) {
     if (r == 1) continue;
     EXPECT_EQ(outcome.errors[r],
               absl::StrCat("rank ", r, ": timed out after 500ms waiting for rank 1 (",
+                           c.protocol == Protocol::kBsp ? "count exchange" : "dispatch counts",
+                           ", call 1); rank 1 refused this call: ", why));
+  }
+}
+
+// Rank 1's dispatch fails after it took its epoch (a launch refused): its peers stop waiting
+// and say why, and rank 1's combine and next dispatch are refused as after any give-up, not as
+// a second dispatch. That refusal comes at once, well inside the peers' 10 s timeout: only
+// the abort word rank 1 raised itself, in every member's arena, can have made it.
+TEST_P(CudaEpTest, PeersOfARankWhoseLaunchFailedMidCallSayWhyAtOnce) {
+  EpConfig c = GpuConfig(std::get<0>(GetParam()), std::get<1>(GetParam()));
+  c.timeout = absl::Seconds(10);
+  const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  std::vector<RankInput> inputs;
+  for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 8, 4));
+  Faults faults;
+  faults.failing_rank = 1;
+  const RunOutcome outcome = RunGroup(c, plan, inputs, nullptr, faults);
+  const std::string why = "cuda backend: a launch failed (for the test)";
+  EXPECT_EQ(outcome.errors[1],
+            absl::StrCat("INTERNAL: ", why,
+                         " | FAILED_PRECONDITION: rank 1: combine after dispatch call 1 "
+                         "failed; the group must be re-formed | FAILED_PRECONDITION: rank 1: "
+                         "dispatch call 2 refused: the group gave up on rank 1 in an earlier "
+                         "call; it must be re-formed"));
+  for (int r = 0; r < c.num_ranks; ++r) {
+    if (r == 1) continue;
+    EXPECT_EQ(outcome.errors[r],
+              absl::StrCat("rank ", r, ": timed out after 10s waiting for rank 1 (",
                            c.protocol == Protocol::kBsp ? "count exchange" : "dispatch counts",
                            ", call 1); rank 1 refused this call: ", why));
   }
