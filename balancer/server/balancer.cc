@@ -1496,12 +1496,13 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
         MutexLock lock(&mu_);
         if (PlanInForceEverywhere()) break;
       }
-      if (MonotonicNow() >= answer_by) {
+      const absl::Time now = MonotonicNow();
+      if (now >= answer_by) {
         return absl::AbortedError(absl::StrCat("plan v", previous.version,
                                                " is not in force on every rank yet; no plan "
                                                "was made before the caller's deadline"));
       }
-      absl::SleepFor(absl::Milliseconds(50));
+      absl::SleepFor(std::min(absl::Milliseconds(50), answer_by - now));  // Not past it.
     }
     MutexLock lock(&mu_);
     effective_step = EstimateStep() + static_cast<uint64_t>(options_.min_margin_steps);

@@ -1331,7 +1331,7 @@ TEST(BalancerServerTest, ARebalanceWaitingForThePlanToBeInForceIsAnsweredBeforeI
   ASSERT_NE(served.server, nullptr);
   auto rebalance = [&](v1::RebalanceResponse* answer) {
     grpc::ClientContext context;
-    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(3)));
     return served.control->Rebalance(&context, v1::RebalanceRequest(), answer);
   };
   v1::RebalanceResponse answer;
