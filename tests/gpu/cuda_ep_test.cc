@@ -517,19 +517,28 @@ TEST_P(CudaEpTest, ConsecutiveCallsMatchTheHostBackend) {
   }));
 }
 
-TEST_P(CudaEpTest, AMissingPeerTimesOutWithItsName) {
-  EpConfig c = GpuConfig(std::get<0>(GetParam()), std::get<1>(GetParam()));
-  c.timeout = absl::Milliseconds(500);
+// The phase a dispatch waits for its peers' counts in, as its errors name it.
+const char* CountsPhase(const EpConfig& c) {
+  return c.protocol == Protocol::kBsp ? "count exchange" : "dispatch counts";
+}
+
+// One call of 8 tokens per rank under a round-robin plan, with `faults`, no reference: every
+// rank's error.
+std::vector<std::string> RunEightTokensEach(const EpConfig& c, const Faults& faults) {
   const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
   std::vector<RankInput> inputs;
   for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 8, 4));
-  const RunOutcome outcome = RunGroup(c, plan, inputs, nullptr, {.dead_rank = 1});
+  return RunGroup(c, plan, inputs, nullptr, faults).errors;
+}
+
+TEST_P(CudaEpTest, AMissingPeerTimesOutWithItsName) {
+  EpConfig c = GpuConfig(std::get<0>(GetParam()), std::get<1>(GetParam()));
+  c.timeout = absl::Milliseconds(500);
+  const std::vector<std::string> errors = RunEightTokensEach(c, {.dead_rank = 1});
   for (int r = 0; r < c.num_ranks; ++r) {
     if (r == 1) continue;
-    EXPECT_EQ(outcome.errors[r],
-              absl::StrCat("rank ", r, ": timed out after 500ms waiting for rank 1 (",
-                           c.protocol == Protocol::kBsp ? "count exchange" : "dispatch counts",
-                           ", call 1); is rank 1 alive?"));
+    EXPECT_EQ(errors[r], absl::StrCat("rank ", r, ": timed out after 500ms waiting for rank 1 (",
+                                      CountsPhase(c), ", call 1); is rank 1 alive?"));
   }
 }
 
@@ -540,17 +549,12 @@ TEST_P(CudaEpTest, OfSeveralMissingPeersTheLowestIsNamed) {
   if (std::get<0>(GetParam()) != 4) GTEST_SKIP() << "a four-rank case";
   EpConfig c = GpuConfig(4, std::get<1>(GetParam()));
   c.timeout = absl::Milliseconds(300);
-  const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
-  std::vector<RankInput> inputs;
-  for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 8, 4));
   for (int run = 0; run < 3; ++run) {
-    const RunOutcome outcome =
-        RunGroup(c, plan, inputs, nullptr, {.dead_rank = 2, .second_dead_rank = 1});
+    const std::vector<std::string> errors =
+        RunEightTokensEach(c, {.dead_rank = 2, .second_dead_rank = 1});
     for (int r : {0, 3}) {
-      EXPECT_EQ(outcome.errors[r],
-                absl::StrCat("rank ", r, ": timed out after 300ms waiting for rank 1 (",
-                             c.protocol == Protocol::kBsp ? "count exchange" : "dispatch counts",
-                             ", call 1); is rank 1 alive?"))
+      EXPECT_EQ(errors[r], absl::StrCat("rank ", r, ": timed out after 300ms waiting for rank 1 (",
+                                        CountsPhase(c), ", call 1); is rank 1 alive?"))
           << "run " << run;
     }
   }
@@ -574,8 +578,7 @@ TEST_P(CudaEpTest, PeersOfARankThatRefusedItsInputSayWhy) {
     if (r == 1) continue;
     EXPECT_EQ(outcome.errors[r],
               absl::StrCat("rank ", r, ": timed out after 500ms waiting for rank 1 (",
-                           c.protocol == Protocol::kBsp ? "count exchange" : "dispatch counts",
-                           ", call 1); rank 1 refused this call: ", why));
+                           CountsPhase(c), ", call 1); rank 1 refused this call: ", why));
   }
 }
 
@@ -586,14 +589,9 @@ TEST_P(CudaEpTest, PeersOfARankThatRefusedItsInputSayWhy) {
 TEST_P(CudaEpTest, PeersOfARankWhoseLaunchFailedMidCallSayWhyAtOnce) {
   EpConfig c = GpuConfig(std::get<0>(GetParam()), std::get<1>(GetParam()));
   c.timeout = absl::Seconds(10);
-  const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
-  std::vector<RankInput> inputs;
-  for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 8, 4));
-  Faults faults;
-  faults.failing_rank = 1;
-  const RunOutcome outcome = RunGroup(c, plan, inputs, nullptr, faults);
+  const std::vector<std::string> errors = RunEightTokensEach(c, {.failing_rank = 1});
   const std::string why = "cuda backend: a launch failed (for the test)";
-  EXPECT_EQ(outcome.errors[1],
+  EXPECT_EQ(errors[1],
             absl::StrCat("INTERNAL: ", why,
                          " | FAILED_PRECONDITION: rank 1: combine after dispatch call 1 "
                          "failed; the group must be re-formed | FAILED_PRECONDITION: rank 1: "
@@ -601,10 +599,9 @@ TEST_P(CudaEpTest, PeersOfARankWhoseLaunchFailedMidCallSayWhyAtOnce) {
                          "call; it must be re-formed"));
   for (int r = 0; r < c.num_ranks; ++r) {
     if (r == 1) continue;
-    EXPECT_EQ(outcome.errors[r],
-              absl::StrCat("rank ", r, ": timed out after 10s waiting for rank 1 (",
-                           c.protocol == Protocol::kBsp ? "count exchange" : "dispatch counts",
-                           ", call 1); rank 1 refused this call: ", why));
+    EXPECT_EQ(errors[r], absl::StrCat("rank ", r, ": timed out after 10s waiting for rank 1 (",
+                                      CountsPhase(c), ", call 1); rank 1 refused this call: ",
+                                      why));
   }
 }
 
@@ -820,7 +817,7 @@ TEST_P(CudaEpTest, ARankThatLeftAfterItsLastCallSparesThatCallNotTheNext) {
   for (int r : {0, 2, 3}) {
     EXPECT_EQ(errors[r],
               absl::StrCat("rank ", r, ": rank 1 left the group (it detached, rejoined or ended, or "
-                           "its ubepd exited) during ", c.protocol == Protocol::kBsp ? "count exchange" : "dispatch counts",
+                           "its ubepd exited) during ", CountsPhase(c),
                            " of call 2; join again once rank 1 is back (call 2)"));
   }
 }
@@ -939,7 +936,7 @@ TEST_P(CudaEpTest, ADispatchAfterTheGroupGaveUpIsRefusedBeforeAnyByteMoves) {
   EXPECT_EQ(ep->Dispatch({x, idx, w, c.max_tokens + 1, 0, table, plan.header()}, too_many),
             absl::InvalidArgumentError(absl::StrCat(c.max_tokens + 1, " tokens exceed max_tokens ",
                                                     c.max_tokens, " of this rank's buffers")));
-  const std::string counts = c.protocol == Protocol::kUbep ? "dispatch counts" : "count exchange";
+  const std::string counts = CountsPhase(c);
   const std::vector<std::pair<uint32_t, absl::Status>> cases = {
       {kAbortTimedOutBase + 1,
        absl::FailedPreconditionError("rank 0: dispatch call 1 refused: the group gave up on "
