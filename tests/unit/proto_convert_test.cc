@@ -231,7 +231,7 @@ TEST(ProtoConvertTest, ScalesEachRanksCountsToTheMeanDispatches) {
   EXPECT_EQ(LoadFromProto(report, &plan).status(),
             absl::InvalidArgumentError("load report from 'node-1' layers[0]: 4 slot counts are "
                                        "not whole ranks of 3 dispatch counts"));
-  // Whole, but not ranks: one dispatch count over all four slots, or counts from slot 5.
+  // Whole, but not ranks: one dispatch count over all four slots, or two from slot 3.
   layer->clear_dispatches();
   layer->add_dispatches(2);
   EXPECT_EQ(LoadFromProto(report, &plan).status(),
@@ -239,13 +239,12 @@ TEST(ProtoConvertTest, ScalesEachRanksCountsToTheMeanDispatches) {
                                        "1 rank over slots [4, 8), which are not whole ranks of "
                                        "plan v1 (2 slots each)"));
   layer->add_dispatches(2);
-  layer->set_first_slot(5);
-  layer->mutable_slot()->RemoveLast();
-  layer->mutable_slot()->RemoveLast();
+  layer->set_first_slot(3);
   EXPECT_EQ(LoadFromProto(report, &plan).status(),
             absl::InvalidArgumentError("load report from 'node-1' layers[0]: dispatch counts for "
-                                       "2 ranks over slots [5, 7), which are not whole ranks of "
+                                       "2 ranks over slots [3, 7), which are not whole ranks of "
                                        "plan v1 (2 slots each)"));
+  layer->set_first_slot(4);
   layer->clear_dispatches();
   EXPECT_EQ(MeanDispatches(report), std::nullopt);
 }
