@@ -29,7 +29,7 @@ constexpr int kMaxRanks = 8;
 struct Board {
   std::atomic<int> ready, armed, done, reform[2], scrubbed[2];
   std::byte handles[kMaxRanks][64];
-  char error[kMaxRanks][256];
+  char error[kMaxRanks][512];  // Room for a rank's longest joined errors (Faults::failing_rank).
 };
 
 // Every rank process adds itself to `met` and waits (up to 30 s) for the others.
