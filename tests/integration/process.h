@@ -19,6 +19,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/process.h"
+#include "tests/wait_for.h"
 
 namespace ubep::test {
 
@@ -35,17 +36,6 @@ inline std::string ReadFile(const std::string& path) {
   std::stringstream s;
   s << in.rdbuf();
   return s.str();
-}
-
-// Polls `ready()` every 10 ms until it holds or `timeout` passes; returns whether it held.
-template <typename Predicate>
-bool WaitFor(Predicate ready, absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  while (!ready()) {
-    if (absl::Now() > deadline) return false;
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  return true;
 }
 
 using ::ubep::Process;

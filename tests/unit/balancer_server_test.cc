@@ -23,6 +23,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "prometheus/registry.h"
+#include "tests/wait_for.h"
 
 namespace ubep::balancer {
 namespace {
@@ -1138,10 +1139,7 @@ TEST(BalancerServerTest, AForgetDrainOrRebalanceDuringAPlanChangeIsAnsweredBefor
   a->HoldPrepares(true);
   b.reset();
   std::thread ticks([&] { TickUntilDown(balancer, "node-b"); });  // v2 stops at Prepare.
-  for (const absl::Time until = absl::Now() + absl::Seconds(10);
-       a->prepares().empty() && absl::Now() < until;) {
-    absl::SleepFor(absl::Milliseconds(5));
-  }
+  test::WaitFor([&] { return !a->prepares().empty(); }, absl::Seconds(10));
   v1::ForgetResponse response;
   grpc::Status status = forget(absl::Seconds(2), &response);
   // A drain and a rebalance asked meanwhile are answered the same way, and not done later.
@@ -1232,12 +1230,8 @@ TEST(BalancerServerTest, APlanNotPreparedBeforeTheCallersDeadlineIsAbortedAndThe
   // node-a's Prepare, let go, leaves v2 pending there (unless its held Abort, let go at its
   // own deadline, comes after it and aborts it): recovery aborts what is pending, and the
   // drain asked for is committed as v3.
-  auto prepare_landed = [&] { return a->pending() == 2 || !a->aborted().empty(); };
-  for (const absl::Time until = absl::Now() + absl::Seconds(10);
-       !prepare_landed() && absl::Now() < until;) {
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  ASSERT_TRUE(prepare_landed());
+  ASSERT_TRUE(test::WaitFor([&] { return a->pending() == 2 || !a->aborted().empty(); },
+                            absl::Seconds(10)));
   for (int i = 0; i < 3 && a->commits().empty(); ++i) balancer->Tick();
   // node-b's Abort had 50 ms (the decision round's time past the caller's margin): taken
   // then, or by recovery at the ticks.
@@ -1301,10 +1295,7 @@ TEST(BalancerServerTest, ADrainWhoseNcclLinkTakesTheTimeLeftIsAnsweredWithNothin
   EXPECT_TRUE(b.prepares().empty());
   // The held CreateLink makes its id once let go (at its deadline, the caller gone): the next
   // link is the second.
-  for (const absl::Time until = absl::Now() + absl::Seconds(10);
-       a.links() < 1 && absl::Now() < until;) {
-    absl::SleepFor(absl::Milliseconds(5));
-  }
+  ASSERT_TRUE(test::WaitFor([&] { return a.links() >= 1; }, absl::Seconds(10)));
   ASSERT_EQ(a.links(), 1);
   balancer.Tick();
   EXPECT_EQ(a.commits(), (std::vector<uint64_t>{3}));
@@ -1908,10 +1899,8 @@ TEST(BalancerServerTest, APrepareThatLandsAfterItsAbortIsAbortedWhereItLeftThePl
   b.HoldPrepares(false);
   // The Prepare lands and leaves v2 pending (unless the Abort, late past its own 300 ms,
   // came after it and aborted it there).
-  auto landed = [&] { return b.pending() == 2 || !b.aborted().empty(); };
-  const absl::Time until = absl::Now() + absl::Seconds(10);
-  while (!landed() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
-  ASSERT_TRUE(landed());
+  ASSERT_TRUE(test::WaitFor([&] { return b.pending() == 2 || !b.aborted().empty(); },
+                            absl::Seconds(10)));
   for (int i = 0; i < 20 && b.aborted().empty(); ++i) balancer->Tick();
   EXPECT_EQ(b.aborted(), std::vector<uint64_t>{2});
   // And the drain, still asked for, goes through.
