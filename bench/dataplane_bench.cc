@@ -22,8 +22,8 @@
 // on all alike; the percentiles are over all rounds. Each rank checks every iteration's
 // combine output against its input, outside the timing: the inputs alternate between two
 // sets of powers of two (bench::CheckedInput), which the identity experts and K weights 1/K
-// give back exactly, so a row dropped, doubled, given to another token or read before it was stored fails
-// the case. The exit status is 1 when a method that ran failed (shown or not).
+// give back exactly, so a row dropped, doubled, given to another token or read before it was
+// stored fails the case. The exit status is 1 when a method that ran failed (shown or not).
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -45,8 +45,8 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "bench/dataplane_inputs.h"
-#include "common/percentile.h"
 #include "common/cpus.h"
+#include "common/percentile.h"
 #include "kernels/common/host_cpu.h"
 #include "kernels/common/routing.h"
 #include "kernels/host/host_ep.h"

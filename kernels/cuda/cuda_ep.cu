@@ -1665,7 +1665,7 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
   TakePart();
   dispatch_completed_ = false;
   // The ranks this call, and its combine, wait for and may tell (FailedAfterTakingPart).
-  member_.assign(config_.num_ranks, 1);
+  member_.resize(config_.num_ranks);
   for (int r = 0; r < config_.num_ranks; ++r) {
     member_[r] = !RankExcluded(in.host_plan, static_cast<uint32_t>(r));
   }
