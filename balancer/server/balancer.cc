@@ -1525,6 +1525,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
     result.set_version(previous.version);
     return result;
   }
+  if (after_planning_for_testing_) after_planning_for_testing_();
   // What is prepared after the caller's deadline is aborted (below): nothing is prepared
   // when that time has come already.
   if (MonotonicNow() >= answer_by) {

@@ -12,6 +12,7 @@
 #ifndef UBEP_BALANCER_SERVER_BALANCER_H_
 #define UBEP_BALANCER_SERVER_BALANCER_H_
 
+#include <functional>
 #include <map>
 #include <mutex>
 #include <memory>
@@ -111,6 +112,13 @@ class Balancer final : public v1::Control::Service {
 
   // One loop iteration (the thread calls it every interval; tests may call it directly).
   void Tick();
+
+  // Tests only, set before the balancer is served: runs once a plan that changes the
+  // placement is made and before it is checked against the caller's deadline and prepared,
+  // as a planner slower than the caller's margin would take that time.
+  void set_after_planning_for_testing(std::function<void()> hook) {
+    after_planning_for_testing_ = std::move(hook);
+  }
 
  private:
   // A group's model, as its daemon registers it: the world size and the model shape. Plans
@@ -330,6 +338,7 @@ class Balancer final : public v1::Control::Service {
   prometheus::Family<prometheus::Counter>* rejected_;
   prometheus::Counter* stale_reports_;
   prometheus::Counter* over_capacity_calls_;
+  std::function<void()> after_planning_for_testing_;
   std::unique_ptr<PeriodicThread> thread_;  // Started by Start(); stopped first on destruction.
 };
 

@@ -1306,6 +1306,47 @@ TEST(BalancerServerTest, ADrainWhoseNcclLinkTakesTheTimeLeftIsAnsweredWithNothin
   served.server->Shutdown(std::chrono::system_clock::now());
 }
 
+// A drain whose plan takes the time left before the caller's deadline to make (a test hook
+// stretches the planner's time past the balancer's answer time, a tenth of the 5 s before the
+// deadline) is answered in time with nothing prepared anywhere and no version spent; the
+// drain stays asked for and the next interval commits it as v2.
+TEST(BalancerServerTest, ADrainWhosePlanTakesTheTimeLeftIsAnsweredWithNothingPrepared) {
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+  BalancerOptions options = NeverMarkedDown();
+  options.rpc_timeout = absl::Seconds(30);  // The caller's deadline comes first.
+  std::unique_ptr<Balancer> balancer = WithTwoDaemons(options, a, b);  // Learns v1.
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  std::atomic<int> plans_made{0};
+  balancer->set_after_planning_for_testing([&] {
+    // The first plan ends 250 ms before the deadline: 250 ms past the answer time (500 ms
+    // before it), and 250 ms for the answer to arrive.
+    if (plans_made++ == 0) absl::SleepFor(deadline - absl::Milliseconds(250) - absl::Now());
+  });
+  const Served served = Serve(*balancer);
+  ASSERT_NE(served.server, nullptr);
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(deadline));
+  v1::DrainRequest request;
+  request.set_node("node-b");
+  v1::RebalanceResponse answer;
+  const grpc::Status drain = served.control->Drain(&context, request, &answer);
+  EXPECT_EQ(drain.error_code(), grpc::StatusCode::ABORTED);
+  EXPECT_THAT(drain.error_message(),
+              ::testing::MatchesRegex(
+                  "a plan was made in [0-9.]+m?s; none was prepared before the caller's "
+                  "deadline; the drain stays asked for: each interval tries it again "
+                  "\\(undrain cancels it\\)"));
+  EXPECT_EQ(plans_made.load(), 1);
+  EXPECT_TRUE(a.prepares().empty());
+  EXPECT_TRUE(b.prepares().empty());
+  EXPECT_EQ(DrainedNodes(*balancer), (std::vector<std::string>{"node-b"}));
+  balancer->Tick();
+  EXPECT_EQ(plans_made.load(), 2);
+  EXPECT_EQ(a.commits(), (std::vector<uint64_t>{2}));
+  EXPECT_EQ(b.commits(), (std::vector<uint64_t>{2}));
+  served.server->Shutdown(std::chrono::system_clock::now());
+}
+
 // A rebalance asked while the plan committed last (v2, node-b drained) is not yet reported in
 // force on node-a's ranks waits for that only until the caller's deadline, and then says why
 // no plan was made; once node-a reports v2 in force, the rebalance is made.
