@@ -623,11 +623,13 @@ __device__ uint64_t CallDeadline(const Params& p) {
 // the dead rank; it also ends when the abort word is set (a peer gave up, or the daemon
 // stopped the group) or another wait of this call has ended. The first to end records 1 + s
 // and `phase` in status; the host reads the reason from the abort word.
-// `name_late()` names the peer a late wait gives up on (the lowest one still awaited, as
-// the host names it; by default s).
-template <typename NameLate>
+// `name_peer()` names the peer a wait that ends (late, or on the abort word) gives up on: the
+// lowest one still awaited, as the host names it (by default s). Not the waiting thread's
+// own s: of two threads of a warp whose waits end on the same abort word, either may record
+// first.
+template <typename NamePeer>
 __device__ bool WaitMustEnd(const Params& p, int s, uint64_t deadline, uint32_t phase,
-                            NameLate name_late) {
+                            NamePeer name_peer) {
   if (cuda::atomic_ref<uint32_t, cuda::thread_scope_device>(p.status[kStatusWaitEnded])
           .load(cuda::memory_order_relaxed) != 0) {
     return true;
@@ -648,7 +650,7 @@ __device__ bool WaitMustEnd(const Params& p, int s, uint64_t deadline, uint32_t 
     }
   }
   // One thread of the call records why it ended and, if late, tells every rank.
-  if (late) s = name_late();
+  s = name_peer();
   if (atomicCAS(&p.status[kStatusWaitEnded], 0u, 1u + s) == 0) {
     p.status[kStatusWaitPhase] = phase;
     p.status[kStatusWaitLate] = late ? 1 : 0;
@@ -684,8 +686,8 @@ __device__ void WaitFlags(const Params& p, size_t offset, uint32_t epoch,
   for (int s = threadIdx.x; s < p.num_ranks; s += blockDim.x) {
     if (!awaited(s)) continue;
     while (!FlagReached(flag_of(s), epoch)) {
-      // Late: the lowest source still awaited is the one named, whichever thread is first to
-      // see the deadline pass (the host's waits take the sources in rank order).
+      // The lowest source still awaited is the one named, whichever thread is first to see
+      // the deadline pass or the abort word set (the host names the first source pending).
       const bool end = WaitMustEnd(p, s, deadline, phase, [&] {
         for (int r = 0; r < s; ++r) {
           if (awaited(r) && !FlagReached(flag_of(r), epoch)) return r;

@@ -398,12 +398,29 @@ struct RunOutcome {
   std::vector<std::string> errors;
 };
 
+// Set once this test process used the device itself (the one-process tests, defined after
+// every test that forks rank processes, so that they run after them in gtest's order): a
+// rank process forked after that cannot use CUDA (gpu_test_util.h).
+bool cuda_in_test_process = false;
+
+void UseCudaInTestProcess() {
+  cuda_in_test_process = true;
+  UBEP_CHECK_CUDA(cudaSetDevice(0));
+}
+
 // Every rank as a process, calls after each other: inputs[k][r] is rank r's input to call k,
 // (*expected)[k][r] its reference.
 RunOutcome RunGroupCalls(const EpConfig& c, const TestPlan& plan,
                          const std::vector<std::vector<RankInput>>& inputs,
                          const std::vector<std::vector<RankResult>>* expected,
                          const Faults& faults) {
+  if (cuda_in_test_process) {
+    const std::string why =
+        "not run: a one-process test used CUDA in this process before (--gtest_shuffle or "
+        "--gtest_repeat?), and a rank process forked now could not use the device";
+    ADD_FAILURE() << why;
+    return RunOutcome{std::vector<std::string>(c.num_ranks, why)};
+  }
   SharedArena board_arena = *SharedArena::Create("gpu-board", sizeof(Board));
   auto* board = new (board_arena.data()) Board{};
   std::vector<pid_t> pids;
@@ -584,12 +601,15 @@ TEST_P(CudaEpTest, PeersOfARankThatRefusedItsInputSayWhy) {
 
 // Rank 1's dispatch fails after it took its epoch (a launch refused): its peers stop waiting
 // and say why, and rank 1's combine and next dispatch are refused as after any give-up, not as
-// a second dispatch. That refusal comes at once, well inside the peers' 10 s timeout: only
-// the abort word rank 1 raised itself, in every member's arena, can have made it.
+// a second dispatch. Rank 1's refusals show that it raised its own abort word; that the whole
+// group is done before the peers' 10 s timeout shows that it raised theirs too (a peer that
+// waited out its timeout would give the same words, at that deadline).
 TEST_P(CudaEpTest, PeersOfARankWhoseLaunchFailedMidCallSayWhyAtOnce) {
   EpConfig c = GpuConfig(std::get<0>(GetParam()), std::get<1>(GetParam()));
   c.timeout = absl::Seconds(10);
+  const absl::Time start = absl::Now();
   const std::vector<std::string> errors = RunEightTokensEach(c, {.failing_rank = 1});
+  EXPECT_LT(absl::Now() - start, c.timeout) << "the peers waited out their timeout";
   const std::string why = "cuda backend: a launch failed (for the test)";
   EXPECT_EQ(errors[1],
             absl::StrCat("INTERNAL: ", why,
@@ -919,7 +939,7 @@ TEST_P(CudaEpTest, ADispatchAfterTheGroupGaveUpIsRefusedBeforeAnyByteMoves) {
   const EpConfig c = GpuConfig(std::get<0>(GetParam()), std::get<1>(GetParam()));
   const ArenaLayout layout(c);
   const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
-  UBEP_CHECK_CUDA(cudaSetDevice(0));
+  UseCudaInTestProcess();
   OneProcessGroup group;
   ASSERT_NO_FATAL_FAILURE(group.Create(c));
   const std::vector<std::byte*>& pointers = group.pointers;
@@ -1002,7 +1022,7 @@ TEST_P(CudaEpTest, ACorruptSourceIsNamedBeforeAnythingIsIndexedByIt) {
                      absl::StrCat("record 0 entry 0 names local slot ", S + 5, " of ", S), 0,
                      true});
   }
-  UBEP_CHECK_CUDA(cudaSetDevice(0));
+  UseCudaInTestProcess();
   const RankInput in = MakeInput(c, 0, 8, 3);
   uint16_t* x = Upload(Bf16Input(in));
   int32_t* idx = Upload(in.topk_idx);
