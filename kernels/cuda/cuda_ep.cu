@@ -1597,7 +1597,10 @@ absl::Status CudaEp::FailedAfterTakingPart(absl::Status error) {
   WriteRefusal(body, /*side=*/true);
   refusal_recorded_ = true;
   // Read, then set where still 0 (the first reason wins): a peer's kernel that raises it in
-  // between loses its reason to this one, which names a rank that failed all the same.
+  // between loses its reason to this one, which names a rank that failed all the same (that
+  // arena then names another rank than the others may). Copies, not a kernel's compare-and-
+  // swap: a kernel may find no SM free while the call's kernels (a stalled SendKernel's whole
+  // grid) hold them until their deadline; the copy engines are free.
   const uint32_t code = kAbortTimedOutBase + static_cast<uint32_t>(rank_);
   for (size_t r = 0; r < arenas_.size(); ++r) {
     if (r >= member_.size() || !member_[r] || arenas_[r] == nullptr) continue;
