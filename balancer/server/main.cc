@@ -46,7 +46,7 @@ ABSL_FLAG(absl::Duration, registration_grace, absl::Seconds(30),
 ABSL_FLAG(bool, auto_rebalance, true, "Re-plan when the imbalance stays above the threshold.");
 ABSL_FLAG(absl::Duration, pause_before_commit, absl::ZeroDuration(),
           "Fault injection for tests: sleep between Prepare and Commit.");
-ABSL_FLAG(int, planner_threads, 0, "Threads planning chunks of layers at once; 0 = the cores.");
+ABSL_FLAG(int, planner_threads, 0, "Threads planning chunks of layers at once; 0 = the CPUs this process may run on.");
 ABSL_FLAG(std::string, ready_file, "", "Written once serving: JSON with the bound ports.");
 
 int main(int argc, char** argv) {
