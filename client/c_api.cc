@@ -106,26 +106,37 @@ void ubep_client_options_init(ubep_client_options* options, size_t struct_size) 
   if (failed != 0) std::memset(options, 0, size);
 }
 
-int ubep_attach(const char* socket_path, int32_t rank, int32_t world_size, int32_t device,
-                const ubep_model_shape* shape, ubep_rank** out) {
-  return ubep_attach_at(socket_path, rank, world_size, device, shape, -1, out);
-}
+namespace {
 
-int ubep_attach_at(const char* socket_path, int32_t rank, int32_t world_size, int32_t device,
-                   const ubep_model_shape* shape, int64_t next_step, ubep_rank** out) {
-  return Guard("ubep_attach_at", [&] {
+// ubep_attach and ubep_attach_at, each naming itself in its errors.
+int AttachAt(const char* function, const char* socket_path, int32_t rank, int32_t world_size,
+             int32_t device, const ubep_model_shape* shape, int64_t next_step, ubep_rank** out) {
+  return Guard(function, [&] {
     if (out != nullptr) *out = nullptr;  // On every error.
-    if (socket_path == nullptr) {
-      return Fail(absl::InvalidArgumentError("ubep_attach: null argument"));
+    if (socket_path == nullptr || shape == nullptr || out == nullptr) {
+      return Fail(absl::InvalidArgumentError(absl::StrCat(function, ": null argument")));
     }
     ubep_client_options options;
     ubep_client_options_init(&options, sizeof(options));
     if (options.struct_size == 0) {  // Out of memory for the defaults: not the caller's fault.
-      return FailFixed(absl::StatusCode::kResourceExhausted, "ubep_attach_at", "out of memory");
+      return FailFixed(absl::StatusCode::kResourceExhausted, function, "out of memory");
     }
     options.socket_path = socket_path;
     return ubep_attach_with(&options, rank, world_size, device, shape, next_step, out);
   });
+}
+
+}  // namespace
+
+int ubep_attach(const char* socket_path, int32_t rank, int32_t world_size, int32_t device,
+                const ubep_model_shape* shape, ubep_rank** out) {
+  return AttachAt("ubep_attach", socket_path, rank, world_size, device, shape, -1, out);
+}
+
+int ubep_attach_at(const char* socket_path, int32_t rank, int32_t world_size, int32_t device,
+                   const ubep_model_shape* shape, int64_t next_step, ubep_rank** out) {
+  return AttachAt("ubep_attach_at", socket_path, rank, world_size, device, shape, next_step,
+                  out);
 }
 
 int ubep_attach_with(const ubep_client_options* c_options, int32_t rank, int32_t world_size,

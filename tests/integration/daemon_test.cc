@@ -747,6 +747,12 @@ TEST_F(DaemonTest, CallsOutOfOrderAreRefusedNamingWhatWasExpected) {
   const ubep_model_shape good = {1, 4, 8, 2, 4, 4, 0, UBEP_DTYPE_FLOAT32};
   EXPECT_EQ(ubep_attach_at(nullptr, 0, 1, 0, &good, 7, &c_rank),
             static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_STREQ(ubep_last_error(), "ubep_attach_at: null argument");
+  EXPECT_EQ(c_rank, nullptr);
+  c_rank = reinterpret_cast<ubep_rank*>(uintptr_t{0x10});
+  EXPECT_EQ(ubep_attach(socket_path().c_str(), 0, 1, 0, nullptr, &c_rank),
+            static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_STREQ(ubep_last_error(), "ubep_attach: null argument");
   EXPECT_EQ(c_rank, nullptr);
 }
 
@@ -925,6 +931,7 @@ TEST_F(DaemonTest, CAbiStatsCountTheCalls) {
   idx[3] = 9;  // Out of range: counted as an error.
   EXPECT_EQ(ubep_dispatch(rank, 0, x.data(), idx.data(), w.data(), 4, d),
             static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_STREQ(ubep_last_error(), "topk_idx[1][1] = 9 is outside [-1, 4)");
   ASSERT_EQ(ubep_stats(rank, &stats), 0) << ubep_last_error();
   EXPECT_EQ(stats.generation, 1u);
   EXPECT_EQ(stats.step, 5u);

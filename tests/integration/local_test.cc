@@ -252,8 +252,6 @@ TEST_F(LocalTest, UbepLocalServedWhilePrometheusScrapesAndUbepctlOperates) {
   EXPECT_THAT(ReadFile(report + "/report.md"), HasSubstr("| every step equal to its float64 reference | yes |"));
 }
 
-// Ctrl-C: every process ubep-local started stops, nothing is left in /dev/shm, the working
-// directory is gone, and the report says the run was interrupted.
 // --max_recv_rows=1 reaches every daemon: every step routes some rank more than one row, so
 // every rank drops every step (the call fails on all of them at once), the run still ends
 // well (no served step is wrong), and the report and the summary count the dropped steps.
@@ -373,6 +371,9 @@ TEST_F(LocalTest, ARunWithoutACommitHasNoPictureAndLeavesNoEarlierOne) {
   EXPECT_EQ(r["rebalances"], 0);
 }
 
+// Ctrl-C: every process ubep-local started stops, nothing is left in /dev/shm (the arenas
+// are memfds, which go with their processes; a file there would be a leak), the working
+// directory is gone, and the report says the run was interrupted.
 TEST_F(LocalTest, InterruptStopsEveryProcessAndLeavesNothingBehind) {
   auto shm = [] {
     std::vector<std::string> names;

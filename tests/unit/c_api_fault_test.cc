@@ -186,7 +186,7 @@ TEST(CAbiFaultTest, AttachOutOfMemoryForItsDefaultsSaysSo) {
     error = ubep_last_error();
   }).join();
   EXPECT_EQ(code, 8);
-  EXPECT_EQ(error, "ubep_attach_at: out of memory");
+  EXPECT_EQ(error, "ubep_attach: out of memory");
   EXPECT_EQ(rank, nullptr);
 }
 

@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <filesystem>
 #include <functional>
@@ -309,10 +310,19 @@ TEST(ClientTest, AFailedDispatchLeavesNoRowsToCombine) {
   Dispatched never;
   ASSERT_TRUE((*rank)->BeginStep(0).ok());
   EXPECT_EQ((*rank)->Combine(never, y.data(), out.data()), refused);
+  // Layer 0 goes through and fills the output; layer 1, over the capacity, into the same
+  // output, must leave it empty, not showing layer 0's rows.
   Dispatched dispatched;
-  const absl::Status overflowed =
-      (*rank)->Dispatch(0, x.data(), idx.data(), w.data(), 1, dispatched);
-  ASSERT_TRUE(absl::IsResourceExhausted(overflowed)) << overflowed;
+  const std::vector<int32_t> one = {0, -1};
+  ASSERT_TRUE((*rank)->Dispatch(0, x.data(), one.data(), w.data(), 1, dispatched).ok());
+  ASSERT_EQ(dispatched.num_rows(), 1);
+  ASSERT_TRUE((*rank)->Combine(dispatched, dispatched.rows(), out.data()).ok());
+  EXPECT_EQ(out, std::vector<float>(16, 0.5f));
+  EXPECT_EQ((*rank)->Dispatch(1, x.data(), idx.data(), w.data(), 1, dispatched),
+            absl::ResourceExhaustedError(
+                "rank 0, dispatch call 2: 2 rows routed here, more than its receive capacity of "
+                "1 (max_recv_rows); the first 1 are laid out, and this call's combine fails on "
+                "every rank of the group"));
   EXPECT_EQ(dispatched.num_rows(), 0);
   EXPECT_EQ(dispatched.rows(), nullptr);
   EXPECT_TRUE(dispatched.slot_offsets().empty());
@@ -322,11 +332,12 @@ TEST(ClientTest, AFailedDispatchLeavesNoRowsToCombine) {
   EXPECT_EQ(dispatched.plan_version(), 0u);
   EXPECT_EQ(dispatched.layer(), -1);
   EXPECT_EQ((*rank)->Combine(dispatched, y.data(), out.data()), refused);
-  // The group stays in step: the next call goes through.
-  const std::vector<int32_t> one = {0, -1};
-  ASSERT_TRUE((*rank)->Dispatch(1, x.data(), one.data(), w.data(), 1, dispatched).ok());
+  // The group stays in step: the next step goes through.
+  ASSERT_TRUE((*rank)->BeginStep(1).ok());
+  std::fill(out.begin(), out.end(), 0.0f);
+  ASSERT_TRUE((*rank)->Dispatch(0, x.data(), one.data(), w.data(), 1, dispatched).ok());
   EXPECT_EQ(dispatched.num_rows(), 1);
-  EXPECT_EQ(dispatched.layer(), 1);
+  EXPECT_EQ(dispatched.layer(), 0);
   ASSERT_TRUE((*rank)->Combine(dispatched, dispatched.rows(), out.data()).ok());
   EXPECT_EQ(out, std::vector<float>(16, 0.5f));
   EXPECT_TRUE((*rank)->Detach().ok());

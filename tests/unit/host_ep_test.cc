@@ -369,11 +369,14 @@ TEST_P(HostEpTest, ManyReplicasSplitByShareAndPlansChangeBetweenCalls) {
     EXPECT_NEAR(static_cast<double>(got), mean, 5 * std::sqrt(mean * (1 - shares[j])))
         << "replica " << j;
   }
-  // A different plan on the next call: the same checks hold.
-  const TestPlan other = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  // A different plan (v2) on the next call of the same layer: expert 3 on one slot, not four.
+  // RunStep checks every row's slot and every slot's count against this plan's routing, which
+  // a call routed by the plan before would not match.
+  TestPlan other = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  other.Build(c.num_experts, /*version=*/2);
   std::vector<RankInput> inputs;
-  for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 20, 9));
-  RunStep(group, inputs, other, 1);
+  for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 20, 9, /*only_expert=*/3));
+  RunStep(group, inputs, other, 0);
 }
 
 // Enough tokens for every batch of send_split.h (16 batches of 38 tokens at 600), ranks with
@@ -768,19 +771,34 @@ TEST(HostEpErrorTest, TwoRanksOfDifferentConfigurationsLayingOutAtOnceDoNotBothP
   EpConfig other = config;
   other.max_tokens = 96;
   const ArenaLayout layout(other);
+  // Each one's refusal, if it is refused: the other's arena is of the other configuration.
+  const absl::Status refused[2] = {
+      absl::FailedPreconditionError(
+          "rank 0: rank 1's arena was laid out for another configuration (ranks 4, max_tokens "
+          "96, hidden 72, top_k 4, experts 16, slots 5, layers 2, dtype float32, flagged_tokens "
+          "0, protocol ubep)"),
+      absl::FailedPreconditionError(
+          "rank 1: rank 0's arena was laid out for another configuration (ranks 4, max_tokens "
+          "48, hidden 72, top_k 4, experts 16, slots 5, layers 2, dtype float32, flagged_tokens "
+          "0, protocol ubep)")};
   for (int round = 0; round < 200; ++round) {
     ZeroArenas arenas(config.num_ranks, layout.total_bytes);
     std::vector<std::byte*> pointers = arenas.pointers();
     std::barrier start(2);
-    bool ok[2] = {false, false};
+    absl::Status status[2];
     std::thread rank1([&] {
       start.arrive_and_wait();
-      ok[1] = HostEp::Create(other, 1, pointers).ok();
+      status[1] = HostEp::Create(other, 1, pointers).status();
     });
     start.arrive_and_wait();
-    ok[0] = HostEp::Create(config, 0, pointers).ok();
+    status[0] = HostEp::Create(config, 0, pointers).status();
     rank1.join();
-    ASSERT_FALSE(ok[0] && ok[1]) << "round " << round;
+    ASSERT_FALSE(status[0].ok() && status[1].ok()) << "round " << round;
+    for (int r : {0, 1}) {
+      if (!status[r].ok()) {
+        ASSERT_EQ(status[r], refused[r]) << "round " << round;
+      }
+    }
   }
 }
 
@@ -794,10 +812,21 @@ TEST(HostEpErrorTest, ANeighbourhoodOutsideTheGroupIsRefused) {
             absl::InvalidArgumentError("ep config: near_ranks 5 is outside [0, 4] (num_ranks)"));
 }
 
+// The bytes of every arena of `group` but rank 0's (whose refusals are recorded in its own).
+std::vector<std::vector<std::byte>> PeerArenaBytes(Group& group) {
+  const ArenaLayout layout(group.config());
+  std::vector<std::vector<std::byte>> bytes;
+  for (int r = 1; r < group.config().num_ranks; ++r) {
+    bytes.emplace_back(group.arena(r), group.arena(r) + layout.total_bytes);
+  }
+  return bytes;
+}
+
 TEST(HostEpErrorTest, BadInputIsRejectedBeforeAnyByteMoves) {
   Group group(SmallConfig(Protocol::kUbep));
   const EpConfig& c = group.config();
   const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  const std::vector<std::vector<std::byte>> before = PeerArenaBytes(group);
   RankInput in = MakeInput(c, 0, 8, 1);
   DispatchOutput out;
   in.topk_idx[2 * c.top_k + 1] = 16;
@@ -851,7 +880,8 @@ TEST(HostEpErrorTest, BadInputIsRejectedBeforeAnyByteMoves) {
                                  out),
             absl::InvalidArgumentError("plan table's exclusion mask is for 2 ranks; this group "
                                        "has 4"));
-  // Nothing moved: the group still runs a clean step afterwards.
+  // Nothing moved: no peer's arena changed, and the group still runs a clean step.
+  EXPECT_TRUE(PeerArenaBytes(group) == before);
   std::vector<RankInput> inputs;
   for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 8, 2));
   RunStep(group, inputs, plan, 0);
@@ -1151,7 +1181,9 @@ TEST(HostEpErrorTest, RecordsRewrittenAfterTheirCheckDoNotSteerThePlacement) {
                door);
       }
     }
+    int rewrites = 0;
     group.ep(0).set_after_layout_for_testing([&] {
+      ++rewrites;
       entry.local_slot = 1;
       std::memcpy(records + sizeof(header), &entry, sizeof(entry));
       const RecordHeader rewritten{999999, 1};  // A token past max_tokens.
@@ -1164,6 +1196,7 @@ TEST(HostEpErrorTest, RecordsRewrittenAfterTheirCheckDoNotSteerThePlacement) {
                                config.hidden, 0, plan.header()},
                               out)
                     .ok());
+    EXPECT_EQ(rewrites, 1);  // The records were rewritten between the check and the placing.
     std::vector<int32_t> from_rank1;
     for (int32_t row = 0; row < static_cast<int32_t>(out.src_rank.size()); ++row) {
       if (out.src_rank[row] == 1) from_rank1.push_back(row);
@@ -1574,8 +1607,9 @@ TEST(PublishedCallTest, TheWordHoldsTheDeadlineAndTheDepthAndZeroIsBetweenCalls)
 // with no timeout, or a corrupt word), published `depth` deep. Its peers wait on until their
 // limit, the timeout and a grace per depth past their deadline, publishing one deeper while
 // they do; at kMaxWaitDepth they get no patience. Either way they name rank 2. The waits are
-// asserted by what the ranks publish while they wait (watched from another thread) and by
-// a lower bound on the time (nothing else ends them sooner); a wait without end would hang.
+// asserted by what the ranks publish while they wait (watched from another thread): the
+// deeper call's deadline is their own one's and the limit of its depth, to the nanosecond;
+// a wait without end would hang.
 class PatienceDepthTest : public ::testing::TestWithParam<int> {};
 
 TEST_P(PatienceDepthTest, APeerInACallForEverIsNamedAtTheLimitOfItsDepth) {
@@ -1587,19 +1621,22 @@ TEST_P(PatienceDepthTest, APeerInACallForEverIsNamedAtTheLimitOfItsDepth) {
   const TestPlan plan = RoundRobinPlan(config);
   std::atomic<bool> done{false};
   int deepest = -1;  // The deepest call ranks 0, 1 and 3 published while in it.
+  // Per rank: the deadline it published for its own call (depth 0), and for the wait on rank 2
+  // stretched one deeper than rank 2's call.
+  std::vector<std::optional<Deadline>> own(config.num_ranks), stretched(config.num_ranks);
   std::thread watch([&] {
     while (!done.load()) {
       for (int r : {0, 1, 3}) {
         if (const std::optional<PublishedCall> call = ReadInCall(group.arena(r), layout)) {
           deepest = std::max(deepest, call->depth);
+          if (call->depth == 0) own[r] = call->until;
+          if (call->depth == depth + 1) stretched[r] = call->until;
         }
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
   });
-  const auto start = std::chrono::steady_clock::now();
   const std::vector<absl::Status> status = DispatchOnce(group, plan, [](int r) { return r != 2; });
-  const auto waited = std::chrono::steady_clock::now() - start;
   done = true;
   watch.join();
   for (int r : {0, 1, 3}) {
@@ -1610,7 +1647,12 @@ TEST_P(PatienceDepthTest, APeerInACallForEverIsNamedAtTheLimitOfItsDepth) {
     ExpectGaveUpOnRank2InACall(status, "dispatch counts",
                                absl::FormatDuration((1 + depth) * absl::Milliseconds(300)));
     EXPECT_EQ(deepest, depth + 1);
-    EXPECT_GE(waited, (2 + depth) * std::chrono::milliseconds(300));
+    for (int r : {0, 1, 3}) {
+      ASSERT_TRUE(own[r].has_value() && stretched[r].has_value()) << "rank " << r;
+      EXPECT_EQ(std::chrono::nanoseconds(*stretched[r] - *own[r]).count(),
+                std::chrono::nanoseconds((1 + depth) * std::chrono::milliseconds(300)).count())
+          << "rank " << r;
+    }
   } else {
     for (int r : {0, 1, 3}) EXPECT_EQ(status[r], GaveUpOnRank2(r, "dispatch counts"));
     EXPECT_EQ(deepest, 0);
@@ -2092,16 +2134,8 @@ TEST(HostEpErrorTest, DispatchTwiceWithoutCombineIsRefused) {
 TEST(HostEpErrorTest, ADispatchWithoutItsInputIsRefusedBeforeAnyByteMoves) {
   Group group(SmallConfig(Protocol::kUbep));
   const EpConfig& c = group.config();
-  const ArenaLayout layout(c);
   const TestPlan plan = RoundRobinPlan(c);
-  auto peers = [&] {
-    std::vector<std::vector<std::byte>> bytes;
-    for (int r = 1; r < c.num_ranks; ++r) {
-      bytes.emplace_back(group.arena(r), group.arena(r) + layout.total_bytes);
-    }
-    return bytes;
-  };
-  const std::vector<std::vector<std::byte>> before = peers();
+  const std::vector<std::vector<std::byte>> before = PeerArenaBytes(group);
   RankInput in = MakeInput(c, 0, 8, 3);
   DispatchOutput out;
   const absl::Status refused =
@@ -2116,7 +2150,7 @@ TEST(HostEpErrorTest, ADispatchWithoutItsInputIsRefusedBeforeAnyByteMoves) {
   EXPECT_EQ(group.ep(0).Dispatch(
                 {in.x.data(), in.topk_idx.data(), nullptr, 8, c.hidden, 0, plan.header()}, out),
             refused);
-  EXPECT_TRUE(peers() == before);
+  EXPECT_TRUE(PeerArenaBytes(group) == before);
 }
 
 // Combine takes the output of this rank's last dispatch only: an earlier call's output (a
