@@ -31,6 +31,7 @@
 #include "gtest/gtest.h"
 #include "tests/unit/test_util.h"
 #include "ubep/ubep.h"
+#include "ubep/ubep_c.h"
 #include "ubep/v1/control.grpc.pb.h"
 #include "ubep/v1/daemon.grpc.pb.h"
 
@@ -67,10 +68,11 @@ class AlteringUbepd final : public v1::Daemon::Service {
     return grpc::Status::OK;
   }
   // Join goes to the Node; its answer's arena epoch moved by `join_epoch_offset`.
-  grpc::Status Join(grpc::ServerContext*, const v1::JoinRequest* request,
+  grpc::Status Join(grpc::ServerContext* context, const v1::JoinRequest* request,
                     v1::JoinResponse* response) override {
     {
       std::lock_guard<std::mutex> lock(mu_);
+      join_deadlines_.push_back(context->deadline());
       if (!join_answer_.ok()) return join_answer_;
     }
     absl::StatusOr<v1::JoinResponse> joined = node_.Join(*request, absl::Now() + absl::Seconds(10));
@@ -97,6 +99,11 @@ class AlteringUbepd final : public v1::Daemon::Service {
     return detaches_;
   }
   int attached() { return node_.Snapshot().attached; }
+  // The deadline of every Join so far, as the server saw it.
+  std::vector<std::chrono::system_clock::time_point> join_deadlines() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return join_deadlines_;
+  }
   // Every Join from now on is answered `answer` (OK: the Node's answer again).
   void AnswerJoins(grpc::Status answer) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -112,6 +119,7 @@ class AlteringUbepd final : public v1::Daemon::Service {
   std::mutex mu_;
   v1::AttachResponse original_;
   std::vector<v1::DetachRequest> detaches_;
+  std::vector<std::chrono::system_clock::time_point> join_deadlines_;
   grpc::Status join_answer_;
   std::unique_ptr<grpc::Server> server_;
 };
@@ -520,6 +528,35 @@ class ClosableFdSocket {
   std::vector<UniqueFd> connections_;
   std::thread thread_;  // Last: starts after the members it uses.
 };
+
+// The C ABI's join_timeout_ms is the deadline of the Join that waits for the group (an
+// option dropped on the way would leave the default 60 s there).
+TEST(ClientTest, TheCOptionsJoinTimeoutIsTheJoinsDeadline) {
+  test::TempDir dir;
+  const std::string socket = dir.path() + "/ubepd.sock";
+  AlteringUbepd ubepd(socket, [](v1::AttachResponse&) {});
+  ClosableFdSocket fd_socket(ubepd.node(), socket + ".fds");
+  ubep_client_options options;
+  ubep_client_options_init(&options, sizeof(options));
+  options.socket_path = socket.c_str();
+  options.join_timeout_ms = 4321;
+  const ModelShape s = Shape();
+  const ubep_model_shape shape = {s.num_layers, s.num_experts,      s.hidden,
+                                  s.top_k,      s.max_tokens,       s.slots_per_rank,
+                                  s.bytes_per_expert, UBEP_DTYPE_FLOAT32};
+  ubep_rank* rank = nullptr;
+  const auto before = std::chrono::system_clock::now();
+  ASSERT_EQ(ubep_attach_with(&options, 0, 1, 0, &shape, -1, &rank), 0) << ubep_last_error();
+  const auto after = std::chrono::system_clock::now();
+  const std::vector<std::chrono::system_clock::time_point> deadlines = ubepd.join_deadlines();
+  ASSERT_EQ(deadlines.size(), 1u);
+  // gRPC sends the time left, which the server adds to its clock: within the call, give or
+  // take the way there and the encoding's rounding.
+  const auto slack = std::chrono::milliseconds(250);
+  EXPECT_GE(deadlines[0], before + std::chrono::milliseconds(4321) - slack);
+  EXPECT_LE(deadlines[0], after + std::chrono::milliseconds(4321) + slack);
+  ubep_detach(rank);
+}
 
 // ubepd's own answer to a Join (a rank the plan excludes gets DeadlineExceeded at every join
 // timeout, and calls Rejoin again) is no error of the client's: neither a data-plane wait
