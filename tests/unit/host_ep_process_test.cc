@@ -48,9 +48,11 @@ std::vector<std::byte> Plan() {
   return *BuildPlanTable(1, 8, {&layer, 1});
 }
 
-// One rank's life: `steps` dispatch/combine rounds with self-checking payloads (x = source
-// rank * 1000 + token in every element); every received row and the combined output are
-// checked. Returns 0, or 3 with the error on the board.
+// The payload of element h of token t of `rank`: exact in fp32, as are its sums below.
+float Payload(int rank, int t, int h) { return rank * 1000 + t + h / 64.0f; }
+
+// One rank's life: `steps` dispatch/combine rounds with self-checking payloads (Payload);
+// every element of every received row and of the combined output is checked. Returns 0, or 3 with the error on the board.
 int RankMain(int rank, const EpConfig& config, std::vector<std::byte*> arenas, int steps,
              Board* board) {
   auto fail = [&](const std::string& message) {
@@ -68,7 +70,7 @@ int RankMain(int rank, const EpConfig& config, std::vector<std::byte*> arenas, i
     std::vector<int32_t> idx(T * config.top_k);
     std::vector<float> w(T * config.top_k);
     for (int t = 0; t < T; ++t) {
-      for (int h = 0; h < config.hidden; ++h) x[t * config.hidden + h] = rank * 1000 + t;
+      for (int h = 0; h < config.hidden; ++h) x[t * config.hidden + h] = Payload(rank, t, h);
       for (int k = 0; k < config.top_k; ++k) {
         idx[t * config.top_k + k] = (t + 2 * k + step) % config.num_experts;
         w[t * config.top_k + k] = 0.25f;
@@ -80,8 +82,11 @@ int RankMain(int rank, const EpConfig& config, std::vector<std::byte*> arenas, i
     if (!s.ok()) return fail(std::string(s.message()));
     const auto* rows = reinterpret_cast<const float*>(out.recv_x.data());
     for (int row = 0; row < out.num_rows(); ++row) {
-      if (rows[row * config.hidden] != out.src_rank[row] * 1000 + out.src_token[row]) {
-        return fail(absl::StrCat("row ", row, " does not carry its source's payload"));
+      for (int h = 0; h < config.hidden; ++h) {
+        if (rows[row * config.hidden + h] != Payload(out.src_rank[row], out.src_token[row], h)) {
+          return fail(absl::StrCat("row ", row, " element ", h,
+                                   " does not carry its source's payload"));
+        }
       }
     }
     board->checked_rows[rank] += out.num_rows();
@@ -89,8 +94,11 @@ int RankMain(int rank, const EpConfig& config, std::vector<std::byte*> arenas, i
     s = (*ep)->Combine(out, out.recv_x.data(), combined.data());
     if (!s.ok()) return fail(std::string(s.message()));
     for (int t = 0; t < T; ++t) {
-      if (combined[t * config.hidden] != rank * 1000 + t) {
-        return fail(absl::StrCat("combined token ", t, " is ", combined[t * config.hidden]));
+      for (int h = 0; h < config.hidden; ++h) {
+        if (combined[t * config.hidden + h] != Payload(rank, t, h)) {
+          return fail(absl::StrCat("combined token ", t, " element ", h, " is ",
+                                   combined[t * config.hidden + h]));
+        }
       }
     }
     board->steps_done[rank].fetch_add(1);

@@ -39,7 +39,8 @@ TEST_F(PlanAreaTest, PlansTakeEffectAtTheirStepOnceCommitted) {
 
   ASSERT_TRUE(PreparePlan(area(), Table(2), 2, 10).ok());
   ASSERT_TRUE(CommitPlan(area(), 2).ok());
-  SelectPlan(area(), 9, &version);
+  version = 0;
+  ASSERT_NE(SelectPlan(area(), 9, &version), nullptr);
   EXPECT_EQ(version, 1u);  // Before the effective step, the old plan.
   const PlanTableHeader* table = SelectPlan(area(), 10, &version);
   EXPECT_EQ(version, 2u);
@@ -47,10 +48,12 @@ TEST_F(PlanAreaTest, PlansTakeEffectAtTheirStepOnceCommitted) {
 
   // v3 overwrites v1's slot; v2 stays in force until step 20.
   ASSERT_TRUE(PreparePlan(area(), Table(3), 3, 20).ok());
-  SelectPlan(area(), 25, &version);
+  version = 0;
+  ASSERT_NE(SelectPlan(area(), 25, &version), nullptr);
   EXPECT_EQ(version, 2u);
   ASSERT_TRUE(AbortPlan(area(), 3).ok());
-  SelectPlan(area(), 25, &version);
+  version = 0;
+  ASSERT_NE(SelectPlan(area(), 25, &version), nullptr);
   EXPECT_EQ(version, 2u);
   // After an abort the next version takes the aborted slot.
   ASSERT_TRUE(PreparePlan(area(), Table(4), 4, 30).ok());

@@ -10,32 +10,38 @@
 namespace ubep::balancer {
 namespace {
 
+// SmallPlan with its fields away from their defaults: version 7, two expert groups.
+Plan EveryFieldSet() {
+  Plan plan = test::SmallPlan();
+  plan.version = 7;
+  plan.topology.num_groups = 2;
+  return plan;
+}
+
 TEST(ProtoConvertTest, PlanRoundTrips) {
-  const Plan plan = test::SmallPlan();
+  const Plan plan = EveryFieldSet();
   const v1::Plan proto = ToProto(plan);
   EXPECT_EQ(proto.topology().ranks_size(), 4);
   EXPECT_EQ(proto.topology().ranks(3).node(), 1u);
   absl::StatusOr<Plan> back = FromProto(proto);
   ASSERT_TRUE(back.ok()) << back.status();
-  EXPECT_EQ(back->topology, plan.topology);
-  EXPECT_EQ(back->layer_ids, plan.layer_ids);
-  for (int l = 0; l < 2; ++l) {
-    EXPECT_EQ(back->layers[l].slot_expert, plan.layers[l].slot_expert);
-    EXPECT_EQ(back->layers[l].slot_share, plan.layers[l].slot_share);
-  }
+  EXPECT_TRUE(*back == plan);
+  // And a plan that excludes a rank.
+  const Plan excluding = test::PlanExcludingRank0(/*version=*/4, /*layer_id=*/5);
+  back = FromProto(ToProto(excluding));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->excluded_ranks, (std::vector<int>{0}));
+  EXPECT_TRUE(*back == excluding);
 }
 
 TEST(ProtoConvertTest, CompactPlanRoundTripsAndIsChecked) {
-  const Plan plan = test::SmallPlan();
+  const Plan plan = EveryFieldSet();
   v1::Plan proto = ToProto(plan, PlanEncoding::kCompact);
   EXPECT_EQ(proto.layers(0).experts_size(), 0);
   EXPECT_EQ(proto.layers(0).slot_share_size(), 8);
   absl::StatusOr<Plan> back = FromProto(proto);
   ASSERT_TRUE(back.ok()) << back.status();
-  for (int l = 0; l < 2; ++l) {
-    EXPECT_EQ(back->layers[l].slot_expert, plan.layers[l].slot_expert);
-    EXPECT_EQ(back->layers[l].slot_share, plan.layers[l].slot_share);
-  }
+  EXPECT_TRUE(*back == plan);
   proto.mutable_layers(1)->mutable_slot_share()->RemoveLast();
   EXPECT_EQ(FromProto(proto).status(),
             absl::InvalidArgumentError("plan.layers[1]: 8 slots, 7 shares and 0 experts; the "

@@ -74,13 +74,26 @@ TEST(ScenarioTest, StepsAreSeededMultinomialDraws) {
   EXPECT_NEAR(first.at(0, 0), expected, 5 * std::sqrt(10000 * 0.7 * 0.3));
 }
 
+// A burst makes one source 80% of the mix for burst_steps steps: against the same scenario
+// without bursts, the burst source's weight is 0.2 of its calm weight plus 0.8, the other's
+// 0.2 of its own. A period of 100 steps, so that the calm mix alone is even at step 25.
 TEST(ScenarioTest, BurstsMakeOneSourceDominate) {
-  absl::StatusOr<Scenario> s = Scenario::Create(
-      TwoSources(), {.seed = 5, .burst_probability = 1.0, .burst_steps = 10, .max_steps = 30});
-  ASSERT_TRUE(s.ok());
+  const ScenarioOptions bursty{
+      .seed = 5, .period_steps = 100, .burst_probability = 1.0, .burst_steps = 10, .max_steps = 30};
+  ScenarioOptions calm_options = bursty;
+  calm_options.burst_probability = 0;
+  absl::StatusOr<Scenario> s = Scenario::Create(TwoSources(), bursty);
+  absl::StatusOr<Scenario> calm = Scenario::Create(TwoSources(), calm_options);
+  ASSERT_TRUE(s.ok() && calm.ok());
+  EXPECT_NEAR(calm->MixWeights(25)[0], 0.5, 1e-12);
+  int burst = -1;
   for (int step = 0; step < 30; ++step) {
-    const std::vector<double> w = s->MixWeights(step);
-    EXPECT_GE(std::max(w[0], w[1]), 0.8) << "step " << step;
+    const std::vector<double> w = s->MixWeights(step), c = calm->MixWeights(step);
+    const int b = w[0] > w[1] ? 0 : 1;
+    EXPECT_NEAR(w[b], 0.2 * c[b] + 0.8, 1e-12) << "step " << step;
+    EXPECT_NEAR(w[1 - b], 0.2 * c[1 - b], 1e-12) << "step " << step;
+    if (step % 10 == 0) burst = b;  // Each burst lasts its 10 steps.
+    EXPECT_EQ(b, burst) << "step " << step;
   }
 }
 
