@@ -360,7 +360,7 @@ absl::Status Node::CreateGroup(const v1::AttachRequest& q,
 int Node::AttachedLocked() const {
   // A token past its deadline that was never claimed holds nothing: its client is gone (it
   // would have attached again), and neither a drain nor a new group waits for it.
-  const absl::Time now = MonotonicNow();
+  const absl::Time now = TicketNow();
   return static_cast<int>(std::count_if(ranks_.begin(), ranks_.end(), [&](const RankEntry& e) {
     return e.state == RankState::kConnected ||
            (e.state == RankState::kAttached && now <= e.ticket_deadline);
@@ -393,7 +393,7 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
   if (draining_) {
     return absl::UnavailableError(kDraining);
   }
-  const absl::Time now = MonotonicNow();
+  const absl::Time now = TicketNow();
   for (RankEntry& e : ranks_) {
     if (e.state == RankState::kAttached && now > e.ticket_deadline) e = RankEntry{};
   }
@@ -447,7 +447,7 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
   entry.token = std::move(token);
   entry.pid = request.pid();
   // From now: the wait for the peers' arenas above may have taken longer than the ticket.
-  entry.ticket_deadline = MonotonicNow() + options_.ticket_timeout;
+  entry.ticket_deadline = TicketNow() + options_.ticket_timeout;
 
   v1::AttachResponse response;
   response.set_token(entry.token);
@@ -484,7 +484,7 @@ absl::StatusOr<std::vector<UniqueFd>> Node::ClaimArenas(const std::string& token
   MutexLock lock(&mu_);
   for (RankEntry& e : ranks_) {
     if (e.state != RankState::kAttached || e.token != token) continue;
-    if (MonotonicNow() > e.ticket_deadline) {
+    if (TicketNow() > e.ticket_deadline) {
       e = RankEntry{};
       return absl::DeadlineExceededError("attach token expired; attach again");
     }

@@ -32,6 +32,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "balancer/core/plan.h"
+#include "common/clock.h"
 #include "common/mutex.h"
 #include "common/recent_versions.h"
 #include "common/unix_socket.h"
@@ -53,6 +54,9 @@ struct NodeOptions {
   absl::Duration wait_timeout = absl::Seconds(10);   // Data-plane waits.
   absl::Duration join_timeout = absl::Seconds(60);   // Longest Join wait.
   absl::Duration ticket_timeout = absl::Seconds(10); // Attach token unclaimed -> rank free.
+  // The clock attach tokens expire on: null, the monotonic clock (MonotonicNow); a test's
+  // FakeClock, which the Node does not own.
+  const ClockInterface* ticket_clock = nullptr;
   int free_buffers = 2;                       // Weight buffers per layer beyond the slots.
   // A plan's effective step at most this far ahead of the furthest member rank; 0 = no bound.
   uint64_t max_plan_lead_steps = 1'000'000;
@@ -276,7 +280,7 @@ class Node {
     RankState state = RankState::kFree;
     std::string token;
     uint32_t pid = 0;
-    absl::Time ticket_deadline;  // MonotonicNow().
+    absl::Time ticket_deadline;  // On TicketNow().
     int64_t connection = -1;
     bool joining = false;
   };
@@ -321,6 +325,10 @@ class Node {
   // The same with a code per rank, code_of(r) (0: r is not stopped), each read once.
   void StopGroup(absl::FunctionRef<uint32_t(int)> code_of) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int AttachedLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Now on the clock attach tokens expire on (NodeOptions::ticket_clock).
+  absl::Time TicketNow() const {
+    return options_.ticket_clock != nullptr ? options_.ticket_clock->Now() : MonotonicNow();
+  }
   uint64_t MaxStepLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The step rank `rank` has begun (its control block's word; the rank's arena is mapped).
   uint64_t StepOf(int rank) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -242,14 +242,16 @@ TEST(NodeTest, TokensAreSingleUseAndRequiredEverywhere) {
 // An attach whose arenas are not taken within the ticket timeout expires: its token is
 // refused, and the rank is free to attach again (from another process).
 TEST(NodeTest, AnUnclaimedAttachExpiresAfterTheTicketTimeout) {
+  FakeClock clock;
   NodeOptions options = Options();
-  // Long enough that the check right after an attach (below) comes before its expiry on a
-  // loaded machine; short enough to wait out twice.
   options.ticket_timeout = absl::Milliseconds(300);
+  options.ticket_clock = &clock;
   Node node(options);
   absl::StatusOr<v1::AttachResponse> first = node.Attach(Request(0, 2));
   ASSERT_TRUE(first.ok()) << first.status();
-  absl::SleepFor(absl::Milliseconds(400));  // At least that long on the monotonic clock.
+  clock.Advance(absl::Milliseconds(300));
+  EXPECT_FALSE(node.AwaitDetached(absl::Milliseconds(1)));  // At its deadline: still held.
+  clock.Advance(absl::Nanoseconds(1));
   EXPECT_EQ(node.ClaimArenas(first->token(), 1).status(),
             absl::DeadlineExceededError("attach token expired; attach again"));
   v1::AttachRequest other = Request(0, 2);
@@ -259,7 +261,7 @@ TEST(NodeTest, AnUnclaimedAttachExpiresAfterTheTicketTimeout) {
   EXPECT_NE(again->token(), first->token());
   // Never claimed either: once expired, it holds no drain back.
   EXPECT_FALSE(node.AwaitDetached(absl::Milliseconds(1)));
-  absl::SleepFor(absl::Milliseconds(400));
+  clock.Advance(absl::Milliseconds(301));
   EXPECT_TRUE(node.AwaitDetached(absl::Milliseconds(1)));
 }
 
