@@ -540,16 +540,10 @@ BalancerOptions QuickToMarkDown() {
   return options;
 }
 
-// A gRPC status as "CODE: message", for comparing both at once.
+// A gRPC status as "CODE: message", for comparing both at once (Abseil's codes are gRPC's).
 std::string StatusOf(const grpc::Status& status) {
-  static const char* const kNames[] = {
-      "OK",          "CANCELLED",        "UNKNOWN",          "INVALID_ARGUMENT",
-      "DEADLINE_EXCEEDED", "NOT_FOUND",  "ALREADY_EXISTS",   "PERMISSION_DENIED",
-      "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
-      "UNIMPLEMENTED", "INTERNAL",       "UNAVAILABLE",      "DATA_LOSS",
-      "UNAUTHENTICATED"};
-  const int code = status.error_code();
-  return absl::StrCat(code >= 0 && code <= 16 ? kNames[code] : "?", ": ", status.error_message());
+  return absl::StrCat(absl::StatusCodeToString(static_cast<absl::StatusCode>(status.error_code())),
+                      ": ", status.error_message());
 }
 
 // Drain (or undrain) of `node` through the RPC; its answer in *response.
