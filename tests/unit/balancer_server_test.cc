@@ -1847,6 +1847,20 @@ TEST(BalancerServerTest, ADrainPlacesTheExpertsOnlyTheDrainedNodeHeldWithinTheFr
   }
 }
 
+// Drains node-b under plan v1: node-b refuses v2, which is aborted, and node-a's Abort is
+// lost (v2 stays pending there) while node-a's state cannot be read.
+void DrainAbortedWithNodeAsAbortLost(Balancer& balancer, FakeDaemon& a, FakeDaemon& b) {
+  a.LoseAbortOf(2);
+  a.SetStateUnavailable(true);
+  b.Refuse(2);
+  v1::RebalanceResponse response;
+  const grpc::Status aborted = Drain(balancer, "node-b", true, &response);
+  EXPECT_EQ(aborted.error_code(), grpc::StatusCode::ABORTED);
+  EXPECT_EQ(aborted.error_message(),
+            "plan v2 aborted: node-b: refused for the test; the drain stays asked for: each "
+            "interval tries it again (undrain cancels it)");
+}
+
 // v2 is aborted (node-b refused it) and node-a's Abort is lost; node-a then fails its health
 // checks and v3, excluding its ranks, is committed on node-b. When node-a is back, v2 is
 // still pending there, below the cluster's v3: it is aborted as superseded, not committed (it
@@ -1857,15 +1871,8 @@ TEST(BalancerServerTest, AVersionAbortedWhoseAbortWasLostIsAbortedWhereItIsStill
   BalancerOptions options = QuickToMarkDown();
   options.recovery_grace = absl::ZeroDuration();
   std::unique_ptr<Balancer> balancer = WithTwoDaemons(options, a, b);  // Learns v1.
-  a.LoseAbortOf(2);
-  a.SetStateUnavailable(true);
-  b.Refuse(2);
+  ASSERT_NO_FATAL_FAILURE(DrainAbortedWithNodeAsAbortLost(*balancer, a, b));
   v1::RebalanceResponse response;
-  const grpc::Status aborted = Drain(*balancer, "node-b", true, &response);
-  EXPECT_EQ(aborted.error_code(), grpc::StatusCode::ABORTED);
-  EXPECT_EQ(aborted.error_message(),
-            "plan v2 aborted: node-b: refused for the test; the drain stays asked for: each "
-            "interval tries it again (undrain cancels it)");
   const grpc::Status undrained = Drain(*balancer, "node-b", false, &response);
   EXPECT_TRUE(undrained.ok()) << undrained.error_message();
   a.SetServing(false);
@@ -1892,13 +1899,9 @@ TEST(BalancerServerTest, AVersionThisBalancerAbortedIsAbortedAtOnceWhereItIsStil
   BalancerOptions options = NeverMarkedDown();
   options.recovery_grace = absl::Hours(1);
   std::unique_ptr<Balancer> balancer = WithTwoDaemons(options, a, b);  // Learns v1.
-  a.LoseAbortOf(2);
-  a.SetStateUnavailable(true);
-  b.Refuse(2);
-  v1::RebalanceResponse response;
-  const grpc::Status aborted = Drain(*balancer, "node-b", true, &response);
-  EXPECT_EQ(aborted.error_code(), grpc::StatusCode::ABORTED);
+  ASSERT_NO_FATAL_FAILURE(DrainAbortedWithNodeAsAbortLost(*balancer, a, b));
   ASSERT_EQ(a.pending(), 2u);
+  v1::RebalanceResponse response;
   ASSERT_TRUE(a.aborted().empty());
   const grpc::Status undrained = Drain(*balancer, "node-b", false, &response);
   ASSERT_TRUE(undrained.ok()) << undrained.error_message();

@@ -12,7 +12,6 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
-#include "balancer/core/planner.h"
 #include "balancer/formats/proto_convert.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/reflection.h"
@@ -91,7 +90,7 @@ void AddScalar(Message* m, const FieldDescriptor* f, std::mt19937_64& rng) {
   SetScalar(m, f, rng, r->FieldSize(*m, f) - 1);
 }
 
-void Mutate(Message* m, std::mt19937_64& rng, int depth = 0) {
+void Mutate(Message* m, std::mt19937_64& rng) {
   const auto* d = m->GetDescriptor();
   const auto* r = m->GetReflection();
   if (d->field_count() == 0) return;
@@ -104,7 +103,7 @@ void Mutate(Message* m, std::mt19937_64& rng, int depth = 0) {
     } else if (op == 1) {
       r->RemoveLast(m, f);
     } else if (f->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE) {
-      Mutate(r->MutableRepeatedMessage(m, f, rng() % n), rng, depth + 1);
+      Mutate(r->MutableRepeatedMessage(m, f, rng() % n), rng);
     } else {
       SetScalar(m, f, rng, rng() % n);
     }
@@ -112,7 +111,7 @@ void Mutate(Message* m, std::mt19937_64& rng, int depth = 0) {
     if (rng() % 8 == 0) {
       r->ClearField(m, f);
     } else {
-      Mutate(r->MutableMessage(m, f), rng, depth + 1);
+      Mutate(r->MutableMessage(m, f), rng);
     }
   } else {
     SetScalar(m, f, rng, 0);
