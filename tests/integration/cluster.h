@@ -27,16 +27,6 @@ namespace ubep::test {
 
 using ::ubep::HttpGet;
 
-// The value of one sample line "name{labels} value" in an exposition; -1 when absent.
-inline double Sample(const std::string& exposition, const std::string& series) {
-  for (const absl::string_view line : absl::StrSplit(exposition, '\n')) {
-    if (absl::StartsWith(line, series + " ")) {
-      return std::stod(std::string(line.substr(series.size() + 1)));
-    }
-  }
-  return -1;
-}
-
 // Mean of every sample of `name` whose labels contain `label` (e.g. "when=\"measured\"").
 inline double MeanOf(const std::string& exposition, const std::string& name,
                      const std::string& label = "") {

@@ -13,6 +13,7 @@
 #include <regex>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -195,7 +196,25 @@ TEST_F(DaemonTest, FourClientsRunHundredStepsMatchingTheFloat64Reference) {
     EXPECT_EQ(Sample(metrics, "ubep_daemon_dispatch_seconds_count" + rank), 4 * kSteps);
     EXPECT_EQ(Sample(metrics, "ubep_daemon_step" + rank), kSteps - 1);
     EXPECT_EQ(Sample(metrics, "ubep_daemon_rank_up" + rank), 0);  // All detached.
+    EXPECT_EQ(Sample(metrics, "ubep_daemon_wait_timeouts_total" + rank), 0);
+    // A static plan, never changed: no step waited for a commit decision.
+    EXPECT_EQ(Sample(metrics, "ubep_daemon_effective_step_waits_total" + rank), 0);
+    EXPECT_EQ(Sample(metrics, "ubep_daemon_effective_step_wait_seconds_total" + rank), 0);
   }
+  // Per rank, the same pairs: each layer's ranks together received every routed pair, and
+  // each rank some (100 steps of top-8 of 256 experts, 64 on each rank).
+  for (int l = 0; l < 4; ++l) {
+    double sum = 0;
+    for (int r = 0; r < kWorld; ++r) {
+      const double got = Sample(
+          metrics, absl::StrCat("ubep_daemon_rank_received_total{rank=\"", r, "\",layer=\"", l, "\"}"));
+      EXPECT_GT(got, 0) << "rank " << r << " layer " << l << "\n" << metrics;
+      sum += got;
+    }
+    EXPECT_EQ(sum, 4 * 32 * 8 * kSteps) << "layer " << l;
+  }
+  EXPECT_EQ(Sample(metrics, "ubep_daemon_attached_clients"), 0);
+  EXPECT_EQ(Sample(metrics, "ubep_daemon_draining"), 0);
   EXPECT_EQ(Sample(metrics, "ubep_daemon_plan_version"), 1);
   EXPECT_EQ(Sample(metrics, "ubep_daemon_group_generation"), 1);
   EXPECT_GE(Sample(metrics, "ubep_daemon_imbalance_ratio{layer=\"0\"}"), 1.0);
@@ -469,6 +488,55 @@ TEST_F(DaemonTest, KilledClientIsMarkedGoneAndTheRestartedClientRejoins) {
   }
 }
 
+// A rank whose peer never sends: its dispatch gives up at ubepd's --wait_timeout naming the
+// peer, and the timeout is counted for that rank alone (its stats and ubepd's metrics); the
+// peer that stalled, calling at last, learns that the group gave up on it.
+TEST_F(DaemonTest, AWaitThatGivesUpIsCountedForItsRankAlone) {
+  auto daemon = StartDaemon({"--wait_timeout=1s"});
+  ClientOptions options;
+  options.socket_path = socket_path();
+  const ModelShape shape{.num_layers = 1, .num_experts = 4, .hidden = 8, .top_k = 2,
+                         .max_tokens = 4, .slots_per_rank = 2};
+  std::array<absl::StatusOr<std::unique_ptr<Rank>>, 2> ranks = {absl::UnknownError("not run"),
+                                                                absl::UnknownError("not run")};
+  {
+    std::thread second([&] { ranks[1] = Rank::Attach(options, 1, 2, 0, shape); });
+    ranks[0] = Rank::Attach(options, 0, 2, 0, shape);
+    second.join();
+  }
+  ASSERT_TRUE(ranks[0].ok()) << ranks[0].status();
+  ASSERT_TRUE(ranks[1].ok()) << ranks[1].status();
+  Rank& waiting = **ranks[0];
+  Rank& stalled = **ranks[1];
+  ASSERT_TRUE(waiting.BeginStep(0).ok());
+  ASSERT_TRUE(stalled.BeginStep(0).ok());
+  const std::vector<float> x(4 * 8, 1.0f), w(4 * 2, 0.5f);
+  const std::vector<int32_t> idx = {0, 2, 1, 3, 0, 3, 1, 2};  // Every token to both ranks.
+  Dispatched d;
+  const absl::Status gave_up = waiting.Dispatch(0, x.data(), idx.data(), w.data(), 4, d);
+  EXPECT_EQ(gave_up, absl::DeadlineExceededError("rank 0: timed out after 1s waiting for rank 1 "
+                                                "(dispatch counts, call 1); is rank 1 alive?"));
+  EXPECT_EQ(waiting.stats().wait_timeouts, 1u);
+  EXPECT_EQ(waiting.stats().errors, 1u);
+  EXPECT_EQ(stalled.stats().wait_timeouts, 0u);
+
+  const std::string metrics = Metrics();
+  EXPECT_EQ(Sample(metrics, "ubep_daemon_wait_timeouts_total{rank=\"0\"}"), 1) << metrics;
+  EXPECT_EQ(Sample(metrics, "ubep_daemon_wait_timeouts_total{rank=\"1\"}"), 0) << metrics;
+  EXPECT_EQ(Sample(metrics, "ubep_daemon_errors_total{code=\"DEADLINE_EXCEEDED\",source=\"client\"}"), 1)
+      << metrics;
+  EXPECT_EQ(Sample(metrics, "ubep_daemon_attached_clients"), 2) << metrics;
+
+  const absl::Status told = stalled.Dispatch(0, x.data(), idx.data(), w.data(), 4, d);
+  EXPECT_EQ(told, absl::FailedPreconditionError(
+                      "rank 1: dispatch call 1 refused: the group gave up on rank 1 in an earlier "
+                      "call; it must be re-formed"));
+  EXPECT_EQ(stalled.stats().wait_timeouts, 0u);
+  EXPECT_EQ(stalled.stats().errors, 1u);
+  EXPECT_TRUE(waiting.Detach().ok());
+  EXPECT_TRUE(stalled.Detach().ok());
+}
+
 TEST_F(DaemonTest, SigtermDrainsClientsSeeACleanErrorAndReattachToTheRestartedDaemon) {
   auto daemon = StartDaemon({"--drain_timeout=30s"});
   std::vector<std::unique_ptr<Process>> clients;
@@ -501,10 +569,27 @@ TEST_F(DaemonTest, HealthIsNotServingWhileDrainingAndAttachIsRefused) {
   ASSERT_TRUE(arenas.ok());
   EXPECT_EQ(arenas->bytes, "OK");
   EXPECT_EQ(arenas->fds.size(), 2u);
+  // The metrics: one client, the arenas' shared memory (the two memfds just received, one per
+  // rank of the group), not draining.
+  uint64_t shared_bytes = 0;
+  for (const UniqueFd& fd : arenas->fds) {
+    struct stat st {};
+    ASSERT_EQ(fstat(fd.get(), &st), 0);
+    shared_bytes += static_cast<uint64_t>(st.st_size);
+  }
+  std::string metrics = Metrics();
+  EXPECT_EQ(Sample(metrics, "ubep_daemon_attached_clients"), 1) << metrics;
+  EXPECT_EQ(Sample(metrics, "ubep_daemon_arena_bytes"), static_cast<double>(shared_bytes)) << metrics;
+  EXPECT_EQ(Sample(metrics, "ubep_daemon_draining"), 0) << metrics;
 
   daemon->Signal(SIGTERM);
   EXPECT_TRUE(WaitFor([&] { return Health() == grpc::health::v1::HealthCheckResponse::NOT_SERVING; },
                       absl::Seconds(10)));
+  // Draining, and still holding the client and its arenas (the exposition stays up until exit).
+  metrics = Metrics();
+  EXPECT_EQ(Sample(metrics, "ubep_daemon_draining"), 1) << metrics;
+  EXPECT_EQ(Sample(metrics, "ubep_daemon_attached_clients"), 1) << metrics;
+  EXPECT_EQ(Sample(metrics, "ubep_daemon_arena_bytes"), static_cast<double>(shared_bytes)) << metrics;
   const grpc::Status refused = Attach(Request(1, 2));
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_EQ(refused.error_message(),

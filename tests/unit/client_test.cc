@@ -240,7 +240,10 @@ void ExpectAStepGoesThrough(Rank& rank, uint64_t step) {
 // decides it; the steps before it run.
 TEST(ClientTest, APlanLeftUndecidedAtItsStepFailsBeginStepNamingIt) {
   test::TempDir dir;
-  absl::StatusOr<std::unique_ptr<daemon::Daemon>> ubepd = StartUbepd(dir);
+  daemon::DaemonOptions options;
+  options.socket_path = dir.path() + "/ubepd.sock";
+  options.metrics = "127.0.0.1:0";
+  absl::StatusOr<std::unique_ptr<daemon::Daemon>> ubepd = daemon::Daemon::Start(options);
   ASSERT_TRUE(ubepd.ok()) << ubepd.status();
   ClientOptions client = ClientOf(dir);
   client.decision_timeout = absl::Milliseconds(200);
@@ -253,6 +256,14 @@ TEST(ClientTest, APlanLeftUndecidedAtItsStepFailsBeginStepNamingIt) {
             absl::UnavailableError("rank 0: plan v2 is prepared for step 5 and still undecided "
                                    "after 200ms; is ubep-balancer alive? (restarted, it commits "
                                    "or aborts v2 from the daemons' state)"));
+  // One step waited (step 5; step 4 ran under v1), for the whole decision timeout; the
+  // failure is the client's, counted as such.
+  const std::string metrics = HttpGet((*ubepd)->metrics_port(), "/metrics");
+  EXPECT_EQ(test::Sample(metrics, "ubep_daemon_effective_step_waits_total{rank=\"0\"}"), 1) << metrics;
+  EXPECT_GE(test::Sample(metrics, "ubep_daemon_effective_step_wait_seconds_total{rank=\"0\"}"), 0.2)
+      << metrics;
+  EXPECT_EQ(test::Sample(metrics, "ubep_daemon_errors_total{code=\"UNAVAILABLE\",source=\"client\"}"), 1)
+      << metrics;
 }
 
 // A Rejoin that let go of its data plane and could not build it again (here: ubepd's arena

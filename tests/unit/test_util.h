@@ -7,6 +7,8 @@
 #include <fstream>
 #include <string>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
 #include "balancer/core/planner.h"
 #include "gtest/gtest.h"
 
@@ -34,6 +36,17 @@ class TempDir {
  private:
   std::string path_;
 };
+
+// The value of one sample line "name{labels} value" in a Prometheus exposition; -1 when
+// absent.
+inline double Sample(const std::string& exposition, const std::string& series) {
+  for (const absl::string_view line : absl::StrSplit(exposition, '\n')) {
+    if (absl::StartsWith(line, series + " ")) {
+      return std::stod(std::string(line.substr(series.size() + 1)));
+    }
+  }
+  return -1;
+}
 
 inline std::string TracePath(const std::string& name) {
   return std::string(UBEP_SOURCE_DIR) + "/data/traces/deepseek-v3/" + name;
