@@ -27,6 +27,9 @@
 namespace ubep::balancer {
 namespace {
 
+// The most a report's seq may be ahead of the last one taken of its daemon (ReportLoad).
+constexpr uint64_t kMaxReportSeqLead = uint64_t{1} << 32;
+
 // What a report says besides its seq and the step its daemon is at, which a report sent again
 // refreshes (daemon/balancer_link.cc): a report sent again under a seq must say the same.
 uint64_t ReportFingerprint(const v1::ReportLoadRequest& request) {
@@ -758,6 +761,15 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
     return Reject("out_of_order", grpc::StatusCode::INVALID_ARGUMENT,
                   absl::StrCat("report seq ", request->seq(), " of node ", request->node(),
                                " is before ", d.last_seq, ", the last one taken (reordered)"));
+  }
+  // A daemon numbers its reports one after another (about one a second): a seq further ahead
+  // is not one of its reports, and taken, it would have every later one refused as reordered.
+  if (request->seq() - d.last_seq > kMaxReportSeqLead) {
+    return Reject("malformed", grpc::StatusCode::INVALID_ARGUMENT,
+                  absl::StrCat("report seq ", request->seq(), " of node ", request->node(),
+                               " is more than 2^32 ahead of ", d.last_seq,
+                               ", the last one taken (a daemon numbers its reports one after "
+                               "another)"));
   }
   // The last report, sent again because its answer did not reach the daemon, which cannot
   // tell whether it was taken: its counts are taken once. Only the step it carries, the

@@ -9,6 +9,7 @@
 #include <functional>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <set>
 #include <thread>
 #include <map>
@@ -23,6 +24,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "prometheus/registry.h"
+#include "tests/unit/proto_mutate.h"
 #include "tests/wait_for.h"
 
 namespace ubep::balancer {
@@ -2348,6 +2350,76 @@ TEST(BalancerServerTest, RanksNoDaemonRegistersForTheGraceAreExcluded) {
   }
 }
 
+// Registrations and load reports from the wire, mutated at random (tests/unit/proto_mutate.h;
+// fixed seed) around node-a's and node-b's own, while the balancer ticks: each is taken or
+// refused with a code and a message, never a crash (the suite runs under AddressSanitizer and
+// UBSan). Afterwards both daemons register as they are and their reports are taken again.
+TEST(BalancerServerTest, RegistrationsAndReportsFromTheWireAreTakenOrRefused) {
+  constexpr int kIterations = 3000;
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+  std::unique_ptr<Balancer> balancer = WithTwoDaemons(NeverMarkedDown(), a, b);
+  std::mt19937_64 rng(5);
+  std::map<grpc::StatusCode, int> refused;
+  std::array<uint64_t, 2> seq = {0, 0};
+  uint64_t step = 0;
+  int taken = 0;
+  for (int i = 0; i < kIterations; ++i) {
+    const int n = i % 2;
+    const std::string node = n == 0 ? "node-a" : "node-b";
+    grpc::Status status;
+    if (rng() % 10 == 0) {
+      v1::RegisterRequest q = DaemonRegistration(n == 0 ? a : b, node, 2 * n, 0, "host");
+      for (int k = 1 + rng() % 3; k > 0; --k) test::Mutate(&q, rng);
+      v1::RegisterResponse response;
+      status = balancer->Register(nullptr, &q, &response);
+    } else {
+      v1::ReportLoadRequest q = ReportOf(node, n, ++seq[n], step, step + 10, 1, 5);
+      for (v1::LayerLoad& layer : *q.mutable_load()->mutable_layers()) {
+        layer.add_dispatches(10);
+        layer.add_dispatches(10);
+      }
+      for (int k = 1 + rng() % 3; k > 0; --k) test::Mutate(&q, rng);
+      v1::ReportLoadResponse response;
+      status = balancer->ReportLoad(nullptr, &q, &response);
+      if (status.ok()) seq[n] = std::max(seq[n], q.seq());
+    }
+    if (status.ok()) {
+      ++taken;
+    } else {
+      ++refused[status.error_code()];
+      EXPECT_FALSE(status.error_message().empty()) << "iteration " << i;
+    }
+    if (n == 1) step += 10;
+    if (i % 50 == 49) balancer->Tick();
+  }
+  // Refused as the caller's doing (a bad or out-of-place request, an unknown node, a name
+  // another daemon holds, a report of another plan), never as the balancer's failure.
+  for (const auto& [code, count] : refused) {
+    EXPECT_TRUE(code == grpc::StatusCode::INVALID_ARGUMENT ||
+                code == grpc::StatusCode::NOT_FOUND ||
+                code == grpc::StatusCode::ALREADY_EXISTS ||
+                code == grpc::StatusCode::FAILED_PRECONDITION)
+        << "code " << code << " x " << count;
+  }
+  EXPECT_GT(taken, kIterations / 50);
+  // Both daemons, started again (new incarnations), register and report under the plan in
+  // force: taken.
+  for (const std::string node : {"node-a", "node-b"}) {
+    const int n = node == "node-a" ? 0 : 1;
+    v1::RegisterRequest q = DaemonRegistration(n == 0 ? a : b, node, 2 * n, 0, "host");
+    q.set_incarnation("after-the-fuzz");
+    Register(*balancer, q);
+  }
+  balancer->Tick();
+  v1::ClusterStatus cluster;
+  ASSERT_TRUE(balancer->GetStatus(nullptr, nullptr, &cluster).ok());
+  for (int n = 0; n < 2; ++n) {
+    const grpc::Status status = ReportSteps(*balancer, n == 0 ? "node-a" : "node-b", n, 1,
+                                            step + 10, cluster.plan_version(), step);
+    EXPECT_TRUE(status.ok()) << status.error_message() << "\n" << cluster.ShortDebugString();
+  }
+}
+
 // A group whose calls reach only layer 0 (every step dropped there, over a receive capacity):
 // node-a and node-b under v1 (FirstPlan), the balancer ticked by hand.
 class UnreachedLayerTest : public ::testing::Test {
@@ -2576,6 +2648,23 @@ TEST_F(UnreachedLayerTest, AReportSentAgainUnderItsSeqIsTakenOnce) {
   status = balancer_->ReportLoad(nullptr, &unnumbered, &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(status.error_message(), "report of node node-a has seq 0; a daemon numbers its reports from 1");
+  // A seq more than 2^32 ahead of the last one taken is not its daemon's: taken, it would have
+  // every later report refused as reordered. At 2^32 ahead it is taken, and the next is.
+  const v1::ReportLoadRequest far =
+      ReportOf("node-a", 0, (uint64_t{1} << 32) + 3, step_, step_ + 10, version_, 0);
+  status = balancer_->ReportLoad(nullptr, &far, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(status.error_message(),
+            "report seq 4294967299 of node node-a is more than 2^32 ahead of 2, the last one "
+            "taken (a daemon numbers its reports one after another)");
+  EXPECT_EQ(Sample("ubep_balancer_rejected_reports_total", "malformed", "reason"), 2);
+  EXPECT_EQ(Sample("ubep_balancer_reports_total"), 4);
+  for (const uint64_t seq : {(uint64_t{1} << 32) + 2, (uint64_t{1} << 32) + 3}) {
+    const v1::ReportLoadRequest next = ReportOf("node-a", 0, seq, step_, step_ + 10, version_, 0);
+    status = balancer_->ReportLoad(nullptr, &next, &response);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+  }
+  EXPECT_EQ(Sample("ubep_balancer_reports_total"), 6);
 }
 
 }  // namespace
