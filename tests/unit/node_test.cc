@@ -17,6 +17,8 @@
 
 #include <cstring>
 #include <fcntl.h>
+#include <poll.h>
+#include <unistd.h>
 #include <sys/resource.h>
 #include <filesystem>
 
@@ -1893,6 +1895,42 @@ TEST_F(FdServerTest, AMessageOutOfPlaceOnARanksConnectionEndsTheConnectionAndThe
     ASSERT_TRUE(reply.ok()) << reply.status();
     EXPECT_TRUE(reply->closed);
     EXPECT_EQ(node_->Snapshot().attached, 0);
+  }
+}
+
+// Descriptors a client passes along with its message (none is asked for) are closed by the
+// server whatever the message: a bad token, a malformed peer request, a good claim. Each
+// message carries the write end of a pipe; once the server has answered and this end is
+// closed here, the read end sees end-of-file only if no copy of the write end is left open.
+TEST_F(FdServerTest, DescriptorsAClientPassesAreClosedWhateverItsMessage) {
+  std::string token;
+  {
+    v1::AttachRequest request = Request(0, 1);
+    request.mutable_shape()->set_num_experts(4);
+    absl::StatusOr<v1::AttachResponse> attached = node_->Attach(request);
+    ASSERT_TRUE(attached.ok()) << attached.status();
+    token = attached->token();
+  }
+  const std::pair<std::string, std::string> cases[] = {
+      {"no such token", "ERR unknown or already used attach token; attach again"},
+      {std::string(kPeerRequest) + "key", "ERR malformed peer request"},
+      {token, "OK"}};
+  for (const auto& [message, answer] : cases) {
+    SCOPED_TRACE(message);
+    int ends[2];
+    ASSERT_EQ(pipe2(ends, O_CLOEXEC), 0);
+    UniqueFd read_end(ends[0]), write_end(ends[1]);
+    UniqueFd c = Connect();
+    const int passed[] = {write_end.get(), write_end.get()};
+    ASSERT_TRUE(SendMessage(c.get(), message, passed).ok());
+    absl::StatusOr<ReceivedMessage> reply = ReceiveMessage(c.get(), 256, absl::Seconds(5));
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    EXPECT_EQ(reply->bytes, answer);
+    write_end.reset();
+    pollfd p{read_end.get(), POLLIN, 0};
+    ASSERT_EQ(poll(&p, 1, 5000), 1) << "a copy of the write end is still open";
+    char byte;
+    EXPECT_EQ(read(read_end.get(), &byte, 1), 0);
   }
 }
 
