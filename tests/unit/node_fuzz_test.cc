@@ -17,6 +17,7 @@
 #include "balancer/formats/proto_convert.h"
 #include "daemon/node.h"
 #include "gtest/gtest.h"
+#include "tests/unit/node_fixtures.h"
 #include "tests/unit/proto_mutate.h"
 
 namespace ubep::daemon {
@@ -29,38 +30,6 @@ NodeOptions Options() {
   o.fd_socket_path = "/unused";
   o.max_arena_bytes = kMaxArenaBytes;
   return o;
-}
-
-v1::AttachRequest Request(uint32_t rank, uint32_t world) {
-  v1::AttachRequest q;
-  q.set_rank(rank);
-  q.set_world_size(world);
-  q.set_pid(100 + rank);
-  v1::ModelShape* s = q.mutable_shape();
-  s->set_num_layers(2);
-  s->set_num_experts(8);
-  s->set_hidden(16);
-  s->set_top_k(2);
-  s->set_max_tokens(8);
-  s->set_slots_per_rank(4);
-  s->set_bytes_per_expert(256);
-  return q;
-}
-
-// Plan v2 of Request's group of two ranks: slots 0 and 5 swap experts.
-balancer::Plan SwappedPlan() {
-  balancer::Plan plan;
-  plan.version = 2;
-  plan.topology = {2, 1, 4, 1};
-  plan.num_experts = 8;
-  for (int l = 0; l < 2; ++l) {
-    balancer::LayerPlan layer;
-    layer.slot_expert = {5, 1, 2, 3, 4, 0, 6, 7};
-    balancer::SetEqualShares(8, layer);
-    plan.layer_ids.push_back(l);
-    plan.layers.push_back(layer);
-  }
-  return plan;
 }
 
 TEST(NodeFuzzTest, AttachRequestsAreRefusedOrGivenArenasWithinTheBound) {

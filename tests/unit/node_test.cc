@@ -30,6 +30,7 @@
 #include "gtest/gtest.h"
 #include "kernels/host/rank_arena.h"
 #include "kernels/host/shared_arena.h"
+#include "tests/unit/node_fixtures.h"
 #include "tests/unit/test_util.h"
 
 namespace ubep::daemon {
@@ -42,22 +43,6 @@ NodeOptions Options(int free_buffers = 2) {
   o.fd_socket_path = "/unused";
   o.free_buffers = free_buffers;
   return o;
-}
-
-v1::AttachRequest Request(uint32_t rank, uint32_t world) {
-  v1::AttachRequest q;
-  q.set_rank(rank);
-  q.set_world_size(world);
-  q.set_pid(100 + rank);
-  v1::ModelShape* s = q.mutable_shape();
-  s->set_num_layers(2);
-  s->set_num_experts(8);
-  s->set_hidden(16);
-  s->set_top_k(2);
-  s->set_max_tokens(8);
-  s->set_slots_per_rank(4);
-  s->set_bytes_per_expert(256);
-  return q;
 }
 
 struct Attached {
@@ -291,23 +276,6 @@ TEST(NodeTest, DrainFailsJoinsAndAttachesAndStopsEveryWait) {
   d.set_token(a0.token);
   EXPECT_TRUE(node.Detach(d).ok());
   EXPECT_TRUE(node.AwaitDetached(absl::Milliseconds(10)));
-}
-
-// Rank 0's slot 0 (expert 0) becomes expert 5 and rank 1's slot 1 (expert 5) becomes expert 0:
-// both need weights from the other rank.
-balancer::Plan SwappedPlan() {
-  balancer::Plan plan;
-  plan.version = 2;
-  plan.topology = {2, 1, 4, 1};
-  plan.num_experts = 8;
-  for (int l = 0; l < 2; ++l) {
-    balancer::LayerPlan layer;
-    layer.slot_expert = {5, 1, 2, 3, 4, 0, 6, 7};
-    balancer::SetEqualShares(8, layer);
-    plan.layer_ids.push_back(l);
-    plan.layers.push_back(layer);
-  }
-  return plan;
 }
 
 // SwappedPlan (v2) prepared for step 20 and committed: rank 0 reads it from step 20 on.
