@@ -1,5 +1,13 @@
 #include "balancer/formats/json_formats.h"
 
+#include <cstdint>
+#include <iterator>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "balancer/core/planner.h"
 #include "gtest/gtest.h"
@@ -254,6 +262,97 @@ INSTANTIATE_TEST_SUITE_P(
         BadLoad{std::string("{") + kTopology +
                  R"(, "phy2log": [[0,1,0,1]], "excluded_ranks": [0]})",
                 "p.json: plan: layer 0 slot 0 has share 0.5 but rank 0 is excluded"}));
+
+// Files as operators hand them over, damaged at random (fixed seed): a value somewhere in the
+// tree replaced by one at the edges or of another type, an entry dropped or repeated, or the
+// text cut short. Each is read, or refused as InvalidArgument with one line that starts with
+// the file's name; a plan read passes ValidatePlan and round-trips. Nothing may crash or read
+// out of bounds (the suite runs under AddressSanitizer and UBSan).
+void MutateJson(nlohmann::json& root, std::mt19937_64& rng) {
+  std::vector<nlohmann::json*> nodes;
+  std::vector<nlohmann::json*> stack = {&root};
+  while (!stack.empty()) {
+    nlohmann::json* j = stack.back();
+    stack.pop_back();
+    nodes.push_back(j);
+    if (j->is_structured()) {
+      for (nlohmann::json& child : *j) stack.push_back(&child);
+    }
+  }
+  nlohmann::json& j = *nodes[rng() % nodes.size()];
+  static const nlohmann::json kValues[] = {
+      0, 1, -1, 2, 3, 0.5, 1.0000001, -0.0, 1e308, -1e308, 4294967295u, 4294967296u,
+      uint64_t{1} << 63, std::numeric_limits<uint64_t>::max(), std::numeric_limits<int64_t>::min(),
+      1048575, 1048576, 65536, nullptr, true, "x", nlohmann::json::array(),
+      nlohmann::json::object(), nlohmann::json::array({-1}), nlohmann::json::array({0, 0})};
+  switch (rng() % 4) {
+    case 0:
+    case 1:
+      j = kValues[rng() % (sizeof(kValues) / sizeof(kValues[0]))];
+      break;
+    case 2:
+      if (j.is_array() && !j.empty()) {
+        j.erase(j.begin() + static_cast<std::ptrdiff_t>(rng() % j.size()));
+      } else if (j.is_object() && !j.empty()) {
+        auto it = j.begin();
+        std::advance(it, static_cast<std::ptrdiff_t>(rng() % j.size()));
+        j.erase(it);
+      }
+      break;
+    default:
+      if (j.is_array() && !j.empty()) j.push_back(j[rng() % j.size()]);
+      break;
+  }
+}
+
+template <typename Parse, typename Check>
+void FuzzFile(const std::string& good, const char* name, uint64_t seed, Parse parse, Check check) {
+  constexpr int kIterations = 4000;
+  std::mt19937_64 rng(seed);
+  const nlohmann::json base = nlohmann::json::parse(good);
+  int read = 0;
+  for (int i = 0; i < kIterations; ++i) {
+    nlohmann::json j = base;
+    for (int k = 1 + rng() % 3; k > 0; --k) MutateJson(j, rng);
+    std::string text = j.dump();
+    if (rng() % 10 == 0) text.resize(rng() % (text.size() + 1));
+    const auto parsed = parse(text);
+    if (parsed.ok()) {
+      ++read;
+      ASSERT_NO_FATAL_FAILURE(check(*parsed)) << text;
+      continue;
+    }
+    const std::string message(parsed.status().message());
+    EXPECT_EQ(parsed.status().code(), absl::StatusCode::kInvalidArgument) << message;
+    EXPECT_TRUE(absl::StartsWith(message, absl::StrCat(name, ": "))) << message;
+    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+  }
+  EXPECT_GT(read, kIterations / 50);
+}
+
+TEST(JsonFuzzTest, DamagedPlanFilesAreReadOrRefusedNamingTheFile) {
+  Plan plan = test::SmallPlan();
+  plan.version = 7;
+  plan.excluded_ranks = {};
+  FuzzFile(
+      PlanToJson(plan), "p.json", 6, [](const std::string& text) { return ParsePlanJson(text, "p.json"); },
+      [](const Plan& read) {
+        EXPECT_TRUE(ValidatePlan(read).ok()) << ValidatePlan(read);
+        const absl::StatusOr<Plan> again = ParsePlanJson(PlanToJson(read), "again.json");
+        ASSERT_TRUE(again.ok()) << again.status();
+        EXPECT_TRUE(*again == read);
+      });
+}
+
+TEST(JsonFuzzTest, DamagedLoadFilesAreReadOrRefusedNamingTheFile) {
+  const std::string good = R"({"logical_count": [[5, 0, 3, 9], [0, 0, 0, 0], [1, 2, 3, 4]]})";
+  FuzzFile(
+      good, "l.json", 7, [](const std::string& text) { return ParseSglangLoad(text, "l.json"); },
+      [](const LoadMatrix& load) {
+        EXPECT_GT(load.num_layers(), 0);
+        EXPECT_GT(load.num_experts(), 0);
+      });
+}
 
 }  // namespace
 }  // namespace ubep::balancer
