@@ -935,13 +935,15 @@ void Balancer::RequestRebalance() {
   rebalance_requested_ = true;
 }
 
-uint64_t Balancer::EstimateStep() const {
+uint64_t Balancer::EffectiveStep() const {
   double step = 0;
+  uint64_t reported = 0;
   const absl::Time now = MonotonicNow();
   for (const auto& [name, d] : daemons_) {
     // A daemon failing its health checks reports no more: its last rate would be extrapolated
     // for as long as it is down, and its ranks are not in the plans made meanwhile.
     if (!d.Serving()) continue;
+    reported = std::max(reported, d.max_step);
     double estimate = static_cast<double>(d.max_step);
     if (d.prev_step_time != absl::InfinitePast() && d.step_time > d.prev_step_time &&
         d.max_step > d.prev_step) {
@@ -951,7 +953,13 @@ uint64_t Balancer::EstimateStep() const {
     }
     step = std::max(step, estimate);
   }
-  return static_cast<uint64_t>(std::ceil(step));
+  // Not before the furthest step reported (a double rounds steps past 2^53), and saturating:
+  // 2^64 and past it do not convert, and the margin does not wrap.
+  constexpr uint64_t kLast = std::numeric_limits<uint64_t>::max();
+  const uint64_t at =
+      step >= 0x1p64 ? kLast : std::max(reported, static_cast<uint64_t>(std::ceil(step)));
+  const uint64_t margin = static_cast<uint64_t>(options_.min_margin_steps);
+  return at > kLast - margin ? kLast : at + margin;
 }
 
 void Balancer::CloseInterval() {
@@ -1345,7 +1353,7 @@ void Balancer::CatchUp() {
     }
     if (behind.empty()) return;
     *request.mutable_plan() = ToProto(*plan_, PlanEncoding::kCompact);
-    request.set_effective_step(EstimateStep() + options_.min_margin_steps);
+    request.set_effective_step(EffectiveStep());
     AddGroupDaemons(request);
   }
   // The daemons behind take the plan at once: Prepare to all, then Commit to those prepared.
@@ -1495,7 +1503,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
         }
       }
     }
-    effective_step = EstimateStep() + static_cast<uint64_t>(options_.min_margin_steps);
+    effective_step = EffectiveStep();
     before = SummarizeBalance(previous, load).per_layer;
   }
   if (excluded == previous.excluded_ranks) {
@@ -1517,7 +1525,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
       absl::SleepFor(std::min(absl::Milliseconds(50), answer_by - now));  // Not past it.
     }
     MutexLock lock(&mu_);
-    effective_step = EstimateStep() + static_cast<uint64_t>(options_.min_margin_steps);
+    effective_step = EffectiveStep();
   }
   const absl::Time plan_start = MonotonicNow();
   PlannerOptions planner;

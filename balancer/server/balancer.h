@@ -248,7 +248,10 @@ class Balancer final : public v1::Control::Service {
   // without one); ABORTED, naming `what` was not done, if it is still in flight then.
   grpc::Status Serialize(std::unique_lock<std::mutex>& serial, absl::Time answer_by,
                          const std::string& what);
-  uint64_t EstimateStep() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The step a plan made now takes effect at: the serving daemons' steps extrapolated past the
+  // effective margin, and min_margin_steps more; at most 2^64 - 1 (a serving job numbering its
+  // steps near 2^64 gets plans the daemons refuse, naming the step, not a step wrapped to 0).
+  uint64_t EffectiveStep() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The daemon hosts a rank plan_ keeps.
   bool Member(const Daemon& d) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ranks of registered node `node` that another serving node lists (took over while it was
@@ -267,7 +270,7 @@ class Balancer final : public v1::Control::Service {
   // Every healthy daemon with ranks plan_ keeps (drained ones aside) reported it in force on
   // all its ranks: its predecessor's buffers are no longer read, so the next plan may reuse them.
   bool PlanInForceEverywhere() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Every serving daemon has reported twice, so EstimateStep has a step rate for it where its
+  // Every serving daemon has reported twice, so EffectiveStep has a step rate for it where its
   // ranks' steps moved between the two, and can place a plan's effective step ahead of them
   // (from one report it falls behind by up to a report interval of steps, and the daemons
   // refuse the plan). The automatic triggers wait for it.

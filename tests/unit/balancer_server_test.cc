@@ -866,6 +866,30 @@ TEST(BalancerServerTest, TheStepOfAPlanIsEstimatedFromLiveDaemonsOnly) {
   EXPECT_EQ(a->committed_version(), 2u);
 }
 
+// A serving job's steps are its own numbering: past 2^53 (where a double rounds them) a plan
+// still takes effect min_margin_steps after the furthest step reported, and near 2^64 at the
+// last step, not at one wrapped past 0 (which every daemon would refuse as reached already).
+TEST(BalancerServerTest, StepsPast2To53GiveThePlanTheStepAfterThemAndNear2To64TheLast) {
+  const std::pair<uint64_t, uint64_t> cases[] = {
+      {(uint64_t{1} << 60) + 100, (uint64_t{1} << 60) + 110},
+      {std::numeric_limits<uint64_t>::max() - 4, std::numeric_limits<uint64_t>::max()}};
+  for (const auto& [reported, effective] : cases) {
+    SCOPED_TRACE(reported);
+    FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+    std::unique_ptr<Balancer> balancer = WithTwoDaemons(NeverMarkedDown(), a, b);
+    for (int n = 0; n < 2; ++n) {
+      const grpc::Status taken =
+          ReportSteps(*balancer, n == 0 ? "node-a" : "node-b", n, 1, reported, 1, reported - 10);
+      EXPECT_TRUE(taken.ok()) << taken.error_message();
+    }
+    v1::RebalanceResponse response;
+    const grpc::Status drained = Drain(*balancer, "node-b", true, &response);
+    ASSERT_TRUE(drained.ok()) << drained.error_message();
+    ASSERT_FALSE(a.prepares().empty());
+    EXPECT_EQ(a.prepares().back().effective_step(), effective);
+  }
+}
+
 // New clients attached to both daemons and the group formed again at step 0, before v1's
 // effective step (500): the daemons follow v1 from step 0 (RetargetPlan) and say so in their
 // reports, whose counts are v1's and are taken; the steps the ranks are at drop with them, and
