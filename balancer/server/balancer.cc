@@ -763,8 +763,10 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
                                " is before ", d.last_seq, ", the last one taken (reordered)"));
   }
   // A daemon numbers its reports one after another (about one a second): a seq further ahead
-  // is not one of its reports, and taken, it would have every later one refused as reordered.
-  if (request->seq() - d.last_seq > kMaxReportSeqLead) {
+  // of the last one taken is not one of its reports, and taken, it would have every later one
+  // refused as reordered. (The first report after a registration, or after this balancer
+  // started, goes on from wherever its daemon's numbering is.)
+  if (d.last_seq > 0 && request->seq() - d.last_seq > kMaxReportSeqLead) {
     return Reject("malformed", grpc::StatusCode::INVALID_ARGUMENT,
                   absl::StrCat("report seq ", request->seq(), " of node ", request->node(),
                                " is more than 2^32 ahead of ", d.last_seq,
@@ -935,31 +937,36 @@ void Balancer::RequestRebalance() {
   rebalance_requested_ = true;
 }
 
-uint64_t Balancer::EffectiveStep() const {
-  double step = 0;
-  uint64_t reported = 0;
+absl::StatusOr<uint64_t> Balancer::EffectiveStep() const {
+  // In whole steps, saturating: a serving job's steps are its own numbering (past 2^53 a
+  // double would round them, and the step rate's few steps with them).
+  constexpr uint64_t kLast = std::numeric_limits<uint64_t>::max();
+  auto add = [](uint64_t a, uint64_t b) { return a > kLast - b ? kLast : a + b; };
+  uint64_t at = 0;
   const absl::Time now = MonotonicNow();
   for (const auto& [name, d] : daemons_) {
     // A daemon failing its health checks reports no more: its last rate would be extrapolated
     // for as long as it is down, and its ranks are not in the plans made meanwhile.
     if (!d.Serving()) continue;
-    reported = std::max(reported, d.max_step);
-    double estimate = static_cast<double>(d.max_step);
+    uint64_t estimate = d.max_step;
     if (d.prev_step_time != absl::InfinitePast() && d.step_time > d.prev_step_time &&
         d.max_step > d.prev_step) {
       const double rate = static_cast<double>(d.max_step - d.prev_step) /
                           absl::ToDoubleSeconds(d.step_time - d.prev_step_time);
-      estimate += rate * absl::ToDoubleSeconds(now - d.step_time + options_.effective_margin);
+      const double ahead =
+          std::ceil(rate * absl::ToDoubleSeconds(now - d.step_time + options_.effective_margin));
+      // (2^64 and past it do not convert.)
+      estimate = add(estimate, !(ahead > 0) ? 0 : ahead >= 0x1p64 ? kLast : static_cast<uint64_t>(ahead));
     }
-    step = std::max(step, estimate);
+    at = std::max(at, estimate);
   }
-  // Not before the furthest step reported (a double rounds steps past 2^53), and saturating:
-  // 2^64 and past it do not convert, and the margin does not wrap.
-  constexpr uint64_t kLast = std::numeric_limits<uint64_t>::max();
-  const uint64_t at =
-      step >= 0x1p64 ? kLast : std::max(reported, static_cast<uint64_t>(std::ceil(step)));
   const uint64_t margin = static_cast<uint64_t>(options_.min_margin_steps);
-  return at > kLast - margin ? kLast : at + margin;
+  if (at > kLast - margin) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the serving job is at step ", at, " (estimated): no step is left after it for a plan "
+        "to take effect at (steps end at 2^64 - 1)"));
+  }
+  return at + margin;
 }
 
 void Balancer::CloseInterval() {
@@ -1353,7 +1360,13 @@ void Balancer::CatchUp() {
     }
     if (behind.empty()) return;
     *request.mutable_plan() = ToProto(*plan_, PlanEncoding::kCompact);
-    request.set_effective_step(EffectiveStep());
+    const absl::StatusOr<uint64_t> effective = EffectiveStep();
+    if (!effective.ok()) {
+      UBEP_LOG(WARNING) << "catch-up of nodes behind plan v" << plan_->version
+                        << " not tried: " << effective.status().message();
+      return;
+    }
+    request.set_effective_step(*effective);
     AddGroupDaemons(request);
   }
   // The daemons behind take the plan at once: Prepare to all, then Commit to those prepared.
@@ -1503,7 +1516,9 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
         }
       }
     }
-    effective_step = EffectiveStep();
+    const absl::StatusOr<uint64_t> effective = EffectiveStep();
+    if (!effective.ok()) return effective.status();
+    effective_step = *effective;
     before = SummarizeBalance(previous, load).per_layer;
   }
   if (excluded == previous.excluded_ranks) {
@@ -1525,7 +1540,9 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
       absl::SleepFor(std::min(absl::Milliseconds(50), answer_by - now));  // Not past it.
     }
     MutexLock lock(&mu_);
-    effective_step = EffectiveStep();
+    const absl::StatusOr<uint64_t> effective = EffectiveStep();
+    if (!effective.ok()) return effective.status();
+    effective_step = *effective;
   }
   const absl::Time plan_start = MonotonicNow();
   PlannerOptions planner;

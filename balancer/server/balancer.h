@@ -249,9 +249,10 @@ class Balancer final : public v1::Control::Service {
   grpc::Status Serialize(std::unique_lock<std::mutex>& serial, absl::Time answer_by,
                          const std::string& what);
   // The step a plan made now takes effect at: the serving daemons' steps extrapolated past the
-  // effective margin, and min_margin_steps more; at most 2^64 - 1 (a serving job numbering its
-  // steps near 2^64 gets plans the daemons refuse, naming the step, not a step wrapped to 0).
-  uint64_t EffectiveStep() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // effective margin, and min_margin_steps more. FailedPrecondition where that is past
+  // 2^64 - 1 (a serving job numbering its steps near 2^64: no plan, rather than one at a step
+  // wrapped past 0, which every daemon would refuse, or one never in force).
+  absl::StatusOr<uint64_t> EffectiveStep() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The daemon hosts a rank plan_ keeps.
   bool Member(const Daemon& d) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ranks of registered node `node` that another serving node lists (took over while it was

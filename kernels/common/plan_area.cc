@@ -1,6 +1,5 @@
 #include "kernels/common/plan_area.h"
 
-#include <algorithm>
 #include <atomic>
 #include <cstring>
 
@@ -72,16 +71,18 @@ absl::Status PreparePlan(void* area, std::span<const std::byte> table, uint64_t 
   }
   if (absl::Status s = ValidatePlanTable(table); !s.ok()) return s;
   int older = 0;
-  uint64_t newest = 0, newest_committed = 0;
+  uint64_t newest_committed = 0;
   int newest_committed_slot = -1;
   for (int i = 0; i < 2; ++i) {
     PlanSlotHeader* slot = PlanSlot(area, i);
     const uint32_t state = LoadState(slot);
     const uint64_t v = LoadVersion(slot);
-    if (state != kEmpty) newest = std::max(newest, v);
-    // An aborted plan may be prepared again under its version (the balancer catching a
-    // daemon up retries the cluster's plan); anything else of this version or newer stays.
-    if (state != kEmpty && v >= version && !(state == kAborted && v == version)) {
+    // An aborted plan holds no version back: it may be prepared again under its version (the
+    // balancer catching a daemon up retries the cluster's plan), and an older one after it (a
+    // Prepare under a version near 2^64, aborted, would otherwise leave none for the plans
+    // after it; one delivered late is aborted by the balancer's recovery, as any plan left
+    // pending is). What is committed, or awaits its decision, stays.
+    if (state != kEmpty && state != kAborted && v >= version) {
       return absl::FailedPreconditionError(absl::StrCat(
           "plan v", version, " is not newer than v", v, " already in the plan area"));
     }
@@ -89,11 +90,6 @@ absl::Status PreparePlan(void* area, std::span<const std::byte> table, uint64_t 
       newest_committed = v;
       newest_committed_slot = i;
     }
-  }
-  if (newest > 0 && version > newest && version - newest > kMaxPlanVersionLead) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "plan v", version, " is more than 2^32 versions ahead of v", newest,
-        ", the newest in the plan area (plans are numbered one after another)"));
   }
   // One decision at a time: never a second prepare while one awaits, in either slot.
   for (int i = 0; i < 2; ++i) {

@@ -81,15 +81,10 @@ const PlanTableHeader* SelectPlan(void* area, uint64_t step, uint64_t* version =
 // (optional) receives its version.
 bool UndecidedAt(void* area, uint64_t step, uint64_t* version = nullptr);
 
-// Plans are numbered one after another: a version more than this far ahead of the newest in
-// the area is refused. An aborted plan's version stays in the area and only newer ones are
-// prepared after it, so one near 2^64 (a request gone wrong) would leave no version for the
-// plans after it.
-inline constexpr uint64_t kMaxPlanVersionLead = uint64_t{1} << 32;
-
-// Writer side. Errors: FailedPrecondition (version not above every prepared or committed one,
-// more than kMaxPlanVersionLead above the newest, or another version awaits its commit or
-// abort), InvalidArgument (table larger than the
+// Writer side. An aborted plan holds no version back: any version above the committed ones
+// may be prepared after it (its own again, a retry, included). Errors: FailedPrecondition
+// (version not above every prepared or committed one, or another version awaits its commit
+// or abort), InvalidArgument (table larger than the
 // capacity, or not a valid plan table), NotFound (Commit/Abort of a version not prepared).
 absl::Status PreparePlan(void* area, std::span<const std::byte> table, uint64_t version,
                          uint64_t effective_step);

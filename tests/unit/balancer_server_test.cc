@@ -866,28 +866,49 @@ TEST(BalancerServerTest, TheStepOfAPlanIsEstimatedFromLiveDaemonsOnly) {
   EXPECT_EQ(a->committed_version(), 2u);
 }
 
-// A serving job's steps are its own numbering: past 2^53 (where a double rounds them) a plan
-// still takes effect min_margin_steps after the furthest step reported, and near 2^64 at the
-// last step, not at one wrapped past 0 (which every daemon would refuse as reached already).
-TEST(BalancerServerTest, StepsPast2To53GiveThePlanTheStepAfterThemAndNear2To64TheLast) {
-  const std::pair<uint64_t, uint64_t> cases[] = {
-      {(uint64_t{1} << 60) + 100, (uint64_t{1} << 60) + 110},
-      {std::numeric_limits<uint64_t>::max() - 4, std::numeric_limits<uint64_t>::max()}};
-  for (const auto& [reported, effective] : cases) {
-    SCOPED_TRACE(reported);
+// A serving job's steps are its own numbering. Past 2^53 (where a double rounds them) a plan
+// takes effect min_margin_steps after the furthest step reported, and after the steps its
+// rate adds; near 2^64, where no step is left after the margin, no plan is made (rather than
+// one at a step wrapped past 0, which every daemon would refuse as reached).
+TEST(BalancerServerTest, StepsPast2To53AreCountedWholeAndNear2To64NoPlanIsMade) {
+  const uint64_t kFar = (uint64_t{1} << 60) + 1100;
+  {
     FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
     std::unique_ptr<Balancer> balancer = WithTwoDaemons(NeverMarkedDown(), a, b);
     for (int n = 0; n < 2; ++n) {
       const grpc::Status taken =
-          ReportSteps(*balancer, n == 0 ? "node-a" : "node-b", n, 1, reported, 1, reported - 10);
+          ReportSteps(*balancer, n == 0 ? "node-a" : "node-b", n, 1, kFar, 1, kFar - 10);
       EXPECT_TRUE(taken.ok()) << taken.error_message();
     }
+    // node-a moves one step in 50 ms or more: a rate of 20 steps a second at most, which
+    // extrapolated over the effective margin (1 s) and the time since puts the plan a few
+    // steps further (a double at 2^60 rounds by 256, and would lose them).
+    absl::SleepFor(absl::Milliseconds(50));
+    const grpc::Status moved = ReportSteps(*balancer, "node-a", 0, 2, kFar + 1, 1, kFar);
+    ASSERT_TRUE(moved.ok()) << moved.error_message();
     v1::RebalanceResponse response;
     const grpc::Status drained = Drain(*balancer, "node-b", true, &response);
     ASSERT_TRUE(drained.ok()) << drained.error_message();
     ASSERT_FALSE(a.prepares().empty());
-    EXPECT_EQ(a.prepares().back().effective_step(), effective);
+    const uint64_t effective = a.prepares().back().effective_step();
+    EXPECT_GT(effective, kFar + 1 + 10);
+    EXPECT_LT(effective, kFar + 1 + 10 + 1000);
   }
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+  std::unique_ptr<Balancer> balancer = WithTwoDaemons(NeverMarkedDown(), a, b);
+  const uint64_t kLast = std::numeric_limits<uint64_t>::max() - 4;
+  for (int n = 0; n < 2; ++n) {
+    const grpc::Status taken =
+        ReportSteps(*balancer, n == 0 ? "node-a" : "node-b", n, 1, kLast, 1, kLast - 10);
+    EXPECT_TRUE(taken.ok()) << taken.error_message();
+  }
+  v1::RebalanceResponse response;
+  const grpc::Status drained = Drain(*balancer, "node-b", true, &response);
+  EXPECT_EQ(drained.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(drained.error_message(),
+            "the serving job is at step 18446744073709551611 (estimated): no step is left after "
+            "it for a plan to take effect at (steps end at 2^64 - 1)");
+  EXPECT_TRUE(a.prepares().empty());
 }
 
 // New clients attached to both daemons and the group formed again at step 0, before v1's
@@ -2385,7 +2406,7 @@ TEST(BalancerServerTest, RegistrationsAndReportsFromTheWireAreTakenOrRefused) {
   std::mt19937_64 rng(5);
   std::map<grpc::StatusCode, int> refused;
   std::array<uint64_t, 2> seq = {0, 0};
-  uint64_t step = 0;
+  uint64_t step = 0, version = 1;
   int taken = 0;
   for (int i = 0; i < kIterations; ++i) {
     const int n = i % 2;
@@ -2397,7 +2418,10 @@ TEST(BalancerServerTest, RegistrationsAndReportsFromTheWireAreTakenOrRefused) {
       v1::RegisterResponse response;
       status = balancer->Register(nullptr, &q, &response);
     } else {
-      v1::ReportLoadRequest q = ReportOf(node, n, ++seq[n], step, step + 10, 1, 5);
+      // Under the plan in force, from the step the group (re)formed at: the report reaches
+      // the checks past the plan's.
+      v1::ReportLoadRequest q = ReportOf(node, n, ++seq[n], step, step + 10, version, 5);
+      q.set_plan_effective_step(0);
       for (v1::LayerLoad& layer : *q.mutable_load()->mutable_layers()) {
         layer.add_dispatches(10);
         layer.add_dispatches(10);
@@ -2405,7 +2429,13 @@ TEST(BalancerServerTest, RegistrationsAndReportsFromTheWireAreTakenOrRefused) {
       for (int k = 1 + rng() % 3; k > 0; --k) test::Mutate(&q, rng);
       v1::ReportLoadResponse response;
       status = balancer->ReportLoad(nullptr, &q, &response);
-      if (status.ok()) seq[n] = std::max(seq[n], q.seq());
+      // The balancer keeps a report's seq once the seq itself passed (whatever is refused
+      // after): the next report goes on from it, as its daemon's would.
+      const std::string why(status.error_message());
+      if (q.node() == node && why.find(" seq ") == std::string::npos &&
+          why.find("is not registered") == std::string::npos) {
+        seq[n] = std::max(seq[n], q.seq());
+      }
     }
     if (status.ok()) {
       ++taken;
@@ -2414,7 +2444,12 @@ TEST(BalancerServerTest, RegistrationsAndReportsFromTheWireAreTakenOrRefused) {
       EXPECT_FALSE(status.error_message().empty()) << "iteration " << i;
     }
     if (n == 1) step += 10;
-    if (i % 50 == 49) balancer->Tick();
+    if (i % 50 == 49) {
+      balancer->Tick();
+      v1::ClusterStatus cluster;
+      ASSERT_TRUE(balancer->GetStatus(nullptr, nullptr, &cluster).ok());
+      version = cluster.plan_version();
+    }
   }
   // Refused as the caller's doing (a bad or out-of-place request, an unknown node, a name
   // another daemon holds, a report of another plan), never as the balancer's failure.
@@ -2427,7 +2462,7 @@ TEST(BalancerServerTest, RegistrationsAndReportsFromTheWireAreTakenOrRefused) {
   }
   EXPECT_GT(taken, kIterations / 50);
   // Both daemons, started again (new incarnations), register and report under the plan in
-  // force: taken.
+  // force: taken (their seqs start over).
   for (const std::string node : {"node-a", "node-b"}) {
     const int n = node == "node-a" ? 0 : 1;
     v1::RegisterRequest q = DaemonRegistration(n == 0 ? a : b, node, 2 * n, 0, "host");
@@ -2438,8 +2473,12 @@ TEST(BalancerServerTest, RegistrationsAndReportsFromTheWireAreTakenOrRefused) {
   v1::ClusterStatus cluster;
   ASSERT_TRUE(balancer->GetStatus(nullptr, nullptr, &cluster).ok());
   for (int n = 0; n < 2; ++n) {
-    const grpc::Status status = ReportSteps(*balancer, n == 0 ? "node-a" : "node-b", n, 1,
-                                            step + 10, cluster.plan_version(), step);
+    // (In force from step 0 on its ranks, as a daemon whose group formed anew says.)
+    v1::ReportLoadRequest q = ReportOf(n == 0 ? "node-a" : "node-b", n, 1, step, step + 10,
+                                       cluster.plan_version(), 1);
+    q.set_plan_effective_step(0);
+    v1::ReportLoadResponse response;
+    const grpc::Status status = balancer->ReportLoad(nullptr, &q, &response);
     EXPECT_TRUE(status.ok()) << status.error_message() << "\n" << cluster.ShortDebugString();
   }
 }

@@ -191,11 +191,14 @@ TEST(ClientTest, ADataPlaneLayoutOtherThanTheLibrarysIsRefused) {
 }
 
 // ubepd in process, its socket in `dir`; and the options of a client of it.
+// `metrics`: HOST:PORT of its Prometheus exposition ("": none).
 absl::StatusOr<std::unique_ptr<daemon::Daemon>> StartUbepd(const test::TempDir& dir,
-                                                            int max_recv_rows = 0) {
+                                                            int max_recv_rows = 0,
+                                                            const std::string& metrics = "") {
   daemon::DaemonOptions options;
   options.socket_path = dir.path() + "/ubepd.sock";
   options.node.max_recv_rows = max_recv_rows;
+  options.metrics = metrics;
   return daemon::Daemon::Start(options);
 }
 ClientOptions ClientOf(const test::TempDir& dir) {
@@ -240,10 +243,7 @@ void ExpectAStepGoesThrough(Rank& rank, uint64_t step) {
 // decides it; the steps before it run.
 TEST(ClientTest, APlanLeftUndecidedAtItsStepFailsBeginStepNamingIt) {
   test::TempDir dir;
-  daemon::DaemonOptions options;
-  options.socket_path = dir.path() + "/ubepd.sock";
-  options.metrics = "127.0.0.1:0";
-  absl::StatusOr<std::unique_ptr<daemon::Daemon>> ubepd = daemon::Daemon::Start(options);
+  absl::StatusOr<std::unique_ptr<daemon::Daemon>> ubepd = StartUbepd(dir, 0, "127.0.0.1:0");
   ASSERT_TRUE(ubepd.ok()) << ubepd.status();
   ClientOptions client = ClientOf(dir);
   client.decision_timeout = absl::Milliseconds(200);

@@ -1,5 +1,6 @@
 #include "balancer/formats/json_formats.h"
 
+#include <cmath>
 #include <cstdint>
 #include <iterator>
 #include <limits>
@@ -319,7 +320,8 @@ void FuzzFile(const std::string& good, const char* name, uint64_t seed, Parse pa
     const auto parsed = parse(text);
     if (parsed.ok()) {
       ++read;
-      ASSERT_NO_FATAL_FAILURE(check(*parsed)) << text;
+      SCOPED_TRACE(text);
+      ASSERT_NO_FATAL_FAILURE(check(*parsed));
       continue;
     }
     const std::string message(parsed.status().message());
@@ -346,11 +348,21 @@ TEST(JsonFuzzTest, DamagedPlanFilesAreReadOrRefusedNamingTheFile) {
 
 TEST(JsonFuzzTest, DamagedLoadFilesAreReadOrRefusedNamingTheFile) {
   const std::string good = R"({"logical_count": [[5, 0, 3, 9], [0, 0, 0, 0], [1, 2, 3, 4]]})";
+  const absl::StatusOr<LoadMatrix> undamaged = ParseSglangLoad(good, "l.json");
+  ASSERT_TRUE(undamaged.ok()) << undamaged.status();
+  EXPECT_EQ(undamaged->layer_ids(), (std::vector<int>{0, 2}));  // The dense layer skipped.
+  EXPECT_EQ(undamaged->at(1, 3), 4.0);
   FuzzFile(
       good, "l.json", 7, [](const std::string& text) { return ParseSglangLoad(text, "l.json"); },
       [](const LoadMatrix& load) {
-        EXPECT_GT(load.num_layers(), 0);
-        EXPECT_GT(load.num_experts(), 0);
+        // A load read has layers and experts, each count finite and not negative.
+        ASSERT_GT(load.num_layers(), 0);
+        ASSERT_GT(load.num_experts(), 0);
+        for (int l = 0; l < load.num_layers(); ++l) {
+          for (int e = 0; e < load.num_experts(); ++e) {
+            EXPECT_TRUE(std::isfinite(load.at(l, e)) && load.at(l, e) >= 0) << load.at(l, e);
+          }
+        }
       });
 }
 
