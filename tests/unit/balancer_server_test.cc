@@ -2559,6 +2559,14 @@ class UnreachedLayerTest : public ::testing::Test {
     return q;
   }
 
+  // `q` is refused as INVALID_ARGUMENT with `message`.
+  void ExpectRefused(const v1::ReportLoadRequest& q, const std::string& message) {
+    v1::ReportLoadResponse response;
+    const grpc::Status status = balancer_->ReportLoad(nullptr, &q, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << message;
+    EXPECT_EQ(status.error_message(), message);
+  }
+
   // The reports are counted under the plan node-a prepared last, from its effective step.
   void SwitchToThePlanPrepared() {
     ASSERT_FALSE(a_.prepares().empty());
@@ -2701,36 +2709,25 @@ TEST_F(UnreachedLayerTest, AReportSentAgainUnderItsSeqIsTakenOnce) {
   step_ += 10;
   ASSERT_EQ(reused.seq(), 2u);
   reused.mutable_load()->mutable_layers(1)->set_slot(4, 11);
-  grpc::Status reused_status = balancer_->ReportLoad(nullptr, &reused, &response);
-  EXPECT_EQ(reused_status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_EQ(reused_status.error_message(),
-            "report seq 2 of node node-a differs from the report taken under that seq (a report "
-            "sent again must be the same; a new one takes the next seq)");
+  ExpectRefused(reused,
+                "report seq 2 of node node-a differs from the report taken under that seq (a "
+                "report sent again must be the same; a new one takes the next seq)");
   EXPECT_EQ(Sample("ubep_balancer_rejected_reports_total", "seq_reused", "reason"), 1);
   EXPECT_EQ(Sample("ubep_balancer_reports_total"), 4);
-  const v1::ReportLoadRequest earlier = ReportOf("node-a", 0, 1, step_, step_ + 10, version_, 0);
-  grpc::Status status = balancer_->ReportLoad(nullptr, &earlier, &response);
-  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_EQ(status.error_message(),
-            "report seq 1 of node node-a is before 2, the last one taken (reordered)");
-  const v1::ReportLoadRequest unnumbered = ReportOf("node-a", 0, 0, step_, step_ + 10, version_, 0);
-  status = balancer_->ReportLoad(nullptr, &unnumbered, &response);
-  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_EQ(status.error_message(), "report of node node-a has seq 0; a daemon numbers its reports from 1");
+  ExpectRefused(ReportOf("node-a", 0, 1, step_, step_ + 10, version_, 0),
+                "report seq 1 of node node-a is before 2, the last one taken (reordered)");
+  ExpectRefused(ReportOf("node-a", 0, 0, step_, step_ + 10, version_, 0),
+                "report of node node-a has seq 0; a daemon numbers its reports from 1");
   // A seq more than 2^32 ahead of the last one taken is not its daemon's: taken, it would have
   // every later report refused as reordered. At 2^32 ahead it is taken, and the next is.
-  const v1::ReportLoadRequest far =
-      ReportOf("node-a", 0, (uint64_t{1} << 32) + 3, step_, step_ + 10, version_, 0);
-  status = balancer_->ReportLoad(nullptr, &far, &response);
-  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_EQ(status.error_message(),
-            "report seq 4294967299 of node node-a is more than 2^32 ahead of 2, the last one "
-            "taken (a daemon numbers its reports one after another)");
+  ExpectRefused(ReportOf("node-a", 0, (uint64_t{1} << 32) + 3, step_, step_ + 10, version_, 0),
+                "report seq 4294967299 of node node-a is more than 2^32 ahead of 2, the last "
+                "one taken (a daemon numbers its reports one after another)");
   EXPECT_EQ(Sample("ubep_balancer_rejected_reports_total", "malformed", "reason"), 2);
   EXPECT_EQ(Sample("ubep_balancer_reports_total"), 4);
   for (const uint64_t seq : {(uint64_t{1} << 32) + 2, (uint64_t{1} << 32) + 3}) {
     const v1::ReportLoadRequest next = ReportOf("node-a", 0, seq, step_, step_ + 10, version_, 0);
-    status = balancer_->ReportLoad(nullptr, &next, &response);
+    const grpc::Status status = balancer_->ReportLoad(nullptr, &next, &response);
     EXPECT_TRUE(status.ok()) << status.error_message();
   }
   EXPECT_EQ(Sample("ubep_balancer_reports_total"), 6);
