@@ -955,8 +955,11 @@ absl::StatusOr<uint64_t> Balancer::EffectiveStep() const {
                           absl::ToDoubleSeconds(d.step_time - d.prev_step_time);
       const double ahead =
           std::ceil(rate * absl::ToDoubleSeconds(now - d.step_time + options_.effective_margin));
-      // (2^64 and past it do not convert.)
-      estimate = add(estimate, !(ahead > 0) ? 0 : ahead >= 0x1p64 ? kLast : static_cast<uint64_t>(ahead));
+      if (ahead >= 0x1p64) {
+        estimate = kLast;  // (2^64 and past it do not convert.)
+      } else if (ahead > 0) {
+        estimate = add(estimate, static_cast<uint64_t>(ahead));
+      }
     }
     at = std::max(at, estimate);
   }
