@@ -416,10 +416,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
 }
 
 bool Daemon::Drain(absl::Duration timeout) {
+  // Attaches are refused first: once the health service says NOT_SERVING, no attach is taken.
+  node_->Drain();
   for (grpc::Server* server : {local_server_.get(), server_.get()}) {
     if (server != nullptr) server->GetHealthCheckService()->SetServingStatus(false);
   }
-  node_->Drain();
   const bool all = node_->AwaitDetached(timeout);
   UBEP_LOG(INFO) << (all ? "drained: every client detached"
                          : "drain timed out with clients still attached");

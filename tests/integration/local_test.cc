@@ -110,8 +110,9 @@ TEST_F(LocalTest, UbepLocalServedWhilePrometheusScrapesAndUbepctlOperates) {
   const nlohmann::json cluster = nlohmann::json::parse(ReadFile(report + "/cluster.json"));
   balancer_ = cluster["balancer"];
 
-  // A real Prometheus scraping every second, targets from ubep-local's file.
-  const int prom_port = FreePort();
+  // A real Prometheus scraping every second, targets from ubep-local's file. Its port is
+  // found free and then given to it: if something else listens there first, Prometheus exits,
+  // and it is started again on another port (three tries).
   {
     std::ofstream config(path("prometheus.yml"));
     config << "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
@@ -119,10 +120,24 @@ TEST_F(LocalTest, UbepLocalServedWhilePrometheusScrapesAndUbepctlOperates) {
            << "scrape_configs:\n  - job_name: ubep\n    file_sd_configs:\n      - files: ['"
            << report << "/prometheus-targets.json']\n        refresh_interval: 1s\n";
   }
-  Process prometheus({"/usr/bin/prometheus", "--config.file=" + path("prometheus.yml"),
-                      "--storage.tsdb.path=" + path("prometheus-data"),
-                      absl::StrCat("--web.listen-address=127.0.0.1:", prom_port)},
-                     path("prometheus.log"));
+  int prom_port = 0;
+  std::unique_ptr<Process> prometheus;
+  for (int attempt = 1; attempt <= 3; ++attempt) {
+    prom_port = FreePort();
+    const std::string log = path(absl::StrCat("prometheus-", attempt, ".log"));
+    prometheus = std::make_unique<Process>(
+        std::vector<std::string>{"/usr/bin/prometheus", "--config.file=" + path("prometheus.yml"),
+                                 "--storage.tsdb.path=" + path("prometheus-data"),
+                                 absl::StrCat("--web.listen-address=127.0.0.1:", prom_port)},
+        log);
+    // Exited (Wait reaps it), or ready.
+    auto exited = [&] { return prometheus->Wait(absl::ZeroDuration()).has_value(); };
+    ASSERT_TRUE(WaitFor([&] {
+      return exited() || HttpGet(prom_port, "/-/ready").find("Ready") != std::string::npos;
+    }, absl::Seconds(60))) << ReadFile(log);
+    if (!exited()) break;
+    ASSERT_LT(attempt, 3) << ReadFile(log);
+  }
 
   // Both nodes registered with their ranks; then the first rebalance.
   ASSERT_TRUE(WaitFor([&] {

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <latch>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -104,11 +105,18 @@ class Group {
     Restart();
   }
 
-  // Runs fn(rank) on one thread per rank.
+  // Runs fn(rank) on one thread per rank. The threads start `fn` together (a latch), so that
+  // the time one thread takes to be created does not count against the others' short timeouts.
   template <typename Fn>
   void RunAll(Fn fn) {
     std::vector<std::thread> threads;
-    for (int r = 0; r < config_.num_ranks; ++r) threads.emplace_back([&, r] { fn(r); });
+    std::latch start(config_.num_ranks);
+    for (int r = 0; r < config_.num_ranks; ++r) {
+      threads.emplace_back([&, r] {
+        start.arrive_and_wait();
+        fn(r);
+      });
+    }
     for (auto& t : threads) t.join();
   }
 
