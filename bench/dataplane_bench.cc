@@ -14,8 +14,11 @@
 //
 // One iteration is one dispatch followed by one combine on every rank, all ranks starting
 // together (an untimed start line, as the MPI baseline's MPI_Barrier); its latency is the
-// slowest rank's. Reported per case and method: p50_us, p99_us over N iterations after warm-up
-// (nearest rank: with N < 100, p99 is the slowest iteration), bytes_moved (rows stored into
+// slowest rank's, from that rank's start to its end. Reported per case and method: p50_us,
+// p99_us over N iterations after warm-up (nearest rank: with N < 100, p99 is the slowest
+// iteration); span_p50_us, span_p99_us, the same of each iteration's span from the first
+// rank's start to the last rank's end (one steady clock for every process of the machine),
+// which also counts how unevenly the ranks left the start line; bytes_moved (rows stored into
 // the destinations' arenas by dispatch plus partial rows stored back by combine, all ranks; a
 // rank's rows to itself included, as MPI_Alltoallv copies its own segment). Every method runs
 // in rounds of N/4 iterations or fewer (a fresh group or mpirun
@@ -68,7 +71,9 @@ struct Board {
   uint32_t arrived;   // Ranks at the start line of the next iteration (AlignStart).
   uint32_t released;  // Iterations whose start line every rank has passed.
   uint32_t sleepers;  // Ranks asleep on `released` (signal.h).
-  double us[kMaxIters][kMaxRanks];
+  // Each timed iteration's start and end on each rank (steady clock, ns).
+  int64_t start_ns[kMaxIters][kMaxRanks];
+  int64_t end_ns[kMaxIters][kMaxRanks];
   uint64_t bytes[kMaxRanks];
   int threads[kMaxRanks];  // HostEp::threads_per_call
   int failed;       // Set once, by the first rank that fails (Fail).
@@ -135,7 +140,10 @@ int RankMain(const Case& c, const EpConfig& config, int rank, std::vector<std::b
       Fail(board, std::string(s.message()));
       return 3;
     }
-    if (i >= kWarmup) board->us[i - kWarmup][rank] = (NowNs() - start) / 1e3;
+    if (i >= kWarmup) {
+      board->start_ns[i - kWarmup][rank] = start;
+      board->end_ns[i - kWarmup][rank] = NowNs();
+    }
     // Every iteration's output, outside the timing (CheckedInput says why it is exact).
     if (const int64_t wrong = bench::FirstDifference(out, x); wrong >= 0) {
       Fail(board, absl::StrFormat("rank %d, iteration %d: combine gave out[%d] = 0x%04x, not "
@@ -157,6 +165,8 @@ struct Result {
   uint64_t bytes = 0;
   std::string error;
   std::vector<double> latency_us{};  // Per iteration, the slowest rank's.
+  std::vector<double> span_us{};     // Per iteration, first start to last end.
+  double span_p50_us = 0, span_p99_us = 0;
   int threads = 0;                   // Per rank and call (host methods).
   bool unavailable = false;          // Not built here (MPI): an error that fails no run.
 };
@@ -241,7 +251,15 @@ Result RunHost(const Case& c, Method method, EpConfig::SenderThread sender_threa
     return result;
   }
   for (int i = 0; i < iters; ++i) {
-    result.latency_us.push_back(*std::max_element(board->us[i], board->us[i] + c.ranks));
+    int64_t slowest = 0;
+    int64_t first = board->start_ns[i][0], last = board->end_ns[i][0];
+    for (int r = 0; r < c.ranks; ++r) {
+      slowest = std::max(slowest, board->end_ns[i][r] - board->start_ns[i][r]);
+      first = std::min(first, board->start_ns[i][r]);
+      last = std::max(last, board->end_ns[i][r]);
+    }
+    result.latency_us.push_back(slowest / 1e3);
+    result.span_us.push_back((last - first) / 1e3);
   }
   result.p50_us = ubep::Percentile(result.latency_us, 0.5);
   result.p99_us = ubep::Percentile(result.latency_us, 0.99);
@@ -282,16 +300,23 @@ Result RunMpi(const Case& c, int iters) {
     if (!absl::StartsWith(line, "{")) continue;
     const nlohmann::json parsed = nlohmann::json::parse(line, nullptr, false);
     if (!parsed.is_object() || !parsed.contains("latency_us") ||
-        !parsed["latency_us"].is_array() || !parsed.contains("bytes_moved") ||
+        !parsed["latency_us"].is_array() || !parsed.contains("span_us") ||
+        !parsed["span_us"].is_array() || !parsed.contains("bytes_moved") ||
         !parsed["bytes_moved"].is_number_unsigned()) {
       continue;
     }
     Result result;
     result.bytes = parsed["bytes_moved"].get<uint64_t>();
-    for (const nlohmann::json& us : parsed["latency_us"]) {
-      if (us.is_number()) result.latency_us.push_back(us.get<double>());
+    for (const auto& [key, to] : {std::pair{"latency_us", &result.latency_us},
+                                  std::pair{"span_us", &result.span_us}}) {
+      for (const nlohmann::json& us : parsed[key]) {
+        if (us.is_number()) to->push_back(us.get<double>());
+      }
     }
-    if (static_cast<int>(result.latency_us.size()) != iters) continue;
+    if (static_cast<int>(result.latency_us.size()) != iters ||
+        static_cast<int>(result.span_us.size()) != iters) {
+      continue;
+    }
     return result;
   }
   return {.error = absl::StrCat("mpirun printed no result line: ", output.substr(0, 300))};
@@ -321,6 +346,7 @@ Result RunMemcpy(uint64_t bytes, int iters) {
     if (i >= kWarmup) result.latency_us.push_back((NowNs() - start) / 1e3);
     from[i % n] = static_cast<char>(i);
   }
+  result.span_us = result.latency_us;  // One process.
   return result;
 }
 
@@ -364,12 +390,15 @@ std::vector<Result> RunMethods(const Case& c, const std::vector<Method>& methods
       if (r.error.empty()) t.bytes = r.bytes;
       t.threads = std::max(t.threads, r.threads);
       t.latency_us.insert(t.latency_us.end(), r.latency_us.begin(), r.latency_us.end());
+      t.span_us.insert(t.span_us.end(), r.span_us.begin(), r.span_us.end());
     }
   }
   for (Result& t : total) {
     if (!t.error.empty() || t.latency_us.empty()) continue;
     t.p50_us = ubep::Percentile(t.latency_us, 0.5);
     t.p99_us = ubep::Percentile(t.latency_us, 0.99);
+    t.span_p50_us = ubep::Percentile(t.span_us, 0.5);
+    t.span_p99_us = ubep::Percentile(t.span_us, 0.99);
   }
   return total;
 }
@@ -511,8 +540,9 @@ int main(int argc, char** argv) {
       nlohmann::json row = {{"method", kMethodNames[static_cast<int>(method)]},
                             {"case", c.name},     {"ranks", c.ranks},
                             {"tokens", c.tokens}, {"hidden", c.hidden}, {"routing", c.routing},
-                            {"p50_us", r.p50_us}, {"p99_us", r.p99_us}, {"bytes_moved", r.bytes},
-                            {"iters", iters}, {"cpus", cpus}};
+                            {"p50_us", r.p50_us}, {"p99_us", r.p99_us},
+                            {"span_p50_us", r.span_p50_us}, {"span_p99_us", r.span_p99_us},
+                            {"bytes_moved", r.bytes}, {"iters", iters}, {"cpus", cpus}};
       if (r.threads > 0) row["threads_per_rank"] = r.threads;
       if (method == Method::kUbep) {
         row["rate_vs_memcpy"] = rate_vs_memcpy;

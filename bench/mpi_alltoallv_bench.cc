@@ -5,7 +5,8 @@
 // MPI_Alltoallv and the same fp32 reduction at the source. Inputs and the check of every
 // iteration's output as ubep-bench-dataplane's (bench::CheckedInput).
 // Rank 0 prints one JSON line: p50_us, p99_us (the slowest rank per iteration), bytes_moved,
-// latency_us (each timed iteration's, the slowest rank's).
+// latency_us (each timed iteration's, the slowest rank's), span_us (each timed iteration's,
+// the first rank's start to the last rank's end).
 //
 //   mpirun -np R ubep-bench-mpi --tokens T --hidden H --routing uniform|skewed --iters N
 #include <mpi.h>
@@ -62,7 +63,7 @@ int main(int argc, char** argv) {
   const size_t RB = static_cast<size_t>(H) * 2 + kTopK * sizeof(int32_t);
 
   constexpr int kWarmup = 5;
-  std::vector<double> us;
+  std::vector<double> us, span_us;
   uint64_t bytes = 0;
   std::vector<std::vector<int32_t>> tokens(R), entries(R);  // entries: slot per pair, -1 ends
   // Buffers live across iterations (as the host backend's arenas do): no page faults timed.
@@ -221,12 +222,21 @@ int main(int argc, char** argv) {
       }
       store_sum(&out[static_cast<size_t>(t) * H]);
     }
-    const double elapsed =
-        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start)
-            .count();
+    const auto end = std::chrono::steady_clock::now();
+    const double elapsed = std::chrono::duration<double, std::micro>(end - start).count();
     double slowest = 0;
     MPI_Reduce(&elapsed, &slowest, 1, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
-    if (it >= kWarmup) us.push_back(slowest);
+    // The span, first start to last end: one steady clock for every process of the machine.
+    const int64_t ends[2] = {-std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                 start.time_since_epoch()).count(),
+                             std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                 end.time_since_epoch()).count()};
+    int64_t outer[2] = {0, 0};  // -(first start), last end.
+    MPI_Reduce(ends, outer, 2, MPI_INT64_T, MPI_MAX, 0, MPI_COMM_WORLD);
+    if (it >= kWarmup) {
+      us.push_back(slowest);
+      span_us.push_back((outer[1] + outer[0]) / 1e3);
+    }
     // Rows and partials, not the records that travel with the rows (as the host backend's).
     bytes = static_cast<uint64_t>(send_rows) * H * 2 + static_cast<uint64_t>(recv_rows) * H * 2;
     // Every iteration's output is its input (CheckedInput), checked outside the timing.
@@ -246,6 +256,10 @@ int main(int argc, char** argv) {
                        ", \"p99_us\": " + std::to_string(ubep::Percentile(us, 0.99)) +
                        ", \"bytes_moved\": " + std::to_string(total) + ", \"latency_us\": [";
     for (size_t i = 0; i < us.size(); ++i) line += (i > 0 ? ", " : "") + std::to_string(us[i]);
+    line += "], \"span_us\": [";
+    for (size_t i = 0; i < span_us.size(); ++i) {
+      line += (i > 0 ? ", " : "") + std::to_string(span_us[i]);
+    }
     std::printf("%s]}\n", line.c_str());
   }
   MPI_Finalize();

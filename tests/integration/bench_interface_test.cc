@@ -67,6 +67,15 @@ TEST(BenchInterfaceTest, JsonHasOneObjectPerCaseAndMethodWithTheNamedFields) {
     EXPECT_TRUE(row["p50_us"].is_number() && row["p50_us"].get<double>() > 0);
     EXPECT_TRUE(row["p99_us"].is_number() &&
                 row["p99_us"].get<double>() >= row["p50_us"].get<double>());
+    // Each iteration's span (first start to last end) holds each rank's time, so its
+    // percentiles are at least those of the slowest rank's; memcpy is one process.
+    if (methods[i % 4] == "memcpy") {
+      EXPECT_EQ(row["span_p50_us"], row["p50_us"]);
+      EXPECT_EQ(row["span_p99_us"], row["p99_us"]);
+    } else {
+      EXPECT_GE(row["span_p50_us"].get<double>(), row["p50_us"].get<double>());
+      EXPECT_GE(row["span_p99_us"].get<double>(), row["p99_us"].get<double>());
+    }
     EXPECT_TRUE(row["bytes_moved"].is_number_unsigned());
     EXPECT_FALSE(row.contains("error"));
     // The CPUs this process may use (the test inherits them): as sched_getaffinity counts.
@@ -126,6 +135,8 @@ TEST(BenchInterfaceTest, TheMpiBaselineMovesUbepsBytes) {
     EXPECT_EQ(mpi["bytes_moved"], ubep["bytes_moved"]);
     EXPECT_TRUE(mpi["p99_us"].get<double>() >= mpi["p50_us"].get<double>() &&
                 mpi["p50_us"].get<double>() > 0);
+    EXPECT_GE(mpi["span_p50_us"].get<double>(), mpi["p50_us"].get<double>());
+    EXPECT_GE(mpi["span_p99_us"].get<double>(), mpi["p99_us"].get<double>());
     EXPECT_DOUBLE_EQ(ubep["mpi_over_ubep"].get<double>(),
                      mpi["p50_us"].get<double>() / ubep["p50_us"].get<double>());
   }
