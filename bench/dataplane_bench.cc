@@ -527,11 +527,10 @@ int main(int argc, char** argv) {
     const Result& flagged = result_of(Method::kUbepFlagged);
     // All ranks' bytes over ubep's time, against one core copying them.
     const double rate_vs_memcpy = ubep.p50_us > 0 ? copy.p50_us / ubep.p50_us : 0.0;
-    // p50 over p50, where both ran.
-    auto ratio = [](const Result& a, const Result& b) {
-      return a.error.empty() && b.error.empty() && a.p50_us > 0 && b.p50_us > 0
-                 ? a.p50_us / b.p50_us
-                 : 0.0;
+    // p50 over p50 (of the slowest rank's times, or of the spans), where both ran.
+    auto ratio = [](const Result& a, const Result& b, double Result::*p50 = &Result::p50_us) {
+      return a.error.empty() && b.error.empty() && a.*p50 > 0 && b.*p50 > 0 ? a.*p50 / b.*p50
+                                                                          : 0.0;
     };
     for (Method method : {Method::kUbep, Method::kBsp, Method::kMpi, Method::kMemcpy,
                           Method::kUbepFlagged}) {
@@ -546,8 +545,14 @@ int main(int argc, char** argv) {
       if (r.threads > 0) row["threads_per_rank"] = r.threads;
       if (method == Method::kUbep) {
         row["rate_vs_memcpy"] = rate_vs_memcpy;
-        if (wanted(Method::kBsp)) row["ubep_over_bsp"] = ratio(ubep, bsp);
-        if (wanted(Method::kMpi)) row["mpi_over_ubep"] = ratio(mpi, ubep);
+        if (wanted(Method::kBsp)) {
+          row["ubep_over_bsp"] = ratio(ubep, bsp);
+          row["span_ubep_over_bsp"] = ratio(ubep, bsp, &Result::span_p50_us);
+        }
+        if (wanted(Method::kMpi)) {
+          row["mpi_over_ubep"] = ratio(mpi, ubep);
+          row["span_mpi_over_ubep"] = ratio(mpi, ubep, &Result::span_p50_us);
+        }
         if (wanted(Method::kUbepFlagged)) row["flagged_over_ubep"] = ratio(flagged, ubep);
       }
       if (!r.error.empty()) row["error"] = r.error;

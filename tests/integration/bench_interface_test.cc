@@ -83,11 +83,16 @@ TEST(BenchInterfaceTest, JsonHasOneObjectPerCaseAndMethodWithTheNamedFields) {
     EXPECT_EQ(row.contains("rate_vs_memcpy"), methods[i % 4] == "ubep");
     // The ratios of p50s, on ubep's row, for the methods that ran.
     EXPECT_EQ(row.contains("ubep_over_bsp"), methods[i % 4] == "ubep");
+    EXPECT_EQ(row.contains("span_ubep_over_bsp"), methods[i % 4] == "ubep");
     EXPECT_EQ(row.contains("flagged_over_ubep"), methods[i % 4] == "ubep");
     EXPECT_FALSE(row.contains("mpi_over_ubep"));
+    EXPECT_FALSE(row.contains("span_mpi_over_ubep"));
     if (methods[i % 4] == "ubep") {
       EXPECT_DOUBLE_EQ(row["ubep_over_bsp"].get<double>(),
                        row["p50_us"].get<double>() / rows[i + 1]["p50_us"].get<double>());
+      EXPECT_DOUBLE_EQ(row["span_ubep_over_bsp"].get<double>(),
+                       row["span_p50_us"].get<double>() /
+                           rows[i + 1]["span_p50_us"].get<double>());
       EXPECT_DOUBLE_EQ(row["flagged_over_ubep"].get<double>(),
                        rows[i + 3]["p50_us"].get<double>() / row["p50_us"].get<double>());
     }
@@ -139,6 +144,8 @@ TEST(BenchInterfaceTest, TheMpiBaselineMovesUbepsBytes) {
     EXPECT_GE(mpi["span_p99_us"].get<double>(), mpi["p99_us"].get<double>());
     EXPECT_DOUBLE_EQ(ubep["mpi_over_ubep"].get<double>(),
                      mpi["p50_us"].get<double>() / ubep["p50_us"].get<double>());
+    EXPECT_DOUBLE_EQ(ubep["span_mpi_over_ubep"].get<double>(),
+                     mpi["span_p50_us"].get<double>() / ubep["span_p50_us"].get<double>());
   }
 }
 #endif
