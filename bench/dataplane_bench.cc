@@ -87,11 +87,7 @@ void Fail(Board* board, const std::string& error) {
   std::snprintf(board->error, sizeof(board->error), "%s", error.c_str());
 }
 
-int64_t NowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
+using bench::NowNs;
 
 // The start line of iteration `round` (1-based): every rank leaves once all have arrived, as
 // the MPI baseline's MPI_Barrier before each iteration, so no method's latency carries the
@@ -251,15 +247,10 @@ Result RunHost(const Case& c, Method method, EpConfig::SenderThread sender_threa
     return result;
   }
   for (int i = 0; i < iters; ++i) {
-    int64_t slowest = 0;
-    int64_t first = board->start_ns[i][0], last = board->end_ns[i][0];
-    for (int r = 0; r < c.ranks; ++r) {
-      slowest = std::max(slowest, board->end_ns[i][r] - board->start_ns[i][r]);
-      first = std::min(first, board->start_ns[i][r]);
-      last = std::max(last, board->end_ns[i][r]);
-    }
-    result.latency_us.push_back(slowest / 1e3);
-    result.span_us.push_back((last - first) / 1e3);
+    const bench::IterationTimes t =
+        bench::TimeIteration(board->start_ns[i], board->end_ns[i], c.ranks);
+    result.latency_us.push_back(t.slowest_us);
+    result.span_us.push_back(t.span_us);
   }
   result.p50_us = ubep::Percentile(result.latency_us, 0.5);
   result.p99_us = ubep::Percentile(result.latency_us, 0.99);

@@ -1,10 +1,12 @@
 // Inputs shared by the data-plane benchmarks, so every method moves the same bytes: the
 // cases, the routing of each rank's tokens (uniform, or drawn from the most skewed MoE layer of
-// a real DeepSeek-V3 prefill trace) and the expert-parallel plan (256 experts, one slot each).
+// a real DeepSeek-V3 prefill trace) and the expert-parallel plan (256 experts, one slot each);
+// and how they time an iteration over the rank processes.
 #ifndef UBEP_BENCH_DATAPLANE_INPUTS_H_
 #define UBEP_BENCH_DATAPLANE_INPUTS_H_
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <random>
 #include <string>
@@ -15,6 +17,31 @@
 #include "kernels/common/plan_table.h"
 
 namespace ubep::bench {
+
+// The steady clock in ns: one clock for every process of the machine, so that the ranks'
+// times compare.
+inline int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// One iteration over `ranks` rank processes, from each rank's start and end (NowNs): the
+// slowest rank's own time, and the span from the first start to the last end (which also
+// counts how unevenly the ranks began).
+struct IterationTimes {
+  double slowest_us = 0;
+  double span_us = 0;
+};
+inline IterationTimes TimeIteration(const int64_t* start_ns, const int64_t* end_ns, int ranks) {
+  int64_t slowest = 0, first = start_ns[0], last = end_ns[0];
+  for (int r = 0; r < ranks; ++r) {
+    slowest = std::max(slowest, end_ns[r] - start_ns[r]);
+    first = std::min(first, start_ns[r]);
+    last = std::max(last, end_ns[r]);
+  }
+  return {slowest / 1e3, (last - first) / 1e3};
+}
 
 inline constexpr int kTopK = 8;
 inline constexpr int kExperts = 256;

@@ -4,10 +4,11 @@
 // method (ubep_cuda: counting and sending in one cooperative launch; ubep_cuda_flagged: the same
 // with flag-in-granule rows and partials, kernels/common/flagged_rows.h; ubep_cuda_count_first:
 // the counting kernel, then the senders; bsp_cuda; all on the same input): p50_us/p99_us of
-// dispatch+combine (slowest rank), bytes_moved, GB/s, and two device-to-device copies measured
-// by rank 0 after its iterations: d2d_copy_gbps, 1 GiB (past the L2 cache: the card's memory
-// rate, the ceiling of the stores), and d2d_copy_same_size_gbps, rank 0's own bytes; both
-// count bytes copied (each read once and written once), as bytes_moved counts rows stored.
+// dispatch+combine (slowest rank), span_p50_us/span_p99_us (each iteration's first start to
+// last end over the ranks, one steady clock), bytes_moved, GB/s, and two device-to-device
+// copies measured by rank 0 after its iterations: d2d_copy_gbps, 1 GiB (past the L2 cache:
+// the card's memory rate, the ceiling of the stores), and d2d_copy_same_size_gbps, rank 0's
+// own bytes; both count bytes copied (each read once and written once), as bytes_moved counts rows stored.
 // A rank that dies or fails gives its case an "error" row instead of numbers.
 //
 //   ubep-bench-cuda [--ranks 2,4,8] [--tokens 128] [--hidden 7168] [--iters 50] [--rounds 2]
@@ -49,7 +50,9 @@ struct Board {
   // CudaEp created, inputs on the device), which the parent waits for before `go`.
   std::atomic<int> ready, set_up, go, done;
   std::byte handles[kMaxRanks][64];
-  double us[kMaxIters][kMaxRanks];
+  // Each timed iteration's start and end on each rank (steady clock, ns).
+  int64_t start_ns[kMaxIters][kMaxRanks];
+  int64_t end_ns[kMaxIters][kMaxRanks];
   uint64_t bytes[kMaxRanks];
   double copy_gbps, copy_same_size_gbps;
   std::atomic<int> failed;
@@ -143,7 +146,7 @@ int RankMain(const bench::Case& c, Protocol protocol, EpConfig::SenderThread sen
   while (board->go.load() == 0 && absl::Now() < start_by) usleep(100);
   CudaDispatchOutput out;
   for (int i = 0; i < kWarmup + iters; ++i) {
-    const auto start = std::chrono::steady_clock::now();
+    const int64_t start = bench::NowNs();
     absl::Status s = (*ep)->Dispatch({d_x, static_cast<int32_t*>(d_idx), static_cast<float*>(d_w),
                                       c.tokens, 0, static_cast<PlanTableHeader*>(d_plan),
                                       host_plan},
@@ -151,9 +154,8 @@ int RankMain(const bench::Case& c, Protocol protocol, EpConfig::SenderThread sen
     if (s.ok()) s = (*ep)->Combine(out.recv_x, d_out);
     if (!s.ok()) return fail(std::string(s.message()));
     if (i >= kWarmup) {
-      board->us[i - kWarmup][rank] =
-          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start)
-              .count();
+      board->start_ns[i - kWarmup][rank] = start;
+      board->end_ns[i - kWarmup][rank] = bench::NowNs();
     }
   }
   board->bytes[rank] = records * c.hidden * 2 * 2;
@@ -254,7 +256,7 @@ int main(int argc, char** argv) {
         {"bsp_cuda", Protocol::kBsp, EpConfig::SenderThread::kAuto, false}};
     constexpr int kMethods = 4;
     struct Pooled {
-      std::vector<double> lat;
+      std::vector<double> lat, span;  // Per iteration: the slowest rank's time; the span.
       uint64_t bytes = 0;
       double copy_gbps = 0, copy_same_size_gbps = 0;
       std::string error;
@@ -312,7 +314,10 @@ int main(int argc, char** argv) {
           continue;
         }
         for (int i = 0; i < n; ++i) {
-          into.lat.push_back(*std::max_element(board->us[i], board->us[i] + r));
+          const ubep::bench::IterationTimes t =
+              ubep::bench::TimeIteration(board->start_ns[i], board->end_ns[i], r);
+          into.lat.push_back(t.slowest_us);
+          into.span.push_back(t.span_us);
         }
         into.bytes = 0;
         for (int i = 0; i < r; ++i) into.bytes += board->bytes[i];
@@ -330,6 +335,8 @@ int main(int argc, char** argv) {
         const double p50 = ubep::Percentile(p.lat, 0.5);
         row["p50_us"] = p50;
         row["p99_us"] = ubep::Percentile(p.lat, 0.99);
+        row["span_p50_us"] = ubep::Percentile(p.span, 0.5);
+        row["span_p99_us"] = ubep::Percentile(p.span, 0.99);
         row["bytes_moved"] = p.bytes;
         row["gbps"] = p.bytes / (p50 * 1e3);
         row["d2d_copy_gbps"] = p.copy_gbps;
