@@ -4,7 +4,7 @@
 //
 //   Daemon daemon = *Daemon::Start(options);
 //   ... SIGTERM ...
-//   daemon->Drain(absl::Seconds(10));   // NOT_SERVING, clients told, bounded wait
+//   daemon->Drain(absl::Seconds(10));   // clients told, NOT_SERVING, bounded wait
 //
 // Thread-safe.
 #ifndef UBEP_DAEMON_DAEMON_H_
@@ -56,8 +56,9 @@ class Daemon {
   static absl::StatusOr<std::unique_ptr<Daemon>> Start(DaemonOptions options);
   ~Daemon();
 
-  // Health NOT_SERVING, no new attaches, every client's waits fail with "draining"; then waits
-  // up to `timeout` for the clients to detach. Returns whether all did.
+  // No new attaches and every client's waits fail with "draining", then health NOT_SERVING
+  // (so that no attach is taken once it says so); then waits up to `timeout` for the clients
+  // to detach. Returns whether all did.
   bool Drain(absl::Duration timeout);
 
   // Ports actually bound (useful with port 0); 0 when not listening.

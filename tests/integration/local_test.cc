@@ -111,8 +111,9 @@ TEST_F(LocalTest, UbepLocalServedWhilePrometheusScrapesAndUbepctlOperates) {
   balancer_ = cluster["balancer"];
 
   // A real Prometheus scraping every second, targets from ubep-local's file. Its port is
-  // found free and then given to it: if something else listens there first, Prometheus exits,
-  // and it is started again on another port (three tries).
+  // found free and then given to it: if something else listens there first, Prometheus exits
+  // saying so, and it is started again on another port (three tries). Ready is read from its
+  // own log, not from the port, which another server may hold.
   {
     std::ofstream config(path("prometheus.yml"));
     config << "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
@@ -133,9 +134,11 @@ TEST_F(LocalTest, UbepLocalServedWhilePrometheusScrapesAndUbepctlOperates) {
     // Exited (Wait reaps it), or ready.
     auto exited = [&] { return prometheus->Wait(absl::ZeroDuration()).has_value(); };
     ASSERT_TRUE(WaitFor([&] {
-      return exited() || HttpGet(prom_port, "/-/ready").find("Ready") != std::string::npos;
+      return exited() ||
+             ReadFile(log).find("Server is ready to receive web requests") != std::string::npos;
     }, absl::Seconds(60))) << ReadFile(log);
     if (!exited()) break;
+    ASSERT_THAT(ReadFile(log), HasSubstr("address already in use"));
     ASSERT_LT(attempt, 3) << ReadFile(log);
   }
 

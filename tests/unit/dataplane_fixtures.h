@@ -109,8 +109,8 @@ class Group {
   // the time one thread takes to be created does not count against the others' short timeouts.
   template <typename Fn>
   void RunAll(Fn fn) {
+    std::latch start(config_.num_ranks);  // Outlives the threads that wait on it.
     std::vector<std::thread> threads;
-    std::latch start(config_.num_ranks);
     for (int r = 0; r < config_.num_ranks; ++r) {
       threads.emplace_back([&, r] {
         start.arrive_and_wait();
