@@ -13,7 +13,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -75,7 +74,7 @@ int main(int argc, char** argv) {
   for (int it = 0; it < kWarmup + iters; ++it) {
     const std::vector<uint16_t>& x = inputs[it % 2];
     MPI_Barrier(MPI_COMM_WORLD);
-    const auto start = std::chrono::steady_clock::now();
+    const int64_t start = ubep::bench::NowNs();
     // Route and de-duplicate: one row per (token, destination); records carry K slots.
     for (int d = 0; d < R; ++d) {
       tokens[d].clear();
@@ -222,20 +221,16 @@ int main(int argc, char** argv) {
       }
       store_sum(&out[static_cast<size_t>(t) * H]);
     }
-    const auto end = std::chrono::steady_clock::now();
-    const double elapsed = std::chrono::duration<double, std::micro>(end - start).count();
-    double slowest = 0;
-    MPI_Reduce(&elapsed, &slowest, 1, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
-    // The span, first start to last end: one steady clock for every process of the machine.
-    const int64_t ends[2] = {-std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                 start.time_since_epoch()).count(),
-                             std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                 end.time_since_epoch()).count()};
-    int64_t outer[2] = {0, 0};  // -(first start), last end.
-    MPI_Reduce(ends, outer, 2, MPI_INT64_T, MPI_MAX, 0, MPI_COMM_WORLD);
+    const int64_t end = ubep::bench::NowNs();
+    // The slowest rank's time, and the span from the first start to the last end (one steady
+    // clock for every process of the machine): the largest of each of {end - start, -start,
+    // end} over the ranks.
+    const int64_t mine[3] = {end - start, -start, end};
+    int64_t most[3] = {0, 0, 0};
+    MPI_Reduce(mine, most, 3, MPI_INT64_T, MPI_MAX, 0, MPI_COMM_WORLD);
     if (it >= kWarmup) {
-      us.push_back(slowest);
-      span_us.push_back((outer[1] + outer[0]) / 1e3);
+      us.push_back(most[0] / 1e3);
+      span_us.push_back((most[2] + most[1]) / 1e3);
     }
     // Rows and partials, not the records that travel with the rows (as the host backend's).
     bytes = static_cast<uint64_t>(send_rows) * H * 2 + static_cast<uint64_t>(recv_rows) * H * 2;

@@ -8,7 +8,8 @@
 // last end over the ranks, one steady clock), bytes_moved, GB/s, and two device-to-device
 // copies measured by rank 0 after its iterations: d2d_copy_gbps, 1 GiB (past the L2 cache:
 // the card's memory rate, the ceiling of the stores), and d2d_copy_same_size_gbps, rank 0's
-// own bytes; both count bytes copied (each read once and written once), as bytes_moved counts rows stored.
+// own bytes; both count bytes copied (each read once and written once), as bytes_moved counts
+// rows stored.
 // A rank that dies or fails gives its case an "error" row instead of numbers.
 //
 //   ubep-bench-cuda [--ranks 2,4,8] [--tokens 128] [--hidden 7168] [--iters 50] [--rounds 2]
