@@ -35,7 +35,6 @@
 #include <atomic>
 #include <cerrno>
 #include <csignal>
-#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <iostream>
@@ -157,12 +156,12 @@ int RankMain(const Case& c, const EpConfig& config, int rank, std::vector<std::b
 }
 
 struct Result {
-  double p50_us = 0, p99_us = 0;
+  // Percentiles of latency_us and span_us over every round (RunMethods).
+  double p50_us = 0, p99_us = 0, span_p50_us = 0, span_p99_us = 0;
   uint64_t bytes = 0;
   std::string error;
   std::vector<double> latency_us{};  // Per iteration, the slowest rank's.
   std::vector<double> span_us{};     // Per iteration, first start to last end.
-  double span_p50_us = 0, span_p99_us = 0;
   int threads = 0;                   // Per rank and call (host methods).
   bool unavailable = false;          // Not built here (MPI): an error that fails no run.
 };
@@ -252,8 +251,6 @@ Result RunHost(const Case& c, Method method, EpConfig::SenderThread sender_threa
     result.latency_us.push_back(t.slowest_us);
     result.span_us.push_back(t.span_us);
   }
-  result.p50_us = ubep::Percentile(result.latency_us, 0.5);
-  result.p99_us = ubep::Percentile(result.latency_us, 0.99);
   for (int r = 0; r < c.ranks; ++r) {
     result.bytes += board->bytes[r];
     result.threads = std::max(result.threads, board->threads[r]);
