@@ -101,6 +101,8 @@ struct RankState {
   // When BeginStep looks next whether ubepd is still there (MonotonicNow).
   absl::Time next_daemon_check = absl::InfinitePast();
   uint64_t last_plan_version = 0;
+  // The plan table this rank checked last (kernels::SelectCheckedPlan; PlanAt).
+  mutable kernels::CheckedPlan checked_plan;
   bool attached = false;
   bool daemon_exited = false;  // Its fd connection closed.
   // The ranks its daemon hosts (AttachResponse.hosted_first, hosted_count; all if unsaid).
@@ -206,11 +208,25 @@ absl::Status GroupStopped(const RankState& s) {
                                     "rank; call Rejoin"));
 }
 
+// The plan in force at `step` in this rank's arena (null if none), checked the first time it
+// is read (kernels::SelectCheckedPlan): the arena is shared memory every rank's process maps
+// writable, and the table sizes what is read from it.
+absl::StatusOr<const kernels::PlanTableHeader*> PlanAt(const RankState& s, uint64_t step,
+                                                       uint64_t* version = nullptr) {
+  absl::StatusOr<const kernels::PlanTableHeader*> table =
+      kernels::SelectCheckedPlan(s.own() + s.layout.plan, step, s.checked_plan, version);
+  if (!table.ok()) {
+    return absl::DataLossError(absl::StrCat("rank ", s.rank, ": ", table.status().message()));
+  }
+  return table;
+}
+
 // Whether the plan committed in this rank's arena for `step` (the newest: ~0) leaves it out
-// of the group.
+// of the group (not if its table is corrupt: the rank's next Dispatch says so).
 bool ExcludedByPlanAt(const RankState& s, uint64_t step) {
-  const kernels::PlanTableHeader* table = kernels::SelectPlan(s.own() + s.layout.plan, step);
-  return table != nullptr && kernels::RankExcluded(table, static_cast<uint32_t>(s.rank));
+  absl::StatusOr<const kernels::PlanTableHeader*> table = PlanAt(s, step);
+  return table.ok() && *table != nullptr &&
+         kernels::RankExcluded(*table, static_cast<uint32_t>(s.rank));
 }
 
 bool GroupReady(const RankState& s) {
@@ -793,9 +809,11 @@ absl::Status Rank::BeginStep(uint64_t step) {
                            undecided, " from the daemons' state)")));
     }
   }
-  if (uint64_t version = 0;
-      const kernels::PlanTableHeader* table = kernels::SelectPlan(area, step, &version)) {
-    if (kernels::RankExcluded(table, static_cast<uint32_t>(s.rank))) {
+  uint64_t version = 0;
+  absl::StatusOr<const kernels::PlanTableHeader*> table = PlanAt(s, step, &version);
+  if (!table.ok()) return Record(s, table.status());
+  if (*table != nullptr) {
+    if (kernels::RankExcluded(*table, static_cast<uint32_t>(s.rank))) {
       return Record(s, absl::UnavailableError(absl::StrCat(
                            "rank ", s.rank, " is excluded from the EP group by plan v", version,
                            " (its node failed or was drained); Rejoin waits for a plan that "
@@ -823,8 +841,9 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
   if (s.on_device) {
 #ifdef UBEP_CLIENT_CUDA
     uint64_t version = 0;
-    const kernels::PlanTableHeader* table =
-        kernels::SelectPlan(s.own() + s.layout.plan, s.step, &version);
+    absl::StatusOr<const kernels::PlanTableHeader*> checked = PlanAt(s, s.step, &version);
+    if (!checked.ok()) return Record(s, s.cuda_ep->Refuse(checked.status()));
+    const kernels::PlanTableHeader* table = *checked;
     if (table == nullptr) {
       // A group that gave up says so first, and keeps the refusal recorded before (as the
       // host backend looks at its abort word before any other check).
@@ -1014,7 +1033,9 @@ absl::StatusOr<std::span<std::byte>> Rank::ExpertWeights(int layer, int local_sl
     return absl::FailedPreconditionError("the shape has bytes_per_expert 0: no weight buffers");
   }
   void* area = s.own() + s.layout.plan;
-  const kernels::PlanTableHeader* table = kernels::SelectPlan(area, s.step);
+  absl::StatusOr<const kernels::PlanTableHeader*> checked = PlanAt(s, s.step);
+  if (!checked.ok()) return checked.status();
+  const kernels::PlanTableHeader* table = *checked;
   if (table == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat("no plan is in force at step ", s.step));
   }
@@ -1045,7 +1066,9 @@ absl::StatusOr<int> Rank::SlotExpert(int layer, int local_slot) const {
     return absl::InvalidArgumentError(absl::StrCat("(layer ", layer, ", slot ", local_slot,
                                                    ") is outside the shape"));
   }
-  const kernels::PlanTableHeader* table = kernels::SelectPlan(s.own() + s.layout.plan, s.step);
+  absl::StatusOr<const kernels::PlanTableHeader*> checked = PlanAt(s, s.step);
+  if (!checked.ok()) return checked.status();
+  const kernels::PlanTableHeader* table = *checked;
   if (table == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat("no plan is in force at step ", s.step));
   }

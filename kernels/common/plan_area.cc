@@ -23,25 +23,25 @@ void StoreState(PlanSlotHeader* slot, uint32_t state) {
   std::atomic_ref<uint32_t>(slot->state).store(state, std::memory_order_seq_cst);
 }
 
+// The slot holding `version`, -1 if none does. A version aborted and prepared again may be
+// in both slots (with no plan committed, the retry goes to the other slot): the live one, not
+// the aborted one, is found.
 int FindVersion(void* area, uint64_t version) {
+  int aborted = -1;
   for (int i = 0; i < 2; ++i) {
-    if (LoadVersion(PlanSlot(area, i)) == version && LoadState(PlanSlot(area, i)) != kEmpty) {
+    if (LoadVersion(PlanSlot(area, i)) != version) continue;
+    const uint32_t state = LoadState(PlanSlot(area, i));
+    if (state == kAborted) {
+      aborted = i;
+    } else if (state != kEmpty) {
       return i;
     }
   }
-  return -1;
+  return aborted;
 }
 
-}  // namespace
-
-void InitPlanArea(void* area, size_t capacity_bytes) {
-  std::memset(area, 0, sizeof(PlanAreaHeader) + 2 * sizeof(PlanSlotHeader));
-  auto* header = static_cast<PlanAreaHeader*>(area);
-  header->capacity_bytes = capacity_bytes;
-  std::atomic_ref<uint32_t>(header->magic).store(kPlanAreaMagic, std::memory_order_release);
-}
-
-const PlanTableHeader* SelectPlan(void* area, uint64_t step, uint64_t* version) {
+// The slot SelectPlan takes, -1 if none; `version` receives its version.
+int SelectSlot(void* area, uint64_t step, uint64_t* version) {
   int best = -1;
   uint64_t best_version = 0;
   for (int i = 0; i < 2; ++i) {
@@ -56,9 +56,52 @@ const PlanTableHeader* SelectPlan(void* area, uint64_t step, uint64_t* version) 
       best_version = v;
     }
   }
-  if (best < 0) return nullptr;
-  if (version != nullptr) *version = best_version;
-  return PlanBuffer(area, best);
+  if (best >= 0) *version = best_version;
+  return best;
+}
+
+}  // namespace
+
+void InitPlanArea(void* area, size_t capacity_bytes) {
+  std::memset(area, 0, sizeof(PlanAreaHeader) + 2 * sizeof(PlanSlotHeader));
+  auto* header = static_cast<PlanAreaHeader*>(area);
+  header->capacity_bytes = capacity_bytes;
+  std::atomic_ref<uint32_t>(header->magic).store(kPlanAreaMagic, std::memory_order_release);
+}
+
+const PlanTableHeader* SelectPlan(void* area, uint64_t step, uint64_t* version) {
+  uint64_t v = 0;
+  const int slot = SelectSlot(area, step, &v);
+  if (slot < 0) return nullptr;
+  if (version != nullptr) *version = v;
+  return PlanBuffer(area, slot);
+}
+
+absl::StatusOr<const PlanTableHeader*> SelectCheckedPlan(void* area, uint64_t step,
+                                                         CheckedPlan& checked,
+                                                         uint64_t* version) {
+  uint64_t v = 0;
+  const int slot = SelectSlot(area, step, &v);
+  if (slot < 0) return nullptr;
+  const PlanTableHeader* table = PlanBuffer(area, slot);
+  if (checked.table != table || checked.version != v) {
+    const uint64_t capacity = static_cast<const PlanAreaHeader*>(area)->capacity_bytes;
+    const uint64_t bytes =
+        std::atomic_ref<uint64_t>(PlanSlot(area, slot)->table_bytes).load(std::memory_order_relaxed);
+    absl::Status valid =
+        bytes > capacity
+            ? absl::InvalidArgumentError(absl::StrCat("plan table: ", bytes,
+                                                      " bytes, more than the area's ", capacity))
+            : ValidatePlanTable({reinterpret_cast<const std::byte*>(table), bytes});
+    if (!valid.ok()) {
+      return absl::DataLossError(absl::StrCat("plan v", v, " in force at step ", step,
+                                              " is corrupt (", valid.message(),
+                                              "): something other than ubepd wrote over it"));
+    }
+    checked = {table, v};
+  }
+  if (version != nullptr) *version = v;
+  return table;
 }
 
 absl::Status PreparePlan(void* area, std::span<const std::byte> table, uint64_t version,
@@ -145,9 +188,11 @@ absl::Status AbortPlan(void* area, uint64_t version) {
 bool UndecidedAt(void* area, uint64_t step, uint64_t* version) {
   for (int i = 0; i < 2; ++i) {
     PlanSlotHeader* slot = PlanSlot(area, i);
-    const uint64_t v = std::atomic_ref<uint64_t>(slot->version).load(std::memory_order_acquire);
+    // The state first, sequentially consistent (the Dekker pair with the daemon's StoreState
+    // and its read of the steps); kPrepared is stored after the version, so it implies it.
     const uint32_t state = std::atomic_ref<uint32_t>(slot->state).load(std::memory_order_seq_cst);
-    if (v != 0 && state == kPrepared &&
+    const uint64_t v = std::atomic_ref<uint64_t>(slot->version).load(std::memory_order_acquire);
+    if (state == kPrepared &&
         std::atomic_ref<uint64_t>(slot->effective_step).load(std::memory_order_relaxed) <= step) {
       if (version != nullptr) *version = v;
       return true;

@@ -25,6 +25,7 @@
 #include <span>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "kernels/common/host_device.h"
 #include "kernels/common/plan_table.h"
 
@@ -75,6 +76,22 @@ void InitPlanArea(void* area, size_t capacity_bytes);
 // The table in force at `step`: the committed slot with the highest version whose effective
 // step is <= step; null when none is. `version` (optional) receives its version.
 const PlanTableHeader* SelectPlan(void* area, uint64_t step, uint64_t* version = nullptr);
+
+// What a reader checked last (SelectCheckedPlan): the table of a committed version.
+struct CheckedPlan {
+  const PlanTableHeader* table = nullptr;
+  uint64_t version = 0;
+};
+
+// SelectPlan for a reader of an area that every process mapping it can write (a daemon's
+// arena, mapped read-write by its clients): the first time this reader selects a table it is
+// checked as PreparePlan checked it (ValidatePlanTable, within the area's capacity), so that
+// a table written over by anything but ubepd steers no store. A committed slot is rewritten
+// only under a newer version, so one check per version serves. OK with null when no plan is
+// in force at `step`; DataLoss naming the version and what is wrong when the table fails.
+absl::StatusOr<const PlanTableHeader*> SelectCheckedPlan(void* area, uint64_t step,
+                                                         CheckedPlan& checked,
+                                                         uint64_t* version = nullptr);
 
 // Whether a prepared, undecided plan (state kPrepared) would be in force at `step`: a rank
 // reaching its effective step must wait for the decision (ARCHITECTURE section 5). `version`

@@ -1644,7 +1644,9 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
     if (absl::Status gave_up = GaveUpStatus(); !gave_up.ok()) return gave_up;
   }
   if (combine_epoch_ != dispatch_epoch_) {
-    return Refuse(absl::FailedPreconditionError(kDispatchTwice));
+    // The peers wait for this rank's partials: a refusal of that combine recorded for them
+    // is the reason they are to read, not this one (the host backend's order).
+    return Refuse(absl::FailedPreconditionError(kDispatchTwice), /*keep_earlier=*/true);
   }
   // The host backend's checks, in its words (bad_input.h); the device table must come with
   // the host copy it was uploaded from.

@@ -39,6 +39,14 @@ absl::Status ValidateConfig(const EpConfig& c) {
                                                    c.slots_per_rank, " slots cannot hold ",
                                                    c.num_experts, " experts"));
   }
+  // Every slot of the group is one of a plan table's (kMaxPlanSlots at most): a group with
+  // more could take no plan (and R x S is an int product where slots are numbered).
+  if (const int64_t slots = static_cast<int64_t>(c.num_ranks) * c.slots_per_rank;
+      slots > kMaxPlanSlots) {
+    return absl::InvalidArgumentError(absl::StrCat("ep config: ", c.num_ranks, " ranks x ",
+                                                   c.slots_per_rank, " slots = ", slots,
+                                                   " slots, over a plan's ", kMaxPlanSlots));
+  }
   // The rows one call may bring a rank are counted in 32 bits (the receive layout's offsets):
   // at most min(top_k, slots per rank) per token and source (MaxPairsPerToken); the tokens'
   // pairs are numbered in 32 bits too.

@@ -290,7 +290,6 @@ uint32_t* FlagAt(std::byte* arena, size_t region, int index) {
 }  // namespace
 
 absl::Status HostEp::Validate(const DispatchInput& in) const {
-  if (combine_epoch_ != dispatch_epoch_) return absl::FailedPreconditionError(kDispatchTwice);
   if (in.hidden != config_.hidden) {
     return absl::InvalidArgumentError(absl::StrCat("hidden size ", in.hidden,
                                                    " does not match the configured ",
@@ -664,8 +663,19 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
   if (const uint32_t code = LoadAcquire(AbortWord()); code != 0) {
     return DispatchAfterGiveUpStatus(code, rank_, config_.protocol, dispatch_epoch_ + 1);
   }
+  if (combine_epoch_ != dispatch_epoch_) {
+    // The peers wait for this rank's partials: a refusal of that combine recorded for them
+    // (its output's vectors moved out, say) is the reason they are to read, not this one.
+    return Refuse(absl::FailedPreconditionError(kDispatchTwice), /*keep_earlier=*/true);
+  }
   if (in.plan_area != nullptr) {
-    in.plan = SelectPlan(in.plan_area, in.step);
+    absl::StatusOr<const PlanTableHeader*> checked =
+        SelectCheckedPlan(in.plan_area, in.step, checked_plan_);
+    if (!checked.ok()) {
+      return Refuse(
+          absl::DataLossError(absl::StrCat("rank ", rank_, ": ", checked.status().message())));
+    }
+    in.plan = *checked;
     if (in.plan == nullptr) {
       return Refuse(absl::FailedPreconditionError(
           absl::StrCat("rank ", rank_, ": no committed plan is in force at step ", in.step)));

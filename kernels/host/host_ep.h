@@ -38,6 +38,7 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "kernels/common/plan_area.h"
 #include "kernels/common/plan_table.h"
 #include "kernels/common/routing.h"
 #include "kernels/host/arena_layout.h"
@@ -52,7 +53,9 @@ struct DispatchInput {
   int hidden = 0;                      // Must equal config.hidden.
   int layer = 0;
   const PlanTableHeader* plan = nullptr;  // Validated table (ValidatePlanTable), or:
-  void* plan_area = nullptr;  // A PlanArea (plan_area.h): the plan in force at `step` is used.
+  // A PlanArea (plan_area.h): the plan in force at `step` is used, checked the first time
+  // (SelectCheckedPlan; a corrupt one is refused with DataLoss before any byte moves).
+  void* plan_area = nullptr;
   uint64_t step = 0;
 };
 
@@ -287,6 +290,7 @@ class HostEp {
   // A refusal record of this rank's may be in its arena (one of this process's, or of one
   // before it that ran this rank): the next call it takes part in withdraws it.
   bool refusal_recorded_ = true;
+  CheckedPlan checked_plan_;  // The plan area's table this rank checked last.
   uint32_t spared_ = 0;  // The abort code the call in flight may wait past (WaitForPeer), or 0.
   // The deadline of the call in flight, and what is published of it (PublishInCall), which
   // its waits on stuck peers move on (WaitForPeer).

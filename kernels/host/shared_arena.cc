@@ -21,10 +21,17 @@ absl::Status Errno(const std::string& what) {
 }  // namespace
 
 absl::StatusOr<SharedArena> SharedArena::Create(const std::string& name, size_t bytes) {
-  const int fd = memfd_create(name.c_str(), MFD_CLOEXEC);
+  const int fd = memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) return Errno(absl::StrCat("memfd_create(", name, ")"));
   if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
     absl::Status s = Errno(absl::StrCat("ftruncate(", name, ", ", bytes, " bytes)"));
+    close(fd);
+    return s;
+  }
+  // Its size is final: a process it is passed to (a client, a peer daemon) cannot shrink it
+  // under the others' mappings, whose next access past the new end would raise SIGBUS.
+  if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    absl::Status s = Errno(absl::StrCat("sealing the size of ", name));
     close(fd);
     return s;
   }

@@ -676,6 +676,21 @@ TEST(HostEpErrorTest, ASenderThreadCountOutsideItsRangeIsRefused) {
             absl::InvalidArgumentError("ep config: sender_threads 65 is outside [1, 64]"));
 }
 
+// A group of more slots than a plan table numbers (2^22) could take no plan: refused when
+// the rank is made.
+TEST(HostEpErrorTest, AGroupOfMoreSlotsThanAPlanNumbersIsRefused) {
+  EpConfig config = SmallConfig(Protocol::kUbep);
+  config.num_ranks = 1024;
+  config.slots_per_rank = 4097;
+  config.top_k = 1;
+  config.max_tokens = 1;
+  EXPECT_EQ(HostEp::Create(config, 0, {}).status(),
+            absl::InvalidArgumentError(
+                "ep config: 1024 ranks x 4097 slots = 4195328 slots, over a plan's 4194304"));
+  config.slots_per_rank = 4096;
+  EXPECT_EQ(ValidateConfig(config), absl::OkStatus());
+}
+
 // The rows one call may bring a rank are counted in 32 bits: a shape that could bring more is
 // refused when the rank is made, not overflowed in a call.
 TEST(HostEpErrorTest, AShapeWhoseRowsPerCallOverflowThirtyTwoBitsIsRefused) {
@@ -1110,6 +1125,52 @@ TEST(HostEpErrorTest, ACorruptSourceIsNamedBeforeAnythingIsSizedFromIt) {
   }
 }
 
+// The plan area is in shared memory that every rank's process maps writable: a committed
+// table written over outside ubepd (an expert left with no replica, whose route would index
+// replica 2^32 - 1) is refused before any byte moves, not followed.
+TEST(HostEpErrorTest, ACommittedPlanWrittenOverInTheAreaIsRefusedNotFollowed) {
+  const EpConfig config = ShortTimeoutConfig();
+  Group group(config);
+  const TestPlan plan = RoundRobinPlan(config);
+  SharedArena area_arena = *SharedArena::Create("plan-area", PlanAreaBytes(4096));
+  void* area = area_arena.data();
+  InitPlanArea(area, 4096);
+  ASSERT_TRUE(PreparePlan(area, plan.table, 1, 0).ok());
+  ASSERT_TRUE(CommitPlan(area, 1).ok());
+  ASSERT_EQ(SelectPlan(area, 0), PlanBuffer(area, 0));
+  ExpertRoute* route = const_cast<ExpertRoute*>(FindRoute(PlanBuffer(area, 0), 0, 3));
+  const uint32_t replicas = route->count;
+  route->count = 0;
+  RankInput in = MakeInput(config, 0, 8, 3);
+  DispatchInput args{in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8, config.hidden, 0};
+  args.plan_area = area;
+  DispatchOutput out;
+  const std::string corrupt =
+      "rank 0: plan v1 in force at step 0 is corrupt (plan table: layer 0 expert 3 has 0 "
+      "replicas): something other than ubepd wrote over it";
+  EXPECT_EQ(group.ep(0).Dispatch(args, out), absl::DataLossError(corrupt));
+  // Refused before the rank took part: nothing was sent, and the refusal is recorded for the
+  // peers (as any refused input is).
+  EXPECT_EQ(out.num_rows(), 0);
+  for (int r = 1; r < config.num_ranks; ++r) {
+    EXPECT_EQ(reinterpret_cast<const uint32_t*>(group.arena(r) + ArenaLayout(config).counts)[0],
+              0u)
+        << "rank " << r;
+  }
+  EXPECT_EQ(ReadRefusal(group.arena(0), ArenaLayout(config), CallPhase{false, 1}), corrupt);
+  // Mended, the same table is taken.
+  route->count = replicas;
+  group.RunAll([&](int r) {
+    RankInput mine = MakeInput(config, r, 8, 3);
+    DispatchInput a{mine.x.data(), mine.topk_idx.data(), mine.topk_w.data(), 8, config.hidden, 0};
+    a.plan_area = area;
+    DispatchOutput o;
+    ASSERT_EQ(group.ep(r).Dispatch(a, o), absl::OkStatus()) << "rank " << r;
+    std::vector<float> sums(8 * config.hidden);
+    ASSERT_EQ(group.ep(r).Combine(o, o.recv_x.data(), sums.data()), absl::OkStatus());
+  });
+}
+
 // A caller that moved a vector of the dispatch output out (to its expert kernel, say) before
 // Combine: refused, not read past the vector's end.
 TEST(HostEpErrorTest, ACombineOfAnOutputWhoseVectorsWereMovedOutIsRefused) {
@@ -1292,6 +1353,44 @@ TEST(HostEpErrorTest, PeersWaitingForPartialsSayTheRankDispatchedTwice) {
       "peers' receive buffers for the next";
   EXPECT_EQ(status[2], absl::FailedPreconditionError(twice));
   for (int r : {0, 1, 3}) EXPECT_EQ(status[r], GaveUpOnRank2(r, "combine partials", twice));
+}
+
+// Rank 2's Combine is refused (its output's weights were moved out), and its caller, dropping
+// the step, dispatches again, which is refused too: the others, waiting for its partials, say
+// why its combine was refused, not that it dispatched twice.
+TEST(HostEpErrorTest, PeersWaitingForPartialsHearTheCombinesRefusalNotTheDispatchAfterIt) {
+  const EpConfig config = ShortTimeoutConfig();
+  Group group(config);
+  const TestPlan plan = RoundRobinPlan(config);
+  std::vector<absl::Status> status(config.num_ranks);
+  absl::Status combined, again;
+  size_t rows = 0;
+  group.RunAll([&](int r) {
+    RankInput in = MakeInput(config, r, 8, 3);
+    DispatchOutput out;
+    const DispatchInput input{in.x.data(),   in.topk_idx.data(), in.topk_w.data(), 8,
+                              config.hidden, 0,                  plan.header()};
+    status[r] = group.ep(r).Dispatch(input, out);
+    if (!status[r].ok()) return;
+    std::vector<float> sums(8 * config.hidden);
+    if (r == 2) {
+      std::vector<float> taken = std::move(out.weight);
+      rows = taken.size();
+      combined = group.ep(r).Combine(out, out.recv_x.data(), sums.data());
+      again = group.ep(r).Dispatch(input, out);
+      return;
+    }
+    status[r] = group.ep(r).Combine(out, out.recv_x.data(), sums.data());
+  });
+  ASSERT_GT(rows, 0u);
+  const std::string refused = absl::StrCat(
+      "combine: the dispatch output has 0 weights and ", rows, " source ranks, not the ", rows,
+      " rows its dispatch made (were they moved out or resized?)");
+  EXPECT_EQ(combined, absl::InvalidArgumentError(refused));
+  EXPECT_EQ(again, absl::FailedPreconditionError(
+                       "dispatch called twice without a combine in between: the combine of one "
+                       "call frees the peers' receive buffers for the next"));
+  for (int r : {0, 1, 3}) EXPECT_EQ(status[r], GaveUpOnRank2(r, "combine partials", refused));
 }
 
 // A refusal loses nothing: rank 2's caller calls again with good input while the others wait,

@@ -20,6 +20,7 @@
 #include <poll.h>
 #include <unistd.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <filesystem>
 
 #include "balancer/formats/proto_convert.h"
@@ -163,6 +164,32 @@ TEST(NodeTest, GroupFormsWhenEveryRankJoinsAndTakesTheLeastNextStep) {
   EXPECT_EQ(c->group_state, kernels::kGroupReady);
   EXPECT_EQ(c->generation, 1u);
   EXPECT_EQ(c->rank, 1u);
+}
+
+// The arenas' files go to every client and peer daemon that maps them: none of them can
+// change a file's size under the others' mappings (which would raise SIGBUS in them all).
+TEST(NodeTest, TheArenasAClientReceivesCannotBeResized) {
+  Node node(Options());
+  ASSERT_TRUE(node.Attach(Request(0, 2)).ok());
+  absl::StatusOr<v1::AttachResponse> response = node.Attach(Request(1, 2));
+  ASSERT_TRUE(response.ok()) << response.status();
+  absl::StatusOr<std::vector<UniqueFd>> fds = node.ClaimArenas(response->token(), 1);
+  ASSERT_TRUE(fds.ok()) << fds.status();
+  ASSERT_EQ(fds->size(), 2u);
+  for (const UniqueFd& fd : *fds) {
+    struct stat st;
+    ASSERT_EQ(fstat(fd.get(), &st), 0);
+    ASSERT_GT(st.st_size, 4096);
+    errno = 0;
+    EXPECT_EQ(ftruncate(fd.get(), 4096), -1);
+    EXPECT_EQ(errno, EPERM);
+    errno = 0;
+    EXPECT_EQ(ftruncate(fd.get(), st.st_size + 4096), -1);
+    EXPECT_EQ(errno, EPERM);
+    EXPECT_EQ(fcntl(fd.get(), F_GET_SEALS), F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
+    ASSERT_EQ(fstat(fd.get(), &st), 0);
+    EXPECT_GT(st.st_size, 4096);
+  }
 }
 
 // A rank that finds the group broken reads why from its abort word (libubep's BeginStep), so

@@ -73,6 +73,33 @@ TEST_F(PlanAreaTest, ASecondPrepareIsRefusedBeforeAnyCommit) {
   ASSERT_TRUE(PreparePlan(area(), Table(2), 2, 0).ok());
 }
 
+// With no plan committed, a plan aborted and prepared again under its version lands in the
+// other slot, the aborted copy beside it: its commit and its abort find the live copy (once
+// found the aborted one: the commit was refused, and an abort left the live copy awaiting a
+// decision, which refused every later prepare).
+TEST_F(PlanAreaTest, APlanAbortedAndPreparedAgainBeforeAnyCommitIsDecidedOnItsLiveCopy) {
+  ASSERT_TRUE(PreparePlan(area(), Table(5), 5, 0).ok());
+  ASSERT_TRUE(AbortPlan(area(), 5).ok());
+  ASSERT_TRUE(PreparePlan(area(), Table(5), 5, 0).ok());
+  EXPECT_EQ(PlanSlot(area(), 0)->state, kAborted);
+  EXPECT_EQ(PlanSlot(area(), 1)->state, kPrepared);
+  EXPECT_EQ(PlanSlot(area(), 1)->version, 5u);
+  uint64_t undecided = 0;
+  EXPECT_TRUE(UndecidedAt(area(), 0, &undecided));
+  EXPECT_EQ(undecided, 5u);
+  ASSERT_TRUE(AbortPlan(area(), 5).ok());
+  EXPECT_EQ(PlanSlot(area(), 1)->state, kAborted);
+  EXPECT_FALSE(UndecidedAt(area(), 0));
+  ASSERT_TRUE(PreparePlan(area(), Table(5), 5, 0).ok());
+  EXPECT_EQ(CheckCommittable(area(), 5), absl::OkStatus());
+  ASSERT_EQ(CommitPlan(area(), 5), absl::OkStatus());
+  uint64_t version = 0;
+  ASSERT_NE(SelectPlan(area(), 0, &version), nullptr);
+  EXPECT_EQ(version, 5u);
+  EXPECT_FALSE(UndecidedAt(area(), 0));
+  ASSERT_EQ(PreparePlan(area(), Table(6), 6, 10), absl::OkStatus());
+}
+
 TEST_F(PlanAreaTest, RefusesWhatWouldBreakTheProtocol) {
   ASSERT_TRUE(PreparePlan(area(), Table(5), 5, 0).ok());
   ASSERT_TRUE(CommitPlan(area(), 5).ok());
