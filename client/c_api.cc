@@ -99,6 +99,10 @@ void ubep_client_options_init(ubep_client_options* options, size_t struct_size) 
   const size_t size = std::min(struct_size, sizeof(ubep_client_options));
   const int failed = Guard("ubep_client_options_init", [&] {
     FillDefaultOptions(options, size);
+    // A newer caller's larger struct keeps its own size, so that ubep_attach_with refuses
+    // it (its fields past this library's would be ignored) rather than taking it as this
+    // library's.
+    if (struct_size > size) options->struct_size = struct_size;
     return 0;
   });
   // Out of memory for the defaults: a zero struct_size, which ubep_attach_with refuses saying

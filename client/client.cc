@@ -838,6 +838,7 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
   }
   const absl::Time start = MonotonicNow();  // Latencies on the monotonic clock.
   absl::Status status;
+  [[maybe_unused]] uint32_t dispatch_epoch_before = 0;
   if (s.on_device) {
 #ifdef UBEP_CLIENT_CUDA
     uint64_t version = 0;
@@ -860,7 +861,10 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
     if (version != s.device_plan_version) {
       const size_t bytes = kernels::PlanTableBytes(table);
       if (cudaMemcpy(s.device_plan, table, bytes, cudaMemcpyHostToDevice) != cudaSuccess) {
-        return Record(s, absl::InternalError("uploading the plan table failed"));
+        // Refused before the rank takes part: its peers, waiting for it, say why.
+        return Record(s, s.cuda_ep->Refuse(absl::InternalError(absl::StrCat(
+                             "rank ", s.rank, ": uploading plan v", version,
+                             "'s table to the device failed"))));
       }
       s.device_plan_version = version;
     }
@@ -872,6 +876,7 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
     in.layer = layer;
     in.plan = static_cast<const kernels::PlanTableHeader*>(s.device_plan);
     in.host_plan = table;
+    dispatch_epoch_before = s.cuda_ep->dispatch_epoch();
     status = s.cuda_ep->Dispatch(in, out.state_->cuda);
     out.state_->on_device = true;
     out.state_->plan_version = version;
@@ -941,7 +946,12 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
 #ifdef UBEP_CLIENT_CUDA
     // Bad input the device found after the peers began: the rest was dispatched, and the
     // caller combines it as after a good call (the peers wait for this rank's partials).
-    if (s.on_device && absl::IsInvalidArgument(status) && s.cuda_ep->dispatch_completed()) keep();
+    // Not bad input refused before this call took part (a layer out of range, say), after
+    // which the last call's completion still stands: that output holds nothing of this call.
+    if (s.on_device && absl::IsInvalidArgument(status) &&
+        s.cuda_ep->dispatch_epoch() != dispatch_epoch_before && s.cuda_ep->dispatch_completed()) {
+      keep();
+    }
 #endif
     return Record(s, status);
   }

@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "common/clock.h"
 #include "common/logging.h"
 #include "daemon/fd_server.h"
 #include "grpcpp/grpcpp.h"
@@ -48,7 +49,7 @@ void BalancerLink::Tick() {
       if (!registered_) return;
     }
   }
-  const absl::Time now = absl::Now();
+  const absl::Time now = MonotonicNow();  // A wall clock stepped back would stop the reports.
   if (now >= next_report_) {
     next_report_ = now + absl::Milliseconds(interval_ms_.load()) - absl::Milliseconds(50);
     Report();
@@ -168,6 +169,28 @@ void BalancerLink::Report() {
       last_step_ = pending_->request.load().last_step();
       pending_.reset();
       return;
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+    case grpc::StatusCode::UNIMPLEMENTED:
+    case grpc::StatusCode::PERMISSION_DENIED:
+    case grpc::StatusCode::UNAUTHENTICATED: {
+      // Answers that the same report would get again (one larger than the balancer takes,
+      // an endpoint that is not a balancer, credentials it refuses): sent again, it would
+      // hold up every report after it for good. Dropped, its counts lost to the balancer,
+      // and said (once per kind and 10 s).
+      const std::string why = absl::StrCat(status.error_code(), ": ", status.error_message());
+      const absl::Time now = MonotonicNow();
+      if (why != last_report_failure_ || now >= next_report_failure_log_) {
+        last_report_failure_ = why;
+        next_report_failure_log_ = now + absl::Seconds(10);
+        UBEP_LOG(WARNING) << "load report " << pending_->request.seq() << " refused by "
+                          << options_.balancer << " (code " << why
+                          << "); it is dropped, its counts lost to the balancer";
+      }
+      last_ = std::move(pending_->loads);
+      last_step_ = pending_->request.load().last_step();
+      pending_.reset();
+      return;
+    }
     case grpc::StatusCode::NOT_FOUND:
       // The balancer restarted or forgot this node: it took nothing of the report, which goes
       // again once this daemon has registered.
@@ -177,7 +200,7 @@ void BalancerLink::Report() {
       // No answer of the balancer's (unreachable, timed out, or a transport or proxy that
       // cancelled or failed the call): taken or not, the same report goes again, and is taken
       // at most once. Said once per kind of failure and 10 s.
-      const absl::Time now = absl::Now();
+      const absl::Time now = MonotonicNow();
       const std::string why = absl::StrCat(status.error_code(), ": ", status.error_message());
       if (why != last_report_failure_ || now >= next_report_failure_log_) {
         last_report_failure_ = why;
@@ -191,9 +214,13 @@ void BalancerLink::Report() {
 }
 
 std::optional<BalancerLink::Pending> BalancerLink::MakeReport() {
+  // The step before the counters: it is the next report's first step, and every count read
+  // after these is then of that step or a later one. Read after them, a step begun between
+  // the two reads would be the next report's first while that report still holds counts of
+  // the step before (at a plan's effective step, the old plan's counts passing for the new).
+  const uint64_t step = node_->MaxStep();
   absl::StatusOr<Node::SlotLoads> loads = node_->ReadSlotLoads();
   if (!loads.ok() || loads->slots.empty()) return std::nullopt;
-  const uint64_t step = node_->MaxStep();
   if (last_.arenas_created != loads->arenas_created) {
     // Arenas created since the last report (the first group, or one formed again, whatever
     // its size) started their counters at zero: all of it is new.

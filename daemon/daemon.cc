@@ -340,7 +340,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
     builder.AddListeningPort("unix:" + options.socket_path, grpc::InsecureServerCredentials());
     builder.SetMaxReceiveMessageSize(options.max_message_bytes);
     builder.RegisterService(d->service_.get());
+    // The socket is made (bind) with no more than --socket_mode's permissions, not opened
+    // wider until the chmod below: a umask of 0 or 002 would otherwise let other users
+    // connect, and stay connected, in between. (The process's umask, put back at once; no
+    // other thread of ubepd makes files meanwhile.)
+    const mode_t umask_before = umask(0777 & ~options.socket_mode);
     d->local_server_ = builder.BuildAndStart();
+    umask(umask_before);
     if (d->local_server_ == nullptr) {
       return absl::UnavailableError(absl::StrCat("cannot serve gRPC on unix:", options.socket_path));
     }

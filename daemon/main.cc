@@ -100,6 +100,12 @@ int main(int argc, char** argv) {
               << " is under 10ms\n";
     return 2;
   }
+  if (options.harvest_interval < absl::Milliseconds(10)) {
+    // Each harvest reads every rank's counters under the node's lock.
+    std::cerr << "ubepd: --harvest_interval " << absl::FormatDuration(options.harvest_interval)
+              << " is under 10ms\n";
+    return 2;
+  }
   if (absl::GetFlag(FLAGS_drain_timeout) < absl::ZeroDuration()) {
     std::cerr << "ubepd: --drain_timeout "
               << absl::FormatDuration(absl::GetFlag(FLAGS_drain_timeout)) << " is negative\n";
@@ -111,9 +117,11 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string mode = absl::GetFlag(FLAGS_socket_mode);
-  char* end = nullptr;
-  options.socket_mode = static_cast<mode_t>(std::strtoul(mode.c_str(), &end, 8));
-  if (mode.empty() || *end != '\0' || options.socket_mode > 0777) {
+  // Octal digits alone, at most 0777 (strtoul would take a sign, and wrap a long one).
+  const bool octal = !mode.empty() && mode.size() <= 4 &&
+                     mode.find_first_not_of("01234567") == std::string::npos;
+  options.socket_mode = octal ? static_cast<mode_t>(std::stoul(mode, nullptr, 8)) : 0;
+  if (!octal || options.socket_mode > 0777) {
     std::cerr << "ubepd: --socket_mode " << mode << " is not an octal file mode\n";
     return 2;
   }
@@ -139,6 +147,10 @@ int main(int argc, char** argv) {
   options.node.join_timeout = absl::GetFlag(FLAGS_join_timeout);
   options.node.free_buffers = absl::GetFlag(FLAGS_free_buffers);
   options.node.max_arena_bytes = absl::GetFlag(FLAGS_max_arena_bytes);
+  if (options.node.max_arena_bytes == 0) {
+    std::cerr << "ubepd: --max_arena_bytes 0 is not positive\n";
+    return 2;
+  }
   options.node.max_plan_lead_steps = absl::GetFlag(FLAGS_max_plan_lead_steps);
   options.node.plan_path = absl::GetFlag(FLAGS_plan);
   if (const std::string ranks = absl::GetFlag(FLAGS_ranks); !ranks.empty()) {

@@ -134,7 +134,9 @@ std::vector<MetricFamily> DaemonMetrics::Collect() const {
   bytes.metric.push_back(GaugeValue(static_cast<double>(node.arena_bytes)));
   out.push_back(std::move(bytes));
 
-  MetricFamily version = Family("ubep_daemon_plan_version", "Version of the plan in force.",
+  MetricFamily version = Family("ubep_daemon_plan_version",
+                                "Version of the newest plan committed here (the ranks follow "
+                                "it from its effective step).",
                                 MetricType::Gauge);
   version.metric.push_back(GaugeValue(static_cast<double>(node.plan_version)));
   out.push_back(std::move(version));

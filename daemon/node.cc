@@ -1095,6 +1095,16 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
     response.set_reason(std::move(reason));
     return response;
   };
+  // A Prepare taken up after its caller gave up on it (it waited for the lock, or its request
+  // was slow to come) is not carried out: the balancer may have sent its Abort already, which
+  // found nothing here to abort, and a plan prepared now would stay pending (ranks waiting at
+  // its effective step, or a group stopped for members) for a change nobody will decide.
+  const auto past_deadline = [&](const char* when) {
+    return absl::StrCat("the caller's deadline for this Prepare passed ", when,
+                        " (the balancer has given up on it, and may have sent its Abort "
+                        "already)");
+  };
+  if (absl::Now() >= remote.deadline) return fail(past_deadline("before ubepd took it up"));
   if (!has_group_) return fail("no group is attached to this daemon");
   if (draining_) return fail("ubepd is draining");
   if (staging_) return fail(absl::StrCat("the weights of plan v", staging_version_, " are being staged"));
@@ -1403,6 +1413,9 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
     if (draining_) return fail("ubepd is draining");
     if (!copied.ok()) return fail(std::string(copied.message()));
   }
+  // Under the lock from here to pending_: an Abort either came before this look (after the
+  // deadline, which the balancer's own is not before) or finds the plan pending.
+  if (absl::Now() >= remote.deadline) return fail(past_deadline("while it was carried out"));
   absl::StatusOr<std::vector<std::byte>> table = PlanTableOf(plan);
   if (!table.ok()) return fail(std::string(table.status().message()));
   for (int r = first_; r < first_ + hosted_; ++r) {
@@ -1897,7 +1910,7 @@ NodeSnapshot Node::Snapshot() const {
   s.has_group = has_group_;
   s.draining = draining_;
   if (!has_group_) return s;
-  s.generation = LoadWord(Ctl(first_)->generation);
+  s.generation = GroupGeneration();  // (A rank the plan excludes keeps an older one.)
   s.world_size = config_.num_ranks;
   s.attached = AttachedLocked();
   s.arena_bytes = static_cast<uint64_t>(layout_.total_bytes + layout_.device_bytes) * hosted_;

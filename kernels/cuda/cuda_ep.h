@@ -120,6 +120,9 @@ class CudaEp {
   // Whether the last Dispatch completed (with or without an error: bad input found on the
   // device leaves the rest dispatched, and its Combine to be called).
   bool dispatch_completed() const { return dispatch_completed_; }
+  // The epoch of the last Dispatch that took part (0 before the first): a Dispatch refused
+  // before it took part leaves it, and dispatch_completed() with it, as they were.
+  uint32_t dispatch_epoch() const { return dispatch_epoch_; }
 
   // Tests only, as HostEp's: the sender blocks wait this long before their first row store of
   // each dispatch (the counts still go out at once), so that a test can make one source's rows

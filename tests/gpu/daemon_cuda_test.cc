@@ -117,6 +117,17 @@ std::string RunRank(int r, const std::string& socket, const ModelShape& shape, c
   s = (*rank)->Combine(d, d.rows(), out);  // Identity experts.
   if (!s.ok()) return std::string(s.message());
   UBEP_CHECK_CUDA(cudaMemcpy(result.combined, out, in.x.size() * 2, cudaMemcpyDeviceToHost));
+  // A Dispatch refused before it takes part (a layer out of range) leaves its output empty,
+  // also after a call that completed: the last call's rows are not handed out as this one's.
+  s = (*rank)->Dispatch(/*layer=*/1, x, static_cast<int32_t*>(idx), static_cast<float*>(w), kTokens, d);
+  if (!absl::IsInvalidArgument(s)) {
+    return absl::StrCat("a dispatch of layer 1 (of 1): expected InvalidArgument, got ",
+                        s.ToString());
+  }
+  if (d.num_rows() != 0 || d.rows() != nullptr || !d.slot_offsets().empty()) {
+    return absl::StrCat("a dispatch refused for its layer left ", d.num_rows(),
+                        " rows in its output");
+  }
   s = (*rank)->Detach();
   if (!s.ok()) return std::string(s.message());
   for (void* p : {x, idx, w, out}) UBEP_CHECK_CUDA(cudaFree(p));

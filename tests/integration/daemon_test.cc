@@ -325,6 +325,11 @@ TEST_F(DaemonTest, AReceiveCapacityOverflowDropsTheSameStepsEverywhereAndTheRest
       {"--wait_timeout=0s", "ubepd: --wait_timeout 0 is not positive\n"},
       {"--join_timeout=-1s", "ubepd: --join_timeout -1s is not positive\n"},
       {"--report_interval=500us", "ubepd: --report_interval 500us is under 10ms\n"},
+      {"--harvest_interval=1ns", "ubepd: --harvest_interval 1ns is under 10ms\n"},
+      {"--socket_mode=40000000660", "ubepd: --socket_mode 40000000660 is not an octal file mode\n"},
+      {"--socket_mode=+660", "ubepd: --socket_mode +660 is not an octal file mode\n"},
+      {"--socket_mode=1777", "ubepd: --socket_mode 1777 is not an octal file mode\n"},
+      {"--max_arena_bytes=0", "ubepd: --max_arena_bytes 0 is not positive\n"},
       {"--drain_timeout=-1s", "ubepd: --drain_timeout -1s is negative\n"},
       {"--ranks=0-2147483647",
        "ubepd: --ranks \"0-2147483647\": rank 2147483647 is past 1023 (an EP group has at most "
@@ -926,6 +931,31 @@ TEST_F(DaemonTest, CAbiOptionsAreCheckedAndUsed) {
     std::memcpy(&struct_size, bytes.data(), sizeof(struct_size));
     EXPECT_EQ(struct_size, older);
     for (size_t i = older; i < bytes.size(); ++i) EXPECT_EQ(bytes[i], 0xab) << "byte " << i;
+  }
+  // A newer caller's larger struct: this library's fields are filled, nothing past them is
+  // written, and the caller's size is kept, so that ubep_attach_with refuses the struct
+  // rather than ignore its newer fields.
+  {
+    std::array<unsigned char, sizeof(ubep_client_options) + 16> bytes;
+    bytes.fill(0xab);
+    const size_t newer = sizeof(ubep_client_options) + 8;
+    auto* larger = reinterpret_cast<ubep_client_options*>(bytes.data());
+    ubep_client_options_init(larger, newer);
+    EXPECT_EQ(larger->struct_size, newer);
+    EXPECT_EQ(larger->rpc_timeout_ms, 10000);
+    for (size_t i = sizeof(ubep_client_options); i < bytes.size(); ++i) {
+      EXPECT_EQ(bytes[i], 0xab) << "byte " << i;
+    }
+    const ubep_model_shape one = {1, 4, 8, 2, 4, 4, 0, UBEP_DTYPE_FLOAT32};
+    ubep_rank* none = nullptr;
+    EXPECT_EQ(ubep_attach_with(larger, 0, 2, 0, &one, -1, &none),
+              static_cast<int>(absl::StatusCode::kInvalidArgument));
+    EXPECT_EQ(std::string(ubep_last_error()),
+              absl::StrCat("ubep_attach_with: options->struct_size is ", newer,
+                           ", not this library's sizeof(ubep_client_options) ",
+                           sizeof(ubep_client_options),
+                           " (fill the options with ubep_client_options_init)"));
+    EXPECT_EQ(none, nullptr);
   }
   EXPECT_STREQ(options.socket_path, "/run/ubep/ubepd.sock");
   EXPECT_EQ(options.rpc_timeout_ms, 10000);

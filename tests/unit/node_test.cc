@@ -507,6 +507,49 @@ TEST(NodeTest, PrepareFailsWithoutFreeBuffersAndChangesNothing) {
   EXPECT_TRUE(node.Abort(2).ok());
 }
 
+// A Prepare taken up after its caller's deadline (it waited for the lock, or came late) is
+// not carried out: the balancer's Abort may have come first and found nothing to abort, and
+// the plan would stay pending with nobody to decide it.
+TEST(NodeTest, APrepareTakenUpAfterItsDeadlineIsRefusedAndLeavesNothingPending) {
+  Node node(Options());
+  Attached a = AttachAndClaim(node, 0, 2, 1);
+  EXPECT_TRUE(node.Abort(2).ok());  // The balancer's Abort, before the Prepare is taken up.
+  Node::RemoteWeights late;
+  late.deadline = absl::Now() - absl::Milliseconds(1);
+  const v1::PrepareResponse prepared = node.Prepare(SwappedPlan(), 10, late);
+  EXPECT_FALSE(prepared.prepared());
+  EXPECT_EQ(prepared.reason(),
+            "the caller's deadline for this Prepare passed before ubepd took it up (the "
+            "balancer has given up on it, and may have sent its Abort already)");
+  EXPECT_EQ(node.State().pending_version(), 0u);
+  EXPECT_EQ(node.State().committed_version(), 1u);
+  EXPECT_FALSE(kernels::UndecidedAt(a.arenas[0].data() + a.layout.plan, 10));
+  // In time, the same plan is prepared.
+  Node::RemoteWeights in_time;
+  in_time.deadline = absl::Now() + absl::Seconds(30);
+  EXPECT_TRUE(node.Prepare(SwappedPlan(), 10, in_time).prepared());
+  EXPECT_EQ(node.State().pending_version(), 2u);
+}
+
+// Staged past its deadline (here the copies take it), a Prepare is withdrawn before anything
+// is published: no plan is left pending.
+TEST(NodeTest, APrepareWhoseStagingOutlastsItsDeadlineLeavesNothingPending) {
+  NodeOptions options = Options();
+  options.staging_hook = [] { absl::SleepFor(absl::Milliseconds(300)); };
+  Node node(options);
+  Attached a = AttachAndClaim(node, 0, 2, 1);
+  Node::RemoteWeights remote;
+  remote.deadline = absl::Now() + absl::Milliseconds(100);
+  const v1::PrepareResponse prepared = node.Prepare(SwappedPlan(), 10, remote);
+  EXPECT_FALSE(prepared.prepared());
+  EXPECT_EQ(prepared.reason(),
+            "the caller's deadline for this Prepare passed while it was carried out (the "
+            "balancer has given up on it, and may have sent its Abort already)");
+  EXPECT_EQ(node.State().pending_version(), 0u);
+  EXPECT_FALSE(kernels::UndecidedAt(a.arenas[0].data() + a.layout.plan, 10));
+  EXPECT_EQ(std::string(node.Commit(2).message()), "plan v2 is not prepared here");
+}
+
 TEST(NodeTest, PrepareRefusesAnEffectiveStepARankHasReached) {
   Node node(Options());
   Attached a = AttachAndClaim(node, 0, 2, 1);
@@ -891,6 +934,40 @@ INSTANTIATE_TEST_SUITE_P(Codes, ReportAnswerLostTest,
                                            grpc::StatusCode::INTERNAL,
                                            grpc::StatusCode::CANCELLED,
                                            grpc::StatusCode::UNKNOWN),
+                         [](const auto& info) { return absl::StrCat("code_", info.param); });
+
+// Answers the same report would get again (too large for the balancer, not a balancer,
+// refused credentials): the report is dropped and the next one goes under the next seq with
+// only its own counts, rather than the same one sent again for good, holding up every report
+// after it.
+class ReportRefusedForGoodTest : public ::testing::TestWithParam<grpc::StatusCode> {};
+
+TEST_P(ReportRefusedForGoodTest, AReportRefusedForGoodIsDroppedAndTheNextGoesOn) {
+  FakeBalancer balancer;
+  balancer.LoseAnswers(true, GetParam());
+  ReportingGroup group(balancer);
+  const absl::Time until = absl::Now() + absl::Seconds(20);
+  while (balancer.Taken().empty() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
+  AddLoad(group.a0, 0, 0, {0, 5, 0, 0}, ConfigOf(2));
+  StepOf(group.a0, 0).store(60);
+  balancer.LoseAnswers(false);
+  ASSERT_FALSE(balancer.ReportsUpTo(60).empty());
+  const std::vector<v1::ReportLoadRequest> taken = balancer.Taken();
+  ASSERT_GE(taken.size(), 2u);
+  std::vector<uint64_t> slots(8, 0);
+  for (size_t i = 0; i < taken.size(); ++i) {
+    EXPECT_EQ(taken[i].seq(), i + 1) << "report " << i << " went again";
+    for (int p = 0; p < 8; ++p) slots[p] += taken[i].load().layers(0).slot(p);
+  }
+  EXPECT_EQ(taken[0].load().layers(0).slot(0), 30u);
+  EXPECT_THAT(slots, ElementsAre(30, 5, 0, 0, 0, 0, 0, 0));
+}
+
+INSTANTIATE_TEST_SUITE_P(Codes, ReportRefusedForGoodTest,
+                         ::testing::Values(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                                           grpc::StatusCode::UNIMPLEMENTED,
+                                           grpc::StatusCode::PERMISSION_DENIED,
+                                           grpc::StatusCode::UNAUTHENTICATED),
                          [](const auto& info) { return absl::StrCat("code_", info.param); });
 
 // A group of 4 ranks over two daemons in one process: ranks 0-1 on `first` 0, 2-3 on 2.

@@ -66,7 +66,9 @@ struct ModelShape {
 
 struct ClientOptions {
   std::string socket_path = "/run/ubep/ubepd.sock";
-  absl::Duration rpc_timeout = absl::Seconds(10);   // Attach, Join, Detach.
+  // Each RPC to ubepd but Join (Attach, Detach, the arena claim and refresh over its fd
+  // socket, and connecting to that socket).
+  absl::Duration rpc_timeout = absl::Seconds(10);
   absl::Duration join_timeout = absl::Seconds(60);  // Waiting for the rest of the group.
   // How often BeginStep looks whether ubepd is still there (a non-blocking poll of the fd
   // connection; the steps themselves make no RPC). The first rank to find it gone stops the
@@ -85,10 +87,13 @@ struct RankStats {
   uint64_t combine_calls = 0;
   uint64_t wait_timeouts = 0;    // Waits of this rank's calls that gave up (DeadlineExceeded).
   // Errors found by this rank's calls: of the data plane (dispatch, combine, the plan in force
-  // at BeginStep, the group stopping) and of taking the arenas after a Join. Not counted: a
-  // call refused for misuse (out of order, detached), the stop a call repeats, and ubepd's own
-  // answers to Join (a Rejoin of a rank the plan excludes ends DeadlineExceeded at every join
-  // timeout), which ubepd counts as its RPC errors.
+  // at BeginStep, the group stopping), of taking the arenas after a Join, and the misuse that
+  // fails the group's call, its peers waiting for this rank (a Combine of another output or
+  // with none, a second Dispatch without a Combine, BeginStep with an earlier step). Not
+  // counted: a call on a detached rank, a Dispatch before BeginStep, the queries
+  // (ExpertWeights, SlotExpert), the stop a call repeats, and ubepd's own answers to Join (a
+  // Rejoin of a rank the plan excludes ends DeadlineExceeded at every join timeout), which
+  // ubepd counts as its RPC errors.
   uint64_t errors = 0;
   uint64_t plan_version = 0;     // Of the last dispatch.
 };
@@ -175,7 +180,8 @@ class Rank {
   // This rank's weight buffer for (layer, local slot) under the plan of the current step, and
   // the logical expert that slot holds. The memory stays mapped until Detach (a Rejoin
   // keeps this rank's arena where it is); the slot's buffer changes with the plan, so take the
-  // span again at a step with a new plan.
+  // span again at a step with a new plan. On the CUDA backend (a device given at Attach) the
+  // span is device memory: fill it with cudaMemcpy, not from the host.
   absl::StatusOr<std::span<std::byte>> ExpertWeights(int layer, int local_slot);
   absl::StatusOr<int> SlotExpert(int layer, int local_slot) const;
 

@@ -41,13 +41,15 @@ typedef struct {
 /* What ubep_attach_with takes besides the rank and shape; ubep_client_options_init fills in
  * the defaults (ubep::ClientOptions'), and the caller changes what it needs. Durations are in
  * milliseconds, each > 0. struct_size lets later versions add fields at the end: init is told
- * the size the caller was compiled with and writes no byte past it, and a later library will
- * take an older caller's smaller struct and fill in defaults for the rest; this first version
- * takes its own size only. */
+ * the size the caller was compiled with and writes no byte past it (nor past its own size,
+ * leaving struct_size the caller's), and a later library will take an older caller's smaller
+ * struct and fill in defaults for the rest; this first version takes its own size only, and
+ * refuses a newer caller's larger struct rather than ignore its fields. */
 typedef struct {
   size_t struct_size;               /* sizeof(ubep_client_options), as init sets it */
   const char* socket_path;          /* ubepd's socket; "/run/ubep/ubepd.sock" */
-  int64_t rpc_timeout_ms;           /* Attach, Join, Detach RPCs; 10000 */
+  int64_t rpc_timeout_ms;           /* each RPC to ubepd but Join (Attach, Detach, arena
+                                       claim and refresh); 10000 */
   int64_t join_timeout_ms;          /* waiting for the rest of the group; 60000 */
   int64_t decision_timeout_ms;      /* begin_step waiting for a prepared plan's decision; 30000 */
   int64_t daemon_check_interval_ms; /* how often begin_step looks whether ubepd is there; 1000 */
@@ -118,6 +120,8 @@ int ubep_dispatched_plan(const ubep_dispatched* dispatched, uint64_t* plan_versi
 int ubep_combine(ubep_rank* rank, const ubep_dispatched* dispatched, const void* expert_out,
                  void* out);
 
+/* The weight buffer of (layer, local_slot) under the plan of the current step
+ * (Rank::ExpertWeights): on the CUDA backend *data is device memory (fill it with cudaMemcpy). */
 int ubep_expert_weights(ubep_rank* rank, int32_t layer, int32_t local_slot, void** data,
                         uint64_t* bytes);
 /* The logical expert that (layer, local_slot) holds under the plan of the current step: the
