@@ -574,11 +574,19 @@ void Node::SetAbortCode(int r, uint32_t code, bool only_if_clear) {
   kernels::Ring(kernels::ArenaDoor(ep, ep_layout));
 }
 
+void Node::WithdrawTicket(int rank) {
+  std::atomic_ref<uint64_t>(Ctl(rank)->join_ticket).store(0, std::memory_order_seq_cst);
+}
+
 void Node::BreakGroup(int rank, bool rejoining) {
-  // A rank that leaves while joining must not be counted in the next generation.
-  if (arenas_[rank].valid()) StoreWord(Ctl(rank)->join_ticket, 0);
+  // A rank that leaves while joining must not be counted in the next generation. The lead
+  // daemon of a group across daemons may have read its ticket already: the ticket's clearing
+  // and the look at the group state below pair (sequentially consistent) with the lead's
+  // publishing the state and its look at the tickets again (TryFormGroup), so that either
+  // this daemon sees the group formed and stops it, or the lead sees the ticket gone.
+  if (arenas_[rank].valid()) WithdrawTicket(rank);
   auto ready = [&](int r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return std::atomic_ref<uint32_t>(Ctl(r)->group_state).load(std::memory_order_acquire) ==
+    return std::atomic_ref<uint32_t>(Ctl(r)->group_state).load(std::memory_order_seq_cst) ==
            kernels::kGroupReady;
   };
   // The reason given to the others: for a rank that joins again, the rank it was told left,
@@ -654,6 +662,7 @@ void Node::TryFormGroup() {
     if (!plan_.excluded(r) && !CommittedIn(arenas_[r].data() + layout_.plan, plan_.version)) return;
   }
   if (resume == kernels::kNoNextStep) resume = 0;
+  if (options_.forming_hook) options_.forming_hook();
   // Every member is in Join: nobody runs the data plane while its words are reset, and the
   // plan in force may start at the resume step (a plan that changed the membership does).
   const kernels::ArenaLayout ep_layout(config_);
@@ -671,13 +680,28 @@ void Node::TryFormGroup() {
     }
     (void)kernels::RetargetPlan(arenas_[r].data() + layout_.plan, plan_.version, resume);
     StoreWord(Ctl(r)->resume_step, resume);
-    std::atomic_ref<uint32_t>(Ctl(r)->group_state).store(kernels::kGroupReady, std::memory_order_release);
+    std::atomic_ref<uint32_t>(Ctl(r)->group_state).store(kernels::kGroupReady, std::memory_order_seq_cst);
   }
   // The lowest member's word first: a rank that joins again from now on asks for the
   // generation after.
   StoreWord(Ctl(lead)->generation, next);
   for (int r = 0; r < R; ++r) {
     if (!plan_.excluded(r)) StoreWord(Ctl(r)->generation, next);
+  }
+  // A member of a peer daemon may have left (detached, died, its daemon draining) since its
+  // ticket was read, its daemon finding no group formed to stop (BreakGroup, Drain): the
+  // tickets are read again now that the group is published, and the group stopped, naming the
+  // lowest such rank, rather than left running until its peers' waits time out.
+  for (int r = 0; r < R; ++r) {
+    if (plan_.excluded(r) ||
+        std::atomic_ref<uint64_t>(Ctl(r)->join_ticket).load(std::memory_order_seq_cst) == next) {
+      continue;
+    }
+    UBEP_LOG(WARNING) << "group generation " << next << " formed as rank " << r
+                      << " left it: stopped";
+    const uint32_t code = kernels::kAbortRankGone | static_cast<uint32_t>(r);
+    StopGroup(code, [&](int q) { return !plan_.excluded(q); });
+    return;
   }
   UBEP_LOG(INFO) << "group formed: generation " << next << ", " << R - plan_.excluded_ranks.size()
                  << " ranks"
@@ -726,6 +750,10 @@ absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl
       return absl::FailedPreconditionError(absl::StrCat("rank ", rank, " detached while joining"));
     }
     TryFormGroup();
+    if (draining_) {  // (Before a group formed meanwhile: its daemon is going away.)
+      give_up();
+      return absl::UnavailableError(kDraining);
+    }
     const uint64_t generation = LoadWord(own->generation);
     if (generation >= ticket && !plan_.excluded(rank)) {
       ranks_[rank].joining = false;
@@ -734,10 +762,6 @@ absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl
       response.set_resume_step(LoadWord(own->resume_step));
       response.set_arena_epoch(arena_epoch_);
       return response;
-    }
-    if (draining_) {
-      give_up();
-      return absl::UnavailableError(kDraining);
     }
     if (plan_.excluded(rank) && GroupGeneration() >= ticket) {
       // The group formed without this rank: ask for the generation after.
@@ -1859,7 +1883,7 @@ void Node::Drain() {
       if (!arenas_[r].valid()) continue;
       const bool hosted = Hosted(r);
       if (!hosted && !member) continue;
-      if (hosted) StoreWord(Ctl(r)->join_ticket, 0);
+      if (hosted) WithdrawTicket(r);  // (Paired with the lead's look again: BreakGroup.)
       // The abort word first, then the state (as StopGroup): a rank that reads the state
       // changed finds the reason there.
       SetAbortCode(r, hosted ? kernels::kAbortDraining
@@ -1873,12 +1897,25 @@ void Node::Drain() {
   UBEP_LOG(INFO) << "draining: " << AttachedLocked() << " ranks attached";
 }
 
+void Node::MarkHostedDraining() {
+  if (!has_group_) return;
+  for (int r = first_; r < first_ + hosted_; ++r) {
+    if (!arenas_[r].valid()) continue;
+    if (AbortCode(r) != kernels::kAbortDraining) SetAbortCode(r, kernels::kAbortDraining, false);
+    std::atomic_ref<uint32_t>(Ctl(r)->group_state)
+        .store(kernels::kGroupDraining, std::memory_order_release);
+  }
+}
+
 bool Node::AwaitDetached(absl::Duration timeout) {
   MutexLock lock(&mu_);
   // In slices: an unclaimed token stops counting when its deadline passes, which nothing
-  // signals.
+  // signals. Each slice says again that the hosted ranks drain: a lead daemon forming a
+  // group across daemons may have read their tickets before the drain withdrew them, and
+  // then reset their words (TryFormGroup, which stops such a group once it is published).
   const absl::Time deadline = MonotonicNow() + timeout;
   while (true) {
+    if (draining_) MarkHostedDraining();
     const absl::Duration left = deadline - MonotonicNow();
     if (mu_.AwaitWithTimeout([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return AttachedLocked() == 0; },
                              std::min(left, absl::Milliseconds(100)))) {

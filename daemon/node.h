@@ -71,6 +71,9 @@ struct NodeOptions {
   // Tests only: called by StopGroup, under the node's lock, once the abort codes are in the
   // arenas and before the group state reads broken.
   std::function<void()> stopping_hook;
+  // Tests only: called by the lead's TryFormGroup, under the node's lock, once every member's
+  // join ticket was read and before the group is published.
+  std::function<void()> forming_hook;
   // Without plan_path: the cluster's plan in force, if there is one (ubepd asks the balancer,
   // bounded). A new group starts under it when its shape fits, so that a restarted daemon
   // serves the plan its node left, and versions only grow; else round-robin v1.
@@ -301,6 +304,10 @@ class Node {
   // `rejoining`: the rank is alive and joins again (Join); it then passes on the rank its own
   // abort word says left, if any, rather than naming itself.
   void BreakGroup(int rank, bool rejoining = false) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Clears `rank`'s join ticket, sequentially consistent (see BreakGroup).
+  void WithdrawTicket(int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // While draining: the hosted ranks' abort words and states say so (Drain), again.
+  void MarkHostedDraining() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The daemon of rank 0: forms the next generation if every rank's ticket asks for it.
   void TryFormGroup() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool Hosted(int r) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {

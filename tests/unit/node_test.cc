@@ -1106,6 +1106,75 @@ std::thread PrepareDroppingRanks2And3(Node& a, const TwoNodes& t, v1::PrepareRes
   return prepare;
 }
 
+// The lead daemon (a, of rank 0) reads every member's join ticket, and rank 3's process dies
+// on node b before a publishes the group: b finds no group formed to stop. Once published,
+// a reads the tickets again and stops the group it formed, naming rank 3, rather than leave
+// ranks 0-2 running a generation whose waits for rank 3 would only time out.
+TEST(NodeTest, AGroupFormedAsAPeerDaemonsRankLeftIsStoppedNamingIt) {
+  Node* other = nullptr;
+  bool once = false;
+  NodeOptions options = Hosting(0);
+  options.forming_hook = [&] {
+    if (std::exchange(once, true)) return;
+    other->ConnectionClosed(4);  // Rank 3's client (GroupOfFour's connection 4) dies.
+  };
+  GroupOfFour g(options);
+  other = &g.b;
+  const std::array<absl::StatusOr<v1::JoinResponse>, 4> j = g.Join();
+  ASSERT_TRUE(once);
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_TRUE(j[r].ok()) << "rank " << r << ": " << j[r].status();
+    EXPECT_EQ(j[r]->generation(), 1u);
+  }
+  EXPECT_EQ(j[3].status(), absl::FailedPreconditionError("rank 3 detached while joining"));
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(AbortWord(g.t.x0, r, 4), kernels::kAbortRankGone | 3u) << "rank " << r;
+    EXPECT_EQ(std::atomic_ref<const uint32_t>(
+                  kernels::ControlOf(g.t.x0.arenas[r].data(), g.t.x0.layout)->group_state)
+                  .load(),
+              kernels::kGroupBroken)
+        << "rank " << r;
+  }
+}
+
+// As above, with node b draining instead: its ranks' Joins say so (not the group formed
+// meanwhile), and the words the lead reset say again that they drain, so that their clients
+// detach (must_attach_again) rather than join the draining daemon again.
+TEST(NodeTest, AGroupFormedAsAPeerDaemonDrainsIsStoppedAndItsRanksStillDrain) {
+  Node* other = nullptr;
+  bool once = false;
+  NodeOptions options = Hosting(0);
+  options.forming_hook = [&] {
+    if (std::exchange(once, true)) return;
+    other->Drain();
+  };
+  GroupOfFour g(options);
+  other = &g.b;
+  const std::array<absl::StatusOr<v1::JoinResponse>, 4> j = g.Join();
+  ASSERT_TRUE(once);
+  for (int r = 0; r < 2; ++r) ASSERT_TRUE(j[r].ok()) << "rank " << r << ": " << j[r].status();
+  for (int r = 2; r < 4; ++r) {
+    EXPECT_EQ(j[r].status(), absl::UnavailableError(
+                                 "ubepd is draining (shutting down); attach again when it is "
+                                 "back"))
+        << "rank " << r;
+  }
+  auto state = [&](int r) {
+    return std::atomic_ref<const uint32_t>(
+               kernels::ControlOf(g.t.x0.arenas[r].data(), g.t.x0.layout)->group_state)
+        .load();
+  };
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(AbortWord(g.t.x0, r, 4), kernels::kAbortRankGone | 2u) << "rank " << r;
+    EXPECT_EQ(state(r), kernels::kGroupBroken) << "rank " << r;
+  }
+  EXPECT_FALSE(g.b.AwaitDetached(absl::Milliseconds(10)));  // Its ranks are still attached.
+  for (int r = 2; r < 4; ++r) {
+    EXPECT_EQ(AbortWord(g.t.x0, r, 4), kernels::kAbortDraining) << "rank " << r;
+    EXPECT_EQ(state(r), kernels::kGroupDraining) << "rank " << r;
+  }
+}
+
 // A change of members stops the hosted ranks before it stages; the balancer's Abort of the
 // plan while they stop (its Prepare timed out) is kept for it: once they have stopped, the
 // Prepare fails and nothing is left undecided, which would block every later plan.
