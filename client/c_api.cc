@@ -112,6 +112,56 @@ void ubep_client_options_init(ubep_client_options* options, size_t struct_size) 
 
 namespace {
 
+// The attach of ubep_attach, ubep_attach_at and ubep_attach_with, naming `function` in its
+// errors; inside the caller's Guard.
+int AttachWith(const char* function, const ubep_client_options* c_options, int32_t rank,
+               int32_t world_size, int32_t device, const ubep_model_shape* shape,
+               int64_t next_step, ubep_rank** out) {
+  if (out != nullptr) *out = nullptr;
+  if (shape == nullptr || out == nullptr) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(function, ": null argument")));
+  }
+  ubep::ClientOptions options;
+  if (c_options != nullptr) {
+    // Only the v1 fields exist so far: a smaller struct is not a ubep_client_options, a
+    // larger one comes from a newer header whose fields this library would ignore.
+    if (c_options->struct_size != sizeof(ubep_client_options)) {
+      return Fail(absl::InvalidArgumentError(absl::StrCat(
+          "ubep_attach_with: options->struct_size is ", c_options->struct_size,
+          ", not this library's sizeof(ubep_client_options) ", sizeof(ubep_client_options),
+          " (fill the options with ubep_client_options_init)")));
+    }
+    if (c_options->socket_path == nullptr) {
+      return Fail(absl::InvalidArgumentError("ubep_attach_with: options->socket_path is null"));
+    }
+    options.socket_path = c_options->socket_path;
+    options.rpc_timeout = absl::Milliseconds(c_options->rpc_timeout_ms);
+    options.join_timeout = absl::Milliseconds(c_options->join_timeout_ms);
+    options.decision_timeout = absl::Milliseconds(c_options->decision_timeout_ms);
+    options.daemon_check_interval = absl::Milliseconds(c_options->daemon_check_interval_ms);
+  }
+  ubep::ModelShape s;
+  s.num_layers = shape->num_layers;
+  s.num_experts = shape->num_experts;
+  s.hidden = shape->hidden;
+  s.top_k = shape->top_k;
+  s.max_tokens = shape->max_tokens;
+  s.slots_per_rank = shape->slots_per_rank;
+  s.bytes_per_expert = shape->bytes_per_expert;
+  if (shape->dtype != UBEP_DTYPE_FLOAT32 && shape->dtype != UBEP_DTYPE_BFLOAT16) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+        function, ": dtype ", shape->dtype, " is neither UBEP_DTYPE_FLOAT32 (0) nor "
+        "UBEP_DTYPE_BFLOAT16 (1)")));
+  }
+  s.dtype = shape->dtype == UBEP_DTYPE_BFLOAT16 ? ubep::DType::kBFloat16 : ubep::DType::kFloat32;
+  absl::StatusOr<std::unique_ptr<ubep::Rank>> r = ubep::Rank::Attach(
+      options, rank, world_size, device, s,
+      next_step < 0 ? std::nullopt : std::optional<uint64_t>(static_cast<uint64_t>(next_step)));
+  if (!r.ok()) return Fail(r.status());
+  *out = new ubep_rank{*std::move(r)};
+  return 0;
+}
+
 // ubep_attach and ubep_attach_at, each naming itself in its errors.
 int AttachAt(const char* function, const char* socket_path, int32_t rank, int32_t world_size,
              int32_t device, const ubep_model_shape* shape, int64_t next_step, ubep_rank** out) {
@@ -126,7 +176,7 @@ int AttachAt(const char* function, const char* socket_path, int32_t rank, int32_
       return FailFixed(absl::StatusCode::kResourceExhausted, function, "out of memory");
     }
     options.socket_path = socket_path;
-    return ubep_attach_with(&options, rank, world_size, device, shape, next_step, out);
+    return AttachWith(function, &options, rank, world_size, device, shape, next_step, out);
   });
 }
 
@@ -147,49 +197,8 @@ int ubep_attach_with(const ubep_client_options* c_options, int32_t rank, int32_t
                      int32_t device, const ubep_model_shape* shape, int64_t next_step,
                      ubep_rank** out) {
   return Guard("ubep_attach_with", [&] {
-    if (out != nullptr) *out = nullptr;
-    if (shape == nullptr || out == nullptr) {
-      return Fail(absl::InvalidArgumentError("ubep_attach_with: null argument"));
-    }
-    ubep::ClientOptions options;
-    if (c_options != nullptr) {
-      // Only the v1 fields exist so far: a smaller struct is not a ubep_client_options, a
-      // larger one comes from a newer header whose fields this library would ignore.
-      if (c_options->struct_size != sizeof(ubep_client_options)) {
-        return Fail(absl::InvalidArgumentError(absl::StrCat(
-            "ubep_attach_with: options->struct_size is ", c_options->struct_size,
-            ", not this library's sizeof(ubep_client_options) ", sizeof(ubep_client_options),
-            " (fill the options with ubep_client_options_init)")));
-      }
-      if (c_options->socket_path == nullptr) {
-        return Fail(absl::InvalidArgumentError("ubep_attach_with: options->socket_path is null"));
-      }
-      options.socket_path = c_options->socket_path;
-      options.rpc_timeout = absl::Milliseconds(c_options->rpc_timeout_ms);
-      options.join_timeout = absl::Milliseconds(c_options->join_timeout_ms);
-      options.decision_timeout = absl::Milliseconds(c_options->decision_timeout_ms);
-      options.daemon_check_interval = absl::Milliseconds(c_options->daemon_check_interval_ms);
-    }
-    ubep::ModelShape s;
-    s.num_layers = shape->num_layers;
-    s.num_experts = shape->num_experts;
-    s.hidden = shape->hidden;
-    s.top_k = shape->top_k;
-    s.max_tokens = shape->max_tokens;
-    s.slots_per_rank = shape->slots_per_rank;
-    s.bytes_per_expert = shape->bytes_per_expert;
-    if (shape->dtype != UBEP_DTYPE_FLOAT32 && shape->dtype != UBEP_DTYPE_BFLOAT16) {
-      return Fail(absl::InvalidArgumentError(absl::StrCat(
-          "ubep_attach: dtype ", shape->dtype, " is neither UBEP_DTYPE_FLOAT32 (0) nor "
-          "UBEP_DTYPE_BFLOAT16 (1)")));
-    }
-    s.dtype = shape->dtype == UBEP_DTYPE_BFLOAT16 ? ubep::DType::kBFloat16 : ubep::DType::kFloat32;
-    absl::StatusOr<std::unique_ptr<ubep::Rank>> r = ubep::Rank::Attach(
-        options, rank, world_size, device, s,
-        next_step < 0 ? std::nullopt : std::optional<uint64_t>(static_cast<uint64_t>(next_step)));
-    if (!r.ok()) return Fail(r.status());
-    *out = new ubep_rank{*std::move(r)};
-    return 0;
+    return AttachWith("ubep_attach_with", c_options, rank, world_size, device, shape, next_step,
+                      out);
   });
 }
 
@@ -226,7 +235,8 @@ int ubep_must_attach_again(const ubep_rank* rank) {
 
 int ubep_stats(const ubep_rank* rank, ubep_rank_stats* out) {
   return Guard("ubep_stats", [&] {
-    if (rank == nullptr || out == nullptr) return NullHandle("ubep_stats");
+    if (rank == nullptr) return NullHandle("ubep_stats");
+    if (out == nullptr) return Fail(absl::InvalidArgumentError("ubep_stats: out is null"));
     if (out->struct_size != sizeof(ubep_rank_stats)) {
       return Fail(absl::InvalidArgumentError(absl::StrCat(
           "ubep_stats: out->struct_size is ", out->struct_size,
@@ -327,7 +337,10 @@ int ubep_expert_weights(ubep_rank* rank, int32_t layer, int32_t local_slot, void
 
 int ubep_slot_expert(const ubep_rank* rank, int32_t layer, int32_t local_slot, int32_t* expert) {
   return Guard("ubep_slot_expert", [&] {
-    if (rank == nullptr || expert == nullptr) return NullHandle("ubep_slot_expert");
+    if (rank == nullptr) return NullHandle("ubep_slot_expert");
+    if (expert == nullptr) {
+      return Fail(absl::InvalidArgumentError("ubep_slot_expert: expert is null"));
+    }
     absl::StatusOr<int> e = rank->rank->SlotExpert(layer, local_slot);
     if (!e.ok()) return Fail(e.status());
     *expert = *e;

@@ -269,12 +269,17 @@ absl::Status StopForDaemonExit(RankState& s) {
   // peer daemons, which are alive, learn that this rank left (they Rejoin where they are),
   // if they are in this rank's generation: a plan that excludes this rank, or a group formed
   // without it, leaves them running undisturbed.
-  s.daemon_exited = true;
+  // The exit is noted (daemon_exited) only once the group is stopped: a stop cut short (out
+  // of memory for the message) is tried again by the next call that looks (BeginStep,
+  // must_attach_again, Detach), rather than leave the peers to their timeouts.
   absl::Status exited = absl::UnavailableError(
       absl::StrCat("rank ", s.rank, ": ubepd exited (it closed this rank's fd connection); "
                    "detach, and attach again when it is back"));
   // Without arenas (ubepd died between giving them and their mapping) no group is to stop.
-  if (s.arenas.empty()) return s.stopped = std::move(exited);
+  if (s.arenas.empty()) {
+    s.daemon_exited = true;
+    return s.stopped = std::move(exited);
+  }
   const kernels::ArenaLayout ep(s.config);
   const bool member = !ExcludedByPlanAt(s, s.step);  // The plan in force.
   auto code_for = [&](int r) -> uint32_t {
@@ -309,6 +314,7 @@ absl::Status StopForDaemonExit(RankState& s) {
     }
   }
 #endif
+  s.daemon_exited = true;
   return Record(s, s.stopped = std::move(exited));
 }
 
@@ -457,17 +463,29 @@ absl::Status TakeArenas(RankState& s, const v1::AttachResponse& response) {
 // or later): map them too, keeping the others where they are (on the CUDA backend the device
 // arenas' fds follow the host arenas').
 absl::Status RefreshArenas(RankState& s, uint64_t epoch) {
-  UBEP_RETURN_IF_ERROR(
-      SendMessage(s.fd_connection.get(), kArenaRefreshRequest, {}, s.options.rpc_timeout));
+  // The fd socket failing (closed, or silent for rpc_timeout) is ubepd not there to answer:
+  // Unavailable, saying what was asked of it (not a DeadlineExceeded, which says a peer of
+  // the group did not come).
+  auto unanswered = [&](const absl::Status& status) {
+    return absl::UnavailableError(absl::StrCat("rank ", s.rank,
+                                               ": asking ubepd for the new arenas over its fd "
+                                               "socket: ", status.message()));
+  };
+  if (absl::Status sent = SendMessage(s.fd_connection.get(), kArenaRefreshRequest, {},
+                                      s.options.rpc_timeout);
+      !sent.ok()) {
+    return unanswered(sent);
+  }
   const absl::Time deadline = MonotonicNow() + s.options.rpc_timeout;
   ReceivedMessage reply;
   uint64_t got = 0;
   do {
     // A reply of an earlier refresh that timed out may come first, with arenas older than
     // the group's (`epoch`, from the Join): it is passed over.
-    UBEP_ASSIGN_OR_RETURN(reply, ReceiveMessage(s.fd_connection.get(), 4096,
-                                                std::max(deadline - MonotonicNow(),
-                                                         absl::ZeroDuration())));
+    absl::StatusOr<ReceivedMessage> received = ReceiveMessage(
+        s.fd_connection.get(), 4096, std::max(deadline - MonotonicNow(), absl::ZeroDuration()));
+    if (!received.ok()) return unanswered(received.status());
+    reply = *std::move(received);
     if (!absl::StartsWith(reply.bytes, "OK ") || !absl::SimpleAtoi(reply.bytes.substr(3), &got)) {
       return absl::UnavailableError(absl::StrCat(
           "rank ", s.rank, ": ubepd did not give the new arenas: ",

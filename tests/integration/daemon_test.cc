@@ -896,6 +896,22 @@ TEST_F(DaemonTest, ADetachedRankAndNullHandlesGetErrorsNotCrashes) {
   EXPECT_STREQ(ubep_last_error(),
                "ubep_attach: dtype 7 is neither UBEP_DTYPE_FLOAT32 (0) nor UBEP_DTYPE_BFLOAT16 (1)");
   EXPECT_EQ(c_rank, nullptr);
+  // Each attach names itself.
+  ubep_client_options with;
+  ubep_client_options_init(&with, sizeof(with));
+  const std::string socket_for_with = socket_path();
+  with.socket_path = socket_for_with.c_str();
+  EXPECT_EQ(ubep_attach_with(&with, 0, 1, 0, &bad_dtype, -1, &c_rank),
+            static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_STREQ(ubep_last_error(),
+               "ubep_attach_with: dtype 7 is neither UBEP_DTYPE_FLOAT32 (0) nor "
+               "UBEP_DTYPE_BFLOAT16 (1)");
+  EXPECT_EQ(ubep_attach_at(socket_path().c_str(), 0, 1, 0, &bad_dtype, 3, &c_rank),
+            static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_STREQ(ubep_last_error(),
+               "ubep_attach_at: dtype 7 is neither UBEP_DTYPE_FLOAT32 (0) nor "
+               "UBEP_DTYPE_BFLOAT16 (1)");
+  EXPECT_EQ(c_rank, nullptr);
 
   // The C ABI's attach at a known step, and the expert a slot holds, as the C++ API says.
   const ubep_model_shape good = {1, 4, 8, 2, 4, 4, 0, UBEP_DTYPE_FLOAT32};
@@ -909,6 +925,9 @@ TEST_F(DaemonTest, ADetachedRankAndNullHandlesGetErrorsNotCrashes) {
   EXPECT_EQ(ubep_slot_expert(c_rank, 0, 9, &expert),
             static_cast<int>(absl::StatusCode::kInvalidArgument));
   EXPECT_STREQ(ubep_last_error(), "(layer 0, slot 9) is outside the shape");
+  EXPECT_EQ(ubep_slot_expert(c_rank, 0, 2, nullptr),
+            static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_STREQ(ubep_last_error(), "ubep_slot_expert: expert is null");
   EXPECT_EQ(ubep_detach(c_rank), 0) << ubep_last_error();
 }
 
@@ -1008,6 +1027,8 @@ TEST_F(DaemonTest, CAbiStatsCountTheCalls) {
   ASSERT_EQ(ubep_attach_with(&options, 0, 1, 0, &shape, 5, &rank), 0) << ubep_last_error();
   ubep_rank_stats stats{};
   EXPECT_EQ(ubep_stats(rank, nullptr), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_STREQ(ubep_last_error(), "ubep_stats: out is null");
+  EXPECT_EQ(ubep_stats(nullptr, &stats), static_cast<int>(absl::StatusCode::kInvalidArgument));
   EXPECT_STREQ(ubep_last_error(), "ubep_stats: null handle");
   EXPECT_EQ(ubep_stats(rank, &stats), static_cast<int>(absl::StatusCode::kInvalidArgument));
   EXPECT_EQ(std::string(ubep_last_error()),

@@ -191,7 +191,9 @@ TEST(CAbiFaultTest, AttachOutOfMemoryForItsDefaultsSaysSo) {
 }
 
 // ubep_must_attach_again finds the daemon gone and stops the group, building the error later
-// calls return: out of memory there is a yes and a message, not an exception into C.
+// calls return: out of memory there is a yes and a message, not an exception into C, and the
+// stop it cut short is tried again by the next call (each run of the sweep gets further,
+// until one completes), not taken as done.
 TEST(CAbiFaultTest, MustAttachAgainOutOfMemoryIsStillAYes) {
   ubep::test::TempDir dir;
   ubep::daemon::DaemonOptions daemon_options;
@@ -204,7 +206,9 @@ TEST(CAbiFaultTest, MustAttachAgainOutOfMemoryIsStillAYes) {
   ASSERT_EQ(attached, 0) << ubep_last_error();
   ubepd->reset();  // ubepd exits: the rank's fd connection closes.
   auto [outcomes, failed_runs] = Sweep([rank] { return ubep_must_attach_again(rank); });
-  EXPECT_EQ(failed_runs, 1);  // Then the rank has noted the exit: no allocation.
+  // The message, its status and the plan's first check each allocate: every one of them
+  // failed in a run of its own, the next run trying the stop again.
+  EXPECT_GE(failed_runs, 2);
   const std::set<Outcome> expected = {{1, "ubep_must_attach_again: out of memory"}, {1, ""}};
   EXPECT_EQ(outcomes, expected);
   EXPECT_EQ(ubep_detach(rank), 0) << ubep_last_error();
