@@ -467,9 +467,12 @@ absl::Status RefreshArenas(RankState& s, uint64_t epoch) {
   // Unavailable, saying what was asked of it (not a DeadlineExceeded, which says a peer of
   // the group did not come).
   auto unanswered = [&](const absl::Status& status) {
-    return absl::UnavailableError(absl::StrCat("rank ", s.rank,
-                                               ": asking ubepd for the new arenas over its fd "
-                                               "socket: ", status.message()));
+    return absl::UnavailableError(absl::StrCat(
+        "rank ", s.rank, ": asking ubepd for the new arenas over its fd socket: ",
+        absl::IsDeadlineExceeded(status)
+            ? absl::StrCat("no answer within ", absl::FormatDuration(s.options.rpc_timeout),
+                           " (rpc_timeout)")
+            : std::string(status.message())));
   };
   if (absl::Status sent = SendMessage(s.fd_connection.get(), kArenaRefreshRequest, {},
                                       s.options.rpc_timeout);

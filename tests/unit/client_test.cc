@@ -477,6 +477,35 @@ TEST(ClientTest, ARefreshReplyOfAnOlderArenaEpochIsPassedOver) {
   EXPECT_TRUE((*rank)->Detach().ok());
 }
 
+// ubepd's fd socket answers the claim of the arenas and then nothing, while the Join says
+// they are newer (a peer daemon restarted): the refresh gives up after rpc_timeout with
+// Unavailable, saying what ubepd was asked (not DeadlineExceeded, which says a peer of the
+// group did not come, and is counted as a wait that timed out).
+TEST(ClientTest, ARefreshUbepdDoesNotAnswerIsUnavailableSayingWhatWasAsked) {
+  test::TempDir dir;
+  const std::string socket = dir.path() + "/ubepd.sock";
+  AlteringUbepd ubepd(socket, [](v1::AttachResponse&) {});
+  ubepd.join_epoch_offset = 1;
+  UniqueFd listener = *ListenUnix(socket + ".fds", 0600);
+  std::atomic<bool> done{false};
+  std::thread silent([&] {
+    pollfd p{listener.get(), POLLIN, 0};
+    ASSERT_EQ(poll(&p, 1, 10000), 1);
+    UniqueFd connection(accept(listener.get(), nullptr, nullptr));
+    ASSERT_NO_FATAL_FAILURE(AnswerClaim(ubepd.node(), connection.get(), 1));
+    while (!done) absl::SleepFor(absl::Milliseconds(5));  // The REFRESH is never answered.
+  });
+  ClientOptions options;
+  options.socket_path = socket;
+  options.rpc_timeout = absl::Milliseconds(300);
+  absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(options, 0, 1, 0, Shape());
+  done = true;
+  silent.join();
+  EXPECT_EQ(rank.status(),
+            absl::UnavailableError("rank 0: asking ubepd for the new arenas over its fd socket: "
+                                   "no answer within 300ms (rpc_timeout)"));
+}
+
 // ubepd's fd socket refusing a claim (one of the refusals docs/daemon.md lists) and closing
 // the connection, as ubepd does: Attach fails Unavailable with ubepd's reason, and the rank
 // is detached at once (a Detach RPC), not stopped as if its daemon had exited.
