@@ -101,6 +101,7 @@ struct RankState {
   // When BeginStep looks next whether ubepd is still there (MonotonicNow).
   absl::Time next_daemon_check = absl::InfinitePast();
   uint64_t last_plan_version = 0;
+  RankStats detached_counts;  // stats() once the arenas are let go (Detach).
   // The plan table this rank checked last (kernels::SelectCheckedPlan; PlanAt).
   mutable kernels::CheckedPlan checked_plan;
   bool attached = false;
@@ -577,6 +578,7 @@ Dispatched::Dispatched(Dispatched&& other) noexcept : Dispatched() {
 }
 Dispatched& Dispatched::operator=(Dispatched&& other) noexcept {
   std::swap(state_, other.state_);
+  other.state_->filled = false;  // This one's old buffers, emptied: no output is in two places.
   return *this;
 }
 #ifdef UBEP_CLIENT_CUDA
@@ -1120,7 +1122,15 @@ RankStats Rank::stats() const {
   out.generation = s.generation;
   out.step = s.step;
   out.plan_version = s.last_plan_version;
-  if (s.arenas.empty()) return out;
+  if (s.arenas.empty()) {
+    // Detached: the counters as they stood when the arenas were let go.
+    out.dispatched_tokens = s.detached_counts.dispatched_tokens;
+    out.dispatch_calls = s.detached_counts.dispatch_calls;
+    out.combine_calls = s.detached_counts.combine_calls;
+    out.wait_timeouts = s.detached_counts.wait_timeouts;
+    out.errors = s.detached_counts.errors;
+    return out;
+  }
   const kernels::RankControl* c = s.control();
   auto load = [](const uint64_t& w) {
     return std::atomic_ref<const uint64_t>(w).load(std::memory_order_relaxed);
@@ -1139,6 +1149,7 @@ absl::Status Rank::Detach() {
   // ubepd gone: no daemon tells the peers that this rank leaves, so the rank stops the group
   // itself (as BeginStep would), and there is nothing to detach from.
   if (!s.daemon_exited && DaemonExited(s)) (void)StopForDaemonExit(s);
+  s.detached_counts = stats();  // The arena holding the counters is let go below.
   s.attached = false;
   s.step_begun = false;
   s.ep.reset();

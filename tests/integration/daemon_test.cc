@@ -815,7 +815,17 @@ TEST_F(DaemonTest, CallsOutOfOrderAreRefusedNamingWhatWasExpected) {
   ASSERT_TRUE(r.Combine(second, y.data(), out.data()).ok());
   EXPECT_EQ(out, std::vector<float>(4 * 8, 1.0f));
   EXPECT_EQ(r.stats().combine_calls, 2u);
+  const RankStats attached = r.stats();
   ASSERT_TRUE(r.Detach().ok());
+  // Detached, the counts stay as they stood (the arena holding them is let go).
+  const RankStats detached = r.stats();
+  EXPECT_EQ(detached.combine_calls, 2u);
+  EXPECT_EQ(detached.dispatch_calls, attached.dispatch_calls);
+  EXPECT_EQ(detached.dispatched_tokens, attached.dispatched_tokens);
+  EXPECT_EQ(detached.errors, attached.errors);
+  // The two BeginSteps going back and the two combines of the wrong output (RankStats::errors:
+  // misuse that fails the group's call); not the Dispatch before BeginStep.
+  EXPECT_EQ(detached.errors, 4u);
   // The rank attached again (its state may take the detached one's address, and its
   // dispatches count from 1 again) does not take the output of the one detached before.
   rank->reset();
@@ -860,6 +870,11 @@ TEST_F(DaemonTest, ADetachedRankAndNullHandlesGetErrorsNotCrashes) {
   ASSERT_TRUE(r.BeginStep(r.resume_step()).ok());
   std::vector<float> x(4 * 8, 1.0f), w(4 * 2, 0.5f), out(4 * 8);
   const std::vector<int32_t> idx = {0, 1, 1, 2, 2, 3, 3, 0};
+  Dispatched earlier;  // A step's output, kept after its combine.
+  ASSERT_TRUE(r.Dispatch(0, x.data(), idx.data(), w.data(), 4, earlier).ok());
+  std::vector<float> ones(8 * 8, 1.0f);
+  ASSERT_TRUE(r.Combine(earlier, ones.data(), out.data()).ok());
+  ASSERT_TRUE(r.BeginStep(r.resume_step() + 1).ok());
   Dispatched d;
   ASSERT_TRUE(r.Dispatch(0, x.data(), idx.data(), w.data(), 4, d).ok());
   // A moved-from output is an empty one, reusable; a Combine without its buffers is refused
@@ -871,6 +886,13 @@ TEST_F(DaemonTest, ADetachedRankAndNullHandlesGetErrorsNotCrashes) {
   EXPECT_EQ(r.Combine(moved, nullptr, out.data()),
             absl::InvalidArgumentError(
                 "combine: y (with rows received) and out (with tokens sent) must be non-null"));
+  // Moved into one that holds an output (of the step before), it is there alone: the one
+  // moved from is emptied, not left holding the other's old output.
+  earlier = std::move(moved);
+  EXPECT_EQ(earlier.num_rows(), 8);
+  EXPECT_EQ(moved.num_rows(), 0);
+  EXPECT_TRUE(moved.slot_offsets().empty());
+  moved = std::move(earlier);
   const std::vector<float> y(8 * 8, 1.0f);
   ASSERT_TRUE(r.Combine(moved, y.data(), out.data()).ok());
   EXPECT_EQ(out, std::vector<float>(4 * 8, 1.0f));  // Two experts' ones, weighted 0.5 each.

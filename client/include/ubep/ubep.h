@@ -185,6 +185,7 @@ class Rank {
   absl::StatusOr<std::span<std::byte>> ExpertWeights(int layer, int local_slot);
   absl::StatusOr<int> SlotExpert(int layer, int local_slot) const;
 
+  // After Detach: the counts as they stood at Detach (the arena that holds them is let go).
   RankStats stats() const;
   int rank() const;
   int world_size() const;
