@@ -2,7 +2,8 @@
 """The Python binding (examples/python/ubep_ctypes.py) against ubep/ubep_c.h and libubep.so.
 
 Every function the header declares is declared by the binding with the same return type and
-parameters (count, and the exact ctypes type of each scalar; pointers as pointers), and
+parameters (count, and the exact ctypes type of each scalar, and of what each pointer points
+to: the binding's structures for the header's, c_void_p for an opaque handle or void), and
 libubep.so exports it; the binding declares nothing else. A function added to the header, or a
 parameter changed, without the binding following fails here, as it would fail at a Python
 caller's run time (ctypes converts arguments by the declared types, unchecked).
@@ -19,6 +20,15 @@ SCALARS = {
     "int64_t": ctypes.c_int64,
     "uint64_t": ctypes.c_uint64,
     "size_t": ctypes.c_size_t,
+    "float": ctypes.c_float,
+}
+# Pointed to only as handles (c_void_p): the library's opaque types, and void.
+OPAQUE = {"ubep_rank", "ubep_dispatched", "void"}
+# The header's structures: the binding's ctypes.Structure of each.
+STRUCTS = {
+    "ubep_model_shape": "ModelShape",
+    "ubep_client_options": "ClientOptions",
+    "ubep_rank_stats": "RankStats",
 }
 
 
@@ -38,20 +48,22 @@ def declarations(header):
     return found
 
 
-def is_pointer(ctype):
-    return ctype in (ctypes.c_void_p, ctypes.c_char_p) or (
-        isinstance(ctype, type) and issubclass(ctype, ctypes._Pointer))
-
-
-def matches(c_type, ctype):
-    """Whether the binding's ctypes type fits the header's C type."""
-    c_type = c_type.replace("const ", "").strip()
+def matches(c_type, ctype, binding):
+    """Whether the binding's ctypes type fits the header's C type, pointee for pointee."""
+    c_type = c_type.replace("const ", "").replace(" ", "")
     if c_type == "void":
         return ctype is None
     if c_type == "char*":
         return ctype is ctypes.c_char_p
     if c_type.endswith("*"):
-        return is_pointer(ctype) and ctype is not ctypes.c_char_p
+        pointee = c_type[:-1]
+        if pointee in OPAQUE:
+            return ctype is ctypes.c_void_p
+        if not (isinstance(ctype, type) and issubclass(ctype, ctypes._Pointer)):
+            return False
+        if pointee in STRUCTS:
+            return ctype._type_ is getattr(binding, STRUCTS[pointee])
+        return matches(pointee, ctype._type_, binding)
     return SCALARS.get(c_type) is ctype
 
 
@@ -75,13 +87,13 @@ def main(argv):
         restype, argtypes = bound[name]
         if not hasattr(lib, name):
             problems.append(f"{name}: not exported by {so}")
-        if not matches(ret, restype):
+        if not matches(ret, restype, ubep_ctypes):
             problems.append(f"{name}: returns {ret}, the binding says {restype}")
         if len(params) != len(argtypes):
             problems.append(f"{name}: {len(params)} parameters, the binding {len(argtypes)}")
             continue
         for i, (c_type, ctype) in enumerate(zip(params, argtypes)):
-            if not matches(c_type, ctype):
+            if not matches(c_type, ctype, ubep_ctypes):
                 problems.append(f"{name}: parameter {i} is {c_type}, the binding says {ctype}")
     for p in problems:
         print(p)
