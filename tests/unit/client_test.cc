@@ -74,7 +74,12 @@ class AlteringUbepd final : public v1::Daemon::Service {
     {
       std::lock_guard<std::mutex> lock(mu_);
       join_deadlines_.push_back(context->deadline());
-      if (!join_answer_.ok()) return join_answer_;
+      if (!join_answer_.ok()) {
+        // Marked as ubepd's own answer (its interceptor does it for the real daemon), not a
+        // failure of the transport.
+        context->AddTrailingMetadata(kUbepOrigin, "ubepd");
+        return join_answer_;
+      }
     }
     absl::StatusOr<v1::JoinResponse> joined = node_.Join(*request, absl::Now() + absl::Seconds(10));
     if (!joined.ok()) return grpc::Status(grpc::StatusCode::INTERNAL, joined.status().ToString());
