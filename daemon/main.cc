@@ -94,6 +94,17 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  for (const auto& [name, value] :
+       {std::pair{"harvest_interval", options.harvest_interval},
+        std::pair{"report_interval", options.report_interval},
+        std::pair{"wait_timeout", absl::GetFlag(FLAGS_wait_timeout)},
+        std::pair{"join_timeout", absl::GetFlag(FLAGS_join_timeout)},
+        std::pair{"drain_timeout", absl::GetFlag(FLAGS_drain_timeout)}}) {
+    if (value == absl::InfiniteDuration()) {  // absl takes "inf": every wait has an end.
+      std::cerr << "ubepd: --" << name << " inf is not a time (every wait has an end)\n";
+      return 2;
+    }
+  }
   if (options.report_interval < absl::Milliseconds(10)) {
     // The link counts in milliseconds, and takes no less from the balancer either.
     std::cerr << "ubepd: --report_interval " << absl::FormatDuration(options.report_interval)

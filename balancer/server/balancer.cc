@@ -1580,10 +1580,6 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
   }
   const std::vector<double> after = SummarizeBalance(*plan, load).per_layer;
   const v1::Plan proto = ToProto(*plan, PlanEncoding::kCompact);
-  UBEP_LOG(INFO) << "rebalance (" << why << "): plan v" << plan->version << " at step "
-                 << effective_step << ", predicted imbalance "
-                 << SummarizeBalance(previous, load).mean << " -> "
-                 << SummarizeBalance(*plan, load).mean;
 
   // Phase 1: Prepare everywhere, in parallel. For a caller with a deadline, each RPC until
   // the time that leaves to answer; a plan not prepared everywhere by then is aborted, and so
@@ -1616,6 +1612,19 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
                                            " was not prepared: the NCCL link took the time left "
                                            "before the caller's deadline"));
   }
+  {
+    // The step estimated again now: planning (seconds for a large model) and the NCCL link
+    // took time in which the ranks went on, and a step estimated before them would reach the
+    // daemons with less than the margin it was given, or already passed (refused).
+    MutexLock lock(&mu_);
+    const absl::StatusOr<uint64_t> effective = EffectiveStep();
+    if (!effective.ok()) return effective.status();
+    effective_step = std::max(effective_step, *effective);
+  }
+  UBEP_LOG(INFO) << "rebalance (" << why << "): plan v" << plan->version << " at step "
+                 << effective_step << ", predicted imbalance "
+                 << SummarizeBalance(previous, load).mean << " -> "
+                 << SummarizeBalance(*plan, load).mean;
   {
     *request.mutable_plan() = proto;
     request.set_effective_step(effective_step);

@@ -98,6 +98,20 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  // A wait without end (absl takes "inf"): every RPC, tick and grace is bounded.
+  for (const auto& [name, value] : {std::pair{"interval", o.interval},
+                                    std::pair{"report_interval", o.report_interval},
+                                    std::pair{"health_interval", o.health_interval},
+                                    std::pair{"rpc_timeout", o.rpc_timeout},
+                                    std::pair{"effective_margin", o.effective_margin},
+                                    std::pair{"recovery_grace", o.recovery_grace},
+                                    std::pair{"registration_grace", o.registration_grace},
+                                    std::pair{"pause_before_commit", o.pause_before_commit}}) {
+    if (value == absl::InfiniteDuration()) {
+      std::cerr << "ubep-balancer: --" << name << " inf is not a time (every wait has an end)\n";
+      return 2;
+    }
+  }
   if (o.migration_budget < -1) {
     std::cerr << "ubep-balancer: --migration_budget " << o.migration_budget
               << " is below -1 (-1: the daemons' free weight buffers)\n";

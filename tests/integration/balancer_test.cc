@@ -1060,6 +1060,10 @@ TEST_F(BalancerTest, FlagValuesItCannotRunWithAreRefusedAtStart) {
       {"--interval=0s", "ubep-balancer: --interval 0 is not positive\n"},
       {"--health_interval=-1s", "ubep-balancer: --health_interval -1s is not positive\n"},
       {"--rpc_timeout=0s", "ubep-balancer: --rpc_timeout 0 is not positive\n"},
+      {"--rpc_timeout=inf",
+       "ubep-balancer: --rpc_timeout inf is not a time (every wait has an end)\n"},
+      {"--recovery_grace=inf",
+       "ubep-balancer: --recovery_grace inf is not a time (every wait has an end)\n"},
       {"--min_margin_steps=-20", "ubep-balancer: --min_margin_steps -20 is negative\n"},
       {"--window=0",
        "ubep-balancer: --ewma in [0, 1], --window, --trigger_windows and --health_failures >= 1, "

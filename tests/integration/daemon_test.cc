@@ -330,6 +330,8 @@ TEST_F(DaemonTest, AReceiveCapacityOverflowDropsTheSameStepsEverywhereAndTheRest
       {"--socket_mode=+660", "ubepd: --socket_mode +660 is not an octal file mode\n"},
       {"--socket_mode=1777", "ubepd: --socket_mode 1777 is not an octal file mode\n"},
       {"--max_arena_bytes=0", "ubepd: --max_arena_bytes 0 is not positive\n"},
+      {"--wait_timeout=inf", "ubepd: --wait_timeout inf is not a time (every wait has an end)\n"},
+      {"--drain_timeout=inf", "ubepd: --drain_timeout inf is not a time (every wait has an end)\n"},
       {"--drain_timeout=-1s", "ubepd: --drain_timeout -1s is negative\n"},
       {"--ranks=0-2147483647",
        "ubepd: --ranks \"0-2147483647\": rank 2147483647 is past 1023 (an EP group has at most "

@@ -866,6 +866,33 @@ TEST(BalancerServerTest, TheStepOfAPlanIsEstimatedFromLiveDaemonsOnly) {
   EXPECT_EQ(a->committed_version(), 2u);
 }
 
+// The ranks go on while a plan is made (seconds for a large model): its effective step is
+// estimated once it is made, from the steps reported meanwhile, not before planning, which
+// would give the daemons a step the ranks may have passed (refused) or less than the margin.
+TEST(BalancerServerTest, APlansEffectiveStepIsEstimatedFromTheStepsReachedWhileItWasMade) {
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+  std::unique_ptr<Balancer> balancer = WithTwoDaemons(NeverMarkedDown(), a, b);  // Learns v1.
+  for (int n = 0; n < 2; ++n) {
+    const grpc::Status taken = ReportSteps(*balancer, n == 0 ? "node-a" : "node-b", n, 1, 100);
+    ASSERT_TRUE(taken.ok()) << taken.error_message();
+  }
+  int plans_made = 0;
+  balancer->set_after_planning_for_testing([&] {
+    // While the plan was made, node-a's ranks reached step 5000.
+    if (plans_made++ == 0) {
+      const grpc::Status moved = ReportSteps(*balancer, "node-a", 0, 2, 5000, 1, 100);
+      EXPECT_TRUE(moved.ok()) << moved.error_message();
+    }
+  });
+  v1::RebalanceResponse response;
+  const grpc::Status drained = Drain(*balancer, "node-b", true, &response);
+  ASSERT_TRUE(drained.ok()) << drained.error_message();
+  EXPECT_EQ(plans_made, 1);
+  ASSERT_EQ(a.prepares().size(), 1u);
+  EXPECT_GE(a.prepares()[0].effective_step(), 5010u);  // 5000 + min_margin_steps, at least.
+  EXPECT_EQ(a.committed_version(), 2u);
+}
+
 // A serving job's steps are its own numbering. Past 2^53 (where a double rounds them) a plan
 // takes effect min_margin_steps after the furthest step reported, and after the steps its
 // rate adds; near 2^64, where no step is left after the margin, no plan is made (rather than
