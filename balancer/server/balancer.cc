@@ -1543,6 +1543,13 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
       absl::SleepFor(std::min(absl::Milliseconds(50), answer_by - now));  // Not past it.
     }
     MutexLock lock(&mu_);
+    if (!PlanInForceEverywhere()) {
+      // The daemons would refuse the plan ("not in force on rank r yet"): none is made, and
+      // no version is spent on it; the next interval tries again.
+      return absl::UnavailableError(absl::StrCat(
+          "plan v", previous.version, " is not in force on every rank after ",
+          absl::FormatDuration(options_.rpc_timeout * 2), "; no plan was made"));
+    }
     const absl::StatusOr<uint64_t> effective = EffectiveStep();
     if (!effective.ok()) return effective.status();
     effective_step = *effective;

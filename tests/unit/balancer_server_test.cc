@@ -1461,6 +1461,32 @@ TEST(BalancerServerTest, ARebalanceWaitingForThePlanToBeInForceIsAnsweredBeforeI
   served.server->Shutdown(std::chrono::system_clock::now());
 }
 
+// The same wait, bounded by the balancer's own 2 x rpc_timeout before the caller's deadline:
+// no plan is made (the daemons would refuse it while v2 is not in force on node-a's ranks),
+// and no version is spent.
+TEST(BalancerServerTest, ARebalanceWhosePlanInForceStaysPendingMakesNoPlan) {
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+  BalancerOptions options = NeverMarkedDown();
+  options.rpc_timeout = absl::Milliseconds(100);
+  std::unique_ptr<Balancer> balancer = WithTwoDaemons(options, a, b);
+  v1::RebalanceResponse drained;
+  const grpc::Status drain = Drain(*balancer, "node-b", true, &drained);
+  ASSERT_TRUE(drain.ok()) << drain.error_message();
+  ASSERT_EQ(drained.version(), 2u);
+  const Served served = Serve(*balancer);
+  ASSERT_NE(served.server, nullptr);
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
+  v1::RebalanceResponse answer;
+  const grpc::Status status =
+      served.control->Rebalance(&context, v1::RebalanceRequest(), &answer);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(status.error_message(),
+            "plan v2 is not in force on every rank after 200ms; no plan was made");
+  EXPECT_EQ(a.prepares().size(), 1u);  // v2's only.
+  served.server->Shutdown(std::chrono::system_clock::now());
+}
+
 // Plan v2 (node-b drained) is committed on node-b, but node-a's Commit answer is lost, and
 // node-a cannot be asked its state for a while; meanwhile node-b goes down and is forgotten.
 // v2 is the balancer's plan, committed: recovery commits it on node-a, not aborts it (which
