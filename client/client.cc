@@ -349,7 +349,18 @@ absl::Status UseJoin(RankState& s, const v1::JoinResponse& response) {
     s.cuda_ep.reset();
     std::vector<std::byte*> eps;
     for (const auto& a : s.device_arenas) eps.push_back(a->data());
-    UBEP_ASSIGN_OR_RETURN(s.cuda_ep, kernels::CudaEp::Create(s.config, s.rank, std::move(eps)));
+    // The data plane's stream and scratch are made on the rank's device, whichever is the
+    // calling thread's (a Rejoin from another thread than the Attach's), which is put back.
+    int current = -1;
+    if (cudaGetDevice(&current) != cudaSuccess || cudaSetDevice(s.device) != cudaSuccess) {
+      return absl::InternalError(
+          absl::StrCat("rank ", s.rank, ": cannot select device ", s.device));
+    }
+    absl::StatusOr<std::unique_ptr<kernels::CudaEp>> made =
+        kernels::CudaEp::Create(s.config, s.rank, std::move(eps));
+    if (current != s.device) (void)cudaSetDevice(current);
+    if (!made.ok()) return made.status();
+    s.cuda_ep = *std::move(made);
     s.device_plan_version = 0;
 #endif
   } else {
@@ -1156,6 +1167,13 @@ absl::Status Rank::Detach() {
 #ifdef UBEP_CLIENT_CUDA
   s.cuda_ep.reset();
   s.device_arenas.clear();
+  // The device memory of the plan table and the overflow sink goes with the arenas, not with
+  // the Rank object.
+  if (s.device_plan != nullptr) (void)cudaFree(s.device_plan);
+  if (s.overflow_sink != nullptr) (void)cudaFree(s.overflow_sink);
+  s.device_plan = nullptr;
+  s.overflow_sink = nullptr;
+  s.device_plan_version = 0;
 #endif
   if (s.daemon_exited) {
     s.fd_connection.reset();

@@ -555,7 +555,11 @@ void Node::SetAbortCode(int r, uint32_t code, bool only_if_clear) {
   const kernels::ArenaLayout ep_layout(config_);
   if (on_device()) {
     if (device_arenas_[r] == nullptr) return;  // A peer's, not imported yet.
-    // Device kernels never write the abort word: read-then-write does not race with them.
+    // Read, then written: not one compare-and-swap, as the host backend's RaiseAbort is. A
+    // kernel's own give-up (RaiseAbortEverywhere, an atomicCAS) landing between the two is
+    // overwritten: the ranks may then name this code's rank rather than the one the kernel
+    // gave up on, and a wait this code spares (its rank completed the call) runs on to its
+    // own deadline. Left as is: it needs a compare-and-swap on the device from ubepd.
     if (only_if_clear && AbortCode(r) != 0) return;
     if (absl::Status s = device_arenas_[r]->Write(ep_layout.abort, &code, sizeof(code)); !s.ok()) {
       UBEP_LOG(ERROR) << "rank " << r << ": " << s;

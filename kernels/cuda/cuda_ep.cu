@@ -964,11 +964,13 @@ __global__ void PlaceKernel(Params p) {
   __syncthreads();
   const int entries = n > 0 ? begin[n] : 0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int chunk = 0; chunk < entries; chunk += kThreads) {
-    const int e = chunk + threadIdx.x;
+  // (64-bit: entries may come within a chunk of 2^31 - 1, which ValidateConfig allows.)
+  for (int64_t chunk = 0; chunk < entries; chunk += kThreads) {
+    const int64_t e64 = chunk + threadIdx.x;
+    const int e = static_cast<int>(e64 < entries ? e64 : 0);
     int slot = -1, token = 0;
     float weight = 0.0f;
-    if (e < entries) {
+    if (e64 < entries) {
       const int j = TokenOfUnit(begin, n, e);  // The record holding entry e.
       const std::byte* record = records + static_cast<size_t>(j) * p.record_bytes;
       slot = entry_row[e];  // In [0, S): a source with a bad slot stopped the call.
@@ -1003,8 +1005,10 @@ __global__ void CopyKernel(Params p, bool flagged_sources) {
   const int total = p.entry_base[p.num_ranks];
   const std::byte* own = p.arenas[p.rank];
   uint64_t deadline = 0;  // The call's, read once a flagged row is not all in.
-  for (int g = blockIdx.x * warps_per_block + threadIdx.x / 32; g < total;
-       g += gridDim.x * warps_per_block) {
+  // (64-bit: a stride past the last of up to 2^31 - 1 entries would wrap an int.)
+  for (int64_t g64 = static_cast<int64_t>(blockIdx.x) * warps_per_block + threadIdx.x / 32;
+       g64 < total; g64 += static_cast<int64_t>(gridDim.x) * warps_per_block) {
+    const int g = static_cast<int>(g64);
     const int s = TokenOfUnit(p.entry_base, p.num_ranks, g);  // A source with entries.
     if (SourceFlagged(p, s) != flagged_sources) continue;
     const int e = g - p.entry_base[s];
@@ -1760,6 +1764,9 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
                                                sizeof(int32_t) * (config_.slots_per_rank + 1),
                                                cudaMemcpyDeviceToHost, s.stream));
   // bsp's waits are named by their phases (count exchange, barrier), as on the host.
+  // (The refusal word cleared first: a CheckStatus whose copy failed leaves the host words
+  // as an earlier call left them, which must not read as this call's refusal.)
+  s.host_status[kStatusRefused] = 0;
   const absl::Status st = CheckStatus("dispatch data", p.epoch, &in);
   if (const uint32_t code = s.host_status[kStatusRefused]; code != 0) {
     // Refused before any byte moved: the call did not happen (as on the host, where the look
