@@ -1427,18 +1427,27 @@ TEST(BalancerServerTest, ADrainWhosePlanTakesTheTimeLeftIsAnsweredWithNothingPre
   served.server->Shutdown(std::chrono::system_clock::now());
 }
 
+// A balancer over node-a and node-b (RPCs given `rpc_timeout`) that learned v1 and committed
+// v2, node-b drained; no report says v2 is in force on node-a's ranks yet.
+std::unique_ptr<Balancer> WithNodeBDrainedUnderV2(FakeDaemon& a, FakeDaemon& b,
+                                                  absl::Duration rpc_timeout) {
+  BalancerOptions options = NeverMarkedDown();
+  options.rpc_timeout = rpc_timeout;
+  std::unique_ptr<Balancer> balancer = WithTwoDaemons(options, a, b);
+  v1::RebalanceResponse drained;
+  const grpc::Status drain = Drain(*balancer, "node-b", true, &drained);
+  EXPECT_TRUE(drain.ok()) << drain.error_message();
+  EXPECT_EQ(drained.version(), 2u);
+  return balancer;
+}
+
 // A rebalance asked while the plan committed last (v2, node-b drained) is not yet reported in
 // force on node-a's ranks waits for that only until the caller's deadline, and then says why
 // no plan was made; once node-a reports v2 in force, the rebalance is made.
 TEST(BalancerServerTest, ARebalanceWaitingForThePlanToBeInForceIsAnsweredBeforeItsDeadline) {
   FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
-  BalancerOptions options = NeverMarkedDown();
-  options.rpc_timeout = absl::Seconds(30);  // The wait would last 60 s.
-  std::unique_ptr<Balancer> balancer = WithTwoDaemons(options, a, b);
-  v1::RebalanceResponse drained;
-  const grpc::Status drain = Drain(*balancer, "node-b", true, &drained);
-  ASSERT_TRUE(drain.ok()) << drain.error_message();
-  ASSERT_EQ(drained.version(), 2u);
+  // The wait would last 60 s (2 x rpc_timeout).
+  std::unique_ptr<Balancer> balancer = WithNodeBDrainedUnderV2(a, b, absl::Seconds(30));
   const Served served = Serve(*balancer);
   ASSERT_NE(served.server, nullptr);
   auto rebalance = [&](v1::RebalanceResponse* answer) {
@@ -1466,13 +1475,7 @@ TEST(BalancerServerTest, ARebalanceWaitingForThePlanToBeInForceIsAnsweredBeforeI
 // and no version is spent.
 TEST(BalancerServerTest, ARebalanceWhosePlanInForceStaysPendingMakesNoPlan) {
   FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
-  BalancerOptions options = NeverMarkedDown();
-  options.rpc_timeout = absl::Milliseconds(100);
-  std::unique_ptr<Balancer> balancer = WithTwoDaemons(options, a, b);
-  v1::RebalanceResponse drained;
-  const grpc::Status drain = Drain(*balancer, "node-b", true, &drained);
-  ASSERT_TRUE(drain.ok()) << drain.error_message();
-  ASSERT_EQ(drained.version(), 2u);
+  std::unique_ptr<Balancer> balancer = WithNodeBDrainedUnderV2(a, b, absl::Milliseconds(100));
   const Served served = Serve(*balancer);
   ASSERT_NE(served.server, nullptr);
   grpc::ClientContext context;

@@ -1327,12 +1327,13 @@ TEST(HostEpErrorTest, PeersOfARankThatRefusedItsInputSayWhy) {
   }
 }
 
-// Rank 2 dispatches, then calls Dispatch again where a Combine belongs: the others, waiting
-// for its partials, say so.
-TEST(HostEpErrorTest, PeersWaitingForPartialsSayTheRankDispatchedTwice) {
-  const EpConfig config = ShortTimeoutConfig();
-  Group group(config);
-  const TestPlan plan = RoundRobinPlan(config);
+// Every rank dispatches 8 tokens of layer 0; then rank 2 does what `rank2` does with its
+// input and output (where a Combine belongs), and the others combine. Each rank's status:
+// its dispatch's if that failed, else rank 2's `rank2`'s and the others' combine's.
+std::vector<absl::Status> DispatchThenRank2Instead(
+    Group& group, const TestPlan& plan,
+    const std::function<absl::Status(const DispatchInput&, DispatchOutput&)>& rank2) {
+  const EpConfig& config = group.config();
   std::vector<absl::Status> status(config.num_ranks);
   group.RunAll([&](int r) {
     RankInput in = MakeInput(config, r, 8, 3);
@@ -1342,17 +1343,32 @@ TEST(HostEpErrorTest, PeersWaitingForPartialsSayTheRankDispatchedTwice) {
     status[r] = group.ep(r).Dispatch(input, out);
     if (!status[r].ok()) return;
     if (r == 2) {
-      status[r] = group.ep(r).Dispatch(input, out);
+      status[r] = rank2(input, out);
       return;
     }
     std::vector<float> combined(8 * config.hidden);
     status[r] = group.ep(r).Combine(out, out.recv_x.data(), combined.data());
   });
-  const std::string twice =
-      "dispatch called twice without a combine in between: the combine of one call frees the "
-      "peers' receive buffers for the next";
-  EXPECT_EQ(status[2], absl::FailedPreconditionError(twice));
-  for (int r : {0, 1, 3}) EXPECT_EQ(status[r], GaveUpOnRank2(r, "combine partials", twice));
+  return status;
+}
+
+constexpr char kDispatchedTwice[] =
+    "dispatch called twice without a combine in between: the combine of one call frees the "
+    "peers' receive buffers for the next";
+
+// Rank 2 dispatches, then calls Dispatch again where a Combine belongs: the others, waiting
+// for its partials, say so.
+TEST(HostEpErrorTest, PeersWaitingForPartialsSayTheRankDispatchedTwice) {
+  const EpConfig config = ShortTimeoutConfig();
+  Group group(config);
+  const TestPlan plan = RoundRobinPlan(config);
+  const std::vector<absl::Status> status = DispatchThenRank2Instead(
+      group, plan,
+      [&](const DispatchInput& input, DispatchOutput& out) { return group.ep(2).Dispatch(input, out); });
+  EXPECT_EQ(status[2], absl::FailedPreconditionError(kDispatchedTwice));
+  for (int r : {0, 1, 3}) {
+    EXPECT_EQ(status[r], GaveUpOnRank2(r, "combine partials", kDispatchedTwice));
+  }
 }
 
 // Rank 2's Combine is refused (its output's weights were moved out), and its caller, dropping
@@ -1362,34 +1378,22 @@ TEST(HostEpErrorTest, PeersWaitingForPartialsHearTheCombinesRefusalNotTheDispatc
   const EpConfig config = ShortTimeoutConfig();
   Group group(config);
   const TestPlan plan = RoundRobinPlan(config);
-  std::vector<absl::Status> status(config.num_ranks);
-  absl::Status combined, again;
+  absl::Status combined;
   size_t rows = 0;
-  group.RunAll([&](int r) {
-    RankInput in = MakeInput(config, r, 8, 3);
-    DispatchOutput out;
-    const DispatchInput input{in.x.data(),   in.topk_idx.data(), in.topk_w.data(), 8,
-                              config.hidden, 0,                  plan.header()};
-    status[r] = group.ep(r).Dispatch(input, out);
-    if (!status[r].ok()) return;
-    std::vector<float> sums(8 * config.hidden);
-    if (r == 2) {
-      std::vector<float> taken = std::move(out.weight);
-      rows = taken.size();
-      combined = group.ep(r).Combine(out, out.recv_x.data(), sums.data());
-      again = group.ep(r).Dispatch(input, out);
-      return;
-    }
-    status[r] = group.ep(r).Combine(out, out.recv_x.data(), sums.data());
-  });
+  const std::vector<absl::Status> status = DispatchThenRank2Instead(
+      group, plan, [&](const DispatchInput& input, DispatchOutput& out) {
+        std::vector<float> taken = std::move(out.weight);
+        rows = taken.size();
+        std::vector<float> sums(8 * config.hidden);
+        combined = group.ep(2).Combine(out, out.recv_x.data(), sums.data());
+        return group.ep(2).Dispatch(input, out);
+      });
   ASSERT_GT(rows, 0u);
   const std::string refused = absl::StrCat(
       "combine: the dispatch output has 0 weights and ", rows, " source ranks, not the ", rows,
       " rows its dispatch made (were they moved out or resized?)");
   EXPECT_EQ(combined, absl::InvalidArgumentError(refused));
-  EXPECT_EQ(again, absl::FailedPreconditionError(
-                       "dispatch called twice without a combine in between: the combine of one "
-                       "call frees the peers' receive buffers for the next"));
+  EXPECT_EQ(status[2], absl::FailedPreconditionError(kDispatchedTwice));
   for (int r : {0, 1, 3}) EXPECT_EQ(status[r], GaveUpOnRank2(r, "combine partials", refused));
 }
 
