@@ -129,7 +129,9 @@ int AttachWith(const char* function, const ubep_client_options* c_options, int32
       return Fail(absl::InvalidArgumentError(absl::StrCat(
           "ubep_attach_with: options->struct_size is ", c_options->struct_size,
           ", not this library's sizeof(ubep_client_options) ", sizeof(ubep_client_options),
-          " (fill the options with ubep_client_options_init)")));
+          c_options->struct_size > sizeof(ubep_client_options)
+              ? " (the caller was built with a newer ubep_c.h than this libubep)"
+              : " (fill the options with ubep_client_options_init)")));
     }
     if (c_options->socket_path == nullptr) {
       return Fail(absl::InvalidArgumentError("ubep_attach_with: options->socket_path is null"));

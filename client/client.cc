@@ -102,7 +102,9 @@ struct RankState {
   absl::Time next_daemon_check = absl::InfinitePast();
   uint64_t last_plan_version = 0;
   RankStats detached_counts;  // stats() once the arenas are let go (Detach).
-  // The plan table this rank checked last (kernels::SelectCheckedPlan; PlanAt).
+  // The plan tables this rank checked (kernels::SelectCheckedPlan; PlanAt). Written by the
+  // const queries too (excluded(), SlotExpert()): a Rank is thread-compatible, one call at a
+  // time, as ubep.h says.
   mutable kernels::CheckedPlan checked_plan;
   bool attached = false;
   bool daemon_exited = false;  // Its fd connection closed.
@@ -215,7 +217,8 @@ absl::Status GroupStopped(const RankState& s) {
 absl::StatusOr<const kernels::PlanTableHeader*> PlanAt(const RankState& s, uint64_t step,
                                                        uint64_t* version = nullptr) {
   absl::StatusOr<const kernels::PlanTableHeader*> table =
-      kernels::SelectCheckedPlan(s.own() + s.layout.plan, step, s.checked_plan, version);
+      kernels::SelectCheckedPlan(s.own() + s.layout.plan, s.layout.plan_capacity, step,
+                                 s.checked_plan, version);
   if (!table.ok()) {
     return absl::DataLossError(absl::StrCat("rank ", s.rank, ": ", table.status().message()));
   }
@@ -223,7 +226,8 @@ absl::StatusOr<const kernels::PlanTableHeader*> PlanAt(const RankState& s, uint6
 }
 
 // Whether the plan committed in this rank's arena for `step` (the newest: ~0) leaves it out
-// of the group (not if its table is corrupt: the rank's next Dispatch says so).
+// of the group (not if its table is corrupt: BeginStep refuses the step for it, and the
+// peers are told).
 bool ExcludedByPlanAt(const RankState& s, uint64_t step) {
   absl::StatusOr<const kernels::PlanTableHeader*> table = PlanAt(s, step);
   return table.ok() && *table != nullptr &&
@@ -588,6 +592,7 @@ Dispatched::Dispatched(Dispatched&& other) noexcept : Dispatched() {
   std::swap(state_, other.state_);
 }
 Dispatched& Dispatched::operator=(Dispatched&& other) noexcept {
+  if (this == &other) return *this;
   std::swap(state_, other.state_);
   other.state_->filled = false;  // This one's old buffers, emptied: no output is in two places.
   return *this;
@@ -845,7 +850,19 @@ absl::Status Rank::BeginStep(uint64_t step) {
   }
   uint64_t version = 0;
   absl::StatusOr<const kernels::PlanTableHeader*> table = PlanAt(s, step, &version);
-  if (!table.ok()) return Record(s, table.status());
+  if (!table.ok()) {
+    // No Dispatch of this step can come (it needs BeginStep): the peers, who will wait for
+    // this rank in it, are told why (a refusal of a combine still owed is kept).
+    absl::Status refused = table.status();
+    if (s.on_device) {
+#ifdef UBEP_CLIENT_CUDA
+      if (s.cuda_ep != nullptr) refused = s.cuda_ep->Refuse(refused, /*keep_earlier=*/true);
+#endif
+    } else if (s.ep != nullptr) {
+      refused = s.ep->Refuse(refused, /*keep_earlier=*/true);
+    }
+    return Record(s, refused);
+  }
   if (*table != nullptr) {
     if (kernels::RankExcluded(*table, static_cast<uint32_t>(s.rank))) {
       return Record(s, absl::UnavailableError(absl::StrCat(
@@ -877,7 +894,7 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
 #ifdef UBEP_CLIENT_CUDA
     uint64_t version = 0;
     absl::StatusOr<const kernels::PlanTableHeader*> checked = PlanAt(s, s.step, &version);
-    if (!checked.ok()) return Record(s, s.cuda_ep->Refuse(checked.status()));
+    if (!checked.ok()) return Record(s, s.cuda_ep->Refuse(checked.status(), /*keep_earlier=*/true));
     const kernels::PlanTableHeader* table = *checked;
     if (table == nullptr) {
       // A group that gave up says so first, and keeps the refusal recorded before (as the
@@ -896,9 +913,10 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
       const size_t bytes = kernels::PlanTableBytes(table);
       if (cudaMemcpy(s.device_plan, table, bytes, cudaMemcpyHostToDevice) != cudaSuccess) {
         // Refused before the rank takes part: its peers, waiting for it, say why.
-        return Record(s, s.cuda_ep->Refuse(absl::InternalError(absl::StrCat(
-                             "rank ", s.rank, ": uploading plan v", version,
-                             "'s table to the device failed"))));
+        return Record(s, s.cuda_ep->Refuse(
+                             absl::InternalError(absl::StrCat("rank ", s.rank, ": uploading plan v",
+                                                              version, "'s table to the device failed")),
+                             /*keep_earlier=*/true));
       }
       s.device_plan_version = version;
     }
@@ -924,6 +942,7 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
     in.hidden = s.shape.hidden;
     in.layer = layer;
     in.plan_area = s.own() + s.layout.plan;
+    in.plan_capacity = s.layout.plan_capacity;
     in.step = s.step;
     status = s.ep->Dispatch(in, out.state_->output);
     out.state_->on_device = false;

@@ -89,6 +89,7 @@ constexpr absl::Duration kChunkTimeout = absl::Seconds(10);
 Node::RemoteWeights RemoteWeightsOf(const v1::PrepareRequest& request, const std::string& self,
                                     int world, absl::Time deadline) {
   Node::RemoteWeights remote;
+  remote.caller_deadline = deadline;
   if (request.daemons().empty() || world <= 0) return remote;
   constexpr uint32_t kNoDomain = ~uint32_t{0};  // A rank no healthy daemon hosts.
   remote.rank_domain.assign(world, kNoDomain);

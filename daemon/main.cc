@@ -2,6 +2,7 @@
 // them in a file and pass --flagfile=FILE (one --flag=value per line).
 #include <signal.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -128,8 +129,10 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string mode = absl::GetFlag(FLAGS_socket_mode);
-  // Octal digits alone, at most 0777 (strtoul would take a sign, and wrap a long one).
-  const bool octal = !mode.empty() && mode.size() <= 4 &&
+  // Octal digits alone, at most 0777 (strtoul would take a sign, and wrap a long one);
+  // leading zeros as many as given.
+  const size_t significant = std::min(mode.find_first_not_of('0'), mode.size());
+  const bool octal = !mode.empty() && mode.size() - significant <= 3 &&
                      mode.find_first_not_of("01234567") == std::string::npos;
   options.socket_mode = octal ? static_cast<mode_t>(std::stoul(mode, nullptr, 8)) : 0;
   if (!octal || options.socket_mode > 0777) {

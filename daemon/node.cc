@@ -1132,7 +1132,7 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
                         " (the balancer has given up on it, and may have sent its Abort "
                         "already)");
   };
-  if (absl::Now() >= remote.deadline) return fail(past_deadline("before ubepd took it up"));
+  if (absl::Now() >= remote.caller_deadline) return fail(past_deadline("before ubepd took it up"));
   if (!has_group_) return fail("no group is attached to this daemon");
   if (draining_) return fail("ubepd is draining");
   if (staging_) return fail(absl::StrCat("the weights of plan v", staging_version_, " are being staged"));
@@ -1443,7 +1443,7 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
   }
   // Under the lock from here to pending_: an Abort either came before this look (after the
   // deadline, which the balancer's own is not before) or finds the plan pending.
-  if (absl::Now() >= remote.deadline) return fail(past_deadline("while it was carried out"));
+  if (absl::Now() >= remote.caller_deadline) return fail(past_deadline("while it was carried out"));
   absl::StatusOr<std::vector<std::byte>> table = PlanTableOf(plan);
   if (!table.ok()) return fail(std::string(table.status().message()));
   for (int r = first_; r < first_ + hosted_; ++r) {

@@ -139,6 +139,9 @@ class Node {
     uint64_t base_version = 0;  // The plan in force the schedule is computed over.
     // Bounds the link's waits (the balancer's deadline for the Prepare, less a moment).
     absl::Time deadline = absl::InfiniteFuture();
+    // The balancer's deadline for the Prepare itself: past it, the Prepare is not carried out
+    // (the balancer gave up on it, and may have sent its Abort already).
+    absl::Time caller_deadline = absl::InfiniteFuture();
     // Copies the weights that global slot `slot` of layer index `layer` maps to on rank
     // `rank` (another domain's), under committed plan `version`, into out[0, bytes). It asks
     // `stopped()` between its reads and gives up once it says true (the plan was aborted or

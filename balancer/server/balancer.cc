@@ -1625,7 +1625,11 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
     // daemons with less than the margin it was given, or already passed (refused).
     MutexLock lock(&mu_);
     const absl::StatusOr<uint64_t> effective = EffectiveStep();
-    if (!effective.ok()) return effective.status();
+    if (!effective.ok()) {
+      // Nothing was prepared: the version is not spent (plan changes are one at a time).
+      if (highest_version_ == plan->version) highest_version_ = plan->version - 1;
+      return effective.status();
+    }
     effective_step = std::max(effective_step, *effective);
   }
   UBEP_LOG(INFO) << "rebalance (" << why << "): plan v" << plan->version << " at step "

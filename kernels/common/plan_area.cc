@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
@@ -77,28 +78,47 @@ const PlanTableHeader* SelectPlan(void* area, uint64_t step, uint64_t* version) 
   return PlanBuffer(area, slot);
 }
 
-absl::StatusOr<const PlanTableHeader*> SelectCheckedPlan(void* area, uint64_t step,
-                                                         CheckedPlan& checked,
+absl::StatusOr<const PlanTableHeader*> SelectCheckedPlan(void* area, size_t capacity,
+                                                         uint64_t step, CheckedPlan& checked,
                                                          uint64_t* version) {
+  const uint64_t said = std::atomic_ref<uint64_t>(static_cast<PlanAreaHeader*>(area)->capacity_bytes)
+                            .load(std::memory_order_relaxed);
+  if (said != capacity) {
+    return absl::DataLossError(absl::StrCat("the plan area's header says its buffers hold ",
+                                            said, " bytes, not ", capacity,
+                                            ": something other than ubepd wrote over it"));
+  }
   uint64_t v = 0;
   const int slot = SelectSlot(area, step, &v);
   if (slot < 0) return nullptr;
-  const PlanTableHeader* table = PlanBuffer(area, slot);
-  if (checked.table != table || checked.version != v) {
-    const uint64_t capacity = static_cast<const PlanAreaHeader*>(area)->capacity_bytes;
+  // Placed by the reader's capacity (PlanBuffer would read the header's again).
+  const auto* table = reinterpret_cast<const PlanTableHeader*>(
+      static_cast<const unsigned char*>(area) + sizeof(PlanAreaHeader) +
+      2 * sizeof(PlanSlotHeader) + slot * capacity);
+  if (checked.table[slot] != table || checked.version[slot] != v) {
     const uint64_t bytes =
         std::atomic_ref<uint64_t>(PlanSlot(area, slot)->table_bytes).load(std::memory_order_relaxed);
-    absl::Status valid =
-        bytes > capacity
-            ? absl::InvalidArgumentError(absl::StrCat("plan table: ", bytes,
-                                                      " bytes, more than the area's ", capacity))
-            : ValidatePlanTable({reinterpret_cast<const std::byte*>(table), bytes});
+    absl::Status valid;
+    if (bytes > capacity) {
+      valid = absl::InvalidArgumentError(
+          absl::StrCat("plan table: ", bytes, " bytes, more than the area's ", capacity));
+    } else {
+      // A private copy: the check reads each header field more than once, and sizes what it
+      // writes from them.
+      std::vector<std::byte> copy(reinterpret_cast<const std::byte*>(table),
+                                  reinterpret_cast<const std::byte*>(table) + bytes);
+      valid = ValidatePlanTable(copy);
+      if (valid.ok() && std::memcmp(copy.data(), table, bytes) != 0) {
+        valid = absl::AbortedError("plan table: changed while it was checked");
+      }
+    }
     if (!valid.ok()) {
       return absl::DataLossError(absl::StrCat("plan v", v, " in force at step ", step,
                                               " is corrupt (", valid.message(),
                                               "): something other than ubepd wrote over it"));
     }
-    checked = {table, v};
+    checked.table[slot] = table;
+    checked.version[slot] = v;
   }
   if (version != nullptr) *version = v;
   return table;

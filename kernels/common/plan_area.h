@@ -77,20 +77,25 @@ void InitPlanArea(void* area, size_t capacity_bytes);
 // step is <= step; null when none is. `version` (optional) receives its version.
 const PlanTableHeader* SelectPlan(void* area, uint64_t step, uint64_t* version = nullptr);
 
-// What a reader checked last (SelectCheckedPlan): the table of a committed version.
+// What a reader checked (SelectCheckedPlan): per slot of the area, the table of a committed
+// version that passed.
 struct CheckedPlan {
-  const PlanTableHeader* table = nullptr;
-  uint64_t version = 0;
+  const PlanTableHeader* table[2] = {nullptr, nullptr};
+  uint64_t version[2] = {0, 0};
 };
 
 // SelectPlan for a reader of an area that every process mapping it can write (a daemon's
-// arena, mapped read-write by its clients): the first time this reader selects a table it is
-// checked as PreparePlan checked it (ValidatePlanTable, within the area's capacity), so that
-// a table written over by anything but ubepd steers no store. A committed slot is rewritten
-// only under a newer version, so one check per version serves. OK with null when no plan is
-// in force at `step`; DataLoss naming the version and what is wrong when the table fails.
-absl::StatusOr<const PlanTableHeader*> SelectCheckedPlan(void* area, uint64_t step,
-                                                         CheckedPlan& checked,
+// arena, mapped read-write by its clients). The area's buffers are placed by `capacity`, the
+// reader's own knowledge of the area (its layout), which the area's header must repeat; the
+// first time this reader selects a slot's committed version, a private copy of its table is
+// checked as PreparePlan checked it (ValidatePlanTable, within `capacity`), so that a table
+// written over by anything but ubepd is refused rather than followed. A committed slot is
+// rewritten only under a newer version, so one check per slot and version serves; it guards
+// against a table corrupted before it is read, not against a writer racing the reads after
+// (every process mapping the arena is trusted that far). OK with null when no plan is in
+// force at `step`; DataLoss naming the version and what is wrong when the table fails.
+absl::StatusOr<const PlanTableHeader*> SelectCheckedPlan(void* area, size_t capacity,
+                                                         uint64_t step, CheckedPlan& checked,
                                                          uint64_t* version = nullptr);
 
 // Whether a prepared, undecided plan (state kPrepared) would be in force at `step`: a rank

@@ -670,7 +670,7 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
   }
   if (in.plan_area != nullptr) {
     absl::StatusOr<const PlanTableHeader*> checked =
-        SelectCheckedPlan(in.plan_area, in.step, checked_plan_);
+        SelectCheckedPlan(in.plan_area, in.plan_capacity, in.step, checked_plan_);
     if (!checked.ok()) {
       return Refuse(
           absl::DataLossError(absl::StrCat("rank ", rank_, ": ", checked.status().message())));

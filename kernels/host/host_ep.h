@@ -53,9 +53,11 @@ struct DispatchInput {
   int hidden = 0;                      // Must equal config.hidden.
   int layer = 0;
   const PlanTableHeader* plan = nullptr;  // Validated table (ValidatePlanTable), or:
-  // A PlanArea (plan_area.h): the plan in force at `step` is used, checked the first time
-  // (SelectCheckedPlan; a corrupt one is refused with DataLoss before any byte moves).
+  // A PlanArea (plan_area.h) whose buffers hold `plan_capacity` bytes: the plan in force at
+  // `step` is used, checked the first time (SelectCheckedPlan; a corrupt one is refused with
+  // DataLoss before any byte moves).
   void* plan_area = nullptr;
+  size_t plan_capacity = 0;
   uint64_t step = 0;
 };
 

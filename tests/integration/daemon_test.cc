@@ -329,6 +329,7 @@ TEST_F(DaemonTest, AReceiveCapacityOverflowDropsTheSameStepsEverywhereAndTheRest
       {"--socket_mode=40000000660", "ubepd: --socket_mode 40000000660 is not an octal file mode\n"},
       {"--socket_mode=+660", "ubepd: --socket_mode +660 is not an octal file mode\n"},
       {"--socket_mode=1777", "ubepd: --socket_mode 1777 is not an octal file mode\n"},
+      {"--socket_mode=0001777", "ubepd: --socket_mode 0001777 is not an octal file mode\n"},
       {"--max_arena_bytes=0", "ubepd: --max_arena_bytes 0 is not positive\n"},
       {"--wait_timeout=inf", "ubepd: --wait_timeout inf is not a time (every wait has an end)\n"},
       {"--drain_timeout=inf", "ubepd: --drain_timeout inf is not a time (every wait has an end)\n"},
@@ -997,7 +998,7 @@ TEST_F(DaemonTest, CAbiOptionsAreCheckedAndUsed) {
               absl::StrCat("ubep_attach_with: options->struct_size is ", newer,
                            ", not this library's sizeof(ubep_client_options) ",
                            sizeof(ubep_client_options),
-                           " (fill the options with ubep_client_options_init)"));
+                           " (the caller was built with a newer ubep_c.h than this libubep)"));
     EXPECT_EQ(none, nullptr);
   }
   EXPECT_STREQ(options.socket_path, "/run/ubep/ubepd.sock");

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <optional>
 #include <filesystem>
 #include <functional>
 #include <memory>
@@ -25,6 +26,7 @@
 #include "common/unix_socket.h"
 #include "daemon/daemon.h"
 #include "daemon/node.h"
+#include "kernels/common/plan_area.h"
 #include "kernels/host/arena_layout.h"
 #include "kernels/host/rank_arena.h"
 #include "grpcpp/grpcpp.h"
@@ -502,13 +504,13 @@ TEST(ClientTest, ARefreshUbepdDoesNotAnswerIsUnavailableSayingWhatWasAsked) {
   });
   ClientOptions options;
   options.socket_path = socket;
-  options.rpc_timeout = absl::Milliseconds(300);
+  options.rpc_timeout = absl::Seconds(2);  // (Also the Attach's and the claim's, on a loaded machine.)
   absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(options, 0, 1, 0, Shape());
   done = true;
   silent.join();
   EXPECT_EQ(rank.status(),
             absl::UnavailableError("rank 0: asking ubepd for the new arenas over its fd socket: "
-                                   "no answer within 300ms (rpc_timeout)"));
+                                   "no answer within 2s (rpc_timeout)"));
 }
 
 // ubepd's fd socket refusing a claim (one of the refusals docs/daemon.md lists) and closing
@@ -630,6 +632,42 @@ TEST(ClientTest, UbepdsAnswerToAJoinIsNotCountedAsTheClientsError) {
   EXPECT_EQ(stats.wait_timeouts, 0u);
   EXPECT_EQ(stats.errors, 0u);
   ubepd.AnswerJoins(grpc::Status::OK);
+  EXPECT_TRUE((*rank)->Detach().ok());
+}
+
+// The plan table in a rank's arena written over outside ubepd (an expert left with no
+// replica): BeginStep refuses the step with DataLoss, naming the version and the fault, and
+// records the refusal where the peers, waiting for this rank in the step's call, read it.
+TEST(ClientTest, ACorruptPlanTableIsRefusedAtBeginStepAndThePeersAreTold) {
+  test::TempDir dir;
+  const std::string socket = dir.path() + "/ubepd.sock";
+  AlteringUbepd ubepd(socket, [](v1::AttachResponse&) {});
+  ClosableFdSocket fd_socket(ubepd.node(), socket + ".fds");
+  ClientOptions options;
+  options.socket_path = socket;
+  options.rpc_timeout = absl::Seconds(10);
+  absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(options, 0, 1, 0, Shape());
+  ASSERT_TRUE(rank.ok()) << rank.status();
+  const uint64_t step = (*rank)->resume_step();
+  std::byte* ep = nullptr;
+  std::optional<kernels::ArenaLayout> ep_layout;
+  ubepd.node().ForEachArena([&](int, std::byte* base, const kernels::RankArenaLayout& layout,
+                                const kernels::EpConfig& config) {
+    void* area = base + layout.plan;
+    const kernels::PlanTableHeader* table = kernels::SelectPlan(area, step);
+    ASSERT_NE(table, nullptr);
+    const_cast<kernels::ExpertRoute*>(kernels::FindRoute(table, 1, 2))->count = 0;
+    ep = base + layout.ep;
+    ep_layout.emplace(config);
+  });
+  ASSERT_NE(ep, nullptr);
+  ASSERT_TRUE(ep_layout.has_value());
+  const std::string corrupt = absl::StrCat(
+      "rank 0: plan v1 in force at step ", step,
+      " is corrupt (plan table: layer 1 expert 2 has 0 replicas): something other than ubepd "
+      "wrote over it");
+  EXPECT_EQ((*rank)->BeginStep(step), absl::DataLossError(corrupt));
+  EXPECT_EQ(kernels::ReadRefusal(ep, *ep_layout, kernels::CallPhase{false, 1}), corrupt);
   EXPECT_TRUE((*rank)->Detach().ok());
 }
 

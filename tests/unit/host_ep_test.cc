@@ -496,6 +496,7 @@ TEST_P(HostEpTest, EveryRankUsesThePlanInForceAtItsStep) {
       DispatchInput args{inputs[r].x.data(), inputs[r].topk_idx.data(),
                          inputs[r].topk_w.data(), inputs[r].num_tokens, c.hidden, 0};
       args.plan_area = area;
+      args.plan_capacity = 4096;
       args.step = step;
       DispatchOutput out;
       ASSERT_TRUE(group.ep(r).Dispatch(args, out).ok());
@@ -1144,7 +1145,15 @@ TEST(HostEpErrorTest, ACommittedPlanWrittenOverInTheAreaIsRefusedNotFollowed) {
   RankInput in = MakeInput(config, 0, 8, 3);
   DispatchInput args{in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8, config.hidden, 0};
   args.plan_area = area;
+  args.plan_capacity = 4096;
   DispatchOutput out;
+  // An area whose header disagrees with the reader's layout is refused before its buffers are
+  // placed from it.
+  args.plan_capacity = 8192;
+  EXPECT_EQ(group.ep(0).Dispatch(args, out),
+            absl::DataLossError("rank 0: the plan area's header says its buffers hold 4096 "
+                                "bytes, not 8192: something other than ubepd wrote over it"));
+  args.plan_capacity = 4096;
   const std::string corrupt =
       "rank 0: plan v1 in force at step 0 is corrupt (plan table: layer 0 expert 3 has 0 "
       "replicas): something other than ubepd wrote over it";
@@ -1164,6 +1173,7 @@ TEST(HostEpErrorTest, ACommittedPlanWrittenOverInTheAreaIsRefusedNotFollowed) {
     RankInput mine = MakeInput(config, r, 8, 3);
     DispatchInput a{mine.x.data(), mine.topk_idx.data(), mine.topk_w.data(), 8, config.hidden, 0};
     a.plan_area = area;
+    a.plan_capacity = 4096;
     DispatchOutput o;
     ASSERT_EQ(group.ep(r).Dispatch(a, o), absl::OkStatus()) << "rank " << r;
     std::vector<float> sums(8 * config.hidden);
@@ -2206,6 +2216,7 @@ TEST(HostEpErrorTest, NoPlanInForceIsAClearError) {
   RankInput in = MakeInput(c, 0, 4, 1);
   DispatchInput args{in.x.data(), in.topk_idx.data(), in.topk_w.data(), 4, c.hidden, 0};
   args.plan_area = area.data();
+  args.plan_capacity = 1024;
   args.step = 7;
   DispatchOutput out;
   EXPECT_EQ(group.ep(0).Dispatch(args, out),

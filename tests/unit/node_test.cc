@@ -515,7 +515,7 @@ TEST(NodeTest, APrepareTakenUpAfterItsDeadlineIsRefusedAndLeavesNothingPending) 
   Attached a = AttachAndClaim(node, 0, 2, 1);
   EXPECT_TRUE(node.Abort(2).ok());  // The balancer's Abort, before the Prepare is taken up.
   Node::RemoteWeights late;
-  late.deadline = absl::Now() - absl::Milliseconds(1);
+  late.caller_deadline = absl::Now() - absl::Milliseconds(1);
   const v1::PrepareResponse prepared = node.Prepare(SwappedPlan(), 10, late);
   EXPECT_FALSE(prepared.prepared());
   EXPECT_EQ(prepared.reason(),
@@ -526,7 +526,7 @@ TEST(NodeTest, APrepareTakenUpAfterItsDeadlineIsRefusedAndLeavesNothingPending) 
   EXPECT_FALSE(kernels::UndecidedAt(a.arenas[0].data() + a.layout.plan, 10));
   // In time, the same plan is prepared.
   Node::RemoteWeights in_time;
-  in_time.deadline = absl::Now() + absl::Seconds(30);
+  in_time.caller_deadline = absl::Now() + absl::Seconds(30);
   EXPECT_TRUE(node.Prepare(SwappedPlan(), 10, in_time).prepared());
   EXPECT_EQ(node.State().pending_version(), 2u);
 }
@@ -539,7 +539,7 @@ TEST(NodeTest, APrepareWhoseStagingOutlastsItsDeadlineLeavesNothingPending) {
   Node node(options);
   Attached a = AttachAndClaim(node, 0, 2, 1);
   Node::RemoteWeights remote;
-  remote.deadline = absl::Now() + absl::Milliseconds(100);
+  remote.caller_deadline = absl::Now() + absl::Milliseconds(100);
   const v1::PrepareResponse prepared = node.Prepare(SwappedPlan(), 10, remote);
   EXPECT_FALSE(prepared.prepared());
   EXPECT_EQ(prepared.reason(),
