@@ -718,6 +718,16 @@ TEST_F(DaemonTest, MalformedAndOversizedRequestsAreRefusedAndTheDaemonKeepsServi
             static_cast<double>(cases.size()));
 }
 
+// A mode given with leading zeros (as `install -m 00640` takes it) is the same mode.
+TEST_F(DaemonTest, ASocketModeWithLeadingZerosIsTaken) {
+  auto daemon = StartDaemon({"--socket_mode=000640"});
+  for (const std::string& path : {socket_path(), socket_path() + ".fds"}) {
+    struct stat st {};
+    ASSERT_EQ(stat(path.c_str(), &st), 0) << path;
+    EXPECT_EQ(st.st_mode & 0777, 0640u) << path;
+  }
+}
+
 TEST_F(DaemonTest, SocketsAreGroupOnlyAndOthersCannotConnect) {
   auto daemon = StartDaemon();
   for (const std::string& path : {socket_path(), socket_path() + ".fds"}) {
@@ -896,6 +906,9 @@ TEST_F(DaemonTest, ADetachedRankAndNullHandlesGetErrorsNotCrashes) {
   EXPECT_EQ(moved.num_rows(), 0);
   EXPECT_TRUE(moved.slot_offsets().empty());
   moved = std::move(earlier);
+  Dispatched& same = moved;
+  moved = std::move(same);  // Moved into itself: kept.
+  EXPECT_EQ(moved.num_rows(), 8);
   const std::vector<float> y(8 * 8, 1.0f);
   ASSERT_TRUE(r.Combine(moved, y.data(), out.data()).ok());
   EXPECT_EQ(out, std::vector<float>(4 * 8, 1.0f));  // Two experts' ones, weighted 0.5 each.
