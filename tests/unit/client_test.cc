@@ -579,6 +579,20 @@ class ClosableFdSocket {
   std::thread thread_;  // Last: starts after the members it uses.
 };
 
+// Rank 0 of a one-rank group attached through an AlteringUbepd that alters nothing and a
+// ClosableFdSocket of its node, with `options` (their socket path set here).
+struct OneRankThroughUbepd {
+  explicit OneRankThroughUbepd(ClientOptions options = {}) {
+    options.socket_path = socket;
+    rank = Rank::Attach(options, 0, 1, 0, Shape());
+  }
+  test::TempDir dir;
+  const std::string socket = dir.path() + "/ubepd.sock";
+  AlteringUbepd ubepd{socket, [](v1::AttachResponse&) {}};
+  ClosableFdSocket fd_socket{ubepd.node(), socket + ".fds"};
+  absl::StatusOr<std::unique_ptr<Rank>> rank;  // Last: detached first.
+};
+
 // The C ABI's join_timeout_ms is the deadline of the Join that waits for the group (an
 // option dropped on the way would leave the default 60 s there).
 TEST(ClientTest, TheCOptionsJoinTimeoutIsTheJoinsDeadline) {
@@ -612,14 +626,9 @@ TEST(ClientTest, TheCOptionsJoinTimeoutIsTheJoinsDeadline) {
 // timeout, and calls Rejoin again) is no error of the client's: neither a data-plane wait
 // that gave up nor a client error in the rank's statistics (which ubepd exports).
 TEST(ClientTest, UbepdsAnswerToAJoinIsNotCountedAsTheClientsError) {
-  test::TempDir dir;
-  const std::string socket = dir.path() + "/ubepd.sock";
-  AlteringUbepd ubepd(socket, [](v1::AttachResponse&) {});
-  ClosableFdSocket fd_socket(ubepd.node(), socket + ".fds");
-  ClientOptions options;
-  options.socket_path = socket;
-  options.rpc_timeout = absl::Seconds(10);
-  absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(options, 0, 1, 0, Shape());
+  OneRankThroughUbepd one;
+  AlteringUbepd& ubepd = one.ubepd;
+  absl::StatusOr<std::unique_ptr<Rank>>& rank = one.rank;
   ASSERT_TRUE(rank.ok()) << rank.status();
   ubepd.AnswerJoins(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
                                  "rank 0 is excluded by plan v2; waited 1s"));
@@ -639,14 +648,9 @@ TEST(ClientTest, UbepdsAnswerToAJoinIsNotCountedAsTheClientsError) {
 // replica): BeginStep refuses the step with DataLoss, naming the version and the fault, and
 // records the refusal where the peers, waiting for this rank in the step's call, read it.
 TEST(ClientTest, ACorruptPlanTableIsRefusedAtBeginStepAndThePeersAreTold) {
-  test::TempDir dir;
-  const std::string socket = dir.path() + "/ubepd.sock";
-  AlteringUbepd ubepd(socket, [](v1::AttachResponse&) {});
-  ClosableFdSocket fd_socket(ubepd.node(), socket + ".fds");
-  ClientOptions options;
-  options.socket_path = socket;
-  options.rpc_timeout = absl::Seconds(10);
-  absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(options, 0, 1, 0, Shape());
+  OneRankThroughUbepd one;
+  AlteringUbepd& ubepd = one.ubepd;
+  absl::StatusOr<std::unique_ptr<Rank>>& rank = one.rank;
   ASSERT_TRUE(rank.ok()) << rank.status();
   const uint64_t step = (*rank)->resume_step();
   std::byte* ep = nullptr;
@@ -781,16 +785,13 @@ TEST(ClientTest, ADetachThatFindsTheDaemonGoneStopsTheGroupAndSucceeds) {
 // step: the wait looks at the connection as BeginStep does and stops the group, instead of
 // waiting out the decision timeout and blaming the balancer.
 TEST(ClientTest, ARankWaitingForAPlansDecisionFindsItsDaemonGone) {
-  test::TempDir dir;
-  const std::string socket = dir.path() + "/ubepd.sock";
-  AlteringUbepd ubepd(socket, [](v1::AttachResponse&) {});
-  ClosableFdSocket fd_socket(ubepd.node(), socket + ".fds");
   ClientOptions options;
-  options.socket_path = socket;
-  options.rpc_timeout = absl::Seconds(10);
   options.decision_timeout = absl::Seconds(60);
   options.daemon_check_interval = absl::Milliseconds(1);
-  absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(options, 0, 1, 0, Shape());
+  OneRankThroughUbepd one(options);
+  AlteringUbepd& ubepd = one.ubepd;
+  ClosableFdSocket& fd_socket = one.fd_socket;
+  absl::StatusOr<std::unique_ptr<Rank>>& rank = one.rank;
   ASSERT_TRUE(rank.ok()) << rank.status();
   const v1::PrepareResponse prepared = ubepd.node().Prepare(SwappedPlan(), 5);
   ASSERT_TRUE(prepared.prepared()) << prepared.reason();
