@@ -178,10 +178,7 @@ void BalancerLink::Report() {
       // hold up every report after it for good. Dropped, its counts lost to the balancer,
       // and said (once per kind and 10 s).
       const std::string why = absl::StrCat(status.error_code(), ": ", status.error_message());
-      const absl::Time now = MonotonicNow();
-      if (why != last_report_failure_ || now >= next_report_failure_log_) {
-        last_report_failure_ = why;
-        next_report_failure_log_ = now + absl::Seconds(10);
+      if (SayReportFailure(why)) {
         UBEP_LOG(WARNING) << "load report " << pending_->request.seq() << " refused by "
                           << options_.balancer << " (code " << why
                           << "); it is dropped, its counts lost to the balancer";
@@ -200,17 +197,22 @@ void BalancerLink::Report() {
       // No answer of the balancer's (unreachable, timed out, or a transport or proxy that
       // cancelled or failed the call): taken or not, the same report goes again, and is taken
       // at most once. Said once per kind of failure and 10 s.
-      const absl::Time now = MonotonicNow();
       const std::string why = absl::StrCat(status.error_code(), ": ", status.error_message());
-      if (why != last_report_failure_ || now >= next_report_failure_log_) {
-        last_report_failure_ = why;
-        next_report_failure_log_ = now + absl::Seconds(10);
+      if (SayReportFailure(why)) {
         UBEP_LOG(WARNING) << "load report " << pending_->request.seq() << " got no answer from "
                           << "ubep-balancer (code " << why << "); it goes again";
       }
       return;
     }
   }
+}
+
+bool BalancerLink::SayReportFailure(const std::string& why) {
+  const absl::Time now = MonotonicNow();
+  if (why == last_report_failure_ && now < next_report_failure_log_) return false;
+  last_report_failure_ = why;
+  next_report_failure_log_ = now + absl::Seconds(10);
+  return true;
 }
 
 std::optional<BalancerLink::Pending> BalancerLink::MakeReport() {

@@ -45,7 +45,9 @@ class BalancerLink {
     Node::SlotLoads loads;
   };
   void Report();
-  std::optional<Pending> MakeReport();  // Of the counters now, against last_.
+  std::optional<Pending> MakeReport();
+  // Whether a report's failure `why` is to be logged now: once per kind and 10 s.
+  bool SayReportFailure(const std::string& why);  // Of the counters now, against last_.
   void MapPeers();
 
   const BalancerLinkOptions options_;
@@ -68,7 +70,7 @@ class BalancerLink {
   absl::Time next_peer_log_ = absl::InfinitePast();
   std::string last_refusal_;  // The last registration's error, logged until next_refusal_log_.
   absl::Time next_refusal_log_ = absl::InfinitePast();
-  // The last failure of a report to get an answer, logged until next_report_failure_log_.
+  // The last failure of a report, logged until next_report_failure_log_.
   std::string last_report_failure_;
   absl::Time next_report_failure_log_ = absl::InfinitePast();
   // The process: "<pid>-<start ns>". It registers "<process>.<groups created>": a group
