@@ -70,6 +70,9 @@ struct RankState {
   std::unique_ptr<v1::Daemon::Stub> stub;
   std::string token;
   UniqueFd fd_connection;  // Open while attached: ubepd notices its closing.
+  // Arena refreshes sent on fd_connection whose replies were not read (one gave up at
+  // rpc_timeout): ubepd answers each in order, so as many replies come before the next one's.
+  int refresh_replies_owed = 0;
   std::vector<kernels::SharedArena> arenas;
   uint64_t arena_epoch = 0;  // Of the daemon, when the arenas were taken.
   kernels::RankArenaLayout layout;
@@ -495,22 +498,33 @@ absl::Status RefreshArenas(RankState& s, uint64_t epoch) {
       !sent.ok()) {
     return unanswered(sent);
   }
+  ++s.refresh_replies_owed;
   const absl::Time deadline = MonotonicNow() + s.options.rpc_timeout;
   ReceivedMessage reply;
   uint64_t got = 0;
+  bool earlier = false;
   do {
-    // A reply of an earlier refresh that timed out may come first, with arenas older than
-    // the group's (`epoch`, from the Join): it is passed over.
+    // The replies of earlier refreshes that gave up come first, whatever they say (a refusal
+    // that was true then, or arenas older than the group's `epoch`, from the Join): they are
+    // passed over. So is an OK of an older epoch however it came.
     absl::StatusOr<ReceivedMessage> received = ReceiveMessage(
         s.fd_connection.get(), 4096, std::max(deadline - MonotonicNow(), absl::ZeroDuration()));
     if (!received.ok()) return unanswered(received.status());
     reply = *std::move(received);
+    if (reply.closed) {
+      return absl::UnavailableError(absl::StrCat(
+          "rank ", s.rank, ": ubepd did not give the new arenas: connection closed"));
+    }
+    earlier = s.refresh_replies_owed > 1;
+    s.refresh_replies_owed = std::max(s.refresh_replies_owed - 1, 0);
+    got = 0;
     if (!absl::StartsWith(reply.bytes, "OK ") || !absl::SimpleAtoi(reply.bytes.substr(3), &got)) {
+      if (earlier) continue;
       return absl::UnavailableError(absl::StrCat(
           "rank ", s.rank, ": ubepd did not give the new arenas: ",
-          reply.bytes.size() > 4 ? reply.bytes.substr(4) : std::string("connection closed")));
+          absl::StartsWith(reply.bytes, "ERR ") ? reply.bytes.substr(4) : reply.bytes));
     }
-  } while (got < epoch);
+  } while (earlier || got < epoch);
   const size_t world = static_cast<size_t>(s.world_size);
   if (reply.fds.size() != world * (s.on_device ? 2 : 1)) {
     return absl::DataLossError(absl::StrCat("rank ", s.rank, ": expected ", world * (s.on_device ? 2 : 1),

@@ -119,7 +119,7 @@ class AlteringUbepd final : public v1::Daemon::Service {
   }
   daemon::Node& node() { return node_; }
 
-  uint64_t join_epoch_offset = 0;  // Set before any client attaches.
+  std::atomic<uint64_t> join_epoch_offset{0};
 
  private:
   daemon::Node node_;
@@ -511,6 +511,57 @@ TEST(ClientTest, ARefreshUbepdDoesNotAnswerIsUnavailableSayingWhatWasAsked) {
   EXPECT_EQ(rank.status(),
             absl::UnavailableError("rank 0: asking ubepd for the new arenas over its fd socket: "
                                    "no answer within 2s (rpc_timeout)"));
+}
+
+// ubepd's fd socket answers a refresh only after the rank gave up on it (rpc_timeout), with a
+// refusal that was true then. The next refresh (the rank's Rejoin) reads that reply first:
+// it is passed over, not taken for ubepd's answer to the refresh asked now, which it answers
+// with the arenas.
+TEST(ClientTest, TheLateRefusalOfARefreshThatGaveUpIsNotTheNextRefreshsAnswer) {
+  test::TempDir dir;
+  const std::string socket = dir.path() + "/ubepd.sock";
+  AlteringUbepd ubepd(socket, [](v1::AttachResponse&) {});
+  UniqueFd listener = *ListenUnix(socket + ".fds", 0600);
+  std::atomic<bool> gave_up{false};
+  std::thread late([&] {
+    pollfd p{listener.get(), POLLIN, 0};
+    ASSERT_EQ(poll(&p, 1, 10000), 1);
+    UniqueFd connection(accept(listener.get(), nullptr, nullptr));
+    ASSERT_NO_FATAL_FAILURE(AnswerClaim(ubepd.node(), connection.get(), 1));
+    absl::StatusOr<ReceivedMessage> first = ReceiveMessage(connection.get(), 4096, absl::Seconds(30));
+    ASSERT_TRUE(first.ok()) << first.status();
+    ASSERT_EQ(first->bytes, kArenaRefreshRequest);
+    ASSERT_TRUE(test::WaitFor([&] { return gave_up.load(); }, absl::Seconds(30)));
+    ASSERT_TRUE(SendMessage(connection.get(), "ERR the group's arenas are not all mapped", {}).ok());
+    absl::StatusOr<ReceivedMessage> second = ReceiveMessage(connection.get(), 4096, absl::Seconds(30));
+    ASSERT_TRUE(second.ok()) << second.status();
+    ASSERT_EQ(second->bytes, kArenaRefreshRequest);
+    absl::StatusOr<std::pair<uint64_t, std::vector<UniqueFd>>> arenas = ubepd.node().RefreshArenas(1);
+    ASSERT_TRUE(arenas.ok()) << arenas.status();
+    ASSERT_TRUE(SendMessage(connection.get(), absl::StrCat("OK ", arenas->first + 1),
+                            RawFds(arenas->second))
+                    .ok());
+    // Open until the rank detaches (ubepd's fd socket holds the connection while attached).
+    (void)ReceiveMessage(connection.get(), 4096, absl::Seconds(30));
+  });
+  ClientOptions options;
+  options.socket_path = socket;
+  options.rpc_timeout = absl::Seconds(2);
+  absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(options, 0, 1, 0, Shape());
+  EXPECT_TRUE(rank.ok()) << rank.status();
+  if (rank.ok()) {
+    ubepd.join_epoch_offset = 1;  // A peer daemon restarted: the group's arenas are newer.
+    EXPECT_EQ((*rank)->Rejoin(std::nullopt).status(),
+              absl::UnavailableError("rank 0: asking ubepd for the new arenas over its fd "
+                                     "socket: no answer within 2s (rpc_timeout)"));
+    gave_up = true;
+    const absl::StatusOr<uint64_t> rejoined = (*rank)->Rejoin(std::nullopt);
+    EXPECT_TRUE(rejoined.ok()) << rejoined.status();
+    if (rejoined.ok()) ExpectAStepGoesThrough(**rank, *rejoined);
+    EXPECT_TRUE((*rank)->Detach().ok());
+  }
+  gave_up = true;
+  late.join();
 }
 
 // ubepd's fd socket refusing a claim (one of the refusals docs/daemon.md lists) and closing
