@@ -102,7 +102,7 @@ struct Inputs {
   std::vector<std::vector<float>> w;
 };
 
-Inputs MakeInputs(const Case& c, const std::vector<double>& skew) {
+Inputs MakeInputs(const Case& c, const Skew& skew) {
   Inputs in;
   for (int r = 0; r < c.ranks; ++r) {
     in.x.emplace_back(static_cast<size_t>(c.tokens) * c.hidden);
@@ -137,7 +137,7 @@ absl::Status RunBlock(int ranks, int steps, StepFn step, std::vector<double>* ti
 }
 
 absl::StatusOr<nlohmann::json> RunCase(const Case& c, const std::string& socket, int iters,
-                                       const std::vector<double>& skew) {
+                                       const Skew& skew) {
   const Inputs in = MakeInputs(c, skew);
   // libubep: every rank attaches (concurrently: Attach waits for the whole group).
   std::vector<std::unique_ptr<Rank>> ranks(c.ranks);
@@ -302,11 +302,6 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  absl::StatusOr<std::vector<double>> skew = SkewedDistribution(UBEP_SOURCE_DIR);
-  if (!skew.ok()) {
-    std::cerr << "ubep-bench-daemon: " << skew.status().message() << "\n";
-    return 1;
-  }
   char dir_template[] = "/tmp/ubep-bench-daemon-XXXXXX";
   const std::string dir = mkdtemp(dir_template);
   nlohmann::json result;
@@ -328,10 +323,16 @@ int main(int argc, char** argv) {
     for (int hidden : {7168, 2048}) {
       for (const char* routing : {"uniform", "skewed"}) {
         const Case c{"decode", ranks, 128, hidden, routing};
+        Skew skew;
+        if (c.routing == "skewed") {
+          absl::StatusOr<Skew> drawn = SkewedDistribution(UBEP_SOURCE_DIR, c.name, ranks);
+          if (!drawn.ok()) return fail(drawn.status());
+          skew = *std::move(drawn);
+        }
         // A daemon per case: a group's shape is fixed while it is attached.
         DaemonProcess daemon(ubepd, dir + "/step.sock");
         if (!daemon.ok()) return fail(absl::UnavailableError("ubepd did not start: " + ubepd));
-        absl::StatusOr<nlohmann::json> row = RunCase(c, dir + "/step.sock", iters, *skew);
+        absl::StatusOr<nlohmann::json> row = RunCase(c, dir + "/step.sock", iters, skew);
         if (!row.ok()) return fail(row.status());
         result["cases"].push_back(*row);
       }

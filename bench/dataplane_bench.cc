@@ -103,7 +103,7 @@ bool AlignStart(Board* board, int ranks, uint32_t round) {
 }
 
 int RankMain(const Case& c, const EpConfig& config, int rank, std::vector<std::byte*> arenas,
-             const std::vector<std::byte>& plan, const std::vector<double>& skew, int iters,
+             const std::vector<std::byte>& plan, const bench::Skew& skew, int iters,
              Board* board) {
   absl::StatusOr<std::unique_ptr<HostEp>> ep = HostEp::Create(config, rank, arenas);
   if (!ep.ok()) {
@@ -180,7 +180,7 @@ std::string EndedHow(int status) {
 }
 
 Result RunHost(const Case& c, Method method, EpConfig::SenderThread sender_thread,
-               const std::vector<double>& skew, int iters) {
+               const bench::Skew& skew, int iters) {
   EpConfig config{.num_ranks = c.ranks,
                   .max_tokens = c.tokens,
                   .hidden = c.hidden,
@@ -268,8 +268,8 @@ Result RunMpi(const Case& c, int iters) {
   const std::string command =
       absl::StrCat("timeout -k 10 ", limit_s, " ", UBEP_MPIRUN,
                    " --allow-run-as-root --oversubscribe --bind-to none -np ", c.ranks,
-                   " ", UBEP_BENCH_MPI, " --tokens ", c.tokens, " --hidden ", c.hidden,
-                   " --routing ", c.routing, " --iters ", iters, " 2>&1");
+                   " ", UBEP_BENCH_MPI, " --phase ", c.name, " --tokens ", c.tokens,
+                   " --hidden ", c.hidden, " --routing ", c.routing, " --iters ", iters, " 2>&1");
   FILE* pipe = popen(command.c_str(), "r");
   if (pipe == nullptr) return {.error = absl::StrCat("cannot start mpirun: ", strerror(errno))};
   std::string output;
@@ -346,7 +346,7 @@ Result RunMemcpy(uint64_t bytes, int iters) {
 // methods[0] is ubep, which runs first in the first round: memcpy copies its bytes.
 std::vector<Result> RunMethods(const Case& c, const std::vector<Method>& methods,
                                EpConfig::SenderThread sender_thread,
-                               const std::vector<double>& skew, int iters) {
+                               const bench::Skew& skew, int iters) {
   const int V = static_cast<int>(methods.size());
   // At least 4 rounds, a whole number of rotations: 4 for one, two or four methods, 6 for
   // three, V for more.
@@ -464,11 +464,6 @@ int main(int argc, char** argv) {
     std::cerr << "ubep-bench-dataplane: " << iters
               << " iterations: p99 is the slowest of them (fewer than 100)\n";
   }
-  absl::StatusOr<std::vector<double>> skew = ubep::bench::SkewedDistribution(UBEP_SOURCE_DIR);
-  if (!skew.ok()) {
-    std::cerr << skew.status().message() << "\n";
-    return 2;
-  }
   std::vector<ubep::bench::Case> cases;
   for (const char* name : {"decode", "prefill"}) {
     if (which != "all" && which != name) continue;
@@ -500,7 +495,17 @@ int main(int argc, char** argv) {
               << " ranks: oversubscribed (every row says cpus)\n";
   }
   for (const ubep::bench::Case& c : cases) {
-    const std::vector<Result> ran = RunMethods(c, run, sender_thread, *skew, iters);
+    ubep::bench::Skew skew;
+    if (c.routing == "skewed") {
+      absl::StatusOr<ubep::bench::Skew> drawn =
+          ubep::bench::SkewedDistribution(UBEP_SOURCE_DIR, c.name, c.ranks);
+      if (!drawn.ok()) {
+        std::cerr << "ubep-bench-dataplane: " << drawn.status().message() << "\n";
+        return 2;
+      }
+      skew = *std::move(drawn);
+    }
+    const std::vector<Result> ran = RunMethods(c, run, sender_thread, skew, iters);
     // A method that ran and failed fails the run, shown or not (ubep runs always).
     for (const Result& r : ran) failed = failed || (!r.error.empty() && !r.unavailable);
     auto result_of = [&](Method method) -> const Result& {
@@ -531,6 +536,10 @@ int main(int argc, char** argv) {
                             {"span_p50_us", r.span_p50_us}, {"span_p99_us", r.span_p99_us},
                             {"bytes_moved", r.bytes}, {"iters", iters}, {"cpus", cpus}};
       if (r.threads > 0) row["threads_per_rank"] = r.threads;
+      if (c.routing == "skewed") {
+        row["skew_source"] = skew.source;
+        row["skew_rank_imbalance"] = skew.rank_imbalance;
+      }
       if (method == Method::kUbep) {
         row["rate_vs_memcpy"] = rate_vs_memcpy;
         if (wanted(Method::kBsp)) {

@@ -1,18 +1,23 @@
 // Inputs shared by the data-plane benchmarks, so every method moves the same bytes: the
-// cases, the routing of each rank's tokens (uniform, or drawn from the most skewed MoE layer of
-// a real DeepSeek-V3 prefill trace) and the expert-parallel plan (256 experts, one slot each);
-// and how they time an iteration over the rank processes.
+// cases, the routing of each rank's tokens (uniform, or drawn from the MoE layer of the real
+// DeepSeek-V3 traces of the case's phase that loads the ranks most unevenly) and the
+// expert-parallel plan (256 experts, one slot each); and how they time an iteration over the
+// rank processes.
 #ifndef UBEP_BENCH_DATAPLANE_INPUTS_H_
 #define UBEP_BENCH_DATAPLANE_INPUTS_H_
 
 #include <algorithm>
 #include <chrono>
+#include <filesystem>
 #include <cstdint>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "balancer/formats/json_formats.h"
 #include "kernels/common/plan_table.h"
 
@@ -52,19 +57,86 @@ struct Case {
   std::string routing;  // uniform / skewed
 };
 
-// top-k distinct experts per token.
-inline std::vector<int32_t> RouteTokens(const Case& c, int rank, const std::vector<double>& skew) {
+// Per expert, the probability of being among a token's K (K = kTopK) when experts are drawn in
+// proportion to `counts`: K x its share, capped at 1 with the excess spread over the others in
+// proportion; they sum to K (at least K experts with a count above 0 are needed).
+inline std::vector<double> InclusionProbabilities(const std::vector<double>& counts) {
+  std::vector<double> p(counts.size(), 0.0);
+  std::vector<bool> capped(counts.size(), false);
+  double left = kTopK;
+  for (bool again = true; again;) {
+    again = false;
+    double free = 0;
+    for (size_t e = 0; e < counts.size(); ++e) free += capped[e] ? 0 : counts[e];
+    for (size_t e = 0; e < counts.size(); ++e) {
+      if (capped[e]) continue;
+      p[e] = free > 0 ? left * counts[e] / free : 0;
+      if (p[e] > 1) {
+        capped[e] = true;
+        p[e] = 1;
+        left -= 1;
+        again = true;
+      }
+    }
+  }
+  return p;
+}
+
+// What a skewed case's tokens are drawn from: the (token, top-k) counts per expert of one MoE
+// layer of a trace.
+struct Skew {
+  std::vector<double> counts;  // Per expert.
+  std::string source;          // "<file> layer <l>".
+  double rank_imbalance = 0;   // Max over mean of the ranks' loads under ExpertParallelPlan.
+};
+
+// Top-k distinct experts per token. Uniform: drawn uniformly. Skewed: each expert is among a
+// token's K with probability K x its share of `skew.counts` (capped at 1, the excess spread
+// over the others), as in the trace, by systematic sampling over a fresh random order of the
+// experts (points u, u + 1, ..., u + K - 1 over the experts' consecutive intervals of those
+// lengths: each interval, at most 1 long, holds at most one point, so the K are distinct).
+inline std::vector<int32_t> RouteTokens(const Case& c, int rank, const Skew& skew) {
   std::mt19937_64 rng(1234 + rank);
   std::vector<int32_t> idx;
-  std::discrete_distribution<int> skewed(skew.begin(), skew.end());
-  std::uniform_int_distribution<int> uniform(0, kExperts - 1);
-  for (int t = 0; t < c.tokens; ++t) {
-    std::vector<int> chosen;
-    while (static_cast<int>(chosen.size()) < kTopK) {
-      const int e = c.routing == "skewed" ? skewed(rng) : uniform(rng);
-      if (std::find(chosen.begin(), chosen.end(), e) == chosen.end()) chosen.push_back(e);
+  idx.reserve(static_cast<size_t>(c.tokens) * kTopK);
+  if (c.routing != "skewed") {
+    std::uniform_int_distribution<int> uniform(0, kExperts - 1);
+    for (int t = 0; t < c.tokens; ++t) {
+      std::vector<int> chosen;
+      while (static_cast<int>(chosen.size()) < kTopK) {
+        const int e = uniform(rng);
+        if (std::find(chosen.begin(), chosen.end(), e) == chosen.end()) chosen.push_back(e);
+      }
+      idx.insert(idx.end(), chosen.begin(), chosen.end());
     }
-    idx.insert(idx.end(), chosen.begin(), chosen.end());
+    return idx;
+  }
+  const std::vector<double> p = InclusionProbabilities(skew.counts);
+  std::vector<int> order(kExperts);
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  for (int t = 0; t < c.tokens; ++t) {
+    for (int e = 0; e < kExperts; ++e) order[e] = e;
+    std::shuffle(order.begin(), order.end(), rng);
+    const double u = unit(rng);
+    double end = 0;
+    int next = 0;  // Points u + next .. are still to place.
+    std::vector<bool> taken(kExperts, false);
+    for (int i = 0; i < kExperts && next < kTopK; ++i) {
+      end += p[order[i]];
+      if (u + next < end) {
+        taken[order[i]] = true;
+        idx.push_back(order[i]);
+        ++next;
+      }
+    }
+    // Rounding can leave the last point just past the sum: the last experts not taken.
+    for (int i = kExperts - 1; i >= 0 && next < kTopK; --i) {
+      if (!taken[order[i]]) {
+        taken[order[i]] = true;
+        idx.push_back(order[i]);
+        ++next;
+      }
+    }
   }
   return idx;
 }
@@ -111,23 +183,59 @@ inline std::vector<std::byte> ExpertParallelPlan() {
   return *kernels::BuildPlanTable(1, kExperts, {&layer, 1});
 }
 
-// The per-expert distribution of the most skewed MoE layer of prefill_in1024.json.
-inline absl::StatusOr<std::vector<double>> SkewedDistribution(const std::string& source_dir) {
-  absl::StatusOr<balancer::LoadMatrix> trace = balancer::ReadSglangLoadFile(
-      source_dir + "/data/traces/deepseek-v3/prefill_in1024.json");
-  if (!trace.ok()) return trace.status();
-  std::vector<double> skew;
-  double worst = 0;
-  for (int l = 0; l < trace->num_layers(); ++l) {
-    const auto row = trace->row(l);
-    const double ratio =
-        *std::max_element(row.begin(), row.end()) * row.size() / trace->RowSum(l);
-    if (ratio > worst) {
-      worst = ratio;
-      skew.assign(row.begin(), row.end());
+// Max over mean of the ranks' loads when rank r holds experts [r x E/R, (r+1) x E/R), as
+// ExpertParallelPlan places them.
+inline double RankImbalance(std::span<const double> counts, int ranks) {
+  const int per_rank = kExperts / ranks;
+  double most = 0, total = 0;
+  for (int r = 0; r < ranks; ++r) {
+    double load = 0;
+    for (int e = r * per_rank; e < (r + 1) * per_rank; ++e) load += counts[e];
+    most = std::max(most, load);
+    total += load;
+  }
+  return total > 0 ? most * ranks / total : 0;
+}
+
+// The skewed routing of `phase` ("decode" or "prefill") at `ranks` ranks: of the MoE layers of
+// every DeepSeek-V3 trace of that phase (data/traces/deepseek-v3/<phase>_*.json, in name
+// order), the one whose load under the expert-parallel plan is most uneven across the ranks
+// (the first of equals): what makes a rank hot under plain expert parallelism.
+inline absl::StatusOr<Skew> SkewedDistribution(const std::string& source_dir,
+                                              const std::string& phase, int ranks) {
+  if (ranks < 1 || kExperts % ranks != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(ranks, " ranks do not divide ", kExperts, " experts"));
+  }
+  const std::filesystem::path dir = std::filesystem::path(source_dir) / "data/traces/deepseek-v3";
+  std::vector<std::string> files;
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, error)) {
+    const std::string name = entry.path().filename().string();
+    if (absl::StartsWith(name, phase + "_") && absl::EndsWith(name, ".json")) files.push_back(name);
+  }
+  std::sort(files.begin(), files.end());
+  Skew worst;
+  for (const std::string& name : files) {
+    absl::StatusOr<balancer::LoadMatrix> trace = balancer::ReadSglangLoadFile((dir / name).string());
+    if (!trace.ok()) return trace.status();
+    if (trace->num_experts() != kExperts) {
+      return absl::InvalidArgumentError(absl::StrCat(name, " has ", trace->num_experts(),
+                                                     " experts, not ", kExperts));
+    }
+    for (int l = 0; l < trace->num_layers(); ++l) {
+      if (trace->RowSum(l) <= 0) continue;  // A dense layer.
+      const double imbalance = RankImbalance(trace->row(l), ranks);
+      if (imbalance > worst.rank_imbalance) {
+        worst.counts.assign(trace->row(l).begin(), trace->row(l).end());
+        worst.source = absl::StrCat(name, " layer ", l);
+        worst.rank_imbalance = imbalance;
+      }
     }
   }
-  return skew;
+  if (worst.counts.empty()) {
+    return absl::NotFoundError(absl::StrCat("no MoE layer in ", dir.string(), "/", phase, "_*.json"));
+  }
+  return worst;
 }
 
 }  // namespace ubep::bench

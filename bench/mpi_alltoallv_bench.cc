@@ -8,7 +8,8 @@
 // latency_us (each timed iteration's, the slowest rank's), span_us (each timed iteration's,
 // the first rank's start to the last rank's end).
 //
-//   mpirun -np R ubep-bench-mpi --tokens T --hidden H --routing uniform|skewed --iters N
+//   mpirun -np R ubep-bench-mpi --phase decode|prefill --tokens T --hidden H
+//       --routing uniform|skewed --iters N
 #include <mpi.h>
 
 #include <algorithm>
@@ -40,17 +41,27 @@ int main(int argc, char** argv) {
   int rank = 0, R = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &R);
-  ubep::bench::Case c{"mpi", R, 128, 7168, "uniform"};
+  ubep::bench::Case c{"decode", R, 128, 7168, "uniform"};
   int iters = 50;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
+    if (flag == "--phase") c.name = argv[i + 1];  // The traces a skewed routing is drawn from.
     if (flag == "--tokens") c.tokens = std::atoi(argv[i + 1]);
     if (flag == "--hidden") c.hidden = std::atoi(argv[i + 1]);
     if (flag == "--routing") c.routing = argv[i + 1];
     if (flag == "--iters") iters = std::atoi(argv[i + 1]);
   }
   const int H = c.hidden, T = c.tokens, S = ubep::bench::kExperts / R;
-  const std::vector<double> skew = *ubep::bench::SkewedDistribution(UBEP_SOURCE_DIR);
+  ubep::bench::Skew skew;
+  if (c.routing == "skewed") {
+    absl::StatusOr<ubep::bench::Skew> drawn =
+        ubep::bench::SkewedDistribution(UBEP_SOURCE_DIR, c.name, R);
+    if (!drawn.ok()) {
+      if (rank == 0) std::fprintf(stderr, "ubep-bench-mpi: %s\n", std::string(drawn.status().message()).c_str());
+      MPI_Abort(MPI_COMM_WORLD, 2);
+    }
+    skew = *std::move(drawn);
+  }
   const std::vector<int32_t> idx = ubep::bench::RouteTokens(c, rank, skew);
   const std::vector<std::byte> table = ubep::bench::ExpertParallelPlan();
   const auto* plan = reinterpret_cast<const ubep::kernels::PlanTableHeader*>(table.data());

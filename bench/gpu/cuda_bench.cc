@@ -61,7 +61,7 @@ struct Board {
 
 int RankMain(const bench::Case& c, Protocol protocol, EpConfig::SenderThread sender_thread,
              bool flagged, int rank, int iters,
-             const std::vector<double>& skew, Board* board) {
+             const bench::Skew& skew, Board* board) {
   bool posted_ready = false, posted_set_up = false;
   auto fail = [&](const std::string& m) {
     // The first rank to fail names the case's error (the others often only saw it give up);
@@ -219,15 +219,8 @@ int main(int argc, char** argv) {
       rounds = std::clamp(std::atoi(argv[i + 1]), 1, 8);
     }
   }
-  // The source tree (for the routing trace): this build's, or UBEP_SOURCE_DIR when set (the
-  // binary run away from its build, as bench/gpu/run.sh does with a pack).
-  const char* source_dir = std::getenv("UBEP_SOURCE_DIR");
-  const absl::StatusOr<std::vector<double>> skew = ubep::bench::SkewedDistribution(
-      source_dir != nullptr && *source_dir != '\0' ? source_dir : UBEP_SOURCE_DIR);
-  if (!skew.ok()) {
-    std::fprintf(stderr, "ubep-bench-cuda: %s\n", std::string(skew.status().message()).c_str());
-    return 2;
-  }
+  // Uniform routing only (a skewed case would draw from bench::SkewedDistribution).
+  const ubep::bench::Skew skew;
   // Each row is printed as soon as its case is done, so that a run cut short by a time limit
   // still leaves the cases it finished.
   bool first_row = true;
@@ -277,7 +270,7 @@ int main(int argc, char** argv) {
         for (int rank = 0; rank < r; ++rank) {
           const pid_t pid = fork();
           if (pid == 0) {
-            _exit(RankMain(c, m.protocol, m.sender_thread, m.flagged, rank, n, *skew, board));
+            _exit(RankMain(c, m.protocol, m.sender_thread, m.flagged, rank, n, skew, board));
           }
           pids.push_back(pid);
         }
