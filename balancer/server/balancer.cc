@@ -583,12 +583,6 @@ grpc::Status Balancer::Register(grpc::ServerContext* context, const v1::Register
                          [&](uint32_t r) { return plan_->excluded(static_cast<int>(r)); })) {
     why = absl::StrCat("registered with every rank excluded by plan v", plan_->version);
   }
-  if (!why.empty() && shape_.has_value() && request->ranks_size() < shape_->world &&
-      !drained_.contains(request->node())) {
-    drained_.insert(request->node());
-    UBEP_LOG(WARNING) << "node " << request->node() << " " << why
-                      << ": its ranks stay excluded until it is undrained";
-  }
   Daemon& d = daemons_[request->node()];
   if (d.info.address() != request->address() || d.channel == nullptr) {
     grpc::ChannelArguments args;  // GetState carries the committed plan.
@@ -618,6 +612,21 @@ grpc::Status Balancer::Register(grpc::ServerContext* context, const v1::Register
   d.taken_over_logged = false;
   d.down_since = absl::InfiniteFuture();
   if (!same_process) d.last_seq = 0;
+  if (!why.empty() && shape_.has_value() && request->ranks_size() < shape_->world &&
+      !drained_.contains(request->node())) {
+    // Drained as registered (healthy, its ranks as it says), unless that would leave no rank
+    // serving, as an operator's drain would (the other nodes drained or down, say): its
+    // ranks then stay in.
+    drained_.insert(request->node());
+    if (static_cast<int>(DesiredExcluded().size()) >= shape_->world) {
+      drained_.erase(request->node());
+      UBEP_LOG(WARNING) << "node " << request->node() << " " << why
+                        << ", but keeping its ranks out would leave no rank serving: they stay in";
+    } else {
+      UBEP_LOG(WARNING) << "node " << request->node() << " " << why
+                        << ": its ranks stay excluded until it is undrained";
+    }
+  }
   if (!why.empty()) d.restart_handled = request->incarnation();
   KeepOutRestartedPeers(*request);
   UBEP_LOG(INFO) << "registered node " << request->node() << " at " << request->address() << " ("
@@ -797,7 +806,6 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
   // Its ranks' steps now: lower than before where its group formed again at an earlier step
   // (clients attached anew count from the resume step), and plans are placed after them.
   d.max_step = request->max_step();
-  if (request->plan_in_force()) d.in_force = std::max(d.in_force, request->load().plan_version());
   d.step_time = MonotonicNow();
   d.last_report = d.step_time;
   if (sent_again) return grpc::Status::OK;
@@ -806,6 +814,19 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
                   "the balancer has not learned the cluster's plan yet");
   }
   const v1::LoadReport& load = request->load();
+  // Its steps end at the step its ranks are at (ubepd reads that step first): a span past it,
+  // or backwards, is no report of steps run, and its step count would scale every node's.
+  if (load.first_step() > load.last_step() || load.last_step() > request->max_step()) {
+    return Reject("malformed", grpc::StatusCode::INVALID_ARGUMENT,
+                  absl::StrCat("report of node ", request->node(), " counts steps ",
+                               load.first_step(), "-", load.last_step(),
+                               ", not within its ranks' steps 0-", request->max_step()));
+  }
+  if (d.info.ranks().empty()) {
+    return Reject("malformed", grpc::StatusCode::INVALID_ARGUMENT,
+                  absl::StrCat("node ", request->node(),
+                               " registered no rank: it has no slots to report the load of"));
+  }
   for (int i = 0; i < load.layers_size(); ++i) {
     // Counts are deltas of monotonic counters: one past int64's range wrapped below zero.
     auto counts = [&](const char* field, const auto& values) -> std::optional<grpc::Status> {
@@ -927,7 +948,12 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
   }
   // Calls of steps under the plan in force only: a report sent before the daemon's ranks
   // reached its effective step may be counted under it but holds the old plan's.
-  if (request->plan_in_force()) d.interval_over_capacity += request->over_capacity_calls();
+  if (request->plan_in_force()) {
+    d.interval_over_capacity += request->over_capacity_calls();
+    // Taken only from a report taken: a refused one (of a version not the cluster's, say)
+    // says nothing of which plan its ranks follow.
+    d.in_force = std::max(d.in_force, load.plan_version());
+  }
   reports_->Increment();
   return grpc::Status::OK;
 }
@@ -984,8 +1010,12 @@ void Balancer::CloseInterval() {
   over_capacity_ = 0;
   for (auto& [name, d] : daemons_) {
     over_capacity_ += std::exchange(d.interval_over_capacity, 0);
-    if (!d.Serving() || d.info.ranks().empty()) continue;
-    if (d.interval_steps > 0) {
+    // A daemon down (or hosting no rank) counts for nothing, and what it reported meanwhile
+    // is let go of with the interval: kept, an outage's steps would come back as one
+    // interval's when it is healthy again, weighing its counts (of the plan before, maybe)
+    // many intervals' worth.
+    const bool counted = d.Serving() && !d.info.ranks().empty();
+    if (counted && d.interval_steps > 0) {
       const double per_step = 1.0 / d.interval_steps;
       d.rate = LoadMatrix(L, shape_->experts);
       d.rate.AddScaled(d.interval_load, per_step);
@@ -1008,6 +1038,7 @@ void Balancer::CloseInterval() {
       d.interval_load = LoadMatrix(L, shape_->experts);
       for (auto& layer : d.interval_rank) std::fill(layer.begin(), layer.end(), 0.0);
     }
+    if (!counted) continue;
     if (!d.has_rate) {
       all_known &= !Member(d);
       continue;
@@ -1177,7 +1208,15 @@ void Balancer::Recover() {
     d.committed = state.committed_version();
     d.pending = state.pending_version();
     d.pending_fingerprint = state.pending_fingerprint();
-    d.max_step = std::max(d.max_step, state.max_step());
+    if (state.max_step() > d.max_step) {
+      // A step known now, as a report's: the next report's rate counts from it and from this
+      // time (from an earlier report's time, its steps would spread over time they did not
+      // take, and the plans placed by the rate would land at steps the ranks have reached).
+      d.prev_step = d.max_step;
+      d.prev_step_time = d.step_time;
+      d.max_step = state.max_step();
+      d.step_time = MonotonicNow();
+    }
     if (state.plan_in_force()) d.in_force = std::max(d.in_force, state.committed_version());
     highest_version_ = std::max({highest_version_, d.committed, d.pending});
     if (state.committed_version() > 0 &&

@@ -363,6 +363,7 @@ class FakeDaemon final : public v1::DaemonControl::Service {
     state->set_committed_version(committed_.version());
     state->set_plan_in_force(true);
     state->set_committed_effective_step(effective_step_);
+    state->set_max_step(max_step_);
     *state->mutable_committed_plan() = committed_;
     return grpc::Status::OK;
   }
@@ -452,6 +453,11 @@ class FakeDaemon final : public v1::DaemonControl::Service {
     std::lock_guard<std::mutex> lock(mu_);
     gatherings_[method] = gathering;
   }
+  // The step its ranks are at, as GetState answers.
+  void SetMaxStep(uint64_t step) {
+    std::lock_guard<std::mutex> lock(mu_);
+    max_step_ = step;
+  }
   void SetStateUnavailable(bool unavailable) {
     std::lock_guard<std::mutex> lock(mu_);
     state_unavailable_ = unavailable;
@@ -483,6 +489,7 @@ class FakeDaemon final : public v1::DaemonControl::Service {
   size_t pad_ = 0;
   std::vector<uint64_t> commits_;
   bool state_unavailable_ = false;
+  uint64_t max_step_ = 0;
   std::map<std::string, Gathering*> gatherings_;
   std::vector<uint64_t> aborted_;
   std::vector<v1::PrepareRequest> prepares_;
@@ -891,6 +898,35 @@ TEST(BalancerServerTest, APlansEffectiveStepIsEstimatedFromTheStepsReachedWhileI
   ASSERT_EQ(a.prepares().size(), 1u);
   EXPECT_GE(a.prepares()[0].effective_step(), 5010u);  // 5000 + min_margin_steps, at least.
   EXPECT_EQ(a.committed_version(), 2u);
+}
+
+// A step learned from a daemon's state (recovery's GetState) is the step at that time: the
+// next report's rate counts from it and from then. Counted from the report before it, the
+// steps would spread over time they did not take, and a plan placed by that rate would land
+// at a step the ranks have passed (which the daemons refuse).
+TEST(BalancerServerTest, AStepLearnedFromADaemonsStateCountsFromWhenItWasLearned) {
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+  std::unique_ptr<Balancer> balancer = WithTwoDaemons(NeverMarkedDown(), a, b);  // Learns v1.
+  for (int n = 0; n < 2; ++n) {
+    const grpc::Status taken = ReportSteps(*balancer, n == 0 ? "node-a" : "node-b", n, 1, 100);
+    ASSERT_TRUE(taken.ok()) << taken.error_message();
+  }
+  absl::SleepFor(absl::Seconds(2));
+  a.SetMaxStep(2100);
+  Register(*balancer, DaemonRegistration(a, "node-a", 0, 0, "host"));  // Its state is asked again.
+  balancer->Tick();
+  absl::SleepFor(absl::Milliseconds(100));
+  // 100 steps in about 0.1 s since the state: about 1000 steps a second.
+  const grpc::Status moved = ReportSteps(*balancer, "node-a", 0, 2, 2200, 1, 2100);
+  ASSERT_TRUE(moved.ok()) << moved.error_message();
+  v1::RebalanceResponse response;
+  const grpc::Status drained = Drain(*balancer, "node-b", true, &response);
+  ASSERT_TRUE(drained.ok()) << drained.error_message();
+  ASSERT_EQ(a.prepares().size(), 1u);
+  // 2200 and the 1 s margin at about 1000 steps a second; at least 2400 while the report came
+  // within 0.5 s of the state. Counted from the report before (100 steps in 2.1 s), 2250 or so.
+  EXPECT_GE(a.prepares()[0].effective_step(), 2400u);
+  EXPECT_LT(a.prepares()[0].effective_step(), 2200u + 1000u * 30);
 }
 
 // A serving job's steps are its own numbering. Past 2^53 (where a double rounds them) a plan
@@ -1491,6 +1527,61 @@ TEST(BalancerServerTest, ARebalanceWhosePlanInForceStaysPendingMakesNoPlan) {
             "plan v2 is not in force on every rank after 2s; no plan was made");
   EXPECT_EQ(a.prepares().size(), 1u);  // v2's only.
   served.server->Shutdown(std::chrono::system_clock::now());
+}
+
+// A report refused (here as of plan v3, which the cluster does not have) says nothing of
+// which plan node-a's ranks follow: the wait for v2 to be in force everywhere goes on, and
+// ends with no plan made, as with no report at all.
+TEST(BalancerServerTest, ARefusedReportDoesNotTellThatThePlanIsInForce) {
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+  std::unique_ptr<Balancer> balancer = WithNodeBDrainedUnderV2(a, b, absl::Seconds(1));
+  const grpc::Status refused = ReportSteps(*balancer, "node-a", 0, /*seq=*/1, /*max_step=*/5,
+                                           /*version=*/3);
+  EXPECT_EQ(refused.error_message(),
+            "report counted under plan v3 (steps 0-5); plan v2 is in force from step 0");
+  const Served served = Serve(*balancer);
+  ASSERT_NE(served.server, nullptr);
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(20)));
+  v1::RebalanceResponse answer;
+  const grpc::Status status =
+      served.control->Rebalance(&context, v1::RebalanceRequest(), &answer);
+  EXPECT_EQ(status.error_message(),
+            "plan v2 is not in force on every rank after 2s; no plan was made");
+  EXPECT_EQ(a.prepares().size(), 1u);  // v2's only.
+  served.server->Shutdown(std::chrono::system_clock::now());
+}
+
+// A report's steps end at the step its ranks are at, and do not run backwards: otherwise its
+// step count (which scales every node's counts in the window) is no count of steps run.
+TEST(BalancerServerTest, AReportOfStepsPastItsRanksStepOrBackwardsIsRefused) {
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+  std::unique_ptr<Balancer> balancer = WithTwoDaemons(NeverMarkedDown(), a, b);  // Learns v1.
+  v1::ReportLoadResponse response;
+  v1::ReportLoadRequest past = ReportOf("node-a", 0, 1, 100, 200, 1, 1);
+  past.set_max_step(150);
+  grpc::Status status = balancer->ReportLoad(nullptr, &past, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(status.error_message(),
+            "report of node node-a counts steps 100-200, not within its ranks' steps 0-150");
+  const v1::ReportLoadRequest backwards = ReportOf("node-a", 0, 2, 300, 200, 1, 1);
+  status = balancer->ReportLoad(nullptr, &backwards, &response);
+  EXPECT_EQ(status.error_message(),
+            "report of node node-a counts steps 300-200, not within its ranks' steps 0-200");
+  const v1::ReportLoadRequest good = ReportOf("node-a", 0, 3, 100, 200, 1, 1);
+  status = balancer->ReportLoad(nullptr, &good, &response);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  // A daemon that registered no rank (no client attached to it yet) has no slots to report.
+  FakeDaemon c("node-c", FirstPlan());
+  v1::RegisterRequest rc = DaemonRegistration(c, "node-c", 0, 0, "host");
+  rc.clear_ranks();
+  rc.clear_shape();
+  Register(*balancer, rc);
+  const v1::ReportLoadRequest rankless = ReportOf("node-c", 0, 1, 100, 200, 1, 1);
+  status = balancer->ReportLoad(nullptr, &rankless, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(status.error_message(),
+            "node node-c registered no rank: it has no slots to report the load of");
 }
 
 // Plan v2 (node-b drained) is committed on node-b, but node-a's Commit answer is lost, and
@@ -2309,6 +2400,32 @@ TEST(BalancerServerTest, APeersWordThatWouldLeaveNoRankServingKeepsNoNodeOut) {
             (std::vector<uint32_t>{2, 3}));
 }
 
+// node-a drained by its operator, node-b's ubepd restarts: drained as a restarted node, it
+// would leave no rank serving (every plan refused, "every rank is excluded", at every tick),
+// so it stays in, as a drain of it would be refused; the plan in force stands.
+TEST(BalancerServerTest, ARestartOfTheLastServingNodeLeavesItIn) {
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+  Balancer balancer(NeverMarkedDown(), std::make_shared<prometheus::Registry>());
+  auto [ra, rb] = RegisterProcesses(balancer, a, b);
+  balancer.Tick();  // Learns v1.
+  v1::RebalanceResponse response;
+  const grpc::Status drained = Drain(balancer, "node-a", true, &response);
+  ASSERT_TRUE(drained.ok()) << drained.error_message();
+  ASSERT_EQ(b.committed_version(), 2u);  // Without node-a's ranks.
+  rb.set_incarnation("b-3");  // A new ubepd process.
+  Register(balancer, rb);
+  EXPECT_EQ(DrainedNodes(balancer), (std::vector<std::string>{"node-a"}));
+  for (int i = 0; i < 3; ++i) balancer.Tick();
+  EXPECT_EQ(DrainedNodes(balancer), (std::vector<std::string>{"node-a"}));
+  EXPECT_EQ(b.prepares().size(), 1u);  // No plan made (none could be, all ranks out).
+  // Once node-a serves again, a restart of node-b drains it as before.
+  const grpc::Status undrained = Drain(balancer, "node-a", false, &response);
+  ASSERT_TRUE(undrained.ok()) << undrained.error_message();
+  rb.set_incarnation("b-4");
+  Register(balancer, rb);
+  EXPECT_EQ(DrainedNodes(balancer), (std::vector<std::string>{"node-b"}));
+}
+
 // A node down for good is forgotten on request (ubepctl forget), once the plan in force
 // excludes its ranks: it is no longer listed nor counted, no plan changes, and a daemon
 // registering under its name later is a new node (drained, as a restarted one).
@@ -2557,8 +2674,10 @@ class UnreachedLayerTest : public ::testing::Test {
 
   // threshold 1.2; a plan is judged after `trigger_windows` intervals above it. `idle_node`:
   // a third daemon registers too, hosting no rank (no client attached to it).
-  void Start(int trigger_windows, bool idle_node = false) {
+  // `health_failures`: failed health checks in a row that mark a daemon down.
+  void Start(int trigger_windows, bool idle_node = false, int health_failures = 1000) {
     BalancerOptions options = NeverMarkedDown();
+    options.health_failures = health_failures;
     options.threshold = 1.2;
     options.trigger_windows = trigger_windows;
     options.min_intervals = 1;
@@ -2682,6 +2801,39 @@ TEST_F(UnreachedLayerTest, ADaemonHostingNoRankDoesNotHoldBackPlans) {
   SwitchToThePlanPrepared();
   for (int i = 0; i < 2; ++i) Interval({16, 10, 8, 6}, 0);
   EXPECT_EQ(Sample("ubep_balancer_plan_compute_seconds"), 2);
+}
+
+// node-a is down (failing its health checks) while its ranks go on and it reports (no plan
+// without its ranks could be made: both daemons refuse every Prepare): those reports count for
+// nothing, and are let go of as each interval closes. Back, the intervals it closes hold only
+// what it reported since, not the outage's skewed counts (weighed as one interval's).
+TEST_F(UnreachedLayerTest, ADaemonBackFromDownCountsOnlyTheIntervalSinceItCameBack) {
+  Start(/*trigger_windows=*/100, /*idle_node=*/false, /*health_failures=*/1);
+  Interval({10, 10, 10, 10}, 0, /*layer1=*/10);
+  EXPECT_EQ(Sample("ubep_balancer_imbalance_ratio", "0"), 1.0);
+  a_.Refuse(FakeDaemon::kEveryVersion);
+  b_.Refuse(FakeDaemon::kEveryVersion);
+  a_.SetServing(false);
+  TickUntilDown(*balancer_, "node-a");  // The plan without its ranks is refused.
+  for (int i = 0; i < 3; ++i) Interval({100, 10, 10, 10}, 0, /*layer1=*/10);
+  v1::ClusterStatus cluster;
+  ASSERT_TRUE(balancer_->GetStatus(nullptr, nullptr, &cluster).ok());
+  ASSERT_FALSE(cluster.nodes(0).healthy()) << cluster.ShortDebugString();
+  const std::optional<double> during = Sample("ubep_balancer_imbalance_ratio", "0");
+  a_.SetServing(true);
+  for (int i = 0; i < 500 && !cluster.nodes(0).healthy(); ++i) {
+    absl::SleepFor(absl::Milliseconds(20));
+    balancer_->Tick();
+    cluster.Clear();
+    ASSERT_TRUE(balancer_->GetStatus(nullptr, nullptr, &cluster).ok());
+  }
+  ASSERT_TRUE(cluster.nodes(0).healthy()) << cluster.ShortDebugString();
+  ASSERT_EQ(cluster.plan_version(), 1u);
+  // The tick that found it healthy closed an interval with nothing reported in it: nothing
+  // new was measured (with the outage's counts in it: 3.08, node-a's ranks 10 to 1).
+  EXPECT_EQ(Sample("ubep_balancer_imbalance_ratio", "0"), during);
+  Interval({10, 10, 10, 10}, 0, /*layer1=*/10);
+  EXPECT_EQ(Sample("ubep_balancer_imbalance_ratio", "0"), 1.0);
 }
 
 // Layer 0 at 1.3 is above the threshold of 1.2; counting layer 1, which no call reached, as
