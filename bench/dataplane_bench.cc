@@ -459,6 +459,10 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  if (iters < 50) {
+    std::cerr << "ubep-bench-dataplane: " << iters
+              << " iterations: fewer than the 50 the reported figures are measured over\n";
+  }
   if (iters < 100) {
     // Nearest rank: the 99th percentile of n < 100 samples is the slowest of them.
     std::cerr << "ubep-bench-dataplane: " << iters

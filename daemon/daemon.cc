@@ -264,9 +264,15 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
     return absl::InvalidArgumentError(
         absl::StrCat("--backend ", options.backend, ": expected host or cuda"));
   }
-  if (options.backend == "cuda" && DeviceCount() == 0) {
-    return absl::FailedPreconditionError(
-        "--backend cuda: no CUDA device is visible to ubepd (or it was built without CUDA)");
+  if (options.backend == "cuda") {
+    const absl::StatusOr<int> devices = CountDevices();
+    if (!devices.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("--backend cuda: ", devices.status().message()));
+    }
+    if (*devices == 0) {
+      return absl::FailedPreconditionError("--backend cuda: no CUDA device is visible to ubepd");
+    }
   }
   options.node.backend = options.backend;
   options.node.domain = options.domain;

@@ -30,6 +30,9 @@ class DeviceMemory {
 
 // Devices visible to this process (0 without CUDA or a driver).
 int DeviceCount();
+// The same, or why none can be counted (no driver, one too old for this CUDA runtime, built
+// without CUDA): the runtime's own words.
+absl::StatusOr<int> CountDevices();
 
 absl::StatusOr<std::unique_ptr<DeviceMemory>> CreateDeviceMemory(int device, size_t bytes);
 

@@ -102,9 +102,21 @@ absl::StatusOr<cudaStream_t> StreamOn(int device) {
 
 }  // namespace
 
-int DeviceCount() {
+int DeviceCount() { return CountDevices().value_or(0); }
+
+absl::StatusOr<int> CountDevices() {
   int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+  const cudaError_t error = cudaGetDeviceCount(&n);
+  if (error == cudaErrorNoDevice) return 0;
+  if (error != cudaSuccess) {
+    int runtime = 0;
+    (void)cudaRuntimeGetVersion(&runtime);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cudaGetDeviceCount: ", cudaGetErrorString(error), " (ubepd's CUDA runtime is ",
+        runtime / 1000, ".", runtime % 1000 / 10,
+        error == cudaErrorInsufficientDriver ? "; the NVIDIA driver must support it)" : ")"));
+  }
+  return n;
 }
 
 absl::StatusOr<std::unique_ptr<DeviceMemory>> CreateDeviceMemory(int device, size_t bytes) {

@@ -1,5 +1,5 @@
 // ubep-bench-cuda: dispatch and combine on the CUDA backend, ranks as processes sharing one
-// GPU (CUDA IPC), next to a device-to-device copy of the same bytes measured in the same run.
+// GPU (CUDA IPC), next to device-to-device copies measured in the same run.
 // Prints a JSON array, one row per line as each rank count finishes: per (ranks, tokens, hidden) and
 // method (ubep_cuda: counting and sending in one cooperative launch; ubep_cuda_flagged: the same
 // with flag-in-granule rows and partials, kernels/common/flagged_rows.h; ubep_cuda_count_first:
@@ -10,7 +10,8 @@
 // the card's memory rate, the ceiling of the stores), and d2d_copy_same_size_gbps, rank 0's
 // own bytes; both count bytes copied (each read once and written once), as bytes_moved counts
 // rows stored.
-// A rank that dies or fails gives its case an "error" row instead of numbers.
+// A rank that dies or fails gives its case an "error" row instead of numbers, and the exit
+// status 1.
 //
 //   ubep-bench-cuda [--ranks 2,4,8] [--tokens 128] [--hidden 7168] [--iters 50] [--rounds 2]
 #include <cuda_runtime.h>
@@ -159,6 +160,11 @@ int RankMain(const bench::Case& c, Protocol protocol, EpConfig::SenderThread sen
     }
   }
   board->bytes[rank] = records * c.hidden * 2 * 2;
+  // Every rank's iterations end before the references are timed: a peer's last combine would
+  // share the card with them.
+  board->done.fetch_add(1);
+  const absl::Time end = absl::Now() + kMeetTimeout;
+  while (board->done.load() < c.ranks && absl::Now() < end) usleep(100);
   if (rank == 0) {
     // References: device-to-device copies, 3 untimed, then the median of 11 timed one by one.
     auto copy_gbps = [&](size_t n, double* gbps) -> cudaError_t {
@@ -188,9 +194,6 @@ int RankMain(const bench::Case& c, Protocol protocol, EpConfig::SenderThread sen
     BENCH_CUDA(copy_gbps(size_t{1} << 30, &board->copy_gbps));
     BENCH_CUDA(copy_gbps(std::max<uint64_t>(board->bytes[0], 1 << 20), &board->copy_same_size_gbps));
   }
-  board->done.fetch_add(1);
-  const absl::Time end = absl::Now() + kMeetTimeout;
-  while (board->done.load() < c.ranks && absl::Now() < end) usleep(100);
   return 0;
 #undef BENCH_CUDA
 }
@@ -224,6 +227,7 @@ int main(int argc, char** argv) {
   // Each row is printed as soon as its case is done, so that a run cut short by a time limit
   // still leaves the cases it finished.
   bool first_row = true;
+  bool failed = false;  // A case gave an error row.
   std::printf("[");
   for (int r : ranks) {
     if (ubep::bench::kExperts % r != 0) {
@@ -324,6 +328,7 @@ int main(int argc, char** argv) {
                             {"hidden", hidden}, {"routing", "uniform"}, {"rounds", round_count}};
       if (!p.error.empty()) {
         row["error"] = p.error;
+        failed = true;
       } else {
         const double p50 = ubep::Percentile(p.lat, 0.5);
         row["p50_us"] = p50;
@@ -341,5 +346,5 @@ int main(int argc, char** argv) {
     }
   }
   std::printf("\n]\n");
-  return 0;
+  return failed ? 1 : 0;
 }

@@ -8,7 +8,7 @@ COPY . .
 RUN scripts/install-deps.sh \
  && cmake -S . -B /build -G Ninja -DCMAKE_BUILD_TYPE=Release -DUBEP_BUILD_TESTS=OFF -DUBEP_BUILD_BENCHMARKS=OFF \
       -DUBEP_ENABLE_CUDA=OFF \
- && cmake --build /build --target ubep-balancer ubepctl
+ && cmake --build /build --target ubep_balancer ubepctl
 
 FROM debian:bookworm-slim
 RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends \

@@ -192,6 +192,12 @@ TEST_F(BalancerTest, RebalancingLowersTheMeasuredImbalanceAndEveryStepStaysExact
   EXPECT_EQ(test::Sample(m, "ubep_balancer_plans_aborted_total"), 0) << ReadFile(path("balancer.log"));
   EXPECT_GT(test::Sample(m, "ubep_balancer_migrated_slots_total"), 0);
   EXPECT_GT(test::Sample(m, "ubep_balancer_migrated_bytes_total"), 0);
+  // The exposition passes promtool's lint, as ubepd's does (daemon_test).
+  std::ofstream(path("balancer-metrics.txt")) << m;
+  Process lint({"/bin/sh", "-c", "/usr/bin/promtool check metrics < " + path("balancer-metrics.txt")},
+               path("lint.out"));
+  EXPECT_EQ(lint.Wait(absl::Seconds(30)), 0) << ReadFile(path("lint.out"));
+  EXPECT_EQ(ReadFile(path("lint.out")), "");
 }
 
 // A serving job started again (new clients of the same daemon) counts its steps from 0, before
