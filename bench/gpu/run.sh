@@ -139,10 +139,9 @@ bench() {  # bench TOKENS RANKS ITERS LIMIT_S: one JSON file, its errors and exi
   fi
   timeout -k 10 "$4" "$bin/ubep-bench-cuda" --ranks "$2" --tokens "$1" --hidden 7168 \
     --iters "$3" 2>> "$log" | tee "$out/cuda_bench_$1.json"
-  local rc=${PIPESTATUS[0]}
-  say "ubep-bench-cuda --tokens $1: exit $rc"
-  # A case that failed (an "error" row, exit 1) fails the run, as a test would.
-  [[ $rc == 0 ]] || status=1
+  # (Exit 1 where a case gave an "error" row; logged, not the run's status, which is the
+  # GPU tests'.)
+  say "ubep-bench-cuda --tokens $1: exit ${PIPESTATUS[0]}"
 }
 if [[ $mps == 1 ]]; then
   # MPS: a control daemon of this run's own (its pipes and logs in a temporary folder), which

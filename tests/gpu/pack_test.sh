@@ -39,8 +39,11 @@ bench/gpu/run.sh --pack "$work/pack" "$work/out" > "$work/run.log" 2>&1 || {
 grep -qx "cuda_ep_smoke: exit 0" "$work/out/gpu_tests.log"
 grep -qx "cuda_ep_test: exit 0" "$work/out/gpu_tests.log"
 grep -qx "daemon_cuda_test: exit 0" "$work/out/gpu_tests.log"
-grep -qx "ubep-bench-cuda --tokens 128: exit 0" "$work/out/gpu_tests.log"
-grep -qx "ubep-bench-cuda --tokens 4096: exit 0" "$work/out/gpu_tests.log"
+# The bench exits 1 where a case gave an error row: every case, without a device.
+bench_rc=0
+if grep -q "no CUDA device here" "$work/out/gpu_tests.log"; then bench_rc=1; fi
+grep -qx "ubep-bench-cuda --tokens 128: exit $bench_rc" "$work/out/gpu_tests.log"
+grep -qx "ubep-bench-cuda --tokens 4096: exit $bench_rc" "$work/out/gpu_tests.log"
 # Decode-sized at 2, 4 and 8 ranks, prefill-sized at 2 and 4: four methods each (ubep three
 # ways, bsp), one row per line.
 for run in "128 12" "4096 8"; do
