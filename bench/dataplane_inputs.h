@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <cstdint>
 #include <random>
@@ -110,6 +112,11 @@ inline std::vector<int32_t> RouteTokens(const Case& c, int rank, const Skew& ske
       idx.insert(idx.end(), chosen.begin(), chosen.end());
     }
     return idx;
+  }
+  if (skew.counts.size() != static_cast<size_t>(kExperts)) {
+    std::fprintf(stderr, "RouteTokens: a skewed routing needs %d expert counts, got %zu\n",
+                 kExperts, skew.counts.size());
+    std::abort();
   }
   const std::vector<double> p = InclusionProbabilities(skew.counts);
   std::vector<int> order(kExperts);
@@ -227,7 +234,7 @@ inline absl::StatusOr<Skew> SkewedDistribution(const std::string& source_dir,
       const double imbalance = RankImbalance(trace->row(l), ranks);
       if (imbalance > worst.rank_imbalance) {
         worst.counts.assign(trace->row(l).begin(), trace->row(l).end());
-        worst.source = absl::StrCat(name, " layer ", l);
+        worst.source = absl::StrCat(name, " layer ", trace->layer_ids()[l]);
         worst.rank_imbalance = imbalance;
       }
     }

@@ -509,7 +509,14 @@ absl::Status RefreshArenas(RankState& s, uint64_t epoch) {
     // passed over. So is an OK of an older epoch however it came.
     absl::StatusOr<ReceivedMessage> received = ReceiveMessage(
         s.fd_connection.get(), 4096, std::max(deadline - MonotonicNow(), absl::ZeroDuration()));
-    if (!received.ok()) return unanswered(received.status());
+    if (!received.ok()) {
+      // Past a timeout the reply is still owed; any other failure took a reply off the
+      // socket (its fds over the descriptor limit, say), which is owed no more.
+      if (!absl::IsDeadlineExceeded(received.status())) {
+        s.refresh_replies_owed = std::max(s.refresh_replies_owed - 1, 0);
+      }
+      return unanswered(received.status());
+    }
     reply = *std::move(received);
     if (reply.closed) {
       return absl::UnavailableError(absl::StrCat(

@@ -620,6 +620,7 @@ grpc::Status Balancer::Register(grpc::ServerContext* context, const v1::Register
     drained_.insert(request->node());
     if (static_cast<int>(DesiredExcluded().size()) >= shape_->world) {
       drained_.erase(request->node());
+      // (Not drained later either: its peers map its new arenas as they learn of them.)
       UBEP_LOG(WARNING) << "node " << request->node() << " " << why
                         << ", but keeping its ranks out would leave no rank serving: they stay in";
     } else {
@@ -1171,6 +1172,9 @@ void Balancer::Recover() {
     }
   }
   std::vector<CallResult> answers;
+  // When the daemons were asked: each read its step after this, so a rate counted from here
+  // is not too low, nor a step extrapolated from here too late (FanOut waits for the slowest).
+  const absl::Time asked = MonotonicNow();
   if (!ask.empty()) {
     answers = FanOut(ask_channels, "/ubep.v1.DaemonControl/GetState", v1::GetStateRequest(),
                      options_.rpc_timeout);
@@ -1215,7 +1219,7 @@ void Balancer::Recover() {
       d.prev_step = d.max_step;
       d.prev_step_time = d.step_time;
       d.max_step = state.max_step();
-      d.step_time = MonotonicNow();
+      d.step_time = std::max(asked, d.step_time);
     }
     if (state.plan_in_force()) d.in_force = std::max(d.in_force, state.committed_version());
     highest_version_ = std::max({highest_version_, d.committed, d.pending});

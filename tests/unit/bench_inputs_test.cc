@@ -109,6 +109,28 @@ TEST(BenchInputsTest, SkewedTokensLoadTheExpertsAsTheTraceDoes) {
   EXPECT_NEAR(RankImbalance(drawn, c.ranks), skew->rank_imbalance, 0.05);
 }
 
+// A layer with an expert whose share is over 1/K, and fewer than K experts with any count:
+// that expert is in every token's K (capped at 1), the other counted ones too (their shares,
+// 7/3 each, capped), and the rest of each token's K come from the experts without a count.
+TEST(BenchInputsTest, CappedAndTooFewExpertsStillGiveKDistinctExperts) {
+  Skew skew;
+  skew.counts.assign(kExperts, 0.0);
+  skew.counts[0] = 1000;
+  skew.counts[1] = skew.counts[2] = skew.counts[3] = 1;
+  const std::vector<double> p = InclusionProbabilities(skew.counts);
+  EXPECT_EQ(std::vector<double>(p.begin(), p.begin() + 5), (std::vector<double>{1, 1, 1, 1, 0}));
+  const Case c{"decode", 4, 256, 8, "skewed"};
+  const std::vector<int32_t> idx = RouteTokens(c, 0, skew);
+  std::vector<int> drawn(kExperts, 0);
+  for (int t = 0; t < c.tokens; ++t) {
+    const std::set<int32_t> experts(idx.begin() + t * kTopK, idx.begin() + (t + 1) * kTopK);
+    ASSERT_EQ(experts.size(), static_cast<size_t>(kTopK)) << "token " << t;
+    for (int32_t e : experts) ++drawn[e];
+  }
+  for (int e = 0; e < 4; ++e) EXPECT_EQ(drawn[e], c.tokens) << "expert " << e;
+  EXPECT_EQ(std::accumulate(drawn.begin() + 4, drawn.end(), 0), 4 * c.tokens);
+}
+
 // Uniform routing draws no trace: K distinct experts per token, each about equally often.
 TEST(BenchInputsTest, UniformTokensLoadEveryExpertAlike) {
   const Case c{"decode", 4, 4096, 2048, "uniform"};
