@@ -1,5 +1,7 @@
 #include "balancer/core/planner.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "balancer/core/eplb_policy.h"
 #include "balancer/core/ubep_policy.h"
@@ -34,7 +36,10 @@ void KeepLayersEplbCannotMove(const LoadMatrix& load, const Topology& topology,
                               const Plan& previous, int budget, Plan& plan) {
   const int S = topology.slots_per_rank;
   for (int l = 0; l < plan.num_layers(); ++l) {
-    bool keep = load.RowSum(l) <= 0;
+    // No load as EPLB sees it, in float: values below float's range are 0 to it too.
+    const auto row = load.row(l);
+    bool keep = std::all_of(row.begin(), row.end(),
+                            [](double v) { return !(static_cast<float>(v) > 0.0f); });
     for (int r = 0; r < topology.num_ranks && !keep && budget >= 0; ++r) {
       int changed = 0;
       for (int p = r * S; p < (r + 1) * S; ++p) {

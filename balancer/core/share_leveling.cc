@@ -240,6 +240,9 @@ void SpreadShares(std::span<const double> w, const std::vector<Block>& blocks, d
       ProjectEqualSplit(load, hi, x, order);
       double sum = 0;
       for (size_t j = 0; j < n; ++j) sum += x[j];
+      // A load of a few denormals splits into parts that round to 0: no split to take (the
+      // fractions would be 0 / 0); the current one stays.
+      if (!(sum > 0)) continue;
       for (size_t j = 0; j < n; ++j) {
         // The fraction first: x[j] * load is of the order of load^2, which overflows for
         // loads above ~1e154 and underflows to 0 below ~1e-154 (decayed rates).

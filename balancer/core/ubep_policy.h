@@ -44,7 +44,9 @@ struct UbepPolicyOptions {
   // renumbered to keep what it can in place) when its kept placement leans on tuned shares so
   // much that its balancedness under equal shares is worse than the fresh plan's by more than
   // fresh_gain; largest gains first, while the slots that change in one replan stay within
-  // max_moved_fraction of all slots.
+  // max_moved_fraction of all slots. The local search's own moves count toward that, but are
+  // not capped by it (at most 2 x kMaxIncrementalTrials slots a layer): where they alone pass
+  // it, no layer is replanned from scratch, and the replan moves more than the fraction.
   double fresh_gain = 0.02;
   double max_moved_fraction = 0.2;
   // Fresh replans swap single-replica experts back to their old slots when their loads differ

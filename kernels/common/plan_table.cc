@@ -168,6 +168,15 @@ absl::Status ValidatePlanTable(std::span<const std::byte> bytes) {
                                                          " and ", e));
         }
         served_by[slot] = static_cast<int32_t>(e);
+        // The replicas' hash ranges follow each other and cover every hash: bounds that go
+        // back, or end short, would move traffic off the shares the plan set.
+        const uint32_t bound = Replicas(route)[j].cum_share;
+        if ((j > 0 && bound < Replicas(route)[j - 1].cum_share) ||
+            (j + 1 == route->count && bound != 0xFFFFFFFFu)) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "plan table: layer ", l, " expert ", e, " replica ", j, " ends its hash range at ",
+              bound, j + 1 == route->count ? ", not at 2^32 - 1" : ", before the one before it"));
+        }
       }
     }
   }

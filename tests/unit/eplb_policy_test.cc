@@ -93,6 +93,20 @@ TEST(EplbPolicyTest, PlannerNamesPolicies) {
                 "unknown policy 'random'; expected eplb, eplb-global or ubep"));
 }
 
+// A layer whose loads are below float's range (EPLB works in float) has no load to EPLB: it
+// keeps its placement, rather than have every spare slot go to expert 0.
+TEST(EplbPolicyTest, ALayerBelowFloatsRangeKeepsItsPlacement) {
+  const Topology t{4, 1, 6, 1};
+  LoadMatrix load(1, 16);
+  for (int e = 0; e < 16; ++e) load.at(0, e) = 100.0 + e;
+  absl::StatusOr<Plan> first = ComputePlan(load, t, nullptr, {.policy = Policy::kEplbGlobal});
+  ASSERT_TRUE(first.ok()) << first.status();
+  for (int e = 0; e < 16; ++e) load.at(0, e) = 1e-50 * (e + 1);
+  absl::StatusOr<Plan> next = ComputePlan(load, t, &*first, {.policy = Policy::kEplbGlobal});
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(ChangedSlots(*first, *next, nullptr), 0);
+}
+
 // Against the plan in force, an EPLB layer with no load keeps its placement, and so does one
 // whose new placement changes more slots of a rank than the budget; a layer within it moves.
 TEST(EplbPolicyTest, LayersWithoutLoadOrOverTheBudgetKeepTheirPlacement) {

@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/common/routing.h"
 
@@ -82,6 +83,37 @@ TEST(PlanTableTest, RefusesASlotThatServesTwoExperts) {
   const_cast<ReplicaRoute*>(Replicas(route))[0].slot = 1;
   EXPECT_EQ(ValidatePlanTable(table),
             absl::InvalidArgumentError("plan table: layer 0 slot 1 serves experts 1 and 2"));
+}
+
+// An expert's replicas split the hash range in order and cover all of it: a bound that goes
+// back, or a last one short of 2^32 - 1, is refused naming the replica.
+TEST(PlanTableTest, RefusesHashRangesThatGoBackOrEndShort) {
+  const std::vector<int> experts = {0, 1, 0, 2};
+  const std::vector<double> shares = {0.25, 1.0, 0.75, 1.0};
+  const LayerRouting layer{experts, shares};
+  std::vector<std::byte> table = *BuildPlanTable(1, 3, {&layer, 1});
+  ASSERT_EQ(ValidatePlanTable(table), absl::OkStatus());
+  const auto* header = reinterpret_cast<const PlanTableHeader*>(table.data());
+  auto* replicas = const_cast<ReplicaRoute*>(Replicas(FindRoute(header, 0, 0)));
+  replicas[1].cum_share = 0xFFFFFFFEu;
+  EXPECT_EQ(ValidatePlanTable(table),
+            absl::InvalidArgumentError("plan table: layer 0 expert 0 replica 1 ends its hash "
+                                       "range at 4294967294, not at 2^32 - 1"));
+  replicas[1].cum_share = 0xFFFFFFFFu;
+  replicas[0].cum_share = 0xFFFFFFFFu;  // Still in order: replica 1 takes no hash.
+  EXPECT_EQ(ValidatePlanTable(table), absl::OkStatus());
+  // Three replicas, the middle one's bound below the first's.
+  const std::vector<int> three = {0, 0, 0, 1};
+  const std::vector<double> thirds = {0.25, 0.25, 0.5, 1.0};
+  const LayerRouting layer3{three, thirds};
+  std::vector<std::byte> table3 = *BuildPlanTable(1, 2, {&layer3, 1});
+  const auto* header3 = reinterpret_cast<const PlanTableHeader*>(table3.data());
+  auto* replicas3 = const_cast<ReplicaRoute*>(Replicas(FindRoute(header3, 0, 0)));
+  replicas3[1].cum_share = replicas3[0].cum_share - 1;
+  EXPECT_EQ(ValidatePlanTable(table3),
+            absl::InvalidArgumentError(absl::StrCat(
+                "plan table: layer 0 expert 0 replica 1 ends its hash range at ",
+                replicas3[1].cum_share, ", before the one before it")));
 }
 
 // A header read from shared memory is checked before anything is sized or read from it: sizes

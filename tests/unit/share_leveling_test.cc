@@ -4,6 +4,8 @@
 #include "balancer/core/planner.h"
 #include "gtest/gtest.h"
 
+#include <limits>
+
 namespace ubep::balancer {
 namespace {
 
@@ -56,6 +58,29 @@ TEST(ShareLevelingTest, SlackSpreadsSplitsTowardEqual) {
   EXPECT_NEAR(loads[0], 7.2, 1e-9);
   EXPECT_NEAR(layer.slot_share[1], 0.3, 1e-9);
   EXPECT_NEAR(layer.slot_share[3], 0.7, 1e-9);
+}
+
+// Loads of a few denormals (an EWMA of an idle system decays through them): the split of an
+// expert rounds to parts of 0, and the shares stay as they were, valid, not 0 / 0.
+TEST(ShareLevelingTest, DenormalLoadsKeepValidShares) {
+  const double dm = std::numeric_limits<double>::denorm_min();
+  LoadMatrix load(1, 4);
+  load.at(0, 0) = 2 * dm;
+  load.at(0, 1) = dm;
+  const Topology t{2, 1, 3, 1};
+  absl::StatusOr<Plan> plan = ComputePlan(load, t, nullptr, {.policy = Policy::kUbep});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  // Decayed by half a step at a time down to 0, from loads of 1, each plan from the last.
+  LoadMatrix decaying(1, 16);
+  for (int e = 0; e < 16; ++e) decaying.at(0, e) = 1.0 + e;
+  absl::StatusOr<Plan> last = ComputePlan(decaying, Topology{8, 1, 3, 1}, nullptr, {});
+  ASSERT_TRUE(last.ok()) << last.status();
+  for (int step = 0; step < 1200 && decaying.RowSum(0) > 0; ++step) {
+    for (int e = 0; e < 16; ++e) decaying.at(0, e) *= 0.5;
+    absl::StatusOr<Plan> next = ComputePlan(decaying, Topology{8, 1, 3, 1}, &*last, {});
+    ASSERT_TRUE(next.ok()) << "step " << step << ": " << next.status();
+    last = std::move(next);
+  }
 }
 
 TEST(ShareLevelingTest, ZeroLoadKeepsEqualShares) {
