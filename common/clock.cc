@@ -1,5 +1,7 @@
 #include "common/clock.h"
 
+#include <limits>
+
 #include "absl/time/clock.h"
 
 #include <time.h>
@@ -21,9 +23,22 @@ int64_t FakeClock::NowNanos() const {
   return now_nanos_;
 }
 
+namespace {
+
+// a + b, held at int64's ends (an infinite duration is int64's largest count of ns).
+int64_t SaturatingAdd(int64_t a, int64_t b) {
+  int64_t sum = 0;
+  if (__builtin_add_overflow(a, b, &sum)) {
+    return b > 0 ? std::numeric_limits<int64_t>::max() : std::numeric_limits<int64_t>::min();
+  }
+  return sum;
+}
+
+}  // namespace
+
 void FakeClock::SleepFor(absl::Duration duration) {
   MutexLock lock(&mu_);
-  const int64_t deadline = now_nanos_ + absl::ToInt64Nanoseconds(duration);
+  const int64_t deadline = SaturatingAdd(now_nanos_, absl::ToInt64Nanoseconds(duration));
   ++sleepers_;
   mu_.Await([this, deadline]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return now_nanos_ >= deadline; });
   --sleepers_;
@@ -36,7 +51,7 @@ void FakeClock::AwaitSleepers(int count) {
 
 void FakeClock::Advance(absl::Duration duration) {
   MutexLock lock(&mu_);
-  now_nanos_ += absl::ToInt64Nanoseconds(duration);
+  now_nanos_ = SaturatingAdd(now_nanos_, absl::ToInt64Nanoseconds(duration));
 }
 
 void FakeClock::SetNanos(int64_t now_nanos) {

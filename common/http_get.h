@@ -21,7 +21,7 @@ namespace ubep {
 // short of its Content-Length, or ended by a read error is a failure (a cut exposition would
 // read as a sample of a smaller value).
 inline std::string HttpGet(int port, const std::string& path) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return "";
   timeval timeout{5, 0};
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));

@@ -10,6 +10,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <optional>
 #include <string>
 #include <vector>
@@ -59,7 +61,9 @@ class Process {
   // The exit code (128 + signal when killed by one), or nullopt at the timeout.
   std::optional<int> Wait(absl::Duration timeout) {
     if (status_.has_value() || pid_ <= 0) return status_;
-    const absl::Time deadline = absl::Now() + timeout;
+    // On the steady clock: a step of the wall clock neither cuts the wait short nor stretches it.
+    const auto deadline = std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(
+                              std::min(timeout, absl::Hours(24 * 365)));
     while (true) {
       int raw = 0;
       const pid_t r = waitpid(pid_, &raw, WNOHANG);
@@ -67,7 +71,7 @@ class Process {
         status_ = WIFEXITED(raw) ? WEXITSTATUS(raw) : 128 + WTERMSIG(raw);
         return status_;
       }
-      if (absl::Now() > deadline) return std::nullopt;
+      if (std::chrono::steady_clock::now() > deadline) return std::nullopt;
       absl::SleepFor(absl::Milliseconds(5));
     }
   }

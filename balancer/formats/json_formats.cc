@@ -192,12 +192,17 @@ absl::Status WriteTextFile(const std::string& path, const std::string& text) {
           absl::StrCat(path, ": cannot write: ", std::strerror(errno)));
     }
     out << text;
-    if (!out.flush()) {
-      return absl::InternalError(absl::StrCat(path, ": write failed: ", std::strerror(errno)));
+    out.close();  // Flushed and closed: a write that fails at either is a failure.
+    if (!out) {
+      const int error = errno;
+      std::remove(tmp.c_str());
+      return absl::InternalError(absl::StrCat(path, ": write failed: ", std::strerror(error)));
     }
   }
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    return absl::InternalError(absl::StrCat(path, ": rename failed: ", std::strerror(errno)));
+    const int error = errno;
+    std::remove(tmp.c_str());
+    return absl::InternalError(absl::StrCat(path, ": rename failed: ", std::strerror(error)));
   }
   return absl::OkStatus();
 }

@@ -126,7 +126,7 @@ absl::Status RunStep(ubep::Rank& rank, const MoeModel& model, uint64_t step, std
     if (absl::Status s = rank.Combine(d, y.data(), out.data()); !s.ok()) return s;
     const double err =
         ubep::example::MaxRelativeError(out, model.ReferenceLayer(step, rank.rank(), l, x), H);
-    if (!(err <= max_rel_err)) max_rel_err = err;  // NaN sticks, and fails the step.
+    max_rel_err = ubep::example::WorseError(max_rel_err, err);  // NaN sticks, and fails the step.
     std::swap(x, out);
   }
   return absl::OkStatus();

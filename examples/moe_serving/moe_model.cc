@@ -164,7 +164,7 @@ double MaxRelativeError(const std::vector<float>& got, const std::vector<double>
       norm += want[t * hidden + h] * want[t * hidden + h];
     }
     const double error = norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
-    if (!(error <= worst)) worst = error;  // A NaN output is the worst of all, not skipped.
+    worst = WorseError(worst, error);
   }
   return worst;
 }

@@ -12,6 +12,7 @@
 #define UBEP_EXAMPLES_MOE_SERVING_MOE_MODEL_H_
 
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -67,6 +68,13 @@ class MoeModel {
 
 // Norm-wise relative error of each token row, the largest: max_t |a_t - b_t| / |b_t|.
 double MaxRelativeError(const std::vector<float>& got, const std::vector<double>& want, int hidden);
+
+// The worse of two errors: NaN where either is (a NaN output is the worst of all, and stays
+// so whatever comes after it), else the larger.
+inline double WorseError(double a, double b) {
+  if (a != a || b != b) return std::numeric_limits<double>::quiet_NaN();
+  return a > b ? a : b;
+}
 
 }  // namespace ubep::example
 

@@ -337,6 +337,18 @@ TEST_F(LocalTest, FlagValuesThatCannotMakeAClusterAreRefusedBeforeAnythingStarts
        "metrics_port + daemons; 0 = any free ones)\n"},
       {"--layers=4097", "ubep-local: --layers 4097 is over 4096, the most an EP group has\n"},
       {"--experts=1025", "ubep-local: --experts 1025 is over 1024, the most an EP group has\n"},
+      // What the serving processes or ubepd would refuse once everything had started.
+      {"--experts=4", "ubep-local: --experts 4 is under the top-8 the serving processes route to\n"},
+      {"--slots_per_rank=1",
+       "ubep-local: --slots_per_rank 1 x --ranks 8 holds 8 slots, fewer than --experts 256\n"},
+      {"--experts=64",
+       "ubep-local: " + std::string(UBEP_SOURCE_DIR) +
+           "/data/traces/deepseek-v3/decode_in1000out1000.json has 58 MoE layers x 256 experts; "
+           "--layers 4 and --experts 64 need at least 4 x exactly 64\n"},
+      {"--layers=59",
+       "ubep-local: " + std::string(UBEP_SOURCE_DIR) +
+           "/data/traces/deepseek-v3/decode_in1000out1000.json has 58 MoE layers x 256 experts; "
+           "--layers 59 and --experts 256 need at least 59 x exactly 256\n"},
   };
   for (const auto& [flag, message] : cases) {
     std::string output;
@@ -429,6 +441,44 @@ TEST_F(LocalTest, InterruptStopsEveryProcessAndLeavesNothingBehind) {
   const nlohmann::json r = nlohmann::json::parse(ReadFile(report + "/report.json"));
   EXPECT_TRUE(r["interrupted"].get<bool>());
   EXPECT_FALSE(r["correct"].get<bool>());
+}
+
+// The balancer killed while the ranks run: ubep-local names it with its status and log, stops
+// everything and fails the run (it went on with the balancer's figures frozen, and said
+// "every step correct").
+TEST_F(LocalTest, ABalancerThatDiesMidRunIsNamedAndFailsTheRun) {
+  const std::string report = path("report");
+  Process local({test::BinaryPath("ubep-local"), "--ranks=4", "--daemons=2", "--steps=1000000",
+                 "--report=" + report, "--listen=127.0.0.1:0", "--metrics_port=0"},
+                path("local.out"));
+  ASSERT_TRUE(WaitFor([&] { return std::filesystem::exists(report + "/cluster.json"); },
+                      absl::Seconds(60)))
+      << ReadFile(path("local.out"));
+  const std::string workdir = nlohmann::json::parse(ReadFile(report + "/cluster.json"))["workdir"];
+  ASSERT_TRUE(WaitFor([&] { return ReadFile(path("local.out")).find("step ") != std::string::npos; },
+                      absl::Seconds(60)));
+  // The children, by the working directory in their command lines.
+  auto children = [&](const std::string& binary) {
+    std::vector<pid_t> pids;
+    for (const auto& e : std::filesystem::directory_iterator("/proc")) {
+      const std::string cmdline = ReadFile(e.path().string() + "/cmdline");
+      if (cmdline.find(workdir) == std::string::npos) continue;
+      if (!binary.empty() && cmdline.find(binary) == std::string::npos) continue;
+      pids.push_back(std::stoi(e.path().filename().string()));
+    }
+    return pids;
+  };
+  const std::vector<pid_t> balancer = children("/ubep-balancer");
+  ASSERT_EQ(balancer.size(), 1u);
+  ASSERT_EQ(kill(balancer[0], SIGKILL), 0);
+  EXPECT_EQ(local.Wait(absl::Seconds(60)), 1) << ReadFile(path("local.out"));
+  EXPECT_THAT(ReadFile(path("local.out")),
+              HasSubstr("ubep-local: ubep-balancer exited with status 137 while the ranks ran (" +
+                        workdir + "/balancer.log)"));
+  EXPECT_TRUE(children("").empty());
+  const nlohmann::json r = nlohmann::json::parse(ReadFile(report + "/report.json"));
+  EXPECT_FALSE(r["correct"].get<bool>());
+  std::filesystem::remove_all(workdir);  // Kept for the operator, as on every failed run.
 }
 
 }  // namespace

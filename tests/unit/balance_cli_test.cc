@@ -282,5 +282,18 @@ TEST(BalanceCliTest, TheBinaryExitsTwoOnBadInput) {
                 ": logical_count[1]: has 1 experts, logical_count[0] has 2 (ragged rows)\n");
 }
 
+// Its summary on a standard output that cannot take it (a full disk): exit 1 saying so, not 0
+// with the output cut short.
+TEST(BalanceCliTest, TheBinaryFailsWhenItsOutputCannotBeWritten) {
+  test::TempDir dir;
+  const std::string command = std::string(UBEP_BINARY_DIR) + "/bin/ubep-balance plan --load " +
+                              kTrace + " --ranks 32 --slots-per-rank 9 --out " + dir.path() +
+                              "/p.json > /dev/full 2>" + dir.path() + "/err.txt";
+  const int status = std::system(command.c_str());
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 1);
+  EXPECT_EQ(*ReadTextFile(dir.path() + "/err.txt"), "ubep-balance: cannot write the output\n");
+}
+
 }  // namespace
 }  // namespace ubep::balancer

@@ -48,6 +48,22 @@ def declarations(header):
     return found
 
 
+def structures(header):
+    """name -> [(field, C type)] of every `typedef struct { ... } name;` in ubep_c.h, in order."""
+    text = re.sub(r"/\*.*?\*/", "", open(header).read(), flags=re.S)
+    found = {}
+    for m in re.finditer(r"typedef struct \{([^}]*)\}\s*(\w+);", text):
+        fields = []
+        for decl in m.group(1).split(";"):
+            decl = " ".join(decl.split())
+            if not decl:
+                continue
+            f = re.match(r"^(.*?)\s*\b(\w+)$", decl)
+            fields.append((f.group(2), f.group(1).replace(" *", "*")))
+        found[m.group(2)] = fields
+    return found
+
+
 def matches(c_type, ctype, binding):
     """Whether the binding's ctypes type fits the header's C type, pointee for pointee."""
     c_type = c_type.replace("const ", "").replace(" ", "")
@@ -95,10 +111,28 @@ def main(argv):
         for i, (c_type, ctype) in enumerate(zip(params, argtypes)):
             if not matches(c_type, ctype, ubep_ctypes):
                 problems.append(f"{name}: parameter {i} is {c_type}, the binding says {ctype}")
+    # The structures, field by field: the same names and types in the same order, hence the
+    # same offsets and size (ctypes lays a Structure out as the C compiler does); a field
+    # reordered or retyped in one and not the other would have ctypes write the wrong bytes.
+    parsed = structures(header)
+    if set(parsed) != set(STRUCTS):
+        problems.append(f"structures in {header}: {sorted(parsed)}, expected {sorted(STRUCTS)}")
+    for c_name, fields in sorted(parsed.items()):
+        if c_name not in STRUCTS:
+            continue
+        binding_fields = getattr(ubep_ctypes, STRUCTS[c_name])._fields_
+        if [f for f, _ in fields] != [f for f, _ in binding_fields]:
+            problems.append(f"{c_name}: fields {[f for f, _ in fields]}, the binding's "
+                            f"{[f for f, _ in binding_fields]}")
+            continue
+        for (field, c_type), (_, ctype) in zip(fields, binding_fields):
+            if not matches(c_type, ctype, ubep_ctypes):
+                problems.append(f"{c_name}.{field} is {c_type}, the binding says {ctype}")
     for p in problems:
         print(p)
     if not problems:
-        print(f"{len(declared)} functions: the binding matches ubep_c.h and libubep.so")
+        print(f"{len(declared)} functions and {len(parsed)} structures: the binding matches "
+              "ubep_c.h and libubep.so")
     return 1 if problems else 0
 
 

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <limits>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -86,6 +87,24 @@ TEST(FakeClockTest, SleepReturnsOnceAnotherThreadAdvancesPastTheDeadline) {
   sleeper.join();
   EXPECT_TRUE(woke.load());
   EXPECT_EQ(clock.NowNanos(), 2'000'000'000);
+}
+
+// An infinite sleep has no deadline the clock reaches by advancing (the deadline is held at
+// int64's end, not wrapped below the clock's time); Advance holds there too.
+TEST(FakeClockTest, AnInfiniteSleepEndsOnlyAtTheEndOfTime) {
+  FakeClock clock(1);
+  std::atomic<bool> woke{false};
+  std::thread sleeper([&] {
+    clock.SleepFor(absl::InfiniteDuration());
+    woke = true;
+  });
+  clock.AwaitSleepers(1);
+  clock.Advance(absl::Hours(1));
+  absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_FALSE(woke.load());
+  clock.Advance(absl::InfiniteDuration());
+  sleeper.join();
+  EXPECT_EQ(clock.NowNanos(), std::numeric_limits<int64_t>::max());
 }
 
 TEST(MutexTest, AwaitSeesChangesMadeByAnotherThread) {

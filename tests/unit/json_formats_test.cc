@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
 #include <iterator>
 #include <limits>
 #include <random>
@@ -92,6 +93,22 @@ TEST(ReadFileTest, MissingFileIsNotFound) {
 
 // Every field, each away from what a reader would assume without it: version 7, two expert
 // groups, model layers 3 and 4 (excluded ranks: below).
+// A file written through PATH.tmp and a rename: a rename that fails (PATH is a directory with
+// something in it) is an error naming PATH, and leaves no PATH.tmp behind.
+TEST(WriteTextFileTest, AFailedRenameLeavesNoTemporaryFile) {
+  char dir_template[] = "/tmp/ubep-write-test-XXXXXX";
+  const std::string dir = mkdtemp(dir_template);
+  const std::string path = dir + "/plan.json";
+  std::filesystem::create_directories(path + "/inside");
+  const absl::Status written = WriteTextFile(path, "{}\n");
+  EXPECT_EQ(written.code(), absl::StatusCode::kInternal);
+  EXPECT_TRUE(absl::StartsWith(written.message(), path + ": rename failed: ")) << written;
+  EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
+  EXPECT_TRUE(WriteTextFile(dir + "/other.json", "{}\n").ok());
+  EXPECT_EQ(*ReadTextFile(dir + "/other.json"), "{}\n");
+  std::filesystem::remove_all(dir);
+}
+
 TEST(PlanJsonTest, RoundTripsEveryField) {
   Plan plan = test::SmallPlan();
   plan.version = 7;

@@ -9,5 +9,12 @@
 int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
   ubep::SystemClock clock;
-  return ubep::balancer::RunBalanceCli(args, std::cout, std::cerr, clock);
+  const int status = ubep::balancer::RunBalanceCli(args, std::cout, std::cerr, clock);
+  // Output cut short (a full disk, a closed pipe) is a failure, not a plan written.
+  std::cout.flush();
+  if (!std::cout) {
+    std::cerr << "ubep-balance: cannot write the output\n";
+    return 1;
+  }
+  return status;
 }

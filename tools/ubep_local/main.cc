@@ -50,6 +50,7 @@
 #include "absl/time/time.h"
 #include "balancer/core/metrics.h"
 #include "balancer/formats/json_formats.h"
+#include "common/clock.h"
 #include "common/http_get.h"
 #include "common/process.h"
 #include "common/shape_limits.h"
@@ -83,6 +84,9 @@ ABSL_FLAG(int, max_recv_rows, 0,
 
 namespace {
 
+// Experts per token in the serving processes (ubep-moe-example's --top_k, left at its default).
+constexpr int kTopK = 8;
+
 std::atomic<bool> interrupted{false};
 
 void OnSignal(int) { interrupted.store(true); }
@@ -102,6 +106,14 @@ std::string ReadFile(const std::string& path) {
 
 // The last `bytes` of a file (a client's log grows by a line a step; the progress line needs
 // only its last step).
+std::string ReadTail(const std::string& path, std::streamoff bytes);
+
+// The last line with text of a process's output, quoted after a colon (why it exited), or "".
+std::string LastLineOf(const std::string& path) {
+  std::vector<std::string> lines = absl::StrSplit(ReadTail(path, 4096), '\n', absl::SkipWhitespace());
+  return lines.empty() ? std::string() : absl::StrCat(": \"", lines.back(), "\"");
+}
+
 std::string ReadTail(const std::string& path, std::streamoff bytes) {
   std::ifstream in(path, std::ios::binary | std::ios::ate);
   if (!in) return "";
@@ -119,8 +131,8 @@ absl::StatusOr<nlohmann::json> AwaitReady(const std::string& path, ubep::Process
     return absl::FailedPreconditionError(
         absl::StrCat("cannot start it: ", strerror(process.spawn_error())));
   }
-  const absl::Time deadline = absl::Now() + absl::Seconds(30);
-  while (absl::Now() < deadline && !interrupted.load()) {
+  const absl::Time deadline = ubep::MonotonicNow() + absl::Seconds(30);
+  while (ubep::MonotonicNow() < deadline && !interrupted.load()) {
     if (std::filesystem::exists(path)) {
       try {
         const nlohmann::json ready = nlohmann::json::parse(ReadFile(path));
@@ -343,11 +355,38 @@ int Run(int argc, char** argv) {
     return 2;
   }
   if (slots == 0) slots = (experts + R - 1) / R;
+  // The serving processes route top-8 (ubep-moe-example's default) over the experts, which
+  // the group's slots must hold, drawn from traces of that many experts and enough layers.
+  if (experts < kTopK) {
+    std::cerr << "ubep-local: --experts " << experts << " is under the top-" << kTopK
+              << " the serving processes route to\n";
+    return 2;
+  }
+  if (static_cast<int64_t>(slots) * R < experts) {
+    std::cerr << "ubep-local: --slots_per_rank " << slots << " x --ranks " << R << " holds "
+              << static_cast<int64_t>(slots) * R << " slots, fewer than --experts " << experts
+              << "\n";
+    return 2;
+  }
   const std::string bin = SelfDir();
   std::string traces = absl::GetFlag(FLAGS_traces);
   if (traces.empty()) {
     const std::string dir = std::string(UBEP_DATA_DIR) + "/traces/deepseek-v3/";
     traces = dir + "decode_in1000out1000.json," + dir + "prefill_in1024.json";
+  }
+  for (const std::string& trace : std::vector<std::string>(absl::StrSplit(traces, ',', absl::SkipEmpty()))) {
+    absl::StatusOr<ubep::balancer::LoadMatrix> load = ubep::balancer::ReadSglangLoadFile(trace);
+    if (!load.ok()) {
+      std::cerr << "ubep-local: --traces: " << load.status().message() << "\n";
+      return 2;
+    }
+    if (load->num_experts() != experts || load->num_layers() < absl::GetFlag(FLAGS_layers)) {
+      std::cerr << "ubep-local: " << trace << " has " << load->num_layers() << " MoE layers x "
+                << load->num_experts() << " experts; --layers " << absl::GetFlag(FLAGS_layers)
+                << " and --experts " << experts << " need at least " << absl::GetFlag(FLAGS_layers)
+                << " x exactly " << experts << "\n";
+      return 2;
+    }
   }
   const std::string report_dir = absl::GetFlag(FLAGS_report);
   std::error_code made;
@@ -394,9 +433,9 @@ int Run(int argc, char** argv) {
     }
     all.push_back(balancer.get());
     for (ubep::Process* p : all) p->Signal(SIGTERM);
-    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    const absl::Time deadline = ubep::MonotonicNow() + absl::Seconds(10);
     for (ubep::Process* p : all) {
-      if (!p->Wait(std::max(absl::ZeroDuration(), deadline - absl::Now())).has_value()) {
+      if (!p->Wait(std::max(absl::ZeroDuration(), deadline - ubep::MonotonicNow())).has_value()) {
         p->Signal(SIGKILL);
         p->Wait(absl::Seconds(10));
       }
@@ -507,7 +546,7 @@ int Run(int argc, char** argv) {
 
   // Watch: counters, the plan, progress.
   const bool tty = isatty(STDOUT_FILENO);
-  const absl::Time start = absl::Now();
+  const absl::Time start = ubep::MonotonicNow();
   const int layers = absl::GetFlag(FLAGS_layers);
   std::vector<std::vector<double>> counts(layers, std::vector<double>(R, 0));
   std::optional<std::vector<std::vector<double>>> before_end, after_start;
@@ -522,10 +561,37 @@ int Run(int argc, char** argv) {
   // A step's last line: served ("step 12 generation ...") or dropped over the receive capacity
   // ("dropped step 12: ...").
   static const std::regex kStep(R"(^(dropped )?step (\d+)[ :])");
+  // The balancer or a daemon that exits while the ranks run: named, and the run ends (the
+  // ranks would go on without the balancer, its figures frozen; a daemon's ranks fail later).
+  std::vector<std::string> service_problems;
+  auto exited = [&](ubep::Process& p, const std::string& name, const std::string& log) {
+    const std::optional<int> code = p.Wait(absl::ZeroDuration());
+    if (code.has_value()) {
+      service_problems.push_back(
+          absl::StrCat(name, " exited with status ", *code, " while the ranks ran (", log, ")"));
+    }
+    return code.has_value();
+  };
   while (!interrupted.load()) {
     bool all_done = true;
     for (auto& c : clients) all_done &= !c->running() || c->Wait(absl::ZeroDuration()).has_value();
-    const double t = absl::ToDoubleSeconds(absl::Now() - start);
+    // (A Ctrl-C at a terminal reaches the children too: not a service that failed.)
+    bool service_gone = false;
+    if (!all_done && !interrupted.load()) {
+      service_gone = exited(*balancer, "ubep-balancer", path("balancer.log"));
+      for (const Node& n : nodes) {
+        service_gone |= exited(*n.process, "ubepd " + n.name, path(n.name + ".log"));
+      }
+    }
+    if (service_gone && interrupted.load()) service_problems.clear();
+    if (service_gone && !interrupted.load()) {
+      if (tty) std::cout << "\n";
+      for (const std::string& problem : service_problems) {
+        std::cout << "ubep-local: " << problem << "\n";
+      }
+      break;
+    }
+    const double t = absl::ToDoubleSeconds(ubep::MonotonicNow() - start);
     // Counters and latencies from the daemons; the plan from the balancer.
     std::vector<Series> daemon_series;
     for (const Node& n : nodes) {
@@ -590,8 +656,8 @@ int Run(int argc, char** argv) {
         after_start_step = step;
       }
     }
-    if (absl::Now() >= next_print || all_done) {
-      next_print = absl::Now() + (tty ? absl::Milliseconds(500) : absl::Seconds(5));
+    if (ubep::MonotonicNow() >= next_print || all_done) {
+      next_print = ubep::MonotonicNow() + (tty ? absl::Milliseconds(500) : absl::Seconds(5));
       const std::string line = absl::StrFormat(
           "step %d/%d  plan v%.0f  imbalance %s (last rebalance %s -> %s)  migrated %.0f slots  "
           "dispatch+combine p50 %s",
@@ -614,9 +680,10 @@ int Run(int argc, char** argv) {
   if (interrupted.load()) std::cout << "ubep-local: interrupted; stopping everything\n";
   stop_all();
 
-  // Correctness: every rank ran every step, each equal to its float64 reference.
-  bool correct = !interrupted.load();
-  std::vector<std::string> problems;
+  // Correctness: every rank ran every step, each equal to its float64 reference, with the
+  // balancer and every daemon there to the end.
+  bool correct = !interrupted.load() && service_problems.empty();
+  std::vector<std::string> problems = service_problems;
   for (int r = 0; r < R; ++r) {
     const std::string log = ReadFile(path(absl::StrCat("client-", r, ".log")));
     const std::optional<int> code = clients[r]->Wait(absl::ZeroDuration());
@@ -626,7 +693,8 @@ int Run(int argc, char** argv) {
       problems.push_back(clients[r]->spawn_error() != 0
                              ? absl::StrCat("rank ", r, " did not start: ",
                                             strerror(clients[r]->spawn_error()))
-                             : absl::StrCat("rank ", r, " exit ", code.value_or(-1)));
+                             : absl::StrCat("rank ", r, " exit ", code.value_or(-1),
+                                            LastLineOf(path(absl::StrCat("client-", r, ".out")))));
     }
   }
   // Steps dropped over the receive capacity: the same on every rank (the call fails on all of
@@ -645,7 +713,7 @@ int Run(int argc, char** argv) {
     if (before_end.has_value() && at < before_end_step) ++dropped_before;
     if (after_start.has_value() && at >= after_start_step) ++dropped_after;
   }
-  const double duration = absl::ToDoubleSeconds(absl::Now() - start);
+  const double duration = absl::ToDoubleSeconds(ubep::MonotonicNow() - start);
   std::vector<double> before_layers, after_layers;
   const double imbalance_before =
       before_end ? MeanImbalance(*before_end, &before_layers) : std::nan("");
