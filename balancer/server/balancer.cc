@@ -1039,7 +1039,12 @@ void Balancer::CloseInterval() {
       d.interval_load = LoadMatrix(L, shape_->experts);
       for (auto& layer : d.interval_rank) std::fill(layer.begin(), layer.end(), 0.0);
     }
-    if (!counted) continue;
+    if (!counted) {
+      // A member's ranks down (no plan without them made yet): their load is unknown, not
+      // none, and no imbalance is measured without it.
+      all_known &= !Member(d);
+      continue;
+    }
     if (!d.has_rate) {
       all_known &= !Member(d);
       continue;

@@ -2825,7 +2825,10 @@ TEST_F(UnreachedLayerTest, ADaemonBackFromDownCountsOnlyTheIntervalSinceItCameBa
   v1::ClusterStatus cluster;
   ASSERT_TRUE(balancer_->GetStatus(nullptr, nullptr, &cluster).ok());
   ASSERT_FALSE(cluster.nodes(0).healthy()) << cluster.ShortDebugString();
+  // Nothing measured while its ranks' load is unknown (counted as none, it read 2.0): the
+  // gauge holds the last interval's before the outage.
   const std::optional<double> during = Sample("ubep_balancer_imbalance_ratio", "0");
+  EXPECT_EQ(during, 1.0);
   a_.SetServing(true);
   for (int i = 0; i < 500 && !cluster.nodes(0).healthy(); ++i) {
     absl::SleepFor(absl::Milliseconds(20));
