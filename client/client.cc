@@ -510,8 +510,9 @@ absl::Status RefreshArenas(RankState& s, uint64_t epoch) {
     absl::StatusOr<ReceivedMessage> received = ReceiveMessage(
         s.fd_connection.get(), 4096, std::max(deadline - MonotonicNow(), absl::ZeroDuration()));
     if (!received.ok()) {
-      // Past a timeout the reply is still owed; any other failure took a reply off the
-      // socket (its fds over the descriptor limit, say), which is owed no more.
+      // Past a timeout the reply is still owed; any other failure took a reply (or the first
+      // part of one of over 253 fds, whose rest the next refresh then fails on) off the
+      // socket, its fds over the descriptor limit, say: owed no more.
       if (!absl::IsDeadlineExceeded(received.status())) {
         s.refresh_replies_owed = std::max(s.refresh_replies_owed - 1, 0);
       }

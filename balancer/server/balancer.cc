@@ -1007,14 +1007,15 @@ void Balancer::CloseInterval() {
   std::vector<std::vector<double>> rank_rate(L, std::vector<double>(shape_->world, 0.0));
   double steps = 0;
   int reporting = 0;
-  bool all_known = true;
+  // The ranks whose rates are known: those of daemons counted with a rate.
+  std::vector<bool> known(shape_->world, false);
   over_capacity_ = 0;
   for (auto& [name, d] : daemons_) {
     over_capacity_ += std::exchange(d.interval_over_capacity, 0);
     // A daemon down (or hosting no rank) counts for nothing, and what it reported meanwhile
     // is let go of with the interval: kept, an outage's steps would come back as one
     // interval's when it is healthy again, weighing its counts (of the plan before, maybe)
-    // many intervals' worth.
+    // many intervals' worth. Its ranks' load is then unknown, not none.
     const bool counted = d.Serving() && !d.info.ranks().empty();
     if (counted && d.interval_steps > 0) {
       const double per_step = 1.0 / d.interval_steps;
@@ -1039,23 +1040,22 @@ void Balancer::CloseInterval() {
       d.interval_load = LoadMatrix(L, shape_->experts);
       for (auto& layer : d.interval_rank) std::fill(layer.begin(), layer.end(), 0.0);
     }
-    if (!counted) {
-      // A member's ranks down (no plan without them made yet): their load is unknown, not
-      // none, and no imbalance is measured without it.
-      all_known &= !Member(d);
-      continue;
-    }
-    if (!d.has_rate) {
-      all_known &= !Member(d);
-      continue;
+    if (!counted || !d.has_rate) continue;
+    for (uint32_t r : d.info.ranks()) {
+      if (r < known.size()) known[r] = true;
     }
     total.AddScaled(d.rate, 1.0);
     for (int l = 0; l < L; ++l) {
       for (size_t i = 0; i < d.rank_rate[l].size(); ++i) rank_rate[l][d.first_rank + i] = d.rank_rate[l][i];
     }
   }
-  // A rank of the plan with no daemon registered for it (yet) has no rate either.
-  all_known &= UnlistedMembers().empty();
+  // Every rank of the plan has a rate from a daemon counted now, or no imbalance is measured:
+  // not a member's down (no plan without its ranks made yet; a node that took over some of
+  // its ranks covers those), nor one no daemon registered for (yet), nor one without a report.
+  bool all_known = true;
+  for (int r = 0; r < shape_->world; ++r) {
+    all_known &= known[r] || (plan_.has_value() && plan_->excluded(r));
+  }
   if (reporting > 0) {
     // Back to counts (the policy's noise model reads counts): the mean steps of an interval.
     LoadMatrix counts(L, shape_->experts);

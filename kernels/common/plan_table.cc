@@ -168,8 +168,9 @@ absl::Status ValidatePlanTable(std::span<const std::byte> bytes) {
                                                          " and ", e));
         }
         served_by[slot] = static_cast<int32_t>(e);
-        // The replicas' hash ranges follow each other and cover every hash: bounds that go
-        // back, or end short, would move traffic off the shares the plan set.
+        // The replicas' hash ranges follow each other and cover every hash, as BuildPlanTable
+        // writes them: bounds that go back move traffic off the shares the plan set; a last
+        // bound short of 2^32 - 1 (which ChooseSlot does not read) is a table not so built.
         const uint32_t bound = Replicas(route)[j].cum_share;
         if ((j > 0 && bound < Replicas(route)[j - 1].cum_share) ||
             (j + 1 == route->count && bound != 0xFFFFFFFFu)) {

@@ -78,6 +78,44 @@ class LocalTest : public ::testing::Test {
     return output;
   }
 
+  // ubep-local for a run that does not end by itself (4 ranks, 2 daemons), started in `local`
+  // with its report in path("report"), once its ranks step: its working directory ("" if it
+  // did not get there within 60 s each, with a failure added).
+  std::string StartLongRun(std::unique_ptr<Process>& local) {
+    const std::string report = path("report");
+    local = std::make_unique<Process>(
+        std::vector<std::string>{test::BinaryPath("ubep-local"), "--ranks=4", "--daemons=2",
+                                 "--steps=1000000", "--report=" + report,
+                                 "--listen=127.0.0.1:0", "--metrics_port=0"},
+        path("local.out"));
+    if (!WaitFor([&] { return std::filesystem::exists(report + "/cluster.json"); },
+                 absl::Seconds(60))) {
+      ADD_FAILURE() << ReadFile(path("local.out"));
+      return "";
+    }
+    const std::string workdir =
+        nlohmann::json::parse(ReadFile(report + "/cluster.json"))["workdir"];
+    if (!WaitFor([&] { return ReadFile(path("local.out")).find("step ") != std::string::npos; },
+                 absl::Seconds(60))) {
+      ADD_FAILURE() << ReadFile(path("local.out"));
+      return "";
+    }
+    return workdir;
+  }
+
+  // The processes whose command lines name `workdir` (ubep-local's children), and `binary`
+  // where it is not empty.
+  static std::vector<pid_t> ChildrenOf(const std::string& workdir, const std::string& binary) {
+    std::vector<pid_t> pids;
+    for (const auto& e : std::filesystem::directory_iterator("/proc")) {
+      const std::string cmdline = ReadFile(e.path().string() + "/cmdline");
+      if (cmdline.find(workdir) == std::string::npos) continue;
+      if (!binary.empty() && cmdline.find(binary) == std::string::npos) continue;
+      pids.push_back(std::stoi(e.path().filename().string()));
+    }
+    return pids;
+  }
+
   nlohmann::json Status() {
     int code = 0;
     const std::string out = Ctl({"--json", "status"}, &code);
@@ -413,28 +451,13 @@ TEST_F(LocalTest, InterruptStopsEveryProcessAndLeavesNothingBehind) {
   };
   const std::vector<std::string> shm_before = shm();
   const std::string report = path("report");
-  Process local({test::BinaryPath("ubep-local"), "--ranks=4", "--daemons=2", "--steps=1000000",
-                 "--report=" + report, "--listen=127.0.0.1:0", "--metrics_port=0"},
-                path("local.out"));
-  ASSERT_TRUE(WaitFor([&] { return std::filesystem::exists(report + "/cluster.json"); },
-                      absl::Seconds(60)))
-      << ReadFile(path("local.out"));
-  const std::string workdir = nlohmann::json::parse(ReadFile(report + "/cluster.json"))["workdir"];
-  // Children are found by the working directory in their command lines.
-  auto children = [&] {
-    int n = 0;
-    for (const auto& e : std::filesystem::directory_iterator("/proc")) {
-      const std::string cmdline = ReadFile(e.path().string() + "/cmdline");
-      if (cmdline.find(workdir) != std::string::npos) ++n;
-    }
-    return n;
-  };
-  ASSERT_TRUE(WaitFor([&] { return ReadFile(path("local.out")).find("step ") != std::string::npos; },
-                      absl::Seconds(60)));
-  EXPECT_EQ(children(), 1 + 2 + 4);  // The balancer, 2 daemons, 4 ranks.
-  local.Signal(SIGINT);
-  EXPECT_EQ(local.Wait(absl::Seconds(60)), 130) << ReadFile(path("local.out"));
-  EXPECT_EQ(children(), 0);
+  std::unique_ptr<Process> local;
+  const std::string workdir = StartLongRun(local);
+  ASSERT_FALSE(workdir.empty());
+  EXPECT_EQ(ChildrenOf(workdir, "").size(), 1u + 2 + 4);  // The balancer, 2 daemons, 4 ranks.
+  local->Signal(SIGINT);
+  EXPECT_EQ(local->Wait(absl::Seconds(60)), 130) << ReadFile(path("local.out"));
+  EXPECT_TRUE(ChildrenOf(workdir, "").empty());
   EXPECT_FALSE(std::filesystem::exists(workdir));
   EXPECT_EQ(shm(), shm_before);
   EXPECT_THAT(ReadFile(path("local.out")), HasSubstr("ubep-local: interrupted; stopping everything"));
@@ -448,34 +471,17 @@ TEST_F(LocalTest, InterruptStopsEveryProcessAndLeavesNothingBehind) {
 // "every step correct").
 TEST_F(LocalTest, ABalancerThatDiesMidRunIsNamedAndFailsTheRun) {
   const std::string report = path("report");
-  Process local({test::BinaryPath("ubep-local"), "--ranks=4", "--daemons=2", "--steps=1000000",
-                 "--report=" + report, "--listen=127.0.0.1:0", "--metrics_port=0"},
-                path("local.out"));
-  ASSERT_TRUE(WaitFor([&] { return std::filesystem::exists(report + "/cluster.json"); },
-                      absl::Seconds(60)))
-      << ReadFile(path("local.out"));
-  const std::string workdir = nlohmann::json::parse(ReadFile(report + "/cluster.json"))["workdir"];
-  ASSERT_TRUE(WaitFor([&] { return ReadFile(path("local.out")).find("step ") != std::string::npos; },
-                      absl::Seconds(60)));
-  // The children, by the working directory in their command lines.
-  auto children = [&](const std::string& binary) {
-    std::vector<pid_t> pids;
-    for (const auto& e : std::filesystem::directory_iterator("/proc")) {
-      const std::string cmdline = ReadFile(e.path().string() + "/cmdline");
-      if (cmdline.find(workdir) == std::string::npos) continue;
-      if (!binary.empty() && cmdline.find(binary) == std::string::npos) continue;
-      pids.push_back(std::stoi(e.path().filename().string()));
-    }
-    return pids;
-  };
-  const std::vector<pid_t> balancer = children("/ubep-balancer");
+  std::unique_ptr<Process> local;
+  const std::string workdir = StartLongRun(local);
+  ASSERT_FALSE(workdir.empty());
+  const std::vector<pid_t> balancer = ChildrenOf(workdir, "/ubep-balancer");
   ASSERT_EQ(balancer.size(), 1u);
   ASSERT_EQ(kill(balancer[0], SIGKILL), 0);
-  EXPECT_EQ(local.Wait(absl::Seconds(60)), 1) << ReadFile(path("local.out"));
+  EXPECT_EQ(local->Wait(absl::Seconds(60)), 1) << ReadFile(path("local.out"));
   EXPECT_THAT(ReadFile(path("local.out")),
               HasSubstr("ubep-local: ubep-balancer exited with status 137 while the ranks ran (" +
                         workdir + "/balancer.log)"));
-  EXPECT_TRUE(children("").empty());
+  EXPECT_TRUE(ChildrenOf(workdir, "").empty());
   const nlohmann::json r = nlohmann::json::parse(ReadFile(report + "/report.json"));
   EXPECT_FALSE(r["correct"].get<bool>());
   std::filesystem::remove_all(workdir);  // Kept for the operator, as on every failed run.

@@ -16,7 +16,7 @@ namespace ubep::bench {
 namespace {
 
 // Every MoE layer of every trace of `phase`, read here without SkewedDistribution: the
-// largest rank imbalance among them at `ranks`.
+// largest rank imbalance among them at `ranks` (RankImbalance is checked below).
 double WorstRankImbalance(const std::string& phase, int ranks) {
   double worst = 0;
   for (const char* file : {"decode_in1000out1000", "decode_in1800out100", "decode_in500out1500",
@@ -28,16 +28,7 @@ double WorstRankImbalance(const std::string& phase, int ranks) {
     EXPECT_TRUE(trace.ok()) << trace.status();
     if (!trace.ok()) return 0;
     for (int l = 0; l < trace->num_layers(); ++l) {
-      const auto row = trace->row(l);
-      const int per_rank = kExperts / ranks;
-      double most = 0, total = 0;
-      for (int r = 0; r < ranks; ++r) {
-        double load = 0;
-        for (int e = r * per_rank; e < (r + 1) * per_rank; ++e) load += row[e];
-        most = std::max(most, load);
-        total += load;
-      }
-      if (total > 0) worst = std::max(worst, most * ranks / total);
+      worst = std::max(worst, RankImbalance(trace->row(l), ranks));
     }
   }
   return worst;
@@ -63,6 +54,15 @@ TEST(BenchInputsTest, ASkewedCaseIsDrawnFromItsPhasesMostRankSkewedLayer) {
   EXPECT_EQ(SkewedDistribution(UBEP_SOURCE_DIR, "warmup", 4).status(),
             absl::NotFoundError(std::string("no MoE layer in ") + UBEP_SOURCE_DIR +
                                 "/data/traces/deepseek-v3/warmup_*.json"));
+}
+
+// Max over mean of the ranks' contiguous blocks of experts.
+TEST(BenchInputsTest, RankImbalanceIsTheBusiestRanksLoadOverTheMean) {
+  std::vector<double> counts(kExperts, 1.0);
+  for (int e = 0; e < kExperts / 4; ++e) counts[e] = 3.0;  // Rank 0 of 4: 3 x the others.
+  EXPECT_DOUBLE_EQ(RankImbalance(counts, 4), 3.0 * 4 / 6);
+  EXPECT_DOUBLE_EQ(RankImbalance(std::vector<double>(kExperts, 2.0), 8), 1.0);
+  EXPECT_EQ(RankImbalance(std::vector<double>(kExperts, 0.0), 8), 0.0);
 }
 
 // K times each expert's share, capped at 1 with the excess spread in proportion over the others.

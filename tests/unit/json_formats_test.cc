@@ -91,8 +91,6 @@ TEST(ReadFileTest, MissingFileIsNotFound) {
             absl::NotFoundError("/nonexistent/x.json: cannot read: No such file or directory"));
 }
 
-// Every field, each away from what a reader would assume without it: version 7, two expert
-// groups, model layers 3 and 4 (excluded ranks: below).
 // A file written through PATH.tmp and a rename: a rename that fails (PATH is a directory with
 // something in it) is an error naming PATH, and leaves no PATH.tmp behind.
 TEST(WriteTextFileTest, AFailedRenameLeavesNoTemporaryFile) {
@@ -109,6 +107,8 @@ TEST(WriteTextFileTest, AFailedRenameLeavesNoTemporaryFile) {
   std::filesystem::remove_all(dir);
 }
 
+// Every field, each away from what a reader would assume without it: version 7, two expert
+// groups, model layers 3 and 4 (excluded ranks: below).
 TEST(PlanJsonTest, RoundTripsEveryField) {
   Plan plan = test::SmallPlan();
   plan.version = 7;

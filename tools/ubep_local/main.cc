@@ -584,13 +584,7 @@ int Run(int argc, char** argv) {
       }
     }
     if (service_gone && interrupted.load()) service_problems.clear();
-    if (service_gone && !interrupted.load()) {
-      if (tty) std::cout << "\n";
-      for (const std::string& problem : service_problems) {
-        std::cout << "ubep-local: " << problem << "\n";
-      }
-      break;
-    }
+    if (service_gone && !interrupted.load()) break;  // Named in the summary, below.
     const double t = absl::ToDoubleSeconds(ubep::MonotonicNow() - start);
     // Counters and latencies from the daemons; the plan from the balancer.
     std::vector<Series> daemon_series;
@@ -684,7 +678,8 @@ int Run(int argc, char** argv) {
   // balancer and every daemon there to the end.
   bool correct = !interrupted.load() && service_problems.empty();
   std::vector<std::string> problems = service_problems;
-  for (int r = 0; r < R; ++r) {
+  // (Ranks stopped because a service exited are not each named: the service is the cause.)
+  for (int r = 0; r < R && service_problems.empty(); ++r) {
     const std::string log = ReadFile(path(absl::StrCat("client-", r, ".log")));
     const std::optional<int> code = clients[r]->Wait(absl::ZeroDuration());
     if (code != 0 || !absl::StrContains(log, absl::StrCat("done steps ", steps, " failed 0")) ||
@@ -832,7 +827,11 @@ int Run(int argc, char** argv) {
              ? absl::StrFormat("%.0f us / %.0f us", dispatch_p50 * 1e6, combine_p50 * 1e6)
              : std::string("-"))
      << " |\n"
-     << "| every step equal to its float64 reference | " << (correct ? "yes" : "NO") << " |\n"
+     << "| every step equal to its float64 reference | "
+     << (correct ? std::string("yes")
+                 : problems.empty() ? std::string("NO")
+                                    : absl::StrCat("NO: ", absl::StrJoin(problems, "; ")))
+     << " |\n"
      << "| steps dropped over the receive capacity (--max_recv_rows "
      << absl::GetFlag(FLAGS_max_recv_rows) << "), all / before (steps < " << before_end_step
      << ") / after (steps >= " << after_start_step << ") | " << dropped << " / " << dropped_before
