@@ -1765,6 +1765,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
       UBEP_LOG(WARNING) << "plan v" << plan->version << ": node " << targets[i]
                         << " did not take the " << (commit ? "Commit" : "Abort") << ": "
                         << decided[i].error_message();
+      if (commit) result.add_commit_unacknowledged(targets[i]);
     }
   }
   if (!commit) {

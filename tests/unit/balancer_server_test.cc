@@ -1604,6 +1604,10 @@ TEST(BalancerServerTest, APlanCommittedOnlyOnAForgottenNodeIsStillCommittedOnThe
   ASSERT_TRUE(drained.ok()) << drained.error_message();
   EXPECT_EQ(response.version(), 2u);
   EXPECT_TRUE(response.changed());
+  // ... and told which node has not acknowledged it yet.
+  EXPECT_EQ(std::vector<std::string>(response.commit_unacknowledged().begin(),
+                                     response.commit_unacknowledged().end()),
+            std::vector<std::string>{"node-a"});
   ASSERT_EQ(b->committed_version(), 2u);
   ASSERT_EQ(a->committed_version(), 1u);
   b.reset();

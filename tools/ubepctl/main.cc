@@ -276,6 +276,11 @@ int PrintRebalance(const std::string& what, const ubep::v1::RebalanceResponse& r
     std::cout << absl::StrFormat(
         "%s: plan v%d committed: %d slots migrated, planned in %.1f ms, committed in %.1f ms\n",
         what, r.version(), r.migrated_slots(), r.plan_seconds() * 1e3, r.commit_seconds() * 1e3);
+    if (r.commit_unacknowledged_size() > 0) {
+      std::cout << "  not yet acknowledged by "
+                << absl::StrJoin(r.commit_unacknowledged(), ", ")
+                << " (the balancer delivers the commit at its next ticks)\n";
+    }
   }
   return 0;
 }
