@@ -218,10 +218,11 @@ absl::Status GroupStopped(const RankState& s) {
 // is read (kernels::SelectCheckedPlan): the arena is shared memory every rank's process maps
 // writable, and the table sizes what is read from it.
 absl::StatusOr<const kernels::PlanTableHeader*> PlanAt(const RankState& s, uint64_t step,
-                                                       uint64_t* version = nullptr) {
+                                                       uint64_t* version = nullptr,
+                                                       int* buffer = nullptr) {
   absl::StatusOr<const kernels::PlanTableHeader*> table =
       kernels::SelectCheckedPlan(s.own() + s.layout.plan, s.layout.plan_capacity, step,
-                                 s.checked_plan, version);
+                                 s.checked_plan, version, buffer);
   if (!table.ok()) {
     return absl::DataLossError(absl::StrCat("rank ", s.rank, ": ", table.status().message()));
   }
@@ -1117,14 +1118,13 @@ absl::StatusOr<std::span<std::byte>> Rank::ExpertWeights(int layer, int local_sl
   if (s.shape.bytes_per_expert == 0) {
     return absl::FailedPreconditionError("the shape has bytes_per_expert 0: no weight buffers");
   }
-  void* area = s.own() + s.layout.plan;
-  absl::StatusOr<const kernels::PlanTableHeader*> checked = PlanAt(s, s.step);
+  int buffer = 0;
+  absl::StatusOr<const kernels::PlanTableHeader*> checked = PlanAt(s, s.step, nullptr, &buffer);
   if (!checked.ok()) return checked.status();
   const kernels::PlanTableHeader* table = *checked;
   if (table == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat("no plan is in force at step ", s.step));
   }
-  const int buffer = table == kernels::PlanBuffer(area, 0) ? 0 : 1;
   const uint32_t index =
       kernels::SlotMap(s.own(), s.layout, s.config, buffer)[layer * s.shape.slots_per_rank + local_slot];
   // The slot map is shared memory every rank's process maps writable: a word outside the

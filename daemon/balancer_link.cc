@@ -153,10 +153,7 @@ void BalancerLink::Report() {
   } else {
     // The same report again; only the step it tells is the daemon's now (the balancer
     // estimates step rates from it).
-    // (Not below the report's own last step: a group formed again meanwhile at an earlier
-    // step would make the report count steps past the step it tells, which is refused.)
-    pending_->request.set_max_step(
-        std::max(node_->MaxStep(), pending_->request.load().last_step()));
+    pending_->request.set_max_step(node_->MaxStep());
   }
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));

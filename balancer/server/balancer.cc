@@ -815,13 +815,13 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
                   "the balancer has not learned the cluster's plan yet");
   }
   const v1::LoadReport& load = request->load();
-  // Its steps end at the step its ranks are at (ubepd reads that step first): a span past it,
-  // or backwards, is no report of steps run, and its step count would scale every node's.
-  if (load.first_step() > load.last_step() || load.last_step() > request->max_step()) {
+  // Its steps run forwards: a span backwards is no report of steps run, and its step count
+  // would scale every node's. (It may end past the step its ranks are at now: a report sent
+  // again tells the step they are at, lower where the group formed again at an earlier one.)
+  if (load.first_step() > load.last_step()) {
     return Reject("malformed", grpc::StatusCode::INVALID_ARGUMENT,
                   absl::StrCat("report of node ", request->node(), " counts steps ",
-                               load.first_step(), "-", load.last_step(),
-                               ", not within its ranks' steps 0-", request->max_step()));
+                               load.first_step(), "-", load.last_step(), ", backwards"));
   }
   if (d.info.ranks().empty()) {
     return Reject("malformed", grpc::StatusCode::INVALID_ARGUMENT,

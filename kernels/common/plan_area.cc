@@ -80,7 +80,7 @@ const PlanTableHeader* SelectPlan(void* area, uint64_t step, uint64_t* version) 
 
 absl::StatusOr<const PlanTableHeader*> SelectCheckedPlan(void* area, size_t capacity,
                                                          uint64_t step, CheckedPlan& checked,
-                                                         uint64_t* version) {
+                                                         uint64_t* version, int* buffer) {
   const uint64_t said = std::atomic_ref<uint64_t>(static_cast<PlanAreaHeader*>(area)->capacity_bytes)
                             .load(std::memory_order_relaxed);
   if (said != capacity) {
@@ -99,14 +99,15 @@ absl::StatusOr<const PlanTableHeader*> SelectCheckedPlan(void* area, size_t capa
     const uint64_t bytes =
         std::atomic_ref<uint64_t>(PlanSlot(area, slot)->table_bytes).load(std::memory_order_relaxed);
     absl::Status valid;
+    std::vector<std::byte> copy;
     if (bytes > capacity) {
       valid = absl::InvalidArgumentError(
           absl::StrCat("plan table: ", bytes, " bytes, more than the area's ", capacity));
     } else {
       // A private copy: the check reads each header field more than once, and sizes what it
-      // writes from them.
-      std::vector<std::byte> copy(reinterpret_cast<const std::byte*>(table),
-                                  reinterpret_cast<const std::byte*>(table) + bytes);
+      // writes from them; the reader follows the copy, which nothing else writes.
+      copy.assign(reinterpret_cast<const std::byte*>(table),
+                  reinterpret_cast<const std::byte*>(table) + bytes);
       valid = ValidatePlanTable(copy);
       if (valid.ok() && std::memcmp(copy.data(), table, bytes) != 0) {
         valid = absl::AbortedError("plan table: changed while it was checked");
@@ -119,9 +120,11 @@ absl::StatusOr<const PlanTableHeader*> SelectCheckedPlan(void* area, size_t capa
     }
     checked.table[slot] = table;
     checked.version[slot] = v;
+    checked.copy[slot] = std::move(copy);
   }
   if (version != nullptr) *version = v;
-  return table;
+  if (buffer != nullptr) *buffer = slot;
+  return reinterpret_cast<const PlanTableHeader*>(checked.copy[slot].data());
 }
 
 absl::Status PreparePlan(void* area, std::span<const std::byte> table, uint64_t version,

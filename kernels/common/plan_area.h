@@ -21,6 +21,7 @@
 #define UBEP_KERNELS_COMMON_PLAN_AREA_H_
 
 #include <cstddef>
+#include <vector>
 #include <cstdint>
 #include <span>
 
@@ -78,10 +79,11 @@ void InitPlanArea(void* area, size_t capacity_bytes);
 const PlanTableHeader* SelectPlan(void* area, uint64_t step, uint64_t* version = nullptr);
 
 // What a reader checked (SelectCheckedPlan): per slot of the area, the table of a committed
-// version that passed.
+// version that passed, and the private copy of it that passed.
 struct CheckedPlan {
   const PlanTableHeader* table[2] = {nullptr, nullptr};
   uint64_t version[2] = {0, 0};
+  std::vector<std::byte> copy[2];
 };
 
 // SelectPlan for a reader of an area that every process mapping it can write (a daemon's
@@ -90,13 +92,15 @@ struct CheckedPlan {
 // first time this reader selects a slot's committed version, a private copy of its table is
 // checked as PreparePlan checked it (ValidatePlanTable, within `capacity`), so that a table
 // written over by anything but ubepd is refused rather than followed. A committed slot is
-// rewritten only under a newer version, so one check per slot and version serves; it guards
-// against a table corrupted before it is read, not against a writer racing the reads after
-// (every process mapping the arena is trusted that far). OK with null when no plan is in
-// force at `step`; DataLoss naming the version and what is wrong when the table fails.
+// rewritten only under a newer version, so one check per slot and version serves, and what is
+// returned is that checked copy (kept in `checked` until the slot's next version), not the
+// shared buffer: a table written over after its check is not followed either. OK with null
+// when no plan is in force at `step`; DataLoss naming the version and what is wrong when the
+// table fails. `buffer`: which of the area's two buffers the table was copied from.
 absl::StatusOr<const PlanTableHeader*> SelectCheckedPlan(void* area, size_t capacity,
                                                          uint64_t step, CheckedPlan& checked,
-                                                         uint64_t* version = nullptr);
+                                                         uint64_t* version = nullptr,
+                                                         int* buffer = nullptr);
 
 // Whether a prepared, undecided plan (state kPrepared) would be in force at `step`: a rank
 // reaching its effective step must wait for the decision (ARCHITECTURE section 5). `version`

@@ -1181,6 +1181,46 @@ TEST(HostEpErrorTest, ACommittedPlanWrittenOverInTheAreaIsRefusedNotFollowed) {
   });
 }
 
+// Written over after the ranks checked it (and dispatched under it): the table each rank
+// follows is its checked copy, not the shared buffer, so the next call routes as before
+// rather than read replica 2^32 - 1 of expert 3 (count 0) or store to a slot past the group.
+TEST(HostEpErrorTest, ACommittedPlanWrittenOverAfterItsCheckIsNotFollowed) {
+  const EpConfig config = ShortTimeoutConfig();
+  Group group(config);
+  const TestPlan plan = RoundRobinPlan(config);
+  SharedArena area_arena = *SharedArena::Create("plan-area", PlanAreaBytes(4096));
+  void* area = area_arena.data();
+  InitPlanArea(area, 4096);
+  ASSERT_TRUE(PreparePlan(area, plan.table, 1, 0).ok());
+  ASSERT_TRUE(CommitPlan(area, 1).ok());
+  std::vector<std::vector<float>> first(config.num_ranks);
+  std::vector<std::vector<std::byte>> rows(config.num_ranks);
+  auto step = [&](uint64_t at, std::vector<std::vector<float>>& sums) {
+    group.RunAll([&](int r) {
+      RankInput mine = MakeInput(config, r, 8, 3);
+      DispatchInput a{mine.x.data(), mine.topk_idx.data(), mine.topk_w.data(), 8, config.hidden,
+                      0};
+      a.plan_area = area;
+      a.plan_capacity = 4096;
+      a.step = at;
+      DispatchOutput o;
+      ASSERT_EQ(group.ep(r).Dispatch(a, o), absl::OkStatus()) << "rank " << r;
+      rows[r].assign(o.recv_x.begin(), o.recv_x.end());
+      sums[r].assign(8 * config.hidden, 0.0f);
+      ASSERT_EQ(group.ep(r).Combine(o, o.recv_x.data(), sums[r].data()), absl::OkStatus());
+    });
+  };
+  step(0, first);
+  const std::vector<std::vector<std::byte>> first_rows = rows;
+  auto* route = const_cast<ExpertRoute*>(FindRoute(PlanBuffer(area, 0), 0, 3));
+  route->count = 0;
+  const_cast<ReplicaRoute*>(Replicas(route))[0].slot = 1u << 20;
+  std::vector<std::vector<float>> second(config.num_ranks);
+  step(1, second);
+  EXPECT_EQ(second, first);
+  EXPECT_EQ(rows, first_rows);
+}
+
 // A caller that moved a vector of the dispatch output out (to its expert kernel, say) before
 // Combine: refused, not read past the vector's end.
 TEST(HostEpErrorTest, ACombineOfAnOutputWhoseVectorsWereMovedOutIsRefused) {
