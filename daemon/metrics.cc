@@ -125,7 +125,8 @@ std::vector<MetricFamily> DaemonMetrics::Collect() const {
   auto rank_label = [](int r) { return std::vector<ClientMetric::Label>{{"rank", std::to_string(r)}}; };
 
   MetricFamily attached = Family("ubep_daemon_attached_clients",
-                                 "Serving processes attached to this daemon.", MetricType::Gauge);
+                                 "Serving processes attached to this daemon (one whose Attach was answered counts from "
+                                 "then, until it detaches or its unclaimed arenas expire).", MetricType::Gauge);
   attached.metric.push_back(GaugeValue(node.attached));
   out.push_back(std::move(attached));
 

@@ -1780,7 +1780,9 @@ absl::Status Node::AddPeerArenas(int first_rank, const std::vector<int>& fds,
                                                    " fds: expected a host and a device arena per rank"));
   }
   const int count = static_cast<int>(on_device() ? fds.size() / 2 : fds.size());
-  if (first_rank < 0 || first_rank + count > config_.num_ranks) {
+  // (count > num_ranks - first_rank: first_rank is the peer's word, and near INT_MAX the sum
+  // would wrap past the check.)
+  if (first_rank < 0 || first_rank > config_.num_ranks || count > config_.num_ranks - first_rank) {
     return absl::InvalidArgumentError(absl::StrCat("peer ranks ", first_rank, "+", count,
                                                    " are outside the group of ", config_.num_ranks));
   }

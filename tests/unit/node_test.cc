@@ -1413,6 +1413,10 @@ TEST(NodeTest, ArenasOfferedForHostedRanksAreRefusedAndMarkNothing) {
   for (const UniqueFd& fd : arenas->second) fds.push_back(fd.get());
   EXPECT_EQ(g.a.AddPeerArenas(0, fds, "b-2"),
             absl::FailedPreconditionError("rank 0 is hosted here, not by the peer"));
+  // A first rank near INT_MAX (the peer's own word) does not wrap past the range check.
+  EXPECT_EQ(g.a.AddPeerArenas(std::numeric_limits<int>::max(), fds, "b-2"),
+            absl::InvalidArgumentError(absl::StrCat("peer ranks ", std::numeric_limits<int>::max(),
+                                                    "+", fds.size(), " are outside the group of 4")));
   const v1::PrepareResponse prepared = g.a.Prepare(FourRankPlan(2, {}), 10);
   EXPECT_TRUE(prepared.prepared()) << prepared.reason();
   // A member of another process said to host ranks 0-2, two of them b's peer's and one its
