@@ -2372,6 +2372,15 @@ TEST(BalancerServerTest, ANodeAPeerSawRestartIsKeptOutAsARestartedOne) {
   EXPECT_EQ(a.committed_version(), 3u);
 }
 
+// With node-a and node-b registered: learns v1, then drains node-a (v2 committed on node-b).
+void DrainNodeA(Balancer& balancer, FakeDaemon& b) {
+  balancer.Tick();  // Learns v1.
+  v1::RebalanceResponse response;
+  const grpc::Status drained = Drain(balancer, "node-a", true, &response);
+  ASSERT_TRUE(drained.ok()) << drained.error_message();
+  ASSERT_EQ(b.committed_version(), 2u);  // Without node-a's ranks.
+}
+
 // A peer's word that a node restarted does not keep that node out where no rank would be left
 // serving (here the peer itself is drained): the node's ranks stay in, said once, and are kept
 // out once the peer serves again.
@@ -2379,11 +2388,8 @@ TEST(BalancerServerTest, APeersWordThatWouldLeaveNoRankServingKeepsNoNodeOut) {
   FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
   Balancer balancer(NeverMarkedDown(), std::make_shared<prometheus::Registry>());
   auto [ra, rb] = RegisterProcesses(balancer, a, b);
-  balancer.Tick();  // Learns v1.
+  ASSERT_NO_FATAL_FAILURE(DrainNodeA(balancer, b));
   v1::RebalanceResponse response;
-  const grpc::Status drained = Drain(balancer, "node-a", true, &response);
-  ASSERT_TRUE(drained.ok()) << drained.error_message();
-  ASSERT_EQ(b.committed_version(), 2u);  // Without node-a's ranks.
   ra.add_restarted_ranks(2);
   ra.add_restarted_ranks(3);
   Register(balancer, ra);
@@ -2409,11 +2415,8 @@ TEST(BalancerServerTest, ARestartOfTheLastServingNodeLeavesItIn) {
   FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
   Balancer balancer(NeverMarkedDown(), std::make_shared<prometheus::Registry>());
   auto [ra, rb] = RegisterProcesses(balancer, a, b);
-  balancer.Tick();  // Learns v1.
+  ASSERT_NO_FATAL_FAILURE(DrainNodeA(balancer, b));
   v1::RebalanceResponse response;
-  const grpc::Status drained = Drain(balancer, "node-a", true, &response);
-  ASSERT_TRUE(drained.ok()) << drained.error_message();
-  ASSERT_EQ(b.committed_version(), 2u);  // Without node-a's ranks.
   rb.set_incarnation("b-3");  // A new ubepd process.
   Register(balancer, rb);
   EXPECT_EQ(DrainedNodes(balancer), (std::vector<std::string>{"node-a"}));

@@ -1126,6 +1126,15 @@ TEST(HostEpErrorTest, ACorruptSourceIsNamedBeforeAnythingIsSizedFromIt) {
   }
 }
 
+// A plan area in shared memory (4096 bytes a buffer) with `plan` prepared and committed as v1.
+SharedArena CommittedPlanArea(const TestPlan& plan) {
+  SharedArena arena = *SharedArena::Create("plan-area", PlanAreaBytes(4096));
+  InitPlanArea(arena.data(), 4096);
+  EXPECT_TRUE(PreparePlan(arena.data(), plan.table, 1, 0).ok());
+  EXPECT_TRUE(CommitPlan(arena.data(), 1).ok());
+  return arena;
+}
+
 // The plan area is in shared memory that every rank's process maps writable: a committed
 // table written over outside ubepd (an expert left with no replica, whose route would index
 // replica 2^32 - 1) is refused before any byte moves, not followed.
@@ -1133,11 +1142,8 @@ TEST(HostEpErrorTest, ACommittedPlanWrittenOverInTheAreaIsRefusedNotFollowed) {
   const EpConfig config = ShortTimeoutConfig();
   Group group(config);
   const TestPlan plan = RoundRobinPlan(config);
-  SharedArena area_arena = *SharedArena::Create("plan-area", PlanAreaBytes(4096));
+  SharedArena area_arena = CommittedPlanArea(plan);
   void* area = area_arena.data();
-  InitPlanArea(area, 4096);
-  ASSERT_TRUE(PreparePlan(area, plan.table, 1, 0).ok());
-  ASSERT_TRUE(CommitPlan(area, 1).ok());
   ASSERT_EQ(SelectPlan(area, 0), PlanBuffer(area, 0));
   ExpertRoute* route = const_cast<ExpertRoute*>(FindRoute(PlanBuffer(area, 0), 0, 3));
   const uint32_t replicas = route->count;
@@ -1188,11 +1194,8 @@ TEST(HostEpErrorTest, ACommittedPlanWrittenOverAfterItsCheckIsNotFollowed) {
   const EpConfig config = ShortTimeoutConfig();
   Group group(config);
   const TestPlan plan = RoundRobinPlan(config);
-  SharedArena area_arena = *SharedArena::Create("plan-area", PlanAreaBytes(4096));
+  SharedArena area_arena = CommittedPlanArea(plan);
   void* area = area_arena.data();
-  InitPlanArea(area, 4096);
-  ASSERT_TRUE(PreparePlan(area, plan.table, 1, 0).ok());
-  ASSERT_TRUE(CommitPlan(area, 1).ok());
   std::vector<std::vector<float>> first(config.num_ranks);
   std::vector<std::vector<std::byte>> rows(config.num_ranks);
   auto step = [&](uint64_t at, std::vector<std::vector<float>>& sums) {
