@@ -466,13 +466,13 @@ void HostEp::SendShare(int index, int senders, const DispatchInput& in, uint32_t
 void HostEp::Publish(int d, uint32_t epoch) { Raise(d, layout_.dispatch_flag, epoch); }
 
 absl::Status HostEp::Wait(const uint32_t* word, uint32_t epoch, int peer, const char* what,
-                          Deadline deadline, uint32_t call) {
+                          Deadline deadline, std::optional<uint32_t> call) {
   const absl::Status s = WaitForPeer(
       deadline, [peer] { return peer; },
       [&](AbortWatch watch, Deadline until) {
         return WaitEpoch(word, epoch, OwnDoor(), until, watch);
       });
-  return s.ok() ? s : GiveUp(peer, what, call != 0 ? call : epoch);
+  return s.ok() ? s : GiveUp(peer, what, call.value_or(epoch));
 }
 
 void HostEp::Raise(int d, size_t region, uint32_t epoch) {

@@ -198,10 +198,11 @@ class HostEp {
                  uint32_t batches_before, bool publish, bool flagged, Deadline deadline);
   // Raises `dest`'s dispatch flag for this rank: its rows are all stored.
   void Publish(int dest, uint32_t epoch);
-  // Waits for `word` to reach `epoch`; the error names call `call` (0: `epoch` is the call's,
-  // as for every flag but the barrier's, which counts barriers).
+  // Waits for `word` to reach `epoch`; the error names call `call` (none: `epoch` is the
+  // call's, as for every flag but the barrier's, which counts barriers; call 0 is a call, the
+  // one where the count wraps).
   absl::Status Wait(const uint32_t* word, uint32_t epoch, int peer, const char* what,
-                    Deadline deadline, uint32_t call = 0);
+                    Deadline deadline, std::optional<uint32_t> call = std::nullopt);
   // The error for a wait on `peer` that ended: names the rank the group gave up on (setting
   // every arena's abort word if this rank is the first to give up), and why it refused this
   // call if it did.

@@ -939,9 +939,9 @@ absl::Status DispatchThenCombine(Group& group, int r, const RankInput& in, const
 // `refused`, rank 2's refusal of that call.
 // `given`: the patience the wait was given as rank 2 was in a call, if any.
 absl::Status GaveUpOnRank2(int r, const char* phase, absl::string_view refused = "",
-                           absl::string_view given = "") {
+                           absl::string_view given = "", uint32_t call = 1) {
   return absl::DeadlineExceededError(absl::StrCat(
-      "rank ", r, ": timed out after 300ms waiting for rank 2 (", phase, ", call 1",
+      "rank ", r, ": timed out after 300ms waiting for rank 2 (", phase, ", call ", call,
       given.empty() ? "" : absl::StrCat("; given up to ", given, " more as rank 2 was in a call"), "); ",
       refused.empty() ? "is rank 2 alive?" : absl::StrCat("rank 2 refused this call: ", refused)));
 }
@@ -1261,6 +1261,34 @@ TEST(HostEpErrorTest, ABspBarrierThatTimesOutNamesTheCall) {
   for (int r : {0, 1, 3}) {
     EXPECT_EQ(status[r], absl::OkStatus()) << "rank " << r;
     EXPECT_EQ(combined[r], GaveUpOnRank2(r, "barrier")) << "rank " << r;
+  }
+}
+
+// ... and so at call 0, where the call count wraps (every flag and count preset to 2^32 - 1):
+// call 0, not the barriers' count.
+TEST(HostEpErrorTest, ABspBarrierThatTimesOutWhereTheCallsWrapNamesCallZero) {
+  EpConfig config = ShortTimeoutConfig();
+  config.protocol = Protocol::kBsp;
+  const TestPlan plan = RoundRobinPlan(config);
+  Group group(config);
+  const ArenaLayout layout(config);
+  for (int a = 0; a < config.num_ranks; ++a) {
+    std::byte* arena = group.arena(a);
+    for (size_t region :
+         {layout.dispatch_flag, layout.combine_flag, layout.count_flag, layout.barrier_flag}) {
+      for (int s = 0; s < config.num_ranks; ++s) {
+        *reinterpret_cast<uint32_t*>(arena + region + s * kFlagStride) = 0xFFFFFFFFu;
+      }
+    }
+    *reinterpret_cast<uint32_t*>(arena + layout.dispatch_completed) = 0xFFFFFFFFu;
+    *reinterpret_cast<uint32_t*>(arena + layout.combine_completed) = 0xFFFFFFFFu;
+  }
+  group.Restart();
+  std::vector<absl::Status> combined;
+  const std::vector<absl::Status> status = DispatchOnceRank2NeverCombines(group, plan, &combined);
+  for (int r : {0, 1, 3}) {
+    EXPECT_EQ(status[r], absl::OkStatus()) << "rank " << r;
+    EXPECT_EQ(combined[r], GaveUpOnRank2(r, "barrier", "", "", 0)) << "rank " << r;
   }
 }
 
