@@ -278,6 +278,24 @@ TEST_P(HostEpTest, ARankOverItsReceiveCapacityFailsTheCallOnEveryRank) {
   RunStep(group, inputs, plan, 0);
 }
 
+// Every flag and completion count of every arena at 2^32 - 1, so that the group's next call
+// (after Restart) is call 0, where the counts wrap.
+void PresetEveryCountToWrap(Group& group) {
+  const EpConfig& c = group.config();
+  const ArenaLayout layout(c);
+  for (int a = 0; a < c.num_ranks; ++a) {
+    std::byte* arena = group.arena(a);
+    for (size_t region :
+         {layout.dispatch_flag, layout.combine_flag, layout.count_flag, layout.barrier_flag}) {
+      for (int s = 0; s < c.num_ranks; ++s) {
+        *reinterpret_cast<uint32_t*>(arena + region + s * kFlagStride) = 0xFFFFFFFFu;
+      }
+    }
+    *reinterpret_cast<uint32_t*>(arena + layout.dispatch_completed) = 0xFFFFFFFFu;
+    *reinterpret_cast<uint32_t*>(arena + layout.combine_completed) = 0xFFFFFFFFu;
+  }
+}
+
 // Epochs are 32-bit and wrap: every flag of every arena stands at 2^32 - 1, so the next call
 // is call 0, and every arena holds a stale notice of call 0 saying that each rank overflowed.
 // Rank 1 overflows in call 0: its dispatch says so and every combine names rank 1, not the
@@ -290,17 +308,9 @@ TEST(HostEpErrorTest, AnOverflowIsToldInTheCallWhereEpochsWrapAndNoStaleNoticePa
     Group group(config);
     const EpConfig& c = group.config();
     const ArenaLayout layout(c);
+    PresetEveryCountToWrap(group);
     for (int a = 0; a < c.num_ranks; ++a) {
-      std::byte* arena = group.arena(a);
-      for (size_t region :
-           {layout.dispatch_flag, layout.combine_flag, layout.count_flag, layout.barrier_flag}) {
-        for (int s = 0; s < c.num_ranks; ++s) {
-          *reinterpret_cast<uint32_t*>(arena + region + s * kFlagStride) = 0xFFFFFFFFu;
-        }
-      }
-      *reinterpret_cast<uint32_t*>(arena + layout.dispatch_completed) = 0xFFFFFFFFu;
-      *reinterpret_cast<uint32_t*>(arena + layout.combine_completed) = 0xFFFFFFFFu;
-      for (int d = 0; d < c.num_ranks; ++d) PostReceiveNotice(arena, layout, d, {0, 999, 1});
+      for (int d = 0; d < c.num_ranks; ++d) PostReceiveNotice(group.arena(a), layout, d, {0, 999, 1});
     }
     group.Restart();
     const TestPlan plan =
@@ -1271,18 +1281,7 @@ TEST(HostEpErrorTest, ABspBarrierThatTimesOutWhereTheCallsWrapNamesCallZero) {
   config.protocol = Protocol::kBsp;
   const TestPlan plan = RoundRobinPlan(config);
   Group group(config);
-  const ArenaLayout layout(config);
-  for (int a = 0; a < config.num_ranks; ++a) {
-    std::byte* arena = group.arena(a);
-    for (size_t region :
-         {layout.dispatch_flag, layout.combine_flag, layout.count_flag, layout.barrier_flag}) {
-      for (int s = 0; s < config.num_ranks; ++s) {
-        *reinterpret_cast<uint32_t*>(arena + region + s * kFlagStride) = 0xFFFFFFFFu;
-      }
-    }
-    *reinterpret_cast<uint32_t*>(arena + layout.dispatch_completed) = 0xFFFFFFFFu;
-    *reinterpret_cast<uint32_t*>(arena + layout.combine_completed) = 0xFFFFFFFFu;
-  }
+  PresetEveryCountToWrap(group);
   group.Restart();
   std::vector<absl::Status> combined;
   const std::vector<absl::Status> status = DispatchOnceRank2NeverCombines(group, plan, &combined);
