@@ -1,12 +1,13 @@
-// Process: a child process started with posix_spawn, its stdout and stderr appended to a file;
+// Process: a child process (fork and exec), its stdout and stderr appended to a file;
 // wait with a timeout, signal it; a Process still running at destruction is killed (SIGKILL).
 // Used by ubep-local and the integration tests. Thread-compatible.
 #ifndef UBEP_COMMON_PROCESS_H_
 #define UBEP_COMMON_PROCESS_H_
 
+#include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
-#include <spawn.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -25,21 +26,60 @@ namespace ubep {
 
 class Process {
  public:
-  // Starts argv[0] with stdout and stderr appended to `output` (when not empty).
+  // Starts argv[0] (a path: no PATH search) with stdout and stderr appended to `output` (when
+  // not empty). The child is sent SIGKILL when the thread that started it ends (Linux's
+  // PR_SET_PDEATHSIG), so nothing outlives a parent killed without a chance to clean up
+  // (SIGKILL, a crash): start processes from a thread that outlives them (the main thread).
   explicit Process(std::vector<std::string> argv, const std::string& output = "") {
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    if (!output.empty()) {
-      posix_spawn_file_actions_addopen(&actions, 1, output.c_str(),
-                                       O_WRONLY | O_CREAT | O_APPEND, 0644);
-      posix_spawn_file_actions_adddup2(&actions, 1, 2);
-    }
+    // Everything the child needs is made before the fork: between fork and exec it makes only
+    // system calls (the parent may have other threads, whose locks the child inherits held).
     std::vector<char*> args;
     for (std::string& a : argv) args.push_back(a.data());
     args.push_back(nullptr);
-    spawn_error_ = posix_spawn(&pid_, args[0], &actions, nullptr, args.data(), environ);
-    if (spawn_error_ != 0) pid_ = -1;
-    posix_spawn_file_actions_destroy(&actions);
+    const pid_t parent = getpid();
+    int report[2];  // The child's errno when it cannot exec; closed unwritten by the exec.
+    if (pipe2(report, O_CLOEXEC) != 0) {
+      spawn_error_ = errno;
+      return;
+    }
+    pid_ = fork();
+    if (pid_ < 0) {
+      spawn_error_ = errno;
+      close(report[0]);
+      close(report[1]);
+      return;
+    }
+    if (pid_ == 0) {
+      int error = 0;
+      if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0) {
+        error = errno;
+      } else if (getppid() != parent) {
+        _exit(127);  // The parent died before the line above took effect.
+      } else if (!output.empty()) {
+        const int fd = open(output.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+        if (fd < 0 || dup2(fd, 1) < 0 || dup2(fd, 2) < 0) error = errno;
+        if (fd > 2) close(fd);
+      }
+      if (error == 0) {
+        execve(args[0], args.data(), environ);
+        error = errno;
+      }
+      while (write(report[1], &error, sizeof(error)) < 0 && errno == EINTR) {
+      }
+      _exit(127);
+    }
+    close(report[1]);
+    int error = 0;
+    ssize_t n;
+    while ((n = read(report[0], &error, sizeof(error))) < 0 && errno == EINTR) {
+    }
+    close(report[0]);
+    if (n == static_cast<ssize_t>(sizeof(error))) {  // It did not exec: reap it.
+      spawn_error_ = error;
+      while (waitpid(pid_, nullptr, 0) < 0 && errno == EINTR) {
+      }
+      pid_ = -1;
+    }
   }
   ~Process() {
     if (running()) {

@@ -466,6 +466,20 @@ TEST_F(LocalTest, InterruptStopsEveryProcessAndLeavesNothingBehind) {
   EXPECT_FALSE(r["correct"].get<bool>());
 }
 
+// ubep-local killed outright (SIGKILL: no handler runs): its children go with it (each was
+// started with SIGKILL as its parent-death signal), none is left serving or holding a port.
+TEST_F(LocalTest, KillingUbepLocalOutrightTakesItsChildrenWithIt) {
+  std::unique_ptr<Process> local;
+  const std::string workdir = StartLongRun(local);
+  ASSERT_FALSE(workdir.empty());
+  ASSERT_EQ(ChildrenOf(workdir, "").size(), 1u + 2 + 4);
+  local->Signal(SIGKILL);
+  EXPECT_EQ(local->Wait(absl::Seconds(60)), 128 + SIGKILL);
+  EXPECT_TRUE(WaitFor([&] { return ChildrenOf(workdir, "").empty(); }, absl::Seconds(30)))
+      << ChildrenOf(workdir, "").size() << " children left";
+  std::filesystem::remove_all(workdir);
+}
+
 // The balancer killed while the ranks run: ubep-local names it with its status and log, stops
 // everything and fails the run (it went on with the balancer's figures frozen, and said
 // "every step correct").

@@ -1,4 +1,6 @@
+#include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
@@ -10,6 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <limits>
+#include <memory>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -26,6 +29,7 @@
 #include "common/logging.h"
 #include "common/mutex.h"
 #include "common/periodic.h"
+#include "common/process.h"
 #include "common/recent_versions.h"
 #include "common/status_macros.h"
 #include "common/unix_socket.h"
@@ -183,6 +187,45 @@ std::string AnswerOnce(const std::string& answer) {
   const std::string body = HttpGet(listener.port(), "/metrics");
   server.join();
   return body;
+}
+
+// A child dies with the thread that started it (its parent-death signal), so nothing outlives
+// a parent killed without the chance to stop its children.
+TEST(ProcessTest, AChildDiesWithTheThreadThatStartedIt) {
+  std::unique_ptr<Process> child;
+  std::thread starter([&] { child = std::make_unique<Process>(std::vector<std::string>{"/bin/sleep", "600"}); });
+  starter.join();
+  ASSERT_EQ(child->spawn_error(), 0);
+  EXPECT_EQ(child->Wait(absl::Seconds(30)), 128 + SIGKILL);
+}
+
+TEST(ProcessTest, ABinaryThatCannotBeStartedIsASpawnErrorAndNoProcess) {
+  Process missing({"/nonexistent/ubep-binary"});
+  EXPECT_EQ(missing.spawn_error(), ENOENT);
+  EXPECT_EQ(missing.pid(), -1);
+  EXPECT_FALSE(missing.running());
+  Process unwritable({"/bin/true"}, "/nonexistent/dir/out.log");
+  EXPECT_EQ(unwritable.spawn_error(), ENOENT);
+  EXPECT_FALSE(unwritable.running());
+}
+
+TEST(ProcessTest, OutputAndErrorsAreAppendedToTheFileAndTheExitCodeIsKept) {
+  char dir[] = "/tmp/ubep-process-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string out = std::string(dir) + "/out.log";
+  {
+    Process first({"/bin/sh", "-c", "echo one; echo two >&2; exit 3"}, out);
+    EXPECT_EQ(first.Wait(absl::Seconds(30)), 3);
+    Process second({"/bin/sh", "-c", "echo three"}, out);
+    EXPECT_EQ(second.Wait(absl::Seconds(30)), 0);
+  }
+  std::FILE* f = std::fopen(out.c_str(), "r");
+  ASSERT_NE(f, nullptr);
+  char buffer[64] = {};
+  const size_t n = std::fread(buffer, 1, sizeof(buffer) - 1, f);
+  std::fclose(f);
+  EXPECT_EQ(std::string(buffer, n), "one\ntwo\nthree\n");
+  std::filesystem::remove_all(dir);
 }
 
 TEST(HttpGetTest, TheBodyOfAWhole200AnswerOnlyElseNothing) {
