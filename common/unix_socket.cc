@@ -238,10 +238,20 @@ absl::StatusOr<ReceivedMessage> ReceiveMessage(int socket, size_t max_bytes,
                                                absl::Duration timeout) {
   const absl::Time start = MonotonicNow();
   ReceivedMessage out;
+  bool continued = false;
+  size_t fds_before = 0;
   do {
     // The fds of the messages before (continuations) are kept in `out`.
+    continued = continued || out.bytes == kMoreFds;
+    fds_before = out.fds.size();
     if (absl::Status s = ReceiveOne(socket, max_bytes, start, timeout, out); !s.ok()) return s;
   } while (out.bytes == kMoreFds);
+  if (continued && out.bytes.empty() && out.fds.size() == fds_before) {
+    // The end of the stream where the message's last part should be: the sender went away
+    // part-way (its fds, received so far, are closed with `out`).
+    return absl::DataLossError(absl::StrCat("the connection closed part-way through a message, after ",
+                                            fds_before, " of its fds"));
+  }
   out.closed = out.bytes.empty() && out.fds.empty();
   return out;
 }

@@ -15,6 +15,7 @@
 #include <memory>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <string>
 #include <thread>
@@ -414,6 +415,49 @@ void ReceiveWithFewDescriptorsFree(int socket) {
 
 // A receiver whose descriptor table is nearly full (its open-files limit) gets some of a
 // message's fds: the error says so, and which limit, rather than calling the message too large.
+// A sender that goes away between a message's parts (after a continuation that carried fds)
+// is a message lost, not an empty message with fds; the fds received are closed.
+TEST(UnixSocketTest, AMessageCutShortBetweenItsPartsIsDataLoss) {
+  int pair[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair), 0);
+  UniqueFd a(pair[0]), b(pair[1]);
+  int pipe_fds[2];
+  ASSERT_EQ(pipe2(pipe_fds, O_CLOEXEC), 0);
+  UniqueFd pipe_read(pipe_fds[0]), pipe_write(pipe_fds[1]);
+  // The first part of a multi-part message as SendMessage writes it: the continuation marker
+  // and fds (here two).
+  char marker[] = "\x01more fds";
+  iovec iov{marker, sizeof(marker) - 1};
+  const int fds[2] = {pipe_read.get(), pipe_write.get()};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(fds))] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  cmsghdr* c = CMSG_FIRSTHDR(&msg);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(fds));
+  std::memcpy(CMSG_DATA(c), fds, sizeof(fds));
+  ASSERT_EQ(sendmsg(b.get(), &msg, 0), static_cast<ssize_t>(sizeof(marker) - 1));
+  b.reset();
+  EXPECT_EQ(ReceiveMessage(a.get(), 64, absl::Seconds(10)).status(),
+            absl::DataLossError(
+                "the connection closed part-way through a message, after 2 of its fds"));
+  // A whole message of no bytes but fds is still a message, not the end of the stream.
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair), 0);
+  a = UniqueFd(pair[0]);
+  b = UniqueFd(pair[1]);
+  std::vector<int> many(300, pipe_read.get());
+  ASSERT_TRUE(SendMessage(b.get(), "", many).ok());
+  absl::StatusOr<ReceivedMessage> got = ReceiveMessage(a.get(), 64, absl::Seconds(10));
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->bytes, "");
+  EXPECT_EQ(got->fds.size(), 300u);
+  EXPECT_FALSE(got->closed);
+}
+
 TEST(UnixSocketTest, FdsThatDoNotFitTheReceiversTableAreCalledThat) {
   int pair[2];
   ASSERT_EQ(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair), 0);
