@@ -137,6 +137,23 @@ TEST(BalancerServerTest, ARegistrationWithAShapeOutOfRangeIsRefused) {
   EXPECT_TRUE(balancer.Register(nullptr, &good, &response).ok());
 }
 
+// A node registering ranks another healthy node serves is refused, naming the rank and the
+// node serving it; the cluster keeps the first node's registration.
+TEST(BalancerServerTest, ARegistrationOfRanksAnotherNodeServesIsRefused) {
+  Balancer balancer(BalancerOptions{}, std::make_shared<prometheus::Registry>());
+  v1::RegisterResponse response;
+  const v1::RegisterRequest a = Registration("node-a", 0);
+  ASSERT_TRUE(balancer.Register(nullptr, &a, &response).ok());
+  const v1::RegisterRequest c = Registration("node-c", 1);  // Ranks 1-2.
+  const grpc::Status status = balancer.Register(nullptr, &c, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_EQ(status.error_message(), "rank 1 of node node-c is already served by node node-a");
+  const auto nodes = balancer.Status().nodes;
+  ASSERT_EQ(nodes.size(), 1u);
+  EXPECT_EQ(nodes[0].name, "node-a");
+  EXPECT_EQ(nodes[0].ranks, (std::vector<int>{0, 1}));
+}
+
 TEST(BalancerServerTest, RegistrationsAndReportsRaceTheLoopSafely) {
   BalancerOptions options;
   options.interval = absl::Milliseconds(5);

@@ -682,11 +682,13 @@ TEST(ClientTest, UbepdsAnswerToAJoinIsNotCountedAsTheClientsError) {
   absl::StatusOr<std::unique_ptr<Rank>>& rank = one.rank;
   ASSERT_TRUE(rank.ok()) << rank.status();
   ubepd.AnswerJoins(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
-                                 "rank 0 is excluded by plan v2; waited 1s"));
+                                 "rank 0 is excluded from the EP group by plan v2 (its node failed or "
+                                 "was drained); join again to wait for a plan that includes it"));
   for (int i = 0; i < 2; ++i) {
     EXPECT_EQ((*rank)->Rejoin(std::nullopt).status(),
               absl::DeadlineExceededError(
-                  "rank 0: join: rank 0 is excluded by plan v2; waited 1s"));
+                  "rank 0: join: rank 0 is excluded from the EP group by plan v2 (its node "
+                  "failed or was drained); join again to wait for a plan that includes it"));
   }
   const RankStats stats = (*rank)->stats();
   EXPECT_EQ(stats.wait_timeouts, 0u);

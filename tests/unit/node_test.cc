@@ -447,6 +447,18 @@ TEST(NodeTest, ARepeatedPrepareMustBeTheSamePlanAndTheCommittedPlanIsNeverAborte
   EXPECT_EQ(node.Abort(2), absl::FailedPreconditionError(
                                "plan v2 is committed here; a committed plan is never aborted"));
   EXPECT_EQ(node.State().committed_version(), 3u);
+  // A Prepare of a version not above the committed one (a balancer behind) is refused: the
+  // plan version never goes back.
+  for (const uint64_t version : {3u, 2u}) {
+    balancer::Plan behind = third;
+    behind.version = version;
+    std::swap(behind.layers[1].slot_expert[1], behind.layers[1].slot_expert[5]);
+    const v1::PrepareResponse refused_behind = node.Prepare(behind, 40);
+    EXPECT_FALSE(refused_behind.prepared());
+    EXPECT_EQ(refused_behind.reason(),
+              absl::StrCat("version ", version, " is not above the committed v3"));
+  }
+  EXPECT_EQ(node.State().pending_version(), 0u);
 }
 
 // Every rank detaches while a plan is prepared and undecided, and a group of another shape
@@ -1284,6 +1296,12 @@ TEST(NodeTest, APeersLateCommitOfAChangeOfMembersLeavesTheGroupFormedWithoutItsR
         << "rank " << r;
     EXPECT_EQ(AbortWord(t.x2, r, 4), kernels::kAbortMembership) << "rank " << r;
   }
+  // Rank 3, excluded, attaches and joins with a short deadline: it is told so, and why.
+  const Attached x3 = AttachAndClaim(b, 3, 4, 4);
+  EXPECT_EQ(b.Join(JoinOf(3, x3.token), absl::Now() + absl::Milliseconds(100)).status(),
+            absl::DeadlineExceededError(
+                "rank 3 is excluded from the EP group by plan v2 (its node failed or was "
+                "drained); join again to wait for a plan that includes it"));
   // Rank 2, excluded, waits in Join for a plan that includes it, until it detaches.
   v1::DetachRequest detach;
   detach.set_rank(2);
