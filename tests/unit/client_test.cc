@@ -673,6 +673,37 @@ TEST(ClientTest, TheCOptionsJoinTimeoutIsTheJoinsDeadline) {
   ubep_detach(rank);
 }
 
+// A group stopped under a rank (its state broken) says why from the rank's abort word: a wait
+// that timed out names the rank waited on; with no word, the group re-formed without this
+// rank. The answer stays until Rejoin.
+TEST(ClientTest, AStoppedGroupSaysWhyFromTheAbortWord) {
+  struct Case {
+    uint32_t abort_word;
+    std::string message;
+  };
+  for (const Case& c : {Case{kernels::kAbortTimedOutBase + 0,
+                             "rank 0: the group stopped after a wait on rank 0 timed out; call "
+                             "Rejoin"},
+                        Case{0, "rank 0: the group has re-formed or is forming without this "
+                                "rank; call Rejoin"}}) {
+    OneRankThroughUbepd one;
+    absl::StatusOr<std::unique_ptr<Rank>>& rank = one.rank;
+    ASSERT_TRUE(rank.ok()) << rank.status();
+    ASSERT_TRUE((*rank)->BeginStep(0).ok());
+    one.ubepd.node().ForEachArena([&](int, std::byte* base, const kernels::RankArenaLayout& layout,
+                                      const kernels::EpConfig& config) {
+      std::atomic_ref<uint32_t>(*reinterpret_cast<uint32_t*>(
+                                    base + layout.ep + kernels::ArenaLayout(config).abort))
+          .store(c.abort_word);
+      std::atomic_ref<uint32_t>(kernels::ControlOf(base, layout)->group_state)
+          .store(kernels::kGroupBroken);
+    });
+    EXPECT_EQ((*rank)->BeginStep(1), absl::UnavailableError(c.message));
+    EXPECT_EQ((*rank)->BeginStep(2), absl::UnavailableError(c.message));
+    EXPECT_FALSE((*rank)->must_attach_again());
+  }
+}
+
 // ubepd's own answer to a Join (a rank the plan excludes gets DeadlineExceeded at every join
 // timeout, and calls Rejoin again) is no error of the client's: neither a data-plane wait
 // that gave up nor a client error in the rank's statistics (which ubepd exports).
