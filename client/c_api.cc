@@ -223,7 +223,12 @@ int ubep_begin_step(ubep_rank* rank, uint64_t step) {
   });
 }
 
-int ubep_excluded(const ubep_rank* rank) { return rank != nullptr && rank->rank->excluded() ? 1 : 0; }
+int ubep_excluded(const ubep_rank* rank) {
+  if (rank == nullptr) return 0;
+  // The first look at a plan copies and checks its table: out of memory there is a no (the
+  // call that needs the plan, BeginStep, fails with the reason).
+  return Guard("ubep_excluded", [&] { return rank->rank->excluded() ? 1 : 0; }) == 1 ? 1 : 0;
+}
 
 int ubep_must_attach_again(const ubep_rank* rank) {
   if (rank == nullptr) return 0;

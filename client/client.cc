@@ -226,6 +226,22 @@ absl::StatusOr<const kernels::PlanTableHeader*> PlanAt(const RankState& s, uint6
   if (!table.ok()) {
     return absl::DataLossError(absl::StrCat("rank ", s.rank, ": ", table.status().message()));
   }
+  // A table consistent in itself may still be of another shape than this group's: what
+  // reads it by the group's layers, experts and slots (SlotExpert, the exclusion mask) would
+  // read past it.
+  const kernels::PlanTableHeader* t = *table;
+  const uint64_t slots = static_cast<uint64_t>(s.world_size) * s.shape.slots_per_rank;
+  if (t != nullptr &&
+      (t->num_layers != static_cast<uint32_t>(s.shape.num_layers) ||
+       t->num_experts != static_cast<uint32_t>(s.shape.num_experts) || t->num_slots != slots ||
+       (t->num_ranks != 0 && t->num_ranks != static_cast<uint32_t>(s.world_size)))) {
+    return absl::DataLossError(absl::StrCat(
+        "rank ", s.rank, ": plan v", t->version, " in force at step ", step, " is for ",
+        t->num_layers, " layers x ", t->num_experts, " experts x ", t->num_slots, " slots (",
+        t->num_ranks, " ranks), not this group's ", s.shape.num_layers, " x ",
+        s.shape.num_experts, " x ", slots, " (", s.world_size,
+        "): something other than ubepd wrote over it"));
+  }
   return table;
 }
 
@@ -759,6 +775,12 @@ absl::StatusOr<std::unique_ptr<Rank>> Rank::Attach(const ClientOptions& options,
   c.max_recv_rows = static_cast<int>(response.max_recv_rows());
   st.hosted_first = static_cast<int>(response.hosted_first());
   st.hosted_count = static_cast<int>(response.hosted_count());
+  if (response.wait_timeout_ms() <= 0) {
+    // Every wait of the data plane would give up at once.
+    return absl::DataLossError(absl::StrCat("rank ", rank, ": ubepd's wait timeout, ",
+                                            response.wait_timeout_ms(),
+                                            " ms, is not positive"));
+  }
   if (kernels::ArenaLayout(c).total_bytes != st.layout.ep_bytes) {
     return absl::DataLossError(absl::StrCat(
         "rank ", rank, ": ubepd's data-plane layout (", st.layout.ep_bytes,

@@ -106,6 +106,12 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  if (absl::GetFlag(FLAGS_wait_timeout) < absl::Milliseconds(1)) {
+    // Ranks are told it in whole milliseconds: less would reach them as no time at all.
+    std::cerr << "ubepd: --wait_timeout "
+              << absl::FormatDuration(absl::GetFlag(FLAGS_wait_timeout)) << " is under 1ms\n";
+    return 2;
+  }
   if (options.report_interval < absl::Milliseconds(10)) {
     // The link counts in milliseconds, and takes no less from the balancer either.
     std::cerr << "ubepd: --report_interval " << absl::FormatDuration(options.report_interval)

@@ -331,6 +331,7 @@ TEST_F(DaemonTest, AReceiveCapacityOverflowDropsTheSameStepsEverywhereAndTheRest
       {"--socket_mode=1777", "ubepd: --socket_mode 1777 is not an octal file mode\n"},
       {"--socket_mode=0001777", "ubepd: --socket_mode 0001777 is not an octal file mode\n"},
       {"--max_arena_bytes=0", "ubepd: --max_arena_bytes 0 is not positive\n"},
+      {"--wait_timeout=500us", "ubepd: --wait_timeout 500us is under 1ms\n"},
       {"--wait_timeout=inf", "ubepd: --wait_timeout inf is not a time (every wait has an end)\n"},
       {"--drain_timeout=inf", "ubepd: --drain_timeout inf is not a time (every wait has an end)\n"},
       {"--drain_timeout=-1s", "ubepd: --drain_timeout -1s is negative\n"},

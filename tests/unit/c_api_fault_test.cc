@@ -214,4 +214,34 @@ TEST(CAbiFaultTest, MustAttachAgainOutOfMemoryIsStillAYes) {
   EXPECT_EQ(ubep_detach(rank), 0) << ubep_last_error();
 }
 
+// ubep_excluded's first look at a newly committed plan copies and checks its table: out of
+// memory there is a no and a message, not an exception into C.
+TEST(CAbiFaultTest, ExcludedOutOfMemoryIsANo) {
+  ubep::test::TempDir dir;
+  ubep::daemon::DaemonOptions daemon_options;
+  daemon_options.socket_path = dir.path() + "/ubepd.sock";
+  auto ubepd = ubep::daemon::Daemon::Start(daemon_options);
+  ASSERT_TRUE(ubepd.ok()) << ubepd.status();
+  const ubep_model_shape shape = Shape();
+  ubep_rank* rank = nullptr;
+  ASSERT_EQ(ubep_attach(daemon_options.socket_path.c_str(), 0, 1, 0, &shape, &rank), 0)
+      << ubep_last_error();
+  // Plan v2, the same placement as the first, committed: not yet checked by the rank.
+  ubep::balancer::Plan plan;
+  plan.version = 2;
+  plan.topology.num_ranks = 1;
+  plan.topology.slots_per_rank = 4;
+  plan.num_experts = 4;
+  plan.layer_ids = {0};
+  plan.layers.push_back(ubep::balancer::LayerPlan{{0, 1, 2, 3}, {1.0, 1.0, 1.0, 1.0}});
+  const ubep::v1::PrepareResponse prepared = (*ubepd)->node().Prepare(plan, 1000);
+  ASSERT_TRUE(prepared.prepared()) << prepared.reason();
+  ASSERT_TRUE((*ubepd)->node().Commit(2).ok());
+  auto [outcomes, failed_runs] = Sweep([rank] { return ubep_excluded(rank); });
+  EXPECT_GE(failed_runs, 1);
+  const std::set<Outcome> expected = {{0, "ubep_excluded: out of memory"}, {0, ""}};
+  EXPECT_EQ(outcomes, expected);
+  EXPECT_EQ(ubep_detach(rank), 0) << ubep_last_error();
+}
+
 }  // namespace

@@ -759,6 +759,44 @@ TEST(ClientTest, ACorruptPlanTableIsRefusedAtBeginStepAndThePeersAreTold) {
   EXPECT_TRUE((*rank)->Detach().ok());
 }
 
+// A plan table consistent in itself but of another shape (one layer where the group has two,
+// as something other than ubepd could write): refused with DataLoss, not read past its end by
+// SlotExpert or BeginStep.
+TEST(ClientTest, APlanTableOfAnotherShapeIsRefusedNotReadPastItsEnd) {
+  OneRankThroughUbepd one;
+  AlteringUbepd& ubepd = one.ubepd;
+  absl::StatusOr<std::unique_ptr<Rank>>& rank = one.rank;
+  ASSERT_TRUE(rank.ok()) << rank.status();
+  const uint64_t step = (*rank)->resume_step();
+  ubepd.node().ForEachArena([&](int, std::byte* base, const kernels::RankArenaLayout& layout,
+                                const kernels::EpConfig&) {
+    void* area = base + layout.plan;
+    const kernels::PlanTableHeader* table = kernels::SelectPlan(area, step);
+    ASSERT_NE(table, nullptr);
+    ASSERT_EQ(table->num_layers, 2u);
+    const_cast<kernels::PlanTableHeader*>(table)->num_layers = 1;
+    // Its length as the header now says, and an empty exclusion mask where layer 1 began:
+    // a table valid in itself.
+    std::memset(reinterpret_cast<unsigned char*>(const_cast<kernels::PlanTableHeader*>(table)) +
+                    kernels::PlanRoutesEnd(1, table->num_experts, table->max_replicas),
+                0, sizeof(uint32_t));
+    for (int i = 0; i < 2; ++i) {
+      if (kernels::PlanBuffer(area, i) == table) {
+        kernels::PlanSlot(area, i)->table_bytes = kernels::PlanTableBytes(table);
+      }
+    }
+  });
+  const ModelShape shape = Shape();
+  const std::string refused = absl::StrCat(
+      "rank 0: plan v1 in force at step ", step, " is for 1 layers x ", shape.num_experts,
+      " experts x ", shape.slots_per_rank, " slots (1 ranks), not this group's 2 x ",
+      shape.num_experts, " x ", shape.slots_per_rank,
+      " (1): something other than ubepd wrote over it");
+  EXPECT_EQ((*rank)->SlotExpert(1, 0).status(), absl::DataLossError(refused));
+  EXPECT_EQ((*rank)->BeginStep(step), absl::DataLossError(refused));
+  EXPECT_TRUE((*rank)->Detach().ok());
+}
+
 // The abort word of each rank's arena, as ubepd holds them.
 std::vector<uint32_t> AbortWords(daemon::Node& node) {
   std::vector<uint32_t> words;
