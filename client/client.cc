@@ -31,6 +31,7 @@
 #include <cuda_runtime_api.h>
 
 #include "kernels/cuda/cuda_ep.h"
+#include "kernels/cuda/scoped_device.h"
 #include "kernels/cuda/vmm_arena.h"
 #endif
 
@@ -89,6 +90,7 @@ struct RankState {
   // runs for the caller, writes its (unused) output. Allocated at the first such call.
   void* overflow_sink = nullptr;
   ~RankState() {
+    const kernels::ScopedDevice on_device(device);
     cuda_ep.reset();
     if (device_plan != nullptr) cudaFree(device_plan);
     if (overflow_sink != nullptr) cudaFree(overflow_sink);
@@ -126,6 +128,33 @@ struct RankState {
 namespace {
 
 using internal::RankState;
+
+// On the CUDA backend, the rank's device is the calling thread's current one for the scope
+// (kernels::ScopedDevice: the caller's is put back), whichever thread calls; nothing on the
+// host backend.
+#ifdef UBEP_CLIENT_CUDA
+// A copy done before it returns, on the calling thread's default stream (cudaStreamPerThread),
+// not the legacy one (cudaMemcpy), which waits for every blocking stream of the context: those
+// of other ranks of this process on the device, whose kernels may be waiting for this rank.
+bool CopyNow(void* to, const void* from, size_t bytes, cudaMemcpyKind kind) {
+  return cudaMemcpyAsync(to, from, bytes, kind, cudaStreamPerThread) == cudaSuccess &&
+         cudaStreamSynchronize(cudaStreamPerThread) == cudaSuccess;
+}
+#endif
+
+class RankDevice {
+ public:
+  explicit RankDevice([[maybe_unused]] const RankState& s) {
+#ifdef UBEP_CLIENT_CUDA
+    if (s.on_device) guard_.emplace(s.device);
+#endif
+  }
+
+ private:
+#ifdef UBEP_CLIENT_CUDA
+  std::optional<kernels::ScopedDevice> guard_;
+#endif
+};
 
 // `context` tells the daemon's own answers (ubepd marks them, kUbepOrigin) from failures of
 // the transport, which alone are "not reachable".
@@ -170,9 +199,10 @@ uint32_t AbortCode(const RankState& s) {
   uint32_t code = 0;
 #ifdef UBEP_CLIENT_CUDA
   if (s.on_device) {
+    const kernels::ScopedDevice on_device(s.device);
     if (static_cast<size_t>(s.rank) < s.device_arenas.size()) {
-      (void)cudaMemcpy(&code, s.device_arenas[s.rank]->data() + ep.abort, sizeof(code),
-                       cudaMemcpyDeviceToHost);
+      (void)CopyNow(&code, s.device_arenas[s.rank]->data() + ep.abort, sizeof(code),
+                    cudaMemcpyDeviceToHost);
     }
     return code;
   }
@@ -324,17 +354,18 @@ absl::Status StopForDaemonExit(RankState& s) {
   }
 #ifdef UBEP_CLIENT_CUDA
   if (s.on_device) {
+    const kernels::ScopedDevice on_device(s.device);
     // The data plane is at offset 0 of each device arena; a set abort word is kept.
     for (int r = 0; r < static_cast<int>(s.device_arenas.size()); ++r) {
       const uint32_t raise = code_for(r);
       uint32_t code = 0;
       if (raise != 0 &&
-          cudaMemcpy(&code, s.device_arenas[r]->data() + ep.abort, sizeof(code),
-                     cudaMemcpyDeviceToHost) == cudaSuccess &&
+          CopyNow(&code, s.device_arenas[r]->data() + ep.abort, sizeof(code),
+                  cudaMemcpyDeviceToHost) &&
           code == 0) {
         code = raise;
-        (void)cudaMemcpy(s.device_arenas[r]->data() + ep.abort, &code, sizeof(code),
-                         cudaMemcpyHostToDevice);
+        (void)CopyNow(s.device_arenas[r]->data() + ep.abort, &code, sizeof(code),
+                      cudaMemcpyHostToDevice);
       }
     }
   }
@@ -375,14 +406,12 @@ absl::Status UseJoin(RankState& s, const v1::JoinResponse& response) {
     for (const auto& a : s.device_arenas) eps.push_back(a->data());
     // The data plane's stream and scratch are made on the rank's device, whichever is the
     // calling thread's (a Rejoin from another thread than the Attach's), which is put back.
-    int current = -1;
-    if (cudaGetDevice(&current) != cudaSuccess || cudaSetDevice(s.device) != cudaSuccess) {
-      return absl::InternalError(
-          absl::StrCat("rank ", s.rank, ": cannot select device ", s.device));
+    const kernels::ScopedDevice on_device(s.device);
+    if (!on_device.status().ok()) {
+      return absl::InternalError(absl::StrCat("rank ", s.rank, ": ", on_device.status().message()));
     }
     absl::StatusOr<std::unique_ptr<kernels::CudaEp>> made =
         kernels::CudaEp::Create(s.config, s.rank, std::move(eps));
-    if (current != s.device) (void)cudaSetDevice(current);
     if (!made.ok()) return made.status();
     s.cuda_ep = *std::move(made);
     s.device_plan_version = 0;
@@ -484,6 +513,7 @@ absl::Status TakeArenas(RankState& s, const v1::AttachResponse& response) {
                                                         s.layout.device_bytes));
       s.device_arenas.push_back(std::move(arena));
     }
+    const kernels::ScopedDevice on_device(s.device);
     if (cudaMalloc(&s.device_plan, s.layout.plan_capacity) != cudaSuccess) {
       return absl::ResourceExhaustedError(
           absl::StrCat("rank ", s.rank, ": no device memory for the plan table"));
@@ -925,6 +955,7 @@ absl::Status Rank::BeginStep(uint64_t step) {
 absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
                             const float* topk_weights, int num_tokens, Dispatched& out) {
   RankState& s = *state_;
+  const RankDevice on_device(s);
   out.state_->filled = false;
   if (!s.attached) return Detached();
   if (!s.stopped.ok()) return s.stopped;
@@ -956,7 +987,7 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
     }
     if (version != s.device_plan_version) {
       const size_t bytes = kernels::PlanTableBytes(table);
-      if (cudaMemcpy(s.device_plan, table, bytes, cudaMemcpyHostToDevice) != cudaSuccess) {
+      if (!CopyNow(s.device_plan, table, bytes, cudaMemcpyHostToDevice)) {
         // Refused before the rank takes part: its peers, waiting for it, say why.
         return Record(s, s.cuda_ep->Refuse(
                              absl::InternalError(absl::StrCat("rank ", s.rank, ": uploading plan v",
@@ -1063,6 +1094,7 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
 
 absl::Status Rank::Combine(const Dispatched& dispatched, const void* expert_out, void* out) {
   RankState& s = *state_;
+  const RankDevice on_device(s);
   if (!s.attached) return Detached();
   if (!s.stopped.ok()) return s.stopped;
   const bool of_this_rank = dispatched.state_->rank == &s && dispatched.state_->attach == s.attach;

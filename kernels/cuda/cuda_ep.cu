@@ -1,4 +1,5 @@
 #include "kernels/cuda/cuda_ep.h"
+#include "kernels/cuda/scoped_device.h"
 
 #include <cuda_runtime.h>
 
@@ -86,6 +87,19 @@ constexpr int kPollBlocksPerSm = 2;
                        cudaGetErrorString(ubep_cuda_error_))));                          \
     }                                                                                    \
   } while (0)
+
+// A copy done before it returns, on `stream`. The CudaEp's host-side copies (its arena's
+// words, the scratch's set-up) go on its non-blocking side stream, never on the legacy default
+// stream (cudaMemcpy): that one waits for every blocking stream of the context, the streams
+// of other ranks of this process on this device among them, whose kernels may be waiting for
+// this very rank (a deadlock until their timeout).
+cudaError_t CopyOnStream(void* to, const void* from, size_t bytes, cudaMemcpyKind kind,
+                         cudaStream_t stream) {
+  if (const cudaError_t e = cudaMemcpyAsync(to, from, bytes, kind, stream); e != cudaSuccess) {
+    return e;
+  }
+  return cudaStreamSynchronize(stream);
+}
 
 // Everything a kernel needs, passed by value.
 struct Params {
@@ -792,15 +806,22 @@ __global__ void CountKernel(Params p) {
   __shared__ typename Scan::TempStorage scan_storage;
   __shared__ int base;
   __shared__ int corrupt;
+  __shared__ uint32_t shared_word;
   const int s = blockIdx.x, S = p.slots_per_rank;
   if (StoppedBeforeCount(p)) return;  // Every source is checked, whatever another block found.
   std::byte* own = p.arenas[p.rank];
-  // The count word, read once: the count and the bound its format sets are of one value (none
-  // from a rank the plan excludes: its word is stale).
-  const uint32_t word = RankExcluded(p.plan, static_cast<uint32_t>(s))
-                            ? 0
-                            : reinterpret_cast<const uint32_t*>(own + p.off_counts)[s];
-  if (threadIdx.x == 0) p.source_word[s] = word;  // Read by the later kernels, not the arena.
+  // The count word, read once, by one thread for the block: the count and the bound its
+  // format sets are of one value, and every thread loops over the same count (source s writes
+  // the word; a rank that wrote it again meanwhile cannot split the block's barriers). None
+  // from a rank the plan excludes: its word is stale.
+  if (threadIdx.x == 0) {
+    shared_word = RankExcluded(p.plan, static_cast<uint32_t>(s))
+                      ? 0
+                      : reinterpret_cast<const volatile uint32_t*>(own + p.off_counts)[s];
+    p.source_word[s] = shared_word;  // Read by the later kernels, not the arena.
+  }
+  __syncthreads();
+  const uint32_t word = shared_word;
   const int n = static_cast<int>(RecordCount(word));
   if (RecordCount(word) > MostRecords(word, p.max_tokens, p.flagged_tokens)) {
     // Every thread read the same word: the block returns as one.
@@ -1259,6 +1280,7 @@ CudaEp::CudaEp(const EpConfig& config, int rank)
     : config_(config), layout_(config), rank_(rank), scratch_(std::make_unique<Scratch>()) {}
 
 CudaEp::~CudaEp() {
+  const ScopedDevice on_device(device_);
   if (scratch_->block != nullptr) cudaFree(scratch_->block);
   if (scratch_->arenas != nullptr) cudaFree(scratch_->arenas);
   if (scratch_->host_status != nullptr) cudaFreeHost(scratch_->host_status);
@@ -1280,7 +1302,19 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
       rank >= config.num_ranks) {
     return absl::InvalidArgumentError("cuda backend: one arena per rank, and a rank in range");
   }
+  // PlaceKernel keeps an int per local slot in dynamic shared memory, the senders an int per
+  // rank: within what any launch may take without opting in (48 KiB), or every launch fails.
+  constexpr size_t kMaxDynamicShared = 48 * 1024;
+  for (const auto& [what, count] : {std::pair{"slots_per_rank", config.slots_per_rank},
+                                    std::pair{"ranks", config.num_ranks}}) {
+    if (sizeof(int32_t) * static_cast<size_t>(count) > kMaxDynamicShared) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cuda backend: ", count, " ", what, " need ", sizeof(int32_t) * count,
+          " bytes of shared memory per block, over the ", kMaxDynamicShared, " a launch takes"));
+    }
+  }
   std::unique_ptr<CudaEp> ep(new CudaEp(config, rank));
+  UBEP_CUDA_RETURN_IF_ERROR(cudaGetDevice(&ep->device_));
   ep->own_arena_ = arenas[rank];
   ep->arenas_ = arenas;
   Scratch& s = *ep->scratch_;
@@ -1293,9 +1327,9 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
       reinterpret_cast<void**>(&s.host_status),
       sizeof(uint32_t) * kStatusWords + sizeof(int32_t) * (config.slots_per_rank + 1)));
   s.host_slot_offsets = reinterpret_cast<int32_t*>(s.host_status + kStatusWords);
-  UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(s.arenas, arenas.data(),
-                                       sizeof(std::byte*) * arenas.size(),
-                                       cudaMemcpyHostToDevice));
+  UBEP_CUDA_RETURN_IF_ERROR(CopyOnStream(s.arenas, arenas.data(),
+                                         sizeof(std::byte*) * arenas.size(),
+                                         cudaMemcpyHostToDevice, s.side));
   const size_t R = config.num_ranks, T = config.max_tokens, K = config.top_k,
                S = config.slots_per_rank, H = config.hidden;
   // The receive capacity: every pair of every source's tokens here (at most MaxPairsPerToken
@@ -1322,7 +1356,7 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
         ") of hidden ", H, ": ", cudaGetErrorString(error),
         bounded ? "; lower max_recv_rows" : "; lower max_tokens, or bound max_recv_rows"));
   }
-  UBEP_CUDA_RETURN_IF_ERROR(cudaMemset(s.block, 0, bytes));
+  UBEP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(s.block, 0, bytes, s.side));
   auto* next = static_cast<int32_t*>(s.block);
   auto take = [&](size_t n) {
     int32_t* at = next;
@@ -1391,19 +1425,19 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   const size_t offsets[4] = {l.dispatch_flag + rank * kFlagStride, l.dispatch_completed,
                              l.combine_flag + rank * kFlagStride, l.combine_completed};
   for (int i = 0; i < 4; ++i) {
-    UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&words[i], arenas[rank] + offsets[i], sizeof(uint32_t),
-                                         cudaMemcpyDeviceToHost));
+    UBEP_CUDA_RETURN_IF_ERROR(CopyOnStream(&words[i], arenas[rank] + offsets[i],
+                                           sizeof(uint32_t), cudaMemcpyDeviceToHost, s.side));
   }
   ep->dispatch_epoch_ = ResumedEpoch(words[0], words[1]);
   ep->combine_epoch_ = ResumedEpoch(words[2], words[3]);
-  UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&ep->barrier_epoch_,
-                                       arenas[rank] + l.barrier_flag + rank * kFlagStride,
-                                       sizeof(uint32_t), cudaMemcpyDeviceToHost));
+  UBEP_CUDA_RETURN_IF_ERROR(CopyOnStream(&ep->barrier_epoch_,
+                                         arenas[rank] + l.barrier_flag + rank * kFlagStride,
+                                         sizeof(uint32_t), cudaMemcpyDeviceToHost, s.side));
   // ubep counts and sends in one cooperative launch when the device can keep every block of
   // it resident (always, on a GPU of this class: at most 65 blocks); sender_thread kOff asks
   // for the counting kernel first, then the senders, as bsp runs.
-  int device = 0, sms = 0;
-  UBEP_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  const int device = ep->device_;
+  int sms = 0;
   UBEP_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   s.wide_blocks = kWideBlocksPerSm * sms;
   // The ranks whose arenas are on this GPU: they share its SM slots (kPollBlocksPerSm). A
@@ -1425,7 +1459,8 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
         &per_sm, SendKernel, kThreads, sizeof(int32_t) * config.num_ranks));
     s.fused = cooperative != 0 && per_sm * sms >= s.count_blocks + 1 + kSenderBlocks;
   }
-  UBEP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+  // The scratch zeroed (on the side stream) before any kernel of the rank's stream reads it.
+  UBEP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s.side));
   return ep;
 }
 
@@ -1465,15 +1500,15 @@ absl::Status CudaEp::CheckStatus(const char* what, uint32_t call,
                                static_cast<size_t>(source) * config_.max_tokens *
                                    layout_.record_bytes;
     uint32_t word = 0;
-    UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&word, own_arena_ + layout_.counts +
-                                                    sizeof(uint32_t) * source,
-                                         sizeof(word), cudaMemcpyDeviceToHost));
+    UBEP_CUDA_FAIL_CALL_IF_ERROR(Copy(&word, own_arena_ + layout_.counts +
+                                                 sizeof(uint32_t) * source,
+                                      sizeof(word), cudaMemcpyDeviceToHost));
     std::vector<std::byte> records(
         std::min(RecordCount(word), MostRecords(word, config_.max_tokens, config_.flagged_tokens)) *
         layout_.record_bytes);
     if (!records.empty()) {
-      UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(records.data(), landing, records.size(),
-                                           cudaMemcpyDeviceToHost));
+      UBEP_CUDA_FAIL_CALL_IF_ERROR(
+          Copy(records.data(), landing, records.size(), cudaMemcpyDeviceToHost));
     }
     return CorruptRecordsStatus(
         rank_, source, call,
@@ -1486,8 +1521,8 @@ absl::Status CudaEp::CheckStatus(const char* what, uint32_t call,
     what = PhaseName(status[kStatusWaitPhase], what);
     // The abort word holds why: a daemon's code, or the rank the group gave up on.
     uint32_t code = 0;
-    UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&code, own_arena_ + layout_.abort, sizeof(code),
-                                         cudaMemcpyDeviceToHost));
+    UBEP_CUDA_FAIL_CALL_IF_ERROR(
+        Copy(&code, own_arena_ + layout_.abort, sizeof(code), cudaMemcpyDeviceToHost));
     // A wait that ran late was not ended by the code (a rank that left after this call,
     // which the waits went on past, or a code set after the deadline).
     if (absl::Status daemon = DaemonAbortStatus(code, rank_, what, call);
@@ -1509,10 +1544,10 @@ absl::Status CudaEp::CheckStatus(const char* what, uint32_t call,
     int32_t idx[kMaxTopK];
     float w[kMaxTopK];
     if (input != nullptr &&
-        cudaMemcpy(idx, input->topk_idx + static_cast<size_t>(t) * K, sizeof(int32_t) * K,
-                   cudaMemcpyDefault) == cudaSuccess &&
-        cudaMemcpy(w, input->topk_weights + static_cast<size_t>(t) * K, sizeof(float) * K,
-                   cudaMemcpyDefault) == cudaSuccess) {
+        Copy(idx, input->topk_idx + static_cast<size_t>(t) * K, sizeof(int32_t) * K,
+             cudaMemcpyDefault) == cudaSuccess &&
+        Copy(w, input->topk_weights + static_cast<size_t>(t) * K, sizeof(float) * K,
+             cudaMemcpyDefault) == cudaSuccess) {
       if (std::string bad = BadPairMessage(idx, w, t, k, config_.num_experts); !bad.empty()) {
         return bad;
       }
@@ -1532,9 +1567,8 @@ absl::Status CudaEp::CheckStatus(const char* what, uint32_t call,
   if (status[kStatusPeerOver] != 0) {
     const int peer = config_.num_ranks - static_cast<int>(status[kStatusPeerOver]);
     ReceiveNotice notice{};
-    UBEP_CUDA_RETURN_IF_ERROR(cudaMemcpy(&notice,
-                                         own_arena_ + layout_.notices + peer * kFlagStride,
-                                         sizeof(notice), cudaMemcpyDeviceToHost));
+    UBEP_CUDA_FAIL_CALL_IF_ERROR(Copy(&notice, own_arena_ + layout_.notices + peer * kFlagStride,
+                                      sizeof(notice), cudaMemcpyDeviceToHost));
     return PeerOverCapacityStatus(rank_, call, peer, notice);
   }
   if (const std::string bad = bad_pair(); !bad.empty()) return absl::InvalidArgumentError(bad);
@@ -1542,14 +1576,18 @@ absl::Status CudaEp::CheckStatus(const char* what, uint32_t call,
 }
 
 absl::Status CudaEp::GaveUpStatus() const {
+  const ScopedDevice on_device(device_);
+  if (!on_device.status().ok()) return on_device.status();
   uint32_t code = 0;
   UBEP_CUDA_RETURN_IF_ERROR(
-      cudaMemcpy(&code, own_arena_ + layout_.abort, sizeof(code), cudaMemcpyDeviceToHost));
+      Copy(&code, own_arena_ + layout_.abort, sizeof(code), cudaMemcpyDeviceToHost));
   if (code == 0) return absl::OkStatus();
   return DispatchAfterGiveUpStatus(code, rank_, config_.protocol, dispatch_epoch_ + 1);
 }
 
 absl::Status CudaEp::Refuse(absl::Status refused, bool keep_earlier) {
+  const ScopedDevice on_device(device_);
+  if (!on_device.status().ok()) return on_device.status();
   const CallPhase phase = AwaitedPhase(dispatch_epoch_, combine_epoch_);
   if (keep_earlier && !Refusal(rank_, phase).empty()) return refused;
   std::byte body[kRefusalBody];
@@ -1567,28 +1605,21 @@ void CudaEp::TakePart() {
   refusal_recorded_ = false;
 }
 
-namespace {
-
-// A copy done before it returns, on `stream` (nullptr: the legacy default stream, as
-// cudaMemcpy).
-bool CopyNow(void* to, const void* from, size_t bytes, cudaMemcpyKind kind, cudaStream_t stream) {
-  return cudaMemcpyAsync(to, from, bytes, kind, stream) == cudaSuccess &&
-         cudaStreamSynchronize(stream) == cudaSuccess;
+cudaError_t CudaEp::Copy(void* to, const void* from, size_t bytes, cudaMemcpyKind kind) const {
+  return CopyOnStream(to, from, bytes, kind, scratch_->side);
 }
 
-}  // namespace
-
-void CudaEp::WriteRefusal(const std::byte (&body)[kRefusalBody], bool side) {
+void CudaEp::WriteRefusal(const std::byte (&body)[kRefusalBody]) {
   // Copies each done before the next begins: the sequence word odd, the body, the word even.
-  // A copy that fails leaves the record as it was, or odd (read as none).
-  cudaStream_t stream = side ? scratch_->side : nullptr;
+  // A copy that fails leaves the record as it was, or odd (read as none). On the side stream:
+  // within a call, its kernels in flight wait for peers, and for this very record.
   auto* seq = reinterpret_cast<uint32_t*>(own_arena_ + layout_.refusal);
   uint32_t before = 0;
-  if (!CopyNow(&before, seq, sizeof(before), cudaMemcpyDeviceToHost, stream)) return;
+  if (Copy(&before, seq, sizeof(before), cudaMemcpyDeviceToHost) != cudaSuccess) return;
   const uint32_t odd = SeqWhileWriting(before), even = odd + 1;
-  if (CopyNow(seq, &odd, sizeof(odd), cudaMemcpyHostToDevice, stream) &&
-      CopyNow(seq + 1, body, sizeof(body), cudaMemcpyHostToDevice, stream)) {
-    CopyNow(seq, &even, sizeof(even), cudaMemcpyHostToDevice, stream);
+  if (Copy(seq, &odd, sizeof(odd), cudaMemcpyHostToDevice) == cudaSuccess &&
+      Copy(seq + 1, body, sizeof(body), cudaMemcpyHostToDevice) == cudaSuccess) {
+    (void)Copy(seq, &even, sizeof(even), cudaMemcpyHostToDevice);
   }
 }
 
@@ -1598,7 +1629,7 @@ absl::Status CudaEp::FailedAfterTakingPart(absl::Status error) {
   // flight wait for peers, and for this very word.
   std::byte body[kRefusalBody];
   FormatRefusal(PhaseInFlight(dispatch_epoch_, combine_epoch_), error.message(), body);
-  WriteRefusal(body, /*side=*/true);
+  WriteRefusal(body);
   refusal_recorded_ = true;
   // Read, then set where still 0 (the first reason wins): a peer's kernel that raises it in
   // between loses its reason to this one, which names a rank that failed all the same (that
@@ -1609,11 +1640,10 @@ absl::Status CudaEp::FailedAfterTakingPart(absl::Status error) {
   for (size_t r = 0; r < arenas_.size(); ++r) {
     if (r >= member_.size() || !member_[r] || arenas_[r] == nullptr) continue;
     uint32_t word = 0;
-    if (CopyNow(&word, arenas_[r] + layout_.abort, sizeof(word), cudaMemcpyDeviceToHost,
-                scratch_->side) &&
+    if (Copy(&word, arenas_[r] + layout_.abort, sizeof(word), cudaMemcpyDeviceToHost) ==
+            cudaSuccess &&
         word == 0) {
-      CopyNow(arenas_[r] + layout_.abort, &code, sizeof(code), cudaMemcpyHostToDevice,
-              scratch_->side);
+      (void)Copy(arenas_[r] + layout_.abort, &code, sizeof(code), cudaMemcpyHostToDevice);
     }
   }
   // The call's kernels launched so far end on the word (or at their deadline): none may
@@ -1624,33 +1654,52 @@ absl::Status CudaEp::FailedAfterTakingPart(absl::Status error) {
 }
 
 std::string CudaEp::Refusal(int rank, CallPhase phase) const {
+  const ScopedDevice on_device(device_);
   if (rank < 0 || rank >= static_cast<int>(arenas_.size()) || arenas_[rank] == nullptr) return "";
   const auto* region = reinterpret_cast<const uint32_t*>(arenas_[rank] + layout_.refusal);
-  uint32_t before = 0, after = 0;
-  std::byte body[kRefusalBody];
-  if (cudaMemcpy(&before, region, sizeof(before), cudaMemcpyDeviceToHost) != cudaSuccess ||
-      before == 0 || before % 2 != 0 ||
-      cudaMemcpy(body, region + 1, sizeof(body), cudaMemcpyDeviceToHost) != cudaSuccess ||
-      cudaMemcpy(&after, region, sizeof(after), cudaMemcpyDeviceToHost) != cudaSuccess ||
-      after != before) {
-    return "";
+  // A read torn by the rank writing its record meanwhile is tried again, as the host backend
+  // does (ReadRefusal): 16 tries.
+  for (int attempt = 0; attempt < 16; ++attempt) {
+    uint32_t before = 0, after = 0;
+    std::byte body[kRefusalBody];
+    if (Copy(&before, region, sizeof(before), cudaMemcpyDeviceToHost) != cudaSuccess ||
+        before == 0) {
+      return "";
+    }
+    if (before % 2 != 0) continue;  // Being written.
+    if (Copy(body, region + 1, sizeof(body), cudaMemcpyDeviceToHost) != cudaSuccess ||
+        Copy(&after, region, sizeof(after), cudaMemcpyDeviceToHost) != cudaSuccess) {
+      return "";
+    }
+    if (after == before) return ParseRefusal(body, phase);
   }
-  return ParseRefusal(body, phase);
+  return "";
 }
 
 absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& out) {
+  const ScopedDevice on_device(device_);
+  if (!on_device.status().ok()) return on_device.status();
   // The abort word is looked at by GateKernel, with no synchronous copy, except where that
   // look would come too late and it is taken here first (as the host takes it, before any
   // check): after a dispatch that failed (its combine refused, this call would read as a
   // second dispatch) and after a refusal of its own (which TakePart would withdraw, while a
   // call refused because the group gave up keeps it for the peers to read).
-  if (refusal_recorded_ || (combine_epoch_ != dispatch_epoch_ && !dispatch_completed_)) {
+  const bool looked = refusal_recorded_ || (combine_epoch_ != dispatch_epoch_ && !dispatch_completed_);
+  if (looked) {
     if (absl::Status gave_up = GaveUpStatus(); !gave_up.ok()) return gave_up;
   }
+  // A call refused below says first that the group gave up, where it did (the host backend
+  // looks at the abort word before any check): a caller told Unavailable re-forms the group.
+  auto refuse = [&](absl::Status refused, bool keep_earlier = false) {
+    if (!looked) {
+      if (absl::Status gave_up = GaveUpStatus(); !gave_up.ok()) return gave_up;
+    }
+    return Refuse(std::move(refused), keep_earlier);
+  };
   if (combine_epoch_ != dispatch_epoch_) {
     // The peers wait for this rank's partials: a refusal of that combine recorded for them
     // is the reason they are to read, not this one (the host backend's order).
-    return Refuse(absl::FailedPreconditionError(kDispatchTwice), /*keep_earlier=*/true);
+    return refuse(absl::FailedPreconditionError(kDispatchTwice), /*keep_earlier=*/true);
   }
   // The host backend's checks, in its words (bad_input.h); the device table must come with
   // the host copy it was uploaded from.
@@ -1660,18 +1709,21 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
                                        config_.num_experts, config_.num_ranks,
                                        config_.slots_per_rank);
       !bad.empty()) {
-    return Refuse(absl::InvalidArgumentError(std::move(bad)));
+    return refuse(absl::InvalidArgumentError(std::move(bad)));
   }
   if (RankExcluded(in.host_plan, static_cast<uint32_t>(rank_))) {
+    if (!looked) {
+      if (absl::Status gave_up = GaveUpStatus(); !gave_up.ok()) return gave_up;
+    }
     return absl::FailedPreconditionError(absl::StrCat(
         "rank ", rank_, " is excluded from the EP group by plan v", in.host_plan->version));
   }
   if (in.num_tokens > 0 &&
       (in.x == nullptr || in.topk_idx == nullptr || in.topk_weights == nullptr)) {
-    return Refuse(absl::InvalidArgumentError(kNullDispatchInput));
+    return refuse(absl::InvalidArgumentError(kNullDispatchInput));
   }
   if (reinterpret_cast<uintptr_t>(in.x) % 16 != 0) {
-    return Refuse(absl::InvalidArgumentError("cuda backend: x must be 16-byte aligned"));
+    return refuse(absl::InvalidArgumentError("cuda backend: x must be 16-byte aligned"));
   }
   TakePart();
   dispatch_completed_ = false;
@@ -1794,6 +1846,8 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
 }
 
 absl::Status CudaEp::Combine(const void* y, void* out) {
+  const ScopedDevice on_device(device_);
+  if (!on_device.status().ok()) return on_device.status();
   if (combine_epoch_ + 1 != dispatch_epoch_) {
     return Refuse(absl::FailedPreconditionError("combine without a dispatch before it"),
                   /*keep_earlier=*/true);

@@ -24,6 +24,8 @@
 #ifndef UBEP_KERNELS_CUDA_CUDA_EP_H_
 #define UBEP_KERNELS_CUDA_CUDA_EP_H_
 
+#include <cuda_runtime_api.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -143,10 +145,11 @@ class CudaEp {
   // left, for phase `what` of call `call`; `input`, a dispatch's, words a bad pair's error.
   absl::Status CheckStatus(const char* what, uint32_t call,
                            const CudaDispatchInput* input = nullptr);
-  // Writes a refusal record's body into this rank's arena (sequence word odd, body, even), on
-  // the legacy default stream, or with `side` on a stream that does not wait for a call in
-  // flight.
-  void WriteRefusal(const std::byte (&body)[kRefusalBody], bool side = false);
+  // Writes a refusal record's body into this rank's arena (sequence word odd, body, even).
+  void WriteRefusal(const std::byte (&body)[kRefusalBody]);
+  // A copy done before it returns, on the side stream (non-blocking: it waits for no call in
+  // flight, this rank's or another's of the process).
+  cudaError_t Copy(void* to, const void* from, size_t bytes, cudaMemcpyKind kind) const;
   // The error of a call that failed on this rank after it took the call's epoch (a launch or
   // an asynchronous copy the driver refused): recorded as this rank's refusal of the call,
   // with the abort word raised naming this rank in every member's arena, as the host
@@ -163,6 +166,9 @@ class CudaEp {
   EpConfig config_;
   ArenaLayout layout_;
   int rank_;
+  // The device current at Create, where its streams and scratch are: every public call
+  // selects it (ScopedDevice), whichever thread makes the call.
+  int device_ = 0;
   std::byte* own_arena_ = nullptr;  // Device pointer to this rank's arena.
   std::vector<std::byte*> arenas_;  // Device pointers to every rank's arena.
   uint32_t dispatch_epoch_ = 0;

@@ -7,6 +7,7 @@
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/scoped_device.h"
 
 namespace ubep::kernels {
 namespace {
@@ -145,7 +146,9 @@ absl::StatusOr<std::unique_ptr<VmmArena>> VmmArena::Create(int device, size_t by
                                                            const std::vector<int>& peers) {
   const Driver& d = GetDriver();
   if (!d.status.ok()) return d.status;
-  if (cudaSetDevice(device) != cudaSuccess) {
+  // The caller's current device is put back on return (the arena is placed by `device`).
+  const ScopedDevice on_device(device);
+  if (!on_device.status().ok()) {
     return absl::FailedPreconditionError(absl::StrCat("no CUDA device ", device));
   }
   cudaFree(nullptr);  // Creates the device's primary context.
@@ -181,7 +184,9 @@ absl::StatusOr<std::unique_ptr<VmmArena>> VmmArena::Import(int device, size_t by
                                                            Sharing sharing, void* os_handle) {
   const Driver& d = GetDriver();
   if (!d.status.ok()) return d.status;
-  if (cudaSetDevice(device) != cudaSuccess) {
+  // The caller's current device is put back on return (the arena is placed by `device`).
+  const ScopedDevice on_device(device);
+  if (!on_device.status().ok()) {
     return absl::FailedPreconditionError(absl::StrCat("no CUDA device ", device));
   }
   cudaFree(nullptr);  // Creates the device's primary context.

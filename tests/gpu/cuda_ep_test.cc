@@ -490,6 +490,23 @@ class CudaEpTest : public ::testing::TestWithParam<std::tuple<int, Mode>> {
   }
 };
 
+// A group whose kernels could not launch (their per-block shared memory over what a launch
+// takes) is refused at Create, before any device is touched (no device needed).
+TEST(CudaEpLimitsTest, AConfigOverTheLaunchLimitsIsRefusedAtCreate) {
+  EpConfig config;
+  config.num_ranks = 1;
+  config.max_tokens = 4;
+  config.hidden = 8;
+  config.top_k = 2;
+  config.num_experts = 4;
+  config.slots_per_rank = 16384;
+  config.num_layers = 1;
+  config.dtype = DType::kBFloat16;
+  EXPECT_EQ(CudaEp::Create(config, 0, {nullptr}).status(),
+            absl::InvalidArgumentError("cuda backend: 16384 slots_per_rank need 65536 bytes of "
+                                       "shared memory per block, over the 49152 a launch takes"));
+}
+
 TEST_P(CudaEpTest, MatchesTheHostBackendByteForByte) {
   const EpConfig c = GpuConfig(std::get<0>(GetParam()), std::get<1>(GetParam()));
   const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
