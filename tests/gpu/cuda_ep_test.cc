@@ -10,7 +10,11 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <memory>
+#include <string>
+#include <thread>
 #include <tuple>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -1083,6 +1087,72 @@ TEST_P(CudaEpTest, ACorruptSourceIsNamedBeforeAnythingIsIndexedByIt) {
       EXPECT_EQ(code, kAbortTimedOutBase + 1) << "rank " << r;
     }
   }
+}
+
+// Every rank of the group in this one process, on one device, each on a thread of its own,
+// rank 0 first and the others a second later: no rank's host-side copy (its first look at
+// the abort word, its refusal record withdrawn) waits behind the kernels of another rank's
+// call, which wait for it in turn (the legacy default stream, which such copies took, waits
+// for every blocking stream of the process's context: the call timed out). The threads start
+// on the process's current device as new threads do, and each call selects its rank's.
+TEST_P(CudaEpTest, RanksOfOneProcessOnOneDeviceDoNotWaitForEachOthersKernels) {
+  const EpConfig c = GpuConfig(std::get<0>(GetParam()), std::get<1>(GetParam()));
+  const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+  UseCudaInTestProcess();
+  std::vector<std::unique_ptr<DeviceArena>> arenas;
+  std::vector<std::byte*> pointers;
+  for (int r = 0; r < c.num_ranks; ++r) {
+    absl::StatusOr<std::unique_ptr<DeviceArena>> arena =
+        DeviceArena::Create(ArenaLayout(c).total_bytes);
+    ASSERT_TRUE(arena.ok()) << arena.status();
+    pointers.push_back((*arena)->data());
+    arenas.push_back(*std::move(arena));
+  }
+  std::vector<std::unique_ptr<CudaEp>> eps;
+  for (int r = 0; r < c.num_ranks; ++r) {
+    absl::StatusOr<std::unique_ptr<CudaEp>> ep = CudaEp::Create(c, r, pointers);
+    ASSERT_TRUE(ep.ok()) << ep.status();
+    eps.push_back(*std::move(ep));
+  }
+  const auto* table = reinterpret_cast<const PlanTableHeader*>(Upload(plan.table));
+  struct Inputs {
+    uint16_t* x;
+    int32_t* idx;
+    float* w;
+    int tokens;
+  };
+  std::vector<Inputs> inputs;
+  for (int r = 0; r < c.num_ranks; ++r) {
+    const RankInput in = MakeInput(c, r, 8, 3);
+    inputs.push_back({Upload(Bf16Input(in)), Upload(in.topk_idx), Upload(in.topk_w), in.num_tokens});
+  }
+  UBEP_CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<std::string> errors(c.num_ranks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < c.num_ranks; ++r) {
+    threads.emplace_back([&, r] {
+      if (r > 0) absl::SleepFor(absl::Seconds(1));  // Rank 0's call is in flight by then.
+      const Inputs& in = inputs[r];
+      CudaDispatchOutput out;
+      const absl::Status dispatched =
+          eps[r]->Dispatch({in.x, in.idx, in.w, in.tokens, 0, table, plan.header()}, out);
+      if (!dispatched.ok()) {
+        errors[r] = absl::StrCat("dispatch: ", dispatched.ToString());
+        return;
+      }
+      uint16_t* d_out = nullptr;
+      const size_t out_bytes = sizeof(uint16_t) * std::max(1, in.tokens) * c.hidden;
+      if (cudaMalloc(&d_out, out_bytes) != cudaSuccess) {
+        errors[r] = "cudaMalloc";
+        return;
+      }
+      const absl::Status combined = eps[r]->Combine(out.recv_x, d_out);  // An identity expert.
+      cudaFree(d_out);
+      if (!combined.ok()) errors[r] = absl::StrCat("combine: ", combined.ToString());
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(errors, std::vector<std::string>(c.num_ranks));
 }
 
 INSTANTIATE_TEST_SUITE_P(RanksAndProtocols, CudaEpTest,
