@@ -208,8 +208,7 @@ void RunAndCompare(bool two_daemons, bool flagged = false, bool bad_pair = false
   std::vector<Result> gpu(kRanks);
   // Every rank is reaped before any is judged: a failed one must not leave another running
   // (holding the device) into the next test.
-  std::vector<int> statuses(kRanks, 0);
-  for (int r = 0; r < kRanks; ++r) waitpid(pids[r], &statuses[r], 0);
+  const std::vector<int> statuses = test::WaitForRanks(pids, absl::Minutes(3));
   for (int r = 0; r < kRanks; ++r) {
     const int status = statuses[r];
     ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)

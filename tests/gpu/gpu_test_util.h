@@ -6,13 +6,18 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <signal.h>
+
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 
 #include "kernels/cuda/cuda_ep.h"
 
@@ -61,6 +66,31 @@ inline void CheckCuda(cudaError_t error, const char* call) {
   std::fprintf(stderr, "%s: %s\n", call, cudaGetErrorString(error));
   std::fflush(stderr);
   _exit(4);
+}
+
+// Reaps the rank processes `pids` within `limit` (a rank hung on a dead peer's kernel must
+// not hold the test, or the device, past it): their wait statuses, those still running then
+// killed (SIGKILL) and reaped, their status saying so.
+inline std::vector<int> WaitForRanks(const std::vector<pid_t>& pids, absl::Duration limit) {
+  std::vector<int> statuses(pids.size(), 0);
+  std::vector<bool> reaped(pids.size(), false);
+  size_t left = pids.size();
+  const absl::Time deadline = absl::Now() + limit;
+  while (left > 0 && absl::Now() < deadline) {
+    for (size_t r = 0; r < pids.size(); ++r) {
+      if (!reaped[r] && waitpid(pids[r], &statuses[r], WNOHANG) == pids[r]) {
+        reaped[r] = true;
+        --left;
+      }
+    }
+    if (left > 0) absl::SleepFor(absl::Milliseconds(10));
+  }
+  for (size_t r = 0; r < pids.size(); ++r) {
+    if (reaped[r]) continue;
+    kill(pids[r], SIGKILL);
+    waitpid(pids[r], &statuses[r], 0);  // Killed: WIFSIGNALED, SIGKILL.
+  }
+  return statuses;
 }
 
 }  // namespace ubep::test

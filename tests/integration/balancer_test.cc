@@ -160,7 +160,9 @@ TEST_F(BalancerTest, RebalancingLowersTheMeasuredImbalanceAndEveryStepStaysExact
   for (int r = 0; r < world_; ++r) clients.push_back(StartClient(r, kSteps));
   // Sample the balancer's view while serving: (plan version, measured imbalance).
   std::vector<std::pair<double, double>> samples;
-  while (clients[0]->running() && !clients[0]->Wait(absl::Milliseconds(100)).has_value()) {
+  const absl::Time sample_until = absl::Now() + absl::Seconds(300);  // A hung rank ends it.
+  while (clients[0]->running() && !clients[0]->Wait(absl::Milliseconds(100)).has_value() &&
+         absl::Now() < sample_until) {
     const std::string m = test::HttpGet(balancer_metrics_, "/metrics");
     const double version = test::Sample(m, "ubep_balancer_plan_version");
     const double measured = test::MeanOf(m, "ubep_balancer_imbalance_ratio", "when=\"measured\"");
@@ -299,7 +301,9 @@ TEST_F(BalancerTest, TwoDaemonsServeOneGroupOfEightRanksAndRebalancingBringsTheI
   };
   std::vector<Sample> samples;
   absl::Time changed = absl::InfiniteFuture();
-  while (clients[0]->running() && !clients[0]->Wait(absl::Milliseconds(100)).has_value()) {
+  const absl::Time sample_until = absl::Now() + absl::Seconds(300);  // A hung rank ends it.
+  while (clients[0]->running() && !clients[0]->Wait(absl::Milliseconds(100)).has_value() &&
+         absl::Now() < sample_until) {
     const std::string m = test::HttpGet(balancer_metrics_, "/metrics");
     const double version = test::Sample(m, "ubep_balancer_plan_version");
     const double measured = test::MeanOf(m, "ubep_balancer_imbalance_ratio", "when=\"measured\"");

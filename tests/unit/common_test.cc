@@ -36,6 +36,7 @@
 #include "common/unix_socket.h"
 #include "gtest/gtest.h"
 #include "tests/unit/loopback.h"
+#include "tests/wait_for.h"
 
 namespace ubep {
 namespace {
@@ -167,7 +168,7 @@ TEST(PeriodicThreadTest, RunsEveryIntervalUntilDestroyed) {
   std::atomic<int> runs = 0;
   {
     PeriodicThread thread([] { return absl::Milliseconds(1); }, [&] { ++runs; });
-    while (runs.load() < 3) absl::SleepFor(absl::Milliseconds(1));
+    ASSERT_TRUE(test::WaitFor([&] { return runs.load() >= 3; }, absl::Seconds(30)));
   }
   const int after = runs.load();
   absl::SleepFor(absl::Milliseconds(20));

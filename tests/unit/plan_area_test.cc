@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "tests/wait_for.h"
 
 namespace ubep::kernels {
 namespace {
@@ -172,6 +173,18 @@ TEST_F(PlanAreaTest, ReadersNeverSeeATornTable) {
       }
     });
   }
+  // However the writer's loop ends (an assertion that fails returns), the readers stop and are
+  // joined.
+  struct StopAndJoin {
+    std::atomic<bool>& stop;
+    std::vector<std::thread>& threads;
+    ~StopAndJoin() {
+      stop = true;
+      for (std::thread& t : threads) {
+        if (t.joinable()) t.join();
+      }
+    }
+  } stop_and_join{stop, readers};
   auto furthest_started = [&] {
     uint64_t ahead = 0;
     for (auto& s : started) ahead = std::max(ahead, s.fetch_add(0, std::memory_order_acq_rel));
@@ -191,7 +204,8 @@ TEST_F(PlanAreaTest, ReadersNeverSeeATornTable) {
     }
     ASSERT_TRUE(CommitPlan(area(), version).ok());
     for (auto& f : finished) {
-      while (f.load() < effective) std::this_thread::sleep_for(std::chrono::microseconds(100));
+      ASSERT_TRUE(test::WaitFor([&] { return f.load() >= effective; }, absl::Seconds(60)))
+          << "a reader did not reach step " << effective;
     }
   }
   stop = true;
