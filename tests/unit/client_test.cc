@@ -917,12 +917,25 @@ TEST(ClientTest, ARankWaitingForAPlansDecisionFindsItsDaemonGone) {
   ASSERT_TRUE(rank.ok()) << rank.status();
   const v1::PrepareResponse prepared = ubepd.node().Prepare(SwappedPlan(), 5);
   ASSERT_TRUE(prepared.prepared()) << prepared.reason();
+  // ubepd exits once the rank waits for the decision (its control block counts the wait at
+  // its start): the wait, not BeginStep's first look, finds the daemon gone.
+  std::atomic<bool> waited{false};
   std::thread exit([&] {
-    absl::SleepFor(absl::Milliseconds(100));
+    waited = test::WaitFor(
+        [&] {
+          uint64_t waits = 0;
+          ubepd.node().ForEachArena([&](int, std::byte* base, const kernels::RankArenaLayout& layout,
+                                        const kernels::EpConfig&) {
+            waits = std::atomic_ref<uint64_t>(kernels::ControlOf(base, layout)->decision_waits).load();
+          });
+          return waits == 1;
+        },
+        absl::Seconds(30));
     fd_socket.Close(1);
   });
   const absl::Status begun = (*rank)->BeginStep(5);
   exit.join();
+  EXPECT_TRUE(waited.load());
   EXPECT_EQ(begun, absl::UnavailableError("rank 0: ubepd exited (it closed this rank's fd "
                                           "connection); detach, and attach again when it is back"));
   EXPECT_EQ(AbortWords(ubepd.node()), (std::vector<uint32_t>{kernels::kAbortDraining}));
