@@ -26,7 +26,37 @@ BalancerLink::BalancerLink(BalancerLinkOptions options, Node* node)
           },
           [this] { Tick(); }) {}
 
-BalancerLink::~BalancerLink() = default;
+// A registered ClientContext with the link's deadline; one whose link is stopping is
+// cancelled before it is used (the call then fails at once, CANCELLED).
+class BalancerLink::Call {
+ public:
+  explicit Call(BalancerLink& link) : link_(link) {
+    context_.set_deadline(absl::ToChronoTime(absl::Now() + link.options_.rpc_timeout));
+    std::lock_guard<std::mutex> lock(link_.call_mu_);
+    link_.call_ = &context_;
+    if (link_.stopping_.load()) context_.TryCancel();
+  }
+  ~Call() {
+    std::lock_guard<std::mutex> lock(link_.call_mu_);
+    link_.call_ = nullptr;
+  }
+  Call(const Call&) = delete;
+  Call& operator=(const Call&) = delete;
+  grpc::ClientContext* context() { return &context_; }
+
+ private:
+  BalancerLink& link_;
+  grpc::ClientContext context_;
+};
+
+BalancerLink::~BalancerLink() {
+  // The tick in flight may be in an RPC to a balancer (or a peer) that does not answer: it is
+  // cancelled, and no other starts, so that the thread (joined with the members below) ends
+  // now rather than after every RPC of the tick has waited out its timeout.
+  std::lock_guard<std::mutex> lock(call_mu_);
+  stopping_ = true;
+  if (call_ != nullptr) call_->TryCancel();
+}
 
 void BalancerLink::Tick() {
   const Node::GroupIdentity group = node_->Identity();
@@ -35,7 +65,7 @@ void BalancerLink::Tick() {
       group.arenas_created != registered_arenas_) {
     registered_ = Register();
   }
-  if (!registered_) return;
+  if (!registered_ || stopping_.load()) return;
   MapPeers();
   // A peer daemon seen to have started anew (MapPeers): the balancer may not have seen it
   // (it restarted too), and only a plan without its ranks lets this daemon map its new arenas.
@@ -50,7 +80,7 @@ void BalancerLink::Tick() {
     }
   }
   const absl::Time now = MonotonicNow();  // A wall clock stepped back would stop the reports.
-  if (now >= next_report_) {
+  if (now >= next_report_ && !stopping_.load()) {
     next_report_ = now + absl::Milliseconds(interval_ms_.load()) - absl::Milliseconds(50);
     Report();
   }
@@ -60,16 +90,16 @@ void BalancerLink::MapPeers() {
   if (!node_->HostedRanks().has_value()) return;
   v1::GetGroupRequest request;
   request.set_node(options_.node);
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+  Call call(*this);
   v1::GetGroupResponse group;
-  const grpc::Status status = stub_->GetGroup(&context, request, &group);
+  const grpc::Status status = stub_->GetGroup(call.context(), request, &group);
   if (!status.ok()) {
     if (status.error_code() == grpc::StatusCode::NOT_FOUND) registered_ = false;
     return;
   }
   const std::string key = node_->PeerKey();
   for (const v1::GroupMember& member : group.members()) {
+    if (stopping_.load()) return;
     if (member.node() == options_.node || member.arena_socket().empty() || !member.healthy() ||
         member.ranks().empty()) {
       continue;
@@ -81,7 +111,7 @@ void BalancerLink::MapPeers() {
       continue;
     }
     absl::StatusOr<std::pair<int, std::vector<UniqueFd>>> arenas =
-        FetchPeerArenas(member.arena_socket(), key, absl::Seconds(2));
+        FetchPeerArenas(member.arena_socket(), key, options_.rpc_timeout);
     absl::Status mapped = arenas.status();
     if (arenas.ok()) {
       std::vector<int> fds;
@@ -116,10 +146,10 @@ bool BalancerLink::Register() {
       request.add_ranks(r);
     }
   }
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+  Call call(*this);
   v1::RegisterResponse response;
-  const grpc::Status status = stub_->Register(&context, request, &response);
+  const grpc::Status status = stub_->Register(call.context(), request, &response);
+  if (!status.ok() && stopping_.load()) return false;  // Cancelled: nothing to say.
   if (!status.ok()) {
     // Retried at every tick (10 per second while peers' arenas are missing): the same refusal
     // is logged once per 10 s.
@@ -155,10 +185,10 @@ void BalancerLink::Report() {
     // estimates step rates from it).
     pending_->request.set_max_step(node_->MaxStep());
   }
-  grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+  Call call(*this);
   v1::ReportLoadResponse response;
-  const grpc::Status status = stub_->ReportLoad(&context, pending_->request, &response);
+  const grpc::Status status = stub_->ReportLoad(call.context(), pending_->request, &response);
+  if (!status.ok() && stopping_.load()) return;  // Cancelled: kept, as any report unanswered.
   switch (status.error_code()) {
     case grpc::StatusCode::OK:
     case grpc::StatusCode::INVALID_ARGUMENT:

@@ -12,11 +12,13 @@
 #include <optional>
 #include <string>
 #include <atomic>
+#include <mutex>
 #include <vector>
 
 #include "absl/time/time.h"
 #include "common/periodic.h"
 #include "daemon/node.h"
+#include "grpcpp/client_context.h"
 #include "ubep/v1/control.grpc.pb.h"
 
 namespace ubep::daemon {
@@ -29,6 +31,9 @@ struct BalancerLinkOptions {
   std::string backend = "host";
   std::string arena_socket;  // This daemon's fd socket, where peers take its arenas.
   absl::Duration report_interval = absl::Seconds(1);
+  // Each RPC to the balancer, and each fetch of a peer's arenas, gives up after this long.
+  // A link being destroyed cancels the one in flight and starts no other.
+  absl::Duration rpc_timeout = absl::Seconds(2);
 };
 
 class BalancerLink {
@@ -49,6 +54,14 @@ class BalancerLink {
   // Whether a report's failure `why` is to be logged now: once per kind and 10 s.
   bool SayReportFailure(const std::string& why);  // Of the counters now, against last_.
   void MapPeers();
+  // An RPC's context, set to the link's deadline and registered while the call runs, so that
+  // the destructor can cancel it. (Made on the link's thread, one at a time.)
+  class Call;
+
+  // Set by the destructor: the tick in flight ends at its next RPC, or at once if in one.
+  std::atomic<bool> stopping_{false};
+  std::mutex call_mu_;
+  grpc::ClientContext* call_ = nullptr;  // The RPC in flight, if any; guarded by call_mu_.
 
   const BalancerLinkOptions options_;
   Node* node_;

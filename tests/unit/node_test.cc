@@ -33,6 +33,7 @@
 #include "kernels/host/shared_arena.h"
 #include "tests/unit/node_fixtures.h"
 #include "tests/unit/test_util.h"
+#include "tests/wait_for.h"
 
 namespace ubep::daemon {
 namespace {
@@ -794,6 +795,54 @@ class FakeBalancer final : public v1::Control::Service {
 // arenas, and registers as a new incarnation of the daemon: peers that mapped the group before
 // map the new one as a restarted daemon's (the same model again included, whose arenas are
 // new too), and the balancer takes its ranks as a new process's.
+// A balancer that takes calls and never answers them (hung): each Register waits until its
+// caller cancels it (bounded, 60 s, so that a test that fails still ends).
+class HangingBalancer final : public v1::Control::Service {
+ public:
+  HangingBalancer() {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    builder.RegisterService(this);
+    server_ = builder.BuildAndStart();
+  }
+  ~HangingBalancer() override { server_->Shutdown(std::chrono::system_clock::now()); }
+  grpc::Status Register(grpc::ServerContext* context, const v1::RegisterRequest*,
+                        v1::RegisterResponse*) override {
+    ++calls_;
+    const absl::Time until = absl::Now() + absl::Seconds(60);
+    while (!context->IsCancelled() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(1));
+    if (context->IsCancelled()) ++cancelled_;
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "hung for the test");
+  }
+  std::string address() const { return absl::StrCat("127.0.0.1:", port_); }
+  int calls() const { return calls_.load(); }
+  int cancelled() const { return cancelled_.load(); }
+
+ private:
+  int port_ = 0;
+  std::atomic<int> calls_{0}, cancelled_{0};
+  std::unique_ptr<grpc::Server> server_;
+};
+
+// A link whose balancer hangs is destroyed (ubepd stopping): the RPC in flight is cancelled
+// rather than waited out (an hour here; 2 s each in ubepd, and a tick makes several), and
+// the destructor returns.
+TEST(NodeTest, ALinkBeingDestroyedCancelsTheRpcItWaitsOn) {
+  HangingBalancer balancer;
+  Node node(Options());
+  BalancerLinkOptions options;
+  options.balancer = balancer.address();
+  options.node = "node-a";
+  options.address = "127.0.0.1:1";
+  options.rpc_timeout = absl::Hours(1);
+  auto link = std::make_unique<BalancerLink>(options, &node);
+  ASSERT_TRUE(test::WaitFor([&] { return balancer.calls() == 1; }, absl::Seconds(30)));
+  link.reset();
+  // The server sees the cancel on its own thread, soon after.
+  EXPECT_TRUE(test::WaitFor([&] { return balancer.cancelled() == 1; }, absl::Seconds(30)));
+  EXPECT_EQ(balancer.calls(), 1);  // No call after it.
+}
+
 TEST(NodeTest, EachGroupTheDaemonCreatesRegistersAsANewIncarnation) {
   FakeBalancer balancer;
   Node node{Options()};
