@@ -376,6 +376,24 @@ absl::Status StopForDaemonExit(RankState& s) {
 
 absl::Status UseJoin(RankState& s, const v1::JoinResponse& response);
 
+// ubepd exited while this rank waited in its Join. The rank's join ticket stays in its arena
+// (which the peers' daemons map, and which outlives ubepd): the group's lead would take it as
+// a live rank's and form a generation the peers would wait in for this rank until their
+// timeout. The ticket is withdrawn, then the rank's generation read (both sequentially
+// consistent), as ubepd withdraws a leaving rank's (BreakGroup): paired with the lead's
+// publishing a generation and reading the tickets again (TryFormGroup), either the lead sees
+// the ticket gone and stops what it formed, or this rank sees a generation formed with it
+// and stops it (StopForDaemonExit, as of that generation).
+absl::Status LeaveJoinOfExitedDaemon(RankState& s) {
+  kernels::RankControl* own = s.control();
+  const uint64_t ticket =
+      std::atomic_ref<uint64_t>(own->join_ticket).exchange(0, std::memory_order_seq_cst);
+  const uint64_t generation =
+      std::atomic_ref<uint64_t>(own->generation).load(std::memory_order_seq_cst);
+  if (ticket != 0 && generation == ticket) s.generation = generation;
+  return StopForDaemonExit(s);
+}
+
 absl::Status JoinGroup(RankState& s, std::optional<uint64_t> next_step) {
   v1::JoinRequest request;
   request.set_rank(static_cast<uint32_t>(s.rank));
@@ -387,8 +405,9 @@ absl::Status JoinGroup(RankState& s, std::optional<uint64_t> next_step) {
   // The Join's own errors are ubepd's answers, which ubepd counts (a rank the plan excludes
   // gets DeadlineExceeded at every join timeout, and is to call Rejoin again): not counted
   // here as the client's. What follows, taking the arenas and the data plane, is.
-  UBEP_RETURN_IF_ERROR(FromGrpc(s.stub->Join(&context, request, &response), context,
-                                absl::StrCat("rank ", s.rank, ": join")));
+  const grpc::Status joined = s.stub->Join(&context, request, &response);
+  if (!joined.ok() && !s.arenas.empty() && DaemonExited(s)) return LeaveJoinOfExitedDaemon(s);
+  UBEP_RETURN_IF_ERROR(FromGrpc(joined, context, absl::StrCat("rank ", s.rank, ": join")));
   return Record(s, UseJoin(s, response));
 }
 

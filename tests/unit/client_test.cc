@@ -885,6 +885,66 @@ void ExpectADaemonExitStopsItsRanksAndTellsThePeers(bool peer_in_a_newer_generat
   EXPECT_FALSE((*rank1)->must_attach_again());
 }
 
+// Ranks 0 and 1 of a group of two, ubepd telling each that it hosts rank 0 alone (rank 1 as if
+// a peer daemon's). Rank 0 Rejoins, and its ubepd exits while the Join waits (the Join fails,
+// the fd connection closed). The rank's join ticket, in its arena, is withdrawn, so that the
+// lead does not take it as a live rank's; and where the lead had already formed the next
+// generation with it (`formed`: the generation words moved to the ticket), the ranks of that
+// generation are told that rank 0 left rather than wait for it until their timeout.
+void ExpectAJoinWhoseDaemonExitedWithdrawsItsTicket(bool formed) {
+  test::TempDir dir;
+  const std::string socket = dir.path() + "/ubepd.sock";
+  AlteringUbepd ubepd(socket, [](v1::AttachResponse& response) {
+    response.set_hosted_first(0);
+    response.set_hosted_count(1);
+  });
+  ClosableFdSocket fd_socket(ubepd.node(), socket + ".fds");
+  ClientOptions options;
+  options.socket_path = socket;
+  options.rpc_timeout = absl::Seconds(10);
+  absl::StatusOr<std::unique_ptr<Rank>> rank0;
+  std::thread attach0([&] { rank0 = Rank::Attach(options, 0, 2, 0, Shape()); });
+  ASSERT_TRUE(test::WaitFor([&] { return ubepd.node().Snapshot().joining == 1; },
+                            absl::Seconds(10)));
+  absl::StatusOr<std::unique_ptr<Rank>> rank1 = Rank::Attach(options, 1, 2, 0, Shape());
+  attach0.join();
+  ASSERT_TRUE(rank0.ok()) << rank0.status();
+  ASSERT_TRUE(rank1.ok()) << rank1.status();
+  const uint64_t generation = (*rank0)->stats().generation;
+  // What ubepd's Join had done before it exited: rank 0's ticket for the next generation,
+  // and (formed) the lead's forming it, rank 1 with it.
+  ubepd.node().ForEachArena([&](int r, std::byte* base, const kernels::RankArenaLayout& layout,
+                                const kernels::EpConfig&) {
+    kernels::RankControl* c = kernels::ControlOf(base, layout);
+    if (r == 0) std::atomic_ref<uint64_t>(c->join_ticket).store(generation + 1);
+    if (formed) std::atomic_ref<uint64_t>(c->generation).store(generation + 1);
+  });
+  ubepd.AnswerJoins(grpc::Status(grpc::StatusCode::UNAVAILABLE, "Socket closed"));
+  fd_socket.Close(1);
+  EXPECT_EQ((*rank0)->Rejoin(std::nullopt).status(),
+            absl::UnavailableError("rank 0: ubepd exited (it closed this rank's fd "
+                                   "connection); detach, and attach again when it is back"));
+  uint64_t ticket = 1;
+  ubepd.node().ForEachArena([&](int r, std::byte* base, const kernels::RankArenaLayout& layout,
+                                const kernels::EpConfig&) {
+    if (r == 0) ticket = std::atomic_ref<uint64_t>(kernels::ControlOf(base, layout)->join_ticket).load();
+  });
+  EXPECT_EQ(ticket, 0u);
+  // Rank 1: told that rank 0 left, in the generation it is in (formed: the new one).
+  EXPECT_EQ(AbortWords(ubepd.node()),
+            (std::vector<uint32_t>{kernels::kAbortDraining, kernels::kAbortRankGone | 0u}));
+  EXPECT_TRUE((*rank0)->must_attach_again());
+  ubepd.AnswerJoins(grpc::Status::OK);
+}
+
+TEST(ClientTest, AJoinWhoseDaemonExitedWithdrawsItsTicket) {
+  ExpectAJoinWhoseDaemonExitedWithdrawsItsTicket(/*formed=*/false);
+}
+
+TEST(ClientTest, AJoinWhoseDaemonExitedAfterTheGroupFormedWithItStopsThatGroup) {
+  ExpectAJoinWhoseDaemonExitedWithdrawsItsTicket(/*formed=*/true);
+}
+
 TEST(ClientTest, ARankThatFindsItsDaemonGoneStopsItsRanksAsDrainingAndTellsThePeersItLeft) {
   ExpectADaemonExitStopsItsRanksAndTellsThePeers(/*peer_in_a_newer_generation=*/false);
 }
