@@ -644,6 +644,43 @@ struct OneRankThroughUbepd {
   absl::StatusOr<std::unique_ptr<Rank>> rank;  // Last: detached first.
 };
 
+// An attach answer libubep cannot use safely is refused before the data plane runs on it,
+// naming what is wrong: a wait timeout of no time (every wait would give up at once), more
+// arenas announced than the fd socket passes, an arena that is not the rank's it says.
+TEST(ClientTest, AnAttachAnswerThatCannotBeUsedIsRefusedNamingWhy) {
+  struct Case {
+    std::function<void(v1::AttachResponse&, daemon::Node&)> alter;
+    absl::Status refused;
+  };
+  const std::vector<Case> cases = {
+      {[](v1::AttachResponse& r, daemon::Node&) { r.set_wait_timeout_ms(0); },
+       absl::DataLossError("rank 0: ubepd's wait timeout, 0 ms, is not positive")},
+      {[](v1::AttachResponse& r, daemon::Node&) { r.add_arena_ranks(0); },
+       absl::DataLossError("rank 0: expected 2 arena fds, got 1")},
+      {[](v1::AttachResponse&, daemon::Node& node) {
+         node.ForEachArena([](int, std::byte* base, const kernels::RankArenaLayout& layout,
+                              const kernels::EpConfig&) {
+           kernels::ControlOf(base, layout)->rank = 7;
+         });
+       },
+       absl::DataLossError(absl::StrCat("rank 0: arena 0 is not a version ",
+                                        kernels::kRankArenaVersion, " arena of rank 0"))},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.refused.message());
+    test::TempDir dir;
+    const std::string socket = dir.path() + "/ubepd.sock";
+    daemon::Node* node = nullptr;
+    AlteringUbepd ubepd(socket, [&](v1::AttachResponse& response) { c.alter(response, *node); });
+    node = &ubepd.node();
+    ClosableFdSocket fd_socket(ubepd.node(), socket + ".fds");
+    ClientOptions options;
+    options.socket_path = socket;
+    options.rpc_timeout = absl::Seconds(10);
+    EXPECT_EQ(Rank::Attach(options, 0, 1, 0, Shape()).status(), c.refused);
+  }
+}
+
 // The C ABI's join_timeout_ms is the deadline of the Join that waits for the group (an
 // option dropped on the way would leave the default 60 s there).
 TEST(ClientTest, TheCOptionsJoinTimeoutIsTheJoinsDeadline) {
