@@ -1042,6 +1042,18 @@ NodeOptions Hosting(int first) {
 // An Attach that would start a new group (another shape, no client attached) but that the
 // daemon refuses anyway (a rank it does not host) is refused before the group is replaced: a
 // new group is a restart for its peers and the balancer.
+// Before any rank attached there is no plan to give; a daemon told it hosts ranks past the
+// group's size refuses the attach that would create that group, naming both.
+TEST(NodeTest, NoPlanBeforeTheFirstAttachAndNoGroupSmallerThanTheHostedRanks) {
+  Node node(Hosting(2));
+  EXPECT_EQ(node.GetPlan().status(),
+            absl::FailedPreconditionError("no plan yet: it is made when the first rank attaches"));
+  EXPECT_EQ(node.Attach(Request(2, 3), absl::Now() + absl::Seconds(10)).status(),
+            absl::FailedPreconditionError(
+                "this daemon hosts ranks 2-3 (--ranks) but the group has 3 ranks"));
+  EXPECT_EQ(node.Snapshot().attached, 0);
+}
+
 TEST(NodeTest, AnAttachRefusedForItsRankLeavesTheGroupAsItWas) {
   Node node(Hosting(0));
   v1::AttachRequest first = Request(0, 2);  // A group of two, both ranks hosted here.
@@ -1804,6 +1816,13 @@ TEST(NodeTest, WeightsOfHoldersInAnotherDomainAreReadThroughTheirDaemon) {
   stale.set_layer(0);
   stale.set_offset(257);
   EXPECT_EQ(b.ReadWeights(stale).status(), absl::OutOfRangeError("offset 257 is past the expert's 256 bytes"));
+  stale.set_offset(0);
+  stale.set_length(Node::kMaxReadWeightsBytes + 1);
+  EXPECT_EQ(b.ReadWeights(stale).status(),
+            absl::InvalidArgumentError(absl::StrCat("length ", Node::kMaxReadWeightsBytes + 1,
+                                                    " is over the ", Node::kMaxReadWeightsBytes,
+                                                    " bytes of one read")));
+  stale.set_length(0);
 
   // A holder daemon that cannot be read fails the Prepare, naming the copy.
   remote.fetch = [](int, uint64_t, int, int, std::byte*, size_t, const std::function<bool()>&) {
