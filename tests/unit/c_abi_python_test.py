@@ -4,7 +4,8 @@
 Every function the header declares is declared by the binding with the same return type and
 parameters (count, and the exact ctypes type of each scalar, and of what each pointer points
 to: the binding's structures for the header's, c_void_p for an opaque handle or void), and
-libubep.so exports it; the binding declares nothing else. A function added to the header, or a
+libubep.so exports it, at symbol version UBEP_0 (libubep.map), and nothing else; the binding
+declares nothing else. A function added to the header, or a
 parameter changed, without the binding following fails here, as it would fail at a Python
 caller's run time (ctypes converts arguments by the declared types, unchecked).
 
@@ -12,6 +13,7 @@ Usage: c_abi_python_test.py UBEP_C_H LIBUBEP_SO EXAMPLES_PYTHON_DIR
 """
 import ctypes
 import re
+import subprocess
 import sys
 
 SCALARS = {
@@ -111,6 +113,22 @@ def main(argv):
         for i, (c_type, ctype) in enumerate(zip(params, argtypes)):
             if not matches(c_type, ctype, ubep_ctypes):
                 problems.append(f"{name}: parameter {i} is {c_type}, the binding says {ctype}")
+    # What the library exports (its dynamic symbols defined in it): exactly the declared
+    # functions, each at version UBEP_0.
+    exported = {}
+    for line in subprocess.run(["readelf", "--dyn-syms", "--wide", so], check=True,
+                               capture_output=True, text=True).stdout.splitlines():
+        fields = line.split()
+        if len(fields) < 8 or not fields[0].rstrip(":").isdigit() or fields[6] in ("UND", "ABS"):
+            continue
+        symbol, _, version = fields[7].partition("@@")
+        exported[symbol] = version
+    if set(exported) != set(declared):
+        problems.append(f"{so} exports {sorted(set(exported) - set(declared))} beyond ubep_c.h, "
+                        f"lacks {sorted(set(declared) - set(exported))}")
+    for name, version in sorted(exported.items()):
+        if version != "UBEP_0":
+            problems.append(f"{name}: exported at version '{version}', not UBEP_0")
     # The structures, field by field: the same names and types in the same order, hence the
     # same offsets and size (ctypes lays a Structure out as the C compiler does); a field
     # reordered or retyped in one and not the other would have ctypes write the wrong bytes.
