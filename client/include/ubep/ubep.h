@@ -35,7 +35,9 @@
 //    empty views; combining it is a Combine without a Dispatch), but for the CUDA backend's
 //    bad input found on the device (InvalidArgument above), whose output holds the rest.
 // The hot path makes no RPC: dispatch and combine store into the peers' arenas directly.
-// Thread-compatible: one thread drives a Rank.
+// Thread-compatible: one thread drives a Rank. No two calls on one Rank may overlap, the const
+// ones included: excluded() and SlotExpert() check and cache the plan table on their
+// first look at a version, and must_attach_again() stops the group when it finds ubepd gone.
 #ifndef UBEP_CLIENT_INCLUDE_UBEP_UBEP_H_
 #define UBEP_CLIENT_INCLUDE_UBEP_UBEP_H_
 

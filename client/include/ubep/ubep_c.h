@@ -10,7 +10,9 @@
  * with "<function>: out of memory" (ubep_dispatched_new returns NULL so;
  * ubep_client_options_init zeroes the struct, which ubep_attach_with refuses), and anything
  * else thrown inside is 13 (INTERNAL) naming it. ubep_detach frees its handle either way.
- * Handles are not thread-safe: one thread drives a rank.
+ * Handles are not thread-safe: one thread drives a rank, and no two calls on one handle may
+ * overlap, those taking a const handle included (ubep_excluded and ubep_slot_expert check and
+ * cache the plan, ubep_must_attach_again stops the group when it finds ubepd gone).
  */
 #ifndef UBEP_CLIENT_INCLUDE_UBEP_UBEP_C_H_
 #define UBEP_CLIENT_INCLUDE_UBEP_UBEP_C_H_
