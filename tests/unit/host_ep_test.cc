@@ -2055,6 +2055,25 @@ TEST(HostEpErrorTest, ATimeoutLeavesTheArenaOfARankThePlanExcludesAlone) {
   EXPECT_TRUE(std::equal(before.begin(), before.end(), group.arena(3)));
 }
 
+// A rank the plan excludes that dispatches anyway is refused, naming the plan, before any
+// byte moves into any arena.
+TEST(HostEpErrorTest, ADispatchByARankThePlanExcludesIsRefusedBeforeAnyByteMoves) {
+  EpConfig config = ShortTimeoutConfig();
+  config.slots_per_rank = 8;
+  Group group(config);
+  const TestPlan plan = TestPlan::Excluding(4, 8, config.num_experts, 2, 3);
+  const ArenaLayout layout(config);
+  std::vector<std::vector<std::byte>> before;
+  for (int r = 0; r < 4; ++r) before.emplace_back(group.arena(r), group.arena(r) + layout.total_bytes);
+  const std::vector<absl::Status> status = DispatchOnce(group, plan, [](int r) { return r == 3; });
+  EXPECT_EQ(status[3], absl::FailedPreconditionError(absl::StrCat(
+                           "rank 3 is excluded from the EP group by plan v",
+                           plan.header()->version)));
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_TRUE(std::equal(before[r].begin(), before[r].end(), group.arena(r))) << "arena " << r;
+  }
+}
+
 // host_cpu.h: the machine that built and runs these tests runs the level the host kernels were
 // built for (were it below it, this binary would have died of SIGILL in the tests before), and
 // a CPU below a level gets an error that says what to rebuild with.
