@@ -90,7 +90,10 @@ struct RankState {
   // runs for the caller, writes its (unused) output. Allocated at the first such call.
   void* overflow_sink = nullptr;
   ~RankState() {
-    const kernels::ScopedDevice on_device(device);
+    // (A host-backend rank of a CUDA build touches no CUDA state: a process that forks ranks
+    // after must still be able to use the device in them.)
+    std::optional<kernels::ScopedDevice> on_rank_device;
+    if (on_device) on_rank_device.emplace(device);
     cuda_ep.reset();
     if (device_plan != nullptr) cudaFree(device_plan);
     if (overflow_sink != nullptr) cudaFree(overflow_sink);
@@ -1271,6 +1274,7 @@ RankStats Rank::stats() const {
 absl::Status Rank::Detach() {
   RankState& s = *state_;
   if (!s.attached) return absl::OkStatus();
+  const RankDevice on_device(s);
   // ubepd gone: no daemon tells the peers that this rank leaves, so the rank stops the group
   // itself (as BeginStep would), and there is nothing to detach from.
   if (!s.daemon_exited && DaemonExited(s)) (void)StopForDaemonExit(s);

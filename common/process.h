@@ -6,6 +6,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -42,7 +43,15 @@ class Process {
       spawn_error_ = errno;
       return;
     }
+    // Every signal blocked across the fork: one that comes between fork and exec must not run
+    // the parent's handler in the child (ubep-local's SIGINT handler would take a Ctrl-C meant
+    // for the child). The child sets the handled ones back to their defaults, then unblocks:
+    // a signal pending by then acts on it as on the program it becomes.
+    sigset_t all, before;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &before);
     pid_ = fork();
+    if (pid_ != 0) pthread_sigmask(SIG_SETMASK, &before, nullptr);
     if (pid_ < 0) {
       spawn_error_ = errno;
       close(report[0]);
@@ -50,15 +59,30 @@ class Process {
       return;
     }
     if (pid_ == 0) {
+      for (int sig = 1; sig < NSIG; ++sig) {
+        struct sigaction action;
+        if (sigaction(sig, nullptr, &action) == 0 && action.sa_handler != SIG_DFL &&
+            action.sa_handler != SIG_IGN) {
+          action = {};
+          action.sa_handler = SIG_DFL;
+          sigaction(sig, &action, nullptr);
+        }
+      }
+      sigprocmask(SIG_SETMASK, &before, nullptr);
       int error = 0;
       if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0) {
         error = errno;
       } else if (getppid() != parent) {
         _exit(127);  // The parent died before the line above took effect.
       } else if (!output.empty()) {
-        const int fd = open(output.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-        if (fd < 0 || dup2(fd, 1) < 0 || dup2(fd, 2) < 0) error = errno;
-        if (fd > 2) close(fd);
+        // Close-on-exec, so that it is open after the exec as stdout and stderr only (were fd
+        // 0 closed in the parent, it would otherwise stay open as the child's stdin).
+        const int fd = open(output.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+        if (fd < 0) error = errno;
+        for (int target = 1; error == 0 && target <= 2; ++target) {
+          // dup2 onto itself would keep the close-on-exec flag: cleared instead.
+          if ((fd == target ? fcntl(fd, F_SETFD, 0) : dup2(fd, target)) < 0) error = errno;
+        }
       }
       if (error == 0) {
         execve(args[0], args.data(), environ);

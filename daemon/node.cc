@@ -455,7 +455,9 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
   response.set_backend(on_device() ? "cuda" : "host");
   response.set_device(static_cast<uint32_t>(device));
   response.set_protocol(kernels::ProtocolName(config_.protocol));
-  response.set_wait_timeout_ms(absl::ToInt64Milliseconds(config_.timeout));
+  // In whole milliseconds, rounded up: a timeout under one is not told as none.
+  response.set_wait_timeout_ms(
+      absl::ToInt64Milliseconds(absl::Ceil(config_.timeout, absl::Milliseconds(1))));
   response.set_flagged_tokens(static_cast<uint32_t>(config_.flagged_tokens));
   response.set_near_ranks(static_cast<uint32_t>(config_.near_ranks));
   response.set_max_recv_rows(static_cast<uint32_t>(config_.max_recv_rows));
@@ -687,10 +689,16 @@ void Node::TryFormGroup() {
     std::atomic_ref<uint32_t>(Ctl(r)->group_state).store(kernels::kGroupReady, std::memory_order_seq_cst);
   }
   // The lowest member's word first: a rank that joins again from now on asks for the
-  // generation after.
-  StoreWord(Ctl(lead)->generation, next);
+  // generation after. Sequentially consistent, as the tickets' reading below: a rank whose
+  // daemon exited mid-Join withdraws its ticket and then reads its generation word
+  // (libubep's LeaveJoinOfExitedDaemon), so either it sees the generation or this sees the
+  // ticket gone.
+  auto publish = [&](int r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::atomic_ref<uint64_t>(Ctl(r)->generation).store(next, std::memory_order_seq_cst);
+  };
+  publish(lead);
   for (int r = 0; r < R; ++r) {
-    if (!plan_.excluded(r)) StoreWord(Ctl(r)->generation, next);
+    if (!plan_.excluded(r)) publish(r);
   }
   // A member of a peer daemon may have left (detached, died, its daemon draining) since its
   // ticket was read, its daemon finding no group formed to stop (BreakGroup, Drain): the

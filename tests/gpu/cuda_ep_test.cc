@@ -430,6 +430,10 @@ RunOutcome RunGroupCalls(const EpConfig& c, const TestPlan& plan,
   std::vector<pid_t> pids;
   for (int r = 0; r < c.num_ranks; ++r) {
     const pid_t pid = fork();
+    if (pid < 0) {
+      ADD_FAILURE() << "fork: " << strerror(errno);
+      break;
+    }
     if (pid == 0) {
       std::vector<RankInput> calls;
       std::vector<RankResult> want;

@@ -85,6 +85,8 @@ std::string RunRank(int r, const std::string& socket, const ModelShape& shape, c
   options.socket_path = socket;
   absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(options, r, kRanks, r % devices, shape);
   if (!rank.ok()) return std::string(rank.status().message());
+  // The rank's buffers on its device (libubep leaves the caller's current device as it was).
+  UBEP_CHECK_CUDA(cudaSetDevice(r % devices));
   void *x, *idx, *w, *out;
   UBEP_CHECK_CUDA(cudaMalloc(&x, in.x.size() * 2));
   UBEP_CHECK_CUDA(cudaMalloc(&idx, in.idx.size() * 4));
@@ -198,6 +200,10 @@ void RunAndCompare(bool two_daemons, bool flagged = false, bool bad_pair = false
   std::vector<pid_t> pids;
   for (int r = 0; r < kRanks; ++r) {
     const pid_t pid = fork();
+    if (pid < 0) {
+      ADD_FAILURE() << "fork: " << strerror(errno);
+      break;
+    }
     if (pid == 0) {
       const std::string error = RunRank(r, sockets[r], shape, inputs[r], board->result[r], bad_pair);
       std::snprintf(board->error[r], sizeof(board->error[r]), "%s", error.c_str());

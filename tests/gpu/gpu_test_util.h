@@ -9,6 +9,7 @@
 #include <signal.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -75,8 +76,14 @@ inline std::vector<int> WaitForRanks(const std::vector<pid_t>& pids, absl::Durat
   std::vector<int> statuses(pids.size(), 0);
   std::vector<bool> reaped(pids.size(), false);
   size_t left = pids.size();
-  const absl::Time deadline = absl::Now() + limit;
-  while (left > 0 && absl::Now() < deadline) {
+  for (size_t r = 0; r < pids.size(); ++r) {
+    if (pids[r] <= 0) {  // No such process (a fork that failed): nothing to wait for or kill.
+      reaped[r] = true;
+      --left;
+    }
+  }
+  const auto deadline = std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(limit);
+  while (left > 0 && std::chrono::steady_clock::now() < deadline) {
     for (size_t r = 0; r < pids.size(); ++r) {
       if (!reaped[r] && waitpid(pids[r], &statuses[r], WNOHANG) == pids[r]) {
         reaped[r] = true;

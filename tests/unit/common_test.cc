@@ -414,8 +414,6 @@ void ReceiveWithFewDescriptorsFree(int socket) {
   std::_Exit(absl::IsResourceExhausted(got) ? 0 : 1);
 }
 
-// A receiver whose descriptor table is nearly full (its open-files limit) gets some of a
-// message's fds: the error says so, and which limit, rather than calling the message too large.
 // A sender that goes away between a message's parts (after a continuation that carried fds)
 // is a message lost, not an empty message with fds; the fds received are closed.
 TEST(UnixSocketTest, AMessageCutShortBetweenItsPartsIsDataLoss) {
@@ -459,6 +457,8 @@ TEST(UnixSocketTest, AMessageCutShortBetweenItsPartsIsDataLoss) {
   EXPECT_FALSE(got->closed);
 }
 
+// A receiver whose descriptor table is nearly full (its open-files limit) gets some of a
+// message's fds: the error says so, and which limit, rather than calling the message too large.
 TEST(UnixSocketTest, FdsThatDoNotFitTheReceiversTableAreCalledThat) {
   int pair[2];
   ASSERT_EQ(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair), 0);

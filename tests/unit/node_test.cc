@@ -791,10 +791,6 @@ class FakeBalancer final : public v1::Control::Service {
   std::unique_ptr<grpc::Server> server_;
 };
 
-// Each group the daemon creates (its clients attached again with another model) has new
-// arenas, and registers as a new incarnation of the daemon: peers that mapped the group before
-// map the new one as a restarted daemon's (the same model again included, whose arenas are
-// new too), and the balancer takes its ranks as a new process's.
 // A balancer that takes calls and never answers them (hung): each Register waits until its
 // caller cancels it (bounded, 60 s, so that a test that fails still ends).
 class HangingBalancer final : public v1::Control::Service {
@@ -843,6 +839,10 @@ TEST(NodeTest, ALinkBeingDestroyedCancelsTheRpcItWaitsOn) {
   EXPECT_EQ(balancer.calls(), 1);  // No call after it.
 }
 
+// Each group the daemon creates (its clients attached again with another model) has new
+// arenas, and registers as a new incarnation of the daemon: peers that mapped the group before
+// map the new one as a restarted daemon's (the same model again included, whose arenas are
+// new too), and the balancer takes its ranks as a new process's.
 TEST(NodeTest, EachGroupTheDaemonCreatesRegistersAsANewIncarnation) {
   FakeBalancer balancer;
   Node node{Options()};

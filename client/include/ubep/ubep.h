@@ -137,6 +137,10 @@ class Rank {
   // resumes at the least one given. Errors: FailedPrecondition when
   // the shape conflicts with the group (the field is named), AlreadyExists when another
   // process holds the rank, Unavailable when ubepd is not there or draining.
+  // `device`: the CUDA device of the rank's arenas when ubepd runs the CUDA backend (ignored
+  // on the host backend). Each call selects it for its own device work, from whatever thread,
+  // and puts back the calling thread's current device: the caller selects it itself
+  // (cudaSetDevice) for the buffers it allocates and passes.
   static absl::StatusOr<std::unique_ptr<Rank>> Attach(const ClientOptions& options, int rank,
                                                       int world_size, int device,
                                                       const ModelShape& shape,
