@@ -278,6 +278,28 @@ TEST_P(HostEpTest, ARankOverItsReceiveCapacityFailsTheCallOnEveryRank) {
   RunStep(group, inputs, plan, 0);
 }
 
+// The same inputs (288 rows for rank 1) with a receive capacity of exactly 288: every row is
+// kept, the call is exact (checked row by row and against the float64 reference); one row
+// less of capacity fails it, at 287.
+TEST_P(HostEpTest, ARankFilledToExactlyItsReceiveCapacityIsExactAndOneRowLessFails) {
+  for (const int capacity : {288, 287}) {
+    SCOPED_TRACE(capacity);
+    EpConfig config = VariantConfig(GetParam());
+    config.max_recv_rows = capacity;
+    Group group(config);
+    const EpConfig& c = group.config();
+    const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
+    const std::vector<RankInput> inputs = OverflowingInputs(c);
+    if (capacity == 288) {
+      RunStep(group, inputs, plan, 0);
+      continue;
+    }
+    const auto [dispatched, combined, sums] = DispatchAndCombine(group, inputs, plan);
+    EXPECT_EQ(dispatched[1], OverCapacityStatus(1, 1, ReceiveNotice{1, 288, 287}));
+    for (int r : {0, 2, 3}) EXPECT_TRUE(dispatched[r].ok()) << r << ": " << dispatched[r];
+  }
+}
+
 // Every flag and completion count of every arena at 2^32 - 1, so that the group's next call
 // (after Restart) is call 0, where the counts wrap.
 void PresetEveryCountToWrap(Group& group) {
