@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/unix_socket.h"
+#include "examples/moe_serving/moe_model.h"
 #include "kernels/host/arena_layout.h"
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -201,14 +202,32 @@ TEST_F(DaemonTest, FourClientsRunHundredStepsMatchingTheFloat64Reference) {
     EXPECT_EQ(Sample(metrics, "ubep_daemon_effective_step_waits_total" + rank), 0);
     EXPECT_EQ(Sample(metrics, "ubep_daemon_effective_step_wait_seconds_total" + rank), 0);
   }
-  // Per rank, the same pairs: each layer's ranks together received every routed pair, and
-  // each rank some (100 steps of top-8 of 256 experts, 64 on each rank).
+  // Per rank, the pairs routed there: the clients' own routing (the example's MoeModel, with
+  // the options StartClient gives it) under the daemon's first plan, which puts expert e in
+  // slot e, on rank e / 64 (256 experts, 64 slots per rank).
+  example::MoeModelOptions mo;
+  mo.traces = {test::TracePath("decode_in1000out1000.json"), test::TracePath("prefill_in1024.json")};
+  const absl::StatusOr<example::MoeModel> model = example::MoeModel::Create(mo);
+  ASSERT_TRUE(model.ok()) << model.status();
+  std::vector<std::vector<double>> routed(4, std::vector<double>(kWorld, 0));  // [layer][rank]
+  for (uint64_t step = 0; step < kSteps; ++step) {
+    for (int source = 0; source < kWorld; ++source) {
+      for (int l = 0; l < 4; ++l) {
+        std::vector<int32_t> idx;
+        std::vector<float> w;
+        model->Route(step, source, l, idx, w);
+        for (const int32_t e : idx) {
+          if (e >= 0) routed[l][e / 64] += 1;
+        }
+      }
+    }
+  }
   for (int l = 0; l < 4; ++l) {
     double sum = 0;
     for (int r = 0; r < kWorld; ++r) {
       const double got = Sample(
           metrics, absl::StrCat("ubep_daemon_rank_received_total{rank=\"", r, "\",layer=\"", l, "\"}"));
-      EXPECT_GT(got, 0) << "rank " << r << " layer " << l << "\n" << metrics;
+      EXPECT_EQ(got, routed[l][r]) << "rank " << r << " layer " << l;
       sum += got;
     }
     EXPECT_EQ(sum, 4 * 32 * 8 * kSteps) << "layer " << l;
