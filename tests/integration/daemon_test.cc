@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <memory>
 #include <regex>
+#include <map>
 #include <set>
 #include <string>
 #include <thread>
@@ -171,6 +172,32 @@ class DaemonTest : public ::testing::Test {
   int listen_port_ = 0;
 };
 
+// The rows each layer's call routes to each rank, [step][layer][rank], from the clients' own
+// routing (the example's MoeModel, with the options StartClient gives it) under the daemon's
+// first plan, which puts expert e in slot e, on rank e / 64 (256 experts, 64 slots per rank).
+std::vector<std::vector<std::vector<uint32_t>>> RoutedRows() {
+  example::MoeModelOptions mo;
+  mo.traces = {test::TracePath("decode_in1000out1000.json"), test::TracePath("prefill_in1024.json")};
+  const absl::StatusOr<example::MoeModel> model = example::MoeModel::Create(mo);
+  EXPECT_TRUE(model.ok()) << model.status();
+  std::vector<std::vector<std::vector<uint32_t>>> rows(
+      kSteps, std::vector<std::vector<uint32_t>>(4, std::vector<uint32_t>(kWorld, 0)));
+  if (!model.ok()) return rows;
+  for (uint64_t step = 0; step < kSteps; ++step) {
+    for (int source = 0; source < kWorld; ++source) {
+      for (int l = 0; l < 4; ++l) {
+        std::vector<int32_t> idx;
+        std::vector<float> w;
+        model->Route(step, source, l, idx, w);
+        for (const int32_t e : idx) {
+          if (e >= 0) ++rows[step][l][e / 64];
+        }
+      }
+    }
+  }
+  return rows;
+}
+
 TEST_F(DaemonTest, FourClientsRunHundredStepsMatchingTheFloat64Reference) {
   auto daemon = StartDaemon();
   EXPECT_EQ(Health(), grpc::health::v1::HealthCheckResponse::SERVING);
@@ -202,32 +229,16 @@ TEST_F(DaemonTest, FourClientsRunHundredStepsMatchingTheFloat64Reference) {
     EXPECT_EQ(Sample(metrics, "ubep_daemon_effective_step_waits_total" + rank), 0);
     EXPECT_EQ(Sample(metrics, "ubep_daemon_effective_step_wait_seconds_total" + rank), 0);
   }
-  // Per rank, the pairs routed there: the clients' own routing (the example's MoeModel, with
-  // the options StartClient gives it) under the daemon's first plan, which puts expert e in
-  // slot e, on rank e / 64 (256 experts, 64 slots per rank).
-  example::MoeModelOptions mo;
-  mo.traces = {test::TracePath("decode_in1000out1000.json"), test::TracePath("prefill_in1024.json")};
-  const absl::StatusOr<example::MoeModel> model = example::MoeModel::Create(mo);
-  ASSERT_TRUE(model.ok()) << model.status();
-  std::vector<std::vector<double>> routed(4, std::vector<double>(kWorld, 0));  // [layer][rank]
-  for (uint64_t step = 0; step < kSteps; ++step) {
-    for (int source = 0; source < kWorld; ++source) {
-      for (int l = 0; l < 4; ++l) {
-        std::vector<int32_t> idx;
-        std::vector<float> w;
-        model->Route(step, source, l, idx, w);
-        for (const int32_t e : idx) {
-          if (e >= 0) routed[l][e / 64] += 1;
-        }
-      }
-    }
-  }
+  // Per rank, the pairs routed there (RoutedRows: the clients' own routing).
+  const std::vector<std::vector<std::vector<uint32_t>>> routed = RoutedRows();
   for (int l = 0; l < 4; ++l) {
     double sum = 0;
     for (int r = 0; r < kWorld; ++r) {
       const double got = Sample(
           metrics, absl::StrCat("ubep_daemon_rank_received_total{rank=\"", r, "\",layer=\"", l, "\"}"));
-      EXPECT_EQ(got, routed[l][r]) << "rank " << r << " layer " << l;
+      double want = 0;
+      for (uint64_t step = 0; step < kSteps; ++step) want += routed[step][l][r];
+      EXPECT_EQ(got, want) << "rank " << r << " layer " << l;
       sum += got;
     }
     EXPECT_EQ(sum, 4 * 32 * 8 * kSteps) << "layer " << l;
@@ -279,6 +290,20 @@ TEST_F(DaemonTest, FlaggedRowsServeTheSameStepsAndTheSettingIsCappedAtMaxTokens)
 // group stays in step: the same steps are dropped everywhere and every other one matches the
 // float64 reference. The setting reaches the clients with the layout; a negative one is refused.
 TEST_F(DaemonTest, AReceiveCapacityOverflowDropsTheSameStepsEverywhereAndTheRestMatch) {
+  // The steps that overflow, and how many rows rank 0 was routed in the layer that did: the
+  // first of the step's layers that routes rank 0 more than 500 rows (the step is dropped
+  // there). No other rank goes over in this run (else the test would not know who is named).
+  const std::vector<std::vector<std::vector<uint32_t>>> routed = RoutedRows();
+  std::map<uint64_t, uint32_t> overflows;
+  for (uint64_t step = 0; step < kSteps; ++step) {
+    for (int l = 0; l < 4; ++l) {
+      for (int r = 1; r < kWorld; ++r) ASSERT_LE(routed[step][l][r], 500u) << step << " " << l;
+      if (routed[step][l][0] > 500) {
+        overflows[step] = routed[step][l][0];
+        break;
+      }
+    }
+  }
   auto daemon = StartDaemon({"--max_recv_rows=500"});
   std::vector<std::unique_ptr<Process>> clients;
   for (int r = 0; r < kWorld; ++r) clients.push_back(StartClient(r));
@@ -301,6 +326,8 @@ TEST_F(DaemonTest, AReceiveCapacityOverflowDropsTheSameStepsEverywhereAndTheRest
                                    : kernels::PeerOverCapacityStatus(r, line.call, 0, notice)
                                          .message());
       EXPECT_GT(notice.rows, 500u) << line.error;
+      EXPECT_EQ(notice.rows, overflows.count(line.step) ? overflows.at(line.step) : 0u)
+          << line.error;
     }
     const StepLines steps = ParseSteps(log);
     EXPECT_EQ(steps.mismatches, 0) << log;
@@ -311,7 +338,11 @@ TEST_F(DaemonTest, AReceiveCapacityOverflowDropsTheSameStepsEverywhereAndTheRest
     EXPECT_THAT(log, HasSubstr(absl::StrCat("done steps 100 failed 0 dropped ", dropped.size())));
     if (r == 0) {
       dropped_by_rank0 = dropped;
-      // Some steps overflow and some do not, so the group went on after each.
+      // Exactly the steps whose routing overflows rank 0; some steps do and some do not, so
+      // the group went on after each.
+      std::set<uint64_t> expected;
+      for (const auto& [step, rows] : overflows) expected.insert(step);
+      EXPECT_EQ(dropped, expected) << log;
       EXPECT_GT(dropped.size(), 0u) << log;
       EXPECT_LT(dropped.size(), 100u) << log;
     } else {
