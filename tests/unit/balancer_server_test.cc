@@ -1464,9 +1464,10 @@ TEST(BalancerServerTest, ADrainWhosePlanTakesTheTimeLeftIsAnsweredWithNothingPre
   const absl::Time deadline = absl::Now() + absl::Seconds(5);
   std::atomic<int> plans_made{0};
   balancer->set_after_planning_for_testing([&] {
-    // The first plan ends 250 ms before the deadline: 250 ms past the answer time (500 ms
-    // before it), and 250 ms for the answer to arrive.
-    if (plans_made++ == 0) absl::SleepFor(deadline - absl::Milliseconds(250) - absl::Now());
+    // The first plan ends 400 ms before the deadline: 100 ms past the answer time (500 ms
+    // before it), and 400 ms for the answer to arrive (250 ms left little to a loaded,
+    // sanitized run).
+    if (plans_made++ == 0) absl::SleepFor(deadline - absl::Milliseconds(400) - absl::Now());
   });
   const Served served = Serve(*balancer);
   ASSERT_NE(served.server, nullptr);
