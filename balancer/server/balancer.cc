@@ -807,8 +807,8 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
   // Its ranks' steps now: lower than before where its group formed again at an earlier step
   // (clients attached anew count from the resume step), and plans are placed after them.
   d.max_step = request->max_step();
-  d.step_time = MonotonicNow();
-  d.last_report = d.step_time;
+  d.step_time = StepNow();
+  d.last_report = MonotonicNow();
   if (sent_again) return grpc::Status::OK;
   if (!shape_.has_value() || !plan_.has_value()) {
     return Reject("no_plan", grpc::StatusCode::FAILED_PRECONDITION,
@@ -970,7 +970,7 @@ absl::StatusOr<uint64_t> Balancer::EffectiveStep() const {
   constexpr uint64_t kLast = std::numeric_limits<uint64_t>::max();
   auto add = [](uint64_t a, uint64_t b) { return a > kLast - b ? kLast : a + b; };
   uint64_t at = 0;
-  const absl::Time now = MonotonicNow();
+  const absl::Time now = StepNow();
   for (const auto& [name, d] : daemons_) {
     // A daemon failing its health checks reports no more: its last rate would be extrapolated
     // for as long as it is down, and its ranks are not in the plans made meanwhile.
@@ -1179,7 +1179,7 @@ void Balancer::Recover() {
   std::vector<CallResult> answers;
   // When the daemons were asked: each read its step after this, so a rate counted from here
   // is not too low, nor a step extrapolated from here too late (FanOut waits for the slowest).
-  const absl::Time asked = MonotonicNow();
+  const absl::Time asked = StepNow();
   if (!ask.empty()) {
     answers = FanOut(ask_channels, "/ubep.v1.DaemonControl/GetState", v1::GetStateRequest(),
                      options_.rpc_timeout);

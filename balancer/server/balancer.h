@@ -27,6 +27,7 @@
 #include "balancer/core/plan.h"
 #include "balancer/core/planner.h"
 #include "balancer/server/load_window.h"
+#include "common/clock.h"
 #include "common/mutex.h"
 #include "common/periodic.h"
 #include "common/recent_versions.h"
@@ -63,6 +64,10 @@ struct BalancerOptions {
   // Layers are planned independently: this many threads plan contiguous chunks of layers at
   // once (balancer/core itself stays single-threaded). 0 = the machine's cores.
   int planner_threads = 0;
+  // What the ranks' steps are timed by (their rates, and the effective step extrapolated from
+  // them); null: the monotonic clock. Tests give a FakeClock, so that a rate is what they
+  // make it; it must outlive the Balancer.
+  ClockInterface* step_clock = nullptr;
 };
 
 // What ubepctl and the metrics show.
@@ -253,6 +258,10 @@ class Balancer final : public v1::Control::Service {
   // 2^64 - 1 (a serving job numbering its steps near 2^64: no plan, rather than one at a step
   // wrapped past 0, which every daemon would refuse, or one never in force).
   absl::StatusOr<uint64_t> EffectiveStep() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Now on BalancerOptions::step_clock.
+  absl::Time StepNow() const {
+    return options_.step_clock != nullptr ? options_.step_clock->Now() : MonotonicNow();
+  }
   // The daemon hosts a rank plan_ keeps.
   bool Member(const Daemon& d) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ranks of registered node `node` that another serving node lists (took over while it was

@@ -22,6 +22,7 @@
 #include "balancer/server/load_window.h"
 #include "grpcpp/grpcpp.h"
 #include "gmock/gmock.h"
+#include "common/clock.h"
 #include "gtest/gtest.h"
 #include "prometheus/registry.h"
 #include "tests/unit/proto_mutate.h"
@@ -901,15 +902,19 @@ TEST(BalancerServerTest, TheStepOfAPlanIsEstimatedFromLiveDaemonsOnly) {
 // would give the daemons a step the ranks may have passed (refused) or less than the margin.
 TEST(BalancerServerTest, APlansEffectiveStepIsEstimatedFromTheStepsReachedWhileItWasMade) {
   FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
-  std::unique_ptr<Balancer> balancer = WithTwoDaemons(NeverMarkedDown(), a, b);  // Learns v1.
+  FakeClock clock;  // The steps' clock: rates are what the test makes them.
+  BalancerOptions options = NeverMarkedDown();
+  options.step_clock = &clock;
+  std::unique_ptr<Balancer> balancer = WithTwoDaemons(options, a, b);  // Learns v1.
   for (int n = 0; n < 2; ++n) {
     const grpc::Status taken = ReportSteps(*balancer, n == 0 ? "node-a" : "node-b", n, 1, 100);
     ASSERT_TRUE(taken.ok()) << taken.error_message();
   }
   int plans_made = 0;
   balancer->set_after_planning_for_testing([&] {
-    // While the plan was made, node-a's ranks reached step 5000.
+    // While the plan was made (a second), node-a's ranks went from step 100 to 5000.
     if (plans_made++ == 0) {
+      clock.Advance(absl::Seconds(1));
       const grpc::Status moved = ReportSteps(*balancer, "node-a", 0, 2, 5000, 1, 100);
       EXPECT_TRUE(moved.ok()) << moved.error_message();
     }
@@ -919,7 +924,9 @@ TEST(BalancerServerTest, APlansEffectiveStepIsEstimatedFromTheStepsReachedWhileI
   ASSERT_TRUE(drained.ok()) << drained.error_message();
   EXPECT_EQ(plans_made, 1);
   ASSERT_EQ(a.prepares().size(), 1u);
-  EXPECT_GE(a.prepares()[0].effective_step(), 5010u);  // 5000 + min_margin_steps, at least.
+  // 5000, then the effective margin (1 s) at 4900 steps a second, then min_margin_steps.
+  // Estimated before planning it would be 100 + 10.
+  EXPECT_EQ(a.prepares()[0].effective_step(), 5000u + 4900 + 10);
   EXPECT_EQ(a.committed_version(), 2u);
 }
 
@@ -929,32 +936,29 @@ TEST(BalancerServerTest, APlansEffectiveStepIsEstimatedFromTheStepsReachedWhileI
 // at a step the ranks have passed (which the daemons refuse).
 TEST(BalancerServerTest, AStepLearnedFromADaemonsStateCountsFromWhenItWasLearned) {
   FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
-  std::unique_ptr<Balancer> balancer = WithTwoDaemons(NeverMarkedDown(), a, b);  // Learns v1.
+  FakeClock clock;  // The steps' clock: rates are what the test makes them.
+  BalancerOptions options = NeverMarkedDown();
+  options.step_clock = &clock;
+  std::unique_ptr<Balancer> balancer = WithTwoDaemons(options, a, b);  // Learns v1.
   for (int n = 0; n < 2; ++n) {
     const grpc::Status taken = ReportSteps(*balancer, n == 0 ? "node-a" : "node-b", n, 1, 100);
     ASSERT_TRUE(taken.ok()) << taken.error_message();
   }
-  absl::SleepFor(absl::Seconds(2));
+  clock.Advance(absl::Seconds(2));
   a.SetMaxStep(2100);
   Register(*balancer, DaemonRegistration(a, "node-a", 0, 0, "host"));  // Its state is asked again.
-  const absl::Time before_state = absl::Now();
   balancer->Tick();
-  absl::SleepFor(absl::Milliseconds(100));
-  // 100 steps in about 0.1 s since the state: about 1000 steps a second.
-  const grpc::Status moved = ReportSteps(*balancer, "node-a", 0, 2, 2200, 1, 2100);
+  clock.Advance(absl::Milliseconds(250));
+  // 250 steps in 0.25 s since the state: 1000 steps a second.
+  const grpc::Status moved = ReportSteps(*balancer, "node-a", 0, 2, 2350, 1, 2100);
   ASSERT_TRUE(moved.ok()) << moved.error_message();
-  // At least 100 steps in this long (the state was asked after `before_state`).
-  const double since_state = absl::ToDoubleSeconds(absl::Now() - before_state);
   v1::RebalanceResponse response;
   const grpc::Status drained = Drain(*balancer, "node-b", true, &response);
   ASSERT_TRUE(drained.ok()) << drained.error_message();
   ASSERT_EQ(a.prepares().size(), 1u);
-  // 2200 and the 1 s margin at 100 / since_state steps a second at least (about 1000; 2400
-  // or more while since_state is under 0.5 s). Counted from the report before (100 steps in
-  // 2.1 s), about 2250.
-  EXPECT_GE(static_cast<double>(a.prepares()[0].effective_step()), 2200 + 100 / since_state)
-      << since_state << " s from the state to the report";
-  EXPECT_LT(a.prepares()[0].effective_step(), 2200u + 1000u * 30);
+  // 2350, the effective margin (1 s) at 1000 steps a second, min_margin_steps. Counted from
+  // the report before (the 250 steps over 2.25 s, 111 a second), it would be 2350 + 112 + 10.
+  EXPECT_EQ(a.prepares()[0].effective_step(), 2350u + 1000 + 10);
 }
 
 // A serving job's steps are its own numbering. Past 2^53 (where a double rounds them) a plan
@@ -965,25 +969,26 @@ TEST(BalancerServerTest, StepsPast2To53AreCountedWholeAndNear2To64NoPlanIsMade) 
   const uint64_t kFar = (uint64_t{1} << 60) + 1100;
   {
     FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
-    std::unique_ptr<Balancer> balancer = WithTwoDaemons(NeverMarkedDown(), a, b);
+    FakeClock clock;  // The steps' clock: rates are what the test makes them.
+    BalancerOptions options = NeverMarkedDown();
+    options.step_clock = &clock;
+    std::unique_ptr<Balancer> balancer = WithTwoDaemons(options, a, b);
     for (int n = 0; n < 2; ++n) {
       const grpc::Status taken =
           ReportSteps(*balancer, n == 0 ? "node-a" : "node-b", n, 1, kFar, 1, kFar - 10);
       EXPECT_TRUE(taken.ok()) << taken.error_message();
     }
-    // node-a moves one step in 50 ms or more: a rate of 20 steps a second at most, which
-    // extrapolated over the effective margin (1 s) and the time since puts the plan a few
-    // steps further (a double at 2^60 rounds by 256, and would lose them).
-    absl::SleepFor(absl::Milliseconds(50));
+    // node-a moves one step in 62.5 ms: 16 steps a second, which over the effective margin
+    // (1 s) puts the plan 16 steps further (a double at 2^60 rounds by 256, and would lose
+    // them).
+    clock.Advance(absl::Microseconds(62500));
     const grpc::Status moved = ReportSteps(*balancer, "node-a", 0, 2, kFar + 1, 1, kFar);
     ASSERT_TRUE(moved.ok()) << moved.error_message();
     v1::RebalanceResponse response;
     const grpc::Status drained = Drain(*balancer, "node-b", true, &response);
     ASSERT_TRUE(drained.ok()) << drained.error_message();
     ASSERT_FALSE(a.prepares().empty());
-    const uint64_t effective = a.prepares().back().effective_step();
-    EXPECT_GT(effective, kFar + 1 + 10);
-    EXPECT_LT(effective, kFar + 1 + 10 + 1000);
+    EXPECT_EQ(a.prepares().back().effective_step(), kFar + 1 + 16 + 10);
   }
   FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
   std::unique_ptr<Balancer> balancer = WithTwoDaemons(NeverMarkedDown(), a, b);
