@@ -274,6 +274,24 @@ std::string SglangLoadToJson(const LoadMatrix& load) {
   return Json{{"logical_count", std::move(rows)}}.dump();
 }
 
+std::string PlanToSglangJson(const Plan& plan) {
+  int num_model_layers = 0;
+  for (int id : plan.layer_ids) num_model_layers = std::max(num_model_layers, id + 1);
+  const int num_slots = plan.layers.empty() ? 0 : static_cast<int>(plan.layers[0].slot_expert.size());
+  Json rows = Json::array();
+  for (int i = 0; i < num_model_layers; ++i) {
+    const auto at = std::find(plan.layer_ids.begin(), plan.layer_ids.end(), i);
+    if (at != plan.layer_ids.end() && static_cast<size_t>(at - plan.layer_ids.begin()) < plan.layers.size()) {
+      rows.push_back(plan.layers[at - plan.layer_ids.begin()].slot_expert);
+      continue;
+    }
+    Json row = Json::array();
+    for (int p = 0; p < num_slots; ++p) row.push_back(plan.num_experts > 0 ? p % plan.num_experts : 0);
+    rows.push_back(std::move(row));
+  }
+  return Json{{"physical_to_logical_map", std::move(rows)}}.dump();
+}
+
 absl::StatusOr<Plan> ParsePlanJson(const std::string& text, const std::string& name,
                                    const std::optional<Topology>& topology_override) {
   UBEP_ASSIGN_OR_RETURN(Json json, ParseJson(text, name));

@@ -32,6 +32,11 @@ absl::StatusOr<Plan> ReadPlanFile(const std::string& path,
                                   const std::optional<Topology>& topology_override = {});
 
 std::string PlanToJson(const Plan& plan);
+// SGLang's expert location (--init-expert-location): {"physical_to_logical_map": one row per
+// model layer, 0 to the last of plan.layer_ids, as SGLang indexes it by model layer}. The
+// plan's layers give their rows; a model layer the plan has none for (a dense layer) gets
+// slot p -> expert p % num_experts, as SGLang's own trivial placement.
+std::string PlanToSglangJson(const Plan& plan);
 
 absl::StatusOr<std::string> ReadTextFile(const std::string& path);
 absl::Status WriteTextFile(const std::string& path, const std::string& text);

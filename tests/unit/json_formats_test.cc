@@ -32,6 +32,19 @@ TEST(SglangLoadTest, SkipsDenseLayersAndKeepsTheirIndices) {
             R"({"logical_count":[[0.0,0.0,0.0],[1.0,2.0,3.0],[0.0,0.0,0.0],[4.0,5.0,6.0]]})");
 }
 
+// SGLang indexes its expert location by model layer: a plan of MoE layers 1 and 3 exports
+// four rows, the dense layers 0 and 2 with the trivial placement (slot p, expert p % E).
+TEST(SglangPlanTest, ExportsOneRowPerModelLayerUpToTheLastMoeLayer) {
+  Plan plan;
+  plan.version = 2;
+  plan.topology = {2, 1, 2, 1};
+  plan.num_experts = 3;
+  plan.layer_ids = {1, 3};
+  plan.layers = {LayerPlan{{2, 0, 1, 2}, {0.5, 1, 1, 0.5}}, LayerPlan{{1, 1, 0, 2}, {0.5, 1, 0.5, 1}}};
+  EXPECT_EQ(PlanToSglangJson(plan),
+            R"({"physical_to_logical_map":[[0,1,2,0],[2,0,1,2],[0,1,2,0],[1,1,0,2]]})");
+}
+
 TEST(SglangLoadTest, ReadsTheBundledTraces) {
   absl::StatusOr<LoadMatrix> load =
       ReadSglangLoadFile(test::TracePath("prefill_in1024.json"));

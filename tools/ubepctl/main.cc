@@ -246,9 +246,7 @@ int PlanExport(Control::Stub& stub) {
                    "export it once every rank is back (or use --format=eplb)\n";
       return 1;
     }
-    nlohmann::json map = nlohmann::json::array();
-    for (const ubep::balancer::LayerPlan& layer : plan.layers) map.push_back(layer.slot_expert);
-    text = nlohmann::json{{"physical_to_logical_map", map}}.dump() + "\n";
+    text = ubep::balancer::PlanToSglangJson(plan) + "\n";
   }
   const std::string out = absl::GetFlag(FLAGS_out);
   if (out.empty()) {
