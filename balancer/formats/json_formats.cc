@@ -1,9 +1,15 @@
 #include "balancer/formats/json_formats.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <set>
 #include <fstream>
 #include <span>
 #include <sstream>
@@ -49,6 +55,41 @@ absl::StatusOr<Json> ParseJson(const std::string& text, const std::string& name)
     Json::sax_parse(text, &reporter, Json::input_format_t::json, /*strict=*/true);
     return Bad(name, "(document)", absl::StrCat("malformed JSON at ", reporter.error));
   }
+  // A key given twice in one object: the parse keeps the last, and drops the first without a
+  // word (a plan's phy2log or a load's rows). Refused, naming it.
+  struct DuplicateKeys : nlohmann::json_sax<Json> {
+    std::vector<std::set<std::string>> objects;  // The keys of each open object.
+    std::string repeated;
+    bool null() override { return true; }
+    bool boolean(bool) override { return true; }
+    bool number_integer(number_integer_t) override { return true; }
+    bool number_unsigned(number_unsigned_t) override { return true; }
+    bool number_float(number_float_t, const string_t&) override { return true; }
+    bool string(string_t&) override { return true; }
+    bool binary(binary_t&) override { return true; }
+    bool start_object(std::size_t) override {
+      objects.emplace_back();
+      return true;
+    }
+    bool key(string_t& key) override {
+      if (objects.back().insert(key).second) return true;
+      repeated = key;
+      return false;
+    }
+    bool end_object() override {
+      objects.pop_back();
+      return true;
+    }
+    bool start_array(std::size_t) override { return true; }
+    bool end_array() override { return true; }
+    bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override {
+      return false;
+    }
+  } keys;
+  Json::sax_parse(text, &keys, Json::input_format_t::json, /*strict=*/true);
+  if (!keys.repeated.empty()) {
+    return Bad(name, keys.repeated, "given twice in one object (which one is meant?)");
+  }
   return json;
 }
 
@@ -73,6 +114,12 @@ absl::StatusOr<int> Integer(const Json& v, const std::string& name, const std::s
                             int64_t min, int64_t max) {
   if (!v.is_number_integer()) {
     return Bad(name, field, absl::StrCat("expected an integer, got ", Shown(v)));
+  }
+  // An unsigned one past 2^63 - 1 would read back negative (-1 for 2^64 - 1, which is
+  // padding in some fields): refused as written.
+  if (v.is_number_unsigned() &&
+      v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+    return Bad(name, field, absl::StrCat("is ", v.dump(), ", outside [", min, ", ", max, "]"));
   }
   const int64_t i = v.get<int64_t>();
   if (i < min || i > max) {
@@ -172,15 +219,43 @@ ReplicaIndex IndexReplicas(const std::vector<int>& slot_expert, int num_experts)
 }  // namespace
 
 absl::StatusOr<std::string> ReadTextFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
+  // Non-blocking open: a FIFO named by mistake is refused below rather than waited on.
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) {
     const int err = errno;
     std::string message = absl::StrCat(path, ": cannot read: ", std::strerror(err));
     return err == ENOENT ? absl::NotFoundError(message) : absl::InvalidArgumentError(message);
   }
-  std::ostringstream buffer;
-  buffer << in.rdbuf();
-  return buffer.str();
+  struct Closer {
+    int fd;
+    ~Closer() { close(fd); }
+  } closer{fd};
+  struct stat st {};
+  if (fstat(fd, &st) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": cannot read: ", std::strerror(errno)));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, ": not a regular file (", S_ISDIR(st.st_mode) ? "a directory" : "a device, FIFO or socket",
+        ")"));
+  }
+  if (static_cast<uint64_t>(st.st_size) > kMaxTextFileBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", st.st_size, " bytes, over the ",
+                                                   kMaxTextFileBytes, " a file read here may be"));
+  }
+  std::string text(static_cast<size_t>(st.st_size), '\0');
+  size_t got = 0;
+  while (got < text.size()) {
+    const ssize_t n = read(fd, text.data() + got, text.size() - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": cannot read: ", std::strerror(errno)));
+    }
+    if (n == 0) break;  // Shorter now than it was: what is there.
+    got += static_cast<size_t>(n);
+  }
+  text.resize(got);
+  return text;
 }
 
 absl::Status WriteTextFile(const std::string& path, const std::string& text) {

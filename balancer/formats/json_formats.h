@@ -38,6 +38,9 @@ std::string PlanToJson(const Plan& plan);
 // slot p -> expert p % num_experts, as SGLang's own trivial placement.
 std::string PlanToSglangJson(const Plan& plan);
 
+// A regular file's text, of kMaxTextFileBytes at most (a directory, a FIFO or a device is
+// refused, naming what it is; a file over the limit too, rather than read until memory ends).
+inline constexpr uint64_t kMaxTextFileBytes = uint64_t{1} << 30;
 absl::StatusOr<std::string> ReadTextFile(const std::string& path);
 absl::Status WriteTextFile(const std::string& path, const std::string& text);
 

@@ -1,5 +1,7 @@
 #include "balancer/formats/json_formats.h"
 
+#include <sys/stat.h>
+
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
@@ -97,11 +99,30 @@ INSTANTIATE_TEST_SUITE_P(
         // Each count is finite, their sum is not: balancedness would be 0, shares NaN.
         BadLoad{R"({"logical_count": [[1, 2], [1e308, 1e308]]})",
                 "in.json: logical_count[1]: sums to inf; a layer's counts must have a finite "
-                "sum"}));
+                "sum"},
+        // Given twice: which is meant? (The parse would keep the last without a word.)
+        BadLoad{R"({"logical_count": [[90,1,1,1]], "logical_count": [[1,1,1,90]]})",
+                "in.json: logical_count: given twice in one object (which one is meant?)"}));
 
 TEST(ReadFileTest, MissingFileIsNotFound) {
   EXPECT_EQ(ReadSglangLoadFile("/nonexistent/x.json").status(),
             absl::NotFoundError("/nonexistent/x.json: cannot read: No such file or directory"));
+}
+
+// What is not a regular file is refused naming what it is, not parsed as empty (a directory)
+// nor waited on (a FIFO) nor read until memory ends (a device).
+TEST(ReadFileTest, WhatIsNotARegularFileIsRefusedNamingWhatItIs) {
+  char dir_template[] = "/tmp/ubep-read-test-XXXXXX";
+  const std::string dir = mkdtemp(dir_template);
+  EXPECT_EQ(ReadTextFile(dir).status(),
+            absl::InvalidArgumentError(dir + ": not a regular file (a directory)"));
+  const std::string fifo = dir + "/fifo";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_EQ(ReadPlanFile(fifo).status(),
+            absl::InvalidArgumentError(fifo + ": not a regular file (a device, FIFO or socket)"));
+  EXPECT_EQ(ReadSglangLoadFile("/dev/zero").status(),
+            absl::InvalidArgumentError("/dev/zero: not a regular file (a device, FIFO or socket)"));
+  std::filesystem::remove_all(dir);
 }
 
 // A file written through PATH.tmp and a rename: a rename that fails (PATH is a directory with
@@ -292,7 +313,16 @@ INSTANTIATE_TEST_SUITE_P(
                 "p.json: excluded_ranks: expected an array of ranks"},
         BadLoad{std::string("{") + kTopology +
                  R"(, "phy2log": [[0,1,0,1]], "excluded_ranks": [0]})",
-                "p.json: plan: layer 0 slot 0 has share 0.5 but rank 0 is excluded"}));
+                "p.json: plan: layer 0 slot 0 has share 0.5 but rank 0 is excluded"},
+        // Past 2^63 - 1: refused as written, not read back as -1 (padding) or negative.
+        BadLoad{std::string("{") + kTopology +
+                 R"(, "phy2log": [[0,1,2,0]], "log2phy": [[[0,3],[1,18446744073709551615],[2,-1]]]})",
+                "p.json: log2phy[0][1][1]: is 18446744073709551615, outside [-1, 3]"},
+        BadLoad{std::string("{") + kTopology + R"(, "phy2log": [[0,1,9223372036854775808,0]]})",
+                "p.json: phy2log[0][2]: is 9223372036854775808, outside [0, 1048575]"},
+        BadLoad{std::string("{") + kTopology +
+                 R"(, "phy2log": [[0,1,2,0]], "phy2log": [[0,1,2,1]]})",
+                "p.json: phy2log: given twice in one object (which one is meant?)"}));
 
 // Files as operators hand them over, damaged at random (fixed seed): a value somewhere in the
 // tree replaced by one at the edges or of another type, an entry dropped or repeated, or the
