@@ -183,6 +183,12 @@ INSTANTIATE_TEST_SUITE_P(
                 "10"},
                "ubep-balance replay: replay: need window > 0, rebalance-every > 0 and steps > "
                "window; got window 10, rebalance-every 5, steps 10"},
+        // Said before any step is drawn (18000 steps of loads would take a minute and 2 GiB).
+        BadRun{{"replay", "--load", kTrace, "--ranks", "8", "--slots-per-rank", "32",
+                "--policy", "ubep", "--steps", "18000", "--rebalance-every", "5", "--window",
+                "18000"},
+               "ubep-balance replay: replay: need window > 0, rebalance-every > 0 and steps > "
+               "window; got window 18000, rebalance-every 5, steps 18000"},
         BadRun{{"replay", "--load", kTrace, "--ranks", "8", "--slots-per-rank", "32",
                 "--policy", "ubep", "--steps", "100000", "--rebalance-every", "100", "--window",
                 "10"},
@@ -231,6 +237,23 @@ TEST(BalanceCliTest, PreviousPlanOfOtherLayersIsRejected) {
   EXPECT_EQ(r.err, "ubep-balance plan: " + first +
                        ": previous plan's layer 1 is model layer 1, the load's is model layer "
                        "2\n");
+}
+
+// eval pairs a plan's layers with the load's by model layer: a plan that names other layers
+// is refused, naming the first that differs; a plan without layer ids takes the load's.
+TEST(BalanceCliTest, EvalOfAPlanForOtherLayersIsRejected) {
+  test::TempDir dir;
+  const std::string load =
+      dir.Write("load.json", R"({"logical_count": [[0,0],[3,1],[0,0],[1,3]]})");  // Layers 1, 3.
+  const std::string other = dir.Write(
+      "other.json",
+      R"({"phy2log": [[0,1,0,1],[0,1,0,1]], "layer_ids": [1,2], "topology": {"ranks": 2, "nodes": 1, "slots_per_rank": 2}})");
+  Result r = RunCli({"eval", "--plan", other, "--load", load});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, "ubep-balance eval: " + other + ": layer_ids[1]: is 2 but " + load +
+                       "'s MoE layer 1 is model layer 3\n");
+  const std::string plain = dir.Write("plain.json", R"({"phy2log": [[0,1,0,1],[0,1,0,1]]})");
+  EXPECT_EQ(RunCli({"eval", "--plan", plain, "--load", load, "--ranks", "2"}).code, 0);
 }
 
 // A baseline that moved no slot (ubep on one rank of one slot per expert: nothing to move)

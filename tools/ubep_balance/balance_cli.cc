@@ -219,6 +219,17 @@ absl::Status RunEval(const Flags& flags, std::ostream& out) {
         absl::StrCat(plan_path, ": phy2log: plan has ", plan.num_layers(), " layers but ",
                      load_path, " has ", load.num_layers(), " MoE layers"));
   }
+  // Layers pair by model layer. A plan without layer ids (a plain EPLB plan: 0, 1, ...) takes
+  // the load's; one that names others is for other layers.
+  bool numbered_from_zero = true;
+  for (int l = 0; l < plan.num_layers(); ++l) numbered_from_zero &= plan.layer_ids[l] == l;
+  for (int l = 0; l < plan.num_layers() && !numbered_from_zero; ++l) {
+    if (plan.layer_ids[l] != load.layer_ids()[l]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          plan_path, ": layer_ids[", l, "]: is ", plan.layer_ids[l], " but ", load_path,
+          "'s MoE layer ", l, " is model layer ", load.layer_ids()[l]));
+    }
+  }
   Json result = SummaryJson(SummarizeBalance(plan, load));
   result["layers"] = plan.num_layers();
   result["slots"] = plan.topology.num_slots();
@@ -288,6 +299,9 @@ absl::Status RunReplay(const Flags& flags, std::ostream& out, ClockInterface& cl
                          sources[0].num_experts() * sizeof(double)),
         " steps"));
   }
+  // Before drawing a step: a replay the options cannot make is said at once (drawing 18078
+  // steps takes a minute and 2 GiB).
+  UBEP_RETURN_IF_ERROR(CheckReplayOptions(replay));
   // Each seed is one scenario (its own bursts and sampling); every policy replays the same
   // sampled loads of every seed.
   ReplayResult ours, theirs;

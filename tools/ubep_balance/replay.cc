@@ -33,9 +33,7 @@ void ReplayResult::Merge(const ReplayResult& other) {
   Summarize(*this);
 }
 
-absl::StatusOr<ReplayResult> Replay(const std::vector<LoadMatrix>& step_loads,
-                                    const Topology& topology, const PlannerOptions& planner,
-                                    const ReplayOptions& options, ClockInterface& clock) {
+absl::Status CheckReplayOptions(const ReplayOptions& options) {
   if (options.window <= 0 || options.rebalance_every <= 0 ||
       options.steps <= options.window) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -43,6 +41,13 @@ absl::StatusOr<ReplayResult> Replay(const std::vector<LoadMatrix>& step_loads,
         options.window, ", rebalance-every ", options.rebalance_every, ", steps ",
         options.steps));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ReplayResult> Replay(const std::vector<LoadMatrix>& step_loads,
+                                    const Topology& topology, const PlannerOptions& planner,
+                                    const ReplayOptions& options, ClockInterface& clock) {
+  UBEP_RETURN_IF_ERROR(CheckReplayOptions(options));
   if (static_cast<int>(step_loads.size()) < options.steps) {
     return absl::InvalidArgumentError("replay: fewer step loads than steps");
   }

@@ -41,6 +41,9 @@ struct ReplayResult {
 
 // The policies replay the same sampled loads, so results are comparable side by side.
 // `step_loads` is Scenario::Step for every step in [0, options.steps).
+// Whether the options make a replay (window > 0, rebalance_every > 0, steps > window): checked
+// before any step's load is drawn, and again by Replay.
+absl::Status CheckReplayOptions(const ReplayOptions& options);
 absl::StatusOr<ReplayResult> Replay(const std::vector<LoadMatrix>& step_loads,
                                     const Topology& topology, const PlannerOptions& planner,
                                     const ReplayOptions& options, ClockInterface& clock);
