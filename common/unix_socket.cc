@@ -62,12 +62,27 @@ void UniqueFd::reset(int fd) {
   fd_ = fd;
 }
 
+absl::Status RemoveStaleSocket(const std::string& path) {
+  struct stat st {};
+  if (lstat(path.c_str(), &st) != 0) {
+    return errno == ENOENT ? absl::OkStatus() : Errno(absl::StrCat("lstat ", path));
+  }
+  if (!S_ISSOCK(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        path, " exists and is not a socket (",
+        S_ISREG(st.st_mode) ? "a regular file" : S_ISDIR(st.st_mode) ? "a directory" : "another kind of file",
+        "); not replacing it: is the socket path right?"));
+  }
+  if (unlink(path.c_str()) != 0 && errno != ENOENT) return Errno(absl::StrCat("unlink ", path));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<UniqueFd> ListenUnix(const std::string& path, mode_t mode) {
   absl::StatusOr<sockaddr_un> addr = Address(path);
   if (!addr.ok()) return addr.status();
   UniqueFd fd(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
   if (!fd.valid()) return Errno("socket");
-  unlink(path.c_str());
+  if (absl::Status removed = RemoveStaleSocket(path); !removed.ok()) return removed;
   if (bind(fd.get(), reinterpret_cast<const sockaddr*>(&*addr), sizeof(*addr)) != 0) {
     return Errno(absl::StrCat("bind ", path));
   }

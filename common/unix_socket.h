@@ -44,6 +44,10 @@ class UniqueFd {
   int fd_ = -1;
 };
 
+// Removes a socket left at `path` by a process gone (bind needs the path free); refuses,
+// FailedPrecondition, to remove anything that is not a socket (a mistyped path naming a file).
+absl::Status RemoveStaleSocket(const std::string& path);
+
 // Binds and listens on `path` (an existing socket file there is replaced), then sets the
 // file's mode (e.g. 0660) so that only the owner and group may connect.
 absl::StatusOr<UniqueFd> ListenUnix(const std::string& path, mode_t mode);

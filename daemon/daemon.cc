@@ -242,6 +242,10 @@ Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {}
 
 Daemon::~Daemon() {
   link_.reset();
+  // Going away, drained or not: the waits in Attach and Join end now (they heed draining,
+  // not the server's cancellation), so that the servers' shutdown below does not wait for
+  // them up to the join timeout.
+  if (node_ != nullptr) node_->Drain();
   // In-flight calls (a client detaching as the drain ends) get a moment to answer.
   // The clients' server first, each with its own 2 s: a slow DaemonControl call does not eat
   // the time of a client detaching.
@@ -256,7 +260,11 @@ Daemon::~Daemon() {
   metrics_.reset();
   // The socket files are this daemon's only while it holds the lock (another daemon's, if it
   // failed to take it).
-  if (socket_lock_.valid()) unlink(options_.socket_path.c_str());
+  // (A socket only: a start refused because the path names something else leaves it be.)
+  struct stat st {};
+  if (socket_lock_.valid() && lstat(options_.socket_path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) {
+    unlink(options_.socket_path.c_str());
+  }
 }
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
@@ -327,6 +335,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
                : absl::ErrnoToStatus(errno, absl::StrCat("flock ", lock_path));
   }
   d->socket_lock_ = std::move(lock);
+  // Both socket paths are free, or hold a socket of a daemon gone, before either is made:
+  // anything else there (a mistyped path naming a file) is left alone, and nothing started.
+  for (const std::string& path : {options.socket_path, options.node.fd_socket_path}) {
+    if (absl::Status removed = RemoveStaleSocket(path); !removed.ok()) return removed;
+  }
   d->node_ = std::make_unique<Node>(options.node);
   d->metrics_ = std::make_shared<DaemonMetrics>(d->node_.get(), options.harvest_interval);
   d->service_ = std::make_unique<DaemonService>(d->node_.get(), d->metrics_.get());
@@ -343,7 +356,6 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   // client has no business preparing plans.
   {
     grpc::ServerBuilder builder;
-    unlink(options.socket_path.c_str());
     builder.AddListeningPort("unix:" + options.socket_path, grpc::InsecureServerCredentials());
     builder.SetMaxReceiveMessageSize(options.max_message_bytes);
     builder.RegisterService(d->service_.get());

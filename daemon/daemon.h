@@ -70,6 +70,10 @@ class Daemon {
   explicit Daemon(DaemonOptions options);
 
   DaemonOptions options_;
+  // flock on SOCKET.lock: one daemon per socket path. First: let go of last, once the Node
+  // (its arenas, device memory included) is gone, so that a daemon started next on the path
+  // does not find them still held.
+  UniqueFd socket_lock_;
   std::unique_ptr<Node> node_;
   std::shared_ptr<DaemonMetrics> metrics_;  // The exposer holds a weak_ptr.
   std::unique_ptr<DaemonService> service_;
@@ -79,7 +83,6 @@ class Daemon {
   std::unique_ptr<grpc::Server> local_server_;  // unix:--socket: Daemon (this node's clients).
   std::unique_ptr<grpc::Server> server_;        // --listen: DaemonControl; null without it.
   std::unique_ptr<prometheus::Exposer> exposer_;
-  UniqueFd socket_lock_;  // flock on SOCKET.lock: one daemon per socket path.
   int listen_port_ = 0;
   int metrics_port_ = 0;
 };

@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/shape_limits.h"
+#include "balancer/formats/json_formats.h"
 #include "daemon/daemon.h"
 #include "kernels/common/host_cpu.h"
 
@@ -65,12 +66,38 @@ ABSL_FLAG(absl::Duration, report_interval, absl::Seconds(1),
 ABSL_FLAG(std::string, ready_file, "",
           "When set, written once serving: JSON with the bound ports (for scripts and tests).");
 
+namespace {
+
+// `s` as a JSON string (quoted, with quotes, backslashes and control characters escaped).
+std::string JsonString(const std::string& s) {
+  std::string out = "\"";
+  for (const unsigned char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += static_cast<char>(c);
+    } else if (c < 0x20) {
+      absl::StrAppend(&out, "\\u00", absl::Hex(c, absl::kZeroPad2));
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out + "\"";
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "ubepd: the UBEP node daemon. Owns the arenas of its node's ranks and serves them to "
       "serving processes (libubep).\nUsage: ubepd --socket PATH [--listen HOST:PORT] "
       "[--metrics HOST:PORT] [--plan FILE] [--backend host|cuda]");
-  absl::ParseCommandLine(argc, argv);
+  const std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  if (rest.size() > 1) {
+    // (`ubepd /tmp/u.sock` would otherwise serve the default socket.)
+    std::cerr << "ubepd: unexpected argument \"" << rest[1]
+              << "\" (every setting is a flag: --socket=PATH)\n";
+    return 2;
+  }
   ubep::kernels::RequireHostCpu("ubepd");
 
   ubep::daemon::DaemonOptions options;
@@ -145,6 +172,12 @@ int main(int argc, char** argv) {
     std::cerr << "ubepd: --socket_mode " << mode << " is not an octal file mode\n";
     return 2;
   }
+  if ((options.socket_mode & 0600) != 0600) {
+    // Connecting takes write permission; a daemon nobody, its own user included, can reach.
+    std::cerr << "ubepd: --socket_mode " << mode
+              << " does not let its owner read and write the socket (0600)\n";
+    return 2;
+  }
   const std::string protocol = absl::GetFlag(FLAGS_protocol);
   if (protocol != "ubep" && protocol != "bsp") {
     std::cerr << "ubepd: --protocol " << protocol << ": expected ubep or bsp\n";
@@ -173,6 +206,14 @@ int main(int argc, char** argv) {
   }
   options.node.max_plan_lead_steps = absl::GetFlag(FLAGS_max_plan_lead_steps);
   options.node.plan_path = absl::GetFlag(FLAGS_plan);
+  if (!options.node.plan_path.empty()) {
+    // Read now, not first at the first attach (which would fail every group's creation of a
+    // daemon that said it was serving); its fit to the group is checked then.
+    if (absl::Status s = ubep::balancer::CheckJsonFile(options.node.plan_path); !s.ok()) {
+      std::cerr << "ubepd: --plan: " << s.message() << "\n";
+      return 2;
+    }
+  }
   if (const std::string ranks = absl::GetFlag(FLAGS_ranks); !ranks.empty()) {
     const std::vector<std::string> parts = absl::StrSplit(ranks, '-');
     int first = 0, last = 0;
@@ -218,15 +259,23 @@ int main(int argc, char** argv) {
   }
   const std::string ready_file = absl::GetFlag(FLAGS_ready_file);
   if (!ready_file.empty()) {
-    const std::string tmp = ready_file + ".tmp";
-    std::ofstream(tmp) << "{\"pid\": " << getpid() << ", \"socket\": \"" << options.socket_path
-                       << "\", \"listen_port\": " << (*daemon)->listen_port()
-                       << ", \"metrics_port\": " << (*daemon)->metrics_port() << "}\n";
-    std::rename(tmp.c_str(), ready_file.c_str());
+    const std::string text = absl::StrCat(
+        "{\"pid\": ", getpid(), ", \"socket\": ", JsonString(options.socket_path),
+        ", \"listen_port\": ", (*daemon)->listen_port(),
+        ", \"metrics_port\": ", (*daemon)->metrics_port(), "}\n");
+    if (absl::Status s = ubep::balancer::WriteTextFile(ready_file, text); !s.ok()) {
+      // Whoever waits for it would wait in vain: said, and the daemon stops (no client can
+      // have been told where it is).
+      std::cerr << "ubepd: --ready_file: " << s.message() << "\n";
+      daemon->reset();
+      return 1;
+    }
   }
   int received = 0;
   sigwait(&signals, &received);
   const bool clean = (*daemon)->Drain(absl::GetFlag(FLAGS_drain_timeout));
   daemon->reset();
+  // Gone with the daemon: a script waiting for the next one's must not read this one's ports.
+  if (!ready_file.empty()) std::remove(ready_file.c_str());
   return clean ? 0 : 3;
 }

@@ -218,6 +218,11 @@ ReplicaIndex IndexReplicas(const std::vector<int>& slot_expert, int num_experts)
 
 }  // namespace
 
+absl::Status CheckJsonFile(const std::string& path) {
+  UBEP_ASSIGN_OR_RETURN(const std::string text, ReadTextFile(path));
+  return ParseJson(text, path).status();
+}
+
 absl::StatusOr<std::string> ReadTextFile(const std::string& path) {
   // Non-blocking open: a FIFO named by mistake is refused below rather than waited on.
   const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);

@@ -393,6 +393,16 @@ TEST_F(DaemonTest, AReceiveCapacityOverflowDropsTheSameStepsEverywhereAndTheRest
       {"--backend=gpu", "ubepd: --backend gpu: expected host or cuda\n"},
       {"--ranks=0-3", "ubepd: --ranks needs --balancer: the daemons of the group's other ranks "
                       "are found through it\n"},
+      // A stray argument would otherwise leave the default socket served.
+      {"other.sock", "ubepd: unexpected argument \"other.sock\" (every setting is a flag: "
+                     "--socket=PATH)\n"},
+      // Its plan file is read at start, not first at the first attach.
+      {"--plan=/nonexistent/plan.json",
+       "ubepd: --plan: /nonexistent/plan.json: cannot read: No such file or directory\n"},
+      {"--plan=/tmp", "ubepd: --plan: /tmp: not a regular file (a directory)\n"},
+      // A socket its own user could not connect to.
+      {"--socket_mode=0440",
+       "ubepd: --socket_mode 0440 does not let its owner read and write the socket (0600)\n"},
   };
   for (size_t i = 0; i < std::size(refused); ++i) {
     const auto& [flag, message] = refused[i];
@@ -411,6 +421,28 @@ TEST_F(DaemonTest, AReceiveCapacityOverflowDropsTheSameStepsEverywhereAndTheRest
     EXPECT_EQ(ReadFile(out),
               "ubepd: --ranks needs --node: the daemons of one machine's group are told apart by "
               "their names (the host name, the default, is theirs alike)\n");
+  }
+  // A socket path naming something that is not a socket (a mistyped path) is not replaced.
+  {
+    const std::string file = dir_.Write("ubepd.flags", "--ranks=0-3\n");
+    const std::string out = dir_.path() + "/not-a-socket.out";
+    Process p({BinaryPath("ubepd"), "--socket=" + file, "--metrics="}, out);
+    EXPECT_EQ(p.Wait(absl::Seconds(30)), 1);
+    EXPECT_THAT(ReadFile(out), ::testing::EndsWith(absl::StrCat(
+                                   "ubepd: ", file, " exists and is not a socket (a regular "
+                                   "file); not replacing it: is the socket path right?\n")));
+    EXPECT_EQ(ReadFile(file), "--ranks=0-3\n");
+  }
+  // A ready file that cannot be written: said, and the daemon stops (whoever waits for the
+  // file would wait in vain).
+  {
+    const std::string out = dir_.path() + "/ready.out";
+    Process p({BinaryPath("ubepd"), "--socket=" + dir_.path() + "/third.sock", "--metrics=",
+               "--ready_file=/nonexistent/ready.json"},
+              out);
+    EXPECT_EQ(p.Wait(absl::Seconds(30)), 1);
+    EXPECT_THAT(ReadFile(out), HasSubstr("\nubepd: --ready_file: /nonexistent/ready.json: "
+                                         "cannot write: No such file or directory\n"));
   }
   // A second daemon on the same socket path is refused, and leaves the first one's sockets be.
   Process second({BinaryPath("ubepd"), "--socket=" + socket_path(), "--metrics="},

@@ -681,6 +681,28 @@ TEST(ClientTest, AnAttachAnswerThatCannotBeUsedIsRefusedNamingWhy) {
   }
 }
 
+// A daemon destroyed without a drain first (an in-process owner going away) ends a Join that
+// waits for a rank still to come, at once and saying so, rather than hold its own
+// destruction until the join timeout (a minute).
+TEST(ClientTest, ADaemonDestroyedEndsTheJoinsThatWait) {
+  test::TempDir dir;
+  daemon::DaemonOptions daemon_options;
+  daemon_options.socket_path = dir.path() + "/ubepd.sock";
+  absl::StatusOr<std::unique_ptr<daemon::Daemon>> ubepd = daemon::Daemon::Start(daemon_options);
+  ASSERT_TRUE(ubepd.ok()) << ubepd.status();
+  ClientOptions options;
+  options.socket_path = daemon_options.socket_path;
+  absl::StatusOr<std::unique_ptr<Rank>> rank;
+  std::thread attach([&] { rank = Rank::Attach(options, 0, 2, 0, Shape()); });
+  ASSERT_TRUE(test::WaitFor([&] { return (*ubepd)->node().Snapshot().joining == 1; },
+                            absl::Seconds(30)));
+  ubepd->reset();
+  attach.join();
+  EXPECT_EQ(rank.status(),
+            absl::UnavailableError("rank 0: join: ubepd is draining (shutting down); attach "
+                                   "again when it is back"));
+}
+
 // The C ABI's join_timeout_ms is the deadline of the Join that waits for the group (an
 // option dropped on the way would leave the default 60 s there).
 TEST(ClientTest, TheCOptionsJoinTimeoutIsTheJoinsDeadline) {
