@@ -1,8 +1,11 @@
 // ubepd: the UBEP node daemon. Flags are parsed here into DaemonOptions; an operator may keep
 // them in a file and pass --flagfile=FILE (one --flag=value per line).
 #include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <thread>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -273,7 +276,29 @@ int main(int argc, char** argv) {
   }
   int received = 0;
   sigwait(&signals, &received);
-  const bool clean = (*daemon)->Drain(absl::GetFlag(FLAGS_drain_timeout));
+  // The drain on a thread of its own: a second SIGTERM or SIGINT (an operator who will not
+  // wait for the clients) ends it, and the daemon, at once.
+  std::atomic<bool> drained{false};
+  bool clean = false;
+  std::thread drain([&] {
+    clean = (*daemon)->Drain(absl::GetFlag(FLAGS_drain_timeout));
+    drained = true;
+  });
+  const timespec tick{0, 50'000'000};
+  while (!drained.load()) {
+    if (sigtimedwait(&signals, nullptr, &tick) > 0) {
+      std::cerr << "ubepd: a second signal: stopping now, without waiting for clients to "
+                   "detach\n";
+      // The sockets and the ready file go as at a clean exit; the arenas go with the process
+      // (the clients find their fd connection closed: ubepd exited).
+      for (const std::string& path :
+           {options.socket_path, options.socket_path + ".fds", ready_file}) {
+        if (!path.empty()) unlink(path.c_str());
+      }
+      std::_Exit(3);
+    }
+  }
+  drain.join();
   daemon->reset();
   // Gone with the daemon: a script waiting for the next one's must not read this one's ports.
   if (!ready_file.empty()) std::remove(ready_file.c_str());

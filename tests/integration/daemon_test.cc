@@ -647,6 +647,30 @@ TEST_F(DaemonTest, SigtermDrainsClientsSeeACleanErrorAndReattachToTheRestartedDa
   }
 }
 
+// A second signal during a drain that waits for a client (an operator who will not wait):
+// ubepd stops at once, exit 3, saying so, its sockets gone.
+TEST_F(DaemonTest, ASecondSignalEndsADrainThatWaitsForClients) {
+  auto daemon = StartDaemon({"--drain_timeout=10m"});
+  v1::AttachResponse attached;
+  ASSERT_TRUE(Attach(Request(0, 2), &attached).ok());
+  absl::StatusOr<UniqueFd> fds = ConnectUnix(attached.fd_socket());
+  ASSERT_TRUE(fds.ok());
+  ASSERT_TRUE(SendMessage(fds->get(), attached.token(), {}).ok());
+  absl::StatusOr<ReceivedMessage> arenas = ReceiveMessage(fds->get(), 4096, absl::Seconds(10));
+  ASSERT_TRUE(arenas.ok());
+  ASSERT_EQ(arenas->bytes, "OK");
+  daemon->Signal(SIGTERM);
+  ASSERT_TRUE(WaitFor([&] { return Health() == grpc::health::v1::HealthCheckResponse::NOT_SERVING; },
+                      absl::Seconds(10)));
+  daemon->Signal(SIGINT);
+  EXPECT_EQ(daemon->Wait(absl::Seconds(30)), 3);
+  EXPECT_THAT(ReadFile(dir_.path() + "/ubepd.log"),
+              HasSubstr("ubepd: a second signal: stopping now, without waiting for clients to "
+                        "detach\n"));
+  EXPECT_FALSE(std::filesystem::exists(socket_path()));
+  EXPECT_FALSE(std::filesystem::exists(socket_path() + ".fds"));
+}
+
 TEST_F(DaemonTest, HealthIsNotServingWhileDrainingAndAttachIsRefused) {
   auto daemon = StartDaemon({"--drain_timeout=30s"});
   EXPECT_EQ(Health(), grpc::health::v1::HealthCheckResponse::SERVING);
