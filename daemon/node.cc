@@ -484,6 +484,7 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
 
 absl::StatusOr<std::vector<UniqueFd>> Node::ClaimArenas(const std::string& token, int64_t connection) {
   MutexLock lock(&mu_);
+  if (draining_) return absl::UnavailableError(kDraining);  // Its token went with the drain.
   for (RankEntry& e : ranks_) {
     if (e.state != RankState::kAttached || e.token != token) continue;
     if (TicketNow() > e.ticket_deadline) {
@@ -1888,6 +1889,12 @@ void Node::Drain() {
   MutexLock lock(&mu_);
   if (draining_) return;
   draining_ = true;
+  // Tokens not claimed yet hold no client this daemon could wait for (one that died between
+  // its Attach and its claim would hold the drain up to the ticket timeout): let go of, and
+  // their claims refused.
+  for (RankEntry& e : ranks_) {
+    if (e.state == RankState::kAttached) e = RankEntry{};
+  }
   if (has_group_) {
     // The hosted ranks detach; the peers' ranks see them gone (unless the plan excludes them
     // already: then the peers run on undisturbed).

@@ -280,6 +280,21 @@ TEST(NodeTest, AnUnclaimedAttachExpiresAfterTheTicketTimeout) {
   EXPECT_TRUE(node.AwaitDetached(absl::Milliseconds(1)));
 }
 
+// A drain does not wait for an attach whose arenas were never claimed (its client may have
+// died in between): the token is let go of, and a late claim is refused as draining.
+TEST(NodeTest, ADrainDoesNotWaitForAnUnclaimedAttach) {
+  Node node(Options());
+  const absl::StatusOr<v1::AttachResponse> response =
+      node.Attach(Request(0, 2), absl::Now() + absl::Seconds(10));
+  ASSERT_TRUE(response.ok()) << response.status();
+  EXPECT_EQ(node.Snapshot().attached, 1);
+  node.Drain();
+  EXPECT_TRUE(node.AwaitDetached(absl::ZeroDuration()));
+  EXPECT_EQ(node.ClaimArenas(response->token(), 1).status(),
+            absl::UnavailableError("ubepd is draining (shutting down); attach again when it is "
+                                   "back"));
+}
+
 TEST(NodeTest, DrainFailsJoinsAndAttachesAndStopsEveryWait) {
   Node node(Options());
   Attached a0 = AttachAndClaim(node, 0, 2, 1);
