@@ -286,6 +286,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   options.node.domain = options.domain;
   if (options.socket_path.empty()) return absl::InvalidArgumentError("--socket is required");
   options.node.fd_socket_path = options.socket_path + ".fds";
+  if (!options.balancer.empty() && options.advertise.empty() && options.listen.empty()) {
+    return absl::InvalidArgumentError("--balancer needs --listen (or --advertise): the "
+                                      "balancer calls this daemon back");
+  }
   if (options.node.num_ranks > 0 && options.balancer.empty()) {
     return absl::InvalidArgumentError(
         "--ranks needs --balancer: the daemons of the group's other ranks are found through it");
@@ -350,6 +354,36 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  // What can fail for want of a port is bound before the clients' socket is served: a daemon
+  // that cannot start has had no client attach.
+  if (!options.metrics.empty()) {
+    try {
+      d->exposer_ = std::make_unique<prometheus::Exposer>(options.metrics);
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(absl::StrCat("--metrics ", options.metrics, ": ", e.what()));
+    }
+    d->exposer_->RegisterCollectable(d->metrics_);
+    d->metrics_port_ = d->exposer_->GetListeningPorts().front();
+  }
+  if (options.node_name.empty()) {
+    char host[256] = {};
+    gethostname(host, sizeof(host) - 1);
+    options.node_name = host;
+  }
+  d->control_ = std::make_unique<DaemonControlService>(d->node_.get(), d->metrics_.get(),
+                                                     options.node_name, options.backend);
+  if (!options.listen.empty()) {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &d->listen_port_);
+    builder.SetMaxReceiveMessageSize(options.max_message_bytes);
+    builder.RegisterService(d->control_.get());
+    d->server_ = builder.BuildAndStart();
+    if (d->server_ == nullptr || d->listen_port_ == 0) {
+      return absl::UnavailableError(absl::StrCat("cannot serve gRPC on ", options.listen));
+    }
+    d->server_->GetHealthCheckService()->SetServingStatus(false);  // Until all has started.
+  }
+
   // Two servers: the Unix socket serves the clients of this node (Daemon), TCP the balancer
   // and the peer daemons (DaemonControl). Neither serves the other's service: a client's
   // Attach from the network would hold a rank's ticket from its real client, and a local
@@ -369,46 +403,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
     if (d->local_server_ == nullptr) {
       return absl::UnavailableError(absl::StrCat("cannot serve gRPC on unix:", options.socket_path));
     }
+    d->local_server_->GetHealthCheckService()->SetServingStatus(false);  // Until all has started.
   }
   if (chmod(options.socket_path.c_str(), options.socket_mode) != 0) {
     return absl::ErrnoToStatus(errno, absl::StrCat("chmod ", options.socket_path));
   }
-  if (options.node_name.empty()) {
-    char host[256] = {};
-    gethostname(host, sizeof(host) - 1);
-    options.node_name = host;
-  }
-  d->control_ = std::make_unique<DaemonControlService>(d->node_.get(), d->metrics_.get(),
-                                                     options.node_name, options.backend);
-  if (!options.listen.empty()) {
-    grpc::ServerBuilder builder;
-    builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &d->listen_port_);
-    builder.SetMaxReceiveMessageSize(options.max_message_bytes);
-    builder.RegisterService(d->control_.get());
-    d->server_ = builder.BuildAndStart();
-    if (d->server_ == nullptr || d->listen_port_ == 0) {
-      return absl::UnavailableError(absl::StrCat("cannot serve gRPC on ", options.listen));
-    }
-  }
-  for (grpc::Server* server : {d->local_server_.get(), d->server_.get()}) {
-    if (server != nullptr) server->GetHealthCheckService()->SetServingStatus(true);
-  }
-
-  if (!options.metrics.empty()) {
-    try {
-      d->exposer_ = std::make_unique<prometheus::Exposer>(options.metrics);
-    } catch (const std::exception& e) {
-      return absl::UnavailableError(absl::StrCat("--metrics ", options.metrics, ": ", e.what()));
-    }
-    d->exposer_->RegisterCollectable(d->metrics_);
-    d->metrics_port_ = d->exposer_->GetListeningPorts().front();
-  }
   if (!options.balancer.empty()) {
     if (options.advertise.empty()) {
-      if (options.listen.empty()) {
-        return absl::InvalidArgumentError("--balancer needs --listen (or --advertise): the "
-                                          "balancer calls this daemon back");
-      }
       std::string host = options.listen.substr(0, options.listen.rfind(':'));
       if (host == "0.0.0.0" || host == "[::]" || host.empty()) {
         char name[256] = {};
@@ -430,6 +431,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
     }
     link.report_interval = options.report_interval;
     d->link_ = std::make_unique<BalancerLink>(link, d->node_.get());
+  }
+  // Serving, said once everything has started.
+  for (grpc::Server* server : {d->local_server_.get(), d->server_.get()}) {
+    if (server != nullptr) server->GetHealthCheckService()->SetServingStatus(true);
   }
   UBEP_LOG(INFO) << "ubepd serving: unix:" << options.socket_path
                  << (options.listen.empty() ? "" : absl::StrCat(", ", options.listen, " (port ",

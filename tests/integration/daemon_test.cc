@@ -444,6 +444,20 @@ TEST_F(DaemonTest, AReceiveCapacityOverflowDropsTheSameStepsEverywhereAndTheRest
     EXPECT_THAT(ReadFile(out), HasSubstr("\nubepd: --ready_file: /nonexistent/ready.json: "
                                          "cannot write: No such file or directory\n"));
   }
+  // A metrics port taken (here by the running daemon's): refused before any client could
+  // attach, its sockets never made.
+  {
+    const std::string out = dir_.path() + "/metrics-taken.out";
+    const std::string socket = dir_.path() + "/fourth.sock";
+    Process p({BinaryPath("ubepd"), "--socket=" + socket,
+               absl::StrCat("--metrics=127.0.0.1:", metrics_port_)},
+              out);
+    EXPECT_EQ(p.Wait(absl::Seconds(30)), 1);
+    EXPECT_THAT(ReadFile(out), HasSubstr(absl::StrCat("ubepd: --metrics 127.0.0.1:", metrics_port_,
+                                                      ": ")));
+    EXPECT_FALSE(std::filesystem::exists(socket));
+    EXPECT_FALSE(std::filesystem::exists(socket + ".fds"));
+  }
   // A second daemon on the same socket path is refused, and leaves the first one's sockets be.
   Process second({BinaryPath("ubepd"), "--socket=" + socket_path(), "--metrics="},
                  dir_.path() + "/second.out");
