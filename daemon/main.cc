@@ -108,6 +108,22 @@ int main(int argc, char** argv) {
   options.socket_path = absl::GetFlag(FLAGS_socket);
   options.listen = absl::GetFlag(FLAGS_listen);
   options.metrics = absl::GetFlag(FLAGS_metrics);
+  for (const auto& [name, address] :
+       {std::pair{"listen", options.listen}, std::pair{"metrics", options.metrics}}) {
+    // HOST:PORT, the port all digits: a bare port would be every interface to the metrics
+    // server (it takes "9464" so), and the HTTP server takes lists and suffixes too.
+    const size_t colon = address.rfind(':');
+    const std::string port = colon == std::string::npos ? "" : address.substr(colon + 1);
+    int number = 0;
+    if (!address.empty() &&
+        (colon == 0 || colon == std::string::npos || port.empty() ||
+         port.find_first_not_of("0123456789") != std::string::npos ||
+         !absl::SimpleAtoi(port, &number) || number > 65535)) {
+      std::cerr << "ubepd: --" << name << " " << address
+                << " is not HOST:PORT (e.g. 127.0.0.1:9464; 0.0.0.0:PORT for every interface)\n";
+      return 2;
+    }
+  }
   options.harvest_interval = absl::GetFlag(FLAGS_harvest_interval);
   options.balancer = absl::GetFlag(FLAGS_balancer);
   options.node_name = absl::GetFlag(FLAGS_node);

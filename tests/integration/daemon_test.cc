@@ -393,6 +393,11 @@ TEST_F(DaemonTest, AReceiveCapacityOverflowDropsTheSameStepsEverywhereAndTheRest
       {"--backend=gpu", "ubepd: --backend gpu: expected host or cuda\n"},
       {"--ranks=0-3", "ubepd: --ranks needs --balancer: the daemons of the group's other ranks "
                       "are found through it\n"},
+      // A bare port would be every interface to the metrics server.
+      {"--metrics=9464", "ubepd: --metrics 9464 is not HOST:PORT (e.g. 127.0.0.1:9464; "
+                         "0.0.0.0:PORT for every interface)\n"},
+      {"--listen=localhost:9x", "ubepd: --listen localhost:9x is not HOST:PORT (e.g. "
+                                "127.0.0.1:9464; 0.0.0.0:PORT for every interface)\n"},
       // A stray argument would otherwise leave the default socket served.
       {"other.sock", "ubepd: unexpected argument \"other.sock\" (every setting is a flag: "
                      "--socket=PATH)\n"},
