@@ -28,67 +28,50 @@ absl::Status Bad(const std::string& name, const std::string& field, const std::s
   return absl::InvalidArgumentError(absl::StrCat(name, ": ", field, ": ", problem));
 }
 
+// One pass over a document's events: where it is malformed, and the first key given twice in
+// one object (the parse keeps the last, and drops the first without a word: a plan's phy2log
+// or a load's rows).
+struct SaxCheck : nlohmann::json_sax<Json> {
+  std::string error;     // "byte N: ..." where the document is malformed; empty if it is not.
+  std::string repeated;  // The first key given twice in one object; empty if none.
+  std::vector<std::set<std::string>> objects;  // The keys of each open object.
+  bool null() override { return true; }
+  bool boolean(bool) override { return true; }
+  bool number_integer(number_integer_t) override { return true; }
+  bool number_unsigned(number_unsigned_t) override { return true; }
+  bool number_float(number_float_t, const string_t&) override { return true; }
+  bool string(string_t&) override { return true; }
+  bool binary(binary_t&) override { return true; }
+  bool start_object(std::size_t) override {
+    objects.emplace_back();
+    return true;
+  }
+  bool key(string_t& key) override {
+    if (!objects.back().insert(key).second && repeated.empty()) repeated = key;
+    return true;
+  }
+  bool end_object() override {
+    objects.pop_back();
+    return true;
+  }
+  bool start_array(std::size_t) override { return true; }
+  bool end_array() override { return true; }
+  bool parse_error(std::size_t position, const std::string&,
+                   const nlohmann::detail::exception& ex) override {
+    error = absl::StrCat("byte ", position, ": ", ex.what());
+    return false;
+  }
+};
+
 absl::StatusOr<Json> ParseJson(const std::string& text, const std::string& name) {
   Json json = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+  SaxCheck check;
+  Json::sax_parse(text, &check, Json::input_format_t::json, /*strict=*/true);
   if (json.is_discarded()) {
-    // Re-parse with a sax reporter to learn where it failed, without exceptions.
-    struct Reporter : nlohmann::json_sax<Json> {
-      std::string error;
-      bool null() override { return true; }
-      bool boolean(bool) override { return true; }
-      bool number_integer(number_integer_t) override { return true; }
-      bool number_unsigned(number_unsigned_t) override { return true; }
-      bool number_float(number_float_t, const string_t&) override { return true; }
-      bool string(string_t&) override { return true; }
-      bool binary(binary_t&) override { return true; }
-      bool start_object(std::size_t) override { return true; }
-      bool key(string_t&) override { return true; }
-      bool end_object() override { return true; }
-      bool start_array(std::size_t) override { return true; }
-      bool end_array() override { return true; }
-      bool parse_error(std::size_t position, const std::string&,
-                       const nlohmann::detail::exception& ex) override {
-        error = absl::StrCat("byte ", position, ": ", ex.what());
-        return false;
-      }
-    } reporter;
-    Json::sax_parse(text, &reporter, Json::input_format_t::json, /*strict=*/true);
-    return Bad(name, "(document)", absl::StrCat("malformed JSON at ", reporter.error));
+    return Bad(name, "(document)", absl::StrCat("malformed JSON at ", check.error));
   }
-  // A key given twice in one object: the parse keeps the last, and drops the first without a
-  // word (a plan's phy2log or a load's rows). Refused, naming it.
-  struct DuplicateKeys : nlohmann::json_sax<Json> {
-    std::vector<std::set<std::string>> objects;  // The keys of each open object.
-    std::string repeated;
-    bool null() override { return true; }
-    bool boolean(bool) override { return true; }
-    bool number_integer(number_integer_t) override { return true; }
-    bool number_unsigned(number_unsigned_t) override { return true; }
-    bool number_float(number_float_t, const string_t&) override { return true; }
-    bool string(string_t&) override { return true; }
-    bool binary(binary_t&) override { return true; }
-    bool start_object(std::size_t) override {
-      objects.emplace_back();
-      return true;
-    }
-    bool key(string_t& key) override {
-      if (objects.back().insert(key).second) return true;
-      repeated = key;
-      return false;
-    }
-    bool end_object() override {
-      objects.pop_back();
-      return true;
-    }
-    bool start_array(std::size_t) override { return true; }
-    bool end_array() override { return true; }
-    bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override {
-      return false;
-    }
-  } keys;
-  Json::sax_parse(text, &keys, Json::input_format_t::json, /*strict=*/true);
-  if (!keys.repeated.empty()) {
-    return Bad(name, keys.repeated, "given twice in one object (which one is meant?)");
+  if (!check.repeated.empty()) {
+    return Bad(name, check.repeated, "given twice in one object (which one is meant?)");
   }
   return json;
 }
