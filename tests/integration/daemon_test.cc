@@ -148,6 +148,37 @@ class DaemonTest : public ::testing::Test {
     return Stub()->Attach(&context, q, response != nullptr ? response : &ignored);
   }
 
+  // Rank `rank` of a group of `world` attached and its arenas taken over the fd socket, as a
+  // client does: the connection (the rank stays attached while it is open) and ubepd's reply
+  // ("OK" and the arenas' fds); nullopt, with a failure added, where a step failed.
+  struct Claimed {
+    std::string token;
+    UniqueFd connection;
+    ReceivedMessage reply;
+  };
+  std::optional<Claimed> AttachAndClaim(uint32_t rank, uint32_t world) {
+    v1::AttachResponse attached;
+    if (const grpc::Status s = Attach(Request(rank, world), &attached); !s.ok()) {
+      ADD_FAILURE() << "attach: " << s.error_message();
+      return std::nullopt;
+    }
+    absl::StatusOr<UniqueFd> connection = ConnectUnix(attached.fd_socket());
+    if (!connection.ok()) {
+      ADD_FAILURE() << connection.status();
+      return std::nullopt;
+    }
+    if (absl::Status s = SendMessage(connection->get(), attached.token(), {}); !s.ok()) {
+      ADD_FAILURE() << s;
+      return std::nullopt;
+    }
+    absl::StatusOr<ReceivedMessage> reply = ReceiveMessage(connection->get(), 4096, absl::Seconds(10));
+    if (!reply.ok()) {
+      ADD_FAILURE() << reply.status();
+      return std::nullopt;
+    }
+    return Claimed{attached.token(), *std::move(connection), *std::move(reply)};
+  }
+
   grpc::health::v1::HealthCheckResponse::ServingStatus Health() const {
     auto stub = grpc::health::v1::Health::NewStub(
         grpc::CreateChannel("unix:" + socket_path(), grpc::InsecureChannelCredentials()));
@@ -670,14 +701,9 @@ TEST_F(DaemonTest, SigtermDrainsClientsSeeACleanErrorAndReattachToTheRestartedDa
 // ubepd stops at once, exit 3, saying so, its sockets gone.
 TEST_F(DaemonTest, ASecondSignalEndsADrainThatWaitsForClients) {
   auto daemon = StartDaemon({"--drain_timeout=10m"});
-  v1::AttachResponse attached;
-  ASSERT_TRUE(Attach(Request(0, 2), &attached).ok());
-  absl::StatusOr<UniqueFd> fds = ConnectUnix(attached.fd_socket());
-  ASSERT_TRUE(fds.ok());
-  ASSERT_TRUE(SendMessage(fds->get(), attached.token(), {}).ok());
-  absl::StatusOr<ReceivedMessage> arenas = ReceiveMessage(fds->get(), 4096, absl::Seconds(10));
-  ASSERT_TRUE(arenas.ok());
-  ASSERT_EQ(arenas->bytes, "OK");
+  const std::optional<Claimed> claimed = AttachAndClaim(0, 2);
+  ASSERT_TRUE(claimed.has_value());
+  ASSERT_EQ(claimed->reply.bytes, "OK");
   daemon->Signal(SIGTERM);
   ASSERT_TRUE(WaitFor([&] { return Health() == grpc::health::v1::HealthCheckResponse::NOT_SERVING; },
                       absl::Seconds(10)));
@@ -694,13 +720,9 @@ TEST_F(DaemonTest, HealthIsNotServingWhileDrainingAndAttachIsRefused) {
   auto daemon = StartDaemon({"--drain_timeout=30s"});
   EXPECT_EQ(Health(), grpc::health::v1::HealthCheckResponse::SERVING);
   // Rank 0 of a 2-rank group attaches and takes its arenas: the drain waits for it.
-  v1::AttachResponse attached;
-  ASSERT_TRUE(Attach(Request(0, 2), &attached).ok());
-  absl::StatusOr<UniqueFd> fds = ConnectUnix(attached.fd_socket());
-  ASSERT_TRUE(fds.ok());
-  ASSERT_TRUE(SendMessage(fds->get(), attached.token(), {}).ok());
-  absl::StatusOr<ReceivedMessage> arenas = ReceiveMessage(fds->get(), 4096, absl::Seconds(10));
-  ASSERT_TRUE(arenas.ok());
+  std::optional<Claimed> claimed = AttachAndClaim(0, 2);
+  ASSERT_TRUE(claimed.has_value());
+  const ReceivedMessage* arenas = &claimed->reply;
   EXPECT_EQ(arenas->bytes, "OK");
   EXPECT_EQ(arenas->fds.size(), 2u);
   // The metrics: one client, the arenas' shared memory (the two memfds just received, one per
@@ -732,7 +754,7 @@ TEST_F(DaemonTest, HealthIsNotServingWhileDrainingAndAttachIsRefused) {
 
   v1::DetachRequest detach;
   detach.set_rank(0);
-  detach.set_token(attached.token());
+  detach.set_token(claimed->token);
   v1::DetachResponse detached;
   grpc::ClientContext context;
   const grpc::Status status = Stub()->Detach(&context, detach, &detached);
