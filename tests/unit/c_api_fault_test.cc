@@ -190,21 +190,38 @@ TEST(CAbiFaultTest, AttachOutOfMemoryForItsDefaultsSaysSo) {
   EXPECT_EQ(rank, nullptr);
 }
 
+// An in-process ubepd and rank 0 of a one-rank group attached to it through the C ABI (null
+// `rank`, with a failure added, where either did not start). The test detaches the rank.
+struct OneRankThroughTheCAbi {
+  OneRankThroughTheCAbi() {
+    ubep::daemon::DaemonOptions options;
+    options.socket_path = dir.path() + "/ubepd.sock";
+    absl::StatusOr<std::unique_ptr<ubep::daemon::Daemon>> started =
+        ubep::daemon::Daemon::Start(options);
+    if (!started.ok()) {
+      ADD_FAILURE() << started.status();
+      return;
+    }
+    ubepd = *std::move(started);
+    const ubep_model_shape shape = Shape();
+    if (ubep_attach(options.socket_path.c_str(), 0, 1, 0, &shape, &rank) != 0) {
+      ADD_FAILURE() << ubep_last_error();
+    }
+  }
+  ubep::test::TempDir dir;
+  std::unique_ptr<ubep::daemon::Daemon> ubepd;
+  ubep_rank* rank = nullptr;
+};
+
 // ubep_must_attach_again finds the daemon gone and stops the group, building the error later
 // calls return: out of memory there is a yes and a message, not an exception into C, and the
 // stop it cut short is tried again by the next call (each run of the sweep gets further,
 // until one completes), not taken as done.
 TEST(CAbiFaultTest, MustAttachAgainOutOfMemoryIsStillAYes) {
-  ubep::test::TempDir dir;
-  ubep::daemon::DaemonOptions daemon_options;
-  daemon_options.socket_path = dir.path() + "/ubepd.sock";
-  auto ubepd = ubep::daemon::Daemon::Start(daemon_options);
-  ASSERT_TRUE(ubepd.ok()) << ubepd.status();
-  const ubep_model_shape shape = Shape();
-  ubep_rank* rank = nullptr;
-  const int attached = ubep_attach(daemon_options.socket_path.c_str(), 0, 1, 0, &shape, &rank);
-  ASSERT_EQ(attached, 0) << ubep_last_error();
-  ubepd->reset();  // ubepd exits: the rank's fd connection closes.
+  OneRankThroughTheCAbi one;
+  ASSERT_NE(one.rank, nullptr);
+  ubep_rank* rank = one.rank;
+  one.ubepd.reset();  // ubepd exits: the rank's fd connection closes.
   auto [outcomes, failed_runs] = Sweep([rank] { return ubep_must_attach_again(rank); });
   // The message, its status and the plan's first check each allocate: every one of them
   // failed in a run of its own, the next run trying the stop again.
@@ -217,15 +234,10 @@ TEST(CAbiFaultTest, MustAttachAgainOutOfMemoryIsStillAYes) {
 // ubep_excluded's first look at a newly committed plan copies and checks its table: out of
 // memory there is a no and a message, not an exception into C.
 TEST(CAbiFaultTest, ExcludedOutOfMemoryIsANo) {
-  ubep::test::TempDir dir;
-  ubep::daemon::DaemonOptions daemon_options;
-  daemon_options.socket_path = dir.path() + "/ubepd.sock";
-  auto ubepd = ubep::daemon::Daemon::Start(daemon_options);
-  ASSERT_TRUE(ubepd.ok()) << ubepd.status();
-  const ubep_model_shape shape = Shape();
-  ubep_rank* rank = nullptr;
-  ASSERT_EQ(ubep_attach(daemon_options.socket_path.c_str(), 0, 1, 0, &shape, &rank), 0)
-      << ubep_last_error();
+  OneRankThroughTheCAbi one;
+  ASSERT_NE(one.rank, nullptr);
+  ubep_rank* rank = one.rank;
+  ubep::daemon::Daemon* ubepd = one.ubepd.get();
   // Plan v2, the same placement as the first, committed: not yet checked by the rank.
   ubep::balancer::Plan plan;
   plan.version = 2;
@@ -234,9 +246,9 @@ TEST(CAbiFaultTest, ExcludedOutOfMemoryIsANo) {
   plan.num_experts = 4;
   plan.layer_ids = {0};
   plan.layers.push_back(ubep::balancer::LayerPlan{{0, 1, 2, 3}, {1.0, 1.0, 1.0, 1.0}});
-  const ubep::v1::PrepareResponse prepared = (*ubepd)->node().Prepare(plan, 1000);
+  const ubep::v1::PrepareResponse prepared = ubepd->node().Prepare(plan, 1000);
   ASSERT_TRUE(prepared.prepared()) << prepared.reason();
-  ASSERT_TRUE((*ubepd)->node().Commit(2).ok());
+  ASSERT_TRUE(ubepd->node().Commit(2).ok());
   auto [outcomes, failed_runs] = Sweep([rank] { return ubep_excluded(rank); });
   EXPECT_GE(failed_runs, 1);
   const std::set<Outcome> expected = {{0, "ubep_excluded: out of memory"}, {0, ""}};
