@@ -877,28 +877,38 @@ std::vector<uint32_t> AbortWords(daemon::Node& node) {
 // Which call of rank 0 first looks at its connection after it closed.
 enum class NoticedBy { kBeginStep, kMustAttachAgain, kDetach };
 
-void ExpectADaemonExitStopsItsRanksAndTellsThePeers(bool peer_in_a_newer_generation,
-                                                    NoticedBy noticed_by = NoticedBy::kBeginStep) {
+// Ranks 0 and 1 of a group of two through one ubepd that tells each it hosts rank 0 alone
+// (rank 1 as if a peer daemon's), both attached: rank 1 once rank 0 holds connection 1 and
+// waits in its Join (which waits for both).
+struct TwoRanksOneHosted {
+  explicit TwoRanksOneHosted(ClientOptions options = {}) {
+    options.socket_path = socket;
+    options.rpc_timeout = absl::Seconds(10);
+    std::thread attach0([&] { rank0 = Rank::Attach(options, 0, 2, 0, Shape()); });
+    EXPECT_TRUE(test::WaitFor([&] { return ubepd.node().Snapshot().joining == 1; },
+                              absl::Seconds(10)));
+    rank1 = Rank::Attach(options, 1, 2, 0, Shape());
+    attach0.join();
+  }
   test::TempDir dir;
   const std::string socket = dir.path() + "/ubepd.sock";
-  AlteringUbepd ubepd(socket, [](v1::AttachResponse& response) {
-    response.set_hosted_first(0);
-    response.set_hosted_count(1);
-  });
-  ClosableFdSocket fd_socket(ubepd.node(), socket + ".fds");
+  AlteringUbepd ubepd{socket, [](v1::AttachResponse& response) {
+                        response.set_hosted_first(0);
+                        response.set_hosted_count(1);
+                      }};
+  ClosableFdSocket fd_socket{ubepd.node(), socket + ".fds"};
+  absl::StatusOr<std::unique_ptr<Rank>> rank0, rank1;  // Last: detached first.
+};
+
+void ExpectADaemonExitStopsItsRanksAndTellsThePeers(bool peer_in_a_newer_generation,
+                                                    NoticedBy noticed_by = NoticedBy::kBeginStep) {
   ClientOptions options;
-  options.socket_path = socket;
-  options.rpc_timeout = absl::Seconds(10);
   options.daemon_check_interval = absl::Nanoseconds(1);  // Every BeginStep looks.
-  absl::StatusOr<std::unique_ptr<Rank>> rank0;
-  std::thread attach0([&] { rank0 = Rank::Attach(options, 0, 2, 0, Shape()); });
-  // Rank 1 attaches once rank 0 holds connection 1 (the Join waits for both).
-  const absl::Time until = absl::Now() + absl::Seconds(10);
-  while (ubepd.node().Snapshot().joining == 0 && absl::Now() < until) {
-    absl::SleepFor(absl::Milliseconds(1));
-  }
-  absl::StatusOr<std::unique_ptr<Rank>> rank1 = Rank::Attach(options, 1, 2, 0, Shape());
-  attach0.join();
+  TwoRanksOneHosted two(options);
+  AlteringUbepd& ubepd = two.ubepd;
+  ClosableFdSocket& fd_socket = two.fd_socket;
+  absl::StatusOr<std::unique_ptr<Rank>>& rank0 = two.rank0;
+  absl::StatusOr<std::unique_ptr<Rank>>& rank1 = two.rank1;
   ASSERT_TRUE(rank0.ok()) << rank0.status();
   ASSERT_TRUE(rank1.ok()) << rank1.status();
   ASSERT_TRUE((*rank0)->BeginStep(0).ok());
@@ -951,22 +961,11 @@ void ExpectADaemonExitStopsItsRanksAndTellsThePeers(bool peer_in_a_newer_generat
 // generation with it (`formed`: the generation words moved to the ticket), the ranks of that
 // generation are told that rank 0 left rather than wait for it until their timeout.
 void ExpectAJoinWhoseDaemonExitedWithdrawsItsTicket(bool formed) {
-  test::TempDir dir;
-  const std::string socket = dir.path() + "/ubepd.sock";
-  AlteringUbepd ubepd(socket, [](v1::AttachResponse& response) {
-    response.set_hosted_first(0);
-    response.set_hosted_count(1);
-  });
-  ClosableFdSocket fd_socket(ubepd.node(), socket + ".fds");
-  ClientOptions options;
-  options.socket_path = socket;
-  options.rpc_timeout = absl::Seconds(10);
-  absl::StatusOr<std::unique_ptr<Rank>> rank0;
-  std::thread attach0([&] { rank0 = Rank::Attach(options, 0, 2, 0, Shape()); });
-  ASSERT_TRUE(test::WaitFor([&] { return ubepd.node().Snapshot().joining == 1; },
-                            absl::Seconds(10)));
-  absl::StatusOr<std::unique_ptr<Rank>> rank1 = Rank::Attach(options, 1, 2, 0, Shape());
-  attach0.join();
+  TwoRanksOneHosted two;
+  AlteringUbepd& ubepd = two.ubepd;
+  ClosableFdSocket& fd_socket = two.fd_socket;
+  absl::StatusOr<std::unique_ptr<Rank>>& rank0 = two.rank0;
+  absl::StatusOr<std::unique_ptr<Rank>>& rank1 = two.rank1;
   ASSERT_TRUE(rank0.ok()) << rank0.status();
   ASSERT_TRUE(rank1.ok()) << rank1.status();
   const uint64_t generation = (*rank0)->stats().generation;
