@@ -1102,20 +1102,15 @@ TEST_P(CudaEpTest, RanksOfOneProcessOnOneDeviceDoNotWaitForEachOthersKernels) {
   const EpConfig c = GpuConfig(std::get<0>(GetParam()), std::get<1>(GetParam()));
   const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
   UseCudaInTestProcess();
-  std::vector<std::unique_ptr<DeviceArena>> arenas;
-  std::vector<std::byte*> pointers;
-  for (int r = 0; r < c.num_ranks; ++r) {
-    absl::StatusOr<std::unique_ptr<DeviceArena>> arena =
-        DeviceArena::Create(ArenaLayout(c).total_bytes);
-    ASSERT_TRUE(arena.ok()) << arena.status();
-    pointers.push_back((*arena)->data());
-    arenas.push_back(*std::move(arena));
-  }
-  std::vector<std::unique_ptr<CudaEp>> eps;
-  for (int r = 0; r < c.num_ranks; ++r) {
-    absl::StatusOr<std::unique_ptr<CudaEp>> ep = CudaEp::Create(c, r, pointers);
+  OneProcessGroup group;  // Every rank's arena, and rank 0's CudaEp.
+  ASSERT_NO_FATAL_FAILURE(group.Create(c));
+  std::vector<CudaEp*> eps = {group.ep.get()};
+  std::vector<std::unique_ptr<CudaEp>> others;
+  for (int r = 1; r < c.num_ranks; ++r) {
+    absl::StatusOr<std::unique_ptr<CudaEp>> ep = CudaEp::Create(c, r, group.pointers);
     ASSERT_TRUE(ep.ok()) << ep.status();
-    eps.push_back(*std::move(ep));
+    others.push_back(*std::move(ep));
+    eps.push_back(others.back().get());
   }
   const auto* table = reinterpret_cast<const PlanTableHeader*>(Upload(plan.table));
   struct Inputs {
