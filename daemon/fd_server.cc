@@ -195,9 +195,18 @@ void FdServer::Loop() {
     const int timeout_ms =
         next_close == absl::InfiniteFuture() ? -1 : PollTimeoutMs(next_close - MonotonicNow());
     if (poll(polls.data(), polls.size(), timeout_ms) < 0) {
-      if (errno == EINTR) continue;
-      UBEP_LOG(ERROR) << "fd server: poll failed: " << strerror(errno);
-      return;
+      const int error = errno;
+      if (error == EINTR) continue;
+      if (error == ENOMEM) {  // For a while: a moment, and again.
+        UBEP_LOG(WARNING) << "fd server: poll: " << strerror(error) << "; trying again";
+        absl::SleepFor(absl::Milliseconds(100));
+        continue;
+      }
+      // Anything else does not pass (more fds than the open-files limit lets poll watch): a
+      // daemon that says it serves but takes no claim and sees no client leave is worse than
+      // one that stops, which its supervisor restarts and its clients see exit.
+      UBEP_CHECK(false) << "fd server: poll failed: " << strerror(error)
+                        << " (watching " << polls.size() << " fds)";
     }
     if (polls[0].revents != 0) return;
     const absl::Time now = MonotonicNow();

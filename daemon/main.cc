@@ -267,6 +267,9 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
+  // A hangup (the terminal that started it closed) is no reason to stop: ubepd runs on, as a
+  // daemon. SIGTERM drains it.
+  signal(SIGHUP, SIG_IGN);
 
   absl::StatusOr<std::unique_ptr<ubep::daemon::Daemon>> daemon =
       ubep::daemon::Daemon::Start(options);

@@ -698,12 +698,17 @@ TEST_F(DaemonTest, SigtermDrainsClientsSeeACleanErrorAndReattachToTheRestartedDa
 }
 
 // A second signal during a drain that waits for a client (an operator who will not wait):
-// ubepd stops at once, exit 3, saying so, its sockets gone.
+// ubepd stops at once, exit 3, saying so, its sockets gone. SIGHUP before it changes nothing.
 TEST_F(DaemonTest, ASecondSignalEndsADrainThatWaitsForClients) {
   auto daemon = StartDaemon({"--drain_timeout=10m"});
   const std::optional<Claimed> claimed = AttachAndClaim(0, 2);
   ASSERT_TRUE(claimed.has_value());
   ASSERT_EQ(claimed->reply.bytes, "OK");
+  // A hangup (its terminal closed) neither stops nor drains it: it still serves (the health
+  // call runs after the signal, which, were it fatal, would have ended the process first).
+  daemon->Signal(SIGHUP);
+  EXPECT_EQ(Health(), grpc::health::v1::HealthCheckResponse::SERVING);
+  EXPECT_TRUE(daemon->running());
   daemon->Signal(SIGTERM);
   ASSERT_TRUE(WaitFor([&] { return Health() == grpc::health::v1::HealthCheckResponse::NOT_SERVING; },
                       absl::Seconds(10)));
