@@ -22,9 +22,17 @@ absl::Status ValidatePlan(const Plan& plan) {
   const int num_slots = t.num_slots();
   for (size_t i = 0; i < plan.excluded_ranks.size(); ++i) {
     const int r = plan.excluded_ranks[i];
-    if (r < 0 || r >= t.num_ranks || (i > 0 && r <= plan.excluded_ranks[i - 1])) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "excluded rank ", r, " is out of range [0, ", t.num_ranks, ") or out of order"));
+    if (r < 0 || r >= t.num_ranks) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("excluded rank ", r, " is out of range [0, ", t.num_ranks, ")"));
+    }
+    if (i > 0 && r == plan.excluded_ranks[i - 1]) {
+      return absl::InvalidArgumentError(absl::StrCat("excluded rank ", r, " is listed twice"));
+    }
+    if (i > 0 && r < plan.excluded_ranks[i - 1]) {
+      return absl::InvalidArgumentError(absl::StrCat("excluded rank ", r, " follows ",
+                                                     plan.excluded_ranks[i - 1],
+                                                     ": the excluded ranks go in ascending order"));
     }
   }
   if (static_cast<int>(plan.excluded_ranks.size()) >= t.num_ranks && t.num_ranks > 0) {

@@ -312,6 +312,13 @@ INSTANTIATE_TEST_SUITE_P(
                  R"(, "phy2log": [[0,1,0,1]], "excluded_ranks": 0})",
                 "p.json: excluded_ranks: expected an array of ranks"},
         BadLoad{std::string("{") + kTopology +
+                 R"(, "phy2log": [[0,1,0,1]], "shares": [[[0,1],[0,1]]], "excluded_ranks": [0,0]})",
+                "p.json: plan: excluded rank 0 is listed twice"},
+        BadLoad{R"({"topology": {"ranks": 3, "nodes": 1, "slots_per_rank": 2},
+                    "phy2log": [[0,1,0,1,0,1]], "excluded_ranks": [1,0]})",
+                "p.json: plan: excluded rank 0 follows 1: the excluded ranks go in ascending "
+                "order"},
+        BadLoad{std::string("{") + kTopology +
                  R"(, "phy2log": [[0,1,0,1]], "excluded_ranks": [0]})",
                 "p.json: plan: layer 0 slot 0 has share 0.5 but rank 0 is excluded"},
         // Past 2^63 - 1: refused as written, not read back as -1 (padding) or negative.
