@@ -275,10 +275,43 @@ absl::StatusOr<LoadMatrix> ParseSglangLoad(const std::string& text, const std::s
   if (!json.is_object() || !json.contains("logical_count")) {
     return Bad(name, "logical_count", "missing; expected {\"logical_count\": [[...], ...]}");
   }
-  const Json& rows = json["logical_count"];
-  if (!rows.is_array() || rows.empty()) {
+  const Json* given = &json["logical_count"];
+  if (!given->is_array() || given->empty()) {
     return Bad(name, "logical_count", "expected a non-empty array of per-layer arrays");
   }
+  // [dumps][layers][experts], as SGLang's loader also takes (a recorder's dumps one after the
+  // other): summed over the dumps, as that loader does.
+  Json summed;
+  if ((*given)[0].is_array() && !(*given)[0].empty() && (*given)[0][0].is_array()) {
+    const Json& first = (*given)[0];
+    summed = Json::array();
+    for (size_t l = 0; l < first.size(); ++l) {
+      if (!first[l].is_array()) {
+        return Bad(name, absl::StrCat("logical_count[0][", l, "]"), "expected an array");
+      }
+      summed.push_back(Json::array());
+      for (size_t e = 0; e < first[l].size(); ++e) summed[l].push_back(0.0);
+    }
+    for (size_t d = 0; d < given->size(); ++d) {
+      const Json& dump = (*given)[d];
+      const std::string dump_field = absl::StrCat("logical_count[", d, "]");
+      if (!dump.is_array() || dump.size() != first.size()) {
+        return Bad(name, dump_field, absl::StrCat("expected ", first.size(), " per-layer arrays, as logical_count[0]"));
+      }
+      for (size_t l = 0; l < dump.size(); ++l) {
+        const std::string layer_field = absl::StrCat(dump_field, "[", l, "]");
+        if (!dump[l].is_array() || dump[l].size() != first[l].size()) {
+          return Bad(name, layer_field, absl::StrCat("expected ", first[l].size(), " counts, as logical_count[0][", l, "]"));
+        }
+        for (size_t e = 0; e < dump[l].size(); ++e) {
+          UBEP_ASSIGN_OR_RETURN(double v, NonNegative(dump[l][e], name, absl::StrCat(layer_field, "[", e, "]")));
+          summed[l][e] = summed[l][e].get<double>() + v;
+        }
+      }
+    }
+    given = &summed;
+  }
+  const Json& rows = *given;
   std::vector<std::vector<double>> values;
   std::vector<int> layer_ids;
   size_t num_experts = 0;

@@ -47,6 +47,22 @@ TEST(SglangPlanTest, ExportsOneRowPerModelLayerUpToTheLastMoeLayer) {
             R"({"physical_to_logical_map":[[0,1,2,0],[2,0,1,2],[0,1,2,0],[1,1,0,2]]})");
 }
 
+// SGLang's loader also takes one [layers][experts] count per dump, [dumps][layers][experts],
+// and sums over the dumps: so do these.
+TEST(SglangLoadTest, CountsOfSeveralDumpsAreSummed) {
+  absl::StatusOr<LoadMatrix> load = ParseSglangLoad(
+      R"({"logical_count": [[[0,0,0],[1,2,3]], [[0,0,0],[4,0,6]]]})", "f.json");
+  ASSERT_TRUE(load.ok()) << load.status();
+  EXPECT_EQ(load->layer_ids(), (std::vector<int>{1}));
+  EXPECT_EQ(SglangLoadToJson(*load), R"({"logical_count":[[0.0,0.0,0.0],[5.0,2.0,9.0]]})");
+  EXPECT_EQ(ParseSglangLoad(R"({"logical_count": [[[1,2]], [[1,2],[3,4]]]})", "f.json").status(),
+            absl::InvalidArgumentError(
+                "f.json: logical_count[1]: expected 1 per-layer arrays, as logical_count[0]"));
+  EXPECT_EQ(ParseSglangLoad(R"({"logical_count": [[[1,2]], [[1,-2]]]})", "f.json").status(),
+            absl::InvalidArgumentError(
+                "f.json: logical_count[1][0][1]: is -2; must be finite and non-negative"));
+}
+
 TEST(SglangLoadTest, ReadsTheBundledTraces) {
   absl::StatusOr<LoadMatrix> load =
       ReadSglangLoadFile(test::TracePath("prefill_in1024.json"));
