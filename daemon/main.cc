@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <thread>
 #include <cstdio>
 #include <fstream>
@@ -191,10 +192,10 @@ int main(int argc, char** argv) {
     std::cerr << "ubepd: --socket_mode " << mode << " is not an octal file mode\n";
     return 2;
   }
-  if ((options.socket_mode & 0600) != 0600) {
-    // Connecting takes write permission; a daemon nobody, its own user included, can reach.
+  if ((options.socket_mode & 0200) == 0) {
+    // Connecting takes write permission: a daemon nobody, its own user included, could reach.
     std::cerr << "ubepd: --socket_mode " << mode
-              << " does not let its owner read and write the socket (0600)\n";
+              << " does not let its owner connect (write permission, 0200)\n";
     return 2;
   }
   const std::string protocol = absl::GetFlag(FLAGS_protocol);
@@ -295,8 +296,12 @@ int main(int argc, char** argv) {
   }
   int received = 0;
   sigwait(&signals, &received);
-  // The drain on a thread of its own: a second SIGTERM or SIGINT (an operator who will not
-  // wait for the clients) ends it, and the daemon, at once.
+  const auto first_signal = std::chrono::steady_clock::now();
+  // The drain on a thread of its own: a second signal (an operator who will not wait for the
+  // clients) ends it, and the daemon, at once. A second is the same signal again, or either
+  // of the two a second or more after the first: a Ctrl-C reaches every process of the
+  // terminal's group, and a parent that stops its children with SIGTERM right after (as
+  // ubep-local does) must not turn the drain it asked for into an abrupt exit.
   std::atomic<bool> drained{false};
   bool clean = false;
   std::thread drain([&] {
@@ -305,7 +310,9 @@ int main(int argc, char** argv) {
   });
   const timespec tick{0, 50'000'000};
   while (!drained.load()) {
-    if (sigtimedwait(&signals, nullptr, &tick) > 0) {
+    const int again = sigtimedwait(&signals, nullptr, &tick);
+    if (again > 0 && (again == received ||
+                      std::chrono::steady_clock::now() - first_signal >= std::chrono::seconds(1))) {
       std::cerr << "ubepd: a second signal: stopping now, without waiting for clients to "
                    "detach\n";
       // The sockets and the ready file go as at a clean exit; the arenas go with the process
@@ -318,8 +325,10 @@ int main(int argc, char** argv) {
     }
   }
   drain.join();
-  daemon->reset();
   // Gone with the daemon: a script waiting for the next one's must not read this one's ports.
+  // Removed while this daemon still holds the socket's lock (a daemon started next on it
+  // writes its own only once it holds the lock).
   if (!ready_file.empty()) std::remove(ready_file.c_str());
+  daemon->reset();
   return clean ? 0 : 3;
 }

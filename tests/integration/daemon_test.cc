@@ -40,6 +40,7 @@ namespace ubep {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 using test::BinaryPath;
 using test::Process;
 using test::ReadFile;
@@ -438,7 +439,7 @@ TEST_F(DaemonTest, AReceiveCapacityOverflowDropsTheSameStepsEverywhereAndTheRest
       {"--plan=/tmp", "ubepd: --plan: /tmp: not a regular file (a directory)\n"},
       // A socket its own user could not connect to.
       {"--socket_mode=0440",
-       "ubepd: --socket_mode 0440 does not let its owner read and write the socket (0600)\n"},
+       "ubepd: --socket_mode 0440 does not let its owner connect (write permission, 0200)\n"},
   };
   for (size_t i = 0; i < std::size(refused); ++i) {
     const auto& [flag, message] = refused[i];
@@ -712,13 +713,31 @@ TEST_F(DaemonTest, ASecondSignalEndsADrainThatWaitsForClients) {
   daemon->Signal(SIGTERM);
   ASSERT_TRUE(WaitFor([&] { return Health() == grpc::health::v1::HealthCheckResponse::NOT_SERVING; },
                       absl::Seconds(10)));
-  daemon->Signal(SIGINT);
+  daemon->Signal(SIGTERM);  // The same signal again: an operator who will not wait.
   EXPECT_EQ(daemon->Wait(absl::Seconds(30)), 3);
   EXPECT_THAT(ReadFile(dir_.path() + "/ubepd.log"),
               HasSubstr("ubepd: a second signal: stopping now, without waiting for clients to "
                         "detach\n"));
   EXPECT_FALSE(std::filesystem::exists(socket_path()));
   EXPECT_FALSE(std::filesystem::exists(socket_path() + ".fds"));
+}
+
+// A Ctrl-C reaches every process of the terminal's group, and a parent (ubep-local) then
+// stops its children with SIGTERM: that SIGTERM, another signal right after the first, is not
+// a second signal. The drain goes on, and ends cleanly once the client leaves.
+TEST_F(DaemonTest, ASigtermRightAfterASigintDoesNotCutTheDrainShort) {
+  auto daemon = StartDaemon({"--drain_timeout=10m"});
+  std::optional<Claimed> claimed = AttachAndClaim(0, 2);
+  ASSERT_TRUE(claimed.has_value());
+  ASSERT_EQ(claimed->reply.bytes, "OK");
+  daemon->Signal(SIGINT);
+  daemon->Signal(SIGTERM);
+  ASSERT_TRUE(WaitFor([&] { return Health() == grpc::health::v1::HealthCheckResponse::NOT_SERVING; },
+                      absl::Seconds(10)));
+  EXPECT_TRUE(daemon->running());
+  claimed.reset();  // The client goes (its fd connection closes).
+  EXPECT_EQ(daemon->Wait(absl::Seconds(30)), 0) << ReadFile(dir_.path() + "/ubepd.log");
+  EXPECT_THAT(ReadFile(dir_.path() + "/ubepd.log"), Not(HasSubstr("a second signal")));
 }
 
 TEST_F(DaemonTest, HealthIsNotServingWhileDrainingAndAttachIsRefused) {
