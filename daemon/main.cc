@@ -229,7 +229,7 @@ int main(int argc, char** argv) {
   if (!options.node.plan_path.empty()) {
     // Read now, not first at the first attach (which would fail every group's creation of a
     // daemon that said it was serving); its fit to the group is checked then.
-    if (absl::Status s = ubep::balancer::CheckJsonFile(options.node.plan_path); !s.ok()) {
+    if (absl::Status s = ubep::balancer::CheckPlanFile(options.node.plan_path); !s.ok()) {
       std::cerr << "ubepd: --plan: " << s.message() << "\n";
       return 2;
     }

@@ -201,9 +201,15 @@ ReplicaIndex IndexReplicas(const std::vector<int>& slot_expert, int num_experts)
 
 }  // namespace
 
-absl::Status CheckJsonFile(const std::string& path) {
+absl::Status CheckPlanFile(const std::string& path) {
   UBEP_ASSIGN_OR_RETURN(const std::string text, ReadTextFile(path));
-  return ParseJson(text, path).status();
+  UBEP_ASSIGN_OR_RETURN(const Json json, ParseJson(text, path));
+  if (!json.is_object() || !json.contains("phy2log")) {
+    return Bad(path, "phy2log", "missing: not a plan (EPLB's arrays, docs/formats.md)");
+  }
+  // With its own topology it is read whole now; without, it takes the group's when one forms.
+  if (json.contains("topology")) return ParsePlanJson(text, path).status();
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::string> ReadTextFile(const std::string& path) {
@@ -231,18 +237,24 @@ absl::StatusOr<std::string> ReadTextFile(const std::string& path) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", st.st_size, " bytes, over the ",
                                                    kMaxTextFileBytes, " a file read here may be"));
   }
-  std::string text(static_cast<size_t>(st.st_size), '\0');
-  size_t got = 0;
-  while (got < text.size()) {
-    const ssize_t n = read(fd, text.data() + got, text.size() - got);
+  // To the end, whatever the size said (a file still growing, or one of /proc's, which says
+  // 0), within the limit.
+  std::string text;
+  text.reserve(static_cast<size_t>(st.st_size));
+  char buffer[1 << 16];
+  while (true) {
+    const ssize_t n = read(fd, buffer, sizeof(buffer));
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) {
       return absl::InvalidArgumentError(absl::StrCat(path, ": cannot read: ", std::strerror(errno)));
     }
-    if (n == 0) break;  // Shorter now than it was: what is there.
-    got += static_cast<size_t>(n);
+    if (n == 0) break;
+    if (text.size() + static_cast<size_t>(n) > kMaxTextFileBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": over the ", kMaxTextFileBytes,
+                                                     " bytes a file read here may be"));
+    }
+    text.append(buffer, static_cast<size_t>(n));
   }
-  text.resize(got);
   return text;
 }
 

@@ -42,9 +42,10 @@ std::string PlanToSglangJson(const Plan& plan);
 // refused, naming what it is; a file over the limit too, rather than read until memory ends).
 inline constexpr uint64_t kMaxTextFileBytes = uint64_t{1} << 30;
 absl::StatusOr<std::string> ReadTextFile(const std::string& path);
-// Whether `path` is a JSON document ReadTextFile reads (well formed, no key given twice in an
-// object): what a daemon checks of its plan file at start, before a group says its shape.
-absl::Status CheckJsonFile(const std::string& path);
+// What a daemon checks of its plan file at start, before a group says its shape: a JSON
+// object (well formed, no key given twice) with EPLB's phy2log; read whole (ReadPlanFile)
+// when it carries its own topology.
+absl::Status CheckPlanFile(const std::string& path);
 absl::Status WriteTextFile(const std::string& path, const std::string& text);
 
 }  // namespace ubep::balancer

@@ -40,10 +40,11 @@ uint64_t ReportFingerprint(const v1::ReportLoadRequest& request) {
 
 // gRPC takes deadlines as wall-clock times (it converts them to its own monotonic clock at
 // once): the one use of the wall clock here, both ways (a caller's deadline is read once, as
-// the time left: TimeLeft). Every interval the balancer measures or waits out itself (step
-// rates, health checks, the recovery grace, plan and commit times, LockBefore) is on
-// MonotonicNow(), so that a wall-clock step neither moves an effective step nor ends the grace
-// early nor stretches a wait.
+// the time left: TimeLeft). Every interval the balancer measures or waits out itself (health
+// checks, the recovery grace, plan and commit times, LockBefore) is on MonotonicNow(), and
+// step rates on BalancerOptions::step_clock (the same clock unless a test gives a FakeClock),
+// so that a wall-clock step neither moves an effective step nor ends the grace early nor
+// stretches a wait.
 void SetDeadline(grpc::ClientContext& context, absl::Duration timeout) {
   context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
 }

@@ -437,6 +437,9 @@ TEST_F(DaemonTest, AReceiveCapacityOverflowDropsTheSameStepsEverywhereAndTheRest
       {"--plan=/nonexistent/plan.json",
        "ubepd: --plan: /nonexistent/plan.json: cannot read: No such file or directory\n"},
       {"--plan=/tmp", "ubepd: --plan: /tmp: not a regular file (a directory)\n"},
+      {"--plan=" + test::TracePath("prefill_in1024.json"),
+       "ubepd: --plan: " + test::TracePath("prefill_in1024.json") +
+           ": phy2log: missing: not a plan (EPLB's arrays, docs/formats.md)\n"},
       // A socket its own user could not connect to.
       {"--socket_mode=0440",
        "ubepd: --socket_mode 0440 does not let its owner connect (write permission, 0200)\n"},

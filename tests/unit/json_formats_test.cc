@@ -138,6 +138,10 @@ TEST(ReadFileTest, WhatIsNotARegularFileIsRefusedNamingWhatItIs) {
             absl::InvalidArgumentError(fifo + ": not a regular file (a device, FIFO or socket)"));
   EXPECT_EQ(ReadSglangLoadFile("/dev/zero").status(),
             absl::InvalidArgumentError("/dev/zero: not a regular file (a device, FIFO or socket)"));
+  // A regular file is read to its end, whatever its size said (/proc's say 0).
+  const absl::StatusOr<std::string> status = ReadTextFile("/proc/self/status");
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_TRUE(absl::StrContains(*status, "Name:")) << *status;
   std::filesystem::remove_all(dir);
 }
 
