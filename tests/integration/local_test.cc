@@ -228,6 +228,15 @@ TEST_F(LocalTest, UbepLocalServedWhilePrometheusScrapesAndUbepctlOperates) {
   const nlohmann::json sglang = nlohmann::json::parse(out);
   ASSERT_EQ(sglang["physical_to_logical_map"].size(), 4u);
   EXPECT_EQ(sglang["physical_to_logical_map"][0].size(), 8u * 64u);
+  // The daemons number the layers 0..3; with the model's first MoE layer given, the map has a
+  // row per model layer, the dense ones first with the trivial placement.
+  out = Ctl({"plan", "export", "--format=sglang", "--first_moe_layer=3"}, &code);
+  ASSERT_EQ(code, 0) << out;
+  const nlohmann::json shifted = nlohmann::json::parse(out);
+  ASSERT_EQ(shifted["physical_to_logical_map"].size(), 7u);
+  EXPECT_EQ(shifted["physical_to_logical_map"][3], sglang["physical_to_logical_map"][0]);
+  EXPECT_EQ(shifted["physical_to_logical_map"][6], sglang["physical_to_logical_map"][3]);
+  EXPECT_EQ(shifted["physical_to_logical_map"][0][257], 1);  // Slot 257 of 256 experts.
   // An answer standard output cannot take (a full disk) fails, saying so.
   EXPECT_EQ(Run({"/bin/sh", "-c",
                  absl::StrCat(test::BinaryPath("ubepctl"), " --balancer=", balancer_,

@@ -38,6 +38,10 @@ ABSL_FLAG(std::string, balancer, "localhost:7070", "HOST:PORT of ubep-balancer."
 ABSL_FLAG(bool, json, false, "Print JSON instead of tables.");
 ABSL_FLAG(std::string, format, "eplb", "plan export: eplb or sglang.");
 ABSL_FLAG(std::string, out, "", "plan export: write here instead of stdout.");
+ABSL_FLAG(int, first_moe_layer, -1,
+          "plan export --format=sglang: the model layer of the plan's first layer, for a plan "
+          "whose layers are numbered 0, 1, ... (daemons are not told the model's layer ids; "
+          "DeepSeek-V3's MoE layers start at 3). -1: the plan's own layer ids.");
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(30), "Deadline of each call.");
 
 namespace {
@@ -245,6 +249,16 @@ int PlanExport(Control::Stub& stub) {
                 << "; SGLang's map has no shares, so their slots would serve their experts: "
                    "export it once every rank is back (or use --format=eplb)\n";
       return 1;
+    }
+    if (const int first = absl::GetFlag(FLAGS_first_moe_layer); first >= 0) {
+      for (int l = 0; l < plan.num_layers(); ++l) {
+        if (plan.layer_ids[l] != l) {
+          return Usage(absl::StrCat("--first_moe_layer: plan v", plan.version,
+                                    " names its model layers already (its layer ", l, " is ",
+                                    plan.layer_ids[l], ")"));
+        }
+        plan.layer_ids[l] = first + l;
+      }
     }
     text = ubep::balancer::PlanToSglangJson(plan) + "\n";
   }
