@@ -254,6 +254,13 @@ TEST(BalanceCliTest, EvalOfAPlanForOtherLayersIsRejected) {
                        "'s MoE layer 1 is model layer 3\n");
   const std::string plain = dir.Write("plain.json", R"({"phy2log": [[0,1,0,1],[0,1,0,1]]})");
   EXPECT_EQ(RunCli({"eval", "--plan", plain, "--load", load, "--ranks", "2"}).code, 0);
+  // Named 0 and 1 (an all-MoE model's first layers) is a plan for layers 0 and 1, not 1 and 3.
+  const std::string first = dir.Write(
+      "first.json", R"({"phy2log": [[0,1,0,1],[0,1,0,1]], "layer_ids": [0,1]})");
+  Result named = RunCli({"eval", "--plan", first, "--load", load, "--ranks", "2"});
+  EXPECT_EQ(named.code, 2);
+  EXPECT_EQ(named.err, "ubep-balance eval: " + first + ": layer_ids[0]: is 0 but " + load +
+                           "'s MoE layer 0 is model layer 1\n");
 }
 
 // A baseline that moved no slot (ubep on one rank of one slot per expert: nothing to move)

@@ -202,7 +202,11 @@ absl::Status RunEval(const Flags& flags, std::ostream& out) {
     UBEP_ASSIGN_OR_RETURN(t.num_nodes, flags.Int("nodes", 1, kMaxCount, 0));
     override_topology = t;
   }
-  UBEP_ASSIGN_OR_RETURN(Plan plan, ReadPlanFile(plan_path, override_topology));
+  UBEP_ASSIGN_OR_RETURN(const std::string plan_text, ReadTextFile(plan_path));
+  UBEP_ASSIGN_OR_RETURN(Plan plan, ParsePlanJson(plan_text, plan_path, override_topology));
+  // Whether the file names its layers (a plain EPLB plan does not; it is read as 0, 1, ...).
+  const bool names_layers =
+      Json::parse(plan_text, nullptr, /*allow_exceptions=*/false).contains("layer_ids");
   UBEP_ASSIGN_OR_RETURN(LoadMatrix load, ReadSglangLoadFile(load_path));
   if (plan.num_experts > load.num_experts()) {
     return absl::InvalidArgumentError(absl::StrCat(plan_path, ": plan: places experts up to ",
@@ -219,11 +223,9 @@ absl::Status RunEval(const Flags& flags, std::ostream& out) {
         absl::StrCat(plan_path, ": phy2log: plan has ", plan.num_layers(), " layers but ",
                      load_path, " has ", load.num_layers(), " MoE layers"));
   }
-  // Layers pair by model layer. A plan without layer ids (a plain EPLB plan: 0, 1, ...) takes
-  // the load's; one that names others is for other layers.
-  bool numbered_from_zero = true;
-  for (int l = 0; l < plan.num_layers(); ++l) numbered_from_zero &= plan.layer_ids[l] == l;
-  for (int l = 0; l < plan.num_layers() && !numbered_from_zero; ++l) {
+  // Layers pair by model layer. A plan without layer ids (a plain EPLB plan) takes the
+  // load's; one that names others is for other layers.
+  for (int l = 0; l < plan.num_layers() && names_layers; ++l) {
     if (plan.layer_ids[l] != load.layer_ids()[l]) {
       return absl::InvalidArgumentError(absl::StrCat(
           plan_path, ": layer_ids[", l, "]: is ", plan.layer_ids[l], " but ", load_path,
