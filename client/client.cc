@@ -30,6 +30,7 @@
 #ifdef UBEP_CLIENT_CUDA
 #include <cuda_runtime_api.h>
 
+#include "kernels/cuda/copy_now.h"
 #include "kernels/cuda/cuda_ep.h"
 #include "kernels/cuda/scoped_device.h"
 #include "kernels/cuda/vmm_arena.h"
@@ -132,19 +133,16 @@ namespace {
 
 using internal::RankState;
 
-// On the CUDA backend, the rank's device is the calling thread's current one for the scope
-// (kernels::ScopedDevice: the caller's is put back), whichever thread calls; nothing on the
-// host backend.
 #ifdef UBEP_CLIENT_CUDA
-// A copy done before it returns, on the calling thread's default stream (cudaStreamPerThread),
-// not the legacy one (cudaMemcpy), which waits for every blocking stream of the context: those
-// of other ranks of this process on the device, whose kernels may be waiting for this rank.
+// kernels::CopyNow on the calling thread's default stream (cudaStreamPerThread).
 bool CopyNow(void* to, const void* from, size_t bytes, cudaMemcpyKind kind) {
-  return cudaMemcpyAsync(to, from, bytes, kind, cudaStreamPerThread) == cudaSuccess &&
-         cudaStreamSynchronize(cudaStreamPerThread) == cudaSuccess;
+  return kernels::CopyNow(to, from, bytes, kind, cudaStreamPerThread) == cudaSuccess;
 }
 #endif
 
+// On the CUDA backend, the rank's device is the calling thread's current one for the scope
+// (kernels::ScopedDevice: the caller's is put back), whichever thread calls; nothing on the
+// host backend.
 class RankDevice {
  public:
   explicit RankDevice([[maybe_unused]] const RankState& s) {

@@ -261,10 +261,7 @@ Daemon::~Daemon() {
   // The socket files are this daemon's only while it holds the lock (another daemon's, if it
   // failed to take it).
   // (A socket only: a start refused because the path names something else leaves it be.)
-  struct stat st {};
-  if (socket_lock_.valid() && lstat(options_.socket_path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) {
-    unlink(options_.socket_path.c_str());
-  }
+  if (socket_lock_.valid()) (void)RemoveStaleSocket(options_.socket_path);
 }
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {

@@ -23,6 +23,7 @@
 #include "balancer/formats/json_formats.h"
 #include "daemon/daemon.h"
 #include "kernels/common/host_cpu.h"
+#include "nlohmann/json.hpp"
 
 ABSL_FLAG(std::string, backend, "host", "Arena backend: host (memfd shared memory) or cuda.");
 ABSL_FLAG(std::string, socket, "/run/ubep/ubepd.sock",
@@ -69,26 +70,6 @@ ABSL_FLAG(absl::Duration, report_interval, absl::Seconds(1),
           "How often load is reported to the balancer (the balancer may ask otherwise).");
 ABSL_FLAG(std::string, ready_file, "",
           "When set, written once serving: JSON with the bound ports (for scripts and tests).");
-
-namespace {
-
-// `s` as a JSON string (quoted, with quotes, backslashes and control characters escaped).
-std::string JsonString(const std::string& s) {
-  std::string out = "\"";
-  for (const unsigned char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += static_cast<char>(c);
-    } else if (c < 0x20) {
-      absl::StrAppend(&out, "\\u00", absl::Hex(c, absl::kZeroPad2));
-    } else {
-      out += static_cast<char>(c);
-    }
-  }
-  return out + "\"";
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
@@ -282,10 +263,12 @@ int main(int argc, char** argv) {
   }
   const std::string ready_file = absl::GetFlag(FLAGS_ready_file);
   if (!ready_file.empty()) {
-    const std::string text = absl::StrCat(
-        "{\"pid\": ", getpid(), ", \"socket\": ", JsonString(options.socket_path),
-        ", \"listen_port\": ", (*daemon)->listen_port(),
-        ", \"metrics_port\": ", (*daemon)->metrics_port(), "}\n");
+    const std::string text = nlohmann::json{{"pid", getpid()},
+                                            {"socket", options.socket_path},
+                                            {"listen_port", (*daemon)->listen_port()},
+                                            {"metrics_port", (*daemon)->metrics_port()}}
+                                 .dump() +
+                             "\n";
     if (absl::Status s = ubep::balancer::WriteTextFile(ready_file, text); !s.ok()) {
       // Whoever waits for it would wait in vain: said, and the daemon stops (no client can
       // have been told where it is).

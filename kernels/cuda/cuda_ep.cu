@@ -1,4 +1,5 @@
 #include "kernels/cuda/cuda_ep.h"
+#include "kernels/cuda/copy_now.h"
 #include "kernels/cuda/scoped_device.h"
 
 #include <cuda_runtime.h>
@@ -87,19 +88,6 @@ constexpr int kPollBlocksPerSm = 2;
                        cudaGetErrorString(ubep_cuda_error_))));                          \
     }                                                                                    \
   } while (0)
-
-// A copy done before it returns, on `stream`. The CudaEp's host-side copies (its arena's
-// words, the scratch's set-up) go on its non-blocking side stream, never on the legacy default
-// stream (cudaMemcpy): that one waits for every blocking stream of the context, the streams
-// of other ranks of this process on this device among them, whose kernels may be waiting for
-// this very rank (a deadlock until their timeout).
-cudaError_t CopyOnStream(void* to, const void* from, size_t bytes, cudaMemcpyKind kind,
-                         cudaStream_t stream) {
-  if (const cudaError_t e = cudaMemcpyAsync(to, from, bytes, kind, stream); e != cudaSuccess) {
-    return e;
-  }
-  return cudaStreamSynchronize(stream);
-}
 
 // Everything a kernel needs, passed by value.
 struct Params {
@@ -1327,7 +1315,7 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
       reinterpret_cast<void**>(&s.host_status),
       sizeof(uint32_t) * kStatusWords + sizeof(int32_t) * (config.slots_per_rank + 1)));
   s.host_slot_offsets = reinterpret_cast<int32_t*>(s.host_status + kStatusWords);
-  UBEP_CUDA_RETURN_IF_ERROR(CopyOnStream(s.arenas, arenas.data(),
+  UBEP_CUDA_RETURN_IF_ERROR(CopyNow(s.arenas, arenas.data(),
                                          sizeof(std::byte*) * arenas.size(),
                                          cudaMemcpyHostToDevice, s.side));
   const size_t R = config.num_ranks, T = config.max_tokens, K = config.top_k,
@@ -1425,12 +1413,12 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   const size_t offsets[4] = {l.dispatch_flag + rank * kFlagStride, l.dispatch_completed,
                              l.combine_flag + rank * kFlagStride, l.combine_completed};
   for (int i = 0; i < 4; ++i) {
-    UBEP_CUDA_RETURN_IF_ERROR(CopyOnStream(&words[i], arenas[rank] + offsets[i],
+    UBEP_CUDA_RETURN_IF_ERROR(CopyNow(&words[i], arenas[rank] + offsets[i],
                                            sizeof(uint32_t), cudaMemcpyDeviceToHost, s.side));
   }
   ep->dispatch_epoch_ = ResumedEpoch(words[0], words[1]);
   ep->combine_epoch_ = ResumedEpoch(words[2], words[3]);
-  UBEP_CUDA_RETURN_IF_ERROR(CopyOnStream(&ep->barrier_epoch_,
+  UBEP_CUDA_RETURN_IF_ERROR(CopyNow(&ep->barrier_epoch_,
                                          arenas[rank] + l.barrier_flag + rank * kFlagStride,
                                          sizeof(uint32_t), cudaMemcpyDeviceToHost, s.side));
   // ubep counts and sends in one cooperative launch when the device can keep every block of
@@ -1606,7 +1594,7 @@ void CudaEp::TakePart() {
 }
 
 cudaError_t CudaEp::Copy(void* to, const void* from, size_t bytes, cudaMemcpyKind kind) const {
-  return CopyOnStream(to, from, bytes, kind, scratch_->side);
+  return CopyNow(to, from, bytes, kind, scratch_->side);
 }
 
 void CudaEp::WriteRefusal(const std::byte (&body)[kRefusalBody]) {

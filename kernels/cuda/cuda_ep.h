@@ -147,8 +147,9 @@ class CudaEp {
                            const CudaDispatchInput* input = nullptr);
   // Writes a refusal record's body into this rank's arena (sequence word odd, body, even).
   void WriteRefusal(const std::byte (&body)[kRefusalBody]);
-  // A copy done before it returns, on the side stream (non-blocking: it waits for no call in
-  // flight, this rank's or another's of the process).
+  // A copy done before it returns (kernels::CopyNow) on the side stream (non-blocking: it
+  // waits for no call in flight, this rank's or another's of the process). The CudaEp's
+  // host-side copies (its arena's words, the scratch's set-up) go here.
   cudaError_t Copy(void* to, const void* from, size_t bytes, cudaMemcpyKind kind) const;
   // The error of a call that failed on this rank after it took the call's epoch (a launch or
   // an asynchronous copy the driver refused): recorded as this rank's refusal of the call,
