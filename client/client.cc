@@ -407,7 +407,13 @@ absl::Status JoinGroup(RankState& s, std::optional<uint64_t> next_step) {
   // gets DeadlineExceeded at every join timeout, and is to call Rejoin again): not counted
   // here as the client's. What follows, taking the arenas and the data plane, is.
   const grpc::Status joined = s.stub->Join(&context, request, &response);
-  if (!joined.ok() && !s.arenas.empty() && DaemonExited(s)) return LeaveJoinOfExitedDaemon(s);
+  if (!joined.ok() && !s.arenas.empty() && DaemonExited(s)) {
+    absl::Status exited = LeaveJoinOfExitedDaemon(s);
+    // A Join ubepd answered before it exited (its drain ends the joins that wait, then it
+    // closes the fd connections) says why in ubepd's words: which of the two the rank sees
+    // first is a race, the answer is not.
+    if (!AnsweredByServer(context)) return exited;
+  }
   UBEP_RETURN_IF_ERROR(FromGrpc(joined, context, absl::StrCat("rank ", s.rank, ": join")));
   return Record(s, UseJoin(s, response));
 }

@@ -77,9 +77,9 @@ class AlteringUbepd final : public v1::Daemon::Service {
       std::lock_guard<std::mutex> lock(mu_);
       join_deadlines_.push_back(context->deadline());
       if (!join_answer_.ok()) {
-        // Marked as ubepd's own answer (its interceptor does it for the real daemon), not a
-        // failure of the transport.
-        context->AddTrailingMetadata(kUbepOrigin, "ubepd");
+        // Marked as ubepd's own answer (its interceptor does it for the real daemon), or left
+        // unmarked as a failure of the transport would be.
+        if (join_answer_marked_) context->AddTrailingMetadata(kUbepOrigin, "ubepd");
         return join_answer_;
       }
     }
@@ -113,9 +113,10 @@ class AlteringUbepd final : public v1::Daemon::Service {
     return join_deadlines_;
   }
   // Every Join from now on is answered `answer` (OK: the Node's answer again).
-  void AnswerJoins(grpc::Status answer) {
+  void AnswerJoins(grpc::Status answer, bool marked = true) {
     std::lock_guard<std::mutex> lock(mu_);
     join_answer_ = std::move(answer);
+    join_answer_marked_ = marked;
   }
   daemon::Node& node() { return node_; }
 
@@ -129,6 +130,7 @@ class AlteringUbepd final : public v1::Daemon::Service {
   std::vector<v1::DetachRequest> detaches_;
   std::vector<std::chrono::system_clock::time_point> join_deadlines_;
   grpc::Status join_answer_;
+  bool join_answer_marked_ = true;
   std::unique_ptr<grpc::Server> server_;
 };
 
@@ -959,8 +961,10 @@ void ExpectADaemonExitStopsItsRanksAndTellsThePeers(bool peer_in_a_newer_generat
 // the fd connection closed). The rank's join ticket, in its arena, is withdrawn, so that the
 // lead does not take it as a live rank's; and where the lead had already formed the next
 // generation with it (`formed`: the generation words moved to the ticket), the ranks of that
-// generation are told that rank 0 left rather than wait for it until their timeout.
-void ExpectAJoinWhoseDaemonExitedWithdrawsItsTicket(bool formed) {
+// generation are told that rank 0 left rather than wait for it until their timeout. Where
+// ubepd answered the Join before it exited (`answered`: its drain ends the joins, then it
+// closes the fd connections), the Rejoin fails with that answer, whichever the rank saw first.
+void ExpectAJoinWhoseDaemonExitedWithdrawsItsTicket(bool formed, bool answered = false) {
   TwoRanksOneHosted two;
   AlteringUbepd& ubepd = two.ubepd;
   ClosableFdSocket& fd_socket = two.fd_socket;
@@ -977,11 +981,18 @@ void ExpectAJoinWhoseDaemonExitedWithdrawsItsTicket(bool formed) {
     if (r == 0) std::atomic_ref<uint64_t>(c->join_ticket).store(generation + 1);
     if (formed) std::atomic_ref<uint64_t>(c->generation).store(generation + 1);
   });
-  ubepd.AnswerJoins(grpc::Status(grpc::StatusCode::UNAVAILABLE, "Socket closed"));
+  if (answered) {
+    ubepd.AnswerJoins(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                   "ubepd is draining (shutting down); attach again when it is back"));
+  } else {
+    ubepd.AnswerJoins(grpc::Status(grpc::StatusCode::UNAVAILABLE, "Socket closed"), /*marked=*/false);
+  }
   fd_socket.Close(1);
   EXPECT_EQ((*rank0)->Rejoin(std::nullopt).status(),
-            absl::UnavailableError("rank 0: ubepd exited (it closed this rank's fd "
-                                   "connection); detach, and attach again when it is back"));
+            answered ? absl::UnavailableError("rank 0: join: ubepd is draining (shutting down); "
+                                              "attach again when it is back")
+                     : absl::UnavailableError("rank 0: ubepd exited (it closed this rank's fd "
+                                              "connection); detach, and attach again when it is back"));
   uint64_t ticket = 1;
   ubepd.node().ForEachArena([&](int r, std::byte* base, const kernels::RankArenaLayout& layout,
                                 const kernels::EpConfig&) {
@@ -1001,6 +1012,10 @@ TEST(ClientTest, AJoinWhoseDaemonExitedWithdrawsItsTicket) {
 
 TEST(ClientTest, AJoinWhoseDaemonExitedAfterTheGroupFormedWithItStopsThatGroup) {
   ExpectAJoinWhoseDaemonExitedWithdrawsItsTicket(/*formed=*/true);
+}
+
+TEST(ClientTest, AJoinUbepdAnsweredBeforeItExitedFailsWithTheAnswerAndWithdrawsItsTicket) {
+  ExpectAJoinWhoseDaemonExitedWithdrawsItsTicket(/*formed=*/true, /*answered=*/true);
 }
 
 TEST(ClientTest, ARankThatFindsItsDaemonGoneStopsItsRanksAsDrainingAndTellsThePeersItLeft) {
