@@ -21,6 +21,7 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "nlohmann/json.hpp"
 #include "prometheus/exposer.h"
 #include "prometheus/registry.h"
 #include "ubep/v1/control.grpc.pb.h"
@@ -238,9 +239,14 @@ class DaemonControlService final : public v1::DaemonControl::Service {
   std::string backend_;
 };
 
-Daemon::Daemon(DaemonOptions options) : options_(std::move(options)) {}
+Daemon::Daemon(DaemonOptions options)
+    : options_(std::move(options)), ready_(options_.ready_file) {}
 
 Daemon::~Daemon() {
+  // Gone with the daemon: a script waiting for the next one's must not read this one's ports.
+  // (Removed while the socket's lock is held: the next daemon on it writes its own only once
+  // it holds the lock.)
+  ready_.Withdraw();
   link_.reset();
   // Going away, drained or not: the waits in Attach and Join end now (they heed draining,
   // not the server's cancellation), so that the servers' shutdown below does not wait for
@@ -341,6 +347,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   for (const std::string& path : {options.socket_path, options.node.fd_socket_path}) {
     if (absl::Status removed = RemoveStaleSocket(path); !removed.ok()) return removed;
   }
+  // A ready file a daemon before this one left (killed, it removed nothing) goes now: whoever
+  // waits for this daemon's must not take that one's ports for its own.
+  if (absl::Status cleared = d->ready_.ClearStale(); !cleared.ok()) {
+    return absl::Status(cleared.code(), absl::StrCat("--ready_file: ", cleared.message()));
+  }
   d->node_ = std::make_unique<Node>(options.node);
   d->metrics_ = std::make_shared<DaemonMetrics>(d->node_.get(), options.harvest_interval);
   d->service_ = std::make_unique<DaemonService>(d->node_.get(), d->metrics_.get());
@@ -432,6 +443,18 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   // Serving, said once everything has started.
   for (grpc::Server* server : {d->local_server_.get(), d->server_.get()}) {
     if (server != nullptr) server->GetHealthCheckService()->SetServingStatus(true);
+  }
+  // For the scripts and tests that wait for it: where it serves. One that cannot be written
+  // stops the daemon (whoever waits for the file would wait in vain; no client can have been
+  // told where it is).
+  const std::string ready = nlohmann::json{{"pid", getpid()},
+                                           {"socket", options.socket_path},
+                                           {"listen_port", d->listen_port_},
+                                           {"metrics_port", d->metrics_port_}}
+                                .dump() +
+                            "\n";
+  if (absl::Status published = d->ready_.Publish(ready); !published.ok()) {
+    return absl::Status(published.code(), absl::StrCat("--ready_file: ", published.message()));
   }
   UBEP_LOG(INFO) << "ubepd serving: unix:" << options.socket_path
                  << (options.listen.empty() ? "" : absl::StrCat(", ", options.listen, " (port ",

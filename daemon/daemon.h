@@ -15,6 +15,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "balancer/formats/json_formats.h"
 #include "common/shape_limits.h"
 #include "daemon/node.h"
 
@@ -49,6 +50,10 @@ struct DaemonOptions {
   std::string advertise;
   uint32_t domain = 0;
   absl::Duration report_interval = absl::Seconds(1);
+  // Written once serving: {"pid", "socket", "listen_port", "metrics_port"} ("" = none). One a
+  // run before left is removed once this daemon holds the socket's lock; this one's, when it
+  // is destroyed.
+  std::string ready_file;
 };
 
 class Daemon {
@@ -74,6 +79,7 @@ class Daemon {
   // (its arenas, device memory included) is gone, so that a daemon started next on the path
   // does not find them still held.
   UniqueFd socket_lock_;
+  balancer::ReadyFile ready_;  // Withdrawn first thing in ~Daemon, the lock still held.
   std::unique_ptr<Node> node_;
   std::shared_ptr<DaemonMetrics> metrics_;  // The exposer holds a weak_ptr.
   std::unique_ptr<DaemonService> service_;

@@ -23,7 +23,6 @@
 #include "balancer/formats/json_formats.h"
 #include "daemon/daemon.h"
 #include "kernels/common/host_cpu.h"
-#include "nlohmann/json.hpp"
 
 ABSL_FLAG(std::string, backend, "host", "Arena backend: host (memfd shared memory) or cuda.");
 ABSL_FLAG(std::string, socket, "/run/ubep/ubepd.sock",
@@ -253,6 +252,7 @@ int main(int argc, char** argv) {
   // daemon. SIGTERM drains it.
   signal(SIGHUP, SIG_IGN);
 
+  options.ready_file = absl::GetFlag(FLAGS_ready_file);
   absl::StatusOr<std::unique_ptr<ubep::daemon::Daemon>> daemon =
       ubep::daemon::Daemon::Start(options);
   if (!daemon.ok()) {
@@ -261,25 +261,15 @@ int main(int argc, char** argv) {
     // as those refused above; 1 when it cannot start.
     return absl::IsInvalidArgument(daemon.status()) ? 2 : 1;
   }
-  const std::string ready_file = absl::GetFlag(FLAGS_ready_file);
-  if (!ready_file.empty()) {
-    const std::string text = nlohmann::json{{"pid", getpid()},
-                                            {"socket", options.socket_path},
-                                            {"listen_port", (*daemon)->listen_port()},
-                                            {"metrics_port", (*daemon)->metrics_port()}}
-                                 .dump() +
-                             "\n";
-    if (absl::Status s = ubep::balancer::WriteTextFile(ready_file, text); !s.ok()) {
-      // Whoever waits for it would wait in vain: said, and the daemon stops (no client can
-      // have been told where it is).
-      std::cerr << "ubepd: --ready_file: " << s.message() << "\n";
-      daemon->reset();
-      return 1;
-    }
-  }
   int received = 0;
   sigwait(&signals, &received);
   const auto first_signal = std::chrono::steady_clock::now();
+  // The other signal, pending already, came with the first (a SIGTERM right after a Ctrl-C):
+  // taken now, before anything else runs, not later as a second signal by the clock (a
+  // loaded machine may not run this thread again for a second).
+  const timespec now{0, 0};
+  while (sigtimedwait(&signals, nullptr, &now) > 0) {
+  }
   // The drain on a thread of its own: a second signal (an operator who will not wait for the
   // clients) ends it, and the daemon, at once. A second is the same signal again, or either
   // of the two a second or more after the first: a Ctrl-C reaches every process of the
@@ -301,17 +291,13 @@ int main(int argc, char** argv) {
       // The sockets and the ready file go as at a clean exit; the arenas go with the process
       // (the clients find their fd connection closed: ubepd exited).
       for (const std::string& path :
-           {options.socket_path, options.socket_path + ".fds", ready_file}) {
+           {options.socket_path, options.socket_path + ".fds", options.ready_file}) {
         if (!path.empty()) unlink(path.c_str());
       }
       std::_Exit(3);
     }
   }
   drain.join();
-  // Gone with the daemon: a script waiting for the next one's must not read this one's ports.
-  // Removed while this daemon still holds the socket's lock (a daemon started next on it
-  // writes its own only once it holds the lock).
-  if (!ready_file.empty()) std::remove(ready_file.c_str());
-  daemon->reset();
+  daemon->reset();  // Its ready file goes first.
   return clean ? 0 : 3;
 }

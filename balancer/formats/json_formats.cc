@@ -282,6 +282,38 @@ absl::Status WriteTextFile(const std::string& path, const std::string& text) {
   return absl::OkStatus();
 }
 
+absl::Status ReadyFile::ClearStale() const {
+  if (path_.empty()) return absl::OkStatus();
+  struct stat st {};
+  if (lstat(path_.c_str(), &st) != 0) {
+    if (errno == ENOENT) return absl::OkStatus();
+    return absl::ErrnoToStatus(errno, absl::StrCat(path_, ": cannot look at it"));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        path_, " exists and is not a regular file (",
+        S_ISDIR(st.st_mode) ? "a directory" : S_ISLNK(st.st_mode) ? "a symbolic link" : "a device, FIFO or socket",
+        "); not replacing it: is the ready file's path right?"));
+  }
+  if (unlink(path_.c_str()) != 0 && errno != ENOENT) {
+    return absl::ErrnoToStatus(errno, absl::StrCat(path_, ": cannot remove the last run's"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReadyFile::Publish(const std::string& text) {
+  if (path_.empty()) return absl::OkStatus();
+  UBEP_RETURN_IF_ERROR(WriteTextFile(path_, text));
+  published_ = true;
+  return absl::OkStatus();
+}
+
+void ReadyFile::Withdraw() {
+  if (!published_) return;
+  published_ = false;
+  unlink(path_.c_str());
+}
+
 absl::StatusOr<LoadMatrix> ParseSglangLoad(const std::string& text, const std::string& name) {
   UBEP_ASSIGN_OR_RETURN(Json json, ParseJson(text, name));
   if (!json.is_object() || !json.contains("logical_count")) {

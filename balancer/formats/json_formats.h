@@ -48,6 +48,33 @@ absl::StatusOr<std::string> ReadTextFile(const std::string& path);
 absl::Status CheckPlanFile(const std::string& path);
 absl::Status WriteTextFile(const std::string& path, const std::string& text);
 
+// A server's --ready_file: a JSON line with its pid and bound ports, written once it serves,
+// for the scripts and tests that start it and wait for the file; removed when it stops, so
+// that whoever waits for the next run's does not read this one's ports.
+class ReadyFile {
+ public:
+  ReadyFile() = default;  // None: every call does nothing.
+  explicit ReadyFile(std::string path) : path_(std::move(path)) {}
+  ReadyFile(const ReadyFile&) = delete;
+  ReadyFile& operator=(const ReadyFile&) = delete;
+  ~ReadyFile() { Withdraw(); }
+
+  // Removes the file a run before this one left there (one killed or crashed, which removed
+  // nothing), before this run starts: a script would otherwise take its ports for this run's.
+  // Only a regular file is removed; anything else at the path is refused, naming what it is.
+  // Call it only where the path is this run's (ubepd: with its socket's lock held).
+  absl::Status ClearStale() const;
+  // Writes `text` (whole, by rename); Withdraw and the destructor remove it.
+  absl::Status Publish(const std::string& text);
+  // Removes the file this object published (none published: nothing is removed).
+  void Withdraw();
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  bool published_ = false;
+};
+
 }  // namespace ubep::balancer
 
 #endif  // UBEP_BALANCER_FORMATS_JSON_FORMATS_H_

@@ -2,7 +2,6 @@
 #include <signal.h>
 
 #include <cstdio>
-#include <fstream>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -10,6 +9,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "balancer/formats/json_formats.h"
 #include "balancer/server/balancer.h"
 #include "common/logging.h"
 #include "common/rpc_origin.h"
@@ -17,6 +17,7 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "nlohmann/json.hpp"
 #include "prometheus/exposer.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:7070", "HOST:PORT of the Control service (port 0 picks one).");
@@ -129,6 +130,14 @@ int main(int argc, char** argv) {
     return 2;
   }
 
+  // A ready file a balancer before this one left (killed, it removed nothing) goes before
+  // anything starts: whoever waits for this balancer's must not take that one's port.
+  ubep::balancer::ReadyFile ready(absl::GetFlag(FLAGS_ready_file));
+  if (absl::Status cleared = ready.ClearStale(); !cleared.ok()) {
+    std::cerr << "ubep-balancer: --ready_file: " << cleared.message() << "\n";
+    return 1;
+  }
+
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
@@ -169,13 +178,19 @@ int main(int argc, char** argv) {
   }
   balancer.Start();
   UBEP_LOG(INFO) << "ubep-balancer serving on port " << port << ", metrics port " << metrics_port;
-  if (const std::string ready = absl::GetFlag(FLAGS_ready_file); !ready.empty()) {
-    std::ofstream(ready + ".tmp") << "{\"pid\": " << getpid() << ", \"port\": " << port
-                                  << ", \"metrics_port\": " << metrics_port << "}\n";
-    std::rename((ready + ".tmp").c_str(), ready.c_str());
+  if (absl::Status published =
+          ready.Publish(nlohmann::json{{"pid", getpid()}, {"port", port}, {"metrics_port", metrics_port}}
+                            .dump() +
+                        "\n");
+      !published.ok()) {
+    // Whoever waits for it would wait in vain: said, and the balancer stops.
+    std::cerr << "ubep-balancer: --ready_file: " << published.message() << "\n";
+    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    return 1;
   }
   int received = 0;
   sigwait(&signals, &received);
+  ready.Withdraw();  // Gone with the balancer: a script must not read this one's port for the next's.
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   return 0;
 }

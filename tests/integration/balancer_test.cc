@@ -1096,6 +1096,46 @@ TEST_F(BalancerTest, FlagValuesItCannotRunWithAreRefusedAtStart) {
   }
 }
 
+// The ready file: one a killed balancer left is gone before a balancer starts (here one that
+// cannot start, its metrics port taken by the running one's), so that nobody waiting takes
+// its port for live; one that cannot be written, or a path naming something else, stops the
+// balancer (exit 1, named); a balancer that stops removes its own.
+TEST_F(BalancerTest, TheReadyFileOfARunBeforeIsClearedAndOneThatCannotBeWrittenStopsIt) {
+  auto balancer = StartBalancer({"--auto_rebalance=false"});
+  const std::string stale = dir_.Write("stale.ready", "{\"pid\": 1, \"port\": 1}\n");
+  {
+    Process p({test::BinaryPath("ubep-balancer"), "--listen=127.0.0.1:0",
+               absl::StrCat("--metrics=127.0.0.1:", balancer_metrics_), "--ready_file=" + stale},
+              path("metrics-taken.log"));
+    EXPECT_EQ(p.Wait(absl::Seconds(30)), 1);
+    EXPECT_THAT(ReadFile(path("metrics-taken.log")),
+                HasSubstr(absl::StrCat("ubep-balancer: --metrics 127.0.0.1:", balancer_metrics_, ": ")));
+    EXPECT_FALSE(std::filesystem::exists(stale));
+  }
+  std::filesystem::create_directories(path("dir.ready"));
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"/nonexistent/ready.json",
+       "\nubep-balancer: --ready_file: /nonexistent/ready.json: cannot write: No such file or "
+       "directory\n"},
+      {path("dir.ready"),
+       "ubep-balancer: --ready_file: " + path("dir.ready") +
+           " exists and is not a regular file (a directory); not replacing it: is the ready "
+           "file's path right?\n"},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const std::string log = path(absl::StrCat("ready", i, ".log"));
+    Process p({test::BinaryPath("ubep-balancer"), "--listen=127.0.0.1:0", "--metrics=",
+               "--ready_file=" + cases[i].first},
+              log);
+    EXPECT_EQ(p.Wait(absl::Seconds(30)), 1) << cases[i].first;
+    EXPECT_THAT(ReadFile(log), ::testing::EndsWith(cases[i].second));
+  }
+  ASSERT_TRUE(std::filesystem::exists(path("balancer.ready")));
+  balancer->Signal(SIGTERM);
+  EXPECT_EQ(balancer->Wait(absl::Seconds(30)), 0);
+  EXPECT_FALSE(std::filesystem::exists(path("balancer.ready")));
+}
+
 TEST_F(BalancerTest, MalformedReportsAreRejectedWithTheReasonCountedAndTheBalancerKeepsRunning) {
   FakeDaemon fake;
   auto balancer = StartBalancer({"--auto_rebalance=false"});

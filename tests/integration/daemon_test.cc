@@ -399,6 +399,15 @@ TEST_F(DaemonTest, AReceiveCapacityOverflowDropsTheSameStepsEverywhereAndTheRest
   const grpc::Status attached = Attach(Request(0, 2), &response);
   ASSERT_TRUE(attached.ok()) << attached.error_message();
   EXPECT_EQ(response.max_recv_rows(), 500u);
+}
+
+// What ubepd cannot start with is refused at start, naming it, and touches nothing of the
+// daemon serving beside it (its sockets, its ports, its ready file).
+TEST_F(DaemonTest, WhatItCannotStartWithIsRefusedAndLeavesTheRunningDaemonBe) {
+  std::unique_ptr<Process> daemon = StartDaemon();
+  v1::AttachResponse response;
+  const grpc::Status attached = Attach(Request(0, 2), &response);
+  ASSERT_TRUE(attached.ok()) << attached.error_message();
   // Flag values ubepd cannot run with: exit 2, naming the flag (a wait no call could pass is
   // refused at start, not blamed on each client's Attach later).
   const std::pair<std::string, std::string> refused[] = {
@@ -485,23 +494,30 @@ TEST_F(DaemonTest, AReceiveCapacityOverflowDropsTheSameStepsEverywhereAndTheRest
                                          "cannot write: No such file or directory\n"));
   }
   // A metrics port taken (here by the running daemon's): refused before any client could
-  // attach, its sockets never made.
+  // attach, its sockets never made. The ready file a killed daemon left on that socket's path
+  // is gone all the same (this one held the lock): nobody waiting takes its ports for live.
   {
     const std::string out = dir_.path() + "/metrics-taken.out";
     const std::string socket = dir_.path() + "/fourth.sock";
+    const std::string stale = dir_.Write("fourth.ready", "{\"pid\": 1, \"metrics_port\": 1}\n");
     Process p({BinaryPath("ubepd"), "--socket=" + socket,
-               absl::StrCat("--metrics=127.0.0.1:", metrics_port_)},
+               absl::StrCat("--metrics=127.0.0.1:", metrics_port_), "--ready_file=" + stale},
               out);
     EXPECT_EQ(p.Wait(absl::Seconds(30)), 1);
+    EXPECT_FALSE(std::filesystem::exists(stale));
     EXPECT_THAT(ReadFile(out), HasSubstr(absl::StrCat("ubepd: --metrics 127.0.0.1:", metrics_port_,
                                                       ": ")));
     EXPECT_FALSE(std::filesystem::exists(socket));
     EXPECT_FALSE(std::filesystem::exists(socket + ".fds"));
   }
-  // A second daemon on the same socket path is refused, and leaves the first one's sockets be.
-  Process second({BinaryPath("ubepd"), "--socket=" + socket_path(), "--metrics="},
+  // A second daemon on the same socket path is refused, and leaves the first one's sockets
+  // and ready file be.
+  const std::string ready = ReadFile(dir_.path() + "/ready.json");
+  Process second({BinaryPath("ubepd"), "--socket=" + socket_path(), "--metrics=",
+                  "--ready_file=" + dir_.path() + "/ready.json"},
                  dir_.path() + "/second.out");
   EXPECT_EQ(second.Wait(absl::Seconds(30)), 1);
+  EXPECT_EQ(ReadFile(dir_.path() + "/ready.json"), ready);
   EXPECT_THAT(ReadFile(dir_.path() + "/second.out"),
               ::testing::EndsWith(absl::StrCat("ubepd: another ubepd serves ", socket_path(),
                                                " (it holds ", socket_path(), ".lock)\n")));
@@ -723,6 +739,7 @@ TEST_F(DaemonTest, ASecondSignalEndsADrainThatWaitsForClients) {
                         "detach\n"));
   EXPECT_FALSE(std::filesystem::exists(socket_path()));
   EXPECT_FALSE(std::filesystem::exists(socket_path() + ".fds"));
+  EXPECT_FALSE(std::filesystem::exists(dir_.path() + "/ready.json"));
 }
 
 // A Ctrl-C reaches every process of the terminal's group, and a parent (ubep-local) then
@@ -741,6 +758,7 @@ TEST_F(DaemonTest, ASigtermRightAfterASigintDoesNotCutTheDrainShort) {
   claimed.reset();  // The client goes (its fd connection closes).
   EXPECT_EQ(daemon->Wait(absl::Seconds(30)), 0) << ReadFile(dir_.path() + "/ubepd.log");
   EXPECT_THAT(ReadFile(dir_.path() + "/ubepd.log"), Not(HasSubstr("a second signal")));
+  EXPECT_FALSE(std::filesystem::exists(dir_.path() + "/ready.json"));
 }
 
 TEST_F(DaemonTest, HealthIsNotServingWhileDrainingAndAttachIsRefused) {

@@ -161,6 +161,49 @@ TEST(WriteTextFileTest, AFailedRenameLeavesNoTemporaryFile) {
   std::filesystem::remove_all(dir);
 }
 
+// A ready file: one a run before left (a regular file) is cleared; one published is written
+// whole and removed by Withdraw and by the destructor; one never published is not removed (the
+// path is another run's, or nobody's); anything but a regular file at the path is refused,
+// named, and left alone.
+TEST(ReadyFileTest, ClearsAStaleOnePublishesAndWithdrawsItsOwn) {
+  char dir_template[] = "/tmp/ubep-ready-test-XXXXXX";
+  const std::string dir = mkdtemp(dir_template);
+  const std::string path = dir + "/ready.json";
+  ASSERT_TRUE(WriteTextFile(path, "{\"pid\": 1}\n").ok());
+  {
+    ReadyFile ready(path);
+    ASSERT_TRUE(ready.ClearStale().ok());
+    EXPECT_FALSE(std::filesystem::exists(path));
+    EXPECT_TRUE(ready.ClearStale().ok());  // Nothing there: nothing to do.
+    ASSERT_TRUE(ready.Publish("{\"port\": 7}\n").ok());
+    EXPECT_EQ(*ReadTextFile(path), "{\"port\": 7}\n");
+    ready.Withdraw();
+    EXPECT_FALSE(std::filesystem::exists(path));
+    ASSERT_TRUE(ready.Publish("{\"port\": 8}\n").ok());
+    EXPECT_TRUE(std::filesystem::exists(path));
+  }
+  EXPECT_FALSE(std::filesystem::exists(path));
+  {
+    ASSERT_TRUE(WriteTextFile(path, "another run's\n").ok());
+    ReadyFile unpublished(path);
+    unpublished.Withdraw();
+  }
+  EXPECT_EQ(*ReadTextFile(path), "another run's\n");
+  std::filesystem::remove(path);
+  std::filesystem::create_directories(path + "/inside");
+  EXPECT_EQ(ReadyFile(path).ClearStale(),
+            absl::FailedPreconditionError(
+                path + " exists and is not a regular file (a directory); not replacing it: is "
+                       "the ready file's path right?"));
+  EXPECT_TRUE(std::filesystem::exists(path + "/inside"));
+  const absl::Status unwritable = ReadyFile(dir + "/no/such/dir/ready.json").Publish("{}\n");
+  EXPECT_EQ(unwritable, absl::PermissionDeniedError(
+                            dir + "/no/such/dir/ready.json: cannot write: No such file or directory"));
+  EXPECT_TRUE(ReadyFile().ClearStale().ok());
+  EXPECT_TRUE(ReadyFile().Publish("{}\n").ok());
+  std::filesystem::remove_all(dir);
+}
+
 // Every field, each away from what a reader would assume without it: version 7, two expert
 // groups, model layers 3 and 4 (excluded ranks: below).
 TEST(PlanJsonTest, RoundTripsEveryField) {
