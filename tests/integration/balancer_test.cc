@@ -191,7 +191,16 @@ TEST_F(BalancerTest, RebalancingLowersTheMeasuredImbalanceAndEveryStepStaysExact
   EXPECT_LT(after_median, 1.1);
   const std::string m = test::HttpGet(balancer_metrics_, "/metrics");
   EXPECT_GE(test::Sample(m, "ubep_balancer_plans_committed_total"), 1);
-  EXPECT_EQ(test::Sample(m, "ubep_balancer_plans_aborted_total"), 0) << ReadFile(path("balancer.log"));
+  // A plan is aborted only where a rank ran past its effective step (the step rate measured
+  // while the machine stalled): each such abort is a "rebalance:" warning saying so, and the
+  // next interval makes another plan. Any other abort is a defect.
+  const std::string balancer_log = ReadFile(path("balancer.log"));
+  int behind = 0;
+  for (absl::string_view line : absl::StrSplit(balancer_log, '\n')) {
+    behind += absl::StrContains(line, "rebalance: ABORTED: plan v") &&
+              absl::StrContains(line, " is not ahead of rank ");
+  }
+  EXPECT_EQ(test::Sample(m, "ubep_balancer_plans_aborted_total"), behind) << balancer_log;
   EXPECT_GT(test::Sample(m, "ubep_balancer_migrated_slots_total"), 0);
   EXPECT_GT(test::Sample(m, "ubep_balancer_migrated_bytes_total"), 0);
   // The exposition passes promtool's lint, as ubepd's does (daemon_test).
@@ -338,7 +347,9 @@ TEST_F(BalancerTest, TwoDaemonsServeOneGroupOfEightRanksAndRebalancingBringsTheI
   // formed the group.
   for (const std::string node : {"node-a", "node-b"}) {
     const std::string log = ReadFile(path(node + ".log"));
-    EXPECT_THAT(log, HasSubstr("committed plan v2")) << node;
+    // The first plan change is v2, or a later one where a rank ran past v2's effective step
+    // (stalled while the balancer measured the step rate) and v2 was aborted.
+    EXPECT_TRUE(std::regex_search(log, std::regex("committed plan v[0-9]+"))) << node;
     EXPECT_THAT(log, HasSubstr("mapped the arenas of ranks " +
                                std::string(node == "node-a" ? "4-7" : "0-3")))
         << node;
@@ -443,8 +454,8 @@ TEST_F(BalancerTest, CallsOverAReceiveCapacityCallForPlansUntilEveryStepIsServed
 void LoseNodeB(BalancerTest& t, bool balancer_down, const std::string& plan = "") {
   constexpr int kSteps = 300;
   t.world_ = 8;
-  // Four failed checks (1.2 s): a daemon slowed by a loaded machine is not taken for lost.
-  const std::vector<std::string> flags = {"--auto_rebalance=false", "--health_failures=4",
+  // Ten failed checks (3 s): a daemon slowed by a loaded machine is not taken for lost.
+  const std::vector<std::string> flags = {"--auto_rebalance=false", "--health_failures=10",
                                           "--registration_grace=2s"};
   auto balancer = t.StartBalancer(flags);
   // Every survivor slot may take a new expert: as many free buffers as slots.
@@ -639,8 +650,8 @@ TEST_F(BalancerTest, AModelChangeOverTwoDaemonsStartsTheClusterOverWithTheNewSha
 TEST_F(BalancerTest, ARestartedDaemonIsUndrainedAndItsRanksServeExactlyAgain) {
   constexpr int kSteps = 1000000;  // Until the test stops them.
   world_ = 8;
-  // Four failed checks (1.2 s): a daemon slowed by a loaded machine is not taken for lost.
-  auto balancer = StartBalancer({"--auto_rebalance=false", "--health_failures=4"});
+  // Ten failed checks (3 s): a daemon slowed by a loaded machine is not taken for lost.
+  auto balancer = StartBalancer({"--auto_rebalance=false", "--health_failures=10"});
   auto node_a = StartDaemon({"--ranks=0-3", "--free_buffers=72"}, "node-a");
   auto node_b = StartDaemon({"--ranks=4-7", "--free_buffers=72"}, "node-b");
   std::vector<std::unique_ptr<Process>> clients;
@@ -777,7 +788,8 @@ TEST_F(BalancerTest, ADaemonRestartTheRestartedBalancerDidNotSeeIsToldByItsPeer)
   constexpr int kSteps = 300;
   constexpr int kForever = 1000000;  // node-b's clients, excluded: until the test stops them.
   world_ = 8;
-  const std::vector<std::string> flags = {"--auto_rebalance=false", "--health_failures=4"};
+  // Ten failed checks (3 s): a daemon slowed by a loaded machine is not taken for lost.
+  const std::vector<std::string> flags = {"--auto_rebalance=false", "--health_failures=10"};
   auto balancer = StartBalancer(flags);
   auto node_a = StartDaemon({"--ranks=0-3", "--free_buffers=72"}, "node-a");
   auto node_b = StartDaemon({"--ranks=4-7", "--free_buffers=72"}, "node-b");

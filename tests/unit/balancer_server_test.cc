@@ -1289,17 +1289,22 @@ TEST(BalancerServerTest, AForgetDrainOrRebalanceDuringAPlanChangeIsAnsweredBefor
   b.reset();
   std::thread ticks([&] { TickUntilDown(balancer, "node-b"); });  // v2 stops at Prepare.
   test::WaitFor([&] { return !a->prepares().empty(); }, absl::Seconds(10));
-  v1::ForgetResponse response;
-  grpc::Status status = forget(absl::Seconds(2), &response);
   // A drain and a rebalance asked meanwhile are answered the same way, and not done later.
-  grpc::Status drain, rebalance;
-  drain = DrainWithin(*control, "node-a", absl::Seconds(2));
+  // The three at once, each with 6 s: the answer comes a tenth of that before the deadline,
+  // which a loaded machine's delays stay inside (300 ms did not, once).
+  const absl::Duration deadline = absl::Seconds(6);
+  v1::ForgetResponse response;
+  grpc::Status status, drain, rebalance;
+  std::thread forgetting([&] { status = forget(deadline, &response); });
+  std::thread draining([&] { drain = DrainWithin(*control, "node-a", deadline); });
   {
     grpc::ClientContext context;
-    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+    context.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
     v1::RebalanceResponse answer;
     rebalance = control->Rebalance(&context, v1::RebalanceRequest(), &answer);
   }
+  forgetting.join();
+  draining.join();
   const bool prepared = !a->prepares().empty();
   a->HoldPrepares(false);
   ticks.join();
@@ -1434,7 +1439,9 @@ TEST(BalancerServerTest, ADrainWhoseNcclLinkTakesTheTimeLeftIsAnsweredWithNothin
   ASSERT_NE(served.server, nullptr);
   Gathering held_links(2);  // Only one comes: it is held until its deadline.
   a.GatherAt("CreateLink", &held_links);
-  const grpc::Status drain = DrainWithin(*served.control, "node-b", absl::Seconds(2));
+  // 6 s: the answer comes 600 ms before the deadline, which a loaded machine's delays stay
+  // inside.
+  const grpc::Status drain = DrainWithin(*served.control, "node-b", absl::Seconds(6));
   a.GatherAt("CreateLink", nullptr);
   EXPECT_EQ(drain.error_code(), grpc::StatusCode::ABORTED);
   EXPECT_EQ(drain.error_message(),
@@ -1524,7 +1531,9 @@ TEST(BalancerServerTest, ARebalanceWaitingForThePlanToBeInForceIsAnsweredBeforeI
   ASSERT_NE(served.server, nullptr);
   auto rebalance = [&](v1::RebalanceResponse* answer) {
     grpc::ClientContext context;
-    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(3)));
+    // 6 s: the answer comes 600 ms before the deadline, which a loaded machine's delays
+    // stay inside (300 ms did not, once).
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(6)));
     return served.control->Rebalance(&context, v1::RebalanceRequest(), answer);
   };
   v1::RebalanceResponse answer;
@@ -2000,7 +2009,9 @@ TEST(BalancerServerTest, AnOrphanPlanIsNotAbortedWhileADaemonThatMayHaveCommitte
 TEST(BalancerServerTest, APrepareThatOutlastsTheTimeoutIsAbortedSayingWhatToRaise) {
   FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
   BalancerOptions options = QuickToMarkDown();
-  options.rpc_timeout = absl::Milliseconds(300);
+  // 2 s: every RPC of the balancer has it (the ticks' health checks and GetStates too), and
+  // node-a's answers must come inside it on a loaded machine.
+  options.rpc_timeout = absl::Seconds(2);
   std::unique_ptr<Balancer> balancer = WithTwoDaemons(options, a, b);
   b.HoldPrepares(true);
   v1::RebalanceResponse response;
@@ -2008,7 +2019,7 @@ TEST(BalancerServerTest, APrepareThatOutlastsTheTimeoutIsAbortedSayingWhatToRais
   b.HoldPrepares(false);
   EXPECT_EQ(aborted.error_code(), grpc::StatusCode::ABORTED);
   EXPECT_EQ(aborted.error_message(),
-            "plan v2 aborted: node-b: no answer to Prepare within --rpc_timeout (300ms); if its "
+            "plan v2 aborted: node-b: no answer to Prepare within --rpc_timeout (2s); if its "
             "weight copies take longer, raise --rpc_timeout and --effective_margin "
             "(docs/operations.md, \"Large experts\"); the drain stays asked for: each interval "
             "tries it again (undrain cancels it)");
@@ -2211,7 +2222,9 @@ TEST(BalancerServerTest, APrepareThatLandsAfterItsAbortIsAbortedWhereItLeftThePl
   FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
   b.KeepPreparedPending(true);
   BalancerOptions options = QuickToMarkDown();
-  options.rpc_timeout = absl::Milliseconds(300);
+  // 2 s: every RPC of the balancer has it (the ticks' health checks and GetStates too), and
+  // node-a's answers must come inside it on a loaded machine.
+  options.rpc_timeout = absl::Seconds(2);
   options.recovery_grace = absl::ZeroDuration();
   std::unique_ptr<Balancer> balancer = WithTwoDaemons(options, a, b);
   b.HoldPrepares(true);
@@ -2219,7 +2232,7 @@ TEST(BalancerServerTest, APrepareThatLandsAfterItsAbortIsAbortedWhereItLeftThePl
   const grpc::Status timed_out = Drain(*balancer, "node-b", true, &response);
   EXPECT_EQ(timed_out.error_code(), grpc::StatusCode::ABORTED);
   EXPECT_EQ(timed_out.error_message(),
-            "plan v2 aborted: node-b: no answer to Prepare within --rpc_timeout (300ms); if its "
+            "plan v2 aborted: node-b: no answer to Prepare within --rpc_timeout (2s); if its "
             "weight copies take longer, raise --rpc_timeout and --effective_margin "
             "(docs/operations.md, \"Large experts\"); the drain stays asked for: each interval "
             "tries it again (undrain cancels it)");
@@ -2229,7 +2242,7 @@ TEST(BalancerServerTest, APrepareThatLandsAfterItsAbortIsAbortedWhereItLeftThePl
   for (int i = 0; i < 3; ++i) balancer->Tick();  // node-b's state read: nothing pending.
   // The Abort of v2 has reached node-b (with nothing there to abort) before its Prepare is let
   // go: the order this test is about, whatever the machine's load did to the Abort's delivery.
-  // (An Abort that has not come in 30 s, long past its 300 ms deadline, was dropped on the
+  // (An Abort that has not come in 30 s, long past its 2 s deadline, was dropped on the
   // way: there is then no order to set, and nothing to show.)
   if (!test::WaitFor(
           [&] {

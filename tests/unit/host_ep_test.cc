@@ -1376,16 +1376,17 @@ TEST(HostEpErrorTest, RecordsRewrittenAfterTheirCheckDoNotSteerThePlacement) {
 // process stopped, or starved): its sender thread stops waiting for the batches at the
 // deadline, and the rows it owed are never stored. Rank 2's call fails saying so before its
 // counts go out, and its peers, which would wait longer, stop at once naming rank 2 with that
-// reason.
+// reason. (The calling thread is held 2 s, time enough on a loaded machine for the senders to
+// run at their 300 ms deadline; the peers wait up to 6 s, and stop at the refusal.)
 TEST(HostEpErrorTest, SendersThatStoppedAtTheDeadlineFailTheCallAndSayWhy) {
   EpConfig config = ShortTimeoutConfig();
   config.sender_thread = EpConfig::SenderThread::kOn;
   config.sender_threads = 2;
   EpConfig patient = config;
-  patient.timeout = absl::Seconds(3);
+  patient.timeout = absl::Seconds(6);
   Group group(patient);
   group.Restart(2, &config);
-  group.ep(2).set_count_delay_for_testing(absl::Seconds(1));
+  group.ep(2).set_count_delay_for_testing(absl::Seconds(2));
   const TestPlan plan = RoundRobinPlan(config);
   const std::vector<absl::Status> status = DispatchOnce(group, plan, [](int) { return true; });
   const std::string why =
@@ -1394,7 +1395,7 @@ TEST(HostEpErrorTest, SendersThatStoppedAtTheDeadlineFailTheCallAndSayWhy) {
   EXPECT_EQ(status[2], absl::DeadlineExceededError(absl::StrCat("rank 2: dispatch call 1: ", why)));
   for (int r : {0, 1, 3}) {
     EXPECT_EQ(status[r], absl::DeadlineExceededError(absl::StrCat(
-                             "rank ", r, ": timed out after 3s waiting for rank 2 (dispatch "
+                             "rank ", r, ": timed out after 6s waiting for rank 2 (dispatch "
                              "counts, call 1); rank 2 refused this call: ", why)));
   }
 }
@@ -1563,7 +1564,7 @@ TEST(HostEpErrorTest, ARankThatTookPartAfterRefusingIsNotSaidToHaveRefused) {
   const EpConfig config = ShortTimeoutConfig();
   Group group(config);
   const TestPlan plan = RoundRobinPlan(config);
-  group.ep(2).set_row_delay_for_testing(absl::Seconds(1));
+  group.ep(2).set_row_delay_for_testing(absl::Seconds(2));
   std::vector<absl::Status> status(config.num_ranks);
   group.RunAll([&](int r) {
     RankInput in = MakeInput(config, r, 8, 3);
@@ -1581,13 +1582,13 @@ TEST(HostEpErrorTest, ARankThatTookPartAfterRefusingIsNotSaidToHaveRefused) {
   ExpectGaveUpOnRank2InACall(status, "dispatch data", "300ms");
 }
 
-// Rank 2's counts arrive and its rows do not (they go out a second after them, past the
+// Rank 2's counts arrive and its rows do not (they go out 2 s after them, past the
 // timeout): the others name rank 2 in the phase where they gave up, the rows.
 TEST(HostEpErrorTest, RowsThatNeverArriveAreNamedAfterTheCounts) {
   const EpConfig config = ShortTimeoutConfig();
   Group group(config);
   const TestPlan plan = RoundRobinPlan(config);
-  group.ep(2).set_row_delay_for_testing(absl::Seconds(1));
+  group.ep(2).set_row_delay_for_testing(absl::Seconds(2));
   // A Combine after the failed call is refused before it reads the output (which the call may
   // have laid out in part, over a serving loop's output of the call before) or stores a byte.
   std::vector<absl::Status> combined(config.num_ranks);
@@ -1616,7 +1617,7 @@ TEST(HostEpErrorTest, FlaggedRowsThatNeverArriveAreNamedAfterTheCounts) {
   config.flagged_tokens = 8;
   Group group(config);
   const TestPlan plan = RoundRobinPlan(config);
-  group.ep(2).set_row_delay_for_testing(absl::Seconds(1));
+  group.ep(2).set_row_delay_for_testing(absl::Seconds(2));
   const std::vector<absl::Status> status = DispatchOnce(group, plan, [](int) { return true; });
   ExpectGaveUpOnRank2InACall(status, "dispatch data", "300ms");
 }
@@ -1629,7 +1630,7 @@ TEST(HostEpErrorTest, FlaggedPartialsThatNeverArriveAreNamed) {
   Group group(config);
   const TestPlan plan = RoundRobinPlan(config);
   const EpConfig& c = group.config();
-  group.ep(2).set_partial_delay_for_testing(absl::Seconds(1));
+  group.ep(2).set_partial_delay_for_testing(absl::Seconds(2));
   std::vector<absl::Status> status(c.num_ranks);
   group.RunAll(
       [&](int r) { status[r] = DispatchThenCombine(group, r, MakeInput(c, r, 8, 3), plan); });
@@ -1692,13 +1693,18 @@ TEST(HostEpErrorTest, AFlaggedCombineLateNamesTheLowestDestinationStillAwaited) 
 }
 
 // A wait that goes on past a rank that left after its call still has its deadline, and its
-// timeout names the peer it waited for, not the rank that left.
+// timeout names the peer it waited for, not the rank that left (nor any patience: a spared
+// wait gets none). Rank 3 waits 2 s, time enough on a loaded machine for rank 1 to finish its
+// call and leave before that deadline, and rank 0's partials for it come 3 s after it.
 TEST(HostEpErrorTest, AWaitSparedByARankThatLeftStillTimesOutNamingItsPeer) {
   const EpConfig config = ShortTimeoutConfig();
   Group group(config);
+  EpConfig waiting = config;
+  waiting.timeout = absl::Seconds(2);
+  group.Restart(3, &waiting);
   const TestPlan plan = RoundRobinPlan(config);
   const ArenaLayout layout(config);
-  group.ep(0).set_partial_delay_for_testing(absl::Seconds(1), /*source=*/3);
+  group.ep(0).set_partial_delay_for_testing(absl::Seconds(5), /*source=*/3);
   std::vector<absl::Status> status(config.num_ranks);
   group.RunAll([&](int r) {
     status[r] = DispatchThenCombine(group, r, MakeInput(config, r, 8, 3), plan);
@@ -1710,7 +1716,7 @@ TEST(HostEpErrorTest, AWaitSparedByARankThatLeftStillTimesOutNamingItsPeer) {
   });
   EXPECT_EQ(status[1], absl::OkStatus());
   EXPECT_EQ(status[3], absl::DeadlineExceededError(
-                           "rank 3: timed out after 300ms waiting for rank 0 (combine partials, "
+                           "rank 3: timed out after 2s waiting for rank 0 (combine partials, "
                            "call 1); is rank 0 alive?"));
 }
 

@@ -562,12 +562,16 @@ TEST(NodeTest, APrepareTakenUpAfterItsDeadlineIsRefusedAndLeavesNothingPending) 
 // Staged past its deadline (here the copies take it), a Prepare is withdrawn before anything
 // is published: no plan is left pending.
 TEST(NodeTest, APrepareWhoseStagingOutlastsItsDeadlineLeavesNothingPending) {
+  // The deadline 2 s ahead, which a loaded machine reaches Prepare's start well inside; the
+  // staging outlasts it.
+  Node::RemoteWeights remote;
   NodeOptions options = Options();
-  options.staging_hook = [] { absl::SleepFor(absl::Milliseconds(300)); };
+  options.staging_hook = [&remote] {
+    absl::SleepFor(remote.caller_deadline - absl::Now() + absl::Milliseconds(10));
+  };
   Node node(options);
   Attached a = AttachAndClaim(node, 0, 2, 1);
-  Node::RemoteWeights remote;
-  remote.caller_deadline = absl::Now() + absl::Milliseconds(100);
+  remote.caller_deadline = absl::Now() + absl::Seconds(2);
   const v1::PrepareResponse prepared = node.Prepare(SwappedPlan(), 10, remote);
   EXPECT_FALSE(prepared.prepared());
   EXPECT_EQ(prepared.reason(),
