@@ -317,7 +317,7 @@ absl::Status Node::CreateGroup(const v1::AttachRequest& q,
                                                        layout.total_bytes));
     kernels::FormatRankArena(arena.data(), layout, config, r);
     void* area = arena.data() + layout.plan;
-    UBEP_RETURN_IF_ERROR(kernels::PreparePlan(area, table, plan.version, 0));
+    UBEP_RETURN_IF_ERROR(kernels::PreparePlan(area, layout.plan_capacity, table, plan.version, 0));
     UBEP_RETURN_IF_ERROR(kernels::CommitPlan(area, plan.version));
     std::atomic_ref<uint64_t>(kernels::ControlOf(arena.data(), layout)->next_step)
         .store(kernels::kNoNextStep, std::memory_order_relaxed);
@@ -1460,8 +1460,9 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
     std::copy(maps[r].begin(), maps[r].end(), map);
     // The map is in place before the table's version word is published (PreparePlan stores
     // it last, with release).
-    if (absl::Status s = kernels::PreparePlan(arenas_[r].data() + layout_.plan, *table,
-                                              plan.version, effective_step);
+    if (absl::Status s = kernels::PreparePlan(arenas_[r].data() + layout_.plan,
+                                              layout_.plan_capacity, *table, plan.version,
+                                              effective_step);
         !s.ok()) {
       for (int q = first_; q < r; ++q) {
         (void)kernels::AbortPlan(arenas_[q].data() + layout_.plan, plan.version);

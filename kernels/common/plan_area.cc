@@ -2,12 +2,16 @@
 
 #include <atomic>
 #include <cstring>
+#include <functional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace ubep::kernels {
 namespace {
+
+std::atomic<const std::function<void(int)>*> select_pause_for_testing{nullptr};
 
 uint64_t LoadVersion(PlanSlotHeader* slot) {
   return std::atomic_ref<uint64_t>(slot->version).load(std::memory_order_acquire);
@@ -41,17 +45,32 @@ int FindVersion(void* area, uint64_t version) {
   return aborted;
 }
 
+// Whether slot `i` still holds committed `version`: read again after its words were read (a
+// seqlock's second look). PreparePlan empties a slot before it writes any word of it, and
+// fences, so a reader that read any word of the new plan sees the slot's state no longer the
+// old plan's kCommitted, or the new plan's version.
+bool StillCommitted(void* area, int i, uint64_t version) {
+  std::atomic_thread_fence(std::memory_order_acquire);
+  PlanSlotHeader* slot = PlanSlot(area, i);
+  return LoadState(slot) == kCommitted && LoadVersion(slot) == version;
+}
+
 // The slot SelectPlan takes, -1 if none; `version` receives its version.
 int SelectSlot(void* area, uint64_t step, uint64_t* version) {
   int best = -1;
   uint64_t best_version = 0;
   for (int i = 0; i < 2; ++i) {
     PlanSlotHeader* slot = PlanSlot(area, i);
-    // State is published after the version and the table, so committed implies both visible.
+    // State is published after the version and the table, so committed implies both visible;
+    // but the slot may be emptied and rewritten (a newer plan) between the loads below, so
+    // its version and step are taken only if it is still committed under that version after
+    // them (a reader paused there must not take the old state with the new version).
     if (LoadState(slot) != kCommitted) continue;
+    if (const auto* pause = select_pause_for_testing.load(std::memory_order_acquire)) (*pause)(i);
     const uint64_t v = LoadVersion(slot);
     const uint64_t effective =
         std::atomic_ref<uint64_t>(slot->effective_step).load(std::memory_order_relaxed);
+    if (!StillCommitted(area, i, v)) continue;
     if (effective <= step && (best < 0 || v > best_version)) {
       best = i;
       best_version = v;
@@ -61,7 +80,39 @@ int SelectSlot(void* area, uint64_t step, uint64_t* version) {
   return best;
 }
 
+// Where buffer `index` starts in an area whose buffers hold `capacity` bytes each (the
+// reader's or writer's own knowledge of the area, not its header's word).
+unsigned char* BufferAt(void* area, int index, size_t capacity) {
+  return static_cast<unsigned char*>(area) + sizeof(PlanAreaHeader) + 2 * sizeof(PlanSlotHeader) +
+         index * capacity;
+}
+
+// The area's header against what the caller knows of it: every process mapping an arena can
+// write it, and a buffer placed or sized by a word written over would be read or written out
+// of the area.
+absl::Status CheckAreaHeader(void* area, size_t capacity) {
+  auto* header = static_cast<PlanAreaHeader*>(area);
+  const uint32_t magic = std::atomic_ref<uint32_t>(header->magic).load(std::memory_order_relaxed);
+  if (magic != kPlanAreaMagic) {
+    return absl::DataLossError(absl::StrCat("the plan area's header has magic 0x", absl::Hex(magic),
+                                            ", not 0x", absl::Hex(kPlanAreaMagic),
+                                            ": something other than ubepd wrote over it"));
+  }
+  const uint64_t said =
+      std::atomic_ref<uint64_t>(header->capacity_bytes).load(std::memory_order_relaxed);
+  if (said != capacity) {
+    return absl::DataLossError(absl::StrCat("the plan area's header says its buffers hold ",
+                                            said, " bytes, not ", capacity,
+                                            ": something other than ubepd wrote over it"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+void SetSelectPauseForTesting(const std::function<void(int)>* pause) {
+  select_pause_for_testing.store(pause, std::memory_order_release);
+}
 
 void InitPlanArea(void* area, size_t capacity_bytes) {
   std::memset(area, 0, sizeof(PlanAreaHeader) + 2 * sizeof(PlanSlotHeader));
@@ -81,20 +132,12 @@ const PlanTableHeader* SelectPlan(void* area, uint64_t step, uint64_t* version) 
 absl::StatusOr<const PlanTableHeader*> SelectCheckedPlan(void* area, size_t capacity,
                                                          uint64_t step, CheckedPlan& checked,
                                                          uint64_t* version, int* buffer) {
-  const uint64_t said = std::atomic_ref<uint64_t>(static_cast<PlanAreaHeader*>(area)->capacity_bytes)
-                            .load(std::memory_order_relaxed);
-  if (said != capacity) {
-    return absl::DataLossError(absl::StrCat("the plan area's header says its buffers hold ",
-                                            said, " bytes, not ", capacity,
-                                            ": something other than ubepd wrote over it"));
-  }
+  UBEP_RETURN_IF_ERROR(CheckAreaHeader(area, capacity));
   uint64_t v = 0;
   const int slot = SelectSlot(area, step, &v);
   if (slot < 0) return nullptr;
   // Placed by the reader's capacity (PlanBuffer would read the header's again).
-  const auto* table = reinterpret_cast<const PlanTableHeader*>(
-      static_cast<const unsigned char*>(area) + sizeof(PlanAreaHeader) +
-      2 * sizeof(PlanSlotHeader) + slot * capacity);
+  const auto* table = reinterpret_cast<const PlanTableHeader*>(BufferAt(area, slot, capacity));
   if (checked.table[slot] != table || checked.version[slot] != v) {
     const uint64_t bytes =
         std::atomic_ref<uint64_t>(PlanSlot(area, slot)->table_bytes).load(std::memory_order_relaxed);
@@ -112,6 +155,11 @@ absl::StatusOr<const PlanTableHeader*> SelectCheckedPlan(void* area, size_t capa
       if (valid.ok() && std::memcmp(copy.data(), table, bytes) != 0) {
         valid = absl::AbortedError("plan table: changed while it was checked");
       }
+      // The slot rewritten since it was selected (its table would be another version's,
+      // however well formed): never by ubepd while a rank may still be at a step it serves.
+      if (valid.ok() && !StillCommitted(area, slot, v)) {
+        valid = absl::AbortedError("plan table: its slot was rewritten while it was read");
+      }
     }
     if (!valid.ok()) {
       return absl::DataLossError(absl::StrCat("plan v", v, " in force at step ", step,
@@ -127,13 +175,12 @@ absl::StatusOr<const PlanTableHeader*> SelectCheckedPlan(void* area, size_t capa
   return reinterpret_cast<const PlanTableHeader*>(checked.copy[slot].data());
 }
 
-absl::Status PreparePlan(void* area, std::span<const std::byte> table, uint64_t version,
-                         uint64_t effective_step) {
-  const auto* header = static_cast<const PlanAreaHeader*>(area);
-  if (table.size() > header->capacity_bytes) {
+absl::Status PreparePlan(void* area, size_t capacity, std::span<const std::byte> table,
+                         uint64_t version, uint64_t effective_step) {
+  UBEP_RETURN_IF_ERROR(CheckAreaHeader(area, capacity));
+  if (table.size() > capacity) {
     return absl::InvalidArgumentError(absl::StrCat("plan v", version, " needs ", table.size(),
-                                                   " bytes; the plan area holds ",
-                                                   header->capacity_bytes));
+                                                   " bytes; the plan area holds ", capacity));
   }
   if (absl::Status s = ValidatePlanTable(table); !s.ok()) return s;
   int older = 0;
@@ -173,7 +220,10 @@ absl::Status PreparePlan(void* area, std::span<const std::byte> table, uint64_t 
   }
   PlanSlotHeader* slot = PlanSlot(area, older);
   StoreState(slot, kEmpty);  // Readers skip it from here on.
-  std::memcpy(const_cast<PlanTableHeader*>(PlanBuffer(area, older)), table.data(), table.size());
+  // Every word written below comes after the empty state for a reader that fences before it
+  // looks at the state again (StillCommitted).
+  std::atomic_thread_fence(std::memory_order_release);
+  std::memcpy(BufferAt(area, older, capacity), table.data(), table.size());
   // Header words readers may load concurrently are atomics (readers skip this slot anyway:
   // its state is kEmpty until the version and step are in place).
   std::atomic_ref<uint64_t>(slot->table_bytes).store(table.size(), std::memory_order_relaxed);

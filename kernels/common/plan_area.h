@@ -21,6 +21,7 @@
 #define UBEP_KERNELS_COMMON_PLAN_AREA_H_
 
 #include <cstddef>
+#include <functional>
 #include <vector>
 #include <cstdint>
 #include <span>
@@ -111,9 +112,12 @@ bool UndecidedAt(void* area, uint64_t step, uint64_t* version = nullptr);
 // may be prepared after it (its own again, a retry, included). Errors: FailedPrecondition
 // (version not above every prepared or committed one, or another version awaits its commit
 // or abort), InvalidArgument (table larger than the
-// capacity, or not a valid plan table), NotFound (Commit/Abort of a version not prepared).
-absl::Status PreparePlan(void* area, std::span<const std::byte> table, uint64_t version,
-                         uint64_t effective_step);
+// capacity, or not a valid plan table), NotFound (Commit/Abort of a version not prepared),
+// DataLoss (the area's header is not that of an area of `capacity`-byte buffers: the table is
+// placed and bounded by `capacity`, the writer's own knowledge of the area, never by a word
+// any process mapping the arena could have written).
+absl::Status PreparePlan(void* area, size_t capacity, std::span<const std::byte> table,
+                         uint64_t version, uint64_t effective_step);
 // OK when CommitPlan(area, version) would commit: the version is prepared (or committed)
 // there, not aborted.
 absl::Status CheckCommittable(void* area, uint64_t version);
@@ -122,6 +126,10 @@ absl::Status CommitPlan(void* area, uint64_t version);
 // Only while no reader runs: the daemon does it when a group forms, every rank in Join.
 absl::Status RetargetPlan(void* area, uint64_t version, uint64_t step);
 absl::Status AbortPlan(void* area, uint64_t version);
+
+// Tests only: `pause` (null: none) runs in every reader's selection of a slot, between its
+// look at the slot's state and at its version, with the slot's index; it must outlive its use.
+void SetSelectPauseForTesting(const std::function<void(int)>* pause);
 
 }  // namespace ubep::kernels
 

@@ -515,9 +515,9 @@ TEST_P(HostEpTest, EveryRankUsesThePlanInForceAtItsStep) {
   SharedArena area_arena = *SharedArena::Create("plan-area", PlanAreaBytes(4096));
   void* area = area_arena.data();
   InitPlanArea(area, 4096);
-  ASSERT_TRUE(PreparePlan(area, first.table, 1, 0).ok());
+  ASSERT_TRUE(PreparePlan(area, 4096, first.table, 1, 0).ok());
   ASSERT_TRUE(CommitPlan(area, 1).ok());
-  ASSERT_TRUE(PreparePlan(area, second.table, 2, 3).ok());
+  ASSERT_TRUE(PreparePlan(area, 4096, second.table, 2, 3).ok());
   ASSERT_TRUE(CommitPlan(area, 2).ok());
   for (uint64_t step = 0; step < 6; ++step) {
     std::vector<RankInput> inputs;
@@ -1162,7 +1162,7 @@ TEST(HostEpErrorTest, ACorruptSourceIsNamedBeforeAnythingIsSizedFromIt) {
 SharedArena CommittedPlanArea(const TestPlan& plan) {
   SharedArena arena = *SharedArena::Create("plan-area", PlanAreaBytes(4096));
   InitPlanArea(arena.data(), 4096);
-  EXPECT_TRUE(PreparePlan(arena.data(), plan.table, 1, 0).ok());
+  EXPECT_TRUE(PreparePlan(arena.data(), 4096, plan.table, 1, 0).ok());
   EXPECT_TRUE(CommitPlan(arena.data(), 1).ok());
   return arena;
 }

@@ -582,6 +582,31 @@ TEST(NodeTest, APrepareWhoseStagingOutlastsItsDeadlineLeavesNothingPending) {
   EXPECT_EQ(std::string(node.Commit(2).message()), "plan v2 is not prepared here");
 }
 
+// A client wrote over its arena's plan-area header (every client maps its arena read-write):
+// ubepd's Prepare places and bounds the table by its own layout, refuses the area naming what
+// it found, and aborts what it had prepared on the other rank; nothing is written past the
+// area (the old code copied the table 2^56 bytes past it, into ubepd's memory).
+TEST(NodeTest, APlanAreaHeaderAClientWroteOverFailsThePrepareNotUbepd) {
+  Node node(Options());
+  Attached a = AttachAndClaim(node, 0, 2, 1);
+  size_t capacity = 0;
+  node.ForEachArena([&](int r, std::byte* base, const kernels::RankArenaLayout& layout,
+                        const kernels::EpConfig&) {
+    capacity = layout.plan_capacity;
+    if (r == 1) {
+      static_cast<kernels::PlanAreaHeader*>(static_cast<void*>(base + layout.plan))->capacity_bytes =
+          ~uint64_t{0} >> 8;
+    }
+  });
+  const v1::PrepareResponse prepared = node.Prepare(SwappedPlan(), 10);
+  EXPECT_FALSE(prepared.prepared());
+  EXPECT_EQ(prepared.reason(), absl::StrCat("the plan area's header says its buffers hold "
+                                            "72057594037927935 bytes, not ",
+                                            capacity, ": something other than ubepd wrote over it"));
+  EXPECT_EQ(node.State().pending_version(), 0u);
+  EXPECT_FALSE(kernels::UndecidedAt(a.arenas[0].data() + a.layout.plan, 10));
+}
+
 TEST(NodeTest, PrepareRefusesAnEffectiveStepARankHasReached) {
   Node node(Options());
   Attached a = AttachAndClaim(node, 0, 2, 1);

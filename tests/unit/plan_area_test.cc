@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <thread>
 #include <vector>
 
@@ -24,21 +25,22 @@ std::vector<std::byte> Table(uint64_t version) {
 
 class PlanAreaTest : public ::testing::Test {
  protected:
-  PlanAreaTest() : bytes_(PlanAreaBytes(4096)) { InitPlanArea(bytes_.data(), 4096); }
+  static constexpr size_t kCapacity = 4096;
+  PlanAreaTest() : bytes_(PlanAreaBytes(kCapacity)) { InitPlanArea(bytes_.data(), kCapacity); }
   void* area() { return bytes_.data(); }
   std::vector<std::byte> bytes_;
 };
 
 TEST_F(PlanAreaTest, PlansTakeEffectAtTheirStepOnceCommitted) {
   EXPECT_EQ(SelectPlan(area(), 100), nullptr);
-  ASSERT_TRUE(PreparePlan(area(), Table(1), 1, 0).ok());
+  ASSERT_TRUE(PreparePlan(area(), kCapacity, Table(1), 1, 0).ok());
   EXPECT_EQ(SelectPlan(area(), 100), nullptr);  // Prepared is not in force.
   ASSERT_TRUE(CommitPlan(area(), 1).ok());
   uint64_t version = 0;
   ASSERT_NE(SelectPlan(area(), 0, &version), nullptr);
   EXPECT_EQ(version, 1u);
 
-  ASSERT_TRUE(PreparePlan(area(), Table(2), 2, 10).ok());
+  ASSERT_TRUE(PreparePlan(area(), kCapacity, Table(2), 2, 10).ok());
   ASSERT_TRUE(CommitPlan(area(), 2).ok());
   version = 0;
   ASSERT_NE(SelectPlan(area(), 9, &version), nullptr);
@@ -48,7 +50,7 @@ TEST_F(PlanAreaTest, PlansTakeEffectAtTheirStepOnceCommitted) {
   EXPECT_EQ(table->version, 2u);
 
   // v3 overwrites v1's slot; v2 stays in force until step 20.
-  ASSERT_TRUE(PreparePlan(area(), Table(3), 3, 20).ok());
+  ASSERT_TRUE(PreparePlan(area(), kCapacity, Table(3), 3, 20).ok());
   version = 0;
   ASSERT_NE(SelectPlan(area(), 25, &version), nullptr);
   EXPECT_EQ(version, 2u);
@@ -57,7 +59,7 @@ TEST_F(PlanAreaTest, PlansTakeEffectAtTheirStepOnceCommitted) {
   ASSERT_NE(SelectPlan(area(), 25, &version), nullptr);
   EXPECT_EQ(version, 2u);
   // After an abort the next version takes the aborted slot.
-  ASSERT_TRUE(PreparePlan(area(), Table(4), 4, 30).ok());
+  ASSERT_TRUE(PreparePlan(area(), kCapacity, Table(4), 4, 30).ok());
   ASSERT_TRUE(CommitPlan(area(), 4).ok());
   SelectPlan(area(), 30, &version);
   EXPECT_EQ(version, 4u);
@@ -66,12 +68,12 @@ TEST_F(PlanAreaTest, PlansTakeEffectAtTheirStepOnceCommitted) {
 // With no plan committed yet, a prepare that awaits its decision holds one slot and the other
 // is empty: a second prepare is refused all the same.
 TEST_F(PlanAreaTest, ASecondPrepareIsRefusedBeforeAnyCommit) {
-  ASSERT_TRUE(PreparePlan(area(), Table(1), 1, 0).ok());
-  EXPECT_EQ(PreparePlan(area(), Table(2), 2, 0),
+  ASSERT_TRUE(PreparePlan(area(), kCapacity, Table(1), 1, 0).ok());
+  EXPECT_EQ(PreparePlan(area(), kCapacity, Table(2), 2, 0),
             absl::FailedPreconditionError(
                 "plan v2 cannot be prepared while v1 awaits its commit or abort"));
   ASSERT_TRUE(AbortPlan(area(), 1).ok());
-  ASSERT_TRUE(PreparePlan(area(), Table(2), 2, 0).ok());
+  ASSERT_TRUE(PreparePlan(area(), kCapacity, Table(2), 2, 0).ok());
 }
 
 // With no plan committed, a plan aborted and prepared again under its version lands in the
@@ -79,9 +81,9 @@ TEST_F(PlanAreaTest, ASecondPrepareIsRefusedBeforeAnyCommit) {
 // found the aborted one: the commit was refused, and an abort left the live copy awaiting a
 // decision, which refused every later prepare).
 TEST_F(PlanAreaTest, APlanAbortedAndPreparedAgainBeforeAnyCommitIsDecidedOnItsLiveCopy) {
-  ASSERT_TRUE(PreparePlan(area(), Table(5), 5, 0).ok());
+  ASSERT_TRUE(PreparePlan(area(), kCapacity, Table(5), 5, 0).ok());
   ASSERT_TRUE(AbortPlan(area(), 5).ok());
-  ASSERT_TRUE(PreparePlan(area(), Table(5), 5, 0).ok());
+  ASSERT_TRUE(PreparePlan(area(), kCapacity, Table(5), 5, 0).ok());
   EXPECT_EQ(PlanSlot(area(), 0)->state, kAborted);
   EXPECT_EQ(PlanSlot(area(), 1)->state, kPrepared);
   EXPECT_EQ(PlanSlot(area(), 1)->version, 5u);
@@ -91,46 +93,95 @@ TEST_F(PlanAreaTest, APlanAbortedAndPreparedAgainBeforeAnyCommitIsDecidedOnItsLi
   ASSERT_TRUE(AbortPlan(area(), 5).ok());
   EXPECT_EQ(PlanSlot(area(), 1)->state, kAborted);
   EXPECT_FALSE(UndecidedAt(area(), 0));
-  ASSERT_TRUE(PreparePlan(area(), Table(5), 5, 0).ok());
+  ASSERT_TRUE(PreparePlan(area(), kCapacity, Table(5), 5, 0).ok());
   EXPECT_EQ(CheckCommittable(area(), 5), absl::OkStatus());
   ASSERT_EQ(CommitPlan(area(), 5), absl::OkStatus());
   uint64_t version = 0;
   ASSERT_NE(SelectPlan(area(), 0, &version), nullptr);
   EXPECT_EQ(version, 5u);
   EXPECT_FALSE(UndecidedAt(area(), 0));
-  ASSERT_EQ(PreparePlan(area(), Table(6), 6, 10), absl::OkStatus());
+  ASSERT_EQ(PreparePlan(area(), kCapacity, Table(6), 6, 10), absl::OkStatus());
 }
 
 TEST_F(PlanAreaTest, RefusesWhatWouldBreakTheProtocol) {
-  ASSERT_TRUE(PreparePlan(area(), Table(5), 5, 0).ok());
+  ASSERT_TRUE(PreparePlan(area(), kCapacity, Table(5), 5, 0).ok());
   ASSERT_TRUE(CommitPlan(area(), 5).ok());
-  EXPECT_EQ(PreparePlan(area(), Table(5), 5, 1),
+  EXPECT_EQ(PreparePlan(area(), kCapacity, Table(5), 5, 1),
             absl::FailedPreconditionError("plan v5 is not newer than v5 already in the plan area"));
-  ASSERT_TRUE(PreparePlan(area(), Table(6), 6, 10).ok());
-  EXPECT_EQ(PreparePlan(area(), Table(7), 7, 20),
+  ASSERT_TRUE(PreparePlan(area(), kCapacity, Table(6), 6, 10).ok());
+  EXPECT_EQ(PreparePlan(area(), kCapacity, Table(7), 7, 20),
             absl::FailedPreconditionError(
                 "plan v7 cannot be prepared while v6 awaits its commit or abort"));
   EXPECT_EQ(CommitPlan(area(), 9), absl::NotFoundError("plan v9 is not prepared here"));
   // An aborted plan is prepared again under its version (a retry), and then committed.
   ASSERT_TRUE(AbortPlan(area(), 6).ok());
   EXPECT_EQ(CommitPlan(area(), 6), absl::NotFoundError("plan v6 is not prepared here"));
-  ASSERT_TRUE(PreparePlan(area(), Table(6), 6, 12).ok());
+  ASSERT_TRUE(PreparePlan(area(), kCapacity, Table(6), 6, 12).ok());
   ASSERT_TRUE(CommitPlan(area(), 6).ok());
   EXPECT_EQ(AbortPlan(area(), 6),
             absl::FailedPreconditionError(
                 "plan v6 is committed; a committed plan is never aborted"));
   // An aborted plan holds no version back: after one under the last version, aborted, the
   // next plan is prepared and committed (a Prepare gone wrong does not end all that follow).
-  ASSERT_TRUE(PreparePlan(area(), Table(7), UINT64_MAX, 20).ok());
+  ASSERT_TRUE(PreparePlan(area(), kCapacity, Table(7), UINT64_MAX, 20).ok());
   ASSERT_TRUE(AbortPlan(area(), UINT64_MAX).ok());
-  ASSERT_TRUE(PreparePlan(area(), Table(7), 7, 20).ok());
+  ASSERT_TRUE(PreparePlan(area(), kCapacity, Table(7), 7, 20).ok());
   ASSERT_TRUE(CommitPlan(area(), 7).ok());
   uint64_t version = 0;
   ASSERT_NE(SelectPlan(area(), 20, &version), nullptr);
   EXPECT_EQ(version, 7u);
   std::vector<std::byte> big(5000);
-  EXPECT_EQ(PreparePlan(area(), big, 8, 0),
+  EXPECT_EQ(PreparePlan(area(), kCapacity, big, 8, 0),
             absl::InvalidArgumentError("plan v8 needs 5000 bytes; the plan area holds 4096"));
+}
+
+// A reader that has seen a slot committed (v1, the older plan) and is paused before it reads
+// the slot's version, while the writer empties the slot and prepares v3 in it (effective at
+// once): the reader does not take the old state with the new version, v3 for committed. It
+// takes v2, the plan in force.
+TEST_F(PlanAreaTest, AReaderPausedWhileItsSlotIsRewrittenDoesNotTakeTheNewVersion) {
+  ASSERT_TRUE(PreparePlan(area(), kCapacity, Table(1), 1, 0).ok());
+  ASSERT_TRUE(CommitPlan(area(), 1).ok());
+  ASSERT_TRUE(PreparePlan(area(), kCapacity, Table(2), 2, 0).ok());
+  ASSERT_TRUE(CommitPlan(area(), 2).ok());
+  int rewrites = 0;
+  const std::function<void(int)> rewrite = [&](int slot) {
+    if (slot != 0 || rewrites++ > 0) return;  // Slot 0 holds v1, the older plan.
+    EXPECT_EQ(PreparePlan(area(), kCapacity, Table(3), 3, 0), absl::OkStatus());
+  };
+  SetSelectPauseForTesting(&rewrite);
+  uint64_t version = 0;
+  const PlanTableHeader* table = SelectPlan(area(), 100, &version);
+  SetSelectPauseForTesting(nullptr);
+  EXPECT_EQ(rewrites, 1);
+  ASSERT_NE(table, nullptr);
+  EXPECT_EQ(version, 2u);
+  EXPECT_EQ(table->version, 2u);
+  EXPECT_TRUE(UndecidedAt(area(), 100));  // v3 awaits its decision.
+}
+
+// The writer places and bounds a table by the capacity it knows, not by the area's header,
+// which every process mapping the arena can write: a header written over is refused, naming
+// it, and nothing is written (an area whose header said 2^56 bytes a buffer had the table
+// copied that far past the area).
+TEST_F(PlanAreaTest, APrepareTrustsNoHeaderWordAnotherProcessCouldHaveWritten) {
+  ASSERT_TRUE(PreparePlan(area(), kCapacity, Table(1), 1, 0).ok());
+  ASSERT_TRUE(CommitPlan(area(), 1).ok());
+  auto* header = static_cast<PlanAreaHeader*>(area());
+  const std::vector<std::byte> before = bytes_;
+  header->capacity_bytes = ~uint64_t{0} >> 8;
+  EXPECT_EQ(PreparePlan(area(), kCapacity, Table(2), 2, 0),
+            absl::DataLossError("the plan area's header says its buffers hold 72057594037927935 "
+                                "bytes, not 4096: something other than ubepd wrote over it"));
+  header->capacity_bytes = kCapacity;
+  EXPECT_EQ(bytes_, before);
+  header->magic = 0;
+  EXPECT_EQ(PreparePlan(area(), kCapacity, Table(2), 2, 0),
+            absl::DataLossError("the plan area's header has magic 0x0, not 0x41504255: "
+                                "something other than ubepd wrote over it"));
+  header->magic = kPlanAreaMagic;
+  EXPECT_EQ(bytes_, before);
+  ASSERT_TRUE(PreparePlan(area(), kCapacity, Table(2), 2, 0).ok());
 }
 
 TEST_F(PlanAreaTest, ReadersNeverSeeATornTable) {
@@ -143,7 +194,7 @@ TEST_F(PlanAreaTest, ReadersNeverSeeATornTable) {
   // aborts the plan and prepares it again further ahead. The writer reads each reader's step
   // with a read-modify-write, and each reader writes it with one, so either the writer sees
   // the reader's step or the reader sees the prepare.
-  ASSERT_TRUE(PreparePlan(area(), Table(1), 1, 0).ok());
+  ASSERT_TRUE(PreparePlan(area(), kCapacity, Table(1), 1, 0).ok());
   ASSERT_TRUE(CommitPlan(area(), 1).ok());
   constexpr int kReaders = 2;
   std::atomic<uint64_t> started[kReaders] = {}, finished[kReaders] = {};
@@ -194,13 +245,13 @@ TEST_F(PlanAreaTest, ReadersNeverSeeATornTable) {
   int retried = 0;
   for (int committed = 0; committed < 38; ++committed, ++version) {
     uint64_t effective = furthest_started() + 50;
-    ASSERT_TRUE(PreparePlan(area(), Table(version), version, effective).ok());
+    ASSERT_TRUE(PreparePlan(area(), kCapacity, Table(version), version, effective).ok());
     while (furthest_started() >= effective) {
       ASSERT_TRUE(AbortPlan(area(), version).ok());
       ++retried;
       ++version;
       effective = furthest_started() + 50;
-      ASSERT_TRUE(PreparePlan(area(), Table(version), version, effective).ok());
+      ASSERT_TRUE(PreparePlan(area(), kCapacity, Table(version), version, effective).ok());
     }
     ASSERT_TRUE(CommitPlan(area(), version).ok());
     for (auto& f : finished) {
