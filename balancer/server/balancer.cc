@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "absl/hash/hash.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "balancer/core/metrics.h"
@@ -57,6 +58,10 @@ std::optional<absl::Duration> TimeLeft(const grpc::ServerContext* context) {
   }
   return absl::FromChrono(context->deadline()) - absl::Now();
 }
+
+// On a PlanAndCommit error whose plan was decided nonetheless (committed, not yet
+// acknowledged anywhere): the change asked for is made, not left for a later interval.
+constexpr absl::string_view kDecidedPayload = "type.ubep.dev/plan-decided";
 
 // How long before a caller's deadline an answer that something is in the way is sent, so
 // that it arrives before the deadline does: a tenth of the time left, at least 100 ms (a
@@ -1811,6 +1816,18 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
                  << result.plan_seconds() * 1e3 << " ms, prepare "
                  << absl::ToDoubleMilliseconds(prepare_time) << " ms, prepare+commit "
                  << result.commit_seconds() * 1e3 << " ms";
+  if (result.commit_unacknowledged_size() == static_cast<int>(targets.size())) {
+    // Committed on no node yet: a balancer restarted before one acknowledges finds it
+    // undecided everywhere and aborts it (ARCHITECTURE section 5, point 4). Not said to be
+    // committed, which the caller would take as final.
+    absl::Status undurable = absl::UnavailableError(absl::StrCat(
+        "plan v", plan_->version, " was decided (every node prepared it), but no node "
+        "acknowledged its Commit before the answer was due: until one does, a balancer "
+        "restarted would abort it; this one delivers it at its next ticks (ubepctl status "
+        "shows the plan in force)"));
+    undurable.SetPayload(kDecidedPayload, absl::Cord(absl::StrCat(plan_->version)));
+    return undurable;
+  }
   return result;
 }
 
@@ -1970,7 +1987,8 @@ grpc::Status Balancer::SetDrained(const grpc::ServerContext* context, const std:
   }
   if (!result.ok()) {
     std::string message(result.status().message());
-    if (absl::IsAborted(result.status()) || absl::IsUnavailable(result.status())) {
+    const bool decided = result.status().GetPayload(kDecidedPayload).has_value();
+    if (!decided && (absl::IsAborted(result.status()) || absl::IsUnavailable(result.status()))) {
       // The daemons refused the plan, or one is not there yet: the node's state stays as
       // asked, and the next interval that can plan commits it (this call changed it).
       absl::StrAppend(&message, "; the ", drained ? "drain" : "undrain",

@@ -1657,6 +1657,34 @@ TEST(BalancerServerTest, APlanCommittedOnlyOnAForgottenNodeIsStillCommittedOnThe
   EXPECT_TRUE(a->aborted().empty());
 }
 
+// Plan v2 (node-b drained): every node prepared it, and no node's Commit answer came. The
+// caller is not told it is committed: until a node has it committed, a balancer restarted
+// would abort it. This balancer delivers it at its next ticks.
+TEST(BalancerServerTest, APlanNoNodeAcknowledgedTheCommitOfIsNotAnsweredCommitted) {
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+  BalancerOptions options = NeverMarkedDown();
+  options.recovery_grace = absl::ZeroDuration();
+  std::unique_ptr<Balancer> balancer = WithTwoDaemons(options, a, b);  // Learns v1.
+  a.LoseCommitOf(2);
+  b.LoseCommitOf(2);
+  v1::RebalanceResponse response;
+  const grpc::Status drained = Drain(*balancer, "node-b", true, &response);
+  EXPECT_EQ(drained.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(drained.error_message(),
+            "plan v2 was decided (every node prepared it), but no node acknowledged its Commit "
+            "before the answer was due: until one does, a balancer restarted would abort it; "
+            "this one delivers it at its next ticks (ubepctl status shows the plan in force)");
+  EXPECT_EQ(a.committed_version(), 1u);
+  EXPECT_EQ(b.committed_version(), 1u);
+  for (int i = 0; i < 5 && (a.committed_version() < 2 || b.committed_version() < 2); ++i) {
+    balancer->Tick();
+  }
+  EXPECT_EQ(a.committed_version(), 2u);
+  EXPECT_EQ(b.committed_version(), 2u);
+  EXPECT_TRUE(a.aborted().empty());
+  EXPECT_TRUE(b.aborted().empty());
+}
+
 // A GetState past gRPC's default receive limit of 4 MiB, as the committed plan of a large
 // group makes it (1024 ranks x 8 slots x 58 layers is 4.7 MB; here a padded node name stands
 // in for it, a plan that size taking minutes to build under ThreadSanitizer). The balancer
