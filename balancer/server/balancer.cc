@@ -849,35 +849,6 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
     if (auto bad = counts("slot", load.layers(i).slot())) return *bad;
     if (auto bad = counts("dispatches", load.layers(i).dispatches())) return *bad;
   }
-  // A group that formed again at a step before the plan's effective step (its clients
-  // attached anew) follows the plan from the step it resumed at (the daemons moved the plan's
-  // start there): its reports from then on hold that plan's counts. A change of members is in
-  // force from the step the group resumes at, which the balancer learns here, from the first
-  // report of a daemon with member ranks (one whose ranks the plan excludes may have caught up
-  // on it at a step of its own).
-  if (request->has_plan_effective_step() && load.plan_version() == plan_->version &&
-      ((!effective_step_learned_ && Member(d)) ||
-       request->plan_effective_step() < plan_effective_step_)) {
-    UBEP_LOG(INFO) << "plan v" << plan_->version << " is in force from step "
-                   << request->plan_effective_step()
-                   << (effective_step_learned_ ? absl::StrCat(", not ", plan_effective_step_)
-                                               : std::string())
-                   << ": node " << request->node() << "'s group resumed there";
-    plan_effective_step_ = request->plan_effective_step();
-    effective_step_learned_ = true;
-  }
-  // A daemon tags its counts with the plan it has committed, which its ranks follow only from
-  // the plan's effective step: counts of steps before it (the whole report, or part of it)
-  // are the previous plan's, whose slots held other experts.
-  if (load.plan_version() != plan_->version || load.first_step() < plan_effective_step_) {
-    // Its counts cannot be told apart from the other plan's (its failed calls are counted).
-    stale_reports_->Increment();
-    return Reject("stale_plan", grpc::StatusCode::FAILED_PRECONDITION,
-                  absl::StrCat("report counted under plan v", load.plan_version(),
-                               " (steps ", load.first_step(), "-", load.last_step(),
-                               "); plan v", plan_->version, " is in force from step ",
-                               plan_effective_step_));
-  }
   if (load.layers_size() != shape_->layers) {
     return Reject("malformed", grpc::StatusCode::INVALID_ARGUMENT,
                   absl::StrCat("report has ", load.layers_size(), " layers; the model has ",
@@ -924,6 +895,35 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
                   absl::StrCat("report has ", logical->num_layers(), " layers x ",
                                logical->num_experts(), " experts; the model has ", shape_->layers,
                                " x ", shape_->experts));
+  }
+  // A group that formed again at a step before the plan's effective step (its clients
+  // attached anew) follows the plan from the step it resumed at (the daemons moved the plan's
+  // start there): its reports from then on hold that plan's counts. A change of members is in
+  // force from the step the group resumes at, which the balancer learns here, from the first
+  // report of a daemon with member ranks (one whose ranks the plan excludes may have caught up
+  // on it at a step of its own), and only from a report found well formed above (a malformed
+  // one, refused, must not move it).
+  if (request->has_plan_effective_step() && load.plan_version() == plan_->version && Member(d) &&
+      (!effective_step_learned_ || request->plan_effective_step() < plan_effective_step_)) {
+    UBEP_LOG(INFO) << "plan v" << plan_->version << " is in force from step "
+                   << request->plan_effective_step()
+                   << (effective_step_learned_ ? absl::StrCat(", not ", plan_effective_step_)
+                                               : std::string())
+                   << ": node " << request->node() << "'s group resumed there";
+    plan_effective_step_ = request->plan_effective_step();
+    effective_step_learned_ = true;
+  }
+  // A daemon tags its counts with the plan it has committed, which its ranks follow only from
+  // the plan's effective step: counts of steps before it (the whole report, or part of it)
+  // are the previous plan's, whose slots held other experts.
+  if (load.plan_version() != plan_->version || load.first_step() < plan_effective_step_) {
+    // Its counts cannot be told apart from the other plan's (its failed calls are counted).
+    stale_reports_->Increment();
+    return Reject("stale_plan", grpc::StatusCode::FAILED_PRECONDITION,
+                  absl::StrCat("report counted under plan v", load.plan_version(),
+                               " (steps ", load.first_step(), "-", load.last_step(),
+                               "); plan v", plan_->version, " is in force from step ",
+                               plan_effective_step_));
   }
   const std::optional<double> dispatches = MeanDispatches(load);
   if (d.interval_load.num_layers() != shape_->layers) {

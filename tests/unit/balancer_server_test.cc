@@ -1062,11 +1062,21 @@ TEST(BalancerServerTest, AfterAChangeOfMembersStepsBeforeTheGroupResumedAreStale
     v1::ReportLoadResponse response;
     return balancer.ReportLoad(nullptr, &q, &response);
   };
-  const grpc::Status straddling = report(1, 100, 130);
+  // A malformed report (one layer of the model's two) saying the group resumed at step 0 is
+  // refused, and moves nothing: the old code learned step 0 from it before refusing it, and
+  // took the counts of steps 100-119, the old placement's, for v2's.
+  v1::ReportLoadRequest malformed = ReportOf("node-a", 0, 1, 0, 90, 2, 1);
+  malformed.set_plan_effective_step(0);
+  malformed.mutable_load()->mutable_layers()->RemoveLast();
+  v1::ReportLoadResponse refused;
+  const grpc::Status status = balancer.ReportLoad(nullptr, &malformed, &refused);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(status.error_message(), "report has 1 layers; the model has 2");
+  const grpc::Status straddling = report(2, 100, 130);
   EXPECT_EQ(straddling.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_EQ(straddling.error_message(),
             "report counted under plan v2 (steps 100-130); plan v2 is in force from step 120");
-  const grpc::Status after = report(2, 130, 140);
+  const grpc::Status after = report(3, 130, 140);
   EXPECT_TRUE(after.ok()) << after.error_message();
 }
 
