@@ -1249,6 +1249,11 @@ void Balancer::Recover() {
         }
         plan_version_->Set(static_cast<double>(plan_->version));
         UBEP_LOG(INFO) << "learned plan v" << plan_->version << " from node " << name;
+      } else {
+        // Kept from, and said: the balancer plans from the older plan it holds meanwhile.
+        UBEP_LOG(WARNING) << "node " << name << " holds plan v" << state.committed_version()
+                          << ", which cannot be read (" << plan.status().message()
+                          << "): not learned from it";
       }
     }
     // The step the plan is in force from, as a daemon with member ranks holds it (one whose
