@@ -355,7 +355,8 @@ Balancer::Balancer(BalancerOptions options, std::shared_ptr<prometheus::Registry
   rejected_ = &BuildCounter().Name("ubep_balancer_rejected_reports_total")
                    .Help("Load reports rejected, by reason.").Register(r);
   stale_reports_ = &BuildCounter().Name("ubep_balancer_stale_reports_total")
-                        .Help("Load reports counted under a plan that is no longer in force.")
+                        .Help("Load reports refused as another plan's counts: counted under "
+                              "a plan not in force for every step they span.")
                         .Register(r).Add({});
   over_capacity_calls_ =
       &BuildCounter()
@@ -1505,7 +1506,7 @@ grpc::Status Balancer::Serialize(std::unique_lock<std::mutex>& serial, absl::Tim
     serial.lock();
   } else if (!LockBefore(serial, answer_by - MonotonicNow())) {
     return grpc::Status(grpc::StatusCode::ABORTED,
-                        absl::StrCat("a plan change is in flight; ", what,
+                        absl::StrCat("a plan change or recovery is in flight; ", what,
                                      ": try again once it is done"));
   }
   return grpc::Status::OK;

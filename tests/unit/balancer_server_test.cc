@@ -1321,14 +1321,16 @@ TEST(BalancerServerTest, AForgetDrainOrRebalanceDuringAPlanChangeIsAnsweredBefor
   ASSERT_TRUE(prepared) << "no plan change was in flight";
   EXPECT_EQ(status.error_code(), grpc::StatusCode::ABORTED);
   EXPECT_EQ(status.error_message(),
-            "a plan change is in flight; node node-b was not forgotten: try again once it is "
-            "done");
+            "a plan change or recovery is in flight; node node-b was not forgotten: try again "
+            "once it is done");
   EXPECT_EQ(drain.error_code(), grpc::StatusCode::ABORTED);
   EXPECT_EQ(drain.error_message(),
-            "a plan change is in flight; node node-a was not drained: try again once it is done");
+            "a plan change or recovery is in flight; node node-a was not drained: try again once "
+            "it is done");
   EXPECT_EQ(rebalance.error_code(), grpc::StatusCode::ABORTED);
   EXPECT_EQ(rebalance.error_message(),
-            "a plan change is in flight; no rebalance was made: try again once it is done");
+            "a plan change or recovery is in flight; no rebalance was made: try again once it is "
+            "done");
   balancer.Tick();
   v1::ClusterStatus after;
   ASSERT_TRUE(balancer.GetStatus(nullptr, nullptr, &after).ok());
