@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/rpc_origin.h"
+#include "common/timeout.h"
 #include "balancer/formats/proto_convert.h"
 #include "daemon/balancer_link.h"
 #include "daemon/device_memory.h"
@@ -126,7 +127,7 @@ Node::RemoteWeights RemoteWeightsOf(const v1::PrepareRequest& request, const std
   }
   auto stubs = std::make_shared<absl::flat_hash_map<std::string, std::unique_ptr<v1::DaemonControl::Stub>>>();
   // The balancer's deadline for the Prepare bounds every wait (with a moment to answer).
-  deadline -= absl::Milliseconds(200);
+  deadline -= AnswerMargin(deadline - absl::Now(), absl::Milliseconds(200));
   remote.deadline = deadline;
   remote.fetch = [hosts, stubs, deadline](int rank, uint64_t version, int layer, int slot,
                                          std::byte* out, size_t bytes,

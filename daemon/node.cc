@@ -18,6 +18,7 @@
 #include "common/model_shape.h"
 #include "common/shape_limits.h"
 #include "common/status_macros.h"
+#include "common/timeout.h"
 #include "daemon/weight_link.h"
 #include "kernels/common/flagged_rows.h"
 #include "kernels/common/plan_area.h"
@@ -39,9 +40,17 @@ void StoreWord(uint64_t& word, uint64_t value) {
 constexpr uint32_t kMaxTokens = 1u << 20;
 constexpr uint32_t kMaxHidden = 1u << 16;
 
-// A wait bounded by its caller's gRPC deadline ends this much before it, so that the answer
-// (why the wait ended) reaches the caller before its own DeadlineExceeded.
-constexpr absl::Duration kAnswerMargin = absl::Milliseconds(200);
+// A wait bounded by its caller's gRPC deadline ends before it (AnswerMargin, at least this
+// much), so that the answer (why the wait ended) reaches the caller before its own
+// DeadlineExceeded.
+constexpr absl::Duration kMinAnswerMargin = absl::Milliseconds(200);
+
+// The time a wait bounded by the caller's (wall-clock) `deadline` has, its answer's margin
+// taken off.
+absl::Duration WaitBefore(absl::Time deadline) {
+  const absl::Duration left = deadline - absl::Now();
+  return left - AnswerMargin(left, kMinAnswerMargin);
+}
 
 // 128 random bits, hex; an error where the kernel gives none (a seccomp profile refusing
 // getrandom, say), rather than a retry forever under the node's lock.
@@ -416,7 +425,7 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
     // Time left before the caller's (wall-clock) deadline, waited out as a duration.
     mu_.AwaitWithTimeout([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       return draining_ || !has_group_ || AllArenasMapped();
-    }, std::min(deadline - kAnswerMargin - absl::Now(), options_.join_timeout));
+    }, std::min(WaitBefore(deadline), options_.join_timeout));
     if (draining_) {
       return absl::UnavailableError(kDraining);
     }
@@ -746,7 +755,7 @@ absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl
   // The caller's deadline is a wall-clock time (gRPC's); from here on the wait counts the time
   // it had left on the monotonic clock, so that a clock step neither ends it nor stretches it.
   const absl::Time until =
-      MonotonicNow() + std::min(deadline - kAnswerMargin - absl::Now(), options_.join_timeout);
+      MonotonicNow() + std::min(WaitBefore(deadline), options_.join_timeout);
   // (The group may have been created again meanwhile, of fewer ranks.)
   auto still_mine = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return has_group_ && static_cast<size_t>(rank) < ranks_.size() &&

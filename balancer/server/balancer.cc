@@ -21,6 +21,7 @@
 #include "common/logging.h"
 #include "common/model_shape.h"
 #include "common/shape_limits.h"
+#include "common/timeout.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
@@ -63,19 +64,12 @@ std::optional<absl::Duration> TimeLeft(const grpc::ServerContext* context) {
 // acknowledged anywhere): the change asked for is made, not left for a later interval.
 constexpr absl::string_view kDecidedPayload = "type.ubep.dev/plan-decided";
 
-// How long before a caller's deadline an answer that something is in the way is sent, so
-// that it arrives before the deadline does: a tenth of the time left, at least 100 ms (a
-// loaded machine delays the answer more than an idle one sends it).
-absl::Duration AnswerMargin(absl::Duration left) {
-  return std::max(absl::Milliseconds(100), left / 10);
-}
-
-// When (on MonotonicNow) a caller's request must be answered, that margin before its
-// deadline; InfiniteFuture without a deadline.
+// When (on MonotonicNow) a caller's request must be answered: AnswerMargin (at least 100 ms)
+// before its deadline; InfiniteFuture without a deadline.
 absl::Time AnswerBy(const grpc::ServerContext* context) {
   const std::optional<absl::Duration> left = TimeLeft(context);
   if (!left.has_value()) return absl::InfiniteFuture();
-  return MonotonicNow() + *left - AnswerMargin(*left);
+  return MonotonicNow() + *left - AnswerMargin(*left, absl::Milliseconds(100));
 }
 
 // Takes `lock` unless another thread holds it for `patience` more. Polled every 5 ms rather

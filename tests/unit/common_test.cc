@@ -33,6 +33,7 @@
 #include "common/process.h"
 #include "common/recent_versions.h"
 #include "common/status_macros.h"
+#include "common/timeout.h"
 #include "common/unix_socket.h"
 #include "gtest/gtest.h"
 #include "tests/unit/loopback.h"
@@ -67,6 +68,17 @@ TEST(StatusMacrosTest, AssignOrReturnPassesValuesAndErrors) {
 TEST(StatusMacrosTest, ReturnIfErrorAcceptsStatusAndStatusOr) {
   EXPECT_TRUE(CheckQuarter(8).ok());
   EXPECT_EQ(CheckQuarter(10), absl::InvalidArgumentError("odd"));
+}
+
+// An answer's margin before its caller's deadline grows with the time the caller gave: a
+// tenth of it, at least the floor (ubepd answered a 60 s Join 200 ms before its deadline,
+// which a loaded machine could miss).
+TEST(AnswerMarginTest, IsATenthOfTheTimeLeftAtLeastTheFloor) {
+  EXPECT_EQ(AnswerMargin(absl::Seconds(60), absl::Milliseconds(200)), absl::Seconds(6));
+  EXPECT_EQ(AnswerMargin(absl::Seconds(6), absl::Milliseconds(100)), absl::Milliseconds(600));
+  EXPECT_EQ(AnswerMargin(absl::Seconds(1), absl::Milliseconds(200)), absl::Milliseconds(200));
+  EXPECT_EQ(AnswerMargin(absl::ZeroDuration(), absl::Milliseconds(100)), absl::Milliseconds(100));
+  EXPECT_EQ(AnswerMargin(-absl::Seconds(1), absl::Milliseconds(100)), absl::Milliseconds(100));
 }
 
 TEST(FakeClockTest, AdvancesOnlyWhenTold) {
