@@ -397,7 +397,9 @@ class Node {
   std::vector<RankEntry> ranks_ ABSL_GUARDED_BY(mu_);
   balancer::Plan plan_ ABSL_GUARDED_BY(mu_);               // Newest committed.
   // The group's committed versions, the newest kMaxCommittedVersions: a Commit of one again
-  // is done, an Abort of one refused, however many were committed since.
+  // is done, an Abort of one refused. One older than those is answered as a version never
+  // committed here (Commit: NotFound; Abort: OK); the balancer sends neither (it aborts only
+  // undecided versions, above the ones committed).
   static constexpr size_t kMaxCommittedVersions = 1024;
   RecentVersions committed_versions_ ABSL_GUARDED_BY(mu_){kMaxCommittedVersions};
   std::optional<balancer::Plan> pending_ ABSL_GUARDED_BY(mu_);  // Prepared, undecided.
