@@ -290,6 +290,17 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   options.node.domain = options.domain;
   if (options.socket_path.empty()) return absl::InvalidArgumentError("--socket is required");
   options.node.fd_socket_path = options.socket_path + ".fds";
+  // The ready file is written by a rename over its path (from PATH.tmp), and removed: on one
+  // of the daemon's own files it would replace a socket, or the lock.
+  for (const std::string& own : {options.socket_path, options.node.fd_socket_path,
+                                 options.socket_path + ".lock"}) {
+    if (!options.ready_file.empty() &&
+        (options.ready_file == own || options.ready_file + ".tmp" == own)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--ready_file ", options.ready_file, " would be written over ", own,
+          ", one of ubepd's own files (its sockets and its lock): give it a path of its own"));
+    }
+  }
   if (!options.balancer.empty() && options.advertise.empty() && options.listen.empty()) {
     return absl::InvalidArgumentError("--balancer needs --listen (or --advertise): the "
                                       "balancer calls this daemon back");
@@ -350,7 +361,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   }
   // A ready file a daemon before this one left (killed, it removed nothing) goes now: whoever
   // waits for this daemon's must not take that one's ports for its own.
-  if (absl::Status cleared = d->ready_.ClearStale(); !cleared.ok()) {
+  if (absl::Status cleared = d->ready_.ClearStale(balancer::ReadyFile::Holder::kThisRun);
+      !cleared.ok()) {
     return absl::Status(cleared.code(), absl::StrCat("--ready_file: ", cleared.message()));
   }
   d->node_ = std::make_unique<Node>(options.node);

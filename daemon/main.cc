@@ -266,9 +266,12 @@ int main(int argc, char** argv) {
   const auto first_signal = std::chrono::steady_clock::now();
   // The other signal, pending already, came with the first (a SIGTERM right after a Ctrl-C):
   // taken now, before anything else runs, not later as a second signal by the clock (a
-  // loaded machine may not run this thread again for a second).
+  // loaded machine may not run this thread again for a second). The same signal again stays
+  // pending: that is a second signal, whenever it came.
+  sigset_t other = signals;
+  sigdelset(&other, received);
   const timespec now{0, 0};
-  while (sigtimedwait(&signals, nullptr, &now) > 0) {
+  while (sigtimedwait(&other, nullptr, &now) > 0) {
   }
   // The drain on a thread of its own: a second signal (an operator who will not wait for the
   // clients) ends it, and the daemon, at once. A second is the same signal again, or either

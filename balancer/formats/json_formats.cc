@@ -1,6 +1,7 @@
 #include "balancer/formats/json_formats.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -282,7 +283,7 @@ absl::Status WriteTextFile(const std::string& path, const std::string& text) {
   return absl::OkStatus();
 }
 
-absl::Status ReadyFile::ClearStale() const {
+absl::Status ReadyFile::ClearStale(Holder holder) const {
   if (path_.empty()) return absl::OkStatus();
   struct stat st {};
   if (lstat(path_.c_str(), &st) != 0) {
@@ -295,6 +296,21 @@ absl::Status ReadyFile::ClearStale() const {
         S_ISDIR(st.st_mode) ? "a directory" : S_ISLNK(st.st_mode) ? "a symbolic link" : "a device, FIFO or socket",
         "); not replacing it: is the ready file's path right?"));
   }
+  if (holder == Holder::kWhoeverItNames) {
+    // Left to the process it names while that runs (another server given the same path); a
+    // file that names none, or one that has exited, is stale.
+    const absl::StatusOr<std::string> text = ReadTextFile(path_);
+    const Json json = text.ok() ? Json::parse(*text, nullptr, /*allow_exceptions=*/false) : Json();
+    const auto pid = json.is_object() && json.contains("pid") && json["pid"].is_number_integer()
+                         ? json["pid"].get<int64_t>()
+                         : int64_t{0};
+    if (pid > 0 && pid != getpid() && pid <= std::numeric_limits<pid_t>::max() &&
+        (kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          path_, " is the ready file of process ", pid, ", which is running: is another server "
+          "using this path?"));
+    }
+  }
   if (unlink(path_.c_str()) != 0 && errno != ENOENT) {
     return absl::ErrnoToStatus(errno, absl::StrCat(path_, ": cannot remove the last run's"));
   }
@@ -304,14 +320,22 @@ absl::Status ReadyFile::ClearStale() const {
 absl::Status ReadyFile::Publish(const std::string& text) {
   if (path_.empty()) return absl::OkStatus();
   UBEP_RETURN_IF_ERROR(WriteTextFile(path_, text));
-  published_ = true;
+  struct stat st {};
+  if (lstat(path_.c_str(), &st) == 0) {
+    published_ = {st.st_dev, st.st_ino};
+  }
   return absl::OkStatus();
 }
 
 void ReadyFile::Withdraw() {
-  if (!published_) return;
-  published_ = false;
-  unlink(path_.c_str());
+  if (!published_.has_value()) return;
+  // Only the file this object wrote: one another process has written there since is its own.
+  struct stat st {};
+  if (lstat(path_.c_str(), &st) == 0 && st.st_dev == published_->first &&
+      st.st_ino == published_->second) {
+    unlink(path_.c_str());
+  }
+  published_.reset();
 }
 
 absl::StatusOr<LoadMatrix> ParseSglangLoad(const std::string& text, const std::string& name) {

@@ -8,8 +8,11 @@
 #ifndef UBEP_BALANCER_FORMATS_JSON_FORMATS_H_
 #define UBEP_BALANCER_FORMATS_JSON_FORMATS_H_
 
+#include <sys/types.h>
+
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "absl/status/statusor.h"
 #include "balancer/core/load_matrix.h"
@@ -59,20 +62,25 @@ class ReadyFile {
   ReadyFile& operator=(const ReadyFile&) = delete;
   ~ReadyFile() { Withdraw(); }
 
+  // Who may hold the path: this run alone (ubepd, which holds its socket's lock), or whichever
+  // running process the file names (the balancer, which holds no lock).
+  enum class Holder { kThisRun, kWhoeverItNames };
   // Removes the file a run before this one left there (one killed or crashed, which removed
   // nothing), before this run starts: a script would otherwise take its ports for this run's.
   // Only a regular file is removed; anything else at the path is refused, naming what it is.
-  // Call it only where the path is this run's (ubepd: with its socket's lock held).
-  absl::Status ClearStale() const;
+  // kWhoeverItNames: a file whose "pid" names a running process (not this one) is left, and
+  // refused, naming it.
+  absl::Status ClearStale(Holder holder) const;
   // Writes `text` (whole, by rename); Withdraw and the destructor remove it.
   absl::Status Publish(const std::string& text);
-  // Removes the file this object published (none published: nothing is removed).
+  // Removes the file this object published, if it is still the one there (none published, or
+  // another process's written there since: nothing is removed).
   void Withdraw();
   const std::string& path() const { return path_; }
 
  private:
   std::string path_;
-  bool published_ = false;
+  std::optional<std::pair<dev_t, ino_t>> published_;  // The file written, by device and inode.
 };
 
 }  // namespace ubep::balancer

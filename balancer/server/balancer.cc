@@ -816,6 +816,14 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
                   "the balancer has not learned the cluster's plan yet");
   }
   const v1::LoadReport& load = request->load();
+  // Its counts cannot be told apart from the other plan's (its failed calls are counted).
+  auto stale = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    stale_reports_->Increment();
+    return Reject("stale_plan", grpc::StatusCode::FAILED_PRECONDITION,
+                  absl::StrCat("report counted under plan v", load.plan_version(), " (steps ",
+                               load.first_step(), "-", load.last_step(), "); plan v",
+                               plan_->version, " is in force from step ", plan_effective_step_));
+  };
   // Its steps run forwards: a span backwards is no report of steps run, and its step count
   // would scale every node's. (It may end past the step its ranks are at now: a report sent
   // again tells the step they are at, lower where the group formed again at an earlier one.)
@@ -844,6 +852,11 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
     if (auto bad = counts("slot", load.layers(i).slot())) return *bad;
     if (auto bad = counts("dispatches", load.layers(i).dispatches())) return *bad;
   }
+  // A daemon tags its counts with the plan it has committed, which its ranks follow only from
+  // the plan's effective step: another plan's counts are stale, whatever their shape (a
+  // daemon still under another model's plan). Those of this plan's steps before its
+  // effective step, which a report may move (below), are stale too.
+  if (load.plan_version() != plan_->version) return stale();
   if (load.layers_size() != shape_->layers) {
     return Reject("malformed", grpc::StatusCode::INVALID_ARGUMENT,
                   absl::StrCat("report has ", load.layers_size(), " layers; the model has ",
@@ -908,18 +921,9 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
     plan_effective_step_ = request->plan_effective_step();
     effective_step_learned_ = true;
   }
-  // A daemon tags its counts with the plan it has committed, which its ranks follow only from
-  // the plan's effective step: counts of steps before it (the whole report, or part of it)
-  // are the previous plan's, whose slots held other experts.
-  if (load.plan_version() != plan_->version || load.first_step() < plan_effective_step_) {
-    // Its counts cannot be told apart from the other plan's (its failed calls are counted).
-    stale_reports_->Increment();
-    return Reject("stale_plan", grpc::StatusCode::FAILED_PRECONDITION,
-                  absl::StrCat("report counted under plan v", load.plan_version(),
-                               " (steps ", load.first_step(), "-", load.last_step(),
-                               "); plan v", plan_->version, " is in force from step ",
-                               plan_effective_step_));
-  }
+  // Counts of steps before the plan's effective step (the whole report, or part of it) are
+  // the previous plan's, whose slots held other experts (`stale`).
+  if (load.first_step() < plan_effective_step_) return stale();
   const std::optional<double> dispatches = MeanDispatches(load);
   if (d.interval_load.num_layers() != shape_->layers) {
     d.interval_load = LoadMatrix(shape_->layers, shape_->experts);

@@ -131,9 +131,11 @@ int main(int argc, char** argv) {
   }
 
   // A ready file a balancer before this one left (killed, it removed nothing) goes before
-  // anything starts: whoever waits for this balancer's must not take that one's port.
+  // anything starts: whoever waits for this balancer's must not take that one's port. (One
+  // whose process still runs is left: the balancer holds no lock that says the path is its.)
   ubep::balancer::ReadyFile ready(absl::GetFlag(FLAGS_ready_file));
-  if (absl::Status cleared = ready.ClearStale(); !cleared.ok()) {
+  if (absl::Status cleared = ready.ClearStale(ubep::balancer::ReadyFile::Holder::kWhoeverItNames);
+      !cleared.ok()) {
     std::cerr << "ubep-balancer: --ready_file: " << cleared.message() << "\n";
     return 1;
   }

@@ -46,9 +46,11 @@ int FindVersion(void* area, uint64_t version) {
 }
 
 // Whether slot `i` still holds committed `version`: read again after its words were read (a
-// seqlock's second look). PreparePlan empties a slot before it writes any word of it, and
-// fences, so a reader that read any word of the new plan sees the slot's state no longer the
-// old plan's kCommitted, or the new plan's version.
+// seqlock's second look). PreparePlan empties a slot before it writes any header word of it,
+// and fences, so a reader that read any of the new plan's header words (version, effective
+// step) sees the slot's state no longer the old plan's kCommitted, or the new plan's version.
+// (The table's bytes are copied plainly; a copy that raced the writer is caught by this look
+// and by comparing the copy with the buffer again, not by the memory model's word.)
 bool StillCommitted(void* area, int i, uint64_t version) {
   std::atomic_thread_fence(std::memory_order_acquire);
   PlanSlotHeader* slot = PlanSlot(area, i);
@@ -78,13 +80,6 @@ int SelectSlot(void* area, uint64_t step, uint64_t* version) {
   }
   if (best >= 0) *version = best_version;
   return best;
-}
-
-// Where buffer `index` starts in an area whose buffers hold `capacity` bytes each (the
-// reader's or writer's own knowledge of the area, not its header's word).
-unsigned char* BufferAt(void* area, int index, size_t capacity) {
-  return static_cast<unsigned char*>(area) + sizeof(PlanAreaHeader) + 2 * sizeof(PlanSlotHeader) +
-         index * capacity;
 }
 
 // The area's header against what the caller knows of it: every process mapping an arena can
@@ -137,7 +132,7 @@ absl::StatusOr<const PlanTableHeader*> SelectCheckedPlan(void* area, size_t capa
   const int slot = SelectSlot(area, step, &v);
   if (slot < 0) return nullptr;
   // Placed by the reader's capacity (PlanBuffer would read the header's again).
-  const auto* table = reinterpret_cast<const PlanTableHeader*>(BufferAt(area, slot, capacity));
+  const auto* table = reinterpret_cast<const PlanTableHeader*>(PlanBufferAt(area, slot, capacity));
   if (checked.table[slot] != table || checked.version[slot] != v) {
     const uint64_t bytes =
         std::atomic_ref<uint64_t>(PlanSlot(area, slot)->table_bytes).load(std::memory_order_relaxed);
@@ -223,7 +218,7 @@ absl::Status PreparePlan(void* area, size_t capacity, std::span<const std::byte>
   // Every word written below comes after the empty state for a reader that fences before it
   // looks at the state again (StillCommitted).
   std::atomic_thread_fence(std::memory_order_release);
-  std::memcpy(BufferAt(area, older, capacity), table.data(), table.size());
+  std::memcpy(PlanBufferAt(area, older, capacity), table.data(), table.size());
   // Header words readers may load concurrently are atomics (readers skip this slot anyway:
   // its state is kEmpty until the version and step are in place).
   std::atomic_ref<uint64_t>(slot->table_bytes).store(table.size(), std::memory_order_relaxed);

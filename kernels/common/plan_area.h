@@ -65,11 +65,17 @@ UBEP_HD inline PlanSlotHeader* PlanSlot(void* area, int index) {
          index;
 }
 
+// Buffer `index` of an area whose buffers hold `capacity` bytes each.
+UBEP_HD inline unsigned char* PlanBufferAt(void* area, int index, size_t capacity) {
+  return static_cast<unsigned char*>(area) + sizeof(PlanAreaHeader) + 2 * sizeof(PlanSlotHeader) +
+         index * capacity;
+}
+
+// Buffer `index`, placed by the area's header (trusted: an area only this process writes).
 UBEP_HD inline const PlanTableHeader* PlanBuffer(const void* area, int index) {
   const auto* header = static_cast<const PlanAreaHeader*>(area);
   return reinterpret_cast<const PlanTableHeader*>(
-      static_cast<const unsigned char*>(area) + sizeof(PlanAreaHeader) +
-      2 * sizeof(PlanSlotHeader) + index * header->capacity_bytes);
+      PlanBufferAt(const_cast<void*>(area), index, header->capacity_bytes));
 }
 
 // Formats an area of PlanAreaBytes(capacity_bytes) bytes: both slots empty.
@@ -127,8 +133,9 @@ absl::Status CommitPlan(void* area, uint64_t version);
 absl::Status RetargetPlan(void* area, uint64_t version, uint64_t step);
 absl::Status AbortPlan(void* area, uint64_t version);
 
-// Tests only: `pause` (null: none) runs in every reader's selection of a slot, between its
-// look at the slot's state and at its version, with the slot's index; it must outlive its use.
+// Tests only: `pause` (null: none) runs when a reader's selection finds a slot committed,
+// between its look at the slot's state and at its version, with the slot's index; it must
+// outlive its use.
 void SetSelectPauseForTesting(const std::function<void(int)>* pause);
 
 }  // namespace ubep::kernels

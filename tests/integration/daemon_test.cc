@@ -452,6 +452,15 @@ TEST_F(DaemonTest, WhatItCannotStartWithIsRefusedAndLeavesTheRunningDaemonBe) {
       // A socket its own user could not connect to.
       {"--socket_mode=0440",
        "ubepd: --socket_mode 0440 does not let its owner connect (write permission, 0200)\n"},
+      // A ready file renamed over ubepd's own socket, or removed as a stale one over its lock.
+      {"--ready_file=" + dir_.path() + "/other.sock.lock",
+       "ubepd: --ready_file " + dir_.path() + "/other.sock.lock would be written over " +
+           dir_.path() + "/other.sock.lock, one of ubepd's own files (its sockets and its "
+           "lock): give it a path of its own\n"},
+      {"--ready_file=" + dir_.path() + "/other.sock",
+       "ubepd: --ready_file " + dir_.path() + "/other.sock would be written over " +
+           dir_.path() + "/other.sock, one of ubepd's own files (its sockets and its lock): "
+           "give it a path of its own\n"},
   };
   for (size_t i = 0; i < std::size(refused); ++i) {
     const auto& [flag, message] = refused[i];

@@ -1078,6 +1078,14 @@ TEST(BalancerServerTest, AfterAChangeOfMembersStepsBeforeTheGroupResumedAreStale
             "report counted under plan v2 (steps 100-130); plan v2 is in force from step 120");
   const grpc::Status after = report(3, 130, 140);
   EXPECT_TRUE(after.ok()) << after.error_message();
+  // Another plan's counts are stale whatever their shape (a daemon still under another
+  // model's plan): counted so, not refused as malformed.
+  v1::ReportLoadRequest old_plan = ReportOf("node-a", 0, 4, 140, 150, 1, 1);
+  old_plan.mutable_load()->mutable_layers()->RemoveLast();
+  const grpc::Status stale = balancer.ReportLoad(nullptr, &old_plan, &refused);
+  EXPECT_EQ(stale.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(stale.error_message(),
+            "report counted under plan v1 (steps 140-150); plan v2 is in force from step 120");
 }
 
 // A daemon that registered without a group (no client attached yet) and died: nothing of the

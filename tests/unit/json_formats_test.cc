@@ -1,6 +1,8 @@
 #include "balancer/formats/json_formats.h"
 
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdint>
@@ -172,9 +174,9 @@ TEST(ReadyFileTest, ClearsAStaleOnePublishesAndWithdrawsItsOwn) {
   ASSERT_TRUE(WriteTextFile(path, "{\"pid\": 1}\n").ok());
   {
     ReadyFile ready(path);
-    ASSERT_TRUE(ready.ClearStale().ok());
+    ASSERT_TRUE(ready.ClearStale(ReadyFile::Holder::kThisRun).ok());
     EXPECT_FALSE(std::filesystem::exists(path));
-    EXPECT_TRUE(ready.ClearStale().ok());  // Nothing there: nothing to do.
+    EXPECT_TRUE(ready.ClearStale(ReadyFile::Holder::kThisRun).ok());  // Nothing there: nothing to do.
     ASSERT_TRUE(ready.Publish("{\"port\": 7}\n").ok());
     EXPECT_EQ(*ReadTextFile(path), "{\"port\": 7}\n");
     ready.Withdraw();
@@ -191,7 +193,7 @@ TEST(ReadyFileTest, ClearsAStaleOnePublishesAndWithdrawsItsOwn) {
   EXPECT_EQ(*ReadTextFile(path), "another run's\n");
   std::filesystem::remove(path);
   std::filesystem::create_directories(path + "/inside");
-  EXPECT_EQ(ReadyFile(path).ClearStale(),
+  EXPECT_EQ(ReadyFile(path).ClearStale(ReadyFile::Holder::kThisRun),
             absl::FailedPreconditionError(
                 path + " exists and is not a regular file (a directory); not replacing it: is "
                        "the ready file's path right?"));
@@ -199,8 +201,43 @@ TEST(ReadyFileTest, ClearsAStaleOnePublishesAndWithdrawsItsOwn) {
   const absl::Status unwritable = ReadyFile(dir + "/no/such/dir/ready.json").Publish("{}\n");
   EXPECT_EQ(unwritable, absl::PermissionDeniedError(
                             dir + "/no/such/dir/ready.json: cannot write: No such file or directory"));
-  EXPECT_TRUE(ReadyFile().ClearStale().ok());
+  EXPECT_TRUE(ReadyFile().ClearStale(ReadyFile::Holder::kThisRun).ok());
   EXPECT_TRUE(ReadyFile().Publish("{}\n").ok());
+  std::filesystem::remove_all(dir);
+}
+
+// Where no lock says whose the path is (the balancer): a ready file naming a running process
+// (the parent of this test) is left to it, and refused naming it; one naming a process that
+// has exited, or none, is stale. A file another process wrote over this one's is not removed
+// by this one's Withdraw.
+TEST(ReadyFileTest, ALiveProcesssReadyFileIsLeftAndAnotherOnesIsNotWithdrawn) {
+  char dir_template[] = "/tmp/ubep-ready-test-XXXXXX";
+  const std::string dir = mkdtemp(dir_template);
+  const std::string path = dir + "/ready.json";
+  const std::string live = absl::StrCat("{\"pid\": ", getppid(), ", \"port\": 1}\n");
+  ASSERT_TRUE(WriteTextFile(path, live).ok());
+  EXPECT_EQ(ReadyFile(path).ClearStale(ReadyFile::Holder::kWhoeverItNames),
+            absl::FailedPreconditionError(absl::StrCat(
+                path, " is the ready file of process ", getppid(),
+                ", which is running: is another server using this path?")));
+  EXPECT_EQ(*ReadTextFile(path), live);
+  // A child that has exited and been reaped: its pid names no process.
+  const pid_t child = fork();
+  if (child == 0) _exit(0);
+  ASSERT_GT(child, 0);
+  ASSERT_EQ(waitpid(child, nullptr, 0), child);
+  ASSERT_TRUE(WriteTextFile(path, absl::StrCat("{\"pid\": ", child, "}\n")).ok());
+  EXPECT_TRUE(ReadyFile(path).ClearStale(ReadyFile::Holder::kWhoeverItNames).ok());
+  EXPECT_FALSE(std::filesystem::exists(path));
+  ASSERT_TRUE(WriteTextFile(path, "not JSON\n").ok());
+  EXPECT_TRUE(ReadyFile(path).ClearStale(ReadyFile::Holder::kWhoeverItNames).ok());
+  EXPECT_FALSE(std::filesystem::exists(path));
+  {
+    ReadyFile mine(path);
+    ASSERT_TRUE(mine.Publish("{\"port\": 7}\n").ok());
+    ASSERT_TRUE(WriteTextFile(path, "{\"port\": 8}\n").ok());  // Another server's, since.
+  }
+  EXPECT_EQ(*ReadTextFile(path), "{\"port\": 8}\n");
   std::filesystem::remove_all(dir);
 }
 
