@@ -294,8 +294,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   // of the daemon's own files it would replace a socket, or the lock.
   for (const std::string& own : {options.socket_path, options.node.fd_socket_path,
                                  options.socket_path + ".lock"}) {
-    if (!options.ready_file.empty() &&
-        (options.ready_file == own || options.ready_file + ".tmp" == own)) {
+    if (options.ready_file.empty()) break;
+    if (options.ready_file == own || options.ready_file + ".tmp" == own) {
       return absl::InvalidArgumentError(absl::StrCat(
           "--ready_file ", options.ready_file, " would be written over ", own,
           ", one of ubepd's own files (its sockets and its lock): give it a path of its own"));

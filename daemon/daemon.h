@@ -65,6 +65,9 @@ class Daemon {
   // (so that no attach is taken once it says so); then waits up to `timeout` for the clients
   // to detach. Returns whether all did.
   bool Drain(absl::Duration timeout);
+  // Removes its ready file (if it is still the one it wrote), as destruction does: for a
+  // process about to exit without destroying the daemon. Not concurrent with destruction.
+  void WithdrawReadyFile() { ready_.Withdraw(); }
 
   // Ports actually bound (useful with port 0); 0 when not listening.
   int listen_port() const { return listen_port_; }

@@ -293,10 +293,10 @@ int main(int argc, char** argv) {
                    "detach\n";
       // The sockets and the ready file go as at a clean exit; the arenas go with the process
       // (the clients find their fd connection closed: ubepd exited).
-      for (const std::string& path :
-           {options.socket_path, options.socket_path + ".fds", options.ready_file}) {
-        if (!path.empty()) unlink(path.c_str());
+      for (const std::string& path : {options.socket_path, options.socket_path + ".fds"}) {
+        unlink(path.c_str());
       }
+      (*daemon)->WithdrawReadyFile();
       std::_Exit(3);
     }
   }

@@ -23,6 +23,11 @@
 namespace ubep::balancer {
 namespace {
 
+// What a file that is not a regular one is, for the messages that refuse it.
+const char* NotRegularKind(mode_t mode) {
+  return S_ISDIR(mode) ? "a directory" : S_ISLNK(mode) ? "a symbolic link" : "a device, FIFO or socket";
+}
+
 using Json = nlohmann::json;
 
 absl::Status Bad(const std::string& name, const std::string& field, const std::string& problem) {
@@ -231,8 +236,7 @@ absl::StatusOr<std::string> ReadTextFile(const std::string& path) {
   }
   if (!S_ISREG(st.st_mode)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        path, ": not a regular file (", S_ISDIR(st.st_mode) ? "a directory" : "a device, FIFO or socket",
-        ")"));
+        path, ": not a regular file (", NotRegularKind(st.st_mode), ")"));
   }
   if (static_cast<uint64_t>(st.st_size) > kMaxTextFileBytes) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", st.st_size, " bytes, over the ",
@@ -292,8 +296,7 @@ absl::Status ReadyFile::ClearStale(Holder holder) const {
   }
   if (!S_ISREG(st.st_mode)) {
     return absl::FailedPreconditionError(absl::StrCat(
-        path_, " exists and is not a regular file (",
-        S_ISDIR(st.st_mode) ? "a directory" : S_ISLNK(st.st_mode) ? "a symbolic link" : "a device, FIFO or socket",
+        path_, " exists and is not a regular file (", NotRegularKind(st.st_mode),
         "); not replacing it: is the ready file's path right?"));
   }
   if (holder == Holder::kWhoeverItNames) {

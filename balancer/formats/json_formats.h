@@ -76,7 +76,6 @@ class ReadyFile {
   // Removes the file this object published, if it is still the one there (none published, or
   // another process's written there since: nothing is removed).
   void Withdraw();
-  const std::string& path() const { return path_; }
 
  private:
   std::string path_;

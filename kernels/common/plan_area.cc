@@ -150,11 +150,14 @@ absl::StatusOr<const PlanTableHeader*> SelectCheckedPlan(void* area, size_t capa
       if (valid.ok() && std::memcmp(copy.data(), table, bytes) != 0) {
         valid = absl::AbortedError("plan table: changed while it was checked");
       }
-      // The slot rewritten since it was selected (its table would be another version's,
-      // however well formed): never by ubepd while a rank may still be at a step it serves.
-      if (valid.ok() && !StillCommitted(area, slot, v)) {
-        valid = absl::AbortedError("plan table: its slot was rewritten while it was read");
-      }
+    }
+    // The slot rewritten since it was selected: its table would be another version's, however
+    // well formed. ubepd prepares a plan only over a slot no rank's step still uses, so this is
+    // that rule broken, not a client's write (whose message follows).
+    if (valid.ok() && !StillCommitted(area, slot, v)) {
+      return absl::DataLossError(absl::StrCat(
+          "plan v", v, " in force at step ", step, ": its slot was rewritten while it was read "
+          "(a plan prepared over one a rank still used)"));
     }
     if (!valid.ok()) {
       return absl::DataLossError(absl::StrCat("plan v", v, " in force at step ", step,
