@@ -344,6 +344,11 @@ Balancer::Balancer(BalancerOptions options, std::shared_ptr<prometheus::Registry
                                "cluster's waits for the nodes still holding ranks of the "
                                "cluster's model (a model change under way).")
                          .Register(r).Add({});
+  refused_daemons_ = &BuildGauge().Name("ubep_balancer_refused_daemons")
+                          .Help("Registered daemons that refused a decided Commit for good (a "
+                                "client wrote into their plan area): they are sent no plan and "
+                                "their ranks are excluded until they register again.")
+                          .Register(r).Add({});
   reports_ = &BuildCounter().Name("ubep_balancer_reports_total")
                   .Help("Load reports accepted.").Register(r).Add({});
   rejected_ = &BuildCounter().Name("ubep_balancer_rejected_reports_total")
@@ -603,6 +608,9 @@ grpc::Status Balancer::Register(grpc::ServerContext* context, const v1::Register
   d.held_ranks_before_restart = request->ranks().empty() && d.HoldsOldModel();
   d.info = *request;
   d.wanted_shape.reset();
+  // A Commit it refused for good is asked about again (its state is read anew): a new process,
+  // or a group formed again, holds no plan area its old clients wrote into.
+  d.refused.clear();
   d.ForgetInterval();
   d.first_rank = request->ranks().empty()
                      ? 0
@@ -1352,6 +1360,7 @@ void Balancer::Recover() {
         if (d.channel != channels[i]) continue;
         d.needs_state = true;
         node = name;
+        if (commit) NoteCommitAnswer(name, d, version, results[i].status);
       }
       UBEP_LOG(INFO) << "recovery: " << (commit ? "committed" : "aborted") << " orphan plan v"
                      << version << " on node " << (node.empty() ? "(gone)" : node)
@@ -1360,6 +1369,14 @@ void Balancer::Recover() {
     }
   }
   CatchUp();
+}
+
+void Balancer::NoteCommitAnswer(const std::string& name, Daemon& d, uint64_t version,
+                                const grpc::Status& status) {
+  if (status.error_code() != grpc::StatusCode::DATA_LOSS || !d.refused.empty()) return;
+  d.refused = absl::StrCat("refused the Commit of plan v", version, ": ", status.error_message());
+  UBEP_LOG(ERROR) << "node " << name << " " << d.refused << "; it is sent no plan and its ranks "
+                  << "are excluded until it registers again (restart its ubepd)";
 }
 
 void Balancer::AddGroupDaemons(v1::PrepareRequest& request) const {
@@ -1440,6 +1457,7 @@ void Balancer::CatchUp() {
       FanOut(channels, "/ubep.v1.DaemonControl/Prepare", request, options_.rpc_timeout);
   std::vector<std::shared_ptr<grpc::Channel>> to_commit;
   std::vector<size_t> committing;
+  std::vector<grpc::Status> commit_answers(behind.size());
   for (size_t i = 0; i < behind.size(); ++i) {
     v1::PrepareResponse response;
     if (!prepared[i].status.ok()) {
@@ -1461,6 +1479,7 @@ void Balancer::CatchUp() {
     std::vector<CallResult> committed =
         FanOut(to_commit, "/ubep.v1.DaemonControl/Commit", commit, options_.rpc_timeout);
     for (size_t j = 0; j < committing.size(); ++j) {
+      commit_answers[committing[j]] = committed[j].status;
       if (committed[j].status.ok()) continue;
       outcome[committing[j]] = committed[j].status.error_message();
       unknown[committing[j]] = true;
@@ -1475,6 +1494,9 @@ void Balancer::CatchUp() {
     if (it != daemons_.end() && (it->second.channel != channels[i] ||
                                  it->second.info.incarnation() != incarnations[i])) {
       it = daemons_.end();
+    }
+    if (it != daemons_.end()) {
+      NoteCommitAnswer(name, it->second, request.plan().version(), commit_answers[i]);
     }
     if (outcome[i].empty()) {
       UBEP_LOG(INFO) << "node " << name << " caught up on plan v" << request.plan().version()
@@ -1777,6 +1799,9 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
                         << decided[i].error_message();
       if (commit) result.add_commit_unacknowledged(targets[i]);
     }
+    if (commit && it != daemons_.end()) {
+      NoteCommitAnswer(targets[i], it->second, plan->version, decided[i]);
+    }
   }
   if (!commit) {
     plans_aborted_->Increment();
@@ -1809,8 +1834,10 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
   plan_effective_step_ = membership ? 0 : effective_step;
   effective_step_learned_ = !membership;
   ++committed_count_;
-  for (const std::string& name : targets) {
-    if (auto it = daemons_.find(name); it != daemons_.end()) it->second.committed = plan_->version;
+  for (size_t i = 0; i < targets.size(); ++i) {
+    // Where it was acknowledged (recovery reads the others' state again).
+    auto it = daemons_.find(targets[i]);
+    if (it != daemons_.end() && decided[i].ok()) it->second.committed = plan_->version;
   }
   plan_version_->Set(static_cast<double>(plan_->version));
   last_commit_ = MonotonicNow();
@@ -2087,6 +2114,7 @@ grpc::Status Balancer::GetStatus(grpc::ServerContext*, const v1::GetStatusReques
     n->set_healthy(d.healthy);
     n->set_drained(drained_.contains(name));
     if (d.wanted_shape.has_value()) n->set_new_model(d.wanted_shape->Describe());
+    n->set_refused(d.refused);
     n->set_max_step(d.max_step);
     n->set_seconds_since_report(d.last_report == absl::InfinitePast()
                                     ? -1
@@ -2133,15 +2161,17 @@ grpc::Status Balancer::Rebalance(grpc::ServerContext* context, const v1::Rebalan
 
 void Balancer::UpdateRegistryGauges() {
   registered_daemons_->Set(static_cast<double>(daemons_.size()));
-  double ranks = 0, healthy = 0, awaiting = 0;
+  double ranks = 0, healthy = 0, awaiting = 0, refused = 0;
   for (const auto& [name, d] : daemons_) {
     ranks += d.info.ranks_size();
     healthy += d.healthy ? 1 : 0;
     awaiting += d.wanted_shape.has_value() ? 1 : 0;
+    refused += d.refused.empty() ? 0 : 1;
   }
   registered_ranks_->Set(ranks);
   healthy_daemons_->Set(healthy);
   awaiting_model_->Set(awaiting);
+  refused_daemons_->Set(refused);
 }
 
 void Balancer::Tick() {

@@ -188,13 +188,20 @@ class Balancer final : public v1::Control::Service {
     // clients are not back yet): until it registers a group or is forgotten, they hold a model
     // change back as the ranks it holds do.
     bool held_ranks_before_restart = false;
+    // Why it refused a decided Commit for good (DATA_LOSS: a client wrote into a plan area of
+    // its ranks, so none of them can take the plan); empty: it did not. The plan stays
+    // pending there, which no later decision resolves: it is sent no plan and its ranks are
+    // excluded, as a down node's, until it registers again (its ubepd restarted, or its group
+    // formed again).
+    std::string refused;
 
     // Whether it holds ranks of the cluster's model, or held them before its daemon restarted.
     bool HoldsOldModel() const { return !info.ranks().empty() || held_ranks_before_restart; }
-    // Healthy and of the cluster's model: one whose group moved to another model (refused,
-    // wanted_shape) serves none of the cluster's ranks, reports none of its load, holds none
-    // of its plans and is sent none, though it answers its health checks.
-    bool Serving() const { return healthy && !wanted_shape.has_value(); }
+    // Healthy, of the cluster's model and able to take its plans: one whose group moved to
+    // another model (refused, wanted_shape) serves none of the cluster's ranks, reports none
+    // of its load, holds none of its plans and is sent none, though it answers its health
+    // checks; nor does one that refused a Commit for good.
+    bool Serving() const { return healthy && !wanted_shape.has_value() && refused.empty(); }
 
     // Its ranks count steps anew (a new process, a new group): from where they resume.
     void ForgetSteps() {
@@ -238,6 +245,10 @@ class Balancer final : public v1::Control::Service {
   void Recover();
   // Gives the cluster's plan to drained daemons behind it (Recover calls it).
   void CatchUp();
+  // A daemon's answer to the Commit of plan `version`: a refusal for good (DATA_LOSS) marks
+  // it refused (Daemon::refused), said once.
+  void NoteCommitAnswer(const std::string& name, Daemon& d, uint64_t version,
+                        const grpc::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Plans and commits; serialized with Recover by commit_mu_.
   // `members_only`: for a change of members (a drain, an undrain, a node lost or back); when
   // the plan in force already has the members wanted (another caller committed it first),
@@ -347,6 +358,7 @@ class Balancer final : public v1::Control::Service {
   prometheus::Gauge* registered_ranks_;
   prometheus::Gauge* healthy_daemons_;
   prometheus::Gauge* awaiting_model_;  // Daemons with a wanted_shape.
+  prometheus::Gauge* refused_daemons_;  // Daemons with a refused Commit.
   prometheus::Counter* reports_;
   prometheus::Family<prometheus::Counter>* rejected_;
   prometheus::Counter* stale_reports_;

@@ -339,6 +339,15 @@ class FakeDaemon final : public v1::DaemonControl::Service {
                       v1::CommitResponse*) override {
     Gather("Commit", context);
     std::lock_guard<std::mutex> lock(mu_);
+    commit_requests_.push_back(request->version());
+    if (request->version() == damaged_commit_) {  // As ubepd: pending, and refused for good.
+      pending_ = request->version();
+      return grpc::Status(grpc::StatusCode::DATA_LOSS,
+                          absl::StrCat("rank 2's plan area lost plan v", request->version(),
+                                       " (plan v", request->version(),
+                                       " is not prepared here): committed on no rank of this "
+                                       "daemon (did its client write into its plan area?)"));
+    }
     if (request->version() == lost_commit_) {  // Taken, but its answer is lost: still pending.
       lost_commit_ = 0;
       pending_ = request->version();
@@ -427,6 +436,16 @@ class FakeDaemon final : public v1::DaemonControl::Service {
     std::lock_guard<std::mutex> lock(mu_);
     lost_commit_ = version;
   }
+  // The Commit of `version` is refused for good (DATA_LOSS), as ubepd refuses one where a
+  // client wrote into a rank's plan area: the plan stays pending, whatever comes after.
+  void DamageCommitOf(uint64_t version) {
+    std::lock_guard<std::mutex> lock(mu_);
+    damaged_commit_ = version;
+  }
+  std::vector<uint64_t> commit_requests() {  // Every Commit taken, whatever it found.
+    std::lock_guard<std::mutex> lock(mu_);
+    return commit_requests_;
+  }
   // The Abort of `version` is not taken and answered UNAVAILABLE (the plan stays pending).
   void LoseAbortOf(uint64_t version) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -508,7 +527,8 @@ class FakeDaemon final : public v1::DaemonControl::Service {
   v1::Plan committed_;
   uint64_t effective_step_;
   uint64_t refused_ = 0;
-  uint64_t lost_commit_ = 0, lost_abort_ = 0, pending_ = 0;
+  uint64_t lost_commit_ = 0, lost_abort_ = 0, damaged_commit_ = 0, pending_ = 0;
+  std::vector<uint64_t> commit_requests_;
   size_t pad_ = 0;
   std::vector<uint64_t> commits_;
   bool state_unavailable_ = false;
@@ -1703,6 +1723,76 @@ TEST(BalancerServerTest, APlanNoNodeAcknowledgedTheCommitOfIsNotAnsweredCommitte
   EXPECT_EQ(b.committed_version(), 2u);
   EXPECT_TRUE(a.aborted().empty());
   EXPECT_TRUE(b.aborted().empty());
+}
+
+// Plan v3 (node-b undrained) is committed on node-a, and node-b refuses its Commit for good
+// (DATA_LOSS: a client wrote into a plan area of its ranks; ubepd keeps the plan pending, and
+// none of its ranks can take it). The cluster does not wait on node-b for ever: node-b is
+// marked refused (status says why), asked no more, sent no plan, and the next tick excludes
+// its ranks (v4, on node-a alone), as a down node's. Its ubepd restarted, it registers again
+// and comes back drained; an undrain takes its ranks back.
+TEST(BalancerServerTest, ANodeThatRefusesACommitForGoodIsExcludedAndHoldsBackNoPlan) {
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+  a.KeepPreparedPending(true);
+  b.KeepPreparedPending(true);
+  Balancer balancer(NeverMarkedDown(), std::make_shared<prometheus::Registry>());
+  v1::RegisterRequest ra = DaemonRegistration(a, "node-a", 0, 0, "host");
+  v1::RegisterRequest rb = DaemonRegistration(b, "node-b", 2, 0, "host");
+  ra.set_incarnation("a-1");
+  rb.set_incarnation("b-1");
+  Register(balancer, ra);
+  Register(balancer, rb);
+  balancer.Tick();  // Learns v1.
+  v1::RebalanceResponse response;
+  grpc::Status status = Drain(balancer, "node-b", true, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(b.committed_version(), 2u);
+  b.DamageCommitOf(3);
+  status = Drain(balancer, "node-b", false, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(response.version(), 3u);
+  EXPECT_EQ(std::vector<std::string>(response.commit_unacknowledged().begin(),
+                                     response.commit_unacknowledged().end()),
+            std::vector<std::string>{"node-b"});
+  EXPECT_EQ(a.committed_version(), 3u);
+  EXPECT_EQ(b.pending(), 3u);
+  const std::string refused =
+      "refused the Commit of plan v3: rank 2's plan area lost plan v3 (plan v3 is not prepared "
+      "here): committed on no rank of this daemon (did its client write into its plan area?)";
+  auto node_b = [&] {
+    v1::ClusterStatus cluster;
+    EXPECT_TRUE(balancer.GetStatus(nullptr, nullptr, &cluster).ok());
+    EXPECT_EQ(cluster.nodes_size(), 2);
+    return cluster.nodes_size() == 2 ? cluster.nodes(1) : v1::NodeStatus();
+  };
+  EXPECT_EQ(node_b().refused(), refused);
+  balancer.Tick();  // Excludes node-b's ranks.
+  balancer.Tick();
+  EXPECT_EQ(a.committed_version(), 4u);
+  ASSERT_TRUE(balancer.CurrentPlan().has_value());
+  EXPECT_EQ(balancer.CurrentPlan()->version, 4u);
+  EXPECT_EQ(balancer.CurrentPlan()->excluded_ranks, (std::vector<int>{2, 3}));
+  // node-b got no Prepare after v3, and no Commit after the one it refused.
+  EXPECT_EQ(b.prepares().back().plan().version(), 3u);
+  EXPECT_EQ(b.commit_requests(), (std::vector<uint64_t>{2, 3}));
+  EXPECT_EQ(b.pending(), 3u);
+  EXPECT_EQ(node_b().refused(), refused);
+  EXPECT_FALSE(node_b().drained());
+  // Its ubepd restarted: a new process, under its own first plan, nothing pending.
+  FakeDaemon restarted("node-b", FirstPlan());
+  v1::RegisterRequest again = DaemonRegistration(restarted, "node-b", 2, 0, "host");
+  again.set_incarnation("b-2");
+  Register(balancer, again);
+  EXPECT_EQ(node_b().refused(), "");
+  EXPECT_TRUE(node_b().drained());
+  balancer.Tick();  // It catches up on v4 (which excludes its ranks).
+  EXPECT_EQ(restarted.committed_version(), 4u);
+  status = Drain(balancer, "node-b", false, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(response.version(), 5u);
+  EXPECT_EQ(a.committed_version(), 5u);
+  EXPECT_EQ(restarted.committed_version(), 5u);
+  EXPECT_TRUE(balancer.CurrentPlan()->excluded_ranks.empty());
 }
 
 // A GetState past gRPC's default receive limit of 4 MiB, as the committed plan of a large

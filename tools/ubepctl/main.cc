@@ -135,10 +135,17 @@ int Status(Control::Stub& stub) {
   for (const ubep::v1::NodeStatus& n : status.nodes()) {
     std::string state = n.drained() ? "drained" : (n.healthy() ? "serving" : "excluded");
     if (!n.new_model().empty()) state = n.drained() ? "drained, new model" : "new model";
+    if (!n.refused().empty()) state = n.drained() ? "drained, refused" : "refused";
     rows.push_back({n.node(), n.address(), Ranks(n.ranks()), n.healthy() ? "healthy" : "DOWN",
                     state, std::to_string(n.max_step()), Ago(n.seconds_since_report())});
   }
   PrintTable(rows);
+  for (const ubep::v1::NodeStatus& n : status.nodes()) {
+    if (n.refused().empty()) continue;
+    std::cout << "\n" << n.node() << ": " << n.refused()
+              << "; it is sent no plan and its ranks are excluded until it registers again "
+                 "(restart its ubepd)";
+  }
   for (const ubep::v1::NodeStatus& n : status.nodes()) {
     if (n.new_model().empty()) continue;
     std::cout << "\n" << n.node() << ": its group's model is not the cluster's (" << n.new_model()
