@@ -502,10 +502,17 @@ std::string FdSocketPath(const std::string& socket_path, const std::string& fd_s
 
 absl::Status TakeArenas(RankState& s, const v1::AttachResponse& response) {
   const std::string fd_socket = FdSocketPath(s.options.socket_path, response.fd_socket());
-  // The code kept, the rank and the socket said.
+  // The rank and the socket said. Silent for rpc_timeout is ubepd not there to answer:
+  // Unavailable (as a refresh's, RefreshArenas), not DeadlineExceeded, which says that a peer
+  // of the group did not come.
   auto said = [&](const absl::Status& status) {
-    return absl::Status(status.code(), absl::StrCat("rank ", s.rank, ": ubepd's fd socket ",
-                                                    fd_socket, ": ", status.message()));
+    const std::string where = absl::StrCat("rank ", s.rank, ": ubepd's fd socket ", fd_socket, ": ");
+    if (absl::IsDeadlineExceeded(status)) {
+      return absl::UnavailableError(absl::StrCat(where, "no answer within ",
+                                                 absl::FormatDuration(s.options.rpc_timeout),
+                                                 " (rpc_timeout)"));
+    }
+    return absl::Status(status.code(), absl::StrCat(where, status.message()));
   };
   // The connection becomes the rank's (the one whose closing says ubepd exited) only once ubepd
   // gave the arenas: ubepd closes it after a refusal, and a refused rank is detached (~Rank)

@@ -599,6 +599,35 @@ TEST(ClientTest, ARefusedClaimOfTheArenasFailsAttachAndDetachesTheRank) {
   EXPECT_EQ(ubepd.attached(), 0);
 }
 
+// ubepd's fd socket taking the claim of the arenas and answering nothing: Attach gives up
+// after rpc_timeout with Unavailable, saying what ubepd was asked (not DeadlineExceeded, which
+// says a peer of the group did not come), and the rank is detached.
+TEST(ClientTest, AClaimUbepdDoesNotAnswerIsUnavailableAndDetachesTheRank) {
+  test::TempDir dir;
+  const std::string socket = dir.path() + "/ubepd.sock";
+  AlteringUbepd ubepd(socket, [](v1::AttachResponse&) {});
+  UniqueFd listener = *ListenUnix(socket + ".fds", 0600);
+  std::atomic<bool> done{false};
+  std::thread silent([&] {
+    pollfd p{listener.get(), POLLIN, 0};
+    ASSERT_EQ(poll(&p, 1, 10000), 1);
+    UniqueFd connection(accept(listener.get(), nullptr, nullptr));
+    ASSERT_TRUE(ReceiveMessage(connection.get(), 4096, absl::Seconds(10)).ok());
+    while (!done) absl::SleepFor(absl::Milliseconds(5));  // The claim is never answered.
+  });
+  ClientOptions options;
+  options.socket_path = socket;
+  options.rpc_timeout = absl::Seconds(2);
+  absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(options, 0, 1, 0, Shape());
+  done = true;
+  silent.join();
+  EXPECT_EQ(rank.status(), absl::UnavailableError(absl::StrCat(
+                               "rank 0: ubepd's fd socket ", socket,
+                               ".fds: no answer within 2s (rpc_timeout)")));
+  ASSERT_EQ(ubepd.detaches().size(), 1u);
+  EXPECT_EQ(ubepd.attached(), 0);
+}
+
 // ubepd's fd socket for several clients, answering from `node`: each connection's claim of
 // the arenas (connection ids 1, 2, ... in order of accepting), and no more; Close(i) closes
 // the i-th connection, as a ubepd that exits closes them all.

@@ -136,7 +136,11 @@ class Rank {
   // process runs next when it knows it (re-attaching after a daemon restart); the group
   // resumes at the least one given. Errors: FailedPrecondition when
   // the shape conflicts with the group (the field is named), AlreadyExists when another
-  // process holds the rank, Unavailable when ubepd is not there or draining.
+  // process holds the rank, Unavailable when ubepd is not there, draining, or does not answer
+  // over its fd socket within rpc_timeout, DeadlineExceeded when the group does not form
+  // within join_timeout (it names the ranks missing), ResourceExhausted
+  // when this process cannot map the arenas (memory or address space; on CUDA, device memory
+  // for the plan table): not a receive capacity here, and nothing to retry at once.
   // `device`: the CUDA device of the rank's arenas when ubepd runs the CUDA backend (ignored
   // on the host backend). Each call selects it for its own device work, from whatever thread,
   // and puts back the calling thread's current device: the caller selects it itself
@@ -170,7 +174,8 @@ class Rank {
   absl::Status Combine(const Dispatched& dispatched, const void* expert_out, void* out);
 
   // After an error that stopped the group: waits until every rank is back and the group has
-  // re-formed; returns the step to continue at (the least `next_step` any rank gave).
+  // re-formed; returns the step to continue at (the least `next_step` any rank gave). A group
+  // formed with new arenas maps them: its errors are then Attach's.
   absl::StatusOr<uint64_t> Rejoin(std::optional<uint64_t> next_step);
 
   // Whether the newest committed plan leaves this rank out of the EP group (its node failed or
