@@ -416,6 +416,35 @@ void AnswerClaim(daemon::Node& node, int connection, int64_t id) {
   ASSERT_TRUE(SendMessage(connection, "OK", RawFds(*claimed)).ok());
 }
 
+// ubepd's fd socket at `path` for one client: it answers the claim of the arenas from
+// `claims_from` (as connection 1), or, given none, reads the claim and answers nothing; and
+// then nothing more, until destroyed.
+class SilentFdSocket {
+ public:
+  SilentFdSocket(const std::string& path, daemon::Node* claims_from)
+      : listener_(*ListenUnix(path, 0600)), thread_([this, claims_from] { Serve(claims_from); }) {}
+  ~SilentFdSocket() {
+    done_ = true;
+    thread_.join();
+  }
+
+ private:
+  void Serve(daemon::Node* claims_from) {
+    pollfd p{listener_.get(), POLLIN, 0};
+    ASSERT_EQ(poll(&p, 1, 10000), 1);
+    UniqueFd connection(accept(listener_.get(), nullptr, nullptr));
+    if (claims_from != nullptr) {
+      ASSERT_NO_FATAL_FAILURE(AnswerClaim(*claims_from, connection.get(), 1));
+    } else {
+      ASSERT_TRUE(ReceiveMessage(connection.get(), 4096, absl::Seconds(10)).ok());
+    }
+    while (!done_) absl::SleepFor(absl::Milliseconds(5));
+  }
+  UniqueFd listener_;
+  std::atomic<bool> done_{false};
+  std::thread thread_;  // Last: starts after the members it uses.
+};
+
 // ubepd's fd socket for one client, answering from `node`: the claim of the arenas, then
 // each REFRESH with two replies, as when an earlier refresh's reply comes late: first one of
 // an older arena epoch carrying fds of no arena, then the node's arenas under `epoch_offset`
@@ -495,21 +524,11 @@ TEST(ClientTest, ARefreshUbepdDoesNotAnswerIsUnavailableSayingWhatWasAsked) {
   const std::string socket = dir.path() + "/ubepd.sock";
   AlteringUbepd ubepd(socket, [](v1::AttachResponse&) {});
   ubepd.join_epoch_offset = 1;
-  UniqueFd listener = *ListenUnix(socket + ".fds", 0600);
-  std::atomic<bool> done{false};
-  std::thread silent([&] {
-    pollfd p{listener.get(), POLLIN, 0};
-    ASSERT_EQ(poll(&p, 1, 10000), 1);
-    UniqueFd connection(accept(listener.get(), nullptr, nullptr));
-    ASSERT_NO_FATAL_FAILURE(AnswerClaim(ubepd.node(), connection.get(), 1));
-    while (!done) absl::SleepFor(absl::Milliseconds(5));  // The REFRESH is never answered.
-  });
+  SilentFdSocket silent(socket + ".fds", &ubepd.node());  // The REFRESH is never answered.
   ClientOptions options;
   options.socket_path = socket;
   options.rpc_timeout = absl::Seconds(5);  // (Also the Attach's and the claim's, on a loaded machine.)
   absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(options, 0, 1, 0, Shape());
-  done = true;
-  silent.join();
   EXPECT_EQ(rank.status(),
             absl::UnavailableError("rank 0: asking ubepd for the new arenas over its fd socket: "
                                    "no answer within 5s (rpc_timeout)"));
@@ -606,21 +625,11 @@ TEST(ClientTest, AClaimUbepdDoesNotAnswerIsUnavailableAndDetachesTheRank) {
   test::TempDir dir;
   const std::string socket = dir.path() + "/ubepd.sock";
   AlteringUbepd ubepd(socket, [](v1::AttachResponse&) {});
-  UniqueFd listener = *ListenUnix(socket + ".fds", 0600);
-  std::atomic<bool> done{false};
-  std::thread silent([&] {
-    pollfd p{listener.get(), POLLIN, 0};
-    ASSERT_EQ(poll(&p, 1, 10000), 1);
-    UniqueFd connection(accept(listener.get(), nullptr, nullptr));
-    ASSERT_TRUE(ReceiveMessage(connection.get(), 4096, absl::Seconds(10)).ok());
-    while (!done) absl::SleepFor(absl::Milliseconds(5));  // The claim is never answered.
-  });
+  SilentFdSocket silent(socket + ".fds", nullptr);  // The claim is never answered.
   ClientOptions options;
   options.socket_path = socket;
   options.rpc_timeout = absl::Seconds(2);
   absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(options, 0, 1, 0, Shape());
-  done = true;
-  silent.join();
   EXPECT_EQ(rank.status(), absl::UnavailableError(absl::StrCat(
                                "rank 0: ubepd's fd socket ", socket,
                                ".fds: no answer within 2s (rpc_timeout)")));
