@@ -608,9 +608,10 @@ grpc::Status Balancer::Register(grpc::ServerContext* context, const v1::Register
   d.held_ranks_before_restart = request->ranks().empty() && d.HoldsOldModel();
   d.info = *request;
   d.wanted_shape.reset();
-  // A Commit it refused for good is asked about again (its state is read anew): a new process,
-  // or a group formed again, holds no plan area its old clients wrote into.
-  d.refused.clear();
+  // A Commit it refused for good is asked about again (its state is read anew) once a new
+  // process, or a group formed again (another incarnation), registers: neither holds the plan
+  // area its clients wrote into. (The same process registers again when a peer restarted.)
+  if (!same_process) d.refused.clear();
   d.ForgetInterval();
   d.first_rank = request->ranks().empty()
                      ? 0
@@ -819,6 +820,13 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
   d.step_time = StepNow();
   d.last_report = MonotonicNow();
   if (sent_again) return grpc::Status::OK;
+  if (!d.refused.empty()) {
+    // Its plan is undecided there for good and its ranks are excluded: its counts are no
+    // plan's load (and not a stale report's, which a commit that did not reach it makes).
+    return Reject("refused_node", grpc::StatusCode::FAILED_PRECONDITION,
+                  absl::StrCat("node ", request->node(), " ", d.refused,
+                               "; its reports are not taken until it registers again"));
+  }
   if (!shape_.has_value() || !plan_.has_value()) {
     return Reject("no_plan", grpc::StatusCode::FAILED_PRECONDITION,
                   "the balancer has not learned the cluster's plan yet");
@@ -1292,7 +1300,9 @@ void Balancer::Recover() {
     const bool unknown =
         (shape_.has_value() && !UnlistedMembers().empty()) ||
         std::any_of(daemons_.begin(), daemons_.end(), [](const auto& entry) {
-          return entry.second.needs_state && !entry.second.info.ranks().empty();
+          // (One that refused a Commit holds that plan pending: known, not asked again.)
+          return entry.second.needs_state && entry.second.refused.empty() &&
+                 !entry.second.info.ranks().empty();
         });
     const bool may_abort = up >= options_.recovery_grace &&
                            (!unknown || up >= options_.registration_grace);
@@ -1910,7 +1920,7 @@ std::set<uint32_t> Balancer::TakenOver(const std::string& node) const {
   std::set<uint32_t> taken;
   const auto& mine = daemons_.at(node).info.ranks();
   for (const auto& [other_name, other] : daemons_) {
-    if (other_name == node || !other.Serving()) continue;
+    if (other_name == node || !other.HoldsClusterRanks()) continue;
     for (uint32_t r : other.info.ranks()) {
       if (std::find(mine.begin(), mine.end(), r) != mine.end()) taken.insert(r);
     }
@@ -2002,6 +2012,13 @@ grpc::Status Balancer::SetDrained(const grpc::ServerContext* context, const std:
   if (!drained && result.ok()) {
     MutexLock lock(&mu_);
     auto it = daemons_.find(node);
+    if (it != daemons_.end() && !it->second.refused.empty()) {
+      // Before this undrain, or at its own plan's Commit: no plan takes its ranks back.
+      return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          absl::StrCat("node ", node, " is undrained, but it ", it->second.refused,
+                                       ": its ranks come back once it registers again (restart "
+                                       "its ubepd)"));
+    }
     if (it != daemons_.end() && Behind(it->second)) {
       return grpc::Status(grpc::StatusCode::UNAVAILABLE,
                           absl::StrCat("node ", node, " is undrained, but it holds plan v",

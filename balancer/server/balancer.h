@@ -197,11 +197,13 @@ class Balancer final : public v1::Control::Service {
 
     // Whether it holds ranks of the cluster's model, or held them before its daemon restarted.
     bool HoldsOldModel() const { return !info.ranks().empty() || held_ranks_before_restart; }
-    // Healthy, of the cluster's model and able to take its plans: one whose group moved to
-    // another model (refused, wanted_shape) serves none of the cluster's ranks, reports none
-    // of its load, holds none of its plans and is sent none, though it answers its health
-    // checks; nor does one that refused a Commit for good.
-    bool Serving() const { return healthy && !wanted_shape.has_value() && refused.empty(); }
+    // Healthy and of the cluster's model: one whose group moved to another model (refused,
+    // wanted_shape) serves none of the cluster's ranks, reports none of its load, holds none
+    // of its plans and is sent none, though it answers its health checks.
+    bool HoldsClusterRanks() const { return healthy && !wanted_shape.has_value(); }
+    // ... and able to take its plans: not one that refused a Commit for good (it still holds
+    // its ranks, and their arenas, but is sent no plan and its ranks are excluded).
+    bool Serving() const { return HoldsClusterRanks() && refused.empty(); }
 
     // Its ranks count steps anew (a new process, a new group): from where they resume.
     void ForgetSteps() {

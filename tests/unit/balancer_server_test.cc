@@ -380,6 +380,7 @@ class FakeDaemon final : public v1::DaemonControl::Service {
                         v1::DaemonState* state) override {
     Gather("GetState", context);
     std::lock_guard<std::mutex> lock(mu_);
+    ++state_requests_;
     if (state_unavailable_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "unreachable for the test");
     state->set_pending_version(pending_);
     for (const v1::PrepareRequest& p : prepares_) {
@@ -441,6 +442,10 @@ class FakeDaemon final : public v1::DaemonControl::Service {
   void DamageCommitOf(uint64_t version) {
     std::lock_guard<std::mutex> lock(mu_);
     damaged_commit_ = version;
+  }
+  int state_requests() {  // GetState calls taken.
+    std::lock_guard<std::mutex> lock(mu_);
+    return state_requests_;
   }
   std::vector<uint64_t> commit_requests() {  // Every Commit taken, whatever it found.
     std::lock_guard<std::mutex> lock(mu_);
@@ -529,6 +534,7 @@ class FakeDaemon final : public v1::DaemonControl::Service {
   uint64_t refused_ = 0;
   uint64_t lost_commit_ = 0, lost_abort_ = 0, damaged_commit_ = 0, pending_ = 0;
   std::vector<uint64_t> commit_requests_;
+  int state_requests_ = 0;
   size_t pad_ = 0;
   std::vector<uint64_t> commits_;
   bool state_unavailable_ = false;
@@ -1174,6 +1180,39 @@ TEST(BalancerServerTest, ANodeBackAfterAnotherTookOverSomeOfItsRanksStaysOut) {
   EXPECT_TRUE(forgot.ok()) << forgot.error_message();
 }
 
+// As above, but node-c, undrained, refuses the Commit of the plan taking rank 0 back for good
+// (a client wrote into its plan area): it is sent no plan, yet it still holds rank 0 (and its
+// arena), so node-a answering its health checks again still stays out.
+TEST(BalancerServerTest, ANodeBackAfterARefusedNodeTookOverSomeOfItsRanksStaysOut) {
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan()), c("node-c", FirstPlan());
+  std::unique_ptr<Balancer> balancer = WithTwoDaemons(QuickToMarkDown(), a, b);
+  a.SetServing(false);
+  TickUntilDown(*balancer, "node-a");
+  balancer->Tick();  // Plans without node-a's ranks.
+  v1::RegisterRequest rank0 = DaemonRegistration(c, "node-c", 0, 0, "host");
+  rank0.clear_ranks();
+  rank0.add_ranks(0);
+  Register(*balancer, rank0);
+  balancer->Tick();  // node-c, drained as it took over rank 0, catches up.
+  ASSERT_TRUE(balancer->CurrentPlan().has_value());
+  const uint64_t taking_back = balancer->CurrentPlan()->version + 1;
+  c.DamageCommitOf(taking_back);
+  v1::RebalanceResponse undrained;
+  EXPECT_EQ(Drain(*balancer, "node-c", false, &undrained).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(c.commit_requests().back(), taking_back);
+  a.SetServing(true);
+  const absl::Time until = absl::Now() + 4 * QuickToMarkDown().health_interval;
+  while (absl::Now() < until) {
+    balancer->Tick();
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  std::map<std::string, bool> healthy;
+  for (const BalancerStatus::Node& n : balancer->Status().nodes) healthy[n.name] = n.healthy;
+  EXPECT_EQ(healthy, (std::map<std::string, bool>{
+                         {"node-a", false}, {"node-b", true}, {"node-c", true}}));
+}
+
 // node-b goes down and node-c takes its ranks over: node-b's entry goes, node-c's ranks stay
 // excluded until it is undrained (new arenas, as a restarted daemon's), and then come back.
 TEST(BalancerServerTest, ANodeTakingOverADownNodesRanksReplacesIt) {
@@ -1728,14 +1767,23 @@ TEST(BalancerServerTest, APlanNoNodeAcknowledgedTheCommitOfIsNotAnsweredCommitte
 // Plan v3 (node-b undrained) is committed on node-a, and node-b refuses its Commit for good
 // (DATA_LOSS: a client wrote into a plan area of its ranks; ubepd keeps the plan pending, and
 // none of its ranks can take it). The cluster does not wait on node-b for ever: node-b is
-// marked refused (status says why), asked no more, sent no plan, and the next tick excludes
-// its ranks (v4, on node-a alone), as a down node's. Its ubepd restarted, it registers again
-// and comes back drained; an undrain takes its ranks back.
+// marked refused (status and the gauge say so), asked no more (no GetState, Prepare or
+// Commit), its reports are not taken, and the next tick excludes its ranks (v4, on node-a
+// alone), as a down node's. Neither its registering again as the same process (as when a
+// peer restarted) nor an undrain brings it back; its ubepd restarted, it registers again and
+// comes back drained, and an undrain takes its ranks back.
 TEST(BalancerServerTest, ANodeThatRefusesACommitForGoodIsExcludedAndHoldsBackNoPlan) {
   FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
   a.KeepPreparedPending(true);
   b.KeepPreparedPending(true);
-  Balancer balancer(NeverMarkedDown(), std::make_shared<prometheus::Registry>());
+  auto registry = std::make_shared<prometheus::Registry>();
+  Balancer balancer(NeverMarkedDown(), registry);
+  auto refused_daemons = [&] {
+    for (const prometheus::MetricFamily& f : registry->Collect()) {
+      if (f.name == "ubep_balancer_refused_daemons") return f.metric.at(0).gauge.value;
+    }
+    return -1.0;
+  };
   v1::RegisterRequest ra = DaemonRegistration(a, "node-a", 0, 0, "host");
   v1::RegisterRequest rb = DaemonRegistration(b, "node-b", 2, 0, "host");
   ra.set_incarnation("a-1");
@@ -1748,17 +1796,16 @@ TEST(BalancerServerTest, ANodeThatRefusesACommitForGoodIsExcludedAndHoldsBackNoP
   ASSERT_TRUE(status.ok()) << status.error_message();
   ASSERT_EQ(b.committed_version(), 2u);
   b.DamageCommitOf(3);
-  status = Drain(balancer, "node-b", false, &response);
-  ASSERT_TRUE(status.ok()) << status.error_message();
-  EXPECT_EQ(response.version(), 3u);
-  EXPECT_EQ(std::vector<std::string>(response.commit_unacknowledged().begin(),
-                                     response.commit_unacknowledged().end()),
-            std::vector<std::string>{"node-b"});
-  EXPECT_EQ(a.committed_version(), 3u);
-  EXPECT_EQ(b.pending(), 3u);
   const std::string refused =
       "refused the Commit of plan v3: rank 2's plan area lost plan v3 (plan v3 is not prepared "
       "here): committed on no rank of this daemon (did its client write into its plan area?)";
+  const std::string not_back = absl::StrCat(
+      "FAILED_PRECONDITION: node node-b is undrained, but it ", refused,
+      ": its ranks come back once it registers again (restart its ubepd)");
+  // Committed on node-a; the operator is told that node-b's ranks are not back.
+  EXPECT_EQ(StatusOf(Drain(balancer, "node-b", false, &response)), not_back);
+  EXPECT_EQ(a.committed_version(), 3u);
+  EXPECT_EQ(b.pending(), 3u);
   auto node_b = [&] {
     v1::ClusterStatus cluster;
     EXPECT_TRUE(balancer.GetStatus(nullptr, nullptr, &cluster).ok());
@@ -1766,19 +1813,32 @@ TEST(BalancerServerTest, ANodeThatRefusesACommitForGoodIsExcludedAndHoldsBackNoP
     return cluster.nodes_size() == 2 ? cluster.nodes(1) : v1::NodeStatus();
   };
   EXPECT_EQ(node_b().refused(), refused);
+  const int states = b.state_requests();
   balancer.Tick();  // Excludes node-b's ranks.
+  EXPECT_EQ(refused_daemons(), 1);
   balancer.Tick();
   EXPECT_EQ(a.committed_version(), 4u);
   ASSERT_TRUE(balancer.CurrentPlan().has_value());
   EXPECT_EQ(balancer.CurrentPlan()->version, 4u);
   EXPECT_EQ(balancer.CurrentPlan()->excluded_ranks, (std::vector<int>{2, 3}));
-  // node-b got no Prepare after v3, and no Commit after the one it refused.
+  // Its reports are refused as a refused node's (not as stale ones).
+  EXPECT_EQ(StatusOf(ReportSteps(balancer, "node-b", 1, 1, 10, 2)),
+            absl::StrCat("FAILED_PRECONDITION: node node-b ", refused,
+                         "; its reports are not taken until it registers again"));
+  // The same process registering again (a peer of it restarted, say) is still refused, and
+  // an undrain takes nothing back.
+  Register(balancer, rb);
+  EXPECT_EQ(node_b().refused(), refused);
+  EXPECT_EQ(StatusOf(Drain(balancer, "node-b", false, &response)), not_back);
+  balancer.Tick();
+  EXPECT_EQ(balancer.CurrentPlan()->version, 4u);
+  // node-b was asked nothing after the Commit it refused.
+  EXPECT_EQ(b.state_requests(), states);
   EXPECT_EQ(b.prepares().back().plan().version(), 3u);
   EXPECT_EQ(b.commit_requests(), (std::vector<uint64_t>{2, 3}));
   EXPECT_EQ(b.pending(), 3u);
-  EXPECT_EQ(node_b().refused(), refused);
-  EXPECT_FALSE(node_b().drained());
-  // Its ubepd restarted: a new process, under its own first plan, nothing pending.
+  // Its ubepd restarted: a new process (here at another address), under its own first plan,
+  // nothing pending.
   FakeDaemon restarted("node-b", FirstPlan());
   v1::RegisterRequest again = DaemonRegistration(restarted, "node-b", 2, 0, "host");
   again.set_incarnation("b-2");
@@ -1786,6 +1846,7 @@ TEST(BalancerServerTest, ANodeThatRefusesACommitForGoodIsExcludedAndHoldsBackNoP
   EXPECT_EQ(node_b().refused(), "");
   EXPECT_TRUE(node_b().drained());
   balancer.Tick();  // It catches up on v4 (which excludes its ranks).
+  EXPECT_EQ(refused_daemons(), 0);
   EXPECT_EQ(restarted.committed_version(), 4u);
   status = Drain(balancer, "node-b", false, &response);
   ASSERT_TRUE(status.ok()) << status.error_message();
@@ -1793,6 +1854,43 @@ TEST(BalancerServerTest, ANodeThatRefusesACommitForGoodIsExcludedAndHoldsBackNoP
   EXPECT_EQ(a.committed_version(), 5u);
   EXPECT_EQ(restarted.committed_version(), 5u);
   EXPECT_TRUE(balancer.CurrentPlan()->excluded_ranks.empty());
+}
+
+// A node that refused a Commit for good is not asked its state again, but its state is known
+// (the refused plan pending, no later one): recovery does not count it among the daemons that
+// may have committed an orphan plan, and aborts one left pending on node-a at once rather than
+// after the registration grace (an hour here).
+TEST(BalancerServerTest, ARefusedNodeHoldsBackNoAbortOfAnOrphanPlan) {
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+  a.KeepPreparedPending(true);
+  b.KeepPreparedPending(true);
+  BalancerOptions options = NeverMarkedDown();
+  options.recovery_grace = absl::ZeroDuration();
+  options.registration_grace = absl::Hours(1);
+  Balancer balancer(options, std::make_shared<prometheus::Registry>());
+  v1::RegisterRequest ra = DaemonRegistration(a, "node-a", 0, 0, "host");
+  v1::RegisterRequest rb = DaemonRegistration(b, "node-b", 2, 0, "host");
+  ra.set_incarnation("a-1");
+  rb.set_incarnation("b-1");
+  Register(balancer, ra);
+  Register(balancer, rb);
+  balancer.Tick();  // Learns v1.
+  v1::RebalanceResponse response;
+  ASSERT_TRUE(Drain(balancer, "node-b", true, &response).ok());
+  b.DamageCommitOf(3);
+  EXPECT_EQ(Drain(balancer, "node-b", false, &response).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+  balancer.Tick();  // v4, without node-b's ranks.
+  ASSERT_EQ(a.committed_version(), 4u);
+  // v5 pending on node-a (a Prepare of a balancer before this one, landed late), found when
+  // node-a's state is read again.
+  v1::Plan orphan = FirstPlan();
+  orphan.set_version(5);
+  a.SetPending(orphan);
+  Register(balancer, ra);
+  balancer.Tick();
+  EXPECT_EQ(a.aborted(), std::vector<uint64_t>{5});
+  EXPECT_EQ(a.pending(), 0u);
 }
 
 // A GetState past gRPC's default receive limit of 4 MiB, as the committed plan of a large
