@@ -166,6 +166,13 @@ bool BalancerLink::Register() {
   registered_shape_ = shape.has_value() ? shape->SerializeAsString() : "";
   registered_arenas_ = group.arenas_created;
   registered_restarted_ = restarted;
+  if (pending_.has_value() && pending_->loads.arenas_created != group.arenas_created) {
+    // An unanswered report of arenas gone: the balancer takes this registration (another
+    // incarnation) as a new process's, whose reports' seqs start over, and would take it
+    // again though it may have taken it already. Dropped, as the rest of what the old arenas
+    // counted is (the balancer forgets what it collected of a registration before).
+    pending_.reset();
+  }
   if (response.report_interval_ms() > 0) {
     // Within [10 ms, 1 h], whatever the balancer says.
     interval_ms_.store(static_cast<int64_t>(
@@ -246,13 +253,19 @@ bool BalancerLink::SayReportFailure(const std::string& why) {
 }
 
 std::optional<BalancerLink::Pending> BalancerLink::MakeReport() {
-  // The step before the counters: it is the next report's first step, and every count read
-  // after these is then of that step or a later one. Read after them, a step begun between
-  // the two reads would be the next report's first while that report still holds counts of
-  // the step before (at a plan's effective step, the old plan's counts passing for the new).
-  const uint64_t step = node_->MaxStep();
+  // The step before the counters (ReadSlotLoads reads it first): it is the next report's
+  // first step, and every count read after it is then of that step or a later one. Read
+  // after them, a step begun between the two reads would be the next report's first while
+  // that report still holds counts of the step before (at a plan's effective step, the old
+  // plan's counts passing for the new).
   absl::StatusOr<Node::SlotLoads> loads = node_->ReadSlotLoads();
-  if (!loads.ok() || loads->slots.empty()) return std::nullopt;
+  if (!loads.ok()) {
+    // Read again at the next interval; said, or reports would stop without a word.
+    const std::string why = absl::StrCat("the load counters: ", loads.status().message());
+    if (SayReportFailure(why)) UBEP_LOG(WARNING) << "no load report: " << why;
+    return std::nullopt;
+  }
+  if (loads->slots.empty()) return std::nullopt;
   if (last_.arenas_created != loads->arenas_created) {
     // Arenas created since the last report (the first group, or one formed again, whatever
     // its size) started their counters at zero: all of it is new.
@@ -262,20 +275,17 @@ std::optional<BalancerLink::Pending> BalancerLink::MakeReport() {
     last_.over_capacity_calls = 0;
     last_step_ = 0;  // Their ranks' steps go on from where their clients resumed.
   }
-  const Node::PlanIdentity plan = node_->CommittedPlanIdentity();
-  const Node::GroupIdentity group = node_->Identity();  // Shape and ranks, read together.
+  // Of the arenas counted: read with the counters.
+  const Node::PlanIdentity& plan = loads->plan;
+  const Node::GroupIdentity& group = loads->group;
   const std::optional<std::pair<int, int>>& hosted = group.hosted;
   const std::optional<v1::AttachRequest>& shape = group.shape;
   if (!hosted.has_value() || !shape.has_value()) return std::nullopt;
+  const uint64_t step = loads->max_step;
   // This daemon's ranks' slots only (ranks are contiguous, slots rank-major).
   const size_t slots_per_rank = shape->shape().slots_per_rank();
   const size_t first_rank = static_cast<size_t>(hosted->first);
   const size_t end_rank = first_rank + static_cast<size_t>(hosted->second);
-  if (loads->slots.front().size() < end_rank * slots_per_rank ||
-      loads->dispatches.front().size() < end_rank) {
-    // The group was formed again after the counters were read: read them again.
-    return std::nullopt;
-  }
   Pending made;
   v1::ReportLoadRequest& request = made.request;
   request.set_node(options_.node);

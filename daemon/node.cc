@@ -900,6 +900,10 @@ std::optional<int> Node::RankBeforePlanLocked() const {
 
 Node::PlanIdentity Node::CommittedPlanIdentity() const {
   MutexLock lock(&mu_);
+  return CommittedPlanIdentityLocked();
+}
+
+Node::PlanIdentity Node::CommittedPlanIdentityLocked() const {
   PlanIdentity identity{plan_.version, plan_.num_experts, plan_.layer_ids,
                         has_group_ && !RankBeforePlanLocked().has_value(), std::nullopt};
   if (PlanBufferOf(plan_.version) >= 0) identity.effective_step = EffectiveStepOf(plan_.version);
@@ -913,6 +917,10 @@ uint64_t Node::MaxStep() const {
 
 Node::GroupIdentity Node::Identity() const {
   MutexLock lock(&mu_);
+  return IdentityLocked();
+}
+
+Node::GroupIdentity Node::IdentityLocked() const {
   GroupIdentity identity;
   identity.arenas_created = arenas_created_;
   if (has_group_) {
@@ -1609,8 +1617,11 @@ v1::DaemonState Node::State() const {
 absl::StatusOr<Node::SlotLoads> Node::ReadSlotLoads() const {
   MutexLock lock(&mu_);
   SlotLoads loads;
-  if (!has_group_) return loads;
   loads.arenas_created = arenas_created_;
+  loads.plan = CommittedPlanIdentityLocked();
+  loads.group = IdentityLocked();
+  if (!has_group_) return loads;
+  loads.max_step = MaxStepLocked();  // Before the counters (its loads acquire).
   const int L = config_.num_layers, S = config_.slots_per_rank, R = config_.num_ranks;
   loads.slots.assign(L, std::vector<uint64_t>(static_cast<size_t>(R) * S, 0));
   loads.dispatches.assign(L, std::vector<uint64_t>(R, 0));

@@ -191,21 +191,6 @@ class Node {
   absl::Status Commit(uint64_t version);
   absl::Status Abort(uint64_t version);
   v1::DaemonState State() const;
-  // The hosted ranks' load counters since the group was created, each layer's taken with
-  // the dispatches it counts (the arena's load seqlock), so that a rate per dispatch is exact
-  // whatever step a rank was in when read. Other ranks' entries are 0.
-  struct SlotLoads {
-    std::vector<std::vector<uint64_t>> slots;       // [layer][global slot]: received pairs.
-    std::vector<std::vector<uint64_t>> dispatches;  // [layer][rank]: dispatches counted.
-    // The hosted ranks' data-plane calls that failed over a receive capacity (one per rank and
-    // dropped call; RankControl::over_capacity_calls).
-    uint64_t over_capacity_calls = 0;
-    // Which creation of the hosted arenas the counters are from: counters of two reads are
-    // comparable only with the same one (a group created again, even of the same size, starts
-    // from zero).
-    uint64_t arenas_created = 0;
-  };
-  absl::StatusOr<SlotLoads> ReadSlotLoads() const;
   // What a load report names of the plan in force: version, experts, model layer ids
   // (without copying the plan itself).
   struct PlanIdentity {
@@ -233,6 +218,29 @@ class Node {
     std::optional<std::pair<int, int>> hosted;
   };
   GroupIdentity Identity() const;
+  // The hosted ranks' load counters since the group was created, each layer's taken with
+  // the dispatches it counts (the arena's load seqlock), so that a rate per dispatch is exact
+  // whatever step a rank was in when read. Other ranks' entries are 0.
+  struct SlotLoads {
+    std::vector<std::vector<uint64_t>> slots;       // [layer][global slot]: received pairs.
+    std::vector<std::vector<uint64_t>> dispatches;  // [layer][rank]: dispatches counted.
+    // The hosted ranks' data-plane calls that failed over a receive capacity (one per rank and
+    // dropped call; RankControl::over_capacity_calls).
+    uint64_t over_capacity_calls = 0;
+    // Which creation of the hosted arenas the counters are from: counters of two reads are
+    // comparable only with the same one (a group created again, even of the same size, starts
+    // from zero).
+    uint64_t arenas_created = 0;
+    // The plan and the group of those arenas, read with the counters (under one lock): a
+    // report names the plan and the ranks of what it counts, not those of a group formed
+    // again between two reads.
+    PlanIdentity plan;
+    GroupIdentity group;
+    // The highest step a hosted rank had begun, read before the counters: every count read is
+    // of that step or a later one (MaxStep).
+    uint64_t max_step = 0;
+  };
+  absl::StatusOr<SlotLoads> ReadSlotLoads() const;
   int free_buffers() const { return options_.free_buffers; }
 
   // Peer daemons. PeerKey: what a peer must match (world size and model shape, serialized;
@@ -340,6 +348,8 @@ class Node {
     return options_.ticket_clock != nullptr ? options_.ticket_clock->Now() : MonotonicNow();
   }
   uint64_t MaxStepLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  PlanIdentity CommittedPlanIdentityLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  GroupIdentity IdentityLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The step rank `rank` has begun (its control block's word; the rank's arena is mapped).
   uint64_t StepOf(int rank) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The first hosted member rank, connected, that has not reached the committed plan's

@@ -964,6 +964,44 @@ TEST(NodeTest, AGroupFormedAgainIsReportedFromItsOwnCountersAndFromStepZero) {
   EXPECT_THAT(counted(reports).second, ElementsAre(1, 0));
 }
 
+// A report whose answer was lost is sent again under its seq, which the balancer takes once
+// per registration; but the group formed again (new arenas) registers as a new incarnation,
+// whose seqs the balancer takes afresh. The old arenas' report, unanswered, is then dropped,
+// not sent again under the new registration (where it would be counted twice if it had been
+// taken): every report after the new registration counts the new arenas only.
+TEST(NodeTest, AnUnansweredReportOfArenasGoneIsNotSentUnderTheNewRegistration) {
+  FakeBalancer balancer;
+  balancer.LoseAnswers(true);
+  ReportingGroup group(balancer);
+  Node& node = group.node;
+  const absl::Time until = absl::Now() + absl::Seconds(20);
+  while (balancer.Taken().size() < 2 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_GE(balancer.Taken().size(), 2u);
+  ASSERT_EQ(balancer.Taken()[0].load().layers(0).slot(0), 30u);
+  // No report is taken meanwhile; both ranks leave and a group of another shape forms.
+  balancer.Refuse(true);
+  balancer.LoseAnswers(false);
+  balancer.ForgetRegistrations();
+  node.ConnectionClosed(1);
+  node.ConnectionClosed(2);
+  v1::AttachRequest wider = Request(0, 2);  // Another shape: new arenas.
+  wider.mutable_shape()->set_hidden(32);
+  Attached b0 = Claim(node, node.Attach(wider), 3);
+  kernels::EpConfig config = ConfigOf(2);
+  config.hidden = 32;
+  AddLoad(b0, 0, 0, {0, 7, 0, 0}, config);
+  StepOf(b0, 0).store(12);
+  ASSERT_TRUE(balancer.RegistrationOf(2).has_value());
+  balancer.Refuse(false);
+  const std::vector<v1::LoadReport> reports = balancer.ReportsUpTo(12);
+  ASSERT_FALSE(reports.empty());
+  std::vector<uint64_t> slots(8, 0);
+  for (const v1::LoadReport& report : reports) {
+    for (int p = 0; p < 8; ++p) slots[p] += report.layers(0).slot(p);
+  }
+  EXPECT_THAT(slots, ElementsAre(0, 7, 0, 0, 0, 0, 0, 0));
+}
+
 // A client killed inside its update of a layer's load counters leaves the layer's sequence
 // word odd. While the rank is held, that reads as an owner mid-update (an error after 100 ms,
 // the read tried again later); once the rank has no client, nobody will finish the update:
