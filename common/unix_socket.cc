@@ -217,6 +217,7 @@ absl::Status ReceiveOne(int socket, size_t max_bytes, absl::Time start, absl::Du
     // closed with `out`.
     rlimit limit{};
     getrlimit(RLIMIT_NOFILE, &limit);
+    out.bytes.resize(static_cast<size_t>(n));  // Whether more parts follow (ReceiveMessage).
     return absl::ResourceExhaustedError(absl::StrCat(
         "out of file descriptors: ", out.fds.size() - fds_before,
         " of a message's fds fit this process's table (its open-files limit is ",
@@ -259,7 +260,20 @@ absl::StatusOr<ReceivedMessage> ReceiveMessage(int socket, size_t max_bytes,
     // The fds of the messages before (continuations) are kept in `out`.
     continued = continued || out.bytes == kMoreFds;
     fds_before = out.fds.size();
-    if (absl::Status s = ReceiveOne(socket, max_bytes, start, timeout, out); !s.ok()) return s;
+    if (absl::Status s = ReceiveOne(socket, max_bytes, start, timeout, out); !s.ok()) {
+      if (absl::IsResourceExhausted(s)) {
+        // Out of descriptors part-way: the message's other parts are read and dropped, so
+        // that the next message read is the next one sent, not this one's rest.
+        while (out.bytes == kMoreFds) {
+          out.fds.clear();
+          if (absl::Status rest = ReceiveOne(socket, max_bytes, start, timeout, out);
+              !rest.ok() && !absl::IsResourceExhausted(rest)) {
+            break;
+          }
+        }
+      }
+      return s;
+    }
   } while (out.bytes == kMoreFds);
   if (continued && out.bytes.empty() && out.fds.size() == fds_before) {
     // The end of the stream where the message's last part should be: the sender went away
@@ -298,10 +312,11 @@ absl::StatusOr<ReceivedMessage> Exchange(int socket, std::string_view bytes, siz
                                               ? ReceiveMessage(socket, max_bytes, timeout)
                                               : absl::StatusOr<ReceivedMessage>(sent);
   // A send that failed, or a reset (the server closed the connection with the request
-  // unread); not a reply that was too long or carried more fds than fit (DataLoss), nor a
-  // receive that waited out its timeout.
+  // unread); not a reply that was too long or carried more fds than fit (DataLoss) or than
+  // this process's table holds (ResourceExhausted), nor a receive that waited out its timeout.
   const bool reset = !sent.ok() || (!reply.ok() && !absl::IsDeadlineExceeded(reply.status()) &&
-                                    !absl::IsDataLoss(reply.status()));
+                                    !absl::IsDataLoss(reply.status()) &&
+                                    !absl::IsResourceExhausted(reply.status()));
   if (reset) {
     if (std::optional<ReceivedMessage> queued = QueuedReply(socket, max_bytes)) {
       return *std::move(queued);

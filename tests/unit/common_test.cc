@@ -406,8 +406,10 @@ TEST(UnixSocketTest, AMessageCarriesMoreFdsThanOneSocketMessageTakes) {
 }
 
 // In a child (EXPECT_EXIT): leaves three descriptors free under its open-files limit,
-// receives one message on `socket`, prints its status and exits 0 if it is ResourceExhausted.
-void ReceiveWithFewDescriptorsFree(int socket) {
+// receives one message on `socket`, prints its status and exits 0 if it is ResourceExhausted
+// and, where `then` is given, the next message received (with the descriptors back) is
+// `then`, with no fds.
+void ReceiveWithFewDescriptorsFree(int socket, const char* then = nullptr) {
   int highest = 0;
   for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
     highest = std::max(highest, std::atoi(entry.path().filename().c_str()));
@@ -423,7 +425,14 @@ void ReceiveWithFewDescriptorsFree(int socket) {
   }
   const absl::Status got = ReceiveMessage(socket, 64, absl::Seconds(10)).status();
   std::fprintf(stderr, "%s\n", got.ToString().c_str());
-  std::_Exit(absl::IsResourceExhausted(got) ? 0 : 1);
+  if (!absl::IsResourceExhausted(got)) std::_Exit(1);
+  if (then == nullptr) std::_Exit(0);
+  for (int fd : taken) close(fd);
+  const absl::StatusOr<ReceivedMessage> next = ReceiveMessage(socket, 64, absl::Seconds(10));
+  std::fprintf(stderr, "then: %s\n",
+               next.ok() ? absl::StrCat("\"", next->bytes, "\" with ", next->fds.size(), " fds").c_str()
+                         : next.status().ToString().c_str());
+  std::_Exit(next.ok() && next->bytes == then && next->fds.empty() ? 0 : 1);
 }
 
 // A sender that goes away between a message's parts (after a continuation that carried fds)
@@ -486,6 +495,21 @@ TEST(UnixSocketTest, FdsThatDoNotFitTheReceiversTableAreCalledThat) {
       ::testing::ExitedWithCode(0),
       "RESOURCE_EXHAUSTED: out of file descriptors: [0-9]+ of a message's fds fit this "
       "process's table \\(its open-files limit is [0-9]+; raise it, ulimit -n\\)");
+}
+
+// The same with a message of several parts (300 fds): its parts after the one that did not
+// fit are read and dropped, so that the next message received is the next one sent, not the
+// rest of this one passing for a reply.
+TEST(UnixSocketTest, AMessageOfSeveralPartsThatDoesNotFitLeavesNoPartBehind) {
+  int pair[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair), 0);
+  UniqueFd a(pair[0]), b(pair[1]);
+  UniqueFd file(memfd_create("ubep-test", MFD_CLOEXEC));
+  ASSERT_TRUE(SendMessage(b.get(), "OK", std::vector<int>(300, file.get())).ok());
+  ASSERT_TRUE(SendMessage(b.get(), "next", {}).ok());
+  EXPECT_EXIT(ReceiveWithFewDescriptorsFree(a.get(), "next"), ::testing::ExitedWithCode(0),
+              "RESOURCE_EXHAUSTED: out of file descriptors: [0-9]+ of a message's fds fit "
+              "this process's table .*\nthen: \"next\" with 0 fds");
 }
 
 }  // namespace
