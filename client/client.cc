@@ -1,12 +1,15 @@
 // libubep's implementation: the proto API to ubepd, fd passing, and the host data plane over
 // the mapped arenas. Never includes daemon/ code.
 #include <poll.h>
+#include <pthread.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -63,6 +66,52 @@ struct DispatchedState {
 // the output of a rank attached later at the same address.
 static std::atomic<uint64_t> attaches{0};
 
+// ubepd takes the closing of a rank's fd connection for the end of the rank's process. The fd
+// is CLOEXEC, but a child forked without exec (a data-loader worker, a Python multiprocessing
+// pool) holds it too, and would keep a rank whose process died alive in ubepd's eyes, and its
+// peers waiting on it, until the child exits. Every open fd connection of the process is
+// listed here and closed in each child as it is forked. (Slots hold fd + 1; 0 is free.)
+static std::array<std::atomic<int>, 1024> fork_closed{};
+
+static void CloseFdConnectionsInChild() {  // Async-signal-safe: atomics and close only.
+  for (std::atomic<int>& slot : fork_closed) {
+    if (const int fd = slot.exchange(0, std::memory_order_relaxed); fd != 0) close(fd - 1);
+  }
+}
+
+// A rank's fd connection: listed in fork_closed while open (from the first one, the child
+// handler is installed). Closed, it is taken off the list first, so that a child forked
+// meanwhile does not close a number the parent may have reused.
+class FdConnection {
+ public:
+  FdConnection() = default;
+  FdConnection(const FdConnection&) = delete;
+  FdConnection& operator=(const FdConnection&) = delete;
+  ~FdConnection() { reset(); }
+
+  void Adopt(UniqueFd fd) {
+    reset();
+    static std::once_flag installed;
+    std::call_once(installed, [] { pthread_atfork(nullptr, nullptr, CloseFdConnectionsInChild); });
+    for (size_t i = 0; i < fork_closed.size() && slot_ < 0; ++i) {
+      int free = 0;
+      if (fork_closed[i].compare_exchange_strong(free, fd.get() + 1)) slot_ = static_cast<int>(i);
+    }
+    fd_ = std::move(fd);
+  }
+  void reset() {
+    if (slot_ >= 0) fork_closed[static_cast<size_t>(slot_)].store(0);
+    slot_ = -1;
+    fd_.reset();
+  }
+  int get() const { return fd_.get(); }
+  bool valid() const { return fd_.valid(); }
+
+ private:
+  UniqueFd fd_;
+  int slot_ = -1;  // In fork_closed; -1: not listed (more than 1024 open: not closed in a child).
+};
+
 struct RankState {
   ClientOptions options;
   int rank = 0;
@@ -71,7 +120,8 @@ struct RankState {
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::Daemon::Stub> stub;
   std::string token;
-  UniqueFd fd_connection;  // Open while attached: ubepd notices its closing.
+  FdConnection fd_connection;  // Open while attached: ubepd notices its closing.
+  pid_t pid = getpid();        // The process that attached; a child forked since has a copy.
   // Arena refreshes sent on fd_connection whose replies were not read (one gave up at
   // rpc_timeout): ubepd answers each in order, so as many replies come before the next one's.
   int refresh_replies_owed = 0;
@@ -523,15 +573,15 @@ absl::Status TakeArenas(RankState& s, const v1::AttachResponse& response) {
   absl::StatusOr<ReceivedMessage> exchanged =
       Exchange(connection->get(), response.token(), 4096, s.options.rpc_timeout);
   if (!exchanged.ok()) return said(exchanged.status());
-  ReceivedMessage reply = *std::move(exchanged);
-  if (reply.bytes != "OK") {
+  if (const std::string& answer = exchanged->bytes; answer != "OK") {
     // Every refusal of a claim is for a while (the token expired or was used, the group's
     // arenas changed): Unavailable, which callers retry, as the message says to.
     return absl::UnavailableError(absl::StrCat(
         "rank ", s.rank, ": ubepd refused the arenas: ",
-        reply.bytes.size() > 4 ? reply.bytes.substr(4) : std::string("connection closed")));
+        answer.size() > 4 ? answer.substr(4) : std::string("connection closed")));
   }
-  s.fd_connection = *std::move(connection);
+  ReceivedMessage reply = *std::move(exchanged);
+  s.fd_connection.Adopt(*std::move(connection));
   const size_t host_fds = static_cast<size_t>(response.arena_ranks_size());
   const size_t expected = host_fds * (s.on_device ? 2 : 1);
   if (reply.fds.size() != expected) {
@@ -740,6 +790,13 @@ int Dispatched::layer() const { return state_->filled ? state_->layer : -1; }
 Rank::Rank(std::unique_ptr<internal::RankState> state) : state_(std::move(state)) {}
 
 Rank::~Rank() {
+  if (state_ != nullptr && state_->pid != getpid()) {
+    // A child's copy of its parent's rank (forked after Attach): the parent's, not this
+    // process's to detach, and nothing of it (channels, mappings, the fd connection, closed at
+    // the fork) is let go here.
+    (void)state_.release();
+    return;
+  }
   if (state_ != nullptr && state_->attached) {
     absl::Status s = Detach();
     if (!s.ok()) UBEP_LOG(WARNING) << s;
@@ -1285,6 +1342,11 @@ RankStats Rank::stats() const {
 absl::Status Rank::Detach() {
   RankState& s = *state_;
   if (!s.attached) return absl::OkStatus();
+  if (s.pid != getpid()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", s.rank, " was attached by process ", s.pid, "; process ", getpid(),
+        ", forked from it, cannot detach it"));
+  }
   const RankDevice on_device(s);
   // ubepd gone: no daemon tells the peers that this rank leaves, so the rank stops the group
   // itself (as BeginStep would), and there is nothing to detach from.

@@ -2,9 +2,12 @@
 // in a temporary directory, answering Attach and Join from a real Node (the daemon's group
 // state) and then altering the answer, and an fd socket whose replies come late; and against
 // a real ubepd in process. (The integration tests run the client against ubepd processes.)
+#include <fcntl.h>
 #include <poll.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -418,7 +421,7 @@ void AnswerClaim(daemon::Node& node, int connection, int64_t id) {
 
 // ubepd's fd socket at `path` for one client: it answers the claim of the arenas from
 // `claims_from` (as connection 1), or, given none, reads the claim and answers nothing; and
-// then nothing more, until destroyed.
+// then nothing more, until destroyed, but that it sees the connection close (closed()).
 class SilentFdSocket {
  public:
   SilentFdSocket(const std::string& path, daemon::Node* claims_from)
@@ -427,6 +430,8 @@ class SilentFdSocket {
     done_ = true;
     thread_.join();
   }
+  // Every copy of the client's end of the connection is closed.
+  bool closed() const { return closed_.load(); }
 
  private:
   void Serve(daemon::Node* claims_from) {
@@ -438,10 +443,15 @@ class SilentFdSocket {
     } else {
       ASSERT_TRUE(ReceiveMessage(connection.get(), 4096, absl::Seconds(10)).ok());
     }
+    while (!done_ && !closed_) {  // What the client sends (a REFRESH) is left unanswered.
+      absl::StatusOr<ReceivedMessage> got =
+          ReceiveMessage(connection.get(), 4096, absl::Milliseconds(5));
+      if (got.ok() && got->closed) closed_ = true;
+    }
     while (!done_) absl::SleepFor(absl::Milliseconds(5));
   }
   UniqueFd listener_;
-  std::atomic<bool> done_{false};
+  std::atomic<bool> done_{false}, closed_{false};
   std::thread thread_;  // Last: starts after the members it uses.
 };
 
@@ -635,6 +645,78 @@ TEST(ClientTest, AClaimUbepdDoesNotAnswerIsUnavailableAndDetachesTheRank) {
                                ".fds: no answer within 2s (rpc_timeout)")));
   ASSERT_EQ(ubepd.detaches().size(), 1u);
   EXPECT_EQ(ubepd.attached(), 0);
+}
+
+// A child forked after Attach (a data-loader worker, say) that never touches the rank holds
+// none of its fd connection (closed in the child at the fork): the rank's process letting it
+// go closes it for ubepd, which takes that for the rank's process ending, while the child
+// lives on.
+TEST(ClientTest, AChildForkedAfterAttachHoldsNoneOfTheRanksFdConnection) {
+  test::TempDir dir;
+  const std::string socket = dir.path() + "/ubepd.sock";
+  AlteringUbepd ubepd(socket, [](v1::AttachResponse&) {});
+  SilentFdSocket fd_socket(socket + ".fds", &ubepd.node());
+  ClientOptions options;
+  options.socket_path = socket;
+  absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(options, 0, 1, 0, Shape());
+  ASSERT_TRUE(rank.ok()) << rank.status();
+  int go[2];
+  ASSERT_EQ(pipe2(go, O_CLOEXEC), 0);
+  UniqueFd go_read(go[0]), go_write(go[1]);
+  const pid_t child = fork();
+  if (child == 0) {
+    go_write.reset();  // The parent's end alone: its closing is the word to go.
+    pollfd p{go_read.get(), POLLIN, 0};
+    poll(&p, 1, 30000);  // Until the parent is done (30 s at most).
+    std::_Exit(0);
+  }
+  ASSERT_GT(child, 0);
+  rank->reset();
+  EXPECT_TRUE(test::WaitFor([&] { return fd_socket.closed(); }, absl::Seconds(10)));
+  EXPECT_EQ(waitpid(child, nullptr, WNOHANG), 0) << "the child ended first";
+  go_write.reset();
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+}
+
+// A forked child's copy of its parent's Rank is inert: destroying it there detaches nothing
+// (the rank is the parent's, which goes on using it), and Detach says why.
+TEST(ClientTest, AForkedChildsCopyOfARankDetachesNothing) {
+  test::TempDir dir;
+  const std::string socket = dir.path() + "/ubepd.sock";
+  AlteringUbepd ubepd(socket, [](v1::AttachResponse&) {});
+  SilentFdSocket fd_socket(socket + ".fds", &ubepd.node());
+  ClientOptions options;
+  options.socket_path = socket;
+  absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(options, 0, 1, 0, Shape());
+  ASSERT_TRUE(rank.ok()) << rank.status();
+  const pid_t parent = getpid();
+  const pid_t child = fork();
+  if (child == 0) {
+    const absl::Status detached = (*rank)->Detach();
+    const bool said = detached == absl::FailedPreconditionError(absl::StrCat(
+                                      "rank 0 was attached by process ", parent, "; process ",
+                                      getpid(), ", forked from it, cannot detach it"));
+    rank->reset();
+    std::_Exit(said ? 0 : 3);
+  }
+  ASSERT_GT(child, 0);
+  int status = 0;
+  // Bounded: a child that called into gRPC after the fork may hang (it is killed then).
+  const bool ended =
+      test::WaitFor([&] { return waitpid(child, &status, WNOHANG) == child; }, absl::Seconds(10));
+  if (!ended) {
+    kill(child, SIGKILL);
+    waitpid(child, nullptr, 0);
+  }
+  ASSERT_TRUE(ended) << "the child did not end";
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  EXPECT_TRUE(ubepd.detaches().empty());
+  EXPECT_FALSE(fd_socket.closed());
+  ExpectAStepGoesThrough(**rank, 0);
+  EXPECT_TRUE((*rank)->Detach().ok());
+  EXPECT_EQ(ubepd.detaches().size(), 1u);
 }
 
 // ubepd's fd socket for several clients, answering from `node`: each connection's claim of

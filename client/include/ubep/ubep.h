@@ -35,6 +35,11 @@
 //    empty views; combining it is a Combine without a Dispatch), but for the CUDA backend's
 //    bad input found on the device (InvalidArgument above), whose output holds the rest.
 // The hot path makes no RPC: dispatch and combine store into the peers' arenas directly.
+// A process may fork after Attach (data-loader workers, a multiprocessing pool): the child
+// holds no part of the rank (its fd connection, whose closing tells ubepd that the rank's
+// process ended, is closed in the child at the fork), and its copy of the Rank is inert there
+// (destroying it detaches nothing; Detach fails FailedPrecondition). Use a rank only in the
+// process that attached it.
 // Thread-compatible: one thread drives a Rank. No two calls on one Rank may overlap, the const
 // ones included: excluded() and SlotExpert() check and cache the plan table on their
 // first look at a version, and must_attach_again() stops the group when it finds ubepd gone.
