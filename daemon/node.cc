@@ -501,6 +501,14 @@ absl::StatusOr<std::vector<UniqueFd>> Node::ClaimArenas(const std::string& token
       return absl::DeadlineExceededError("attach token expired; attach again");
     }
     if (!AllArenasMapped()) return absl::UnavailableError("the group's arenas changed; attach again");
+    for (size_t r = 0; r < ranks_.size(); ++r) {
+      // Its closing says that the rank's process ended: of one rank only.
+      if (ranks_[r].state == RankState::kConnected && ranks_[r].connection == connection) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "this connection holds rank ", r, " already; each rank claims its arenas on a "
+            "connection of its own"));
+      }
+    }
     std::vector<int> fds;
     for (const kernels::SharedArena& arena : arenas_) fds.push_back(arena.fd());
     for (const auto& memory : device_arenas_) fds.push_back(memory->fd());

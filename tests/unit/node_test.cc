@@ -920,6 +920,20 @@ struct ReportingGroup {
   std::unique_ptr<BalancerLink> link;  // Last: stops first.
 };
 
+// One fd connection holds one rank, whose process its closing says ended: a second token
+// claimed on a connection that holds a rank is refused, and stays good on a connection of its
+// own.
+TEST(NodeTest, AConnectionHoldingARankClaimsNoOther) {
+  Node node(Options());
+  Attached a0 = AttachAndClaim(node, 0, 2, 1);
+  const absl::StatusOr<v1::AttachResponse> second = node.Attach(Request(1, 2));
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(node.ClaimArenas(second->token(), 1).status(),
+            absl::FailedPreconditionError("this connection holds rank 0 already; each rank "
+                                          "claims its arenas on a connection of its own"));
+  EXPECT_TRUE(node.ClaimArenas(second->token(), 2).ok());
+}
+
 // A group formed again (new arenas, their counters from zero, their ranks' steps from where
 // the clients resumed) is reported from scratch: all it counted, from step 0, not the
 // difference from the old arenas' counters nor from the old arenas' last step (which would
