@@ -32,7 +32,8 @@ struct BalancerLinkOptions {
   std::string arena_socket;  // This daemon's fd socket, where peers take its arenas.
   absl::Duration report_interval = absl::Seconds(1);
   // Each RPC to the balancer, and each fetch of a peer's arenas, gives up after this long.
-  // A link being destroyed cancels the one in flight and starts no other.
+  // A link being destroyed cancels the RPC in flight and starts no other call; a fetch of a
+  // peer's arenas in flight (a Unix-socket exchange) runs to its end or to this timeout.
   absl::Duration rpc_timeout = absl::Seconds(2);
 };
 
