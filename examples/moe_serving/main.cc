@@ -5,10 +5,11 @@
 // computed alone (so the bound does not grow with the number of layers).
 //
 // Recovery: when the group stops (a rank died, or a wait timed out) it re-joins and repeats
-// the step the group resumes at; when ubepd drains it detaches and attaches again until the
-// daemon is back (--reattach-timeout). A step whose call overflowed some rank's receive
-// capacity (ResourceExhausted, on every rank at once) is dropped, as an engine drops a batch,
-// and the next one runs.
+// the step the group resumes at, waiting for a peer that is late for --reattach-timeout (and
+// as long as the plan excludes this rank: it was drained); when ubepd drains it detaches and
+// attaches again until the daemon is back (--reattach-timeout). A step whose call overflowed
+// some rank's receive capacity (ResourceExhausted, on every rank at once) is dropped, as an
+// engine drops a batch, and the next one runs.
 //
 // Log (stdout, and --log FILE appended line by line):
 //   step 12 generation 1 plan 1 max_rel_err 1.9e-07 ok
@@ -16,7 +17,8 @@
 //   dropped step 14: rank 1, combine call 57: rank 3 was routed 300 rows ...
 //   done steps 100 failed 0 dropped 1
 // Exit code: 0 when every step matched the reference, 1 on a mismatch, 2 on bad flags,
-// 3 when the group could not be (re)joined.
+// 3 on an error it cannot recover from (the group could not be (re)joined in time, or a step
+// failed otherwise than the recovery above covers; the log says which).
 #include <unistd.h>
 
 #include <algorithm>
@@ -56,6 +58,9 @@ ABSL_FLAG(double, tolerance, 1e-6,
           "Largest norm-wise relative error a layer's output may have against its float64 "
           "reference on the same input.");
 ABSL_FLAG(absl::Duration, step_delay, absl::ZeroDuration(), "Sleep after each step.");
+ABSL_FLAG(absl::Duration, join_timeout, absl::Seconds(60),
+          "How long an Attach or a Rejoin waits for the rest of the group at a time "
+          "(ClientOptions::join_timeout).");
 ABSL_FLAG(absl::Duration, reattach_timeout, absl::Seconds(60),
           "How long to keep attaching while ubepd is away (draining, restarting).");
 
@@ -108,6 +113,9 @@ absl::Status RunStep(ubep::Rank& rank, const MoeModel& model, uint64_t step, std
     model.Route(step, rank.rank(), l, idx, w);
     if (absl::Status s = rank.Dispatch(l, x.data(), idx.data(), w.data(), model.options().tokens, d);
         !s.ok()) {
+      // (Host backend: nothing moved. An engine on the CUDA backend combines an
+      // InvalidArgument's output that holds rows, d.slot_offsets() not empty: its peers wait
+      // for that rank's partials; see ubep.h.)
       return s;
     }
     plan_version = d.plan_version();
@@ -157,6 +165,25 @@ int main(int argc, char** argv) {
   }
   const int world = absl::GetFlag(FLAGS_world);
   const int rank_id = absl::GetFlag(FLAGS_rank);
+  const absl::Duration reattach_timeout = absl::GetFlag(FLAGS_reattach_timeout);
+  std::string bad;
+  if (world <= 0) {
+    bad = absl::StrCat("--world ", world, " is not positive");
+  } else if (rank_id < 0 || rank_id >= world) {
+    bad = absl::StrCat("--rank ", rank_id, " is not in [0, ", world, ")");
+  } else if (absl::GetFlag(FLAGS_steps) < 0) {
+    bad = absl::StrCat("--steps ", absl::GetFlag(FLAGS_steps), " is negative");
+  } else if (absl::GetFlag(FLAGS_join_timeout) <= absl::ZeroDuration()) {
+    bad = absl::StrCat("--join_timeout ", absl::FormatDuration(absl::GetFlag(FLAGS_join_timeout)),
+                       " is not positive");
+  } else if (reattach_timeout <= absl::ZeroDuration()) {
+    bad = absl::StrCat("--reattach_timeout ", absl::FormatDuration(reattach_timeout),
+                       " is not positive");
+  }
+  if (!bad.empty()) {
+    std::cerr << "ubep-moe-example: " << bad << "\n";
+    return 2;
+  }
   int slots = absl::GetFlag(FLAGS_slots_per_rank);
   if (slots == 0 && world > 0) slots = (mo.num_experts + world - 1) / world;
   ubep::ModelShape shape;
@@ -169,6 +196,7 @@ int main(int argc, char** argv) {
   shape.bytes_per_expert = sizeof(float) * mo.hidden * mo.hidden;
   ubep::ClientOptions options;
   options.socket_path = absl::GetFlag(FLAGS_socket);
+  options.join_timeout = absl::GetFlag(FLAGS_join_timeout);
   const int steps = absl::GetFlag(FLAGS_steps);
   const double tolerance = absl::GetFlag(FLAGS_tolerance);
   Log log(absl::GetFlag(FLAGS_log));
@@ -176,7 +204,7 @@ int main(int argc, char** argv) {
 
   // Attaches, retrying while ubepd is away, for at most --reattach-timeout.
   auto attach = [&](std::optional<uint64_t> next_step) -> absl::StatusOr<std::unique_ptr<ubep::Rank>> {
-    const absl::Time deadline = absl::Now() + absl::GetFlag(FLAGS_reattach_timeout);
+    const absl::Time deadline = absl::Now() + reattach_timeout;
     absl::Status last;
     while (absl::Now() < deadline) {
       absl::StatusOr<std::unique_ptr<ubep::Rank>> r =
@@ -259,16 +287,30 @@ int main(int argc, char** argv) {
       continue;
     }
     absl::StatusOr<uint64_t> resume = (*rank)->Rejoin(step);
-    if (!resume.ok() && (*rank)->excluded()) {
-      // Out of the group (node failed or drained): serve nothing until a plan includes it,
-      // each Rejoin waiting up to the join timeout (DeadlineExceeded while still excluded).
-      // Its step does not hold the group back when it is taken in again: no next step.
-      log.Line(absl::StrCat("excluded at step ", step, "; waiting for a plan that includes rank ",
-                            rank_id));
-      while (!resume.ok() && absl::IsDeadlineExceeded(resume.status()) && (*rank)->excluded() &&
-             !(*rank)->must_attach_again()) {
-        resume = (*rank)->Rejoin(std::nullopt);
+    // A Rejoin ends DeadlineExceeded at each join timeout while a peer is missing: it is
+    // called again for --reattach-timeout, and for as long as the plan excludes this rank
+    // (node failed or drained: it serves nothing until a plan includes it; its step does not
+    // hold the group back when it is taken in again, so it gives none). The time counts from
+    // the last Rejoin that found it excluded: taken in again, it waits for the group as any.
+    absl::Time give_up = absl::Now() + reattach_timeout;
+    bool said_excluded = false;
+    std::optional<uint64_t> next_step = step;
+    while (!resume.ok() && absl::IsDeadlineExceeded(resume.status()) &&
+           !(*rank)->must_attach_again()) {
+      if ((*rank)->excluded()) {
+        if (!said_excluded) {
+          log.Line(absl::StrCat("excluded at step ", step,
+                                "; waiting for a plan that includes rank ", rank_id));
+        }
+        said_excluded = true;
+        next_step = std::nullopt;
+        give_up = absl::Now() + reattach_timeout;
+      } else if (absl::Now() >= give_up) {
+        break;
+      } else {
+        log.Line(absl::StrCat("waiting for the group to form again: ", resume.status().message()));
       }
+      resume = (*rank)->Rejoin(next_step);
     }
     // Its daemon began draining, or exited, during a Rejoin: attach to the next one.
     if (!resume.ok() && (*rank)->must_attach_again()) {

@@ -658,6 +658,53 @@ TEST_F(DaemonTest, KilledClientIsMarkedGoneAndTheRestartedClientRejoins) {
   }
 }
 
+// A rank killed and started again only after several join timeouts: the survivors' Rejoins
+// end DeadlineExceeded meanwhile (rank 2 is not there), and they call Rejoin again, saying so,
+// rather than give up (within --reattach_timeout); the group forms again when rank 2 is back.
+TEST_F(DaemonTest, SurvivorsKeepRejoiningWhileAKilledPeerIsLateToComeBack) {
+  auto daemon = StartDaemon();
+  const std::vector<std::string> flags = {"--step_delay=20ms", "--join_timeout=1s"};
+  std::vector<std::unique_ptr<Process>> clients;
+  for (int r = 0; r < kWorld; ++r) clients.push_back(StartClient(r, flags));
+  ASSERT_TRUE(WaitFor([&] { return ParseSteps(ReadFile(client_log(2))).ok_steps.count(30) > 0; },
+                      absl::Seconds(60)));
+  clients[2]->Signal(SIGKILL);
+  EXPECT_EQ(clients[2]->Wait(absl::Seconds(10)), 128 + SIGKILL);
+  for (int r : {0, 1, 3}) {
+    EXPECT_TRUE(WaitFor([&] { return ReadFile(client_log(r)).find(
+                                         "waiting for the group to form again") !=
+                                     std::string::npos; },
+                        absl::Seconds(30)))
+        << ReadFile(client_log(r));
+  }
+  absl::SleepFor(absl::Seconds(3));  // Three more join timeouts.
+  clients[2] = StartClient(2, flags);
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(clients[r]->Wait(absl::Seconds(120)), 0) << ReadFile(client_log(r));
+    ExpectAllStepsCorrect(r);
+  }
+}
+
+// The example refuses flags it cannot run with, naming the flag (exit 2), before it attaches.
+TEST_F(DaemonTest, TheServingExampleRefusesFlagsItCannotRunWith) {
+  const std::pair<std::vector<std::string>, std::string> refused[] = {
+      {{"--world=0"}, "ubep-moe-example: --world 0 is not positive\n"},
+      {{"--world=4", "--rank=4"}, "ubep-moe-example: --rank 4 is not in [0, 4)\n"},
+      {{"--steps=-1"}, "ubep-moe-example: --steps -1 is negative\n"},
+      {{"--join_timeout=0s"}, "ubep-moe-example: --join_timeout 0 is not positive\n"},
+      {{"--reattach_timeout=-1s"}, "ubep-moe-example: --reattach_timeout -1s is not positive\n"},
+  };
+  for (size_t i = 0; i < std::size(refused); ++i) {
+    const auto& [flags, message] = refused[i];
+    std::vector<std::string> argv = {BinaryPath("ubep-moe-example"), "--socket=" + socket_path()};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    const std::string out = absl::StrCat(dir_.path(), "/example-refused", i, ".out");
+    Process p(argv, out);
+    EXPECT_EQ(p.Wait(absl::Seconds(30)), 2) << flags[0];
+    EXPECT_EQ(ReadFile(out), message);
+  }
+}
+
 // A rank whose peer never sends: its dispatch gives up at ubepd's --wait_timeout naming the
 // peer, and the timeout is counted for that rank alone (its stats and ubepd's metrics); the
 // peer that stalled, calling at last, learns that the group gave up on it.

@@ -15,13 +15,14 @@
 //   }
 //
 // Errors are absl::Status with messages that name the rank and what to do:
-//  - Unavailable: the group stopped (a rank left, or ubepd is draining). Call Rejoin (it waits
-//    for the group to re-form and says at which step to continue) or, when ubepd is draining,
-//    Attach again once it is back.
+//  - Unavailable: the group stopped (a rank left, a plan changed the members, ubepd is
+//    draining or exited; BeginStep of a rank the plan excludes). When must_attach_again(),
+//    Detach and Attach again once a daemon is back; otherwise call Rejoin (it waits for the
+//    group to re-form and says at which step to continue).
 //  - DeadlineExceeded: a peer did not arrive within the wait timeout; the message names it.
 //    Rejoin of a rank the plan excludes (excluded()) ends so too: call it again to keep waiting.
 //  - InvalidArgument: bad input (expert id out of range or listed twice by a token, too many
-//    tokens), before any byte moved. On the CUDA backend the kernels find a bad pair after
+//    tokens; BeginStep of a step before the rank's), before any byte moved. On the CUDA backend the kernels find a bad pair after
 //    the peers may have begun: they skip it, dispatch the rest, and the error names the first
 //    bad pair; call Combine as after a good Dispatch (the peers wait for this rank's partials).
 //  - ResourceExhausted: the call routed some rank more rows than its receive capacity
@@ -33,7 +34,13 @@
 //  - FailedPrecondition: a call out of order (Dispatch before BeginStep, Combine without a
 //    Dispatch, a rank that detached). A Dispatch that fails leaves its output empty (no rows,
 //    empty views; combining it is a Combine without a Dispatch), but for the CUDA backend's
-//    bad input found on the device (InvalidArgument above), whose output holds the rest.
+//    bad input found on the device (InvalidArgument above), whose output holds the rest
+//    (slot_offsets() not empty). A Rejoin that did not complete: call Rejoin again.
+//  - Internal: the combine libubep runs for this rank's overflowed call did not complete (the
+//    message says why): the group is out of step; call Rejoin.
+//  - DataLoss: shared memory or an answer of ubepd's holds what the protocol does not allow (a
+//    plan table, a weight buffer's place, the arenas given at Attach); the message names it.
+//  - NotFound: SlotExpert of a slot the plan leaves unused.
 // The hot path makes no RPC: dispatch and combine store into the peers' arenas directly.
 // A process may fork after Attach (data-loader workers, a multiprocessing pool): the child
 // holds no part of the rank (its fd connection, whose closing tells ubepd that the rank's
