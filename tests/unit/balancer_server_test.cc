@@ -1144,6 +1144,18 @@ TEST(BalancerServerTest, ADaemonDownThatHostsNoRankIsForgotten) {
   EXPECT_FALSE(balancer->Status().nodes[1].healthy);
 }
 
+// Each node's health after four health intervals of ticks (QuickToMarkDown's).
+std::map<std::string, bool> HealthAfterFourChecks(Balancer& balancer) {
+  const absl::Time until = absl::Now() + 4 * QuickToMarkDown().health_interval;
+  while (absl::Now() < until) {
+    balancer.Tick();
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  std::map<std::string, bool> healthy;
+  for (const BalancerStatus::Node& n : balancer.Status().nodes) healthy[n.name] = n.healthy;
+  return healthy;
+}
+
 // node-a goes down and node-c takes over one of its two ranks (node-a's entry is kept: rank 1
 // is nobody else's); node-a answers its health checks again: it stays out, rather than be a
 // second healthy owner of rank 0 (both would get rank 0's plan, peers two arenas for it).
@@ -1157,15 +1169,8 @@ TEST(BalancerServerTest, ANodeBackAfterAnotherTookOverSomeOfItsRanksStaysOut) {
   rank0.add_ranks(0);
   Register(*balancer, rank0);
   a.SetServing(true);
-  const absl::Time until = absl::Now() + 4 * QuickToMarkDown().health_interval;
-  while (absl::Now() < until) {
-    balancer->Tick();
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  std::map<std::string, bool> healthy;
-  for (const BalancerStatus::Node& n : balancer->Status().nodes) healthy[n.name] = n.healthy;
-  EXPECT_EQ(healthy, (std::map<std::string, bool>{
-                         {"node-a", false}, {"node-b", true}, {"node-c", true}}));
+  EXPECT_EQ(HealthAfterFourChecks(*balancer),
+            (std::map<std::string, bool>{{"node-a", false}, {"node-b", true}, {"node-c", true}}));
   // node-c undrained, rank 0 is in the plan again, as node-c's: node-a can still be forgotten
   // (rank 0 is not its any more; rank 1 is excluded).
   v1::RebalanceResponse undrained;
@@ -1202,15 +1207,8 @@ TEST(BalancerServerTest, ANodeBackAfterARefusedNodeTookOverSomeOfItsRanksStaysOu
             grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_EQ(c.commit_requests().back(), taking_back);
   a.SetServing(true);
-  const absl::Time until = absl::Now() + 4 * QuickToMarkDown().health_interval;
-  while (absl::Now() < until) {
-    balancer->Tick();
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  std::map<std::string, bool> healthy;
-  for (const BalancerStatus::Node& n : balancer->Status().nodes) healthy[n.name] = n.healthy;
-  EXPECT_EQ(healthy, (std::map<std::string, bool>{
-                         {"node-a", false}, {"node-b", true}, {"node-c", true}}));
+  EXPECT_EQ(HealthAfterFourChecks(*balancer),
+            (std::map<std::string, bool>{{"node-a", false}, {"node-b", true}, {"node-c", true}}));
 }
 
 // node-b goes down and node-c takes its ranks over: node-b's entry goes, node-c's ranks stay

@@ -647,18 +647,23 @@ TEST(ClientTest, AClaimUbepdDoesNotAnswerIsUnavailableAndDetachesTheRank) {
   EXPECT_EQ(ubepd.attached(), 0);
 }
 
+// Rank 0 of a group of 1, attached to an in-process ubepd whose fd socket answers the claim
+// and then only watches the connection.
+struct AttachedOverSilentFdSocket {
+  test::TempDir dir;
+  std::string socket = dir.path() + "/ubepd.sock";
+  AlteringUbepd ubepd{socket, [](v1::AttachResponse&) {}};
+  SilentFdSocket fd_socket{socket + ".fds", &ubepd.node()};
+  absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach({.socket_path = socket}, 0, 1, 0, Shape());
+};
+
 // A child forked after Attach (a data-loader worker, say) that never touches the rank holds
 // none of its fd connection (closed in the child at the fork): the rank's process letting it
 // go closes it for ubepd, which takes that for the rank's process ending, while the child
 // lives on.
 TEST(ClientTest, AChildForkedAfterAttachHoldsNoneOfTheRanksFdConnection) {
-  test::TempDir dir;
-  const std::string socket = dir.path() + "/ubepd.sock";
-  AlteringUbepd ubepd(socket, [](v1::AttachResponse&) {});
-  SilentFdSocket fd_socket(socket + ".fds", &ubepd.node());
-  ClientOptions options;
-  options.socket_path = socket;
-  absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(options, 0, 1, 0, Shape());
+  AttachedOverSilentFdSocket attached;
+  absl::StatusOr<std::unique_ptr<Rank>>& rank = attached.rank;
   ASSERT_TRUE(rank.ok()) << rank.status();
   int go[2];
   ASSERT_EQ(pipe2(go, O_CLOEXEC), 0);
@@ -672,7 +677,7 @@ TEST(ClientTest, AChildForkedAfterAttachHoldsNoneOfTheRanksFdConnection) {
   }
   ASSERT_GT(child, 0);
   rank->reset();
-  EXPECT_TRUE(test::WaitFor([&] { return fd_socket.closed(); }, absl::Seconds(10)));
+  EXPECT_TRUE(test::WaitFor([&] { return attached.fd_socket.closed(); }, absl::Seconds(10)));
   EXPECT_EQ(waitpid(child, nullptr, WNOHANG), 0) << "the child ended first";
   go_write.reset();
   int status = 0;
@@ -683,13 +688,8 @@ TEST(ClientTest, AChildForkedAfterAttachHoldsNoneOfTheRanksFdConnection) {
 // A forked child's copy of its parent's Rank is inert: destroying it there detaches nothing
 // (the rank is the parent's, which goes on using it), and Detach says why.
 TEST(ClientTest, AForkedChildsCopyOfARankDetachesNothing) {
-  test::TempDir dir;
-  const std::string socket = dir.path() + "/ubepd.sock";
-  AlteringUbepd ubepd(socket, [](v1::AttachResponse&) {});
-  SilentFdSocket fd_socket(socket + ".fds", &ubepd.node());
-  ClientOptions options;
-  options.socket_path = socket;
-  absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(options, 0, 1, 0, Shape());
+  AttachedOverSilentFdSocket attached;
+  absl::StatusOr<std::unique_ptr<Rank>>& rank = attached.rank;
   ASSERT_TRUE(rank.ok()) << rank.status();
   const pid_t parent = getpid();
   const pid_t child = fork();
@@ -712,11 +712,11 @@ TEST(ClientTest, AForkedChildsCopyOfARankDetachesNothing) {
   }
   ASSERT_TRUE(ended) << "the child did not end";
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
-  EXPECT_TRUE(ubepd.detaches().empty());
-  EXPECT_FALSE(fd_socket.closed());
+  EXPECT_TRUE(attached.ubepd.detaches().empty());
+  EXPECT_FALSE(attached.fd_socket.closed());
   ExpectAStepGoesThrough(**rank, 0);
   EXPECT_TRUE((*rank)->Detach().ok());
-  EXPECT_EQ(ubepd.detaches().size(), 1u);
+  EXPECT_EQ(attached.ubepd.detaches().size(), 1u);
 }
 
 // ubepd's fd socket for several clients, answering from `node`: each connection's claim of

@@ -934,6 +934,21 @@ TEST(NodeTest, AConnectionHoldingARankClaimsNoOther) {
   EXPECT_TRUE(node.ClaimArenas(second->token(), 2).ok());
 }
 
+// ReportingGroup's ranks leave (connections 1 and 2) and a group of another hidden size (new
+// arenas) forms: rank 0 (connection 3), 7 pairs counted in slot 1 of layer 0, at step 12.
+Attached FormAgainWider(Node& node) {
+  node.ConnectionClosed(1);
+  node.ConnectionClosed(2);
+  v1::AttachRequest wider = Request(0, 2);
+  wider.mutable_shape()->set_hidden(32);
+  Attached b0 = Claim(node, node.Attach(wider), 3);
+  kernels::EpConfig config = ConfigOf(2);
+  config.hidden = 32;
+  AddLoad(b0, 0, 0, {0, 7, 0, 0}, config);
+  StepOf(b0, 0).store(12);
+  return b0;
+}
+
 // A group formed again (new arenas, their counters from zero, their ranks' steps from where
 // the clients resumed) is reported from scratch: all it counted, from step 0, not the
 // difference from the old arenas' counters nor from the old arenas' last step (which would
@@ -961,15 +976,7 @@ TEST(NodeTest, AGroupFormedAgainIsReportedFromItsOwnCountersAndFromStepZero) {
 
   // The balancer goes away; both ranks leave, and a group of another hidden size forms.
   balancer.Refuse(true);
-  node.ConnectionClosed(1);
-  node.ConnectionClosed(2);
-  v1::AttachRequest wider = Request(0, 2);
-  wider.mutable_shape()->set_hidden(32);
-  Attached b0 = Claim(node, node.Attach(wider), 3);
-  kernels::EpConfig config = ConfigOf(2);
-  config.hidden = 32;
-  AddLoad(b0, 0, 0, {0, 7, 0, 0}, config);
-  StepOf(b0, 0).store(12);
+  Attached b0 = FormAgainWider(node);
   balancer.Refuse(false);
   reports = balancer.ReportsUpTo(12);
   ASSERT_FALSE(reports.empty());
@@ -996,15 +1003,7 @@ TEST(NodeTest, AnUnansweredReportOfArenasGoneIsNotSentUnderTheNewRegistration) {
   balancer.Refuse(true);
   balancer.LoseAnswers(false);
   balancer.ForgetRegistrations();
-  node.ConnectionClosed(1);
-  node.ConnectionClosed(2);
-  v1::AttachRequest wider = Request(0, 2);  // Another shape: new arenas.
-  wider.mutable_shape()->set_hidden(32);
-  Attached b0 = Claim(node, node.Attach(wider), 3);
-  kernels::EpConfig config = ConfigOf(2);
-  config.hidden = 32;
-  AddLoad(b0, 0, 0, {0, 7, 0, 0}, config);
-  StepOf(b0, 0).store(12);
+  Attached b0 = FormAgainWider(node);
   ASSERT_TRUE(balancer.RegistrationOf(2).has_value());
   balancer.Refuse(false);
   const std::vector<v1::LoadReport> reports = balancer.ReportsUpTo(12);
