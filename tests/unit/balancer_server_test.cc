@@ -1762,6 +1762,22 @@ TEST(BalancerServerTest, APlanNoNodeAcknowledgedTheCommitOfIsNotAnsweredCommitte
   EXPECT_TRUE(b.aborted().empty());
 }
 
+// Registers node-a (incarnation a-1, ranks 0-1) and node-b (b-1, ranks 2-3), learns v1 and
+// drains node-b (v2); returns node-b's registration.
+v1::RegisterRequest RegisterAndDrainNodeB(Balancer& balancer, FakeDaemon& a, FakeDaemon& b) {
+  v1::RegisterRequest ra = DaemonRegistration(a, "node-a", 0, 0, "host");
+  v1::RegisterRequest rb = DaemonRegistration(b, "node-b", 2, 0, "host");
+  ra.set_incarnation("a-1");
+  rb.set_incarnation("b-1");
+  Register(balancer, ra);
+  Register(balancer, rb);
+  balancer.Tick();  // Learns v1.
+  v1::RebalanceResponse response;
+  const grpc::Status status = Drain(balancer, "node-b", true, &response);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  return rb;
+}
+
 // Plan v3 (node-b undrained) is committed on node-a, and node-b refuses its Commit for good
 // (DATA_LOSS: a client wrote into a plan area of its ranks; ubepd keeps the plan pending, and
 // none of its ranks can take it). The cluster does not wait on node-b for ever: node-b is
@@ -1782,17 +1798,10 @@ TEST(BalancerServerTest, ANodeThatRefusesACommitForGoodIsExcludedAndHoldsBackNoP
     }
     return -1.0;
   };
-  v1::RegisterRequest ra = DaemonRegistration(a, "node-a", 0, 0, "host");
-  v1::RegisterRequest rb = DaemonRegistration(b, "node-b", 2, 0, "host");
-  ra.set_incarnation("a-1");
-  rb.set_incarnation("b-1");
-  Register(balancer, ra);
-  Register(balancer, rb);
-  balancer.Tick();  // Learns v1.
-  v1::RebalanceResponse response;
-  grpc::Status status = Drain(balancer, "node-b", true, &response);
-  ASSERT_TRUE(status.ok()) << status.error_message();
+  const v1::RegisterRequest rb = RegisterAndDrainNodeB(balancer, a, b);
   ASSERT_EQ(b.committed_version(), 2u);
+  v1::RebalanceResponse response;
+  grpc::Status status;
   b.DamageCommitOf(3);
   const std::string refused =
       "refused the Commit of plan v3: rank 2's plan area lost plan v3 (plan v3 is not prepared "
@@ -1866,15 +1875,9 @@ TEST(BalancerServerTest, ARefusedNodeHoldsBackNoAbortOfAnOrphanPlan) {
   options.recovery_grace = absl::ZeroDuration();
   options.registration_grace = absl::Hours(1);
   Balancer balancer(options, std::make_shared<prometheus::Registry>());
-  v1::RegisterRequest ra = DaemonRegistration(a, "node-a", 0, 0, "host");
-  v1::RegisterRequest rb = DaemonRegistration(b, "node-b", 2, 0, "host");
-  ra.set_incarnation("a-1");
-  rb.set_incarnation("b-1");
-  Register(balancer, ra);
-  Register(balancer, rb);
-  balancer.Tick();  // Learns v1.
+  RegisterAndDrainNodeB(balancer, a, b);
+  ASSERT_EQ(b.committed_version(), 2u);
   v1::RebalanceResponse response;
-  ASSERT_TRUE(Drain(balancer, "node-b", true, &response).ok());
   b.DamageCommitOf(3);
   EXPECT_EQ(Drain(balancer, "node-b", false, &response).error_code(),
             grpc::StatusCode::FAILED_PRECONDITION);
@@ -1885,6 +1888,8 @@ TEST(BalancerServerTest, ARefusedNodeHoldsBackNoAbortOfAnOrphanPlan) {
   v1::Plan orphan = FirstPlan();
   orphan.set_version(5);
   a.SetPending(orphan);
+  v1::RegisterRequest ra = DaemonRegistration(a, "node-a", 0, 0, "host");
+  ra.set_incarnation("a-1");  // The same process.
   Register(balancer, ra);
   balancer.Tick();
   EXPECT_EQ(a.aborted(), std::vector<uint64_t>{5});
