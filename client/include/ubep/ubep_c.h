@@ -10,6 +10,9 @@
  * with "<function>: out of memory" (ubep_dispatched_new returns NULL so;
  * ubep_client_options_init zeroes the struct, which ubep_attach_with refuses), and anything
  * else thrown inside is 13 (INTERNAL) naming it. ubep_detach frees its handle either way.
+ * (Out of memory in ubep_dispatch or ubep_combine is not the receive-capacity overflow that 8
+ * means there, told apart by its message: that rank's call did not complete, its peers wait
+ * for it until their wait timeout, and the group is out of step: call ubep_rejoin.)
  * Handles are not thread-safe: one thread drives a rank, and no two calls on one handle may
  * overlap, those taking a const handle included (ubep_excluded and ubep_slot_expert check and
  * cache the plan, ubep_must_attach_again stops the group when it finds ubepd gone).
