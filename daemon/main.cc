@@ -1,6 +1,7 @@
 // ubepd: the UBEP node daemon. Flags are parsed here into DaemonOptions; an operator may keep
 // them in a file and pass --flagfile=FILE (one --flag=value per line).
 #include <signal.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -8,6 +9,7 @@
 #include <chrono>
 #include <thread>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <string>
@@ -19,6 +21,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/logging.h"
 #include "common/shape_limits.h"
 #include "balancer/formats/json_formats.h"
 #include "daemon/daemon.h"
@@ -69,6 +72,29 @@ ABSL_FLAG(absl::Duration, report_interval, absl::Seconds(1),
           "How often load is reported to the balancer (the balancer may ask otherwise).");
 ABSL_FLAG(std::string, ready_file, "",
           "When set, written once serving: JSON with the bound ports (for scripts and tests).");
+
+namespace {
+
+// ubepd keeps an fd for every arena of its group (every rank's, which it hands to its
+// clients; two per rank on CUDA) beside its sockets and connections: past about a thousand
+// ranks the usual soft open-files limit, 1024, runs out. It raises its soft limit to the hard
+// one, which is what the operator allows (capped at 2^20, the kernel's usual most).
+void RaiseOpenFilesLimit() {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0) return;
+  const rlim_t wanted = std::min<rlim_t>(limit.rlim_max, rlim_t{1} << 20);
+  if (limit.rlim_cur >= wanted) return;
+  const rlim_t was = limit.rlim_cur;
+  limit.rlim_cur = wanted;
+  if (setrlimit(RLIMIT_NOFILE, &limit) != 0) {
+    UBEP_LOG(WARNING) << "the open-files limit stays " << was << " (raising it to " << wanted
+                      << " failed: " << std::strerror(errno) << ")";
+    return;
+  }
+  UBEP_LOG(INFO) << "open-files limit raised from " << was << " to " << wanted;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
@@ -253,6 +279,7 @@ int main(int argc, char** argv) {
   signal(SIGHUP, SIG_IGN);
 
   options.ready_file = absl::GetFlag(FLAGS_ready_file);
+  RaiseOpenFilesLimit();
   absl::StatusOr<std::unique_ptr<ubep::daemon::Daemon>> daemon =
       ubep::daemon::Daemon::Start(options);
   if (!daemon.ok()) {

@@ -1,5 +1,6 @@
 // ubepd and libubep end to end: a real daemon process, real client processes (the example
 // MoE serving program), real shared memory, fd passing and gRPC on a Unix socket.
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -17,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/unix_socket.h"
@@ -683,6 +685,32 @@ TEST_F(DaemonTest, SurvivorsKeepRejoiningWhileAKilledPeerIsLateToComeBack) {
     EXPECT_EQ(clients[r]->Wait(absl::Seconds(120)), 0) << ReadFile(client_log(r));
     ExpectAllStepsCorrect(r);
   }
+}
+
+// ubepd keeps an fd per arena of the group, past the usual soft open-files limit (1024) in a
+// group of a thousand ranks: it raises its soft limit to the hard one. (Started here under a
+// soft limit of 256.)
+TEST_F(DaemonTest, TheSoftOpenFilesLimitIsRaisedToTheHardOne) {
+  rlimit limit{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &limit), 0);
+  if (limit.rlim_max <= 256) GTEST_SKIP() << "the hard limit is " << limit.rlim_max;
+  const rlim_t hard = std::min<rlim_t>(limit.rlim_max, rlim_t{1} << 20);
+  const std::string ready = dir_.path() + "/ready.json";
+  Process daemon({"/usr/bin/prlimit", "--nofile=256:", BinaryPath("ubepd"),
+                  "--socket=" + socket_path(), "--metrics=", "--ready_file=" + ready},
+                 dir_.path() + "/ubepd.log");
+  ASSERT_TRUE(WaitFor([&] { return std::filesystem::exists(ready); }, absl::Seconds(30)))
+      << ReadFile(dir_.path() + "/ubepd.log");
+  std::string soft;
+  const std::string limits = ReadFile(absl::StrCat("/proc/", daemon.pid(), "/limits"));
+  for (const absl::string_view line : absl::StrSplit(limits, '\n')) {
+    if (!absl::StartsWith(line, "Max open files")) continue;
+    const std::vector<std::string> words = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    if (words.size() >= 5) soft = words[3];
+  }
+  EXPECT_EQ(soft, std::to_string(hard));
+  EXPECT_THAT(ReadFile(dir_.path() + "/ubepd.log"),
+              HasSubstr(absl::StrCat("open-files limit raised from 256 to ", hard)));
 }
 
 // The example refuses flags it cannot run with, naming the flag (exit 2), before it attaches.
