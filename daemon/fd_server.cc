@@ -93,9 +93,13 @@ absl::Status FdServer::Reply(int fd, const std::string& bytes,
   return sent;
 }
 
-bool FdServer::Serve(int64_t id, int fd) {
+bool FdServer::Serve(int64_t id, int fd, std::string& why) {
   absl::StatusOr<ReceivedMessage> message = ReceiveMessage(fd, kMaxTokenBytes, absl::ZeroDuration());
-  if (!message.ok() || message->closed) return false;
+  if (!message.ok()) {
+    why = absl::StrCat("a message it could not take: ", message.status().ToString());
+    return false;
+  }
+  if (message->closed) return false;
   static const std::vector<UniqueFd> kNone;
   if (absl::StartsWith(message->bytes, kPeerRequest)) {
     absl::StatusOr<std::pair<int, std::vector<UniqueFd>>> arenas =
@@ -106,9 +110,11 @@ bool FdServer::Serve(int64_t id, int fd) {
   }
   if (message->bytes == kArenaRefreshRequest) {
     absl::StatusOr<std::pair<uint64_t, std::vector<UniqueFd>>> arenas = node_->RefreshArenas(id);
-    if (!Reply(fd, StatusLine(arenas, arenas.ok() ? absl::StrCat("OK ", arenas->first) : ""),
-               arenas.ok() ? arenas->second : kNone)
-             .ok()) {
+    if (absl::Status sent =
+            Reply(fd, StatusLine(arenas, arenas.ok() ? absl::StrCat("OK ", arenas->first) : ""),
+                  arenas.ok() ? arenas->second : kNone);
+        !sent.ok()) {
+      why = absl::StrCat("its client did not take a reply: ", sent.ToString());
       return false;
     }
     // The connection still holds its rank; one that holds none has nothing to keep open.
@@ -116,7 +122,10 @@ bool FdServer::Serve(int64_t id, int fd) {
   }
   absl::StatusOr<std::vector<UniqueFd>> fds = node_->ClaimArenas(message->bytes, id);
   // On failure, one message: a status line the client turns into its error.
-  return Reply(fd, StatusLine(fds, "OK"), fds.ok() ? *fds : kNone).ok() && fds.ok();
+  const absl::Status sent = Reply(fd, StatusLine(fds, "OK"), fds.ok() ? *fds : kNone);
+  if (!fds.ok()) why = absl::StrCat("a claim refused: ", fds.status().ToString());
+  if (!sent.ok()) why = absl::StrCat("its client did not take a reply: ", sent.ToString());
+  return sent.ok() && fds.ok();
 }
 
 int FdServer::Unclaimed(absl::Time now) const {
@@ -214,12 +223,13 @@ void FdServer::Loop() {
       const int64_t id = ids[i - 2];
       Connection& connection = connections_.at(id);
       if (polls[i].revents != 0) {
-        if (Serve(id, polls[i].fd)) {
+        std::string why;  // Why ubepd closes it; empty: its client closed it.
+        if (Serve(id, polls[i].fd, why)) {
           connection.close_at = absl::InfiniteFuture();
         } else {
           // Whatever ended it (the client closed it, a message out of place, a reply not
           // taken), a rank it held is gone: the client sees its connection closed.
-          node_->ConnectionClosed(id);
+          node_->ConnectionClosed(id, why);
           connections_.erase(id);
         }
       } else if (connection.close_at <= now) {

@@ -67,9 +67,9 @@ class FdServer {
 
   FdServer(UniqueFd listener, UniqueFd wake, std::string path, Node* node, FdServerOptions options);
   void Loop();
-  // Answers a connection's message; false when the connection should close. A connection
-  // kept open holds a rank.
-  bool Serve(int64_t id, int fd);
+  // Answers a connection's message; false when the connection should close, with `why` set
+  // where ubepd closes it (empty: its client closed it). A connection kept open holds a rank.
+  bool Serve(int64_t id, int fd, std::string& why);
   // Takes the listener's next connection: kept, or answered "ERR ..." and closed.
   void Accept(absl::Time now);
   int Unclaimed(absl::Time now) const;

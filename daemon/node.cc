@@ -852,13 +852,18 @@ bool Node::HoldsConnection(int64_t connection) const {
   return false;
 }
 
-void Node::ConnectionClosed(int64_t connection) {
+void Node::ConnectionClosed(int64_t connection, std::string_view why) {
   MutexLock lock(&mu_);
   for (size_t r = 0; r < ranks_.size(); ++r) {
     RankEntry& e = ranks_[r];
     if (e.state != RankState::kConnected || e.connection != connection) continue;
-    UBEP_LOG(WARNING) << "rank " << r << " (pid " << e.pid
-                      << ") disconnected without detaching: marking it gone";
+    if (why.empty()) {
+      UBEP_LOG(WARNING) << "rank " << r << " (pid " << e.pid
+                        << ") disconnected without detaching: marking it gone";
+    } else {
+      UBEP_LOG(WARNING) << "rank " << r << " (pid " << e.pid << "): ubepd closed its fd "
+                        << "connection (" << why << "): marking it gone";
+    }
     e = RankEntry{};
     BreakGroup(static_cast<int>(r));
   }

@@ -26,6 +26,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/functional/function_ref.h"
@@ -112,7 +113,8 @@ class Node {
   absl::StatusOr<v1::GetPlanResponse> GetPlan() const;
   absl::StatusOr<v1::ReportStepResponse> ReportStep(const v1::ReportStepRequest& request);
   // The fd connection `connection` closed: if it still holds a rank, that rank is gone.
-  void ConnectionClosed(int64_t connection);
+  // `why`: why ubepd closed it; empty when its client did (the process exited or was killed).
+  void ConnectionClosed(int64_t connection, std::string_view why = "");
   // Whether fd connection `connection` holds a rank (claimed it, and the rank has not been
   // detached or taken by another connection since).
   bool HoldsConnection(int64_t connection) const;

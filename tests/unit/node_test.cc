@@ -39,6 +39,8 @@ namespace ubep::daemon {
 namespace {
 
 using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::Not;
 
 NodeOptions Options(int free_buffers = 2) {
   NodeOptions o;
@@ -2183,6 +2185,34 @@ TEST_F(FdServerTest, AConnectionWhoseRankWasDetachedIsClosedAfterTheUnclaimedTim
   absl::StatusOr<ReceivedMessage> none = ReceiveMessage(kept.get(), 64, absl::Milliseconds(500));
   EXPECT_EQ(none.status(), absl::DeadlineExceededError("no message within 500ms"));
   EXPECT_EQ(node_->Snapshot().attached, 1);
+}
+
+// A connection that holds a rank and claims another (a second token on it) is refused and
+// closed by ubepd: its rank is gone, and the log says that ubepd closed the connection and
+// why, not that the rank's process disconnected.
+TEST_F(FdServerTest, AConnectionUbepdClosesIsLoggedAsClosedByUbepdWithTheReason) {
+  UniqueFd held = ClaimedRank(0, 2, nullptr);
+  v1::AttachRequest second = Request(1, 2);
+  second.mutable_shape()->set_num_experts(4);
+  const absl::StatusOr<v1::AttachResponse> attached = node_->Attach(second);
+  ASSERT_TRUE(attached.ok()) << attached.status();
+  ::testing::internal::CaptureStderr();
+  absl::StatusOr<ReceivedMessage> reply = Exchange(held.get(), attached->token(), 256, absl::Seconds(5));
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  EXPECT_EQ(reply->bytes, "ERR this connection holds rank 0 already; each rank claims its arenas "
+                          "on a connection of its own");
+  absl::StatusOr<ReceivedMessage> end = ReceiveMessage(held.get(), 64, absl::Seconds(10));
+  ASSERT_TRUE(end.ok()) << end.status();
+  EXPECT_TRUE(end->closed);
+  // Rank 1's ticket stays.
+  const bool gone = test::WaitFor([&] { return node_->Snapshot().attached == 1; }, absl::Seconds(10));
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_TRUE(gone);
+  EXPECT_THAT(log, HasSubstr(std::string(
+                       "rank 0 (pid 100): ubepd closed its fd connection (a claim refused: "
+                       "FAILED_PRECONDITION: this connection holds rank 0 already; each rank "
+                       "claims its arenas on a connection of its own): marking it gone")));
+  EXPECT_THAT(log, Not(HasSubstr("disconnected without detaching")));
 }
 
 // A client that sends requests and never reads the replies fills its queue: the server gives
