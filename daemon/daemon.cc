@@ -396,6 +396,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   if (!options.listen.empty()) {
     grpc::ServerBuilder builder;
     builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &d->listen_port_);
+    // Not shared with a process already there (gRPC's default, SO_REUSEPORT): the balancer
+    // would call either daemon at random.
+    builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     builder.SetMaxReceiveMessageSize(options.max_message_bytes);
     builder.RegisterService(d->control_.get());
     d->server_ = builder.BuildAndStart();

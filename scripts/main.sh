@@ -7,5 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
-scripts/build.sh build
+# The release tree, as scripts/test.sh builds it (the same options: one build serves both).
+UBEP_BUILD_TYPE=RelWithDebInfo scripts/build.sh build -DUBEP_SANITIZE= -DUBEP_BUILD_TESTS=ON \
+  -DUBEP_BUILD_BENCHMARKS=ON -DUBEP_BUILD_SHARED_CLIENT=ON
 build/bin/ubep-local --ranks 8 --daemons 2 --steps 600 --report ubep-local-report "$@"

@@ -9,16 +9,21 @@ jobs=$(nproc)
 export CCACHE_DIR="${CCACHE_DIR:-$HOME/.cache/ubep-ccache}"
 
 echo "== ASan + UBSan"
+# Every tree gets its whole set of options each time: a tree configured before with others
+# (by hand, scripts/build.sh build -DUBEP_SANITIZE=thread) keeps them in its cache otherwise.
 UBEP_BUILD_TYPE=Debug scripts/build.sh build-asan -DUBEP_SANITIZE=address \
-  -DUBEP_ENABLE_CUDA=OFF -DUBEP_BUILD_BENCHMARKS=OFF
+  -DUBEP_ENABLE_CUDA=OFF -DUBEP_BUILD_BENCHMARKS=OFF -DUBEP_BUILD_TESTS=ON \
+  -DUBEP_BUILD_SHARED_CLIENT=OFF
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build-asan -j "$jobs" --output-on-failure -LE "gpu|ops"
 
 echo "== TSan (label concurrent)"
 UBEP_BUILD_TYPE=Debug scripts/build.sh build-tsan -DUBEP_SANITIZE=thread \
-  -DUBEP_ENABLE_CUDA=OFF -DUBEP_BUILD_BENCHMARKS=OFF
-TSAN_OPTIONS="halt_on_error=1 suppressions=$PWD/tests/tsan.supp" ctest --test-dir build-tsan -j "$jobs" --output-on-failure -L concurrent
+  -DUBEP_ENABLE_CUDA=OFF -DUBEP_BUILD_BENCHMARKS=OFF -DUBEP_BUILD_TESTS=ON \
+  -DUBEP_BUILD_SHARED_CLIENT=OFF
+TSAN_OPTIONS="halt_on_error=1 suppressions='$PWD/tests/tsan.supp'" ctest --test-dir build-tsan -j "$jobs" --output-on-failure -L concurrent
 
 echo "== Full suite (release build)"
-scripts/build.sh build
+UBEP_BUILD_TYPE=RelWithDebInfo scripts/build.sh build -DUBEP_SANITIZE= -DUBEP_BUILD_TESTS=ON \
+  -DUBEP_BUILD_BENCHMARKS=ON -DUBEP_BUILD_SHARED_CLIENT=ON
 ctest --test-dir build -j "$jobs" --output-on-failure

@@ -154,6 +154,9 @@ int main(int argc, char** argv) {
   int port = 0;
   const std::string listen = absl::GetFlag(FLAGS_listen);
   builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  // gRPC binds with SO_REUSEPORT by default: a second balancer on a port in use would share it
+  // (each daemon and ubepctl then reaching either one) rather than fail to start.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(ubep::kMaxControlMessageBytes);
   builder.RegisterService(&balancer);
   // Its own errors are marked, so that a client tells "node-b is still being recovered"

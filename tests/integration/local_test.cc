@@ -412,6 +412,11 @@ TEST_F(LocalTest, ABalancerThatExitsAtStartIsNamedWithItsStatusAndLog) {
   test::LoopbackListener taken;
   ASSERT_GE(taken.fd(), 0);
   const std::string listen = absl::StrCat("127.0.0.1:", taken.port());
+  // What an earlier run left in the report directory is not left as this one's.
+  std::filesystem::create_directories(path("report"));
+  const char* earlier[] = {"report.json", "report.md", "report.png", "cluster.json",
+                           "prometheus-targets.json"};
+  for (const char* name : earlier) std::ofstream(path("report") + "/" + name) << "an earlier run's";
   std::string output;
   EXPECT_EQ(Run({test::BinaryPath("ubep-local"), "--report=" + path("report"),
                  "--listen=" + listen, "--metrics_port=0"},
@@ -420,6 +425,27 @@ TEST_F(LocalTest, ABalancerThatExitsAtStartIsNamedWithItsStatusAndLog) {
   EXPECT_THAT(output, HasSubstr("ubep-local: ubep-balancer did not start (it exited with status "
                                 "1); its log:\n"));
   EXPECT_THAT(output, HasSubstr("ubep-balancer: cannot listen on " + listen + "\n"));
+  for (const char* name : earlier) {
+    EXPECT_FALSE(std::filesystem::exists(path("report") + "/" + name)) << name;
+  }
+}
+
+// A port a balancer serves is not shared by a second one (gRPC binds with SO_REUSEPORT unless
+// told not to): the second cannot listen, and says so.
+TEST_F(LocalTest, ASecondBalancerOnAPortInUseDoesNotStart) {
+  const std::string ready = path("balancer-ready.json");
+  Process first({test::BinaryPath("ubep-balancer"), "--listen=127.0.0.1:0", "--metrics=",
+                 "--ready_file=" + ready},
+                path("first.log"));
+  ASSERT_TRUE(test::WaitFor([&] { return std::filesystem::exists(ready); }, absl::Seconds(30)))
+      << ReadFile(path("first.log"));
+  const int port = nlohmann::json::parse(ReadFile(ready))["port"].get<int>();
+  const std::string listen = absl::StrCat("127.0.0.1:", port);
+  Process second({test::BinaryPath("ubep-balancer"), "--listen=" + listen, "--metrics="},
+                 path("second.log"));
+  EXPECT_EQ(second.Wait(absl::Seconds(30)), 1);
+  EXPECT_THAT(ReadFile(path("second.log")),
+              HasSubstr("ubep-balancer: cannot listen on " + listen + "\n"));
 }
 
 // A run without a commit has no after window and so no picture: the report says so, and a

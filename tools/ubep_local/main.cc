@@ -395,6 +395,13 @@ int Run(int argc, char** argv) {
     std::cerr << "ubep-local: cannot create --report " << report_dir << ": " << made.message() << "\n";
     return 1;
   }
+  // What an earlier run wrote there goes first: a run that fails to start must not leave a
+  // passing report, or ports nobody serves, in the directory as its own.
+  for (const char* earlier : {"report.json", "report.md", "report.png", "cluster.json",
+                              "prometheus-targets.json"}) {
+    std::error_code ignored;
+    std::filesystem::remove(report_dir + "/" + earlier, ignored);
+  }
   char workdir_template[] = "/tmp/ubep-local.XXXXXX";
   if (mkdtemp(workdir_template) == nullptr) {
     std::cerr << "ubep-local: cannot create a working directory under /tmp: " << strerror(errno)
@@ -404,6 +411,7 @@ int Run(int argc, char** argv) {
   const std::string workdir = workdir_template;
   signal(SIGINT, OnSignal);
   signal(SIGTERM, OnSignal);
+  signal(SIGHUP, OnSignal);  // The terminal closed: stopped as by Ctrl-C, with its report.
   const int metrics_base = absl::GetFlag(FLAGS_metrics_port);
   auto metrics_address = [&](int offset) {
     return absl::StrCat("127.0.0.1:", metrics_base == 0 ? 0 : metrics_base + offset);
