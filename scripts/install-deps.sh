@@ -44,6 +44,6 @@ fi
 echo "install-deps: installing ${missing[*]}"
 # sudo drops the environment: apt's settings go on its command line. The lock timeout covers
 # a fresh VM's unattended upgrades, which hold apt's lock for a while after boot.
-apt=("${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600)
+apt=(${sudo[@]+"${sudo[@]}"} env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600)
 "${apt[@]}" update -qq
 "${apt[@]}" install -y -qq --no-install-recommends "${missing[@]}"

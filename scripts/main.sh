@@ -5,9 +5,15 @@
 # a live progress line and writes ubep-local-report/ (report.md, report.json, report.png).
 # Extra arguments go to ubep-local, e.g. scripts/main.sh --policy none --steps 300.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-scripts/install-deps.sh
-# The release tree, as scripts/test.sh builds it (the same options: one build serves both).
-UBEP_BUILD_TYPE=RelWithDebInfo scripts/build.sh build -DUBEP_SANITIZE= -DUBEP_BUILD_TESTS=ON \
-  -DUBEP_BUILD_BENCHMARKS=ON -DUBEP_BUILD_SHARED_CLIENT=ON
-build/bin/ubep-local --ranks 8 --daemons 2 --steps 600 --report ubep-local-report "$@"
+root="$(cd "$(dirname "$0")/.." && pwd)"
+(
+  cd "$root"
+  scripts/install-deps.sh
+  # The release tree, as scripts/test.sh builds it (the same options: one build serves both).
+  UBEP_BUILD_TYPE=RelWithDebInfo scripts/build.sh build -DUBEP_SANITIZE= -DUBEP_BUILD_TESTS=ON \
+    -DUBEP_BUILD_BENCHMARKS=ON -DUBEP_BUILD_SHARED_CLIENT=ON
+)
+# From where it was started: a relative path among the extra arguments (--report out) is the
+# caller's. The report goes to the repository's ubep-local-report/ unless one is given.
+exec "$root/build/bin/ubep-local" --ranks 8 --daemons 2 --steps 600 \
+  --report "$root/ubep-local-report" "$@"
