@@ -72,8 +72,12 @@ static std::atomic<uint64_t> attaches{0};
 // peers waiting on it, until the child exits. Every open fd connection of the process is
 // listed here and closed in each child as it is forked. (Slots hold fd + 1; 0 is free.)
 static std::array<std::atomic<int>, 1024> fork_closed{};
+// Forks this process (or an ancestor since it was forked) went through, as the child: a rank
+// attached before the last one is its parent's (RankState::fork_count).
+static std::atomic<uint64_t> fork_count{0};
 
 static void CloseFdConnectionsInChild() {  // Async-signal-safe: atomics and close only.
+  fork_count.fetch_add(1, std::memory_order_relaxed);
   for (std::atomic<int>& slot : fork_closed) {
     if (const int fd = slot.exchange(0, std::memory_order_relaxed); fd != 0) close(fd - 1);
   }
@@ -87,6 +91,14 @@ class FdConnection {
   FdConnection() = default;
   FdConnection(const FdConnection&) = delete;
   FdConnection& operator=(const FdConnection&) = delete;
+  FdConnection& operator=(FdConnection&& other) noexcept {
+    if (this != &other) {
+      reset();
+      fd_ = std::move(other.fd_);
+      slot_ = std::exchange(other.slot_, -1);
+    }
+    return *this;
+  }
   ~FdConnection() { reset(); }
 
   void Adopt(UniqueFd fd) {
@@ -121,7 +133,12 @@ struct RankState {
   std::unique_ptr<v1::Daemon::Stub> stub;
   std::string token;
   FdConnection fd_connection;  // Open while attached: ubepd notices its closing.
-  pid_t pid = getpid();        // The process that attached; a child forked since has a copy.
+  pid_t pid = getpid();        // The process that attached; a child forked since has a copy,
+  // in which the count of forks is ahead of this one's.
+  uint64_t fork_count = internal::fork_count.load(std::memory_order_relaxed);
+  bool InForkedChild() const {
+    return fork_count != internal::fork_count.load(std::memory_order_relaxed);
+  }
   // Arena refreshes sent on fd_connection whose replies were not read (one gave up at
   // rpc_timeout): ubepd answers each in order, so as many replies come before the next one's.
   int refresh_replies_owed = 0;
@@ -242,6 +259,14 @@ void Observe(kernels::LatencyHistogram& h, absl::Duration d) {
 
 // Every call but Detach on a rank that detached (Detach released what the calls use).
 absl::Status Detached() { return absl::FailedPreconditionError("rank is detached"); }
+
+// What a forked child gets from its copy of its parent's rank: nothing of it is the child's
+// (the fd connection was closed at the fork, and the arenas are the parent's group's).
+absl::Status ForkedChild(const RankState& s, const char* what) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "rank ", s.rank, " was attached by process ", s.pid, "; process ", getpid(),
+      ", forked from it, cannot ", what, " it"));
+}
 
 // The abort word of this rank's data plane: in its host arena, or on the CUDA backend in its
 // device arena (the data plane at its offset 0).
@@ -568,10 +593,14 @@ absl::Status TakeArenas(RankState& s, const v1::AttachResponse& response) {
   // gave the arenas: ubepd closes it after a refusal, and a refused rank is detached (~Rank)
   // by RPC, not stopped as if its daemon had gone. After an "OK" it is held as ubepd holds it
   // (its closing would tell ubepd that the rank's process died).
-  absl::StatusOr<UniqueFd> connection = ConnectUnix(fd_socket, s.options.rpc_timeout);
-  if (!connection.ok()) return said(connection.status());
+  absl::StatusOr<UniqueFd> connected = ConnectUnix(fd_socket, s.options.rpc_timeout);
+  if (!connected.ok()) return said(connected.status());
+  // Listed at once: ubepd holds the rank on it from the claim on, and a child forked meanwhile
+  // must not keep it open either.
+  internal::FdConnection connection;
+  connection.Adopt(*std::move(connected));
   absl::StatusOr<ReceivedMessage> exchanged =
-      Exchange(connection->get(), response.token(), 4096, s.options.rpc_timeout);
+      Exchange(connection.get(), response.token(), 4096, s.options.rpc_timeout);
   if (!exchanged.ok()) return said(exchanged.status());
   if (const std::string& answer = exchanged->bytes; answer != "OK") {
     // Every refusal of a claim is for a while (the token expired or was used, the group's
@@ -581,7 +610,7 @@ absl::Status TakeArenas(RankState& s, const v1::AttachResponse& response) {
         answer.size() > 4 ? answer.substr(4) : std::string("connection closed")));
   }
   ReceivedMessage reply = *std::move(exchanged);
-  s.fd_connection.Adopt(*std::move(connection));
+  s.fd_connection = std::move(connection);
   const size_t host_fds = static_cast<size_t>(response.arena_ranks_size());
   const size_t expected = host_fds * (s.on_device ? 2 : 1);
   if (reply.fds.size() != expected) {
@@ -640,9 +669,8 @@ absl::Status RefreshArenas(RankState& s, uint64_t epoch) {
     absl::StatusOr<ReceivedMessage> received = ReceiveMessage(
         s.fd_connection.get(), 4096, std::max(deadline - MonotonicNow(), absl::ZeroDuration()));
     if (!received.ok()) {
-      // Past a timeout the reply is still owed; any other failure took a reply (or the first
-      // part of one of over 253 fds, whose rest the next refresh then fails on) off the
-      // socket, its fds over the descriptor limit, say: owed no more.
+      // Past a timeout the reply is still owed; any other failure took a reply off the socket
+      // (all its parts, its fds over the descriptor limit, say): owed no more.
       if (!absl::IsDeadlineExceeded(received.status())) {
         s.refresh_replies_owed = std::max(s.refresh_replies_owed - 1, 0);
       }
@@ -790,7 +818,7 @@ int Dispatched::layer() const { return state_->filled ? state_->layer : -1; }
 Rank::Rank(std::unique_ptr<internal::RankState> state) : state_(std::move(state)) {}
 
 Rank::~Rank() {
-  if (state_ != nullptr && state_->pid != getpid()) {
+  if (state_ != nullptr && state_->InForkedChild()) {
     // A child's copy of its parent's rank (forked after Attach): the parent's, not this
     // process's to detach, and nothing of it (channels, mappings, the fd connection, closed at
     // the fork) is let go here.
@@ -932,6 +960,7 @@ const ModelShape& Rank::shape() const { return state_->shape; }
 bool Rank::must_attach_again() const {
   const RankState& s = *state_;
   if (!s.attached) return false;
+  if (s.InForkedChild()) return true;  // The parent's rank: the child attaches its own.
   // Asked after an error: look at the connection now (BeginStep looks only every
   // daemon_check_interval, and another reason may have stopped the group first). Found
   // closed here, it stops the group as BeginStep would (the rank's state is not the handle's).
@@ -954,6 +983,7 @@ bool Rank::excluded() const {
 absl::Status Rank::BeginStep(uint64_t step) {
   RankState& s = *state_;
   if (!s.attached) return Detached();
+  if (s.InForkedChild()) return ForkedChild(s, "use");
   if (!s.stopped.ok()) return s.stopped;
   // Until this step has begun, no step has: a BeginStep that fails leaves no step open whose
   // plan a Dispatch could still use while the peers run the next.
@@ -1045,8 +1075,9 @@ absl::Status Rank::BeginStep(uint64_t step) {
 absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
                             const float* topk_weights, int num_tokens, Dispatched& out) {
   RankState& s = *state_;
-  const RankDevice on_device(s);
   out.state_->filled = false;
+  if (s.attached && s.InForkedChild()) return ForkedChild(s, "use");
+  const RankDevice on_device(s);
   if (!s.attached) return Detached();
   if (!s.stopped.ok()) return s.stopped;
   if (!s.step_begun) {
@@ -1184,6 +1215,7 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
 
 absl::Status Rank::Combine(const Dispatched& dispatched, const void* expert_out, void* out) {
   RankState& s = *state_;
+  if (s.attached && s.InForkedChild()) return ForkedChild(s, "use");
   const RankDevice on_device(s);
   if (!s.attached) return Detached();
   if (!s.stopped.ok()) return s.stopped;
@@ -1234,6 +1266,7 @@ absl::Status Rank::Combine(const Dispatched& dispatched, const void* expert_out,
 absl::StatusOr<uint64_t> Rank::Rejoin(std::optional<uint64_t> next_step) {
   RankState& s = *state_;
   if (!s.attached) return Detached();
+  if (s.InForkedChild()) return ForkedChild(s, "use");
   const absl::Status joined = JoinGroup(s, next_step);
 #ifdef UBEP_CLIENT_CUDA
   const bool has_data_plane = s.on_device ? s.cuda_ep != nullptr : s.ep != nullptr;
@@ -1342,11 +1375,7 @@ RankStats Rank::stats() const {
 absl::Status Rank::Detach() {
   RankState& s = *state_;
   if (!s.attached) return absl::OkStatus();
-  if (s.pid != getpid()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "rank ", s.rank, " was attached by process ", s.pid, "; process ", getpid(),
-        ", forked from it, cannot detach it"));
-  }
+  if (s.InForkedChild()) return ForkedChild(s, "detach");
   const RankDevice on_device(s);
   // ubepd gone: no daemon tells the peers that this rank leaves, so the rank stops the group
   // itself (as BeginStep would), and there is nothing to detach from.

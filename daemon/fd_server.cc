@@ -96,7 +96,10 @@ absl::Status FdServer::Reply(int fd, const std::string& bytes,
 bool FdServer::Serve(int64_t id, int fd, std::string& why) {
   absl::StatusOr<ReceivedMessage> message = ReceiveMessage(fd, kMaxTokenBytes, absl::ZeroDuration());
   if (!message.ok()) {
-    why = absl::StrCat("a message it could not take: ", message.status().ToString());
+    // A reset is its client gone (it died with a reply unread); anything else, ubepd's doing.
+    if (!absl::IsUnavailable(message.status())) {
+      why = absl::StrCat("a message it could not take: ", message.status().ToString());
+    }
     return false;
   }
   if (message->closed) return false;

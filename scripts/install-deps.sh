@@ -45,5 +45,12 @@ echo "install-deps: installing ${missing[*]}"
 # sudo drops the environment: apt's settings go on its command line. The lock timeout covers
 # a fresh VM's unattended upgrades, which hold apt's lock for a while after boot.
 apt=(${sudo[@]+"${sudo[@]}"} env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600)
-"${apt[@]}" update -qq
+# apt-get update takes the lists' lock, which the lock timeout does not cover: tried again
+# for up to 10 minutes while another apt holds it.
+for attempt in $(seq 60); do
+  if "${apt[@]}" update -qq; then break; fi
+  if [ "$attempt" -eq 60 ]; then echo "install-deps: apt-get update kept failing" >&2; exit 1; fi
+  echo "install-deps: apt-get update failed (another apt running?); again in 10 s" >&2
+  sleep 10
+done
 "${apt[@]}" install -y -qq --no-install-recommends "${missing[@]}"

@@ -1370,7 +1370,7 @@ void Balancer::Recover() {
         if (d.channel != channels[i]) continue;
         d.needs_state = true;
         node = name;
-        if (commit) NoteCommitAnswer(name, d, version, results[i].status);
+        NoteDecisionAnswer(name, d, version, commit, results[i].status);
       }
       UBEP_LOG(INFO) << "recovery: " << (commit ? "committed" : "aborted") << " orphan plan v"
                      << version << " on node " << (node.empty() ? "(gone)" : node)
@@ -1381,10 +1381,11 @@ void Balancer::Recover() {
   CatchUp();
 }
 
-void Balancer::NoteCommitAnswer(const std::string& name, Daemon& d, uint64_t version,
-                                const grpc::Status& status) {
+void Balancer::NoteDecisionAnswer(const std::string& name, Daemon& d, uint64_t version,
+                                  bool commit, const grpc::Status& status) {
   if (status.error_code() != grpc::StatusCode::DATA_LOSS || !d.refused.empty()) return;
-  d.refused = absl::StrCat("refused the Commit of plan v", version, ": ", status.error_message());
+  d.refused = absl::StrCat("refused the ", commit ? "Commit" : "Abort", " of plan v", version,
+                           ": ", status.error_message());
   UBEP_LOG(ERROR) << "node " << name << " " << d.refused << "; it is sent no plan and its ranks "
                   << "are excluded until it registers again (restart its ubepd)";
 }
@@ -1506,7 +1507,7 @@ void Balancer::CatchUp() {
       it = daemons_.end();
     }
     if (it != daemons_.end()) {
-      NoteCommitAnswer(name, it->second, request.plan().version(), commit_answers[i]);
+      NoteDecisionAnswer(name, it->second, request.plan().version(), true, commit_answers[i]);
     }
     if (outcome[i].empty()) {
       UBEP_LOG(INFO) << "node " << name << " caught up on plan v" << request.plan().version()
@@ -1809,8 +1810,8 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
                         << decided[i].error_message();
       if (commit) result.add_commit_unacknowledged(targets[i]);
     }
-    if (commit && it != daemons_.end()) {
-      NoteCommitAnswer(targets[i], it->second, plan->version, decided[i]);
+    if (it != daemons_.end()) {
+      NoteDecisionAnswer(targets[i], it->second, plan->version, commit, decided[i]);
     }
   }
   if (!commit) {

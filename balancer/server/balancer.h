@@ -188,11 +188,11 @@ class Balancer final : public v1::Control::Service {
     // clients are not back yet): until it registers a group or is forgotten, they hold a model
     // change back as the ranks it holds do.
     bool held_ranks_before_restart = false;
-    // Why it refused a decided Commit for good (DATA_LOSS: a client wrote into a plan area of
-    // its ranks, so none of them can take the plan); empty: it did not. The plan stays
-    // pending there, which no later decision resolves: it is sent no plan and its ranks are
-    // excluded, as a down node's, until it registers again (its ubepd restarted, or its group
-    // formed again).
+    // Why it refused a decision for good (DATA_LOSS: a client wrote into a plan area of its
+    // ranks, so none of them can take the plan; a Commit so refused leaves the plan pending
+    // there); empty: it did not. It is sent no plan and its ranks are excluded, as a down
+    // node's, until it registers again as another incarnation (its ubepd restarted, or its
+    // group formed again).
     std::string refused;
 
     // Whether it holds ranks of the cluster's model, or held them before its daemon restarted.
@@ -247,10 +247,12 @@ class Balancer final : public v1::Control::Service {
   void Recover();
   // Gives the cluster's plan to drained daemons behind it (Recover calls it).
   void CatchUp();
-  // A daemon's answer to the Commit of plan `version`: a refusal for good (DATA_LOSS) marks
-  // it refused (Daemon::refused), said once.
-  void NoteCommitAnswer(const std::string& name, Daemon& d, uint64_t version,
-                        const grpc::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A daemon's answer to the decision (Commit or Abort) on plan `version`: DATA_LOSS (a rank's
+  // plan area did not take it: a client wrote there) marks it refused (Daemon::refused), said
+  // once. An Abort so answered left the plan undecided on no rank, but the area is the same,
+  // and a balancer restarted after a refused Commit aborts that plan as superseded.
+  void NoteDecisionAnswer(const std::string& name, Daemon& d, uint64_t version, bool commit,
+                          const grpc::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Plans and commits; serialized with Recover by commit_mu_.
   // `members_only`: for a change of members (a drain, an undrain, a node lost or back); when
   // the plan in force already has the members wanted (another caller committed it first),

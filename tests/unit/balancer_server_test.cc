@@ -365,6 +365,15 @@ class FakeDaemon final : public v1::DaemonControl::Service {
     Gather("Abort", context);
     std::lock_guard<std::mutex> lock(mu_);
     abort_requests_.push_back(request->version());
+    if (request->version() == damaged_commit_ && pending_ == request->version()) {
+      // As ubepd: undecided no more, but the damaged area did not take the abort.
+      pending_ = 0;
+      return grpc::Status(grpc::StatusCode::DATA_LOSS,
+                          absl::StrCat("plan v", request->version(), " is aborted here, but the "
+                                       "plan area of rank 2 (plan v", request->version(),
+                                       " is not prepared here) did not take the abort (did its "
+                                       "client write into its plan area?)"));
+    }
     if (request->version() == lost_abort_) {  // Not taken: the prepared plan stays pending.
       lost_abort_ = 0;
       pending_ = request->version();
@@ -438,7 +447,8 @@ class FakeDaemon final : public v1::DaemonControl::Service {
     lost_commit_ = version;
   }
   // The Commit of `version` is refused for good (DATA_LOSS), as ubepd refuses one where a
-  // client wrote into a rank's plan area: the plan stays pending, whatever comes after.
+  // client wrote into a rank's plan area: the plan stays pending until an Abort, which it
+  // takes, answering DATA_LOSS too.
   void DamageCommitOf(uint64_t version) {
     std::lock_guard<std::mutex> lock(mu_);
     damaged_commit_ = version;
@@ -1205,6 +1215,7 @@ TEST(BalancerServerTest, ANodeBackAfterARefusedNodeTookOverSomeOfItsRanksStaysOu
   v1::RebalanceResponse undrained;
   EXPECT_EQ(Drain(*balancer, "node-c", false, &undrained).error_code(),
             grpc::StatusCode::FAILED_PRECONDITION);
+  ASSERT_FALSE(c.commit_requests().empty());
   EXPECT_EQ(c.commit_requests().back(), taking_back);
   a.SetServing(true);
   EXPECT_EQ(HealthAfterFourChecks(*balancer),
@@ -1844,6 +1855,25 @@ TEST(BalancerServerTest, ANodeThatRefusesACommitForGoodIsExcludedAndHoldsBackNoP
   EXPECT_EQ(b.prepares().back().plan().version(), 3u);
   EXPECT_EQ(b.commit_requests(), (std::vector<uint64_t>{2, 3}));
   EXPECT_EQ(b.pending(), 3u);
+  {
+    // A balancer restarted now finds v3 pending on node-b below v4, aborts it as superseded,
+    // and node-b's area refuses that too: refused again, not taken back as caught up.
+    Balancer restarted(NeverMarkedDown(), std::make_shared<prometheus::Registry>());
+    v1::RegisterRequest ra = DaemonRegistration(a, "node-a", 0, 0, "host");
+    ra.set_incarnation("a-1");
+    Register(restarted, ra);
+    Register(restarted, rb);
+    restarted.Tick();
+    restarted.Tick();
+    v1::ClusterStatus cluster;
+    ASSERT_TRUE(restarted.GetStatus(nullptr, nullptr, &cluster).ok());
+    ASSERT_EQ(cluster.nodes_size(), 2);
+    EXPECT_EQ(cluster.nodes(1).refused(),
+              "refused the Abort of plan v3: plan v3 is aborted here, but the plan area of rank 2 "
+              "(plan v3 is not prepared here) did not take the abort (did its client write into "
+              "its plan area?)");
+    EXPECT_EQ(b.committed_version(), 2u);  // Not caught up on v4.
+  }
   // Its ubepd restarted: a new process (here at another address), under its own first plan,
   // nothing pending.
   FakeDaemon restarted("node-b", FirstPlan());

@@ -411,7 +411,12 @@ int Run(int argc, char** argv) {
   const std::string workdir = workdir_template;
   signal(SIGINT, OnSignal);
   signal(SIGTERM, OnSignal);
-  signal(SIGHUP, OnSignal);  // The terminal closed: stopped as by Ctrl-C, with its report.
+  // The terminal closed: stopped as by Ctrl-C, with its report; not where SIGHUP is ignored
+  // already (started under nohup, to outlive the terminal).
+  struct sigaction hangup {};
+  if (sigaction(SIGHUP, nullptr, &hangup) == 0 && hangup.sa_handler != SIG_IGN) {
+    signal(SIGHUP, OnSignal);
+  }
   const int metrics_base = absl::GetFlag(FLAGS_metrics_port);
   auto metrics_address = [&](int offset) {
     return absl::StrCat("127.0.0.1:", metrics_base == 0 ? 0 : metrics_base + offset);

@@ -45,8 +45,8 @@
 // A process may fork after Attach (data-loader workers, a multiprocessing pool): the child
 // holds no part of the rank (its fd connection, whose closing tells ubepd that the rank's
 // process ended, is closed in the child at the fork), and its copy of the Rank is inert there
-// (destroying it detaches nothing; Detach fails FailedPrecondition). Use a rank only in the
-// process that attached it.
+// (its calls fail FailedPrecondition, must_attach_again() is true, and destroying it detaches
+// nothing). Use a rank only in the process that attached it.
 // Thread-compatible: one thread drives a Rank. No two calls on one Rank may overlap, the const
 // ones included: excluded() and SlotExpert() check and cache the plan table on their
 // first look at a version, and must_attach_again() stops the group when it finds ubepd gone.
