@@ -166,7 +166,7 @@ bool BalancerLink::Register() {
   registered_shape_ = shape.has_value() ? shape->SerializeAsString() : "";
   registered_arenas_ = group.arenas_created;
   registered_restarted_ = restarted;
-  if (pending_.has_value() && pending_->loads.arenas_created != group.arenas_created) {
+  if (pending_.has_value() && pending_->loads.group.arenas_created != group.arenas_created) {
     // An unanswered report of arenas gone: the balancer takes this registration (another
     // incarnation) as a new process's, whose reports' seqs start over, and would take it
     // again though it may have taken it already. Dropped, as the rest of what the old arenas
@@ -266,7 +266,7 @@ std::optional<BalancerLink::Pending> BalancerLink::MakeReport() {
     return std::nullopt;
   }
   if (loads->slots.empty()) return std::nullopt;
-  if (last_.arenas_created != loads->arenas_created) {
+  if (last_.group.arenas_created != loads->group.arenas_created) {
     // Arenas created since the last report (the first group, or one formed again, whatever
     // its size) started their counters at zero: all of it is new.
     last_ = *loads;

@@ -501,13 +501,11 @@ absl::StatusOr<std::vector<UniqueFd>> Node::ClaimArenas(const std::string& token
       return absl::DeadlineExceededError("attach token expired; attach again");
     }
     if (!AllArenasMapped()) return absl::UnavailableError("the group's arenas changed; attach again");
-    for (size_t r = 0; r < ranks_.size(); ++r) {
-      // Its closing says that the rank's process ended: of one rank only.
-      if (ranks_[r].state == RankState::kConnected && ranks_[r].connection == connection) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "this connection holds rank ", r, " already; each rank claims its arenas on a "
-            "connection of its own"));
-      }
+    // Its closing says that the rank's process ended: of one rank only.
+    if (const std::optional<int> held = RankOfConnectionLocked(connection)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "this connection holds rank ", *held, " already; each rank claims its arenas on a "
+          "connection of its own"));
     }
     std::vector<int> fds;
     for (const kernels::SharedArena& arena : arenas_) fds.push_back(arena.fd());
@@ -844,12 +842,18 @@ absl::Status Node::Detach(const v1::DetachRequest& request) {
   return absl::OkStatus();
 }
 
+std::optional<int> Node::RankOfConnectionLocked(int64_t connection) const {
+  for (size_t r = 0; r < ranks_.size(); ++r) {
+    if (ranks_[r].state == RankState::kConnected && ranks_[r].connection == connection) {
+      return static_cast<int>(r);
+    }
+  }
+  return std::nullopt;
+}
+
 bool Node::HoldsConnection(int64_t connection) const {
   MutexLock lock(&mu_);
-  for (const RankEntry& e : ranks_) {
-    if (e.state == RankState::kConnected && e.connection == connection) return true;
-  }
-  return false;
+  return RankOfConnectionLocked(connection).has_value();
 }
 
 void Node::ConnectionClosed(int64_t connection, std::string_view why) {
@@ -1630,7 +1634,6 @@ v1::DaemonState Node::State() const {
 absl::StatusOr<Node::SlotLoads> Node::ReadSlotLoads() const {
   MutexLock lock(&mu_);
   SlotLoads loads;
-  loads.arenas_created = arenas_created_;
   loads.plan = CommittedPlanIdentityLocked();
   loads.group = IdentityLocked();
   if (!has_group_) return loads;
@@ -1983,15 +1986,15 @@ bool Node::AwaitDetached(absl::Duration timeout) {
 absl::StatusOr<std::vector<std::vector<uint64_t>>> Node::ReadLoads(
     uint64_t* arenas_created) const {
   UBEP_ASSIGN_OR_RETURN(SlotLoads read, ReadSlotLoads());
-  if (arenas_created != nullptr) *arenas_created = read.arenas_created;
+  if (arenas_created != nullptr) *arenas_created = read.group.arenas_created;
   const std::vector<std::vector<uint64_t>>& slots = read.slots;
-  const NodeSnapshot group = Snapshot();
-  std::vector<std::vector<uint64_t>> loads(slots.size(), std::vector<uint64_t>(group.world_size, 0));
+  if (!read.group.shape.has_value()) return std::vector<std::vector<uint64_t>>(slots.size());
+  // The group the counters were read with (one lock): sizes that match them.
+  const size_t world = read.group.shape->world_size();
+  const size_t per_rank = read.group.shape->shape().slots_per_rank();
+  std::vector<std::vector<uint64_t>> loads(slots.size(), std::vector<uint64_t>(world, 0));
   for (size_t l = 0; l < slots.size(); ++l) {
-    if (slots[l].size() != static_cast<size_t>(group.world_size) * group.slots_per_rank) {
-      return absl::AbortedError("the group changed while reading its counters");
-    }
-    for (size_t p = 0; p < slots[l].size(); ++p) loads[l][p / group.slots_per_rank] += slots[l][p];
+    for (size_t p = 0; p < slots[l].size(); ++p) loads[l][p / per_rank] += slots[l][p];
   }
   return loads;
 }

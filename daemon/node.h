@@ -229,13 +229,11 @@ class Node {
     // The hosted ranks' data-plane calls that failed over a receive capacity (one per rank and
     // dropped call; RankControl::over_capacity_calls).
     uint64_t over_capacity_calls = 0;
-    // Which creation of the hosted arenas the counters are from: counters of two reads are
-    // comparable only with the same one (a group created again, even of the same size, starts
-    // from zero).
-    uint64_t arenas_created = 0;
     // The plan and the group of those arenas, read with the counters (under one lock): a
     // report names the plan and the ranks of what it counts, not those of a group formed
-    // again between two reads.
+    // again between two reads. Counters of two reads are comparable only from the same
+    // creation of the arenas (group.arenas_created: a group created again, even of the same
+    // size, starts from zero).
     PlanIdentity plan;
     GroupIdentity group;
     // The highest step a hosted rank had begun, read before the counters: every count read is
@@ -282,7 +280,7 @@ class Node {
   // Received pairs per [layer][rank] (the load counters summed over each rank's slots);
   // empty without a group.
   // `arenas_created`, when given, receives which creation of the arenas they are from
-  // (SlotLoads::arenas_created).
+  // (GroupIdentity::arenas_created).
   absl::StatusOr<std::vector<std::vector<uint64_t>>> ReadLoads(
       uint64_t* arenas_created = nullptr) const;
   // Calls fn(rank, arena base, layout, config) for each hosted arena, under the lock (the harvester
@@ -350,6 +348,9 @@ class Node {
     return options_.ticket_clock != nullptr ? options_.ticket_clock->Now() : MonotonicNow();
   }
   uint64_t MaxStepLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The rank whose arenas fd connection `connection` claimed, if it still holds one.
+  std::optional<int> RankOfConnectionLocked(int64_t connection) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   PlanIdentity CommittedPlanIdentityLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   GroupIdentity IdentityLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The step rank `rank` has begun (its control block's word; the rank's arena is mapped).
