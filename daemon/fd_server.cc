@@ -86,14 +86,17 @@ std::string StatusLine(const absl::StatusOr<T>& result, const std::string& ok) {
 
 }  // namespace
 
-absl::Status FdServer::Reply(int fd, const std::string& bytes,
+absl::Status FdServer::Reply(const Connection& connection, const std::string& bytes,
                              const std::vector<UniqueFd>& fds) const {
-  absl::Status sent = SendMessage(fd, bytes, Raw(fds), options_.send_timeout);
-  if (!sent.ok()) UBEP_LOG(WARNING) << "fd server: a reply was not sent: " << sent;
+  absl::Status sent = SendMessage(connection.fd.get(), bytes, Raw(fds), options_.send_timeout);
+  if (!sent.ok()) {
+    UBEP_LOG(WARNING) << "fd server: a reply to " << connection.who << " was not sent: " << sent;
+  }
   return sent;
 }
 
-bool FdServer::Serve(int64_t id, int fd, std::string& why) {
+bool FdServer::Serve(int64_t id, const Connection& connection, std::string& why) {
+  const int fd = connection.fd.get();
   absl::StatusOr<ReceivedMessage> message = ReceiveMessage(fd, kMaxTokenBytes, absl::ZeroDuration());
   if (!message.ok()) {
     // A reset is its client gone (it died with a reply unread); anything else, ubepd's doing.
@@ -107,14 +110,14 @@ bool FdServer::Serve(int64_t id, int fd, std::string& why) {
   if (absl::StartsWith(message->bytes, kPeerRequest)) {
     absl::StatusOr<std::pair<int, std::vector<UniqueFd>>> arenas =
         node_->ArenasForPeer(message->bytes.substr(sizeof(kPeerRequest) - 1));
-    (void)Reply(fd, StatusLine(arenas, arenas.ok() ? absl::StrCat("OK ", arenas->first) : ""),
+    (void)Reply(connection, StatusLine(arenas, arenas.ok() ? absl::StrCat("OK ", arenas->first) : ""),
                 arenas.ok() ? arenas->second : kNone);
     return false;
   }
   if (message->bytes == kArenaRefreshRequest) {
     absl::StatusOr<std::pair<uint64_t, std::vector<UniqueFd>>> arenas = node_->RefreshArenas(id);
     if (absl::Status sent =
-            Reply(fd, StatusLine(arenas, arenas.ok() ? absl::StrCat("OK ", arenas->first) : ""),
+            Reply(connection, StatusLine(arenas, arenas.ok() ? absl::StrCat("OK ", arenas->first) : ""),
                   arenas.ok() ? arenas->second : kNone);
         !sent.ok()) {
       why = absl::StrCat("its client did not take a reply: ", sent.ToString());
@@ -125,7 +128,7 @@ bool FdServer::Serve(int64_t id, int fd, std::string& why) {
   }
   absl::StatusOr<std::vector<UniqueFd>> fds = node_->ClaimArenas(message->bytes, id);
   // On failure, one message: a status line the client turns into its error.
-  const absl::Status sent = Reply(fd, StatusLine(fds, "OK"), fds.ok() ? *fds : kNone);
+  const absl::Status sent = Reply(connection, StatusLine(fds, "OK"), fds.ok() ? *fds : kNone);
   if (!fds.ok()) why = absl::StrCat("a claim refused: ", fds.status().ToString());
   if (!sent.ok()) why = absl::StrCat("its client did not take a reply: ", sent.ToString());
   return sent.ok() && fds.ok();
@@ -175,7 +178,10 @@ void FdServer::Accept(absl::Time now) {
                            options_.max_unclaimed, "); attach again later");
   }
   if (refusal.empty()) {
-    connections_.emplace(next_id_++, Connection{std::move(conn), now + options_.unclaimed_timeout});
+    const absl::StatusOr<pid_t> pid = PeerPid(conn.get());
+    std::string who = pid.ok() ? absl::StrCat("pid ", *pid) : "a process of unknown pid";
+    connections_.emplace(next_id_++, Connection{std::move(conn), now + options_.unclaimed_timeout,
+                                                std::move(who)});
     return;
   }
   if (now >= next_accept_log_) {
@@ -227,17 +233,22 @@ void FdServer::Loop() {
       Connection& connection = connections_.at(id);
       if (polls[i].revents != 0) {
         std::string why;  // Why ubepd closes it; empty: its client closed it.
-        if (Serve(id, polls[i].fd, why)) {
+        if (Serve(id, connection, why)) {
           connection.close_at = absl::InfiniteFuture();
         } else {
           // Whatever ended it (the client closed it, a message out of place, a reply not
-          // taken), a rank it held is gone: the client sees its connection closed.
-          node_->ConnectionClosed(id, why);
+          // taken), a rank it held is gone: the client sees its connection closed. One that
+          // held none, closed by ubepd, is logged here (a refused claim, a message it could
+          // not take).
+          if (!node_->ConnectionClosed(id, why) && !why.empty()) {
+            UBEP_LOG(WARNING) << "fd server: closed the connection of " << connection.who
+                              << ", which held no rank: " << why;
+          }
           connections_.erase(id);
         }
       } else if (connection.close_at <= now) {
-        UBEP_LOG(INFO) << "fd server: closed a connection that held no rank for "
-                       << options_.unclaimed_timeout;
+        UBEP_LOG(INFO) << "fd server: closed the connection of " << connection.who
+                       << ", which held no rank for " << options_.unclaimed_timeout;
         connections_.erase(id);
       }
     }

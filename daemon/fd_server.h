@@ -63,17 +63,19 @@ class FdServer {
   struct Connection {
     UniqueFd fd;
     absl::Time close_at;  // Monotonic; infinite once it holds a rank.
+    std::string who;  // "pid <n>" of the process that connected (SO_PEERCRED), for the logs.
   };
 
   FdServer(UniqueFd listener, UniqueFd wake, std::string path, Node* node, FdServerOptions options);
   void Loop();
   // Answers a connection's message; false when the connection should close, with `why` set
   // where ubepd closes it (empty: its client closed it). A connection kept open holds a rank.
-  bool Serve(int64_t id, int fd, std::string& why);
+  bool Serve(int64_t id, const Connection& connection, std::string& why);
   // Takes the listener's next connection: kept, or answered "ERR ..." and closed.
   void Accept(absl::Time now);
   int Unclaimed(absl::Time now) const;
-  absl::Status Reply(int fd, const std::string& bytes, const std::vector<UniqueFd>& fds) const;
+  absl::Status Reply(const Connection& connection, const std::string& bytes,
+                     const std::vector<UniqueFd>& fds) const;
 
   UniqueFd listener_;
   UniqueFd wake_;  // eventfd: written to stop the loop.

@@ -856,8 +856,9 @@ bool Node::HoldsConnection(int64_t connection) const {
   return RankOfConnectionLocked(connection).has_value();
 }
 
-void Node::ConnectionClosed(int64_t connection, std::string_view why) {
+bool Node::ConnectionClosed(int64_t connection, std::string_view why) {
   MutexLock lock(&mu_);
+  bool held = false;
   for (size_t r = 0; r < ranks_.size(); ++r) {
     RankEntry& e = ranks_[r];
     if (e.state != RankState::kConnected || e.connection != connection) continue;
@@ -870,7 +871,9 @@ void Node::ConnectionClosed(int64_t connection, std::string_view why) {
     }
     e = RankEntry{};
     BreakGroup(static_cast<int>(r));
+    held = true;
   }
+  return held;
 }
 
 absl::StatusOr<v1::GetPlanResponse> Node::GetPlan() const {

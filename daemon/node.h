@@ -114,7 +114,8 @@ class Node {
   absl::StatusOr<v1::ReportStepResponse> ReportStep(const v1::ReportStepRequest& request);
   // The fd connection `connection` closed: if it still holds a rank, that rank is gone.
   // `why`: why ubepd closed it; empty when its client did (the process exited or was killed).
-  void ConnectionClosed(int64_t connection, std::string_view why = "");
+  // True where it held a rank (and the rank is logged gone).
+  bool ConnectionClosed(int64_t connection, std::string_view why = "");
   // Whether fd connection `connection` holds a rank (claimed it, and the rank has not been
   // detached or taken by another connection since).
   bool HoldsConnection(int64_t connection) const;

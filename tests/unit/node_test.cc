@@ -2215,10 +2215,31 @@ TEST_F(FdServerTest, AConnectionUbepdClosesIsLoggedAsClosedByUbepdWithTheReason)
   EXPECT_THAT(log, Not(HasSubstr("disconnected without detaching")));
 }
 
+// A connection that holds no rank and is closed by ubepd (here, for a claim it refused) is
+// logged with the pid of the process that connected and the reason; its client gets the
+// reason too. Before, only a connection that held a rank was logged.
+TEST_F(FdServerTest, AConnectionThatHeldNoRankClosedByUbepdIsLoggedWithItsPidAndWhy) {
+  ::testing::internal::CaptureStderr();
+  UniqueFd c = Connect();
+  absl::StatusOr<ReceivedMessage> reply = Exchange(c.get(), "no such token", 256, absl::Seconds(5));
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  EXPECT_EQ(reply->bytes, "ERR unknown or already used attach token; attach again");
+  // The server logs before it closes the connection.
+  absl::StatusOr<ReceivedMessage> end = ReceiveMessage(c.get(), 64, absl::Seconds(10));
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(end.ok()) << end.status();
+  EXPECT_TRUE(end->closed);
+  EXPECT_THAT(log, HasSubstr(absl::StrCat(
+                       "fd server: closed the connection of pid ", getpid(),
+                       ", which held no rank: a claim refused: NOT_FOUND: unknown or already "
+                       "used attach token; attach again")));
+}
+
 // A client that sends requests and never reads the replies fills its queue: the server gives
 // up on it after the send timeout (its rank is detached) and goes on serving others.
 TEST_F(FdServerTest, AClientThatTakesNoReplyCannotStallTheServer) {
   UniqueFd greedy = Claimed();
+  ::testing::internal::CaptureStderr();
   int sent = 0;
   while (sent < 100000 &&
          SendMessage(greedy.get(), kArenaRefreshRequest, {}, absl::Seconds(2)).ok()) {
@@ -2227,6 +2248,9 @@ TEST_F(FdServerTest, AClientThatTakesNoReplyCannotStallTheServer) {
   EXPECT_LT(sent, 100000) << "the server kept taking requests whose replies are not read";
   EXPECT_EQ(AnswerToABadToken(), "ERR unknown or already used attach token; attach again");
   EXPECT_EQ(node_->Snapshot().attached, 0);
+  // The log names the process whose reply was not sent.
+  EXPECT_THAT(::testing::internal::GetCapturedStderr(),
+              HasSubstr(absl::StrCat("fd server: a reply to pid ", getpid(), " was not sent: ")));
 }
 
 // A connection that holds a rank and sends anything but a refresh (a peer's request, its
