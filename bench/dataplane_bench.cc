@@ -529,6 +529,11 @@ int main(int argc, char** argv) {
       return a.error.empty() && b.error.empty() && a.*p50 > 0 && b.*p50 > 0 ? a.*p50 / b.*p50
                                                                           : 0.0;
     };
+    // In the JSON, a time or a ratio that was not measured (its method failed) is null, never
+    // a 0 a reader would take for a time or a ratio.
+    auto measured = [](double value) -> nlohmann::json {
+      return value > 0 ? nlohmann::json(value) : nlohmann::json(nullptr);
+    };
     for (Method method : {Method::kUbep, Method::kBsp, Method::kMpi, Method::kMemcpy,
                           Method::kUbepFlagged}) {
       if (!wanted(method)) continue;
@@ -536,8 +541,9 @@ int main(int argc, char** argv) {
       nlohmann::json row = {{"method", kMethodNames[static_cast<int>(method)]},
                             {"case", c.name},     {"ranks", c.ranks},
                             {"tokens", c.tokens}, {"hidden", c.hidden}, {"routing", c.routing},
-                            {"p50_us", r.p50_us}, {"p99_us", r.p99_us},
-                            {"span_p50_us", r.span_p50_us}, {"span_p99_us", r.span_p99_us},
+                            {"p50_us", measured(r.p50_us)}, {"p99_us", measured(r.p99_us)},
+                            {"span_p50_us", measured(r.span_p50_us)},
+                            {"span_p99_us", measured(r.span_p99_us)},
                             {"bytes_moved", r.bytes}, {"iters", iters}, {"cpus", cpus}};
       if (r.threads > 0) row["threads_per_rank"] = r.threads;
       if (c.routing == "skewed") {
@@ -545,16 +551,18 @@ int main(int argc, char** argv) {
         row["skew_rank_imbalance"] = skew.rank_imbalance;
       }
       if (method == Method::kUbep) {
-        row["rate_vs_memcpy"] = rate_vs_memcpy;
+        row["rate_vs_memcpy"] = measured(rate_vs_memcpy);
         if (wanted(Method::kBsp)) {
-          row["ubep_over_bsp"] = ratio(ubep, bsp);
-          row["span_ubep_over_bsp"] = ratio(ubep, bsp, &Result::span_p50_us);
+          row["ubep_over_bsp"] = measured(ratio(ubep, bsp));
+          row["span_ubep_over_bsp"] = measured(ratio(ubep, bsp, &Result::span_p50_us));
         }
         if (wanted(Method::kMpi)) {
-          row["mpi_over_ubep"] = ratio(mpi, ubep);
-          row["span_mpi_over_ubep"] = ratio(mpi, ubep, &Result::span_p50_us);
+          row["mpi_over_ubep"] = measured(ratio(mpi, ubep));
+          row["span_mpi_over_ubep"] = measured(ratio(mpi, ubep, &Result::span_p50_us));
         }
-        if (wanted(Method::kUbepFlagged)) row["flagged_over_ubep"] = ratio(flagged, ubep);
+        if (wanted(Method::kUbepFlagged)) {
+          row["flagged_over_ubep"] = measured(ratio(flagged, ubep));
+        }
       }
       if (!r.error.empty()) row["error"] = r.error;
       out.push_back(row);

@@ -21,10 +21,12 @@ struct Ran {
   std::string output;
 };
 
-Ran Bench(const std::vector<std::string>& args) {
+// The bench run with `args`; `as_given`: args is the whole command line, program first.
+Ran Bench(const std::vector<std::string>& args, bool as_given = false) {
   test::TempDir dir;
   const std::string out = dir.path() + "/bench.out";
-  std::vector<std::string> argv = {test::BinaryPath("ubep-bench-dataplane")};
+  std::vector<std::string> argv;
+  if (!as_given) argv.push_back(test::BinaryPath("ubep-bench-dataplane"));
   argv.insert(argv.end(), args.begin(), args.end());
   Process p(argv, out);
   Ran ran;
@@ -146,6 +148,33 @@ TEST(BenchInterfaceTest, TheMpiBaselineMovesUbepsBytes) {
                      mpi["p50_us"].get<double>() / ubep["p50_us"].get<double>());
     EXPECT_DOUBLE_EQ(ubep["span_mpi_over_ubep"].get<double>(),
                      mpi["span_p50_us"].get<double>() / ubep["span_p50_us"].get<double>());
+  }
+}
+
+// A baseline that fails (here mpirun cannot be started: no PATH to find it or coreutils'
+// timeout by) fails the run, and its row says why with no times: null, as are the ratios to
+// it, never a 0 a reader would take for a time. ubep's own times stand.
+TEST(BenchInterfaceTest, AFailedBaselinesRowHasItsErrorAndNoTimes) {
+  const Ran ran = Bench({"/usr/bin/env", "PATH=/nonexistent", test::BinaryPath("ubep-bench-dataplane"),
+                         "--json", "--iters", "2", "--cases", "decode", "--ranks", "2",
+                         "--hidden", "8", "--methods", "ubep,mpi_alltoallv",
+                         "--sender-thread", "off"}, /*as_given=*/true);
+  EXPECT_EQ(ran.code, 1) << ran.output;
+  const nlohmann::json rows = Rows(ran);
+  ASSERT_TRUE(rows.is_array()) << ran.output;
+  ASSERT_EQ(rows.size(), 4u) << rows.dump(1);
+  for (size_t c = 0; c < 2; ++c) {
+    const nlohmann::json& ubep = rows[2 * c];
+    const nlohmann::json& mpi = rows[2 * c + 1];
+    SCOPED_TRACE(mpi.dump());
+    EXPECT_FALSE(ubep.contains("error"));
+    EXPECT_GT(ubep["p50_us"].get<double>(), 0);
+    EXPECT_TRUE(ubep["mpi_over_ubep"].is_null());
+    EXPECT_TRUE(ubep["span_mpi_over_ubep"].is_null());
+    EXPECT_THAT(mpi["error"].get<std::string>(), HasSubstr("mpirun exited with status 127: "));
+    for (const char* time : {"p50_us", "p99_us", "span_p50_us", "span_p99_us"}) {
+      EXPECT_TRUE(mpi.contains(time) && mpi[time].is_null()) << time;
+    }
   }
 }
 #endif
