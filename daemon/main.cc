@@ -21,6 +21,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/flags_usage.h"
 #include "common/logging.h"
 #include "common/shape_limits.h"
 #include "balancer/formats/json_formats.h"
@@ -97,8 +98,8 @@ void RaiseOpenFilesLimit() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "ubepd: the UBEP node daemon. Owns the arenas of its node's ranks and serves them to "
+  ubep::SetFlagsUsage("ubepd",
+      "the UBEP node daemon. Owns the arenas of its node's ranks and serves them to "
       "serving processes (libubep).\nUsage: ubepd --socket PATH [--listen HOST:PORT] "
       "[--metrics HOST:PORT] [--plan FILE] [--backend host|cuda]");
   const std::vector<char*> rest = absl::ParseCommandLine(argc, argv);

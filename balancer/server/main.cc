@@ -11,6 +11,7 @@
 #include "absl/flags/usage.h"
 #include "balancer/formats/json_formats.h"
 #include "balancer/server/balancer.h"
+#include "common/flags_usage.h"
 #include "common/logging.h"
 #include "common/rpc_origin.h"
 #include "common/shape_limits.h"
@@ -51,8 +52,8 @@ ABSL_FLAG(int, planner_threads, 0, "Threads planning chunks of layers at once; 0
 ABSL_FLAG(std::string, ready_file, "", "Written once serving: JSON with the bound ports.");
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "ubep-balancer: gathers expert load from every ubepd, re-plans expert placement and "
+  ubep::SetFlagsUsage("ubep-balancer",
+      "gathers expert load from every ubepd, re-plans expert placement and "
       "commits plans at a step boundary.\nUsage: ubep-balancer --listen HOST:PORT [--metrics HOST:PORT]");
   absl::ParseCommandLine(argc, argv);
   ubep::balancer::BalancerOptions o;

@@ -1,8 +1,9 @@
 // Checks that the rendered manifests agree with themselves where a mismatch would only show
 // on a cluster: ubepd can create its socket (the init container hands /run/ubep to ubepd's
 // user), the socket lies in the hostPath the serving pods mount, ubepd's --balancer is the
-// balancer beside it in the pod, and every Service and NetworkPolicy port names a port of the
-// pod. Usage: node consistency.cjs RENDERED.yaml   Exit 0 when all hold, 1 otherwise.
+// balancer beside it in the pod, every flag is one the binary defines, the probes and ports are
+// those the binaries listen on, a Namespace rendered with the pod admits its hostPath volume,
+// and every Service and NetworkPolicy port names a port of the pod. Usage: node consistency.cjs RENDERED.yaml   Exit 0 when all hold, 1 otherwise.
 "use strict";
 const fs = require("fs");
 const YAML = require("yaml");
@@ -41,6 +42,49 @@ if (!ubepd || !balancer) {
   const port = listen.slice(listen.lastIndexOf(":") + 1);
   if (flag(ubepd, "balancer") !== `127.0.0.1:${port}`) {
     problems.push(`ubepd's --balancer=${flag(ubepd, "balancer")} is not the pod's balancer (127.0.0.1:${port})`);
+  }
+}
+// Every flag a container passes is one its binary defines (an unknown flag stops ubepd at
+// start: the pod would crash-loop), and the ports the probes and the pod's ports name are
+// those the binary listens on (--listen's for gRPC, --metrics' for the metrics).
+const root = require("path").join(__dirname, "..", "..");
+const definedFlags = (file) => new Set([
+  ...fs.readFileSync(require("path").join(root, file), "utf8").matchAll(/ABSL_FLAG\(\s*(?:[^,<]|<[^>]*>)+,\s*(\w+)/g),
+].map((m) => m[1]).concat(["flagfile", "fromenv", "tryfromenv", "undefok"]));
+const portOf = (c, name) => {
+  const value = flag(c, name) || "";
+  return Number(value.slice(value.lastIndexOf(":") + 1));
+};
+for (const [name, file, grpcPort] of [["ubepd", "daemon/main.cc", "grpc"],
+                                      ["ubep-balancer", "balancer/server/main.cc", "bal-grpc"]]) {
+  const c = container(name);
+  if (!c) continue;
+  const known = definedFlags(file);
+  for (const arg of c.args || []) {
+    const m = /^--([A-Za-z0-9_]+)(=|$)/.exec(arg);  // --name=value, --name, --noname (a bool)
+    if (!m || !(known.has(m[1]) || (m[1].startsWith("no") && known.has(m[1].slice(2))))) problems.push(`${name} is passed ${arg}, a flag it does not define (${file})`);
+  }
+  const grpc = portOf(c, "listen");
+  const metrics = portOf(c, "metrics");
+  for (const [probe, spec] of [["liveness", c.livenessProbe], ["readiness", c.readinessProbe]]) {
+    const port = spec && (spec.grpc || spec.httpGet || spec.tcpSocket || {}).port;
+    if (port !== grpc) problems.push(`${name}'s ${probe} probe dials port ${port}, not its --listen port ${grpc}`);
+  }
+  const named = (n) => ((c.ports || []).find((p) => p.name === n) || {}).containerPort;
+  if (named(grpcPort) !== grpc) problems.push(`${name}'s port ${grpcPort} is ${named(grpcPort)}, not its --listen port ${grpc}`);
+  const metricsPort = name === "ubepd" ? "metrics" : "bal-metrics";
+  if (named(metricsPort) !== metrics) {
+    problems.push(`${name}'s port ${metricsPort} is ${named(metricsPort)}, not its --metrics port ${metrics}`);
+  }
+}
+// A hostPath volume is refused by the Pod Security Standards' baseline and restricted levels:
+// a Namespace rendered with the DaemonSet must admit privileged pods, or none is created.
+if ((pod.volumes || []).some((v) => v.hostPath)) {
+  for (const d of docs.filter((d) => d && d.kind === "Namespace")) {
+    const level = ((d.metadata || {}).labels || {})["pod-security.kubernetes.io/enforce"];
+    if (level !== "privileged") {
+      problems.push(`namespace ${d.metadata.name} enforces pod security level ${level || "(the cluster's default)"}; ubepd's hostPath volume needs privileged`);
+    }
   }
 }
 // Named ports of Services and NetworkPolicies exist in the pod.

@@ -45,9 +45,19 @@ expect_failure validate.cjs wrong-type "Type 'string' is not assignable to type 
 mutate missing-field 'delete ds.spec.selector;'
 expect_failure validate.cjs missing-field "Property '\"selector\"' is missing"
 # And the consistency check fails where it must: ubepd running as another user than the one
-# its socket directory is given to, and ubepd pointed at a balancer outside its pod.
+# its socket directory is given to, ubepd pointed at a balancer outside its pod, a flag ubepd
+# does not define, a probe or a port that is not the one ubepd listens on, and a namespace
+# whose pod security level refuses the hostPath volume.
 mutate other-user 'ds.spec.template.spec.securityContext.runAsUser = 1000;'
 expect_failure consistency.cjs other-user "no init container gives /run/ubep to ubepd's user 1000:65532"
 mutate remote-balancer 'c.args = c.args.map((a) => a.startsWith("--balancer=") ? "--balancer=ubep-balancer:7070" : a);'
 expect_failure consistency.cjs remote-balancer "ubepd's --balancer=ubep-balancer:7070 is not the pod's balancer (127.0.0.1:7070)"
+mutate unknown-flag 'c.args.push("--free-buffers=2");'
+expect_failure consistency.cjs unknown-flag "ubepd is passed --free-buffers=2, a flag it does not define (daemon/main.cc)"
+mutate probe-port 'c.livenessProbe.grpc.port = 7070;'
+expect_failure consistency.cjs probe-port "ubepd's liveness probe dials port 7070, not its --listen port 7071"
+mutate metrics-port 'c.args = c.args.map((a) => a.startsWith("--metrics=") ? "--metrics=0.0.0.0:9100" : a);'
+expect_failure consistency.cjs metrics-port "ubepd's port metrics is 9464, not its --metrics port 9100"
+mutate restricted 'docs.find((d) => d && d.kind === "Namespace").metadata.labels["pod-security.kubernetes.io/enforce"] = "baseline";'
+expect_failure consistency.cjs restricted "namespace ubep-system enforces pod security level baseline; ubepd's hostPath volume needs privileged"
 echo "manifests: OK"

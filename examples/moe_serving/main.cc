@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "common/flags_usage.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
@@ -143,8 +144,8 @@ absl::Status RunStep(ubep::Rank& rank, const MoeModel& model, uint64_t step, std
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "ubep-moe-example: runs a small MoE layer stack through ubepd and checks every step "
+  ubep::SetFlagsUsage("ubep-moe-example",
+      "runs a small MoE layer stack through ubepd and checks every step "
       "against a float64 reference.\nUsage: ubep-moe-example --socket PATH --rank R --world W");
   absl::ParseCommandLine(argc, argv);
   ubep::example::MoeModelOptions mo;

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -185,16 +186,28 @@ TEST_F(LocalTest, UbepLocalServedWhilePrometheusScrapesAndUbepctlOperates) {
     const nlohmann::json s = Status();
     return s.contains("nodes") && s["nodes"].size() == 2 && s["world_size"] == 8;
   }, absl::Seconds(60))) << ReadFile(path("local.out"));
-  ASSERT_TRUE(WaitFor([&] { return Status().value("plan_version", "0") != "0" &&
-                                   Status().value("plan_version", "0") != "1"; },
-                      absl::Seconds(90)))
+  ASSERT_TRUE(WaitFor([&] { return Status().value("plan_version", 0) > 1; }, absl::Seconds(90)))
       << ReadFile(path("local.out"));
   nlohmann::json s = Status();
+  // 64-bit integers are JSON numbers (protobuf's JSON writes strings), a NaN null.
+  EXPECT_TRUE(s["plan_version"].is_number_unsigned()) << s.dump();
+  EXPECT_TRUE(s["plans_committed"].is_number_unsigned()) << s.dump();
+  EXPECT_TRUE(s["nodes"][0]["max_step"].is_number_unsigned()) << s.dump();
+  for (const nlohmann::json& b : s["imbalance"]) EXPECT_TRUE(b.is_null() || b.is_number()) << b;
   EXPECT_EQ(s["nodes"][0]["node"], "node-0");
   EXPECT_EQ(s["nodes"][0]["ranks"], nlohmann::json({0, 1, 2, 3}));
   EXPECT_EQ(s["nodes"][1]["ranks"], nlohmann::json({4, 5, 6, 7}));
   EXPECT_TRUE(s["nodes"][1]["healthy"].get<bool>());
   int code = 0;
+  // ubepd's gRPC port is not the balancer's: said so, not an empty message.
+  std::string out;
+  EXPECT_EQ(Run({test::BinaryPath("ubepctl"),
+                 "--balancer=" + s["nodes"][0]["address"].get<std::string>(), "status"},
+                &out),
+            1);
+  EXPECT_EQ(out, absl::StrCat("ubepctl: status: the server at ", s["nodes"][0]["address"].get<std::string>(),
+                              " does not serve ubep.v1.Control (UNIMPLEMENTED): is --balancer "
+                              "ubep-balancer's address?\n"));
   const std::string table = Ctl({"status"}, &code);
   EXPECT_EQ(code, 0);
   EXPECT_THAT(table, HasSubstr("node-1"));
@@ -203,7 +216,7 @@ TEST_F(LocalTest, UbepLocalServedWhilePrometheusScrapesAndUbepctlOperates) {
 
   // The exported EPLB-format plan is accepted by ubep-balance eval; SGLang's form has the map.
   const std::string exported = path("plan.json");
-  std::string out = Ctl({"plan", "export", "--format=eplb", "--out=" + exported}, &code);
+  out = Ctl({"plan", "export", "--format=eplb", "--out=" + exported}, &code);
   ASSERT_EQ(code, 0) << out;
   {
     // The model's 4 MoE layers are the trace's first 4: the load file for eval has those.
@@ -302,6 +315,32 @@ TEST_F(LocalTest, UbepLocalServedWhilePrometheusScrapesAndUbepctlOperates) {
         << expr << " -> " << body;
   }
 
+  // Every metric the alert rules name is one the real daemons and balancer export (a renamed
+  // metric would leave its alert silent for good).
+  {
+    const std::string rules =
+        ReadFile(std::string(UBEP_SOURCE_DIR) + "/deploy/k8s/base/prometheusrule.yaml");
+    std::set<std::string> names;
+    for (size_t at = rules.find("ubep_"); at != std::string::npos; at = rules.find("ubep_", at)) {
+      size_t end = at;
+      while (end < rules.size() && (std::islower(rules[end]) || rules[end] == '_')) ++end;
+      names.insert(rules.substr(at, end - at));
+      at = end;
+    }
+    ASSERT_GE(names.size(), 10u);
+    for (const std::string& name : names) {
+      std::string body;
+      EXPECT_TRUE(WaitFor([&] {
+        body = HttpGet(prom_port, "/api/v1/query?query=" +
+                                      UrlEncode(absl::StrCat("count({__name__=\"", name, "\"})")));
+        const nlohmann::json r = nlohmann::json::parse(body, nullptr, false);
+        return !r.is_discarded() && r.value("status", "") == "success" &&
+               !r["data"]["result"].empty();
+      }, absl::Seconds(30)))
+          << name << " -> " << body;
+    }
+  }
+
   // The run ends on its own; the report shows the rebalance and every step correct.
   ASSERT_EQ(local->Wait(absl::Seconds(300)), 0) << ReadFile(path("local.out"));
   const nlohmann::json r = nlohmann::json::parse(ReadFile(report + "/report.json"));
@@ -361,6 +400,37 @@ TEST_F(LocalTest, UbepctlSaysWhetherTheBalancerIsUnreachableOrDidNotAnswerInTime
   silent.Close();
   EXPECT_EQ(Run({test::BinaryPath("ubepctl"), "--timeout=0s", "status"}, &out), 2);
   EXPECT_THAT(out, ::testing::StartsWith("ubepctl: --timeout 0 is not positive\n"));
+}
+
+// Flags that cannot apply are refused before any call (no balancer runs here: a call would
+// exit 1, "cannot reach"); --help lists ubepctl's flags and --version names UBEP's version.
+TEST_F(LocalTest, UbepctlRefusesFlagsThatCannotApplyBeforeAnyCall) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--balancer=127.0.0.1", "status"}, "ubepctl: --balancer 127.0.0.1: expected HOST:PORT\n"},
+      {{"--out=plan.json", "status"}, "ubepctl: --out applies to plan export only\n"},
+      {{"--format=sglang", "plan", "show"}, "ubepctl: --format applies to plan export only\n"},
+      {{"--first_moe_layer=3", "drain", "node-0"},
+       "ubepctl: --first_moe_layer applies to plan export only\n"},
+      {{"--first_moe_layer=3", "plan", "export"},
+       "ubepctl: --first_moe_layer applies to --format=sglang only (the EPLB form has no model "
+       "layers)\n"},
+  };
+  for (const auto& [args, said] : cases) {
+    std::vector<std::string> argv = {test::BinaryPath("ubepctl"), "--balancer=127.0.0.1:1",
+                                     "--timeout=2s"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    std::string out;
+    EXPECT_EQ(Run(argv, &out), 2) << out;
+    EXPECT_THAT(out, ::testing::StartsWith(said));
+  }
+  std::string out;
+  Run({test::BinaryPath("ubepctl"), "--help"}, &out);
+  for (const char* flag : {"--balancer", "--json", "--timeout", "--format", "--out",
+                           "--first_moe_layer"}) {
+    EXPECT_THAT(out, HasSubstr(absl::StrCat("    ", flag, " ("))) << out;
+  }
+  EXPECT_EQ(Run({test::BinaryPath("ubepctl"), "--version"}, &out), 0);
+  EXPECT_EQ(out, absl::StrCat("ubepctl ", UBEP_VERSION, "\n"));
 }
 
 // Flag values that cannot make a cluster are refused before anything starts, exit 2.

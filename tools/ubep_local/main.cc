@@ -50,6 +50,7 @@
 #include "absl/time/time.h"
 #include "balancer/core/metrics.h"
 #include "balancer/formats/json_formats.h"
+#include "common/flags_usage.h"
 #include "common/clock.h"
 #include "common/http_get.h"
 #include "common/process.h"
@@ -292,9 +293,9 @@ void WriteHeat(const std::string& path, const std::vector<std::vector<double>>& 
 }
 
 int Run(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "ubep-local [--ranks R] [--daemons K] [--steps N] [--policy ubep|eplb|none] [--report DIR]: "
-      "a local UBEP cluster on the host backend, with a report");
+  ubep::SetFlagsUsage("ubep-local",
+      "a local UBEP cluster on the host backend, with a report.\nUsage: ubep-local [--ranks R] "
+      "[--daemons K] [--steps N] [--policy ubep|eplb|none] [--report DIR]");
   absl::ParseCommandLine(argc, argv);
   const int R = absl::GetFlag(FLAGS_ranks), K = absl::GetFlag(FLAGS_daemons);
   const int steps = absl::GetFlag(FLAGS_steps);

@@ -1,14 +1,16 @@
 // ubepctl: the operator's command for a UBEP cluster. It talks gRPC to ubep-balancer:
 //
-//   ubepctl [--balancer=HOST:PORT] [--json] status
+//   ubepctl [--balancer=HOST:PORT] [--json] [--timeout=30s] status
 //   ubepctl plan show
-//   ubepctl plan export --format=eplb|sglang [--out=FILE]
+//   ubepctl plan export --format=eplb|sglang [--first_moe_layer=N] [--out=FILE]
 //   ubepctl rebalance
 //   ubepctl drain NODE | undrain NODE
 //   ubepctl forget NODE      (a node that is down for good, its ranks out of the plan)
 //
 // Tables for people by default, --json for scripts. Exit codes: 0 done, 1 the balancer said
-// no or could not be reached (the message says which), 2 usage.
+// no or could not be reached (the message says which), 2 usage (a missing or unknown command,
+// a flag value or a flag out of place; Abseil's own refusal of an unknown flag, and --help,
+// exit 1).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -18,15 +20,18 @@
 #include <string>
 #include <vector>
 
+#include "absl/flags/commandlineflag.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "balancer/core/metrics.h"
 #include "balancer/formats/json_formats.h"
 #include "balancer/formats/proto_convert.h"
+#include "common/flags_usage.h"
 #include "common/rpc_origin.h"
 #include "common/shape_limits.h"
 #include "google/protobuf/util/json_util.h"
@@ -47,9 +52,9 @@ ABSL_FLAG(absl::Duration, timeout, absl::Seconds(30), "Deadline of each call.");
 namespace {
 
 constexpr char kUsage[] =
-    "usage: ubepctl [--balancer=HOST:PORT] [--json] "
-    "status | plan show | plan export --format=eplb|sglang [--out=FILE] | rebalance | "
-    "drain NODE | undrain NODE | forget NODE";
+    "usage: ubepctl [--balancer=HOST:PORT] [--json] [--timeout=30s] "
+    "status | plan show | plan export --format=eplb|sglang [--first_moe_layer=N] [--out=FILE] | "
+    "rebalance | drain NODE | undrain NODE | forget NODE";
 
 using ubep::v1::Control;
 
@@ -72,20 +77,68 @@ int Failed(const std::string& what, const grpc::Status& status, bool answered) {
               << absl::FormatDuration(absl::GetFlag(FLAGS_timeout))
               << " (unreachable, or busy: a change asked for may still be made; see ubepctl "
                  "status)\n";
+  } else if (!answered && status.error_code() == grpc::StatusCode::UNIMPLEMENTED) {
+    // Another server (ubepd's gRPC port, beside the balancer's in its pod) has no such method.
+    std::cerr << "ubepctl: " << what << ": the server at " << absl::GetFlag(FLAGS_balancer)
+              << " does not serve ubep.v1.Control (UNIMPLEMENTED"
+              << (status.error_message().empty() ? "" : ": " + status.error_message())
+              << "): is --balancer ubep-balancer's address?\n";
   } else {
-    std::cerr << "ubepctl: " << what << ": " << status.error_message() << "\n";
+    // The message; its code where it has none (an empty line says nothing).
+    std::cerr << "ubepctl: " << what << ": "
+              << (status.error_message().empty()
+                      ? absl::StrCat(absl::StatusCodeToString(
+                                         static_cast<absl::StatusCode>(status.error_code())),
+                                     " (no message)")
+                      : status.error_message())
+              << "\n";
   }
   return 1;
 }
 
+// protobuf's JSON writes 64-bit integers as strings (JavaScript's numbers hold 53 bits) and a
+// NaN double as "NaN": in a script, "10" > 9 is not a comparison of numbers. They are written
+// as numbers here, a NaN (or an infinity) as null. Walks `json` by `descriptor`'s fields.
+void NumbersAsNumbers(const google::protobuf::Descriptor& descriptor, nlohmann::ordered_json& json) {
+  using google::protobuf::FieldDescriptor;
+  for (int i = 0; i < descriptor.field_count(); ++i) {
+    const FieldDescriptor& field = *descriptor.field(i);
+    const auto at = json.find(field.name());
+    if (at == json.end()) continue;
+    auto fix = [&](nlohmann::ordered_json& value) {
+      if (field.cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE) {
+        if (value.is_object() && !field.is_map()) NumbersAsNumbers(*field.message_type(), value);
+        return;
+      }
+      if (!value.is_string()) return;
+      const std::string text = value.get<std::string>();
+      if (field.cpp_type() == FieldDescriptor::CPPTYPE_UINT64) {
+        value = std::stoull(text);
+      } else if (field.cpp_type() == FieldDescriptor::CPPTYPE_INT64) {
+        value = std::stoll(text);
+      } else if (field.cpp_type() == FieldDescriptor::CPPTYPE_DOUBLE ||
+                 field.cpp_type() == FieldDescriptor::CPPTYPE_FLOAT) {
+        value = nullptr;
+      }
+    };
+    if (at->is_array()) {
+      for (nlohmann::ordered_json& value : *at) fix(value);
+    } else {
+      fix(*at);
+    }
+  }
+}
+
+// The message as JSON, its fields by their proto names, in the proto's order, all of them.
 std::string ToJson(const google::protobuf::Message& message) {
   std::string out;
   google::protobuf::util::JsonPrintOptions options;
-  options.add_whitespace = true;
   options.always_print_primitive_fields = true;
   options.preserve_proto_field_names = true;
   (void)google::protobuf::util::MessageToJsonString(message, &out, options);
-  return out;
+  nlohmann::ordered_json json = nlohmann::ordered_json::parse(out);
+  NumbersAsNumbers(*message.GetDescriptor(), json);
+  return json.dump(1);
 }
 
 // "0-3" for contiguous ranks, else "0, 2, 5".
@@ -305,13 +358,33 @@ int PrintRebalance(const std::string& what, const ubep::v1::RebalanceResponse& r
 }
 
 int Run(int argc, char** argv) {
-  absl::SetProgramUsageMessage(kUsage);
+  ubep::SetFlagsUsage("ubepctl", kUsage);
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   std::vector<std::string> words(args.begin() + 1, args.end());
   if (words.empty()) return Usage("no command");
   if (absl::GetFlag(FLAGS_timeout) <= absl::ZeroDuration()) {
     return Usage(absl::StrCat("--timeout ", absl::FormatDuration(absl::GetFlag(FLAGS_timeout)),
                               " is not positive"));
+  }
+  if (absl::GetFlag(FLAGS_balancer).find(':') == std::string::npos) {
+    // gRPC would take a host alone for port 443, and say it cannot reach it.
+    return Usage(absl::StrCat("--balancer ", absl::GetFlag(FLAGS_balancer),
+                              ": expected HOST:PORT"));
+  }
+  // The flags of plan export alone: refused elsewhere, and where they cannot apply, before
+  // any call (a flag that does nothing would let a script believe it did).
+  const bool export_command = words.size() == 2 && words[0] == "plan" && words[1] == "export";
+  // (A flag given its default value is not told from one not given.)
+  for (const absl::CommandLineFlag* flag :
+       {&absl::GetFlagReflectionHandle(FLAGS_format), &absl::GetFlagReflectionHandle(FLAGS_out),
+        &absl::GetFlagReflectionHandle(FLAGS_first_moe_layer)}) {
+    if (!export_command && flag->CurrentValue() != flag->DefaultValue()) {
+      return Usage(absl::StrCat("--", flag->Name(), " applies to plan export only"));
+    }
+  }
+  if (absl::GetFlag(FLAGS_first_moe_layer) >= 0 && absl::GetFlag(FLAGS_format) != "sglang") {
+    return Usage("--first_moe_layer applies to --format=sglang only (the EPLB form has no "
+                 "model layers)");
   }
   grpc::ChannelArguments channel_args;  // The cluster's plan may be larger than gRPC's default.
   channel_args.SetMaxReceiveMessageSize(ubep::kMaxControlMessageBytes);
