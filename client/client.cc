@@ -1145,12 +1145,14 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
     out.state_->on_device = false;
     out.state_->plan_version = out.state_->output.plan_version;
   }
-  if (absl::IsResourceExhausted(status)) {
-    // More rows routed here than the receive capacity: the call is complete but for this
-    // rank's combine, which its peers wait for. It runs here and fails as every rank's combine
-    // of the call does, so that an engine that abandons the step on an error keeps its ranks'
-    // calls paired. Its expert outputs are the received rows themselves (the sums are thrown
-    // away), so that the error path allocates nothing on the device.
+  // Aborted: the ranks' calls were out of step (host backend; every rank finds it).
+  if (absl::IsResourceExhausted(status) || (!s.on_device && absl::IsAborted(status))) {
+    // More rows routed here than the receive capacity, or the ranks' calls out of step: the
+    // call is complete but for this rank's combine, which its peers wait for. It runs here and
+    // fails as every rank's combine of the call does, so that an engine that abandons the
+    // step on an error keeps its ranks' calls paired. Its expert outputs are the received rows
+    // themselves (the sums are thrown away), so that the error path allocates nothing on the
+    // device.
     absl::Status combined;
     if (s.on_device) {
 #ifdef UBEP_CLIENT_CUDA
@@ -1174,11 +1176,13 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
     }
     // Any other outcome (a wait that ended, a device error) is the call's: this rank did not
     // combine, so the group is out of step until it re-forms.
-    if (!absl::IsResourceExhausted(combined)) {
-      status = combined.ok() ? absl::InternalError("the combine of an overflowed call passed")
+    if (combined.code() != status.code()) {
+      status = combined.ok() ? absl::InternalError(absl::StrCat(
+                                   "rank ", s.rank, ": the combine of a failed call passed (",
+                                   status.message(), ")"))
                              : combined;
       s.stopped = status;
-    } else {
+    } else if (absl::IsResourceExhausted(status)) {
       Bump(s.control()->over_capacity_calls);
     }
   }

@@ -255,8 +255,9 @@ int main(int argc, char** argv) {
       absl::SleepFor(absl::GetFlag(FLAGS_step_delay));
       continue;
     }
-    if (absl::IsResourceExhausted(status)) {
-      // Every rank's call failed, so every rank drops the step: the group stays in step.
+    if (absl::IsResourceExhausted(status) || absl::IsAborted(status)) {
+      // Every rank's call failed (over a receive capacity, or out of step), so every rank
+      // drops the step: the group stays in step.
       log.Line(absl::StrCat("dropped step ", step, ": ", status.message()));
       ++dropped;
       ++step;

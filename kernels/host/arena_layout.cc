@@ -133,6 +133,7 @@ ArenaLayout::ArenaLayout(const EpConfig& c) {
   refusal = carve(kRefusalBytes);
   notices = carve(R * kFlagStride);  // Before counts: ResetSignals zeroes them.
   counts = carve(R * sizeof(uint32_t));
+  call_tags = carve(R * sizeof(uint64_t));
   load_counters = carve(static_cast<size_t>(c.num_layers) * c.slots_per_rank * sizeof(uint64_t));
   load_seq = carve(static_cast<size_t>(c.num_layers) * sizeof(uint64_t));
   records = carve(R * T * record_bytes);
@@ -330,6 +331,18 @@ absl::Status PeerOverCapacityStatus(int rank, uint32_t call, int peer,
       " rows in this call, more than its receive capacity of ", notice.capacity,
       " (max_recv_rows), so the call fails on every rank of the group: the sums of the tokens "
       "sent there are incomplete"));
+}
+
+absl::Status CallsOutOfStepStatus(int rank, uint32_t call, uint64_t own, int peer,
+                                  uint64_t theirs, bool combine) {
+  return absl::AbortedError(absl::StrCat(
+      "rank ", rank, ", ", combine ? "combine" : "dispatch", " call ", call,
+      combine ? ": its dispatch paired" : ": pairs", " layer ", CallTagLayer(own), " of step ",
+      CallTagStep(own), " here with layer ", CallTagLayer(theirs), " of step ",
+      CallTagStep(theirs), " on rank ", peer,
+      ": the ranks' calls are out of step (a rank's caller went on to another call after one "
+      "that failed, rather than calling it again); the call fails on every rank of the group, "
+      "its dispatch complete but for the combine, which every rank still calls"));
 }
 
 void MarkCompleted(std::byte* arena, const ArenaLayout& layout, bool combine, uint32_t epoch) {

@@ -34,6 +34,10 @@
 //                              capacity (EpConfig::max_recv_rows); more rows than capacity
 //                              fail the call's combine on every rank
 //   counts          R x 4 B    [s]: records source s stored in the current dispatch
+//   call_tags       R x 8 B    [s]: CallTag of source s's current dispatch (its layer and
+//                              step), stored before its count flag: a receiver whose own
+//                              call is of another layer or step fails the call (a rank that
+//                              went on to its next call after one it refused)
 //   load_counters   L x S x 8  [l][i]: routed pairs received, monotonic (owner only writes)
 //   load_seq        L x 8      [l]: 2 x the dispatches of layer l counted in load_counters;
 //                              odd while the owner adds one (a seqlock: a reader takes a
@@ -198,7 +202,7 @@ int RankGivenUpOn(uint32_t code, int peer);
 struct ArenaLayout {
   size_t dispatch_flag, combine_flag, count_flag, barrier_flag, abort, dispatch_completed,
       combine_completed, published_call, sleepers, bell, bell_sleepers, refusal, notices, counts,
-      load_counters, load_seq, records, rows, partials, total_bytes;
+      call_tags, load_counters, load_seq, records, rows, partials, total_bytes;
   size_t record_bytes, row_bytes;
   size_t row_stride;  // Bytes per source (or destination) in rows and partials.
   size_t flagged_offset;  // Where the flagged rows start in a source's part: T x B.
@@ -299,6 +303,22 @@ absl::Status OverCapacityStatus(int rank, uint32_t call, const ReceiveNotice& no
 // rank): the sums of the tokens sent there are incomplete, and the call fails everywhere.
 absl::Status PeerOverCapacityStatus(int rank, uint32_t call, int peer,
                                     const ReceiveNotice& notice);
+
+// Which call of the caller's a dispatch is: its layer and the low 32 bits of its step. Every
+// rank of a call must be in the same one; a rank whose caller went on to its next call after
+// a call it refused (rather than calling it again) would otherwise be paired with its peers'
+// call of another layer, its tokens routed by one layer's plan and summed by another's
+// experts, with every call returning OK.
+inline uint64_t CallTag(int layer, uint64_t step) {
+  return (static_cast<uint64_t>(static_cast<uint32_t>(step)) << 32) | static_cast<uint32_t>(layer);
+}
+inline int CallTagLayer(uint64_t tag) { return static_cast<int>(static_cast<uint32_t>(tag)); }
+inline uint32_t CallTagStep(uint64_t tag) { return static_cast<uint32_t>(tag >> 32); }
+
+// The error of a dispatch whose sources were not all in this rank's call (`own`), naming the
+// lowest source `peer` that was not (its tag `theirs`); and of that call's combine.
+absl::Status CallsOutOfStepStatus(int rank, uint32_t call, uint64_t own, int peer,
+                                  uint64_t theirs, bool combine);
 
 // A rank that left the group after completing a call owes that call nothing more. At the
 // end of each successful dispatch (combine) a rank stores the call's epoch into its own

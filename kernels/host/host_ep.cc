@@ -379,6 +379,7 @@ void HostEp::FinishCounting(uint32_t epoch, bool publish, bool flagged) {
   // ubep's receivers lay out their rows from it while the rows are on their way).
   for (int d = 0; d < config_.num_ranks; ++d) {
     if (!active_[d]) continue;
+    reinterpret_cast<uint64_t*>(arenas_[d] + layout_.call_tags)[rank_] = call_tag_;
     reinterpret_cast<uint32_t*>(arenas_[d] + layout_.counts)[rank_] =
         static_cast<uint32_t>(dest_records_[d]) | (flagged ? kFlaggedCount : 0u);
     Raise(d, layout_.count_flag, epoch);
@@ -694,6 +695,8 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
   const InCall in_call = EnterCall(deadline);
   const uint32_t epoch = ++dispatch_epoch_;
   dispatch_completed_ = false;
+  call_tag_ = CallTag(in.layer, in.step);
+  out_of_step_.reset();
   spared_ = 0;
   const bool ubep = config_.protocol == Protocol::kUbep;
   const int senders = senders_ != nullptr ? senders_->size() : 1;
@@ -764,13 +767,16 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
     UBEP_RETURN_IF_ERROR(status);
   }
   // The load counters, once every row is in (a call whose wait failed counts nothing; one
-  // over the receive capacity counts every pair, which reached the arena).
+  // over the receive capacity counts every pair, which reached the arena; one out of step
+  // counts nothing: its pairs are of more than one layer).
   const int S = config_.slots_per_rank;
-  received_per_slot_.resize(S);
-  for (int i = 0; i < S; ++i) {
-    received_per_slot_[i] = out.slot_offsets[i + 1] - out.slot_offsets[i];
+  if (!out_of_step_.has_value()) {
+    received_per_slot_.resize(S);
+    for (int i = 0; i < S; ++i) {
+      received_per_slot_[i] = out.slot_offsets[i + 1] - out.slot_offsets[i];
+    }
+    AddLayerLoad(own, layout_, S, in.layer, received_per_slot_.data());
   }
-  AddLayerLoad(own, layout_, S, in.layer, received_per_slot_.data());
   // Every row of this call is placed, and no peer stores the next call's before this rank's
   // combine: the time to rewrite the landing's tags when they are due (flagged_rows.h).
   if (config_.flagged_tokens > 0 && TagScrubDue(epoch)) {
@@ -806,8 +812,13 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
   }
   MarkCompleted(own, layout_, /*combine=*/false, epoch);
   dispatch_completed_ = true;
-  // Over the receive capacity: the call is complete (its peers need this rank's partials),
-  // and it fails, here and in every rank's combine.
+  // Out of step, or over the receive capacity: the call is complete (its peers need this
+  // rank's partials), and it fails, here and in every rank's combine. Out of step is found by
+  // every rank (each takes every source's tag), so every rank fails alike.
+  if (out_of_step_.has_value()) {
+    return CallsOutOfStepStatus(rank_, epoch, call_tag_, out_of_step_->first,
+                                out_of_step_->second, /*combine=*/false);
+  }
   if (handle.rows_kept < handle.rows_routed) return OverCapacityStatus(rank_, epoch, notice);
   return absl::OkStatus();
 }
@@ -844,6 +855,13 @@ absl::Status HostEp::LayOut(DispatchOutput& out) {
                            layout_.record_bytes, config_.max_tokens, config_.flagged_tokens,
                            max_entries, S));
   };
+  // Every source's call must be this rank's (CallTag); the lowest that is not is named. Its
+  // records are still laid out and placed (their slots are checked as any source's), so that
+  // the call completes on every rank and fails alike.
+  const auto* tags = reinterpret_cast<const uint64_t*>(own + layout_.call_tags);
+  for (int s = 0; s < R && !out_of_step_.has_value(); ++s) {
+    if (active_[s] && tags[s] != call_tag_) out_of_step_.emplace(s, tags[s]);
+  }
   int32_t entries = 0;
   for (int s = 0; s < R; ++s) {
     // An excluded rank sent nothing (its count word is stale). The word is read once: the
@@ -1128,6 +1146,10 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
     ScrubTags(own + layout_.partials, layout_, ScrubTag(epoch));
   }
   MarkCompleted(own, layout_, /*combine=*/true, epoch);
+  if (out_of_step_.has_value()) {
+    return CallsOutOfStepStatus(rank_, epoch, call_tag_, out_of_step_->first,
+                                out_of_step_->second, /*combine=*/true);
+  }
   // A rank that overflowed its receive capacity in this call (its notice precedes its
   // partials, flag or barrier, which this rank has all taken): the call fails on every rank
   // (arena_layout.h ReceiveNotice), naming the lowest such rank.

@@ -305,6 +305,10 @@ class HostEp {
   std::optional<GivenPatience> patience_given_;
   // The last Dispatch this rank took part in completed: its output describes the rows.
   bool dispatch_completed_ = false;
+  // The CallTag of the dispatch in flight (or last), and where a source's differed (LayOut):
+  // the lowest such source and its tag. That call fails, its dispatch and its combine.
+  uint64_t call_tag_ = 0;
+  std::optional<std::pair<int, uint64_t>> out_of_step_;
   // Set by a sender that stopped waiting for a batch at the call's deadline (the counting
   // thread held past it): rows it owed its peers were not stored, and the call fails.
   std::atomic<bool> senders_stopped_{false};

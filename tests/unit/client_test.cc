@@ -323,6 +323,56 @@ TEST(ClientTest, ARejoinThatLostItsDataPlaneStopsEveryCallUntilARejoinCompletes)
   EXPECT_TRUE((*rank)->Detach().ok());
 }
 
+// Rank 0's Dispatch of layer 0 is refused (bad input) and its engine goes on to layer 1 rather
+// than calling layer 0 again, while rank 1 dispatches layer 0: the call is out of step, and it
+// fails on both ranks at their Dispatch (Aborted), libubep completing its combine for each, so
+// that the group stays in step: the next step goes through on both.
+TEST(ClientTest, ACallOutOfStepFailsOnEveryRankAndTheGroupStaysInStep) {
+  test::TempDir dir;
+  absl::StatusOr<std::unique_ptr<daemon::Daemon>> ubepd = StartUbepd(dir);
+  ASSERT_TRUE(ubepd.ok()) << ubepd.status();
+  absl::StatusOr<std::unique_ptr<Rank>> rank0, rank1;
+  {
+    std::thread attach0([&] { rank0 = Rank::Attach(ClientOf(dir), 0, 2, 0, Shape()); });
+    rank1 = Rank::Attach(ClientOf(dir), 1, 2, 0, Shape());
+    attach0.join();
+  }
+  ASSERT_TRUE(rank0.ok()) << rank0.status();
+  ASSERT_TRUE(rank1.ok()) << rank1.status();
+  const std::vector<float> x(16, 1.0f);
+  const std::vector<int32_t> idx = {0, 1}, bad = {0, 9};
+  const std::vector<float> w = {0.5f, 0.5f};
+  absl::Status refused0, dispatched0, dispatched1;
+  {
+    std::thread r0([&] {
+      ASSERT_TRUE((*rank0)->BeginStep(0).ok());
+      Dispatched d;
+      refused0 = (*rank0)->Dispatch(0, x.data(), bad.data(), w.data(), 1, d);
+      dispatched0 = (*rank0)->Dispatch(1, x.data(), idx.data(), w.data(), 1, d);
+    });
+    ASSERT_TRUE((*rank1)->BeginStep(0).ok());
+    Dispatched d;
+    dispatched1 = (*rank1)->Dispatch(0, x.data(), idx.data(), w.data(), 1, d);
+    r0.join();
+  }
+  EXPECT_EQ(refused0, absl::InvalidArgumentError("topk_idx[0][1] = 9 is outside [-1, 4)"));
+  auto out_of_step = [](int r, int layer, int peer, int peer_layer, uint32_t call) {
+    return absl::AbortedError(absl::StrCat(
+        "rank ", r, ", dispatch call ", call, ": pairs layer ", layer, " of step 0 here with layer ",
+        peer_layer, " of step 0 on rank ", peer,
+        ": the ranks' calls are out of step (a rank's caller went on to another call after one "
+        "that failed, rather than calling it again); the call fails on every rank of the group, "
+        "its dispatch complete but for the combine, which every rank still calls"));
+  };
+  EXPECT_EQ(dispatched0, out_of_step(0, 1, 1, 0, 1));
+  EXPECT_EQ(dispatched1, out_of_step(1, 0, 0, 1, 1));
+  std::thread r0([&] { ExpectAStepGoesThrough(**rank0, 1); });
+  ExpectAStepGoesThrough(**rank1, 1);
+  r0.join();
+  EXPECT_TRUE((*rank0)->Detach().ok());
+  EXPECT_TRUE((*rank1)->Detach().ok());
+}
+
 // A Dispatch that fails leaves its output empty, not a partial layout (over the receive
 // capacity, the offsets would count rows that are not there); combining it, or an output no
 // Dispatch filled, is a combine without a dispatch.

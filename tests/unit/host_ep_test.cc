@@ -1531,6 +1531,65 @@ TEST(HostEpErrorTest, ARankThatRefusedAndCalledAgainServesTheStep) {
   }
 }
 
+// Rank 2 refuses its dispatch of layer 0, and its caller goes on to layer 1 rather than
+// calling layer 0 again. That dispatch is rank 2's call 1, which its peers are in for layer 0:
+// paired, rank 2's tokens would be routed by layer 1's plan into the peers' layer-0 experts,
+// the load counted under the wrong layer, and every call return OK. Instead the call fails on
+// every rank, each naming the lowest rank whose call differs, its dispatch complete (the
+// rows placed) and its combine failing too; nothing is counted, and the next step runs exact.
+TEST(HostEpErrorTest, ARankThatWentOnToAnotherLayerAfterARefusalFailsTheCallOnEveryRank) {
+  for (const Protocol protocol : {Protocol::kUbep, Protocol::kBsp}) {
+    SCOPED_TRACE(protocol == Protocol::kUbep ? "ubep" : "bsp");
+    EpConfig config = SmallConfig(protocol);
+    config.timeout = absl::Seconds(5);
+    Group group(config);
+    const TestPlan plan = RoundRobinPlan(config);
+    std::vector<absl::Status> dispatched(config.num_ranks), combined(config.num_ranks);
+    group.RunAll([&](int r) {
+      const RankInput in = MakeInput(config, r, 8, 3);
+      if (r == 2) {
+        DispatchOutput refused;
+        EXPECT_EQ(group.ep(r).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8,
+                                        config.hidden + 8, 0, plan.header()},
+                                       refused),
+                  absl::InvalidArgumentError("hidden size 80 does not match the configured 72"));
+      }
+      DispatchOutput out;
+      dispatched[r] = group.ep(r).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8,
+                                            config.hidden, r == 2 ? 1 : 0, plan.header()},
+                                           out);
+      std::vector<float> sums(static_cast<size_t>(8) * config.hidden);
+      combined[r] = group.ep(r).Combine(out, out.recv_x.data(), sums.data());
+    });
+    auto out_of_step = [](int r, const char* phase, int layer, int peer, int peer_layer) {
+      return absl::AbortedError(absl::StrCat(
+          "rank ", r, ", ", phase, " call 1: ",
+          std::string(phase) == "combine" ? "its dispatch paired" : "pairs", " layer ", layer,
+          " of step 0 here with layer ", peer_layer, " of step 0 on rank ", peer,
+          ": the ranks' calls are out of step (a rank's caller went on to another call after "
+          "one that failed, rather than calling it again); the call fails on every rank of the "
+          "group, its dispatch complete but for the combine, which every rank still calls"));
+    };
+    for (int r : {0, 1, 3}) {
+      EXPECT_EQ(dispatched[r], out_of_step(r, "dispatch", 0, 2, 1));
+      EXPECT_EQ(combined[r], out_of_step(r, "combine", 0, 2, 1));
+    }
+    EXPECT_EQ(dispatched[2], out_of_step(2, "dispatch", 1, 0, 0));
+    EXPECT_EQ(combined[2], out_of_step(2, "combine", 1, 0, 0));
+    for (int r = 0; r < config.num_ranks; ++r) {
+      for (int l = 0; l < config.num_layers; ++l) {
+        for (int i = 0; i < config.slots_per_rank; ++i) {
+          EXPECT_EQ(group.ep(r).LoadCounter(l, i), 0u) << r << " " << l << " " << i;
+        }
+      }
+    }
+    // Every rank failed the call alike: the group is in step, and the next call is exact.
+    std::vector<RankInput> inputs;
+    for (int r = 0; r < config.num_ranks; ++r) inputs.push_back(MakeInput(config, r, 8, 4));
+    RunStep(group, inputs, plan, 1);
+  }
+}
+
 // Rank 2 refuses call 1 twice, for different reasons, and stops: the others give the later
 // reason.
 TEST(HostEpErrorTest, ALaterRefusalOfACallReplacesTheEarlierOne) {

@@ -31,13 +31,19 @@
 //    and at every other rank's Combine. The
 //    call is over everywhere; abandon the step (or run it again) on every rank and go on with
 //    the next. The load counters count the rows, so the balancer sees the load that overflowed.
+//  - Aborted: the ranks' calls were out of step (host backend): a rank's caller went on to
+//    another layer or step after a call that failed, rather than calling it again, so ranks
+//    met in one call with different layers. The call fails on every rank, at its Dispatch
+//    (libubep completes its combine: do not call Combine after that Dispatch), naming the
+//    lowest rank whose call differed; nothing is counted. Abandon the step on every rank and
+//    go on with the next.
 //  - FailedPrecondition: a call out of order (Dispatch before BeginStep, Combine without a
 //    Dispatch, a rank that detached). A Dispatch that fails leaves its output empty (no rows,
 //    empty views; combining it is a Combine without a Dispatch), but for the CUDA backend's
 //    bad input found on the device (InvalidArgument above), whose output holds the rest
 //    (slot_offsets() not empty). A Rejoin that did not complete: call Rejoin again.
-//  - Internal: the combine libubep runs for this rank's overflowed call did not complete (the
-//    message says why): the group is out of step; call Rejoin.
+//  - Internal: the combine libubep runs for this rank's overflowed (or out-of-step) call did
+//    not complete (the message says why): the group is out of step; call Rejoin.
 //  - DataLoss: shared memory or an answer of ubepd's holds what the protocol does not allow (a
 //    plan table, a weight buffer's place, the arenas given at Attach); the message names it.
 //  - NotFound: SlotExpert of a slot the plan leaves unused.

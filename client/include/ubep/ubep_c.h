@@ -2,7 +2,7 @@
  *
  * Every function returning int returns 0 on success, else the error's gRPC/absl status code
  * (3 = INVALID_ARGUMENT, 4 = DEADLINE_EXCEEDED, 8 = RESOURCE_EXHAUSTED, 9 =
- * FAILED_PRECONDITION, 14 = UNAVAILABLE, ...; their meaning is ubep/ubep.h's);
+ * FAILED_PRECONDITION, 10 = ABORTED, 14 = UNAVAILABLE, ...; their meaning is ubep/ubep.h's);
  * ubep_last_error() then gives the message (per thread, valid until the next call). Two ask
  * a question instead, 1 for yes and 0 for no (or a null handle): ubep_excluded and
  * ubep_must_attach_again.
