@@ -43,7 +43,10 @@ inline std::string BadCallMessage(int num_tokens, int layer, const PlanTableHead
       static_cast<uint32_t>(layer) >= plan->num_layers) {
     return absl::StrCat("plan table is for ", plan->num_layers, " layers x ", plan->num_experts,
                         " experts x ", plan->num_slots, " slots; this group has ", num_experts,
-                        " experts and ", num_ranks * slots_per_rank, " slots");
+                        " experts and ", num_ranks * slots_per_rank, " slots",
+                        static_cast<uint32_t>(layer) >= plan->num_layers
+                            ? absl::StrCat(", and this call is of layer ", layer)
+                            : "");
   }
   if (plan->num_ranks != 0 && plan->num_ranks != static_cast<uint32_t>(num_ranks)) {
     return absl::StrCat("plan table's exclusion mask is for ", plan->num_ranks,

@@ -175,9 +175,14 @@ absl::Status DispatchAfterGiveUpStatus(uint32_t code, int rank, Protocol protoco
                                        uint32_t call) {
   UBEP_RETURN_IF_ERROR(DaemonAbortStatus(
       code, rank, protocol == Protocol::kUbep ? "dispatch counts" : "count exchange", call));
+  // The abort word does not say in which call: the peers may have given up on the rank in
+  // the call it comes to now, late.
+  const int given_up_on = RankGivenUpOn(code, rank);
   return absl::FailedPreconditionError(absl::StrCat(
-      "rank ", rank, ": dispatch call ", call, " refused: the group gave up on rank ",
-      RankGivenUpOn(code, rank), " in an earlier call; it must be re-formed"));
+      "rank ", rank, ": dispatch call ", call, " refused: the group gave up on ",
+      given_up_on == rank ? absl::StrCat("this rank (a peer's wait for it timed out)")
+                          : absl::StrCat("rank ", given_up_on),
+      " in this call or an earlier one; it must be re-formed"));
 }
 
 int RankGivenUpOn(uint32_t code, int peer) {
@@ -189,6 +194,14 @@ absl::Status TimedOutStatus(uint32_t code, int rank, int peer, absl::Duration ti
                             const char* what, uint32_t call, absl::string_view refusal,
                             std::optional<GivenPatience> patience) {
   const int dead_rank = RankGivenUpOn(code, peer);
+  if (dead_rank == rank) {
+    // A peer gave up on this rank (it came late): asking whether it is alive, or naming the
+    // peer it waited on as the one that gave up, would mislead.
+    return absl::DeadlineExceededError(absl::StrCat(
+        "rank ", rank, ": the group gave up on this rank (a peer's wait for it timed out) while "
+        "it was in ", what, " of call ", call, "; was this process stopped or starved? The "
+        "group must be re-formed"));
+  }
   return absl::DeadlineExceededError(absl::StrCat(
       "rank ", rank, ": timed out after ", absl::FormatDuration(timeout), " waiting for rank ",
       dead_rank, " (", what, ", call ", call,

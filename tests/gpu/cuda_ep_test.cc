@@ -984,7 +984,8 @@ TEST_P(CudaEpTest, ADispatchAfterTheGroupGaveUpIsRefusedBeforeAnyByteMoves) {
   const std::vector<std::pair<uint32_t, absl::Status>> cases = {
       {kAbortTimedOutBase + 1,
        absl::FailedPreconditionError("rank 0: dispatch call 1 refused: the group gave up on "
-                                     "rank 1 in an earlier call; it must be re-formed")},
+                                     "rank 1 in this call or an earlier one; it must be "
+                                     "re-formed")},
       {kAbortDraining, absl::UnavailableError(absl::StrCat(
                            "rank 0: ubepd is draining; ", counts,
                            " of call 1 abandoned; attach again when it is back"))}};

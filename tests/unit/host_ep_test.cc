@@ -928,6 +928,14 @@ TEST(HostEpErrorTest, BadInputIsRejectedBeforeAnyByteMoves) {
                                  out),
             absl::InvalidArgumentError("plan table's exclusion mask is for 2 ranks; this group "
                                        "has 4"));
+  // A plan of fewer layers than the call's (the group has 2): the message names the layer.
+  const TestPlan one_layer = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 1);
+  EXPECT_EQ(group.ep(0).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8,
+                                  c.hidden, 1, one_layer.header()},
+                                 out),
+            absl::InvalidArgumentError("plan table is for 1 layers x 16 experts x 20 slots; this "
+                                       "group has 16 experts and 20 slots, and this call is of "
+                                       "layer 1"));
   // Nothing moved: no peer's arena changed, and the group still runs a clean step.
   EXPECT_TRUE(PeerArenaBytes(group) == before);
   std::vector<RankInput> inputs;
@@ -1055,7 +1063,8 @@ TEST(HostEpErrorTest, ADispatchAfterTheGroupGaveUpIsRefusedBeforeAnyByteMoves) {
     DispatchOutput out;
     EXPECT_EQ(group.ep(0).Dispatch(input, out),
               absl::FailedPreconditionError("rank 0: dispatch call 2 refused: the group gave up "
-                                            "on rank 2 in an earlier call; it must be re-formed"));
+                                            "on rank 2 in this call or an earlier one; it must be "
+                                            "re-formed"));
     EXPECT_TRUE(ArenaBytes(group) == before);
   };
   {
@@ -1658,6 +1667,13 @@ TEST(HostEpErrorTest, RowsThatNeverArriveAreNamedAfterTheCounts) {
         combined[r] = group.ep(r).Combine(out, y.data(), result.data());
       });
   ExpectGaveUpOnRank2InACall(status, "dispatch data", "300ms");
+  // Rank 2 itself, whose rows came late: its combine waits for the peers' partials, which
+  // never come, and it is told that the group gave up on it (not asked whether rank 2 is
+  // alive, naming a peer as the one that gave up).
+  EXPECT_EQ(combined[2], absl::DeadlineExceededError(
+                             "rank 2: the group gave up on this rank (a peer's wait for it timed "
+                             "out) while it was in combine partials of call 1; was this process "
+                             "stopped or starved? The group must be re-formed"));
   for (int r : {0, 1, 3}) {
     EXPECT_EQ(combined[r],
               absl::FailedPreconditionError(absl::StrCat(
@@ -1667,6 +1683,25 @@ TEST(HostEpErrorTest, RowsThatNeverArriveAreNamedAfterTheCounts) {
       EXPECT_EQ(group.ep(r).LoadCounter(0, i), 0u) << "rank " << r << " slot " << i;
     }
   }
+}
+
+// Rank 2 comes to call 1 after its peers gave up on it there: its Dispatch is refused as any
+// after a give-up, and says that the group gave up on it, in this call or an earlier one (the
+// abort word does not say which).
+TEST(HostEpErrorTest, ARankThatComesAfterThePeersGaveUpOnItIsToldSo) {
+  const EpConfig config = ShortTimeoutConfig();
+  Group group(config);
+  const TestPlan plan = RoundRobinPlan(config);
+  const std::vector<absl::Status> status = DispatchOnce(group, plan, [](int r) { return r != 2; });
+  for (int r : {0, 1, 3}) EXPECT_EQ(status[r], GaveUpOnRank2(r, "dispatch counts"));
+  RankInput in = MakeInput(config, 2, 8, 3);
+  DispatchOutput out;
+  EXPECT_EQ(group.ep(2).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8,
+                                  config.hidden, 0, plan.header()},
+                                 out),
+            absl::FailedPreconditionError(
+                "rank 2: dispatch call 1 refused: the group gave up on this rank (a peer's wait "
+                "for it timed out) in this call or an earlier one; it must be re-formed"));
 }
 
 // The same with flag-in-granule rows: the receivers wait for rank 2's rows themselves, and
