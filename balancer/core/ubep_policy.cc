@@ -468,6 +468,13 @@ absl::StatusOr<Plan> PlanUbep(const LoadMatrix& load, const Topology& topology,
   const bool budget_binds =
       options.migration_budget >= 0 && options.migration_budget < topology.slots_per_rank;
   for (int l = 0; l < load.num_layers(); ++l) {
+    if (!(load.RowSum(l) > 0)) {
+      // No load in the window (no call reached the layer, or the balancer just started):
+      // nothing to plan by. The layer keeps its placement and its shares, as EPLB's does;
+      // leveled against nothing, its shares would go equal and make a plan of no change.
+      plan.layers.push_back(previous->layers[l]);
+      continue;
+    }
     if (options.migration_budget >= 0 && !budget_binds) {
       LayerPlan candidate = UbepLayerFresh(load.row(l), topology, layer_options[l]);
       AlignToPrevious(topology, previous->layers[l], candidate);

@@ -207,6 +207,28 @@ TEST(UbepPolicyTest, ReplanningTheSameLoadMovesNothing) {
   EXPECT_LE(SummarizeBalance(*again, *load).mean, 1.01);
 }
 
+// A layer with no load in the window keeps its placement and its tuned shares, whatever the
+// budget (as EPLB's does): leveled against nothing, the shares went equal, and the balancer
+// committed a plan of no real change (after a restart, or for a layer no call reached).
+TEST(UbepPolicyTest, ALayerWithoutLoadKeepsItsPlacementAndShares) {
+  absl::StatusOr<LoadMatrix> load = ReadSglangLoadFile(test::TracePath("decode_in1000out1000.json"));
+  ASSERT_TRUE(load.ok());
+  const Topology t{32, 4, 9, 1};
+  absl::StatusOr<Plan> plan = PlanUbep(*load, t, nullptr, {});
+  ASSERT_TRUE(plan.ok());
+  // The trace's plan tunes some layer 0 split away from equal.
+  bool tuned = false;
+  for (double share : plan->layers[0].slot_share) tuned |= share > 0 && share != 0.5 && share != 1.0;
+  ASSERT_TRUE(tuned);
+  LoadMatrix idle = *load;
+  for (int e = 0; e < idle.num_experts(); ++e) idle.at(0, e) = 0;
+  for (const int budget : {-1, 0, 2, 9}) {
+    absl::StatusOr<Plan> again = PlanUbep(idle, t, &*plan, {.migration_budget = budget});
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_EQ(again->layers[0], plan->layers[0]) << "budget " << budget;
+  }
+}
+
 // A layer's plan depends on the layer, not on the layers planned with it: the server plans
 // chunks of layers on several threads, and its plan must not depend on how many.
 TEST(UbepPolicyTest, ALayerPlannedAloneGetsThePlanItGetsAmongAllLayers) {
