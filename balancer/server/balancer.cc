@@ -137,6 +137,26 @@ bool Parse(grpc::ByteBuffer& buffer, T* message) {
   return grpc::SerializationTraits<T>::Deserialize(&buffer, message).ok();
 }
 
+// The rows of `load` and the layers of `previous` at `layers` (ascending), as a load and a
+// plan of their own.
+std::pair<LoadMatrix, Plan> LayersOf(const LoadMatrix& load, const Plan& previous,
+                                     const std::vector<int>& layers) {
+  LoadMatrix part(static_cast<int>(layers.size()), load.num_experts());
+  std::vector<int> ids;
+  Plan part_previous = previous;
+  part_previous.layers.clear();
+  part_previous.layer_ids.clear();
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const int l = layers[i];
+    for (int e = 0; e < load.num_experts(); ++e) part.at(static_cast<int>(i), e) = load.at(l, e);
+    ids.push_back(load.layer_ids()[l]);
+    part_previous.layers.push_back(previous.layers[l]);
+    part_previous.layer_ids.push_back(previous.layer_ids[l]);
+  }
+  part.set_layer_ids(std::move(ids));
+  return {std::move(part), std::move(part_previous)};
+}
+
 // ComputePlan over contiguous chunks of layers, one thread per chunk, merged in order.
 absl::StatusOr<Plan> PlanInParallel(const LoadMatrix& load, const Topology& topology,
                                     const Plan& previous, const PlannerOptions& options,
@@ -148,18 +168,9 @@ absl::StatusOr<Plan> PlanInParallel(const LoadMatrix& load, const Topology& topo
   std::vector<std::thread> workers;
   for (int c = 0; c < threads; ++c) {
     workers.emplace_back([&, c] {
-      const int begin = L * c / threads, end = L * (c + 1) / threads;
-      LoadMatrix chunk(end - begin, load.num_experts());
-      std::vector<int> ids;
-      Plan chunk_previous = previous;
-      chunk_previous.layers.assign(previous.layers.begin() + begin, previous.layers.begin() + end);
-      chunk_previous.layer_ids.assign(previous.layer_ids.begin() + begin,
-                                      previous.layer_ids.begin() + end);
-      for (int l = begin; l < end; ++l) {
-        for (int e = 0; e < load.num_experts(); ++e) chunk.at(l - begin, e) = load.at(l, e);
-        ids.push_back(load.layer_ids()[l]);
-      }
-      chunk.set_layer_ids(std::move(ids));
+      std::vector<int> layers;
+      for (int l = L * c / threads; l < L * (c + 1) / threads; ++l) layers.push_back(l);
+      const auto [chunk, chunk_previous] = LayersOf(load, previous, layers);
       parts[c] = ComputePlan(chunk, topology, &chunk_previous, options);
     });
   }
@@ -172,6 +183,32 @@ absl::StatusOr<Plan> PlanInParallel(const LoadMatrix& load, const Topology& topo
     merged.version = part->version;
     merged.layers.insert(merged.layers.end(), part->layers.begin(), part->layers.end());
     merged.layer_ids.insert(merged.layer_ids.end(), part->layer_ids.begin(), part->layer_ids.end());
+  }
+  return merged;
+}
+
+// PlanInParallel with a migration budget per layer (`budgets`, options' budget where empty):
+// the layers of each budget planned together. A layer's plan does not depend on the layers
+// planned with it when the budget is not negative (both policies plan layer by layer then).
+absl::StatusOr<Plan> PlanWithLayerBudgets(const LoadMatrix& load, const Topology& topology,
+                                          const Plan& previous, PlannerOptions options,
+                                          const std::vector<int>& budgets, int threads) {
+  std::map<int, std::vector<int>> layers_of;  // budget -> its layers, ascending.
+  for (int l = 0; l < load.num_layers(); ++l) {
+    layers_of[budgets.empty() ? options.migration_budget : budgets[l]].push_back(l);
+  }
+  if (layers_of.size() <= 1) {
+    if (!layers_of.empty()) options.migration_budget = layers_of.begin()->first;
+    return PlanInParallel(load, topology, previous, options, threads);
+  }
+  Plan merged = previous;
+  merged.version = previous.version + 1;
+  for (const auto& [budget, layers] : layers_of) {
+    const auto [part, part_previous] = LayersOf(load, previous, layers);
+    options.migration_budget = budget;
+    absl::StatusOr<Plan> planned = PlanInParallel(part, topology, part_previous, options, threads);
+    if (!planned.ok()) return planned.status();
+    for (size_t i = 0; i < layers.size(); ++i) merged.layers[layers[i]] = planned->layers[i];
   }
   return merged;
 }
@@ -221,6 +258,8 @@ int RepairMembers(LayerPlan& layer, int S, const std::vector<bool>& returning, i
   return changes.empty() ? 0 : *std::max_element(changes.begin(), changes.end());
 }
 
+}  // namespace
+
 absl::StatusOr<Plan> PlanForMembers(const LoadMatrix& load, const Plan& previous,
                                     const std::vector<int>& excluded, PlannerOptions planner,
                                     int threads) {
@@ -253,31 +292,34 @@ absl::StatusOr<Plan> PlanForMembers(const LoadMatrix& load, const Plan& previous
     }
     layer = std::move(kept);
   }
+  std::vector<int> budgets;  // Per layer; empty: the planner's for every layer.
   if (excluded != previous.excluded_ranks || !ValidatePlan(sub_previous).ok()) {
     std::vector<bool> returning(members.size());
     for (size_t m = 0; m < members.size(); ++m) {
       returning[m] = std::binary_search(previous.excluded_ranks.begin(),
                                         previous.excluded_ranks.end(), members[m]);
     }
-    int repaired = 0, repaired_layer = 0;
+    // The slots repaired on a rank count against its budget in that layer (the daemons
+    // count slots changed from the plan in force): each layer is planned with the budget its
+    // repairs leave, not the smallest any layer's leave.
+    budgets.assign(sub_previous.layers.size(), planner.migration_budget);
     for (size_t l = 0; l < sub_previous.layers.size(); ++l) {
       LayerPlan& layer = sub_previous.layers[l];
-      const int changed = RepairMembers(layer, S, returning, previous.num_experts);
-      if (changed > repaired) repaired = changed, repaired_layer = static_cast<int>(l);
+      const int repaired = RepairMembers(layer, S, returning, previous.num_experts);
       SetEqualShares(previous.num_experts, layer);
-    }
-    if (planner.migration_budget >= 0) {
+      if (planner.migration_budget < 0) continue;
       if (repaired > planner.migration_budget) {
         return absl::FailedPreconditionError(absl::StrCat(
-            "the ranks left need ", repaired, " new experts on one rank in layer ",
-            repaired_layer, " (their only replicas were on the excluded ranks), but the "
-            "daemons take ", planner.migration_budget, " per rank and layer: restart them "
-            "with ubepd --free_buffers ", repaired, " or more"));
+            "the ranks left need ", repaired, " new experts on one rank in layer ", l,
+            " (their only replicas were on the excluded ranks), but the daemons take ",
+            planner.migration_budget, " per rank and layer: restart them with ubepd "
+            "--free_buffers ", repaired, " or more"));
       }
-      planner.migration_budget -= repaired;
+      budgets[l] -= repaired;
     }
   }
-  absl::StatusOr<Plan> sub_plan = PlanInParallel(load, sub, sub_previous, planner, threads);
+  absl::StatusOr<Plan> sub_plan =
+      PlanWithLayerBudgets(load, sub, sub_previous, planner, budgets, threads);
   if (!sub_plan.ok()) return sub_plan.status();
   Plan plan = previous;
   plan.excluded_ranks = excluded;
@@ -296,8 +338,6 @@ absl::StatusOr<Plan> PlanForMembers(const LoadMatrix& load, const Plan& previous
   if (absl::Status valid = ValidatePlan(plan); !valid.ok()) return valid;
   return plan;
 }
-
-}  // namespace
 
 Balancer::Balancer(BalancerOptions options, std::shared_ptr<prometheus::Registry> registry)
     : options_(std::move(options)), started_(MonotonicNow()), registry_(std::move(registry)) {

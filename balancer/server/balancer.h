@@ -85,6 +85,15 @@ struct BalancerStatus {
   absl::Time last_commit = absl::InfinitePast();  // Monotonic: for differences only.
 };
 
+// The plan for the members that are not `excluded`, from `previous` (their experts whose
+// only replicas were on excluded ranks placed on the members first, within the migration
+// budget of each layer, and the rest planned by `planner` with what each layer's repairs
+// leave of it); FailedPrecondition where the members cannot hold every expert or a layer's
+// repairs exceed the budget. Exposed for tests.
+absl::StatusOr<Plan> PlanForMembers(const LoadMatrix& load, const Plan& previous,
+                                    const std::vector<int>& excluded, PlannerOptions planner,
+                                    int threads);
+
 class Balancer final : public v1::Control::Service {
  public:
   Balancer(BalancerOptions options, std::shared_ptr<prometheus::Registry> registry);

@@ -2355,6 +2355,49 @@ TEST(BalancerServerTest, ADrainPlacesTheExpertsOnlyTheDrainedNodeHeldWithinTheFr
   }
 }
 
+// The slots repaired for a drain count against the budget of the rank and layer they are in,
+// not every layer's: layer 0's two experts held only by the drained ranks take the one free
+// buffer of ranks 0 and 1 there, and layer 1, which needs no repair, still gets its one move
+// (before, the largest repair of any layer was taken off every layer's budget, and layer 1,
+// hot on rank 0, could only re-level its shares).
+TEST(BalancerServerTest, RepairsForADrainTakeTheBudgetOfTheirLayerAlone) {
+  Plan first;
+  first.version = 1;
+  first.topology = {4, 2, 4, 1};
+  first.num_experts = 6;
+  first.layer_ids = {0, 1};
+  first.layers.resize(2);
+  first.layers[0].slot_expert = {0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 4, 5, 4, 5, 4, 5};
+  first.layers[1].slot_expert = {0, 1, 2, 3, 4, 5, 0, 1, 4, 5, 2, 3, 4, 5, 2, 3};
+  for (LayerPlan& layer : first.layers) SetEqualShares(6, layer);
+  ASSERT_TRUE(ValidatePlan(first).ok());
+  LoadMatrix load(2, 6);
+  load.set_layer_ids({0, 1});
+  for (int e = 0; e < 6; ++e) load.at(0, e) = 100;
+  for (int e = 0; e < 6; ++e) load.at(1, e) = e == 2 || e == 3 ? 1000 : 10;
+  absl::StatusOr<Plan> plan = PlanForMembers(
+      load, first, {2, 3}, {.policy = Policy::kUbep, .migration_budget = 1}, /*threads=*/1);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->excluded_ranks, (std::vector<int>{2, 3}));
+  int moved_in_layer1 = 0;
+  for (int l = 0; l < 2; ++l) {
+    for (int r = 0; r < 2; ++r) {
+      int changed = 0;
+      for (int i = 0; i < 4; ++i) {
+        changed += plan->layers[l].slot_expert[r * 4 + i] != first.layers[l].slot_expert[r * 4 + i];
+      }
+      EXPECT_LE(changed, 1) << "layer " << l << " rank " << r;  // The daemons' budget.
+      if (l == 1) moved_in_layer1 += changed;
+    }
+  }
+  EXPECT_EQ(moved_in_layer1, 1) << "layer 1 got no move";
+  // Layer 1's move put a hot expert on rank 1: ranks 0 and 1 now share 2 and 3's load.
+  const std::vector<int>& after = plan->layers[1].slot_expert;
+  EXPECT_TRUE(std::count(after.begin() + 4, after.begin() + 8, 2) +
+                  std::count(after.begin() + 4, after.begin() + 8, 3) ==
+              1);
+}
+
 // Drains node-b under plan v1: node-b refuses v2, which is aborted, and node-a's Abort is
 // lost (v2 stays pending there) while node-a's state cannot be read.
 void DrainAbortedWithNodeAsAbortLost(Balancer& balancer, FakeDaemon& a, FakeDaemon& b) {
