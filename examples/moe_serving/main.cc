@@ -257,8 +257,10 @@ int main(int argc, char** argv) {
     }
     if (absl::IsResourceExhausted(status) || absl::IsAborted(status)) {
       // Every rank's call failed (over a receive capacity, or out of step), so every rank
-      // drops the step: the group stays in step.
-      log.Line(absl::StrCat("dropped step ", step, ": ", status.message()));
+      // drops the step: the group stays in step. (ubep-local counts "dropped step N:" lines
+      // as the capacity's.)
+      log.Line(absl::StrCat("dropped step ", step,
+                            absl::IsAborted(status) ? " (out of step): " : ": ", status.message()));
       ++dropped;
       ++step;
       absl::SleepFor(absl::GetFlag(FLAGS_step_delay));

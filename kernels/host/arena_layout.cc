@@ -180,8 +180,7 @@ absl::Status DispatchAfterGiveUpStatus(uint32_t code, int rank, Protocol protoco
   const int given_up_on = RankGivenUpOn(code, rank);
   return absl::FailedPreconditionError(absl::StrCat(
       "rank ", rank, ": dispatch call ", call, " refused: the group gave up on ",
-      given_up_on == rank ? absl::StrCat("this rank (a peer's wait for it timed out)")
-                          : absl::StrCat("rank ", given_up_on),
+      given_up_on == rank ? std::string("this rank") : absl::StrCat("rank ", given_up_on),
       " in this call or an earlier one; it must be re-formed"));
 }
 
@@ -195,12 +194,13 @@ absl::Status TimedOutStatus(uint32_t code, int rank, int peer, absl::Duration ti
                             std::optional<GivenPatience> patience) {
   const int dead_rank = RankGivenUpOn(code, peer);
   if (dead_rank == rank) {
-    // A peer gave up on this rank (it came late): asking whether it is alive, or naming the
+    // The group gave up on this rank (a peer's wait for it timed out, a peer found its records
+    // corrupt, or its own senders or launch failed): asking whether it is alive, or naming the
     // peer it waited on as the one that gave up, would mislead.
     return absl::DeadlineExceededError(absl::StrCat(
-        "rank ", rank, ": the group gave up on this rank (a peer's wait for it timed out) while "
-        "it was in ", what, " of call ", call, "; was this process stopped or starved? The "
-        "group must be re-formed"));
+        "rank ", rank, ": the group gave up on this rank while it was in ", what, " of call ",
+        call, " (its peers' errors say why: a wait for it that timed out, say); the group must "
+        "be re-formed"));
   }
   return absl::DeadlineExceededError(absl::StrCat(
       "rank ", rank, ": timed out after ", absl::FormatDuration(timeout), " waiting for rank ",

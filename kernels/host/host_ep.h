@@ -58,6 +58,8 @@ struct DispatchInput {
   // DataLoss before any byte moves).
   void* plan_area = nullptr;
   size_t plan_capacity = 0;
+  // The caller's step. With `layer`, it must be the same on every rank of a call (CallTag):
+  // a call whose ranks differ in either fails on every rank (Aborted).
   uint64_t step = 0;
 };
 
@@ -112,7 +114,8 @@ class HostEp {
   // Bad input is refused before any byte moves (InvalidArgument, recorded for the peers that
   // wait for this rank: RecordRefusal). A call that routes this rank more rows than its
   // receive capacity (EpConfig::max_recv_rows) completes with the first rows of the layout and
-  // returns ResourceExhausted; the caller still calls Combine, which fails on every rank.
+  // returns ResourceExhausted; the caller still calls Combine, which fails on every rank. So
+  // does a call whose ranks are not all in the same layer and step (CallTag), with Aborted.
   absl::Status Dispatch(DispatchInput input, DispatchOutput& output);
 
   // out[t] = sum over k of w[t, k] * y(t, k), for this rank's tokens of the last dispatch.

@@ -774,8 +774,8 @@ TEST_F(DaemonTest, AWaitThatGivesUpIsCountedForItsRankAlone) {
 
   const absl::Status told = stalled.Dispatch(0, x.data(), idx.data(), w.data(), 4, d);
   EXPECT_EQ(told, absl::FailedPreconditionError(
-                      "rank 1: dispatch call 1 refused: the group gave up on rank 1 in an earlier "
-                      "call; it must be re-formed"));
+                      "rank 1: dispatch call 1 refused: the group gave up on this rank in this "
+                      "call or an earlier one; it must be re-formed"));
   EXPECT_EQ(stalled.stats().wait_timeouts, 0u);
   EXPECT_EQ(stalled.stats().errors, 1u);
   EXPECT_TRUE(waiting.Detach().ok());

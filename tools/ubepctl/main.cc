@@ -135,8 +135,9 @@ std::string ToJson(const google::protobuf::Message& message) {
   google::protobuf::util::JsonPrintOptions options;
   options.always_print_primitive_fields = true;
   options.preserve_proto_field_names = true;
-  (void)google::protobuf::util::MessageToJsonString(message, &out, options);
-  nlohmann::ordered_json json = nlohmann::ordered_json::parse(out);
+  if (!google::protobuf::util::MessageToJsonString(message, &out, options).ok()) return "{}";
+  nlohmann::ordered_json json = nlohmann::ordered_json::parse(out, nullptr, false);
+  if (json.is_discarded()) return out;
   NumbersAsNumbers(*message.GetDescriptor(), json);
   return json.dump(1);
 }
