@@ -1141,7 +1141,18 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
     in.plan_area = s.own() + s.layout.plan;
     in.plan_capacity = s.layout.plan_capacity;
     in.step = s.step;
-    status = s.ep->Dispatch(in, out.state_->output);
+    try {
+      status = s.ep->Dispatch(in, out.state_->output);
+    } catch (...) {
+      // Out of memory (the layout's buffers, say): the data plane stopped the call's senders
+      // and gave up on this rank, whose rows its peers will not all get. Every later call says
+      // so until Rejoin re-forms the group; the exception goes on to the caller (the C ABI
+      // turns it into code 8).
+      s.stopped = absl::InternalError(absl::StrCat(
+          "rank ", s.rank, ": a dispatch ran out of memory after it began; the group must be "
+          "re-formed: call Rejoin"));
+      throw;
+    }
     out.state_->on_device = false;
     out.state_->plan_version = out.state_->output.plan_version;
   }

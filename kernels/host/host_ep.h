@@ -142,6 +142,11 @@ class HostEp {
   // this rank's refusal of the call, with the abort word raised so that the peers stop
   // waiting for its rows and name it.
   absl::Status SendersStopped(uint32_t epoch);
+  // The calling thread leaves the dispatch in flight by an exception: the senders are stopped
+  // and joined before the call's input and state go (they read both), and the group gives up
+  // on this rank (its rows are not all stored), so that its peers stop waiting for it and
+  // this rank's next call is refused until the group is re-formed.
+  void AbandonCall(uint32_t batches_before, int num_batches);
 
   const EpConfig& config() const { return config_; }
   int rank() const { return rank_; }
@@ -315,6 +320,9 @@ class HostEp {
   // Set by a sender that stopped waiting for a batch at the call's deadline (the counting
   // thread held past it): rows it owed its peers were not stored, and the call fails.
   std::atomic<bool> senders_stopped_{false};
+  // Set when the calling thread leaves a dispatch by an exception (out of memory) after the
+  // senders started: they stop at their next batch rather than wait for it (AbandonCall).
+  std::atomic<bool> abandoned_{false};
   // Written by the counting role, read by the senders once a batch is handed over.
   std::vector<Unit> units_;           // Token-major; max_tokens x min(top_k, ranks).
   int64_t num_units_ = 0;

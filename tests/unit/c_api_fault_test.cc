@@ -9,6 +9,7 @@
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "daemon/daemon.h"
 #include "gtest/gtest.h"
@@ -253,6 +254,87 @@ TEST(CAbiFaultTest, ExcludedOutOfMemoryIsANo) {
   EXPECT_GE(failed_runs, 1);
   const std::set<Outcome> expected = {{0, "ubep_excluded: out of memory"}, {0, ""}};
   EXPECT_EQ(outcomes, expected);
+  EXPECT_EQ(ubep_detach(rank), 0) << ubep_last_error();
+}
+
+}  // namespace
+
+namespace {
+
+// ubep_dispatch runs out of memory at each of its allocations in turn (the layout's buffers
+// among them, after the call took part and its sender threads started): every time it is
+// code 8 and a message, the call's senders are stopped before it returns (none reads its
+// input after), and the rank's next call says to Rejoin, not that a dispatch came twice;
+// Rejoin re-forms the group and the next step runs. Under AddressSanitizer a sender still
+// reading the call's input after it returned is a use after scope.
+TEST(CAbiFaultTest, DispatchOutOfMemoryStopsTheCallAndTheNextCallSaysToRejoin) {
+  OneRankThroughTheCAbi one;
+  ASSERT_NE(one.rank, nullptr);
+  ubep_rank* rank = one.rank;
+  const std::vector<float> x(4 * 8, 1.0f), w(4 * 2, 0.5f);
+  const std::vector<int32_t> idx = {0, 1, 2, 3, 0, 2, 1, 3};
+  std::vector<float> out(4 * 8);
+  uint64_t step = 0;
+  std::set<std::string> said;
+  int failed_runs = 0;
+  for (long n = 0;; ++n) {
+    ASSERT_LT(n, 1000) << "the call allocates without end";
+    ASSERT_EQ(ubep_begin_step(rank, step), 0) << ubep_last_error();
+    ubep_dispatched* dispatched = ubep_dispatched_new();
+    ASSERT_NE(dispatched, nullptr);
+    int code = 0;
+    bool failed = false;
+    std::string message;
+    std::thread([&] {
+      fail_countdown = n;
+      code = ubep_dispatch(rank, 0, x.data(), idx.data(), w.data(), 4, dispatched);
+      fail_countdown = -1;
+      failed = failed_one;
+      failed_one = false;
+      message = ubep_last_error();
+    }).join();
+    if (!failed) {
+      ASSERT_EQ(code, 0) << message;
+      int32_t rows = 0;
+      const void* received = nullptr;
+      ubep_dispatched_view(dispatched, &rows, &received, nullptr, nullptr, nullptr, nullptr);
+      ASSERT_EQ(ubep_combine(rank, dispatched, received, out.data()), 0) << ubep_last_error();
+      EXPECT_EQ(out, x);  // 0.5 x 1 + 0.5 x 1 through one rank's slots.
+      ubep_dispatched_free(dispatched);
+      break;
+    }
+    ++failed_runs;
+    EXPECT_EQ(code, 8);
+    EXPECT_EQ(message, "ubep_dispatch: out of memory");
+    ubep_dispatched_free(dispatched);
+    // The next call: the step goes on (the call failed before it took part), or the rank says
+    // to Rejoin; never a dispatch that came twice.
+    const int next = ubep_begin_step(rank, step + 1);
+    if (next != 0) {
+      EXPECT_EQ(next, 13);
+      said.insert(ubep_last_error());
+      uint64_t resume = 0;
+      ASSERT_EQ(ubep_rejoin(rank, static_cast<int64_t>(step + 2), &resume), 0) << ubep_last_error();
+      step = resume;
+    } else {
+      ubep_dispatched* again = ubep_dispatched_new();
+      const int code_again = ubep_dispatch(rank, 0, x.data(), idx.data(), w.data(), 4, again);
+      EXPECT_EQ(code_again, 0) << ubep_last_error();
+      if (code_again == 0) {
+        int32_t rows = 0;
+        const void* received = nullptr;
+        ubep_dispatched_view(again, &rows, &received, nullptr, nullptr, nullptr, nullptr);
+        EXPECT_EQ(ubep_combine(rank, again, received, out.data()), 0) << ubep_last_error();
+      }
+      ubep_dispatched_free(again);
+      step += 2;
+    }
+  }
+  EXPECT_GE(failed_runs, 3);
+  // At least one failure came after the call took part (the layout's buffers).
+  EXPECT_EQ(said, (std::set<std::string>{
+                      "rank 0: a dispatch ran out of memory after it began; the group must be "
+                      "re-formed: call Rejoin"}));
   EXPECT_EQ(ubep_detach(rank), 0) << ubep_last_error();
 }
 
