@@ -1,6 +1,8 @@
 #include "daemon/metrics.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <string>
 
 #include "absl/status/status.h"
@@ -9,6 +11,9 @@
 
 namespace ubep::daemon {
 namespace {
+
+// Harvests in a row that see nothing arrive in a layer before its imbalance goes unmeasured.
+constexpr int kIdleHarvests = 10;
 
 using prometheus::ClientMetric;
 using prometheus::MetricFamily;
@@ -94,7 +99,8 @@ void DaemonMetrics::Harvest() {
     h.received_before = std::move(before);
     h.last_rank_load.assign(rank_load.size(),
                             std::vector<uint64_t>(rank_load.empty() ? 0 : rank_load[0].size(), 0));
-    h.imbalance.assign(rank_load.size(), 1.0);
+    h.imbalance.assign(rank_load.size(), std::numeric_limits<double>::quiet_NaN());
+    h.idle_harvests.assign(rank_load.size(), 0);
   }
   h.received.assign(rank_load.size(), 0);
   // Of this daemon's ranks only: the others' counters are their daemons' (read as 0 here).
@@ -114,6 +120,12 @@ void DaemonMetrics::Harvest() {
     if (total > 0 && end > first) {
       h.imbalance[l] = static_cast<double>(top) * static_cast<double>(end - first) /
                        static_cast<double>(total);
+      h.idle_harvests[l] = 0;
+    } else if (++h.idle_harvests[l] >= kIdleHarvests) {
+      // Nothing arrived for kIdleHarvests harvests: nothing measured (no series), rather than
+      // the last measure held for as long as the layer is idle. (Not at the first: a layer
+      // a slow step reaches once in a few harvests would come and go.)
+      h.imbalance[l] = std::numeric_limits<double>::quiet_NaN();
     }
     h.last_rank_load[l] = rank_load[l];
   }
@@ -227,7 +239,8 @@ std::vector<MetricFamily> DaemonMetrics::Collect() const {
   MetricFamily imbalance = Family("ubep_daemon_imbalance_ratio",
                                   "Per MoE layer, of this node's ranks: the busiest one's "
                                   "received pairs over their mean, over the last harvest "
-                                  "interval (1 = balanced).",
+                                  "interval (1 = balanced; no series for a layer that "
+                                  "received nothing in 10 harvests).",
                                   MetricType::Gauge);
   {
     MutexLock lock(&mu_);
@@ -237,7 +250,9 @@ std::vector<MetricFamily> DaemonMetrics::Collect() const {
       const uint64_t total = (l < h.received.size() ? h.received[l] : 0) +
                              (l < h.received_before.size() ? h.received_before[l] : 0);
       received.metric.push_back(CounterValue(static_cast<double>(total), layer));
-      if (l < h.imbalance.size()) imbalance.metric.push_back(GaugeValue(h.imbalance[l], layer));
+      if (l < h.imbalance.size() && !std::isnan(h.imbalance[l])) {
+        imbalance.metric.push_back(GaugeValue(h.imbalance[l], layer));
+      }
     }
   }
   out.push_back(std::move(received));

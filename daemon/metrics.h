@@ -42,6 +42,7 @@ class DaemonMetrics : public prometheus::Collectable {
     std::vector<uint64_t> received_before;
     std::vector<uint64_t> received;        // Per layer: pairs received, all ranks.
     std::vector<double> imbalance;         // Per layer: max/mean rank load, last interval.
+    std::vector<int> idle_harvests;        // Per layer: harvests in a row that saw nothing.
     std::vector<std::vector<uint64_t>> last_rank_load;  // [layer][rank] at the last harvest.
   };
   const Node* node_;

@@ -358,7 +358,9 @@ Balancer::Balancer(BalancerOptions options, std::shared_ptr<prometheus::Registry
   commit_seconds_ = &BuildHistogram().Name("ubep_balancer_commit_seconds")
                          .Help("Prepare sent to all daemons committed (weight copies included).")
                          .Register(r)
-                         .Add({}, prometheus::Histogram::BucketBoundaries(Buckets(0.001, 2, 14)));
+                         // 1 ms to 131 s: a commit's Prepare and Commit may each take up to
+                         // --rpc_timeout, which weight copies may need raised well past 8 s.
+                         .Add({}, prometheus::Histogram::BucketBoundaries(Buckets(0.001, 2, 18)));
   migrated_slots_ = &BuildCounter().Name("ubep_balancer_migrated_slots_total")
                          .Help("Slots whose expert changed in committed plans.").Register(r).Add({});
   migrated_bytes_ = &BuildCounter().Name("ubep_balancer_migrated_bytes_total")
@@ -1124,6 +1126,14 @@ void Balancer::CloseInterval() {
     window_->Add(counts);
   }
   window_->Close();
+  idle_intervals_ = reporting == 0 ? idle_intervals_ + 1 : 0;
+  if (idle_intervals_ >= options_.window_intervals) {
+    // A whole window without a report (the cluster is idle): nothing measured, and no series,
+    // rather than the last value held for as long as it is idle (an alert on it would fire
+    // all night). Not at the first interval without one: a report and the interval's close
+    // drift in phase, and a series that came and went would reset an alert's `for`.
+    for (int l = 0; l < L; ++l) SetImbalance(l, "measured", std::nan(""));
+  }
   if (reporting == 0 || !all_known) {
     measured_.clear();  // Nothing new, or not every node yet: the gauges keep the last value.
     return;

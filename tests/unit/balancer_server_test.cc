@@ -3190,10 +3190,11 @@ TEST_F(UnreachedLayerTest, ADaemonBackFromDownCountsOnlyTheIntervalSinceItCameBa
   v1::ClusterStatus cluster;
   ASSERT_TRUE(balancer_->GetStatus(nullptr, nullptr, &cluster).ok());
   ASSERT_FALSE(cluster.nodes(0).healthy()) << cluster.ShortDebugString();
-  // Nothing measured while its ranks' load is unknown (counted as none, it read 2.0): the
-  // gauge holds the last interval's before the outage.
+  // Nothing measured while its ranks' load is unknown (counted as none, it read 2.0). (No
+  // series at all: the ticks that waited for node-a to be marked down closed a window of
+  // intervals without a report, AWindowWithoutReportsLeavesNoMeasuredSeries.)
   const std::optional<double> during = Sample("ubep_balancer_imbalance_ratio", "0");
-  EXPECT_EQ(during, 1.0);
+  EXPECT_EQ(during, std::nullopt);
   a_.SetServing(true);
   for (int i = 0; i < 500 && !cluster.nodes(0).healthy(); ++i) {
     absl::SleepFor(absl::Milliseconds(20));
@@ -3206,6 +3207,23 @@ TEST_F(UnreachedLayerTest, ADaemonBackFromDownCountsOnlyTheIntervalSinceItCameBa
   // The tick that found it healthy closed an interval with nothing reported in it: nothing
   // new was measured (with the outage's counts in it: 3.08, node-a's ranks 10 to 1).
   EXPECT_EQ(Sample("ubep_balancer_imbalance_ratio", "0"), during);
+  Interval({10, 10, 10, 10}, 0, /*layer1=*/10);
+  EXPECT_EQ(Sample("ubep_balancer_imbalance_ratio", "0"), 1.0);
+}
+
+// An idle cluster (no report) keeps the measured gauges for less than a window of intervals
+// (a report and an interval's close drift in phase: a series that came and went would reset
+// an alert's `for`), and has none once a whole window passed without one (an alert on the
+// last value held would fire all night); the next report measures again.
+TEST_F(UnreachedLayerTest, AWindowWithoutReportsLeavesNoMeasuredSeries) {
+  Start(/*trigger_windows=*/100);
+  Interval({13, 10, 10, 7}, 0, /*layer1=*/10);
+  EXPECT_THAT(Sample("ubep_balancer_imbalance_ratio", "0"), Optional(DoubleNear(1.3, 1e-12)));
+  for (int i = 1; i < BalancerOptions().window_intervals; ++i) balancer_->Tick();
+  EXPECT_THAT(Sample("ubep_balancer_imbalance_ratio", "0"), Optional(DoubleNear(1.3, 1e-12)));
+  balancer_->Tick();
+  EXPECT_EQ(Sample("ubep_balancer_imbalance_ratio", "0"), std::nullopt);
+  EXPECT_EQ(Sample("ubep_balancer_imbalance_ratio", "1"), std::nullopt);
   Interval({10, 10, 10, 10}, 0, /*layer1=*/10);
   EXPECT_EQ(Sample("ubep_balancer_imbalance_ratio", "0"), 1.0);
 }
