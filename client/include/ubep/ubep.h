@@ -159,8 +159,8 @@ class Rank {
   // within join_timeout (it names the ranks missing), ResourceExhausted
   // when this process cannot map the arenas (memory or address space; on CUDA, device memory
   // for the plan table): not a receive capacity here, and nothing to retry at once.
-  // `device`: the CUDA device of the rank's arenas when ubepd runs the CUDA backend (ignored
-  // on the host backend). Each call selects it for its own device work, from whatever thread,
+  // `device`: the CUDA device of the rank's arenas when ubepd runs the CUDA backend; on the
+  // host backend it is not used, but must not be negative either (pass 0). Each call selects it for its own device work, from whatever thread,
   // and puts back the calling thread's current device: the caller selects it itself
   // (cudaSetDevice) for the buffers it allocates and passes.
   static absl::StatusOr<std::unique_ptr<Rank>> Attach(const ClientOptions& options, int rank,

@@ -3,7 +3,8 @@
  * Every function returning int returns 0 on success, else the error's gRPC/absl status code
  * (3 = INVALID_ARGUMENT, 4 = DEADLINE_EXCEEDED, 8 = RESOURCE_EXHAUSTED, 9 =
  * FAILED_PRECONDITION, 10 = ABORTED, 14 = UNAVAILABLE, ...; their meaning is ubep/ubep.h's);
- * ubep_last_error() then gives the message (per thread, valid until the next call). Two ask
+ * ubep_last_error() then gives the message (per thread, valid until the next call that fails;
+ * a call that succeeds leaves it as it was: read it only after a nonzero return). Two ask
  * a question instead, 1 for yes and 0 for no (or a null handle): ubep_excluded and
  * ubep_must_attach_again.
  * No C++ exception leaves these functions: out of memory, one returns 8 (RESOURCE_EXHAUSTED)
@@ -11,8 +12,9 @@
  * ubep_client_options_init zeroes the struct, which ubep_attach_with refuses), and anything
  * else thrown inside is 13 (INTERNAL) naming it. ubep_detach frees its handle either way.
  * (Out of memory in ubep_dispatch or ubep_combine is not the receive-capacity overflow that 8
- * means there, told apart by its message: that rank's call did not complete, its peers wait
- * for it until their wait timeout, and the group is out of step: call ubep_rejoin.)
+ * means there, told apart by its message: that rank's call did not complete and the group is
+ * out of step: call ubep_rejoin. After a dispatch had begun, the group gives up on the rank
+ * (its peers stop waiting for it) and its next call returns 13 saying to call ubep_rejoin.)
  * Handles are not thread-safe: one thread drives a rank, and no two calls on one handle may
  * overlap, those taking a const handle included (ubep_excluded and ubep_slot_expert check and
  * cache the plan, ubep_must_attach_again stops the group when it finds ubepd gone).
@@ -126,7 +128,10 @@ int ubep_combine(ubep_rank* rank, const ubep_dispatched* dispatched, const void*
                  void* out);
 
 /* The weight buffer of (layer, local_slot) under the plan of the current step
- * (Rank::ExpertWeights): on the CUDA backend *data is device memory (fill it with cudaMemcpy). */
+ * (Rank::ExpertWeights): on the CUDA backend *data is device memory (fill it with cudaMemcpy).
+ * *data is valid until ubep_detach (a view kept past it, a NumPy array say, reads unmapped
+ * memory), and is the buffer of that slot's expert under this plan only: fetch it again at a
+ * step under a new plan (the slot may hold another expert, in another buffer). */
 int ubep_expert_weights(ubep_rank* rank, int32_t layer, int32_t local_slot, void** data,
                         uint64_t* bytes);
 /* The logical expert that (layer, local_slot) holds under the plan of the current step: the
