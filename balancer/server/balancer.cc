@@ -137,6 +137,20 @@ bool Parse(grpc::ByteBuffer& buffer, T* message) {
   return grpc::SerializationTraits<T>::Deserialize(&buffer, message).ok();
 }
 
+// A report of no step run and nothing counted (an idle group's).
+bool NothingRun(const v1::LoadReport& load, const v1::ReportLoadRequest& request) {
+  if (load.last_step() != load.first_step() || request.over_capacity_calls() != 0) return false;
+  for (const v1::LayerLoad& layer : load.layers()) {
+    for (const uint64_t n : layer.slot()) {
+      if (n != 0) return false;
+    }
+    for (const uint64_t n : layer.dispatches()) {
+      if (n != 0) return false;
+    }
+  }
+  return true;
+}
+
 // The rows of `load` and the layers of `previous` at `layers` (ascending), as a load and a
 // plan of their own.
 std::pair<LoadMatrix, Plan> LayersOf(const LoadMatrix& load, const Plan& previous,
@@ -980,8 +994,11 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
     effective_step_learned_ = true;
   }
   // Counts of steps before the plan's effective step (the whole report, or part of it) are
-  // the previous plan's, whose slots held other experts (`stale`).
-  if (load.first_step() < plan_effective_step_) return stale();
+  // the previous plan's, whose slots held other experts (`stale`). A report of no step and
+  // no count is no plan's: a group idle since before the effective step (serving stopped
+  // just after a commit) sends one each interval, which is taken (it adds nothing), not
+  // counted stale until traffic comes back.
+  if (load.first_step() < plan_effective_step_ && !NothingRun(load, *request)) return stale();
   const std::optional<double> dispatches = MeanDispatches(load);
   if (d.interval_load.num_layers() != shape_->layers) {
     d.interval_load = LoadMatrix(shape_->layers, shape_->experts);

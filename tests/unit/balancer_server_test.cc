@@ -897,6 +897,20 @@ TEST(BalancerServerTest, AReportOfStepsBeforeThePlansEffectiveStepIsStale) {
   EXPECT_EQ(before.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_EQ(before.error_message(),
             "report counted under plan v1 (steps 470-480); plan v1 is in force from step 500");
+  // A group idle since step 480 (serving stopped before the effective step) reports no step
+  // and no count each interval: taken, adding nothing, not counted stale (an idle cluster's
+  // stale count grew until traffic came back, and UbepStaleLoadReports fired on it); a
+  // report of no step with counts, or of steps without, is still refused.
+  v1::ReportLoadRequest idle = ReportOf("node-a", 0, 2, 480, 480, 1, 0);
+  v1::ReportLoadResponse response;
+  const grpc::Status taken = balancer->ReportLoad(nullptr, &idle, &response);
+  EXPECT_TRUE(taken.ok()) << taken.error_message();
+  v1::ReportLoadRequest counted = ReportOf("node-a", 0, 3, 480, 480, 1, 1);
+  EXPECT_EQ(balancer->ReportLoad(nullptr, &counted, &response).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+  v1::ReportLoadRequest stepped = ReportOf("node-a", 0, 4, 480, 490, 1, 0);
+  EXPECT_EQ(balancer->ReportLoad(nullptr, &stepped, &response).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
 }
 
 // ... from a daemon with member ranks: node-0, whose ranks v2 excludes, caught up on v2 at a
