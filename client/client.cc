@@ -9,6 +9,7 @@
 #include <array>
 #include <atomic>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <vector>
 
@@ -996,6 +997,14 @@ absl::Status Rank::BeginStep(uint64_t step) {
   if (check_daemon) s.next_daemon_check = now + s.options.daemon_check_interval;
   if (check_daemon && DaemonExited(s)) return StopForDaemonExit(s);
   if (!GroupReady(s)) return Record(s, s.stopped = GroupStopped(s));
+  if (step > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+    // Taken, every later step would be "before" it until a Rejoin: a negative step passed as
+    // unsigned (-1 from an FFI caller is 2^64 - 1) is refused, as the balancer refuses counts
+    // that are negative as int64.
+    return Record(s, absl::InvalidArgumentError(absl::StrCat(
+                         "rank ", s.rank, ": step ", step, " is above 2^63 - 1 (a negative step "
+                         "passed as unsigned?)")));
+  }
   if (step < s.step) {
     // The plan in force at an earlier step may route to slots that now hold other experts
     // (or no longer be kept at all): refused, so that no call runs under a plan its peers left.

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <memory>
 #include <regex>
+#include <limits>
 #include <map>
 #include <set>
 #include <string>
@@ -1082,6 +1083,11 @@ TEST_F(DaemonTest, CallsOutOfOrderAreRefusedNamingWhatWasExpected) {
   EXPECT_EQ(r.BeginStep(9), absl::InvalidArgumentError(
                                 "rank 0: step 9 is before step 10, where this rank is (steps only "
                                 "go forward; after Rejoin, from the step it returns)"));
+  // A negative step passed as unsigned (-1 from an FFI caller): refused, where taken it made
+  // every later step "before" it until a Rejoin.
+  EXPECT_EQ(r.BeginStep(std::numeric_limits<uint64_t>::max()),
+            absl::InvalidArgumentError("rank 0: step 18446744073709551615 is above 2^63 - 1 (a "
+                                       "negative step passed as unsigned?)"));
   ASSERT_TRUE(r.BeginStep(12).ok());
   ASSERT_TRUE(r.BeginStep(12).ok());  // Again (after an error, say): the same plan.
   EXPECT_EQ(r.BeginStep(11).message(),
@@ -1116,9 +1122,9 @@ TEST_F(DaemonTest, CallsOutOfOrderAreRefusedNamingWhatWasExpected) {
   EXPECT_EQ(detached.dispatch_calls, attached.dispatch_calls);
   EXPECT_EQ(detached.dispatched_tokens, attached.dispatched_tokens);
   EXPECT_EQ(detached.errors, attached.errors);
-  // The two BeginSteps going back and the two combines of the wrong output (RankStats::errors:
-  // misuse that fails the group's call); not the Dispatch before BeginStep.
-  EXPECT_EQ(detached.errors, 4u);
+  // The two BeginSteps going back, the negative one and the two combines of the wrong output
+  // (RankStats::errors: misuse that fails the group's call); not the Dispatch before BeginStep.
+  EXPECT_EQ(detached.errors, 5u);
   // The rank attached again (its state may take the detached one's address, and its
   // dispatches count from 1 again) does not take the output of the one detached before.
   rank->reset();

@@ -22,7 +22,8 @@
 //  - DeadlineExceeded: a peer did not arrive within the wait timeout; the message names it.
 //    Rejoin of a rank the plan excludes (excluded()) ends so too: call it again to keep waiting.
 //  - InvalidArgument: bad input (expert id out of range or listed twice by a token, too many
-//    tokens; BeginStep of a step before the rank's), before any byte moved. On the CUDA backend the kernels find a bad pair after
+//    tokens; BeginStep of a step before the rank's, or above 2^63 - 1: a negative one passed
+//    as unsigned), before any byte moved. On the CUDA backend the kernels find a bad pair after
 //    the peers may have begun: they skip it, dispatch the rest, and the error names the first
 //    bad pair; call Combine as after a good Dispatch (the peers wait for this rank's partials).
 //  - ResourceExhausted: the call routed some rank more rows than its receive capacity
