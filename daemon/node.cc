@@ -858,22 +858,20 @@ bool Node::HoldsConnection(int64_t connection) const {
 
 bool Node::ConnectionClosed(int64_t connection, std::string_view why) {
   MutexLock lock(&mu_);
-  bool held = false;
-  for (size_t r = 0; r < ranks_.size(); ++r) {
-    RankEntry& e = ranks_[r];
-    if (e.state != RankState::kConnected || e.connection != connection) continue;
-    if (why.empty()) {
-      UBEP_LOG(WARNING) << "rank " << r << " (pid " << e.pid
-                        << ") disconnected without detaching: marking it gone";
-    } else {
-      UBEP_LOG(WARNING) << "rank " << r << " (pid " << e.pid << "): ubepd closed its fd "
-                        << "connection (" << why << "): marking it gone";
-    }
-    e = RankEntry{};
-    BreakGroup(static_cast<int>(r));
-    held = true;
+  // One rank at most: a second claim on a connection is refused (ClaimArenas).
+  const std::optional<int> held = RankOfConnectionLocked(connection);
+  if (!held.has_value()) return false;
+  RankEntry& e = ranks_[*held];
+  if (why.empty()) {
+    UBEP_LOG(WARNING) << "rank " << *held << " (pid " << e.pid
+                      << ") disconnected without detaching: marking it gone";
+  } else {
+    UBEP_LOG(WARNING) << "rank " << *held << " (pid " << e.pid << "): ubepd closed its fd "
+                      << "connection (" << why << "): marking it gone";
   }
-  return held;
+  e = RankEntry{};
+  BreakGroup(*held);
+  return true;
 }
 
 absl::StatusOr<v1::GetPlanResponse> Node::GetPlan() const {

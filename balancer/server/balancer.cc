@@ -216,12 +216,12 @@ absl::StatusOr<Plan> PlanWithLayerBudgets(const LoadMatrix& load, const Topology
     return PlanInParallel(load, topology, previous, options, threads);
   }
   Plan merged = previous;
-  merged.version = previous.version + 1;
   for (const auto& [budget, layers] : layers_of) {
     const auto [part, part_previous] = LayersOf(load, previous, layers);
     options.migration_budget = budget;
     absl::StatusOr<Plan> planned = PlanInParallel(part, topology, part_previous, options, threads);
     if (!planned.ok()) return planned.status();
+    merged.version = planned->version;  // The planner's versioning, as PlanInParallel's merge.
     for (size_t i = 0; i < layers.size(); ++i) merged.layers[layers[i]] = planned->layers[i];
   }
   return merged;

@@ -725,125 +725,119 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
     SendShare(i, senders, in, epoch, batches_before, /*publish=*/ubep, flagged, deadline);
   };
   senders_stopped_.store(false, std::memory_order_relaxed);
-  // From the senders' start to their join, an exception (out of memory in the layout, say)
+  // An exception from the senders' start to their join (out of memory in the layout, say)
   // must not leave them reading `in` and this call's state after they are gone.
-  try {
-    return [&]() -> absl::Status {
-      if (senders_ != nullptr) senders_->Start(send_share);
-      if (count_delay_for_testing_ > absl::ZeroDuration()) absl::SleepFor(count_delay_for_testing_);
-      for (int b = 0; b < num_batches; ++b) CountBatch(in, b, num_batches, senders);
-      if (senders_ != nullptr && senders_stopped_.load(std::memory_order_seq_cst)) {
-        senders_->Join();
-        return SendersStopped(epoch);  // Before the counts go out: the peers wait for them.
-      }
-      FinishCounting(epoch, /*publish=*/ubep, flagged);
-      std::byte* own = arenas_[rank_];
-      std::vector<int>& sources = sources_;
-      sources.clear();
-      for (int r = 0; r < R; ++r) {
-        if (active_[r]) sources.push_back(r);
-      }
-      if (!ubep) {
-        for (int s : sources) {
-          UBEP_RETURN_IF_ERROR(
-              Wait(FlagAt(own, layout_.count_flag, s), epoch, s, "count exchange", deadline));
-        }
-        UBEP_RETURN_IF_ERROR(Barrier(epoch, deadline));
-        send_share(0);
-        UBEP_RETURN_IF_ERROR(Barrier(epoch, deadline));
-        UBEP_RETURN_IF_ERROR(LayOut(out));
-        for (int s : sources) Place(s, out);
-      } else {
-        if (senders_ == nullptr) send_share(0);  // No core to spare: send, then receive.
-        // The offsets first (every source's records, as its count flag arrives), then each
-        // source's rows placed as its data flag arrives, in whatever order the sources finish;
-        // flagged rows (flagged_rows.h) one by one as they land, without waiting for the flag.
-        absl::Status status = TakeAsTheyArrive(
-            epoch, sources, "dispatch counts", deadline, /*poll=*/false, [&](int s) {
-              return EpochReached(LoadAcquire(FlagAt(own, layout_.count_flag, s)), epoch)
-                         ? Take::kDone
-                         : Take::kNothing;
-            });
-        if (status.ok()) status = LayOut(out);
-        if (status.ok()) {
-          std::erase_if(sources, [&](int s) { return out.handle.records_from[s] == 0; });
-          const bool poll = std::any_of(sources.begin(), sources.end(),
-                                        [&](int s) { return out.handle.flagged_from[s] != 0; });
-          status = TakeAsTheyArrive(epoch, sources, "dispatch data", deadline, poll, [&](int s) {
-            if (out.handle.flagged_from[s]) return PlaceArrived(s, epoch, out);
-            if (!EpochReached(LoadAcquire(FlagAt(own, layout_.dispatch_flag, s)), epoch)) {
-              return Take::kNothing;
-            }
-            Place(s, out);
-            return Take::kDone;
-          });
-        }
-        if (senders_ != nullptr) senders_->Join();
-        // A sender that decided to stop just before the last batch came (its look, then its flag)
-        // is seen here, whatever this rank's own waits found.
-        if (senders_stopped_.load(std::memory_order_seq_cst)) return SendersStopped(epoch);
-        UBEP_RETURN_IF_ERROR(status);
-      }
-      // The load counters, once every row is in (a call whose wait failed counts nothing; one
-      // over the receive capacity counts every pair, which reached the arena; one out of step
-      // counts nothing: its pairs are of more than one layer).
-      const int S = config_.slots_per_rank;
-      if (!out_of_step_.has_value()) {
-        received_per_slot_.resize(S);
-        for (int i = 0; i < S; ++i) {
-          received_per_slot_[i] = out.slot_offsets[i + 1] - out.slot_offsets[i];
-        }
-        AddLayerLoad(own, layout_, S, in.layer, received_per_slot_.data());
-      }
-      // Every row of this call is placed, and no peer stores the next call's before this rank's
-      // combine: the time to rewrite the landing's tags when they are due (flagged_rows.h).
-      if (config_.flagged_tokens > 0 && TagScrubDue(epoch)) {
-        ScrubTags(own + layout_.rows, layout_, ScrubTag(epoch));
-      }
-      out.plan_version = in.plan->version;
-      // Each token's (destination, record) pairs, destinations ascending, for the combine: the
-      // units are token-major, each token's in visiting order.
-      DispatchOutput::Handle& handle = out.handle;
-      handle.owner = this;
-      handle.epoch = epoch;
-      handle.num_tokens = in.num_tokens;
-      handle.flagged = flagged;
-      handle.active = active_;
-      handle.token_begin.assign(in.num_tokens + 1, 0);
-      handle.token_routes.resize(num_units_);
-      for (int64_t u = 0; u < num_units_; ++u) {
-        const Unit& unit = units_[u];
-        ++handle.token_begin[unit.token + 1];
-        handle.token_routes[u] = {unit.dest, unit.record};
-      }
-      for (int t = 0; t < in.num_tokens; ++t) {
-        handle.token_begin[t + 1] += handle.token_begin[t];
-        std::sort(handle.token_routes.begin() + handle.token_begin[t],
-                  handle.token_routes.begin() + handle.token_begin[t + 1]);
-      }
-      // The rows this call routed here, to every rank of the group, before this rank's combine
-      // stores a byte (arena_layout.h ReceiveNotice).
-      const ReceiveNotice notice{epoch, static_cast<uint32_t>(handle.rows_routed),
-                                 static_cast<uint32_t>(capacity_)};
-      for (int r = 0; r < R; ++r) {
-        if (active_[r]) PostReceiveNotice(arenas_[r], layout_, rank_, notice);
-      }
-      MarkCompleted(own, layout_, /*combine=*/false, epoch);
-      dispatch_completed_ = true;
-      // Out of step, or over the receive capacity: the call is complete (its peers need this
-      // rank's partials), and it fails, here and in every rank's combine. Out of step is found by
-      // every rank (each takes every source's tag), so every rank fails alike.
-      if (out_of_step_.has_value()) {
-        return CallsOutOfStepStatus(rank_, epoch, call_tag_, out_of_step_->first,
-                                    out_of_step_->second, /*combine=*/false);
-      }
-      if (handle.rows_kept < handle.rows_routed) return OverCapacityStatus(rank_, epoch, notice);
-      return absl::OkStatus();
-    }();
-  } catch (...) {
-    AbandonCall(batches_before, num_batches);
-    throw;
+  const AbandonOnThrow abandon_on_throw(this, batches_before, num_batches);
+  if (senders_ != nullptr) senders_->Start(send_share);
+  if (count_delay_for_testing_ > absl::ZeroDuration()) absl::SleepFor(count_delay_for_testing_);
+  for (int b = 0; b < num_batches; ++b) CountBatch(in, b, num_batches, senders);
+  if (senders_ != nullptr && senders_stopped_.load(std::memory_order_seq_cst)) {
+    senders_->Join();
+    return SendersStopped(epoch);  // Before the counts go out: the peers wait for them.
   }
+  FinishCounting(epoch, /*publish=*/ubep, flagged);
+  std::byte* own = arenas_[rank_];
+  std::vector<int>& sources = sources_;
+  sources.clear();
+  for (int r = 0; r < R; ++r) {
+    if (active_[r]) sources.push_back(r);
+  }
+  if (!ubep) {
+    for (int s : sources) {
+      UBEP_RETURN_IF_ERROR(
+          Wait(FlagAt(own, layout_.count_flag, s), epoch, s, "count exchange", deadline));
+    }
+    UBEP_RETURN_IF_ERROR(Barrier(epoch, deadline));
+    send_share(0);
+    UBEP_RETURN_IF_ERROR(Barrier(epoch, deadline));
+    UBEP_RETURN_IF_ERROR(LayOut(out));
+    for (int s : sources) Place(s, out);
+  } else {
+    if (senders_ == nullptr) send_share(0);  // No core to spare: send, then receive.
+    // The offsets first (every source's records, as its count flag arrives), then each
+    // source's rows placed as its data flag arrives, in whatever order the sources finish;
+    // flagged rows (flagged_rows.h) one by one as they land, without waiting for the flag.
+    absl::Status status =
+        TakeAsTheyArrive(epoch, sources, "dispatch counts", deadline, /*poll=*/false, [&](int s) {
+          return EpochReached(LoadAcquire(FlagAt(own, layout_.count_flag, s)), epoch)
+                     ? Take::kDone
+                     : Take::kNothing;
+        });
+    if (status.ok()) status = LayOut(out);
+    if (status.ok()) {
+      std::erase_if(sources, [&](int s) { return out.handle.records_from[s] == 0; });
+      const bool poll = std::any_of(sources.begin(), sources.end(),
+                                    [&](int s) { return out.handle.flagged_from[s] != 0; });
+      status = TakeAsTheyArrive(epoch, sources, "dispatch data", deadline, poll, [&](int s) {
+        if (out.handle.flagged_from[s]) return PlaceArrived(s, epoch, out);
+        if (!EpochReached(LoadAcquire(FlagAt(own, layout_.dispatch_flag, s)), epoch)) {
+          return Take::kNothing;
+        }
+        Place(s, out);
+        return Take::kDone;
+      });
+    }
+    if (senders_ != nullptr) senders_->Join();
+    // A sender that decided to stop just before the last batch came (its look, then its flag)
+    // is seen here, whatever this rank's own waits found.
+    if (senders_stopped_.load(std::memory_order_seq_cst)) return SendersStopped(epoch);
+    UBEP_RETURN_IF_ERROR(status);
+  }
+  // The load counters, once every row is in (a call whose wait failed counts nothing; one
+  // over the receive capacity counts every pair, which reached the arena; one out of step
+  // counts nothing: its pairs are of more than one layer).
+  const int S = config_.slots_per_rank;
+  if (!out_of_step_.has_value()) {
+    received_per_slot_.resize(S);
+    for (int i = 0; i < S; ++i) {
+      received_per_slot_[i] = out.slot_offsets[i + 1] - out.slot_offsets[i];
+    }
+    AddLayerLoad(own, layout_, S, in.layer, received_per_slot_.data());
+  }
+  // Every row of this call is placed, and no peer stores the next call's before this rank's
+  // combine: the time to rewrite the landing's tags when they are due (flagged_rows.h).
+  if (config_.flagged_tokens > 0 && TagScrubDue(epoch)) {
+    ScrubTags(own + layout_.rows, layout_, ScrubTag(epoch));
+  }
+  out.plan_version = in.plan->version;
+  // Each token's (destination, record) pairs, destinations ascending, for the combine: the
+  // units are token-major, each token's in visiting order.
+  DispatchOutput::Handle& handle = out.handle;
+  handle.owner = this;
+  handle.epoch = epoch;
+  handle.num_tokens = in.num_tokens;
+  handle.flagged = flagged;
+  handle.active = active_;
+  handle.token_begin.assign(in.num_tokens + 1, 0);
+  handle.token_routes.resize(num_units_);
+  for (int64_t u = 0; u < num_units_; ++u) {
+    const Unit& unit = units_[u];
+    ++handle.token_begin[unit.token + 1];
+    handle.token_routes[u] = {unit.dest, unit.record};
+  }
+  for (int t = 0; t < in.num_tokens; ++t) {
+    handle.token_begin[t + 1] += handle.token_begin[t];
+    std::sort(handle.token_routes.begin() + handle.token_begin[t],
+              handle.token_routes.begin() + handle.token_begin[t + 1]);
+  }
+  // The rows this call routed here, to every rank of the group, before this rank's combine
+  // stores a byte (arena_layout.h ReceiveNotice).
+  const ReceiveNotice notice{epoch, static_cast<uint32_t>(handle.rows_routed),
+                             static_cast<uint32_t>(capacity_)};
+  for (int r = 0; r < R; ++r) {
+    if (active_[r]) PostReceiveNotice(arenas_[r], layout_, rank_, notice);
+  }
+  MarkCompleted(own, layout_, /*combine=*/false, epoch);
+  dispatch_completed_ = true;
+  // Out of step, or over the receive capacity: the call is complete (its peers need this
+  // rank's partials), and it fails, here and in every rank's combine. Out of step is found by
+  // every rank (each takes every source's tag), so every rank fails alike.
+  if (out_of_step_.has_value()) {
+    return CallsOutOfStepStatus(rank_, epoch, call_tag_, out_of_step_->first,
+                                out_of_step_->second, /*combine=*/false);
+  }
+  if (handle.rows_kept < handle.rows_routed) return OverCapacityStatus(rank_, epoch, notice);
+  return absl::OkStatus();
 }
 
 absl::Status HostEp::LayOut(DispatchOutput& out) {

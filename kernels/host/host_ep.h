@@ -27,6 +27,7 @@
 #define UBEP_KERNELS_HOST_HOST_EP_H_
 
 #include <atomic>
+#include <exception>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -147,6 +148,23 @@ class HostEp {
   // on this rank (its rows are not all stored), so that its peers stop waiting for it and
   // this rank's next call is refused until the group is re-formed.
   void AbandonCall(uint32_t batches_before, int num_batches);
+  // AbandonCall, when destroyed by an exception's unwinding (not on a return).
+  class AbandonOnThrow {
+   public:
+    AbandonOnThrow(HostEp* ep, uint32_t batches_before, int num_batches)
+        : ep_(ep), batches_before_(batches_before), num_batches_(num_batches) {}
+    ~AbandonOnThrow() {
+      if (std::uncaught_exceptions() > exceptions_) ep_->AbandonCall(batches_before_, num_batches_);
+    }
+    AbandonOnThrow(const AbandonOnThrow&) = delete;
+    AbandonOnThrow& operator=(const AbandonOnThrow&) = delete;
+
+   private:
+    HostEp* const ep_;
+    const uint32_t batches_before_;
+    const int num_batches_;
+    const int exceptions_ = std::uncaught_exceptions();
+  };
 
   const EpConfig& config() const { return config_; }
   int rank() const { return rank_; }

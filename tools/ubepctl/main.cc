@@ -129,17 +129,26 @@ void NumbersAsNumbers(const google::protobuf::Descriptor& descriptor, nlohmann::
   }
 }
 
-// The message as JSON, its fields by their proto names, in the proto's order, all of them.
-std::string ToJson(const google::protobuf::Message& message) {
+// Prints the message as JSON, its fields by their proto names, in the proto's order, all of
+// them; the exit code (1, saying why, where protobuf could not print it).
+int PrintJson(const google::protobuf::Message& message) {
   std::string out;
   google::protobuf::util::JsonPrintOptions options;
   options.always_print_primitive_fields = true;
   options.preserve_proto_field_names = true;
-  if (!google::protobuf::util::MessageToJsonString(message, &out, options).ok()) return "{}";
+  if (const auto printed = google::protobuf::util::MessageToJsonString(message, &out, options);
+      !printed.ok()) {
+    std::cerr << "ubepctl: the answer could not be printed as JSON: " << printed.ToString()
+              << "\n";
+    return 1;
+  }
   nlohmann::ordered_json json = nlohmann::ordered_json::parse(out, nullptr, false);
-  if (json.is_discarded()) return out;
-  NumbersAsNumbers(*message.GetDescriptor(), json);
-  return json.dump(1);
+  if (!json.is_discarded()) {
+    NumbersAsNumbers(*message.GetDescriptor(), json);
+    out = json.dump(1);
+  }
+  std::cout << out << "\n";
+  return 0;
 }
 
 // "0-3" for contiguous ranks, else "0, 2, 5".
@@ -180,10 +189,7 @@ int Status(Control::Stub& stub) {
   ubep::v1::ClusterStatus status;
   const grpc::Status s = stub.GetStatus(&context, ubep::v1::GetStatusRequest(), &status);
   if (!s.ok()) return Failed("status", s, ubep::AnsweredByServer(context));
-  if (absl::GetFlag(FLAGS_json)) {
-    std::cout << ToJson(status) << "\n";
-    return 0;
-  }
+  if (absl::GetFlag(FLAGS_json)) return PrintJson(status);
   std::vector<std::vector<std::string>> rows = {
       {"NODE", "ADDRESS", "RANKS", "HEALTH", "STATE", "STEP", "LAST REPORT"}};
   for (const ubep::v1::NodeStatus& n : status.nodes()) {
@@ -258,10 +264,7 @@ std::optional<int> FetchPlan(Control::Stub& stub, const std::string& what,
 int PlanShow(Control::Stub& stub) {
   ubep::balancer::Plan plan;
   if (const std::optional<int> failed = FetchPlan(stub, "plan show", &plan)) return *failed;
-  if (absl::GetFlag(FLAGS_json)) {
-    std::cout << ToJson(ubep::balancer::ToProto(plan)) << "\n";
-    return 0;
-  }
+  if (absl::GetFlag(FLAGS_json)) return PrintJson(ubep::balancer::ToProto(plan));
   const ubep::balancer::Topology& t = plan.topology;
   std::cout << "plan v" << plan.version << ": " << plan.num_layers() << " layers x "
             << plan.num_experts << " experts on " << t.num_ranks << " ranks x "
@@ -337,10 +340,7 @@ int PlanExport(Control::Stub& stub) {
 }
 
 int PrintRebalance(const std::string& what, const ubep::v1::RebalanceResponse& r) {
-  if (absl::GetFlag(FLAGS_json)) {
-    std::cout << ToJson(r) << "\n";
-    return 0;
-  }
+  if (absl::GetFlag(FLAGS_json)) return PrintJson(r);
   if (!r.changed()) {
     // The placement would not change, or the members asked for are already those of the
     // plan in force.
@@ -426,9 +426,8 @@ int Run(int argc, char** argv) {
     if (!s.ok()) {
       return Failed(absl::StrCat("forget ", words[1]), s, ubep::AnsweredByServer(context));
     }
-    if (absl::GetFlag(FLAGS_json)) {
-      std::cout << ToJson(response) << "\n";
-    } else if (response.ranks().empty()) {
+    if (absl::GetFlag(FLAGS_json)) return PrintJson(response);
+    if (response.ranks().empty()) {
       std::cout << "forget " << words[1] << ": forgotten (it hosted no rank)\n";
     } else {
       std::cout << "forget " << words[1] << ": forgotten; its ranks "
