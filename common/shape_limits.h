@@ -12,6 +12,8 @@ inline constexpr uint32_t kMaxWorld = 1024;        // Ranks of an EP group.
 inline constexpr uint32_t kMaxExperts = 1024;      // Logical experts per layer.
 inline constexpr uint32_t kMaxLayers = 4096;       // MoE layers.
 inline constexpr uint32_t kMaxSlotsPerRank = 4096;
+inline constexpr uint32_t kMaxTokens = 1u << 20;     // A rank's tokens per call.
+inline constexpr uint32_t kMaxHidden = 1u << 16;     // Elements of a token's row.
 
 // The largest control-plane message every gRPC peer of the project takes (a plan carries
 // about 10 bytes per slot and layer: 1024 ranks x 8 slots x 58 layers is 4.7 MB, past gRPC's

@@ -37,9 +37,6 @@ void StoreWord(uint64_t& word, uint64_t value) {
   std::atomic_ref<uint64_t>(word).store(value, std::memory_order_release);
 }
 
-constexpr uint32_t kMaxTokens = 1u << 20;
-constexpr uint32_t kMaxHidden = 1u << 16;
-
 // A wait bounded by its caller's gRPC deadline ends before it (AnswerMargin, at least this
 // much), so that the answer (why the wait ended) reaches the caller before its own
 // DeadlineExceeded.

@@ -9,12 +9,14 @@
 // as long as the plan excludes this rank: it was drained); when ubepd drains it detaches and
 // attaches again until the daemon is back (--reattach-timeout). A step whose call overflowed
 // some rank's receive capacity (ResourceExhausted, on every rank at once) is dropped, as an
-// engine drops a batch, and the next one runs.
+// engine drops a batch, and the next one runs; so is one whose ranks' calls were out of step
+// (Aborted, on every rank: one rank was a layer or a step ahead). step_log.h has the lines.
 //
 // Log (stdout, and --log FILE appended line by line):
 //   step 12 generation 1 plan 1 max_rel_err 1.9e-07 ok
 //   error step 13: rank 1: rank 2 left the group ...
 //   dropped step 14: rank 1, combine call 57: rank 3 was routed 300 rows ...
+//   dropped step 15 (out of step): rank 0, dispatch call 60: pairs layer 0 of step 15 ...
 //   done steps 100 failed 0 dropped 1
 // Exit code: 0 when every step matched the reference, 1 on a mismatch, 2 on bad flags,
 // 3 on an error it cannot recover from (the group could not be (re)joined in time, or a step
@@ -34,10 +36,10 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "examples/moe_serving/moe_model.h"
+#include "examples/moe_serving/step_log.h"
 #include "ubep/ubep.h"
 
 ABSL_FLAG(std::string, socket, "/run/ubep/ubepd.sock", "ubepd's Unix socket.");
@@ -248,19 +250,20 @@ int main(int argc, char** argv) {
     if (status.ok()) {
       const bool ok = err <= tolerance;
       failed += ok ? 0 : 1;
-      log.Line(absl::StrFormat("step %d generation %d plan %d max_rel_err %.3g %s", step,
-                               (*rank)->stats().generation, plan_version, err,
-                               ok ? "ok" : "MISMATCH"));
+      log.Line(ubep::example::ServedStepLine(step, (*rank)->stats().generation, plan_version,
+                                             err, ok));
       ++step;
       absl::SleepFor(absl::GetFlag(FLAGS_step_delay));
       continue;
     }
     if (absl::IsResourceExhausted(status) || absl::IsAborted(status)) {
       // Every rank's call failed (over a receive capacity, or out of step), so every rank
-      // drops the step: the group stays in step. (ubep-local counts "dropped step N:" lines
-      // as the capacity's.)
-      log.Line(absl::StrCat("dropped step ", step,
-                            absl::IsAborted(status) ? " (out of step): " : ": ", status.message()));
+      // drops the step: the group stays in step.
+      log.Line(ubep::example::DroppedStepLine(
+          step,
+          absl::IsAborted(status) ? ubep::example::StepOutcome::kDroppedOutOfStep
+                                  : ubep::example::StepOutcome::kDroppedOverCapacity,
+          status.message()));
       ++dropped;
       ++step;
       absl::SleepFor(absl::GetFlag(FLAGS_step_delay));

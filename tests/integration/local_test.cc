@@ -452,8 +452,13 @@ TEST_F(LocalTest, FlagValuesThatCannotMakeAClusterAreRefusedBeforeAnythingStarts
       {"--metrics_port=2147483647",
        "ubep-local: --metrics_port 2147483647 leaves no port for daemon 1 (ports metrics_port to "
        "metrics_port + daemons; 0 = any free ones)\n"},
-      {"--layers=4097", "ubep-local: --layers 4097 is over 4096, the most an EP group has\n"},
-      {"--experts=1025", "ubep-local: --experts 1025 is over 1024, the most an EP group has\n"},
+      {"--metrics_port=-1", "ubep-local: --metrics_port -1 is negative (0 = any free ones)\n"},
+      {"--layers=4097", "ubep-local: --layers 4097 is over 4096, the most ubepd takes\n"},
+      {"--experts=1025", "ubep-local: --experts 1025 is over 1024, the most ubepd takes\n"},
+      {"--slots_per_rank=5000",
+       "ubep-local: --slots_per_rank 5000 is over 4096, the most ubepd takes\n"},
+      {"--tokens=1048577", "ubep-local: --tokens 1048577 is over 1048576, the most ubepd takes\n"},
+      {"--hidden=65537", "ubep-local: --hidden 65537 is over 65536, the most ubepd takes\n"},
       // What the serving processes or ubepd would refuse once everything had started.
       {"--experts=4", "ubep-local: --experts 4 is under the top-8 the serving processes route to\n"},
       {"--slots_per_rank=1",
@@ -520,6 +525,7 @@ TEST_F(LocalTest, ASecondBalancerOnAPortInUseDoesNotStart) {
 
 // A run without a commit has no after window and so no picture: the report says so, and a
 // picture an earlier run left in the directory is removed rather than shown as this run's.
+// All of it ran under plan v1: that is its before window, the one the report has.
 TEST_F(LocalTest, ARunWithoutACommitHasNoPictureAndLeavesNoEarlierOne) {
   const std::string report = path("report");
   std::filesystem::create_directories(report);
@@ -539,9 +545,18 @@ TEST_F(LocalTest, ARunWithoutACommitHasNoPictureAndLeavesNoEarlierOne) {
   EXPECT_THAT(md, HasSubstr("\nNo picture: no plan was committed, so there is no after window.\n"));
   EXPECT_THAT(md, Not(HasSubstr("report.png")));
   EXPECT_THAT(md, HasSubstr("| rebalances committed | 0 |\n"));
+  EXPECT_THAT(md, HasSubstr("), all / before (steps < 20) / after (no window) | 0 / 0 / - |\n"));
+  EXPECT_THAT(md, HasSubstr("\nBefore: under plan v1, the whole run (no plan was committed). "
+                            "After: none.\n"));
   const nlohmann::json r = nlohmann::json::parse(ReadFile(report + "/report.json"));
   EXPECT_TRUE(r["picture"].is_null());
   EXPECT_EQ(r["rebalances"], 0);
+  EXPECT_GE(r["imbalance_before"].get<double>(), 1.0);
+  EXPECT_TRUE(r["imbalance_after"].is_null());
+  EXPECT_EQ(r["before_end_step"], 20);
+  EXPECT_EQ(r["dropped_steps_before"], 0);
+  EXPECT_TRUE(r["after_start_step"].is_null());
+  EXPECT_TRUE(r["dropped_steps_after"].is_null());
 }
 
 // Ctrl-C: every process ubep-local started stops, nothing is left in /dev/shm (the arenas
@@ -569,6 +584,8 @@ TEST_F(LocalTest, InterruptStopsEveryProcessAndLeavesNothingBehind) {
   const nlohmann::json r = nlohmann::json::parse(ReadFile(report + "/report.json"));
   EXPECT_TRUE(r["interrupted"].get<bool>());
   EXPECT_FALSE(r["correct"].get<bool>());
+  // The ranks stopped by the interruption are not named as failures (exit 143 each).
+  EXPECT_FALSE(r.contains("problems")) << r["problems"];
 }
 
 // ubep-local killed outright (SIGKILL: no handler runs): its children go with it (each was

@@ -55,6 +55,7 @@
 #include "common/http_get.h"
 #include "common/process.h"
 #include "common/shape_limits.h"
+#include "examples/moe_serving/step_log.h"
 #include "nlohmann/json.hpp"
 
 ABSL_FLAG(int, ranks, 8, "Serving ranks (processes) in the EP group.");
@@ -316,19 +317,22 @@ int Run(int argc, char** argv) {
       return 2;
     }
   }
-  for (const auto& [name, value, most] :
-       {std::tuple<const char*, int, uint32_t>{"ranks", R, ubep::kMaxWorld},
-        {"experts", experts, ubep::kMaxExperts},
-        {"layers", absl::GetFlag(FLAGS_layers), ubep::kMaxLayers}}) {
-    if (static_cast<uint32_t>(value) > most) {
-      std::cerr << "ubep-local: --" << name << " " << value << " is over " << most
-                << ", the most an EP group has\n";
-      return 2;
-    }
-  }
   if (slots < 0) {
     std::cerr << "ubep-local: --slots_per_rank " << slots << " is negative\n";
     return 2;
+  }
+  for (const auto& [name, value, most] :
+       {std::tuple<const char*, int, uint32_t>{"ranks", R, ubep::kMaxWorld},
+        {"experts", experts, ubep::kMaxExperts},
+        {"layers", absl::GetFlag(FLAGS_layers), ubep::kMaxLayers},
+        {"slots_per_rank", slots, ubep::kMaxSlotsPerRank},
+        {"tokens", absl::GetFlag(FLAGS_tokens), ubep::kMaxTokens},
+        {"hidden", absl::GetFlag(FLAGS_hidden), ubep::kMaxHidden}}) {
+    if (static_cast<uint32_t>(value) > most) {
+      std::cerr << "ubep-local: --" << name << " " << value << " is over " << most
+                << ", the most ubepd takes\n";
+      return 2;
+    }
   }
   // What the processes it starts would refuse, refused here, before anything starts.
   if (const int rows = absl::GetFlag(FLAGS_max_recv_rows); rows < 0) {
@@ -349,8 +353,10 @@ int Run(int argc, char** argv) {
               << " is under 10ms (ubepd's --report_interval takes it)\n";
     return 2;
   }
-  if (const int port = absl::GetFlag(FLAGS_metrics_port);
-      port < 0 || port >= 65536 - K) {
+  if (const int port = absl::GetFlag(FLAGS_metrics_port); port < 0) {
+    std::cerr << "ubep-local: --metrics_port " << port << " is negative (0 = any free ones)\n";
+    return 2;
+  } else if (port >= 65536 - K) {
     std::cerr << "ubep-local: --metrics_port " << port << " leaves no port for daemon " << K - 1
               << " (ports metrics_port to metrics_port + daemons; 0 = any free ones)\n";
     return 2;
@@ -569,12 +575,9 @@ int Run(int argc, char** argv) {
   double version = 1, migrated = 0, committed = 0, last_before = NAN, last_after = NAN;
   double dispatch_p50 = NAN, combine_p50 = NAN;
   std::vector<uint64_t> last_step(R, 0);
-  // The steps bounding the report's before and after windows.
+  // The steps bounding the report's before and after windows (where it has them).
   uint64_t before_end_step = 0, after_start_step = 0;
   absl::Time next_print = absl::InfinitePast();
-  // A step's last line: served ("step 12 generation ...") or dropped over the receive capacity
-  // ("dropped step 12: ...").
-  static const std::regex kStep(R"(^(dropped )?step (\d+)[ :])");
   // The balancer or a daemon that exits while the ranks run: named, and the run ends (the
   // ranks would go on without the balancer, its figures frozen; a daemon's ranks fail later).
   std::vector<std::string> service_problems;
@@ -628,15 +631,16 @@ int Run(int argc, char** argv) {
     }
     const double measured = Mean(b, "ubep_balancer_imbalance_ratio", {{"when", "measured"}});
     for (int r = 0; r < R; ++r) {
+      // The last step line, served or dropped (the tail's first line may be cut: no step
+      // line then).
       const std::string log = ReadTail(path(absl::StrCat("client-", r, ".log")), 4096);
-      size_t from = std::string::npos;  // The last line of either kind.
-      for (const char* head : {"\nstep ", "\ndropped step "}) {
-        const size_t at = log.rfind(head);
-        if (at != std::string::npos && (from == std::string::npos || at > from)) from = at;
+      const std::vector<absl::string_view> lines = absl::StrSplit(log, '\n', absl::SkipEmpty());
+      for (auto line = lines.rbegin(); line != lines.rend(); ++line) {
+        if (const auto parsed = ubep::example::ParseStepLine(*line)) {
+          last_step[r] = parsed->step + 1;
+          break;
+        }
       }
-      std::smatch m;
-      const std::string tail = from == std::string::npos ? log : log.substr(from + 1);
-      if (std::regex_search(tail, m, kStep)) last_step[r] = std::stoull(m[2]) + 1;
     }
     const uint64_t step = *std::min_element(last_step.begin(), last_step.end());
     samples.push_back({t, step, version, measured});
@@ -687,13 +691,20 @@ int Run(int argc, char** argv) {
   if (tty) std::cout << "\n";
   if (interrupted.load()) std::cout << "ubep-local: interrupted; stopping everything\n";
   stop_all();
+  // Under --policy ubep or eplb, a run that committed nothing ran under plan v1 to its end:
+  // all of it is the before window.
+  if (policy != "none" && !first_commit && !samples.empty()) {
+    before_end = counts;
+    before_end_step = samples.back().step;
+  }
 
   // Correctness: every rank ran every step, each equal to its float64 reference, with the
   // balancer and every daemon there to the end.
   bool correct = !interrupted.load() && service_problems.empty();
   std::vector<std::string> problems = service_problems;
-  // (Ranks stopped because a service exited are not each named: the service is the cause.)
-  for (int r = 0; r < R && service_problems.empty(); ++r) {
+  // (Ranks stopped because a service exited, or by the interruption, are not each named:
+  // that is the cause.)
+  for (int r = 0; r < R && service_problems.empty() && !interrupted.load(); ++r) {
     const std::string log = ReadFile(path(absl::StrCat("client-", r, ".log")));
     const std::optional<int> code = clients[r]->Wait(absl::ZeroDuration());
     if (code != 0 || !absl::StrContains(log, absl::StrCat("done steps ", steps, " failed 0")) ||
@@ -704,19 +715,32 @@ int Run(int argc, char** argv) {
                                             strerror(clients[r]->spawn_error()))
                              : absl::StrCat("rank ", r, " exit ", code.value_or(-1),
                                             LastLineOf(path(absl::StrCat("client-", r, ".out")))));
+      continue;
+    }
+    // A step dropped out of step was not served, and the ranks here run the same steps: a
+    // fault, not a load the run asked for.
+    int out_of_step = 0;
+    std::string first;
+    for (const absl::string_view line : absl::StrSplit(log, '\n', absl::SkipEmpty())) {
+      const auto parsed = ubep::example::ParseStepLine(line);
+      if (!parsed || parsed->outcome != ubep::example::StepOutcome::kDroppedOutOfStep) continue;
+      if (out_of_step++ == 0) first = std::string(line);
+    }
+    if (out_of_step > 0) {
+      correct = false;
+      problems.push_back(absl::StrCat("rank ", r, " dropped ", out_of_step,
+                                      " steps out of step, the first: \"", first, "\""));
     }
   }
   // Steps dropped over the receive capacity: the same on every rank (the call fails on all of
   // them), read from rank 0's log; in the before and after windows.
-  static const std::regex kDropped(R"(^dropped step (\d+):)");
   int dropped = 0, dropped_before = 0, dropped_after = 0;
   int64_t last_dropped = -1;
   for (const absl::string_view line :
        absl::StrSplit(ReadFile(path("client-0.log")), '\n', absl::SkipEmpty())) {
-    const std::string text(line);
-    std::smatch m;
-    if (!std::regex_search(text, m, kDropped)) continue;
-    const uint64_t at = std::stoull(m[1]);
+    const auto parsed = ubep::example::ParseStepLine(line);
+    if (!parsed || parsed->outcome != ubep::example::StepOutcome::kDroppedOverCapacity) continue;
+    const uint64_t at = parsed->step;
     ++dropped;
     last_dropped = static_cast<int64_t>(at);
     if (before_end.has_value() && at < before_end_step) ++dropped_before;
@@ -752,13 +776,13 @@ int Run(int argc, char** argv) {
       {"max_recv_rows", absl::GetFlag(FLAGS_max_recv_rows)},
       // Steps dropped because a rank was routed more rows than max_recv_rows: in all, and
       // in the before window (steps [0, before_end_step)) and the after window (from
-      // after_start_step on).
+      // after_start_step on); null where the run has no such window.
       {"dropped_steps", dropped},
-      {"dropped_steps_before", dropped_before},
-      {"dropped_steps_after", dropped_after},
+      {"dropped_steps_before", before_end ? nlohmann::json(dropped_before) : nlohmann::json()},
+      {"dropped_steps_after", after_start ? nlohmann::json(dropped_after) : nlohmann::json()},
       {"last_dropped_step", last_dropped},  // -1: none.
-      {"before_end_step", before_end_step},
-      {"after_start_step", after_start_step},
+      {"before_end_step", before_end ? nlohmann::json(before_end_step) : nlohmann::json()},
+      {"after_start_step", after_start ? nlohmann::json(after_start_step) : nlohmann::json()},
   };
   nlohmann::json series = nlohmann::json::array();
   for (const Sample& s : samples) {
@@ -778,7 +802,9 @@ int Run(int argc, char** argv) {
   std::string no_picture;
   if (!before_end || !after_start) {
     no_picture = policy == "none" ? "the run ended before its last third"
-                                  : "no plan was committed, so there is no after window";
+                 : !first_commit  ? "no plan was committed, so there is no after window"
+                                  : "the run ended within three intervals (--interval) of the "
+                                    "first commit, so there is no after window";
   } else {
     WriteHeat(path("heat_before.dat"), *before_end);
     WriteHeat(path("heat_after.dat"), after_counts);
@@ -847,21 +873,27 @@ int Run(int argc, char** argv) {
                                     : absl::StrCat("NO: ", absl::StrJoin(problems, "; ")))
      << " |\n"
      << "| steps dropped over the receive capacity (--max_recv_rows "
-     << absl::GetFlag(FLAGS_max_recv_rows) << "), all / before (steps < " << before_end_step
-     << ") / after (steps >= " << after_start_step << ") | " << dropped << " / " << dropped_before
-     << " / " << dropped_after << " |\n"
+     << absl::GetFlag(FLAGS_max_recv_rows) << "), all / before ("
+     << (before_end ? absl::StrCat("steps < ", before_end_step) : "no window") << ") / after ("
+     << (after_start ? absl::StrCat("steps >= ", after_start_step) : "no window") << ") | "
+     << dropped << " / " << (before_end ? absl::StrCat(dropped_before) : "-") << " / "
+     << (after_start ? absl::StrCat(dropped_after) : "-") << " |\n"
      << "| last step dropped | "
      << (last_dropped < 0 ? std::string("-") : absl::StrCat(last_dropped)) << " |\n\n"
      << "Before: "
-     << (policy == "none" ? "the first third of the run" : "under plan v1, up to the first commit")
+     << (policy == "none" ? "the first third of the run"
+         : first_commit   ? "under plan v1, up to the first commit"
+                          : "under plan v1, the whole run (no plan was committed)")
      << ". After: "
-     << (policy == "none" ? "the last third"
-                          : "from three intervals after the first commit to the end")
+     << (policy == "none"  ? "the last third"
+         : after_start     ? "from three intervals after the first commit to the end"
+         : !first_commit   ? "none"
+                           : "none (the run ended within three intervals of the first commit)")
      << ".\n\n"
      << (no_picture.empty() ? std::string("![per-rank load and imbalance](report.png)")
                             : absl::StrCat("No picture: ", no_picture, "."))
      << "\n";
-  for (const auto& [name, text] : {std::pair<const char*, std::string>{"report.json", report.dump(2) + "\n"},
+  for (const auto& [name, text] : {std::pair<const char*, std::string>{"report.json", report.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n"},
                                    {"report.md", md.str()}}) {
     if (absl::Status st = ubep::balancer::WriteTextFile(report_dir + "/" + name, text); !st.ok()) {
       std::cerr << "ubep-local: " << st.message() << "\n";
@@ -876,9 +908,11 @@ int Run(int argc, char** argv) {
           ? absl::StrFormat("%.0f", (dispatch_p50 + combine_p50) * 1e6)
           : std::string("-"), correct ? "every step correct" : "NOT CORRECT",
       dropped == 0 ? std::string()
-                   : absl::StrFormat(", %d steps dropped over the receive capacity (%d before, "
-                                     "%d after, the last at step %d)",
-                                     dropped, dropped_before, dropped_after, last_dropped),
+                   : absl::StrFormat(", %d steps dropped over the receive capacity (%s before, "
+                                     "%s after, the last at step %d)",
+                                     dropped, before_end ? absl::StrCat(dropped_before) : "-",
+                                     after_start ? absl::StrCat(dropped_after) : "-",
+                                     last_dropped),
       report_dir, no_picture.empty() ? ", report.png" : absl::StrCat(" (no picture: ", no_picture, ")"));
   if (!correct && !interrupted.load()) {
     exit_code = 1;
