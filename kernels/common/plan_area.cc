@@ -147,6 +147,13 @@ absl::StatusOr<const PlanTableHeader*> SelectCheckedPlan(void* area, size_t capa
       copy.assign(reinterpret_cast<const std::byte*>(table),
                   reinterpret_cast<const std::byte*>(table) + bytes);
       valid = ValidatePlanTable(copy);
+      // The table's own version is what the host backend reports as the call's plan; the
+      // slot's is what selected it (and what the CUDA backend reports): one plan, one number.
+      if (const auto* header = reinterpret_cast<const PlanTableHeader*>(copy.data());
+          valid.ok() && header->version != v) {
+        valid = absl::InvalidArgumentError(
+            absl::StrCat("plan table: it says v", header->version, ", its slot v", v));
+      }
       if (valid.ok() && std::memcmp(copy.data(), table, bytes) != 0) {
         valid = absl::AbortedError("plan table: changed while it was checked");
       }
@@ -181,6 +188,11 @@ absl::Status PreparePlan(void* area, size_t capacity, std::span<const std::byte>
                                                    " bytes; the plan area holds ", capacity));
   }
   if (absl::Status s = ValidatePlanTable(table); !s.ok()) return s;
+  if (PlanTableHeader header; std::memcpy(&header, table.data(), sizeof(header)),
+      header.version != version) {
+    return absl::InvalidArgumentError(absl::StrCat("plan v", version, ": its table says v",
+                                                   header.version));
+  }
   int older = 0;
   uint64_t newest_committed = 0;
   int newest_committed_slot = -1;

@@ -97,8 +97,9 @@ struct CheckedPlan {
 // arena, mapped read-write by its clients). The area's buffers are placed by `capacity`, the
 // reader's own knowledge of the area (its layout), which the area's header must repeat; the
 // first time this reader selects a slot's committed version, a private copy of its table is
-// checked as PreparePlan checked it (ValidatePlanTable, within `capacity`), so that a table
-// written over by anything but ubepd is refused rather than followed. A committed slot is
+// checked as PreparePlan checked it (ValidatePlanTable, within `capacity`, and the version the
+// table says is its slot's), so that a table written over by anything but ubepd is refused
+// rather than followed. A committed slot is
 // rewritten only under a newer version, so one check per slot and version serves, and what is
 // returned is that checked copy (kept in `checked` until the slot's next version), not the
 // shared buffer: a table written over after its check is not followed either. OK with null
@@ -118,7 +119,7 @@ bool UndecidedAt(void* area, uint64_t step, uint64_t* version = nullptr);
 // may be prepared after it (its own again, a retry, included). Errors: FailedPrecondition
 // (version not above every prepared or committed one, or another version awaits its commit
 // or abort), InvalidArgument (table larger than the
-// capacity, or not a valid plan table), NotFound (Commit/Abort of a version not prepared),
+// capacity, not a valid plan table, or one of another version), NotFound (Commit/Abort of a version not prepared),
 // DataLoss (the area's header is not that of an area of `capacity`-byte buffers: the table is
 // placed and bounded by `capacity`, the writer's own knowledge of the area, never by a word
 // any process mapping the arena could have written).

@@ -122,6 +122,12 @@ absl::Status ValidatePlanTable(std::span<const std::byte> bytes) {
   if (table->max_replicas == 0 || implied != bytes.size()) {
     return absl::InvalidArgumentError("plan table: sizes in the header disagree with its length");
   }
+  // As BuildPlanTable writes none: with no experts the length says nothing of the layers.
+  if (table->num_layers == 0 || table->num_experts == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("plan table: ", table->num_layers,
+                                                   " layers of ", table->num_experts,
+                                                   " experts"));
+  }
   // Checked before what is sized from them: an expert's replicas take distinct slots, and the
   // slots divide among the ranks.
   if (table->num_slots > kMaxPlanSlots) {
@@ -139,10 +145,12 @@ absl::Status ValidatePlanTable(std::span<const std::byte> bytes) {
                                                    table->num_ranks, " ranks"));
   }
   // Which expert each slot of a layer serves: one at most, so that a token's distinct experts
-  // take distinct slots (routing.h's MaxPairsPerToken, which sizes the receive side).
-  std::vector<int32_t> served_by(table->num_slots);
+  // take distinct slots (routing.h's MaxPairsPerToken, which sizes the receive side). An entry
+  // is (layer + 1) << 32 | expert, so that a new layer needs no clearing: the work is the
+  // table's length, not its layers times its slots.
+  std::vector<uint64_t> served_by(table->num_slots, 0);
   for (uint32_t l = 0; l < table->num_layers; ++l) {
-    std::fill(served_by.begin(), served_by.end(), -1);
+    const uint64_t this_layer = (static_cast<uint64_t>(l) + 1) << 32;
     for (uint32_t e = 0; e < table->num_experts; ++e) {
       const ExpertRoute* route = FindRoute(table, l, e);
       if (route->count == 0 || route->count > table->max_replicas) {
@@ -162,12 +170,13 @@ absl::Status ValidatePlanTable(std::span<const std::byte> bytes) {
               "plan table: layer ", l, " expert ", e, " routes to slot ", slot, " of rank ",
               slot / (table->num_slots / table->num_ranks), ", which is excluded"));
         }
-        if (served_by[slot] >= 0 && served_by[slot] != static_cast<int32_t>(e)) {
+        if (served_by[slot] >> 32 == this_layer >> 32 && served_by[slot] != (this_layer | e)) {
           return absl::InvalidArgumentError(absl::StrCat("plan table: layer ", l, " slot ", slot,
-                                                         " serves experts ", served_by[slot],
+                                                         " serves experts ",
+                                                         static_cast<uint32_t>(served_by[slot]),
                                                          " and ", e));
         }
-        served_by[slot] = static_cast<int32_t>(e);
+        served_by[slot] = this_layer | e;
         // The replicas' hash ranges follow each other and cover every hash, as BuildPlanTable
         // writes them: bounds that go back move traffic off the shares the plan set; a last
         // bound short of 2^32 - 1 (which ChooseSlot does not read) is a table not so built.

@@ -27,7 +27,8 @@
 namespace ubep::kernels {
 
 // First unit of sender i when `units` units are split among `senders` (i == senders gives
-// `units`). Shares are floor or ceiling of units / senders, the larger ones last.
+// `units`). Shares are floor or ceiling of units / senders, the larger ones spread among the
+// smaller (10 units over 4 senders: 2, 3, 2, 3).
 UBEP_HD inline int64_t SplitBegin(int64_t units, int senders, int i) {
   return units * i / senders;
 }

@@ -378,27 +378,36 @@ TEST_P(HostEpTest, ManyReplicasSplitByShareAndPlansChangeBetweenCalls) {
   for (int j = 0; j < 4; ++j) plan.slot_share[0][replica_slots[j]] = shares[j];
   plan.Build(c.num_experts, 2);
 
-  std::vector<uint64_t> before(4);
-  for (int j = 0; j < 4; ++j) {
-    before[j] = group.ep(replica_slots[j] / c.slots_per_rank).LoadCounter(0, replica_slots[j] % c.slots_per_rank);
-  }
-  int pairs = 0;
+  auto counters = [&] {
+    std::vector<uint64_t> now(4);
+    for (int j = 0; j < 4; ++j) {
+      now[j] = group.ep(replica_slots[j] / c.slots_per_rank)
+                   .LoadCounter(0, replica_slots[j] % c.slots_per_rank);
+    }
+    return now;
+  };
+  // Four steps of other tokens: the replica of a pair is a hash of (source rank, token index,
+  // k, expert), not of the step (routing.h), so each step splits alike, a draw of R x T pairs
+  // (expert 3 is every token's first).
+  std::vector<std::vector<uint64_t>> per_step;
   for (int step = 0; step < 4; ++step) {
     std::vector<RankInput> inputs;
     for (int r = 0; r < c.num_ranks; ++r) {
       inputs.push_back(MakeInput(c, r, c.max_tokens, 100 + step, /*only_expert=*/3));
-      pairs += c.max_tokens;
     }
+    const std::vector<uint64_t> before = counters();
     RunStep(group, inputs, plan, 0);
+    const std::vector<uint64_t> after = counters();
+    per_step.emplace_back(4);
+    for (int j = 0; j < 4; ++j) per_step.back()[j] = after[j] - before[j];
   }
+  for (int step = 1; step < 4; ++step) EXPECT_EQ(per_step[step], per_step[0]) << "step " << step;
   // Each replica's received pairs (from the load counters) match its share within 5 standard
-  // deviations of a binomial draw.
+  // deviations of that one binomial draw.
+  const int pairs = c.num_ranks * c.max_tokens;
   for (int j = 0; j < 4; ++j) {
-    const uint64_t got = group.ep(replica_slots[j] / c.slots_per_rank)
-                             .LoadCounter(0, replica_slots[j] % c.slots_per_rank) -
-                         before[j];
     const double mean = pairs * shares[j];
-    EXPECT_NEAR(static_cast<double>(got), mean, 5 * std::sqrt(mean * (1 - shares[j])))
+    EXPECT_NEAR(static_cast<double>(per_step[0][j]), mean, 5 * std::sqrt(mean * (1 - shares[j])))
         << "replica " << j;
   }
   // A different plan (v2) on the next call of the same layer: expert 3 on one slot, not four.

@@ -123,7 +123,7 @@ TEST_F(PlanAreaTest, RefusesWhatWouldBreakTheProtocol) {
                 "plan v6 is committed; a committed plan is never aborted"));
   // An aborted plan holds no version back: after one under the last version, aborted, the
   // next plan is prepared and committed (a Prepare gone wrong does not end all that follow).
-  ASSERT_TRUE(PreparePlan(area(), kCapacity, Table(7), UINT64_MAX, 20).ok());
+  ASSERT_TRUE(PreparePlan(area(), kCapacity, Table(UINT64_MAX), UINT64_MAX, 20).ok());
   ASSERT_TRUE(AbortPlan(area(), UINT64_MAX).ok());
   ASSERT_TRUE(PreparePlan(area(), kCapacity, Table(7), 7, 20).ok());
   ASSERT_TRUE(CommitPlan(area(), 7).ok());
@@ -133,6 +133,32 @@ TEST_F(PlanAreaTest, RefusesWhatWouldBreakTheProtocol) {
   std::vector<std::byte> big(5000);
   EXPECT_EQ(PreparePlan(area(), kCapacity, big, 8, 0),
             absl::InvalidArgumentError("plan v8 needs 5000 bytes; the plan area holds 4096"));
+  // A table is prepared under its own version: the host backend reports the table's, the
+  // CUDA backend the slot's, as the call's plan.
+  EXPECT_EQ(PreparePlan(area(), kCapacity, Table(7), 8, 0),
+            absl::InvalidArgumentError("plan v8: its table says v7"));
+}
+
+// A committed table whose version word was written over is corrupt to its readers: the plan
+// a call reports is the one that selected it, whichever backend runs the call.
+TEST_F(PlanAreaTest, ATableWhoseVersionDisagreesWithItsSlotIsCorrupt) {
+  ASSERT_TRUE(PreparePlan(area(), kCapacity, Table(1), 1, 0).ok());
+  ASSERT_TRUE(CommitPlan(area(), 1).ok());
+  uint64_t v = 0;
+  int slot = -1;
+  const PlanTableHeader* table = SelectPlan(area(), 0);
+  ASSERT_NE(table, nullptr);
+  const_cast<PlanTableHeader*>(table)->version = 99;
+  CheckedPlan checked;
+  EXPECT_EQ(SelectCheckedPlan(area(), kCapacity, 0, checked, &v, &slot).status(),
+            absl::DataLossError("plan v1 in force at step 0 is corrupt (plan table: it says "
+                                "v99, its slot v1): something other than ubepd wrote over it"));
+  const_cast<PlanTableHeader*>(table)->version = 1;
+  absl::StatusOr<const PlanTableHeader*> read =
+      SelectCheckedPlan(area(), kCapacity, 0, checked, &v, &slot);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ((*read)->version, 1u);
+  EXPECT_EQ(v, 1u);
 }
 
 // A reader that has seen a slot committed (v1, the older plan) and is paused before it reads

@@ -137,6 +137,43 @@ TEST(PlanTableTest, AHeaderWhoseSizesWrapOrOverreachIsRefused) {
             absl::InvalidArgumentError("plan table: 4294967295 slots, over 4194304"));
   EXPECT_EQ(ValidatePlanTable(table_of({0, 1, 1, 2, 3, 0, 1}, 32 + 8 + 3 * 8)),
             absl::InvalidArgumentError("plan table: up to 3 replicas of an expert in 2 slots"));
+  // No experts: a header alone has any number of layers (it was checked, layer by layer, over
+  // every slot: 2^32 layers x 2^22 slots, a hang).
+  EXPECT_EQ(ValidatePlanTable(table_of({0, 0xFFFFFFFFu, 0, 1u << 22, 1, 0, 1}, 32)),
+            absl::InvalidArgumentError("plan table: 4294967295 layers of 0 experts"));
+  EXPECT_EQ(ValidatePlanTable(table_of({0, 0, 4, 4, 1, 0, 1}, 32)),
+            absl::InvalidArgumentError("plan table: 0 layers of 4 experts"));
+}
+
+// The check's work is the table's length: 2^16 layers of one expert over 2^22 slots (a 1 MiB
+// table) is checked without a pass over every slot per layer (2^38 writes: it did not end).
+TEST(PlanTableTest, CheckingATableOfManyLayersAndSlotsIsBoundedByItsLength) {
+  constexpr uint32_t kLayers = 1u << 16;
+  const PlanTableHeader header = {kPlanTableMagic, kLayers, 1, kMaxPlanSlots, 1, 0, 1};
+  std::vector<std::byte> table(sizeof(header) + kLayers * ExpertRouteBytes(1));
+  std::memcpy(table.data(), &header, sizeof(header));
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    const uint32_t route[4] = {1, 0, l % kMaxPlanSlots, 0xFFFFFFFFu};  // count, -, slot, bound
+    std::memcpy(table.data() + sizeof(header) + l * ExpertRouteBytes(1), route, sizeof(route));
+  }
+  EXPECT_EQ(ValidatePlanTable(table), absl::OkStatus());
+  // And a slot serving two experts is still found within a layer, not across layers.
+  const PlanTableHeader two = {kPlanTableMagic, 2, 2, 4, 1, 0, 1};
+  std::vector<std::byte> clash(sizeof(two) + 4 * ExpertRouteBytes(1));
+  std::memcpy(clash.data(), &two, sizeof(two));
+  auto put = [&](uint32_t l, uint32_t e, uint32_t slot) {
+    const uint32_t route[4] = {1, 0, slot, 0xFFFFFFFFu};
+    std::memcpy(clash.data() + sizeof(two) + (l * 2 + e) * ExpertRouteBytes(1), route,
+                sizeof(route));
+  };
+  put(0, 0, 0);
+  put(0, 1, 1);
+  put(1, 0, 1);  // Slot 1 serves expert 1 in layer 0, expert 0 in layer 1: allowed.
+  put(1, 1, 0);
+  EXPECT_EQ(ValidatePlanTable(clash), absl::OkStatus());
+  put(1, 1, 1);
+  EXPECT_EQ(ValidatePlanTable(clash),
+            absl::InvalidArgumentError("plan table: layer 1 slot 1 serves experts 0 and 1"));
 }
 
 TEST(RoutingTest, ATokenListsEachExpertOnce) {
