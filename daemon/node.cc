@@ -1086,7 +1086,7 @@ absl::StatusOr<v1::ReadWeightsResponse> Node::ReadWeights(const v1::ReadWeightsR
 
 absl::StatusOr<std::vector<Node::SlotCopy>> Node::SlotCopies(
     const balancer::Plan& in_force, const balancer::Plan& next,
-    const std::function<uint32_t(int)>& domain_of) {
+    const std::function<uint32_t(int)>& domain_of, const std::function<bool(int)>& readable) {
   const int R = next.topology.num_ranks, S = next.topology.slots_per_rank;
   std::vector<SlotCopy> copies;
   for (size_t l = 0; l < next.layers.size(); ++l) {
@@ -1099,19 +1099,29 @@ absl::StatusOr<std::vector<Node::SlotCopy>> Node::SlotCopies(
         const int expert = new_experts[r * S + i];
         if (!returning && old_experts[r * S + i] == expert) continue;
         // The nearest holder of `expert` under the plan in force: this rank, then the ranks
-        // of its domain, then the others (ranks after r first, so holders share the load).
-        int holder = -1, holder_distance = 3;
+        // of its domain, then the others (ranks after r first, so holders share the load),
+        // of those the ones whose daemon can be read (a copy on a daemon that is down is
+        // passed over for one that is not, however near).
+        int holder = -1, holder_distance = 3, unreadable = -1;
         for (int step = 0; step < R && holder_distance > 0; ++step) {
           const int q = (r + step) % R;
           const int distance = q == r ? 0 : domain_of(q) == domain_of(r) ? 1 : 2;
           if (in_force.excluded(q) || distance >= holder_distance) continue;
           for (int j = 0; j < S; ++j) {
-            if (old_experts[q * S + j] == expert) {
-              holder = q * S + j;
-              holder_distance = distance;
+            if (old_experts[q * S + j] != expert) continue;
+            if (distance == 2 && readable && !readable(q)) {
+              if (unreadable < 0) unreadable = q;
               break;
             }
+            holder = q * S + j;
+            holder_distance = distance;
+            break;
           }
+        }
+        if (holder < 0 && unreadable >= 0) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "layer ", l, ": expert ", expert, " is held only in other domains by ranks whose "
+              "daemons are down (rank ", unreadable, ")"));
         }
         if (holder < 0) {
           return absl::FailedPreconditionError(absl::StrCat("layer ", l, ": expert ", expert, " has no holder"));
@@ -1277,7 +1287,12 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
     }
   }
   // The group's staging, as every daemon computes it: which slots get which holder's expert.
-  absl::StatusOr<std::vector<SlotCopy>> schedule = SlotCopies(plan_, plan, domain_of);
+  // A holder in another domain is read through its daemon: not one the balancer lists as
+  // down (every daemon is given the same lists, so the schedule stays the group's).
+  const auto readable = [&](int q) {
+    return static_cast<int>(remote.rank_link.size()) != R || remote.rank_link[q] >= 0;
+  };
+  absl::StatusOr<std::vector<SlotCopy>> schedule = SlotCopies(plan_, plan, domain_of, readable);
   if (!schedule.ok()) return fail(std::string(schedule.status().message()));
   const bool over_link = on_device() && !remote.nccl_id.empty();
   std::vector<std::vector<uint32_t>> maps(R);

@@ -160,7 +160,8 @@ class Node {
   }
   // The group's staging of `next` over the plan `in_force`, as every daemon computes it: per
   // slot of a rank `next` includes that gets an expert it does not hold (every slot of a rank
-  // it takes back), the nearest holder. In (layer, rank, slot) order.
+  // it takes back), the nearest holder. In (layer, rank, slot) order. `readable(q)` false: rank
+  // q's daemon is down, so q is no holder for another domain (null: every rank can be read).
   struct SlotCopy {
     int layer, rank, slot;  // The slot (local index) that gets the expert.
     int holder;             // Global slot holding it under `in_force`.
@@ -168,7 +169,8 @@ class Node {
   };
   static absl::StatusOr<std::vector<SlotCopy>> SlotCopies(
       const balancer::Plan& in_force, const balancer::Plan& next,
-      const std::function<uint32_t(int)>& domain_of);
+      const std::function<uint32_t(int)>& domain_of,
+      const std::function<bool(int)>& readable = nullptr);
   // The NCCL link's copies run in batches of this many bytes of weights.
   static constexpr uint64_t kLinkBatchBytes = uint64_t{256} << 20;
   // A daemon's share of the schedule's cross-domain copies over the link (hosting ranks

@@ -2059,6 +2059,24 @@ TEST(NodeTest, SlotCopiesTakeTheNearestHolderInOneOrderForEveryDaemon) {
   v2x.excluded_ranks = {2, 3};
   EXPECT_EQ(Node::SlotCopies(v2x, v3, domain).status(),
             absl::FailedPreconditionError("layer 0: expert 4 has no holder"));
+  // Three domains, rank 2's daemon down (the plan that excludes it is being staged): rank 0
+  // takes expert 4 from rank 3, which also holds it, not from rank 2, which comes first and
+  // cannot be read. With rank 3's daemon down too, no copy can be made, and that is said.
+  const balancer::Plan v4 = PlacedPlan(4, {{0, 1, 2, 3}, {0, 1, 2, 3}, {4, 5, 6, 7}, {4, 5, 6, 7}});
+  balancer::Plan v5 = PlacedPlan(5, {{4, 1, 2, 3}, {0, 5, 6, 7}, {0, 1, 2, 3}, {4, 5, 6, 7}});
+  v5.excluded_ranks = {2};
+  const std::vector<uint32_t> three = {0, 0, 1, 2};
+  const auto domain_of = [&](int r) { return three[r]; };
+  copies = Node::SlotCopies(v4, v5, domain_of, [](int q) { return q != 2; });
+  ASSERT_TRUE(copies.ok()) << copies.status();
+  got.clear();
+  for (const Node::SlotCopy& c : *copies) {
+    if (c.layer == 0) got.push_back(absl::StrCat(c.rank, ".", c.slot, "<-", c.holder, "@", c.distance));
+  }
+  EXPECT_THAT(got, ::testing::ElementsAre("0.0<-12@2", "1.1<-13@2", "1.2<-14@2", "1.3<-15@2"));
+  EXPECT_EQ(Node::SlotCopies(v4, v5, domain_of, [](int q) { return q < 2; }).status(),
+            absl::FailedPreconditionError("layer 0: expert 4 is held only in other domains by "
+                                          "ranks whose daemons are down (rank 2)"));
 }
 
 // Over an NCCL link each daemon issues its share of the schedule: every pair of daemons gets
