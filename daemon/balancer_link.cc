@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "common/channel.h"
 #include "common/clock.h"
 #include "common/logging.h"
 #include "daemon/fd_server.h"
@@ -15,8 +16,7 @@ namespace ubep::daemon {
 BalancerLink::BalancerLink(BalancerLinkOptions options, Node* node)
     : options_(std::move(options)),
       node_(node),
-      stub_(v1::Control::NewStub(
-          grpc::CreateChannel(options_.balancer, grpc::InsecureChannelCredentials()))),
+      stub_(v1::Control::NewStub(ControlChannel(options_.balancer))),
       incarnation_(absl::StrCat(getpid(), "-", absl::ToUnixNanos(absl::Now()))),
       interval_ms_(absl::ToInt64Milliseconds(options_.report_interval)),
       thread_(

@@ -10,6 +10,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "common/channel.h"
 #include "common/logging.h"
 #include "common/rpc_origin.h"
 #include "common/timeout.h"
@@ -143,10 +144,8 @@ Node::RemoteWeights RemoteWeightsOf(const v1::PrepareRequest& request, const std
     }
     std::unique_ptr<v1::DaemonControl::Stub>& stub = (*stubs)[host.address];
     if (stub == nullptr) {
-      grpc::ChannelArguments args;
-      args.SetMaxReceiveMessageSize(static_cast<int>(2 * Node::kMaxReadWeightsBytes));
       stub = v1::DaemonControl::NewStub(
-          grpc::CreateCustomChannel(host.address, grpc::InsecureChannelCredentials(), args));
+          ControlChannel(host.address, static_cast<int>(2 * Node::kMaxReadWeightsBytes)));
     }
     for (size_t offset = 0; offset < bytes;) {
       if (stopped()) return absl::CancelledError("the staging stopped");
@@ -318,10 +317,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   }
   if (!options.balancer.empty() && options.node.plan_path.empty()) {
     // A group starts under the cluster's plan when the balancer has one (a restarted node).
-    grpc::ChannelArguments args;  // The plan in full form: as large as a Prepare may be.
-    args.SetMaxReceiveMessageSize(options.max_message_bytes);
-    std::shared_ptr<v1::Control::Stub> stub = v1::Control::NewStub(grpc::CreateCustomChannel(
-        options.balancer, grpc::InsecureChannelCredentials(), args));
+    // The plan in full form: as large as a Prepare may be.
+    std::shared_ptr<v1::Control::Stub> stub =
+        v1::Control::NewStub(ControlChannel(options.balancer, options.max_message_bytes));
     options.node.cluster_plan = [stub]() -> std::optional<balancer::Plan> {
       grpc::ClientContext context;
       context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));

@@ -16,6 +16,7 @@
 #include "absl/strings/str_join.h"
 #include "balancer/core/metrics.h"
 #include "balancer/formats/proto_convert.h"
+#include "common/channel.h"
 #include "common/clock.h"
 #include "common/cpus.h"
 #include "common/logging.h"
@@ -646,10 +647,11 @@ grpc::Status Balancer::Register(grpc::ServerContext* context, const v1::Register
     why = absl::StrCat("registered with every rank excluded by plan v", plan_->version);
   }
   Daemon& d = daemons_[request->node()];
-  if (d.info.address() != request->address() || d.channel == nullptr) {
-    grpc::ChannelArguments args;  // GetState carries the committed plan.
-    args.SetMaxReceiveMessageSize(kMaxControlMessageBytes);
-    d.channel = grpc::CreateCustomChannel(request->address(), grpc::InsecureChannelCredentials(), args);
+  // A new channel for a new address or a new process (the old one's may be in reconnect
+  // backoff from the process before, and fail its first calls without trying). GetState
+  // carries the committed plan: as large as a Prepare.
+  if (d.info.address() != request->address() || d.channel == nullptr || new_process) {
+    d.channel = ControlChannel(request->address(), kMaxControlMessageBytes);
   }
   // The process registered under this name already (it registers again when its group's
   // shape changes, or after this balancer forgot it): its reports go on numbering from there.
