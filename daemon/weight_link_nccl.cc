@@ -51,13 +51,23 @@ absl::Status AwaitComm(ncclComm_t comm, absl::Time deadline, const std::string& 
   }
 }
 
-// Waits until the stream's work is done, the deadline, or `stopped()`.
+// Waits until the stream's work is done, the deadline, or `stopped()`; with `comm`, also until
+// the communicator reports an error (a peer that died mid-transfer: NCCL's kernels would spin
+// on it until the communicator is aborted, so the stream alone would wait out the deadline).
 absl::Status AwaitStream(cudaStream_t stream, absl::Time deadline, const char* what,
-                         const std::function<bool()>& stopped) {
+                         const std::function<bool()>& stopped, ncclComm_t comm = nullptr) {
   while (true) {
     const cudaError_t done = cudaStreamQuery(stream);
     if (done == cudaSuccess) return absl::OkStatus();
     if (done != cudaErrorNotReady) return CudaCheck(done, what);
+    if (comm != nullptr) {
+      ncclResult_t state = ncclSuccess;
+      const ncclResult_t got = ncclCommGetAsyncError(comm, &state);
+      if (got != ncclSuccess) return absl::InternalError(absl::StrCat(what, ": ", NcclError(got, comm)));
+      if (state != ncclSuccess && state != ncclInProgress) {
+        return absl::InternalError(absl::StrCat(what, ": ", NcclError(state, comm)));
+      }
+    }
     if (absl::Now() >= deadline) return absl::DeadlineExceededError(absl::StrCat(what, ": timed out"));
     if (stopped && stopped()) return Stopped(what);
     absl::SleepFor(kPoll);
@@ -95,6 +105,17 @@ class NcclWeightLink final : public WeightLink {
         if (p != nullptr) cudaFree(p);
       }
     };
+    // A peer died or never joined, the staging was stopped, or this side cannot take its part
+    // (a staging buffer it cannot allocate): abort so that nothing waits on the link any
+    // longer (the peers' copies fail, as their own staging is stopped too).
+    auto give_up = [&](const absl::Status& status) {
+      ncclCommAbort(comm_);
+      comm_ = nullptr;
+      broken_ = true;
+      release();
+      return absl::Status(status.code(), absl::StrCat(status.message(), " (", transfers.size(),
+                                                      " transfers with the group's daemons)"));
+    };
     absl::Status status;
     for (size_t i = 0; i < transfers.size() && status.ok(); ++i) {
       const Transfer& t = transfers[i];
@@ -107,10 +128,7 @@ class NcclWeightLink final : public WeightLink {
                            "staging expert weights to send");
       }
     }
-    if (!status.ok()) {
-      release();
-      return status;
-    }
+    if (!status.ok()) return give_up(status);
     auto buffer = [&](size_t i) {
       return staged[i] != nullptr ? staged[i]
                                   : static_cast<void*>(static_cast<std::byte*>(transfers[i].memory->data()) +
@@ -128,17 +146,8 @@ class NcclWeightLink final : public WeightLink {
       status = absl::InternalError(absl::StrCat("NCCL weight copies: ", NcclError(result, comm_)));
     }
     if (status.ok()) status = AwaitComm(comm_, deadline, "NCCL weight copies", stopped);
-    if (status.ok()) status = AwaitStream(stream_, deadline, "NCCL weight copies", stopped);
-    if (!status.ok()) {
-      // A peer died or never joined, or the staging was stopped: abort so that nothing waits
-      // on the link any longer (the peers' copies fail, as their own staging is stopped too).
-      ncclCommAbort(comm_);
-      comm_ = nullptr;
-      broken_ = true;
-      release();
-      return absl::Status(status.code(), absl::StrCat(status.message(), " (", transfers.size(),
-                                                      " transfers with the group's daemons)"));
-    }
+    if (status.ok()) status = AwaitStream(stream_, deadline, "NCCL weight copies", stopped, comm_);
+    if (!status.ok()) return give_up(status);
     // Received weights staged on the link's device go to their arenas; done before returning
     // (the plan table that makes them read is written after).
     bool placing = false;

@@ -685,7 +685,8 @@ grpc::Status Balancer::Register(grpc::ServerContext* context, const v1::Register
     // Drained as registered (healthy, its ranks as it says), unless that would leave no rank
     // serving, as an operator's drain would (the other nodes drained or down, say): its
     // ranks then stay in.
-    drained_.insert(request->node());
+    drained_.emplace(request->node(), restarted || !replaced.empty() ? DrainCause::kRestart
+                                                                     : DrainCause::kExcludedByPlan);
     if (static_cast<int>(DesiredExcluded().size()) >= shape_->world) {
       drained_.erase(request->node());
       // (Not drained later either: its peers map its new arenas as they learn of them.)
@@ -783,7 +784,7 @@ void Balancer::KeepOutRestartedPeers(const v1::RegisterRequest& request) {
         "node ", name, " restarted (node ", request.node(),
         " maps an older ubepd process's arenas for its rank", kept.size() > 1 ? "s " : " ",
         absl::StrJoin(kept, ", "), ")");
-    drained_.insert(name);
+    drained_.emplace(name, DrainCause::kRestart);
     if (shape_.has_value() && static_cast<int>(DesiredExcluded().size()) >= shape_->world) {
       // Refused where it would leave no rank serving, as an operator's drain is (the
       // registrant's own ranks are drained too, say); taken again at each tick, so it holds
@@ -1325,11 +1326,21 @@ void Balancer::Recover() {
         plan_ = *std::move(plan);
         plan_effective_step_ = 0;
         effective_step_learned_ = false;
-        // A node whose every rank the plan excludes while it is healthy was drained.
+        // A node whose every rank the plan excludes while it is healthy was drained; one
+        // taken to be drained for an older plan's exclusion that this one takes back was
+        // undrained (a drain an operator asked for, or a restart's, stays).
         for (const auto& [other, od] : daemons_) {
           bool all = od.info.ranks_size() > 0;
           for (uint32_t r : od.info.ranks()) all &= plan_->excluded(static_cast<int>(r));
-          if (all && od.Serving()) drained_.insert(other);
+          const auto drained = drained_.find(other);
+          if (all && od.Serving()) {
+            drained_.emplace(other, DrainCause::kExcludedByPlan);
+          } else if (!all && drained != drained_.end() &&
+                     drained->second == DrainCause::kExcludedByPlan) {
+            drained_.erase(drained);
+            UBEP_LOG(INFO) << "node " << other << ": plan v" << plan_->version
+                           << " takes its ranks back: no longer drained";
+          }
         }
         plan_version_->Set(static_cast<double>(plan_->version));
         UBEP_LOG(INFO) << "learned plan v" << plan_->version << " from node " << name;
@@ -1365,9 +1376,11 @@ void Balancer::Recover() {
     // state is not known: one whose GetState failed or that is down, or the daemon of a
     // member rank that has not registered again (the previous balancer died between two
     // Commits). Aborting it elsewhere would run the two halves of the group under two plans;
-    // it waits for them, until the registration grace, after which such ranks are down.
+    // it waits for them, until the registration grace, after which such ranks are down. Any
+    // rank, not only those the plan held keeps: the pending plan may take back ranks it
+    // excludes (an undrain), and their daemon may hold it committed.
     const bool unknown =
-        (shape_.has_value() && !UnlistedMembers().empty()) ||
+        (shape_.has_value() && !UnlistedMembers(/*all=*/true).empty()) ||
         std::any_of(daemons_.begin(), daemons_.end(), [](const auto& entry) {
           // (One that refused a Commit holds that plan pending: known, not asked again.)
           return entry.second.needs_state && entry.second.refused.empty() &&
@@ -1975,10 +1988,10 @@ bool Balancer::StepRatesKnown() const {
   return true;
 }
 
-std::set<int> Balancer::UnlistedMembers() const {
+std::set<int> Balancer::UnlistedMembers(bool all) const {
   std::set<int> unlisted;
   for (int r = 0; r < shape_->world; ++r) {
-    if (!plan_.has_value() || !plan_->excluded(r)) unlisted.insert(r);
+    if (all || !plan_.has_value() || !plan_->excluded(r)) unlisted.insert(r);
   }
   for (const auto& [name, d] : daemons_) {
     for (uint32_t r : d.info.ranks()) unlisted.erase(static_cast<int>(r));
@@ -2065,7 +2078,7 @@ grpc::Status Balancer::SetDrained(const grpc::ServerContext* context, const std:
     }
     was_drained = drained_.contains(node);
     if (drained) {
-      drained_.insert(node);
+      drained_[node] = DrainCause::kOperator;
       if (shape_.has_value() && static_cast<int>(DesiredExcluded().size()) >= shape_->world) {
         drained_.erase(node);
         return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,

@@ -294,8 +294,9 @@ class Balancer final : public v1::Control::Service {
   // A daemon of a group over several daemons whose committed plan (known from GetState) is
   // older than the cluster's: it has not caught up yet (CatchUp).
   bool Behind(const Daemon& d) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Ranks in [0, world) that plan_ (if any) keeps and no registered daemon lists.
-  std::set<int> UnlistedMembers() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ranks in [0, world) that plan_ (if any) keeps, or every rank with `all`, and no registered
+  // daemon lists.
+  std::set<int> UnlistedMembers(bool all = false) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Tick: keeps missing_, the ranks taken to be down for want of a registered daemon.
   void UpdateMissing() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ranks out of the group: those of daemons failing their health checks, drained, or behind
@@ -354,7 +355,12 @@ class Balancer final : public v1::Control::Service {
   int quiet_intervals_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t capacity_warned_version_ ABSL_GUARDED_BY(mu_) = 0;
   bool rebalance_requested_ ABSL_GUARDED_BY(mu_) = false;
-  std::set<std::string> drained_ ABSL_GUARDED_BY(mu_);
+  // Drained nodes, and why: an operator asked (ubepctl drain); the node restarted (a new
+  // process, its peers must map its new arenas: kept out until undrained); or a plan this
+  // balancer held excluded all its ranks (it registered so, or recovery learned such a plan),
+  // which a newer plan recovery learns may take back.
+  enum class DrainCause { kOperator, kRestart, kExcludedByPlan };
+  std::map<std::string, DrainCause> drained_ ABSL_GUARDED_BY(mu_);
   uint64_t committed_count_ ABSL_GUARDED_BY(mu_) = 0, aborted_count_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Time last_commit_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   absl::Time next_health_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();

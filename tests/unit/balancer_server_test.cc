@@ -2287,6 +2287,36 @@ TEST(BalancerServerTest, AnOrphanPlanIsNotAbortedWhileADaemonThatMayHaveCommitte
   EXPECT_TRUE(c.commits().empty());
 }
 
+// node-b drained under v2 (which excludes its ranks); the balancer prepared the undrain v3 on
+// both nodes, and died after node-b's Commit. A restarted balancer that hears from node-a
+// alone (v2 committed, v3 pending) does not abort v3 past the recovery grace: node-b, whose
+// ranks v2 excludes, may hold it committed (it does). Once node-b registers, v3 is committed
+// on node-a, and node-b, registered while the balancer held v2, is not kept drained by it:
+// v3 takes its ranks back, and no plan drains it again.
+TEST(BalancerServerTest, AnUndrainCommittedOnTheDrainedNodeAloneSurvivesARestart) {
+  FakeDaemon a("node-a", PlanWithoutNodeB()), b("node-b", FirstPlanAs(3));
+  a.SetPending(FirstPlanAs(3));
+  BalancerOptions options = NeverMarkedDown();
+  options.recovery_grace = absl::ZeroDuration();
+  options.registration_grace = absl::Hours(1);
+  Balancer balancer(options, std::make_shared<prometheus::Registry>());
+  Register(balancer, DaemonRegistration(a, "node-a", 0, 0, "host"));
+  for (int i = 0; i < 3; ++i) balancer.Tick();  // node-b has not registered.
+  EXPECT_TRUE(a.aborted().empty());
+  ASSERT_TRUE(balancer.CurrentPlan().has_value());
+  EXPECT_EQ(balancer.CurrentPlan()->version, 2u);
+  Register(balancer, DaemonRegistration(b, "node-b", 2, 0, "host"));
+  for (int i = 0; i < 6; ++i) balancer.Tick();
+  EXPECT_EQ(a.commits(), std::vector<uint64_t>{3});
+  EXPECT_TRUE(a.aborted().empty());
+  ASSERT_TRUE(balancer.CurrentPlan().has_value());
+  EXPECT_EQ(balancer.CurrentPlan()->version, 3u);
+  EXPECT_TRUE(balancer.CurrentPlan()->excluded_ranks.empty());
+  for (const v1::PrepareRequest& p : b.prepares()) {
+    EXPECT_LE(p.plan().version(), 3u) << "node-b drained again by plan v" << p.plan().version();
+  }
+}
+
 // node-b does not answer Prepare within --rpc_timeout (its weight copies take longer): the plan
 // is aborted, and the reason says which flags give a plan's copies more time.
 TEST(BalancerServerTest, APrepareThatOutlastsTheTimeoutIsAbortedSayingWhatToRaise) {
