@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -264,24 +265,43 @@ absl::StatusOr<std::string> ReadTextFile(const std::string& path) {
 }
 
 absl::Status WriteTextFile(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) {
-      return absl::PermissionDeniedError(
-          absl::StrCat(path, ": cannot write: ", std::strerror(errno)));
-    }
-    out << text;
-    out.close();  // Flushed and closed: a write that fails at either is a failure.
-    if (!out) {
-      const int error = errno;
-      std::remove(tmp.c_str());
-      return absl::InternalError(absl::StrCat(path, ": write failed: ", std::strerror(error)));
-    }
+  struct stat st {};
+  if (stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": is a directory, not a file"));
+  }
+  // A temporary name of this writer's own beside the file (two writers of one path each
+  // write whole, and the last rename wins; a file the user named PATH.tmp is not touched),
+  // created as the file would be (0666 less the umask).
+  static std::atomic<uint64_t> serial{0};
+  const std::string tmp =
+      absl::StrCat(path, ".tmp.", getpid(), ".", serial.fetch_add(1, std::memory_order_relaxed));
+  const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+  if (fd < 0) {
+    return absl::PermissionDeniedError(absl::StrCat(path, ": cannot write: ", std::strerror(errno)));
+  }
+  auto fail = [&](const char* what) {
+    const int error = errno;
+    close(fd);
+    unlink(tmp.c_str());
+    return absl::InternalError(absl::StrCat(path, ": ", what, ": ", std::strerror(error)));
+  };
+  for (size_t done = 0; done < text.size();) {
+    const ssize_t n = write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return fail("write failed");
+    done += static_cast<size_t>(n);
+  }
+  // On the disk before it takes the name: after a crash the file is the old one or the new
+  // one, not an empty one.
+  if (fsync(fd) != 0) return fail("write failed");
+  if (close(fd) != 0) {
+    const int error = errno;
+    unlink(tmp.c_str());
+    return absl::InternalError(absl::StrCat(path, ": write failed: ", std::strerror(error)));
   }
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {
     const int error = errno;
-    std::remove(tmp.c_str());
+    unlink(tmp.c_str());
     return absl::InternalError(absl::StrCat(path, ": rename failed: ", std::strerror(error)));
   }
   return absl::OkStatus();
@@ -376,7 +396,12 @@ absl::StatusOr<LoadMatrix> ParseSglangLoad(const std::string& text, const std::s
         }
         for (size_t e = 0; e < dump[l].size(); ++e) {
           UBEP_ASSIGN_OR_RETURN(double v, NonNegative(dump[l][e], name, absl::StrCat(layer_field, "[", e, "]")));
-          summed[l][e] = summed[l][e].get<double>() + v;
+          const double sum = summed[l][e].get<double>() + v;
+          if (!std::isfinite(sum)) {  // Finite counts may still overflow: 1e308 + 1e308.
+            return Bad(name, absl::StrCat("logical_count[0..", d, "][", l, "][", e, "]"),
+                       "sums to inf over the dumps; the counts must have a finite sum");
+          }
+          summed[l][e] = sum;
         }
       }
     }

@@ -49,6 +49,8 @@ absl::StatusOr<std::string> ReadTextFile(const std::string& path);
 // object (well formed, no key given twice) with EPLB's phy2log; read whole (ReadPlanFile)
 // when it carries its own topology.
 absl::Status CheckPlanFile(const std::string& path);
+// Writes `text` to `path` whole or not at all: to a temporary file of this call's own beside
+// it, flushed to the disk, then renamed over it. InvalidArgument when `path` is a directory.
 absl::Status WriteTextFile(const std::string& path, const std::string& text);
 
 // A server's --ready_file: a JSON line with its pid and bound ports, written once it serves,

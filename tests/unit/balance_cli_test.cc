@@ -239,6 +239,47 @@ TEST(BalanceCliTest, PreviousPlanOfOtherLayersIsRejected) {
                        "2\n");
 }
 
+// A previous plan in EPLB's plain form (phy2log alone) takes the topology of the flags, as
+// eval's --plan does: it was refused, "pass --ranks", with --ranks given.
+TEST(BalanceCliTest, APlainEplbPreviousPlanTakesTheTopologyOfTheFlags) {
+  test::TempDir dir;
+  const std::string load = dir.Write("load.json", R"({"logical_count": [[1,2,3,4]]})");
+  const std::string previous = dir.Write("prev.json", R"({"phy2log": [[0,1,2,3,0,1]]})");
+  Result r = RunCli({"plan", "--load", load, "--ranks", "2", "--slots-per-rank", "3",
+                     "--previous", previous, "--out", dir.path() + "/next.json"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(Json::parse(r.out)["layers"], 1);
+  r = RunCli({"plan", "--load", load, "--ranks", "3", "--slots-per-rank", "3",
+              "--previous", previous, "--out", dir.path() + "/next.json"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err.find("pass --ranks"), std::string::npos) << r.err;
+}
+
+// Replayed loads of other MoE layers are refused naming the file, not "scenario source 1".
+TEST(BalanceCliTest, ReplayLoadsOfOtherLayersAreRefusedNamingTheFile) {
+  test::TempDir dir;
+  const std::string a = dir.Write("a.json", R"({"logical_count": [[0,0],[1,2],[3,4]]})");
+  const std::string b = dir.Write("b.json", R"({"logical_count": [[1,2],[3,4],[0,0]]})");
+  Result r = RunCli({"replay", "--load", a, b, "--ranks", "2", "--slots-per-rank", "1",
+                     "--policy", "eplb", "--steps", "4", "--rebalance-every", "1", "--window",
+                     "2"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, "ubep-balance replay: " + b + ": its MoE layers are model layers 0, 1; " + a +
+                       "'s are 1, 2\n");
+}
+
+// A path that is not UTF-8 (a file name is any bytes) is printed with U+FFFD in the summary:
+// the plan is written and the run exits 0 (the summary's dump threw after the work).
+TEST(BalanceCliTest, AnOutputPathThatIsNotUtf8IsWrittenAndSummarized) {
+  test::TempDir dir;
+  const std::string out = dir.path() + "/p\xff.json";
+  Result r = RunCli({"plan", "--load", kTrace, "--ranks", "32", "--slots-per-rank", "9", "--out",
+                     out});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(Json::parse(r.out)["out"], dir.path() + "/p\xEF\xBF\xBD.json");
+  EXPECT_TRUE(ReadTextFile(out).ok());
+}
+
 // eval pairs a plan's layers with the load's by model layer: a plan that names other layers
 // is refused, naming the first that differs; a plan without layer ids takes the load's.
 TEST(BalanceCliTest, EvalOfAPlanForOtherLayersIsRejected) {

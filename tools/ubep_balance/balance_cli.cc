@@ -22,6 +22,12 @@ namespace {
 
 using Json = nlohmann::json;
 
+// One line of JSON; bytes of a path that are not UTF-8 (a file name is any bytes) become
+// U+FFFD rather than an exception after the work is done.
+std::string Printed(const Json& json) {
+  return json.dump(-1, ' ', false, Json::error_handler_t::replace);
+}
+
 constexpr char kUsage[] =
     "usage: ubep-balance plan|eval|replay [flags]; see docs/ubep-balance.md";
 
@@ -159,7 +165,15 @@ absl::Status RunPlan(const Flags& flags, std::ostream& out, ClockInterface& cloc
   std::string previous_path;
   if (flags.Has("previous")) {
     UBEP_ASSIGN_OR_RETURN(previous_path, flags.String("previous"));
-    UBEP_ASSIGN_OR_RETURN(previous, ReadPlanFile(previous_path));
+    // A plain EPLB plan (phy2log alone) takes the topology of the flags, as the new plan does;
+    // one with its own is checked against them below (CheckPrevious says how they differ).
+    UBEP_ASSIGN_OR_RETURN(const std::string text, ReadTextFile(previous_path));
+    const Json parsed = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+    const bool own_topology = parsed.is_object() && parsed.contains("topology");
+    UBEP_ASSIGN_OR_RETURN(previous,
+                          ParsePlanJson(text, previous_path,
+                                        own_topology ? std::nullopt
+                                                     : std::optional<Topology>(topology)));
     absl::Status s = CheckPrevious(*previous, topology, load);
     if (!s.ok()) {
       return absl::InvalidArgumentError(absl::StrCat(previous_path, ": ", s.message()));
@@ -183,7 +197,7 @@ absl::Status RunPlan(const Flags& flags, std::ostream& out, ClockInterface& cloc
   summary["changed_slots"] = previous ? ChangedSlots(*previous, *plan, nullptr) : 0;
   summary["plan_ms"] = plan_ms;
   summary["out"] = out_path;
-  out << summary.dump() << "\n";
+  out << Printed(summary) << "\n";
   return absl::OkStatus();
 }
 
@@ -239,7 +253,7 @@ absl::Status RunEval(const Flags& flags, std::ostream& out) {
   result["ranks"] = plan.topology.num_ranks;
   result["cross_node_share"] = CrossNodeShare(plan, load);
   result["per_layer"] = SummarizeBalance(plan, load).per_layer;
-  out << result.dump() << "\n";
+  out << Printed(result) << "\n";
   return absl::OkStatus();
 }
 
@@ -283,6 +297,11 @@ absl::Status RunReplay(const Flags& flags, std::ostream& out, ClockInterface& cl
           path, ": logical_count: ", load.num_layers(), " MoE layers x ", load.num_experts(),
           " experts, but ", load_paths[0], " has ", sources[0].num_layers(), " x ",
           sources[0].num_experts()));
+    }
+    if (!sources.empty() && load.layer_ids() != sources[0].layer_ids()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, ": its MoE layers are model layers ", absl::StrJoin(load.layer_ids(), ", "),
+          "; ", load_paths[0], "'s are ", absl::StrJoin(sources[0].layer_ids(), ", ")));
     }
     UBEP_RETURN_IF_ERROR(CheckTopologyFits(topology, path, load));
     sources.push_back(std::move(load));
@@ -338,7 +357,7 @@ absl::Status RunReplay(const Flags& flags, std::ostream& out, ClockInterface& cl
             ? Json(static_cast<double>(ours.migrated_slots_total) / theirs.migrated_slots_total)
             : Json(nullptr);
   }
-  out << result.dump() << "\n";
+  out << Printed(result) << "\n";
   return absl::OkStatus();
 }
 
