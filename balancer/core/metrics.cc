@@ -64,6 +64,17 @@ double CrossNodeShare(const Plan& plan, const LoadMatrix& load) {
   double total = 0.0;
   double local = 0.0;
   std::vector<double> node_share(static_cast<size_t>(plan.num_experts) * t.num_nodes);
+  // Each node sources its member ranks' part of an expert's pairs (a node the plan leaves out,
+  // drained, sources none) and keeps up to its replicas' share.
+  std::vector<double> source_fraction(t.num_nodes, 0.0);
+  int members = 0;
+  for (int r = 0; r < t.num_ranks; ++r) {
+    if (plan.excluded(r)) continue;
+    source_fraction[t.NodeOfRank(r)] += 1;
+    ++members;
+  }
+  if (members == 0) return 0.0;
+  for (double& f : source_fraction) f /= members;
   for (int l = 0; l < plan.num_layers(); ++l) {
     std::fill(node_share.begin(), node_share.end(), 0.0);
     const LayerPlan& layer = plan.layers[l];
@@ -71,13 +82,11 @@ double CrossNodeShare(const Plan& plan, const LoadMatrix& load) {
       node_share[layer.slot_expert[p] * t.num_nodes + t.NodeOfRank(t.RankOfSlot(p))] +=
           layer.slot_share[p];
     }
-    // Each node sources 1/num_nodes of an expert's pairs and keeps up to its replicas' share.
-    const double source_fraction = 1.0 / t.num_nodes;
     for (int e = 0; e < plan.num_experts; ++e) {
       const double w = load.at(l, e);
       total += w;
       for (int n = 0; n < t.num_nodes; ++n) {
-        local += w * std::min(source_fraction, node_share[e * t.num_nodes + n]);
+        local += w * std::min(source_fraction[n], node_share[e * t.num_nodes + n]);
       }
     }
   }

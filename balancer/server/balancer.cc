@@ -1098,8 +1098,15 @@ void Balancer::CloseInterval() {
     // A daemon down (or hosting no rank) counts for nothing, and what it reported meanwhile
     // is let go of with the interval: kept, an outage's steps would come back as one
     // interval's when it is healthy again, weighing its counts (of the plan before, maybe)
-    // many intervals' worth. Its ranks' load is then unknown, not none.
-    const bool counted = d.Serving() && !d.info.ranks().empty();
+    // many intervals' worth. Its ranks' load is then unknown, not none. A node whose every
+    // rank the plan in force leaves out serves nothing: its last rate (from before it was
+    // drained, say) is not its load, and kept, its experts' load would count twice.
+    const bool counted = d.Serving() && !d.info.ranks().empty() && Member(d);
+    if (!counted) d.has_rate = false;
+    if (counted) {
+      d.quiet_intervals = d.interval_steps > 0 ? 0 : d.quiet_intervals + 1;
+      if (d.quiet_intervals >= options_.window_intervals) d.has_rate = false;
+    }
     if (counted && d.interval_steps > 0) {
       const double per_step = 1.0 / d.interval_steps;
       d.rate = LoadMatrix(L, shape_->experts);
@@ -1139,8 +1146,10 @@ void Balancer::CloseInterval() {
   for (int r = 0; r < shape_->world; ++r) {
     all_known &= known[r] || (plan_.has_value() && plan_->excluded(r));
   }
-  if (reporting > 0) {
+  if (reporting > 0 && all_known) {
     // Back to counts (the policy's noise model reads counts): the mean steps of an interval.
+    // Only with every member's rate: without a node's, the experts only it hosts would read
+    // as cold, and the next plan would take their replicas away.
     LoadMatrix counts(L, shape_->experts);
     counts.AddScaled(total, steps / reporting);
     window_->Add(counts);
@@ -1326,6 +1335,7 @@ void Balancer::Recover() {
         plan_ = *std::move(plan);
         plan_effective_step_ = 0;
         effective_step_learned_ = false;
+        for (auto& [other, od] : daemons_) od.ForgetInterval();  // Rates of another placement.
         // A node whose every rank the plan excludes while it is healthy was drained; one
         // taken to be drained for an older plan's exclusion that this one takes back was
         // undrained (a drain an operator asked for, or a restart's, stays).
@@ -1918,6 +1928,10 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
   }
   const bool membership = plan->excluded_ranks != previous.excluded_ranks;
   plan_ = *std::move(plan);
+  // The nodes' rates and intervals so far are of the previous placement (a node's share of an
+  // expert's load moves with its replicas): each starts again with its reports under this
+  // plan, and the window takes an interval again once every member has one.
+  for (auto& [name, d] : daemons_) d.ForgetInterval();
   // Aborted versions at or below the plan in force are aborted by recovery anyway (older
   // than the plan held): the set keeps only those above it.
   aborted_versions_.EraseUpTo(plan_->version);
@@ -2372,6 +2386,11 @@ BalancerStatus Balancer::Status() const {
 std::optional<Plan> Balancer::CurrentPlan() const {
   MutexLock lock(&mu_);
   return plan_;
+}
+
+LoadMatrix Balancer::WindowLoad() const {
+  MutexLock lock(&mu_);
+  return window_ != nullptr ? window_->Current() : LoadMatrix();
 }
 
 }  // namespace ubep::balancer

@@ -123,6 +123,9 @@ class Balancer final : public v1::Control::Service {
   void RequestRebalance();
   BalancerStatus Status() const;
   std::optional<Plan> CurrentPlan() const;
+  // The load window's counts, layers x experts (LoadWindow::Current): what the next plan is
+  // computed from.
+  LoadMatrix WindowLoad() const;
 
   // One loop iteration (the thread calls it every interval; tests may call it directly).
   void Tick();
@@ -179,7 +182,10 @@ class Balancer final : public v1::Control::Service {
     // from first_rank) and the steps they cover; where the reports say, the dispatches each
     // rank's counts cover. At the interval's close they become the node's per-step rates; a
     // node with no report in an interval keeps its last rates, so that reports arriving out
-    // of phase with the intervals weigh no node twice.
+    // of phase with the intervals weigh no node twice, for `window_intervals` intervals at
+    // most (a member that runs no step while the others do has no load known); a rate is of
+    // the placement it was measured under, so a new plan ends every rate (ForgetInterval),
+    // and a node the plan in force leaves out (drained, behind) has none.
     LoadMatrix interval_load;
     std::vector<std::vector<double>> interval_rank;             // [layer][rank - first_rank]
     std::vector<std::vector<double>> interval_rank_dispatches;  // Same; empty: not reported.
@@ -188,6 +194,7 @@ class Balancer final : public v1::Control::Service {
     LoadMatrix rate;
     std::vector<std::vector<double>> rank_rate;
     bool has_rate = false;
+    int quiet_intervals = 0;  // Closed in a row, counted, with no step reported.
     int first_rank = 0;
     // The model of a group it registered that was refused as not the cluster's (its clients
     // moved to another model). A model change: the cluster starts over with it once every
@@ -227,6 +234,7 @@ class Balancer final : public v1::Control::Service {
       interval_rank_dispatches.clear();
       interval_steps = 0;
       has_rate = false;
+      quiet_intervals = 0;
     }
   };
 

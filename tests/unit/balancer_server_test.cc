@@ -3217,6 +3217,61 @@ TEST_F(UnreachedLayerTest, ADaemonHostingNoRankDoesNotHoldBackPlans) {
   EXPECT_EQ(Sample("ubep_balancer_plan_compute_seconds"), 2);
 }
 
+// The window sums layer 0 of `load` (over the experts).
+double LayerSum(const LoadMatrix& load, int layer) {
+  double sum = 0;
+  for (int e = 0; e < load.num_experts(); ++e) sum += load.at(layer, e);
+  return sum;
+}
+
+// node-b drained: its ranks run no step, and its reports say so (no step, no count). Its rate
+// from before the drain is not its load: the window holds node-a's counts alone (node-b's
+// last rate, kept, counted its experts' load twice for as long as the drain lasted).
+TEST_F(UnreachedLayerTest, ADrainedNodesLastRateIsNotCountedAgain) {
+  Start(/*trigger_windows=*/100);
+  Interval({10, 10, 10, 10}, 0, /*layer1=*/10);
+  v1::RebalanceResponse drained;
+  const grpc::Status status = Drain(*balancer_, "node-b", true, &drained);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  SwitchToThePlanPrepared();
+  ASSERT_EQ(version_, 2u);
+  for (int i = 0; i < 10; ++i) {  // A whole window (window_intervals 10).
+    ++seq_;
+    v1::ReportLoadResponse response;
+    v1::ReportLoadRequest a = IntervalReport(0, {20, 20, 0, 0}, 0, /*layer1=*/10, true);
+    ASSERT_TRUE(balancer_->ReportLoad(nullptr, &a, &response).ok());
+    v1::ReportLoadRequest b = ReportOf("node-b", 1, seq_, step_, step_, version_, 0);
+    b.set_plan_in_force(false);
+    const grpc::Status taken = balancer_->ReportLoad(nullptr, &b, &response);
+    ASSERT_TRUE(taken.ok()) << taken.error_message();
+    step_ += 10;
+    balancer_->Tick();
+  }
+  EXPECT_EQ(LayerSum(balancer_->WindowLoad(), 0), 10 * 40.0);
+}
+
+// A member without a rate (node-b, registered again by its process: its interval starts over)
+// leaves the window as it was, rather than add an interval in which the experts only it hosts
+// read as cold.
+TEST_F(UnreachedLayerTest, AnIntervalWithoutEveryMembersRateIsNotAddedToTheWindow) {
+  Start(/*trigger_windows=*/100);
+  Interval({10, 10, 10, 10}, 0, /*layer1=*/10);
+  const double before = LayerSum(balancer_->WindowLoad(), 0);
+  ASSERT_EQ(before, 40.0);
+  v1::RegisterResponse registered;
+  v1::RegisterRequest rb = DaemonRegistration(b_, "node-b", 2, 0, "host");
+  ASSERT_TRUE(balancer_->Register(nullptr, &rb, &registered).ok());
+  ++seq_;
+  v1::ReportLoadResponse response;
+  v1::ReportLoadRequest a = IntervalReport(0, {10, 10, 10, 10}, 0, /*layer1=*/10, true);
+  ASSERT_TRUE(balancer_->ReportLoad(nullptr, &a, &response).ok());
+  step_ += 10;
+  balancer_->Tick();
+  EXPECT_EQ(LayerSum(balancer_->WindowLoad(), 0), before);
+  Interval({10, 10, 10, 10}, 0, /*layer1=*/10);
+  EXPECT_EQ(LayerSum(balancer_->WindowLoad(), 0), 2 * before);
+}
+
 // node-a is down (failing its health checks) while its ranks go on and it reports (no plan
 // without its ranks could be made: both daemons refuse every Prepare): those reports count for
 // nothing, and are let go of as each interval closes. Back, the intervals it closes hold only

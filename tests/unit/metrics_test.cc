@@ -80,6 +80,13 @@ TEST(MetricsTest, CrossNodeShareCountsLocalFirstRouting) {
   load.at(0, 0) = 0;
   load.at(0, 1) = 10;
   EXPECT_DOUBLE_EQ(CrossNodeShare(plan, load), 0.5);
+  // Node 1 drained (its ranks excluded): it sources nothing, so nothing crosses to node 0.
+  Plan drained = plan;
+  drained.excluded_ranks = {2, 3};
+  EXPECT_DOUBLE_EQ(CrossNodeShare(drained, load), 0.0);
+  // Only rank 3 out: node 0 sources 2 of the 3 members' pairs, node 1 the third.
+  drained.excluded_ranks = {3};
+  EXPECT_DOUBLE_EQ(CrossNodeShare(drained, load), 1.0 / 3);
 }
 
 TEST(MetricsTest, ChangedSlotsPerRank) {
