@@ -21,7 +21,9 @@ if(NOT UBEP_HOST_MARCH MATCHES "^x86-64(-v[234])?$")
   message(FATAL_ERROR "UBEP_HOST_MARCH=${UBEP_HOST_MARCH}: expected x86-64, x86-64-v2, x86-64-v3 or x86-64-v4")
 endif()
 
-# CUDA is on by default when nvcc is found (CUDA 13 lives under /usr/local/cuda here).
+# CUDA is on by default when an nvcc of CUDA 12.8 or later is found (the first to build
+# sm_100 and take -std=c++20 as used below; CUDA 13 lives under /usr/local/cuda here). An
+# older one leaves it off, said, rather than fail the build of a project that needs no GPU.
 if(NOT DEFINED CMAKE_CUDA_COMPILER AND EXISTS /usr/local/cuda/bin/nvcc)
   set(CMAKE_CUDA_COMPILER /usr/local/cuda/bin/nvcc)
 endif()
@@ -29,7 +31,15 @@ include(CheckLanguage)
 check_language(CUDA)
 set(_ubep_cuda_default OFF)
 if(CMAKE_CUDA_COMPILER)
-  set(_ubep_cuda_default ON)
+  execute_process(COMMAND ${CMAKE_CUDA_COMPILER} --version OUTPUT_VARIABLE _ubep_nvcc_version
+                  ERROR_QUIET)
+  string(REGEX MATCH "release ([0-9]+\\.[0-9]+)" _ubep_nvcc_release "${_ubep_nvcc_version}")
+  if(CMAKE_MATCH_1 AND CMAKE_MATCH_1 VERSION_GREATER_EQUAL 12.8)
+    set(_ubep_cuda_default ON)
+  else()
+    message(STATUS "UBEP: ${CMAKE_CUDA_COMPILER} is CUDA '${CMAKE_MATCH_1}', older than 12.8 "
+                   "(or not read): the CUDA backend is off unless -DUBEP_ENABLE_CUDA=ON")
+  endif()
 endif()
 option(UBEP_ENABLE_CUDA "Build the CUDA backend (needs nvcc; runs only where a GPU is present)"
        ${_ubep_cuda_default})
@@ -61,6 +71,8 @@ endif()
 
 find_program(UBEP_CCACHE ccache)
 if(UBEP_CCACHE)
+  # One cache for every tree and every clone (scripts/build.sh sets CCACHE_DIR, and
+  # CCACHE_BASEDIR / CCACHE_NOHASHDIR so that a clone elsewhere hits what this one built).
   set(CMAKE_CXX_COMPILER_LAUNCHER ${UBEP_CCACHE})
   set(CMAKE_C_COMPILER_LAUNCHER ${UBEP_CCACHE})
   set(CMAKE_CUDA_COMPILER_LAUNCHER ${UBEP_CCACHE})

@@ -39,6 +39,13 @@ if [ "$(id -u)" -ne 0 ]; then
     echo "install-deps: missing ${missing[*]}; run this as root, or install sudo" >&2
     exit 1
   fi
+  # Without a terminal a password prompt cannot be answered: said at once, not after ten
+  # minutes of apt-get failing.
+  if ! sudo -n true 2>/dev/null && [ ! -t 0 ]; then
+    echo "install-deps: missing ${missing[*]}; sudo needs a password and there is no terminal:" \
+         "run this as root, or install them first" >&2
+    exit 1
+  fi
   sudo=(sudo)
 fi
 echo "install-deps: installing ${missing[*]}"
@@ -47,10 +54,18 @@ echo "install-deps: installing ${missing[*]}"
 apt=(${sudo[@]+"${sudo[@]}"} env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600)
 # apt-get update takes the lists' lock, which the lock timeout does not cover: tried again
 # for up to 10 minutes while another apt holds it.
+# Any other failure (a broken source, no network) is said at once.
+errors="$(mktemp)"
+trap 'rm -f "$errors"' EXIT
 for attempt in $(seq 60); do
-  if "${apt[@]}" update -qq; then break; fi
+  if "${apt[@]}" update -qq 2> "$errors"; then break; fi
+  cat "$errors" >&2
+  if ! grep -q "Could not get lock" "$errors"; then
+    echo "install-deps: apt-get update failed (above)" >&2
+    exit 1
+  fi
   if [ "$attempt" -eq 60 ]; then echo "install-deps: apt-get update kept failing" >&2; exit 1; fi
-  echo "install-deps: apt-get update failed (another apt running?); again in 10 s" >&2
+  echo "install-deps: another apt holds the package lists' lock; again in 10 s" >&2
   sleep 10
 done
 "${apt[@]}" install -y -qq --no-install-recommends "${missing[@]}"

@@ -7,14 +7,14 @@
 # NCCL alone is 200 MB). libstdc++ and libgcc_s go to lib-compat/, which run.sh adds only
 # where the machine's own are older than the build's.
 #
-# Usage: bench/gpu/pack.sh [PACK_DIR] [BUILD_DIR]    (defaults: .gpu-pack, build)
+# Usage: bench/gpu/pack.sh [PACK_DIR] [BUILD_DIR]    (defaults: .gpu-pack, build-pack)
 # A BUILD_DIR already configured is used as it is (it must have the CUDA backend on, as the
 # README's builds do wherever nvcc is); a new one is configured for sm_90, Release.
 # Then, on the GPU machine, from the repository root: bench/gpu/run.sh --pack PACK_DIR OUT_DIR
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 pack=${1:-.gpu-pack}
-build=${2:-build}
+build=${2:-build-pack}  # Its own tree: the test command's `build` keeps its own options.
 
 if [[ ! -f $build/CMakeCache.txt ]]; then
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DUBEP_ENABLE_CUDA=ON \

@@ -6,8 +6,11 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 cd "$here"
-if [ ! -d node_modules ] || [ package-lock.json -nt node_modules ]; then
+# Installed once per lock file: a stamp of it is written after an install that finished, so
+# that one cut short (no registry, a timeout) is done again rather than taken for done.
+if ! sha256sum --status -c node_modules/.ubep-lock.sha256 2>/dev/null; then
   npm ci --no-audit --no-fund --loglevel=error
+  sha256sum package-lock.json > node_modules/.ubep-lock.sha256
 fi
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
