@@ -275,6 +275,24 @@ std::optional<BalancerLink::Pending> BalancerLink::MakeReport() {
     last_.over_capacity_calls = 0;
     last_step_ = 0;  // Their ranks' steps go on from where their clients resumed.
   }
+  // A group formed again may have moved its plan's start back to the step it resumed at
+  // (RetargetPlan), at or before the step this report would start from: the counts since the
+  // last report then hold steps run under the plan before (steps go back across a re-form),
+  // which would pass for this plan's. They cannot be told apart: not reported, and the next
+  // report starts here. (A plan whose start is ahead of the last report's step is reported as
+  // ever: the balancer takes that report as stale.)
+  if ((loads->plan.version != last_.plan.version ||
+       loads->plan.effective_step != last_.plan.effective_step) &&
+      loads->plan.effective_step.has_value() &&
+      *loads->plan.effective_step <= std::min(last_step_, loads->max_step)) {
+    UBEP_LOG(INFO) << "the load of steps " << std::min(last_step_, loads->max_step) << "-"
+                   << loads->max_step << " is not reported: plan v" << loads->plan.version
+                   << " is in force from step " << *loads->plan.effective_step
+                   << " (the group formed again there), and those counts hold the plan before's";
+    last_ = *std::move(loads);
+    last_step_ = last_.max_step;
+    return std::nullopt;
+  }
   // Of the arenas counted: read with the counters.
   const Node::PlanIdentity& plan = loads->plan;
   const Node::GroupIdentity& group = loads->group;

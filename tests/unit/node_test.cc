@@ -778,7 +778,10 @@ class FakeBalancer final : public v1::Control::Service {
   grpc::Status ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequest* request,
                           v1::ReportLoadResponse*) override {
     std::lock_guard<std::mutex> lock(mu_);
-    if (refusing_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "away for the test");
+    if (refusing_) {
+      ++refused_;
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "away for the test");
+    }
     taken_.push_back(*request);
     if (losing_) return grpc::Status(lose_code_, "answer lost for the test");
     return grpc::Status::OK;
@@ -795,7 +798,17 @@ class FakeBalancer final : public v1::Control::Service {
   void Refuse(bool refusing) {
     std::lock_guard<std::mutex> lock(mu_);
     refusing_ = refusing;
-    if (refusing) since_refusal_ = taken_.size();
+    if (refusing) {
+      since_refusal_ = taken_.size();
+      refused_ = 0;
+    }
+  }
+  // Whether `n` reports were refused since Refuse(true), within 20 s.
+  bool AwaitRefusals(int n) {
+    return test::WaitFor([&] {
+      std::lock_guard<std::mutex> lock(mu_);
+      return refused_ >= n;
+    }, absl::Seconds(20));
   }
   // Reports are taken and answered `code` (what a proxy or a transport may say).
   void LoseAnswers(bool losing, grpc::StatusCode code = grpc::StatusCode::UNAVAILABLE) {
@@ -829,6 +842,7 @@ class FakeBalancer final : public v1::Control::Service {
   int port_ = 0;
   std::mutex mu_;
   bool refusing_ = false;
+  int refused_ = 0;  // Since Refuse(true).
   bool losing_ = false;
   grpc::StatusCode lose_code_ = grpc::StatusCode::UNAVAILABLE;
   std::vector<v1::ReportLoadRequest> taken_;  // Every report taken, as sent.
@@ -934,6 +948,45 @@ TEST(NodeTest, AConnectionHoldingARankClaimsNoOther) {
             absl::FailedPreconditionError("this connection holds rank 0 already; each rank "
                                           "claims its arenas on a connection of its own"));
   EXPECT_TRUE(node.ClaimArenas(second->token(), 2).ok());
+}
+
+// The group re-forms at step 50 after v2 (effective at 100) was committed: v2 is in force from
+// 50 (RetargetPlan). The counters the link had not read by then hold step 50's pairs under v1
+// (9 in slot 2); a report claiming steps from 50 under v2 would pass them for v2's, and the
+// balancer would take them (its stale check sees no step before v2's start). That interval is
+// not reported: the load the balancer takes as v2's is v2's alone (4 in slot 1).
+TEST(NodeTest, CountsOfThePlanBeforeAGroupFormedAgainDoNotPassForTheNewPlans) {
+  FakeBalancer balancer;
+  ReportingGroup group(balancer);  // v1; rank 0 at step 50, 30 pairs in slot 0.
+  Node& node = group.node;
+  ASSERT_FALSE(balancer.ReportsUpTo(50).empty());
+  balancer.Refuse(true);  // The next report is made and held: no counter is read meanwhile.
+  ASSERT_TRUE(balancer.AwaitRefusals(1));
+  AddLoad(group.a0, 0, 0, {0, 0, 9, 0}, ConfigOf(2));  // Step 50 goes on under v1.
+  const v1::PrepareResponse prepared = node.Prepare(SwappedPlan(), 100);
+  ASSERT_TRUE(prepared.prepared()) << prepared.reason();
+  ASSERT_TRUE(node.Commit(2).ok());
+  auto [j0, j1] = JoinBoth(node, group.a0, 50, group.a1, 50);  // Stopped, formed again at 50.
+  ASSERT_TRUE(j0.ok()) << j0.status();
+  ASSERT_TRUE(j1.ok()) << j1.status();
+  ASSERT_EQ(node.CommittedPlanIdentity().effective_step, std::optional<uint64_t>(50));
+  balancer.Refuse(false);
+  // The held report goes, then the link reads the counters again, under v2.
+  ASSERT_TRUE(test::WaitFor([&] {
+    for (const v1::ReportLoadRequest& r : balancer.Taken()) {
+      if (r.load().plan_version() == 2) return true;
+    }
+    return false;
+  }, absl::Seconds(20)));
+  AddLoad(group.a0, 0, 0, {0, 4, 0, 0}, ConfigOf(2));  // v2's own.
+  StepOf(group.a0, 0).store(60);
+  ASSERT_FALSE(balancer.ReportsUpTo(60).empty());
+  std::vector<uint64_t> v2(8, 0);  // What the balancer takes as v2's: from its start on.
+  for (const v1::ReportLoadRequest& r : balancer.Taken()) {
+    if (r.load().plan_version() != 2 || r.load().first_step() < r.plan_effective_step()) continue;
+    for (int p = 0; p < 8; ++p) v2[p] += r.load().layers(0).slot(p);
+  }
+  EXPECT_THAT(v2, ::testing::ElementsAre(0, 4, 0, 0, 0, 0, 0, 0));
 }
 
 // ReportingGroup's ranks leave (connections 1 and 2) and a group of another hidden size (new
