@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/channel.h"
 #include "common/logging.h"
@@ -289,12 +290,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   options.node.domain = options.domain;
   if (options.socket_path.empty()) return absl::InvalidArgumentError("--socket is required");
   options.node.fd_socket_path = options.socket_path + ".fds";
-  // The ready file is written by a rename over its path (from PATH.tmp), and removed: on one
+  // The ready file is written by a rename over its path (from PATH.tmp.*), and removed: on one
   // of the daemon's own files it would replace a socket, or the lock.
   for (const std::string& own : {options.socket_path, options.node.fd_socket_path,
                                  options.socket_path + ".lock"}) {
     if (options.ready_file.empty()) break;
-    if (options.ready_file == own || options.ready_file + ".tmp" == own) {
+    if (options.ready_file == own || absl::StartsWith(own, options.ready_file + ".tmp.")) {
       return absl::InvalidArgumentError(absl::StrCat(
           "--ready_file ", options.ready_file, " would be written over ", own,
           ", one of ubepd's own files (its sockets and its lock): give it a path of its own"));

@@ -51,7 +51,8 @@ fi
 echo "install-deps: installing ${missing[*]}"
 # sudo drops the environment: apt's settings go on its command line. The lock timeout covers
 # a fresh VM's unattended upgrades, which hold apt's lock for a while after boot.
-apt=(${sudo[@]+"${sudo[@]}"} env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600)
+# (LC_ALL=C: the lock's message is matched below, in apt's own words.)
+apt=(${sudo[@]+"${sudo[@]}"} env DEBIAN_FRONTEND=noninteractive LC_ALL=C apt-get -o DPkg::Lock::Timeout=600)
 # apt-get update takes the lists' lock, which the lock timeout does not cover: tried again
 # for up to 10 minutes while another apt holds it.
 # Any other failure (a broken source, no network) is said at once.

@@ -12,7 +12,7 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
   # The release tree, as scripts/test.sh builds it (the same options: one build serves both).
   UBEP_BUILD_TYPE=RelWithDebInfo scripts/build.sh build -DUBEP_SANITIZE= -DUBEP_BUILD_TESTS=ON \
     -DUBEP_BUILD_BENCHMARKS=ON -DUBEP_BUILD_SHARED_CLIENT=ON -UUBEP_ENABLE_CUDA \
-    -UCMAKE_CUDA_ARCHITECTURES -DUBEP_HOST_MARCH=x86-64-v3
+    -UCMAKE_CUDA_ARCHITECTURES
 )
 # From where it was started: a relative path among the extra arguments (--report out) is the
 # caller's. The report goes to the repository's ubep-local-report/ unless one is given.

@@ -27,5 +27,5 @@ echo "== Full suite (release build)"
 # configure of the tree left in its cache.)
 UBEP_BUILD_TYPE=RelWithDebInfo scripts/build.sh build -DUBEP_SANITIZE= -DUBEP_BUILD_TESTS=ON \
   -DUBEP_BUILD_BENCHMARKS=ON -DUBEP_BUILD_SHARED_CLIENT=ON -UUBEP_ENABLE_CUDA \
-  -UCMAKE_CUDA_ARCHITECTURES -DUBEP_HOST_MARCH=x86-64-v3
+  -UCMAKE_CUDA_ARCHITECTURES
 ctest --test-dir build -j "$jobs" --output-on-failure --no-tests=error

@@ -18,6 +18,7 @@
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 
@@ -271,11 +272,17 @@ absl::Status WriteTextFile(const std::string& path, const std::string& text) {
   }
   // A temporary name of this writer's own beside the file (two writers of one path each
   // write whole, and the last rename wins; a file the user named PATH.tmp is not touched),
-  // created as the file would be (0666 less the umask).
+  // created as the file would be (0666 less the umask). One a killed writer left (a process
+  // restarted in a container has its pid again) is passed over for the next name.
   static std::atomic<uint64_t> serial{0};
-  const std::string tmp =
-      absl::StrCat(path, ".tmp.", getpid(), ".", serial.fetch_add(1, std::memory_order_relaxed));
-  const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+  std::string tmp;
+  int fd = -1;
+  for (int attempt = 0; attempt < 100 && fd < 0; ++attempt) {
+    tmp = absl::StrCat(path, ".tmp.", getpid(), ".", absl::ToUnixNanos(absl::Now()), ".",
+                       serial.fetch_add(1, std::memory_order_relaxed));
+    fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (fd < 0 && errno != EEXIST) break;
+  }
   if (fd < 0) {
     return absl::PermissionDeniedError(absl::StrCat(path, ": cannot write: ", std::strerror(errno)));
   }

@@ -1103,11 +1103,14 @@ void Balancer::CloseInterval() {
     // drained, say) is not its load, and kept, its experts' load would count twice.
     const bool counted = d.Serving() && !d.info.ranks().empty() && Member(d);
     if (!counted) d.has_rate = false;
-    if (counted) {
-      d.quiet_intervals = d.interval_steps > 0 ? 0 : d.quiet_intervals + 1;
-      if (d.quiet_intervals >= options_.window_intervals) d.has_rate = false;
+    const absl::Time now = MonotonicNow();
+    if (counted && d.has_rate && d.interval_steps == 0 &&
+        now - d.rate_time > std::max(options_.window_intervals * options_.interval,
+                                     3 * options_.report_interval)) {
+      d.has_rate = false;
     }
     if (counted && d.interval_steps > 0) {
+      d.rate_time = now;
       const double per_step = 1.0 / d.interval_steps;
       d.rate = LoadMatrix(L, shape_->experts);
       d.rate.AddScaled(d.interval_load, per_step);

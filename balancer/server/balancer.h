@@ -182,8 +182,9 @@ class Balancer final : public v1::Control::Service {
     // from first_rank) and the steps they cover; where the reports say, the dispatches each
     // rank's counts cover. At the interval's close they become the node's per-step rates; a
     // node with no report in an interval keeps its last rates, so that reports arriving out
-    // of phase with the intervals weigh no node twice, for `window_intervals` intervals at
-    // most (a member that runs no step while the others do has no load known); a rate is of
+    // of phase with the intervals weigh no node twice, for a window of intervals or three
+    // report intervals at most, whichever is longer (a member none of whose steps was counted
+    // for that long, its reports failing or all stale, has no load known); a rate is of
     // the placement it was measured under, so a new plan ends every rate (ForgetInterval),
     // and a node the plan in force leaves out (drained, behind) has none.
     LoadMatrix interval_load;
@@ -194,7 +195,7 @@ class Balancer final : public v1::Control::Service {
     LoadMatrix rate;
     std::vector<std::vector<double>> rank_rate;
     bool has_rate = false;
-    int quiet_intervals = 0;  // Closed in a row, counted, with no step reported.
+    absl::Time rate_time = absl::InfinitePast();  // When `rate` was last measured.
     int first_rank = 0;
     // The model of a group it registered that was refused as not the cluster's (its clients
     // moved to another model). A model change: the cluster starts over with it once every
@@ -234,7 +235,6 @@ class Balancer final : public v1::Control::Service {
       interval_rank_dispatches.clear();
       interval_steps = 0;
       has_rate = false;
-      quiet_intervals = 0;
     }
   };
 

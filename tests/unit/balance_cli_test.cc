@@ -280,6 +280,16 @@ TEST(BalanceCliTest, AnOutputPathThatIsNotUtf8IsWrittenAndSummarized) {
   EXPECT_TRUE(ReadTextFile(out).ok());
 }
 
+// A directory at --out is a usage error, said before the plan is computed.
+TEST(BalanceCliTest, AnOutputThatIsADirectoryIsRefused) {
+  test::TempDir dir;
+  Result r = RunCli({"plan", "--load", kTrace, "--ranks", "32", "--slots-per-rank", "9", "--out",
+                     dir.path()});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, "ubep-balance plan: " + dir.path() + ": is a directory, not a file\n");
+  EXPECT_TRUE(r.out.empty());
+}
+
 // eval pairs a plan's layers with the load's by model layer: a plan that names other layers
 // is refused, naming the first that differs; a plan without layer ids takes the load's.
 TEST(BalanceCliTest, EvalOfAPlanForOtherLayersIsRejected) {

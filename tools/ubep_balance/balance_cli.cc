@@ -1,6 +1,7 @@
 #include "tools/ubep_balance/balance_cli.h"
 
 #include <charconv>
+#include <filesystem>
 #include <cstdlib>
 #include <map>
 #include <optional>
@@ -157,6 +158,10 @@ absl::Status CheckTopologyFits(const Topology& t, const std::string& load_path,
 absl::Status RunPlan(const Flags& flags, std::ostream& out, ClockInterface& clock) {
   UBEP_ASSIGN_OR_RETURN(std::string load_path, flags.String("load"));
   UBEP_ASSIGN_OR_RETURN(std::string out_path, flags.String("out"));
+  if (std::error_code ignored; std::filesystem::is_directory(out_path, ignored)) {
+    // Said before the plan is computed (WriteTextFile would say it after).
+    return absl::InvalidArgumentError(absl::StrCat(out_path, ": is a directory, not a file"));
+  }
   UBEP_ASSIGN_OR_RETURN(Topology topology, TopologyFromFlags(flags));
   UBEP_ASSIGN_OR_RETURN(PlannerOptions options, PlannerFromFlags(flags, "policy"));
   UBEP_ASSIGN_OR_RETURN(LoadMatrix load, ReadSglangLoadFile(load_path));
