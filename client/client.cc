@@ -1311,6 +1311,8 @@ absl::StatusOr<uint64_t> Rank::Rejoin(std::optional<uint64_t> next_step) {
 absl::StatusOr<std::span<std::byte>> Rank::ExpertWeights(int layer, int local_slot) {
   RankState& s = *state_;
   if (!s.attached) return Detached();
+  // A forked child writing into the parent's weights would change what the parent serves.
+  if (s.InForkedChild()) return ForkedChild(s, "use");
   if (layer < 0 || layer >= s.shape.num_layers || local_slot < 0 ||
       local_slot >= s.shape.slots_per_rank) {
     return absl::InvalidArgumentError(absl::StrCat("(layer ", layer, ", slot ", local_slot,
@@ -1347,6 +1349,7 @@ absl::StatusOr<std::span<std::byte>> Rank::ExpertWeights(int layer, int local_sl
 absl::StatusOr<int> Rank::SlotExpert(int layer, int local_slot) const {
   const RankState& s = *state_;
   if (!s.attached) return Detached();
+  if (s.InForkedChild()) return ForkedChild(s, "use");
   if (layer < 0 || layer >= s.shape.num_layers || local_slot < 0 ||
       local_slot >= s.shape.slots_per_rank) {
     return absl::InvalidArgumentError(absl::StrCat("(layer ", layer, ", slot ", local_slot,

@@ -178,7 +178,9 @@ absl::Status DispatchAfterGiveUpStatus(uint32_t code, int rank, Protocol protoco
   // The abort word does not say in which call: the peers may have given up on the rank in
   // the call it comes to now, late.
   const int given_up_on = RankGivenUpOn(code, rank);
-  return absl::FailedPreconditionError(absl::StrCat(
+  // The group's state, not the caller's mistake: Unavailable, as a group stopped (the rank
+  // must Rejoin), not FailedPrecondition (a call out of order).
+  return absl::UnavailableError(absl::StrCat(
       "rank ", rank, ": dispatch call ", call, " refused: the group gave up on ",
       given_up_on == rank ? std::string("this rank") : absl::StrCat("rank ", given_up_on),
       " in this call or an earlier one; it must be re-formed"));

@@ -638,7 +638,7 @@ TEST_P(CudaEpTest, PeersOfARankWhoseLaunchFailedMidCallSayWhyAtOnce) {
   EXPECT_EQ(errors[1],
             absl::StrCat("INTERNAL: ", why,
                          " | FAILED_PRECONDITION: rank 1: combine after dispatch call 1 "
-                         "failed; the group must be re-formed | FAILED_PRECONDITION: rank 1: "
+                         "failed; the group must be re-formed | UNAVAILABLE: rank 1: "
                          "dispatch call 2 refused: the group gave up on this rank in this call "
                          "or an earlier one; it must be re-formed"));
   for (int r = 0; r < c.num_ranks; ++r) {
@@ -982,9 +982,9 @@ TEST_P(CudaEpTest, ADispatchAfterTheGroupGaveUpIsRefusedBeforeAnyByteMoves) {
   const std::string counts = CountsPhase(c);
   const std::vector<std::pair<uint32_t, absl::Status>> cases = {
       {kAbortTimedOutBase + 1,
-       absl::FailedPreconditionError("rank 0: dispatch call 1 refused: the group gave up on "
-                                     "rank 1 in this call or an earlier one; it must be "
-                                     "re-formed")},
+       absl::UnavailableError("rank 0: dispatch call 1 refused: the group gave up on "
+                              "rank 1 in this call or an earlier one; it must be "
+                              "re-formed")},
       {kAbortDraining, absl::UnavailableError(absl::StrCat(
                            "rank 0: ubepd is draining; ", counts,
                            " of call 1 abandoned; attach again when it is back"))}};

@@ -777,9 +777,12 @@ TEST_F(DaemonTest, AWaitThatGivesUpIsCountedForItsRankAlone) {
   EXPECT_EQ(Sample(metrics, "ubep_daemon_attached_clients"), 2) << metrics;
 
   const absl::Status told = stalled.Dispatch(0, x.data(), idx.data(), w.data(), 4, d);
-  EXPECT_EQ(told, absl::FailedPreconditionError(
+  EXPECT_EQ(told, absl::UnavailableError(
                       "rank 1: dispatch call 1 refused: the group gave up on this rank in this "
                       "call or an earlier one; it must be re-formed"));
+  // The rank is stopped, as after any Unavailable: its next step is refused with the same
+  // words until it Rejoins (it began step 1 and failed every Dispatch, its group looking whole).
+  EXPECT_EQ(stalled.BeginStep(1), told);
   EXPECT_EQ(stalled.stats().wait_timeouts, 0u);
   EXPECT_EQ(stalled.stats().errors, 1u);
   EXPECT_TRUE(waiting.Detach().ok());

@@ -755,6 +755,8 @@ TEST(ClientTest, AForkedChildsCopyOfARankDetachesNothing) {
     int wrong = 0;
     wrong += (*rank)->BeginStep(0) != refused("use");
     wrong += (*rank)->Rejoin(std::nullopt).status() != refused("use");
+    wrong += (*rank)->ExpertWeights(0, 0).status() != refused("use");
+    wrong += (*rank)->SlotExpert(0, 0).status() != refused("use");
     wrong += !(*rank)->must_attach_again();
     wrong += (*rank)->Detach() != refused("detach");
     rank->reset();

@@ -1071,9 +1071,9 @@ TEST(HostEpErrorTest, ADispatchAfterTheGroupGaveUpIsRefusedBeforeAnyByteMoves) {
     const std::vector<std::vector<std::byte>> before = ArenaBytes(group);
     DispatchOutput out;
     EXPECT_EQ(group.ep(0).Dispatch(input, out),
-              absl::FailedPreconditionError("rank 0: dispatch call 2 refused: the group gave up "
-                                            "on rank 2 in this call or an earlier one; it must be "
-                                            "re-formed"));
+              absl::UnavailableError("rank 0: dispatch call 2 refused: the group gave up "
+                                     "on rank 2 in this call or an earlier one; it must be "
+                                     "re-formed"));
     EXPECT_TRUE(ArenaBytes(group) == before);
   };
   {
@@ -1708,7 +1708,7 @@ TEST(HostEpErrorTest, ARankThatComesAfterThePeersGaveUpOnItIsToldSo) {
   EXPECT_EQ(group.ep(2).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8,
                                   config.hidden, 0, plan.header()},
                                  out),
-            absl::FailedPreconditionError(
+            absl::UnavailableError(
                 "rank 2: dispatch call 1 refused: the group gave up on this rank in this call or "
                 "an earlier one; it must be re-formed"));
 }

@@ -16,10 +16,12 @@
 //
 // Errors are absl::Status with messages that name the rank and what to do:
 //  - Unavailable: the group stopped (a rank left, a plan changed the members, ubepd is
-//    draining or exited; BeginStep of a rank the plan excludes). When must_attach_again(),
+//    draining or exited; BeginStep of a rank the plan excludes; a Dispatch of a rank its peers
+//    gave up on, which came after their wait timed out). When must_attach_again(),
 //    Detach and Attach again once a daemon is back; otherwise call Rejoin (it waits for the
 //    group to re-form and says at which step to continue).
 //  - DeadlineExceeded: a peer did not arrive within the wait timeout; the message names it.
+//    The rank is stopped: every call but Rejoin and Detach repeats the error until Rejoin.
 //    Rejoin of a rank the plan excludes (excluded()) ends so too: call it again to keep waiting.
 //  - InvalidArgument: bad input (expert id out of range or listed twice by a token, too many
 //    tokens; BeginStep of a step before the rank's, or above 2^63 - 1: a negative one passed
@@ -126,7 +128,11 @@ struct RankState;
 
 // What one rank received from a dispatch: rows grouped by local slot (slot i's rows are
 // [slot_offsets()[i], slot_offsets()[i + 1])), with each row's source rank, source token and
-// routing weight. Reusable across calls (buffers are kept); a moved-from one too.
+// routing weight. Reusable across calls (buffers are kept); a moved-from one too. On the host
+// backend the views are the Dispatched's own memory; on the CUDA backend rows(), src_rank(),
+// src_token() and weights() are device memory of the rank's data plane, valid until the
+// rank's next Dispatch (of any Dispatched), Rejoin or Detach: keep one Dispatched per layer
+// in flight, not several (slot_offsets() is a host copy, kept).
 class Dispatched {
  public:
   Dispatched();
