@@ -77,6 +77,24 @@ absl::Status RemoveStaleSocket(const std::string& path) {
   return absl::OkStatus();
 }
 
+absl::Status RefuseLiveSocket(const std::string& path) {
+  struct stat st {};
+  if (lstat(path.c_str(), &st) != 0 || !S_ISSOCK(st.st_mode)) return absl::OkStatus();
+  absl::StatusOr<sockaddr_un> addr = Address(path);
+  if (!addr.ok()) return addr.status();
+  UniqueFd probe(socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  if (!probe.valid()) return Errno("socket");
+  // Refused (nobody listens): stale. Taken, pending (a full backlog), or a listener of another
+  // socket type: someone is there.
+  if (connect(probe.get(), reinterpret_cast<const sockaddr*>(&*addr), sizeof(*addr)) == 0 ||
+      errno == EAGAIN || errno == EINPROGRESS || errno == EPROTOTYPE) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        path, " is a socket another process listens on; not replacing it: is the socket path "
+        "right? (another ubepd, started without its lock file, or another program)"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<UniqueFd> ListenUnix(const std::string& path, mode_t mode) {
   absl::StatusOr<sockaddr_un> addr = Address(path);
   if (!addr.ok()) return addr.status();

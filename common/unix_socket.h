@@ -47,6 +47,10 @@ class UniqueFd {
 // Removes a socket left at `path` by a process gone (bind needs the path free); refuses,
 // FailedPrecondition, to remove anything that is not a socket (a mistyped path naming a file).
 absl::Status RemoveStaleSocket(const std::string& path);
+// FailedPrecondition when a process listens on the socket at `path` (a connect is taken), so
+// that a live socket is not replaced as a stale one; OK when nothing or no socket is there, or
+// nobody listens.
+absl::Status RefuseLiveSocket(const std::string& path);
 
 // Binds and listens on `path` (an existing socket file there is replaced), then sets the
 // file's mode (e.g. 0660) so that only the owner and group may connect.

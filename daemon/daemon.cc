@@ -301,9 +301,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
           ", one of ubepd's own files (its sockets and its lock): give it a path of its own"));
     }
   }
-  if (!options.balancer.empty() && options.advertise.empty() && options.listen.empty()) {
-    return absl::InvalidArgumentError("--balancer needs --listen (or --advertise): the "
-                                      "balancer calls this daemon back");
+  if (!options.balancer.empty() && options.listen.empty()) {
+    return absl::InvalidArgumentError("--balancer needs --listen: the balancer calls this "
+                                      "daemon back there (--advertise only names that address "
+                                      "to the balancer)");
   }
   if (options.node.num_ranks > 0 && options.balancer.empty()) {
     return absl::InvalidArgumentError(
@@ -344,20 +345,36 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   // One daemon per socket path: a second one started by mistake must not replace (and, as it
   // exits, remove) the sockets of the one serving there.
   const std::string lock_path = options.socket_path + ".lock";
-  UniqueFd lock(open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
-  if (!lock.valid()) return absl::ErrnoToStatus(errno, absl::StrCat("open ", lock_path));
+  // Read-only, and readable by all: flock needs no more, and a lock file another user's
+  // ubepd left (one run by hand as root, say) does not keep this one from starting.
+  UniqueFd lock(open(lock_path.c_str(), O_RDONLY | O_CREAT | O_CLOEXEC, 0644));
+  if (!lock.valid()) {
+    const int error = errno;
+    return absl::ErrnoToStatus(
+        error, absl::StrCat("open ", lock_path,
+                            error == EACCES ? " (another user's, not readable: remove it if no "
+                                              "ubepd serves there)"
+                                            : ""));
+  }
   if (flock(lock.get(), LOCK_EX | LOCK_NB) != 0) {
     return errno == EWOULDBLOCK
                ? absl::AlreadyExistsError(absl::StrCat("another ubepd serves ", options.socket_path,
                                                        " (it holds ", lock_path, ")"))
                : absl::ErrnoToStatus(errno, absl::StrCat("flock ", lock_path));
   }
-  d->socket_lock_ = std::move(lock);
   // Both socket paths are free, or hold a socket of a daemon gone, before either is made:
   // anything else there (a mistyped path naming a file) is left alone, and nothing started.
+  // A socket someone listens on is not stale, lock or no lock (the lock file removed under
+  // a running daemon, or a path that names another program's socket).
+  for (const std::string& path : {options.socket_path, options.node.fd_socket_path}) {
+    if (absl::Status live = RefuseLiveSocket(path); !live.ok()) return live;
+  }
   for (const std::string& path : {options.socket_path, options.node.fd_socket_path}) {
     if (absl::Status removed = RemoveStaleSocket(path); !removed.ok()) return removed;
   }
+  // Held by the daemon from here on, whose end removes the socket at its path: not before, or
+  // a start refused above would remove the live socket it refused to replace.
+  d->socket_lock_ = std::move(lock);
   // A ready file a daemon before this one left (killed, it removed nothing) goes now: whoever
   // waits for this daemon's must not take that one's ports for its own.
   if (absl::Status cleared = d->ready_.ClearStale(balancer::ReadyFile::Holder::kThisRun);

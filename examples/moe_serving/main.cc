@@ -5,9 +5,10 @@
 // computed alone (so the bound does not grow with the number of layers).
 //
 // Recovery: when the group stops (a rank died, or a wait timed out) it re-joins and repeats
-// the step the group resumes at, waiting for a peer that is late for --reattach-timeout (and
+// the step the group resumes at, waiting for a peer that is late for --reattach_timeout (and
 // as long as the plan excludes this rank: it was drained); when ubepd drains it detaches and
-// attaches again until the daemon is back (--reattach-timeout). A step whose call overflowed
+// attaches again until the daemon is back (--reattach_timeout; and as long as the plan excludes
+// this rank, the daemon back with its node still drained). A step whose call overflowed
 // some rank's receive capacity (ResourceExhausted, on every rank at once) is dropped, as an
 // engine drops a batch, and the next one runs; so is one whose ranks' calls were out of step
 // (Aborted, on every rank: one rank was a layer or a step ahead). step_log.h has the lines.
@@ -18,10 +19,13 @@
 //   dropped step 14: rank 1, combine call 57: rank 3 was routed 300 rows ...
 //   dropped step 15 (out of step): rank 0, dispatch call 60: pairs layer 0 of step 15 ...
 //   done steps 100 failed 0 dropped 1
-// Exit code: 0 when every step matched the reference, 1 on a mismatch, 2 on bad flags,
+// Exit code: 0 when every step matched the reference, 1 on a mismatch (or a flag Abseil cannot
+// parse: unknown, or not of its type), 2 on flag values it cannot run with,
 // 3 on an error it cannot recover from (the group could not be (re)joined in time, or a step
 // failed otherwise than the recovery above covers; the log says which).
 #include <unistd.h>
+
+#include <cerrno>
 
 #include <algorithm>
 #include <cstdio>
@@ -35,6 +39,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
@@ -65,7 +70,9 @@ ABSL_FLAG(absl::Duration, join_timeout, absl::Seconds(60),
           "How long an Attach or a Rejoin waits for the rest of the group at a time "
           "(ClientOptions::join_timeout).");
 ABSL_FLAG(absl::Duration, reattach_timeout, absl::Seconds(60),
-          "How long to keep attaching while ubepd is away (draining, restarting).");
+          "How long to keep attaching while ubepd is away (draining, restarting), and "
+          "rejoining while a peer is late; a rank the plan excludes waits for as long as it is "
+          "excluded.");
 
 namespace {
 
@@ -76,6 +83,7 @@ class Log {
   explicit Log(const std::string& path) {
     if (!path.empty()) file_.open(path, std::ios::app);
   }
+  bool opened(const std::string& path) const { return path.empty() || file_.is_open(); }
   void Line(const std::string& line) {
     std::cout << line << std::endl;
     if (file_.is_open()) file_ << line << std::endl;
@@ -182,6 +190,9 @@ int main(int argc, char** argv) {
   } else if (reattach_timeout <= absl::ZeroDuration()) {
     bad = absl::StrCat("--reattach_timeout ", absl::FormatDuration(reattach_timeout),
                        " is not positive");
+  } else if (absl::GetFlag(FLAGS_slots_per_rank) < 0) {
+    bad = absl::StrCat("--slots_per_rank ", absl::GetFlag(FLAGS_slots_per_rank),
+                       " is negative (0: experts / world)");
   }
   if (!bad.empty()) {
     std::cerr << "ubep-moe-example: " << bad << "\n";
@@ -203,11 +214,19 @@ int main(int argc, char** argv) {
   const int steps = absl::GetFlag(FLAGS_steps);
   const double tolerance = absl::GetFlag(FLAGS_tolerance);
   Log log(absl::GetFlag(FLAGS_log));
+  if (!log.opened(absl::GetFlag(FLAGS_log))) {
+    std::cerr << "ubep-moe-example: --log " << absl::GetFlag(FLAGS_log)
+              << ": cannot open it: " << std::strerror(errno) << "\n";
+    return 2;
+  }
   const std::string me = absl::StrCat("rank ", rank_id);
 
-  // Attaches, retrying while ubepd is away, for at most --reattach-timeout.
+  // Attaches, retrying while ubepd is away, for at most --reattach_timeout, and for as long as
+  // the plan excludes this rank (its node drained: its Join ends DeadlineExceeded, "excluded",
+  // at each join timeout; the rank serves nothing until a plan includes it).
   auto attach = [&](std::optional<uint64_t> next_step) -> absl::StatusOr<std::unique_ptr<ubep::Rank>> {
-    const absl::Time deadline = absl::Now() + reattach_timeout;
+    absl::Time deadline = absl::Now() + reattach_timeout;
+    bool said_excluded = false;
     absl::Status last;
     while (absl::Now() < deadline) {
       absl::StatusOr<std::unique_ptr<ubep::Rank>> r =
@@ -221,6 +240,16 @@ int main(int argc, char** argv) {
       if (!absl::IsUnavailable(last) && !absl::IsAlreadyExists(last) &&
           !absl::IsDeadlineExceeded(last)) {
         return last;
+      }
+      if (absl::IsDeadlineExceeded(last) &&
+          absl::StrContains(last.message(), "is excluded from the EP group")) {
+        if (!said_excluded) {
+          log.Line(absl::StrCat("excluded at attach; waiting for a plan that includes rank ",
+                                rank_id));
+        }
+        said_excluded = true;
+        next_step = std::nullopt;  // Its step does not hold the group back when taken in.
+        deadline = absl::Now() + reattach_timeout;
       }
       absl::SleepFor(absl::Milliseconds(100));
     }
@@ -270,7 +299,13 @@ int main(int argc, char** argv) {
       continue;
     }
     log.Line(absl::StrCat("error step ", step, ": ", status.message()));
-    if (!absl::IsUnavailable(status) && !absl::IsDeadlineExceeded(status)) return 3;
+    // Unavailable and DeadlineExceeded: the group stopped; Internal: the combine libubep ran
+    // for a failed call did not complete, and the group is out of step. Each: Rejoin (or
+    // attach again). Anything else is this process's fault.
+    if (!absl::IsUnavailable(status) && !absl::IsDeadlineExceeded(status) &&
+        !absl::IsInternal(status)) {
+      return 3;
+    }
     // ubepd is going away or gone: detach now, attach to the next one (false: could not).
     auto attach_again = [&] {
       (void)(*rank)->Detach();
@@ -294,15 +329,17 @@ int main(int argc, char** argv) {
       continue;
     }
     absl::StatusOr<uint64_t> resume = (*rank)->Rejoin(step);
-    // A Rejoin ends DeadlineExceeded at each join timeout while a peer is missing: it is
-    // called again for --reattach-timeout, and for as long as the plan excludes this rank
+    // A Rejoin ends DeadlineExceeded at each join timeout while a peer is missing, and
+    // Unavailable where its ubepd did not hand over the new arenas in time: it is called again
+    // for --reattach_timeout, and for as long as the plan excludes this rank
     // (node failed or drained: it serves nothing until a plan includes it; its step does not
     // hold the group back when it is taken in again, so it gives none). The time counts from
     // the last Rejoin that found it excluded: taken in again, it waits for the group as any.
     absl::Time give_up = absl::Now() + reattach_timeout;
     bool said_excluded = false;
     std::optional<uint64_t> next_step = step;
-    while (!resume.ok() && absl::IsDeadlineExceeded(resume.status()) &&
+    while (!resume.ok() &&
+           (absl::IsDeadlineExceeded(resume.status()) || absl::IsUnavailable(resume.status())) &&
            !(*rank)->must_attach_again()) {
       if ((*rank)->excluded()) {
         if (!said_excluded) {

@@ -497,6 +497,33 @@ TEST_F(DaemonTest, WhatItCannotStartWithIsRefusedAndLeavesTheRunningDaemonBe) {
                                    "file); not replacing it: is the socket path right?\n")));
     EXPECT_EQ(ReadFile(file), "--ranks=0-3\n");
   }
+  // --advertise without --listen: nothing would serve the address the balancer is given.
+  {
+    const std::string out = dir_.path() + "/advertise.out";
+    Process p({BinaryPath("ubepd"), "--socket=" + dir_.path() + "/other.sock", "--metrics=",
+               "--balancer=127.0.0.1:1", "--advertise=127.0.0.1:7071"},
+              out);
+    EXPECT_EQ(p.Wait(absl::Seconds(30)), 2);
+    EXPECT_EQ(ReadFile(out), "ubepd: --balancer needs --listen: the balancer calls this daemon "
+                             "back there (--advertise only names that address to the balancer)\n");
+  }
+  // A socket another process listens on is not replaced as a stale one (here the lock file
+  // of its path is free: removed under a running daemon, or another program's socket).
+  {
+    const std::string live = dir_.path() + "/live.sock";
+    absl::StatusOr<UniqueFd> listener = ListenUnix(live, 0600);
+    ASSERT_TRUE(listener.ok()) << listener.status();
+    const std::string out = dir_.path() + "/live.out";
+    Process p({BinaryPath("ubepd"), "--socket=" + live, "--metrics="}, out);
+    EXPECT_EQ(p.Wait(absl::Seconds(30)), 1);
+    EXPECT_THAT(ReadFile(out), ::testing::EndsWith(absl::StrCat(
+                                   "ubepd: ", live, " is a socket another process listens on; "
+                                   "not replacing it: is the socket path right? (another ubepd, "
+                                   "started without its lock file, or another program)\n")));
+    struct stat st {};
+    EXPECT_EQ(lstat(live.c_str(), &st), 0);
+    EXPECT_TRUE(S_ISSOCK(st.st_mode));
+  }
   // A ready file that cannot be written: said, and the daemon stops (whoever waits for the
   // file would wait in vain).
   {
@@ -725,6 +752,12 @@ TEST_F(DaemonTest, TheServingExampleRefusesFlagsItCannotRunWith) {
       {{"--steps=-1"}, "ubep-moe-example: --steps -1 is negative\n"},
       {{"--join_timeout=0s"}, "ubep-moe-example: --join_timeout 0 is not positive\n"},
       {{"--reattach_timeout=-1s"}, "ubep-moe-example: --reattach_timeout -1s is not positive\n"},
+      {{"--slots_per_rank=-1"},
+       "ubep-moe-example: --slots_per_rank -1 is negative (0: experts / world)\n"},
+      // Its log is what ubep-local and the tests read: one that cannot be written is said.
+      {{"--log=/nonexistent/dir/x.log"},
+       "ubep-moe-example: --log /nonexistent/dir/x.log: cannot open it: No such file or "
+       "directory\n"},
   };
   for (size_t i = 0; i < std::size(refused); ++i) {
     const auto& [flags, message] = refused[i];
