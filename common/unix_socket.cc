@@ -85,12 +85,19 @@ absl::Status RefuseLiveSocket(const std::string& path) {
   UniqueFd probe(socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
   if (!probe.valid()) return Errno("socket");
   // Refused (nobody listens): stale. Taken, pending (a full backlog), or a listener of another
-  // socket type: someone is there.
+  // socket type: someone is there. Anything else (no write permission on it, say, which the
+  // kernel checks before it looks for a listener): it cannot be told, and it is not replaced.
   if (connect(probe.get(), reinterpret_cast<const sockaddr*>(&*addr), sizeof(*addr)) == 0 ||
       errno == EAGAIN || errno == EINPROGRESS || errno == EPROTOTYPE) {
     return absl::FailedPreconditionError(absl::StrCat(
         path, " is a socket another process listens on; not replacing it: is the socket path "
         "right? (another ubepd, started without its lock file, or another program)"));
+  }
+  if (errno != ECONNREFUSED && errno != ENOENT) {
+    const int error = errno;
+    return absl::FailedPreconditionError(absl::StrCat(
+        path, " is a socket whose listener, if any, cannot be told (connect: ",
+        std::strerror(error), "); not replacing it: remove it if no process serves it"));
   }
   return absl::OkStatus();
 }

@@ -279,9 +279,12 @@ std::optional<BalancerLink::Pending> BalancerLink::MakeReport() {
   // (RetargetPlan), at or before the step this report would start from: the counts since the
   // last report then hold steps run under the plan before (steps go back across a re-form),
   // which would pass for this plan's. They cannot be told apart: not reported, and the next
-  // report starts here. (A plan whose start is ahead of the last report's step is reported as
-  // ever: the balancer takes that report as stale.)
-  if ((loads->plan.version != last_.plan.version ||
+  // report starts here. Only across a re-form (a plan committed while the ranks waited at its
+  // start, the last report read there, is this plan's alone, and reported); a plan whose
+  // start is ahead of the last report's step is reported as ever (the balancer takes that
+  // report as stale).
+  if (loads->group.generation != last_.group.generation &&
+      (loads->plan.version != last_.plan.version ||
        loads->plan.effective_step != last_.plan.effective_step) &&
       loads->plan.effective_step.has_value() &&
       *loads->plan.effective_step <= std::min(last_step_, loads->max_step)) {

@@ -345,9 +345,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   // One daemon per socket path: a second one started by mistake must not replace (and, as it
   // exits, remove) the sockets of the one serving there.
   const std::string lock_path = options.socket_path + ".lock";
-  // Read-only, and readable by all: flock needs no more, and a lock file another user's
-  // ubepd left (one run by hand as root, say) does not keep this one from starting.
-  UniqueFd lock(open(lock_path.c_str(), O_RDONLY | O_CREAT | O_CLOEXEC, 0644));
+  // Read-only (flock needs no more), and the owner's alone: a lock others could open, they
+  // could hold, and keep every ubepd from starting. One another user's ubepd left (run by
+  // hand as root, say) is said to be removed.
+  UniqueFd lock(open(lock_path.c_str(), O_RDONLY | O_CREAT | O_CLOEXEC, 0600));
   if (!lock.valid()) {
     const int error = errno;
     return absl::ErrnoToStatus(

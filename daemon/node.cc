@@ -938,6 +938,7 @@ Node::GroupIdentity Node::Identity() const {
 Node::GroupIdentity Node::IdentityLocked() const {
   GroupIdentity identity;
   identity.arenas_created = arenas_created_;
+  identity.generation = GroupGeneration();
   if (has_group_) {
     identity.shape = group_request_;
     identity.hosted = std::make_pair(first_, hosted_);

@@ -219,6 +219,7 @@ class Node {
   // count) (nullopt without a group).
   struct GroupIdentity {
     uint64_t arenas_created = 0;
+    uint64_t generation = 0;  // Of the group formed last on them: each re-form raises it.
     std::optional<v1::AttachRequest> shape;
     std::optional<std::pair<int, int>> hosted;
   };

@@ -341,7 +341,7 @@ int main(int argc, char** argv) {
     while (!resume.ok() &&
            (absl::IsDeadlineExceeded(resume.status()) || absl::IsUnavailable(resume.status())) &&
            !(*rank)->must_attach_again()) {
-      if ((*rank)->excluded()) {
+      if ((*rank)->excluded() && absl::IsDeadlineExceeded(resume.status())) {
         if (!said_excluded) {
           log.Line(absl::StrCat("excluded at step ", step,
                                 "; waiting for a plan that includes rank ", rank_id));
@@ -354,6 +354,8 @@ int main(int argc, char** argv) {
       } else {
         log.Line(absl::StrCat("waiting for the group to form again: ", resume.status().message()));
       }
+      // An Unavailable may come back at once (a DeadlineExceeded comes after a join timeout).
+      if (absl::IsUnavailable(resume.status())) absl::SleepFor(absl::Milliseconds(100));
       resume = (*rank)->Rejoin(next_step);
     }
     // Its daemon began draining, or exited, during a Rejoin: attach to the next one.

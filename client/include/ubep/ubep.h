@@ -21,7 +21,7 @@
 //    Detach and Attach again once a daemon is back; otherwise call Rejoin (it waits for the
 //    group to re-form and says at which step to continue).
 //  - DeadlineExceeded: a peer did not arrive within the wait timeout; the message names it.
-//    The rank is stopped: every call but Rejoin and Detach repeats the error until Rejoin.
+//    The rank is stopped: BeginStep, Dispatch and Combine repeat it until a Rejoin completes.
 //    Rejoin of a rank the plan excludes (excluded()) ends so too: call it again to keep waiting.
 //  - InvalidArgument: bad input (expert id out of range or listed twice by a token, too many
 //    tokens; BeginStep of a step before the rank's, or above 2^63 - 1: a negative one passed
