@@ -989,6 +989,30 @@ TEST(NodeTest, CountsOfThePlanBeforeAGroupFormedAgainDoNotPassForTheNewPlans) {
   EXPECT_THAT(v2, ::testing::ElementsAre(0, 4, 0, 0, 0, 0, 0, 0));
 }
 
+// v2 committed while rank 0 waited at its start (step 60 begun, the last report read there):
+// no re-form, and what is counted from then on is v2's alone, reported (a cut at every plan
+// change whose start the last report reached would drop it).
+TEST(NodeTest, APlanCommittedWhileTheRanksWaitAtItsStartIsReportedFromThere) {
+  FakeBalancer balancer;
+  ReportingGroup group(balancer);  // v1; rank 0 at step 50, 30 pairs in slot 0.
+  Node& node = group.node;
+  ASSERT_FALSE(balancer.ReportsUpTo(50).empty());
+  const v1::PrepareResponse prepared = node.Prepare(SwappedPlan(), 60);
+  ASSERT_TRUE(prepared.prepared()) << prepared.reason();
+  StepOf(group.a0, 0).store(60);  // Begun, waiting for the decision.
+  ASSERT_FALSE(balancer.ReportsUpTo(60).empty());
+  ASSERT_TRUE(node.Commit(2).ok());
+  AddLoad(group.a0, 0, 0, {0, 4, 0, 0}, ConfigOf(2));  // v2's.
+  StepOf(group.a0, 0).store(70);
+  ASSERT_FALSE(balancer.ReportsUpTo(70).empty());
+  std::vector<uint64_t> v2(8, 0);
+  for (const v1::ReportLoadRequest& r : balancer.Taken()) {
+    if (r.load().plan_version() != 2 || r.load().first_step() < r.plan_effective_step()) continue;
+    for (int p = 0; p < 8; ++p) v2[p] += r.load().layers(0).slot(p);
+  }
+  EXPECT_THAT(v2, ::testing::ElementsAre(0, 4, 0, 0, 0, 0, 0, 0));
+}
+
 // ReportingGroup's ranks leave (connections 1 and 2) and a group of another hidden size (new
 // arenas) forms: rank 0 (connection 3), 7 pairs counted in slot 1 of layer 0, at step 12.
 Attached FormAgainWider(Node& node) {
