@@ -4,7 +4,9 @@
 #ifndef UBEP_COMMON_SHAPE_LIMITS_H_
 #define UBEP_COMMON_SHAPE_LIMITS_H_
 
+#include <cstddef>
 #include <cstdint>
+#include <string_view>
 
 namespace ubep {
 
@@ -14,6 +16,19 @@ inline constexpr uint32_t kMaxLayers = 4096;       // MoE layers.
 inline constexpr uint32_t kMaxSlotsPerRank = 4096;
 inline constexpr uint32_t kMaxTokens = 1u << 20;     // A rank's tokens per call.
 inline constexpr uint32_t kMaxHidden = 1u << 16;     // Elements of a token's row.
+
+// A node's name (ubepd --node, the balancer's Register) goes into every daemon's view of the
+// group, metric labels and log lines: a host or Kubernetes node name, at most this long, of
+// letters, digits, '.', '-' and '_'.
+inline constexpr size_t kMaxNodeName = 253;
+inline bool ValidNodeName(std::string_view name) {
+  if (name.empty() || name.size() > kMaxNodeName) return false;
+  for (const char c : name) {
+    const bool alnum = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9');
+    if (!alnum && c != '.' && c != '-' && c != '_') return false;
+  }
+  return true;
+}
 
 // The largest control-plane message every gRPC peer of the project takes (a plan carries
 // about 10 bytes per slot and layer: 1024 ranks x 8 slots x 58 layers is 4.7 MB, past gRPC's

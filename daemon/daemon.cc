@@ -9,10 +9,12 @@
 #include <cstring>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/channel.h"
 #include "common/logging.h"
+#include "common/shape_limits.h"
 #include "common/rpc_origin.h"
 #include "common/timeout.h"
 #include "balancer/formats/proto_convert.h"
@@ -309,6 +311,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   if (options.node.num_ranks > 0 && options.balancer.empty()) {
     return absl::InvalidArgumentError(
         "--ranks needs --balancer: the daemons of the group's other ranks are found through it");
+  }
+  if (!options.node_name.empty() && !ValidNodeName(options.node_name)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--node \"", absl::CHexEscape(options.node_name), "\": a name of at most ", kMaxNodeName,
+        " letters, digits, '.', '-' and '_' is expected (a host or node name)"));
   }
   if (options.node.num_ranks > 0 && options.node_name.empty()) {
     // The default, the host name, is the same for every daemon of the machine: each would

@@ -468,6 +468,18 @@ grpc::Status Balancer::Register(grpc::ServerContext* context, const v1::Register
   if (request->node().empty() || request->address().empty()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "node and address are required");
   }
+  // A node's name goes into every daemon's GetGroup answer, metric labels and log lines: a
+  // host or Kubernetes node name (at most 253 of letters, digits, '.', '-' and '_'), not
+  // megabytes that no daemon's answer could hold, nor a line break forging a log line.
+  if (!ValidNodeName(request->node())) {
+    return grpc::Status(
+        grpc::StatusCode::INVALID_ARGUMENT,
+        absl::StrCat("node: a name of at most ", kMaxNodeName,
+                     " letters, digits, '.', '-' and '_' is expected (a host or node name); ",
+                     request->node().size() > kMaxNodeName
+                         ? absl::StrCat("this one has ", request->node().size(), " bytes")
+                         : std::string("this one has other characters")));
+  }
   if (request->free_buffers() > kMaxSlotsPerRank) {
     // The migration budget, per rank and layer: more than a rank's slots changes nothing, and
     // as an int it would wrap to a negative budget, read as none.
@@ -522,6 +534,21 @@ grpc::Status Balancer::Register(grpc::ServerContext* context, const v1::Register
                         absl::StrCat("ranks ", absl::StrJoin(request->ranks(), ", "),
                                      " come without the group's shape (a daemon with no group "
                                      "attached registers no ranks)"));
+  }
+  // Peers' ranks a daemon saw restart (it maps their arenas: it has a group), within it: each
+  // keeps a healthy node out, so a registration without a group names none.
+  if (request->restarted_ranks_size() > 0 && !shape.has_value()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("restarted_ranks ", absl::StrJoin(request->restarted_ranks(), ", "),
+                                     " come without the group's shape (a daemon with no group "
+                                     "maps no peer)"));
+  }
+  for (uint32_t r : request->restarted_ranks()) {
+    if (r >= request->world_size()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("restarted_ranks: rank ", r, " is outside [0, ",
+                                       request->world_size(), ")"));
+    }
   }
   auto other_shape = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return shape.has_value() && shape_.has_value() && *shape_ != *shape;

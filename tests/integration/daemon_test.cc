@@ -438,6 +438,9 @@ TEST_F(DaemonTest, WhatItCannotStartWithIsRefusedAndLeavesTheRunningDaemonBe) {
       {"--free_buffers=2147483647",
        "ubepd: --free_buffers 2147483647 is over 4096, the most slots a rank has\n"},
       {"--backend=gpu", "ubepd: --backend gpu: expected host or cuda\n"},
+      // Its name goes into every peer's view of the group, metric labels and log lines.
+      {"--node=node a", "ubepd: --node \"node a\": a name of at most 253 letters, digits, '.', "
+                        "'-' and '_' is expected (a host or node name)\n"},
       {"--ranks=0-3", "ubepd: --ranks needs --balancer: the daemons of the group's other ranks "
                       "are found through it\n"},
       // A bare port would be every interface to the metrics server.

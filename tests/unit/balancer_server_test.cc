@@ -260,6 +260,27 @@ TEST(BalancerServerTest, ARegistrationsRanksAreOneBlockAndComeWithTheShape) {
   gap.set_ranks(1, 3);
   EXPECT_EQ(balancer.Register(nullptr, &gap, &response).error_message(),
             "ranks 0, 3 are not one block of consecutive ranks, each once");
+  // A node's name is a host or node name (it goes into every daemon's GetGroup answer, metric
+  // labels and log lines); restarted peers' ranks come with a group, within it.
+  const std::string bad_name = "node: a name of at most 253 letters, digits, '.', '-' and '_' "
+                               "is expected (a host or node name); ";
+  v1::RegisterRequest odd = Registration("node-0\nE0101 forged", 0);
+  EXPECT_EQ(balancer.Register(nullptr, &odd, &response).error_message(),
+            bad_name + "this one has other characters");
+  v1::RegisterRequest long_name = Registration(std::string(254, 'n'), 0);
+  EXPECT_EQ(balancer.Register(nullptr, &long_name, &response).error_message(),
+            bad_name + "this one has 254 bytes");
+  v1::RegisterRequest restarted = Registration("node-0", 0);
+  restarted.clear_shape();
+  restarted.clear_ranks();
+  restarted.add_restarted_ranks(2);
+  EXPECT_EQ(balancer.Register(nullptr, &restarted, &response).error_message(),
+            "restarted_ranks 2 come without the group's shape (a daemon with no group maps no "
+            "peer)");
+  restarted = Registration("node-0", 0);
+  restarted.add_restarted_ranks(4);
+  EXPECT_EQ(balancer.Register(nullptr, &restarted, &response).error_message(),
+            "restarted_ranks: rank 4 is outside [0, 4)");
   EXPECT_TRUE(balancer.Status().nodes.empty());
   // Without ranks and shape (no group attached yet), and in reverse order, are fine.
   no_shape.clear_ranks();
