@@ -1187,6 +1187,10 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
   if (absl::Now() >= remote.caller_deadline) return fail(past_deadline("before ubepd took it up"));
   if (!has_group_) return fail("no group is attached to this daemon");
   if (draining_) return fail("ubepd is draining");
+  if (plan.version > kMaxPlanVersion) {
+    return fail(absl::StrCat("plan version ", plan.version, " is above 2^63 - 1 (no plan after "
+                             "it could be numbered)"));
+  }
   if (staging_) return fail(absl::StrCat("the weights of plan v", staging_version_, " are being staged"));
   if (!AllArenasMapped()) return fail("the arenas of the peer daemons' ranks are not mapped yet");
   if (const std::string stale = StaleMembers(plan); !stale.empty()) {

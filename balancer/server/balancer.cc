@@ -1357,7 +1357,11 @@ void Balancer::Recover() {
       d.step_time = std::max(asked, d.step_time);
     }
     if (state.plan_in_force()) d.in_force = std::max(d.in_force, state.committed_version());
-    highest_version_ = std::max({highest_version_, d.committed, d.pending});
+    // (A version past the highest a plan takes, which ubepd refuses, is not a plan's: counted,
+    // the next plan's number would wrap to 0.)
+    for (const uint64_t v : {d.committed, d.pending}) {
+      if (v <= kMaxPlanVersion) highest_version_ = std::max(highest_version_, v);
+    }
     if (state.committed_version() > 0 &&
         (!plan_.has_value() || plan_->version < state.committed_version())) {
       absl::StatusOr<Plan> plan = FromProto(state.committed_plan());

@@ -2338,6 +2338,28 @@ TEST(BalancerServerTest, AnUndrainCommittedOnTheDrainedNodeAloneSurvivesARestart
   }
 }
 
+// A daemon holding a plan version past the highest a plan takes (2^64 - 1, which ubepd now
+// refuses; a daemon of another build, or a bad caller): recovery aborts it, and the next plan
+// is numbered from the versions below the cap (counted, it wrapped to 0, which every daemon
+// refused, and no plan was ever committed again).
+TEST(BalancerServerTest, AVersionPastTheHighestAPlanTakesDoesNotNumberTheNextPlan) {
+  FakeDaemon a("node-a", FirstPlan());
+  a.SetPending(FirstPlanAs(UINT64_MAX));
+  BalancerOptions options = NeverMarkedDown();
+  options.recovery_grace = absl::ZeroDuration();
+  options.registration_grace = absl::ZeroDuration();
+  Balancer balancer(options, std::make_shared<prometheus::Registry>());
+  Register(balancer, DaemonRegistration(a, "node-a", 0, 0, "host"));
+  // (The pending plan is the first of a.prepares(); the plan for the ranks node-a hosts, ranks
+  // 2 and 3 having no daemon, comes next.)
+  for (int i = 0; i < 10 && a.prepares().size() < 2; ++i) balancer.Tick();
+  EXPECT_EQ(a.aborted(), std::vector<uint64_t>{UINT64_MAX});
+  ASSERT_GE(a.prepares().size(), 2u);
+  for (size_t i = 1; i < a.prepares().size(); ++i) {
+    EXPECT_EQ(a.prepares()[i].plan().version(), 2u);
+  }
+}
+
 // node-b does not answer Prepare within --rpc_timeout (its weight copies take longer): the plan
 // is aborted, and the reason says which flags give a plan's copies more time.
 TEST(BalancerServerTest, APrepareThatOutlastsTheTimeoutIsAbortedSayingWhatToRaise) {

@@ -15,6 +15,7 @@
 
 #include "balancer/core/plan.h"
 #include "balancer/formats/proto_convert.h"
+#include "common/shape_limits.h"
 #include "daemon/node.h"
 #include "gtest/gtest.h"
 #include "tests/unit/node_fixtures.h"
@@ -107,9 +108,13 @@ TEST(NodeFuzzTest, PlansFromTheWireArePreparedOrRefusedAndLeaveThePlanInForce) {
   // The aborted plans hold no version back, one under the last version among them: the good
   // plan v2 is prepared and committed.
   balancer::Plan last = SwappedPlan();
-  last.version = UINT64_MAX;
+  last.version = UINT64_MAX;  // Past the highest a plan takes: no plan after it could be numbered.
+  EXPECT_EQ(node.Prepare(last, 10).reason(),
+            "plan version 18446744073709551615 is above 2^63 - 1 (no plan after it could be "
+            "numbered)");
+  last.version = kMaxPlanVersion;
   ASSERT_TRUE(node.Prepare(last, 10).prepared());
-  ASSERT_TRUE(node.Abort(UINT64_MAX).ok());
+  ASSERT_TRUE(node.Abort(kMaxPlanVersion).ok());
   const v1::PrepareResponse response = node.Prepare(SwappedPlan(), 10);
   ASSERT_TRUE(response.prepared()) << response.reason();
   EXPECT_TRUE(node.Commit(2).ok());
