@@ -20,6 +20,8 @@ inline constexpr uint32_t kMaxHidden = 1u << 16;     // Elements of a token's ro
 // The highest plan version: a balancer numbers its plans one above the highest it knows, which
 // past this would wrap to 0 (a version below every daemon's) and never commit again.
 inline constexpr uint64_t kMaxPlanVersion = (uint64_t{1} << 63) - 1;
+// The highest step (libubep's BeginStep refuses one above: a negative one passed as unsigned).
+inline constexpr uint64_t kMaxStep = (uint64_t{1} << 63) - 1;
 
 // A node's name (ubepd --node, the balancer's Register) goes into every daemon's view of the
 // group, metric labels and log lines: a host or Kubernetes node name, at most this long, of

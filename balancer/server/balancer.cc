@@ -879,6 +879,39 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
                                ", the last one taken (a daemon numbers its reports one after "
                                "another)"));
   }
+  // What no report can be, whatever plan it counts under, refused before anything of it is
+  // kept (its seq, its step: a refused report sent again is refused again, and a step past
+  // the steps' range would leave no step for a plan).
+  const v1::LoadReport& load = request->load();
+  if (request->max_step() > kMaxStep || load.last_step() > kMaxStep) {
+    return Reject("malformed", grpc::StatusCode::INVALID_ARGUMENT,
+                  absl::StrCat("report of node ", request->node(), " says step ",
+                               std::max(request->max_step(), load.last_step()),
+                               ", above 2^63 - 1 (libubep refuses such a step)"));
+  }
+  // Its steps run forwards: a span backwards is no report of steps run, and its step count
+  // would scale every node's. (It may end past the step its ranks are at now: a report sent
+  // again tells the step they are at, lower where the group formed again at an earlier one.)
+  if (load.first_step() > load.last_step()) {
+    return Reject("malformed", grpc::StatusCode::INVALID_ARGUMENT,
+                  absl::StrCat("report of node ", request->node(), " counts steps ",
+                               load.first_step(), "-", load.last_step(), ", backwards"));
+  }
+  for (int i = 0; i < load.layers_size(); ++i) {
+    // Counts are deltas of monotonic counters: one past int64's range wrapped below zero.
+    auto counts = [&](const char* field, const auto& values) -> std::optional<grpc::Status> {
+      for (int k = 0; k < values.size(); ++k) {
+        if (values[k] > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+          return Reject("negative", grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("load.layers[", i, "].", field, "[", k, "]: count ",
+                                     static_cast<int64_t>(values[k]), " is negative"));
+        }
+      }
+      return std::nullopt;
+    };
+    if (auto bad = counts("slot", load.layers(i).slot())) return *bad;
+    if (auto bad = counts("dispatches", load.layers(i).dispatches())) return *bad;
+  }
   // The last report, sent again because its answer did not reach the daemon, which cannot
   // tell whether it was taken: its counts are taken once. Only the step it carries, the
   // daemon's now, is new.
@@ -917,7 +950,6 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
     return Reject("no_plan", grpc::StatusCode::FAILED_PRECONDITION,
                   "the balancer has not learned the cluster's plan yet");
   }
-  const v1::LoadReport& load = request->load();
   // Its counts cannot be told apart from the other plan's (its failed calls are counted).
   auto stale = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     stale_reports_->Increment();
@@ -926,33 +958,10 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
                                load.first_step(), "-", load.last_step(), "); plan v",
                                plan_->version, " is in force from step ", plan_effective_step_));
   };
-  // Its steps run forwards: a span backwards is no report of steps run, and its step count
-  // would scale every node's. (It may end past the step its ranks are at now: a report sent
-  // again tells the step they are at, lower where the group formed again at an earlier one.)
-  if (load.first_step() > load.last_step()) {
-    return Reject("malformed", grpc::StatusCode::INVALID_ARGUMENT,
-                  absl::StrCat("report of node ", request->node(), " counts steps ",
-                               load.first_step(), "-", load.last_step(), ", backwards"));
-  }
   if (d.info.ranks().empty()) {
     return Reject("malformed", grpc::StatusCode::INVALID_ARGUMENT,
                   absl::StrCat("node ", request->node(),
                                " registered no rank: it has no slots to report the load of"));
-  }
-  for (int i = 0; i < load.layers_size(); ++i) {
-    // Counts are deltas of monotonic counters: one past int64's range wrapped below zero.
-    auto counts = [&](const char* field, const auto& values) -> std::optional<grpc::Status> {
-      for (int k = 0; k < values.size(); ++k) {
-        if (values[k] > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-          return Reject("negative", grpc::StatusCode::INVALID_ARGUMENT,
-                        absl::StrCat("load.layers[", i, "].", field, "[", k, "]: count ",
-                                     static_cast<int64_t>(values[k]), " is negative"));
-        }
-      }
-      return std::nullopt;
-    };
-    if (auto bad = counts("slot", load.layers(i).slot())) return *bad;
-    if (auto bad = counts("dispatches", load.layers(i).dispatches())) return *bad;
   }
   // A daemon tags its counts with the plan it has committed, which its ranks follow only from
   // the plan's effective step: another plan's counts are stale, whatever their shape (a

@@ -1034,8 +1034,9 @@ TEST(BalancerServerTest, AStepLearnedFromADaemonsStateCountsFromWhenItWasLearned
 
 // A serving job's steps are its own numbering. Past 2^53 (where a double rounds them) a plan
 // takes effect min_margin_steps after the furthest step reported, and after the steps its
-// rate adds; near 2^64, where no step is left after the margin, no plan is made (rather than
-// one at a step wrapped past 0, which every daemon would refuse as reached).
+// rate adds; near 2^64, where no step would be left after the margin, a report is refused
+// (steps end at 2^63 - 1, as libubep's BeginStep says), and no plan is made from it (rather
+// than one at a step wrapped past 0, which every daemon would refuse as reached).
 TEST(BalancerServerTest, StepsPast2To53AreCountedWholeAndNear2To64NoPlanIsMade) {
   const uint64_t kFar = (uint64_t{1} << 60) + 1100;
   {
@@ -1065,16 +1066,13 @@ TEST(BalancerServerTest, StepsPast2To53AreCountedWholeAndNear2To64NoPlanIsMade) 
   std::unique_ptr<Balancer> balancer = WithTwoDaemons(NeverMarkedDown(), a, b);
   const uint64_t kLast = std::numeric_limits<uint64_t>::max() - 4;
   for (int n = 0; n < 2; ++n) {
-    const grpc::Status taken =
-        ReportSteps(*balancer, n == 0 ? "node-a" : "node-b", n, 1, kLast, 1, kLast - 10);
-    EXPECT_TRUE(taken.ok()) << taken.error_message();
+    const std::string node = n == 0 ? "node-a" : "node-b";
+    const grpc::Status refused = ReportSteps(*balancer, node, n, 1, kLast, 1, kLast - 10);
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_EQ(refused.error_message(),
+              absl::StrCat("report of node ", node, " says step 18446744073709551611, above "
+                           "2^63 - 1 (libubep refuses such a step)"));
   }
-  v1::RebalanceResponse response;
-  const grpc::Status drained = Drain(*balancer, "node-b", true, &response);
-  EXPECT_EQ(drained.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
-  EXPECT_EQ(drained.error_message(),
-            "the serving job is at step 18446744073709551611 (estimated): no step is left after "
-            "it for a plan to take effect at (steps end at 2^64 - 1)");
   EXPECT_TRUE(a.prepares().empty());
 }
 
@@ -1726,6 +1724,17 @@ TEST(BalancerServerTest, AReportOfStepsBackwardsIsRefused) {
   grpc::Status status = balancer->ReportLoad(nullptr, &backwards, &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(status.error_message(), "report of node node-a counts steps 300-200, backwards");
+  // Refused before anything of it is kept: sent again, it is refused again (it was answered
+  // OK as a resend of a report taken), and a step past 2^63 - 1 leaves the node's step as it
+  // was (it left no step for a plan).
+  status = balancer->ReportLoad(nullptr, &backwards, &response);
+  EXPECT_EQ(status.error_message(), "report of node node-a counts steps 300-200, backwards");
+  v1::ReportLoadRequest far = ReportOf("node-a", 0, 1, 100, 200, 1, 1);
+  far.set_max_step(UINT64_MAX);
+  status = balancer->ReportLoad(nullptr, &far, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(status.error_message(), "report of node node-a says step 18446744073709551615, "
+                                    "above 2^63 - 1 (libubep refuses such a step)");
   v1::ReportLoadRequest resent = ReportOf("node-a", 0, 2, 100, 200, 1, 1);
   resent.set_max_step(3);
   status = balancer->ReportLoad(nullptr, &resent, &response);
