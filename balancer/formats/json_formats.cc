@@ -12,7 +12,6 @@
 #include <cstring>
 #include <limits>
 #include <set>
-#include <fstream>
 #include <span>
 #include <sstream>
 #include <tuple>
