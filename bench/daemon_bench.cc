@@ -6,6 +6,11 @@
 //    process, arenas from ubepd, plan from the arena's plan area), against HostEp called
 //    directly on arenas this process made, same config, same tokens, same plan. Blocks of 10
 //    steps alternate between the two so both see the same machine; p50/p99 of rank 0's step.
+//    Each block's ranks leave a start line together (a barrier, untimed). Every step's combine
+//    output is checked against its input outside the timing, as ubep-bench-dataplane does:
+//    the inputs alternate between two sets of powers of two (CheckedInput) that the identity
+//    experts and K weights 1/K give back exactly, so a row lost, doubled or misplaced on
+//    either way fails the run (exit status 1, naming the rank, the way and the element).
 //
 //   ubep-bench-daemon [--json] [--iters N] [--ranks 2,4] [--ubepd PATH]
 // Prints a table, or with --json one object:
@@ -19,6 +24,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <barrier>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -97,7 +103,7 @@ ModelShape ShapeOf(const Case& c) {
 }
 
 struct Inputs {
-  std::vector<std::vector<uint16_t>> x;
+  std::vector<std::vector<uint16_t>> x[2];  // Per parity, per rank: CheckedInput.
   std::vector<std::vector<int32_t>> idx;
   std::vector<std::vector<float>> w;
 };
@@ -105,27 +111,31 @@ struct Inputs {
 Inputs MakeInputs(const Case& c, const Skew& skew) {
   Inputs in;
   for (int r = 0; r < c.ranks; ++r) {
-    in.x.emplace_back(static_cast<size_t>(c.tokens) * c.hidden);
-    for (size_t i = 0; i < in.x.back().size(); ++i) in.x.back()[i] = 0x3f80 + (i + r) % 64;
+    for (int parity = 0; parity < 2; ++parity) in.x[parity].push_back(CheckedInput(c, r, parity));
     in.idx.push_back(RouteTokens(c, r, skew));
     in.w.emplace_back(static_cast<size_t>(c.tokens) * kTopK, 1.0f / kTopK);
   }
   return in;
 }
 
-// Runs `steps` steps on every rank (one thread each); appends rank 0's step times (us).
-template <typename StepFn>
-absl::Status RunBlock(int ranks, int steps, StepFn step, std::vector<double>* times) {
+// Runs `steps` steps on every rank (one thread each, all leaving a start line together);
+// appends rank 0's step times (us). `check(r, i)` follows each step, untimed.
+template <typename StepFn, typename CheckFn>
+absl::Status RunBlock(int ranks, int steps, StepFn step, CheckFn check,
+                      std::vector<double>* times) {
   std::vector<absl::Status> status(ranks);
+  std::barrier start_line(ranks);
   std::vector<std::thread> threads;
   for (int r = 0; r < ranks; ++r) {
     threads.emplace_back([&, r] {
+      start_line.arrive_and_wait();
       for (int i = 0; i < steps && status[r].ok(); ++i) {
         const absl::Time start = absl::Now();
         status[r] = step(r, i);
         if (r == 0 && times != nullptr) {
           times->push_back(absl::ToDoubleMicroseconds(absl::Now() - start));
         }
+        if (status[r].ok()) status[r] = check(r, i);
       }
     });
   }
@@ -162,13 +172,26 @@ absl::StatusOr<nlohmann::json> RunCase(const Case& c, const std::string& socket,
     }
   }
   std::vector<Dispatched> dispatched(c.ranks);
-  std::vector<std::vector<uint16_t>> out(c.ranks, std::vector<uint16_t>(in.x[0].size()));
+  std::vector<std::vector<uint16_t>> out(c.ranks, std::vector<uint16_t>(in.x[0][0].size()));
+  // Step i's input on rank r is in.x[i % 2][r]; its combine output must be the same bytes.
+  auto checked = [&](const char* way) {
+    return [&, way](int r, int i) -> absl::Status {
+      const std::vector<uint16_t>& x = in.x[i % 2][r];
+      if (const int64_t wrong = FirstDifference(out[r], x); wrong >= 0) {
+        return absl::InternalError(absl::StrFormat(
+            "%d ranks, hidden %d, %s: rank %d's combine through %s gave out[%d] = 0x%04x, "
+            "not its input's 0x%04x",
+            c.ranks, c.hidden, c.routing, r, way, wrong, out[r][wrong], x[wrong]));
+      }
+      return absl::OkStatus();
+    };
+  };
   uint64_t next_step = ranks[0]->resume_step();
   std::vector<uint64_t> step_of(c.ranks, next_step);
-  auto via_client = [&](int r, int) -> absl::Status {
+  auto via_client = [&](int r, int i) -> absl::Status {
     Rank& rank = *ranks[r];
     if (absl::Status s = rank.BeginStep(step_of[r]++); !s.ok()) return s;
-    if (absl::Status s = rank.Dispatch(0, in.x[r].data(), in.idx[r].data(), in.w[r].data(),
+    if (absl::Status s = rank.Dispatch(0, in.x[i % 2][r].data(), in.idx[r].data(), in.w[r].data(),
                                        c.tokens, dispatched[r]);
         !s.ok()) {
       return s;
@@ -205,9 +228,9 @@ absl::StatusOr<nlohmann::json> RunCase(const Case& c, const std::string& socket,
   const std::vector<std::byte> table = ExpertParallelPlan();
   const auto* plan = reinterpret_cast<const kernels::PlanTableHeader*>(table.data());
   std::vector<kernels::DispatchOutput> direct_out(c.ranks);
-  auto direct = [&](int r, int) -> absl::Status {
+  auto direct = [&](int r, int i) -> absl::Status {
     kernels::DispatchInput d;
-    d.x = in.x[r].data();
+    d.x = in.x[i % 2][r].data();
     d.topk_idx = in.idx[r].data();
     d.topk_weights = in.w[r].data();
     d.num_tokens = c.tokens;
@@ -218,15 +241,22 @@ absl::StatusOr<nlohmann::json> RunCase(const Case& c, const std::string& socket,
   };
 
   // Warm-up, then alternate blocks.
-  if (absl::Status s = RunBlock(c.ranks, kBlock, via_client, nullptr); !s.ok()) return s;
-  if (absl::Status s = RunBlock(c.ranks, kBlock, direct, nullptr); !s.ok()) return s;
+  const auto check_client = checked("libubep");
+  const auto check_direct = checked("HostEp directly");
+  if (absl::Status s = RunBlock(c.ranks, kBlock, via_client, check_client, nullptr); !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = RunBlock(c.ranks, kBlock, direct, check_direct, nullptr); !s.ok()) {
+    return s;
+  }
   std::vector<double> client_us, direct_us;
   // A B B A ...: neither way always runs first.
   for (int round = 0; round * kBlock < iters; ++round) {
     for (int half = 0; half < 2; ++half) {
       const bool client_turn = (round + half) % 2 == 0;
-      absl::Status s = client_turn ? RunBlock(c.ranks, kBlock, via_client, &client_us)
-                                   : RunBlock(c.ranks, kBlock, direct, &direct_us);
+      absl::Status s = client_turn
+                           ? RunBlock(c.ranks, kBlock, via_client, check_client, &client_us)
+                           : RunBlock(c.ranks, kBlock, direct, check_direct, &direct_us);
       if (!s.ok()) return s;
     }
   }
