@@ -10,6 +10,12 @@
 // the card's memory rate, the ceiling of the stores), and d2d_copy_same_size_gbps, rank 0's
 // own bytes; both count bytes copied (each read once and written once), as bytes_moved counts
 // rows stored.
+// Every iteration's ranks leave a start line together (untimed), as ubep-bench-dataplane's
+// do, so no iteration carries the previous one's skew between ranks; and every iteration's
+// combine output is copied back and checked against its input outside the timing: the inputs
+// alternate between two sets of powers of two (bench::CheckedInput) that the identity experts
+// and K weights 1/K give back exactly, so a row dropped, doubled, misplaced or read before it
+// was stored fails the case.
 // A rank that dies or fails gives its case an "error" row instead of numbers, and the exit
 // status 1.
 //
@@ -26,6 +32,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "bench/dataplane_inputs.h"
@@ -50,6 +57,8 @@ struct Board {
   // ready: ranks whose arena handle is posted; set_up: ranks done setting up (peers opened,
   // CudaEp created, inputs on the device), which the parent waits for before `go`.
   std::atomic<int> ready, set_up, go, done;
+  // Ranks that reached the start line of each iteration (warm-up included).
+  std::atomic<int> line[kWarmup + kMaxIters];
   std::byte handles[kMaxRanks][64];
   // Each timed iteration's start and end on each rank (steady clock, ns).
   int64_t start_ns[kMaxIters][kMaxRanks];
@@ -117,10 +126,17 @@ int RankMain(const bench::Case& c, Protocol protocol, EpConfig::SenderThread sen
   const std::vector<int32_t> idx = bench::RouteTokens(c, rank, skew);
   const std::vector<float> w(idx.size(), 1.0f / bench::kTopK);
   const std::vector<std::byte> plan = bench::ExpertParallelPlan();
-  void *d_x, *d_idx, *d_w, *d_plan, *d_out;
-  BENCH_CUDA(cudaMalloc(&d_x, static_cast<size_t>(c.tokens) * c.hidden * 2));
-  BENCH_CUDA(cudaMemset(d_x, 0x3f, static_cast<size_t>(c.tokens) * c.hidden * 2));
-  BENCH_CUDA(cudaMalloc(&d_out, static_cast<size_t>(c.tokens) * c.hidden * 2));
+  // Two inputs, even and odd iterations, each iteration's output checked against its own.
+  const std::vector<uint16_t> inputs[2] = {bench::CheckedInput(c, rank, 0),
+                                           bench::CheckedInput(c, rank, 1)};
+  const size_t x_bytes = inputs[0].size() * sizeof(uint16_t);
+  std::vector<uint16_t> out_host(inputs[0].size());
+  void *d_x[2], *d_idx, *d_w, *d_plan, *d_out;
+  for (int parity = 0; parity < 2; ++parity) {
+    BENCH_CUDA(cudaMalloc(&d_x[parity], x_bytes));
+    BENCH_CUDA(cudaMemcpy(d_x[parity], inputs[parity].data(), x_bytes, cudaMemcpyHostToDevice));
+  }
+  BENCH_CUDA(cudaMalloc(&d_out, x_bytes));
   BENCH_CUDA(cudaMalloc(&d_idx, idx.size() * 4));
   BENCH_CUDA(cudaMemcpy(d_idx, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice));
   BENCH_CUDA(cudaMalloc(&d_w, w.size() * 4));
@@ -147,16 +163,32 @@ int RankMain(const bench::Case& c, Protocol protocol, EpConfig::SenderThread sen
   while (board->go.load() == 0 && absl::Now() < start_by) usleep(100);
   CudaDispatchOutput out;
   for (int i = 0; i < kWarmup + iters; ++i) {
+    // The start line: every rank leaves once all have arrived (untimed).
+    board->line[i].fetch_add(1);
+    const absl::Time line_by = absl::Now() + kMeetTimeout;
+    for (uint64_t spins = 1; board->line[i].load() < c.ranks; ++spins) {
+      if (spins % 4096 == 0 && absl::Now() > line_by) {
+        return fail(absl::StrCat("a peer never reached the start line of iteration ", i + 1));
+      }
+    }
     const int64_t start = bench::NowNs();
-    absl::Status s = (*ep)->Dispatch({d_x, static_cast<int32_t*>(d_idx), static_cast<float*>(d_w),
-                                      c.tokens, 0, static_cast<PlanTableHeader*>(d_plan),
-                                      host_plan},
+    absl::Status s = (*ep)->Dispatch({d_x[i % 2], static_cast<int32_t*>(d_idx),
+                                      static_cast<float*>(d_w), c.tokens, 0,
+                                      static_cast<PlanTableHeader*>(d_plan), host_plan},
                                      out);
     if (s.ok()) s = (*ep)->Combine(out.recv_x, d_out);
     if (!s.ok()) return fail(std::string(s.message()));
     if (i >= kWarmup) {
       board->start_ns[i - kWarmup][rank] = start;
       board->end_ns[i - kWarmup][rank] = bench::NowNs();
+    }
+    // Every iteration's output, outside the timing (CheckedInput says why it is exact).
+    BENCH_CUDA(cudaMemcpy(out_host.data(), d_out, x_bytes, cudaMemcpyDeviceToHost));
+    const std::vector<uint16_t>& x = inputs[i % 2];
+    if (const int64_t wrong = bench::FirstDifference(out_host, x); wrong >= 0) {
+      return fail(absl::StrFormat("iteration %d: combine gave out[%d] = 0x%04x, not x[%d] = "
+                                  "0x%04x",
+                                  i + 1, wrong, out_host[wrong], wrong, x[wrong]));
     }
   }
   board->bytes[rank] = records * c.hidden * 2 * 2;
