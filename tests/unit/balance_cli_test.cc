@@ -29,6 +29,23 @@ Result RunCli(std::vector<std::string> args) {
 
 const std::string kTrace = test::TracePath("decode_in1800out100.json");
 
+// --help and --version on stdout with status 0, as every UBEP binary answers them; no command
+// at all is a usage error.
+TEST(BalanceCliTest, HelpAndVersionAnswerOnStdout) {
+  const Result help = RunCli({"--help"});
+  EXPECT_EQ(help.code, 0);
+  EXPECT_EQ(help.out, "usage: ubep-balance plan|eval|replay [flags]; see docs/ubep-balance.md\n");
+  EXPECT_EQ(help.err, "");
+  const Result version = RunCli({"--version"});
+  EXPECT_EQ(version.code, 0);
+  EXPECT_EQ(version.out, "ubep-balance " UBEP_VERSION "\n");
+  EXPECT_EQ(version.err, "");
+  const Result none = RunCli({});
+  EXPECT_EQ(none.code, 2);
+  EXPECT_EQ(none.out, "");
+  EXPECT_EQ(none.err, "usage: ubep-balance plan|eval|replay [flags]; see docs/ubep-balance.md\n");
+}
+
 TEST(BalanceCliTest, PlanWritesAnEplbCompatiblePlanThatEvalScores) {
   test::TempDir dir;
   const std::string plan_path = dir.path() + "/plan.json";

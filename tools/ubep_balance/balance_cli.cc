@@ -374,6 +374,10 @@ int RunBalanceCli(const std::vector<std::string>& args, std::ostream& out, std::
     (args.empty() ? err : out) << kUsage << "\n";
     return args.empty() ? 2 : 0;
   }
+  if (args[0] == "--version") {  // As the binaries that take Abseil flags print it.
+    out << "ubep-balance " << UBEP_VERSION << "\n";
+    return 0;
+  }
   const std::string& command = args[0];
   const std::set<std::string> topology_flags = {"ranks", "nodes", "slots-per-rank", "groups"};
   std::set<std::string> known;
