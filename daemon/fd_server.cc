@@ -150,9 +150,12 @@ void FdServer::Accept(absl::Time now) {
   std::string refusal;
   if (!conn.valid()) {
     const int error = errno;
-    if (error != EMFILE && error != ENFILE && error != ENOBUFS && error != ENOMEM) {
-      return;  // ECONNABORTED, EINTR, EAGAIN: nothing is queued any more, or it is taken next.
+    if (error == ECONNABORTED || error == EINTR || error == EAGAIN || error == EWOULDBLOCK) {
+      return;  // Nothing is queued any more, or it is taken next.
     }
+    // Anything else (out of file descriptors or memory, a security module refusing the
+    // accept, EPROTO) may leave the connection queued: the listener rests below rather than
+    // being polled, readable, and failed again at once.
     if ((error == EMFILE || error == ENFILE) && spare_.valid()) {
       // Out of file descriptors: the spare one makes room to tell the client so.
       spare_ = UniqueFd();

@@ -82,7 +82,11 @@ void DaemonMetrics::CountRpcError(absl::StatusCode code) {
 
 void DaemonMetrics::Harvest() {
   uint64_t arenas_created = 0;
-  absl::StatusOr<std::vector<std::vector<uint64_t>>> loads = node_->ReadLoads(&arenas_created);
+  // The hosted ranks of the group the counters were read from (one read: a group formed again
+  // in between, hosting other ranks, would have its zeros summed as this one's counts).
+  std::optional<std::pair<int, int>> hosted;
+  absl::StatusOr<std::vector<std::vector<uint64_t>>> loads =
+      node_->ReadLoads(&arenas_created, &hosted);
   if (!loads.ok()) return;  // Logged by the node; the next harvest tries again.
   const std::vector<std::vector<uint64_t>>& rank_load = *loads;  // [layer][rank]
   MutexLock lock(&mu_);
@@ -104,7 +108,6 @@ void DaemonMetrics::Harvest() {
   }
   h.received.assign(rank_load.size(), 0);
   // Of this daemon's ranks only: the others' counters are their daemons' (read as 0 here).
-  const std::optional<std::pair<int, int>> hosted = node_->HostedRanks();
   const size_t first = hosted.has_value() ? static_cast<size_t>(hosted->first) : 0;
   for (size_t l = 0; l < rank_load.size(); ++l) {
     const size_t end = hosted.has_value()

@@ -2002,9 +2002,10 @@ bool Node::AwaitDetached(absl::Duration timeout) {
 }
 
 absl::StatusOr<std::vector<std::vector<uint64_t>>> Node::ReadLoads(
-    uint64_t* arenas_created) const {
+    uint64_t* arenas_created, std::optional<std::pair<int, int>>* hosted) const {
   UBEP_ASSIGN_OR_RETURN(SlotLoads read, ReadSlotLoads());
   if (arenas_created != nullptr) *arenas_created = read.group.arenas_created;
+  if (hosted != nullptr) *hosted = read.group.hosted;
   const std::vector<std::vector<uint64_t>>& slots = read.slots;
   if (!read.group.shape.has_value()) return std::vector<std::vector<uint64_t>>(slots.size());
   // The group the counters were read with (one lock): sizes that match them.

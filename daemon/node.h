@@ -283,10 +283,13 @@ class Node {
   NodeSnapshot Snapshot() const;
   // Received pairs per [layer][rank] (the load counters summed over each rank's slots);
   // empty without a group.
-  // `arenas_created`, when given, receives which creation of the arenas they are from
-  // (GroupIdentity::arenas_created).
+  // `arenas_created` and `hosted`, when given, receive which creation of the arenas they are
+  // from and the ranks this daemon hosts in that group (GroupIdentity::arenas_created and
+  // ::hosted, read with the counters: HostedRanks, a read of its own, may be a group formed
+  // again since).
   absl::StatusOr<std::vector<std::vector<uint64_t>>> ReadLoads(
-      uint64_t* arenas_created = nullptr) const;
+      uint64_t* arenas_created = nullptr,
+      std::optional<std::pair<int, int>>* hosted = nullptr) const;
   // Calls fn(rank, arena base, layout, config) for each hosted arena, under the lock (the harvester
   // reads counters; arenas never move while the group exists).
   template <typename Fn>

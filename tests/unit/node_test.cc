@@ -17,7 +17,12 @@
 
 #include <cstring>
 #include <fcntl.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
 #include <poll.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -2482,6 +2487,50 @@ TEST_F(FdServerTest, OutOfFileDescriptorsAConnectionIsAnsweredWhyAndTheServerGoe
   EXPECT_EQ(AnswerToABadToken(), "ERR unknown or already used attach token; attach again");
   UniqueFd claimed = Claimed();
   EXPECT_EQ(node_->Snapshot().attached, 1);
+}
+
+// Fails every accept4 of the calling thread, and of the threads it starts later, with EACCES,
+// as a security module refusing a connection does (a seccomp filter); false where the kernel
+// or the container takes no filter.
+bool RefuseAccepts() {
+  sock_filter filter[] = {
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, nr)),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_accept4, 0, 1),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | (EACCES & SECCOMP_RET_DATA)),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+  };
+  sock_fprog program{static_cast<unsigned short>(sizeof(filter) / sizeof(filter[0])), filter};
+  return prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0 &&
+         prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &program) == 0;
+}
+
+// An accept that fails for another reason than a connection gone or out of resources (here
+// a security module's EACCES) leaves the connection queued: the listener rests and says why,
+// rather than being polled, readable, and failed again at once, unseen, for as long as the
+// connection waits (the server thread spun on it).
+TEST(FdServerAcceptTest, AnAcceptRefusedOtherwiseRestsTheListenerAndSaysWhy) {
+  const pid_t probe = fork();  // Whether this kernel takes a filter, in a child of its own.
+  if (probe == 0) _exit(RefuseAccepts() ? 0 : 1);
+  int status = 0;
+  ASSERT_EQ(waitpid(probe, &status, 0), probe);
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) GTEST_SKIP() << "no seccomp filters here";
+  test::TempDir dir;
+  const std::string path = dir.path() + "/ubepd.sock.fds";
+  auto serve_one_refused_connection = [&] {
+    if (!RefuseAccepts()) _exit(3);
+    NodeOptions options = Options();
+    options.fd_socket_path = path;
+    Node node(options);
+    absl::StatusOr<std::unique_ptr<FdServer>> server = FdServer::Start(path, 0600, &node);
+    if (!server.ok()) _exit(4);
+    absl::StatusOr<UniqueFd> client = ConnectUnix(path, absl::Seconds(5));
+    if (!client.ok()) _exit(5);
+    absl::SleepFor(absl::Milliseconds(300));
+    _exit(0);
+  };
+  EXPECT_EXIT(serve_one_refused_connection(), ::testing::ExitedWithCode(0),
+              "fd server: cannot accept a connection: Permission denied; trying again every "
+              "100ms");
 }
 
 }  // namespace
