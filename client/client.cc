@@ -740,6 +740,23 @@ absl::Status RefreshArenas(RankState& s, uint64_t epoch) {
   return absl::OkStatus();
 }
 
+// A host-backend combine, `combine()`, out of memory included (its buffers here, or HostEp's
+// own once it took part, which records it and gives up on this rank so that the peers stop
+// waiting): every later call of this rank says so until Rejoin re-forms the group; the
+// exception goes on to the caller (the C ABI turns it into code 8).
+template <typename Combine>
+absl::Status HostCombine(RankState& s, Combine combine) {
+  try {
+    return combine();
+  } catch (...) {
+    s.ep->GiveUpOnCombine();
+    s.stopped = absl::InternalError(absl::StrCat(
+        "rank ", s.rank, ": a combine ran out of memory; the group must be re-formed: call "
+        "Rejoin"));
+    throw;
+  }
+}
+
 absl::StatusOr<v1::AttachResponse> AttachRpc(RankState& s, int device) {
   v1::AttachRequest request;
   request.set_rank(static_cast<uint32_t>(s.rank));
@@ -1190,9 +1207,11 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
       }
 #endif
     } else {
-      std::vector<std::byte> sink(static_cast<size_t>(num_tokens) * s.shape.hidden *
-                                  kernels::DTypeBytes(s.config.dtype));
-      combined = s.ep->Combine(out.state_->output, out.state_->output.recv_x.data(), sink.data());
+      combined = HostCombine(s, [&] {
+        std::vector<std::byte> sink(static_cast<size_t>(num_tokens) * s.shape.hidden *
+                                    kernels::DTypeBytes(s.config.dtype));
+        return s.ep->Combine(out.state_->output, out.state_->output.recv_x.data(), sink.data());
+      });
     }
     // Any other outcome (a wait that ended, a device error) is the call's: this rank did not
     // combine, so the group is out of step until it re-forms.
@@ -1274,7 +1293,7 @@ absl::Status Rank::Combine(const Dispatched& dispatched, const void* expert_out,
     status = s.cuda_ep->Combine(expert_out, out);
 #endif
   } else {
-    status = s.ep->Combine(dispatched.state_->output, expert_out, out);
+    status = HostCombine(s, [&] { return s.ep->Combine(dispatched.state_->output, expert_out, out); });
   }
   if (!status.ok()) {
     if (absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status)) s.stopped = status;

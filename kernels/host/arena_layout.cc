@@ -30,6 +30,17 @@ absl::Status ValidateConfig(const EpConfig& c) {
         c.max_tokens, ", hidden ", c.hidden, ", top_k ", c.top_k, ", experts ", c.num_experts,
         ", slots per rank ", c.slots_per_rank, ", layers ", c.num_layers, ")"));
   }
+  // Bounds under which no size the layout computes wraps (rows of R x T <= 2^31 tokens, each
+  // at most 2^26 bytes, twice over with their flagged copies: under 2^61), and a dispatch's
+  // token batches stay ints (send_split.h).
+  if (c.hidden > kMaxConfigHidden) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ep config: hidden ", c.hidden, " exceeds ", kMaxConfigHidden));
+  }
+  if (c.max_tokens > kMaxConfigTokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ep config: max_tokens ", c.max_tokens, " exceeds ", kMaxConfigTokens));
+  }
   if (c.top_k > kMaxTopK) {
     return absl::InvalidArgumentError(
         absl::StrCat("ep config: top_k ", c.top_k, " exceeds ", kMaxTopK));

@@ -134,8 +134,13 @@ int32_t ReceiveCapacity(const EpConfig& config);
 inline constexpr int kMaxSenderThreads = 64;
 
 inline constexpr int kMaxTopK = 32;
+// The largest row and call any backend takes (ubepd takes less: common/shape_limits.h); with
+// the rows a call may bring a rank bounded by 2^31 - 1, no size of the arena's layout wraps.
+inline constexpr int kMaxConfigHidden = 1 << 24;
+inline constexpr int kMaxConfigTokens = 1 << 30;
 
-// OK when every size is positive, top_k <= kMaxTopK and slots cover the experts.
+// OK when every size is positive and within its bound (hidden, max_tokens, top_k, the rows
+// and pairs of one call), slots cover the experts and the options are in range.
 absl::Status ValidateConfig(const EpConfig& config);
 
 // Values of the abort word. Every wait checks it (signal.h) and fails with an error naming

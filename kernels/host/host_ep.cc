@@ -597,6 +597,13 @@ absl::Status HostEp::SendersStopped(uint32_t epoch) {
       absl::StrCat("rank ", rank_, ": dispatch call ", epoch, ": ", why));
 }
 
+void HostEp::GiveUpOnCombine() {
+  RecordRefusal(arenas_[rank_], layout_, PhaseInFlight(dispatch_epoch_, combine_epoch_),
+                "it ran out of memory in its combine; its partials were not all stored");
+  refusal_recorded_ = true;
+  RaiseGiveUp(rank_);
+}
+
 void HostEp::AbandonCall(uint32_t batches_before, int num_batches) {
   if (senders_ != nullptr) {
     abandoned_.store(true, std::memory_order_seq_cst);
@@ -1043,6 +1050,8 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
   const Deadline deadline = DeadlineAfter(config_.timeout);
   const InCall in_call = EnterCall(deadline);
   const uint32_t epoch = ++combine_epoch_;
+  // Its allocations (the sums' scratch, a wait's bookkeeping) may throw from here on.
+  const GiveUpOnThrow give_up_on_throw(this);
   spared_ = 0;
   const auto* y = static_cast<const std::byte*>(y_ptr);
   const bool delay = partial_delay_for_testing_ > absl::ZeroDuration();

@@ -166,6 +166,27 @@ class HostEp {
     const int exceptions_ = std::uncaught_exceptions();
   };
 
+  // The calling thread leaves a combine it took part in by an exception (out of memory): its
+  // partials and flags are not all stored, nor its output summed. Recorded as this rank's
+  // refusal of the call (allocating nothing), and the group gives up on this rank, so that its
+  // peers stop waiting for it, naming why, and its next call is refused until the group is
+  // re-formed. Public for a caller whose combine failed so before it began (its buffers).
+  void GiveUpOnCombine();
+  // GiveUpOnCombine, when destroyed by an exception's unwinding (not on a return).
+  class GiveUpOnThrow {
+   public:
+    explicit GiveUpOnThrow(HostEp* ep) : ep_(ep) {}
+    ~GiveUpOnThrow() {
+      if (std::uncaught_exceptions() > exceptions_) ep_->GiveUpOnCombine();
+    }
+    GiveUpOnThrow(const GiveUpOnThrow&) = delete;
+    GiveUpOnThrow& operator=(const GiveUpOnThrow&) = delete;
+
+   private:
+    HostEp* const ep_;
+    const int exceptions_ = std::uncaught_exceptions();
+  };
+
   const EpConfig& config() const { return config_; }
   int rank() const { return rank_; }
   // Threads a call of this rank runs on: the caller's, and the sender role's own where it has

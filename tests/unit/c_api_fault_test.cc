@@ -338,4 +338,70 @@ TEST(CAbiFaultTest, DispatchOutOfMemoryStopsTheCallAndTheNextCallSaysToRejoin) {
   EXPECT_EQ(ubep_detach(rank), 0) << ubep_last_error();
 }
 
+
+// ubep_combine runs out of memory at each of its allocations in turn (its sums' scratch after
+// the call took part among them): every time it is code 8 and a message, and the rank's next
+// call says to Rejoin (the group gave up on it: a peer would not have all its partials), or,
+// where nothing of the call had begun, the combine runs again; Rejoin re-forms the group and
+// the next step runs.
+TEST(CAbiFaultTest, CombineOutOfMemoryStopsTheRankUntilItRejoins) {
+  OneRankThroughTheCAbi one;
+  ASSERT_NE(one.rank, nullptr);
+  ubep_rank* rank = one.rank;
+  const std::vector<float> x(4 * 8, 1.0f), w(4 * 2, 0.5f);
+  const std::vector<int32_t> idx = {0, 1, 2, 3, 0, 2, 1, 3};
+  std::vector<float> out(4 * 8);
+  uint64_t step = 0;
+  std::set<std::string> said;
+  int failed_runs = 0;
+  for (long n = 0;; ++n) {
+    ASSERT_LT(n, 1000) << "the call allocates without end";
+    ASSERT_EQ(ubep_begin_step(rank, step), 0) << ubep_last_error();
+    ubep_dispatched* dispatched = ubep_dispatched_new();
+    ASSERT_NE(dispatched, nullptr);
+    ASSERT_EQ(ubep_dispatch(rank, 0, x.data(), idx.data(), w.data(), 4, dispatched), 0)
+        << ubep_last_error();
+    int32_t rows = 0;
+    const void* received = nullptr;
+    ubep_dispatched_view(dispatched, &rows, &received, nullptr, nullptr, nullptr, nullptr);
+    int code = 0;
+    bool failed = false;
+    std::string message;
+    std::thread([&] {
+      fail_countdown = n;
+      code = ubep_combine(rank, dispatched, received, out.data());
+      fail_countdown = -1;
+      failed = failed_one;
+      failed_one = false;
+      message = ubep_last_error();
+    }).join();
+    if (!failed) {
+      ASSERT_EQ(code, 0) << message;
+      EXPECT_EQ(out, x);  // 0.5 x 1 + 0.5 x 1 through one rank's slots.
+      ubep_dispatched_free(dispatched);
+      break;
+    }
+    ++failed_runs;
+    EXPECT_EQ(code, 8);
+    EXPECT_EQ(message, "ubep_combine: out of memory");
+    const int next = ubep_begin_step(rank, step + 1);
+    if (next != 0) {
+      EXPECT_EQ(next, 13);
+      said.insert(ubep_last_error());
+      uint64_t resume = 0;
+      ASSERT_EQ(ubep_rejoin(rank, static_cast<int64_t>(step + 2), &resume), 0) << ubep_last_error();
+      step = resume;
+    } else {
+      EXPECT_EQ(ubep_combine(rank, dispatched, received, out.data()), 0) << ubep_last_error();
+      step += 2;
+    }
+    ubep_dispatched_free(dispatched);
+  }
+  EXPECT_GE(failed_runs, 1);
+  EXPECT_EQ(said, (std::set<std::string>{
+                      "rank 0: a combine ran out of memory; the group must be re-formed: call "
+                      "Rejoin"}));
+  EXPECT_EQ(ubep_detach(rank), 0) << ubep_last_error();
+}
+
 }  // namespace

@@ -23,6 +23,7 @@
 #include "kernels/common/host_cpu.h"
 #include "kernels/common/plan_area.h"
 #include "kernels/common/routing.h"
+#include "kernels/common/send_split.h"
 #include "kernels/host/shared_arena.h"
 #include "kernels/host/signal.h"
 #include "tests/unit/dataplane_fixtures.h"
@@ -759,6 +760,38 @@ TEST(HostEpErrorTest, AShapeWhoseRowsPerCallOverflowThirtyTwoBitsIsRefused) {
   EXPECT_EQ(ValidateConfig(config),
             absl::InvalidArgumentError("ep config: 67108864 max_tokens x top_k 32 = 2147483648 "
                                        "pairs of one call, over 2^31 - 1"));
+}
+
+// Rows so wide that the arena's size wrapped (4 ranks of 2^29 - 1 tokens of 2^30 fp32
+// elements: the layout came to 1920 bytes, and every store went past the mapping), and tokens
+// so many that a dispatch's batches overflowed an int (1 rank, top-1: 2^31 - 1 tokens gave no
+// batch, and an OK dispatch of zero rows), are refused by name.
+TEST(HostEpErrorTest, ShapesWhoseSizesWouldWrapAreRefused) {
+  EpConfig config = SmallConfig(Protocol::kUbep);
+  config.dtype = DType::kFloat32;
+  config.num_ranks = 4;
+  config.num_experts = 4;
+  config.slots_per_rank = 1;
+  config.top_k = 1;
+  config.max_tokens = (1 << 29) - 1;
+  config.hidden = 1 << 30;
+  EXPECT_EQ(ValidateConfig(config),
+            absl::InvalidArgumentError("ep config: hidden 1073741824 exceeds 16777216"));
+  config.hidden = 1 << 24;
+  EXPECT_EQ(ValidateConfig(config), absl::OkStatus());
+  // At the largest rows and tokens taken, the layout's regions still fit in what it adds up.
+  const ArenaLayout layout(config);
+  EXPECT_GE(layout.total_bytes, layout.partials + config.num_ranks * layout.row_stride);
+  EXPECT_EQ(layout.row_stride, size_t{(1 << 29) - 1} << 26);
+  config.num_ranks = 1;
+  config.num_experts = 1;
+  config.hidden = 8;
+  config.max_tokens = std::numeric_limits<int32_t>::max();
+  EXPECT_EQ(ValidateConfig(config),
+            absl::InvalidArgumentError("ep config: max_tokens 2147483647 exceeds 1073741824"));
+  config.max_tokens = 1 << 30;
+  EXPECT_EQ(ValidateConfig(config), absl::OkStatus());
+  EXPECT_EQ(NumBatches(config.max_tokens), kMaxSendBatches);
 }
 
 // `ranks` fresh zero-filled arenas of `bytes` each, not laid out by any rank yet.
