@@ -1257,7 +1257,13 @@ struct CudaEp::Scratch {
   // where a synchronous copy of each would wait for the device once more.
   uint32_t* host_status = nullptr;
   int32_t* host_slot_offsets = nullptr;
+  // Non-blocking too: a blocking one would make the caller's legacy-stream work (a cudaMemcpy
+  // of its next input) wait for this rank's kernels, which, with ranks as threads of one
+  // process on one device, may wait for that very caller's next call: a deadlock until the
+  // call's timeout. Each call instead waits for `legacy`, recorded on the legacy default
+  // stream as it begins: still after the caller's uploads there, never the reverse.
   cudaStream_t stream = nullptr;
+  cudaEvent_t legacy = nullptr;
   // Non-blocking: copies that must not wait for the kernels of a call in flight on `stream`
   // (FailedAfterTakingPart's refusal record and abort words; the legacy default stream
   // would wait for them).
@@ -1273,6 +1279,7 @@ CudaEp::~CudaEp() {
   if (scratch_->arenas != nullptr) cudaFree(scratch_->arenas);
   if (scratch_->host_status != nullptr) cudaFreeHost(scratch_->host_status);
   if (scratch_->stream != nullptr) cudaStreamDestroy(scratch_->stream);
+  if (scratch_->legacy != nullptr) cudaEventDestroy(scratch_->legacy);
   if (scratch_->side != nullptr) cudaStreamDestroy(scratch_->side);
 }
 
@@ -1306,8 +1313,9 @@ absl::StatusOr<std::unique_ptr<CudaEp>> CudaEp::Create(const EpConfig& config, i
   ep->own_arena_ = arenas[rank];
   ep->arenas_ = arenas;
   Scratch& s = *ep->scratch_;
-  // A blocking stream: ordered after the caller's uploads on the legacy default stream.
-  UBEP_CUDA_RETURN_IF_ERROR(cudaStreamCreate(&s.stream));
+  // Ordered after the caller's uploads on the legacy default stream by `legacy` (Scratch).
+  UBEP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
+  UBEP_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&s.legacy, cudaEventDisableTiming));
   UBEP_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s.side, cudaStreamNonBlocking));
   UBEP_CUDA_RETURN_IF_ERROR(
       cudaMalloc(reinterpret_cast<void**>(&s.arenas), sizeof(std::byte*) * arenas.size()));
@@ -1743,6 +1751,9 @@ absl::Status CudaEp::Dispatch(const CudaDispatchInput& in, CudaDispatchOutput& o
   // harmlessly) is not this call's: the launches below are checked by cudaGetLastError. A
   // sticky error (a broken context) comes back at that check.
   (void)cudaGetLastError();
+  // After the caller's work on the legacy default stream (its uploads of the input).
+  UBEP_CUDA_FAIL_CALL_IF_ERROR(cudaEventRecord(s.legacy, cudaStreamLegacy));
+  UBEP_CUDA_FAIL_CALL_IF_ERROR(cudaStreamWaitEvent(s.stream, s.legacy, 0));
   GateKernel<<<1, 32, 0, s.stream>>>(p);  // Clears the status words; the abort word's look.
   if (fail_after_taking_part_for_testing_) {
     return FailedAfterTakingPart(
@@ -1855,6 +1866,9 @@ absl::Status CudaEp::Combine(const void* y, void* out) {
   Params p = s.params;
   p.epoch = ++combine_epoch_;
   p.off_completed = layout_.combine_completed;
+  // After the caller's work on the legacy default stream (its expert outputs, y).
+  UBEP_CUDA_FAIL_CALL_IF_ERROR(cudaEventRecord(s.legacy, cudaStreamLegacy));
+  UBEP_CUDA_FAIL_CALL_IF_ERROR(cudaStreamWaitEvent(s.stream, s.legacy, 0));
   UBEP_CUDA_FAIL_CALL_IF_ERROR(
       cudaMemsetAsync(p.status, 0, kStatusWords * sizeof(uint32_t), s.stream));
   UBEP_CUDA_FAIL_CALL_IF_ERROR(

@@ -16,7 +16,7 @@
 // fused multiply-add so that the sums match the host backend bit for bit. Every wait of a
 // call shares one deadline, the configured timeout from the call's first wait.
 //
-// The API takes raw device pointers and sizes and runs on its own blocking stream, which it
+// The API takes raw device pointers and sizes and runs on its own stream, which it
 // synchronizes at the end of each call (v1: the host reads the row count to size outputs).
 // Bad expert ids are flagged on the device (InvalidArgument) and never read or write out of
 // bounds.
@@ -94,10 +94,12 @@ class CudaEp {
   // ResourceExhausted (OverCapacityStatus), the first rows of the layout in recv_x
   // (num_rows of them), and a Combine that fails on every rank of the group.
   //
-  // Both calls run on the CudaEp's own stream, a blocking one: they are ordered after work of
-  // the legacy default stream, and both return once their kernels are done. Inputs written on
-  // a non-blocking stream must be complete before the call (synchronize that stream or an
-  // event of it first).
+  // Both calls run on the CudaEp's own stream: they are ordered after work of the legacy
+  // default stream issued before the call (an event recorded there as the call begins), and
+  // both return once their kernels are done; the legacy default stream does not wait for
+  // them in turn (the stream is non-blocking: a caller's cudaMemcpy does not wait for another
+  // rank's call in flight on the same device). Inputs written on another stream must be
+  // complete before the call (synchronize that stream or an event of it first).
   absl::Status Dispatch(const CudaDispatchInput& input, CudaDispatchOutput& output);
   // y: device [num_rows, hidden] bf16 in the dispatch's row order; out: device [num_tokens,
   // hidden] bf16; both 16-byte aligned.
