@@ -119,11 +119,12 @@ Inputs MakeInputs(const Case& c, const Skew& skew) {
 }
 
 // Runs `steps` steps on every rank (one thread each, all leaving a start line together);
-// appends rank 0's step times (us). `check(r, i)` follows each step, untimed.
+// appends rank 0's step times (us). `check(r, i)` follows each step, untimed; a wrong output
+// is the block's error before any step's (the peers of a rank that stopped on one time out).
 template <typename StepFn, typename CheckFn>
 absl::Status RunBlock(int ranks, int steps, StepFn step, CheckFn check,
                       std::vector<double>* times) {
-  std::vector<absl::Status> status(ranks);
+  std::vector<absl::Status> status(ranks), wrong(ranks);
   std::barrier start_line(ranks);
   std::vector<std::thread> threads;
   for (int r = 0; r < ranks; ++r) {
@@ -135,13 +136,15 @@ absl::Status RunBlock(int ranks, int steps, StepFn step, CheckFn check,
         if (r == 0 && times != nullptr) {
           times->push_back(absl::ToDoubleMicroseconds(absl::Now() - start));
         }
-        if (status[r].ok()) status[r] = check(r, i);
+        if (status[r].ok()) status[r] = wrong[r] = check(r, i);
       }
     });
   }
   for (std::thread& t : threads) t.join();
-  for (const absl::Status& s : status) {
-    if (!s.ok()) return s;
+  for (const std::vector<absl::Status>* statuses : {&wrong, &status}) {
+    for (const absl::Status& s : *statuses) {
+      if (!s.ok()) return s;
+    }
   }
   return absl::OkStatus();
 }

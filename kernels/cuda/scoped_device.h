@@ -4,13 +4,9 @@
 // (a new thread starts on device 0) launches into a stream of another device, which the
 // runtime refuses, or allocates on the wrong GPU. Every entry point that touches a rank's
 // device state selects the rank's device this way; the caller's choice is left as it was.
-// A thread that had no context current (a new thread, whose runtime device reads 0 without
-// one) is left with none: setting device 0 back would create the primary context there
-// (CUDA 12 makes it at cudaSetDevice), hundreds of MB on another rank's GPU in every process.
 #ifndef UBEP_KERNELS_CUDA_SCOPED_DEVICE_H_
 #define UBEP_KERNELS_CUDA_SCOPED_DEVICE_H_
 
-#include <cuda.h>
 #include <cuda_runtime_api.h>
 
 #include <string>
@@ -28,10 +24,6 @@ class ScopedDevice {
       return;
     }
     if (previous_ == device) return;
-    const ContextCalls& calls = Calls();
-    CUcontext current = nullptr;
-    no_context_before_ = calls.get != nullptr && calls.set != nullptr &&
-                         calls.get(&current) == CUDA_SUCCESS && current == nullptr;
     if (const cudaError_t e = cudaSetDevice(device); e != cudaSuccess) {
       error_ = absl::StrCat("cannot select CUDA device ", device, ": ", cudaGetErrorString(e));
       return;
@@ -39,12 +31,7 @@ class ScopedDevice {
     switched_ = true;
   }
   ~ScopedDevice() {
-    if (!switched_) return;
-    if (no_context_before_) {
-      (void)Calls().set(nullptr);
-    } else {
-      (void)cudaSetDevice(previous_);
-    }
+    if (switched_) (void)cudaSetDevice(previous_);
   }
   ScopedDevice(const ScopedDevice&) = delete;
   ScopedDevice& operator=(const ScopedDevice&) = delete;
@@ -55,36 +42,8 @@ class ScopedDevice {
   }
 
  private:
-  // cuCtxGetCurrent and cuCtxSetCurrent through the runtime's entry points (no link to the
-  // driver library, as vmm_arena.cc); null where the driver has none.
-  struct ContextCalls {
-    CUresult (*get)(CUcontext*) = nullptr;
-    CUresult (*set)(CUcontext) = nullptr;
-  };
-  static const ContextCalls& Calls() {
-    static const ContextCalls calls = [] {
-      ContextCalls c;
-      void* pointer = nullptr;
-      cudaDriverEntryPointQueryResult found{};
-      if (cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &pointer, 12000, cudaEnableDefault,
-                                           &found) == cudaSuccess &&
-          found == cudaDriverEntryPointSuccess) {
-        c.get = reinterpret_cast<CUresult (*)(CUcontext*)>(pointer);
-      }
-      pointer = nullptr;
-      if (cudaGetDriverEntryPointByVersion("cuCtxSetCurrent", &pointer, 12000, cudaEnableDefault,
-                                           &found) == cudaSuccess &&
-          found == cudaDriverEntryPointSuccess) {
-        c.set = reinterpret_cast<CUresult (*)(CUcontext)>(pointer);
-      }
-      return c;
-    }();
-    return calls;
-  }
-
   int previous_ = -1;
   bool switched_ = false;
-  bool no_context_before_ = false;  // The thread had no current context: it gets none back.
   std::string error_;  // Why the device was not selected; empty if it was.
 };
 

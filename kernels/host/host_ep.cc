@@ -598,7 +598,12 @@ absl::Status HostEp::SendersStopped(uint32_t epoch) {
 }
 
 void HostEp::GiveUpOnCombine() {
-  RecordRefusal(arenas_[rank_], layout_, PhaseInFlight(dispatch_epoch_, combine_epoch_),
+  // Once per call (HostEp's own guard, then its caller's, may both come here).
+  if (gave_up_on_combine_ == dispatch_epoch_) return;
+  gave_up_on_combine_ = dispatch_epoch_;
+  // The phase the peers wait for it in, whether the combine had begun (its epoch taken) or
+  // not: the combine of the last dispatch.
+  RecordRefusal(arenas_[rank_], layout_, CallPhase{true, dispatch_epoch_},
                 "it ran out of memory in its combine; its partials were not all stored");
   refusal_recorded_ = true;
   RaiseGiveUp(rank_);

@@ -16,6 +16,7 @@
 #include <string>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
@@ -1522,6 +1523,34 @@ TEST(HostEpErrorTest, PeersWaitingForPartialsSayTheRankDispatchedTwice) {
   EXPECT_EQ(status[2], absl::FailedPreconditionError(kDispatchedTwice));
   for (int r : {0, 1, 3}) {
     EXPECT_EQ(status[r], GaveUpOnRank2(r, "combine partials", kDispatchedTwice));
+  }
+}
+
+// Rank 2 runs out of memory where its Combine belongs (libubep's sink for an overflowed
+// call, say) and gives up: the others, waiting for its partials, stop at once and say why,
+// though its combine never began (the reason is recorded for the phase they wait in).
+TEST(HostEpErrorTest, PeersWaitingForPartialsHearARankGaveUpOnItsCombine) {
+  const EpConfig config = ShortTimeoutConfig();
+  Group group(config);
+  const TestPlan plan = RoundRobinPlan(config);
+  const std::vector<absl::Status> status = DispatchThenRank2Instead(
+      group, plan, [&](const DispatchInput&, DispatchOutput&) {
+        group.ep(2).GiveUpOnCombine();
+        group.ep(2).GiveUpOnCombine();  // Its caller's guard too: once is what counts.
+        return absl::OkStatus();
+      });
+  // Each names rank 2 and its reason; one still waiting on another survivor when the give-up
+  // reached it says so too (", waiting on rank 1 which gave up").
+  for (int r : {0, 1, 3}) {
+    EXPECT_EQ(status[r].code(), absl::StatusCode::kDeadlineExceeded) << status[r];
+    EXPECT_TRUE(absl::StartsWith(status[r].message(),
+                                 absl::StrCat("rank ", r, ": timed out after 300ms waiting for "
+                                              "rank 2 (combine partials, call 1")))
+        << status[r];
+    EXPECT_TRUE(absl::EndsWith(status[r].message(),
+                               "); rank 2 refused this call: it ran out of memory in its "
+                               "combine; its partials were not all stored"))
+        << status[r];
   }
 }
 

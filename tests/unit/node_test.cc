@@ -2509,6 +2509,9 @@ bool RefuseAccepts() {
 // rather than being polled, readable, and failed again at once, unseen, for as long as the
 // connection waits (the server thread spun on it).
 TEST(FdServerAcceptTest, AnAcceptRefusedOtherwiseRestsTheListenerAndSaysWhy) {
+  // The child runs this binary afresh, single-threaded: earlier tests leave gRPC's threads
+  // behind, and a child forked from a threaded process may start none under ThreadSanitizer.
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
   const pid_t probe = fork();  // Whether this kernel takes a filter, in a child of its own.
   if (probe == 0) _exit(RefuseAccepts() ? 0 : 1);
   int status = 0;
@@ -2525,7 +2528,9 @@ TEST(FdServerAcceptTest, AnAcceptRefusedOtherwiseRestsTheListenerAndSaysWhy) {
     if (!server.ok()) _exit(4);
     absl::StatusOr<UniqueFd> client = ConnectUnix(path, absl::Seconds(5));
     if (!client.ok()) _exit(5);
-    absl::SleepFor(absl::Milliseconds(300));
+    // The first accept follows the connection at once; time for a loaded machine to run it.
+    absl::SleepFor(absl::Seconds(2));
+    std::filesystem::remove_all(dir.path());  // The child's own (it ran the test afresh).
     _exit(0);
   };
   EXPECT_EXIT(serve_one_refused_connection(), ::testing::ExitedWithCode(0),

@@ -13,8 +13,10 @@
  * else thrown inside is 13 (INTERNAL) naming it. ubep_detach frees its handle either way.
  * (Out of memory in ubep_dispatch or ubep_combine is not the receive-capacity overflow that 8
  * means there, told apart by its message: that rank's call did not complete and the group is
- * out of step: call ubep_rejoin. After a dispatch had begun, the group gives up on the rank
- * (its peers stop waiting for it) and its next call returns 13 saying to call ubep_rejoin.)
+ * out of step: call ubep_rejoin. After a dispatch had begun, or in a combine (host backend:
+ * ubep_combine, or the combine ubep_dispatch runs for an overflowed call), the group gives up
+ * on the rank (its peers stop waiting for it) and its next call returns 13 saying to call
+ * ubep_rejoin.)
  * Handles are not thread-safe: one thread drives a rank, and no two calls on one handle may
  * overlap, those taking a const handle included (ubep_excluded and ubep_slot_expert check and
  * cache the plan, ubep_must_attach_again stops the group when it finds ubepd gone).
