@@ -1191,6 +1191,13 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
     return fail(absl::StrCat("plan version ", plan.version, " is above 2^63 - 1 (no plan after "
                              "it could be numbered)"));
   }
+  // Whatever --max_plan_lead_steps says: no rank reaches such a step (libubep's BeginStep
+  // takes none past 2^63 - 1), so the plan would never be in force, and every plan after it
+  // would be refused for waiting on it.
+  if (effective_step > kMaxStep) {
+    return fail(absl::StrCat("effective step ", effective_step, " is above 2^63 - 1 (no rank "
+                             "reaches it)"));
+  }
   if (staging_) return fail(absl::StrCat("the weights of plan v", staging_version_, " are being staged"));
   if (!AllArenasMapped()) return fail("the arenas of the peer daemons' ranks are not mapped yet");
   if (const std::string stale = StaleMembers(plan); !stale.empty()) {

@@ -1085,8 +1085,10 @@ void Balancer::RequestRebalance() {
 
 absl::StatusOr<uint64_t> Balancer::EffectiveStep() const {
   // In whole steps, saturating: a serving job's steps are its own numbering (past 2^53 a
-  // double would round them, and the step rate's few steps with them).
-  constexpr uint64_t kLast = std::numeric_limits<uint64_t>::max();
+  // double would round them, and the step rate's few steps with them). They end at kMaxStep
+  // (libubep's BeginStep takes none past it): a plan placed after it would never be in force,
+  // and every plan after it would wait for it (ubepd refuses one).
+  constexpr uint64_t kLast = kMaxStep;
   auto add = [](uint64_t a, uint64_t b) { return a > kLast - b ? kLast : a + b; };
   uint64_t at = 0;
   const absl::Time now = StepNow();
@@ -1101,8 +1103,8 @@ absl::StatusOr<uint64_t> Balancer::EffectiveStep() const {
                           absl::ToDoubleSeconds(d.step_time - d.prev_step_time);
       const double ahead =
           std::ceil(rate * absl::ToDoubleSeconds(now - d.step_time + options_.effective_margin));
-      if (ahead >= 0x1p64) {
-        estimate = kLast;  // (2^64 and past it do not convert.)
+      if (ahead >= 0x1p63) {
+        estimate = kLast;  // (Past the last step; 2^64 and past it do not convert.)
       } else if (ahead > 0) {
         estimate = add(estimate, static_cast<uint64_t>(ahead));
       }
@@ -1113,7 +1115,7 @@ absl::StatusOr<uint64_t> Balancer::EffectiveStep() const {
   if (at > kLast - margin) {
     return absl::FailedPreconditionError(absl::StrCat(
         "the serving job is at step ", at, " (estimated): no step is left after it for a plan "
-        "to take effect at (steps end at 2^64 - 1)"));
+        "to take effect at (steps end at 2^63 - 1)"));
   }
   return at + margin;
 }

@@ -23,6 +23,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gmock/gmock.h"
 #include "common/clock.h"
+#include "common/shape_limits.h"
 #include "gtest/gtest.h"
 #include "prometheus/registry.h"
 #include "tests/unit/proto_mutate.h"
@@ -1036,7 +1037,8 @@ TEST(BalancerServerTest, AStepLearnedFromADaemonsStateCountsFromWhenItWasLearned
 // takes effect min_margin_steps after the furthest step reported, and after the steps its
 // rate adds; near 2^64, where no step would be left after the margin, a report is refused
 // (steps end at 2^63 - 1, as libubep's BeginStep says), and no plan is made from it (rather
-// than one at a step wrapped past 0, which every daemon would refuse as reached).
+// than one at a step wrapped past 0, which every daemon would refuse as reached); nor from
+// steps whose plan would take effect past 2^63 - 1.
 TEST(BalancerServerTest, StepsPast2To53AreCountedWholeAndNear2To64NoPlanIsMade) {
   const uint64_t kFar = (uint64_t{1} << 60) + 1100;
   {
@@ -1074,6 +1076,26 @@ TEST(BalancerServerTest, StepsPast2To53AreCountedWholeAndNear2To64NoPlanIsMade) 
                            "2^63 - 1 (libubep refuses such a step)"));
   }
   EXPECT_TRUE(a.prepares().empty());
+  // Steps near the last one libubep takes (2^63 - 1), a step a second: the plan would take
+  // effect past it, where no rank goes; none is made.
+  balancer.reset();
+  FakeDaemon c("node-a", FirstPlan()), d("node-b", FirstPlan());
+  FakeClock clock;
+  BalancerOptions options = NeverMarkedDown();
+  options.step_clock = &clock;
+  std::unique_ptr<Balancer> near_the_end = WithTwoDaemons(options, c, d);
+  for (int n = 0; n < 2; ++n) {
+    const grpc::Status taken = ReportSteps(*near_the_end, n == 0 ? "node-a" : "node-b", n, 1,
+                                           kMaxStep - 8, 1, kMaxStep - 10);
+    ASSERT_TRUE(taken.ok()) << taken.error_message();
+  }
+  clock.Advance(absl::Seconds(1));
+  const grpc::Status moved =
+      ReportSteps(*near_the_end, "node-a", 0, 2, kMaxStep - 7, 1, kMaxStep - 8);
+  ASSERT_TRUE(moved.ok()) << moved.error_message();
+  v1::RebalanceResponse response;
+  (void)Drain(*near_the_end, "node-b", true, &response);
+  EXPECT_TRUE(c.prepares().empty());
 }
 
 // New clients attached to both daemons and the group formed again at step 0, before v1's

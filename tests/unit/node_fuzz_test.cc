@@ -113,6 +113,9 @@ TEST(NodeFuzzTest, PlansFromTheWireArePreparedOrRefusedAndLeaveThePlanInForce) {
             "plan version 18446744073709551615 is above 2^63 - 1 (no plan after it could be "
             "numbered)");
   last.version = kMaxPlanVersion;
+  // Nor at a step no rank reaches (libubep takes none past 2^63 - 1), lead bound or none.
+  EXPECT_EQ(node.Prepare(last, kMaxStep + 1).reason(),
+            "effective step 9223372036854775808 is above 2^63 - 1 (no rank reaches it)");
   ASSERT_TRUE(node.Prepare(last, 10).prepared());
   ASSERT_TRUE(node.Abort(kMaxPlanVersion).ok());
   const v1::PrepareResponse response = node.Prepare(SwappedPlan(), 10);
