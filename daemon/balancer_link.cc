@@ -19,12 +19,22 @@ BalancerLink::BalancerLink(BalancerLinkOptions options, Node* node)
       stub_(v1::Control::NewStub(ControlChannel(options_.balancer))),
       incarnation_(absl::StrCat(getpid(), "-", absl::ToUnixNanos(absl::Now()))),
       interval_ms_(absl::ToInt64Milliseconds(options_.report_interval)),
-      thread_(
-          [this] {
-            return node_->MissingRanks().empty() ? absl::Milliseconds(interval_ms_.load())
-                                                 : absl::Milliseconds(100);
-          },
-          [this] { Tick(); }) {}
+      thread_([this] { return NextTick(); }, [this] { Tick(); }) {}
+
+absl::Duration BalancerLink::NextTick() {
+  const absl::Duration interval = absl::Milliseconds(interval_ms_.load());
+  if (!registered_) {
+    // The first registration at once, then tried again every second at most: until the
+    // balancer knows this daemon it counts its ranks as down (after its registration grace),
+    // however long --report_interval is.
+    if (!ticked_) {
+      ticked_ = true;
+      return absl::ZeroDuration();
+    }
+    return std::min(interval, absl::Seconds(1));
+  }
+  return node_->MissingRanks().empty() ? interval : absl::Milliseconds(100);
+}
 
 // A registered ClientContext with the link's deadline; one whose link is stopping is
 // cancelled before it is used (the call then fails at once, CANCELLED).

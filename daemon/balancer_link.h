@@ -43,6 +43,8 @@ class BalancerLink {
   ~BalancerLink();
 
  private:
+  // The wait before the next tick (PeriodicThread's interval, asked on the link's thread).
+  absl::Duration NextTick();
   void Tick();
   bool Register();
   // A report, with the counters it was made from.
@@ -67,7 +69,8 @@ class BalancerLink {
   const BalancerLinkOptions options_;
   Node* node_;
   std::unique_ptr<v1::Control::Stub> stub_;
-  bool registered_ = false;
+  bool registered_ = false;  // Link thread only, as ticked_.
+  bool ticked_ = false;      // NextTick gave the first tick.
   std::string registered_shape_;          // Serialized shape at the last registration.
   uint64_t registered_arenas_ = 0;        // Groups created, at the last registration.
   std::vector<int> registered_restarted_;  // RestartedMembers told at the last registration.

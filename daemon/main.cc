@@ -172,6 +172,13 @@ int main(int argc, char** argv) {
               << " is under 10ms\n";
     return 2;
   }
+  if (options.report_interval > absl::Hours(1)) {
+    // Nor more: the balancer's interval, which replaces it once registered, is taken within
+    // [10ms, 1h] too.
+    std::cerr << "ubepd: --report_interval " << absl::FormatDuration(options.report_interval)
+              << " is over 1h\n";
+    return 2;
+  }
   if (options.harvest_interval < absl::Milliseconds(10)) {
     // Each harvest reads every rank's counters under the node's lock.
     std::cerr << "ubepd: --harvest_interval " << absl::FormatDuration(options.harvest_interval)

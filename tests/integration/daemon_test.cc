@@ -422,6 +422,7 @@ TEST_F(DaemonTest, WhatItCannotStartWithIsRefusedAndLeavesTheRunningDaemonBe) {
       {"--wait_timeout=0s", "ubepd: --wait_timeout 0 is not positive\n"},
       {"--join_timeout=-1s", "ubepd: --join_timeout -1s is not positive\n"},
       {"--report_interval=500us", "ubepd: --report_interval 500us is under 10ms\n"},
+      {"--report_interval=2h", "ubepd: --report_interval 2h is over 1h\n"},
       {"--harvest_interval=1ns", "ubepd: --harvest_interval 1ns is under 10ms\n"},
       {"--socket_mode=40000000660", "ubepd: --socket_mode 40000000660 is not an octal file mode\n"},
       {"--socket_mode=+660", "ubepd: --socket_mode +660 is not an octal file mode\n"},

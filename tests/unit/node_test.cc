@@ -927,6 +927,22 @@ TEST(NodeTest, EachGroupTheDaemonCreatesRegistersAsANewIncarnation) {
   EXPECT_EQ(incarnations, (std::vector<std::string>{process + ".1", process + ".2", process + ".3"}));
 }
 
+// A daemon registers at once, and while unregistered tries again every second at most,
+// whatever its report interval (an hour here): the balancer counts the ranks of a daemon it
+// does not know as down once its registration grace is over. (The first registration waited
+// a whole report interval.)
+TEST(NodeTest, TheFirstRegistrationDoesNotWaitForTheReportInterval) {
+  FakeBalancer balancer;
+  Node node{Options()};
+  Attached a = AttachAndClaim(node, 0, 2, 1);
+  BalancerLinkOptions options = balancer.LinkOptions();
+  options.report_interval = absl::Hours(1);
+  BalancerLink link(options, &node);
+  const std::optional<v1::RegisterRequest> registered = balancer.RegistrationOf(2);
+  ASSERT_TRUE(registered.has_value());
+  EXPECT_EQ(registered->node(), "node-a");
+}
+
 // Ranks 0 and 1 of a one-daemon group, attached; rank 0 has counted 30 pairs in slot 0 of
 // layer 0 and is at step 50. Then a BalancerLink starts reporting to `balancer`.
 struct ReportingGroup {
