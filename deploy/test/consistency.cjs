@@ -34,7 +34,7 @@ if (!ubepd || !balancer) {
   const init = (pod.initContainers || []).find((c) =>
     (c.volumeMounts || []).some((m) => mount && m.name === mount.name && m.mountPath === dir));
   const cmd = init ? init.command.join(" ") : "";
-  if (cmd !== `install -d -o ${uid} -g ${gid} -m 2770 ${dir}`) {
+  if (cmd !== `install -d -o ${uid} -g ${gid} -m 2750 ${dir}`) {
     problems.push(`no init container gives ${dir} to ubepd's user ${uid}:${gid} (found "${cmd}")`);
   }
   // ubepd's balancer is the one in its pod.
