@@ -73,7 +73,7 @@ void BalancerLink::Tick() {
   const std::string serialized = group.shape.has_value() ? group.shape->SerializeAsString() : "";
   if (!registered_ || serialized != registered_shape_ ||
       group.arenas_created != registered_arenas_) {
-    registered_ = Register();
+    SetRegistered(Register());
   }
   if (!registered_ || stopping_.load()) return;
   MapPeers();
@@ -85,7 +85,7 @@ void BalancerLink::Tick() {
     if (restarted.empty()) {
       registered_restarted_.clear();
     } else {
-      registered_ = Register();
+      SetRegistered(Register());
       if (!registered_) return;
     }
   }
@@ -104,7 +104,7 @@ void BalancerLink::MapPeers() {
   v1::GetGroupResponse group;
   const grpc::Status status = stub_->GetGroup(call.context(), request, &group);
   if (!status.ok()) {
-    if (status.error_code() == grpc::StatusCode::NOT_FOUND) registered_ = false;
+    if (status.error_code() == grpc::StatusCode::NOT_FOUND) SetRegistered(false);
     return;
   }
   const std::string key = node_->PeerKey();
@@ -211,7 +211,18 @@ void BalancerLink::Report() {
     case grpc::StatusCode::INVALID_ARGUMENT:
     case grpc::StatusCode::FAILED_PRECONDITION:
       // The balancer's answers: taken, or refused for good (a report it cannot use is
-      // dropped, and the balancer says why).
+      // dropped, and the balancer says why). One of a plan it moved past (FAILED_PRECONDITION)
+      // is expected at a plan change; a malformed one is said, once per reason and 10 s.
+      if (status.ok()) {
+        Count(&BalancerLinkStats::reports_taken);
+      } else {
+        Count(&BalancerLinkStats::reports_refused);
+        const std::string why = absl::StrCat(status.error_code(), ": ", status.error_message());
+        if (status.error_code() == grpc::StatusCode::INVALID_ARGUMENT && SayReportFailure(why)) {
+          UBEP_LOG(WARNING) << "load report " << pending_->request.seq() << " refused by "
+                            << options_.balancer << " (code " << why << "); it is dropped";
+        }
+      }
       last_ = std::move(pending_->loads);
       last_step_ = pending_->request.load().last_step();
       pending_.reset();
@@ -224,6 +235,7 @@ void BalancerLink::Report() {
       // an endpoint that is not a balancer, credentials it refuses): sent again, it would
       // hold up every report after it for good. Dropped, its counts lost to the balancer,
       // and said (once per kind and 10 s).
+      Count(&BalancerLinkStats::reports_dropped);
       const std::string why = absl::StrCat(status.error_code(), ": ", status.error_message());
       if (SayReportFailure(why)) {
         UBEP_LOG(WARNING) << "load report " << pending_->request.seq() << " refused by "
@@ -238,12 +250,13 @@ void BalancerLink::Report() {
     case grpc::StatusCode::NOT_FOUND:
       // The balancer restarted or forgot this node: it took nothing of the report, which goes
       // again once this daemon has registered.
-      registered_ = false;
+      SetRegistered(false);
       return;
     default: {
       // No answer of the balancer's (unreachable, timed out, or a transport or proxy that
       // cancelled or failed the call): taken or not, the same report goes again, and is taken
       // at most once. Said once per kind of failure and 10 s.
+      Count(&BalancerLinkStats::reports_unanswered);
       const std::string why = absl::StrCat(status.error_code(), ": ", status.error_message());
       if (SayReportFailure(why)) {
         UBEP_LOG(WARNING) << "load report " << pending_->request.seq() << " got no answer from "
@@ -252,6 +265,15 @@ void BalancerLink::Report() {
       return;
     }
   }
+}
+
+void BalancerLink::SetRegistered(bool registered) {
+  registered_ = registered;
+  if (options_.stats != nullptr) options_.stats->registered.store(registered ? 1 : 0);
+}
+
+void BalancerLink::Count(std::atomic<uint64_t> BalancerLinkStats::*counter) {
+  if (options_.stats != nullptr) (options_.stats->*counter).fetch_add(1);
 }
 
 bool BalancerLink::SayReportFailure(const std::string& why) {

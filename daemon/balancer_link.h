@@ -8,10 +8,10 @@
 #ifndef UBEP_DAEMON_BALANCER_LINK_H_
 #define UBEP_DAEMON_BALANCER_LINK_H_
 
+#include <atomic>
 #include <memory>
 #include <optional>
 #include <string>
-#include <atomic>
 #include <mutex>
 #include <vector>
 
@@ -22,6 +22,17 @@
 #include "ubep/v1/control.grpc.pb.h"
 
 namespace ubep::daemon {
+
+// What a link has done, for ubepd's metrics (ubep_daemon_balancer_registered,
+// ubep_daemon_load_reports_total); owned by the daemon, which outlives the link.
+struct BalancerLinkStats {
+  std::atomic<int> registered{0};  // 1 while the balancer holds this daemon's registration.
+  // Load reports by the balancer's answer: taken; refused (a report it cannot use, dropped);
+  // dropped (an answer the same report would get again: too large, not a balancer);
+  // unanswered (no answer: sent again).
+  std::atomic<uint64_t> reports_taken{0}, reports_refused{0}, reports_dropped{0},
+      reports_unanswered{0};
+};
 
 struct BalancerLinkOptions {
   std::string balancer;   // HOST:PORT of ubep-balancer.
@@ -35,6 +46,7 @@ struct BalancerLinkOptions {
   // A link being destroyed cancels the RPC in flight and starts no other call; a fetch of a
   // peer's arenas in flight (a Unix-socket exchange) runs to its end or to this timeout.
   absl::Duration rpc_timeout = absl::Seconds(2);
+  BalancerLinkStats* stats = nullptr;  // Kept up to date where given.
 };
 
 class BalancerLink {
@@ -45,6 +57,9 @@ class BalancerLink {
  private:
   // The wait before the next tick (PeriodicThread's interval, asked on the link's thread).
   absl::Duration NextTick();
+  // registered_, and the stats' gauge of it.
+  void SetRegistered(bool registered);
+  void Count(std::atomic<uint64_t> BalancerLinkStats::*counter);
   void Tick();
   bool Register();
   // A report, with the counters it was made from.

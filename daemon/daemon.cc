@@ -478,6 +478,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
       if (getcwd(cwd, sizeof(cwd) - 1) != nullptr) link.arena_socket = absl::StrCat(cwd, "/", link.arena_socket);
     }
     link.report_interval = options.report_interval;
+    link.stats = &d->link_stats_;
+    d->metrics_->ExposeLink(&d->link_stats_);
     d->link_ = std::make_unique<BalancerLink>(link, d->node_.get());
   }
   // Serving, said once everything has started.

@@ -17,6 +17,7 @@
 #include "absl/time/time.h"
 #include "balancer/formats/json_formats.h"
 #include "common/shape_limits.h"
+#include "daemon/balancer_link.h"
 #include "daemon/node.h"
 
 namespace grpc {
@@ -84,6 +85,7 @@ class Daemon {
   UniqueFd socket_lock_;
   balancer::ReadyFile ready_;  // Withdrawn first thing in ~Daemon, the lock still held.
   std::unique_ptr<Node> node_;
+  BalancerLinkStats link_stats_;  // The link's, read by the metrics (which outlive the link).
   std::shared_ptr<DaemonMetrics> metrics_;  // The exposer holds a weak_ptr.
   std::unique_ptr<DaemonService> service_;
   std::unique_ptr<DaemonControlService> control_;

@@ -276,6 +276,29 @@ std::vector<MetricFamily> DaemonMetrics::Collect() const {
     }
   }
   out.push_back(std::move(rank_received));
+
+  if (const BalancerLinkStats* link = link_stats_.load(); link != nullptr) {
+    MetricFamily registered = Family("ubep_daemon_balancer_registered",
+                                     "1 while ubep-balancer holds this daemon's registration "
+                                     "(--balancer); until then it counts its ranks as down.",
+                                     MetricType::Gauge);
+    registered.metric.push_back(GaugeValue(link->registered.load()));
+    out.push_back(std::move(registered));
+    MetricFamily reports = Family(
+        "ubep_daemon_load_reports_total",
+        "Load reports sent to ubep-balancer, by its answer: taken; refused (one it cannot use, "
+        "dropped: of a plan it moved past, or malformed); dropped (an answer the same report "
+        "would get again: too large, not a balancer); unanswered (sent again).",
+        MetricType::Counter);
+    for (const auto& [result, counter] :
+         {std::pair{"taken", &link->reports_taken}, std::pair{"refused", &link->reports_refused},
+          std::pair{"dropped", &link->reports_dropped},
+          std::pair{"unanswered", &link->reports_unanswered}}) {
+      reports.metric.push_back(
+          CounterValue(static_cast<double>(counter->load()), {{"result", result}}));
+    }
+    out.push_back(std::move(reports));
+  }
   return out;
 }
 

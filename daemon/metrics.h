@@ -15,6 +15,7 @@
 #include "absl/time/time.h"
 #include "common/mutex.h"
 #include "common/periodic.h"
+#include "daemon/balancer_link.h"
 #include "daemon/node.h"
 #include "prometheus/collectable.h"
 #include "prometheus/metric_family.h"
@@ -29,6 +30,9 @@ class DaemonMetrics : public prometheus::Collectable {
 
   // Errors the daemon's RPCs returned, by code.
   void CountRpcError(absl::StatusCode code);
+  // The balancer link's registration and load reports, exposed from now on (a daemon with
+  // --balancer); `stats` outlives this.
+  void ExposeLink(const BalancerLinkStats* stats) { link_stats_.store(stats); }
   // Harvests now (the thread does it every interval; tests call it directly).
   void Harvest();
 
@@ -48,6 +52,7 @@ class DaemonMetrics : public prometheus::Collectable {
   const Node* node_;
   const absl::Duration interval_;
   std::array<std::atomic<uint64_t>, 17> rpc_errors_{};
+  std::atomic<const BalancerLinkStats*> link_stats_{nullptr};
   mutable Mutex mu_;
   Harvested harvested_ ABSL_GUARDED_BY(mu_);
   PeriodicThread thread_;  // Last: starts after the members it uses.

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -946,10 +947,12 @@ TEST(NodeTest, TheFirstRegistrationDoesNotWaitForTheReportInterval) {
 // Ranks 0 and 1 of a one-daemon group, attached; rank 0 has counted 30 pairs in slot 0 of
 // layer 0 and is at step 50. Then a BalancerLink starts reporting to `balancer`.
 struct ReportingGroup {
-  explicit ReportingGroup(FakeBalancer& balancer) {
+  explicit ReportingGroup(FakeBalancer& balancer, BalancerLinkStats* stats = nullptr) {
     AddLoad(a0, 0, 0, {30, 0, 0, 0}, ConfigOf(2));
     StepOf(a0, 0).store(50);
-    link = std::make_unique<BalancerLink>(balancer.LinkOptions(), &node);
+    BalancerLinkOptions options = balancer.LinkOptions();
+    options.stats = stats;
+    link = std::make_unique<BalancerLink>(options, &node);
   }
   Node node{Options()};
   Attached a0 = AttachAndClaim(node, 0, 2, 1);
@@ -1699,6 +1702,56 @@ TEST(NodeTest, ArenasOfferedForHostedRanksAreRefusedAndMarkNothing) {
   EXPECT_TRUE(g.b.RestartedMembers().empty());
   const v1::PrepareResponse prepared_b = g.b.Prepare(FourRankPlan(2, {}), 10);
   EXPECT_TRUE(prepared_b.prepared()) << prepared_b.reason();
+}
+
+// The link's registration and every load report's outcome are ubepd's metrics: taken;
+// refused by the balancer (INVALID_ARGUMENT, dropped); dropped for an answer the same report
+// would get again (UNIMPLEMENTED: not a balancer); unanswered (UNAVAILABLE, sent again). A
+// daemon whose reports stopped reaching the balancer showed nothing but a log line.
+TEST(NodeTest, TheLinksRegistrationAndReportsAreCounted) {
+  FakeBalancer balancer;
+  BalancerLinkStats stats;
+  ReportingGroup group(balancer, &stats);
+  auto await = [&](const std::atomic<uint64_t>& counter) {
+    return test::WaitFor([&] { return counter.load() > 0; }, absl::Seconds(20));
+  };
+  ASSERT_TRUE(await(stats.reports_taken));
+  EXPECT_EQ(stats.registered.load(), 1);
+  balancer.LoseAnswers(true, grpc::StatusCode::INVALID_ARGUMENT);
+  ASSERT_TRUE(await(stats.reports_refused));
+  balancer.LoseAnswers(true, grpc::StatusCode::UNIMPLEMENTED);
+  ASSERT_TRUE(await(stats.reports_dropped));
+  balancer.LoseAnswers(false);
+  balancer.Refuse(true);
+  ASSERT_TRUE(await(stats.reports_unanswered));
+  group.link.reset();  // Stopped: the counts hold still.
+  DaemonMetrics metrics(&group.node, absl::Hours(1));
+  std::map<std::string, double> seen;
+  auto collect = [&] {
+    seen.clear();
+    for (const prometheus::MetricFamily& f : metrics.Collect()) {
+      for (const prometheus::ClientMetric& m : f.metric) {
+        if (f.name == "ubep_daemon_balancer_registered") seen[f.name] = m.gauge.value;
+        if (f.name == "ubep_daemon_load_reports_total") {
+          seen[f.name + "{" + m.label.at(0).value + "}"] = m.counter.value;
+        }
+      }
+    }
+  };
+  collect();
+  EXPECT_TRUE(seen.empty());  // A daemon without --balancer has none of them.
+  metrics.ExposeLink(&stats);
+  collect();
+  EXPECT_EQ(seen, (std::map<std::string, double>{
+                      {"ubep_daemon_balancer_registered", 1},
+                      {"ubep_daemon_load_reports_total{dropped}",
+                       static_cast<double>(stats.reports_dropped.load())},
+                      {"ubep_daemon_load_reports_total{refused}",
+                       static_cast<double>(stats.reports_refused.load())},
+                      {"ubep_daemon_load_reports_total{taken}",
+                       static_cast<double>(stats.reports_taken.load())},
+                      {"ubep_daemon_load_reports_total{unanswered}",
+                       static_cast<double>(stats.reports_unanswered.load())}}));
 }
 
 // ubep_daemon_imbalance_ratio is max over mean of the last harvest's received pairs over
