@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <mutex>
 #include <thread>
 #include <cstdio>
 #include <cstring>
@@ -313,10 +314,19 @@ int main(int argc, char** argv) {
   // of the two a second or more after the first: a Ctrl-C reaches every process of the
   // terminal's group, and a parent that stops its children with SIGTERM right after (as
   // ubep-local does) must not turn the drain it asked for into an abrupt exit.
+  // The daemon is destroyed on that thread too (its servers' shutdown and its link may take
+  // seconds), and a second signal still ends it at once meanwhile.
   std::atomic<bool> drained{false};
   bool clean = false;
+  std::mutex stage_mu;
+  bool destroying = false;  // Under stage_mu: the daemon is (being) destroyed.
   std::thread drain([&] {
     clean = (*daemon)->Drain(absl::GetFlag(FLAGS_drain_timeout));
+    {
+      std::lock_guard<std::mutex> lock(stage_mu);
+      destroying = true;
+    }
+    daemon->reset();  // Its ready file goes first.
     drained = true;
   });
   const timespec tick{0, 50'000'000};
@@ -328,14 +338,16 @@ int main(int argc, char** argv) {
                    "detach\n";
       // The sockets and the ready file go as at a clean exit; the arenas go with the process
       // (the clients find their fd connection closed: ubepd exited).
+      // (Held to the exit: the drain thread does not begin destroying the daemon meanwhile.
+      // Once it has, the ready file is gone already.)
+      std::lock_guard<std::mutex> lock(stage_mu);
       for (const std::string& path : {options.socket_path, options.socket_path + ".fds"}) {
         unlink(path.c_str());
       }
-      (*daemon)->WithdrawReadyFile();
+      if (!destroying) (*daemon)->WithdrawReadyFile();
       std::_Exit(3);
     }
   }
   drain.join();
-  daemon->reset();  // Its ready file goes first.
   return clean ? 0 : 3;
 }
