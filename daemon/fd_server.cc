@@ -176,9 +176,28 @@ void FdServer::Accept(absl::Time now) {
     refusal = absl::StrCat("ERR the daemon is out of file descriptors (", strerror(error),
                            "); attach again later");
   } else if (const int unclaimed = Unclaimed(now); unclaimed >= options_.max_unclaimed) {
-    refusal = absl::StrCat("ERR the daemon holds ", unclaimed,
-                           " connections that claimed no rank yet (at most ",
-                           options_.max_unclaimed, "); attach again later");
+    const std::string held = absl::StrCat("the daemon holds ", unclaimed,
+                                          " connections that claimed no rank yet (at most ",
+                                          options_.max_unclaimed, ")");
+    // The oldest that sent nothing makes room (ids grow with each accept).
+    auto silent = std::find_if(connections_.begin(), connections_.end(), [&](const auto& entry) {
+      const Connection& c = entry.second;
+      return !c.spoke && c.close_at != absl::InfiniteFuture() && c.close_at > now;
+    });
+    if (silent != connections_.end()) {
+      (void)SendMessage(silent->second.fd.get(),
+                        absl::StrCat("ERR ", held, "; this one, the oldest that sent nothing, is "
+                                     "closed to make room: attach again"),
+                        {}, absl::ZeroDuration());
+      if (now >= next_accept_log_) {
+        next_accept_log_ = now + absl::Seconds(10);
+        UBEP_LOG(WARNING) << "fd server: " << held << ": closed the connection of "
+                          << silent->second.who << ", the oldest that sent nothing";
+      }
+      connections_.erase(silent);
+    } else {
+      refusal = absl::StrCat("ERR ", held, "; attach again later");
+    }
   }
   if (refusal.empty()) {
     const absl::StatusOr<pid_t> pid = PeerPid(conn.get());
@@ -238,6 +257,7 @@ void FdServer::Loop() {
         std::string why;  // Why ubepd closes it; empty: its client closed it.
         if (Serve(id, connection, why)) {
           connection.close_at = absl::InfiniteFuture();
+          connection.spoke = true;
         } else {
           // Whatever ended it (the client closed it, a message out of place, a reply not
           // taken), a rank it held is gone: the client sees its connection closed. One that

@@ -9,10 +9,13 @@
 // other side does not take within FdServerOptions::send_timeout closes its connection (and
 // detaches its rank), and a connection that holds no rank is closed after
 // FdServerOptions::unclaimed_timeout. Nor can connections exhaust it: past
-// FdServerOptions::max_unclaimed connections that hold no rank, and when the process is out
-// of file descriptors (a spare one, kept open for this, takes the connection for its answer),
-// a new connection is answered "ERR <why>" and closed, so its client fails at once rather
-// than waiting out its timeout, and the loop does not spin on a listener it cannot drain.
+// FdServerOptions::max_unclaimed connections that hold no rank, the oldest of them that sent
+// nothing (a client sends its token at once) is answered "ERR <why>" and closed to make room,
+// so that idle connections cannot keep clients out; where every one of them has spoken (ranks
+// detached by RPC, their connections kept), and when the process is out of file descriptors
+// (a spare one, kept open for this, takes the connection for its answer), the new connection
+// is answered so and closed, so its client fails at once rather than waiting out its timeout,
+// and the loop does not spin on a listener it cannot drain.
 // Thread-safe.
 #ifndef UBEP_DAEMON_FD_SERVER_H_
 #define UBEP_DAEMON_FD_SERVER_H_
@@ -64,6 +67,7 @@ class FdServer {
     UniqueFd fd;
     absl::Time close_at;  // Monotonic; infinite once it holds a rank.
     std::string who;  // "pid <n>" of the process that connected (SO_PEERCRED), for the logs.
+    bool spoke = false;  // It sent a message that was served (it held a rank, at least once).
   };
 
   FdServer(UniqueFd listener, UniqueFd wake, std::string path, Node* node, FdServerOptions options);

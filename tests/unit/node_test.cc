@@ -2497,24 +2497,57 @@ TEST_F(FdServerTest, DescriptorsAClientPassesAreClosedWhateverItsMessage) {
   }
 }
 
-// Connections that claim no rank are bounded: past the limit a new one is answered at once
-// (its client fails, rather than waiting out its timeout) and closed; one closed makes room.
+// Connections that claim no rank are bounded: past the limit, the oldest that sent nothing
+// (a client sends its token at once) is answered and closed to make room, so that idle
+// connections cannot keep clients out (they did, each for the unclaimed timeout: a process
+// holding 64 open shut out every client and peer daemon); where every one has spoken (ranks
+// detached by RPC, their connections kept), a new connection is answered at once (its client
+// fails, rather than waiting out its timeout) and closed.
 TEST_F(FdServerTest, ConnectionsPastTheLimitOfUnclaimedOnesAreAnsweredAndClosed) {
   FdServerOptions options;
-  options.max_unclaimed = 3;  // Idle connections kept open however slow the machine.
+  options.max_unclaimed = 3;
+  options.unclaimed_timeout = absl::Seconds(30);  // Kept open however slow the machine.
+  options.held_check_interval = absl::Milliseconds(20);
   Serve(options);
   std::vector<UniqueFd> idle;
   for (int i = 0; i < 3; ++i) idle.push_back(Connect());
-  EXPECT_EQ(AnswerToABadToken(),
-            "ERR the daemon holds 3 connections that claimed no rank yet (at most 3); attach "
-            "again later");
-  idle.pop_back();
   EXPECT_EQ(AnswerToABadToken(), "ERR unknown or already used attach token; attach again");
-  // A connection that holds a rank does not count: with it, two idle ones and this one, the
-  // server holds three unclaimed connections at most.
+  absl::StatusOr<ReceivedMessage> evicted = ReceiveMessage(idle[0].get(), 256, absl::Seconds(10));
+  ASSERT_TRUE(evicted.ok()) << evicted.status();
+  EXPECT_EQ(evicted->bytes,
+            "ERR the daemon holds 3 connections that claimed no rank yet (at most 3); this one, "
+            "the oldest that sent nothing, is closed to make room: attach again");
+  // A connection that holds a rank does not count, and one that claims makes room as well.
   UniqueFd claimed = Claimed();
   EXPECT_EQ(node_->Snapshot().attached, 1);
-  EXPECT_EQ(AnswerToABadToken(), "ERR unknown or already used attach token; attach again");
+  idle.clear();
+  claimed = UniqueFd();
+  ASSERT_TRUE(test::WaitFor([&] { return node_->Snapshot().attached == 0; }, absl::Seconds(10)));
+  // Three ranks detached by RPC, their connections kept: unclaimed again, but they spoke.
+  std::vector<UniqueFd> detached;
+  for (uint32_t r = 0; r < 3; ++r) {
+    std::string token;
+    detached.push_back(ClaimedRank(r, 3, &token));
+    v1::DetachRequest detach;
+    detach.set_rank(r);
+    detach.set_token(token);
+    ASSERT_TRUE(node_->Detach(detach).ok());
+  }
+  const std::string refused =
+      "ERR the daemon holds 3 connections that claimed no rank yet (at most 3); attach again "
+      "later";
+  std::string answer;
+  EXPECT_TRUE(test::WaitFor([&] { return (answer = AnswerToABadToken()) == refused; },
+                            absl::Seconds(10)))
+      << answer;
+  detached.pop_back();
+  EXPECT_TRUE(test::WaitFor(
+      [&] {
+        return (answer = AnswerToABadToken()) ==
+               "ERR unknown or already used attach token; attach again";
+      },
+      absl::Seconds(10)))
+      << answer;
 }
 
 // Out of file descriptors, the server cannot accept a connection, which stays queued: it
