@@ -156,11 +156,15 @@ int AttachWith(const char* function, const ubep_client_options* c_options, int32
         "UBEP_DTYPE_BFLOAT16 (1)")));
   }
   s.dtype = shape->dtype == UBEP_DTYPE_BFLOAT16 ? ubep::DType::kBFloat16 : ubep::DType::kFloat32;
+  // The handle first: out of memory for it after the attach would detach the rank again on
+  // the way out, in the middle of an exception.
+  auto handle = std::make_unique<ubep_rank>();
   absl::StatusOr<std::unique_ptr<ubep::Rank>> r = ubep::Rank::Attach(
       options, rank, world_size, device, s,
       next_step < 0 ? std::nullopt : std::optional<uint64_t>(static_cast<uint64_t>(next_step)));
   if (!r.ok()) return Fail(r.status());
-  *out = new ubep_rank{*std::move(r)};
+  handle->rank = *std::move(r);
+  *out = handle.release();
   return 0;
 }
 

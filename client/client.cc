@@ -844,8 +844,13 @@ Rank::~Rank() {
     return;
   }
   if (state_ != nullptr && state_->attached) {
-    absl::Status s = Detach();
-    if (!s.ok()) UBEP_LOG(WARNING) << s;
+    // A destructor throws nothing: out of memory here (the RPC, the message), the rank's fd
+    // connection still closes with its state below, which tells ubepd the rank is gone.
+    try {
+      absl::Status s = Detach();
+      if (!s.ok()) UBEP_LOG(WARNING) << s;
+    } catch (...) {
+    }
   }
 }
 
@@ -1152,7 +1157,17 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
     in.plan = static_cast<const kernels::PlanTableHeader*>(s.device_plan);
     in.host_plan = table;
     dispatch_epoch_before = s.cuda_ep->dispatch_epoch();
-    status = s.cuda_ep->Dispatch(in, out.state_->cuda);
+    try {
+      status = s.cuda_ep->Dispatch(in, out.state_->cuda);
+    } catch (...) {
+      // Out of memory inside the call (its output's vectors, after its rows went out): as on
+      // the host backend, every later call says to Rejoin (its next Dispatch would be taken
+      // for a second one, its peers waiting for this call's combine).
+      s.stopped = absl::InternalError(absl::StrCat(
+          "rank ", s.rank, ": a dispatch ran out of memory after it began; the group must be "
+          "re-formed: call Rejoin"));
+      throw;
+    }
     out.state_->on_device = true;
     out.state_->plan_version = version;
 #endif

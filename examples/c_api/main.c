@@ -3,6 +3,8 @@
  * ubep_client_options_init), dispatches 4 tokens to 2 experts each, lets expert e scale its
  * rows by e + 1, combines, and checks every value and the rank's counters; then shows the
  * error a bad expert id gets.
+ * Host backend only: it passes host buffers and reads the received rows on the host (with a
+ * CUDA ubepd both are device memory).
  * Usage: ubep-c-example SOCKET
  * Prints "c api ok" and exits 0 on success. */
 #include <stdio.h>
@@ -99,6 +101,10 @@ int main(int argc, char** argv) {
   }
   idx[2][1] = 7;
   bad_expert_code = ubep_dispatch(rank, 0, x, &idx[0][0], &w[0][0], kTokens, d);
+  if (bad_expert_code == 0) {
+    fprintf(stderr, "a bad expert id was accepted\n");
+    goto done;
+  }
   printf("bad expert: code %d: %s\n", bad_expert_code, ubep_last_error());
   failed = bad_expert_code != 3;  /* INVALID_ARGUMENT, before any byte moved. */
 done:

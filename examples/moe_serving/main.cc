@@ -28,6 +28,7 @@
 #include <cerrno>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -224,11 +225,15 @@ int main(int argc, char** argv) {
   // Attaches, retrying while ubepd is away, for at most --reattach_timeout, and for as long as
   // the plan excludes this rank (its node drained: its Join ends DeadlineExceeded, "excluded",
   // at each join timeout; the rank serves nothing until a plan includes it).
+  // Tried once at least, whatever the timeout; timed on the monotonic clock (a wall clock set
+  // forward would end the wait before any try).
   auto attach = [&](std::optional<uint64_t> next_step) -> absl::StatusOr<std::unique_ptr<ubep::Rank>> {
-    absl::Time deadline = absl::Now() + reattach_timeout;
+    const auto now = [] { return std::chrono::steady_clock::now(); };
+    const auto timeout = absl::ToChronoNanoseconds(reattach_timeout);
+    auto deadline = now() + timeout;
     bool said_excluded = false;
     absl::Status last;
-    while (absl::Now() < deadline) {
+    do {
       absl::StatusOr<std::unique_ptr<ubep::Rank>> r =
           ubep::Rank::Attach(options, rank_id, world, 0, shape, next_step);
       if (r.ok()) {
@@ -249,10 +254,10 @@ int main(int argc, char** argv) {
         }
         said_excluded = true;
         next_step = std::nullopt;  // Its step does not hold the group back when taken in.
-        deadline = absl::Now() + reattach_timeout;
+        deadline = now() + timeout;
       }
-      absl::SleepFor(absl::Milliseconds(100));
-    }
+      if (now() < deadline) absl::SleepFor(absl::Milliseconds(100));
+    } while (now() < deadline);
     return last;
   };
 

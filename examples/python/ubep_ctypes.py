@@ -4,6 +4,8 @@
 The same step as ubep-c-example: attaches a one-rank group (1 layer, 4 experts in 4 slots),
 dispatches 4 tokens to 2 experts each, lets expert e scale its rows by e + 1, combines, and
 checks every value and the rank's counters; then shows the error a bad expert id gets.
+Host backend only: it passes host buffers and reads the received rows on the host (with a CUDA
+ubepd both are device memory).
 
 Usage: ubep_ctypes.py LIBUBEP_SO SOCKET
 Prints "python ffi ok: 8 rows" and exits 0 on success. Standard library only (no numpy): the

@@ -774,6 +774,19 @@ TEST_F(DaemonTest, TheServingExampleRefusesFlagsItCannotRunWith) {
   }
 }
 
+// The example attaches once at least, however short --reattach_timeout: with 1ns its loop ran
+// no try, and the run ended "error attach: An OK status is not a valid constructor argument to
+// StatusOr<T>" (exit 3) without attaching.
+TEST_F(DaemonTest, TheServingExampleAttachesOnceWhateverItsReattachTimeout) {
+  auto daemon = StartDaemon({});
+  const std::string out = dir_.path() + "/example-1ns.out";
+  Process p({BinaryPath("ubep-moe-example"), "--socket=" + socket_path(), "--rank=0", "--world=1",
+             "--steps=3", "--log=" + client_log(0),
+             "--traces=" + test::TracePath("decode_in1000out1000.json"), "--reattach_timeout=1ns"},
+            out);
+  EXPECT_EQ(p.Wait(absl::Seconds(60)), 0) << ReadFile(out) << ReadFile(client_log(0));
+}
+
 // A rank whose peer never sends: its dispatch gives up at ubepd's --wait_timeout naming the
 // peer, and the timeout is counted for that rank alone (its stats and ubepd's metrics); the
 // peer that stalled, calling at last, learns that the group gave up on it.
