@@ -143,18 +143,18 @@ LayerPlan ChainPlacement(std::span<const double> w, const Topology& t, uint64_t 
   for (int e : order) {
     if (count[e] < 2) continue;
     const double load = w[e] / count[e];
-    int k = position;
+    int k = position;  // In [0, R): an expert's copies may be millions (R x S slots).
     for (int i = 0; i < count[e]; ++i) {
       // Next chain rank (wrapping) with a free slot and without e; LPT if none is left.
       int r = -1;
-      for (int tries = 0; tries < R && r < 0; ++tries, ++k) {
-        const int candidate = chain_rank[k % R];
+      for (int tries = 0; tries < R && r < 0; ++tries, k = (k + 1) % R) {
+        const int candidate = chain_rank[k];
         if (used[candidate] < S && !holds[candidate * num_experts + e]) r = candidate;
       }
       if (r < 0) r = least_loaded(e);
       place(r, e, load);
     }
-    position = (k - 1) % R;  // The last rank of this expert opens the next one.
+    position = (k + R - 1) % R;  // The last rank of this expert opens the next one.
   }
   // Single-replica experts, heaviest first, onto the least-loaded rank with a free slot.
   using RankKey = std::tuple<double, uint64_t, int>;  // (load, tiebreak, rank)
