@@ -277,7 +277,14 @@ TEST_F(LocalTest, UbepLocalServedWhilePrometheusScrapesAndUbepctlOperates) {
   EXPECT_THAT(out, ::testing::StartsWith("ubepctl: plan export: plan v"));
   EXPECT_THAT(out, ::testing::EndsWith(" excludes ranks 4,5,6,7; SGLang's map has no shares, so "
                                        "their slots would serve their experts: export it once "
-                                       "every rank is back (or use --format=eplb)\n"));
+                                       "every rank is back (or use --format=eplb, with a reader "
+                                       "that honours its shares)\n"));
+  // EPLB's arrays list the excluded slots among the replicas, with share 0: written, and said.
+  out = Ctl({"plan", "export", "--format=eplb"}, &code);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_THAT(out, HasSubstr(" excludes ranks 4,5,6,7: their slots are listed with share 0; a "
+                             "reader that takes log2phy and logcnt without the shares would "
+                             "send them traffic\n"));
   out = Ctl({"drain", "node-9"}, &code);
   EXPECT_EQ(code, 1);
   EXPECT_THAT(out, HasSubstr("ubepctl: drain node-9: node \"node-9\" is not registered"));

@@ -303,6 +303,14 @@ int PlanExport(Control::Stub& stub) {
   std::string text;
   if (format == "eplb") {
     text = ubep::balancer::PlanToJson(plan);
+    if (!plan.excluded_ranks.empty()) {
+      // Written (its shares say which slots serve), and said: EPLB's own arrays list the
+      // excluded ranks' slots among their experts' replicas.
+      std::cerr << "ubepctl: plan export: plan v" << plan.version << " excludes ranks "
+                << absl::StrJoin(plan.excluded_ranks, ",")
+                << ": their slots are listed with share 0; a reader that takes log2phy and "
+                   "logcnt without the shares would send them traffic\n";
+    }
   } else {
     // SGLang's expert location (--init-expert-location): the physical -> logical map per layer.
     // It has no shares: every slot listed serves its expert, so the slots of ranks the plan
@@ -311,7 +319,8 @@ int PlanExport(Control::Stub& stub) {
       std::cerr << "ubepctl: plan export: plan v" << plan.version << " excludes ranks "
                 << absl::StrJoin(plan.excluded_ranks, ",")
                 << "; SGLang's map has no shares, so their slots would serve their experts: "
-                   "export it once every rank is back (or use --format=eplb)\n";
+                   "export it once every rank is back (or use --format=eplb, with a reader "
+                   "that honours its shares)\n";
       return 1;
     }
     if (const int first = absl::GetFlag(FLAGS_first_moe_layer); first >= 0) {
