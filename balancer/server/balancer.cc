@@ -158,9 +158,15 @@ std::pair<LoadMatrix, Plan> LayersOf(const LoadMatrix& load, const Plan& previou
                                      const std::vector<int>& layers) {
   LoadMatrix part(static_cast<int>(layers.size()), load.num_experts());
   std::vector<int> ids;
-  Plan part_previous = previous;
-  part_previous.layers.clear();
-  part_previous.layer_ids.clear();
+  // The header alone, then the chunk's layers (a copy of every layer, by each planner
+  // thread, was the whole plan times the thread count).
+  Plan part_previous;
+  part_previous.version = previous.version;
+  part_previous.topology = previous.topology;
+  part_previous.num_experts = previous.num_experts;
+  part_previous.excluded_ranks = previous.excluded_ranks;
+  part_previous.layers.reserve(layers.size());
+  part_previous.layer_ids.reserve(layers.size());
   for (size_t i = 0; i < layers.size(); ++i) {
     const int l = layers[i];
     for (int e = 0; e < load.num_experts(); ++e) part.at(static_cast<int>(i), e) = load.at(l, e);
