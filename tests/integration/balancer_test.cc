@@ -656,7 +656,13 @@ TEST_F(BalancerTest, ARestartedDaemonIsUndrainedAndItsRanksServeExactlyAgain) {
   auto node_a = StartDaemon({"--ranks=0-3", "--free_buffers=72"}, "node-a");
   auto node_b = StartDaemon({"--ranks=4-7", "--free_buffers=72"}, "node-b");
   std::vector<std::unique_ptr<Process>> clients;
-  for (int r = 0; r < world_; ++r) clients.push_back(StartClient(r, kSteps, r < 4 ? "node-a" : "node-b"));
+  // Node-b's clients wait for their daemon for longer than the test's waits before it comes
+  // back (up to 90 s on a slow machine; the default, 60 s, counts from the kill).
+  for (int r = 0; r < world_; ++r) {
+    clients.push_back(r < 4 ? StartClient(r, kSteps, "node-a")
+                            : StartClient(r, kSteps, "node-b", 72, 32, 200,
+                                          {"--reattach_timeout=600s"}));
+  }
   auto steps_under = [&](int r, uint64_t plan) {
     int n = 0;
     for (const test::StepLine& line : test::StepLines(ReadFile(ClientLog(r)))) n += line.plan == plan;

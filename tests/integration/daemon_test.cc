@@ -1071,12 +1071,19 @@ TEST_F(DaemonTest, SocketsAreGroupOnlyAndOthersCannotConnect) {
     EXPECT_EQ(st.st_mode & 0777, 0660u) << path;
   }
   if (geteuid() != 0) GTEST_SKIP() << "needs root to try connecting as another user";
-  // A process of another user and group (nobody) is refused by the kernel.
-  for (const std::string& path : {socket_path(), socket_path() + ".fds"}) {
+  // A process of another user and group (nobody) is refused by the kernel: by the sockets'
+  // modes, the directory being one it may pass through (mkdtemp's 0700 would refuse it any
+  // socket, and the test could not fail). A socket of mode 0666 beside them, which it may
+  // connect to, shows that.
+  ASSERT_EQ(chmod(dir_.path().c_str(), 0711), 0);
+  const std::string open_path = dir_.path() + "/open.sock";
+  absl::StatusOr<UniqueFd> open_listener = ListenUnix(open_path, 0666);
+  ASSERT_TRUE(open_listener.ok()) << open_listener.status();
+  auto connect_as_nobody = [](const std::string& path, int type) {
     const pid_t child = fork();
     if (child == 0) {
       if (setgid(65534) != 0 || setuid(65534) != 0) _exit(10);
-      const int fd = socket(AF_UNIX, path == socket_path() ? SOCK_STREAM : SOCK_SEQPACKET, 0);
+      const int fd = socket(AF_UNIX, type, 0);
       sockaddr_un addr{};
       addr.sun_family = AF_UNIX;
       std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
@@ -1085,8 +1092,14 @@ TEST_F(DaemonTest, SocketsAreGroupOnlyAndOthersCannotConnect) {
     }
     int status = 0;
     waitpid(child, &status, 0);
-    ASSERT_TRUE(WIFEXITED(status));
-    EXPECT_EQ(WEXITSTATUS(status), 13) << path << ": expected EACCES";
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  };
+  const int control = connect_as_nobody(open_path, SOCK_SEQPACKET);
+  if (control == 13) GTEST_SKIP() << dir_.path() << "'s parents are closed to other users";
+  ASSERT_EQ(control, 0) << open_path << ": a socket of mode 0666";
+  for (const std::string& path : {socket_path(), socket_path() + ".fds"}) {
+    EXPECT_EQ(connect_as_nobody(path, path == socket_path() ? SOCK_STREAM : SOCK_SEQPACKET), 13)
+        << path << ": expected EACCES";
   }
 }
 

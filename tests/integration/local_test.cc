@@ -453,6 +453,8 @@ TEST_F(LocalTest, FlagValuesThatCannotMakeAClusterAreRefusedBeforeAnythingStarts
       {"--drift_period=0", "ubep-local: --drift_period 0 is not positive\n"},
       {"--interval=1ms",
        "ubep-local: --interval 1ms is under 10ms (ubepd's --report_interval takes it)\n"},
+      {"--interval=2h",
+       "ubep-local: --interval 2h is over 1h (ubepd's --report_interval takes it)\n"},
       {"--metrics_port=65534",
        "ubep-local: --metrics_port 65534 leaves no port for daemon 1 (ports metrics_port to "
        "metrics_port + daemons; 0 = any free ones)\n"},

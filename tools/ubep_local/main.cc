@@ -348,9 +348,10 @@ int Run(int argc, char** argv) {
     return 2;
   }
   if (const absl::Duration interval = absl::GetFlag(FLAGS_interval);
-      interval < absl::Milliseconds(10)) {
+      interval < absl::Milliseconds(10) || interval > absl::Hours(1)) {
     std::cerr << "ubep-local: --interval " << absl::FormatDuration(interval)
-              << " is under 10ms (ubepd's --report_interval takes it)\n";
+              << (interval > absl::Hours(1) ? " is over 1h" : " is under 10ms")
+              << " (ubepd's --report_interval takes it)\n";
     return 2;
   }
   if (const int port = absl::GetFlag(FLAGS_metrics_port); port < 0) {

@@ -14,9 +14,9 @@
  * (Out of memory in ubep_dispatch or ubep_combine is not the receive-capacity overflow that 8
  * means there, told apart by its message: that rank's call did not complete and the group is
  * out of step: call ubep_rejoin. After a dispatch had begun, or in a combine (host backend:
- * ubep_combine, or the combine ubep_dispatch runs for an overflowed call), the group gives up
- * on the rank (its peers stop waiting for it) and its next call returns 13 saying to call
- * ubep_rejoin.)
+ * ubep_combine, or the combine ubep_dispatch runs for an overflowed call), the rank's next
+ * call returns 13 saying to call ubep_rejoin; on the host backend the group also gives up on
+ * the rank (its peers stop waiting for it), on the CUDA backend they wait out their timeout.)
  * Handles are not thread-safe: one thread drives a rank, and no two calls on one handle may
  * overlap, those taking a const handle included (ubep_excluded and ubep_slot_expert check and
  * cache the plan, ubep_must_attach_again stops the group when it finds ubepd gone).
