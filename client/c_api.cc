@@ -121,6 +121,14 @@ int AttachWith(const char* function, const ubep_client_options* c_options, int32
   if (shape == nullptr || out == nullptr) {
     return Fail(absl::InvalidArgumentError(absl::StrCat(function, ": null argument")));
   }
+  if (shape->struct_size != sizeof(ubep_model_shape)) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+        function, ": shape->struct_size is ", shape->struct_size,
+        ", not this library's sizeof(ubep_model_shape) ", sizeof(ubep_model_shape),
+        shape->struct_size > sizeof(ubep_model_shape)
+            ? " (the caller was built with a newer ubep_c.h than this libubep)"
+            : " (set it to sizeof(ubep_model_shape))")));
+  }
   ubep::ClientOptions options;
   if (c_options != nullptr) {
     // Only the v1 fields exist so far: a smaller struct is not a ubep_client_options, a

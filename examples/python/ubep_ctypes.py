@@ -20,6 +20,7 @@ TOKENS, HIDDEN, TOP_K, EXPERTS = 4, 8, 2, 4
 
 class ModelShape(ctypes.Structure):
     _fields_ = [
+        ("struct_size", ctypes.c_size_t),
         ("num_layers", ctypes.c_int32),
         ("num_experts", ctypes.c_int32),
         ("hidden", ctypes.c_int32),
@@ -116,7 +117,8 @@ def main(argv):
     lib.ubep_client_options_init(ctypes.byref(options), ctypes.sizeof(options))
     options.socket_path = argv[2].encode()
     options.join_timeout_ms = 30000
-    shape = ModelShape(1, EXPERTS, HIDDEN, TOP_K, TOKENS, EXPERTS, 0, UBEP_DTYPE_FLOAT32)
+    shape = ModelShape(ctypes.sizeof(ModelShape), 1, EXPERTS, HIDDEN, TOP_K, TOKENS, EXPERTS, 0,
+                       UBEP_DTYPE_FLOAT32)
     rank = ctypes.c_void_p()
     check(lib, "attach", lib.ubep_attach_with(ctypes.byref(options), 0, 1, 0,
                                              ctypes.byref(shape), -1, ctypes.byref(rank)))

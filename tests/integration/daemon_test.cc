@@ -1209,7 +1209,7 @@ TEST_F(DaemonTest, CallsOutOfOrderAreRefusedNamingWhatWasExpected) {
   ASSERT_TRUE(a.Detach().ok());
 
   auto* c_rank = reinterpret_cast<ubep_rank*>(uintptr_t{0x10});  // Whatever was there.
-  const ubep_model_shape good = {1, 4, 8, 2, 4, 4, 0, UBEP_DTYPE_FLOAT32};
+  const ubep_model_shape good = {sizeof(ubep_model_shape), 1, 4, 8, 2, 4, 4, 0, UBEP_DTYPE_FLOAT32};
   EXPECT_EQ(ubep_attach_at(nullptr, 0, 1, 0, &good, 7, &c_rank),
             static_cast<int>(absl::StatusCode::kInvalidArgument));
   EXPECT_STREQ(ubep_last_error(), "ubep_attach_at: null argument");
@@ -1279,12 +1279,31 @@ TEST_F(DaemonTest, ADetachedRankAndNullHandlesGetErrorsNotCrashes) {
   EXPECT_EQ(ubep_combine(nullptr, nullptr, nullptr, nullptr),
             static_cast<int>(absl::StatusCode::kInvalidArgument));
   EXPECT_STREQ(ubep_last_error(), "ubep_combine: null handle");
-  const ubep_model_shape bad_dtype = {1, 4, 8, 2, 4, 4, 0, 7};
+  const ubep_model_shape bad_dtype = {sizeof(ubep_model_shape), 1, 4, 8, 2, 4, 4, 0, 7};
   ubep_rank* c_rank = nullptr;
   EXPECT_EQ(ubep_attach(socket_path().c_str(), 0, 1, 0, &bad_dtype, &c_rank),
             static_cast<int>(absl::StatusCode::kInvalidArgument));
   EXPECT_STREQ(ubep_last_error(),
                "ubep_attach: dtype 7 is neither UBEP_DTYPE_FLOAT32 (0) nor UBEP_DTYPE_BFLOAT16 (1)");
+  EXPECT_EQ(c_rank, nullptr);
+  // The shape's size is the caller's: one not set (or of another header) is refused by name.
+  ubep_model_shape unsized = bad_dtype;
+  unsized.dtype = UBEP_DTYPE_FLOAT32;
+  unsized.struct_size = 0;
+  EXPECT_EQ(ubep_attach(socket_path().c_str(), 0, 1, 0, &unsized, &c_rank),
+            static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(std::string(ubep_last_error()),
+            absl::StrCat("ubep_attach: shape->struct_size is 0, not this library's "
+                         "sizeof(ubep_model_shape) ", sizeof(ubep_model_shape),
+                         " (set it to sizeof(ubep_model_shape))"));
+  unsized.struct_size = sizeof(ubep_model_shape) + 8;
+  EXPECT_EQ(ubep_attach(socket_path().c_str(), 0, 1, 0, &unsized, &c_rank),
+            static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_EQ(std::string(ubep_last_error()),
+            absl::StrCat("ubep_attach: shape->struct_size is ", sizeof(ubep_model_shape) + 8,
+                         ", not this library's sizeof(ubep_model_shape) ",
+                         sizeof(ubep_model_shape),
+                         " (the caller was built with a newer ubep_c.h than this libubep)"));
   EXPECT_EQ(c_rank, nullptr);
   // Each attach names itself.
   ubep_client_options with;
@@ -1304,7 +1323,7 @@ TEST_F(DaemonTest, ADetachedRankAndNullHandlesGetErrorsNotCrashes) {
   EXPECT_EQ(c_rank, nullptr);
 
   // The C ABI's attach at a known step, and the expert a slot holds, as the C++ API says.
-  const ubep_model_shape good = {1, 4, 8, 2, 4, 4, 0, UBEP_DTYPE_FLOAT32};
+  const ubep_model_shape good = {sizeof(ubep_model_shape), 1, 4, 8, 2, 4, 4, 0, UBEP_DTYPE_FLOAT32};
   ASSERT_EQ(ubep_attach_at(socket_path().c_str(), 0, 1, 0, &good, 7, &c_rank), 0)
       << ubep_last_error();
   EXPECT_EQ(ubep_resume_step(c_rank), 7u);
@@ -1355,7 +1374,7 @@ TEST_F(DaemonTest, CAbiOptionsAreCheckedAndUsed) {
     for (size_t i = sizeof(ubep_client_options); i < bytes.size(); ++i) {
       EXPECT_EQ(bytes[i], 0xab) << "byte " << i;
     }
-    const ubep_model_shape one = {1, 4, 8, 2, 4, 4, 0, UBEP_DTYPE_FLOAT32};
+    const ubep_model_shape one = {sizeof(ubep_model_shape), 1, 4, 8, 2, 4, 4, 0, UBEP_DTYPE_FLOAT32};
     ubep_rank* none = nullptr;
     EXPECT_EQ(ubep_attach_with(larger, 0, 2, 0, &one, -1, &none),
               static_cast<int>(absl::StatusCode::kInvalidArgument));
@@ -1372,7 +1391,7 @@ TEST_F(DaemonTest, CAbiOptionsAreCheckedAndUsed) {
   EXPECT_EQ(options.decision_timeout_ms, 30000);
   EXPECT_EQ(options.daemon_check_interval_ms, 1000);
 
-  const ubep_model_shape shape = {1, 4, 8, 2, 4, 4, 0, UBEP_DTYPE_FLOAT32};
+  const ubep_model_shape shape = {sizeof(ubep_model_shape), 1, 4, 8, 2, 4, 4, 0, UBEP_DTYPE_FLOAT32};
   const std::string socket = socket_path();
   options.socket_path = socket.c_str();
   ubep_rank* rank = nullptr;
@@ -1408,7 +1427,7 @@ TEST_F(DaemonTest, CAbiOptionsAreCheckedAndUsed) {
 // ubep_dispatched_plan: the plan and layer of a dispatch.
 TEST_F(DaemonTest, CAbiStatsCountTheCalls) {
   auto daemon = StartDaemon();
-  const ubep_model_shape shape = {1, 4, 8, 2, 4, 4, 0, UBEP_DTYPE_FLOAT32};
+  const ubep_model_shape shape = {sizeof(ubep_model_shape), 1, 4, 8, 2, 4, 4, 0, UBEP_DTYPE_FLOAT32};
   ubep_client_options options;
   ubep_client_options_init(&options, sizeof(options));
   const std::string socket = socket_path();

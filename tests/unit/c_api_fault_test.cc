@@ -86,8 +86,9 @@ std::pair<std::set<Outcome>, int> Sweep(Call call) {
 }
 
 ubep_model_shape Shape() {
-  return ubep_model_shape{.num_layers = 1, .num_experts = 4, .hidden = 8, .top_k = 2,
-                          .max_tokens = 4, .slots_per_rank = 4, .bytes_per_expert = 0,
+  return ubep_model_shape{.struct_size = sizeof(ubep_model_shape), .num_layers = 1,
+                          .num_experts = 4, .hidden = 8, .top_k = 2, .max_tokens = 4,
+                          .slots_per_rank = 4, .bytes_per_expert = 0,
                           .dtype = UBEP_DTYPE_FLOAT32};
 }
 

@@ -900,8 +900,8 @@ TEST(ClientTest, TheCOptionsJoinTimeoutIsTheJoinsDeadline) {
   options.socket_path = socket.c_str();
   options.join_timeout_ms = 4321;
   const ModelShape s = Shape();
-  const ubep_model_shape shape = {s.num_layers, s.num_experts,      s.hidden,
-                                  s.top_k,      s.max_tokens,       s.slots_per_rank,
+  const ubep_model_shape shape = {sizeof(ubep_model_shape), s.num_layers, s.num_experts,
+                                  s.hidden,   s.top_k,      s.max_tokens,  s.slots_per_rank,
                                   s.bytes_per_expert, UBEP_DTYPE_FLOAT32};
   ubep_rank* rank = nullptr;
   const auto before = std::chrono::system_clock::now();

@@ -36,7 +36,11 @@ typedef struct ubep_dispatched ubep_dispatched;
 
 enum { UBEP_DTYPE_FLOAT32 = 0, UBEP_DTYPE_BFLOAT16 = 1 };
 
+/* The model's shape. struct_size lets later versions add fields at the end (as with
+ * ubep_client_options): the caller sets it to sizeof(ubep_model_shape); this first version
+ * takes its own size only. */
 typedef struct {
+  size_t struct_size; /* sizeof(ubep_model_shape) */
   int32_t num_layers;
   int32_t num_experts;
   int32_t hidden;
