@@ -740,19 +740,24 @@ absl::Status RefreshArenas(RankState& s, uint64_t epoch) {
   return absl::OkStatus();
 }
 
+// Out of memory inside a data-plane call that had begun (`what` says so): the rank's peers
+// will not all get its rows or partials, and every later call of the rank says so until
+// Rejoin re-forms the group. The caller rethrows (the C ABI turns it into code 8).
+void StopForOutOfMemory(RankState& s, absl::string_view what) {
+  s.stopped = absl::InternalError(
+      absl::StrCat("rank ", s.rank, ": ", what, "; the group must be re-formed: call Rejoin"));
+}
+
 // A host-backend combine, `combine()`, out of memory included (its buffers here, or HostEp's
 // own once it took part, which records it and gives up on this rank so that the peers stop
-// waiting): every later call of this rank says so until Rejoin re-forms the group; the
-// exception goes on to the caller (the C ABI turns it into code 8).
+// waiting).
 template <typename Combine>
 absl::Status HostCombine(RankState& s, Combine combine) {
   try {
     return combine();
   } catch (...) {
     s.ep->GiveUpOnCombine();
-    s.stopped = absl::InternalError(absl::StrCat(
-        "rank ", s.rank, ": a combine ran out of memory; the group must be re-formed: call "
-        "Rejoin"));
+    StopForOutOfMemory(s, "a combine ran out of memory");
     throw;
   }
 }
@@ -1160,12 +1165,9 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
     try {
       status = s.cuda_ep->Dispatch(in, out.state_->cuda);
     } catch (...) {
-      // Out of memory inside the call (its output's vectors, after its rows went out): as on
-      // the host backend, every later call says to Rejoin (its next Dispatch would be taken
-      // for a second one, its peers waiting for this call's combine).
-      s.stopped = absl::InternalError(absl::StrCat(
-          "rank ", s.rank, ": a dispatch ran out of memory after it began; the group must be "
-          "re-formed: call Rejoin"));
+      // Its output's vectors, after its rows went out (its next Dispatch would be taken for a
+      // second one, its peers waiting for this call's combine).
+      StopForOutOfMemory(s, "a dispatch ran out of memory after it began");
       throw;
     }
     out.state_->on_device = true;
@@ -1185,13 +1187,9 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
     try {
       status = s.ep->Dispatch(in, out.state_->output);
     } catch (...) {
-      // Out of memory (the layout's buffers, say): the data plane stopped the call's senders
-      // and gave up on this rank, whose rows its peers will not all get. Every later call says
-      // so until Rejoin re-forms the group; the exception goes on to the caller (the C ABI
-      // turns it into code 8).
-      s.stopped = absl::InternalError(absl::StrCat(
-          "rank ", s.rank, ": a dispatch ran out of memory after it began; the group must be "
-          "re-formed: call Rejoin"));
+      // The layout's buffers, say: the data plane stopped the call's senders and gave up on
+      // this rank.
+      StopForOutOfMemory(s, "a dispatch ran out of memory after it began");
       throw;
     }
     out.state_->on_device = false;
