@@ -262,6 +262,59 @@ TEST(CAbiFaultTest, ExcludedOutOfMemoryIsANo) {
 
 namespace {
 
+// The step the data-plane sweeps run on OneRankThroughTheCAbi's rank: 4 tokens of hidden 8,
+// each to 2 experts with weight 0.5, all ones (the output is the input again).
+struct OneStep {
+  const std::vector<float> x = std::vector<float>(4 * 8, 1.0f);
+  const std::vector<float> w = std::vector<float>(4 * 2, 0.5f);
+  const std::vector<int32_t> idx = {0, 1, 2, 3, 0, 2, 1, 3};
+  std::vector<float> out = std::vector<float>(4 * 8);
+
+  int Dispatch(ubep_rank* rank, ubep_dispatched* d) const {
+    return ubep_dispatch(rank, 0, x.data(), idx.data(), w.data(), 4, d);
+  }
+  int Combine(ubep_rank* rank, ubep_dispatched* d) {
+    int32_t rows = 0;
+    const void* received = nullptr;
+    ubep_dispatched_view(d, &rows, &received, nullptr, nullptr, nullptr, nullptr);
+    return ubep_combine(rank, d, received, out.data());
+  }
+};
+
+// `call` on a fresh thread with its allocation n failing.
+struct FailingRun {
+  int code = 0;
+  bool failed = false;  // An allocation failed (else the call ran through).
+  std::string message;
+};
+template <typename Call>
+FailingRun RunWithAllocationFailing(long n, Call call) {
+  FailingRun run;
+  std::thread([&] {
+    fail_countdown = n;
+    run.code = call();
+    fail_countdown = -1;
+    run.failed = failed_one;
+    failed_one = false;
+    run.message = ubep_last_error();
+  }).join();
+  return run;
+}
+
+// After a call of step `step` that ran out of memory: the rank's next call either goes on
+// (true: nothing of the failed call had begun) or says to Rejoin (13, its message into
+// `said`), and the rank rejoins at a later step (`step` moves to where it resumes).
+bool NextCallGoesOnOrRejoins(ubep_rank* rank, uint64_t& step, std::set<std::string>& said) {
+  const int next = ubep_begin_step(rank, step + 1);
+  if (next == 0) return true;
+  EXPECT_EQ(next, 13);
+  said.insert(ubep_last_error());
+  uint64_t resume = 0;
+  EXPECT_EQ(ubep_rejoin(rank, static_cast<int64_t>(step + 2), &resume), 0) << ubep_last_error();
+  step = resume;
+  return false;
+}
+
 // ubep_dispatch runs out of memory at each of its allocations in turn (the layout's buffers
 // among them, after the call took part and its sender threads started): every time it is
 // code 8 and a message, the call's senders are stopped before it returns (none reads its
@@ -272,9 +325,7 @@ TEST(CAbiFaultTest, DispatchOutOfMemoryStopsTheCallAndTheNextCallSaysToRejoin) {
   OneRankThroughTheCAbi one;
   ASSERT_NE(one.rank, nullptr);
   ubep_rank* rank = one.rank;
-  const std::vector<float> x(4 * 8, 1.0f), w(4 * 2, 0.5f);
-  const std::vector<int32_t> idx = {0, 1, 2, 3, 0, 2, 1, 3};
-  std::vector<float> out(4 * 8);
+  OneStep io;
   uint64_t step = 0;
   std::set<std::string> said;
   int failed_runs = 0;
@@ -283,50 +334,25 @@ TEST(CAbiFaultTest, DispatchOutOfMemoryStopsTheCallAndTheNextCallSaysToRejoin) {
     ASSERT_EQ(ubep_begin_step(rank, step), 0) << ubep_last_error();
     ubep_dispatched* dispatched = ubep_dispatched_new();
     ASSERT_NE(dispatched, nullptr);
-    int code = 0;
-    bool failed = false;
-    std::string message;
-    std::thread([&] {
-      fail_countdown = n;
-      code = ubep_dispatch(rank, 0, x.data(), idx.data(), w.data(), 4, dispatched);
-      fail_countdown = -1;
-      failed = failed_one;
-      failed_one = false;
-      message = ubep_last_error();
-    }).join();
-    if (!failed) {
-      ASSERT_EQ(code, 0) << message;
-      int32_t rows = 0;
-      const void* received = nullptr;
-      ubep_dispatched_view(dispatched, &rows, &received, nullptr, nullptr, nullptr, nullptr);
-      ASSERT_EQ(ubep_combine(rank, dispatched, received, out.data()), 0) << ubep_last_error();
-      EXPECT_EQ(out, x);  // 0.5 x 1 + 0.5 x 1 through one rank's slots.
+    const FailingRun run =
+        RunWithAllocationFailing(n, [&] { return io.Dispatch(rank, dispatched); });
+    if (!run.failed) {
+      ASSERT_EQ(run.code, 0) << run.message;
+      ASSERT_EQ(io.Combine(rank, dispatched), 0) << ubep_last_error();
+      EXPECT_EQ(io.out, io.x);  // 0.5 x 1 + 0.5 x 1 through one rank's slots.
       ubep_dispatched_free(dispatched);
       break;
     }
     ++failed_runs;
-    EXPECT_EQ(code, 8);
-    EXPECT_EQ(message, "ubep_dispatch: out of memory");
+    EXPECT_EQ(run.code, 8);
+    EXPECT_EQ(run.message, "ubep_dispatch: out of memory");
     ubep_dispatched_free(dispatched);
-    // The next call: the step goes on (the call failed before it took part), or the rank says
-    // to Rejoin; never a dispatch that came twice.
-    const int next = ubep_begin_step(rank, step + 1);
-    if (next != 0) {
-      EXPECT_EQ(next, 13);
-      said.insert(ubep_last_error());
-      uint64_t resume = 0;
-      ASSERT_EQ(ubep_rejoin(rank, static_cast<int64_t>(step + 2), &resume), 0) << ubep_last_error();
-      step = resume;
-    } else {
+    // Never a dispatch that came twice: where the step goes on, its dispatch runs.
+    if (NextCallGoesOnOrRejoins(rank, step, said)) {
       ubep_dispatched* again = ubep_dispatched_new();
-      const int code_again = ubep_dispatch(rank, 0, x.data(), idx.data(), w.data(), 4, again);
+      const int code_again = io.Dispatch(rank, again);
       EXPECT_EQ(code_again, 0) << ubep_last_error();
-      if (code_again == 0) {
-        int32_t rows = 0;
-        const void* received = nullptr;
-        ubep_dispatched_view(again, &rows, &received, nullptr, nullptr, nullptr, nullptr);
-        EXPECT_EQ(ubep_combine(rank, again, received, out.data()), 0) << ubep_last_error();
-      }
+      if (code_again == 0) EXPECT_EQ(io.Combine(rank, again), 0) << ubep_last_error();
       ubep_dispatched_free(again);
       step += 2;
     }
@@ -339,7 +365,6 @@ TEST(CAbiFaultTest, DispatchOutOfMemoryStopsTheCallAndTheNextCallSaysToRejoin) {
   EXPECT_EQ(ubep_detach(rank), 0) << ubep_last_error();
 }
 
-
 // ubep_combine runs out of memory at each of its allocations in turn (its sums' scratch after
 // the call took part among them): every time it is code 8 and a message, and the rank's next
 // call says to Rejoin (the group gave up on it: a peer would not have all its partials), or,
@@ -349,9 +374,7 @@ TEST(CAbiFaultTest, CombineOutOfMemoryStopsTheRankUntilItRejoins) {
   OneRankThroughTheCAbi one;
   ASSERT_NE(one.rank, nullptr);
   ubep_rank* rank = one.rank;
-  const std::vector<float> x(4 * 8, 1.0f), w(4 * 2, 0.5f);
-  const std::vector<int32_t> idx = {0, 1, 2, 3, 0, 2, 1, 3};
-  std::vector<float> out(4 * 8);
+  OneStep io;
   uint64_t step = 0;
   std::set<std::string> said;
   int failed_runs = 0;
@@ -360,40 +383,20 @@ TEST(CAbiFaultTest, CombineOutOfMemoryStopsTheRankUntilItRejoins) {
     ASSERT_EQ(ubep_begin_step(rank, step), 0) << ubep_last_error();
     ubep_dispatched* dispatched = ubep_dispatched_new();
     ASSERT_NE(dispatched, nullptr);
-    ASSERT_EQ(ubep_dispatch(rank, 0, x.data(), idx.data(), w.data(), 4, dispatched), 0)
-        << ubep_last_error();
-    int32_t rows = 0;
-    const void* received = nullptr;
-    ubep_dispatched_view(dispatched, &rows, &received, nullptr, nullptr, nullptr, nullptr);
-    int code = 0;
-    bool failed = false;
-    std::string message;
-    std::thread([&] {
-      fail_countdown = n;
-      code = ubep_combine(rank, dispatched, received, out.data());
-      fail_countdown = -1;
-      failed = failed_one;
-      failed_one = false;
-      message = ubep_last_error();
-    }).join();
-    if (!failed) {
-      ASSERT_EQ(code, 0) << message;
-      EXPECT_EQ(out, x);  // 0.5 x 1 + 0.5 x 1 through one rank's slots.
+    ASSERT_EQ(io.Dispatch(rank, dispatched), 0) << ubep_last_error();
+    const FailingRun run =
+        RunWithAllocationFailing(n, [&] { return io.Combine(rank, dispatched); });
+    if (!run.failed) {
+      ASSERT_EQ(run.code, 0) << run.message;
+      EXPECT_EQ(io.out, io.x);  // 0.5 x 1 + 0.5 x 1 through one rank's slots.
       ubep_dispatched_free(dispatched);
       break;
     }
     ++failed_runs;
-    EXPECT_EQ(code, 8);
-    EXPECT_EQ(message, "ubep_combine: out of memory");
-    const int next = ubep_begin_step(rank, step + 1);
-    if (next != 0) {
-      EXPECT_EQ(next, 13);
-      said.insert(ubep_last_error());
-      uint64_t resume = 0;
-      ASSERT_EQ(ubep_rejoin(rank, static_cast<int64_t>(step + 2), &resume), 0) << ubep_last_error();
-      step = resume;
-    } else {
-      EXPECT_EQ(ubep_combine(rank, dispatched, received, out.data()), 0) << ubep_last_error();
+    EXPECT_EQ(run.code, 8);
+    EXPECT_EQ(run.message, "ubep_combine: out of memory");
+    if (NextCallGoesOnOrRejoins(rank, step, said)) {
+      EXPECT_EQ(io.Combine(rank, dispatched), 0) << ubep_last_error();
       step += 2;
     }
     ubep_dispatched_free(dispatched);
