@@ -23,17 +23,18 @@ BalancerLink::BalancerLink(BalancerLinkOptions options, Node* node)
 
 absl::Duration BalancerLink::NextTick() {
   const absl::Duration interval = absl::Milliseconds(interval_ms_.load());
+  const bool peers_missing = !node_->MissingRanks().empty();
   if (!registered_) {
-    // The first registration at once, then tried again every second at most: until the
-    // balancer knows this daemon it counts its ranks as down (after its registration grace),
-    // however long --report_interval is.
+    // The first registration at once, then tried again every second at most (every 100 ms
+    // while peers' arenas wait for it): until the balancer knows this daemon it counts its
+    // ranks as down (after its registration grace), however long --report_interval is.
     if (!ticked_) {
       ticked_ = true;
       return absl::ZeroDuration();
     }
-    return std::min(interval, absl::Seconds(1));
+    return peers_missing ? absl::Milliseconds(100) : std::min(interval, absl::Seconds(1));
   }
-  return node_->MissingRanks().empty() ? interval : absl::Milliseconds(100);
+  return peers_missing ? absl::Milliseconds(100) : interval;
 }
 
 // A registered ClientContext with the link's deadline; one whose link is stopping is

@@ -326,11 +326,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   }
   if (!options.balancer.empty() && options.node.plan_path.empty()) {
     // A group starts under the cluster's plan when the balancer has one (a restarted node).
-    // The plan in full form: as large as the balancer sends one (--max_message_bytes bounds
-    // what ubepd's own servers take; a lower one here made a large plan fail, and the group
-    // start round-robin).
+    // The plan in full form: as large as the balancer sends one, the largest control message
+    // or a Prepare's bound if larger (--max_message_bytes bounds what ubepd's own servers
+    // take; a lower one here made a large plan fail, and the group start round-robin).
     std::shared_ptr<v1::Control::Stub> stub =
-        v1::Control::NewStub(ControlChannel(options.balancer, kMaxControlMessageBytes));
+        v1::Control::NewStub(ControlChannel(
+            options.balancer, std::max(kMaxControlMessageBytes, options.max_message_bytes)));
     options.node.cluster_plan = [stub]() -> std::optional<balancer::Plan> {
       grpc::ClientContext context;
       context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));

@@ -320,6 +320,7 @@ int main(int argc, char** argv) {
   bool clean = false;
   std::mutex stage_mu;
   bool destroying = false;  // Under stage_mu: the daemon is (being) destroyed.
+  bool destroyed = false;   // Under stage_mu: and its sockets and lock are gone.
   std::thread drain([&] {
     clean = (*daemon)->Drain(absl::GetFlag(FLAGS_drain_timeout));
     {
@@ -327,6 +328,10 @@ int main(int argc, char** argv) {
       destroying = true;
     }
     daemon->reset();  // Its ready file goes first.
+    {
+      std::lock_guard<std::mutex> lock(stage_mu);
+      destroyed = true;
+    }
     drained = true;
   });
   const timespec tick{0, 50'000'000};
@@ -341,6 +346,9 @@ int main(int argc, char** argv) {
       // (Held to the exit: the drain thread does not begin destroying the daemon meanwhile.
       // Once it has, the ready file is gone already.)
       std::lock_guard<std::mutex> lock(stage_mu);
+      // Once destroyed, the daemon is gone as at a clean exit; its socket paths (its lock
+      // released) may be another ubepd's by now.
+      if (destroyed) std::_Exit(clean ? 0 : 3);
       for (const std::string& path : {options.socket_path, options.socket_path + ".fds"}) {
         unlink(path.c_str());
       }

@@ -229,7 +229,9 @@ int main(int argc, char** argv) {
   // forward would end the wait before any try).
   auto attach = [&](std::optional<uint64_t> next_step) -> absl::StatusOr<std::unique_ptr<ubep::Rank>> {
     const auto now = [] { return std::chrono::steady_clock::now(); };
-    const auto timeout = absl::ToChronoNanoseconds(reattach_timeout);
+    // (An infinite flag value is a century: steady_clock's time point would wrap past it.)
+    const auto timeout =
+        absl::ToChronoNanoseconds(std::min(reattach_timeout, absl::Hours(24 * 365 * 100)));
     auto deadline = now() + timeout;
     bool said_excluded = false;
     absl::Status last;

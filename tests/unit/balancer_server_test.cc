@@ -1094,7 +1094,12 @@ TEST(BalancerServerTest, StepsPast2To53AreCountedWholeAndNear2To64NoPlanIsMade) 
       ReportSteps(*near_the_end, "node-a", 0, 2, kMaxStep - 7, 1, kMaxStep - 8);
   ASSERT_TRUE(moved.ok()) << moved.error_message();
   v1::RebalanceResponse response;
-  (void)Drain(*near_the_end, "node-b", true, &response);
+  const grpc::Status drained = Drain(*near_the_end, "node-b", true, &response);
+  EXPECT_EQ(drained.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  // node-a's step, and one more over the effective margin (1 s) at a step a second.
+  EXPECT_EQ(drained.error_message(),
+            "the serving job is at step 9223372036854775801 (estimated): no step is left after it "
+            "for a plan to take effect at (steps end at 2^63 - 1)");
   EXPECT_TRUE(c.prepares().empty());
 }
 
