@@ -6,6 +6,7 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstring>
@@ -1528,13 +1529,25 @@ TEST(HostEpErrorTest, PeersWaitingForPartialsSayTheRankDispatchedTwice) {
 
 // Rank 2 runs out of memory where its Combine belongs (libubep's sink for an overflowed
 // call, say) and gives up: the others, waiting for its partials, stop at once and say why,
-// though its combine never began (the reason is recorded for the phase they wait in).
+// though its combine never began (the reason is recorded for the phase they wait in). (Rank
+// 2 gives up once the others' dispatches are complete: a rank still in its dispatch, waiting
+// for another's rows, would hear of it there, where no combine's reason is read.)
 TEST(HostEpErrorTest, PeersWaitingForPartialsHearARankGaveUpOnItsCombine) {
   const EpConfig config = ShortTimeoutConfig();
   Group group(config);
   const TestPlan plan = RoundRobinPlan(config);
+  const ArenaLayout layout(config);
+  auto dispatched = [&](int r) {
+    return std::atomic_ref<uint32_t>(
+               *reinterpret_cast<uint32_t*>(group.arena(r) + layout.dispatch_completed))
+               .load() >= 1;
+  };
   const std::vector<absl::Status> status = DispatchThenRank2Instead(
       group, plan, [&](const DispatchInput&, DispatchOutput&) {
+        const absl::Time until = absl::Now() + absl::Seconds(10);
+        while (!(dispatched(0) && dispatched(1) && dispatched(3)) && absl::Now() < until) {
+          absl::SleepFor(absl::Microseconds(100));
+        }
         group.ep(2).GiveUpOnCombine();
         group.ep(2).GiveUpOnCombine();  // Its caller's guard too: once is what counts.
         return absl::OkStatus();
