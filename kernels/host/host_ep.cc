@@ -568,11 +568,16 @@ absl::Status HostEp::GiveUp(int peer, const char* what, uint32_t epoch) const {
   }
   if (code != spared_) UBEP_RETURN_IF_ERROR(DaemonAbortStatus(code, rank_, what, epoch));
   const int given_up_on = RankGivenUpOn(code, peer);
-  const std::string refusal =
-      given_up_on >= 0 && given_up_on < config_.num_ranks && arenas_[given_up_on] != nullptr
-          ? ReadRefusal(arenas_[given_up_on], layout_,
-                        PhaseInFlight(dispatch_epoch_, combine_epoch_))
-          : "";
+  std::string refusal;
+  if (given_up_on >= 0 && given_up_on < config_.num_ranks && arenas_[given_up_on] != nullptr) {
+    const CallPhase phase = PhaseInFlight(dispatch_epoch_, combine_epoch_);
+    refusal = ReadRefusal(arenas_[given_up_on], layout_, phase);
+    // This rank still in the call's dispatch (waiting on another), the rank given up on may
+    // have gone on to the call's combine and failed there: its reason is as much this call's.
+    if (refusal.empty() && !phase.combine) {
+      refusal = ReadRefusal(arenas_[given_up_on], layout_, CallPhase{true, phase.call});
+    }
+  }
   return TimedOutStatus(code, rank_, peer, config_.timeout, what, epoch, refusal,
                         patience_given_);
 }

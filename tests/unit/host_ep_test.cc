@@ -1530,8 +1530,8 @@ TEST(HostEpErrorTest, PeersWaitingForPartialsSayTheRankDispatchedTwice) {
 // Rank 2 runs out of memory where its Combine belongs (libubep's sink for an overflowed
 // call, say) and gives up: the others, waiting for its partials, stop at once and say why,
 // though its combine never began (the reason is recorded for the phase they wait in). (Rank
-// 2 gives up once the others' dispatches are complete: a rank still in its dispatch, waiting
-// for another's rows, would hear of it there, where no combine's reason is read.)
+// 2 gives up once the others' dispatches are complete; one still in its dispatch is the next
+// test's case.)
 TEST(HostEpErrorTest, PeersWaitingForPartialsHearARankGaveUpOnItsCombine) {
   const EpConfig config = ShortTimeoutConfig();
   Group group(config);
@@ -1563,6 +1563,52 @@ TEST(HostEpErrorTest, PeersWaitingForPartialsHearARankGaveUpOnItsCombine) {
     EXPECT_TRUE(absl::EndsWith(status[r].message(),
                                "); rank 2 refused this call: it ran out of memory in its "
                                "combine; its partials were not all stored"))
+        << status[r];
+  }
+}
+
+// A rank still in its dispatch, waiting for another's rows, when the group gives up on a rank
+// that went on to the call's combine and failed there, hears that reason too (it read only
+// its own phase's record, and asked whether the rank was alive). Ranks 0 and 1 dispatch; rank
+// 3 never comes; rank 2, once they wait, does what GiveUpOnCombine does after a dispatch of
+// its own: its refusal of call 1's combine recorded, the group's abort word raised naming it.
+TEST(HostEpErrorTest, ARankStillInItsDispatchHearsWhyAPeerGaveUpInTheCombine) {
+  EpConfig config = SmallConfig(Protocol::kUbep);
+  config.timeout = absl::Seconds(5);  // Rank 2's give-up ends the waits, not their deadline.
+  Group group(config);
+  const TestPlan plan = RoundRobinPlan(config);
+  const ArenaLayout layout(config);
+  const std::string why = "it ran out of memory in its combine; its partials were not all stored";
+  std::vector<absl::Status> status(config.num_ranks);
+  group.RunAll([&](int r) {
+    if (r == 3) return;
+    if (r == 2) {
+      const absl::Time until = absl::Now() + absl::Seconds(4);
+      while (!(ReadInCall(group.arena(0), layout).has_value() &&
+               ReadInCall(group.arena(1), layout).has_value()) &&
+             absl::Now() < until) {
+        absl::SleepFor(absl::Microseconds(100));
+      }
+      RecordRefusal(group.arena(2), layout, CallPhase{true, 1}, why);
+      for (int a = 0; a < config.num_ranks; ++a) {
+        RaiseAbort(group.arena(a), layout, kAbortTimedOutBase + 2);
+      }
+      return;
+    }
+    RankInput in = MakeInput(config, r, 8, 3);
+    DispatchOutput out;
+    status[r] = group.ep(r).Dispatch(
+        {in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8, config.hidden, 0, plan.header()},
+        out);
+  });
+  for (int r : {0, 1}) {
+    EXPECT_EQ(status[r].code(), absl::StatusCode::kDeadlineExceeded) << status[r];
+    EXPECT_TRUE(absl::StartsWith(status[r].message(),
+                                 absl::StrCat("rank ", r, ": timed out after 5s waiting for "
+                                              "rank 2 (dispatch ")))
+        << status[r];
+    EXPECT_TRUE(absl::EndsWith(status[r].message(),
+                               absl::StrCat("); rank 2 refused this call: ", why)))
         << status[r];
   }
 }
