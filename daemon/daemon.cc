@@ -7,10 +7,12 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <limits>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/channel.h"
 #include "common/logging.h"
@@ -302,6 +304,24 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
           "--ready_file ", options.ready_file, " would be written over ", own,
           ", one of ubepd's own files (its sockets and its lock): give it a path of its own"));
     }
+  }
+  if (!options.advertise.empty()) {
+    // The balancer calls this daemon back there: a host and a port it can dial.
+    const size_t colon = options.advertise.rfind(':');
+    int port = 0;
+    if (colon == std::string::npos || colon == 0 ||
+        !absl::SimpleAtoi(absl::string_view(options.advertise).substr(colon + 1), &port) ||
+        port < 1 || port > 65535) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--advertise \"", absl::CHexEscape(options.advertise),
+          "\": HOST:PORT is expected, with a port in [1, 65535] (the balancer calls this daemon "
+          "back there)"));
+    }
+  }
+  if (options.domain == std::numeric_limits<uint32_t>::max()) {
+    return absl::InvalidArgumentError(
+        "--domain 4294967295 stands for \"no domain\" in the group's view (a rank no healthy "
+        "daemon hosts): give another");
   }
   if (!options.balancer.empty() && options.listen.empty()) {
     return absl::InvalidArgumentError("--balancer needs --listen: the balancer calls this "

@@ -423,6 +423,13 @@ TEST_F(DaemonTest, WhatItCannotStartWithIsRefusedAndLeavesTheRunningDaemonBe) {
       {"--join_timeout=-1s", "ubepd: --join_timeout -1s is not positive\n"},
       {"--report_interval=500us", "ubepd: --report_interval 500us is under 10ms\n"},
       {"--report_interval=2h", "ubepd: --report_interval 2h is over 1h\n"},
+      {"--advertise=node-a", "ubepd: --advertise \"node-a\": HOST:PORT is expected, with a port "
+                             "in [1, 65535] (the balancer calls this daemon back there)\n"},
+      {"--advertise=node-a:70000", "ubepd: --advertise \"node-a:70000\": HOST:PORT is expected, "
+                                   "with a port in [1, 65535] (the balancer calls this daemon "
+                                   "back there)\n"},
+      {"--domain=4294967295", "ubepd: --domain 4294967295 stands for \"no domain\" in the "
+                              "group's view (a rank no healthy daemon hosts): give another\n"},
       {"--harvest_interval=1ns", "ubepd: --harvest_interval 1ns is under 10ms\n"},
       {"--socket_mode=40000000660", "ubepd: --socket_mode 40000000660 is not an octal file mode\n"},
       {"--socket_mode=+660", "ubepd: --socket_mode +660 is not an octal file mode\n"},
