@@ -1527,6 +1527,24 @@ TEST(HostEpErrorTest, PeersWaitingForPartialsSayTheRankDispatchedTwice) {
   }
 }
 
+constexpr char kCombineOutOfMemory[] =
+    "it ran out of memory in its combine; its partials were not all stored";
+
+// Rank r's call stopped on the group's give-up naming rank 2, while it waited `waiting` (the
+// phase, and the call where it has one), with rank 2's reason `why`; one still waiting on
+// another survivor when the give-up reached it says so too (", waiting on rank 1 which gave
+// up").
+void ExpectGaveUpOnRank2Saying(const absl::Status& status, int r, absl::string_view timeout,
+                               absl::string_view waiting, absl::string_view why) {
+  EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
+  EXPECT_TRUE(absl::StartsWith(status.message(),
+                               absl::StrCat("rank ", r, ": timed out after ", timeout,
+                                            " waiting for rank 2 (", waiting)))
+      << status;
+  EXPECT_TRUE(absl::EndsWith(status.message(), absl::StrCat("); rank 2 refused this call: ", why)))
+      << status;
+}
+
 // Rank 2 runs out of memory where its Combine belongs (libubep's sink for an overflowed
 // call, say) and gives up: the others, waiting for its partials, stop at once and say why,
 // though its combine never began (the reason is recorded for the phase they wait in). (Rank
@@ -1552,18 +1570,9 @@ TEST(HostEpErrorTest, PeersWaitingForPartialsHearARankGaveUpOnItsCombine) {
         group.ep(2).GiveUpOnCombine();  // Its caller's guard too: once is what counts.
         return absl::OkStatus();
       });
-  // Each names rank 2 and its reason; one still waiting on another survivor when the give-up
-  // reached it says so too (", waiting on rank 1 which gave up").
   for (int r : {0, 1, 3}) {
-    EXPECT_EQ(status[r].code(), absl::StatusCode::kDeadlineExceeded) << status[r];
-    EXPECT_TRUE(absl::StartsWith(status[r].message(),
-                                 absl::StrCat("rank ", r, ": timed out after 300ms waiting for "
-                                              "rank 2 (combine partials, call 1")))
-        << status[r];
-    EXPECT_TRUE(absl::EndsWith(status[r].message(),
-                               "); rank 2 refused this call: it ran out of memory in its "
-                               "combine; its partials were not all stored"))
-        << status[r];
+    ExpectGaveUpOnRank2Saying(status[r], r, "300ms", "combine partials, call 1",
+                              kCombineOutOfMemory);
   }
 }
 
@@ -1578,7 +1587,6 @@ TEST(HostEpErrorTest, ARankStillInItsDispatchHearsWhyAPeerGaveUpInTheCombine) {
   Group group(config);
   const TestPlan plan = RoundRobinPlan(config);
   const ArenaLayout layout(config);
-  const std::string why = "it ran out of memory in its combine; its partials were not all stored";
   std::vector<absl::Status> status(config.num_ranks);
   group.RunAll([&](int r) {
     if (r == 3) return;
@@ -1589,7 +1597,7 @@ TEST(HostEpErrorTest, ARankStillInItsDispatchHearsWhyAPeerGaveUpInTheCombine) {
              absl::Now() < until) {
         absl::SleepFor(absl::Microseconds(100));
       }
-      RecordRefusal(group.arena(2), layout, CallPhase{true, 1}, why);
+      RecordRefusal(group.arena(2), layout, CallPhase{true, 1}, kCombineOutOfMemory);
       for (int a = 0; a < config.num_ranks; ++a) {
         RaiseAbort(group.arena(a), layout, kAbortTimedOutBase + 2);
       }
@@ -1602,14 +1610,7 @@ TEST(HostEpErrorTest, ARankStillInItsDispatchHearsWhyAPeerGaveUpInTheCombine) {
         out);
   });
   for (int r : {0, 1}) {
-    EXPECT_EQ(status[r].code(), absl::StatusCode::kDeadlineExceeded) << status[r];
-    EXPECT_TRUE(absl::StartsWith(status[r].message(),
-                                 absl::StrCat("rank ", r, ": timed out after 5s waiting for "
-                                              "rank 2 (dispatch ")))
-        << status[r];
-    EXPECT_TRUE(absl::EndsWith(status[r].message(),
-                               absl::StrCat("); rank 2 refused this call: ", why)))
-        << status[r];
+    ExpectGaveUpOnRank2Saying(status[r], r, "5s", "dispatch ", kCombineOutOfMemory);
   }
 }
 
