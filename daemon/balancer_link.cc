@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "balancer/formats/proto_convert.h"
 #include "common/channel.h"
 #include "common/clock.h"
 #include "common/logging.h"
@@ -21,20 +22,55 @@ BalancerLink::BalancerLink(BalancerLinkOptions options, Node* node)
       interval_ms_(absl::ToInt64Milliseconds(options_.report_interval)),
       thread_([this] { return NextTick(); }, [this] { Tick(); }) {}
 
+absl::StatusOr<std::optional<balancer::Plan>> FetchClusterPlan(v1::Control::Stub& stub,
+                                                               absl::Time deadline,
+                                                               absl::Duration patience) {
+  const absl::Time own = absl::Now() + patience;
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(std::min(own, deadline)));
+  v1::Plan proto;
+  const grpc::Status status = stub.GetClusterPlan(&context, v1::GetClusterPlanRequest(), &proto);
+  if (!status.ok()) {
+    if (status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED && deadline < own) {
+      return absl::DeadlineExceededError(
+          "the Attach's deadline passed while the balancer was asked for the cluster's plan, "
+          "which a new group starts under");
+    }
+    if (status.error_code() != grpc::StatusCode::FAILED_PRECONDITION) {  // No plan yet.
+      UBEP_LOG(WARNING) << "the cluster's plan: " << status.error_message();
+    }
+    return std::nullopt;
+  }
+  absl::StatusOr<balancer::Plan> plan = balancer::FromProto(proto);
+  if (!plan.ok()) {
+    UBEP_LOG(WARNING) << "the cluster's plan: " << plan.status();
+    return std::nullopt;
+  }
+  return *std::move(plan);
+}
+
+absl::Duration PeerPollInterval(int unchanged) {
+  return std::min(absl::Milliseconds(100 << std::clamp(unchanged, 0, 4)), absl::Seconds(1));
+}
+
 absl::Duration BalancerLink::NextTick() {
   const absl::Duration interval = absl::Milliseconds(interval_ms_.load());
-  const bool peers_missing = !node_->MissingRanks().empty();
+  std::vector<int> missing = node_->MissingRanks();
+  missing_ticks_ = missing == missing_ ? missing_ticks_ + 1 : 0;
+  missing_ = std::move(missing);
+  const bool peers_missing = !missing_.empty();
+  const absl::Duration poll = std::min(interval, PeerPollInterval(missing_ticks_));
   if (!registered_) {
-    // The first registration at once, then tried again every second at most (every 100 ms
+    // The first registration at once, then tried again every second at most (more often
     // while peers' arenas wait for it): until the balancer knows this daemon it counts its
     // ranks as down (after its registration grace), however long --report_interval is.
     if (!ticked_) {
       ticked_ = true;
       return absl::ZeroDuration();
     }
-    return peers_missing ? absl::Milliseconds(100) : std::min(interval, absl::Seconds(1));
+    return peers_missing ? poll : std::min(interval, absl::Seconds(1));
   }
-  return peers_missing ? absl::Milliseconds(100) : interval;
+  return peers_missing ? poll : interval;
 }
 
 // A registered ClientContext with the link's deadline; one whose link is stopping is

@@ -15,7 +15,9 @@
 #include <mutex>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "balancer/core/plan.h"
 #include "common/periodic.h"
 #include "daemon/node.h"
 #include "grpcpp/client_context.h"
@@ -48,6 +50,20 @@ struct BalancerLinkOptions {
   absl::Duration rpc_timeout = absl::Seconds(2);
   BalancerLinkStats* stats = nullptr;  // Kept up to date where given.
 };
+
+// The cluster's plan in force, asked of the balancer when ubepd creates a group
+// (NodeOptions::cluster_plan): nullopt when it has none, or does not answer within `patience`
+// (taken for down: the group starts under v1 rather than wait on it; logged), or answers with
+// a plan that cannot be read (logged). DeadlineExceeded when `deadline`, the Attach's, comes
+// first: the caller gave up, and the balancer may well have a plan.
+absl::StatusOr<std::optional<balancer::Plan>> FetchClusterPlan(
+    v1::Control::Stub& stub, absl::Time deadline, absl::Duration patience = absl::Seconds(2));
+
+// The wait before the link asks the balancer for the group again while peers' arenas are not
+// mapped, after `unchanged` ticks that found the same peers missing: 100 ms, doubled each time
+// up to 1 s (a node that never comes up would otherwise have every other daemon ask ten times
+// a second for as long as it is away).
+absl::Duration PeerPollInterval(int unchanged);
 
 class BalancerLink {
  public:
@@ -86,6 +102,10 @@ class BalancerLink {
   std::unique_ptr<v1::Control::Stub> stub_;
   bool registered_ = false;  // Link thread only, as ticked_.
   bool ticked_ = false;      // NextTick gave the first tick.
+  // The peers whose arenas were not mapped at the last tick, and for how many ticks in a row
+  // they were the same: the link asks for the group less often the longer nothing changes.
+  std::vector<int> missing_;
+  int missing_ticks_ = 0;
   std::string registered_shape_;          // Serialized shape at the last registration.
   uint64_t registered_arenas_ = 0;        // Groups created, at the last registration.
   std::vector<int> registered_restarted_;  // RestartedMembers told at the last registration.

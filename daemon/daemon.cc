@@ -352,23 +352,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
     std::shared_ptr<v1::Control::Stub> stub =
         v1::Control::NewStub(ControlChannel(
             options.balancer, std::max(kMaxControlMessageBytes, options.max_message_bytes)));
-    options.node.cluster_plan = [stub]() -> std::optional<balancer::Plan> {
-      grpc::ClientContext context;
-      context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
-      v1::Plan proto;
-      const grpc::Status status = stub->GetClusterPlan(&context, v1::GetClusterPlanRequest(), &proto);
-      if (!status.ok()) {
-        if (status.error_code() != grpc::StatusCode::FAILED_PRECONDITION) {
-          UBEP_LOG(WARNING) << "the cluster's plan: " << status.error_message();
-        }
-        return std::nullopt;
-      }
-      absl::StatusOr<balancer::Plan> plan = balancer::FromProto(proto);
-      if (!plan.ok()) {
-        UBEP_LOG(WARNING) << "the cluster's plan: " << plan.status();
-        return std::nullopt;
-      }
-      return *std::move(plan);
+    options.node.cluster_plan = [stub](absl::Time deadline) {
+      return FetchClusterPlan(*stub, deadline);
     };
   }
   std::unique_ptr<Daemon> d(new Daemon(options));

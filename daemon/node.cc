@@ -393,7 +393,11 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
       creating = !has_group_ ||
                  (AttachedLocked() == 0 && !CompareShapes(group_request_, request).ok());
     }
-    if (creating) cluster_plan = options_.cluster_plan();
+    if (creating) {
+      absl::StatusOr<std::optional<balancer::Plan>> fetched = options_.cluster_plan(deadline);
+      if (!fetched.ok()) return fetched.status();
+      cluster_plan = *std::move(fetched);
+    }
   }
   MutexLock lock(&mu_);
   if (draining_) {

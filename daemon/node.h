@@ -76,9 +76,11 @@ struct NodeOptions {
   // join ticket was read and before the group is published.
   std::function<void()> forming_hook;
   // Without plan_path: the cluster's plan in force, if there is one (ubepd asks the balancer,
-  // bounded). A new group starts under it when its shape fits, so that a restarted daemon
-  // serves the plan its node left, and versions only grow; else round-robin v1.
-  std::function<std::optional<balancer::Plan>()> cluster_plan;
+  // bounded, and no later than the Attach's `deadline`). A new group starts under it when its
+  // shape fits, so that a restarted daemon serves the plan its node left, and versions only
+  // grow; under round-robin v1 when there is none. An error fails the Attach and creates
+  // nothing: an answer cut short by the caller's deadline is not taken for "no plan".
+  std::function<absl::StatusOr<std::optional<balancer::Plan>>(absl::Time deadline)> cluster_plan;
 };
 
 // What the metrics need, copied under the lock.

@@ -37,6 +37,8 @@
 #include "gtest/gtest.h"
 #include "kernels/host/rank_arena.h"
 #include "kernels/host/shared_arena.h"
+#include "common/channel.h"
+#include "tests/unit/loopback.h"
 #include "tests/unit/node_fixtures.h"
 #include "tests/unit/test_util.h"
 #include "tests/wait_for.h"
@@ -156,6 +158,66 @@ TEST(NodeTest, AStaticPlanFileWithOrWithoutATopologyIsTheGroupsFirstPlan) {
                 phy2log[l]);
     }
   }
+}
+
+// A new group starts under the cluster's plan, asked for no later than the Attach's deadline;
+// where asking fails, the Attach fails with it and creates nothing (no round-robin v1 that
+// would take the place of the cluster's plan).
+TEST(NodeTest, AGroupStartsUnderTheClustersPlanOrNotAtAll) {
+  NodeOptions options = Options();
+  std::vector<absl::Time> asked;
+  absl::StatusOr<std::optional<balancer::Plan>> answer =
+      absl::DeadlineExceededError("no answer in time");
+  options.cluster_plan = [&](absl::Time deadline) {
+    asked.push_back(deadline);
+    return answer;
+  };
+  Node node(options);
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  EXPECT_EQ(node.Attach(Request(0, 2), deadline).status(),
+            absl::DeadlineExceededError("no answer in time"));
+  EXPECT_THAT(asked, ElementsAre(deadline));
+  EXPECT_FALSE(node.GroupShape().has_value());
+  answer = SwappedPlan();
+  Attached a = Claim(node, node.Attach(Request(0, 2), deadline), 1);
+  EXPECT_EQ(asked.size(), 2u);
+  EXPECT_EQ(node.CommittedPlanIdentity().version, 2u);
+  uint64_t version = 0;
+  ASSERT_NE(kernels::SelectPlan(a.arenas[0].data() + a.layout.plan, 0, &version), nullptr);
+  EXPECT_EQ(version, 2u);
+  // The group exists: the next rank's Attach asks nothing.
+  Claim(node, node.Attach(Request(1, 2), deadline), 2);
+  EXPECT_EQ(asked.size(), 2u);
+}
+
+// ubepd's question to the balancer: a balancer that takes the connection and never answers is
+// taken for down after the patience (no plan: the group starts under v1), unless the Attach's
+// deadline comes first, which fails the Attach.
+TEST(NodeTest, FetchingTheClustersPlanGivesUpAtTheAttachsDeadlineOrItsOwn) {
+  test::LoopbackListener silent;  // Never accepts: gRPC's handshake never completes.
+  ASSERT_GE(silent.fd(), 0);
+  std::unique_ptr<v1::Control::Stub> stub =
+      v1::Control::NewStub(ControlChannel(absl::StrCat("127.0.0.1:", silent.port())));
+  EXPECT_EQ(FetchClusterPlan(*stub, absl::Now() + absl::Milliseconds(200), absl::Minutes(1))
+                .status(),
+            absl::DeadlineExceededError(
+                "the Attach's deadline passed while the balancer was asked for the cluster's "
+                "plan, which a new group starts under"));
+  absl::StatusOr<std::optional<balancer::Plan>> none =
+      FetchClusterPlan(*stub, absl::InfiniteFuture(), absl::Milliseconds(200));
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_FALSE(none->has_value());
+}
+
+// While peers' arenas are not mapped the link asks the balancer for the group at once, then
+// less often while the same peers stay missing, up to once a second.
+TEST(NodeTest, TheLinkAsksForMissingPeersLessOftenTheLongerNothingChanges) {
+  EXPECT_EQ(PeerPollInterval(0), absl::Milliseconds(100));
+  EXPECT_EQ(PeerPollInterval(1), absl::Milliseconds(200));
+  EXPECT_EQ(PeerPollInterval(2), absl::Milliseconds(400));
+  EXPECT_EQ(PeerPollInterval(3), absl::Milliseconds(800));
+  EXPECT_EQ(PeerPollInterval(4), absl::Seconds(1));
+  EXPECT_EQ(PeerPollInterval(1 << 30), absl::Seconds(1));
 }
 
 TEST(NodeTest, GroupFormsWhenEveryRankJoinsAndTakesTheLeastNextStep) {
