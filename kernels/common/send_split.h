@@ -81,7 +81,8 @@ class VisitOrder {
     end_ = begin_ + g < num_ranks ? begin_ + g : num_ranks;
     near_ = end_ - begin_ - 1;
     far_ = num_ranks - (end_ - begin_);
-    far_start_ = far_ > 0 ? (rank - begin_) * far_ / (end_ - begin_) : 0;
+    // In 64 bits: (R / 2)^2 passes 2^31 for the largest groups a configuration allows.
+    far_start_ = far_ > 0 ? static_cast<int>(int64_t{rank - begin_} * far_ / (end_ - begin_)) : 0;
   }
 
   // The destination at `position`, in [0, num_ranks).

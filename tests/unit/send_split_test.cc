@@ -108,6 +108,24 @@ TEST(SendSplitTest, NearAndFarDestinationsTakeTurns) {
 // Every shape: the order is a permutation ending with the source, Position inverts Dest, and
 // the near destinations are spread in proportion: of the first p positions,
 // floor(p x near / (R - 1)) are near.
+// The largest group a configuration allows (2^17 ranks, half of them near): the far ranks'
+// starting point is computed past 2^31, and the order is a permutation all the same.
+TEST(SendSplitTest, TheVisitOrderOfTheLargestGroupsIsAPermutation) {
+  const int R = 1 << 17;
+  for (const int rank : {0, 65535, 65536 + 40000, R - 1}) {
+    const VisitOrder order(rank, R, R / 2);
+    std::vector<char> seen(R, 0);
+    for (int p = 0; p < R; ++p) {
+      const int d = order.Dest(p);
+      ASSERT_GE(d, 0) << "rank " << rank << ", position " << p;
+      ASSERT_LT(d, R) << "rank " << rank << ", position " << p;
+      ASSERT_EQ(seen[d]++, 0) << "rank " << rank << " visits " << d << " twice";
+      ASSERT_EQ(order.Position(d), p) << "rank " << rank;
+    }
+    EXPECT_EQ(order.Dest(R - 1), rank);
+  }
+}
+
 TEST(SendSplitTest, EveryVisitOrderIsAPermutationWithNearOnesInProportion) {
   for (int R = 1; R <= 24; ++R) {
     for (int near_ranks = 0; near_ranks <= R; ++near_ranks) {
