@@ -13,21 +13,16 @@
 namespace ubep::kernels {
 namespace {
 
-// Whether this CPU has the features of an x86-64 level (the psABI's levels, by the feature
-// names GCC and Clang both know).
+// Whether this CPU has every feature of an x86-64 level (the psABI's levels, as -march names
+// them): asked of the compiler's runtime by the level's own name, so that no feature the
+// level enables goes unchecked (v3 has LZCNT, MOVBE and BMI1 besides AVX2, FMA and BMI2; a
+// guest CPU can lack one alone, and LZCNT runs there as BSR, giving wrong answers, not SIGILL).
 bool CpuRuns(std::string_view level) {
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  const bool v2 = __builtin_cpu_supports("sse4.2") && __builtin_cpu_supports("ssse3") &&
-                  __builtin_cpu_supports("popcnt");
-  const bool v3 = v2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                  __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("f16c");
-  const bool v4 = v3 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                  __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx512dq") &&
-                  __builtin_cpu_supports("avx512vl");
-  if (level == "x86-64-v2") return v2;
-  if (level == "x86-64-v3") return v3;
-  if (level == "x86-64-v4") return v4;
+  if (level == "x86-64-v2") return __builtin_cpu_supports("x86-64-v2");
+  if (level == "x86-64-v3") return __builtin_cpu_supports("x86-64-v3");
+  if (level == "x86-64-v4") return __builtin_cpu_supports("x86-64-v4");
 #endif
   return true;  // The baseline, or a level CMake does not let through.
 }
