@@ -122,7 +122,9 @@ class Process {
     if (running()) kill(pid_, sig);
   }
 
-  // The exit code (128 + signal when killed by one), or nullopt at the timeout.
+  // The exit code (128 + signal when killed by one), or nullopt at the timeout; -1 where the
+  // process was reaped without this one (SIGCHLD ignored: the kernel reaps every child), its
+  // code lost.
   std::optional<int> Wait(absl::Duration timeout) {
     if (status_.has_value() || pid_ <= 0) return status_;
     // On the steady clock: a step of the wall clock neither cuts the wait short nor stretches it.
@@ -133,6 +135,10 @@ class Process {
       const pid_t r = waitpid(pid_, &raw, WNOHANG);
       if (r == pid_) {
         status_ = WIFEXITED(raw) ? WEXITSTATUS(raw) : 128 + WTERMSIG(raw);
+        return status_;
+      }
+      if (r < 0 && errno == ECHILD) {  // Gone: its pid may be another process's by now.
+        status_ = -1;
         return status_;
       }
       if (std::chrono::steady_clock::now() > deadline) return std::nullopt;

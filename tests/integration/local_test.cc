@@ -81,21 +81,23 @@ class LocalTest : public ::testing::Test {
 
   // ubep-local for a run that does not end by itself (4 ranks, 2 daemons), started in `local`
   // with its report in path("report"), once its ranks step: its working directory ("" if it
-  // did not get there within 60 s each, with a failure added).
+  // did not get there within 60 s each, with a failure added). Its balancer listens on
+  // 127.0.0.2, not the default's 127.0.0.1: the daemons (and cluster.json) dial where it is.
   std::string StartLongRun(std::unique_ptr<Process>& local) {
     const std::string report = path("report");
     local = std::make_unique<Process>(
         std::vector<std::string>{test::BinaryPath("ubep-local"), "--ranks=4", "--daemons=2",
                                  "--steps=1000000", "--report=" + report,
-                                 "--listen=127.0.0.1:0", "--metrics_port=0"},
+                                 "--listen=127.0.0.2:0", "--metrics_port=0"},
         path("local.out"));
     if (!WaitFor([&] { return std::filesystem::exists(report + "/cluster.json"); },
                  absl::Seconds(60))) {
       ADD_FAILURE() << ReadFile(path("local.out"));
       return "";
     }
-    const std::string workdir =
-        nlohmann::json::parse(ReadFile(report + "/cluster.json"))["workdir"];
+    const nlohmann::json cluster = nlohmann::json::parse(ReadFile(report + "/cluster.json"));
+    EXPECT_THAT(cluster["balancer"].get<std::string>(), ::testing::StartsWith("127.0.0.2:"));
+    const std::string workdir = cluster["workdir"];
     if (!WaitFor([&] { return ReadFile(path("local.out")).find("step ") != std::string::npos; },
                  absl::Seconds(60))) {
       ADD_FAILURE() << ReadFile(path("local.out"));
@@ -250,6 +252,11 @@ TEST_F(LocalTest, UbepLocalServedWhilePrometheusScrapesAndUbepctlOperates) {
   EXPECT_EQ(shifted["physical_to_logical_map"][3], sglang["physical_to_logical_map"][0]);
   EXPECT_EQ(shifted["physical_to_logical_map"][6], sglang["physical_to_logical_map"][3]);
   EXPECT_EQ(shifted["physical_to_logical_map"][0][257], 1);  // Slot 257 of 256 experts.
+  // A first layer whose plan would end past model layer 2^20 is refused, not gigabytes of rows.
+  out = Ctl({"plan", "export", "--format=sglang", "--first_moe_layer=1048574"}, &code);
+  EXPECT_EQ(code, 2);
+  EXPECT_THAT(out, ::testing::MatchesRegex("ubepctl: --first_moe_layer 1048574: plan v[0-9]+'s 4 "
+                                            "layers would end past model layer 2\\^20\n(.|\n)*"));
   // An answer standard output cannot take (a full disk) fails, saying so.
   EXPECT_EQ(Run({"/bin/sh", "-c",
                  absl::StrCat(test::BinaryPath("ubepctl"), " --balancer=", balancer_,
@@ -418,6 +425,11 @@ TEST_F(LocalTest, UbepctlRefusesFlagsThatCannotApplyBeforeAnyCall) {
       {{"--format=sglang", "plan", "show"}, "ubepctl: --format applies to plan export only\n"},
       {{"--first_moe_layer=3", "drain", "node-0"},
        "ubepctl: --first_moe_layer applies to plan export only\n"},
+      {{"--first_moe_layer=2147483647", "plan", "export", "--format=sglang"},
+       "ubepctl: --first_moe_layer 2147483647 is outside [0, 2^20] (or -1: the plan's own layer "
+       "ids)\n"},
+      {{"--first_moe_layer=-3", "plan", "export", "--format=sglang"},
+       "ubepctl: --first_moe_layer -3 is outside [0, 2^20] (or -1: the plan's own layer ids)\n"},
       {{"--first_moe_layer=3", "plan", "export"},
        "ubepctl: --first_moe_layer applies to --format=sglang only (the EPLB form has no model "
        "layers)\n"},
@@ -566,6 +578,35 @@ TEST_F(LocalTest, ARunWithoutACommitHasNoPictureAndLeavesNoEarlierOne) {
   EXPECT_EQ(r["dropped_steps_before"], 0);
   EXPECT_TRUE(r["after_start_step"].is_null());
   EXPECT_TRUE(r["dropped_steps_after"].is_null());
+}
+
+// A Ctrl-C while gnuplot draws the picture (here one that never finishes) stops it and ends
+// the run as interrupted, with no picture: ubep-local does not wait for gnuplot, nor take the
+// interruption for gnuplot's failure.
+TEST_F(LocalTest, InterruptWhilePlottingStopsGnuplotAndEndsTheRunAsInterrupted) {
+  const std::string bin = path("bin"), started = path("gnuplot-started");
+  std::filesystem::create_directories(bin);
+  std::ofstream(bin + "/gnuplot") << "#!/bin/sh\ntouch " << started << "\nexec sleep 600\n";
+  std::filesystem::permissions(bin + "/gnuplot", std::filesystem::perms::owner_all);
+  const std::string path_before = getenv("PATH") != nullptr ? getenv("PATH") : "";
+  setenv("PATH", (bin + ":" + path_before).c_str(), 1);  // Inherited by ubep-local.
+  const std::string report = path("report");
+  // Without a policy the picture compares the run's first and last thirds: no commit needed.
+  Process local({test::BinaryPath("ubep-local"), "--ranks=2", "--daemons=1", "--steps=30",
+                 "--policy=none", "--report=" + report, "--listen=127.0.0.1:0",
+                 "--metrics_port=0"},
+                path("local.out"));
+  setenv("PATH", path_before.c_str(), 1);
+  ASSERT_TRUE(WaitFor([&] { return std::filesystem::exists(started); }, absl::Seconds(60)))
+      << ReadFile(path("local.out"));
+  local.Signal(SIGINT);
+  EXPECT_EQ(local.Wait(absl::Seconds(30)), 130) << ReadFile(path("local.out"));
+  EXPECT_THAT(ReadFile(path("local.out")),
+              HasSubstr("report.json (no picture: interrupted while plotting)\n"));
+  const nlohmann::json r = nlohmann::json::parse(ReadFile(report + "/report.json"));
+  EXPECT_TRUE(r["interrupted"].get<bool>());
+  EXPECT_TRUE(r["picture"].is_null());
+  EXPECT_FALSE(std::filesystem::exists(report + "/report.png"));
 }
 
 // Ctrl-C: every process ubep-local started stops, nothing is left in /dev/shm (the arenas

@@ -213,6 +213,20 @@ TEST(ProcessTest, AChildDiesWithTheThreadThatStartedIt) {
   EXPECT_EQ(child->Wait(absl::Seconds(30)), 128 + SIGKILL);
 }
 
+// Where SIGCHLD is ignored (inherited so across exec) the kernel reaps every child: Wait
+// says the child is gone, its code lost, rather than wait out its timeout taking it for alive.
+TEST(ProcessTest, AChildTheKernelReapedIsGoneWithItsCodeLost) {
+  struct sigaction ignore {};
+  ignore.sa_handler = SIG_IGN;
+  struct sigaction before {};
+  ASSERT_EQ(sigaction(SIGCHLD, &ignore, &before), 0);
+  Process child({"/bin/true"});
+  const std::optional<int> code = child.Wait(absl::Seconds(20));
+  sigaction(SIGCHLD, &before, nullptr);
+  EXPECT_EQ(code, -1);
+  EXPECT_FALSE(child.running());
+}
+
 TEST(ProcessTest, ABinaryThatCannotBeStartedIsASpawnErrorAndNoProcess) {
   Process missing({"/nonexistent/ubep-binary"});
   EXPECT_EQ(missing.spawn_error(), ENOENT);

@@ -151,6 +151,16 @@ absl::StatusOr<nlohmann::json> AwaitReady(const std::string& path, ubep::Process
   return absl::DeadlineExceededError("no ready file within 30s");
 }
 
+// Where the daemons and ubepctl reach a balancer listening at `listen` (HOST:PORT): the host
+// it names, loopback where that is a wildcard (or missing).
+std::string DialHost(const std::string& listen) {
+  const size_t colon = listen.rfind(':');
+  const std::string host = colon == std::string::npos ? "" : listen.substr(0, colon);
+  if (host.empty() || host == "0.0.0.0") return "127.0.0.1";
+  if (host == "[::]") return "[::1]";
+  return host;
+}
+
 // A port from a ready file (0 when absent or not a port).
 int ReadyPort(const nlohmann::json& ready, const char* key) {
   const auto it = ready.find(key);
@@ -419,6 +429,9 @@ int Run(int argc, char** argv) {
   const std::string workdir = workdir_template;
   signal(SIGINT, OnSignal);
   signal(SIGTERM, OnSignal);
+  // Inherited ignored (it survives exec), the kernel would reap the children: their exit codes,
+  // which say whether the run was correct, would be lost.
+  signal(SIGCHLD, SIG_DFL);
   // The terminal closed: stopped as by Ctrl-C, with its report; not where SIGHUP is ignored
   // already (started under nohup, to outlive the terminal).
   struct sigaction hangup {};
@@ -482,6 +495,8 @@ int Run(int argc, char** argv) {
                 path("balancer.log"));
   }
   const int balancer_port = ReadyPort(*balancer_ready, "port");
+  const std::string balancer_address =
+      absl::StrCat(DialHost(absl::GetFlag(FLAGS_listen)), ":", balancer_port);
   const int balancer_metrics = ReadyPort(*balancer_ready, "metrics_port");
 
   // The daemons, then the serving ranks.
@@ -494,7 +509,7 @@ int Run(int argc, char** argv) {
         std::vector<std::string>{
             bin + "/ubepd", "--socket=" + path(n.name + ".sock"), "--listen=127.0.0.1:0",
             "--metrics=" + metrics_address(1 + i), "--ready_file=" + path(n.name + ".ready"),
-            absl::StrCat("--balancer=127.0.0.1:", balancer_port), "--node=" + n.name,
+            "--balancer=" + balancer_address, "--node=" + n.name,
             absl::StrCat("--ranks=", n.first_rank, "-", n.first_rank + n.num_ranks - 1),
             absl::StrCat("--free_buffers=", slots), "--harvest_interval=500ms",
             absl::StrCat("--max_recv_rows=", absl::GetFlag(FLAGS_max_recv_rows)),
@@ -511,7 +526,7 @@ int Run(int argc, char** argv) {
     n.metrics_port = ReadyPort(*ready, "metrics_port");
   }
   {
-    nlohmann::json cluster = {{"balancer", absl::StrCat("127.0.0.1:", balancer_port)},
+    nlohmann::json cluster = {{"balancer", balancer_address},
                               {"balancer_metrics_port", balancer_metrics},
                               {"workdir", workdir}};
     nlohmann::json targets = nlohmann::json::array();
@@ -557,8 +572,8 @@ int Run(int argc, char** argv) {
   }
   std::cout << "ubep-local: " << R << " ranks on " << K << " daemons, " << steps
             << " steps, policy " << policy << "\n"
-            << "  ubep-balancer: 127.0.0.1:" << balancer_port << " (ubepctl --balancer=127.0.0.1:"
-            << balancer_port << "), metrics http://127.0.0.1:" << balancer_metrics << "/metrics\n";
+            << "  ubep-balancer: " << balancer_address << " (ubepctl --balancer="
+            << balancer_address << "), metrics http://127.0.0.1:" << balancer_metrics << "/metrics\n";
   for (const Node& n : nodes) {
     std::cout << "  " << n.name << " ranks " << n.first_rank << "-" << n.first_rank + n.num_ranks - 1
               << ": metrics http://127.0.0.1:" << n.metrics_port << "/metrics\n";
@@ -841,16 +856,34 @@ int Run(int argc, char** argv) {
     }
     gp << "unset multiplot\n";
     gp.close();
-    if (std::system(("gnuplot " + path("report.gp") + " 2>" + path("gnuplot.log")).c_str()) != 0 ||
-        !std::filesystem::exists(picture)) {
-      std::cerr << "ubep-local: gnuplot failed (is gnuplot installed?): "
-                << ReadFile(path("gnuplot.log")) << "\n";
+    // A child like the others (not system(), under which a Ctrl-C would reach gnuplot alone and
+    // the run would report gnuplot failed), found on PATH by the shell, bounded in time.
+    ubep::Process gnuplot({"/bin/sh", "-c", "exec gnuplot \"$0\"", path("report.gp")},
+                          path("gnuplot.log"));
+    const absl::Time plot_deadline = ubep::MonotonicNow() + absl::Seconds(60);
+    std::optional<int> plotted = gnuplot.Wait(absl::ZeroDuration());
+    while (!plotted.has_value() && !interrupted.load() && ubep::MonotonicNow() < plot_deadline) {
+      plotted = gnuplot.Wait(absl::Milliseconds(50));
+    }
+    if (!plotted.has_value()) {
+      gnuplot.Signal(SIGKILL);
+      gnuplot.Wait(absl::Seconds(10));
+    }
+    if (plotted != 0 || !std::filesystem::exists(picture)) {
+      no_picture = interrupted.load() ? "interrupted while plotting"
+                   : plotted.has_value() ? "gnuplot failed"
+                                         : "gnuplot did not finish within 60s";
+      if (!interrupted.load()) {
+        std::cerr << "ubep-local: " << no_picture
+                  << (plotted.has_value() ? " (is gnuplot installed?): " : ": ")
+                  << ReadFile(path("gnuplot.log")) << "\n";
+      }
       std::filesystem::remove(picture, not_there);
-      no_picture = "gnuplot failed";
       report_written = false;
     }
   }
   report["picture"] = no_picture.empty() ? nlohmann::json("report.png") : nlohmann::json(nullptr);
+  report["interrupted"] = interrupted.load();  // A Ctrl-C while plotting too.
 
   std::ostringstream md;
   md << "# ubep-local report\n\n"

@@ -324,6 +324,10 @@ int PlanExport(Control::Stub& stub) {
       return 1;
     }
     if (const int first = absl::GetFlag(FLAGS_first_moe_layer); first >= 0) {
+      if (first + plan.num_layers() - 1 > (1 << 20)) {
+        return Usage(absl::StrCat("--first_moe_layer ", first, ": plan v", plan.version, "'s ",
+                                  plan.num_layers(), " layers would end past model layer 2^20"));
+      }
       for (int l = 0; l < plan.num_layers(); ++l) {
         if (plan.layer_ids[l] != l) {
           return Usage(absl::StrCat("--first_moe_layer: plan v", plan.version,
@@ -391,6 +395,12 @@ int Run(int argc, char** argv) {
     if (!export_command && flag->CurrentValue() != flag->DefaultValue()) {
       return Usage(absl::StrCat("--", flag->Name(), " applies to plan export only"));
     }
+  }
+  // Model layer ids are read up to 2^20 (as in a plan's JSON form): SGLang's map has a row for
+  // every model layer up to the last, so a larger one would be gigabytes of rows, or overflow.
+  if (const int first = absl::GetFlag(FLAGS_first_moe_layer); first < -1 || first > (1 << 20)) {
+    return Usage(absl::StrCat("--first_moe_layer ", first, " is outside [0, 2^20] (or -1: the "
+                              "plan's own layer ids)"));
   }
   if (absl::GetFlag(FLAGS_first_moe_layer) >= 0 && absl::GetFlag(FLAGS_format) != "sglang") {
     return Usage("--first_moe_layer applies to --format=sglang only (the EPLB form has no "
