@@ -928,11 +928,15 @@ TEST(BalancerServerTest, AReportOfStepsBeforeThePlansEffectiveStepIsStale) {
   const grpc::Status taken = balancer->ReportLoad(nullptr, &idle, &response);
   EXPECT_TRUE(taken.ok()) << taken.error_message();
   v1::ReportLoadRequest counted = ReportOf("node-a", 0, 3, 480, 480, 1, 1);
-  EXPECT_EQ(balancer->ReportLoad(nullptr, &counted, &response).error_code(),
-            grpc::StatusCode::FAILED_PRECONDITION);
+  const grpc::Status counts_without_step = balancer->ReportLoad(nullptr, &counted, &response);
+  EXPECT_EQ(counts_without_step.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(counts_without_step.error_message(),
+            "report counted under plan v1 (steps 480-480); plan v1 is in force from step 500");
   v1::ReportLoadRequest stepped = ReportOf("node-a", 0, 4, 480, 490, 1, 0);
-  EXPECT_EQ(balancer->ReportLoad(nullptr, &stepped, &response).error_code(),
-            grpc::StatusCode::FAILED_PRECONDITION);
+  const grpc::Status steps_without_counts = balancer->ReportLoad(nullptr, &stepped, &response);
+  EXPECT_EQ(steps_without_counts.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(steps_without_counts.error_message(),
+            "report counted under plan v1 (steps 480-490); plan v1 is in force from step 500");
 }
 
 // ... from a daemon with member ranks: node-0, whose ranks v2 excludes, caught up on v2 at a
@@ -1273,8 +1277,13 @@ TEST(BalancerServerTest, ANodeBackAfterARefusedNodeTookOverSomeOfItsRanksStaysOu
   const uint64_t taking_back = balancer->CurrentPlan()->version + 1;
   c.DamageCommitOf(taking_back);
   v1::RebalanceResponse undrained;
-  EXPECT_EQ(Drain(*balancer, "node-c", false, &undrained).error_code(),
-            grpc::StatusCode::FAILED_PRECONDITION);
+  const grpc::Status refused = Drain(*balancer, "node-c", false, &undrained);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(refused.error_message(),
+            "node node-c is undrained, but it refused the Commit of plan v3: rank 2's plan area "
+            "lost plan v3 (plan v3 is not prepared here): committed on no rank of this daemon "
+            "(did its client write into its plan area?): its ranks come back once it registers "
+            "again (restart its ubepd)");
   ASSERT_FALSE(c.commit_requests().empty());
   EXPECT_EQ(c.commit_requests().back(), taking_back);
   a.SetServing(true);
@@ -1980,8 +1989,13 @@ TEST(BalancerServerTest, ARefusedNodeHoldsBackNoAbortOfAnOrphanPlan) {
   ASSERT_EQ(b.committed_version(), 2u);
   v1::RebalanceResponse response;
   b.DamageCommitOf(3);
-  EXPECT_EQ(Drain(balancer, "node-b", false, &response).error_code(),
-            grpc::StatusCode::FAILED_PRECONDITION);
+  const grpc::Status refused = Drain(balancer, "node-b", false, &response);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(refused.error_message(),
+            "node node-b is undrained, but it refused the Commit of plan v3: rank 2's plan area "
+            "lost plan v3 (plan v3 is not prepared here): committed on no rank of this daemon "
+            "(did its client write into its plan area?): its ranks come back once it registers "
+            "again (restart its ubepd)");
   balancer.Tick();  // v4, without node-b's ranks.
   ASSERT_EQ(a.committed_version(), 4u);
   // v5 pending on node-a (a Prepare of a balancer before this one, landed late), found when

@@ -2,8 +2,10 @@
 // that fails the n-th allocation of the calling thread, and each case runs a C function once
 // for every n until it completes. A C caller must get an error code and message every time,
 // never an exception (which would unwind into C) and never a crash.
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <new>
 #include <set>
 #include <string>
@@ -273,7 +275,10 @@ struct OneStep {
   int Dispatch(ubep_rank* rank, ubep_dispatched* d) const {
     return ubep_dispatch(rank, 0, x.data(), idx.data(), w.data(), 4, d);
   }
+  // Into `out`, NaN before each call: a combine that says 0 and writes nothing is not taken
+  // for one that wrote an earlier call's result.
   int Combine(ubep_rank* rank, ubep_dispatched* d) {
+    std::fill(out.begin(), out.end(), std::numeric_limits<float>::quiet_NaN());
     int32_t rows = 0;
     const void* received = nullptr;
     ubep_dispatched_view(d, &rows, &received, nullptr, nullptr, nullptr, nullptr);
@@ -352,7 +357,10 @@ TEST(CAbiFaultTest, DispatchOutOfMemoryStopsTheCallAndTheNextCallSaysToRejoin) {
       ubep_dispatched* again = ubep_dispatched_new();
       const int code_again = io.Dispatch(rank, again);
       EXPECT_EQ(code_again, 0) << ubep_last_error();
-      if (code_again == 0) EXPECT_EQ(io.Combine(rank, again), 0) << ubep_last_error();
+      if (code_again == 0) {
+        EXPECT_EQ(io.Combine(rank, again), 0) << ubep_last_error();
+        EXPECT_EQ(io.out, io.x);
+      }
       ubep_dispatched_free(again);
       step += 2;
     }
@@ -397,6 +405,7 @@ TEST(CAbiFaultTest, CombineOutOfMemoryStopsTheRankUntilItRejoins) {
     EXPECT_EQ(run.message, "ubep_combine: out of memory");
     if (NextCallGoesOnOrRejoins(rank, step, said)) {
       EXPECT_EQ(io.Combine(rank, dispatched), 0) << ubep_last_error();
+      EXPECT_EQ(io.out, io.x);
       step += 2;
     }
     ubep_dispatched_free(dispatched);
