@@ -1076,6 +1076,7 @@ absl::Status HostEp::Combine(const DispatchOutput& dispatched, const void* y_ptr
     const int s = (rank_ + i) % R;
     if (!active_[s]) continue;
     if (delay && s == partial_delay_source_) absl::SleepFor(partial_delay_for_testing_);
+    if (partial_gate_for_testing_ && s == partial_delay_source_) partial_gate_for_testing_();
     std::byte* partials = arenas_[s] + layout_.partials + rank_ * layout_.row_stride;
     const bool flagged = handle.flagged_from[s];  // s gets its partials as it sent its rows.
     const std::vector<int32_t>& begin = handle.record_begin[s];

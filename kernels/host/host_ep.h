@@ -205,6 +205,12 @@ class HostEp {
     partial_delay_for_testing_ = delay;
     partial_delay_source_ = source;
   }
+  // Tests only: as the delay, but Combine runs `gate` (until it returns) before the partials of
+  // `source`, so that a test orders them after an event rather than after a time.
+  void set_partial_gate_for_testing(std::function<void()> gate, int source) {
+    partial_gate_for_testing_ = std::move(gate);
+    partial_delay_source_ = source;
+  }
   // Tests only: runs on the calling thread once a dispatch has laid out its receive rows from
   // the sources' records and before it places any, as a peer writing its records again then
   // would (nothing following the protocol does).
@@ -401,6 +407,7 @@ class HostEp {
   absl::Duration row_delay_for_testing_ = absl::ZeroDuration();
   absl::Duration count_delay_for_testing_ = absl::ZeroDuration();
   absl::Duration partial_delay_for_testing_ = absl::ZeroDuration();
+  std::function<void()> partial_gate_for_testing_;
   std::function<void()> after_layout_for_testing_;
   int partial_delay_source_ = -1;
 };

@@ -29,6 +29,7 @@
 #include "kernels/host/shared_arena.h"
 #include "kernels/host/signal.h"
 #include "tests/unit/dataplane_fixtures.h"
+#include "tests/wait_for.h"
 
 namespace ubep::kernels {
 namespace {
@@ -466,7 +467,7 @@ TEST_P(HostEpTest, SourcesArrivingOutOfRankOrderLandInTheSameRows) {
 // ubepd stops the group when a rank leaves, and a rank may leave as soon as its last call
 // returned (the end of a job, a rolling restart). Rank 1 completes its combine and leaves
 // (ubepd's code in every abort word) while rank 3 still waits for rank 0's partials, which
-// rank 0 stores 300 ms after rank 1's: rank 1 owes that call nothing, so every rank still
+// rank 0 stores only once rank 1 has left: rank 1 owes that call nothing, so every rank still
 // completes it exactly; the next call needs rank 1 and fails at once, naming it. (bsp ends its
 // combine at a barrier, so there no rank completes it before the others' partials are in.)
 TEST_P(HostEpTest, ARankThatLeftAfterItsLastCallSparesThatCallNotTheNext) {
@@ -476,12 +477,20 @@ TEST_P(HostEpTest, ARankThatLeftAfterItsLastCallSparesThatCallNotTheNext) {
   const TestPlan plan = TestPlan::RoundRobin(c.num_ranks * c.slots_per_rank, c.num_experts, 2);
   std::vector<RankInput> inputs;
   for (int r = 0; r < c.num_ranks; ++r) inputs.push_back(MakeInput(c, r, 40, 31));
-  group.ep(0).set_partial_delay_for_testing(absl::Milliseconds(300), /*source=*/3);
+  std::atomic<bool> left{false};
+  if (c.protocol != Protocol::kBsp) {  // (bsp's rank 1 waits at the barrier for rank 3.)
+    group.ep(0).set_partial_gate_for_testing(
+        [&] { ASSERT_TRUE(test::WaitFor([&] { return left.load(); }, absl::Seconds(60))); },
+        /*source=*/3);
+  } else {
+    group.ep(0).set_partial_delay_for_testing(absl::Milliseconds(300), /*source=*/3);
+  }
   RunStep(group, inputs, plan, 0, absl::ZeroDuration(), [&](int r) {
     if (r != 1) return;
     for (int d = 0; d < c.num_ranks; ++d) {
       RaiseAbort(group.arena(d), layout, kAbortRankGone | 1u);
     }
+    left = true;
   });
   std::vector<absl::Status> next(c.num_ranks);
   group.RunAll([&](int r) {
@@ -1920,7 +1929,8 @@ TEST(HostEpErrorTest, AFlaggedCombineLateNamesTheLowestDestinationStillAwaited) 
 // A wait that goes on past a rank that left after its call still has its deadline, and its
 // timeout names the peer it waited for, not the rank that left (nor any patience: a spared
 // wait gets none). Rank 3 waits 2 s, time enough on a loaded machine for rank 1 to finish its
-// call and leave before that deadline, and rank 0's partials for it come 3 s after it.
+// call and leave before that deadline (checked: else the test would show nothing), and rank
+// 0's partials for it come once it has given up.
 TEST(HostEpErrorTest, AWaitSparedByARankThatLeftStillTimesOutNamingItsPeer) {
   const EpConfig config = ShortTimeoutConfig();
   Group group(config);
@@ -1929,17 +1939,24 @@ TEST(HostEpErrorTest, AWaitSparedByARankThatLeftStillTimesOutNamingItsPeer) {
   group.Restart(3, &waiting);
   const TestPlan plan = RoundRobinPlan(config);
   const ArenaLayout layout(config);
-  group.ep(0).set_partial_delay_for_testing(absl::Seconds(5), /*source=*/3);
+  std::atomic<bool> rank3_returned{false};
+  group.ep(0).set_partial_gate_for_testing(
+      [&] { ASSERT_TRUE(test::WaitFor([&] { return rank3_returned.load(); }, absl::Seconds(60))); },
+      /*source=*/3);
   std::vector<absl::Status> status(config.num_ranks);
+  bool left_while_rank3_waited = false;
   group.RunAll([&](int r) {
     status[r] = DispatchThenCombine(group, r, MakeInput(config, r, 8, 3), plan);
+    if (r == 3) rank3_returned = true;
     if (r == 1 && status[r].ok()) {
+      left_while_rank3_waited = ReadInCall(group.arena(3), layout).has_value();
       for (int d = 0; d < config.num_ranks; ++d) {
         RaiseAbort(group.arena(d), layout, kAbortRankGone | 1u);
       }
     }
   });
   EXPECT_EQ(status[1], absl::OkStatus());
+  EXPECT_TRUE(left_while_rank3_waited) << "rank 1 left after rank 3's wait had ended";
   EXPECT_EQ(status[3], absl::DeadlineExceededError(
                            "rank 3: timed out after 2s waiting for rank 0 (combine partials, "
                            "call 1); is rank 0 alive?"));
