@@ -1,7 +1,8 @@
 // ubep-bench-balancer: plan quality and planning time of ubep against DeepSeek's EPLB
 // (hierarchical and global) on the same real traces, side by side in one run. Prints one JSON
 // object: per (trace, topology, policy) balancedness mean/worst, cross-node share and planning
-// milliseconds (median of --repeats single-threaded runs), plus ubep/eplb-global ratios.
+// milliseconds (median of --repeats single-threaded runs, after one untimed run per policy,
+// the policies interleaved), plus ubep/eplb-global ratios.
 //
 //   ubep-bench-balancer [--traces DIR] [--repeats N] [--table]
 //
@@ -91,26 +92,43 @@ int main(int argc, char** argv) {
     for (const Setup& setup : setups) {
       nlohmann::json row = {{"trace", std::filesystem::path(file).filename().string()},
                             {"topology", setup.name}};
+      // One untimed plan per policy first (the allocator, the caches), then the timed repeats
+      // interleaved, the order reversed every other round: a slow spell of a shared machine
+      // falls on every policy alike, not on the last.
+      constexpr int kPolicies = std::size(policies);
+      std::vector<absl::StatusOr<Plan>> plans;
       for (Policy policy : policies) {
-        std::vector<double> ms;
-        absl::StatusOr<Plan> plan;
-        for (int r = 0; r < repeats; ++r) {
-          const auto start = std::chrono::steady_clock::now();
-          plan = ubep::balancer::ComputePlan(*load, setup.topology, nullptr, {.policy = policy});
-          ms.push_back(std::chrono::duration<double, std::milli>(
-                           std::chrono::steady_clock::now() - start)
-                           .count());
-        }
-        if (!plan.ok()) {
-          std::cerr << plan.status().message() << "\n";
+        plans.push_back(ubep::balancer::ComputePlan(*load, setup.topology, nullptr,
+                                                    {.policy = policy}));
+        if (!plans.back().ok()) {
+          std::cerr << plans.back().status().message() << "\n";
           return 1;
         }
-        const auto summary = ubep::balancer::SummarizeBalance(*plan, *load);
-        row[std::string(ubep::balancer::PolicyName(policy))] = {
+      }
+      std::vector<std::vector<double>> ms(kPolicies);
+      for (int r = 0; r < repeats; ++r) {
+        for (int j = 0; j < kPolicies; ++j) {
+          const int i = r % 2 == 0 ? j : kPolicies - 1 - j;
+          const auto start = std::chrono::steady_clock::now();
+          absl::StatusOr<Plan> plan = ubep::balancer::ComputePlan(
+              *load, setup.topology, nullptr, {.policy = policies[i]});
+          ms[i].push_back(std::chrono::duration<double, std::milli>(
+                              std::chrono::steady_clock::now() - start)
+                              .count());
+          if (!plan.ok()) {
+            std::cerr << plan.status().message() << "\n";
+            return 1;
+          }
+        }
+      }
+      for (int i = 0; i < kPolicies; ++i) {
+        const Plan& plan = *plans[i];
+        const auto summary = ubep::balancer::SummarizeBalance(plan, *load);
+        row[std::string(ubep::balancer::PolicyName(policies[i]))] = {
             {"balancedness_mean", summary.mean},
             {"balancedness_worst", summary.worst},
-            {"cross_node_share", ubep::balancer::CrossNodeShare(*plan, *load)},
-            {"plan_ms", ubep::Percentile(ms, 0.5)}};
+            {"cross_node_share", ubep::balancer::CrossNodeShare(plan, *load)},
+            {"plan_ms", ubep::Percentile(ms[i], 0.5)}};
       }
       const auto& ours = row["ubep"];
       const auto& theirs = row["eplb-global"];

@@ -12,8 +12,11 @@
 // all ranks, commit_ms = Prepare sent to every daemon until every daemon committed (the
 // simulated daemons copy no weights).
 // JSON: {"nodes", "ranks_per_node", "ranks", "layers", "experts", "slots_per_rank",
-//        "reports", "report_cpu_ms", "commits", "commit_ms_p50", "commit_ms_p99",
-//        "plan_ms", "plan_ms_p99"}
+//        "reports", "reports_rejected", "report_cpu_ms", "rebalances", "rebalance_errors",
+//        "plan_samples", "commits", "commit_ms_p50", "commit_ms_p99", "plan_ms", "plan_ms_p99"}
+// (reports and reports_rejected: phase 1's; plan_samples: the rebalances answered, which
+// plan_ms is over.) Exit 1 when a figure would mislead: no report taken in phase 1, a report
+// rejected there, a rebalance that failed, or no commit.
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
@@ -221,8 +224,8 @@ int Run(const Config& c) {
 
   // Reporters: every daemon reports once a second; the mix of the two traces drifts.
   std::atomic<bool> stop{false};
-  std::atomic<uint64_t> accepted{0}, step{0};
-  int report_errors = 0;
+  std::atomic<uint64_t> accepted{0}, rejected{0}, step{0};
+  int report_errors = 0;  // Printed: the first 3.
   std::thread reporter([&] {
     uint64_t seq = 0;
     const absl::Time start = absl::Now();
@@ -272,8 +275,11 @@ int Run(const Config& c) {
         const grpc::Status status = control->ReportLoad(&context, q, &response);
         if (status.ok()) {
           ++accepted;
-        } else if (seq > 3 && ++report_errors <= 3) {
-          std::cerr << "ubep-bench-control: report rejected: " << status.error_message() << "\n";
+        } else {
+          ++rejected;
+          if (seq > 3 && ++report_errors <= 3) {
+            std::cerr << "ubep-bench-control: report rejected: " << status.error_message() << "\n";
+          }
         }
       }
       absl::SleepFor(absl::Seconds(1) - (absl::Now() - round));
@@ -282,24 +288,27 @@ int Run(const Config& c) {
 
   // Phase 1: reports only.
   absl::SleepFor(absl::Seconds(2));  // The balancer learns the plan (GetState) first.
-  const uint64_t reports_before = accepted.load();
+  const uint64_t reports_before = accepted.load(), rejected_before = rejected.load();
   const uint64_t ticks_before = ProcessCpuTicks(pid);
   absl::SleepFor(absl::Seconds(c.report_seconds));
   const uint64_t ticks_after = ProcessCpuTicks(pid);
   const uint64_t reports = accepted.load() - reports_before;
+  const uint64_t reports_rejected = rejected.load() - rejected_before;
+  // Per report taken; none taken, no figure (the CPU of rejections is not a report's cost).
   const double report_cpu_ms = static_cast<double>(ticks_after - ticks_before) * 1000.0 /
                                static_cast<double>(sysconf(_SC_CLK_TCK)) /
                                static_cast<double>(std::max<uint64_t>(reports, 1));
 
   // Phase 2: rebalances on demand.
   std::vector<double> commit_ms, plan_ms;
-  int commits = 0;
+  int commits = 0, rebalance_errors = 0;
   for (int i = 0; i < c.rebalances; ++i) {
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
     v1::RebalanceResponse response;
     const grpc::Status status = control->Rebalance(&context, v1::RebalanceRequest(), &response);
     if (!status.ok()) {
+      ++rebalance_errors;
       std::cerr << "ubep-bench-control: rebalance " << i << ": " << status.error_message() << "\n";
     } else {
       plan_ms.push_back(response.plan_seconds() * 1e3);
@@ -327,7 +336,12 @@ int Run(const Config& c) {
                         {"experts", E},
                         {"slots_per_rank", S},
                         {"reports", reports},
-                        {"report_cpu_ms", report_cpu_ms},
+                        {"reports_rejected", reports_rejected},
+                        {"report_cpu_ms",
+                         reports > 0 ? nlohmann::json(report_cpu_ms) : nlohmann::json()},
+                        {"rebalances", c.rebalances},
+                        {"rebalance_errors", rebalance_errors},
+                        {"plan_samples", plan_ms.size()},
                         {"commits", commits},
                         // No commit, no commit latency (null, not a 0 that reads as fast).
                         {"commit_ms_p50", commits > 0 ? nlohmann::json(Percentile(commit_ms, 0.5))
@@ -350,10 +364,23 @@ int Run(const Config& c) {
     };
     std::cout << absl::StrFormat(
         "%d nodes x %d ranks (%d layers x %d experts, %d slot(s) per rank)\n"
-        "report cpu: %.3f ms per report (%d reports)\n"
-        "plan: %s\ncommit: %s (%d commits)\n",
-        c.nodes, c.ranks_per_node, L, E, S, report_cpu_ms, static_cast<int>(reports),
-        latency(plan_ms), latency(commit_ms), commits);
+        "report cpu: %s per report (%d reports, %d rejected)\n"
+        "plan: %s (%d of %d rebalances answered)\ncommit: %s (%d commits)\n",
+        c.nodes, c.ranks_per_node, L, E, S,
+        reports > 0 ? absl::StrFormat("%.3f ms", report_cpu_ms) : std::string("none measured"),
+        static_cast<int>(reports), static_cast<int>(reports_rejected), latency(plan_ms),
+        static_cast<int>(plan_ms.size()), c.rebalances, latency(commit_ms), commits);
+  }
+  if (reports == 0 || reports_rejected > 0) {
+    std::cerr << "ubep-bench-control: " << reports << " reports taken and " << reports_rejected
+              << " rejected while the report cost was measured; the figure would not be a "
+                 "report's cost\n";
+    return 1;
+  }
+  if (rebalance_errors > 0) {
+    std::cerr << "ubep-bench-control: " << rebalance_errors << " of " << c.rebalances
+              << " rebalances failed; the plan and commit figures are over the others only\n";
+    return 1;
   }
   if (commits == 0) {
     std::cerr << "ubep-bench-control: no rebalance committed a new plan; the commit latency "

@@ -338,8 +338,10 @@ Result RunMemcpy(uint64_t bytes, int iters) {
   return result;
 }
 
-// Every method on the same case, in rounds whose order rotates (ubep bsp, bsp ubep, ... with
-// two; with more, each goes first equally often), each round a fresh group of rank processes
+// Every method on the same case, in rounds whose order changes (ubep bsp, bsp ubep, ... with
+// two; with more, reversed every other round and rotated every two, so that each goes first
+// equally often and none always follows the same one, whose teardown - freed buffers, the
+// page cache - it would always inherit), each round a fresh group of rank processes
 // (or a fresh mpirun) with its own warm-up: the slow phases of a shared machine fall on every
 // method alike, which one long run each does not ensure. The iterations are split among the
 // rounds; percentiles are over all of them. A method that fails is not run again.
@@ -348,15 +350,14 @@ std::vector<Result> RunMethods(const Case& c, const std::vector<Method>& methods
                                EpConfig::SenderThread sender_thread,
                                const bench::Skew& skew, int iters) {
   const int V = static_cast<int>(methods.size());
-  // At least 4 rounds, a whole number of rotations: 4 for one, two or four methods, 6 for
-  // three, V for more.
-  const int rounds = std::min(V <= 2 ? 4 : (4 + V - 1) / V * V, iters);
+  // At least 4 rounds, a whole number of the order's period: 4 for one or two methods, 2V
+  // for more.
+  const int rounds = std::min(V <= 2 ? 4 : 2 * V, iters);
   std::vector<Result> total(V);
   for (int round = 0; round < rounds; ++round) {
     const int n = iters * (round + 1) / rounds - iters * round / rounds;
     for (int j = 0; j < V; ++j) {
-      // Two methods alternate (0 1, 1 0, ...); more rotate.
-      const int which = V == 2 && round % 2 == 1 ? 1 - j : (j + round) % V;
+      const int which = ((round % 2 == 0 ? j : V - 1 - j) + round / 2) % V;
       Result& t = total[which];
       if (!t.error.empty()) continue;
       Result r;

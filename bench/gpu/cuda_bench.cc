@@ -6,7 +6,9 @@
 // the counting kernel, then the senders; bsp_cuda; all on the same input): p50_us/p99_us of
 // dispatch+combine (slowest rank), span_p50_us/span_p99_us (each iteration's first start to
 // last end over the ranks, one steady clock), bytes_moved, GB/s, and two device-to-device
-// copies measured by rank 0 after its iterations: d2d_copy_gbps, 1 GiB (past the L2 cache:
+// copies measured by rank 0 after its iterations; on ubep_cuda's row, the run's ratios
+// ubep_over_bsp, span_ubep_over_bsp, flagged_over_ubep and count_first_over_ubep (p50 over
+// p50; null where either failed). The copies: d2d_copy_gbps, 1 GiB (past the L2 cache:
 // the card's memory rate, the ceiling of the stores), and d2d_copy_same_size_gbps, rank 0's
 // own bytes; both count bytes copied (each read once and written once), as bytes_moved counts
 // rows stored.
@@ -284,6 +286,7 @@ int main(int argc, char** argv) {
         {"ubep_cuda_count_first", Protocol::kUbep, EpConfig::SenderThread::kOff, false},
         {"bsp_cuda", Protocol::kBsp, EpConfig::SenderThread::kAuto, false}};
     constexpr int kMethods = 4;
+    constexpr int kUbepCuda = 0, kFlagged = 1, kCountFirst = 2, kBspCuda = 3;  // As above.
     struct Pooled {
       std::vector<double> lat, span;  // Per iteration: the slowest rank's time; the span.
       uint64_t bytes = 0;
@@ -300,7 +303,12 @@ int main(int argc, char** argv) {
         const Method& m = methods[which];
         Pooled& into = pooled[which];
         if (!into.error.empty()) continue;  // A method that failed is not run again.
-        SharedArena board_arena = *SharedArena::Create("cuda-bench", sizeof(Board));
+        absl::StatusOr<SharedArena> created = SharedArena::Create("cuda-bench", sizeof(Board));
+        if (!created.ok()) {
+          into.error = absl::StrCat("the ranks' board: ", created.status().message());
+          continue;
+        }
+        SharedArena board_arena = *std::move(created);
         auto* board = new (board_arena.data()) Board{};
         std::vector<pid_t> pids;
         for (int rank = 0; rank < r; ++rank) {
@@ -371,6 +379,20 @@ int main(int argc, char** argv) {
         row["gbps"] = p.bytes / (p50 * 1e3);
         row["d2d_copy_gbps"] = p.copy_gbps;
         row["d2d_copy_same_size_gbps"] = p.copy_same_size_gbps;
+      }
+      if (which == kUbepCuda) {
+        // The comparisons of this run, on ubep_cuda's row as ubep-bench-dataplane puts them
+        // (p50 over p50 of the same case and rounds); null where either side failed.
+        auto ratio = [&](int a, int b, bool span) -> nlohmann::json {
+          if (!pooled[a].error.empty() || !pooled[b].error.empty()) return nullptr;
+          const double x = ubep::Percentile(span ? pooled[a].span : pooled[a].lat, 0.5);
+          const double y = ubep::Percentile(span ? pooled[b].span : pooled[b].lat, 0.5);
+          return y > 0 ? nlohmann::json(x / y) : nlohmann::json(nullptr);
+        };
+        row["ubep_over_bsp"] = ratio(kUbepCuda, kBspCuda, false);
+        row["span_ubep_over_bsp"] = ratio(kUbepCuda, kBspCuda, true);
+        row["flagged_over_ubep"] = ratio(kFlagged, kUbepCuda, false);
+        row["count_first_over_ubep"] = ratio(kCountFirst, kUbepCuda, false);
       }
       std::printf("%s\n %s", first_row ? "" : ",", row.dump().c_str());
       std::fflush(stdout);

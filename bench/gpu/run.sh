@@ -147,7 +147,9 @@ if [[ $mps == 1 ]]; then
   # MPS: a control daemon of this run's own (its pipes and logs in a temporary folder), which
   # starts a server for the ranks' contexts; the compute mode and every other setting of the
   # card stay as they are. Clients that cannot reach it would run as plain contexts, time
-  # sliced, so each bench is checked to have been served (the server list is not empty).
+  # sliced, so each bench is checked to have been served: its ranks are new clients in the
+  # control daemon's log (a server, once started, stays up, so the server list alone says
+  # nothing of later cases); where the log names no clients, by the server list alone.
   if ! usable ubep-bench-cuda; then
     say "ubep-bench-cuda: cannot load; nothing to run"
     exit 1
@@ -166,6 +168,13 @@ if [[ $mps == 1 ]]; then
     rm -rf "$mps_dir"
   }
   trap stop_mps EXIT
+  # Clients the control daemon has taken so far (its log's "NEW CLIENT" lines; 0 where its
+  # log does not say).
+  mps_clients() {
+    local n
+    n=$(grep -ci 'new client' "$CUDA_MPS_LOG_DIRECTORY/control.log" 2>/dev/null)
+    echo "${n:-0}"
+  }
   if ! timeout -k 5 20 "$control" -d; then
     say "run.sh: the MPS control daemon did not start"
     exit 1
@@ -178,12 +187,18 @@ if [[ $mps == 1 ]]; then
     echo "[" > "$json"
     first=1
     for r in 2 4 8; do
+      clients_before=$(mps_clients)
       rows=$(timeout -k 10 "$limit" "$bin/ubep-bench-cuda" --ranks "$r" --tokens "$tokens" \
                --hidden 7168 --iters "$iters" 2>> "$log")
       rc=$?
       servers=$(echo get_server_list | timeout -k 5 20 "$control" 2>&1)
-      say "ubep-bench-cuda --tokens $tokens --ranks $r (MPS): exit $rc; MPS servers: ${servers:-none}"
+      clients=$(( $(mps_clients) - clients_before ))
+      say "ubep-bench-cuda --tokens $tokens --ranks $r (MPS): exit $rc; MPS servers: ${servers:-none}; new MPS clients: $clients"
       [[ $rc == 0 && -n $servers ]] || status=1
+      if [[ $(mps_clients) -gt 0 && $clients -lt $r ]]; then
+        say "  fewer MPS clients than ranks: some ranks ran time sliced; not an MPS figure"
+        status=1
+      fi
       grep -q '"error"' <<< "$rows" && status=1
       # One array of every rank count's rows ("[", one row per line, "]").
       while read -r row; do
