@@ -377,10 +377,12 @@ class Node {
   absl::StatusOr<std::vector<uint32_t>> CheckedSlotMap(int r, int buffer) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether a change of members to `next` stops rank r's waits: this daemon stops its own
-  // ranks and those whose membership changes; the other members' daemons stop theirs (each
-  // gets the plan), and a daemon catching up on the cluster's plan stops no running peer.
+  // ranks and the peers' that `next` drops (their daemons may be gone); the other members'
+  // daemons stop theirs (each gets the plan). A rank `next` takes back is not stopped from
+  // here: its own daemon stops it, and a daemon hosting no member of `next` may commit after
+  // the new group formed with it (or catch up on the cluster's plan much later).
   bool MembershipStops(const balancer::Plan& next, int r) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return Hosted(r) || next.excluded(r) != plan_.excluded(r);
+    return Hosted(r) || (next.excluded(r) && !plan_.excluded(r));
   }
   // One expert's weights from a holder's buffer to a new slot's buffer, in one layer.
   struct WeightCopy {

@@ -1407,7 +1407,9 @@ TwoNodes AttachTwoNodes(Node& a, Node& b) {
 
 // Four ranks on two nodes: 0-1 on a, 2-3 on b, all attached and holding their connections.
 struct GroupOfFour {
-  explicit GroupOfFour(const NodeOptions& options_a = Hosting(0)) : a(options_a) {}
+  explicit GroupOfFour(const NodeOptions& options_a = Hosting(0),
+                       const NodeOptions& options_b = Hosting(2))
+      : a(options_a), b(options_b) {}
   // All four join at once (each Join waits for the others); their answers.
   std::array<absl::StatusOr<v1::JoinResponse>, 4> Join() {
     std::array<absl::StatusOr<v1::JoinResponse>, 4> j;
@@ -1422,7 +1424,7 @@ struct GroupOfFour {
     return j;
   }
   Node a;
-  Node b{Hosting(2)};
+  Node b;
   TwoNodes t = AttachTwoNodes(a, b);
   Attached x1 = AttachAndClaim(a, 1, 4, 3);
   Attached x3 = AttachAndClaim(b, 3, 4, 4);
@@ -1638,6 +1640,65 @@ TEST(NodeTest, APeersLateCommitOfAChangeOfMembersLeavesTheGroupFormedWithoutItsR
 // 0 joins again; ranks 2-3 still run generation 1, where they would wait for rank 0 until
 // their wait timeout. Its Join stops those of them in that generation, naming rank 0 (rank 3
 // is made to read as a member of a newer one, and is left alone).
+// A plan that takes rank 1 back and drops node b's ranks 2-3: the group of ranks 0-1 forms as
+// soon as node a has committed it (b hosts no member), and b's Commit, later, stops only the
+// ranks it drops, not rank 1, which runs in the new group already. (It stopped every rank
+// whose membership changed, rank 1 too: the group just formed broke at once.)
+TEST(NodeTest, ALateCommitOnADaemonWithNoMembersLeavesTheRanksItTakesBackRunning) {
+  balancer::Plan without1 = FourRankPlan(2, {1});  // The cluster's plan as the groups start.
+  for (balancer::LayerPlan& layer : without1.layers) {
+    for (int p = 0; p < 16; ++p) layer.slot_share[p] = p / 4 == 1 ? 0.0 : p % 8 < 4 ? 0.5 : 1.0;
+  }
+  NodeOptions options_a = Hosting(0), options_b = Hosting(2);
+  for (NodeOptions* o : {&options_a, &options_b}) {
+    o->cluster_plan = [&](absl::Time) { return std::optional<balancer::Plan>(without1); };
+  }
+  GroupOfFour g(options_a, options_b);
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  std::array<absl::StatusOr<v1::JoinResponse>, 4> j;
+  {
+    std::thread join0([&] { j[0] = g.a.Join(JoinOf(0, g.t.x0.token), deadline); });
+    std::thread join2([&] { j[2] = g.b.Join(JoinOf(2, g.t.x2.token), deadline); });
+    j[3] = g.b.Join(JoinOf(3, g.x3.token), deadline);
+    join0.join();
+    join2.join();
+  }
+  for (int r : {0, 2, 3}) ASSERT_TRUE(j[r].ok()) << "rank " << r << ": " << j[r].status();
+  // v3: ranks 0-1 only. Each daemon's Prepare stops its ranks, which join again.
+  const balancer::Plan v3 = FourRankPlan(3, {2, 3});
+  std::thread join0([&] { j[0] = g.a.Join(JoinOf(0, g.t.x0.token), deadline); });
+  std::thread join1([&] { j[1] = g.a.Join(JoinOf(1, g.x1.token), deadline); });
+  const v1::PrepareResponse on_a = g.a.Prepare(v3, 10);
+  ASSERT_TRUE(on_a.prepared()) << on_a.reason();
+  const absl::Time soon = absl::Now() + absl::Seconds(3);
+  std::thread join2([&] { j[2] = g.b.Join(JoinOf(2, g.t.x2.token), soon); });
+  std::thread join3([&] { j[3] = g.b.Join(JoinOf(3, g.x3.token), soon); });
+  const v1::PrepareResponse on_b = g.b.Prepare(v3, 10);
+  ASSERT_TRUE(on_b.prepared()) << on_b.reason();
+  ASSERT_TRUE(g.a.Commit(3).ok());
+  join0.join();
+  join1.join();
+  ASSERT_TRUE(j[0].ok()) << j[0].status();
+  ASSERT_TRUE(j[1].ok()) << j[1].status();
+  ASSERT_TRUE(g.b.Commit(3).ok());
+  const auto& x = g.t.x0;  // Rank 0's mappings: every rank's arena.
+  for (int r : {0, 1}) {
+    EXPECT_EQ(std::atomic_ref<const uint32_t>(kernels::ControlOf(x.arenas[r].data(), x.layout)->group_state)
+                  .load(),
+              kernels::kGroupReady)
+        << "rank " << r;
+    EXPECT_EQ(AbortWord(x, r, 4), 0u) << "rank " << r;
+  }
+  join2.join();
+  join3.join();
+  for (int r : {2, 3}) {
+    EXPECT_EQ(j[r].status(),
+              absl::DeadlineExceededError(absl::StrCat(
+                  "rank ", r, " is excluded from the EP group by plan v3 (its node failed or was "
+                  "drained); join again to wait for a plan that includes it")));
+  }
+}
+
 TEST(NodeTest, AJoinStopsThePeersStillRunningTheGenerationTheRankWasStoppedIn) {
   NodeOptions quick = Hosting(0);
   quick.wait_timeout = absl::Milliseconds(50);  // Node a's Prepare waits this long for 0-1.
