@@ -386,14 +386,15 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
   // A new group starts under the cluster's plan: ask for it before taking the lock (it is an
   // RPC); only when this attach may create the group.
   std::optional<balancer::Plan> cluster_plan;
-  if (options_.cluster_plan && options_.plan_path.empty()) {
-    bool creating;
+  const bool ask_balancer = options_.cluster_plan && options_.plan_path.empty();
+  bool asked = false;
+  if (ask_balancer) {
     {
       MutexLock lock(&mu_);
-      creating = !has_group_ ||
-                 (AttachedLocked() == 0 && !CompareShapes(group_request_, request).ok());
+      asked = !has_group_ ||
+              (AttachedLocked() == 0 && !CompareShapes(group_request_, request).ok());
     }
-    if (creating) {
+    if (asked) {
       absl::StatusOr<std::optional<balancer::Plan>> fetched = options_.cluster_plan(deadline);
       if (!fetched.ok()) return fetched.status();
       cluster_plan = *std::move(fetched);
@@ -418,6 +419,13 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
       return absl::UnavailableError(absl::StrCat("the weights of plan v", staging_version_,
                                                  " are being staged into this group's arenas; "
                                                  "attach again"));
+    }
+    if (ask_balancer && !asked) {
+      // The group's last client left (detached, or its token expired) after the look above,
+      // which found a group to join and asked the balancer nothing: the group must not start
+      // round-robin where the cluster has a plan.
+      return absl::UnavailableError(
+          "the group's last client left while this attach looked at it; attach again");
     }
     UBEP_RETURN_IF_ERROR(CreateGroup(request, cluster_plan));
   }

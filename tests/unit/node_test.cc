@@ -190,6 +190,48 @@ TEST(NodeTest, AGroupStartsUnderTheClustersPlanOrNotAtAll) {
   EXPECT_EQ(asked.size(), 2u);
 }
 
+// An Attach that finds a group to join (another shape, its client's token still valid) asks
+// the balancer for nothing; where that client is gone by the time the Attach takes the lock to
+// replace the group, it is answered "attach again", not given a group under round-robin v1.
+// (The clock moves a minute past the token's expiry between the two looks.)
+TEST(NodeTest, AGroupReleasedBetweenAnAttachsTwoLooksIsNotReplacedRoundRobin) {
+  class SteppingClock final : public ClockInterface {
+   public:
+    int64_t NowNanos() const override {
+      return armed_.load() && reads_++ > 0 ? absl::ToInt64Nanoseconds(absl::Minutes(1)) : 0;
+    }
+    void SleepFor(absl::Duration) override {}
+    void Arm() { armed_ = true; }
+
+   private:
+    std::atomic<bool> armed_{false};
+    mutable std::atomic<int> reads_{0};
+  } clock;
+  NodeOptions options = Options();
+  options.ticket_clock = &clock;
+  int fetches = 0;
+  options.cluster_plan = [&](absl::Time) {
+    ++fetches;
+    return std::optional<balancer::Plan>(SwappedPlan());
+  };
+  Node node(options);
+  ASSERT_TRUE(node.Attach(Request(0, 2)).ok());  // Not claimed: its token expires.
+  EXPECT_EQ(fetches, 1);
+  v1::AttachRequest other = Request(0, 2);
+  other.mutable_shape()->set_hidden(32);
+  clock.Arm();
+  EXPECT_EQ(node.Attach(other).status(),
+            absl::UnavailableError(
+                "the group's last client left while this attach looked at it; attach again"));
+  ASSERT_TRUE(node.GroupShape().has_value());
+  EXPECT_EQ(node.GroupShape()->shape().hidden(), 16u);  // Not replaced.
+  // Attached again, it asks and starts under the cluster's plan.
+  ASSERT_TRUE(node.Attach(other).ok());
+  EXPECT_EQ(fetches, 2);
+  EXPECT_EQ(node.CommittedPlanIdentity().version, 2u);
+  EXPECT_EQ(node.GroupShape()->shape().hidden(), 32u);
+}
+
 // ubepd's question to the balancer: a balancer that takes the connection and never answers is
 // taken for down after the patience (no plan: the group starts under v1), unless the Attach's
 // deadline comes first, which fails the Attach.
