@@ -2144,7 +2144,10 @@ grpc::Status Balancer::SetDrained(const grpc::ServerContext* context, const std:
     was_drained = drained_.contains(node);
     if (drained) {
       drained_[node] = DrainCause::kOperator;
-      if (shape_.has_value() && static_cast<int>(DesiredExcluded().size()) >= shape_->world) {
+      // (A node drained already stays drained, now at its operator's word: its drain changes
+      // no rank's state, and refusing it must not undo the drain it had.)
+      if (!was_drained && shape_.has_value() &&
+          static_cast<int>(DesiredExcluded().size()) >= shape_->world) {
         drained_.erase(node);
         return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                             absl::StrCat("draining node ", node, " would leave no rank serving"));

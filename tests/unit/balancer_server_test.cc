@@ -2933,6 +2933,30 @@ TEST(BalancerServerTest, ARestartOfTheLastServingNodeLeavesItIn) {
   EXPECT_EQ(DrainedNodes(balancer), (std::vector<std::string>{"node-b"}));
 }
 
+// node-b drained, then node-a down: every rank is out. A drain of node-b asked again cannot
+// leave fewer ranks serving; it is answered as the plan goes (none can be made) and leaves
+// node-b drained (a refusal used to undo the drain, and the next plan took node-b's ranks
+// back, under maintenance).
+TEST(BalancerServerTest, ADrainAskedAgainOfADrainedNodeLeavesItDrained) {
+  auto a = std::make_unique<FakeDaemon>("node-a", FirstPlan());
+  FakeDaemon b("node-b", FirstPlan());
+  Balancer balancer(QuickToMarkDown(), std::make_shared<prometheus::Registry>());
+  RegisterAndDrainNodeB(balancer, *a, b);
+  ASSERT_EQ(b.committed_version(), 2u);
+  a.reset();
+  TickUntilDown(balancer, "node-a");
+  v1::RebalanceResponse response;
+  const grpc::Status again = Drain(balancer, "node-b", true, &response);
+  EXPECT_EQ(again.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(again.error_message(), "every rank is excluded");
+  EXPECT_EQ(DrainedNodes(balancer), (std::vector<std::string>{"node-b"}));
+  const size_t prepares = b.prepares().size();
+  for (int i = 0; i < 3; ++i) balancer.Tick();
+  EXPECT_EQ(DrainedNodes(balancer), (std::vector<std::string>{"node-b"}));
+  EXPECT_EQ(b.prepares().size(), prepares);  // No plan takes ranks 2 and 3 back.
+  EXPECT_EQ(b.committed_version(), 2u);
+}
+
 // A node down for good is forgotten on request (ubepctl forget), once the plan in force
 // excludes its ranks: it is no longer listed nor counted, no plan changes, and a daemon
 // registering under its name later is a new node (drained, as a restarted one).
