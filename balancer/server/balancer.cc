@@ -918,6 +918,13 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
     if (auto bad = counts("slot", load.layers(i).slot())) return *bad;
     if (auto bad = counts("dispatches", load.layers(i).dispatches())) return *bad;
   }
+  // A delta too (calls over the receive capacity since the last report), wrapped alike.
+  if (request->over_capacity_calls() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+    return Reject("negative", grpc::StatusCode::INVALID_ARGUMENT,
+                  absl::StrCat("over_capacity_calls: count ",
+                               static_cast<int64_t>(request->over_capacity_calls()),
+                               " is negative"));
+  }
   // The last report, sent again because its answer did not reach the daemon, which cannot
   // tell whether it was taken: its counts are taken once. Only the step it carries, the
   // daemon's now, is new.

@@ -3552,5 +3552,18 @@ TEST_F(UnreachedLayerTest, AReportSentAgainUnderItsSeqIsTakenOnce) {
   EXPECT_EQ(Sample("ubep_balancer_reports_total"), 6);
 }
 
+// A count of calls over the receive capacity past int64's range is a delta that wrapped (new
+// counters less old ones): refused as the per-slot counts are, its 1.8e19 calls counted
+// nowhere.
+TEST_F(UnreachedLayerTest, AnOverCapacityCountThatWrappedIsRefused) {
+  Start(/*trigger_windows=*/1);
+  Interval({10, 10, 10, 10}, /*over_capacity=*/3, /*layer1=*/10);
+  ++seq_;
+  ExpectRefused(IntervalReport(0, {10, 10, 10, 10}, ~uint64_t{0} - 4, 10, true),
+                "over_capacity_calls: count -5 is negative");
+  EXPECT_EQ(Sample("ubep_balancer_rejected_reports_total", "negative", "reason"), 1);
+  EXPECT_EQ(Sample("ubep_balancer_over_capacity_calls_total"), 6);
+}
+
 }  // namespace
 }  // namespace ubep::balancer
