@@ -1209,12 +1209,13 @@ void Balancer::CloseInterval() {
     window_->Add(counts);
   }
   window_->Close();
-  idle_intervals_ = reporting == 0 ? idle_intervals_ + 1 : 0;
-  if (idle_intervals_ >= options_.window_intervals) {
-    // A whole window without a report (the cluster is idle): nothing measured, and no series,
-    // rather than the last value held for as long as it is idle (an alert on it would fire
-    // all night). Not at the first interval without one: a report and the interval's close
-    // drift in phase, and a series that came and went would reset an alert's `for`.
+  unmeasured_intervals_ = reporting == 0 || !all_known ? unmeasured_intervals_ + 1 : 0;
+  if (unmeasured_intervals_ >= options_.window_intervals) {
+    // A whole window without a measurement (the cluster idle, or a member's load unknown: its
+    // node down and no plan without it made, or its reports not reaching us): no series,
+    // rather than the last value held for as long as that lasts (an alert on it would fire,
+    // or stay quiet, all night). Not at the first such interval: a report and the interval's
+    // close drift in phase, and a series that came and went would reset an alert's `for`.
     for (int l = 0; l < L; ++l) SetImbalance(l, "measured", std::nan(""));
   }
   if (reporting == 0 || !all_known) {

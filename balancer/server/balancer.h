@@ -351,9 +351,9 @@ class Balancer final : public v1::Control::Service {
   std::set<uint64_t> held_logged_ ABSL_GUARDED_BY(mu_);  // Orphans held (Recover), logged once.
   std::unique_ptr<LoadWindow> window_ ABSL_GUARDED_BY(mu_);
   std::vector<double> measured_ ABSL_GUARDED_BY(mu_);  // NaN: a layer no call reached.
-  // Intervals closed in a row without a report: a window of them (the cluster idle), and the
-  // measured series go (CloseInterval).
-  int idle_intervals_ ABSL_GUARDED_BY(mu_) = 0;
+  // Intervals closed in a row with nothing measured (no report, or not every member's): a
+  // window of them, and the measured series go (CloseInterval).
+  int unmeasured_intervals_ ABSL_GUARDED_BY(mu_) = 0;
   int above_threshold_ ABSL_GUARDED_BY(mu_) = 0;
   // Calls over a receive capacity in the last closed interval, from reports sent with the plan
   // in force on all their daemon's ranks; the last plan that had such calls, and the closed

@@ -3205,10 +3205,17 @@ class UnreachedLayerTest : public ::testing::Test {
 
   // threshold 1.2; a plan is judged after `trigger_windows` intervals above it. `idle_node`:
   // a third daemon registers too, hosting no rank (no client attached to it).
-  // `health_failures`: failed health checks in a row that mark a daemon down.
-  void Start(int trigger_windows, bool idle_node = false, int health_failures = 1000) {
+  // `health_failures`: failed health checks in a row that mark a daemon down. `report_interval`
+  // (where not zero): the daemons' and the intervals' both, a node's last rate stale after
+  // window_intervals of them without a report.
+  void Start(int trigger_windows, bool idle_node = false, int health_failures = 1000,
+             absl::Duration report_interval = absl::ZeroDuration()) {
     BalancerOptions options = NeverMarkedDown();
     options.health_failures = health_failures;
+    if (report_interval > absl::ZeroDuration()) {
+      options.interval = report_interval;
+      options.report_interval = report_interval;
+    }
     options.threshold = 1.2;
     options.trigger_windows = trigger_windows;
     options.min_intervals = 1;
@@ -3440,6 +3447,33 @@ TEST_F(UnreachedLayerTest, AWindowWithoutReportsLeavesNoMeasuredSeries) {
   balancer_->Tick();
   EXPECT_EQ(Sample("ubep_balancer_imbalance_ratio", "0"), std::nullopt);
   EXPECT_EQ(Sample("ubep_balancer_imbalance_ratio", "1"), std::nullopt);
+  Interval({10, 10, 10, 10}, 0, /*layer1=*/10);
+  EXPECT_EQ(Sample("ubep_balancer_imbalance_ratio", "0"), 1.0);
+}
+
+// Likewise a window of intervals in which node-b reports and node-a (up, answering its health
+// checks) does not, once node-a's last rate is stale: nothing can be measured without node-a's
+// ranks, and the gauges do not hold 1.3 for as long as that lasts. (Intervals of 1 ms here,
+// each waited out 20 ms: node-a's rate is stale from the first.)
+TEST_F(UnreachedLayerTest, AWindowWithoutEveryMembersReportLeavesNoMeasuredSeries) {
+  Start(/*trigger_windows=*/100, /*idle_node=*/false, /*health_failures=*/1000,
+        /*report_interval=*/absl::Milliseconds(1));
+  Interval({13, 10, 10, 7}, 0, /*layer1=*/10);
+  EXPECT_THAT(Sample("ubep_balancer_imbalance_ratio", "0"), Optional(DoubleNear(1.3, 1e-12)));
+  auto node_b_alone = [&] {
+    absl::SleepFor(absl::Milliseconds(20));
+    ++seq_;
+    const v1::ReportLoadRequest q = IntervalReport(1, {10, 10, 10, 10}, 0, 10, true);
+    v1::ReportLoadResponse response;
+    const grpc::Status status = balancer_->ReportLoad(nullptr, &q, &response);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    step_ += 10;
+    balancer_->Tick();
+  };
+  for (int i = 1; i < BalancerOptions().window_intervals; ++i) node_b_alone();
+  EXPECT_THAT(Sample("ubep_balancer_imbalance_ratio", "0"), Optional(DoubleNear(1.3, 1e-12)));
+  node_b_alone();
+  EXPECT_EQ(Sample("ubep_balancer_imbalance_ratio", "0"), std::nullopt);
   Interval({10, 10, 10, 10}, 0, /*layer1=*/10);
   EXPECT_EQ(Sample("ubep_balancer_imbalance_ratio", "0"), 1.0);
 }
