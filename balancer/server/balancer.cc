@@ -1704,6 +1704,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
   int budget = options_.migration_budget;
   std::vector<std::string> targets;  // Node names, aligned with `channels`.
   std::vector<std::shared_ptr<grpc::Channel>> channels;
+  std::vector<std::string> incarnations;  // The registrations planned for, aligned too.
   v1::PrepareRequest request;        // The plan and effective step are set below.
   std::shared_ptr<grpc::Channel> link_root;  // Makes the NCCL link of a group over domains.
   uint64_t effective_step = 0;
@@ -1730,6 +1731,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
       if (d.info.ranks().empty()) continue;
       targets.push_back(name);
       channels.push_back(d.channel);
+      incarnations.push_back(d.info.incarnation());
     }
     // Every rank the plan keeps must have its daemon here: one that has not registered (yet,
     // after a restart of the balancer; or no client attached to it) would not get the plan.
@@ -1866,6 +1868,29 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
     // took time in which the ranks went on, and a step estimated before them would reach the
     // daemons with less than the margin it was given, or already passed (refused).
     MutexLock lock(&mu_);
+    // The daemons planned for are still the ones registered, serving and recovered, and the
+    // ranks to exclude are the same: a node that registered again meanwhile (a new ubepd at
+    // its address) must not get a Prepare meant for the process before, before recovery has
+    // read its state (or its restart's drain, taken in the plan).
+    std::string changed;
+    for (size_t i = 0; i < targets.size() && changed.empty(); ++i) {
+      auto it = daemons_.find(targets[i]);
+      if (it == daemons_.end() || it->second.channel != channels[i] ||
+          it->second.info.incarnation() != incarnations[i] || !it->second.Serving() ||
+          it->second.needs_state || it->second.pending != 0) {
+        changed = absl::StrCat("node ", targets[i], " registered again or changed while plan v",
+                               plan->version, " was made");
+      }
+    }
+    if (changed.empty() && DesiredExcluded() != excluded) {
+      changed = absl::StrCat("the ranks to exclude changed while plan v", plan->version,
+                             " was made");
+    }
+    if (!changed.empty()) {
+      if (highest_version_ == plan->version) highest_version_ = plan->version - 1;
+      return absl::UnavailableError(
+          absl::StrCat(changed, ": nothing was prepared; the next interval plans again"));
+    }
     const absl::StatusOr<uint64_t> effective = EffectiveStep();
     if (!effective.ok()) {
       // Nothing was prepared: the version is not spent (plan changes are one at a time).
@@ -1944,10 +1969,21 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
     for (size_t i = 0; i < results.size(); ++i) decided[i] = results[i].status;
   }
   MutexLock lock(&mu_);
+  // The registration sent to, if it is still the one registered: a node registered again
+  // meanwhile (a new process) is not credited with what the one before answered; recovery
+  // reads its state (Register asked for that).
+  auto registration = [&](size_t i) {
+    auto it = daemons_.find(targets[i]);
+    if (it != daemons_.end() && (it->second.channel != channels[i] ||
+                                 it->second.info.incarnation() != incarnations[i])) {
+      it = daemons_.end();
+    }
+    return it;
+  };
   for (size_t i = 0; i < targets.size(); ++i) {
     // A decision that did not arrive is delivered by recovery (GetState, then Commit/Abort).
     // (A target replaced meanwhile, Register, is gone: nothing to deliver to it.)
-    auto it = daemons_.find(targets[i]);
+    auto it = registration(i);
     // A Prepare that got no answer, or was refused, may still land, or has left a plan
     // pending (one that landed after its Abort, which then found nothing to abort): the
     // daemon's state is read again, and recovery aborts what is left.
@@ -2002,7 +2038,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
   ++committed_count_;
   for (size_t i = 0; i < targets.size(); ++i) {
     // Where it was acknowledged (recovery reads the others' state again).
-    auto it = daemons_.find(targets[i]);
+    auto it = registration(i);
     if (it != daemons_.end() && decided[i].ok()) it->second.committed = plan_->version;
   }
   plan_version_->Set(static_cast<double>(plan_->version));

@@ -2834,6 +2834,33 @@ std::pair<v1::RegisterRequest, v1::RegisterRequest> RegisterProcesses(Balancer& 
   return {ra, rb};
 }
 
+// node-b's ubepd restarts (a new process at the same address registers) while the plan of a
+// drain of node-a is being made: nothing is prepared (not on node-b's new process, whose state
+// recovery has not read, nor anywhere), the version is not spent, and the drain stays asked
+// for; the next interval plans again, with node-b recovered.
+TEST(BalancerServerTest, ANodeThatRegistersAgainWhileAPlanIsMadeGetsNothingPreparedForItsPredecessor) {
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+  Balancer balancer(NeverMarkedDown(), std::make_shared<prometheus::Registry>());
+  auto [ra, rb] = RegisterProcesses(balancer, a, b);
+  balancer.Tick();  // Learns v1.
+  int plans_made = 0;
+  balancer.set_after_planning_for_testing([&] {
+    if (plans_made++ > 0) return;
+    rb.set_incarnation("b-3");
+    Register(balancer, rb);
+  });
+  v1::RebalanceResponse response;
+  const grpc::Status drain = Drain(balancer, "node-a", true, &response);
+  EXPECT_EQ(drain.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(drain.error_message(),
+            "node node-b registered again or changed while plan v2 was made: nothing was "
+            "prepared; the next interval plans again; the drain stays asked for: each interval "
+            "tries it again (undrain cancels it)");
+  EXPECT_TRUE(a.prepares().empty());
+  EXPECT_TRUE(b.prepares().empty());
+  EXPECT_EQ(balancer.CurrentPlan()->version, 1u);
+}
+
 // A balancer that restarted did not see node-b restart meanwhile (it registered as new);
 // node-a, which maps the arenas of node-b's old process, says so when it registers. node-b is
 // then kept out as a restarted node (drained: its peers may map its new arenas only while a
