@@ -56,7 +56,7 @@ absl::Duration PeerPollInterval(int unchanged) {
 absl::Duration BalancerLink::NextTick() {
   const absl::Duration interval = absl::Milliseconds(interval_ms_.load());
   std::vector<int> missing = node_->MissingRanks();
-  missing_ticks_ = missing == missing_ ? missing_ticks_ + 1 : 0;
+  missing_ticks_ = missing == missing_ ? std::min(missing_ticks_ + 1, 4) : 0;  // 4: 1 s.
   missing_ = std::move(missing);
   const bool peers_missing = !missing_.empty();
   const absl::Duration poll = std::min(interval, PeerPollInterval(missing_ticks_));

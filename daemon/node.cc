@@ -395,7 +395,10 @@ absl::StatusOr<v1::AttachResponse> Node::Attach(const v1::AttachRequest& request
               (AttachedLocked() == 0 && !CompareShapes(group_request_, request).ok());
     }
     if (asked) {
-      absl::StatusOr<std::optional<balancer::Plan>> fetched = options_.cluster_plan(deadline);
+      // Ended before the caller's deadline, as the Attach's other waits are, so that the
+      // answer saying why reaches it before its own DeadlineExceeded.
+      absl::StatusOr<std::optional<balancer::Plan>> fetched =
+          options_.cluster_plan(absl::Now() + WaitBefore(deadline));
       if (!fetched.ok()) return fetched.status();
       cluster_plan = *std::move(fetched);
     }

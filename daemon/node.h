@@ -76,7 +76,8 @@ struct NodeOptions {
   // join ticket was read and before the group is published.
   std::function<void()> forming_hook;
   // Without plan_path: the cluster's plan in force, if there is one (ubepd asks the balancer,
-  // bounded, and no later than the Attach's `deadline`). A new group starts under it when its
+  // bounded, and ending before the Attach's deadline by the margin its answer needs: the
+  // `deadline` passed). A new group starts under it when its
   // shape fits, so that a restarted daemon serves the plan its node left, and versions only
   // grow; under round-robin v1 when there is none. An error fails the Attach and creates
   // nothing: an answer cut short by the caller's deadline is not taken for "no plan".

@@ -105,9 +105,6 @@ TEST(SendSplitTest, NearAndFarDestinationsTakeTurns) {
   EXPECT_EQ(first, (std::vector<int>{4, 5, 6, 7}));
 }
 
-// Every shape: the order is a permutation ending with the source, Position inverts Dest, and
-// the near destinations are spread in proportion: of the first p positions,
-// floor(p x near / (R - 1)) are near.
 // The largest group a configuration allows (2^17 ranks, half of them near): the far ranks'
 // starting point is computed past 2^31, and the order is a permutation all the same.
 TEST(SendSplitTest, TheVisitOrderOfTheLargestGroupsIsAPermutation) {
@@ -126,6 +123,9 @@ TEST(SendSplitTest, TheVisitOrderOfTheLargestGroupsIsAPermutation) {
   }
 }
 
+// Every shape: the order is a permutation ending with the source, Position inverts Dest, and
+// the near destinations are spread in proportion: of the first p positions,
+// floor(p x near / (R - 1)) are near.
 TEST(SendSplitTest, EveryVisitOrderIsAPermutationWithNearOnesInProportion) {
   for (int R = 1; R <= 24; ++R) {
     for (int near_ranks = 0; near_ranks <= R; ++near_ranks) {

@@ -858,11 +858,14 @@ int Run(int argc, char** argv) {
     gp.close();
     // A child like the others (not system(), under which a Ctrl-C would reach gnuplot alone and
     // the run would report gnuplot failed), found on PATH by the shell, bounded in time.
+    // (A run Ctrl-C stopped is plotted all the same; a Ctrl-C while plotting stops gnuplot.)
+    const bool interrupted_before = interrupted.load();
+    auto stop_asked = [&] { return interrupted.load() && !interrupted_before; };
     ubep::Process gnuplot({"/bin/sh", "-c", "exec gnuplot \"$0\"", path("report.gp")},
                           path("gnuplot.log"));
     const absl::Time plot_deadline = ubep::MonotonicNow() + absl::Seconds(60);
     std::optional<int> plotted = gnuplot.Wait(absl::ZeroDuration());
-    while (!plotted.has_value() && !interrupted.load() && ubep::MonotonicNow() < plot_deadline) {
+    while (!plotted.has_value() && !stop_asked() && ubep::MonotonicNow() < plot_deadline) {
       plotted = gnuplot.Wait(absl::Milliseconds(50));
     }
     if (!plotted.has_value()) {
@@ -870,16 +873,16 @@ int Run(int argc, char** argv) {
       gnuplot.Wait(absl::Seconds(10));
     }
     if (plotted != 0 || !std::filesystem::exists(picture)) {
-      no_picture = interrupted.load() ? "interrupted while plotting"
-                   : plotted.has_value() ? "gnuplot failed"
-                                         : "gnuplot did not finish within 60s";
-      if (!interrupted.load()) {
+      std::filesystem::remove(picture, not_there);
+      if (stop_asked()) {
+        no_picture = "interrupted while plotting";  // Said, and not a failure of the report.
+      } else {
+        no_picture = plotted.has_value() ? "gnuplot failed" : "gnuplot did not finish within 60s";
         std::cerr << "ubep-local: " << no_picture
                   << (plotted.has_value() ? " (is gnuplot installed?): " : ": ")
                   << ReadFile(path("gnuplot.log")) << "\n";
+        report_written = false;
       }
-      std::filesystem::remove(picture, not_there);
-      report_written = false;
     }
   }
   report["picture"] = no_picture.empty() ? nlohmann::json("report.png") : nlohmann::json(nullptr);
