@@ -1347,8 +1347,8 @@ void Balancer::Recover() {
     auto it = daemons_.find(name);
     // The answer is of the registration asked: a node registered again meanwhile (a new
     // process, at the same address or another) is asked again.
-    if (it == daemons_.end() || it->second.channel != channel ||
-        it->second.info.incarnation() != incarnation || !answered) {
+    if (it == daemons_.end() || !it->second.SameRegistration(channel, incarnation) ||
+        !answered) {
       continue;
     }
     Daemon& d = it->second;
@@ -1653,8 +1653,7 @@ void Balancer::CatchUp() {
     auto it = daemons_.find(name);
     // Applied to the registration sent to only (a node registered again meanwhile is a new
     // process, asked again by recovery).
-    if (it != daemons_.end() && (it->second.channel != channels[i] ||
-                                 it->second.info.incarnation() != incarnations[i])) {
+    if (it != daemons_.end() && !it->second.SameRegistration(channels[i], incarnations[i])) {
       it = daemons_.end();
     }
     if (it != daemons_.end()) {
@@ -1875,8 +1874,8 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
     std::string changed;
     for (size_t i = 0; i < targets.size() && changed.empty(); ++i) {
       auto it = daemons_.find(targets[i]);
-      if (it == daemons_.end() || it->second.channel != channels[i] ||
-          it->second.info.incarnation() != incarnations[i] || !it->second.Serving() ||
+      if (it == daemons_.end() || !it->second.SameRegistration(channels[i], incarnations[i]) ||
+          !it->second.Serving() ||
           it->second.needs_state || it->second.pending != 0) {
         changed = absl::StrCat("node ", targets[i], " registered again or changed while plan v",
                                plan->version, " was made");
@@ -1974,8 +1973,7 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
   // reads its state (Register asked for that).
   auto registration = [&](size_t i) {
     auto it = daemons_.find(targets[i]);
-    if (it != daemons_.end() && (it->second.channel != channels[i] ||
-                                 it->second.info.incarnation() != incarnations[i])) {
+    if (it != daemons_.end() && !it->second.SameRegistration(channels[i], incarnations[i])) {
       it = daemons_.end();
     }
     return it;

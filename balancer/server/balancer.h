@@ -221,6 +221,12 @@ class Balancer final : public v1::Control::Service {
     // ... and able to take its plans: not one that refused a Commit for good (it still holds
     // its ranks, and their arenas, but is sent no plan and its ranks are excluded).
     bool Serving() const { return HoldsClusterRanks() && refused.empty(); }
+    // Still the registration an RPC outside mu_ was sent to (its channel and process): one
+    // registered again meanwhile is a new process, not credited with the old one's answers.
+    bool SameRegistration(const std::shared_ptr<grpc::Channel>& sent_to,
+                          const std::string& incarnation) const {
+      return channel == sent_to && info.incarnation() == incarnation;
+    }
 
     // Its ranks count steps anew (a new process, a new group): from where they resume.
     void ForgetSteps() {
