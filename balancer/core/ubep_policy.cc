@@ -515,7 +515,9 @@ absl::StatusOr<Plan> PlanUbep(const LoadMatrix& load, const Topology& topology,
   const double cap = options.max_moved_fraction * topology.num_slots() * load.num_layers();
   for (const auto& [gain, l] : gains) {
     const int64_t extra = moved(l, fresh[l]) - moved(l, plan.layers[l]);
-    if (moved_total + extra > cap) continue;
+    // A fresh plan that moves no more slots than the local search did is taken even where the
+    // local search's moves alone passed the cap: it balances better and moves no more.
+    if (extra > 0 && moved_total + extra > cap) continue;
     moved_total += extra;
     plan.layers[l] = std::move(fresh[l]);
   }

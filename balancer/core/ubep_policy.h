@@ -46,7 +46,7 @@ struct UbepPolicyOptions {
   // fresh_gain; largest gains first, while the slots that change in one replan stay within
   // max_moved_fraction of all slots. The local search's own moves count toward that, but are
   // not capped by it (at most 2 x kMaxIncrementalTrials slots a layer): where they alone pass
-  // it, only fresh plans that move fewer slots than the local search's are taken, and the
+  // it, only fresh plans that move no more slots than the local search's are taken, and the
   // replan moves more than the fraction.
   double fresh_gain = 0.02;
   double max_moved_fraction = 0.2;

@@ -166,6 +166,44 @@ TEST(UbepPolicyTest, UnbudgetedReplanMovesAtMostTheMovedFraction) {
   EXPECT_LE(replanned, 1.06);
 }
 
+// Where the local search's own moves pass the cap (here a cap of 0: any move passes it), a
+// layer still takes its fresh plan where that balances better (under equal shares) and moves no
+// more slots than the local search did; a fresh plan that moves more is not taken. (Rare: here with a search run
+// to a target no placement reaches, on 12 ranks of 2 slots.)
+TEST(UbepPolicyTest, PastTheCapAFreshPlanThatMovesFewerSlotsIsStillTaken) {
+  std::mt19937_64 rng(32);
+  const LoadMatrix first = RandomLoad(rng, 4, 20);
+  const LoadMatrix second = RandomLoad(rng, 4, 20);
+  const Topology t{12, 3, 2, 1};
+  absl::StatusOr<Plan> plan = PlanUbep(first, t, nullptr, {});
+  ASSERT_TRUE(plan.ok());
+  // The local search alone: no fresh plan gains more than an infinite margin.
+  absl::StatusOr<Plan> searched =
+      PlanUbep(second, t, &*plan,
+               {.target_balancedness = 1.0, .min_gain = 1e-6,
+                .fresh_gain = std::numeric_limits<double>::infinity(), .max_moved_fraction = 0});
+  absl::StatusOr<Plan> next = PlanUbep(
+      second, t, &*plan, {.target_balancedness = 1.0, .min_gain = 1e-6, .max_moved_fraction = 0});
+  ASSERT_TRUE(searched.ok() && next.ok());
+  ExpectValidPlan(*next, second);
+  auto moved = [&](const LayerPlan& layer, int l) {
+    int n = 0;
+    for (int p = 0; p < t.num_slots(); ++p) {
+      n += layer.slot_expert[p] != plan->layers[l].slot_expert[p];
+    }
+    return n;
+  };
+  int taken = 0;
+  for (int l = 0; l < second.num_layers(); ++l) {
+    if (next->layers[l] == searched->layers[l]) continue;
+    ++taken;
+    EXPECT_LT(moved(next->layers[l], l), moved(searched->layers[l], l)) << "layer " << l;
+  }
+  EXPECT_EQ(taken, 1);
+  EXPECT_LT(ChangedSlots(*plan, *next, nullptr), ChangedSlots(*plan, *searched, nullptr));
+  EXPECT_LT(SummarizeBalance(*next, second).mean, SummarizeBalance(*searched, second).mean);
+}
+
 // One slot per rank (CloudMatrix384 scale): a budget of 2 cannot bind, so a layer far from
 // its fresh plan takes it (aligned to the old placement) instead of a long local search.
 TEST(UbepPolicyTest, BudgetThatCannotBindTakesTheFreshPlanForALayerFarOff) {
