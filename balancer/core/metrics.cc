@@ -63,7 +63,6 @@ double CrossNodeShare(const Plan& plan, const LoadMatrix& load) {
   const Topology& t = plan.topology;
   double total = 0.0;
   double local = 0.0;
-  std::vector<double> node_share(static_cast<size_t>(plan.num_experts) * t.num_nodes);
   // Each node sources its member ranks' part of an expert's pairs (a node the plan leaves out,
   // drained, sources none) and keeps up to its replicas' share.
   std::vector<double> source_fraction(t.num_nodes, 0.0);
@@ -75,19 +74,34 @@ double CrossNodeShare(const Plan& plan, const LoadMatrix& load) {
   }
   if (members == 0) return 0.0;
   for (double& f : source_fraction) f /= members;
+  // Per layer, the slots grouped by expert (a counting sort), and per expert its nodes'
+  // shares summed over its own replicas: O(slots + experts + nodes) memory and time, where an
+  // expert x node table took E x N doubles (terabytes at 2^20 of each).
+  std::vector<int> start(static_cast<size_t>(plan.num_experts) + 1);
+  std::vector<int> by_expert(t.num_slots());
+  std::vector<double> node_share(t.num_nodes, 0.0);
+  std::vector<int> touched;
   for (int l = 0; l < plan.num_layers(); ++l) {
-    std::fill(node_share.begin(), node_share.end(), 0.0);
     const LayerPlan& layer = plan.layers[l];
-    for (int p = 0; p < t.num_slots(); ++p) {
-      node_share[layer.slot_expert[p] * t.num_nodes + t.NodeOfRank(t.RankOfSlot(p))] +=
-          layer.slot_share[p];
-    }
+    std::fill(start.begin(), start.end(), 0);
+    for (int p = 0; p < t.num_slots(); ++p) ++start[layer.slot_expert[p] + 1];
+    for (int e = 0; e < plan.num_experts; ++e) start[e + 1] += start[e];
+    std::vector<int> next(start.begin(), start.end() - 1);
+    for (int p = 0; p < t.num_slots(); ++p) by_expert[next[layer.slot_expert[p]]++] = p;
     for (int e = 0; e < plan.num_experts; ++e) {
       const double w = load.at(l, e);
       total += w;
-      for (int n = 0; n < t.num_nodes; ++n) {
-        local += w * std::min(source_fraction[n], node_share[e * t.num_nodes + n]);
+      for (int i = start[e]; i < start[e + 1]; ++i) {
+        const int p = by_expert[i];
+        const int n = t.NodeOfRank(t.RankOfSlot(p));
+        if (node_share[n] == 0.0) touched.push_back(n);  // Twice after a 0 share: harmless.
+        node_share[n] += layer.slot_share[p];
       }
+      for (int n : touched) {
+        local += w * std::min(source_fraction[n], node_share[n]);
+        node_share[n] = 0.0;
+      }
+      touched.clear();
     }
   }
   return total > 0 ? (total - local) / total : 0.0;

@@ -113,20 +113,23 @@ LayerPlan ChainPlacement(std::span<const double> w, const Topology& t, uint64_t 
   for (int r = 0; r < R; ++r) tiebreak[r] = SplitMix64(seed * 0x100000001b3ULL + r);
   std::vector<double> rank_load(R, 0.0);
   std::vector<int> used(R, 0);
-  std::vector<uint8_t> holds(static_cast<size_t>(R) * num_experts, 0);
+  // The expert a rank last took a slot for. An expert's copies are placed one after another,
+  // so "rank r holds e" while e is placed is holding[r] == e: O(R), where a rank x expert
+  // table took R x E bytes (4 GiB and int-overflowing indices at 2^16 ranks and experts).
+  std::vector<int> holding(R, -1);
   LayerPlan layer;
   layer.slot_expert.assign(t.num_slots(), -1);
   auto place = [&](int r, int e, double load) {
     layer.slot_expert[r * S + used[r]++] = e;
     rank_load[r] += load;
-    holds[r * num_experts + e] = 1;
+    holding[r] = e;
   };
   // Picks the least-loaded rank with a free slot, preferring ranks without `e`.
   auto least_loaded = [&](int e) {
     int best = -1;
     for (int allow_duplicate = 0; allow_duplicate < 2 && best < 0; ++allow_duplicate) {
       for (int r = 0; r < R; ++r) {
-        if (used[r] == S || (!allow_duplicate && holds[r * num_experts + e])) continue;
+        if (used[r] == S || (!allow_duplicate && holding[r] == e)) continue;
         if (best < 0 || std::tie(rank_load[r], tiebreak[r]) <
                             std::tie(rank_load[best], tiebreak[best])) {
           best = r;
@@ -149,7 +152,7 @@ LayerPlan ChainPlacement(std::span<const double> w, const Topology& t, uint64_t 
       int r = -1;
       for (int tries = 0; tries < R && r < 0; ++tries, k = (k + 1) % R) {
         const int candidate = chain_rank[k];
-        if (used[candidate] < S && !holds[candidate * num_experts + e]) r = candidate;
+        if (used[candidate] < S && holding[candidate] != e) r = candidate;
       }
       if (r < 0) r = least_loaded(e);
       place(r, e, load);
@@ -337,16 +340,21 @@ void AlignToPrevious(const Topology& t, const LayerPlan& previous, LayerPlan& fr
   for (int p = 0; p < t.num_slots(); ++p) {
     old_ranks_of[previous.slot_expert[p]].push_back(t.RankOfSlot(p));
   }
-  // overlap[i * R + j]: experts of fresh rank i that old rank j held.
-  std::vector<int> overlap(static_cast<size_t>(R) * R, 0);
-  for (int p = 0; p < t.num_slots(); ++p) {
-    for (int j : old_ranks_of[fresh.slot_expert[p]]) ++overlap[t.RankOfSlot(p) * R + j];
-  }
+  // For each fresh rank i, the old ranks j that held some of its experts, and how many
+  // (counted in a scratch row of R, so memory stays O(R + pairs), not R x R).
   std::vector<std::tuple<int, int, int>> pairs;  // (-overlap, new rank, old rank)
+  std::vector<int> overlap(R, 0), touched;
   for (int i = 0; i < R; ++i) {
-    for (int j = 0; j < R; ++j) {
-      if (overlap[i * R + j] > 0) pairs.emplace_back(-overlap[i * R + j], i, j);
+    for (int p = i * S; p < (i + 1) * S; ++p) {
+      for (int j : old_ranks_of[fresh.slot_expert[p]]) {
+        if (overlap[j]++ == 0) touched.push_back(j);
+      }
     }
+    for (int j : touched) {
+      pairs.emplace_back(-overlap[j], i, j);
+      overlap[j] = 0;
+    }
+    touched.clear();
   }
   std::sort(pairs.begin(), pairs.end());
   std::vector<int> target(R, -1), taken(R, 0);

@@ -89,6 +89,25 @@ TEST(MetricsTest, CrossNodeShareCountsLocalFirstRouting) {
   EXPECT_DOUBLE_EQ(CrossNodeShare(drained, load), 1.0 / 3);
 }
 
+// At the largest topologies (2^20 ranks, each its own node, one slot each, one expert per
+// slot): every expert's load is on one node and every node sources 2^-20 of it, so all but
+// that part crosses. An expert x node table of 2^40 doubles failed to allocate here.
+TEST(MetricsTest, CrossNodeShareAtTheLargestTopologies) {
+  constexpr int kN = 1 << 20;
+  Plan plan;
+  plan.version = 1;
+  plan.topology = {kN, kN, 1, 1};
+  plan.num_experts = kN;
+  plan.layer_ids = {0};
+  LayerPlan layer;
+  for (int p = 0; p < kN; ++p) layer.slot_expert.push_back(p);
+  layer.slot_share.assign(kN, 1.0);
+  plan.layers.push_back(std::move(layer));
+  LoadMatrix load(1, kN);
+  for (int e = 0; e < kN; ++e) load.at(0, e) = 1;
+  EXPECT_DOUBLE_EQ(CrossNodeShare(plan, load), 1.0 - 1.0 / kN);
+}
+
 TEST(MetricsTest, ChangedSlotsPerRank) {
   const Plan before = TwoNodePlan();
   Plan after = before;

@@ -233,6 +233,22 @@ TEST(UbepPolicyTest, BudgetThatCannotBindTakesTheFreshPlanForALayerFarOff) {
   for (int64_t c : per_rank) EXPECT_LE(c, load->num_layers());  // <= 1 per layer.
 }
 
+// 2^16 ranks of one slot and 2^16 experts (a rank x expert table would be 2^32 entries, its
+// int indices past 2^31; a rank x rank overlap table 2^32 ints): a fresh plan is valid, and
+// one aligned to it (a budget of a rank's slots cannot bind) moves nothing for the same load.
+TEST(UbepPolicyTest, PlansAtTwoToTheSixteenRanksAndExperts) {
+  constexpr int kN = 1 << 16;
+  const Topology t{kN, kN / 8, 1, 1};
+  LoadMatrix load(1, kN);
+  for (int e = 0; e < kN; ++e) load.at(0, e) = 1 + e % 7;
+  absl::StatusOr<Plan> plan = PlanUbep(load, t, nullptr, {});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ExpectValidPlan(*plan, load);
+  absl::StatusOr<Plan> again = PlanUbep(load, t, &*plan, {.migration_budget = 1});
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(ChangedSlots(*plan, *again, nullptr), 0);
+}
+
 TEST(UbepPolicyTest, ReplanningTheSameLoadMovesNothing) {
   absl::StatusOr<LoadMatrix> load = ReadSglangLoadFile(test::TracePath("decode_in1000out1000.json"));
   ASSERT_TRUE(load.ok());
