@@ -31,6 +31,11 @@ const char* NotRegularKind(mode_t mode) {
 
 using Json = nlohmann::json;
 
+// The most experts, and the highest topology count and layer id, a plan file holds (as
+// proto_convert bounds a plan): a load is held to them too, so that every plan made from it
+// can be read back.
+constexpr int kMaxPlanIndex = 1 << 20;
+
 absl::Status Bad(const std::string& name, const std::string& field, const std::string& problem) {
   return absl::InvalidArgumentError(absl::StrCat(name, ": ", field, ": ", problem));
 }
@@ -158,7 +163,7 @@ absl::StatusOr<Topology> ParseTopology(const Json& v, const std::string& name) {
       return Bad(name, absl::StrCat("topology.", key), "missing");
     }
     UBEP_ASSIGN_OR_RETURN(*out, Integer(v[key], name, absl::StrCat("topology.", key), 1,
-                                        1 << 20));
+                                        kMaxPlanIndex));
   }
   return t;
 }
@@ -414,6 +419,12 @@ absl::StatusOr<LoadMatrix> ParseSglangLoad(const std::string& text, const std::s
     given = &summed;
   }
   const Json& rows = *given;
+  if (rows.size() > static_cast<size_t>(kMaxPlanIndex) + 1) {
+    // A row's index is its layer's id in the plans made from it.
+    return Bad(name, "logical_count",
+               absl::StrCat("has ", rows.size(), " layers; a plan's layer ids go up to 2^20 (",
+                            kMaxPlanIndex, ")"));
+  }
   std::vector<std::vector<double>> values;
   std::vector<int> layer_ids;
   size_t num_experts = 0;
@@ -422,7 +433,14 @@ absl::StatusOr<LoadMatrix> ParseSglangLoad(const std::string& text, const std::s
     if (!rows[l].is_array() || rows[l].empty()) {
       return Bad(name, field, "expected a non-empty array of per-expert counts");
     }
-    if (l == 0) num_experts = rows[l].size();
+    if (l == 0) {
+      num_experts = rows[l].size();
+      if (num_experts > static_cast<size_t>(kMaxPlanIndex)) {
+        return Bad(name, field,
+                   absl::StrCat("has ", num_experts, " experts, more than the 2^20 (",
+                                kMaxPlanIndex, ") a plan holds"));
+      }
+    }
     if (rows[l].size() != num_experts) {
       return Bad(name, field,
                  absl::StrCat("has ", rows[l].size(), " experts, logical_count[0] has ",
@@ -507,7 +525,7 @@ absl::StatusOr<Plan> ParsePlanJson(const std::string& text, const std::string& n
   }
   UBEP_ASSIGN_OR_RETURN(
       std::vector<std::vector<int>> phy2log,
-      IntMatrix(json["phy2log"], name, "phy2log", -1, -1, 0, (1 << 20) - 1));
+      IntMatrix(json["phy2log"], name, "phy2log", -1, -1, 0, kMaxPlanIndex - 1));
   const int width = static_cast<int>(phy2log[0].size());
   if (json.contains("topology")) {
     UBEP_ASSIGN_OR_RETURN(plan.topology, ParseTopology(json["topology"], name));
@@ -536,7 +554,7 @@ absl::StatusOr<Plan> ParsePlanJson(const std::string& text, const std::string& n
   }
   if (json.contains("num_experts")) {
     UBEP_ASSIGN_OR_RETURN(int declared, Integer(json["num_experts"], name, "num_experts",
-                                                num_experts, 1 << 20));
+                                                num_experts, kMaxPlanIndex));
     num_experts = declared;
   } else if (json.contains("logcnt") && json["logcnt"].is_array() && !json["logcnt"].empty() &&
              json["logcnt"][0].is_array()) {
@@ -650,7 +668,7 @@ absl::StatusOr<Plan> ParsePlanJson(const std::string& text, const std::string& n
     }
     for (int l = 0; l < num_layers; ++l) {
       UBEP_ASSIGN_OR_RETURN(int id, Integer(v[l], name, absl::StrCat("layer_ids[", l, "]"), 0,
-                                            1 << 20));
+                                            kMaxPlanIndex));
       plan.layer_ids.push_back(id);
     }
   } else {

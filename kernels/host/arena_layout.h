@@ -176,7 +176,7 @@ absl::Status DaemonAbortStatus(uint32_t code, int rank, const char* what, uint32
 // The refusal of `rank`'s dispatch call `call` found, before any byte moved, with the abort
 // word at `code` (not 0): the group gave up in an earlier call, or in this one before `rank`
 // came (or its daemon stopped it), and must be re-formed. The daemon's words for its codes,
-// as the call's first wait would say them; else FailedPrecondition naming the rank the group
+// as the call's first wait would say them; else Unavailable naming the rank the group
 // gave up on ("this rank" where it is `rank`). Both backends.
 absl::Status DispatchAfterGiveUpStatus(uint32_t code, int rank, Protocol protocol, uint32_t call);
 

@@ -307,6 +307,16 @@ TEST(BalanceCliTest, AnOutputThatIsADirectoryIsRefused) {
   EXPECT_TRUE(r.out.empty());
 }
 
+// An empty --out is a usage error, said before the plan is computed (the rename to "" failed
+// after planning, as an internal error).
+TEST(BalanceCliTest, AnEmptyOutputIsRefused) {
+  Result r = RunCli({"plan", "--load", kTrace, "--ranks", "32", "--slots-per-rank", "9", "--out",
+                     ""});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.err, "ubep-balance plan: --out: empty; name the plan's file\n");
+  EXPECT_TRUE(r.out.empty());
+}
+
 // eval pairs a plan's layers with the load's by model layer: a plan that names other layers
 // is refused, naming the first that differs; a plan without layer ids takes the load's.
 TEST(BalanceCliTest, EvalOfAPlanForOtherLayersIsRejected) {

@@ -127,6 +127,30 @@ INSTANTIATE_TEST_SUITE_P(
         BadLoad{R"({"logical_count": [[90,1,1,1]], "logical_count": [[1,1,1,90]]})",
                 "in.json: logical_count: given twice in one object (which one is meant?)"}));
 
+// A load is held to what a plan file holds (2^20 experts; layer ids, its rows' indices, up to
+// 2^20): a plan made from a larger one could not be read back.
+TEST(JsonFormatsTest, ALoadLargerThanAPlanHoldsIsRefused) {
+  std::string wide = R"({"logical_count": [[)";
+  for (int e = 0; e <= (1 << 20); ++e) wide += e == 0 ? "1" : ",0";
+  wide += "]]}";
+  EXPECT_EQ(ParseSglangLoad(wide, "in.json").status(),
+            absl::InvalidArgumentError("in.json: logical_count[0]: has 1048577 experts, more than "
+                                       "the 2^20 (1048576) a plan holds"));
+  std::string deep = R"({"logical_count": [)";
+  for (int l = 0; l <= (1 << 20) + 1; ++l) deep += l == 0 ? "[1]" : ",[0]";
+  deep += "]}";
+  EXPECT_EQ(ParseSglangLoad(deep, "in.json").status(),
+            absl::InvalidArgumentError("in.json: logical_count: has 1048578 layers; a plan's layer "
+                                       "ids go up to 2^20 (1048576)"));
+  // 2^20 + 1 rows (layer ids 0 .. 2^20) and 2^20 experts are still taken.
+  deep = R"({"logical_count": [)";
+  for (int l = 0; l <= (1 << 20); ++l) deep += l == 0 ? "[1]" : ",[1]";
+  deep += "]}";
+  absl::StatusOr<LoadMatrix> load = ParseSglangLoad(deep, "in.json");
+  ASSERT_TRUE(load.ok()) << load.status();
+  EXPECT_EQ(load->layer_ids().back(), 1 << 20);
+}
+
 TEST(ReadFileTest, MissingFileIsNotFound) {
   EXPECT_EQ(ReadSglangLoadFile("/nonexistent/x.json").status(),
             absl::NotFoundError("/nonexistent/x.json: cannot read: No such file or directory"));

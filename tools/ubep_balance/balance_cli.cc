@@ -158,6 +158,7 @@ absl::Status CheckTopologyFits(const Topology& t, const std::string& load_path,
 absl::Status RunPlan(const Flags& flags, std::ostream& out, ClockInterface& clock) {
   UBEP_ASSIGN_OR_RETURN(std::string load_path, flags.String("load"));
   UBEP_ASSIGN_OR_RETURN(std::string out_path, flags.String("out"));
+  if (out_path.empty()) return absl::InvalidArgumentError("--out: empty; name the plan's file");
   if (std::error_code ignored; std::filesystem::is_directory(out_path, ignored)) {
     // Said before the plan is computed (WriteTextFile would say it after).
     return absl::InvalidArgumentError(absl::StrCat(out_path, ": is a directory, not a file"));
