@@ -30,6 +30,25 @@ absl::Status ValidateConfig(const EpConfig& c) {
         c.max_tokens, ", hidden ", c.hidden, ", top_k ", c.top_k, ", experts ", c.num_experts,
         ", slots per rank ", c.slots_per_rank, ", layers ", c.num_layers, ")"));
   }
+  // Enumerations arrive as integers (a C caller, a header): a value of none of their members
+  // would run no protocol to its end (the dispatch taken as bsp, the combine waiting as ubep).
+  if (c.protocol != Protocol::kBsp && c.protocol != Protocol::kUbep) {
+    return absl::InvalidArgumentError(absl::StrCat("ep config: protocol ",
+                                                   static_cast<int>(c.protocol),
+                                                   " is neither bsp (0) nor ubep (1)"));
+  }
+  if (c.dtype != DType::kFloat32 && c.dtype != DType::kBFloat16) {
+    return absl::InvalidArgumentError(absl::StrCat("ep config: dtype ",
+                                                   static_cast<uint32_t>(c.dtype),
+                                                   " is neither float32 (0) nor bfloat16 (1)"));
+  }
+  if (c.sender_thread != EpConfig::SenderThread::kAuto &&
+      c.sender_thread != EpConfig::SenderThread::kOn &&
+      c.sender_thread != EpConfig::SenderThread::kOff) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ep config: sender_thread ", static_cast<int>(c.sender_thread),
+                     " is none of auto (0), on (1), off (2)"));
+  }
   // Bounds under which no size the layout computes wraps (rows of R x T <= 2^31 tokens, each
   // at most 2^26 bytes, twice over with their flagged copies: under 2^61), and a dispatch's
   // token batches stay ints (send_split.h).

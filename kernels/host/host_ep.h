@@ -346,7 +346,8 @@ class HostEp {
   // A refusal record of this rank's may be in its arena (one of this process's, or of one
   // before it that ran this rank): the next call it takes part in withdraws it.
   bool refusal_recorded_ = true;
-  uint32_t gave_up_on_combine_ = 0;  // The dispatch whose combine GiveUpOnCombine gave up.
+  // The dispatch whose combine GiveUpOnCombine gave up (none yet: call 0 is a call too).
+  std::optional<uint32_t> gave_up_on_combine_;
   CheckedPlan checked_plan_;  // The plan area's table this rank checked last.
   uint32_t spared_ = 0;  // The abort code the call in flight may wait past (WaitForPeer), or 0.
   // The deadline of the call in flight, and what is published of it (PublishInCall), which

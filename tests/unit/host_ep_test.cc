@@ -730,6 +730,26 @@ TEST(HostEpErrorTest, ASenderThreadCountOutsideItsRangeIsRefused) {
             absl::InvalidArgumentError("ep config: sender_threads 65 is outside [1, 64]"));
 }
 
+// An enumeration's value that is none of its members is refused by name: a protocol of 2 ran
+// the dispatch as bsp and the combine as ubep, and every combine timed out.
+TEST(HostEpErrorTest, AnEnumerationOutsideItsMembersIsRefused) {
+  EpConfig config = SmallConfig(Protocol::kUbep);
+  config.protocol = static_cast<Protocol>(2);
+  EXPECT_EQ(HostEp::Create(config, 0, {}).status(),
+            absl::InvalidArgumentError("ep config: protocol 2 is neither bsp (0) nor ubep (1)"));
+  config.protocol = Protocol::kBsp;
+  config.dtype = static_cast<DType>(7);
+  EXPECT_EQ(ValidateConfig(config), absl::InvalidArgumentError(
+                                        "ep config: dtype 7 is neither float32 (0) nor bfloat16 (1)"));
+  config.dtype = DType::kBFloat16;
+  config.sender_thread = static_cast<EpConfig::SenderThread>(3);
+  EXPECT_EQ(ValidateConfig(config),
+            absl::InvalidArgumentError(
+                "ep config: sender_thread 3 is none of auto (0), on (1), off (2)"));
+  config.sender_thread = EpConfig::SenderThread::kOff;
+  EXPECT_EQ(ValidateConfig(config), absl::OkStatus());
+}
+
 // A group of more slots than a plan table numbers (2^22) could take no plan: refused when
 // the rank is made.
 TEST(HostEpErrorTest, AGroupOfMoreSlotsThanAPlanNumbersIsRefused) {
@@ -1560,28 +1580,38 @@ void ExpectGaveUpOnRank2Saying(const absl::Status& status, int r, absl::string_v
 // 2 gives up once the others' dispatches are complete; one still in its dispatch is the next
 // test's case.)
 TEST(HostEpErrorTest, PeersWaitingForPartialsHearARankGaveUpOnItsCombine) {
-  const EpConfig config = ShortTimeoutConfig();
-  Group group(config);
-  const TestPlan plan = RoundRobinPlan(config);
-  const ArenaLayout layout(config);
-  auto dispatched = [&](int r) {
-    return std::atomic_ref<uint32_t>(
-               *reinterpret_cast<uint32_t*>(group.arena(r) + layout.dispatch_completed))
-               .load() >= 1;
-  };
-  const std::vector<absl::Status> status = DispatchThenRank2Instead(
-      group, plan, [&](const DispatchInput&, DispatchOutput&) {
-        const absl::Time until = absl::Now() + absl::Seconds(10);
-        while (!(dispatched(0) && dispatched(1) && dispatched(3)) && absl::Now() < until) {
-          absl::SleepFor(absl::Microseconds(100));
-        }
-        group.ep(2).GiveUpOnCombine();
-        group.ep(2).GiveUpOnCombine();  // Its caller's guard too: once is what counts.
-        return absl::OkStatus();
-      });
-  for (int r : {0, 1, 3}) {
-    ExpectGaveUpOnRank2Saying(status[r], r, "300ms", "combine partials, call 1",
-                              kCombineOutOfMemory);
+  // Also at call 0, where the calls wrap (every flag and count preset to 2^32 - 1): the give-up
+  // took 0 for "no call given up yet", and did nothing there.
+  for (const bool wrapped : {false, true}) {
+    SCOPED_TRACE(wrapped ? "call 0" : "call 1");
+    const EpConfig config = ShortTimeoutConfig();
+    Group group(config);
+    if (wrapped) {
+      PresetEveryCountToWrap(group);
+      group.Restart();
+    }
+    const uint32_t call = wrapped ? 0 : 1;
+    const TestPlan plan = RoundRobinPlan(config);
+    const ArenaLayout layout(config);
+    auto dispatched = [&](int r) {
+      return std::atomic_ref<uint32_t>(
+                 *reinterpret_cast<uint32_t*>(group.arena(r) + layout.dispatch_completed))
+                 .load() == call;
+    };
+    const std::vector<absl::Status> status = DispatchThenRank2Instead(
+        group, plan, [&](const DispatchInput&, DispatchOutput&) {
+          const absl::Time until = absl::Now() + absl::Seconds(10);
+          while (!(dispatched(0) && dispatched(1) && dispatched(3)) && absl::Now() < until) {
+            absl::SleepFor(absl::Microseconds(100));
+          }
+          group.ep(2).GiveUpOnCombine();
+          group.ep(2).GiveUpOnCombine();  // Its caller's guard too: once is what counts.
+          return absl::OkStatus();
+        });
+    for (int r : {0, 1, 3}) {
+      ExpectGaveUpOnRank2Saying(status[r], r, "300ms", absl::StrCat("combine partials, call ", call),
+                                kCombineOutOfMemory);
+    }
   }
 }
 
