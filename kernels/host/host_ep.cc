@@ -573,9 +573,11 @@ absl::Status HostEp::GiveUp(int peer, const char* what, uint32_t epoch) const {
     const CallPhase phase = PhaseInFlight(dispatch_epoch_, combine_epoch_);
     refusal = ReadRefusal(arenas_[given_up_on], layout_, phase);
     // This rank still in the call's dispatch (waiting on another), the rank given up on may
-    // have gone on to the call's combine and failed there: its reason is as much this call's.
-    if (refusal.empty() && !phase.combine) {
-      refusal = ReadRefusal(arenas_[given_up_on], layout_, CallPhase{true, phase.call});
+    // have gone on to the call's combine and failed there; this rank in the combine, the one
+    // given up on may have failed late in its dispatch (its rows all stored): its reason is
+    // as much this call's.
+    if (refusal.empty()) {
+      refusal = ReadRefusal(arenas_[given_up_on], layout_, CallPhase{!phase.combine, phase.call});
     }
   }
   return TimedOutStatus(code, rank_, peer, config_.timeout, what, epoch, refusal,
@@ -624,6 +626,12 @@ void HostEp::AbandonCall(uint32_t batches_before, int num_batches) {
     senders_->Join();
     abandoned_.store(false, std::memory_order_seq_cst);
   }
+  // The reason first, then the abort word: the peers stop at once and say why, rather than
+  // ask whether this rank is alive. (An exception here is out of memory: every size the call
+  // allocates is bounded by the configuration.)
+  RecordRefusal(arenas_[rank_], layout_, PhaseInFlight(dispatch_epoch_, combine_epoch_),
+                "it ran out of memory in its dispatch; its rows were not all stored");
+  refusal_recorded_ = true;
   RaiseGiveUp(rank_);
 }
 
@@ -800,17 +808,6 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
     if (senders_stopped_.load(std::memory_order_seq_cst)) return SendersStopped(epoch);
     UBEP_RETURN_IF_ERROR(status);
   }
-  // The load counters, once every row is in (a call whose wait failed counts nothing; one
-  // over the receive capacity counts every pair, which reached the arena; one out of step
-  // counts nothing: its pairs are of more than one layer).
-  const int S = config_.slots_per_rank;
-  if (!out_of_step_.has_value()) {
-    received_per_slot_.resize(S);
-    for (int i = 0; i < S; ++i) {
-      received_per_slot_[i] = out.slot_offsets[i + 1] - out.slot_offsets[i];
-    }
-    AddLayerLoad(own, layout_, S, in.layer, received_per_slot_.data());
-  }
   // Every row of this call is placed, and no peer stores the next call's before this rank's
   // combine: the time to rewrite the landing's tags when they are due (flagged_rows.h).
   if (config_.flagged_tokens > 0 && TagScrubDue(epoch)) {
@@ -836,6 +833,18 @@ absl::Status HostEp::Dispatch(DispatchInput in, DispatchOutput& out) {
     handle.token_begin[t + 1] += handle.token_begin[t];
     std::sort(handle.token_routes.begin() + handle.token_begin[t],
               handle.token_routes.begin() + handle.token_begin[t + 1]);
+  }
+  // The load counters, once every row is in and the call allocates no more (a call whose
+  // wait failed, or that ran out of memory, counts nothing; one over the receive capacity
+  // counts every pair, which reached the arena; one out of step counts nothing: its pairs
+  // are of more than one layer).
+  const int S = config_.slots_per_rank;
+  if (!out_of_step_.has_value()) {
+    received_per_slot_.resize(S);
+    for (int i = 0; i < S; ++i) {
+      received_per_slot_[i] = out.slot_offsets[i + 1] - out.slot_offsets[i];
+    }
+    AddLayerLoad(own, layout_, S, in.layer, received_per_slot_.data());
   }
   // The rows this call routed here, to every rank of the group, before this rank's combine
   // stores a byte (arena_layout.h ReceiveNotice).

@@ -1615,6 +1615,42 @@ TEST(HostEpErrorTest, PeersWaitingForPartialsHearARankGaveUpOnItsCombine) {
   }
 }
 
+// Rank 2 runs out of memory in its dispatch (here as it lays out its receive rows; its senders
+// may have stored its rows already): the others, in their dispatch or already in the combine
+// waiting for its partials, stop at once and say why (they asked whether rank 2 was alive).
+TEST(HostEpErrorTest, PeersHearARankRanOutOfMemoryInItsDispatch) {
+  EpConfig config = SmallConfig(Protocol::kUbep);
+  config.timeout = absl::Seconds(5);  // Rank 2's give-up ends the waits, not their deadline.
+  Group group(config);
+  const TestPlan plan = RoundRobinPlan(config);
+  group.ep(2).set_after_layout_for_testing([] { throw std::bad_alloc(); });
+  std::vector<absl::Status> status(config.num_ranks);
+  bool threw = false;
+  group.RunAll([&](int r) {
+    RankInput in = MakeInput(config, r, 8, 3);
+    DispatchOutput out;
+    const DispatchInput input{in.x.data(),   in.topk_idx.data(), in.topk_w.data(), 8,
+                              config.hidden, 0,                  plan.header()};
+    if (r == 2) {
+      try {
+        status[r] = group.ep(r).Dispatch(input, out);
+      } catch (const std::bad_alloc&) {
+        threw = true;
+      }
+      return;
+    }
+    status[r] = group.ep(r).Dispatch(input, out);
+    if (!status[r].ok()) return;
+    std::vector<float> combined(8 * config.hidden);
+    status[r] = group.ep(r).Combine(out, out.recv_x.data(), combined.data());
+  });
+  EXPECT_TRUE(threw);
+  for (int r : {0, 1, 3}) {
+    ExpectGaveUpOnRank2Saying(status[r], r, "5s", "",
+                              "it ran out of memory in its dispatch; its rows were not all stored");
+  }
+}
+
 // A rank still in its dispatch, waiting for another's rows, when the group gives up on a rank
 // that went on to the call's combine and failed there, hears that reason too (it read only
 // its own phase's record, and asked whether the rank was alive). Ranks 0 and 1 dispatch; rank
