@@ -6,6 +6,7 @@
 #include <cstring>
 #include <functional>
 #include <mutex>
+#include <system_error>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -106,18 +107,18 @@ void ScrubTags(std::byte* landing, const ArenaLayout& layout, uint32_t tag) {
 // while the calling thread receives; Join waits for all of them.
 class HostEp::Senders {
  public:
+  // Throws std::system_error where a thread cannot start (a process or pids limit), once the
+  // threads started are stopped and joined (destroyed running, they ended the process).
   explicit Senders(int count) {
     threads_.reserve(count);
-    for (int i = 0; i < count; ++i) threads_.emplace_back([this, i] { Loop(i); });
-  }
-  ~Senders() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
+    try {
+      for (int i = 0; i < count; ++i) threads_.emplace_back([this, i] { Loop(i); });
+    } catch (...) {
+      Stop();
+      throw;
     }
-    cv_.notify_all();
-    for (std::thread& thread : threads_) thread.join();
   }
+  ~Senders() { Stop(); }
 
   int size() const { return static_cast<int>(threads_.size()); }
 
@@ -137,6 +138,15 @@ class HostEp::Senders {
   }
 
  private:
+  void Stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (std::thread& thread : threads_) thread.join();
+  }
+
   void Loop(int index) {
     uint64_t seen = 0;
     std::unique_lock<std::mutex> lock(mu_);
@@ -234,7 +244,14 @@ absl::StatusOr<std::unique_ptr<HostEp>> HostEp::Create(const EpConfig& config, i
     magic(own).store(kArenaMagic, std::memory_order_seq_cst);
     UBEP_RETURN_IF_ERROR(check());
   }
-  return std::unique_ptr<HostEp>(new HostEp(config, rank, std::move(arenas)));
+  try {
+    return std::unique_ptr<HostEp>(new HostEp(config, rank, std::move(arenas)));
+  } catch (const std::system_error& e) {
+    // Its sender threads could not all start (the ones that did are stopped).
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "rank ", rank, ": could not start its sender threads (", e.what(),
+        "): the process is at its thread limit (ulimit -u, a container's pids limit)"));
+  }
 }
 
 HostEp::HostEp(const EpConfig& config, int rank, std::vector<std::byte*> arenas)

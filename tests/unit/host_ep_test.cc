@@ -4,6 +4,7 @@
 #include "kernels/host/host_ep.h"
 
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -842,6 +843,36 @@ class ZeroArenas {
  private:
   std::vector<SharedArena> arenas_;
 };
+
+// In a child (EXPECT_EXIT), as a user of no other process allowed two tasks (this one and one
+// thread): creates rank 0 and exits 0 where its status is `want`, else 1 (3: not set up).
+[[noreturn]] void CreateAtTheThreadLimit(const EpConfig& config, std::vector<std::byte*> arenas,
+                                         const std::string& want) {
+  const uid_t uid = 60000 + getpid() % 5000;
+  const rlimit two = {2, 2};
+  if (setgid(uid) != 0 || setuid(uid) != 0 || setrlimit(RLIMIT_NPROC, &two) != 0) _exit(3);
+  const absl::Status status = HostEp::Create(config, 0, std::move(arenas)).status();
+  fprintf(stderr, "%s\n", status.ToString().c_str());
+  _exit(status.ToString() == want ? 0 : 1);
+}
+
+// A process at its thread limit: a rank whose sender threads cannot all start (here the second
+// of two) gets ResourceExhausted from Create, the one started stopped and joined (destroyed
+// running, it ended the process).
+TEST(HostEpErrorTest, SenderThreadsThatCannotStartAreResourceExhausted) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root: the child takes a user of no other process";
+  EpConfig config = SmallConfig(Protocol::kUbep);
+  config.sender_thread = EpConfig::SenderThread::kOn;
+  config.sender_threads = 2;
+  const ArenaLayout layout(config);
+  ZeroArenas arenas(config.num_ranks, layout.total_bytes);
+  EXPECT_EXIT(CreateAtTheThreadLimit(
+                  config, arenas.pointers(),
+                  "RESOURCE_EXHAUSTED: rank 0: could not start its sender threads (Resource "
+                  "temporarily unavailable): the process is at its thread limit (ulimit -u, a "
+                  "container's pids limit)"),
+              ::testing::ExitedWithCode(0), "RESOURCE_EXHAUSTED: rank 0: could not start");
+}
 
 // A rank of another configuration than the peers whose arenas are laid out already is refused
 // before it lays out its own: it would store past their regions.
