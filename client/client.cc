@@ -226,11 +226,21 @@ class RankDevice {
 };
 
 // `context` tells the daemon's own answers (ubepd marks them, kUbepOrigin) from failures of
-// the transport, which alone are "not reachable".
+// the transport, which alone are "not reachable". `timeout` (named `timeout_name`) is the
+// call's deadline.
 absl::Status FromGrpc(const grpc::Status& status, const grpc::ClientContext& context,
-                      const std::string& what) {
+                      const std::string& what, absl::Duration timeout,
+                      const char* timeout_name) {
   if (status.ok()) return absl::OkStatus();
   const bool from_ubepd = AnsweredByServer(context);
+  if (status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED && !from_ubepd) {
+    // ubepd answers a wait of its own before the call's deadline (naming whom the group waits
+    // for): silence to the deadline is ubepd not answering (stopped, wedged), Unavailable as
+    // on its fd socket, not DeadlineExceeded, which says a peer of the group did not come.
+    return absl::UnavailableError(absl::StrCat(what, ": ubepd did not answer within ",
+                                               absl::FormatDuration(timeout), " (",
+                                               timeout_name, "); is it stopped or hung?"));
+  }
   if (status.error_code() == grpc::StatusCode::CANCELLED && !from_ubepd) {
     // This library never cancels its calls: the daemon cancelled it while shutting down.
     return absl::UnavailableError(absl::StrCat(what, ": ubepd is shutting down (", status.error_message(),
@@ -490,7 +500,8 @@ absl::Status JoinGroup(RankState& s, std::optional<uint64_t> next_step) {
     // first is a race, the answer is not.
     if (!AnsweredByServer(context)) return exited;
   }
-  UBEP_RETURN_IF_ERROR(FromGrpc(joined, context, absl::StrCat("rank ", s.rank, ": join")));
+  UBEP_RETURN_IF_ERROR(FromGrpc(joined, context, absl::StrCat("rank ", s.rank, ": join"),
+                                s.options.join_timeout, "join_timeout"));
   return Record(s, UseJoin(s, response));
 }
 
@@ -645,13 +656,19 @@ absl::Status RefreshArenas(RankState& s, uint64_t epoch) {
   // The fd socket failing (closed, or silent for rpc_timeout) is ubepd not there to answer:
   // Unavailable, saying what was asked of it (not a DeadlineExceeded, which says a peer of
   // the group did not come).
+  // A reply whose fds do not fit this process's descriptor table is this process's limit,
+  // not ubepd's absence: ResourceExhausted, as an Attach's (retried, each Join would break the
+  // group again and fail alike).
   auto unanswered = [&](const absl::Status& status) {
-    return absl::UnavailableError(absl::StrCat(
-        "rank ", s.rank, ": asking ubepd for the new arenas over its fd socket: ",
-        absl::IsDeadlineExceeded(status)
-            ? absl::StrCat("no answer within ", absl::FormatDuration(s.options.rpc_timeout),
-                           " (rpc_timeout)")
-            : std::string(status.message())));
+    return absl::Status(
+        absl::IsResourceExhausted(status) ? absl::StatusCode::kResourceExhausted
+                                          : absl::StatusCode::kUnavailable,
+        absl::StrCat("rank ", s.rank, ": asking ubepd for the new arenas over its fd socket: ",
+                     absl::IsDeadlineExceeded(status)
+                         ? absl::StrCat("no answer within ",
+                                        absl::FormatDuration(s.options.rpc_timeout),
+                                        " (rpc_timeout)")
+                         : std::string(status.message())));
   };
   if (absl::Status sent = SendMessage(s.fd_connection.get(), kArenaRefreshRequest, {},
                                       s.options.rpc_timeout);
@@ -782,7 +799,8 @@ absl::StatusOr<v1::AttachResponse> AttachRpc(RankState& s, int device) {
   grpc::ClientContext context;
   SetDeadline(context, s.options.rpc_timeout);
   UBEP_RETURN_IF_ERROR(FromGrpc(s.stub->Attach(&context, request, &response), context,
-                                absl::StrCat("rank ", s.rank, ": attach")));
+                                absl::StrCat("rank ", s.rank, ": attach"), s.options.rpc_timeout,
+                                "rpc_timeout"));
   return response;
 }
 
@@ -1468,7 +1486,8 @@ absl::Status Rank::Detach() {
   const grpc::Status status = s.stub->Detach(&context, request, &response);
   s.fd_connection.reset();
   s.arenas.clear();
-  return FromGrpc(status, context, absl::StrCat("rank ", s.rank, ": detach"));
+  return FromGrpc(status, context, absl::StrCat("rank ", s.rank, ": detach"),
+                  s.options.rpc_timeout, "rpc_timeout");
 }
 
 }  // namespace ubep

@@ -6,12 +6,15 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <optional>
 #include <filesystem>
 #include <functional>
@@ -645,6 +648,59 @@ TEST(ClientTest, TheLateRefusalOfARefreshThatGaveUpIsNotTheNextRefreshsAnswer) {
   }
   gave_up = true;
   late.join();
+}
+
+// A refresh whose reply's fds do not fit this process's descriptor table (its open-files limit
+// reached since Attach: loaders, NCCL) is ResourceExhausted saying to raise the limit, as an
+// Attach's is: not Unavailable, which callers retry by joining again (breaking the group each
+// time) to fail alike. The fd socket takes every free descriptor of this process (under a
+// limit lowered for the test) before it answers.
+TEST(ClientTest, ARefreshWhoseFdsDoNotFitThisProcessIsResourceExhausted) {
+  test::TempDir dir;
+  const std::string socket = dir.path() + "/ubepd.sock";
+  AlteringUbepd ubepd(socket, [](v1::AttachResponse&) {});
+  UniqueFd listener = *ListenUnix(socket + ".fds", 0600);
+  std::vector<UniqueFd> taken;
+  std::thread fd_socket([&] {
+    pollfd p{listener.get(), POLLIN, 0};
+    ASSERT_EQ(poll(&p, 1, 10000), 1);
+    UniqueFd connection(accept(listener.get(), nullptr, nullptr));
+    ASSERT_NO_FATAL_FAILURE(AnswerClaim(ubepd.node(), connection.get(), 1));
+    absl::StatusOr<ReceivedMessage> refresh = ReceiveMessage(connection.get(), 4096, absl::Seconds(30));
+    ASSERT_TRUE(refresh.ok()) << refresh.status();
+    ASSERT_EQ(refresh->bytes, kArenaRefreshRequest);
+    absl::StatusOr<std::pair<uint64_t, std::vector<UniqueFd>>> arenas = ubepd.node().RefreshArenas(1);
+    ASSERT_TRUE(arenas.ok()) << arenas.status();
+    for (int fd; (fd = open("/dev/null", O_RDONLY | O_CLOEXEC)) >= 0;) taken.emplace_back(fd);
+    ASSERT_TRUE(SendMessage(connection.get(), absl::StrCat("OK ", arenas->first + 1),
+                            RawFds(arenas->second))
+                    .ok());
+    // Open until the rank detaches (ubepd's fd socket holds the connection while attached).
+    (void)ReceiveMessage(connection.get(), 4096, absl::Seconds(30));
+  });
+  ClientOptions options;
+  options.socket_path = socket;
+  options.rpc_timeout = absl::Seconds(10);
+  absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach(options, 0, 1, 0, Shape());
+  EXPECT_TRUE(rank.ok()) << rank.status();
+  if (rank.ok()) {
+    rlimit kept{};
+    ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &kept), 0);
+    const rlimit lowered = {std::min<rlim_t>(kept.rlim_cur, 4096), kept.rlim_max};
+    ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &lowered), 0);
+    ubepd.join_epoch_offset = 1;  // A peer daemon restarted: the group's arenas are newer.
+    const absl::StatusOr<uint64_t> rejoined = (*rank)->Rejoin(std::nullopt);
+    taken.clear();
+    ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &kept), 0);
+    EXPECT_EQ(rejoined.status(),
+              absl::ResourceExhaustedError(absl::StrCat(
+                  "rank 0: asking ubepd for the new arenas over its fd socket: out of file "
+                  "descriptors: 0 of a message's fds fit this process's table (its open-files "
+                  "limit is ",
+                  lowered.rlim_cur, "; raise it, ulimit -n)")));
+    rank->reset();
+  }
+  fd_socket.join();
 }
 
 // ubepd's fd socket refusing a claim (one of the refusals docs/daemon.md lists) and closing
@@ -1323,6 +1379,25 @@ TEST(ClientTest, TheDaemonsOwnUnavailableIsNotCalledUnreachable) {
   EXPECT_TRUE(absl::StartsWith(unreachable.message(), "rank 0: attach: ubepd is not reachable ("))
       << unreachable;
   EXPECT_TRUE(absl::EndsWith(unreachable.message(), "); is it running?")) << unreachable;
+}
+
+// A ubepd that takes the connection and never answers (stopped, hung: here a socket that
+// listens and never accepts) is Unavailable at rpc_timeout, saying so: not DeadlineExceeded,
+// which says that a peer of the group did not come ("attach: Deadline Exceeded").
+TEST(ClientTest, AnAttachUbepdDoesNotAnswerIsUnavailable) {
+  test::TempDir dir;
+  ClientOptions options = ClientOf(dir);
+  UniqueFd listener(socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  ASSERT_LT(options.socket_path.size(), sizeof(address.sun_path));
+  std::memcpy(address.sun_path, options.socket_path.data(), options.socket_path.size());
+  ASSERT_EQ(bind(listener.get(), reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  ASSERT_EQ(listen(listener.get(), 16), 0);
+  options.rpc_timeout = absl::Milliseconds(500);
+  EXPECT_EQ(Rank::Attach(options, 0, 1, 0, Shape()).status(),
+            absl::UnavailableError("rank 0: attach: ubepd did not answer within 500ms "
+                                   "(rpc_timeout); is it stopped or hung?"));
 }
 
 // The errors of ubepd's control RPCs (the balancer's and peer daemons') are counted as the
