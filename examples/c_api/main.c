@@ -67,9 +67,15 @@ int main(int argc, char** argv) {
   const int32_t* offsets = NULL;
   ubep_dispatched_view(d, &rows, &recv, &offsets, NULL, NULL, NULL);
   float y[kTokens * kTopK][kHidden];
-  for (int slot = 0; slot < kExperts; ++slot) {  /* Round-robin plan: slot i holds expert i. */
+  for (int slot = 0; slot < kExperts; ++slot) {
+    /* The expert this slot holds under the step's plan (round-robin or not, a balancer's). */
+    int32_t expert = -1;
+    if (ubep_slot_expert(rank, 0, slot, &expert) != 0) {
+      fprintf(stderr, "slot_expert: %s\n", ubep_last_error());
+      goto done;
+    }
     for (int r = offsets[slot]; r < offsets[slot + 1]; ++r) {
-      for (int h = 0; h < kHidden; ++h) y[r][h] = (float)(slot + 1) * ((const float*)recv)[r * kHidden + h];
+      for (int h = 0; h < kHidden; ++h) y[r][h] = (float)(expert + 1) * ((const float*)recv)[r * kHidden + h];
     }
   }
   float out[kTokens][kHidden];

@@ -141,12 +141,15 @@ def main(argv):
             lib.ubep_dispatched_view(d, ctypes.byref(rows), ctypes.byref(recv),
                                      ctypes.byref(offsets), None, None, None)
             received = ctypes.cast(recv, ctypes.POINTER(ctypes.c_float))
-            # The experts: round-robin plan, slot i holds expert i, which scales its rows by i + 1.
+            # The experts: expert e, in whichever slot the step's plan puts it, scales its rows
+            # by e + 1.
             y = (ctypes.c_float * (rows.value * HIDDEN))()
             for slot in range(EXPERTS):
+                expert = ctypes.c_int32()
+                check(lib, "slot_expert", lib.ubep_slot_expert(rank, 0, slot, ctypes.byref(expert)))
                 for r in range(offsets[slot], offsets[slot + 1]):
                     for h in range(HIDDEN):
-                        y[r * HIDDEN + h] = (slot + 1) * received[r * HIDDEN + h]
+                        y[r * HIDDEN + h] = (expert.value + 1) * received[r * HIDDEN + h]
             out = (ctypes.c_float * (TOKENS * HIDDEN))()
             check(lib, "combine", lib.ubep_combine(rank, d, y, out))
             for t in range(TOKENS):

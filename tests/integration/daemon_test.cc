@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <regex>
 #include <limits>
@@ -1125,19 +1126,35 @@ TEST_F(DaemonTest, SocketsAreGroupOnlyAndOthersCannotConnect) {
   }
 }
 
+// A static plan whose slots do not hold their own index's expert (slot i holds expert i only
+// under round-robin): the C and Python examples ask which expert each slot holds.
+std::string PermutedPlan(const test::TempDir& dir) {
+  const std::string path = dir.path() + "/permuted.json";
+  std::ofstream(path) << R"({"phy2log": [[2, 0, 3, 1]], "num_experts": 4})";
+  return path;
+}
+
+// The C example, under ubepd's round-robin plan and under a permuted one.
 TEST_F(DaemonTest, CAbiClientDispatchesAndCombines) {
-  auto daemon = StartDaemon();
-  Process c({BinaryPath("ubep-c-example"), socket_path()}, dir_.path() + "/c.out");
-  EXPECT_EQ(c.Wait(absl::Seconds(60)), 0) << ReadFile(dir_.path() + "/c.out");
-  EXPECT_EQ(ReadFile(dir_.path() + "/c.out"),
-            "bad expert: code 3: topk_idx[2][1] = 7 is outside [-1, 4)\nc api ok: 8 rows\n");
+  for (const bool permuted : {false, true}) {
+    SCOPED_TRACE(permuted ? "permuted plan" : "round-robin plan");
+    auto daemon = StartDaemon(permuted ? std::vector<std::string>{"--plan=" + PermutedPlan(dir_)}
+                                       : std::vector<std::string>{});
+    const std::string out = dir_.path() + (permuted ? "/c-permuted.out" : "/c.out");
+    Process c({BinaryPath("ubep-c-example"), socket_path()}, out);
+    EXPECT_EQ(c.Wait(absl::Seconds(60)), 0) << ReadFile(out);
+    EXPECT_EQ(ReadFile(out),
+              "bad expert: code 3: topk_idx[2][1] = 7 is outside [-1, 4)\nc api ok: 8 rows\n");
+    daemon->Signal(SIGTERM);
+    EXPECT_EQ(daemon->Wait(absl::Seconds(30)), 0) << ReadFile(dir_.path() + "/ubepd.log");
+  }
 }
 
 #ifdef UBEP_SHARED_CLIENT
 // Python, standard library only, calls libubep.so through ctypes (as an engine's binding
 // would): the same step as the C example, every value and the counters checked.
 TEST_F(DaemonTest, PythonCallsLibubepThroughCtypes) {
-  auto daemon = StartDaemon();
+  auto daemon = StartDaemon({"--plan=" + PermutedPlan(dir_)});  // Slot i holds another expert.
   const std::string out = dir_.path() + "/python.out";
   Process python({UBEP_PYTHON3, std::string(UBEP_SOURCE_DIR) + "/examples/python/ubep_ctypes.py",
                   UBEP_SHARED_CLIENT, socket_path()},
