@@ -19,10 +19,11 @@
 //   dropped step 14: rank 1, combine call 57: rank 3 was routed 300 rows ...
 //   dropped step 15 (out of step): rank 0, dispatch call 60: pairs layer 0 of step 15 ...
 //   done steps 100 failed 0 dropped 1
-// Exit code: 0 when every step matched the reference, 1 on a mismatch (or a flag Abseil cannot
-// parse: unknown, or not of its type), 2 on flag values it cannot run with,
+// Exit code: 0 when every step served matched the reference, 1 on a mismatch (or a flag
+// Abseil cannot parse: unknown, or not of its type), 2 on flag values it cannot run with,
 // 3 on an error it cannot recover from (the group could not be (re)joined in time, or a step
-// failed otherwise than the recovery above covers; the log says which).
+// failed otherwise than the recovery above covers; the log says which), 4 when every step it
+// ran was dropped (nothing was checked: a receive capacity too small for any step, say).
 #include <unistd.h>
 
 #include <cerrno>
@@ -277,7 +278,7 @@ int main(int argc, char** argv) {
     return 3;
   }
   uint64_t step = (*rank)->resume_step();
-  int failed = 0, dropped = 0;
+  int failed = 0, dropped = 0, served = 0;
   std::vector<float> x;
   while (step < static_cast<uint64_t>(steps)) {
     uint64_t plan_version = 0;
@@ -286,6 +287,7 @@ int main(int argc, char** argv) {
     if (status.ok()) {
       const bool ok = err <= tolerance;
       failed += ok ? 0 : 1;
+      ++served;
       log.Line(ubep::example::ServedStepLine(step, (*rank)->stats().generation, plan_version,
                                              err, ok));
       ++step;
@@ -384,5 +386,10 @@ int main(int argc, char** argv) {
                           held->size() / 4096 + (held->size() % 4096 != 0), " pages read, sum ", sum, ")"));
   }
   log.Line(absl::StrCat("done steps ", steps, " failed ", failed, " dropped ", dropped));
-  return failed == 0 ? 0 : 1;
+  if (failed != 0) return 1;
+  if (served == 0 && dropped > 0) {
+    log.Line(absl::StrCat("error: every step run (", dropped, ") was dropped; none was checked"));
+    return 4;
+  }
+  return 0;
 }

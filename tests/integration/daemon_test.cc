@@ -334,6 +334,23 @@ TEST_F(DaemonTest, FlaggedRowsServeTheSameStepsAndTheSettingIsCappedAtMaxTokens)
   EXPECT_EQ(response.near_ranks(), 0u);  // One daemon hosts every rank: all one hop apart.
 }
 
+// A receive capacity no step fits (--max_recv_rows=1): every step is dropped on every rank,
+// and the example, having checked nothing, says so and exits 4 (it exited 0).
+TEST_F(DaemonTest, AnExampleRunWhoseStepsAreAllDroppedExitsFour) {
+  auto daemon = StartDaemon({"--max_recv_rows=1"});
+  std::vector<std::unique_ptr<Process>> clients;
+  for (int r = 0; r < kWorld; ++r) clients.push_back(StartClient(r, {"--steps=3"}));
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(clients[r]->Wait(absl::Seconds(120)), 4) << ReadFile(client_log(r));
+    const std::string log = ReadFile(client_log(r));
+    EXPECT_THAT(log, HasSubstr("done steps 3 failed 0 dropped 3\nerror: every step run (3) was "
+                               "dropped; none was checked\n"))
+        << log;
+  }
+  daemon->Signal(SIGTERM);
+  EXPECT_EQ(daemon->Wait(absl::Seconds(30)), 0);
+}
+
 // --max_recv_rows=500: round-robin placement routes rank 0 more than 500 rows in layer 0 of
 // some steps (the traces' hot experts). Each such call fails on every rank at once (rank 0's
 // Dispatch, the others' Combine, each naming rank 0), every rank drops that step, and the
