@@ -17,7 +17,7 @@ WORKDIR /src
 COPY . .
 RUN scripts/install-deps.sh \
  && cmake -S . -B /build -G Ninja -DCMAKE_BUILD_TYPE=Release -DUBEP_BUILD_TESTS=OFF -DUBEP_BUILD_BENCHMARKS=OFF \
-      -DUBEP_ENABLE_CUDA=ON \
+      -DUBEP_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="90;100" \
  && cmake --build /build --target ubepd
 
 FROM debian:bookworm-slim

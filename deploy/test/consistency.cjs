@@ -77,6 +77,29 @@ for (const [name, file, grpcPort] of [["ubepd", "daemon/main.cc", "grpc"],
     problems.push(`${name}'s port ${metricsPort} is ${named(metricsPort)}, not its --metrics port ${metrics}`);
   }
 }
+// The DaemonSet runs where its image and kernels do: on nodes of the architecture the image is
+// built for (the CUDA repository its Dockerfile names), with GPUs of the compute capabilities
+// the kernels are built for (its CMAKE_CUDA_ARCHITECTURES): elsewhere the pod cannot start, or
+// every serving rank's first Dispatch fails.
+{
+  const dockerfile = fs.readFileSync(require("path").join(root, "deploy/docker/ubepd.Dockerfile"), "utf8");
+  const repoArch = (/cuda\/repos\/\w+\/(\w+)\//.exec(dockerfile) || [])[1];
+  const arch = { x86_64: "amd64", sbsa: "arm64" }[repoArch];
+  const selected = (pod.nodeSelector || {})["kubernetes.io/arch"];
+  if (selected !== arch) {
+    problems.push(`ubepd's node selector kubernetes.io/arch is ${selected}, not the image's ${arch} (deploy/docker/ubepd.Dockerfile)`);
+  }
+  const cudaArchs = (/CMAKE_CUDA_ARCHITECTURES="([^"]*)"/.exec(dockerfile) || [, ""])[1];
+  const majors = [...new Set(cudaArchs.split(";").filter((a) => a).map((a) => String(Math.floor(Number(a) / 10))))].sort();
+  const terms = ((((pod.affinity || {}).nodeAffinity || {}).requiredDuringSchedulingIgnoredDuringExecution || {}).nodeSelectorTerms || []);
+  const pinned = terms.length === 0 ? [] : terms.map((t) => {
+    const e = (t.matchExpressions || []).find((x) => x.key === "nvidia.com/gpu.compute.major" && x.operator === "In");
+    return e ? [...e.values].sort().join(",") : "";
+  });
+  if (majors.length === 0 || pinned.length === 0 || pinned.some((v) => v !== majors.join(","))) {
+    problems.push(`ubepd's node affinity admits nvidia.com/gpu.compute.major ${pinned.length ? pinned.join(" | ") : "(any)"}, not the kernels' ${majors.join(",")} (CMAKE_CUDA_ARCHITECTURES "${cudaArchs}" in deploy/docker/ubepd.Dockerfile)`);
+  }
+}
 // A hostPath volume is refused by the Pod Security Standards' baseline and restricted levels:
 // a Namespace rendered with the DaemonSet must admit privileged pods, or none is created.
 if ((pod.volumes || []).some((v) => v.hostPath)) {

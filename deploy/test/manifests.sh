@@ -63,4 +63,11 @@ mutate metrics-port 'c.args = c.args.map((a) => a.startsWith("--metrics=") ? "--
 expect_failure consistency.cjs metrics-port "ubepd's port metrics is 9464, not its --metrics port 9100"
 mutate restricted 'docs.find((d) => d && d.kind === "Namespace").metadata.labels["pod-security.kubernetes.io/enforce"] = "baseline";'
 expect_failure consistency.cjs restricted "namespace ubep-system enforces pod security level baseline; ubepd's hostPath volume needs privileged"
+# ... and the DaemonSet not pinned to the image's architecture, or to its kernels' GPUs.
+mutate any-arch 'delete ds.spec.template.spec.nodeSelector["kubernetes.io/arch"];'
+expect_failure consistency.cjs any-arch "ubepd's node selector kubernetes.io/arch is undefined, not the image's amd64"
+mutate any-gpu 'delete ds.spec.template.spec.affinity;'
+expect_failure consistency.cjs any-gpu "ubepd's node affinity admits nvidia.com/gpu.compute.major (any), not the kernels' 10,9"
+mutate old-gpu 'ds.spec.template.spec.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[0].matchExpressions[0].values = ["8", "9", "10"];'
+expect_failure consistency.cjs old-gpu "ubepd's node affinity admits nvidia.com/gpu.compute.major 10,8,9, not the kernels' 10,9"
 echo "manifests: OK"
