@@ -12,6 +12,7 @@ namespace ubep::kernels {
 namespace {
 
 std::atomic<const std::function<void(int)>*> select_pause_for_testing{nullptr};
+std::atomic<const std::function<void()>*> copy_pause_for_testing{nullptr};
 
 uint64_t LoadVersion(PlanSlotHeader* slot) {
   return std::atomic_ref<uint64_t>(slot->version).load(std::memory_order_acquire);
@@ -109,6 +110,10 @@ void SetSelectPauseForTesting(const std::function<void(int)>* pause) {
   select_pause_for_testing.store(pause, std::memory_order_release);
 }
 
+void SetCopyPauseForTesting(const std::function<void()>* pause) {
+  copy_pause_for_testing.store(pause, std::memory_order_release);
+}
+
 void InitPlanArea(void* area, size_t capacity_bytes) {
   std::memset(area, 0, sizeof(PlanAreaHeader) + 2 * sizeof(PlanSlotHeader));
   auto* header = static_cast<PlanAreaHeader*>(area);
@@ -146,6 +151,7 @@ absl::StatusOr<const PlanTableHeader*> SelectCheckedPlan(void* area, size_t capa
       // writes from them; the reader follows the copy, which nothing else writes.
       copy.assign(reinterpret_cast<const std::byte*>(table),
                   reinterpret_cast<const std::byte*>(table) + bytes);
+      if (const auto* pause = copy_pause_for_testing.load(std::memory_order_acquire)) (*pause)();
       valid = ValidatePlanTable(copy);
       // The table's own version is what the host backend reports as the call's plan; the
       // slot's is what selected it (and what the CUDA backend reports): one plan, one number.
@@ -159,9 +165,10 @@ absl::StatusOr<const PlanTableHeader*> SelectCheckedPlan(void* area, size_t capa
       }
     }
     // The slot rewritten since it was selected: its table would be another version's, however
-    // well formed. ubepd prepares a plan only over a slot no rank's step still uses, so this is
-    // that rule broken, not a client's write (whose message follows).
-    if (valid.ok() && !StillCommitted(area, slot, v)) {
+    // well formed, and a copy torn by the rewrite fails the check for that, not for a foreign
+    // write. ubepd prepares a plan only over a slot no rank's step still uses, so this is that
+    // rule broken, not a client's write (whose message follows).
+    if (!StillCommitted(area, slot, v)) {
       return absl::DataLossError(absl::StrCat(
           "plan v", v, " in force at step ", step, ": its slot was rewritten while it was read "
           "(a plan prepared over one a rank still used)"));

@@ -138,6 +138,9 @@ absl::Status AbortPlan(void* area, uint64_t version);
 // between its look at the slot's state and at its version, with the slot's index; it must
 // outlive its use.
 void SetSelectPauseForTesting(const std::function<void(int)>* pause);
+// Tests only: `pause` (null: none) runs when SelectCheckedPlan has copied a selected table,
+// before it checks the copy against the slot; it must outlive its use.
+void SetCopyPauseForTesting(const std::function<void()>* pause);
 
 }  // namespace ubep::kernels
 

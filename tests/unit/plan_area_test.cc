@@ -186,6 +186,43 @@ TEST_F(PlanAreaTest, AReaderPausedWhileItsSlotIsRewrittenDoesNotTakeTheNewVersio
   EXPECT_TRUE(UndecidedAt(area(), 100));  // v3 awaits its decision.
 }
 
+// A checked reader that copied its table (v1, the older plan) while the writer prepares v3 in
+// that slot (a plan prepared over one a rank still uses: the rule ubepd keeps, broken) is told
+// that its slot was rewritten, whether its copy still checks out or not: the table changed
+// under the check, and the message named a foreign writer (that, the next case).
+TEST_F(PlanAreaTest, ACheckedReaderWhoseSlotIsRewrittenDuringItsCopySaysSo) {
+  for (const bool torn : {false, true}) {
+    SCOPED_TRACE(torn ? "the table changed under the check" : "the copy checks out");
+    bytes_.assign(bytes_.size(), std::byte{0});
+    InitPlanArea(area(), kCapacity);
+    ASSERT_TRUE(PreparePlan(area(), kCapacity, Table(1), 1, 0).ok());
+    ASSERT_TRUE(CommitPlan(area(), 1).ok());
+    ASSERT_TRUE(PreparePlan(area(), kCapacity, Table(2), 2, 50).ok());
+    ASSERT_TRUE(CommitPlan(area(), 2).ok());
+    int rewrites = 0;
+    const std::function<void()> rewrite = [&] {
+      if (rewrites++ > 0) return;
+      // Slot 0 (v1) is the older: v3 goes there. Not torn: only the slot's state and version
+      // change (v3's table the same bytes as v1's but for its version word, put back).
+      ASSERT_EQ(PreparePlan(area(), kCapacity, Table(3), 3, 0), absl::OkStatus());
+      if (!torn) {
+        const std::vector<std::byte> first = Table(1);
+        std::memcpy(const_cast<PlanTableHeader*>(PlanBuffer(area(), 0)), first.data(), first.size());
+      }
+    };
+    SetCopyPauseForTesting(&rewrite);
+    CheckedPlan checked;
+    uint64_t v = 0;
+    int slot = -1;
+    const absl::Status read = SelectCheckedPlan(area(), kCapacity, 10, checked, &v, &slot).status();
+    SetCopyPauseForTesting(nullptr);
+    EXPECT_EQ(rewrites, 1);
+    EXPECT_EQ(read, absl::DataLossError("plan v1 in force at step 10: its slot was rewritten "
+                                        "while it was read (a plan prepared over one a rank "
+                                        "still used)"));
+  }
+}
+
 // The writer places and bounds a table by the capacity it knows, not by the area's header,
 // which every process mapping the arena can write: a header written over is refused, naming
 // it, and nothing is written (an area whose header said 2^56 bytes a buffer had the table
