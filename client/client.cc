@@ -442,19 +442,23 @@ absl::Status StopForDaemonExit(RankState& s) {
 #ifdef UBEP_CLIENT_CUDA
   if (s.on_device) {
     const kernels::ScopedDevice on_device(s.device);
-    // The data plane is at offset 0 of each device arena; a set abort word is kept.
+    // The data plane is at offset 0 of each device arena; a set abort word is kept. A copy
+    // that fails leaves the exit unnoted, so that the next call that looks tries again.
+    bool stopped = true;
     for (int r = 0; r < static_cast<int>(s.device_arenas.size()); ++r) {
       const uint32_t raise = code_for(r);
+      if (raise == 0) continue;
       uint32_t code = 0;
-      if (raise != 0 &&
-          CopyNow(&code, s.device_arenas[r]->data() + ep.abort, sizeof(code),
-                  cudaMemcpyDeviceToHost) &&
-          code == 0) {
+      if (!CopyNow(&code, s.device_arenas[r]->data() + ep.abort, sizeof(code),
+                   cudaMemcpyDeviceToHost)) {
+        stopped = false;
+      } else if (code == 0) {
         code = raise;
-        (void)CopyNow(s.device_arenas[r]->data() + ep.abort, &code, sizeof(code),
-                      cudaMemcpyHostToDevice);
+        stopped &= CopyNow(s.device_arenas[r]->data() + ep.abort, &code, sizeof(code),
+                           cudaMemcpyHostToDevice);
       }
     }
+    if (!stopped) return Record(s, exited);
   }
 #endif
   s.daemon_exited = true;
