@@ -723,7 +723,10 @@ int Run(int argc, char** argv) {
   for (int r = 0; r < R && service_problems.empty() && !interrupted.load(); ++r) {
     const std::string log = ReadFile(path(absl::StrCat("client-", r, ".log")));
     const std::optional<int> code = clients[r]->Wait(absl::ZeroDuration());
-    if (code != 0 || !absl::StrContains(log, absl::StrCat("done steps ", steps, " failed 0")) ||
+    // Exit 4: every step the rank ran was dropped over the receive capacity, which this run
+    // counts and reports itself (below); no served step was wrong.
+    if ((code != 0 && code != 4) ||
+        !absl::StrContains(log, absl::StrCat("done steps ", steps, " failed 0")) ||
         absl::StrContains(log, "MISMATCH")) {
       correct = false;
       problems.push_back(clients[r]->spawn_error() != 0
