@@ -27,6 +27,10 @@ constexpr size_t kFdsPerMessage = 253;
 constexpr size_t kMaxFds = 2048;
 // Bytes no message of the callers' starts with (theirs are text).
 constexpr std::string_view kMoreFds = "\x01more fds";
+// The most parts one message has (SendMessage's continuations, then its last part): a reader
+// takes no more, so that a sender's endless continuations cannot hold it (the fd server's one
+// thread, whose reads end at the first part that is not ready, not at a deadline).
+constexpr int kMaxParts = static_cast<int>(kMaxFds / kFdsPerMessage) + 1;
 
 absl::Status Errno(const std::string& what) {
   const int e = errno;
@@ -281,7 +285,12 @@ absl::StatusOr<ReceivedMessage> ReceiveMessage(int socket, size_t max_bytes,
   ReceivedMessage out;
   bool continued = false;
   size_t fds_before = 0;
+  int parts = 0;
+  const absl::Status too_many_parts = absl::DataLossError(absl::StrCat(
+      "message of more than ", kMaxParts, " parts (", kMaxFds, " fds at most, ", kFdsPerMessage,
+      " a part)"));
   do {
+    if (parts++ == kMaxParts) return too_many_parts;
     // The fds of the messages before (continuations) are kept in `out`.
     continued = continued || out.bytes == kMoreFds;
     fds_before = out.fds.size();
@@ -289,7 +298,7 @@ absl::StatusOr<ReceivedMessage> ReceiveMessage(int socket, size_t max_bytes,
       if (absl::IsResourceExhausted(s)) {
         // Out of descriptors part-way: the message's other parts are read and dropped, so
         // that the next message read is the next one sent, not this one's rest.
-        while (out.bytes == kMoreFds) {
+        while (out.bytes == kMoreFds && parts++ < kMaxParts) {
           out.fds.clear();
           if (absl::Status rest = ReceiveOne(socket, max_bytes, start, timeout, out);
               !rest.ok() && !absl::IsResourceExhausted(rest)) {

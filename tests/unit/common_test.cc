@@ -492,6 +492,31 @@ TEST(UnixSocketTest, AMessageCutShortBetweenItsPartsIsDataLoss) {
   EXPECT_FALSE(got->closed);
 }
 
+// A sender whose continuations go on past any message's fds (here with none: SendMessage's
+// carry 253 each) cannot hold the reader, which took parts for as long as they came (ubepd's
+// fd server, whose one thread serves every client, reads with no deadline of its own): past
+// the parts of the largest message it stops, DataLoss.
+TEST(UnixSocketTest, ContinuationsPastTheLargestMessageAreDataLoss) {
+  int pair[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair), 0);
+  UniqueFd a(pair[0]), b(pair[1]);
+  for (int i = 0; i < 10; ++i) {
+    ASSERT_EQ(send(b.get(), "\x01more fds", 9, 0), 9);
+  }
+  ASSERT_TRUE(SendMessage(b.get(), "end", {}).ok());
+  EXPECT_EQ(ReceiveMessage(a.get(), 64, absl::ZeroDuration()).status(),
+            absl::DataLossError("message of more than 9 parts (2048 fds at most, 253 a part)"));
+  // Nine parts (eight continuations and the last) are still one message.
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair), 0);
+  a = UniqueFd(pair[0]);
+  b = UniqueFd(pair[1]);
+  for (int i = 0; i < 8; ++i) ASSERT_EQ(send(b.get(), "\x01more fds", 9, 0), 9);
+  ASSERT_TRUE(SendMessage(b.get(), "end", {}).ok());
+  absl::StatusOr<ReceivedMessage> got = ReceiveMessage(a.get(), 64, absl::ZeroDuration());
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->bytes, "end");
+}
+
 // A receiver whose descriptor table is nearly full (its open-files limit) gets some of a
 // message's fds: the error says so, and which limit, rather than calling the message too large.
 TEST(UnixSocketTest, FdsThatDoNotFitTheReceiversTableAreCalledThat) {
