@@ -20,6 +20,7 @@
 #include "common/logging.h"
 #include "common/rpc_origin.h"
 #include "common/status_macros.h"
+#include "common/timeout.h"
 #include "common/unix_socket.h"
 #include "grpcpp/grpcpp.h"
 #include "kernels/common/host_cpu.h"
@@ -894,9 +895,11 @@ absl::StatusOr<std::unique_ptr<Rank>> Rank::Attach(const ClientOptions& options,
         {"join_timeout", options.join_timeout},
         {"daemon_check_interval", options.daemon_check_interval},
         {"decision_timeout", options.decision_timeout}}) {
-    if (value <= absl::ZeroDuration()) {
+    // Every wait has an end: a timeout that never ends (a million hours, infinite) would
+    // leave a call to a hung ubepd, or a decision a dead balancer never makes, waiting for good.
+    if (value <= absl::ZeroDuration() || NeverEnds(value)) {
       return absl::InvalidArgumentError(absl::StrCat("ClientOptions::", name,
-                                                     " must be positive, not ",
+                                                     " must be positive and under 1000000h, not ",
                                                      absl::FormatDuration(value)));
     }
   }

@@ -24,6 +24,7 @@
 #include "absl/strings/str_split.h"
 #include "common/flags_usage.h"
 #include "common/logging.h"
+#include "common/timeout.h"
 #include "common/shape_limits.h"
 #include "balancer/formats/json_formats.h"
 #include "daemon/daemon.h"
@@ -156,8 +157,10 @@ int main(int argc, char** argv) {
         std::pair{"wait_timeout", absl::GetFlag(FLAGS_wait_timeout)},
         std::pair{"join_timeout", absl::GetFlag(FLAGS_join_timeout)},
         std::pair{"drain_timeout", absl::GetFlag(FLAGS_drain_timeout)}}) {
-    if (value == absl::InfiniteDuration()) {  // absl takes "inf": every wait has an end.
-      std::cerr << "ubepd: --" << name << " inf is not a time (every wait has an end)\n";
+    // absl takes "inf", and a million hours is as long (NeverEnds): every wait has an end.
+    if (ubep::NeverEnds(value)) {
+      std::cerr << "ubepd: --" << name << " " << absl::FormatDuration(value)
+                << " is not a time (every wait has an end: under 1000000h)\n";
       return 2;
     }
   }

@@ -13,6 +13,7 @@
 #include "balancer/server/balancer.h"
 #include "common/flags_usage.h"
 #include "common/logging.h"
+#include "common/timeout.h"
 #include "common/rpc_origin.h"
 #include "common/shape_limits.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -109,8 +110,10 @@ int main(int argc, char** argv) {
                                     std::pair{"recovery_grace", o.recovery_grace},
                                     std::pair{"registration_grace", o.registration_grace},
                                     std::pair{"pause_before_commit", o.pause_before_commit}}) {
-    if (value == absl::InfiniteDuration()) {
-      std::cerr << "ubep-balancer: --" << name << " inf is not a time (every wait has an end)\n";
+    // absl takes "inf", and a million hours is as long (NeverEnds): every wait has an end.
+    if (ubep::NeverEnds(value)) {
+      std::cerr << "ubep-balancer: --" << name << " " << absl::FormatDuration(value)
+                << " is not a time (every wait has an end: under 1000000h)\n";
       return 2;
     }
   }

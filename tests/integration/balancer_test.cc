@@ -1090,9 +1090,11 @@ TEST_F(BalancerTest, FlagValuesItCannotRunWithAreRefusedAtStart) {
       {"--health_interval=-1s", "ubep-balancer: --health_interval -1s is not positive\n"},
       {"--rpc_timeout=0s", "ubep-balancer: --rpc_timeout 0 is not positive\n"},
       {"--rpc_timeout=inf",
-       "ubep-balancer: --rpc_timeout inf is not a time (every wait has an end)\n"},
+       "ubep-balancer: --rpc_timeout inf is not a time (every wait has an end: under 1000000h)\n"},
+      {"--rpc_timeout=1000000h", "ubep-balancer: --rpc_timeout 1000000h is not a time (every "
+                                 "wait has an end: under 1000000h)\n"},
       {"--recovery_grace=inf",
-       "ubep-balancer: --recovery_grace inf is not a time (every wait has an end)\n"},
+       "ubep-balancer: --recovery_grace inf is not a time (every wait has an end: under 1000000h)\n"},
       {"--min_margin_steps=-20", "ubep-balancer: --min_margin_steps -20 is negative\n"},
       {"--window=0",
        "ubep-balancer: --ewma in [0, 1], --window, --trigger_windows and --health_failures >= 1, "

@@ -466,8 +466,12 @@ TEST_F(DaemonTest, WhatItCannotStartWithIsRefusedAndLeavesTheRunningDaemonBe) {
       {"--socket_mode=0001777", "ubepd: --socket_mode 0001777 is not an octal file mode\n"},
       {"--max_arena_bytes=0", "ubepd: --max_arena_bytes 0 is not positive\n"},
       {"--wait_timeout=500us", "ubepd: --wait_timeout 500us is under 1ms\n"},
-      {"--wait_timeout=inf", "ubepd: --wait_timeout inf is not a time (every wait has an end)\n"},
-      {"--drain_timeout=inf", "ubepd: --drain_timeout inf is not a time (every wait has an end)\n"},
+      {"--wait_timeout=inf",
+       "ubepd: --wait_timeout inf is not a time (every wait has an end: under 1000000h)\n"},
+      {"--wait_timeout=1000000h",
+       "ubepd: --wait_timeout 1000000h is not a time (every wait has an end: under 1000000h)\n"},
+      {"--drain_timeout=inf",
+       "ubepd: --drain_timeout inf is not a time (every wait has an end: under 1000000h)\n"},
       {"--drain_timeout=-1s", "ubepd: --drain_timeout -1s is negative\n"},
       {"--ranks=0-2147483647",
        "ubepd: --ranks \"0-2147483647\": rank 2147483647 is past 1023 (an EP group has at most "
@@ -1466,7 +1470,16 @@ TEST_F(DaemonTest, CAbiOptionsAreCheckedAndUsed) {
   zero.join_timeout_ms = 0;
   EXPECT_EQ(ubep_attach_with(&zero, 0, 2, 0, &shape, -1, &rank),
             static_cast<int>(absl::StatusCode::kInvalidArgument));
-  EXPECT_STREQ(ubep_last_error(), "ClientOptions::join_timeout must be positive, not 0");
+  EXPECT_STREQ(ubep_last_error(),
+               "ClientOptions::join_timeout must be positive and under 1000000h, not 0");
+  EXPECT_EQ(rank, nullptr);
+  // One that never ends (INT64_MAX ms) is refused too: every wait has an end.
+  ubep_client_options forever = options;
+  forever.decision_timeout_ms = std::numeric_limits<int64_t>::max();
+  EXPECT_EQ(ubep_attach_with(&forever, 0, 2, 0, &shape, -1, &rank),
+            static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_STREQ(ubep_last_error(), "ClientOptions::decision_timeout must be positive and under "
+                                  "1000000h, not 2562047788015h12m55.807s");
   EXPECT_EQ(rank, nullptr);
 
   // Rank 0 of a group of 2 whose rank 1 never comes.

@@ -87,6 +87,8 @@ struct ModelShape {
   DType dtype = DType::kFloat32;
 };
 
+// Every duration is positive and under a million hours (Attach refuses others: every wait has
+// an end).
 struct ClientOptions {
   std::string socket_path = "/run/ubep/ubepd.sock";
   // Each RPC to ubepd but Join (Attach, Detach, the arena claim and refresh over its fd
