@@ -237,9 +237,12 @@ void FdServer::Loop() {
     if (poll(polls.data(), polls.size(), timeout_ms) < 0) {
       const int error = errno;
       if (error == EINTR) continue;
-      if (error == ENOMEM) {  // For a while: a moment, and again.
+      if (error == ENOMEM) {  // For a while: a moment, and again, unless told to stop.
         UBEP_LOG(WARNING) << "fd server: poll: " << strerror(error) << "; trying again";
         absl::SleepFor(absl::Milliseconds(100));
+        // The wake (an eventfd, non-blocking) read here, as poll cannot: a stop under lasting
+        // memory pressure ends the loop rather than hold ubepd's drain for good.
+        if (uint64_t woken = 0; read(wake_.get(), &woken, sizeof(woken)) == sizeof(woken)) return;
         continue;
       }
       // Anything else does not pass (more fds than the open-files limit lets poll watch): a
