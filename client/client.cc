@@ -228,16 +228,23 @@ class RankDevice {
 
 // `context` tells the daemon's own answers (ubepd marks them, kUbepOrigin) from failures of
 // the transport, which alone are "not reachable". `timeout` (named `timeout_name`) is the
-// call's deadline.
+// call's deadline; `waits_for_group`: the call waits for the rest of the group (Join).
 absl::Status FromGrpc(const grpc::Status& status, const grpc::ClientContext& context,
-                      const std::string& what, absl::Duration timeout,
-                      const char* timeout_name) {
+                      const std::string& what, absl::Duration timeout, const char* timeout_name,
+                      bool waits_for_group = false) {
   if (status.ok()) return absl::OkStatus();
   const bool from_ubepd = AnsweredByServer(context);
   if (status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED && !from_ubepd) {
-    // ubepd answers a wait of its own before the call's deadline (naming whom the group waits
-    // for): silence to the deadline is ubepd not answering (stopped, wedged), Unavailable as
-    // on its fd socket, not DeadlineExceeded, which says a peer of the group did not come.
+    // Silence to the deadline. For an RPC ubepd answers at once (Attach, Detach) that is
+    // ubepd not answering (stopped, wedged): Unavailable as on its fd socket, not
+    // DeadlineExceeded, which says a peer of the group did not come. A Join's own answer may
+    // be that (ubepd answers it before the deadline, naming whom the group waits for; on a
+    // loaded host it may come late): it stays DeadlineExceeded, saying both.
+    if (waits_for_group) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          what, ": no answer from ubepd within ", absl::FormatDuration(timeout), " (",
+          timeout_name, "): the group did not form in time, or ubepd is stopped or hung"));
+    }
     return absl::UnavailableError(absl::StrCat(what, ": ubepd did not answer within ",
                                                absl::FormatDuration(timeout), " (",
                                                timeout_name, "); is it stopped or hung?"));
@@ -506,7 +513,7 @@ absl::Status JoinGroup(RankState& s, std::optional<uint64_t> next_step) {
     if (!AnsweredByServer(context)) return exited;
   }
   UBEP_RETURN_IF_ERROR(FromGrpc(joined, context, absl::StrCat("rank ", s.rank, ": join"),
-                                s.options.join_timeout, "join_timeout"));
+                                s.options.join_timeout, "join_timeout", /*waits_for_group=*/true));
   return Record(s, UseJoin(s, response));
 }
 
@@ -899,8 +906,8 @@ absl::StatusOr<std::unique_ptr<Rank>> Rank::Attach(const ClientOptions& options,
     // leave a call to a hung ubepd, or a decision a dead balancer never makes, waiting for good.
     if (value <= absl::ZeroDuration() || NeverEnds(value)) {
       return absl::InvalidArgumentError(absl::StrCat("ClientOptions::", name,
-                                                     " must be positive and under 1000000h, not ",
-                                                     absl::FormatDuration(value)));
+                                                     " must be positive and under ", kTimeoutBound,
+                                                     ", not ", absl::FormatDuration(value)));
     }
   }
   // Sent as unsigned fields, which ubepd checks: a negative one would read as a huge one.
@@ -1463,7 +1470,9 @@ absl::Status Rank::Detach() {
   const RankDevice on_device(s);
   // ubepd gone: no daemon tells the peers that this rank leaves, so the rank stops the group
   // itself (as BeginStep would), and there is nothing to detach from.
-  if (!s.daemon_exited && DaemonExited(s)) (void)StopForDaemonExit(s);
+  // (Gone whether or not the stop completed: a CUDA stop whose copies failed is not noted.)
+  const bool daemon_gone = s.daemon_exited || DaemonExited(s);
+  if (daemon_gone && !s.daemon_exited) (void)StopForDaemonExit(s);
   s.detached_counts = stats();  // The arena holding the counters is let go below.
   s.attached = false;
   s.step_begun = false;
@@ -1479,7 +1488,7 @@ absl::Status Rank::Detach() {
   s.overflow_sink = nullptr;
   s.device_plan_version = 0;
 #endif
-  if (s.daemon_exited) {
+  if (daemon_gone) {
     s.fd_connection.reset();
     s.arenas.clear();
     return absl::OkStatus();

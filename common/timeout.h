@@ -10,6 +10,8 @@ namespace ubep {
 // std::chrono span added to now it would overflow the deadline, which libstdc++ takes for one
 // already past, so a wait on it would return at once.
 inline bool NeverEnds(absl::Duration timeout) { return timeout >= absl::Hours(1000000); }
+// The bound NeverEnds draws, as messages refusing a timeout past it say it.
+inline constexpr char kTimeoutBound[] = "1000000h";
 
 // How long before a caller's deadline, `left` away, a wait bounded by it ends, so that the
 // answer (why the wait ended) reaches the caller before its own DEADLINE_EXCEEDED does: a

@@ -160,7 +160,8 @@ int main(int argc, char** argv) {
     // absl takes "inf", and a million hours is as long (NeverEnds): every wait has an end.
     if (ubep::NeverEnds(value)) {
       std::cerr << "ubepd: --" << name << " " << absl::FormatDuration(value)
-                << " is not a time (every wait has an end: under 1000000h)\n";
+                << " is not a time (every wait has an end: under " << ubep::kTimeoutBound
+                << ")\n";
       return 2;
     }
   }

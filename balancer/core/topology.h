@@ -15,6 +15,9 @@ namespace ubep::balancer {
 // and the balancer accept has (1024 ranks x 4096 slots, common/shape_limits.h), which keeps
 // slot indices and the arrays sized by them (per layer) well within an int.
 inline constexpr int64_t kMaxSlots = int64_t{1} << 22;
+// The most experts, and the highest topology count and layer id, a plan holds (its JSON and
+// proto forms are read to these bounds, and a load to plan is held to them).
+inline constexpr int kMaxPlanIndex = 1 << 20;
 
 struct Topology {
   int num_ranks = 0;

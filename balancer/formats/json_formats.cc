@@ -31,10 +31,6 @@ const char* NotRegularKind(mode_t mode) {
 
 using Json = nlohmann::json;
 
-// The most experts, and the highest topology count and layer id, a plan file holds (as
-// proto_convert bounds a plan): a load is held to them too, so that every plan made from it
-// can be read back.
-constexpr int kMaxPlanIndex = 1 << 20;
 
 absl::Status Bad(const std::string& name, const std::string& field, const std::string& problem) {
   return absl::InvalidArgumentError(absl::StrCat(name, ": ", field, ": ", problem));

@@ -30,7 +30,7 @@ v1::Topology ToProto(const Topology& t) {
 }
 
 absl::StatusOr<Topology> FromProto(const v1::Topology& proto) {
-  constexpr uint32_t kMax = 1 << 20;
+  constexpr uint32_t kMax = kMaxPlanIndex;
   if (proto.num_ranks() > kMax || proto.num_nodes() > kMax || proto.slots_per_rank() > kMax ||
       proto.num_groups() > kMax) {
     return absl::InvalidArgumentError("topology: a count is larger than 2^20");
@@ -105,7 +105,7 @@ absl::StatusOr<Plan> FromProto(const v1::Plan& proto) {
   plan.version = proto.version();
   UBEP_ASSIGN_OR_RETURN(plan.topology, FromProto(proto.topology()));
   for (uint32_t r : proto.excluded_ranks()) plan.excluded_ranks.push_back(static_cast<int>(r));
-  if (proto.num_experts() == 0 || proto.num_experts() > (1u << 20)) {
+  if (proto.num_experts() == 0 || proto.num_experts() > uint32_t{kMaxPlanIndex}) {
     return absl::InvalidArgumentError(
         absl::StrCat("plan: num_experts ", proto.num_experts(), " is outside [1, 2^20]"));
   }
@@ -122,7 +122,7 @@ absl::StatusOr<Plan> FromProto(const v1::Plan& proto) {
   const int num_slots = plan.topology.num_slots();
   for (int l = 0; l < proto.layers_size(); ++l) {
     const v1::LayerPlan& in = proto.layers(l);
-    if (proto.layer_ids(l) > (1u << 20)) {  // As the JSON form reads them.
+    if (proto.layer_ids(l) > uint32_t{kMaxPlanIndex}) {  // As the JSON form reads them.
       return absl::InvalidArgumentError(absl::StrCat("plan: layer_ids[", l, "] ",
                                                      proto.layer_ids(l), " is outside [0, 2^20]"));
     }

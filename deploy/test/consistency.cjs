@@ -86,7 +86,9 @@ for (const [name, file, grpcPort] of [["ubepd", "daemon/main.cc", "grpc"],
   const repoArch = (/cuda\/repos\/\w+\/(\w+)\//.exec(dockerfile) || [])[1];
   const arch = { x86_64: "amd64", sbsa: "arm64" }[repoArch];
   const selected = (pod.nodeSelector || {})["kubernetes.io/arch"];
-  if (selected !== arch) {
+  if (arch === undefined) {
+    problems.push(`deploy/docker/ubepd.Dockerfile names no CUDA repository architecture this check knows (${repoArch})`);
+  } else if (selected !== arch) {
     problems.push(`ubepd's node selector kubernetes.io/arch is ${selected}, not the image's ${arch} (deploy/docker/ubepd.Dockerfile)`);
   }
   const cudaArchs = (/CMAKE_CUDA_ARCHITECTURES="([^"]*)"/.exec(dockerfile) || [, ""])[1];

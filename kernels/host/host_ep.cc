@@ -614,9 +614,7 @@ absl::Status HostEp::SendersStopped(uint32_t epoch) {
       "its senders stopped at the call's deadline (", absl::FormatDuration(config_.timeout),
       ") before its calling thread had routed every token (was the process stopped or "
       "starved?); rows to its peers were not all stored");
-  RecordRefusal(arenas_[rank_], layout_, PhaseInFlight(dispatch_epoch_, combine_epoch_), why);
-  refusal_recorded_ = true;
-  RaiseGiveUp(rank_);
+  GiveUpOnSelf(PhaseInFlight(dispatch_epoch_, combine_epoch_), why);
   return absl::DeadlineExceededError(
       absl::StrCat("rank ", rank_, ": dispatch call ", epoch, ": ", why));
 }
@@ -627,10 +625,8 @@ void HostEp::GiveUpOnCombine() {
   gave_up_on_combine_ = dispatch_epoch_;
   // The phase the peers wait for it in, whether the combine had begun (its epoch taken) or
   // not: the combine of the last dispatch.
-  RecordRefusal(arenas_[rank_], layout_, CallPhase{true, dispatch_epoch_},
-                "it ran out of memory in its combine; its partials were not all stored");
-  refusal_recorded_ = true;
-  RaiseGiveUp(rank_);
+  GiveUpOnSelf(CallPhase{true, dispatch_epoch_},
+               "it ran out of memory in its combine; its partials were not all stored");
 }
 
 void HostEp::AbandonCall(uint32_t batches_before, int num_batches) {
@@ -643,11 +639,16 @@ void HostEp::AbandonCall(uint32_t batches_before, int num_batches) {
     senders_->Join();
     abandoned_.store(false, std::memory_order_seq_cst);
   }
+  // (An exception here is out of memory: every size the call allocates is bounded by the
+  // configuration.)
+  GiveUpOnSelf(PhaseInFlight(dispatch_epoch_, combine_epoch_),
+               "it ran out of memory in its dispatch; its rows were not all stored");
+}
+
+void HostEp::GiveUpOnSelf(CallPhase phase, absl::string_view why) {
   // The reason first, then the abort word: the peers stop at once and say why, rather than
-  // ask whether this rank is alive. (An exception here is out of memory: every size the call
-  // allocates is bounded by the configuration.)
-  RecordRefusal(arenas_[rank_], layout_, PhaseInFlight(dispatch_epoch_, combine_epoch_),
-                "it ran out of memory in its dispatch; its rows were not all stored");
+  // ask whether this rank is alive.
+  RecordRefusal(arenas_[rank_], layout_, phase, why);
   refusal_recorded_ = true;
   RaiseGiveUp(rank_);
 }

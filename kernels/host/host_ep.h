@@ -106,6 +106,7 @@ class HostEp {
  public:
   // `arenas[r]` is rank r's arena of ArenaLayout(config).total_bytes, mapped in this process;
   // this rank's own arena must be zero-filled or left by an earlier HostEp of the same config.
+  // ResourceExhausted where its sender threads cannot start (the process's thread limit).
   static absl::StatusOr<std::unique_ptr<HostEp>> Create(const EpConfig& config, int rank,
                                                         std::vector<std::byte*> arenas);
   ~HostEp();
@@ -145,9 +146,13 @@ class HostEp {
   absl::Status SendersStopped(uint32_t epoch);
   // The calling thread leaves the dispatch in flight by an exception: the senders are stopped
   // and joined before the call's input and state go (they read both), and the group gives up
-  // on this rank (its rows are not all stored), so that its peers stop waiting for it and
-  // this rank's next call is refused until the group is re-formed.
+  // on this rank (its rows are not all stored) with its reason recorded, so that its peers
+  // stop waiting for it and say why, and this rank's next call is refused until the group is
+  // re-formed.
   void AbandonCall(uint32_t batches_before, int num_batches);
+  // Records `why` as this rank's refusal of `phase`, then raises the group's give-up on this
+  // rank: its peers' waits end at once, naming it with the reason.
+  void GiveUpOnSelf(CallPhase phase, absl::string_view why);
   // AbandonCall, when destroyed by an exception's unwinding (not on a return).
   class AbandonOnThrow {
    public:

@@ -692,12 +692,17 @@ TEST(ClientTest, ARefreshWhoseFdsDoNotFitThisProcessIsResourceExhausted) {
     const absl::StatusOr<uint64_t> rejoined = (*rank)->Rejoin(std::nullopt);
     taken.clear();
     ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &kept), 0);
-    EXPECT_EQ(rejoined.status(),
-              absl::ResourceExhaustedError(absl::StrCat(
-                  "rank 0: asking ubepd for the new arenas over its fd socket: out of file "
-                  "descriptors: 0 of a message's fds fit this process's table (its open-files "
-                  "limit is ",
-                  lowered.rlim_cur, "; raise it, ulimit -n)")));
+    // (How many of the fds fit depends on what the process's other threads closed meanwhile:
+    // not asserted.)
+    EXPECT_EQ(rejoined.status().code(), absl::StatusCode::kResourceExhausted) << rejoined.status();
+    EXPECT_TRUE(absl::StartsWith(rejoined.status().message(),
+                                 "rank 0: asking ubepd for the new arenas over its fd socket: "
+                                 "out of file descriptors: "))
+        << rejoined.status();
+    EXPECT_TRUE(absl::EndsWith(rejoined.status().message(),
+                               absl::StrCat("(its open-files limit is ", lowered.rlim_cur,
+                                            "; raise it, ulimit -n)")))
+        << rejoined.status();
     rank->reset();
   }
   fd_socket.join();

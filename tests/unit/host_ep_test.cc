@@ -4,6 +4,7 @@
 #include "kernels/host/host_ep.h"
 
 #include <sys/resource.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include <barrier>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <limits>
 #include <ostream>
@@ -844,34 +846,53 @@ class ZeroArenas {
   std::vector<SharedArena> arenas_;
 };
 
-// In a child (EXPECT_EXIT), as a user of no other process allowed two tasks (this one and one
-// thread): creates rank 0 and exits 0 where its status is `want`, else 1 (3: not set up).
-[[noreturn]] void CreateAtTheThreadLimit(const EpConfig& config, std::vector<std::byte*> arenas,
-                                         const std::string& want) {
-  const uid_t uid = 60000 + getpid() % 5000;
-  const rlimit two = {2, 2};
-  if (setgid(uid) != 0 || setuid(uid) != 0 || setrlimit(RLIMIT_NPROC, &two) != 0) _exit(3);
+// A uid no other process runs as, for a child to take (see CreateAtTheThreadLimit).
+uid_t LoneUser() { return 60000 + getpid() % 5000; }
+
+// Whether a child of this process can take `uid` (root, with CAP_SETUID, the uid mapped).
+bool CanBecome(uid_t uid) {
+  const pid_t child = fork();
+  if (child == 0) _exit(setgid(uid) == 0 && setuid(uid) == 0 ? 0 : 1);
+  int status = 0;
+  return child > 0 && waitpid(child, &status, 0) == child && WIFEXITED(status) &&
+         WEXITSTATUS(status) == 0;
+}
+
+// In a child (EXPECT_EXIT), as a user of no other process allowed one task more than the
+// child runs (a sanitizer's runtime may run threads of its own): creates rank 0, whose second
+// sender thread cannot start, and exits 0 where its status says so, else 1 (3: not set up).
+[[noreturn]] void CreateAtTheThreadLimit(const EpConfig& config, std::vector<std::byte*> arenas) {
+  const uid_t uid = LoneUser();
+  if (setgid(uid) != 0 || setuid(uid) != 0) _exit(3);
+  rlim_t tasks = 0;
+  for ([[maybe_unused]] const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
+    ++tasks;
+  }
+  const rlimit one_more = {tasks + 1, tasks + 1};
+  if (setrlimit(RLIMIT_NPROC, &one_more) != 0) _exit(3);
   const absl::Status status = HostEp::Create(config, 0, std::move(arenas)).status();
   fprintf(stderr, "%s\n", status.ToString().c_str());
-  _exit(status.ToString() == want ? 0 : 1);
+  // (The middle is the C++ library's words for EAGAIN.)
+  const std::string said = status.ToString();
+  _exit(absl::StartsWith(said, "RESOURCE_EXHAUSTED: rank 0: could not start its sender threads (") &&
+                absl::EndsWith(said, "): the process is at its thread limit (ulimit -u, a "
+                                     "container's pids limit)")
+            ? 0
+            : 1);
 }
 
 // A process at its thread limit: a rank whose sender threads cannot all start (here the second
 // of two) gets ResourceExhausted from Create, the one started stopped and joined (destroyed
 // running, it ended the process).
 TEST(HostEpErrorTest, SenderThreadsThatCannotStartAreResourceExhausted) {
-  if (geteuid() != 0) GTEST_SKIP() << "needs root: the child takes a user of no other process";
+  if (!CanBecome(LoneUser())) GTEST_SKIP() << "a child cannot take another user's uid here";
   EpConfig config = SmallConfig(Protocol::kUbep);
   config.sender_thread = EpConfig::SenderThread::kOn;
   config.sender_threads = 2;
   const ArenaLayout layout(config);
   ZeroArenas arenas(config.num_ranks, layout.total_bytes);
-  EXPECT_EXIT(CreateAtTheThreadLimit(
-                  config, arenas.pointers(),
-                  "RESOURCE_EXHAUSTED: rank 0: could not start its sender threads (Resource "
-                  "temporarily unavailable): the process is at its thread limit (ulimit -u, a "
-                  "container's pids limit)"),
-              ::testing::ExitedWithCode(0), "RESOURCE_EXHAUSTED: rank 0: could not start");
+  EXPECT_EXIT(CreateAtTheThreadLimit(config, arenas.pointers()), ::testing::ExitedWithCode(0),
+              "RESOURCE_EXHAUSTED: rank 0: could not start its sender threads");
 }
 
 // A rank of another configuration than the peers whose arenas are laid out already is refused
@@ -1646,15 +1667,28 @@ TEST(HostEpErrorTest, PeersWaitingForPartialsHearARankGaveUpOnItsCombine) {
   }
 }
 
-// Rank 2 runs out of memory in its dispatch (here as it lays out its receive rows; its senders
-// may have stored its rows already): the others, in their dispatch or already in the combine
-// waiting for its partials, stop at once and say why (they asked whether rank 2 was alive).
+// Rank 2 runs out of memory late in its dispatch (as it lays out its receive rows, its own rows
+// all stored): the others, through their dispatch and waiting in the combine for its
+// partials, stop at once and say why (the record was of the dispatch, which a rank in the
+// combine did not read: they asked whether rank 2 was alive).
 TEST(HostEpErrorTest, PeersHearARankRanOutOfMemoryInItsDispatch) {
   EpConfig config = SmallConfig(Protocol::kUbep);
   config.timeout = absl::Seconds(5);  // Rank 2's give-up ends the waits, not their deadline.
   Group group(config);
   const TestPlan plan = RoundRobinPlan(config);
-  group.ep(2).set_after_layout_for_testing([] { throw std::bad_alloc(); });
+  const ArenaLayout layout(config);
+  group.ep(2).set_after_layout_for_testing([&] {
+    auto dispatched = [&](int r) {
+      return std::atomic_ref<uint32_t>(
+                 *reinterpret_cast<uint32_t*>(group.arena(r) + layout.dispatch_completed))
+                 .load() >= 1;
+    };
+    const absl::Time until = absl::Now() + absl::Seconds(4);
+    while (!(dispatched(0) && dispatched(1) && dispatched(3)) && absl::Now() < until) {
+      absl::SleepFor(absl::Microseconds(100));
+    }
+    throw std::bad_alloc();
+  });
   std::vector<absl::Status> status(config.num_ranks);
   bool threw = false;
   group.RunAll([&](int r) {
@@ -1677,7 +1711,7 @@ TEST(HostEpErrorTest, PeersHearARankRanOutOfMemoryInItsDispatch) {
   });
   EXPECT_TRUE(threw);
   for (int r : {0, 1, 3}) {
-    ExpectGaveUpOnRank2Saying(status[r], r, "5s", "",
+    ExpectGaveUpOnRank2Saying(status[r], r, "5s", "combine partials, call 1",
                               "it ran out of memory in its dispatch; its rows were not all stored");
   }
 }

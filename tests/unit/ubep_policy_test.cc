@@ -199,7 +199,7 @@ TEST(UbepPolicyTest, PastTheCapAFreshPlanThatMovesFewerSlotsIsStillTaken) {
     ++taken;
     EXPECT_LT(moved(next->layers[l], l), moved(searched->layers[l], l)) << "layer " << l;
   }
-  EXPECT_EQ(taken, 1);
+  EXPECT_GT(taken, 0);
   EXPECT_LT(ChangedSlots(*plan, *next, nullptr), ChangedSlots(*plan, *searched, nullptr));
   EXPECT_LT(SummarizeBalance(*next, second).mean, SummarizeBalance(*searched, second).mean);
 }

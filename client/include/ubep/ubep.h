@@ -166,9 +166,9 @@ class Rank {
   // process holds the rank, Unavailable when ubepd is not there, draining, or does not answer
   // (its RPC, or its fd socket) within rpc_timeout, DeadlineExceeded when the group does not form
   // within join_timeout (it names the ranks missing), ResourceExhausted
-  // when this process cannot map the arenas (memory, address space or file descriptors; on
-  // CUDA, device memory for the plan table): not a receive capacity here, and nothing to
-  // retry at once.
+  // when this process cannot map the arenas or start the data plane (memory, address space,
+  // file descriptors, threads; on CUDA, device memory for the plan table): not a receive
+  // capacity here, and nothing to retry at once.
   // `device`: the CUDA device of the rank's arenas when ubepd runs the CUDA backend; on the
   // host backend it is not used, but must not be negative either (pass 0). Each call selects it for its own device work, from whatever thread,
   // and puts back the calling thread's current device: the caller selects it itself

@@ -53,7 +53,7 @@ typedef struct {
 
 /* What ubep_attach_with takes besides the rank and shape; ubep_client_options_init fills in
  * the defaults (ubep::ClientOptions'), and the caller changes what it needs. Durations are in
- * milliseconds, each > 0. struct_size lets later versions add fields at the end: init is told
+ * milliseconds, each > 0 and under a million hours (every wait has an end). struct_size lets later versions add fields at the end: init is told
  * the size the caller was compiled with and writes no byte past it (nor past its own size,
  * leaving struct_size the caller's), and a later library will take an older caller's smaller
  * struct and fill in defaults for the rest; this first version takes its own size only, and
