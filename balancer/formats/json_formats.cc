@@ -318,7 +318,7 @@ absl::Status ReadyFile::ClearStale(Holder holder) const {
   if (path_.empty()) return absl::OkStatus();
   struct stat st {};
   if (lstat(path_.c_str(), &st) != 0) {
-    if (errno == ENOENT) return absl::OkStatus();
+    if (errno == ENOENT) return CheckWritable();
     return absl::ErrnoToStatus(errno, absl::StrCat(path_, ": cannot look at it"));
   }
   if (!S_ISREG(st.st_mode)) {
@@ -343,6 +343,20 @@ absl::Status ReadyFile::ClearStale(Holder holder) const {
   }
   if (unlink(path_.c_str()) != 0 && errno != ENOENT) {
     return absl::ErrnoToStatus(errno, absl::StrCat(path_, ": cannot remove the last run's"));
+  }
+  return CheckWritable();
+}
+
+absl::Status ReadyFile::CheckWritable() const {
+  // A file of this run's own name beside it, made and removed, as Publish makes its own.
+  const std::string probe = absl::StrCat(path_, ".tmp.", getpid(), ".probe");
+  const int fd = open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0 && errno != EEXIST) {
+    return absl::PermissionDeniedError(absl::StrCat(path_, ": cannot write: ", std::strerror(errno)));
+  }
+  if (fd >= 0) {
+    close(fd);
+    unlink(probe.c_str());
   }
   return absl::OkStatus();
 }

@@ -71,7 +71,9 @@ class ReadyFile {
   // nothing), before this run starts: a script would otherwise take its ports for this run's.
   // Only a regular file is removed; anything else at the path is refused, naming what it is.
   // kWhoeverItNames: a file whose "pid" names a running process (not this one) is left, and
-  // refused, naming it.
+  // refused, naming it. Then a file is made and removed beside the path: one that cannot be
+  // written is said here, before the server serves (a client attached, a balancer told of
+  // this run), not once it does.
   absl::Status ClearStale(Holder holder) const;
   // Writes `text` (whole, by rename); Withdraw and the destructor remove it.
   absl::Status Publish(const std::string& text);
@@ -80,6 +82,8 @@ class ReadyFile {
   void Withdraw();
 
  private:
+  absl::Status CheckWritable() const;
+
   std::string path_;
   std::optional<std::pair<dev_t, ino_t>> published_;  // The file written, by device and inode.
 };

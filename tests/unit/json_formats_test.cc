@@ -239,6 +239,16 @@ TEST(ReadyFileTest, ClearsAStaleOnePublishesAndWithdrawsItsOwn) {
   const absl::Status unwritable = ReadyFile(dir + "/no/such/dir/ready.json").Publish("{}\n");
   EXPECT_EQ(unwritable, absl::PermissionDeniedError(
                             dir + "/no/such/dir/ready.json: cannot write: No such file or directory"));
+  // Said before the server serves: by ClearStale, which leaves nothing beside a path it can
+  // write.
+  EXPECT_EQ(ReadyFile(dir + "/no/such/dir/ready.json").ClearStale(ReadyFile::Holder::kThisRun),
+            absl::PermissionDeniedError(
+                dir + "/no/such/dir/ready.json: cannot write: No such file or directory"));
+  EXPECT_TRUE(ReadyFile(dir + "/fresh.json").ClearStale(ReadyFile::Holder::kThisRun).ok());
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    EXPECT_FALSE(absl::StrContains(entry.path().filename().string(), "fresh.json"))
+        << entry.path();
+  }
   EXPECT_TRUE(ReadyFile().ClearStale(ReadyFile::Holder::kThisRun).ok());
   EXPECT_TRUE(ReadyFile().Publish("{}\n").ok());
   std::filesystem::remove_all(dir);
