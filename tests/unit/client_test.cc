@@ -508,6 +508,23 @@ class SilentFdSocket {
   std::thread thread_;  // Last: starts after the members it uses.
 };
 
+// On ubepd's side of a rank's fd connection: takes a REFRESH and answers it with `node`'s
+// arenas one arena epoch ahead (as a Join after a peer daemon's restart says), running
+// `before_reply` just before the reply goes; then holds the connection until the rank
+// detaches (ubepd's fd socket holds it while the rank is attached).
+void AnswerRefreshThenHold(daemon::Node& node, int connection,
+                           const std::function<void()>& before_reply = [] {}) {
+  absl::StatusOr<ReceivedMessage> refresh = ReceiveMessage(connection, 4096, absl::Seconds(30));
+  ASSERT_TRUE(refresh.ok()) << refresh.status();
+  ASSERT_EQ(refresh->bytes, kArenaRefreshRequest);
+  absl::StatusOr<std::pair<uint64_t, std::vector<UniqueFd>>> arenas = node.RefreshArenas(1);
+  ASSERT_TRUE(arenas.ok()) << arenas.status();
+  before_reply();
+  ASSERT_TRUE(
+      SendMessage(connection, absl::StrCat("OK ", arenas->first + 1), RawFds(arenas->second)).ok());
+  (void)ReceiveMessage(connection, 4096, absl::Seconds(30));
+}
+
 // ubepd's fd socket for one client, answering from `node`: the claim of the arenas, then
 // each REFRESH with two replies, as when an earlier refresh's reply comes late: first one of
 // an older arena epoch carrying fds of no arena, then the node's arenas under `epoch_offset`
@@ -617,16 +634,7 @@ TEST(ClientTest, TheLateRefusalOfARefreshThatGaveUpIsNotTheNextRefreshsAnswer) {
     ASSERT_EQ(first->bytes, kArenaRefreshRequest);
     ASSERT_TRUE(test::WaitFor([&] { return gave_up.load(); }, absl::Seconds(30)));
     ASSERT_TRUE(SendMessage(connection.get(), "ERR the group's arenas are not all mapped", {}).ok());
-    absl::StatusOr<ReceivedMessage> second = ReceiveMessage(connection.get(), 4096, absl::Seconds(30));
-    ASSERT_TRUE(second.ok()) << second.status();
-    ASSERT_EQ(second->bytes, kArenaRefreshRequest);
-    absl::StatusOr<std::pair<uint64_t, std::vector<UniqueFd>>> arenas = ubepd.node().RefreshArenas(1);
-    ASSERT_TRUE(arenas.ok()) << arenas.status();
-    ASSERT_TRUE(SendMessage(connection.get(), absl::StrCat("OK ", arenas->first + 1),
-                            RawFds(arenas->second))
-                    .ok());
-    // Open until the rank detaches (ubepd's fd socket holds the connection while attached).
-    (void)ReceiveMessage(connection.get(), 4096, absl::Seconds(30));
+    AnswerRefreshThenHold(ubepd.node(), connection.get());
   });
   ClientOptions options;
   options.socket_path = socket;
@@ -666,17 +674,9 @@ TEST(ClientTest, ARefreshWhoseFdsDoNotFitThisProcessIsResourceExhausted) {
     ASSERT_EQ(poll(&p, 1, 10000), 1);
     UniqueFd connection(accept(listener.get(), nullptr, nullptr));
     ASSERT_NO_FATAL_FAILURE(AnswerClaim(ubepd.node(), connection.get(), 1));
-    absl::StatusOr<ReceivedMessage> refresh = ReceiveMessage(connection.get(), 4096, absl::Seconds(30));
-    ASSERT_TRUE(refresh.ok()) << refresh.status();
-    ASSERT_EQ(refresh->bytes, kArenaRefreshRequest);
-    absl::StatusOr<std::pair<uint64_t, std::vector<UniqueFd>>> arenas = ubepd.node().RefreshArenas(1);
-    ASSERT_TRUE(arenas.ok()) << arenas.status();
-    for (int fd; (fd = open("/dev/null", O_RDONLY | O_CLOEXEC)) >= 0;) taken.emplace_back(fd);
-    ASSERT_TRUE(SendMessage(connection.get(), absl::StrCat("OK ", arenas->first + 1),
-                            RawFds(arenas->second))
-                    .ok());
-    // Open until the rank detaches (ubepd's fd socket holds the connection while attached).
-    (void)ReceiveMessage(connection.get(), 4096, absl::Seconds(30));
+    AnswerRefreshThenHold(ubepd.node(), connection.get(), [&] {
+      for (int fd; (fd = open("/dev/null", O_RDONLY | O_CLOEXEC)) >= 0;) taken.emplace_back(fd);
+    });
   });
   ClientOptions options;
   options.socket_path = socket;
