@@ -7,6 +7,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/logging.h"
 #include "kernels/host/rank_arena.h"
 
 namespace ubep::daemon {
@@ -87,9 +88,23 @@ void DaemonMetrics::Harvest() {
   std::optional<std::pair<int, int>> hosted;
   absl::StatusOr<std::vector<std::vector<uint64_t>>> loads =
       node_->ReadLoads(&arenas_created, &hosted);
-  if (!loads.ok()) return;  // Logged by the node; the next harvest tries again.
-  const std::vector<std::vector<uint64_t>>& rank_load = *loads;  // [layer][rank]
   MutexLock lock(&mu_);
+  if (!loads.ok()) {
+    // Said, once a minute while the same reason lasts (the balancer link says it only with
+    // --balancer): else the load metrics stand still without a word. The next harvest tries
+    // again.
+    const absl::Time now = absl::Now();
+    if (loads.status().message() != read_failure_ || now - read_failure_said_ >= absl::Minutes(1)) {
+      UBEP_LOG(WARNING) << "metrics: cannot read the load counters (the load metrics stand "
+                           "still until they can): "
+                        << loads.status().message();
+      read_failure_ = std::string(loads.status().message());
+      read_failure_said_ = now;
+    }
+    return;
+  }
+  read_failure_.clear();
+  const std::vector<std::vector<uint64_t>>& rank_load = *loads;  // [layer][rank]
   Harvested& h = harvested_;
   if (arenas_created != h.arenas_created || rank_load.size() != h.last_rank_load.size() ||
       (!rank_load.empty() && rank_load[0].size() != h.last_rank_load[0].size())) {

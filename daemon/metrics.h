@@ -55,6 +55,8 @@ class DaemonMetrics : public prometheus::Collectable {
   std::atomic<const BalancerLinkStats*> link_stats_{nullptr};
   mutable Mutex mu_;
   Harvested harvested_ ABSL_GUARDED_BY(mu_);
+  std::string read_failure_ ABSL_GUARDED_BY(mu_);  // Why the last harvest's read failed.
+  absl::Time read_failure_said_ ABSL_GUARDED_BY(mu_);
   PeriodicThread thread_;  // Last: starts after the members it uses.
 };
 

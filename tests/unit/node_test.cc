@@ -29,6 +29,7 @@
 #include <sys/stat.h>
 #include <filesystem>
 
+#include "absl/strings/match.h"
 #include "balancer/formats/proto_convert.h"
 #include "balancer/core/plan.h"
 #include "gmock/gmock.h"
@@ -1250,6 +1251,29 @@ TEST(NodeTest, LoadCountersAKilledClientLeftMidUpdateAreTakenAsTheyStandOnceItIs
   EXPECT_THAT(loads->slots[0], ElementsAre(3, 0, 0, 0, 4, 0, 0, 0));
   EXPECT_THAT(loads->dispatches[0], ElementsAre(1, 1));
   EXPECT_EQ(std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(arena1 + ep.load_seq)).load(), 2u);
+}
+
+// A harvest whose read of the load counters fails (here a held rank's layer mid-update) says
+// so, once while the same reason lasts (a ubepd without --balancer said nothing, and its load
+// metrics stood still).
+TEST(NodeTest, AHarvestThatCannotReadTheLoadCountersSaysSoOnce) {
+  Node node(Options());
+  Attached a0 = AttachAndClaim(node, 0, 2, 1);
+  Attached a1 = AttachAndClaim(node, 1, 2, 2);
+  const kernels::ArenaLayout ep(ConfigOf(2));
+  std::byte* arena1 = a1.arenas[1].data() + a1.layout.ep;
+  std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(arena1 + ep.load_seq)).store(1);
+  DaemonMetrics metrics(&node, absl::Hours(1));  // Harvests when the test calls it.
+  testing::internal::CaptureStderr();
+  metrics.Harvest();
+  metrics.Harvest();
+  const std::string said = testing::internal::GetCapturedStderr();
+  const std::string why =
+      "metrics: cannot read the load counters (the load metrics stand still until they can): "
+      "rank 1: load counters of layer 0 kept changing for 100ms (sequence 1): their owner "
+      "stopped mid-update\n";
+  EXPECT_TRUE(absl::EndsWith(said, why)) << said;
+  EXPECT_EQ(said.find(why), said.size() - why.size()) << said;  // Once.
 }
 
 // A report whose answer does not come may have been taken: it goes again as it was, under
