@@ -32,6 +32,11 @@ const char* NotRegularKind(mode_t mode) {
 using Json = nlohmann::json;
 
 
+// A file that cannot be made at `path` (errno `error`), as the writers and ReadyFile say it.
+absl::Status CannotWrite(const std::string& path, int error) {
+  return absl::PermissionDeniedError(absl::StrCat(path, ": cannot write: ", std::strerror(error)));
+}
+
 absl::Status Bad(const std::string& name, const std::string& field, const std::string& problem) {
   return absl::InvalidArgumentError(absl::StrCat(name, ": ", field, ": ", problem));
 }
@@ -284,7 +289,7 @@ absl::Status WriteTextFile(const std::string& path, const std::string& text) {
     if (fd < 0 && errno != EEXIST) break;
   }
   if (fd < 0) {
-    return absl::PermissionDeniedError(absl::StrCat(path, ": cannot write: ", std::strerror(errno)));
+    return CannotWrite(path, errno);
   }
   auto fail = [&](const char* what) {
     const int error = errno;
@@ -352,7 +357,7 @@ absl::Status ReadyFile::CheckWritable() const {
   const std::string probe = absl::StrCat(path_, ".tmp.", getpid(), ".probe");
   const int fd = open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   if (fd < 0 && errno != EEXIST) {
-    return absl::PermissionDeniedError(absl::StrCat(path_, ": cannot write: ", std::strerror(errno)));
+    return CannotWrite(path_, errno);
   }
   if (fd >= 0) {
     close(fd);
