@@ -783,7 +783,15 @@ absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl
   // gives up withdraws its ticket, so that no later generation counts a rank not joining.
   auto give_up = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     ranks_[rank].joining = false;
-    StoreWord(own->join_ticket, 0);
+    WithdrawTicket(rank);
+  };
+  auto joined = [&](uint64_t generation) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    ranks_[rank].joining = false;
+    v1::JoinResponse response;
+    response.set_generation(generation);
+    response.set_resume_step(LoadWord(own->resume_step));
+    response.set_arena_epoch(arena_epoch_);
+    return response;
   };
   while (true) {
     if (!still_mine()) {
@@ -795,14 +803,7 @@ absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl
       return absl::UnavailableError(kDraining);
     }
     const uint64_t generation = LoadWord(own->generation);
-    if (generation >= ticket && !plan_.excluded(rank)) {
-      ranks_[rank].joining = false;
-      v1::JoinResponse response;
-      response.set_generation(generation);
-      response.set_resume_step(LoadWord(own->resume_step));
-      response.set_arena_epoch(arena_epoch_);
-      return response;
-    }
+    if (generation >= ticket && !plan_.excluded(rank)) return joined(generation);
     if (plan_.excluded(rank) && GroupGeneration() >= ticket) {
       // The group formed without this rank: ask for the generation after.
       ticket = GroupGeneration() + 1;
@@ -814,7 +815,20 @@ absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl
       return draining_ || !still_mine();
     }, std::min(absl::Milliseconds(1), until - now));
   }
+  if (options_.join_expiring_hook) options_.join_expiring_hook(rank);
   give_up();
+  // The lead daemon of a group across daemons may have formed it on this ticket just now,
+  // and looked at the tickets again (TryFormGroup) before the withdrawal: the withdrawal and
+  // the look at the generation here pair (sequentially consistent) with its publishing and
+  // that look, so that either the lead saw the ticket gone and stops the group, or the rank
+  // is in the group and is told so here, rather than told that the group did not form while
+  // its peers wait for it in the data plane until their own waits time out.
+  if (const uint64_t generation =
+          std::atomic_ref<uint64_t>(own->generation).load(std::memory_order_seq_cst);
+      generation >= ticket && !plan_.excluded(rank)) {
+    StoreWord(own->join_ticket, ticket);  // As a rank that joined in time leaves it.
+    return joined(generation);
+  }
   if (plan_.excluded(rank)) {
     return absl::DeadlineExceededError(absl::StrCat(
         "rank ", rank, " is excluded from the EP group by plan v", plan_.version,
@@ -833,6 +847,15 @@ absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl
         ", a change of members, is prepared here and undecided (the group forms once the "
         "balancer commits or aborts it)"));
   }
+  const std::string did_not_form =
+      absl::StrCat("the group of ", ranks_.size(), " ranks did not form in time");
+  // A restarted daemon's ranks: their tickets here are in its old arenas, whatever they say.
+  if (const std::string stale = StaleMembers(plan_); !stale.empty()) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        did_not_form, ": the daemon of rank", stale, " restarted and its new arenas are not "
+        "mapped here yet (they are once a committed plan excludes them, which the balancer "
+        "makes)"));
+  }
   std::vector<std::string> missing;
   for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) {
     if (r == rank || plan_.excluded(r) || LoadWord(Ctl(r)->join_ticket) == ticket) continue;
@@ -840,9 +863,29 @@ absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl
                                       : ranks_[r].state == RankState::kFree ? " (not attached)"
                                                                             : ""));
   }
+  if (!missing.empty()) {
+    return absl::DeadlineExceededError(absl::StrCat(did_not_form, "; waiting for rank",
+                                                    missing.size() == 1 ? " " : "s ",
+                                                    absl::StrJoin(missing, ", ")));
+  }
+  // Every member asks for this generation: the group's lead daemon has not formed it.
+  std::vector<int> uncommitted;
+  for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) {
+    if (!plan_.excluded(r) && !CommittedIn(arenas_[r].data() + layout_.plan, plan_.version)) {
+      uncommitted.push_back(r);
+    }
+  }
+  if (!uncommitted.empty()) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        did_not_form, ": every member joined, and the daemon of rank",
+        uncommitted.size() == 1 ? " " : "s ", absl::StrJoin(uncommitted, ", "),
+        " has not committed plan v", plan_.version, " (the group forms once every member runs "
+        "it)"));
+  }
   return absl::DeadlineExceededError(absl::StrCat(
-      "the group of ", ranks_.size(), " ranks did not form in time; waiting for rank",
-      missing.size() == 1 ? " " : "s ", absl::StrJoin(missing, ", ")));
+      did_not_form, ": every member joined, and the daemon of rank ", LowestActive(),
+      ", which forms the group, has not formed it (is it up, and has it mapped every rank's "
+      "arenas?)"));
 }
 
 absl::Status Node::Detach(const v1::DetachRequest& request) {

@@ -75,6 +75,9 @@ struct NodeOptions {
   // Tests only: called by the lead's TryFormGroup, under the node's lock, once every member's
   // join ticket was read and before the group is published.
   std::function<void()> forming_hook;
+  // Tests only: called by Join, under the node's lock, once its wait for the group has run
+  // out and before the rank's join ticket is withdrawn.
+  std::function<void(int rank)> join_expiring_hook;
   // Without plan_path: the cluster's plan in force, if there is one (ubepd asks the balancer,
   // bounded, and ending before the Attach's deadline by the margin its answer needs: the
   // `deadline` passed). A new group starts under it when its

@@ -1542,6 +1542,109 @@ TEST(NodeTest, AGroupFormedAsAPeerDaemonsRankLeftIsStoppedNamingIt) {
   }
 }
 
+// Rank 3's Join on node b runs out of time just as the lead daemon (a, of rank 0) forms the
+// group on its ticket, and a's second look at the tickets comes before b withdraws it: the
+// group runs with rank 3 in it. Its Join says so (the generation), rather than that the
+// group did not form, which would leave ranks 0-2 waiting for rank 3 in the data plane until
+// their own waits time out.
+TEST(NodeTest, AJoinThatRunsOutAsThePeerLeadFormsTheGroupOnItsTicketJoins) {
+  GroupOfFour* g = nullptr;
+  std::array<absl::StatusOr<v1::JoinResponse>, 2> lead_joins;
+  bool once = false;
+  NodeOptions options_b = Hosting(2);
+  options_b.join_expiring_hook = [&](int rank) {
+    if (rank != 3 || std::exchange(once, true)) return;
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    std::thread join0([&] { lead_joins[0] = g->a.Join(JoinOf(0, g->t.x0.token), deadline); });
+    lead_joins[1] = g->a.Join(JoinOf(1, g->x1.token), deadline);
+    join0.join();
+  };
+  GroupOfFour four(Hosting(0), options_b);
+  g = &four;
+  auto control = [&](int r) {
+    return kernels::ControlOf(four.t.x0.arenas[r].data(), four.t.x0.layout);
+  };
+  absl::StatusOr<v1::JoinResponse> join2;
+  std::thread rank2([&] {
+    join2 = four.b.Join(JoinOf(2, four.t.x2.token), absl::Now() + absl::Seconds(30));
+  });
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (std::atomic_ref<uint64_t>(control(2)->join_ticket).load() != 1 && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  const absl::StatusOr<v1::JoinResponse> join3 =
+      four.b.Join(JoinOf(3, four.x3.token), absl::Now() + absl::Seconds(1));
+  rank2.join();
+  ASSERT_TRUE(once);
+  ASSERT_TRUE(join3.ok()) << join3.status();
+  EXPECT_EQ(join3->generation(), 1u);
+  ASSERT_TRUE(join2.ok()) << join2.status();
+  EXPECT_EQ(join2->generation(), 1u);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(lead_joins[r].ok()) << "rank " << r << ": " << lead_joins[r].status();
+    EXPECT_EQ(lead_joins[r]->generation(), 1u);
+  }
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(AbortWord(four.t.x0, r, 4), 0u) << "rank " << r;
+    EXPECT_EQ(std::atomic_ref<const uint32_t>(control(r)->group_state).load(),
+              kernels::kGroupReady)
+        << "rank " << r;
+    EXPECT_EQ(std::atomic_ref<const uint64_t>(control(r)->join_ticket).load(), 1u) << "rank " << r;
+  }
+}
+
+// A rank's join ticket as its daemon would write it, in the arenas `x` holds.
+void SetTicket(const Attached& x, int rank, uint64_t ticket) {
+  std::atomic_ref<uint64_t>(kernels::ControlOf(x.arenas[rank].data(), x.layout)->join_ticket)
+      .store(ticket);
+}
+
+// Every member asks for the generation, and still the group does not form: a Join that runs
+// out says what holds it back (it used to say "waiting for ranks " and name none). Here: the
+// lead daemon (a, of rank 0) does not form it, for no call of a's looks at the tickets.
+TEST(NodeTest, AJoinThatRunsOutWithEveryMemberJoinedNamesTheLeadDaemon) {
+  GroupOfFour g;
+  for (int r : {0, 1, 3}) SetTicket(g.t.x0, r, 1);
+  EXPECT_EQ(g.b.Join(JoinOf(2, g.t.x2.token), absl::Now() + absl::Milliseconds(300)).status(),
+            absl::DeadlineExceededError(
+                "the group of 4 ranks did not form in time: every member joined, and the daemon "
+                "of rank 0, which forms the group, has not formed it (is it up, and has it "
+                "mapped every rank's arenas?)"));
+}
+
+// ... a member's daemon has not committed the plan in force here.
+TEST(NodeTest, AJoinThatRunsOutWithEveryMemberJoinedNamesTheDaemonsBehindOnThePlan) {
+  GroupOfFour g;
+  const v1::PrepareResponse prepared = g.a.Prepare(FourRankPlan(2, {}), 10);
+  ASSERT_TRUE(prepared.prepared()) << prepared.reason();
+  ASSERT_TRUE(g.a.Commit(2).ok());
+  for (int r : {1, 2, 3}) SetTicket(g.t.x0, r, 1);
+  EXPECT_EQ(g.a.Join(JoinOf(0, g.t.x0.token), absl::Now() + absl::Milliseconds(300)).status(),
+            absl::DeadlineExceededError(
+                "the group of 4 ranks did not form in time: every member joined, and the daemon "
+                "of ranks 2, 3 has not committed plan v2 (the group forms once every member runs "
+                "it)"));
+}
+
+// ... a member's daemon restarted: the tickets read are in its old arenas (it died as its
+// ranks joined), and the group waits for a plan that excludes them.
+TEST(NodeTest, AJoinThatRunsOutWithARestartedMembersDaemonNamesIt) {
+  Node a(Hosting(0));
+  auto b = std::make_unique<Node>(Hosting(2));
+  const TwoNodes t = AttachTwoNodes(a, *b);
+  const Attached x1 = AttachAndClaim(a, 1, 4, 3);
+  for (int r : {1, 2, 3}) SetTicket(t.x0, r, 1);
+  b = std::make_unique<Node>(Hosting(2));  // The daemon of ranks 2-3 restarts.
+  const Attached y2 =
+      Claim(*b, AttachMapping(*b, 2, [&] { EXPECT_TRUE(MapPeer(*b, a, "a-1").ok()); }), 3);
+  ASSERT_TRUE(a.PeerArenasWanted(2, 2, "b-2"));
+  EXPECT_EQ(a.Join(JoinOf(0, t.x0.token), absl::Now() + absl::Milliseconds(300)).status(),
+            absl::DeadlineExceededError(
+                "the group of 4 ranks did not form in time: the daemon of ranks 2, 3 restarted "
+                "and its new arenas are not mapped here yet (they are once a committed plan "
+                "excludes them, which the balancer makes)"));
+}
+
 // As above, with node b draining instead: its ranks' Joins say so (not the group formed
 // meanwhile), and the words the lead reset say again that they drain, so that their clients
 // detach (must_attach_again) rather than join the draining daemon again.
