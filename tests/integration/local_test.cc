@@ -381,12 +381,16 @@ TEST_F(LocalTest, AReceiveCapacityDropsTheStepsOnEveryRankAndTheReportCountsThem
                 path("local.out"));
   ASSERT_EQ(local.Wait(absl::Seconds(120)), 0) << ReadFile(path("local.out"));
   EXPECT_THAT(ReadFile(path("local.out")),
-              HasSubstr("every step correct, 60 steps dropped over the receive capacity"));
+              HasSubstr("no step served, 60 steps dropped over the receive capacity"));
   const nlohmann::json r = nlohmann::json::parse(ReadFile(report + "/report.json"));
   EXPECT_EQ(r["max_recv_rows"], 1);
   EXPECT_EQ(r["dropped_steps"], 60);
+  EXPECT_EQ(r["served_steps"], 0);
   EXPECT_EQ(r["last_dropped_step"], 59);
   EXPECT_EQ(r["correct"], true);
+  EXPECT_THAT(ReadFile(report + "/report.md"),
+              HasSubstr("| every step equal to its float64 reference | no step served (each was "
+                        "dropped over the receive capacity) |"));
   // A picture, also where the run ended before the balancer closed an interval (no
   // imbalance over time: the two load panels alone).
   EXPECT_EQ(r["picture"], "report.png");

@@ -765,6 +765,13 @@ int Run(int argc, char** argv) {
     if (before_end.has_value() && at < before_end_step) ++dropped_before;
     if (after_start.has_value() && at >= after_start_step) ++dropped_after;
   }
+  // Of a correct run: the steps served were each equal to their reference; where some or all
+  // were dropped over the receive capacity the summary says so, not "every step".
+  const int served = steps - dropped;
+  const std::string verdict = !correct        ? "NOT CORRECT"
+                              : dropped == 0  ? "every step correct"
+                              : served <= 0   ? "no step served"
+                                              : "every served step correct";
   const double duration = absl::ToDoubleSeconds(ubep::MonotonicNow() - start);
   std::vector<double> before_layers, after_layers;
   const double imbalance_before =
@@ -797,6 +804,8 @@ int Run(int argc, char** argv) {
       // in the before window (steps [0, before_end_step)) and the after window (from
       // after_start_step on); null where the run has no such window.
       {"dropped_steps", dropped},
+      // Steps every rank ran and checked: null where the run was interrupted.
+      {"served_steps", interrupted.load() ? nlohmann::json() : nlohmann::json(served)},
       {"dropped_steps_before", before_end ? nlohmann::json(dropped_before) : nlohmann::json()},
       {"dropped_steps_after", after_start ? nlohmann::json(dropped_after) : nlohmann::json()},
       {"last_dropped_step", last_dropped},  // -1: none.
@@ -908,7 +917,10 @@ int Run(int argc, char** argv) {
              : std::string("-"))
      << " |\n"
      << "| every step equal to its float64 reference | "
-     << (correct ? std::string("yes")
+     << (correct ? (dropped == 0   ? std::string("yes")
+                    : served <= 0  ? std::string("no step served (each was dropped over the "
+                                                 "receive capacity)")
+                                   : absl::StrCat("yes, the ", served, " served"))
                  : problems.empty() ? std::string("NO")
                                     : absl::StrCat("NO: ", absl::StrJoin(problems, "; ")))
      << " |\n"
@@ -946,7 +958,7 @@ int Run(int argc, char** argv) {
       fmt(imbalance_before), fmt(imbalance_after), committed, migrated,
       std::isfinite(dispatch_p50 + combine_p50)
           ? absl::StrFormat("%.0f", (dispatch_p50 + combine_p50) * 1e6)
-          : std::string("-"), correct ? "every step correct" : "NOT CORRECT",
+          : std::string("-"), verdict,
       dropped == 0 ? std::string()
                    : absl::StrFormat(", %d steps dropped over the receive capacity (%s before, "
                                      "%s after, the last at step %d)",
