@@ -90,8 +90,8 @@ if [[ -n $pack ]]; then
     [[ ${#unusable[@]} == 0 ]] || exit 2
     exit 0
   fi
-  # The tests start ubepd and ubep-balancer from the pack; the bench reads data/ from here.
-  export UBEP_BIN_DIR=$bin UBEP_SOURCE_DIR=$PWD
+  # The tests start ubepd and ubep-balancer from the pack.
+  export UBEP_BIN_DIR=$bin
 else
   cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DUBEP_ENABLE_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90 -DUBEP_BUILD_TESTS=ON >/dev/null
