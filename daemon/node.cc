@@ -1326,9 +1326,15 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
   }
   // Per rank, the plan buffer holding the plan in force in its own arena (a daemon that
   // caught up on the cluster's plan may have another parity than its peers).
+  // A daemon whose ranks the plan all excludes stages nothing, and reads no peer's slot map:
+  // the peers' areas need not hold its plan (they keep the last two of theirs, and a daemon cut
+  // off from the balancer while the others committed two plans or more is behind by as many;
+  // the plan that catches it up excludes its ranks).
+  bool stages = false;
+  for (int r = first_; r < first_ + hosted_; ++r) stages |= !plan.excluded(r);
   std::vector<int> current(R, -1);
   for (int r = 0; r < R; ++r) {
-    if (!Hosted(r) && plan_.excluded(r)) continue;  // Never a holder: see below.
+    if (!Hosted(r) && (plan_.excluded(r) || !stages)) continue;  // Never a holder: see below.
     current[r] = PlanBufferOf(plan_.version, r);
     if (current[r] < 0) {
       return fail(absl::StrCat("plan v", plan_.version, " is not in the plan area of rank ", r));

@@ -2199,6 +2199,51 @@ TEST(NodeTest, APeersNewArenasReplaceTheStaleOnesOnlyWhileItsRanksAreExcluded) {
   EXPECT_EQ(joined.status(), absl::FailedPreconditionError("rank 0 detached while joining"));
 }
 
+// Node b is cut off while node a commits plans v2 (without ranks 2-3) and v3 (with them
+// again): a's plan areas keep v2 and v3, not b's v1. The plan that catches b up excludes its
+// ranks, so it stages nothing and reads none of a's slot maps: b takes it (it refused it,
+// "plan v1 is not in the plan area of rank 0", at every try, for good), and its ranks stop.
+TEST(NodeTest, ADaemonTwoPlansBehindTakesThePlanThatExcludesItsRanks) {
+  Node a(Hosting(0));
+  Node b(Hosting(2));
+  const TwoNodes t = AttachTwoNodes(a, b);
+  // A change of members waits for the hosted ranks to stop: ranks 0 and 2 wait in Join (ranks
+  // 1 and 3 never attach, so no group forms).
+  absl::StatusOr<v1::JoinResponse> joined0, joined2;
+  std::thread join0([&] { joined0 = a.Join(JoinOf(0, t.x0.token), absl::Now() + absl::Seconds(30)); });
+  std::thread join2([&] { joined2 = b.Join(JoinOf(2, t.x2.token), absl::Now() + absl::Seconds(30)); });
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while ((a.Snapshot().joining == 0 || b.Snapshot().joining == 0) && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  for (const auto& [version, excluded] :
+       std::vector<std::pair<uint64_t, std::vector<int>>>{{2, {2, 3}}, {3, {}}}) {
+    const v1::PrepareResponse prepared = a.Prepare(FourRankPlan(version, excluded), 10);
+    ASSERT_TRUE(prepared.prepared()) << "v" << version << ": " << prepared.reason();
+    ASSERT_TRUE(a.Commit(version).ok()) << "v" << version;
+  }
+  const v1::PrepareResponse prepared = b.Prepare(FourRankPlan(4, {2, 3}), 10);
+  ASSERT_TRUE(prepared.prepared()) << prepared.reason();
+  EXPECT_EQ(prepared.copied_slots(), 0u);
+  ASSERT_TRUE(b.Commit(4).ok());
+  EXPECT_EQ(b.State().committed_version(), 4u);
+  EXPECT_EQ(AbortWord(t.x0, 2, 4), kernels::kAbortMembership);
+  EXPECT_EQ(AbortWord(t.x0, 3, 4), kernels::kAbortMembership);
+  // A plan that keeps b's ranks still reads the holders' maps, and still cannot be taken.
+  const v1::PrepareResponse keeping = b.Prepare(FourRankPlan(5, {}), 10);
+  EXPECT_FALSE(keeping.prepared());
+  for (auto [node, rank, token] : {std::tuple(&a, 0, t.x0.token), std::tuple(&b, 2, t.x2.token)}) {
+    v1::DetachRequest detach;
+    detach.set_rank(rank);
+    detach.set_token(token);
+    EXPECT_TRUE(node->Detach(detach).ok()) << "rank " << rank;
+  }
+  join0.join();
+  join2.join();
+  EXPECT_EQ(joined0.status(), absl::FailedPreconditionError("rank 0 detached while joining"));
+  EXPECT_EQ(joined2.status(), absl::FailedPreconditionError("rank 2 detached while joining"));
+}
+
 // Data-plane settings come from each daemon's flags, not from the clients' shape: a peer whose
 // arenas were laid out for other ones (here flagged rows, then bsp) is refused by name before
 // its arena size is compared, and nothing is mapped.
