@@ -171,6 +171,21 @@ bool CommittedIn(void* area, uint64_t version) {
   return false;
 }
 
+// The newest version the plan area at `area` holds committed (0: none).
+uint64_t NewestCommittedIn(void* area) {
+  uint64_t newest = 0;
+  for (int b = 0; b < 2; ++b) {
+    const kernels::PlanSlotHeader* slot = kernels::PlanSlot(area, b);
+    const uint64_t version = LoadWord(slot->version);
+    if (std::atomic_ref<const uint32_t>(slot->state).load(std::memory_order_acquire) ==
+            kernels::kCommitted &&
+        LoadWord(slot->version) == version) {
+      newest = std::max(newest, version);
+    }
+  }
+  return newest;
+}
+
 }  // namespace
 
 Node::Node(NodeOptions options) : options_(std::move(options)) {}
@@ -676,6 +691,19 @@ uint64_t Node::EffectiveStepOf(uint64_t version) const {
   return 0;
 }
 
+std::vector<std::pair<int, uint64_t>> Node::MembersBehindOrAhead() const {
+  std::vector<std::pair<int, uint64_t>> others;
+  for (int r = 0; r < config_.num_ranks; ++r) {
+    if (plan_.excluded(r)) continue;
+    void* area = arenas_[r].data() + layout_.plan;
+    const uint64_t newest = NewestCommittedIn(area);
+    if (newest > plan_.version || !CommittedIn(area, plan_.version)) others.emplace_back(r, newest);
+  }
+  std::stable_sort(others.begin(), others.end(),
+                   [](const auto& x, const auto& y) { return x.second > y.second; });
+  return others;
+}
+
 void Node::TryFormGroup() {
   const int lead = LowestActive();
   if (!Hosted(lead) || !AllArenasMapped()) return;
@@ -691,10 +719,10 @@ void Node::TryFormGroup() {
     if (LoadWord(Ctl(r)->join_ticket) != next) return;
     resume = std::min(resume, LoadWord(Ctl(r)->next_step));
   }
-  // Every member runs the plan this daemon has committed: its peers must have committed it too.
-  for (int r = 0; r < R; ++r) {
-    if (!plan_.excluded(r) && !CommittedIn(arenas_[r].data() + layout_.plan, plan_.version)) return;
-  }
+  // Every member runs the plan this daemon has committed: its peers must have committed it
+  // too, and none a newer one (this daemon is behind: the balancer could not reach it as it
+  // committed a plan that may take this lead's ranks out, whose own lead forms the group).
+  if (!MembersBehindOrAhead().empty()) return;
   if (resume == kernels::kNoNextStep) resume = 0;
   if (options_.forming_hook) options_.forming_hook();
   // Every member is in Join: nobody runs the data plane while its words are reset, and the
@@ -849,6 +877,19 @@ absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl
   }
   const std::string did_not_form =
       absl::StrCat("the group of ", ranks_.size(), " ranks did not form in time");
+  // Members on another plan: ahead (this daemon missed a commit) or behind.
+  if (const std::vector<std::pair<int, uint64_t>> others = MembersBehindOrAhead();
+      !others.empty() && others.front().second > plan_.version) {
+    std::vector<int> ahead;
+    for (const auto& [r, version] : others) {
+      if (version == others.front().second) ahead.push_back(r);
+    }
+    return absl::DeadlineExceededError(absl::StrCat(
+        did_not_form, ": the daemon of rank", ahead.size() == 1 ? " " : "s ",
+        absl::StrJoin(ahead, ", "), " committed plan v", others.front().second,
+        ", and this daemon is on v", plan_.version, " (ubep-balancer has not given it the "
+        "plan: is its link to the balancer down?)"));
+  }
   // A restarted daemon's ranks: their tickets here are in its old arenas, whatever they say.
   if (const std::string stale = StaleMembers(plan_); !stale.empty()) {
     return absl::DeadlineExceededError(absl::StrCat(
@@ -870,11 +911,7 @@ absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl
   }
   // Every member asks for this generation: the group's lead daemon has not formed it.
   std::vector<int> uncommitted;
-  for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) {
-    if (!plan_.excluded(r) && !CommittedIn(arenas_[r].data() + layout_.plan, plan_.version)) {
-      uncommitted.push_back(r);
-    }
-  }
+  for (const auto& [r, version] : MembersBehindOrAhead()) uncommitted.push_back(r);
   if (!uncommitted.empty()) {
     return absl::DeadlineExceededError(absl::StrCat(
         did_not_form, ": every member joined, and the daemon of rank",

@@ -340,6 +340,10 @@ class Node {
   bool AllArenasMapped() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Under the newest committed plan: the lowest rank in the group (its daemon forms it).
   int LowestActive() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The members (under the plan in force here) whose plan area does not hold that plan
+  // committed or holds a newer one committed, with the newest version each holds committed
+  // (0: none), newest first.
+  std::vector<std::pair<int, uint64_t>> MembersBehindOrAhead() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The newest generation any arena shows (excluded ranks' arenas lag).
   uint64_t GroupGeneration() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A plan's effective step as the plan area has it (formation may move it earlier).

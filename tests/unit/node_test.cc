@@ -1593,6 +1593,65 @@ TEST(NodeTest, AJoinThatRunsOutAsThePeerLeadFormsTheGroupOnItsTicketJoins) {
   }
 }
 
+// Node a is cut off from the balancer as node b commits plan v2, which takes ranks 0-1 (a's)
+// out; its ranks rejoin on a, which still leads under v1. As b forms the group of ranks 2-3,
+// every ticket asks for generation 1 and v1 is still committed in b's other plan buffer: a
+// sees that b's ranks committed a newer plan and forms nothing (it used to form a group of
+// four over b's, both generation 1, and reset the words of ranks b's group was running), and
+// its Joins say why.
+TEST(NodeTest, ADaemonBehindOnAChangeOfMembersFormsNoGroupOverTheNewOne) {
+  GroupOfFour* g = nullptr;
+  std::array<absl::StatusOr<v1::JoinResponse>, 2> behind;
+  bool once = false;
+  NodeOptions options_b = Hosting(2);
+  options_b.forming_hook = [&] {
+    if (std::exchange(once, true)) return;
+    const absl::Time deadline = absl::Now() + absl::Milliseconds(500);
+    std::thread join0([&] { behind[0] = g->a.Join(JoinOf(0, g->t.x0.token), deadline); });
+    behind[1] = g->a.Join(JoinOf(1, g->x1.token), deadline);
+    join0.join();
+  };
+  GroupOfFour four(Hosting(0), options_b);
+  g = &four;
+  std::array<absl::StatusOr<v1::JoinResponse>, 2> joined;
+  std::thread join2([&] {
+    joined[0] = four.b.Join(JoinOf(2, four.t.x2.token), absl::Now() + absl::Seconds(30));
+  });
+  std::thread join3([&] {
+    joined[1] = four.b.Join(JoinOf(3, four.x3.token), absl::Now() + absl::Seconds(30));
+  });
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (four.b.Snapshot().joining < 2 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(1));
+  const v1::PrepareResponse prepared = four.b.Prepare(FourRankPlan(2, {0, 1}), 10);
+  ASSERT_TRUE(prepared.prepared()) << prepared.reason();
+  ASSERT_TRUE(four.b.Commit(2).ok());
+  join2.join();
+  join3.join();
+  ASSERT_TRUE(once);
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(joined[i].ok()) << "rank " << i + 2 << ": " << joined[i].status();
+    EXPECT_EQ(joined[i]->generation(), 1u);
+  }
+  const absl::Status why = absl::DeadlineExceededError(
+      "the group of 4 ranks did not form in time: the daemon of ranks 2, 3 committed plan v2, "
+      "and this daemon is on v1 (ubep-balancer has not given it the plan: is its link to the "
+      "balancer down?)");
+  EXPECT_EQ(behind[0].status(), why);
+  EXPECT_EQ(behind[1].status(), why);
+  for (int r : {2, 3}) {
+    EXPECT_EQ(AbortWord(four.t.x0, r, 4), 0u) << "rank " << r;
+    EXPECT_EQ(std::atomic_ref<const uint32_t>(
+                  kernels::ControlOf(four.t.x0.arenas[r].data(), four.t.x0.layout)->group_state)
+                  .load(),
+              kernels::kGroupReady)
+        << "rank " << r;
+  }
+  // Joined again once b's group runs (a's ranks ask for generation 2): the same answer, not
+  // that ranks 2-3 (running) are awaited.
+  EXPECT_EQ(four.a.Join(JoinOf(0, four.t.x0.token), absl::Now() + absl::Milliseconds(300)).status(),
+            why);
+}
+
 // A rank's join ticket as its daemon would write it, in the arenas `x` holds.
 void SetTicket(const Attached& x, int rank, uint64_t ticket) {
   std::atomic_ref<uint64_t>(kernels::ControlOf(x.arenas[rank].data(), x.layout)->join_ticket)
