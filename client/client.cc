@@ -489,7 +489,7 @@ absl::Status LeaveJoinOfExitedDaemon(RankState& s) {
       std::atomic_ref<uint64_t>(own->join_ticket).exchange(0, std::memory_order_seq_cst);
   const uint64_t generation =
       std::atomic_ref<uint64_t>(own->generation).load(std::memory_order_seq_cst);
-  if (ticket != 0 && generation == ticket) s.generation = generation;
+  if (ticket != 0 && generation == (ticket & ~kernels::kTicketClaimed)) s.generation = generation;
   return StopForDaemonExit(s);
 }
 

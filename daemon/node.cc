@@ -655,11 +655,15 @@ void Node::BreakGroup(int rank, bool rejoining) {
   // only the ranks it is to stop (StopGroup), and a change of members that another daemon
   // never prepared (it failed or was aborted first) leaves that daemon's ranks running the
   // generation, waiting for this rank until their wait timeout. Stop those, naming the rank
-  // (read once: their daemons may change their words meanwhile).
+  // (read once: their daemons may change their words meanwhile). A rank running a generation
+  // holds its ticket for it; one the lead is forming the next generation of reads ready and
+  // the generation before until the lead publishes it, and holds the next one's ticket.
   const uint64_t generation = LoadWord(Ctl(rank)->generation);
   std::vector<bool> running(arenas_.size());
   for (int r = 0; r < static_cast<int>(arenas_.size()); ++r) {
-    running[r] = r != rank && arenas_[r].valid() && ready(r) && LoadWord(Ctl(r)->generation) == generation;
+    running[r] = r != rank && arenas_[r].valid() && ready(r) &&
+                 LoadWord(Ctl(r)->generation) == generation &&
+                 (LoadWord(Ctl(r)->join_ticket) & ~kernels::kTicketClaimed) == generation;
   }
   StopGroup([&](int r) { return !running[r] ? 0u : r == left ? to_left : code; });
 }
@@ -756,13 +760,18 @@ void Node::TryFormGroup() {
   for (int r = 0; r < R; ++r) {
     if (!plan_.excluded(r)) publish(r);
   }
+  if (options_.published_hook) options_.published_hook();
   // A member of a peer daemon may have left (detached, died, its daemon draining) since its
-  // ticket was read, its daemon finding no group formed to stop (BreakGroup, Drain): the
-  // tickets are read again now that the group is published, and the group stopped, naming the
-  // lowest such rank, rather than left running until its peers' waits time out.
+  // ticket was read, its daemon finding no group formed to stop (BreakGroup, Drain), or its
+  // Join run out of time: now that the group is published, each ticket is claimed (a
+  // compare-and-swap, as a Join's withdrawal is: the rank is in the group or it withdrew, not
+  // both), and the group stopped, naming the lowest rank whose ticket is gone, rather than
+  // left running until its peers' waits time out.
   for (int r = 0; r < R; ++r) {
-    if (plan_.excluded(r) ||
-        std::atomic_ref<uint64_t>(Ctl(r)->join_ticket).load(std::memory_order_seq_cst) == next) {
+    uint64_t ticket = next;
+    if (plan_.excluded(r) || std::atomic_ref<uint64_t>(Ctl(r)->join_ticket)
+                                 .compare_exchange_strong(ticket, next | kernels::kTicketClaimed,
+                                                          std::memory_order_seq_cst)) {
       continue;
     }
     UBEP_LOG(WARNING) << "group generation " << next << " formed as rank " << r
@@ -844,18 +853,23 @@ absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl
     }, std::min(absl::Milliseconds(1), until - now));
   }
   if (options_.join_expiring_hook) options_.join_expiring_hook(rank);
-  give_up();
-  // The lead daemon of a group across daemons may have formed it on this ticket just now,
-  // and looked at the tickets again (TryFormGroup) before the withdrawal: the withdrawal and
-  // the look at the generation here pair (sequentially consistent) with its publishing and
-  // that look, so that either the lead saw the ticket gone and stops the group, or the rank
-  // is in the group and is told so here, rather than told that the group did not form while
-  // its peers wait for it in the data plane until their own waits time out.
-  if (const uint64_t generation =
-          std::atomic_ref<uint64_t>(own->generation).load(std::memory_order_seq_cst);
-      generation >= ticket && !plan_.excluded(rank)) {
-    StoreWord(own->join_ticket, ticket);  // As a rank that joined in time leaves it.
-    return joined(generation);
+  ranks_[rank].joining = false;
+  // The lead daemon of a group across daemons may have formed it on this ticket just now:
+  // the ticket is withdrawn only if the lead has not claimed it (TryFormGroup), so that the
+  // rank is told it joined where it is in the group, rather than that the group did not form
+  // while its peers wait for it in the data plane until their own waits time out; and where
+  // the withdrawal wins, the lead stops the group it published.
+  if (uint64_t held = ticket; !std::atomic_ref<uint64_t>(own->join_ticket)
+                                   .compare_exchange_strong(held, 0, std::memory_order_seq_cst)) {
+    if (held == (ticket | kernels::kTicketClaimed) && !plan_.excluded(rank)) {
+      return joined(std::atomic_ref<uint64_t>(own->generation).load(std::memory_order_seq_cst));
+    }
+    WithdrawTicket(rank);
+  } else if (const uint64_t generation = LoadWord(own->generation);
+             generation >= ticket && !plan_.excluded(rank)) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "the group of ", ranks_.size(), " ranks formed (generation ", generation, ") as rank ",
+        rank, "'s join ran out of time, and stops for it: join again"));
   }
   if (plan_.excluded(rank)) {
     return absl::DeadlineExceededError(absl::StrCat(
@@ -899,7 +913,10 @@ absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl
   }
   std::vector<std::string> missing;
   for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) {
-    if (r == rank || plan_.excluded(r) || LoadWord(Ctl(r)->join_ticket) == ticket) continue;
+    if (r == rank || plan_.excluded(r) ||
+        (LoadWord(Ctl(r)->join_ticket) & ~kernels::kTicketClaimed) == ticket) {
+      continue;
+    }
     missing.push_back(absl::StrCat(r, !Hosted(r)                             ? " (on a peer daemon)"
                                       : ranks_[r].state == RankState::kFree ? " (not attached)"
                                                                             : ""));

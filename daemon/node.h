@@ -75,6 +75,9 @@ struct NodeOptions {
   // Tests only: called by the lead's TryFormGroup, under the node's lock, once every member's
   // join ticket was read and before the group is published.
   std::function<void()> forming_hook;
+  // Tests only: called by the lead's TryFormGroup, under the node's lock, once the group is
+  // published and before the members' tickets are claimed.
+  std::function<void()> published_hook;
   // Tests only: called by Join, under the node's lock, once its wait for the group has run
   // out and before the rank's join ticket is withdrawn.
   std::function<void(int rank)> join_expiring_hook;

@@ -31,8 +31,11 @@
 namespace ubep::kernels {
 
 inline constexpr uint32_t kRankControlMagic = 0x43524255;  // "UBRC"
-inline constexpr uint32_t kRankArenaVersion = 6;
+inline constexpr uint32_t kRankArenaVersion = 7;
 inline constexpr uint64_t kNoNextStep = ~uint64_t{0};
+// In RankControl::join_ticket: the lead daemon took the ticket into the generation it formed
+// (a compare-and-swap, as is a Join's withdrawal of its ticket: one of the two wins).
+inline constexpr uint64_t kTicketClaimed = uint64_t{1} << 63;
 
 // RankControl::group_state.
 enum GroupState : uint32_t {
@@ -72,7 +75,8 @@ struct alignas(64) RankControl {
   // Group formation, between the daemons of a group (every daemon maps every arena): the
   // rank's daemon writes next_step, then join_ticket = (rank 0's generation) + 1 when the
   // rank joins; the daemon of rank 0 forms generation g + 1 once every rank's ticket is
-  // g + 1, writing resume_step (the least next_step) before the generation words.
+  // g + 1, writing resume_step (the least next_step) before the generation words, then
+  // claims every ticket (kTicketClaimed).
   uint64_t join_ticket;
   uint64_t next_step;     // kNoNextStep: the rank did not say.
   uint64_t resume_step;

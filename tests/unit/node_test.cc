@@ -1542,6 +1542,12 @@ TEST(NodeTest, AGroupFormedAsAPeerDaemonsRankLeftIsStoppedNamingIt) {
   }
 }
 
+// A rank's join ticket as its daemon would write it, in the arenas `x` holds.
+void SetTicket(const Attached& x, int rank, uint64_t ticket) {
+  std::atomic_ref<uint64_t>(kernels::ControlOf(x.arenas[rank].data(), x.layout)->join_ticket)
+      .store(ticket);
+}
+
 // Rank 3's Join on node b runs out of time just as the lead daemon (a, of rank 0) forms the
 // group on its ticket, and a's second look at the tickets comes before b withdraws it: the
 // group runs with rank 3 in it. Its Join says so (the generation), rather than that the
@@ -1589,8 +1595,87 @@ TEST(NodeTest, AJoinThatRunsOutAsThePeerLeadFormsTheGroupOnItsTicketJoins) {
     EXPECT_EQ(std::atomic_ref<const uint32_t>(control(r)->group_state).load(),
               kernels::kGroupReady)
         << "rank " << r;
-    EXPECT_EQ(std::atomic_ref<const uint64_t>(control(r)->join_ticket).load(), 1u) << "rank " << r;
+    EXPECT_EQ(std::atomic_ref<const uint64_t>(control(r)->join_ticket).load(),
+              1u | kernels::kTicketClaimed)
+        << "rank " << r;
   }
+}
+
+// As above, with rank 3's withdrawal between the lead's publishing the group and its claiming
+// the tickets: the withdrawal wins, so the Join says that the group formed as it ran out and
+// stops for it, and the lead stops the group naming rank 3 (the rank was told that it joined
+// while the lead stopped the group for its leaving, both).
+TEST(NodeTest, AJoinThatRunsOutAsTheLeadPublishesTheGroupWithdrawsOrJoinsNotBoth) {
+  GroupOfFour* g = nullptr;
+  auto control = [&](int r) {
+    return kernels::ControlOf(g->t.x0.arenas[r].data(), g->t.x0.layout);
+  };
+  auto await = [](const std::function<bool()>& done) {
+    const absl::Time until = absl::Now() + absl::Seconds(10);
+    while (!done() && absl::Now() < until) absl::SleepFor(absl::Microseconds(100));
+  };
+  NodeOptions options_a = Hosting(0);
+  bool published = false;
+  options_a.published_hook = [&] {
+    if (std::exchange(published, true)) return;
+    await([&] { return std::atomic_ref<uint64_t>(control(3)->join_ticket).load() == 0; });
+  };
+  std::array<absl::StatusOr<v1::JoinResponse>, 2> lead_joins;
+  std::thread join0, join1;
+  bool expiring = false;
+  NodeOptions options_b = Hosting(2);
+  options_b.join_expiring_hook = [&](int rank) {
+    if (rank != 3 || std::exchange(expiring, true)) return;
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    join0 = std::thread([&, deadline] { lead_joins[0] = g->a.Join(JoinOf(0, g->t.x0.token), deadline); });
+    join1 = std::thread([&, deadline] { lead_joins[1] = g->a.Join(JoinOf(1, g->x1.token), deadline); });
+    await([&] { return std::atomic_ref<uint64_t>(control(3)->generation).load() == 1; });
+  };
+  GroupOfFour four(options_a, options_b);
+  g = &four;
+  absl::StatusOr<v1::JoinResponse> join2;
+  std::thread rank2([&] {
+    join2 = four.b.Join(JoinOf(2, four.t.x2.token), absl::Now() + absl::Seconds(30));
+  });
+  await([&] { return std::atomic_ref<uint64_t>(control(2)->join_ticket).load() == 1; });
+  const absl::StatusOr<v1::JoinResponse> join3 =
+      four.b.Join(JoinOf(3, four.x3.token), absl::Now() + absl::Seconds(1));
+  ASSERT_TRUE(expiring);
+  join0.join();
+  join1.join();
+  rank2.join();
+  ASSERT_TRUE(published);
+  EXPECT_EQ(join3.status(), absl::DeadlineExceededError(
+                                "the group of 4 ranks formed (generation 1) as rank 3's join ran "
+                                "out of time, and stops for it: join again"));
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(lead_joins[r].ok()) << "rank " << r << ": " << lead_joins[r].status();
+    EXPECT_EQ(lead_joins[r]->generation(), 1u);
+  }
+  ASSERT_TRUE(join2.ok()) << join2.status();
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(AbortWord(four.t.x0, r, 4), kernels::kAbortRankGone | 3u) << "rank " << r;
+    EXPECT_EQ(std::atomic_ref<const uint32_t>(control(r)->group_state).load(),
+              kernels::kGroupBroken)
+        << "rank " << r;
+  }
+}
+
+// The lead is part-way through forming generation 1: rank 0 reads ready and still generation
+// 0 (published last), holding generation 1's ticket. Rank 3, not joined, detaches then: its
+// daemon stops the ranks still running its generation (0), which rank 0 is not (it was
+// stopped, "rank 3 left", and the group the lead then published was half stopped).
+TEST(NodeTest, ARankLeavingAsTheLeadFormsTheGroupStopsNoneOfTheRanksBeingFormed) {
+  GroupOfFour g;
+  kernels::RankControl* c0 = kernels::ControlOf(g.t.x0.arenas[0].data(), g.t.x0.layout);
+  std::atomic_ref<uint32_t>(c0->group_state).store(kernels::kGroupReady);
+  SetTicket(g.t.x0, 0, 1);
+  v1::DetachRequest detach;
+  detach.set_rank(3);
+  detach.set_token(g.x3.token);
+  ASSERT_TRUE(g.b.Detach(detach).ok());
+  EXPECT_EQ(AbortWord(g.t.x0, 0, 4), 0u);
+  EXPECT_EQ(std::atomic_ref<const uint32_t>(c0->group_state).load(), kernels::kGroupReady);
 }
 
 // Node a is cut off from the balancer as node b commits plan v2, which takes ranks 0-1 (a's)
@@ -1650,12 +1735,6 @@ TEST(NodeTest, ADaemonBehindOnAChangeOfMembersFormsNoGroupOverTheNewOne) {
   // that ranks 2-3 (running) are awaited.
   EXPECT_EQ(four.a.Join(JoinOf(0, four.t.x0.token), absl::Now() + absl::Milliseconds(300)).status(),
             why);
-}
-
-// A rank's join ticket as its daemon would write it, in the arenas `x` holds.
-void SetTicket(const Attached& x, int rank, uint64_t ticket) {
-  std::atomic_ref<uint64_t>(kernels::ControlOf(x.arenas[rank].data(), x.layout)->join_ticket)
-      .store(ticket);
 }
 
 // Every member asks for the generation, and still the group does not form: a Join that runs
