@@ -19,6 +19,7 @@
 #include "common/channel.h"
 #include "common/clock.h"
 #include "common/cpus.h"
+#include "common/listing.h"
 #include "common/logging.h"
 #include "common/model_shape.h"
 #include "common/shape_limits.h"
@@ -486,6 +487,27 @@ grpc::Status Balancer::Register(grpc::ServerContext* context, const v1::Register
                          ? absl::StrCat("this one has ", request->node().size(), " bytes")
                          : std::string("this one has other characters")));
   }
+  // The other strings go into every daemon's GetGroup answer and into log lines too: of the
+  // sizes they have (a host:port, a Unix socket path, ubepd's own tag), printable.
+  const std::tuple<const char*, const std::string&, size_t> fields[] = {
+      {"address", request->address(), 1024},
+      {"arena_socket", request->arena_socket(), 107},  // sockaddr_un's path, less its NUL.
+      {"incarnation", request->incarnation(), 256},
+      {"backend", request->backend(), 16}};
+  for (const auto& [field, value, max] : fields) {
+    if (value.size() > max) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat(field, ": ", value.size(), " bytes, over the ", max,
+                                       " it may have"));
+    }
+    if (const auto bad = std::find_if(value.begin(), value.end(),
+                                      [](unsigned char c) { return c < 0x20 || c == 0x7f; });
+        bad != value.end()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat(field, ": a control character at byte ",
+                                       static_cast<int64_t>(bad - value.begin())));
+    }
+  }
   if (request->free_buffers() > kMaxSlotsPerRank) {
     // The migration budget, per rank and layer: more than a rank's slots changes nothing, and
     // as an int it would wrap to a negative budget, read as none.
@@ -517,6 +539,11 @@ grpc::Status Balancer::Register(grpc::ServerContext* context, const v1::Register
                                        " experts"));
     }
     shape = Shape(request->world_size(), s);
+    if (request->ranks_size() > static_cast<int>(request->world_size())) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat(request->ranks_size(), " ranks for a group of ",
+                                       request->world_size()));
+    }
     for (uint32_t r : request->ranks()) {
       if (r >= request->world_size()) {
         return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
@@ -537,17 +564,23 @@ grpc::Status Balancer::Register(grpc::ServerContext* context, const v1::Register
   } else if (request->ranks_size() > 0) {
     // Ranks are checked against the group's shape, which comes with them.
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        absl::StrCat("ranks ", absl::StrJoin(request->ranks(), ", "),
-                                     " come without the group's shape (a daemon with no group "
-                                     "attached registers no ranks)"));
+                        absl::StrCat(request->ranks_size(), " ranks (from rank ",
+                                     request->ranks(0), ") come without the group's shape (a "
+                                     "daemon with no group attached registers no ranks)"));
   }
   // Peers' ranks a daemon saw restart (it maps their arenas: it has a group), within it: each
   // keeps a healthy node out, so a registration without a group names none.
   if (request->restarted_ranks_size() > 0 && !shape.has_value()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        absl::StrCat("restarted_ranks ", absl::StrJoin(request->restarted_ranks(), ", "),
-                                     " come without the group's shape (a daemon with no group "
+                        absl::StrCat(request->restarted_ranks_size(),
+                                     " restarted_ranks (from rank ", request->restarted_ranks(0),
+                                     ") come without the group's shape (a daemon with no group "
                                      "maps no peer)"));
+  }
+  if (request->restarted_ranks_size() > static_cast<int>(request->world_size())) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat(request->restarted_ranks_size(),
+                                     " restarted_ranks for a group of ", request->world_size()));
   }
   for (uint32_t r : request->restarted_ranks()) {
     if (r >= request->world_size()) {
@@ -606,6 +639,29 @@ grpc::Status Balancer::Register(grpc::ServerContext* context, const v1::Register
                       << shape->Describe() << "; no node serves the cluster's "
                       << shape_->Describe() << " any more: starting over with the new group";
     ForgetGroupLocked(request->node());
+  }
+  // Another ubepd answering under this name: two daemons given the same --node (a copied
+  // configuration) would each take the other's registration for a restart, neither's ranks
+  // mapped by anyone. The same process registers from the same address (a
+  // group of another model may host other ranks), and a restart hosts the ranks it hosted;
+  // another address with other ranks is refused until the process registered under the name
+  // fails its health checks.
+  if (const auto same = daemons_.find(request->node());
+      same != daemons_.end() && same->second.healthy && same->second.info.ranks_size() > 0 &&
+      request->ranks_size() > 0 && same->second.info.address() != request->address()) {
+    const auto block = [](const auto& ranks) {
+      const auto [lo, hi] = std::minmax_element(ranks.begin(), ranks.end());
+      return absl::StrCat(*lo, "-", *hi);
+    };
+    if (const std::string theirs = block(same->second.info.ranks()), ours = block(request->ranks());
+        theirs != ours) {
+      return grpc::Status(
+          grpc::StatusCode::ALREADY_EXISTS,
+          absl::StrCat("node ", request->node(), " is registered by another ubepd (at ",
+                       same->second.info.address(), ", ranks ", theirs,
+                       ") that answers its health checks; this one (at ", request->address(),
+                       ", ranks ", ours, ") needs a --node of its own"));
+    }
   }
   for (const auto& [name, other] : daemons_) {
     if (name == request->node() || !other.healthy) continue;
@@ -750,6 +806,7 @@ void Balancer::ForgetGroupLocked(const std::string& node) {
     // Its ranks were the old group's: it registers its new group's (the registrant now, the
     // others that moved when they register again), as a node new to the group.
     d.info.clear_ranks();
+    d.info.clear_restarted_ranks();  // Peers' ranks of the old group.
     d.held_ranks_before_restart = false;
     d.wanted_shape.reset();
     d.committed = d.pending = 0;
@@ -2003,8 +2060,15 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
     plans_aborted_->Increment();
     ++aborted_count_;
     aborted_versions_.Insert(plan->version);
-    return absl::AbortedError(absl::StrCat("plan v", plan->version, " aborted: ",
-                                           absl::StrJoin(failed, "; ")));
+    // The first nodes' reasons (the answer travels in a gRPC trailer); every one in the log.
+    constexpr size_t kListed = 8;
+    if (failed.size() > kListed) {
+      UBEP_LOG(WARNING) << "plan v" << plan->version << " aborted: " << failed.size()
+                        << " nodes did not prepare it: " << absl::StrJoin(failed, "; ");
+    }
+    return absl::AbortedError(absl::StrCat(
+        "plan v", plan->version, " aborted: ", JoinFirst(failed, kListed, "; "),
+        failed.size() > kListed ? " nodes (the balancer's log names each)" : ""));
   }
   result.set_commit_seconds(absl::ToDoubleSeconds(MonotonicNow() - commit_start));
   commit_seconds_->Observe(result.commit_seconds());

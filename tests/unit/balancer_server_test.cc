@@ -156,6 +156,39 @@ TEST(BalancerServerTest, ARegistrationOfRanksAnotherNodeServesIsRefused) {
   EXPECT_EQ(nodes[0].ranks, (std::vector<int>{0, 1}));
 }
 
+// Two ubepd given the same --node (a copied configuration): the second, at another address
+// with other ranks, is refused while the first answers its health checks
+// (it was taken for a restart of the first, which replaced its registration: its ranks mapped
+// by no daemon, its reports refused). A restart, with the same ranks, is taken.
+TEST(BalancerServerTest, ASecondDaemonUnderANodesNameIsRefusedWhileTheFirstIsUp) {
+  Balancer balancer(BalancerOptions{}, std::make_shared<prometheus::Registry>());
+  v1::RegisterResponse response;
+  v1::RegisterRequest first = Registration("host-1", 0);
+  first.set_incarnation("100-1.1");
+  ASSERT_TRUE(balancer.Register(nullptr, &first, &response).ok());
+  v1::RegisterRequest second = Registration("host-1", 2);
+  second.set_address("127.0.0.1:2");
+  second.set_incarnation("200-1.1");
+  const grpc::Status status = balancer.Register(nullptr, &second, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_EQ(status.error_message(),
+            "node host-1 is registered by another ubepd (at 127.0.0.1:1, ranks 0-1) that answers "
+            "its health checks; this one (at 127.0.0.1:2, ranks 2-3) needs a --node of its "
+            "own");
+  auto nodes = balancer.Status().nodes;
+  ASSERT_EQ(nodes.size(), 1u);
+  EXPECT_EQ(nodes[0].ranks, (std::vector<int>{0, 1}));
+  EXPECT_EQ(nodes[0].address, "127.0.0.1:1");
+  // Restarted at another address, hosting the same ranks: taken.
+  v1::RegisterRequest restarted = Registration("host-1", 0);
+  restarted.set_address("127.0.0.1:3");
+  restarted.set_incarnation("300-1.1");
+  ASSERT_TRUE(balancer.Register(nullptr, &restarted, &response).ok());
+  nodes = balancer.Status().nodes;
+  ASSERT_EQ(nodes.size(), 1u);
+  EXPECT_EQ(nodes[0].address, "127.0.0.1:3");
+}
+
 TEST(BalancerServerTest, RegistrationsAndReportsRaceTheLoopSafely) {
   BalancerOptions options;
   options.interval = absl::Milliseconds(5);
@@ -250,8 +283,8 @@ TEST(BalancerServerTest, ARegistrationsRanksAreOneBlockAndComeWithTheShape) {
   grpc::Status status = balancer.Register(nullptr, &no_shape, &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(status.error_message(),
-            "ranks 0, 1000 come without the group's shape (a daemon with no group attached "
-            "registers no ranks)");
+            "2 ranks (from rank 0) come without the group's shape (a daemon with no group "
+            "attached registers no ranks)");
   v1::RegisterRequest twice = Registration("node-0", 2);
   twice.set_ranks(1, 2);
   status = balancer.Register(nullptr, &twice, &response);
@@ -276,12 +309,40 @@ TEST(BalancerServerTest, ARegistrationsRanksAreOneBlockAndComeWithTheShape) {
   restarted.clear_ranks();
   restarted.add_restarted_ranks(2);
   EXPECT_EQ(balancer.Register(nullptr, &restarted, &response).error_message(),
-            "restarted_ranks 2 come without the group's shape (a daemon with no group maps no "
-            "peer)");
+            "1 restarted_ranks (from rank 2) come without the group's shape (a daemon with no "
+            "group maps no peer)");
   restarted = Registration("node-0", 0);
   restarted.add_restarted_ranks(4);
   EXPECT_EQ(balancer.Register(nullptr, &restarted, &response).error_message(),
             "restarted_ranks: rank 4 is outside [0, 4)");
+  // Lists longer than the group are refused by their length, not listed back (a message of
+  // 20000 ranks would pass gRPC's limit on a status and arrive as another error).
+  v1::RegisterRequest many = Registration("node-0", 0);
+  for (int i = 0; i < 20000; ++i) many.add_ranks(0);
+  EXPECT_EQ(balancer.Register(nullptr, &many, &response).error_message(),
+            "20002 ranks for a group of 4");
+  many.clear_shape();
+  EXPECT_EQ(balancer.Register(nullptr, &many, &response).error_message(),
+            "20002 ranks (from rank 0) come without the group's shape (a daemon with no group "
+            "attached registers no ranks)");
+  restarted = Registration("node-0", 0);
+  for (int i = 0; i < 5; ++i) restarted.add_restarted_ranks(2);
+  EXPECT_EQ(balancer.Register(nullptr, &restarted, &response).error_message(),
+            "5 restarted_ranks for a group of 4");
+  // The other strings are of the sizes they have, printable: each goes into every daemon's
+  // GetGroup answer (an arena socket of megabytes would pass what a daemon takes of one).
+  v1::RegisterRequest field = Registration("node-0", 0);
+  field.set_address("127.0.0.1:1\nE0101 forged");
+  EXPECT_EQ(balancer.Register(nullptr, &field, &response).error_message(),
+            "address: a control character at byte 11");
+  field = Registration("node-0", 0);
+  field.set_arena_socket(std::string(108, 's'));
+  EXPECT_EQ(balancer.Register(nullptr, &field, &response).error_message(),
+            "arena_socket: 108 bytes, over the 107 it may have");
+  field = Registration("node-0", 0);
+  field.set_incarnation(std::string(5 << 20, 'i'));
+  EXPECT_EQ(balancer.Register(nullptr, &field, &response).error_message(),
+            "incarnation: 5242880 bytes, over the 256 it may have");
   EXPECT_TRUE(balancer.Status().nodes.empty());
   // Without ranks and shape (no group attached yet), and in reverse order, are fine.
   no_shape.clear_ranks();
@@ -2164,6 +2225,39 @@ TEST(BalancerServerTest, EveryNodeOfTheClusterMovingToAnotherShapeStartsItOver) 
             "FAILED_PRECONDITION: node node-a serves another model than the cluster's: "
             "num_layers is 2, the cluster's 3 (the cluster takes it once every node holding "
             "ranks of its model registers it)");
+}
+
+// node-a once saw node-b's ranks restart (its registration names them); then the cluster
+// moves to another model, node-b first to be taken: what node-a saw was of the old group, and
+// node-b, a new group's, is not kept out as restarted (it was, by node-a's stored
+// registration, as soon as the balancer learned the new group's plan).
+TEST(BalancerServerTest, ARestartSeenInTheOldModelKeepsNoNodeOfTheNewOneOut) {
+  FakeDaemon a("node-a", FirstPlan()), b("node-b", FirstPlan());
+  std::unique_ptr<Balancer> balancer = WithTwoDaemons(NeverMarkedDown(), a, b);
+  ASSERT_TRUE(balancer->CurrentPlan().has_value());
+  v1::RegisterRequest saw = DaemonRegistration(a, "node-a", 0, 0, "host");
+  saw.add_restarted_ranks(2);
+  saw.add_restarted_ranks(3);
+  Register(*balancer, saw);
+  a.SetCommitted(FirstPlanOfLayers(3));
+  b.SetCommitted(FirstPlanOfLayers(3));
+  v1::RegisterRequest a3 = DaemonRegistration(a, "node-a", 0, 0, "host");
+  a3.mutable_shape()->set_num_layers(3);
+  a3.set_incarnation("a.2");
+  v1::RegisterRequest b3 = DaemonRegistration(b, "node-b", 2, 0, "host");
+  b3.mutable_shape()->set_num_layers(3);
+  b3.set_incarnation("b.2");
+  v1::RegisterResponse response;
+  EXPECT_EQ(balancer->Register(nullptr, &a3, &response).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+  const grpc::Status status = balancer->Register(nullptr, &b3, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  balancer->Tick();  // Before node-a registers again: its stored registration is the old one.
+  ASSERT_TRUE(balancer->CurrentPlan().has_value());
+  EXPECT_EQ(balancer->CurrentPlan()->num_layers(), 3);
+  v1::ClusterStatus cluster;
+  ASSERT_TRUE(balancer->GetStatus(nullptr, nullptr, &cluster).ok());
+  for (const auto& n : cluster.nodes()) EXPECT_FALSE(n.drained()) << n.node();
 }
 
 // What holds a model change back is a node that holds ranks of the cluster's model and has

@@ -27,6 +27,7 @@
 #include "absl/time/clock.h"
 #include "common/clock.h"
 #include "common/http_get.h"
+#include "common/listing.h"
 #include "common/logging.h"
 #include "common/mutex.h"
 #include "common/periodic.h"
@@ -551,5 +552,17 @@ TEST(UnixSocketTest, AMessageOfSeveralPartsThatDoesNotFitLeavesNoPartBehind) {
               "this process's table .*\nthen: \"next\" with 0 fds");
 }
 
+// A list in a message: the first items, each cut to its bound, and how many more.
+TEST(JoinFirstTest, ListsTheFirstItemsCutAndCountsTheRest) {
+  EXPECT_EQ(JoinFirst({}, 3, "; "), "");
+  EXPECT_EQ(JoinFirst({"a", "b"}, 3, "; "), "a; b");
+  EXPECT_EQ(JoinFirst({"a", "b", "c"}, 3, "; "), "a; b; c");
+  EXPECT_EQ(JoinFirst({"a", "b", "c", "d", "e"}, 3, "; "), "a; b; c; and 2 more");
+  EXPECT_EQ(JoinFirst({"abcdef", "xy"}, 1, ", ", 4), "abcd..., and 1 more");
+  const std::vector<std::string> reasons(500, std::string(5000, 'r'));
+  EXPECT_EQ(JoinFirst(reasons, 8, "; ").size(), 8 * 1027 + 7 * 2 + std::string("; and 492 more").size());
+}
+
 }  // namespace
 }  // namespace ubep
+
