@@ -277,7 +277,10 @@ void Observe(kernels::LatencyHistogram& h, absl::Duration d) {
 }
 
 // Every call but Detach on a rank that detached (Detach released what the calls use).
-absl::Status Detached() { return absl::FailedPreconditionError("rank is detached"); }
+absl::Status Detached(const RankState& s) {
+  return absl::FailedPreconditionError(
+      absl::StrCat("rank ", s.rank, " is detached (Detach, or a failed Attach): attach again"));
+}
 
 // What a forked child gets from its copy of its parent's rank: nothing of it is the child's
 // (the fd connection was closed at the fork, and the arenas are the parent's group's).
@@ -409,6 +412,21 @@ absl::Status Record(RankState& s, absl::Status status) {
 }
 
 absl::Status RefreshArenas(RankState& s, uint64_t epoch);
+
+// A refusal of this rank's own that leaves its peers waiting for it in the call they are in
+// (no Dispatch comes until a BeginStep succeeds): recorded in its arena, so that a peer that
+// gives up on it says why rather than asking whether it is alive (a refusal of a combine
+// still owed is kept).
+absl::Status TellPeers(RankState& s, absl::Status refused) {
+  if (s.on_device) {
+#ifdef UBEP_CLIENT_CUDA
+    if (s.cuda_ep != nullptr) refused = s.cuda_ep->Refuse(refused, /*keep_earlier=*/true);
+#endif
+  } else if (s.ep != nullptr) {
+    refused = s.ep->Refuse(refused, /*keep_earlier=*/true);
+  }
+  return refused;
+}
 
 // ubepd closed this rank's fd connection (DaemonExited): stops the group, once, and returns
 // (and keeps) the error every later call of this rank returns.
@@ -1019,7 +1037,7 @@ const ModelShape& Rank::shape() const { return state_->shape; }
 
 bool Rank::must_attach_again() const {
   const RankState& s = *state_;
-  if (!s.attached) return false;
+  if (!s.attached) return true;  // Detached: only an Attach serves again.
   if (s.InForkedChild()) return true;  // The parent's rank: the child attaches its own.
   // Asked after an error: look at the connection now (BeginStep looks only every
   // daemon_check_interval, and another reason may have stopped the group first). Found
@@ -1042,7 +1060,7 @@ bool Rank::excluded() const {
 
 absl::Status Rank::BeginStep(uint64_t step) {
   RankState& s = *state_;
-  if (!s.attached) return Detached();
+  if (!s.attached) return Detached(s);
   if (s.InForkedChild()) return ForkedChild(s, "use");
   if (!s.stopped.ok()) return s.stopped;
   // Until this step has begun, no step has: a BeginStep that fails leaves no step open whose
@@ -1060,17 +1078,17 @@ absl::Status Rank::BeginStep(uint64_t step) {
     // Taken, every later step would be "before" it until a Rejoin: a negative step passed as
     // unsigned (-1 from an FFI caller is 2^64 - 1) is refused, as the balancer refuses counts
     // that are negative as int64.
-    return Record(s, absl::InvalidArgumentError(absl::StrCat(
-                         "rank ", s.rank, ": step ", step, " is above 2^63 - 1 (a negative step "
-                         "passed as unsigned?)")));
+    return Record(s, TellPeers(s, absl::InvalidArgumentError(absl::StrCat(
+                                      "rank ", s.rank, ": step ", step, " is above 2^63 - 1 (a "
+                                      "negative step passed as unsigned?)"))));
   }
   if (step < s.step) {
     // The plan in force at an earlier step may route to slots that now hold other experts
     // (or no longer be kept at all): refused, so that no call runs under a plan its peers left.
-    return Record(s, absl::InvalidArgumentError(absl::StrCat(
-                         "rank ", s.rank, ": step ", step, " is before step ", s.step,
-                         ", where this rank is (steps only go forward; after Rejoin, from the "
-                         "step it returns)")));
+    return Record(s, TellPeers(s, absl::InvalidArgumentError(absl::StrCat(
+                                      "rank ", s.rank, ": step ", step, " is before step ",
+                                      s.step, ", where this rank is (steps only go forward; "
+                                      "after Rejoin, from the step it returns)"))));
   }
   // Sequentially consistent, and before the look for an undecided plan below: ubepd prepares a
   // plan and then reads every rank's step, so either it sees this step (and withdraws a plan
@@ -1113,19 +1131,7 @@ absl::Status Rank::BeginStep(uint64_t step) {
   }
   uint64_t version = 0;
   absl::StatusOr<const kernels::PlanTableHeader*> table = PlanAt(s, step, &version);
-  if (!table.ok()) {
-    // No Dispatch of this step can come (it needs BeginStep): the peers, who will wait for
-    // this rank in it, are told why (a refusal of a combine still owed is kept).
-    absl::Status refused = table.status();
-    if (s.on_device) {
-#ifdef UBEP_CLIENT_CUDA
-      if (s.cuda_ep != nullptr) refused = s.cuda_ep->Refuse(refused, /*keep_earlier=*/true);
-#endif
-    } else if (s.ep != nullptr) {
-      refused = s.ep->Refuse(refused, /*keep_earlier=*/true);
-    }
-    return Record(s, refused);
-  }
+  if (!table.ok()) return Record(s, TellPeers(s, table.status()));
   if (*table != nullptr) {
     if (kernels::RankExcluded(*table, static_cast<uint32_t>(s.rank))) {
       return Record(s, absl::UnavailableError(absl::StrCat(
@@ -1146,11 +1152,12 @@ absl::Status Rank::Dispatch(int layer, const void* x, const int32_t* topk_idx,
   out.state_->filled = false;
   if (s.attached && s.InForkedChild()) return ForkedChild(s, "use");
   const RankDevice on_device(s);
-  if (!s.attached) return Detached();
+  if (!s.attached) return Detached(s);
   if (!s.stopped.ok()) return s.stopped;
   if (!s.step_begun) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("rank ", s.rank, ": call BeginStep before Dispatch"));
+    // (Not counted: the BeginStep that failed, if any, was.)
+    return TellPeers(s, absl::FailedPreconditionError(
+                            absl::StrCat("rank ", s.rank, ": call BeginStep before Dispatch")));
   }
   const absl::Time start = MonotonicNow();  // Latencies on the monotonic clock.
   absl::Status status;
@@ -1305,7 +1312,7 @@ absl::Status Rank::Combine(const Dispatched& dispatched, const void* expert_out,
   RankState& s = *state_;
   if (s.attached && s.InForkedChild()) return ForkedChild(s, "use");
   const RankDevice on_device(s);
-  if (!s.attached) return Detached();
+  if (!s.attached) return Detached(s);
   if (!s.stopped.ok()) return s.stopped;
   const bool of_this_rank = dispatched.state_->rank == &s && dispatched.state_->attach == s.attach;
   if (!dispatched.state_->filled || !of_this_rank || dispatched.state_->serial != s.dispatches) {
@@ -1353,7 +1360,7 @@ absl::Status Rank::Combine(const Dispatched& dispatched, const void* expert_out,
 
 absl::StatusOr<uint64_t> Rank::Rejoin(std::optional<uint64_t> next_step) {
   RankState& s = *state_;
-  if (!s.attached) return Detached();
+  if (!s.attached) return Detached(s);
   if (s.InForkedChild()) return ForkedChild(s, "use");
   const absl::Status joined = JoinGroup(s, next_step);
 #ifdef UBEP_CLIENT_CUDA
@@ -1374,7 +1381,7 @@ absl::StatusOr<uint64_t> Rank::Rejoin(std::optional<uint64_t> next_step) {
 
 absl::StatusOr<std::span<std::byte>> Rank::ExpertWeights(int layer, int local_slot) {
   RankState& s = *state_;
-  if (!s.attached) return Detached();
+  if (!s.attached) return Detached(s);
   // A forked child writing into the parent's weights would change what the parent serves.
   if (s.InForkedChild()) return ForkedChild(s, "use");
   if (layer < 0 || layer >= s.shape.num_layers || local_slot < 0 ||
@@ -1412,7 +1419,7 @@ absl::StatusOr<std::span<std::byte>> Rank::ExpertWeights(int layer, int local_sl
 
 absl::StatusOr<int> Rank::SlotExpert(int layer, int local_slot) const {
   const RankState& s = *state_;
-  if (!s.attached) return Detached();
+  if (!s.attached) return Detached(s);
   if (s.InForkedChild()) return ForkedChild(s, "use");
   if (layer < 0 || layer >= s.shape.num_layers || local_slot < 0 ||
       local_slot >= s.shape.slots_per_rank) {

@@ -1327,8 +1327,14 @@ TEST_F(DaemonTest, ADetachedRankAndNullHandlesGetErrorsNotCrashes) {
   EXPECT_EQ(out, std::vector<float>(4 * 8, 1.0f));  // Two experts' ones, weighted 0.5 each.
   absl::StatusOr<int> slot2 = r.SlotExpert(0, 2);
   ASSERT_TRUE(slot2.ok()) << slot2.status();
+  EXPECT_FALSE(r.must_attach_again());
   ASSERT_TRUE(r.Detach().ok());
-  const absl::Status detached = absl::FailedPreconditionError("rank is detached");
+  // Detached: only an Attach serves again (an engine's error handler that runs again on the
+  // old Rank is not sent to Rejoin).
+  EXPECT_TRUE(r.must_attach_again());
+  const absl::Status detached = absl::FailedPreconditionError(
+      "rank 0 is detached (Detach, or a failed Attach): attach again");
+  EXPECT_EQ(r.Rejoin(std::nullopt).status(), detached);
   EXPECT_EQ(r.Dispatch(0, x.data(), idx.data(), w.data(), 4, d), detached);
   EXPECT_EQ(r.Combine(d, x.data(), out.data()), detached);
   EXPECT_EQ(r.ExpertWeights(0, 0).status(), detached);

@@ -1064,6 +1064,47 @@ TEST(ClientTest, ACorruptPlanTableIsRefusedAtBeginStepAndThePeersAreTold) {
   EXPECT_TRUE((*rank)->Detach().ok());
 }
 
+// A step going back, or above 2^63 - 1, is the caller's own mistake: refused, and recorded as
+// the rank's refusal of the call its peers wait for it in, so that a peer that gives up on it
+// says why rather than asking whether it is alive; so is a Dispatch with no step begun, which
+// keeps the BeginStep's reason.
+TEST(ClientTest, AStepRefusedAtBeginStepIsTheRanksRefusalOfTheCall) {
+  OneRankThroughUbepd one;
+  absl::StatusOr<std::unique_ptr<Rank>>& rank = one.rank;
+  ASSERT_TRUE(rank.ok()) << rank.status();
+  std::byte* ep = nullptr;
+  std::optional<kernels::ArenaLayout> ep_layout;
+  one.ubepd.node().ForEachArena([&](int, std::byte* base, const kernels::RankArenaLayout& layout,
+                                    const kernels::EpConfig& config) {
+    ep = base + layout.ep;
+    ep_layout.emplace(config);
+  });
+  ASSERT_NE(ep, nullptr);
+  ASSERT_TRUE(ep_layout.has_value());
+  const std::vector<float> x(16, 1.0f), w = {0.5f, 0.5f};
+  const std::vector<int32_t> idx = {0, 1};
+  Dispatched none;
+  EXPECT_EQ((*rank)->Dispatch(0, x.data(), idx.data(), w.data(), 1, none),
+            absl::FailedPreconditionError("rank 0: call BeginStep before Dispatch"));
+  EXPECT_EQ(kernels::ReadRefusal(ep, *ep_layout, kernels::CallPhase{false, 1}),
+            "rank 0: call BeginStep before Dispatch");
+  const uint64_t step = (*rank)->resume_step() + 5;
+  ExpectAStepGoesThrough(**rank, step);  // Takes part in call 1: the record is withdrawn.
+  EXPECT_EQ(kernels::ReadRefusal(ep, *ep_layout, kernels::CallPhase{false, 1}), "");
+  const std::string back = absl::StrCat(
+      "rank 0: step ", step - 1, " is before step ", step,
+      ", where this rank is (steps only go forward; after Rejoin, from the step it returns)");
+  EXPECT_EQ((*rank)->BeginStep(step - 1), absl::InvalidArgumentError(back));
+  EXPECT_EQ(kernels::ReadRefusal(ep, *ep_layout, kernels::CallPhase{false, 2}), back);
+  EXPECT_EQ((*rank)->Dispatch(0, x.data(), idx.data(), w.data(), 1, none),
+            absl::FailedPreconditionError("rank 0: call BeginStep before Dispatch"));
+  EXPECT_EQ(kernels::ReadRefusal(ep, *ep_layout, kernels::CallPhase{false, 2}), back);
+  EXPECT_EQ((*rank)->BeginStep(uint64_t{1} << 63),
+            absl::InvalidArgumentError("rank 0: step 9223372036854775808 is above 2^63 - 1 (a "
+                                       "negative step passed as unsigned?)"));
+  EXPECT_TRUE((*rank)->Detach().ok());
+}
+
 // A plan table consistent in itself but of another shape (one layer where the group has two,
 // as something other than ubepd could write): refused with DataLoss, not read past its end by
 // SlotExpert or BeginStep.

@@ -211,9 +211,10 @@ class Rank {
   // timeout at a time) until a plan includes it again.
   bool excluded() const;
 
-  // Whether this rank's ubepd is draining (shutting down) or has exited: Rejoin cannot help.
-  // Detach, and Attach again (with the step to continue at) once a daemon is back; a rank
-  // that notices its daemon exited stops the group so that every rank does the same.
+  // Whether this rank's ubepd is draining (shutting down) or has exited, or the rank is
+  // detached: Rejoin cannot help. Detach, and Attach again (with the step to continue at) once
+  // a daemon is back; a rank that notices its daemon exited stops the group so that every
+  // rank does the same.
   bool must_attach_again() const;
 
   // This rank's weight buffer for (layer, local slot) under the plan of the current step, and
