@@ -102,6 +102,7 @@ Node::RemoteWeights RemoteWeightsOf(const v1::PrepareRequest& request, const std
   constexpr uint32_t kNoDomain = ~uint32_t{0};  // A rank no healthy daemon hosts.
   remote.rank_domain.assign(world, kNoDomain);
   remote.rank_link.assign(world, -1);
+  remote.rank_restarted.assign(world, false);
   struct Host {
     std::string node, address;
     bool down = false;  // Its daemon fails its health checks.
@@ -123,6 +124,7 @@ Node::RemoteWeights RemoteWeightsOf(const v1::PrepareRequest& request, const std
       if (r >= static_cast<uint32_t>(world)) continue;
       remote.rank_domain[r] = d.domain();
       remote.rank_link[r] = i;
+      remote.rank_restarted[r] = d.restarted();
       (*hosts)[r] = {d.node(), d.address(), false};
     }
   }

@@ -1234,7 +1234,7 @@ absl::StatusOr<std::vector<Node::SlotCopy>> Node::SlotCopies(
         if (holder < 0 && unreadable >= 0) {
           return absl::FailedPreconditionError(absl::StrCat(
               "layer ", l, ": expert ", expert, " is held only in other domains by ranks whose "
-              "daemons are down (rank ", unreadable, ")"));
+              "daemons are down or restarted (rank ", unreadable, ")"));
         }
         if (holder < 0) {
           return absl::FailedPreconditionError(absl::StrCat("layer ", l, ": expert ", expert, " has no holder"));
@@ -1420,7 +1420,8 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
   // A holder in another domain is read through its daemon: not one the balancer lists as
   // down (every daemon is given the same lists, so the schedule stays the group's).
   const auto readable = [&](int q) {
-    return static_cast<int>(remote.rank_link.size()) != R || remote.rank_link[q] >= 0;
+    return (static_cast<int>(remote.rank_link.size()) != R || remote.rank_link[q] >= 0) &&
+           (static_cast<int>(remote.rank_restarted.size()) != R || !remote.rank_restarted[q]);
   };
   absl::StatusOr<std::vector<SlotCopy>> schedule = SlotCopies(plan_, plan, domain_of, readable);
   if (!schedule.ok()) return fail(std::string(schedule.status().message()));

@@ -148,6 +148,9 @@ class Node {
     std::string nccl_id;
     int link_rank = -1, link_size = 0;
     std::vector<int> rank_link;
+    // Per rank of the group, or empty: its daemon restarted since the plan in force took it
+    // (PeerDaemon.restarted), so it is no holder for another domain.
+    std::vector<bool> rank_restarted;
     uint64_t base_version = 0;  // The plan in force the schedule is computed over.
     // Bounds the link's waits (the balancer's deadline for the Prepare, less a moment).
     absl::Time deadline = absl::InfiniteFuture();

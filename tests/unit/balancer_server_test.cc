@@ -2983,10 +2983,21 @@ TEST(BalancerServerTest, ANodeAPeerSawRestartIsKeptOutAsARestartedOne) {
   const v1::Plan plan = a.prepares().back().plan();
   EXPECT_EQ(std::vector<uint32_t>(plan.excluded_ranks().begin(), plan.excluded_ranks().end()),
             (std::vector<uint32_t>{2, 3}));
+  // The Prepare says node-b restarted: its new arenas hold none of v1's weights, so no daemon
+  // of another domain reads them as a holder.
+  auto restarted_in = [](const v1::PrepareRequest& q) {
+    std::vector<std::string> nodes;
+    for (const v1::PeerDaemon& d : q.daemons()) {
+      if (d.restarted()) nodes.push_back(d.node());
+    }
+    return nodes;
+  };
+  EXPECT_EQ(restarted_in(a.prepares().back()), (std::vector<std::string>{"node-b"}));
   v1::RebalanceResponse response;
   const grpc::Status undrained = Drain(restarted, "node-b", false, &response);
   ASSERT_TRUE(undrained.ok()) << undrained.error_message();
   EXPECT_EQ(response.version(), 3u);
+  EXPECT_TRUE(restarted_in(a.prepares().back()).empty());
   // The same word, late (and kept with node-a's registration): node-b's process was kept out
   // already.
   Register(restarted, ra);

@@ -2575,7 +2575,17 @@ TEST(NodeTest, WeightsOfHoldersInAnotherDomainAreReadThroughTheirDaemon) {
                                "node-a (127.0.0.1:1): connection refused");
   EXPECT_EQ(b.State().pending_version(), 0u);
 
+  // Node b restarted (the balancer says so: PeerDaemon.restarted): its arenas hold none of
+  // v2's weights, and expert 4, held only there, is not read from them.
   remote.fetch = read_from(b);
+  remote.rank_restarted = {false, false, true, true};
+  prepared = a.Prepare(v3, 20, remote);
+  EXPECT_FALSE(prepared.prepared());
+  EXPECT_EQ(prepared.reason(), "layer 0: expert 4 is held only in other domains by ranks whose "
+                               "daemons are down or restarted (rank 2)");
+  EXPECT_TRUE(reads.empty());
+  EXPECT_EQ(a.State().pending_version(), 0u);
+  remote.rank_restarted.clear();
   prepared = a.Prepare(v3, 20, remote);
   ASSERT_TRUE(prepared.prepared()) << prepared.reason();
   EXPECT_EQ(prepared.copied_slots(), 2u);
@@ -2706,7 +2716,7 @@ TEST(NodeTest, SlotCopiesTakeTheNearestHolderInOneOrderForEveryDaemon) {
   EXPECT_THAT(got, ::testing::ElementsAre("0.0<-12@2", "1.1<-13@2", "1.2<-14@2", "1.3<-15@2"));
   EXPECT_EQ(Node::SlotCopies(v4, v5, domain_of, [](int q) { return q < 2; }).status(),
             absl::FailedPreconditionError("layer 0: expert 4 is held only in other domains by "
-                                          "ranks whose daemons are down (rank 2)"));
+                                          "ranks whose daemons are down or restarted (rank 2)"));
 }
 
 // Over an NCCL link each daemon issues its share of the schedule: every pair of daemons gets
