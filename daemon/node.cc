@@ -898,11 +898,14 @@ absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl
     for (const auto& [r, version] : others) {
       if (version == others.front().second) ahead.push_back(r);
     }
+    const bool prepared_here = pending_.has_value() && pending_->version == others.front().second;
     return absl::DeadlineExceededError(absl::StrCat(
         did_not_form, ": the daemon of rank", ahead.size() == 1 ? " " : "s ",
         absl::StrJoin(ahead, ", "), " committed plan v", others.front().second,
-        ", and this daemon is on v", plan_.version, " (ubep-balancer has not given it the "
-        "plan: is its link to the balancer down?)"));
+        ", and this daemon is on v", plan_.version,
+        prepared_here ? ", the plan prepared here and its Commit not come yet"
+                      : " (ubep-balancer has not given it the plan: is its link to the "
+                        "balancer down?)"));
   }
   // A restarted daemon's ranks: their tickets here are in its old arenas, whatever they say.
   if (const std::string stale = StaleMembers(plan_); !stale.empty()) {
@@ -1199,7 +1202,8 @@ absl::StatusOr<v1::ReadWeightsResponse> Node::ReadWeights(const v1::ReadWeightsR
 
 absl::StatusOr<std::vector<Node::SlotCopy>> Node::SlotCopies(
     const balancer::Plan& in_force, const balancer::Plan& next,
-    const std::function<uint32_t(int)>& domain_of, const std::function<bool(int)>& readable) {
+    const std::function<uint32_t(int)>& domain_of, const std::function<bool(int)>& readable,
+    const std::function<bool(int)>& last_resort) {
   const int R = next.topology.num_ranks, S = next.topology.slots_per_rank;
   std::vector<SlotCopy> copies;
   for (size_t l = 0; l < next.layers.size(); ++l) {
@@ -1215,7 +1219,7 @@ absl::StatusOr<std::vector<Node::SlotCopy>> Node::SlotCopies(
         // of its domain, then the others (ranks after r first, so holders share the load),
         // of those the ones whose daemon can be read (a copy on a daemon that is down is
         // passed over for one that is not, however near).
-        int holder = -1, holder_distance = 3, unreadable = -1;
+        int holder = -1, holder_distance = 3, unreadable = -1, resort = -1;
         for (int step = 0; step < R && holder_distance > 0; ++step) {
           const int q = (r + step) % R;
           const int distance = q == r ? 0 : domain_of(q) == domain_of(r) ? 1 : 2;
@@ -1226,15 +1230,23 @@ absl::StatusOr<std::vector<Node::SlotCopy>> Node::SlotCopies(
               if (unreadable < 0) unreadable = q;
               break;
             }
+            if (distance == 2 && last_resort && last_resort(q)) {
+              if (resort < 0) resort = q * S + j;
+              break;
+            }
             holder = q * S + j;
             holder_distance = distance;
             break;
           }
         }
+        if (holder < 0 && resort >= 0) {
+          holder = resort;
+          holder_distance = 2;
+        }
         if (holder < 0 && unreadable >= 0) {
           return absl::FailedPreconditionError(absl::StrCat(
               "layer ", l, ": expert ", expert, " is held only in other domains by ranks whose "
-              "daemons are down or restarted (rank ", unreadable, ")"));
+              "daemons are down (rank ", unreadable, ")"));
         }
         if (holder < 0) {
           return absl::FailedPreconditionError(absl::StrCat("layer ", l, ": expert ", expert, " has no holder"));
@@ -1420,10 +1432,13 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
   // A holder in another domain is read through its daemon: not one the balancer lists as
   // down (every daemon is given the same lists, so the schedule stays the group's).
   const auto readable = [&](int q) {
-    return (static_cast<int>(remote.rank_link.size()) != R || remote.rank_link[q] >= 0) &&
-           (static_cast<int>(remote.rank_restarted.size()) != R || !remote.rank_restarted[q]);
+    return static_cast<int>(remote.rank_link.size()) != R || remote.rank_link[q] >= 0;
   };
-  absl::StatusOr<std::vector<SlotCopy>> schedule = SlotCopies(plan_, plan, domain_of, readable);
+  const auto last_resort = [&](int q) {
+    return static_cast<int>(remote.rank_restarted.size()) == R && remote.rank_restarted[q];
+  };
+  absl::StatusOr<std::vector<SlotCopy>> schedule =
+      SlotCopies(plan_, plan, domain_of, readable, last_resort);
   if (!schedule.ok()) return fail(std::string(schedule.status().message()));
   const bool over_link = on_device() && !remote.nccl_id.empty();
   std::vector<std::vector<uint32_t>> maps(R);

@@ -149,7 +149,7 @@ class Node {
     int link_rank = -1, link_size = 0;
     std::vector<int> rank_link;
     // Per rank of the group, or empty: its daemon restarted since the plan in force took it
-    // (PeerDaemon.restarted), so it is no holder for another domain.
+    // (PeerDaemon.restarted), so it is another domain's holder of last resort (SlotCopies).
     std::vector<bool> rank_restarted;
     uint64_t base_version = 0;  // The plan in force the schedule is computed over.
     // Bounds the link's waits (the balancer's deadline for the Prepare, less a moment).
@@ -174,6 +174,9 @@ class Node {
   // slot of a rank `next` includes that gets an expert it does not hold (every slot of a rank
   // it takes back), the nearest holder. In (layer, rank, slot) order. `readable(q)` false: rank
   // q's daemon is down, so q is no holder for another domain (null: every rank can be read).
+  // `last_resort(q)` true: q's daemon restarted, and its new arenas may not hold the weights
+  // yet (its clients load them after they attach), so another domain takes q's copy only
+  // where no other rank holds the expert (null: none is).
   struct SlotCopy {
     int layer, rank, slot;  // The slot (local index) that gets the expert.
     int holder;             // Global slot holding it under `in_force`.
@@ -182,7 +185,8 @@ class Node {
   static absl::StatusOr<std::vector<SlotCopy>> SlotCopies(
       const balancer::Plan& in_force, const balancer::Plan& next,
       const std::function<uint32_t(int)>& domain_of,
-      const std::function<bool(int)>& readable = nullptr);
+      const std::function<bool(int)>& readable = nullptr,
+      const std::function<bool(int)>& last_resort = nullptr);
   // The NCCL link's copies run in batches of this many bytes of weights.
   static constexpr uint64_t kLinkBatchBytes = uint64_t{256} << 20;
   // A daemon's share of the schedule's cross-domain copies over the link (hosting ranks

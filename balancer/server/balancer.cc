@@ -491,7 +491,7 @@ grpc::Status Balancer::Register(grpc::ServerContext* context, const v1::Register
   // sizes they have (a host:port, a Unix socket path, ubepd's own tag), printable.
   const std::tuple<const char*, const std::string&, size_t> fields[] = {
       {"address", request->address(), 1024},
-      {"arena_socket", request->arena_socket(), 107},  // sockaddr_un's path, less its NUL.
+      {"arena_socket", request->arena_socket(), 4096},  // A path (PATH_MAX).
       {"incarnation", request->incarnation(), 256},
       {"backend", request->backend(), 16}};
   for (const auto& [field, value, max] : fields) {

@@ -336,9 +336,9 @@ TEST(BalancerServerTest, ARegistrationsRanksAreOneBlockAndComeWithTheShape) {
   EXPECT_EQ(balancer.Register(nullptr, &field, &response).error_message(),
             "address: a control character at byte 11");
   field = Registration("node-0", 0);
-  field.set_arena_socket(std::string(108, 's'));
+  field.set_arena_socket(std::string(4097, 's'));
   EXPECT_EQ(balancer.Register(nullptr, &field, &response).error_message(),
-            "arena_socket: 108 bytes, over the 107 it may have");
+            "arena_socket: 4097 bytes, over the 4096 it may have");
   field = Registration("node-0", 0);
   field.set_incarnation(std::string(5 << 20, 'i'));
   EXPECT_EQ(balancer.Register(nullptr, &field, &response).error_message(),

@@ -108,7 +108,8 @@ int ubep_begin_step(ubep_rank* rank, uint64_t step);
 int ubep_rejoin(ubep_rank* rank, int64_t next_step, uint64_t* resume_step);
 /* 1 when the newest committed plan leaves the rank out of the group (Rank::excluded). */
 int ubep_excluded(const ubep_rank* rank);
-/* 1 when its ubepd is draining or exited: detach, and attach again (Rank::must_attach_again). */
+/* 1 when its ubepd is draining or exited: detach, and attach again (Rank::must_attach_again). A
+ * rank ubep_detach has let go is freed with it: there is nothing left to ask. */
 int ubep_must_attach_again(const ubep_rank* rank);
 int ubep_stats(const ubep_rank* rank, ubep_rank_stats* out);
 
