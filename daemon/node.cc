@@ -158,32 +158,24 @@ absl::StatusOr<std::vector<std::byte>> PlanTableOf(const balancer::Plan& plan) {
                                  static_cast<uint32_t>(plan.topology.num_ranks), plan.excluded_ranks);
 }
 
+// The version plan buffer `b` of the area at `area` holds committed (0: none, or one being
+// rewritten as it is read).
+uint64_t CommittedVersionIn(void* area, int b) {
+  const kernels::PlanSlotHeader* slot = kernels::PlanSlot(area, b);
+  const uint64_t version = LoadWord(slot->version);
+  const bool committed = std::atomic_ref<const uint32_t>(slot->state).load(std::memory_order_acquire) ==
+                         kernels::kCommitted;
+  return committed && LoadWord(slot->version) == version ? version : 0;
+}
+
 // Whether the plan area at `area` holds `version`, committed.
 bool CommittedIn(void* area, uint64_t version) {
-  for (int b = 0; b < 2; ++b) {
-    const kernels::PlanSlotHeader* slot = kernels::PlanSlot(area, b);
-    if (LoadWord(slot->version) == version &&
-        std::atomic_ref<const uint32_t>(slot->state).load(std::memory_order_acquire) ==
-            kernels::kCommitted) {
-      return true;
-    }
-  }
-  return false;
+  return version != 0 && (CommittedVersionIn(area, 0) == version || CommittedVersionIn(area, 1) == version);
 }
 
 // The newest version the plan area at `area` holds committed (0: none).
 uint64_t NewestCommittedIn(void* area) {
-  uint64_t newest = 0;
-  for (int b = 0; b < 2; ++b) {
-    const kernels::PlanSlotHeader* slot = kernels::PlanSlot(area, b);
-    const uint64_t version = LoadWord(slot->version);
-    if (std::atomic_ref<const uint32_t>(slot->state).load(std::memory_order_acquire) ==
-            kernels::kCommitted &&
-        LoadWord(slot->version) == version) {
-      newest = std::max(newest, version);
-    }
-  }
-  return newest;
+  return std::max(CommittedVersionIn(area, 0), CommittedVersionIn(area, 1));
 }
 
 }  // namespace
@@ -876,24 +868,23 @@ absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl
         "rank ", rank, " is excluded from the EP group by plan v", plan_.version,
         " (its node failed or was drained); join again to wait for a plan that includes it"));
   }
+  const std::string did_not_form =
+      absl::StrCat("the group of ", ranks_.size(), " ranks did not form in time");
   if (membership_pending_) {
     // Held back here, whoever joined: say by what.
     if (!pending_.has_value()) {
       return absl::DeadlineExceededError(absl::StrCat(
-          "the group of ", ranks_.size(), " ranks did not form in time: plan v",
-          staging_version_, ", a change of members, is being prepared here (its ranks stopping "
-          "or its weights staging; the group forms once the balancer commits or aborts it)"));
+          did_not_form, ": plan v", staging_version_, ", a change of members, is being "
+          "prepared here (its ranks stopping or its weights staging; the group forms once the "
+          "balancer commits or aborts it)"));
     }
     return absl::DeadlineExceededError(absl::StrCat(
-        "the group of ", ranks_.size(), " ranks did not form in time: plan v", pending_->version,
-        ", a change of members, is prepared here and undecided (the group forms once the "
-        "balancer commits or aborts it)"));
+        did_not_form, ": plan v", pending_->version, ", a change of members, is prepared here "
+        "and undecided (the group forms once the balancer commits or aborts it)"));
   }
-  const std::string did_not_form =
-      absl::StrCat("the group of ", ranks_.size(), " ranks did not form in time");
   // Members on another plan: ahead (this daemon missed a commit) or behind.
-  if (const std::vector<std::pair<int, uint64_t>> others = MembersBehindOrAhead();
-      !others.empty() && others.front().second > plan_.version) {
+  const std::vector<std::pair<int, uint64_t>> others = MembersBehindOrAhead();
+  if (!others.empty() && others.front().second > plan_.version) {
     std::vector<int> ahead;
     for (const auto& [r, version] : others) {
       if (version == others.front().second) ahead.push_back(r);
@@ -929,9 +920,10 @@ absl::StatusOr<v1::JoinResponse> Node::Join(const v1::JoinRequest& request, absl
                                                     missing.size() == 1 ? " " : "s ",
                                                     absl::StrJoin(missing, ", ")));
   }
-  // Every member asks for this generation: the group's lead daemon has not formed it.
+  // Every member asks for this generation: the group's lead daemon has not formed it (behind
+  // members, if any: `others` holds none ahead here).
   std::vector<int> uncommitted;
-  for (const auto& [r, version] : MembersBehindOrAhead()) uncommitted.push_back(r);
+  for (const auto& [r, version] : others) uncommitted.push_back(r);
   if (!uncommitted.empty()) {
     return absl::DeadlineExceededError(absl::StrCat(
         did_not_form, ": every member joined, and the daemon of rank",

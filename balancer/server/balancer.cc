@@ -1608,8 +1608,8 @@ void Balancer::AddGroupDaemons(v1::PrepareRequest& request) const {
     peer->set_address(d.info.address());
     *peer->mutable_ranks() = d.info.ranks();
     peer->set_domain(d.info.domain());
-    // A new process's arenas hold none of the plan's weights (its clients may not have loaded
-    // them yet): kept out as restarted, its ranks are no holders for other domains.
+    // A new process's arenas hold the plan's weights only once its clients have loaded them:
+    // kept out as restarted, its ranks are other domains' holders of last resort.
     const auto drained = drained_.find(name);
     peer->set_restarted(drained != drained_.end() && drained->second == DrainCause::kRestart);
   }
