@@ -2387,6 +2387,7 @@ TEST(NodeTest, ADaemonTwoPlansBehindTakesThePlanThatExcludesItsRanks) {
   // A plan that keeps b's ranks still reads the holders' maps, and still cannot be taken.
   const v1::PrepareResponse keeping = b.Prepare(FourRankPlan(5, {}), 10);
   EXPECT_FALSE(keeping.prepared());
+  EXPECT_EQ(keeping.reason(), "plan v4 is not in the plan area of rank 0");
   for (auto [node, rank, token] : {std::tuple(&a, 0, t.x0.token), std::tuple(&b, 2, t.x2.token)}) {
     v1::DetachRequest detach;
     detach.set_rank(rank);
