@@ -1,6 +1,7 @@
 // The C ABI (ubep/ubep_c.h) over the C++ API.
 #include <algorithm>
 #include <array>
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -112,6 +113,13 @@ void ubep_client_options_init(ubep_client_options* options, size_t struct_size) 
 
 namespace {
 
+// No padding in the structures a caller sizes: a field added later must change sizeof for
+// struct_size to tell the versions apart.
+static_assert(sizeof(ubep_model_shape) == offsetof(ubep_model_shape, reserved) + sizeof(int32_t));
+static_assert(sizeof(ubep_client_options) ==
+              offsetof(ubep_client_options, daemon_check_interval_ms) + sizeof(int64_t));
+static_assert(sizeof(ubep_rank_stats) == offsetof(ubep_rank_stats, plan_version) + sizeof(uint64_t));
+
 // The attach of ubep_attach, ubep_attach_at and ubep_attach_with, naming `function` in its
 // errors; inside the caller's Guard.
 int AttachWith(const char* function, const ubep_client_options* c_options, int32_t rank,
@@ -128,6 +136,11 @@ int AttachWith(const char* function, const ubep_client_options* c_options, int32
         shape->struct_size > sizeof(ubep_model_shape)
             ? " (the caller was built with a newer ubep_c.h than this libubep)"
             : " (set it to sizeof(ubep_model_shape))")));
+  }
+  if (shape->reserved != 0) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+        function, ": shape->reserved is ", shape->reserved,
+        ", not 0 (a field this libubep does not know)")));
   }
   ubep::ClientOptions options;
   if (c_options != nullptr) {

@@ -29,6 +29,7 @@ class ModelShape(ctypes.Structure):
         ("slots_per_rank", ctypes.c_int32),
         ("bytes_per_expert", ctypes.c_uint64),
         ("dtype", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
     ]
 
 

@@ -1372,6 +1372,15 @@ TEST_F(DaemonTest, ADetachedRankAndNullHandlesGetErrorsNotCrashes) {
                          sizeof(ubep_model_shape),
                          " (the caller was built with a newer ubep_c.h than this libubep)"));
   EXPECT_EQ(c_rank, nullptr);
+  // The field where padding would be is the caller's to leave 0.
+  ubep_model_shape reserved = unsized;
+  reserved.struct_size = sizeof(ubep_model_shape);
+  reserved.reserved = 3;
+  EXPECT_EQ(ubep_attach(socket_path().c_str(), 0, 1, 0, &reserved, &c_rank),
+            static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_STREQ(ubep_last_error(),
+               "ubep_attach: shape->reserved is 3, not 0 (a field this libubep does not know)");
+  EXPECT_EQ(c_rank, nullptr);
   // Each attach names itself.
   ubep_client_options with;
   ubep_client_options_init(&with, sizeof(with));

@@ -146,6 +146,13 @@ def main(argv):
         for (field, c_type), (_, ctype) in zip(fields, binding_fields):
             if not matches(c_type, ctype, ubep_ctypes):
                 problems.append(f"{c_name}.{field} is {c_type}, the binding says {ctype}")
+        # No padding: struct_size tells versions apart only if every field added later
+        # changes sizeof, which a field that fits in padding would not.
+        structure = getattr(ubep_ctypes, STRUCTS[c_name])
+        fields_size = sum(ctypes.sizeof(t) for _, t in binding_fields)
+        if ctypes.sizeof(structure) != fields_size:
+            problems.append(f"{c_name}: sizeof {ctypes.sizeof(structure)}, its fields "
+                            f"{fields_size} bytes: padding a later field could fill")
     for p in problems:
         print(p)
     if not problems:
