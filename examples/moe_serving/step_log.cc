@@ -51,4 +51,13 @@ std::optional<StepLine> ParseStepLine(absl::string_view line) {
   return out;
 }
 
+AfterFailure AfterFailedStep(const absl::Status& status, bool in_dispatch) {
+  if (absl::IsResourceExhausted(status) || absl::IsAborted(status)) return AfterFailure::kDropStep;
+  if (absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status) ||
+      absl::IsInternal(status) || (absl::IsDataLoss(status) && in_dispatch)) {
+    return AfterFailure::kRejoin;
+  }
+  return AfterFailure::kStop;
+}
+
 }  // namespace ubep::example

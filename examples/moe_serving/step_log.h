@@ -14,6 +14,7 @@
 #include <optional>
 #include <string>
 
+#include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 
 namespace ubep::example {
@@ -29,6 +30,18 @@ struct StepLine {
 std::string ServedStepLine(uint64_t step, uint64_t generation, uint64_t plan_version,
                            double max_rel_err, bool ok);
 std::string DroppedStepLine(uint64_t step, StepOutcome outcome, absl::string_view why);
+
+// What the example does after a step failed (docs/serving-integration.md, section 5).
+enum class AfterFailure {
+  kDropStep,  // Every rank's call failed alike (ResourceExhausted, Aborted): the group is in step.
+  kRejoin,    // The group stopped (Unavailable, DeadlineExceeded, Internal, or a DataLoss of
+              // Dispatch: a peer's corrupt records, which the group gave up on): Rejoin, or
+              // attach again when ubepd is going.
+  kStop,      // This process's fault, or memory ubepd wrote that is not as it left it (a
+              // DataLoss of BeginStep or ExpertWeights), which a Rejoin would find again.
+};
+// `in_dispatch`: `status` is what Rank::Dispatch returned.
+AfterFailure AfterFailedStep(const absl::Status& status, bool in_dispatch);
 
 // The step line `line` is, or nullopt for any other line (errors, "done ...", a torn last
 // line of a log being written).

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "gtest/gtest.h"
 
 namespace ubep::example {
@@ -79,6 +80,23 @@ TEST(StepLogTest, TheLinesTheExampleWritesAreReadBackAsTheyWereMeant) {
     EXPECT_EQ(parsed->outcome, c.outcome) << c.line;
     EXPECT_EQ(parsed->mismatch, c.mismatch) << c.line;
   }
+}
+
+// After a failed step: a call that failed on every rank alike drops the step; a stopped
+// group, or a peer's corrupt records found by Dispatch, is rejoined; corrupt memory of ubepd's
+// found anywhere else (BeginStep's plan) stops the process, as any other error does, since a
+// Rejoin would find it again.
+TEST(StepLogTest, WhatFollowsAFailedStep) {
+  EXPECT_EQ(AfterFailedStep(absl::ResourceExhaustedError("over"), true), AfterFailure::kDropStep);
+  EXPECT_EQ(AfterFailedStep(absl::AbortedError("out of step"), true), AfterFailure::kDropStep);
+  EXPECT_EQ(AfterFailedStep(absl::UnavailableError("left"), false), AfterFailure::kRejoin);
+  EXPECT_EQ(AfterFailedStep(absl::DeadlineExceededError("late"), true), AfterFailure::kRejoin);
+  EXPECT_EQ(AfterFailedStep(absl::InternalError("combine"), false), AfterFailure::kRejoin);
+  EXPECT_EQ(AfterFailedStep(absl::DataLossError("rank 1's records"), true), AfterFailure::kRejoin);
+  EXPECT_EQ(AfterFailedStep(absl::DataLossError("plan v1 is corrupt"), false), AfterFailure::kStop);
+  EXPECT_EQ(AfterFailedStep(absl::InvalidArgumentError("expert 300"), true), AfterFailure::kStop);
+  EXPECT_EQ(AfterFailedStep(absl::FailedPreconditionError("no BeginStep"), true),
+            AfterFailure::kStop);
 }
 
 }  // namespace
