@@ -1429,10 +1429,18 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
   const auto last_resort = [&](int q) {
     return static_cast<int>(remote.rank_restarted.size()) == R && remote.rank_restarted[q];
   };
-  absl::StatusOr<std::vector<SlotCopy>> schedule =
-      SlotCopies(plan_, plan, domain_of, readable, last_resort);
-  if (!schedule.ok()) return fail(std::string(schedule.status().message()));
+  // A daemon whose ranks the plan all excludes stages nothing, so it needs the schedule only
+  // to send its holders' weights over an NCCL link, and only when it is on the plan the link's
+  // schedule is computed over. One behind (cut off, or restarted) computes none: over its own
+  // stale plan a holder that is down now could fail the plan that catches it up, at every try;
+  // its ranks, out of the cluster's plan in force since it fell behind, hold nothing the link
+  // sends, and it joins the link (a collective to form) to send and receive nothing.
   const bool over_link = on_device() && !remote.nccl_id.empty();
+  const bool schedules = stages || (over_link && remote.base_version == plan_.version);
+  absl::StatusOr<std::vector<SlotCopy>> schedule =
+      schedules ? SlotCopies(plan_, plan, domain_of, readable, last_resort)
+                : std::vector<SlotCopy>();
+  if (!schedule.ok()) return fail(std::string(schedule.status().message()));
   std::vector<std::vector<uint32_t>> maps(R);
   std::vector<std::vector<uint32_t>> checked(R);  // The slot maps in force, copied and checked.
   std::vector<WeightCopy> copies;
@@ -1513,7 +1521,7 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
       return fail(absl::StrCat("the NCCL link names rank ", remote.link_rank, " of ", remote.link_size,
                                " and the daemons of ", remote.rank_link.size(), " ranks, for a group of ", R));
     }
-    if (remote.base_version != plan_.version) {
+    if (schedules && remote.base_version != plan_.version) {
       // Every daemon walks one schedule, computed over the plan in force: it must be the same.
       return fail(absl::StrCat("the NCCL link's copies are scheduled over plan v", remote.base_version,
                                " but this daemon is on plan v", plan_.version));

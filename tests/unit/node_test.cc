@@ -2493,6 +2493,59 @@ balancer::Plan PlacedPlan(uint64_t version, const std::vector<std::vector<int>>&
   return plan;
 }
 
+// A daemon whose ranks the plan all excludes computes no weight schedule. Under b's plan in
+// force (v2) expert 6 is on rank 1 alone, and the Prepare says ranks 0 and 1 are in other
+// domains with their daemon down: a plan moving expert 6 to rank 0 that b would stage for is
+// refused by name, but b takes the one that excludes its ranks (b computed the schedule over
+// its own plan before, which a daemon cut off from the cluster does over a stale one: it
+// refused the plan that catches it up at every try while a holder of that plan was down).
+TEST(NodeTest, ADaemonWhoseRanksThePlanExcludesComputesNoWeightSchedule) {
+  Node a(Hosting(0));
+  Node b(Hosting(2));
+  const TwoNodes t = AttachTwoNodes(a, b);
+  // v2: rank 3's slots 2-3 take experts 0-1, so that experts 6-7 are on rank 1 alone.
+  const balancer::Plan v2 = PlacedPlan(2, {{0, 1, 2, 3}, {4, 5, 6, 7}, {0, 1, 2, 3}, {4, 5, 0, 1}});
+  for (Node* node : {&a, &b}) {
+    const v1::PrepareResponse prepared = node->Prepare(v2, 10);
+    ASSERT_TRUE(prepared.prepared()) << prepared.reason();
+    ASSERT_TRUE(node->Commit(2).ok());
+  }
+  for (int r : {0, 2}) {  // The ranks reach v2's step.
+    std::atomic_ref<uint64_t>(kernels::ControlOf(t.x0.arenas[r].data(), t.x0.layout)->step).store(10);
+  }
+  // The change of members waits for the hosted ranks to stop: rank 2 waits in Join.
+  absl::StatusOr<v1::JoinResponse> joined2;
+  std::thread join2([&] { joined2 = b.Join(JoinOf(2, t.x2.token), absl::Now() + absl::Seconds(30)); });
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (b.Snapshot().joining == 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(1));
+  Node::RemoteWeights remote;
+  remote.rank_domain = {7, 8, 0, 0};
+  remote.rank_link = {-1, -1, 0, 0};  // Node a is down.
+  // Experts 0 and 6 trade places between ranks 0 and 1.
+  auto swapped = [](uint64_t version, std::vector<int> excluded) {
+    balancer::Plan plan = FourRankPlan(version, std::move(excluded));
+    for (balancer::LayerPlan& layer : plan.layers) std::swap(layer.slot_expert[0], layer.slot_expert[6]);
+    return plan;
+  };
+  const v1::PrepareResponse staging = b.Prepare(swapped(3, {}), 20, remote);
+  EXPECT_FALSE(staging.prepared());
+  EXPECT_EQ(staging.reason(),
+            "layer 0: expert 6 is held only in other domains by ranks whose daemons are down "
+            "(rank 1)");
+  const v1::PrepareResponse excluding = b.Prepare(swapped(4, {2, 3}), 20, remote);
+  ASSERT_TRUE(excluding.prepared()) << excluding.reason();
+  EXPECT_EQ(excluding.copied_slots(), 0u);
+  ASSERT_TRUE(b.Commit(4).ok());
+  EXPECT_EQ(b.State().committed_version(), 4u);
+  EXPECT_EQ(AbortWord(t.x0, 2, 4), kernels::kAbortMembership);
+  v1::DetachRequest detach;
+  detach.set_rank(2);
+  detach.set_token(t.x2.token);
+  EXPECT_TRUE(b.Detach(detach).ok());
+  join2.join();
+  EXPECT_EQ(joined2.status(), absl::FailedPreconditionError("rank 2 detached while joining"));
+}
+
 // Two daemons in two load/store domains (ranks 0-1 in domain 0, 2-3 in domain 1): a slot's new
 // expert comes from the nearest holder; a holder only in the other domain is read through its
 // daemon (ReadWeights), which serves exactly the buffer its committed plan maps.
