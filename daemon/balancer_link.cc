@@ -361,7 +361,11 @@ std::optional<BalancerLink::Pending> BalancerLink::MakeReport() {
                    << loads->max_step << " is not reported: plan v" << loads->plan.version
                    << " is in force from step " << *loads->plan.effective_step
                    << " (the group formed again there), and those counts hold the plan before's";
+    // The calls dropped over a receive capacity are counted whatever plan they ran under
+    // (the balancer takes them from any report): the next report carries them.
+    const uint64_t over_capacity_reported = last_.over_capacity_calls;
     last_ = *std::move(loads);
+    last_.over_capacity_calls = over_capacity_reported;
     last_step_ = last_.max_step;
     return std::nullopt;
   }

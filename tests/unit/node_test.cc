@@ -1096,7 +1096,10 @@ TEST(NodeTest, CountsOfThePlanBeforeAGroupFormedAgainDoNotPassForTheNewPlans) {
   ASSERT_FALSE(balancer.ReportsUpTo(50).empty());
   balancer.Refuse(true);  // The next report is made and held: no counter is read meanwhile.
   ASSERT_TRUE(balancer.AwaitRefusals(1));
-  AddLoad(group.a0, 0, 0, {0, 0, 9, 0}, ConfigOf(2));  // Step 50 goes on under v1.
+  AddLoad(group.a0, 0, 0, {0, 0, 9, 0}, ConfigOf(2));  // Step 50 goes on under v1,
+  std::atomic_ref<uint64_t>(kernels::ControlOf(group.a0.arenas[0].data(), group.a0.layout)
+                                ->over_capacity_calls)
+      .store(3);  // and 3 of its calls were over a receive capacity.
   const v1::PrepareResponse prepared = node.Prepare(SwappedPlan(), 100);
   ASSERT_TRUE(prepared.prepared()) << prepared.reason();
   ASSERT_TRUE(node.Commit(2).ok());
@@ -1121,6 +1124,11 @@ TEST(NodeTest, CountsOfThePlanBeforeAGroupFormedAgainDoNotPassForTheNewPlans) {
     for (int p = 0; p < 8; ++p) v2[p] += r.load().layers(0).slot(p);
   }
   EXPECT_THAT(v2, ::testing::ElementsAre(0, 4, 0, 0, 0, 0, 0, 0));
+  // The calls dropped over a capacity are counted whatever plan they ran under: the interval
+  // not reported passes them on to the next report.
+  uint64_t over_capacity = 0;
+  for (const v1::ReportLoadRequest& r : balancer.Taken()) over_capacity += r.over_capacity_calls();
+  EXPECT_EQ(over_capacity, 3u);
 }
 
 // v2 committed while rank 0 waited at its start (step 60 begun, the last report read there):
