@@ -160,9 +160,14 @@ std::vector<MetricFamily> DaemonMetrics::Collect() const {
   attached.metric.push_back(GaugeValue(node.attached));
   out.push_back(std::move(attached));
 
-  MetricFamily bytes = Family("ubep_daemon_arena_bytes", "Bytes of shared memory in the arenas.",
+  MetricFamily bytes = Family("ubep_daemon_arena_bytes",
+                              "Bytes of the arenas: memory=\"host\", shared memory (memfd); "
+                              "memory=\"device\", GPU memory (CUDA backend, else 0).",
                               MetricType::Gauge);
-  bytes.metric.push_back(GaugeValue(static_cast<double>(node.arena_bytes)));
+  for (const auto& [memory, value] : {std::pair<const char*, uint64_t>{"host", node.arena_bytes},
+                                      {"device", node.device_arena_bytes}}) {
+    bytes.metric.push_back(GaugeValue(static_cast<double>(value), {{"memory", memory}}));
+  }
   out.push_back(std::move(bytes));
 
   MetricFamily version = Family("ubep_daemon_plan_version",

@@ -2168,7 +2168,8 @@ NodeSnapshot Node::Snapshot() const {
   s.generation = GroupGeneration();  // (A rank the plan excludes keeps an older one.)
   s.world_size = config_.num_ranks;
   s.attached = AttachedLocked();
-  s.arena_bytes = static_cast<uint64_t>(layout_.total_bytes + layout_.device_bytes) * hosted_;
+  s.arena_bytes = static_cast<uint64_t>(layout_.total_bytes) * hosted_;
+  s.device_arena_bytes = static_cast<uint64_t>(layout_.device_bytes) * hosted_;
   s.plan_version = plan_.version;
   s.num_layers = config_.num_layers;
   s.slots_per_rank = config_.slots_per_rank;

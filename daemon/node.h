@@ -96,7 +96,8 @@ struct NodeSnapshot {
   int world_size = 0;
   int attached = 0;             // Ranks whose client holds its arenas.
   int joining = 0;              // Ranks waiting in Join for the group to form.
-  uint64_t arena_bytes = 0;     // All arenas.
+  uint64_t arena_bytes = 0;         // All arenas' host memory (memfd shared memory).
+  uint64_t device_arena_bytes = 0;  // All arenas' device memory (CUDA backend; else 0).
   uint64_t generation = 0;
   uint64_t plan_version = 0;
   bool draining = false;

@@ -966,7 +966,10 @@ TEST_F(DaemonTest, HealthIsNotServingWhileDrainingAndAttachIsRefused) {
   }
   std::string metrics = Metrics();
   EXPECT_EQ(Sample(metrics, "ubep_daemon_attached_clients"), 1) << metrics;
-  EXPECT_EQ(Sample(metrics, "ubep_daemon_arena_bytes"), static_cast<double>(shared_bytes)) << metrics;
+  EXPECT_EQ(Sample(metrics, "ubep_daemon_arena_bytes{memory=\"host\"}"),
+            static_cast<double>(shared_bytes))
+      << metrics;
+  EXPECT_EQ(Sample(metrics, "ubep_daemon_arena_bytes{memory=\"device\"}"), 0) << metrics;
   EXPECT_EQ(Sample(metrics, "ubep_daemon_draining"), 0) << metrics;
 
   daemon->Signal(SIGTERM);
@@ -976,7 +979,10 @@ TEST_F(DaemonTest, HealthIsNotServingWhileDrainingAndAttachIsRefused) {
   metrics = Metrics();
   EXPECT_EQ(Sample(metrics, "ubep_daemon_draining"), 1) << metrics;
   EXPECT_EQ(Sample(metrics, "ubep_daemon_attached_clients"), 1) << metrics;
-  EXPECT_EQ(Sample(metrics, "ubep_daemon_arena_bytes"), static_cast<double>(shared_bytes)) << metrics;
+  EXPECT_EQ(Sample(metrics, "ubep_daemon_arena_bytes{memory=\"host\"}"),
+            static_cast<double>(shared_bytes))
+      << metrics;
+  EXPECT_EQ(Sample(metrics, "ubep_daemon_arena_bytes{memory=\"device\"}"), 0) << metrics;
   const grpc::Status refused = Attach(Request(1, 2));
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_EQ(refused.error_message(),
