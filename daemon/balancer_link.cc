@@ -3,8 +3,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "balancer/formats/proto_convert.h"
 #include "common/channel.h"
 #include "common/clock.h"
@@ -387,7 +390,19 @@ std::optional<BalancerLink::Pending> BalancerLink::MakeReport() {
   request.set_max_step(step);
   request.set_plan_in_force(plan.in_force);
   if (plan.effective_step.has_value()) request.set_plan_effective_step(*plan.effective_step);
-  request.set_over_capacity_calls(loads->over_capacity_calls - last_.over_capacity_calls);
+  // Counters only grow within one set of arenas (the data plane adds to them): one below its
+  // last reading was stored by something else that maps the arena. Its delta would wrap, and
+  // the balancer would refuse the whole report, every hosted rank's counts: it counts 0, said,
+  // and the next report goes on from where it stands now.
+  std::vector<std::string> went_back;  // The first 8 named.
+  size_t went_back_count = 0;
+  auto delta = [&](uint64_t now, uint64_t before, auto&& what) -> uint64_t {
+    if (now >= before) return now - before;
+    if (++went_back_count <= 8) went_back.push_back(what());
+    return 0;
+  };
+  request.set_over_capacity_calls(delta(loads->over_capacity_calls, last_.over_capacity_calls,
+                                        [] { return std::string("over_capacity_calls"); }));
   v1::LoadReport* load = request.mutable_load();
   load->set_reporter(options_.node);
   // Steps do not go back within one set of arenas but for clients that attached again at an
@@ -402,11 +417,23 @@ std::optional<BalancerLink::Pending> BalancerLink::MakeReport() {
     layer->set_layer(static_cast<uint32_t>(l < plan.layer_ids.size() ? plan.layer_ids[l] : l));
     layer->set_first_slot(first_rank * slots_per_rank);
     for (size_t p = first_rank * slots_per_rank; p < end_rank * slots_per_rank; ++p) {
-      layer->add_slot(loads->slots[l][p] - last_.slots[l][p]);
+      layer->add_slot(delta(loads->slots[l][p], last_.slots[l][p], [&] {
+        return absl::StrCat("layer ", l, " slot ", p, " (", last_.slots[l][p], " -> ",
+                            loads->slots[l][p], ")");
+      }));
     }
     for (size_t r = first_rank; r < end_rank; ++r) {
-      layer->add_dispatches(loads->dispatches[l][r] - last_.dispatches[l][r]);
+      layer->add_dispatches(delta(loads->dispatches[l][r], last_.dispatches[l][r], [&] {
+        return absl::StrCat("layer ", l, " rank ", r, "'s dispatches (", last_.dispatches[l][r],
+                            " -> ", loads->dispatches[l][r], ")");
+      }));
     }
+  }
+  if (!went_back.empty()) {
+    UBEP_LOG(WARNING) << went_back_count << " load counters went back since the last report, "
+                      << "counted 0 this interval (something other than the data plane stores "
+                      << "into the arenas): " << absl::StrJoin(went_back, ", ")
+                      << (went_back_count > went_back.size() ? ", ..." : "");
   }
   made.loads = *std::move(loads);
   return made;

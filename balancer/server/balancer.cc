@@ -1074,6 +1074,37 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
                                  " ranks; node ", request->node(), " hosts ", hi - lo));
     }
   }
+  // Counts no data plane can make: a rank receives at most world x max_tokens x min(top_k,
+  // slots per rank) pairs in one dispatch call (each source's tokens, each with its pairs at
+  // that rank). More is a counter word stored by something other than the data plane (every
+  // serving process maps its arenas writable), which would pass one expert for the hottest of
+  // the cluster for a whole window. (A shape registered without top_k or max_tokens bounds
+  // nothing; ubepd registers its clients'.)
+  const v1::ModelShape& model = shape_->model;
+  if (model.top_k() > 0 && model.max_tokens() > 0) {
+    const uint64_t per_call = static_cast<uint64_t>(shape_->world) * model.max_tokens() *
+                              std::min<uint32_t>(model.top_k(), static_cast<uint32_t>(shape_->slots));
+    for (int i = 0; i < load.layers_size(); ++i) {
+      const v1::LayerLoad& layer = load.layers(i);
+      for (int r = 0; r < layer.dispatches_size(); ++r) {
+        if (layer.dispatches(r) == 0) continue;  // Counts without a call: LoadFromProto's.
+        uint64_t pairs = 0;  // Saturating: each count is below 2^63, their sum need not be.
+        for (int p = r * shape_->slots; p < (r + 1) * shape_->slots; ++p) {
+          pairs = layer.slot(p) > UINT64_MAX - pairs ? UINT64_MAX : pairs + layer.slot(p);
+        }
+        const uint64_t calls_needed = pairs / per_call + (pairs % per_call != 0 ? 1 : 0);
+        if (calls_needed > layer.dispatches(r)) {
+          return Reject("implausible", grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("load.layers[", i, "]: rank ", lo + r, " received ",
+                                     pairs == UINT64_MAX ? "2^64 or more" : absl::StrCat(pairs),
+                                     " pairs in ", layer.dispatches(r), " dispatch calls, over the ",
+                                     per_call, " a call can bring it (world ", shape_->world,
+                                     " x max_tokens ", model.max_tokens(), " x min(top_k ",
+                                     model.top_k(), ", slots_per_rank ", shape_->slots, "))"));
+        }
+      }
+    }
+  }
   absl::StatusOr<LoadMatrix> logical = LoadFromProto(load, &*plan_);
   if (!logical.ok()) {
     return Reject("malformed", grpc::StatusCode::INVALID_ARGUMENT,

@@ -3335,6 +3335,9 @@ class UnreachedLayerTest : public ::testing::Test {
   UnreachedLayerTest()
       : a_("node-a", FirstPlan()), b_("node-b", FirstPlan()), c_("node-c", FirstPlan()) {}
 
+  // The shape's top_k and max_tokens, registered by both nodes (0: not given).
+  uint32_t top_k_ = 0, max_tokens_ = 0;
+
   // threshold 1.2; a plan is judged after `trigger_windows` intervals above it. `idle_node`:
   // a third daemon registers too, hosting no rank (no client attached to it).
   // `health_failures`: failed health checks in a row that mark a daemon down. `report_interval`
@@ -3355,6 +3358,10 @@ class UnreachedLayerTest : public ::testing::Test {
     v1::RegisterResponse registered;
     v1::RegisterRequest ra = DaemonRegistration(a_, "node-a", 0, 0, "host");
     v1::RegisterRequest rb = DaemonRegistration(b_, "node-b", 2, 0, "host");
+    for (v1::RegisterRequest* r : {&ra, &rb}) {
+      r->mutable_shape()->set_top_k(top_k_);
+      r->mutable_shape()->set_max_tokens(max_tokens_);
+    }
     ASSERT_TRUE(balancer_->Register(nullptr, &ra, &registered).ok());
     ASSERT_TRUE(balancer_->Register(nullptr, &rb, &registered).ok());
     if (idle_node) {
@@ -3729,6 +3736,31 @@ TEST_F(UnreachedLayerTest, AnOverCapacityCountThatWrappedIsRefused) {
                 "over_capacity_calls: count -5 is negative");
   EXPECT_EQ(Sample("ubep_balancer_rejected_reports_total", "negative", "reason"), 1);
   EXPECT_EQ(Sample("ubep_balancer_over_capacity_calls_total"), 6);
+}
+
+// Counts no data plane can make are refused: with top-2 and 5 tokens over 4 ranks a rank
+// receives at most 4 x 5 x 2 = 40 pairs a dispatch call. 400 in 10 calls is taken, 401 is
+// not; nor are counts whose sum passes 2^64 (each below 2^63, so none is "negative").
+TEST_F(UnreachedLayerTest, CountsNoDataPlaneCanMakeAreRefused) {
+  top_k_ = 2;
+  max_tokens_ = 5;
+  Start(/*trigger_windows=*/1);
+  Interval({400, 400, 400, 400}, /*over_capacity=*/0, /*layer1=*/10);
+  EXPECT_EQ(Sample("ubep_balancer_reports_total"), 2);
+  ++seq_;
+  ExpectRefused(IntervalReport(1, {400, 400, 400, 401}, 0, 10, true),
+                "load.layers[0]: rank 3 received 401 pairs in 10 dispatch calls, over the 40 a "
+                "call can bring it (world 4 x max_tokens 5 x min(top_k 2, slots_per_rank 4))");
+  v1::ReportLoadRequest huge = IntervalReport(0, {400, 400, 400, 400}, 0, 10, true);
+  for (int p = 4; p < 8; ++p) {
+    huge.mutable_load()->mutable_layers(1)->set_slot(p, (uint64_t{1} << 63) - 1);
+  }
+  ExpectRefused(huge,
+                "load.layers[1]: rank 1 received 2^64 or more pairs in 10 dispatch calls, over "
+                "the 40 a call can bring it (world 4 x max_tokens 5 x min(top_k 2, "
+                "slots_per_rank 4))");
+  EXPECT_EQ(Sample("ubep_balancer_rejected_reports_total", "implausible", "reason"), 2);
+  EXPECT_EQ(Sample("ubep_balancer_reports_total"), 2);
 }
 
 }  // namespace

@@ -1131,6 +1131,38 @@ TEST(NodeTest, CountsOfThePlanBeforeAGroupFormedAgainDoNotPassForTheNewPlans) {
   EXPECT_EQ(over_capacity, 3u);
 }
 
+// A load counter below its last reading (stored by something other than the data plane: every
+// serving process maps its arenas writable) counts 0 for that interval instead of a delta
+// that wraps, which the balancer would refuse with the whole report, rank 1's counts too;
+// the next report goes on from where it stands.
+TEST(NodeTest, ALoadCounterThatWentBackCountsNothingAndTheOthersAreReported) {
+  FakeBalancer balancer;
+  ReportingGroup group(balancer);  // Rank 0 at step 50, 30 pairs in slot 0.
+  ASSERT_FALSE(balancer.ReportsUpTo(50).empty());
+  AddLoad(group.a0, 0, 0, {-5, 0, 0, 0}, ConfigOf(2));  // 30 -> 25.
+  AddLoad(group.a0, 1, 0, {0, 7, 0, 0}, ConfigOf(2));
+  StepOf(group.a0, 0).store(60);
+  // Layer 0's counts in every report taken, up to the one of `step` (the reports are deltas;
+  // which of them holds which change depends on when the link read the counters).
+  auto reported = [&](uint64_t step) {
+    std::vector<uint64_t> slots(8, 0), dispatches(2, 0);
+    for (const v1::LoadReport& r : balancer.ReportsUpTo(step)) {
+      for (int p = 0; p < 8; ++p) slots[p] += r.layers(0).slot(p);
+      for (int q = 0; q < 2; ++q) dispatches[q] += r.layers(0).dispatches(q);
+    }
+    return std::pair(slots, dispatches);
+  };
+  // The 5 taken off are not taken off the balancer's count (a wrapped delta summed would).
+  auto [slots, dispatches] = reported(60);
+  EXPECT_THAT(slots, ::testing::ElementsAre(30, 0, 0, 0, 0, 7, 0, 0));
+  EXPECT_THAT(dispatches, ::testing::ElementsAre(2, 1));
+  AddLoad(group.a0, 0, 0, {3, 0, 0, 0}, ConfigOf(2));  // 25 -> 28: 3 more.
+  StepOf(group.a0, 0).store(70);
+  std::tie(slots, dispatches) = reported(70);
+  EXPECT_THAT(slots, ::testing::ElementsAre(33, 0, 0, 0, 0, 7, 0, 0));
+  EXPECT_THAT(dispatches, ::testing::ElementsAre(3, 1));
+}
+
 // v2 committed while rank 0 waited at its start (step 60 begun, the last report read there):
 // no re-form, and what is counted from then on is v2's alone, reported (a cut at every plan
 // change whose start the last report reached would drop it).
