@@ -248,6 +248,13 @@ int ubep_begin_step(ubep_rank* rank, uint64_t step) {
   });
 }
 
+int ubep_weights_loaded(ubep_rank* rank) {
+  return Guard("ubep_weights_loaded", [&] {
+    if (rank == nullptr) return NullHandle("ubep_weights_loaded");
+    return Check(rank->rank->WeightsLoaded());
+  });
+}
+
 int ubep_excluded(const ubep_rank* rank) {
   if (rank == nullptr) return 0;
   // The first look at a plan copies and checks its table: out of memory there is a no (the

@@ -1417,6 +1417,17 @@ absl::StatusOr<std::span<std::byte>> Rank::ExpertWeights(int layer, int local_sl
                               s.shape.bytes_per_expert);
 }
 
+absl::Status Rank::WeightsLoaded() {
+  RankState& s = *state_;
+  if (!s.attached) return Detached(s);
+  if (s.InForkedChild()) return ForkedChild(s, "use");
+  // Release: a daemon that reads the word with acquire reads the weights stored before it
+  // (host memory; on the CUDA backend the caller's copies into device memory have completed
+  // before it says so).
+  std::atomic_ref<uint64_t>(s.control()->weights_loaded).store(1, std::memory_order_release);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<int> Rank::SlotExpert(int layer, int local_slot) const {
   const RankState& s = *state_;
   if (!s.attached) return Detached(s);

@@ -105,7 +105,8 @@ Node::RemoteWeights RemoteWeightsOf(const v1::PrepareRequest& request, const std
   remote.rank_restarted.assign(world, false);
   struct Host {
     std::string node, address;
-    bool down = false;  // Its daemon fails its health checks.
+    bool down = false;       // Its daemon fails its health checks.
+    bool restarted = false;  // Read only as the last resort: its clients must have loaded.
   };
   auto hosts = std::make_shared<std::vector<Host>>(world);
   // First the daemons down, so that a rank also listed by a healthy one (which took it over)
@@ -125,7 +126,7 @@ Node::RemoteWeights RemoteWeightsOf(const v1::PrepareRequest& request, const std
       remote.rank_domain[r] = d.domain();
       remote.rank_link[r] = i;
       remote.rank_restarted[r] = d.restarted();
-      (*hosts)[r] = {d.node(), d.address(), false};
+      (*hosts)[r] = {d.node(), d.address(), false, d.restarted()};
     }
   }
   if (!request.nccl_unique_id().empty()) {
@@ -163,6 +164,7 @@ Node::RemoteWeights RemoteWeightsOf(const v1::PrepareRequest& request, const std
       read.set_slot(static_cast<uint32_t>(slot));
       read.set_offset(offset);
       read.set_length(length);
+      read.set_require_loaded(host.restarted);
       grpc::ClientContext context;
       // A read is one chunk (kMaxReadWeightsBytes): one that takes longer than kChunkTimeout
       // is a peer that hangs, and a drain waits for at most one read.

@@ -1136,6 +1136,15 @@ absl::StatusOr<std::vector<uint32_t>> Node::CheckedSlotMap(int r, int buffer) co
   return map;
 }
 
+bool Node::WeightsLoadedLocked(int r) const { return LoadWord(Ctl(r)->weights_loaded) != 0; }
+
+absl::Status Node::NotLoadedStatus(int r) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "rank ", r, "'s weights are not loaded: its daemon restarted, and no client of its new "
+      "arenas has said their weights are in place (Rank::WeightsLoaded), so the copy of last "
+      "resort is not taken from them"));
+}
+
 absl::StatusOr<v1::ReadWeightsResponse> Node::ReadWeights(const v1::ReadWeightsRequest& request) const {
   MutexLock lock(&mu_);
   if (!has_group_) return absl::FailedPreconditionError("no group is attached to this daemon");
@@ -1160,6 +1169,7 @@ absl::StatusOr<v1::ReadWeightsResponse> Node::ReadWeights(const v1::ReadWeightsR
     return absl::FailedPreconditionError(absl::StrCat(
         "rank ", r, " is excluded under plan v", plan_.version, ": its weights are not kept"));
   }
+  if (request.require_loaded() && !WeightsLoadedLocked(r)) return NotLoadedStatus(r);
   const uint64_t bytes = group_request_.shape().bytes_per_expert();
   if (request.offset() > bytes) {
     return absl::OutOfRangeError(absl::StrCat("offset ", request.offset(), " is past the expert's ",
@@ -1536,6 +1546,9 @@ v1::PrepareResponse Node::Prepare(const balancer::Plan& plan, uint64_t effective
       batches.resize(std::max<size_t>(batches.size(), op.batch + 1));
       if (op.send) {
         const int hr = c.holder / S;
+        // Its new arenas are sent only once its client said they hold the weights, as
+        // ReadWeights reads them (the peers' link fails with this Prepare).
+        if (last_resort(hr) && !WeightsLoadedLocked(hr)) return fail(std::string(NotLoadedStatus(hr).message()));
         const uint32_t source = checked[hr][c.layer * S + c.holder % S];
         batches[op.batch].push_back({op.peer, /*send=*/true, device_arenas_[hr].get(),
                                      DeviceWeightOffset(c.layer, source), bytes_per_expert});

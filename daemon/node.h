@@ -209,6 +209,8 @@ class Node {
   // index `layer` maps to under the committed plan, which must be `version`. The slot's rank
   // must be hosted here and included in that plan.
   static constexpr uint64_t kMaxReadWeightsBytes = uint64_t{1} << 20;
+  // With request.require_loaded (the holder's daemon restarted: the copy of last resort),
+  // FailedPrecondition unless the rank's client said its weights are loaded.
   absl::StatusOr<v1::ReadWeightsResponse> ReadWeights(const v1::ReadWeightsRequest& request) const;
   absl::Status Commit(uint64_t version);
   absl::Status Abort(uint64_t version);
@@ -359,6 +361,10 @@ class Node {
   uint64_t GroupGeneration() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A plan's effective step as the plan area has it (formation may move it earlier).
   uint64_t EffectiveStepOf(uint64_t version) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether hosted rank r's client said its weights are loaded (Rank::WeightsLoaded), and
+  // what a read of them that requires it (the copy of last resort) is told when not.
+  bool WeightsLoadedLocked(int r) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static absl::Status NotLoadedStatus(int r);
   kernels::RankControl* Ctl(int r) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return kernels::ControlOf(arenas_[r].data(), layout_);
   }

@@ -95,7 +95,7 @@ class Log {
   std::ofstream file_;
 };
 
-// Writes the expert weights of every (layer, local slot) into this rank's arena.
+// Writes the expert weights of every (layer, local slot) into this rank's arena, and says so.
 absl::Status LoadWeights(ubep::Rank& rank, const MoeModel& model) {
   const ubep::ModelShape& shape = rank.shape();
   for (int l = 0; l < shape.num_layers; ++l) {
@@ -109,7 +109,8 @@ absl::Status LoadWeights(ubep::Rank& rank, const MoeModel& model) {
       std::memcpy(buffer->data(), w.data(), w.size() * sizeof(float));
     }
   }
-  return absl::OkStatus();
+  // Now ubepd may give them to another domain as the copy of last resort (after a restart).
+  return rank.WeightsLoaded();
 }
 
 // One step through every layer; `max_rel_err`: the largest error of a layer's output against

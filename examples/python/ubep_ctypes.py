@@ -91,6 +91,7 @@ def signatures():
         "ubep_combine": (c_int, [rank_p, dispatched_p, void_p, void_p]),
         "ubep_expert_weights": (c_int, [rank_p, i32, i32, POINTER(void_p), POINTER(u64)]),
         "ubep_slot_expert": (c_int, [rank_p, i32, i32, POINTER(i32)]),
+        "ubep_weights_loaded": (c_int, [rank_p]),
     }
 
 

@@ -31,7 +31,7 @@
 namespace ubep::kernels {
 
 inline constexpr uint32_t kRankControlMagic = 0x43524255;  // "UBRC"
-inline constexpr uint32_t kRankArenaVersion = 7;
+inline constexpr uint32_t kRankArenaVersion = 8;
 inline constexpr uint64_t kNoNextStep = ~uint64_t{0};
 // In RankControl::join_ticket: the lead daemon took the ticket into the generation it formed
 // (a compare-and-swap, as is a Join's withdrawal of its ticket: one of the two wins).
@@ -96,6 +96,10 @@ struct alignas(64) RankControl {
   // than its receive capacity (one per call: the overflowed rank's Dispatch, the others'
   // Combine). errors[RESOURCE_EXHAUSTED] also counts, say, a Rejoin out of device memory.
   uint64_t over_capacity_calls;
+  // 1 once the client said the weights of every slot of its plan are in place
+  // (Rank::WeightsLoaded); 0 in new arenas. ubepd reads a restarted daemon's weights for
+  // another domain (the copy of last resort, ReadWeightsRequest.require_loaded) only then.
+  uint64_t weights_loaded;
   LatencyHistogram dispatch_latency;
   LatencyHistogram combine_latency;
 };

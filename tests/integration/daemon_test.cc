@@ -1334,6 +1334,7 @@ TEST_F(DaemonTest, ADetachedRankAndNullHandlesGetErrorsNotCrashes) {
   absl::StatusOr<int> slot2 = r.SlotExpert(0, 2);
   ASSERT_TRUE(slot2.ok()) << slot2.status();
   EXPECT_FALSE(r.must_attach_again());
+  EXPECT_TRUE(r.WeightsLoaded().ok());
   ASSERT_TRUE(r.Detach().ok());
   // Detached: only an Attach serves again (an engine's error handler that runs again on the
   // old Rank is not sent to Rejoin).
@@ -1345,7 +1346,10 @@ TEST_F(DaemonTest, ADetachedRankAndNullHandlesGetErrorsNotCrashes) {
   EXPECT_EQ(r.Combine(d, x.data(), out.data()), detached);
   EXPECT_EQ(r.ExpertWeights(0, 0).status(), detached);
   EXPECT_EQ(r.SlotExpert(0, 0).status(), detached);
+  EXPECT_EQ(r.WeightsLoaded(), detached);
   EXPECT_EQ(r.BeginStep(r.resume_step() + 1), detached);
+  EXPECT_EQ(ubep_weights_loaded(nullptr), static_cast<int>(absl::StatusCode::kInvalidArgument));
+  EXPECT_STREQ(ubep_last_error(), "ubep_weights_loaded: null handle");
 
   EXPECT_EQ(ubep_begin_step(nullptr, 0), static_cast<int>(absl::StatusCode::kInvalidArgument));
   EXPECT_STREQ(ubep_last_error(), "ubep_begin_step: null handle");

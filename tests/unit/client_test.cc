@@ -769,6 +769,25 @@ struct AttachedOverSilentFdSocket {
   absl::StatusOr<std::unique_ptr<Rank>> rank = Rank::Attach({.socket_path = socket}, 0, 1, 0, Shape());
 };
 
+// Rank::WeightsLoaded is what lets ubepd serve the rank's weights as the copy of last resort
+// (a read with require_loaded): refused before it, served after.
+TEST(ClientTest, WeightsLoadedLetsTheDaemonServeTheCopyOfLastResort) {
+  AttachedOverSilentFdSocket attached;
+  absl::StatusOr<std::unique_ptr<Rank>>& rank = attached.rank;
+  ASSERT_TRUE(rank.ok()) << rank.status();
+  v1::ReadWeightsRequest read;
+  read.set_plan_version(attached.ubepd.node().State().committed_version());
+  read.set_layer(1);
+  read.set_slot(2);
+  read.set_require_loaded(true);
+  EXPECT_EQ(attached.ubepd.node().ReadWeights(read).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE((*rank)->WeightsLoaded().ok());
+  const absl::StatusOr<v1::ReadWeightsResponse> served = attached.ubepd.node().ReadWeights(read);
+  ASSERT_TRUE(served.ok()) << served.status();
+  EXPECT_EQ(served->data().size(), 256u);
+}
+
 // A child forked after Attach (a data-loader worker, say) that never touches the rank holds
 // none of its fd connection (closed in the child at the fork): the rank's process letting it
 // go closes it for ubepd, which takes that for the rank's process ending, while the child
@@ -819,6 +838,7 @@ TEST(ClientTest, AForkedChildsCopyOfARankDetachesNothing) {
     wrong += (*rank)->Rejoin(std::nullopt).status() != refused("use");
     wrong += (*rank)->ExpertWeights(0, 0).status() != refused("use");
     wrong += (*rank)->SlotExpert(0, 0).status() != refused("use");
+    wrong += (*rank)->WeightsLoaded() != refused("use");
     wrong += !(*rank)->must_attach_again();
     wrong += (*rank)->Detach() != refused("detach");
     rank->reset();

@@ -640,6 +640,30 @@ TEST(NodeTest, ASlotMapWrittenOutsideUbepdIsRefusedBeforeAnyCopy) {
   EXPECT_EQ(node.ReadWeights(read).status(), absl::DataLossError(message));
 }
 
+// A read that takes the copy of last resort (the holder's daemon restarted: its arenas are
+// new) is refused until the rank's client says its weights are loaded; any other read is
+// served as ever. The word is in the rank's control block, set by Rank::WeightsLoaded.
+TEST(NodeTest, ACopyOfLastResortIsReadOnlyOnceTheClientSaidItsWeightsAreLoaded) {
+  Node node(Options());
+  Attached a = AttachAndClaim(node, 0, 2, 1);
+  v1::ReadWeightsRequest read;
+  read.set_plan_version(1);
+  read.set_layer(0);
+  read.set_slot(4);  // Rank 1's slot 0.
+  EXPECT_TRUE(node.ReadWeights(read).ok());
+  read.set_require_loaded(true);
+  EXPECT_EQ(node.ReadWeights(read).status(),
+            absl::FailedPreconditionError(
+                "rank 1's weights are not loaded: its daemon restarted, and no client of its new "
+                "arenas has said their weights are in place (Rank::WeightsLoaded), so the copy "
+                "of last resort is not taken from them"));
+  std::atomic_ref<uint64_t>(kernels::ControlOf(a.arenas[1].data(), a.layout)->weights_loaded)
+      .store(1);
+  const absl::StatusOr<v1::ReadWeightsResponse> loaded = node.ReadWeights(read);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->data().size(), loaded->bytes_per_expert());
+}
+
 TEST(NodeTest, PrepareFailsWithoutFreeBuffersAndChangesNothing) {
   Node node(Options(/*free_buffers=*/0));
   Attached a = AttachAndClaim(node, 0, 2, 1);

@@ -228,6 +228,13 @@ class Rank {
   // span is device memory: fill it with cudaMemcpy, not from the host.
   absl::StatusOr<std::span<std::byte>> ExpertWeights(int layer, int local_slot);
   absl::StatusOr<int> SlotExpert(int layer, int local_slot) const;
+  // Says that the weights of every slot SlotExpert names are in ExpertWeights: call it once
+  // they are loaded after an Attach (a Rejoin keeps them; ubepd keeps them across plans). A
+  // restarted ubepd's arenas are new and empty until then, and a plan that must copy an
+  // expert from them to another domain (its only holder) is refused until it is said, rather
+  // than made with what they hold. On the CUDA backend, call it once the copies into the
+  // spans completed. FailedPrecondition on a detached rank.
+  absl::Status WeightsLoaded();
 
   // After Detach: the counts as they stood at Detach (the arena that holds them is let go).
   RankStats stats() const;

@@ -146,6 +146,10 @@ int ubep_expert_weights(ubep_rank* rank, int32_t layer, int32_t local_slot, void
 /* The logical expert that (layer, local_slot) holds under the plan of the current step: the
  * one whose weights ubep_expert_weights' buffer is to hold (Rank::SlotExpert). */
 int ubep_slot_expert(const ubep_rank* rank, int32_t layer, int32_t local_slot, int32_t* expert);
+/* Says the weights of every slot ubep_slot_expert names are in their buffers
+ * (Rank::WeightsLoaded): call it once they are loaded after an attach (on the CUDA backend,
+ * once the copies completed). */
+int ubep_weights_loaded(ubep_rank* rank);
 
 #ifdef __cplusplus
 }
