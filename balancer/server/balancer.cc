@@ -1845,15 +1845,15 @@ absl::StatusOr<v1::RebalanceResponse> Balancer::PlanAndCommitSerialized(const ch
     load = window_->Current();
     load.set_layer_ids(previous.layer_ids);
     topology = previous.topology;
-    if (budget < 0) {
-      // As many changed slots per rank and layer as the daemons have free weight buffers.
-      budget = std::numeric_limits<int>::max();
-      for (const auto& [name, d] : daemons_) {
-        if (d.Serving() && !d.info.ranks().empty()) {
-          budget = std::min(budget, static_cast<int>(d.info.free_buffers()));
-        }
+    // At most as many changed slots per rank and layer as the daemons have free weight
+    // buffers (a daemon refuses a plan that changes more), and at most --migration_budget.
+    int free_buffers = std::numeric_limits<int>::max();
+    for (const auto& [name, d] : daemons_) {
+      if (d.Serving() && !d.info.ranks().empty()) {
+        free_buffers = std::min(free_buffers, static_cast<int>(d.info.free_buffers()));
       }
     }
+    budget = budget < 0 ? free_buffers : std::min(budget, free_buffers);
     const absl::StatusOr<uint64_t> effective = EffectiveStep();
     if (!effective.ok()) return effective.status();
     effective_step = *effective;

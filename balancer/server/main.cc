@@ -40,7 +40,8 @@ ABSL_FLAG(absl::Duration, effective_margin, absl::Seconds(1),
           "A new plan takes effect this far ahead of the ranks' estimated step.");
 ABSL_FLAG(int64_t, min_margin_steps, 10, "... and at least this many steps ahead.");
 ABSL_FLAG(int, migration_budget, -1,
-          "Changed slots per rank and layer per plan; -1 = the daemons' free weight buffers.");
+          "Changed slots per rank and layer per plan, at most the daemons' free weight buffers "
+          "(-1: as many as those).");
 ABSL_FLAG(absl::Duration, recovery_grace, absl::Seconds(3),
           "After a restart, wait this long for daemons before aborting an undecided plan.");
 ABSL_FLAG(absl::Duration, registration_grace, absl::Seconds(30),

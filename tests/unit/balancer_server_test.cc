@@ -2543,11 +2543,15 @@ TEST(BalancerServerTest, ADrainPlacesTheExpertsOnlyTheDrainedNodeHeldWithinTheFr
     first.layer_ids.push_back(l);
     first.layers.push_back(layer);
   }
-  for (const int free_buffers : {1, 0}) {
-    SCOPED_TRACE(absl::StrCat(free_buffers, " free buffers"));
+  // A --migration_budget above the daemons' free buffers does not raise what they take.
+  for (const auto [free_buffers, migration_budget] :
+       std::vector<std::pair<int, int>>{{1, -1}, {0, -1}, {1, 4}, {0, 4}}) {
+    SCOPED_TRACE(absl::StrCat(free_buffers, " free buffers, --migration_budget ", migration_budget));
     FakeDaemon a("node-a", ToProto(first, PlanEncoding::kFull)),
         b("node-b", ToProto(first, PlanEncoding::kFull));
-    Balancer balancer(NeverMarkedDown(), std::make_shared<prometheus::Registry>());
+    BalancerOptions options = NeverMarkedDown();
+    options.migration_budget = migration_budget;
+    Balancer balancer(options, std::make_shared<prometheus::Registry>());
     for (auto [d, name, rank] : {std::tuple{&a, "node-a", 0u}, std::tuple{&b, "node-b", 2u}}) {
       v1::RegisterRequest q = DaemonRegistration(*d, name, rank, 0, "host");
       q.set_free_buffers(free_buffers);
