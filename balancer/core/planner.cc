@@ -1,6 +1,7 @@
 #include "balancer/core/planner.h"
 
 #include <algorithm>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "balancer/core/eplb_policy.h"
@@ -27,6 +28,35 @@ std::string_view PolicyName(Policy policy) {
 }
 
 namespace {
+
+// EPLB numbers ranks and slots in its packing order, so a small drift of the load permutes
+// them where each rank would keep its experts, and every slot would count as moved (a weight
+// copy each): each layer is renumbered against the plan in force to keep what it can in
+// place (AlignToPrevious), within each node for the hierarchical policy, whose nodes each
+// hold the expert groups packed there.
+void AlignEplbToPrevious(const Topology& topology, bool hierarchical, const Plan& previous,
+                         Plan& plan) {
+  const int nodes = hierarchical ? topology.num_nodes : 1;
+  const Topology part{.num_ranks = topology.num_ranks / nodes,
+                      .num_nodes = 1,
+                      .slots_per_rank = topology.slots_per_rank};
+  const size_t span = static_cast<size_t>(part.num_slots());
+  for (int l = 0; l < plan.num_layers(); ++l) {
+    LayerPlan& layer = plan.layers[l];
+    const LayerPlan& before = previous.layers[l];
+    for (int n = 0; n < nodes; ++n) {
+      const size_t first = n * span;
+      auto slice = [&](const auto& v) {
+        return std::vector(v.begin() + first, v.begin() + first + span);
+      };
+      const LayerPlan was{slice(before.slot_expert), slice(before.slot_share)};
+      LayerPlan fresh{slice(layer.slot_expert), slice(layer.slot_share)};
+      AlignToPrevious(part, was, fresh);
+      std::copy(fresh.slot_expert.begin(), fresh.slot_expert.end(), layer.slot_expert.begin() + first);
+      std::copy(fresh.slot_share.begin(), fresh.slot_share.end(), layer.slot_share.begin() + first);
+    }
+  }
+}
 
 // EPLB replans every layer from scratch. Against the plan in force: a layer with no load
 // keeps its placement (EPLB would give every spare slot to expert 0, learning nothing), and
@@ -65,6 +95,7 @@ absl::StatusOr<Plan> ComputePlan(const LoadMatrix& load, const Topology& topolog
     case Policy::kEplbGlobal:
       plan = PlanEplb(load, topology, options.policy == Policy::kEplb);
       if (plan.ok() && previous != nullptr) {
+        AlignEplbToPrevious(topology, options.policy == Policy::kEplb, *previous, *plan);
         KeepLayersEplbCannotMove(load, topology, *previous, options.migration_budget, *plan);
       }
       break;

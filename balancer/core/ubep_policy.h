@@ -59,6 +59,11 @@ struct UbepPolicyOptions {
 absl::StatusOr<Plan> PlanUbep(const LoadMatrix& load, const Topology& topology,
                               const Plan* previous, const UbepPolicyOptions& options);
 
+// Renumbers the ranks of `fresh` (whole slot blocks move) to keep as many of each rank's
+// experts where `previous` had them, then orders each rank's slots so that an expert kept on
+// its rank keeps its slot; shares move with their slots. Both layers are over `t`.
+void AlignToPrevious(const Topology& t, const LayerPlan& previous, LayerPlan& fresh);
+
 // One layer from scratch. Exposed for tests and benchmarks.
 LayerPlan UbepLayerFresh(std::span<const double> expert_load, const Topology& topology,
                          const UbepPolicyOptions& options);

@@ -107,8 +107,23 @@ TEST(EplbPolicyTest, ALayerBelowFloatsRangeKeepsItsPlacement) {
   EXPECT_EQ(ChangedSlots(*first, *next, nullptr), 0);
 }
 
+// Per node, the experts of each of its ranks (each rank's sorted, the node's ranks sorted):
+// what a plan places where, whatever the ranks' and slots' numbering within a node.
+std::vector<std::vector<std::vector<int>>> RankSetsByNode(const LayerPlan& layer, const Topology& t) {
+  std::vector<std::vector<std::vector<int>>> nodes(t.num_nodes);
+  for (int r = 0; r < t.num_ranks; ++r) {
+    std::vector<int> experts(layer.slot_expert.begin() + r * t.slots_per_rank,
+                             layer.slot_expert.begin() + (r + 1) * t.slots_per_rank);
+    std::sort(experts.begin(), experts.end());
+    nodes[t.NodeOfRank(r)].push_back(experts);
+  }
+  for (auto& node : nodes) std::sort(node.begin(), node.end());
+  return nodes;
+}
+
 // Against the plan in force, an EPLB layer with no load keeps its placement, and so does one
-// whose new placement changes more slots of a rank than the budget; a layer within it moves.
+// whose new placement changes more slots of a rank than the budget; a layer within it moves,
+// to what EPLB planned afresh, its ranks renumbered within their nodes to keep what they can.
 TEST(EplbPolicyTest, LayersWithoutLoadOrOverTheBudgetKeepTheirPlacement) {
   const Topology t{8, 2, 2, 4};
   const LoadMatrix load = ReadmeWeights();
@@ -119,31 +134,56 @@ TEST(EplbPolicyTest, LayersWithoutLoadOrOverTheBudgetKeepTheirPlacement) {
   for (int e = 0; e < 12; ++e) moved.at(0, e) = load.at(1, e);
   absl::StatusOr<Plan> fresh = ComputePlan(moved, t, nullptr, {.policy = Policy::kEplb});
   ASSERT_TRUE(fresh.ok()) << fresh.status();
+
+  absl::StatusOr<Plan> unlimited = ComputePlan(moved, t, &*first, {.policy = Policy::kEplb});
+  ASSERT_TRUE(unlimited.ok()) << unlimited.status();
+  EXPECT_EQ(RankSetsByNode(unlimited->layers[0], t), RankSetsByNode(fresh->layers[0], t));
+  EXPECT_EQ(unlimited->layers[1], first->layers[1]);  // No load: kept.
+  EXPECT_TRUE(ValidatePlan(*unlimited).ok());
   std::vector<int64_t> per_rank;
-  Plan only_layer0 = *first;
-  only_layer0.layers[0] = fresh->layers[0];
-  ChangedSlots(*first, only_layer0, &per_rank);
+  ChangedSlots(*first, *unlimited, &per_rank);
   const int64_t most = *std::max_element(per_rank.begin(), per_rank.end());
   ASSERT_GT(most, 0);
-  ASSERT_LE(most, 2);
+  // Renumbered, it moves no more than EPLB's own numbering would.
+  Plan unaligned = *first;
+  unaligned.layers[0] = fresh->layers[0];
+  ChangedSlots(*first, unaligned, &per_rank);
+  EXPECT_LE(most, *std::max_element(per_rank.begin(), per_rank.end()));
 
   absl::StatusOr<Plan> within = ComputePlan(
       moved, t, &*first, {.policy = Policy::kEplb, .migration_budget = static_cast<int>(most)});
   ASSERT_TRUE(within.ok()) << within.status();
   EXPECT_EQ(within->version, 2u);
-  EXPECT_EQ(within->layers[0].slot_expert, fresh->layers[0].slot_expert);  // Moved.
-  EXPECT_EQ(within->layers[1], first->layers[1]);  // No load: kept.
-  EXPECT_TRUE(ValidatePlan(*within).ok());
+  EXPECT_EQ(within->layers, unlimited->layers);  // Moved.
 
   absl::StatusOr<Plan> over = ComputePlan(
       moved, t, &*first, {.policy = Policy::kEplb, .migration_budget = static_cast<int>(most) - 1});
   ASSERT_TRUE(over.ok()) << over.status();
   EXPECT_EQ(ChangedSlots(*first, *over, nullptr), 0);
+}
 
-  absl::StatusOr<Plan> unlimited = ComputePlan(moved, t, &*first, {.policy = Policy::kEplb});
-  ASSERT_TRUE(unlimited.ok()) << unlimited.status();
-  EXPECT_EQ(unlimited->layers[0].slot_expert, fresh->layers[0].slot_expert);
-  EXPECT_EQ(unlimited->layers[1], first->layers[1]);
+// EPLB numbers ranks and slots in its packing order: loads [4, 3, 2, 1] and [3, 4, 1, 2] pack
+// the same pairs of experts ({0, 3} and {1, 2}) on the two ranks in another order. Against the
+// plan in force the second plan is renumbered to keep them in place, not counted as four
+// moved slots (a weight copy each) and made or kept for that.
+TEST(EplbPolicyTest, APlanThatOnlyRenumbersRanksMovesNothing) {
+  const Topology t{2, 1, 2, 1};
+  LoadMatrix load(1, 4);
+  for (int e = 0; e < 4; ++e) load.at(0, e) = 4 - e;
+  absl::StatusOr<Plan> first = ComputePlan(load, t, nullptr, {.policy = Policy::kEplbGlobal});
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::vector<double> drifted = {3, 4, 1, 2};
+  for (int e = 0; e < 4; ++e) load.at(0, e) = drifted[e];
+  absl::StatusOr<Plan> fresh = ComputePlan(load, t, nullptr, {.policy = Policy::kEplbGlobal});
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  ASSERT_EQ(ChangedSlots(*first, *fresh, nullptr), 4);  // Unaligned: every slot differs.
+  for (const int budget : {2, 0}) {
+    absl::StatusOr<Plan> next = ComputePlan(
+        load, t, &*first, {.policy = Policy::kEplbGlobal, .migration_budget = budget});
+    ASSERT_TRUE(next.ok()) << next.status();
+    EXPECT_EQ(ChangedSlots(*first, *next, nullptr), 0) << "budget " << budget;
+    EXPECT_EQ(next->layers[0].slot_expert, first->layers[0].slot_expert);
+  }
 }
 
 }  // namespace
