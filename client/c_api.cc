@@ -137,11 +137,6 @@ int AttachWith(const char* function, const ubep_client_options* c_options, int32
             ? " (the caller was built with a newer ubep_c.h than this libubep)"
             : " (set it to sizeof(ubep_model_shape))")));
   }
-  if (shape->reserved != 0) {
-    return Fail(absl::InvalidArgumentError(absl::StrCat(
-        function, ": shape->reserved is ", shape->reserved,
-        ", not 0 (a field this libubep does not know)")));
-  }
   ubep::ClientOptions options;
   if (c_options != nullptr) {
     // Only the v1 fields exist so far: a smaller struct is not a ubep_client_options, a

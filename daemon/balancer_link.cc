@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -364,11 +365,12 @@ std::optional<BalancerLink::Pending> BalancerLink::MakeReport() {
                    << loads->max_step << " is not reported: plan v" << loads->plan.version
                    << " is in force from step " << *loads->plan.effective_step
                    << " (the group formed again there), and those counts hold the plan before's";
-    // The calls dropped over a receive capacity are counted whatever plan they ran under
-    // (the balancer takes them from any report): the next report carries them.
-    const uint64_t over_capacity_reported = last_.over_capacity_calls;
+    // The calls dropped over a receive capacity are counted whatever plan they ran under:
+    // the next report carries them apart (not the plan in force's to be judged by).
+    if (loads->over_capacity_calls > last_.over_capacity_calls) {
+      over_capacity_unreported_ += loads->over_capacity_calls - last_.over_capacity_calls;
+    }
     last_ = *std::move(loads);
-    last_.over_capacity_calls = over_capacity_reported;
     last_step_ = last_.max_step;
     return std::nullopt;
   }
@@ -396,13 +398,16 @@ std::optional<BalancerLink::Pending> BalancerLink::MakeReport() {
   // and the next report goes on from where it stands now.
   std::vector<std::string> went_back;  // The first 8 named.
   size_t went_back_count = 0;
-  auto delta = [&](uint64_t now, uint64_t before, auto&& what) -> uint64_t {
-    if (now >= before) return now - before;
+  auto counted_0 = [&](auto&& what) -> uint64_t {
     if (++went_back_count <= 8) went_back.push_back(what());
     return 0;
   };
+  auto delta = [&](uint64_t now, uint64_t before, auto&& what) -> uint64_t {
+    return now >= before ? now - before : counted_0(what);
+  };
   request.set_over_capacity_calls(delta(loads->over_capacity_calls, last_.over_capacity_calls,
                                         [] { return std::string("over_capacity_calls"); }));
+  request.set_over_capacity_calls_before(std::exchange(over_capacity_unreported_, 0));
   v1::LoadReport* load = request.mutable_load();
   load->set_reporter(options_.node);
   // Steps do not go back within one set of arenas but for clients that attached again at an
@@ -416,23 +421,37 @@ std::optional<BalancerLink::Pending> BalancerLink::MakeReport() {
     // Layers are named by the plan's model layer ids (a plan file may number them 3..60).
     layer->set_layer(static_cast<uint32_t>(l < plan.layer_ids.size() ? plan.layer_ids[l] : l));
     layer->set_first_slot(first_rank * slots_per_rank);
-    for (size_t p = first_rank * slots_per_rank; p < end_rank * slots_per_rank; ++p) {
-      layer->add_slot(delta(loads->slots[l][p], last_.slots[l][p], [&] {
-        return absl::StrCat("layer ", l, " slot ", p, " (", last_.slots[l][p], " -> ",
-                            loads->slots[l][p], ")");
-      }));
-    }
+    // Pairs of a rank that counted no dispatch (its count went back, or stood while its
+    // pairs grew: every update of the data plane counts one) are not sent either: the
+    // balancer refuses pairs over no dispatch as malformed, with the whole report.
+    std::vector<uint64_t> dispatches;
     for (size_t r = first_rank; r < end_rank; ++r) {
-      layer->add_dispatches(delta(loads->dispatches[l][r], last_.dispatches[l][r], [&] {
+      dispatches.push_back(delta(loads->dispatches[l][r], last_.dispatches[l][r], [&] {
         return absl::StrCat("layer ", l, " rank ", r, "'s dispatches (", last_.dispatches[l][r],
                             " -> ", loads->dispatches[l][r], ")");
       }));
     }
+    for (size_t p = first_rank * slots_per_rank; p < end_rank * slots_per_rank; ++p) {
+      uint64_t pairs = delta(loads->slots[l][p], last_.slots[l][p], [&] {
+        return absl::StrCat("layer ", l, " slot ", p, " (", last_.slots[l][p], " -> ",
+                            loads->slots[l][p], ")");
+      });
+      if (pairs > 0 && dispatches[p / slots_per_rank - first_rank] == 0) {
+        pairs = counted_0([&] {
+          return absl::StrCat("layer ", l, " slot ", p, " (", last_.slots[l][p], " -> ",
+                              loads->slots[l][p], ", over no dispatch of rank ",
+                              p / slots_per_rank, ")");
+        });
+      }
+      layer->add_slot(pairs);
+    }
+    for (uint64_t d : dispatches) layer->add_dispatches(d);
   }
   if (!went_back.empty()) {
-    UBEP_LOG(WARNING) << went_back_count << " load counters went back since the last report, "
-                      << "counted 0 this interval (something other than the data plane stores "
-                      << "into the arenas): " << absl::StrJoin(went_back, ", ")
+    UBEP_LOG(WARNING) << went_back_count << " load counters went back since the last report "
+                      << "or grew over no dispatch, counted 0 this interval (something other "
+                      << "than the data plane stores into the arenas): "
+                      << absl::StrJoin(went_back, ", ")
                       << (went_back_count > went_back.size() ? ", ..." : "");
   }
   made.loads = *std::move(loads);

@@ -113,6 +113,9 @@ class BalancerLink {
   // counted is reported twice or lost.
   Node::SlotLoads last_;
   uint64_t last_step_ = 0;
+  // Calls over a receive capacity of intervals not reported (the plan before's), for the next
+  // report's over_capacity_calls_before.
+  uint64_t over_capacity_unreported_ = 0;
   uint64_t seq_ = 0;
   // The report sent last whose answer did not come (the balancer away, or the answer lost):
   // sent again as it was, under its seq, until one comes. The balancer takes a seq once, so

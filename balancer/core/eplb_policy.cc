@@ -131,13 +131,17 @@ std::vector<int> EplbLayer(std::span<const double> weight_in, int num_physical, 
   return phy2log;
 }
 
+bool PlansHierarchically(const Topology& topology, bool hierarchical) {
+  return hierarchical && topology.num_groups % topology.num_nodes == 0;
+}
+
 absl::StatusOr<Plan> PlanEplb(const LoadMatrix& load, const Topology& topology,
                               bool hierarchical) {
   UBEP_RETURN_IF_ERROR(ValidateLoad(load));
   UBEP_RETURN_IF_ERROR(ValidateTopology(topology, load.num_experts()));
   int groups = topology.num_groups;
   int nodes = topology.num_nodes;
-  if (!hierarchical || groups % nodes != 0) groups = nodes = 1;
+  if (!PlansHierarchically(topology, hierarchical)) groups = nodes = 1;
   if (load.num_experts() % groups != 0) {
     return absl::InvalidArgumentError(absl::StrCat("eplb: experts (", load.num_experts(),
                                                    ") must be divisible by groups (", groups,

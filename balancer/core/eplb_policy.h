@@ -20,6 +20,9 @@ namespace ubep::balancer {
 // num_groups % num_nodes == 0); false forces the global policy (groups = nodes = 1).
 absl::StatusOr<Plan> PlanEplb(const LoadMatrix& load, const Topology& topology,
                               bool hierarchical);
+// Whether PlanEplb(..., hierarchical) packs expert groups onto nodes (else it plans as the
+// global policy does).
+bool PlansHierarchically(const Topology& topology, bool hierarchical);
 
 // One layer of rebalance_experts_hierarchical; returns phy2log. Exposed for tests.
 std::vector<int> EplbLayer(std::span<const double> weight, int num_physical, int num_groups,

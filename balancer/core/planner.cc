@@ -36,7 +36,7 @@ namespace {
 // hold the expert groups packed there.
 void AlignEplbToPrevious(const Topology& topology, bool hierarchical, const Plan& previous,
                          Plan& plan) {
-  const int nodes = hierarchical ? topology.num_nodes : 1;
+  const int nodes = PlansHierarchically(topology, hierarchical) ? topology.num_nodes : 1;
   const Topology part{.num_ranks = topology.num_ranks / nodes,
                       .num_nodes = 1,
                       .slots_per_rank = topology.slots_per_rank};

@@ -39,7 +39,8 @@ constexpr uint64_t kMaxReportSeqLead = uint64_t{1} << 32;
 uint64_t ReportFingerprint(const v1::ReportLoadRequest& request) {
   std::string load;
   request.load().SerializeToString(&load);
-  return absl::HashOf(load, request.over_capacity_calls(), request.plan_in_force());
+  return absl::HashOf(load, request.over_capacity_calls(), request.over_capacity_calls_before(),
+                      request.plan_in_force());
 }
 
 // gRPC takes deadlines as wall-clock times (it converts them to its own monotonic clock at
@@ -141,7 +142,10 @@ bool Parse(grpc::ByteBuffer& buffer, T* message) {
 
 // A report of no step run and nothing counted (an idle group's).
 bool NothingRun(const v1::LoadReport& load, const v1::ReportLoadRequest& request) {
-  if (load.last_step() != load.first_step() || request.over_capacity_calls() != 0) return false;
+  if (load.last_step() != load.first_step() || request.over_capacity_calls() != 0 ||
+      request.over_capacity_calls_before() != 0) {
+    return false;
+  }
   for (const v1::LayerLoad& layer : load.layers()) {
     for (const uint64_t n : layer.slot()) {
       if (n != 0) return false;
@@ -645,14 +649,26 @@ grpc::Status Balancer::Register(grpc::ServerContext* context, const v1::Register
   // mapped by anyone. The same process registers from the same address (a
   // group of another model may host other ranks), and a restart hosts the ranks it hosted;
   // another address with other ranks is refused until the process registered under the name
-  // fails its health checks.
+  // fails its health checks. So is one from another address naming no ranks yet (a ubepd's
+  // first registration, before its clients attach): a second ubepd, or a restart at a new
+  // address, which is taken once the process before it fails its health checks (seconds:
+  // --health_failures x --health_interval), as a restart there must anyway.
   if (const auto same = daemons_.find(request->node());
       same != daemons_.end() && same->second.healthy && same->second.info.ranks_size() > 0 &&
-      request->ranks_size() > 0 && same->second.info.address() != request->address()) {
+      same->second.info.address() != request->address()) {
     const auto block = [](const auto& ranks) {
       const auto [lo, hi] = std::minmax_element(ranks.begin(), ranks.end());
       return absl::StrCat(*lo, "-", *hi);
     };
+    if (request->ranks_size() == 0) {
+      return grpc::Status(
+          grpc::StatusCode::ALREADY_EXISTS,
+          absl::StrCat("node ", request->node(), " is registered by another ubepd (at ",
+                       same->second.info.address(), ", ranks ", block(same->second.info.ranks()),
+                       ") that answers its health checks; this one (at ", request->address(),
+                       ", no ranks yet) is taken once that one fails them (a restart at a new "
+                       "address), or needs a --node of its own"));
+    }
     if (const std::string theirs = block(same->second.info.ranks()), ours = block(request->ranks());
         theirs != ours) {
       return grpc::Status(
@@ -975,12 +991,14 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
     if (auto bad = counts("slot", load.layers(i).slot())) return *bad;
     if (auto bad = counts("dispatches", load.layers(i).dispatches())) return *bad;
   }
-  // A delta too (calls over the receive capacity since the last report), wrapped alike.
-  if (request->over_capacity_calls() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-    return Reject("negative", grpc::StatusCode::INVALID_ARGUMENT,
-                  absl::StrCat("over_capacity_calls: count ",
-                               static_cast<int64_t>(request->over_capacity_calls()),
-                               " is negative"));
+  // Deltas too (calls over the receive capacity since the last report), wrapped alike.
+  for (const auto& [field, calls] :
+       {std::pair<const char*, uint64_t>{"over_capacity_calls", request->over_capacity_calls()},
+        {"over_capacity_calls_before", request->over_capacity_calls_before()}}) {
+    if (calls > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      return Reject("negative", grpc::StatusCode::INVALID_ARGUMENT,
+                    absl::StrCat(field, ": count ", static_cast<int64_t>(calls), " is negative"));
+    }
   }
   // The last report, sent again because its answer did not reach the daemon, which cannot
   // tell whether it was taken: its counts are taken once. Only the step it carries, the
@@ -999,7 +1017,9 @@ grpc::Status Balancer::ReportLoad(grpc::ServerContext*, const v1::ReportLoadRequ
   // The calls its ranks dropped are counted whatever else the report holds: a report the
   // balancer cannot use (no plan yet, another plan's counts, a bad shape) still tells them.
   if (!sent_again) {
-    over_capacity_calls_->Increment(static_cast<double>(request->over_capacity_calls()));
+    // (Both counts below 2^63: their sum fits.)
+    over_capacity_calls_->Increment(static_cast<double>(request->over_capacity_calls() +
+                                                        request->over_capacity_calls_before()));
   }
   d.prev_step = d.max_step;
   d.prev_step_time = d.step_time;

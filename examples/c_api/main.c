@@ -19,7 +19,7 @@ int main(int argc, char** argv) {
     fprintf(stderr, "usage: ubep-c-example SOCKET\n");
     return 2;
   }
-  ubep_model_shape shape = {sizeof(ubep_model_shape), 1, kExperts, kHidden, kTopK, kTokens, kExperts, 0, UBEP_DTYPE_FLOAT32};
+  ubep_model_shape shape = {sizeof(ubep_model_shape), 1, kExperts, kHidden, kTopK, kTokens, kExperts, 0, UBEP_DTYPE_FLOAT32, 0};
   ubep_client_options options;
   ubep_client_options_init(&options, sizeof(options));
   options.socket_path = argv[1];

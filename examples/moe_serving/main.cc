@@ -115,10 +115,8 @@ absl::Status LoadWeights(ubep::Rank& rank, const MoeModel& model) {
 
 // One step through every layer; `max_rel_err`: the largest error of a layer's output against
 // its float64 reference on the layer's own input (MoeModel::ReferenceLayer).
-// `in_dispatch`: set when the error returned is Rank::Dispatch's.
 absl::Status RunStep(ubep::Rank& rank, const MoeModel& model, uint64_t step, std::vector<float>& x,
-                     uint64_t& plan_version, double& max_rel_err, bool& in_dispatch) {
-  in_dispatch = false;
+                     uint64_t& plan_version, double& max_rel_err) {
   const int H = rank.shape().hidden, S = rank.shape().slots_per_rank;
   x = model.Input(step, rank.rank());
   std::vector<int32_t> idx;
@@ -132,7 +130,6 @@ absl::Status RunStep(ubep::Rank& rank, const MoeModel& model, uint64_t step, std
       // (Host backend: nothing moved. An engine on the CUDA backend combines an
       // InvalidArgument's output that holds rows, d.slot_offsets() not empty: its peers wait
       // for that rank's partials; see ubep.h.)
-      in_dispatch = true;
       return s;
     }
     plan_version = d.plan_version();
@@ -287,8 +284,7 @@ int main(int argc, char** argv) {
   while (step < static_cast<uint64_t>(steps)) {
     uint64_t plan_version = 0;
     double err = 0;
-    bool in_dispatch = false;
-    const absl::Status status = RunStep(**rank, *model, step, x, plan_version, err, in_dispatch);
+    const absl::Status status = RunStep(**rank, *model, step, x, plan_version, err);
     if (status.ok()) {
       const bool ok = err <= tolerance;
       failed += ok ? 0 : 1;
@@ -299,7 +295,7 @@ int main(int argc, char** argv) {
       absl::SleepFor(absl::GetFlag(FLAGS_step_delay));
       continue;
     }
-    const ubep::example::AfterFailure after = ubep::example::AfterFailedStep(status, in_dispatch);
+    const ubep::example::AfterFailure after = ubep::example::AfterFailedStep(status);
     if (after == ubep::example::AfterFailure::kDropStep) {
       // Every rank's call failed (over a receive capacity, or out of step), so every rank
       // drops the step: the group stays in step.
@@ -314,10 +310,10 @@ int main(int argc, char** argv) {
       continue;
     }
     log.Line(absl::StrCat("error step ", step, ": ", status.message()));
-    // Unavailable and DeadlineExceeded: the group stopped; Internal: the combine libubep ran
-    // for a failed call did not complete, and the group is out of step; a Dispatch's DataLoss:
-    // a peer's records were corrupt and the group gave up on it. Each: Rejoin (or attach
-    // again). Anything else is this process's fault or ubepd's memory's.
+    // Unavailable and DeadlineExceeded: the group stopped (a peer's corrupt records among the
+    // reasons); Internal: the combine libubep ran for a failed call did not complete, and the
+    // group is out of step. Each: Rejoin (or attach again). Anything else is this process's
+    // fault, or memory of ubepd's gone bad (DataLoss), which a Rejoin would read again.
     if (after == ubep::example::AfterFailure::kStop) return 3;
     // ubepd is going away or gone: detach now, attach to the next one (false: could not).
     auto attach_again = [&] {

@@ -51,10 +51,10 @@ std::optional<StepLine> ParseStepLine(absl::string_view line) {
   return out;
 }
 
-AfterFailure AfterFailedStep(const absl::Status& status, bool in_dispatch) {
+AfterFailure AfterFailedStep(const absl::Status& status) {
   if (absl::IsResourceExhausted(status) || absl::IsAborted(status)) return AfterFailure::kDropStep;
   if (absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status) ||
-      absl::IsInternal(status) || (absl::IsDataLoss(status) && in_dispatch)) {
+      absl::IsInternal(status)) {
     return AfterFailure::kRejoin;
   }
   return AfterFailure::kStop;

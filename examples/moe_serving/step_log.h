@@ -34,14 +34,13 @@ std::string DroppedStepLine(uint64_t step, StepOutcome outcome, absl::string_vie
 // What the example does after a step failed (docs/serving-integration.md, section 5).
 enum class AfterFailure {
   kDropStep,  // Every rank's call failed alike (ResourceExhausted, Aborted): the group is in step.
-  kRejoin,    // The group stopped (Unavailable, DeadlineExceeded, Internal, or a DataLoss of
-              // Dispatch: a peer's corrupt records, which the group gave up on): Rejoin, or
-              // attach again when ubepd is going.
-  kStop,      // This process's fault, or memory ubepd wrote that is not as it left it (a
-              // DataLoss of BeginStep or ExpertWeights), which a Rejoin would find again.
+  kRejoin,    // The group stopped (Unavailable, among them a peer's corrupt records, which the
+              // group gave up on; DeadlineExceeded; Internal): Rejoin, or attach again when
+              // ubepd is going.
+  kStop,      // This process's fault, or memory ubepd wrote that is not as it left it
+              // (DataLoss: a plan table, a slot map), which a Rejoin would read again.
 };
-// `in_dispatch`: `status` is what Rank::Dispatch returned.
-AfterFailure AfterFailedStep(const absl::Status& status, bool in_dispatch);
+AfterFailure AfterFailedStep(const absl::Status& status);
 
 // The step line `line` is, or nullopt for any other line (errors, "done ...", a torn last
 // line of a log being written).

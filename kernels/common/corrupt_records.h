@@ -67,10 +67,12 @@ inline std::string CorruptRecordsWhat(uint32_t count_word, const std::byte* reco
 }
 
 // The error of a dispatch call whose records from `source` are corrupt (`what`:
-// CorruptRecordsWhat): the call gives up on the source, on every rank of the group.
+// CorruptRecordsWhat): the call gives up on the source, on every rank of the group. To this
+// rank it is the group stopped (Unavailable: Rejoin), as after a timeout, not memory of its
+// own or its daemon's gone bad (DataLoss, which a Rejoin would read again).
 inline absl::Status CorruptRecordsStatus(int rank, int source, uint32_t call,
                                          absl::string_view what) {
-  return absl::DataLossError(absl::StrCat("rank ", rank, ": rank ", source,
+  return absl::UnavailableError(absl::StrCat("rank ", rank, ": rank ", source,
                                           "'s records of dispatch call ", call, " are corrupt (",
                                           what.empty() ? "found so, and whole when read again"
                                                        : what,

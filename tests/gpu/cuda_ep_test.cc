@@ -1080,9 +1080,9 @@ TEST_P(CudaEpTest, ACorruptSourceIsNamedBeforeAnythingIsIndexedByIt) {
     UBEP_CHECK_CUDA(cudaDeviceSynchronize());
     CudaDispatchOutput out;
     EXPECT_EQ(ep->Dispatch({x, idx, w, in.num_tokens, 0, table, plan.header()}, out),
-              absl::DataLossError(absl::StrCat("rank 0: rank 1's records of dispatch call 1 are "
-                                               "corrupt (", k.why,
-                                               "); the group gave up on rank 1")));
+              absl::UnavailableError(absl::StrCat("rank 0: rank 1's records of dispatch call 1 are "
+                                                  "corrupt (", k.why,
+                                                  "); the group gave up on rank 1")));
     for (int r = 0; r < c.num_ranks; ++r) {
       uint32_t code = 0;
       UBEP_CHECK_CUDA(

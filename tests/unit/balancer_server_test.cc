@@ -179,6 +179,20 @@ TEST(BalancerServerTest, ASecondDaemonUnderANodesNameIsRefusedWhileTheFirstIsUp)
   ASSERT_EQ(nodes.size(), 1u);
   EXPECT_EQ(nodes[0].ranks, (std::vector<int>{0, 1}));
   EXPECT_EQ(nodes[0].address, "127.0.0.1:1");
+  // Its first registration, naming no ranks yet (before its clients attach), is refused too
+  // (it replaced the first's).
+  v1::RegisterRequest unattached = second;
+  unattached.clear_ranks();
+  unattached.clear_shape();
+  const grpc::Status early = balancer.Register(nullptr, &unattached, &response);
+  EXPECT_EQ(early.error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_EQ(early.error_message(),
+            "node host-1 is registered by another ubepd (at 127.0.0.1:1, ranks 0-1) that answers "
+            "its health checks; this one (at 127.0.0.1:2, no ranks yet) is taken once that one "
+            "fails them (a restart at a new address), or needs a --node of its own");
+  nodes = balancer.Status().nodes;
+  ASSERT_EQ(nodes.size(), 1u);
+  EXPECT_EQ(nodes[0].ranks, (std::vector<int>{0, 1}));
   // Restarted at another address, hosting the same ranks: taken.
   v1::RegisterRequest restarted = Registration("host-1", 0);
   restarted.set_address("127.0.0.1:3");
@@ -3310,6 +3324,16 @@ TEST(BalancerServerTest, RegistrationsAndReportsFromTheWireAreTakenOrRefused) {
         << "code " << code << " x " << count;
   }
   EXPECT_GT(taken, kIterations / 50);
+  // Nodes registered under a mutated name that hold ranks (from a fake's address) let them go,
+  // as a daemon started again without a group does: a healthy holder keeps its ranks.
+  for (const BalancerStatus::Node& held : balancer->Status().nodes) {
+    if (held.name == "node-a" || held.name == "node-b" || held.ranks.empty()) continue;
+    v1::RegisterRequest q;
+    q.set_node(held.name);
+    q.set_address(held.address);
+    q.set_incarnation("let-go");
+    Register(*balancer, q);
+  }
   // Both daemons, started again (new incarnations), register and report under the plan in
   // force: taken (their seqs start over).
   for (const std::string node : {"node-a", "node-b"}) {
@@ -3341,6 +3365,8 @@ class UnreachedLayerTest : public ::testing::Test {
 
   // The shape's top_k and max_tokens, registered by both nodes (0: not given).
   uint32_t top_k_ = 0, max_tokens_ = 0;
+  // Every report's calls over a capacity of an interval its daemon did not report.
+  uint64_t over_capacity_before_ = 0;
 
   // threshold 1.2; a plan is judged after `trigger_windows` intervals above it. `idle_node`:
   // a third daemon registers too, hosting no rank (no client attached to it).
@@ -3410,6 +3436,7 @@ class UnreachedLayerTest : public ::testing::Test {
         ReportOf(n == 0 ? "node-a" : "node-b", n, seq_, step_, step_ + 10, version_, 0);
     q.set_plan_in_force(plan_in_force);
     q.set_over_capacity_calls(over_capacity);
+    q.set_over_capacity_calls_before(over_capacity_before_);
     for (int l = 0; l < 2; ++l) {
       v1::LayerLoad* layer = q.mutable_load()->mutable_layers(l);
       for (int p = 0; p < 8; p += 4) layer->set_slot(p, l == 0 ? rank_load[2 * n + p / 4] : layer1);
@@ -3684,6 +3711,23 @@ TEST_F(UnreachedLayerTest, CallsReportedBeforeThePlanIsInForceOnTheirRanksAreNot
   }
   EXPECT_EQ(a_.prepares().size(), 0u);  // The mean, 1.15, is under the threshold of 1.2.
   EXPECT_EQ(Sample("ubep_balancer_over_capacity_calls_total"), 24);
+}
+
+// Calls over a capacity of an interval a daemon did not report (the plan before's, across a
+// re-form) are counted, and do not make the worst layer rule for the plan in force (without
+// them the mean, 1.15, is under the threshold of 1.2); a count of them that wrapped is refused.
+TEST_F(UnreachedLayerTest, CallsOfAnIntervalNotReportedAreCountedButNotTheirPlans) {
+  Start(/*trigger_windows=*/2);
+  Interval({13, 10, 10, 7}, 0, /*layer1=*/10);  // Step rates; v1 in force everywhere.
+  over_capacity_before_ = 3;
+  for (int i = 0; i < 4; ++i) Interval({13, 10, 10, 7}, 0, /*layer1=*/10);
+  EXPECT_EQ(a_.prepares().size(), 0u);
+  EXPECT_EQ(Sample("ubep_balancer_over_capacity_calls_total"), 24);
+  over_capacity_before_ = ~uint64_t{0} - 1;
+  ++seq_;
+  ExpectRefused(IntervalReport(0, {13, 10, 10, 7}, 0, 10, true),
+                "over_capacity_calls_before: count -2 is negative");
+  EXPECT_EQ(Sample("ubep_balancer_rejected_reports_total", "negative", "reason"), 1);
 }
 
 // A report sent again under its seq (its daemon got no answer, and cannot tell whether it

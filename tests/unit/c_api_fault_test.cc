@@ -91,7 +91,7 @@ ubep_model_shape Shape() {
   return ubep_model_shape{.struct_size = sizeof(ubep_model_shape), .num_layers = 1,
                           .num_experts = 4, .hidden = 8, .top_k = 2, .max_tokens = 4,
                           .slots_per_rank = 4, .bytes_per_expert = 0,
-                          .dtype = UBEP_DTYPE_FLOAT32};
+                          .dtype = UBEP_DTYPE_FLOAT32, .reserved = 0};
 }
 
 TEST(CAbiFaultTest, OutOfMemoryInAnErrorPathIsAnErrorCodeAndMessage) {

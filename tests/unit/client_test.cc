@@ -983,7 +983,7 @@ TEST(ClientTest, TheCOptionsJoinTimeoutIsTheJoinsDeadline) {
   const ModelShape s = Shape();
   const ubep_model_shape shape = {sizeof(ubep_model_shape), s.num_layers, s.num_experts,
                                   s.hidden,   s.top_k,      s.max_tokens,  s.slots_per_rank,
-                                  s.bytes_per_expert, UBEP_DTYPE_FLOAT32};
+                                  s.bytes_per_expert, UBEP_DTYPE_FLOAT32, 0};
   ubep_rank* rank = nullptr;
   const auto before = std::chrono::system_clock::now();
   ASSERT_EQ(ubep_attach_with(&options, 0, 1, 0, &shape, -1, &rank), 0) << ubep_last_error();

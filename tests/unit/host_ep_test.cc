@@ -1281,9 +1281,9 @@ TEST(HostEpErrorTest, ACorruptSourceIsNamedBeforeAnythingIsSizedFromIt) {
     EXPECT_EQ(group.ep(0).Dispatch({in.x.data(), in.topk_idx.data(), in.topk_w.data(), 8,
                                     config.hidden, 0, plan.header()},
                                    out),
-              absl::DataLossError(absl::StrCat("rank 0: rank 1's records of dispatch call 1 are "
-                                               "corrupt (", c.why,
-                                               "); the group gave up on rank 1")));
+              absl::UnavailableError(absl::StrCat("rank 0: rank 1's records of dispatch call 1 are "
+                                                  "corrupt (", c.why,
+                                                  "); the group gave up on rank 1")));
     for (int r = 0; r < config.num_ranks; ++r) {
       EXPECT_EQ(*reinterpret_cast<const uint32_t*>(group.arena(r) + layout.abort),
                 kAbortTimedOutBase + 1)

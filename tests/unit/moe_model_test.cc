@@ -83,20 +83,18 @@ TEST(StepLogTest, TheLinesTheExampleWritesAreReadBackAsTheyWereMeant) {
 }
 
 // After a failed step: a call that failed on every rank alike drops the step; a stopped
-// group, or a peer's corrupt records found by Dispatch, is rejoined; corrupt memory of ubepd's
-// found anywhere else (BeginStep's plan) stops the process, as any other error does, since a
-// Rejoin would find it again.
+// group (a peer's corrupt records among the reasons: Unavailable) is rejoined; memory of
+// ubepd's gone bad (DataLoss: a plan table), which a Rejoin would read again, stops the
+// process, as any other error does.
 TEST(StepLogTest, WhatFollowsAFailedStep) {
-  EXPECT_EQ(AfterFailedStep(absl::ResourceExhaustedError("over"), true), AfterFailure::kDropStep);
-  EXPECT_EQ(AfterFailedStep(absl::AbortedError("out of step"), true), AfterFailure::kDropStep);
-  EXPECT_EQ(AfterFailedStep(absl::UnavailableError("left"), false), AfterFailure::kRejoin);
-  EXPECT_EQ(AfterFailedStep(absl::DeadlineExceededError("late"), true), AfterFailure::kRejoin);
-  EXPECT_EQ(AfterFailedStep(absl::InternalError("combine"), false), AfterFailure::kRejoin);
-  EXPECT_EQ(AfterFailedStep(absl::DataLossError("rank 1's records"), true), AfterFailure::kRejoin);
-  EXPECT_EQ(AfterFailedStep(absl::DataLossError("plan v1 is corrupt"), false), AfterFailure::kStop);
-  EXPECT_EQ(AfterFailedStep(absl::InvalidArgumentError("expert 300"), true), AfterFailure::kStop);
-  EXPECT_EQ(AfterFailedStep(absl::FailedPreconditionError("no BeginStep"), true),
-            AfterFailure::kStop);
+  EXPECT_EQ(AfterFailedStep(absl::ResourceExhaustedError("over")), AfterFailure::kDropStep);
+  EXPECT_EQ(AfterFailedStep(absl::AbortedError("out of step")), AfterFailure::kDropStep);
+  EXPECT_EQ(AfterFailedStep(absl::UnavailableError("rank 1's records")), AfterFailure::kRejoin);
+  EXPECT_EQ(AfterFailedStep(absl::DeadlineExceededError("late")), AfterFailure::kRejoin);
+  EXPECT_EQ(AfterFailedStep(absl::InternalError("combine")), AfterFailure::kRejoin);
+  EXPECT_EQ(AfterFailedStep(absl::DataLossError("plan v1 is corrupt")), AfterFailure::kStop);
+  EXPECT_EQ(AfterFailedStep(absl::InvalidArgumentError("expert 300")), AfterFailure::kStop);
+  EXPECT_EQ(AfterFailedStep(absl::FailedPreconditionError("no BeginStep")), AfterFailure::kStop);
 }
 
 }  // namespace

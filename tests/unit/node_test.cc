@@ -1149,10 +1149,14 @@ TEST(NodeTest, CountsOfThePlanBeforeAGroupFormedAgainDoNotPassForTheNewPlans) {
   }
   EXPECT_THAT(v2, ::testing::ElementsAre(0, 4, 0, 0, 0, 0, 0, 0));
   // The calls dropped over a capacity are counted whatever plan they ran under: the interval
-  // not reported passes them on to the next report.
-  uint64_t over_capacity = 0;
-  for (const v1::ReportLoadRequest& r : balancer.Taken()) over_capacity += r.over_capacity_calls();
-  EXPECT_EQ(over_capacity, 3u);
+  // not reported passes them on to the next report, apart from v2's own.
+  uint64_t over_capacity = 0, before = 0;
+  for (const v1::ReportLoadRequest& r : balancer.Taken()) {
+    over_capacity += r.over_capacity_calls();
+    before += r.over_capacity_calls_before();
+  }
+  EXPECT_EQ(over_capacity, 0u);
+  EXPECT_EQ(before, 3u);
 }
 
 // A load counter below its last reading (stored by something other than the data plane: every
@@ -1185,6 +1189,19 @@ TEST(NodeTest, ALoadCounterThatWentBackCountsNothingAndTheOthersAreReported) {
   std::tie(slots, dispatches) = reported(70);
   EXPECT_THAT(slots, ::testing::ElementsAre(33, 0, 0, 0, 0, 7, 0, 0));
   EXPECT_THAT(dispatches, ::testing::ElementsAre(3, 1));
+  // Rank 1's dispatch count set back (its layer-0 sequence word, 2 per dispatch, stored 0),
+  // then 5 pairs counted in one update: its dispatch count stands, and pairs over no dispatch,
+  // which the balancer would refuse with the whole report, count 0. Rank 0's 4 are reported.
+  std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(
+                                group.a0.arenas[1].data() + group.a0.layout.ep +
+                                kernels::ArenaLayout(ConfigOf(2)).load_seq))
+      .store(0);
+  AddLoad(group.a0, 1, 0, {0, 5, 0, 0}, ConfigOf(2));
+  AddLoad(group.a0, 0, 0, {4, 0, 0, 0}, ConfigOf(2));
+  StepOf(group.a0, 0).store(80);
+  std::tie(slots, dispatches) = reported(80);
+  EXPECT_THAT(slots, ::testing::ElementsAre(37, 0, 0, 0, 0, 7, 0, 0));
+  EXPECT_THAT(dispatches, ::testing::ElementsAre(4, 1));
 }
 
 // v2 committed while rank 0 waited at its start (step 60 begun, the last report read there):

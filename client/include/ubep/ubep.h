@@ -49,10 +49,10 @@
 //    not complete (the message says why): the group is out of step; call Rejoin.
 //  - DataLoss: shared memory or an answer of ubepd's holds what the protocol does not allow (a
 //    plan table, a weight buffer's place, the arenas given at Attach); the message names it.
-//    From Dispatch, naming a peer's records (a count or record out of range: a process that
-//    writes into the arenas it maps, or a memory fault): the group gave up on that peer, as
-//    after a timeout, and its later calls are refused (Unavailable); call Rejoin. From
-//    BeginStep, ExpertWeights or SlotExpert a Rejoin reads the same memory again: stop.
+//    A Rejoin would read the same memory again: stop, and tell the operator. (A peer's
+//    corrupt records, which the group gives up on as on a peer that timed out, are
+//    Unavailable: "rank 0: rank 2's records of dispatch call 7 are corrupt (...); the group
+//    gave up on rank 2".)
 //  - NotFound: SlotExpert of a slot the plan leaves unused.
 // The hot path makes no RPC: dispatch and combine store into the peers' arenas directly.
 // A process may fork after Attach (data-loader workers, a multiprocessing pool): the child

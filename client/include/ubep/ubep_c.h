@@ -39,7 +39,8 @@ enum { UBEP_DTYPE_FLOAT32 = 0, UBEP_DTYPE_BFLOAT16 = 1 };
 /* The model's shape. struct_size lets later versions add fields at the end (as with
  * ubep_client_options): the caller sets it to sizeof(ubep_model_shape); this first version
  * takes its own size only. `reserved` fills what would be padding (so that a field added
- * later changes sizeof) and must be 0. */
+ * later changes sizeof): set it to 0; this version ignores it (a caller built before it
+ * existed left those bytes as they were). */
 typedef struct {
   size_t struct_size; /* sizeof(ubep_model_shape) */
   int32_t num_layers;
@@ -50,7 +51,7 @@ typedef struct {
   int32_t slots_per_rank;
   uint64_t bytes_per_expert;
   int32_t dtype;    /* UBEP_DTYPE_* */
-  int32_t reserved; /* 0 */
+  int32_t reserved; /* 0; ignored */
 } ubep_model_shape;
 
 /* What ubep_attach_with takes besides the rank and shape; ubep_client_options_init fills in
