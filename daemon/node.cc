@@ -37,6 +37,15 @@ void StoreWord(uint64_t& word, uint64_t value) {
   std::atomic_ref<uint64_t>(word).store(value, std::memory_order_release);
 }
 
+// What a read of rank r's weights that requires them loaded (the copy of last resort of a
+// restarted daemon) is told before its client said so (Node::WeightsLoadedLocked).
+absl::Status NotLoadedStatus(int r) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "rank ", r, "'s weights are not loaded: its daemon restarted, and no client of its new "
+      "arenas has said their weights are in place (Rank::WeightsLoaded), so the copy of last "
+      "resort is not taken from them"));
+}
+
 // A wait bounded by its caller's gRPC deadline ends before it (AnswerMargin, at least this
 // much), so that the answer (why the wait ended) reaches the caller before its own
 // DeadlineExceeded.
@@ -1137,13 +1146,6 @@ absl::StatusOr<std::vector<uint32_t>> Node::CheckedSlotMap(int r, int buffer) co
 }
 
 bool Node::WeightsLoadedLocked(int r) const { return LoadWord(Ctl(r)->weights_loaded) != 0; }
-
-absl::Status Node::NotLoadedStatus(int r) {
-  return absl::FailedPreconditionError(absl::StrCat(
-      "rank ", r, "'s weights are not loaded: its daemon restarted, and no client of its new "
-      "arenas has said their weights are in place (Rank::WeightsLoaded), so the copy of last "
-      "resort is not taken from them"));
-}
 
 absl::StatusOr<v1::ReadWeightsResponse> Node::ReadWeights(const v1::ReadWeightsRequest& request) const {
   MutexLock lock(&mu_);

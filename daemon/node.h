@@ -361,10 +361,8 @@ class Node {
   uint64_t GroupGeneration() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A plan's effective step as the plan area has it (formation may move it earlier).
   uint64_t EffectiveStepOf(uint64_t version) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Whether hosted rank r's client said its weights are loaded (Rank::WeightsLoaded), and
-  // what a read of them that requires it (the copy of last resort) is told when not.
+  // Whether hosted rank r's client said its weights are loaded (Rank::WeightsLoaded).
   bool WeightsLoadedLocked(int r) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  static absl::Status NotLoadedStatus(int r);
   kernels::RankControl* Ctl(int r) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return kernels::ControlOf(arenas_[r].data(), layout_);
   }

@@ -780,8 +780,11 @@ TEST(ClientTest, WeightsLoadedLetsTheDaemonServeTheCopyOfLastResort) {
   read.set_layer(1);
   read.set_slot(2);
   read.set_require_loaded(true);
-  EXPECT_EQ(attached.ubepd.node().ReadWeights(read).status().code(),
-            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(attached.ubepd.node().ReadWeights(read).status(),
+            absl::FailedPreconditionError(
+                "rank 0's weights are not loaded: its daemon restarted, and no client of its new "
+                "arenas has said their weights are in place (Rank::WeightsLoaded), so the copy "
+                "of last resort is not taken from them"));
   ASSERT_TRUE((*rank)->WeightsLoaded().ok());
   const absl::StatusOr<v1::ReadWeightsResponse> served = attached.ubepd.node().ReadWeights(read);
   ASSERT_TRUE(served.ok()) << served.status();

@@ -95,6 +95,13 @@ v1::JoinRequest JoinOf(uint32_t rank, const std::string& token) {
   return q;
 }
 
+v1::DetachRequest DetachOf(uint32_t rank, const std::string& token) {
+  v1::DetachRequest q;
+  q.set_rank(rank);
+  q.set_token(token);
+  return q;
+}
+
 kernels::EpConfig ConfigOf(uint32_t world) {
   kernels::EpConfig c;
   c.num_ranks = static_cast<int>(world);
@@ -602,10 +609,7 @@ TEST(NodeTest, AGroupCreatedAgainDropsThePlanUndecidedInTheOldOne) {
   Node node(Options());
   Attached old_group = AttachAndClaim(node, 0, 2, 1);
   ASSERT_TRUE(node.Prepare(SwappedPlan(), 10).prepared());
-  v1::DetachRequest detach;
-  detach.set_rank(0);
-  detach.set_token(old_group.token);
-  ASSERT_TRUE(node.Detach(detach).ok());
+  ASSERT_TRUE(node.Detach(DetachOf(0, old_group.token)).ok());
   v1::AttachRequest other_shape = Request(0, 2);
   other_shape.mutable_shape()->set_max_tokens(16);
   Attached a = Claim(node, node.Attach(other_shape), 2);
@@ -1752,10 +1756,7 @@ TEST(NodeTest, ARankLeavingAsTheLeadFormsTheGroupStopsNoneOfTheRanksBeingFormed)
   kernels::RankControl* c0 = kernels::ControlOf(g.t.x0.arenas[0].data(), g.t.x0.layout);
   std::atomic_ref<uint32_t>(c0->group_state).store(kernels::kGroupReady);
   SetTicket(g.t.x0, 0, 1);
-  v1::DetachRequest detach;
-  detach.set_rank(3);
-  detach.set_token(g.x3.token);
-  ASSERT_TRUE(g.b.Detach(detach).ok());
+  ASSERT_TRUE(g.b.Detach(DetachOf(3, g.x3.token)).ok());
   EXPECT_EQ(AbortWord(g.t.x0, 0, 4), 0u);
   EXPECT_EQ(std::atomic_ref<const uint32_t>(c0->group_state).load(), kernels::kGroupReady);
 }
@@ -2035,10 +2036,7 @@ TEST(NodeTest, APeersLateCommitOfAChangeOfMembersLeavesTheGroupFormedWithoutItsR
                 "rank 3 is excluded from the EP group by plan v2 (its node failed or was "
                 "drained); join again to wait for a plan that includes it"));
   // Rank 2, excluded, waits in Join for a plan that includes it, until it detaches.
-  v1::DetachRequest detach;
-  detach.set_rank(2);
-  detach.set_token(t.x2.token);
-  EXPECT_TRUE(b.Detach(detach).ok());
+  EXPECT_TRUE(b.Detach(DetachOf(2, t.x2.token)).ok());
   join2.join();
   EXPECT_EQ(j2.status(), absl::FailedPreconditionError("rank 2 detached while joining"));
 }
@@ -2359,10 +2357,7 @@ TEST(NodeTest, AGroupCreatedAgainIsHarvestedFromItsOwnCounters) {
   // Layer 0's pairs; layer 1 never received any: unmeasured, no series.
   EXPECT_THAT(family(metrics, "ubep_daemon_imbalance_ratio"), ElementsAre(1.0));
   for (int r = 0; r < 2; ++r) {
-    v1::DetachRequest detach;
-    detach.set_rank(r);
-    detach.set_token(old_group[r].token);
-    ASSERT_TRUE(node.Detach(detach).ok());
+    ASSERT_TRUE(node.Detach(DetachOf(r, old_group[r].token)).ok());
   }
   std::vector<Attached> group;
   for (uint32_t r = 0; r < 2; ++r) {
@@ -2427,10 +2422,7 @@ TEST(NodeTest, APeersNewArenasReplaceTheStaleOnesOnlyWhileItsRanksAreExcluded) {
   // A plan taking ranks 2-3 back is prepared now (their staging is their own daemon's).
   prepared = a.Prepare(FourRankPlan(3, {}), 10);
   EXPECT_TRUE(prepared.prepared()) << prepared.reason();
-  v1::DetachRequest detach;
-  detach.set_rank(0);
-  detach.set_token(x0.token);
-  EXPECT_TRUE(a.Detach(detach).ok());
+  EXPECT_TRUE(a.Detach(DetachOf(0, x0.token)).ok());
   join.join();
   EXPECT_EQ(joined.status(), absl::FailedPreconditionError("rank 0 detached while joining"));
 }
@@ -2470,10 +2462,7 @@ TEST(NodeTest, ADaemonTwoPlansBehindTakesThePlanThatExcludesItsRanks) {
   EXPECT_FALSE(keeping.prepared());
   EXPECT_EQ(keeping.reason(), "plan v4 is not in the plan area of rank 0");
   for (auto [node, rank, token] : {std::tuple(&a, 0, t.x0.token), std::tuple(&b, 2, t.x2.token)}) {
-    v1::DetachRequest detach;
-    detach.set_rank(rank);
-    detach.set_token(token);
-    EXPECT_TRUE(node->Detach(detach).ok()) << "rank " << rank;
+    EXPECT_TRUE(node->Detach(DetachOf(rank, token)).ok()) << "rank " << rank;
   }
   join0.join();
   join2.join();
@@ -2619,10 +2608,7 @@ TEST(NodeTest, ADaemonWhoseRanksThePlanExcludesComputesNoWeightSchedule) {
   ASSERT_TRUE(b.Commit(4).ok());
   EXPECT_EQ(b.State().committed_version(), 4u);
   EXPECT_EQ(AbortWord(t.x0, 2, 4), kernels::kAbortMembership);
-  v1::DetachRequest detach;
-  detach.set_rank(2);
-  detach.set_token(t.x2.token);
-  EXPECT_TRUE(b.Detach(detach).ok());
+  EXPECT_TRUE(b.Detach(DetachOf(2, t.x2.token)).ok());
   join2.join();
   EXPECT_EQ(joined2.status(), absl::FailedPreconditionError("rank 2 detached while joining"));
 }
@@ -3009,10 +2995,7 @@ TEST_F(FdServerTest, AConnectionWhoseRankWasDetachedIsClosedAfterTheUnclaimedTim
   UniqueFd kept = ClaimedRank(0, 2, nullptr);
   UniqueFd detached = ClaimedRank(1, 2, &token);
   ASSERT_EQ(node_->Snapshot().attached, 2);
-  v1::DetachRequest detach;
-  detach.set_rank(1);
-  detach.set_token(token);
-  ASSERT_TRUE(node_->Detach(detach).ok());
+  ASSERT_TRUE(node_->Detach(DetachOf(1, token)).ok());
   absl::StatusOr<ReceivedMessage> end = ReceiveMessage(detached.get(), 64, absl::Seconds(10));
   ASSERT_TRUE(end.ok()) << end.status();
   EXPECT_TRUE(end->closed);
@@ -3179,10 +3162,7 @@ TEST_F(FdServerTest, ConnectionsPastTheLimitOfUnclaimedOnesAreAnsweredAndClosed)
   for (uint32_t r = 0; r < 3; ++r) {
     std::string token;
     detached.push_back(ClaimedRank(r, 3, &token));
-    v1::DetachRequest detach;
-    detach.set_rank(r);
-    detach.set_token(token);
-    ASSERT_TRUE(node_->Detach(detach).ok());
+    ASSERT_TRUE(node_->Detach(DetachOf(r, token)).ok());
   }
   const std::string refused =
       "ERR the daemon holds 3 connections that claimed no rank yet (at most 3); attach again "
